@@ -1,0 +1,254 @@
+"""Optimizers whose ``apply_gradients`` is one fused all-reduce plus mirrored updates.
+
+``apply_gradients(grads_and_vars)`` may be called inside ``strategy.run``
+(each replica passes its own gradients) or in cross-replica context (with
+``PerReplica`` gradients, or plain ones). Either way it
+
+1. averages every gradient across replicas with ONE
+   ``strategy.extended.batch_reduce_to(MEAN, ...)`` — the gradients are packed
+   into few buffers (``CommunicationOptions.bytes_per_pack`` honoured) instead
+   of one collective per variable;
+2. updates every copy of every variable with ``strategy.extended.update`` and
+   the same averaged gradient, so the copies (and the slot variables, which
+   are mirrored too) stay bit-identical;
+3. increments ``iterations``.
+
+The update rules are TensorFlow's (``tf.keras.optimizers.SGD`` / ``Adam``):
+
+* SGD, momentum ``mu``:  ``v = mu*v - lr*g``;  ``w += v``
+  (Nesterov: ``w += mu*v - lr*g``); without momentum ``w -= lr*g``.
+* Adam at step ``t`` (1-based):  ``m = b1*m + (1-b1)*g``;
+  ``v = b2*v + (1-b2)*g*g``;  ``w -= lr*sqrt(1-b2^t)/(1-b1^t) * m/(sqrt(v)+eps)``
+  — Kingma & Ba's Algorithm 1 with the bias correction folded into the step
+  size, so ``epsilon`` is their "epsilon hat" (section 2).
+
+A learning rate is a number or a callable of the step (``iterations`` before
+this update, from 0), e.g. ``lambda step: 0.1 * 0.5 ** (step // 100)``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+__all__ = ["Optimizer", "SGD", "Adam", "sgd_update", "adam_update"]
+
+
+# --- the update rules, in place on one replica's arrays (NumPy or CuPy) ---------------------------
+
+def sgd_update(w, g, velocity, lr: float, momentum: float, nesterov: bool) -> None:
+    """One SGD step on ``w`` in place; ``velocity`` is None without momentum."""
+    if velocity is None:
+        w -= lr * g
+        return
+    velocity *= momentum
+    velocity -= lr * g
+    if nesterov:
+        w += momentum * velocity - lr * g
+    else:
+        w += velocity
+
+
+def adam_update(w, g, m, v, lr: float, beta_1: float, beta_2: float, epsilon: float, t: int) -> None:
+    """One Adam step (``t`` counts from 1) on ``w``, ``m`` and ``v`` in place."""
+    m *= beta_1
+    m += (1.0 - beta_1) * g
+    v *= beta_2
+    v += (1.0 - beta_2) * (g * g)
+    step_size = lr * math.sqrt(1.0 - beta_2 ** t) / (1.0 - beta_1 ** t)
+    w -= step_size * m / (v ** 0.5 + epsilon)
+
+
+# --- the distributed optimizer --------------------------------------------------------------------
+
+def _check_rate(value, argument: str, allow_callable: bool, low: float = 0.0, high: float | None = None):
+    if allow_callable and callable(value):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        kind = "a number or a callable of the step" if allow_callable else "a number"
+        raise ValueError(f"{argument}={value!r}: expected {kind}")
+    if value < low or (high is not None and value >= high):
+        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
+        raise ValueError(f"{argument}={value!r}: expected a value {bound}")
+    return float(value)
+
+
+class Optimizer:
+    """Base class: state handling, the fused all-reduce and the mirrored update.
+
+    Subclasses name their slots (``_slot_names``) and implement ``_apply``, the
+    update of one replica's copy of one variable.
+    """
+
+    _slot_names: tuple = ()
+
+    def __init__(self, learning_rate, name: str):
+        self.learning_rate = _check_rate(learning_rate, "learning_rate", allow_callable=True)
+        self.name = name
+        self._iterations = None
+        self._slots = {}  # id(variable) -> (variable, {slot name: MirroredVariable})
+        self._strategy = None  # the strategy whose variables this optimizer updates
+
+    # -- state --
+    @property
+    def iterations(self):
+        """The number of ``apply_gradients`` calls so far: a mirrored int64 variable."""
+        if self._iterations is None:
+            from . import distribute_lib
+
+            self._create_state(distribute_lib.get_strategy(), ())
+        return self._iterations
+
+    def get_slot(self, var, slot_name: str):
+        """The slot variable ``slot_name`` (e.g. ``"momentum"``, ``"m"``) of ``var``."""
+        if slot_name not in self._slot_names:
+            raise KeyError(f"slot_name={slot_name!r}: {type(self).__name__} has slots {list(self._slot_names)}")
+        entry = self._slots.get(id(var))
+        if entry is None:
+            raise KeyError(f"var={getattr(var, 'name', var)!r} has no slots yet: apply_gradients to it first")
+        return entry[1][slot_name]
+
+    def variables(self) -> list:
+        """``iterations`` and every slot variable, in creation order."""
+        state = [] if self._iterations is None else [self._iterations]
+        return state + [s for _, slots in self._slots.values() for s in slots.values()]
+
+    def _create_state(self, strategy, var_list) -> None:
+        """Create ``iterations`` and the slots of ``var_list`` that do not exist yet.
+
+        Runs in cross-replica context under ``strategy.scope()`` so that every
+        state variable is mirrored on the same devices as the model's.
+        """
+        from . import values
+        from .options import VariableAggregation
+
+        if self._strategy is not None and strategy is not self._strategy:
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r} already updates variables of another strategy; "
+                "create one optimizer per strategy (inside its scope)"
+            )
+        missing = [v for v in var_list if id(v) not in self._slots]
+        if self._iterations is not None and not missing:
+            return
+        with strategy.scope():
+            if self._iterations is None:
+                self._iterations = values.Variable(
+                    np.int64(0), name=f"{self.name}/iterations", trainable=False, dtype=np.int64,
+                    aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
+            for var in missing:
+                slots = {
+                    slot: values.Variable(np.zeros(var.shape, dtype=var.dtype), name=f"{var.name}/{slot}",
+                                          trainable=False)
+                    for slot in self._slot_names
+                }
+                self._slots[id(var)] = (var, slots)
+        self._strategy = strategy
+
+    # -- the step --
+    def learning_rate_at(self, step: int) -> float:
+        """The learning rate used by the update at ``step`` (0-based)."""
+        lr = self.learning_rate(step) if callable(self.learning_rate) else self.learning_rate
+        return _check_rate(lr, f"learning_rate({step})", allow_callable=False)
+
+    def apply_gradients(self, grads_and_vars, options=None):
+        """Average the gradients across replicas and update the variables in place.
+
+        ``grads_and_vars``: pairs ``(gradient, variable)``; pairs whose gradient
+        is None are skipped, as TensorFlow does. ``options``: an
+        ``md.CommunicationOptions`` for the fused all-reduce.
+        Returns the new value of ``iterations`` (a Python int).
+        """
+        from . import distribute_lib
+
+        pairs = self._check_pairs(grads_and_vars)
+        if distribute_lib.in_cross_replica_context():
+            return self._distributed_apply(distribute_lib.get_strategy(), pairs, options)
+        return distribute_lib.get_replica_context().merge_call(
+            self._distributed_apply, args=(pairs, options))
+
+    def _check_pairs(self, grads_and_vars) -> list:
+        from . import values
+
+        pairs = []
+        for i, pair in enumerate(grads_and_vars):
+            try:
+                grad, var = pair
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"grads_and_vars[{i}]={pair!r}: expected a (gradient, variable) pair; "
+                    "pass zip(grads, variables)") from None
+            if grad is None:
+                continue
+            if not isinstance(var, values.DistributedVariable):
+                raise TypeError(
+                    f"grads_and_vars[{i}]: variable {var!r} is not an md.Variable; create the model's "
+                    "variables with md.Variable inside strategy.scope()")
+            if not var.trainable:
+                raise ValueError(f"grads_and_vars[{i}]: variable {var.name!r} was created with "
+                                 "trainable=False; optimizers update trainable variables only")
+            if not np.issubdtype(np.dtype(var.dtype), np.floating) and np.dtype(var.dtype).name != "bfloat16":
+                raise TypeError(f"grads_and_vars[{i}]: variable {var.name!r} has dtype {var.dtype}; "
+                                "optimizers update floating-point variables only")
+            pairs.append((grad, var))
+        if not pairs:
+            raise ValueError("grads_and_vars: no gradient was given (all were None or the list is empty)")
+        if len({id(v) for _, v in pairs}) != len(pairs):
+            raise ValueError("grads_and_vars: a variable appears twice; sum its gradients first")
+        return pairs
+
+    def _distributed_apply(self, strategy, pairs, options):
+        from .reduce_util import ReduceOp
+
+        variables = [var for _, var in pairs]
+        self._create_state(strategy, variables)
+        # One fused collective for all gradients: the replicas' gradients of a
+        # variable arrive as one PerReplica value, reduced onto that variable's devices.
+        reduced = strategy.extended.batch_reduce_to(ReduceOp.MEAN, pairs, options=options)
+        step = int(self._iterations.numpy())
+        lr = self.learning_rate_at(step)
+        for (_, var), grad in zip(pairs, reduced):
+            slots = self._slots[id(var)][1]
+            strategy.extended.update(var, self._apply_one, args=(grad, *slots.values()),
+                                     kwargs={"lr": lr, "step": step}, group=True)
+        self._iterations.assign_add(np.int64(1))
+        return step + 1
+
+    def _apply_one(self, w, g, *slots, lr: float, step: int):
+        """Update one replica's copy ``w`` (an array) with its gradient ``g`` and slot copies."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} name={self.name!r} learning_rate={self.learning_rate!r}>"
+
+
+class SGD(Optimizer):
+    """Gradient descent with optional (Nesterov) momentum, as ``tf.keras.optimizers.SGD``."""
+
+    def __init__(self, learning_rate=0.01, momentum: float = 0.0, nesterov: bool = False, name: str = "SGD"):
+        super().__init__(learning_rate, name)
+        self.momentum = _check_rate(momentum, "momentum", allow_callable=False, low=0.0, high=1.0)
+        if nesterov and self.momentum == 0.0:
+            raise ValueError("nesterov=True needs momentum > 0 (e.g. momentum=0.9)")
+        self.nesterov = bool(nesterov)
+        self._slot_names = ("momentum",) if self.momentum > 0.0 else ()
+
+    def _apply_one(self, w, g, *slots, lr: float, step: int):
+        sgd_update(w, g, slots[0] if slots else None, lr, self.momentum, self.nesterov)
+
+
+class Adam(Optimizer):
+    """Adam (Kingma & Ba, 2014), as ``tf.keras.optimizers.Adam`` (no amsgrad)."""
+
+    _slot_names = ("m", "v")
+
+    def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999,
+                 epsilon: float = 1e-7, name: str = "Adam"):
+        super().__init__(learning_rate, name)
+        self.beta_1 = _check_rate(beta_1, "beta_1", allow_callable=False, low=0.0, high=1.0)
+        self.beta_2 = _check_rate(beta_2, "beta_2", allow_callable=False, low=0.0, high=1.0)
+        self.epsilon = _check_rate(epsilon, "epsilon", allow_callable=False)
+
+    def _apply_one(self, w, g, m, v, *, lr: float, step: int):
+        adam_update(w, g, m, v, lr, self.beta_1, self.beta_2, self.epsilon, step + 1)
