@@ -1,6 +1,8 @@
 // float16 / bfloat16 <-> float32 conversions in portable C++ (no intrinsics),
 // round-to-nearest-even, NaN and Inf preserved. Written as plain bit
-// arithmetic so that compilers vectorise loops over them.
+// arithmetic so that compilers vectorise loops over them. Internal linkage
+// (static) on purpose: each instruction-set build of the kernels gets its own
+// copy, so no AVX-512 instance can stand in for the baseline one.
 #pragma once
 
 #include <cstdint>
@@ -8,12 +10,12 @@
 
 namespace mirrored {
 
-inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+static inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 
-inline float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
+static inline float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
 
-inline uint16_t float_to_bf16(float f) {
+static inline uint16_t float_to_bf16(float f) {
   uint32_t u = float_to_bits(f);
   // NaN: keep it a (quiet) NaN whatever its payload.
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
@@ -21,7 +23,7 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-inline float f16_to_float(uint16_t h) {
+static inline float f16_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   const uint32_t man = h & 0x3ffu;
@@ -37,7 +39,7 @@ inline float f16_to_float(uint16_t h) {
   return bits_to_float(bits);
 }
 
-inline uint16_t float_to_f16(float f) {
+static inline uint16_t float_to_f16(float f) {
   const uint32_t u = float_to_bits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7fffffffu;

@@ -1,0 +1,109 @@
+// mirrored._core: the host collectives. Thin: take NumPy arrays already
+// validated by mirrored.collectives, pull out their data pointers, release
+// the GIL, run the collective.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <vector>
+
+#include "host/host_communicator.h"
+
+namespace py = pybind11;
+using namespace mirrored;
+
+namespace {
+
+HostCommunicator& comm() {
+  static HostCommunicator* c = new HostCommunicator();  // lives as long as the pool
+  return *c;
+}
+
+std::vector<const void*> inputs_of(const py::list& arrays, const char* argument) {
+  std::vector<const void*> ptrs;
+  ptrs.reserve(arrays.size());
+  for (const py::handle& h : arrays) {
+    if (!py::isinstance<py::array>(h)) throw py::type_error(std::string(argument) + ": expected NumPy arrays");
+    ptrs.push_back(py::reinterpret_borrow<py::array>(h).data());
+  }
+  return ptrs;
+}
+
+std::vector<void*> outputs_of(const py::list& arrays, const char* argument) {
+  std::vector<void*> ptrs;
+  ptrs.reserve(arrays.size());
+  for (const py::handle& h : arrays) {
+    if (!py::isinstance<py::array>(h)) throw py::type_error(std::string(argument) + ": expected NumPy arrays");
+    ptrs.push_back(py::reinterpret_borrow<py::array>(h).mutable_data());  // raises if read-only
+  }
+  return ptrs;
+}
+
+int size_of(const std::vector<const void*>& in, const std::vector<void*>& out) {
+  if (in.size() != out.size()) throw py::value_error("inputs and outputs differ in length");
+  return static_cast<int>(in.size());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "Host-memory collectives of mirrored (one call, all local replicas).";
+
+  m.def("all_reduce", [](const py::list& inputs, const py::list& outputs, std::size_t count, int dtype, int op,
+                         int algorithm) {
+    auto in = inputs_of(inputs, "buffers");
+    auto out = outputs_of(outputs, "out");
+    const int n = size_of(in, out);
+    py::gil_scoped_release nogil;
+    comm().all_reduce(n, in.data(), out.data(), count, dtype_from_code(dtype), reduce_op_from_code(op),
+                      static_cast<Algorithm>(algorithm));
+  });
+
+  m.def("broadcast", [](const py::list& inputs, const py::list& outputs, std::size_t count, int dtype, int root) {
+    auto in = inputs_of(inputs, "buffers");
+    auto out = outputs_of(outputs, "out");
+    const int n = size_of(in, out);
+    py::gil_scoped_release nogil;
+    comm().broadcast(n, in.data(), out.data(), count, dtype_from_code(dtype), root);
+  });
+
+  m.def("reduce", [](const py::list& inputs, const py::list& outputs, std::size_t count, int dtype, int op,
+                     int root) {
+    auto in = inputs_of(inputs, "buffers");
+    auto out = outputs_of(outputs, "out");
+    const int n = size_of(in, out);
+    py::gil_scoped_release nogil;
+    comm().reduce(n, in.data(), out.data(), count, dtype_from_code(dtype), reduce_op_from_code(op), root);
+  });
+
+  m.def("all_gather", [](const py::list& inputs, const py::list& outputs, const std::vector<std::size_t>& row_bytes,
+                         std::size_t outer) {
+    auto in = inputs_of(inputs, "buffers");
+    auto out = outputs_of(outputs, "out");
+    const int n = size_of(in, out);
+    if (row_bytes.size() != in.size()) throw py::value_error("row_bytes needs one entry per buffer");
+    py::gil_scoped_release nogil;
+    comm().all_gather(n, in.data(), out.data(), row_bytes.data(), outer);
+  });
+
+  m.def("batch_all_reduce", [](int n, const py::list& inputs, const py::list& outputs,
+                               const std::vector<std::size_t>& counts, const std::vector<int>& dtypes, int op,
+                               std::size_t bytes_per_pack, int num_packs, int algorithm) {
+    auto in = inputs_of(inputs, "per_replica_lists");
+    auto out = outputs_of(outputs, "out");
+    size_of(in, out);
+    const int ntensors = static_cast<int>(counts.size());
+    if (dtypes.size() != counts.size() || in.size() != static_cast<std::size_t>(n) * ntensors)
+      throw py::value_error("batch_all_reduce: inputs must be n * len(counts) arrays with one dtype per tensor");
+    std::vector<DType> types;
+    for (int code : dtypes) types.push_back(dtype_from_code(code));
+    py::gil_scoped_release nogil;
+    comm().batch_all_reduce(n, ntensors, in.data(), out.data(), counts.data(), types.data(), reduce_op_from_code(op),
+                            bytes_per_pack, num_packs, static_cast<Algorithm>(algorithm));
+  });
+
+  m.def("choose_algorithm", [](int n, std::size_t bytes) { return algorithm_name(HostCommunicator::choose(n, bytes)); },
+        "The algorithm 'auto' picks for n replicas of `bytes` each.");
+  m.def("isa", [] { return std::string(comm().isa()); }, "Instruction set of the reduction kernels in use.");
+  m.def("num_threads", [] { return ThreadPool::global().size(); }, "Threads of the host collective pool.");
+}

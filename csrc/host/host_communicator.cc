@@ -1,0 +1,283 @@
+#include "host/host_communicator.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "core/partition.h"
+#include "core/ring_schedule.h"
+#include "core/tree_schedule.h"
+
+namespace mirrored {
+
+namespace {
+
+// Work is done in blocks that stay in L1 while the n inputs stream past.
+constexpr std::size_t kBlockBytes = 16 * 1024;
+// One ring chunk per participant per slice: a slice (n chunks of n in+out
+// buffers) stays in L2, so the ring's 2(n-1) passes hit cache, not DRAM.
+constexpr std::size_t kRingChunkBytes = 16 * 1024;
+// Below this many bytes touched, waking the pool costs more than it saves.
+constexpr std::size_t kParallelBytes = 256 * 1024;
+// Replicas per batched call (bounds the per-worker pointer arrays).
+constexpr int kMaxReplicas = 256;
+
+inline char* at(void* p, std::size_t off) { return static_cast<char*>(p) + off; }
+inline const char* at(const void* p, std::size_t off) { return static_cast<const char*>(p) + off; }
+
+void check_n(int n, const char* what) {
+  if (n < 1) throw std::invalid_argument(std::string(what) + ": needs at least one buffer, got " + std::to_string(n));
+}
+void check_root(int n, int root, const char* what) {
+  if (root < 0 || root >= n)
+    throw std::invalid_argument(std::string(what) + ": root=" + std::to_string(root) + " is not in [0, " +
+                                std::to_string(n) + ")");
+}
+
+}  // namespace
+
+HostCommunicator::HostCommunicator(ThreadPool& pool) : pool_(pool), kernels_(reduce_kernels()) {}
+
+int HostCommunicator::workers_for(std::size_t bytes_touched) const {
+  if (bytes_touched < kParallelBytes) return 1;
+  return std::max<int>(1, std::min<std::size_t>(pool_.size(), bytes_touched / (kParallelBytes / 2)));
+}
+
+Algorithm HostCommunicator::choose(int n, std::size_t bytes) {
+  // Crossovers measured with `python -m mirrored.bench all_reduce --algo ...`
+  // (BENCHMARKS.md): in shared memory every algorithm reads each input once
+  // and writes each output once when cache-blocked, and direct does it with
+  // the fewest passes, so it wins at every size measured; the tree only ties
+  // it for tiny buffers and the ring pays 2(n-1) passes over L2.
+  (void)n, (void)bytes;
+  return Algorithm::kDirect;
+}
+
+void HostCommunicator::fold_range(int n, const void* const* in, void* const* out, int first, bool every_output,
+                                  std::size_t begin, std::size_t end, DType dtype, ReduceOp op) const {
+  const std::size_t es = dtype_size(dtype);
+  const std::size_t block = std::max<std::size_t>(1, kBlockBytes / es);
+  for (std::size_t b = begin; b < end; b += block) {
+    const std::size_t m = std::min(block, end - b);
+    const std::size_t off = b * es;
+    void* acc = at(out[first], off);
+    if (n == 1) {
+      if (acc != at(in[0], off)) std::memcpy(acc, at(in[0], off), m * es);
+    } else {
+      // Start from `first` so an in-place fold never overwrites an input it
+      // has yet to read.
+      const int second = first == 0 ? 1 : 0;
+      combine(kernels_, dtype, op, acc, at(in[first], off), at(in[second], off), m);
+      for (int k = 0; k < n; ++k)
+        if (k != first && k != second) combine(kernels_, dtype, op, acc, acc, at(in[k], off), m);
+      if (op == ReduceOp::kMean) kernels_.divide[static_cast<int>(dtype)](acc, m, n);
+    }
+    if (every_output)
+      for (int k = 0; k < n; ++k)
+        if (k != first) std::memcpy(at(out[k], off), acc, m * es);
+  }
+}
+
+void HostCommunicator::all_reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
+                                  ReduceOp op, Algorithm algorithm) {
+  check_n(n, "all_reduce");
+  if (count == 0) return;
+  if (algorithm == Algorithm::kAuto) algorithm = choose(n, count * dtype_size(dtype));
+  switch (algorithm) {
+    case Algorithm::kRing: return ring(n, in, out, count, dtype, op);
+    case Algorithm::kTree: return tree(n, in, out, count, dtype, op);
+    case Algorithm::kDirect:
+    case Algorithm::kAuto: break;
+  }
+  const std::size_t es = dtype_size(dtype);
+  const int workers = workers_for(2 * n * count * es);
+  pool_.run(workers, [&](int w) {
+    const Range r = partition(count, es, w, workers);
+    fold_range(n, in, out, 0, true, r.begin, r.end, dtype, op);
+  });
+}
+
+void HostCommunicator::ring(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
+                            ReduceOp op) {
+  const std::size_t es = dtype_size(dtype);
+  if (n == 1) {
+    if (out[0] != in[0]) std::memcpy(out[0], in[0], count * es);
+    return;
+  }
+  const RingSchedule schedule(n, count, std::max<std::size_t>(1, kRingChunkBytes / es));
+  const std::size_t slices = schedule.num_slices();
+  const int workers = std::min<std::size_t>(workers_for(2 * n * count * es), slices);
+  pool_.run(workers, [&](int w) {
+    // Slices are independent; within one, running steps in order satisfies
+    // every op's single dependency (the peer's previous step).
+    for (std::size_t s = w; s < slices; s += workers) {
+      for (int step = 0; step < schedule.num_steps(); ++step) {
+        for (int rank = 0; rank < n; ++rank) {
+          const RingOp o = schedule.op(s, step, rank);
+          if (o.count == 0) continue;
+          const std::size_t off = o.offset * es;
+          if (o.verb == RingVerb::kReduceCopy) {
+            const void* peer = o.peer_input ? in[o.peer] : out[o.peer];
+            combine(kernels_, dtype, op, at(out[rank], off), at(in[rank], off), at(peer, off), o.count);
+            if (o.finalize && op == ReduceOp::kMean)
+              kernels_.divide[static_cast<int>(dtype)](at(out[rank], off), o.count, n);
+          } else {
+            std::memcpy(at(out[rank], off), at(out[o.peer], off), o.count * es);
+          }
+        }
+      }
+    }
+  });
+}
+
+void HostCommunicator::tree(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
+                            ReduceOp op) {
+  const std::size_t es = dtype_size(dtype);
+  const TreeSchedule schedule(n);
+  const std::size_t block = std::max<std::size_t>(1, kBlockBytes / es);
+  const int workers = workers_for(2 * n * count * es);
+  pool_.run(workers, [&](int w) {
+    const Range r = partition(count, es, w, workers);
+    for (std::size_t b = r.begin; b < r.end; b += block) {
+      const std::size_t m = std::min(block, r.end - b);
+      const std::size_t off = b * es;
+      if (n == 1 && out[0] != in[0]) std::memcpy(at(out[0], off), at(in[0], off), m * es);
+      for (int level = 0; level < schedule.num_levels(); ++level) {
+        for (int i = 0; i < schedule.num_ops(level); ++i) {
+          const TreeOp o = schedule.op(level, i);
+          const void* a = o.dst_input ? in[o.dst] : out[o.dst];
+          const void* c = o.src_input ? in[o.src] : out[o.src];
+          combine(kernels_, dtype, op, at(out[o.dst], off), at(a, off), at(c, off), m);
+          if (o.finalize && op == ReduceOp::kMean) kernels_.divide[static_cast<int>(dtype)](at(out[0], off), m, n);
+        }
+      }
+      for (int k = 1; k < n; ++k) std::memcpy(at(out[k], off), at(out[0], off), m * es);
+    }
+  });
+}
+
+void HostCommunicator::broadcast(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
+                                 int root) {
+  check_n(n, "broadcast");
+  check_root(n, root, "broadcast");
+  const std::size_t bytes = count * dtype_size(dtype);
+  const int workers = workers_for(2 * n * bytes);
+  pool_.run(workers, [&](int w) {
+    const Range r = partition(bytes, 1, w, workers);
+    for (int k = 0; k < n; ++k)
+      if (out[k] != in[root] && r.size()) std::memcpy(at(out[k], r.begin), at(in[root], r.begin), r.size());
+  });
+}
+
+void HostCommunicator::reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
+                              ReduceOp op, int root) {
+  check_n(n, "reduce");
+  check_root(n, root, "reduce");
+  const std::size_t es = dtype_size(dtype);
+  const int workers = workers_for((n + 1) * count * es);
+  pool_.run(workers, [&](int w) {
+    const Range r = partition(count, es, w, workers);
+    fold_range(n, in, out, root, false, r.begin, r.end, dtype, op);
+  });
+}
+
+void HostCommunicator::all_gather(int n, const void* const* in, void* const* out, const std::size_t* row_bytes,
+                                  std::size_t outer) {
+  check_n(n, "all_gather");
+  std::size_t row = 0;
+  for (int j = 0; j < n; ++j) row += row_bytes[j];
+  const std::size_t total = row * outer;
+  const int workers = workers_for(2 * n * total);
+  pool_.run(workers, [&](int w) {
+    // Each worker fills the byte range [begin, end) of every output.
+    const Range r = partition(total, 1, w, workers);
+    std::size_t pos = r.begin;
+    while (pos < r.end) {
+      const std::size_t i = pos / row;  // row index
+      std::size_t within = pos % row;
+      int j = 0;
+      while (within >= row_bytes[j]) within -= row_bytes[j++];
+      const std::size_t len = std::min(row_bytes[j] - within, r.end - pos);
+      const char* src = at(in[j], i * row_bytes[j] + within);
+      for (int k = 0; k < n; ++k) std::memcpy(at(out[k], pos), src, len);
+      pos += len;
+    }
+  });
+}
+
+const std::vector<Pack>& HostCommunicator::packs_for(int ntensors, const std::size_t* counts, const DType* dtypes,
+                                                     std::size_t bytes_per_pack, int num_packs) {
+  // Training loops reduce the same gradient list every step: replan only
+  // when the batch's layout changes.
+  bool same = plan_num_packs_ == num_packs && plan_bytes_per_pack_ == bytes_per_pack &&
+              plan_bytes_.size() == static_cast<std::size_t>(ntensors);
+  for (int t = 0; same && t < ntensors; ++t)
+    same = plan_dtypes_[t] == dtypes[t] && plan_bytes_[t] == counts[t] * dtype_size(dtypes[t]);
+  if (!same) {
+    plan_bytes_.resize(ntensors);
+    plan_dtypes_.assign(dtypes, dtypes + ntensors);
+    for (int t = 0; t < ntensors; ++t) plan_bytes_[t] = counts[t] * dtype_size(dtypes[t]);
+    plan_ = plan_packs(plan_bytes_, plan_dtypes_, bytes_per_pack, num_packs);
+    plan_bytes_per_pack_ = bytes_per_pack;
+    plan_num_packs_ = num_packs;
+  }
+  return plan_;
+}
+
+void HostCommunicator::batch_all_reduce(int n, int ntensors, const void* const* in, void* const* out,
+                                        const std::size_t* counts, const DType* dtypes, ReduceOp op,
+                                        std::size_t bytes_per_pack, int num_packs, Algorithm algorithm) {
+  check_n(n, "batch_all_reduce");
+  if (n > kMaxReplicas)
+    throw std::invalid_argument("batch_all_reduce: at most " + std::to_string(kMaxReplicas) + " replicas, got " +
+                                std::to_string(n));
+  if (ntensors == 0) return;
+  std::size_t total = 0;
+  for (int t = 0; t < ntensors; ++t) total += counts[t] * dtype_size(dtypes[t]);
+  if (algorithm == Algorithm::kAuto) algorithm = choose(n, total);
+
+  if (algorithm == Algorithm::kDirect) {
+    // Direct needs no contiguous buffer: every worker folds its share of each
+    // tensor in place of a pack, in one pass over the pool (zero-copy fusion).
+    const int workers = workers_for(2 * n * total);
+    pool_.run(workers, [&](int w) {
+      const void* tin[kMaxReplicas];
+      void* tout[kMaxReplicas];
+      for (int t = 0; t < ntensors; ++t) {
+        const Range r = partition(counts[t], dtype_size(dtypes[t]), w, workers);
+        if (r.size() == 0) continue;
+        for (int k = 0; k < n; ++k) tin[k] = in[k * ntensors + t], tout[k] = out[k * ntensors + t];
+        fold_range(n, tin, tout, 0, true, r.begin, r.end, dtypes[t], op);
+      }
+    });
+    return;
+  }
+
+  // Ring and tree run over contiguous packs: copy in, reduce in place, copy out.
+  std::lock_guard<std::mutex> lock(batch_mu_);
+  const std::vector<Pack>& packs = packs_for(ntensors, counts, dtypes, bytes_per_pack, num_packs);
+  std::size_t largest = 0;
+  for (const Pack& p : packs) largest = std::max(largest, p.bytes);
+  if (fusion_.size() < static_cast<std::size_t>(n)) fusion_.resize(n);
+  std::vector<void*>& bufs = fusion_ptrs_;
+  bufs.resize(n);
+  for (int k = 0; k < n; ++k) {
+    if (fusion_[k].size() < largest) fusion_[k].resize(largest);
+    bufs[k] = fusion_[k].data();
+  }
+  for (const Pack& p : packs) {
+    const int workers = workers_for(2 * n * p.bytes);
+    pool_.run(workers, [&](int w) {
+      for (int k = w; k < n; k += workers)
+        for (const PackEntry& e : p.entries) std::memcpy(at(bufs[k], e.offset), in[k * ntensors + e.tensor], e.bytes);
+    });
+    all_reduce(n, bufs.data(), bufs.data(), p.bytes / dtype_size(p.dtype), p.dtype, op, algorithm);
+    pool_.run(workers, [&](int w) {
+      for (int k = w; k < n; k += workers)
+        for (const PackEntry& e : p.entries) std::memcpy(out[k * ntensors + e.tensor], at(bufs[k], e.offset), e.bytes);
+    });
+  }
+}
+
+}  // namespace mirrored

@@ -1,0 +1,248 @@
+"""Collectives over the buffers of all local replicas, in one native call.
+
+``buffers`` is a list with one array per replica (NumPy on host replicas;
+CuPy or any ``__cuda_array_interface__`` array on GPU replicas, which go to
+the CUDA engine). ``out=buffers`` works in place; ``out[i]`` may alias
+``buffers[i]`` and nothing else. The GIL is released for the whole
+collective.
+
+Results follow NumPy: integer sums wrap on overflow; ``mean`` on integers is
+the sum divided by the number of replicas, truncated toward zero and kept in
+the integer dtype (``(s / n).astype(dtype)`` for the wrapped sum ``s``);
+NaN and Inf propagate as IEEE says (``min``/``max`` return NaN when any
+input is NaN, like ``np.minimum``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _core
+from ._dtypes import dtype_code, op_code
+
+__all__ = ["all_reduce", "broadcast", "reduce", "all_gather", "batch_all_reduce", "ALGORITHMS"]
+
+# Algorithm names -> codes of csrc/core/communicator.h (Algorithm).
+ALGORITHMS = {"auto": 0, "ring": 1, "direct": 2, "tree": 3, "hierarchical": 3}
+
+_DTYPE_CODES: dict = {}
+
+
+def all_reduce(buffers, op="sum", *, out=None, algorithm="auto"):
+    """``out[i] = op(buffers[0], ..., buffers[n-1])`` for every replica ``i``."""
+    if _on_gpu(buffers):
+        return _cuda().all_reduce(buffers, op, out=out, algorithm=algorithm)
+    arrays, code = _inputs(buffers, "buffers")
+    opc = op_code(op)
+    algo = _algorithm(algorithm)
+    outs, finish = _outputs(out, arrays, "out")
+    _core.all_reduce(arrays, outs, arrays[0].size, code, opc, algo)
+    return finish()
+
+
+def broadcast(buffers, root=0, *, out=None):
+    """``out[i] = buffers[root]`` for every replica ``i``."""
+    if _on_gpu(buffers):
+        return _cuda().broadcast(buffers, root, out=out)
+    arrays, code = _inputs(buffers, "buffers")
+    root = _root(root, len(arrays))
+    outs, finish = _outputs(out, arrays, "out")
+    _core.broadcast(arrays, outs, arrays[0].size, code, root)
+    return finish()
+
+
+def reduce(buffers, op="sum", root=0, *, out=None):
+    """The reduction of all replicas' buffers, written to ``out[root]`` (or a new array) and returned."""
+    if _on_gpu(buffers):
+        return _cuda().reduce(buffers, op, root, out=out)
+    arrays, code = _inputs(buffers, "buffers")
+    opc = op_code(op)
+    root = _root(root, len(arrays))
+    if out is None:
+        target, finish = np.empty_like(arrays[root]), None
+    else:
+        outs, finish = _outputs(out, arrays, "out")
+        target = outs[root]
+    _core.reduce(arrays, [target] * len(arrays), arrays[0].size, code, opc, root)
+    return target if finish is None else finish()[root]
+
+
+def all_gather(buffers, axis=0):
+    """Every replica gets ``np.concatenate(buffers, axis)``; sizes may differ along ``axis`` only."""
+    if _on_gpu(buffers):
+        return _cuda().all_gather(buffers, axis)
+    arrays, _ = _inputs(buffers, "buffers", same_shape=False)
+    first = arrays[0]
+    if first.ndim == 0:
+        raise ValueError("all_gather: buffers are 0-d scalars; gather needs at least one dimension (use x[None])")
+    if not isinstance(axis, (int, np.integer)) or not -first.ndim <= axis < first.ndim:
+        raise ValueError(f"axis={axis!r} is out of range for {first.ndim}-d buffers; use 0..{first.ndim - 1}")
+    axis = int(axis) % first.ndim
+    for i, a in enumerate(arrays):
+        if a.ndim != first.ndim or a.shape[:axis] != first.shape[:axis] or a.shape[axis + 1:] != first.shape[axis + 1:]:
+            raise ValueError(
+                f"buffers[{i}] has shape {a.shape} but buffers[0] has {first.shape}: all_gather needs the "
+                f"same shape on every replica except along axis {axis}"
+            )
+    outer = int(np.prod(first.shape[:axis], dtype=np.int64))
+    inner = int(np.prod(first.shape[axis + 1:], dtype=np.int64)) * first.itemsize
+    shape = first.shape[:axis] + (sum(a.shape[axis] for a in arrays),) + first.shape[axis + 1:]
+    outs = [np.empty(shape, first.dtype) for _ in arrays]
+    _core.all_gather(arrays, outs, [a.shape[axis] * inner for a in arrays], outer)
+    return outs
+
+
+def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto"):
+    """All-reduce many tensors per replica at once, fused into few packs.
+
+    ``per_replica_lists[r][t]`` is tensor ``t`` of replica ``r``; returns the
+    same structure of new arrays. ``bytes_per_pack`` caps a pack's size;
+    ``num_packs`` splits each dtype's tensors into that many packs; neither:
+    one pack per dtype.
+    """
+    if not isinstance(per_replica_lists, (list, tuple)) or not per_replica_lists:
+        raise ValueError("per_replica_lists: expected a non-empty list with one list of arrays per replica")
+    n = len(per_replica_lists)
+    for r, tensors in enumerate(per_replica_lists):
+        if not isinstance(tensors, (list, tuple)):
+            raise TypeError(f"per_replica_lists[{r}] is {type(tensors).__name__}; expected a list of arrays")
+        if len(tensors) != len(per_replica_lists[0]):
+            raise ValueError(
+                f"per_replica_lists[{r}] has {len(tensors)} tensors but per_replica_lists[0] has "
+                f"{len(per_replica_lists[0])}; every replica must pass the same tensors"
+            )
+    if not per_replica_lists[0]:
+        return [[] for _ in range(n)]
+    if _on_gpu([per_replica_lists[0][0]]):
+        return _cuda().batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
+                                        num_packs=num_packs, algorithm=algorithm)
+    if not isinstance(bytes_per_pack, (int, np.integer)) or bytes_per_pack < 0:
+        raise ValueError(f"bytes_per_pack={bytes_per_pack!r} must be an integer >= 0 (0: no size limit)")
+    if num_packs is not None and (not isinstance(num_packs, (int, np.integer)) or num_packs < 1):
+        raise ValueError(f"num_packs={num_packs!r} must be a positive integer or None")
+    opc = op_code(op)
+    algo = _algorithm(algorithm)
+    # Check tensor t across replicas; arrange inputs replica-major.
+    columns = []
+    for t in range(len(per_replica_lists[0])):
+        column, code = _inputs([tensors[t] for tensors in per_replica_lists], f"per_replica_lists[*][{t}]")
+        columns.append((column, code))
+    inputs = [columns[t][0][r] for r in range(n) for t in range(len(columns))]
+    outputs = [np.empty_like(a) for a in inputs]
+    _core.batch_all_reduce(n, inputs, outputs, [c[0][0].size for c in columns], [c[1] for c in columns],
+                           opc, int(bytes_per_pack), int(num_packs or 0), algo)
+    T = len(columns)
+    return [outputs[r * T:(r + 1) * T] for r in range(n)]
+
+
+# --- validation -------------------------------------------------------------
+
+def _on_gpu(buffers) -> bool:
+    return isinstance(buffers, (list, tuple)) and bool(buffers) and hasattr(buffers[0], "__cuda_array_interface__")
+
+
+def _cuda():
+    try:
+        from . import _cuda_collectives
+    except ImportError as e:  # no CUDA extension in this build
+        raise RuntimeError(
+            f"GPU buffers need mirrored's CUDA extension, which is not available ({e}); "
+            "reinstall mirrored on a machine with the CUDA toolkit (nvcc) and `pip install cupy-cuda13x`"
+        ) from None
+    return _cuda_collectives
+
+
+def _as_array(b, argument: str, i: int) -> np.ndarray:
+    """buffers[i] as a C-contiguous NumPy array (copied only when it is not one)."""
+    if isinstance(b, np.ndarray):
+        return np.ascontiguousarray(b)
+    if hasattr(b, "__cuda_array_interface__"):
+        raise TypeError(f"{argument}[{i}] is a GPU array but {argument}[0] is a host array; "
+                        "every replica's buffer must be on the same kind of device")
+    if not hasattr(b, "__array_interface__") and hasattr(b, "__dlpack__"):
+        try:
+            return np.ascontiguousarray(np.from_dlpack(b))
+        except Exception as e:  # e.g. a DLPack tensor on a GPU
+            raise TypeError(f"{argument}[{i}]: cannot read this DLPack tensor on the host ({e})") from None
+    try:
+        return np.ascontiguousarray(b)
+    except Exception as e:
+        raise TypeError(f"{argument}[{i}]: expected an array, got {type(b).__name__} ({e})") from None
+
+
+def _inputs(buffers, argument: str, same_shape: bool = True):
+    # The hot path of every collective: keep it to attribute reads and
+    # identity checks (error messages are only formatted on failure).
+    if type(buffers) not in (list, tuple) or not buffers:
+        raise ValueError(f"{argument}: expected a non-empty list with one array per replica, got {buffers!r:.80}")
+    arrays = []
+    for i, a in enumerate(buffers):
+        if type(a) is not np.ndarray or not a.flags.c_contiguous:
+            a = _as_array(a, argument, i)
+        arrays.append(a)
+    first = arrays[0]
+    shape, dtype = first.shape, first.dtype
+    for i, a in enumerate(arrays):
+        if a.dtype is not dtype and a.dtype != dtype:
+            raise TypeError(f"{argument}[{i}] has dtype {a.dtype} but {argument}[0] has {dtype}; "
+                            "every replica must pass the same dtype (cast with .astype)")
+        if same_shape and a.shape != shape:
+            raise ValueError(f"{argument}[{i}] has shape {a.shape} but {argument}[0] has {shape}; "
+                             "every replica must pass the same shape")
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        code = _DTYPE_CODES.setdefault(dtype, dtype_code(dtype, argument))
+    return arrays, code
+
+
+def _new_outputs(arrays):
+    return [np.empty_like(a) for a in arrays]
+
+
+def _outputs(out, arrays, argument: str):
+    """Native-writable outputs and a function returning what the caller sees."""
+    if out is None:
+        outs = _new_outputs(arrays)
+        return outs, outs.copy
+    if type(out) not in (list, tuple) or len(out) != len(arrays):
+        raise ValueError(f"{argument}: expected a list of {len(arrays)} arrays (one per replica), got {out!r:.80}")
+    outs = list(out)
+    for i, o in enumerate(out):
+        if o is arrays[i]:  # in place on a contiguous input: already validated
+            if not o.flags.writeable:
+                raise ValueError(f"{argument}[{i}] is read-only; pass writeable arrays (or out=None)")
+            continue
+        if not isinstance(o, np.ndarray):
+            raise TypeError(f"{argument}[{i}] is {type(o).__name__}; out must hold NumPy arrays")
+        if o.shape != arrays[i].shape or o.dtype != arrays[i].dtype:
+            raise ValueError(f"{argument}[{i}] has shape {o.shape} and dtype {o.dtype}; expected "
+                             f"{arrays[i].shape} and {arrays[i].dtype} like the buffers")
+        if not o.flags.writeable:
+            raise ValueError(f"{argument}[{i}] is read-only; pass writeable arrays (or out=None)")
+        if not o.flags.c_contiguous:
+            # Computed into a temporary, copied back by finish().
+            outs[i] = np.empty_like(arrays[i])
+
+    def finish():
+        for o, tmp in zip(out, outs):
+            if o is not tmp:
+                o[...] = tmp
+        return list(out)
+
+    return outs, finish
+
+
+def _algorithm(algorithm) -> int:
+    code = ALGORITHMS.get(algorithm.lower() if isinstance(algorithm, str) else algorithm)
+    if code is None:
+        if algorithm == "nccl":
+            raise ValueError("algorithm='nccl' needs GPU (CuPy) buffers; host buffers use "
+                             "'auto', 'ring', 'direct' or 'tree'")
+        raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {', '.join(repr(a) for a in ALGORITHMS)}")
+    return code
+
+
+def _root(root, n: int) -> int:
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < n:
+        raise ValueError(f"root={root!r} is not a replica index; use 0..{n - 1}")
+    return int(root)
