@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _core
+from . import _core, timeline
 from ._dtypes import dtype_code, op_code
 
 __all__ = ["all_reduce", "broadcast", "reduce", "all_gather", "batch_all_reduce", "ALGORITHMS"]
@@ -36,7 +36,8 @@ def all_reduce(buffers, op="sum", *, out=None, algorithm="auto"):
     opc = op_code(op)
     algo = _algorithm(algorithm)
     outs, finish = _outputs(out, arrays, "out")
-    _core.all_reduce(arrays, outs, arrays[0].size, code, opc, algo)
+    with timeline.span("all_reduce", arrays[0].nbytes, algorithm, len(arrays)):
+        _core.all_reduce(arrays, outs, arrays[0].size, code, opc, algo)
     return finish()
 
 
@@ -47,7 +48,8 @@ def broadcast(buffers, root=0, *, out=None):
     arrays, code = _inputs(buffers, "buffers")
     root = _root(root, len(arrays))
     outs, finish = _outputs(out, arrays, "out")
-    _core.broadcast(arrays, outs, arrays[0].size, code, root)
+    with timeline.span("broadcast", arrays[0].nbytes, "direct", len(arrays)):
+        _core.broadcast(arrays, outs, arrays[0].size, code, root)
     return finish()
 
 
@@ -63,7 +65,8 @@ def reduce(buffers, op="sum", root=0, *, out=None):
     else:
         outs, finish = _outputs(out, arrays, "out")
         target = outs[root]
-    _core.reduce(arrays, [target] * len(arrays), arrays[0].size, code, opc, root)
+    with timeline.span("reduce", arrays[0].nbytes, "direct", len(arrays)):
+        _core.reduce(arrays, [target] * len(arrays), arrays[0].size, code, opc, root)
     return target if finish is None else finish()[root]
 
 
@@ -88,7 +91,8 @@ def all_gather(buffers, axis=0):
     inner = int(np.prod(first.shape[axis + 1:], dtype=np.int64)) * first.itemsize
     shape = first.shape[:axis] + (sum(a.shape[axis] for a in arrays),) + first.shape[axis + 1:]
     outs = [np.empty(shape, first.dtype) for _ in arrays]
-    _core.all_gather(arrays, outs, [a.shape[axis] * inner for a in arrays], outer)
+    with timeline.span("all_gather", arrays[0].nbytes, "direct", len(arrays)):
+        _core.all_gather(arrays, outs, [a.shape[axis] * inner for a in arrays], outer)
     return outs
 
 
@@ -129,8 +133,9 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
         columns.append((column, code))
     inputs = [columns[t][0][r] for r in range(n) for t in range(len(columns))]
     outputs = [np.empty_like(a) for a in inputs]
-    _core.batch_all_reduce(n, inputs, outputs, [c[0][0].size for c in columns], [c[1] for c in columns],
-                           opc, int(bytes_per_pack), int(num_packs or 0), algo)
+    with timeline.span("batch_all_reduce", sum(a.nbytes for a in inputs) // n, algorithm, n):
+        _core.batch_all_reduce(n, inputs, outputs, [c[0][0].size for c in columns], [c[1] for c in columns],
+                               opc, int(bytes_per_pack), int(num_packs or 0), algo)
     T = len(columns)
     return [outputs[r * T:(r + 1) * T] for r in range(n)]
 
