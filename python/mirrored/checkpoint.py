@@ -135,7 +135,7 @@ def load_checkpoint(path) -> dict:
 def _is_variable(obj) -> bool:
     from . import values
 
-    return isinstance(obj, values.DistributedVariable)
+    return isinstance(obj, values.Variable)
 
 
 def _walk(obj, path: str, found: dict, optimizers: list, seen: set) -> None:

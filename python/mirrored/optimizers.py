@@ -36,29 +36,24 @@ import numpy as np
 __all__ = ["Optimizer", "SGD", "Adam", "sgd_update", "adam_update"]
 
 
-# --- the update rules, in place on one replica's arrays (NumPy or CuPy) ---------------------------
+# --- the update rules on one replica's arrays (NumPy or CuPy); they return new arrays ----------------
+# Variables never change a buffer in place (an array read from a variable stays
+# valid), so the rules are pure functions and the update assigns their results.
 
-def sgd_update(w, g, velocity, lr: float, momentum: float, nesterov: bool) -> None:
-    """One SGD step on ``w`` in place; ``velocity`` is None without momentum."""
+def sgd_update(w, g, velocity, lr: float, momentum: float, nesterov: bool):
+    """One SGD step: ``(new w, new velocity)``; ``velocity`` is None without momentum."""
     if velocity is None:
-        w -= lr * g
-        return
-    velocity *= momentum
-    velocity -= lr * g
-    if nesterov:
-        w += momentum * velocity - lr * g
-    else:
-        w += velocity
+        return w - lr * g, None
+    velocity = momentum * velocity - lr * g
+    return (w + momentum * velocity - lr * g if nesterov else w + velocity), velocity
 
 
-def adam_update(w, g, m, v, lr: float, beta_1: float, beta_2: float, epsilon: float, t: int) -> None:
-    """One Adam step (``t`` counts from 1) on ``w``, ``m`` and ``v`` in place."""
-    m *= beta_1
-    m += (1.0 - beta_1) * g
-    v *= beta_2
-    v += (1.0 - beta_2) * (g * g)
+def adam_update(w, g, m, v, lr: float, beta_1: float, beta_2: float, epsilon: float, t: int):
+    """One Adam step (``t`` counts from 1): ``(new w, new m, new v)``."""
+    m = beta_1 * m + (1.0 - beta_1) * g
+    v = beta_2 * v + (1.0 - beta_2) * (g * g)
     step_size = lr * math.sqrt(1.0 - beta_2 ** t) / (1.0 - beta_1 ** t)
-    w -= step_size * m / (v ** 0.5 + epsilon)
+    return w - step_size * m / (v ** 0.5 + epsilon), m, v
 
 
 # --- the distributed optimizer --------------------------------------------------------------------
@@ -78,8 +73,8 @@ def _check_rate(value, argument: str, allow_callable: bool, low: float = 0.0, hi
 class Optimizer:
     """Base class: state handling, the fused all-reduce and the mirrored update.
 
-    Subclasses name their slots (``_slot_names``) and implement ``_apply``, the
-    update of one replica's copy of one variable.
+    Subclasses name their slots (``_slot_names``) and implement ``_rule``, the
+    update of one replica's copy of one variable and its slots.
     """
 
     _slot_names: tuple = ()
@@ -153,7 +148,7 @@ class Optimizer:
         return _check_rate(lr, f"learning_rate({step})", allow_callable=False)
 
     def apply_gradients(self, grads_and_vars, options=None):
-        """Average the gradients across replicas and update the variables in place.
+        """Average the gradients across replicas and update every copy of the variables.
 
         ``grads_and_vars``: pairs ``(gradient, variable)``; pairs whose gradient
         is None are skipped, as TensorFlow does. ``options``: an
@@ -181,7 +176,7 @@ class Optimizer:
                     "pass zip(grads, variables)") from None
             if grad is None:
                 continue
-            if not isinstance(var, values.DistributedVariable):
+            if not isinstance(var, values.Variable):
                 raise TypeError(
                     f"grads_and_vars[{i}]: variable {var!r} is not an md.Variable; create the model's "
                     "variables with md.Variable inside strategy.scope()")
@@ -209,18 +204,38 @@ class Optimizer:
         step = int(self._iterations.numpy())
         lr = self.learning_rate_at(step)
         for (_, var), grad in zip(pairs, reduced):
-            slots = self._slots[id(var)][1]
-            strategy.extended.update(var, self._apply_one, args=(grad, *slots.values()),
-                                     kwargs={"lr": lr, "step": step}, group=True)
+            strategy.extended.update(var, self._copy_updater(var, lr, step), args=(grad,), group=True)
         self._iterations.assign_add(np.int64(1))
         return step + 1
 
-    def _apply_one(self, w, g, *slots, lr: float, step: int):
-        """Update one replica's copy ``w`` (an array) with its gradient ``g`` and slot copies."""
-        raise NotImplementedError
+    def _copy_updater(self, var, lr: float, step: int):
+        """The function ``extended.update`` calls on each copy of ``var`` with that copy's gradient."""
+        copies = _copies(var)
+        slots = [_copies(s) for s in self._slots[id(var)][1].values()]
+
+        def update_copy(copy, grad):
+            # The slot copies that belong with this copy of the variable sit at the same index.
+            i = next(k for k, c in enumerate(copies) if c is copy)
+            new_w, *new_slots = self._rule(copy.read_value(), grad, [s[i].read_value() for s in slots], lr, step)
+            copy.assign(new_w)
+            for slot, value in zip(slots, new_slots):
+                slot[i].assign(value)
+
+        return update_copy
+
+    def _rule(self, w, g, slots, lr: float, step: int):
+        """``(new w, *new slots)`` from one replica's arrays: the optimizer's update rule."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _rule")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} learning_rate={self.learning_rate!r}>"
+
+
+def _copies(var) -> tuple:
+    """The per-device copies of a variable (a variable outside any strategy is its own copy)."""
+    from . import values
+
+    return var.values if isinstance(var, values.DistributedVariable) else (var,)
 
 
 class SGD(Optimizer):
@@ -234,8 +249,9 @@ class SGD(Optimizer):
         self.nesterov = bool(nesterov)
         self._slot_names = ("momentum",) if self.momentum > 0.0 else ()
 
-    def _apply_one(self, w, g, *slots, lr: float, step: int):
-        sgd_update(w, g, slots[0] if slots else None, lr, self.momentum, self.nesterov)
+    def _rule(self, w, g, slots, lr: float, step: int):
+        new_w, velocity = sgd_update(w, g, slots[0] if slots else None, lr, self.momentum, self.nesterov)
+        return (new_w, velocity) if slots else (new_w,)
 
 
 class Adam(Optimizer):
@@ -250,5 +266,6 @@ class Adam(Optimizer):
         self.beta_2 = _check_rate(beta_2, "beta_2", allow_callable=False, low=0.0, high=1.0)
         self.epsilon = _check_rate(epsilon, "epsilon", allow_callable=False)
 
-    def _apply_one(self, w, g, m, v, *, lr: float, step: int):
-        adam_update(w, g, m, v, lr, self.beta_1, self.beta_2, self.epsilon, step + 1)
+    def _rule(self, w, g, slots, lr: float, step: int):
+        m, v = slots
+        return adam_update(w, g, m, v, lr, self.beta_1, self.beta_2, self.epsilon, step + 1)

@@ -1,0 +1,165 @@
+"""md.Checkpoint: round trip, other replica counts, atomic saves, damaged files."""
+
+import os
+
+import numpy as np
+import pytest
+
+import mirrored as md
+from mirrored import checkpoint as ckpt_mod
+
+
+def _strategy(n):
+    return md.MirroredStrategy(devices=[f"/cpu:{i}" for i in range(n)])
+
+
+def _setup(n, seed):
+    """A strategy, a two-variable model and an Adam optimizer, values from ``seed``."""
+    rng = np.random.default_rng(seed)
+    strategy = _strategy(n)
+    with strategy.scope():
+        model = {"w": md.Variable(rng.normal(size=(3, 2)).astype(np.float32), name="w"),
+                 "b": md.Variable(rng.normal(size=2).astype(np.float32), name="b")}
+        opt = md.optimizers.Adam(0.05)
+    return strategy, model, opt
+
+
+def _train(strategy, model, opt, steps, seed=1):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        g = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in model.items()}
+        strategy.run(lambda: opt.apply_gradients([(g[k], model[k]) for k in sorted(model)]))
+
+
+def _state(model, opt):
+    out = {k: v.numpy().copy() for k, v in model.items()}
+    out.update({f"{k}/{s}": opt.get_slot(v, s).numpy().copy() for k, v in model.items() for s in ("m", "v")})
+    out["iterations"] = int(opt.iterations.numpy())
+    return out
+
+
+def _assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.mark.parametrize("n_save,n_restore", [(2, 2), (4, 1), (1, 3)])
+def test_round_trip_into_any_replica_count(tmp_path, n_save, n_restore):
+    strategy, model, opt = _setup(n_save, seed=0)
+    _train(strategy, model, opt, steps=3)
+    path = md.Checkpoint(model=model, optimizer=opt).save(tmp_path / "a.ckpt")
+    saved = _state(model, opt)
+
+    strategy2, model2, opt2 = _setup(n_restore, seed=99)  # other values, fresh optimizer
+    md.Checkpoint(model=model2, optimizer=opt2).restore(path)
+    _assert_same(_state(model2, opt2), saved)
+    for v in (*model2.values(), opt2.get_slot(model2["w"], "m"), opt2.iterations):
+        assert len(v.values) == n_restore
+        assert all(np.array_equal(np.asarray(c), np.asarray(v.values[0])) for c in v.values)
+
+    # Training goes on exactly as it would have without the save/restore.
+    _train(strategy, model, opt, steps=2, seed=5)
+    _train(strategy2, model2, opt2, steps=2, seed=5)
+    for k in model:
+        np.testing.assert_allclose(model2[k].numpy(), model[k].numpy(), rtol=1e-6)
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    strategy, model, opt = _setup(2, seed=0)
+    ckpt = md.Checkpoint(model=model, optimizer=opt)
+    path = ckpt.save(tmp_path / "a.ckpt")
+    before = open(path, "rb").read()
+    _train(strategy, model, opt, steps=1)
+
+    def crash(*_):
+        raise KeyboardInterrupt  # as if the job were stopped after writing the data, before the rename
+
+    monkeypatch.setattr(ckpt_mod.os, "fsync", crash)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(path)
+    monkeypatch.undo()
+    assert open(path, "rb").read() == before
+    assert os.listdir(tmp_path) == ["a.ckpt"]  # no temporary file left behind
+    ckpt.restore(path)
+    assert int(opt.iterations.numpy()) == 0
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda b: b[: len(b) // 2], "truncated"),
+    (lambda b: b[:-1], "truncated"),
+    (lambda b: b[:10], "not a mirrored checkpoint|truncated"),
+    (lambda b: b[:-40] + bytes([b[-40] ^ 1]) + b[-39:], "corrupted"),
+    (lambda b: b"PK\x03\x04" + b[4:], "not a mirrored checkpoint"),
+    (lambda b: b"", "not a mirrored checkpoint"),
+])
+def test_damaged_file_raises_and_restores_nothing(tmp_path, damage, message):
+    strategy, model, opt = _setup(2, seed=0)
+    _train(strategy, model, opt, steps=2)
+    path = md.Checkpoint(model=model, optimizer=opt).save(tmp_path / "a.ckpt")
+    with open(path, "rb") as f:
+        blob = f.read()
+    with open(path, "wb") as f:
+        f.write(damage(blob))
+
+    _, model2, opt2 = _setup(2, seed=99)
+    before = {k: v.numpy().copy() for k, v in model2.items()}
+    with pytest.raises(md.checkpoint.CheckpointError, match=message):
+        md.Checkpoint(model=model2, optimizer=opt2).restore(path)
+    for k in model2:
+        np.testing.assert_array_equal(model2[k].numpy(), before[k])
+    assert opt2._iterations is None  # the fresh optimizer was not touched
+
+
+def test_shape_mismatch_restores_nothing(tmp_path):
+    _, model, opt = _setup(2, seed=0)
+    path = md.Checkpoint(model=model).save(tmp_path / "a.ckpt")
+    strategy = _strategy(2)
+    with strategy.scope():
+        other = {"w": md.Variable(np.zeros((3, 5), np.float32)), "b": md.Variable(np.zeros(2, np.float32))}
+    with pytest.raises(md.checkpoint.CheckpointError, match=r"model/w.*\[3, 2\].*\[3, 5\]"):
+        md.Checkpoint(model=other).restore(path)
+    np.testing.assert_array_equal(other["b"].numpy(), np.zeros(2))
+
+
+def test_objects_attributes_lists_and_model_only_restore(tmp_path):
+    class Net:
+        def __init__(self, value):
+            self.layers = [{"w": md.Variable(np.full(2, value))}, {"w": md.Variable(np.full(3, value))}]
+            self.step = md.Variable(np.int64(value))
+            self._cache = np.zeros(1)  # not a variable, not saved
+
+    strategy = _strategy(2)
+    with strategy.scope():
+        net, opt = Net(1.0), md.optimizers.SGD(0.1, momentum=0.9)
+    strategy.run(lambda: opt.apply_gradients([(np.ones(2), net.layers[0]["w"])]))
+    path = md.Checkpoint(net=net, optimizer=opt).save(tmp_path / "n.ckpt")
+    assert sorted(md.checkpoint.load_checkpoint(path)) == [
+        "net/layers/0/w", "net/layers/1/w", "net/step",
+        "optimizer/iterations", "optimizer/slots/net/layers/0/w/momentum"]
+    with strategy.scope():
+        net2 = Net(0.0)
+    md.Checkpoint(net=net2).restore(path)  # optimizer entries in the file are simply not claimed
+    np.testing.assert_allclose(net2.layers[0]["w"].numpy(), [0.9, 0.9])
+    assert int(net2.step.numpy()) == 1
+
+
+def test_only_the_chief_writes(tmp_path, monkeypatch):
+    strategy, model, _ = _setup(2, seed=0)
+    monkeypatch.setattr(type(strategy.extended), "should_checkpoint", property(lambda self: False))
+    md.Checkpoint(model=model).save(tmp_path / "a.ckpt")
+    assert not (tmp_path / "a.ckpt").exists()
+
+
+def test_optimizer_without_its_model_is_refused(tmp_path):
+    strategy, model, opt = _setup(2, seed=0)
+    _train(strategy, model, opt, steps=1)
+    with pytest.raises(md.checkpoint.CheckpointError, match="pass the model too"):
+        md.Checkpoint(optimizer=opt).save(tmp_path / "a.ckpt")
+
+
+def test_save_inside_run_is_refused(tmp_path):
+    strategy, model, _ = _setup(2, seed=0)
+    ckpt = md.Checkpoint(model=model)
+    with pytest.raises(RuntimeError, match="outside run"):
+        strategy.run(lambda: ckpt.save(tmp_path / "a.ckpt"))

@@ -1,0 +1,191 @@
+"""Optimizers: the update rules against textbook formulas, and the distributed apply."""
+
+import numpy as np
+import pytest
+
+import mirrored as md
+from mirrored.optimizers import adam_update, sgd_update
+
+RNG = np.random.default_rng(7)
+
+
+def _grads(steps, shape=(3, 4)):
+    return [RNG.normal(size=shape) for _ in range(steps)]
+
+
+# --- the update rules -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.9, False), (0.9, True), (0.5, True)])
+def test_sgd_matches_the_textbook_momentum_form(momentum, nesterov):
+    # Textbook (Sutskever et al. 2013 / PyTorch form): b = mu*b + g; w -= lr*b,
+    # Nesterov: w -= lr*(g + mu*b). Equal to TF's v = mu*v - lr*g for a constant lr.
+    lr, w0 = 0.1, RNG.normal(size=(3, 4))
+    w, v = w0.copy(), (np.zeros_like(w0) if momentum else None)
+    ref, b = w0.copy(), np.zeros_like(w0)
+    for g in _grads(5):
+        w, v = sgd_update(w, g, v, lr, momentum, nesterov)
+        b = momentum * b + g
+        ref -= lr * (g + momentum * b) if nesterov else lr * b
+    np.testing.assert_allclose(w, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_adam_matches_kingma_ba_algorithm_1():
+    lr, b1, b2, eps, w0 = 0.01, 0.9, 0.999, 1e-7, RNG.normal(size=(3, 4))
+    w, m, v = w0.copy(), np.zeros_like(w0), np.zeros_like(w0)
+    ref, rm, rv = w0.copy(), np.zeros_like(w0), np.zeros_like(w0)
+    for t, g in enumerate(_grads(6), start=1):
+        w, m, v = adam_update(w, g, m, v, lr, b1, b2, eps, t)
+        rm = b1 * rm + (1 - b1) * g
+        rv = b2 * rv + (1 - b2) * g ** 2
+        m_hat, v_hat = rm / (1 - b1 ** t), rv / (1 - b2 ** t)
+        # epsilon is the paper's "epsilon hat" (section 2): it sits outside the
+        # bias correction, i.e. eps_hat = eps * sqrt(1 - b2^t) in Algorithm 1's terms.
+        ref -= lr * m_hat / (np.sqrt(v_hat) + eps / np.sqrt(1 - b2 ** t))
+    np.testing.assert_allclose(w, ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(m, rm, rtol=1e-12)
+    np.testing.assert_allclose(v, rv, rtol=1e-12)
+
+
+def test_float32_weights_stay_float32():
+    w, g = np.ones(4, np.float32), np.full(4, 0.5, np.float32)
+    m, v = np.zeros_like(w), np.zeros_like(w)
+    w, m, v = adam_update(w, g, m, v, 0.1, 0.9, 0.999, 1e-7, 1)
+    w, _ = sgd_update(w, g, None, 0.1, 0.0, False)
+    assert w.dtype == m.dtype == v.dtype == np.float32
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"learning_rate": -0.1}, "learning_rate"),
+    ({"learning_rate": "fast"}, "learning_rate"),
+    ({"learning_rate": 0.1, "momentum": 1.5}, "momentum"),
+    ({"learning_rate": 0.1, "nesterov": True}, "nesterov"),
+])
+def test_sgd_rejects_bad_hyperparameters(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        md.optimizers.SGD(**kwargs)
+
+
+def test_adam_rejects_beta_of_one():
+    with pytest.raises(ValueError, match="beta_2"):
+        md.optimizers.Adam(0.1, beta_2=1.0)
+
+
+# --- apply_gradients under MirroredStrategy --------------------------------------------------------
+
+def _strategy(n=2, **kw):
+    return md.MirroredStrategy(devices=[f"/cpu:{i}" for i in range(n)], **kw)
+
+
+def _copies_equal(var):
+    first = np.asarray(var.values[0])
+    return all(np.array_equal(np.asarray(c), first) for c in var.values[1:])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: md.optimizers.SGD(0.1),
+    lambda: md.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+    lambda: md.optimizers.Adam(0.05),
+])
+def test_apply_in_replica_context_uses_the_mean_gradient(make):
+    n, w0 = 3, RNG.normal(size=(2, 3))
+    grads = [[RNG.normal(size=(2, 3)) for _ in range(n)] for _ in range(4)]
+    strategy = _strategy(n)
+    with strategy.scope():
+        w = md.Variable(w0.copy(), name="w")
+        opt = make()
+    ref_opt_state = {}
+    ref = w0.copy()
+    for step, per_replica in enumerate(grads):
+        def fn(per_replica=per_replica):
+            rid = md.get_replica_context().replica_id_in_sync_group
+            return opt.apply_gradients([(per_replica[rid], w)])
+
+        strategy.run(fn)
+        ref = _reference_step(opt, ref, np.mean(per_replica, axis=0), step, ref_opt_state)
+        assert _copies_equal(w)
+    np.testing.assert_allclose(w.numpy(), ref, rtol=1e-10, atol=1e-12)
+    assert int(opt.iterations.numpy()) == len(grads)
+    for slot in opt._slot_names:
+        assert _copies_equal(opt.get_slot(w, slot))
+        assert len(opt.get_slot(w, slot).values) == n
+
+
+def _reference_step(opt, w, g, step, state):
+    """The same optimizer's rule on one array (already checked against the textbook above)."""
+    lr = opt.learning_rate_at(step)
+    if isinstance(opt, md.optimizers.Adam):
+        m, v = state.get("m", np.zeros_like(w)), state.get("v", np.zeros_like(w))
+        w, state["m"], state["v"] = adam_update(w, g, m, v, lr, opt.beta_1, opt.beta_2, opt.epsilon, step + 1)
+    else:
+        velocity = state.get("v", np.zeros_like(w)) if opt.momentum else None
+        w, state["v"] = sgd_update(w, g, velocity, lr, opt.momentum, opt.nesterov)
+    return w
+
+
+def test_apply_in_cross_replica_context_with_per_replica_gradients():
+    strategy = _strategy(2)
+    with strategy.scope():
+        w = md.Variable(np.zeros(4), name="w")
+        opt = md.optimizers.SGD(0.5)
+    grads = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.full(4, float(ctx.replica_id_in_sync_group + 1)))
+    with strategy.scope():
+        opt.apply_gradients([(grads, w)])
+    np.testing.assert_allclose(w.numpy(), np.full(4, -0.75))  # -0.5 * mean(1, 2)
+    assert _copies_equal(w)
+
+
+def test_learning_rate_schedule_is_called_with_the_step():
+    strategy = _strategy(2)
+    seen = []
+    with strategy.scope():
+        w = md.Variable(np.zeros(1), name="w")
+        opt = md.optimizers.SGD(lambda step: seen.append(step) or 0.1 * (step + 1))
+    for _ in range(3):
+        strategy.run(lambda: opt.apply_gradients([(np.ones(1), w)]))
+    assert seen == [0, 1, 2]
+    np.testing.assert_allclose(w.numpy(), [-(0.1 + 0.2 + 0.3)])
+
+
+class _RecordingOps(md.cross_device_ops.ReductionToOneDevice):
+    def __init__(self):
+        super().__init__()
+        self.batches = []
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        self.batches.append((reduce_op, len(value_destination_pairs), options))
+        return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+
+
+def test_all_gradients_go_through_one_batch_reduce_with_the_options():
+    ops = _RecordingOps()
+    strategy = _strategy(2, cross_device_ops=ops)
+    with strategy.scope():
+        variables = [md.Variable(np.zeros(s), name=f"v{i}") for i, s in enumerate([(3,), (2, 2), (5,)])]
+        opt = md.optimizers.Adam(0.01)
+    options = md.CommunicationOptions(bytes_per_pack=16)
+    strategy.run(lambda: opt.apply_gradients([(np.ones(v.shape), v) for v in variables], options=options))
+    grad_batches = [b for b in ops.batches if b[1] == 3]
+    assert len(grad_batches) == 1
+    reduce_op, _, seen = grad_batches[0]
+    assert md.ReduceOp(reduce_op) is md.ReduceOp.MEAN
+    assert seen is not None and seen.bytes_per_pack == 16
+    for v in variables:
+        assert _copies_equal(v)
+
+
+def test_none_gradients_are_skipped_and_bad_pairs_named():
+    strategy = _strategy(2)
+    with strategy.scope():
+        a, b = md.Variable(np.ones(2), name="a"), md.Variable(np.ones(2), name="b")
+        frozen = md.Variable(np.ones(2), name="frozen", trainable=False)
+        opt = md.optimizers.SGD(1.0)
+        opt.apply_gradients([(None, a), (np.ones(2), b)])
+        np.testing.assert_allclose(a.numpy(), [1, 1])
+        np.testing.assert_allclose(b.numpy(), [0, 0])
+        with pytest.raises(ValueError, match="no gradient"):
+            opt.apply_gradients([(None, a)])
+        with pytest.raises(ValueError, match="trainable"):
+            opt.apply_gradients([(np.ones(2), frozen)])
+        with pytest.raises(TypeError, match="md.Variable"):
+            opt.apply_gradients([(np.ones(2), np.ones(2))])
