@@ -1,0 +1,26 @@
+// The three ways a multi-worker operation fails, so that Python can raise
+// TimeoutError / ConnectionError / PermissionError and users can tell "a peer
+// is slow or stuck" from "a peer is gone" from "this task is not welcome".
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace mirrored::net {
+
+// A peer did not arrive (at rendezvous or at a collective) within the timeout.
+struct PeerTimeout : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A peer's connection closed or reset: its process exited or its host is unreachable.
+struct PeerLost : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The rendezvous store refused this task: wrong job token or task index.
+struct Refused : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+}  // namespace mirrored::net

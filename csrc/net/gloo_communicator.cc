@@ -1,0 +1,401 @@
+#include "net/gloo_communicator.h"
+
+#include <gloo/allgather.h>
+#include <gloo/allgatherv.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/reduce.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <thread>
+
+#include "host/reduce_kernels.h"
+#include "net/errors.h"
+
+namespace mirrored::net {
+namespace {
+
+std::string join(const std::vector<std::string>& names) {
+  std::string s;
+  for (const auto& n : names) s += (s.empty() ? "" : ", ") + n;
+  return s;
+}
+
+std::string seconds(std::chrono::milliseconds ms) {
+  return std::to_string(ms.count() / 1000) + "." + std::to_string(ms.count() % 1000 / 100) + " s";
+}
+
+std::vector<char> to_bytes(std::int64_t v) {
+  std::vector<char> b(sizeof(v));
+  std::memcpy(b.data(), &v, sizeof(v));
+  return b;
+}
+
+// Gloo's algorithms move elements of a given size and call our reduce
+// function on them; they never look inside, so an unsigned integer of the
+// right width stands for any of our dtypes (float16 and bfloat16 included).
+template <typename Fn>
+void with_element(std::size_t size, Fn&& fn) {
+  switch (size) {
+    case 1: fn(std::uint8_t{}); break;
+    case 2: fn(std::uint16_t{}); break;
+    case 4: fn(std::uint32_t{}); break;
+    case 8: fn(std::uint64_t{}); break;
+    default: throw std::invalid_argument("element size " + std::to_string(size) + " is not 1, 2, 4 or 8");
+  }
+}
+
+// Gloo's Store contract over our store client, inside one key namespace.
+// Gloo names its keys after ranks, so a key that never appears names a task.
+class GlooStore : public gloo::rendezvous::Store {
+ public:
+  GlooStore(StoreClient& store, std::string prefix, const std::vector<std::string>& tasks)
+      : store_(store), prefix_(std::move(prefix)), tasks_(tasks) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override { store_.set(prefix_ + key, data); }
+
+  std::vector<char> get(const std::string& key) override {
+    wait({key});
+    return store_.get(prefix_ + key);
+  }
+
+  void wait(const std::vector<std::string>& keys) override { wait(keys, store_.timeout()); }
+
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    std::vector<std::string> full;
+    for (const auto& k : keys) full.push_back(prefix_ + k);
+    const auto missing = store_.wait(full, timeout);
+    if (missing.empty()) return;
+    std::vector<std::string> who;
+    for (const auto& m : missing) who.push_back(task_of(m.substr(prefix_.size())));
+    throw PeerTimeout("connecting the Gloo mesh: " + join(who) + " did not publish an address within " +
+                      seconds(timeout) + " (did it crash while starting?)");
+  }
+
+ private:
+  std::string task_of(const std::string& key) const {
+    std::size_t i = key.size();
+    while (i > 0 && std::isdigit(static_cast<unsigned char>(key[i - 1]))) --i;
+    if (i == key.size()) return "key '" + key + "'";
+    const long rank = std::stol(key.substr(i));
+    return rank < static_cast<long>(tasks_.size()) ? "task " + tasks_[rank] : "key '" + key + "'";
+  }
+
+  StoreClient& store_;
+  const std::string prefix_;
+  const std::vector<std::string>& tasks_;
+};
+
+// dst = in[first] (op) every other in[j]. Starting from in[first] keeps an
+// in-place call (dst == in[first]) correct.
+void combine_local(int n, const void* const* in, void* dst, int first, std::size_t count, DType dtype, ReduceOp op) {
+  if (n == 1 || count == 0) {
+    if (dst != in[first]) std::memcpy(dst, in[first], count * dtype_size(dtype));
+    return;
+  }
+  const auto& k = reduce_kernels();
+  const void* acc = in[first];
+  for (int j = 0; j < n; ++j) {
+    if (j == first) continue;
+    combine(k, dtype, op, dst, acc, in[j], count);
+    acc = dst;
+  }
+}
+
+}  // namespace
+
+GlooCommunicator::GlooCommunicator(std::shared_ptr<StoreClient> store, std::vector<std::string> task_names,
+                                   int local_replicas, const std::string& host, std::chrono::milliseconds timeout,
+                                   const std::string& scope)
+    : store_(std::move(store)),
+      tasks_(std::move(task_names)),
+      rank_(store_->rank()),
+      local_(local_replicas),
+      timeout_(timeout) {
+  if (tasks_.empty() || rank_ < 0 || rank_ >= size())
+    throw std::invalid_argument("task_names: rank " + std::to_string(rank_) + " is not one of " +
+                                std::to_string(tasks_.size()) + " tasks");
+  if (local_ < 1) throw std::invalid_argument("local_replicas must be >= 1, got " + std::to_string(local_));
+  const std::string prefix = scope + "/";
+
+  // Arrival: every task announces its replica count; the keys that never
+  // appear name the tasks that never came.
+  store_->set(prefix + "replicas/" + std::to_string(rank_), to_bytes(local_));
+  std::vector<std::string> keys;
+  for (int r = 0; r < size(); ++r) keys.push_back(prefix + "replicas/" + std::to_string(r));
+  const auto missing = store_->wait(keys, store_->timeout());
+  if (!missing.empty()) {
+    std::vector<std::string> who;
+    for (const auto& m : missing) who.push_back(tasks_[std::stoi(m.substr(m.rfind('/') + 1))]);
+    throw PeerTimeout("rendezvous: task(s) " + join(who) + " did not join within " + seconds(store_->timeout()) +
+                      "; start every task of TF_CONFIG's cluster with MultiWorkerMirroredStrategy, or raise "
+                      "CommunicationOptions.timeout_seconds");
+  }
+  for (int r = 0; r < size(); ++r) {
+    std::int64_t theirs = 0;
+    const auto v = store_->get(keys[r]);
+    std::memcpy(&theirs, v.data(), std::min(v.size(), sizeof(theirs)));
+    if (theirs != local_)
+      throw std::invalid_argument("task " + tasks_[r] + " has " + std::to_string(theirs) + " local replicas but " +
+                                  tasks_[rank_] + " has " + std::to_string(local_) +
+                                  ": every worker must use the same number of devices");
+  }
+
+  gloo::transport::tcp::attr attr;
+  attr.hostname = host;  // this task's own TF_CONFIG host: Gloo listens there only
+  auto device = gloo::transport::tcp::CreateDevice(attr);
+  auto context = std::make_shared<gloo::rendezvous::Context>(rank_, size());
+  context->setTimeout(store_->timeout());
+  GlooStore gloo_store(*store_, prefix + "gloo/", tasks_);
+  try {
+    context->connectFullMesh(gloo_store, device);
+  } catch (const gloo::Exception& e) {
+    throw PeerLost(std::string("connecting the Gloo mesh failed: ") + e.what());
+  }
+  context_ = std::move(context);
+}
+
+GlooCommunicator::~GlooCommunicator() = default;
+
+void GlooCommunicator::check_replicas(int n, const char* what) const {
+  if (n != local_)
+    throw std::invalid_argument(std::string(what) + ": got " + std::to_string(n) +
+                                " local buffers, but this worker joined the job with " + std::to_string(local_) +
+                                " replicas");
+}
+
+template <typename Fn>
+void GlooCommunicator::collective(const char* what, Fn&& fn) {
+  if (!broken_.empty())
+    throw PeerLost(std::string(what) + ": the multi-worker mesh was torn down by an earlier failure (" + broken_ +
+                   "); restart the job");
+  const std::int64_t seq = ++seq_;
+  try {
+    store_->progress(seq);
+    // "No timeout" still needs a finite wait for Gloo; a dead peer is detected
+    // through its socket long before this.
+    const auto timeout = timeout_.count() > 0 ? timeout_ : std::chrono::hours(24 * 30);
+    fn(static_cast<std::uint32_t>(seq), timeout);
+  } catch (const std::exception& e) {
+    fail(what, e);
+  }
+}
+
+void GlooCommunicator::fail(const char* what, const std::exception& cause) {
+  // Closing every pair now makes peers blocked on us fail at once instead of at their own timeout.
+  context_.reset();
+  bool lost = false;
+  const std::string who = diagnose(seq_, &lost);
+  const bool timed_out = std::strstr(cause.what(), "Timed out") != nullptr || dynamic_cast<const PeerTimeout*>(&cause);
+  broken_ = std::string(what) + " across workers failed at collective #" + std::to_string(seq_) + " on task " +
+            tasks_[rank_] + ": " + who + " [" + cause.what() + "]";
+  if (lost || !timed_out) throw PeerLost(broken_);
+  throw PeerTimeout(broken_);
+}
+
+std::string GlooCommunicator::diagnose(std::int64_t seq, bool* lost) {
+  // A socket error can reach us a moment before the store sees the same
+  // death, so look again for a little while before blaming nobody.
+  for (int attempt = 0;; ++attempt) {
+    std::vector<TaskState> tasks;
+    try {
+      tasks = store_->status();
+    } catch (const std::exception&) {
+      *lost = true;
+      return "task " + store_->server_task() + " (which serves the rendezvous store) is gone";
+    }
+    std::vector<std::string> gone, behind;
+    for (int r = 0; r < size() && r < static_cast<int>(tasks.size()); ++r) {
+      if (r == rank_) continue;
+      if (tasks[r].departed && !tasks[r].connected) gone.push_back(tasks_[r]);
+      else if (tasks[r].progress < seq)
+        behind.push_back(tasks_[r] + " (last started #" + std::to_string(tasks[r].progress) + ")");
+    }
+    if (!gone.empty()) {
+      *lost = true;
+      return "task(s) " + join(gone) + " are gone (process exited or host unreachable)";
+    }
+    if (attempt >= 10) {
+      if (!behind.empty()) return "task(s) " + join(behind) + " did not reach this collective";
+      return "every task reached this collective; a peer aborted it after a failure of its own";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+void GlooCommunicator::all_reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
+                                  ReduceOp op, Algorithm algorithm) {
+  check_replicas(n, "all_reduce");
+  std::lock_guard<std::mutex> lock(mu_);
+  void* acc = out[0];
+  combine_local(n, in, acc, 0, count, dtype, op);
+  if (size() > 1 && count > 0) {
+    collective("all_reduce", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
+      gloo::AllreduceOptions o(context_);
+      with_element(dtype_size(dtype), [&](auto t) {
+        o.setOutput(static_cast<decltype(t)*>(acc), count);
+      });
+      o.setReduceFunction(reduce_kernels().combine[static_cast<int>(dtype)][static_cast<int>(combining_op(op))]);
+      // Ring moves 2(p-1)/p of the buffer per process, the bandwidth optimum;
+      // bcube needs only log(p) steps, which wins when latency dominates.
+      const bool latency_bound = algorithm == Algorithm::kTree || algorithm == Algorithm::kDirect;
+      o.setAlgorithm(latency_bound ? gloo::AllreduceOptions::Algorithm::BCUBE
+                                   : gloo::AllreduceOptions::Algorithm::RING);
+      o.setTag(tag);
+      o.setTimeout(timeout);
+      gloo::allreduce(o);
+    });
+  }
+  if (op == ReduceOp::kMean && count > 0) reduce_kernels().divide[static_cast<int>(dtype)](acc, count, n * size());
+  for (int i = 1; i < n; ++i)
+    if (out[i] != acc) std::memcpy(out[i], acc, count * dtype_size(dtype));
+}
+
+void GlooCommunicator::broadcast(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
+                                 int root) {
+  check_replicas(n, "broadcast");
+  if (root < 0 || root >= n * size())
+    throw std::invalid_argument("broadcast: root=" + std::to_string(root) + " is not a replica of this job (0.." +
+                                std::to_string(n * size() - 1) + ")");
+  std::lock_guard<std::mutex> lock(mu_);
+  const int root_rank = root / n, root_local = root % n;
+  const std::size_t bytes = count * dtype_size(dtype);
+  void* mine = rank_ == root_rank ? out[root_local] : out[0];
+  if (rank_ == root_rank && mine != in[root_local]) std::memcpy(mine, in[root_local], bytes);
+  if (size() > 1 && bytes > 0) {
+    collective("broadcast", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
+      gloo::BroadcastOptions o(context_);
+      o.setOutput(static_cast<std::uint8_t*>(mine), bytes);
+      o.setRoot(root_rank);
+      o.setTag(tag);
+      o.setTimeout(timeout);
+      gloo::broadcast(o);
+    });
+  }
+  for (int i = 0; i < n; ++i)
+    if (out[i] != mine) std::memcpy(out[i], mine, bytes);
+}
+
+void GlooCommunicator::reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
+                              ReduceOp op, int root) {
+  check_replicas(n, "reduce");
+  if (root < 0 || root >= n * size())
+    throw std::invalid_argument("reduce: root=" + std::to_string(root) + " is not a replica of this job (0.." +
+                                std::to_string(n * size() - 1) + ")");
+  std::lock_guard<std::mutex> lock(mu_);
+  const int root_rank = root / n, root_local = root % n;
+  const bool is_root = rank_ == root_rank;
+  // Outputs other than the root's stay untouched, so other processes reduce into scratch.
+  if (!is_root) scratch_.resize(count * dtype_size(dtype));
+  void* acc = is_root ? out[root_local] : static_cast<void*>(scratch_.data());
+  combine_local(n, in, acc, is_root ? root_local : 0, count, dtype, op);
+  if (size() > 1 && count > 0) {
+    collective("reduce", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
+      gloo::ReduceOptions o(context_);
+      with_element(dtype_size(dtype), [&](auto t) { o.setOutput(static_cast<decltype(t)*>(acc), count); });
+      o.setReduceFunction(reduce_kernels().combine[static_cast<int>(dtype)][static_cast<int>(combining_op(op))]);
+      o.setRoot(root_rank);
+      o.setTag(tag);
+      o.setTimeout(timeout);
+      gloo::reduce(o);
+    });
+  }
+  if (is_root && op == ReduceOp::kMean && count > 0)
+    reduce_kernels().divide[static_cast<int>(dtype)](acc, count, n * size());
+}
+
+std::vector<std::uint64_t> GlooCommunicator::exchange(const std::vector<std::uint64_t>& mine) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return exchange_locked(mine);
+}
+
+std::vector<std::uint64_t> GlooCommunicator::exchange_locked(const std::vector<std::uint64_t>& mine) {
+  if (size() == 1 || mine.empty()) return mine;
+  std::vector<std::uint64_t> in(mine), all(mine.size() * size());
+  collective("exchange", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
+    gloo::AllgatherOptions o(context_);
+    o.setInput(in.data(), in.size());
+    o.setOutput(all.data(), all.size());
+    o.setTag(tag);
+    o.setTimeout(timeout);
+    gloo::allgather(o);
+  });
+  return all;
+}
+
+void GlooCommunicator::all_gather(int n, const void* const* in, void* const* out, const std::size_t* row_bytes,
+                                  std::size_t outer) {
+  check_replicas(n, "all_gather");
+  std::lock_guard<std::mutex> lock(mu_);
+  // Every process learns every process's row count and row sizes first.
+  std::vector<std::uint64_t> mine{outer};
+  mine.insert(mine.end(), row_bytes, row_bytes + n);
+  const auto all = exchange_locked(mine);
+  const std::size_t stride = n + 1;
+  std::vector<std::size_t> block(size(), 0);  // bytes contributed by each process
+  for (int r = 0; r < size(); ++r) {
+    if (all[r * stride] != outer)
+      throw std::invalid_argument("all_gather: task " + tasks_[r] + " has " + std::to_string(all[r * stride]) +
+                                  " rows before the gather axis but " + tasks_[rank_] + " has " +
+                                  std::to_string(outer) + "; shapes may differ along the gather axis only");
+    for (int j = 0; j < n; ++j) block[r] += outer * all[r * stride + 1 + j];
+  }
+  // This process's contribution: each local replica's whole buffer in turn.
+  scratch_.resize(block[rank_]);
+  std::size_t at = 0;
+  for (int j = 0; j < n; ++j) {
+    std::memcpy(scratch_.data() + at, in[j], outer * row_bytes[j]);
+    at += outer * row_bytes[j];
+  }
+  std::size_t total = 0;
+  for (auto b : block) total += b;
+  if (size() > 1 && total > 0) {
+    gathered_.resize(total);
+    collective("all_gather", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
+      gloo::AllgathervOptions o(context_);
+      o.setInput(reinterpret_cast<std::uint8_t*>(scratch_.data()), block[rank_]);
+      o.setOutput(reinterpret_cast<std::uint8_t*>(gathered_.data()), block);
+      o.setTag(tag);
+      o.setTimeout(timeout);
+      gloo::allgatherv(o);
+    });
+  } else {
+    gathered_.assign(scratch_.begin(), scratch_.end());
+  }
+  // Interleave rows: row r of the result is row r of every replica of the job in order.
+  char* dst = static_cast<char*>(out[0]);
+  for (std::size_t row = 0; row < outer; ++row) {
+    const char* base = gathered_.data();
+    for (int r = 0; r < size(); ++r) {
+      const char* replica = base;
+      for (int j = 0; j < n; ++j) {
+        const std::size_t rb = all[r * stride + 1 + j];
+        std::memcpy(dst, replica + row * rb, rb);
+        dst += rb;
+        replica += outer * rb;
+      }
+      base += block[r];
+    }
+  }
+  for (int i = 1; i < n; ++i) std::memcpy(out[i], out[0], total);
+}
+
+void GlooCommunicator::barrier() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (size() == 1) return;
+  collective("barrier", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
+    gloo::BarrierOptions o(context_);
+    o.setTag(tag);
+    o.setTimeout(timeout);
+    gloo::barrier(o);
+  });
+}
+
+}  // namespace mirrored::net
