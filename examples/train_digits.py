@@ -21,6 +21,7 @@ exactly the one-replica gradient, up to float rounding.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -173,8 +174,10 @@ def train(args):
     started = time.perf_counter()
     epoch = step // steps_per_epoch
     while step < total:
-        dataset = strategy.experimental_distribute_dataset(
-            train_batches(x_train, y_train, args.batch_size, epoch, args.seed))
+        # A resumed run skips the batches of this epoch that the checkpointed steps already took.
+        batches = itertools.islice(train_batches(x_train, y_train, args.batch_size, epoch, args.seed),
+                                   step - epoch * steps_per_epoch, None)
+        dataset = strategy.experimental_distribute_dataset(batches)
         for x, y in dataset:
             if step >= total:
                 break
