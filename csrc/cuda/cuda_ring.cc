@@ -1,0 +1,343 @@
+#include "cuda/cuda_ring.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "core/ring_schedule.h"
+#include "core/tree_schedule.h"
+#include "cuda/check.h"
+#include "cuda/device.h"
+#include "cuda/reduce_kernels.h"
+#include "cuda/stream_scope.h"
+
+namespace mirrored::cuda {
+namespace {
+
+cudaEvent_t make_event() {
+  cudaEvent_t e = nullptr;
+  MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return e;
+}
+
+const void* at(const void* p, std::size_t bytes) { return static_cast<const char*>(p) + bytes; }
+void* at(void* p, std::size_t bytes) { return static_cast<char*>(p) + bytes; }
+
+// Below this many bytes (and beyond 2 ranks) the tree's log2(N) dependent
+// steps beat the ring's 2(N-1): each step costs a launch and an event wait
+// (a few microseconds) whatever its size.
+constexpr std::size_t kTreeBelowBytes = std::size_t(256) << 10;
+
+}  // namespace
+
+CudaRing::CudaRing(std::vector<int> devices, std::size_t chunk_bytes, int channels)
+    // Chunks are whole 16-byte vectors so that full slices keep every chunk aligned.
+    : chunk_bytes_(std::max<std::size_t>(16, chunk_bytes / 16 * 16)), channels_(channels) {
+  if (devices.empty()) throw std::invalid_argument("devices: a CUDA communicator needs at least one GPU rank");
+  if (channels < 1) throw std::invalid_argument("channels must be >= 1, got " + std::to_string(channels));
+  DeviceGuard guard;
+  ranks_.resize(devices.size());
+  try {
+    for (std::size_t r = 0; r < devices.size(); ++r) {
+      check_ordinal(devices[r], "devices");
+      Rank& k = ranks_[r];
+      k.device = devices[r];
+      MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+      MIRRORED_CUDA_CHECK(cudaDeviceGetAttribute(&k.sms, cudaDevAttrMultiProcessorCount, k.device));
+      k.ready = make_event();
+      for (int c = 0; c < channels_; ++c) {
+        cudaStream_t s = nullptr;
+        MIRRORED_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        k.streams.push_back(s);
+        k.done.push_back(make_event());
+        k.step[0].push_back(make_event());
+        k.step[1].push_back(make_event());
+        k.scratch.push_back(nullptr);
+      }
+    }
+    for (auto& k : ranks_) {
+      for (const auto& q : ranks_) {
+        int can = 0;
+        if (q.device != k.device) MIRRORED_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, k.device, q.device));
+        if (can) {
+          MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+          const cudaError_t err = cudaDeviceEnablePeerAccess(q.device, 0);
+          if (err == cudaErrorPeerAccessAlreadyEnabled) {
+            cudaGetLastError();  // enabled earlier (by us or CuPy): what we wanted
+          } else {
+            check(err, "cudaDeviceEnablePeerAccess");
+          }
+        }
+        k.direct.push_back(q.device == k.device || can);
+      }
+    }
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+CudaRing::~CudaRing() { release(); }
+
+void CudaRing::release() noexcept {
+  DeviceGuard guard;
+  for (auto& k : ranks_) {
+    if (cudaSetDevice(k.device) != cudaSuccess) continue;
+    for (auto s : k.streams) cudaStreamDestroy(s);  // waits for nothing: queued work still completes
+    for (auto* events : {&k.done, &k.step[0], &k.step[1]})
+      for (auto e : *events) cudaEventDestroy(e);
+    if (k.ready) cudaEventDestroy(k.ready);
+    for (auto p : k.scratch)
+      if (p) cudaFree(p);
+  }
+  ranks_.clear();
+}
+
+void CudaRing::begin(int n, const char* what) {
+  if (n != size())
+    throw std::invalid_argument(std::string(what) + ": got " + std::to_string(n) + " buffers for a communicator of " +
+                                std::to_string(size()) + " ranks; pass one buffer per rank");
+  callers_.resize(n);
+  for (int r = 0; r < n; ++r) callers_[r] = current_stream(r, n);
+}
+
+void CudaRing::fork(int used, bool ring) {
+  const int n = size();
+  for (int r = 0; r < n; ++r) {
+    MIRRORED_CUDA_CHECK(cudaSetDevice(ranks_[r].device));
+    MIRRORED_CUDA_CHECK(cudaEventRecord(ranks_[r].ready, callers_[r]));
+  }
+  for (int r = 0; r < n; ++r) {
+    MIRRORED_CUDA_CHECK(cudaSetDevice(ranks_[r].device));
+    for (int c = 0; c < used; ++c) {
+      const cudaStream_t s = ranks_[r].streams[c];
+      if (ring) {
+        MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(s, ranks_[r].ready, 0));
+        MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(s, ranks_[(r + n - 1) % n].ready, 0));
+      } else {
+        for (const auto& q : ranks_) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(s, q.ready, 0));
+      }
+    }
+  }
+}
+
+void CudaRing::join(int used, bool ring) {
+  const int n = size();
+  for (auto& k : ranks_) {
+    MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+    for (int c = 0; c < used; ++c) MIRRORED_CUDA_CHECK(cudaEventRecord(k.done[c], k.streams[c]));
+  }
+  for (int r = 0; r < n; ++r) {
+    MIRRORED_CUDA_CHECK(cudaSetDevice(ranks_[r].device));  // a null caller stream means this device's
+    for (int q = 0; q < n; ++q) {
+      if (ring && q != r && q != (r + 1) % n) continue;
+      for (int c = 0; c < used; ++c) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(callers_[r], ranks_[q].done[c], 0));
+    }
+  }
+}
+
+void* CudaRing::scratch(int r, int c) {
+  void*& p = ranks_[r].scratch[c];
+  if (!p) MIRRORED_CUDA_CHECK(cudaMalloc(&p, chunk_bytes_));
+  return p;
+}
+
+void CudaRing::fold(int r, int c, void* out, const void* a, const void* b, int q, std::size_t count, DType dtype,
+                    ReduceOp op, int mean_div) {
+  Rank& k = ranks_[r];
+  MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+  if (k.direct[q]) {
+    reduce_copy(out, a, b, count, dtype, op, mean_div, k.sms, k.streams[c]);
+    return;
+  }
+  // No peer access: bring q's elements over piece by piece (the copy engine
+  // stages through host memory), then reduce locally.
+  const std::size_t es = dtype_size(dtype);
+  const std::size_t cap = chunk_bytes_ / es;
+  void* s = scratch(r, c);
+  for (std::size_t off = 0; off < count; off += cap) {
+    const std::size_t m = std::min(cap, count - off);
+    MIRRORED_CUDA_CHECK(cudaMemcpyPeerAsync(s, k.device, at(b, off * es), ranks_[q].device, m * es, k.streams[c]));
+    reduce_copy(at(out, off * es), at(a, off * es), s, m, dtype, op, mean_div, k.sms, k.streams[c]);
+  }
+}
+
+void CudaRing::copy(int r, int c, void* dst, const void* src, int q, std::size_t bytes) {
+  if (bytes == 0 || dst == src) return;
+  Rank& k = ranks_[r];
+  MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+  if (ranks_[q].device == k.device) {
+    MIRRORED_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, k.streams[c]));
+  } else {
+    MIRRORED_CUDA_CHECK(cudaMemcpyPeerAsync(dst, k.device, src, ranks_[q].device, bytes, k.streams[c]));
+  }
+}
+
+void CudaRing::gather_rows(int r, void* dst, std::size_t dst_pitch, const void* src, int q, std::size_t width,
+                           std::size_t rows) {
+  if (rows == 1) return copy(r, 0, dst, src, q, width);
+  Rank& k = ranks_[r];
+  MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+  if (ranks_[q].device == k.device) {
+    MIRRORED_CUDA_CHECK(
+        cudaMemcpy2DAsync(dst, dst_pitch, src, width, width, rows, cudaMemcpyDeviceToDevice, k.streams[0]));
+    return;
+  }
+  cudaMemcpy3DPeerParms p{};
+  p.srcPtr = cudaPitchedPtr{const_cast<void*>(src), width, width, rows};
+  p.srcDevice = ranks_[q].device;
+  p.dstPtr = cudaPitchedPtr{dst, dst_pitch, width, rows};
+  p.dstDevice = k.device;
+  p.extent = cudaExtent{width, rows, 1};
+  MIRRORED_CUDA_CHECK(cudaMemcpy3DPeerAsync(&p, k.streams[0]));
+}
+
+Algorithm CudaRing::choose(std::size_t bytes) const {
+  return size() > 2 && bytes < kTreeBelowBytes ? Algorithm::kTree : Algorithm::kRing;
+}
+
+void CudaRing::all_reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
+                          Algorithm algorithm) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DeviceGuard guard;
+  begin(n, "all_reduce");
+  const std::size_t bytes = count * dtype_size(dtype);
+  if (algorithm == Algorithm::kAuto) algorithm = choose(bytes);
+  if (algorithm != Algorithm::kRing && algorithm != Algorithm::kTree)
+    throw std::invalid_argument(std::string("algorithm='") + algorithm_name(algorithm) +
+                                "': CUDA buffers are reduced by 'ring', 'tree' or 'auto' (or 'nccl')");
+  if (bytes == 0) return;
+  if (n == 1) {  // the sum (or mean, min, ...) of one buffer is itself
+    fork(1, false);
+    copy(0, 0, out[0], in[0], 0, bytes);
+    return join(1, false);
+  }
+  if (algorithm == Algorithm::kRing) return ring_all_reduce(in, out, count, dtype, op);
+  tree_all_reduce(in, out, count, dtype, op);
+}
+
+void CudaRing::ring_all_reduce(const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op) {
+  const int n = size();
+  const std::size_t es = dtype_size(dtype);
+  const RingSchedule ring(n, count, chunk_bytes_ / es);
+  const std::size_t slices = ring.num_slices();
+  const int used = static_cast<int>(std::min<std::size_t>(channels_, slices));
+  const ReduceOp combine = combining_op(op);
+  const int mean_div = op == ReduceOp::kMean ? n : 1;
+
+  fork(used, true);
+  // Slice-major issue: every event a wait names has already been recorded,
+  // and slice s runs on channel s % channels beside the other channels' slices.
+  for (std::size_t s = 0; s < slices; ++s) {
+    const int c = static_cast<int>(s % channels_);
+    for (int t = 0; t < ring.num_steps(); ++t) {
+      for (int r = 0; r < n; ++r) {
+        const RingOp o = ring.op(s, t, r);
+        Rank& k = ranks_[r];
+        MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+        // The schedule's one dependency: the predecessor's op of the previous
+        // step. Two events per channel, by step parity, because this rank
+        // records step t before its successor has waited on step t-1.
+        if (t > 0) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(k.streams[c], ranks_[o.peer].step[(t - 1) & 1][c], 0));
+        const std::size_t off = o.offset * es;
+        if (o.verb == RingVerb::kReduceCopy) {
+          const void* theirs = o.peer_input ? in[o.peer] : out[o.peer];
+          fold(r, c, at(out[r], off), at(in[r], off), at(theirs, off), o.peer, o.count, dtype, combine,
+               o.finalize ? mean_div : 1);
+        } else {
+          copy(r, c, at(out[r], off), at(out[o.peer], off), o.peer, o.count * es);
+        }
+        MIRRORED_CUDA_CHECK(cudaEventRecord(k.step[t & 1][c], k.streams[c]));
+      }
+    }
+  }
+  join(used, true);
+}
+
+void CudaRing::tree_all_reduce(const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op) {
+  const int n = size();
+  const TreeSchedule tree(n);
+  const ReduceOp combine = combining_op(op);
+  const int mean_div = op == ReduceOp::kMean ? n : 1;
+  // step[0][0] of a rank: "my latest fold is done", recorded on channel 0.
+  auto latest = [&](int r) { return ranks_[r].step[0][0]; };
+
+  fork(1, false);
+  for (int l = 0; l < tree.num_levels(); ++l) {
+    for (int i = 0; i < tree.num_ops(l); ++i) {
+      const TreeOp o = tree.op(l, i);
+      Rank& k = ranks_[o.dst];
+      MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+      if (!o.src_input) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(k.streams[0], latest(o.src), 0));
+      fold(o.dst, 0, out[o.dst], o.dst_input ? in[o.dst] : out[o.dst], o.src_input ? in[o.src] : out[o.src], o.src,
+           count, dtype, combine, o.finalize ? mean_div : 1);
+      MIRRORED_CUDA_CHECK(cudaEventRecord(latest(o.dst), k.streams[0]));
+    }
+  }
+  // Rank 0 holds the result: hand it to everyone.
+  for (int r = 1; r < n; ++r) {
+    MIRRORED_CUDA_CHECK(cudaSetDevice(ranks_[r].device));
+    MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(ranks_[r].streams[0], latest(0), 0));
+    copy(r, 0, out[r], out[0], 0, count * dtype_size(dtype));
+  }
+  join(1, false);
+}
+
+void CudaRing::broadcast(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, int root) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DeviceGuard guard;
+  begin(n, "broadcast");
+  if (root < 0 || root >= n)
+    throw std::invalid_argument("root=" + std::to_string(root) + " is not a rank; use 0.." + std::to_string(n - 1));
+  const std::size_t bytes = count * dtype_size(dtype);
+  if (bytes == 0) return;
+  fork(1, false);
+  for (int r = 0; r < n; ++r) copy(r, 0, out[r], in[root], root, bytes);
+  join(1, false);
+}
+
+void CudaRing::reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
+                      int root) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DeviceGuard guard;
+  begin(n, "reduce");
+  if (root < 0 || root >= n)
+    throw std::invalid_argument("root=" + std::to_string(root) + " is not a rank; use 0.." + std::to_string(n - 1));
+  const std::size_t bytes = count * dtype_size(dtype);
+  if (bytes == 0) return;
+  fork(1, false);
+  // Fold every other rank into the root's output in turn; only the root's
+  // output is written, as the contract asks.
+  const void* acc = in[root];
+  int folded = 0;
+  for (int q = 0; q < n; ++q) {
+    if (q == root) continue;
+    ++folded;
+    fold(root, 0, out[root], acc, in[q], q, count, dtype, combining_op(op),
+         op == ReduceOp::kMean && folded == n - 1 ? n : 1);
+    acc = out[root];
+  }
+  if (n == 1) copy(root, 0, out[root], in[root], root, bytes);
+  join(1, false);
+}
+
+void CudaRing::all_gather(int n, const void* const* in, void* const* out, const std::size_t* row_bytes,
+                          std::size_t outer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DeviceGuard guard;
+  begin(n, "all_gather");
+  std::size_t pitch = 0;
+  for (int j = 0; j < n; ++j) pitch += row_bytes[j];
+  if (pitch == 0 || outer == 0) return;
+  fork(1, false);
+  for (int r = 0; r < n; ++r) {
+    std::size_t col = 0;
+    for (int j = 0; j < n; ++j) {
+      if (row_bytes[j] > 0) gather_rows(r, at(out[r], col), pitch, in[j], j, row_bytes[j], outer);
+      col += row_bytes[j];
+    }
+  }
+  join(1, false);
+}
+
+}  // namespace mirrored::cuda
