@@ -1,0 +1,271 @@
+"""Who is in a multi-worker job and which task this process is (``tf.distribute.cluster_resolver``).
+
+``TFConfigClusterResolver`` reads the ``TF_CONFIG`` environment variable,
+the JSON that TensorFlow's launchers set on every task::
+
+    {"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"]},
+     "task": {"type": "worker", "index": 0}}
+
+``SimpleClusterResolver`` takes the same facts as arguments. Without
+``TF_CONFIG`` the job is a single local worker. Malformed input raises
+``ValueError`` naming the field and the fix, when the resolver is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+__all__ = ["ClusterSpec", "ClusterResolver", "TFConfigClusterResolver", "SimpleClusterResolver"]
+
+# Task types TensorFlow defines. chief and worker take part in collectives;
+# ps and evaluator are accepted (and ignored by collectives).
+TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+_EXAMPLE = '{"cluster": {"worker": ["host0:2222", "host1:2222"]}, "task": {"type": "worker", "index": 0}}'
+
+
+def _split_address(address, where: str) -> tuple[str, int]:
+    if not isinstance(address, str) or ":" not in address:
+        raise ValueError(f"{where}: address {address!r} is not 'host:port'")
+    host, _, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [ipv6]:port
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{where}: address {address!r} is not 'host:port' with a port in 1..65535")
+    return host, int(port)
+
+
+class ClusterSpec:
+    """The tasks of a job: ``{task_type: [address, ...]}`` (or ``{task_type: {index: address}}``)."""
+
+    def __init__(self, cluster=None):
+        if isinstance(cluster, ClusterSpec):
+            cluster = cluster.as_dict()
+        if cluster is None:
+            cluster = {}
+        if not isinstance(cluster, dict):
+            raise ValueError(f"cluster: expected a dict of task type -> list of 'host:port', got {cluster!r}")
+        self._jobs: dict[str, dict[int, str]] = {}
+        for job, tasks in cluster.items():
+            if not isinstance(job, str) or not job:
+                raise ValueError(f"cluster: task type {job!r} must be a non-empty string")
+            if isinstance(tasks, (list, tuple)):
+                tasks = dict(enumerate(tasks))
+            if not isinstance(tasks, dict):
+                raise ValueError(f"cluster[{job!r}]: expected a list of 'host:port' addresses, got {tasks!r}")
+            table = {}
+            for index, address in tasks.items():
+                try:
+                    index = int(index)
+                except (TypeError, ValueError):
+                    raise ValueError(f"cluster[{job!r}]: task index {index!r} is not an integer") from None
+                _split_address(address, f"cluster[{job!r}][{index}]")
+                table[index] = address
+            self._jobs[job] = dict(sorted(table.items()))
+
+    @property
+    def jobs(self) -> list[str]:
+        return sorted(self._jobs)
+
+    def num_tasks(self, job_name: str) -> int:
+        return len(self._job(job_name))
+
+    def task_indices(self, job_name: str) -> list[int]:
+        return list(self._job(job_name))
+
+    def task_address(self, job_name: str, task_index: int) -> str:
+        tasks = self._job(job_name)
+        if task_index not in tasks:
+            raise ValueError(f"task_index={task_index!r}: job {job_name!r} has tasks {list(tasks)}")
+        return tasks[task_index]
+
+    def job_tasks(self, job_name: str) -> list:
+        """Addresses by index; a gap in a sparse job is None."""
+        tasks = self._job(job_name)
+        return [tasks.get(i) for i in range(max(tasks) + 1)] if tasks else []
+
+    def as_dict(self) -> dict:
+        """Lists for dense jobs, ``{index: address}`` for sparse ones (TensorFlow's shape)."""
+        return {job: (list(t.values()) if list(t) == list(range(len(t))) else dict(t))
+                for job, t in self._jobs.items()}
+
+    def _job(self, job_name: str) -> dict[int, str]:
+        if job_name not in self._jobs:
+            raise ValueError(f"job_name={job_name!r} is not in the cluster; its jobs are {self.jobs}")
+        return self._jobs[job_name]
+
+    def __bool__(self) -> bool:
+        return bool(self._jobs)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ClusterSpec) and self._jobs == other._jobs
+
+    def __repr__(self) -> str:
+        return f"ClusterSpec({self.as_dict()!r})"
+
+
+def _validate(spec: ClusterSpec, task_type, task_id, source: str) -> None:
+    """The checks a multi-worker job relies on: known types, one chief, unique addresses, a task inside the cluster."""
+    for job in spec.jobs:
+        if job not in TASK_TYPES:
+            raise ValueError(f"{source}: unknown task type {job!r} in cluster; use {', '.join(TASK_TYPES)}")
+    if spec and "chief" in spec.jobs and spec.num_tasks("chief") != 1:
+        raise ValueError(f"{source}: cluster['chief'] must list exactly one task, got {spec.num_tasks('chief')}")
+    seen: dict[tuple[str, int], str] = {}
+    for job in spec.jobs:
+        for index in spec.task_indices(job):
+            address = spec.task_address(job, index)
+            key = _split_address(address, f"{source}: cluster[{job!r}][{index}]")
+            if key in seen:
+                raise ValueError(f"{source}: {job}:{index} and {seen[key]} share the address {address!r}; "
+                                 "every task needs its own host:port")
+            seen[key] = f"{job}:{index}"
+    if task_type is None:
+        return
+    if task_type not in TASK_TYPES:
+        raise ValueError(f"{source}: unknown task type {task_type!r}; use {', '.join(TASK_TYPES)}")
+    if isinstance(task_id, bool) or not isinstance(task_id, int):
+        raise ValueError(f"{source}: task index {task_id!r} must be an integer")
+    # An evaluator may run outside the cluster, as in TensorFlow.
+    if task_type == "evaluator" and "evaluator" not in spec.jobs:
+        return
+    if task_type not in spec.jobs:
+        raise ValueError(f"{source}: task type {task_type!r} has no tasks in cluster {spec.as_dict()}")
+    if task_id not in spec.task_indices(task_type):
+        raise ValueError(f"{source}: task index {task_id} is out of range for {task_type!r}, "
+                         f"which has tasks {spec.task_indices(task_type)}")
+
+
+class ClusterResolver:
+    """Base class: ``cluster_spec()``, ``master()``, ``num_accelerators()``, task and rpc-layer properties."""
+
+    def __init__(self, task_type=None, task_id=None, rpc_layer=None, environment=""):
+        self._task_type = task_type
+        self._task_id = task_id
+        self._rpc_layer = rpc_layer
+        self._environment = environment
+
+    def cluster_spec(self) -> ClusterSpec:
+        raise NotImplementedError
+
+    @property
+    def task_type(self):
+        return self._task_type
+
+    @task_type.setter
+    def task_type(self, value):
+        self._task_type = value
+
+    @property
+    def task_id(self):
+        return self._task_id
+
+    @task_id.setter
+    def task_id(self, value):
+        self._task_id = value
+
+    @property
+    def rpc_layer(self):
+        return self._rpc_layer
+
+    @rpc_layer.setter
+    def rpc_layer(self, value):
+        self._rpc_layer = value
+
+    @property
+    def environment(self) -> str:
+        return self._environment
+
+    def master(self, task_type=None, task_id=None, rpc_layer=None) -> str:
+        """Address of a task (this one by default), prefixed with ``rpc_layer://`` when there is one."""
+        task_type = self.task_type if task_type is None else task_type
+        task_id = self.task_id if task_id is None else task_id
+        spec = self.cluster_spec()
+        if task_type is None or not spec:
+            return ""
+        address = spec.task_address(task_type, task_id)
+        layer = rpc_layer or self.rpc_layer
+        return f"{layer}://{address}" if layer else address
+
+    def num_accelerators(self, task_type=None, task_id=None, config_proto=None) -> dict:
+        """Accelerators of this machine, ``{"GPU": n}`` (empty without GPUs)."""
+        from . import config
+
+        n = len(config.list_physical_devices("GPU"))
+        return {"GPU": n} if n else {}
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(cluster={self.cluster_spec().as_dict()}, task_type={self.task_type!r}, "
+                f"task_id={self.task_id!r})")
+
+
+class TFConfigClusterResolver(ClusterResolver):
+    """The job described by the ``TF_CONFIG`` environment variable (read once, when built)."""
+
+    def __init__(self, task_type=None, task_id=None, rpc_layer=None, environment=None):
+        raw = os.environ.get("TF_CONFIG", "").strip()
+        config = self._parse(raw) if raw else {}
+        task = config.get("task", {})
+        self._spec = ClusterSpec(config.get("cluster", {}))
+        super().__init__(
+            task_type=task.get("type") if task_type is None else task_type,
+            task_id=task.get("index") if task_id is None else task_id,
+            rpc_layer=config.get("rpc_layer") if rpc_layer is None else rpc_layer,
+            environment=config.get("environment", "") if environment is None else environment,
+        )
+        if self._task_type is not None and self._task_id is None:
+            self._task_id = 0
+        _validate(self._spec, self._task_type, self._task_id, "TF_CONFIG")
+
+    @staticmethod
+    def _parse(raw: str) -> dict:
+        try:
+            config = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"TF_CONFIG is not valid JSON ({e}); expected e.g. {_EXAMPLE}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"TF_CONFIG must be a JSON object, got {type(config).__name__}; expected e.g. {_EXAMPLE}")
+        if not isinstance(config.get("cluster", {}), dict):
+            raise ValueError(f"TF_CONFIG['cluster'] must be an object of task type -> addresses; e.g. {_EXAMPLE}")
+        task = config.get("task", {})
+        if not isinstance(task, dict):
+            raise ValueError(f"TF_CONFIG['task'] must be an object like {{\"type\": \"worker\", \"index\": 0}}")
+        if task and "type" not in task:
+            raise ValueError("TF_CONFIG['task'] has no 'type'; set it to chief, worker, ps or evaluator")
+        if "index" in task:
+            index = task["index"]
+            if isinstance(index, str) and index.strip().isdigit():
+                index = int(index)  # TensorFlow accepts "0" too
+            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+                raise ValueError(f"TF_CONFIG['task']['index']={task['index']!r} must be a non-negative integer")
+            task["index"] = index
+        return config
+
+    def cluster_spec(self) -> ClusterSpec:
+        return self._spec
+
+
+class SimpleClusterResolver(ClusterResolver):
+    """A job given directly: a ``ClusterSpec`` (or dict) and this task's type and index."""
+
+    def __init__(self, cluster_spec, master="", task_type=None, task_id=None, environment="",
+                 num_accelerators=None, rpc_layer=None):
+        super().__init__(task_type=task_type, task_id=task_id, rpc_layer=rpc_layer, environment=environment)
+        self._spec = ClusterSpec(cluster_spec)
+        self._master = master
+        self._num_accelerators = num_accelerators
+        if task_type is not None and task_id is None:
+            self._task_id = 0
+        _validate(self._spec, self._task_type, self._task_id, "SimpleClusterResolver")
+
+    def cluster_spec(self) -> ClusterSpec:
+        return self._spec
+
+    def master(self, task_type=None, task_id=None, rpc_layer=None) -> str:
+        if task_type is None and task_id is None and self._master:
+            return self._master
+        return super().master(task_type, task_id, rpc_layer)
+
+    def num_accelerators(self, task_type=None, task_id=None, config_proto=None) -> dict:
+        if self._num_accelerators is not None:
+            return dict(self._num_accelerators)
+        return super().num_accelerators(task_type, task_id, config_proto)

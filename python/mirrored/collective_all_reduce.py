@@ -1,0 +1,284 @@
+"""Collectives that span every replica of every worker of a multi-worker job.
+
+A call is hierarchical: this process's replicas are combined natively first,
+one buffer per process crosses the network (Gloo over TCP for host buffers,
+NCCL for device buffers), and the result comes back to every local replica.
+Replica ``g`` of the job is local replica ``g % n`` of worker ``g // n``
+(workers ordered chief first, then ``worker:0``, ``worker:1``, ...).
+
+:class:`CollectiveGroup` has the functions of :mod:`mirrored.collectives`
+with job-wide meaning; :class:`CollectiveAllReduce` is the ``CrossDeviceOps``
+that ``MultiWorkerMirroredStrategy`` routes every reduction through.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from . import collectives, timeline
+from ._dtypes import dtype_code, op_code
+
+__all__ = ["CollectiveGroup", "CollectiveAllReduce", "job_token", "GLOO_MISSING"]
+
+GLOO_MISSING = (
+    "multi-worker collectives need mirrored's _net extension, built when Gloo is installed: "
+    "run `apt-get install libgloo-dev` (Debian/Ubuntu) and reinstall mirrored (`pip install .`)"
+)
+# How long workers wait for each other at start-up when CommunicationOptions sets no timeout.
+DEFAULT_RENDEZVOUS_SECONDS = 300.0
+# all_gather exchanges shapes as fixed-length records: ndim, dtype, then the padded shape.
+_MAX_DIMS = 32
+
+
+def net():
+    """The ``_net`` extension, or a RuntimeError naming the fix."""
+    try:
+        from . import _net
+    except ImportError:
+        raise RuntimeError(GLOO_MISSING) from None
+    return _net
+
+
+def job_token(cluster: dict) -> str:
+    """The secret the store admits: ``MIRRORED_JOB_TOKEN`` if set, else a digest of the cluster.
+
+    The digest keeps out tasks of other jobs and stray connections; set
+    ``MIRRORED_JOB_TOKEN`` (the same on every task) to keep out anyone who
+    could read the cluster's addresses.
+    """
+    token = os.environ.get("MIRRORED_JOB_TOKEN")
+    if token:
+        return token
+    canonical = json.dumps(cluster, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class CollectiveGroup:
+    """The processes of one job, joined: a store (served by task 0), a Gloo mesh, NCCL on demand.
+
+    ``tasks`` names the participants in rank order (``"chief:0"``,
+    ``"worker:0"``, ...) and ``addresses`` their ``host:port``; this process
+    is ``rank``. Every participant must build its group at the same point of
+    its program, with the same ``scope`` and the same number of
+    ``local_replicas``. ``timeout`` (seconds or None) bounds every
+    collective; start-up waits for ``timeout`` or DEFAULT_RENDEZVOUS_SECONDS.
+    """
+
+    def __init__(self, tasks, addresses, rank, local_replicas, *, token, timeout=None, scope="mirrored",
+                 devices=None):
+        _net = net()
+        self.tasks = list(tasks)
+        self.rank = rank
+        self.num_workers = len(self.tasks)
+        self.local_replicas = local_replicas
+        self.num_replicas = local_replicas * self.num_workers
+        self.devices = devices
+        self._timeout = timeout
+        self._scope = scope
+        self._server = None
+        self._nccl = None
+        store_host, store_port = _host_port(addresses[0])
+        my_host, _ = _host_port(addresses[rank])
+        rendezvous = timeout if timeout is not None else DEFAULT_RENDEZVOUS_SECONDS
+        if rank == 0:
+            # Binding exactly the configured address: nobody else can serve this job's store.
+            self._server = _net.StoreServer(store_host, store_port, token, self.num_workers)
+        try:
+            self.store = _net.StoreClient(store_host, store_port, token, rank, self.tasks[0], rendezvous)
+            self._gloo = _net.GlooCommunicator(self.store, self.tasks, local_replicas, my_host,
+                                               0.0 if timeout is None else timeout, scope)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Tears down NCCL, the Gloo mesh, the store connection and (on task 0) the store."""
+        self._nccl = None
+        self._gloo = None
+        self.store = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    # -- the functions of mirrored.collectives, across the job ----------------
+
+    def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto"):
+        if collectives._on_gpu(buffers):
+            return self._device().all_reduce(buffers, op, out=out)
+        arrays, code = collectives._inputs(buffers, "buffers")
+        opc, algo = op_code(op), collectives._algorithm(algorithm)
+        outs, finish = collectives._outputs(out, arrays, "out")
+        with timeline.span("all_reduce[workers]", arrays[0].nbytes, algorithm, self.num_replicas):
+            self._comm().all_reduce(arrays, outs, arrays[0].size, code, opc, algo)
+        return finish()
+
+    def broadcast(self, buffers, root=0, *, out=None):
+        if collectives._on_gpu(buffers):
+            return self._device().broadcast(buffers, root, out=out)
+        arrays, code = collectives._inputs(buffers, "buffers")
+        root = collectives._root(root, self.num_replicas)
+        outs, finish = collectives._outputs(out, arrays, "out")
+        with timeline.span("broadcast[workers]", arrays[0].nbytes, "gloo", self.num_replicas):
+            self._comm().broadcast(arrays, outs, arrays[0].size, code, root)
+        return finish()
+
+    def reduce(self, buffers, op="sum", root=0, *, out=None):
+        """The job-wide reduction, returned on the worker that holds replica ``root`` (None elsewhere)."""
+        if collectives._on_gpu(buffers):
+            return self._device().reduce(buffers, op, root, out=out)
+        arrays, code = collectives._inputs(buffers, "buffers")
+        opc = op_code(op)
+        root = collectives._root(root, self.num_replicas)
+        local_root = root % self.local_replicas
+        if out is None:
+            target, finish = np.empty_like(arrays[local_root]), None
+            targets = [target] * len(arrays)
+        else:
+            targets, finish = collectives._outputs(out, arrays, "out")
+            target = targets[local_root]
+        with timeline.span("reduce[workers]", arrays[0].nbytes, "gloo", self.num_replicas):
+            self._comm().reduce(arrays, targets, arrays[0].size, code, opc, root)
+        if root // self.local_replicas != self.rank:
+            return None
+        return target if finish is None else finish()[local_root]
+
+    def all_gather(self, buffers, axis=0):
+        """Every local replica gets the concatenation along ``axis`` of all replicas of the job."""
+        if collectives._on_gpu(buffers):
+            return self._device().all_gather(buffers, axis)
+        arrays, code = collectives._inputs(buffers, "buffers", same_shape=False)
+        first = arrays[0]
+        if first.ndim == 0 or first.ndim > _MAX_DIMS:
+            raise ValueError(f"all_gather: buffers are {first.ndim}-d; gather needs 1..{_MAX_DIMS} dimensions "
+                             "(use x[None] for a scalar)")
+        if not isinstance(axis, (int, np.integer)) or not -first.ndim <= axis < first.ndim:
+            raise ValueError(f"axis={axis!r} is out of range for {first.ndim}-d buffers; use 0..{first.ndim - 1}")
+        axis = int(axis) % first.ndim
+        # Shapes may differ between workers along `axis` only: every worker
+        # checks the whole table, so every worker raises the same error.
+        mine = [first.ndim, code]
+        for a in arrays:
+            mine += list(a.shape) + [0] * (_MAX_DIMS - a.ndim)
+        table = np.asarray(self._comm().exchange(mine), dtype=np.int64).reshape(self.num_workers, -1)
+        shapes = []
+        for w, row in enumerate(table):
+            if (row[0], row[1]) != (first.ndim, code):
+                raise ValueError(f"all_gather: task {self.tasks[w]} passes {row[0]}-d buffers of dtype code "
+                                 f"{row[1]}, task {self.tasks[self.rank]} {first.ndim}-d of {first.dtype}; every "
+                                 "replica must pass the same dtype and number of dimensions")
+            for j in range(self.local_replicas):
+                shape = tuple(int(d) for d in row[2 + j * _MAX_DIMS: 2 + j * _MAX_DIMS + first.ndim])
+                if shape[:axis] != first.shape[:axis] or shape[axis + 1:] != first.shape[axis + 1:]:
+                    raise ValueError(f"all_gather: a replica of task {self.tasks[w]} has shape {shape} but "
+                                     f"{self.tasks[self.rank]} has {first.shape}; shapes may differ along "
+                                     f"axis {axis} only")
+                shapes.append(shape)
+        outer = int(np.prod(first.shape[:axis], dtype=np.int64))
+        inner = int(np.prod(first.shape[axis + 1:], dtype=np.int64)) * first.itemsize
+        total = first.shape[:axis] + (sum(s[axis] for s in shapes),) + first.shape[axis + 1:]
+        outs = [np.empty(total, first.dtype) for _ in arrays]
+        with timeline.span("all_gather[workers]", first.nbytes, "gloo", self.num_replicas):
+            self._comm().all_gather(arrays, outs, [a.shape[axis] * inner for a in arrays], outer)
+        return outs
+
+    def batch_all_reduce(self, per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None,
+                         algorithm="auto"):
+        """All-reduce many tensors per replica, fused: one network all-reduce per pack.
+
+        Tensors of one dtype are packed into flat buffers of at most
+        ``bytes_per_pack`` bytes (or into ``num_packs`` packs; neither: one
+        pack per dtype), so a step's gradients cross the network in a few
+        large messages instead of many small ones.
+        """
+        n = len(per_replica_lists)
+        tensors0 = per_replica_lists[0] if n else []
+        if not tensors0:
+            return [[] for _ in range(n)]
+        if collectives._on_gpu([tensors0[0]]):
+            return self._device().batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
+                                                   num_packs=num_packs)
+        columns = []
+        for t in range(len(tensors0)):
+            if any(len(lst) != len(tensors0) for lst in per_replica_lists):
+                raise ValueError("per_replica_lists: every replica must pass the same number of tensors")
+            columns.append(collectives._inputs([lst[t] for lst in per_replica_lists], f"per_replica_lists[*][{t}]")[0])
+        results = [[None] * len(columns) for _ in range(n)]
+        for pack in _packs(columns, bytes_per_pack, num_packs):
+            flat = [np.concatenate([columns[t][r].reshape(-1) for t in pack]) for r in range(n)]
+            self.all_reduce(flat, op, out=flat, algorithm=algorithm)
+            for r in range(n):
+                at = 0
+                for t in pack:
+                    size = columns[t][r].size
+                    results[r][t] = flat[r][at:at + size].reshape(columns[t][r].shape)
+                    at += size
+        return results
+
+    def barrier(self) -> None:
+        self._comm().barrier()
+
+    # -- engines --------------------------------------------------------------
+
+    def _comm(self):
+        if self._gloo is None:
+            raise RuntimeError("this multi-worker group was closed; create a new strategy")
+        return self._gloo
+
+    def _device(self):
+        """The NCCL communicator over every GPU of the job, made on first use.
+
+        Task 0 draws NCCL's unique id and publishes it through the store; all
+        processes then join one NCCL communicator in which local GPU ``i`` of
+        worker ``w`` is rank ``w * n + i``.
+        """
+        if self._nccl is None:
+            try:
+                from . import _cuda
+            except ImportError as e:
+                raise RuntimeError(f"GPU replicas across workers need mirrored's CUDA extension ({e}); reinstall "
+                                   "mirrored on a machine with nvcc, or use CPU replicas") from None
+            key = f"{self._scope}/nccl-unique-id"
+            if self.rank == 0:
+                self.store.set(key, bytes(_cuda.nccl_unique_id()))
+            wait = self._timeout if self._timeout is not None else DEFAULT_RENDEZVOUS_SECONDS
+            if self.store.wait([key], wait):
+                raise net().PeerTimeoutError(f"task {self.tasks[0]} did not publish NCCL's unique id within "
+                                             f"{wait} s")
+            unique_id = self.store.get(key)
+            ordinals = [int(str(d).rsplit(":", 1)[-1]) for d in self.devices]
+            self._nccl = _cuda.NcclCommunicator(unique_id, self.rank * self.local_replicas, self.num_replicas,
+                                                ordinals)
+        return self._nccl
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _packs(columns, bytes_per_pack, num_packs):
+    """Lists of tensor indices to fuse: same dtype, in order, split by size or count."""
+    by_dtype: dict = {}
+    for t, column in enumerate(columns):
+        by_dtype.setdefault(column[0].dtype, []).append(t)
+    for tensors in by_dtype.values():
+        if num_packs:
+            k = max(1, min(int(num_packs), len(tensors)))
+            bounds = np.linspace(0, len(tensors), k + 1).astype(int)
+            yield from (tensors[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+        elif bytes_per_pack:
+            pack, size = [], 0
+            for t in tensors:
+                nbytes = columns[t][0].nbytes
+                if pack and size + nbytes > bytes_per_pack:
+                    yield pack
+                    pack, size = [], 0
+                pack.append(t)
+                size += nbytes
+            yield pack
+        else:
+            yield tensors
