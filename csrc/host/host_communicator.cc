@@ -20,6 +20,9 @@ constexpr std::size_t kBlockBytes = 16 * 1024;
 constexpr std::size_t kRingChunkBytes = 16 * 1024;
 // Below this many bytes touched, waking the pool costs more than it saves.
 constexpr std::size_t kParallelBytes = 256 * 1024;
+// Bytes of each buffer one pool item covers: large enough to amortise the
+// claim, small enough to balance two to sixteen threads.
+constexpr std::size_t kItemBytes = 64 * 1024;
 // Replicas per batched call (bounds the per-worker pointer arrays).
 constexpr int kMaxReplicas = 256;
 
@@ -39,10 +42,24 @@ void check_root(int n, int root, const char* what) {
 
 HostCommunicator::HostCommunicator(ThreadPool& pool) : pool_(pool), kernels_(reduce_kernels()) {}
 
-int HostCommunicator::workers_for(std::size_t bytes_touched) const {
-  if (bytes_touched < kParallelBytes) return 1;
-  return std::max<int>(1, std::min<std::size_t>(pool_.size(), bytes_touched / (kParallelBytes / 2)));
+template <typename Fn>
+void HostCommunicator::for_items(std::size_t items, std::size_t bytes_touched, Fn&& fn) {
+  if (bytes_touched < kParallelBytes) {
+    for (std::size_t i = 0; i < items; ++i) fn(i);
+  } else {
+    pool_.parallel_for(items, fn);
+  }
 }
+
+namespace {
+// Items of kItemBytes over [0, count): item i is [i * per, min(count, (i + 1) * per)).
+struct Items {
+  std::size_t count, per;
+  Items(std::size_t count_, std::size_t es) : count(count_), per(std::max<std::size_t>(1, kItemBytes / es)) {}
+  std::size_t size() const { return (count + per - 1) / per; }
+  Range operator[](std::size_t i) const { return {i * per, std::min(count, (i + 1) * per)}; }
+};
+}  // namespace
 
 Algorithm HostCommunicator::choose(int n, std::size_t bytes) {
   // Crossovers measured with `python -m mirrored.bench all_reduce --algo ...`
@@ -90,11 +107,9 @@ void HostCommunicator::all_reduce(int n, const void* const* in, void* const* out
     case Algorithm::kDirect:
     case Algorithm::kAuto: break;
   }
-  const std::size_t es = dtype_size(dtype);
-  const int workers = workers_for(2 * n * count * es);
-  pool_.run(workers, [&](int w) {
-    const Range r = partition(count, es, w, workers);
-    fold_range(n, in, out, 0, true, r.begin, r.end, dtype, op);
+  const Items items(count, dtype_size(dtype));
+  for_items(items.size(), 2 * n * count * dtype_size(dtype), [&](std::size_t i) {
+    fold_range(n, in, out, 0, true, items[i].begin, items[i].end, dtype, op);
   });
 }
 
@@ -106,12 +121,10 @@ void HostCommunicator::ring(int n, const void* const* in, void* const* out, std:
     return;
   }
   const RingSchedule schedule(n, count, std::max<std::size_t>(1, kRingChunkBytes / es));
-  const std::size_t slices = schedule.num_slices();
-  const int workers = std::min<std::size_t>(workers_for(2 * n * count * es), slices);
-  pool_.run(workers, [&](int w) {
-    // Slices are independent; within one, running steps in order satisfies
-    // every op's single dependency (the peer's previous step).
-    for (std::size_t s = w; s < slices; s += workers) {
+  // Slices are independent pool items; within one, running the steps in
+  // order satisfies every op's single dependency (the peer's previous step).
+  for_items(schedule.num_slices(), 2 * n * count * es, [&](std::size_t s) {
+    {
       for (int step = 0; step < schedule.num_steps(); ++step) {
         for (int rank = 0; rank < n; ++rank) {
           const RingOp o = schedule.op(s, step, rank);
@@ -136,9 +149,9 @@ void HostCommunicator::tree(int n, const void* const* in, void* const* out, std:
   const std::size_t es = dtype_size(dtype);
   const TreeSchedule schedule(n);
   const std::size_t block = std::max<std::size_t>(1, kBlockBytes / es);
-  const int workers = workers_for(2 * n * count * es);
-  pool_.run(workers, [&](int w) {
-    const Range r = partition(count, es, w, workers);
+  const Items items(count, es);
+  for_items(items.size(), 2 * n * count * es, [&](std::size_t i) {
+    const Range r = items[i];
     for (std::size_t b = r.begin; b < r.end; b += block) {
       const std::size_t m = std::min(block, r.end - b);
       const std::size_t off = b * es;
@@ -162,9 +175,9 @@ void HostCommunicator::broadcast(int n, const void* const* in, void* const* out,
   check_n(n, "broadcast");
   check_root(n, root, "broadcast");
   const std::size_t bytes = count * dtype_size(dtype);
-  const int workers = workers_for(2 * n * bytes);
-  pool_.run(workers, [&](int w) {
-    const Range r = partition(bytes, 1, w, workers);
+  const Items items(bytes, 1);
+  for_items(items.size(), 2 * n * bytes, [&](std::size_t i) {
+    const Range r = items[i];
     for (int k = 0; k < n; ++k)
       if (out[k] != in[root] && r.size()) std::memcpy(at(out[k], r.begin), at(in[root], r.begin), r.size());
   });
@@ -174,11 +187,9 @@ void HostCommunicator::reduce(int n, const void* const* in, void* const* out, st
                               ReduceOp op, int root) {
   check_n(n, "reduce");
   check_root(n, root, "reduce");
-  const std::size_t es = dtype_size(dtype);
-  const int workers = workers_for((n + 1) * count * es);
-  pool_.run(workers, [&](int w) {
-    const Range r = partition(count, es, w, workers);
-    fold_range(n, in, out, root, false, r.begin, r.end, dtype, op);
+  const Items items(count, dtype_size(dtype));
+  for_items(items.size(), (n + 1) * count * dtype_size(dtype), [&](std::size_t i) {
+    fold_range(n, in, out, root, false, items[i].begin, items[i].end, dtype, op);
   });
 }
 
@@ -188,10 +199,11 @@ void HostCommunicator::all_gather(int n, const void* const* in, void* const* out
   std::size_t row = 0;
   for (int j = 0; j < n; ++j) row += row_bytes[j];
   const std::size_t total = row * outer;
-  const int workers = workers_for(2 * n * total);
-  pool_.run(workers, [&](int w) {
-    // Each worker fills the byte range [begin, end) of every output.
-    const Range r = partition(total, 1, w, workers);
+  if (row == 0) return;
+  const Items items(total, 1);
+  for_items(items.size(), 2 * n * total, [&](std::size_t item) {
+    // Each item fills the byte range [begin, end) of every output.
+    const Range r = items[item];
     std::size_t pos = r.begin;
     while (pos < r.end) {
       const std::size_t i = pos / row;  // row index
@@ -240,15 +252,24 @@ void HostCommunicator::batch_all_reduce(int n, int ntensors, const void* const* 
   if (algorithm == Algorithm::kDirect) {
     // Direct needs no contiguous buffer: every worker folds its share of each
     // tensor in place of a pack, in one pass over the pool (zero-copy fusion).
-    const int workers = workers_for(2 * n * total);
-    pool_.run(workers, [&](int w) {
+    // Items are kItemBytes-sized pieces of the tensors laid end to end; a
+    // piece may span several small tensors.
+    const Items items(total, 1);
+    for_items(items.size(), 2 * n * total, [&](std::size_t i) {
       const void* tin[kMaxReplicas];
       void* tout[kMaxReplicas];
-      for (int t = 0; t < ntensors; ++t) {
-        const Range r = partition(counts[t], dtype_size(dtypes[t]), w, workers);
-        if (r.size() == 0) continue;
-        for (int k = 0; k < n; ++k) tin[k] = in[k * ntensors + t], tout[k] = out[k * ntensors + t];
-        fold_range(n, tin, tout, 0, true, r.begin, r.end, dtypes[t], op);
+      const Range piece = items[i];
+      std::size_t start = 0;  // byte offset of tensor t in the virtual concatenation
+      for (int t = 0; t < ntensors && start < piece.end; ++t) {
+        const std::size_t es = dtype_size(dtypes[t]);
+        const std::size_t bytes = counts[t] * es;
+        const std::size_t lo = std::max(piece.begin, start), hi = std::min(piece.end, start + bytes);
+        if (lo < hi) {
+          for (int k = 0; k < n; ++k) tin[k] = in[k * ntensors + t], tout[k] = out[k * ntensors + t];
+          // Piece boundaries are multiples of kItemBytes, hence of every element size.
+          fold_range(n, tin, tout, 0, true, (lo - start) / es, (hi - start) / es, dtypes[t], op);
+        }
+        start += bytes;
       }
     });
     return;
@@ -267,15 +288,12 @@ void HostCommunicator::batch_all_reduce(int n, int ntensors, const void* const* 
     bufs[k] = fusion_[k].data();
   }
   for (const Pack& p : packs) {
-    const int workers = workers_for(2 * n * p.bytes);
-    pool_.run(workers, [&](int w) {
-      for (int k = w; k < n; k += workers)
-        for (const PackEntry& e : p.entries) std::memcpy(at(bufs[k], e.offset), in[k * ntensors + e.tensor], e.bytes);
+    for_items(n, 2 * n * p.bytes, [&](std::size_t k) {
+      for (const PackEntry& e : p.entries) std::memcpy(at(bufs[k], e.offset), in[k * ntensors + e.tensor], e.bytes);
     });
     all_reduce(n, bufs.data(), bufs.data(), p.bytes / dtype_size(p.dtype), p.dtype, op, algorithm);
-    pool_.run(workers, [&](int w) {
-      for (int k = w; k < n; k += workers)
-        for (const PackEntry& e : p.entries) std::memcpy(out[k * ntensors + e.tensor], at(bufs[k], e.offset), e.bytes);
+    for_items(n, 2 * n * p.bytes, [&](std::size_t k) {
+      for (const PackEntry& e : p.entries) std::memcpy(out[k * ntensors + e.tensor], at(bufs[k], e.offset), e.bytes);
     });
   }
 }

@@ -40,7 +40,11 @@ class HostCommunicator final : public Communicator {
   const char* isa() const { return kernels_.isa; }
 
  private:
-  int workers_for(std::size_t bytes_touched) const;
+  // Runs fn(item) for items in [0, items): inline when the job touches
+  // fewer than kParallelBytes (waking the pool would cost more), else on the
+  // pool.
+  template <typename Fn>
+  void for_items(std::size_t items, std::size_t bytes_touched, Fn&& fn);
   void ring(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op);
   void tree(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op);
   // Folds [begin, end) of all inputs into out[first] and copies it to the

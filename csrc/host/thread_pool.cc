@@ -16,10 +16,11 @@ static inline void cpu_relax() {}
 namespace mirrored {
 
 namespace {
-// How long an idle worker polls for the next job before sleeping. Long
-// enough to cover the gap between back-to-back collectives from Python,
-// short enough not to steal a core from replica threads on a small machine.
+// How long an idle worker polls for the next job before sleeping: covers
+// the gap between back-to-back collectives from Python, yet short enough not
+// to steal a core from replica threads on a small machine.
 constexpr auto kSpin = std::chrono::microseconds(50);
+constexpr std::uint64_t kIndexMask = (std::uint64_t{1} << 40) - 1;
 
 int default_threads() {
   if (const char* env = std::getenv("MIRRORED_NUM_THREADS")) {
@@ -35,7 +36,7 @@ int default_threads() {
 }  // namespace
 
 ThreadPool::ThreadPool(int num_threads) {
-  for (int w = 1; w < std::max(1, num_threads); ++w) workers_.emplace_back([this, w] { worker_loop(w); });
+  for (int w = 1; w < std::max(1, num_threads); ++w) workers_.emplace_back([this] { worker_loop(); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -48,54 +49,70 @@ ThreadPool::~ThreadPool() {
 }
 
 ThreadPool& ThreadPool::global() {
-  // Leaked on purpose: worker threads must outlive every static destructor
-  // that might still run a collective at interpreter exit.
+  // Leaked on purpose: workers must outlive every static destructor that
+  // might still run a collective at interpreter exit.
   static ThreadPool* pool = new ThreadPool(default_threads());
   return *pool;
 }
 
-void ThreadPool::dispatch(int nworkers, Task task, void* ctx) {
+void ThreadPool::work_on(std::uint64_t generation) {
+  std::uint64_t cur = cursor_.load(std::memory_order_acquire);
+  for (;;) {
+    if ((cur >> kIndexBits) != generation) return;
+    const std::size_t item = cur & kIndexMask;
+    if (item >= items_.load(std::memory_order_relaxed)) return;
+    if (!cursor_.compare_exchange_weak(cur, cur + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+    // The claim succeeded, so this job cannot finish (and be replaced)
+    // before this item is done: its description is stable.
+    task_.load(std::memory_order_relaxed)(ctx_.load(std::memory_order_relaxed), item);
+    done_.fetch_add(1, std::memory_order_acq_rel);
+    cur = cursor_.load(std::memory_order_acquire);
+  }
+}
+
+void ThreadPool::dispatch(std::size_t items, Task task, void* ctx) {
   std::lock_guard<std::mutex> submit(submit_mu_);
-  nworkers = std::min(nworkers, size());
   task_.store(task, std::memory_order_relaxed);
   ctx_.store(ctx, std::memory_order_relaxed);
-  pending_.store(nworkers - 1, std::memory_order_relaxed);
+  items_.store(items, std::memory_order_relaxed);
+  done_.store(0, std::memory_order_relaxed);
+  std::uint64_t generation;
   {
     // Publishing under the mutex pairs with the sleepers' predicate check.
     std::lock_guard<std::mutex> lock(mu_);
-    const std::uint64_t gen = (job_.load(std::memory_order_relaxed) >> 16) + 1;
-    job_.store((gen << 16) | static_cast<std::uint64_t>(nworkers), std::memory_order_release);
+    generation = (cursor_.load(std::memory_order_relaxed) >> kIndexBits) + 1;
+    cursor_.store(generation << kIndexBits, std::memory_order_release);
   }
   wake_.notify_all();
-  task(ctx, 0);
-  while (pending_.load(std::memory_order_acquire) != 0) cpu_relax();
+  work_on(generation);
+  // Items claimed by workers may still run; let them finish.
+  for (int spins = 0; done_.load(std::memory_order_acquire) != items; ++spins) {
+    if (spins < 1024) {
+      cpu_relax();
+    } else {
+      std::this_thread::yield();  // a claimant may be waiting for this core
+    }
+  }
 }
 
-void ThreadPool::worker_loop(int worker) {
+void ThreadPool::worker_loop() {
   std::uint64_t seen = 0;  // generation of the last job looked at
-  auto generation = [](std::uint64_t job) { return job >> 16; };
+  auto generation = [this] { return cursor_.load(std::memory_order_acquire) >> kIndexBits; };
   for (;;) {
-    // Poll first, then sleep until the generation moves on.
     const auto deadline = std::chrono::steady_clock::now() + kSpin;
-    std::uint64_t job = job_.load(std::memory_order_acquire);
-    while (generation(job) == seen && !stop_.load(std::memory_order_relaxed) &&
-           std::chrono::steady_clock::now() < deadline) {
+    std::uint64_t gen = generation();
+    while (gen == seen && !stop_.load(std::memory_order_relaxed) && std::chrono::steady_clock::now() < deadline) {
       for (int i = 0; i < 64; ++i) cpu_relax();
-      job = job_.load(std::memory_order_acquire);
+      gen = generation();
     }
-    if (generation(job) == seen) {
+    if (gen == seen) {
       std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, [&] { return stop_.load() || generation(job_.load(std::memory_order_acquire)) != seen; });
-      job = job_.load(std::memory_order_acquire);
+      wake_.wait(lock, [&] { return stop_.load() || generation() != seen; });
+      gen = generation();
     }
     if (stop_.load()) return;
-    seen = generation(job);
-    // A job that does not need this worker can finish (and the next one be
-    // published) without it; task_/ctx_ are only stable for jobs it is part of.
-    if (worker < static_cast<int>(job & 0xffff)) {
-      task_.load(std::memory_order_relaxed)(ctx_.load(std::memory_order_relaxed), worker);
-      pending_.fetch_sub(1, std::memory_order_acq_rel);
-    }
+    seen = gen;
+    work_on(gen);
   }
 }
 

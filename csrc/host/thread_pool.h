@@ -1,15 +1,19 @@
-// A persistent pool of worker threads for host collectives. The calling
-// thread works too, so a pool of W threads runs W-1 background workers.
-// Workers spin briefly after each job (back-to-back collectives then start in
-// well under a microsecond) and sleep on a condition variable otherwise, so
-// an idle pool costs no CPU.
+// A persistent pool of worker threads for host collectives. A job is a
+// number of independent items; the caller and every awake worker claim
+// items one at a time, so the caller never waits for a worker that the OS
+// has not scheduled yet (it just does the items itself) — important when
+// replica threads and pool threads share a few cores. Idle workers spin
+// briefly (back-to-back collectives start in well under a microsecond),
+// then sleep, so an idle pool costs no CPU.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace mirrored {
@@ -21,19 +25,22 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
+  // Threads that can work on a job, the caller included.
   int size() const { return static_cast<int>(workers_.size()) + 1; }
 
-  // Calls fn(worker) once for each worker in [0, nworkers), nworkers <=
-  // size(); worker 0 runs on the caller. Returns when all calls are done.
-  // Jobs from different callers run one after another.
+  // Calls fn(item) for every item in [0, items), on the caller and the pool;
+  // returns when all calls are done. Jobs from different callers run one
+  // after another.
   template <typename Fn>
-  void run(int nworkers, Fn&& fn) {
-    if (nworkers <= 1) {
-      fn(0);
+  void parallel_for(std::size_t items, Fn&& fn) {
+    if (items == 0) return;
+    if (items == 1 || workers_.empty()) {
+      for (std::size_t i = 0; i < items; ++i) fn(i);
       return;
     }
-    auto trampoline = [](void* ctx, int worker) { (*static_cast<Fn*>(ctx))(worker); };
-    dispatch(nworkers, trampoline, &fn);
+    using F = std::remove_reference_t<Fn>;
+    auto trampoline = [](void* ctx, std::size_t item) { (*static_cast<F*>(ctx))(item); };
+    dispatch(items, trampoline, const_cast<void*>(static_cast<const void*>(&fn)));
   }
 
   // The process-wide pool: MIRRORED_NUM_THREADS threads, else one per CPU
@@ -41,21 +48,27 @@ class ThreadPool {
   static ThreadPool& global();
 
  private:
-  using Task = void (*)(void*, int);
-  void dispatch(int nworkers, Task task, void* ctx);
-  void worker_loop(int worker);
+  using Task = void (*)(void*, std::size_t);
+  void dispatch(std::size_t items, Task task, void* ctx);
+  // Claims and runs items of job `generation` until none are left.
+  void work_on(std::uint64_t generation);
+  void worker_loop();
 
   std::vector<std::thread> workers_;
   std::mutex submit_mu_;  // one job at a time
 
-  // The current job: (generation << 16) | workers, published in one store so
-  // a worker never pairs one job's generation with another's worker count.
-  std::mutex mu_;
-  std::condition_variable wake_;
-  std::atomic<std::uint64_t> job_{0};
+  // (generation << kIndexBits) | next unclaimed item, in one word so that a
+  // claim (compare-and-swap) can only succeed for the job it was read from.
+  static constexpr int kIndexBits = 40;
+  std::atomic<std::uint64_t> cursor_{0};
+  // The job's description; stable while any of its items is unclaimed.
   std::atomic<Task> task_{nullptr};
   std::atomic<void*> ctx_{nullptr};
-  std::atomic<int> pending_{0};
+  std::atomic<std::size_t> items_{0};
+  std::atomic<std::size_t> done_{0};
+
+  std::mutex mu_;
+  std::condition_variable wake_;
   std::atomic<bool> stop_{false};
 };
 
