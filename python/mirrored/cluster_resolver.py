@@ -135,6 +135,11 @@ def _validate(spec: ClusterSpec, task_type, task_id, source: str) -> None:
                          f"which has tasks {spec.task_indices(task_type)}")
 
 
+def collective_tasks(spec: ClusterSpec) -> list[tuple[str, int]]:
+    """The tasks that take part in collectives, in rank order: the chief, then the workers by index."""
+    return [(job, i) for job in ("chief", "worker") if job in spec.jobs for i in spec.task_indices(job)]
+
+
 class ClusterResolver:
     """Base class: ``cluster_spec()``, ``master()``, ``num_accelerators()``, task and rpc-layer properties."""
 

@@ -95,6 +95,21 @@ class CollectiveGroup:
             self.close()
             raise
 
+    @classmethod
+    def from_cluster_resolver(cls, resolver, local_replicas, *, timeout=None, scope="mirrored", devices=None):
+        """The group of the job ``resolver`` describes, joined from this task."""
+        from .cluster_resolver import collective_tasks
+
+        spec = resolver.cluster_spec()
+        tasks = collective_tasks(spec)
+        me = (resolver.task_type, resolver.task_id)
+        if me not in tasks:
+            raise ValueError(f"task {me[0]}:{me[1]} does not take part in collectives; MultiWorkerMirroredStrategy "
+                             "runs on the chief and worker tasks (ps and evaluator tasks do not join)")
+        collective = {job: spec.job_tasks(job) for job in ("chief", "worker") if job in spec.jobs}
+        return cls([f"{t}:{i}" for t, i in tasks], [spec.task_address(t, i) for t, i in tasks], tasks.index(me),
+                   local_replicas, token=job_token(collective), timeout=timeout, scope=scope, devices=devices)
+
     def close(self) -> None:
         """Tears down NCCL, the Gloo mesh, the store connection and (on task 0) the store."""
         self._nccl = None

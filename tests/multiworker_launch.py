@@ -1,0 +1,132 @@
+"""Launch a multi-worker job on 127.0.0.1 and collect what each task returns.
+
+``launch(fn, num_workers)`` starts one Python process per task with its own
+``TF_CONFIG`` (free loopback ports, chief optional), runs the module-level
+function ``fn(**kwargs)`` in each, and returns one :class:`TaskResult` per
+task in rank order (chief first). A task that raises reports the exception's
+type and message; a task that dies (e.g. SIGKILL) reports its exit code.
+Run as a script, this file is the task side.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYTHON_DIR = os.path.join(os.path.dirname(HERE), "python")
+
+
+@dataclass
+class TaskResult:
+    task: str                 # "chief:0", "worker:1", ...
+    returncode: int | None    # None: killed by launch() at its timeout
+    value: object = None      # what fn returned
+    error: str | None = None  # exception type name, when fn raised
+    message: str = ""         # exception message
+    raised_at: float | None = None  # time.time() when fn raised
+    stderr: str = field(default="", repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.error is None
+
+
+def free_ports(k: int) -> list[int]:
+    """k ports that were free a moment ago (held open together so they differ)."""
+    socks = [socket.socket() for _ in range(k)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def cluster(num_workers: int, chief: bool = False) -> dict:
+    ports = free_ports(num_workers + chief)
+    spec = {"worker": [f"127.0.0.1:{p}" for p in ports[chief:]]}
+    if chief:
+        spec["chief"] = [f"127.0.0.1:{ports[0]}"]
+    return spec
+
+
+def tasks_of(spec: dict) -> list[tuple[str, int]]:
+    return [("chief", 0)] * len(spec.get("chief", [])) + [("worker", i) for i in range(len(spec["worker"]))]
+
+
+def launch(fn, num_workers: int, *, chief: bool = False, kwargs=None, per_task_kwargs=None, timeout: float = 60,
+           env=None, spec=None, only=None) -> list[TaskResult]:
+    """Run ``fn`` as every task of a fresh job; ``only`` limits which task indices (rank order) are started."""
+    spec = spec or cluster(num_workers, chief)
+    tasks = tasks_of(spec)
+    module = sys.modules[fn.__module__].__file__
+    procs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rank, (task_type, index) in enumerate(tasks):
+            if only is not None and rank not in only:
+                continue
+            args = dict(kwargs or {})
+            args.update((per_task_kwargs or {}).get(rank, {}))
+            out = os.path.join(tmp, f"{rank}.pickle")
+            task_env = dict(os.environ, **(env or {}))
+            task_env["TF_CONFIG"] = json.dumps({"cluster": spec, "task": {"type": task_type, "index": index}})
+            task_env["PYTHONPATH"] = os.pathsep.join(p for p in (PYTHON_DIR, task_env.get("PYTHONPATH")) if p)
+            cmd = [sys.executable, __file__, module, fn.__name__, out]
+            p = subprocess.Popen(cmd, env=task_env, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            p.stdin.write(json.dumps(args))
+            p.stdin.close()
+            procs.append((f"{task_type}:{index}", p, out))
+        results = []
+        deadline = time.monotonic() + timeout
+        for name, p, out in procs:
+            try:
+                _, stderr = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                code = p.returncode
+            except subprocess.TimeoutExpired:
+                p.kill()
+                _, stderr = p.communicate()
+                code = None
+            result = TaskResult(name, code, stderr=stderr)
+            if os.path.exists(out):
+                with open(out, "rb") as f:
+                    for key, value in pickle.load(f).items():
+                        setattr(result, key, value)
+            results.append(result)
+    return results
+
+
+def _task_main(module_path: str, fn_name: str, out: str) -> int:
+    spec = importlib.util.spec_from_file_location("_multiworker_task", module_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kwargs = json.loads(sys.stdin.read() or "{}")
+    try:
+        report = {"value": getattr(module, fn_name)(**kwargs)}
+        code = 0
+    except Exception as e:  # reported to the launcher, which asserts on it
+        report = {"error": type(e).__name__, "message": str(e), "raised_at": time.time()}
+        code = 1
+    with open(out + ".tmp", "wb") as f:
+        pickle.dump(report, f)
+    os.replace(out + ".tmp", out)
+    return code
+
+
+def kill_self() -> None:
+    """Die the way a crashed or OOM-killed task dies: no cleanup, sockets closed by the kernel."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    sys.exit(_task_main(*sys.argv[1:4]))
