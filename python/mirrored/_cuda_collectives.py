@@ -1,0 +1,267 @@
+"""Collectives over GPU buffers: :mod:`mirrored.collectives`' functions, with
+the same signatures, for CuPy arrays or anything exposing
+``__cuda_array_interface__`` or ``__dlpack__`` on a GPU.
+
+``algorithm`` is ``"auto"`` (the native ring, or the tree for small messages
+over more than 2 GPUs), ``"ring"``, ``"tree"`` (also ``"hierarchical"``) or
+``"nccl"``. The native engine accepts several buffers on one GPU (logical
+GPUs); NCCL needs a GPU per replica.
+
+Calls are asynchronous like any CuPy operation: ordered after the work
+already queued on each buffer's device (see ``_gpu.collective_stream``),
+results visible to work queued there afterwards. Results are CuPy arrays on
+each replica's own device; dtype and MEAN rules are those of
+:mod:`mirrored.collectives`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _gpu, timeline
+from ._dtypes import dtype_code, op_code
+
+__all__ = ["all_reduce", "broadcast", "reduce", "all_gather", "batch_all_reduce", "ALGORITHMS"]
+
+# Algorithm names -> codes of csrc/core/communicator.h; "nccl" picks the NCCL engine.
+ALGORITHMS = {"auto": 0, "ring": 1, "tree": 3, "hierarchical": 3, "nccl": 0}
+
+# The ring moves this many bytes per rank and step; 2 slices in flight per rank.
+CHUNK_BYTES = 1 << 20
+CHANNELS = 2
+
+_engines: dict = {}
+
+
+def all_reduce(buffers, op="sum", *, out=None, algorithm="auto"):
+    """``out[i] = op(buffers[0], ..., buffers[n-1])`` for every replica ``i``, on replica ``i``'s GPU."""
+    arrays, code, devices = _inputs(buffers, "buffers")
+    opc = op_code(op)
+    engine, algo = _engine(devices, algorithm)
+    outs, finish = _outputs(out, arrays, devices, "out")
+    with timeline.span("all_reduce", arrays[0].nbytes, algorithm, len(arrays)):
+        engine.all_reduce(_ptrs(arrays), _ptrs(outs), arrays[0].size, code, opc, algo, _streams(devices))
+    return finish()
+
+
+def broadcast(buffers, root=0, *, out=None):
+    """``out[i] = buffers[root]`` for every replica ``i``."""
+    arrays, code, devices = _inputs(buffers, "buffers")
+    root = _root(root, len(arrays))
+    engine, _ = _engine(devices, "auto")
+    outs, finish = _outputs(out, arrays, devices, "out")
+    with timeline.span("broadcast", arrays[0].nbytes, "direct", len(arrays)):
+        engine.broadcast(_ptrs(arrays), _ptrs(outs), arrays[0].size, code, root, _streams(devices))
+    return finish()
+
+
+def reduce(buffers, op="sum", root=0, *, out=None):
+    """The reduction of all replicas' buffers, written to ``out[root]`` (or a new array on the root's GPU) and returned."""
+    arrays, code, devices = _inputs(buffers, "buffers")
+    opc = op_code(op)
+    root = _root(root, len(arrays))
+    engine, _ = _engine(devices, "auto")
+    if out is None:
+        with _cupy().cuda.Device(devices[root]):
+            target, finish = _cupy().empty_like(arrays[root]), None
+    else:
+        outs, finish = _outputs(out, arrays, devices, "out")
+        target = outs[root]
+    with timeline.span("reduce", arrays[0].nbytes, "direct", len(arrays)):
+        engine.reduce(_ptrs(arrays), [target.data.ptr] * len(arrays), arrays[0].size, code, opc, root,
+                      _streams(devices))
+    return target if finish is None else finish()[root]
+
+
+def all_gather(buffers, axis=0):
+    """Every replica gets the concatenation of all buffers along ``axis`` on its own GPU; sizes may differ along ``axis`` only."""
+    arrays, _, devices = _inputs(buffers, "buffers", same_shape=False)
+    first = arrays[0]
+    if first.ndim == 0:
+        raise ValueError("all_gather: buffers are 0-d scalars; gather needs at least one dimension (use x[None])")
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -first.ndim <= axis < first.ndim:
+        raise ValueError(f"axis={axis!r} is out of range for {first.ndim}-d buffers; use 0..{first.ndim - 1}")
+    axis = int(axis) % first.ndim
+    for i, a in enumerate(arrays):
+        if a.ndim != first.ndim or a.shape[:axis] != first.shape[:axis] or a.shape[axis + 1:] != first.shape[axis + 1:]:
+            raise ValueError(
+                f"buffers[{i}] has shape {a.shape} but buffers[0] has {first.shape}: all_gather needs the "
+                f"same shape on every replica except along axis {axis}"
+            )
+    outer = int(np.prod(first.shape[:axis], dtype=np.int64))
+    inner = int(np.prod(first.shape[axis + 1:], dtype=np.int64)) * first.itemsize
+    shape = first.shape[:axis] + (sum(a.shape[axis] for a in arrays),) + first.shape[axis + 1:]
+    cupy = _cupy()
+    outs = []
+    for d in devices:
+        with cupy.cuda.Device(d):
+            outs.append(cupy.empty(shape, first.dtype))
+    engine, _ = _engine(devices, "auto")
+    with timeline.span("all_gather", first.nbytes, "direct", len(arrays)):
+        engine.all_gather(_ptrs(arrays), _ptrs(outs), [a.shape[axis] * inner for a in arrays], outer,
+                          _streams(devices))
+    return outs
+
+
+def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto"):
+    """All-reduce many tensors per replica at once, fused into few packs (see :mod:`mirrored.collectives`)."""
+    if not isinstance(per_replica_lists, (list, tuple)) or not per_replica_lists:
+        raise ValueError("per_replica_lists: expected a non-empty list with one list of arrays per replica")
+    n = len(per_replica_lists)
+    for r, tensors in enumerate(per_replica_lists):
+        if not isinstance(tensors, (list, tuple)):
+            raise TypeError(f"per_replica_lists[{r}] is {type(tensors).__name__}; expected a list of arrays")
+        if len(tensors) != len(per_replica_lists[0]):
+            raise ValueError(
+                f"per_replica_lists[{r}] has {len(tensors)} tensors but per_replica_lists[0] has "
+                f"{len(per_replica_lists[0])}; every replica must pass the same tensors"
+            )
+    if not per_replica_lists[0]:
+        return [[] for _ in range(n)]
+    if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, (int, np.integer)) or bytes_per_pack < 0:
+        raise ValueError(f"bytes_per_pack={bytes_per_pack!r} must be an integer >= 0 (0: no size limit)")
+    if num_packs is not None and (isinstance(num_packs, bool) or not isinstance(num_packs, (int, np.integer))
+                                  or num_packs < 1):
+        raise ValueError(f"num_packs={num_packs!r} must be a positive integer or None")
+    opc = op_code(op)
+    columns, devices = [], None
+    for t in range(len(per_replica_lists[0])):
+        column, code, devs = _inputs([tensors[t] for tensors in per_replica_lists], f"per_replica_lists[*][{t}]")
+        if devices is not None and devs != devices:
+            raise ValueError(f"per_replica_lists[*][{t}] lies on GPUs {devs} but tensor 0 on {devices}; "
+                             "each replica's tensors must all be on that replica's GPU")
+        devices = devs
+        columns.append((column, code))
+    engine, algo = _engine(devices, algorithm)
+    cupy = _cupy()
+    outputs = []
+    for r, d in enumerate(devices):
+        with cupy.cuda.Device(d):
+            outputs.append([cupy.empty_like(c[0][r]) for c in columns])
+    with timeline.span("batch_all_reduce", sum(c[0][0].nbytes for c in columns), algorithm, n):
+        engine.batch_all_reduce([[c[0][r].data.ptr for c in columns] for r in range(n)],
+                                [[o.data.ptr for o in outs] for outs in outputs],
+                                [c[0][0].size for c in columns], [c[1] for c in columns], opc,
+                                int(bytes_per_pack), int(num_packs or 0), algo, _streams(devices))
+    return outputs
+
+
+# --- validation --------------------------------------------------------------
+
+def _cupy():
+    return _gpu.cupy_module()
+
+
+def _as_gpu_array(b, argument: str, i: int):
+    """buffers[i] as a C-contiguous CuPy array on its own GPU (copied only when not contiguous)."""
+    cupy = _cupy()
+    if isinstance(b, cupy.ndarray):
+        a = b
+    elif hasattr(b, "__cuda_array_interface__"):
+        a = cupy.asarray(b)  # zero-copy view
+    elif isinstance(b, np.ndarray) or hasattr(b, "__array_interface__") or isinstance(b, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{argument}[{i}] is a host array but {argument}[0] is on a GPU; every replica's buffer "
+                        "must be on that replica's GPU (move it with cupy.asarray under cupy.cuda.Device(ordinal))")
+    elif hasattr(b, "__dlpack__"):
+        try:
+            a = cupy.from_dlpack(b)
+        except Exception as e:
+            raise TypeError(f"{argument}[{i}]: this DLPack tensor is not on a CUDA GPU ({e}); every replica's "
+                            "buffer must be on that replica's GPU") from None
+    else:
+        raise TypeError(f"{argument}[{i}] is {type(b).__name__}; expected a CuPy array or an object with "
+                        "__cuda_array_interface__ or __dlpack__")
+    if not a.flags.c_contiguous:
+        with a.device:
+            a = cupy.ascontiguousarray(a)
+    return a
+
+
+def _inputs(buffers, argument: str, same_shape: bool = True):
+    if not isinstance(buffers, (list, tuple)) or not buffers:
+        raise ValueError(f"{argument}: expected a non-empty list with one array per replica, got {buffers!r:.80}")
+    arrays = [_as_gpu_array(b, argument, i) for i, b in enumerate(buffers)]
+    first = arrays[0]
+    for i, a in enumerate(arrays):
+        if a.dtype != first.dtype:
+            raise TypeError(f"{argument}[{i}] has dtype {a.dtype} but {argument}[0] has {first.dtype}; "
+                            "every replica must pass the same dtype (cast with .astype)")
+        if same_shape and a.shape != first.shape:
+            raise ValueError(f"{argument}[{i}] has shape {a.shape} but {argument}[0] has {first.shape}; "
+                             "every replica must pass the same shape")
+    return arrays, dtype_code(first.dtype, argument), tuple(a.device.id for a in arrays)
+
+
+def _outputs(out, arrays, devices, argument: str):
+    """Device outputs the engine writes, and a function returning what the caller sees."""
+    cupy = _cupy()
+    if out is None:
+        outs = []
+        for a, d in zip(arrays, devices):
+            with cupy.cuda.Device(d):
+                outs.append(cupy.empty_like(a))
+        return outs, outs.copy
+    if not isinstance(out, (list, tuple)) or len(out) != len(arrays):
+        raise ValueError(f"{argument}: expected a list of {len(arrays)} arrays (one per replica), got {out!r:.80}")
+    outs = list(out)
+    for i, o in enumerate(out):
+        if o is arrays[i]:
+            continue
+        if not isinstance(o, cupy.ndarray):
+            raise TypeError(f"{argument}[{i}] is {type(o).__name__}; out must hold CuPy arrays for GPU buffers")
+        if o.shape != arrays[i].shape or o.dtype != arrays[i].dtype:
+            raise ValueError(f"{argument}[{i}] has shape {o.shape} and dtype {o.dtype}; expected "
+                             f"{arrays[i].shape} and {arrays[i].dtype} like the buffers")
+        if o.device.id != devices[i]:
+            raise ValueError(f"{argument}[{i}] is on GPU {o.device.id} but buffers[{i}] on GPU {devices[i]}; "
+                             "each output must be on its replica's GPU")
+        if not o.flags.c_contiguous:
+            with o.device:
+                outs[i] = cupy.empty_like(arrays[i])  # computed here, copied back by finish()
+
+    def finish():
+        for o, tmp in zip(out, outs):
+            if o is not tmp:
+                with o.device:
+                    o[...] = tmp
+        return list(out)
+
+    return outs, finish
+
+
+def _engine(devices, algorithm):
+    """The engine for these GPUs and the algorithm code to pass it."""
+    name = algorithm.lower() if isinstance(algorithm, str) else algorithm
+    if name not in ALGORITHMS:
+        hint = " ('direct' is a host-buffer algorithm)" if name == "direct" else ""
+        raise ValueError(f"algorithm={algorithm!r} is not a GPU algorithm{hint}; use one of "
+                         f"{', '.join(repr(a) for a in ALGORITHMS)}")
+    kind = "nccl" if name == "nccl" else "ring"
+    key = (kind, tuple(devices))
+    engine = _engines.get(key)
+    if engine is None:
+        cuda = _gpu.cuda_module()
+        if kind == "nccl":
+            if len(set(devices)) != len(devices):
+                raise ValueError(f"algorithm='nccl': replicas share a GPU (devices {list(devices)}); NCCL needs one "
+                                 "GPU per replica, use algorithm='ring' for logical GPUs")
+            _gpu.load_nccl()
+            engine = cuda.nccl(list(devices))
+        else:
+            engine = cuda.ring(list(devices), CHUNK_BYTES, CHANNELS)
+        engine = _engines.setdefault(key, engine)
+    return engine, ALGORITHMS[name]
+
+
+def _ptrs(arrays):
+    return [a.data.ptr for a in arrays]
+
+
+def _streams(devices):
+    return [_gpu.collective_stream(d) for d in devices]
+
+
+def _root(root, n: int) -> int:
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < n:
+        raise ValueError(f"root={root!r} is not a replica index; use 0..{n - 1}")
+    return int(root)
