@@ -1,0 +1,282 @@
+"""Pluggable cross-device reduction (``tf.distribute.CrossDeviceOps`` and its built-ins).
+
+The public ``reduce`` / ``batch_reduce`` / ``broadcast`` check their inputs
+and call the ``*_implementation`` hooks, which a plug-in overrides. The
+built-ins hand all replicas' buffers to :mod:`mirrored.collectives` in one
+call (the native core, GIL released); nothing is reduced in Python.
+"""
+
+from __future__ import annotations
+
+from . import _dtypes, collectives, device_util
+from .options import CommunicationOptions
+from .reduce_util import ReduceOp, as_reduce_op
+from .values import DistributedValues, Mirrored, PerReplica, Variable
+
+
+def get_devices_from(destinations, argument: str = "destinations") -> tuple:
+    """Canonical devices of ``destinations``: a device string, a list of them, distributed values or a variable."""
+    if isinstance(destinations, DistributedValues):
+        devices = destinations._devices
+        if devices is None:
+            raise ValueError(f"{argument}: this {type(destinations).__name__} does not know its devices; pass it "
+                             "through the strategy (strategy.extended.reduce_to) or give device strings")
+    elif isinstance(destinations, Variable) or hasattr(destinations, "__array_interface__") or \
+            device_util.on_gpu(destinations):
+        devices = (_device_of(destinations),)
+    elif isinstance(destinations, str):
+        devices = (device_util.canonicalize(destinations, argument=argument),)
+    elif isinstance(destinations, (list, tuple)) and all(isinstance(d, str) for d in destinations):
+        devices = tuple(device_util.canonicalize(d, argument=argument) for d in destinations)
+    else:
+        raise ValueError(f"{argument}={destinations!r}: destinations must be one of a `DistributedValues` object, "
+                         "a md.Variable, a device string or a list of device strings")
+    if not devices:
+        raise ValueError(f"{argument}: destinations can not be empty")
+    return devices
+
+
+def _as_per_replica(value, argument: str = "per_replica_value") -> DistributedValues:
+    if isinstance(value, DistributedValues):
+        return value
+    if isinstance(value, (list, tuple)):
+        raise ValueError(f"{argument}: cannot convert a {type(value).__name__} to a PerReplica value; pass one "
+                         "array, or md.PerReplica([...]) with one component per replica")
+    return PerReplica([value], (_device_of(value),))
+
+
+def _device_of(x) -> str:
+    if isinstance(x, Variable):
+        return x.device
+    if device_util.on_gpu(x):
+        return device_util.canonicalize(f"/gpu:{x.device.id}")
+    return device_util.canonicalize("/cpu:0")
+
+
+def _buffers(per_replica: DistributedValues, argument: str = "per_replica_value") -> list:
+    """The components as arrays on their devices, checked to agree in shape and dtype."""
+    devices = get_devices_from(per_replica, argument)
+    arrays = [device_util.place(v.read_value() if isinstance(v, Variable) else v, d)
+              for v, d in zip(per_replica.values, devices)]
+    first = arrays[0]
+    _dtypes.dtype_code(first.dtype, argument)
+    for r, a in enumerate(arrays[1:], 1):
+        if a.shape != first.shape or a.dtype != first.dtype:
+            raise ValueError(f"{argument}: replica {r} has shape {tuple(a.shape)} and dtype {a.dtype} but replica 0 "
+                             f"has shape {tuple(first.shape)} and dtype {first.dtype}; every replica must pass "
+                             "the same shape and dtype")
+    return arrays
+
+
+def _mirrored(arrays, devices):
+    """Results on ``devices`` as TF returns them: one device -> the array, several -> ``Mirrored``."""
+    return arrays[0] if len(arrays) == 1 else Mirrored(arrays, devices)
+
+
+class CrossDeviceOps:
+    """Base class of cross-device reduction and broadcast algorithms; subclass it to plug in your own."""
+
+    def reduce(self, reduce_op, per_replica_value, destinations, options=None):
+        """Reduce ``per_replica_value`` and place the result on ``destinations``."""
+        op = as_reduce_op(reduce_op)
+        per_replica_value = _as_per_replica(per_replica_value)
+        dest_devices = get_devices_from(destinations)
+        if len(per_replica_value.values) == 1 and dest_devices == get_devices_from(per_replica_value):
+            return per_replica_value.values[0]
+        return self.reduce_implementation(op, per_replica_value, destinations, options or CommunicationOptions())
+
+    def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
+        """Reduce several ``(per_replica_value, destinations)`` pairs; one result per pair."""
+        op = as_reduce_op(reduce_op)
+        pairs = [(_as_per_replica(v, "value_destination_pairs"), d) for v, d in value_destination_pairs]
+        if not pairs:
+            return []
+        for v, d in pairs:
+            get_devices_from(d)
+        if all(len(v.values) == 1 and get_devices_from(v) == get_devices_from(d) for v, d in pairs):
+            return [v.values[0] for v, _ in pairs]
+        return self.batch_reduce_implementation(op, pairs, options or CommunicationOptions())
+
+    def broadcast(self, tensor, destinations):
+        """``tensor`` copied to every device of ``destinations``."""
+        get_devices_from(destinations)
+        return self.broadcast_implementation(tensor, destinations)
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        raise NotImplementedError(f"{type(self).__name__} must implement reduce_implementation")
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        """Default: one ``reduce_implementation`` per pair (override to fuse them)."""
+        return [self.reduce_implementation(reduce_op, v, d, options) for v, d in value_destination_pairs]
+
+    def broadcast_implementation(self, tensor, destinations):
+        devices = get_devices_from(destinations)
+        value = tensor.read_value() if isinstance(tensor, Variable) else tensor
+        return _mirrored([device_util.place(value, d, copy=True) for d in devices], devices)
+
+    def _gather(self, per_replica_value, destinations, axis, options=None):
+        """Concatenate the components along ``axis`` and place the result on ``destinations``."""
+        per_replica_value = _as_per_replica(per_replica_value)
+        src = get_devices_from(per_replica_value)
+        dest = get_devices_from(destinations)
+        if len(per_replica_value.values) == 1 and dest == src:
+            return per_replica_value.values[0]
+        arrays = [device_util.place(v.read_value() if isinstance(v, Variable) else v, d)
+                  for v, d in zip(per_replica_value.values, src)]
+        _check_gather(arrays, axis)
+        gathered = collectives.all_gather(arrays, axis=axis)
+        if dest == src:
+            return Mirrored(gathered, dest)
+        return self.broadcast(gathered[0], destinations)
+
+
+def _check_gather(arrays, axis):
+    first = arrays[0]
+    if not -first.ndim <= axis < max(first.ndim, 1) or first.ndim == 0:
+        raise ValueError(f"axis={axis} is out of range for values of shape {tuple(first.shape)}; gather needs "
+                         "arrays of rank >= 1 and -rank <= axis < rank")
+    ax = axis % first.ndim
+    for r, a in enumerate(arrays[1:], 1):
+        if a.dtype != first.dtype or a.ndim != first.ndim or any(
+                s != t for k, (s, t) in enumerate(zip(a.shape, first.shape)) if k != ax):
+            raise ValueError(f"value: replica {r} has shape {tuple(a.shape)} / {a.dtype} but replica 0 has "
+                             f"{tuple(first.shape)} / {first.dtype}; all_gather allows different sizes along "
+                             f"axis {axis} only")
+
+
+class _NativeAllReduce(CrossDeviceOps):
+    """All-reduce of all replicas' buffers in one native call, with fusion of many tensors."""
+
+    _algorithm = "auto"
+
+    def __init__(self, num_packs: int = 1, bytes_per_pack: int = 0):
+        if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 0:
+            raise ValueError(f"num_packs={num_packs!r}: expected an int >= 0 (0 = no packing)")
+        if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
+            raise ValueError(f"bytes_per_pack={bytes_per_pack!r}: expected an int >= 0 (0 = use num_packs)")
+        self._num_packs = num_packs
+        self._bytes_per_pack = bytes_per_pack
+
+    def _check_devices(self, devices):
+        """Hook: refuse devices the algorithm cannot serve."""
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        devices = get_devices_from(per_replica_value)
+        if get_devices_from(destinations) == devices:
+            return self.batch_reduce_implementation(reduce_op, [(per_replica_value, destinations)], options)[0]
+        self._check_devices(devices)
+        reduced = collectives.reduce(_buffers(per_replica_value), reduce_op.value, root=0)
+        return self.broadcast(reduced, destinations)
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        results = [None] * len(value_destination_pairs)
+        fused = [i for i, (v, d) in enumerate(value_destination_pairs)
+                 if get_devices_from(d) == get_devices_from(v)]
+        for i, (v, d) in enumerate(value_destination_pairs):
+            if i not in fused:
+                results[i] = self.reduce_implementation(reduce_op, v, d, options)
+        if fused:
+            devices = get_devices_from(value_destination_pairs[fused[0]][0])
+            self._check_devices(devices)
+            tensors = [_buffers(value_destination_pairs[i][0], "value") for i in fused]
+            per_replica_lists = [[t[r] for t in tensors] for r in range(len(devices))]
+            reduced = self._all_reduce_lists(reduce_op, per_replica_lists, options)
+            for k, i in enumerate(fused):
+                results[i] = Mirrored([reduced[r][k] for r in range(len(devices))],
+                                      get_devices_from(value_destination_pairs[i][0]))
+        return results
+
+    def _all_reduce_lists(self, reduce_op, per_replica_lists, options):
+        op = reduce_op.value
+        bytes_per_pack = (options.bytes_per_pack if options is not None else 0) or self._bytes_per_pack
+        if bytes_per_pack:
+            return collectives.batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
+                                                algorithm=self._algorithm)
+        if self._num_packs == 0:  # no packing: one all-reduce per tensor
+            by_tensor = [collectives.all_reduce([lst[t] for lst in per_replica_lists], op, algorithm=self._algorithm)
+                         for t in range(len(per_replica_lists[0]))]
+            return [[by_tensor[t][r] for t in range(len(by_tensor))] for r in range(len(per_replica_lists))]
+        return collectives.batch_all_reduce(per_replica_lists, op, num_packs=self._num_packs,
+                                            algorithm=self._algorithm)
+
+
+class RingAllReduce(_NativeAllReduce):
+    """The native all-reduce over host or CUDA buffers; the default cross-device ops.
+
+    ``algorithm``: ``'auto'`` (the core picks ring or direct by size and
+    replica count), ``'ring'`` or ``'direct'``. ``num_packs`` /
+    ``bytes_per_pack`` fuse many small tensors into few buffers.
+    """
+
+    def __init__(self, num_packs: int = 1, bytes_per_pack: int = 0, algorithm: str = "auto"):
+        super().__init__(num_packs, bytes_per_pack)
+        if algorithm not in ("auto", "ring", "direct"):
+            raise ValueError(f"algorithm={algorithm!r}: expected 'auto', 'ring' or 'direct'")
+        self._algorithm = algorithm
+
+
+class HierarchicalCopyAllReduce(_NativeAllReduce):
+    """Reduce to a few devices, then broadcast (TF's DGX-1 tree), in the native core."""
+
+    _algorithm = "tree"
+
+    def __init__(self, num_packs: int = 1):
+        super().__init__(num_packs)
+
+
+class NcclAllReduce(_NativeAllReduce):
+    """NCCL all-reduce of GPU replicas' buffers."""
+
+    _algorithm = "nccl"
+
+    def __init__(self, num_packs: int = 1):
+        super().__init__(num_packs)
+
+    def _check_devices(self, devices):
+        cpu = [d for d in devices if not device_util.is_gpu(d)]
+        if cpu:
+            raise ValueError(f"NcclAllReduce needs GPU replicas but the values are on {cpu}; use "
+                             "cross_device_ops=md.cross_device_ops.RingAllReduce() for CPU replicas, or GPU devices")
+
+
+class ReductionToOneDevice(CrossDeviceOps):
+    """Copy every component to one device, reduce there, broadcast the result back.
+
+    ``reduce_to_device``: where to reduce (default: the first destination);
+    ``accumulation_fn``: if given, ``accumulation_fn(list_of_arrays)`` sums the
+    components on that device instead of the native reduce (SUM and MEAN only).
+    """
+
+    def __init__(self, reduce_to_device=None, accumulation_fn=None):
+        self.reduce_to_device = (device_util.canonicalize(reduce_to_device, argument="reduce_to_device")
+                                 if reduce_to_device is not None else None)
+        self.accumulation_fn = accumulation_fn
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        target = self.reduce_to_device or get_devices_from(destinations)[0]
+        arrays = _buffers(per_replica_value)
+        if self.accumulation_fn is not None:
+            if reduce_op not in (ReduceOp.SUM, ReduceOp.MEAN):
+                raise ValueError(f"reduce_op={reduce_op}: ReductionToOneDevice with accumulation_fn supports "
+                                 "SUM and MEAN only; drop accumulation_fn to use the native reduce")
+            reduced = device_util.place(self.accumulation_fn([device_util.place(a, target) for a in arrays]), target)
+            if reduce_op is ReduceOp.MEAN:
+                reduced = (reduced / len(arrays)).astype(arrays[0].dtype, copy=False)
+        else:
+            devices = get_devices_from(per_replica_value)
+            root = devices.index(target) if target in devices else 0
+            reduced = device_util.place(collectives.reduce(arrays, reduce_op.value, root=root), target)
+        return self.broadcast(reduced, destinations)
+
+
+def __getattr__(name):
+    # The multi-worker implementation lives in its own module and imports only when asked for.
+    if name == "CollectiveAllReduce":
+        from .collective_all_reduce import CollectiveAllReduce
+
+        return CollectiveAllReduce
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["CrossDeviceOps", "RingAllReduce", "NcclAllReduce", "HierarchicalCopyAllReduce",
+           "ReductionToOneDevice", "CollectiveAllReduce", "get_devices_from"]

@@ -1,0 +1,181 @@
+"""Device strings in every TensorFlow spelling, and placing an array on a device.
+
+A device is written ``/job:<job>/replica:<r>/task:<t>/device:<TYPE>:<index>``;
+any part may be left out and any case is accepted (``"GPU:1"``, ``"/gpu:1"``,
+``"/device:CPU:0"``). Missing parts take the local defaults (``localhost``,
+replica 0, task 0, index 0).
+
+:func:`place` is the only place where an array is put on a device: NumPy for
+CPU devices, CuPy (on the device's GPU) for GPU devices.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import NamedTuple
+
+import numpy as np
+
+
+class DeviceSpec(NamedTuple):
+    job: str
+    replica: int
+    task: int
+    device_type: str
+    device_index: int
+
+    def to_string(self) -> str:
+        return (f"/job:{self.job}/replica:{self.replica}/task:{self.task}"
+                f"/device:{self.device_type}:{self.device_index}")
+
+
+_PART = re.compile(r"^(?:(job):([A-Za-z0-9_\-]+)|(replica|task):(\d+)|(?:device:)?(cpu|gpu):(\d+|\*)?)$",
+                   re.IGNORECASE)
+
+
+def parse(device, argument: str = "device") -> DeviceSpec:
+    """The parts of a device string; raises ValueError naming ``argument`` when malformed."""
+    if hasattr(device, "name") and not isinstance(device, str):  # a config.LogicalDevice
+        device = device.name
+    if not isinstance(device, str) or not device.strip("/"):
+        raise ValueError(
+            f"{argument}={device!r} is not a device string; write e.g. '/cpu:0', 'GPU:1' or "
+            "'/job:localhost/replica:0/task:0/device:CPU:0'"
+        )
+    fields = {"job": "localhost", "replica": 0, "task": 0, "device_type": None, "device_index": 0}
+    for part in device.strip("/").split("/"):
+        m = _PART.match(part)
+        if m is None:
+            raise ValueError(
+                f"{argument}={device!r}: cannot parse {part!r}; expected parts like 'job:worker', "
+                "'replica:0', 'task:1', 'device:GPU:0', 'cpu:0' (any case)"
+            )
+        if m.group(1):
+            fields["job"] = m.group(2)
+        elif m.group(3):
+            fields[m.group(3).lower()] = int(m.group(4))
+        else:
+            fields["device_type"] = m.group(5).upper()
+            fields["device_index"] = int(m.group(6)) if m.group(6) not in (None, "*") else 0
+    if fields["device_type"] is None:
+        raise ValueError(f"{argument}={device!r} names no device type; add e.g. '/device:CPU:0'")
+    return DeviceSpec(**fields)
+
+
+def canonicalize(device, default=None, argument: str = "device") -> str:
+    """The full form ``/job:localhost/replica:0/task:0/device:CPU:0`` of ``device``.
+
+    Parts missing from ``device`` come from ``default`` when it is given
+    (TensorFlow's rule for a device inside another device's scope).
+    """
+    spec = parse(device, argument)
+    if default is not None:
+        base = parse(default, "default")
+        given = str(device).lower()
+        spec = spec._replace(
+            job=spec.job if "job:" in given else base.job,
+            replica=spec.replica if "replica:" in given else base.replica,
+            task=spec.task if "task:" in given else base.task,
+        )
+    return spec.to_string()
+
+
+resolve = canonicalize
+
+
+def is_gpu(device) -> bool:
+    return parse(device).device_type == "GPU"
+
+
+# The device of the replica running on this thread (``None`` outside replicas).
+_current = threading.local()
+
+
+def current():
+    """The canonical device of the replica running on this thread, or None."""
+    return getattr(_current, "device", None)
+
+
+class device_scope:
+    """Make ``device`` this thread's current device for the ``with`` block."""
+
+    def __init__(self, device):
+        self._device = device
+
+    def __enter__(self):
+        self._saved = current()
+        _current.device = self._device
+
+    def __exit__(self, *exc):
+        _current.device = self._saved
+
+
+def _gpu_ordinal(spec: DeviceSpec) -> int:
+    """CUDA ordinal of a (logical) GPU device; config maps logical GPUs onto physical ones."""
+    from . import config
+
+    to_physical = getattr(config, "physical_gpu_index", None)
+    return to_physical(spec.device_index) if to_physical is not None else spec.device_index
+
+
+def on_gpu(x) -> bool:
+    return hasattr(x, "__cuda_array_interface__")
+
+
+def to_host(x):
+    """A NumPy view or copy of any accepted array-like (see :func:`place`).
+
+    Python numbers and lists convert as TensorFlow converts them: floats to
+    float32, ints to int32 (int64 when they do not fit).
+    """
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__cuda_array_interface__"):
+        import cupy
+
+        return cupy.asnumpy(x)
+    if hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
+        return np.asarray(x)
+    if hasattr(x, "__dlpack__"):
+        return np.from_dlpack(x)  # zero-copy for CPU DLPack producers
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return np.asarray(memoryview(x))
+    return _python_to_array(x)
+
+
+def _python_to_array(x) -> np.ndarray:
+    try:
+        a = np.asarray(x)
+    except ValueError as e:  # ragged lists
+        raise ValueError(f"value {x!r} is not an array: {e}") from None
+    if a.dtype == np.float64:
+        return a.astype(np.float32)
+    if a.dtype == np.int64 and (a.size == 0 or (a.min() >= -2**31 and a.max() < 2**31)):
+        return a.astype(np.int32)
+    if a.dtype == object:
+        raise TypeError(f"value of type {type(x).__name__} cannot be converted to an array; pass a NumPy/CuPy "
+                        "array, a Python number or anything with __array_interface__, __cuda_array_interface__, "
+                        "__dlpack__ or the buffer protocol")
+    return a
+
+
+def place(x, device, copy: bool = False):
+    """``x`` as an array on ``device``: NumPy for CPU devices, CuPy for GPU devices.
+
+    Accepts anything with ``__array_interface__``, the buffer protocol,
+    ``__cuda_array_interface__`` or ``__dlpack__``, and Python scalars/lists.
+    ``copy=True`` guarantees a buffer of its own (variables' copies never alias).
+    """
+    spec = device if isinstance(device, DeviceSpec) else parse(device)
+    if spec.device_type == "GPU":
+        import cupy
+
+        ordinal = _gpu_ordinal(spec)
+        with cupy.cuda.Device(ordinal):
+            if on_gpu(x):
+                same_gpu = getattr(getattr(x, "device", None), "id", None) == ordinal
+                return cupy.asarray(x) if same_gpu and not copy else cupy.array(x, copy=True)
+            return cupy.asarray(to_host(x))
+    host = to_host(x)
+    return host.copy() if copy else host

@@ -1,0 +1,646 @@
+"""Strategy, StrategyExtended, ReplicaContext and the context stack.
+
+Each thread has a stack of contexts ``(strategy, replica_context)``; a
+``replica_context`` of ``None`` means cross-replica context. With an empty
+stack the thread is in the default context: the default strategy (one replica,
+no distribution) and its default replica context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _nest, device_util
+from .options import VariableAggregation, VariableSynchronization
+from .reduce_util import ReduceOp, as_reduce_op
+from .values import (DeviceVariable, DistributedValues, Mirrored, MirroredVariable,
+                     PerReplica, SyncOnReadVariable, Variable, regroup, select_replica, value_container)
+
+HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
+
+
+class _Context(NamedTuple):
+    strategy: "Strategy"
+    replica_context: "ReplicaContext | None"
+
+
+_local = threading.local()
+
+
+def _stack() -> list:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def _top() -> _Context:
+    stack = _stack()
+    return stack[-1] if stack else _default_context()
+
+
+def get_strategy() -> "Strategy":
+    """The current strategy: the one whose scope (or replica) this thread is in, else the default one."""
+    return _top().strategy
+
+
+def has_strategy() -> bool:
+    """Whether a strategy other than the default one is current."""
+    return _top().strategy is not _default_context().strategy
+
+
+def in_cross_replica_context() -> bool:
+    """True inside a strategy's ``scope()`` (or a ``merge_call``), False in a replica or outside any strategy."""
+    return _top().replica_context is None
+
+
+def get_replica_context() -> "ReplicaContext | None":
+    """The replica context of this thread; None in cross-replica context; a default one outside any strategy."""
+    return _top().replica_context
+
+
+def get_cross_replica_context() -> "Strategy | None":
+    """The current strategy in cross-replica context, else None."""
+    top = _top()
+    return top.strategy if top.replica_context is None else None
+
+
+@contextlib.contextmanager
+def _entered(ctx: _Context):
+    stack = _stack()
+    stack.append(ctx)
+    try:
+        yield ctx.strategy
+    finally:
+        stack.pop()
+
+
+def _require_cross_replica_or_default(strategy: "Strategy", method: str):
+    top = _top()
+    if top.strategy is not strategy and top.strategy is not _default_context().strategy:
+        raise ValueError(f"Mixing different md strategies: {method} of {strategy!r} called while "
+                         f"{top.strategy!r} is current; leave the other strategy's scope first")
+    if top.replica_context not in (None, default_replica_context()) and top.strategy is strategy:
+        raise RuntimeError(f"{method} requires being in cross-replica context; inside strategy.run use "
+                           "md.get_replica_context().merge_call(...) or the replica context's all_reduce")
+
+
+# --- replica rendezvous ------------------------------------------------------------------
+
+
+class _Aborted(Exception):
+    """A replica was released from a collective because another replica failed."""
+
+
+class _Group:
+    """Where the replicas of one ``run`` meet for each collective call.
+
+    Every replica hands in its payload; the last one to arrive runs
+    ``combine`` once for all of them (the single native call), and each replica
+    takes back its own part. A replica that fails breaks the group, so no
+    replica waits forever for it.
+    """
+
+    def __init__(self, n: int):
+        self.n = n
+        self._cond = threading.Condition(threading.Lock())
+        self.reset()
+
+    def reset(self):
+        self._slots = [None] * self.n
+        self._kinds = [None] * self.n
+        self._arrived = 0
+        self._finished = 0
+        self._generation = 0
+        self._results = None
+        self._broken = None
+
+    def exchange(self, rid: int, kind: str, payload, combine):
+        if self.n == 1:
+            return combine([payload])[0]
+        with self._cond:
+            if self._broken is not None:
+                raise self._broken
+            generation = self._generation
+            self._slots[rid], self._kinds[rid] = payload, kind
+            self._arrived += 1
+            if self._arrived == self.n:
+                try:
+                    if len(set(self._kinds)) > 1:
+                        raise RuntimeError(
+                            f"replicas made different collective calls at the same step: "
+                            f"{dict(enumerate(self._kinds))}; every replica must call the same collectives "
+                            "in the same order")
+                    results = combine(list(self._slots))
+                except BaseException as e:  # every replica raises it: the run reports it once
+                    results = e
+                self._results = results
+                self._slots = [None] * self.n
+                self._arrived = 0
+                self._generation += 1
+                self._cond.notify_all()
+            else:
+                self._check_stranded()
+                while self._generation == generation and self._broken is None:
+                    self._cond.wait()
+                if self._generation == generation:
+                    raise self._broken
+            results = self._results
+        if isinstance(results, BaseException):
+            raise results
+        return results[rid]
+
+    def _check_stranded(self):
+        if self._arrived and self._arrived + self._finished == self.n and self._broken is None:
+            waiting = [i for i, k in enumerate(self._kinds) if k is not None and self._slots[i] is not None]
+            self._broken = RuntimeError(
+                f"replica(s) {waiting} wait in {self._kinds[waiting[0]]} but the other replicas returned "
+                "without calling it; every replica must make the same collective calls")
+            self._cond.notify_all()
+
+    def replica_finished(self):
+        with self._cond:
+            self._finished += 1
+            self._check_stranded()
+
+    def abort(self):
+        with self._cond:
+            if self._broken is None:
+                self._broken = _Aborted()
+            self._cond.notify_all()
+
+
+# --- replica context -----------------------------------------------------------------------
+
+
+class ReplicaContext:
+    """The context of one replica inside ``strategy.run``: its id and the collectives across replicas."""
+
+    def __init__(self, strategy: "Strategy", replica_id_in_sync_group: int, _local_replica_id: int = 0,
+                 _group: _Group | None = None):
+        self._strategy = strategy
+        self._replica_id_in_sync_group = replica_id_in_sync_group
+        self._local_replica_id = _local_replica_id
+        self._group = _group if _group is not None else _Group(1)
+
+    @property
+    def strategy(self) -> "Strategy":
+        return self._strategy
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        return self._replica_id_in_sync_group
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def devices(self) -> tuple:
+        return (self._strategy.extended.worker_devices[self._local_replica_id],)
+
+    def __enter__(self):
+        _stack().append(_Context(self._strategy, self))
+        return self
+
+    def __exit__(self, *exc):
+        _stack().pop()
+
+    def merge_call(self, merge_fn, args=(), kwargs=None):
+        """Pause every replica, run ``merge_fn(strategy, *merged_args)`` once in cross-replica context.
+
+        Each argument becomes a ``PerReplica`` of the replicas' values (or stays
+        as is when every replica passed the same object); every replica gets
+        its own part of the result.
+        """
+        kwargs = kwargs or {}
+        strategy = self._strategy
+        devices = strategy.extended.worker_devices
+
+        def combine(per_replica):
+            merged_args = regroup([a for a, _ in per_replica], devices=devices)
+            merged_kwargs = regroup([k for _, k in per_replica], devices=devices)
+            with _entered(_Context(strategy, None)):
+                result = merge_fn(strategy, *merged_args, **merged_kwargs)
+            return [select_replica(r, result) for r in range(len(per_replica))]
+
+        return self._group.exchange(self._local_replica_id, "merge_call", (tuple(args), dict(kwargs)), combine)
+
+    def _collective(self, kind: str, value, reduce_leaves):
+        """Run ``reduce_leaves(list of PerReplica) -> list of per-device results`` on ``value``'s leaves."""
+        leaves = _nest.flatten(value)
+        devices = self._strategy.extended.worker_devices
+
+        def combine(per_replica):
+            counts = {len(leaves_r) for leaves_r in per_replica}
+            if len(counts) != 1:
+                raise ValueError(f"value: replicas passed structures with different numbers of arrays to {kind} "
+                                 f"({[len(x) for x in per_replica]}); pass the same structure on every replica")
+            per_leaf = [PerReplica([r[t] for r in per_replica], devices) for t in range(len(per_replica[0]))]
+            outs = reduce_leaves(per_leaf)
+            local = [out.values if isinstance(out, DistributedValues) else (out,) * len(per_replica)
+                     for out in outs]
+            return [[out[r] for out in local] for r in range(len(per_replica))]
+
+        mine = self._group.exchange(self._local_replica_id, kind, leaves, combine)
+        return _nest.pack_sequence_as(value, mine)
+
+    def all_reduce(self, reduce_op, value, options=None):
+        """Reduce ``value`` (an array or a nested structure of arrays) across replicas; all get the result.
+
+        All leaves go through one fused batch all-reduce of the strategy's cross-device ops.
+        """
+        op = as_reduce_op(reduce_op)
+        ext = self._strategy.extended
+        return self._collective("all_reduce", value,
+                                lambda per_leaf: ext._batch_reduce_to(op, [(v, v) for v in per_leaf], options))
+
+    def all_gather(self, value, axis: int, options=None):
+        """Concatenate every replica's ``value`` along ``axis`` (sizes may differ along ``axis`` only)."""
+        ext = self._strategy.extended
+        return self._collective("all_gather", value,
+                                lambda per_leaf: [ext._gather_to(v, v, axis, options) for v in per_leaf])
+
+    def __repr__(self) -> str:
+        return f"ReplicaContext(replica_id_in_sync_group={self._replica_id_in_sync_group})"
+
+
+# --- strategy ------------------------------------------------------------------------------
+
+
+class _Scope:
+    def __init__(self, strategy: "Strategy"):
+        self._strategy = strategy
+        self._pushed = False
+
+    def __enter__(self) -> "Strategy":
+        top = _top()
+        default = _default_context().strategy
+        if top.strategy is not self._strategy and top.strategy is not default:
+            raise ValueError(
+                f"Mixing different md strategies: cannot enter the scope of {self._strategy!r} inside the scope "
+                f"of {top.strategy!r}; leave the outer strategy's scope first")
+        if top.strategy is not self._strategy or top.replica_context is default_replica_context():
+            _stack().append(_Context(self._strategy, None))
+            self._pushed = True
+        return self._strategy
+
+    def __exit__(self, *exc):
+        if self._pushed:
+            _stack().pop()
+            self._pushed = False
+
+
+class Strategy:
+    """A way to run one computation on several replicas (``tf.distribute.Strategy``)."""
+
+    def __init__(self, extended: "StrategyExtended"):
+        self._extended = extended
+
+    @property
+    def extended(self) -> "StrategyExtended":
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._extended._num_replicas_in_sync
+
+    @property
+    def cluster_resolver(self):
+        return None
+
+    def scope(self) -> _Scope:
+        """Make this strategy current and enter cross-replica context; variables created inside are distributed."""
+        return _Scope(self)
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """Call ``fn(*args, **kwargs)`` once per replica, concurrently, in replica context.
+
+        ``PerReplica``/``Mirrored`` arguments are unwrapped to each replica's
+        component; the results come back as one structure with ``PerReplica``
+        leaves (plain values with one replica).
+        """
+        _require_cross_replica_or_default(self, "run")
+        with self.scope():
+            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+
+    experimental_run_v2 = run
+
+    def reduce(self, reduce_op, value, axis=None):
+        """Reduce ``value`` across replicas (and along ``axis`` in each replica) to a NumPy value on the host.
+
+        With ``axis``, ``MEAN`` divides by the total number of elements along
+        ``axis`` over all replicas, so a partial last batch is weighted right.
+        """
+        op = as_reduce_op(reduce_op)
+        _require_cross_replica_or_default(self, "reduce")
+        if axis is None:
+            return self._extended._reduce(op, value)
+        ext = self._extended
+        n = len(ext.worker_devices)
+        comps = [[_read(select_replica(i, leaf)) for i in range(n)] for leaf in _nest.flatten(value)]
+
+        def along_axis(fn):
+            leaves = [PerReplica([fn(device_util.place(c, d)) for c, d in zip(cs, ext.worker_devices)],
+                                 ext.worker_devices) for cs in comps]
+            return _nest.pack_sequence_as(value, leaves)
+
+        if op is not ReduceOp.MEAN:
+            local = {ReduceOp.SUM: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max", ReduceOp.PROD: "prod"}[op]
+            return ext._reduce(op, along_axis(lambda v: getattr(v, local)(axis=axis)))
+        numer = ext._reduce(ReduceOp.SUM, along_axis(lambda v: v.sum(axis=axis)))
+        denom = ext._reduce(ReduceOp.SUM, along_axis(lambda v: np.asarray(v.shape[axis], np.int64)))
+        return _nest.pack_sequence_as(numer, [_divide(a, b) for a, b in zip(_nest.flatten(numer),
+                                                                            _nest.flatten(denom))])
+
+    def gather(self, value, axis: int):
+        """Concatenate the replicas' components of ``value`` along ``axis``, on the host."""
+        _require_cross_replica_or_default(self, "gather (use get_replica_context().all_gather() in replicas)")
+        return _nest.map_structure(lambda v: self._extended._gather_to_host(v, axis), value)
+
+    def experimental_local_results(self, value) -> tuple:
+        """The components of ``value`` on this worker's replicas; ``(value,)`` for a non-distributed value."""
+        return self._extended._local_results(value)
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Split each batch of ``dataset`` over the replicas (TF's rule), prefetching in the background."""
+        from . import input_lib
+
+        return input_lib.DistributedDataset(dataset, self._extended, options)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """``dataset_fn(InputContext)`` gives per-replica batches; each replica takes one per step."""
+        from . import input_lib
+
+        return input_lib.DistributedDatasetsFromFunction(dataset_fn, self._extended, options)
+
+    experimental_distribute_datasets_from_function = distribute_datasets_from_function
+
+    def experimental_distribute_values_from_function(self, value_fn) -> PerReplica:
+        """``PerReplica`` of ``value_fn(ValueContext)`` for each of this worker's replicas."""
+        from .input_lib import ValueContext
+
+        ext = self._extended
+        local = len(ext.worker_devices)
+        results = []
+        for i, device in enumerate(ext.worker_devices):
+            ctx = ValueContext(ext._worker_index * local + i, ext._num_replicas_in_sync)
+            results.append(_nest.map_structure(lambda x: _place_arrays(x, device), value_fn(ctx)))
+        return regroup(results, always_wrap=True, devices=ext.worker_devices)
+
+
+def _read(x):
+    return x.read_value() if isinstance(x, Variable) else x
+
+
+def _place_arrays(x, device):
+    # Python numbers stay as they are (as TF leaves them); arrays go to the replica's device.
+    return x if isinstance(x, (int, float, bool, complex, str)) or x is None else device_util.place(x, device)
+
+
+def _divide(numer, denom):
+    numer = np.asarray(numer)
+    if numer.dtype.kind == "f":
+        return numer / np.asarray(denom, numer.dtype)
+    return numer / denom
+
+
+# --- extended ------------------------------------------------------------------------------
+
+
+class StrategyExtended:
+    """Operations on distributed values for code that needs more than ``Strategy`` offers.
+
+    Subclasses implement ``_call_for_each_replica``, ``_reduce_to``,
+    ``_batch_reduce_to``, ``_broadcast_to``, ``_gather_to``, ``_update`` and
+    ``_create_variable``. ``_num_workers``/``_worker_index`` describe the job:
+    one worker here, more in MultiWorkerMirroredStrategy.
+    """
+
+    _num_workers = 1
+    _worker_index = 0
+
+    def __init__(self, container_strategy: Strategy, devices):
+        self._container_strategy = container_strategy
+        self._local_devices = tuple(devices)
+
+    @property
+    def _num_replicas_in_sync(self) -> int:
+        return self._num_workers * len(self._local_devices)
+
+    @property
+    def worker_devices(self) -> tuple:
+        return self._local_devices
+
+    @property
+    def parameter_devices(self) -> tuple:
+        return self._local_devices
+
+    @property
+    def experimental_between_graph(self) -> bool:
+        return False
+
+    @property
+    def should_checkpoint(self) -> bool:
+        return True
+
+    @property
+    def should_save_summary(self) -> bool:
+        return True
+
+    @property
+    def experimental_should_init(self) -> bool:
+        return True
+
+    @property
+    def experimental_require_static_shapes(self) -> bool:
+        return False
+
+    # public API: checks, then the subclass's implementation
+
+    def reduce_to(self, reduce_op, value, destinations, options=None):
+        """Reduce ``value`` (distributed, or a nested structure of them) to ``destinations``."""
+        op = as_reduce_op(reduce_op)
+        _require_cross_replica_or_default(self._container_strategy, "reduce_to")
+        destinations = self._with_devices(destinations, "destinations")
+        return _nest.map_structure(
+            lambda v: self._reduce_to(op, self._with_devices(v, "value"), destinations, options), value)
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+        """Reduce several ``(value, destinations)`` pairs in one fused call; one result per pair."""
+        op = as_reduce_op(reduce_op)
+        _require_cross_replica_or_default(self._container_strategy, "batch_reduce_to")
+        if not isinstance(value_destination_pairs, (list, tuple)) or not all(
+                isinstance(p, tuple) and len(p) == 2 for p in value_destination_pairs):
+            raise ValueError(f"value_destination_pairs={value_destination_pairs!r}: expected a list of "
+                             "(value, destinations) tuples")
+        pairs = [(self._with_devices(v, "value"), self._with_devices(d, "destinations"))
+                 for v, d in value_destination_pairs]
+        return self._batch_reduce_to(op, pairs, options)
+
+    def broadcast_to(self, tensor, destinations):
+        """``tensor`` copied to every device of ``destinations``."""
+        _require_cross_replica_or_default(self._container_strategy, "broadcast_to")
+        return self._broadcast_to(tensor, self._with_devices(destinations, "destinations"))
+
+    def update(self, var, fn, args=(), kwargs=None, group: bool = True):
+        """Run ``fn(copy, *args, **kwargs)`` on every copy of ``var``, with the args' matching components.
+
+        In replica context this is a ``merge_call``: the replicas' arguments
+        are merged first.
+        """
+        kwargs = dict(kwargs or {})
+        ctx = get_replica_context()
+        if ctx is not None and ctx.strategy is self._container_strategy:
+            return ctx.merge_call(lambda strategy, *a, **k: strategy.extended.update(var, fn, a, k, group),
+                                  args=tuple(args), kwargs=kwargs)
+        _require_cross_replica_or_default(self._container_strategy, "update")
+        with self._container_strategy.scope():
+            return self._update(var, fn, tuple(args), kwargs, group)
+
+    def call_for_each_replica(self, fn, args=(), kwargs=None):
+        """Same as ``strategy.run(fn, args, kwargs)``."""
+        return self._container_strategy.run(fn, args, kwargs)
+
+    def colocate_vars_with(self, colocate_with_variable):
+        """Scope in which new variables share ``colocate_with_variable``'s devices.
+
+        Every variable of a mirrored strategy already lives on all replica
+        devices, so this only checks that the variable belongs to this strategy.
+        """
+        owner = getattr(colocate_with_variable, "distribute_strategy", None)
+        if owner is not self._container_strategy and not (
+                self._container_strategy is _default_context().strategy and isinstance(colocate_with_variable,
+                                                                                       DeviceVariable)):
+            raise ValueError("`colocate_vars_with` must only be passed a variable created in this "
+                             f"strategy's scope(), not {colocate_with_variable!r}")
+        return contextlib.nullcontext()
+
+    def value_container(self, value):
+        """The distributed variable that ``value`` is a copy of, else ``value``."""
+        return value_container(value)
+
+    def experimental_distribute_values_from_function(self, value_fn):
+        return self._container_strategy.experimental_distribute_values_from_function(value_fn)
+
+    # helpers shared by the strategies
+
+    def _local_results(self, value) -> tuple:
+        return value.values if isinstance(value, DistributedValues) else (value,)
+
+    def _with_devices(self, value, argument: str):
+        """``value`` with its replicas' devices known (a user-built PerReplica gets this worker's devices)."""
+        if isinstance(value, DistributedValues) and value._devices is None:
+            if len(value.values) != len(self._local_devices):
+                raise ValueError(
+                    f"{argument}: a {type(value).__name__} with {len(value.values)} components was given to a "
+                    f"strategy with {len(self._local_devices)} local replicas; pass one component per replica")
+            return type(value)(value.values, self._local_devices)
+        return value
+
+    def _reduce(self, op: ReduceOp, value):
+        result = self.reduce_to(op, value, HOST)
+        return _nest.map_structure(lambda v: device_util.to_host(_read(self._local_results(v)[0])), result)
+
+    def _gather_to_host(self, value, axis):
+        if not isinstance(value, DistributedValues):
+            return value
+        return device_util.to_host(self._local_results(self._gather_to(self._with_devices(value, "value"),
+                                                                       HOST, axis, None))[0])
+
+    def _make_initial_values_identical(self, value):
+        """Hook: make every worker start from the same initial value (one worker: nothing to do)."""
+        return value
+
+    def _create_variable(self, initial_value, name=None, trainable=None, dtype=None,
+                         synchronization=VariableSynchronization.AUTO, aggregation=VariableAggregation.NONE):
+        synchronization, aggregation, trainable = _check_variable_args(name, trainable, synchronization,
+                                                                      aggregation)
+        if callable(initial_value):
+            initial_value = initial_value()
+        value = device_util.to_host(_read(initial_value))
+        if dtype is not None:
+            value = value.astype(np.dtype(dtype), copy=False)
+        return self._make_variable(value, name or "Variable", trainable, synchronization, aggregation)
+
+    def _make_variable(self, value, name, trainable, synchronization, aggregation):
+        return DeviceVariable(value, f"{name}:0", HOST, trainable, synchronization, aggregation)
+
+
+def _check_variable_args(name, trainable, synchronization, aggregation):
+    if not isinstance(synchronization, VariableSynchronization):
+        raise ValueError(f"synchronization={synchronization!r} for variable {name!r}: expected a "
+                         "md.VariableSynchronization (AUTO, ON_WRITE, ON_READ or NONE)")
+    if not isinstance(aggregation, VariableAggregation):
+        raise ValueError(f"Invalid variable aggregation mode: {aggregation!r} for variable {name!r}; expected a "
+                         "md.VariableAggregation (NONE, SUM, MEAN or ONLY_FIRST_REPLICA)")
+    if trainable is None:
+        trainable = synchronization != VariableSynchronization.ON_READ
+    elif trainable and synchronization == VariableSynchronization.ON_READ:
+        raise ValueError(
+            "Synchronization value can be set to VariableSynchronization.ON_READ only for non-trainable "
+            f"variables; variable {name!r} has trainable=True: pass trainable=False")
+    return synchronization, aggregation, trainable
+
+
+# --- the default strategy ------------------------------------------------------------------
+
+
+class _DefaultExtended(StrategyExtended):
+    """No distribution: one replica on the host; reductions return their input."""
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        with _entered(_Context(self._container_strategy, default_replica_context())):
+            return fn(*args, **kwargs)
+
+    def _reduce_to(self, op, value, destinations, options):
+        return value
+
+    def _batch_reduce_to(self, op, pairs, options):
+        return [v for v, _ in pairs]
+
+    def _broadcast_to(self, tensor, destinations):
+        return tensor
+
+    def _gather_to(self, value, destinations, axis, options):
+        return value
+
+    def _update(self, var, fn, args, kwargs, group):
+        return fn(var, *args, **kwargs)
+
+
+class _DefaultStrategy(Strategy):
+    def __init__(self):
+        super().__init__(_DefaultExtended(self, (HOST,)))
+
+    def __repr__(self) -> str:
+        return "<mirrored default strategy>"
+
+
+_default = None
+_default_lock = threading.Lock()
+
+
+def _default_context() -> _Context:
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                strategy = _DefaultStrategy()
+                _default = _Context(strategy, ReplicaContext(strategy, 0))
+    return _default
+
+
+def default_replica_context() -> ReplicaContext:
+    return _default_context().replica_context
+
+
+__all__ = [
+    "Strategy", "StrategyExtended", "ReplicaContext", "get_strategy", "has_strategy",
+    "in_cross_replica_context", "get_replica_context", "get_cross_replica_context",
+    "Mirrored", "MirroredVariable", "SyncOnReadVariable",
+]

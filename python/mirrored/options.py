@@ -1,0 +1,132 @@
+"""Option objects and enums of the public API, with TensorFlow's names and values."""
+
+from __future__ import annotations
+
+import enum
+
+
+class VariableSynchronization(enum.Enum):
+    """When a distributed variable's copies are synchronized."""
+
+    AUTO = 0
+    NONE = 1
+    ON_WRITE = 2
+    ON_READ = 3
+
+
+class VariableAggregation(enum.Enum):
+    """How the replicas' updates of a distributed variable are combined."""
+
+    NONE = 0
+    SUM = 1
+    MEAN = 2
+    ONLY_FIRST_REPLICA = 3
+
+
+class CommunicationImplementation(enum.Enum):
+    """Which collective implementation cross-worker communication uses."""
+
+    AUTO = "AUTO"
+    RING = "RING"
+    NCCL = "NCCL"
+
+
+# TF 2.0-2.3 name of the same enum (``tf.distribute.experimental.CollectiveCommunication``).
+CollectiveCommunication = CommunicationImplementation
+
+
+class InputReplicationMode(enum.Enum):
+    """How input pipelines map to replicas (``InputOptions``)."""
+
+    PER_WORKER = "PER_WORKER"
+    PER_REPLICA = "PER_REPLICA"
+
+
+class CommunicationOptions:
+    """Options for cross-replica collectives (``tf.distribute.experimental.CommunicationOptions``).
+
+    ``bytes_per_pack`` > 0 splits a batch of tensors into packs of about that
+    many bytes (0: let the implementation choose); ``timeout_seconds`` bounds
+    how long a collective waits for its peers.
+    """
+
+    def __init__(self, bytes_per_pack: int = 0, timeout_seconds: float | None = None,
+                 implementation=CommunicationImplementation.AUTO):
+        if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
+            raise ValueError(f"bytes_per_pack={bytes_per_pack!r}: expected a non-negative int (0 = auto)")
+        if timeout_seconds is not None and not (isinstance(timeout_seconds, (int, float)) and timeout_seconds > 0):
+            raise ValueError(f"timeout_seconds={timeout_seconds!r}: expected a positive number or None (no timeout)")
+        if isinstance(implementation, str) and implementation.upper() in CommunicationImplementation.__members__:
+            implementation = CommunicationImplementation[implementation.upper()]
+        if not isinstance(implementation, CommunicationImplementation):
+            raise ValueError(
+                f"implementation={implementation!r}: expected md.CommunicationImplementation.AUTO, RING or NCCL"
+            )
+        self.bytes_per_pack = bytes_per_pack
+        self.timeout_seconds = timeout_seconds
+        self.implementation = implementation
+
+    def merge(self, options: "CommunicationOptions | None") -> "CommunicationOptions":
+        """These options with the non-default fields of ``options`` taking precedence."""
+        if options is None:
+            return self
+        return CommunicationOptions(
+            bytes_per_pack=options.bytes_per_pack or self.bytes_per_pack,
+            timeout_seconds=options.timeout_seconds if options.timeout_seconds is not None else self.timeout_seconds,
+            implementation=(options.implementation
+                            if options.implementation is not CommunicationImplementation.AUTO
+                            else self.implementation),
+        )
+
+    def __repr__(self) -> str:
+        return (f"CommunicationOptions(bytes_per_pack={self.bytes_per_pack}, "
+                f"timeout_seconds={self.timeout_seconds}, implementation={self.implementation})")
+
+
+class InputOptions:
+    """Options for distributing datasets (``tf.distribute.InputOptions``).
+
+    ``experimental_fetch_to_device`` (default True) places each replica's
+    slice on its device in the background prefetcher; False leaves it on the
+    host. ``experimental_per_replica_buffer_size`` is how many batches per
+    replica the prefetcher keeps ready.
+    """
+
+    def __init__(self, experimental_fetch_to_device: bool | None = None,
+                 experimental_replication_mode=InputReplicationMode.PER_WORKER,
+                 experimental_place_dataset_on_device: bool = False,
+                 experimental_per_replica_buffer_size: int = 1):
+        if not isinstance(experimental_per_replica_buffer_size, int) or experimental_per_replica_buffer_size < 1:
+            raise ValueError(
+                f"experimental_per_replica_buffer_size={experimental_per_replica_buffer_size!r}: expected an int >= 1"
+            )
+        if experimental_place_dataset_on_device and experimental_fetch_to_device:
+            raise ValueError(
+                "experimental_place_dataset_on_device=True and experimental_fetch_to_device=True conflict: "
+                "set experimental_fetch_to_device=False"
+            )
+        self.experimental_fetch_to_device = experimental_fetch_to_device
+        self.experimental_replication_mode = experimental_replication_mode
+        self.experimental_place_dataset_on_device = experimental_place_dataset_on_device
+        self.experimental_per_replica_buffer_size = experimental_per_replica_buffer_size
+
+    def __repr__(self) -> str:
+        return (f"InputOptions(experimental_fetch_to_device={self.experimental_fetch_to_device}, "
+                f"experimental_replication_mode={self.experimental_replication_mode}, "
+                f"experimental_place_dataset_on_device={self.experimental_place_dataset_on_device}, "
+                f"experimental_per_replica_buffer_size={self.experimental_per_replica_buffer_size})")
+
+
+class RunOptions:
+    """Options for ``Strategy.run`` (``tf.distribute.RunOptions``).
+
+    Accepted for compatibility; replicas always run eagerly here, so the
+    XLA/bucketizing knobs have nothing to change.
+    """
+
+    def __init__(self, experimental_enable_dynamic_batch_size: bool = True,
+                 experimental_bucketizing_dynamic_shape: bool = False,
+                 experimental_xla_options=None):
+        self.experimental_enable_dynamic_batch_size = experimental_enable_dynamic_batch_size
+        self.experimental_bucketizing_dynamic_shape = experimental_bucketizing_dynamic_shape
+        self.experimental_xla_options = experimental_xla_options

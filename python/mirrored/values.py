@@ -1,0 +1,387 @@
+"""Distributed values: one component per replica, and variables kept in sync.
+
+``PerReplica`` holds values that differ between replicas, ``Mirrored`` values
+known to be equal. ``md.Variable`` is a variable on one device outside any
+strategy, a ``MirroredVariable`` (``ON_WRITE``: every update reaches every
+copy) or a ``SyncOnReadVariable`` (``ON_READ``: each replica updates its own
+copy, reads in cross-replica context aggregate) inside a strategy's scope.
+
+A variable's value buffer is never written in place: an assign swaps in a new
+array, so an array returned by ``read_value()`` never changes under its holder.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from . import _nest, device_util
+from .options import VariableAggregation, VariableSynchronization
+from .reduce_util import ReduceOp
+
+
+class DistributedValues:
+    """Base class of values with one component per replica (``.values``)."""
+
+    def __init__(self, values, devices=None):
+        self._values = tuple(values)
+        self._devices = tuple(devices) if devices is not None else None
+
+    @property
+    def values(self) -> tuple:
+        return self._values
+
+    @property
+    def _primary(self):
+        return self._values[0]
+
+    def _devices_or(self, default):
+        return self._devices if self._devices is not None else default
+
+    def __str__(self) -> str:
+        body = ",\n".join(f"  {i}: {v}" for i, v in enumerate(self._values))
+        return f"{type(self).__name__}:{{\n{body}\n}}"
+
+    def __repr__(self) -> str:
+        body = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))
+        return f"{type(self).__name__}:{{\n{body}\n}}"
+
+
+class PerReplica(DistributedValues):
+    """Values that may differ from replica to replica (results of ``run``, dataset elements)."""
+
+
+class Mirrored(DistributedValues):
+    """Values known to be identical on every replica (results of all-reduce, broadcast)."""
+
+
+class _VariableMeta(type):
+    # ``md.Variable(...)`` asks the current strategy to create the variable, so
+    # the same model code makes a plain variable outside any scope and a
+    # MirroredVariable / SyncOnReadVariable inside MirroredStrategy.scope().
+    def __call__(cls, *args, **kwargs):
+        if cls is Variable:
+            from . import distribute_lib
+
+            return distribute_lib.get_strategy().extended._create_variable(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
+    """``md.Variable(initial_value, name=None, trainable=None, dtype=None, synchronization=AUTO, aggregation=NONE)``.
+
+    Arithmetic and NumPy functions apply to the current value. As in
+    TensorFlow, ``==`` is element-wise, so variables are not hashable: key
+    dictionaries by ``var.ref()``.
+    """
+
+    __hash__ = None
+
+    def value(self):
+        return self.read_value()
+
+    def numpy(self):
+        """A host copy of the current value (a NumPy scalar for a scalar variable, as in TensorFlow)."""
+        return np.array(device_util.to_host(self.read_value()), copy=True)[()]
+
+    def __array__(self, dtype=None, copy=None):
+        host = device_util.to_host(self.read_value())
+        return np.array(host, dtype=dtype, copy=True) if copy else np.asarray(host, dtype=dtype)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if any(isinstance(o, Variable) for o in kwargs.get("out", ())):
+            return NotImplemented  # in-place ufuncs would bypass assign; use var.assign(...)
+        inputs = tuple(x.read_value() if isinstance(x, Variable) else x for x in inputs)
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+    def __getitem__(self, index):
+        return self.read_value()[index]
+
+    def __len__(self) -> int:
+        return len(self.read_value())
+
+    def __float__(self) -> float:
+        return float(self.numpy())
+
+    def __int__(self) -> int:
+        return int(self.numpy())
+
+    def __bool__(self) -> bool:
+        return bool(self.numpy())
+
+    def ref(self) -> "_Ref":
+        """A hashable reference to this variable (``ref.deref()`` returns it)."""
+        return _Ref(self)
+
+    def __repr__(self) -> str:
+        return (f"<mirrored.Variable '{self.name}' shape={self.shape} dtype={self.dtype.name}, "
+                f"numpy={self.numpy()!r}>")
+
+
+class _Ref:
+    __slots__ = ("_var",)
+
+    def __init__(self, var):
+        self._var = var
+
+    def deref(self):
+        return self._var
+
+    def __hash__(self):
+        return id(self._var)
+
+    def __eq__(self, other):
+        return isinstance(other, _Ref) and other._var is self._var
+
+
+class DeviceVariable(Variable):
+    """A variable on one device: ``md.Variable`` outside a strategy, and each copy of a distributed one."""
+
+    def __init__(self, value, name: str, device: str, trainable: bool = True,
+                 synchronization=VariableSynchronization.AUTO, aggregation=VariableAggregation.NONE):
+        self._device = device
+        self._value = device_util.place(value, device, copy=True)
+        self._name = name
+        self._trainable = trainable
+        self._synchronization = synchronization
+        self._aggregation = aggregation
+        self._distributed_container = None
+
+    name = property(lambda self: self._name)
+    device = property(lambda self: self._device)
+    shape = property(lambda self: tuple(self._value.shape))
+    dtype = property(lambda self: self._value.dtype)
+    trainable = property(lambda self: self._trainable)
+    synchronization = property(lambda self: self._synchronization)
+    aggregation = property(lambda self: self._aggregation)
+
+    def read_value(self):
+        return self._value
+
+    def _converted(self, value, argument: str = "value"):
+        if isinstance(value, Variable):
+            value = value.read_value()
+        new = device_util.place(value, self._device)
+        if tuple(new.shape) != self.shape:
+            raise ValueError(
+                f"{argument}: cannot assign a value of shape {tuple(new.shape)} to variable '{self._name}' "
+                f"of shape {self.shape}; the shapes must be equal (reshape the value)"
+            )
+        if not np.can_cast(new.dtype, self.dtype, "same_kind"):
+            raise TypeError(
+                f"{argument}: cannot assign a value of dtype {new.dtype} to variable '{self._name}' of dtype "
+                f"{self.dtype}; convert it with .astype({self.dtype.name!r})"
+            )
+        return new
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        # Always a copy: the caller may later write into the array it passed.
+        self._value = self._converted(value).astype(self.dtype, copy=True)
+        return self
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        self._value = (self._value + self._converted(delta, "delta")).astype(self.dtype, copy=False)
+        return self
+
+    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        self._value = (self._value - self._converted(delta, "delta")).astype(self.dtype, copy=False)
+        return self
+
+
+class DistributedVariable(DistributedValues, Variable):
+    """A variable with one :class:`DeviceVariable` copy per replica device."""
+
+    _synchronization_mode = None
+
+    def __init__(self, strategy, components, aggregation):
+        DistributedValues.__init__(self, components, [c.device for c in components])
+        self._strategy = strategy
+        self._aggregation = aggregation
+        for c in components:
+            c._distributed_container = weakref.ref(self)
+
+    distribute_strategy = property(lambda self: self._strategy)
+    name = property(lambda self: self._primary.name)
+    shape = property(lambda self: self._primary.shape)
+    dtype = property(lambda self: self._primary.dtype)
+    trainable = property(lambda self: self._primary.trainable)
+    aggregation = property(lambda self: self._aggregation)
+    synchronization = property(lambda self: self._synchronization_mode)
+
+    @property
+    def device(self) -> str:
+        return self._component().device
+
+    def _local_replica_id(self):
+        """This thread's replica id when it runs a replica of this variable's strategy, else None."""
+        from . import distribute_lib
+
+        ctx = distribute_lib.get_replica_context()
+        if ctx is None or ctx.strategy is not self._strategy:
+            return None
+        return ctx._local_replica_id
+
+    def _component(self) -> DeviceVariable:
+        rid = self._local_replica_id()
+        return self._values[rid if rid is not None else 0]
+
+    def _update_each_copy(self, method: str, value):
+        """Cross-replica update: ``method`` applied to every copy (through ``extended.update``)."""
+        self._strategy.extended.update(self, lambda v, x: getattr(v, method)(x), args=(value,))
+        return self
+
+    __str__ = DistributedValues.__str__
+    __repr__ = DistributedValues.__repr__
+
+
+class MirroredVariable(DistributedVariable):
+    """``ON_WRITE`` variable: every update is applied to every copy, so copies never drift."""
+
+    _synchronization_mode = VariableSynchronization.ON_WRITE
+
+    def read_value(self):
+        return self._component().read_value()
+
+    def _update(self, method: str, value):
+        if self._local_replica_id() is None:
+            if isinstance(value, PerReplica):
+                raise ValueError(
+                    f"value: a PerReplica value cannot be assigned to MirroredVariable '{self.name}' in "
+                    "cross-replica context (its copies would differ); reduce it first with "
+                    "strategy.reduce(...), or assign inside strategy.run with aggregation SUM or MEAN"
+                )
+            return self._update_each_copy(method, value)
+        if self._aggregation == VariableAggregation.NONE:
+            raise ValueError(
+                f"You must specify an aggregation method to update MirroredVariable '{self.name}' in replica "
+                "context: create it with md.Variable(..., aggregation=md.VariableAggregation.SUM, MEAN or "
+                "ONLY_FIRST_REPLICA), or update it in cross-replica context (strategy.extended.update)"
+            )
+        from . import distribute_lib
+
+        def merge_fn(strategy, per_replica):
+            if self._aggregation == VariableAggregation.ONLY_FIRST_REPLICA:
+                reduced = strategy.experimental_local_results(per_replica)[0]
+            else:
+                reduced = strategy.extended.reduce_to(
+                    ReduceOp.from_variable_aggregation(self._aggregation), per_replica, destinations=self)
+            self._update_each_copy(method, reduced)
+
+        distribute_lib.get_replica_context().merge_call(merge_fn, args=(value,))
+        return self
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        return self._update("assign", value)
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        return self._update("assign_add", delta)
+
+    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        return self._update("assign_sub", delta)
+
+
+class SyncOnReadVariable(DistributedVariable):
+    """``ON_READ`` variable: replicas update their own copy; cross-replica reads aggregate."""
+
+    _synchronization_mode = VariableSynchronization.ON_READ
+
+    def read_value(self):
+        if self._local_replica_id() is not None or self._aggregation == VariableAggregation.ONLY_FIRST_REPLICA:
+            return self._component().read_value()
+        return self._strategy.reduce(ReduceOp.from_variable_aggregation(self._aggregation), self, axis=None)
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        if self._local_replica_id() is not None:
+            self._component().assign(value)
+            return self
+        if self._aggregation == VariableAggregation.SUM:
+            # Every copy holds x / N so that the SUM read gives back x (TF's rule).
+            n = self._strategy.num_replicas_in_sync
+            value = (device_util.to_host(_read(value)) / n).astype(self.dtype)
+        return self._update_each_copy("assign", value)
+
+    def _add(self, method: str, delta):
+        if self._local_replica_id() is not None:
+            getattr(self._component(), method)(delta)
+            return self
+        if self._aggregation == VariableAggregation.SUM:
+            raise ValueError(
+                f"SyncOnReadVariable '{self.name}' does not support `{method}` in cross-replica context when "
+                "aggregation is SUM (each copy would add the full delta); use assign(), or call it inside "
+                "strategy.run"
+            )
+        return self._update_each_copy(method, delta)
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        return self._add("assign_add", delta)
+
+    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        return self._add("assign_sub", delta)
+
+
+def _read(x):
+    return x.read_value() if isinstance(x, Variable) else x
+
+
+# --- grouping per-replica results ------------------------------------------------------
+
+
+def regroup(per_replica, wrap_class=PerReplica, always_wrap: bool = False, devices=None):
+    """One structure with ``wrap_class`` leaves from one structure per replica.
+
+    Leaves that are the same object on every replica stay unwrapped (unless
+    ``always_wrap``); copies of one distributed variable become that variable.
+    """
+    v0 = per_replica[0]
+    if isinstance(v0, (list, tuple, dict)) and not isinstance(v0, DistributedValues):
+        for v in per_replica[1:]:
+            if type(v) is not type(v0) or len(v) != len(v0) or (isinstance(v0, dict) and v.keys() != v0.keys()):
+                raise ValueError(
+                    f"replicas returned different structures: {_shape_of(v0)} vs {_shape_of(v)}; every replica "
+                    "must return the same nesting of tuples, lists and dicts"
+                )
+        if isinstance(v0, dict):
+            return type(v0)((k, regroup([v[k] for v in per_replica], wrap_class, always_wrap, devices)) for k in v0)
+        items = [regroup([v[i] for v in per_replica], wrap_class, always_wrap, devices) for i in range(len(v0))]
+        return type(v0)(*items) if hasattr(v0, "_fields") else type(v0)(items)
+    same = all(v is v0 for v in per_replica[1:])
+    if same and isinstance(v0, DistributedVariable):
+        return v0
+    container = getattr(v0, "_distributed_container", None)
+    if container is not None and all(getattr(v, "_distributed_container", None) is container
+                                     for v in per_replica):
+        return container()
+    if same and not always_wrap:
+        return v0
+    return wrap_class(per_replica, devices)
+
+
+def _shape_of(x):
+    return _nest.map_structure(lambda _: "*", x)
+
+
+def select_replica(replica_id: int, structure):
+    """``structure`` as replica ``replica_id`` sees it: distributed leaves become its component.
+
+    Distributed variables stay whole: inside a replica they read and update
+    their own copy.
+    """
+    def pick(x):
+        if isinstance(x, DistributedValues) and not isinstance(x, DistributedVariable):
+            return x._values[replica_id]
+        return x
+
+    if not _nest.is_nested(structure):
+        return pick(structure)
+    return _nest.map_structure(pick, structure)
+
+
+def value_container(value):
+    """The distributed variable that ``value`` is a copy of, else ``value`` itself."""
+    container = getattr(value, "_distributed_container", None)
+    if container is not None and not isinstance(value, DistributedVariable):
+        owner = container()
+        if owner is not None:
+            return owner
+    return value
