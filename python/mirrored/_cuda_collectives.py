@@ -203,12 +203,15 @@ def _outputs(out, arrays, devices, argument: str):
         return outs, outs.copy
     if not isinstance(out, (list, tuple)) or len(out) != len(arrays):
         raise ValueError(f"{argument}: expected a list of {len(arrays)} arrays (one per replica), got {out!r:.80}")
-    outs = list(out)
+    outs, copies = list(out), []
     for i, o in enumerate(out):
         if o is arrays[i]:
             continue
         if not isinstance(o, cupy.ndarray):
-            raise TypeError(f"{argument}[{i}] is {type(o).__name__}; out must hold CuPy arrays for GPU buffers")
+            if not hasattr(o, "__cuda_array_interface__"):
+                raise TypeError(f"{argument}[{i}] is {type(o).__name__}; out must hold GPU arrays "
+                                "(CuPy or __cuda_array_interface__) for GPU buffers")
+            o = outs[i] = cupy.asarray(o)  # a view: written in place
         if o.shape != arrays[i].shape or o.dtype != arrays[i].dtype:
             raise ValueError(f"{argument}[{i}] has shape {o.shape} and dtype {o.dtype}; expected "
                              f"{arrays[i].shape} and {arrays[i].dtype} like the buffers")
@@ -218,12 +221,12 @@ def _outputs(out, arrays, devices, argument: str):
         if not o.flags.c_contiguous:
             with o.device:
                 outs[i] = cupy.empty_like(arrays[i])  # computed here, copied back by finish()
+            copies.append((o, outs[i]))
 
     def finish():
-        for o, tmp in zip(out, outs):
-            if o is not tmp:
-                with o.device:
-                    o[...] = tmp
+        for o, tmp in copies:
+            with o.device:
+                o[...] = tmp
         return list(out)
 
     return outs, finish

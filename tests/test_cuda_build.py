@@ -1,0 +1,143 @@
+"""The CUDA layer without a GPU: the extension builds and imports, reports no
+devices, and everything that chooses devices or NCCL degrades cleanly. Each
+check runs in a subprocess with CUDA_VISIBLE_DEVICES="" so it holds on GPU
+machines too, and so NCCL's once-per-process loading starts fresh."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_without_gpu(code: str) -> str:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "python"), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def has_cuda_extension() -> bool:
+    out = run_without_gpu("""
+        import importlib.util, mirrored
+        print(importlib.util.find_spec("mirrored._cuda") is not None)
+    """)
+    return out.strip() == "True"
+
+
+needs_extension = pytest.mark.skipif(not has_cuda_extension(), reason="built without a CUDA compiler (no nvcc)")
+
+
+def test_import_and_default_strategy_without_gpu():
+    out = run_without_gpu("""
+        import mirrored as md
+        print(len(md.config.list_physical_devices("GPU")), len(md.config.list_logical_devices("GPU")))
+        print(len(md.config.list_physical_devices("CPU")))
+        s = md.MirroredStrategy()
+        print(s.num_replicas_in_sync, list(s.extended.worker_devices))
+    """).splitlines()
+    assert out[0] == "0 0"
+    assert out[1] == "1"
+    assert out[2] == "1 ['/job:localhost/replica:0/task:0/device:CPU:0']"
+
+
+@needs_extension
+def test_extension_reports_no_devices():
+    out = run_without_gpu("""
+        from mirrored import _cuda
+        print(_cuda.device_count())
+        for make in (lambda: _cuda.ring([0]), lambda: _cuda.device_properties(0)):
+            try:
+                make()
+            except ValueError as e:
+                print("ValueError:", e)
+    """).splitlines()
+    assert out[0] == "0"
+    assert out[1].startswith("ValueError:") and "GPU 0 does not exist (0 visible" in out[1]
+    assert out[2].startswith("ValueError:") and "CUDA_VISIBLE_DEVICES" in out[2]
+
+
+def test_logical_gpu_configuration_without_gpu_names_the_problem():
+    out = run_without_gpu("""
+        import mirrored as md
+        try:
+            md.config.set_logical_device_configuration("GPU", 0, count=2)
+        except ValueError as e:
+            print(e)
+        md.config.set_logical_device_configuration("CPU:0", count=3)
+        print([d.name[-5:] for d in md.config.list_logical_devices("CPU")])
+        try:
+            md.config.physical_gpu_index(0)
+        except ValueError as e:
+            print(e)
+    """).splitlines()
+    assert "physical GPU:0 does not exist (0 visible" in out[0]
+    assert out[1] == "['CPU:0', 'CPU:1', 'CPU:2']"
+    assert "GPU:0 is not a logical GPU" in out[2]
+
+
+@needs_extension
+def test_missing_nccl_names_the_pip_package():
+    out = run_without_gpu("""
+        import warnings
+        from mirrored import _gpu
+        _gpu.nccl_library_candidates = lambda: ["/nonexistent/libnccl.so.2"]
+        try:
+            _gpu.load_nccl()
+        except RuntimeError as e:
+            print(" ".join(str(e).split()))
+        print(_gpu.nccl_available())
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            print(_gpu.default_gpu_algorithm([0, 1]))
+        print(w[0].message)
+    """).splitlines()
+    assert "pip install nvidia-nccl-cu13" in out[0] and "/nonexistent/libnccl.so.2" in out[0]
+    assert out[1] == "False"
+    assert out[2] == "auto"
+    assert "native ring" in out[3] and "pip install nvidia-nccl-cu13" in out[3]
+
+
+def test_logical_gpus_fall_back_to_the_ring():
+    out = run_without_gpu("""
+        import warnings
+        from mirrored import _gpu
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            print(_gpu.default_gpu_algorithm([0, 0]))
+        print(w[0].message)
+    """).splitlines()
+    assert out[0] == "auto"
+    assert "share a GPU" in out[1]
+
+
+@needs_extension
+def test_wheel_nccl_loads_without_a_gpu():
+    pytest.importorskip("nvidia.nccl", reason="nvidia-nccl-cu13 is not installed")
+    out = run_without_gpu("""
+        from mirrored import _gpu
+        path, version = _gpu.load_nccl()
+        print(path, version, len(_gpu.nccl_unique_id()))
+    """).split()
+    assert out[0].endswith("libnccl.so.2")
+    assert int(out[1]) >= 21000
+    assert out[2] == "128"
+
+
+def test_gpu_algorithm_validation_needs_no_gpu():
+    out = run_without_gpu("""
+        from mirrored import _cuda_collectives as cc
+        for devices, algorithm in (((0,), "direct"), ((0,), "bogus"), ((0, 0), "nccl")):
+            try:
+                cc._engine(devices, algorithm)
+            except ValueError as e:
+                print(e)
+    """).splitlines()
+    assert "'direct' is a host-buffer algorithm" in out[0]
+    assert "algorithm='bogus' is not a GPU algorithm" in out[1]
+    assert "use algorithm='ring' for logical GPUs" in out[2]
