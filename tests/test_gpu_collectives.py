@@ -1,0 +1,278 @@
+"""GPU collectives against NumPy (marker ``gpu``; skipped without a GPU).
+
+The host suite's matrix (replicas x dtype x op x size x algorithm) on CUDA
+buffers: the native ring and tree with every replica on GPU 0 (logical GPUs)
+and spread over the GPUs, and NCCL with one GPU per replica. The ring runs
+with 256-byte chunks here so that small buffers cross every boundary of the
+schedule: many slices, both channels, a short last slice, unaligned chunks.
+Run with ``pytest -m gpu``.
+"""
+
+import numpy as np
+import pytest
+
+from collective_reference import BFLOAT16, DTYPES, OPS, assert_reduced, make_inputs
+
+pytestmark = pytest.mark.gpu
+cupy = pytest.importorskip("cupy", reason="GPU tests need CuPy (pip install cupy-cuda13x)")
+
+from mirrored import _cuda_collectives as cc  # noqa: E402
+from mirrored import _dtypes, _gpu, collectives, config  # noqa: E402
+
+NGPU = len(config.list_physical_devices("GPU"))
+if NGPU == 0:
+    pytest.skip("no GPU visible", allow_module_level=True)
+
+REPLICAS = (1, 2, 3, 4)
+ALGOS = ("ring", "tree", "auto")
+SMALL_CHUNK = 256
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(cc, "CHUNK_BYTES", SMALL_CHUNK)
+    monkeypatch.setattr(cc, "_engines", {})
+
+
+def placements(n):
+    out = [("logical", (0,) * n)]
+    if NGPU > 1 and n > 1:
+        out.append(("spread", tuple(i % NGPU for i in range(n))))
+    return out
+
+
+def cupy_has(dtype) -> bool:
+    try:
+        cupy.zeros(1, dtype)
+        return True
+    except Exception:
+        return False
+
+
+def upload(xs, devices):
+    """Host arrays onto the replicas' GPUs (bfloat16 as its uint16 bits when CuPy lacks the dtype)."""
+    out = []
+    for x, d in zip(xs, devices):
+        with cupy.cuda.Device(d):
+            out.append(cupy.asarray(x if cupy_has(x.dtype) else x.view(np.uint16)))
+    return out
+
+
+def download(arrays, dtype):
+    cupy.cuda.Device().synchronize()
+    for a in arrays:
+        with a.device:
+            a.device.synchronize()
+    return [cupy.asnumpy(a).view(dtype) for a in arrays]
+
+
+def gpu_all_reduce(xs, devices, op, algorithm, inplace=False):
+    """collectives.all_reduce on GPU copies of xs; results back on the host."""
+    dtype = xs[0].dtype
+    arrays = upload(xs, devices)
+    if cupy_has(dtype):
+        out = collectives.all_reduce(arrays, op, out=arrays if inplace else None, algorithm=algorithm)
+        for a, d in zip(out, devices):
+            assert isinstance(a, cupy.ndarray) and a.device.id == d
+    else:  # bfloat16 without CuPy support: the same engine, dtype code given explicitly
+        engine, algo = cc._engine(devices, algorithm)
+        out = arrays if inplace else [cupy.empty_like(a) for a in arrays]
+        engine.all_reduce(cc._ptrs(arrays), cc._ptrs(out), arrays[0].size, _dtypes.CODES["bfloat16"],
+                          _dtypes.op_code(op), algo, cc._streams(devices))
+    return download(out, dtype), download(arrays, dtype)
+
+
+def sizes_for(dtype, n):
+    es = np.dtype(dtype).itemsize
+    chunk = SMALL_CHUNK // es
+    s = {0, 1, 3, 17, 1001}
+    for b in (chunk, chunk * n, 2 * chunk * n + chunk, 5 * chunk * n):
+        s |= {b - 1, b, b + 1}
+    return sorted(x for x in s if x >= 0)
+
+
+def check_matrix(n, dtype, op, algorithm, devices):
+    rng = np.random.default_rng(hash((n, str(dtype), op, algorithm, devices)) % 2**32)
+    for count in sizes_for(dtype, n):
+        xs = make_inputs(rng, n, (count,), dtype, op)
+        results, after = gpu_all_reduce(xs, devices, op, algorithm)
+        for x, a in zip(xs, after):  # out of place leaves the inputs alone
+            np.testing.assert_array_equal(a, x)
+        for r in results:
+            assert_reduced(r, xs, op)
+        in_place, _ = gpu_all_reduce(xs, devices, op, algorithm, inplace=True)
+        for r, q in zip(in_place, results):
+            np.testing.assert_array_equal(r, q)
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", REPLICAS)
+def test_native_all_reduce_matches_numpy(small_chunks, n, dtype, op, algorithm):
+    for _, devices in placements(n):
+        check_matrix(n, dtype, op, algorithm, devices)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nccl_all_reduce_matches_numpy(op, dtype):
+    if not _gpu.nccl_available():
+        pytest.skip("NCCL is not installed (pip install nvidia-nccl-cu13)")
+    n = min(NGPU, 4)
+    check_matrix(n, dtype, op, "nccl", tuple(range(n)))
+
+
+def test_nccl_refuses_two_replicas_on_one_gpu():
+    xs = upload([np.ones(4, np.float32)] * 2, (0, 0))
+    with pytest.raises(ValueError, match="use algorithm='ring' for logical GPUs"):
+        collectives.all_reduce(xs, "sum", algorithm="nccl")
+
+
+def test_64_mib_in_place_on_logical_gpus():
+    n = 2
+    a = upload([np.full(16 << 20, i + 1, np.float32) for i in range(n)], (0, 0))
+    a[1][::4097] = 7.0
+    collectives.all_reduce(a, "mean", out=a)
+    expect = np.full(16 << 20, 1.5, np.float32)
+    expect[::4097] = 4.0
+    for x in download(a, np.float32):
+        np.testing.assert_array_equal(x, expect)
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+def test_nan_and_inf_propagate(algorithm):
+    nan, inf = np.nan, np.inf
+    xs = [np.array([nan, 1, 1, inf, -inf, 2], np.float32), np.array([1, nan, 2, 1, 1, -inf], np.float32),
+          np.array([0, 0, nan, 1, inf, 0], np.float32)]
+    for op, expect in (("min", [nan, nan, nan, 1, -inf, -inf]), ("max", [nan, nan, nan, inf, inf, 2]),
+                       ("sum", [nan, nan, nan, inf, nan, -inf])):
+        results, _ = gpu_all_reduce(xs, (0, 0, 0), op, algorithm)
+        for r in results:
+            np.testing.assert_array_equal(r, np.array(expect, np.float32))
+
+
+def test_unaligned_and_non_contiguous_buffers(small_chunks):
+    base = [cupy.arange(4001, dtype=cupy.float32) * (i + 1) for i in range(3)]
+    views = [b[1:] for b in base]  # 4 bytes off 16-byte alignment: the scalar path
+    strided = [b[::2] for b in base]  # copied to contiguous
+    np.testing.assert_array_equal(cupy.asnumpy(collectives.all_reduce(views, "sum")[2]),
+                                  np.arange(1, 4001, dtype=np.float32) * 6)
+    out = [cupy.zeros(4001, cupy.float32)[::2] for _ in range(3)]  # non-contiguous out: written back
+    res = collectives.all_reduce(strided, "max", out=out)
+    assert res[0] is out[0]
+    for o in out:
+        np.testing.assert_array_equal(cupy.asnumpy(o), np.arange(0, 4001, 2, dtype=np.float32) * 3)
+
+
+@pytest.mark.parametrize("n", REPLICAS)
+def test_broadcast_reduce_gather(small_chunks, n):
+    for _, devices in placements(n):
+        rng = np.random.default_rng(n)
+        xs = [rng.standard_normal((7, 5)).astype(np.float32) for _ in range(n)]
+        arrays = upload(xs, devices)
+        for root in range(n):
+            got = download(collectives.broadcast(arrays, root), np.float32)
+            for g in got:
+                np.testing.assert_array_equal(g, xs[root])
+            r = collectives.reduce(arrays, "sum", root)
+            assert r.device.id == devices[root]
+            np.testing.assert_allclose(cupy.asnumpy(r), np.sum(xs, 0), rtol=1e-5, atol=1e-5)
+            out = [cupy.full_like(a, -1) for a in arrays]
+            collectives.reduce(arrays, "max", root, out=out)
+            for i, o in enumerate(out):  # only the root's output is written
+                np.testing.assert_array_equal(cupy.asnumpy(o), np.max(xs, 0) if i == root else -1)
+        # all_gather: sizes may differ along the axis
+        parts = [rng.standard_normal((3, i + 1, 2)).astype(np.float32) for i in range(n)]
+        for axis in (0, 1):
+            ps = parts if axis == 1 else [p.transpose(1, 0, 2).copy() for p in parts]
+            got = collectives.all_gather(upload(ps, devices), axis)
+            for g, d in zip(got, devices):
+                assert g.device.id == d
+                np.testing.assert_array_equal(cupy.asnumpy(g), np.concatenate(ps, axis))
+
+
+@pytest.mark.parametrize("packing", [dict(), dict(bytes_per_pack=64), dict(num_packs=2)])
+@pytest.mark.parametrize("algorithm", ("auto", "nccl"))
+def test_batch_all_reduce(small_chunks, packing, algorithm):
+    if algorithm == "nccl" and not _gpu.nccl_available():
+        pytest.skip("NCCL is not installed (pip install nvidia-nccl-cu13)")
+    n = min(NGPU, 3) if algorithm == "nccl" else 3
+    devices = tuple(range(n)) if algorithm == "nccl" else placements(n)[-1][1]
+    rng = np.random.default_rng(7)
+    shapes = [(3,), (40, 2), (), (0,), (513,), (5, 5)]
+    dtypes = [np.float32, np.int32, np.float64, np.float32, np.float16, np.int32]
+    host = [[np.asarray(rng.integers(-9, 9, s)).astype(t) for s, t in zip(shapes, dtypes)] for _ in range(n)]
+    lists = [upload(h, [d] * len(h)) for h, d in zip(host, devices)]
+    out = collectives.batch_all_reduce(lists, "sum", algorithm=algorithm, **packing)
+    for r, d in enumerate(devices):
+        for t in range(len(shapes)):
+            assert out[r][t].device.id == d and out[r][t].dtype == dtypes[t]
+            np.testing.assert_array_equal(cupy.asnumpy(out[r][t]),
+                                          np.sum([h[t] for h in host], 0, dtype=dtypes[t]).astype(dtypes[t]))
+
+
+def test_bad_input_is_rejected_clearly():
+    a = upload([np.ones(4, np.float32)], (0,))[0]
+    with pytest.raises(TypeError, match=r"buffers\[1\] is a host array"):
+        collectives.all_reduce([a, np.ones(4, np.float32)])
+    with pytest.raises(TypeError, match="same dtype"):
+        collectives.all_reduce([a, a.astype(cupy.float64)])
+    with pytest.raises(ValueError, match="same shape"):
+        collectives.all_reduce([a, cupy.ones(5, cupy.float32)])
+    with pytest.raises(TypeError, match="not supported"):
+        collectives.all_reduce([a.astype(cupy.complex64)] * 2)
+    with pytest.raises(ValueError, match="not a reduce op"):
+        collectives.all_reduce([a, a], "avg")
+    with pytest.raises(ValueError, match=r"out\[1\] has shape"):
+        collectives.all_reduce([a, a], out=[a, cupy.ones(3, cupy.float32)])
+    with pytest.raises(ValueError, match="root=2"):
+        collectives.broadcast([a, a], 2)
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+def test_output_on_the_wrong_gpu_is_rejected():
+    a, b = upload([np.ones(4, np.float32)] * 2, (0, 1))
+    with pytest.raises(ValueError, match=r"out\[1\] is on GPU 0 but buffers\[1\] on GPU 1"):
+        collectives.all_reduce([a, b], out=[cupy.empty_like(a), cupy.empty_like(a)])
+
+
+def test_ordered_on_replica_and_current_streams():
+    """Inputs written on per-replica streams, reduced from the main thread, read on another stream."""
+    n = 2
+    arrays = upload([np.zeros(1 << 20, np.float32)] * n, (0,) * n)
+    for r in range(n):
+        with _gpu.replica_stream(r, 0):
+            arrays[r] += r + 1  # queued on the replica's stream
+    out = collectives.all_reduce(arrays, "sum")
+    with cupy.cuda.Stream() as s:
+        total = float(out[1].sum())
+        s.synchronize()
+    assert total == 3.0 * (1 << 20)
+    with cupy.cuda.Stream(non_blocking=True) as s:  # a user's own stream: the collective is ordered on it
+        x = upload([np.ones(1 << 20, np.float32)] * n, (0,) * n)
+        y = collectives.all_reduce(x, "sum")
+        assert float(y[0].sum()) == 2.0 * (1 << 20)
+
+
+def test_prefetch_copies_asynchronously():
+    host = np.arange(1 << 16, dtype=np.float32).reshape(256, 256)
+    s = _gpu.replica_stream(0, 0)
+    dev = _gpu.to_device_async(host, 0, s)
+    s.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(dev), host)
+    assert _gpu.to_device_async(np.zeros((0, 3), np.int8), 0).shape == (0, 3)
+
+
+def test_logical_gpu_configuration_maps_to_physical():
+    try:
+        config.set_logical_device_configuration("GPU", 0, count=2)
+        names = [d.name for d in config.list_logical_devices("GPU")]
+        assert names[:2] == ["/job:localhost/replica:0/task:0/device:GPU:0",
+                             "/job:localhost/replica:0/task:0/device:GPU:1"]
+        assert len(names) == NGPU + 1
+        assert [config.physical_gpu_index(i) for i in range(len(names))] == [0] + list(range(NGPU))
+        assert _gpu.physical_ordinal("/gpu:1") == 0
+    finally:
+        config.set_logical_device_configuration("GPU:0", None)
+    assert len(config.list_logical_devices("GPU")) == NGPU

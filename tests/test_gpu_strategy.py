@@ -1,0 +1,103 @@
+"""MirroredStrategy on GPU replicas (marker ``gpu``; skipped without a GPU).
+
+Two logical GPUs on physical GPU 0, so a one-GPU machine runs multi-replica
+GPU code; with more GPUs the same examples also run one replica per GPU.
+"""
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+cupy = pytest.importorskip("cupy", reason="GPU tests need CuPy (pip install cupy-cuda13x)")
+
+import mirrored as md  # noqa: E402
+
+NGPU = len(md.config.list_physical_devices("GPU"))
+if NGPU == 0:
+    pytest.skip("no GPU visible", allow_module_level=True)
+
+
+@pytest.fixture(params=["logical", "physical"])
+def gpus(request):
+    if request.param == "physical":
+        if NGPU < 2:
+            pytest.skip("needs 2 GPUs")
+        yield ["/gpu:0", "/gpu:1"], [0, 1]
+        return
+    md.config.set_logical_device_configuration("GPU", 0, count=2)
+    try:
+        yield ["/gpu:0", "/gpu:1"], [0, 0]
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
+
+
+def test_default_strategy_takes_every_gpu():
+    s = md.MirroredStrategy()
+    assert s.num_replicas_in_sync == NGPU
+    assert all("GPU" in d for d in s.extended.worker_devices)
+
+
+def test_run_and_all_reduce(gpus):
+    devices, ordinals = gpus
+    s = md.MirroredStrategy(devices)
+    assert s.num_replicas_in_sync == 2
+
+    def step():
+        ctx = md.get_replica_context()
+        x = cupy.full(5, ctx.replica_id_in_sync_group + 1, cupy.float32)
+        return ctx.all_reduce("sum", {"x": x, "y": x * 2})
+
+    out = s.run(step)
+    for v, ordinal in zip(s.experimental_local_results(out["x"]), ordinals):
+        assert isinstance(v, cupy.ndarray) and v.device.id == ordinal
+        np.testing.assert_array_equal(cupy.asnumpy(v), np.full(5, 3, np.float32))
+    np.testing.assert_array_equal(s.reduce("mean", out["y"], axis=None), np.full(5, 6, np.float32))
+    np.testing.assert_array_equal(s.reduce("sum", out["y"], axis=0), np.float32(60))
+
+
+def test_mirrored_variable_lives_on_each_gpu(gpus):
+    devices, ordinals = gpus
+    s = md.MirroredStrategy(devices)
+    with s.scope():
+        v = md.Variable(np.ones(3, np.float32), aggregation=md.VariableAggregation.MEAN)
+    for component, ordinal in zip(s.experimental_local_results(v), ordinals):
+        arr = getattr(component, "value", component)
+        arr = arr() if callable(arr) else arr
+        assert isinstance(arr, cupy.ndarray) and arr.device.id == ordinal
+
+    def step():
+        ctx = md.get_replica_context()
+        v.assign_add(cupy.full(3, ctx.replica_id_in_sync_group + 1, cupy.float32))
+
+    s.run(step)
+    np.testing.assert_array_equal(np.asarray(v.numpy()), np.full(3, 2.5, np.float32))
+
+
+def test_distributed_dataset_lands_on_the_replica_gpus(gpus):
+    devices, ordinals = gpus
+    s = md.MirroredStrategy(devices)
+    batches = [np.arange(14, dtype=np.float32).reshape(7, 2)]
+    for batch in s.experimental_distribute_dataset(batches):
+        parts = s.experimental_local_results(batch)
+        assert [p.shape[0] for p in parts] == [4, 3]
+        for p, ordinal in zip(parts, ordinals):
+            assert isinstance(p, cupy.ndarray) and p.device.id == ordinal
+        np.testing.assert_array_equal(np.concatenate([cupy.asnumpy(p) for p in parts]), batches[0])
+
+
+def test_nccl_all_reduce_on_gpus(gpus):
+    devices, ordinals = gpus
+    from mirrored import _gpu
+
+    ops = md.cross_device_ops.NcclAllReduce()
+    s = md.MirroredStrategy(devices, cross_device_ops=ops)
+    fn = lambda: md.get_replica_context().all_reduce("sum", cupy.ones(4, cupy.float32))  # noqa: E731
+    if len(set(ordinals)) < len(ordinals):
+        with pytest.raises(ValueError, match="use algorithm='ring' for logical GPUs"):
+            s.run(fn)
+    elif not _gpu.nccl_available():
+        with pytest.raises(RuntimeError, match="pip install nvidia-nccl-cu13"):
+            s.run(fn)
+    else:
+        for v in s.experimental_local_results(s.run(fn)):
+            np.testing.assert_array_equal(cupy.asnumpy(v), np.full(4, 2, np.float32))
