@@ -82,22 +82,22 @@ def launch(fn, num_workers: int, *, chief: bool = False, kwargs=None, per_task_k
             task_env = dict(os.environ, **(env or {}))
             task_env["TF_CONFIG"] = json.dumps({"cluster": spec, "task": {"type": task_type, "index": index}})
             task_env["PYTHONPATH"] = os.pathsep.join(p for p in (PYTHON_DIR, task_env.get("PYTHONPATH")) if p)
-            cmd = [sys.executable, __file__, module, fn.__name__, out]
-            p = subprocess.Popen(cmd, env=task_env, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            p.stdin.write(json.dumps(args))
-            p.stdin.close()
-            procs.append((f"{task_type}:{index}", p, out))
+            cmd = [sys.executable, __file__, module, fn.__name__, out, json.dumps(args)]
+            # stderr goes to a file: a pipe nobody reads yet could fill up and stall the task.
+            log = open(out + ".log", "w+")
+            procs.append((f"{task_type}:{index}", subprocess.Popen(cmd, env=task_env, stderr=log), out, log))
         results = []
         deadline = time.monotonic() + timeout
-        for name, p, out in procs:
+        for name, p, out, log in procs:
             try:
-                _, stderr = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-                code = p.returncode
+                code = p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
-                _, stderr = p.communicate()
+                p.wait()
                 code = None
-            result = TaskResult(name, code, stderr=stderr)
+            log.seek(0)
+            result = TaskResult(name, code, stderr=log.read())
+            log.close()
             if os.path.exists(out):
                 with open(out, "rb") as f:
                     for key, value in pickle.load(f).items():
@@ -106,13 +106,12 @@ def launch(fn, num_workers: int, *, chief: bool = False, kwargs=None, per_task_k
     return results
 
 
-def _task_main(module_path: str, fn_name: str, out: str) -> int:
+def _task_main(module_path: str, fn_name: str, out: str, kwargs: str) -> int:
     spec = importlib.util.spec_from_file_location("_multiworker_task", module_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    kwargs = json.loads(sys.stdin.read() or "{}")
     try:
-        report = {"value": getattr(module, fn_name)(**kwargs)}
+        report = {"value": getattr(module, fn_name)(**json.loads(kwargs))}
         code = 0
     except Exception as e:  # reported to the launcher, which asserts on it
         report = {"error": type(e).__name__, "message": str(e), "raised_at": time.time()}
@@ -129,4 +128,4 @@ def kill_self() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(_task_main(*sys.argv[1:4]))
+    sys.exit(_task_main(*sys.argv[1:5]))

@@ -191,18 +191,19 @@ void GlooCommunicator::collective(const char* what, Fn&& fn) {
 void GlooCommunicator::fail(const char* what, const std::exception& cause) {
   // Closing every pair now makes peers blocked on us fail at once instead of at their own timeout.
   context_.reset();
-  bool lost = false;
-  const std::string who = diagnose(seq_, &lost);
   const bool timed_out = std::strstr(cause.what(), "Timed out") != nullptr || dynamic_cast<const PeerTimeout*>(&cause);
+  bool lost = false;
+  const std::string who = diagnose(seq_, timed_out, &lost);
   broken_ = std::string(what) + " across workers failed at collective #" + std::to_string(seq_) + " on task " +
             tasks_[rank_] + ": " + who + " [" + cause.what() + "]";
   if (lost || !timed_out) throw PeerLost(broken_);
   throw PeerTimeout(broken_);
 }
 
-std::string GlooCommunicator::diagnose(std::int64_t seq, bool* lost) {
+std::string GlooCommunicator::diagnose(std::int64_t seq, bool timed_out, bool* lost) {
   // A socket error can reach us a moment before the store sees the same
-  // death, so look again for a little while before blaming nobody.
+  // death, so look again for a little while before blaming nobody. After a
+  // timeout there is no such race: a death would have been seen long ago.
   for (int attempt = 0;; ++attempt) {
     std::vector<TaskState> tasks;
     try {
@@ -216,13 +217,14 @@ std::string GlooCommunicator::diagnose(std::int64_t seq, bool* lost) {
       if (r == rank_) continue;
       if (tasks[r].departed && !tasks[r].connected) gone.push_back(tasks_[r]);
       else if (tasks[r].progress < seq)
-        behind.push_back(tasks_[r] + " (last started #" + std::to_string(tasks[r].progress) + ")");
+        behind.push_back(tasks_[r] + (tasks[r].progress < 1 ? std::string(" (no collective started yet)")
+                                                            : " (last started #" + std::to_string(tasks[r].progress) + ")"));
     }
     if (!gone.empty()) {
       *lost = true;
       return "task(s) " + join(gone) + " are gone (process exited or host unreachable)";
     }
-    if (attempt >= 10) {
+    if (timed_out || attempt >= 10) {
       if (!behind.empty()) return "task(s) " + join(behind) + " did not reach this collective";
       return "every task reached this collective; a peer aborted it after a failure of its own";
     }

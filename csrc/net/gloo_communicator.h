@@ -59,7 +59,7 @@ class GlooCommunicator : public Communicator {
   template <typename Fn>
   void collective(const char* what, Fn&& fn);
   [[noreturn]] void fail(const char* what, const std::exception& cause);
-  std::string diagnose(std::int64_t seq, bool* lost);
+  std::string diagnose(std::int64_t seq, bool timed_out, bool* lost);
   void check_replicas(int n, const char* what) const;
   std::vector<std::uint64_t> exchange_locked(const std::vector<std::uint64_t>& mine);
 
