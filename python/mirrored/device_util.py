@@ -115,8 +115,7 @@ def _gpu_ordinal(spec: DeviceSpec) -> int:
     """CUDA ordinal of a (logical) GPU device; config maps logical GPUs onto physical ones."""
     from . import config
 
-    to_physical = getattr(config, "physical_gpu_index", None)
-    return to_physical(spec.device_index) if to_physical is not None else spec.device_index
+    return config.physical_gpu_index(spec.device_index)
 
 
 def on_gpu(x) -> bool:
