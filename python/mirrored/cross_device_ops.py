@@ -76,6 +76,11 @@ def _mirrored(arrays, devices):
 class CrossDeviceOps:
     """Base class of cross-device reduction and broadcast algorithms; subclass it to plug in your own."""
 
+    # The engine of the built-ins: this process's replicas here; the whole
+    # job's in CollectiveAllReduce, which swaps in a multi-worker group with
+    # the same functions.
+    _collectives = collectives
+
     def reduce(self, reduce_op, per_replica_value, destinations, options=None):
         """Reduce ``per_replica_value`` and place the result on ``destinations``."""
         op = as_reduce_op(reduce_op)
@@ -124,7 +129,7 @@ class CrossDeviceOps:
         arrays = [device_util.place(v.read_value() if isinstance(v, Variable) else v, d)
                   for v, d in zip(per_replica_value.values, src)]
         _check_gather(arrays, axis)
-        gathered = collectives.all_gather(arrays, axis=axis)
+        gathered = self._collectives.all_gather(arrays, axis=axis)
         if dest == src:
             return Mirrored(gathered, dest)
         return self.broadcast(gathered[0], destinations)
@@ -190,14 +195,15 @@ class _NativeAllReduce(CrossDeviceOps):
         op = reduce_op.value
         bytes_per_pack = (options.bytes_per_pack if options is not None else 0) or self._bytes_per_pack
         if bytes_per_pack:
-            return collectives.batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
-                                                algorithm=self._algorithm)
+            return self._collectives.batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
+                                                      algorithm=self._algorithm)
         if self._num_packs == 0:  # no packing: one all-reduce per tensor
-            by_tensor = [collectives.all_reduce([lst[t] for lst in per_replica_lists], op, algorithm=self._algorithm)
+            by_tensor = [self._collectives.all_reduce([lst[t] for lst in per_replica_lists], op,
+                                                      algorithm=self._algorithm)
                          for t in range(len(per_replica_lists[0]))]
             return [[by_tensor[t][r] for t in range(len(by_tensor))] for r in range(len(per_replica_lists))]
-        return collectives.batch_all_reduce(per_replica_lists, op, num_packs=self._num_packs,
-                                            algorithm=self._algorithm)
+        return self._collectives.batch_all_reduce(per_replica_lists, op, num_packs=self._num_packs,
+                                                  algorithm=self._algorithm)
 
 
 class RingAllReduce(_NativeAllReduce):
