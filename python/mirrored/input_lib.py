@@ -243,7 +243,7 @@ class _DistributedInput:
 
 
 class _Reiterable:
-    """A dataset's items; a one-shot iterator is consumed once, with the peeked item kept for later."""
+    """A dataset's items; a one-shot iterator is consumed once, with peeked items kept for later."""
 
     def __init__(self, dataset, argument: str):
         try:
@@ -259,16 +259,16 @@ class _Reiterable:
         if not self._one_shot:
             return iter(self._dataset)
         buffered, self._buffered = self._buffered, []
-        return _chain(buffered, self._dataset)
+        return itertools.chain(buffered, self._dataset)
 
-    def keep(self, items):
-        if self._one_shot:
-            self._buffered.extend(items)
-
-
-def _chain(first, rest):
-    yield from first
-    yield from rest
+    def peek(self, count: int) -> list:
+        """The first ``count`` items (fewer at the end), still there for the next iteration."""
+        if not self._one_shot:
+            return list(itertools.islice(iter(self._dataset), count))
+        # Read the source directly: closing a generator that delegates to it would close it too.
+        more = list(itertools.islice(self._dataset, max(count - len(self._buffered), 0)))
+        self._buffered.extend(more)
+        return self._buffered[:count]
 
 
 class DistributedDataset(_DistributedInput):
@@ -291,13 +291,10 @@ class DistributedDataset(_DistributedInput):
             yield split_batch(batch, ext._num_replicas_in_sync, ext._worker_index * local, local)
 
     def _peek(self):
-        source = self._items()
-        try:
-            batch = next(source)
-        except StopIteration:
-            raise ValueError("dataset is empty: element_spec needs at least one batch") from None
-        self._items.keep([batch])
-        return next(self._steps(iter([batch])))
+        first = self._items.peek(1)
+        if not first:
+            raise ValueError("dataset is empty: element_spec needs at least one batch")
+        return next(self._steps(iter(first)))
 
 
 class DistributedDatasetsFromFunction(_DistributedInput):
@@ -345,12 +342,7 @@ class DistributedDatasetsFromFunction(_DistributedInput):
     def _peek(self):
         # Take the first step's items, and keep them for one-shot pipelines so no batch is lost.
         take = len(self._devices) if len(self._pipelines) == 1 else 1
-        taken = []
-        for p in self._pipelines:
-            items = list(itertools.islice(p(), take))
-            p.keep(items)
-            taken.append(iter(items))
-        step = next(self._steps(taken), None)
+        step = next(self._steps([iter(p.peek(take)) for p in self._pipelines]), None)
         if step is None:
             raise ValueError("dataset_fn() returned an empty dataset: element_spec needs at least one batch")
         return step

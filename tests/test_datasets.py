@@ -1,0 +1,133 @@
+"""Distributed datasets: TF's split rule, nesting, prefetch, element_spec, datasets from a function."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import mirrored as md
+from conftest import cpus
+
+
+def sizes(element):
+    return [len(v) for v in (element.values if isinstance(element, md.PerReplica) else (element,))]
+
+
+@pytest.mark.parametrize("n,b,expected", [(2, 7, [4, 3]), (4, 10, [3, 3, 3, 1]), (2, 6, [3, 3]),
+                                          (4, 3, [1, 1, 1, 0]), (3, 8, [3, 3, 2]), (1, 5, [5])])
+def test_split_rule(n, b, expected):
+    s = md.MirroredStrategy(cpus(n))
+    x = np.arange(b * 2, dtype=np.float32).reshape(b, 2)
+    (element,) = list(s.experimental_distribute_dataset([x]))
+    assert sizes(element) == expected
+    parts = element.values if n > 1 else (element,)
+    np.testing.assert_array_equal(np.concatenate(parts), x)
+    assert all(p.shape[1:] == (2,) for p in parts)  # empty slices keep the trailing shape
+
+
+def test_nested_batches_and_last_partial_batch(two):
+    data = [({"x": np.arange(8).reshape(4, 2), "y": np.arange(4)}, np.ones(4)),
+            ({"x": np.arange(6).reshape(3, 2), "y": np.arange(3)}, np.ones(3))]
+    first, last = list(two.experimental_distribute_dataset(data))
+    assert isinstance(first[0]["x"], md.PerReplica) and isinstance(first[1], md.PerReplica)
+    np.testing.assert_array_equal(first[0]["x"].values[1], [[4, 5], [6, 7]])
+    assert sizes(last[0]["y"]) == [2, 1]
+
+
+def test_element_spec(two, one):
+    ds = two.experimental_distribute_dataset([(np.zeros((4, 3), np.float32), np.zeros(4, np.int64))])
+    x_spec, y_spec = ds.element_spec
+    assert repr(x_spec) == ("PerReplicaSpec(TensorSpec(shape=(None, 3), dtype=float32, name=None), "
+                            "TensorSpec(shape=(None, 3), dtype=float32, name=None))")
+    assert repr(one.experimental_distribute_dataset([np.zeros((2, 5))]).element_spec) == \
+        "TensorSpec(shape=(None, 5), dtype=float64, name=None)"
+
+
+def test_one_shot_generator_loses_no_batch_to_element_spec(two):
+    gen = (np.full((2, 1), i) for i in range(3))
+    ds = two.experimental_distribute_dataset(gen)
+    assert ds.element_spec is not None
+    assert [int(e.values[0][0, 0]) for e in ds] == [0, 1, 2]
+
+
+def test_reiterable_dataset_restarts(two):
+    ds = two.experimental_distribute_dataset([np.ones((2, 1)), np.zeros((2, 1))])
+    assert len(list(ds)) == 2 and len(list(ds)) == 2
+
+
+def test_prefetch_runs_ahead_in_background(four):
+    produced = []
+    gate = threading.Event()
+
+    def source():
+        for i in range(10):
+            produced.append(i)
+            yield np.full((4, 1), i)
+        gate.set()
+    it = iter(four.experimental_distribute_dataset(source()))
+    deadline = time.time() + 5
+    while len(produced) < 4 and time.time() < deadline:
+        time.sleep(0.01)
+    assert len(produced) >= 4  # N batches ready before the first next()
+    assert len(produced) < 10  # bounded: it does not read the whole dataset
+    assert [int(e.values[0][0, 0]) for e in it] == list(range(10))
+
+
+def test_errors_in_the_source_reach_the_consumer(two):
+    def source():
+        yield np.ones((2, 1))
+        raise OSError("disk gone")
+    it = iter(two.experimental_distribute_dataset(source()))
+    next(it)
+    with pytest.raises(OSError, match="disk gone"):
+        next(it)
+
+
+def test_fetch_to_device_false_keeps_host_arrays(two):
+    ds = two.experimental_distribute_dataset([np.ones((2, 1))], options=md.InputOptions(
+        experimental_fetch_to_device=False))
+    assert isinstance(next(iter(ds)).values[0], np.ndarray)
+    with pytest.raises(NotImplementedError, match="PER_REPLICA"):
+        two.experimental_distribute_dataset([np.ones(2)], md.InputOptions(
+            experimental_replication_mode=md.InputReplicationMode.PER_REPLICA))
+
+
+def test_distribute_datasets_from_function(four):
+    contexts = []
+
+    def dataset_fn(ctx):
+        contexts.append(ctx)
+        batch = ctx.get_per_replica_batch_size(8)
+        return [np.full((batch, 1), i) for i in range(5)]
+    ds = four.distribute_datasets_from_function(dataset_fn)
+    steps = list(ds)
+    ctx = contexts[0]
+    assert (ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync) == (1, 0, 4)
+    assert [int(v[0, 0]) for v in steps[0].values] == [0, 1, 2, 3]
+    assert [len(v) for v in steps[1].values] == [2, 0, 0, 0]  # a short last step: empty batches
+    assert four.experimental_distribute_datasets_from_function is not None
+
+
+def test_per_replica_pipelines(two):
+    ds = two.distribute_datasets_from_function(
+        lambda ctx: [np.full((1,), ctx.input_pipeline_id)] * 2,
+        md.InputOptions(experimental_replication_mode=md.InputReplicationMode.PER_REPLICA))
+    assert [tuple(int(v[0]) for v in e.values) for e in ds] == [(0, 1), (0, 1)]
+
+
+def test_input_context():
+    ctx = md.InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=4)
+    assert ctx.get_per_replica_batch_size(8) == 2
+    with pytest.raises(ValueError, match="not divisible"):
+        ctx.get_per_replica_batch_size(7)
+    assert str(ctx) == "tf.distribute.InputContext(input pipeline id 1, total: 2)"
+    vctx = md.ValueContext(1, 2)
+    assert (vctx.replica_id_in_sync_group, vctx.num_replicas_in_sync) == (1, 2)
+
+
+def test_bad_batches_are_rejected(two):
+    with pytest.raises(ValueError, match="leading"):
+        list(two.experimental_distribute_dataset([(np.ones(3), np.ones(2))]))
+    with pytest.raises(TypeError, match="not iterable"):
+        two.experimental_distribute_dataset(5)
