@@ -56,7 +56,7 @@ class MultiStepContext:
         """Record ``output`` under ``name``: per tower (PerReplica), or reduced with ``aggregation``."""
         def store(strategy, value):
             self.last_step_outputs[name] = (value if aggregation is None
-                                            else strategy.reduce(_as_op(aggregation), value, axis=None))
+                                            else strategy.extended._reduce(_as_op(aggregation), value))
 
         ctx = get_replica_context()
         if ctx is None:
