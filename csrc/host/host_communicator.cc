@@ -289,11 +289,13 @@ void HostCommunicator::batch_all_reduce(int n, int ntensors, const void* const* 
   }
   for (const Pack& p : packs) {
     for_items(n, 2 * n * p.bytes, [&](std::size_t k) {
-      for (const PackEntry& e : p.entries) std::memcpy(at(bufs[k], e.offset), in[k * ntensors + e.tensor], e.bytes);
+      for (const PackEntry& e : p.entries)
+        if (e.bytes) std::memcpy(at(bufs[k], e.offset), in[k * ntensors + e.tensor], e.bytes);
     });
     all_reduce(n, bufs.data(), bufs.data(), p.bytes / dtype_size(p.dtype), p.dtype, op, algorithm);
     for_items(n, 2 * n * p.bytes, [&](std::size_t k) {
-      for (const PackEntry& e : p.entries) std::memcpy(out[k * ntensors + e.tensor], at(bufs[k], e.offset), e.bytes);
+      for (const PackEntry& e : p.entries)
+        if (e.bytes) std::memcpy(out[k * ntensors + e.tensor], at(bufs[k], e.offset), e.bytes);
     });
   }
 }

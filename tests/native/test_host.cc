@@ -1,0 +1,237 @@
+// Host collectives end to end in C++ (what the sanitizer builds exercise):
+// results against a scalar reference, in place and out of place, every
+// algorithm, plus concurrent callers for ThreadSanitizer.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#include "check.h"
+#include "core/half.h"
+#include "host/host_communicator.h"
+
+using namespace mirrored;
+
+namespace {
+
+HostCommunicator& comm() {
+  static HostCommunicator c;
+  return c;
+}
+
+template <typename T>
+std::vector<std::vector<T>> inputs(int n, std::size_t count) {
+  std::vector<std::vector<T>> v(n, std::vector<T>(count));
+  for (int r = 0; r < n; ++r)
+    for (std::size_t i = 0; i < count; ++i) v[r][i] = static_cast<T>((i * 7 + r * 3) % 11) - static_cast<T>(5);
+  return v;
+}
+
+template <typename T>
+T fold(const std::vector<std::vector<T>>& v, std::size_t i, ReduceOp op) {
+  T acc = v[0][i];
+  for (std::size_t r = 1; r < v.size(); ++r) {
+    const T x = v[r][i];
+    switch (op) {
+      case ReduceOp::kSum:
+      case ReduceOp::kMean: acc = acc + x; break;
+      case ReduceOp::kProd: acc = acc * x; break;
+      case ReduceOp::kMin: acc = x < acc ? x : acc; break;
+      case ReduceOp::kMax: acc = x > acc ? x : acc; break;
+    }
+  }
+  if (op == ReduceOp::kMean) acc = static_cast<T>(acc / static_cast<T>(v.size()));
+  return acc;
+}
+
+template <typename T>
+bool all_reduce_matches(DType dt, int n, std::size_t count, ReduceOp op, Algorithm algo, bool in_place) {
+  auto in = inputs<T>(n, count);
+  const auto ref = in;
+  std::vector<std::vector<T>> out(n, std::vector<T>(count));
+  std::vector<const void*> ip(n);
+  std::vector<void*> op_(n);
+  for (int r = 0; r < n; ++r) {
+    ip[r] = in[r].data();
+    op_[r] = in_place ? static_cast<void*>(in[r].data()) : out[r].data();
+  }
+  comm().all_reduce(n, ip.data(), op_.data(), count, dt, op, algo);
+  const auto& res = in_place ? in : out;
+  for (int r = 0; r < n; ++r)
+    for (std::size_t i = 0; i < count; ++i)
+      if (res[r][i] != fold(ref, i, op)) return false;
+  return true;
+}
+
+}  // namespace
+
+TEST(all_reduce_every_algorithm_op_and_size) {
+  for (Algorithm algo : {Algorithm::kRing, Algorithm::kDirect, Algorithm::kTree, Algorithm::kAuto})
+    for (int n : {1, 2, 3, 4, 7})
+      for (std::size_t count : {0ul, 1ul, 5ul, 4095ul, 4097ul, 70001ul})
+        for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kMean})
+          for (bool in_place : {false, true}) {
+            CHECK((all_reduce_matches<float>(DType::kFloat32, n, count, op, algo, in_place)));
+            CHECK((all_reduce_matches<std::int32_t>(DType::kInt32, n, count, op, algo, in_place)));
+            CHECK((all_reduce_matches<double>(DType::kFloat64, n, count, op, algo, in_place)));
+          }
+}
+
+TEST(integer_overflow_wraps_without_undefined_behaviour) {
+  std::vector<std::int32_t> a(3, std::numeric_limits<std::int32_t>::max()), b(3, 2);
+  const void* in[] = {a.data(), b.data()};
+  void* out[] = {a.data(), b.data()};
+  comm().all_reduce(2, in, out, 3, DType::kInt32, ReduceOp::kSum, Algorithm::kDirect);
+  CHECK(a[0] == std::numeric_limits<std::int32_t>::min() + 1);
+  std::vector<std::int64_t> c(2, std::numeric_limits<std::int64_t>::max()), d(2, 3);
+  const void* in2[] = {c.data(), d.data()};
+  void* out2[] = {c.data(), d.data()};
+  comm().all_reduce(2, in2, out2, 2, DType::kInt64, ReduceOp::kProd, Algorithm::kRing);
+  CHECK(c[0] == std::numeric_limits<std::int64_t>::max() - 2);  // (2^63-1)*3 mod 2^64
+}
+
+TEST(min_max_propagate_nan) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> a = {nan, 1.f}, b = {1.f, nan}, o(2);
+  const void* in[] = {a.data(), b.data()};
+  void* out[] = {o.data(), o.data()};
+  for (ReduceOp op : {ReduceOp::kMin, ReduceOp::kMax}) {
+    comm().reduce(2, in, out, 2, DType::kFloat32, op, 0);
+    CHECK(std::isnan(o[0]) && std::isnan(o[1]));
+  }
+}
+
+TEST(half_conversions_round_trip_and_round_to_nearest_even) {
+  for (std::uint32_t h = 0; h < 0x10000; ++h) {
+    const auto x = static_cast<std::uint16_t>(h);
+    const float f = f16_to_float(x);
+    if (std::isnan(f)) {
+      CHECK(std::isnan(f16_to_float(float_to_f16(f))));
+    } else {
+      CHECK(float_to_f16(f) == x);
+    }
+    const float g = bf16_to_float(x);
+    if (!std::isnan(g)) CHECK(float_to_bf16(g) == x);
+  }
+  CHECK(float_to_f16(1.0f + 1.0f / 2048) == 0x3c00);  // halfway: to even
+  CHECK(float_to_f16(65520.f) == 0x7c00);             // rounds to Inf
+  CHECK(float_to_f16(5.96e-8f) == 0x0001);            // smallest subnormal
+}
+
+TEST(fp16_sum_through_the_dispatched_kernels) {
+  const int n = 3;
+  const std::size_t count = 1027;  // a vector body and a scalar tail
+  std::vector<std::vector<std::uint16_t>> v(n, std::vector<std::uint16_t>(count));
+  for (int r = 0; r < n; ++r)
+    for (std::size_t i = 0; i < count; ++i) v[r][i] = float_to_f16(static_cast<float>((i + r) % 9) - 4.f);
+  std::vector<const void*> in(n);
+  std::vector<void*> out(n);
+  for (int r = 0; r < n; ++r) in[r] = out[r] = v[r].data();
+  comm().all_reduce(n, in.data(), out.data(), count, DType::kFloat16, ReduceOp::kSum, Algorithm::kDirect);
+  bool ok = true;
+  for (std::size_t i = 0; i < count; ++i) {
+    float expect = 0;
+    for (int r = 0; r < n; ++r) expect += static_cast<float>((i + r) % 9) - 4.f;
+    ok = ok && f16_to_float(v[0][i]) == expect && v[2][i] == v[0][i];
+  }
+  CHECK(ok);
+}
+
+TEST(broadcast_reduce_all_gather) {
+  const int n = 4;
+  const std::size_t count = 100003;
+  auto in = inputs<float>(n, count);
+  std::vector<std::vector<float>> out(n, std::vector<float>(count));
+  std::vector<const void*> ip(n);
+  std::vector<void*> op(n);
+  for (int r = 0; r < n; ++r) ip[r] = in[r].data(), op[r] = out[r].data();
+  comm().broadcast(n, ip.data(), op.data(), count, DType::kFloat32, 2);
+  for (int r = 0; r < n; ++r) CHECK(std::memcmp(out[r].data(), in[2].data(), count * 4) == 0);
+  comm().reduce(n, ip.data(), op.data(), count, DType::kFloat32, ReduceOp::kSum, 1);
+  bool ok = true;
+  for (std::size_t i = 0; i < count; ++i) ok = ok && out[1][i] == fold(in, i, ReduceOp::kSum);
+  CHECK(ok);
+  // all_gather with uneven rows: 2 rows, rank j contributes j+1 floats per row.
+  std::vector<std::size_t> row_bytes = {4, 8, 12, 16};
+  std::vector<std::vector<float>> g(n, std::vector<float>(2 * 10));
+  std::vector<void*> gp(n);
+  for (int r = 0; r < n; ++r) gp[r] = g[r].data();
+  comm().all_gather(n, ip.data(), gp.data(), row_bytes.data(), 2);
+  for (int k = 0; k < n; ++k) {
+    std::size_t pos = 0;
+    for (int row = 0; row < 2; ++row)
+      for (int j = 0; j < n; ++j)
+        for (int e = 0; e <= j; ++e) CHECK(g[k][pos++] == in[j][row * (j + 1) + e]);
+  }
+}
+
+TEST(batch_all_reduce_matches_single_calls) {
+  const int n = 3, T = 40;
+  std::vector<std::size_t> counts(T);
+  std::vector<DType> types(T);
+  std::vector<std::vector<std::vector<float>>> data(n, std::vector<std::vector<float>>(T));
+  for (int t = 0; t < T; ++t) {
+    counts[t] = (t * 977) % 5000;
+    types[t] = DType::kFloat32;
+    for (int r = 0; r < n; ++r) {
+      data[r][t].resize(counts[t]);
+      for (std::size_t i = 0; i < counts[t]; ++i) data[r][t][i] = static_cast<float>((i + t + r) % 13);
+    }
+  }
+  for (Algorithm algo : {Algorithm::kDirect, Algorithm::kRing, Algorithm::kTree})
+    for (std::size_t bpp : {0ul, 4096ul, 100000ul}) {
+      std::vector<std::vector<std::vector<float>>> out = data;
+      std::vector<const void*> in(n * T);
+      std::vector<void*> op(n * T);
+      for (int r = 0; r < n; ++r)
+        for (int t = 0; t < T; ++t) in[r * T + t] = data[r][t].data(), op[r * T + t] = out[r][t].data();
+      comm().batch_all_reduce(n, T, in.data(), op.data(), counts.data(), types.data(), ReduceOp::kSum, bpp, 0, algo);
+      bool ok = true;
+      for (int t = 0; t < T; ++t)
+        for (std::size_t i = 0; i < counts[t]; ++i) {
+          float s = 0;
+          for (int r = 0; r < n; ++r) s += data[r][t][i];
+          for (int r = 0; r < n; ++r) ok = ok && out[r][t][i] == s;
+        }
+      CHECK(ok);
+    }
+}
+
+TEST(concurrent_callers_share_the_pool_safely) {
+  std::vector<std::thread> threads;
+  std::vector<int> ok(4, 0);
+  for (int k = 0; k < 4; ++k)
+    threads.emplace_back([k, &ok] {
+      bool good = true;
+      for (int it = 0; it < 10; ++it)
+        good = good && all_reduce_matches<float>(DType::kFloat32, 3, 200003, ReduceOp::kSum,
+                                                 it % 2 ? Algorithm::kRing : Algorithm::kDirect, it % 3 == 0);
+      ok[k] = good;
+    });
+  for (auto& t : threads) t.join();
+  for (int v : ok) CHECK(v == 1);
+}
+
+TEST(bad_arguments_throw) {
+  float x = 0;
+  const void* in[] = {&x};
+  void* out[] = {&x};
+  bool threw = false;
+  try {
+    comm().broadcast(1, in, out, 1, DType::kFloat32, 1);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw);
+  threw = false;
+  try {
+    comm().all_reduce(0, in, out, 1, DType::kFloat32, ReduceOp::kSum, Algorithm::kAuto);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw);
+}
+
+int main() { return check::run_all(); }

@@ -1,0 +1,244 @@
+"""mirrored.collectives against NumPy: every op x dtype x replica count x size x algorithm."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mirrored import collectives
+from collective_reference import DTYPES, OPS, assert_reduced, is_float, make_inputs
+
+ALGOS = ("ring", "direct", "tree", "auto")
+REPLICAS = (1, 2, 3, 4, 5, 8)
+
+
+def sizes_for(dtype, n):
+    """0, 1, odd, and ±1 around every boundary the native code has: the ring's
+    chunk and slice, the pool's 64 KiB item, and the inline/parallel switch."""
+    es = np.dtype(dtype).itemsize
+    chunk = 16384 // es
+    item = 65536 // es
+    parallel = 262144 // (2 * n * es)
+    s = {0, 1, 3, 17, 1001}
+    for b in (chunk, chunk * n, item, parallel, 2 * item + chunk * n):
+        s |= {b - 1, b, b + 1}
+    return sorted(x for x in s if x >= 0)
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", REPLICAS)
+def test_all_reduce_matches_numpy(n, dtype, op, algorithm):
+    rng = np.random.default_rng(hash((n, str(dtype), op, algorithm)) % 2**32)
+    for count in sizes_for(dtype, n):
+        inputs = make_inputs(rng, n, (count,), dtype, op)
+        originals = [x.copy() for x in inputs]
+        out = collectives.all_reduce(inputs, op, algorithm=algorithm)
+        for x, orig in zip(inputs, originals):  # out of place leaves inputs alone
+            np.testing.assert_array_equal(x, orig)
+        for r in out:
+            assert_reduced(r, originals, op)
+        # in place
+        collectives.all_reduce(inputs, op, out=inputs, algorithm=algorithm)
+        for x, r in zip(inputs, out):
+            np.testing.assert_array_equal(x, r)
+
+
+@pytest.mark.slow
+def test_all_reduce_64_mib_in_place():
+    n = 2
+    a = [np.full(16 << 20, i + 1, np.float32) for i in range(n)]  # 64 MiB each
+    a[1][::4097] = 7.0
+    collectives.all_reduce(a, "sum", out=a)
+    expect = np.full(16 << 20, 3.0, np.float32)
+    expect[::4097] = 8.0
+    for x in a:
+        np.testing.assert_array_equal(x, expect)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 8),
+    shape=st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple),
+    dtype=st.sampled_from(DTYPES),
+    op=st.sampled_from(OPS),
+    algorithm=st.sampled_from(ALGOS),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_all_reduce_property(n, shape, dtype, op, algorithm, seed):
+    inputs = make_inputs(np.random.default_rng(seed), n, shape, dtype, op)
+    for r in collectives.all_reduce(inputs, op, algorithm=algorithm):
+        assert_reduced(r, inputs, op)
+
+
+@pytest.mark.parametrize("n", REPLICAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_broadcast_every_root(n, dtype):
+    rng = np.random.default_rng(n)
+    for count in (0, 1, 4097, 70001):
+        inputs = make_inputs(rng, n, (count,), dtype, "sum")
+        for root in range(n):
+            for r in collectives.broadcast(inputs, root):
+                np.testing.assert_array_equal(r, inputs[root])
+        buf = [x.copy() for x in inputs]
+        collectives.broadcast(buf, n - 1, out=buf)
+        for r in buf:
+            np.testing.assert_array_equal(r, inputs[n - 1])
+
+
+@pytest.mark.parametrize("n", REPLICAS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reduce_to_root(n, op, dtype):
+    rng = np.random.default_rng(7 * n)
+    for count in (0, 1, 4097, 70001):
+        inputs = make_inputs(rng, n, (count,), dtype, op)
+        root = n // 2
+        assert_reduced(collectives.reduce(inputs, op, root), inputs, op)
+        buf = [x.copy() for x in inputs]
+        res = collectives.reduce(buf, op, root, out=buf)
+        assert res is buf[root]
+        assert_reduced(buf[root], inputs, op)
+        for i in range(n):  # only the root's buffer changes
+            if i != root:
+                np.testing.assert_array_equal(buf[i], inputs[i])
+
+
+@pytest.mark.parametrize("n", REPLICAS)
+@pytest.mark.parametrize("axis", (0, 1, -1))
+def test_all_gather_sizes_may_differ_along_axis(n, axis):
+    rng = np.random.default_rng(n)
+    base = [3, 4, 5]
+    inputs = []
+    for i in range(n):
+        shape = list(base)
+        shape[axis] = i % 3 + (0 if i else 1)  # includes empty parts
+        inputs.append(rng.standard_normal(shape).astype(np.float32))
+    for r in collectives.all_gather(inputs, axis):
+        np.testing.assert_array_equal(r, np.concatenate(inputs, axis))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_all_gather_large_and_every_dtype(dtype):
+    rng = np.random.default_rng(0)
+    inputs = [x for x in make_inputs(rng, 3, (50001,), dtype, "sum")]
+    inputs[1] = inputs[1][:1234]
+    for r in collectives.all_gather(inputs, 0):
+        np.testing.assert_array_equal(r, np.concatenate(inputs))
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+@pytest.mark.parametrize("packing", [dict(), dict(bytes_per_pack=1000), dict(num_packs=3), dict(bytes_per_pack=1)])
+@pytest.mark.parametrize("n", (1, 2, 4, 7))
+def test_batch_all_reduce_equals_one_by_one(n, packing, algorithm):
+    rng = np.random.default_rng(n)
+    shapes = [(3, 5), (0,), (1,), (4097,), (2, 2, 2), (70001,), (17,)]
+    dtypes = [np.float32, np.int32, np.float64, np.float16, np.int8, np.float32, np.int64]
+    per_replica = [[make_inputs(rng, 1, s, d, "sum")[0] for s, d in zip(shapes, dtypes)] for _ in range(n)]
+    for op in ("sum", "mean", "max"):
+        got = collectives.batch_all_reduce(per_replica, op, algorithm=algorithm, **packing)
+        assert len(got) == n
+        for r in range(n):
+            for t in range(len(shapes)):
+                assert_reduced(got[r][t], [per_replica[k][t] for k in range(n)], op)
+
+
+def test_batch_of_nothing():
+    assert collectives.batch_all_reduce([[], []]) == [[], []]
+
+
+def test_non_contiguous_inputs_and_outputs():
+    rng = np.random.default_rng(1)
+    base = [rng.standard_normal((64, 64)) for _ in range(3)]
+    views = [b[::2, 1::3] for b in base]
+    expect = sum(v.copy() for v in views)
+    for r in collectives.all_reduce(views):
+        np.testing.assert_allclose(r, expect)
+    collectives.all_reduce(views, out=views)  # in place on strided views
+    for v in views:
+        np.testing.assert_allclose(v, expect)
+    for b in base:  # the untouched parts of the parents are intact
+        assert np.isfinite(b).all()
+
+
+def test_nan_and_inf_propagate_like_numpy():
+    a = np.array([np.nan, 1.0, np.inf, -np.inf, 2.0], np.float32)
+    b = np.array([1.0, np.nan, 1.0, np.inf, -np.inf], np.float32)
+    with np.errstate(invalid="ignore"):
+        refs = (("sum", a + b), ("max", np.maximum(a, b)), ("min", np.minimum(a, b)), ("prod", a * b))
+    for op, ref in refs:
+        for algorithm in ("ring", "direct", "tree"):
+            np.testing.assert_array_equal(collectives.all_reduce([a, b], op, algorithm=algorithm)[0], ref)
+
+
+def test_scalars_and_array_likes():
+    out = collectives.all_reduce([np.float32(1.5), np.array(2.5, np.float32)])
+    assert out[0].shape == () and out[0] == 4.0
+    out = collectives.all_reduce([[1, 2], (3, 4)])  # lists become int64 arrays
+    np.testing.assert_array_equal(out[1], [4, 6])
+    mv = memoryview(np.arange(4, dtype=np.int32))  # buffer protocol
+    np.testing.assert_array_equal(collectives.all_reduce([mv, mv])[0], [0, 2, 4, 6])
+
+
+def test_op_names_any_case_and_enum_values():
+    class Op:
+        value = "MAX"
+
+    a, b = np.array([1, 5]), np.array([4, 2])
+    np.testing.assert_array_equal(collectives.all_reduce([a, b], "SUM")[0], [5, 7])
+    np.testing.assert_array_equal(collectives.all_reduce([a, b], "Mean")[0], [2, 3])
+    np.testing.assert_array_equal(collectives.all_reduce([a, b], Op())[0], [4, 5])
+
+
+def test_gil_released_during_collective():
+    bufs = [np.ones(8 << 20, np.float32) for _ in range(4)]
+    ticks = []
+    stop = threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks.append(1)
+            time.sleep(0)
+
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        before = len(ticks)
+        for _ in range(3):
+            collectives.all_reduce(bufs, out=bufs)
+        during = len(ticks) - before
+    finally:
+        stop.set()
+        t.join()
+    assert during > 10, "another Python thread could not run while the collective ran"
+
+
+def test_concurrent_callers_get_their_own_results():
+    errors = []
+
+    def worker(k):
+        try:
+            rng = np.random.default_rng(k)
+            for _ in range(20):
+                inputs = [rng.standard_normal(100003) for _ in range(3)]
+                for r in collectives.all_reduce(inputs):
+                    np.testing.assert_allclose(r, inputs[0] + inputs[1] + inputs[2])
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_integer_mean_truncates_toward_zero():
+    a, b = np.array([3, -3, 7], np.int32), np.array([0, 0, 0], np.int32)
+    np.testing.assert_array_equal(collectives.all_reduce([a, b], "mean")[0], [1, -1, 3])
+    assert is_float(np.float16)
