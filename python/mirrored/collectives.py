@@ -160,17 +160,17 @@ def _cuda():
 def _as_array(b, argument: str, i: int) -> np.ndarray:
     """buffers[i] as a C-contiguous NumPy array (copied only when it is not one)."""
     if isinstance(b, np.ndarray):
-        return np.ascontiguousarray(b)
+        return np.asarray(b, order="C")
     if hasattr(b, "__cuda_array_interface__"):
         raise TypeError(f"{argument}[{i}] is a GPU array but {argument}[0] is a host array; "
                         "every replica's buffer must be on the same kind of device")
     if not hasattr(b, "__array_interface__") and hasattr(b, "__dlpack__"):
         try:
-            return np.ascontiguousarray(np.from_dlpack(b))
+            return np.asarray(np.from_dlpack(b), order="C")
         except Exception as e:  # e.g. a DLPack tensor on a GPU
             raise TypeError(f"{argument}[{i}]: cannot read this DLPack tensor on the host ({e})") from None
     try:
-        return np.ascontiguousarray(b)
+        return np.asarray(b, order="C")
     except Exception as e:
         raise TypeError(f"{argument}[{i}]: expected an array, got {type(b).__name__} ({e})") from None
 
