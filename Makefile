@@ -1,0 +1,64 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   the main job: demo training run + a short benchmark
+#   make test   native tests under sanitizers + the Python test suite
+# Both install what they need first (Debian packages, .venv, the package).
+
+PYTHON ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+STAMP  := $(VENV)/.mirrored-installed
+SOURCES := $(shell find csrc python third_party -type f -not -name '*.so' -not -path '*/__pycache__/*' 2>/dev/null) \
+           pyproject.toml CMakeLists.txt
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+SANITIZE_THREADS ?= 4
+
+.PHONY: demo test setup system-deps native-test python-test bench compare clean
+
+demo: setup
+	$(VPY) examples/train_digits.py --replicas 4 --out out/demo
+	$(VPY) -m mirrored.bench all_reduce -b 8 -e 16M -f 4 --replicas 4 --algo auto
+
+test: setup native-test python-test
+
+setup: $(STAMP)
+
+# Debian packages: Gloo (multi-worker CPU collectives over TCP) and the build tools.
+system-deps:
+	@if ! dpkg -s libgloo-dev cmake ninja-build g++ python3-venv >/dev/null 2>&1; then \
+	  echo "installing Debian packages: libgloo-dev cmake ninja-build g++ python3-venv"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq libgloo-dev cmake ninja-build g++ python3-venv >/dev/null; \
+	fi
+
+$(VPY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(SOURCES) | system-deps $(VPY)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q scikit-build-core pybind11 ninja
+	$(VPY) -m pip install -q --no-build-isolation ".[test,examples,plot]"
+	touch $@
+
+# The native tests, once under AddressSanitizer+UBSan and once under
+# ThreadSanitizer (with more pool threads than cores, to shake out races).
+native-test: system-deps
+	cmake -S . -B build/asan -G Ninja -DMIRRORED_PYTHON=OFF -DMIRRORED_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug \
+	  -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -O1" >/dev/null
+	cmake --build build/asan -j2 --target native_tests
+	cd build/asan && MIRRORED_NUM_THREADS=$(SANITIZE_THREADS) ctest --output-on-failure
+	cmake -S . -B build/tsan -G Ninja -DMIRRORED_PYTHON=OFF -DMIRRORED_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug \
+	  -DCMAKE_CXX_FLAGS="-fsanitize=thread -O1 -g" >/dev/null
+	cmake --build build/tsan -j2 --target native_tests
+	cd build/tsan && MIRRORED_NUM_THREADS=$(SANITIZE_THREADS) TSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure
+
+python-test: setup
+	$(VPY) -m pytest tests -q
+
+bench: setup
+	$(VPY) -m mirrored.bench all_reduce -b 8 -e 128M -f 2 --replicas 4 --algo auto,ring,direct,tree
+
+compare: setup
+	$(VPY) bench/compare.py --replicas 2 4
+
+clean:
+	rm -rf build $(VENV) out
