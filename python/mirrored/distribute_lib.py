@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _nest, device_util
+from . import _nest, device_util, timeline
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp, as_reduce_op
 from .values import (DeviceVariable, DistributedValues, Mirrored, MirroredVariable,
@@ -120,8 +120,15 @@ class _Group:
         self._broken = None
 
     def exchange(self, rid: int, kind: str, payload, combine):
+        with timeline.replica_wait(rid, kind):  # shows each replica's wait for the slowest one
+            results = self._exchange(rid, kind, payload, combine)
+        if isinstance(results, BaseException):
+            raise results
+        return results[rid]
+
+    def _exchange(self, rid, kind, payload, combine):
         if self.n == 1:
-            return combine([payload])[0]
+            return combine([payload])
         with self._cond:
             if self._broken is not None:
                 raise self._broken
@@ -149,10 +156,7 @@ class _Group:
                     self._cond.wait()
                 if self._generation == generation:
                     raise self._broken
-            results = self._results
-        if isinstance(results, BaseException):
-            raise results
-        return results[rid]
+            return self._results
 
     def _check_stranded(self):
         if self._arrived and self._arrived + self._finished == self.n and self._broken is None:
