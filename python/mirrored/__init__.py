@@ -24,3 +24,5 @@ from .cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAl
 from . import compat
 
 # Other parts of the package append their exports below (multi-worker, optimizers, checkpoints).
+from . import checkpoint, collectives, optimizers, timeline
+from .checkpoint import Checkpoint
