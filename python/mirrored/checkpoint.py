@@ -265,7 +265,7 @@ def _strategy_of(variables: list):
     from . import distribute_lib
 
     for var in variables:
-        strategy = getattr(var, "_distribute_strategy", None)
+        strategy = getattr(var, "distribute_strategy", None)
         if strategy is not None:
             return strategy
     return distribute_lib.get_strategy()

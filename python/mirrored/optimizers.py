@@ -133,8 +133,9 @@ class Optimizer:
                     np.int64(0), name=f"{self.name}/iterations", trainable=False, dtype=np.int64,
                     aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
             for var in missing:
+                base = var.name.split(":")[0]  # "dense0/w:0" -> slots "dense0/w/m:0", ...
                 slots = {
-                    slot: values.Variable(np.zeros(var.shape, dtype=var.dtype), name=f"{var.name}/{slot}",
+                    slot: values.Variable(np.zeros(var.shape, dtype=var.dtype), name=f"{base}/{slot}",
                                           trainable=False)
                     for slot in self._slot_names
                 }
