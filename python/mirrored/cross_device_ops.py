@@ -80,13 +80,17 @@ class CrossDeviceOps:
     # job's in CollectiveAllReduce, which swaps in a multi-worker group with
     # the same functions.
     _collectives = collectives
+    # Whether those collectives see every replica, so that one component is
+    # already the result; not so when other workers hold replicas too.
+    _sees_all_replicas = True
 
     def reduce(self, reduce_op, per_replica_value, destinations, options=None):
         """Reduce ``per_replica_value`` and place the result on ``destinations``."""
         op = as_reduce_op(reduce_op)
         per_replica_value = _as_per_replica(per_replica_value)
         dest_devices = get_devices_from(destinations)
-        if len(per_replica_value.values) == 1 and dest_devices == get_devices_from(per_replica_value):
+        if self._sees_all_replicas and len(per_replica_value.values) == 1 and \
+                dest_devices == get_devices_from(per_replica_value):
             return per_replica_value.values[0]
         return self.reduce_implementation(op, per_replica_value, destinations, options or CommunicationOptions())
 
@@ -98,7 +102,8 @@ class CrossDeviceOps:
             return []
         for v, d in pairs:
             get_devices_from(d)
-        if all(len(v.values) == 1 and get_devices_from(v) == get_devices_from(d) for v, d in pairs):
+        if self._sees_all_replicas and all(len(v.values) == 1 and get_devices_from(v) == get_devices_from(d)
+                                           for v, d in pairs):
             return [v.values[0] for v, _ in pairs]
         return self.batch_reduce_implementation(op, pairs, options or CommunicationOptions())
 
@@ -124,7 +129,7 @@ class CrossDeviceOps:
         per_replica_value = _as_per_replica(per_replica_value)
         src = get_devices_from(per_replica_value)
         dest = get_devices_from(destinations)
-        if len(per_replica_value.values) == 1 and dest == src:
+        if self._sees_all_replicas and len(per_replica_value.values) == 1 and dest == src:
             return per_replica_value.values[0]
         arrays = [device_util.place(v.read_value() if isinstance(v, Variable) else v, d)
                   for v, d in zip(per_replica_value.values, src)]
