@@ -20,7 +20,8 @@ import os
 import numpy as np
 
 from . import collectives, timeline
-from ._dtypes import dtype_code, op_code
+from ._dtypes import op_code
+from .cross_device_ops import _NativeAllReduce, _buffers, get_devices_from
 
 __all__ = ["CollectiveGroup", "CollectiveAllReduce", "job_token", "GLOO_MISSING"]
 
@@ -69,7 +70,7 @@ class CollectiveGroup:
     """
 
     def __init__(self, tasks, addresses, rank, local_replicas, *, token, timeout=None, scope="mirrored",
-                 devices=None):
+                 devices=None, implementation="AUTO"):
         _net = net()
         self.tasks = list(tasks)
         self.rank = rank
@@ -79,24 +80,18 @@ class CollectiveGroup:
         self.devices = devices
         self._timeout = timeout
         self._scope = scope
-        self._server = None
-        self._nccl = None
+        self._device_engine = None
+        self._implementation = getattr(implementation, "value", implementation)
         store_host, store_port = _host_port(addresses[0])
         my_host, _ = _host_port(addresses[rank])
         rendezvous = timeout if timeout is not None else DEFAULT_RENDEZVOUS_SECONDS
-        if rank == 0:
-            # Binding exactly the configured address: nobody else can serve this job's store.
-            self._server = _net.StoreServer(store_host, store_port, token, self.num_workers)
-        try:
-            self.store = _net.StoreClient(store_host, store_port, token, rank, self.tasks[0], rendezvous)
-            self._gloo = _net.GlooCommunicator(self.store, self.tasks, local_replicas, my_host,
-                                               0.0 if timeout is None else timeout, scope)
-        except BaseException:
-            self.close()
-            raise
+        self.store = _shared_store(store_host, store_port, token, rank, self.tasks, rendezvous)
+        self._gloo = _net.GlooCommunicator(self.store, self.tasks, local_replicas, my_host,
+                                           0.0 if timeout is None else timeout, scope)
 
     @classmethod
-    def from_cluster_resolver(cls, resolver, local_replicas, *, timeout=None, scope="mirrored", devices=None):
+    def from_cluster_resolver(cls, resolver, local_replicas, *, timeout=None, scope="mirrored", devices=None,
+                              implementation="AUTO"):
         """The group of the job ``resolver`` describes, joined from this task."""
         from .cluster_resolver import collective_tasks
 
@@ -108,16 +103,13 @@ class CollectiveGroup:
                              "runs on the chief and worker tasks (ps and evaluator tasks do not join)")
         collective = {job: spec.job_tasks(job) for job in ("chief", "worker") if job in spec.jobs}
         return cls([f"{t}:{i}" for t, i in tasks], [spec.task_address(t, i) for t, i in tasks], tasks.index(me),
-                   local_replicas, token=job_token(collective), timeout=timeout, scope=scope, devices=devices)
+                   local_replicas, token=job_token(collective), timeout=timeout, scope=scope, devices=devices,
+                   implementation=implementation)
 
     def close(self) -> None:
-        """Tears down NCCL, the Gloo mesh, the store connection and (on task 0) the store."""
-        self._nccl = None
+        """Tears down NCCL and the Gloo mesh; the process's store connection stays for later groups."""
+        self._device_engine = None
         self._gloo = None
-        self.store = None
-        if self._server is not None:
-            self._server.close()
-            self._server = None
 
     # -- the functions of mirrored.collectives, across the job ----------------
 
@@ -244,30 +236,183 @@ class CollectiveGroup:
         return self._gloo
 
     def _device(self):
-        """The NCCL communicator over every GPU of the job, made on first use.
+        """The engine for GPU replicas: NCCL across the job, or Gloo through host memory."""
+        if self._device_engine is None:
+            from . import _gpu
 
-        Task 0 draws NCCL's unique id and publishes it through the store; all
-        processes then join one NCCL communicator in which local GPU ``i`` of
-        worker ``w`` is rank ``w * n + i``.
-        """
-        if self._nccl is None:
-            try:
-                from . import _cuda
-            except ImportError as e:
-                raise RuntimeError(f"GPU replicas across workers need mirrored's CUDA extension ({e}); reinstall "
-                                   "mirrored on a machine with nvcc, or use CPU replicas") from None
-            key = f"{self._scope}/nccl-unique-id"
-            if self.rank == 0:
-                self.store.set(key, bytes(_cuda.nccl_unique_id()))
-            wait = self._timeout if self._timeout is not None else DEFAULT_RENDEZVOUS_SECONDS
-            if self.store.wait([key], wait):
-                raise net().PeerTimeoutError(f"task {self.tasks[0]} did not publish NCCL's unique id within "
-                                             f"{wait} s")
-            unique_id = self.store.get(key)
-            ordinals = [int(str(d).rsplit(":", 1)[-1]) for d in self.devices]
-            self._nccl = _cuda.NcclCommunicator(unique_id, self.rank * self.local_replicas, self.num_replicas,
-                                                ordinals)
-        return self._nccl
+            use_nccl = self._implementation != "RING" and (self._implementation == "NCCL" or _gpu.nccl_available())
+            self._device_engine = _NcclJob(self) if use_nccl else _HostStaged(self)
+        return self._device_engine
+
+
+class CollectiveAllReduce(_NativeAllReduce):
+    """All-reduce across every replica of every worker (``tf.distribute``'s collective ops).
+
+    ``group``: the job's :class:`CollectiveGroup`; ``None`` reduces this
+    process's replicas only (a one-worker job). ``num_packs`` /
+    ``bytes_per_pack`` fuse a batch of tensors into few network messages.
+    Every reduction returns on every worker, as in TensorFlow.
+    """
+
+    def __init__(self, group=None, num_packs: int = 1, bytes_per_pack: int = 0):
+        super().__init__(num_packs, bytes_per_pack)
+        if group is not None:
+            self._collectives = group
+            self._sees_all_replicas = group.num_workers == 1
+        self.group = group
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        devices = get_devices_from(per_replica_value)
+        if get_devices_from(destinations) == devices:
+            return self.batch_reduce_implementation(reduce_op, [(per_replica_value, destinations)], options)[0]
+        # An all-reduce, not a reduce to one root: every worker needs the value.
+        reduced = self._collectives.all_reduce(_buffers(per_replica_value), reduce_op.value)[0]
+        return self.broadcast(reduced, destinations)
+
+
+class _NcclJob:
+    """One NCCL communicator over every GPU of the job; local GPU ``i`` of worker ``w`` is rank ``w * n + i``.
+
+    Task 0 draws NCCL's unique id and publishes it through the store. all_gather
+    (sizes may differ per replica) and reduce go through host memory and Gloo.
+    """
+
+    def __init__(self, group):
+        from . import _cuda_collectives as cc, _gpu
+
+        key = f"{group._scope}/nccl-unique-id"
+        if group.rank == 0:
+            group.store.set(key, _gpu.nccl_unique_id())
+        else:
+            _gpu.load_nccl()
+        wait = group._timeout if group._timeout is not None else DEFAULT_RENDEZVOUS_SECONDS
+        if group.store.wait([key], wait):
+            raise net().PeerTimeoutError(f"task {group.tasks[0]} did not publish NCCL's unique id within {wait} s")
+        ordinals = [_gpu_ordinal(d) for d in group.devices]
+        self._cc = cc
+        self._staged = _HostStaged(group)
+        self._engine = _gpu.cuda_module().nccl_rank(group.store.get(key), group.rank * group.local_replicas,
+                                                    group.num_replicas, ordinals)
+        self._replicas = group.num_replicas
+
+    def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto"):
+        cc = self._cc
+        arrays, code, devices = cc._inputs(buffers, "buffers")
+        outs, finish = cc._outputs(out, arrays, devices, "out")
+        self._engine.all_reduce(cc._ptrs(arrays), cc._ptrs(outs), arrays[0].size, code, op_code(op), 0,
+                                cc._streams(devices))
+        return finish()
+
+    def broadcast(self, buffers, root=0, *, out=None):
+        cc = self._cc
+        arrays, code, devices = cc._inputs(buffers, "buffers")
+        root = collectives._root(root, self._replicas)
+        outs, finish = cc._outputs(out, arrays, devices, "out")
+        self._engine.broadcast(cc._ptrs(arrays), cc._ptrs(outs), arrays[0].size, code, root, cc._streams(devices))
+        return finish()
+
+    def batch_all_reduce(self, per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto"):
+        cc = self._cc
+        columns = [cc._inputs([lst[t] for lst in per_replica_lists], f"per_replica_lists[*][{t}]")
+                   for t in range(len(per_replica_lists[0]))]
+        devices = columns[0][2]
+        cupy = cc._cupy()
+        outputs = []
+        for r, d in enumerate(devices):
+            with cupy.cuda.Device(d):
+                outputs.append([cupy.empty_like(c[0][r]) for c in columns])
+        self._engine.batch_all_reduce([[c[0][r].data.ptr for c in columns] for r in range(len(devices))],
+                                      [[o.data.ptr for o in outs] for outs in outputs],
+                                      [c[0][0].size for c in columns], [c[1] for c in columns], op_code(op),
+                                      int(bytes_per_pack), int(num_packs or 0), 0, cc._streams(devices))
+        return outputs
+
+    def reduce(self, buffers, op="sum", root=0, *, out=None):
+        return self._staged.reduce(buffers, op, root, out=out)
+
+    def all_gather(self, buffers, axis=0):
+        return self._staged.all_gather(buffers, axis)
+
+
+class _HostStaged:
+    """GPU replicas over Gloo: copy to host, run the host collective, copy back to each replica's GPU."""
+
+    def __init__(self, group):
+        self._group = group
+
+    def _run(self, name, buffers, *args, **kwargs):
+        from . import device_util
+
+        devices = self._group.devices
+        result = getattr(self._group, name)([device_util.to_host(b) for b in buffers], *args, **kwargs)
+        if result is None or not isinstance(result, list):
+            return None if result is None else device_util.place(result, devices[0])
+        return [device_util.place(r, d) for r, d in zip(result, devices)]
+
+    def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto"):
+        return _into(out, self._run("all_reduce", buffers, op))
+
+    def broadcast(self, buffers, root=0, *, out=None):
+        return _into(out, self._run("broadcast", buffers, root))
+
+    def reduce(self, buffers, op="sum", root=0, *, out=None):
+        from . import device_util
+
+        result = self._group.reduce([device_util.to_host(b) for b in buffers], op, root)
+        if result is None:
+            return None
+        local = root % self._group.local_replicas
+        placed = device_util.place(result, self._group.devices[local])
+        if out is not None:
+            out[local][...] = placed
+            return out[local]
+        return placed
+
+    def all_gather(self, buffers, axis=0):
+        return self._run("all_gather", buffers, axis)
+
+    def batch_all_reduce(self, per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto"):
+        from . import device_util
+
+        host = [[device_util.to_host(t) for t in lst] for lst in per_replica_lists]
+        reduced = self._group.batch_all_reduce(host, op, bytes_per_pack=bytes_per_pack, num_packs=num_packs)
+        return [[device_util.place(r, d) for r in rs] for rs, d in zip(reduced, self._group.devices)]
+
+
+def _into(out, results):
+    if out is None:
+        return results
+    for o, r in zip(out, results):
+        o[...] = r
+    return list(out)
+
+
+def _gpu_ordinal(device: str) -> int:
+    from . import device_util
+
+    return device_util._gpu_ordinal(device_util.parse(device))
+
+
+# One store per job and process: task 0 serves it at its TF_CONFIG address (a
+# second server could not bind there), and every group of the job, one per
+# strategy, uses it under its own scope.
+_stores: dict = {}
+
+
+def _shared_store(host, port, token, rank, tasks, timeout):
+    key = (host, port, token, rank, tuple(tasks))
+    if key not in _stores:
+        _net = net()
+        # Binding exactly the configured address: nobody else can serve this job's store.
+        server = _net.StoreServer(host, port, token, len(tasks)) if rank == 0 else None
+        try:
+            client = _net.StoreClient(host, port, token, rank, tasks[0], timeout)
+        except BaseException:
+            if server is not None:
+                server.close()
+            raise
+        _stores[key] = (server, client)
+    return _stores[key][1]
 
 
 def _host_port(address: str) -> tuple[str, int]:
