@@ -219,7 +219,7 @@ class Checkpoint:
         path = os.fspath(path)
         _require_cross_replica("save")
         variables = self._variables()
-        arrays = {key: np.ascontiguousarray(np.asarray(var.numpy())) for key, var in variables.items()}
+        arrays = {key: np.asarray(var.numpy(), order="C") for key, var in variables.items()}
         strategy = _strategy_of(list(variables.values())) if variables else distribute_lib.get_strategy()
         if strategy.extended.should_checkpoint:
             _write_atomic(path, arrays)
