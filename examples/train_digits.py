@@ -36,8 +36,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--replicas", type=int, default=4, help="CPU replicas (default 4)")
     p.add_argument("--batch-size", type=int, default=64, help="global batch size (default 64)")
-    p.add_argument("--epochs", type=int, default=40)
-    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: all epochs)")
+    p.add_argument("--epochs", type=int, default=40, help="length of the run and its learning-rate schedule")
+    p.add_argument("--steps", type=int, default=None,
+                   help="stop once the optimizer has made this many steps (default: all epochs)")
     p.add_argument("--hidden", type=int, nargs="+", default=[128, 64], help="hidden layer widths")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 0.05 SGD, 0.002 Adam)")
@@ -138,10 +139,12 @@ def train(args):
     os.makedirs(args.out, exist_ok=True)
     ckpt_path = os.path.join(args.out, "digits.ckpt")
     steps_per_epoch = len(x_train) // args.batch_size
-    total = args.steps if args.steps is not None else args.epochs * steps_per_epoch
+    run_steps = args.epochs * steps_per_epoch
+    total = run_steps if args.steps is None else min(args.steps, run_steps)
     peak = args.lr if args.lr is not None else (0.05 if args.optimizer == "sgd" else 0.002)
-    # Cosine decay to zero over the run: a learning-rate schedule is any callable of the step.
-    schedule = lambda step: peak * 0.5 * (1 + np.cos(np.pi * min(step, total) / total))  # noqa: E731
+    # Cosine decay to zero over the whole run (--steps only stops early, so a run cut
+    # short and resumed follows the same schedule): any callable of the step will do.
+    schedule = lambda step: peak * 0.5 * (1 + np.cos(np.pi * min(step, run_steps) / run_steps))  # noqa: E731
 
     with strategy.scope():
         model = MLP([x_train.shape[1], *args.hidden, 10], args.dtype, args.seed)
@@ -227,14 +230,14 @@ def plot(history, path: str, args) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy")
     ax.set_yscale("log")
+    handles = ax.get_lines()
     if history["test_accuracy"]:
         acc_ax = ax.twinx()
-        acc_ax.plot(history["epoch_step"], history["test_accuracy"], "o-", color="tab:green",
-                    ms=3, label="test accuracy")
+        handles += acc_ax.plot(history["epoch_step"], history["test_accuracy"], "o-", color="tab:green",
+                               ms=3, label="test accuracy")
         acc_ax.set_ylabel("test accuracy")
-        acc_ax.set_ylim(0, 1)
-        acc_ax.legend(loc="center right")
-    ax.legend(loc="upper right")
+        acc_ax.set_ylim(0, 1.02)
+    ax.legend(handles=handles, loc="center right")
     ax.set_title(f"digits MLP, MirroredStrategy x{args.replicas}, global batch {args.batch_size}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -84,7 +84,11 @@ class Optimizer:
         self.name = name
         self._iterations = None
         self._slots = {}  # id(variable) -> (variable, {slot name: MirroredVariable})
-        self._strategy = None  # the strategy whose variables this optimizer updates
+        # The strategy whose variables this optimizer updates: the one in scope when it
+        # is created (as Keras does), else that of the first variables it updates.
+        from . import distribute_lib
+
+        self._strategy = distribute_lib.get_strategy() if distribute_lib.has_strategy() else None
 
     # -- state --
     @property
@@ -93,7 +97,7 @@ class Optimizer:
         if self._iterations is None:
             from . import distribute_lib
 
-            self._create_state(distribute_lib.get_strategy(), ())
+            self._create_state(self._strategy or distribute_lib.get_strategy(), ())
         return self._iterations
 
     def get_slot(self, var, slot_name: str):
