@@ -24,6 +24,7 @@ CASES = {
                           "s.reduce('sum', md.PerReplica([np.ones(2, bool), np.ones(2, bool)]), axis=None)"),
     "wrong number of components": ("ValueError", "one component per replica",
                                    "s.run(lambda x: x, args=(md.PerReplica([1, 2, 3]),))"),
+    "run args not a tuple": ("ValueError", "args=(x,)", "s.run(lambda x: x, args=np.ones(2))"),
     "unknown reduce op": ("ValueError", "ReduceOp", "s.reduce('avg', md.PerReplica([1, 2]), axis=None)"),
     "bad device string": ("ValueError", "devices", "md.MirroredStrategy(['/cpu:0', '/gpuu:1'])"),
     "missing gpu": ("ValueError", "not available", "md.MirroredStrategy(['/gpu:7'])"),

@@ -53,9 +53,9 @@ def _device_of(x) -> str:
     return device_util.canonicalize("/cpu:0")
 
 
-def _buffers(per_replica: DistributedValues, argument: str = "per_replica_value") -> list:
+def _buffers(per_replica: DistributedValues, argument: str = "per_replica_value", devices=None) -> list:
     """The components as arrays on their devices, checked to agree in shape and dtype."""
-    devices = get_devices_from(per_replica, argument)
+    devices = devices or get_devices_from(per_replica, argument)
     arrays = [device_util.place(v.read_value() if isinstance(v, Variable) else v, d)
               for v, d in zip(per_replica.values, devices)]
     first = arrays[0]
@@ -179,21 +179,24 @@ class _NativeAllReduce(CrossDeviceOps):
         return self.broadcast(reduced, destinations)
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        # Pairs whose destinations are the value's own devices are all-reduced together in one
+        # fused native call; the others are reduced to their destinations one by one.
         results = [None] * len(value_destination_pairs)
-        fused = [i for i, (v, d) in enumerate(value_destination_pairs)
-                 if get_devices_from(d) == get_devices_from(v)]
+        fused, devices = [], None
         for i, (v, d) in enumerate(value_destination_pairs):
-            if i not in fused:
+            src = get_devices_from(v)
+            if src == get_devices_from(d) and devices in (None, src):
+                fused.append(i)
+                devices = src
+            else:
                 results[i] = self.reduce_implementation(reduce_op, v, d, options)
         if fused:
-            devices = get_devices_from(value_destination_pairs[fused[0]][0])
             self._check_devices(devices)
-            tensors = [_buffers(value_destination_pairs[i][0], "value") for i in fused]
+            tensors = [_buffers(value_destination_pairs[i][0], "value", devices) for i in fused]
             per_replica_lists = [[t[r] for t in tensors] for r in range(len(devices))]
             reduced = self._all_reduce_lists(reduce_op, per_replica_lists, options)
             for k, i in enumerate(fused):
-                results[i] = Mirrored([reduced[r][k] for r in range(len(devices))],
-                                      get_devices_from(value_destination_pairs[i][0]))
+                results[i] = Mirrored([reduced[r][k] for r in range(len(devices))], devices)
         return results
 
     def _all_reduce_lists(self, reduce_op, per_replica_lists, options):

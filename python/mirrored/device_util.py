@@ -11,6 +11,7 @@ CPU devices, CuPy (on the device's GPU) for GPU devices.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from typing import NamedTuple
@@ -38,6 +39,13 @@ def parse(device, argument: str = "device") -> DeviceSpec:
     """The parts of a device string; raises ValueError naming ``argument`` when malformed."""
     if hasattr(device, "name") and not isinstance(device, str):  # a config.LogicalDevice
         device = device.name
+    if isinstance(device, str):
+        return _parse(device, argument)  # cached: hot paths place arrays on the same few devices
+    return _parse.__wrapped__(device, argument)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse(device, argument: str) -> DeviceSpec:
     if not isinstance(device, str) or not device.strip("/"):
         raise ValueError(
             f"{argument}={device!r} is not a device string; write e.g. '/cpu:0', 'GPU:1' or "

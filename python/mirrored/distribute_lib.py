@@ -329,6 +329,8 @@ class Strategy:
         leaves (plain values with one replica).
         """
         _require_cross_replica_or_default(self, "run")
+        if not isinstance(args, (list, tuple)):
+            raise ValueError(f"args={args!r}: pass the arguments of fn as a tuple, e.g. args=(x,)")
         with self.scope():
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
 
