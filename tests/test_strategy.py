@@ -32,7 +32,7 @@ def test_scope_makes_strategy_current_in_cross_replica_context(two):
 
 def test_entering_another_strategy_scope_inside_raises(two, one):
     with two.scope():
-        with pytest.raises(ValueError, match="Mixing different"):
+        with pytest.raises(RuntimeError, match="Mixing different"):
             with one.scope():
                 pass
 
@@ -104,9 +104,16 @@ def test_replica_that_skips_a_collective_does_not_hang(two):
     assert two.run(lambda: replica_id()).values == (0, 1)
 
 
-def test_run_in_replica_context_raises(two):
+def test_run_or_scope_in_replica_context_raises(two):
     with pytest.raises(RuntimeError, match="cross-replica"):
         two.run(lambda: two.run(lambda: 1))
+    with pytest.raises(RuntimeError, match="cross-replica"):
+        two.run(lambda: two.scope().__enter__())
+
+
+def test_variable_created_inside_run_is_one_variable(two):
+    out = two.run(lambda: md.Variable(np.float32(1.0), name="lazy"))
+    assert isinstance(out, md.MirroredVariable) and out.name == "lazy:0"
 
 
 def test_experimental_run_v2_is_run(two):

@@ -82,7 +82,7 @@ def _entered(ctx: _Context):
 def _require_cross_replica_or_default(strategy: "Strategy", method: str):
     top = _top()
     if top.strategy is not strategy and top.strategy is not _default_context().strategy:
-        raise ValueError(f"Mixing different md strategies: {method} of {strategy!r} called while "
+        raise RuntimeError(f"Mixing different md strategies: {method} of {strategy!r} called while "
                          f"{top.strategy!r} is current; leave the other strategy's scope first")
     if top.replica_context not in (None, default_replica_context()) and top.strategy is strategy:
         raise RuntimeError(f"{method} requires being in cross-replica context; inside strategy.run use "
@@ -285,9 +285,10 @@ class _Scope:
         top = _top()
         default = _default_context().strategy
         if top.strategy is not self._strategy and top.strategy is not default:
-            raise ValueError(
+            raise RuntimeError(
                 f"Mixing different md strategies: cannot enter the scope of {self._strategy!r} inside the scope "
                 f"of {top.strategy!r}; leave the outer strategy's scope first")
+        _require_cross_replica_or_default(self._strategy, "scope()")
         if top.strategy is not self._strategy or top.replica_context is default_replica_context():
             _stack().append(_Context(self._strategy, None))
             self._pushed = True
@@ -564,6 +565,11 @@ class StrategyExtended:
 
     def _create_variable(self, initial_value, name=None, trainable=None, dtype=None,
                          synchronization=VariableSynchronization.AUTO, aggregation=VariableAggregation.NONE):
+        ctx = get_replica_context()
+        if ctx is not None and ctx.strategy is self._container_strategy and ctx is not default_replica_context():
+            # Created inside run: one variable for all replicas, made once in cross-replica context.
+            return ctx.merge_call(lambda strategy: strategy.extended._create_variable(
+                initial_value, name, trainable, dtype, synchronization, aggregation))
         synchronization, aggregation, trainable = _check_variable_args(name, trainable, synchronization,
                                                                       aggregation)
         if callable(initial_value):
