@@ -274,3 +274,56 @@ def test_data_parallel_training_equals_single_replica(n):
         np.testing.assert_allclose(w.numpy(), w_ref, atol=1e-6)
         for copy in w.values:
             np.testing.assert_array_equal(copy.numpy(), w.numpy())
+
+
+# --- more of TF's API-page examples ---------------------------------------------------------------
+
+def test_gather_four_replicas_doc_example(four):
+    single = np.arange(6, dtype=np.int32).reshape(1, 2, 3)
+    values = four.experimental_distribute_values_from_function(lambda _: single)
+    assert four.gather(values, axis=0).shape == (4, 2, 3)
+    np.testing.assert_array_equal(four.gather(values, axis=1)[0], np.tile(single[0], (4, 1)))
+    np.testing.assert_array_equal(four.gather(values, axis=2),
+                                  [[[0, 1, 2] * 4, [3, 4, 5] * 4]])
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_reduce_to_in_merge_call_doc_example(two, batched):
+    def step_fn(var):
+        def merge_fn(strategy, value, var):
+            if batched:
+                reduced = strategy.extended.batch_reduce_to(md.ReduceOp.SUM, [(value, var)])[0]
+            else:
+                reduced = strategy.extended.reduce_to(md.ReduceOp.SUM, value, destinations=var)
+            strategy.extended.update(var, lambda var, value: var.assign(value), args=(reduced,))
+        md.get_replica_context().merge_call(merge_fn, args=(np.float32(1.0), var))
+
+    with two.scope():
+        v = md.Variable(0.0)
+        two.run(step_fn, args=(v,))
+    assert repr(v) == (
+        "MirroredVariable:{\n"
+        f"  0: <mirrored.Variable 'Variable:0' shape=() dtype=float32, numpy={np.float32(2.0)!r}>,\n"
+        f"  1: <mirrored.Variable 'Variable/replica_1:0' shape=() dtype=float32, numpy={np.float32(2.0)!r}>\n}}")
+
+
+def test_call_for_each_replica_merge_doc_example(two):
+    def merge_fn(distribution, three_plus_replica_id):
+        return sum(distribution.experimental_local_results(three_plus_replica_id))
+
+    def fn(three):
+        v = three + md.get_replica_context().replica_id_in_sync_group
+        return md.get_replica_context().merge_call(merge_fn, args=(v,)) + v
+    with two.scope():
+        merged = two.run(fn, args=[3])
+    assert two.experimental_local_results(merged) == (10, 11)
+
+
+def test_update_doc_example_and_created_in_scope(two):
+    with two.scope():
+        v = md.Variable(5.0, aggregation=md.VariableAggregation.SUM)
+    result = two.extended.update(v, lambda v: v.assign(1.0))
+    assert isinstance(result, md.Mirrored)
+    assert [float(x) for x in two.experimental_local_results(result)] == [1.0, 1.0]
+    assert two.extended.variable_created_in_scope(v)
+    assert not two.extended.variable_created_in_scope(md.Variable(1.0))

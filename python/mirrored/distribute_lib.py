@@ -527,6 +527,10 @@ class StrategyExtended:
                              f"strategy's scope(), not {colocate_with_variable!r}")
         return contextlib.nullcontext()
 
+    def variable_created_in_scope(self, v) -> bool:
+        """Whether ``v`` was created in this strategy's scope."""
+        return getattr(v, "distribute_strategy", None) is self._container_strategy
+
     def value_container(self, value):
         """The distributed variable that ``value`` is a copy of, else ``value``."""
         return value_container(value)
@@ -623,6 +627,9 @@ class _DefaultExtended(StrategyExtended):
 
     def _update(self, var, fn, args, kwargs, group):
         return fn(var, *args, **kwargs)
+
+    def variable_created_in_scope(self, v) -> bool:
+        return isinstance(v, DeviceVariable) and v._distributed_container is None
 
 
 class _DefaultStrategy(Strategy):

@@ -173,7 +173,7 @@ class MirroredExtended(StrategyExtended):
     # reductions: every one goes through the CrossDeviceOps object
 
     def _reduce_to(self, op, value, destinations, options):
-        if op is ReduceOp.MEAN and (isinstance(value, (Mirrored, MirroredVariable))):
+        if op is ReduceOp.MEAN and isinstance(value, Mirrored):  # MirroredVariable is Mirrored too
             return value
         if not isinstance(value, DistributedValues):
             return self._reduce_non_distributed(op, value, destinations)

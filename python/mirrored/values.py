@@ -235,7 +235,7 @@ class DistributedVariable(DistributedValues, Variable):
     __repr__ = DistributedValues.__repr__
 
 
-class MirroredVariable(DistributedVariable):
+class MirroredVariable(DistributedVariable, Mirrored):
     """``ON_WRITE`` variable: every update is applied to every copy, so copies never drift."""
 
     _synchronization_mode = VariableSynchronization.ON_WRITE
