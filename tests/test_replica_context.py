@@ -104,3 +104,23 @@ def test_update_in_replica_context_is_a_merge_call(two):
         v = md.Variable(0.0)
     two.run(lambda: two.extended.update(v, lambda var, x: var.assign(x), args=(np.float32(replica_id() + 5),)))
     assert [float(c) for c in v.values] == [5.0, 6.0]  # each copy takes its own replica's component
+
+
+def test_all_gather_nested_doc_example(two):
+    def gather_nest():
+        return md.get_replica_context().all_gather([np.array([1, 2, 3]), np.array([[1, 2], [3, 4]])], axis=0)
+    result = two.run(gather_nest)
+    assert isinstance(result, list) and all(isinstance(r, md.PerReplica) for r in result)
+    local = two.experimental_local_results(result)
+    assert isinstance(local, tuple) and len(local) == 2 and isinstance(local[0], list)
+    np.testing.assert_array_equal(local[1][0], [1, 2, 3, 1, 2, 3])
+    np.testing.assert_array_equal(local[0][1], [[1, 2], [3, 4], [1, 2], [3, 4]])
+
+
+def test_all_gather_different_shapes_doc_example(two):
+    values = [{"a": np.array([0]), "b": np.array([[0, 1]])},
+              {"a": np.array([1]), "b": np.array([[2, 3], [4, 5]])}]
+    out = two.run(lambda: md.get_replica_context().all_gather(values[replica_id()], axis=0))
+    for r in two.experimental_local_results(out):
+        np.testing.assert_array_equal(r["a"], [0, 1])
+        np.testing.assert_array_equal(r["b"], [[0, 1], [2, 3], [4, 5]])

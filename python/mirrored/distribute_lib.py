@@ -541,7 +541,12 @@ class StrategyExtended:
     # helpers shared by the strategies
 
     def _local_results(self, value) -> tuple:
-        return value.values if isinstance(value, DistributedValues) else (value,)
+        if isinstance(value, DistributedValues):
+            return value.values
+        if _nest.is_nested(value) and any(isinstance(v, DistributedValues) for v in _nest.flatten(value)):
+            # A structure of distributed values: one structure per replica, as TF returns it.
+            return tuple(select_replica(i, value) for i in range(len(self._local_devices)))
+        return (value,)
 
     def _with_devices(self, value, argument: str):
         """``value`` with its replicas' devices known (a user-built PerReplica gets this worker's devices)."""
