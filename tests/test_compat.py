@@ -46,6 +46,7 @@ def test_contrib_towers():
 
     def tower_fn(x):
         ctx = contrib.get_tower_context()
+        assert ctx.device == s.worker_devices[ctx.tower_id]
         return ctx.tower_id * x + ctx.merge_call(lambda strategy, v: strategy.num_replicas_in_sync, x)
     out = s.call_for_each_tower(tower_fn, 10)
     assert s.unwrap(out) == (2, 12)

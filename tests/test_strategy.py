@@ -46,8 +46,10 @@ def test_replica_context_inside_run(two):
     ids, nums, devices = two.run(fn)
     assert ids.values == (0, 1)
     assert nums == 2  # the same object on both replicas stays unwrapped, as in TF's regroup
-    assert devices[0].values == ("/job:localhost/replica:0/task:0/device:CPU:0",
-                                 "/job:localhost/replica:0/task:0/device:CPU:1")
+    # TF's MirroredStrategy returns the replica's devices nested: [[device]].
+    assert devices[0][0].values == ("/job:localhost/replica:0/task:0/device:CPU:0",
+                                    "/job:localhost/replica:0/task:0/device:CPU:1")
+    assert md.get_replica_context().devices == ("/job:localhost/replica:0/task:0/device:CPU:0",)
 
 
 def test_device_spellings_are_canonicalised():

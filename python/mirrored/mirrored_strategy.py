@@ -122,6 +122,13 @@ def _resolve_devices(devices) -> tuple:
     return canonical
 
 
+class _MirroredReplicaContext(ReplicaContext):
+    @property
+    def devices(self) -> list:
+        """``[[device]]``: TF's MirroredStrategy nests the replica's device list this way."""
+        return [[self._strategy.extended.worker_devices[self._local_replica_id]]]
+
+
 class MirroredExtended(StrategyExtended):
     """``MirroredStrategy.extended``: replicas on local devices, reductions through ``_cross_device_ops``."""
 
@@ -139,7 +146,8 @@ class MirroredExtended(StrategyExtended):
         if self._replica_contexts is None:
             local = len(self._local_devices)
             self._replica_contexts = [
-                ReplicaContext(self._container_strategy, self._worker_index * local + i, i, self._pool.group)
+                _MirroredReplicaContext(self._container_strategy, self._worker_index * local + i, i,
+                                        self._pool.group)
                 for i in range(local)]
         return self._replica_contexts
 

@@ -28,7 +28,7 @@ class TowerContext:
     tower_id = property(lambda self: self._ctx.replica_id_in_sync_group)
     num_towers = property(lambda self: self._ctx.num_replicas_in_sync)
     distribution_strategy = property(lambda self: self._ctx.strategy)
-    device = property(lambda self: self._ctx.devices[0])
+    device = property(lambda self: self._ctx.strategy.extended.worker_devices[self._ctx._local_replica_id])
 
     def merge_call(self, merge_fn, *args, **kwargs):
         return self._ctx.merge_call(merge_fn, args, kwargs)
