@@ -329,3 +329,29 @@ def test_update_doc_example_and_created_in_scope(two):
     assert [float(x) for x in two.experimental_local_results(result)] == [1.0, 1.0]
     assert two.extended.variable_created_in_scope(v)
     assert not two.extended.variable_created_in_scope(md.Variable(1.0))
+
+
+def test_run_doc_examples(two):
+    result = two.run(lambda x: x * 2.0, args=(np.float32(3.0),))
+    assert isinstance(result, md.PerReplica) and [float(v) for v in result.values] == [6.0, 6.0]
+    values = two.experimental_distribute_values_from_function(lambda ctx: ctx.num_replicas_in_sync)
+    assert two.run(lambda x: x * 2, args=(values,)) == 4  # the same object on both replicas: unwrapped
+    ids = two.experimental_distribute_values_from_function(lambda ctx: np.int32(ctx.replica_id_in_sync_group))
+    out = two.run(lambda x: md.get_replica_context().all_reduce("sum", x), args=(ids,))
+    assert [int(v) for v in out.values] == [1, 1]
+
+
+def test_values_from_function_doc_examples(two):
+    array_value = np.array([3.0, 2.0, 1.0])
+    values = two.experimental_distribute_values_from_function(lambda ctx: array_value[ctx.replica_id_in_sync_group])
+    assert two.experimental_local_results(values) == (3.0, 2.0)
+    ones = two.experimental_distribute_values_from_function(lambda ctx: np.float32(1.0))
+    assert two.experimental_local_results(ones) == (1.0, 1.0)
+    assert two.experimental_local_results(
+        two.experimental_distribute_values_from_function(lambda ctx: ctx.num_replicas_in_sync)) == (2, 2)
+
+
+def test_distribute_dataset_doc_example(two):
+    dataset = [np.arange(0, 2, dtype=np.int64), np.arange(2, 4, dtype=np.int64)]  # range(4).batch(2)
+    result = [two.run(lambda x: x * 2, args=(x,)) for x in two.experimental_distribute_dataset(dataset)]
+    assert [[v.tolist() for v in r.values] for r in result] == [[[0], [2]], [[4], [6]]]

@@ -405,8 +405,10 @@ def _read(x):
 
 
 def _place_arrays(x, device):
-    # Python numbers stay as they are (as TF leaves them); arrays go to the replica's device.
-    return x if isinstance(x, (int, float, bool, complex, str)) or x is None else device_util.place(x, device)
+    # Scalars stay as they are (TF leaves Python numbers alone); arrays go to the replica's device.
+    if x is None or isinstance(x, (int, float, bool, complex, str, np.generic)):
+        return x
+    return device_util.place(x, device)
 
 
 def _divide(numer, denom):
