@@ -8,6 +8,8 @@ call (the native core, GIL released); nothing is reduced in Python.
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import _dtypes, collectives, device_util
 from .options import CommunicationOptions
 from .reduce_util import ReduceOp, as_reduce_op
@@ -53,13 +55,27 @@ def _device_of(x) -> str:
     return device_util.canonicalize("/cpu:0")
 
 
+def _supported_dtypes() -> frozenset:
+    found = set()
+    for name in _dtypes.SUPPORTED:
+        try:
+            found.add(np.dtype(name))
+        except TypeError:  # bfloat16 without ml_dtypes
+            pass
+    return frozenset(found)
+
+
+_SUPPORTED = _supported_dtypes()
+
+
 def _buffers(per_replica: DistributedValues, argument: str = "per_replica_value", devices=None) -> list:
     """The components as arrays on their devices, checked to agree in shape and dtype."""
     devices = devices or get_devices_from(per_replica, argument)
     arrays = [device_util.place(v.read_value() if isinstance(v, Variable) else v, d)
               for v, d in zip(per_replica.values, devices)]
     first = arrays[0]
-    _dtypes.dtype_code(first.dtype, argument)
+    if first.dtype not in _SUPPORTED:
+        _dtypes.dtype_code(first.dtype, argument)  # raises, naming the argument and the dtypes we take
     for r, a in enumerate(arrays[1:], 1):
         if a.shape != first.shape or a.dtype != first.dtype:
             raise ValueError(f"{argument}: replica {r} has shape {tuple(a.shape)} and dtype {a.dtype} but replica 0 "
