@@ -93,7 +93,7 @@ class MultiWorkerExtended(MirroredExtended):
         """Every worker takes the chief's initial value (random initialisers differ per process)."""
         if self._group is None:
             return value
-        value = np.ascontiguousarray(value)
+        value = np.asarray(value, order="C")  # not ascontiguousarray: it makes a 0-d value 1-d
         if value.dtype.hasobject:
             raise TypeError(f"initial_value of dtype {value.dtype} cannot be sent between workers; use a numeric "
                             "NumPy dtype")
