@@ -204,3 +204,18 @@ def test_multiworker_only_the_chief_writes_and_every_worker_restores(tmp_path):
         w, iterations = r.value
         np.testing.assert_allclose(w, np.full(3, -0.435), rtol=1e-6)
         assert iterations == 2
+
+
+def test_sync_on_read_sum_keeps_its_total_across_replica_counts(tmp_path):
+    def counter(n):
+        strategy = _strategy(n)
+        with strategy.scope():
+            return strategy, md.Variable(np.zeros(2), trainable=False, aggregation=md.VariableAggregation.SUM,
+                                         synchronization=md.VariableSynchronization.ON_READ)
+
+    strategy, seen = counter(2)
+    strategy.run(lambda: seen.assign_add(np.full(2, md.get_replica_context().replica_id_in_sync_group + 1.0)))
+    path = md.Checkpoint(metrics={"seen": seen}).save(tmp_path / "m.ckpt")
+    _, seen4 = counter(4)
+    md.Checkpoint(metrics={"seen": seen4}).restore(path)
+    np.testing.assert_allclose(seen4.numpy(), [3.0, 3.0])  # 1 + 2, now spread over 4 copies

@@ -189,3 +189,12 @@ def test_none_gradients_are_skipped_and_bad_pairs_named():
             opt.apply_gradients([(np.ones(2), frozen)])
         with pytest.raises(TypeError, match="md.Variable"):
             opt.apply_gradients([(np.ones(2), np.ones(2))])
+
+
+def test_works_without_a_strategy():
+    w = md.Variable(np.ones(3))  # the default strategy: one plain variable
+    opt = md.optimizers.SGD(0.5, momentum=0.5)
+    for _ in range(2):
+        opt.apply_gradients([(np.ones(3), w)])
+    np.testing.assert_allclose(w.numpy(), np.full(3, 1 - 0.5 - 0.75))  # v = -0.5, then -0.75
+    assert int(opt.iterations.numpy()) == 2
