@@ -44,7 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 0.05 SGD, 0.002 Adam)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="digits_run", help="output directory (default ./digits_run)")
+    p.add_argument("--out", default="out/digits", help="output directory (default ./out/digits)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
