@@ -17,8 +17,8 @@ import numpy as np
 from . import _nest, device_util, timeline
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp, as_reduce_op
-from .values import (DeviceVariable, DistributedValues, Mirrored, MirroredVariable,
-                     PerReplica, SyncOnReadVariable, Variable, regroup, select_replica, value_container)
+from .values import (DeviceVariable, DistributedValues, PerReplica, _read, regroup, select_replica,
+                     value_container)
 
 HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 
@@ -400,10 +400,6 @@ class Strategy:
         return regroup(results, always_wrap=True, devices=ext.worker_devices)
 
 
-def _read(x):
-    return x.read_value() if isinstance(x, Variable) else x
-
-
 def _place_arrays(x, device):
     # Scalars stay as they are (TF leaves Python numbers alone); arrays go to the replica's device.
     if x is None or isinstance(x, (int, float, bool, complex, str, np.generic)):
@@ -668,5 +664,4 @@ def default_replica_context() -> ReplicaContext:
 __all__ = [
     "Strategy", "StrategyExtended", "ReplicaContext", "get_strategy", "has_strategy",
     "in_cross_replica_context", "get_replica_context", "get_cross_replica_context",
-    "Mirrored", "MirroredVariable", "SyncOnReadVariable",
 ]
