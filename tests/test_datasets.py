@@ -5,6 +5,7 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import mirrored as md
 from conftest import cpus
@@ -131,3 +132,18 @@ def test_bad_batches_are_rejected(two):
         list(two.experimental_distribute_dataset([(np.ones(3), np.ones(2))]))
     with pytest.raises(TypeError, match="not iterable"):
         two.experimental_distribute_dataset(5)
+
+
+_BY_N = {n: md.MirroredStrategy(cpus(n)) for n in range(1, 6)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 5), b=st.integers(0, 23), width=st.integers(0, 3))
+def test_split_rule_property(n, b, width):
+    c = -(-b // n)
+    x = np.arange(b * width).reshape(b, width)
+    element = next(iter(_BY_N[n].experimental_distribute_dataset([x])))
+    parts = element.values if n > 1 else (element,)
+    assert [len(p) for p in parts] == [max(0, min(c, b - i * c)) for i in range(n)]
+    assert all(p.shape[1:] == (width,) for p in parts)
+    np.testing.assert_array_equal(np.concatenate(parts), x)
