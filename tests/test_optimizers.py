@@ -174,6 +174,24 @@ def test_all_gradients_go_through_one_batch_reduce_with_the_options():
         assert _copies_equal(v)
 
 
+def test_the_native_core_sees_one_batch_all_reduce_with_bytes_per_pack(monkeypatch):
+    calls = []
+    real = md.collectives.batch_all_reduce
+
+    def recording(per_replica_lists, op="sum", **kwargs):
+        calls.append((len(per_replica_lists), len(per_replica_lists[0]), op, kwargs.get("bytes_per_pack")))
+        return real(per_replica_lists, op, **kwargs)
+
+    monkeypatch.setattr(md.collectives, "batch_all_reduce", recording)
+    strategy = _strategy(4, cross_device_ops=md.RingAllReduce())
+    with strategy.scope():
+        variables = [md.Variable(np.zeros(s, np.float32)) for s in [(64, 32), (32,), (32, 10), (10,)]]
+        opt = md.optimizers.SGD(0.1, momentum=0.9)
+    strategy.run(lambda: opt.apply_gradients([(np.ones(v.shape, np.float32), v) for v in variables],
+                                             options=md.CommunicationOptions(bytes_per_pack=4096)))
+    assert calls == [(4, 4, "MEAN", 4096)]  # 4 replicas x 4 gradients, one native call
+
+
 def test_none_gradients_are_skipped_and_bad_pairs_named():
     strategy = _strategy(2)
     with strategy.scope():

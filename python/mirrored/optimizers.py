@@ -165,8 +165,10 @@ class Optimizer:
         pairs = self._check_pairs(grads_and_vars)
         if distribute_lib.in_cross_replica_context():
             return self._distributed_apply(distribute_lib.get_strategy(), pairs, options)
+        # options stay out of the merged arguments: each replica may pass its own (equal)
+        # options object, which merge_call would turn into a PerReplica.
         return distribute_lib.get_replica_context().merge_call(
-            self._distributed_apply, args=(pairs, options))
+            lambda strategy, merged: self._distributed_apply(strategy, merged, options), args=(pairs,))
 
     def _check_pairs(self, grads_and_vars) -> list:
         from . import values
