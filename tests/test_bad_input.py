@@ -35,6 +35,9 @@ CASES = {
                     ".reduce('sum', md.PerReplica([np.ones(1), np.ones(1)]), axis=None)"),
     "collective outside run": ("AttributeError", "all_reduce",
                                "with s.scope(): md.get_replica_context().all_reduce('sum', 1.0)"),
+    "stale replica context": ("RuntimeError", "inside the replica function",
+                              "ctx = s.run(lambda: md.get_replica_context()).values[1]\n"
+                              "ctx.all_reduce('sum', 1.0)"),
     "reduce inside run": ("RuntimeError", "cross-replica", "s.run(lambda: s.reduce('sum', 1.0, axis=None))"),
     "gather bad axis": ("ValueError", "axis", "s.gather(md.PerReplica([np.ones(2), np.ones(2)]), axis=3)"),
     "assign wrong shape": ("ValueError", "shape", "with s.scope(): v = md.Variable(np.ones(2))\nv.assign(np.ones(3))"),

@@ -214,6 +214,12 @@ class ReplicaContext:
     def __exit__(self, *exc):
         _stack().pop()
 
+    def _require_current(self, method: str):
+        # A saved context used later (or from another thread) would wait forever for its replicas.
+        if _top().replica_context is not self:
+            raise RuntimeError(f"ReplicaContext.{method} must be called inside the replica function that owns "
+                               "this context; call md.get_replica_context() inside strategy.run and use that")
+
     def merge_call(self, merge_fn, args=(), kwargs=None):
         """Pause every replica, run ``merge_fn(strategy, *merged_args)`` once in cross-replica context.
 
@@ -221,6 +227,7 @@ class ReplicaContext:
         as is when every replica passed the same object); every replica gets
         its own part of the result.
         """
+        self._require_current("merge_call")
         kwargs = kwargs or {}
         strategy = self._strategy
         devices = strategy.extended.worker_devices
@@ -236,6 +243,7 @@ class ReplicaContext:
 
     def _collective(self, kind: str, value, reduce_leaves):
         """Run ``reduce_leaves(list of PerReplica) -> list of per-device results`` on ``value``'s leaves."""
+        self._require_current(kind)
         leaves = _nest.flatten(value)
         devices = self._strategy.extended.worker_devices
 
