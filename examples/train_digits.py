@@ -196,11 +196,11 @@ def train(args):
         epoch += 1
         history["epoch_step"].append(step)
         history["test_accuracy"].append(evaluate())
+        checkpoint.save(ckpt_path)  # every epoch: a stopped run loses at most one epoch (--resume)
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - started
 
-    checkpoint.save(ckpt_path)
     accuracy = evaluate()
     with open(os.path.join(args.out, "history.json"), "w") as f:
         json.dump({**history, "final_test_accuracy": accuracy, "seconds": elapsed,
