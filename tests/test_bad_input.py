@@ -38,6 +38,8 @@ CASES = {
     "stale replica context": ("RuntimeError", "inside the replica function",
                               "ctx = s.run(lambda: md.get_replica_context()).values[1]\n"
                               "ctx.all_reduce('sum', 1.0)"),
+    "run inside merge_fn": ("RuntimeError", "inside one of its own replicas",
+                            "s.run(lambda: md.get_replica_context().merge_call(lambda st: st.run(lambda: 1)))"),
     "reduce inside run": ("RuntimeError", "cross-replica", "s.run(lambda: s.reduce('sum', 1.0, axis=None))"),
     "gather bad axis": ("ValueError", "axis", "s.gather(md.PerReplica([np.ones(2), np.ones(2)]), axis=3)"),
     "assign wrong shape": ("ValueError", "shape", "with s.scope(): v = md.Variable(np.ones(2))\nv.assign(np.ones(3))"),

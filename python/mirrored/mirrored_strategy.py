@@ -42,6 +42,7 @@ class _ReplicaPool:
         self._threads = None
         self._closed = False
         self._fn = None
+        self._caller = None
 
     def _start(self):
         self._threads = [threading.Thread(target=self._worker, args=(i,), daemon=True,
@@ -74,7 +75,13 @@ class _ReplicaPool:
             self.group.replica_finished()
 
     def run(self, replica_fn) -> list:
+        me = threading.get_ident()
+        if me == self._caller or any(t.ident == me for t in self._threads or ()):
+            # e.g. strategy.run inside a merge_fn: waiting for our own replicas would never end.
+            raise RuntimeError("strategy.run was called from inside one of its own replicas (or a merge_call's "
+                               "merge_fn); call it from the outer program, between steps")
         with self._run_lock:
+            self._caller = me
             if self._threads is None and self.n > 1:
                 self._start()
             self._fn, self._results, self._errors = replica_fn, [None] * self.n, []
@@ -86,7 +93,7 @@ class _ReplicaPool:
             finally:
                 if self.n > 1:
                     self._done.acquire()
-                self._fn = None
+                self._fn = self._caller = None
                 self.group.reset()
             if self._errors:
                 raise self._errors[0]
