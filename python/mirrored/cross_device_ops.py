@@ -50,8 +50,8 @@ def _as_per_replica(value, argument: str = "per_replica_value") -> DistributedVa
 def _device_of(x) -> str:
     if isinstance(x, Variable):
         return x.device
-    if device_util.on_gpu(x):
-        return device_util.canonicalize(f"/gpu:{x.device.id}")
+    if device_util.on_gpu(x):  # CuPy names its device .id; other CUDA arrays may not say: GPU 0
+        return device_util.canonicalize(f"/gpu:{getattr(getattr(x, 'device', None), 'id', 0)}")
     return device_util.canonicalize("/cpu:0")
 
 
