@@ -147,3 +147,13 @@ def test_split_rule_property(n, b, width):
     assert [len(p) for p in parts] == [max(0, min(c, b - i * c)) for i in range(n)]
     assert all(p.shape[1:] == (width,) for p in parts)
     np.testing.assert_array_equal(np.concatenate(parts), x)
+
+
+def test_options_are_named_tuples_like_tf():
+    assert repr(md.InputOptions()) == (
+        "InputOptions(experimental_fetch_to_device=None, experimental_replication_mode="
+        "<InputReplicationMode.PER_WORKER: 'PER_WORKER'>, experimental_place_dataset_on_device=False, "
+        "experimental_per_replica_buffer_size=1)")
+    assert md.RunOptions() == (True, False, None)
+    with pytest.raises(ValueError, match="buffer_size"):
+        md.InputOptions(experimental_per_replica_buffer_size=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import enum
 
 
@@ -83,19 +84,22 @@ class CommunicationOptions:
                 f"timeout_seconds={self.timeout_seconds}, implementation={self.implementation})")
 
 
-class InputOptions:
-    """Options for distributing datasets (``tf.distribute.InputOptions``).
+class InputOptions(collections.namedtuple("InputOptions", [
+        "experimental_fetch_to_device", "experimental_replication_mode",
+        "experimental_place_dataset_on_device", "experimental_per_replica_buffer_size"])):
+    """Options for distributing datasets (``tf.distribute.InputOptions``, a named tuple as in TF).
 
-    ``experimental_fetch_to_device`` (default True) places each replica's
-    slice on its device in the background prefetcher; False leaves it on the
-    host. ``experimental_per_replica_buffer_size`` is how many batches per
-    replica the prefetcher keeps ready.
+    ``experimental_fetch_to_device`` (None/True) places each replica's slice
+    on its device in the background prefetcher; False leaves it on the host.
+    ``experimental_per_replica_buffer_size`` is how many batches per replica
+    the prefetcher keeps ready.
     """
 
-    def __init__(self, experimental_fetch_to_device: bool | None = None,
-                 experimental_replication_mode=InputReplicationMode.PER_WORKER,
-                 experimental_place_dataset_on_device: bool = False,
-                 experimental_per_replica_buffer_size: int = 1):
+    __slots__ = ()
+
+    def __new__(cls, experimental_fetch_to_device=None,
+                experimental_replication_mode=InputReplicationMode.PER_WORKER,
+                experimental_place_dataset_on_device=False, experimental_per_replica_buffer_size=1):
         if not isinstance(experimental_per_replica_buffer_size, int) or experimental_per_replica_buffer_size < 1:
             raise ValueError(
                 f"experimental_per_replica_buffer_size={experimental_per_replica_buffer_size!r}: expected an int >= 1"
@@ -105,28 +109,17 @@ class InputOptions:
                 "experimental_place_dataset_on_device=True and experimental_fetch_to_device=True conflict: "
                 "set experimental_fetch_to_device=False"
             )
-        self.experimental_fetch_to_device = experimental_fetch_to_device
-        self.experimental_replication_mode = experimental_replication_mode
-        self.experimental_place_dataset_on_device = experimental_place_dataset_on_device
-        self.experimental_per_replica_buffer_size = experimental_per_replica_buffer_size
-
-    def __repr__(self) -> str:
-        return (f"InputOptions(experimental_fetch_to_device={self.experimental_fetch_to_device}, "
-                f"experimental_replication_mode={self.experimental_replication_mode}, "
-                f"experimental_place_dataset_on_device={self.experimental_place_dataset_on_device}, "
-                f"experimental_per_replica_buffer_size={self.experimental_per_replica_buffer_size})")
+        return super().__new__(cls, experimental_fetch_to_device, experimental_replication_mode,
+                               experimental_place_dataset_on_device, experimental_per_replica_buffer_size)
 
 
-class RunOptions:
-    """Options for ``Strategy.run`` (``tf.distribute.RunOptions``).
+class RunOptions(collections.namedtuple("RunOptions", [
+        "experimental_enable_dynamic_batch_size", "experimental_bucketizing_dynamic_shape",
+        "experimental_xla_options"], defaults=(True, False, None))):
+    """Options for ``Strategy.run`` (``tf.distribute.RunOptions``, a named tuple as in TF).
 
     Accepted for compatibility; replicas always run eagerly here, so the
     XLA/bucketizing knobs have nothing to change.
     """
 
-    def __init__(self, experimental_enable_dynamic_batch_size: bool = True,
-                 experimental_bucketizing_dynamic_shape: bool = False,
-                 experimental_xla_options=None):
-        self.experimental_enable_dynamic_batch_size = experimental_enable_dynamic_batch_size
-        self.experimental_bucketizing_dynamic_shape = experimental_bucketizing_dynamic_shape
-        self.experimental_xla_options = experimental_xla_options
+    __slots__ = ()
