@@ -157,3 +157,17 @@ def test_options_are_named_tuples_like_tf():
     assert md.RunOptions() == (True, False, None)
     with pytest.raises(ValueError, match="buffer_size"):
         md.InputOptions(experimental_per_replica_buffer_size=0)
+
+
+def test_get_next_as_optional_and_reduce(two):
+    ds = two.experimental_distribute_dataset([np.ones((2, 1)), np.ones((2, 1)) * 2])
+    it = iter(ds)
+    first = it.get_next_as_optional()
+    assert first.has_value() and float(first.get_value().values[1][0, 0]) == 1.0
+    it.get_next()
+    end = it.get_next_as_optional()
+    assert not end.has_value()
+    with pytest.raises(ValueError, match="has_value"):
+        end.get_value()
+    total = ds.reduce(0.0, lambda state, x: state + float(two.reduce("SUM", x, axis=0)[0]))
+    assert total == 6.0

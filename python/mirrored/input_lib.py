@@ -175,12 +175,34 @@ class DistributedIterator:
     def get_next(self):
         return next(self)
 
+    def get_next_as_optional(self) -> "Optional":
+        """The next element wrapped in an :class:`Optional` that is empty at the end of the data."""
+        try:
+            return Optional(next(self), True)
+        except StopIteration:
+            return Optional(None, False)
+
     @property
     def element_spec(self):
         return self._element_spec
 
     def __del__(self):
         self._prefetcher.close()
+
+
+class Optional:
+    """A value that may be absent (``tf.experimental.Optional``): ``has_value()``, ``get_value()``."""
+
+    def __init__(self, value, has_value: bool):
+        self._value, self._has_value = value, has_value
+
+    def has_value(self) -> bool:
+        return self._has_value
+
+    def get_value(self):
+        if not self._has_value:
+            raise ValueError("this Optional has no value (the iterator is exhausted); check has_value() first")
+        return self._value
 
 
 class _DistributedInput:
@@ -216,6 +238,13 @@ class _DistributedInput:
         depth = len(self._devices) * self._options.experimental_per_replica_buffer_size
         prefetcher = _Prefetcher(self._source(), lambda src: (self._to_step(s) for s in self._steps(src)), depth)
         return DistributedIterator(prefetcher, self._spec_or_none())
+
+    def reduce(self, initial_state, reduce_func):
+        """``reduce_func(state, element)`` folded over every element, starting from ``initial_state``."""
+        state = initial_state
+        for element in self:
+            state = reduce_func(state, element)
+        return state
 
     def _spec_or_none(self):
         return None if self._first is None else self._spec(self._first)
