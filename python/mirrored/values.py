@@ -12,6 +12,7 @@ array, so an array returned by ``read_value()`` never changes under its holder.
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 import numpy as np
@@ -180,13 +181,15 @@ class DeviceVariable(Variable):
         self._value = self._converted(value).astype(self.dtype, copy=True)
         return self
 
-    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        self._value = (self._value + self._converted(delta, "delta")).astype(self.dtype, copy=False)
+    def _combine(self, fn, delta):
+        self._value = fn(self._value, self._converted(delta, "delta")).astype(self.dtype, copy=False)
         return self
 
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        return self._combine(operator.add, delta)
+
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        self._value = (self._value - self._converted(delta, "delta")).astype(self.dtype, copy=False)
-        return self
+        return self._combine(operator.sub, delta)
 
 
 class DistributedVariable(DistributedValues, Variable):
