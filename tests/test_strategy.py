@@ -355,3 +355,26 @@ def test_distribute_dataset_doc_example(two):
     dataset = [np.arange(0, 2, dtype=np.int64), np.arange(2, 4, dtype=np.int64)]  # range(4).batch(2)
     result = [two.run(lambda x: x * 2, args=(x,)) for x in two.experimental_distribute_dataset(dataset)]
     assert [[v.tolist() for v in r.values] for r in result] == [[[0], [2]], [[4], [6]]]
+
+
+def test_reduce_non_distributed_value_with_axis_follows_tf(two):
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    # TF runs the in-replica reduction on every replica, so SUM counts the value once per replica...
+    assert two.reduce("SUM", x, axis=0) == 12.0
+    # ...while MEAN divides by every replica's count too and gives the plain mean.
+    assert two.reduce("MEAN", x, axis=0) == 2.0
+
+
+def test_replica_threads_end_with_their_strategy():
+    import gc
+    import threading
+    import time
+
+    before = threading.active_count()
+    for _ in range(10):
+        md.MirroredStrategy(cpus(4)).run(lambda: 1)
+    gc.collect()
+    deadline = time.time() + 5
+    while threading.active_count() > before and time.time() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() <= before
