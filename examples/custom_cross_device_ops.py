@@ -20,13 +20,14 @@ class Fp16CompressedAllReduce(md.cross_device_ops.CrossDeviceOps):
         self.calls = 0
 
     def _compress(self, value):
-        return md.PerReplica([np.asarray(v, np.float32).astype(np.float16) for v in value.values], value._devices)
+        devices = md.cross_device_ops.get_devices_from(value)
+        return md.PerReplica([np.asarray(v, np.float32).astype(np.float16) for v in value.values], devices)
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
         self.calls += 1
         packed = [(self._compress(v), d) for v, d in value_destination_pairs]
         reduced = self.inner.batch_reduce_implementation(reduce_op, packed, options)
-        return [md.Mirrored([r.astype(np.float32) for r in out.values], out._devices)
+        return [md.Mirrored([r.astype(np.float32) for r in out.values], md.cross_device_ops.get_devices_from(out))
                 if isinstance(out, md.Mirrored) else out.astype(np.float32) for out in reduced]
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
