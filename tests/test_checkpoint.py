@@ -219,3 +219,19 @@ def test_sync_on_read_sum_keeps_its_total_across_replica_counts(tmp_path):
     _, seen4 = counter(4)
     md.Checkpoint(metrics={"seen": seen4}).restore(path)
     np.testing.assert_allclose(seen4.numpy(), [3.0, 3.0])  # 1 + 2, now spread over 4 copies
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64", "int8", "uint8", "int32"])
+def test_every_supported_dtype_round_trips(tmp_path, dtype):
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    value = (np.arange(6).reshape(2, 3) - 2).astype(dtype)
+    strategy = _strategy(2)
+    with strategy.scope():
+        v = md.Variable(value)
+    path = md.Checkpoint(v=v).save(tmp_path / "d.ckpt")
+    with strategy.scope():
+        w = md.Variable(np.zeros_like(value))
+    md.Checkpoint(v=w).restore(path)
+    assert w.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(w.numpy().astype(np.float64), value.astype(np.float64))

@@ -71,7 +71,7 @@ def _write_atomic(path: str, arrays: dict) -> None:
     try:
         with open(tmp, "wb") as f:
             for chunk in (_MAGIC + bytes([_VERSION]), struct.pack("<Q", len(index)), index,
-                          *(memoryview(a).cast("B") for a in arrays.values())):
+                          *(a.reshape(-1).view(np.uint8) for a in arrays.values())):  # bytes of any dtype
                 digest.update(chunk)
                 f.write(chunk)
             f.write(digest.digest())
