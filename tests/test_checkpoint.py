@@ -235,3 +235,35 @@ def test_every_supported_dtype_round_trips(tmp_path, dtype):
     md.Checkpoint(v=w).restore(path)
     assert w.dtype == np.dtype(dtype)
     np.testing.assert_array_equal(w.numpy().astype(np.float64), value.astype(np.float64))
+
+
+_SAVE_FOREVER = """
+import sys, numpy as np, mirrored as md
+w = md.Variable(np.zeros(4_000_000, np.float32))  # 16 MB: a save takes long enough to be cut short
+ckpt = md.Checkpoint(w=w)
+for i in range(1, 10**6):
+    w.assign(np.full(w.shape, i, np.float32))
+    ckpt.save(sys.argv[1])
+    print(i, flush=True)
+"""
+
+
+def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / "w.ckpt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).parents[1] / "python"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", _SAVE_FOREVER, str(path)], stdout=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout.readline()  # the first save is complete
+        proc.stdout.readline()
+        proc.send_signal(signal.SIGKILL)  # most likely in the middle of writing the next one
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    w = md.checkpoint.load_checkpoint(path)["w"]
+    assert w.min() == w.max() >= 1  # one whole save, never a mix of two
