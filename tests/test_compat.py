@@ -105,3 +105,15 @@ def test_update_config_proto_deep_copies():
     out = s.update_config_proto(proto)
     out["a"].append(2)
     assert proto == {"a": [1]} and copy.deepcopy(proto) == proto
+
+
+def test_v1_deprecated_names():
+    s = v1.MirroredStrategy(cpus(2))
+    pr = s.run(lambda: contrib.get_tower_context().tower_id)
+    assert s.unwrap(pr) == (0, 1) and s.group(pr) is None
+    with s.scope():
+        v = md.Variable(1.0)
+        with s.colocate_vars_with(v):
+            pass
+    s.configure(session_config={"a": 1})
+    assert isinstance(contrib.MirroredStrategy(cpus(1)), v1.MirroredStrategy)

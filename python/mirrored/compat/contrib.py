@@ -5,11 +5,10 @@ from __future__ import annotations
 from .. import device_util
 from ..distribute_lib import get_cross_replica_context, get_replica_context, get_strategy, has_strategy
 from ..input_lib import DistributedDatasetsFromFunction
-from ..mirrored_strategy import MirroredStrategy as _MirroredStrategyV2
 from ..options import VariableAggregation
 from ..reduce_util import ReduceOp, as_reduce_op
 from ..values import DistributedValues, DistributedVariable, PerReplica
-from .v1 import DatasetIterator
+from .v1 import DatasetIterator, MirroredStrategy as _MirroredStrategyV1
 
 
 def _as_op(aggregation) -> ReduceOp:
@@ -68,7 +67,7 @@ class MultiStepContext:
         return f"MultiStepContext(last_step_outputs={self.last_step_outputs!r})"
 
 
-class MirroredStrategy(_MirroredStrategyV2):
+class MirroredStrategy(_MirroredStrategyV1):
     """``tf.contrib.distribute.MirroredStrategy`` (TF 1.11): towers, cross-tower ops and positional args."""
 
     def __init__(self, devices=None, num_gpus=None, num_gpus_per_worker=None, cross_tower_ops=None,
@@ -81,7 +80,6 @@ class MirroredStrategy(_MirroredStrategyV2):
         if cross_tower_ops is not None and cross_device_ops is not None:
             raise ValueError("cross_tower_ops and cross_device_ops were both given; pass one of them")
         super().__init__(devices, cross_device_ops or cross_tower_ops)
-        self._config = None
 
     num_towers = property(lambda self: self.num_replicas_in_sync)
     worker_devices = property(lambda self: self.extended.worker_devices)
@@ -94,9 +92,6 @@ class MirroredStrategy(_MirroredStrategyV2):
 
     def call_for_each_tower(self, fn, *args, **kwargs):
         return self.run(fn, args=args, kwargs=kwargs)
-
-    def unwrap(self, value) -> tuple:
-        return self.experimental_local_results(value)
 
     def reduce(self, aggregation, value, destinations=None):
         """Reduce ``value`` with ``aggregation`` to ``destinations`` (default: every device of ``value``)."""
@@ -129,9 +124,6 @@ class MirroredStrategy(_MirroredStrategyV2):
         """The value of ``var`` in cross-tower context (aggregated for sync-on-read variables)."""
         return var.read_value()
 
-    def colocate_vars_with(self, colocate_with_variable):
-        return self.extended.colocate_vars_with(colocate_with_variable)
-
     def map(self, map_over, fn, *args, **kwargs):
         """``fn(item, *args, **kwargs)`` for each item of ``map_over``, items dealt round-robin to the towers."""
         devices = self.extended.worker_devices
@@ -140,11 +132,6 @@ class MirroredStrategy(_MirroredStrategyV2):
             with device_util.device_scope(devices[i % len(devices)]):
                 per_device[i % len(devices)].append(fn(item, *args, **kwargs))
         return PerReplica(per_device, devices)
-
-    def group(self, value, name=None):
-        """Force ``value``'s components (eager: already computed; returns None like an eager tf.group)."""
-        self.unwrap(value)
-        return None
 
     def distribute_dataset(self, dataset_fn) -> "PerDeviceDataset":
         """TF 1.11: each tower takes its own whole batch of ``dataset_fn()`` per step."""
@@ -159,13 +146,6 @@ class MirroredStrategy(_MirroredStrategyV2):
             inputs = iterator.get_next()
             ctx.run_op = self.call_for_each_tower(fn, ctx, inputs)
         return ctx
-
-    def configure(self, session_config=None, cluster_spec=None, task_type=None, task_id=None):
-        """Keep ``session_config``; a cluster needs MultiWorkerMirroredStrategy instead."""
-        if cluster_spec:
-            raise ValueError("cluster_spec: MirroredStrategy runs on one machine; use "
-                             "md.MultiWorkerMirroredStrategy with TF_CONFIG for a cluster")
-        self._config = session_config
 
     def initialize(self) -> list:
         """Eager: nothing to initialize; returns the empty list of init ops."""

@@ -105,6 +105,25 @@ class MirroredStrategy(_MirroredStrategyV2):
         """A copy of ``config_proto`` (MirroredStrategy needs no session settings)."""
         return copy.deepcopy(config_proto)
 
+    def unwrap(self, value) -> tuple:
+        """Deprecated TF 1.x name of ``experimental_local_results``."""
+        return self.experimental_local_results(value)
+
+    def group(self, value, name=None):
+        """``tf.group`` of the local results: eagerly they are already computed, so None (as an eager tf.group)."""
+        self.experimental_local_results(value)
+        return None
+
+    def colocate_vars_with(self, colocate_with_variable):
+        return self.extended.colocate_vars_with(colocate_with_variable)
+
+    def configure(self, session_config=None, cluster_spec=None, task_type=None, task_id=None):
+        """Keep ``session_config``; a cluster needs MultiWorkerMirroredStrategy instead."""
+        if cluster_spec:
+            raise ValueError("cluster_spec: MirroredStrategy runs on one machine; use "
+                             "md.MultiWorkerMirroredStrategy with TF_CONFIG for a cluster")
+        self._session_config = session_config
+
 
 __all__ = ["MirroredStrategy", "get_strategy", "has_strategy", "in_cross_replica_context", "get_replica_context",
            "get_cross_replica_context", "NumpyDataset", "DatasetIterator"]
