@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import struct
+import types
 import uuid
 
 import numpy as np
@@ -142,14 +143,12 @@ def _walk(obj, path: str, found: dict, optimizers: list, seen: set) -> None:
     """Collect ``path -> variable`` for every variable under ``obj`` (first path wins)."""
     from .optimizers import Optimizer
 
-    if _is_variable(obj):
-        if all(v is not obj for v in found.values()):
-            found[path] = obj
-        return
     if id(obj) in seen:
         return
     seen.add(id(obj))
-    if isinstance(obj, Optimizer):
+    if _is_variable(obj):
+        found[path] = obj
+    elif isinstance(obj, Optimizer):
         optimizers.append((path, obj))
     elif isinstance(obj, dict):
         for key in sorted(obj, key=str):
@@ -157,7 +156,7 @@ def _walk(obj, path: str, found: dict, optimizers: list, seen: set) -> None:
     elif isinstance(obj, (list, tuple)):
         for i, item in enumerate(obj):
             _walk(item, f"{path}/{i}", found, optimizers, seen)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType)):
         for key in sorted(vars(obj)):
             if not key.startswith("_"):
                 _walk(vars(obj)[key], f"{path}/{key}", found, optimizers, seen)
