@@ -190,6 +190,8 @@ def test_bad_configurations_raise_naming_the_fix(kwargs, message):
 
 
 def test_missing_gloo_names_the_package(monkeypatch):
+    # As if the extension had not been built: neither imported nor importable.
+    monkeypatch.delattr(md, "_net", raising=False)
     monkeypatch.setitem(sys.modules, "mirrored._net", None)
     resolver = SimpleClusterResolver({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, task_type="worker", task_id=1)
     with pytest.raises(RuntimeError, match="apt-get install libgloo-dev"):

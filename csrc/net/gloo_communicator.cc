@@ -22,6 +22,9 @@
 namespace mirrored::net {
 namespace {
 
+// Up to this size "auto" all-reduces with one all-gather round (see all_reduce).
+constexpr std::size_t kDirectMaxBytes = 16 << 10;
+
 std::string join(const std::vector<std::string>& names) {
   std::string s;
   for (const auto& n : names) s += (s.empty() ? "" : ", ") + n;
@@ -160,9 +163,38 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<StoreClient> store, std::vect
     throw PeerLost(std::string("connecting the Gloo mesh failed: ") + e.what());
   }
   context_ = std::move(context);
+  watchdog_ = std::thread([this] { watch(); });
 }
 
-GlooCommunicator::~GlooCommunicator() = default;
+GlooCommunicator::~GlooCommunicator() {
+  {
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    stopping_ = true;
+  }
+  watch_cv_.notify_all();
+  watchdog_.join();
+}
+
+void GlooCommunicator::watch() {
+  constexpr std::chrono::milliseconds kTick{50};
+  std::int64_t seen = 0, reported = 0;
+  std::unique_lock<std::mutex> lock(watch_mu_);
+  while (!watch_cv_.wait_for(lock, kTick, [this] { return stopping_; })) {
+    const std::int64_t now = running_.load(std::memory_order_relaxed);
+    // Seen on two ticks in a row: this collective has been waiting for a while.
+    if (now != 0 && now == seen && now != reported) {
+      lock.unlock();
+      try {
+        store_->progress(now);
+      } catch (const std::exception&) {
+        // The store is gone; the collective's own failure will say so.
+      }
+      reported = now;
+      lock.lock();
+    }
+    seen = now;
+  }
+}
 
 void GlooCommunicator::check_replicas(int n, const char* what) const {
   if (n != local_)
@@ -177,15 +209,17 @@ void GlooCommunicator::collective(const char* what, Fn&& fn) {
     throw PeerLost(std::string(what) + ": the multi-worker mesh was torn down by an earlier failure (" + broken_ +
                    "); restart the job");
   const std::int64_t seq = ++seq_;
+  running_.store(seq, std::memory_order_relaxed);
   try {
-    store_->progress(seq);
     // "No timeout" still needs a finite wait for Gloo; a dead peer is detected
     // through its socket long before this.
     const auto timeout = timeout_.count() > 0 ? timeout_ : std::chrono::hours(24 * 30);
     fn(static_cast<std::uint32_t>(seq), timeout);
   } catch (const std::exception& e) {
+    running_.store(0, std::memory_order_relaxed);
     fail(what, e);
   }
+  running_.store(0, std::memory_order_relaxed);
 }
 
 void GlooCommunicator::fail(const char* what, const std::exception& cause) {
@@ -217,8 +251,7 @@ std::string GlooCommunicator::diagnose(std::int64_t seq, bool timed_out, bool* l
       if (r == rank_) continue;
       if (tasks[r].departed && !tasks[r].connected) gone.push_back(tasks_[r]);
       else if (tasks[r].progress < seq)
-        behind.push_back(tasks_[r] + (tasks[r].progress < 1 ? std::string(" (no collective started yet)")
-                                                            : " (last started #" + std::to_string(tasks[r].progress) + ")"));
+        behind.push_back(tasks_[r]);
     }
     if (!gone.empty()) {
       *lost = true;
@@ -238,18 +271,33 @@ void GlooCommunicator::all_reduce(int n, const void* const* in, void* const* out
   std::lock_guard<std::mutex> lock(mu_);
   void* acc = out[0];
   combine_local(n, in, acc, 0, count, dtype, op);
-  if (size() > 1 && count > 0) {
+  const std::size_t bytes = count * dtype_size(dtype);
+  const auto combine_fn = reduce_kernels().combine[static_cast<int>(dtype)][static_cast<int>(combining_op(op))];
+  // Small buffers are latency-bound: one all-gather round and a local
+  // reduction beats the ring's 2(p-1) rounds. Every process combines the same
+  // contributions in rank order, so every process gets the same bits.
+  const bool direct = algorithm == Algorithm::kDirect || (algorithm == Algorithm::kAuto && bytes <= kDirectMaxBytes);
+  if (size() > 1 && count > 0 && direct) {
+    gathered_.resize(bytes * size());
+    collective("all_reduce", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
+      gloo::AllgatherOptions o(context_);
+      o.setInput(static_cast<std::uint8_t*>(acc), bytes);
+      o.setOutput(reinterpret_cast<std::uint8_t*>(gathered_.data()), gathered_.size());
+      o.setTag(tag);
+      o.setTimeout(timeout);
+      gloo::allgather(o);
+    });
+    combine_fn(acc, gathered_.data(), gathered_.data() + bytes, count);
+    for (int r = 2; r < size(); ++r) combine_fn(acc, acc, gathered_.data() + r * bytes, count);
+  } else if (size() > 1 && count > 0) {
     collective("all_reduce", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
       gloo::AllreduceOptions o(context_);
-      with_element(dtype_size(dtype), [&](auto t) {
-        o.setOutput(static_cast<decltype(t)*>(acc), count);
-      });
-      o.setReduceFunction(reduce_kernels().combine[static_cast<int>(dtype)][static_cast<int>(combining_op(op))]);
+      with_element(dtype_size(dtype), [&](auto t) { o.setOutput(static_cast<decltype(t)*>(acc), count); });
+      o.setReduceFunction(combine_fn);
       // Ring moves 2(p-1)/p of the buffer per process, the bandwidth optimum;
-      // bcube needs only log(p) steps, which wins when latency dominates.
-      const bool latency_bound = algorithm == Algorithm::kTree || algorithm == Algorithm::kDirect;
-      o.setAlgorithm(latency_bound ? gloo::AllreduceOptions::Algorithm::BCUBE
-                                   : gloo::AllreduceOptions::Algorithm::RING);
+      // bcube ("tree") takes log(p) rounds.
+      o.setAlgorithm(algorithm == Algorithm::kTree ? gloo::AllreduceOptions::Algorithm::BCUBE
+                                                   : gloo::AllreduceOptions::Algorithm::RING);
       o.setTag(tag);
       o.setTimeout(timeout);
       gloo::allreduce(o);
@@ -257,7 +305,7 @@ void GlooCommunicator::all_reduce(int n, const void* const* in, void* const* out
   }
   if (op == ReduceOp::kMean && count > 0) reduce_kernels().divide[static_cast<int>(dtype)](acc, count, n * size());
   for (int i = 1; i < n; ++i)
-    if (out[i] != acc) std::memcpy(out[i], acc, count * dtype_size(dtype));
+    if (out[i] != acc) std::memcpy(out[i], acc, bytes);
 }
 
 void GlooCommunicator::broadcast(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,

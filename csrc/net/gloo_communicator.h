@@ -5,11 +5,14 @@
 // replica. Replica g of the job is local replica g % n of process g / n.
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/communicator.h"
@@ -53,14 +56,15 @@ class GlooCommunicator : public Communicator {
   void barrier();
 
  private:
-  // Runs one Gloo operation under the call mutex with a fresh tag, reporting
-  // progress to the store; on failure tears the mesh down (so that peers
-  // blocked on us fail fast too) and throws an error naming the culprits.
+  // Runs one Gloo operation (the caller holds the call mutex) with a fresh
+  // tag; on failure tears the mesh down (so that peers blocked on us fail
+  // fast too) and throws an error naming the culprits.
   template <typename Fn>
   void collective(const char* what, Fn&& fn);
   [[noreturn]] void fail(const char* what, const std::exception& cause);
   std::string diagnose(std::int64_t seq, bool timed_out, bool* lost);
   void check_replicas(int n, const char* what) const;
+  void watch();
   std::vector<std::uint64_t> exchange_locked(const std::vector<std::uint64_t>& mine);
 
   std::shared_ptr<StoreClient> store_;
@@ -74,6 +78,16 @@ class GlooCommunicator : public Communicator {
   std::string broken_;         // why the mesh was torn down; empty while healthy
   std::vector<char> scratch_;  // reused across calls
   std::vector<char> gathered_;
+
+  // Progress for diagnosis: a collective still running after a tick of the
+  // watchdog is reported to the store, so that a failure can tell the peers
+  // that never reached it from those waiting in it; quick collectives cost
+  // nothing on the wire.
+  std::atomic<std::int64_t> running_{0};  // sequence number of the collective in flight, 0: none
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
+  bool stopping_ = false;
+  std::thread watchdog_;
 };
 
 }  // namespace mirrored::net

@@ -1,0 +1,186 @@
+"""Multi-worker all-reduce on loopback: mirrored (Gloo underneath) vs torch.distributed gloo, one run.
+
+    python bench/multiworker_bench.py [--workers 2 4] [--sizes 4,1K,64K,1M,16M,64M] [--json out.json]
+
+For each worker count, starts that many processes of a mirrored job
+(TF_CONFIG on free 127.0.0.1 ports, one CPU replica each) and, when torch is
+installed, the same number of torch.distributed gloo processes, and times an
+in-place float32 SUM all-reduce of each size in each. Times are the mean per
+call on the slowest worker; busbw = algbw * 2(n-1)/n as nccl-tests reports it.
+The ratio column is torch time / mirrored time (> 1: mirrored is faster).
+Every result is checked against the expected sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYTHON_DIR = os.path.join(os.path.dirname(HERE), "python")
+DEFAULT_SIZES = "4,64,1K,16K,64K,256K,1M,4M,16M,64M"
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def iterations(nbytes: int) -> int:
+    # About 50 MB moved per size and framework, between 5 and 2000 calls: every worker derives the same count.
+    return max(5, min(2000, 50_000_000 // max(nbytes, 4096)))
+
+
+def free_ports(k: int) -> list[int]:
+    socks = [socket.socket() for _ in range(k)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+# --- worker side ------------------------------------------------------------------------------
+
+
+def time_sizes(all_reduce, make, first, barrier, sizes, rank, world) -> dict:
+    """Mean seconds per in-place all-reduce of each size; every size checked once after timing."""
+    out = {}
+    for nbytes in sizes:
+        buf = make(nbytes, 0.0)  # zeros stay zeros: no overflow however often they are summed
+        for _ in range(3):
+            all_reduce(buf)  # warm-up: connections, allocations, page faults
+        n = iterations(nbytes)
+        barrier()
+        start = time.perf_counter()
+        for _ in range(n):
+            all_reduce(buf)
+        out[nbytes] = (time.perf_counter() - start) / n
+        buf = make(nbytes, rank + 1.0)
+        all_reduce(buf)
+        got, want = first(buf), world * (world + 1) / 2
+        if got != want:
+            raise SystemExit(f"wrong all-reduce result at {nbytes} bytes: {got} (expected {want})")
+    return out
+
+
+def mirrored_worker(sizes, world):
+    from mirrored.cluster_resolver import TFConfigClusterResolver
+    from mirrored.collective_all_reduce import CollectiveGroup
+
+    group = CollectiveGroup.from_cluster_resolver(TFConfigClusterResolver(), 1, timeout=120.0)
+    tiny = [np.zeros(1, np.float32)]
+
+    def make(nbytes, value):
+        return [np.full(max(1, nbytes // 4), value, np.float32)]
+
+    return time_sizes(lambda b: group.all_reduce(b, "sum", out=b), make, lambda b: float(b[0][0]),
+                      lambda: group.all_reduce(tiny, "sum", out=tiny), sizes, group.rank, world)
+
+
+def torch_worker(sizes, world, rank, port):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    tiny = torch.zeros(1)
+
+    def make(nbytes, value):
+        return torch.full((max(1, nbytes // 4),), value)
+
+    result = time_sizes(dist.all_reduce, make, lambda b: float(b[0]), lambda: dist.all_reduce(tiny), sizes, rank,
+                        world)
+    dist.destroy_process_group()
+    return result
+
+
+# --- launcher ---------------------------------------------------------------------------------
+
+
+def run_job(kind: str, world: int, sizes: list[int]) -> dict:
+    """Per size: the mean time per call of the slowest worker."""
+    ports = free_ports(world)
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (PYTHON_DIR, os.environ.get("PYTHONPATH")) if p))
+        env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                                       "task": {"type": "worker", "index": rank}})
+        cmd = [sys.executable, __file__, "--_worker", kind, "--_rank", str(rank), "--_world", str(world),
+               "--_port", str(ports[0]), "--sizes", ",".join(map(str, sizes))]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    per_worker = []
+    for p in procs:
+        out, _ = p.communicate(timeout=1800)
+        if p.returncode != 0:
+            raise SystemExit(f"{kind} worker failed with exit code {p.returncode}")
+        per_worker.append({int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()})
+    return {size: max(w[size] for w in per_worker) for size in sizes}
+
+
+def human(n: int) -> str:
+    for unit, scale in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--sizes", default=DEFAULT_SIZES, help="bytes, comma-separated (K/M suffixes)")
+    ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch.distributed gloo comparison")
+    ap.add_argument("--_worker", help=argparse.SUPPRESS)
+    ap.add_argument("--_rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--_world", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--_port", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if args._worker == "mirrored":
+        print(json.dumps(mirrored_worker(sizes, args._world)))
+        return 0
+    if args._worker == "torch":
+        print(json.dumps(torch_worker(sizes, args._world, args._rank, args._port)))
+        return 0
+
+    try:
+        import torch  # noqa: F401
+        have_torch = not args.no_torch
+    except ImportError:
+        have_torch = False
+        print("torch is not installed: mirrored only (pip install torch for the comparison)")
+    report = {"cpu_count": os.cpu_count(), "results": []}
+    for world in args.workers:
+        mine = run_job("mirrored", world, sizes)
+        theirs = run_job("torch", world, sizes) if have_torch else {}
+        print(f"\n{world} workers on 127.0.0.1, float32 sum, in place")
+        print(f"{'size':>8} {'mirrored us':>12} {'busbw GB/s':>11} {'torch us':>10} {'busbw GB/s':>11} "
+              f"{'torch/mirrored':>15}")
+        factor = 2 * (world - 1) / world
+        for size in sizes:
+            t = mine[size]
+            row = {"workers": world, "bytes": size, "mirrored_s": t}
+            line = f"{human(size):>8} {t * 1e6:12.1f} {size / t * factor / 1e9:11.3f}"
+            if size in theirs:
+                u = theirs[size]
+                row.update(torch_s=u, ratio=u / t)
+                line += f" {u * 1e6:10.1f} {size / u * factor / 1e9:11.3f} {u / t:15.2f}"
+            print(line)
+            report["results"].append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
