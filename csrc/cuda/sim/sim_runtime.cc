@@ -1,0 +1,226 @@
+// A simulated CUDA runtime for checking the CUDA executor on a machine
+// without a GPU: the runtime calls cuda_ring.cc and device_batch.cc make,
+// and reduce_copy, over host memory. Streams are queues; an event wait
+// captures the event's latest record, as CUDA's does; drain() runs the
+// runnable stream heads in a random order, so a missing dependency shows up
+// as a wrong result (or a reported deadlock). Kernels must only touch memory
+// of their device or of a peer with access; the simulation checks that too.
+#include "cuda/sim/sim_runtime.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <vector>
+
+#include "cuda/reduce_kernels.h"
+#include "cuda/reduce_ops.cuh"
+
+namespace {
+struct Record { bool done = false; };
+struct Op {
+  std::function<void()> work;      // set: run it
+  std::shared_ptr<Record> record;  // set with wait false: complete it; with wait true: wait for it
+  bool wait = false;
+};
+}  // namespace
+
+struct CUstream_st { int device; std::deque<Op> queue; };
+struct CUevent_st { int device; std::shared_ptr<Record> latest; };
+
+namespace mirrored::cuda::sim {
+namespace {
+int num_devices = 4;
+std::set<std::pair<int, int>> peers;
+int current = 0;
+std::map<int, CUstream_st*> null_streams;
+std::vector<CUstream_st*> streams;
+std::map<std::uintptr_t, std::pair<std::size_t, int>> allocations;  // base -> (bytes, device)
+std::mt19937 rng;
+
+CUstream_st* resolve(cudaStream_t s) {
+  if (s) return s;
+  CUstream_st*& n = null_streams[current];
+  if (!n) streams.push_back(n = new CUstream_st{current, {}});
+  return n;
+}
+
+int device_of(const void* p) {
+  const auto u = reinterpret_cast<std::uintptr_t>(p);
+  auto it = allocations.upper_bound(u);
+  if (it == allocations.begin() || u > (--it)->first + it->second.first)
+    throw std::logic_error("simulated kernel touches memory that was never allocated");
+  return it->second.second;
+}
+}  // namespace
+
+void reset(int devices, std::set<std::pair<int, int>> peer_pairs, unsigned seed) {
+  num_devices = devices;
+  peers = std::move(peer_pairs);
+  rng.seed(seed);
+}
+
+void enqueue(cudaStream_t stream, std::function<void()> work) { resolve(stream)->queue.push_back(Op{std::move(work)}); }
+
+void drain() {
+  for (;;) {
+    std::vector<CUstream_st*> ready;
+    bool busy = false;
+    for (auto* s : streams) {
+      if (s->queue.empty()) continue;
+      busy = true;
+      const Op& head = s->queue.front();
+      if (!head.wait || head.record->done) ready.push_back(s);
+    }
+    if (!busy) return;
+    if (ready.empty()) throw std::logic_error("simulated streams deadlock: every head waits for an event");
+    CUstream_st* s = ready[rng() % ready.size()];
+    Op op = std::move(s->queue.front());
+    s->queue.pop_front();
+    if (op.work) op.work();
+    if (op.record && !op.wait) op.record->done = true;
+  }
+}
+
+}  // namespace mirrored::cuda::sim
+
+namespace sim = mirrored::cuda::sim;
+
+extern "C" {
+cudaError_t cudaGetDeviceCount(int* n) { *n = sim::num_devices; return cudaSuccess; }
+cudaError_t cudaSetDevice(int d) {
+  if (d < 0 || d >= sim::num_devices) return cudaErrorInvalidDevice;
+  sim::current = d;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int* d) { *d = sim::current; return cudaSuccess; }
+cudaError_t cudaGetLastError() { return cudaSuccess; }
+const char* cudaGetErrorName(cudaError_t) { return "cudaErrorSimulated"; }
+const char* cudaGetErrorString(cudaError_t) { return "simulated error"; }
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) { std::memset(p, 0, sizeof *p); return cudaSuccess; }
+cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) { *v = 4; return cudaSuccess; }
+cudaError_t cudaDeviceCanAccessPeer(int* can, int a, int b) { *can = static_cast<int>(sim::peers.count({a, b})); return cudaSuccess; }
+cudaError_t cudaDeviceEnablePeerAccess(int, unsigned) { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
+  sim::streams.push_back(*s = new CUstream_st{sim::current, {}});
+  return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  // CUDA lets queued work finish; the simulation runs it before forgetting the stream.
+  sim::drain();
+  for (auto it = sim::streams.begin(); it != sim::streams.end(); ++it)
+    if (*it == s) { sim::streams.erase(it); break; }
+  delete s;
+  return cudaSuccess;
+}
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { *e = new CUevent_st{sim::current, nullptr}; return cudaSuccess; }
+cudaError_t cudaEventDestroy(cudaEvent_t e) { delete e; return cudaSuccess; }
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  CUstream_st* st = sim::resolve(s);
+  if (st->device != e->device) return cudaErrorInvalidResourceHandle;  // CUDA's rule too
+  e->latest = std::make_shared<Record>();
+  st->queue.push_back(Op{nullptr, e->latest, false});
+  return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+  if (e->latest) sim::resolve(s)->queue.push_back(Op{nullptr, e->latest, true});
+  return cudaSuccess;
+}
+cudaError_t cudaMalloc(void** p, size_t n) {
+  *p = std::malloc(n + 1);
+  std::memset(*p, 0xcd, n);
+  sim::allocations[reinterpret_cast<std::uintptr_t>(*p)] = {n, sim::current};
+  return cudaSuccess;
+}
+cudaError_t cudaFree(void* p) {
+  sim::allocations.erase(reinterpret_cast<std::uintptr_t>(p));
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t st) {
+  if (sim::resolve(st)->device != sim::current) return cudaErrorInvalidValue;
+  sim::enqueue(st, [=] { std::memmove(d, s, n); });
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyPeerAsync(void* d, int, const void* s, int, size_t n, cudaStream_t st) {
+  sim::enqueue(st, [=] { std::memmove(d, s, n); });
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpy2DAsync(void* d, size_t dp, const void* s, size_t sp, size_t w, size_t h, cudaMemcpyKind,
+                              cudaStream_t st) {
+  sim::enqueue(st, [=] {
+    for (size_t r = 0; r < h; ++r) std::memcpy(static_cast<char*>(d) + r * dp, static_cast<const char*>(s) + r * sp, w);
+  });
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpy3DPeerAsync(const cudaMemcpy3DPeerParms* p, cudaStream_t st) {
+  const cudaMemcpy3DPeerParms q = *p;
+  sim::enqueue(st, [=] {
+    for (size_t r = 0; r < q.extent.height; ++r)
+      std::memcpy(static_cast<char*>(q.dstPtr.ptr) + r * q.dstPtr.pitch,
+                  static_cast<const char*>(q.srcPtr.ptr) + r * q.srcPtr.pitch, q.extent.width);
+  });
+  return cudaSuccess;
+}
+}
+
+namespace mirrored::cuda {
+namespace {
+
+// The kernel's arithmetic, element by element: the same functors as the .cu.
+template <typename T, ReduceOp Op>
+void combine_all(void* out, const void* a, const void* b, std::size_t n, int mean_div) {
+  using E = Elem<T>;
+  std::vector<T> r(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    auto v = Combine<Op>()(E::load(static_cast<const T*>(a)[i]), E::load(static_cast<const T*>(b)[i]));
+    r[i] = E::store(mean_div > 1 ? divide(v, mean_div) : v);
+  }
+  std::memcpy(out, r.data(), n * sizeof(T));
+}
+
+template <typename T>
+void combine_op(void* out, const void* a, const void* b, std::size_t n, ReduceOp op, int mean_div) {
+  switch (op) {
+    case ReduceOp::kSum: return combine_all<T, ReduceOp::kSum>(out, a, b, n, mean_div);
+    case ReduceOp::kProd: return combine_all<T, ReduceOp::kProd>(out, a, b, n, mean_div);
+    case ReduceOp::kMin: return combine_all<T, ReduceOp::kMin>(out, a, b, n, mean_div);
+    case ReduceOp::kMax: return combine_all<T, ReduceOp::kMax>(out, a, b, n, mean_div);
+    case ReduceOp::kMean: break;
+  }
+  throw std::logic_error("MEAN reached a kernel: callers must pass its combining op");
+}
+
+}  // namespace
+
+void reduce_copy(void* out, const void* a, const void* b, std::size_t count, DType dtype, ReduceOp op, int mean_div,
+                 int, cudaStream_t stream) {
+  if (count == 0) return;
+  if (sim::resolve(stream)->device != sim::current) throw std::logic_error("kernel launched off its stream's device");
+  for (const void* p : {static_cast<const void*>(out), a, b}) {
+    const int d = sim::device_of(p);
+    if (d != sim::current && !sim::peers.count({sim::current, d}))
+      throw std::logic_error("kernel reads a peer's memory without peer access");
+  }
+  sim::enqueue(stream, [=] {
+    switch (dtype) {
+      case DType::kFloat16: return combine_op<F16>(out, a, b, count, op, mean_div);
+      case DType::kBFloat16: return combine_op<BF16>(out, a, b, count, op, mean_div);
+      case DType::kFloat32: return combine_op<float>(out, a, b, count, op, mean_div);
+      case DType::kFloat64: return combine_op<double>(out, a, b, count, op, mean_div);
+      case DType::kInt8: return combine_op<std::int8_t>(out, a, b, count, op, mean_div);
+      case DType::kUInt8: return combine_op<std::uint8_t>(out, a, b, count, op, mean_div);
+      case DType::kInt32: return combine_op<std::int32_t>(out, a, b, count, op, mean_div);
+      case DType::kInt64: return combine_op<std::int64_t>(out, a, b, count, op, mean_div);
+    }
+  });
+}
+
+}  // namespace mirrored::cuda

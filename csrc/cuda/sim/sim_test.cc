@@ -1,0 +1,266 @@
+// The CUDA executor (CudaRing, DeviceBatch) on the simulated runtime: every
+// collective, algorithm and layout (ranks sharing a GPU, one GPU each, with
+// and without peer access), in and out of place, under many random
+// interleavings. The callers' streams write the inputs before each call and
+// read then scribble over inputs and outputs after it, so a missing fork or
+// join dependency corrupts a result. Exit status 0 when all is right.
+#include <cstdio>
+#include <cstring>
+#include <set>
+#include <vector>
+
+#include "cuda/cuda_ring.h"
+#include "cuda/device_batch.h"
+#include "cuda/sim/sim_runtime.h"
+#include "cuda/stream_scope.h"
+
+using namespace mirrored;
+using namespace mirrored::cuda;
+
+namespace {
+
+int failures = 0;
+#define EXPECT(cond, ...)                                            \
+  if (!(cond)) {                                                     \
+    if (++failures <= 10) std::printf("FAIL: " __VA_ARGS__), std::printf("\n"); \
+    return;                                                          \
+  }
+
+// Exact in every dtype used: small integers, and prod stays within 2^4.
+long long value(int rank, std::size_t i, ReduceOp op) {
+  if (op == ReduceOp::kProd) return (i + rank) % 3 == 0 ? 2 : ((i + rank) % 3 == 1 ? 1 : -1);
+  return static_cast<long long>((i * 7 + rank * 3) % 11) - 5;
+}
+
+long long expected(int n, std::size_t i, ReduceOp op) {
+  long long e = value(0, i, op);
+  for (int q = 1; q < n; ++q) {
+    const long long v = value(q, i, op);
+    e = op == ReduceOp::kProd ? e * v : op == ReduceOp::kMin ? std::min(e, v) : op == ReduceOp::kMax ? std::max(e, v) : e + v;
+  }
+  return e;
+}
+
+struct Layout {
+  std::vector<int> devices;
+  std::vector<cudaStream_t> streams;  // the callers'; null: each device's default stream
+  Layout(std::vector<int> d, bool own_streams) : devices(std::move(d)), streams(devices.size(), nullptr) {
+    for (std::size_t r = 0; r < devices.size() && own_streams; ++r) {
+      cudaSetDevice(devices[r]);
+      cudaStreamCreateWithFlags(&streams[r], 0);
+    }
+  }
+  ~Layout() {
+    for (auto s : streams)
+      if (s) cudaStreamDestroy(s);
+  }
+  int n() const { return static_cast<int>(devices.size()); }
+  void* alloc(int r, std::size_t bytes) {
+    cudaSetDevice(devices[r]);
+    void* p = nullptr;
+    cudaMalloc(&p, bytes + 1);
+    return p;
+  }
+  // Caller-side work on rank r's stream.
+  void on(int r, std::function<void()> f) {
+    cudaSetDevice(devices[r]);
+    sim::enqueue(streams[r], std::move(f));
+  }
+};
+
+template <typename T>
+void write(Layout& l, int r, void* p, std::size_t count, ReduceOp op, int seed) {
+  l.on(r, [=] {
+    for (std::size_t i = 0; i < count; ++i) static_cast<T*>(p)[i] = static_cast<T>(value(seed, i, op));
+  });
+}
+
+template <typename T>
+void read(Layout& l, int r, void* p, std::size_t count, std::vector<T>& into) {
+  into.assign(count, T());
+  T* dst = into.data();
+  l.on(r, [=] {
+    std::memcpy(dst, p, count * sizeof(T));
+    std::memset(p, 0x5a, count * sizeof(T));  // the caller reuses its buffer at once
+  });
+}
+
+template <typename T>
+void check_all_reduce(Layout& l, std::size_t count, std::size_t chunk, int channels, ReduceOp op, Algorithm algo,
+                      bool in_place, DType dtype) {
+  const int n = l.n();
+  CudaRing ring(l.devices, chunk, channels);
+  std::vector<void*> in(n), out(n);
+  for (int r = 0; r < n; ++r) {
+    in[r] = l.alloc(r, count * sizeof(T));
+    out[r] = in_place ? in[r] : l.alloc(r, count * sizeof(T));
+  }
+  for (int call = 0; call < 2; ++call) {  // twice: events, streams and scratch are reused
+    std::vector<std::vector<T>> got(n);
+    for (int r = 0; r < n; ++r) write<T>(l, r, in[r], count, op, r);
+    {
+      StreamScope scope(l.streams);
+      ring.all_reduce(n, in.data(), out.data(), count, dtype, op, algo);
+    }
+    for (int r = 0; r < n; ++r) {
+      read<T>(l, r, out[r], count, got[r]);
+      if (!in_place) l.on(r, [p = in[r], count] { std::memset(p, 0x66, count * sizeof(T)); });
+    }
+    sim::drain();
+    for (int r = 0; r < n; ++r)
+      for (std::size_t i = 0; i < count; ++i) {
+        long long e = expected(n, i, op == ReduceOp::kMean ? ReduceOp::kSum : op);
+        const double want = op != ReduceOp::kMean ? double(e)
+                          : std::is_integral<T>::value ? double(e / n) : double(T(e) / T(n));
+        EXPECT(double(got[r][i]) == want, "all_reduce n=%d count=%zu chunk=%zu channels=%d op=%s algo=%s in_place=%d: "
+               "rank %d element %zu is %g, expected %g", n, count, chunk, channels, reduce_op_name(op),
+               algorithm_name(algo), in_place, r, i, double(got[r][i]), want);
+      }
+  }
+  for (int r = 0; r < n; ++r) {
+    cudaFree(in[r]);
+    if (!in_place) cudaFree(out[r]);
+  }
+}
+
+void check_others(Layout& l, std::size_t count, bool in_place) {
+  const int n = l.n();
+  const ReduceOp s = ReduceOp::kSum;
+  CudaRing ring(l.devices, 48, 2);
+  DeviceBatch batch(l.devices);
+  std::vector<void*> in(n), out(n);
+  for (int r = 0; r < n; ++r) {
+    in[r] = l.alloc(r, count * 4);
+    out[r] = in_place ? in[r] : l.alloc(r, count * 4);
+  }
+  std::vector<std::vector<int>> got(n);
+  for (int root = 0; root < n; ++root) {
+    for (int r = 0; r < n; ++r) write<int>(l, r, in[r], count, s, r);
+    {
+      StreamScope scope(l.streams);
+      ring.broadcast(n, in.data(), out.data(), count, DType::kInt32, root);
+    }
+    for (int r = 0; r < n; ++r) read<int>(l, r, out[r], count, got[r]);
+    sim::drain();
+    for (int r = 0; r < n; ++r)
+      for (std::size_t i = 0; i < count; ++i)
+        EXPECT(got[r][i] == value(root, i, s), "broadcast n=%d root=%d: rank %d element %zu", n, root, r, i);
+
+    for (int r = 0; r < n; ++r) {
+      write<int>(l, r, in[r], count, s, r);
+      if (!in_place) write<int>(l, r, out[r], count, s, 100 + r);  // must stay untouched off the root
+    }
+    {
+      StreamScope scope(l.streams);
+      ring.reduce(n, in.data(), out.data(), count, DType::kInt32, ReduceOp::kMean, root);
+    }
+    for (int r = 0; r < n; ++r) read<int>(l, r, out[r], count, got[r]);
+    sim::drain();
+    for (int r = 0; r < n; ++r)
+      for (std::size_t i = 0; i < count; ++i) {
+        const long long want = r == root ? expected(n, i, s) / n : value(in_place ? r : 100 + r, i, s);
+        EXPECT(got[r][i] == want, "reduce n=%d root=%d in_place=%d: rank %d element %zu is %d, expected %lld", n,
+               root, in_place, r, i, got[r][i], want);
+      }
+  }
+  // all_gather: rank j gives j+1 ints per row; `outer` rows.
+  for (std::size_t outer : {1, 3}) {
+    std::vector<std::size_t> row(n);
+    std::size_t pitch = 0;
+    std::vector<void*> gin(n), gout(n);
+    for (int j = 0; j < n; ++j) pitch += row[j] = (j + 1) * 4;
+    for (int r = 0; r < n; ++r) {
+      gin[r] = l.alloc(r, row[r] * outer);
+      gout[r] = l.alloc(r, pitch * outer);
+      write<int>(l, r, gin[r], row[r] / 4 * outer, s, r);
+    }
+    {
+      StreamScope scope(l.streams);
+      ring.all_gather(n, gin.data(), gout.data(), row.data(), outer);
+    }
+    for (int r = 0; r < n; ++r) read<int>(l, r, gout[r], pitch / 4 * outer, got[r]);
+    sim::drain();
+    for (int r = 0; r < n; ++r) {
+      std::size_t k = 0;
+      for (std::size_t o = 0; o < outer; ++o)
+        for (int j = 0; j < n; ++j)
+          for (std::size_t e = 0; e < row[j] / 4; ++e, ++k)
+            EXPECT(got[r][k] == value(j, o * (row[j] / 4) + e, s), "all_gather n=%d outer=%zu: rank %d int %zu", n,
+                   outer, r, k);
+    }
+    for (int r = 0; r < n; ++r) cudaFree(gin[r]), cudaFree(gout[r]);
+  }
+  // Fused batches: int32 and float32 tensors interleaved, several packings.
+  const std::vector<std::size_t> counts = {3, 0, 17, 1, 40};
+  const std::vector<DType> dtypes = {DType::kInt32, DType::kFloat32, DType::kInt32, DType::kInt32, DType::kFloat32};
+  for (auto [bytes_per_pack, num_packs] : std::vector<std::pair<std::size_t, int>>{{0, 0}, {16, 0}, {64, 0}, {0, 2}}) {
+    std::vector<std::vector<const void*>> bin(n);
+    std::vector<std::vector<void*>> bout(n);
+    for (int r = 0; r < n; ++r)
+      for (std::size_t t = 0; t < counts.size(); ++t) {
+        void* p = l.alloc(r, counts[t] * 4);
+        if (dtypes[t] == DType::kInt32) write<int>(l, r, p, counts[t], s, r + int(t));
+        else write<float>(l, r, p, counts[t], s, r + int(t));
+        bin[r].push_back(p);
+        bout[r].push_back(in_place ? p : l.alloc(r, counts[t] * 4));
+      }
+    {
+      StreamScope scope(l.streams);
+      batch.all_reduce(ring, bin, bout, counts, dtypes, s, Algorithm::kRing, bytes_per_pack, num_packs);
+    }
+    std::vector<std::vector<std::vector<int>>> res(n, std::vector<std::vector<int>>(counts.size()));
+    for (int r = 0; r < n; ++r)
+      for (std::size_t t = 0; t < counts.size(); ++t) read<int>(l, r, bout[r][t], counts[t], res[r][t]);
+    sim::drain();
+    for (int r = 0; r < n; ++r)
+      for (std::size_t t = 0; t < counts.size(); ++t)
+        for (std::size_t i = 0; i < counts[t]; ++i) {
+          long long e = 0;
+          for (int q = 0; q < n; ++q) e += value(q + int(t), i, s);
+          float f;
+          std::memcpy(&f, &res[r][t][i], 4);
+          EXPECT(dtypes[t] == DType::kInt32 ? res[r][t][i] == e : f == float(e),
+                 "batch n=%d bytes_per_pack=%zu num_packs=%d in_place=%d: rank %d tensor %zu element %zu", n,
+                 bytes_per_pack, num_packs, in_place, r, t, i);
+        }
+  }
+}
+
+}  // namespace
+
+int main() {
+  const std::vector<std::vector<int>> layouts = {
+      {0}, {1}, {0, 0}, {0, 1}, {0, 0, 0}, {0, 1, 2}, {0, 0, 1}, {0, 0, 0, 0}, {0, 1, 2, 3}, {1, 0, 1, 0}, {0, 1, 2, 3, 0}};
+  std::set<std::pair<int, int>> all_pairs, odd_pairs;
+  for (int a = 0; a < 4; ++a)
+    for (int b = 0; b < 4; ++b)
+      if (a != b) {
+        all_pairs.insert({a, b});
+        if ((a + b) % 2) odd_pairs.insert({a, b});
+      }
+  long runs = 0;
+  for (const auto& peers : {std::set<std::pair<int, int>>{}, odd_pairs, all_pairs})
+    for (const auto& devices : layouts)
+      for (bool own_streams : {false, true}) {
+        sim::reset(4, peers, static_cast<unsigned>(runs));
+        Layout l(devices, own_streams);
+        for (std::size_t count : {0, 1, 5, 63, 64, 65, 301})
+          for (std::size_t chunk : {16, 48, 4096})
+            for (int channels : {1, 2, 3})
+              for (auto op : {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kMean})
+                for (auto algo : {Algorithm::kRing, Algorithm::kTree, Algorithm::kAuto})
+                  for (bool in_place : {false, true}) {
+                    if (chunk == 4096 && channels > 1) continue;
+                    ++runs;
+                    check_all_reduce<int>(l, count, chunk, channels, op, algo, in_place, DType::kInt32);
+                    if (count <= 65 && chunk == 16 && op != ReduceOp::kProd) {
+                      check_all_reduce<float>(l, count, chunk, channels, op, algo, in_place, DType::kFloat32);
+                      check_all_reduce<std::int8_t>(l, count, chunk, channels, op, algo, in_place, DType::kInt8);
+                    }
+                  }
+        for (std::size_t count : {0, 1, 13, 100})
+          for (bool in_place : {false, true}) check_others(l, count, in_place), ++runs;
+      }
+  std::printf("cuda executor on the simulated runtime: %ld configurations, %d failures\n", runs, failures);
+  return failures ? 1 : 0;
+}
