@@ -13,7 +13,7 @@ import numpy as np
 from . import _dtypes, collectives, device_util
 from .options import CommunicationOptions
 from .reduce_util import ReduceOp, as_reduce_op
-from .values import DistributedValues, Mirrored, PerReplica, Variable
+from .values import DistributedValues, Mirrored, PerReplica, Variable, _read
 
 
 def get_devices_from(destinations, argument: str = "destinations") -> tuple:
@@ -66,13 +66,16 @@ def _supported_dtypes() -> frozenset:
 
 
 _SUPPORTED = _supported_dtypes()
+_DEFAULT_OPTIONS = CommunicationOptions()
 
 
 def _buffers(per_replica: DistributedValues, argument: str = "per_replica_value", devices=None) -> list:
     """The components as arrays on their devices, checked to agree in shape and dtype."""
     devices = devices or get_devices_from(per_replica, argument)
-    arrays = [device_util.place(v.read_value() if isinstance(v, Variable) else v, d)
-              for v, d in zip(per_replica.values, devices)]
+    if device_util.all_cpu(devices):  # the hot path: NumPy arrays on CPU replicas are used as they are
+        arrays = [v if type(v) is np.ndarray else device_util.to_host(_read(v)) for v in per_replica.values]
+    else:
+        arrays = [device_util.place(_read(v), d) for v, d in zip(per_replica.values, devices)]
     first = arrays[0]
     if first.dtype not in _SUPPORTED:
         _dtypes.dtype_code(first.dtype, argument)  # raises, naming the argument and the dtypes we take
@@ -108,7 +111,7 @@ class CrossDeviceOps:
         if self._sees_all_replicas and len(per_replica_value.values) == 1 and \
                 dest_devices == get_devices_from(per_replica_value):
             return per_replica_value.values[0]
-        return self.reduce_implementation(op, per_replica_value, destinations, options or CommunicationOptions())
+        return self.reduce_implementation(op, per_replica_value, destinations, options or _DEFAULT_OPTIONS)
 
     def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
         """Reduce several ``(per_replica_value, destinations)`` pairs; one result per pair."""
@@ -121,7 +124,7 @@ class CrossDeviceOps:
         if self._sees_all_replicas and all(len(v.values) == 1 and get_devices_from(v) == get_devices_from(d)
                                            for v, d in pairs):
             return [v.values[0] for v, _ in pairs]
-        return self.batch_reduce_implementation(op, pairs, options or CommunicationOptions())
+        return self.batch_reduce_implementation(op, pairs, options or _DEFAULT_OPTIONS)
 
     def broadcast(self, tensor, destinations):
         """``tensor`` copied to every device of ``destinations``."""
@@ -137,8 +140,7 @@ class CrossDeviceOps:
 
     def broadcast_implementation(self, tensor, destinations):
         devices = get_devices_from(destinations)
-        value = tensor.read_value() if isinstance(tensor, Variable) else tensor
-        return _mirrored([device_util.place(value, d, copy=True) for d in devices], devices)
+        return _mirrored([device_util.place(_read(tensor), d, copy=True) for d in devices], devices)
 
     def _gather(self, per_replica_value, destinations, axis, options=None):
         """Concatenate the components along ``axis`` and place the result on ``destinations``."""
@@ -147,8 +149,7 @@ class CrossDeviceOps:
         dest = get_devices_from(destinations)
         if self._sees_all_replicas and len(per_replica_value.values) == 1 and dest == src:
             return per_replica_value.values[0]
-        arrays = [device_util.place(v.read_value() if isinstance(v, Variable) else v, d)
-                  for v, d in zip(per_replica_value.values, src)]
+        arrays = [device_util.place(_read(v), d) for v, d in zip(per_replica_value.values, src)]
         _check_gather(arrays, axis)
         gathered = self._collectives.all_gather(arrays, axis=axis)
         if dest == src:

@@ -96,6 +96,12 @@ def is_gpu(device) -> bool:
     return parse(device).device_type == "GPU"
 
 
+@functools.lru_cache(maxsize=256)
+def all_cpu(devices: tuple) -> bool:
+    """Whether every device of ``devices`` (a tuple of strings) is a CPU device."""
+    return all(parse(d).device_type == "CPU" for d in devices)
+
+
 # The device of the replica running on this thread (``None`` outside replicas).
 _current = threading.local()
 
