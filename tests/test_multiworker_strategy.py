@@ -1,5 +1,6 @@
 """MultiWorkerMirroredStrategy across worker processes on 127.0.0.1, against single-process MirroredStrategy."""
 
+import importlib.util
 import sys
 import time
 
@@ -13,7 +14,7 @@ from mirrored.cluster_resolver import SimpleClusterResolver
 from mirrored.multi_worker_strategy import MultiWorkerMirroredStrategy
 
 pytestmark = pytest.mark.multiworker
-needs_gloo = pytest.mark.skipif(pytest.importorskip("importlib").util.find_spec("mirrored._net") is None,
+needs_gloo = pytest.mark.skipif(importlib.util.find_spec("mirrored._net") is None,
                                 reason="Gloo not built (apt-get install libgloo-dev)")
 
 GLOBAL_BATCH = 8

@@ -165,5 +165,9 @@ PYBIND11_MODULE(_net, m) {
       .def("barrier", [](GlooCommunicator& c) {
         py::gil_scoped_release nogil;
         c.barrier();
-      });
+      })
+      .def("close", [](GlooCommunicator& c) {
+        py::gil_scoped_release nogil;
+        c.close();
+      }, "Closes the mesh now (peers blocked on this process fail at once); later calls raise.");
 }

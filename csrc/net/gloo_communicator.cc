@@ -166,13 +166,18 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<StoreClient> store, std::vect
   watchdog_ = std::thread([this] { watch(); });
 }
 
-GlooCommunicator::~GlooCommunicator() {
+GlooCommunicator::~GlooCommunicator() { close(); }
+
+void GlooCommunicator::close() {
   {
     std::lock_guard<std::mutex> lock(watch_mu_);
     stopping_ = true;
   }
   watch_cv_.notify_all();
-  watchdog_.join();
+  if (watchdog_.joinable()) watchdog_.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  context_.reset();
+  if (broken_.empty()) broken_ = "the communicator was closed";
 }
 
 void GlooCommunicator::watch() {
@@ -206,8 +211,8 @@ void GlooCommunicator::check_replicas(int n, const char* what) const {
 template <typename Fn>
 void GlooCommunicator::collective(const char* what, Fn&& fn) {
   if (!broken_.empty())
-    throw PeerLost(std::string(what) + ": the multi-worker mesh was torn down by an earlier failure (" + broken_ +
-                   "); restart the job");
+    throw PeerLost(std::string(what) + ": the multi-worker mesh is down (" + broken_ +
+                   "); after a failure restart the job, after close() create a new strategy");
   const std::int64_t seq = ++seq_;
   running_.store(seq, std::memory_order_relaxed);
   try {

@@ -54,6 +54,8 @@ class GlooCommunicator : public Communicator {
   // Every process's `mine` (all of the same length), concatenated in rank order.
   std::vector<std::uint64_t> exchange(const std::vector<std::uint64_t>& mine);
   void barrier();
+  // Stops the watchdog and closes the mesh; later calls raise. Idempotent.
+  void close();
 
  private:
   // Runs one Gloo operation (the caller holds the call mutex) with a fresh

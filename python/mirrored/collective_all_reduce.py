@@ -109,7 +109,9 @@ class CollectiveGroup:
     def close(self) -> None:
         """Tears down NCCL and the Gloo mesh; the process's store connection stays for later groups."""
         self._device_engine = None
-        self._gloo = None
+        if self._gloo is not None:
+            self._gloo.close()
+            self._gloo = None
 
     # -- the functions of mirrored.collectives, across the job ----------------
 
