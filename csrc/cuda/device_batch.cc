@@ -53,6 +53,7 @@ void DeviceBatch::all_reduce(Communicator& comm, const std::vector<std::vector<c
   for (std::size_t t = 0; t < counts.size(); ++t) bytes[t] = counts[t] * dtype_size(dtypes[t]);
   const std::vector<Pack> packs = plan_packs(bytes, dtypes, bytes_per_pack, num_packs);
 
+  std::lock_guard<std::mutex> lock(mu_);
   DeviceGuard guard;
   std::vector<const void*> pin(n);
   std::vector<void*> pout(n);

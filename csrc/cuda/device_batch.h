@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <mutex>
 #include <vector>
 
 #include "core/communicator.h"
@@ -33,6 +34,7 @@ class DeviceBatch {
   std::vector<int> devices_;
   std::vector<void*> buffers_;
   std::vector<std::size_t> capacity_;
+  std::mutex mu_;  // the fusion buffers serve one batch at a time
 };
 
 }  // namespace mirrored::cuda

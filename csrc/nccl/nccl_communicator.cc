@@ -95,6 +95,7 @@ int NcclCommunicator::nccl_op(ReduceOp op) const {
 
 template <typename F>
 void NcclCommunicator::group(int n, F f) {
+  std::lock_guard<std::mutex> lock(mu_);
   cuda::DeviceGuard guard;
   MIRRORED_NCCL_CHECK(lib_, GroupStart(), nullptr);
   try {

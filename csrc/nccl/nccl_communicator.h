@@ -5,6 +5,7 @@
 // Calls are ordered on the current streams (cuda/stream_scope.h).
 #pragma once
 
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,7 @@ class NcclCommunicator : public Communicator {
   std::vector<int> devices_;
   std::vector<Comm> comms_;
   int nranks_ = 0;
+  std::mutex mu_;  // one group at a time: NCCL calls on a communicator must not interleave
 };
 
 // A fresh unique id (128 bytes) for NcclCommunicator's multi-process constructor.
