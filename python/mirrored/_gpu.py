@@ -9,6 +9,7 @@ raise an error naming the fix.
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.util
 import os
 import threading
@@ -74,6 +75,19 @@ def replica_stream(replica_id: int, ordinal: int):
             _replica_streams[key] = s
             _replica_stream_ptrs.add(s.ptr)
         return s
+
+
+@contextlib.contextmanager
+def replica_scope(device, replica_id: int):
+    """Run a replica's code on its GPU and its own stream (made by :func:`replica_stream`)::
+
+        with _gpu.replica_scope("/gpu:1", 1):
+            fn()   # CuPy work lands on replica 1's stream of GPU 1's physical device
+    """
+    cupy = cupy_module()
+    ordinal = physical_ordinal(device)
+    with cupy.cuda.Device(ordinal), replica_stream(replica_id, ordinal):
+        yield
 
 
 def collective_stream(ordinal: int) -> int:
