@@ -25,6 +25,7 @@ CASES = {
     "wrong number of components": ("ValueError", "one component per replica",
                                    "s.run(lambda x: x, args=(md.PerReplica([1, 2, 3]),))"),
     "run args not a tuple": ("ValueError", "args=(x,)", "s.run(lambda x: x, args=np.ones(2))"),
+    "per-replica from one array": ("ValueError", "one component per replica", "md.PerReplica(np.ones(3))"),
     "unknown reduce op": ("ValueError", "ReduceOp", "s.reduce('avg', md.PerReplica([1, 2]), axis=None)"),
     "bad device string": ("ValueError", "devices", "md.MirroredStrategy(['/cpu:0', '/gpuu:1'])"),
     "missing gpu": ("ValueError", "not available", "md.MirroredStrategy(['/gpu:7'])"),

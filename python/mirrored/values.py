@@ -26,6 +26,9 @@ class DistributedValues:
     """Base class of values with one component per replica (``.values``)."""
 
     def __init__(self, values, devices=None):
+        if not isinstance(values, (list, tuple)) or not values:
+            raise ValueError(f"values={values!r}: a {type(self).__name__} takes a non-empty list or tuple with one "
+                             "component per replica, e.g. md.PerReplica([x0, x1])")
         self._values = tuple(values)
         self._devices = tuple(devices) if devices is not None else None
 
