@@ -164,3 +164,18 @@ def test_run_returns_the_variable_itself(two):
         v = md.Variable(1.0)
     assert two.run(lambda: v) is v
     assert two.run(lambda: v.values[replica_id()]) is v  # its copies regroup into it
+
+
+def test_distributed_values_doc_examples(two):
+    # From a distributed dataset: [5., 6., 7., 8.] batched by 2 -> 5. on replica 0, 6. on replica 1.
+    dataset = [np.array([5.0, 6.0], np.float32), np.array([7.0, 8.0], np.float32)]
+    distributed_values = next(iter(two.experimental_distribute_dataset(dataset)))
+    assert isinstance(distributed_values, md.PerReplica)
+    assert [v.tolist() for v in distributed_values.values] == [[5.0], [6.0]]
+    # Passed to run, and reduced.
+    result = two.run(lambda x: x * 2, args=(distributed_values,))
+    assert [v.tolist() for v in result.values] == [[10.0], [12.0]]
+    np.testing.assert_array_equal(two.reduce("SUM", result, axis=None), [22.0])
+    # Returned by run with a per-replica computation.
+    per_replica_ids = two.run(lambda: np.int32(replica_id()))
+    assert two.experimental_local_results(per_replica_ids) == (0, 1)
