@@ -25,8 +25,6 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PYTHON_DIR = os.path.join(os.path.dirname(HERE), "python")
 DEFAULT_SIZES = "4,64,1K,16K,64K,256K,1M,4M,16M,64M"
 
 
@@ -116,10 +114,13 @@ def torch_worker(sizes, world, rank, port):
 
 def run_job(kind: str, world: int, sizes: list[int]) -> dict:
     """Per size: the mean time per call of the slowest worker."""
+    import mirrored
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(mirrored.__file__)))  # workers import the same mirrored
     ports = free_ports(world)
     procs = []
     for rank in range(world):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (PYTHON_DIR, os.environ.get("PYTHONPATH")) if p))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                                        "task": {"type": "worker", "index": rank}})
         cmd = [sys.executable, __file__, "--_worker", kind, "--_rank", str(rank), "--_world", str(world),

@@ -22,8 +22,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PYTHON_DIR = os.path.join(os.path.dirname(HERE), "python")
+
+
+def package_root() -> str:
+    """Where this process imports mirrored from (the source tree or site-packages): tasks import the same."""
+    import mirrored
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(mirrored.__file__)))
 
 
 @dataclass
@@ -81,7 +86,7 @@ def launch(fn, num_workers: int, *, chief: bool = False, kwargs=None, per_task_k
             out = os.path.join(tmp, f"{rank}.pickle")
             task_env = dict(os.environ, **(env or {}))
             task_env["TF_CONFIG"] = json.dumps({"cluster": spec, "task": {"type": task_type, "index": index}})
-            task_env["PYTHONPATH"] = os.pathsep.join(p for p in (PYTHON_DIR, task_env.get("PYTHONPATH")) if p)
+            task_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root(), task_env.get("PYTHONPATH")) if p)
             cmd = [sys.executable, __file__, module, fn.__name__, out, json.dumps(args)]
             # stderr goes to a file: a pipe nobody reads yet could fill up and stall the task.
             log = open(out + ".log", "w+")
