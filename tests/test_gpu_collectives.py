@@ -3,8 +3,8 @@
 The host suite's matrix (replicas x dtype x op x size x algorithm) on CUDA
 buffers: the native ring and tree with every replica on GPU 0 (logical GPUs)
 and spread over the GPUs, and NCCL with one GPU per replica. The ring runs
-with 256-byte chunks here so that small buffers cross every boundary of the
-schedule: many slices, both channels, a short last slice, unaligned chunks.
+with 256-byte minimum chunks here so that small buffers cross every boundary
+of the schedule: several slices, both channels, a short last slice.
 Run with ``pytest -m gpu``.
 """
 

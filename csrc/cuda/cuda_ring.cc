@@ -28,6 +28,12 @@ void* at(void* p, std::size_t bytes) { return static_cast<char*>(p) + bytes; }
 // (a few microseconds) whatever its size.
 constexpr std::size_t kTreeBelowBytes = std::size_t(256) << 10;
 
+// Slices per channel. Every ring op costs the host a few microseconds (event
+// wait, launch, record) whatever its size, while a GPU reduces a megabyte in
+// about one: a large buffer is cut into few, large slices, just enough for
+// each channel to overlap one slice's steps with the next one's.
+constexpr std::size_t kSlicesPerChannel = 2;
+
 }  // namespace
 
 CudaRing::CudaRing(std::vector<int> devices, std::size_t chunk_bytes, int channels)
@@ -192,6 +198,17 @@ void CudaRing::gather_rows(int r, void* dst, std::size_t dst_pitch, const void* 
   MIRRORED_CUDA_CHECK(cudaMemcpy3DPeerAsync(&p, k.streams[0]));
 }
 
+std::size_t CudaRing::ring_chunk_elems(int n, std::size_t count, std::size_t elem_size) const {
+  const std::size_t per_rank = (count + n - 1) / n;
+  const std::size_t floor_elems = chunk_bytes_ / elem_size;
+  const std::size_t slices =
+      std::min<std::size_t>(channels_ * kSlicesPerChannel, std::max<std::size_t>(1, (per_rank + floor_elems - 1) / floor_elems));
+  // Equal slices, each chunk a whole number of 16-byte vectors (kept aligned).
+  const std::size_t vec = std::max<std::size_t>(1, 16 / elem_size);
+  const std::size_t chunk = (per_rank + slices - 1) / slices;
+  return (chunk + vec - 1) / vec * vec;
+}
+
 Algorithm CudaRing::choose(std::size_t bytes) const {
   return size() > 2 && bytes < kTreeBelowBytes ? Algorithm::kTree : Algorithm::kRing;
 }
@@ -219,7 +236,7 @@ void CudaRing::all_reduce(int n, const void* const* in, void* const* out, std::s
 void CudaRing::ring_all_reduce(const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op) {
   const int n = size();
   const std::size_t es = dtype_size(dtype);
-  const RingSchedule ring(n, count, chunk_bytes_ / es);
+  const RingSchedule ring(n, count, ring_chunk_elems(n, count, es));
   const std::size_t slices = ring.num_slices();
   const int used = static_cast<int>(std::min<std::size_t>(channels_, slices));
   const ReduceOp combine = combining_op(op);

@@ -24,8 +24,9 @@ namespace mirrored::cuda {
 class CudaRing : public Communicator {
  public:
   // devices[r]: CUDA ordinal of rank r (repeated for logical GPUs).
-  // chunk_bytes: bytes each rank moves per ring step; channels: slices in
-  // flight per rank, each on its own stream.
+  // chunk_bytes: the least a rank moves per ring step (larger buffers get
+  // larger chunks, at most 2 slices per channel); channels: slices in flight
+  // per rank, each on its own stream.
   explicit CudaRing(std::vector<int> devices, std::size_t chunk_bytes = std::size_t(1) << 20, int channels = 2);
   ~CudaRing() override;
   CudaRing(const CudaRing&) = delete;
@@ -74,6 +75,8 @@ class CudaRing : public Communicator {
   // dst (rank r's) = src (rank q's), on r's channel c.
   void copy(int r, int c, void* dst, const void* src, int q, std::size_t bytes);
   void* scratch(int r, int c);
+  // Elements per rank and ring step for a buffer of `count`.
+  std::size_t ring_chunk_elems(int n, std::size_t count, std::size_t elem_size) const;
 
   void gather_rows(int r, void* dst, std::size_t dst_pitch, const void* src, int q, std::size_t width,
                    std::size_t rows);
