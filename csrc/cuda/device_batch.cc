@@ -72,8 +72,9 @@ void DeviceBatch::all_reduce(Communicator& comm, const std::vector<std::vector<c
       char* f = static_cast<char*>(fusion(r, pack.bytes));
       MIRRORED_CUDA_CHECK(cudaSetDevice(devices_[r]));
       for (const PackEntry& e : pack.entries)
-        MIRRORED_CUDA_CHECK(cudaMemcpyAsync(f + e.offset, in[r][e.tensor], e.bytes, cudaMemcpyDeviceToDevice,
-                                            current_stream(r, n)));
+        if (e.bytes > 0)
+          MIRRORED_CUDA_CHECK(cudaMemcpyAsync(f + e.offset, in[r][e.tensor], e.bytes, cudaMemcpyDeviceToDevice,
+                                              current_stream(r, n)));
       pin[r] = f, pout[r] = f;
     }
     comm.all_reduce(n, pin.data(), pout.data(), count, pack.dtype, op, algorithm);
@@ -81,8 +82,9 @@ void DeviceBatch::all_reduce(Communicator& comm, const std::vector<std::vector<c
       const char* f = static_cast<const char*>(pin[r]);
       MIRRORED_CUDA_CHECK(cudaSetDevice(devices_[r]));
       for (const PackEntry& e : pack.entries)
-        MIRRORED_CUDA_CHECK(cudaMemcpyAsync(out[r][e.tensor], f + e.offset, e.bytes, cudaMemcpyDeviceToDevice,
-                                            current_stream(r, n)));
+        if (e.bytes > 0)
+          MIRRORED_CUDA_CHECK(cudaMemcpyAsync(out[r][e.tensor], f + e.offset, e.bytes, cudaMemcpyDeviceToDevice,
+                                              current_stream(r, n)));
     }
   }
 }

@@ -16,6 +16,8 @@ each replica's own device; dtype and MEAN rules are those of
 
 from __future__ import annotations
 
+import atexit
+
 import numpy as np
 
 from . import _gpu, timeline
@@ -31,6 +33,8 @@ CHUNK_BYTES = 1 << 20
 CHANNELS = 2
 
 _engines: dict = {}
+# Communicators go while CUDA (and NCCL) are still up, not in the interpreter's teardown.
+atexit.register(_engines.clear)
 
 
 def all_reduce(buffers, op="sum", *, out=None, algorithm="auto"):
