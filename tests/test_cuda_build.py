@@ -177,3 +177,20 @@ def test_cuda_executor_on_simulated_runtime(tmp_path):
     run = subprocess.run([exe], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert ", 0 failures" in run.stdout
+
+
+@needs_extension
+def test_a_library_without_nccls_symbols_is_refused():
+    libm = next((p for p in ("/lib/x86_64-linux-gnu/libm.so.6", "/usr/lib64/libm.so.6", "/lib64/libm.so.6")
+                 if os.path.exists(p)), None)
+    if libm is None:
+        pytest.skip("no libm.so.6 to stand in for a wrong library")
+    out = run_without_gpu(f"""
+        from mirrored import _gpu
+        _gpu.nccl_library_candidates = lambda: [{libm!r}]
+        try:
+            _gpu.load_nccl()
+        except RuntimeError as e:
+            print(" ".join(str(e).split()))
+    """)
+    assert "lacks ncclGetVersion" in out and "too old an NCCL" in out and "pip install nvidia-nccl-cu13" in out
