@@ -254,9 +254,8 @@ def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(tmp_path):
     import sys
 
     path = tmp_path / "w.ckpt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).parents[1] / "python"),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-c", _SAVE_FOREVER, str(path)], stdout=subprocess.PIPE, env=env)
+    # The child imports mirrored exactly as this process does (same interpreter, same environment).
+    proc = subprocess.Popen([sys.executable, "-c", _SAVE_FOREVER, str(path)], stdout=subprocess.PIPE)
     try:
         assert proc.stdout.readline()  # the first save is complete
         proc.stdout.readline()

@@ -28,9 +28,8 @@ def _load_demo():
 
 
 def test_demo_command_line_runs_and_writes_its_outputs(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(DEMO), "--steps", "25", "--out", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=300)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"final test accuracy: 0\.\d{4}", last), last
