@@ -242,3 +242,17 @@ def test_integer_mean_truncates_toward_zero():
     a, b = np.array([3, -3, 7], np.int32), np.array([0, 0, 0], np.int32)
     np.testing.assert_array_equal(collectives.all_reduce([a, b], "mean")[0], [1, -1, 3])
     assert is_float(np.float16)
+
+
+@pytest.mark.parametrize("chunk_bytes", (1, 4, 60, 1000, 1 << 20))
+def test_ring_chunk_bytes_changes_the_schedule_not_the_result(chunk_bytes):
+    rng = np.random.default_rng(chunk_bytes)
+    for n in (2, 3, 5):
+        inputs = make_inputs(rng, n, (12345,), np.int32, "sum")
+        for r in collectives.all_reduce(inputs, "sum", algorithm="ring", chunk_bytes=chunk_bytes):
+            assert_reduced(r, inputs, "sum")
+        lists = [[x, x[:77]] for x in inputs]
+        got = collectives.batch_all_reduce(lists, "max", algorithm="ring", chunk_bytes=chunk_bytes)
+        np.testing.assert_array_equal(got[0][1], np.max([x[:77] for x in inputs], axis=0))
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        collectives.all_reduce(inputs, chunk_bytes=-1)

@@ -159,3 +159,14 @@ def test_reduce_and_all_reduce_match_numpy(n, dtype, op, shape, seed):
     for v in s.experimental_local_results(out):
         assert v.dtype == np.dtype(dtype) and v.shape == tuple(shape)
         np.testing.assert_allclose(np.asarray(v, np.float64), np.asarray(expected, np.float64), rtol=1e-3)
+
+
+def test_ring_all_reduce_chunk_bytes_is_honoured_and_validated():
+    import numpy as np
+
+    s = md.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"],
+                            cross_device_ops=md.cross_device_ops.RingAllReduce(chunk_bytes=8, algorithm="ring"))
+    v = s.experimental_distribute_values_from_function(lambda ctx: np.arange(1000.0) + ctx.replica_id_in_sync_group)
+    np.testing.assert_array_equal(s.reduce("sum", v, axis=None), 3 * np.arange(1000.0) + 3)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        md.cross_device_ops.RingAllReduce(chunk_bytes=-1)

@@ -50,14 +50,15 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "Host-memory collectives of mirrored (one call, all local replicas).";
 
   m.def("all_reduce", [](const py::list& inputs, const py::list& outputs, std::size_t count, int dtype, int op,
-                         int algorithm) {
+                         int algorithm, std::size_t ring_chunk_bytes) {
     auto in = inputs_of(inputs, "buffers");
     auto out = outputs_of(outputs, "out");
     const int n = size_of(in, out);
     py::gil_scoped_release nogil;
     comm().all_reduce(n, in.data(), out.data(), count, dtype_from_code(dtype), reduce_op_from_code(op),
-                      static_cast<Algorithm>(algorithm));
-  });
+                      static_cast<Algorithm>(algorithm), ring_chunk_bytes);
+  }, py::arg("inputs"), py::arg("outputs"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("algorithm"),
+     py::arg("ring_chunk_bytes") = 0);
 
   m.def("broadcast", [](const py::list& inputs, const py::list& outputs, std::size_t count, int dtype, int root) {
     auto in = inputs_of(inputs, "buffers");
@@ -88,7 +89,8 @@ PYBIND11_MODULE(_core, m) {
 
   m.def("batch_all_reduce", [](int n, const py::list& inputs, const py::list& outputs,
                                const std::vector<std::size_t>& counts, const std::vector<int>& dtypes, int op,
-                               std::size_t bytes_per_pack, int num_packs, int algorithm) {
+                               std::size_t bytes_per_pack, int num_packs, int algorithm,
+                               std::size_t ring_chunk_bytes) {
     auto in = inputs_of(inputs, "per_replica_lists");
     auto out = outputs_of(outputs, "out");
     size_of(in, out);
@@ -99,7 +101,7 @@ PYBIND11_MODULE(_core, m) {
     for (int code : dtypes) types.push_back(dtype_from_code(code));
     py::gil_scoped_release nogil;
     comm().batch_all_reduce(n, ntensors, in.data(), out.data(), counts.data(), types.data(), reduce_op_from_code(op),
-                            bytes_per_pack, num_packs, static_cast<Algorithm>(algorithm));
+                            bytes_per_pack, num_packs, static_cast<Algorithm>(algorithm), ring_chunk_bytes);
   });
 
   m.def("choose_algorithm", [](int n, std::size_t bytes) { return algorithm_name(HostCommunicator::choose(n, bytes)); },

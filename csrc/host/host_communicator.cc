@@ -97,12 +97,12 @@ void HostCommunicator::fold_range(int n, const void* const* in, void* const* out
 }
 
 void HostCommunicator::all_reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
-                                  ReduceOp op, Algorithm algorithm) {
+                                  ReduceOp op, Algorithm algorithm, std::size_t ring_chunk_bytes) {
   check_n(n, "all_reduce");
   if (count == 0) return;
   if (algorithm == Algorithm::kAuto) algorithm = choose(n, count * dtype_size(dtype));
   switch (algorithm) {
-    case Algorithm::kRing: return ring(n, in, out, count, dtype, op);
+    case Algorithm::kRing: return ring(n, in, out, count, dtype, op, ring_chunk_bytes ? ring_chunk_bytes : kRingChunkBytes);
     case Algorithm::kTree: return tree(n, in, out, count, dtype, op);
     case Algorithm::kDirect:
     case Algorithm::kAuto: break;
@@ -114,13 +114,13 @@ void HostCommunicator::all_reduce(int n, const void* const* in, void* const* out
 }
 
 void HostCommunicator::ring(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
-                            ReduceOp op) {
+                            ReduceOp op, std::size_t chunk_bytes) {
   const std::size_t es = dtype_size(dtype);
   if (n == 1) {
     if (out[0] != in[0]) std::memcpy(out[0], in[0], count * es);
     return;
   }
-  const RingSchedule schedule(n, count, std::max<std::size_t>(1, kRingChunkBytes / es));
+  const RingSchedule schedule(n, count, std::max<std::size_t>(1, chunk_bytes / es));
   // Slices are independent pool items; within one, running the steps in
   // order satisfies every op's single dependency (the peer's previous step).
   for_items(schedule.num_slices(), 2 * n * count * es, [&](std::size_t s) {
@@ -239,7 +239,8 @@ const std::vector<Pack>& HostCommunicator::packs_for(int ntensors, const std::si
 
 void HostCommunicator::batch_all_reduce(int n, int ntensors, const void* const* in, void* const* out,
                                         const std::size_t* counts, const DType* dtypes, ReduceOp op,
-                                        std::size_t bytes_per_pack, int num_packs, Algorithm algorithm) {
+                                        std::size_t bytes_per_pack, int num_packs, Algorithm algorithm,
+                                        std::size_t ring_chunk_bytes) {
   check_n(n, "batch_all_reduce");
   if (n > kMaxReplicas)
     throw std::invalid_argument("batch_all_reduce: at most " + std::to_string(kMaxReplicas) + " replicas, got " +
@@ -292,7 +293,7 @@ void HostCommunicator::batch_all_reduce(int n, int ntensors, const void* const* 
       for (const PackEntry& e : p.entries)
         if (e.bytes) std::memcpy(at(bufs[k], e.offset), in[k * ntensors + e.tensor], e.bytes);
     });
-    all_reduce(n, bufs.data(), bufs.data(), p.bytes / dtype_size(p.dtype), p.dtype, op, algorithm);
+    all_reduce(n, bufs.data(), bufs.data(), p.bytes / dtype_size(p.dtype), p.dtype, op, algorithm, ring_chunk_bytes);
     for_items(n, 2 * n * p.bytes, [&](std::size_t k) {
       for (const PackEntry& e : p.entries)
         if (e.bytes) std::memcpy(out[k * ntensors + e.tensor], at(bufs[k], e.offset), e.bytes);

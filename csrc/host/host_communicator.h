@@ -21,7 +21,12 @@ class HostCommunicator final : public Communicator {
 
   const char* backend() const override { return "host"; }
   void all_reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
-                  Algorithm algorithm) override;
+                  Algorithm algorithm) override {
+    all_reduce(n, in, out, count, dtype, op, algorithm, 0);
+  }
+  // ring_chunk_bytes: bytes per participant per ring step (0: the default).
+  void all_reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
+                  Algorithm algorithm, std::size_t ring_chunk_bytes);
   void broadcast(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, int root) override;
   void reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
               int root) override;
@@ -33,7 +38,7 @@ class HostCommunicator final : public Communicator {
   // core/packer.h) and each pack is reduced in one pass.
   void batch_all_reduce(int n, int ntensors, const void* const* in, void* const* out, const std::size_t* counts,
                         const DType* dtypes, ReduceOp op, std::size_t bytes_per_pack, int num_packs,
-                        Algorithm algorithm);
+                        Algorithm algorithm, std::size_t ring_chunk_bytes = 0);
 
   // The algorithm `auto` resolves to for n replicas of `bytes` each.
   static Algorithm choose(int n, std::size_t bytes);
@@ -45,7 +50,8 @@ class HostCommunicator final : public Communicator {
   // pool.
   template <typename Fn>
   void for_items(std::size_t items, std::size_t bytes_touched, Fn&& fn);
-  void ring(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op);
+  void ring(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
+            std::size_t chunk_bytes);
   void tree(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op);
   // Folds [begin, end) of all inputs into out[first] and copies it to the
   // other outputs (all of them when every_output, else none).

@@ -28,16 +28,22 @@ ALGORITHMS = {"auto": 0, "ring": 1, "direct": 2, "tree": 3, "hierarchical": 3}
 _DTYPE_CODES: dict = {}
 
 
-def all_reduce(buffers, op="sum", *, out=None, algorithm="auto"):
-    """``out[i] = op(buffers[0], ..., buffers[n-1])`` for every replica ``i``."""
+def all_reduce(buffers, op="sum", *, out=None, algorithm="auto", chunk_bytes=0):
+    """``out[i] = op(buffers[0], ..., buffers[n-1])`` for every replica ``i``.
+
+    ``chunk_bytes``: bytes each participant handles per ring step (0: the
+    engine's default); only the ring uses it.
+    """
+    chunk = _chunk_bytes(chunk_bytes)
     if _on_gpu(buffers):
-        return _cuda().all_reduce(buffers, op, out=out, algorithm=algorithm)
+        extra = {"chunk_bytes": chunk} if chunk else {}
+        return _cuda().all_reduce(buffers, op, out=out, algorithm=algorithm, **extra)
     arrays, code = _inputs(buffers, "buffers")
     opc = op_code(op)
     algo = _algorithm(algorithm)
     outs, finish = _outputs(out, arrays, "out")
     with timeline.span("all_reduce", arrays[0].nbytes, algorithm, len(arrays)):
-        _core.all_reduce(arrays, outs, arrays[0].size, code, opc, algo)
+        _core.all_reduce(arrays, outs, arrays[0].size, code, opc, algo, chunk)
     return finish()
 
 
@@ -96,7 +102,8 @@ def all_gather(buffers, axis=0):
     return outs
 
 
-def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto"):
+def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto",
+                     chunk_bytes=0):
     """All-reduce many tensors per replica at once, fused into few packs.
 
     ``per_replica_lists[r][t]`` is tensor ``t`` of replica ``r``; returns the
@@ -117,9 +124,11 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
             )
     if not per_replica_lists[0]:
         return [[] for _ in range(n)]
+    chunk = _chunk_bytes(chunk_bytes)
     if _on_gpu([per_replica_lists[0][0]]):
+        extra = {"chunk_bytes": chunk} if chunk else {}
         return _cuda().batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
-                                        num_packs=num_packs, algorithm=algorithm)
+                                        num_packs=num_packs, algorithm=algorithm, **extra)
     if not isinstance(bytes_per_pack, (int, np.integer)) or bytes_per_pack < 0:
         raise ValueError(f"bytes_per_pack={bytes_per_pack!r} must be an integer >= 0 (0: no size limit)")
     if num_packs is not None and (not isinstance(num_packs, (int, np.integer)) or num_packs < 1):
@@ -135,7 +144,7 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
     outputs = [np.empty_like(a) for a in inputs]
     with timeline.span("batch_all_reduce", sum(a.nbytes for a in inputs) // n, algorithm, n):
         _core.batch_all_reduce(n, inputs, outputs, [c[0][0].size for c in columns], [c[1] for c in columns],
-                               opc, int(bytes_per_pack), int(num_packs or 0), algo)
+                               opc, int(bytes_per_pack), int(num_packs or 0), algo, chunk)
     T = len(columns)
     return [outputs[r * T:(r + 1) * T] for r in range(n)]
 
@@ -245,6 +254,12 @@ def _algorithm(algorithm) -> int:
                              "'auto', 'ring', 'direct' or 'tree'")
         raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {', '.join(repr(a) for a in ALGORITHMS)}")
     return code
+
+
+def _chunk_bytes(chunk_bytes) -> int:
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, (int, np.integer)) or chunk_bytes < 0:
+        raise ValueError(f"chunk_bytes={chunk_bytes!r} must be an integer >= 0 (0: the engine's default)")
+    return int(chunk_bytes)
 
 
 def _root(root, n: int) -> int:

@@ -176,6 +176,8 @@ class _NativeAllReduce(CrossDeviceOps):
 
     _algorithm = "auto"
 
+    _chunk_bytes = 0
+
     def __init__(self, num_packs: int = 1, bytes_per_pack: int = 0):
         if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 0:
             raise ValueError(f"num_packs={num_packs!r}: expected an int >= 0 (0 = no packing)")
@@ -221,28 +223,35 @@ class _NativeAllReduce(CrossDeviceOps):
         bytes_per_pack = (options.bytes_per_pack if options is not None else 0) or self._bytes_per_pack
         if bytes_per_pack:
             return self._collectives.batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
-                                                      algorithm=self._algorithm)
+                                                      algorithm=self._algorithm, **self._ring_options())
         if self._num_packs == 0:  # no packing: one all-reduce per tensor
             by_tensor = [self._collectives.all_reduce([lst[t] for lst in per_replica_lists], op,
-                                                      algorithm=self._algorithm)
+                                                      algorithm=self._algorithm, **self._ring_options())
                          for t in range(len(per_replica_lists[0]))]
             return [[by_tensor[t][r] for t in range(len(by_tensor))] for r in range(len(per_replica_lists))]
         return self._collectives.batch_all_reduce(per_replica_lists, op, num_packs=self._num_packs,
-                                                  algorithm=self._algorithm)
+                                                  algorithm=self._algorithm, **self._ring_options())
+
+    def _ring_options(self):
+        return {"chunk_bytes": self._chunk_bytes} if self._chunk_bytes else {}
 
 
 class RingAllReduce(_NativeAllReduce):
     """The native all-reduce over host or CUDA buffers; the default cross-device ops.
 
-    ``algorithm``: ``'auto'`` (the core picks ring or direct by size and
+    ``chunk_bytes``: bytes each participant handles per ring step (0: the
+    engine's default). ``algorithm``: ``'auto'`` (the core picks by size and
     replica count), ``'ring'`` or ``'direct'``. ``num_packs`` /
     ``bytes_per_pack`` fuse many small tensors into few buffers.
     """
 
-    def __init__(self, num_packs: int = 1, bytes_per_pack: int = 0, algorithm: str = "auto"):
+    def __init__(self, chunk_bytes: int = 0, num_packs: int = 1, bytes_per_pack: int = 0, algorithm: str = "auto"):
         super().__init__(num_packs, bytes_per_pack)
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 0:
+            raise ValueError(f"chunk_bytes={chunk_bytes!r}: expected an int >= 0 (0 = the engine's default)")
         if algorithm not in ("auto", "ring", "direct"):
             raise ValueError(f"algorithm={algorithm!r}: expected 'auto', 'ring' or 'direct'")
+        self._chunk_bytes = chunk_bytes
         self._algorithm = algorithm
 
 
