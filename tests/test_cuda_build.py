@@ -159,21 +159,24 @@ def cuda_include_dir():
 
 def test_cuda_executor_on_simulated_runtime(tmp_path):
     """csrc/cuda's ring, tree, broadcast, reduce, all_gather and fused batches,
-    compiled against a simulated CUDA runtime (csrc/cuda/sim) and run on the
-    CPU under random stream interleavings: the GPU path's ordering and
-    arithmetic, checked without a GPU."""
+    and csrc/nccl's communicator over a stand-in libnccl, compiled against a
+    simulated CUDA runtime (csrc/cuda/sim) and run on the CPU under random
+    stream interleavings: the GPU path's ordering and arithmetic, checked
+    without a GPU."""
     cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
     inc = cuda_include_dir()
     if cxx is None or inc is None:
         pytest.skip("needs a C++ compiler and the CUDA toolkit's headers")
     csrc = os.path.join(ROOT, "csrc")
     sources = ["cuda/sim/sim_test.cc", "cuda/sim/sim_runtime.cc", "cuda/cuda_ring.cc", "cuda/device.cc",
-               "cuda/device_batch.cc", "core/packer.cc"]
-    exe = str(tmp_path / "cuda_sim_test")
-    build = subprocess.run([cxx, "-std=c++17", "-O1", "-I", csrc, "-I", inc, "-o", exe,
-                            *(os.path.join(csrc, s) for s in sources)], capture_output=True, text=True, timeout=600)
-    assert build.returncode == 0, build.stderr[-4000:]
-    run = subprocess.run([exe], capture_output=True, text=True, timeout=600)
+               "cuda/device_batch.cc", "core/packer.cc", "nccl/nccl_lib.cc", "nccl/nccl_communicator.cc"]
+    flags = ["-std=c++17", "-O1", "-I", csrc, "-I", inc]
+    exe, fake = str(tmp_path / "cuda_sim_test"), str(tmp_path / "libfake_nccl.so")
+    for cmd in ([cxx, *flags, "-fPIC", "-shared", "-o", fake, os.path.join(csrc, "cuda/sim/fake_nccl.cc")],
+                [cxx, *flags, "-rdynamic", "-o", exe, *(os.path.join(csrc, s) for s in sources), "-ldl"]):
+        build = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert build.returncode == 0, build.stderr[-4000:]
+    run = subprocess.run([exe, fake], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert ", 0 failures" in run.stdout
 

@@ -3,16 +3,21 @@
 // and without peer access), in and out of place, under many random
 // interleavings. The callers' streams write the inputs before each call and
 // read then scribble over inputs and outputs after it, so a missing fork or
-// join dependency corrupts a result. Exit status 0 when all is right.
+// join dependency corrupts a result. With a path to fake_nccl's library as
+// argument, NcclCommunicator (and batches over it) run the same checks.
+// Exit status 0 when all is right.
 #include <cstdio>
 #include <cstring>
 #include <set>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "cuda/cuda_ring.h"
 #include "cuda/device_batch.h"
 #include "cuda/sim/sim_runtime.h"
 #include "cuda/stream_scope.h"
+#include "nccl/nccl_communicator.h"
 
 using namespace mirrored;
 using namespace mirrored::cuda;
@@ -226,9 +231,138 @@ void check_others(Layout& l, std::size_t count, bool in_place) {
   }
 }
 
+
+// NcclCommunicator over the fake libnccl: mapping, groups, roots, batches,
+// and the errors it must raise before reaching NCCL.
+void check_nccl(Layout& l, std::size_t count, bool in_place, bool by_unique_id) {
+  const int n = l.n();
+  const ReduceOp s = ReduceOp::kSum;
+  nccl::NcclCommunicator comm = by_unique_id ? nccl::NcclCommunicator(nccl::unique_id(), 0, n, l.devices)
+                                             : nccl::NcclCommunicator(l.devices);
+  std::vector<void*> in(n), out(n);
+  for (int r = 0; r < n; ++r) {
+    in[r] = l.alloc(r, count * 4);
+    out[r] = in_place ? in[r] : l.alloc(r, count * 4);
+  }
+  std::vector<std::vector<int>> got(n);
+  for (auto op : {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kMean}) {
+    for (int r = 0; r < n; ++r) write<int>(l, r, in[r], count, op, r);
+    {
+      StreamScope scope(l.streams);
+      comm.all_reduce(n, in.data(), out.data(), count, DType::kInt32, op, Algorithm::kAuto);
+    }
+    for (int r = 0; r < n; ++r) read<int>(l, r, out[r], count, got[r]);
+    sim::drain();
+    for (int r = 0; r < n; ++r)
+      for (std::size_t i = 0; i < count; ++i) {
+        const long long e = expected(n, i, op == ReduceOp::kMean ? s : op);
+        EXPECT(got[r][i] == (op == ReduceOp::kMean ? e / n : e), "nccl all_reduce n=%d op=%s: rank %d element %zu", n,
+               reduce_op_name(op), r, i);
+      }
+  }
+  for (int root = 0; root < n; ++root) {
+    for (int r = 0; r < n; ++r) {
+      write<int>(l, r, in[r], count, s, r);
+      if (!in_place) write<int>(l, r, out[r], count, s, 100 + r);
+    }
+    {
+      StreamScope scope(l.streams);
+      comm.reduce(n, in.data(), out.data(), count, DType::kInt32, s, root);
+    }
+    for (int r = 0; r < n; ++r) read<int>(l, r, out[r], count, got[r]);
+    sim::drain();
+    for (int r = 0; r < n; ++r)
+      for (std::size_t i = 0; i < count; ++i)
+        EXPECT(got[r][i] == (r == root ? expected(n, i, s) : value(in_place ? r : 100 + r, i, s)),
+               "nccl reduce n=%d root=%d: rank %d element %zu", n, root, r, i);
+    for (int r = 0; r < n; ++r) write<int>(l, r, in[r], count, s, r);
+    {
+      StreamScope scope(l.streams);
+      comm.broadcast(n, in.data(), out.data(), count, DType::kInt32, root);
+    }
+    for (int r = 0; r < n; ++r) read<int>(l, r, out[r], count, got[r]);
+    sim::drain();
+    for (int r = 0; r < n; ++r)
+      for (std::size_t i = 0; i < count; ++i)
+        EXPECT(got[r][i] == value(root, i, s), "nccl broadcast n=%d root=%d: rank %d element %zu", n, root, r, i);
+  }
+  std::vector<void*> gout(n);
+  std::vector<std::size_t> rows(n, count * 4);
+  for (int r = 0; r < n; ++r) {
+    write<int>(l, r, in[r], count, s, r);
+    gout[r] = l.alloc(r, count * 4 * n);
+  }
+  {
+    StreamScope scope(l.streams);
+    comm.all_gather(n, in.data(), gout.data(), rows.data(), 1);
+  }
+  for (int r = 0; r < n; ++r) read<int>(l, r, gout[r], count * n, got[r]);
+  sim::drain();
+  for (int r = 0; r < n; ++r)
+    for (int j = 0; j < n; ++j)
+      for (std::size_t i = 0; i < count; ++i)
+        EXPECT(got[r][j * count + i] == value(j, i, s), "nccl all_gather n=%d: rank %d part %d element %zu", n, r, j, i);
+  // A fused batch over NCCL.
+  DeviceBatch batch(l.devices);
+  const std::vector<std::size_t> counts = {3, count, 5};
+  const std::vector<DType> dtypes = {DType::kInt32, DType::kInt32, DType::kFloat32};
+  std::vector<std::vector<const void*>> bin(n);
+  std::vector<std::vector<void*>> bout(n);
+  for (int r = 0; r < n; ++r)
+    for (std::size_t t = 0; t < counts.size(); ++t) {
+      void* p = l.alloc(r, counts[t] * 4);
+      if (dtypes[t] == DType::kInt32) write<int>(l, r, p, counts[t], s, r + int(t));
+      else write<float>(l, r, p, counts[t], s, r + int(t));
+      bin[r].push_back(p);
+      bout[r].push_back(in_place ? p : l.alloc(r, counts[t] * 4));
+    }
+  {
+    StreamScope scope(l.streams);
+    batch.all_reduce(comm, bin, bout, counts, dtypes, s, Algorithm::kAuto, 0, 0);
+  }
+  std::vector<std::vector<std::vector<int>>> res(n, std::vector<std::vector<int>>(counts.size()));
+  for (int r = 0; r < n; ++r)
+    for (std::size_t t = 0; t < counts.size(); ++t) read<int>(l, r, bout[r][t], counts[t], res[r][t]);
+  sim::drain();
+  for (int r = 0; r < n; ++r)
+    for (std::size_t t = 0; t < counts.size(); ++t)
+      for (std::size_t i = 0; i < counts[t]; ++i) {
+        long long e = 0;
+        for (int q = 0; q < n; ++q) e += value(q + int(t), i, s);
+        float f;
+        std::memcpy(&f, &res[r][t][i], 4);
+        EXPECT(dtypes[t] == DType::kInt32 ? res[r][t][i] == e : f == float(e), "nccl batch n=%d: rank %d tensor %zu", n,
+               r, t);
+      }
+}
+
+template <typename E, typename F>
+void expect_error(const char* what, const char* needle, F f) {
+  try {
+    f();
+  } catch (const E& e) {
+    EXPECT(std::string(e.what()).find(needle) != std::string::npos, "%s: message '%s' lacks '%s'", what, e.what(), needle);
+    return;
+  }
+  EXPECT(false, "%s: no error", what);
+}
+
+void check_nccl_errors() {
+  Layout l({0, 1}, false);
+  expect_error<std::invalid_argument>("two ranks on one GPU", "use algorithm='ring'",
+                                      [] { nccl::NcclCommunicator c({0, 0}); });
+  expect_error<std::invalid_argument>("bad unique id", "expected 128 bytes",
+                                      [] { nccl::NcclCommunicator c("short", 0, 2, {0, 1}); });
+  nccl::NcclCommunicator comm({0, 1});
+  std::vector<std::size_t> rows = {4, 8};
+  std::vector<void*> p = {l.alloc(0, 8), l.alloc(1, 8)};
+  expect_error<std::invalid_argument>("unequal all_gather", "equal-sized",
+                                      [&] { comm.all_gather(2, p.data(), p.data(), rows.data(), 1); });
+}
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   const std::vector<std::vector<int>> layouts = {
       {0}, {1}, {0, 0}, {0, 1}, {0, 0, 0}, {0, 1, 2}, {0, 0, 1}, {0, 0, 0, 0}, {0, 1, 2, 3}, {1, 0, 1, 0}, {0, 1, 2, 3, 0}};
   std::set<std::pair<int, int>> all_pairs, odd_pairs;
@@ -261,6 +395,18 @@ int main() {
         for (std::size_t count : {0, 1, 13, 100})
           for (bool in_place : {false, true}) check_others(l, count, in_place), ++runs;
       }
+  if (argc > 1) {
+    nccl::load({argv[1]});
+    check_nccl_errors();
+    for (const auto& devices : std::vector<std::vector<int>>{{0}, {0, 1}, {2, 0, 1}, {1, 3, 0, 2}})
+      for (bool own_streams : {false, true}) {
+        sim::reset(4, {}, static_cast<unsigned>(runs));
+        Layout l(devices, own_streams);
+        for (std::size_t count : {0, 1, 13, 100})
+          for (bool in_place : {false, true})
+            for (bool by_id : {false, true}) check_nccl(l, count, in_place, by_id), ++runs;
+      }
+  }
   std::printf("cuda executor on the simulated runtime: %ld configurations, %d failures\n", runs, failures);
   return failures ? 1 : 0;
 }
