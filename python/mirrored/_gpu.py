@@ -11,9 +11,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import importlib.util
+import logging
 import os
 import threading
-import warnings
 
 import numpy as np
 
@@ -159,7 +159,8 @@ def default_gpu_algorithm(ordinals) -> str:
     """The all-reduce algorithm for GPU replicas on CUDA ``ordinals`` by default.
 
     ``"nccl"`` when NCCL loads and every replica has a GPU of its own; else
-    ``"auto"`` (the native ring/tree), with a one-line warning saying why.
+    ``"auto"`` (the native ring/tree), with a one-line warning saying why
+    (logged once per reason on the ``mirrored`` logger, as TensorFlow logs it).
     """
     ordinals = [int(o) for o in ordinals]
     if len(set(ordinals)) != len(ordinals):
@@ -170,7 +171,7 @@ def default_gpu_algorithm(ordinals) -> str:
         return "nccl"
     if reason not in _warned:
         _warned.add(reason)
-        warnings.warn(f"mirrored: GPU all-reduce uses the native ring: {reason}", RuntimeWarning, stacklevel=2)
+        logging.getLogger("mirrored").warning("GPU all-reduce uses the native ring: %s", reason)
     return "auto"
 
 
