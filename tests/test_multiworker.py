@@ -106,10 +106,13 @@ def join(timeout):
 # --- tests -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("num_workers, local_replicas", [(2, 1), (2, 2), (3, 1), (3, 2)])
-def test_every_collective_equals_single_process(num_workers, local_replicas):
+@pytest.mark.parametrize("num_workers, local_replicas, shm", [
+    (2, 1, "1"), (2, 2, "1"), (3, 1, "1"), (3, 2, "1"), (2, 1, "0"), (3, 2, "0")])
+def test_every_collective_equals_single_process(num_workers, local_replicas, shm):
+    """shm "1": co-located tasks all-reduce through shared memory; "0": through Gloo only."""
     chief = num_workers == 3  # 3 tasks: chief:0, worker:0, worker:1
-    results = launch(every_collective, num_workers - chief, chief=chief, kwargs={"local_replicas": local_replicas})
+    results = launch(every_collective, num_workers - chief, chief=chief, kwargs={"local_replicas": local_replicas},
+                     env={"MIRRORED_SHM": shm})
     for r in results:
         assert r.ok, (r.task, r.error, r.message, r.stderr[-2000:])
     N = num_workers * local_replicas
@@ -148,10 +151,12 @@ def test_every_collective_equals_single_process(num_workers, local_replicas):
             assert v["reduce"] is None
 
 
-@pytest.mark.parametrize("timeout, victim", [(3.0, 2), (None, 2), (3.0, 0)])
-def test_a_killed_worker_is_named_by_every_survivor(timeout, victim):
+@pytest.mark.parametrize("timeout, victim, shm", [(3.0, 2, "1"), (None, 2, "1"), (3.0, 0, "1"), (3.0, 2, "0"),
+                                                 (None, 0, "0")])
+def test_a_killed_worker_is_named_by_every_survivor(timeout, victim, shm):
     """Victim 0 also serves the rendezvous store: survivors must still name it."""
-    results = launch(train_until_a_peer_dies, 3, kwargs={"victim": victim, "timeout": timeout}, timeout=40)
+    results = launch(train_until_a_peer_dies, 3, kwargs={"victim": victim, "timeout": timeout}, timeout=40,
+                     env={"MIRRORED_SHM": shm})
     assert results[victim].returncode == -9
     for r in results:
         if r is results[victim]:
@@ -170,8 +175,10 @@ def test_a_peer_that_never_joins_is_named_at_the_timeout():
     assert chief.raised_at - started < 2.0 + 5
 
 
-def test_a_peer_that_is_late_for_a_collective_is_named():
-    results = launch(reach_the_collective_late, 2, kwargs={"late": 1, "delay": 4.0, "timeout": 1.5}, timeout=40)
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_a_peer_that_is_late_for_a_collective_is_named(shm):
+    results = launch(reach_the_collective_late, 2, kwargs={"late": 1, "delay": 4.0, "timeout": 1.5}, timeout=40,
+                     env={"MIRRORED_SHM": shm})
     first = results[0]
     assert first.error == "PeerTimeoutError", first.message
     assert "worker:1 did not reach this collective" in first.message

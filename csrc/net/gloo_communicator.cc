@@ -11,8 +11,12 @@
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -121,12 +125,13 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<StoreClient> store, std::vect
       tasks_(std::move(task_names)),
       rank_(store_->rank()),
       local_(local_replicas),
-      timeout_(timeout) {
+      timeout_(timeout),
+      prefix_(scope + "/") {
   if (tasks_.empty() || rank_ < 0 || rank_ >= size())
     throw std::invalid_argument("task_names: rank " + std::to_string(rank_) + " is not one of " +
                                 std::to_string(tasks_.size()) + " tasks");
   if (local_ < 1) throw std::invalid_argument("local_replicas must be >= 1, got " + std::to_string(local_));
-  const std::string prefix = scope + "/";
+  const std::string& prefix = prefix_;
 
   // Arrival: every task announces its replica count; the keys that never
   // appear name the tasks that never came.
@@ -164,6 +169,48 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<StoreClient> store, std::vect
   }
   context_ = std::move(context);
   watchdog_ = std::thread([this] { watch(); });
+  setup_shared_memory(prefix);
+}
+
+void GlooCommunicator::setup_shared_memory(const std::string& prefix) {
+  const char* env = std::getenv("MIRRORED_SHM");
+  if (size() == 1 || (env && std::string(env) == "0")) return;
+  // Same machine: same host name and same boot (containers may share a name).
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  std::string boot;
+  if (std::FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char id[64] = {};
+    if (std::fgets(id, sizeof(id), f)) boot = id;
+    std::fclose(f);
+  }
+  const std::string me = std::string(host) + "/" + boot;
+  store_->set(prefix + "host/" + std::to_string(rank_), std::vector<char>(me.begin(), me.end()));
+  std::vector<std::string> keys;
+  for (int r = 0; r < size(); ++r) keys.push_back(prefix + "host/" + std::to_string(r));
+  if (!store_->wait(keys, store_->timeout()).empty()) return;  // cannot happen after connectFullMesh
+  for (const auto& k : keys)
+    if (store_->get(k) != std::vector<char>(me.begin(), me.end())) return;  // same answer on every rank
+  std::uint64_t ok = 1;
+  try {
+    shm_ = std::make_unique<ShmReducer>(*store_, prefix + "shm", rank_, size(), store_->timeout());
+  } catch (const std::exception&) {
+    ok = 0;  // e.g. /dev/shm full or absent: every rank falls back to the network
+    if (rank_ == 0) store_->set(prefix + "shm", {});
+  }
+  // Everyone learns whether everyone mapped the segment.
+  const auto all = exchange_locked({ok});
+  if (std::find(all.begin(), all.end(), std::uint64_t{0}) != all.end()) {
+    shm_.reset();
+    return;
+  }
+  shm_->unlink();
+}
+
+void GlooCommunicator::check_peers() {
+  const auto tasks = store_->status();
+  for (int r = 0; r < size() && r < static_cast<int>(tasks.size()); ++r)
+    if (r != rank_ && tasks[r].departed && !tasks[r].connected) throw PeerLost("task " + tasks_[r] + " is gone");
 }
 
 GlooCommunicator::~GlooCommunicator() { close(); }
@@ -177,6 +224,7 @@ void GlooCommunicator::close() {
   if (watchdog_.joinable()) watchdog_.join();
   std::lock_guard<std::mutex> lock(mu_);
   context_.reset();
+  shm_.reset();
   if (broken_.empty()) broken_ = "the communicator was closed";
 }
 
@@ -228,27 +276,46 @@ void GlooCommunicator::collective(const char* what, Fn&& fn) {
 }
 
 void GlooCommunicator::fail(const char* what, const std::exception& cause) {
-  // Closing every pair now makes peers blocked on us fail at once instead of at their own timeout.
-  context_.reset();
   const bool timed_out = std::strstr(cause.what(), "Timed out") != nullptr || dynamic_cast<const PeerTimeout*>(&cause);
-  bool lost = false;
-  const std::string who = diagnose(seq_, timed_out, &lost);
+  Verdict verdict = Verdict::kUnknown;
+  const std::string who = diagnose(seq_, timed_out, &verdict);
+  // A peer woken by our abort below reads our finding instead of blaming us.
+  try {
+    const std::string record = static_cast<char>('0' + static_cast<int>(verdict)) + who;
+    store_->set(prefix_ + "failed/" + std::to_string(rank_), std::vector<char>(record.begin(), record.end()));
+  } catch (const std::exception&) {
+    // The store is gone too; peers will find that out themselves.
+  }
+  // Closing every pair (and waking every shared-memory waiter) makes peers
+  // blocked on us fail at once instead of at their own timeout.
+  if (shm_) shm_->abort();
+  context_.reset();
   broken_ = std::string(what) + " across workers failed at collective #" + std::to_string(seq_) + " on task " +
             tasks_[rank_] + ": " + who + " [" + cause.what() + "]";
-  if (lost || !timed_out) throw PeerLost(broken_);
-  throw PeerTimeout(broken_);
+  if (verdict == Verdict::kBehind || (verdict == Verdict::kUnknown && timed_out)) throw PeerTimeout(broken_);
+  throw PeerLost(broken_);
 }
 
-std::string GlooCommunicator::diagnose(std::int64_t seq, bool timed_out, bool* lost) {
+std::string GlooCommunicator::diagnose(std::int64_t seq, bool timed_out, Verdict* verdict) {
   // A socket error can reach us a moment before the store sees the same
   // death, so look again for a little while before blaming nobody. After a
   // timeout there is no such race: a death would have been seen long ago.
   for (int attempt = 0;; ++attempt) {
     std::vector<TaskState> tasks;
+    std::vector<std::string> records;
+    for (int r = 0; r < size(); ++r) records.push_back(prefix_ + "failed/" + std::to_string(r));
     try {
       tasks = store_->status();
+      const auto missing = store_->wait(records, std::chrono::milliseconds(0));
+      // A peer that gave up first has named the culprits already.
+      for (int r = 0; r < size(); ++r) {
+        if (r == rank_ || std::find(missing.begin(), missing.end(), records[r]) != missing.end()) continue;
+        const auto record = store_->get(records[r]);
+        *verdict = static_cast<Verdict>(record.at(0) - '0');
+        return std::string(record.begin() + 1, record.end()) + " (found by " + tasks_[r] + ", which gave up first)";
+      }
     } catch (const std::exception&) {
-      *lost = true;
+      *verdict = Verdict::kGone;
       return "task " + store_->server_task() + " (which serves the rendezvous store) is gone";
     }
     std::vector<std::string> gone, behind;
@@ -259,11 +326,15 @@ std::string GlooCommunicator::diagnose(std::int64_t seq, bool timed_out, bool* l
         behind.push_back(tasks_[r]);
     }
     if (!gone.empty()) {
-      *lost = true;
+      *verdict = Verdict::kGone;
       return "task(s) " + join(gone) + " are gone (process exited or host unreachable)";
     }
     if (timed_out || attempt >= 10) {
-      if (!behind.empty()) return "task(s) " + join(behind) + " did not reach this collective";
+      if (!behind.empty()) {
+        *verdict = Verdict::kBehind;
+        return "task(s) " + join(behind) + " did not reach this collective";
+      }
+      *verdict = Verdict::kUnknown;
       return "every task reached this collective; a peer aborted it after a failure of its own";
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -282,7 +353,11 @@ void GlooCommunicator::all_reduce(int n, const void* const* in, void* const* out
   // reduction beats the ring's 2(p-1) rounds. Every process combines the same
   // contributions in rank order, so every process gets the same bits.
   const bool direct = algorithm == Algorithm::kDirect || (algorithm == Algorithm::kAuto && bytes <= kDirectMaxBytes);
-  if (size() > 1 && count > 0 && direct) {
+  if (size() > 1 && count > 0 && shm_ && algorithm == Algorithm::kAuto) {
+    collective("all_reduce", [&](std::uint32_t, std::chrono::milliseconds timeout) {
+      shm_->all_reduce(acc, count, dtype, op, after(timeout), [this] { check_peers(); });
+    });
+  } else if (size() > 1 && count > 0 && direct) {
     gathered_.resize(bytes * size());
     collective("all_reduce", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
       gloo::AllgatherOptions o(context_);

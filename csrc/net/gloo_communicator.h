@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/communicator.h"
+#include "net/shm_reducer.h"
 #include "net/store.h"
 
 namespace gloo {
@@ -64,9 +65,12 @@ class GlooCommunicator : public Communicator {
   template <typename Fn>
   void collective(const char* what, Fn&& fn);
   [[noreturn]] void fail(const char* what, const std::exception& cause);
-  std::string diagnose(std::int64_t seq, bool timed_out, bool* lost);
+  enum class Verdict { kGone, kBehind, kUnknown };
+  std::string diagnose(std::int64_t seq, bool timed_out, Verdict* verdict);
   void check_replicas(int n, const char* what) const;
   void watch();
+  void setup_shared_memory(const std::string& prefix);
+  void check_peers();
   std::vector<std::uint64_t> exchange_locked(const std::vector<std::uint64_t>& mine);
 
   std::shared_ptr<StoreClient> store_;
@@ -74,12 +78,15 @@ class GlooCommunicator : public Communicator {
   const int rank_;
   const int local_;
   const std::chrono::milliseconds timeout_;
+  const std::string prefix_;  // of this communicator's store keys
   std::shared_ptr<gloo::Context> context_;
   std::mutex mu_;
   std::int64_t seq_ = 0;
   std::string broken_;         // why the mesh was torn down; empty while healthy
   std::vector<char> scratch_;  // reused across calls
   std::vector<char> gathered_;
+  // All processes on one machine: large all-reduces go through shared memory.
+  std::unique_ptr<ShmReducer> shm_;
 
   // Progress for diagnosis: a collective still running after a tick of the
   // watchdog is reported to the store, so that a failure can tell the peers

@@ -133,14 +133,14 @@ TEST(a_late_peer_is_named_at_the_timeout) {
     const void* in[1] = {&x};
     void* out[1] = {&x};
     if (rank == 1) std::this_thread::sleep_for(milliseconds(1500));
+    // Every rank, the late one included, learns who held the job up.
+    bool named = false;
     try {
       comm.all_reduce(1, in, out, 1, DType::kFloat64, ReduceOp::kSum, Algorithm::kAuto);
-      CHECK(!"nobody can succeed: worker:0 came too late");
     } catch (const PeerTimeout& e) {
-      CHECK(rank != 1 && std::strstr(e.what(), "worker:0 did not reach this collective") != nullptr);
-    } catch (const PeerLost&) {
-      CHECK(rank != 0);  // the late one finds the mesh closed by those who gave up
+      named = std::strstr(e.what(), "worker:0 did not reach this collective") != nullptr;
     }
+    CHECK(named);
   });
 }
 
