@@ -151,8 +151,23 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
 
 # --- validation -------------------------------------------------------------
 
+# DLPack device types of CUDA memory (kDLCUDA, kDLCUDAManaged).
+_DLPACK_CUDA = (2, 13)
+
+
 def _on_gpu(buffers) -> bool:
-    return isinstance(buffers, (list, tuple)) and bool(buffers) and hasattr(buffers[0], "__cuda_array_interface__")
+    """Whether the replicas' buffers are CUDA arrays (CuPy, __cuda_array_interface__, or CUDA DLPack)."""
+    if not isinstance(buffers, (list, tuple)) or not buffers:
+        return False
+    first = buffers[0]
+    if hasattr(first, "__cuda_array_interface__"):
+        return True
+    if type(first) is np.ndarray or not hasattr(first, "__dlpack_device__"):
+        return False
+    try:
+        return first.__dlpack_device__()[0] in _DLPACK_CUDA
+    except Exception:
+        return False
 
 
 def _cuda():

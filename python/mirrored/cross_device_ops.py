@@ -50,8 +50,20 @@ def _as_per_replica(value, argument: str = "per_replica_value") -> DistributedVa
 def _device_of(x) -> str:
     if isinstance(x, Variable):
         return x.device
-    if device_util.on_gpu(x):  # CuPy names its device .id; other CUDA arrays may not say: GPU 0
-        return device_util.canonicalize(f"/gpu:{getattr(getattr(x, 'device', None), 'id', 0)}")
+    if device_util.on_gpu(x):
+        # CuPy names its *physical* device .id (other CUDA arrays may not say: GPU 0). Several logical
+        # GPUs can share it: prefer the running replica's own device, else the first logical GPU on it.
+        from . import config
+
+        physical = getattr(getattr(x, "device", None), "id", 0)
+        current = device_util.current()
+        if current is not None and device_util.parse(current).device_type == "GPU" and \
+                config.physical_gpu_index(device_util.parse(current).device_index) == physical:
+            return current
+        for i in range(len(config.list_logical_devices("GPU"))):
+            if config.physical_gpu_index(i) == physical:
+                return device_util.canonicalize(f"/gpu:{i}")
+        return device_util.canonicalize(f"/gpu:{physical}")
     return device_util.canonicalize("/cpu:0")
 
 

@@ -132,6 +132,11 @@ def _gpu_ordinal(spec: DeviceSpec) -> int:
     return config.physical_gpu_index(spec.device_index)
 
 
+def all_gpu(devices: tuple) -> bool:
+    """Whether every device of ``devices`` (a tuple of strings) is a GPU device."""
+    return all(parse(d).device_type == "GPU" for d in devices)
+
+
 def on_gpu(x) -> bool:
     return hasattr(x, "__cuda_array_interface__")
 

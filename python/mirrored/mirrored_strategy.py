@@ -7,13 +7,15 @@ whose built-ins make one native call for all replicas with the GIL released.
 
 from __future__ import annotations
 
+import contextlib
+
 import threading
 import weakref
 
 import numpy as np
 
 from . import config, device_util
-from .cross_device_ops import CrossDeviceOps, RingAllReduce
+from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce
 from .distribute_lib import _Aborted, _Context, _Group, _local, ReplicaContext, Strategy, StrategyExtended
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
@@ -129,6 +131,26 @@ def _resolve_devices(devices) -> tuple:
     return canonical
 
 
+def _default_cross_device_ops(devices) -> CrossDeviceOps:
+    """TF's choice: NCCL when every replica has a GPU of its own and NCCL loads, else the native ring."""
+    if not device_util.all_gpu(devices):
+        return RingAllReduce()
+    from . import _gpu
+
+    if _gpu.default_gpu_algorithm([_gpu.physical_ordinal(d) for d in devices]) == "nccl":
+        return NcclAllReduce()
+    return RingAllReduce()
+
+
+def _replica_stream_scope(device, replica_id: int):
+    """GPU replicas queue their CuPy work on their own device and stream."""
+    if device_util.parse(device).device_type != "GPU":
+        return contextlib.nullcontext()
+    from . import _gpu
+
+    return _gpu.replica_scope(device, replica_id)
+
+
 class _MirroredReplicaContext(ReplicaContext):
     @property
     def devices(self) -> list:
@@ -144,7 +166,7 @@ class MirroredExtended(StrategyExtended):
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise ValueError(f"cross_device_ops={cross_device_ops!r}: expected an instance of "
                              "md.cross_device_ops.CrossDeviceOps (e.g. RingAllReduce())")
-        self._cross_device_ops = cross_device_ops or RingAllReduce()
+        self._cross_device_ops = cross_device_ops or _default_cross_device_ops(self._local_devices)
         self._pool = _ReplicaPool(len(self._local_devices))
         weakref.finalize(container_strategy, self._pool.close)
         self._replica_contexts = None
@@ -167,7 +189,7 @@ class MirroredExtended(StrategyExtended):
             saved = getattr(_local, "stack", None)
             _local.stack = [_Context(strategy, contexts[i])]
             try:
-                with device_util.device_scope(devices[i]):
+                with device_util.device_scope(devices[i]), _replica_stream_scope(devices[i], i):
                     if args or kwargs:
                         return fn(*select_replica(i, args), **select_replica(i, kwargs))
                     return fn()
