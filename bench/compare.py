@@ -185,6 +185,15 @@ def strategy_overhead(n):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    device = argparse.ArgumentParser(add_help=False)
+    device.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    known, rest = device.parse_known_args(argv)
+    if known.device == "gpu":  # the GPU comparison has its own options (see compare_gpu.py --help)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import compare_gpu
+
+        return compare_gpu.main(rest)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     p.add_argument("--sizes", default="4,4K,64K,1M,4M,16M,64M")
@@ -192,9 +201,6 @@ def main(argv=None):
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
-    if args.device == "gpu":
-        import compare_gpu
-        return compare_gpu.main(sys.argv[1:])
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     print(f"# mirrored bench/compare.py: float32 sum, in place; host kernels {_core.isa()}, "
           f"{_core.num_threads()} pool threads, {os.cpu_count()} CPUs\n")
