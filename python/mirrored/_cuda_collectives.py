@@ -22,6 +22,7 @@ import numpy as np
 
 from . import _gpu, timeline
 from ._dtypes import dtype_code, op_code
+from .collectives import check_batch, check_packing, gather_layout
 
 __all__ = ["all_reduce", "broadcast", "reduce", "all_gather", "batch_all_reduce", "ALGORITHMS"]
 
@@ -37,11 +38,15 @@ _engines: dict = {}
 atexit.register(_engines.clear)
 
 
-def all_reduce(buffers, op="sum", *, out=None, algorithm="auto"):
-    """``out[i] = op(buffers[0], ..., buffers[n-1])`` for every replica ``i``, on replica ``i``'s GPU."""
+def all_reduce(buffers, op="sum", *, out=None, algorithm="auto", chunk_bytes=0):
+    """``out[i] = op(buffers[0], ..., buffers[n-1])`` for every replica ``i``, on replica ``i``'s GPU.
+
+    ``chunk_bytes``: the least a rank moves per ring step (0: CHUNK_BYTES).
+    """
     arrays, code, devices = _inputs(buffers, "buffers")
     opc = op_code(op)
-    engine, algo = _engine(devices, algorithm)
+    _, _, chunk = check_packing(0, None, chunk_bytes)
+    engine, algo = _engine(devices, algorithm, chunk)
     outs, finish = _outputs(out, arrays, devices, "out")
     with timeline.span("all_reduce", arrays[0].nbytes, algorithm, len(arrays)):
         engine.all_reduce(_ptrs(arrays), _ptrs(outs), arrays[0].size, code, opc, algo, _streams(devices))
@@ -80,21 +85,8 @@ def reduce(buffers, op="sum", root=0, *, out=None):
 def all_gather(buffers, axis=0):
     """Every replica gets the concatenation of all buffers along ``axis`` on its own GPU; sizes may differ along ``axis`` only."""
     arrays, _, devices = _inputs(buffers, "buffers", same_shape=False)
+    shape, row_bytes, outer = gather_layout(arrays, axis)
     first = arrays[0]
-    if first.ndim == 0:
-        raise ValueError("all_gather: buffers are 0-d scalars; gather needs at least one dimension (use x[None])")
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -first.ndim <= axis < first.ndim:
-        raise ValueError(f"axis={axis!r} is out of range for {first.ndim}-d buffers; use 0..{first.ndim - 1}")
-    axis = int(axis) % first.ndim
-    for i, a in enumerate(arrays):
-        if a.ndim != first.ndim or a.shape[:axis] != first.shape[:axis] or a.shape[axis + 1:] != first.shape[axis + 1:]:
-            raise ValueError(
-                f"buffers[{i}] has shape {a.shape} but buffers[0] has {first.shape}: all_gather needs the "
-                f"same shape on every replica except along axis {axis}"
-            )
-    outer = int(np.prod(first.shape[:axis], dtype=np.int64))
-    inner = int(np.prod(first.shape[axis + 1:], dtype=np.int64)) * first.itemsize
-    shape = first.shape[:axis] + (sum(a.shape[axis] for a in arrays),) + first.shape[axis + 1:]
     cupy = _cupy()
     outs = []
     for d in devices:
@@ -102,31 +94,17 @@ def all_gather(buffers, axis=0):
             outs.append(cupy.empty(shape, first.dtype))
     engine, _ = _engine(devices, "auto")
     with timeline.span("all_gather", first.nbytes, "direct", len(arrays)):
-        engine.all_gather(_ptrs(arrays), _ptrs(outs), [a.shape[axis] * inner for a in arrays], outer,
-                          _streams(devices))
+        engine.all_gather(_ptrs(arrays), _ptrs(outs), row_bytes, outer, _streams(devices))
     return outs
 
 
-def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto"):
+def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto",
+                     chunk_bytes=0):
     """All-reduce many tensors per replica at once, fused into few packs (see :mod:`mirrored.collectives`)."""
-    if not isinstance(per_replica_lists, (list, tuple)) or not per_replica_lists:
-        raise ValueError("per_replica_lists: expected a non-empty list with one list of arrays per replica")
-    n = len(per_replica_lists)
-    for r, tensors in enumerate(per_replica_lists):
-        if not isinstance(tensors, (list, tuple)):
-            raise TypeError(f"per_replica_lists[{r}] is {type(tensors).__name__}; expected a list of arrays")
-        if len(tensors) != len(per_replica_lists[0]):
-            raise ValueError(
-                f"per_replica_lists[{r}] has {len(tensors)} tensors but per_replica_lists[0] has "
-                f"{len(per_replica_lists[0])}; every replica must pass the same tensors"
-            )
+    n = check_batch(per_replica_lists)
     if not per_replica_lists[0]:
         return [[] for _ in range(n)]
-    if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, (int, np.integer)) or bytes_per_pack < 0:
-        raise ValueError(f"bytes_per_pack={bytes_per_pack!r} must be an integer >= 0 (0: no size limit)")
-    if num_packs is not None and (isinstance(num_packs, bool) or not isinstance(num_packs, (int, np.integer))
-                                  or num_packs < 1):
-        raise ValueError(f"num_packs={num_packs!r} must be a positive integer or None")
+    bytes_per_pack, num_packs, chunk = check_packing(bytes_per_pack, num_packs, chunk_bytes)
     opc = op_code(op)
     columns, devices = [], None
     for t in range(len(per_replica_lists[0])):
@@ -136,7 +114,7 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
                              "each replica's tensors must all be on that replica's GPU")
         devices = devs
         columns.append((column, code))
-    engine, algo = _engine(devices, algorithm)
+    engine, algo = _engine(devices, algorithm, chunk)
     cupy = _cupy()
     outputs = []
     for r, d in enumerate(devices):
@@ -146,7 +124,7 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
         engine.batch_all_reduce([[c[0][r].data.ptr for c in columns] for r in range(n)],
                                 [[o.data.ptr for o in outs] for outs in outputs],
                                 [c[0][0].size for c in columns], [c[1] for c in columns], opc,
-                                int(bytes_per_pack), int(num_packs or 0), algo, _streams(devices))
+                                bytes_per_pack, num_packs, algo, _streams(devices))
     return outputs
 
 
@@ -236,15 +214,16 @@ def _outputs(out, arrays, devices, argument: str):
     return outs, finish
 
 
-def _engine(devices, algorithm):
-    """The engine for these GPUs and the algorithm code to pass it."""
+def _engine(devices, algorithm, chunk_bytes=0):
+    """The engine for these GPUs (and ring chunk size; 0: CHUNK_BYTES) and the algorithm code to pass it."""
     name = algorithm.lower() if isinstance(algorithm, str) else algorithm
     if name not in ALGORITHMS:
         hint = " ('direct' is a host-buffer algorithm)" if name == "direct" else ""
         raise ValueError(f"algorithm={algorithm!r} is not a GPU algorithm{hint}; use one of "
                          f"{', '.join(repr(a) for a in ALGORITHMS)}")
     kind = "nccl" if name == "nccl" else "ring"
-    key = (kind, tuple(devices))
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
+    key = (kind, tuple(devices), chunk_bytes if kind == "ring" else 0)
     engine = _engines.get(key)
     if engine is None:
         cuda = _gpu.cuda_module()
@@ -255,7 +234,7 @@ def _engine(devices, algorithm):
             _gpu.load_nccl()
             engine = cuda.nccl(list(devices))
         else:
-            engine = cuda.ring(list(devices), CHUNK_BYTES, CHANNELS)
+            engine = cuda.ring(list(devices), chunk_bytes, CHANNELS)
         engine = _engines.setdefault(key, engine)
     return engine, ALGORITHMS[name]
 

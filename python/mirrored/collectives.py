@@ -34,10 +34,9 @@ def all_reduce(buffers, op="sum", *, out=None, algorithm="auto", chunk_bytes=0):
     ``chunk_bytes``: bytes each participant handles per ring step (0: the
     engine's default); only the ring uses it.
     """
-    chunk = _chunk_bytes(chunk_bytes)
     if _on_gpu(buffers):
-        extra = {"chunk_bytes": chunk} if chunk else {}
-        return _cuda().all_reduce(buffers, op, out=out, algorithm=algorithm, **extra)
+        return _cuda().all_reduce(buffers, op, out=out, algorithm=algorithm, chunk_bytes=chunk_bytes)
+    chunk = _chunk_bytes(chunk_bytes)
     arrays, code = _inputs(buffers, "buffers")
     opc = op_code(op)
     algo = _algorithm(algorithm)
@@ -81,24 +80,10 @@ def all_gather(buffers, axis=0):
     if _on_gpu(buffers):
         return _cuda().all_gather(buffers, axis)
     arrays, _ = _inputs(buffers, "buffers", same_shape=False)
-    first = arrays[0]
-    if first.ndim == 0:
-        raise ValueError("all_gather: buffers are 0-d scalars; gather needs at least one dimension (use x[None])")
-    if not isinstance(axis, (int, np.integer)) or not -first.ndim <= axis < first.ndim:
-        raise ValueError(f"axis={axis!r} is out of range for {first.ndim}-d buffers; use 0..{first.ndim - 1}")
-    axis = int(axis) % first.ndim
-    for i, a in enumerate(arrays):
-        if a.ndim != first.ndim or a.shape[:axis] != first.shape[:axis] or a.shape[axis + 1:] != first.shape[axis + 1:]:
-            raise ValueError(
-                f"buffers[{i}] has shape {a.shape} but buffers[0] has {first.shape}: all_gather needs the "
-                f"same shape on every replica except along axis {axis}"
-            )
-    outer = int(np.prod(first.shape[:axis], dtype=np.int64))
-    inner = int(np.prod(first.shape[axis + 1:], dtype=np.int64)) * first.itemsize
-    shape = first.shape[:axis] + (sum(a.shape[axis] for a in arrays),) + first.shape[axis + 1:]
-    outs = [np.empty(shape, first.dtype) for _ in arrays]
+    shape, row_bytes, outer = gather_layout(arrays, axis)
+    outs = [np.empty(shape, arrays[0].dtype) for _ in arrays]
     with timeline.span("all_gather", arrays[0].nbytes, "direct", len(arrays)):
-        _core.all_gather(arrays, outs, [a.shape[axis] * inner for a in arrays], outer)
+        _core.all_gather(arrays, outs, row_bytes, outer)
     return outs
 
 
@@ -111,28 +96,13 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
     ``num_packs`` splits each dtype's tensors into that many packs; neither:
     one pack per dtype.
     """
-    if not isinstance(per_replica_lists, (list, tuple)) or not per_replica_lists:
-        raise ValueError("per_replica_lists: expected a non-empty list with one list of arrays per replica")
-    n = len(per_replica_lists)
-    for r, tensors in enumerate(per_replica_lists):
-        if not isinstance(tensors, (list, tuple)):
-            raise TypeError(f"per_replica_lists[{r}] is {type(tensors).__name__}; expected a list of arrays")
-        if len(tensors) != len(per_replica_lists[0]):
-            raise ValueError(
-                f"per_replica_lists[{r}] has {len(tensors)} tensors but per_replica_lists[0] has "
-                f"{len(per_replica_lists[0])}; every replica must pass the same tensors"
-            )
+    n = check_batch(per_replica_lists)
     if not per_replica_lists[0]:
         return [[] for _ in range(n)]
-    chunk = _chunk_bytes(chunk_bytes)
     if _on_gpu([per_replica_lists[0][0]]):
-        extra = {"chunk_bytes": chunk} if chunk else {}
         return _cuda().batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
-                                        num_packs=num_packs, algorithm=algorithm, **extra)
-    if not isinstance(bytes_per_pack, (int, np.integer)) or bytes_per_pack < 0:
-        raise ValueError(f"bytes_per_pack={bytes_per_pack!r} must be an integer >= 0 (0: no size limit)")
-    if num_packs is not None and (not isinstance(num_packs, (int, np.integer)) or num_packs < 1):
-        raise ValueError(f"num_packs={num_packs!r} must be a positive integer or None")
+                                        num_packs=num_packs, algorithm=algorithm, chunk_bytes=chunk_bytes)
+    bytes_per_pack, num_packs, chunk = check_packing(bytes_per_pack, num_packs, chunk_bytes)
     opc = op_code(op)
     algo = _algorithm(algorithm)
     # Check tensor t across replicas; arrange inputs replica-major.
@@ -144,12 +114,57 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
     outputs = [np.empty_like(a) for a in inputs]
     with timeline.span("batch_all_reduce", sum(a.nbytes for a in inputs) // n, algorithm, n):
         _core.batch_all_reduce(n, inputs, outputs, [c[0][0].size for c in columns], [c[1] for c in columns],
-                               opc, int(bytes_per_pack), int(num_packs or 0), algo, chunk)
+                               opc, bytes_per_pack, num_packs, algo, chunk)
     T = len(columns)
     return [outputs[r * T:(r + 1) * T] for r in range(n)]
 
 
-# --- validation -------------------------------------------------------------
+# --- validation (shared with _cuda_collectives) ------------------------------
+
+def check_batch(per_replica_lists) -> int:
+    """The number of replicas of a batch: a list with one equally long list of arrays per replica."""
+    if not isinstance(per_replica_lists, (list, tuple)) or not per_replica_lists:
+        raise ValueError("per_replica_lists: expected a non-empty list with one list of arrays per replica")
+    for r, tensors in enumerate(per_replica_lists):
+        if not isinstance(tensors, (list, tuple)):
+            raise TypeError(f"per_replica_lists[{r}] is {type(tensors).__name__}; expected a list of arrays")
+        if len(tensors) != len(per_replica_lists[0]):
+            raise ValueError(
+                f"per_replica_lists[{r}] has {len(tensors)} tensors but per_replica_lists[0] has "
+                f"{len(per_replica_lists[0])}; every replica must pass the same tensors"
+            )
+    return len(per_replica_lists)
+
+
+def gather_layout(arrays, axis) -> tuple:
+    """(result shape, bytes each replica adds to a row, number of rows) of gathering ``arrays`` along ``axis``."""
+    first = arrays[0]
+    if first.ndim == 0:
+        raise ValueError("all_gather: buffers are 0-d scalars; gather needs at least one dimension (use x[None])")
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -first.ndim <= axis < first.ndim:
+        raise ValueError(f"axis={axis!r} is out of range for {first.ndim}-d buffers; use 0..{first.ndim - 1}")
+    axis = int(axis) % first.ndim
+    for i, a in enumerate(arrays):
+        if a.ndim != first.ndim or a.shape[:axis] != first.shape[:axis] or a.shape[axis + 1:] != first.shape[axis + 1:]:
+            raise ValueError(
+                f"buffers[{i}] has shape {a.shape} but buffers[0] has {first.shape}: all_gather needs the "
+                f"same shape on every replica except along axis {axis}"
+            )
+    outer = int(np.prod(first.shape[:axis], dtype=np.int64))
+    inner = int(np.prod(first.shape[axis + 1:], dtype=np.int64)) * first.itemsize
+    shape = first.shape[:axis] + (sum(a.shape[axis] for a in arrays),) + first.shape[axis + 1:]
+    return shape, [a.shape[axis] * inner for a in arrays], outer
+
+
+def check_packing(bytes_per_pack, num_packs, chunk_bytes=0) -> tuple:
+    """(bytes_per_pack, num_packs, chunk_bytes) as the native call takes them (num_packs None -> 0)."""
+    if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, (int, np.integer)) or bytes_per_pack < 0:
+        raise ValueError(f"bytes_per_pack={bytes_per_pack!r} must be an integer >= 0 (0: no size limit)")
+    if num_packs is not None and (isinstance(num_packs, bool) or not isinstance(num_packs, (int, np.integer))
+                                  or num_packs < 1):
+        raise ValueError(f"num_packs={num_packs!r} must be a positive integer or None")
+    return int(bytes_per_pack), int(num_packs or 0), _chunk_bytes(chunk_bytes)
+
 
 # DLPack device types of CUDA memory (kDLCUDA, kDLCUDAManaged).
 _DLPACK_CUDA = (2, 13)
