@@ -1,7 +1,6 @@
 """The main job, examples/train_digits.py, on a few steps."""
 
 import importlib.util
-import os
 import pathlib
 import re
 import subprocess
