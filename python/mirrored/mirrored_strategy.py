@@ -8,6 +8,7 @@ whose built-ins make one native call for all replicas with the GIL released.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import threading
 import weakref
@@ -142,6 +143,35 @@ def _default_cross_device_ops(devices) -> CrossDeviceOps:
     return RingAllReduce()
 
 
+_blas = None  # threadpoolctl's controller of the BLAS libraries NumPy loaded (found once)
+
+
+def _blas_threads_for(devices):
+    """Cap BLAS threads while CPU replicas run, so N replicas x BLAS threads fit the cores.
+
+    Each replica thread's matmuls would otherwise start the BLAS library's own
+    threads: 4 replicas on 2 cores then run ~4x slower than with one BLAS
+    thread each (bench/train_step.py). Restored after the step.
+    """
+    global _blas
+    cpu_replicas = sum(device_util.parse(d).device_type == "CPU" for d in devices)
+    if cpu_replicas < 2:
+        return contextlib.nullcontext()
+    if _blas is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+
+            _blas = ThreadpoolController()
+        except ImportError:  # optional: without it BLAS keeps its own thread count
+            _blas = False
+    if not _blas:
+        return contextlib.nullcontext()
+    cap = max(1, len(os.sched_getaffinity(0)) // cpu_replicas)
+    if all(lib.num_threads <= cap for lib in _blas.select(user_api="blas").lib_controllers):
+        return contextlib.nullcontext()
+    return _blas.limit(limits=cap, user_api="blas")
+
+
 def _replica_stream_scope(device, replica_id: int):
     """GPU replicas queue their CuPy work on their own device and stream."""
     if device_util.parse(device).device_type != "GPU":
@@ -196,7 +226,8 @@ class MirroredExtended(StrategyExtended):
             finally:
                 _local.stack = saved
 
-        return regroup(self._pool.run(replica), devices=devices)
+        with _blas_threads_for(devices):
+            return regroup(self._pool.run(replica), devices=devices)
 
     def _check_components(self, structure):
         from . import _nest
