@@ -378,3 +378,20 @@ def test_replica_threads_end_with_their_strategy():
     while threading.active_count() > before and time.time() < deadline:
         time.sleep(0.01)
     assert threading.active_count() <= before
+
+
+def test_cpu_replicas_share_the_cores_with_blas():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    import os
+
+    controller = threadpoolctl.ThreadpoolController().select(user_api="blas")
+    if not controller.lib_controllers:
+        pytest.skip("NumPy loaded no BLAS library that threadpoolctl knows")
+    n = 4
+    cap = max(1, len(os.sched_getaffinity(0)) // n)
+    with threadpoolctl.threadpool_limits(limits=8, user_api="blas"):  # as if the machine had many cores
+        s = md.MirroredStrategy(cpus(n))
+        seen = s.run(lambda: max(lib.num_threads for lib in controller.lib_controllers))
+        assert max(s.experimental_local_results(seen)) <= cap
+        # restored after the step
+        assert max(lib.num_threads for lib in controller.lib_controllers) == 8
