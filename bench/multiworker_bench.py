@@ -16,6 +16,7 @@ checked against the expected sum.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import socket
@@ -162,11 +163,8 @@ def main(argv=None) -> int:
         print(json.dumps(torch_worker(sizes, args._world, args._rank, args._port)))
         return 0
 
-    try:
-        import torch  # noqa: F401
-        have_torch = not args.no_torch
-    except ImportError:
-        have_torch = False
+    have_torch = not args.no_torch and importlib.util.find_spec("torch") is not None
+    if not have_torch and not args.no_torch:
         print("torch is not installed: mirrored only (pip install torch for the comparison)")
     report = {"cpu_count": os.cpu_count(), "results": []}
     for world in args.workers:

@@ -173,24 +173,26 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<StoreClient> store, std::vect
 }
 
 void GlooCommunicator::setup_shared_memory(const std::string& prefix) {
-  const char* env = std::getenv("MIRRORED_SHM");
-  if (size() == 1 || (env && std::string(env) == "0")) return;
-  // Same machine: same host name and same boot (containers may share a name).
+  if (size() == 1) return;
+  // Same machine: same host name and same boot (containers may share a
+  // name). A rank with MIRRORED_SHM=0 publishes a different identity, so
+  // every rank agrees on the network then.
   char host[256] = {};
   ::gethostname(host, sizeof(host) - 1);
-  std::string boot;
+  std::string me = host;
   if (std::FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
     char id[64] = {};
-    if (std::fgets(id, sizeof(id), f)) boot = id;
+    if (std::fgets(id, sizeof(id), f)) me += std::string("/") + id;
     std::fclose(f);
   }
-  const std::string me = std::string(host) + "/" + boot;
+  const char* env = std::getenv("MIRRORED_SHM");
+  if (env && std::string(env) == "0") me += "/rank " + std::to_string(rank_) + " without shared memory";
   store_->set(prefix + "host/" + std::to_string(rank_), std::vector<char>(me.begin(), me.end()));
   std::vector<std::string> keys;
   for (int r = 0; r < size(); ++r) keys.push_back(prefix + "host/" + std::to_string(r));
   if (!store_->wait(keys, store_->timeout()).empty()) return;  // cannot happen after connectFullMesh
   for (const auto& k : keys)
-    if (store_->get(k) != std::vector<char>(me.begin(), me.end())) return;  // same answer on every rank
+    if (store_->get(k) != std::vector<char>(me.begin(), me.end())) return;  // the same answer on every rank
   std::uint64_t ok = 1;
   try {
     shm_ = std::make_unique<ShmReducer>(*store_, prefix + "shm", rank_, size(), store_->timeout());

@@ -233,7 +233,7 @@ class TFConfigClusterResolver(ClusterResolver):
             raise ValueError(f"TF_CONFIG['cluster'] must be an object of task type -> addresses; e.g. {_EXAMPLE}")
         task = config.get("task", {})
         if not isinstance(task, dict):
-            raise ValueError(f"TF_CONFIG['task'] must be an object like {{\"type\": \"worker\", \"index\": 0}}")
+            raise ValueError('TF_CONFIG[\'task\'] must be an object like {"type": "worker", "index": 0}')
         if task and "type" not in task:
             raise ValueError("TF_CONFIG['task'] has no 'type'; set it to chief, worker, ps or evaluator")
         if "index" in task:

@@ -210,11 +210,10 @@ class CollectiveGroup:
         if collectives._on_gpu([tensors0[0]]):
             return self._device().batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
                                                    num_packs=num_packs)
-        columns = []
-        for t in range(len(tensors0)):
-            if any(len(lst) != len(tensors0) for lst in per_replica_lists):
-                raise ValueError("per_replica_lists: every replica must pass the same number of tensors")
-            columns.append(collectives._inputs([lst[t] for lst in per_replica_lists], f"per_replica_lists[*][{t}]")[0])
+        if any(len(lst) != len(tensors0) for lst in per_replica_lists):
+            raise ValueError("per_replica_lists: every replica must pass the same number of tensors")
+        columns = [collectives._inputs([lst[t] for lst in per_replica_lists], f"per_replica_lists[*][{t}]")[0]
+                   for t in range(len(tensors0))]
         results = [[None] * len(columns) for _ in range(n)]
         for pack in _packs(columns, bytes_per_pack, num_packs):
             flat = [np.concatenate([columns[t][r].reshape(-1) for t in pack]) for r in range(n)]
