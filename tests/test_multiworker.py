@@ -99,8 +99,8 @@ def reach_the_collective_late(late, delay, timeout):
         raise type(e)(f"{time.time() - started:.2f}s {e}") from None
 
 
-def join(timeout):
-    _group(1, timeout=timeout)
+def join(timeout, local_replicas=1):
+    _group(local_replicas, timeout=timeout)
 
 
 # --- tests -----------------------------------------------------------------------------------
@@ -183,6 +183,13 @@ def test_a_peer_that_is_late_for_a_collective_is_named(shm):
     assert first.error == "PeerTimeoutError", first.message
     assert "worker:1 did not reach this collective" in first.message
     assert float(first.message.split("s ", 1)[0]) < 1.5 + 5
+
+
+def test_workers_with_different_replica_counts_are_refused():
+    results = launch(join, 2, kwargs={"timeout": 10.0}, per_task_kwargs={1: {"local_replicas": 2}}, timeout=30)
+    for r in results:
+        assert r.error == "ValueError", (r.task, r.error, r.message)
+        assert "task worker:1 has 2 local replicas but" in r.message or "has 1 local replicas" in r.message
 
 
 # --- the store, in process -----------------------------------------------------------------

@@ -184,6 +184,7 @@ def test_tf_2_0_communication_argument():
     ({"communication_options": 5}, "expected md.CommunicationOptions"),
     ({"cluster_resolver": SimpleClusterResolver({"worker": ["127.0.0.1:1", "127.0.0.1:2"], "ps": ["127.0.0.1:3"]},
                                                 task_type="ps", task_id=0)}, "ps:0 does not take part"),
+    ({"cluster_resolver": SimpleClusterResolver({"worker": ["127.0.0.1:1", "127.0.0.1:2"]})}, "has no task"),
 ])
 def test_bad_configurations_raise_naming_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -98,6 +98,10 @@ class CollectiveGroup:
         spec = resolver.cluster_spec()
         tasks = collective_tasks(spec)
         me = (resolver.task_type, resolver.task_id)
+        if me[0] is None:
+            raise ValueError(f"the cluster has {len(tasks)} chief/worker tasks but this process has no task: set "
+                             "TF_CONFIG's \"task\" to {\"type\": ..., \"index\": ...} (or the resolver's task_type "
+                             "and task_id)")
         if me not in tasks:
             raise ValueError(f"task {me[0]}:{me[1]} does not take part in collectives; MultiWorkerMirroredStrategy "
                              "runs on the chief and worker tasks (ps and evaluator tasks do not join)")
