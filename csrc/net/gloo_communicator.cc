@@ -131,13 +131,12 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<StoreClient> store, std::vect
     throw std::invalid_argument("task_names: rank " + std::to_string(rank_) + " is not one of " +
                                 std::to_string(tasks_.size()) + " tasks");
   if (local_ < 1) throw std::invalid_argument("local_replicas must be >= 1, got " + std::to_string(local_));
-  const std::string& prefix = prefix_;
 
   // Arrival: every task announces its replica count; the keys that never
   // appear name the tasks that never came.
-  store_->set(prefix + "replicas/" + std::to_string(rank_), to_bytes(local_));
+  store_->set(prefix_ + "replicas/" + std::to_string(rank_), to_bytes(local_));
   std::vector<std::string> keys;
-  for (int r = 0; r < size(); ++r) keys.push_back(prefix + "replicas/" + std::to_string(r));
+  for (int r = 0; r < size(); ++r) keys.push_back(prefix_ + "replicas/" + std::to_string(r));
   const auto missing = store_->wait(keys, store_->timeout());
   if (!missing.empty()) {
     std::vector<std::string> who;
@@ -161,18 +160,19 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<StoreClient> store, std::vect
   auto device = gloo::transport::tcp::CreateDevice(attr);
   auto context = std::make_shared<gloo::rendezvous::Context>(rank_, size());
   context->setTimeout(store_->timeout());
-  GlooStore gloo_store(*store_, prefix + "gloo/", tasks_);
+  GlooStore gloo_store(*store_, prefix_ + "gloo/", tasks_);
   try {
     context->connectFullMesh(gloo_store, device);
   } catch (const gloo::Exception& e) {
     throw PeerLost(std::string("connecting the Gloo mesh failed: ") + e.what());
   }
   context_ = std::move(context);
+  setup_shared_memory();
+  // Last: a constructor that throws must not leave a running thread behind.
   watchdog_ = std::thread([this] { watch(); });
-  setup_shared_memory(prefix);
 }
 
-void GlooCommunicator::setup_shared_memory(const std::string& prefix) {
+void GlooCommunicator::setup_shared_memory() {
   if (size() == 1) return;
   // Same machine: same host name and same boot (containers may share a
   // name). A rank with MIRRORED_SHM=0 publishes a different identity, so
@@ -187,18 +187,18 @@ void GlooCommunicator::setup_shared_memory(const std::string& prefix) {
   }
   const char* env = std::getenv("MIRRORED_SHM");
   if (env && std::string(env) == "0") me += "/rank " + std::to_string(rank_) + " without shared memory";
-  store_->set(prefix + "host/" + std::to_string(rank_), std::vector<char>(me.begin(), me.end()));
+  store_->set(prefix_ + "host/" + std::to_string(rank_), std::vector<char>(me.begin(), me.end()));
   std::vector<std::string> keys;
-  for (int r = 0; r < size(); ++r) keys.push_back(prefix + "host/" + std::to_string(r));
+  for (int r = 0; r < size(); ++r) keys.push_back(prefix_ + "host/" + std::to_string(r));
   if (!store_->wait(keys, store_->timeout()).empty()) return;  // cannot happen after connectFullMesh
   for (const auto& k : keys)
     if (store_->get(k) != std::vector<char>(me.begin(), me.end())) return;  // the same answer on every rank
   std::uint64_t ok = 1;
   try {
-    shm_ = std::make_unique<ShmReducer>(*store_, prefix + "shm", rank_, size(), store_->timeout());
+    shm_ = std::make_unique<ShmReducer>(*store_, prefix_ + "shm", rank_, size(), store_->timeout());
   } catch (const std::exception&) {
     ok = 0;  // e.g. /dev/shm full or absent: every rank falls back to the network
-    if (rank_ == 0) store_->set(prefix + "shm", {});
+    if (rank_ == 0) store_->set(prefix_ + "shm", {});
   }
   // Everyone learns whether everyone mapped the segment.
   const auto all = exchange_locked({ok});

@@ -69,7 +69,7 @@ class GlooCommunicator : public Communicator {
   std::string diagnose(std::int64_t seq, bool timed_out, Verdict* verdict);
   void check_replicas(int n, const char* what) const;
   void watch();
-  void setup_shared_memory(const std::string& prefix);
+  void setup_shared_memory();
   void check_peers();
   std::vector<std::uint64_t> exchange_locked(const std::vector<std::uint64_t>& mine);
 
