@@ -152,20 +152,28 @@ void ShmReducer::all_reduce(void* acc, std::size_t count, DType dtype, ReduceOp 
   const auto combine = reduce_kernels().combine[static_cast<int>(dtype)][static_cast<int>(combining_op(op))];
   char* data = static_cast<char*>(acc);
   for (std::size_t start = 0; start < count; start += chunk, ++chunks_) {
-    const std::size_t n = std::min(chunk, count - start);
-    const std::size_t set = chunks_ % 2;
-    std::memcpy(slot(set, rank_), data + start * elem, n * elem);
-    barrier(deadline, check_peers);
-    // My share, combined over every rank in rank order, lands in slot 0.
+    const std::size_t n = std::min(chunk, count - start), set = chunks_ % 2;
+    char* mine = data + start * elem;
+    // Rank r reduces elements [lo, hi) of the chunk; this rank's own share
+    // never needs to enter shared memory: it is read from, and written back
+    // to, the caller's buffer directly.
     const std::size_t share = (n + size_ - 1) / size_;
     const std::size_t lo = std::min(n, rank_ * share), hi = std::min(n, lo + share);
+    std::memcpy(slot(set, rank_), mine, lo * elem);
+    std::memcpy(slot(set, rank_) + hi * elem, mine + hi * elem, (n - hi) * elem);
+    barrier(deadline, check_peers);
     if (hi > lo) {
+      const auto part = [&](int r) -> const char* { return r == rank_ ? mine + lo * elem : slot(set, r) + lo * elem; };
+      // Combined over every rank in rank order, into slot 0 for the peers.
       char* dst = slot(set, 0) + lo * elem;
-      for (int r = 1; r < size_; ++r) combine(dst, dst, slot(set, r) + lo * elem, hi - lo);
+      combine(dst, part(0), part(1), hi - lo);
+      for (int r = 2; r < size_; ++r) combine(dst, dst, part(r), hi - lo);
+      std::memcpy(mine + lo * elem, dst, (hi - lo) * elem);
     }
     barrier(deadline, check_peers);
-    // Safe to read while faster ranks fill the other set with the next chunk.
-    std::memcpy(data + start * elem, slot(set, 0), n * elem);
+    // The peers' shares; safe to read while faster ranks fill the other set with the next chunk.
+    std::memcpy(mine, slot(set, 0), lo * elem);
+    std::memcpy(mine + hi * elem, slot(set, 0) + hi * elem, (n - hi) * elem);
   }
 }
 

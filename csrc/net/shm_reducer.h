@@ -1,7 +1,7 @@
 // All-reduce through one shared-memory segment, for jobs whose processes all
 // run on one machine. Each process copies its buffer into its own slot,
 // reduces a 1/p share of it across every slot, and copies the reduced whole
-// back: three passes over memory instead of the TCP stack's copies. Buffers
+// back: about three passes over memory instead of the TCP stack's copies. Buffers
 // go through in chunks, in two alternating sets of slots, so consecutive
 // chunks are separated by two barriers only.
 #pragma once
