@@ -65,7 +65,7 @@ TEST(collectives_match_the_reference) {
   constexpr int n = 2;  // local replicas per task; 6 replicas in the job
   constexpr int replicas = 3 * n;
   job(n, milliseconds(10000), "collectives", [](int rank, GlooCommunicator& comm) {
-    for (std::size_t count : {std::size_t{1}, std::size_t{5}, std::size_t{300001}}) {  // direct, then ring
+    for (std::size_t count : {std::size_t{1}, std::size_t{5}, std::size_t{300001}}) {  // one element, one chunk, several chunks
       for (Algorithm algorithm : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree}) {
         std::vector<std::vector<float>> in(n, std::vector<float>(count)), out = in;
         for (int j = 0; j < n; ++j)
