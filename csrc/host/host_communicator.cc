@@ -8,6 +8,7 @@
 #include "core/partition.h"
 #include "core/ring_schedule.h"
 #include "core/tree_schedule.h"
+#include "host/stream_store.h"
 
 namespace mirrored {
 
@@ -20,6 +21,9 @@ constexpr std::size_t kBlockBytes = 16 * 1024;
 constexpr std::size_t kRingChunkBytes = 16 * 1024;
 // Below this many bytes touched, waking the pool costs more than it saves.
 constexpr std::size_t kParallelBytes = 256 * 1024;
+// Out-of-place collectives touching at least this many bytes (2 * n * S)
+// stream their outputs past the cache (see host/stream_store.h).
+constexpr std::size_t kStreamBytes = 16 << 20;
 // Bytes of each buffer one pool item covers: large enough to amortise the
 // claim, small enough to balance two to sixteen threads.
 constexpr std::size_t kItemBytes = 64 * 1024;
@@ -71,14 +75,23 @@ Algorithm HostCommunicator::choose(int n, std::size_t bytes) {
   return Algorithm::kDirect;
 }
 
+bool HostCommunicator::streams(int n, const void* const* in, void* const* out, std::size_t bytes) {
+  if (2 * n * bytes < kStreamBytes) return false;
+  for (int k = 0; k < n; ++k)
+    if (out[k] == in[k]) return false;  // in place: the lines were just read, plain stores are free
+  return true;
+}
+
 void HostCommunicator::fold_range(int n, const void* const* in, void* const* out, int first, bool every_output,
-                                  std::size_t begin, std::size_t end, DType dtype, ReduceOp op) const {
+                                  std::size_t begin, std::size_t end, DType dtype, ReduceOp op, bool stream) const {
   const std::size_t es = dtype_size(dtype);
   const std::size_t block = std::max<std::size_t>(1, kBlockBytes / es);
+  // Streaming folds into an L1 scratch block and streams it to the outputs.
+  alignas(64) static thread_local unsigned char scratch[kBlockBytes];
   for (std::size_t b = begin; b < end; b += block) {
     const std::size_t m = std::min(block, end - b);
     const std::size_t off = b * es;
-    void* acc = at(out[first], off);
+    void* acc = stream ? static_cast<void*>(scratch) : at(out[first], off);
     if (n == 1) {
       if (acc != at(in[0], off)) std::memcpy(acc, at(in[0], off), m * es);
     } else {
@@ -90,9 +103,13 @@ void HostCommunicator::fold_range(int n, const void* const* in, void* const* out
         if (k != first && k != second) combine(kernels_, dtype, op, acc, acc, at(in[k], off), m);
       if (op == ReduceOp::kMean) kernels_.divide[static_cast<int>(dtype)](acc, m, n);
     }
-    if (every_output)
+    if (stream) {
+      for (int k = 0; k < n; ++k)
+        if (every_output || k == first) stream_store(at(out[k], off), acc, m * es);
+    } else if (every_output) {
       for (int k = 0; k < n; ++k)
         if (k != first) std::memcpy(at(out[k], off), acc, m * es);
+    }
   }
 }
 
@@ -108,8 +125,9 @@ void HostCommunicator::all_reduce(int n, const void* const* in, void* const* out
     case Algorithm::kAuto: break;
   }
   const Items items(count, dtype_size(dtype));
+  const bool stream = streams(n, in, out, count * dtype_size(dtype));
   for_items(items.size(), 2 * n * count * dtype_size(dtype), [&](std::size_t i) {
-    fold_range(n, in, out, 0, true, items[i].begin, items[i].end, dtype, op);
+    fold_range(n, in, out, 0, true, items[i].begin, items[i].end, dtype, op, stream);
   });
 }
 
@@ -189,7 +207,7 @@ void HostCommunicator::reduce(int n, const void* const* in, void* const* out, st
   check_root(n, root, "reduce");
   const Items items(count, dtype_size(dtype));
   for_items(items.size(), (n + 1) * count * dtype_size(dtype), [&](std::size_t i) {
-    fold_range(n, in, out, root, false, items[i].begin, items[i].end, dtype, op);
+    fold_range(n, in, out, root, false, items[i].begin, items[i].end, dtype, op, false);
   });
 }
 
@@ -268,7 +286,7 @@ void HostCommunicator::batch_all_reduce(int n, int ntensors, const void* const* 
         if (lo < hi) {
           for (int k = 0; k < n; ++k) tin[k] = in[k * ntensors + t], tout[k] = out[k * ntensors + t];
           // Piece boundaries are multiples of kItemBytes, hence of every element size.
-          fold_range(n, tin, tout, 0, true, (lo - start) / es, (hi - start) / es, dtypes[t], op);
+          fold_range(n, tin, tout, 0, true, (lo - start) / es, (hi - start) / es, dtypes[t], op, false);
         }
         start += bytes;
       }

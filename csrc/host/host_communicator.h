@@ -54,9 +54,12 @@ class HostCommunicator final : public Communicator {
             std::size_t chunk_bytes);
   void tree(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op);
   // Folds [begin, end) of all inputs into out[first] and copies it to the
-  // other outputs (all of them when every_output, else none).
+  // other outputs (all of them when every_output, else none); with `stream`,
+  // folds in a cache-resident scratch block and streams it to the outputs.
   void fold_range(int n, const void* const* in, void* const* out, int first, bool every_output, std::size_t begin,
-                  std::size_t end, DType dtype, ReduceOp op) const;
+                  std::size_t end, DType dtype, ReduceOp op, bool stream) const;
+  // Whether an all-reduce of n buffers of `bytes` should bypass the cache.
+  static bool streams(int n, const void* const* in, void* const* out, std::size_t bytes);
   const std::vector<Pack>& packs_for(int ntensors, const std::size_t* counts, const DType* dtypes,
                                      std::size_t bytes_per_pack, int num_packs);
 
