@@ -353,8 +353,10 @@ void GlooCommunicator::all_reduce(int n, const void* const* in, void* const* out
   const auto combine_fn = reduce_kernels().combine[static_cast<int>(dtype)][static_cast<int>(combining_op(op))];
   // Small buffers are latency-bound: one all-gather round and a local
   // reduction beats the ring's 2(p-1) rounds. Every process combines the same
-  // contributions in rank order, so every process gets the same bits.
-  const bool direct = algorithm == Algorithm::kDirect || (algorithm == Algorithm::kAuto && bytes <= kDirectMaxBytes);
+  // contributions in rank order, so every process gets the same bits. (With
+  // fewer elements than processes most ring segments are empty: ring wins.)
+  const bool direct = algorithm == Algorithm::kDirect ||
+                      (algorithm == Algorithm::kAuto && bytes <= kDirectMaxBytes && count >= std::size_t(size()));
   if (size() > 1 && count > 0 && shm_ && algorithm == Algorithm::kAuto) {
     collective("all_reduce", [&](std::uint32_t, std::chrono::milliseconds timeout) {
       shm_->all_reduce(acc, count, dtype, op, after(timeout), [this] { check_peers(); });
