@@ -256,3 +256,22 @@ def test_ring_chunk_bytes_changes_the_schedule_not_the_result(chunk_bytes):
         np.testing.assert_array_equal(got[0][1], np.max([x[:77] for x in inputs], axis=0))
     with pytest.raises(ValueError, match="chunk_bytes"):
         collectives.all_reduce(inputs, chunk_bytes=-1)
+
+
+def test_batch_results_are_independent_writeable_arrays():
+    per_replica = [[np.full(5, r, np.float32), np.full((2, 3), r, np.int64)] for r in range(3)]
+    got = collectives.batch_all_reduce(per_replica, "sum")
+    for r in range(3):
+        assert got[r][0].flags.c_contiguous and got[r][0].flags.writeable
+        assert got[r][1].shape == (2, 3) and got[r][1].dtype == np.int64
+    got[0][0][:] = 99  # results of different replicas never share memory
+    np.testing.assert_array_equal(got[1][0], np.full(5, 3, np.float32))
+    np.testing.assert_array_equal(per_replica[2][0], np.full(5, 2, np.float32))  # inputs untouched
+
+
+def test_batch_mixes_plain_arrays_with_ones_that_need_converting():
+    per_replica = [[np.arange(6.0)[::2], [1, 2], np.float32(r)] for r in range(2)]  # strided, list, 0-d
+    got = collectives.batch_all_reduce(per_replica, "sum")
+    np.testing.assert_array_equal(got[1][0], [0.0, 4.0, 8.0])
+    np.testing.assert_array_equal(got[1][1], [2, 4])
+    assert got[0][2].shape == () and got[0][2] == 1.0

@@ -5,6 +5,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "host/host_communicator.h"
@@ -37,6 +39,21 @@ std::vector<void*> outputs_of(const py::list& arrays, const char* argument) {
     ptrs.push_back(py::reinterpret_borrow<py::array>(h).mutable_data());  // raises if read-only
   }
   return ptrs;
+}
+
+// The native dtype of a NumPy dtype, or -1 where the Python layer must
+// decide (bfloat16 and other extension dtypes, non-native byte order).
+int dtype_code_of(const py::dtype& dt) {
+  if (dt.byteorder() == '>' || dt.byteorder() == '<') {
+    // '<' is native on little-endian hosts, which are all we build for.
+    if (dt.byteorder() == '>') return -1;
+  }
+  const char kind = dt.kind();
+  const auto size = dt.itemsize();
+  if (kind == 'f') return size == 2 ? 0 : size == 4 ? 2 : size == 8 ? 3 : -1;
+  if (kind == 'i') return size == 1 ? 4 : size == 4 ? 6 : size == 8 ? 7 : -1;
+  if (kind == 'u') return size == 1 ? 5 : -1;
+  return -1;
 }
 
 int size_of(const std::vector<const void*>& in, const std::vector<void*>& out) {
@@ -102,6 +119,69 @@ PYBIND11_MODULE(_core, m) {
     py::gil_scoped_release nogil;
     comm().batch_all_reduce(n, ntensors, in.data(), out.data(), counts.data(), types.data(), reduce_op_from_code(op),
                             bytes_per_pack, num_packs, static_cast<Algorithm>(algorithm), ring_chunk_bytes);
+  });
+
+  // The fast path of collectives.batch_all_reduce for many small tensors:
+  // reads per_replica_lists[r][t] directly and makes the outputs as views of
+  // one buffer per replica, so the per-tensor cost is a few pointer reads
+  // instead of Python-level checks and one allocation per tensor. Returns
+  // None when any tensor is not a plain C-contiguous array of a built-in
+  // dtype matching replica 0's; the Python layer then converts and reports.
+  m.def("batch_all_reduce_lists", [](const py::sequence& lists, int op, std::size_t bytes_per_pack, int num_packs,
+                                     int algorithm, std::size_t ring_chunk_bytes) -> py::object {
+    const auto n = static_cast<int>(lists.size());
+    const auto T = static_cast<std::size_t>(py::len(lists[0]));
+    std::vector<py::array> first(T);
+    std::vector<std::size_t> counts(T), offsets(T);
+    std::vector<DType> types(T);
+    std::vector<const void*> in(n * T);
+    std::size_t total = 0;
+    for (int r = 0; r < n; ++r) {
+      const py::sequence row = lists[r];
+      for (std::size_t t = 0; t < T; ++t) {
+        const py::object h = row[t];
+        if (!py::isinstance<py::array>(h)) return py::none();
+        const auto a = py::reinterpret_borrow<py::array>(h);
+        if (!(a.flags() & py::array::c_style)) return py::none();
+        if (r == 0) {
+          const int code = dtype_code_of(a.dtype());
+          if (code < 0) return py::none();
+          first[t] = a;
+          types[t] = dtype_from_code(code);
+          counts[t] = static_cast<std::size_t>(a.size());
+          offsets[t] = total;
+          total += (counts[t] * a.itemsize() + 63) / 64 * 64;  // each output 64-byte aligned
+        } else if (!a.dtype().is(first[t].dtype()) && !a.dtype().equal(first[t].dtype())) {
+          return py::none();
+        } else if (a.ndim() != first[t].ndim() ||
+                   !std::equal(a.shape(), a.shape() + a.ndim(), first[t].shape())) {
+          return py::none();
+        }
+        in[r * T + t] = a.data();
+      }
+    }
+    std::vector<void*> out(n * T);
+    py::list result;
+    for (int r = 0; r < n; ++r) {
+      py::array_t<std::uint8_t> flat(static_cast<py::ssize_t>(std::max<std::size_t>(total, 1)));
+      auto* base = reinterpret_cast<char*>(flat.mutable_data());
+      py::list row;
+      for (std::size_t t = 0; t < T; ++t) {
+        const py::array& f = first[t];
+        std::vector<py::ssize_t> shape(f.shape(), f.shape() + f.ndim());
+        py::array view(f.dtype(), shape, {}, base + offsets[t], flat);
+        out[r * T + t] = base + offsets[t];
+        row.append(view);
+      }
+      result.append(row);
+    }
+    {
+      py::gil_scoped_release nogil;
+      comm().batch_all_reduce(n, static_cast<int>(T), in.data(), out.data(), counts.data(), types.data(),
+                              reduce_op_from_code(op), bytes_per_pack, num_packs, static_cast<Algorithm>(algorithm),
+                              ring_chunk_bytes);
+    }
+    return std::move(result);
   });
 
   m.def("choose_algorithm", [](int n, std::size_t bytes) { return algorithm_name(HostCommunicator::choose(n, bytes)); },

@@ -105,7 +105,14 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
     bytes_per_pack, num_packs, chunk = check_packing(bytes_per_pack, num_packs, chunk_bytes)
     opc = op_code(op)
     algo = _algorithm(algorithm)
-    # Check tensor t across replicas; arrange inputs replica-major.
+    # Plain contiguous arrays of built-in dtypes: checked and reduced in one native call.
+    nbytes = sum(np.asarray(a).nbytes for a in per_replica_lists[0]) if timeline.enabled() else 0
+    with timeline.span("batch_all_reduce", nbytes, algorithm, n):
+        fast = _core.batch_all_reduce_lists(per_replica_lists, opc, bytes_per_pack, num_packs, algo, chunk)
+    if fast is not None:
+        return fast
+    # Anything else (lists, strided views, bfloat16, mismatches): convert and check tensor t across
+    # replicas with messages naming it, then arrange inputs replica-major.
     columns = []
     for t in range(len(per_replica_lists[0])):
         column, code = _inputs([tensors[t] for tensors in per_replica_lists], f"per_replica_lists[*][{t}]")
