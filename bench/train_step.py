@@ -7,7 +7,8 @@ forward/backward pass of examples/train_digits.py on this replica's slice of
 the global batch plus ``optimizer.apply_gradients`` (one fused MEAN
 all-reduce of all gradients, then the SGD update of every copy). The baseline
 in the same run is plain NumPy: the same forward/backward and update on the
-whole global batch in one thread, no strategy at all.
+whole global batch in the calling thread (BLAS with its own threads), no
+strategy at all.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def main(argv=None):
     base = per_step(numpy_step, args.steps)
     print(f"MLP {sizes}, {nbytes / 1e6:.2f} MB of gradients, global batch {args.batch_size}\n")
     print("| replicas | step time | samples/s | vs plain NumPy step |\n|---|---|---|---|")
-    print(f"| plain NumPy, 1 thread | {base * 1e3:.2f} ms | {args.batch_size / base:,.0f} | 1.00x |")
+    print(f"| plain NumPy, one process | {base * 1e3:.2f} ms | {args.batch_size / base:,.0f} | 1.00x |")
     for n in args.replicas:
         strategy = md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
         with strategy.scope():

@@ -136,6 +136,9 @@ class Case:
         self.bufs = [self.dev.put(h.copy(), r) for r, h in enumerate(self.host)]
         # Out-of-place results go to buffers allocated once, as nccl-tests does.
         self.outs = [self.dev.put(np.zeros_like(h), r) for r, h in enumerate(self.host)]
+        if self.coll == "batch_all_reduce":  # the tensors of the batch: views, split once (not timed)
+            xp = np if self.dev.kind == "cpu" else self.dev.cupy
+            self.parts = [xp.split(x, self.splits) for x in self.bufs]
 
     @property
     def has_inplace(self):
@@ -152,16 +155,15 @@ class Case:
             return [collectives.reduce(b, self.op, self.root, out=out)]
         if c == "all_gather":
             return collectives.all_gather(b, 0)
-        parts = [np.split(x, self.splits) if self.dev.kind == "cpu" else self.dev.cupy.split(x, self.splits)
-                 for x in b]
-        res = collectives.batch_all_reduce(parts, self.op, algorithm=self.algo)
-        xp = np if self.dev.kind == "cpu" else self.dev.cupy
-        return [xp.concatenate(r) if r else xp.empty(0, x.dtype) for r, x in zip(res, b)]
+        return collectives.batch_all_reduce(self.parts, self.op, algorithm=self.algo)
 
     def check(self, inplace: bool) -> int:
         self.reset()
         res = self.run(inplace)
         self.dev.sync()
+        if self.coll == "batch_all_reduce":  # each replica's tensors, end to end
+            res = [np.concatenate([self.dev.get(t) for t in r]) if r else np.empty(0, self.host[0].dtype)
+                   for r in res]
         return _wrong([self.dev.get(r) for r in res], self.expect)
 
     def time(self, inplace: bool, iters: int, warmup: int) -> float:
