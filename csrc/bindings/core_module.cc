@@ -160,20 +160,25 @@ PYBIND11_MODULE(_core, m) {
         in[r * T + t] = a.data();
       }
     }
+    // Shapes and strides once per tensor (replica 0's array is contiguous).
+    std::vector<std::vector<py::ssize_t>> shapes(T), strides(T);
+    std::vector<py::dtype> dtypes(T);
+    for (std::size_t t = 0; t < T; ++t) {
+      shapes[t].assign(first[t].shape(), first[t].shape() + first[t].ndim());
+      strides[t].assign(first[t].strides(), first[t].strides() + first[t].ndim());
+      dtypes[t] = first[t].dtype();
+    }
     std::vector<void*> out(n * T);
-    py::list result;
+    py::list result(n);
     for (int r = 0; r < n; ++r) {
       py::array_t<std::uint8_t> flat(static_cast<py::ssize_t>(std::max<std::size_t>(total, 1)));
       auto* base = reinterpret_cast<char*>(flat.mutable_data());
-      py::list row;
+      py::list row(T);
       for (std::size_t t = 0; t < T; ++t) {
-        const py::array& f = first[t];
-        std::vector<py::ssize_t> shape(f.shape(), f.shape() + f.ndim());
-        py::array view(f.dtype(), shape, {}, base + offsets[t], flat);
         out[r * T + t] = base + offsets[t];
-        row.append(view);
+        row[t] = py::array(dtypes[t], shapes[t], strides[t], base + offsets[t], flat);
       }
-      result.append(row);
+      result[r] = std::move(row);
     }
     {
       py::gil_scoped_release nogil;
