@@ -169,6 +169,15 @@ class CrossDeviceOps:
         return self.broadcast(gathered[0], destinations)
 
 
+def _fresh_to(reduced, destinations):
+    """A freshly reduced array placed on ``destinations``: the first device takes it as it is
+    (nothing else refers to it), the others get copies."""
+    devices = get_devices_from(destinations)
+    values = [device_util.place(reduced, devices[0])]
+    values += [device_util.place(reduced, d, copy=True) for d in devices[1:]]
+    return _mirrored(values, devices)
+
+
 def _check_gather(arrays, axis):
     first = arrays[0]
     if not -first.ndim <= axis < max(first.ndim, 1) or first.ndim == 0:
@@ -206,8 +215,8 @@ class _NativeAllReduce(CrossDeviceOps):
         if get_devices_from(destinations) == devices:
             return self.batch_reduce_implementation(reduce_op, [(per_replica_value, destinations)], options)[0]
         self._check_devices(devices)
-        reduced = collectives.reduce(_buffers(per_replica_value), reduce_op.value, root=0)
-        return self.broadcast(reduced, destinations)
+        reduced = self._collectives.reduce(_buffers(per_replica_value), reduce_op.value, root=0)
+        return _fresh_to(reduced, destinations)
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
         # Pairs whose destinations are the value's own devices are all-reduced together in one
@@ -317,7 +326,8 @@ class ReductionToOneDevice(CrossDeviceOps):
         else:
             devices = get_devices_from(per_replica_value)
             root = devices.index(target) if target in devices else 0
-            reduced = device_util.place(collectives.reduce(arrays, reduce_op.value, root=root), target)
+            return _fresh_to(device_util.place(collectives.reduce(arrays, reduce_op.value, root=root), target),
+                             destinations)
         return self.broadcast(reduced, destinations)
 
 
