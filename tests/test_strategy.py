@@ -395,3 +395,15 @@ def test_cpu_replicas_share_the_cores_with_blas():
         assert max(s.experimental_local_results(seen)) <= cap
         # restored after the step
         assert max(lib.num_threads for lib in controller.lib_controllers) == 8
+
+
+def test_reduce_min_max_along_axis_with_an_empty_replica_slice():
+    s = md.MirroredStrategy(cpus(4))
+    batch = np.array([[5.0, -1.0], [2.0, 7.0], [3.0, 0.0]], np.float32)  # 3 rows over 4 replicas: 1+1+1+0
+    (x,) = [b for b in s.experimental_distribute_dataset([batch])]
+    assert s.experimental_local_results(x)[3].shape == (0, 2)
+    np.testing.assert_array_equal(s.reduce("MAX", x, axis=0), [5.0, 7.0])
+    np.testing.assert_array_equal(s.reduce("MIN", x, axis=0), [2.0, -1.0])
+    ints = s.experimental_distribute_values_from_function(
+        lambda ctx: np.arange(ctx.replica_id_in_sync_group, dtype=np.int32))  # replica 0 is empty
+    assert s.reduce("MAX", ints, axis=0) == 2 and s.reduce("MIN", ints, axis=0) == 0

@@ -365,8 +365,7 @@ class Strategy:
             return _nest.pack_sequence_as(value, leaves)
 
         if op is not ReduceOp.MEAN:
-            local = {ReduceOp.SUM: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max", ReduceOp.PROD: "prod"}[op]
-            return ext._reduce(op, along_axis(lambda v: getattr(v, local)(axis=axis)))
+            return ext._reduce(op, along_axis(lambda v: _reduce_along(v, op, axis)))
         numer = ext._reduce(ReduceOp.SUM, along_axis(lambda v: v.sum(axis=axis)))
         denom = ext._reduce(ReduceOp.SUM, along_axis(lambda v: np.asarray(v.shape[axis], np.int64)))
         return _nest.pack_sequence_as(numer, [_divide(a, b) for a, b in zip(_nest.flatten(numer),
@@ -596,6 +595,25 @@ class StrategyExtended:
 
     def _make_variable(self, value, name, trainable, synchronization, aggregation):
         return DeviceVariable(value, f"{name}:0", HOST, trainable, synchronization, aggregation)
+
+
+def _reduce_along(v, op: ReduceOp, axis: int):
+    """``v`` reduced along ``axis`` with ``op``; an empty slice (a replica with no rows of a
+    partial batch) gives the op's identity, as TensorFlow's reduce_min/reduce_max do."""
+    local = {ReduceOp.SUM: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max", ReduceOp.PROD: "prod"}[op]
+    if v.shape[axis] or op not in (ReduceOp.MIN, ReduceOp.MAX):
+        return getattr(v, local)(axis=axis)
+    dtype = np.dtype(v.dtype)
+    info = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
+    identity = (np.inf if op is ReduceOp.MIN else -np.inf) if dtype.kind == "f" else \
+        (info.max if op is ReduceOp.MIN else info.min)
+    shape = tuple(d for k, d in enumerate(v.shape) if k != axis % v.ndim)
+    if device_util.on_gpu(v):  # CuPy: the identity goes on v's own GPU
+        import cupy
+
+        with v.device:
+            return cupy.full(shape, identity, dtype)
+    return np.full(shape, identity, dtype)
 
 
 def _check_variable_args(name, trainable, synchronization, aggregation):
