@@ -275,3 +275,28 @@ def test_batch_mixes_plain_arrays_with_ones_that_need_converting():
     np.testing.assert_array_equal(got[1][0], [0.0, 4.0, 8.0])
     np.testing.assert_array_equal(got[1][1], [2, 4])
     assert got[0][2].shape == () and got[0][2] == 1.0
+
+
+def test_large_results_reuse_buffers_only_once_dropped():
+    from mirrored.collectives import _recycler
+
+    big = [np.full(1 << 19, float(i + 1), np.float32) for i in range(2)]  # 2 MiB each
+    first = collectives.all_reduce(big)
+    second = collectives.all_reduce(big)
+    live = first + second
+    assert not any(np.shares_memory(a, b) for i, a in enumerate(live) for b in live[i + 1:])
+    del live
+    kept = len(_recycler._buffers)
+    addresses = {a.__array_interface__["data"][0] for a in first}
+    del first
+    third = collectives.all_reduce(big)  # takes the buffers `first` left
+    assert {a.__array_interface__["data"][0] for a in third} == addresses
+    assert len(_recycler._buffers) == kept
+    for _ in range(50):  # dropped results never pile up
+        collectives.all_reduce(big)
+    assert len(_recycler._buffers) <= kept + 2
+    np.testing.assert_array_equal(third[1], np.full(1 << 19, 3.0, np.float32))
+    view = second[0][:10]  # a view keeps its buffer out of reuse
+    del second
+    fourth = collectives.all_reduce(big)
+    assert not any(np.shares_memory(view, a) for a in fourth)

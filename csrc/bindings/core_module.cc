@@ -123,12 +123,13 @@ PYBIND11_MODULE(_core, m) {
 
   // The fast path of collectives.batch_all_reduce for many small tensors:
   // reads per_replica_lists[r][t] directly and makes the outputs as views of
-  // one buffer per replica, so the per-tensor cost is a few pointer reads
+  // one buffer per replica (from `alloc`), so the per-tensor cost is a few pointer reads
   // instead of Python-level checks and one allocation per tensor. Returns
   // None when any tensor is not a plain C-contiguous array of a built-in
   // dtype matching replica 0's; the Python layer then converts and reports.
   m.def("batch_all_reduce_lists", [](const py::sequence& lists, int op, std::size_t bytes_per_pack, int num_packs,
-                                     int algorithm, std::size_t ring_chunk_bytes) -> py::object {
+                                     int algorithm, std::size_t ring_chunk_bytes,
+                                     const py::function& alloc) -> py::object {
     const auto n = static_cast<int>(lists.size());
     const auto T = static_cast<std::size_t>(py::len(lists[0]));
     std::vector<py::array> first(T);
@@ -171,7 +172,10 @@ PYBIND11_MODULE(_core, m) {
     std::vector<void*> out(n * T);
     py::list result(n);
     for (int r = 0; r < n; ++r) {
-      py::array_t<std::uint8_t> flat(static_cast<py::ssize_t>(std::max<std::size_t>(total, 1)));
+      // alloc(nbytes) -> a uint8 array no one else uses (collectives' buffer recycler).
+      auto flat = alloc(std::max<std::size_t>(total, 1)).cast<py::array_t<std::uint8_t>>();
+      if (static_cast<std::size_t>(flat.size()) < std::max<std::size_t>(total, 1))
+        throw py::value_error("batch_all_reduce_lists: alloc returned a buffer that is too small");
       auto* base = reinterpret_cast<char*>(flat.mutable_data());
       py::list row(T);
       for (std::size_t t = 0; t < T; ++t) {

@@ -15,6 +15,9 @@ input is NaN, like ``np.minimum``).
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import numpy as np
 
 from . import _core, timeline
@@ -66,7 +69,7 @@ def reduce(buffers, op="sum", root=0, *, out=None):
     opc = op_code(op)
     root = _root(root, len(arrays))
     if out is None:
-        target, finish = np.empty_like(arrays[root]), None
+        target, finish = _result_like(arrays[root]), None
     else:
         outs, finish = _outputs(out, arrays, "out")
         target = outs[root]
@@ -81,7 +84,7 @@ def all_gather(buffers, axis=0):
         return _cuda().all_gather(buffers, axis)
     arrays, _ = _inputs(buffers, "buffers", same_shape=False)
     shape, row_bytes, outer = gather_layout(arrays, axis)
-    outs = [np.empty(shape, arrays[0].dtype) for _ in arrays]
+    outs = [_result(shape, arrays[0].dtype) for _ in arrays]
     with timeline.span("all_gather", arrays[0].nbytes, "direct", len(arrays)):
         _core.all_gather(arrays, outs, row_bytes, outer)
     return outs
@@ -108,7 +111,8 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
     # Plain contiguous arrays of built-in dtypes: checked and reduced in one native call.
     nbytes = sum(np.asarray(a).nbytes for a in per_replica_lists[0]) if timeline.enabled() else 0
     with timeline.span("batch_all_reduce", nbytes, algorithm, n):
-        fast = _core.batch_all_reduce_lists(per_replica_lists, opc, bytes_per_pack, num_packs, algo, chunk)
+        fast = _core.batch_all_reduce_lists(per_replica_lists, opc, bytes_per_pack, num_packs, algo, chunk,
+                                            _recycler.empty)
     if fast is not None:
         return fast
     # Anything else (lists, strided views, bfloat16, mismatches): convert and check tensor t across
@@ -118,7 +122,7 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
         column, code = _inputs([tensors[t] for tensors in per_replica_lists], f"per_replica_lists[*][{t}]")
         columns.append((column, code))
     inputs = [columns[t][0][r] for r in range(n) for t in range(len(columns))]
-    outputs = [np.empty_like(a) for a in inputs]
+    outputs = [_result_like(a) for a in inputs]
     with timeline.span("batch_all_reduce", sum(a.nbytes for a in inputs) // n, algorithm, n):
         _core.batch_all_reduce(n, inputs, outputs, [c[0][0].size for c in columns], [c[1] for c in columns],
                                opc, bytes_per_pack, num_packs, algo, chunk)
@@ -246,8 +250,59 @@ def _inputs(buffers, argument: str, same_shape: bool = True):
     return arrays, code
 
 
+class _Recycler:
+    """Result buffers of large collectives, handed out again once nothing refers to them.
+
+    A fresh multi-MiB array costs a page fault per 4 KiB page when it is first
+    written (the allocator gives large blocks back to the OS when they are
+    freed): most of the time of an out-of-place 64 MiB all-reduce. Training
+    steps reduce the same sizes every step, so a buffer is reused as soon as
+    every result viewing it has been dropped, which CPython's reference count
+    tells exactly.
+    """
+
+    MIN_BYTES = 1 << 20  # smaller blocks come from the allocator's free lists anyway
+    MAX_FREE = 16  # free buffers kept for reuse, oldest dropped first
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._buffers: list = []
+
+    def empty(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of ``nbytes`` that no live array uses."""
+        if nbytes < self.MIN_BYTES:
+            return np.empty(nbytes, np.uint8)
+        with self._lock:
+            # Free: referenced only by this list (getrefcount adds one for its own argument).
+            free = [i for i in range(len(self._buffers)) if sys.getrefcount(self._buffers[i]) == 2]
+            for i in free:
+                if self._buffers[i].nbytes == nbytes:
+                    return self._buffers[i]
+            for i in reversed(free[: max(0, len(free) - self.MAX_FREE + 1)]):
+                del self._buffers[i]
+            buf = np.empty(nbytes, np.uint8)
+            self._buffers.append(buf)
+            return buf
+
+
+_recycler = _Recycler()
+
+
+def _result(shape, dtype) -> np.ndarray:
+    """An uninitialised array for a collective's result (large ones reuse dropped buffers)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < _Recycler.MIN_BYTES:
+        return np.empty(shape, dtype)
+    return _recycler.empty(nbytes).view(dtype).reshape(shape)
+
+
+def _result_like(a: np.ndarray) -> np.ndarray:
+    return _result(a.shape, a.dtype)
+
+
 def _new_outputs(arrays):
-    return [np.empty_like(a) for a in arrays]
+    return [_result_like(a) for a in arrays]
 
 
 def _outputs(out, arrays, argument: str):
@@ -272,7 +327,7 @@ def _outputs(out, arrays, argument: str):
             raise ValueError(f"{argument}[{i}] is read-only; pass writeable arrays (or out=None)")
         if not o.flags.c_contiguous:
             # Computed into a temporary, copied back by finish().
-            outs[i] = np.empty_like(arrays[i])
+            outs[i] = _result_like(arrays[i])
 
     def finish():
         for o, tmp in zip(out, outs):
