@@ -90,6 +90,23 @@ void read(Layout& l, int r, void* p, std::size_t count, std::vector<T>& into) {
   });
 }
 
+// The tensors of a fused batch on every rank (int32 or float32, seeded per
+// rank and tensor) and where their results go.
+void batch_buffers(Layout& l, int n, const std::vector<std::size_t>& counts, const std::vector<DType>& dtypes,
+                   ReduceOp s, bool in_place, std::vector<std::vector<const void*>>& bin,
+                   std::vector<std::vector<void*>>& bout) {
+  bin.assign(n, {});
+  bout.assign(n, {});
+  for (int r = 0; r < n; ++r)
+    for (std::size_t t = 0; t < counts.size(); ++t) {
+      void* p = l.alloc(r, counts[t] * 4);
+      if (dtypes[t] == DType::kInt32) write<int>(l, r, p, counts[t], s, r + int(t));
+      else write<float>(l, r, p, counts[t], s, r + int(t));
+      bin[r].push_back(p);
+      bout[r].push_back(in_place ? p : l.alloc(r, counts[t] * 4));
+    }
+}
+
 template <typename T>
 void check_all_reduce(Layout& l, std::size_t count, std::size_t chunk, int channels, ReduceOp op, Algorithm algo,
                       bool in_place, DType dtype) {
@@ -199,16 +216,9 @@ void check_others(Layout& l, std::size_t count, bool in_place) {
   const std::vector<std::size_t> counts = {3, 0, 17, 1, 40};
   const std::vector<DType> dtypes = {DType::kInt32, DType::kFloat32, DType::kInt32, DType::kInt32, DType::kFloat32};
   for (auto [bytes_per_pack, num_packs] : std::vector<std::pair<std::size_t, int>>{{0, 0}, {16, 0}, {64, 0}, {0, 2}}) {
-    std::vector<std::vector<const void*>> bin(n);
-    std::vector<std::vector<void*>> bout(n);
-    for (int r = 0; r < n; ++r)
-      for (std::size_t t = 0; t < counts.size(); ++t) {
-        void* p = l.alloc(r, counts[t] * 4);
-        if (dtypes[t] == DType::kInt32) write<int>(l, r, p, counts[t], s, r + int(t));
-        else write<float>(l, r, p, counts[t], s, r + int(t));
-        bin[r].push_back(p);
-        bout[r].push_back(in_place ? p : l.alloc(r, counts[t] * 4));
-      }
+    std::vector<std::vector<const void*>> bin;
+    std::vector<std::vector<void*>> bout;
+    batch_buffers(l, n, counts, dtypes, s, in_place, bin, bout);
     {
       StreamScope scope(l.streams);
       batch.all_reduce(ring, bin, bout, counts, dtypes, s, Algorithm::kRing, bytes_per_pack, num_packs);
@@ -306,16 +316,9 @@ void check_nccl(Layout& l, std::size_t count, bool in_place, bool by_unique_id) 
   DeviceBatch batch(l.devices);
   const std::vector<std::size_t> counts = {3, count, 5};
   const std::vector<DType> dtypes = {DType::kInt32, DType::kInt32, DType::kFloat32};
-  std::vector<std::vector<const void*>> bin(n);
-  std::vector<std::vector<void*>> bout(n);
-  for (int r = 0; r < n; ++r)
-    for (std::size_t t = 0; t < counts.size(); ++t) {
-      void* p = l.alloc(r, counts[t] * 4);
-      if (dtypes[t] == DType::kInt32) write<int>(l, r, p, counts[t], s, r + int(t));
-      else write<float>(l, r, p, counts[t], s, r + int(t));
-      bin[r].push_back(p);
-      bout[r].push_back(in_place ? p : l.alloc(r, counts[t] * 4));
-    }
+  std::vector<std::vector<const void*>> bin;
+  std::vector<std::vector<void*>> bout;
+  batch_buffers(l, n, counts, dtypes, s, in_place, bin, bout);
   {
     StreamScope scope(l.streams);
     batch.all_reduce(comm, bin, bout, counts, dtypes, s, Algorithm::kAuto, 0, 0);
