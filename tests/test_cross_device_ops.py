@@ -147,9 +147,12 @@ def test_reduce_and_all_reduce_match_numpy(n, dtype, op, shape, seed):
     rng = np.random.default_rng(seed)
     xs = [rng.integers(-3 if np.dtype(dtype).kind != "u" else 0, 4, size=shape).astype(dtype) for _ in range(n)]
     stacked = np.stack(xs)
+    # The MEAN of integers over several replicas is float64 (NumPy's and TF's true division);
+    # with one replica every op returns the value as it is.
+    integer_mean = op == "MEAN" and np.dtype(dtype).kind in "iu" and n > 1
+    result_dtype = np.float64 if integer_mean else np.dtype(dtype)
     if op == "MEAN":
-        expected = np.sum(stacked, axis=0, dtype=dtype) / n
-        expected = expected.astype(dtype) if np.dtype(dtype).kind in "iu" else expected
+        expected = (np.sum(stacked, axis=0, dtype=dtype) / n).astype(result_dtype)
     else:
         expected = NP_OPS[op](stacked, axis=0).astype(dtype)
     s = _STRATEGIES[n]
@@ -157,7 +160,7 @@ def test_reduce_and_all_reduce_match_numpy(n, dtype, op, shape, seed):
     np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(expected, np.float64), rtol=1e-3)
     out = s.run(lambda: md.get_replica_context().all_reduce(op, xs[replica_id()]))
     for v in s.experimental_local_results(out):
-        assert v.dtype == np.dtype(dtype) and v.shape == tuple(shape)
+        assert v.dtype == result_dtype and v.shape == tuple(shape)
         np.testing.assert_allclose(np.asarray(v, np.float64), np.asarray(expected, np.float64), rtol=1e-3)
 
 

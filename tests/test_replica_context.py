@@ -33,10 +33,11 @@ def test_all_reduce_nested_structure_in_one_batch_call(four):
     np.testing.assert_allclose(out["b"][1][0].values[2], [1.5] * 3)
 
 
-def test_all_reduce_integer_mean_truncates(two):
+def test_all_reduce_integer_mean_is_float64_like_tensorflow(two):
     out = two.run(lambda: md.get_replica_context().all_reduce("MEAN", np.array([1, 2], np.int32) + replica_id()))
-    np.testing.assert_array_equal(out.values[0], [1, 2])  # (1+2)/2 = 1.5 -> 1, (2+3)/2 = 2.5 -> 2
-    assert out.values[0].dtype == np.int32
+    for v in out.values:  # (1+2)/2, (2+3)/2: NumPy's (and TF's) true division of integers
+        np.testing.assert_array_equal(v, [1.5, 2.5])
+        assert v.dtype == np.float64
 
 
 def test_all_reduce_in_default_context_returns_value():

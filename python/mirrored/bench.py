@@ -96,9 +96,9 @@ def _pattern(count: int, replica: int, op: str, dtype) -> np.ndarray:
 
 def _expected(inputs, op: str, dtype) -> np.ndarray:
     stack = np.stack([x.astype(np.float64) for x in inputs])
-    if op == "mean":
+    if op == "mean":  # integers: NumPy true division, float64
         s = stack.sum(0) / len(inputs)
-        return np.trunc(s).astype(dtype) if np.dtype(dtype).kind in "iu" else s.astype(dtype)
+        return s if np.dtype(dtype).kind in "iu" else s.astype(dtype)
     ref = {"sum": stack.sum(0), "prod": stack.prod(0), "min": stack.min(0), "max": stack.max(0)}[op]
     return ref.astype(dtype)
 
@@ -135,14 +135,21 @@ class Case:
     def reset(self):
         self.bufs = [self.dev.put(h.copy(), r) for r, h in enumerate(self.host)]
         # Out-of-place results go to buffers allocated once, as nccl-tests does.
-        self.outs = [self.dev.put(np.zeros_like(h), r) for r, h in enumerate(self.host)]
+        out_dtype = np.float64 if self.integer_mean else self.host[0].dtype
+        self.outs = [self.dev.put(np.zeros(h.shape, out_dtype), r) for r, h in enumerate(self.host)]
         if self.coll == "batch_all_reduce":  # the tensors of the batch: views, split once (not timed)
             xp = np if self.dev.kind == "cpu" else self.dev.cupy
             self.parts = [xp.split(x, self.splits) for x in self.bufs]
 
     @property
     def has_inplace(self):
-        return self.coll in ("all_reduce", "broadcast", "reduce")
+        # The (float64) mean of integer buffers cannot be written into them.
+        return self.coll in ("all_reduce", "broadcast", "reduce") and not self.integer_mean
+
+    @property
+    def integer_mean(self):
+        reducing = self.coll in ("all_reduce", "reduce", "batch_all_reduce")
+        return reducing and self.op == "mean" and self.host[0].dtype.kind in "iu"
 
     def run(self, inplace: bool):
         c, b = self.coll, self.bufs

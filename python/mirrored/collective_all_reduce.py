@@ -120,6 +120,9 @@ class CollectiveGroup:
     # -- the functions of mirrored.collectives, across the job ----------------
 
     def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto"):
+        if collectives.integer_mean(buffers, op):  # float64, as in one process (see mirrored.collectives)
+            return collectives.true_divide(self.all_reduce(buffers, "sum", algorithm=algorithm),
+                                           self.num_replicas, out)
         if collectives._on_gpu(buffers):
             return self._device().all_reduce(buffers, op, out=out)
         arrays, code = collectives._inputs(buffers, "buffers")
@@ -141,6 +144,13 @@ class CollectiveGroup:
 
     def reduce(self, buffers, op="sum", root=0, *, out=None):
         """The job-wide reduction, returned on the worker that holds replica ``root`` (None elsewhere)."""
+        if collectives.integer_mean(buffers, op):
+            total = self.reduce(buffers, "sum", root)
+            if total is None:
+                return None
+            local_root = collectives._root(root, self.num_replicas) % self.local_replicas
+            return collectives.true_divide([total], self.num_replicas,
+                                           None if out is None else [out[local_root]])[0]
         if collectives._on_gpu(buffers):
             return self._device().reduce(buffers, op, root, out=out)
         arrays, code = collectives._inputs(buffers, "buffers")
@@ -211,6 +221,10 @@ class CollectiveGroup:
         tensors0 = per_replica_lists[0] if n else []
         if not tensors0:
             return [[] for _ in range(n)]
+        if any(collectives.integer_mean([t], op) for t in tensors0):
+            return collectives.means_of_sums(
+                self.batch_all_reduce(per_replica_lists, "sum", bytes_per_pack=bytes_per_pack, num_packs=num_packs,
+                                      algorithm=algorithm), self.num_replicas)
         if collectives._on_gpu([tensors0[0]]):
             return self._device().batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
                                                    num_packs=num_packs)

@@ -6,11 +6,11 @@ the CUDA engine). ``out=buffers`` works in place; ``out[i]`` may alias
 ``buffers[i]`` and nothing else. The GIL is released for the whole
 collective.
 
-Results follow NumPy: integer sums wrap on overflow; ``mean`` on integers is
-the sum divided by the number of replicas, truncated toward zero and kept in
-the integer dtype (``(s / n).astype(dtype)`` for the wrapped sum ``s``);
-NaN and Inf propagate as IEEE says (``min``/``max`` return NaN when any
-input is NaN, like ``np.minimum``).
+Results follow NumPy: integer sums wrap on overflow; ``mean`` of integer
+buffers is NumPy's true division of the (wrapped) sum by the number of
+replicas, so the result is float64 (``s.astype(np.float64) / n``), as
+TensorFlow's MEAN of integer tensors is; NaN and Inf propagate as IEEE says
+(``min``/``max`` return NaN when any input is NaN, like ``np.minimum``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import threading
 import numpy as np
 
 from . import _core, timeline
-from ._dtypes import dtype_code, op_code
+from ._dtypes import OPS, dtype_code, op_code
 
 __all__ = ["all_reduce", "broadcast", "reduce", "all_gather", "batch_all_reduce", "ALGORITHMS"]
 
@@ -29,6 +29,7 @@ __all__ = ["all_reduce", "broadcast", "reduce", "all_gather", "batch_all_reduce"
 ALGORITHMS = {"auto": 0, "ring": 1, "direct": 2, "tree": 3, "hierarchical": 3}
 
 _DTYPE_CODES: dict = {}
+_MEAN = OPS["mean"]
 
 
 def all_reduce(buffers, op="sum", *, out=None, algorithm="auto", chunk_bytes=0):
@@ -37,11 +38,14 @@ def all_reduce(buffers, op="sum", *, out=None, algorithm="auto", chunk_bytes=0):
     ``chunk_bytes``: bytes each participant handles per ring step (0: the
     engine's default); only the ring uses it.
     """
+    opc = op_code(op)
+    if opc == _MEAN and integer_mean(buffers, op):
+        sums = all_reduce(buffers, "sum", algorithm=algorithm, chunk_bytes=chunk_bytes)
+        return true_divide(sums, len(sums), out)
     if _on_gpu(buffers):
         return _cuda().all_reduce(buffers, op, out=out, algorithm=algorithm, chunk_bytes=chunk_bytes)
     chunk = _chunk_bytes(chunk_bytes)
     arrays, code = _inputs(buffers, "buffers")
-    opc = op_code(op)
     algo = _algorithm(algorithm)
     outs, finish = _outputs(out, arrays, "out")
     with timeline.span("all_reduce", arrays[0].nbytes, algorithm, len(arrays)):
@@ -63,6 +67,9 @@ def broadcast(buffers, root=0, *, out=None):
 
 def reduce(buffers, op="sum", root=0, *, out=None):
     """The reduction of all replicas' buffers, written to ``out[root]`` (or a new array) and returned."""
+    if integer_mean(buffers, op):
+        total = reduce(buffers, "sum", root)
+        return true_divide([total], len(buffers), None if out is None else [out[root]])[0]
     if _on_gpu(buffers):
         return _cuda().reduce(buffers, op, root, out=out)
     arrays, code = _inputs(buffers, "buffers")
@@ -102,6 +109,9 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
     n = check_batch(per_replica_lists)
     if not per_replica_lists[0]:
         return [[] for _ in range(n)]
+    if any(integer_mean([t], op) for t in per_replica_lists[0]):
+        return means_of_sums(batch_all_reduce(per_replica_lists, "sum", bytes_per_pack=bytes_per_pack,
+                                              num_packs=num_packs, algorithm=algorithm, chunk_bytes=chunk_bytes), n)
     if _on_gpu([per_replica_lists[0][0]]):
         return _cuda().batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
                                         num_packs=num_packs, algorithm=algorithm, chunk_bytes=chunk_bytes)
@@ -128,6 +138,45 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
                                opc, bytes_per_pack, num_packs, algo, chunk)
     T = len(columns)
     return [outputs[r * T:(r + 1) * T] for r in range(n)]
+
+
+# --- integer MEAN (shared with the multi-worker group) -------------------------
+
+def integer_mean(buffers, op) -> bool:
+    """Whether this is a MEAN of integer buffers (computed as a sum, then :func:`true_divide`)."""
+    if op_code(op) != _MEAN:
+        return False
+    try:
+        b = buffers[0]
+        dtype = b.dtype if isinstance(getattr(b, "dtype", None), np.dtype) else np.asarray(b).dtype
+    except Exception:  # not an array: the collective itself reports it
+        return False
+    return dtype.kind in "iu"
+
+
+def true_divide(sums, n: int, out=None):
+    """Each (wrapped) integer sum as float64 divided by ``n``, into ``out`` if given (float64 arrays)."""
+    results = [s.astype(np.float64) / n for s in sums]  # NumPy or CuPy
+    if out is None:
+        return results
+    for i, (o, r) in enumerate(zip(out, results)):
+        if getattr(o, "dtype", None) != np.float64 or getattr(o, "shape", None) != r.shape:
+            raise TypeError(f"out[{i}] has dtype {getattr(o, 'dtype', type(o).__name__)}: the mean of integer "
+                            "buffers is float64 (NumPy true division); pass float64 out arrays or out=None")
+        o[...] = r
+    return list(out)
+
+
+def means_of_sums(rows, n: int):
+    """A batch's MEAN from its SUM (``rows[r][t]``, fresh arrays): integers by :func:`true_divide`,
+    floats divided in place (the same rounding as a native mean: sum, then one division)."""
+    def mean(t):
+        if t.dtype.kind in "iu":
+            return true_divide([t], n)[0]
+        t /= n
+        return t
+
+    return [[mean(t) for t in row] for row in rows]
 
 
 # --- validation (shared with _cuda_collectives) ------------------------------
