@@ -107,6 +107,27 @@ void batch_buffers(Layout& l, int n, const std::vector<std::size_t>& counts, con
     }
 }
 
+// Whether every rank's batch outputs hold the sums batch_buffers' inputs must give.
+bool batch_summed(Layout& l, int n, const std::vector<std::size_t>& counts, const std::vector<DType>& dtypes,
+                  ReduceOp s, const std::vector<std::vector<void*>>& bout, const char* what) {
+  std::vector<std::vector<std::vector<int>>> res(n, std::vector<std::vector<int>>(counts.size()));
+  for (int r = 0; r < n; ++r)
+    for (std::size_t t = 0; t < counts.size(); ++t) read<int>(l, r, bout[r][t], counts[t], res[r][t]);
+  sim::drain();
+  for (int r = 0; r < n; ++r)
+    for (std::size_t t = 0; t < counts.size(); ++t)
+      for (std::size_t i = 0; i < counts[t]; ++i) {
+        long long e = 0;
+        for (int q = 0; q < n; ++q) e += value(q + int(t), i, s);
+        float f;
+        std::memcpy(&f, &res[r][t][i], 4);
+        if (dtypes[t] == DType::kInt32 ? res[r][t][i] == e : f == float(e)) continue;
+        if (++failures <= 10) std::printf("FAIL: %s n=%d: rank %d tensor %zu element %zu\n", what, n, r, t, i);
+        return false;
+      }
+  return true;
+}
+
 template <typename T>
 void check_all_reduce(Layout& l, std::size_t count, std::size_t chunk, int channels, ReduceOp op, Algorithm algo,
                       bool in_place, DType dtype) {
@@ -223,21 +244,10 @@ void check_others(Layout& l, std::size_t count, bool in_place) {
       StreamScope scope(l.streams);
       batch.all_reduce(ring, bin, bout, counts, dtypes, s, Algorithm::kRing, bytes_per_pack, num_packs);
     }
-    std::vector<std::vector<std::vector<int>>> res(n, std::vector<std::vector<int>>(counts.size()));
-    for (int r = 0; r < n; ++r)
-      for (std::size_t t = 0; t < counts.size(); ++t) read<int>(l, r, bout[r][t], counts[t], res[r][t]);
-    sim::drain();
-    for (int r = 0; r < n; ++r)
-      for (std::size_t t = 0; t < counts.size(); ++t)
-        for (std::size_t i = 0; i < counts[t]; ++i) {
-          long long e = 0;
-          for (int q = 0; q < n; ++q) e += value(q + int(t), i, s);
-          float f;
-          std::memcpy(&f, &res[r][t][i], 4);
-          EXPECT(dtypes[t] == DType::kInt32 ? res[r][t][i] == e : f == float(e),
-                 "batch n=%d bytes_per_pack=%zu num_packs=%d in_place=%d: rank %d tensor %zu element %zu", n,
-                 bytes_per_pack, num_packs, in_place, r, t, i);
-        }
+    char what[96];
+    std::snprintf(what, sizeof what, "batch bytes_per_pack=%zu num_packs=%d in_place=%d", bytes_per_pack, num_packs,
+                  int(in_place));
+    if (!batch_summed(l, n, counts, dtypes, s, bout, what)) return;
   }
 }
 
@@ -323,20 +333,7 @@ void check_nccl(Layout& l, std::size_t count, bool in_place, bool by_unique_id) 
     StreamScope scope(l.streams);
     batch.all_reduce(comm, bin, bout, counts, dtypes, s, Algorithm::kAuto, 0, 0);
   }
-  std::vector<std::vector<std::vector<int>>> res(n, std::vector<std::vector<int>>(counts.size()));
-  for (int r = 0; r < n; ++r)
-    for (std::size_t t = 0; t < counts.size(); ++t) read<int>(l, r, bout[r][t], counts[t], res[r][t]);
-  sim::drain();
-  for (int r = 0; r < n; ++r)
-    for (std::size_t t = 0; t < counts.size(); ++t)
-      for (std::size_t i = 0; i < counts[t]; ++i) {
-        long long e = 0;
-        for (int q = 0; q < n; ++q) e += value(q + int(t), i, s);
-        float f;
-        std::memcpy(&f, &res[r][t][i], 4);
-        EXPECT(dtypes[t] == DType::kInt32 ? res[r][t][i] == e : f == float(e), "nccl batch n=%d: rank %d tensor %zu", n,
-               r, t);
-      }
+  if (!batch_summed(l, n, counts, dtypes, s, bout, "nccl batch")) return;
 }
 
 template <typename E, typename F>
