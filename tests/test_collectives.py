@@ -313,3 +313,15 @@ def test_large_results_reuse_buffers_only_once_dropped():
     del second
     fourth = collectives.all_reduce(big)
     assert not any(np.shares_memory(view, a) for a in fourth)
+
+
+def test_recycler_holds_bounded_memory():
+    from mirrored.collectives import _Recycler
+
+    r = _Recycler()
+    for size in range(1, 40):  # many distinct sizes, each dropped at once
+        r.empty(size << 20)
+    assert len(r._buffers) <= _Recycler.MAX_FREE
+    assert sum(b.nbytes for b in r._buffers) <= _Recycler.MAX_FREE_BYTES + (40 << 20)
+    kept = r.empty(2 << 20)
+    assert r.empty(2 << 20) is not kept  # in use: never handed out twice

@@ -311,7 +311,8 @@ class _Recycler:
     """
 
     MIN_BYTES = 1 << 20  # smaller blocks come from the allocator's free lists anyway
-    MAX_FREE = 16  # free buffers kept for reuse, oldest dropped first
+    MAX_FREE = 16  # free buffers kept for reuse, oldest dropped first ...
+    MAX_FREE_BYTES = 1 << 30  # ... and at most this much memory held by them
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -327,7 +328,15 @@ class _Recycler:
             for i in free:
                 if self._buffers[i].nbytes == nbytes:
                     return self._buffers[i]
-            for i in reversed(free[: max(0, len(free) - self.MAX_FREE + 1)]):
+            # Keep at most MAX_FREE free buffers and MAX_FREE_BYTES of them, dropping the oldest.
+            free_bytes = sum(self._buffers[i].nbytes for i in free)
+            drop = []
+            for i in free:
+                if len(free) - len(drop) < self.MAX_FREE and free_bytes <= self.MAX_FREE_BYTES:
+                    break
+                drop.append(i)
+                free_bytes -= self._buffers[i].nbytes
+            for i in reversed(drop):
                 del self._buffers[i]
             buf = np.empty(nbytes, np.uint8)
             self._buffers.append(buf)
