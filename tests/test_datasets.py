@@ -151,7 +151,7 @@ def test_split_rule_property(n, b, width):
 
 def test_options_are_named_tuples_like_tf():
     assert repr(md.InputOptions()) == (
-        "InputOptions(experimental_fetch_to_device=None, experimental_replication_mode="
+        "InputOptions(experimental_fetch_to_device=True, experimental_replication_mode="
         "<InputReplicationMode.PER_WORKER: 'PER_WORKER'>, experimental_place_dataset_on_device=False, "
         "experimental_per_replica_buffer_size=1)")
     assert md.RunOptions() == (True, False, None)

@@ -89,7 +89,7 @@ class InputOptions(collections.namedtuple("InputOptions", [
         "experimental_place_dataset_on_device", "experimental_per_replica_buffer_size"])):
     """Options for distributing datasets (``tf.distribute.InputOptions``, a named tuple as in TF).
 
-    ``experimental_fetch_to_device`` (None/True) places each replica's slice
+    ``experimental_fetch_to_device`` (default True) places each replica's slice
     on its device in the background prefetcher; False leaves it on the host.
     ``experimental_per_replica_buffer_size`` is how many batches per replica
     the prefetcher keeps ready.
@@ -109,6 +109,8 @@ class InputOptions(collections.namedtuple("InputOptions", [
                 "experimental_place_dataset_on_device=True and experimental_fetch_to_device=True conflict: "
                 "set experimental_fetch_to_device=False"
             )
+        if experimental_fetch_to_device is None:  # TF's default: fetch unless the dataset sits on the device
+            experimental_fetch_to_device = not experimental_place_dataset_on_device
         return super().__new__(cls, experimental_fetch_to_device, experimental_replication_mode,
                                experimental_place_dataset_on_device, experimental_per_replica_buffer_size)
 
