@@ -22,6 +22,12 @@ from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
 
 
+
+def _numpy_text(value) -> str:
+    """A value as TF's variable repr shows it: a scalar plainly (``numpy=1.0``), an array by its repr."""
+    value = np.asarray(value)
+    return str(value[()]) if value.ndim == 0 else repr(value)
+
 class DistributedValues:
     """Base class of values with one component per replica (``.values``)."""
 
@@ -120,7 +126,7 @@ class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
 
     def __repr__(self) -> str:
         return (f"<mirrored.Variable '{self.name}' shape={self.shape} dtype={self.dtype.name}, "
-                f"numpy={self.numpy()!r}>")
+                f"numpy={_numpy_text(self.numpy())}>")
 
 
 class _Ref:
