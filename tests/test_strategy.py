@@ -306,8 +306,8 @@ def test_reduce_to_in_merge_call_doc_example(two, batched):
         two.run(step_fn, args=(v,))
     assert repr(v) == (
         "MirroredVariable:{\n"
-        f"  0: <mirrored.Variable 'Variable:0' shape=() dtype=float32, numpy={np.float32(2.0)!r}>,\n"
-        f"  1: <mirrored.Variable 'Variable/replica_1:0' shape=() dtype=float32, numpy={np.float32(2.0)!r}>\n}}")
+        "  0: <mirrored.Variable 'Variable:0' shape=() dtype=float32, numpy=2.0>,\n"
+        "  1: <mirrored.Variable 'Variable/replica_1:0' shape=() dtype=float32, numpy=2.0>\n}")
 
 
 def test_call_for_each_replica_merge_doc_example(two):

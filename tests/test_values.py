@@ -21,9 +21,8 @@ def test_mirrored_variable_doc_example(two):
     assert isinstance(x, md.MirroredVariable) and isinstance(x, md.Variable)
     assert repr(x) == (
         "MirroredVariable:{\n"
-        "  0: <mirrored.Variable 'Variable:0' shape=() dtype=float32, numpy=" + repr(np.float32(1.0)) + ">,\n"
-        "  1: <mirrored.Variable 'Variable/replica_1:0' shape=() dtype=float32, numpy=" + repr(np.float32(1.0))
-        + ">\n}")
+        "  0: <mirrored.Variable 'Variable:0' shape=() dtype=float32, numpy=1.0>,\n"
+        "  1: <mirrored.Variable 'Variable/replica_1:0' shape=() dtype=float32, numpy=1.0>\n}")
     assert x.name == "Variable:0" and x.shape == () and x.dtype == np.float32
     assert x.trainable and x.aggregation is md.VariableAggregation.NONE
     assert x.synchronization is md.VariableSynchronization.ON_WRITE
