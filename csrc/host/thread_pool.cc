@@ -60,7 +60,9 @@ void ThreadPool::work_on(std::uint64_t generation) {
   for (;;) {
     if ((cur >> kIndexBits) != generation) return;
     const std::size_t item = cur & kIndexMask;
-    if (item >= items_.load(std::memory_order_relaxed)) return;
+    // Acquire pairs with dispatch's release of a new job's size: a worker that
+    // sees the new size also sees the finished job closed, so its CAS fails.
+    if (item >= items_.load(std::memory_order_acquire)) return;
     if (!cursor_.compare_exchange_weak(cur, cur + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
     // The claim succeeded, so this job cannot finish (and be replaced)
     // before this item is done: its description is stable.
@@ -72,15 +74,19 @@ void ThreadPool::work_on(std::uint64_t generation) {
 
 void ThreadPool::dispatch(std::size_t items, Task task, void* ctx) {
   std::lock_guard<std::mutex> submit(submit_mu_);
+  const std::uint64_t previous = cursor_.load(std::memory_order_relaxed) >> kIndexBits;
+  // Close the finished job before its description changes: a worker that
+  // read its exhausted cursor and then saw the new, larger item count would
+  // otherwise claim a phantom item (run out of range, count it done twice).
+  cursor_.store((previous << kIndexBits) | kIndexMask, std::memory_order_seq_cst);
   task_.store(task, std::memory_order_relaxed);
   ctx_.store(ctx, std::memory_order_relaxed);
-  items_.store(items, std::memory_order_relaxed);
   done_.store(0, std::memory_order_relaxed);
-  std::uint64_t generation;
+  items_.store(items, std::memory_order_release);
+  const std::uint64_t generation = previous + 1;
   {
     // Publishing under the mutex pairs with the sleepers' predicate check.
     std::lock_guard<std::mutex> lock(mu_);
-    generation = (cursor_.load(std::memory_order_relaxed) >> kIndexBits) + 1;
     cursor_.store(generation << kIndexBits, std::memory_order_release);
   }
   wake_.notify_all();

@@ -1,6 +1,7 @@
 // Host collectives end to end in C++ (what the sanitizer builds exercise):
 // results against a scalar reference, in place and out of place, every
 // algorithm, plus concurrent callers for ThreadSanitizer.
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -232,6 +233,22 @@ TEST(concurrent_callers_share_the_pool_safely) {
     });
   for (auto& t : threads) t.join();
   for (int v : ok) CHECK(v == 1);
+}
+
+TEST(pool_runs_every_item_of_every_job_exactly_once) {
+  // Back-to-back jobs whose sizes alternate small/large: a worker lingering
+  // on a finished small job must never claim an item of it once the next,
+  // larger job's size is visible (it would run out of range, count twice).
+  ThreadPool pool(4);
+  std::vector<std::atomic<int>> hits(64);
+  bool ok = true;
+  for (int job = 0; job < 20000 && ok; ++job) {
+    const std::size_t items = job % 2 ? 64 : 2;
+    for (auto& h : hits) h.store(0);
+    pool.parallel_for(items, [&](std::size_t i) { hits[i].fetch_add(1); });
+    for (std::size_t i = 0; i < hits.size(); ++i) ok = ok && hits[i].load() == (i < items ? 1 : 0);
+  }
+  CHECK(ok);
 }
 
 TEST(bad_arguments_throw) {
