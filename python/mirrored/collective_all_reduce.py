@@ -221,7 +221,7 @@ class CollectiveGroup:
         tensors0 = per_replica_lists[0] if n else []
         if not tensors0:
             return [[] for _ in range(n)]
-        if any(collectives.integer_mean([t], op) for t in tensors0):
+        if collectives.any_integer_mean(tensors0, op):
             return collectives.means_of_sums(
                 self.batch_all_reduce(per_replica_lists, "sum", bytes_per_pack=bytes_per_pack, num_packs=num_packs,
                                       algorithm=algorithm), self.num_replicas)

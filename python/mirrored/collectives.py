@@ -109,7 +109,7 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
     n = check_batch(per_replica_lists)
     if not per_replica_lists[0]:
         return [[] for _ in range(n)]
-    if any(integer_mean([t], op) for t in per_replica_lists[0]):
+    if any_integer_mean(per_replica_lists[0], op):
         return means_of_sums(batch_all_reduce(per_replica_lists, "sum", bytes_per_pack=bytes_per_pack,
                                               num_packs=num_packs, algorithm=algorithm, chunk_bytes=chunk_bytes), n)
     if _on_gpu([per_replica_lists[0][0]]):
@@ -147,8 +147,20 @@ def integer_mean(buffers, op) -> bool:
     if op_code(op) != _MEAN:
         return False
     try:
-        b = buffers[0]
-        dtype = b.dtype if isinstance(getattr(b, "dtype", None), np.dtype) else np.asarray(b).dtype
+        first = buffers[0]
+    except Exception:  # not a list of buffers: the collective itself reports it
+        return False
+    return _is_integer(first)
+
+
+def any_integer_mean(tensors, op) -> bool:
+    """Whether a batch MEAN has an integer tensor among ``tensors`` (the op is checked once)."""
+    return op_code(op) == _MEAN and any(_is_integer(t) for t in tensors)
+
+
+def _is_integer(x) -> bool:
+    try:
+        dtype = x.dtype if isinstance(getattr(x, "dtype", None), np.dtype) else np.asarray(x).dtype
     except Exception:  # not an array: the collective itself reports it
         return False
     return dtype.kind in "iu"
