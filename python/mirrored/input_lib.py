@@ -281,14 +281,26 @@ class _Reiterable:
             raise TypeError(f"{argument}={dataset!r} is not iterable; pass an iterable of batches (a list, a "
                             "generator, a dataset object)") from None
         self._dataset = dataset
+        self._argument = argument
         self._one_shot = iter(dataset) is dataset
         self._buffered = []
+        self._exhausted = False  # a one-shot source ran to its end: another pass would be empty
 
     def __call__(self):
         if not self._one_shot:
             return iter(self._dataset)
+        if self._exhausted and not self._buffered:
+            raise ValueError(
+                f"{self._argument} is a one-shot iterator ({type(self._dataset).__name__}) that an earlier pass "
+                "consumed to its end, so this pass would yield no batch; pass something iterable again "
+                "(a list, or an object whose __iter__ returns a fresh iterator, e.g. a class wrapping the "
+                "generator function), or distribute a new generator for every epoch")
         buffered, self._buffered = self._buffered, []
-        return itertools.chain(buffered, self._dataset)
+        return self._track(itertools.chain(buffered, self._dataset))
+
+    def _track(self, items):
+        yield from items
+        self._exhausted = True
 
     def peek(self, count: int) -> list:
         """The first ``count`` items (fewer at the end), still there for the next iteration."""
