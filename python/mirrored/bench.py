@@ -113,7 +113,7 @@ def parse_ops(text: str) -> list[str]:
     aliases = {**{v: k for k, v in OP_NAMES.items()}, **{k: k for k in OP_NAMES}}
     bad = [o for o in names if o not in aliases]
     if bad or not names:
-        raise ValueError(f"--op {','.join(bad) or text!r}: use sum, prod, min, max, avg (or mean), comma-separated, "
+        raise ValueError(f"--op {','.join(bad) or repr(text)}: use sum, prod, min, max, avg (or mean), comma-separated, "
                          "or all")
     return [aliases[o] for o in names]
 
