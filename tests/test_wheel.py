@@ -79,6 +79,9 @@ def test_the_wheel_is_manylinux_and_carries_gloo(wheel):
         assert any(os.path.basename(n).startswith(lib + "-") for n in libs), (lib, libs)
     assert "mirrored/py.typed" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
+    # Shipping their binaries means shipping their notices: one per bundled library's package.
+    notices = [n for n in names if "/licenses/bundled/" in n]
+    assert any("libgloo" in n for n in notices) and len(notices) >= len(libs), (notices, libs)
 
 
 def test_a_two_worker_job_runs_from_a_fresh_venv_without_the_system_gloo(wheel, tmp_path):
