@@ -6,6 +6,7 @@ wheel's own mirrored.libs/, never from the system (Debian's libgloo0).
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -127,3 +128,20 @@ def test_a_two_worker_job_runs_from_a_fresh_venv_without_the_system_gloo(wheel, 
         assert r["gloo"] and all("/mirrored.libs/libgloo-" in g for g in r["gloo"]), r["gloo"]
         assert r["gloo_available"] is True
         assert r["version"] == version("mirrored")
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake")
+def test_a_build_without_gloo_says_so_loudly_or_is_refused(tmp_path):
+    def configure(*extra):
+        return subprocess.run(["cmake", "-S", str(ROOT), "-B", str(tmp_path / "build"), "-DMIRRORED_PYTHON=OFF",
+                               "-DCMAKE_DISABLE_FIND_PACKAGE_Gloo=ON", *extra],
+                              capture_output=True, text=True, timeout=300)
+
+    warned = configure()
+    assert warned.returncode == 0, warned.stderr
+    text = " ".join(warned.stderr.split())  # CMake wraps long lines
+    assert "CMake Warning" in text and "this build has NO multi-worker support" in text
+    assert "Fix: apt-get install libgloo-dev" in text
+    refused = configure("-DMIRRORED_REQUIRE_GLOO=ON")
+    assert refused.returncode != 0
+    assert "MIRRORED_REQUIRE_GLOO=ON: a build without Gloo is refused" in " ".join(refused.stderr.split())
