@@ -53,7 +53,10 @@ def host_view(x, argument: str) -> np.ndarray:
 
 def _bfloat16_view(x, argument: str):
     """``x`` viewed as ml_dtypes.bfloat16 if it is a bfloat16 tensor in host memory, else None."""
-    capsule = x.__dlpack__()  # no max_version: the unversioned capsule every producer offers
+    try:
+        capsule = x.__dlpack__()  # no max_version: the unversioned capsule every producer offers
+    except Exception:  # the producer refuses to export (np.from_dlpack's error says why)
+        return None
     t = _DLManagedTensor.from_address(_get_pointer(capsule, b"dltensor")).dl_tensor
     if (t.dtype.code, t.dtype.bits, t.dtype.lanes) != (_K_DL_BFLOAT, 16, 1) or \
             t.device.device_type not in _HOST_DEVICES:
