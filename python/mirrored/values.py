@@ -12,6 +12,7 @@ array, so an array returned by ``read_value()`` never changes under its holder.
 
 from __future__ import annotations
 
+import inspect
 import operator
 import weakref
 
@@ -76,6 +77,19 @@ class _VariableMeta(type):
 
             return distribute_lib.get_strategy().extended._create_variable(*args, **kwargs)
         return super().__call__(*args, **kwargs)
+
+    @property
+    def __signature__(cls) -> inspect.Signature:
+        # inspect would otherwise show __call__'s (*args, **kwargs): show what md.Variable(...) takes
+        # (the strategy's variable creator) and, for the subclasses, their own __init__.
+        if cls is Variable:
+            from . import distribute_lib
+
+            function = distribute_lib.StrategyExtended._create_variable
+        else:
+            function = cls.__init__
+        signature = inspect.signature(function)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])  # without self
 
 
 class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
