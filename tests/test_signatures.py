@@ -11,9 +11,9 @@ import mirrored as md
 
 def _public_callables():
     """(dotted name, object) of every public callable defined in mirrored, reached from ``md``."""
-    found, seen = {}, set()
-
-    def walk(prefix, module):
+    found, seen, queue = {}, {"mirrored"}, [("md", md)]
+    while queue:  # breadth first, so each object is named by its shortest path
+        prefix, module = queue.pop(0)
         for name in dir(module):
             if name.startswith("_"):
                 continue
@@ -21,13 +21,9 @@ def _public_callables():
             if isinstance(obj, types.ModuleType):
                 if obj.__name__.startswith("mirrored") and obj.__name__ not in seen:
                     seen.add(obj.__name__)
-                    walk(f"{prefix}.{name}", obj)
+                    queue.append((f"{prefix}.{name}", obj))
             elif callable(obj) and getattr(obj, "__module__", "").startswith("mirrored"):
-                dotted = f"{prefix}.{name}"
-                if id(obj) not in found or len(dotted) < len(found[id(obj)][0]):  # the shortest path to it
-                    found[id(obj)] = (dotted, obj)
-
-    walk("md", md)
+                found.setdefault(id(obj), (f"{prefix}.{name}", obj))
     return sorted(found.values())
 
 
