@@ -232,3 +232,12 @@ def test_a_tensor_that_cannot_export_dlpack_is_named():
     t = torch.ones(3, requires_grad=True)
     with pytest.raises(TypeError, match=r"buffers\[0\]: cannot read this DLPack tensor"):
         md.collectives.all_reduce([t, t], "sum")
+
+
+@needs_torch
+def test_a_dtype_dlpack_cannot_carry_to_numpy_is_refused_with_the_reason():
+    t = torch.zeros(3, dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"buffers\[0\]: cannot read this DLPack tensor on the host \(.*dtype"):
+        md.collectives.all_reduce([t, t], "sum")
+    with pytest.raises(TypeError, match=r"out\[1\]: cannot read this DLPack tensor"):
+        md.collectives.all_reduce([torch.ones(3), torch.ones(3)], "sum", out=[torch.zeros(3), t])
