@@ -176,6 +176,26 @@ def test_replica_all_reduce_and_strategy_reduce_take_tensors():
 
 
 @needs_torch
+def test_bfloat16_tensors_through_the_strategy():
+    """replica all_reduce and strategy.reduce read bfloat16 tensors by DLPack (torch has no NumPy bf16)."""
+    import ml_dtypes
+
+    strategy = _strategy(2)
+
+    def fn():
+        rid = md.get_replica_context().replica_id_in_sync_group
+        t = torch.tensor([1.0, 2.5, -3.0], dtype=torch.bfloat16) * (rid + 1)
+        return md.get_replica_context().all_reduce("sum", t), t
+
+    summed, tensors = strategy.run(fn)
+    for local in strategy.experimental_local_results(summed):
+        assert np.asarray(local).dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(np.asarray(local).astype(np.float32), [3.0, 7.5, -9.0])
+    total = strategy.reduce("SUM", tensors, axis=None)
+    np.testing.assert_array_equal(np.asarray(total).astype(np.float32), [3.0, 7.5, -9.0])
+
+
+@needs_torch
 def test_torch_gradients_train_a_mirrored_variable():
     path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "dlpack_torch.py"
     spec = importlib.util.spec_from_file_location("dlpack_torch", path)
