@@ -689,6 +689,13 @@ auto StoreClient::call(const char* what, Fn&& fn) -> decltype(fn()) {
 }
 
 void StoreClient::set(const std::string& key, const std::vector<char>& value) {
+  // Refused here rather than by a server that would drop the connection.
+  const std::size_t limit = StoreLimits{}.max_value;
+  if (value.size() > limit || key.size() > kMaxKey)
+    throw std::invalid_argument("rendezvous store set '" + key.substr(0, 64) + "': a key of " +
+                                std::to_string(key.size()) + " bytes or a value of " + std::to_string(value.size()) +
+                                " bytes exceeds the store's limits (" + std::to_string(kMaxKey) + ", " +
+                                std::to_string(limit) + ")");
   std::string refusal;
   call("set", [&] {
     Encoder e;
@@ -723,7 +730,10 @@ std::vector<std::string> StoreClient::wait(const std::vector<std::string>& keys,
     for (const auto& k : keys) e.str(k);
     e.i64(timeout.count());
     sock_.write_all(e.data().data(), e.data().size(), after(timeout_));
-    Decoder d{sock_, after(timeout + timeout_)};
+    // The server answers at `timeout`; allow the usual reply time on top (saturating).
+    const auto t = std::max(timeout, std::chrono::milliseconds(0));
+    const auto reply = std::max(timeout_, std::chrono::milliseconds(0));
+    Decoder d{sock_, after(reply > std::chrono::milliseconds::max() - t ? std::chrono::milliseconds::max() : t + reply)};
     std::vector<std::string> missing(d.u32());
     for (auto& k : missing) k = d.str(kMaxKey);
     return missing;
