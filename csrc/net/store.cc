@@ -663,7 +663,8 @@ StoreClient::StoreClient(const std::string& host, int port, const std::string& t
 template <typename Fn>
 auto StoreClient::call(const char* what, Fn&& fn) -> decltype(fn()) {
   std::lock_guard<std::mutex> lock(mu_);
-  const std::string server = "task " + server_task_ + " (which serves the rendezvous store at " + where_ + ")";
+  const std::string server = "task " + server_task_ + " (which serves the rendezvous store at " +
+                             where_.substr(server_task_.size() + 4) + ")";
   if (!sock_.valid()) {
     if (timed_out_)
       throw PeerTimeout(std::string("rendezvous store ") + what + ": " + server +
