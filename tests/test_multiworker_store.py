@@ -164,6 +164,11 @@ def join_logging_progress(timeout):
     _group(timeout)
 
 
+def wait_for_peers_that_never_come(flag_dir):
+    _flag(flag_dir, "pid")
+    _group(60.0)
+
+
 def all_reduce_without_timeout(timeout, late_rank):
     g = _group(timeout)
     if g.rank == late_rank:
@@ -399,6 +404,21 @@ def test_a_worker_logs_that_it_is_waiting_for_the_chief():
     lines = re.findall(rf"mirrored INFO waiting for worker:0 at {re.escape(spec['worker'][0])} \((\d+) s of 3.5 s\)",
                        worker.stderr)
     assert len(lines) >= 2, worker.stderr
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["chief-waits-for-a-worker", "worker-waits-for-the-chief"])
+def test_ctrl_c_lands_while_waiting_at_rendezvous(rank):
+    with tempfile.TemporaryDirectory() as flags:
+        job = _in_background(launch, wait_for_peers_that_never_come, 2, only=[rank], timeout=50,
+                             kwargs={"flag_dir": flags})
+        _wait_for(os.path.join(flags, "pid"), 30)
+        time.sleep(1.5)  # inside the native wait by now
+        with open(os.path.join(flags, "pid")) as f:
+            os.kill(int(f.read()), signal.SIGINT)
+        interrupted = time.monotonic()
+        (result,) = job()
+        assert time.monotonic() - interrupted < 5  # not the 60 s rendezvous timeout
+    assert result.returncode != 0 and "KeyboardInterrupt" in result.stderr, (result.returncode, result.stderr)
 
 
 # --- timeouts ----------------------------------------------------------------------------------
