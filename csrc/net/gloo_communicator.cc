@@ -326,7 +326,7 @@ std::string GlooCommunicator::diagnose(std::int64_t seq, bool timed_out, Verdict
     }
     // Frozen ourselves for about the timeout (our store's loop saw it): the
     // peers gave up on us, so whoever left did nothing wrong.
-    const auto pause = recent_pause(timeout_ + std::chrono::seconds(5));
+    const auto pause = recent_pause(std::chrono::seconds(10));  // we fail right after resuming
     if (timeout_.count() > 0 && pause * 2 >= timeout_ && pause.count() > 0) {
       *verdict = Verdict::kBehind;
       return "this task (" + tasks_[rank_] + ") was frozen for " + seconds(pause) +

@@ -135,8 +135,7 @@ int default_max_pending() {
 
 std::chrono::milliseconds recent_pause(std::chrono::milliseconds within) {
   const std::int64_t end = g_pause_end_ns.load();
-  if (end == 0 || now_ns() - end > std::chrono::duration_cast<std::chrono::nanoseconds>(within).count())
-    return std::chrono::milliseconds(0);
+  if (end == 0 || (now_ns() - end) / 1000000 > within.count()) return std::chrono::milliseconds(0);
   return std::chrono::milliseconds(g_pause_ms.load());
 }
 
