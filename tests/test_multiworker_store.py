@@ -83,6 +83,12 @@ def _rss_mb():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _peak_rss_mb():
+    # VmHWM, not ru_maxrss: getrusage keeps the launcher's peak across fork and exec.
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
 def _cpu_seconds():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -115,10 +121,10 @@ def work_through_a_flood(seconds, late_rank, fd_limit=None):
         done += 1
         time.sleep(0.05)
     report = {"right": right, "done": done, "wall": time.monotonic() - started, "cpu": _cpu_seconds() - cpu,
-              "rss_growth_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss_before,
               "fds_filled": len(dummies)}
     for fd in dummies:
         os.close(fd)
+    report["rss_growth_mb"] = _peak_rss_mb() - rss_before
     if g.rank == 0:
         from mirrored.collective_all_reduce import _stores
 
