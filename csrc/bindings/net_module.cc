@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <vector>
@@ -19,8 +20,12 @@ using namespace mirrored::net;
 
 namespace {
 
+// Seconds from Python as milliseconds, never overflowing: NaN and negatives
+// are 0, and anything above 1e9 s (about 31 years; Python refuses such
+// timeouts) is 1e9 s, which every deadline computation can still add to now.
 std::chrono::milliseconds millis(double seconds) {
-  return std::chrono::milliseconds(static_cast<long long>(seconds * 1000.0));
+  if (!(seconds > 0)) return std::chrono::milliseconds(0);
+  return std::chrono::milliseconds(static_cast<long long>(std::min(seconds, 1e9) * 1000.0));
 }
 
 std::vector<const void*> inputs_of(const py::list& arrays) {
@@ -59,21 +64,46 @@ PYBIND11_MODULE(_net, m) {
   py::register_exception<Refused>(m, "RefusedError", PyExc_PermissionError);
 
   py::class_<Server>(m, "StoreServer")
-      .def(py::init([](const std::string& host, int port, const std::string& token, int num_tasks) {
-             return Server{std::make_unique<StoreServer>(host, port, token, num_tasks)};
+      .def(py::init([](const std::string& host, int port, const std::string& token, int num_tasks,
+                       std::vector<std::string> task_names) {
+             return Server{std::make_unique<StoreServer>(host, port, token, num_tasks, StoreLimits{},
+                                                         std::move(task_names))};
            }),
-           py::arg("host"), py::arg("port"), py::arg("token"), py::arg("num_tasks"))
+           py::arg("host"), py::arg("port"), py::arg("token"), py::arg("num_tasks"),
+           py::arg("task_names") = std::vector<std::string>{})
       .def_property_readonly("port", [](const Server& s) { return s.impl ? s.impl->port() : -1; })
+      .def("stats",
+           [](const Server& s) {
+             py::dict d;
+             if (!s.impl) return d;
+             const auto st = s.impl->stats();
+             d["admitted"] = st.admitted;
+             d["pending"] = st.pending;
+             d["keys"] = st.keys;
+             d["stored_bytes"] = st.stored_bytes;
+             d["buffered_bytes"] = st.buffered_bytes;
+             d["dropped"] = st.dropped;
+             return d;
+           },
+           "Connections, keys and bytes the server holds now, and connections it dropped.")
       .def("close", &Server::close);
 
   py::class_<StoreClient, std::shared_ptr<StoreClient>>(m, "StoreClient")
       .def(py::init([](const std::string& host, int port, const std::string& token, int rank,
-                       const std::string& server_task, double timeout) {
+                       const std::string& server_task, double timeout, const py::object& on_wait,
+                       const std::string& instance) {
+             // While the store is unreachable: Ctrl-C lands, and on_wait(seconds) can report.
+             StoreClient::WaitCallback callback = [&on_wait](std::chrono::milliseconds waited) {
+               py::gil_scoped_acquire gil;
+               if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+               if (!on_wait.is_none()) on_wait(static_cast<double>(waited.count()) / 1000.0);
+             };
              py::gil_scoped_release nogil;
-             return std::make_shared<StoreClient>(host, port, token, rank, server_task, millis(timeout));
+             return std::make_shared<StoreClient>(host, port, token, rank, server_task, millis(timeout), callback,
+                                                  instance);
            }),
            py::arg("host"), py::arg("port"), py::arg("token"), py::arg("rank"), py::arg("server_task"),
-           py::arg("timeout"))
+           py::arg("timeout"), py::arg("on_wait") = py::none(), py::arg("instance") = "")
       .def("set",
            [](StoreClient& c, const std::string& key, const py::bytes& value) {
              std::string v = value;

@@ -316,9 +316,22 @@ std::string GlooCommunicator::diagnose(std::int64_t seq, bool timed_out, Verdict
         *verdict = static_cast<Verdict>(record.at(0) - '0');
         return std::string(record.begin() + 1, record.end()) + " (found by " + tasks_[r] + ", which gave up first)";
       }
+    } catch (const PeerTimeout&) {
+      *verdict = Verdict::kBehind;  // alive but silent: not "gone"
+      return "task " + store_->server_task() + " (which serves the rendezvous store) is not responding: it is "
+             "stopped (e.g. SIGSTOP), hung or overloaded";
     } catch (const std::exception&) {
       *verdict = Verdict::kGone;
       return "task " + store_->server_task() + " (which serves the rendezvous store) is gone";
+    }
+    // Frozen ourselves for about the timeout (our store's loop saw it): the
+    // peers gave up on us, so whoever left did nothing wrong.
+    const auto pause = recent_pause(std::chrono::seconds(10));  // we fail right after resuming
+    if (timeout_.count() > 0 && pause * 2 >= timeout_ && pause.count() > 0) {
+      *verdict = Verdict::kBehind;
+      return "this task (" + tasks_[rank_] + ") was frozen for " + seconds(pause) +
+             " (SIGSTOP, or a stalled machine), about the job's timeout of " + seconds(timeout_) +
+             " or longer, so its peers gave up waiting for it";
     }
     std::vector<std::string> gone, behind;
     for (int r = 0; r < size() && r < static_cast<int>(tasks.size()); ++r) {

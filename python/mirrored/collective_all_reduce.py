@@ -15,19 +15,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import time
 
 import numpy as np
 
 from . import collectives, config, timeline
 from ._dtypes import op_code
 from .cross_device_ops import _NativeAllReduce, _buffers, get_devices_from
+from .options import CommunicationOptions, _check_timeout, no_timeout
 
 __all__ = ["CollectiveGroup", "CollectiveAllReduce", "job_token", "GLOO_MISSING"]
 
 GLOO_MISSING = config.GLOO_NOT_BUILT
 # How long workers wait for each other at start-up when CommunicationOptions sets no timeout.
 DEFAULT_RENDEZVOUS_SECONDS = 300.0
+# While waiting at start-up, progress is logged at INFO this often.
+RENDEZVOUS_LOG_SECONDS = 5.0
+_log = logging.getLogger("mirrored")
 # all_gather exchanges shapes as fixed-length records: ndim, dtype, then the padded shape.
 _MAX_DIMS = 32
 
@@ -71,6 +77,8 @@ class CollectiveGroup:
         self.local_replicas = local_replicas
         self.num_replicas = local_replicas * self.num_workers
         self.devices = devices
+        _check_timeout(timeout, CommunicationOptions.MAX_TIMEOUT_SECONDS)
+        timeout = None if no_timeout(timeout) else float(timeout)
         self._timeout = timeout
         self._scope = scope
         self._device_engine = None
@@ -78,7 +86,8 @@ class CollectiveGroup:
         store_host, store_port = _host_port(addresses[0])
         my_host, _ = _host_port(addresses[rank])
         rendezvous = timeout if timeout is not None else DEFAULT_RENDEZVOUS_SECONDS
-        self.store = _shared_store(store_host, store_port, token, rank, self.tasks, rendezvous)
+        self.store = _shared_store(store_host, store_port, token, rank, self.tasks, rendezvous, addresses[0])
+        self._arrive(addresses, rendezvous)
         self._gloo = _net.GlooCommunicator(self.store, self.tasks, local_replicas, my_host,
                                            0.0 if timeout is None else timeout, scope)
         timeline.sync_clock(self.store, rank, self.tasks, rendezvous, scope)  # one clock for the job's timelines
@@ -103,6 +112,33 @@ class CollectiveGroup:
         return cls([f"{t}:{i}" for t, i in tasks], [spec.task_address(t, i) for t, i in tasks], tasks.index(me),
                    local_replicas, token=job_token(collective), timeout=timeout, scope=scope, devices=devices,
                    implementation=implementation)
+
+    def _arrive(self, addresses, total):
+        """Waits (up to ``total`` s) until every task of the job has built this group, logging who is missing.
+
+        In slices of a second: Ctrl-C lands, and progress is logged at INFO every RENDEZVOUS_LOG_SECONDS.
+        """
+        keys = [f"{self._scope}/arrived/{r}" for r in range(self.num_workers)]
+        self.store.set(keys[self.rank], b"1")
+        started = last_log = time.monotonic()
+        while True:
+            left = total - (time.monotonic() - started)
+            missing = self.store.wait(keys, max(0.0, min(1.0, left)))
+            waited = time.monotonic() - started
+            if not missing:
+                if waited >= RENDEZVOUS_LOG_SECONDS:
+                    _log.info("rendezvous: all %d tasks arrived after %.0f s", self.num_workers, waited)
+                return
+            ranks = [int(k.rsplit("/", 1)[1]) for k in missing]
+            if waited >= total:
+                raise net().PeerTimeoutError(
+                    f"rendezvous: task(s) {', '.join(self.tasks[r] for r in ranks)} did not join within {total:.1f} s; "
+                    "start every task of TF_CONFIG's cluster with MultiWorkerMirroredStrategy, or raise "
+                    "CommunicationOptions.timeout_seconds")
+            if time.monotonic() - last_log >= RENDEZVOUS_LOG_SECONDS:
+                last_log = time.monotonic()
+                _log.info("waiting for %s (%.0f s of %g s)",
+                          ", ".join(f"{self.tasks[r]} at {addresses[r]}" for r in ranks), waited, total)
 
     def close(self) -> None:
         """Tears down NCCL and the Gloo mesh; the process's store connection stays for later groups."""
@@ -412,14 +448,21 @@ def _gpu_ordinal(device: str) -> int:
 _stores: dict = {}
 
 
-def _shared_store(host, port, token, rank, tasks, timeout):
+def _shared_store(host, port, token, rank, tasks, timeout, address):
     key = (host, port, token, rank, tuple(tasks))
     if key not in _stores:
         _net = net()
         # Binding exactly the configured address: nobody else can serve this job's store.
-        server = _net.StoreServer(host, port, token, len(tasks)) if rank == 0 else None
+        server = _net.StoreServer(host, port, token, len(tasks), list(tasks)) if rank == 0 else None
+        logged = [0.0]
+
+        def on_wait(waited):  # about once a second while the store is unreachable
+            if waited - logged[0] >= RENDEZVOUS_LOG_SECONDS:
+                logged[0] = waited
+                _log.info("waiting for %s at %s (%.0f s of %g s)", tasks[0], address, waited, timeout)
+
         try:
-            client = _net.StoreClient(host, port, token, rank, tasks[0], timeout)
+            client = _net.StoreClient(host, port, token, rank, tasks[0], timeout, on_wait)
         except BaseException:
             if server is not None:
                 server.close()

@@ -106,7 +106,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     """Synchronous training on the devices of several workers (``tf.distribute.MultiWorkerMirroredStrategy``).
 
     ``communication_options``: a ``CommunicationOptions`` (``timeout_seconds``
-    bounds every collective and the start-up wait; ``bytes_per_pack`` fuses
+    bounds every collective and the start-up wait; ``None`` or ``inf``: no
+    timeout, and the start-up wait is 300 s; ``bytes_per_pack`` fuses
     gradients; ``implementation`` AUTO / RING (Gloo) / NCCL).
     ``cluster_resolver``: who is in the job (default: ``TF_CONFIG``).
     TensorFlow 2.0's ``communication=CollectiveCommunication.X`` is accepted
