@@ -1,0 +1,259 @@
+"""Behaviour recorded from real TensorFlow 2.21.0 (tensorflow-cpu, Keras 3.15.1), MirroredStrategy over
+logical CPU devices, asserted here as literals (the suite never imports TensorFlow). Each test names
+the TF calls it mirrors; values, dtypes, shapes and error types/words are TF's."""
+
+import os
+
+import numpy as np
+import pytest
+
+import mirrored as md
+
+
+def _strategy(n):
+    return md.MirroredStrategy(devices=[f"/cpu:{i}" for i in range(n)])
+
+
+def _check(value, expected, dtype, shape=()):
+    value = np.asarray(value)
+    assert value.dtype == np.dtype(dtype) and value.shape == shape, (value.dtype, value.shape)
+    np.testing.assert_allclose(value, expected, rtol=1e-6)
+
+
+# --- tf.nn.compute_average_loss / scale_regularization_loss ---------------------------------------
+
+L = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+L2 = np.arange(8, dtype=np.float32).reshape(4, 2)
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({}, 2.5),
+    ({"global_batch_size": 8}, 1.25),
+    ({"global_batch_size": np.int64(8)}, 1.25),
+    ({"global_batch_size": np.int32(8)}, 1.25),
+    ({"global_batch_size": np.array(8)}, 1.25),
+    ({"global_batch_size": 0}, 0.0),
+    ({"sample_weight": 2.0}, 5.0),
+    ({"sample_weight": np.array([1, 0, 1, 0], np.float32)}, 1.0),
+    ({"sample_weight": np.array([[1], [0], [1], [0]], np.float32)}, 1.0),
+    ({"sample_weight": np.array([1, 0, 1, 0])}, 1.0),
+    ({"sample_weight": np.array([1, 0, 1, 0], np.float64)}, 1.0),
+])
+def test_compute_average_loss_outside_any_strategy(kwargs, expected):
+    _check(md.nn.compute_average_loss(L, **kwargs), expected, np.float32)
+
+
+@pytest.mark.parametrize("weight, expected", [
+    (None, 7.0), (np.array([1, 0, 1, 0], np.float32), 2.5),
+    (np.array([[1], [0], [1], [0]], np.float32), 2.5), (np.ones((4, 2), np.float32), 7.0)])
+def test_compute_average_loss_of_rank_2_losses(weight, expected):
+    _check(md.nn.compute_average_loss(L2, sample_weight=weight), expected, np.float32)
+
+
+def test_compute_average_loss_dtypes_follow_tf():
+    _check(md.nn.compute_average_loss(L.astype(np.float64)), 2.5, np.float64)
+    _check(md.nn.compute_average_loss(L.astype(np.float16)), 2.5, np.float16)
+    # Python floats convert as tf.convert_to_tensor does: float32.
+    _check(md.nn.compute_average_loss([1.0, 2.0, 3.0, 4.0]), 2.5, np.float32)
+    _check(md.nn.compute_average_loss(np.ones((4, 1), np.float32)), 1.0, np.float32)
+    # Integer losses divide as TF's integer division does: a float64 result; weighted ones are cast back
+    # to the integer dtype first ([0.5, 1, 1.5, 2] -> [0, 1, 1, 2]).
+    _check(md.nn.compute_average_loss(np.array([1, 2, 3, 4])), 2.5, np.float64)
+    _check(md.nn.compute_average_loss(np.array([1, 2, 3, 4], np.int32)), 2.5, np.float64)
+    _check(md.nn.compute_average_loss([1, 2, 3, 4]), 2.5, np.float64)
+    _check(md.nn.compute_average_loss(np.array([1, 2, 3, 4]), global_batch_size=3), 10 / 3, np.float64)
+    _check(md.nn.compute_average_loss(np.array([1, 2, 3, 4]), sample_weight=np.full(4, 0.5)), 1.0, np.float64)
+    _check(md.nn.compute_average_loss(np.array([1, 2], np.float16), sample_weight=np.array([.5, .5], np.float32)),
+           0.75, np.float16)
+    _check(md.nn.compute_average_loss(np.array([1, 2], np.float32), sample_weight=[1, 0]), 0.5, np.float32)
+    _check(md.nn.compute_average_loss(np.zeros((0,), np.float32)), 0.0, np.float32)
+
+
+def test_scale_regularization_loss_dtypes_follow_tf():
+    _check(md.nn.scale_regularization_loss(np.float32(3.0)), 3.0, np.float32)
+    _check(md.nn.scale_regularization_loss(np.array([1.0, 2.0], np.float32)), 3.0, np.float32)
+    _check(md.nn.scale_regularization_loss(np.float64(3.0)), 3.0, np.float64)
+    _check(md.nn.scale_regularization_loss(3.0), 3.0, np.float32)
+    _check(md.nn.scale_regularization_loss([1.0, 2.0]), 3.0, np.float32)
+    _check(md.nn.scale_regularization_loss(3), 3.0, np.float64)
+    _check(md.nn.scale_regularization_loss(np.int32(3)), 3.0, np.float64)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"global_batch_size": 8.0}, TypeError, "global_batch_size must be an integer"),
+    ({"global_batch_size": True}, TypeError, "global_batch_size must be an integer"),
+    ({"global_batch_size": "8"}, TypeError, "global_batch_size must be an integer"),
+    ({"global_batch_size": np.array([8])}, ValueError, r"global_batch_size must be scalar.*\(1,\)"),
+    # TF raises InvalidArgumentError (not a Python built-in) for these three; the words match.
+    ({"global_batch_size": -1}, ValueError, "global_batch_size must be non-negative"),
+    ({"sample_weight": np.ones((4, 2), np.float32)}, ValueError, "sample_weight"),
+    ({"sample_weight": np.ones(3, np.float32)}, ValueError, "sample_weight"),
+])
+def test_compute_average_loss_bad_arguments(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        md.nn.compute_average_loss(L, **kwargs)
+
+
+def test_compute_average_loss_bad_losses():
+    with pytest.raises(ValueError, match=r"Expected a tensor with at least rank 1. Received per_example_loss=3.0 "
+                                         "with rank 0"):
+        md.nn.compute_average_loss(np.float32(3.0))
+    with pytest.raises(ValueError, match="sample_weight"):  # rank-1 weight of rank-2 losses gains a trailing 1
+        md.nn.compute_average_loss(L2, sample_weight=np.array([1, 2], np.float32))
+
+
+@pytest.mark.parametrize("n, noargs, gbs16, weighted, reg", [
+    (1, 2.5, 0.625, 1.0, 3.0), (2, 1.25, 0.625, 0.5, 1.5), (4, 0.625, 0.625, 0.25, 0.75)])
+def test_inside_run_and_under_scope(n, noargs, gbs16, weighted, reg):
+    strategy = _strategy(n)
+
+    def step(gbs=None, sw=None):
+        return (md.nn.compute_average_loss(L, sample_weight=sw, global_batch_size=gbs),
+                md.nn.scale_regularization_loss(np.float32(3.0)))
+
+    for kwargs, expected in (({}, noargs), ({"gbs": 16}, gbs16),
+                             ({"sw": np.array([1, 0, 1, 0], np.float32)}, weighted)):
+        loss, reg_loss = strategy.run(step, kwargs=kwargs)
+        for value in strategy.experimental_local_results(loss):
+            _check(value, expected, np.float32)
+        for value in strategy.experimental_local_results(reg_loss):
+            _check(value, reg, np.float32)
+    with strategy.scope():
+        with pytest.raises(RuntimeError, match="You are calling `compute_average_loss` in cross replica context, "
+                                               "while it was expected to be called in replica context."):
+            md.nn.compute_average_loss(L)
+        with pytest.raises(RuntimeError, match="`scale_regularization_loss` in cross replica context"):
+            md.nn.scale_regularization_loss(np.float32(3.0))
+        _check(md.nn.compute_average_loss(L, global_batch_size=8), 1.25, np.float32)
+
+
+# --- tf.train.Checkpoint / CheckpointManager / latest_checkpoint ----------------------------------
+
+def test_checkpoint_save_naming_state_file_and_write(tmp_path):
+    v = md.Variable(np.float32(1.0))
+    ckpt = md.train.Checkpoint(v=v)
+    assert int(ckpt.save_counter.numpy()) == 0
+    assert ckpt.save(str(tmp_path / "a" / "ckpt")) == str(tmp_path / "a" / "ckpt-1")
+    assert ckpt.save(str(tmp_path / "a" / "ckpt")) == str(tmp_path / "a" / "ckpt-2")
+    assert ckpt.save_counter.numpy() == 2 and np.dtype(ckpt.save_counter.dtype) == np.int64
+    # Checkpoint.save records the latest only, without timestamps.
+    assert (tmp_path / "a" / "checkpoint").read_text() == \
+        'model_checkpoint_path: "ckpt-2"\nall_model_checkpoint_paths: "ckpt-2"\n'
+    assert md.train.latest_checkpoint(str(tmp_path / "a")) == str(tmp_path / "a" / "ckpt-2")
+    assert ckpt.write(str(tmp_path / "b" / "w")) == str(tmp_path / "b" / "w")
+    assert md.train.latest_checkpoint(str(tmp_path / "b")) is None  # write() records nothing
+    assert md.train.latest_checkpoint(str(tmp_path / "zzz")) is None
+    assert ckpt.save_counter.numpy() == 2
+
+
+def test_checkpoint_restore_status_methods(tmp_path):
+    v = md.Variable(np.float32(1.0))
+    ckpt = md.train.Checkpoint(v=v)
+    path = ckpt.save(str(tmp_path / "ckpt"))
+    status = ckpt.restore(path)
+    assert type(status).__name__ == "CheckpointLoadStatus"
+    public = sorted(m for m in dir(status) if not m.startswith("_"))
+    assert public == ["assert_consumed", "assert_existing_objects_matched", "assert_nontrivial_match",
+                      "expect_partial", "initialize_or_restore", "run_restore_ops"]
+    for method in ("assert_consumed", "assert_existing_objects_matched", "assert_nontrivial_match",
+                   "expect_partial"):
+        assert getattr(status, method)() is status
+    assert type(ckpt.read(ckpt.write(str(tmp_path / "w"))).assert_consumed()).__name__ == "CheckpointLoadStatus"
+    none = ckpt.restore(None)
+    assert type(none).__name__ == "InitializationOnlyStatus"
+    with pytest.raises(AssertionError, match=r"No checkpoint specified \(save_path=None\); nothing is being "
+                                             "restored."):
+        none.assert_consumed()
+    assert type(none.expect_partial()).__name__ == "InitializationOnlyStatus"
+
+
+def test_checkpoint_partial_restores_both_ways(tmp_path):
+    v, w = md.Variable(np.float32(1.0)), md.Variable(np.float32(2.0))
+    both = md.train.Checkpoint(v=v, w=w).save(str(tmp_path / "c" / "ckpt"))
+    only_v = md.train.Checkpoint(v=v).save(str(tmp_path / "a" / "ckpt"))
+    # File has more than the objects: restored; assert_consumed names the leftover.
+    v2 = md.Variable(np.float32(0.0))
+    status = md.train.Checkpoint(v=v2).restore(both)
+    assert float(v2.numpy()) == 1.0
+    with pytest.raises(AssertionError, match="Unresolved object in checkpoint"):
+        status.assert_consumed()
+    assert type(status.assert_existing_objects_matched()).__name__ == "CheckpointLoadStatus"
+    # Objects have more than the file: TF restores what it has; both assertions raise.
+    v3, z = md.Variable(np.float32(0.0)), md.Variable(np.float32(5.0))
+    status = md.train.Checkpoint(v=v3, z=z).restore(only_v)
+    assert float(v3.numpy()) == 1.0 and float(z.numpy()) == 5.0
+    for method in (status.assert_consumed, status.assert_existing_objects_matched):
+        with pytest.raises(AssertionError, match="Found 1 Python objects that were not bound to checkpointed "
+                                                 "values"):
+            method()
+    status.assert_nontrivial_match()
+    with pytest.raises(ValueError):  # a shape mismatch is a ValueError in TF too
+        md.train.Checkpoint(v=md.Variable(np.zeros(3, np.float32))).restore(only_v)
+
+
+def test_checkpoint_errors_and_late_tracking(tmp_path):
+    ckpt = md.train.Checkpoint(v=md.Variable(np.float32(1.0)))
+    missing = str(tmp_path / "nope" / "ckpt-1")
+    # TF: tf.errors.NotFoundError "... Failed to find any matching files for <path>".
+    for call in (ckpt.restore, ckpt.read):
+        with pytest.raises(FileNotFoundError, match="Failed to find any matching files for"):
+            call(missing)
+    with pytest.raises(ValueError, match="was expecting step to be a trackable object"):
+        md.train.Checkpoint(step=0)
+    # An empty Checkpoint is valid in TF; objects assigned as attributes are tracked.
+    late = md.train.Checkpoint()
+    late.v = md.Variable(np.float32(3.0))
+    path = late.save(str(tmp_path / "late" / "ckpt"))
+    assert md.train.list_variables(path) == [("save_counter", []), ("v", [])]
+    assert float(late.v.numpy()) == 3.0
+    with pytest.raises(ValueError, match="trackable"):
+        late.step = 0
+
+
+def test_manager_numbering_deletion_order_and_pickup(tmp_path):
+    d = tmp_path / "m"
+    ckpt = md.train.Checkpoint(v=md.Variable(np.float32(1.0)))
+    m = md.train.CheckpointManager(ckpt, str(d), max_to_keep=3)
+    assert m.latest_checkpoint is None and m.checkpoints == [] and m.directory == str(d)
+
+    def names(paths):
+        return [os.path.basename(p) for p in paths]
+
+    listing = []
+    for _ in range(5):
+        listing.append((os.path.basename(m.save()), names(m.checkpoints)))
+    assert listing == [("ckpt-1", ["ckpt-1"]), ("ckpt-2", ["ckpt-1", "ckpt-2"]),
+                       ("ckpt-3", ["ckpt-1", "ckpt-2", "ckpt-3"]), ("ckpt-4", ["ckpt-2", "ckpt-3", "ckpt-4"]),
+                       ("ckpt-5", ["ckpt-3", "ckpt-4", "ckpt-5"])]
+    assert ckpt.save_counter.numpy() == 5
+    assert sorted(os.listdir(d)) == ["checkpoint", "ckpt-3", "ckpt-4", "ckpt-5"]
+    text = (d / "checkpoint").read_text().splitlines()
+    assert text[:4] == ['model_checkpoint_path: "ckpt-5"', 'all_model_checkpoint_paths: "ckpt-3"',
+                        'all_model_checkpoint_paths: "ckpt-4"', 'all_model_checkpoint_paths: "ckpt-5"']
+    assert [line.split(":")[0] for line in text[4:]] == ["all_model_checkpoint_timestamps"] * 3 + \
+        ["last_preserved_timestamp"]
+    assert m.latest_checkpoint == md.train.latest_checkpoint(str(d)) == str(d / "ckpt-5")
+    assert m.save(checkpoint_number=100) == str(d / "ckpt-100")
+    assert ckpt.save_counter.numpy() == 6  # incremented even with an explicit number
+    assert m.save(checkpoint_number=np.int64(7)) == str(d / "ckpt-7")
+    assert m.save(checkpoint_number=md.Variable(np.int64(9))) == str(d / "ckpt-9")
+    assert names(m.checkpoints) == ["ckpt-100", "ckpt-7", "ckpt-9"]
+    assert m.save() == str(d / "ckpt-9")
+    assert names(m.checkpoints) == ["ckpt-100", "ckpt-7", "ckpt-9"]
+    assert m.save(checkpoint_number=100) == str(d / "ckpt-100")
+    assert names(m.checkpoints) == ["ckpt-7", "ckpt-9", "ckpt-100"]
+    assert sorted(os.listdir(d)) == ["checkpoint", "ckpt-100", "ckpt-7", "ckpt-9"]
+    m2 = md.train.CheckpointManager(md.train.Checkpoint(v=md.Variable(np.float32(1.0))), str(d), max_to_keep=3)
+    assert m2.latest_checkpoint == str(d / "ckpt-100")
+    assert names(m2.checkpoints) == ["ckpt-7", "ckpt-9", "ckpt-100"]
+    assert m2.save() == str(d / "ckpt-1")  # the new Checkpoint's own counter
+    assert names(m2.checkpoints) == ["ckpt-9", "ckpt-100", "ckpt-1"]
+    named = md.train.CheckpointManager(ckpt, str(tmp_path / "n"), max_to_keep=None, checkpoint_name="model")
+    assert named.save() == str(tmp_path / "n" / "model-11")
+    assert m.restore_or_initialize() == str(d / "ckpt-100")
+    assert md.train.CheckpointManager(ckpt, str(tmp_path / "p"), 2).restore_or_initialize() is None
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=f"Expected a positive integer or `None` for `max_to_keep`, got {bad}."):
+            md.train.CheckpointManager(ckpt, str(tmp_path / "o"), max_to_keep=bad)
+    with pytest.raises(ValueError, match="`step_counter` should be passed if `checkpoint_interval` is not None."):
+        md.train.CheckpointManager(ckpt, str(tmp_path / "o"), max_to_keep=1, checkpoint_interval=2)
