@@ -306,3 +306,72 @@ def test_keras_style_loop_gives_tf_weights_at_any_replica_count(name, n):
     np.testing.assert_allclose(b.numpy(), [tf_b], rtol=2e-6, atol=1e-6)
     np.testing.assert_allclose(losses, tf_losses, rtol=2e-6)
     assert int(opt.iterations.numpy()) == 3 and np.dtype(opt.iterations.dtype) == np.int64
+
+
+# --- datasets ------------------------------------------------------------------------------------
+# TF: strategy.experimental_distribute_dataset(tf.data.Dataset.range(k).batch(b)); each batch is cut into
+# pieces of ceil(b / replicas) rows, the last replicas getting fewer or none.
+
+@pytest.mark.parametrize("n, k, b, expected", [
+    (2, 6, 6, [[[0, 1, 2], [3, 4, 5]]]),
+    (4, 6, 6, [[[0, 1], [2, 3], [4, 5], []]]),
+    (2, 10, 6, [[[0, 1, 2], [3, 4, 5]], [[6, 7], [8, 9]]]),
+    (4, 10, 6, [[[0, 1], [2, 3], [4, 5], []], [[6], [7], [8], [9]]]),
+    (2, 7, 4, [[[0, 1], [2, 3]], [[4, 5], [6]]]),
+    (4, 7, 4, [[[0], [1], [2], [3]], [[4], [5], [6], []]]),
+    (4, 5, 5, [[[0, 1], [2, 3], [4], []]]),
+    (2, 3, 3, [[[0, 1], [2]]]),
+    (4, 3, 3, [[[0], [1], [2], []]]),
+    (2, 1, 1, [[[0], []]]),
+    (4, 1, 1, [[[0], [], [], []]]),
+])
+def test_partial_batches_split_as_tf(n, k, b, expected):
+    strategy = _strategy(n)
+    rows = np.arange(k)
+    batches = [rows[i:i + b] for i in range(0, k, b)]
+    got = [[np.asarray(t).tolist() for t in strategy.experimental_local_results(batch)]
+           for batch in strategy.experimental_distribute_dataset(batches)]
+    assert got == expected
+
+
+def test_compat_v1_make_numpy_dataset_as_tf():
+    # tf.compat.v1.distribute.MirroredStrategy(...).experimental_make_numpy_dataset
+    v1 = md.compat.v1.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert isinstance(v1, md.compat.v1.MirroredStrategy)
+    rows = list(v1.experimental_make_numpy_dataset([np.ones(3), np.zeros(3)]))
+    assert [r.tolist() for r in rows] == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    pairs = list(v1.experimental_make_numpy_dataset((np.arange(3), np.arange(3) * 2)))
+    assert [tuple(np.asarray(t).tolist() for t in p) for p in pairs] == [(0, 0), (1, 2), (2, 4)]
+    assert all(np.asarray(r).dtype == np.float64 and np.shape(r) == ()
+               for r in v1.experimental_make_numpy_dataset(np.arange(3.0)))
+
+
+def test_experimental_names_and_enum_values():
+    E = md.experimental
+    for name in ("CollectiveCommunication", "CommunicationImplementation", "CommunicationOptions",
+                 "MultiWorkerMirroredStrategy", "ValueContext"):
+        assert hasattr(E, name), name
+    assert [(m.name, m.value) for m in E.CommunicationImplementation] == \
+        [("AUTO", "AUTO"), ("RING", "RING"), ("NCCL", "NCCL")]
+    assert E.CollectiveCommunication is E.CommunicationImplementation
+    o = E.CommunicationOptions()
+    assert (o.bytes_per_pack, o.timeout_seconds, o.implementation) == (0, None, E.CommunicationImplementation.AUTO)
+    o = E.CommunicationOptions(bytes_per_pack=1024, timeout_seconds=5.0,
+                               implementation=E.CommunicationImplementation.RING)
+    assert (o.bytes_per_pack, o.timeout_seconds, o.implementation) == (1024, 5.0, E.CommunicationImplementation.RING)
+    assert E.CommunicationOptions(1024).bytes_per_pack == 1024
+    assert E.CommunicationOptions(implementation="RING").implementation is E.CommunicationImplementation.RING
+    assert E.CommunicationOptions(timeout_seconds=0).timeout_seconds == 0  # TF: zero disables the timeout
+    with pytest.raises(ValueError, match="Argument `bytes_per_pack` must be >=0, Received -1"):
+        E.CommunicationOptions(bytes_per_pack=-1)
+    assert [(m.name, m.value) for m in md.data.experimental.AutoShardPolicy] == \
+        [("OFF", -1), ("AUTO", 0), ("FILE", 1), ("DATA", 2), ("HINT", 3)]
+    assert md.data.Options().experimental_distribute.auto_shard_policy == 0
+    assert [(m.name, m.value) for m in md.VariableAggregation] == \
+        [("NONE", 0), ("SUM", 1), ("MEAN", 2), ("ONLY_FIRST_REPLICA", 3)]
+    assert [(m.name, m.value) for m in md.VariableSynchronization] == \
+        [("AUTO", 0), ("NONE", 1), ("ON_WRITE", 2), ("ON_READ", 3)]
+    assert [(m.name, m.value) for m in md.InputReplicationMode] == \
+        [("PER_WORKER", "PER_WORKER"), ("PER_REPLICA", "PER_REPLICA")]
+    ctx = E.ValueContext()
+    assert (ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync) == (0, 1)

@@ -49,15 +49,19 @@ class CommunicationOptions:
 
     ``bytes_per_pack`` > 0 splits a batch of tensors into packs of about that
     many bytes (0: let the implementation choose); ``timeout_seconds`` bounds
-    how long a collective waits for its peers.
+    how long a collective waits for its peers (None or 0: no timeout).
     """
 
     def __init__(self, bytes_per_pack: int = 0, timeout_seconds: float | None = None,
                  implementation=CommunicationImplementation.AUTO):
         if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
-            raise ValueError(f"bytes_per_pack={bytes_per_pack!r}: expected a non-negative int (0 = auto)")
-        if timeout_seconds is not None and not (isinstance(timeout_seconds, (int, float)) and timeout_seconds > 0):
-            raise ValueError(f"timeout_seconds={timeout_seconds!r}: expected a positive number or None (no timeout)")
+            raise ValueError(f"Argument `bytes_per_pack` must be >=0, Received {bytes_per_pack!r}: expected a "
+                             "non-negative int (0 = auto)")
+        # As TensorFlow: zero disables the timeout, like None.
+        if timeout_seconds is not None and not (isinstance(timeout_seconds, (int, float))
+                                                and not isinstance(timeout_seconds, bool) and timeout_seconds >= 0):
+            raise ValueError(f"timeout_seconds={timeout_seconds!r}: expected a non-negative number of seconds, "
+                             "or None / 0 (no timeout)")
         if isinstance(implementation, str) and implementation.upper() in CommunicationImplementation.__members__:
             implementation = CommunicationImplementation[implementation.upper()]
         if not isinstance(implementation, CommunicationImplementation):
