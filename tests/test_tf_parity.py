@@ -375,3 +375,35 @@ def test_experimental_names_and_enum_values():
         [("PER_WORKER", "PER_WORKER"), ("PER_REPLICA", "PER_REPLICA")]
     ctx = E.ValueContext()
     assert (ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync) == (0, 1)
+
+
+def test_manager_checkpoint_interval_and_directories_written_by_save(tmp_path):
+    step = md.Variable(np.int64(0))
+    ckpt = md.train.Checkpoint(v=md.Variable(np.float32(1.0)), step=step)
+    m = md.train.CheckpointManager(ckpt, str(tmp_path / "i"), max_to_keep=2, step_counter=step,
+                                   checkpoint_interval=3)
+    saved = []
+    for i in range(8):
+        step.assign(np.int64(i))
+        path = m.save()
+        saved.append(None if path is None else os.path.basename(path))
+    assert saved == ["ckpt-1", None, None, "ckpt-2", None, None, "ckpt-3", None]
+    assert os.path.basename(m.save(check_interval=False)) == "ckpt-4"
+    assert m.save(check_interval=False) is None  # the same step again
+    assert [os.path.basename(p) for p in m.checkpoints] == ["ckpt-3", "ckpt-4"]
+    # A manager on a directory Checkpoint.save wrote (no timestamps): latest known, none managed.
+    mix = tmp_path / "mix"
+    plain = md.train.Checkpoint(v=md.Variable(np.float32(1.0)))
+    plain.save(str(mix / "ckpt"))
+    plain.save(str(mix / "ckpt"))
+    m2 = md.train.CheckpointManager(plain, str(mix), max_to_keep=1)
+    assert m2.latest_checkpoint == str(mix / "ckpt-2") and m2.checkpoints == []
+    assert m2.save() == str(mix / "ckpt-3")
+    assert sorted(os.listdir(mix)) == ["checkpoint", "ckpt-1", "ckpt-2", "ckpt-3"]
+    # save_counter is restored with the rest: the next save continues from it.
+    assert plain.save(str(tmp_path / "r" / "ckpt")) == str(tmp_path / "r" / "ckpt-4")
+    plain.restore(str(mix / "ckpt-1"))
+    assert int(plain.save_counter.numpy()) == 1
+    assert plain.save(str(tmp_path / "r" / "ckpt")) == str(tmp_path / "r" / "ckpt-2")
+    assert md.train.latest_checkpoint(str(tmp_path / "r")) == str(tmp_path / "r" / "ckpt-2")
+    assert md.train.latest_checkpoint(str(tmp_path / "r"), latest_filename="other") is None
