@@ -2,7 +2,7 @@
 
     ckpt = md.train.Checkpoint(model=model, optimizer=opt)
     path = ckpt.save("out/ckpt")       # out/ckpt-1, out/ckpt-2, ...; atomic; only the chief writes
-    ckpt.restore(path).assert_consumed()   # any replica count; all or nothing
+    ckpt.restore(path).assert_consumed()   # any replica count; a mismatch assigns nothing
     ckpt.write("out/model.ckpt")       # exactly this file (no counter)
 
 ``md.train.CheckpointManager`` (train.py) keeps the newest few.

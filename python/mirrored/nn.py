@@ -13,7 +13,8 @@ of the mean over the global batch, whatever the number of replicas.
         optimizer.apply_gradients(zip(grads, variables))        # summed across replicas
 
 The arrays are NumPy or CuPy (whatever the replica holds); results are 0-d
-arrays of ``per_example_loss``'s dtype.
+arrays of ``per_example_loss``'s dtype, as in TensorFlow: Python floats (and
+lists of them) count as float32, and integer losses give a float64 result.
 """
 
 from __future__ import annotations
