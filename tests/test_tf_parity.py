@@ -407,3 +407,22 @@ def test_manager_checkpoint_interval_and_directories_written_by_save(tmp_path):
     assert plain.save(str(tmp_path / "r" / "ckpt")) == str(tmp_path / "r" / "ckpt-2")
     assert md.train.latest_checkpoint(str(tmp_path / "r")) == str(tmp_path / "r" / "ckpt-2")
     assert md.train.latest_checkpoint(str(tmp_path / "r"), latest_filename="other") is None
+
+
+@pytest.mark.parametrize("n, default_local, default_sum", [
+    (2, ([0.5, 2.0], [3.25, 4.25]), (2.5, 7.5)),
+    (4, ([0.125, 0.625, 1.125, 0.0], [1.5, 1.75, 2.0, 2.25]), (1.875, 7.5)),
+])
+def test_reduce_and_loss_scaling_over_partial_batches(n, default_local, default_sum):
+    # TF: Dataset.from_tensor_slices(arange(10, float32)).batch(6), distributed; reduce(axis=0) and
+    # compute_average_loss (default divisor: this replica's rows x replicas; or global_batch_size=6).
+    strategy = _strategy(n)
+    rows = np.arange(10, dtype=np.float32)
+    for i, x in enumerate(strategy.experimental_distribute_dataset([rows[:6], rows[6:]])):
+        _check(strategy.reduce("SUM", x, axis=0), (15.0, 30.0)[i], np.float32)
+        _check(strategy.reduce("MEAN", x, axis=0), (2.5, 7.5)[i], np.float32)
+        loss = strategy.run(lambda v: md.nn.compute_average_loss(v * 1.0), args=(x,))
+        assert [float(t) for t in strategy.experimental_local_results(loss)] == default_local[i]
+        _check(strategy.reduce("SUM", loss, axis=None), default_sum[i], np.float32)
+        loss = strategy.run(lambda v: md.nn.compute_average_loss(v * 1.0, global_batch_size=6), args=(x,))
+        _check(strategy.reduce("SUM", loss, axis=None), (2.5, 5.0)[i], np.float32)
