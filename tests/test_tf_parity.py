@@ -196,8 +196,9 @@ def test_checkpoint_errors_and_late_tracking(tmp_path):
     missing = str(tmp_path / "nope" / "ckpt-1")
     # TF: tf.errors.NotFoundError "... Failed to find any matching files for <path>".
     for call in (ckpt.restore, ckpt.read):
-        with pytest.raises(FileNotFoundError, match="Failed to find any matching files for"):
+        with pytest.raises(FileNotFoundError, match="Failed to find any matching files for") as info:
             call(missing)
+        assert type(info.value) is md.train.NotFoundError and type(info.value).__name__ == "NotFoundError"
     with pytest.raises(ValueError, match="was expecting step to be a trackable object"):
         md.train.Checkpoint(step=0)
     # An empty Checkpoint is valid in TF; objects assigned as attributes are tracked.

@@ -42,7 +42,7 @@ import uuid
 
 import numpy as np
 
-__all__ = ["Checkpoint", "CheckpointLoadStatus", "load_checkpoint", "CheckpointError"]
+__all__ = ["Checkpoint", "CheckpointLoadStatus", "load_checkpoint", "CheckpointError", "NotFoundError"]
 
 _MAGIC = b"MDCKPT\x00"
 _VERSION = 1
@@ -51,6 +51,10 @@ _DIGEST = 32
 
 class CheckpointError(ValueError):
     """The file is not a complete ``mirrored`` checkpoint, or does not fit the objects."""
+
+
+class NotFoundError(FileNotFoundError):
+    """No checkpoint at the path given to ``restore`` / ``read`` (TensorFlow raises ``NotFoundError`` too)."""
 
 
 # --- the file format ------------------------------------------------------------------------------
@@ -414,7 +418,7 @@ class Checkpoint:
                 f"save_path={path!r} is a directory; pass a checkpoint file, e.g. "
                 "md.train.latest_checkpoint(directory)")
         if not os.path.exists(path):
-            raise FileNotFoundError(
+            raise NotFoundError(
                 errno.ENOENT, f"Failed to find any matching files for save_path={path!r}; pass a path that "
                 "save() or write() returned, e.g. md.train.latest_checkpoint(directory)", path)
         arrays = load_checkpoint(path)

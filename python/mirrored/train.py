@@ -35,10 +35,11 @@ import warnings
 
 import numpy as np
 
-from .checkpoint import Checkpoint, CheckpointError, CheckpointLoadStatus, load_checkpoint
+from .checkpoint import Checkpoint, CheckpointError, CheckpointLoadStatus, NotFoundError, load_checkpoint
 
 __all__ = ["Checkpoint", "CheckpointManager", "CheckpointState", "CheckpointLoadStatus", "CheckpointError",
-           "latest_checkpoint", "get_checkpoint_state", "list_variables", "load_variable", "load_checkpoint"]
+           "NotFoundError", "latest_checkpoint", "get_checkpoint_state", "list_variables", "load_variable",
+           "load_checkpoint"]
 
 _STATE_FILE = "checkpoint"
 
