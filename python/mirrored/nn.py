@@ -43,8 +43,10 @@ def _as_array(value, argument: str):
     Python ints int32 (TensorFlow's defaults), so a loss given as a list gives
     the float32 result TensorFlow gives.
     """
-    if type(value).__module__.split(".")[0] == "cupy" or isinstance(value, (np.ndarray, np.generic)):
-        return value if hasattr(value, "ndim") else np.asarray(value)
+    if type(value).__module__.split(".")[0] == "cupy" or isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, np.generic):
+        return np.asarray(value)
     try:
         arr = np.asarray(value)
     except Exception as e:  # noqa: BLE001 - any conversion failure is the caller's argument
