@@ -48,7 +48,7 @@ class MultiWorkerExtended(MirroredExtended):
         # collective ones (ps, evaluator) is refused by from_cluster_resolver.
         if len(tasks) > 1 or (me[0] is not None and me not in tasks):
             self._group = CollectiveGroup.from_cluster_resolver(
-                resolver, len(self._local_devices), timeout=options.timeout_seconds,
+                resolver, len(self._local_devices), timeout=options.timeout_seconds or None,  # 0: none
                 scope=f"strategy-{next(_instances)}", devices=self._local_devices,
                 implementation=options.implementation)
             self._num_workers = self._group.num_workers
