@@ -28,3 +28,4 @@ from . import checkpoint, collectives, optimizers, timeline
 from .checkpoint import Checkpoint
 from . import cluster_resolver
 from .multi_worker_strategy import MultiWorkerMirroredStrategy
+from . import errors
