@@ -65,6 +65,36 @@ void python_wait_hook(const WaitReport& report) {
   }
 }
 
+// The hot path of CollectiveGroup.all_reduce([x], op, out=[x]): one
+// contiguous, writeable, native-order NumPy array reduced in place, checked
+// here in a few hundred nanoseconds. False, touching nothing, when the call
+// needs the general path (Python validates and explains there).
+bool all_reduce_in_place(GlooCommunicator& c, const py::list& buffers, int op, int algorithm) {
+  if (buffers.size() != 1 || c.local_replicas() != 1) return false;
+  const py::handle h = buffers[0];
+  if (!py::array::check_(h)) return false;
+  auto a = py::reinterpret_borrow<py::array>(h);
+  constexpr int kNeed = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  if ((a.flags() & kNeed) != kNeed) return false;
+  const py::dtype dt = a.dtype();
+  if (dt.byteorder() == '>') return false;
+  const char kind = dt.kind();
+  const auto size = dt.itemsize();
+  int code = -1;
+  if (kind == 'f') code = size == 2 ? 0 : size == 4 ? 2 : size == 8 ? 3 : -1;
+  else if (kind == 'i') code = size == 1 ? 4 : size == 4 ? 6 : size == 8 ? 7 : -1;
+  else if (kind == 'u') code = size == 1 ? 5 : -1;
+  const ReduceOp rop = reduce_op_from_code(op);
+  if (code < 0 || (rop == ReduceOp::kMean && kind != 'f')) return false;  // integer MEAN: float64 result
+  void* data = a.mutable_data();
+  const std::size_t count = static_cast<std::size_t>(a.size());
+  const void* in[1] = {data};
+  void* out[1] = {data};
+  py::gil_scoped_release nogil;
+  c.all_reduce(1, in, out, count, dtype_from_code(code), rop, static_cast<Algorithm>(algorithm));
+  return true;
+}
+
 // Stopping the server joins its threads: an explicit close() makes that moment deterministic.
 struct Server {
   std::unique_ptr<StoreServer> impl;
@@ -180,6 +210,8 @@ PYBIND11_MODULE(_net, m) {
              c.all_reduce(n, in.data(), out.data(), count, dtype_from_code(dtype), reduce_op_from_code(op),
                           static_cast<Algorithm>(algorithm));
            })
+      .def("all_reduce_in_place", &all_reduce_in_place, py::arg("buffers"), py::arg("op"), py::arg("algorithm"),
+           "all_reduce of one contiguous array in place, if it qualifies for the fast path (else False).")
       .def("broadcast",
            [](GlooCommunicator& c, const py::list& inputs, const py::list& outputs, std::size_t count, int dtype,
               int root) {
