@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
-#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -48,8 +47,9 @@ static_assert(std::atomic<std::uint32_t>::is_always_lock_free, "cross-process at
 static_assert(std::atomic<std::int32_t>::is_always_lock_free, "cross-process atomics need lock-free words");
 
 constexpr std::size_t kPage = 4096;
-constexpr int kSpins = 2000;                            // pure spinning first: a peer is usually close behind
-constexpr std::chrono::microseconds kYieldFor{1000};    // then give the core away, still without sleeping
+// A waiter spins (keeping its core: a yield under load can cost a whole
+// time slice) while peers are likely close behind, then sleeps on a futex.
+constexpr std::chrono::microseconds kSpinFor{500};
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -199,7 +199,7 @@ void ShmReducer::wait_all(std::uint32_t epoch, Deadline deadline, const OnWait& 
     return false;
   };
   if (!next_behind()) return;
-  for (int spin = 0; spin < kSpins; ++spin) {
+  for (int spin = 0; spin < 256; ++spin) {
     cpu_relax();
     if (!next_behind()) return;
   }
@@ -217,8 +217,8 @@ void ShmReducer::wait_all(std::uint32_t epoch, Deadline deadline, const OnWait& 
       next_wake = Clock::now() + kWakeEvery;
       continue;
     }
-    if (now - start < kYieldFor) {
-      sched_yield();
+    if (now - start < kSpinFor) {
+      for (int spin = 0; spin < 64; ++spin) cpu_relax();
       continue;
     }
     Lane& peer = lane(r);
