@@ -1,6 +1,7 @@
 #include "net/shm_reducer.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -49,7 +50,18 @@ static_assert(std::atomic<std::int32_t>::is_always_lock_free, "cross-process ato
 constexpr std::size_t kPage = 4096;
 // A waiter spins (keeping its core: a yield under load can cost a whole
 // time slice) while peers are likely close behind, then sleeps on a futex.
-constexpr std::chrono::microseconds kSpinFor{500};
+// The spin outlasts a loaded scheduler's wake-up latency (about a
+// millisecond): otherwise once one side sleeps, each wakes the other too late
+// and both keep sleeping, at a millisecond per collective. With more
+// processes than cores a spinner would hold the core a peer needs: it yields.
+constexpr std::chrono::microseconds kSpinFor{5000};
+
+bool more_processes_than_cores(int processes) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const int cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 0;
+  return cores > 0 && processes > cores;
+}
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -84,7 +96,7 @@ inline bool reached(std::uint32_t posted, std::uint32_t epoch) {
 
 ShmReducer::ShmReducer(StoreClient& store, const std::string& key, int rank, int size,
                        std::chrono::milliseconds timeout)
-    : rank_(rank), size_(size) {
+    : rank_(rank), size_(size), oversubscribed_(more_processes_than_cores(size)) {
   static_assert(sizeof(Control) <= 128, "the lanes start at byte 128");
   header_ = (kLanesAt + size * sizeof(Lane) + kPage - 1) / kPage * kPage;
   bytes_ = header_ + 2 * static_cast<std::size_t>(size) * kChunkBytes;
@@ -199,7 +211,7 @@ void ShmReducer::wait_all(std::uint32_t epoch, Deadline deadline, const OnWait& 
     return false;
   };
   if (!next_behind()) return;
-  for (int spin = 0; spin < 256; ++spin) {
+  for (int spin = 0; spin < (oversubscribed_ ? 16 : 256); ++spin) {
     cpu_relax();
     if (!next_behind()) return;
   }
@@ -218,7 +230,11 @@ void ShmReducer::wait_all(std::uint32_t epoch, Deadline deadline, const OnWait& 
       continue;
     }
     if (now - start < kSpinFor) {
-      for (int spin = 0; spin < 64; ++spin) cpu_relax();
+      if (oversubscribed_) {
+        sched_yield();
+      } else {
+        for (int spin = 0; spin < 64; ++spin) cpu_relax();
+      }
       continue;
     }
     Lane& peer = lane(r);

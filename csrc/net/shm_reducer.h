@@ -82,6 +82,7 @@ class ShmReducer {
 
   const int rank_;
   const int size_;
+  const bool oversubscribed_;  // more processes than cores: waiters yield instead of spinning
   std::size_t header_ = 0;  // bytes before the data slots (page-aligned)
   std::size_t bytes_ = 0;
   int fd_ = -1;  // rank 0's descriptor, open until every rank has mapped the segment
