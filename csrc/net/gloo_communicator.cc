@@ -30,6 +30,9 @@ namespace {
 
 // Up to this size "auto" all-reduces with one all-gather round (see all_reduce).
 constexpr std::size_t kDirectMaxBytes = 16 << 10;
+// A Gloo header message carries payloads up to this size (the "direct" range).
+constexpr std::size_t kGlooInlineBytes = kDirectMaxBytes;
+constexpr std::size_t kGlooMessageBytes = sizeof(CollectiveHeader) + kGlooInlineBytes;
 // The Gloo slot prefix of the headers: none of Gloo's own algorithms uses it.
 constexpr std::uint8_t kHeaderSlotPrefix = 0x6d;
 static_assert(sizeof(CollectiveHeader) <= ShmReducer::kRecordBytes, "a header must fit a shared-memory record");
@@ -308,6 +311,21 @@ CollectiveHeader GlooCommunicator::header(CollectiveHeader::Kind kind) {
   return h;
 }
 
+std::size_t GlooCommunicator::inline_capacity() const {
+  return shm_ ? CollectiveHeader::kInlineBytes : kGlooInlineBytes;
+}
+
+void GlooCommunicator::set_payload(CollectiveHeader& h, const void* data, std::size_t bytes) {
+  h.inline_bytes = static_cast<std::uint32_t>(bytes);
+  if (bytes <= CollectiveHeader::kInlineBytes) std::memcpy(h.data, data, bytes);
+  payload_ = static_cast<const char*>(data);
+}
+
+const char* GlooCommunicator::payload(int rank) const {
+  if (shm_) return table_[rank].data;
+  return rank == rank_ ? payload_ : in_messages_.data() + rank * kGlooMessageBytes + sizeof(CollectiveHeader);
+}
+
 template <typename Fn>
 void GlooCommunicator::collective(CollectiveHeader& mine, Fn&& fn) {
   const char* what = kind_name(mine.kind);
@@ -366,18 +384,21 @@ void GlooCommunicator::agree(const CollectiveHeader& mine, Deadline deadline) {
 void GlooCommunicator::agree_over_gloo(const CollectiveHeader& mine, Deadline deadline) {
   constexpr std::size_t kBytes = sizeof(CollectiveHeader);
   if (!header_out_) {
-    in_headers_.assign(size(), CollectiveHeader{});
-    header_out_ = context_->createUnboundBuffer(&out_header_, kBytes);
-    header_in_ = context_->createUnboundBuffer(in_headers_.data(), in_headers_.size() * kBytes);
+    out_message_.assign(kGlooMessageBytes, 0);
+    in_messages_.assign(size() * kGlooMessageBytes, 0);
+    header_out_ = context_->createUnboundBuffer(out_message_.data(), out_message_.size());
+    header_in_ = context_->createUnboundBuffer(in_messages_.data(), in_messages_.size());
   }
-  out_header_ = mine;
+  std::memcpy(out_message_.data(), &mine, kBytes);
+  if (mine.inline_bytes > 0) std::memcpy(out_message_.data() + kBytes, payload_, mine.inline_bytes);
   // One slot for every header: a pair delivers them in order, and every
   // process sends exactly one per collective.
   const std::uint64_t slot = gloo::Slot::build(kHeaderSlotPrefix, 0);
+  // A message may be shorter than the slot posted for it: the header says how long.
   for (int r = 0; r < size(); ++r)
-    if (r != rank_) header_in_->recv(r, slot, r * kBytes, kBytes);
+    if (r != rank_) header_in_->recv(r, slot, r * kGlooMessageBytes, kGlooMessageBytes);
   for (int r = 0; r < size(); ++r)
-    if (r != rank_) header_out_->send(r, slot);
+    if (r != rank_) header_out_->send(r, slot, 0, kBytes + mine.inline_bytes);
   std::vector<char> arrived(size(), 0);
   arrived[rank_] = 1;
   int left = size() - 1;
@@ -413,7 +434,9 @@ void GlooCommunicator::agree_over_gloo(const CollectiveHeader& mine, Deadline de
   }
   for (int r = 0; r < size() - 1; ++r) header_out_->waitSend(std::chrono::duration_cast<std::chrono::milliseconds>(
       std::max(deadline - Clock::now(), Clock::duration(std::chrono::seconds(1)))));
-  table_ = in_headers_;
+  table_.resize(size());
+  for (int r = 0; r < size(); ++r)
+    if (r != rank_) std::memcpy(&table_[r], in_messages_.data() + r * kGlooMessageBytes, kBytes);
   table_[rank_] = mine;
 }
 
@@ -563,12 +586,8 @@ void GlooCommunicator::all_reduce(int n, const void* const* in, void* const* out
     h.algorithm = static_cast<std::uint8_t>(algorithm);
     // Tiny buffers ride in the headers: once they are agreed, every process
     // combines every contribution in rank order, so every process gets the same bits.
-    const bool tiny = bytes <= CollectiveHeader::kInlineBytes &&
-                      (algorithm == Algorithm::kAuto || algorithm == Algorithm::kDirect);
-    if (tiny && count > 0) {
-      h.inline_bytes = static_cast<std::uint32_t>(bytes);
-      std::memcpy(h.data, acc, bytes);
-    }
+    const bool tiny = bytes <= inline_capacity() && (algorithm == Algorithm::kAuto || algorithm == Algorithm::kDirect);
+    if (tiny && count > 0) set_payload(h, acc, bytes);
     // Small buffers are latency-bound: one all-gather round and a local
     // reduction beats the ring's 2(p-1) rounds. (With fewer elements than
     // processes most ring segments are empty: ring wins.)
@@ -577,8 +596,11 @@ void GlooCommunicator::all_reduce(int n, const void* const* in, void* const* out
     collective(h, [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
       if (count == 0) return;
       if (tiny) {
-        combine_fn(acc, table_[0].data, table_[1].data, count);
-        for (int r = 2; r < size(); ++r) combine_fn(acc, acc, table_[r].data, count);
+        // Into scratch: acc is this rank's payload, read for every rank in turn.
+        scratch_.resize(bytes);
+        combine_fn(scratch_.data(), payload(0), payload(1), count);
+        for (int r = 2; r < size(); ++r) combine_fn(scratch_.data(), scratch_.data(), payload(r), count);
+        std::memcpy(acc, scratch_.data(), bytes);
       } else if (shm_ && algorithm == Algorithm::kAuto) {
         shm_->all_reduce(acc, count, dtype, op, after(timeout),
                          [this](const std::vector<int>& missing) { on_wait(missing); });
@@ -627,15 +649,12 @@ void GlooCommunicator::broadcast(int n, const void* const* in, void* const* out,
     h.count = count;
     h.dtype = static_cast<std::uint8_t>(dtype);
     h.root = root;
-    const bool tiny = bytes <= CollectiveHeader::kInlineBytes;
-    if (tiny && rank_ == root_rank) {
-      h.inline_bytes = static_cast<std::uint32_t>(bytes);
-      std::memcpy(h.data, mine, bytes);
-    }
+    const bool tiny = bytes <= inline_capacity();
+    if (tiny && rank_ == root_rank) set_payload(h, mine, bytes);
     collective(h, [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
       if (bytes == 0) return;
       if (tiny) {
-        std::memcpy(mine, table_[root_rank].data, bytes);
+        if (rank_ != root_rank) std::memcpy(mine, payload(root_rank), bytes);
         return;
       }
       gloo::BroadcastOptions o(context_);
@@ -671,17 +690,16 @@ void GlooCommunicator::reduce(int n, const void* const* in, void* const* out, st
     h.dtype = static_cast<std::uint8_t>(dtype);
     h.op = static_cast<std::uint8_t>(op);
     h.root = root;
-    const bool tiny = bytes <= CollectiveHeader::kInlineBytes;
-    if (tiny && count > 0) {
-      h.inline_bytes = static_cast<std::uint32_t>(bytes);
-      std::memcpy(h.data, acc, bytes);
-    }
+    const bool tiny = bytes <= inline_capacity();
+    if (tiny && count > 0) set_payload(h, acc, bytes);
     collective(h, [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
       if (count == 0) return;
       if (tiny) {
         if (!is_root) return;
-        combine_fn(acc, table_[0].data, table_[1].data, count);
-        for (int r = 2; r < size(); ++r) combine_fn(acc, acc, table_[r].data, count);
+        std::vector<char> sum(bytes);
+        combine_fn(sum.data(), payload(0), payload(1), count);
+        for (int r = 2; r < size(); ++r) combine_fn(sum.data(), sum.data(), payload(r), count);
+        std::memcpy(acc, sum.data(), bytes);
         return;
       }
       gloo::ReduceOptions o(context_);
@@ -711,14 +729,11 @@ std::vector<std::uint64_t> GlooCommunicator::exchange_locked(const std::vector<s
   CollectiveHeader h = header(kind);
   h.count = mine.size();
   h.dtype = static_cast<std::uint8_t>(DType::kInt64);
-  const bool tiny = bytes <= CollectiveHeader::kInlineBytes;
-  if (tiny) {
-    h.inline_bytes = static_cast<std::uint32_t>(bytes);
-    std::memcpy(h.data, mine.data(), bytes);
-  }
+  const bool tiny = bytes <= inline_capacity();
+  if (tiny) set_payload(h, in.data(), bytes);
   collective(h, [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
     if (tiny) {
-      for (int r = 0; r < size(); ++r) std::memcpy(all.data() + r * mine.size(), table_[r].data, bytes);
+      for (int r = 0; r < size(); ++r) std::memcpy(all.data() + r * mine.size(), payload(r), bytes);
       return;
     }
     gloo::AllgatherOptions o(context_);

@@ -129,6 +129,11 @@ class GlooCommunicator : public Communicator {
   void check_agreement(const CollectiveHeader& mine);
   void on_wait(const std::vector<int>& missing);
   CollectiveHeader header(CollectiveHeader::Kind kind);
+  // Payloads up to inline_capacity() bytes ride with the header (the
+  // segment's record holds 64 bytes; a Gloo message more).
+  std::size_t inline_capacity() const;
+  void set_payload(CollectiveHeader& h, const void* data, std::size_t bytes);
+  const char* payload(int rank) const;  // rank's inline payload, once agreed
   [[noreturn]] void fail(const char* what, const std::exception& cause);
   [[noreturn]] void interrupted(const std::string& what, const Interrupted& cause);
   enum class Verdict { kGone, kBehind, kUnknown };
@@ -158,8 +163,8 @@ class GlooCommunicator : public Communicator {
   std::function<void(const WaitReport&)> wait_hook_;
   // The Gloo path's headers: one message to and from every peer, in buffers registered once.
   std::unique_ptr<gloo::transport::UnboundBuffer> header_out_, header_in_;
-  CollectiveHeader out_header_;
-  std::vector<CollectiveHeader> in_headers_;
+  std::vector<char> out_message_, in_messages_;  // header + inline payload; one slot per rank for the peers'
+  const char* payload_ = nullptr;                 // this process's inline payload in the current collective
   gloo::transport::UnboundBuffer* waiting_in_ = nullptr;  // poked by the watchdog to wake the wait (watch_mu_)
   std::vector<char> scratch_;  // reused across calls
   std::vector<char> gathered_;
