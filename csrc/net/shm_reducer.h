@@ -75,7 +75,7 @@ class ShmReducer {
   struct Control;
   Lane& lane(int rank) const;
   void post(std::uint32_t epoch);
-  void wait_all(std::uint32_t epoch, Deadline deadline, const OnWait& on_wait);
+  void wait_all(std::uint32_t epoch, Deadline deadline, const OnWait& on_wait, std::chrono::microseconds spin_for);
   void barrier(Deadline deadline, const OnWait& on_wait);
   void check_aborted() const;
   char* slot(std::size_t set, int rank) const;

@@ -125,7 +125,8 @@ class CollectiveGroup:
 
     def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto"):
         # In place on one array: checked natively, microseconds matter for small messages.
-        if out is buffers and type(buffers) is list and timeline._trace is None and self._gloo is not None:
+        if (out is buffers and type(buffers) is list and type(op) is str and type(algorithm) is str
+                and timeline._trace is None and self._gloo is not None):
             code, algo = OPS.get(op), collectives.ALGORITHMS.get(algorithm)
             if code is not None and algo is not None and self._gloo.all_reduce_in_place(buffers, code, algo):
                 return list(buffers)
