@@ -23,7 +23,7 @@ def _group():
 
 
 def die_while_setting_up(pid_file, delay):
-    """Worker 0 (which creates the segment) is SIGKILLed `delay` s into joining the job, or after its first all-reduce."""
+    """Worker 0 (which creates the segment) is SIGKILLed `delay` s into joining, or after its first all-reduce."""
     with open(pid_file, "w") as f:
         f.write(str(os.getpid()))
     rank = int(os.environ["TF_CONFIG"].split('"index": ')[1][0])

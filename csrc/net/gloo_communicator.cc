@@ -372,7 +372,8 @@ void GlooCommunicator::agree(const CollectiveHeader& mine, Deadline deadline) {
   next_stall_ = stall_period_;
   current_kind_ = mine.kind;
   if (shm_) {
-    shm_->exchange(&mine, shm_table_, deadline, [this](const std::vector<int>& missing) { on_wait(missing); });
+    shm_->exchange(&mine, sizeof(mine), shm_table_, deadline,
+                   [this](const std::vector<int>& missing) { on_wait(missing); });
     table_.resize(size());
     for (int r = 0; r < size(); ++r) std::memcpy(&table_[r], shm_table_[r], sizeof(CollectiveHeader));
   } else {
@@ -450,7 +451,8 @@ void GlooCommunicator::check_agreement(const CollectiveHeader& mine) {
     std::string message;
     if (a.seq != b.seq) {
       message = "collectives out of step: " + tasks_[0] + " is at collective #" + std::to_string(a.seq) + " (" +
-                kind_name(a.kind) + "), " + tasks_[r] + " at #" + std::to_string(b.seq) + " (" + kind_name(b.kind) + ")";
+                kind_name(a.kind) + "), " + tasks_[r] + " at #" + std::to_string(b.seq) + " (" +
+                kind_name(b.kind) + ")";
       // Numbering never realigns: nothing later can be trusted.
       broken_ = "this job's collectives are broken since collective #" + std::to_string(mine.seq) + " (" + message +
                 "); restart the job";

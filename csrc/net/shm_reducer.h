@@ -56,11 +56,12 @@ class ShmReducer {
   // memory lives exactly as long as the mappings).
   void mapped_by_all();
 
-  // Posts `record` (kRecordBytes) and waits until every rank posted its own;
+  // Posts `record` (bytes <= kRecordBytes) and waits until every rank posted its own;
   // table[r] then points at rank r's record, valid until this rank's next
   // exchange() or all_reduce(). Waits end at `deadline` (PeerTimeout), when a
   // peer aborts (PeerLost), or when on_wait throws.
-  void exchange(const void* record, std::vector<const char*>& table, Deadline deadline, const OnWait& on_wait);
+  void exchange(const void* record, std::size_t bytes, std::vector<const char*>& table, Deadline deadline,
+                const OnWait& on_wait);
 
   // acc (count elements of dtype) becomes the combination over all ranks, in
   // place, with every rank's bits identical. Every rank must have agreed on
