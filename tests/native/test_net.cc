@@ -2,6 +2,7 @@
 // of a job played by threads (what the sanitizer builds exercise): results
 // against a reference, admission, and the naming of dead and late peers.
 #include <chrono>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -296,6 +297,41 @@ TEST(store_deadlines_never_overflow) {
   CHECK(after(milliseconds::max()) == never());
   const Deadline past = after(milliseconds(-1));
   CHECK(past <= Clock::now());
+}
+
+// Ranks that disagree on a collective all get the same CollectiveMismatch
+// before any data moves, and the next matched collective is exact; over
+// shared memory and over Gloo.
+TEST(a_mismatch_is_the_same_error_everywhere_and_harmless) {
+  const char* was = std::getenv("MIRRORED_SHM");
+  const std::string saved = was ? was : "";
+  for (const char* shm : {"1", "0"}) {
+    ::setenv("MIRRORED_SHM", shm, 1);
+    job(1, milliseconds(10000), std::string("mismatch") + shm, [](int rank, GlooCommunicator& comm) {
+      float x[4] = {1, 1, 1, 1};
+      const void* in[1] = {x};
+      void* out[1] = {x};
+      std::string error;
+      try {
+        comm.all_reduce(1, in, out, rank == 2 ? 4 : 3, DType::kFloat32, ReduceOp::kSum, Algorithm::kAuto);
+      } catch (const CollectiveMismatch& e) {
+        error = e.what();
+      }
+      CHECK(error.find("all_reduce #1: chief:0 passes 3 float32 elements (sum), worker:1 passes 4 float32") == 0);
+      CHECK(x[0] == 1 && x[3] == 1);  // nothing moved
+      try {
+        comm.broadcast(1, in, out, 4, DType::kFloat32, rank);  // each names itself the root
+      } catch (const CollectiveMismatch& e) {
+        error = e.what();
+      }
+      CHECK(error.find("broadcast #2: chief:0 passes 4 float32 elements from replica 0, worker:0 passes 4 float32 "
+                       "elements from replica 1") == 0);
+      comm.all_reduce(1, in, out, 4, DType::kFloat32, ReduceOp::kSum, Algorithm::kAuto);
+      CHECK(x[0] == 3 && x[3] == 3);
+    });
+  }
+  if (was) ::setenv("MIRRORED_SHM", saved.c_str(), 1);
+  else ::unsetenv("MIRRORED_SHM");
 }
 
 int main() { return check::run_all(); }
