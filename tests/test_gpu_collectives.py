@@ -24,7 +24,7 @@ if NGPU == 0:
     pytest.skip("no GPU visible", allow_module_level=True)
 
 REPLICAS = (1, 2, 3, 4)
-ALGOS = ("ring", "tree", "auto")
+ALGOS = ("ring", "tree", "auto", "direct")
 SMALL_CHUNK = 256
 
 
@@ -63,7 +63,10 @@ def download(arrays, dtype):
     for a in arrays:
         with a.device:
             a.device.synchronize()
-    return [cupy.asnumpy(a).view(dtype) for a in arrays]
+    # bfloat16 travels as its uint16 bits when CuPy lacks the dtype; every other
+    # result keeps its own dtype (the MEAN of integers is float64).
+    return [x.view(dtype) if dtype == BFLOAT16 and x.dtype == np.uint16 else x
+            for x in (cupy.asnumpy(a) for a in arrays)]
 
 
 def gpu_all_reduce(xs, devices, op, algorithm, inplace=False):
@@ -100,6 +103,8 @@ def check_matrix(n, dtype, op, algorithm, devices):
             np.testing.assert_array_equal(a, x)
         for r in results:
             assert_reduced(r, xs, op)
+        if op == "mean" and np.dtype(dtype).kind in "iu":
+            continue  # the float64 mean of integers cannot be written in place
         in_place, _ = gpu_all_reduce(xs, devices, op, algorithm, inplace=True)
         for r, q in zip(in_place, results):
             np.testing.assert_array_equal(r, q)
@@ -111,7 +116,32 @@ def check_matrix(n, dtype, op, algorithm, devices):
 @pytest.mark.parametrize("n", REPLICAS)
 def test_native_all_reduce_matches_numpy(small_chunks, n, dtype, op, algorithm):
     for _, devices in placements(n):
+        if algorithm == "direct" and not direct_capable(devices):
+            continue  # GPUs without peer access: 'direct' refuses (tested below)
         check_matrix(n, dtype, op, algorithm, devices)
+
+
+def direct_capable(devices) -> bool:
+    try:
+        collectives.all_reduce(upload([np.ones(1, np.float32)] * len(devices), devices), algorithm="direct")
+        return True
+    except ValueError as e:
+        assert "needs every rank to read every other rank's memory" in str(e)
+        return False
+
+
+@pytest.mark.parametrize("algorithm", ALGOS + ("nccl",))
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int32", "int64"])
+def test_integer_mean_of_empty_buffers_is_float64(algorithm, dtype):
+    n = min(NGPU, 2) if algorithm == "nccl" else 3
+    devices = tuple(range(n)) if algorithm == "nccl" else (0,) * n
+    if algorithm == "nccl" and not _gpu.nccl_available():
+        pytest.skip("NCCL is not installed (pip install nvidia-nccl-cu13)")
+    for shape in ((0,), (2, 0), (5,)):
+        xs = upload([np.arange(np.prod(shape), dtype=dtype).reshape(shape) + i for i in range(n)], devices)
+        for r in collectives.all_reduce(xs, "mean", algorithm=algorithm):
+            assert r.dtype == np.float64 and r.shape == shape
+            np.testing.assert_array_equal(cupy.asnumpy(r), sum(cupy.asnumpy(x).astype(np.float64) for x in xs) / n)
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -2,10 +2,12 @@
 the same signatures, for CuPy arrays or anything exposing
 ``__cuda_array_interface__`` or ``__dlpack__`` on a GPU.
 
-``algorithm`` is ``"auto"`` (the native ring, or the tree for small messages
-over more than 2 GPUs), ``"ring"``, ``"tree"`` (also ``"hierarchical"``) or
-``"nccl"``. The native engine accepts several buffers on one GPU (logical
-GPUs); NCCL needs a GPU per replica.
+``algorithm`` is ``"auto"`` (the engine's measured choice, see
+``csrc/cuda/cuda_ring.cc``), ``"direct"`` (one kernel per GPU reads every
+replica's input and writes every output in one pass: replicas on one GPU,
+or GPUs with peer access), ``"ring"``, ``"tree"`` (also ``"hierarchical"``)
+or ``"nccl"``. The native engine accepts several buffers on one GPU
+(logical GPUs); NCCL needs a GPU per replica.
 
 Calls are asynchronous like any CuPy operation: ordered after the work
 already queued on each buffer's device (see ``_gpu.collective_stream``),
@@ -27,7 +29,7 @@ from .collectives import check_batch, check_packing, gather_layout
 __all__ = ["all_reduce", "broadcast", "reduce", "all_gather", "batch_all_reduce", "ALGORITHMS"]
 
 # Algorithm names -> codes of csrc/core/communicator.h; "nccl" picks the NCCL engine.
-ALGORITHMS = {"auto": 0, "ring": 1, "tree": 3, "hierarchical": 3, "nccl": 0}
+ALGORITHMS = {"auto": 0, "ring": 1, "direct": 2, "tree": 3, "hierarchical": 3, "nccl": 0}
 
 # The ring moves this many bytes per rank and step; 2 slices in flight per rank.
 CHUNK_BYTES = 1 << 20
@@ -218,8 +220,7 @@ def _engine(devices, algorithm, chunk_bytes=0):
     """The engine for these GPUs (and ring chunk size; 0: CHUNK_BYTES) and the algorithm code to pass it."""
     name = algorithm.lower() if isinstance(algorithm, str) else algorithm
     if name not in ALGORITHMS:
-        hint = " ('direct' is a host-buffer algorithm)" if name == "direct" else ""
-        raise ValueError(f"algorithm={algorithm!r} is not a GPU algorithm{hint}; use one of "
+        raise ValueError(f"algorithm={algorithm!r} is not a GPU algorithm; use one of "
                          f"{', '.join(repr(a) for a in ALGORITHMS)}")
     kind = "nccl" if name == "nccl" else "ring"
     chunk_bytes = chunk_bytes or CHUNK_BYTES
