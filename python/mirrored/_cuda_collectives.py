@@ -102,32 +102,84 @@ def all_gather(buffers, axis=0):
 
 def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto",
                      chunk_bytes=0):
-    """All-reduce many tensors per replica at once, fused into few packs (see :mod:`mirrored.collectives`)."""
+    """All-reduce many tensors per replica at once, fused into few packs (see :mod:`mirrored.collectives`).
+
+    One native call whatever the tensor count: it uploads a (pointer, size)
+    table, packs every tensor with one kernel per GPU, all-reduces each pack
+    and unpacks with one more kernel. The results of a replica are views of
+    one new buffer on its GPU (one allocation per replica, not per tensor).
+    """
     n = check_batch(per_replica_lists)
     if not per_replica_lists[0]:
         return [[] for _ in range(n)]
     bytes_per_pack, num_packs, chunk = check_packing(bytes_per_pack, num_packs, chunk_bytes)
     opc = op_code(op)
+    layout = _batch_layout(per_replica_lists)
+    if layout is None:  # anything but contiguous CuPy arrays: convert and check tensor by tensor
+        per_replica_lists = _batch_inputs(per_replica_lists)
+        layout = _batch_layout(per_replica_lists)
+    devices, shapes, dtypes, codes, counts, offsets, total = layout
+    engine, algo = _engine(devices, algorithm, chunk)
+    cupy = _cupy()
+    ndarray = cupy.ndarray
+    outputs, out_ptrs = [], []
+    for d in devices:
+        with cupy.cuda.Device(d):
+            buf = cupy.empty(total, cupy.uint8)
+        base = buf.data
+        outputs.append([ndarray(shape, dtype, memptr=base + off) for shape, dtype, off in zip(shapes, dtypes, offsets)])
+        out_ptrs.append([base.ptr + off for off in offsets])
+    with timeline.span("batch_all_reduce", total, algorithm, n):
+        engine.batch_all_reduce([[a.data.ptr for a in tensors] for tensors in per_replica_lists], out_ptrs, counts,
+                                codes, opc, bytes_per_pack, num_packs, algo, _streams(devices))
+    return outputs
+
+
+_BATCH_ALIGN = 256  # results start where CuPy's own allocations would (vector loads need 16)
+
+
+def _batch_layout(per_replica_lists):
+    """(devices, shapes, dtypes, dtype codes, counts, result offsets, result bytes) of a batch of
+    contiguous CuPy arrays, each replica's on one GPU; None when it is anything else."""
+    ndarray = _cupy().ndarray
+    first = per_replica_lists[0]
+    shapes = [a.shape for a in first]
+    dtypes = [a.dtype for a in first]
+    devices = []
+    for tensors in per_replica_lists:
+        if not all(type(a) is ndarray for a in tensors):
+            return None
+        device = tensors[0].data.device_id
+        if not all(a.shape == s and a.dtype == dt and a.flags.c_contiguous and a.data.device_id == device
+                   for a, s, dt in zip(tensors, shapes, dtypes)):
+            return None
+        devices.append(device)
+    codes, counts, offsets, total = [], [], [], 0
+    for a in first:
+        code = _CODES.get(a.dtype)
+        if code is None:
+            code = _CODES.setdefault(a.dtype, dtype_code(a.dtype, "per_replica_lists[0]"))
+        codes.append(code)
+        counts.append(a.size)
+        offsets.append(total)
+        total += -(-a.nbytes // _BATCH_ALIGN) * _BATCH_ALIGN
+    return tuple(devices), shapes, dtypes, codes, counts, offsets, max(total, 1)
+
+
+def _batch_inputs(per_replica_lists):
+    """The batch as contiguous CuPy arrays, checked tensor by tensor with messages naming the tensor."""
     columns, devices = [], None
     for t in range(len(per_replica_lists[0])):
-        column, code, devs = _inputs([tensors[t] for tensors in per_replica_lists], f"per_replica_lists[*][{t}]")
+        column, _, devs = _inputs([tensors[t] for tensors in per_replica_lists], f"per_replica_lists[*][{t}]")
         if devices is not None and devs != devices:
             raise ValueError(f"per_replica_lists[*][{t}] lies on GPUs {devs} but tensor 0 on {devices}; "
                              "each replica's tensors must all be on that replica's GPU")
         devices = devs
-        columns.append((column, code))
-    engine, algo = _engine(devices, algorithm, chunk)
-    cupy = _cupy()
-    outputs = []
-    for r, d in enumerate(devices):
-        with cupy.cuda.Device(d):
-            outputs.append([cupy.empty_like(c[0][r]) for c in columns])
-    with timeline.span("batch_all_reduce", sum(c[0][0].nbytes for c in columns), algorithm, n):
-        engine.batch_all_reduce([[c[0][r].data.ptr for c in columns] for r in range(n)],
-                                [[o.data.ptr for o in outs] for outs in outputs],
-                                [c[0][0].size for c in columns], [c[1] for c in columns], opc,
-                                bytes_per_pack, num_packs, algo, _streams(devices))
-    return outputs
+        columns.append(column)
+    return [[c[r] for c in columns] for r in range(len(per_replica_lists))]
+
+
+_CODES: dict = {}
 
 
 # --- validation --------------------------------------------------------------

@@ -148,6 +148,19 @@ cudaError_t cudaMalloc(void** p, size_t n) {
   sim::allocations[reinterpret_cast<std::uintptr_t>(*p)] = {n, sim::current};
   return cudaSuccess;
 }
+cudaError_t cudaMallocHost(void** p, size_t n) {
+  *p = std::malloc(n + 1);  // host memory: a kernel touching it is caught as unallocated
+  return cudaSuccess;
+}
+cudaError_t cudaFreeHost(void* p) {
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  ++sim::counted.stream_ops;
+  if (e->latest && !e->latest->done) sim::drain();  // the host blocks until the GPU got there
+  return cudaSuccess;
+}
 cudaError_t cudaFree(void* p) {
   sim::allocations.erase(reinterpret_cast<std::uintptr_t>(p));
   std::free(p);

@@ -333,10 +333,14 @@ void check_nccl(Layout& l, std::size_t count, bool in_place, bool by_unique_id) 
   std::vector<std::vector<const void*>> bin;
   std::vector<std::vector<void*>> bout;
   batch_buffers(l, n, counts, dtypes, s, in_place, bin, bout);
+  sim::reset_counters();
   {
     StreamScope scope(l.streams);
     batch.all_reduce(comm, bin, bout, counts, dtypes, s, Algorithm::kAuto, 0, 0);
   }
+  // A pack and an unpack kernel per GPU around NCCL's calls, whatever the tensor count.
+  for (const auto& [d, k] : sim::counters().launches)
+    EXPECT(k <= 2, "nccl batch: %ld launches on GPU %d", k, d);
   if (!batch_summed(l, n, counts, dtypes, s, bout, "nccl batch")) return;
 }
 
@@ -500,6 +504,44 @@ void check_launch_counts() {
       check("broadcast", per_gpu, false, [&] { ring.broadcast(n, in.data(), out.data(), count, DType::kFloat32, n - 1); });
       check("reduce", 1, true, [&] { ring.reduce(n, in.data(), out.data(), count, DType::kFloat32, ReduceOp::kMax, 0); });
       check("all_gather", per_gpu, false, [&] { ring.all_gather(n, in.data(), gout.data(), rows.data(), 1); });
+      // Fused batches: at most 3 launches per GPU (pack, all-reduce, unpack)
+      // when a GPU's ranks queue on one stream (as the Strategy's do; else a
+      // pack and an unpack per stream), and the same stream operations for 2
+      // tensors as for 300 (once the table has grown).
+      DeviceBatch batch(l.devices);
+      long ops_at_2 = -1;
+      const long lanes = own_streams ? n : long(gpus.size());
+      const long per_gpu_limit = own_streams ? 2 * long(n) + 1 : 3;
+      int call = 0;
+      for (std::size_t tensors : {2, 10, 300, 2, 300}) {
+        ++call;
+        std::vector<std::size_t> counts(tensors);
+        for (std::size_t t = 0; t < tensors; ++t) counts[t] = (t * 13) % 37;
+        const std::vector<DType> dtypes(tensors, DType::kInt32);
+        std::vector<std::vector<const void*>> bin;
+        std::vector<std::vector<void*>> bout;
+        batch_buffers(l, n, counts, dtypes, ReduceOp::kSum, tensors == 10, bin, bout);
+        sim::drain();
+        sim::reset_counters();
+        {
+          StreamScope scope(l.streams);
+          batch.all_reduce(ring, bin, bout, counts, dtypes, ReduceOp::kSum, Algorithm::kAuto, 0, 0);
+        }
+        const auto c = sim::counters();
+        bool ok = c.launches_total() <= 2 * lanes + long(gpus.size());
+        for (const auto& [d, k] : c.launches) ok = ok && k <= per_gpu_limit;
+        if (call == 4) ops_at_2 = c.stream_ops;
+        if (call == 5) ok = ok && c.stream_ops == ops_at_2;
+        if (!ok && ++failures <= 10)
+          std::printf("FAIL: batch of %zu on %zu GPU(s), n=%d, own_streams=%d: %ld launches, %ld stream ops\n",
+                      tensors, gpus.size(), n, int(own_streams), c.launches_total(), c.stream_ops);
+        if (!batch_summed(l, n, counts, dtypes, ReduceOp::kSum, bout, "counted batch")) return;
+        for (int r = 0; r < n; ++r)
+          for (std::size_t t = 0; t < tensors; ++t) {
+            if (bout[r][t] != bin[r][t]) cudaFree(bout[r][t]);
+            cudaFree(const_cast<void*>(bin[r][t]));
+          }
+      }
       for (int r = 0; r < n; ++r) cudaFree(in[r]), cudaFree(out[r]), cudaFree(gout[r]);
     }
 }
