@@ -29,19 +29,20 @@ def wait_until(cond, timeout=10.0) -> bool:
     return cond()
 
 
+def use_and_drop_a_strategy():
+    s = md.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"])
+    with s.scope():
+        v = md.Variable(1.0)
+    got = s.run(lambda: md.get_replica_context().all_reduce("sum", v.read_value()))
+    assert [float(x) for x in s.experimental_local_results(got)] == [4.0] * 4
+    return weakref.ref(s)
+
+
 def test_dropped_strategies_end_their_threads_without_gc():
     before = replica_threads()
     gc.disable()
     try:
-        refs = []
-        for _ in range(50):
-            s = md.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"])
-            with s.scope():
-                v = md.Variable(1.0)
-            got = s.run(lambda: md.get_replica_context().all_reduce("sum", v.read_value()))
-            assert [float(x) for x in s.experimental_local_results(got)] == [4.0] * 4
-            refs.append(weakref.ref(s))
-            del s, v, got
+        refs = [use_and_drop_a_strategy() for _ in range(50)]
         assert all(r() is None for r in refs), "a dropped strategy is kept alive by a reference cycle"
         assert wait_until(lambda: replica_threads() <= before), f"{replica_threads() - before} replica threads left"
     finally:

@@ -7,7 +7,6 @@ whose built-ins make one native call for all replicas with the GIL released.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 
