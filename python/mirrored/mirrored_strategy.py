@@ -24,14 +24,24 @@ from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mir
                      SyncOnReadVariable, regroup, select_replica)
 
 
+def _signal(lock):
+    """Leaves a wake-up in ``lock`` (a released lock) unless one is already waiting there."""
+    try:
+        lock.release()
+    except RuntimeError:  # released already: the thread it wakes has not taken the last wake-up yet
+        pass
+
+
 class _ReplicaPool:
     """N-1 persistent threads plus the caller's: ``run(replica_fn)`` calls ``replica_fn(i)`` for every i.
 
-    Hand-offs cost a few microseconds per replica: bare locks (the cheapest
-    CPython primitive); the caller wakes only replica 1, each replica wakes
-    the next before it runs (the wake-ups overlap with the work); the last
-    replica to finish, counted by an atomic ``itertools.count``, wakes the
-    caller.
+    Hand-offs are few and cheap (bare locks, CPython's cheapest primitive):
+    the caller wakes replica thread 1 only, each replica thread wakes the
+    next before it works, and the caller, once replica 0 returned, runs
+    itself every replica that no thread has claimed yet, so a short step
+    costs no thread switch at all. Each replica is claimed exactly once per
+    run, with an atomic ``dict.setdefault``; the last one to finish (an
+    atomic ``itertools.count``) wakes the caller if it is not the caller.
 
     The pool holds no reference to its strategy: ``close`` ends the threads
     when the strategy goes. Runs are serialised (a second thread's ``run``
@@ -59,7 +69,9 @@ class _ReplicaPool:
         self._generation = 0  # of the latest run started
         self._completed = 0   # of the latest run whose replicas all returned
         self._inflight = False  # replicas of the latest run may still be running
-        self._arrivals = None
+        self._claims = {}  # replica index -> the token of whoever runs it, this run
+        self._mine = None  # the caller's token
+        self._arrived = self._arrivals = None
         self._results = self._errors = None
 
     def _start(self):
@@ -71,20 +83,20 @@ class _ReplicaPool:
 
     def _worker(self, i: int):
         go = self._go[i]
-        wake_next = self._go[i + 1].release if i + 1 < self.n else None
-        last = self.n - 2  # the arrival number of the last worker of a run
+        following = self._go[i + 1] if i + 1 < self.n else None
         while True:
             go.acquire()
-            if wake_next is not None:
-                wake_next()
+            if following is not None:
+                _signal(following)
             if self._closed:
                 return
-            generation = self._generation
-            self._execute(i)
-            if next(self._arrivals) == last:
-                with self._state_lock:
-                    self._completed = generation
-                    self._done.release()
+            token = object()
+            if self._claims.setdefault(i, token) is not token:
+                continue  # the caller runs it, or a late wake-up of a finished run
+            try:
+                self._execute(i)
+            finally:
+                self._arrive(i, False)
 
     def _execute(self, i: int):
         try:
@@ -97,8 +109,24 @@ class _ReplicaPool:
         finally:
             self.group.replica_finished()
 
+    def _arrive(self, i: int, caller: bool):
+        self._arrived[i] = True
+        if next(self._arrivals) == self.n - 2:  # the last of replicas 1..n-1
+            with self._state_lock:
+                self._completed = self._generation
+                if not caller:
+                    self._done.release()
+
+    def _settle(self):
+        """After an interruption: replicas the caller claimed but never ran count as finished."""
+        for i, owner in list(self._claims.items()):
+            if owner is self._mine and not self._arrived[i]:
+                self.group.abort()
+                self._arrive(i, True)
+
     def _wait_for_replicas(self):
         """Blocks until every replica of the latest run returned (interruptible; may be called again)."""
+        self._settle()
         generation = self._generation
         while True:
             with self._state_lock:
@@ -121,18 +149,26 @@ class _ReplicaPool:
                 self._start()
             self.group.reset()
             self._fn, self._results, self._errors = replica_fn, [None] * self.n, []
-            self._arrivals = itertools.count()
+            self._arrived, self._arrivals = [False] * self.n, itertools.count()
             self._generation += 1
+            mine = self._mine = object()
+            claims = self._claims = {}  # last: a thread that sees it sees the rest of this run
             # From here on every path leaves the pool consistent, whatever a
             # KeyboardInterrupt interrupts: plain stores do not check for
-            # signals; a call may raise one only after it returned.
+            # signals; a call may raise one only after it returned (see _settle).
             self._caller = me
             try:
                 if self.n > 1:
                     self._inflight = True
-                    self._go[1].release()
+                    _signal(self._go[1])
                 self._execute(0)
-            except BaseException:  # interrupted outside replica 0's function: free the others
+                for i in range(1, self.n):  # not claimed by its thread yet: run it here, no hand-off
+                    if claims.setdefault(i, mine) is mine:
+                        try:
+                            self._execute(i)
+                        finally:
+                            self._arrive(i, True)
+            except BaseException:  # interrupted outside a replica's function: free the others
                 self.group.abort()
                 raise
             finally:
@@ -148,10 +184,7 @@ class _ReplicaPool:
     def close(self):
         self._closed = True
         if self._threads is not None:
-            try:
-                self._go[1].release()  # each replica thread wakes the next, then ends
-            except RuntimeError:  # already released: a dispatch in flight reaches the flag anyway
-                pass
+            _signal(self._go[1])  # each replica thread wakes the next, then ends
 
 
 def _resolve_devices(devices) -> tuple:
