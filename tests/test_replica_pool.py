@@ -74,6 +74,36 @@ def test_concurrent_runs_from_two_threads_are_serialised():
     assert counts == [150, 150]
 
 
+def test_long_replicas_still_run_in_parallel():
+    """The caller runs replicas no thread has claimed yet; long ones still overlap on their threads."""
+    s = md.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"])
+    s.run(lambda: None)  # threads started
+    t0 = time.perf_counter()
+    got = s.run(lambda: (time.sleep(0.25), md.get_replica_context().replica_id_in_sync_group)[1])
+    elapsed = time.perf_counter() - t0
+    assert [int(x) for x in s.experimental_local_results(got)] == [0, 1, 2, 3]
+    assert elapsed < 0.75, f"4 replicas sleeping 0.25 s took {elapsed:.2f} s: they ran one after another"
+
+
+def test_a_failing_replica_fails_the_run_and_the_next_run_works():
+    s = md.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+
+    def fn():
+        rid = md.get_replica_context().replica_id_in_sync_group
+        if rid == 1:
+            raise ValueError("replica 1 fails")
+        return md.get_replica_context().all_reduce("sum", 1.0)
+
+    for _ in range(20):
+        try:
+            s.run(fn)
+            raise AssertionError("no error")
+        except ValueError as e:
+            assert "replica 1 fails" in str(e)
+        got = s.run(lambda: md.get_replica_context().all_reduce("sum", 2.0))
+        assert [float(v) for v in s.experimental_local_results(got)] == [6.0] * 3
+
+
 # Real SIGINTs need the process's main thread: run in a child process.
 CTRL_C = textwrap.dedent("""
     import os, signal, threading, time

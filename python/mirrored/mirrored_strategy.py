@@ -165,7 +165,8 @@ class _ReplicaPool:
                 for i in range(1, self.n):  # not claimed by its thread yet: run it here, no hand-off
                     if claims.setdefault(i, mine) is mine:
                         try:
-                            self._execute(i)
+                            if not self._errors:  # (a failed run skips the replicas not started yet)
+                                self._execute(i)
                         finally:
                             self._arrive(i, True)
             except BaseException:  # interrupted outside a replica's function: free the others
