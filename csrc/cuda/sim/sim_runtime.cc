@@ -42,9 +42,18 @@ namespace {
 int num_devices = 4;
 std::set<std::pair<int, int>> peers;
 int current = 0;
-std::map<int, CUstream_st*> null_streams;
-std::vector<CUstream_st*> streams;
-std::map<std::uintptr_t, std::pair<std::size_t, int>> allocations;  // base -> (bytes, device)
+std::map<int, CUstream_st*>& null_streams = *new std::map<int, CUstream_st*>;  // never destroyed (see allocations)
+std::vector<CUstream_st*>& streams = *new std::vector<CUstream_st*>;
+// Simulated device memory: base -> (bytes, device, the block). Holding the
+// block's pointer keeps memory a test never frees owned by the simulated
+// device (as a GPU's is at exit), not leaked in LeakSanitizer's eyes; the
+// map itself is never destroyed, so it still holds them when LSan looks.
+struct Allocation {
+  std::size_t bytes;
+  int device;
+  void* block;
+};
+std::map<std::uintptr_t, Allocation>& allocations = *new std::map<std::uintptr_t, Allocation>;
 std::mt19937 rng;
 Counters counted;
 
@@ -58,9 +67,9 @@ CUstream_st* resolve(cudaStream_t s) {
 int device_of(const void* p) {
   const auto u = reinterpret_cast<std::uintptr_t>(p);
   auto it = allocations.upper_bound(u);
-  if (it == allocations.begin() || u > (--it)->first + it->second.first)
+  if (it == allocations.begin() || u > (--it)->first + it->second.bytes)
     throw std::logic_error("simulated kernel touches memory that was never allocated");
-  return it->second.second;
+  return it->second.device;
 }
 }  // namespace
 
@@ -145,7 +154,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
 cudaError_t cudaMalloc(void** p, size_t n) {
   *p = std::malloc(n + 1);
   std::memset(*p, 0xcd, n);
-  sim::allocations[reinterpret_cast<std::uintptr_t>(*p)] = {n, sim::current};
+  sim::allocations[reinterpret_cast<std::uintptr_t>(*p)] = {n, sim::current, *p};
   return cudaSuccess;
 }
 cudaError_t cudaMallocHost(void** p, size_t n) {

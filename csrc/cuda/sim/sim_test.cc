@@ -88,6 +88,7 @@ template <typename T>
 void read(Layout& l, int r, void* p, std::size_t count, std::vector<T>& into) {
   into.assign(count, T());
   T* dst = into.data();
+  if (count == 0) return;  // (an empty vector's data() may be null, which memcpy must not get)
   l.on(r, [=] {
     std::memcpy(dst, p, count * sizeof(T));
     std::memset(p, 0x5a, count * sizeof(T));  // the caller reuses its buffer at once
