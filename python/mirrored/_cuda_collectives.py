@@ -225,7 +225,7 @@ def _inputs(buffers, argument: str, same_shape: bool = True):
         if same_shape and a.shape != first.shape:
             raise ValueError(f"{argument}[{i}] has shape {a.shape} but {argument}[0] has {first.shape}; "
                              "every replica must pass the same shape")
-    return arrays, dtype_code(first.dtype, argument), tuple(a.device.id for a in arrays)
+    return arrays, dtype_code(first.dtype, argument), tuple(a.data.device_id for a in arrays)
 
 
 def _outputs(out, arrays, devices, argument: str):
@@ -251,7 +251,7 @@ def _outputs(out, arrays, devices, argument: str):
         if o.shape != arrays[i].shape or o.dtype != arrays[i].dtype:
             raise ValueError(f"{argument}[{i}] has shape {o.shape} and dtype {o.dtype}; expected "
                              f"{arrays[i].shape} and {arrays[i].dtype} like the buffers")
-        if o.device.id != devices[i]:
+        if o.data.device_id != devices[i]:
             raise ValueError(f"{argument}[{i}] is on GPU {o.device.id} but buffers[{i}] on GPU {devices[i]}; "
                              "each output must be on its replica's GPU")
         if not o.flags.c_contiguous:

@@ -1,7 +1,8 @@
 """``md.MirroredStrategy``: synchronous data parallelism over the devices of one machine.
 
 Replicas run on a persistent pool of threads (replica 0 on the caller's
-thread); the reductions they need go through the strategy's CrossDeviceOps,
+thread, and so does any replica no pool thread has picked up by the time
+replica 0 returned); the reductions they need go through the strategy's CrossDeviceOps,
 whose built-ins make one native call for all replicas with the GIL released.
 """
 
