@@ -242,6 +242,29 @@ def test_batch_all_reduce(small_chunks, packing, algorithm):
                                           np.sum([h[t] for h in host], 0, dtype=dtypes[t]).astype(dtypes[t]))
 
 
+@pytest.mark.parametrize("algorithm", ("auto", "direct", "ring", "nccl"))
+def test_batch_of_200_tensors_in_one_buffer_per_replica(algorithm):
+    """The O(1) batch path: 200 tensors of mixed sizes (some empty, some not a whole 16-byte vector),
+    mixed dtypes and non-contiguous inputs; results are views of one buffer per replica."""
+    if algorithm == "nccl" and not _gpu.nccl_available():
+        pytest.skip("NCCL is not installed (pip install nvidia-nccl-cu13)")
+    n = min(NGPU, 2) if algorithm == "nccl" else 2
+    devices = tuple(range(n)) if algorithm == "nccl" else (0,) * n
+    rng = np.random.default_rng(11)
+    sizes = [int(s) for s in rng.integers(0, 3000, 200)]
+    dtypes = [(np.float32, np.int32, np.float16)[t % 3] for t in range(200)]
+    host = [[rng.integers(-9, 9, s).astype(t) for s, t in zip(sizes, dtypes)] for _ in range(n)]
+    lists = [upload(h, [d] * len(h)) for h, d in zip(host, devices)]
+    lists[0][5] = cupy.concatenate([lists[0][5], lists[0][5]])[::2]  # a strided view: copied first
+    out = collectives.batch_all_reduce(lists, "sum", algorithm=algorithm)
+    for r, d in enumerate(devices):
+        assert len({int(x.data.mem.ptr) for x in out[r]}) == 1, "one result buffer per replica"
+        for t in range(200):
+            assert out[r][t].device.id == d and out[r][t].dtype == dtypes[t] and out[r][t].shape == (sizes[t],)
+            np.testing.assert_array_equal(cupy.asnumpy(out[r][t]),
+                                          np.sum([h[t] for h in host], 0, dtype=dtypes[t]).astype(dtypes[t]))
+
+
 def test_bad_input_is_rejected_clearly():
     a = upload([np.ones(4, np.float32)], (0,))[0]
     with pytest.raises(TypeError, match=r"buffers\[1\] is a host array"):

@@ -161,7 +161,7 @@ def _batch_layout(per_replica_lists):
             code = _CODES.setdefault(a.dtype, dtype_code(a.dtype, "per_replica_lists[0]"))
         codes.append(code)
         counts.append(a.size)
-        offsets.append(total)
+        offsets.append(total if a.nbytes else 0)  # (an empty result points at the buffer's start)
         total += -(-a.nbytes // _BATCH_ALIGN) * _BATCH_ALIGN
     return tuple(devices), shapes, dtypes, codes, counts, offsets, max(total, 1)
 
