@@ -36,8 +36,10 @@ void* at(void* p, std::size_t bytes) { return static_cast<char*>(p) + bytes; }
 // ranks sharing GPUs. Ranks on distinct GPUs without peer access keep the
 // earlier rule (tree below 256 KiB beyond 2 ranks; not yet measured there),
 // and ranks on distinct GPUs with peer access take the one-shot kernel up to
-// 256 KiB, where one launch per GPU beats the ring's 2(n-1) dependent steps,
-// as NCCL's and custom all-reduce one-shot kernels do (not yet measured here).
+// 256 KiB (out of place), where one launch per GPU beats the ring's 2(n-1)
+// dependent steps, and the two-shot kernels above it (the ring's bytes in 2
+// launches per GPU), as NCCL's and custom all-reduce kernels do (not yet
+// measured here; NCCL stays the default for one GPU per replica).
 constexpr std::size_t kTreeBelowBytesShared = std::size_t(64) << 20;
 constexpr std::size_t kTreeBelowBytes = std::size_t(256) << 10;
 constexpr std::size_t kPeerOneShotBelowBytes = std::size_t(256) << 10;
@@ -231,7 +233,11 @@ std::size_t CudaRing::ring_chunk_elems(int n, std::size_t count, std::size_t ele
 }
 
 Algorithm CudaRing::choose(std::size_t bytes) const {
-  if (one_pass_ && (groups_.size() == 1 || bytes <= kPeerOneShotBelowBytes)) return Algorithm::kDirect;
+  // One GPU: the one-pass kernel. Distinct GPUs with peer access: one-shot
+  // up to kPeerOneShotBelowBytes out of place, else two-shot (all_reduce
+  // picks); several ranks per GPU across GPUs: one-shot while small.
+  if (one_pass_ && (groups_.size() == 1 || groups_.size() == ranks_.size() || bytes <= kPeerOneShotBelowBytes))
+    return Algorithm::kDirect;
   const bool shared = groups_.size() < ranks_.size();
   const std::size_t tree_below = shared ? kTreeBelowBytesShared : kTreeBelowBytes;
   return size() > 2 && bytes < tree_below ? Algorithm::kTree : Algorithm::kRing;
@@ -239,6 +245,11 @@ Algorithm CudaRing::choose(std::size_t bytes) const {
 
 template <typename F>
 void CudaRing::one_pass(F launch) {
+  phased(1, [&](int g, cudaStream_t s, int) { launch(g, s); });
+}
+
+template <typename F>
+void CudaRing::phased(int phases, F launch) {
   const int n = size();
   auto same = [&](int a, int b) { return callers_[a] == callers_[b] && ranks_[a].device == ranks_[b].device; };
   // The distinct caller streams, each named by its first rank (a null stream
@@ -262,9 +273,23 @@ void CudaRing::one_pass(F launch) {
         if (!same(u, g.ranks[0])) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(callers_[g.ranks[0]], ranks_[u].ready, 0));
     }
   }
-  for (std::size_t g = 0; g < groups_.size(); ++g) {
-    on(groups_[g].device);
-    launch(static_cast<int>(g), callers_[groups_[g].ranks[0]]);
+  for (int phase = 0; phase < phases; ++phase) {
+    if (phase > 0) {  // barrier: every GPU's previous round is done before any starts the next
+      for (const Group& g : groups_) {
+        on(g.device);
+        MIRRORED_CUDA_CHECK(cudaEventRecord(ranks_[g.ranks[0]].step[phase & 1][0], callers_[g.ranks[0]]));
+      }
+      for (const Group& g : groups_) {
+        on(g.device);
+        for (const Group& h : groups_)
+          if (&h != &g)
+            MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(callers_[g.ranks[0]], ranks_[h.ranks[0]].step[phase & 1][0], 0));
+      }
+    }
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      on(groups_[g].device);
+      launch(static_cast<int>(g), callers_[groups_[g].ranks[0]], phase);
+    }
   }
   if (sync) {  // and every other caller stream's later work waits for every launch
     for (const Group& g : groups_) {
@@ -277,6 +302,47 @@ void CudaRing::one_pass(F launch) {
         if (!same(u, g.ranks[0])) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(callers_[u], ranks_[g.ranks[0]].done[0], 0));
     }
   }
+}
+
+void CudaRing::two_shot_all_reduce(const void* const* in, void* const* out, std::size_t count, DType dtype,
+                                   ReduceOp op) {
+  const int n = size();
+  const std::size_t es = dtype_size(dtype);
+  const std::size_t vec = std::max<std::size_t>(1, 16 / es);  // slices of whole vectors keep them aligned
+  const std::size_t per = ((count + n - 1) / n + vec - 1) / vec * vec;
+  auto lo = [&](int r) { return std::min(count, r * per); };
+  auto hi = [&](int r) { return std::min(count, (r + 1) * per); };
+  int unit = 16;
+  auto fits = [&](int u) {
+    for (int q = 0; q < n; ++q)
+      if ((hi(q) - lo(q)) * es % u || reinterpret_cast<std::uintptr_t>(out[q]) % u || (lo(q) * es) % u) return false;
+    return true;
+  };
+  while (unit > 1 && !fits(unit)) unit /= 2;
+  const int mean_div = op == ReduceOp::kMean ? n : 1;
+  phased(2, [&](int g, cudaStream_t s, int phase) {
+    const int r = groups_[g].ranks[0];  // one rank per GPU here
+    if (phase == 0) {  // out[r]'s slice r = op over every input's slice r
+      if (hi(r) == lo(r)) return;
+      FusedArgs a;
+      a.nin = n;
+      for (int q = 0; q < n; ++q) a.in[q] = at(in[q], lo(r) * es);
+      a.nout = 1;
+      a.out[0] = at(out[r], lo(r) * es);
+      return fused_reduce(a, hi(r) - lo(r), dtype, combining_op(op), mean_div, groups_[g].sms, s);
+    }
+    GatherArgs a;  // out[r]'s other slices from their owners' outputs; its own (null) is left alone
+    a.nin = n;
+    a.outer = 1;
+    a.col[0] = 0;
+    for (int q = 0; q < n; ++q) {
+      a.in[q] = q == r ? nullptr : at(out[q], lo(q) * es);
+      a.col[q + 1] = a.col[q] + (hi(q) - lo(q)) * es / unit;
+    }
+    a.nout = 1;
+    a.out[0] = out[r];
+    fused_gather(a, unit, groups_[g].sms, s);
+  });
 }
 
 void CudaRing::direct_all_reduce(const void* const* in, void* const* out, std::size_t count, DType dtype,
@@ -310,8 +376,10 @@ void CudaRing::all_reduce(int n, const void* const* in, void* const* out, std::s
     // another GPU's kernel may still be reading: the ring runs instead.
     bool in_place = false;
     for (int r = 0; r < n; ++r) in_place = in_place || out[r] == in[r];
-    if (groups_.size() == 1 || !in_place) return direct_all_reduce(in, out, count, dtype, op);
-    algorithm = Algorithm::kRing;
+    if (groups_.size() == 1 || (!in_place && bytes <= kPeerOneShotBelowBytes))
+      return direct_all_reduce(in, out, count, dtype, op);
+    if (groups_.size() == ranks_.size()) return two_shot_all_reduce(in, out, count, dtype, op);
+    algorithm = Algorithm::kRing;  // several ranks per GPU across GPUs, in place or large
   }
   if (n == 1) {  // the sum (or mean, min, ...) of one buffer is itself
     fork(1, false);

@@ -98,6 +98,16 @@ class CudaRing : public Communicator {
   // case) that is a bare launch: no event at all.
   template <typename F>
   void one_pass(F launch);
+  // The same with `phases` rounds of launch(g, stream, phase), each round
+  // after every GPU finished the previous one (an event barrier).
+  template <typename F>
+  void phased(int phases, F launch);
+  // Ranks on distinct GPUs with peer access, in place or large: GPU r
+  // reduces slice r of every input into its output (reading its peers),
+  // then, after a barrier, gathers the other slices from its peers' outputs.
+  // Two launches per GPU, 2(n-1)/n·S bytes over the links each way, like
+  // the ring, where the ring takes 2(n-1) dependent steps.
+  void two_shot_all_reduce(const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op);
   void direct_all_reduce(const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op);
   void ring_all_reduce(const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op);
   void tree_all_reduce(const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op);

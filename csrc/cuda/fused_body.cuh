@@ -70,7 +70,7 @@ __host__ __device__ inline void fused_reduce_body(const FusedArgs& a, std::size_
 // All-gather in units of U (1, 2, 4, 8 or 16 bytes; every row size and
 // pointer is a multiple of it): output unit p of row p / pitch, column
 // p % pitch, comes from the input whose column range holds it; every output
-// gets it.
+// gets it (a null input's columns are left as the output holds them).
 template <typename U>
 __host__ __device__ inline void fused_gather_body(const GatherArgs& g, std::size_t tid, std::size_t stride) {
   const std::size_t pitch = g.col[g.nin];  // units per output row
@@ -82,6 +82,7 @@ __host__ __device__ inline void fused_gather_body(const GatherArgs& g, std::size
       const int mid = (lo + hi + 1) / 2;
       if (g.col[mid] <= col) lo = mid; else hi = mid - 1;
     }
+    if (g.in[lo] == nullptr) continue;  // a column this output already holds (two-shot's own slice)
     const std::size_t width = g.col[lo + 1] - g.col[lo];
     const U v = static_cast<const U*>(g.in[lo])[row * width + (col - g.col[lo])];
     for (int j = 0; j < g.nout; ++j) static_cast<U*>(g.out[j])[p] = v;

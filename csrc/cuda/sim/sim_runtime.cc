@@ -303,7 +303,7 @@ void fused_gather(const GatherArgs& a, int unit, int sms, cudaStream_t stream) {
   if (total == 0) return;
   launched(stream);
   for (int j = 0; j < a.nin; ++j)
-    if (a.col[j + 1] > a.col[j]) reachable(a.in[j]);
+    if (a.col[j + 1] > a.col[j] && a.in[j]) reachable(a.in[j]);
   for (int j = 0; j < a.nout; ++j) reachable(a.out[j]);
   for (int j = 0; j < a.nin; ++j)
     if (reinterpret_cast<std::uintptr_t>(a.in[j]) % unit) throw std::logic_error("fused_gather: input not unit-aligned");

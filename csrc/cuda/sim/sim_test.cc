@@ -604,6 +604,31 @@ int main(int argc, char** argv) {
   check_fused_body<std::int64_t>(DType::kInt64);
   check_launch_counts();
   check_fused_gather();
+  // Large or in-place messages over GPUs with peer access: the two-shot
+  // kernels (one rank per GPU), or the ring (several ranks per GPU).
+  {
+    std::set<std::pair<int, int>> peers;
+    for (int a = 0; a < 4; ++a)
+      for (int b = 0; b < 4; ++b)
+        if (a != b) peers.insert({a, b});
+    for (const auto& devices : std::vector<std::vector<int>>{{0, 1}, {0, 1, 2}, {2, 0, 3, 1}, {1, 0, 1}})
+      for (bool own_streams : {false, true})
+        for (std::size_t count : {std::size_t(70001), std::size_t(3 * 65536 + 8)})
+          for (auto op : {ReduceOp::kSum, ReduceOp::kMean, ReduceOp::kMax})
+            for (bool in_place : {false, true}) {
+              sim::reset(4, peers, static_cast<unsigned>(count + devices.size() + own_streams));
+              Layout l(devices, own_streams);
+              sim::reset_counters();
+              check_all_reduce<int>(l, count, 16, 1, op, Algorithm::kAuto, in_place, DType::kInt32);
+              // Two calls: 2 launches per GPU each with one rank per GPU.
+              const std::set<int> gpus(devices.begin(), devices.end());
+              if (gpus.size() == devices.size())
+                for (int d : gpus)
+                  if (sim::counters().launches.at(d) != 4 && ++failures <= 10)
+                    std::printf("FAIL: two-shot on GPU %d: %ld launches for 2 calls\n", d,
+                                sim::counters().launches.at(d));
+            }
+  }
   const std::vector<std::vector<int>> layouts = {
       {0}, {1}, {0, 0}, {0, 1}, {0, 0, 0}, {0, 1, 2}, {0, 0, 1}, {0, 0, 0, 0}, {0, 1, 2, 3}, {1, 0, 1, 0}, {0, 1, 2, 3, 0}};
   std::set<std::pair<int, int>> all_pairs, odd_pairs;
