@@ -16,8 +16,10 @@ DIST   ?= dist
 
 .PHONY: demo test setup system-deps native-test python-test bench compare wheel clean
 
+# The demo trains on GPU replicas when CuPy sees a GPU (logical GPUs on a one-GPU machine), else on CPU.
 demo: setup
-	$(VPY) examples/train_digits.py --replicas 4 --out out/demo
+	$(VPY) examples/train_digits.py --replicas 4 --out out/demo \
+	  $$($(VPY) -c "import cupy, mirrored as md; print('--device gpu' if md.config.list_physical_devices('GPU') else '')" 2>/dev/null)
 	$(VPY) -m mirrored.bench all_reduce -b 8 -e 16M -f 4 --replicas 4 --algo auto
 
 test: setup native-test python-test

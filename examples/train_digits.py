@@ -3,6 +3,7 @@
     python examples/train_digits.py                    # 4 replicas, ~40 epochs
     python examples/train_digits.py --replicas 1       # same global batch: same weights
     python examples/train_digits.py --steps 20 --out /tmp/run   # a quick check
+    python examples/train_digits.py --device gpu       # replicas on GPUs, arrays in CuPy
 
 The forward and backward passes are hand-written NumPy; `mirrored` supplies
 the rest: `strategy.experimental_distribute_dataset` splits each global batch
@@ -35,7 +36,10 @@ import mirrored as md
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--replicas", type=int, default=4, help="CPU replicas (default 4)")
+    p.add_argument("--replicas", type=int, default=4, help="replicas (default 4)")
+    p.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                   help="cpu: CPU replicas; gpu: GPU replicas with CuPy arrays (logical GPUs when replicas "
+                        "outnumber the GPUs)")
     p.add_argument("--batch-size", type=int, default=64, help="global batch size (default 64)")
     p.add_argument("--epochs", type=int, default=40, help="length of the run and its learning-rate schedule")
     p.add_argument("--steps", type=int, default=None,
@@ -99,10 +103,11 @@ class MLP:
 
 def forward(params, x):
     """Logits and the activations backprop needs; ``params`` = [w0, b0, w1, b1, ...] arrays."""
+    xp = array_module(x)
     acts = [x]
     for i in range(0, len(params), 2):
         z = acts[-1] @ params[i] + params[i + 1]
-        acts.append(np.maximum(z, 0) if i + 2 < len(params) else z)
+        acts.append(xp.maximum(z, 0) if i + 2 < len(params) else z)
     return acts
 
 
@@ -110,16 +115,17 @@ def loss_and_grads(params, x, y, global_batch_size=None):
     """Cross-entropy summed over the rows of ``x`` / the global batch size, its gradients, and the
     number of correct rows. ``global_batch_size`` defaults to ``md.nn.compute_average_loss``'s:
     this replica's rows times the number of replicas in sync."""
+    xp = array_module(x)
     acts = forward(params, x)
     logits = acts[-1]
     shifted = logits - logits.max(axis=1, keepdims=True)
-    log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-    per_example_loss = -log_probs[np.arange(len(x)), y]
+    log_probs = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
+    per_example_loss = -log_probs[xp.arange(len(x)), y]
     loss = md.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch_size)
     if global_batch_size is None:
         global_batch_size = len(x) * md.get_replica_context().num_replicas_in_sync
-    delta = np.exp(log_probs)
-    delta[np.arange(len(x)), y] -= 1
+    delta = xp.exp(log_probs)
+    delta[xp.arange(len(x)), y] -= 1
     delta /= max(global_batch_size, 1)
     grads = [None] * len(params)
     for i in range(len(params) - 2, -1, -2):
@@ -134,12 +140,35 @@ def loss_and_grads(params, x, y, global_batch_size=None):
 # --- training -------------------------------------------------------------------------------------
 
 def local(var):
-    """This replica's copy of a mirrored variable, as an array (inside strategy.run)."""
-    return np.asarray(var.read_value())
+    """This replica's copy of a mirrored variable, as an array (inside strategy.run): NumPy or CuPy."""
+    value = var.read_value()
+    return value if hasattr(value, "__cuda_array_interface__") else np.asarray(value)
+
+
+def array_module(x):
+    """CuPy for GPU arrays, else NumPy: the model code runs unchanged on either."""
+    if hasattr(x, "__cuda_array_interface__"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def make_strategy(args):
+    if args.device == "cpu":
+        return md.MirroredStrategy(devices=[f"/cpu:{i}" for i in range(args.replicas)])
+    gpus = md.config.list_physical_devices("GPU")
+    if not gpus:
+        raise SystemExit("--device gpu: no GPU visible (needs CuPy and a CUDA GPU; see docs/gpu.md)")
+    if args.replicas > len(gpus):  # several replicas per GPU: logical GPUs, TensorFlow's way
+        for i, gpu in enumerate(gpus):
+            count = args.replicas // len(gpus) + (i < args.replicas % len(gpus))
+            md.config.set_logical_device_configuration(gpu, [md.config.LogicalDeviceConfiguration()] * count)
+    return md.MirroredStrategy(devices=[f"/gpu:{i}" for i in range(args.replicas)])
 
 
 def train(args):
-    strategy = md.MirroredStrategy(devices=[f"/cpu:{i}" for i in range(args.replicas)])
+    strategy = make_strategy(args)
     x_train, y_train, x_test, y_test = load_data(args.dtype, args.seed)
     os.makedirs(args.out, exist_ok=True)
     ckpt_path = os.path.join(args.out, "digits.ckpt")
@@ -163,7 +192,8 @@ def train(args):
     def step_fn(x, y):
         loss, grads, correct = loss_and_grads([local(v) for v in variables], x, y, args.batch_size)
         optimizer.apply_gradients(zip(grads, variables))  # summed across replicas
-        return np.asarray(loss, dtype=np.float64), np.asarray(correct, dtype=np.int64)
+        # float(): a GPU loss comes back to the host
+        return np.asarray(float(loss), dtype=np.float64), np.asarray(correct, dtype=np.int64)
 
     def eval_fn(x, y):
         return np.asarray(loss_and_grads([local(v) for v in variables], x, y)[2], dtype=np.int64)
@@ -211,7 +241,7 @@ def train(args):
         json.dump({**history, "final_test_accuracy": accuracy, "seconds": elapsed,
                    "replicas": args.replicas, "global_batch": args.batch_size}, f)
     plot(history, os.path.join(args.out, "loss_curve.png"), args)
-    print(f"{args.replicas} replicas, {step} steps in {elapsed:.1f} s; checkpoint {ckpt_path}; "
+    print(f"{args.replicas} {args.device.upper()} replicas, {step} steps in {elapsed:.1f} s; checkpoint {ckpt_path}; "
           f"plot {os.path.join(args.out, 'loss_curve.png')}")
     print(f"final test accuracy: {accuracy:.4f}")
     return accuracy
@@ -243,7 +273,7 @@ def plot(history, path: str, args) -> None:
         acc_ax.set_ylabel("test accuracy")
         acc_ax.set_ylim(0, 1.02)
     ax.legend(handles=handles, loc="center right")
-    ax.set_title(f"digits MLP, MirroredStrategy x{args.replicas}, global batch {args.batch_size}")
+    ax.set_title(f"digits MLP, MirroredStrategy x{args.replicas} {args.device.upper()}, global batch {args.batch_size}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -130,15 +130,14 @@ def test_wheel_nccl_loads_without_a_gpu():
 def test_gpu_algorithm_validation_needs_no_gpu():
     out = run_without_gpu("""
         from mirrored import _cuda_collectives as cc
-        for devices, algorithm in (((0,), "direct"), ((0,), "bogus"), ((0, 0), "nccl")):
+        for devices, algorithm in (((0,), "bogus"), ((0, 0), "nccl")):
             try:
                 cc._engine(devices, algorithm)
             except ValueError as e:
                 print(e)
     """).splitlines()
-    assert "'direct' is a host-buffer algorithm" in out[0]
-    assert "algorithm='bogus' is not a GPU algorithm" in out[1]
-    assert "use algorithm='ring' for logical GPUs" in out[2]
+    assert "algorithm='bogus' is not a GPU algorithm" in out[0] and "'direct'" in out[0]
+    assert "use algorithm='ring' for logical GPUs" in out[1]
 
 
 def cuda_include_dir():

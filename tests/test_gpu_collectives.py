@@ -24,7 +24,7 @@ if NGPU == 0:
     pytest.skip("no GPU visible", allow_module_level=True)
 
 REPLICAS = (1, 2, 3, 4)
-ALGOS = ("ring", "tree", "auto")
+ALGOS = ("ring", "tree", "auto", "direct")
 SMALL_CHUNK = 256
 
 
@@ -63,7 +63,10 @@ def download(arrays, dtype):
     for a in arrays:
         with a.device:
             a.device.synchronize()
-    return [cupy.asnumpy(a).view(dtype) for a in arrays]
+    # bfloat16 travels as its uint16 bits when CuPy lacks the dtype; every other
+    # result keeps its own dtype (the MEAN of integers is float64).
+    return [x.view(dtype) if dtype == BFLOAT16 and x.dtype == np.uint16 else x
+            for x in (cupy.asnumpy(a) for a in arrays)]
 
 
 def gpu_all_reduce(xs, devices, op, algorithm, inplace=False):
@@ -100,6 +103,8 @@ def check_matrix(n, dtype, op, algorithm, devices):
             np.testing.assert_array_equal(a, x)
         for r in results:
             assert_reduced(r, xs, op)
+        if op == "mean" and np.dtype(dtype).kind in "iu":
+            continue  # the float64 mean of integers cannot be written in place
         in_place, _ = gpu_all_reduce(xs, devices, op, algorithm, inplace=True)
         for r, q in zip(in_place, results):
             np.testing.assert_array_equal(r, q)
@@ -111,7 +116,32 @@ def check_matrix(n, dtype, op, algorithm, devices):
 @pytest.mark.parametrize("n", REPLICAS)
 def test_native_all_reduce_matches_numpy(small_chunks, n, dtype, op, algorithm):
     for _, devices in placements(n):
+        if algorithm == "direct" and not direct_capable(devices):
+            continue  # GPUs without peer access: 'direct' refuses (tested below)
         check_matrix(n, dtype, op, algorithm, devices)
+
+
+def direct_capable(devices) -> bool:
+    try:
+        collectives.all_reduce(upload([np.ones(1, np.float32)] * len(devices), devices), algorithm="direct")
+        return True
+    except ValueError as e:
+        assert "needs every rank to read every other rank's memory" in str(e)
+        return False
+
+
+@pytest.mark.parametrize("algorithm", ALGOS + ("nccl",))
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int32", "int64"])
+def test_integer_mean_of_empty_buffers_is_float64(algorithm, dtype):
+    n = min(NGPU, 2) if algorithm == "nccl" else 3
+    devices = tuple(range(n)) if algorithm == "nccl" else (0,) * n
+    if algorithm == "nccl" and not _gpu.nccl_available():
+        pytest.skip("NCCL is not installed (pip install nvidia-nccl-cu13)")
+    for shape in ((0,), (2, 0), (5,)):
+        xs = upload([np.arange(np.prod(shape), dtype=dtype).reshape(shape) + i for i in range(n)], devices)
+        for r in collectives.all_reduce(xs, "mean", algorithm=algorithm):
+            assert r.dtype == np.float64 and r.shape == shape
+            np.testing.assert_array_equal(cupy.asnumpy(r), sum(cupy.asnumpy(x).astype(np.float64) for x in xs) / n)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -208,6 +238,29 @@ def test_batch_all_reduce(small_chunks, packing, algorithm):
     for r, d in enumerate(devices):
         for t in range(len(shapes)):
             assert out[r][t].device.id == d and out[r][t].dtype == dtypes[t]
+            np.testing.assert_array_equal(cupy.asnumpy(out[r][t]),
+                                          np.sum([h[t] for h in host], 0, dtype=dtypes[t]).astype(dtypes[t]))
+
+
+@pytest.mark.parametrize("algorithm", ("auto", "direct", "ring", "nccl"))
+def test_batch_of_200_tensors_in_one_buffer_per_replica(algorithm):
+    """The O(1) batch path: 200 tensors of mixed sizes (some empty, some not a whole 16-byte vector),
+    mixed dtypes and non-contiguous inputs; results are views of one buffer per replica."""
+    if algorithm == "nccl" and not _gpu.nccl_available():
+        pytest.skip("NCCL is not installed (pip install nvidia-nccl-cu13)")
+    n = min(NGPU, 2) if algorithm == "nccl" else 2
+    devices = tuple(range(n)) if algorithm == "nccl" else (0,) * n
+    rng = np.random.default_rng(11)
+    sizes = [int(s) for s in rng.integers(0, 3000, 200)]
+    dtypes = [(np.float32, np.int32, np.float16)[t % 3] for t in range(200)]
+    host = [[rng.integers(-9, 9, s).astype(t) for s, t in zip(sizes, dtypes)] for _ in range(n)]
+    lists = [upload(h, [d] * len(h)) for h, d in zip(host, devices)]
+    lists[0][5] = cupy.concatenate([lists[0][5], lists[0][5]])[::2]  # a strided view: copied first
+    out = collectives.batch_all_reduce(lists, "sum", algorithm=algorithm)
+    for r, d in enumerate(devices):
+        assert len({int(x.data.mem.ptr) for x in out[r]}) == 1, "one result buffer per replica"
+        for t in range(200):
+            assert out[r][t].device.id == d and out[r][t].dtype == dtypes[t] and out[r][t].shape == (sizes[t],)
             np.testing.assert_array_equal(cupy.asnumpy(out[r][t]),
                                           np.sum([h[t] for h in host], 0, dtype=dtypes[t]).astype(dtypes[t]))
 

@@ -101,3 +101,25 @@ def test_nccl_all_reduce_on_gpus(gpus):
     else:
         for v in s.experimental_local_results(s.run(fn)):
             np.testing.assert_array_equal(cupy.asnumpy(v), np.full(4, 2, np.float32))
+
+
+def test_demo_trains_on_gpu_replicas_to_the_cpu_accuracy(tmp_path):
+    """examples/train_digits.py --device gpu: 4 replicas (logical GPUs when there are fewer GPUs)
+    reach the accuracy the same run reaches on CPU replicas."""
+    import pathlib
+    import subprocess
+    import sys
+
+    pytest.importorskip("sklearn")
+    demo = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
+    accuracy = {}
+    for device in ("cpu", "gpu"):
+        proc = subprocess.run([sys.executable, str(demo), "--device", device, "--replicas", "4", "--steps", "60",
+                               "--no-progress", "--out", str(tmp_path / device)],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        lines = proc.stdout.strip().splitlines()
+        assert lines[-2].startswith(f"4 {device.upper()} replicas, 60 steps")
+        accuracy[device] = float(lines[-1].split(":")[1])
+    assert accuracy["gpu"] > 0.8
+    assert abs(accuracy["gpu"] - accuracy["cpu"]) <= 0.02, accuracy

@@ -1,6 +1,7 @@
 #include "cuda/cuda_ring.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -8,6 +9,7 @@
 #include "core/tree_schedule.h"
 #include "cuda/check.h"
 #include "cuda/device.h"
+#include "cuda/fused.h"
 #include "cuda/reduce_kernels.h"
 #include "cuda/stream_scope.h"
 
@@ -23,10 +25,24 @@ cudaEvent_t make_event() {
 const void* at(const void* p, std::size_t bytes) { return static_cast<const char*>(p) + bytes; }
 void* at(void* p, std::size_t bytes) { return static_cast<char*>(p) + bytes; }
 
-// Below this many bytes (and beyond 2 ranks) the tree's log2(N) dependent
-// steps beat the ring's 2(N-1): each step costs a launch and an event wait
-// (a few microseconds) whatever its size.
+// kAuto's table (choose()). Measured on an H200 with every replica on the one
+// GPU (logical GPUs), float32 sum, before the one-pass kernels existed:
+//   n = 8, 16 MiB: ring 930 us, tree 145 us; n = 4 and 8: the tree was 3-7x
+//   faster than the ring from 1 to 64 MiB; the ring moved 5(n-1)·S bytes on
+//   one GPU where 2n·S suffice (0.8, 0.5, 0.4 of the copy bound at 256 MiB
+//   for n = 2, 4, 8), and each of its steps cost a launch and an event wait.
+// Hence: ranks on one GPU take the one-pass kernel (2n·S bytes, one launch)
+// at every size; where it cannot run, the tree below 64 MiB on more than 2
+// ranks sharing GPUs. Ranks on distinct GPUs without peer access keep the
+// earlier rule (tree below 256 KiB beyond 2 ranks; not yet measured there),
+// and ranks on distinct GPUs with peer access take the one-shot kernel up to
+// 256 KiB (out of place), where one launch per GPU beats the ring's 2(n-1)
+// dependent steps, and the two-shot kernels above it (the ring's bytes in 2
+// launches per GPU), as NCCL's and custom all-reduce kernels do (not yet
+// measured here; NCCL stays the default for one GPU per replica).
+constexpr std::size_t kTreeBelowBytesShared = std::size_t(64) << 20;
 constexpr std::size_t kTreeBelowBytes = std::size_t(256) << 10;
+constexpr std::size_t kPeerOneShotBelowBytes = std::size_t(256) << 10;
 
 // Slices per channel. Every ring op costs the host a few microseconds (event
 // wait, launch, record) whatever its size, while a GPU reduces a megabyte in
@@ -76,6 +92,13 @@ CudaRing::CudaRing(std::vector<int> devices, std::size_t chunk_bytes, int channe
         }
         k.direct.push_back(q.device == k.device || can);
       }
+    }
+    one_pass_ = size() <= kMaxFused;
+    for (std::size_t r = 0; r < ranks_.size(); ++r) {
+      for (bool d : ranks_[r].direct) one_pass_ = one_pass_ && d;
+      auto g = std::find_if(groups_.begin(), groups_.end(), [&](const Group& x) { return x.device == ranks_[r].device; });
+      if (g == groups_.end()) g = groups_.insert(groups_.end(), Group{ranks_[r].device, ranks_[r].sms, {}});
+      g->ranks.push_back(static_cast<int>(r));
     }
   } catch (...) {
     release();
@@ -210,7 +233,130 @@ std::size_t CudaRing::ring_chunk_elems(int n, std::size_t count, std::size_t ele
 }
 
 Algorithm CudaRing::choose(std::size_t bytes) const {
-  return size() > 2 && bytes < kTreeBelowBytes ? Algorithm::kTree : Algorithm::kRing;
+  // One GPU: the one-pass kernel. Distinct GPUs with peer access: one-shot
+  // up to kPeerOneShotBelowBytes out of place, else two-shot (all_reduce
+  // picks); several ranks per GPU across GPUs: one-shot while small.
+  if (one_pass_ && (groups_.size() == 1 || groups_.size() == ranks_.size() || bytes <= kPeerOneShotBelowBytes))
+    return Algorithm::kDirect;
+  const bool shared = groups_.size() < ranks_.size();
+  const std::size_t tree_below = shared ? kTreeBelowBytesShared : kTreeBelowBytes;
+  return size() > 2 && bytes < tree_below ? Algorithm::kTree : Algorithm::kRing;
+}
+
+template <typename F>
+void CudaRing::one_pass(F launch) {
+  phased(1, [&](int g, cudaStream_t s, int) { launch(g, s); });
+}
+
+template <typename F>
+void CudaRing::phased(int phases, F launch) {
+  const int n = size();
+  auto same = [&](int a, int b) { return callers_[a] == callers_[b] && ranks_[a].device == ranks_[b].device; };
+  // The distinct caller streams, each named by its first rank (a null stream
+  // is a different stream on each GPU).
+  std::vector<int> uniq;
+  for (int r = 0; r < n; ++r)
+    if (std::none_of(uniq.begin(), uniq.end(), [&](int u) { return same(u, r); })) uniq.push_back(r);
+  int cur = -1;
+  auto on = [&](int device) {
+    if (device != cur) MIRRORED_CUDA_CHECK(cudaSetDevice(cur = device));
+  };
+  const bool sync = uniq.size() > 1;
+  if (sync) {  // each launching stream waits for every other caller stream's queued work
+    for (int u : uniq) {
+      on(ranks_[u].device);
+      MIRRORED_CUDA_CHECK(cudaEventRecord(ranks_[u].ready, callers_[u]));
+    }
+    for (const Group& g : groups_) {
+      on(g.device);
+      for (int u : uniq)
+        if (!same(u, g.ranks[0])) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(callers_[g.ranks[0]], ranks_[u].ready, 0));
+    }
+  }
+  for (int phase = 0; phase < phases; ++phase) {
+    if (phase > 0) {  // barrier: every GPU's previous round is done before any starts the next
+      for (const Group& g : groups_) {
+        on(g.device);
+        MIRRORED_CUDA_CHECK(cudaEventRecord(ranks_[g.ranks[0]].step[phase & 1][0], callers_[g.ranks[0]]));
+      }
+      for (const Group& g : groups_) {
+        on(g.device);
+        for (const Group& h : groups_)
+          if (&h != &g)
+            MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(callers_[g.ranks[0]], ranks_[h.ranks[0]].step[phase & 1][0], 0));
+      }
+    }
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      on(groups_[g].device);
+      launch(static_cast<int>(g), callers_[groups_[g].ranks[0]], phase);
+    }
+  }
+  if (sync) {  // and every other caller stream's later work waits for every launch
+    for (const Group& g : groups_) {
+      on(g.device);
+      MIRRORED_CUDA_CHECK(cudaEventRecord(ranks_[g.ranks[0]].done[0], callers_[g.ranks[0]]));
+    }
+    for (int u : uniq) {
+      on(ranks_[u].device);
+      for (const Group& g : groups_)
+        if (!same(u, g.ranks[0])) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(callers_[u], ranks_[g.ranks[0]].done[0], 0));
+    }
+  }
+}
+
+void CudaRing::two_shot_all_reduce(const void* const* in, void* const* out, std::size_t count, DType dtype,
+                                   ReduceOp op) {
+  const int n = size();
+  const std::size_t es = dtype_size(dtype);
+  const std::size_t vec = std::max<std::size_t>(1, 16 / es);  // slices of whole vectors keep them aligned
+  const std::size_t per = ((count + n - 1) / n + vec - 1) / vec * vec;
+  auto lo = [&](int r) { return std::min(count, r * per); };
+  auto hi = [&](int r) { return std::min(count, (r + 1) * per); };
+  int unit = 16;
+  auto fits = [&](int u) {
+    for (int q = 0; q < n; ++q)
+      if ((hi(q) - lo(q)) * es % u || reinterpret_cast<std::uintptr_t>(out[q]) % u || (lo(q) * es) % u) return false;
+    return true;
+  };
+  while (unit > 1 && !fits(unit)) unit /= 2;
+  const int mean_div = op == ReduceOp::kMean ? n : 1;
+  phased(2, [&](int g, cudaStream_t s, int phase) {
+    const int r = groups_[g].ranks[0];  // one rank per GPU here
+    if (phase == 0) {  // out[r]'s slice r = op over every input's slice r
+      if (hi(r) == lo(r)) return;
+      FusedArgs a;
+      a.nin = n;
+      for (int q = 0; q < n; ++q) a.in[q] = at(in[q], lo(r) * es);
+      a.nout = 1;
+      a.out[0] = at(out[r], lo(r) * es);
+      return fused_reduce(a, hi(r) - lo(r), dtype, combining_op(op), mean_div, groups_[g].sms, s);
+    }
+    GatherArgs a;  // out[r]'s other slices from their owners' outputs; its own (null) is left alone
+    a.nin = n;
+    a.outer = 1;
+    a.col[0] = 0;
+    for (int q = 0; q < n; ++q) {
+      a.in[q] = q == r ? nullptr : at(out[q], lo(q) * es);
+      a.col[q + 1] = a.col[q] + (hi(q) - lo(q)) * es / unit;
+    }
+    a.nout = 1;
+    a.out[0] = out[r];
+    fused_gather(a, unit, groups_[g].sms, s);
+  });
+}
+
+void CudaRing::direct_all_reduce(const void* const* in, void* const* out, std::size_t count, DType dtype,
+                                 ReduceOp op) {
+  const int n = size();
+  const int mean_div = op == ReduceOp::kMean ? n : 1;
+  one_pass([&](int g, cudaStream_t s) {
+    FusedArgs a;
+    a.nin = n;
+    for (int r = 0; r < n; ++r) a.in[r] = in[r];
+    for (int r : groups_[g].ranks)
+      if (n > 1 || out[r] != in[r]) a.out[a.nout++] = out[r];  // one rank in place: nothing to do
+    if (a.nout) fused_reduce(a, count, dtype, combining_op(op), mean_div, groups_[g].sms, s);
+  });
 }
 
 void CudaRing::all_reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
@@ -220,10 +366,21 @@ void CudaRing::all_reduce(int n, const void* const* in, void* const* out, std::s
   begin(n, "all_reduce");
   const std::size_t bytes = count * dtype_size(dtype);
   if (algorithm == Algorithm::kAuto) algorithm = choose(bytes);
-  if (algorithm != Algorithm::kRing && algorithm != Algorithm::kTree)
-    throw std::invalid_argument(std::string("algorithm='") + algorithm_name(algorithm) +
-                                "': CUDA buffers are reduced by 'ring', 'tree' or 'auto' (or 'nccl')");
+  if (algorithm == Algorithm::kDirect && !one_pass_)
+    throw std::invalid_argument("algorithm='direct' needs every rank to read every other rank's memory (one GPU, or "
+                                "peer access between all the GPUs) and at most " + std::to_string(kMaxFused) +
+                                " ranks; use 'ring', 'tree' or 'auto'");
   if (bytes == 0) return;
+  if (algorithm == Algorithm::kDirect) {
+    // Across GPUs, one GPU's kernel would overwrite an input in place that
+    // another GPU's kernel may still be reading: the ring runs instead.
+    bool in_place = false;
+    for (int r = 0; r < n; ++r) in_place = in_place || out[r] == in[r];
+    if (groups_.size() == 1 || (!in_place && bytes <= kPeerOneShotBelowBytes))
+      return direct_all_reduce(in, out, count, dtype, op);
+    if (groups_.size() == ranks_.size()) return two_shot_all_reduce(in, out, count, dtype, op);
+    algorithm = Algorithm::kRing;  // several ranks per GPU across GPUs, in place or large
+  }
   if (n == 1) {  // the sum (or mean, min, ...) of one buffer is itself
     fork(1, false);
     copy(0, 0, out[0], in[0], 0, bytes);
@@ -308,6 +465,16 @@ void CudaRing::broadcast(int n, const void* const* in, void* const* out, std::si
     throw std::invalid_argument("root=" + std::to_string(root) + " is not a rank; use 0.." + std::to_string(n - 1));
   const std::size_t bytes = count * dtype_size(dtype);
   if (bytes == 0) return;
+  if (one_pass_) {  // one copy kernel per GPU writes all of its ranks' outputs
+    return one_pass([&](int g, cudaStream_t s) {
+      FusedArgs a;
+      a.nin = 1;
+      a.in[0] = in[root];
+      for (int r : groups_[g].ranks)
+        if (out[r] != in[root]) a.out[a.nout++] = out[r];
+      if (a.nout) fused_reduce(a, bytes, DType::kUInt8, ReduceOp::kSum, 1, groups_[g].sms, s);
+    });
+  }
   fork(1, false);
   for (int r = 0; r < n; ++r) copy(r, 0, out[r], in[root], root, bytes);
   join(1, false);
@@ -322,6 +489,17 @@ void CudaRing::reduce(int n, const void* const* in, void* const* out, std::size_
     throw std::invalid_argument("root=" + std::to_string(root) + " is not a rank; use 0.." + std::to_string(n - 1));
   const std::size_t bytes = count * dtype_size(dtype);
   if (bytes == 0) return;
+  if (one_pass_) {  // the root's GPU reads every input once and writes the root's output
+    return one_pass([&](int g, cudaStream_t s) {
+      if (groups_[g].device != ranks_[root].device || (n == 1 && out[root] == in[root])) return;
+      FusedArgs a;
+      a.nin = n;
+      for (int r = 0; r < n; ++r) a.in[r] = in[r];
+      a.nout = 1;
+      a.out[0] = out[root];
+      fused_reduce(a, count, dtype, combining_op(op), op == ReduceOp::kMean ? n : 1, groups_[g].sms, s);
+    });
+  }
   fork(1, false);
   // Fold every other rank into the root's output in turn; only the root's
   // output is written, as the contract asks.
@@ -346,6 +524,27 @@ void CudaRing::all_gather(int n, const void* const* in, void* const* out, const 
   std::size_t pitch = 0;
   for (int j = 0; j < n; ++j) pitch += row_bytes[j];
   if (pitch == 0 || outer == 0) return;
+  if (one_pass_) {  // one kernel per GPU, in the widest unit that divides every row and pointer
+    int unit = 16;
+    auto fits = [&](int u) {
+      for (int j = 0; j < n; ++j) {
+        if (row_bytes[j] % u || reinterpret_cast<std::uintptr_t>(out[j]) % u) return false;
+        if (row_bytes[j] && reinterpret_cast<std::uintptr_t>(in[j]) % u) return false;
+      }
+      return true;
+    };
+    while (unit > 1 && !fits(unit)) unit /= 2;
+    GatherArgs a;
+    a.nin = n;
+    a.outer = outer;
+    a.col[0] = 0;
+    for (int j = 0; j < n; ++j) a.in[j] = in[j], a.col[j + 1] = a.col[j] + row_bytes[j] / unit;
+    return one_pass([&](int g, cudaStream_t s) {
+      a.nout = 0;
+      for (int r : groups_[g].ranks) a.out[a.nout++] = out[r];
+      fused_gather(a, unit, groups_[g].sms, s);
+    });
+  }
   fork(1, false);
   for (int r = 0; r < n; ++r) {
     std::size_t col = 0;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/communicator.h"
+#include "cuda/fused.h"
 
 namespace mirrored::cuda {
 
@@ -43,8 +44,12 @@ class CudaRing : public Communicator {
   void all_gather(int n, const void* const* in, void* const* out, const std::size_t* row_bytes,
                   std::size_t outer) override;
 
-  // The algorithm kAuto resolves to for a message of `bytes`.
+  // The algorithm kAuto resolves to for a message of `bytes` (kDirect: the
+  // one-pass kernels of fused.h, one launch per GPU).
   Algorithm choose(std::size_t bytes) const;
+  // Whether every rank's kernels can read every rank's memory (one GPU, or
+  // peer access between all of them) and the ranks fit one launch.
+  bool one_pass_capable() const { return one_pass_; }
 
  private:
   struct Rank {
@@ -56,6 +61,13 @@ class CudaRing : public Communicator {
     std::vector<cudaEvent_t> step[2];    // per channel, by step parity: "my op of this step is done"
     std::vector<void*> scratch;          // per channel, chunk_bytes_, only where staging is needed
     std::vector<bool> direct;            // direct[q]: this rank's kernels may read rank q's memory
+  };
+
+  // The ranks of one GPU: one-pass kernels launch once per group.
+  struct Group {
+    int device = 0;
+    int sms = 1;
+    std::vector<int> ranks;
   };
 
   void release() noexcept;
@@ -80,10 +92,29 @@ class CudaRing : public Communicator {
 
   void gather_rows(int r, void* dst, std::size_t dst_pitch, const void* src, int q, std::size_t width,
                    std::size_t rows);
+  // Runs launch(g, stream) once per GPU group on a caller stream of that
+  // GPU, ordered after every caller stream's queued work and before its
+  // later work. When every rank uses one stream of one GPU (the common
+  // case) that is a bare launch: no event at all.
+  template <typename F>
+  void one_pass(F launch);
+  // The same with `phases` rounds of launch(g, stream, phase), each round
+  // after every GPU finished the previous one (an event barrier).
+  template <typename F>
+  void phased(int phases, F launch);
+  // Ranks on distinct GPUs with peer access, in place or large: GPU r
+  // reduces slice r of every input into its output (reading its peers),
+  // then, after a barrier, gathers the other slices from its peers' outputs.
+  // Two launches per GPU, 2(n-1)/n·S bytes over the links each way, like
+  // the ring, where the ring takes 2(n-1) dependent steps.
+  void two_shot_all_reduce(const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op);
+  void direct_all_reduce(const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op);
   void ring_all_reduce(const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op);
   void tree_all_reduce(const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op);
 
   std::vector<Rank> ranks_;
+  std::vector<Group> groups_;
+  bool one_pass_ = false;
   std::vector<cudaStream_t> callers_;  // the caller's streams for the call in progress
   std::size_t chunk_bytes_;
   int channels_;

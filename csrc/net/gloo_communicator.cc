@@ -495,12 +495,31 @@ void GlooCommunicator::interrupted(const std::string& what, const Interrupted& c
   }
   // Peers waiting for us fail at once instead of at their timeout.
   if (shm_) shm_->abort();
-  header_out_.reset();
-  header_in_.reset();
-  context_.reset();
+  drop_transport();
   broken_ = "this job's collectives are broken since " + at + ": task " + tasks_[rank_] + " was interrupted (" +
             cause.what() + "); restart the job";
   throw cause;
+}
+
+// Closes every pair, then drops the header buffers and the context. A pair
+// delivers completions into our buffers under its own lock, and close() takes
+// that lock: once it returns, nothing in Gloo still signals a buffer that a
+// failed collective left a receive posted on, so the buffers can go.
+void GlooCommunicator::drop_transport() {
+  if (context_) {
+    for (int r = 0; r < size(); ++r) {
+      if (r == rank_) continue;
+      try {
+        auto& pair = context_->getPair(r);
+        if (pair) pair->close();
+      } catch (const std::exception&) {
+        // Already closed or never connected: nothing left to wait out.
+      }
+    }
+  }
+  header_out_.reset();
+  header_in_.reset();
+  context_.reset();
 }
 
 void GlooCommunicator::fail(const char* what, const std::exception& cause) {
@@ -517,9 +536,7 @@ void GlooCommunicator::fail(const char* what, const std::exception& cause) {
   // Closing every pair (and waking every shared-memory waiter) makes peers
   // blocked on us fail at once instead of at their own timeout.
   if (shm_) shm_->abort();
-  header_out_.reset();
-  header_in_.reset();
-  context_.reset();
+  drop_transport();
   broken_ = "this job's collectives are broken since " + std::string(what) + " #" + std::to_string(seq_) +
             " (failed on task " + tasks_[rank_] + ": " + who + " [" + cause.what() +
             "]); restart the job (from a checkpoint)";

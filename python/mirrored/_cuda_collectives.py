@@ -2,10 +2,12 @@
 the same signatures, for CuPy arrays or anything exposing
 ``__cuda_array_interface__`` or ``__dlpack__`` on a GPU.
 
-``algorithm`` is ``"auto"`` (the native ring, or the tree for small messages
-over more than 2 GPUs), ``"ring"``, ``"tree"`` (also ``"hierarchical"``) or
-``"nccl"``. The native engine accepts several buffers on one GPU (logical
-GPUs); NCCL needs a GPU per replica.
+``algorithm`` is ``"auto"`` (the engine's measured choice, see
+``csrc/cuda/cuda_ring.cc``), ``"direct"`` (one kernel per GPU reads every
+replica's input and writes every output in one pass: replicas on one GPU,
+or GPUs with peer access), ``"ring"``, ``"tree"`` (also ``"hierarchical"``)
+or ``"nccl"``. The native engine accepts several buffers on one GPU
+(logical GPUs); NCCL needs a GPU per replica.
 
 Calls are asynchronous like any CuPy operation: ordered after the work
 already queued on each buffer's device (see ``_gpu.collective_stream``),
@@ -27,7 +29,7 @@ from .collectives import check_batch, check_packing, gather_layout
 __all__ = ["all_reduce", "broadcast", "reduce", "all_gather", "batch_all_reduce", "ALGORITHMS"]
 
 # Algorithm names -> codes of csrc/core/communicator.h; "nccl" picks the NCCL engine.
-ALGORITHMS = {"auto": 0, "ring": 1, "tree": 3, "hierarchical": 3, "nccl": 0}
+ALGORITHMS = {"auto": 0, "ring": 1, "direct": 2, "tree": 3, "hierarchical": 3, "nccl": 0}
 
 # The ring moves this many bytes per rank and step; 2 slices in flight per rank.
 CHUNK_BYTES = 1 << 20
@@ -100,32 +102,84 @@ def all_gather(buffers, axis=0):
 
 def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto",
                      chunk_bytes=0):
-    """All-reduce many tensors per replica at once, fused into few packs (see :mod:`mirrored.collectives`)."""
+    """All-reduce many tensors per replica at once, fused into few packs (see :mod:`mirrored.collectives`).
+
+    One native call whatever the tensor count: it uploads a (pointer, size)
+    table, packs every tensor with one kernel per GPU, all-reduces each pack
+    and unpacks with one more kernel. The results of a replica are views of
+    one new buffer on its GPU (one allocation per replica, not per tensor).
+    """
     n = check_batch(per_replica_lists)
     if not per_replica_lists[0]:
         return [[] for _ in range(n)]
     bytes_per_pack, num_packs, chunk = check_packing(bytes_per_pack, num_packs, chunk_bytes)
     opc = op_code(op)
+    layout = _batch_layout(per_replica_lists)
+    if layout is None:  # anything but contiguous CuPy arrays: convert and check tensor by tensor
+        per_replica_lists = _batch_inputs(per_replica_lists)
+        layout = _batch_layout(per_replica_lists)
+    devices, shapes, dtypes, codes, counts, offsets, total = layout
+    engine, algo = _engine(devices, algorithm, chunk)
+    cupy = _cupy()
+    ndarray = cupy.ndarray
+    outputs, out_ptrs = [], []
+    for d in devices:
+        with cupy.cuda.Device(d):
+            buf = cupy.empty(total, cupy.uint8)
+        base = buf.data
+        outputs.append([ndarray(shape, dtype, memptr=base + off) for shape, dtype, off in zip(shapes, dtypes, offsets)])
+        out_ptrs.append([base.ptr + off for off in offsets])
+    with timeline.span("batch_all_reduce", total, algorithm, n):
+        engine.batch_all_reduce([[a.data.ptr for a in tensors] for tensors in per_replica_lists], out_ptrs, counts,
+                                codes, opc, bytes_per_pack, num_packs, algo, _streams(devices))
+    return outputs
+
+
+_BATCH_ALIGN = 256  # results start where CuPy's own allocations would (vector loads need 16)
+
+
+def _batch_layout(per_replica_lists):
+    """(devices, shapes, dtypes, dtype codes, counts, result offsets, result bytes) of a batch of
+    contiguous CuPy arrays, each replica's on one GPU; None when it is anything else."""
+    ndarray = _cupy().ndarray
+    first = per_replica_lists[0]
+    shapes = [a.shape for a in first]
+    dtypes = [a.dtype for a in first]
+    devices = []
+    for tensors in per_replica_lists:
+        if not all(type(a) is ndarray for a in tensors):
+            return None
+        device = tensors[0].data.device_id
+        if not all(a.shape == s and a.dtype == dt and a.flags.c_contiguous and a.data.device_id == device
+                   for a, s, dt in zip(tensors, shapes, dtypes)):
+            return None
+        devices.append(device)
+    codes, counts, offsets, total = [], [], [], 0
+    for a in first:
+        code = _CODES.get(a.dtype)
+        if code is None:
+            code = _CODES.setdefault(a.dtype, dtype_code(a.dtype, "per_replica_lists[0]"))
+        codes.append(code)
+        counts.append(a.size)
+        offsets.append(total if a.nbytes else 0)  # (an empty result points at the buffer's start)
+        total += -(-a.nbytes // _BATCH_ALIGN) * _BATCH_ALIGN
+    return tuple(devices), shapes, dtypes, codes, counts, offsets, max(total, 1)
+
+
+def _batch_inputs(per_replica_lists):
+    """The batch as contiguous CuPy arrays, checked tensor by tensor with messages naming the tensor."""
     columns, devices = [], None
     for t in range(len(per_replica_lists[0])):
-        column, code, devs = _inputs([tensors[t] for tensors in per_replica_lists], f"per_replica_lists[*][{t}]")
+        column, _, devs = _inputs([tensors[t] for tensors in per_replica_lists], f"per_replica_lists[*][{t}]")
         if devices is not None and devs != devices:
             raise ValueError(f"per_replica_lists[*][{t}] lies on GPUs {devs} but tensor 0 on {devices}; "
                              "each replica's tensors must all be on that replica's GPU")
         devices = devs
-        columns.append((column, code))
-    engine, algo = _engine(devices, algorithm, chunk)
-    cupy = _cupy()
-    outputs = []
-    for r, d in enumerate(devices):
-        with cupy.cuda.Device(d):
-            outputs.append([cupy.empty_like(c[0][r]) for c in columns])
-    with timeline.span("batch_all_reduce", sum(c[0][0].nbytes for c in columns), algorithm, n):
-        engine.batch_all_reduce([[c[0][r].data.ptr for c in columns] for r in range(n)],
-                                [[o.data.ptr for o in outs] for outs in outputs],
-                                [c[0][0].size for c in columns], [c[1] for c in columns], opc,
-                                bytes_per_pack, num_packs, algo, _streams(devices))
-    return outputs
+        columns.append(column)
+    return [[c[r] for c in columns] for r in range(len(per_replica_lists))]
+
+
+_CODES: dict = {}
 
 
 # --- validation --------------------------------------------------------------
@@ -171,7 +225,7 @@ def _inputs(buffers, argument: str, same_shape: bool = True):
         if same_shape and a.shape != first.shape:
             raise ValueError(f"{argument}[{i}] has shape {a.shape} but {argument}[0] has {first.shape}; "
                              "every replica must pass the same shape")
-    return arrays, dtype_code(first.dtype, argument), tuple(a.device.id for a in arrays)
+    return arrays, dtype_code(first.dtype, argument), tuple(a.data.device_id for a in arrays)
 
 
 def _outputs(out, arrays, devices, argument: str):
@@ -197,7 +251,7 @@ def _outputs(out, arrays, devices, argument: str):
         if o.shape != arrays[i].shape or o.dtype != arrays[i].dtype:
             raise ValueError(f"{argument}[{i}] has shape {o.shape} and dtype {o.dtype}; expected "
                              f"{arrays[i].shape} and {arrays[i].dtype} like the buffers")
-        if o.device.id != devices[i]:
+        if o.data.device_id != devices[i]:
             raise ValueError(f"{argument}[{i}] is on GPU {o.device.id} but buffers[{i}] on GPU {devices[i]}; "
                              "each output must be on its replica's GPU")
         if not o.flags.c_contiguous:
@@ -218,8 +272,7 @@ def _engine(devices, algorithm, chunk_bytes=0):
     """The engine for these GPUs (and ring chunk size; 0: CHUNK_BYTES) and the algorithm code to pass it."""
     name = algorithm.lower() if isinstance(algorithm, str) else algorithm
     if name not in ALGORITHMS:
-        hint = " ('direct' is a host-buffer algorithm)" if name == "direct" else ""
-        raise ValueError(f"algorithm={algorithm!r} is not a GPU algorithm{hint}; use one of "
+        raise ValueError(f"algorithm={algorithm!r} is not a GPU algorithm; use one of "
                          f"{', '.join(repr(a) for a in ALGORITHMS)}")
     kind = "nccl" if name == "nccl" else "ring"
     chunk_bytes = chunk_bytes or CHUNK_BYTES

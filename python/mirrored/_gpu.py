@@ -159,7 +159,8 @@ def default_gpu_algorithm(ordinals) -> str:
     """The all-reduce algorithm for GPU replicas on CUDA ``ordinals`` by default.
 
     ``"nccl"`` when NCCL loads and every replica has a GPU of its own; else
-    ``"auto"`` (the native ring/tree), with a one-line warning saying why
+    ``"auto"`` (the native engine: one-pass kernels where every replica's GPU
+    reads the others', else the ring or tree), with a one-line warning saying why
     (logged once per reason on the ``mirrored`` logger, as TensorFlow logs it).
     """
     ordinals = [int(o) for o in ordinals]
@@ -171,7 +172,8 @@ def default_gpu_algorithm(ordinals) -> str:
         return "nccl"
     if reason not in _warned:
         _warned.add(reason)
-        logging.getLogger("mirrored").warning("GPU all-reduce uses the native ring: %s", reason)
+        logging.getLogger("mirrored").warning("GPU all-reduce uses the native engine (one-pass kernels, "
+                                              "native ring or tree): %s", reason)
     return "auto"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -449,8 +450,15 @@ class StrategyExtended:
     _worker_index = 0
 
     def __init__(self, container_strategy: Strategy, devices):
-        self._container_strategy = container_strategy
+        # Weak, as TF's: a strong reference would make strategy <-> extended a
+        # cycle, and a dropped strategy (with its replica threads) would live
+        # until the garbage collector ran.
+        self._container_strategy_weakref = weakref.ref(container_strategy)
         self._local_devices = tuple(devices)
+
+    @property
+    def _container_strategy(self) -> Strategy:
+        return self._container_strategy_weakref()
 
     @property
     def _num_replicas_in_sync(self) -> int:

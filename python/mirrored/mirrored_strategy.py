@@ -1,13 +1,14 @@
 """``md.MirroredStrategy``: synchronous data parallelism over the devices of one machine.
 
 Replicas run on a persistent pool of threads (replica 0 on the caller's
-thread); the reductions they need go through the strategy's CrossDeviceOps,
+thread, and so does any replica no pool thread has picked up by the time
+replica 0 returned); the reductions they need go through the strategy's CrossDeviceOps,
 whose built-ins make one native call for all replicas with the GIL released.
 """
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import os
 
 import threading
@@ -24,12 +25,31 @@ from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mir
                      SyncOnReadVariable, regroup, select_replica)
 
 
+def _signal(lock):
+    """Leaves a wake-up in ``lock`` (a released lock) unless one is already waiting there."""
+    try:
+        lock.release()
+    except RuntimeError:  # released already: the thread it wakes has not taken the last wake-up yet
+        pass
+
+
 class _ReplicaPool:
     """N-1 persistent threads plus the caller's: ``run(replica_fn)`` calls ``replica_fn(i)`` for every i.
 
-    Hand-offs use bare locks (the cheapest CPython primitive) so that a step
-    costs a few microseconds per replica. The pool holds no reference to its
-    strategy; ``close`` ends the threads when the strategy is collected.
+    Hand-offs are few and cheap (bare locks, CPython's cheapest primitive):
+    the caller wakes replica thread 1 only, each replica thread wakes the
+    next before it works, and the caller, once replica 0 returned, runs
+    itself every replica that no thread has claimed yet, so a short step
+    costs no thread switch at all. Each replica is claimed exactly once per
+    run, with an atomic ``dict.setdefault``; the last one to finish (an
+    atomic ``itertools.count``) wakes the caller if it is not the caller.
+
+    The pool holds no reference to its strategy: ``close`` ends the threads
+    when the strategy goes. Runs are serialised (a second thread's ``run``
+    waits for the first). A KeyboardInterrupt in the caller's thread may
+    leave a run's replicas still running; the next ``run`` waits for them
+    (and drops their results) before it starts, so the pool never mixes two
+    runs.
     """
 
     def __init__(self, n: int):
@@ -40,30 +60,44 @@ class _ReplicaPool:
             lock.acquire()
         self._done = threading.Lock()
         self._done.acquire()
-        self._count_lock = threading.Lock()
+        self._state_lock = threading.Lock()  # the last replica's "run g is complete" and its release of _done
         self._run_lock = threading.Lock()
         self._threads = None
+        self._worker_ids = frozenset()
         self._closed = False
         self._fn = None
         self._caller = None
+        self._generation = 0  # of the latest run started
+        self._completed = 0   # of the latest run whose replicas all returned
+        self._inflight = False  # replicas of the latest run may still be running
+        self._claims = {}  # replica index -> the token of whoever runs it, this run
+        self._mine = None  # the caller's token
+        self._arrived = self._arrivals = None
+        self._results = self._errors = None
 
     def _start(self):
         self._threads = [threading.Thread(target=self._worker, args=(i,), daemon=True,
                                           name=f"mirrored-replica-{i}") for i in range(1, self.n)]
         for t in self._threads:
             t.start()
+        self._worker_ids = frozenset(t.ident for t in self._threads)
 
     def _worker(self, i: int):
         go = self._go[i]
+        following = self._go[i + 1] if i + 1 < self.n else None
         while True:
             go.acquire()
+            if following is not None:
+                _signal(following)
             if self._closed:
                 return
-            self._execute(i)
-            with self._count_lock:
-                self._pending -= 1
-                if self._pending == 0:
-                    self._done.release()
+            token = object()
+            if self._claims.setdefault(i, token) is not token:
+                continue  # the caller runs it, or a late wake-up of a finished run
+            try:
+                self._execute(i)
+            finally:
+                self._arrive(i, False)
 
     def _execute(self, i: int):
         try:
@@ -71,42 +105,88 @@ class _ReplicaPool:
         except _Aborted:
             pass
         except BaseException as e:
-            with self._count_lock:
-                self._errors.append(e)
+            self._errors.append(e)
             self.group.abort()  # release the replicas waiting for this one in a collective
         finally:
             self.group.replica_finished()
 
+    def _arrive(self, i: int, caller: bool):
+        self._arrived[i] = True
+        if next(self._arrivals) == self.n - 2:  # the last of replicas 1..n-1
+            with self._state_lock:
+                self._completed = self._generation
+                if not caller:
+                    self._done.release()
+
+    def _settle(self):
+        """After an interruption: replicas the caller claimed but never ran count as finished."""
+        for i, owner in list(self._claims.items()):
+            if owner is self._mine and not self._arrived[i]:
+                self.group.abort()
+                self._arrive(i, True)
+
+    def _wait_for_replicas(self):
+        """Blocks until every replica of the latest run returned (interruptible; may be called again)."""
+        self._settle()
+        generation = self._generation
+        while True:
+            with self._state_lock:
+                if self._completed == generation:
+                    self._done.acquire(False)  # consume that run's wake-up if still there
+                    break
+            self._done.acquire()
+        self._inflight = False
+
     def run(self, replica_fn) -> list:
         me = threading.get_ident()
-        if me == self._caller or any(t.ident == me for t in self._threads or ()):
+        if me == self._caller or me in self._worker_ids:
             # e.g. strategy.run inside a merge_fn: waiting for our own replicas would never end.
             raise RuntimeError("strategy.run was called from inside one of its own replicas (or a merge_call's "
                                "merge_fn); call it from the outer program, between steps")
-        with self._run_lock:
-            self._caller = me
+        with self._run_lock:  # another thread's run finishes first
+            if self._inflight:  # an interrupted run's replicas are still running: let them finish
+                self._wait_for_replicas()
             if self._threads is None and self.n > 1:
                 self._start()
+            self.group.reset()
             self._fn, self._results, self._errors = replica_fn, [None] * self.n, []
-            self._pending = self.n - 1
-            for lock in self._go[1:]:
-                lock.release()
+            self._arrived, self._arrivals = [False] * self.n, itertools.count()
+            self._generation += 1
+            mine = self._mine = object()
+            claims = self._claims = {}  # last: a thread that sees it sees the rest of this run
+            # From here on every path leaves the pool consistent, whatever a
+            # KeyboardInterrupt interrupts: plain stores do not check for
+            # signals; a call may raise one only after it returned (see _settle).
+            self._caller = me
             try:
-                self._execute(0)
-            finally:
                 if self.n > 1:
-                    self._done.acquire()
-                self._fn = self._caller = None
-                self.group.reset()
-            if self._errors:
-                raise self._errors[0]
-            return self._results
+                    self._inflight = True
+                    _signal(self._go[1])
+                self._execute(0)
+                for i in range(1, self.n):  # not claimed by its thread yet: run it here, no hand-off
+                    if claims.setdefault(i, mine) is mine:
+                        try:
+                            if not self._errors:  # (a failed run skips the replicas not started yet)
+                                self._execute(i)
+                        finally:
+                            self._arrive(i, True)
+            except BaseException:  # interrupted outside a replica's function: free the others
+                self.group.abort()
+                raise
+            finally:
+                self._caller = None
+                if self._inflight:
+                    self._wait_for_replicas()
+            results, errors = self._results, self._errors
+            self._fn = self._results = self._errors = None
+            if errors:
+                raise errors[0]
+            return results
 
     def close(self):
         self._closed = True
         if self._threads is not None:
-            for lock in self._go[1:]:
-                lock.release()
+            _signal(self._go[1])  # each replica thread wakes the next, then ends
 
 
 def _resolve_devices(devices) -> tuple:
@@ -143,45 +223,85 @@ def _default_cross_device_ops(devices) -> CrossDeviceOps:
     return RingAllReduce()
 
 
-_blas = None  # threadpoolctl's controller of the BLAS libraries NumPy loaded (found once)
+_blas = None  # the BLAS libraries' threadpoolctl controllers NumPy loaded (found once), or False
 
 
-def _blas_threads_for(devices):
-    """Cap BLAS threads while CPU replicas run, so N replicas x BLAS threads fit the cores.
+class _BlasCap:
+    """Caps BLAS threads while CPU replicas run, so N replicas x BLAS threads fit the cores.
 
     Each replica thread's matmuls would otherwise start the BLAS library's own
     threads: 4 replicas on 2 cores then run ~4x slower than with one BLAS
-    thread each (bench/train_step.py). Restored after the step.
+    thread each (bench/train_step.py). Restored after the step. The
+    libraries are found once; a step costs one get (and, when above the cap,
+    one set and one restore) per library.
     """
+
+    def __init__(self, devices):
+        cpu_replicas = sum(device_util.parse(d).device_type == "CPU" for d in devices)
+        self._cap = max(1, len(os.sched_getaffinity(0)) // cpu_replicas) if cpu_replicas >= 2 else 0
+
+    def enter(self) -> list:
+        """Caps the libraries above the cap; returns what :meth:`exit` restores."""
+        saved = []
+        if self._cap:
+            for lib in _blas_controllers():
+                threads = lib.get_num_threads()
+                if threads is not None and threads > self._cap:
+                    lib.set_num_threads(self._cap)
+                    saved.append((lib, threads))
+        return saved
+
+    @staticmethod
+    def exit(saved: list):
+        for lib, threads in saved:
+            lib.set_num_threads(threads)
+
+
+def _blas_controllers() -> list:
     global _blas
-    cpu_replicas = sum(device_util.parse(d).device_type == "CPU" for d in devices)
-    if cpu_replicas < 2:
-        return contextlib.nullcontext()
     if _blas is None:
         try:
             from threadpoolctl import ThreadpoolController
 
-            _blas = ThreadpoolController()
+            _blas = ThreadpoolController().select(user_api="blas").lib_controllers
         except ImportError:  # optional: without it BLAS keeps its own thread count
             _blas = False
-    if not _blas:
-        return contextlib.nullcontext()
-    cap = max(1, len(os.sched_getaffinity(0)) // cpu_replicas)
-    if all(lib.num_threads <= cap for lib in _blas.select(user_api="blas").lib_controllers):
-        return contextlib.nullcontext()
-    return _blas.limit(limits=cap, user_api="blas")
+    return _blas or []
 
 
-def _replica_stream_scope(device, replica_id: int):
-    """GPU replicas queue their CuPy work on their own device and stream."""
-    if device_util.parse(device).device_type != "GPU":
-        return contextlib.nullcontext()
-    from . import _gpu
+class _GpuReplicaScope:
+    """A GPU replica's device and CUDA device and stream, made once (entered by that replica's thread only)."""
 
-    return _gpu.replica_scope(device, replica_id)
+    def __init__(self, device, replica_id: int):
+        from . import _gpu
+
+        ordinal = _gpu.physical_ordinal(device)
+        self._device = device_util.device_scope(device)
+        self._cuda_device = _gpu.cupy_module().cuda.Device(ordinal)
+        self._stream = _gpu.replica_stream(replica_id, ordinal)
+
+    def __enter__(self):
+        self._device.__enter__()
+        self._cuda_device.__enter__()
+        self._stream.__enter__()
+
+    def __exit__(self, *exc):
+        self._stream.__exit__(*exc)
+        self._cuda_device.__exit__(*exc)
+        self._device.__exit__(*exc)
 
 
 class _MirroredReplicaContext(ReplicaContext):
+    # The strategy caches its replica contexts: a weak reference back keeps
+    # a dropped strategy free of cycles (it goes, with its threads, at once).
+    @property
+    def _strategy(self):
+        return self._strategy_ref()
+
+    @_strategy.setter
+    def _strategy(self, strategy):
+        self._strategy_ref = weakref.ref(strategy)
+
     @property
     def devices(self) -> list:
         """``[[device]]``: TF's MirroredStrategy nests the replica's device list this way."""
@@ -200,6 +320,8 @@ class MirroredExtended(StrategyExtended):
         self._pool = _ReplicaPool(len(self._local_devices))
         weakref.finalize(container_strategy, self._pool.close)
         self._replica_contexts = None
+        self._scopes = None
+        self._blas_cap = _BlasCap(self._local_devices)
 
     def _contexts(self) -> list:
         if self._replica_contexts is None:
@@ -210,24 +332,36 @@ class MirroredExtended(StrategyExtended):
                 for i in range(local)]
         return self._replica_contexts
 
+    def _replica_scopes(self) -> list:
+        if self._scopes is None:
+            self._scopes = [_GpuReplicaScope(d, i) if device_util.parse(d).device_type == "GPU"
+                            else device_util.device_scope(d) for i, d in enumerate(self._local_devices)]
+        return self._scopes
+
     def _call_for_each_replica(self, fn, args, kwargs):
         if args or kwargs:
             self._check_components((args, kwargs))
-        strategy, devices, contexts = self._container_strategy, self._local_devices, self._contexts()
+        strategy, contexts, scopes = self._container_strategy, self._contexts(), self._replica_scopes()
 
         def replica(i):
             saved = getattr(_local, "stack", None)
             _local.stack = [_Context(strategy, contexts[i])]
+            scope = scopes[i]
+            scope.__enter__()
             try:
-                with device_util.device_scope(devices[i]), _replica_stream_scope(devices[i], i):
-                    if args or kwargs:
-                        return fn(*select_replica(i, args), **select_replica(i, kwargs))
-                    return fn()
+                if args or kwargs:
+                    return fn(*select_replica(i, args), **select_replica(i, kwargs))
+                return fn()
             finally:
+                scope.__exit__(None, None, None)
                 _local.stack = saved
 
-        with _blas_threads_for(devices):
-            return regroup(self._pool.run(replica), devices=devices)
+        blas = self._blas_cap.enter()
+        try:
+            results = self._pool.run(replica)
+        finally:
+            self._blas_cap.exit(blas)
+        return regroup(results, devices=self._local_devices)
 
     def _check_components(self, structure):
         from . import _nest

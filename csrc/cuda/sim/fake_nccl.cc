@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/sim/sim_runtime.h"
@@ -33,7 +34,13 @@ template <typename T>
 void reduce_into(std::vector<T>& acc, const T* x, int op, bool first) {
   for (std::size_t i = 0; i < acc.size(); ++i) {
     if (first) { acc[i] = x[i]; continue; }
-    acc[i] = op == 1 ? acc[i] * x[i] : op == 2 ? std::max(acc[i], x[i]) : op == 3 ? std::min(acc[i], x[i]) : acc[i] + x[i];
+    if constexpr (std::is_integral_v<T>) {  // integers wrap, as NCCL's do (signed overflow is UB here)
+      using U = std::make_unsigned_t<T>;
+      acc[i] = op == 1 ? T(U(acc[i]) * U(x[i])) : op == 2 ? std::max(acc[i], x[i]) : op == 3 ? std::min(acc[i], x[i])
+                                                                       : T(U(acc[i]) + U(x[i]));
+    } else {
+      acc[i] = op == 1 ? acc[i] * x[i] : op == 2 ? std::max(acc[i], x[i]) : op == 3 ? std::min(acc[i], x[i]) : acc[i] + x[i];
+    }
   }
 }
 
@@ -71,7 +78,7 @@ int launch(std::vector<Call> calls) {
     cudaEventRecord(arrived[r], calls[r].stream);
   }
   cudaSetDevice(calls[0].comm->device);
-  for (auto e : arrived) cudaStreamWaitEvent(calls[0].stream, e, 0);
+  for (auto e : arrived) cudaStreamWaitEvent(calls[0].stream, e, 0), cudaEventDestroy(e);  // a wait keeps its record
   mirrored::cuda::sim::enqueue(calls[0].stream, [calls] {
     if (calls[0].dtype == 2 || calls[0].kind == kAllGather) run_typed<int>(calls);  // gathers are byte copies
     else run_typed<float>(calls);
@@ -83,6 +90,7 @@ int launch(std::vector<Call> calls) {
     cudaSetDevice(calls[r].comm->device);  // a null stream is the current device's
     cudaStreamWaitEvent(calls[r].stream, done, 0);
   }
+  cudaEventDestroy(done);
   return 0;
 }
 

@@ -9,6 +9,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -19,6 +20,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "cuda/fused.h"
+#include "cuda/fused_body.cuh"
 #include "cuda/reduce_kernels.h"
 #include "cuda/reduce_ops.cuh"
 
@@ -39,10 +42,20 @@ namespace {
 int num_devices = 4;
 std::set<std::pair<int, int>> peers;
 int current = 0;
-std::map<int, CUstream_st*> null_streams;
-std::vector<CUstream_st*> streams;
-std::map<std::uintptr_t, std::pair<std::size_t, int>> allocations;  // base -> (bytes, device)
+std::map<int, CUstream_st*>& null_streams = *new std::map<int, CUstream_st*>;  // never destroyed (see allocations)
+std::vector<CUstream_st*>& streams = *new std::vector<CUstream_st*>;
+// Simulated device memory: base -> (bytes, device, the block). Holding the
+// block's pointer keeps memory a test never frees owned by the simulated
+// device (as a GPU's is at exit), not leaked in LeakSanitizer's eyes; the
+// map itself is never destroyed, so it still holds them when LSan looks.
+struct Allocation {
+  std::size_t bytes;
+  int device;
+  void* block;
+};
+std::map<std::uintptr_t, Allocation>& allocations = *new std::map<std::uintptr_t, Allocation>;
 std::mt19937 rng;
+Counters counted;
 
 CUstream_st* resolve(cudaStream_t s) {
   if (s) return s;
@@ -54,11 +67,14 @@ CUstream_st* resolve(cudaStream_t s) {
 int device_of(const void* p) {
   const auto u = reinterpret_cast<std::uintptr_t>(p);
   auto it = allocations.upper_bound(u);
-  if (it == allocations.begin() || u > (--it)->first + it->second.first)
+  if (it == allocations.begin() || u > (--it)->first + it->second.bytes)
     throw std::logic_error("simulated kernel touches memory that was never allocated");
-  return it->second.second;
+  return it->second.device;
 }
 }  // namespace
+
+const Counters& counters() { return counted; }
+void reset_counters() { counted = Counters{}; }
 
 void reset(int devices, std::set<std::pair<int, int>> peer_pairs, unsigned seed) {
   num_devices = devices;
@@ -107,7 +123,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) { std::memset(p, 0, 
 cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) { *v = 4; return cudaSuccess; }
 cudaError_t cudaDeviceCanAccessPeer(int* can, int a, int b) { *can = static_cast<int>(sim::peers.count({a, b})); return cudaSuccess; }
 cudaError_t cudaDeviceEnablePeerAccess(int, unsigned) { return cudaSuccess; }
-cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize() { ++sim::counted.stream_ops; return cudaSuccess; }
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
   sim::streams.push_back(*s = new CUstream_st{sim::current, {}});
   return cudaSuccess;
@@ -123,6 +139,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { *e = new CUevent_st{sim::current, nullptr}; return cudaSuccess; }
 cudaError_t cudaEventDestroy(cudaEvent_t e) { delete e; return cudaSuccess; }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  ++sim::counted.stream_ops;
   CUstream_st* st = sim::resolve(s);
   if (st->device != e->device) return cudaErrorInvalidResourceHandle;  // CUDA's rule too
   e->latest = std::make_shared<Record>();
@@ -130,13 +147,27 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+  ++sim::counted.stream_ops;
   if (e->latest) sim::resolve(s)->queue.push_back(Op{nullptr, e->latest, true});
   return cudaSuccess;
 }
 cudaError_t cudaMalloc(void** p, size_t n) {
   *p = std::malloc(n + 1);
   std::memset(*p, 0xcd, n);
-  sim::allocations[reinterpret_cast<std::uintptr_t>(*p)] = {n, sim::current};
+  sim::allocations[reinterpret_cast<std::uintptr_t>(*p)] = {n, sim::current, *p};
+  return cudaSuccess;
+}
+cudaError_t cudaMallocHost(void** p, size_t n) {
+  *p = std::malloc(n + 1);  // host memory: a kernel touching it is caught as unallocated
+  return cudaSuccess;
+}
+cudaError_t cudaFreeHost(void* p) {
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  ++sim::counted.stream_ops;
+  if (e->latest && !e->latest->done) sim::drain();  // the host blocks until the GPU got there
   return cudaSuccess;
 }
 cudaError_t cudaFree(void* p) {
@@ -145,22 +176,26 @@ cudaError_t cudaFree(void* p) {
   return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t st) {
+  ++sim::counted.stream_ops;
   if (sim::resolve(st)->device != sim::current) return cudaErrorInvalidValue;
   sim::enqueue(st, [=] { std::memmove(d, s, n); });
   return cudaSuccess;
 }
 cudaError_t cudaMemcpyPeerAsync(void* d, int, const void* s, int, size_t n, cudaStream_t st) {
+  ++sim::counted.stream_ops;
   sim::enqueue(st, [=] { std::memmove(d, s, n); });
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy2DAsync(void* d, size_t dp, const void* s, size_t sp, size_t w, size_t h, cudaMemcpyKind,
                               cudaStream_t st) {
+  ++sim::counted.stream_ops;
   sim::enqueue(st, [=] {
     for (size_t r = 0; r < h; ++r) std::memcpy(static_cast<char*>(d) + r * dp, static_cast<const char*>(s) + r * sp, w);
   });
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy3DPeerAsync(const cudaMemcpy3DPeerParms* p, cudaStream_t st) {
+  ++sim::counted.stream_ops;
   const cudaMemcpy3DPeerParms q = *p;
   sim::enqueue(st, [=] {
     for (size_t r = 0; r < q.extent.height; ++r)
@@ -198,17 +233,120 @@ void combine_op(void* out, const void* a, const void* b, std::size_t n, ReduceOp
   throw std::logic_error("MEAN reached a kernel: callers must pass its combining op");
 }
 
+// A launch on `stream`: counted, and on the stream's own device as CUDA requires.
+void launched(cudaStream_t stream) {
+  if (sim::resolve(stream)->device != sim::current) throw std::logic_error("kernel launched off its stream's device");
+  ++sim::counted.launches[sim::current];
+}
+
+// A kernel of the current device touches p: its own memory or a peer's with access.
+void reachable(const void* p) {
+  const int d = sim::device_of(p);
+  if (d != sim::current && !sim::peers.count({sim::current, d}))
+    throw std::logic_error("kernel touches a peer's memory without peer access");
+}
+
+// Runs body(tid, stride) for every thread of a grid of `blocks` blocks, in a
+// random thread order (a kernel's threads are unordered): the same bodies as
+// the .cu, over the same launch shape.
+template <typename F>
+void run_grid(unsigned blocks, F body) {
+  const std::size_t stride = std::size_t(blocks) * kFusedThreads;
+  std::vector<std::size_t> order(stride);
+  for (std::size_t t = 0; t < stride; ++t) order[t] = t;
+  std::shuffle(order.begin(), order.end(), sim::rng);
+  for (std::size_t t : order) body(t, stride);
+}
+
+template <typename T>
+void fused_op(const FusedArgs& a, std::size_t count, ReduceOp op, int mean_div, unsigned blocks, bool vec) {
+  run_grid(blocks, [&](std::size_t tid, std::size_t stride) {
+    switch (op) {
+      case ReduceOp::kSum: return fused_reduce_body<T, ReduceOp::kSum>(a, count, mean_div, vec, tid, stride);
+      case ReduceOp::kProd: return fused_reduce_body<T, ReduceOp::kProd>(a, count, mean_div, vec, tid, stride);
+      case ReduceOp::kMin: return fused_reduce_body<T, ReduceOp::kMin>(a, count, mean_div, vec, tid, stride);
+      case ReduceOp::kMax: return fused_reduce_body<T, ReduceOp::kMax>(a, count, mean_div, vec, tid, stride);
+      case ReduceOp::kMean: break;
+    }
+    throw std::logic_error("MEAN reached a fused kernel: callers must pass its combining op");
+  });
+}
+
 }  // namespace
+
+void fused_reduce(const FusedArgs& a, std::size_t count, DType dtype, ReduceOp op, int mean_div, int sms,
+                  cudaStream_t stream) {
+  if (count == 0) return;
+  if (a.nin < 1 || a.nin > kMaxFused || a.nout < 0 || a.nout > kMaxFused)
+    throw std::logic_error("fused_reduce: bad buffer counts");
+  launched(stream);
+  for (int j = 0; j < a.nin; ++j) reachable(a.in[j]);
+  for (int j = 0; j < a.nout; ++j) reachable(a.out[j]);
+  const bool vec = fused_vectorised(a);
+  const unsigned blocks = fused_blocks(fused_work(count, dtype_size(dtype), vec), sms);
+  sim::enqueue(stream, [=] {
+    switch (dtype) {
+      case DType::kFloat16: return fused_op<F16>(a, count, op, mean_div, blocks, vec);
+      case DType::kBFloat16: return fused_op<BF16>(a, count, op, mean_div, blocks, vec);
+      case DType::kFloat32: return fused_op<float>(a, count, op, mean_div, blocks, vec);
+      case DType::kFloat64: return fused_op<double>(a, count, op, mean_div, blocks, vec);
+      case DType::kInt8: return fused_op<std::int8_t>(a, count, op, mean_div, blocks, vec);
+      case DType::kUInt8: return fused_op<std::uint8_t>(a, count, op, mean_div, blocks, vec);
+      case DType::kInt32: return fused_op<std::int32_t>(a, count, op, mean_div, blocks, vec);
+      case DType::kInt64: return fused_op<std::int64_t>(a, count, op, mean_div, blocks, vec);
+    }
+  });
+}
+
+void fused_gather(const GatherArgs& a, int unit, int sms, cudaStream_t stream) {
+  const std::size_t total = a.col[a.nin] * a.outer;
+  if (total == 0) return;
+  launched(stream);
+  for (int j = 0; j < a.nin; ++j)
+    if (a.col[j + 1] > a.col[j] && a.in[j]) reachable(a.in[j]);
+  for (int j = 0; j < a.nout; ++j) reachable(a.out[j]);
+  for (int j = 0; j < a.nin; ++j)
+    if (reinterpret_cast<std::uintptr_t>(a.in[j]) % unit) throw std::logic_error("fused_gather: input not unit-aligned");
+  const unsigned blocks = fused_blocks(total, sms);
+  sim::enqueue(stream, [=] {
+    run_grid(blocks, [&](std::size_t tid, std::size_t stride) {
+      switch (unit) {
+        case 16: return fused_gather_body<uint4>(a, tid, stride);
+        case 8: return fused_gather_body<std::uint64_t>(a, tid, stride);
+        case 4: return fused_gather_body<std::uint32_t>(a, tid, stride);
+        case 2: return fused_gather_body<std::uint16_t>(a, tid, stride);
+        case 1: return fused_gather_body<std::uint8_t>(a, tid, stride);
+      }
+      throw std::logic_error("fused_gather: bad unit");
+    });
+  });
+}
+
+void multi_copy(const CopyEntry* table, int entries, std::size_t slots, int sms, cudaStream_t stream) {
+  if (entries == 0 || slots == 0) return;
+  launched(stream);
+  reachable(table);
+  const int device = sim::current;
+  const unsigned blocks = fused_blocks(slots, sms);
+  sim::enqueue(stream, [=] {
+    // The table is read when the kernel runs (it was uploaded on this stream
+    // just before); so are the pointers it holds.
+    const int saved = sim::current;
+    sim::current = device;
+    for (int e = 0; e < entries; ++e)
+      if (table[e].bytes) reachable(table[e].src), reachable(table[e].dst);
+    if (table[entries - 1].slot + (table[entries - 1].bytes + 15) / 16 != slots)
+      throw std::logic_error("multi_copy: the table's slots do not add up to the launch's");
+    sim::current = saved;
+    run_grid(blocks, [&](std::size_t tid, std::size_t stride) { multi_copy_body(table, entries, tid, stride); });
+  });
+}
 
 void reduce_copy(void* out, const void* a, const void* b, std::size_t count, DType dtype, ReduceOp op, int mean_div,
                  int, cudaStream_t stream) {
   if (count == 0) return;
-  if (sim::resolve(stream)->device != sim::current) throw std::logic_error("kernel launched off its stream's device");
-  for (const void* p : {static_cast<const void*>(out), a, b}) {
-    const int d = sim::device_of(p);
-    if (d != sim::current && !sim::peers.count({sim::current, d}))
-      throw std::logic_error("kernel reads a peer's memory without peer access");
-  }
+  launched(stream);
+  for (const void* p : {static_cast<const void*>(out), a, b}) reachable(p);
   sim::enqueue(stream, [=] {
     switch (dtype) {
       case DType::kFloat16: return combine_op<F16>(out, a, b, count, op, mean_div);

@@ -6,7 +6,9 @@
 // join dependency corrupts a result. With a path to fake_nccl's library as
 // argument, NcclCommunicator (and batches over it) run the same checks.
 // Exit status 0 when all is right.
+#include <cmath>
 #include <cstdio>
+#include <type_traits>
 #include <cstring>
 #include <set>
 #include <stdexcept>
@@ -15,6 +17,8 @@
 
 #include "cuda/cuda_ring.h"
 #include "cuda/device_batch.h"
+#include "cuda/fused.h"
+#include "cuda/reduce_ops.cuh"
 #include "cuda/sim/sim_runtime.h"
 #include "cuda/stream_scope.h"
 #include "nccl/nccl_communicator.h"
@@ -84,6 +88,7 @@ template <typename T>
 void read(Layout& l, int r, void* p, std::size_t count, std::vector<T>& into) {
   into.assign(count, T());
   T* dst = into.data();
+  if (count == 0) return;  // (an empty vector's data() may be null, which memcpy must not get)
   l.on(r, [=] {
     std::memcpy(dst, p, count * sizeof(T));
     std::memset(p, 0x5a, count * sizeof(T));  // the caller reuses its buffer at once
@@ -329,10 +334,14 @@ void check_nccl(Layout& l, std::size_t count, bool in_place, bool by_unique_id) 
   std::vector<std::vector<const void*>> bin;
   std::vector<std::vector<void*>> bout;
   batch_buffers(l, n, counts, dtypes, s, in_place, bin, bout);
+  sim::reset_counters();
   {
     StreamScope scope(l.streams);
     batch.all_reduce(comm, bin, bout, counts, dtypes, s, Algorithm::kAuto, 0, 0);
   }
+  // A pack and an unpack kernel per GPU around NCCL's calls, whatever the tensor count.
+  for (const auto& [d, k] : sim::counters().launches)
+    EXPECT(k <= 2, "nccl batch: %ld launches on GPU %d", k, d);
   if (!batch_summed(l, n, counts, dtypes, s, bout, "nccl batch")) return;
 }
 
@@ -360,9 +369,266 @@ void check_nccl_errors() {
                                       [&] { comm.all_gather(2, p.data(), p.data(), rows.data(), 1); });
 }
 
+// What op over n ranks' value()s gives in T: integers wrap at every step
+// (NumPy's result) and MEAN truncates the wrapped sum; floats are exact here.
+template <typename T>
+double reference(int n, std::size_t i, ReduceOp op) {
+  using A = typename Elem<T>::Acc;
+  const ReduceOp c = combining_op(op);
+  if constexpr (std::is_integral<T>::value) {
+    auto v = [&](int q) { return static_cast<long long>(static_cast<T>(value(q, i, op))); };
+    long long acc = v(0);
+    for (int q = 1; q < n; ++q) {
+      const long long x = v(q);
+      acc = c == ReduceOp::kSum ? static_cast<long long>(static_cast<T>(acc + x))
+          : c == ReduceOp::kProd ? static_cast<long long>(static_cast<T>(acc * x))
+          : c == ReduceOp::kMin ? std::min(acc, x) : std::max(acc, x);
+    }
+    return double(op == ReduceOp::kMean ? static_cast<long long>(static_cast<T>(acc / n)) : acc);
+  } else {
+    const long long e = expected(n, i, c);
+    return op == ReduceOp::kMean ? double(A(e) / A(n)) : double(e);
+  }
+}
+
+// The one-pass kernel's body against a scalar reference, for every dtype and
+// op, sizes around the 16-byte vector and the grid (empty, odd, tails), and
+// inputs or outputs 16-byte aligned or not (the scalar path), n = 1..9
+// inputs into 1..3 outputs, in place or not.
+template <typename T>
+void check_fused_body(DType dtype) {
+  using E = Elem<T>;
+  const bool half = sizeof(T) == 2 && !std::is_integral<T>::value;
+  for (int n : {1, 2, 3, 8, 9})
+    for (std::size_t count : {0, 1, 3, 7, 8, 15, 16, 17, 33, 255, 257, 8193, 40000})
+      for (auto op : {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kMean})
+        for (int misalign : {0, 1})
+          for (bool in_place : {false, true}) {
+            if (count > 300 && (op == ReduceOp::kProd || n == 9 || misalign)) continue;
+            std::vector<char*> bufs;
+            FusedArgs a;
+            a.nin = n;
+            for (int j = 0; j < n; ++j) {
+              void* p = nullptr;
+              cudaMalloc(&p, (count + 1) * sizeof(T));
+              T* x = reinterpret_cast<T*>(static_cast<char*>(p) + (j == n - 1 ? misalign * sizeof(T) : 0));
+              for (std::size_t i = 0; i < count; ++i) x[i] = E::store(static_cast<typename E::Acc>(value(j, i, op)));
+              bufs.push_back(static_cast<char*>(p));
+              a.in[j] = x;
+            }
+            const int nout = in_place ? std::min(n, 2) : 3;
+            for (int j = 0; j < nout; ++j) {
+              if (in_place) {
+                a.out[a.nout++] = const_cast<void*>(a.in[j]);
+                continue;
+              }
+              void* p = nullptr;
+              cudaMalloc(&p, (count + 1) * sizeof(T));
+              bufs.push_back(static_cast<char*>(p));
+              a.out[a.nout++] = static_cast<char*>(p) + (j == 1 ? misalign * sizeof(T) : 0);
+            }
+            sim::reset_counters();
+            fused_reduce(a, count, dtype, combining_op(op), op == ReduceOp::kMean ? n : 1, 4, nullptr);
+            sim::drain();
+            if (sim::counters().launches_total() != (count ? 1 : 0)) {
+              if (++failures <= 10) std::printf("FAIL: fused_reduce launched %ld kernels\n", sim::counters().launches_total());
+            }
+            bool ok = true;
+            for (int j = 0; j < a.nout && ok; ++j)
+              for (std::size_t i = 0; i < count && ok; ++i) {
+                const double want = reference<T>(n, i, op);
+                const double got = double(E::load(static_cast<const T*>(a.out[j])[i]));
+                const double tol = half ? 1e-2 * std::max(1.0, std::abs(want)) : 0.0;
+                if (std::abs(got - want) > tol) {
+                  ok = false;
+                  if (++failures <= 10)
+                    std::printf("FAIL: fused body %s n=%d count=%zu op=%s misalign=%d in_place=%d: out %d element %zu "
+                                "is %g, expected %g\n", dtype_name(dtype), n, count, reduce_op_name(op), misalign,
+                                int(in_place), j, i, got, want);
+                }
+              }
+            for (char* p : bufs) cudaFree(p);
+          }
+}
+
+// The simulated runtime counts launches and stream operations: a collective
+// of co-located ranks is exactly one launch on their GPU, and no event at
+// all when every rank queues on the same stream; ranks on GPUs with peer
+// access launch once per GPU.
+void check_launch_counts() {
+  std::set<std::pair<int, int>> all_pairs;
+  for (int a = 0; a < 4; ++a)
+    for (int b = 0; b < 4; ++b)
+      if (a != b) all_pairs.insert({a, b});
+  for (const auto& devices : std::vector<std::vector<int>>{{0}, {0, 0}, {1, 1, 1}, {0, 0, 0, 0}, std::vector<int>(8, 2),
+                                                            {0, 1}, {0, 1, 2, 3}, {0, 0, 1, 1}})
+    for (bool own_streams : {false, true}) {
+      sim::reset(4, all_pairs, 7);
+      Layout l(devices, own_streams);
+      const int n = l.n();
+      std::set<int> gpus(devices.begin(), devices.end());
+      const long per_gpu = 1;
+      CudaRing ring(l.devices);
+      const std::size_t count = 1000;
+      std::vector<void*> in(n), out(n), gout(n);
+      std::vector<std::size_t> rows(n, 12);
+      for (int r = 0; r < n; ++r) {
+        in[r] = l.alloc(r, count * 4), out[r] = l.alloc(r, count * 4), gout[r] = l.alloc(r, 12 * n);
+        write<float>(l, r, in[r], count, ReduceOp::kSum, r);
+      }
+      sim::drain();
+      auto check = [&](const char* what, long launches_on_each, bool any_gpu_only_root, auto call) {
+        sim::reset_counters();
+        {
+          StreamScope scope(l.streams);
+          call();
+        }
+        const auto& c = sim::counters();
+        const bool shared_stream = gpus.size() == 1 && !own_streams;
+        bool ok = shared_stream ? c.stream_ops == 0 : true;
+        if (any_gpu_only_root) {
+          ok = ok && c.launches_total() == launches_on_each;
+        } else {
+          for (int d : gpus) ok = ok && (c.launches.count(d) ? c.launches.at(d) : 0) == launches_on_each;
+          ok = ok && c.launches_total() == launches_on_each * long(gpus.size());
+        }
+        if (!ok && ++failures <= 10)
+          std::printf("FAIL: %s on %zu GPU(s), n=%d, own_streams=%d: %ld launches, %ld stream ops\n", what,
+                      gpus.size(), n, int(own_streams), c.launches_total(), c.stream_ops);
+        sim::drain();
+      };
+      check("all_reduce", per_gpu, false,
+            [&] { ring.all_reduce(n, in.data(), out.data(), count, DType::kFloat32, ReduceOp::kMean, Algorithm::kAuto); });
+      if (gpus.size() == 1)  // in place too (across GPUs in place takes the ring)
+        check("all_reduce in place", n == 1 ? 0 : per_gpu, false,  // one rank in place: nothing to do
+              [&] { ring.all_reduce(n, in.data(), in.data(), count, DType::kFloat32, ReduceOp::kSum, Algorithm::kAuto); });
+      check("broadcast", per_gpu, false, [&] { ring.broadcast(n, in.data(), out.data(), count, DType::kFloat32, n - 1); });
+      check("reduce", 1, true, [&] { ring.reduce(n, in.data(), out.data(), count, DType::kFloat32, ReduceOp::kMax, 0); });
+      check("all_gather", per_gpu, false, [&] { ring.all_gather(n, in.data(), gout.data(), rows.data(), 1); });
+      // Fused batches: at most 3 launches per GPU (pack, all-reduce, unpack)
+      // when a GPU's ranks queue on one stream (as the Strategy's do; else a
+      // pack and an unpack per stream), and the same stream operations for 2
+      // tensors as for 300 (once the table has grown).
+      DeviceBatch batch(l.devices);
+      long ops_at_2 = -1;
+      const long lanes = own_streams ? n : long(gpus.size());
+      const long per_gpu_limit = own_streams ? 2 * long(n) + 1 : 3;
+      int call = 0;
+      for (std::size_t tensors : {2, 10, 300, 2, 300}) {
+        ++call;
+        std::vector<std::size_t> counts(tensors);
+        for (std::size_t t = 0; t < tensors; ++t) counts[t] = (t * 13) % 37;
+        const std::vector<DType> dtypes(tensors, DType::kInt32);
+        std::vector<std::vector<const void*>> bin;
+        std::vector<std::vector<void*>> bout;
+        batch_buffers(l, n, counts, dtypes, ReduceOp::kSum, tensors == 10, bin, bout);
+        sim::drain();
+        sim::reset_counters();
+        {
+          StreamScope scope(l.streams);
+          batch.all_reduce(ring, bin, bout, counts, dtypes, ReduceOp::kSum, Algorithm::kAuto, 0, 0);
+        }
+        const auto c = sim::counters();
+        bool ok = c.launches_total() <= 2 * lanes + long(gpus.size());
+        for (const auto& [d, k] : c.launches) ok = ok && k <= per_gpu_limit;
+        if (call == 4) ops_at_2 = c.stream_ops;
+        if (call == 5) ok = ok && c.stream_ops == ops_at_2;
+        if (!ok && ++failures <= 10)
+          std::printf("FAIL: batch of %zu on %zu GPU(s), n=%d, own_streams=%d: %ld launches, %ld stream ops\n",
+                      tensors, gpus.size(), n, int(own_streams), c.launches_total(), c.stream_ops);
+        if (!batch_summed(l, n, counts, dtypes, ReduceOp::kSum, bout, "counted batch")) return;
+        for (int r = 0; r < n; ++r)
+          for (std::size_t t = 0; t < tensors; ++t) {
+            if (bout[r][t] != bin[r][t]) cudaFree(bout[r][t]);
+            cudaFree(const_cast<void*>(bin[r][t]));
+          }
+      }
+      for (int r = 0; r < n; ++r) cudaFree(in[r]), cudaFree(out[r]), cudaFree(gout[r]);
+    }
+}
+
+// The one-pass all-gather in every unit (16 down to 1 byte): row sizes that
+// are odd, empty or differ per rank, several rows, pointers off alignment.
+void check_fused_gather() {
+  for (const auto& devices : std::vector<std::vector<int>>{{0, 0, 0}, {1, 1}, {0, 0, 0, 0, 0}})
+    for (const auto& sizes : std::vector<std::vector<std::size_t>>{{16, 32, 48}, {1, 3, 5}, {0, 16, 0}, {8, 8, 24},
+                                                                  {2, 6, 0}, {4, 0, 12}, {0, 0, 0}})
+      for (std::size_t outer : {1, 2, 5})
+        for (int misalign : {0, 1, 4}) {
+          sim::reset(4, {}, 3);
+          Layout l(devices, false);
+          const int n = l.n();
+          CudaRing ring(l.devices);
+          std::vector<std::size_t> rows(n);
+          std::size_t pitch = 0;
+          for (int j = 0; j < n; ++j) pitch += rows[j] = sizes[j % sizes.size()];
+          std::vector<void*> in(n), out(n), base;
+          for (int r = 0; r < n; ++r) {
+            char* p = static_cast<char*>(l.alloc(r, rows[r] * outer + 16));
+            char* q = static_cast<char*>(l.alloc(r, pitch * outer + 16));
+            base.push_back(p), base.push_back(q);
+            in[r] = p + (r == 1 ? misalign : 0), out[r] = q + (r == 0 ? misalign : 0);
+            for (std::size_t k = 0; k < rows[r] * outer; ++k) static_cast<unsigned char*>(in[r])[k] = (r * 37 + k) & 255;
+          }
+          sim::reset_counters();
+          ring.all_gather(n, in.data(), out.data(), rows.data(), outer);
+          sim::drain();
+          if (sim::counters().launches_total() != (pitch * outer ? 1 : 0) && ++failures <= 10)
+            std::printf("FAIL: all_gather took %ld launches\n", sim::counters().launches_total());
+          for (int r = 0; r < n; ++r) {
+            std::size_t k = 0;
+            for (std::size_t o = 0; o < outer; ++o)
+              for (int j = 0; j < n; ++j)
+                for (std::size_t e = 0; e < rows[j]; ++e, ++k) {
+                  const unsigned char want = (j * 37 + o * rows[j] + e) & 255;
+                  EXPECT(static_cast<unsigned char*>(out[r])[k] == want,
+                         "fused all_gather n=%d rows=%zu,%zu,%zu outer=%zu misalign=%d: rank %d byte %zu", n, rows[0],
+                         rows[1], rows[n > 2 ? 2 : 1], outer, misalign, r, k);
+                }
+          }
+          for (void* p : base) cudaFree(p);
+        }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  sim::reset(4, {}, 1);
+  check_fused_body<F16>(DType::kFloat16);
+  check_fused_body<BF16>(DType::kBFloat16);
+  check_fused_body<float>(DType::kFloat32);
+  check_fused_body<double>(DType::kFloat64);
+  check_fused_body<std::int8_t>(DType::kInt8);
+  check_fused_body<std::uint8_t>(DType::kUInt8);
+  check_fused_body<std::int32_t>(DType::kInt32);
+  check_fused_body<std::int64_t>(DType::kInt64);
+  check_launch_counts();
+  check_fused_gather();
+  // Large or in-place messages over GPUs with peer access: the two-shot
+  // kernels (one rank per GPU), or the ring (several ranks per GPU).
+  {
+    std::set<std::pair<int, int>> peers;
+    for (int a = 0; a < 4; ++a)
+      for (int b = 0; b < 4; ++b)
+        if (a != b) peers.insert({a, b});
+    for (const auto& devices : std::vector<std::vector<int>>{{0, 1}, {0, 1, 2}, {2, 0, 3, 1}, {1, 0, 1}})
+      for (bool own_streams : {false, true})
+        for (std::size_t count : {std::size_t(70001), std::size_t(3 * 65536 + 8)})
+          for (auto op : {ReduceOp::kSum, ReduceOp::kMean, ReduceOp::kMax})
+            for (bool in_place : {false, true}) {
+              sim::reset(4, peers, static_cast<unsigned>(count + devices.size() + own_streams));
+              Layout l(devices, own_streams);
+              sim::reset_counters();
+              check_all_reduce<int>(l, count, 16, 1, op, Algorithm::kAuto, in_place, DType::kInt32);
+              // Two calls: 2 launches per GPU each with one rank per GPU.
+              const std::set<int> gpus(devices.begin(), devices.end());
+              if (gpus.size() == devices.size())
+                for (int d : gpus)
+                  if (sim::counters().launches.at(d) != 4 && ++failures <= 10)
+                    std::printf("FAIL: two-shot on GPU %d: %ld launches for 2 calls\n", d,
+                                sim::counters().launches.at(d));
+            }
+  }
   const std::vector<std::vector<int>> layouts = {
       {0}, {1}, {0, 0}, {0, 1}, {0, 0, 0}, {0, 1, 2}, {0, 0, 1}, {0, 0, 0, 0}, {0, 1, 2, 3}, {1, 0, 1, 0}, {0, 1, 2, 3, 0}};
   std::set<std::pair<int, int>> all_pairs, odd_pairs;
@@ -378,13 +644,16 @@ int main(int argc, char** argv) {
       for (bool own_streams : {false, true}) {
         sim::reset(4, peers, static_cast<unsigned>(runs));
         Layout l(devices, own_streams);
+        const bool one_pass = CudaRing(devices).one_pass_capable();
         for (std::size_t count : {0, 1, 5, 63, 64, 65, 301})
           for (std::size_t chunk : {16, 48, 4096})
             for (int channels : {1, 2, 3})
               for (auto op : {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kMean})
-                for (auto algo : {Algorithm::kRing, Algorithm::kTree, Algorithm::kAuto})
+                for (auto algo : {Algorithm::kRing, Algorithm::kTree, Algorithm::kAuto, Algorithm::kDirect})
                   for (bool in_place : {false, true}) {
                     if (chunk == 4096 && channels > 1) continue;
+                    if (algo == Algorithm::kDirect && (chunk != 16 || channels != 1 || !one_pass))
+                      continue;  // the one-pass kernel has no chunks or channels; it needs every rank reachable
                     ++runs;
                     check_all_reduce<int>(l, count, chunk, channels, op, algo, in_place, DType::kInt32);
                     if (count <= 65 && chunk == 16 && op != ReduceOp::kProd) {

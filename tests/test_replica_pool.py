@@ -1,0 +1,160 @@
+"""MirroredStrategy's replica threads: they end when the strategy goes
+(without the garbage collector), Ctrl-C during ``run`` leaves the strategy
+usable, and ``run`` from two threads at once is serialised."""
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import weakref
+
+import numpy as np
+
+import mirrored as md
+
+
+def replica_threads() -> int:
+    return sum(t.name.startswith("mirrored-replica-") for t in threading.enumerate())
+
+
+def wait_until(cond, timeout=10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def use_and_drop_a_strategy():
+    s = md.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"])
+    with s.scope():
+        v = md.Variable(1.0)
+    got = s.run(lambda: md.get_replica_context().all_reduce("sum", v.read_value()))
+    assert [float(x) for x in s.experimental_local_results(got)] == [4.0] * 4
+    return weakref.ref(s)
+
+
+def test_dropped_strategies_end_their_threads_without_gc():
+    before = replica_threads()
+    gc.disable()
+    try:
+        refs = [use_and_drop_a_strategy() for _ in range(50)]
+        assert all(r() is None for r in refs), "a dropped strategy is kept alive by a reference cycle"
+        assert wait_until(lambda: replica_threads() <= before), f"{replica_threads() - before} replica threads left"
+    finally:
+        gc.enable()
+
+
+def test_concurrent_runs_from_two_threads_are_serialised():
+    s = md.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+    errors, counts = [], [0, 0]
+
+    def worker(k):
+        try:
+            for i in range(150):
+                x = np.float32(i + k)
+                got = s.run(lambda: md.get_replica_context().all_reduce("sum", x))
+                values = [float(v) for v in s.experimental_local_results(got)]
+                assert values == [3.0 * (i + k)] * 3, values
+                counts[k] += 1
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "concurrent runs hung"
+    assert not errors, errors[0]
+    assert counts == [150, 150]
+
+
+def test_long_replicas_still_run_in_parallel():
+    """The caller runs replicas no thread has claimed yet; long ones still overlap on their threads."""
+    s = md.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"])
+    s.run(lambda: None)  # threads started
+    t0 = time.perf_counter()
+    got = s.run(lambda: (time.sleep(0.25), md.get_replica_context().replica_id_in_sync_group)[1])
+    elapsed = time.perf_counter() - t0
+    assert [int(x) for x in s.experimental_local_results(got)] == [0, 1, 2, 3]
+    assert elapsed < 0.75, f"4 replicas sleeping 0.25 s took {elapsed:.2f} s: they ran one after another"
+
+
+def test_a_failing_replica_fails_the_run_and_the_next_run_works():
+    s = md.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+
+    def fn():
+        rid = md.get_replica_context().replica_id_in_sync_group
+        if rid == 1:
+            raise ValueError("replica 1 fails")
+        return md.get_replica_context().all_reduce("sum", 1.0)
+
+    for _ in range(20):
+        try:
+            s.run(fn)
+            raise AssertionError("no error")
+        except ValueError as e:
+            assert "replica 1 fails" in str(e)
+        got = s.run(lambda: md.get_replica_context().all_reduce("sum", 2.0))
+        assert [float(v) for v in s.experimental_local_results(got)] == [6.0] * 3
+
+
+# Real SIGINTs need the process's main thread: run in a child process.
+CTRL_C = textwrap.dedent("""
+    import os, signal, threading, time
+    import mirrored as md
+    s = md.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+
+    def slow():
+        rid = md.get_replica_context().replica_id_in_sync_group
+        time.sleep(5.0 if rid == 0 else 1.0)
+        return rid
+
+    def ids():
+        return md.get_replica_context().replica_id_in_sync_group
+
+    def ctrl_c_twice():
+        for _ in range(2):
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_twice, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        s.run(slow)
+        print("no interrupt")
+    except KeyboardInterrupt:
+        print("interrupted after", round(time.monotonic() - t0, 1))
+    time.sleep(0.5)  # (a late second Ctrl-C lands here, if it did not land in run)
+""")
+CTRL_C_AFTER = textwrap.dedent("""
+    # The strategy still works: the interrupted run's replicas are waited for, its results dropped.
+    for _ in range(3):
+        got = s.run(ids)
+        print("ids", [int(x) for x in s.experimental_local_results(got)])
+    # And from another thread.
+    out = []
+    t = threading.Thread(target=lambda: out.append(s.experimental_local_results(s.run(ids))))
+    t.start(); t.join(30)
+    print("thread ids", [int(x) for x in out[0]])
+    x = s.run(lambda: md.get_replica_context().all_reduce("sum", 1.0))
+    print("sum", [float(v) for v in s.experimental_local_results(x)])
+""")
+
+
+def test_ctrl_c_twice_during_run_leaves_the_strategy_usable():
+    code = CTRL_C + CTRL_C_AFTER
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("interrupted after"), lines
+    assert float(lines[0].split()[-1]) < 1.0, "Ctrl-C did not interrupt run promptly"
+    assert lines[1:4] == ["ids [0, 1, 2]"] * 3, lines
+    assert lines[4] == "thread ids [0, 1, 2]", lines
+    assert lines[5] == "sum [3.0, 3.0, 3.0]", lines
