@@ -118,6 +118,8 @@ PYBIND11_MODULE(_net, m) {
       .def_property_readonly("rank", &GlooCommunicator::rank)
       .def_property_readonly("size", &GlooCommunicator::size)
       .def_property_readonly("local_replicas", &GlooCommunicator::local_replicas)
+      .def_property_readonly("shared_memory_off", &GlooCommunicator::shared_memory_off,
+                             "Why all-reduces do not use shared memory ('' when they do).")
       .def("all_reduce",
            [](GlooCommunicator& c, const py::list& inputs, const py::list& outputs, std::size_t count, int dtype,
               int op, int algorithm) {

@@ -187,6 +187,8 @@ void GlooCommunicator::setup_shared_memory() {
   }
   const char* env = std::getenv("MIRRORED_SHM");
   if (env && std::string(env) == "0") me += "/rank " + std::to_string(rank_) + " without shared memory";
+  shm_off_ = env && std::string(env) == "0" ? "MIRRORED_SHM=0"
+                                            : "the tasks run on different hosts (or one has MIRRORED_SHM=0)";
   store_->set(prefix_ + "host/" + std::to_string(rank_), std::vector<char>(me.begin(), me.end()));
   std::vector<std::string> keys;
   for (int r = 0; r < size(); ++r) keys.push_back(prefix_ + "host/" + std::to_string(r));
@@ -196,17 +198,20 @@ void GlooCommunicator::setup_shared_memory() {
   std::uint64_t ok = 1;
   try {
     shm_ = std::make_unique<ShmReducer>(*store_, prefix_ + "shm", rank_, size(), store_->timeout());
-  } catch (const std::exception&) {
+  } catch (const std::exception& e) {
     ok = 0;  // e.g. /dev/shm full or absent: every rank falls back to the network
+    shm_off_ = std::string("this task could not map a /dev/shm segment: ") + e.what();
     if (rank_ == 0) store_->set(prefix_ + "shm", {});
   }
   // Everyone learns whether everyone mapped the segment.
   const auto all = exchange_locked({ok});
   if (std::find(all.begin(), all.end(), std::uint64_t{0}) != all.end()) {
+    if (ok) shm_off_ = "a task could not map the /dev/shm segment";
     shm_.reset();
     return;
   }
   shm_->unlink();
+  shm_off_.clear();
 }
 
 void GlooCommunicator::check_peers() {

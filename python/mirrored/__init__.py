@@ -8,6 +8,7 @@
     total = strategy.reduce(md.ReduceOp.SUM, per_replica, axis=None)
 """
 
+from . import _logging  # noqa: F401  (first: configures the "mirrored" logger from MIRRORED_LOG_LEVEL)
 from . import cross_device_ops, device_util
 from .distribute_lib import (ReplicaContext, Strategy, StrategyExtended, get_cross_replica_context,
                              get_replica_context, get_strategy, has_strategy, in_cross_replica_context)
