@@ -338,3 +338,30 @@ def test_console_script_is_installed():
     done = subprocess.run([exe, "-np", "2", sys.executable, "-c", "print('hi')"], capture_output=True, timeout=60)
     assert done.returncode == 0
     assert sorted(done.stdout.splitlines()) == [b"[worker:0] hi", b"[worker:1] hi"]
+
+
+@pytest.mark.parametrize("shm, engine", [
+    ("1", "all-reduces through shared memory (every task on this host), other collectives over Gloo/TCP"),
+    ("0", "Gloo over TCP (no shared memory: MIRRORED_SHM=0)"),
+])
+def test_a_real_job_reports_its_engine_at_info(tmp_path, shm, engine):
+    pytest.importorskip("mirrored._net", reason="Gloo not built (apt-get install libgloo-dev)")
+    task = script(tmp_path, """
+        import numpy as np
+        import mirrored as md
+        strategy = md.MultiWorkerMirroredStrategy(md.CommunicationOptions(timeout_seconds=30))
+        me = strategy.cluster_resolver.task_id
+        total = strategy.reduce("sum", strategy.run(lambda: np.arange(4.0) * (me + 1)), axis=None)
+        print("total", total.tolist())
+    """)
+    done = launch(["-np", "2", sys.executable, task], env={"MIRRORED_LOG_LEVEL": "INFO", "MIRRORED_SHM": shm})
+    assert done.returncode == 0, done.stderr.decode()
+    assert by_task(done.stdout) == {"worker:0": ["total [0.0, 3.0, 6.0, 9.0]"],
+                                    "worker:1": ["total [0.0, 3.0, 6.0, 9.0]"]}
+    err = by_task(done.stderr)
+    for me in range(2):
+        info = [line for line in err[f"worker:{me}"] if "MultiWorkerMirroredStrategy: " in line]
+        assert len(info) == 1
+        assert f"task worker:{me} (rank {me} of 2, cluster from TFConfigClusterResolver), 1 local replica(s)" \
+            in info[0]
+        assert info[0].endswith(f"then across workers: {engine}")
