@@ -7,14 +7,15 @@
 The forward and backward passes are hand-written NumPy; `mirrored` supplies
 the rest: `strategy.experimental_distribute_dataset` splits each global batch
 over the replicas, `strategy.run` runs the step on every replica in parallel,
-the optimizer averages the gradients with one fused all-reduce and updates
-every mirrored copy, `md.Checkpoint` saves the run. Outputs, in --out: a
+the optimizer sums the gradients with one fused all-reduce (as Keras does)
+and updates every mirrored copy, `md.train.Checkpoint` saves the run. Outputs, in --out: a
 loss-curve PNG, the checkpoint, and the history as JSON. The last line printed
 is ``final test accuracy: 0.xxxx``.
 
-Why `--replicas 1` gives the same weights: each replica's gradient is the mean
-over its equal share of the batch (the last partial batch of an epoch is
-dropped), so the all-reduced MEAN of those is the mean over the global batch —
+Why `--replicas 1` gives the same weights: each replica's loss is the sum of
+its examples' losses divided by the GLOBAL batch size
+(`md.nn.compute_average_loss`, as in TensorFlow), so the all-reduced SUM of the
+replicas' gradients is the gradient of the mean over the global batch —
 exactly the one-replica gradient, up to float rounding.
 """
 
@@ -105,17 +106,21 @@ def forward(params, x):
     return acts
 
 
-def loss_and_grads(params, x, y):
-    """Mean cross-entropy over the rows of ``x``, its gradients, and the number of correct rows."""
+def loss_and_grads(params, x, y, global_batch_size=None):
+    """Cross-entropy summed over the rows of ``x`` / the global batch size, its gradients, and the
+    number of correct rows. ``global_batch_size`` defaults to ``md.nn.compute_average_loss``'s:
+    this replica's rows times the number of replicas in sync."""
     acts = forward(params, x)
     logits = acts[-1]
     shifted = logits - logits.max(axis=1, keepdims=True)
     log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-    n = max(len(x), 1)
-    loss = -log_probs[np.arange(len(x)), y].sum() / n
+    per_example_loss = -log_probs[np.arange(len(x)), y]
+    loss = md.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch_size)
+    if global_batch_size is None:
+        global_batch_size = len(x) * md.get_replica_context().num_replicas_in_sync
     delta = np.exp(log_probs)
     delta[np.arange(len(x)), y] -= 1
-    delta /= n
+    delta /= max(global_batch_size, 1)
     grads = [None] * len(params)
     for i in range(len(params) - 2, -1, -2):
         a = acts[i // 2]
@@ -151,13 +156,13 @@ def train(args):
         optimizer = (md.optimizers.SGD(schedule, momentum=0.9) if args.optimizer == "sgd"
                      else md.optimizers.Adam(schedule))
     variables = model.trainable_variables
-    checkpoint = md.Checkpoint(model=model, optimizer=optimizer)
+    checkpoint = md.train.Checkpoint(model=model, optimizer=optimizer)
     if args.resume and os.path.exists(ckpt_path):
         checkpoint.restore(ckpt_path)
 
     def step_fn(x, y):
-        loss, grads, correct = loss_and_grads([local(v) for v in variables], x, y)
-        optimizer.apply_gradients(zip(grads, variables))
+        loss, grads, correct = loss_and_grads([local(v) for v in variables], x, y, args.batch_size)
+        optimizer.apply_gradients(zip(grads, variables))  # summed across replicas
         return np.asarray(loss, dtype=np.float64), np.asarray(correct, dtype=np.int64)
 
     def eval_fn(x, y):
@@ -185,7 +190,7 @@ def train(args):
             if step >= total:
                 break
             loss, correct = strategy.run(step_fn, args=(x, y))
-            loss = float(strategy.reduce("MEAN", loss, axis=None))
+            loss = float(strategy.reduce("SUM", loss, axis=None))  # each replica's share of the global mean
             accuracy = int(strategy.reduce("SUM", correct, axis=None)) / args.batch_size
             step += 1
             history["step"].append(step)
@@ -196,7 +201,7 @@ def train(args):
         epoch += 1
         history["epoch_step"].append(step)
         history["test_accuracy"].append(evaluate())
-        checkpoint.save(ckpt_path)  # every epoch: a stopped run loses at most one epoch (--resume)
+        checkpoint.write(ckpt_path)  # every epoch: a stopped run loses at most one epoch (--resume)
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - started

@@ -29,7 +29,10 @@ def _train(strategy, model, opt, steps, seed=1):
     rng = np.random.default_rng(seed)
     for _ in range(steps):
         g = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in model.items()}
-        strategy.run(lambda: opt.apply_gradients([(g[k], model[k]) for k in sorted(model)]))
+        # Each replica's share of the gradient (as from a loss divided by the global batch): summed
+        # across replicas, it is g whatever the replica count.
+        share = np.float32(1.0 / strategy.num_replicas_in_sync)
+        strategy.run(lambda: opt.apply_gradients([(g[k] * share, model[k]) for k in sorted(model)]))
 
 
 def _state(model, opt):
@@ -70,7 +73,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     strategy, model, opt = _setup(2, seed=0)
     _train(strategy, model, opt, steps=1)
     ckpt = md.Checkpoint(model=model, optimizer=opt)
-    path = ckpt.save(tmp_path / "a.ckpt")
+    path = ckpt.write(tmp_path / "a.ckpt")
     before = pathlib.Path(path).read_bytes()
     _train(strategy, model, opt, steps=1)
 
@@ -79,7 +82,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ckpt_mod.os, "fsync", crash)
     with pytest.raises(KeyboardInterrupt):
-        ckpt.save(path)
+        ckpt.write(path)
     monkeypatch.undo()
     assert pathlib.Path(path).read_bytes() == before
     assert os.listdir(tmp_path) == ["a.ckpt"]  # no temporary file left behind
@@ -135,22 +138,23 @@ def test_objects_attributes_lists_and_model_only_restore(tmp_path):
     with strategy.scope():
         net, opt = Net(1.0), md.optimizers.SGD(0.1, momentum=0.9)
     strategy.run(lambda: opt.apply_gradients([(np.ones(2), net.layers[0]["w"])]))
-    path = md.Checkpoint(net=net, optimizer=opt).save(tmp_path / "n.ckpt")
+    path = md.Checkpoint(net=net, optimizer=opt).write(tmp_path / "n.ckpt")
     assert sorted(md.checkpoint.load_checkpoint(path)) == [
         "net/layers/0/w", "net/layers/1/w", "net/step",
         "optimizer/iterations", "optimizer/slots/net/layers/0/w/momentum"]
     with strategy.scope():
         net2 = Net(0.0)
     md.Checkpoint(net=net2).restore(path)  # optimizer entries in the file are simply not claimed
-    np.testing.assert_allclose(net2.layers[0]["w"].numpy(), [0.9, 0.9])
+    np.testing.assert_allclose(net2.layers[0]["w"].numpy(), [0.8, 0.8])  # 1 - 0.1 * (1 + 1): summed over 2 replicas
     assert int(net2.step.numpy()) == 1
 
 
 def test_only_the_chief_writes(tmp_path, monkeypatch):
     strategy, model, _ = _setup(2, seed=0)
     monkeypatch.setattr(type(strategy.extended), "should_checkpoint", property(lambda self: False))
-    md.Checkpoint(model=model).save(tmp_path / "a.ckpt")
-    assert not (tmp_path / "a.ckpt").exists()
+    path = md.Checkpoint(model=model).save(tmp_path / "a.ckpt")
+    assert path == str(tmp_path / "a.ckpt-1")
+    assert os.listdir(tmp_path) == []  # neither the file nor the state file
 
 
 def test_optimizer_without_its_model_is_refused(tmp_path):
@@ -181,7 +185,7 @@ def _multiworker_task(directory):
     for _ in range(2):
         strategy.run(lambda: opt.apply_gradients([(grad(), model["w"])]))
     task = f"{strategy.cluster_resolver.task_type}-{strategy.cluster_resolver.task_id}"
-    md.Checkpoint(model=model, optimizer=opt).save(os.path.join(directory, f"{task}.ckpt"))
+    md.Checkpoint(model=model, optimizer=opt).write(os.path.join(directory, f"{task}.ckpt"))
     strategy.reduce("SUM", strategy.run(lambda: np.ones(1)), axis=None)  # a barrier: the chief has written
     with strategy.scope():
         fresh = {"w": md.Variable(np.ones(3, np.float32), name="w")}
@@ -199,10 +203,10 @@ def test_multiworker_only_the_chief_writes_and_every_worker_restores(tmp_path):
     for r in results:
         assert r.ok, (r.task, r.error, r.message, r.stderr[-2000:])
     assert sorted(os.listdir(tmp_path)) == ["chief-0.ckpt"]
-    # SGD with momentum 0.9, lr 0.1 on the mean gradient 1.5: v = -0.15, then -0.285; w = -0.435.
+    # SGD with momentum 0.9, lr 0.1 on the summed gradient 1 + 2 = 3: v = -0.3, then -0.57; w = -0.87.
     for r in results:
         w, iterations = r.value
-        np.testing.assert_allclose(w, np.full(3, -0.435), rtol=1e-6)
+        np.testing.assert_allclose(w, np.full(3, -0.87), rtol=1e-6)
         assert iterations == 2
 
 
@@ -243,7 +247,7 @@ w = md.Variable(np.zeros(4_000_000, np.float32))  # 16 MB: a save takes long eno
 ckpt = md.Checkpoint(w=w)
 for i in range(1, 10**6):
     w.assign(np.full(w.shape, i, np.float32))
-    ckpt.save(sys.argv[1])
+    ckpt.write(sys.argv[1])
     print(i, flush=True)
 """
 

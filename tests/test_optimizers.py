@@ -81,18 +81,19 @@ def _copies_equal(var):
     return all(np.array_equal(np.asarray(c), first) for c in var.values[1:])
 
 
+@pytest.mark.parametrize("aggregation,combine", [("sum", np.sum), ("mean", np.mean)])
 @pytest.mark.parametrize("make", [
-    lambda: md.optimizers.SGD(0.1),
-    lambda: md.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
-    lambda: md.optimizers.Adam(0.05),
+    lambda agg: md.optimizers.SGD(0.1, gradient_aggregation=agg),
+    lambda agg: md.optimizers.SGD(0.1, momentum=0.9, nesterov=True, gradient_aggregation=agg),
+    lambda agg: md.optimizers.Adam(0.05, gradient_aggregation=agg),
 ])
-def test_apply_in_replica_context_uses_the_mean_gradient(make):
+def test_apply_in_replica_context_sums_the_gradients_or_averages_on_request(make, aggregation, combine):
     n, w0 = 3, RNG.normal(size=(2, 3))
     grads = [[RNG.normal(size=(2, 3)) for _ in range(n)] for _ in range(4)]
     strategy = _strategy(n)
     with strategy.scope():
         w = md.Variable(w0.copy(), name="w")
-        opt = make()
+        opt = make(aggregation)
     ref_opt_state = {}
     ref = w0.copy()
     for step, per_replica in enumerate(grads):
@@ -101,7 +102,7 @@ def test_apply_in_replica_context_uses_the_mean_gradient(make):
             return opt.apply_gradients([(per_replica[rid], w)])
 
         strategy.run(fn)
-        ref = _reference_step(opt, ref, np.mean(per_replica, axis=0), step, ref_opt_state)
+        ref = _reference_step(opt, ref, combine(per_replica, axis=0), step, ref_opt_state)
         assert _copies_equal(w)
     np.testing.assert_allclose(w.numpy(), ref, rtol=1e-10, atol=1e-12)
     assert int(opt.iterations.numpy()) == len(grads)
@@ -122,17 +123,81 @@ def _reference_step(opt, w, g, step, state):
     return w
 
 
-def test_apply_in_cross_replica_context_with_per_replica_gradients():
+@pytest.mark.parametrize("aggregation,expected", [("sum", -1.5), ("mean", -0.75)])
+def test_apply_in_cross_replica_context_with_per_replica_gradients(aggregation, expected):
     strategy = _strategy(2)
     with strategy.scope():
         w = md.Variable(np.zeros(4), name="w")
-        opt = md.optimizers.SGD(0.5)
+        opt = md.optimizers.SGD(0.5, gradient_aggregation=aggregation)
     grads = strategy.experimental_distribute_values_from_function(
         lambda ctx: np.full(4, float(ctx.replica_id_in_sync_group + 1)))
     with strategy.scope():
         opt.apply_gradients([(grads, w)])
-    np.testing.assert_allclose(w.numpy(), np.full(4, -0.75))  # -0.5 * mean(1, 2)
+    np.testing.assert_allclose(w.numpy(), np.full(4, expected))  # -0.5 * sum(1, 2) or mean(1, 2)
     assert _copies_equal(w)
+
+
+def test_the_same_gradient_object_on_every_replica_is_still_summed():
+    strategy = _strategy(4)
+    one = np.ones(2)
+    with strategy.scope():
+        w = md.Variable(np.zeros(2), name="w")
+        opt = md.optimizers.SGD(0.5)
+    strategy.run(lambda: opt.apply_gradients([(one, w)]))  # merge_call sees one object, 4 replicas
+    np.testing.assert_allclose(w.numpy(), np.full(2, -2.0))
+
+
+def test_gradient_aggregation_is_checked():
+    assert md.optimizers.SGD(gradient_aggregation=md.ReduceOp.MEAN).gradient_aggregation == "mean"
+    assert md.optimizers.Adam(gradient_aggregation="SUM").gradient_aggregation == "sum"
+    with pytest.raises(ValueError, match="gradient_aggregation='max'.*'sum'.*'mean'"):
+        md.optimizers.SGD(gradient_aggregation="max")
+
+
+def test_experimental_aggregate_gradients_false_updates_each_copy_with_its_own_gradient():
+    strategy = _strategy(2)
+    with strategy.scope():
+        w = md.Variable(np.zeros(2), name="w")
+        opt = md.optimizers.SGD(1.0)
+
+    def fn():
+        ctx = md.get_replica_context()
+        g = ctx.all_reduce("SUM", np.full(2, ctx.replica_id_in_sync_group + 1.0))  # the caller aggregates
+        return opt.apply_gradients([(g, w)], experimental_aggregate_gradients=False, name="step")
+
+    strategy.run(fn)
+    np.testing.assert_allclose(w.numpy(), np.full(2, -3.0))
+    assert _copies_equal(w)
+
+
+def test_wrong_gradient_shapes_name_the_variable_and_both_shapes():
+    strategy = _strategy(2)
+    with strategy.scope():
+        w = md.Variable(np.zeros((2, 3)), name="dense/w")
+        s = md.Variable(np.zeros(()), name="scale")
+        opt = md.optimizers.SGD(0.1)
+    for bad in (np.ones(1), np.float64(1.0), np.ones((3, 2)), np.ones((1, 3))):
+        with pytest.raises(ValueError, match=r"'dense/w:0'.*shape \(" + ",? ?".join(
+                str(d) for d in np.shape(bad)) + r",?\).*variable has shape \(2, 3\)"):
+            strategy.run(lambda bad=bad: opt.apply_gradients([(bad, w)]))
+    with pytest.raises(ValueError, match=r"'scale:0'.*shape \(1,\).*shape \(\)"):
+        strategy.run(lambda: opt.apply_gradients([(np.ones(1), s)]))
+    np.testing.assert_array_equal(w.numpy(), np.zeros((2, 3)))  # nothing applied
+    assert opt._iterations is None
+
+
+def test_apply_outside_run_and_scope_says_so():
+    strategy = _strategy(2)
+    with strategy.scope():
+        w = md.Variable(np.zeros(2), name="w")
+        opt = md.optimizers.SGD(0.1)
+    with pytest.raises(RuntimeError, match="outside strategy.run and outside strategy.scope"):
+        opt.apply_gradients([(np.ones(2), w)])
+    other = _strategy(2)
+    with other.scope():
+        v = md.Variable(np.zeros(2), name="v")
+    with pytest.raises(ValueError, match="was created for .* and is now asked to update variables under"):
+        other.run(lambda: opt.apply_gradients([(np.ones(2), v)]))
 
 
 def test_learning_rate_schedule_is_called_with_the_step():
@@ -144,7 +209,7 @@ def test_learning_rate_schedule_is_called_with_the_step():
     for _ in range(3):
         strategy.run(lambda: opt.apply_gradients([(np.ones(1), w)]))
     assert seen == [0, 1, 2]
-    np.testing.assert_allclose(w.numpy(), [-(0.1 + 0.2 + 0.3)])
+    np.testing.assert_allclose(w.numpy(), [-2 * (0.1 + 0.2 + 0.3)])  # two replicas' gradients summed
 
 
 class _RecordingOps(md.cross_device_ops.ReductionToOneDevice):
@@ -168,7 +233,7 @@ def test_all_gradients_go_through_one_batch_reduce_with_the_options():
     grad_batches = [b for b in ops.batches if b[1] == 3]
     assert len(grad_batches) == 1
     reduce_op, _, seen = grad_batches[0]
-    assert md.ReduceOp(reduce_op) is md.ReduceOp.MEAN
+    assert md.ReduceOp(reduce_op) is md.ReduceOp.SUM
     assert seen is not None and seen.bytes_per_pack == 16
     for v in variables:
         assert _copies_equal(v)
@@ -189,7 +254,7 @@ def test_the_native_core_sees_one_batch_all_reduce_with_bytes_per_pack(monkeypat
         opt = md.optimizers.SGD(0.1, momentum=0.9)
     strategy.run(lambda: opt.apply_gradients([(np.ones(v.shape, np.float32), v) for v in variables],
                                              options=md.CommunicationOptions(bytes_per_pack=4096)))
-    assert calls == [(4, 4, "MEAN", 4096)]  # 4 replicas x 4 gradients, one native call
+    assert calls == [(4, 4, "SUM", 4096)]  # 4 replicas x 4 gradients, one native call
 
 
 def test_none_gradients_are_skipped_and_bad_pairs_named():

@@ -26,6 +26,7 @@ from . import compat
 
 # Other parts of the package append their exports below (multi-worker, optimizers, checkpoints).
 from . import checkpoint, collectives, optimizers, timeline
-from .checkpoint import Checkpoint
+from . import nn, train
+from .train import Checkpoint
 from . import cluster_resolver
 from .multi_worker_strategy import MultiWorkerMirroredStrategy

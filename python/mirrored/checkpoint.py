@@ -1,8 +1,13 @@
-"""``md.Checkpoint``: save and restore variables, optimizer state and step counters.
+"""``md.train.Checkpoint`` (alias ``md.Checkpoint``): save and restore variables and optimizer state.
 
-    ckpt = md.Checkpoint(model=model, optimizer=opt)
-    ckpt.save("out/model.ckpt")        # atomic; only the chief writes
-    ckpt.restore("out/model.ckpt")     # any replica count; all or nothing
+    ckpt = md.train.Checkpoint(model=model, optimizer=opt)
+    path = ckpt.save("out/ckpt")       # out/ckpt-1, out/ckpt-2, ...; atomic; only the chief writes
+    ckpt.restore(path).assert_consumed()   # any replica count; all or nothing
+    ckpt.write("out/model.ckpt")       # exactly this file (no counter)
+
+``md.train.CheckpointManager`` (train.py) keeps the newest few.
+Python numbers cannot be tracked (a restore could not write them back): pass
+``md.Variable``s. ``save`` counts in ``save_counter``, itself saved.
 
 What is saved: every ``md.Variable`` reachable from the keyword arguments —
 directly, in dicts/lists/tuples, or as public attributes of plain objects
@@ -36,7 +41,7 @@ import uuid
 
 import numpy as np
 
-__all__ = ["Checkpoint", "load_checkpoint", "CheckpointError"]
+__all__ = ["Checkpoint", "CheckpointLoadStatus", "load_checkpoint", "CheckpointError"]
 
 _MAGIC = b"MDCKPT\x00"
 _VERSION = 1
@@ -67,10 +72,16 @@ def _write_atomic(path: str, arrays: dict) -> None:
         offset += arr.nbytes
     index = json.dumps({"entries": entries, "data_bytes": offset}).encode("utf-8")
     directory = os.path.dirname(os.path.abspath(path))
+    _make_directory(directory, path)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     digest = hashlib.sha256()
     try:
-        with open(tmp, "wb") as f:
+        try:
+            f = open(tmp, "wb")
+        except OSError as e:
+            raise type(e)(e.errno, f"cannot write checkpoint {path!r}: directory {directory!r} is not "
+                                   f"writable ({e.strerror}); pick a directory this process may write") from None
+        with f:
             for chunk in (_MAGIC + bytes([_VERSION]), struct.pack("<Q", len(index)), index,
                           *(a.reshape(-1).view(np.uint8) for a in arrays.values())):  # bytes of any dtype
                 digest.update(chunk)
@@ -94,6 +105,17 @@ def _write_atomic(path: str, arrays: dict) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _make_directory(directory: str, path: str) -> None:
+    """Create the checkpoint's directory (and parents) if missing, naming it in any error."""
+    if os.path.isdir(directory):
+        return
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise type(e)(e.errno, f"cannot write checkpoint {path!r}: cannot create directory {directory!r} "
+                               f"({e.strerror}); pick a directory this process may write") from None
 
 
 def load_checkpoint(path) -> dict:
@@ -176,14 +198,124 @@ def _optimizer_state(path: str, optimizer, var_paths: dict) -> dict:
     return state
 
 
-class Checkpoint:
-    """Groups the objects to save: ``md.Checkpoint(model=..., optimizer=..., step=...)``."""
+class CheckpointLoadStatus:
+    """What ``Checkpoint.restore`` returns, as ``tf.train.Checkpoint.restore`` does.
 
-    def __init__(self, **objects):
+    Every tracked variable was restored when ``restore`` returned (a tracked
+    variable missing from the file is an error, nothing restored), so the
+    assertions only ask about the other side: entries of the file that no
+    tracked object claimed.
+    """
+
+    def __init__(self, path, unused_keys, restored_keys):
+        self.save_path = path
+        self._unused = sorted(unused_keys)
+        self._restored = sorted(restored_keys)
+        self._partial_expected = False
+
+    def assert_consumed(self) -> "CheckpointLoadStatus":
+        """Raise AssertionError unless every entry of the file was restored into an object."""
+        if self._unused:
+            raise AssertionError(
+                f"Unresolved object in checkpoint {self.save_path!r}: {', '.join(self._unused)} "
+                "(not claimed by any object of this Checkpoint); pass those objects too, or call "
+                "expect_partial() when a partial restore is intended")
+        return self
+
+    def assert_existing_objects_matched(self) -> "CheckpointLoadStatus":
+        """Every tracked object got its value (always true once ``restore`` returned)."""
+        return self
+
+    def assert_nontrivial_match(self) -> "CheckpointLoadStatus":
+        """Raise AssertionError if nothing at all was restored."""
+        if not self._restored:
+            raise AssertionError(f"nothing in checkpoint {self.save_path!r} matched an object of this "
+                                 "Checkpoint; pass the objects it was saved from")
+        return self
+
+    def expect_partial(self) -> "CheckpointLoadStatus":
+        """Mark entries of the file that no object claims as expected (e.g. a model-only restore)."""
+        self._partial_expected = True
+        return self
+
+    def run_restore_ops(self, session=None) -> None:
+        """Nothing to run: values are assigned eagerly by ``restore``."""
+
+    def initialize_or_restore(self, session=None) -> None:
+        """Nothing to run: values are assigned eagerly by ``restore``."""
+
+
+class InitializationOnlyStatus(CheckpointLoadStatus):
+    """What ``restore(None)`` returns: nothing was restored, variables keep their initial values."""
+
+    def __init__(self):
+        super().__init__(None, (), ())
+
+    def assert_consumed(self):
+        raise AssertionError("No checkpoint specified (save_path=None); nothing is being restored.")
+
+    def assert_existing_objects_matched(self):
+        raise AssertionError("No checkpoint specified (save_path=None); nothing is being restored.")
+
+    def assert_nontrivial_match(self):
+        raise AssertionError("No checkpoint specified (save_path=None); nothing is being restored.")
+
+
+# Values a Checkpoint cannot track: they are immutable, so a restore could never write them back.
+_UNTRACKABLE = (bool, int, float, complex, str, bytes, np.generic, np.ndarray, type(None))
+
+
+class Checkpoint:
+    """Groups the objects to save, as ``tf.train.Checkpoint``: ``md.train.Checkpoint(model=..., optimizer=...)``.
+
+    ``save(prefix)`` writes ``prefix-N`` (N = ``save_counter``, which it
+    increments) and records it in the directory's ``checkpoint`` state file,
+    so ``md.train.latest_checkpoint(directory)`` finds it; ``write(path)``
+    writes exactly ``path``. ``restore(path)`` / ``read(path)`` load a file and
+    return a status with ``assert_consumed()`` and ``expect_partial()``.
+    """
+
+    def __init__(self, root=None, **objects):
+        if root is not None:
+            objects = {"root": root, **objects}
         if not objects:
             raise ValueError("Checkpoint() needs the objects to save as keyword arguments, "
-                             "e.g. md.Checkpoint(model=model, optimizer=optimizer)")
+                             "e.g. md.train.Checkpoint(model=model, optimizer=optimizer)")
+        for name, obj in objects.items():
+            if name == "save_counter":
+                raise ValueError("Checkpoint(save_counter=...): the name save_counter is reserved for the "
+                                 "number of save() calls; pick another name")
+            if isinstance(obj, _UNTRACKABLE):
+                raise ValueError(
+                    f"Checkpoint({name}={obj!r}): a {type(obj).__name__} cannot be tracked (it could not be "
+                    "restored in place); wrap it in a variable, e.g. "
+                    f"{name}=md.Variable({obj!r}, trainable=False) created in strategy.scope()")
         self._objects = objects
+        self._save_counter = None
+
+    @property
+    def save_counter(self):
+        """The number of ``save()`` calls so far (restored with the rest): an int64 variable."""
+        if self._save_counter is None:
+            self._create_save_counter()
+        return self._save_counter
+
+    def _create_save_counter(self):
+        from . import values
+        from .options import VariableAggregation
+
+        found, _, _ = self._tracked()
+        strategy = _strategy_of(list(found.values()))
+        with strategy.scope():
+            self._save_counter = values.Variable(
+                np.int64(0), name="save_counter", trainable=False, dtype=np.int64,
+                aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
+
+    def _tracked(self):
+        found, optimizers, seen = {}, [], set()
+        for name, obj in self._objects.items():
+            _walk(obj, name, found, optimizers, seen)
+        return found, optimizers, seen
 
     def _variables(self, create_for=None) -> dict:
         """``key -> variable`` of everything tracked.
@@ -192,9 +324,7 @@ class Checkpoint:
         create the state the file holds (zero slots, step 0 — the same as
         state not created yet), so a fresh optimizer can be restored.
         """
-        found, optimizers, seen = {}, [], set()
-        for name, obj in self._objects.items():
-            _walk(obj, name, found, optimizers, seen)
+        found, optimizers, _ = self._tracked()
         var_paths = {id(v): p for p, v in found.items()}
         for path, opt in optimizers:
             if create_for is not None:
@@ -204,52 +334,107 @@ class Checkpoint:
                 if wanted or f"{path}/iterations" in create_for:
                     opt._create_state(_strategy_of(wanted or list(found.values())), wanted)
             found.update(_optimizer_state(path, opt, var_paths))
+        if create_for is not None and "save_counter" in create_for and self._save_counter is None:
+            self._create_save_counter()
+        if self._save_counter is not None:
+            found["save_counter"] = self._save_counter
         return found
 
-    def save(self, path) -> str:
-        """Write every tracked value to ``path`` atomically; returns ``path``.
+    def save(self, file_prefix, options=None) -> str:
+        """Increment ``save_counter``, write ``{file_prefix}-{save_counter}``; returns that path.
 
-        Every worker of a multi-worker job must call it (reading an ON_READ
-        variable is a collective); only the chief
-        (``strategy.extended.should_checkpoint``) writes the file.
+        The directory is created if missing, and its ``checkpoint`` state file
+        names the new file as the latest. Every worker of a multi-worker job
+        must call it (reading an ON_READ variable is a collective); only the
+        chief (``strategy.extended.should_checkpoint``) writes files.
         """
-        from . import distribute_lib
-
-        path = os.fspath(path)
         _require_cross_replica("save")
+        file_prefix = _check_path(file_prefix, "file_prefix")
+        counter = self.save_counter
+        counter.assign_add(np.int64(1))
+        path = f"{file_prefix}-{int(counter.numpy())}"
+        self.write(path, options=options)
+        if self._is_chief():
+            from . import train
+
+            train._record_latest(os.path.dirname(os.path.abspath(path)), path)
+        return path
+
+    def write(self, file_prefix, options=None) -> str:
+        """Write every tracked value to exactly ``file_prefix``, atomically; returns it.
+
+        Unlike ``save``, no counter and no state file: the checkpoint managers'
+        building block, and the call for "always this one file".
+        """
+        _require_cross_replica("write")
+        path = _check_path(file_prefix, "file_prefix")
         variables = self._variables()
         arrays = {key: np.asarray(var.numpy(), order="C") for key, var in variables.items()}
-        strategy = _strategy_of(list(variables.values())) if variables else distribute_lib.get_strategy()
-        if strategy.extended.should_checkpoint:
+        if self._is_chief(variables):
             _write_atomic(path, arrays)
         return path
 
-    def restore(self, path) -> "Checkpoint":
-        """Load ``path`` into the tracked objects: all of them, or none if anything is wrong.
+    def _is_chief(self, variables=None) -> bool:
+        from . import distribute_lib
+
+        if variables is None:
+            variables = self._variables()
+        strategy = _strategy_of(list(variables.values())) if variables else distribute_lib.get_strategy()
+        return bool(strategy.extended.should_checkpoint)
+
+    def restore(self, save_path, options=None) -> CheckpointLoadStatus:
+        """Load ``save_path`` into the tracked objects: all of them, or none if anything is wrong.
 
         The whole file is read and checked, and every tracked variable must have
         an entry of the same shape and dtype, before the first assignment.
-        Entries that no tracked object claims are ignored (e.g. optimizer state
-        when only the model is restored).
+        Entries that no tracked object claims are left alone (e.g. optimizer
+        state when only the model is restored); ``assert_consumed()`` on the
+        returned status reports them. ``save_path=None`` restores nothing
+        (``CheckpointManager.latest_checkpoint`` is None before the first save).
         """
+        if save_path is None:
+            return InitializationOnlyStatus()
         _require_cross_replica("restore")
+        path = _check_path(save_path, "save_path")
+        if os.path.isdir(path):
+            raise IsADirectoryError(
+                f"save_path={path!r} is a directory; pass a checkpoint file, e.g. "
+                "md.train.latest_checkpoint(directory)")
         arrays = load_checkpoint(path)
         variables = self._variables(create_for=arrays)
         problems = []
         for key, var in variables.items():
             if key not in arrays:
-                problems.append(f"{key}: not in the file")
+                if key != "save_counter":  # files written by write() have none: the counter stays
+                    problems.append(f"{key}: not in the file")
             elif tuple(arrays[key].shape) != tuple(var.shape) or arrays[key].dtype != np.dtype(var.dtype):
                 problems.append(f"{key}: file has {arrays[key].dtype}{list(arrays[key].shape)}, "
                                 f"variable is {np.dtype(var.dtype)}{list(var.shape)}")
         if problems:
             raise CheckpointError(
-                f"path={os.fspath(path)!r} does not fit the objects of this Checkpoint; nothing was restored:\n  "
+                f"path={path!r} does not fit the objects of this Checkpoint; nothing was restored:\n  "
                 + "\n  ".join(problems)
                 + "\nbuild the model with the shapes it was saved with, or pass the objects it was saved from")
-        for key, var in variables.items():
-            var.assign(arrays[key])
-        return self
+        restored = [key for key in variables if key in arrays]
+        for key in restored:
+            variables[key].assign(arrays[key])
+        return CheckpointLoadStatus(path, set(arrays) - set(restored), restored)
+
+    def read(self, save_path, options=None) -> CheckpointLoadStatus:
+        """Load a file written by ``write`` (or ``save``): the same as ``restore``."""
+        return self.restore(save_path, options=options)
+
+
+def _check_path(path, argument: str) -> str:
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        raise TypeError(f"{argument}={path!r}: expected a path (str or os.PathLike)") from None
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not path:
+        raise ValueError(f"{argument}='': expected a file path, e.g. 'out/ckpt'")
+    return path
 
 
 def _require_cross_replica(what: str) -> None:

@@ -1,17 +1,25 @@
 """Optimizers whose ``apply_gradients`` is one fused all-reduce plus mirrored updates.
 
 ``apply_gradients(grads_and_vars)`` may be called inside ``strategy.run``
-(each replica passes its own gradients) or in cross-replica context (with
-``PerReplica`` gradients, or plain ones). Either way it
+(each replica passes its own gradients) or in cross-replica context, under
+``strategy.scope()`` (with ``PerReplica`` gradients, or plain ones, which are
+the final gradient already). Either way it
 
-1. averages every gradient across replicas with ONE
-   ``strategy.extended.batch_reduce_to(MEAN, ...)`` — the gradients are packed
-   into few buffers (``CommunicationOptions.bytes_per_pack`` honoured) instead
-   of one collective per variable;
+1. SUMS every gradient across all replicas of all workers with ONE
+   ``strategy.extended.batch_reduce_to(SUM, ...)``, as Keras optimizers do
+   under a tf.distribute strategy (``experimental_aggregate_gradients=True``)
+   — so each replica's loss must be divided by the GLOBAL batch size
+   (``md.nn.compute_average_loss``). The gradients are packed into few
+   buffers (``CommunicationOptions.bytes_per_pack`` honoured) instead of one
+   collective per variable;
 2. updates every copy of every variable with ``strategy.extended.update`` and
-   the same averaged gradient, so the copies (and the slot variables, which
+   the same reduced gradient, so the copies (and the slot variables, which
    are mirrored too) stay bit-identical;
 3. increments ``iterations``.
+
+``gradient_aggregation="mean"`` (a constructor argument) averages instead of
+summing: the habit of Horovod and PyTorch DDP, where each replica's loss is the
+mean over its own share of the batch.
 
 The update rules are TensorFlow's (``tf.keras.optimizers.SGD`` / ``Adam``):
 
@@ -58,6 +66,18 @@ def adam_update(w, g, m, v, lr: float, beta_1: float, beta_2: float, epsilon: fl
 
 # --- the distributed optimizer --------------------------------------------------------------------
 
+def _check_aggregation(value) -> str:
+    """``"sum"`` or ``"mean"`` from those strings (any case) or ``md.ReduceOp.SUM`` / ``MEAN``."""
+    from .reduce_util import ReduceOp
+
+    if isinstance(value, ReduceOp):
+        value = value.value
+    if isinstance(value, str) and value.lower() in ("sum", "mean"):
+        return value.lower()
+    raise ValueError(f"gradient_aggregation={value!r}: expected 'sum' (Keras: gradients summed across "
+                     "replicas, loss divided by the global batch size) or 'mean' (gradients averaged)")
+
+
 def _check_rate(value, argument: str, allow_callable: bool, low: float = 0.0, high: float | None = None):
     if allow_callable and callable(value):
         return value
@@ -79,9 +99,10 @@ class Optimizer:
 
     _slot_names: tuple = ()
 
-    def __init__(self, learning_rate, name: str):
+    def __init__(self, learning_rate, name: str, gradient_aggregation="sum"):
         self.learning_rate = _check_rate(learning_rate, "learning_rate", allow_callable=True)
         self.name = name
+        self.gradient_aggregation = _check_aggregation(gradient_aggregation)
         self._iterations = None
         self._slots = {}  # id(variable) -> (variable, {slot name: MirroredVariable})
         # The strategy whose variables this optimizer updates: the one in scope when it
@@ -125,8 +146,8 @@ class Optimizer:
 
         if self._strategy is not None and strategy is not self._strategy:
             raise ValueError(
-                f"{type(self).__name__} {self.name!r} already updates variables of another strategy; "
-                "create one optimizer per strategy (inside its scope)"
+                f"{type(self).__name__} {self.name!r} was created for {self._strategy!r} and is now asked to "
+                f"update variables under {strategy!r}; create one optimizer per strategy (inside its scope)"
             )
         missing = [v for v in var_list if id(v) not in self._slots]
         if self._iterations is not None and not missing:
@@ -152,23 +173,39 @@ class Optimizer:
         lr = self.learning_rate(step) if callable(self.learning_rate) else self.learning_rate
         return _check_rate(lr, f"learning_rate({step})", allow_callable=False)
 
-    def apply_gradients(self, grads_and_vars, options=None):
-        """Average the gradients across replicas and update every copy of the variables.
+    def apply_gradients(self, grads_and_vars, options=None, *, name=None, experimental_aggregate_gradients=True):
+        """Sum (or average) the gradients across replicas and update every copy of the variables.
 
         ``grads_and_vars``: pairs ``(gradient, variable)``; pairs whose gradient
-        is None are skipped, as TensorFlow does. ``options``: an
-        ``md.CommunicationOptions`` for the fused all-reduce.
-        Returns the new value of ``iterations`` (a Python int).
+        is None are skipped, as TensorFlow does. Each gradient has its
+        variable's shape exactly (no broadcasting). ``options``: an
+        ``md.CommunicationOptions`` for the fused all-reduce. ``name`` is
+        accepted for Keras compatibility. ``experimental_aggregate_gradients=False``
+        (Keras' switch) skips the all-reduce: each replica's copy is updated
+        with that replica's own gradient, which the caller must have
+        aggregated already (e.g. with ``ReplicaContext.all_reduce``), or the
+        copies drift apart. Returns the new value of ``iterations`` (a Python int).
         """
         from . import distribute_lib
 
         pairs = self._check_pairs(grads_and_vars)
+        aggregate = bool(experimental_aggregate_gradients)
         if distribute_lib.in_cross_replica_context():
-            return self._distributed_apply(distribute_lib.get_strategy(), pairs, options)
+            return self._distributed_apply(distribute_lib.get_strategy(), pairs, options, aggregate, False)
+        if not distribute_lib.has_strategy():
+            owner = next((v.distribute_strategy for _, v in pairs
+                          if getattr(v, "distribute_strategy", None) is not None
+                          and not isinstance(v.distribute_strategy, distribute_lib._DefaultStrategy)), None)
+            if owner is not None:
+                raise RuntimeError(
+                    f"{type(self).__name__}.apply_gradients was called outside strategy.run and outside "
+                    f"strategy.scope(), on variables of {owner!r}; call it inside strategy.run(step_fn) (each "
+                    "replica passes its gradients), or under `with strategy.scope():` with PerReplica gradients")
         # options stay out of the merged arguments: each replica may pass its own (equal)
         # options object, which merge_call would turn into a PerReplica.
         return distribute_lib.get_replica_context().merge_call(
-            lambda strategy, merged: self._distributed_apply(strategy, merged, options), args=(pairs,))
+            lambda strategy, merged: self._distributed_apply(strategy, merged, options, aggregate, True),
+            args=(pairs,))
 
     def _check_pairs(self, grads_and_vars) -> list:
         from . import values
@@ -193,6 +230,7 @@ class Optimizer:
             if not np.issubdtype(np.dtype(var.dtype), np.floating) and np.dtype(var.dtype).name != "bfloat16":
                 raise TypeError(f"grads_and_vars[{i}]: variable {var.name!r} has dtype {var.dtype}; "
                                 "optimizers update floating-point variables only")
+            _check_gradient_shape(i, grad, var)
             pairs.append((grad, var))
         if not pairs:
             raise ValueError("grads_and_vars: no gradient was given (all were None or the list is empty)")
@@ -200,14 +238,32 @@ class Optimizer:
             raise ValueError("grads_and_vars: a variable appears twice; sum its gradients first")
         return pairs
 
-    def _distributed_apply(self, strategy, pairs, options):
+    def _distributed_apply(self, strategy, pairs, options, aggregate, from_replicas):
+        from . import distribute_lib
         from .reduce_util import ReduceOp
+        from .values import DistributedValues, PerReplica
 
         variables = [var for _, var in pairs]
         self._create_state(strategy, variables)
-        # One fused collective for all gradients: the replicas' gradients of a
-        # variable arrive as one PerReplica value, reduced onto that variable's devices.
-        reduced = strategy.extended.batch_reduce_to(ReduceOp.MEAN, pairs, options=options)
+        as_local = getattr(strategy.extended, "_as_local", None)  # multi-worker: one local replica's part
+        if from_replicas and not isinstance(strategy, distribute_lib._DefaultStrategy):
+            # merge_call leaves a gradient unwrapped when every replica passed the same
+            # object (or there is one local replica): it is still one gradient per replica.
+            devices = strategy.extended.worker_devices
+            pairs = [(g if isinstance(g, DistributedValues) else PerReplica([g] * len(devices), devices), v)
+                     for g, v in pairs]
+        elif as_local is not None:
+            pairs = [(as_local(g), v) for g, v in pairs]
+        reduced = [grad for grad, _ in pairs]
+        # One fused collective for all gradients: the replicas' gradients of a variable
+        # arrive as one PerReplica value, reduced onto that variable's devices. A plain
+        # gradient given in cross-replica context is the final gradient already.
+        distributed = [k for k, (grad, _) in enumerate(pairs) if isinstance(grad, DistributedValues)]
+        if aggregate and distributed:
+            op = ReduceOp.SUM if self.gradient_aggregation == "sum" else ReduceOp.MEAN
+            for k, grad in zip(distributed, strategy.extended.batch_reduce_to(
+                    op, [pairs[k] for k in distributed], options=options)):
+                reduced[k] = grad
         step = int(self._iterations.numpy())
         lr = self.learning_rate_at(step)
         for (_, var), grad in zip(pairs, reduced):
@@ -235,7 +291,21 @@ class Optimizer:
         raise NotImplementedError(f"{type(self).__name__} must implement _rule")
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} name={self.name!r} learning_rate={self.learning_rate!r}>"
+        return (f"<{type(self).__name__} name={self.name!r} learning_rate={self.learning_rate!r} "
+                f"gradient_aggregation={self.gradient_aggregation!r}>")
+
+
+def _check_gradient_shape(i: int, grad, var) -> None:
+    """A gradient (each replica's, for PerReplica) must have its variable's shape exactly."""
+    from .values import DistributedValues
+
+    components = grad.values if isinstance(grad, DistributedValues) else (grad,)
+    for g in components:
+        shape = tuple(g.shape) if hasattr(g, "shape") else np.shape(g)
+        if shape != tuple(var.shape):
+            raise ValueError(
+                f"grads_and_vars[{i}]: the gradient of variable {var.name!r} has shape {shape}, the variable "
+                f"has shape {tuple(var.shape)}; a gradient must have its variable's shape (it is never broadcast)")
 
 
 def _copies(var) -> tuple:
@@ -248,8 +318,9 @@ def _copies(var) -> tuple:
 class SGD(Optimizer):
     """Gradient descent with optional (Nesterov) momentum, as ``tf.keras.optimizers.SGD``."""
 
-    def __init__(self, learning_rate=0.01, momentum: float = 0.0, nesterov: bool = False, name: str = "SGD"):
-        super().__init__(learning_rate, name)
+    def __init__(self, learning_rate=0.01, momentum: float = 0.0, nesterov: bool = False, name: str = "SGD",
+                 gradient_aggregation="sum"):
+        super().__init__(learning_rate, name, gradient_aggregation)
         self.momentum = _check_rate(momentum, "momentum", allow_callable=False, low=0.0, high=1.0)
         if nesterov and self.momentum == 0.0:
             raise ValueError("nesterov=True needs momentum > 0 (e.g. momentum=0.9)")
@@ -267,8 +338,8 @@ class Adam(Optimizer):
     _slot_names = ("m", "v")
 
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999,
-                 epsilon: float = 1e-7, name: str = "Adam"):
-        super().__init__(learning_rate, name)
+                 epsilon: float = 1e-7, name: str = "Adam", gradient_aggregation="sum"):
+        super().__init__(learning_rate, name, gradient_aggregation)
         self.beta_1 = _check_rate(beta_1, "beta_1", allow_callable=False, low=0.0, high=1.0)
         self.beta_2 = _check_rate(beta_2, "beta_2", allow_callable=False, low=0.0, high=1.0)
         self.epsilon = _check_rate(epsilon, "epsilon", allow_callable=False)

@@ -1,0 +1,138 @@
+"""``md.nn``: loss scaling for custom training loops, as ``tf.nn`` spells it.
+
+Optimizers SUM the replicas' gradients (as Keras optimizers under a
+tf.distribute strategy do), so each replica's loss must already be divided by
+the GLOBAL batch size: then the sum of the replicas' gradients is the gradient
+of the mean over the global batch, whatever the number of replicas.
+
+    def step_fn(x, y):
+        per_example_loss = cross_entropy(model(x), y)            # shape (per-replica batch,)
+        loss = md.nn.compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH)
+        loss += md.nn.scale_regularization_loss(weight_decay * (w ** 2).sum())
+        ...                                                     # gradients of `loss`
+        optimizer.apply_gradients(zip(grads, variables))        # summed across replicas
+
+The arrays are NumPy or CuPy (whatever the replica holds); results are 0-d
+arrays of ``per_example_loss``'s dtype.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+__all__ = ["compute_average_loss", "scale_regularization_loss"]
+
+
+def _xp(a):
+    """The array module of ``a`` (CuPy for CuPy arrays, else NumPy)."""
+    module = type(a).__module__.split(".")[0]
+    if module == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+def _as_array(value, argument: str):
+    if type(value).__module__.split(".")[0] == "cupy":
+        return value
+    try:
+        return np.asarray(value)
+    except Exception as e:  # noqa: BLE001 - any conversion failure is the caller's argument
+        raise TypeError(f"{argument}={value!r}: expected an array of losses ({e})") from None
+
+
+def _num_replicas_in_sync(function: str) -> int:
+    from . import distribute_lib
+
+    if distribute_lib.has_strategy() and distribute_lib.in_cross_replica_context():
+        raise RuntimeError(f"You are calling `{function}` in cross replica context, while it was expected "
+                           "to be called in replica context.")
+    context = distribute_lib.get_replica_context()
+    return context.num_replicas_in_sync if context is not None else distribute_lib.get_strategy().num_replicas_in_sync
+
+
+def _scale_by_sample_weight(losses, sample_weight):
+    """``losses * sample_weight``, after matching ranks the way Keras losses do.
+
+    A weight of rank ``losses.ndim + 1`` loses its trailing dimension (which
+    must be 1); one of rank ``losses.ndim - 1`` gains a trailing 1; then the
+    two broadcast (a scalar weight scales every loss).
+    """
+    xp = _xp(losses)
+    weight = sample_weight if _xp(sample_weight) is xp and hasattr(sample_weight, "ndim") \
+        else xp.asarray(sample_weight)
+    if weight.ndim and weight.ndim - losses.ndim == 1:
+        if weight.shape[-1] != 1:
+            raise ValueError(f"sample_weight has shape {tuple(weight.shape)}, one more dimension than "
+                             f"per_example_loss {tuple(losses.shape)}; that last dimension must be 1")
+        weight = weight[..., 0]
+    elif weight.ndim and losses.ndim - weight.ndim == 1:
+        weight = weight[..., None]
+    try:
+        xp.broadcast_shapes(losses.shape, weight.shape)
+    except ValueError:
+        raise ValueError(f"sample_weight of shape {tuple(weight.shape)} does not broadcast to per_example_loss "
+                         f"of shape {tuple(losses.shape)}; pass one weight per example "
+                         f"(shape ({losses.shape[0]},)) or a scalar") from None
+    return losses * weight
+
+
+def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
+    """Sum of ``per_example_loss`` (times ``sample_weight``) divided by the global batch size.
+
+    As ``tf.nn.compute_average_loss``. ``global_batch_size`` (a non-negative
+    int) defaults, in replica context, to ``per_example_loss.shape[0]`` times
+    ``num_replicas_in_sync``: pass it explicitly when replicas may get
+    unequal shares (the last partial batch), so that every replica divides by
+    the same number. A ``global_batch_size`` of 0 gives 0. Without
+    ``global_batch_size`` in cross-replica context (e.g. directly under
+    ``strategy.scope()``) it raises RuntimeError, as TensorFlow does.
+    """
+    losses = _as_array(per_example_loss, "per_example_loss")
+    if losses.ndim < 1:
+        raise ValueError("Invalid value passed for `per_example_loss`. Expected a tensor with at least rank 1, "
+                         f"received a scalar ({losses!r}); pass one loss per example")
+    if not (np.issubdtype(losses.dtype, np.floating) or losses.dtype.name == "bfloat16"):
+        raise TypeError(f"per_example_loss has dtype {losses.dtype}; expected floating-point losses")
+    dtype = losses.dtype
+    if sample_weight is not None:
+        losses = _scale_by_sample_weight(losses, sample_weight).astype(dtype, copy=False)
+
+    if global_batch_size is None:
+        global_batch_size = losses.shape[0] * _num_replicas_in_sync("compute_average_loss")
+    else:
+        size = global_batch_size
+        if hasattr(size, "ndim") and hasattr(size, "dtype"):
+            if size.ndim != 0:
+                raise ValueError(f"global_batch_size must be scalar. Got shape {tuple(size.shape)}")
+            if not np.issubdtype(np.dtype(size.dtype), np.integer):
+                raise TypeError(f"global_batch_size must be an integer. Got dtype {size.dtype}")
+            size = int(size)
+        elif isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise TypeError(f"global_batch_size must be an integer. Got {global_batch_size!r} "
+                            f"({type(global_batch_size).__name__}); e.g. global_batch_size=64")
+        if size < 0:
+            raise ValueError(f"global_batch_size must be non-negative. Got {size}")
+        global_batch_size = int(size)
+
+    total = losses.sum(dtype=dtype)
+    if global_batch_size == 0:
+        return _xp(losses).zeros((), dtype=dtype)  # div_no_nan: an empty global batch has loss 0
+    return (total / _xp(losses).asarray(global_batch_size, dtype=dtype)).astype(dtype, copy=False)
+
+
+def scale_regularization_loss(regularization_loss):
+    """``sum(regularization_loss) / num_replicas_in_sync``, as ``tf.nn.scale_regularization_loss``.
+
+    Every replica adds the same regularisation term; the optimizer's SUM over
+    replicas then counts it once. Raises RuntimeError in cross-replica context.
+    """
+    loss = _as_array(regularization_loss, "regularization_loss")
+    if not (np.issubdtype(loss.dtype, np.floating) or loss.dtype.name == "bfloat16"):
+        raise TypeError(f"regularization_loss has dtype {loss.dtype}; expected a floating-point loss")
+    num_replicas = _num_replicas_in_sync("scale_regularization_loss")
+    return (loss.sum(dtype=loss.dtype) / _xp(loss).asarray(num_replicas, dtype=loss.dtype)).astype(
+        loss.dtype, copy=False)

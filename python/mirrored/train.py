@@ -1,0 +1,329 @@
+"""``md.train``: checkpoints as ``tf.train`` spells them.
+
+    ckpt = md.train.Checkpoint(model=model, optimizer=optimizer)
+    manager = md.train.CheckpointManager(ckpt, "out/run", max_to_keep=3)
+    manager.restore_or_initialize()          # the latest checkpoint, if any
+    for epoch in ...:
+        ...
+        manager.save()                       # out/run/ckpt-1, ckpt-2, ...; keeps the newest 3
+
+A directory's ``checkpoint`` file records its checkpoints, in the text form
+TensorFlow uses for its ``CheckpointState``::
+
+    model_checkpoint_path: "ckpt-3"
+    all_model_checkpoint_paths: "ckpt-2"
+    all_model_checkpoint_paths: "ckpt-3"
+    all_model_checkpoint_timestamps: 1764130000.5
+    all_model_checkpoint_timestamps: 1764130060.2
+    last_preserved_timestamp: 1764129990.1
+
+Paths in it are relative to the directory. Each checkpoint is one file (the
+format of ``md.checkpoint``), so a checkpoint "prefix" is the file's path.
+In a multi-worker job every worker calls ``save`` (reading ON_READ variables is
+a collective) and keeps the same list; only the chief writes and deletes files.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import time
+import uuid
+import warnings
+
+import numpy as np
+
+from .checkpoint import Checkpoint, CheckpointError, CheckpointLoadStatus, load_checkpoint
+
+__all__ = ["Checkpoint", "CheckpointManager", "CheckpointState", "CheckpointLoadStatus", "CheckpointError",
+           "latest_checkpoint", "get_checkpoint_state", "list_variables", "load_variable", "load_checkpoint"]
+
+_STATE_FILE = "checkpoint"
+
+
+# --- the directory's state file -------------------------------------------------------------------
+
+class CheckpointState:
+    """The contents of a directory's ``checkpoint`` file (absolute paths)."""
+
+    def __init__(self, model_checkpoint_path, all_model_checkpoint_paths=(), all_model_checkpoint_timestamps=(),
+                 last_preserved_timestamp=0.0):
+        self.model_checkpoint_path = model_checkpoint_path
+        self.all_model_checkpoint_paths = list(all_model_checkpoint_paths)
+        self.all_model_checkpoint_timestamps = list(all_model_checkpoint_timestamps)
+        self.last_preserved_timestamp = float(last_preserved_timestamp)
+
+    def __repr__(self) -> str:
+        return (f"CheckpointState(model_checkpoint_path={self.model_checkpoint_path!r}, "
+                f"all_model_checkpoint_paths={self.all_model_checkpoint_paths!r})")
+
+
+_LINE = re.compile(r'^\s*(\w+)\s*:\s*(.*?)\s*$')
+
+
+def get_checkpoint_state(checkpoint_dir, latest_filename=None):
+    """The ``CheckpointState`` recorded in ``checkpoint_dir``, or None if there is none."""
+    directory = os.fspath(checkpoint_dir)
+    state_path = os.path.join(directory, latest_filename or _STATE_FILE)
+    try:
+        with open(state_path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None
+    fields = collections.defaultdict(list)
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        m = _LINE.match(line)
+        try:
+            if m is None:
+                raise ValueError(line)
+            key, raw = m.groups()
+            fields[key].append(json.loads(raw))
+        except ValueError:
+            raise CheckpointError(f"{state_path}:{number}: cannot parse {line!r}; the checkpoint state file is "
+                                  "damaged: delete it (the checkpoint files stay usable)") from None
+    if not fields.get("model_checkpoint_path"):
+        raise CheckpointError(f"{state_path}: no model_checkpoint_path; the checkpoint state file is damaged: "
+                              "delete it (the checkpoint files stay usable)")
+
+    def absolute(p):
+        return p if os.path.isabs(p) else os.path.join(directory, p)
+
+    return CheckpointState(absolute(fields["model_checkpoint_path"][-1]),
+                           [absolute(p) for p in fields["all_model_checkpoint_paths"]],
+                           [float(t) for t in fields["all_model_checkpoint_timestamps"]],
+                           float(fields["last_preserved_timestamp"][-1]) if fields["last_preserved_timestamp"] else 0.0)
+
+
+def _write_state(directory: str, latest: str, paths, timestamps, last_preserved: float) -> None:
+    """Write the directory's state file atomically (temporary file + rename)."""
+
+    def relative(p):
+        p = os.path.abspath(p)
+        return os.path.relpath(p, directory) if os.path.dirname(p) == directory else p
+
+    lines = [f"model_checkpoint_path: {json.dumps(relative(latest), ensure_ascii=False)}"]
+    lines += [f"all_model_checkpoint_paths: {json.dumps(relative(p), ensure_ascii=False)}" for p in paths]
+    lines += [f"all_model_checkpoint_timestamps: {t!r}" for t in timestamps]
+    lines.append(f"last_preserved_timestamp: {float(last_preserved)!r}")
+    os.makedirs(directory, exist_ok=True)
+    target = os.path.join(directory, _STATE_FILE)
+    tmp = os.path.join(directory, f".{_STATE_FILE}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _record_latest(directory: str, path: str) -> None:
+    """What ``Checkpoint.save`` records: ``path`` as the latest and only checkpoint."""
+    now = time.time()
+    _write_state(os.path.abspath(directory), path, [path], [now], now)
+
+
+def latest_checkpoint(checkpoint_dir, latest_filename=None):
+    """The path of the newest checkpoint recorded in ``checkpoint_dir``, or None.
+
+    None also when the recorded file no longer exists (as ``tf.train.latest_checkpoint``).
+    """
+    state = get_checkpoint_state(checkpoint_dir, latest_filename)
+    if state is None or not os.path.isfile(state.model_checkpoint_path):
+        return None
+    return state.model_checkpoint_path
+
+
+def _checkpoint_file(ckpt_dir_or_file) -> str:
+    path = os.fspath(ckpt_dir_or_file)
+    if os.path.isdir(path):
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise ValueError(f"ckpt_dir_or_file={path!r}: no checkpoint recorded in this directory")
+        return latest
+    return path
+
+
+def list_variables(ckpt_dir_or_file) -> list:
+    """``[(name, shape), ...]`` of a checkpoint file (or a directory's latest), sorted by name."""
+    arrays = load_checkpoint(_checkpoint_file(ckpt_dir_or_file))
+    return [(key, list(arrays[key].shape)) for key in sorted(arrays)]
+
+
+def load_variable(ckpt_dir_or_file, name: str):
+    """The saved value of ``name`` (a key of ``list_variables``) as a NumPy array."""
+    arrays = load_checkpoint(_checkpoint_file(ckpt_dir_or_file))
+    if name not in arrays:
+        raise KeyError(f"name={name!r} is not in the checkpoint; it holds {sorted(arrays)}")
+    return arrays[name]
+
+
+# --- the manager ----------------------------------------------------------------------------------
+
+def _value(counter) -> int:
+    """An int from a Python int or a scalar variable (``step_counter``, a global step)."""
+    if isinstance(counter, (int, np.integer)) and not isinstance(counter, bool):
+        return int(counter)
+    if hasattr(counter, "numpy"):
+        return int(np.asarray(counter.numpy()))
+    raise TypeError(f"expected an int or a scalar integer variable, got {counter!r}")
+
+
+class CheckpointManager:
+    """Keeps the newest ``max_to_keep`` checkpoints of a ``Checkpoint`` in ``directory``.
+
+    As ``tf.train.CheckpointManager``: ``save()`` writes
+    ``{directory}/{checkpoint_name}-{N}`` (N = ``checkpoint_number``, or the
+    checkpoint's incremented ``save_counter``), records it in the directory's
+    ``checkpoint`` file and deletes the oldest beyond ``max_to_keep`` (None keeps
+    all), except one every ``keep_checkpoint_every_n_hours``. A new manager on
+    the same directory picks up the checkpoints recorded there.
+    """
+
+    def __init__(self, checkpoint, directory, max_to_keep=5, keep_checkpoint_every_n_hours=None,
+                 checkpoint_name: str = "ckpt", step_counter=None, checkpoint_interval=None, init_fn=None):
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError(f"checkpoint={checkpoint!r}: expected an md.train.Checkpoint")
+        if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int)
+                                        or max_to_keep <= 0):
+            raise ValueError(f"Expected a positive integer or `None` for `max_to_keep`, got {max_to_keep!r}.")
+        if keep_checkpoint_every_n_hours is not None and not keep_checkpoint_every_n_hours > 0:
+            raise ValueError(f"keep_checkpoint_every_n_hours={keep_checkpoint_every_n_hours!r}: expected a "
+                             "positive number of hours, or None")
+        if checkpoint_interval is not None:
+            if step_counter is None:
+                raise ValueError("`step_counter` should be passed if `checkpoint_interval` is not None.")
+            if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) \
+                    or checkpoint_interval <= 0:
+                raise ValueError(f"checkpoint_interval={checkpoint_interval!r}: expected a positive int of steps")
+        if not checkpoint_name or os.sep in checkpoint_name:
+            raise ValueError(f"checkpoint_name={checkpoint_name!r}: expected a file name without a directory")
+        self._checkpoint = checkpoint
+        self._directory = os.path.abspath(os.fspath(directory))
+        self._max_to_keep = max_to_keep
+        self._keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours
+        self._checkpoint_name = checkpoint_name
+        self._prefix = os.path.join(self._directory, checkpoint_name)
+        self._step_counter = step_counter
+        self._checkpoint_interval = checkpoint_interval
+        self._init_fn = init_fn
+        self._last_checkpoint_step = None
+        self._maybe_delete = collections.OrderedDict()  # path -> timestamp, oldest first
+
+        state = get_checkpoint_state(self._directory)
+        now = time.time()
+        if state is None:
+            self._latest_checkpoint = None
+            # A little in the past, so a checkpoint saved right away counts as newer.
+            self._last_preserved_timestamp = now - 1.0
+            return
+        self._latest_checkpoint = state.model_checkpoint_path
+        self._last_preserved_timestamp = state.last_preserved_timestamp
+        if now < self._last_preserved_timestamp:
+            warnings.warn(f"the checkpoint state in {self._directory!r} was written in the future (clock moved "
+                          "back?); treating its times as now", RuntimeWarning, stacklevel=2)
+            self._last_preserved_timestamp = now
+        timestamps = state.all_model_checkpoint_timestamps or \
+            [self._last_preserved_timestamp] * len(state.all_model_checkpoint_paths)
+        for path, stamp in zip(state.all_model_checkpoint_paths, timestamps):
+            stamp = min(stamp, now)
+            if stamp > self._last_preserved_timestamp:
+                self._maybe_delete[path] = stamp
+
+    # -- what TF exposes --
+    @property
+    def directory(self) -> str:
+        return self._directory
+
+    @property
+    def checkpoint(self):
+        return self._checkpoint
+
+    @property
+    def checkpoint_interval(self):
+        return self._checkpoint_interval
+
+    @property
+    def latest_checkpoint(self):
+        """The newest checkpoint's path, or None before the first save."""
+        return self._latest_checkpoint
+
+    @property
+    def checkpoints(self) -> list:
+        """The managed checkpoints' paths, oldest first (those kept for good by the hours rule drop out)."""
+        return list(self._maybe_delete)
+
+    def save(self, checkpoint_number=None, check_interval: bool = True, options=None):
+        """Write a new checkpoint; returns its path (None when ``checkpoint_interval`` says not yet).
+
+        ``checkpoint_number``: an int or a scalar integer variable (a global
+        step); by default the checkpoint's ``save_counter``, incremented by
+        every save.
+        """
+        if self._checkpoint_interval is not None:
+            current = _value(self._step_counter)
+            if self._last_checkpoint_step is not None:
+                if current == self._last_checkpoint_step:
+                    return None
+                if check_interval and current < self._last_checkpoint_step + self._checkpoint_interval:
+                    return None
+            self._last_checkpoint_step = current
+        counter = self._checkpoint.save_counter
+        counter.assign_add(np.int64(1))
+        number = int(counter.numpy()) if checkpoint_number is None else _value(checkpoint_number)
+        path = self._checkpoint.write(f"{self._prefix}-{number}", options=options)
+        stamp = time.time()
+        self._maybe_delete.pop(path, None)  # an overwritten checkpoint moves to the newest end
+        self._maybe_delete[path] = stamp
+        self._latest_checkpoint = path
+        chief = self._checkpoint._is_chief()
+        # State first (a job stopped while deleting still finds the new one), then again without the deleted.
+        if chief:
+            self._record_state()
+        self._sweep(delete_files=chief)
+        if chief:
+            self._record_state()
+        return path
+
+    def restore_or_initialize(self):
+        """Restore the latest checkpoint and return its path, or call ``init_fn`` and return None."""
+        if self._latest_checkpoint is not None:
+            self._checkpoint.restore(self._latest_checkpoint)
+            if self._checkpoint_interval is not None:
+                self._last_checkpoint_step = _value(self._step_counter)
+            return self._latest_checkpoint
+        if self._init_fn is not None:
+            self._init_fn()
+        return None
+
+    def sync(self) -> None:
+        """Nothing to wait for: saves are synchronous."""
+
+    # -- bookkeeping --
+    def _record_state(self) -> None:
+        _write_state(self._directory, self._latest_checkpoint, list(self._maybe_delete),
+                     list(self._maybe_delete.values()), self._last_preserved_timestamp)
+
+    def _sweep(self, delete_files: bool) -> None:
+        if not self._max_to_keep:
+            return
+        while len(self._maybe_delete) > self._max_to_keep:
+            path, stamp = self._maybe_delete.popitem(last=False)
+            hours = self._keep_checkpoint_every_n_hours
+            if hours and stamp - hours * 3600.0 >= self._last_preserved_timestamp:
+                self._last_preserved_timestamp = stamp  # kept on disk for good, no longer managed
+                continue
+            if delete_files:
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    pass
+
+    def __repr__(self) -> str:
+        return (f"<CheckpointManager directory={self._directory!r} max_to_keep={self._max_to_keep} "
+                f"latest={self._latest_checkpoint!r}>")
