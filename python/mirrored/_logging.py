@@ -61,11 +61,11 @@ def multi_worker(extended) -> str:
                 f"{devices}; reductions: native, in this process")
     gloo = group._gloo
     reason = getattr(gloo, "shared_memory_off", "")
-    across = ("all-reduces through shared memory (every task on this host), other collectives over Gloo/TCP"
+    across = ("shared memory for all-reduce (every task on this host), Gloo over TCP for the rest"
               if not reason else f"Gloo over TCP (no shared memory: {reason})")
-    return (f"task {group.tasks[group.rank]} (rank {group.rank} of {group.num_workers}, cluster from "
-            f"{type(resolver).__name__}), {group.local_replicas} local replica(s) on {devices}; local replicas "
-            f"are combined natively first, then across workers: {across}")
+    return (f"task {group.tasks[group.rank]} (rank {group.rank} of {group.num_workers}, from "
+            f"{type(resolver).__name__}), {group.local_replicas} local replica(s) on {devices}; "
+            f"across workers: {across}")
 
 
 def _level_from_env() -> tuple[int, str | None]:
