@@ -188,6 +188,27 @@ def test_ctrl_c_is_forwarded_to_every_task(tmp_path):
     assert b"[mirrored-run] SIGINT: ending 3 task(s)" in err
 
 
+def test_tasks_die_with_a_killed_launcher(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    task = script(tmp_path, f"""
+        import os, time
+        open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
+        print("ready", flush=True)
+        time.sleep(120)
+    """)
+    proc = subprocess.Popen([sys.executable, "-m", "mirrored.run", "-np", "2", sys.executable, task],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(2):
+            assert proc.stdout.readline().endswith(b"ready\n")
+    finally:
+        proc.kill()  # SIGKILL: the launcher cannot forward anything
+        proc.wait()
+        proc.stdout.close()
+    _assert_all_gone(pids, within=10)
+
+
 def test_max_restarts_restarts_the_whole_job_with_a_new_token(tmp_path):
     marker = tmp_path / "crashed-once"
     task = script(tmp_path, REPORT + f"""

@@ -146,22 +146,33 @@ class _Output:
                     if not line.endswith(b"\n"):
                         line += b"\n"
                     with self._lock:  # one lock for stdout and stderr: lines never mix on a terminal
-                        target.write(prefix + line)
-                        target.flush()
+                        try:
+                            target.write(prefix + line)
+                            target.flush()
+                        except OSError:
+                            pass  # our output is gone (e.g. `| head`): keep draining, or the task blocks
 
         thread = threading.Thread(target=copy, daemon=True)
         thread.start()
         return thread
 
 
-def _die_with_launcher() -> None:
-    """In a new task (Linux): SIGKILL when the launcher dies, even by SIGKILL, so no task is orphaned."""
+def _find_prctl():
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        return ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
     except (OSError, AttributeError):
-        pass  # not Linux: tasks still end through the launcher's signals
+        return None  # not Linux: tasks still end through the launcher's signals
+
+
+_prctl = _find_prctl()
+
+
+def _die_with_launcher() -> None:
+    """In a new task: SIGKILL when the launcher dies, even by SIGKILL, so no task is orphaned."""
+    if _prctl is not None:
+        _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _say(message: str) -> None:
