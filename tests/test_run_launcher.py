@@ -386,3 +386,19 @@ def test_a_real_job_reports_its_engine_at_info(tmp_path, shm, engine):
         assert len(info) == 1
         assert f"task worker:{me} (rank {me} of 2, from TFConfigClusterResolver), 1 local replica(s)" in info[0]
         assert info[0].endswith(f"; across workers: {engine}")
+
+
+def test_plan_of_a_job_across_hosts():
+    import socket
+
+    tasks = mrun.plan_job(5, mrun.parse_hosts("localhost:2,nodeb:2,nodec"), chief=True, port=None)
+    assert [t.name for t in tasks] == ["chief:0", "worker:0", "worker:1", "worker:2", "worker:3"]
+    assert [t.host for t in tasks] == [None, None, "nodeb", "nodeb", "nodec"]  # localhost starts without ssh
+    me = socket.gethostname()
+    assert [t.address for t in tasks] == [f"{me}:12345", f"{me}:12346", "nodeb:12347", "nodeb:12348",
+                                          "nodec:12349"]
+    assert mrun.cluster_of(tasks) == {"chief": [f"{me}:12345"],
+                                      "worker": [f"{me}:12346", "nodeb:12347", "nodeb:12348", "nodec:12349"]}
+    assert [t.address for t in mrun.plan_job(2, [("a", 4)], port=2000)] == ["a:2000", "a:2001"]
+    local = mrun.plan_job(2, [(me, 2)])
+    assert [t.host for t in local] == [None, None] and all(t.address.startswith("127.0.0.1:") for t in local)

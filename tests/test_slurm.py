@@ -149,6 +149,11 @@ def test_strategy_picks_slurm_without_tf_config(slurm, monkeypatch):
     assert isinstance(md.MultiWorkerMirroredStrategy().cluster_resolver, TFConfigClusterResolver)
 
 
+def test_a_batch_script_without_an_srun_step_is_not_a_slurm_job(slurm, monkeypatch):
+    monkeypatch.setenv("SLURM_PROCID", "0")  # set in an sbatch script too; the step variables come from srun
+    assert isinstance(md.MultiWorkerMirroredStrategy().cluster_resolver, TFConfigClusterResolver)
+
+
 def test_no_slurm_no_tf_config_is_one_local_worker(slurm):
     strategy = md.MultiWorkerMirroredStrategy()
     assert isinstance(strategy.cluster_resolver, TFConfigClusterResolver)

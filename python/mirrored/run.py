@@ -111,8 +111,9 @@ def plan_job(num_tasks: int, hosts=None, chief: bool = False, port=None) -> list
         local = _local_names()
         placed = [name for name, n in hosts for _ in range(n)][:num_tasks]
         everywhere_local = all(h in local for h in placed)
-        # A local task is reached at 127.0.0.1 when the whole job is here, else at this machine's name.
-        addresses = [("127.0.0.1" if everywhere_local else socket.gethostname()) if h in local else h
+        # Loopback when the whole job is here; else each task at its host's name as given (localhost:
+        # this machine's name, which the other hosts must be able to resolve).
+        addresses = ["127.0.0.1" if everywhere_local else socket.gethostname() if h == "localhost" else h
                      for h in placed]
         runs_on = [None if h in local else h for h in placed]
         if everywhere_local and port is None:
