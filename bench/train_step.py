@@ -4,7 +4,7 @@
 
 For each replica count, times ``strategy.run(step)`` where a step is the
 forward/backward pass of examples/train_digits.py on this replica's slice of
-the global batch plus ``optimizer.apply_gradients`` (one fused MEAN
+the global batch plus ``optimizer.apply_gradients`` (one fused SUM
 all-reduce of all gradients, then the SGD update of every copy). The baseline
 in the same run is plain NumPy: the same forward/backward and update on the
 whole global batch in the calling thread (BLAS with its own threads), no

@@ -1,4 +1,4 @@
-"""PyTorch computes the gradients, `mirrored` averages them and updates the replicas.
+"""PyTorch computes the gradients, `mirrored` sums them across replicas and updates the replicas.
 
     pip install torch    # a CPU wheel is enough
     python examples/dlpack_torch.py
@@ -6,10 +6,11 @@
 Each replica wraps its own copy of the weights as a torch tensor with
 ``torch.from_dlpack`` (no copy: the tensor and the replica's NumPy buffer are
 the same memory), lets autograd compute the gradient of a least-squares loss
-on its slice of the batch, and hands the torch gradient straight to
+on its slice of the batch (summed, divided by the GLOBAL batch size, as
+TensorFlow's ``compute_average_loss`` does), and hands the torch gradient straight to
 ``optimizer.apply_gradients``: the strategy reads torch tensors through
 DLPack, so nothing is converted by hand. ``strategy.reduce`` takes the
-replicas' torch losses the same way, and the averaged result converts back to
+replicas' torch losses the same way, and the summed result converts back to
 torch without a copy either.
 """
 
@@ -42,16 +43,18 @@ def main(argv=None):
     def step(xb, yb):
         # This replica's copy of w as a torch leaf tensor sharing its memory.
         w_t = torch.from_dlpack(np.asarray(w.read_value())).requires_grad_()
-        loss = torch.mean((torch.from_dlpack(xb) @ w_t - torch.from_dlpack(yb)) ** 2)
+        per_example = ((torch.from_dlpack(xb) @ w_t - torch.from_dlpack(yb)) ** 2).sum(dim=1)
+        loss = per_example.sum() / global_batch  # the optimizer sums the replicas' gradients
         loss.backward()
         optimizer.apply_gradients([(w_t.grad, w)])  # a torch tensor, read through DLPack
         return loss.detach()
 
-    batches = [(x[i:i + 64], y[i:i + 64]) for i in range(0, len(x), 64)]
+    global_batch = 64
+    batches = [(x[i:i + global_batch], y[i:i + global_batch]) for i in range(0, len(x), global_batch)]
     for epoch in range(args.steps // len(batches)):
         for xb, yb in strategy.experimental_distribute_dataset(batches):
             losses = strategy.run(step, args=(xb, yb))
-        loss = torch.from_dlpack(strategy.reduce("MEAN", losses, axis=None))
+        loss = torch.from_dlpack(strategy.reduce("SUM", losses, axis=None))
         if epoch % 10 == 0:
             print(f"epoch {epoch:3d}  loss {loss.item():.6f}")
     error = float(np.abs(w.numpy() - true_w).max())

@@ -190,3 +190,37 @@ def test_keep_checkpoint_every_n_hours_keeps_old_ones_on_disk(tmp_path, monkeypa
     assert not os.path.exists(first)
     assert os.path.exists(second) and os.path.exists(third)
     assert manager.checkpoints == [third]
+
+
+def _manager_task(directory):
+    from mirrored.multi_worker_strategy import MultiWorkerMirroredStrategy
+
+    strategy = MultiWorkerMirroredStrategy(md.CommunicationOptions(timeout_seconds=30), devices=["/cpu:0"])
+    with strategy.scope():
+        w = md.Variable(np.zeros(2, np.float32), name="w")
+    manager = md.train.CheckpointManager(md.train.Checkpoint(w=w), directory, max_to_keep=2)
+    paths = []
+    for i in range(3):
+        w.assign(np.full(2, i, np.float32))
+        paths.append(manager.save())
+    strategy.reduce("SUM", strategy.run(lambda: np.ones(1)), axis=None)  # a barrier: the chief has written
+    with strategy.scope():
+        fresh = md.Variable(np.ones(2, np.float32), name="w")
+    restored = md.train.CheckpointManager(md.train.Checkpoint(w=fresh), directory).restore_or_initialize()
+    return paths, manager.checkpoints, restored, fresh.numpy().tolist()
+
+
+@pytest.mark.multiworker
+def test_multiworker_manager_only_the_chief_writes_and_all_keep_the_same_list(tmp_path):
+    pytest.importorskip("mirrored._net", reason="Gloo not built (apt-get install libgloo-dev)")
+    from multiworker_launch import launch
+
+    results = launch(_manager_task, 2, kwargs={"directory": str(tmp_path)}, timeout=120)
+    for r in results:
+        assert r.ok, (r.task, r.error, r.message, r.stderr[-2000:])
+    expected = [str(tmp_path / f"ckpt-{i}") for i in (1, 2, 3)]
+    for r in results:
+        paths, kept, restored, value = r.value
+        assert paths == expected and kept == expected[1:] and restored == expected[-1]
+        assert value == [2.0, 2.0]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt-2", "ckpt-3"]

@@ -394,6 +394,17 @@ class Strategy:
 
     experimental_distribute_datasets_from_function = distribute_datasets_from_function
 
+    def experimental_make_numpy_dataset(self, numpy_input):
+        """A dataset of the rows of ``numpy_input`` (TF 2.0/2.1), to pass to ``experimental_distribute_dataset``.
+
+        Tuples and dicts are structures of arrays; a list of arrays is stacked
+        into one array (tf.data's rule). The result has ``batch``, ``repeat``
+        and ``with_options`` (md.data.NumpyDataset).
+        """
+        from .data import make_numpy_dataset
+
+        return make_numpy_dataset(numpy_input)
+
     def experimental_distribute_values_from_function(self, value_fn) -> PerReplica:
         """``PerReplica`` of ``value_fn(ValueContext)`` for each of this worker's replicas."""
         from .input_lib import ValueContext

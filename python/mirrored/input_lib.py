@@ -10,6 +10,7 @@ replicas past the end get empty slices that keep the trailing shape.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import queue
 import threading
@@ -19,6 +20,8 @@ import numpy as np
 from . import _nest, device_util
 from .options import InputOptions, InputReplicationMode
 from .values import regroup
+
+_log = logging.getLogger("mirrored")
 
 
 class InputContext:
@@ -281,14 +284,26 @@ class _Reiterable:
             raise TypeError(f"{argument}={dataset!r} is not iterable; pass an iterable of batches (a list, a "
                             "generator, a dataset object)") from None
         self._dataset = dataset
+        self._argument = argument
         self._one_shot = iter(dataset) is dataset
         self._buffered = []
+        self._exhausted = False  # a one-shot source ran to its end: another pass would be empty
 
     def __call__(self):
         if not self._one_shot:
             return iter(self._dataset)
+        if self._exhausted and not self._buffered:
+            raise ValueError(
+                f"{self._argument} is a one-shot iterator ({type(self._dataset).__name__}) that an earlier pass "
+                "consumed to its end, so this pass would yield no batch; pass something iterable again "
+                "(a list, or an object whose __iter__ returns a fresh iterator, e.g. a class wrapping the "
+                "generator function), or distribute a new generator for every epoch")
         buffered, self._buffered = self._buffered, []
-        return itertools.chain(buffered, self._dataset)
+        return self._track(itertools.chain(buffered, self._dataset))
+
+    def _track(self, items):
+        yield from items
+        self._exhausted = True
 
     def peek(self, count: int) -> list:
         """The first ``count`` items (fewer at the end), still there for the next iteration."""
@@ -309,15 +324,68 @@ class DistributedDataset(_DistributedInput):
             raise NotImplementedError("InputReplicationMode.PER_REPLICA is only supported in "
                                       "distribute_datasets_from_function")
         self._items = _Reiterable(dataset, "dataset")
+        self._policy = self._shard_policy(dataset)
+
+    def _shard_policy(self, dataset):
+        """DATA, FILE or OFF: how this worker takes its share of ``dataset`` (see md.data)."""
+        from .data import AutoShardPolicy, policy_of
+
+        policy = policy_of(dataset)
+        if self._extended._num_workers == 1:
+            return AutoShardPolicy.DATA  # one worker: every policy splits each batch over its replicas
+        files = getattr(dataset, "files", None)
+        if policy == AutoShardPolicy.AUTO:
+            if files:
+                return AutoShardPolicy.FILE
+            # TensorFlow's words (its auto-shard rewrite logs them when it falls back).
+            _log.warning("AUTO sharding policy will apply DATA sharding policy as it failed to apply FILE sharding "
+                         "policy because of the following reason: Found an unshardable source dataset: %s",
+                         type(dataset).__name__)
+            return AutoShardPolicy.DATA
+        if policy == AutoShardPolicy.FILE:
+            inner = getattr(dataset, "_iterable", dataset)  # md.data.Dataset wraps the iterable
+            count = len(files) if files is not None else (len(inner) if isinstance(inner, (list, tuple)) else None)
+            if count is not None and count < self._extended._num_workers:
+                raise ValueError(
+                    f"dataset: AutoShardPolicy.FILE needs at least as many files (items) as workers; it has {count} "
+                    f"for {self._extended._num_workers} workers: use AutoShardPolicy.DATA or OFF")
+        if policy == AutoShardPolicy.HINT:
+            return AutoShardPolicy.DATA
+        return policy
 
     def _source(self):
         return self._items()
 
     def _steps(self, source):
+        from .data import AutoShardPolicy
+
         ext = self._extended
-        local = len(ext.worker_devices)
-        for batch in source:
-            yield split_batch(batch, ext._num_replicas_in_sync, ext._worker_index * local, local)
+        local, workers, total = len(ext.worker_devices), ext._num_workers, ext._num_replicas_in_sync
+        if self._policy == AutoShardPolicy.DATA:
+            for batch in source:
+                yield split_batch(batch, total, ext._worker_index * local, local)
+            return
+        # FILE and OFF: this worker splits each batch it reads over all N replicas and runs the
+        # N per-replica batches L at a time, so every worker takes the same number of steps.
+        for batch in self._worker_items(source, workers, ext._worker_index):
+            parts = split_batch(batch, total, 0, total)
+            for first in range(0, total, local):
+                yield parts[first:first + local]
+
+    def _worker_items(self, source, workers: int, index: int):
+        from .data import AutoShardPolicy
+
+        if self._policy == AutoShardPolicy.OFF:
+            yield from source
+            return
+        while True:  # FILE: item `index` of every round of `workers` items
+            round_ = list(itertools.islice(source, workers))
+            if not round_:
+                return
+            yield round_[index] if index < len(round_) else _nest.map_structure(
+                lambda x: device_util.to_host(x)[:0], round_[0])
+            if len(round_) < workers:
+                return
 
     def _peek(self):
         first = self._items.peek(1)

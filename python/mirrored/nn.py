@@ -72,7 +72,7 @@ def _scale_by_sample_weight(losses, sample_weight):
     elif weight.ndim and losses.ndim - weight.ndim == 1:
         weight = weight[..., None]
     try:
-        xp.broadcast_shapes(losses.shape, weight.shape)
+        np.broadcast_shapes(tuple(losses.shape), tuple(weight.shape))
     except ValueError:
         raise ValueError(f"sample_weight of shape {tuple(weight.shape)} does not broadcast to per_example_loss "
                          f"of shape {tuple(losses.shape)}; pass one weight per example "

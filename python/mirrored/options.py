@@ -22,6 +22,7 @@ class VariableAggregation(enum.Enum):
     SUM = 1
     MEAN = 2
     ONLY_FIRST_REPLICA = 3
+    ONLY_FIRST_TOWER = 3  # TF 1.11's name: an alias of ONLY_FIRST_REPLICA
 
 
 class CommunicationImplementation(enum.Enum):

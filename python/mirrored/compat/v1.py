@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
-
-from .. import _nest, device_util
 from ..distribute_lib import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy,
                               in_cross_replica_context)
+from ..data import NumpyDataset, make_numpy_dataset
 from ..input_lib import DistributedDataset, DistributedDatasetsFromFunction
 from ..mirrored_strategy import MirroredStrategy as _MirroredStrategyV2
 from ..options import InputReplicationMode
@@ -36,46 +34,6 @@ class DatasetIterator:
         return self._distributed.element_spec
 
 
-class NumpyDataset:
-    """``experimental_make_numpy_dataset`` result: the rows of host arrays, like ``from_tensor_slices``.
-
-    ``batch(n, drop_remainder=False)`` groups rows into batches; ``repeat``
-    repeats the rows ``count`` times (forever for ``None``).
-    """
-
-    def __init__(self, arrays, batch_size=None, drop_remainder=False, repeat=1):
-        self._arrays = arrays
-        leaves = _nest.flatten(arrays)
-        sizes = {len(a) for a in leaves}
-        if len(sizes) != 1:
-            raise ValueError(f"numpy_input: all arrays need the same number of rows; got {sorted(sizes)}")
-        self._rows = sizes.pop()
-        self._batch_size, self._drop_remainder, self._repeat = batch_size, drop_remainder, repeat
-
-    def batch(self, batch_size: int, drop_remainder: bool = False) -> "NumpyDataset":
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r}: expected a positive int")
-        return NumpyDataset(self._arrays, batch_size, drop_remainder, self._repeat)
-
-    def repeat(self, count=None) -> "NumpyDataset":
-        return NumpyDataset(self._arrays, self._batch_size, self._drop_remainder, count)
-
-    def __iter__(self):
-        leaves = _nest.flatten(self._arrays)
-        epoch = 0
-        while self._repeat is None or epoch < self._repeat:
-            if self._batch_size is None:
-                for i in range(self._rows):
-                    yield _nest.pack_sequence_as(self._arrays, [a[i] for a in leaves])
-            else:
-                for lo in range(0, self._rows, self._batch_size):
-                    hi = min(lo + self._batch_size, self._rows)
-                    if hi - lo < self._batch_size and self._drop_remainder:
-                        break
-                    yield _nest.pack_sequence_as(self._arrays, [a[lo:hi] for a in leaves])
-            epoch += 1
-
-
 class MirroredStrategy(_MirroredStrategyV2):
     """``tf.compat.v1.distribute.MirroredStrategy``: the v2 strategy plus the TF 1.x input and run names."""
 
@@ -97,9 +55,13 @@ class MirroredStrategy(_MirroredStrategyV2):
         return DatasetIterator(DistributedDatasetsFromFunction(input_fn, self.extended))
 
     def experimental_make_numpy_dataset(self, numpy_input, session=None) -> NumpyDataset:
-        """A dataset of the rows of ``numpy_input`` (an array or nested structure of arrays), copied to the host."""
-        return NumpyDataset(_nest.map_structure(lambda a: np.array(device_util.to_host(a), copy=True),
-                                                numpy_input))
+        """A dataset of the rows of ``numpy_input``, copied to the host; ``session`` is ignored (eager).
+
+        Tuples and dicts are structures of arrays; a list of arrays is stacked
+        into one array, as documented for TensorFlow (``[np.ones(3), np.zeros(3)]``
+        is 2 rows of shape (3,)).
+        """
+        return make_numpy_dataset(numpy_input)
 
     def update_config_proto(self, config_proto):
         """A copy of ``config_proto`` (MirroredStrategy needs no session settings)."""

@@ -1,0 +1,12 @@
+"""``md.experimental``: TensorFlow 2.0's ``tf.distribute.experimental`` spellings.
+
+    strategy = md.experimental.MultiWorkerMirroredStrategy(
+        communication=md.experimental.CollectiveCommunication.RING)
+"""
+
+from .input_lib import ValueContext
+from .multi_worker_strategy import MultiWorkerMirroredStrategy
+from .options import CollectiveCommunication, CommunicationImplementation, CommunicationOptions
+
+__all__ = ["MultiWorkerMirroredStrategy", "CollectiveCommunication", "CommunicationImplementation",
+           "CommunicationOptions", "ValueContext"]
