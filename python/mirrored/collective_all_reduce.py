@@ -20,16 +20,13 @@ import os
 
 import numpy as np
 
-from . import collectives, timeline
+from . import collectives, config, timeline
 from ._dtypes import op_code
 from .cross_device_ops import _NativeAllReduce, _buffers, get_devices_from
 
 __all__ = ["CollectiveGroup", "CollectiveAllReduce", "job_token", "GLOO_MISSING"]
 
-GLOO_MISSING = (
-    "multi-worker collectives need mirrored's _net extension, built when Gloo is installed: "
-    "run `apt-get install libgloo-dev` (Debian/Ubuntu) and reinstall mirrored (`pip install .`)"
-)
+GLOO_MISSING = config.GLOO_NOT_BUILT
 # How long workers wait for each other at start-up when CommunicationOptions sets no timeout.
 DEFAULT_RENDEZVOUS_SECONDS = 300.0
 # all_gather exchanges shapes as fixed-length records: ndim, dtype, then the padded shape.
@@ -37,12 +34,8 @@ _MAX_DIMS = 32
 
 
 def net():
-    """The ``_net`` extension, or a RuntimeError naming the fix."""
-    try:
-        from . import _net
-    except ImportError:
-        raise RuntimeError(GLOO_MISSING) from None
-    return _net
+    """The ``_net`` extension, or a RuntimeError naming what is missing (see config.net_module)."""
+    return config.net_module()
 
 
 def job_token(cluster: dict) -> str:
@@ -89,6 +82,7 @@ class CollectiveGroup:
         self.store = _shared_store(store_host, store_port, token, rank, self.tasks, rendezvous)
         self._gloo = _net.GlooCommunicator(self.store, self.tasks, local_replicas, my_host,
                                            0.0 if timeout is None else timeout, scope)
+        timeline.sync_clock(self.store, rank, self.tasks, rendezvous, scope)  # one clock for the job's timelines
 
     @classmethod
     def from_cluster_resolver(cls, resolver, local_replicas, *, timeout=None, scope="mirrored", devices=None,
@@ -129,7 +123,7 @@ class CollectiveGroup:
         arrays, code = collectives._inputs(buffers, "buffers")
         opc, algo = op_code(op), collectives._algorithm(algorithm)
         outs, finish = collectives._outputs(out, arrays, "out")
-        with timeline.span("all_reduce[workers]", arrays[0].nbytes, algorithm, self.num_replicas):
+        with timeline.span("all_reduce[workers]", arrays[0].nbytes, algorithm, len(arrays), self.num_replicas):
             self._comm().all_reduce(arrays, outs, arrays[0].size, code, opc, algo)
         return finish()
 
@@ -139,7 +133,7 @@ class CollectiveGroup:
         arrays, code = collectives._inputs(buffers, "buffers")
         root = collectives._root(root, self.num_replicas)
         outs, finish = collectives._outputs(out, arrays, "out")
-        with timeline.span("broadcast[workers]", arrays[0].nbytes, "gloo", self.num_replicas):
+        with timeline.span("broadcast[workers]", arrays[0].nbytes, "gloo", len(arrays), self.num_replicas):
             self._comm().broadcast(arrays, outs, arrays[0].size, code, root)
         return finish()
 
@@ -164,7 +158,7 @@ class CollectiveGroup:
         else:
             targets, finish = collectives._outputs(out, arrays, "out")
             target = targets[local_root]
-        with timeline.span("reduce[workers]", arrays[0].nbytes, "gloo", self.num_replicas):
+        with timeline.span("reduce[workers]", arrays[0].nbytes, "gloo", len(arrays), self.num_replicas):
             self._comm().reduce(arrays, targets, arrays[0].size, code, opc, root)
         if root // self.local_replicas != self.rank:
             return None
@@ -205,7 +199,7 @@ class CollectiveGroup:
         inner = int(np.prod(first.shape[axis + 1:], dtype=np.int64)) * first.itemsize
         total = first.shape[:axis] + (sum(s[axis] for s in shapes),) + first.shape[axis + 1:]
         outs = [np.empty(total, first.dtype) for _ in arrays]
-        with timeline.span("all_gather[workers]", first.nbytes, "gloo", self.num_replicas):
+        with timeline.span("all_gather[workers]", first.nbytes, "gloo", len(arrays), self.num_replicas):
             self._comm().all_gather(arrays, outs, [a.shape[axis] * inner for a in arrays], outer)
         return outs
 
