@@ -156,31 +156,39 @@ def test_a_task_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
     _assert_all_gone(pids)
 
 
-def test_ctrl_c_is_forwarded_to_every_task(tmp_path):
-    task = script(tmp_path, """
-        import time
-        print("ready", flush=True)
-        try:
-            time.sleep(120)
-        except KeyboardInterrupt:
-            print("interrupted", flush=True)
-            raise SystemExit(5)
-    """)
-    proc = subprocess.Popen([sys.executable, "-m", "mirrored.run", "-np", "3", sys.executable, task],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+CTRL_C_TASK = """
+    import time
+    print("ready", flush=True)
+    try:
+        time.sleep(120)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        raise SystemExit(5)
+"""
+
+
+def _interrupt_when_ready(proc, tasks):
+    """Sends SIGINT to the launcher once every task printed "ready"; returns (stdout rest, stderr, seconds)."""
     try:
         ready = 0
-        while ready < 3:  # every task has installed Python's SIGINT handler
+        while ready < tasks:  # every task has installed Python's SIGINT handler
             line = proc.stdout.readline()
             assert line, "the launcher ended early"
             ready += line.endswith(b"ready\n")
         start = time.monotonic()
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
-        elapsed = time.monotonic() - start
+        return out, err, time.monotonic() - start
     finally:
         proc.kill()
-        proc.wait()
+        proc.communicate()
+
+
+def test_ctrl_c_is_forwarded_to_every_task(tmp_path):
+    task = script(tmp_path, CTRL_C_TASK)
+    proc = subprocess.Popen([sys.executable, "-m", "mirrored.run", "-np", "3", sys.executable, task],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err, elapsed = _interrupt_when_ready(proc, 3)
     assert proc.returncode == 128 + signal.SIGINT
     assert elapsed < mrun.GRACE_SECONDS
     assert sorted(by_task(out)) == ["worker:0", "worker:1", "worker:2"]
@@ -247,11 +255,11 @@ def test_restarts_are_limited(tmp_path):
 
 STAND_IN_SSH = """#!/bin/sh
 # Stands in for ssh: logs the host, then runs the remote command here in a
-# bare environment, as a login on another machine would start.
+# bare environment and a session of its own, as sshd starts a login.
 while [ "$1" = "-o" ]; do shift 2; done
 host=$1; shift
 echo "$host" >> "{log}"
-exec env -i PATH=/usr/bin:/bin /bin/sh -c "$*"
+exec setsid --wait env -i PATH=/usr/bin:/bin /bin/sh -c "$*"
 """
 
 
@@ -283,6 +291,19 @@ def test_hosts_are_started_over_ssh_with_the_same_environment(tmp_path, fake_ssh
         assert r["marker"] == "it's \"quoted\" $HOME"  # forwarded unchanged
         assert r["cwd"] == str(work)
     assert by_task(done.stderr) == {"worker:0": ["to stderr"], "worker:1": ["to stderr"]}
+
+
+def test_ctrl_c_reaches_remote_tasks(tmp_path, fake_ssh):
+    env, log = fake_ssh
+    task = script(tmp_path, CTRL_C_TASK)
+    proc = subprocess.Popen([sys.executable, "-m", "mirrored.run", "-np", "2", "-H", "127.0.0.1:2", "--port",
+                             str(mrun._free_ports(1)[0]), sys.executable, task],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, **env))
+    out, err, elapsed = _interrupt_when_ready(proc, 2)
+    assert log.read_text().split() == ["127.0.0.1", "127.0.0.1"]
+    assert proc.returncode == 128 + signal.SIGINT
+    assert elapsed < mrun.GRACE_SECONDS
+    assert by_task(out) == {"worker:0": ["interrupted"], "worker:1": ["interrupted"]}
 
 
 def test_localhost_runs_without_ssh(tmp_path, fake_ssh):

@@ -189,23 +189,26 @@ def _exit_code(returncode: int) -> int:
 def _remote_command(cwd: str, env: dict, command: list[str]) -> str:
     """The shell script that runs ``command`` on a remote host, ended by the launcher through ssh's stdin.
 
-    The launcher writes a signal name per line (INT, TERM, KILL) to deliver
-    it; end of input (the launcher or its connection died) ends the task:
-    SIGTERM, then SIGKILL after the grace period. No task outlives its launcher.
+    The launcher writes a signal name per line (INT, TERM, KILL); a watcher
+    sends it to the remote process group (the task and its children; ssh
+    starts each session in a group of its own). End of input (the launcher
+    or its connection died) ends the task: SIGTERM, then SIGKILL after the
+    grace period, so no task outlives its launcher. The task runs in the
+    foreground: a background job would start with SIGINT ignored.
     """
     assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items()))
     task = " ".join(shlex.quote(a) for a in command)
     script = (
         f"cd {shlex.quote(cwd)} || exit 1\n"
+        # Caught, not ignored: the shell outlives the signals it forwards, the task gets the default action.
+        "trap : INT TERM HUP\n"
         "exec 3<&0\n"
-        f"env -- {assignments} {task} </dev/null 3<&- &\n"
-        "pid=$!\n"
-        "( while read -r sig; do kill -s \"$sig\" \"$pid\" 2>/dev/null; done\n"
-        f"  kill -s TERM \"$pid\" 2>/dev/null; sleep {GRACE_SECONDS:g}; kill -s KILL \"$pid\" 2>/dev/null"
-        " ) <&3 >/dev/null 2>&1 &\n"
+        "( trap '' INT TERM HUP\n"
+        "  while read -r sig; do kill -s \"$sig\" 0; done\n"
+        f"  kill -s TERM 0; sleep {GRACE_SECONDS:g}; kill -s KILL 0 ) <&3 >/dev/null 2>&1 &\n"
         "watcher=$!\n"
-        "exec 3<&-\n"
-        "wait \"$pid\"; code=$?\n"
+        f"env -- {assignments} {task} </dev/null 3<&-\n"
+        "code=$?\n"
         "kill \"$watcher\" 2>/dev/null\n"
         "exit \"$code\"\n")
     return f"sh -c {shlex.quote(script)}"
