@@ -26,8 +26,9 @@ PREFIX = re.compile(rb"^\[((?:chief|worker):\d+)\] (.*)$")
 
 def launch(args, *, timeout=60, env=None, cwd=None):
     """Runs mirrored-run with ``args``; returns the CompletedProcess (bytes output)."""
+    base = {k: v for k, v in os.environ.items() if k != "MIRRORED_LOG_LEVEL"}  # the default level unless given
     return subprocess.run([sys.executable, "-m", "mirrored.run", *args], capture_output=True, timeout=timeout,
-                          env=dict(os.environ, **(env or {})), cwd=cwd)
+                          env=dict(base, **(env or {})), cwd=cwd)
 
 
 def script(tmp_path, body, name="task.py"):
@@ -399,9 +400,11 @@ def test_a_real_job_reports_its_engine_at_info(tmp_path, shm, engine):
     """)
     done = launch(["-np", "2", sys.executable, task], env={"MIRRORED_LOG_LEVEL": "INFO", "MIRRORED_SHM": shm})
     assert done.returncode == 0, done.stderr.decode()
+    assert re.search(rb"^\[mirrored-run\] starting 2 task\(s\): worker:0 at 127\.0\.0\.1:\d+, "
+                     rb"worker:1 at 127\.0\.0\.1:\d+$", done.stderr, re.M)
     assert by_task(done.stdout) == {"worker:0": ["total [0.0, 3.0, 6.0, 9.0]"],
                                     "worker:1": ["total [0.0, 3.0, 6.0, 9.0]"]}
-    err = by_task(done.stderr)
+    err = by_task(b"\n".join(line for line in done.stderr.splitlines() if not line.startswith(b"[mirrored-run]")))
     for me in range(2):
         info = [line for line in err[f"worker:{me}"] if "MultiWorkerMirroredStrategy: " in line]
         assert len(info) == 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import secrets
@@ -309,12 +310,15 @@ class _Signals:
 def _run_once(tasks, command, env, output, signals) -> tuple[int, Task | None]:
     """Runs the job until every task ended or one failed; returns (exit code, the failed task or None)."""
     job = _Job(tasks, command, env, output)
+    if logging.getLogger("mirrored").isEnabledFor(logging.INFO):  # MIRRORED_LOG_LEVEL=INFO
+        _say(f"starting {len(tasks)} task(s): " +
+             ", ".join(f"{t.name} at {t.address}" + (f" (ssh {t.host})" if t.host else "") for t in tasks))
     try:
         try:
             job.start()
         except OSError as e:
             job.stop()
-            _say(f"cannot start {command[0]!r}: {e.strerror or e}")
+            _say(f"cannot start {e.filename or command[0]!r}: {e.strerror or e}")  # the command, or ssh
             return 127, None
         while True:
             if signals.received:
