@@ -118,8 +118,6 @@ PYBIND11_MODULE(_net, m) {
       .def_property_readonly("rank", &GlooCommunicator::rank)
       .def_property_readonly("size", &GlooCommunicator::size)
       .def_property_readonly("local_replicas", &GlooCommunicator::local_replicas)
-      .def_property_readonly("shared_memory_off", &GlooCommunicator::shared_memory_off,
-                             "Why all-reduces do not use shared memory ('' when they do).")
       .def("all_reduce",
            [](GlooCommunicator& c, const py::list& inputs, const py::list& outputs, std::size_t count, int dtype,
               int op, int algorithm) {
@@ -139,6 +137,12 @@ PYBIND11_MODULE(_net, m) {
              py::gil_scoped_release nogil;
              c.broadcast(n, in.data(), out.data(), count, dtype_from_code(dtype), root);
            })
+      .def_property_readonly("shared_memory_off",
+                             [](const GlooCommunicator& c) {
+                               py::gil_scoped_release nogil;  // asks the store
+                               return c.shared_memory_off();
+                             },
+                             "Why all-reduces do not use shared memory ('' when they do).")
       .def("reduce",
            [](GlooCommunicator& c, const py::list& inputs, const py::list& outputs, std::size_t count, int dtype,
               int op, int root) {

@@ -187,8 +187,6 @@ void GlooCommunicator::setup_shared_memory() {
   }
   const char* env = std::getenv("MIRRORED_SHM");
   if (env && std::string(env) == "0") me += "/rank " + std::to_string(rank_) + " without shared memory";
-  shm_off_ = env && std::string(env) == "0" ? "MIRRORED_SHM=0"
-                                            : "the tasks run on different hosts (or one has MIRRORED_SHM=0)";
   store_->set(prefix_ + "host/" + std::to_string(rank_), std::vector<char>(me.begin(), me.end()));
   std::vector<std::string> keys;
   for (int r = 0; r < size(); ++r) keys.push_back(prefix_ + "host/" + std::to_string(r));
@@ -198,26 +196,36 @@ void GlooCommunicator::setup_shared_memory() {
   std::uint64_t ok = 1;
   try {
     shm_ = std::make_unique<ShmReducer>(*store_, prefix_ + "shm", rank_, size(), store_->timeout());
-  } catch (const std::exception& e) {
+  } catch (const std::exception&) {
     ok = 0;  // e.g. /dev/shm full or absent: every rank falls back to the network
-    shm_off_ = std::string("this task could not map a /dev/shm segment: ") + e.what();
     if (rank_ == 0) store_->set(prefix_ + "shm", {});
   }
   // Everyone learns whether everyone mapped the segment.
   const auto all = exchange_locked({ok});
   if (std::find(all.begin(), all.end(), std::uint64_t{0}) != all.end()) {
-    if (ok) shm_off_ = "a task could not map the /dev/shm segment";
     shm_.reset();
     return;
   }
   shm_->unlink();
-  shm_off_.clear();
 }
 
 void GlooCommunicator::check_peers() {
   const auto tasks = store_->status();
   for (int r = 0; r < size() && r < static_cast<int>(tasks.size()); ++r)
     if (r != rank_ && tasks[r].departed && !tasks[r].connected) throw PeerLost("task " + tasks_[r] + " is gone");
+}
+
+std::string GlooCommunicator::shared_memory_off() const {
+  if (shm_) return "";
+  if (size() == 1) return "the job has one task";
+  const char* env = std::getenv("MIRRORED_SHM");
+  if (env && std::string(env) == "0") return "MIRRORED_SHM=0";
+  // The identities setup_shared_memory() compared: differing ones mean other hosts (or MIRRORED_SHM=0 there).
+  const auto first = store_->get(prefix_ + "host/0");
+  for (int r = 1; r < size(); ++r)
+    if (store_->get(prefix_ + "host/" + std::to_string(r)) != first)
+      return "the tasks run on different hosts (or one has MIRRORED_SHM=0)";
+  return "a task could not map a /dev/shm segment";
 }
 
 GlooCommunicator::~GlooCommunicator() { close(); }

@@ -42,7 +42,7 @@ class GlooCommunicator : public Communicator {
   int size() const { return static_cast<int>(tasks_.size()); }
   int local_replicas() const { return local_; }
   // Why all-reduces do not go through shared memory; empty when they do (for the engine log line).
-  const std::string& shared_memory_off() const { return shm_off_; }
+  std::string shared_memory_off() const;
 
   void all_reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
                   Algorithm algorithm) override;
@@ -89,7 +89,6 @@ class GlooCommunicator : public Communicator {
   std::vector<char> gathered_;
   // All processes on one machine: large all-reduces go through shared memory.
   std::unique_ptr<ShmReducer> shm_;
-  std::string shm_off_ = "the job has one task";
 
   // Progress for diagnosis: a collective still running after a tick of the
   // watchdog is reported to the store, so that a failure can tell the peers
