@@ -8,7 +8,6 @@ whose built-ins make one native call for all replicas with the GIL released.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 
 import threading
@@ -315,7 +314,6 @@ class MirroredStrategy(Strategy):
 
     def __init__(self, devices=None, cross_device_ops=None):
         super().__init__(MirroredExtended(self, devices, cross_device_ops))
-        logging.getLogger("mirrored").info("MirroredStrategy: %d replica(s) on %s; reductions: %s",
-                                           len(self.extended.worker_devices), list(self.extended.worker_devices),
-                                           _logging.reductions(self.extended._cross_device_ops,
-                                                               self.extended.worker_devices))
+        _logging.logger.info("MirroredStrategy: %d replica(s) on %s; reductions: %s",
+                             len(self.extended.worker_devices), list(self.extended.worker_devices),
+                             _logging.reductions(self.extended._cross_device_ops, self.extended.worker_devices))
