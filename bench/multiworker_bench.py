@@ -1,16 +1,19 @@
-"""Multi-worker all-reduce on loopback: mirrored (Gloo underneath) vs torch.distributed gloo, one run.
+"""Multi-worker all-reduce on one machine: mirrored vs torch.distributed gloo vs Open MPI, one run.
 
     python bench/multiworker_bench.py [--workers 2 4] [--sizes 4,1K,64K,1M,16M,64M] [--json out.json]
 
 For each worker count, starts that many processes of a mirrored job
-(TF_CONFIG on free 127.0.0.1 ports, one CPU replica each) and, when torch is
-installed, the same number of torch.distributed gloo processes, and times an
-in-place float32 SUM all-reduce of each size in each. The two jobs alternate
---repeats times; a time is the mean per call of the slowest worker, best of 3
-rounds per job and of all jobs (other load on the machine only adds time).
-busbw = algbw * 2(n-1)/n as nccl-tests reports it; the last column is torch
-time / mirrored time (> 1: mirrored is faster). Every size's result is
-checked against the expected sum.
+(TF_CONFIG on free 127.0.0.1 ports, one CPU replica each), and of each
+comparison that is installed: torch.distributed's gloo backend (TCP
+loopback; `pip install torch`) and MPI through mpi4py (`mpirun` with Open
+MPI's shared-memory transport, vader; `apt-get install openmpi-bin
+libopenmpi-dev && pip install mpi4py`). Each times an in-place float32 SUM
+all-reduce of each size, the same way: the jobs alternate --repeats times; a
+time is the mean per call of the slowest worker over back-to-back calls,
+best of 3 rounds per job and of all jobs (other load on the machine only
+adds time). busbw = algbw * 2(n-1)/n as nccl-tests reports it; "x/mirrored"
+columns are the other's time / mirrored's time (> 1: mirrored is faster).
+Every size's result is checked against the expected sum.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -110,12 +114,49 @@ def torch_worker(sizes, world, rank, port):
     return result
 
 
+def mpi_worker(sizes, world):
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+
+    def make(nbytes, value):
+        return np.full(max(1, nbytes // 4), value, np.float32)
+
+    mine = time_sizes(lambda b: comm.Allreduce(MPI.IN_PLACE, b), make, lambda b: float(b[0]), comm.Barrier, sizes,
+                      comm.Get_rank(), world)
+    slowest = {size: comm.allreduce(t, op=MPI.MAX) for size, t in mine.items()}
+    return slowest if comm.Get_rank() == 0 else None
+
+
+# Open MPI over shared memory only (vader), as /work/shared/anchors' MPI baseline runs it.
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "pml", "ob1", "--mca", "btl", "self,vader",
+          "--mca", "oob_tcp_if_include", "lo"]
+
+
+def mpi_missing() -> str | None:
+    """Why the MPI comparison cannot run here, or None."""
+    if shutil.which("mpirun") is None:
+        return "mpirun not found (apt-get install openmpi-bin libopenmpi-dev)"
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py not installed (pip install mpi4py)"
+    return None
+
+
 # --- launcher ---------------------------------------------------------------------------------
 
 
 def run_job(kind: str, world: int, sizes: list[int]) -> dict:
     """Per size: the mean time per call of the slowest worker."""
     import mirrored
+
+    if kind == "mpi":
+        cmd = MPIRUN + ["-np", str(world), sys.executable, __file__, "--_worker", "mpi", "--_world", str(world),
+                        "--sizes", ",".join(map(str, sizes))]
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=1800,
+                           env=dict(os.environ, OMPI_MCA_btl_vader_single_copy_mechanism="none"))
+        if p.returncode != 0:
+            raise SystemExit(f"mpirun failed with exit code {p.returncode}")
+        return {int(k): v for k, v in json.loads(p.stdout.strip().splitlines()[-1]).items()}
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(mirrored.__file__)))  # workers import the same mirrored
     ports = free_ports(world)
@@ -150,6 +191,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--repeats", type=int, default=2, help="jobs per framework, alternating (default 2)")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch.distributed gloo comparison")
+    ap.add_argument("--no-mpi", action="store_true", help="skip the MPI (mpi4py + Open MPI) comparison")
     ap.add_argument("--_worker", help=argparse.SUPPRESS)
     ap.add_argument("--_rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--_world", type=int, help=argparse.SUPPRESS)
@@ -162,29 +204,51 @@ def main(argv=None) -> int:
     if args._worker == "torch":
         print(json.dumps(torch_worker(sizes, args._world, args._rank, args._port)))
         return 0
+    if args._worker == "mpi":
+        slowest = mpi_worker(sizes, args._world)
+        if slowest is not None:
+            print(json.dumps(slowest))
+        return 0
 
-    have_torch = not args.no_torch and importlib.util.find_spec("torch") is not None
-    if not have_torch and not args.no_torch:
-        print("torch is not installed: mirrored only (pip install torch for the comparison)")
-    report = {"cpu_count": os.cpu_count(), "results": []}
+    kinds = ["mirrored"]
+    if not args.no_torch:
+        if importlib.util.find_spec("torch") is None:
+            print("torch is not installed: no torch gloo comparison (pip install torch)")
+        else:
+            kinds.append("torch")
+    if not args.no_mpi:
+        why = mpi_missing()
+        if why:
+            print(f"no MPI comparison: {why}")
+        else:
+            kinds.append("mpi")
+    report = {"cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "results": []}
     for world in args.workers:
-        mine, theirs = {}, {}
+        best = {kind: {} for kind in kinds}
         for _ in range(args.repeats):
-            for kind, best in (("mirrored", mine), ("torch", theirs)) if have_torch else (("mirrored", mine),):
+            for kind in kinds:
                 for size, t in run_job(kind, world, sizes).items():
-                    best[size] = min(t, best.get(size, t))
-        print(f"\n{world} workers on 127.0.0.1, float32 sum, in place")
-        print(f"{'size':>8} {'mirrored us':>12} {'busbw GB/s':>11} {'torch us':>10} {'busbw GB/s':>11} "
-              f"{'torch/mirrored':>15}")
+                    best[kind][size] = min(t, best[kind].get(size, t))
+        print(f"\n{world} workers on one machine, float32 sum, in place (load average before: "
+              f"{' '.join(f'{x:.1f}' for x in report['load_average'])} on {os.cpu_count()} CPUs)")
+        header = f"{'size':>8}"
+        for kind in kinds:
+            header += f" {kind + ' us':>12} {'busbw GB/s':>10}"
+        for kind in kinds[1:]:
+            header += f" {kind + '/mirrored':>15}"
+        print(header)
         factor = 2 * (world - 1) / world
         for size in sizes:
-            t = mine[size]
-            row = {"workers": world, "bytes": size, "mirrored_s": t}
-            line = f"{human(size):>8} {t * 1e6:12.1f} {size / t * factor / 1e9:11.3f}"
-            if size in theirs:
-                u = theirs[size]
-                row.update(torch_s=u, ratio=u / t)
-                line += f" {u * 1e6:10.1f} {size / u * factor / 1e9:11.3f} {u / t:15.2f}"
+            row = {"workers": world, "bytes": size}
+            line = f"{human(size):>8}"
+            for kind in kinds:
+                t = best[kind][size]
+                row[f"{kind}_s"] = t
+                line += f" {t * 1e6:12.1f} {size / t * factor / 1e9:10.3f}"
+            for kind in kinds[1:]:
+                ratio = best[kind][size] / best["mirrored"][size]
+                row[f"{kind}_ratio"] = ratio
+                line += f" {ratio:15.2f}"
             print(line)
             report["results"].append(row)
     if args.json:

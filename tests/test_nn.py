@@ -63,7 +63,7 @@ def test_bad_losses_and_cross_replica_context_raise_as_tf_does():
     with pytest.raises(ValueError, match="at least rank 1"):
         md.nn.compute_average_loss(np.float64(1.0), global_batch_size=1)
     with pytest.raises(TypeError, match="floating-point"):
-        md.nn.compute_average_loss(np.ones(3, np.int32), global_batch_size=3)
+        md.nn.compute_average_loss(np.array([True, False]), global_batch_size=3)
     strategy = _strategy(2)
     with strategy.scope():
         with pytest.raises(RuntimeError, match="`compute_average_loss` in cross replica context"):

@@ -8,6 +8,7 @@
 #include "core/partition.h"
 #include "core/ring_schedule.h"
 #include "core/tree_schedule.h"
+#include "host/output_staging.h"
 #include "host/stream_store.h"
 
 namespace mirrored {
@@ -117,13 +118,22 @@ void HostCommunicator::all_reduce(int n, const void* const* in, void* const* out
                                   ReduceOp op, Algorithm algorithm, std::size_t ring_chunk_bytes) {
   check_n(n, "all_reduce");
   if (count == 0) return;
-  if (algorithm == Algorithm::kAuto) algorithm = choose(n, count * dtype_size(dtype));
+  const std::size_t bytes = count * dtype_size(dtype);
+  const OutputStaging staging("all_reduce", n, in, bytes, out, bytes, {});
+  if (algorithm == Algorithm::kAuto) algorithm = choose(n, bytes);
   switch (algorithm) {
-    case Algorithm::kRing: return ring(n, in, out, count, dtype, op, ring_chunk_bytes ? ring_chunk_bytes : kRingChunkBytes);
-    case Algorithm::kTree: return tree(n, in, out, count, dtype, op);
+    case Algorithm::kRing:
+      ring(n, in, staging.outputs(), count, dtype, op, ring_chunk_bytes ? ring_chunk_bytes : kRingChunkBytes);
+      break;
+    case Algorithm::kTree: tree(n, in, staging.outputs(), count, dtype, op); break;
     case Algorithm::kDirect:
-    case Algorithm::kAuto: break;
+    case Algorithm::kAuto: direct(n, in, staging.outputs(), count, dtype, op); break;
   }
+  staging.finish();
+}
+
+void HostCommunicator::direct(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
+                              ReduceOp op) {
   const Items items(count, dtype_size(dtype));
   const bool stream = streams(n, in, out, count * dtype_size(dtype));
   for_items(items.size(), 2 * n * count * dtype_size(dtype), [&](std::size_t i) {
@@ -193,22 +203,29 @@ void HostCommunicator::broadcast(int n, const void* const* in, void* const* out,
   check_n(n, "broadcast");
   check_root(n, root, "broadcast");
   const std::size_t bytes = count * dtype_size(dtype);
+  const OutputStaging staging("broadcast", n, in, bytes, out, bytes, {root, -1, true});
+  void* const* outs = staging.outputs();
   const Items items(bytes, 1);
   for_items(items.size(), 2 * n * bytes, [&](std::size_t i) {
     const Range r = items[i];
     for (int k = 0; k < n; ++k)
-      if (out[k] != in[root] && r.size()) std::memcpy(at(out[k], r.begin), at(in[root], r.begin), r.size());
+      if (outs[k] != in[root] && r.size()) std::memcpy(at(outs[k], r.begin), at(in[root], r.begin), r.size());
   });
+  staging.finish();
 }
 
 void HostCommunicator::reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
                               ReduceOp op, int root) {
   check_n(n, "reduce");
   check_root(n, root, "reduce");
+  const std::size_t bytes = count * dtype_size(dtype);
+  const OutputStaging staging("reduce", n, in, bytes, out, bytes, {-1, root, false});
+  void* const* outs = staging.outputs();
   const Items items(count, dtype_size(dtype));
-  for_items(items.size(), (n + 1) * count * dtype_size(dtype), [&](std::size_t i) {
-    fold_range(n, in, out, root, false, items[i].begin, items[i].end, dtype, op, false);
+  for_items(items.size(), (n + 1) * bytes, [&](std::size_t i) {
+    fold_range(n, in, outs, root, false, items[i].begin, items[i].end, dtype, op, false);
   });
+  staging.finish();
 }
 
 void HostCommunicator::all_gather(int n, const void* const* in, void* const* out, const std::size_t* row_bytes,

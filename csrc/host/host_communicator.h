@@ -50,6 +50,7 @@ class HostCommunicator final : public Communicator {
   // pool.
   template <typename Fn>
   void for_items(std::size_t items, std::size_t bytes_touched, Fn&& fn);
+  void direct(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op);
   void ring(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
             std::size_t chunk_bytes);
   void tree(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op);

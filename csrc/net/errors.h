@@ -1,6 +1,7 @@
-// The three ways a multi-worker operation fails, so that Python can raise
-// TimeoutError / ConnectionError / PermissionError and users can tell "a peer
-// is slow or stuck" from "a peer is gone" from "this task is not welcome".
+// The ways a multi-worker operation fails, so that Python can raise
+// TimeoutError / ConnectionError / PermissionError / ValueError /
+// KeyboardInterrupt and users can tell "a peer is slow or stuck" from "a peer
+// is gone" from "this task is not welcome" from "the workers disagree".
 #pragma once
 
 #include <stdexcept>
@@ -20,6 +21,18 @@ struct PeerLost : std::runtime_error {
 
 // The rendezvous store refused this task: wrong job token or task index.
 struct Refused : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The workers of a collective disagree on what it is (kind, size, dtype, op,
+// root, ...): found before any data moved, and the same on every worker.
+struct CollectiveMismatch : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+// A wait was interrupted by a signal whose handler raised (Ctrl-C): the
+// binding's wait hook left the Python exception set; it surfaces unchanged.
+struct Interrupted : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 

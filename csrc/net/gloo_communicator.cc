@@ -10,6 +10,8 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <gloo/types.h>
 
 #include <unistd.h>
 
@@ -28,6 +30,45 @@ namespace {
 
 // Up to this size "auto" all-reduces with one all-gather round (see all_reduce).
 constexpr std::size_t kDirectMaxBytes = 16 << 10;
+// A Gloo header message carries payloads up to this size (the "direct" range).
+constexpr std::size_t kGlooInlineBytes = kDirectMaxBytes;
+constexpr std::size_t kGlooMessageBytes = sizeof(CollectiveHeader) + kGlooInlineBytes;
+// The Gloo slot prefix of the headers: none of Gloo's own algorithms uses it.
+constexpr std::uint8_t kHeaderSlotPrefix = 0x6d;
+static_assert(sizeof(CollectiveHeader) <= ShmReducer::kRecordBytes, "a header must fit a shared-memory record");
+
+const char* kind_name(std::uint8_t kind) {
+  switch (kind) {
+    case CollectiveHeader::kAllReduce: return "all_reduce";
+    case CollectiveHeader::kBroadcast: return "broadcast";
+    case CollectiveHeader::kReduce: return "reduce";
+    case CollectiveHeader::kAllGather: return "all_gather";
+    case CollectiveHeader::kBarrier: return "barrier";
+    case CollectiveHeader::kExchange: return "exchange";
+  }
+  return "unknown collective";
+}
+
+// What a process passes to a collective, for a mismatch error.
+std::string describe(const CollectiveHeader& h) {
+  const std::string elements = std::to_string(h.count) + " " + dtype_name(static_cast<DType>(h.dtype)) + " elements";
+  const std::string op = std::string(" (") + reduce_op_name(static_cast<ReduceOp>(h.op)) + ")";
+  switch (h.kind) {
+    case CollectiveHeader::kAllReduce:
+      return elements + op +
+             (h.algorithm ? std::string(", algorithm=") + algorithm_name(static_cast<Algorithm>(h.algorithm)) : "");
+    case CollectiveHeader::kBroadcast: return elements + " from replica " + std::to_string(h.root);
+    case CollectiveHeader::kReduce: return elements + op + " to replica " + std::to_string(h.root);
+    case CollectiveHeader::kAllGather:
+    case CollectiveHeader::kExchange: return "a size record of " + std::to_string(h.count) + " values";
+    default: return "no data";
+  }
+}
+
+bool same_call(const CollectiveHeader& a, const CollectiveHeader& b) {
+  return a.seq == b.seq && a.kind == b.kind && a.count == b.count && a.root == b.root && a.dtype == b.dtype &&
+         a.op == b.op && a.algorithm == b.algorithm;
+}
 
 std::string join(const std::vector<std::string>& names) {
   std::string s;
@@ -168,6 +209,7 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<StoreClient> store, std::vect
   }
   context_ = std::move(context);
   setup_shared_memory();
+  seq_ = 0;  // users count their own collectives: the set-up exchange (all inline, no Gloo tags) is not one
   // Last: a constructor that throws must not leave a running thread behind.
   watchdog_ = std::thread([this] { watch(); });
 }
@@ -201,12 +243,12 @@ void GlooCommunicator::setup_shared_memory() {
     if (rank_ == 0) store_->set(prefix_ + "shm", {});
   }
   // Everyone learns whether everyone mapped the segment.
-  const auto all = exchange_locked({ok});
-  if (std::find(all.begin(), all.end(), std::uint64_t{0}) != all.end()) {
-    shm_.reset();
-    return;
-  }
-  shm_->unlink();
+  // (Over Gloo: the headers only go through the segment once everyone can use it.)
+  std::unique_ptr<ShmReducer> candidate = std::move(shm_);
+  const auto all = exchange_locked({ok}, CollectiveHeader::kExchange);
+  if (std::find(all.begin(), all.end(), std::uint64_t{0}) != all.end()) return;
+  candidate->mapped_by_all();
+  shm_ = std::move(candidate);
 }
 
 void GlooCommunicator::check_peers() {
@@ -238,9 +280,11 @@ void GlooCommunicator::close() {
   watch_cv_.notify_all();
   if (watchdog_.joinable()) watchdog_.join();
   std::lock_guard<std::mutex> lock(mu_);
+  header_out_.reset();
+  header_in_.reset();
   context_.reset();
   shm_.reset();
-  if (broken_.empty()) broken_ = "the communicator was closed";
+  if (broken_.empty()) broken_ = "the communicator was closed; create a new strategy";
 }
 
 void GlooCommunicator::watch() {
@@ -248,6 +292,9 @@ void GlooCommunicator::watch() {
   std::int64_t seen = 0, reported = 0;
   std::unique_lock<std::mutex> lock(watch_mu_);
   while (!watch_cv_.wait_for(lock, kTick, [this] { return stopping_; })) {
+    // A header wait over Gloo cannot time out without breaking the mesh:
+    // waking it lets the waiting thread look at signals, stalls and the clock.
+    if (waiting_in_) waiting_in_->abortWaitRecv();
     const std::int64_t now = running_.load(std::memory_order_relaxed);
     // Seen on two ticks in a row: this collective has been waiting for a while.
     if (now != 0 && now == seen && now != reported) {
@@ -271,23 +318,202 @@ void GlooCommunicator::check_replicas(int n, const char* what) const {
                                 " replicas");
 }
 
+CollectiveHeader GlooCommunicator::header(CollectiveHeader::Kind kind) {
+  CollectiveHeader h;
+  h.kind = kind;
+  return h;
+}
+
+std::size_t GlooCommunicator::inline_capacity() const {
+  return shm_ ? CollectiveHeader::kInlineBytes : kGlooInlineBytes;
+}
+
+void GlooCommunicator::set_payload(CollectiveHeader& h, const void* data, std::size_t bytes) {
+  h.inline_bytes = static_cast<std::uint32_t>(bytes);
+  if (bytes <= CollectiveHeader::kInlineBytes) std::memcpy(h.data, data, bytes);
+  payload_ = static_cast<const char*>(data);
+}
+
+const char* GlooCommunicator::payload(int rank) const {
+  if (shm_) return table_[rank].data;
+  return rank == rank_ ? payload_ : in_messages_.data() + rank * kGlooMessageBytes + sizeof(CollectiveHeader);
+}
+
 template <typename Fn>
-void GlooCommunicator::collective(const char* what, Fn&& fn) {
-  if (!broken_.empty())
-    throw PeerLost(std::string(what) + ": the multi-worker mesh is down (" + broken_ +
-                   "); after a failure restart the job, after close() create a new strategy");
-  const std::int64_t seq = ++seq_;
-  running_.store(seq, std::memory_order_relaxed);
+void GlooCommunicator::collective(CollectiveHeader& mine, Fn&& fn) {
+  const char* what = kind_name(mine.kind);
+  if (!broken_.empty()) throw PeerLost(std::string(what) + ": " + broken_);
+  mine.seq = static_cast<std::uint64_t>(++seq_);
+  running_.store(seq_, std::memory_order_relaxed);
+  // "No timeout" still needs a finite wait for Gloo; a dead peer is detected
+  // through its socket long before this.
+  const auto timeout = timeout_.count() > 0 ? timeout_ : std::chrono::hours(24 * 30);
   try {
-    // "No timeout" still needs a finite wait for Gloo; a dead peer is detected
-    // through its socket long before this.
+    agree(mine, after(timeout));
+  } catch (const CollectiveMismatch&) {
+    running_.store(0, std::memory_order_relaxed);
+    throw;  // every process raises the same; no data moved
+  } catch (const Interrupted& e) {
+    running_.store(0, std::memory_order_relaxed);
+    interrupted(what, e);
+  } catch (const std::exception& e) {
+    running_.store(0, std::memory_order_relaxed);
+    fail(what, e);
+  }
+  continue_collective(what, [&](std::uint32_t tag, std::chrono::milliseconds t) { fn(tag, t); });
+}
+
+template <typename Fn>
+void GlooCommunicator::continue_collective(const char* what, Fn&& fn) {
+  if (!broken_.empty()) throw PeerLost(std::string(what) + ": " + broken_);
+  running_.store(seq_, std::memory_order_relaxed);
+  try {
     const auto timeout = timeout_.count() > 0 ? timeout_ : std::chrono::hours(24 * 30);
-    fn(static_cast<std::uint32_t>(seq), timeout);
+    fn(static_cast<std::uint32_t>(seq_), timeout);
+  } catch (const Interrupted& e) {
+    running_.store(0, std::memory_order_relaxed);
+    interrupted(what, e);
   } catch (const std::exception& e) {
     running_.store(0, std::memory_order_relaxed);
     fail(what, e);
   }
   running_.store(0, std::memory_order_relaxed);
+}
+
+void GlooCommunicator::agree(const CollectiveHeader& mine, Deadline deadline) {
+  wait_start_ = Clock::now();
+  next_stall_ = stall_period_;
+  current_kind_ = mine.kind;
+  if (shm_) {
+    shm_->exchange(&mine, sizeof(mine), shm_table_, deadline,
+                   [this](const std::vector<int>& missing) { on_wait(missing); });
+    table_.resize(size());
+    for (int r = 0; r < size(); ++r) std::memcpy(&table_[r], shm_table_[r], sizeof(CollectiveHeader));
+  } else {
+    agree_over_gloo(mine, deadline);
+  }
+  check_agreement(mine);
+}
+
+void GlooCommunicator::agree_over_gloo(const CollectiveHeader& mine, Deadline deadline) {
+  constexpr std::size_t kBytes = sizeof(CollectiveHeader);
+  if (!header_out_) {
+    out_message_.assign(kGlooMessageBytes, 0);
+    in_messages_.assign(size() * kGlooMessageBytes, 0);
+    header_out_ = context_->createUnboundBuffer(out_message_.data(), out_message_.size());
+    header_in_ = context_->createUnboundBuffer(in_messages_.data(), in_messages_.size());
+  }
+  std::memcpy(out_message_.data(), &mine, kBytes);
+  if (mine.inline_bytes > 0) std::memcpy(out_message_.data() + kBytes, payload_, mine.inline_bytes);
+  // One slot for every header: a pair delivers them in order, and every
+  // process sends exactly one per collective.
+  const std::uint64_t slot = gloo::Slot::build(kHeaderSlotPrefix, 0);
+  // A message may be shorter than the slot posted for it: the header says how long.
+  for (int r = 0; r < size(); ++r)
+    if (r != rank_) header_in_->recv(r, slot, r * kGlooMessageBytes, kGlooMessageBytes);
+  for (int r = 0; r < size(); ++r)
+    if (r != rank_) header_out_->send(r, slot, 0, kBytes + mine.inline_bytes);
+  std::vector<char> arrived(size(), 0);
+  arrived[rank_] = 1;
+  int left = size() - 1;
+  {
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    waiting_in_ = header_in_.get();
+  }
+  struct Unregister {
+    GlooCommunicator* self;
+    ~Unregister() {
+      std::lock_guard<std::mutex> lock(self->watch_mu_);
+      self->waiting_in_ = nullptr;
+    }
+  } unregister{this};
+  auto next_wake = Clock::now() + ShmReducer::kWakeEvery;
+  while (left > 0) {
+    const auto now = Clock::now();
+    if (now >= deadline) throw PeerTimeout("Timed out waiting for peers to reach this collective");
+    if (now >= next_wake) {
+      std::vector<int> missing;
+      for (int r = 0; r < size(); ++r)
+        if (!arrived[r]) missing.push_back(r);
+      on_wait(missing);
+      next_wake = Clock::now() + ShmReducer::kWakeEvery;
+    }
+    // Woken early (false) by the watchdog; Gloo's own timeout is a backstop only.
+    const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now) + std::chrono::seconds(1);
+    int src = -1;
+    if (header_in_->waitRecv(&src, wait)) {
+      if (src >= 0 && src < size()) arrived[src] = 1;
+      --left;
+    }
+  }
+  for (int r = 0; r < size() - 1; ++r) header_out_->waitSend(std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::max(deadline - Clock::now(), Clock::duration(std::chrono::seconds(1)))));
+  table_.resize(size());
+  for (int r = 0; r < size(); ++r)
+    if (r != rank_) std::memcpy(&table_[r], in_messages_.data() + r * kGlooMessageBytes, kBytes);
+  table_[rank_] = mine;
+}
+
+void GlooCommunicator::check_agreement(const CollectiveHeader& mine) {
+  // Every process reads the same table, so every process throws the same
+  // error, naming rank 0 and the first rank that differs from it.
+  const CollectiveHeader& a = table_[0];
+  for (int r = 1; r < size(); ++r) {
+    const CollectiveHeader& b = table_[r];
+    if (same_call(a, b)) continue;
+    std::string message;
+    if (a.seq != b.seq) {
+      message = "collectives out of step: " + tasks_[0] + " is at collective #" + std::to_string(a.seq) + " (" +
+                kind_name(a.kind) + "), " + tasks_[r] + " at #" + std::to_string(b.seq) + " (" +
+                kind_name(b.kind) + ")";
+      // Numbering never realigns: nothing later can be trusted.
+      broken_ = "this job's collectives are broken since collective #" + std::to_string(mine.seq) + " (" + message +
+                "); restart the job";
+    } else if (a.kind != b.kind) {
+      message = "collective #" + std::to_string(a.seq) + ": " + tasks_[0] + " calls " + kind_name(a.kind) + " (" +
+                describe(a) + "), " + tasks_[r] + " calls " + kind_name(b.kind) + " (" + describe(b) + ")";
+    } else {
+      message = std::string(kind_name(a.kind)) + " #" + std::to_string(a.seq) + ": " + tasks_[0] + " passes " +
+                describe(a) + ", " + tasks_[r] + " passes " + describe(b);
+    }
+    throw CollectiveMismatch(message +
+                             "; every worker must run the same collectives in the same order, with the same sizes, "
+                             "dtypes, ops and roots (no data was exchanged)");
+  }
+}
+
+void GlooCommunicator::on_wait(const std::vector<int>& missing) {
+  check_peers();
+  if (!wait_hook_) return;
+  WaitReport report;
+  report.collective = std::string(kind_name(current_kind_)) + " #" + std::to_string(seq_);
+  const auto waited = Clock::now() - wait_start_;
+  report.waited_s = std::chrono::duration<double>(waited).count();
+  if (stall_period_.count() > 0 && waited >= next_stall_) {
+    report.stalled = true;
+    next_stall_ = waited + stall_period_;
+  }
+  for (int r : missing) report.missing.push_back(tasks_[r]);
+  wait_hook_(report);
+}
+
+void GlooCommunicator::interrupted(const std::string& what, const Interrupted& cause) {
+  const std::string at = what + " #" + std::to_string(seq_);
+  try {
+    const std::string record = static_cast<char>('0' + static_cast<int>(Verdict::kUnknown)) + std::string("task ") +
+                               tasks_[rank_] + " was interrupted (" + cause.what() + ") in " + at;
+    store_->set(prefix_ + "failed/" + std::to_string(rank_), std::vector<char>(record.begin(), record.end()));
+  } catch (const std::exception&) {
+    // The store is gone; peers will find out themselves.
+  }
+  // Peers waiting for us fail at once instead of at their timeout.
+  if (shm_) shm_->abort();
+  header_out_.reset();
+  header_in_.reset();
+  context_.reset();
+  broken_ = "this job's collectives are broken since " + at + ": task " + tasks_[rank_] + " was interrupted (" +
+            cause.what() + "); restart the job";
+  throw cause;
 }
 
 void GlooCommunicator::fail(const char* what, const std::exception& cause) {
@@ -304,9 +530,12 @@ void GlooCommunicator::fail(const char* what, const std::exception& cause) {
   // Closing every pair (and waking every shared-memory waiter) makes peers
   // blocked on us fail at once instead of at their own timeout.
   if (shm_) shm_->abort();
+  header_out_.reset();
+  header_in_.reset();
   context_.reset();
-  broken_ = std::string(what) + " across workers failed at collective #" + std::to_string(seq_) + " on task " +
-            tasks_[rank_] + ": " + who + " [" + cause.what() + "]";
+  broken_ = "this job's collectives are broken since " + std::string(what) + " #" + std::to_string(seq_) +
+            " (failed on task " + tasks_[rank_] + ": " + who + " [" + cause.what() +
+            "]); restart the job (from a checkpoint)";
   if (verdict == Verdict::kBehind || (verdict == Verdict::kUnknown && timed_out)) throw PeerTimeout(broken_);
   throw PeerLost(broken_);
 }
@@ -329,9 +558,22 @@ std::string GlooCommunicator::diagnose(std::int64_t seq, bool timed_out, Verdict
         *verdict = static_cast<Verdict>(record.at(0) - '0');
         return std::string(record.begin() + 1, record.end()) + " (found by " + tasks_[r] + ", which gave up first)";
       }
+    } catch (const PeerTimeout&) {
+      *verdict = Verdict::kBehind;  // alive but silent: not "gone"
+      return "task " + store_->server_task() + " (which serves the rendezvous store) is not responding: it is "
+             "stopped (e.g. SIGSTOP), hung or overloaded";
     } catch (const std::exception&) {
       *verdict = Verdict::kGone;
       return "task " + store_->server_task() + " (which serves the rendezvous store) is gone";
+    }
+    // Frozen ourselves for about the timeout (our store's loop saw it): the
+    // peers gave up on us, so whoever left did nothing wrong.
+    const auto pause = recent_pause(std::chrono::seconds(10));  // we fail right after resuming
+    if (timeout_.count() > 0 && pause * 2 >= timeout_ && pause.count() > 0) {
+      *verdict = Verdict::kBehind;
+      return "this task (" + tasks_[rank_] + ") was frozen for " + seconds(pause) +
+             " (SIGSTOP, or a stalled machine), about the job's timeout of " + seconds(timeout_) +
+             " or longer, so its peers gave up waiting for it";
     }
     std::vector<std::string> gone, behind;
     for (int r = 0; r < size() && r < static_cast<int>(tasks.size()); ++r) {
@@ -364,40 +606,54 @@ void GlooCommunicator::all_reduce(int n, const void* const* in, void* const* out
   combine_local(n, in, acc, 0, count, dtype, op);
   const std::size_t bytes = count * dtype_size(dtype);
   const auto combine_fn = reduce_kernels().combine[static_cast<int>(dtype)][static_cast<int>(combining_op(op))];
-  // Small buffers are latency-bound: one all-gather round and a local
-  // reduction beats the ring's 2(p-1) rounds. Every process combines the same
-  // contributions in rank order, so every process gets the same bits. (With
-  // fewer elements than processes most ring segments are empty: ring wins.)
-  const bool direct = algorithm == Algorithm::kDirect ||
-                      (algorithm == Algorithm::kAuto && bytes <= kDirectMaxBytes && count >= std::size_t(size()));
-  if (size() > 1 && count > 0 && shm_ && algorithm == Algorithm::kAuto) {
-    collective("all_reduce", [&](std::uint32_t, std::chrono::milliseconds timeout) {
-      shm_->all_reduce(acc, count, dtype, op, after(timeout), [this] { check_peers(); });
-    });
-  } else if (size() > 1 && count > 0 && direct) {
-    gathered_.resize(bytes * size());
-    collective("all_reduce", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
-      gloo::AllgatherOptions o(context_);
-      o.setInput(static_cast<std::uint8_t*>(acc), bytes);
-      o.setOutput(reinterpret_cast<std::uint8_t*>(gathered_.data()), gathered_.size());
-      o.setTag(tag);
-      o.setTimeout(timeout);
-      gloo::allgather(o);
-    });
-    combine_fn(acc, gathered_.data(), gathered_.data() + bytes, count);
-    for (int r = 2; r < size(); ++r) combine_fn(acc, acc, gathered_.data() + r * bytes, count);
-  } else if (size() > 1 && count > 0) {
-    collective("all_reduce", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
-      gloo::AllreduceOptions o(context_);
-      with_element(dtype_size(dtype), [&](auto t) { o.setOutput(static_cast<decltype(t)*>(acc), count); });
-      o.setReduceFunction(combine_fn);
-      // Ring moves 2(p-1)/p of the buffer per process, the bandwidth optimum;
-      // bcube ("tree") takes log(p) rounds.
-      o.setAlgorithm(algorithm == Algorithm::kTree ? gloo::AllreduceOptions::Algorithm::BCUBE
-                                                   : gloo::AllreduceOptions::Algorithm::RING);
-      o.setTag(tag);
-      o.setTimeout(timeout);
-      gloo::allreduce(o);
+  if (size() > 1) {
+    CollectiveHeader h = header(CollectiveHeader::kAllReduce);
+    h.count = count;
+    h.dtype = static_cast<std::uint8_t>(dtype);
+    h.op = static_cast<std::uint8_t>(op);
+    h.algorithm = static_cast<std::uint8_t>(algorithm);
+    // Tiny buffers ride in the headers: once they are agreed, every process
+    // combines every contribution in rank order, so every process gets the same bits.
+    const bool tiny = bytes <= inline_capacity() && (algorithm == Algorithm::kAuto || algorithm == Algorithm::kDirect);
+    if (tiny && count > 0) set_payload(h, acc, bytes);
+    // Small buffers are latency-bound: one all-gather round and a local
+    // reduction beats the ring's 2(p-1) rounds. (With fewer elements than
+    // processes most ring segments are empty: ring wins.)
+    const bool direct = algorithm == Algorithm::kDirect ||
+                        (algorithm == Algorithm::kAuto && bytes <= kDirectMaxBytes && count >= std::size_t(size()));
+    collective(h, [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
+      if (count == 0) return;
+      if (tiny) {
+        // Into scratch: acc is this rank's payload, read for every rank in turn.
+        scratch_.resize(bytes);
+        combine_fn(scratch_.data(), payload(0), payload(1), count);
+        for (int r = 2; r < size(); ++r) combine_fn(scratch_.data(), scratch_.data(), payload(r), count);
+        std::memcpy(acc, scratch_.data(), bytes);
+      } else if (shm_ && algorithm == Algorithm::kAuto) {
+        shm_->all_reduce(acc, count, dtype, op, after(timeout),
+                         [this](const std::vector<int>& missing) { on_wait(missing); });
+      } else if (direct) {
+        gathered_.resize(bytes * size());
+        gloo::AllgatherOptions o(context_);
+        o.setInput(static_cast<std::uint8_t*>(acc), bytes);
+        o.setOutput(reinterpret_cast<std::uint8_t*>(gathered_.data()), gathered_.size());
+        o.setTag(tag);
+        o.setTimeout(timeout);
+        gloo::allgather(o);
+        combine_fn(acc, gathered_.data(), gathered_.data() + bytes, count);
+        for (int r = 2; r < size(); ++r) combine_fn(acc, acc, gathered_.data() + r * bytes, count);
+      } else {
+        gloo::AllreduceOptions o(context_);
+        with_element(dtype_size(dtype), [&](auto t) { o.setOutput(static_cast<decltype(t)*>(acc), count); });
+        o.setReduceFunction(combine_fn);
+        // Ring moves 2(p-1)/p of the buffer per process, the bandwidth optimum;
+        // bcube ("tree") takes log(p) rounds.
+        o.setAlgorithm(algorithm == Algorithm::kTree ? gloo::AllreduceOptions::Algorithm::BCUBE
+                                                     : gloo::AllreduceOptions::Algorithm::RING);
+        o.setTag(tag);
+        o.setTimeout(timeout);
+        gloo::allreduce(o);
+      }
     });
   }
   if (op == ReduceOp::kMean && count > 0) reduce_kernels().divide[static_cast<int>(dtype)](acc, count, n * size());
@@ -416,8 +672,19 @@ void GlooCommunicator::broadcast(int n, const void* const* in, void* const* out,
   const std::size_t bytes = count * dtype_size(dtype);
   void* mine = rank_ == root_rank ? out[root_local] : out[0];
   if (rank_ == root_rank && mine != in[root_local]) std::memcpy(mine, in[root_local], bytes);
-  if (size() > 1 && bytes > 0) {
-    collective("broadcast", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
+  if (size() > 1) {
+    CollectiveHeader h = header(CollectiveHeader::kBroadcast);
+    h.count = count;
+    h.dtype = static_cast<std::uint8_t>(dtype);
+    h.root = root;
+    const bool tiny = bytes <= inline_capacity();
+    if (tiny && rank_ == root_rank) set_payload(h, mine, bytes);
+    collective(h, [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
+      if (bytes == 0) return;
+      if (tiny) {
+        if (rank_ != root_rank) std::memcpy(mine, payload(root_rank), bytes);
+        return;
+      }
       gloo::BroadcastOptions o(context_);
       o.setOutput(static_cast<std::uint8_t*>(mine), bytes);
       o.setRoot(root_rank);
@@ -439,15 +706,33 @@ void GlooCommunicator::reduce(int n, const void* const* in, void* const* out, st
   std::lock_guard<std::mutex> lock(mu_);
   const int root_rank = root / n, root_local = root % n;
   const bool is_root = rank_ == root_rank;
+  const std::size_t bytes = count * dtype_size(dtype);
   // Outputs other than the root's stay untouched, so other processes reduce into scratch.
-  if (!is_root) scratch_.resize(count * dtype_size(dtype));
+  if (!is_root) scratch_.resize(bytes);
   void* acc = is_root ? out[root_local] : static_cast<void*>(scratch_.data());
   combine_local(n, in, acc, is_root ? root_local : 0, count, dtype, op);
-  if (size() > 1 && count > 0) {
-    collective("reduce", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
+  const auto combine_fn = reduce_kernels().combine[static_cast<int>(dtype)][static_cast<int>(combining_op(op))];
+  if (size() > 1) {
+    CollectiveHeader h = header(CollectiveHeader::kReduce);
+    h.count = count;
+    h.dtype = static_cast<std::uint8_t>(dtype);
+    h.op = static_cast<std::uint8_t>(op);
+    h.root = root;
+    const bool tiny = bytes <= inline_capacity();
+    if (tiny && count > 0) set_payload(h, acc, bytes);
+    collective(h, [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
+      if (count == 0) return;
+      if (tiny) {
+        if (!is_root) return;
+        std::vector<char> sum(bytes);
+        combine_fn(sum.data(), payload(0), payload(1), count);
+        for (int r = 2; r < size(); ++r) combine_fn(sum.data(), sum.data(), payload(r), count);
+        std::memcpy(acc, sum.data(), bytes);
+        return;
+      }
       gloo::ReduceOptions o(context_);
       with_element(dtype_size(dtype), [&](auto t) { o.setOutput(static_cast<decltype(t)*>(acc), count); });
-      o.setReduceFunction(reduce_kernels().combine[static_cast<int>(dtype)][static_cast<int>(combining_op(op))]);
+      o.setReduceFunction(combine_fn);
       o.setRoot(root_rank);
       o.setTag(tag);
       o.setTimeout(timeout);
@@ -458,15 +743,27 @@ void GlooCommunicator::reduce(int n, const void* const* in, void* const* out, st
     reduce_kernels().divide[static_cast<int>(dtype)](acc, count, n * size());
 }
 
-std::vector<std::uint64_t> GlooCommunicator::exchange(const std::vector<std::uint64_t>& mine) {
+std::vector<std::uint64_t> GlooCommunicator::exchange(const std::vector<std::uint64_t>& mine,
+                                                      CollectiveHeader::Kind kind) {
   std::lock_guard<std::mutex> lock(mu_);
-  return exchange_locked(mine);
+  return exchange_locked(mine, kind);
 }
 
-std::vector<std::uint64_t> GlooCommunicator::exchange_locked(const std::vector<std::uint64_t>& mine) {
+std::vector<std::uint64_t> GlooCommunicator::exchange_locked(const std::vector<std::uint64_t>& mine,
+                                                             CollectiveHeader::Kind kind) {
   if (size() == 1 || mine.empty()) return mine;
   std::vector<std::uint64_t> in(mine), all(mine.size() * size());
-  collective("exchange", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
+  const std::size_t bytes = mine.size() * sizeof(std::uint64_t);
+  CollectiveHeader h = header(kind);
+  h.count = mine.size();
+  h.dtype = static_cast<std::uint8_t>(DType::kInt64);
+  const bool tiny = bytes <= inline_capacity();
+  if (tiny) set_payload(h, in.data(), bytes);
+  collective(h, [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
+    if (tiny) {
+      for (int r = 0; r < size(); ++r) std::memcpy(all.data() + r * mine.size(), payload(r), bytes);
+      return;
+    }
     gloo::AllgatherOptions o(context_);
     o.setInput(in.data(), in.size());
     o.setOutput(all.data(), all.size());
@@ -480,32 +777,47 @@ std::vector<std::uint64_t> GlooCommunicator::exchange_locked(const std::vector<s
 void GlooCommunicator::all_gather(int n, const void* const* in, void* const* out, const std::size_t* row_bytes,
                                   std::size_t outer) {
   check_replicas(n, "all_gather");
-  std::lock_guard<std::mutex> lock(mu_);
   // Every process learns every process's row count and row sizes first.
   std::vector<std::uint64_t> mine{outer};
   mine.insert(mine.end(), row_bytes, row_bytes + n);
-  const auto all = exchange_locked(mine);
-  const std::size_t stride = n + 1;
-  std::vector<std::size_t> block(size(), 0);  // bytes contributed by each process
-  for (int r = 0; r < size(); ++r) {
-    if (all[r * stride] != outer)
-      throw std::invalid_argument("all_gather: task " + tasks_[r] + " has " + std::to_string(all[r * stride]) +
-                                  " rows before the gather axis but " + tasks_[rank_] + " has " +
-                                  std::to_string(outer) + "; shapes may differ along the gather axis only");
-    for (int j = 0; j < n; ++j) block[r] += outer * all[r * stride + 1 + j];
+  std::vector<std::uint64_t> job_rows;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto all = exchange_locked(mine, CollectiveHeader::kAllGather);
+    const std::size_t stride = n + 1;
+    for (int r = 0; r < size(); ++r) {
+      if (all[r * stride] != all[0])
+        throw CollectiveMismatch("all_gather #" + std::to_string(seq_) + ": " + tasks_[0] + " has " +
+                                 std::to_string(all[0]) + " rows before the gather axis, " + tasks_[r] + " has " +
+                                 std::to_string(all[r * stride]) +
+                                 "; shapes may differ along the gather axis only (no data was exchanged)");
+      job_rows.insert(job_rows.end(), all.begin() + r * stride + 1, all.begin() + (r + 1) * stride);
+    }
   }
+  all_gather_planned(n, in, out, job_rows.data(), outer);
+}
+
+void GlooCommunicator::all_gather_planned(int n, const void* const* in, void* const* out,
+                                          const std::uint64_t* job_row_bytes, std::size_t outer) {
+  check_replicas(n, "all_gather");
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::size_t> block(size(), 0);  // bytes contributed by each process
+  for (int r = 0; r < size(); ++r)
+    for (int j = 0; j < n; ++j) block[r] += outer * job_row_bytes[r * n + j];
   // This process's contribution: each local replica's whole buffer in turn.
   scratch_.resize(block[rank_]);
   std::size_t at = 0;
   for (int j = 0; j < n; ++j) {
-    std::memcpy(scratch_.data() + at, in[j], outer * row_bytes[j]);
-    at += outer * row_bytes[j];
+    const std::size_t b = outer * job_row_bytes[rank_ * n + j];
+    std::memcpy(scratch_.data() + at, in[j], b);
+    at += b;
   }
   std::size_t total = 0;
   for (auto b : block) total += b;
   if (size() > 1 && total > 0) {
     gathered_.resize(total);
-    collective("all_gather", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
+    // The data stage of the collective whose size table was just agreed.
+    continue_collective("all_gather", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
       gloo::AllgathervOptions o(context_);
       o.setInput(reinterpret_cast<std::uint8_t*>(scratch_.data()), block[rank_]);
       o.setOutput(reinterpret_cast<std::uint8_t*>(gathered_.data()), block);
@@ -523,7 +835,7 @@ void GlooCommunicator::all_gather(int n, const void* const* in, void* const* out
     for (int r = 0; r < size(); ++r) {
       const char* replica = base;
       for (int j = 0; j < n; ++j) {
-        const std::size_t rb = all[r * stride + 1 + j];
+        const std::size_t rb = job_row_bytes[r * n + j];
         std::memcpy(dst, replica + row * rb, rb);
         dst += rb;
         replica += outer * rb;
@@ -537,12 +849,9 @@ void GlooCommunicator::all_gather(int n, const void* const* in, void* const* out
 void GlooCommunicator::barrier() {
   std::lock_guard<std::mutex> lock(mu_);
   if (size() == 1) return;
-  collective("barrier", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
-    gloo::BarrierOptions o(context_);
-    o.setTag(tag);
-    o.setTimeout(timeout);
-    gloo::barrier(o);
-  });
+  // Agreeing on the headers is a barrier already.
+  CollectiveHeader h = header(CollectiveHeader::kBarrier);
+  collective(h, [](std::uint32_t, std::chrono::milliseconds) {});
 }
 
 }  // namespace mirrored::net

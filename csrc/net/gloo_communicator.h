@@ -3,6 +3,13 @@
 // combined first with the host reduce kernels, one buffer per process crosses
 // the network through Gloo, and the result is copied back to every local
 // replica. Replica g of the job is local replica g % n of process g / n.
+//
+// Every collective starts with an agreement: each process sends every peer a
+// fixed-size header (which collective, its number, element count, dtype, op,
+// root, ...; payloads up to kInlineBytes ride along), through the shared
+// segment when there is one, else as one small Gloo message per peer. Any
+// difference raises the same CollectiveMismatch on every process before any
+// data moves; tiny collectives are complete after the headers.
 #pragma once
 
 #include <atomic>
@@ -10,20 +17,49 @@
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "core/communicator.h"
+#include "net/errors.h"
 #include "net/shm_reducer.h"
 #include "net/store.h"
 
 namespace gloo {
 class Context;
+namespace transport {
+class UnboundBuffer;
 }
+}  // namespace gloo
 
 namespace mirrored::net {
+
+// A collective as every process must call it. Fixed layout: it crosses the network as bytes.
+struct CollectiveHeader {
+  enum Kind : std::uint8_t { kAllReduce = 1, kBroadcast, kReduce, kAllGather, kBarrier, kExchange };
+  std::uint64_t seq = 0;    // collectives this communicator has run, this one included
+  std::uint64_t count = 0;  // elements (exchange, all_gather: 64-bit values of the size record)
+  std::int64_t root = -1;   // a replica of the job; -1: none
+  std::uint8_t kind = 0;
+  std::uint8_t dtype = 0;
+  std::uint8_t op = 0;
+  std::uint8_t algorithm = 0;
+  std::uint32_t inline_bytes = 0;  // payload carried in `data`
+  static constexpr std::size_t kInlineBytes = 64;
+  char data[kInlineBytes] = {};
+};
+static_assert(sizeof(CollectiveHeader) == 96, "the header's layout is part of the wire format");
+
+// What a collective that waits long reports (see set_wait_hook).
+struct WaitReport {
+  std::string collective;            // e.g. "all_reduce #12"
+  double waited_s = 0;               // since the wait began
+  std::vector<std::string> missing;  // tasks that have not arrived yet
+  bool stalled = false;              // a stall warning is due (see set_stall_warning)
+};
 
 class GlooCommunicator : public Communicator {
  public:
@@ -54,8 +90,25 @@ class GlooCommunicator : public Communicator {
   // row count are exchanged first, so they may differ between processes.
   void all_gather(int n, const void* const* in, void* const* out, const std::size_t* row_bytes,
                   std::size_t outer) override;
-  // Every process's `mine` (all of the same length), concatenated in rank order.
-  std::vector<std::uint64_t> exchange(const std::vector<std::uint64_t>& mine);
+  // Every process's `mine` (all of the same length), concatenated in rank
+  // order. `kind` names the collective this exchange opens (kExchange, or
+  // kAllGather for the size table of a gather: all_gather_planned continues it).
+  std::vector<std::uint64_t> exchange(const std::vector<std::uint64_t>& mine,
+                                      CollectiveHeader::Kind kind = CollectiveHeader::kExchange);
+  // The data stage of the all-gather whose size table the last exchange(...,
+  // kAllGather) agreed: job_row_bytes holds every replica's row size, in job
+  // replica order; no sizes are exchanged again.
+  void all_gather_planned(int n, const void* const* in, void* const* out, const std::uint64_t* job_row_bytes,
+                          std::size_t outer);
+  // Collectives started so far (the number of the last one).
+  std::int64_t collectives() const { return seq_; }
+  // Called from the calling thread about every 100 ms while a collective waits
+  // for peers to arrive (never on the fast path). It may throw Interrupted (a
+  // signal) to end the wait: the job's collectives are then broken.
+  void set_wait_hook(std::function<void(const WaitReport&)> hook) { wait_hook_ = std::move(hook); }
+  // A wait longer than `period` reports `stalled`, and again after every
+  // further period (zero: never). The call is not failed: the timeout does that.
+  void set_stall_warning(std::chrono::milliseconds period) { stall_period_ = period; }
   void barrier();
   // Stops the watchdog and closes the mesh; later calls raise. Idempotent.
   void close();
@@ -64,16 +117,34 @@ class GlooCommunicator : public Communicator {
   // Runs one Gloo operation (the caller holds the call mutex) with a fresh
   // tag; on failure tears the mesh down (so that peers blocked on us fail
   // fast too) and throws an error naming the culprits.
+  // Agrees on `mine` with every peer (throwing CollectiveMismatch on every
+  // process alike), then runs the data stage fn(table, tag, timeout) unless
+  // `mine` needs none. On failure tears the mesh down (so that peers blocked
+  // on us fail fast too) and throws an error naming the culprits.
   template <typename Fn>
-  void collective(const char* what, Fn&& fn);
+  void collective(CollectiveHeader& mine, Fn&& fn);
+  // A data stage without its own agreement (the caller agreed already).
+  template <typename Fn>
+  void continue_collective(const char* what, Fn&& fn);
+  void agree(const CollectiveHeader& mine, Deadline deadline);
+  void agree_over_gloo(const CollectiveHeader& mine, Deadline deadline);
+  void check_agreement(const CollectiveHeader& mine);
+  void on_wait(const std::vector<int>& missing);
+  CollectiveHeader header(CollectiveHeader::Kind kind);
+  // Payloads up to inline_capacity() bytes ride with the header (the
+  // segment's record holds 64 bytes; a Gloo message more).
+  std::size_t inline_capacity() const;
+  void set_payload(CollectiveHeader& h, const void* data, std::size_t bytes);
+  const char* payload(int rank) const;  // rank's inline payload, once agreed
   [[noreturn]] void fail(const char* what, const std::exception& cause);
+  [[noreturn]] void interrupted(const std::string& what, const Interrupted& cause);
   enum class Verdict { kGone, kBehind, kUnknown };
   std::string diagnose(std::int64_t seq, bool timed_out, Verdict* verdict);
   void check_replicas(int n, const char* what) const;
   void watch();
   void setup_shared_memory();
   void check_peers();
-  std::vector<std::uint64_t> exchange_locked(const std::vector<std::uint64_t>& mine);
+  std::vector<std::uint64_t> exchange_locked(const std::vector<std::uint64_t>& mine, CollectiveHeader::Kind kind);
 
   std::shared_ptr<StoreClient> store_;
   const std::vector<std::string> tasks_;
@@ -85,6 +156,18 @@ class GlooCommunicator : public Communicator {
   std::mutex mu_;
   std::int64_t seq_ = 0;
   std::string broken_;         // why the mesh was torn down; empty while healthy
+  std::vector<CollectiveHeader> table_;   // every process's header of the current collective, in rank order
+  std::vector<const char*> shm_table_;    // the same, where the shared segment holds it
+  std::chrono::steady_clock::time_point wait_start_;  // of the current collective's agreement
+  std::uint8_t current_kind_ = 0;
+  std::chrono::milliseconds stall_period_{0};
+  std::chrono::steady_clock::duration next_stall_{};  // since wait_start_
+  std::function<void(const WaitReport&)> wait_hook_;
+  // The Gloo path's headers: one message to and from every peer, in buffers registered once.
+  std::unique_ptr<gloo::transport::UnboundBuffer> header_out_, header_in_;
+  std::vector<char> out_message_, in_messages_;  // header + inline payload; one slot per rank for the peers'
+  const char* payload_ = nullptr;                 // this process's inline payload in the current collective
+  gloo::transport::UnboundBuffer* waiting_in_ = nullptr;  // poked by the watchdog to wake the wait (watch_mu_)
   std::vector<char> scratch_;  // reused across calls
   std::vector<char> gathered_;
   // All processes on one machine: large all-reduces go through shared memory.

@@ -113,7 +113,7 @@ Socket listen_on(const std::string& host, int port, int* bound_port) {
   resolve(host, port, true, &ai);
   std::string last = "no address";
   for (addrinfo* a = ai.list; a; a = a->ai_next) {
-    Socket s(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
+    Socket s(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
     if (!s.valid()) { last = errno_text(errno); continue; }
     // A restarted job must be able to rebind at once, not after TIME_WAIT.
     const int one = 1;
@@ -164,6 +164,16 @@ Socket accept_for(const Socket& listener, std::chrono::milliseconds wait) {
   pollfd p{listener.fd(), POLLIN, 0};
   if (::poll(&p, 1, static_cast<int>(wait.count())) <= 0) return Socket();
   Socket s(::accept4(listener.fd(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+  if (s.valid()) {
+    const int one = 1;
+    ::setsockopt(s.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  }
+  return s;
+}
+
+Socket accept_now(const Socket& listener, int* error) {
+  Socket s(::accept4(listener.fd(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+  *error = s.valid() ? 0 : errno;
   if (s.valid()) {
     const int one = 1;
     ::setsockopt(s.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));

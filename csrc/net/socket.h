@@ -12,7 +12,13 @@ namespace mirrored::net {
 using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
 inline Deadline never() { return Deadline::max(); }
-inline Deadline after(std::chrono::milliseconds d) { return Clock::now() + d; }
+// Saturates: a huge or "no timeout" duration means never, not an overflowed past.
+inline Deadline after(std::chrono::milliseconds d) {
+  const Deadline now = Clock::now();
+  if (d.count() <= 0) return now;
+  if (d >= std::chrono::duration_cast<std::chrono::milliseconds>(Deadline::max() - now)) return never();
+  return now + d;
+}
 
 class Socket {
  public:
@@ -39,12 +45,15 @@ class Socket {
   int fd_ = -1;
 };
 
-// A listening socket bound to exactly host:port (port 0: any free port, see bound_port).
+// A non-blocking listening socket bound to exactly host:port (port 0: any free port, see bound_port).
 Socket listen_on(const std::string& host, int port, int* bound_port);
 // A connected socket, or an invalid one with *error set; never waits past deadline.
 Socket try_connect(const std::string& host, int port, Deadline deadline, std::string* error);
 // Accepts one connection if one arrives within `wait`; invalid Socket otherwise.
 Socket accept_for(const Socket& listener, std::chrono::milliseconds wait);
+// Accepts one pending connection without waiting (non-blocking, TCP_NODELAY);
+// an invalid Socket with *error = errno (EAGAIN: none pending, EMFILE: out of descriptors).
+Socket accept_now(const Socket& listener, int* error);
 
 // Length-prefixed little-endian framing shared by the store's client and server.
 class Encoder {

@@ -4,18 +4,19 @@
 // contract) it keeps, per task, whether its connection is open and which
 // collective it last started, so that a failed collective can name the task
 // that died or fell behind.
+//
+// The server is one thread running a poll() loop, so that whatever other
+// local processes do (connection floods, garbage, huge announced sizes, a
+// descriptor limit) costs bounded memory and CPU and never ends the job.
 #pragma once
 
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <list>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
-#include <unordered_map>
 #include <vector>
 
 #include "net/socket.h"
@@ -28,52 +29,72 @@ struct TaskState {
   std::int64_t progress = -1;  // sequence number of the last collective it started
 };
 
+// Bounds of everything a peer can make the server hold. A real job stays far
+// below them (a few keys of a few hundred bytes per task and strategy).
+struct StoreLimits {
+  // Connections that have not finished the handshake; when full, the oldest
+  // is dropped for a newcomer, so a flood cannot lock the job's tasks out.
+  // 0: an eighth of this process's descriptor limit, between 4 and 128.
+  int max_pending = 0;
+  int max_per_task = 16;  // open connections of one admitted task
+  std::size_t max_value = std::size_t{4} << 20;
+  std::size_t max_keys = std::size_t{1} << 18;
+  std::size_t max_stored_bytes = std::size_t{128} << 20;    // keys and values together
+  std::size_t max_buffered_bytes = std::size_t{64} << 20;   // unparsed requests and unsent replies, all connections
+  std::chrono::milliseconds handshake_timeout{5000};        // to present the job token after connecting
+};
+
 class StoreServer {
  public:
   // Listens on exactly host:port (port 0 picks a free one) and admits clients
-  // that present `token` and a rank in [0, num_tasks).
-  StoreServer(const std::string& host, int port, std::string token, int num_tasks);
+  // that present `token` and a rank in [0, num_tasks), one process per rank.
+  // `task_names` (e.g. "chief:0", "worker:0"; default "rank 0", ...) name the
+  // ranks in refusals.
+  StoreServer(const std::string& host, int port, std::string token, int num_tasks, StoreLimits limits = {},
+              std::vector<std::string> task_names = {});
   ~StoreServer();
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;
 
   int port() const { return port_; }
 
- private:
-  struct Connection {
-    Socket sock;
-    std::thread thread;
-    std::atomic<bool> done{false};
+  struct Stats {
+    int admitted = 0;  // open connections of the job's tasks
+    int pending = 0;   // open connections still in the handshake
+    std::size_t keys = 0, stored_bytes = 0, buffered_bytes = 0;
+    std::uint64_t dropped = 0;  // connections closed for breaking the protocol or a limit
   };
+  // A snapshot, updated by the server thread on every turn of its loop.
+  Stats stats() const;
 
-  void accept_loop();
-  void serve(Connection* c);
-  int handshake(Connection* c);  // the admitted rank, or -1
-  void handle_wait(Connection* c);
-  void reap(bool all);
+ private:
+  struct Impl;
+  void loop();
 
-  const std::string token_;
-  const int num_tasks_;
-  Socket listener_;
   int port_ = 0;
-  std::atomic<bool> stopping_{false};
-
-  std::mutex mu_;
-  std::condition_variable changed_;
-  std::unordered_map<std::string, std::vector<char>> data_;
-  std::vector<TaskState> tasks_;
-  std::vector<int> open_connections_;
-
-  std::list<Connection> connections_;  // touched by the acceptor thread and the destructor only
-  std::thread acceptor_;
+  std::unique_ptr<Impl> impl_;
+  mutable std::mutex stats_mu_;
+  Stats stats_;
+  std::thread thread_;
 };
+
+// How long this process was recently frozen (SIGSTOP, or a stalled machine),
+// as seen by a store server running in it: the longest gap between turns of
+// its loop that ended less than `within` ago; zero when none (or no server).
+std::chrono::milliseconds recent_pause(std::chrono::milliseconds within);
 
 class StoreClient {
  public:
+  // Called about once a second, with the time waited so far, while the store
+  // is not reachable yet; it may throw to stop waiting.
+  using WaitCallback = std::function<void(std::chrono::milliseconds waited)>;
+
   // Connects to the store of `server_task` (e.g. "chief:0") at host:port,
   // retrying until `timeout`, and presents `token` and this task's rank.
+  // `instance` tells this process from another claiming the same rank
+  // (default: host name, pid and a per-process random number).
   StoreClient(const std::string& host, int port, const std::string& token, int rank, std::string server_task,
-              std::chrono::milliseconds timeout);
+              std::chrono::milliseconds timeout, const WaitCallback& on_wait = {}, std::string instance = {});
 
   void set(const std::string& key, const std::vector<char>& value);
   // The value of a key that is present (wait() for it first); an absent key throws std::out_of_range.
@@ -88,6 +109,9 @@ class StoreClient {
   const std::string& server_task() const { return server_task_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
+  // This process's default instance identity.
+  static std::string process_instance();
+
  private:
   template <typename Fn>
   auto call(const char* what, Fn&& fn) -> decltype(fn());
@@ -98,6 +122,7 @@ class StoreClient {
   const std::chrono::milliseconds timeout_;
   std::mutex mu_;  // one request on the wire at a time
   Socket sock_;
+  bool timed_out_ = false;  // the connection was dropped because the server stopped answering
 };
 
 }  // namespace mirrored::net

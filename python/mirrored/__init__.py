@@ -37,4 +37,4 @@ from . import nn, train
 from .train import Checkpoint
 from . import cluster_resolver
 from .multi_worker_strategy import MultiWorkerMirroredStrategy
-from . import data, experimental
+from . import data, errors, experimental

@@ -34,6 +34,9 @@ def dtype_code(dtype, argument: str = "buffers") -> int:
             f"{argument}: dtype {dt} is not supported; use one of {', '.join(SUPPORTED)} "
             f"(convert with .astype(...))"
         )
+    if not dt.isnative:  # the core reads native numbers: a swapped array would be misread
+        raise TypeError(f"{argument}: dtype {dt.str} is not in this machine's byte order; convert with "
+                        f".astype({dt.newbyteorder('=').str!r})")
     return code
 
 

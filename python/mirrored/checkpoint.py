@@ -2,7 +2,7 @@
 
     ckpt = md.train.Checkpoint(model=model, optimizer=opt)
     path = ckpt.save("out/ckpt")       # out/ckpt-1, out/ckpt-2, ...; atomic; only the chief writes
-    ckpt.restore(path).assert_consumed()   # any replica count; all or nothing
+    ckpt.restore(path).assert_consumed()   # any replica count; a mismatch assigns nothing
     ckpt.write("out/model.ckpt")       # exactly this file (no counter)
 
 ``md.train.CheckpointManager`` (train.py) keeps the newest few.
@@ -32,6 +32,7 @@ complete, so an interrupted save leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -41,7 +42,7 @@ import uuid
 
 import numpy as np
 
-__all__ = ["Checkpoint", "CheckpointLoadStatus", "load_checkpoint", "CheckpointError"]
+__all__ = ["Checkpoint", "CheckpointLoadStatus", "load_checkpoint", "CheckpointError", "NotFoundError"]
 
 _MAGIC = b"MDCKPT\x00"
 _VERSION = 1
@@ -50,6 +51,10 @@ _DIGEST = 32
 
 class CheckpointError(ValueError):
     """The file is not a complete ``mirrored`` checkpoint, or does not fit the objects."""
+
+
+class NotFoundError(FileNotFoundError):
+    """No checkpoint at the path given to ``restore`` / ``read`` (TensorFlow raises ``NotFoundError`` too)."""
 
 
 # --- the file format ------------------------------------------------------------------------------
@@ -201,35 +206,40 @@ def _optimizer_state(path: str, optimizer, var_paths: dict) -> dict:
 class CheckpointLoadStatus:
     """What ``Checkpoint.restore`` returns, as ``tf.train.Checkpoint.restore`` does.
 
-    Every tracked variable was restored when ``restore`` returned (a tracked
-    variable missing from the file is an error, nothing restored), so the
-    assertions only ask about the other side: entries of the file that no
-    tracked object claimed.
+    Two kinds of mismatch are allowed by ``restore`` (as in TensorFlow) and
+    reported here: entries of the file that no tracked object claimed, and
+    tracked variables the file has no value for (they keep their values).
     """
 
-    def __init__(self, path, unused_keys, restored_keys):
-        self.save_path = path
+    def __init__(self, path, unused_keys, restored_keys, unmatched=()):
+        self._save_path = path
         self._unused = sorted(unused_keys)
         self._restored = sorted(restored_keys)
+        self._unmatched = sorted(unmatched)  # paths of tracked variables the file lacks
         self._partial_expected = False
 
     def assert_consumed(self) -> "CheckpointLoadStatus":
-        """Raise AssertionError unless every entry of the file was restored into an object."""
+        """Raise AssertionError unless every entry of the file was restored and every variable got a value."""
         if self._unused:
             raise AssertionError(
-                f"Unresolved object in checkpoint {self.save_path!r}: {', '.join(self._unused)} "
+                f"Unresolved object in checkpoint {self._save_path!r}: {', '.join(self._unused)} "
                 "(not claimed by any object of this Checkpoint); pass those objects too, or call "
                 "expect_partial() when a partial restore is intended")
-        return self
+        return self.assert_existing_objects_matched()
 
     def assert_existing_objects_matched(self) -> "CheckpointLoadStatus":
-        """Every tracked object got its value (always true once ``restore`` returned)."""
+        """Raise AssertionError if a tracked variable had no value in the file (it kept its value)."""
+        if self._unmatched:
+            raise AssertionError(
+                f"Found {len(self._unmatched)} Python objects that were not bound to checkpointed values, "
+                f"likely due to changes in the Python program: {', '.join(self._unmatched)} "
+                f"(not in checkpoint {self._save_path!r})")
         return self
 
     def assert_nontrivial_match(self) -> "CheckpointLoadStatus":
         """Raise AssertionError if nothing at all was restored."""
         if not self._restored:
-            raise AssertionError(f"nothing in checkpoint {self.save_path!r} matched an object of this "
+            raise AssertionError(f"nothing in checkpoint {self._save_path!r} matched an object of this "
                                  "Checkpoint; pass the objects it was saved from")
         return self
 
@@ -278,20 +288,26 @@ class Checkpoint:
     def __init__(self, root=None, **objects):
         if root is not None:
             objects = {"root": root, **objects}
-        if not objects:
-            raise ValueError("Checkpoint() needs the objects to save as keyword arguments, "
-                             "e.g. md.train.Checkpoint(model=model, optimizer=optimizer)")
         for name, obj in objects.items():
-            if name == "save_counter":
-                raise ValueError("Checkpoint(save_counter=...): the name save_counter is reserved for the "
-                                 "number of save() calls; pick another name")
-            if isinstance(obj, _UNTRACKABLE):
-                raise ValueError(
-                    f"Checkpoint({name}={obj!r}): a {type(obj).__name__} cannot be tracked (it could not be "
-                    "restored in place); wrap it in a variable, e.g. "
-                    f"{name}=md.Variable({obj!r}, trainable=False) created in strategy.scope()")
+            _check_trackable(name, obj)
         self._objects = objects
         self._save_counter = None
+
+    def __setattr__(self, name, value):
+        # As tf.train.Checkpoint: ``ckpt.model = model`` after construction tracks it too.
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+            return
+        if isinstance(getattr(type(self), name, None), property):
+            raise AttributeError(f"Checkpoint.{name} cannot be set; pick another name for the object")
+        _check_trackable(name, value)
+        self._objects[name] = value
+
+    def __getattr__(self, name):
+        objects = self.__dict__.get("_objects", {})
+        if name in objects:
+            return objects[name]
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
 
     @property
     def save_counter(self):
@@ -383,13 +399,14 @@ class Checkpoint:
         return bool(strategy.extended.should_checkpoint)
 
     def restore(self, save_path, options=None) -> CheckpointLoadStatus:
-        """Load ``save_path`` into the tracked objects: all of them, or none if anything is wrong.
+        """Load ``save_path`` into the tracked objects; nothing is assigned if anything is wrong.
 
-        The whole file is read and checked, and every tracked variable must have
-        an entry of the same shape and dtype, before the first assignment.
-        Entries that no tracked object claims are left alone (e.g. optimizer
-        state when only the model is restored); ``assert_consumed()`` on the
-        returned status reports them. ``save_path=None`` restores nothing
+        The whole file is read and checked, and every entry a tracked variable
+        finds must have its shape and dtype, before the first assignment.
+        As in TensorFlow, entries that no tracked object claims are left alone
+        (e.g. optimizer state when only the model is restored), and tracked
+        variables the file lacks keep their values; ``assert_consumed()`` and
+        ``assert_existing_objects_matched()`` on the returned status report them. ``save_path=None`` restores nothing
         (``CheckpointManager.latest_checkpoint`` is None before the first save).
         """
         if save_path is None:
@@ -400,13 +417,19 @@ class Checkpoint:
             raise IsADirectoryError(
                 f"save_path={path!r} is a directory; pass a checkpoint file, e.g. "
                 "md.train.latest_checkpoint(directory)")
+        if not os.path.exists(path):
+            raise NotFoundError(
+                errno.ENOENT, f"Failed to find any matching files for save_path={path!r}; pass a path that "
+                "save() or write() returned, e.g. md.train.latest_checkpoint(directory)", path)
         arrays = load_checkpoint(path)
         variables = self._variables(create_for=arrays)
-        problems = []
+        problems, unmatched = [], []
         for key, var in variables.items():
             if key not in arrays:
-                if key != "save_counter":  # files written by write() have none: the counter stays
-                    problems.append(f"{key}: not in the file")
+                # As TensorFlow: the variable keeps its value; the status's assertions report it.
+                # Files written by write() have no save_counter: the counter stays, unreported.
+                if key != "save_counter":
+                    unmatched.append(key)
             elif tuple(arrays[key].shape) != tuple(var.shape) or arrays[key].dtype != np.dtype(var.dtype):
                 problems.append(f"{key}: file has {arrays[key].dtype}{list(arrays[key].shape)}, "
                                 f"variable is {np.dtype(var.dtype)}{list(var.shape)}")
@@ -418,11 +441,22 @@ class Checkpoint:
         restored = [key for key in variables if key in arrays]
         for key in restored:
             variables[key].assign(arrays[key])
-        return CheckpointLoadStatus(path, set(arrays) - set(restored), restored)
+        return CheckpointLoadStatus(path, set(arrays) - set(restored), restored, unmatched)
 
     def read(self, save_path, options=None) -> CheckpointLoadStatus:
         """Load a file written by ``write`` (or ``save``): the same as ``restore``."""
         return self.restore(save_path, options=options)
+
+
+def _check_trackable(name: str, obj) -> None:
+    if name == "save_counter":
+        raise ValueError("Checkpoint(save_counter=...): the name save_counter is reserved for the "
+                         "number of save() calls; pick another name")
+    if isinstance(obj, _UNTRACKABLE):
+        raise ValueError(
+            f"Checkpoint({name}={obj!r}): `Checkpoint` was expecting {name} to be a trackable object; a "
+            f"{type(obj).__name__} cannot be tracked (it could not be restored in place); wrap it in a "
+            f"variable, e.g. {name}=md.Variable({obj!r}, trainable=False) created in strategy.scope()")
 
 
 def _check_path(path, argument: str) -> str:

@@ -17,18 +17,25 @@ import hashlib
 import json
 import logging
 import os
+import time
 
 import numpy as np
 
 from . import collectives, config, timeline
-from ._dtypes import op_code
+from ._dtypes import CODES, OPS, op_code
 from .cross_device_ops import _NativeAllReduce, _buffers, get_devices_from
+from .options import CommunicationOptions, _check_timeout, no_timeout
 
 __all__ = ["CollectiveGroup", "CollectiveAllReduce", "job_token", "GLOO_MISSING"]
 
 GLOO_MISSING = config.GLOO_NOT_BUILT
 # How long workers wait for each other at start-up when CommunicationOptions sets no timeout.
 DEFAULT_RENDEZVOUS_SECONDS = 300.0
+# While waiting at start-up, progress is logged at INFO this often.
+RENDEZVOUS_LOG_SECONDS = 5.0
+_log = logging.getLogger("mirrored")
+# A collective that waits longer than this for its peers logs a warning (MIRRORED_STALL_WARNING_SECONDS).
+DEFAULT_STALL_WARNING_SECONDS = 60.0
 # all_gather exchanges shapes as fixed-length records: ndim, dtype, then the padded shape.
 _MAX_DIMS = 32
 
@@ -72,6 +79,8 @@ class CollectiveGroup:
         self.local_replicas = local_replicas
         self.num_replicas = local_replicas * self.num_workers
         self.devices = devices
+        _check_timeout(timeout, CommunicationOptions.MAX_TIMEOUT_SECONDS)
+        timeout = None if no_timeout(timeout) else float(timeout)
         self._timeout = timeout
         self._scope = scope
         self._device_engine = None
@@ -79,9 +88,12 @@ class CollectiveGroup:
         store_host, store_port = _host_port(addresses[0])
         my_host, _ = _host_port(addresses[rank])
         rendezvous = timeout if timeout is not None else DEFAULT_RENDEZVOUS_SECONDS
-        self.store = _shared_store(store_host, store_port, token, rank, self.tasks, rendezvous)
+        self.store = _shared_store(store_host, store_port, token, rank, self.tasks, rendezvous, addresses[0])
+        self._arrive(addresses, rendezvous)
+        stall = stall_warning_seconds()
         self._gloo = _net.GlooCommunicator(self.store, self.tasks, local_replicas, my_host,
                                            0.0 if timeout is None else timeout, scope)
+        self._gloo.set_stall_warning(stall)
         timeline.sync_clock(self.store, rank, self.tasks, rendezvous, scope)  # one clock for the job's timelines
 
     @classmethod
@@ -105,6 +117,33 @@ class CollectiveGroup:
                    local_replicas, token=job_token(collective), timeout=timeout, scope=scope, devices=devices,
                    implementation=implementation)
 
+    def _arrive(self, addresses, total):
+        """Waits (up to ``total`` s) until every task of the job has built this group, logging who is missing.
+
+        In slices of a second: Ctrl-C lands, and progress is logged at INFO every RENDEZVOUS_LOG_SECONDS.
+        """
+        keys = [f"{self._scope}/arrived/{r}" for r in range(self.num_workers)]
+        self.store.set(keys[self.rank], b"1")
+        started = last_log = time.monotonic()
+        while True:
+            left = total - (time.monotonic() - started)
+            missing = self.store.wait(keys, max(0.0, min(1.0, left)))
+            waited = time.monotonic() - started
+            if not missing:
+                if waited >= RENDEZVOUS_LOG_SECONDS:
+                    _log.info("rendezvous: all %d tasks arrived after %.0f s", self.num_workers, waited)
+                return
+            ranks = [int(k.rsplit("/", 1)[1]) for k in missing]
+            if waited >= total:
+                raise net().PeerTimeoutError(
+                    f"rendezvous: task(s) {', '.join(self.tasks[r] for r in ranks)} did not join within {total:.1f} s; "
+                    "start every task of TF_CONFIG's cluster with MultiWorkerMirroredStrategy, or raise "
+                    "CommunicationOptions.timeout_seconds")
+            if time.monotonic() - last_log >= RENDEZVOUS_LOG_SECONDS:
+                last_log = time.monotonic()
+                _log.info("waiting for %s (%.0f s of %g s)",
+                          ", ".join(f"{self.tasks[r]} at {addresses[r]}" for r in ranks), waited, total)
+
     def close(self) -> None:
         """Tears down NCCL and the Gloo mesh; the process's store connection stays for later groups."""
         self._device_engine = None
@@ -115,6 +154,12 @@ class CollectiveGroup:
     # -- the functions of mirrored.collectives, across the job ----------------
 
     def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto"):
+        # In place on one array: checked natively, microseconds matter for small messages.
+        if (out is buffers and type(buffers) is list and type(op) is str and type(algorithm) is str
+                and timeline._trace is None and self._gloo is not None):
+            code, algo = OPS.get(op), collectives.ALGORITHMS.get(algorithm)
+            if code is not None and algo is not None and self._gloo.all_reduce_in_place(buffers, code, algo):
+                return list(buffers)
         if collectives.integer_mean(buffers, op):  # float64, as in one process (see mirrored.collectives)
             return collectives.true_divide(self.all_reduce(buffers, "sum", algorithm=algorithm),
                                            self.num_replicas, out)
@@ -176,31 +221,36 @@ class CollectiveGroup:
         if not isinstance(axis, (int, np.integer)) or not -first.ndim <= axis < first.ndim:
             raise ValueError(f"axis={axis!r} is out of range for {first.ndim}-d buffers; use 0..{first.ndim - 1}")
         axis = int(axis) % first.ndim
-        # Shapes may differ between workers along `axis` only: every worker
-        # checks the whole table, so every worker raises the same error.
-        mine = [first.ndim, code]
+        # Shapes may differ between workers along `axis` only. The table of
+        # every replica's shape opens the collective: every worker checks the
+        # same table, so every worker raises the same error.
+        mine = [first.ndim, code, axis]
         for a in arrays:
             mine += list(a.shape) + [0] * (_MAX_DIMS - a.ndim)
-        table = np.asarray(self._comm().exchange(mine), dtype=np.int64).reshape(self.num_workers, -1)
-        shapes = []
+        comm = self._comm()
+        table = np.asarray(comm.exchange(mine, "all_gather"), dtype=np.int64).reshape(self.num_workers, -1)
+        shapes = [[tuple(int(d) for d in row[3 + j * _MAX_DIMS: 3 + j * _MAX_DIMS + row[0]])
+                   for j in range(self.local_replicas)] for row in table]
+        head, off = tuple(table[0][:3]), shapes[0][0][:axis] + shapes[0][0][axis + 1:]
         for w, row in enumerate(table):
-            if (row[0], row[1]) != (first.ndim, code):
-                raise ValueError(f"all_gather: task {self.tasks[w]} passes {row[0]}-d buffers of dtype code "
-                                 f"{row[1]}, task {self.tasks[self.rank]} {first.ndim}-d of {first.dtype}; every "
-                                 "replica must pass the same dtype and number of dimensions")
-            for j in range(self.local_replicas):
-                shape = tuple(int(d) for d in row[2 + j * _MAX_DIMS: 2 + j * _MAX_DIMS + first.ndim])
-                if shape[:axis] != first.shape[:axis] or shape[axis + 1:] != first.shape[axis + 1:]:
-                    raise ValueError(f"all_gather: a replica of task {self.tasks[w]} has shape {shape} but "
-                                     f"{self.tasks[self.rank]} has {first.shape}; shapes may differ along "
-                                     f"axis {axis} only")
-                shapes.append(shape)
+            if tuple(row[:3]) != head or any(s[:axis] + s[axis + 1:] != off for s in shapes[w]):
+                from .errors import CollectiveMismatchError
+
+                raise CollectiveMismatchError(
+                    f"all_gather #{comm.collectives}: {self.tasks[0]} passes {_gather_call(table[0], shapes[0])}, "
+                    f"{self.tasks[w]} passes {_gather_call(row, shapes[w])}; every worker must pass the same dtype, "
+                    "number of dimensions and axis, and shapes may differ along the gather axis only (no data was "
+                    "exchanged)")
+        shapes = [s for per_worker in shapes for s in per_worker]
         outer = int(np.prod(first.shape[:axis], dtype=np.int64))
         inner = int(np.prod(first.shape[axis + 1:], dtype=np.int64)) * first.itemsize
         total = first.shape[:axis] + (sum(s[axis] for s in shapes),) + first.shape[axis + 1:]
         outs = [np.empty(total, first.dtype) for _ in arrays]
+        # Every replica's row size: the data stage of the collective the table opened.
+        row_bytes = [s[axis] * inner for s in shapes] if self.num_workers > 1 else \
+            [a.shape[axis] * inner for a in arrays]
         with timeline.span("all_gather[workers]", first.nbytes, "gloo", len(arrays), self.num_replicas):
-            self._comm().all_gather(arrays, outs, [a.shape[axis] * inner for a in arrays], outer)
+            comm.all_gather(arrays, outs, row_bytes, outer)
         return outs
 
     def batch_all_reduce(self, per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None,
@@ -416,20 +466,49 @@ def _gpu_ordinal(device: str) -> int:
 _stores: dict = {}
 
 
-def _shared_store(host, port, token, rank, tasks, timeout):
+def _shared_store(host, port, token, rank, tasks, timeout, address):
     key = (host, port, token, rank, tuple(tasks))
     if key not in _stores:
         _net = net()
         # Binding exactly the configured address: nobody else can serve this job's store.
-        server = _net.StoreServer(host, port, token, len(tasks)) if rank == 0 else None
+        server = _net.StoreServer(host, port, token, len(tasks), list(tasks)) if rank == 0 else None
+        logged = [0.0]
+
+        def on_wait(waited):  # about once a second while the store is unreachable
+            if waited - logged[0] >= RENDEZVOUS_LOG_SECONDS:
+                logged[0] = waited
+                _log.info("waiting for %s at %s (%.0f s of %g s)", tasks[0], address, waited, timeout)
+
         try:
-            client = _net.StoreClient(host, port, token, rank, tasks[0], timeout)
+            client = _net.StoreClient(host, port, token, rank, tasks[0], timeout, on_wait)
         except BaseException:
             if server is not None:
                 server.close()
             raise
         _stores[key] = (server, client)
     return _stores[key][1]
+
+
+def _gather_call(row, shapes) -> str:
+    """One worker's part of an all_gather, from its row of the shape table, for a mismatch error."""
+    name = next((n for n, c in CODES.items() if c == row[1]), f"dtype code {row[1]}")
+    listed = ", ".join(str(s) for s in shapes)
+    return f"{name} buffers of shape {listed} gathered along axis {row[2]}"
+
+
+def stall_warning_seconds() -> float:
+    """``MIRRORED_STALL_WARNING_SECONDS`` (default 60; 0 turns stall warnings off)."""
+    text = os.environ.get("MIRRORED_STALL_WARNING_SECONDS", "").strip()
+    if not text:
+        return DEFAULT_STALL_WARNING_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"MIRRORED_STALL_WARNING_SECONDS={text!r} must be a number of seconds >= 0 "
+                         "(0 turns stall warnings off)")
+    return value
 
 
 def _host_port(address: str) -> tuple[str, int]:

@@ -1,10 +1,19 @@
 """Collectives over the buffers of all local replicas, in one native call.
 
-``buffers`` is a list with one array per replica (NumPy on host replicas;
-CuPy or any ``__cuda_array_interface__`` array on GPU replicas, which go to
-the CUDA engine). ``out=buffers`` works in place; ``out[i]`` may alias
-``buffers[i]`` and nothing else. The GIL is released for the whole
-collective.
+``buffers`` is a list with one array per replica (on host replicas NumPy
+or any DLPack / ``__array_interface__`` / buffer-protocol array; CuPy or any
+``__cuda_array_interface__`` array on GPU replicas, which go to the CUDA
+engine). The GIL is released for the whole collective.
+
+``out`` takes the same kinds of arrays and writes them in place (a torch
+tensor, a bytearray, ...); the call returns ``out``. ``out=buffers`` works in
+place without a copy. An ``out[i]`` that overlaps another replica's input,
+or only part of its own, is computed aside and copied in at the end (always
+right, never silently mixed); outputs that overlap each other are refused.
+
+Arrays in non-native byte order (``'>i4'`` on x86) are read as the numbers
+they hold (converted, as NumPy does); results are in native byte order, and
+an ``out`` array in the other byte order receives the same values converted.
 
 Results follow NumPy: integer sums wrap on overflow; ``mean`` of integer
 buffers is NumPy's true division of the (wrapped) sum by the number of
@@ -20,7 +29,7 @@ import threading
 
 import numpy as np
 
-from . import _core, timeline
+from . import _core, _dlpack, timeline
 from ._dtypes import OPS, dtype_code, op_code
 
 __all__ = ["all_reduce", "broadcast", "reduce", "all_gather", "batch_all_reduce", "ALGORITHMS"]
@@ -172,6 +181,8 @@ def true_divide(sums, n: int, out=None):
     if out is None:
         return results
     for i, (o, r) in enumerate(zip(out, results)):
+        if not hasattr(o, "__cuda_array_interface__"):
+            o = _writable_view(o, "out", i)
         if getattr(o, "dtype", None) != np.float64 or getattr(o, "shape", None) != r.shape:
             raise TypeError(f"out[{i}] has dtype {getattr(o, 'dtype', type(o).__name__)}: the mean of integer "
                             "buffers is float64 (NumPy true division); pass float64 out arrays or out=None")
@@ -249,12 +260,7 @@ def _on_gpu(buffers) -> bool:
     first = buffers[0]
     if hasattr(first, "__cuda_array_interface__"):
         return True
-    if type(first) is np.ndarray or not hasattr(first, "__dlpack_device__"):
-        return False
-    try:
-        return first.__dlpack_device__()[0] in _DLPACK_CUDA
-    except Exception:
-        return False
+    return type(first) is not np.ndarray and _cuda_dlpack(first)
 
 
 def _cuda():
@@ -272,18 +278,44 @@ def _as_array(b, argument: str, i: int) -> np.ndarray:
     """buffers[i] as a C-contiguous NumPy array (copied only when it is not one)."""
     if isinstance(b, np.ndarray):
         return np.asarray(b, order="C")
-    if hasattr(b, "__cuda_array_interface__"):
-        raise TypeError(f"{argument}[{i}] is a GPU array but {argument}[0] is a host array; "
-                        "every replica's buffer must be on the same kind of device")
+    _check_host(b, argument, i)
     if not hasattr(b, "__array_interface__") and hasattr(b, "__dlpack__"):
-        try:
-            return np.asarray(np.from_dlpack(b), order="C")
-        except Exception as e:  # e.g. a DLPack tensor on a GPU
-            raise TypeError(f"{argument}[{i}]: cannot read this DLPack tensor on the host ({e})") from None
+        return np.asarray(_dlpack.host_view(b, f"{argument}[{i}]"), order="C")
     try:
         return np.asarray(b, order="C")
     except Exception as e:
         raise TypeError(f"{argument}[{i}]: expected an array, got {type(b).__name__} ({e})") from None
+
+
+def _check_host(b, argument: str, i: int) -> None:
+    """Refuses a GPU array among host buffers."""
+    if hasattr(b, "__cuda_array_interface__") or _cuda_dlpack(b):
+        raise TypeError(f"{argument}[{i}] is a GPU array but buffers[0] is a host array; every replica's "
+                        "buffer and output must be on the same kind of device")
+
+
+def _cuda_dlpack(x) -> bool:
+    try:
+        return x.__dlpack_device__()[0] in _DLPACK_CUDA
+    except Exception:  # not DLPack
+        return False
+
+
+def _writable_view(o, argument: str, i: int) -> np.ndarray:
+    """out[i] as a NumPy array sharing its memory, so the collective writes it in place: NumPy arrays,
+    DLPack tensors (torch, JAX on CPU, ...), ``__array_interface__`` and buffer-protocol objects
+    (memoryview, bytearray, array.array)."""
+    if isinstance(o, np.ndarray):
+        return o
+    _check_host(o, argument, i)
+    if not hasattr(o, "__array_interface__") and hasattr(o, "__dlpack__"):
+        return _dlpack.host_view(o, f"{argument}[{i}]")
+    try:
+        return np.asarray(o if hasattr(o, "__array_interface__") else memoryview(o))
+    except Exception:  # e.g. a list: writing a converted copy would leave the caller's object unchanged
+        raise TypeError(f"{argument}[{i}] is {type(o).__name__}; out must hold arrays the collective can write "
+                        "in place: NumPy arrays, DLPack tensors, or buffer-protocol objects "
+                        "(memoryview, bytearray, array.array)") from None
 
 
 def _inputs(buffers, argument: str, same_shape: bool = True):
@@ -298,17 +330,29 @@ def _inputs(buffers, argument: str, same_shape: bool = True):
         arrays.append(a)
     first = arrays[0]
     shape, dtype = first.shape, first.dtype
+    swapped = False  # some array is in non-native byte order
     for i, a in enumerate(arrays):
         if a.dtype is not dtype and a.dtype != dtype:
-            raise TypeError(f"{argument}[{i}] has dtype {a.dtype} but {argument}[0] has {dtype}; "
-                            "every replica must pass the same dtype (cast with .astype)")
+            if _native(a.dtype) != _native(dtype):
+                raise TypeError(f"{argument}[{i}] has dtype {a.dtype} but {argument}[0] has {dtype}; "
+                                "every replica must pass the same dtype (cast with .astype)")
+            swapped = True
         if same_shape and a.shape != shape:
             raise ValueError(f"{argument}[{i}] has shape {a.shape} but {argument}[0] has {shape}; "
                              "every replica must pass the same shape")
-    code = _DTYPE_CODES.get(dtype)
-    if code is None:
-        code = _DTYPE_CODES.setdefault(dtype, dtype_code(dtype, argument))
+    code = _DTYPE_CODES.get(dtype)  # holds native dtypes only
+    if code is None or swapped:
+        # The core reduces native numbers: convert byte-swapped arrays (a copy), as NumPy would.
+        dtype = _native(dtype)
+        arrays = [a if a.dtype.isnative else a.astype(dtype) for a in arrays]
+        code = _DTYPE_CODES.get(dtype)
+        if code is None:
+            code = _DTYPE_CODES.setdefault(dtype, dtype_code(dtype, argument))
     return arrays, code
+
+
+def _native(dtype: np.dtype) -> np.dtype:
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
 
 
 class _Recycler:
@@ -376,33 +420,34 @@ def _new_outputs(arrays):
 
 
 def _outputs(out, arrays, argument: str):
-    """Native-writable outputs and a function returning what the caller sees."""
+    """Native-writable outputs and a function returning what the caller sees (``out`` itself)."""
     if out is None:
         outs = _new_outputs(arrays)
         return outs, outs.copy
     if type(out) not in (list, tuple) or len(out) != len(arrays):
         raise ValueError(f"{argument}: expected a list of {len(arrays)} arrays (one per replica), got {out!r:.80}")
     outs = list(out)
+    copies = []  # (the caller's view, the temporary the core writes instead)
     for i, o in enumerate(out):
         if o is arrays[i]:  # in place on a contiguous input: already validated
             if not o.flags.writeable:
                 raise ValueError(f"{argument}[{i}] is read-only; pass writeable arrays (or out=None)")
             continue
-        if not isinstance(o, np.ndarray):
-            raise TypeError(f"{argument}[{i}] is {type(o).__name__}; out must hold NumPy arrays")
-        if o.shape != arrays[i].shape or o.dtype != arrays[i].dtype:
+        if type(o) is not np.ndarray:
+            o = outs[i] = _writable_view(o, argument, i)
+        if o.shape != arrays[i].shape or _native(o.dtype) != arrays[i].dtype:
             raise ValueError(f"{argument}[{i}] has shape {o.shape} and dtype {o.dtype}; expected "
                              f"{arrays[i].shape} and {arrays[i].dtype} like the buffers")
         if not o.flags.writeable:
             raise ValueError(f"{argument}[{i}] is read-only; pass writeable arrays (or out=None)")
-        if not o.flags.c_contiguous:
-            # Computed into a temporary, copied back by finish().
+        if not o.flags.c_contiguous or not o.dtype.isnative:
+            # Computed into a temporary, copied back (byte-swapped where out is) by finish().
             outs[i] = _result_like(arrays[i])
+            copies.append((o, outs[i]))
 
     def finish():
-        for o, tmp in zip(out, outs):
-            if o is not tmp:
-                o[...] = tmp
+        for o, tmp in copies:
+            o[...] = tmp
         return list(out)
 
     return outs, finish

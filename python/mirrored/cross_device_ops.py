@@ -89,7 +89,7 @@ def _buffers(per_replica: DistributedValues, argument: str = "per_replica_value"
     else:
         arrays = [device_util.place(_read(v), d) for v, d in zip(per_replica.values, devices)]
     first = arrays[0]
-    if first.dtype not in _SUPPORTED:
+    if first.dtype not in _SUPPORTED and first.dtype.newbyteorder("=") not in _SUPPORTED:
         _dtypes.dtype_code(first.dtype, argument)  # raises, naming the argument and the dtypes we take
     for r, a in enumerate(arrays[1:], 1):
         if a.shape != first.shape or a.dtype != first.dtype:
@@ -315,12 +315,19 @@ class ReductionToOneDevice(CrossDeviceOps):
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         target = self.reduce_to_device or get_devices_from(destinations)[0]
+        _check_available(target, "reduce_to_device" if self.reduce_to_device else "destinations")
         arrays = _buffers(per_replica_value)
         if self.accumulation_fn is not None:
             if reduce_op not in (ReduceOp.SUM, ReduceOp.MEAN):
                 raise ValueError(f"reduce_op={reduce_op}: ReductionToOneDevice with accumulation_fn supports "
                                  "SUM and MEAN only; drop accumulation_fn to use the native reduce")
             reduced = device_util.place(self.accumulation_fn([device_util.place(a, target) for a in arrays]), target)
+            if tuple(reduced.shape) != tuple(arrays[0].shape) or reduced.dtype != arrays[0].dtype:
+                raise ValueError(
+                    f"accumulation_fn={getattr(self.accumulation_fn, '__name__', self.accumulation_fn)!r} returned "
+                    f"shape {tuple(reduced.shape)} and dtype {reduced.dtype} for {len(arrays)} components of shape "
+                    f"{tuple(arrays[0].shape)} and dtype {arrays[0].dtype}; it must add the list of arrays "
+                    "element-wise and keep their shape and dtype (like np.add.reduce(arrays) or sum(arrays))")
             if reduce_op is ReduceOp.MEAN:
                 reduced = (reduced / len(arrays)).astype(arrays[0].dtype, copy=False)
         else:
@@ -329,6 +336,28 @@ class ReductionToOneDevice(CrossDeviceOps):
             return _fresh_to(device_util.place(collectives.reduce(arrays, reduce_op.value, root=root), target),
                              destinations)
         return self.broadcast(reduced, destinations)
+
+
+def _check_available(device: str, argument: str) -> None:
+    """Names a GPU device this machine cannot use, instead of failing later inside CuPy."""
+    if not device_util.is_gpu(device):
+        return
+    from . import config
+
+    index = device_util.parse(device).device_index
+    gpus = len(config.list_logical_devices("GPU"))
+    if index < gpus:
+        return
+    try:
+        import cupy  # noqa: F401
+        cupy_note = ""
+    except ImportError:
+        cupy_note = " and CuPy is not installed (pip install cupy-cuda13x)"
+    raise ValueError(
+        f"ReductionToOneDevice: {argument} is {device}, but this machine has {gpus} GPU(s) visible to mirrored"
+        f"{cupy_note}; reduce on a device it has (e.g. reduce_to_device='/cpu:0' or one of "
+        "md.config.list_logical_devices('GPU')), or run on a machine with that GPU, its driver and the CUDA build"
+    )
 
 
 def __getattr__(name):

@@ -153,10 +153,14 @@ def to_host(x):
         import cupy
 
         return cupy.asnumpy(x)
-    if hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
+    if hasattr(x, "__array_interface__"):
         return np.asarray(x)
-    if hasattr(x, "__dlpack__"):
-        return np.from_dlpack(x)  # zero-copy for CPU DLPack producers
+    if hasattr(x, "__dlpack__"):  # before __array__: torch's bfloat16 has no NumPy conversion, but DLPack carries it
+        from ._dlpack import host_view
+
+        return host_view(x, "value")  # zero-copy for CPU DLPack producers
+    if hasattr(x, "__array__"):
+        return np.asarray(x)
     if isinstance(x, (bytes, bytearray, memoryview)):
         return np.asarray(memoryview(x))
     return _python_to_array(x)

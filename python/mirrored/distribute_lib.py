@@ -358,6 +358,7 @@ class Strategy:
         ext = self._extended
         n = len(ext.worker_devices)
         comps = [[_read(select_replica(i, leaf)) for i in range(n)] for leaf in _nest.flatten(value)]
+        _check_axis(axis, comps)
 
         def along_axis(fn):
             leaves = [PerReplica([fn(device_util.place(c, d)) for c, d in zip(cs, ext.worker_devices)],
@@ -606,6 +607,17 @@ class StrategyExtended:
 
     def _make_variable(self, value, name, trainable, synchronization, aggregation):
         return DeviceVariable(value, f"{name}:0", HOST, trainable, synchronization, aggregation)
+
+
+def _check_axis(axis, components) -> None:
+    """A ValueError naming ``axis`` and the rank when some component has no such axis (as TF refuses it)."""
+    for cs in components:
+        for c in cs:
+            ndim = len(np.shape(c))
+            if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
+                valid = f"use {-ndim}..{ndim - 1}, or" if ndim else "a scalar has no axis: use"
+                raise ValueError(f"axis={axis!r} is out of range for a value of rank {ndim} (shape "
+                                 f"{tuple(np.shape(c))}); {valid} axis=None to reduce across replicas only")
 
 
 def _reduce_along(v, op: ReduceOp, axis: int):

@@ -50,7 +50,7 @@ class MultiWorkerExtended(MirroredExtended):
         # collective ones (ps, evaluator) is refused by from_cluster_resolver.
         if len(tasks) > 1 or (me[0] is not None and me not in tasks):
             self._group = CollectiveGroup.from_cluster_resolver(
-                resolver, len(self._local_devices), timeout=options.timeout_seconds,
+                resolver, len(self._local_devices), timeout=options.timeout_seconds or None,  # 0: none
                 scope=f"strategy-{next(_instances)}", devices=self._local_devices,
                 implementation=options.implementation)
             self._num_workers = self._group.num_workers
@@ -109,7 +109,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     """Synchronous training on the devices of several workers (``tf.distribute.MultiWorkerMirroredStrategy``).
 
     ``communication_options``: a ``CommunicationOptions`` (``timeout_seconds``
-    bounds every collective and the start-up wait; ``bytes_per_pack`` fuses
+    bounds every collective and the start-up wait; ``None`` or ``inf``: no
+    timeout, and the start-up wait is 300 s; ``bytes_per_pack`` fuses
     gradients; ``implementation`` AUTO / RING (Gloo) / NCCL).
     ``cluster_resolver``: who is in the job (default: ``TF_CONFIG``, else the
     ``SLURM_*`` variables of an ``srun`` step, else this process alone).

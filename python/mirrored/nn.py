@@ -13,7 +13,8 @@ of the mean over the global batch, whatever the number of replicas.
         optimizer.apply_gradients(zip(grads, variables))        # summed across replicas
 
 The arrays are NumPy or CuPy (whatever the replica holds); results are 0-d
-arrays of ``per_example_loss``'s dtype.
+arrays of ``per_example_loss``'s dtype, as in TensorFlow: Python floats (and
+lists of them) count as float32, and integer losses give a float64 result.
 """
 
 from __future__ import annotations
@@ -36,12 +37,41 @@ def _xp(a):
 
 
 def _as_array(value, argument: str):
-    if type(value).__module__.split(".")[0] == "cupy":
+    """``value`` as an array; Python numbers and lists convert as ``tf.convert_to_tensor`` does.
+
+    NumPy and CuPy arrays keep their dtype; Python floats become float32 and
+    Python ints int32 (TensorFlow's defaults), so a loss given as a list gives
+    the float32 result TensorFlow gives.
+    """
+    if type(value).__module__.split(".")[0] == "cupy" or isinstance(value, np.ndarray):
         return value
-    try:
+    if isinstance(value, np.generic):
         return np.asarray(value)
+    try:
+        arr = np.asarray(value)
     except Exception as e:  # noqa: BLE001 - any conversion failure is the caller's argument
         raise TypeError(f"{argument}={value!r}: expected an array of losses ({e})") from None
+    if arr.dtype == np.float64:
+        return arr.astype(np.float32)
+    if arr.dtype == np.int64:
+        return arr.astype(np.int32)
+    return arr
+
+
+def _check_loss_dtype(arr, argument: str) -> None:
+    """Floating or integer losses, as TensorFlow takes them (integer ones give a float64 result)."""
+    if arr.dtype.name == "bfloat16" or np.issubdtype(arr.dtype, np.floating) \
+            or (np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_):
+        return
+    raise TypeError(f"{argument} has dtype {arr.dtype}; expected floating-point (or integer) losses")
+
+
+def _divide(total, divisor: int, dtype):
+    """``total / divisor`` as TensorFlow's division gives it: in ``dtype``, float64 for integer losses."""
+    xp = _xp(total)
+    if dtype.name != "bfloat16" and np.issubdtype(dtype, np.integer):
+        return xp.asarray(total, dtype=np.float64) / xp.asarray(divisor, dtype=np.float64)
+    return (total / xp.asarray(divisor, dtype=dtype)).astype(dtype, copy=False)
 
 
 def _num_replicas_in_sync(function: str) -> int:
@@ -93,10 +123,9 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
     """
     losses = _as_array(per_example_loss, "per_example_loss")
     if losses.ndim < 1:
-        raise ValueError("Invalid value passed for `per_example_loss`. Expected a tensor with at least rank 1, "
-                         f"received a scalar ({losses!r}); pass one loss per example")
-    if not (np.issubdtype(losses.dtype, np.floating) or losses.dtype.name == "bfloat16"):
-        raise TypeError(f"per_example_loss has dtype {losses.dtype}; expected floating-point losses")
+        raise ValueError("Invalid value passed for `per_example_loss`. Expected a tensor with at least rank 1. "
+                         f"Received per_example_loss={losses} with rank 0; pass one loss per example")
+    _check_loss_dtype(losses, "per_example_loss")
     dtype = losses.dtype
     if sample_weight is not None:
         losses = _scale_by_sample_weight(losses, sample_weight).astype(dtype, copy=False)
@@ -107,7 +136,8 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
         size = global_batch_size
         if hasattr(size, "ndim") and hasattr(size, "dtype"):
             if size.ndim != 0:
-                raise ValueError(f"global_batch_size must be scalar. Got shape {tuple(size.shape)}")
+                raise ValueError(f"global_batch_size must be scalar. Expected scalar shape, saw shape: "
+                                 f"{tuple(size.shape)}")
             if not np.issubdtype(np.dtype(size.dtype), np.integer):
                 raise TypeError(f"global_batch_size must be an integer. Got dtype {size.dtype}")
             size = int(size)
@@ -119,9 +149,9 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
         global_batch_size = int(size)
 
     total = losses.sum(dtype=dtype)
-    if global_batch_size == 0:
-        return _xp(losses).zeros((), dtype=dtype)  # div_no_nan: an empty global batch has loss 0
-    return (total / _xp(losses).asarray(global_batch_size, dtype=dtype)).astype(dtype, copy=False)
+    if global_batch_size == 0:  # div_no_nan: an empty global batch has loss 0
+        return _divide(_xp(losses).zeros((), dtype=dtype), 1, dtype)
+    return _divide(total, global_batch_size, dtype)
 
 
 def scale_regularization_loss(regularization_loss):
@@ -131,8 +161,6 @@ def scale_regularization_loss(regularization_loss):
     replicas then counts it once. Raises RuntimeError in cross-replica context.
     """
     loss = _as_array(regularization_loss, "regularization_loss")
-    if not (np.issubdtype(loss.dtype, np.floating) or loss.dtype.name == "bfloat16"):
-        raise TypeError(f"regularization_loss has dtype {loss.dtype}; expected a floating-point loss")
+    _check_loss_dtype(loss, "regularization_loss")
     num_replicas = _num_replicas_in_sync("scale_regularization_loss")
-    return (loss.sum(dtype=loss.dtype) / _xp(loss).asarray(num_replicas, dtype=loss.dtype)).astype(
-        loss.dtype, copy=False)
+    return _divide(loss.sum(dtype=loss.dtype), num_replicas, loss.dtype)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import enum
+import math
+import numbers
 
 
 class VariableSynchronization(enum.Enum):
@@ -49,15 +51,19 @@ class CommunicationOptions:
 
     ``bytes_per_pack`` > 0 splits a batch of tensors into packs of about that
     many bytes (0: let the implementation choose); ``timeout_seconds`` bounds
-    how long a collective waits for its peers.
+    how long a collective waits for its peers (``None``, ``0`` as in TensorFlow,
+    or ``float('inf')``: no timeout; at most ``MAX_TIMEOUT_SECONDS``).
     """
+
+    # About 31 years: every native deadline (now + timeout, in nanoseconds) stays representable.
+    MAX_TIMEOUT_SECONDS = 1e9
 
     def __init__(self, bytes_per_pack: int = 0, timeout_seconds: float | None = None,
                  implementation=CommunicationImplementation.AUTO):
         if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
-            raise ValueError(f"bytes_per_pack={bytes_per_pack!r}: expected a non-negative int (0 = auto)")
-        if timeout_seconds is not None and not (isinstance(timeout_seconds, (int, float)) and timeout_seconds > 0):
-            raise ValueError(f"timeout_seconds={timeout_seconds!r}: expected a positive number or None (no timeout)")
+            raise ValueError(f"Argument `bytes_per_pack` must be >=0, Received {bytes_per_pack!r}: expected a "
+                             "non-negative int (0 = auto)")
+        _check_timeout(timeout_seconds, self.MAX_TIMEOUT_SECONDS)
         if isinstance(implementation, str) and implementation.upper() in CommunicationImplementation.__members__:
             implementation = CommunicationImplementation[implementation.upper()]
         if not isinstance(implementation, CommunicationImplementation):
@@ -83,6 +89,29 @@ class CommunicationOptions:
     def __repr__(self) -> str:
         return (f"CommunicationOptions(bytes_per_pack={self.bytes_per_pack}, "
                 f"timeout_seconds={self.timeout_seconds}, implementation={self.implementation})")
+
+
+def _check_timeout(value, limit):
+    """Refuses a timeout the native deadlines could not represent, naming the argument and the fix."""
+    if value is None:
+        return
+    fix = "pass a positive number of seconds, or None / 0 / float('inf') for no timeout"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"timeout_seconds={value!r}: expected a number of seconds; {fix}")
+    try:
+        seconds, overflowed = float(value), False
+    except OverflowError:  # an int too large for a float
+        seconds, overflowed = (math.inf if value > 0 else -math.inf), True
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"timeout_seconds={value!r}: must be >= 0 (0: no timeout, as in TensorFlow); {fix}")
+    if seconds > limit and (overflowed or not math.isinf(seconds)):
+        raise ValueError(f"timeout_seconds={value!r}: above the longest supported timeout, {limit:g} s (about 31 "
+                         "years); for no timeout pass None or float('inf')")
+
+
+def no_timeout(timeout_seconds) -> bool:
+    """Whether a (validated) ``timeout_seconds`` means "wait as long as it takes"."""
+    return timeout_seconds is None or timeout_seconds == 0 or math.isinf(timeout_seconds)
 
 
 class InputOptions(collections.namedtuple("InputOptions", [

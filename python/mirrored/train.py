@@ -35,10 +35,11 @@ import warnings
 
 import numpy as np
 
-from .checkpoint import Checkpoint, CheckpointError, CheckpointLoadStatus, load_checkpoint
+from .checkpoint import Checkpoint, CheckpointError, CheckpointLoadStatus, NotFoundError, load_checkpoint
 
 __all__ = ["Checkpoint", "CheckpointManager", "CheckpointState", "CheckpointLoadStatus", "CheckpointError",
-           "latest_checkpoint", "get_checkpoint_state", "list_variables", "load_variable", "load_checkpoint"]
+           "NotFoundError", "latest_checkpoint", "get_checkpoint_state", "list_variables", "load_variable",
+           "load_checkpoint"]
 
 _STATE_FILE = "checkpoint"
 
@@ -98,7 +99,7 @@ def get_checkpoint_state(checkpoint_dir, latest_filename=None):
                            float(fields["last_preserved_timestamp"][-1]) if fields["last_preserved_timestamp"] else 0.0)
 
 
-def _write_state(directory: str, latest: str, paths, timestamps, last_preserved: float) -> None:
+def _write_state(directory: str, latest: str, paths, timestamps, last_preserved) -> None:
     """Write the directory's state file atomically (temporary file + rename)."""
 
     def relative(p):
@@ -108,7 +109,8 @@ def _write_state(directory: str, latest: str, paths, timestamps, last_preserved:
     lines = [f"model_checkpoint_path: {json.dumps(relative(latest), ensure_ascii=False)}"]
     lines += [f"all_model_checkpoint_paths: {json.dumps(relative(p), ensure_ascii=False)}" for p in paths]
     lines += [f"all_model_checkpoint_timestamps: {t!r}" for t in timestamps]
-    lines.append(f"last_preserved_timestamp: {float(last_preserved)!r}")
+    if last_preserved is not None:
+        lines.append(f"last_preserved_timestamp: {float(last_preserved)!r}")
     os.makedirs(directory, exist_ok=True)
     target = os.path.join(directory, _STATE_FILE)
     tmp = os.path.join(directory, f".{_STATE_FILE}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -123,9 +125,8 @@ def _write_state(directory: str, latest: str, paths, timestamps, last_preserved:
 
 
 def _record_latest(directory: str, path: str) -> None:
-    """What ``Checkpoint.save`` records: ``path`` as the latest and only checkpoint."""
-    now = time.time()
-    _write_state(os.path.abspath(directory), path, [path], [now], now)
+    """What ``Checkpoint.save`` records: ``path`` as the latest and only checkpoint (no times, as TF)."""
+    _write_state(os.path.abspath(directory), path, [path], [], None)
 
 
 def latest_checkpoint(checkpoint_dir, latest_filename=None):

@@ -12,6 +12,7 @@ array, so an array returned by ``read_value()`` never changes under its holder.
 
 from __future__ import annotations
 
+import inspect
 import operator
 import weakref
 
@@ -76,6 +77,19 @@ class _VariableMeta(type):
 
             return distribute_lib.get_strategy().extended._create_variable(*args, **kwargs)
         return super().__call__(*args, **kwargs)
+
+    @property
+    def __signature__(cls) -> inspect.Signature:
+        # inspect would otherwise show __call__'s (*args, **kwargs): show what md.Variable(...) takes
+        # (the strategy's variable creator) and, for the subclasses, their own __init__.
+        if cls is Variable:
+            from . import distribute_lib
+
+            function = distribute_lib.StrategyExtended._create_variable
+        else:
+            function = cls.__init__
+        signature = inspect.signature(function)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])  # without self
 
 
 class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
@@ -170,7 +184,11 @@ class DeviceVariable(Variable):
         return self._value
 
     def _converted(self, value, argument: str = "value"):
-        if isinstance(value, Variable):
+        """``value`` on this variable's device, checked as TF's assign checks it: the same shape; a
+        variable of the same dtype; an array or number of another dtype only when it converts
+        without changing a value (an int8 variable refuses 300 as TF does; NumPy would wrap it to 44)."""
+        variable = isinstance(value, Variable)
+        if variable:
             value = value.read_value()
         new = device_util.place(value, self._device)
         if tuple(new.shape) != self.shape:
@@ -178,12 +196,39 @@ class DeviceVariable(Variable):
                 f"{argument}: cannot assign a value of shape {tuple(new.shape)} to variable '{self._name}' "
                 f"of shape {self.shape}; the shapes must be equal (reshape the value)"
             )
-        if not np.can_cast(new.dtype, self.dtype, "same_kind"):
-            raise TypeError(
-                f"{argument}: cannot assign a value of dtype {new.dtype} to variable '{self._name}' of dtype "
-                f"{self.dtype}; convert it with .astype({self.dtype.name!r})"
-            )
+        if new.dtype != self.dtype:
+            if variable or not np.can_cast(new.dtype, self.dtype, "same_kind"):
+                raise TypeError(
+                    f"{argument}: cannot assign a value of dtype {new.dtype} to variable '{self._name}' of dtype "
+                    f"{self.dtype}; convert it with .astype({self.dtype.name!r})"
+                )
+            self._check_fits(new, argument)
         return new
+
+    def _check_fits(self, new, argument: str) -> None:
+        """Refuses a value that this variable's (narrower) dtype cannot hold."""
+        dtype = self.dtype
+        if new.size == 0 or dtype.kind not in "iuf" or new.dtype.kind not in "biuf":
+            return
+        if dtype.kind == "f":
+            if new.dtype.kind != "f" or new.dtype.itemsize <= dtype.itemsize:
+                return  # integers and narrower floats round, as TF converts them
+            finite = new[abs(new) < np.inf]
+            if finite.size == 0 or float(abs(finite).max()) <= float(np.finfo(dtype).max):
+                return
+            lowest, highest = float(finite.min()), float(finite.max())
+        else:
+            lowest, highest = int(new.min()), int(new.max())
+            info = np.iinfo(dtype)
+            if info.min <= lowest and highest <= info.max:
+                return
+        raise TypeError(
+            f"{argument}: cannot assign {lowest if lowest == highest else f'values in [{lowest}, {highest}]'} "
+            f"to variable '{self._name}' of dtype "
+            f"{dtype}, which holds [{np.iinfo(dtype).min if dtype.kind in 'iu' else -np.finfo(dtype).max}, "
+            f"{np.iinfo(dtype).max if dtype.kind in 'iu' else np.finfo(dtype).max}]; TF refuses a value that "
+            "does not fit (convert it yourself, e.g. np.clip(...).astype(...), if wrapping is meant)"
+        )
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         # Always a copy: the caller may later write into the array it passed.

@@ -271,4 +271,61 @@ TEST(bad_arguments_throw) {
   CHECK(threw);
 }
 
+TEST(outputs_aliasing_other_inputs_are_staged_and_shared_outputs_refused) {
+  // Rotated outputs (out[r] is in[r + 1]) and outputs shifted by a few
+  // elements inside one base buffer, for every algorithm and broadcast/reduce.
+  const int n = 4;
+  const std::size_t count = 4096 + 3, shift = 5, stride = count + 64;
+  for (Algorithm algo : {Algorithm::kRing, Algorithm::kDirect, Algorithm::kTree}) {
+    for (int layout = 0; layout < 2; ++layout) {
+      std::vector<float> base(n * stride + shift);
+      for (std::size_t i = 0; i < base.size(); ++i) base[i] = static_cast<float>(i % 97);
+      std::vector<const void*> in(n);
+      std::vector<void*> out(n);
+      for (int r = 0; r < n; ++r) {
+        in[r] = base.data() + r * stride;
+        out[r] = layout == 0 ? base.data() + ((r + 1) % n) * stride : base.data() + r * stride + shift;
+      }
+      std::vector<float> want(count, 0.f);
+      for (int r = 0; r < n; ++r)
+        for (std::size_t i = 0; i < count; ++i) want[i] += static_cast<const float*>(in[r])[i];
+      comm().all_reduce(n, in.data(), out.data(), count, DType::kFloat32, ReduceOp::kSum, algo);
+      bool ok = true;
+      for (int r = 0; r < n; ++r)
+        for (std::size_t i = 0; i < count; ++i) ok = ok && static_cast<float*>(out[r])[i] == want[i];
+      CHECK(ok);
+    }
+  }
+  // broadcast into a shifted view of the root's input; reduce into a view straddling two inputs
+  std::vector<double> base(64);
+  for (std::size_t i = 0; i < base.size(); ++i) base[i] = static_cast<double>(i);
+  const std::vector<double> before = base;
+  std::vector<double> other(16);
+  const void* bin[] = {base.data(), other.data()};
+  void* bout[] = {base.data() + 3, other.data()};
+  comm().broadcast(2, bin, bout, 16, DType::kFloat64, 0);
+  bool ok = true;
+  for (int i = 0; i < 16; ++i) ok = ok && base[3 + i] == before[i] && other[i] == before[i];
+  CHECK(ok);
+  base = before;
+  const void* rin[] = {base.data(), base.data() + 16};
+  void* target = base.data() + 8;
+  void* rout[] = {target, target};
+  comm().reduce(2, rin, rout, 16, DType::kFloat64, ReduceOp::kSum, 0);
+  ok = true;
+  for (int i = 0; i < 16; ++i) ok = ok && base[8 + i] == before[i] + before[16 + i];
+  CHECK(ok);
+  // two outputs in one place: no right answer, refused before anything is written
+  float x[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+  const void* xin[] = {x, x};
+  void* xout[] = {x, x + 2};
+  bool threw = false;
+  try {
+    comm().all_reduce(2, xin, xout, 6, DType::kFloat32, ReduceOp::kSum, Algorithm::kRing);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw && x[0] == 1.f && x[7] == 1.f);
+}
+
 int main() { return check::run_all(); }

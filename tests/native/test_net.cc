@@ -2,6 +2,7 @@
 // of a job played by threads (what the sanitizer builds exercise): results
 // against a reference, admission, and the naming of dead and late peers.
 #include <chrono>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -9,6 +10,9 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "net/errors.h"
@@ -142,6 +146,192 @@ TEST(a_late_peer_is_named_at_the_timeout) {
     }
     CHECK(named);
   });
+}
+
+// --- the store under hostile local peers -----------------------------------------------------
+
+namespace {
+
+Socket raw_connection(int port) {
+  std::string error;
+  Socket s = try_connect("127.0.0.1", port, after(milliseconds(2000)), &error);
+  CHECK(s.valid());
+  return s;
+}
+
+// True when the server closed `s` within `wait` (whatever it sent before).
+bool closed_by_server(Socket& s, milliseconds wait) {
+  const Deadline deadline = after(wait);
+  char buf[256];
+  while (Clock::now() < deadline) {
+    const ssize_t r = ::recv(s.fd(), buf, sizeof(buf), MSG_DONTWAIT);
+    if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) return true;
+    if (r < 0) std::this_thread::sleep_for(milliseconds(10));
+  }
+  return false;
+}
+
+template <typename Pred>
+bool eventually(Pred&& pred, milliseconds wait = milliseconds(5000)) {
+  const Deadline deadline = after(wait);
+  while (!pred()) {
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  return true;
+}
+
+std::vector<char> le32(std::uint32_t v) {
+  return {static_cast<char>(v), static_cast<char>(v >> 8), static_cast<char>(v >> 16), static_cast<char>(v >> 24)};
+}
+
+}  // namespace
+
+TEST(store_limits_hold_against_strangers) {
+  StoreLimits limits;
+  limits.max_pending = 4;
+  limits.handshake_timeout = milliseconds(400);
+  StoreServer server("127.0.0.1", 0, "secret", 2, limits, {"chief:0", "worker:0"});
+  // A flood of idle strangers: at most max_pending are kept, the oldest go first.
+  std::vector<Socket> idle;
+  for (int i = 0; i < 40; ++i) idle.push_back(raw_connection(server.port()));
+  CHECK(eventually([&] { return server.stats().dropped >= 36; }));
+  CHECK(server.stats().pending <= 4);
+  CHECK(closed_by_server(idle[0], milliseconds(2000)));
+  // A task of the job still gets in, and the rest of the strangers time out.
+  StoreClient a("127.0.0.1", server.port(), "secret", 0, "chief:0", milliseconds(5000));
+  a.set("k", {'v'});
+  CHECK(eventually([&] { return server.stats().pending == 0; }));
+  CHECK(closed_by_server(idle.back(), milliseconds(2000)));
+
+  // Garbage, and a right magic announcing a 2 GiB token: dropped at once, nothing allocated for it.
+  Socket garbage = raw_connection(server.port());
+  garbage.write_all("GET / HTTP/1.1\r\n\r\n", 18, after(milliseconds(1000)));
+  CHECK(closed_by_server(garbage, milliseconds(1000)));
+  Socket huge = raw_connection(server.port());
+  std::vector<char> msg{'M', 'R', 'V', '2'};
+  const auto len = le32(0x7fffffffu);
+  msg.insert(msg.end(), len.begin(), len.end());
+  huge.write_all(msg.data(), msg.size(), after(milliseconds(1000)));
+  CHECK(closed_by_server(huge, milliseconds(1000)));
+  CHECK(server.stats().buffered_bytes < 4096);
+  CHECK(a.get("k") == std::vector<char>{'v'});
+}
+
+TEST(store_limits_hold_against_the_jobs_own_clients) {
+  StoreLimits limits;
+  limits.max_value = 1024;
+  limits.max_keys = 8;
+  limits.max_stored_bytes = 4096;
+  limits.max_per_task = 2;
+  StoreServer server("127.0.0.1", 0, "secret", 2, limits);
+  StoreClient a("127.0.0.1", server.port(), "secret", 0, "chief:0", milliseconds(5000), {}, "a");
+  for (int i = 0; i < 8; ++i) a.set("key" + std::to_string(i), std::vector<char>(100, 'x'));
+  std::string why;
+  try {
+    a.set("one more", {'x'});
+  } catch (const Refused& e) {
+    why = e.what();
+  }
+  CHECK(why.find("the rendezvous store is full (8 keys") != std::string::npos);
+  a.set("key0", std::vector<char>(1000, 'y'));  // replacing a key is fine within the byte limit
+  CHECK(a.get("key0").size() == 1000);
+  CHECK(server.stats().keys == 8);
+  // A value above the limit announced by a client of the job: its connection is dropped, the store stays.
+  StoreClient b("127.0.0.1", server.port(), "secret", 1, "chief:0", milliseconds(5000), {}, "b");
+  bool dropped = false;
+  try {
+    b.set("big", std::vector<char>(2000, 'z'));
+  } catch (const PeerLost&) {
+    dropped = true;
+  }
+  CHECK(dropped);
+  CHECK(a.get("key1").size() == 100);
+  // One task cannot hold more than max_per_task connections.
+  StoreClient a2("127.0.0.1", server.port(), "secret", 0, "chief:0", milliseconds(5000), {}, "a");
+  bool busy = false;
+  try {
+    StoreClient a3("127.0.0.1", server.port(), "secret", 0, "chief:0", milliseconds(5000), {}, "a");
+  } catch (const Refused& e) {
+    busy = std::strstr(e.what(), "rank 0 already has 2 open connections") != nullptr;
+  }
+  CHECK(busy);
+}
+
+TEST(store_names_duplicate_and_stale_tasks) {
+  StoreServer server("127.0.0.1", 0, "t", 2, {}, {"chief:0", "worker:0"});
+  auto first = std::make_unique<StoreClient>("127.0.0.1", server.port(), "t", 1, "chief:0", milliseconds(5000),
+                                             StoreClient::WaitCallback{}, "first process");
+  std::string why;
+  try {
+    StoreClient twin("127.0.0.1", server.port(), "t", 1, "chief:0", milliseconds(5000), {}, "second process");
+  } catch (const Refused& e) {
+    why = e.what();
+  }
+  CHECK(why.find("worker:0 joined twice: it is already connected as first process, and second process claims") !=
+        std::string::npos);
+  // The same process may connect again; once it has left, another process cannot take its place.
+  auto again = std::make_unique<StoreClient>("127.0.0.1", server.port(), "t", 1, "chief:0", milliseconds(5000),
+                                             StoreClient::WaitCallback{}, "first process");
+  first.reset();
+  again.reset();
+  StoreClient observer("127.0.0.1", server.port(), "t", 0, "chief:0", milliseconds(5000));
+  CHECK(eventually([&] { return observer.status()[1].departed; }));
+  why.clear();
+  try {
+    StoreClient restarted("127.0.0.1", server.port(), "t", 1, "chief:0", milliseconds(5000), {}, "restarted");
+  } catch (const Refused& e) {
+    why = e.what();
+  }
+  CHECK(why.find("worker:0 already took part in the job that chief:0 serves") != std::string::npos);
+}
+
+TEST(store_deadlines_never_overflow) {
+  StoreServer server("127.0.0.1", 0, "t", 1);
+  StoreClient a("127.0.0.1", server.port(), "t", 0, "chief:0", milliseconds::max());
+  a.set("k", {'1'});
+  CHECK(a.wait({"k"}, milliseconds::max()).empty());
+  const auto started = Clock::now();
+  CHECK(a.wait({"absent"}, milliseconds(-5)).size() == 1);
+  CHECK(Clock::now() - started < milliseconds(2000));
+  CHECK(after(milliseconds::max()) == never());
+  const Deadline past = after(milliseconds(-1));
+  CHECK(past <= Clock::now());
+}
+
+// Ranks that disagree on a collective all get the same CollectiveMismatch
+// before any data moves, and the next matched collective is exact; over
+// shared memory and over Gloo.
+TEST(a_mismatch_is_the_same_error_everywhere_and_harmless) {
+  const char* was = std::getenv("MIRRORED_SHM");
+  const std::string saved = was ? was : "";
+  for (const char* shm : {"1", "0"}) {
+    ::setenv("MIRRORED_SHM", shm, 1);
+    job(1, milliseconds(10000), std::string("mismatch") + shm, [](int rank, GlooCommunicator& comm) {
+      float x[4] = {1, 1, 1, 1};
+      const void* in[1] = {x};
+      void* out[1] = {x};
+      std::string error;
+      try {
+        comm.all_reduce(1, in, out, rank == 2 ? 4 : 3, DType::kFloat32, ReduceOp::kSum, Algorithm::kAuto);
+      } catch (const CollectiveMismatch& e) {
+        error = e.what();
+      }
+      CHECK(error.find("all_reduce #1: chief:0 passes 3 float32 elements (sum), worker:1 passes 4 float32") == 0);
+      CHECK(x[0] == 1 && x[3] == 1);  // nothing moved
+      try {
+        comm.broadcast(1, in, out, 4, DType::kFloat32, rank);  // each names itself the root
+      } catch (const CollectiveMismatch& e) {
+        error = e.what();
+      }
+      CHECK(error.find("broadcast #2: chief:0 passes 4 float32 elements from replica 0, worker:0 passes 4 float32 "
+                       "elements from replica 1") == 0);
+      comm.all_reduce(1, in, out, 4, DType::kFloat32, ReduceOp::kSum, Algorithm::kAuto);
+      CHECK(x[0] == 3 && x[3] == 3);
+    });
+  }
+  if (was) ::setenv("MIRRORED_SHM", saved.c_str(), 1);
+  else ::unsetenv("MIRRORED_SHM");
 }
 
 int main() { return check::run_all(); }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 
 from ..distribute_lib import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy,
                               in_cross_replica_context)
@@ -89,3 +90,7 @@ class MirroredStrategy(_MirroredStrategyV2):
 
 __all__ = ["MirroredStrategy", "get_strategy", "has_strategy", "in_cross_replica_context", "get_replica_context",
            "get_cross_replica_context", "NumpyDataset", "DatasetIterator"]
+
+# ``tf.compat.v1.distribute.MirroredStrategy`` ported verbatim reads ``md.compat.v1.distribute.MirroredStrategy``:
+# this module is that namespace too.
+distribute = sys.modules[__name__]
