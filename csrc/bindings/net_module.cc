@@ -251,6 +251,12 @@ PYBIND11_MODULE(_net, m) {
              py::gil_scoped_release nogil;
              c.broadcast(n, in.data(), out.data(), count, dtype_from_code(dtype), root);
            })
+      .def_property_readonly("shared_memory_off",
+                             [](const GlooCommunicator& c) {
+                               py::gil_scoped_release nogil;  // asks the store
+                               return c.shared_memory_off();
+                             },
+                             "Why all-reduces do not use shared memory ('' when they do).")
       .def("reduce",
            [](GlooCommunicator& c, const py::list& inputs, const py::list& outputs, std::size_t count, int dtype,
               int op, int root) {

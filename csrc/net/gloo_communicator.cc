@@ -257,6 +257,19 @@ void GlooCommunicator::check_peers() {
     if (r != rank_ && tasks[r].departed && !tasks[r].connected) throw PeerLost("task " + tasks_[r] + " is gone");
 }
 
+std::string GlooCommunicator::shared_memory_off() const {
+  if (shm_) return "";
+  if (size() == 1) return "the job has one task";
+  const char* env = std::getenv("MIRRORED_SHM");
+  if (env && std::string(env) == "0") return "MIRRORED_SHM=0";
+  // The identities setup_shared_memory() compared: differing ones mean other hosts (or MIRRORED_SHM=0 there).
+  const auto first = store_->get(prefix_ + "host/0");
+  for (int r = 1; r < size(); ++r)
+    if (store_->get(prefix_ + "host/" + std::to_string(r)) != first)
+      return "the tasks run on different hosts (or one has MIRRORED_SHM=0)";
+  return "a task could not map a /dev/shm segment";
+}
+
 GlooCommunicator::~GlooCommunicator() { close(); }
 
 void GlooCommunicator::close() {

@@ -77,6 +77,8 @@ class GlooCommunicator : public Communicator {
   int rank() const { return rank_; }
   int size() const { return static_cast<int>(tasks_.size()); }
   int local_replicas() const { return local_; }
+  // Why all-reduces do not go through shared memory; empty when they do (for the engine log line).
+  std::string shared_memory_off() const;
 
   void all_reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
                   Algorithm algorithm) override;

@@ -15,6 +15,7 @@ try:
 except PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "0+unknown"
 
+from . import _logging  # noqa: F401  (before the rest: configures the "mirrored" logger from MIRRORED_LOG_LEVEL)
 from . import cross_device_ops, device_util
 from .distribute_lib import (ReplicaContext, Strategy, StrategyExtended, get_cross_replica_context,
                              get_replica_context, get_strategy, has_strategy, in_cross_replica_context)

@@ -6,17 +6,23 @@ the JSON that TensorFlow's launchers set on every task::
     {"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"]},
      "task": {"type": "worker", "index": 0}}
 
-``SimpleClusterResolver`` takes the same facts as arguments. Without
-``TF_CONFIG`` the job is a single local worker. Malformed input raises
-``ValueError`` naming the field and the fix, when the resolver is built.
+``SimpleClusterResolver`` takes the same facts as arguments, and
+``SlurmClusterResolver`` reads them from the ``SLURM_*`` variables that
+``srun`` sets. Without ``TF_CONFIG`` (or Slurm) the job is a single local
+worker. Malformed input raises ``ValueError`` naming the field and the fix,
+when the resolver is built.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import subprocess
 
-__all__ = ["ClusterSpec", "ClusterResolver", "TFConfigClusterResolver", "SimpleClusterResolver"]
+__all__ = ["ClusterSpec", "ClusterResolver", "TFConfigClusterResolver", "SimpleClusterResolver",
+           "SlurmClusterResolver", "expand_hostlist", "expand_tasks_per_node"]
 
 # Task types TensorFlow defines. chief and worker take part in collectives;
 # ps and evaluator are accepted (and ignored by collectives).
@@ -274,3 +280,193 @@ class SimpleClusterResolver(ClusterResolver):
         if self._num_accelerators is not None:
             return dict(self._num_accelerators)
         return super().num_accelerators(task_type, task_id, config_proto)
+
+
+# --- Slurm ---------------------------------------------------------------------
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """A Slurm host list as host names, in order, duplicates kept.
+
+    ``"n[1-2],m5,o[3-4,6]"`` -> ``["n1", "n2", "m5", "o3", "o4", "o6"]``;
+    zero padding is kept (``"gpu[08-10]"`` -> ``gpu08, gpu09, gpu10``) and
+    several ranges multiply (``"r[1-2]n[1-2]"`` -> ``r1n1, r1n2, r2n1, r2n2``).
+    """
+    if not isinstance(hostlist, str) or not hostlist.strip():
+        raise ValueError(f"hostlist={hostlist!r}: expected a Slurm host list like 'node[1-3,5],other'")
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(hostlist + ","):
+        depth += (c == "[") - (c == "]")
+        if depth not in (0, 1):
+            raise ValueError(f"hostlist={hostlist!r}: unbalanced brackets at character {i}")
+        if c == "," and depth == 0:
+            parts.append(hostlist[start:i].strip())
+            start = i + 1
+    if depth or not all(parts):
+        raise ValueError(f"hostlist={hostlist!r}: expected names or name[ranges] separated by commas, e.g. "
+                         "'node[1-3,5],other'")
+    hosts: list[str] = []
+    for part in parts:
+        names = [""]
+        for text, ranges in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", part):
+            names = [n + text for n in names]
+            if ranges:
+                names = [n + value for n in names for value in _expand_ranges(ranges, hostlist)]
+        hosts.extend(names)
+    return hosts
+
+
+def _expand_ranges(ranges: str, hostlist: str) -> list[str]:
+    values = []
+    for item in ranges.split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", item.strip())
+        if m is None:
+            raise ValueError(f"hostlist={hostlist!r}: {item!r} in [{ranges}] is not a number or a range like 3-5")
+        first, last = m.group(1), m.group(2) or m.group(1)
+        if int(last) < int(first):
+            raise ValueError(f"hostlist={hostlist!r}: range {item!r} runs backwards; write {last}-{first}")
+        width = len(first) if first.startswith("0") else 0  # node[08-10]: keep the padding
+        values += [str(i).zfill(width) for i in range(int(first), int(last) + 1)]
+    return values
+
+
+def expand_tasks_per_node(tasks_per_node: str) -> list[int]:
+    """Slurm's tasks-per-node list as one count per node: ``"3(x2),2,1"`` -> ``[3, 3, 2, 1]``."""
+    counts = []
+    for part in str(tasks_per_node).split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m is None:
+            raise ValueError(f"tasks_per_node={tasks_per_node!r}: {part!r} is not 'N' or 'N(xK)', as in "
+                             "SLURM_STEP_TASKS_PER_NODE='2(x3),1'")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def _slurm_var(name: str) -> str:
+    key = "SLURM_" + name
+    if key not in os.environ:
+        raise RuntimeError(f"{key} is not set: SlurmClusterResolver runs inside a Slurm job step (start the "
+                           "tasks with srun), or pass the job layout as arguments")
+    return os.environ[key]
+
+
+def in_slurm_step() -> bool:
+    """Whether this process is a task of a Slurm job step (``srun``)."""
+    return "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ
+
+
+def _gpus_on_this_node() -> int:
+    """GPUs visible here, without initialising CUDA (so CUDA_VISIBLE_DEVICES can still be set after)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "--list-gpus"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+class SlurmClusterResolver(ClusterResolver):
+    """The job of a Slurm step (``tf.distribute.cluster_resolver.SlurmClusterResolver``).
+
+    Every task of ``srun -N 2 --ntasks-per-node 2 python train.py`` builds
+    the same cluster from ``SLURM_STEP_NODELIST`` (``node[1-2]``) and
+    ``SLURM_STEP_TASKS_PER_NODE`` (``2(x2)``) and finds itself by
+    ``SLURM_PROCID``. Tasks fill the nodes in list order (Slurm's default
+    block distribution); the ``i``-th task of a node listens on
+    ``port_base + i``. ``jobs`` splits the tasks into task types, in sorted
+    order of their names (``{"chief": 1, "worker": 3}``: task 0 is the chief);
+    default: every task a ``worker``. With GPUs, each task gets
+    ``gpus_per_task`` of its node's ``gpus_per_node`` GPUs, and
+    ``auto_set_gpu`` makes only those visible (``CUDA_VISIBLE_DEVICES``).
+    Arguments left out are read from the environment; a missing variable or
+    an impossible layout raises ``RuntimeError``, as in TensorFlow.
+    """
+
+    def __init__(self, jobs=None, port_base=8888, gpus_per_node=None, gpus_per_task=None, tasks_per_node=None,
+                 auto_set_gpu=True, rpc_layer="grpc"):
+        super().__init__(rpc_layer=rpc_layer)
+        rank_text = _slurm_var("PROCID")
+        if not rank_text.strip().isdigit():
+            raise RuntimeError(f"SLURM_PROCID={rank_text!r} is not a task number")
+        self._rank = int(rank_text)
+        if jobs is None:
+            jobs = {"worker": int(_slurm_var("STEP_NUM_TASKS"))}
+        if not isinstance(jobs, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for k, v in jobs.items()):
+            raise ValueError(f"jobs={jobs!r}: expected a dict of task type -> number of tasks, e.g. "
+                             "{'chief': 1, 'worker': 3}")
+        if isinstance(port_base, bool) or not isinstance(port_base, int) or not 0 < port_base < 65536:
+            raise ValueError(f"port_base={port_base!r}: expected a port number in 1..65535")
+        self._jobs = dict(sorted(jobs.items()))
+        self._port_base = port_base
+        if tasks_per_node is None:
+            hosts = expand_hostlist(_slurm_var("STEP_NODELIST"))
+            counts = expand_tasks_per_node(_slurm_var("STEP_TASKS_PER_NODE"))
+            if len(counts) != len(hosts):
+                raise RuntimeError(f"SLURM_STEP_TASKS_PER_NODE gives {len(counts)} node(s) but "
+                                   f"SLURM_STEP_NODELIST lists {len(hosts)}")
+            self._layout = list(zip(hosts, counts))
+        elif isinstance(tasks_per_node, dict):
+            self._layout = [(str(h), int(n)) for h, n in tasks_per_node.items()]
+        else:
+            self._layout = [(h, int(tasks_per_node)) for h in expand_hostlist(_slurm_var("STEP_NODELIST"))]
+        num_tasks = sum(n for _, n in self._layout)
+        most = max((n for _, n in self._layout), default=0)
+        self._gpus_per_node = _gpus_on_this_node() if gpus_per_node is None else int(gpus_per_node)
+        self._gpus_per_task = (self._gpus_per_node // most if most else 0) if gpus_per_task is None \
+            else int(gpus_per_task)
+        self._auto_set_gpu = auto_set_gpu
+        if most * self._gpus_per_task > self._gpus_per_node:
+            raise RuntimeError(f"Requested more GPUs per node than available: {most} task(s) x gpus_per_task="
+                               f"{self._gpus_per_task} > gpus_per_node={self._gpus_per_node}")
+        if sum(self._jobs.values()) != num_tasks:
+            raise RuntimeError(f"Requested {sum(self._jobs.values())} tasks (jobs={self._jobs}) but only "
+                               f"{num_tasks} were assigned by Slurm")
+        if not 0 <= self._rank < num_tasks:
+            raise RuntimeError(f"SLURM_PROCID={self._rank} is outside this step's {num_tasks} task(s)")
+        self._spec, self._gpu_allocation = self._resolve()
+        _validate(self._spec, self._task_type, self._task_id, "SlurmClusterResolver")
+        if self._auto_set_gpu and self._gpus_per_task:
+            os.environ["CUDA_VISIBLE_DEVICES"] = self._gpu_allocation[self._rank]
+
+    def _resolve(self):
+        """The cluster, this task's type and index, and every task's GPU list."""
+        addresses, gpus = [], []
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        # GPUs already limited (e.g. by Slurm's gres) are numbered within that list.
+        ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else \
+            [str(i) for i in range(self._gpus_per_node)]
+        for host, count in self._layout:
+            for i in range(count):
+                addresses.append(f"{host}:{self._port_base + i}")
+                first = i * self._gpus_per_task
+                gpus.append(",".join(ids[first:first + self._gpus_per_task]))
+        cluster, start = {}, 0
+        for task_type, count in self._jobs.items():
+            cluster[task_type] = addresses[start:start + count]
+            if start <= self._rank < start + count:
+                self._task_type, self._task_id = task_type, self._rank - start
+            start += count
+        return ClusterSpec({k: v for k, v in cluster.items() if v}), gpus
+
+    def cluster_spec(self) -> ClusterSpec:
+        return self._spec
+
+    def get_task_info(self):
+        """(task_type, task_id) of this process."""
+        return self._task_type, self._task_id
+
+    def num_accelerators(self, task_type=None, task_id=None, config_proto=None) -> dict:
+        return {"GPU": self._gpus_per_task}
+
+
+def default_cluster_resolver() -> ClusterResolver:
+    """What ``MultiWorkerMirroredStrategy()`` uses: ``TF_CONFIG`` when set, else a Slurm step's layout."""
+    if not os.environ.get("TF_CONFIG", "").strip() and in_slurm_step():
+        return SlurmClusterResolver()
+    return TFConfigClusterResolver()

@@ -306,6 +306,9 @@ class CollectiveGroup:
 
             use_nccl = self._implementation != "RING" and (self._implementation == "NCCL" or _gpu.nccl_available())
             self._device_engine = _NcclJob(self) if use_nccl else _HostStaged(self)
+            why = "implementation=RING" if self._implementation == "RING" else f"NCCL not installed: {_gpu.NCCL_FIX}"
+            logging.getLogger("mirrored").info("GPU replicas across workers: %s",
+                                               "NCCL" if use_nccl else f"host memory and Gloo ({why})")
         return self._device_engine
 
 

@@ -16,7 +16,7 @@ import weakref
 
 import numpy as np
 
-from . import config, device_util
+from . import _logging, config, device_util
 from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce
 from .distribute_lib import _Aborted, _Context, _Group, _local, ReplicaContext, Strategy, StrategyExtended
 from .options import VariableAggregation, VariableSynchronization
@@ -448,3 +448,6 @@ class MirroredStrategy(Strategy):
 
     def __init__(self, devices=None, cross_device_ops=None):
         super().__init__(MirroredExtended(self, devices, cross_device_ops))
+        _logging.logger.info("MirroredStrategy: %d replica(s) on %s; reductions: %s",
+                             len(self.extended.worker_devices), list(self.extended.worker_devices),
+                             _logging.reductions(self.extended._cross_device_ops, self.extended.worker_devices))

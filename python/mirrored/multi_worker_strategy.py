@@ -12,11 +12,13 @@ Without ``TF_CONFIG`` the strategy is a one-worker job on local devices.
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
 
 import numpy as np
 
-from .cluster_resolver import TFConfigClusterResolver, collective_tasks
+from . import _logging
+from .cluster_resolver import collective_tasks, default_cluster_resolver
 from .collective_all_reduce import CollectiveAllReduce, CollectiveGroup
 from .mirrored_strategy import MirroredExtended, MirroredStrategy
 from .options import CommunicationImplementation, CommunicationOptions
@@ -55,6 +57,7 @@ class MultiWorkerExtended(MirroredExtended):
             self._worker_index = self._group.rank
             weakref.finalize(container_strategy, self._group.close)
         self._cross_device_ops = CollectiveAllReduce(self._group, bytes_per_pack=options.bytes_per_pack)
+        logging.getLogger("mirrored").info("MultiWorkerMirroredStrategy: %s", _logging.multi_worker(self))
 
     @property
     def _is_chief(self) -> bool:
@@ -109,7 +112,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     bounds every collective and the start-up wait; ``None`` or ``inf``: no
     timeout, and the start-up wait is 300 s; ``bytes_per_pack`` fuses
     gradients; ``implementation`` AUTO / RING (Gloo) / NCCL).
-    ``cluster_resolver``: who is in the job (default: ``TF_CONFIG``).
+    ``cluster_resolver``: who is in the job (default: ``TF_CONFIG``, else the
+    ``SLURM_*`` variables of an ``srun`` step, else this process alone).
     TensorFlow 2.0's ``communication=CollectiveCommunication.X`` is accepted
     too. ``devices`` (a mirrored extension) lists this worker's replica
     devices, e.g. ``["/cpu:0", "/cpu:1"]``; default: every GPU, else one CPU.
@@ -127,7 +131,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         if not isinstance(communication_options, CommunicationOptions):
             raise ValueError(f"communication_options={communication_options!r}: expected md.CommunicationOptions"
                              "(bytes_per_pack=..., timeout_seconds=..., implementation=...)")
-        resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
+        resolver = cluster_resolver if cluster_resolver is not None else default_cluster_resolver()
         # Skip MirroredStrategy.__init__: the extended object is ours.
         super(MirroredStrategy, self).__init__(
             MultiWorkerExtended(self, communication_options, resolver, devices))
