@@ -232,14 +232,20 @@ PYBIND11_MODULE(_net, m) {
            "Log a warning when a collective has waited this long for peers, and again every period (0: never).")
       .def("all_reduce",
            [](GlooCommunicator& c, const py::list& inputs, const py::list& outputs, std::size_t count, int dtype,
-              int op, int algorithm) {
+              int op, int algorithm, int agreed_op) {
              auto in = inputs_of(inputs);
              auto out = outputs_of(outputs);
              const int n = size_of(in, out);
+             const ReduceOp rop = reduce_op_from_code(op);
+             const ReduceOp agreed = agreed_op < 0 ? rop : reduce_op_from_code(agreed_op);
              py::gil_scoped_release nogil;
-             c.all_reduce(n, in.data(), out.data(), count, dtype_from_code(dtype), reduce_op_from_code(op),
-                          static_cast<Algorithm>(algorithm));
-           })
+             c.all_reduce_as(n, in.data(), out.data(), count, dtype_from_code(dtype), rop,
+                             static_cast<Algorithm>(algorithm), agreed);
+           },
+           py::arg("inputs"), py::arg("outputs"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+           py::arg("algorithm"), py::arg("agreed_op") = -1,
+           "agreed_op: the op the workers compare (default: op); an integer MEAN runs as a SUM but must "
+           "still match the other workers' MEAN.")
       .def("all_reduce_in_place", &all_reduce_in_place, py::arg("buffers"), py::arg("op"), py::arg("algorithm"),
            "all_reduce of one contiguous array in place, if it qualifies for the fast path (else False).")
       .def("broadcast",
@@ -259,13 +265,17 @@ PYBIND11_MODULE(_net, m) {
                              "Why all-reduces do not use shared memory ('' when they do).")
       .def("reduce",
            [](GlooCommunicator& c, const py::list& inputs, const py::list& outputs, std::size_t count, int dtype,
-              int op, int root) {
+              int op, int root, int agreed_op) {
              auto in = inputs_of(inputs);
              auto out = outputs_of(outputs);
              const int n = size_of(in, out);
+             const ReduceOp rop = reduce_op_from_code(op);
+             const ReduceOp agreed = agreed_op < 0 ? rop : reduce_op_from_code(agreed_op);
              py::gil_scoped_release nogil;
-             c.reduce(n, in.data(), out.data(), count, dtype_from_code(dtype), reduce_op_from_code(op), root);
-           })
+             c.reduce_as(n, in.data(), out.data(), count, dtype_from_code(dtype), rop, root, agreed);
+           },
+           py::arg("inputs"), py::arg("outputs"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("root"),
+           py::arg("agreed_op") = -1, "agreed_op: as for all_reduce.")
       .def("all_gather",
            [](GlooCommunicator& c, const py::list& inputs, const py::list& outputs,
               const std::vector<std::size_t>& row_bytes, std::size_t outer) {

@@ -1,12 +1,7 @@
 #include "net/gloo_communicator.h"
 
-#include <gloo/allgather.h>
-#include <gloo/allgatherv.h>
 #include <gloo/allreduce.h>
-#include <gloo/barrier.h>
-#include <gloo/broadcast.h>
 #include <gloo/common/error.h>
-#include <gloo/reduce.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
@@ -22,6 +17,7 @@
 #include <cstring>
 #include <thread>
 
+#include "host/output_staging.h"
 #include "host/reduce_kernels.h"
 #include "net/errors.h"
 
@@ -35,6 +31,8 @@ constexpr std::size_t kGlooInlineBytes = kDirectMaxBytes;
 constexpr std::size_t kGlooMessageBytes = sizeof(CollectiveHeader) + kGlooInlineBytes;
 // The Gloo slot prefix of the headers: none of Gloo's own algorithms uses it.
 constexpr std::uint8_t kHeaderSlotPrefix = 0x6d;
+// The slot prefix of our own data stages (all_gather_blocks, reduce_scatter_ring, ...).
+constexpr std::uint8_t kDataSlotPrefix = 0x6e;
 static_assert(sizeof(CollectiveHeader) <= ShmReducer::kRecordBytes, "a header must fit a shared-memory record");
 
 const char* kind_name(std::uint8_t kind) {
@@ -280,6 +278,7 @@ void GlooCommunicator::close() {
   watch_cv_.notify_all();
   if (watchdog_.joinable()) watchdog_.join();
   std::lock_guard<std::mutex> lock(mu_);
+  data_buffers_.clear();
   header_out_.reset();
   header_in_.reset();
   context_.reset();
@@ -369,6 +368,7 @@ void GlooCommunicator::continue_collective(const char* what, Fn&& fn) {
   running_.store(seq_, std::memory_order_relaxed);
   try {
     const auto timeout = timeout_.count() > 0 ? timeout_ : std::chrono::hours(24 * 30);
+    data_buffers_.clear();  // the last data stage's: Gloo's I/O thread is long done with them
     fn(static_cast<std::uint32_t>(seq_), timeout);
   } catch (const Interrupted& e) {
     running_.store(0, std::memory_order_relaxed);
@@ -517,7 +517,8 @@ void GlooCommunicator::interrupted(const std::string& what, const Interrupted& c
 // Closes every pair, then drops the header buffers and the context. A pair
 // delivers completions into our buffers under its own lock, and close() takes
 // that lock: once it returns, nothing in Gloo still signals a buffer that a
-// failed collective left a receive posted on, so the buffers can go.
+// failed collective left a receive posted on, so the buffers (headers and
+// the data stages kept from the last call) can go.
 void GlooCommunicator::drop_transport() {
   if (context_) {
     for (int r = 0; r < size(); ++r) {
@@ -530,6 +531,7 @@ void GlooCommunicator::drop_transport() {
       }
     }
   }
+  data_buffers_.clear();
   header_out_.reset();
   header_in_.reset();
   context_.reset();
@@ -615,19 +617,88 @@ std::string GlooCommunicator::diagnose(std::int64_t seq, bool timed_out, Verdict
   }
 }
 
-void GlooCommunicator::all_reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
-                                  ReduceOp op, Algorithm algorithm) {
+// Gloo's collective functions (gloo::allreduce, allgather, broadcast, reduce)
+// create their transport buffers on every call and destroy them on return;
+// this Gloo's buffer destructor spins in sched_yield() until Gloo's I/O
+// thread has let go of the buffer, and on a busy machine that yield hands the
+// core to another process for a whole scheduler tick: a floor of about 4 ms
+// (one tick; 8 ms for two buffers) under every call. The data stages below
+// are our own, over the same pairs, and keep their buffers until the next
+// data stage, long after the I/O thread is done with them.
+gloo::transport::UnboundBuffer* GlooCommunicator::data_buffer(void* ptr, std::size_t bytes) {
+  data_buffers_.push_back(context_->createUnboundBuffer(ptr, bytes));
+  return data_buffers_.back().get();
+}
+
+namespace {
+void wait_recv(gloo::transport::UnboundBuffer* b, std::chrono::milliseconds timeout) {
+  // Nothing aborts these waits: false cannot come back, but never read a half-filled buffer.
+  if (!b->waitRecv(nullptr, timeout)) throw PeerLost("a Gloo receive was aborted");
+}
+void wait_send(gloo::transport::UnboundBuffer* b, std::chrono::milliseconds timeout) {
+  if (!b->waitSend(nullptr, timeout)) throw PeerLost("a Gloo send was aborted");
+}
+}  // namespace
+
+void GlooCommunicator::all_gather_blocks(char* base, const std::vector<std::size_t>& offset,
+                                         const std::vector<std::size_t>& bytes, std::uint32_t tag,
+                                         std::chrono::milliseconds timeout) {
+  std::size_t total = 0;
+  for (int r = 0; r < size(); ++r) total = std::max(total, offset[r] + bytes[r]);
+  auto* buf = data_buffer(base, total);
+  const std::uint64_t slot = gloo::Slot::build(kDataSlotPrefix, tag);
+  int recvs = 0, sends = 0;
+  for (int r = 0; r < size(); ++r)
+    if (r != rank_ && bytes[r] > 0) buf->recv(r, slot, offset[r], bytes[r]), ++recvs;
+  // Peers in ring order from this rank: not everyone sends to rank 0 first.
+  for (int i = 1; i < size() && bytes[rank_] > 0; ++i)
+    buf->send((rank_ + i) % size(), slot, offset[rank_], bytes[rank_]), ++sends;
+  for (int i = 0; i < recvs; ++i) wait_recv(buf, timeout);
+  for (int i = 0; i < sends; ++i) wait_send(buf, timeout);
+}
+
+void GlooCommunicator::reduce_scatter_ring(char* acc, std::size_t count, std::size_t elem, ReduceFn fn,
+                                           std::uint32_t tag, std::chrono::milliseconds timeout) {
+  const int p = size(), right = (rank_ + 1) % p, left = (rank_ + p - 1) % p;
+  std::size_t largest = 0;
+  for (int c = 0; c < p; ++c) largest = std::max(largest, chunk_begin(count, c + 1) - chunk_begin(count, c));
+  ring_in_.resize(largest * elem);
+  auto* out = data_buffer(acc, count * elem);
+  auto* in = data_buffer(ring_in_.data(), ring_in_.size());
+  const std::uint64_t slot = gloo::Slot::build(kDataSlotPrefix, tag);
+  // Step s: send chunk rank - s to the right, add chunk rank - s - 1 from the
+  // left into ours. After p - 1 steps chunk rank + 1 holds every process's part.
+  for (int s = 0; s < p - 1; ++s) {
+    const int send_c = (rank_ - s + 2 * p) % p, recv_c = (rank_ - s - 1 + 2 * p) % p;
+    const std::size_t s0 = chunk_begin(count, send_c), s1 = chunk_begin(count, send_c + 1);
+    const std::size_t r0 = chunk_begin(count, recv_c), r1 = chunk_begin(count, recv_c + 1);
+    if (r1 > r0) in->recv(left, slot, 0, (r1 - r0) * elem);
+    if (s1 > s0) out->send(right, slot, s0 * elem, (s1 - s0) * elem);
+    if (r1 > r0) {
+      wait_recv(in, timeout);
+      fn(acc + r0 * elem, acc + r0 * elem, ring_in_.data(), r1 - r0);
+    }
+    if (s1 > s0) wait_send(out, timeout);
+  }
+}
+
+void GlooCommunicator::all_reduce_as(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
+                                     ReduceOp op, Algorithm algorithm, ReduceOp agreed) {
   check_replicas(n, "all_reduce");
+  const std::size_t bytes = count * dtype_size(dtype);
+  // out[0] is written before the other inputs are read: an output aliasing
+  // another replica's input (or part of its own) is computed in scratch.
+  const OutputStaging staging("all_reduce", n, in, bytes, out, bytes, {});
+  out = staging.outputs();
   std::lock_guard<std::mutex> lock(mu_);
   void* acc = out[0];
   combine_local(n, in, acc, 0, count, dtype, op);
-  const std::size_t bytes = count * dtype_size(dtype);
   const auto combine_fn = reduce_kernels().combine[static_cast<int>(dtype)][static_cast<int>(combining_op(op))];
   if (size() > 1) {
     CollectiveHeader h = header(CollectiveHeader::kAllReduce);
     h.count = count;
     h.dtype = static_cast<std::uint8_t>(dtype);
-    h.op = static_cast<std::uint8_t>(op);
+    h.op = static_cast<std::uint8_t>(agreed);
     h.algorithm = static_cast<std::uint8_t>(algorithm);
     // Tiny buffers ride in the headers: once they are agreed, every process
     // combines every contribution in rank order, so every process gets the same bits.
@@ -651,22 +722,36 @@ void GlooCommunicator::all_reduce(int n, const void* const* in, void* const* out
                          [this](const std::vector<int>& missing) { on_wait(missing); });
       } else if (direct) {
         gathered_.resize(bytes * size());
-        gloo::AllgatherOptions o(context_);
-        o.setInput(static_cast<std::uint8_t*>(acc), bytes);
-        o.setOutput(reinterpret_cast<std::uint8_t*>(gathered_.data()), gathered_.size());
-        o.setTag(tag);
-        o.setTimeout(timeout);
-        gloo::allgather(o);
+        std::memcpy(gathered_.data() + rank_ * bytes, acc, bytes);
+        std::vector<std::size_t> offset(size()), sizes(size(), bytes);
+        for (int r = 0; r < size(); ++r) offset[r] = r * bytes;
+        all_gather_blocks(gathered_.data(), offset, sizes, tag, timeout);
         combine_fn(acc, gathered_.data(), gathered_.data() + bytes, count);
         for (int r = 2; r < size(); ++r) combine_fn(acc, acc, gathered_.data() + r * bytes, count);
+      } else if (algorithm != Algorithm::kTree) {
+        // Ring: reduce-scatter, then every process passes the chunks it has
+        // completed to its right, p - 1 steps (2 (p - 1) / p of the buffer sent per process).
+        const std::size_t elem = dtype_size(dtype);
+        char* a = static_cast<char*>(acc);
+        reduce_scatter_ring(a, count, elem, combine_fn, tag, timeout);
+        const int p = size(), right = (rank_ + 1) % p, left = (rank_ + p - 1) % p;
+        auto* buf = data_buffer(a, bytes);
+        const std::uint64_t slot = gloo::Slot::build(kDataSlotPrefix, tag) + 1;
+        for (int s = 0; s < p - 1; ++s) {
+          const int send_c = (owned_chunk(rank_) - s + p) % p, recv_c = (owned_chunk(left) - s + p) % p;
+          const std::size_t s0 = chunk_begin(count, send_c), s1 = chunk_begin(count, send_c + 1);
+          const std::size_t r0 = chunk_begin(count, recv_c), r1 = chunk_begin(count, recv_c + 1);
+          if (r1 > r0) buf->recv(left, slot, r0 * elem, (r1 - r0) * elem);
+          if (s1 > s0) buf->send(right, slot, s0 * elem, (s1 - s0) * elem);
+          if (r1 > r0) wait_recv(buf, timeout);
+          if (s1 > s0) wait_send(buf, timeout);
+        }
       } else {
         gloo::AllreduceOptions o(context_);
         with_element(dtype_size(dtype), [&](auto t) { o.setOutput(static_cast<decltype(t)*>(acc), count); });
         o.setReduceFunction(combine_fn);
-        // Ring moves 2(p-1)/p of the buffer per process, the bandwidth optimum;
-        // bcube ("tree") takes log(p) rounds.
-        o.setAlgorithm(algorithm == Algorithm::kTree ? gloo::AllreduceOptions::Algorithm::BCUBE
-                                                     : gloo::AllreduceOptions::Algorithm::RING);
+        // "tree": Gloo's bcube, log(p) rounds (at Gloo's per-call buffer cost, see data_buffer).
+        o.setAlgorithm(gloo::AllreduceOptions::Algorithm::BCUBE);
         o.setTag(tag);
         o.setTimeout(timeout);
         gloo::allreduce(o);
@@ -676,6 +761,7 @@ void GlooCommunicator::all_reduce(int n, const void* const* in, void* const* out
   if (op == ReduceOp::kMean && count > 0) reduce_kernels().divide[static_cast<int>(dtype)](acc, count, n * size());
   for (int i = 1; i < n; ++i)
     if (out[i] != acc) std::memcpy(out[i], acc, bytes);
+  staging.finish();
 }
 
 void GlooCommunicator::broadcast(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
@@ -684,9 +770,12 @@ void GlooCommunicator::broadcast(int n, const void* const* in, void* const* out,
   if (root < 0 || root >= n * size())
     throw std::invalid_argument("broadcast: root=" + std::to_string(root) + " is not a replica of this job (0.." +
                                 std::to_string(n * size() - 1) + ")");
-  std::lock_guard<std::mutex> lock(mu_);
   const int root_rank = root / n, root_local = root % n;
   const std::size_t bytes = count * dtype_size(dtype);
+  // Only the root's input is read (on its process); an output that equals it is fine.
+  const OutputStaging staging("broadcast", n, in, bytes, out, bytes, {root_local, -1, true});
+  out = staging.outputs();
+  std::lock_guard<std::mutex> lock(mu_);
   void* mine = rank_ == root_rank ? out[root_local] : out[0];
   if (rank_ == root_rank && mine != in[root_local]) std::memcpy(mine, in[root_local], bytes);
   if (size() > 1) {
@@ -702,28 +791,36 @@ void GlooCommunicator::broadcast(int n, const void* const* in, void* const* out,
         if (rank_ != root_rank) std::memcpy(mine, payload(root_rank), bytes);
         return;
       }
-      gloo::BroadcastOptions o(context_);
-      o.setOutput(static_cast<std::uint8_t*>(mine), bytes);
-      o.setRoot(root_rank);
-      o.setTag(tag);
-      o.setTimeout(timeout);
-      gloo::broadcast(o);
+      // The root sends to every peer (in ring order from itself).
+      auto* buf = data_buffer(mine, bytes);
+      const std::uint64_t slot = gloo::Slot::build(kDataSlotPrefix, tag);
+      if (rank_ != root_rank) {
+        buf->recv(root_rank, slot, 0, bytes);
+        wait_recv(buf, timeout);
+        return;
+      }
+      for (int i = 1; i < size(); ++i) buf->send((rank_ + i) % size(), slot, 0, bytes);
+      for (int i = 1; i < size(); ++i) wait_send(buf, timeout);
     });
   }
   for (int i = 0; i < n; ++i)
     if (out[i] != mine) std::memcpy(out[i], mine, bytes);
+  staging.finish();
 }
 
-void GlooCommunicator::reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
-                              ReduceOp op, int root) {
+void GlooCommunicator::reduce_as(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
+                                 ReduceOp op, int root, ReduceOp agreed) {
   check_replicas(n, "reduce");
   if (root < 0 || root >= n * size())
     throw std::invalid_argument("reduce: root=" + std::to_string(root) + " is not a replica of this job (0.." +
                                 std::to_string(n * size() - 1) + ")");
-  std::lock_guard<std::mutex> lock(mu_);
   const int root_rank = root / n, root_local = root % n;
   const bool is_root = rank_ == root_rank;
   const std::size_t bytes = count * dtype_size(dtype);
+  // Only the root's process writes an output (out[root_local]), after reading every input.
+  const OutputStaging staging("reduce", n, in, bytes, out, is_root ? bytes : 0, {-1, root_local, false});
+  out = staging.outputs();
+  std::lock_guard<std::mutex> lock(mu_);
   // Outputs other than the root's stay untouched, so other processes reduce into scratch.
   if (!is_root) scratch_.resize(bytes);
   void* acc = is_root ? out[root_local] : static_cast<void*>(scratch_.data());
@@ -733,7 +830,7 @@ void GlooCommunicator::reduce(int n, const void* const* in, void* const* out, st
     CollectiveHeader h = header(CollectiveHeader::kReduce);
     h.count = count;
     h.dtype = static_cast<std::uint8_t>(dtype);
-    h.op = static_cast<std::uint8_t>(op);
+    h.op = static_cast<std::uint8_t>(agreed);
     h.root = root;
     const bool tiny = bytes <= inline_capacity();
     if (tiny && count > 0) set_payload(h, acc, bytes);
@@ -747,17 +844,34 @@ void GlooCommunicator::reduce(int n, const void* const* in, void* const* out, st
         std::memcpy(acc, sum.data(), bytes);
         return;
       }
-      gloo::ReduceOptions o(context_);
-      with_element(dtype_size(dtype), [&](auto t) { o.setOutput(static_cast<decltype(t)*>(acc), count); });
-      o.setReduceFunction(combine_fn);
-      o.setRoot(root_rank);
-      o.setTag(tag);
-      o.setTimeout(timeout);
-      gloo::reduce(o);
+      // Ring reduce-scatter, then every process sends the chunk it completed to the root.
+      const std::size_t elem = dtype_size(dtype);
+      char* a = static_cast<char*>(acc);
+      reduce_scatter_ring(a, count, elem, combine_fn, tag, timeout);
+      auto* buf = data_buffer(a, bytes);
+      const std::uint64_t slot = gloo::Slot::build(kDataSlotPrefix, tag) + 1;
+      auto chunk = [&](int r) {
+        const int c = owned_chunk(r);
+        return std::make_pair(chunk_begin(count, c) * elem, (chunk_begin(count, c + 1) - chunk_begin(count, c)) * elem);
+      };
+      if (!is_root) {
+        const auto [at, len] = chunk(rank_);
+        if (len == 0) return;
+        buf->send(root_rank, slot, at, len);
+        wait_send(buf, timeout);
+        return;
+      }
+      int recvs = 0;
+      for (int r = 0; r < size(); ++r) {
+        const auto [at, len] = chunk(r);
+        if (r != rank_ && len > 0) buf->recv(r, slot, at, len), ++recvs;
+      }
+      for (int i = 0; i < recvs; ++i) wait_recv(buf, timeout);
     });
   }
   if (is_root && op == ReduceOp::kMean && count > 0)
     reduce_kernels().divide[static_cast<int>(dtype)](acc, count, n * size());
+  staging.finish();
 }
 
 std::vector<std::uint64_t> GlooCommunicator::exchange(const std::vector<std::uint64_t>& mine,
@@ -781,12 +895,10 @@ std::vector<std::uint64_t> GlooCommunicator::exchange_locked(const std::vector<s
       for (int r = 0; r < size(); ++r) std::memcpy(all.data() + r * mine.size(), payload(r), bytes);
       return;
     }
-    gloo::AllgatherOptions o(context_);
-    o.setInput(in.data(), in.size());
-    o.setOutput(all.data(), all.size());
-    o.setTag(tag);
-    o.setTimeout(timeout);
-    gloo::allgather(o);
+    std::memcpy(all.data() + rank_ * mine.size(), in.data(), bytes);
+    std::vector<std::size_t> offset(size()), sizes(size(), bytes);
+    for (int r = 0; r < size(); ++r) offset[r] = r * bytes;
+    all_gather_blocks(reinterpret_cast<char*>(all.data()), offset, sizes, tag, timeout);
   });
   return all;
 }
@@ -822,28 +934,21 @@ void GlooCommunicator::all_gather_planned(int n, const void* const* in, void* co
   for (int r = 0; r < size(); ++r)
     for (int j = 0; j < n; ++j) block[r] += outer * job_row_bytes[r * n + j];
   // This process's contribution: each local replica's whole buffer in turn.
-  scratch_.resize(block[rank_]);
-  std::size_t at = 0;
+  std::vector<std::size_t> offset(size(), 0);
+  std::size_t total = 0;
+  for (int r = 0; r < size(); ++r) offset[r] = total, total += block[r];
+  gathered_.resize(total);
+  std::size_t at = offset[rank_];
   for (int j = 0; j < n; ++j) {
     const std::size_t b = outer * job_row_bytes[rank_ * n + j];
-    std::memcpy(scratch_.data() + at, in[j], b);
+    std::memcpy(gathered_.data() + at, in[j], b);
     at += b;
   }
-  std::size_t total = 0;
-  for (auto b : block) total += b;
   if (size() > 1 && total > 0) {
-    gathered_.resize(total);
     // The data stage of the collective whose size table was just agreed.
     continue_collective("all_gather", [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
-      gloo::AllgathervOptions o(context_);
-      o.setInput(reinterpret_cast<std::uint8_t*>(scratch_.data()), block[rank_]);
-      o.setOutput(reinterpret_cast<std::uint8_t*>(gathered_.data()), block);
-      o.setTag(tag);
-      o.setTimeout(timeout);
-      gloo::allgatherv(o);
+      all_gather_blocks(gathered_.data(), offset, block, tag, timeout);
     });
-  } else {
-    gathered_.assign(scratch_.begin(), scratch_.end());
   }
   // Interleave rows: row r of the result is row r of every replica of the job in order.
   char* dst = static_cast<char*>(out[0]);

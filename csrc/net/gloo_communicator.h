@@ -81,11 +81,22 @@ class GlooCommunicator : public Communicator {
   std::string shared_memory_off() const;
 
   void all_reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
-                  Algorithm algorithm) override;
+                  Algorithm algorithm) override {
+    all_reduce_as(n, in, out, count, dtype, op, algorithm, op);
+  }
+  // As all_reduce, but the workers compare `agreed` as the op: an integer
+  // MEAN is computed as a SUM (divided in float64 by the caller), and must
+  // still mismatch another worker's SUM.
+  void all_reduce_as(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
+                     Algorithm algorithm, ReduceOp agreed);
   // `root` is a replica of the whole job.
   void broadcast(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, int root) override;
   void reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
-              int root) override;
+              int root) override {
+    reduce_as(n, in, out, count, dtype, op, root, op);
+  }
+  void reduce_as(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op, int root,
+                 ReduceOp agreed);
   // Rows are concatenated over the replicas of the whole job; row sizes and the
   // row count are exchanged first, so they may differ between processes.
   void all_gather(int n, const void* const* in, void* const* out, const std::size_t* row_bytes,
@@ -147,6 +158,20 @@ class GlooCommunicator : public Communicator {
   void check_peers();
   std::vector<std::uint64_t> exchange_locked(const std::vector<std::uint64_t>& mine, CollectiveHeader::Kind kind);
 
+  using ReduceFn = void (*)(void* dst, const void* a, const void* b, std::size_t n);
+  // Data stages over Gloo's pairs (see data_buffer in the .cc): every process
+  // sends its block [offset[r], offset[r] + bytes[r]) of `base` to every peer
+  // and receives theirs in place; one round.
+  void all_gather_blocks(char* base, const std::vector<std::size_t>& offset, const std::vector<std::size_t>& bytes,
+                         std::uint32_t tag, std::chrono::milliseconds timeout);
+  // Ring reduce-scatter of acc (count elements): afterwards this process holds
+  // the job's reduction of chunk owned_chunk(rank_), in place.
+  void reduce_scatter_ring(char* acc, std::size_t count, std::size_t elem, ReduceFn fn, std::uint32_t tag,
+                           std::chrono::milliseconds timeout);
+  std::size_t chunk_begin(std::size_t count, int chunk) const { return count * chunk / size(); }
+  int owned_chunk(int rank) const { return (rank + 1) % size(); }
+  gloo::transport::UnboundBuffer* data_buffer(void* ptr, std::size_t bytes);
+
   std::shared_ptr<StoreClient> store_;
   const std::vector<std::string> tasks_;
   const int rank_;
@@ -169,8 +194,11 @@ class GlooCommunicator : public Communicator {
   std::vector<char> out_message_, in_messages_;  // header + inline payload; one slot per rank for the peers'
   const char* payload_ = nullptr;                 // this process's inline payload in the current collective
   gloo::transport::UnboundBuffer* waiting_in_ = nullptr;  // poked by the watchdog to wake the wait (watch_mu_)
+  // Buffers of past data stages, destroyed at the start of the next one (see DataStage).
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> data_buffers_;
   std::vector<char> scratch_;  // reused across calls
   std::vector<char> gathered_;
+  std::vector<char> ring_in_;  // a chunk arriving in reduce_scatter_ring
   // All processes on one machine: large all-reduces go through shared memory.
   std::unique_ptr<ShmReducer> shm_;
 

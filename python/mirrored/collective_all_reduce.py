@@ -153,15 +153,17 @@ class CollectiveGroup:
 
     # -- the functions of mirrored.collectives, across the job ----------------
 
-    def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto"):
+    def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto", _agreed=None):
+        # _agreed: the op the workers compare, when it differs from `op` (an
+        # integer MEAN runs as a SUM here, but another worker's SUM is still a mismatch).
         # In place on one array: checked natively, microseconds matter for small messages.
         if (out is buffers and type(buffers) is list and type(op) is str and type(algorithm) is str
-                and timeline._trace is None and self._gloo is not None):
+                and _agreed is None and timeline._trace is None and self._gloo is not None):
             code, algo = OPS.get(op), collectives.ALGORITHMS.get(algorithm)
             if code is not None and algo is not None and self._gloo.all_reduce_in_place(buffers, code, algo):
                 return list(buffers)
         if collectives.integer_mean(buffers, op):  # float64, as in one process (see mirrored.collectives)
-            return collectives.true_divide(self.all_reduce(buffers, "sum", algorithm=algorithm),
+            return collectives.true_divide(self.all_reduce(buffers, "sum", algorithm=algorithm, _agreed=op),
                                            self.num_replicas, out)
         if collectives._on_gpu(buffers):
             return self._device().all_reduce(buffers, op, out=out)
@@ -169,7 +171,8 @@ class CollectiveGroup:
         opc, algo = op_code(op), collectives._algorithm(algorithm)
         outs, finish = collectives._outputs(out, arrays, "out")
         with timeline.span("all_reduce[workers]", arrays[0].nbytes, algorithm, len(arrays), self.num_replicas):
-            self._comm().all_reduce(arrays, outs, arrays[0].size, code, opc, algo)
+            self._comm().all_reduce(arrays, outs, arrays[0].size, code, opc, algo,
+                                    -1 if _agreed is None else op_code(_agreed))
         return finish()
 
     def broadcast(self, buffers, root=0, *, out=None):
@@ -182,10 +185,10 @@ class CollectiveGroup:
             self._comm().broadcast(arrays, outs, arrays[0].size, code, root)
         return finish()
 
-    def reduce(self, buffers, op="sum", root=0, *, out=None):
+    def reduce(self, buffers, op="sum", root=0, *, out=None, _agreed=None):
         """The job-wide reduction, returned on the worker that holds replica ``root`` (None elsewhere)."""
         if collectives.integer_mean(buffers, op):
-            total = self.reduce(buffers, "sum", root)
+            total = self.reduce(buffers, "sum", root, _agreed=op)
             if total is None:
                 return None
             local_root = collectives._root(root, self.num_replicas) % self.local_replicas
@@ -204,7 +207,8 @@ class CollectiveGroup:
             targets, finish = collectives._outputs(out, arrays, "out")
             target = targets[local_root]
         with timeline.span("reduce[workers]", arrays[0].nbytes, "gloo", len(arrays), self.num_replicas):
-            self._comm().reduce(arrays, targets, arrays[0].size, code, opc, root)
+            self._comm().reduce(arrays, targets, arrays[0].size, code, opc, root,
+                                -1 if _agreed is None else op_code(_agreed))
         if root // self.local_replicas != self.rank:
             return None
         return target if finish is None else finish()[local_root]
@@ -254,7 +258,7 @@ class CollectiveGroup:
         return outs
 
     def batch_all_reduce(self, per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None,
-                         algorithm="auto"):
+                         algorithm="auto", _agreed=None):
         """All-reduce many tensors per replica, fused: one network all-reduce per pack.
 
         Tensors of one dtype are packed into flat buffers of at most
@@ -269,7 +273,7 @@ class CollectiveGroup:
         if collectives.any_integer_mean(tensors0, op):
             return collectives.means_of_sums(
                 self.batch_all_reduce(per_replica_lists, "sum", bytes_per_pack=bytes_per_pack, num_packs=num_packs,
-                                      algorithm=algorithm), self.num_replicas)
+                                      algorithm=algorithm, _agreed=op), self.num_replicas)
         if collectives._on_gpu([tensors0[0]]):
             return self._device().batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
                                                    num_packs=num_packs)
@@ -280,7 +284,7 @@ class CollectiveGroup:
         results = [[None] * len(columns) for _ in range(n)]
         for pack in _packs(columns, bytes_per_pack, num_packs):
             flat = [np.concatenate([columns[t][r].reshape(-1) for t in pack]) for r in range(n)]
-            self.all_reduce(flat, op, out=flat, algorithm=algorithm)
+            self.all_reduce(flat, op, out=flat, algorithm=algorithm, _agreed=_agreed)
             for r in range(n):
                 at = 0
                 for t in pack:
