@@ -15,12 +15,13 @@ import json
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+
+from mirrored.run import free_ports
 
 
 
@@ -46,16 +47,6 @@ class TaskResult:
         return self.returncode == 0 and self.error is None
 
 
-def free_ports(k: int) -> list[int]:
-    """k ports that were free a moment ago (held open together so they differ)."""
-    socks = [socket.socket() for _ in range(k)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def cluster(num_workers: int, chief: bool = False) -> dict:

@@ -83,7 +83,7 @@ def test_every_task_gets_its_tf_config_one_token_and_prefixed_output(tmp_path):
 
 def test_chief_port_base_and_timeline(tmp_path):
     task = script(tmp_path, REPORT)
-    base = mrun._free_ports(1)[0]
+    base = mrun.free_ports(1)[0]
     done = launch(["-np", "3", "--chief", "--port", str(base), "--timeline", "trace.json", sys.executable, task],
                   cwd=tmp_path)
     assert done.returncode == 0, done.stderr.decode()
@@ -280,7 +280,7 @@ def test_hosts_are_started_over_ssh_with_the_same_environment(tmp_path, fake_ssh
     task = script(tmp_path, REPORT)
     work = tmp_path / "work"
     work.mkdir()
-    base = mrun._free_ports(1)[0]
+    base = mrun.free_ports(1)[0]
     done = launch(["-np", "2", "-H", "127.0.0.1:2", "--port", str(base), sys.executable, task],
                   env=dict(env, LAUNCHER_TEST_MARKER="it's \"quoted\" $HOME"), cwd=work)
     assert done.returncode == 0, done.stderr.decode()
@@ -298,7 +298,7 @@ def test_ctrl_c_reaches_remote_tasks(tmp_path, fake_ssh):
     env, log = fake_ssh
     task = script(tmp_path, CTRL_C_TASK)
     proc = subprocess.Popen([sys.executable, "-m", "mirrored.run", "-np", "2", "-H", "127.0.0.1:2", "--port",
-                             str(mrun._free_ports(1)[0]), sys.executable, task],
+                             str(mrun.free_ports(1)[0]), sys.executable, task],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, **env))
     out, err, elapsed = _interrupt_when_ready(proc, 2)
     assert log.read_text().split() == ["127.0.0.1", "127.0.0.1"]
@@ -330,7 +330,7 @@ def test_a_failing_remote_task_ends_the_remote_others(tmp_path, fake_ssh):
         print("waiting", flush=True)
         time.sleep(120)
     """)
-    done = launch(["-np", "2", "-H", "127.0.0.1:1,127.0.0.1:1", "--port", str(mrun._free_ports(1)[0]),
+    done = launch(["-np", "2", "-H", "127.0.0.1:1,127.0.0.1:1", "--port", str(mrun.free_ports(1)[0]),
                    sys.executable, task], env=env, timeout=60)
     assert done.returncode == 4
     assert log.read_text().split() == ["127.0.0.1", "127.0.0.1"]

@@ -14,6 +14,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+from multiworker_launch import free_ports
 
 pytest.importorskip("mirrored._net", reason="Gloo not built (apt-get install libgloo-dev)")
 
@@ -46,19 +47,6 @@ def _run(cmd, **kwargs):
     result = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
     assert result.returncode == 0, f"{cmd} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
-
-
-def _free_ports(k):
-    import socket
-
-    socks = [socket.socket() for _ in range(k)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +92,7 @@ def test_a_two_worker_job_runs_from_a_fresh_venv_without_the_system_gloo(wheel, 
     assert gloo_lines and all("/mirrored.libs/" in line for line in gloo_lines), ldd
     assert "not found" not in ldd, ldd
 
-    ports = _free_ports(2)
+    ports = free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     procs = []
     for index in range(2):

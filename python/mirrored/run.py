@@ -84,7 +84,7 @@ def _local_names() -> set[str]:
     return names
 
 
-def _free_ports(k: int) -> list[int]:
+def free_ports(k: int) -> list[int]:
     """k loopback ports that were free a moment ago (held open together so they differ)."""
     socks = [socket.socket() for _ in range(k)]
     try:
@@ -118,12 +118,12 @@ def plan_job(num_tasks: int, hosts=None, chief: bool = False, port=None) -> list
                      for h in placed]
         runs_on = [None if h in local else h for h in placed]
         if everywhere_local and port is None:
-            ports = _free_ports(num_tasks)
+            ports = free_ports(num_tasks)
         else:
             ports = [(DEFAULT_PORT if port is None else port) + r for r in range(num_tasks)]
     else:
         addresses, runs_on = ["127.0.0.1"] * num_tasks, [None] * num_tasks
-        ports = _free_ports(num_tasks) if port is None else [port + r for r in range(num_tasks)]
+        ports = free_ports(num_tasks) if port is None else [port + r for r in range(num_tasks)]
     kinds = [("chief", 0)] * bool(chief) + [("worker", i) for i in range(num_tasks - bool(chief))]
     return [Task(t, i, h, f"{a}:{p}") for (t, i), h, a, p in zip(kinds, runs_on, addresses, ports)]
 
