@@ -70,6 +70,7 @@ def api_task(local_replicas):
     out = {"num_replicas": s.num_replicas_in_sync, "worker": me, "chief": ext.should_checkpoint,
            "resolver": (s.cluster_resolver.task_type, s.cluster_resolver.task_id)}
     ids = s.run(lambda: np.array([md.get_replica_context().replica_id_in_sync_group], np.float32))
+    out["worker_devices"] = list(ext.worker_devices)
     out["local_ids"] = [float(v[0]) for v in s.experimental_local_results(ids)]
     out["sum"] = s.reduce("SUM", ids, axis=None)
     out["mean_axis"] = s.reduce("MEAN", s.run(lambda: np.ones((md.get_replica_context().replica_id_in_sync_group + 1,
@@ -135,6 +136,10 @@ def test_strategy_api_spans_the_job():
     chief, worker = (r.value for r in results)
     assert chief["resolver"] == ("chief", 0) and worker["resolver"] == ("worker", 0)
     assert (chief["chief"], worker["chief"]) == (True, False)
+    # Devices are named by task, as TensorFlow names them across a job.
+    for v, (job, task) in ((chief, ("chief", 0)), (worker, ("worker", 0))):
+        want = [f"/job:{job}/replica:0/task:{task}/device:CPU:{i}" for i in range(2)]
+        assert v["worker_devices"] == want
     for me, v in enumerate((chief, worker)):
         assert v["num_replicas"] == 4 and v["worker"] == me
         assert v["local_ids"] == [2 * me, 2 * me + 1]

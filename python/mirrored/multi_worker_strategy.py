@@ -17,7 +17,7 @@ import weakref
 
 import numpy as np
 
-from . import _logging
+from . import _logging, device_util
 from .cluster_resolver import collective_tasks, default_cluster_resolver
 from .collective_all_reduce import CollectiveAllReduce, CollectiveGroup
 from .mirrored_strategy import MirroredExtended, MirroredStrategy
@@ -36,6 +36,11 @@ class MultiWorkerExtended(MirroredExtended):
 
     def __init__(self, container_strategy, options: CommunicationOptions, resolver, devices=None):
         super().__init__(container_strategy, devices)
+        if resolver.task_type is not None:
+            # As TensorFlow names a worker's devices: '/job:worker/replica:0/task:1/device:CPU:0'.
+            self._local_devices = tuple(
+                device_util.parse(d)._replace(job=resolver.task_type, task=int(resolver.task_id)).to_string()
+                for d in self._local_devices)
         self._options = options
         self._resolver = resolver
         if options.implementation is CommunicationImplementation.NCCL:
