@@ -19,14 +19,6 @@
 
 namespace mirrored::cuda {
 
-// 16 bytes of T: one vector load or store moves them all.
-template <typename T>
-union Vec16 {
-  static constexpr int kN = 16 / sizeof(T);
-  uint4 raw;
-  T v[kN];
-};
-
 // Every output gets op(inputs) (then / mean_div when mean_div > 1). With one
 // input it is a copy (broadcast; all_reduce of one rank). out[j] may equal
 // in[j] (in place): each thread reads all inputs of its elements before it

@@ -13,14 +13,6 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kBlocksPerSM = 4;
 
-// 16 bytes of T: one vector load or store moves them all.
-template <typename T>
-union Vec {
-  static constexpr int kN = 16 / sizeof(T);
-  uint4 raw;
-  T v[kN];
-};
-
 template <typename T, ReduceOp Op>
 __global__ void __launch_bounds__(kThreads)
     reduce_copy_kernel(T* out, const T* a, const T* b, std::size_t n, int mean_div, bool vectorised) {
@@ -35,13 +27,13 @@ __global__ void __launch_bounds__(kThreads)
   };
   std::size_t head = 0;
   if (vectorised) {
-    constexpr int kN = Vec<T>::kN;
+    constexpr int kN = Vec16<T>::kN;
     const std::size_t nv = n / kN;
     const uint4* va = reinterpret_cast<const uint4*>(a);
     const uint4* vb = reinterpret_cast<const uint4*>(b);
     uint4* vo = reinterpret_cast<uint4*>(out);
     for (std::size_t i = tid; i < nv; i += stride) {
-      Vec<T> x, y;
+      Vec16<T> x, y;
       x.raw = va[i];
       y.raw = vb[i];
 #pragma unroll
@@ -57,7 +49,7 @@ template <typename T, ReduceOp Op>
 void launch(void* out, const void* a, const void* b, std::size_t count, int mean_div, int sms, cudaStream_t stream) {
   const bool vectorised = ((reinterpret_cast<std::uintptr_t>(out) | reinterpret_cast<std::uintptr_t>(a) |
                             reinterpret_cast<std::uintptr_t>(b)) & 15u) == 0;
-  const std::size_t work = vectorised ? count / Vec<T>::kN + Vec<T>::kN : count;
+  const std::size_t work = vectorised ? count / Vec16<T>::kN + Vec16<T>::kN : count;
   const std::size_t wanted = (work + kThreads - 1) / kThreads;
   const unsigned blocks = static_cast<unsigned>(std::max<std::size_t>(1, std::min<std::size_t>(wanted, std::size_t(sms) * kBlocksPerSM)));
   reduce_copy_kernel<T, Op><<<blocks, kThreads, 0, stream>>>(static_cast<T*>(out), static_cast<const T*>(a),

@@ -6,6 +6,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <vector_types.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -13,6 +14,14 @@
 #include "core/reduce_op.h"
 
 namespace mirrored::cuda {
+
+// 16 bytes of T: one vector load or store moves them all (every kernel's vector path).
+template <typename T>
+union Vec16 {
+  static constexpr int kN = 16 / sizeof(T);
+  uint4 raw;
+  T v[kN];
+};
 
 // Storage of the 16-bit floats: trivial types, so they fit into vector unions.
 struct F16 { std::uint16_t bits; };
