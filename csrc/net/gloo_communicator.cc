@@ -347,18 +347,7 @@ void GlooCommunicator::collective(CollectiveHeader& mine, Fn&& fn) {
   // "No timeout" still needs a finite wait for Gloo; a dead peer is detected
   // through its socket long before this.
   const auto timeout = timeout_.count() > 0 ? timeout_ : std::chrono::hours(24 * 30);
-  try {
-    agree(mine, after(timeout));
-  } catch (const CollectiveMismatch&) {
-    running_.store(0, std::memory_order_relaxed);
-    throw;  // every process raises the same; no data moved
-  } catch (const Interrupted& e) {
-    running_.store(0, std::memory_order_relaxed);
-    interrupted(what, e);
-  } catch (const std::exception& e) {
-    running_.store(0, std::memory_order_relaxed);
-    fail(what, e);
-  }
+  guarded(what, [&] { agree(mine, after(timeout)); });
   continue_collective(what, [&](std::uint32_t tag, std::chrono::milliseconds t) { fn(tag, t); });
 }
 
@@ -366,10 +355,24 @@ template <typename Fn>
 void GlooCommunicator::continue_collective(const char* what, Fn&& fn) {
   if (!broken_.empty()) throw PeerLost(std::string(what) + ": " + broken_);
   running_.store(seq_, std::memory_order_relaxed);
-  try {
+  guarded(what, [&] {
     const auto timeout = timeout_.count() > 0 ? timeout_ : std::chrono::hours(24 * 30);
     data_buffers_.clear();  // the last data stage's: Gloo's I/O thread is long done with them
     fn(static_cast<std::uint32_t>(seq_), timeout);
+  });
+  running_.store(0, std::memory_order_relaxed);
+}
+
+// Runs one stage of collective `what`. A mismatch (only the agreement raises
+// one) is the same on every process and moved no data, so the job stays
+// usable; an interrupt or any other failure breaks the job's collectives.
+template <typename Stage>
+void GlooCommunicator::guarded(const char* what, Stage&& stage) {
+  try {
+    stage();
+  } catch (const CollectiveMismatch&) {
+    running_.store(0, std::memory_order_relaxed);
+    throw;
   } catch (const Interrupted& e) {
     running_.store(0, std::memory_order_relaxed);
     interrupted(what, e);
@@ -377,7 +380,6 @@ void GlooCommunicator::continue_collective(const char* what, Fn&& fn) {
     running_.store(0, std::memory_order_relaxed);
     fail(what, e);
   }
-  running_.store(0, std::memory_order_relaxed);
 }
 
 void GlooCommunicator::agree(const CollectiveHeader& mine, Deadline deadline) {
@@ -736,7 +738,7 @@ void GlooCommunicator::all_reduce_as(int n, const void* const* in, void* const* 
         reduce_scatter_ring(a, count, elem, combine_fn, tag, timeout);
         const int p = size(), right = (rank_ + 1) % p, left = (rank_ + p - 1) % p;
         auto* buf = data_buffer(a, bytes);
-        const std::uint64_t slot = gloo::Slot::build(kDataSlotPrefix, tag) + 1;
+        const std::uint64_t slot = gloo::Slot::build(kDataSlotPrefix, tag) + std::uint8_t{1};
         for (int s = 0; s < p - 1; ++s) {
           const int send_c = (owned_chunk(rank_) - s + p) % p, recv_c = (owned_chunk(left) - s + p) % p;
           const std::size_t s0 = chunk_begin(count, send_c), s1 = chunk_begin(count, send_c + 1);
@@ -849,7 +851,7 @@ void GlooCommunicator::reduce_as(int n, const void* const* in, void* const* out,
       char* a = static_cast<char*>(acc);
       reduce_scatter_ring(a, count, elem, combine_fn, tag, timeout);
       auto* buf = data_buffer(a, bytes);
-      const std::uint64_t slot = gloo::Slot::build(kDataSlotPrefix, tag) + 1;
+      const std::uint64_t slot = gloo::Slot::build(kDataSlotPrefix, tag) + std::uint8_t{1};
       auto chunk = [&](int r) {
         const int c = owned_chunk(r);
         return std::make_pair(chunk_begin(count, c) * elem, (chunk_begin(count, c + 1) - chunk_begin(count, c)) * elem);

@@ -125,18 +125,18 @@ class GlooCommunicator : public Communicator {
   void close();
 
  private:
-  // Runs one Gloo operation (the caller holds the call mutex) with a fresh
-  // tag; on failure tears the mesh down (so that peers blocked on us fail
-  // fast too) and throws an error naming the culprits.
   // Agrees on `mine` with every peer (throwing CollectiveMismatch on every
-  // process alike), then runs the data stage fn(table, tag, timeout) unless
-  // `mine` needs none. On failure tears the mesh down (so that peers blocked
+  // process alike), then runs the data stage fn(tag, timeout); the caller
+  // holds the call mutex. On failure tears the mesh down (so that peers blocked
   // on us fail fast too) and throws an error naming the culprits.
   template <typename Fn>
   void collective(CollectiveHeader& mine, Fn&& fn);
   // A data stage without its own agreement (the caller agreed already).
   template <typename Fn>
   void continue_collective(const char* what, Fn&& fn);
+  // Runs one stage of `what`; any failure but a mismatch breaks the job.
+  template <typename Stage>
+  void guarded(const char* what, Stage&& stage);
   void agree(const CollectiveHeader& mine, Deadline deadline);
   void agree_over_gloo(const CollectiveHeader& mine, Deadline deadline);
   void check_agreement(const CollectiveHeader& mine);
