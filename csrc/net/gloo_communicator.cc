@@ -539,6 +539,24 @@ void GlooCommunicator::drop_transport() {
   context_.reset();
 }
 
+// The task that serves the store stays, at most a couple of seconds, until
+// every live peer has read the diagnosis: each publishes its own record right
+// after reading. Leaving at once would take the store along (the process
+// exits on the error) and make a slower peer blame this task as gone.
+void GlooCommunicator::linger_for_peers() {
+  if (store_->server_task() != tasks_[rank_]) return;
+  try {
+    const std::vector<TaskState> tasks = store_->status();
+    std::vector<std::string> records;
+    for (int r = 0; r < size() && r < static_cast<int>(tasks.size()); ++r)
+      if (r != rank_ && !(tasks[r].departed && !tasks[r].connected))
+        records.push_back(prefix_ + "failed/" + std::to_string(r));
+    if (!records.empty()) store_->wait(records, std::chrono::milliseconds(2000));
+  } catch (const std::exception&) {
+    // Our own store cannot answer: there is nothing left to wait for.
+  }
+}
+
 void GlooCommunicator::fail(const char* what, const std::exception& cause) {
   const bool timed_out = std::strstr(cause.what(), "Timed out") != nullptr || dynamic_cast<const PeerTimeout*>(&cause);
   Verdict verdict = Verdict::kUnknown;
@@ -554,6 +572,7 @@ void GlooCommunicator::fail(const char* what, const std::exception& cause) {
   // blocked on us fail at once instead of at their own timeout.
   if (shm_) shm_->abort();
   drop_transport();
+  linger_for_peers();
   broken_ = "this job's collectives are broken since " + std::string(what) + " #" + std::to_string(seq_) +
             " (failed on task " + tasks_[rank_] + ": " + who + " [" + cause.what() +
             "]); restart the job (from a checkpoint)";

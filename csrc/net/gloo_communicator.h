@@ -148,6 +148,7 @@ class GlooCommunicator : public Communicator {
   void set_payload(CollectiveHeader& h, const void* data, std::size_t bytes);
   const char* payload(int rank) const;  // rank's inline payload, once agreed
   void drop_transport();
+  void linger_for_peers();
   [[noreturn]] void fail(const char* what, const std::exception& cause);
   [[noreturn]] void interrupted(const std::string& what, const Interrupted& cause);
   enum class Verdict { kGone, kBehind, kUnknown };
