@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from mirrored import _core, collectives
-from mirrored.bench import parse_size
+from mirrored.tools.bench import parse_size
 
 ALGOS = ("auto", "ring", "direct", "tree")
 

@@ -27,8 +27,9 @@ import time
 import numpy as np
 
 import mirrored as md
-from mirrored import _gpu, collectives, config
-from mirrored.bench import parse_size
+from mirrored import collectives, config
+from mirrored.device import gpu as _gpu
+from mirrored.tools.bench import parse_size
 
 ALGOS = ("auto", "ring", "tree")
 

@@ -86,7 +86,7 @@ def time_sizes(all_reduce, make, first, barrier, sizes, rank, world) -> dict:
 
 def mirrored_worker(sizes, world):
     from mirrored.cluster_resolver import TFConfigClusterResolver
-    from mirrored.collective_all_reduce import CollectiveGroup
+    from mirrored.distribute.collective_all_reduce import CollectiveGroup
 
     group = CollectiveGroup.from_cluster_resolver(TFConfigClusterResolver(), 1, timeout=120.0)
     tiny = [np.zeros(1, np.float32)]

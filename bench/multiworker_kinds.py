@@ -38,7 +38,7 @@ def timed(fn, barrier, n):
 
 def mirrored_worker():
     from mirrored.cluster_resolver import TFConfigClusterResolver
-    from mirrored.collective_all_reduce import CollectiveGroup
+    from mirrored.distribute.collective_all_reduce import CollectiveGroup
 
     g = CollectiveGroup.from_cluster_resolver(TFConfigClusterResolver(), 1, timeout=60.0)
     res = {}

@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from mirrored.run import free_ports
+from mirrored.tools.run import free_ports
 
 
 

@@ -32,7 +32,7 @@ def test_one_worker_splits_the_same_under_every_policy():
 
 
 def _worker(policy, items=4):
-    from mirrored.multi_worker_strategy import MultiWorkerMirroredStrategy
+    from mirrored.distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
 
     records = []
 

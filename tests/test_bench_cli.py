@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from mirrored import bench, collectives
+from mirrored import collectives
+from mirrored.tools import bench
 
 from multiworker_launch import cluster
 

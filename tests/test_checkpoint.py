@@ -174,7 +174,7 @@ def test_save_inside_run_is_refused(tmp_path):
 # --- multi-worker: every worker saves, only the chief writes, every worker restores ----------------
 
 def _multiworker_task(directory):
-    from mirrored.multi_worker_strategy import MultiWorkerMirroredStrategy
+    from mirrored.distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
 
     strategy = MultiWorkerMirroredStrategy(md.CommunicationOptions(timeout_seconds=30), devices=["/cpu:0"])
     with strategy.scope():

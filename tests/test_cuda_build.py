@@ -87,7 +87,7 @@ def test_missing_nccl_names_the_pip_package():
     out = run_without_gpu("""
         import logging, sys
         logging.basicConfig(stream=sys.stdout, format="%(levelname)s %(message)s")
-        from mirrored import _gpu
+        from mirrored.device import gpu as _gpu
         _gpu.nccl_library_candidates = lambda: ["/nonexistent/libnccl.so.2"]
         try:
             _gpu.load_nccl()
@@ -107,7 +107,7 @@ def test_logical_gpus_fall_back_to_the_ring():
     out = run_without_gpu("""
         import logging, sys
         logging.basicConfig(stream=sys.stdout, format="%(levelname)s %(message)s")
-        from mirrored import _gpu
+        from mirrored.device import gpu as _gpu
         print(_gpu.default_gpu_algorithm([0, 0]))
     """).splitlines()
     assert out[0].startswith("WARNING ") and "share a GPU" in out[0]
@@ -118,7 +118,7 @@ def test_logical_gpus_fall_back_to_the_ring():
 def test_wheel_nccl_loads_without_a_gpu():
     pytest.importorskip("nvidia.nccl", reason="nvidia-nccl-cu13 is not installed")
     out = run_without_gpu("""
-        from mirrored import _gpu
+        from mirrored.device import gpu as _gpu
         path, version = _gpu.load_nccl()
         print(path, version, len(_gpu.nccl_unique_id()))
     """).split()
@@ -129,7 +129,7 @@ def test_wheel_nccl_loads_without_a_gpu():
 
 def test_gpu_algorithm_validation_needs_no_gpu():
     out = run_without_gpu("""
-        from mirrored import _cuda_collectives as cc
+        from mirrored.collective import cuda as cc
         for devices, algorithm in (((0,), "bogus"), ((0, 0), "nccl")):
             try:
                 cc._engine(devices, algorithm)
@@ -184,7 +184,7 @@ def test_a_library_without_nccls_symbols_is_refused():
     if libm is None:
         pytest.skip("no libm.so.6 to stand in for a wrong library")
     out = run_without_gpu(f"""
-        from mirrored import _gpu
+        from mirrored.device import gpu as _gpu
         _gpu.nccl_library_candidates = lambda: [{libm!r}]
         try:
             _gpu.load_nccl()

@@ -16,8 +16,9 @@ from collective_reference import BFLOAT16, DTYPES, OPS, assert_reduced, make_inp
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy", reason="GPU tests need CuPy (pip install cupy-cuda13x)")
 
-from mirrored import _cuda_collectives as cc  # noqa: E402
-from mirrored import _dtypes, _gpu, collectives, config  # noqa: E402
+from mirrored.collective import cuda as cc  # noqa: E402
+from mirrored import collectives, config  # noqa: E402
+from mirrored.device import dtypes as _dtypes, gpu as _gpu  # noqa: E402
 
 NGPU = len(config.list_physical_devices("GPU"))
 if NGPU == 0:

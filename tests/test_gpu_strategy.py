@@ -87,7 +87,7 @@ def test_distributed_dataset_lands_on_the_replica_gpus(gpus):
 
 def test_nccl_all_reduce_on_gpus(gpus):
     devices, ordinals = gpus
-    from mirrored import _gpu
+    from mirrored.device import gpu as _gpu
 
     ops = md.cross_device_ops.NcclAllReduce()
     s = md.MirroredStrategy(devices, cross_device_ops=ops)

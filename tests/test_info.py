@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import mirrored as md
-from mirrored import _core, config, info
+from mirrored import _core, config
+from mirrored.tools import info
 
 
 def _clean_env(**extra):

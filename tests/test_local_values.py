@@ -94,7 +94,7 @@ def test_strategy_reduces_swapped_values():
 
 
 def test_dtype_code_refuses_swapped_dtypes_by_name():
-    from mirrored import _dtypes
+    from mirrored.device import dtypes as _dtypes
 
     with pytest.raises(TypeError, match=r"byte order.*astype\('<i4'\)|byte order.*astype\('>i4'\)"):
         _dtypes.dtype_code(np.dtype(SWAPPED[0]), "buffers")

@@ -39,7 +39,7 @@ def replica_value(g, dtype, op, shape=(3, 5)):
 
 def _group(local_replicas, timeout=20.0):
     from mirrored.cluster_resolver import TFConfigClusterResolver
-    from mirrored.collective_all_reduce import CollectiveGroup
+    from mirrored.distribute.collective_all_reduce import CollectiveGroup
 
     return CollectiveGroup.from_cluster_resolver(TFConfigClusterResolver(), local_replicas, timeout=timeout)
 

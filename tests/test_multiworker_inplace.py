@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.multiworker,
 
 def in_place_calls():
     from mirrored.cluster_resolver import TFConfigClusterResolver
-    from mirrored.collective_all_reduce import CollectiveGroup
+    from mirrored.distribute.collective_all_reduce import CollectiveGroup
 
     g = CollectiveGroup.from_cluster_resolver(TFConfigClusterResolver(), 1, timeout=20.0)
     r = g.rank

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.multiworker,
 
 def _group():
     from mirrored.cluster_resolver import TFConfigClusterResolver
-    from mirrored.collective_all_reduce import CollectiveGroup
+    from mirrored.distribute.collective_all_reduce import CollectiveGroup
 
     return CollectiveGroup.from_cluster_resolver(TFConfigClusterResolver(), 1, timeout=20.0)
 

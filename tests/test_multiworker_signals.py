@@ -12,7 +12,7 @@ import pytest
 
 from multiworker_launch import launch
 
-from mirrored.collective_all_reduce import stall_warning_seconds
+from mirrored.distribute.collective_all_reduce import stall_warning_seconds
 
 pytestmark = [pytest.mark.multiworker,
               pytest.mark.skipif(importlib.util.find_spec("mirrored._net") is None,
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.multiworker,
 
 def _group(timeout):
     from mirrored.cluster_resolver import TFConfigClusterResolver
-    from mirrored.collective_all_reduce import CollectiveGroup
+    from mirrored.distribute.collective_all_reduce import CollectiveGroup
 
     return CollectiveGroup.from_cluster_resolver(TFConfigClusterResolver(), 1, timeout=timeout)
 

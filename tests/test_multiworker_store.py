@@ -31,7 +31,7 @@ pytestmark = pytest.mark.multiworker
 
 def _group(timeout, local_replicas=1):
     from mirrored.cluster_resolver import TFConfigClusterResolver
-    from mirrored.collective_all_reduce import CollectiveGroup
+    from mirrored.distribute.collective_all_reduce import CollectiveGroup
 
     return CollectiveGroup.from_cluster_resolver(TFConfigClusterResolver(), local_replicas, timeout=timeout)
 
@@ -130,7 +130,7 @@ def work_through_a_flood(seconds, late_rank, fd_limit=None):
         os.close(fd)
     report["rss_growth_mb"] = _peak_rss_mb() - rss_before
     if g.rank == 0:
-        from mirrored.collective_all_reduce import _stores
+        from mirrored.distribute.collective_all_reduce import _stores
 
         report["store"] = next(server.stats() for server, _ in _stores.values() if server is not None)
     g.all_reduce([np.ones(1, np.float32)], "sum")  # neither leaves while the other still works
@@ -168,7 +168,7 @@ def join_and_hold(hold, timeout, flag_dir, leave_rank=None):
 def join_logging_progress(timeout):
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     logging.getLogger("mirrored").setLevel(logging.INFO)
-    from mirrored import collective_all_reduce
+    from mirrored.distribute import collective_all_reduce
 
     collective_all_reduce.RENDEZVOUS_LOG_SECONDS = 1.0
     _group(timeout)

@@ -11,7 +11,7 @@ from multiworker_launch import kill_self, launch
 
 import mirrored as md
 from mirrored.cluster_resolver import SimpleClusterResolver
-from mirrored.multi_worker_strategy import MultiWorkerMirroredStrategy
+from mirrored.distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
 
 pytestmark = pytest.mark.multiworker
 needs_gloo = pytest.mark.skipif(importlib.util.find_spec("mirrored._net") is None,

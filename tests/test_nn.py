@@ -123,7 +123,7 @@ def test_a_tf_style_loop_gives_the_same_losses_at_1_2_and_4_replicas():
 
 
 def _worker_train():
-    from mirrored.multi_worker_strategy import MultiWorkerMirroredStrategy
+    from mirrored.distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
 
     strategy = MultiWorkerMirroredStrategy(md.CommunicationOptions(timeout_seconds=30), devices=["/cpu:0"])
     with strategy.scope():

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from mirrored import run as mrun
+from mirrored.tools import run as mrun
 
 pytestmark = pytest.mark.multiworker
 

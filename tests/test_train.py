@@ -174,7 +174,7 @@ def test_manager_numbers_interval_init_fn_and_bad_arguments(tmp_path):
 
 
 def test_keep_checkpoint_every_n_hours_keeps_old_ones_on_disk(tmp_path, monkeypatch):
-    import mirrored.train as train_mod
+    from mirrored.train import checkpoint_management as train_mod
 
     clock = [1_000_000.0]
     monkeypatch.setattr(train_mod.time, "time", lambda: clock[0])
@@ -193,7 +193,7 @@ def test_keep_checkpoint_every_n_hours_keeps_old_ones_on_disk(tmp_path, monkeypa
 
 
 def _manager_task(directory):
-    from mirrored.multi_worker_strategy import MultiWorkerMirroredStrategy
+    from mirrored.distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
 
     strategy = MultiWorkerMirroredStrategy(md.CommunicationOptions(timeout_seconds=30), devices=["/cpu:0"])
     with strategy.scope():

@@ -6,8 +6,15 @@
         w = md.Variable(np.zeros(3, np.float32), aggregation=md.VariableAggregation.MEAN)
     per_replica = strategy.run(step, args=(batch,))
     total = strategy.reduce(md.ReduceOp.SUM, per_replica, axis=None)
+
+The package is laid out by layer (docs/architecture.md): ``device`` (names,
+config, GPU access) under ``collective`` (the one collective face and its
+engines) under ``distribute`` (strategies, values, input, cross-device ops)
+under ``train`` (optimizers, checkpoints, nn) and ``tools`` (launcher, bench,
+info); ``data`` is the input pipeline.
 """
 
+import sys as _sys
 from importlib.metadata import PackageNotFoundError, version as _version
 
 try:
@@ -16,25 +23,34 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
     __version__ = "0+unknown"
 
 from . import _logging  # noqa: F401  (before the rest: configures the "mirrored" logger from MIRRORED_LOG_LEVEL)
-from . import cross_device_ops, device_util
-from .distribute_lib import (ReplicaContext, Strategy, StrategyExtended, get_cross_replica_context,
-                             get_replica_context, get_strategy, has_strategy, in_cross_replica_context)
-from .input_lib import DistributedDataset, DistributedIterator, InputContext, ValueContext
-from .mirrored_strategy import MirroredStrategy
-from .options import (CollectiveCommunication, CommunicationImplementation, CommunicationOptions,
-                      InputOptions, InputReplicationMode, RunOptions, VariableAggregation,
-                      VariableSynchronization)
-from .reduce_util import ReduceOp
-from .values import (DistributedValues, DistributedVariable, Mirrored, MirroredVariable, PerReplica,
-                     SyncOnReadVariable, Variable)
-from .cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice,
-                               RingAllReduce)
+from . import errors, timeline
+from .device import config, device_util
+from .collective import api as collectives
+from . import distribute
+from .distribute import cluster_resolver, cross_device_ops, experimental
+from .distribute.distribute_lib import (ReplicaContext, Strategy, StrategyExtended, get_cross_replica_context,
+                                        get_replica_context, get_strategy, has_strategy, in_cross_replica_context)
+from .distribute.input_lib import DistributedDataset, DistributedIterator, InputContext, ValueContext
+from .distribute.mirrored_strategy import MirroredStrategy
+from .distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
+from .distribute.options import (CollectiveCommunication, CommunicationImplementation, CommunicationOptions,
+                                 InputOptions, InputReplicationMode, RunOptions, VariableAggregation,
+                                 VariableSynchronization)
+from .distribute.reduce_util import ReduceOp
+from .distribute.values import (DistributedValues, DistributedVariable, Mirrored, MirroredVariable, PerReplica,
+                                SyncOnReadVariable, Variable)
+from .distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
+                                          ReductionToOneDevice, RingAllReduce)
+from . import data, train
+from .train import checkpoint, nn, optimizers
+from .train.checkpoint_management import Checkpoint
 from . import compat
 
-# Other parts of the package append their exports below (multi-worker, optimizers, checkpoints).
-from . import checkpoint, collectives, optimizers, timeline
-from . import nn, train
-from .train import Checkpoint
-from . import cluster_resolver
-from .multi_worker_strategy import MultiWorkerMirroredStrategy
-from . import data, errors, experimental
+# The module paths of the flat layout (``import mirrored.collectives``,
+# ``from mirrored.cross_device_ops import ...``) keep working.
+for _name, _module in {"collectives": collectives, "config": config, "device_util": device_util,
+                       "cross_device_ops": cross_device_ops, "cluster_resolver": cluster_resolver,
+                       "experimental": experimental, "checkpoint": checkpoint, "nn": nn,
+                       "optimizers": optimizers}.items():
+    _sys.modules.setdefault(f"{__name__}.{_name}", _module)
+del _name, _module

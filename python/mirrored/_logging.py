@@ -35,7 +35,8 @@ class _StderrHandler(logging.StreamHandler):
 
 def reductions(ops, devices) -> str:
     """How a strategy's ``CrossDeviceOps`` reduces over ``devices``, in words, for the engine log line."""
-    from . import cross_device_ops as cdo, device_util
+    from .distribute import cross_device_ops as cdo
+    from .device import device_util
 
     name = type(ops).__name__
     if type(ops).__module__ not in (cdo.__name__, "mirrored.collective_all_reduce"):

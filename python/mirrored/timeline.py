@@ -242,7 +242,7 @@ def replica_wait(replica_id: int, what: str):
 
 def _caller_row() -> int:
     """The local replica whose thread is calling, or HOST_ROW outside replica context."""
-    from . import distribute_lib
+    from .distribute import distribute_lib
 
     ctx = distribute_lib.get_replica_context()
     if ctx is None or not distribute_lib.has_strategy():

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from .. import _nest, device_util
-from ..cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
-                                ReductionToOneDevice)
-from ..distribute_lib import get_cross_replica_context, get_replica_context, get_strategy, has_strategy
-from ..input_lib import DistributedDatasetsFromFunction
-from ..options import VariableAggregation
-from ..reduce_util import ReduceOp, as_reduce_op
-from ..values import DistributedValues, DistributedVariable, PerReplica
+from .. import _nest
+from ..device import device_util
+from ..distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice)
+from ..distribute.distribute_lib import get_cross_replica_context, get_replica_context, get_strategy, has_strategy
+from ..distribute.input_lib import DistributedDatasetsFromFunction
+from ..distribute.options import VariableAggregation
+from ..distribute.reduce_util import ReduceOp, as_reduce_op
+from ..distribute.values import DistributedValues, DistributedVariable, PerReplica
 from .v1 import DatasetIterator, MirroredStrategy as _MirroredStrategyV1
 
 # TF 1.11's names of the cross-device ops ("towers" were later called replicas).

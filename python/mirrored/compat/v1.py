@@ -5,12 +5,11 @@ from __future__ import annotations
 import copy
 import sys
 
-from ..distribute_lib import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy,
-                              in_cross_replica_context)
+from ..distribute.distribute_lib import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy, in_cross_replica_context)
 from ..data import NumpyDataset, make_numpy_dataset
-from ..input_lib import DistributedDataset, DistributedDatasetsFromFunction
-from ..mirrored_strategy import MirroredStrategy as _MirroredStrategyV2
-from ..options import InputReplicationMode
+from ..distribute.input_lib import DistributedDataset, DistributedDatasetsFromFunction
+from ..distribute.mirrored_strategy import MirroredStrategy as _MirroredStrategyV2
+from ..distribute.options import InputReplicationMode
 
 
 class DatasetIterator:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _dtypes, collectives, device_util
+from ..device import dtypes as _dtypes, device_util
+from ..collective import api as collectives
 from .options import CommunicationOptions
 from .reduce_util import ReduceOp, as_reduce_op
 from .values import DistributedValues, Mirrored, PerReplica, Variable, _read
@@ -53,7 +54,7 @@ def _device_of(x) -> str:
     if device_util.on_gpu(x):
         # CuPy names its *physical* device .id (other CUDA arrays may not say: GPU 0). Several logical
         # GPUs can share it: prefer the running replica's own device, else the first logical GPU on it.
-        from . import config
+        from ..device import config
 
         physical = getattr(getattr(x, "device", None), "id", 0)
         current = device_util.current()
@@ -342,7 +343,7 @@ def _check_available(device: str, argument: str) -> None:
     """Names a GPU device this machine cannot use, instead of failing later inside CuPy."""
     if not device_util.is_gpu(device):
         return
-    from . import config
+    from ..device import config
 
     index = device_util.parse(device).device_index
     gpus = len(config.list_logical_devices("GPU"))

@@ -17,7 +17,8 @@ import threading
 
 import numpy as np
 
-from . import _nest, device_util
+from .. import _nest
+from ..device import device_util
 from .options import InputOptions, InputReplicationMode
 from .values import regroup
 
@@ -328,7 +329,7 @@ class DistributedDataset(_DistributedInput):
 
     def _shard_policy(self, dataset):
         """DATA, FILE or OFF: how this worker takes its share of ``dataset`` (see md.data)."""
-        from .data import AutoShardPolicy, policy_of
+        from ..data import AutoShardPolicy, policy_of
 
         policy = policy_of(dataset)
         if self._extended._num_workers == 1:
@@ -357,7 +358,7 @@ class DistributedDataset(_DistributedInput):
         return self._items()
 
     def _steps(self, source):
-        from .data import AutoShardPolicy
+        from ..data import AutoShardPolicy
 
         ext = self._extended
         local, workers, total = len(ext.worker_devices), ext._num_workers, ext._num_replicas_in_sync
@@ -373,7 +374,7 @@ class DistributedDataset(_DistributedInput):
                 yield parts[first:first + local]
 
     def _worker_items(self, source, workers: int, index: int):
-        from .data import AutoShardPolicy
+        from ..data import AutoShardPolicy
 
         if self._policy == AutoShardPolicy.OFF:
             yield from source

@@ -68,7 +68,7 @@ def adam_update(w, g, m, v, lr: float, beta_1: float, beta_2: float, epsilon: fl
 
 def _check_aggregation(value) -> str:
     """``"sum"`` or ``"mean"`` from those strings (any case) or ``md.ReduceOp.SUM`` / ``MEAN``."""
-    from .reduce_util import ReduceOp
+    from ..distribute.reduce_util import ReduceOp
 
     if isinstance(value, ReduceOp):
         value = value.value
@@ -107,7 +107,7 @@ class Optimizer:
         self._slots = {}  # id(variable) -> (variable, {slot name: MirroredVariable})
         # The strategy whose variables this optimizer updates: the one in scope when it
         # is created (as Keras does), else that of the first variables it updates.
-        from . import distribute_lib
+        from ..distribute import distribute_lib
 
         self._strategy = distribute_lib.get_strategy() if distribute_lib.has_strategy() else None
 
@@ -116,7 +116,7 @@ class Optimizer:
     def iterations(self):
         """The number of ``apply_gradients`` calls so far: a mirrored int64 variable."""
         if self._iterations is None:
-            from . import distribute_lib
+            from ..distribute import distribute_lib
 
             self._create_state(self._strategy or distribute_lib.get_strategy(), ())
         return self._iterations
@@ -141,8 +141,8 @@ class Optimizer:
         Runs in cross-replica context under ``strategy.scope()`` so that every
         state variable is mirrored on the same devices as the model's.
         """
-        from . import values
-        from .options import VariableAggregation
+        from ..distribute import values
+        from ..distribute.options import VariableAggregation
 
         if self._strategy is not None and strategy is not self._strategy:
             raise ValueError(
@@ -186,7 +186,7 @@ class Optimizer:
         aggregated already (e.g. with ``ReplicaContext.all_reduce``), or the
         copies drift apart. Returns the new value of ``iterations`` (a Python int).
         """
-        from . import distribute_lib
+        from ..distribute import distribute_lib
 
         pairs = self._check_pairs(grads_and_vars)
         aggregate = bool(experimental_aggregate_gradients)
@@ -208,7 +208,7 @@ class Optimizer:
             args=(pairs,))
 
     def _check_pairs(self, grads_and_vars) -> list:
-        from . import values
+        from ..distribute import values
 
         pairs = []
         for i, pair in enumerate(grads_and_vars):
@@ -239,9 +239,9 @@ class Optimizer:
         return pairs
 
     def _distributed_apply(self, strategy, pairs, options, aggregate, from_replicas):
-        from . import distribute_lib
-        from .reduce_util import ReduceOp
-        from .values import DistributedValues, PerReplica
+        from ..distribute import distribute_lib
+        from ..distribute.reduce_util import ReduceOp
+        from ..distribute.values import DistributedValues, PerReplica
 
         variables = [var for _, var in pairs]
         self._create_state(strategy, variables)
@@ -297,7 +297,7 @@ class Optimizer:
 
 def _check_gradient_shape(i: int, grad, var) -> None:
     """A gradient (each replica's, for PerReplica) must have its variable's shape exactly."""
-    from .values import DistributedValues
+    from ..distribute.values import DistributedValues
 
     components = grad.values if isinstance(grad, DistributedValues) else (grad,)
     for g in components:
@@ -310,7 +310,7 @@ def _check_gradient_shape(i: int, grad, var) -> None:
 
 def _copies(var) -> tuple:
     """The per-device copies of a variable (a variable outside any strategy is its own copy)."""
-    from . import values
+    from ..distribute import values
 
     return var.values if isinstance(var, values.DistributedVariable) else (var,)
 

@@ -161,7 +161,7 @@ def load_checkpoint(path) -> dict:
 # --- which objects hold which variables -----------------------------------------------------------
 
 def _is_variable(obj) -> bool:
-    from . import values
+    from ..distribute import values
 
     return isinstance(obj, values.Variable)
 
@@ -317,8 +317,8 @@ class Checkpoint:
         return self._save_counter
 
     def _create_save_counter(self):
-        from . import values
-        from .options import VariableAggregation
+        from ..distribute import values
+        from ..distribute.options import VariableAggregation
 
         found, _, _ = self._tracked()
         strategy = _strategy_of(list(found.values()))
@@ -371,7 +371,7 @@ class Checkpoint:
         path = f"{file_prefix}-{int(counter.numpy())}"
         self.write(path, options=options)
         if self._is_chief():
-            from . import train
+            from . import checkpoint_management as train
 
             train._record_latest(os.path.dirname(os.path.abspath(path)), path)
         return path
@@ -391,7 +391,7 @@ class Checkpoint:
         return path
 
     def _is_chief(self, variables=None) -> bool:
-        from . import distribute_lib
+        from ..distribute import distribute_lib
 
         if variables is None:
             variables = self._variables()
@@ -472,7 +472,7 @@ def _check_path(path, argument: str) -> str:
 
 
 def _require_cross_replica(what: str) -> None:
-    from . import distribute_lib
+    from ..distribute import distribute_lib
 
     if not distribute_lib.in_cross_replica_context() and distribute_lib.has_strategy():
         raise RuntimeError(f"Checkpoint.{what}() was called inside strategy.run; "
@@ -480,7 +480,7 @@ def _require_cross_replica(what: str) -> None:
 
 
 def _strategy_of(variables: list):
-    from . import distribute_lib
+    from ..distribute import distribute_lib
 
     for var in variables:
         strategy = getattr(var, "distribute_strategy", None)

@@ -15,11 +15,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _nest, device_util, timeline
+from .. import _nest, timeline
+from ..device import device_util
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp, as_reduce_op
-from .values import (DeviceVariable, DistributedValues, PerReplica, _read, regroup, select_replica,
-                     value_container)
+from .values import (DeviceVariable, DistributedValues, PerReplica, _read, regroup, select_replica, value_container)
 
 HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 
@@ -403,7 +403,7 @@ class Strategy:
         into one array (tf.data's rule). The result has ``batch``, ``repeat``
         and ``with_options`` (md.data.NumpyDataset).
         """
-        from .data import make_numpy_dataset
+        from ..data import make_numpy_dataset
 
         return make_numpy_dataset(numpy_input)
 

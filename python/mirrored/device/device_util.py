@@ -156,7 +156,7 @@ def to_host(x):
     if hasattr(x, "__array_interface__"):
         return np.asarray(x)
     if hasattr(x, "__dlpack__"):  # before __array__: torch's bfloat16 has no NumPy conversion, but DLPack carries it
-        from ._dlpack import host_view
+        from .dlpack import host_view
 
         return host_view(x, "value")  # zero-copy for CPU DLPack producers
     if hasattr(x, "__array__"):

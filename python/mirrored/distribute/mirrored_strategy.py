@@ -16,13 +16,13 @@ import weakref
 
 import numpy as np
 
-from . import _logging, config, device_util
+from .. import _logging
+from ..device import config, device_util
 from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce
 from .distribute_lib import _Aborted, _Context, _Group, _local, ReplicaContext, Strategy, StrategyExtended
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
-from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mirrored, MirroredVariable,
-                     SyncOnReadVariable, regroup, select_replica)
+from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mirrored, MirroredVariable, SyncOnReadVariable, regroup, select_replica)
 
 
 def _signal(lock):
@@ -216,7 +216,7 @@ def _default_cross_device_ops(devices) -> CrossDeviceOps:
     """TF's choice: NCCL when every replica has a GPU of its own and NCCL loads, else the native ring."""
     if not device_util.all_gpu(devices):
         return RingAllReduce()
-    from . import _gpu
+    from ..device import gpu as _gpu
 
     if _gpu.default_gpu_algorithm([_gpu.physical_ordinal(d) for d in devices]) == "nccl":
         return NcclAllReduce()
@@ -273,7 +273,7 @@ class _GpuReplicaScope:
     """A GPU replica's device and CUDA device and stream, made once (entered by that replica's thread only)."""
 
     def __init__(self, device, replica_id: int):
-        from . import _gpu
+        from ..device import gpu as _gpu
 
         ordinal = _gpu.physical_ordinal(device)
         self._device = device_util.device_scope(device)
@@ -364,7 +364,7 @@ class MirroredExtended(StrategyExtended):
         return regroup(results, devices=self._local_devices)
 
     def _check_components(self, structure):
-        from . import _nest
+        from .. import _nest
 
         n = len(self._local_devices)
         for leaf in _nest.flatten(structure):
@@ -415,7 +415,7 @@ class MirroredExtended(StrategyExtended):
         regrouped = regroup(updates, Mirrored, devices=var._devices)
         if group:
             return regrouped
-        from . import _nest
+        from .. import _nest
 
         return _nest.map_structure(self._local_results, regrouped)
 

@@ -21,8 +21,10 @@ import time
 
 import numpy as np
 
-from . import collectives, config, timeline
-from ._dtypes import CODES, OPS, op_code
+from ..collective import api as collectives
+from ..device import config
+from .. import timeline
+from ..device.dtypes import CODES, OPS, op_code
 from .cross_device_ops import _NativeAllReduce, _buffers, get_devices_from
 from .options import CommunicationOptions, _check_timeout, no_timeout
 
@@ -238,7 +240,7 @@ class CollectiveGroup:
         head, off = tuple(table[0][:3]), shapes[0][0][:axis] + shapes[0][0][axis + 1:]
         for w, row in enumerate(table):
             if tuple(row[:3]) != head or any(s[:axis] + s[axis + 1:] != off for s in shapes[w]):
-                from .errors import CollectiveMismatchError
+                from ..errors import CollectiveMismatchError
 
                 raise CollectiveMismatchError(
                     f"all_gather #{comm.collectives}: {self.tasks[0]} passes {_gather_call(table[0], shapes[0])}, "
@@ -306,7 +308,7 @@ class CollectiveGroup:
     def _device(self):
         """The engine for GPU replicas: NCCL across the job, or Gloo through host memory."""
         if self._device_engine is None:
-            from . import _gpu
+            from ..device import gpu as _gpu
 
             use_nccl = self._implementation != "RING" and (self._implementation == "NCCL" or _gpu.nccl_available())
             self._device_engine = _NcclJob(self) if use_nccl else _HostStaged(self)
@@ -349,7 +351,8 @@ class _NcclJob:
     """
 
     def __init__(self, group):
-        from . import _cuda_collectives as cc, _gpu
+        from ..collective import cuda as cc
+        from ..device import gpu as _gpu
 
         key = f"{group._scope}/nccl-unique-id"
         if group.rank == 0:
@@ -412,7 +415,7 @@ class _HostStaged:
         self._group = group
 
     def _run(self, name, buffers, *args, **kwargs):
-        from . import device_util
+        from ..device import device_util
 
         devices = self._group.devices
         result = getattr(self._group, name)([device_util.to_host(b) for b in buffers], *args, **kwargs)
@@ -427,7 +430,7 @@ class _HostStaged:
         return _into(out, self._run("broadcast", buffers, root))
 
     def reduce(self, buffers, op="sum", root=0, *, out=None):
-        from . import device_util
+        from ..device import device_util
 
         result = self._group.reduce([device_util.to_host(b) for b in buffers], op, root)
         if result is None:
@@ -443,7 +446,7 @@ class _HostStaged:
         return self._run("all_gather", buffers, axis)
 
     def batch_all_reduce(self, per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto"):
-        from . import device_util
+        from ..device import device_util
 
         host = [[device_util.to_host(t) for t in lst] for lst in per_replica_lists]
         reduced = self._group.batch_all_reduce(host, op, bytes_per_pack=bytes_per_pack, num_packs=num_packs)
@@ -459,7 +462,7 @@ def _into(out, results):
 
 
 def _gpu_ordinal(device: str) -> int:
-    from . import device_util
+    from ..device import device_util
 
     return device_util._gpu_ordinal(device_util.parse(device))
 

@@ -18,7 +18,8 @@ import weakref
 
 import numpy as np
 
-from . import _nest, device_util
+from .. import _nest
+from ..device import device_util
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
 

@@ -75,7 +75,7 @@ def _divide(total, divisor: int, dtype):
 
 
 def _num_replicas_in_sync(function: str) -> int:
-    from . import distribute_lib
+    from ..distribute import distribute_lib
 
     if distribute_lib.has_strategy() and distribute_lib.in_cross_replica_context():
         raise RuntimeError(f"You are calling `{function}` in cross replica context, while it was expected "

@@ -60,7 +60,7 @@ def _num_cpus() -> int:
 def _num_gpus() -> int:
     """GPUs the CUDA extension can see; 0 without the extension, a driver or a GPU."""
     try:
-        from . import _cuda  # type: ignore[attr-defined]
+        from .. import _cuda  # type: ignore[attr-defined]
     except ImportError:
         return 0
     try:
@@ -186,7 +186,7 @@ def net_module():
     the second names that library.
     """
     try:
-        from . import _net  # type: ignore[attr-defined]
+        from .. import _net  # type: ignore[attr-defined]
     except ModuleNotFoundError as e:
         if e.name != f"{__package__}._net":
             raise
@@ -219,7 +219,7 @@ def is_gloo_available() -> bool:
 
 def is_nccl_available() -> bool:
     """True when the CUDA extension is built and libnccl loads (nvidia-nccl-cu13 or the system's)."""
-    from . import _gpu
+    from . import gpu as _gpu
 
     return _gpu.nccl_available()
 

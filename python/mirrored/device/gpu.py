@@ -24,7 +24,7 @@ CUPY_FIX = "pip install cupy-cuda13x"
 def cuda_module():
     """The ``mirrored._cuda`` extension, or a RuntimeError naming the fix."""
     try:
-        from . import _cuda  # type: ignore[attr-defined]
+        from .. import _cuda  # type: ignore[attr-defined]
     except ImportError as e:
         raise RuntimeError(
             f"GPU collectives need mirrored's CUDA extension, which this build lacks ({e}); reinstall mirrored "

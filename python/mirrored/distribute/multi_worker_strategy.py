@@ -17,7 +17,8 @@ import weakref
 
 import numpy as np
 
-from . import _logging, device_util
+from .. import _logging
+from ..device import device_util
 from .cluster_resolver import collective_tasks, default_cluster_resolver
 from .collective_all_reduce import CollectiveAllReduce, CollectiveGroup
 from .mirrored_strategy import MirroredExtended, MirroredStrategy

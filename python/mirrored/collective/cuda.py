@@ -22,9 +22,10 @@ import atexit
 
 import numpy as np
 
-from . import _gpu, timeline
-from ._dtypes import dtype_code, op_code
-from .collectives import check_batch, check_packing, gather_layout
+from ..device import gpu as _gpu
+from .. import timeline
+from ..device.dtypes import dtype_code, op_code
+from .api import check_batch, check_packing, gather_layout
 
 __all__ = ["all_reduce", "broadcast", "reduce", "all_gather", "batch_all_reduce", "ALGORITHMS"]
 

@@ -38,7 +38,8 @@ import types
 
 import numpy as np
 
-from . import _nest, device_util
+from .. import _nest
+from ..device import device_util
 
 __all__ = ["Options", "DistributeOptions", "AutoShardPolicy", "Dataset", "NumpyDataset", "experimental"]
 

@@ -199,7 +199,7 @@ class ClusterResolver:
 
     def num_accelerators(self, task_type=None, task_id=None, config_proto=None) -> dict:
         """Accelerators of this machine, ``{"GPU": n}`` (empty without GPUs)."""
-        from . import config
+        from ..device import config
 
         n = len(config.list_physical_devices("GPU"))
         return {"GPU": n} if n else {}

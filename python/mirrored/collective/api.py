@@ -29,8 +29,9 @@ import threading
 
 import numpy as np
 
-from . import _core, _dlpack, timeline
-from ._dtypes import OPS, dtype_code, op_code
+from .. import _core, timeline
+from ..device import dlpack as _dlpack
+from ..device.dtypes import OPS, dtype_code, op_code
 
 __all__ = ["all_reduce", "broadcast", "reduce", "all_gather", "batch_all_reduce", "ALGORITHMS"]
 
@@ -265,7 +266,7 @@ def _on_gpu(buffers) -> bool:
 
 def _cuda():
     try:
-        from . import _cuda_collectives
+        from . import cuda as _cuda_collectives
     except ImportError as e:  # no CUDA extension in this build
         raise RuntimeError(
             f"GPU buffers need mirrored's CUDA extension, which is not available ({e}); "

@@ -1,0 +1,27 @@
+"""``md.distribute``: ``tf.distribute``'s names — strategies, values, input, cross-device ops.
+
+    strategy = md.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        ...
+"""
+
+from . import cluster_resolver, experimental
+from .cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice,
+                               RingAllReduce)
+from .distribute_lib import (ReplicaContext, Strategy, StrategyExtended, get_cross_replica_context,
+                             get_replica_context, get_strategy, has_strategy, in_cross_replica_context)
+from .input_lib import DistributedDataset, DistributedIterator, InputContext, ValueContext
+from .mirrored_strategy import MirroredStrategy
+from .multi_worker_strategy import MultiWorkerMirroredStrategy
+from .options import (CollectiveCommunication, CommunicationImplementation, CommunicationOptions, InputOptions,
+                      InputReplicationMode, RunOptions, VariableAggregation, VariableSynchronization)
+from .reduce_util import ReduceOp
+from .values import (DistributedValues, DistributedVariable, Mirrored, MirroredVariable, PerReplica,
+                     SyncOnReadVariable, Variable)
+
+__all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "Strategy", "StrategyExtended", "ReplicaContext",
+           "ReduceOp", "get_replica_context", "get_cross_replica_context", "get_strategy", "has_strategy",
+           "in_cross_replica_context", "InputContext", "InputOptions", "InputReplicationMode", "RunOptions",
+           "DistributedDataset", "DistributedIterator", "DistributedValues", "CrossDeviceOps", "NcclAllReduce",
+           "HierarchicalCopyAllReduce", "ReductionToOneDevice", "RingAllReduce", "experimental",
+           "cluster_resolver"]

@@ -1,0 +1,14 @@
+"""``md.train``: ``tf.train``'s checkpoints and ``ClusterSpec``; the optimizers and ``nn`` helpers live here too.
+
+The training layer sits on top of ``mirrored.distribute``.
+"""
+
+from ..distribute.cluster_resolver import ClusterSpec
+from . import checkpoint, nn, optimizers
+from .checkpoint_management import (Checkpoint, CheckpointError, CheckpointLoadStatus, CheckpointManager,
+                                    CheckpointState, NotFoundError, get_checkpoint_state, latest_checkpoint,
+                                    list_variables, load_checkpoint, load_variable)
+
+__all__ = ["Checkpoint", "CheckpointManager", "CheckpointState", "CheckpointLoadStatus", "CheckpointError",
+           "NotFoundError", "latest_checkpoint", "get_checkpoint_state", "list_variables", "load_variable",
+           "load_checkpoint", "ClusterSpec"]
