@@ -639,10 +639,16 @@ class _Map(Dataset):
         self._fn, self._parallel, self._deterministic = fn, num_parallel_calls, deterministic
 
     def _compute_spec(self):
-        # tf.data traces map_func to learn its output; here it runs once on the first input element.
+        # tf.data traces map_func over the input's spec; here it runs once on the first input element, and an
+        # output dimension equal to a size the input spec leaves unknown (a batch dimension) is unknown too.
         first = self._input._make_iterator()
         try:
-            return spec_of(normalize_output(_call(self._fn, first.next()), "map_func"))
+            element = first.next()
+            unknown = {leaf.shape[d] for leaf, s in zip(_nest.flatten(element), _nest.flatten(self._input.element_spec))
+                       if s.shape is not None for d in range(len(s.shape)) if s.shape[d] is None}
+            out = spec_of(normalize_output(_call(self._fn, element), "map_func"))
+            return _nest.map_structure(
+                lambda s: TensorSpec([None if d in unknown else d for d in s.shape], s.dtype), out)
         except StopIteration:
             raise ValueError("element_spec of map: the input is empty, so map_func's output is unknown") from None
         finally:
@@ -827,7 +833,7 @@ class _Filter(Dataset):
         super().__init__(input_ds)
         if not callable(predicate):
             raise TypeError(f"predicate={predicate!r} is not callable")
-        self._predicate = predicate
+        self._fn = self._predicate = predicate
 
     def _make_iterator(self, state=None):
         return _FilterIterator(self, state)
