@@ -155,7 +155,7 @@ def encode_state(state) -> dict:
             if arr.dtype == object:
                 raise ValueError("an iterator holds an element with an object array, which a checkpoint cannot "
                                  "store; keep elements numeric, bytes or strings")
-            arrays.append(np.ascontiguousarray(arr))
+            arrays.append(np.asarray(arr, order="C"))  # (ascontiguousarray would make 0-d arrays 1-d)
             return {"a": len(arrays) - 1, "scalar": isinstance(x, np.generic)}
         if isinstance(x, bytes):
             arrays.append(np.frombuffer(x, np.uint8).copy())

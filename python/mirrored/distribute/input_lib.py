@@ -196,7 +196,11 @@ class DistributedIterator:
         return self
 
     def __next__(self):
-        return self._prefetch.next()
+        try:
+            return self._prefetch.next()
+        except StopIteration:
+            self._prefetch.close()  # the pipeline's threads end with the data
+            raise
 
     def get_next(self):
         return next(self)

@@ -45,6 +45,7 @@ import numpy as np
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "load_checkpoint", "CheckpointError", "NotFoundError"]
 
 _MAGIC = b"MDCKPT\x00"
+_ATTRIBUTES = ".ATTRIBUTES"  # key infix of a self-saving object's tensors, as in TensorFlow's checkpoints
 _VERSION = 1
 _DIGEST = 32
 
@@ -386,6 +387,9 @@ class Checkpoint:
         path = _check_path(file_prefix, "file_prefix")
         variables = self._variables()
         arrays = {key: np.asarray(var.numpy(), order="C") for key, var in variables.items()}
+        for name, obj in self._saveables().items():
+            arrays.update((f"{name}/{_ATTRIBUTES}/{key}", np.asarray(value, order="C"))
+                          for key, value in obj._serialize_to_tensors().items())
         if self._is_chief(variables):
             _write_atomic(path, arrays)
         return path
@@ -439,9 +443,28 @@ class Checkpoint:
                 + "\n  ".join(problems)
                 + "\nbuild the model with the shapes it was saved with, or pass the objects it was saved from")
         restored = [key for key in variables if key in arrays]
+        restored_objects = self._restore_saveables(arrays, unmatched)
         for key in restored:
             variables[key].assign(arrays[key])
+        restored += restored_objects
         return CheckpointLoadStatus(path, set(arrays) - set(restored), restored, unmatched)
+
+    # Objects that save themselves (md.data iterators): TensorFlow's trackable protocol,
+    # ``_serialize_to_tensors() -> {name: array}`` and ``_restore_from_tensors({name: array})``.
+    def _saveables(self) -> dict:
+        return {name: obj for name, obj in self._objects.items() if hasattr(obj, "_serialize_to_tensors")}
+
+    def _restore_saveables(self, arrays: dict, unmatched: list) -> list:
+        restored = []
+        for name, obj in self._saveables().items():
+            prefix = f"{name}/{_ATTRIBUTES}/"
+            tensors = {key[len(prefix):]: value for key, value in arrays.items() if key.startswith(prefix)}
+            if not tensors:
+                unmatched.append(name)
+                continue
+            obj._restore_from_tensors(tensors)
+            restored += [prefix + key for key in tensors]
+        return restored
 
     def read(self, save_path, options=None) -> CheckpointLoadStatus:
         """Load a file written by ``write`` (or ``save``): the same as ``restore``."""
