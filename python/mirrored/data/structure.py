@@ -155,7 +155,12 @@ def encode_state(state) -> dict:
             if arr.dtype == object:
                 raise ValueError("an iterator holds an element with an object array, which a checkpoint cannot "
                                  "store; keep elements numeric, bytes or strings")
-            arrays.append(np.asarray(arr, order="C"))  # (ascontiguousarray would make 0-d arrays 1-d)
+            arr = np.asarray(arr, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
+            if arr.dtype.kind in "SU":  # strings travel as their bytes: a checkpoint stores numeric dtypes
+                arrays.append(np.frombuffer(arr.tobytes(), np.uint8).copy())
+                return {"a": len(arrays) - 1, "scalar": isinstance(x, np.generic), "str": arr.dtype.str,
+                        "shape": list(arr.shape)}
+            arrays.append(arr)
             return {"a": len(arrays) - 1, "scalar": isinstance(x, np.generic)}
         if isinstance(x, bytes):
             arrays.append(np.frombuffer(x, np.uint8).copy())
@@ -186,6 +191,8 @@ def decode_state(tensors: dict):
             return x
         if "a" in x:
             arr = np.asarray(tensors[str(x["a"])])
+            if "str" in x:
+                arr = np.frombuffer(arr.tobytes(), np.dtype(x["str"])).reshape(x["shape"])
             return arr[()] if x["scalar"] else arr
         if "b" in x:
             return np.asarray(tensors[str(x["b"])], np.uint8).tobytes()

@@ -1,0 +1,266 @@
+"""md.data: tf.data's semantics beyond the recorded parity cases — shuffle's buffer, parallel map and prefetch
+in the background, clean shutdown, files, cache, checkpointable iterators, and the bad-input rules."""
+
+import gc
+import gzip
+import os
+import threading
+import traceback
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import mirrored as md
+
+D = md.data.Dataset
+WAIT = 60  # generous: the machine is shared; events normally fire in milliseconds
+
+
+def _data_threads():
+    return [t for t in threading.enumerate() if t.name.startswith(("md.data", "mirrored-prefetch"))]
+
+
+@pytest.fixture(autouse=True)
+def no_thread_outlives_its_iterator():
+    yield
+    gc.collect()
+    assert _data_threads() == []
+
+
+def values(ds):
+    return [np.asarray(e).tolist() for e in ds]
+
+
+# --- shuffle ----------------------------------------------------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(0, 40), buffer_size=st.integers(1, 50), seed=st.integers(0, 2**31))
+def test_shuffle_draws_each_output_from_the_buffer_window(n, buffer_size, seed):
+    out = values(D.range(n).shuffle(buffer_size, seed=seed))
+    assert sorted(out) == list(range(n))
+    # The k-th output comes from the first k + buffer_size inputs (tf.data's buffer semantics).
+    assert all(x < k + buffer_size for k, x in enumerate(out))
+
+
+def test_shuffle_seed_and_reshuffle_each_iteration():
+    assert values(D.range(10).shuffle(1)) == list(range(10))
+    ds = D.range(50).shuffle(50, seed=7)
+    first, second = values(ds), values(ds)
+    assert first != second and sorted(first) == sorted(second)  # a new order every iteration
+    assert values(D.range(50).shuffle(50, seed=7)) == first  # the same seed: the same sequence of orders
+    fixed = D.range(50).shuffle(50, seed=7, reshuffle_each_iteration=False)
+    assert values(fixed) == values(fixed)
+    epochs = values(D.range(20).shuffle(20, seed=1).repeat(2))
+    assert sorted(epochs[:20]) == sorted(epochs[20:]) == list(range(20)) and epochs[:20] != epochs[20:]
+    unseeded = D.range(50).shuffle(50)
+    assert values(unseeded) != values(D.range(50).shuffle(50))
+
+
+# --- map, prefetch: background work and shutdown ------------------------------------------------------------
+
+def test_parallel_map_keeps_order_and_runs_calls_concurrently():
+    started, release = threading.Barrier(4, timeout=WAIT), threading.Event()
+
+    def slow(x):
+        if x < 4:
+            started.wait()  # only passes when 4 calls are in flight at once
+        return x * 10
+
+    assert values(D.range(30).map(slow, num_parallel_calls=4)) == [x * 10 for x in range(30)]
+    release.set()
+    got = values(D.range(30).map(lambda x: x + 1, num_parallel_calls=md.data.AUTOTUNE, deterministic=False))
+    assert sorted(got) == list(range(1, 31))
+
+
+def test_map_passes_tuple_components_as_arguments_and_keeps_dicts():
+    ds = D.from_tensor_slices(({"a": np.arange(4)}, np.arange(4) * 2)).map(
+        lambda d, y: {"sum": d["a"] + y, "y": y}, num_parallel_calls=2)
+    assert [(int(e["sum"]), int(e["y"])) for e in ds] == [(0, 0), (3, 2), (6, 4), (9, 6)]
+    batched = D.from_tensor_slices({"x": np.ones((5, 2)), "y": np.arange(5)}).batch(2).unbatch().batch(5)
+    (element,) = list(batched)
+    assert element["x"].shape == (5, 2) and element["y"].tolist() == list(range(5))
+
+
+def test_an_error_in_map_reaches_the_caller_with_its_traceback():
+    def parse(x):
+        if x == 5:
+            raise KeyError("bad record 5")
+        return x
+
+    for parallel in (None, 3):
+        it = iter(D.range(10).map(parse, num_parallel_calls=parallel).prefetch(2))
+        assert [int(next(it)) for _ in range(5)] == list(range(5))
+        with pytest.raises(KeyError, match="bad record 5") as info:
+            next(it)
+        assert any(frame.name == "parse" for frame in traceback.extract_tb(info.value.__traceback__))
+        del it
+
+
+def test_prefetch_runs_ahead_while_the_consumer_works():
+    produced = []
+    ahead = threading.Event()
+
+    def gen():
+        for i in range(4):
+            produced.append(i)
+            if i == 1:
+                ahead.set()  # element 1 was made while the consumer still holds element 0
+            yield i
+
+    it = iter(D.from_generator(gen, output_signature=md.data.TensorSpec((), np.int32)).prefetch(1))
+    assert int(next(it)) == 0
+    assert ahead.wait(WAIT)
+    assert [int(x) for x in it] == [1, 2, 3]
+
+
+def test_no_thread_outlives_an_abandoned_or_failed_iterator():
+    ds = D.range(1000).map(lambda x: x, num_parallel_calls=4).prefetch(8).map(
+        lambda x: x, num_parallel_calls=md.data.AUTOTUNE).prefetch(md.data.AUTOTUNE)
+    it = iter(ds)
+    next(it)
+    assert _data_threads()
+    del it
+    gc.collect()
+    assert _data_threads() == []
+    for _ in ds:
+        break
+    gc.collect()
+    assert _data_threads() == []
+    failing = D.range(10).map(lambda x: 1 // (int(x) - 3), num_parallel_calls=2).prefetch(2)
+    with pytest.raises(ZeroDivisionError):
+        list(failing)
+
+
+# --- sources ----------------------------------------------------------------------------------------------
+
+def test_from_generator_is_reiterable_and_checks_its_signature():
+    calls = []
+
+    def gen(n):
+        calls.append(n)
+        for i in range(n):
+            yield i, np.full(2, i, np.float32)
+
+    ds = D.from_generator(gen, args=(3,), output_signature=(md.data.TensorSpec((), np.int64),
+                                                            md.data.TensorSpec((None,), np.float32)))
+    assert [int(a) for a, _ in ds] == [0, 1, 2] and [int(a) for a, _ in ds] == [0, 1, 2]
+    assert calls == [3, 3]
+    assert repr(ds.element_spec[1]) == "TensorSpec(shape=(None,), dtype=float32, name=None)"
+    wrong = D.from_generator(lambda: iter([np.zeros(3)]), output_signature=md.data.TensorSpec((2,), np.float64))
+    with pytest.raises(ValueError, match=r"shape \(3,\) where an element of shape \(2,\)"):
+        list(wrong)
+    with pytest.raises(TypeError, match="generator.*callable"):
+        D.from_generator(gen(3), output_signature=md.data.TensorSpec((), np.int64))
+
+
+def test_list_files_and_text_lines(tmp_path):
+    for name, text in (("b.txt", b"3\n4\n"), ("a.txt", b"1\r\n2"), ("c.csv", b"x\n")):
+        (tmp_path / name).write_bytes(text)
+    with gzip.open(tmp_path / "d.gz", "wb") as f:
+        f.write(b"g1\ng2\n")
+    pattern = str(tmp_path / "*.txt")
+    names = [os.path.basename(n.decode()) for n in D.list_files(pattern, shuffle=False)]
+    assert names == ["a.txt", "b.txt"]
+    assert sorted(os.path.basename(n.decode()) for n in D.list_files(pattern, seed=1)) == names
+    lines = md.data.TextLineDataset(D.list_files(pattern, shuffle=False))
+    assert [bytes(x) for x in lines] == [b"1", b"2", b"3", b"4"]
+    assert [bytes(x) for x in md.data.TextLineDataset(str(tmp_path / "d.gz"), compression_type="GZIP")] == \
+        [b"g1", b"g2"]
+    with pytest.raises(FileNotFoundError, match=r"file_pattern=.*No files matched pattern"):
+        D.list_files(str(tmp_path / "*.json"))
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        list(md.data.TextLineDataset(str(tmp_path / "missing.txt")))
+
+
+def test_cache_reads_its_input_once(tmp_path):
+    calls = []
+    ds = D.range(4).map(lambda x: calls.append(int(x)) or x).cache()
+    assert values(ds) == values(ds) == [0, 1, 2, 3]
+    assert calls == [0, 1, 2, 3]
+    path = str(tmp_path / "cache")
+    assert values(D.range(3).map(lambda x: x * 2).cache(path)) == [0, 2, 4]
+    never = D.range(3).map(lambda x: 1 // 0).cache(path)  # a new pipeline over the same file reads the file
+    assert values(never) == [0, 2, 4]
+
+
+def test_nested_structures_cardinality_and_reduce():
+    ds = D.zip({"a": D.range(5), "b": D.from_tensor_slices(np.ones((5, 3), np.float32))}).batch(2)
+    assert ds.cardinality() == 3 and len(ds) == 3
+    assert D.range(5).repeat().cardinality() == md.data.INFINITE_CARDINALITY
+    assert D.range(5).filter(lambda x: True).cardinality() == md.data.UNKNOWN_CARDINALITY
+    assert int(D.range(5).reduce(np.int64(0), lambda s, x: s + x)) == 10
+    it = iter(D.range(1))
+    assert it.get_next_as_optional().has_value() and not it.get_next_as_optional().has_value()
+
+
+# --- bad input ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make,error,match", [
+    (lambda: D.range(3).batch(0), ValueError, "batch_size=0"),
+    (lambda: D.range(3).batch(-2), ValueError, "batch_size=-2"),
+    (lambda: D.range(3).shuffle(0), ValueError, "buffer_size=0"),
+    (lambda: D.range(3).prefetch(-5), ValueError, "buffer_size=-5"),
+    (lambda: D.from_tensor_slices((np.ones(3), np.ones(2))), ValueError, "tensors: .*same size in the first"),
+    (lambda: D.from_tensor_slices(np.float32(1)), ValueError, "rank >= 1"),
+    (lambda: D.range(6).shard(3, 3), ValueError, r"index=3: must be in \[0, num_shards=3\)"),
+    (lambda: D.range(6).shard(0, 0), ValueError, "num_shards=0"),
+    (lambda: D.range(3).map(42), TypeError, "map_func=42"),
+    (lambda: D.range(3).concatenate(D.range(3).map(lambda x: (x, x))).element_spec, TypeError, "Incompatible"),
+])
+def test_bad_arguments_are_named(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+@pytest.mark.parametrize("result", [None, object(), {1, 2}])
+def test_a_map_function_returning_an_unsupported_type_is_named(result):
+    for parallel in (None, 2):
+        with pytest.raises(TypeError, match="map_func"):
+            list(D.range(3).map(lambda x: result, num_parallel_calls=parallel))
+
+
+def test_filter_needs_a_boolean():
+    with pytest.raises(TypeError, match="predicate must return a scalar boolean"):
+        list(D.range(3).filter(lambda x: x))
+
+
+def test_batching_ragged_elements_names_the_shapes():
+    with pytest.raises(ValueError, match=r"different shapes in component 0.*\[1\].*\[2\]"):
+        list(D.range(1, 3).map(lambda x: np.zeros(int(x))).batch(2))
+
+
+# --- checkpointable iterators -----------------------------------------------------------------------------
+
+def _pipeline(tmp_path):
+    files = []
+    for i in range(3):
+        path = tmp_path / f"part{i}.txt"
+        path.write_bytes(b"".join(b"%d\n" % (100 * i + j) for j in range(7)))
+        files.append(str(path))
+    lines = D.from_tensor_slices(files).interleave(md.data.TextLineDataset, cycle_length=2, block_length=3)
+    numbers = lines.map(lambda s: np.int64(int(s)), num_parallel_calls=3)
+    return (D.zip(numbers, D.range(1000)).shuffle(5, seed=11).repeat(2).batch(4)
+            .map(lambda a, b: a * 1000 + b, num_parallel_calls=md.data.AUTOTUNE).prefetch(2).enumerate())
+
+
+@pytest.mark.parametrize("position", [0, 1, 5, 9, 10, 11])
+def test_a_restored_iterator_continues_with_the_element_after_the_save(tmp_path, position):
+    expected = [(int(i), b.tolist()) for i, b in _pipeline(tmp_path)]
+    it = iter(_pipeline(tmp_path))
+    for _ in range(position):
+        next(it)
+    path = md.train.Checkpoint(iterator=it).save(str(tmp_path / "ckpt" / "it"))
+    next(it, None)  # the saved iterator moves on; the restored one starts at the save
+    restored = iter(_pipeline(tmp_path))
+    md.train.Checkpoint(iterator=restored).restore(path).assert_consumed()
+    assert [(int(i), b.tolist()) for i, b in restored] == expected[position:]
+
+
+def test_a_finished_iterator_restores_finished(tmp_path):
+    it = iter(D.range(2))
+    list(it)
+    path = md.train.Checkpoint(iterator=it).save(str(tmp_path / "c"))
+    fresh = iter(D.range(2))
+    md.train.Checkpoint(iterator=fresh).restore(path)
+    assert list(fresh) == []
