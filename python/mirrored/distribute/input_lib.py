@@ -98,7 +98,9 @@ class PerReplicaSpec:
 
 
 class _StepIterator(_Iterator):
-    """Source items -> steps (lists of per-replica structures, on the host); one item may give several steps.
+    """Source items -> steps, as ``(item, k)``: step ``k`` of the steps the item makes (FILE and OFF sharding
+    make several of one batch). The split itself happens later, in the prefetch thread, so what is buffered
+    and saved is the same on every worker (the source's items), whichever worker's checkpoint is restored.
 
     The state is the source's, the item being split and how many of its steps were taken, so a restored
     iterator continues with the step that followed the save.
@@ -117,7 +119,7 @@ class _StepIterator(_Iterator):
             self._item, self._taken = self._inputs[0].next(), 0
             self._steps = self._steps_of(self._item)
         self._taken += 1
-        return self._steps[self._taken - 1]
+        return (self._item, self._taken - 1)
 
     def save(self):
         return {"source": self._inputs[0].save(), "item": self._item, "taken": self._taken}
@@ -268,11 +270,21 @@ class _DistributedInput:
         depth = len(self._devices) * self._options.experimental_per_replica_buffer_size
         steps = _StepIterator(self._source(None if state is None else state["input"]["source"]), self._steps_of,
                               None if state is None else state["input"])
-        return PrefetchIterator(steps, depth, () if state is None else state["buffer"], transform=self._to_step,
+        return PrefetchIterator(steps, depth, () if state is None else state["buffer"],
+                                transform=lambda step: self._to_step(self._steps_of(step[0])[step[1]]),
                                 name="mirrored-prefetch")
 
     def _check_checkpointable(self, state):
+        """The chief writes the checkpoint and every worker restores it: the workers' states must agree."""
+        if self._extended._num_workers > 1 and self._per_worker_input():
+            raise ValueError(
+                "iterator: each worker of this job reads different input (FILE sharding, or one pipeline per "
+                "worker from distribute_datasets_from_function), but a checkpoint holds the chief's position "
+                "only; checkpoint iterators of datasets sharded by AutoShardPolicy.DATA or OFF")
         return state
+
+    def _per_worker_input(self) -> bool:
+        return True
 
     def __iter__(self) -> DistributedIterator:
         return DistributedIterator(self)
@@ -402,6 +414,9 @@ class DistributedDataset(_DistributedInput):
                 return AutoShardPolicy.DATA
             return AutoShardPolicy.FILE
         return AutoShardPolicy.DATA if policy == AutoShardPolicy.HINT else policy
+
+    def _per_worker_input(self) -> bool:
+        return self._policy == AutoShardPolicy.FILE
 
     def _source(self, state=None):
         if self._policy == AutoShardPolicy.FILE and not isinstance(self._items, Dataset):
