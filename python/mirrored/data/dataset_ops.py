@@ -681,8 +681,9 @@ def _apply(fn, element):
 
 class _ParallelMapIterator(_Iterator):
     """Up to ``num_parallel_calls`` calls in flight in a thread pool; results in input order unless
-    ``deterministic=False``. AUTOTUNE starts at the CPU count and adds a call whenever the consumer has to
-    wait for a result (up to 4 per CPU, at least 8): I/O-bound functions get the overlap they need."""
+    ``deterministic=False``. AUTOTUNE starts at the CPU count and doubles the calls in flight whenever the
+    consumer has to wait for a result (up to 4 per CPU, at least 8): I/O-bound functions get the overlap
+    they need."""
 
     def __init__(self, ds, state):
         super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
@@ -720,7 +721,7 @@ class _ParallelMapIterator(_Iterator):
         if self._ordered:
             head = self._pending[0]
             if not head.done() and self._autotune and self._target < self._cap:
-                self._target += 1
+                self._target = min(2 * self._target, self._cap)
                 self._fill()
             self._pending.popleft()
             return head.result()
