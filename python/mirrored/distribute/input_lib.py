@@ -182,6 +182,58 @@ class _FileRounds(_Iterator):
         return {"source": self._inputs[0].save(), "done": self._done}
 
 
+class _DeviceFetcher:
+    """Copies each replica's batch onto its device; runs in the prefetch thread, one step ahead of training.
+
+    Host-to-GPU copies are asynchronous: staged in pinned host memory and issued on a side stream of each
+    GPU, so they overlap the replicas' kernels on their own streams; the prefetch thread waits for its stream
+    before the step is handed over, so training never sees a batch still in flight.
+    """
+
+    def __init__(self, devices):
+        self._devices = devices
+        self._gpu = [device_util.is_gpu(d) for d in devices]
+        self._streams = {}
+
+    def __call__(self, per_replica: list) -> list:
+        if not any(self._gpu):
+            return [_nest.map_structure(lambda x: device_util.place(x, d, copy=True), s)
+                    for s, d in zip(per_replica, self._devices)]
+        import cupy
+
+        out, staged = [], []
+        for structure, device, gpu in zip(per_replica, self._devices, self._gpu):
+            if not gpu:
+                out.append(_nest.map_structure(lambda x: device_util.place(x, device, copy=True), structure))
+                continue
+            ordinal = device_util._gpu_ordinal(device_util.parse(device))
+            with cupy.cuda.Device(ordinal):
+                stream = self._streams.get(ordinal)
+                if stream is None:
+                    stream = self._streams[ordinal] = cupy.cuda.Stream(non_blocking=True)
+                out.append(_nest.map_structure(lambda x: self._copy(x, stream, staged), structure))
+        for ordinal, stream in self._streams.items():
+            with cupy.cuda.Device(ordinal):
+                stream.synchronize()
+        return out
+
+    @staticmethod
+    def _copy(x, stream, staged: list):
+        import cupy
+        import cupyx
+
+        if device_util.on_gpu(x):
+            with stream:
+                return cupy.array(x, copy=True)
+        host = device_util.to_host(x)
+        pinned = cupyx.empty_pinned(host.shape, host.dtype)
+        pinned[...] = host
+        staged.append(pinned)  # alive until the stream is synchronised
+        out = cupy.empty(host.shape, host.dtype)
+        out.set(pinned, stream=stream)
+        return out
+
+
 class DistributedIterator:
     """Iterator over a distributed dataset: each ``next`` is one step, ``PerReplica`` leaves.
 
@@ -245,6 +297,7 @@ class _DistributedInput:
         self._extended = extended
         self._options = options or InputOptions()
         self._first = None
+        self._fetcher = None
 
     @property
     def _devices(self):
@@ -260,8 +313,9 @@ class _DistributedInput:
 
     def _to_step(self, per_replica: list):
         if self._options.experimental_fetch_to_device is not False:
-            per_replica = [_nest.map_structure(lambda x: device_util.place(x, d, copy=True), s)
-                           for s, d in zip(per_replica, self._devices)]
+            if self._fetcher is None:
+                self._fetcher = _DeviceFetcher(self._devices)
+            per_replica = self._fetcher(per_replica)
         if len(per_replica) == 1:
             return per_replica[0]
         return regroup(per_replica, always_wrap=True, devices=self._devices)

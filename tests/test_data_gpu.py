@@ -1,0 +1,59 @@
+"""InputOptions(experimental_fetch_to_device=True) on GPU replicas: every step's batches arrive on the replicas'
+devices, correct, copied ahead in the background (marker ``gpu``; runs with CuPy or the simulated runtime's
+CuPy stand-in)."""
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+cupy = pytest.importorskip("cupy", reason="GPU tests need CuPy (pip install cupy-cuda13x) or the CuPy stand-in")
+
+import mirrored as md  # noqa: E402
+
+if not md.config.list_physical_devices("GPU"):
+    pytest.skip("no GPU visible", allow_module_level=True)
+
+
+@pytest.fixture
+def two_gpus():
+    md.config.set_logical_device_configuration("GPU", 0, count=2)
+    try:
+        yield md.MirroredStrategy(["/gpu:0", "/gpu:1"])
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
+
+
+def test_batches_are_fetched_onto_the_replicas_devices(two_gpus):
+    x = np.arange(60, dtype=np.float32).reshape(30, 2)
+    ds = md.data.Dataset.from_tensor_slices({"x": x, "i": np.arange(30)}).batch(8).prefetch(2)
+    seen = []
+    for step in two_gpus.experimental_distribute_dataset(ds):
+        parts = two_gpus.experimental_local_results(step["x"])
+        assert all(isinstance(p, cupy.ndarray) for p in parts)
+        seen.append(np.concatenate([cupy.asnumpy(p) for p in parts]))
+    np.testing.assert_array_equal(np.concatenate(seen), x)
+
+
+def test_fetch_to_device_false_keeps_host_batches(two_gpus):
+    ds = md.data.Dataset.range(8).batch(4)
+    options = md.InputOptions(experimental_fetch_to_device=False)
+    step = next(iter(two_gpus.experimental_distribute_dataset(ds, options)))
+    assert all(isinstance(p, np.ndarray) for p in two_gpus.experimental_local_results(step))
+
+
+def test_a_restored_gpu_iterator_continues_after_the_save(two_gpus, tmp_path):
+    def make():
+        return two_gpus.experimental_distribute_dataset(
+            md.data.Dataset.range(40).shuffle(40, seed=2).batch(4).prefetch(2))
+
+    expected = [np.concatenate([cupy.asnumpy(p) for p in two_gpus.experimental_local_results(s)]).tolist()
+                for s in make()]
+    it = iter(make())
+    for _ in range(3):
+        next(it)
+    path = md.train.Checkpoint(iterator=it).save(str(tmp_path / "c"))
+    restored = iter(make())
+    md.train.Checkpoint(iterator=restored).restore(path)
+    got = [np.concatenate([cupy.asnumpy(p) for p in two_gpus.experimental_local_results(s)]).tolist()
+           for s in restored]
+    assert got == expected[3:]
