@@ -206,6 +206,8 @@ def test_nested_structures_cardinality_and_reduce():
     (lambda: D.range(6).shard(3, 3), ValueError, r"index=3: must be in \[0, num_shards=3\)"),
     (lambda: D.range(6).shard(0, 0), ValueError, "num_shards=0"),
     (lambda: D.range(3).map(42), TypeError, "map_func=42"),
+    (lambda: D.range(3).unbatch(), ValueError, "Cannot unbatch an input with scalar components"),
+    (lambda: D.range(3).take(1.5), ValueError, "count=1.5"),
     (lambda: D.range(3).concatenate(D.range(3).map(lambda x: (x, x))).element_spec, TypeError, "Incompatible"),
 ])
 def test_bad_arguments_are_named(make, error, match):
@@ -218,6 +220,11 @@ def test_a_map_function_returning_an_unsupported_type_is_named(result):
     for parallel in (None, 2):
         with pytest.raises(TypeError, match="map_func"):
             list(D.range(3).map(lambda x: result, num_parallel_calls=parallel))
+
+
+def test_negative_counts_mean_all_as_in_tf():
+    assert values(D.range(3).take(-2)) == [0, 1, 2] and values(D.range(3).skip(-2)) == []
+    assert values(D.range(2).repeat(-3).take(5)) == [0, 1, 0, 1, 0]
 
 
 def test_filter_needs_a_boolean():

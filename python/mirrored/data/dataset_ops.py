@@ -44,10 +44,10 @@ def _positive_int(value, argument: str, allow=()) -> int:
 
 
 def _count(value, argument: str) -> int:
-    """A ``take``/``skip``/``repeat`` count: a non-negative int, or -1 for "all"."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < -1:
-        raise ValueError(f"{argument}={value!r}: must be an int >= 0, or -1 for all")
-    return int(value)
+    """A ``take``/``skip``/``repeat`` count: an int; any negative one means "all" (-1), as in tf.data."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{argument}={value!r}: must be an int (>= 0, or -1 for all)")
+    return max(int(value), -1)
 
 
 def _call(fn, element):
@@ -216,7 +216,9 @@ class Dataset:
 
     def unbatch(self, name=None) -> "Dataset":
         """The rows of every element (the inverse of ``batch``)."""
-        return _Unbatch(self)
+        unbatched = _Unbatch(self)
+        unbatched.element_spec  # noqa: B018  (as tf.data: scalar components are refused here)
+        return unbatched
 
     def map(self, map_func, num_parallel_calls=None, deterministic=None, name=None) -> "Dataset":
         """``map_func(element)`` for every element; in a thread pool when ``num_parallel_calls`` is set."""
@@ -649,7 +651,8 @@ class _Unbatch(Dataset):
     def _compute_spec(self):
         def row(s):
             if not s.shape:
-                raise ValueError("unbatch: every component needs rank >= 1; got a scalar component")
+                raise ValueError("Cannot unbatch an input with scalar components; unbatch needs every component "
+                                 "to have rank >= 1 (batch the dataset first)")
             return TensorSpec(s.shape[1:], s.dtype)
         return _nest.map_structure(row, self._input.element_spec)
 
