@@ -2,6 +2,7 @@
 in the background, clean shutdown, files, cache, checkpointable iterators, and the bad-input rules."""
 
 import gc
+import itertools
 import gzip
 import os
 import threading
@@ -9,7 +10,7 @@ import traceback
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 import mirrored as md
 
@@ -271,3 +272,79 @@ def test_a_finished_iterator_restores_finished(tmp_path):
     fresh = iter(D.range(2))
     md.train.Checkpoint(iterator=fresh).restore(path)
     assert list(fresh) == []
+
+
+# --- a model: random pipelines against the same steps on Python lists -----------------------------------------
+
+_STEPS = st.lists(st.one_of(
+    st.tuples(st.just("batch"), st.integers(1, 5), st.booleans()),
+    st.tuples(st.just("take"), st.integers(-1, 12)),
+    st.tuples(st.just("skip"), st.integers(-1, 12)),
+    st.tuples(st.just("shard"), st.integers(1, 4), st.integers(0, 3)),
+    st.tuples(st.just("repeat"), st.integers(0, 3)),
+    st.tuples(st.just("map"), st.sampled_from([None, 1, 3])),
+    st.tuples(st.just("filter")),
+    st.tuples(st.just("prefetch"), st.sampled_from([1, 3, md.data.AUTOTUNE])),
+    st.tuples(st.just("enumerate")),
+), max_size=5)
+
+
+def _model(rows, steps):
+    for step in steps:
+        kind = step[0]
+        if kind == "batch":
+            n, drop = step[1], step[2]
+            rows = [rows[i:i + n] for i in range(0, len(rows), n) if not drop or i + n <= len(rows)]
+        elif kind == "take":
+            rows = rows if step[1] == -1 else rows[:step[1]]
+        elif kind == "skip":
+            rows = [] if step[1] == -1 else rows[step[1]:]
+        elif kind == "shard":
+            rows = rows[min(step[2], step[1] - 1)::step[1]]
+        elif kind == "repeat":
+            rows = rows * step[1]
+        elif kind == "filter":
+            rows = [r for r in rows if np.sum(r) % 2 == 0]
+        elif kind == "map":
+            rows = [np.asarray(r) * 3 for r in rows]
+        elif kind == "enumerate":
+            rows = [r[1] if isinstance(r, tuple) else r for r in enumerate(rows)]
+    return [np.asarray(r).tolist() for r in rows]
+
+
+def _apply(ds, steps):
+    for step in steps:
+        kind = step[0]
+        if kind == "batch":
+            ds = ds.batch(step[1], drop_remainder=step[2])
+        elif kind in ("take", "skip", "repeat"):
+            ds = getattr(ds, kind)(step[1])
+        elif kind == "shard":
+            ds = ds.shard(step[1], min(step[2], step[1] - 1))
+        elif kind == "filter":
+            ds = ds.filter(lambda x: np.sum(x) % 2 == 0)
+        elif kind == "map":
+            ds = ds.map(lambda x: x * 3, num_parallel_calls=step[1])
+        elif kind == "prefetch":
+            ds = ds.prefetch(step[1])
+        elif kind == "enumerate":
+            ds = ds.enumerate().map(lambda i, x: x)
+    return ds
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 30), steps=_STEPS, cut=st.integers(0, 40))
+def test_random_pipelines_match_the_list_model_and_restore_anywhere(n, steps, cut):
+    assume(sum(step[0] == "batch" for step in steps) <= 1)  # batches of ragged batches cannot be stacked
+    expected = _model(list(range(n)), steps)
+    ds = _apply(D.from_tensor_slices(np.arange(n)), steps)
+    assert [np.asarray(e).tolist() for e in ds] == expected
+    cardinality = ds.cardinality()
+    assert cardinality in (len(expected), md.data.UNKNOWN_CARDINALITY)
+    it = iter(ds)
+    taken = [np.asarray(e).tolist() for e in itertools.islice(it, cut)]
+    state = it._serialize_to_tensors()
+    restored = iter(_apply(D.from_tensor_slices(np.arange(n)), steps))
+    restored._restore_from_tensors(state)
+    assert taken + [np.asarray(e).tolist() for e in restored] == expected
+    del it
