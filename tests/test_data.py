@@ -151,6 +151,14 @@ def test_from_generator_is_reiterable_and_checks_its_signature():
     wrong = D.from_generator(lambda: iter([np.zeros(3)]), output_signature=md.data.TensorSpec((2,), np.float64))
     with pytest.raises(ValueError, match=r"shape \(3,\) where an element of shape \(2,\)"):
         list(wrong)
+    legacy = D.from_generator(lambda: ((i, [i, i]) for i in range(2)), output_types=(np.int64, np.float32),
+                              output_shapes=((), (2,)))
+    assert [(type(a), b.dtype, b.tolist()) for a, b in legacy] == [(np.int64, np.float32, [0.0, 0.0]),
+                                                                   (np.int64, np.float32, [1.0, 1.0])]
+    strings = D.from_generator(lambda: iter(["ab", "c"]), output_signature=md.data.TensorSpec((), np.bytes_))
+    assert list(strings) == [b"ab", b"c"] and repr(strings.element_spec).endswith("dtype=string, name=None)")
+    with pytest.raises(TypeError, match=r"yielded \(1, 2\) where a tensor of TensorSpec"):
+        list(D.from_generator(lambda: iter([(1, 2)]), output_signature=md.data.TensorSpec((), np.int64)))
     with pytest.raises(TypeError, match="generator.*callable"):
         D.from_generator(gen(3), output_signature=md.data.TensorSpec((), np.int64))
 

@@ -445,6 +445,42 @@ def _flatten_shapes(types, shapes):
     return [shapes]
 
 
+def _conform(value, signature):
+    """A generator's value in the structure of ``output_signature``, each leaf converted to its dtype (as
+    tf.data does: ``np.asarray(value, dtype)``) and checked against its shape."""
+    if isinstance(signature, TensorSpec):
+        if value is None or isinstance(value, (dict, tuple, set)):
+            raise TypeError(f"`generator` yielded {value!r:.100} where a tensor of {signature!r} was expected")
+        from ..device import device_util
+
+        if device_util.on_gpu(value):
+            leaf = value if value.dtype == signature.dtype else value.astype(signature.dtype)
+        else:
+            if isinstance(value, str) or (isinstance(value, list) and signature.dtype.kind == "S"):
+                value = normalize_input(value, "generator")
+            try:
+                leaf = np.asarray(value, dtype=signature.dtype)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"`generator` yielded {value!r:.100}, which is not a {signature.dtype} tensor "
+                                f"({e})") from None
+            if leaf.ndim == 0:
+                leaf = leaf[()]
+        if signature.shape is not None and not signature.is_compatible_with(leaf):
+            raise ValueError(f"`generator` yielded an element of shape {tuple(np.shape(leaf))} where an element of "
+                             f"shape {signature.shape} was expected")
+        return leaf
+    if isinstance(signature, dict):
+        if not isinstance(value, dict) or set(value) != set(signature):
+            raise TypeError(f"`generator` yielded {value!r:.100}, which does not match the structure of "
+                            f"output_signature {signature!r}")
+        return type(signature)((k, _conform(value[k], signature[k])) for k in signature)
+    if not isinstance(value, (tuple, list)) or len(value) != len(signature):
+        raise TypeError(f"`generator` yielded {value!r:.100}, which does not match the structure of "
+                        f"output_signature {signature!r}")
+    items = [_conform(v, s) for v, s in zip(value, signature)]
+    return type(signature)(*items) if hasattr(signature, "_fields") else tuple(items)
+
+
 class _GeneratorIterator(_Iterator):
     def __init__(self, ds, count):
         super().__init__()
@@ -456,30 +492,7 @@ class _GeneratorIterator(_Iterator):
     def next(self):
         value = next(self._gen)
         self._count += 1
-        return self._check(normalize_output(value, "from_generator's generator"))
-
-    def _check(self, element):
-        signature = self._ds._signature
-        try:
-            leaves = _nest.flatten(_nest.pack_sequence_as(signature, _nest.flatten(element)))
-            if len(_nest.flatten(element)) != len(_nest.flatten(signature)):
-                raise ValueError
-        except (ValueError, StopIteration, TypeError, KeyError):
-            raise TypeError(f"`generator` yielded an element that did not match the expected structure "
-                            f"{signature!r}; it yielded {element!r:.200}") from None
-        out = []
-        for value, spec in zip(leaves, _nest.flatten(signature)):
-            value = np.asarray(value, dtype=spec.dtype) if isinstance(value, (np.generic, np.ndarray)) \
-                and value.dtype != spec.dtype and np.can_cast(value.dtype, spec.dtype, "same_kind") \
-                and value.dtype.kind in "iub" and spec.dtype.kind in "iubf" else value
-            if value.dtype != spec.dtype:
-                raise TypeError(f"`generator` yielded an element of type {value.dtype} where an element of type "
-                                f"{spec.dtype} was expected")
-            if spec.shape is not None and not spec.is_compatible_with(value):
-                raise ValueError(f"`generator` yielded an element of shape {tuple(value.shape)} where an element "
-                                 f"of shape {spec.shape} was expected")
-            out.append(value)
-        return _nest.pack_sequence_as(signature, out)
+        return _conform(value, self._ds._signature)
 
     def save(self):
         return {"count": self._count}

@@ -24,6 +24,8 @@ class TensorSpec:
     def __init__(self, shape, dtype, name=None):
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
+        if self.dtype.kind == "S":
+            self.dtype = np.dtype("S")  # a string tensor: bytes of any length (tf.string)
         self.name = name
 
     def __eq__(self, other):
@@ -37,7 +39,7 @@ class TensorSpec:
         if isinstance(other, TensorSpec):
             other_shape, other_dtype = other.shape, other.dtype
         else:
-            other_shape, other_dtype = tuple(np.shape(other)), np.asarray(other).dtype
+            other_shape, other_dtype = tuple(np.shape(other)), TensorSpec((), other.dtype).dtype
         return (self.dtype == other_dtype and len(self.shape) == len(other_shape)
                 and all(a is None or b is None or a == b for a, b in zip(self.shape, other_shape)))
 
