@@ -102,6 +102,7 @@ def _pipeline_worker(directory, kind):
         .batch(2),
         "one_file": lambda: md.data.TextLineDataset(f"{directory}/part0.txt").batch(2),
         "slices": lambda: D.from_tensor_slices(np.arange(8)).batch(4),
+        "unseeded": lambda: D.from_tensor_slices(np.arange(8)).shuffle(8).batch(4),
     }
     dataset = datasets[kind.replace("file:", "")]()
     if kind.startswith("file:"):
@@ -146,6 +147,9 @@ def test_file_sharding_of_md_data_pipelines(tmp_path):
     (w0, log0), (w1, _) = run("slices")
     assert (w0, w1) == ([[0, 1], [4, 5]], [[2, 3], [6, 7]])
     assert any(fallback in m and "Did not find a shardable source" in m for m in log0)
+    assert not any("has no seed" in m for m in log0)
+    (_, log0), _ = run("unseeded")
+    assert any("its shuffle has no seed" in m for m in log0)
     (w0, log0), _ = run("one_file")
     assert any("the dataset only has 1 file(s), which is not enough for the required 2 shards/workers" in m
                for m in log0)

@@ -165,6 +165,12 @@ class Dataset:
             new.append(d if sharded is None else sharded)
         return self._clone(new) if found else None
 
+    def _pipeline(self):
+        """This dataset and every dataset upstream of it."""
+        yield self
+        for d in self._inputs:
+            yield from d._pipeline()
+
     def _file_count(self):
         """How many files the pipeline's file sources name (None: not known, or no files)."""
         counts = [c for c in (d._file_count() for d in self._inputs) if c is not None]
@@ -932,6 +938,7 @@ class _Shuffle(Dataset):
         super().__init__(input_ds)
         self._buffer_size, self._reshuffle = buffer_size, reshuffle
         # seed=None: a random seed, drawn once per dataset (its iterations differ by their epoch number).
+        self._seeded = seed is not None
         self._seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
         self._epochs = 0  # iterations started so far: each reshuffles with its own stream
 

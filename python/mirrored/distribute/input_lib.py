@@ -419,6 +419,12 @@ class DistributedDataset(_DistributedInput):
             raise NotImplementedError("InputReplicationMode.PER_REPLICA is only supported in "
                                       "distribute_datasets_from_function")
         self._policy = self._shard_policy(dataset)
+        if _is_pipeline(dataset) and extended._num_workers > 1 and self._policy != AutoShardPolicy.FILE \
+                and any(isinstance(d, dataset_ops._Shuffle) and not d._seeded for d in dataset._pipeline()):
+            _log.warning("dataset: every worker reads the whole dataset and keeps its slices of each batch, but "
+                         "its shuffle has no seed, so the workers shuffle differently (examples are repeated or "
+                         "missed, and a checkpointed iterator cannot be restored on every worker); pass "
+                         "shuffle(..., seed=...)")
         if _is_pipeline(dataset):
             if self._policy == AutoShardPolicy.FILE:
                 dataset = dataset._file_sharded(extended._num_workers, extended._worker_index)
