@@ -1,4 +1,4 @@
-"""MirroredStrategy on GPU replicas (marker ``gpu``; skipped without a GPU).
+"""MirroredStrategy on GPU replicas (marker ``gpu``: on the simulated GPUs without a GPU, see gpu_env.py).
 
 Two logical GPUs on physical GPU 0, so a one-GPU machine runs multi-replica
 GPU code; with more GPUs the same examples also run one replica per GPU.
@@ -7,14 +7,13 @@ GPU code; with more GPUs the same examples also run one replica per GPU.
 import numpy as np
 import pytest
 
+from gpu_env import NGPU, SKIP_REASON, cupy
+
 pytestmark = pytest.mark.gpu
-cupy = pytest.importorskip("cupy", reason="GPU tests need CuPy (pip install cupy-cuda13x)")
+if cupy is None:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
 
 import mirrored as md  # noqa: E402
-
-NGPU = len(md.config.list_physical_devices("GPU"))
-if NGPU == 0:
-    pytest.skip("no GPU visible", allow_module_level=True)
 
 
 @pytest.fixture(params=["logical", "physical"])
@@ -106,17 +105,23 @@ def test_nccl_all_reduce_on_gpus(gpus):
 def test_demo_trains_on_gpu_replicas_to_the_cpu_accuracy(tmp_path):
     """examples/train_digits.py --device gpu: 4 replicas (logical GPUs when there are fewer GPUs)
     reach the accuracy the same run reaches on CPU replicas."""
+    import os
     import pathlib
     import subprocess
     import sys
 
     pytest.importorskip("sklearn")
+    import gpu_env
+
     demo = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
+    # Without a GPU the demo's own process runs on the simulated machine too.
+    launcher = ["-c", gpu_env.RUN_SIMULATED] if gpu_env.SIMULATED else []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
     accuracy = {}
     for device in ("cpu", "gpu"):
-        proc = subprocess.run([sys.executable, str(demo), "--device", device, "--replicas", "4", "--steps", "60",
-                               "--no-progress", "--out", str(tmp_path / device)],
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([sys.executable, *launcher, str(demo), "--device", device, "--replicas", "4",
+                               "--steps", "60", "--no-progress", "--out", str(tmp_path / device)],
+                              capture_output=True, text=True, timeout=600, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
         lines = proc.stdout.strip().splitlines()
         assert lines[-2].startswith(f"4 {device.upper()} replicas, 60 steps")

@@ -11,6 +11,7 @@ CPU devices, CuPy (on the device's GPU) for GPU devices.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import threading
@@ -125,6 +126,17 @@ class device_scope:
         _current.device = self._saved
 
 
+def cupy_device(device):
+    """CuPy's device context for GPU ``device`` (CuPy computes, and allocates, on its current
+    device, not the operands'), else a null context."""
+    spec = parse(device)
+    if spec.device_type != "GPU":
+        return contextlib.nullcontext()
+    import cupy
+
+    return cupy.cuda.Device(_gpu_ordinal(spec))
+
+
 def _gpu_ordinal(spec: DeviceSpec) -> int:
     """CUDA ordinal of a (logical) GPU device; config maps logical GPUs onto physical ones."""
     from . import config
@@ -139,6 +151,13 @@ def all_gpu(devices: tuple) -> bool:
 
 def on_gpu(x) -> bool:
     return hasattr(x, "__cuda_array_interface__")
+
+
+def array_device(x):
+    """A context making x's GPU current for CuPy arrays (CuPy computes, and allocates, on the
+    current device, not the operands'), else a null context."""
+    device = getattr(x, "device", None) if on_gpu(x) else None
+    return device if hasattr(device, "__enter__") else contextlib.nullcontext()
 
 
 def to_host(x):
