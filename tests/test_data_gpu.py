@@ -1,21 +1,27 @@
 """InputOptions(experimental_fetch_to_device=True) on GPU replicas: every step's batches arrive on the replicas'
-devices, correct, copied ahead in the background (marker ``gpu``; runs with CuPy or the simulated runtime's
-CuPy stand-in)."""
+devices, correct, copied ahead in the background (marker ``gpu``: on the simulated GPUs without a GPU, see
+gpu_env.py)."""
 
 import numpy as np
 import pytest
 
+from gpu_env import NGPU, SKIP_REASON, cupy
+
 pytestmark = pytest.mark.gpu
-cupy = pytest.importorskip("cupy", reason="GPU tests need CuPy (pip install cupy-cuda13x) or the CuPy stand-in")
+if cupy is None:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
 
 import mirrored as md  # noqa: E402
 
-if not md.config.list_physical_devices("GPU"):
-    pytest.skip("no GPU visible", allow_module_level=True)
 
-
-@pytest.fixture
-def two_gpus():
+@pytest.fixture(params=["logical", "physical"])
+def two_gpus(request):
+    """Two replicas: on one GPU (two logical GPUs), or on two GPUs."""
+    if request.param == "physical":
+        if NGPU < 2:
+            pytest.skip("needs 2 GPUs")
+        yield md.MirroredStrategy(["/gpu:0", "/gpu:1"])
+        return
     md.config.set_logical_device_configuration("GPU", 0, count=2)
     try:
         yield md.MirroredStrategy(["/gpu:0", "/gpu:1"])

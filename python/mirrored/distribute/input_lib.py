@@ -13,6 +13,8 @@ import itertools
 import logging
 import math
 
+import numpy as np
+
 from .. import _nest
 from ..data import dataset_ops
 from ..data.dataset_ops import Dataset, PrefetchIterator, _Iterator
@@ -220,15 +222,15 @@ class _DeviceFetcher:
     @staticmethod
     def _copy(x, stream, staged: list):
         import cupy
-        import cupyx
 
         if device_util.on_gpu(x):
             with stream:
                 return cupy.array(x, copy=True)
         host = device_util.to_host(x)
-        pinned = cupyx.empty_pinned(host.shape, host.dtype)
+        memory = cupy.cuda.alloc_pinned_memory(host.nbytes)
+        pinned = np.frombuffer(memory, host.dtype, host.size).reshape(host.shape)
         pinned[...] = host
-        staged.append(pinned)  # alive until the stream is synchronised
+        staged.append(memory)  # alive until the stream is synchronised
         out = cupy.empty(host.shape, host.dtype)
         out.set(pinned, stream=stream)
         return out
