@@ -356,3 +356,25 @@ def test_random_pipelines_match_the_list_model_and_restore_anywhere(n, steps, cu
     restored._restore_from_tensors(state)
     assert taken + [np.asarray(e).tolist() for e in restored] == expected
     del it
+
+
+@pytest.mark.parametrize("where", ["map", "options"])
+def test_deterministic_false_yields_results_as_they_complete(where):
+    one_taken = threading.Event()
+
+    def fn(x):
+        if x == 0:
+            assert one_taken.wait(WAIT)  # element 0 finishes only once element 1 was delivered
+        return x
+
+    if where == "map":
+        ds = D.range(4).map(fn, num_parallel_calls=2, deterministic=False)
+    else:
+        options = md.data.Options()
+        options.deterministic = False
+        ds = D.range(4).map(fn, num_parallel_calls=2).take(4).with_options(options)
+    it = iter(ds)
+    first = int(next(it))
+    one_taken.set()
+    assert first == 1 and sorted([first] + [int(x) for x in it]) == [0, 1, 2, 3]
+    assert values(D.range(4).map(lambda x: x, num_parallel_calls=2)) == [0, 1, 2, 3]

@@ -91,6 +91,7 @@ class Dataset:
     def __init__(self, *inputs):
         self._inputs = tuple(inputs)
         self._options = None
+        self._pipeline_options = None  # set by a with_options downstream
         self._spec = None
 
     # --- what every dataset has ------------------------------------------------------------------
@@ -290,8 +291,15 @@ class Dataset:
         """This dataset carrying ``options`` (``md.data.Options``)."""
         if not isinstance(options, Options):
             raise TypeError(f"options={options!r}: expected md.data.Options()")
-        clone = copy.copy(self)
+        clone = self._under(options)
         clone._options = options
+        return clone
+
+    def _under(self, options: Options) -> "Dataset":
+        """A copy of the pipeline whose transformations see ``options`` (tf.data applies a pipeline's options
+        to every transformation upstream of ``with_options``, e.g. ``deterministic``)."""
+        clone = self._clone([d._under(options) for d in self._inputs])
+        clone._pipeline_options = options
         return clone
 
     def apply(self, transformation_func) -> "Dataset":
@@ -769,7 +777,7 @@ class _ParallelMapIterator(_Iterator):
         self._target = min(os.cpu_count() or 1, cap) if self._autotune else ds._parallel
         deterministic = ds._deterministic
         if deterministic is None:
-            deterministic = ds.options().deterministic
+            deterministic = (ds._pipeline_options or ds.options()).deterministic
         self._ordered = deterministic is not False
         self._ready = deque(() if state is None else state["ready"])
         self._input_done = False if state is None else state["input_done"]
