@@ -241,6 +241,13 @@ def test_filter_needs_a_boolean():
         list(D.range(3).filter(lambda x: x))
 
 
+def test_padded_batch_refuses_elements_larger_than_the_padded_shape():
+    ragged = D.range(1, 5).map(lambda x: np.ones(int(x)))
+    assert [b.shape for b in ragged.padded_batch(2)] == [(2, 2), (2, 4)]
+    with pytest.raises(ValueError, match=r"shape \[3\], larger than its padded shape \[2\]"):
+        list(ragged.padded_batch(2, padded_shapes=[2]))
+
+
 def test_batching_ragged_elements_names_the_shapes():
     with pytest.raises(ValueError, match=r"different shapes in component 0.*\[1\].*\[2\]"):
         list(D.range(1, 3).map(lambda x: np.zeros(int(x))).batch(2))

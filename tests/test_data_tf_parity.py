@@ -25,7 +25,8 @@ def _dtype_name(spec):
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    return {"D": md.data.Dataset, "np": np, "AUTOTUNE": md.data.AUTOTUNE, "TextLineDataset": md.data.TextLineDataset,
+    return {"D": md.data.Dataset, "np": np, "AUTOTUNE": md.data.AUTOTUNE, "TensorSpec": md.data.TensorSpec,
+            "TextLineDataset": md.data.TextLineDataset,
             "FILES": record.write_files(str(tmp_path_factory.mktemp("lines"))),
             "shape_of": lambda s: list(s.shape), "dtype_of": _dtype_name}
 

@@ -2,7 +2,7 @@
 
     /work/venvs/tf/bin/python tests/data/record_tf_data.py   # writes tests/data/tf_data_reference.json
 
-Each case is an expression over ``D`` (the Dataset class), ``np``, ``AUTOTUNE``,
+Each case is an expression over ``D`` (the Dataset class), ``np``, ``AUTOTUNE``, ``TensorSpec``,
 ``TextLineDataset`` and ``FILES`` (text files written by ``write_files``);
 the recording keeps every element, the element_spec and the cardinality.
 """
@@ -44,6 +44,15 @@ CASES = [
     "D.range(5).prefetch(AUTOTUNE)", "D.range(5).batch(2).map(lambda x: x * 2)",
     "D.range(6).batch(2).batch(2)", "D.range(6).filter(lambda x: x > 100)",
     "D.range(12).batch(5).repeat(2)", "D.range(7).batch(7)",
+    "D.from_generator(lambda: (np.arange(i) for i in range(1, 6)), "
+    "output_signature=TensorSpec((None,), np.int64)).padded_batch(2)",
+    "D.from_generator(lambda: (np.arange(i) for i in range(1, 6)), "
+    "output_signature=TensorSpec((None,), np.int64)).padded_batch(2, padded_shapes=(6,), padding_values=np.int64(-1))",
+    "D.from_generator(lambda: (np.arange(i) for i in range(1, 6)), "
+    "output_signature=TensorSpec((None,), np.int64)).padded_batch(3, drop_remainder=True)",
+    "D.from_generator(lambda: ((np.ones((i, 2), np.float32), i) for i in range(1, 4)), output_signature=("
+    "TensorSpec((None, 2), np.float32), TensorSpec((), np.int64))).padded_batch(2)",
+    "D.from_tensor_slices(['a', 'bc', 'def']).padded_batch(2)",
     "TextLineDataset(FILES)", "TextLineDataset(FILES).batch(2)", "TextLineDataset(FILES[1])",
     "D.from_tensor_slices(FILES).interleave(TextLineDataset, cycle_length=2)",
 ]
@@ -102,7 +111,7 @@ def main():
     import tensorflow as tf
 
     with tempfile.TemporaryDirectory() as tmp:
-        env = {"D": tf.data.Dataset, "np": np, "AUTOTUNE": tf.data.AUTOTUNE,
+        env = {"D": tf.data.Dataset, "np": np, "AUTOTUNE": tf.data.AUTOTUNE, "TensorSpec": tf.TensorSpec,
                "TextLineDataset": tf.data.TextLineDataset, "FILES": write_files(tmp),
                "shape_of": lambda s: s.shape.as_list(), "dtype_of": lambda s: s.dtype.name}
         out = run(tf.data.Dataset, env, lambda ds: list(ds.as_numpy_iterator()))

@@ -24,7 +24,7 @@ import numpy as np
 from .. import _nest
 from .iterator_ops import OwnedIterator
 from .options import Options
-from .structure import TensorSpec, leaf_spec, normalize_input, normalize_output, spec_of, stack
+from .structure import TensorSpec, array_module, leaf_spec, normalize_input, normalize_output, spec_of, stack
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset"]
 
@@ -220,6 +220,13 @@ class Dataset:
               name=None) -> "Dataset":
         """Consecutive elements stacked into batches; a short last batch unless ``drop_remainder``."""
         return _Batch(self, _positive_int(batch_size, "batch_size"), bool(drop_remainder))
+
+    def padded_batch(self, batch_size, padded_shapes=None, padding_values=None, drop_remainder=False,
+                     name=None) -> "Dataset":
+        """``batch`` of elements whose shapes differ: each component padded to ``padded_shapes`` (``None``/-1
+        dimensions, or all of them by default: to the largest in the batch) with ``padding_values`` (0, b"")."""
+        return _PaddedBatch(self, _positive_int(batch_size, "batch_size"), bool(drop_remainder), padded_shapes,
+                            padding_values)
 
     def unbatch(self, name=None) -> "Dataset":
         """The rows of every element (the inverse of ``batch``)."""
@@ -608,9 +615,9 @@ class _Batch(Dataset):
 
 
 class _BatchIterator(_Iterator):
-    def __init__(self, ds, state):
+    def __init__(self, ds, state, pad=None):
         super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
-        self._ds = ds
+        self._ds, self._pad = ds, pad
         self._done = False if state is None else state["done"]
 
     def next(self):
@@ -626,10 +633,61 @@ class _BatchIterator(_Iterator):
         for i, lv in enumerate(leaves[1:], 1):
             if len(lv) != len(leaves[0]):
                 raise ValueError(f"batch: element {i} has {len(lv)} components, element 0 has {len(leaves[0])}")
-        return _nest.pack_sequence_as(elements[0], [stack(list(column), c) for c, column in enumerate(zip(*leaves))])
+        columns = [list(column) for column in zip(*leaves)]
+        if self._pad is not None:
+            columns = [_pad(column, c, target, value)
+                       for c, (column, target, value) in enumerate(zip(columns, *self._pad))]
+        return _nest.pack_sequence_as(elements[0], [stack(column, c) for c, column in enumerate(columns)])
 
     def save(self):
         return {"input": self._inputs[0].save(), "done": self._done}
+
+
+class _PaddedBatch(_Batch):
+    def __init__(self, input_ds, batch_size, drop_remainder, padded_shapes, padding_values):
+        super().__init__(input_ds, batch_size, drop_remainder)
+        self._padded_shapes, self._padding_values = padded_shapes, padding_values
+
+    def _targets(self, spec) -> list:
+        """One shape per component: a size, or None (the largest in the batch) per dimension."""
+        leaves = _nest.flatten(spec)
+        if self._padded_shapes is None:
+            return [[None] * len(s.shape) for s in leaves]
+        shapes = _flatten_shapes(spec, self._padded_shapes)
+        if len(shapes) != len(leaves):
+            raise ValueError(f"padded_shapes={self._padded_shapes!r} does not match the structure of the elements "
+                             f"{spec!r}")
+        out = []
+        for s, shape in zip(leaves, shapes):
+            shape = [None if d is None or d == -1 else int(d) for d in (() if shape is None else shape)]
+            if len(shape) != len(s.shape):
+                raise ValueError(f"padded_shapes: {tuple(shape)} has rank {len(shape)}, the component has rank "
+                                 f"{len(s.shape)} ({s!r})")
+            out.append(shape)
+        return out
+
+    def _values(self, spec) -> list:
+        leaves = _nest.flatten(spec)
+        if self._padding_values is None:
+            return [b"" if s.dtype.kind == "S" else 0 for s in leaves]
+        values = _nest.flatten(self._padding_values)
+        if len(values) == 1 and len(leaves) > 1:
+            values = values * len(leaves)
+        if len(values) != len(leaves):
+            raise ValueError(f"padding_values={self._padding_values!r} does not match the structure of the "
+                             f"elements {spec!r}")
+        return values
+
+    def _compute_spec(self):
+        spec = self._input.element_spec
+        first = self._batch_size if self._drop else None
+        return _nest.pack_sequence_as(spec, [
+            TensorSpec((first,) + tuple(d if t is None else t for d, t in zip(s.shape, target)), s.dtype)
+            for s, target in zip(_nest.flatten(spec), self._targets(spec))])
+
+    def _make_iterator(self, state=None):
+        return _BatchIterator(self, state, pad=(self._targets(self._input.element_spec),
+                                                 self._values(self._input.element_spec)))
 
 
 class _GatherBatchIterator(_Iterator):
@@ -672,6 +730,25 @@ class _SliceBatchIterator(_Iterator):
 
     def save(self):
         return {"i": self._i}
+
+
+def _pad(column: list, component: int, target: list, value) -> list:
+    """The leaves of one component padded at the end of each dimension to ``target`` (None: the batch's
+    largest)."""
+    shapes = [tuple(np.shape(x)) for x in column]
+    if any(len(s) != len(target) for s in shapes):
+        raise ValueError(f"padded_batch: component {component} has elements of ranks {sorted({len(s) for s in shapes})}"
+                         f", expected rank {len(target)}")
+    size = [max(s[d] for s in shapes) if t is None else t for d, t in enumerate(target)]
+    out = []
+    for x, shape in zip(column, shapes):
+        if any(n > m for n, m in zip(shape, size)):
+            raise ValueError(f"padded_batch: component {component} has an element of shape {list(shape)}, larger "
+                             f"than its padded shape {size}; raise padded_shapes")
+        xp = array_module(x)
+        out.append(xp.pad(x, [(0, m - n) for n, m in zip(shape, size)], constant_values=value) if shape != tuple(size)
+                   else x)
+    return out
 
 
 class _Unbatch(Dataset):
