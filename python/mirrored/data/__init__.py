@@ -42,12 +42,11 @@ import numpy as np
 
 from .. import _nest
 from ..device import device_util
-from .dataset_ops import AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset, IterableDataset
+from .dataset_ops import AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset, _TensorSlices
 from .iterator_ops import Optional, OwnedIterator as Iterator
-from .options import AutoShardPolicy, DistributeOptions, Options, policy_of
+from .options import AutoShardPolicy, DistributeOptions, Options
 from .readers import TextLineDataset
 from .structure import TensorSpec
-from .dataset_ops import _TensorSlices
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "Iterator", "Options",
            "DistributeOptions", "AutoShardPolicy", "TensorSpec", "TextLineDataset", "NumpyDataset",
@@ -90,7 +89,7 @@ def make_numpy_dataset(numpy_input) -> NumpyDataset:
     return NumpyDataset(_nest.map_structure(lambda a: np.array(device_util.to_host(a), copy=True), arrays))
 
 
-experimental = types.SimpleNamespace(AutoShardPolicy=AutoShardPolicy, DistributeOptions=DistributeOptions,
+experimental = types.SimpleNamespace(AutoShardPolicy=AutoShardPolicy, DistributeOptions=DistributeOptions, Optional=Optional,
                                      AUTOTUNE=AUTOTUNE, INFINITE_CARDINALITY=INFINITE_CARDINALITY,
                                      UNKNOWN_CARDINALITY=UNKNOWN_CARDINALITY,
                                      cardinality=lambda dataset: dataset.cardinality())

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import copy
-import glob
-import logging
 import math
 import os
 import threading
@@ -24,15 +22,13 @@ import numpy as np
 from .. import _nest
 from .iterator_ops import OwnedIterator
 from .options import Options
-from .structure import TensorSpec, array_module, leaf_spec, normalize_input, normalize_output, spec_of, stack
+from .structure import TensorSpec, array_module, normalize_input, normalize_output, spec_of, stack
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset"]
 
 AUTOTUNE = -1
 INFINITE_CARDINALITY = -1
 UNKNOWN = UNKNOWN_CARDINALITY = -2
-
-_log = logging.getLogger("mirrored")
 
 
 def _positive_int(value, argument: str, allow=()) -> int:
