@@ -19,16 +19,18 @@ dataset of global batches, per policy:
 * ``DATA``: every worker reads every batch and keeps its replicas' slices
   (the batch split over all N replicas): one step per batch; every example
   is used once per epoch.
-* ``FILE``: the dataset's items play the part of TensorFlow's files: worker
-  ``w`` reads items ``w, w+W, w+2W, ...`` only (a worker short of an item in
-  the last round gets an empty batch), splits each into N per-replica
-  batches and runs them L at a time: W steps per item read.
+* ``FILE``: each worker reads its share of the files: for an md.data
+  pipeline, the files of its ``list_files`` / ``TextLineDataset`` sources
+  (worker ``w`` takes files ``w, w+W, ...``); for a plain iterable with a
+  ``files`` attribute, its items (a worker short of an item in the last
+  round gets an empty batch). Each batch read is split into N per-replica
+  batches, run L at a time: W steps per batch read.
 * ``OFF``: no sharding: every worker reads every batch, splits it into N
   per-replica batches and runs them L at a time (W steps per batch), so
   every worker sees the whole dataset.
-* ``AUTO`` (the default): FILE for a dataset that names its files (an
-  attribute ``files``), else DATA — with TensorFlow's warning that AUTO fell
-  back to DATA.
+* ``AUTO`` (the default): FILE for a pipeline that reads at least W files
+  (or an iterable with a ``files`` attribute), else DATA — with TensorFlow's
+  warning that AUTO fell back to DATA.
 * ``HINT`` is accepted as TensorFlow spells it and shards as DATA.
 
 With one worker every policy gives the same split.
