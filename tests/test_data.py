@@ -2,8 +2,8 @@
 in the background, clean shutdown, files, cache, checkpointable iterators, and the bad-input rules."""
 
 import gc
-import itertools
 import gzip
+import itertools
 import os
 import threading
 import traceback
@@ -42,6 +42,19 @@ def test_shuffle_draws_each_output_from_the_buffer_window(n, buffer_size, seed):
     assert sorted(out) == list(range(n))
     # The k-th output comes from the first k + buffer_size inputs (tf.data's buffer semantics).
     assert all(x < k + buffer_size for k, x in enumerate(out))
+
+
+def test_computing_a_spec_does_not_reorder_the_next_epoch(two):
+    def make():
+        return D.range(20).shuffle(20, seed=5).map(lambda x: x * 2)
+
+    plain = values(make())
+    inspected = make()
+    assert repr(inspected.element_spec) == "TensorSpec(shape=(), dtype=int64, name=None)"
+    assert values(inspected) == plain
+    distributed = two.experimental_distribute_dataset(make().batch(4))
+    assert distributed.element_spec is not None
+    assert [x for step in distributed for x in np.concatenate(step.values).tolist()] == plain
 
 
 def test_shuffle_seed_and_reshuffle_each_iteration():

@@ -162,6 +162,23 @@ class Dataset:
             new.append(d if sharded is None else sharded)
         return self._clone(new) if found else None
 
+    def _peek(self, count: int = 1) -> list:
+        """The first ``count`` elements (fewer at the end), read without changing what later iterations see:
+        the shuffles' epoch counters are put back, so computing a spec does not reorder the first epoch."""
+        shuffles = [(d, d._epochs) for d in self._pipeline() if isinstance(d, _Shuffle)]
+        it = self._make_iterator()
+        try:
+            out = []
+            for _ in range(count):
+                out.append(it.next())
+        except StopIteration:
+            pass
+        finally:
+            it.close()
+            for d, epochs in shuffles:
+                d._epochs = epochs
+        return out
+
     def _pipeline(self):
         """This dataset and every dataset upstream of it."""
         yield self
@@ -797,18 +814,14 @@ class _Map(Dataset):
     def _compute_spec(self):
         # tf.data traces map_func over the input's spec; here it runs once on the first input element, and an
         # output dimension equal to a size the input spec leaves unknown (a batch dimension) is unknown too.
-        first = self._input._make_iterator()
-        try:
-            element = first.next()
-            unknown = {leaf.shape[d] for leaf, s in zip(_nest.flatten(element), _nest.flatten(self._input.element_spec))
-                       if s.shape is not None for d in range(len(s.shape)) if s.shape[d] is None}
-            out = spec_of(normalize_output(_call(self._fn, element), "map_func"))
-            return _nest.map_structure(
-                lambda s: TensorSpec([None if d in unknown else d for d in s.shape], s.dtype), out)
-        except StopIteration:
-            raise ValueError("element_spec of map: the input is empty, so map_func's output is unknown") from None
-        finally:
-            first.close()
+        first = self._input._peek()
+        if not first:
+            raise ValueError("element_spec of map: the input is empty, so map_func's output is unknown")
+        element = first[0]
+        unknown = {leaf.shape[d] for leaf, s in zip(_nest.flatten(element), _nest.flatten(self._input.element_spec))
+                   if s.shape is not None for d in range(len(s.shape)) if s.shape[d] is None}
+        out = spec_of(normalize_output(_call(self._fn, element), "map_func"))
+        return _nest.map_structure(lambda s: TensorSpec([None if d in unknown else d for d in s.shape], s.dtype), out)
 
     def cardinality(self):
         return self._input.cardinality()
@@ -912,13 +925,10 @@ class _Interleave(Dataset):
         return ds
 
     def _compute_spec(self):
-        first = self._input._make_iterator()
-        try:
-            return self._inner(first.next()).element_spec
-        except StopIteration:
-            raise ValueError("element_spec: the input is empty, so map_func's datasets are unknown") from None
-        finally:
-            first.close()
+        first = self._input._peek()
+        if not first:
+            raise ValueError("element_spec: the input is empty, so map_func's datasets are unknown")
+        return self._inner(first[0]).element_spec
 
     def _make_iterator(self, state=None):
         return _InterleaveIterator(self, state)

@@ -497,16 +497,7 @@ class DistributedDataset(_DistributedInput):
         return [parts[first:first + local] for first in range(0, total, local)]
 
     def _peek(self):
-        if isinstance(self._items, Dataset):
-            source = self._source()
-            try:
-                first = source.next()
-            except StopIteration:
-                raise ValueError("dataset is empty: element_spec needs at least one batch") from None
-            finally:
-                source.close()
-            return self._steps_of(first)[0]
-        first = self._items.peek(1)
+        first = self._items._peek() if isinstance(self._items, Dataset) else self._items.peek(1)
         if not first:
             raise ValueError("dataset is empty: element_spec needs at least one batch")
         return self._steps_of(first[0])[0]
@@ -587,19 +578,9 @@ class DistributedDatasetsFromFunction(_DistributedInput):
         return [step]
 
     def _peek(self):
-        if all(isinstance(p, Dataset) for p in self._pipelines):
-            source = self._source()
-            try:
-                return self._steps_of(source.next())[0]
-            except StopIteration:
-                raise ValueError("dataset_fn() returned an empty dataset: element_spec needs at least one batch") \
-                    from None
-            finally:
-                source.close()
-        # Take the first step's items, and keep them for one-shot pipelines so no batch is lost.
+        # Take the first step's items (one-shot pipelines keep them, so no batch is lost).
         take = len(self._devices) if len(self._pipelines) == 1 else 1
-        peeked = [p.peek(take) if not isinstance(p, Dataset) else list(itertools.islice(p, take))
-                  for p in self._pipelines]
+        peeked = [p._peek(take) if isinstance(p, Dataset) else p.peek(take) for p in self._pipelines]
         if any(not items for items in peeked):
             raise ValueError("dataset_fn() returned an empty dataset: element_spec needs at least one batch")
         return self._steps_of(peeked[0] if len(peeked) == 1 else [items[0] for items in peeked])[0]
