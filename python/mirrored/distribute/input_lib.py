@@ -108,18 +108,15 @@ class _StepIterator(_Iterator):
     iterator continues with the step that followed the save.
     """
 
-    def __init__(self, source: _Iterator, steps_of, state=None):
+    def __init__(self, source: _Iterator, steps_per_item: int, state=None):
         super().__init__(source)
-        self._steps_of = steps_of
-        self._item, self._taken, self._steps = None, 0, []
-        if state is not None and state["item"] is not None:
-            self._item, self._taken = state["item"], state["taken"]
-            self._steps = steps_of(self._item)
+        self._steps_per_item = steps_per_item
+        self._item, self._taken = (None, steps_per_item) if state is None or state["item"] is None else \
+            (state["item"], state["taken"])
 
     def next(self):
-        while self._taken >= len(self._steps):
+        if self._taken >= self._steps_per_item:
             self._item, self._taken = self._inputs[0].next(), 0
-            self._steps = self._steps_of(self._item)
         self._taken += 1
         return (self._item, self._taken - 1)
 
@@ -313,6 +310,9 @@ class _DistributedInput:
         """The steps (lists of per-replica structures, one per local replica) one source item makes."""
         raise NotImplementedError
 
+    def _steps_per_item(self) -> int:
+        return 1
+
     def _to_step(self, per_replica: list):
         if self._options.experimental_fetch_to_device is not False:
             if self._fetcher is None:
@@ -324,8 +324,8 @@ class _DistributedInput:
 
     def _build(self, state=None) -> PrefetchIterator:
         depth = len(self._devices) * self._options.experimental_per_replica_buffer_size
-        steps = _StepIterator(self._source(None if state is None else state["input"]["source"]), self._steps_of,
-                              None if state is None else state["input"])
+        steps = _StepIterator(self._source(None if state is None else state["input"]["source"]),
+                              self._steps_per_item(), None if state is None else state["input"])
         return PrefetchIterator(steps, depth, () if state is None else state["buffer"],
                                 transform=lambda step: self._to_step(self._steps_of(step[0])[step[1]]),
                                 name="mirrored-prefetch")
@@ -485,6 +485,11 @@ class DistributedDataset(_DistributedInput):
             source = _source_iterator(self._items, None if state is None else state["source"])
             return _FileRounds(source, self._extended._num_workers, self._extended._worker_index, state)
         return _source_iterator(self._items, state)
+
+    def _steps_per_item(self) -> int:
+        if self._policy == AutoShardPolicy.DATA:
+            return 1
+        return len(range(0, self._extended._num_replicas_in_sync, len(self._extended.worker_devices)))
 
     def _steps_of(self, batch):
         ext = self._extended
