@@ -317,53 +317,56 @@ def configure(devices: int, peers, seed: int):
     _peers.update(peers)
 
 
-def _placeholder(x):
-    """x for working out a result's shape and dtype: arrays become stand-ins without memory."""
-    if isinstance(x, ndarray):
-        return np.broadcast_to(np.zeros((), x.dtype), x.shape)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_placeholder(v) for v in x)
-    return x
-
-
 def _apply(fn, args, kwargs, out=None):
     """fn(*args, **kwargs) of NumPy as a kernel: the result array now, its values when the kernel runs."""
-    flat = [a for a in _flatten(args) + _flatten(list(kwargs.values())) if isinstance(a, ndarray)]
+    arrays = []
+    template = _template((args, kwargs), arrays)  # the arguments with each array as its index in `arrays`
     with np.errstate(all="ignore"), warnings.catch_warnings():  # placeholders are zeros: 0/0 is expected
         warnings.simplefilter("ignore")
-        shaped = fn(*[_placeholder(a) for a in args], **{k: _placeholder(v) for k, v in kwargs.items()})
+        p_args, p_kwargs = _fill(template, [_placeholder(a) for a in arrays])
+        shaped = fn(*p_args, **p_kwargs)
     if isinstance(shaped, tuple):
         return tuple(_apply(lambda *a, i=i, **k: fn(*a, **k)[i], args, kwargs) for i in range(len(shaped)))
     shaped = np.asarray(shaped)
     if out is None:
         out = ndarray(shaped.shape, shaped.dtype)
-    positions = [id(a) for a in flat]
 
     def work(dst, *views):
-        lookup = dict(zip(positions, views))
-        real = fn(*[_substitute(a, lookup) for a in args], **{k: _substitute(v, lookup) for k, v in kwargs.items()})
-        np.copyto(dst, real, casting="unsafe")
+        real_args, real_kwargs = _fill(template, views)
+        np.copyto(dst, fn(*real_args, **real_kwargs), casting="unsafe")
 
-    _launch(work, out, *flat)
+    _launch(work, out, *arrays)
     return out
 
 
-def _flatten(xs):
-    out = []
-    for x in xs:
-        if isinstance(x, (list, tuple)):
-            out += _flatten(x)
-        else:
-            out.append(x)
-    return out
+class _Slot(int):
+    """Where an array was among a kernel's arguments (kernels hold no array, as in CuPy)."""
 
 
-def _substitute(x, lookup):
+def _template(x, arrays):
     if isinstance(x, ndarray):
-        return lookup[id(x)]
+        arrays.append(x)
+        return _Slot(len(arrays) - 1)
     if isinstance(x, (list, tuple)):
-        return type(x)(_substitute(v, lookup) for v in x)
+        return type(x)(_template(v, arrays) for v in x)
+    if isinstance(x, dict):
+        return {k: _template(v, arrays) for k, v in x.items()}
     return x
+
+
+def _fill(x, values):
+    if isinstance(x, _Slot):
+        return values[x]
+    if isinstance(x, (list, tuple)):
+        return type(x)(_fill(v, values) for v in x)
+    if isinstance(x, dict):
+        return {k: _fill(v, values) for k, v in x.items()}
+    return x
+
+
+def _placeholder(a):
+    """A stand-in of array a for working out a result's shape and dtype, without its memory."""
+    return np.broadcast_to(np.zeros((), a.dtype), a.shape)
 
 
 # --- arrays ----------------------------------------------------------------------
@@ -462,7 +465,8 @@ class ndarray:
             value = asarray(value)
         if _is_basic(key):
             target = self[key]
-            _apply(lambda v: np.broadcast_to(v, target.shape), (value,), {}, out=target)
+            shape = target.shape  # (kernels hold no array: freeing one stays possible, as in CuPy)
+            _apply(lambda v: np.broadcast_to(v, shape), (value,), {}, out=target)
             return
         key = _host_key(key)
         if isinstance(value, ndarray):
@@ -509,7 +513,8 @@ class ndarray:
         return out
 
     def fill(self, value):
-        _apply(lambda v: np.broadcast_to(np.asarray(v, self.dtype), self.shape), (value,), {}, out=self)
+        dtype, shape = self.dtype, self.shape
+        _apply(lambda v: np.broadcast_to(np.asarray(v, dtype), shape), (value,), {}, out=self)
 
     def get(self, stream=None, order="C", out=None):
         return asnumpy(self, stream=stream, out=out)

@@ -128,3 +128,40 @@ def test_demo_trains_on_gpu_replicas_to_the_cpu_accuracy(tmp_path):
         accuracy[device] = float(lines[-1].split(":")[1])
     assert accuracy["gpu"] > 0.8
     assert abs(accuracy["gpu"] - accuracy["cpu"]) <= 0.02, accuracy
+
+
+@pytest.mark.parametrize("per_gpu", [2, 4])
+def test_optimizer_steps_on_replicas_sharing_a_gpu_match_cpu_replicas(per_gpu):
+    """Replicas sharing a GPU run on their own streams, and each step's merged update may run on
+    another replica's thread: the variables' old values must outlive every read of them (the
+    simulator poisons freed memory; this diverged before updates ran on the legacy stream)."""
+    gpus = min(NGPU, 2) if per_gpu == 2 else 1
+    n = per_gpu * gpus
+
+    def train(devices, xp):
+        s = md.MirroredStrategy(devices)
+        with s.scope():
+            w = md.Variable(np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4))
+            b = md.Variable(np.zeros(4, np.float32))
+            opt = md.optimizers.SGD(0.05, momentum=0.9)
+
+        def step():
+            r = md.get_replica_context().replica_id_in_sync_group
+            gw = w.read_value() * (r + 1) - 0.5
+            gb = xp.full(4, r - 1.5, xp.float32)
+            opt.apply_gradients([(gw, w), (gb, b)])
+
+        for _ in range(6):
+            s.run(step)
+        return np.asarray(w.numpy()), np.asarray(b.numpy())
+
+    for i in range(gpus):
+        md.config.set_logical_device_configuration("GPU", i, count=per_gpu)
+    try:
+        on_gpus = train([f"/gpu:{i}" for i in range(n)], cupy)
+    finally:
+        for i in range(gpus):
+            md.config.set_logical_device_configuration(f"GPU:{i}", None)
+    on_cpus = train([f"/cpu:{i}" for i in range(n)], np)
+    for g, c in zip(on_gpus, on_cpus):
+        np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-6)

@@ -126,15 +126,21 @@ class device_scope:
         _current.device = self._saved
 
 
-def cupy_device(device):
-    """CuPy's device context for GPU ``device`` (CuPy computes, and allocates, on its current
-    device, not the operands'), else a null context."""
+@contextlib.contextmanager
+def cross_replica_gpu_scope(device):
+    """For cross-replica work on GPU ``device``'s data: that GPU current (CuPy computes, and
+    allocates, on its current device), and its legacy default stream, which is ordered after
+    every replica stream's queued work and before their later work. On a replica stream the
+    next merge's reads (another replica's stream) would race with this merge's frees.
+    A null context for other devices."""
     spec = parse(device)
     if spec.device_type != "GPU":
-        return contextlib.nullcontext()
+        yield
+        return
     import cupy
 
-    return cupy.cuda.Device(_gpu_ordinal(spec))
+    with cupy.cuda.Device(_gpu_ordinal(spec)), cupy.cuda.Stream.null:
+        yield
 
 
 def _gpu_ordinal(spec: DeviceSpec) -> int:
