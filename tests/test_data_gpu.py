@@ -63,3 +63,15 @@ def test_a_restored_gpu_iterator_continues_after_the_save(two_gpus, tmp_path):
     got = [np.concatenate([cupy.asnumpy(p) for p in two_gpus.experimental_local_results(s)]).tolist()
            for s in restored]
     assert got == expected[3:]
+
+
+def test_a_pipeline_over_device_arrays_stays_on_the_device(two_gpus):
+    x = cupy.asarray(np.arange(24, dtype=np.float32).reshape(12, 2))
+    ds = md.data.Dataset.from_tensor_slices((x, np.arange(12))).shuffle(12, seed=1).batch(4)
+    batches = list(ds)
+    assert all(isinstance(xb, cupy.ndarray) and xb.shape == (4, 2) for xb, _ in batches)
+    for xb, yb in batches:
+        np.testing.assert_array_equal(cupy.asnumpy(xb)[:, 0], 2 * yb)
+    assert [b.shape for b in md.data.Dataset.from_tensor_slices(x).batch(5)] == [(5, 2), (5, 2), (2, 2)]
+    assert [type(b) for b in md.data.Dataset.from_tensor_slices(x).unbatch().batch(3).take(1).as_numpy_iterator()] \
+        == [np.ndarray]
