@@ -52,6 +52,11 @@ def test_computing_a_spec_does_not_reorder_the_next_epoch(two):
     inspected = make()
     assert repr(inspected.element_spec) == "TensorSpec(shape=(), dtype=int64, name=None)"
     assert values(inspected) == plain
+    files = D.list_files(__file__.replace("test_data.py", "test_*.py"), seed=2)
+    names = values(files)
+    assert values(files.map(lambda n: n)) != names  # the next epoch: reshuffled
+    files = D.list_files(__file__.replace("test_data.py", "test_*.py"), seed=2)
+    assert files.map(lambda n: n).element_spec is not None and values(files) == names
     distributed = two.experimental_distribute_dataset(make().batch(4))
     assert distributed.element_spec is not None
     assert [x for step in distributed for x in np.concatenate(step.values).tolist()] == plain

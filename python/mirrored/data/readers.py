@@ -46,15 +46,19 @@ class ListFilesDataset(Dataset):
         if not files:
             raise FileNotFoundError(f"file_pattern={file_pattern!r}: No files matched pattern: "
                                     f"{', '.join(patterns)}; check the path (glob syntax: *, ?, [...])")
-        self._files = [np.bytes_(os.fsencode(f)) for f in files]
         self._shuffle = True if shuffle is None else bool(shuffle)
         self._seed = seed
+        self._set_files([np.bytes_(os.fsencode(f)) for f in files])
 
-    def _pipeline(self) -> Dataset:
-        names = Dataset.from_tensor_slices(np.array(self._files))
-        if self._shuffle:
-            names = names.shuffle(len(self._files), seed=self._seed)
-        return names
+    def _set_files(self, files: list) -> None:
+        self._files = files
+        names = Dataset.from_tensor_slices(np.array(files))
+        # One shuffle dataset for all iterations, so each reshuffles.
+        self._names = names.shuffle(len(files), seed=self._seed) if self._shuffle else names
+
+    def _pipeline(self):
+        yield self
+        yield from self._names._pipeline()
 
     def _compute_spec(self):
         return TensorSpec((), np.dtype("S"))
@@ -63,14 +67,11 @@ class ListFilesDataset(Dataset):
         return len(self._files)
 
     def _make_iterator(self, state=None):
-        if getattr(self, "_names", None) is None:
-            self._names = self._pipeline()  # one shuffle dataset, so each iteration reshuffles
         return self._names._make_iterator(state)
 
     def _file_sharded(self, num_shards, index):
         clone = self._clone(())
-        clone._files = self._files[index::num_shards]
-        clone._names = None
+        clone._set_files(self._files[index::num_shards])
         return clone
 
     def _file_count(self):
