@@ -43,7 +43,7 @@ from .distribute.values import (DistributedValues, DistributedVariable, Mirrored
 from .distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
                                           ReductionToOneDevice, RingAllReduce)
 from . import data, train
-from .train import checkpoint, nn, optimizers
+from .train import checkpoint, mixed_precision, nn, optimizers
 from .train.checkpoint_management import Checkpoint
 from . import compat
 
