@@ -45,6 +45,7 @@ from .distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllRed
 from . import data, train
 from .train import checkpoint, mixed_precision, nn, optimizers
 from .train.checkpoint_management import Checkpoint
+from .train.module import Module
 from . import compat
 
 # The module paths of the flat layout (``import mirrored.collectives``,
