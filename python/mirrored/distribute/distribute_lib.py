@@ -684,8 +684,8 @@ def _check_graph_arguments(variable_def, import_scope, validate_shape, caching_d
     if caching_device is not None and not isinstance(caching_device, str):
         raise ValueError(f"caching_device={caching_device!r}: expected a device string or None")
     if constraint is not None and not callable(constraint):
-        raise ValueError(f"constraint={constraint!r}: The `constraint` argument must be a callable (a function of "
-                         "the variable's value returning the projected value), or None")
+        raise ValueError(f"constraint={constraint!r}: Argument `constraint` must be None or a callable (a "
+                         "function of the variable's value that returns the projected value)")
 
 
 def _check_shape(name, shape, actual) -> None:
