@@ -252,8 +252,9 @@ def test_policies():
 def _multiworker_task(culprit_rank):
     from mirrored.distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
 
-    strategy = MultiWorkerMirroredStrategy(
-        communication_options=md.CommunicationOptions(timeout_seconds=60), devices=["/cpu:0", "/cpu:1"])
+    # TF's positional order: (cluster_resolver, communication_options)
+    strategy = MultiWorkerMirroredStrategy(md.cluster_resolver.TFConfigClusterResolver(),
+                                           md.CommunicationOptions(timeout_seconds=60), devices=["/cpu:0", "/cpu:1"])
     with strategy.scope():
         w = md.Variable(np.zeros(2, np.float32))
         opt = LSO(md.optimizers.SGD(1.0), initial_scale=4.0)
