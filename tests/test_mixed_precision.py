@@ -137,6 +137,23 @@ def test_a_float16_sum_that_overflows_is_caught_after_the_reduction():
     assert opt.dynamic_counter == 1 and int(opt.iterations.numpy()) == 1
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_half_precision_finite_check_at_the_edges(dtype):
+    dtype = np.dtype(dtype) if dtype == "float16" else np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    largest = float(np.finfo(np.float16).max) if dtype == np.float16 else 3.3895313892515355e38
+    smallest = 2.0 ** -24 if dtype == np.float16 else 2.0 ** -133
+    nan_bits = np.array([0x7C01 if dtype == np.float16 else 0x7F81, 0xFFFF], np.uint16).view(dtype)
+    cases = [(np.array([largest, -largest, smallest, -0.0], dtype), True),
+             (np.zeros((3, 0), dtype), True),
+             (np.array([[1.0, np.inf]], dtype)[:, ::-1], False),  # not contiguous
+             (np.array([-np.inf], dtype), False), (nan_bits[:1], False), (nan_bits[1:], False)]
+    for grad, finite in cases:
+        w = md.Variable(np.zeros(grad.shape, np.float32))
+        opt = LSO(md.optimizers.SGD(1.0), initial_scale=1.0)
+        opt.apply_gradients([(grad, w)])
+        assert (int(opt.iterations.numpy()) == 1) is finite, (grad, finite)
+
+
 def test_cross_replica_apply_with_per_replica_gradients():
     strategy = md.MirroredStrategy(cpus(2))
     with strategy.scope():

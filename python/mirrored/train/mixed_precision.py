@@ -113,6 +113,10 @@ def _check_scale(value) -> float:
     return float(value)
 
 
+# The exponent bits of a 2-byte float: all set is an inf or a nan.
+_HALF_EXPONENTS = {"float16": 0x7C00, "bfloat16": 0x7F80}
+
+
 def _is_finite(x) -> bool:
     if device_util.on_gpu(x):
         import cupy
@@ -121,7 +125,12 @@ def _is_finite(x) -> bool:
     x = np.asarray(x)
     if x.dtype.kind in "biu":
         return True  # integers are always finite
-    return bool(np.isfinite(x).all())
+    exponent = _HALF_EXPONENTS.get(x.dtype.name)
+    if exponent is None:
+        return bool(np.isfinite(x).all())
+    # NumPy's isfinite on float16 (and ml_dtypes' on bfloat16) runs element by element, ~30x slower
+    # than this look at the bits: without the sign, a finite value is below the all-ones exponent.
+    return x.size == 0 or int((np.ascontiguousarray(x).view(np.uint16) & 0x7FFF).max()) < exponent
 
 
 def _components(value) -> tuple:
@@ -276,22 +285,23 @@ class LossScaleOptimizer:
 
         if not pairs:
             raise ValueError("grads_and_vars: no gradient was given (all were None or the list is empty)")
-        default = isinstance(strategy, distribute_lib._DefaultStrategy)
         devices = strategy.extended.worker_devices
-        if from_replicas and not default:
+        if from_replicas and not isinstance(strategy, distribute_lib._DefaultStrategy):
             # merge_call leaves a gradient unwrapped when every replica passed the same object
             # (or there is one local replica): it is still one gradient per replica.
             pairs = [(g if isinstance(g, DistributedValues) else PerReplica([g] * len(devices), devices), v)
                      for g, v in pairs]
         grads = [g for g, _ in pairs]
         distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
-        if aggregate and distributed:
+        reduced = set(distributed) if aggregate else set()
+        if reduced:
             mean = getattr(self.inner_optimizer, "gradient_aggregation", "sum") == "mean"
-            reduced = strategy.extended.batch_reduce_to(ReduceOp.MEAN if mean else ReduceOp.SUM,
-                                                        [pairs[k] for k in distributed], options=options)
-            for k, g in zip(distributed, reduced):
+            for k, g in zip(distributed, strategy.extended.batch_reduce_to(
+                    ReduceOp.MEAN if mean else ReduceOp.SUM, [pairs[k] for k in distributed], options=options)):
                 grads[k] = g
-        if self.dynamic and not self._agreed_finite(strategy, grads, default, devices):
+        # An all-reduce gives every local copy the same bits: one copy of a reduced gradient tells for all.
+        arrays = [c for k, g in enumerate(grads) for c in (_components(g)[:1] if k in reduced else _components(g))]
+        if self.dynamic and not self._agreed_finite(strategy, arrays, devices):
             self.step_counter.assign(np.int64(0))
             self.dynamic_scale.assign(self.dynamic_scale.numpy() * np.float32(0.5))
             return int(self.iterations.numpy())
@@ -307,15 +317,16 @@ class LossScaleOptimizer:
                 self.step_counter.assign_add(np.int64(1))
         return step
 
-    def _agreed_finite(self, strategy, grads, default, devices) -> bool:
-        """Whether every gradient is finite on every replica of every worker: each worker checks
-        its own copies, then one all-reduce (MIN) of a flag makes the answer the same everywhere."""
+    def _agreed_finite(self, strategy, arrays, devices) -> bool:
+        """Whether every gradient is finite on every replica of every worker. One process checks all its
+        replicas' gradients here; across workers one all-reduce (MIN) of a flag makes the answer the
+        same everywhere."""
         from ..distribute.reduce_util import ReduceOp
         from ..distribute.values import PerReplica
 
-        finite = np.float32(all(_is_finite(c) for g in grads for c in _components(g)))
-        if default:
-            return bool(finite)
+        finite = all(_is_finite(a) for a in arrays)
+        if strategy.extended._num_workers == 1:
+            return finite
         flags = PerReplica([np.full((), finite, np.float32) for _ in devices], devices)
         return bool(strategy.reduce(ReduceOp.MIN, flags, axis=None))
 
