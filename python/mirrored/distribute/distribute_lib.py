@@ -606,9 +606,9 @@ class StrategyExtended:
 
         ``name`` gets the current ``md.name_scope`` as prefix. ``trainable=None``
         means True unless ``synchronization`` is ON_READ. ``constraint`` (a
-        callable of the variable's value) is stored as ``variable.constraint``;
-        optimizers apply it after their update, as Keras does, and ``assign``
-        ignores it, as TensorFlow's does. ``caching_device`` has no effect
+        callable of the variable's value) is kept as ``variable.constraint``
+        for optimizers, which apply it after their update in Keras;
+        ``assign`` ignores it, as TensorFlow's does. ``caching_device`` has no effect
         (every replica reads its own copy already). ``shape`` must match the
         initial value's; variables here keep their shape, so
         ``validate_shape=False`` and shapes with unknown dimensions are refused,

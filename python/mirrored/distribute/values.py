@@ -108,7 +108,7 @@ class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
 
     @property
     def constraint(self):
-        """The ``constraint`` given at creation (a callable, or None); optimizers apply it after an update."""
+        """The ``constraint`` given at creation (a callable, or None); Keras' optimizers apply it after an update."""
         return self._constraint
 
     def value(self):
