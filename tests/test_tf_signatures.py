@@ -57,11 +57,17 @@ def test_constraint_is_kept_and_assign_ignores_it_as_in_tensorflow(replicas):
     ({"shape": (3,)}, r"shape=\(3,\) for variable 'Variable': the initial value has shape \(2,\)"),
     ({"shape": (None,)}, r"shape=\(None,\).*unknown dimensions are not supported"),
     ({"shape": "ab"}, "shape='ab'"),
+    ({"trainable": "w"}, r"trainable='w': expected True, False or None.*md.Variable\(x, name='w'\)"),
 ])
 def test_arguments_without_meaning_here_are_refused_by_name(kwargs, words):
     assert "must be None or a callable" in TF_VARIABLE["constraint_not_callable"]
     with pytest.raises(ValueError, match=words):
         md.Variable(np.zeros(2), **kwargs)
+
+
+def test_the_earlier_positional_order_is_refused_not_misread():
+    with pytest.raises(ValueError, match="trainable='w'"):
+        md.Variable(1.0, "w", True, "float64")  # (initial_value, name, trainable, dtype) before TF's order
 
 
 def test_shape_equal_to_the_initial_values_and_a_caching_device_are_accepted():

@@ -614,7 +614,7 @@ class StrategyExtended:
         ``validate_shape=False`` and shapes with unknown dimensions are refused,
         as are ``variable_def`` and ``import_scope`` (graph-mode protocol buffers).
         """
-        _check_graph_arguments(variable_def, import_scope, validate_shape, caching_device, constraint)
+        _check_arguments(trainable, variable_def, import_scope, validate_shape, caching_device, constraint)
         name = scoped_name(name or "Variable")
         ctx = get_replica_context()
         if ctx is not None and ctx.strategy is self._container_strategy and ctx is not default_replica_context():
@@ -672,8 +672,13 @@ def _reduce_along(v, op: ReduceOp, axis: int):
     return np.full(shape, identity, dtype)
 
 
-def _check_graph_arguments(variable_def, import_scope, validate_shape, caching_device, constraint) -> None:
+def _check_arguments(trainable, variable_def, import_scope, validate_shape, caching_device, constraint) -> None:
     """Refuses the ``tf.Variable`` arguments that have no meaning here, naming each."""
+    if trainable is not None and not isinstance(trainable, (bool, np.bool_)):
+        # Most likely a name given second, in the order md.Variable had before it took tf.Variable's.
+        raise ValueError(f"trainable={trainable!r}: expected True, False or None; md.Variable takes tf.Variable's "
+                         "order (initial_value, trainable, validate_shape, caching_device, name, ...): pass the "
+                         "other arguments by keyword, e.g. md.Variable(x, name='w')")
     for argument, value in (("variable_def", variable_def), ("import_scope", import_scope)):
         if value is not None:
             raise ValueError(f"{argument}={value!r}: md.Variable has no graph protocol buffers to build a variable "
