@@ -29,6 +29,7 @@ exactly the one-replica gradient, up to float rounding.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -49,7 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=64, help="global batch size (default 64)")
     p.add_argument("--epochs", type=int, default=40, help="length of the run and its learning-rate schedule")
     p.add_argument("--steps", type=int, default=None,
-                   help="stop once the optimizer has made this many steps (default: all epochs)")
+                   help="stop after this many training batches (default: all epochs)")
     p.add_argument("--hidden", type=int, nargs="+", default=[128, 64], help="hidden layer widths")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 0.05 SGD, 0.002 Adam)")
@@ -204,20 +205,26 @@ def train(args):
                      else md.optimizers.Adam(schedule))
         if args.mixed_precision:
             optimizer = md.mixed_precision.LossScaleOptimizer(optimizer)
+        # Batches taken so far: they place a resumed run in its epoch. optimizer.iterations lags
+        # behind by the steps that loss scaling skipped.
+        batches_taken = md.Variable(np.int64(0), trainable=False, name="batches_taken")
     variables = model.trainable_variables
 
     def compute(array):
         """``array`` in the policy's compute dtype (float16 under mixed precision)."""
         return array.astype(policy.compute_dtype, copy=False)
-    checkpoint = md.train.Checkpoint(model=model, optimizer=optimizer)
+    checkpoint = md.train.Checkpoint(model=model, optimizer=optimizer, batches_taken=batches_taken)
     if args.resume and os.path.exists(ckpt_path):
         checkpoint.restore(ckpt_path)
 
     def step_fn(x, y):
         # 1.0 without mixed precision; else the gradients are those of the loss times the scale
         scale = optimizer.scale_loss(1.0) if args.mixed_precision else 1.0
-        loss, grads, correct = loss_and_grads([compute(local(v)) for v in variables], compute(x), y,
-                                              args.batch_size, scale)
+        # A float16 overflow is expected now and then: the loss-scale optimizer sees it, skips the step
+        # and lowers the scale, so NumPy need not warn.
+        with np.errstate(over="ignore", invalid="ignore") if args.mixed_precision else contextlib.nullcontext():
+            loss, grads, correct = loss_and_grads([compute(local(v)) for v in variables], compute(x), y,
+                                                  args.batch_size, scale)
         optimizer.apply_gradients(zip(grads, variables))  # summed across replicas (unscaled, checked)
         # float(): a GPU loss comes back to the host
         return np.asarray(float(loss), dtype=np.float64), np.asarray(correct, dtype=np.int64)
@@ -234,7 +241,7 @@ def train(args):
         return correct / len(x_test)
 
     history = {"step": [], "loss": [], "epoch_step": [], "test_accuracy": []}
-    step = int(optimizer.iterations.numpy())
+    step = int(batches_taken.numpy())
     bar = None if args.no_progress else _progress(total, step)
     started = time.perf_counter()
     epoch = step // steps_per_epoch
@@ -258,6 +265,7 @@ def train(args):
         epoch += 1
         history["epoch_step"].append(step)
         history["test_accuracy"].append(evaluate())
+        batches_taken.assign(np.int64(step))
         checkpoint.write(ckpt_path)  # every epoch: a stopped run loses at most one epoch (--resume)
     if bar is not None:
         bar.close()

@@ -306,12 +306,17 @@ def test_two_workers_agree_to_skip_when_one_replica_of_one_worker_overflows():
 
 # --- the demo's --mixed-precision ----------------------------------------------------------------
 
-def test_demo_trains_with_mixed_precision(tmp_path):
+def _demo():
     pytest.importorskip("sklearn")
     pytest.importorskip("matplotlib")
     spec = importlib.util.spec_from_file_location("train_digits", ROOT / "examples" / "train_digits.py")
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
+    return demo
+
+
+def test_demo_trains_with_mixed_precision(tmp_path):
+    demo = _demo()
     try:
         accuracy = demo.main(["--steps", "30", "--replicas", "2", "--no-progress", "--mixed-precision",
                               "--out", str(tmp_path)])
@@ -324,3 +329,23 @@ def test_demo_trains_with_mixed_precision(tmp_path):
     assert float(state["optimizer/dynamic_scale"]) == 2.0 ** 15  # no overflow: never lowered
     history = json.loads((tmp_path / "history.json").read_text())
     assert history["loss"][-1] < history["loss"][0] / 2
+
+
+def test_demo_skips_overflowing_steps_quietly_and_resumes_by_batches(tmp_path, monkeypatch):
+    """A scale far too high: the first float16 backward passes overflow (no NumPy warning escapes; warnings are
+    errors here), those steps are skipped and the scale comes down; a resumed run continues after the batches
+    taken, not after the optimizer's (fewer) steps."""
+    demo = _demo()
+    monkeypatch.setattr(LSO.__init__, "__defaults__", (True, 2.0 ** 40, 2000, None))
+    args = ["--replicas", "2", "--no-progress", "--mixed-precision", "--out", str(tmp_path)]
+    try:
+        demo.main(["--steps", "30", *args])
+        first = md.checkpoint.load_checkpoint(tmp_path / "digits.ckpt")
+        demo.main(["--steps", "40", *args, "--resume"])
+    finally:
+        md.mixed_precision.set_global_policy(None)
+    skipped = 30 - int(first["optimizer/inner_optimizer/iterations"])
+    assert skipped > 0 and float(first["optimizer/dynamic_scale"]) == 2.0 ** (40 - skipped)
+    resumed = md.checkpoint.load_checkpoint(tmp_path / "digits.ckpt")
+    assert int(resumed["batches_taken"]) == 40
+    assert int(resumed["optimizer/inner_optimizer/iterations"]) == 40 - skipped
