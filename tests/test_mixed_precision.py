@@ -4,6 +4,7 @@ replica and worker, float16 / bfloat16 gradients reduced natively, Keras 2's API
 TensorFlow 2.21 / Keras 3.15.1 values: tests/data/tfport_reference.json (tests/data/record_tfport_reference.py)."""
 
 import importlib.util
+import inspect
 import json
 import pathlib
 
@@ -152,6 +153,62 @@ def test_the_half_precision_finite_check_at_the_edges(dtype):
         opt = LSO(md.optimizers.SGD(1.0), initial_scale=1.0)
         opt.apply_gradients([(grad, w)])
         assert (int(opt.iterations.numpy()) == 1) is finite, (grad, finite)
+
+
+class RecordingSGD(md.optimizers.SGD):
+    """SGD that records what the loss-scale optimizer hands it."""
+
+    calls = []
+
+    def apply_gradients(self, grads_and_vars, options=None, **kwargs):
+        grads_and_vars = list(grads_and_vars)
+        self.calls.append(([g for g, _ in grads_and_vars], kwargs.get("experimental_aggregate_gradients", True)))
+        return super().apply_gradients(grads_and_vars, options, **kwargs)
+
+
+@pytest.mark.parametrize("clips", [False, True])
+def test_a_clipping_optimizer_gets_each_replicas_unscaled_gradient_to_clip_and_reduce(clips):
+    """Keras clips each replica's unscaled gradient, then sums: with clipping set, the wrapped optimizer reduces;
+    without, the sum is taken first, in the gradients' dtype, and the wrapped optimizer only applies it."""
+    strategy = md.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        w = md.Variable(np.zeros(2, np.float32))
+        inner = RecordingSGD(1.0)
+        opt = LSO(inner, initial_scale=4.0)
+    inner.calls = []
+    if clips:
+        inner.clipnorm = 1e9  # large: the sums compare, whoever clips
+
+    def step():
+        g = np.array([4.0, 8.0], np.float16) * (1 + md.get_replica_context().replica_id_in_sync_group)
+        opt.apply_gradients([(g, w)])
+    strategy.run(step)
+    (grad,), aggregate = inner.calls[0]
+    assert aggregate is clips
+    parts = [np.asarray(p) for p in grad.values]
+    assert all(p.dtype == np.float32 for p in parts)  # unscaled into float32 either way
+    if clips:
+        assert isinstance(grad, md.PerReplica) and [p.tolist() for p in parts] == [[1.0, 2.0], [2.0, 4.0]]
+    else:
+        assert isinstance(grad, md.Mirrored) and [p.tolist() for p in parts] == [[3.0, 6.0]] * 2
+    assert w.numpy().tolist() == [-3.0, -6.0]
+
+
+def test_clipnorm_trajectory_is_keras_3s():
+    ref = REFERENCE["mirrored2_clipnorm"]
+    if "clipnorm" not in inspect.signature(md.optimizers.SGD).parameters:
+        pytest.skip("md.optimizers.SGD takes no clipnorm yet (issue #19 item 1)")
+    strategy = md.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        w = md.Variable(np.array([1.0, 2.0], np.float32))
+        inner = md.optimizers.SGD(ref["lr"], clipnorm=ref["clipnorm"])
+        opt = LSO(inner, initial_scale=ref["initial_scale"], dynamic_growth_steps=ref["growth"])
+    for grads, expected in zip(ref["replica_grads"], ref["steps"]):
+        parts = _decode(grads)
+        strategy.run(lambda: opt.apply_gradients([(parts[md.get_replica_context().replica_id_in_sync_group], w)]))
+        got = _state(opt, w)
+        np.testing.assert_allclose(got.pop("w"), expected["w"], rtol=1e-6)
+        assert got == {k: v for k, v in expected.items() if k != "w"}
 
 
 def test_cross_replica_apply_with_per_replica_gradients():

@@ -29,12 +29,12 @@ def encode(x):
     return x
 
 
-def lso_trajectory(grads, initial_scale, growth, lr, strategy=None, replica_grads=None):
+def lso_trajectory(grads, initial_scale, growth, lr, strategy=None, replica_grads=None, clipnorm=None):
     strategy = strategy or tf.distribute.get_strategy()
     with strategy.scope():
         w = tf.Variable([1.0, 2.0], dtype=tf.float32)
-        opt = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(lr), initial_scale=initial_scale,
-                                                       dynamic_growth_steps=growth)
+        opt = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(lr, clipnorm=clipnorm),
+                                                       initial_scale=initial_scale, dynamic_growth_steps=growth)
     rows = []
     for step, g in enumerate(grads):
         if replica_grads is None:
@@ -64,6 +64,13 @@ def record_lso(strategy):
                    [[0.5, 0.5], [0.5, 0.5]]]
     out["mirrored2"] = {"initial_scale": 4.0, "growth": 2, "lr": 0.25, "replica_grads": encode(per_replica),
                         "steps": lso_trajectory([None] * len(per_replica), 4.0, 2, 0.25, strategy, per_replica)}
+    # clipnorm on the wrapped optimizer: Keras clips each replica's unscaled gradient, then sums
+    clipped = [[[12.0, 16.0], [0.0, 8.0]], [[INF, 0.0], [1.0, 1.0]], [[2.0, 2.0], [-8.0, 0.0]],
+               [[0.5, 0.0], [0.0, 0.5]]]
+    out["mirrored2_clipnorm"] = {"initial_scale": 4.0, "growth": 2, "lr": 0.5, "clipnorm": 1.0,
+                                 "replica_grads": encode(clipped),
+                                 "steps": lso_trajectory([None] * len(clipped), 4.0, 2, 0.5, strategy, clipped,
+                                                         clipnorm=1.0)}
     return out
 
 

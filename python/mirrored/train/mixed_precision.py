@@ -14,9 +14,11 @@
 
 1. all-reduces them in their own dtype (float16 and bfloat16 travel as such,
    half the bytes of float32) with one fused collective, as the wrapped
-   optimizer would;
-2. checks that every reduced gradient is finite and agrees on the answer
-   across all replicas of all workers (one all-reduce of a flag, MIN);
+   optimizer would; when the wrapped optimizer clips (``clipnorm``,
+   ``clipvalue``, ``global_clipnorm``), it reduces them itself after step 4,
+   since Keras clips each replica's unscaled gradient before the sum;
+2. checks that every gradient is finite and agrees on the answer across all
+   replicas of all workers (one all-reduce of a flag, MIN, across workers);
 3. if not, skips the step (the wrapped optimizer's ``iterations`` stays put),
    halves the scale and restarts the count of good steps;
 4. else divides the gradients by the scale (float16 and bfloat16 gradients
@@ -131,6 +133,10 @@ def _is_finite(x) -> bool:
     # NumPy's isfinite on float16 (and ml_dtypes' on bfloat16) runs element by element, ~30x slower
     # than this look at the bits: without the sign, a finite value is below the all-ones exponent.
     return x.size == 0 or int((np.ascontiguousarray(x).view(np.uint16) & 0x7FFF).max()) < exponent
+
+
+def _clips(optimizer) -> bool:
+    return any(getattr(optimizer, name, None) is not None for name in ("clipnorm", "clipvalue", "global_clipnorm"))
 
 
 def _components(value) -> tuple:
@@ -293,7 +299,11 @@ class LossScaleOptimizer:
                      for g, v in pairs]
         grads = [g for g, _ in pairs]
         distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
-        reduced = set(distributed) if aggregate else set()
+        # Keras clips each replica's unscaled gradient before the sum: an optimizer that clips reduces them
+        # itself. Otherwise the sum is taken here, in the gradients' own dtype (float16 and bfloat16 move
+        # half the bytes), and the check below also catches a sum that overflows.
+        reduce_here = aggregate and not _clips(self.inner_optimizer)
+        reduced = set(distributed) if reduce_here else set()
         if reduced:
             mean = getattr(self.inner_optimizer, "gradient_aggregation", "sum") == "mean"
             for k, g in zip(distributed, strategy.extended.batch_reduce_to(
@@ -308,7 +318,8 @@ class LossScaleOptimizer:
         if not self._caller_unscales:
             grads = [self._unscaled(g) for g in grads]
         step = self.inner_optimizer.apply_gradients(
-            [(g, v) for g, (_, v) in zip(grads, pairs)], options, experimental_aggregate_gradients=False)
+            [(g, v) for g, (_, v) in zip(grads, pairs)], options,
+            experimental_aggregate_gradients=aggregate and not reduce_here)
         if self.dynamic:
             if int(self.step_counter.numpy()) == self.dynamic_growth_steps - 1:
                 self.step_counter.assign(np.int64(0))
