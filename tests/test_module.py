@@ -1,6 +1,7 @@
 """md.Module (tf.Module) and md.name_scope: traversal order, de-duplication and names recorded from TensorFlow 2.21
 (tests/data/tfport_reference.json), checkpoints of modules, bad names."""
 
+import importlib.util
 import json
 import pathlib
 import threading
@@ -11,7 +12,8 @@ import pytest
 import mirrored as md
 from conftest import cpus
 
-REFERENCE = json.loads((pathlib.Path(__file__).resolve().parent / "data" / "tfport_reference.json").read_text())
+DATA = pathlib.Path(__file__).resolve().parent / "data"
+REFERENCE = json.loads((DATA / "tfport_reference.json").read_text())
 TF = REFERENCE["module"]
 
 
@@ -164,6 +166,20 @@ def test_checkpoint_saves_a_modules_variables_private_ones_included(tmp_path):
         fresh = Tree()
     md.train.Checkpoint(model=fresh).restore(path).assert_consumed()
     assert [v.numpy().tolist() for v in fresh.variables] == [v.numpy().tolist() for v in tree.variables]
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_a_tensorflow_checkpoint_of_the_module_restores_by_attribute_names(replicas):
+    """tests/data/tf_module_checkpoint: TF 2.21's tf.train.Checkpoint(model=tree).write of the recorded Tree less
+    its `shared` alias, each variable set to its index in tree.variables + 10 (private attribute included)."""
+    if importlib.util.find_spec("mirrored.train.tensorbundle") is None:
+        pytest.skip("md.train reads no TensorFlow checkpoints yet (issue #19 item 6)")
+    with md.MirroredStrategy(cpus(replicas)).scope():
+        tree = Tree()
+    del tree.shared
+    status = md.train.Checkpoint(model=tree).restore(str(DATA / "tf_module_checkpoint" / "ck"))
+    status.assert_consumed()
+    assert [float(v.numpy()) for v in tree.variables] == [i + 10.0 for i in range(len(tree.variables))]
 
 
 def test_module_is_exported_where_tensorflow_has_it():

@@ -5,7 +5,8 @@
 Recorded: LossScaleOptimizer's scale / counter / iterations / weights over gradient sequences with inf and
 nan (one device, and MirroredStrategy with a non-finite gradient on one replica only); tf.Module's
 traversal order, de-duplication and name scopes; tf.Variable's argument rules; tf.train.ClusterSpec's
-methods; a variable constraint applied by a Keras optimizer.
+methods; a variable constraint applied by a Keras optimizer. Writes tf_module_checkpoint/ck (the recorded
+module less its `shared` alias, each variable its index in `variables` + 10).
 """
 
 import json
@@ -101,6 +102,14 @@ class Tree(tf.Module):
 
 def record_module():
     tree = Tree()
+    # A TensorFlow checkpoint of the module (a TensorBundle), for md.train.Checkpoint to restore: without the
+    # second name of z_leaf, as TF keys an object reached twice by its first path in assignment order.
+    saved = Tree()
+    del saved.shared
+    for i, v in enumerate(saved.variables):
+        v.assign(tf.cast(i + 10, v.dtype))
+    tf.train.Checkpoint(model=saved).write(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                        "tf_module_checkpoint", "ck"))
     names = lambda vs: [v.name for v in vs]  # noqa: E731
     outer = tf.Module(name="outer")
     with outer.name_scope:
