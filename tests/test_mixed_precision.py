@@ -237,6 +237,19 @@ def test_keras_2_api_scaled_loss_and_unscaled_gradients():
     assert w.numpy().tolist() == [-1.0, -2.0] and opt.loss_scale == 4.0
 
 
+def test_keras_3_apply_scales_too():
+    w = md.Variable(np.zeros(2, np.float32))
+    opt = LSO(md.optimizers.SGD(1.0), initial_scale=4.0)
+    with pytest.raises(ValueError, match="trainable_variables: none given"):
+        opt.apply([np.ones(2, np.float32)])
+    opt.build([w])
+    opt.apply([np.array([4.0, 8.0], np.float32)])  # the variables given to build
+    opt.apply([np.array([np.nan, 8.0], np.float32)], [w])  # skipped
+    assert w.numpy().tolist() == [-1.0, -2.0] and opt.loss_scale == 2.0
+    with pytest.raises(ValueError, match="grads: 2 gradients for 1 trainable_variables"):
+        opt.apply([np.ones(2), np.ones(2)], [w])
+
+
 def test_fixed_scale_applies_every_step():
     w = md.Variable(np.zeros(2, np.float32))
     opt = LSO(md.optimizers.SGD(1.0), dynamic=False, initial_scale=4.0)

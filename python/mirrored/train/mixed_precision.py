@@ -189,6 +189,7 @@ class LossScaleOptimizer:
                                              name=f"{self.name}/dynamic_scale",
                                              aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
         self._caller_unscales = False
+        self._var_list = None  # build(var_list)'s, for apply(grads)
 
     def __getattr__(self, name):
         # Called only for attributes this object lacks: the wrapped optimizer's (get_slot, momentum, ...).
@@ -219,9 +220,10 @@ class LossScaleOptimizer:
 
     def build(self, var_list) -> None:
         """Create the wrapped optimizer's state for ``var_list`` (this optimizer's own exists already)."""
+        self._var_list = list(var_list)
         build = getattr(self.inner_optimizer, "build", None)
         if build is not None:
-            build(var_list)
+            build(self._var_list)
 
     # -- the scale --
     @property
@@ -259,6 +261,21 @@ class LossScaleOptimizer:
         return factor if dtype is None else np.asarray(factor, dtype=dtype)[()]
 
     # -- the step --
+    def apply(self, grads, trainable_variables=None):
+        """Keras 3's ``apply``: ``apply_gradients(zip(grads, trainable_variables))``, by default the
+        variables given to ``build``. (The wrapped optimizer's own ``apply`` would skip the scaling.)"""
+        if trainable_variables is None:
+            if self._var_list is None:
+                raise ValueError("trainable_variables: none given and build(var_list) was never called; pass the "
+                                 "variables, e.g. optimizer.apply(grads, model.trainable_variables)")
+            trainable_variables = self._var_list
+        grads = list(grads)
+        trainable_variables = list(trainable_variables)
+        if len(grads) != len(trainable_variables):
+            raise ValueError(f"grads: {len(grads)} gradients for {len(trainable_variables)} trainable_variables; "
+                             "pass one gradient (or None) per variable")
+        return self.apply_gradients(zip(grads, trainable_variables))
+
     def apply_gradients(self, grads_and_vars, options=None, *, name=None, experimental_aggregate_gradients=True):
         """All-reduce, check, unscale and apply gradients of the scaled loss; returns ``iterations`` after it.
 
