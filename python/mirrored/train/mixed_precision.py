@@ -115,8 +115,9 @@ def _check_scale(value) -> float:
     return float(value)
 
 
-# The exponent bits of a 2-byte float: all set is an inf or a nan.
-_HALF_EXPONENTS = {"float16": 0x7C00, "bfloat16": 0x7F80}
+# The exponent bits of a 2-byte float (all set: an inf or a nan), None for other dtypes; filled
+# per dtype on first sight (a dtype's name is slow to read; bfloat16 needs no import of ml_dtypes here).
+_HALF_EXPONENTS = {}
 
 
 def _is_finite(x) -> bool:
@@ -127,7 +128,9 @@ def _is_finite(x) -> bool:
     x = np.asarray(x)
     if x.dtype.kind in "biu":
         return True  # integers are always finite
-    exponent = _HALF_EXPONENTS.get(x.dtype.name)
+    exponent = _HALF_EXPONENTS.get(x.dtype, -1)
+    if exponent == -1:
+        exponent = _HALF_EXPONENTS[x.dtype] = {"float16": 0x7C00, "bfloat16": 0x7F80}.get(x.dtype.name)
     if exponent is None:
         return bool(np.isfinite(x).all())
     # NumPy's isfinite on float16 (and ml_dtypes' on bfloat16) runs element by element, ~30x slower
