@@ -389,9 +389,7 @@ class Checkpoint:
         path = _check_path(file_prefix, "file_prefix")
         variables = self._variables()
         arrays = {key: np.asarray(var.numpy(), order="C") for key, var in variables.items()}
-        for name, obj in self._saveables().items():
-            arrays.update((f"{name}/{_ATTRIBUTES}/{key}", np.asarray(value, order="C"))
-                          for key, value in obj._serialize_to_tensors().items())
+        arrays.update(_saveable_tensors(self._objects))
         if self._is_chief(variables):
             _write_atomic(path, arrays)
         return path
@@ -445,32 +443,41 @@ class Checkpoint:
                 + "\n  ".join(problems)
                 + "\nbuild the model with the shapes it was saved with, or pass the objects it was saved from")
         restored = [key for key in variables if key in arrays]
-        restored_objects = self._restore_saveables(arrays, unmatched)
         for key in restored:
             variables[key].assign(arrays[key])
-        restored += restored_objects
+        restored += _restore_saveables(self._objects, arrays, arrays.__getitem__, unmatched)
         return CheckpointLoadStatus(path, set(arrays) - set(restored), restored, unmatched)
-
-    # Objects that save themselves (md.data iterators): TensorFlow's trackable protocol,
-    # ``_serialize_to_tensors() -> {name: array}`` and ``_restore_from_tensors({name: array})``.
-    def _saveables(self) -> dict:
-        return {name: obj for name, obj in self._objects.items() if hasattr(obj, "_serialize_to_tensors")}
-
-    def _restore_saveables(self, arrays: dict, unmatched: list) -> list:
-        restored = []
-        for name, obj in self._saveables().items():
-            prefix = f"{name}/{_ATTRIBUTES}/"
-            tensors = {key[len(prefix):]: value for key, value in arrays.items() if key.startswith(prefix)}
-            if not tensors:
-                unmatched.append(name)
-                continue
-            obj._restore_from_tensors(tensors)
-            restored += [prefix + key for key in tensors]
-        return restored
 
     def read(self, save_path, options=None) -> CheckpointLoadStatus:
         """Load a file written by ``write`` (or ``save``): the same as ``restore``."""
         return self.restore(save_path, options=options)
+
+
+# --- objects that save themselves (md.data iterators) -----------------------------------------------
+# TensorFlow's trackable protocol: ``_serialize_to_tensors() -> {name: array}`` and
+# ``_restore_from_tensors({name: array})``; the arrays are stored under ``<object>/.ATTRIBUTES/<name>``.
+
+def _saveable_tensors(objects: dict) -> dict:
+    return {f"{name}/{_ATTRIBUTES}/{key}": np.asarray(value, order="C")
+            for name, obj in objects.items() if hasattr(obj, "_serialize_to_tensors")
+            for key, value in obj._serialize_to_tensors().items()}
+
+
+def _restore_saveables(objects: dict, keys, read, unmatched: list) -> list:
+    """Restore every self-saving object from the file's ``keys`` (``read(key)``: the array); returns the keys
+    used. An object the file has nothing for is reported in ``unmatched``."""
+    restored = []
+    for name, obj in objects.items():
+        if not hasattr(obj, "_restore_from_tensors"):
+            continue
+        prefix = f"{name}/{_ATTRIBUTES}/"
+        mine = [key for key in keys if key.startswith(prefix)]
+        if not mine:
+            unmatched.append(name)
+            continue
+        obj._restore_from_tensors({key[len(prefix):]: read(key) for key in mine})
+        restored += mine
+    return restored
 
 
 def _check_trackable(name: str, obj) -> None:
