@@ -120,6 +120,28 @@ def main():
         for _ in ds:
             time.sleep(0.005)  # the consumer's 5 ms (a training step)
 
+    # Batching rows of arrays: md.data gathers a batch with one indexing per component; `.take(-1)` in
+    # between (which passes every element through) makes it slice and stack row by row, as a general
+    # pipeline must; NumPy's own indexing is the bound.
+    x = np.random.default_rng(0).random((60_000, 784), dtype=np.float32)
+    y = np.arange(60_000)
+    order = np.random.default_rng(1).permutation(len(x))
+    rows = {
+        "NumPy x[perm[i:i+128]] (bound)": lambda: [x[order[i:i + 128]] for i in range(0, len(x), 128)],
+        "from_tensor_slices.batch(128)": lambda: consume(D.from_tensor_slices((x, y)).batch(128)),
+        "... .take(-1).batch(128) (row by row)": lambda: consume(D.from_tensor_slices((x, y)).take(-1).batch(128)),
+        "from_tensor_slices.shuffle(60000).batch(128)":
+            lambda: consume(D.from_tensor_slices((x, y)).shuffle(60_000, seed=0).batch(128)),
+        "... .shuffle(60000).take(-1).batch(128) (row by row)":
+            lambda: consume(D.from_tensor_slices((x, y)).shuffle(60_000, seed=0).take(-1).batch(128)),
+    }
+    times = {name: best(fn, args.repeats) for name, fn in rows.items()}
+    bound = times["NumPy x[perm[i:i+128]] (bound)"]
+    print("\n# one epoch of 60000 x 784 float32 rows in batches of 128; ratio = time / NumPy's")
+    print("| pipeline | seconds | ratio |\n|---|---|---|")
+    for name, t in times.items():
+        print(f"| {name} | {t:.3f} | {t / bound:.1f} |")
+
     base = best(lambda: pipeline(None), args.repeats)
     print(f"\n# prefetch: {N} elements, 5 ms producer + 5 ms consumer; ideal ratio 0.50")
     print("| pipeline | seconds | ratio |\n|---|---|---|")
