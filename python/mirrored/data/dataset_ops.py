@@ -854,6 +854,8 @@ class _ParallelMapIterator(_Iterator):
     consumer has to wait for a result (up to 4 per CPU, at least 8): I/O-bound functions get the overlap
     they need."""
 
+    _POOL_NAME = "md.data-map"
+
     def __init__(self, ds, state):
         super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
         self._fn = ds._fn
@@ -878,7 +880,7 @@ class _ParallelMapIterator(_Iterator):
                 self._input_done = True
                 return
             if self._pool is None:
-                self._pool = futures.ThreadPoolExecutor(self._cap, thread_name_prefix="md.data-map")
+                self._pool = futures.ThreadPoolExecutor(self._cap, thread_name_prefix=self._POOL_NAME)
             self._pending.append(self._pool.submit(_apply, self._fn, element))
 
     def next(self):
@@ -907,7 +909,9 @@ class _ParallelMapIterator(_Iterator):
 
     def close(self):
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            # A pool thread cannot wait for itself (garbage collection may close an iterator anywhere).
+            in_pool = threading.current_thread().name.startswith(self._POOL_NAME)
+            self._pool.shutdown(wait=not in_pool, cancel_futures=True)
         super().close()
 
 
