@@ -73,5 +73,21 @@ def test_a_pipeline_over_device_arrays_stays_on_the_device(two_gpus):
     for xb, yb in batches:
         np.testing.assert_array_equal(cupy.asnumpy(xb)[:, 0], 2 * yb)
     assert [b.shape for b in md.data.Dataset.from_tensor_slices(x).batch(5)] == [(5, 2), (5, 2), (2, 2)]
-    assert [type(b) for b in md.data.Dataset.from_tensor_slices(x).unbatch().batch(3).take(1).as_numpy_iterator()] \
+    assert [type(b) for b in md.data.Dataset.from_tensor_slices(x).take(3).batch(3).as_numpy_iterator()] \
         == [np.ndarray]
+
+
+def test_device_elements_in_a_saved_buffer_come_back_on_their_gpu(two_gpus, tmp_path):
+    def make():
+        return (md.data.Dataset.range(12).map(lambda i: cupy.full((2,), float(i), cupy.float32))
+                .shuffle(6, seed=3).batch(4))
+
+    expected = [cupy.asnumpy(b).tolist() for b in make()]
+    it = iter(make())
+    next(it)
+    path = md.train.Checkpoint(iterator=it).save(str(tmp_path / "c"))
+    restored = iter(make())
+    md.train.Checkpoint(iterator=restored).restore(path)
+    rest = list(restored)
+    assert all(isinstance(b, cupy.ndarray) for b in rest)
+    assert [cupy.asnumpy(b).tolist() for b in rest] == expected[1:]

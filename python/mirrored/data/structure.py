@@ -163,6 +163,8 @@ def encode_state(state) -> dict:
                 return {"a": len(arrays) - 1, "scalar": isinstance(x, np.generic), "str": arr.dtype.str,
                         "shape": list(arr.shape)}
             arrays.append(arr)
+            if _is_gpu_array(x):  # stored from the host, put back on its GPU
+                return {"a": len(arrays) - 1, "scalar": False, "gpu": int(x.device.id)}
             return {"a": len(arrays) - 1, "scalar": isinstance(x, np.generic)}
         if isinstance(x, bytes):
             arrays.append(np.frombuffer(x, np.uint8).copy())
@@ -195,6 +197,11 @@ def decode_state(tensors: dict):
             arr = np.asarray(tensors[str(x["a"])])
             if "str" in x:
                 arr = np.frombuffer(arr.tobytes(), np.dtype(x["str"])).reshape(x["shape"])
+            if "gpu" in x:
+                import cupy
+
+                with cupy.cuda.Device(x["gpu"]):
+                    return cupy.asarray(arr)
             return arr[()] if x["scalar"] else arr
         if "b" in x:
             return np.asarray(tensors[str(x["b"])], np.uint8).tobytes()
