@@ -10,6 +10,7 @@ consumer.
 """
 
 import argparse
+import importlib.util
 import multiprocessing
 import os
 import time
@@ -87,11 +88,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    try:
-        import grain  # noqa: F401
-        have_grain = True
-    except ImportError:
-        have_grain = False
+    have_grain = importlib.util.find_spec("grain") is not None
     cpus = os.cpu_count()
     print(f"# {N} elements of ~10 ms, {cpus} CPUs, best of {args.repeats}; ratio = time / sequential time")
     print(f"| work | sequential s | md.data AUTOTUNE (threads) | process pool ({cpus}) |"
