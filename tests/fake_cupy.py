@@ -333,7 +333,8 @@ def _apply(fn, args, kwargs, out=None):
 
     def work(dst, *views):
         real_args, real_kwargs = _fill(template, views)
-        np.copyto(dst, fn(*real_args, **real_kwargs), casting="unsafe")
+        with np.errstate(all="ignore"):  # GPU arithmetic does not warn (inf, nan, wrap-around)
+            np.copyto(dst, fn(*real_args, **real_kwargs), casting="unsafe")
 
     _launch(work, out, *arrays)
     return out
