@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import threading
 import time
@@ -328,6 +329,18 @@ def merge(out: str, paths) -> int:
     return len(events)
 
 
+def _start_from_environment() -> None:
+    """MIRRORED_TIMELINE at import: a path that cannot be written costs the timeline, never the import."""
+    where = os.environ.get("MIRRORED_TIMELINE")
+    if not where:
+        return
+    try:
+        start(where)
+    except OSError as e:
+        logging.getLogger("mirrored").warning(
+            "MIRRORED_TIMELINE=%s: cannot write the timeline there (%s); running without one. Point it at a "
+            "writable file, or unset it", where, e.strerror or e)
+
+
 atexit.register(stop)
-if os.environ.get("MIRRORED_TIMELINE"):
-    start(os.environ["MIRRORED_TIMELINE"])
+_start_from_environment()
