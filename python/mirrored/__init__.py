@@ -24,6 +24,9 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
 
 from . import _logging  # noqa: F401  (before the rest: configures the "mirrored" logger from MIRRORED_LOG_LEVEL)
 from . import errors, timeline
+from .distribute import launcher_lifeline as _launcher_lifeline
+
+_launcher_lifeline.watch_launcher()  # a task of mirrored-run ends with its launcher
 from .device import config, device_util
 from .collective import api as collectives
 from . import distribute
