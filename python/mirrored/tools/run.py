@@ -729,6 +729,8 @@ def main(argv=None) -> int:
     if not command:
         parser.error("give the command every task runs, e.g. mirrored-run -np 2 python train.py")
     _check(parser, args)
+    if not _enough_files(args.np):  # before the free ports are found: that holds one socket per task
+        parser.error(_too_many_files(args.np))
     gpu_ids = local_gpu_ids()
     try:
         hosts = parse_hosts(args.hosts) if args.hosts else parse_hostfile(args.hostfile) if args.hostfile else None
@@ -738,8 +740,6 @@ def main(argv=None) -> int:
         assign_gpus(first, args.gpus_per_task, gpu_ids)
     except ValueError as e:
         parser.error(str(e))
-    if not _enough_files(args.np):
-        parser.error(_too_many_files(args.np))
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")  # each print reaches the launcher (and the prefix) at once
     if args.timeline:
