@@ -270,6 +270,34 @@ def test_a_node_of_another_job_is_refused_by_name(tmp_path):
     assert by_task(out0) == {"worker:0": ["ran"]} and by_task(out1) == {"worker:1": ["ran"]}
 
 
+def test_strangers_at_node_0s_port_do_not_hold_up_the_job(tmp_path):
+    import socket
+
+    port = mrun.free_ports(1)[0]
+    task = script(tmp_path, "print('ran')")
+    node0 = _start_node(0, 2, port, task, ["-np", "1"])
+    strangers = []
+    try:
+        deadline = time.monotonic() + 120
+        while not strangers:  # node 0 listens once its launcher has started
+            try:
+                strangers.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            except OSError:
+                assert time.monotonic() < deadline and node0.poll() is None, "node 0 never listened"
+                time.sleep(0.05)
+        strangers.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        strangers[1].sendall(b"\x00" * 64 + b"\n")  # garbage: dropped at once
+        # The first stranger stays silent for the whole job: node 0 reads every connection at once, so node 1
+        # joins well within its --start-timeout, which is shorter than the time a silent line is waited for.
+        node1 = _start_node(1, 2, port, task, ["-np", "1", "--start-timeout", "8"])
+        (code0, out0, err0), (code1, out1, err1) = _finish([node0, node1])
+    finally:
+        for s in strangers:
+            s.close()
+    assert code0 == code1 == 0, (err0 + err1).decode()
+    assert by_task(out0) == {"worker:0": ["ran"]} and by_task(out1) == {"worker:1": ["ran"]}
+
+
 def test_a_node_that_finds_no_node_0_names_start_timeout(tmp_path):
     port = mrun.free_ports(1)[0]
     done = launch(["--nnodes", "2", "--node-rank", "1", "--master-port", str(port), "--start-timeout", "1",

@@ -209,8 +209,7 @@ def test_an_srun_step_forms_a_job_on_loopback(tmp_path):
         import numpy as np
         import mirrored as md
         resolver = md.cluster_resolver.SlurmClusterResolver(port_base={port})
-        strategy = md.MultiWorkerMirroredStrategy(md.CommunicationOptions(timeout_seconds=30),
-                                                  cluster_resolver=resolver)
+        strategy = md.MultiWorkerMirroredStrategy(resolver, md.CommunicationOptions(timeout_seconds=30))
         me = resolver.task_id
         total = strategy.reduce("sum", strategy.run(lambda: np.float64(me + 1)), axis=None)
         print(resolver.task_type, me, strategy.num_replicas_in_sync, float(total))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hmac
 import json
 import secrets
+import selectors
 import socket
 import time
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ __all__ = ["NodeLayout", "rendezvous"]
 MAX_MESSAGE_BYTES = 4096
 # How long node 0 waits for one connection's line before dropping it (a stranger cannot hold the door).
 LINE_SECONDS = 10.0
+# Connections node 0 reads at once; more wait in the listen backlog.
+MAX_PENDING = 256
 _RETRY_SECONDS = 0.2
 
 
@@ -72,46 +75,91 @@ def _send(sock: socket.socket, message: dict) -> None:
 
 def _serve(nnodes: int, master_addr: str, master_port: int, tasks: int, token: str | None,
            timeout: float) -> NodeLayout:
+    """Node 0: admits the other launchers, reading every connection at once (a silent stranger delays nobody)."""
     layout_token = token or secrets.token_hex(16)
     joined: dict[int, tuple[socket.socket, str, int]] = {}
+    pending: dict[socket.socket, list] = {}  # connection -> [bytes so far, deadline, peer address]
     deadline = time.monotonic() + timeout
     try:
         server = socket.create_server(("", master_port))
     except OSError as e:
         raise RendezvousError(f"--master-port {master_port}: node 0 cannot listen there ({e.strerror or e}); "
                               "pick a free port") from None
+    server.setblocking(False)
+    selector = selectors.DefaultSelector()
+    selector.register(server, selectors.EVENT_READ)
+
+    def drop(conn):
+        selector.unregister(conn)
+        del pending[conn]
+        conn.close()
+
     try:
         while len(joined) < nnodes - 1:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 missing = [r for r in range(1, nnodes) if r not in joined]
                 raise RendezvousError(f"--start-timeout {timeout:g}: node(s) {missing} did not join node 0 at "
                                       f"{master_addr}:{master_port}; start a launcher on every node with the same "
                                       "--nnodes, --master-addr and --master-port, or raise --start-timeout")
-            server.settimeout(left)
-            try:
-                conn, (peer, _) = server.accept()
-            except TimeoutError:
-                continue
-            try:
-                message = _read_line(conn, min(deadline, time.monotonic() + LINE_SECONDS))
-            except (OSError, ValueError):
-                conn.close()  # not a launcher (or too slow): it takes no slot
-                continue
-            refusal = _refusal(message, nnodes, token, joined)
-            if refusal:
-                _send(conn, {"error": refusal})
-                conn.close()
-                continue
-            joined[message["node_rank"]] = (conn, peer, message["tasks"])
+            for conn in [c for c, (_, until, _) in pending.items() if until <= now]:
+                drop(conn)  # no complete line in time: not a launcher
+            wake = min([deadline] + [until for _, until, _ in pending.values()]) - now
+            for key, _ in selector.select(max(0.0, wake)):
+                if key.fileobj is server:
+                    try:
+                        conn, address = server.accept()
+                    except OSError:
+                        continue
+                    if len(pending) >= MAX_PENDING:
+                        conn.close()
+                        continue
+                    conn.setblocking(False)
+                    pending[conn] = [b"", time.monotonic() + LINE_SECONDS, address[0]]
+                    selector.register(conn, selectors.EVENT_READ)
+                    continue
+                conn = key.fileobj
+                try:
+                    chunk = conn.recv(MAX_MESSAGE_BYTES)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    chunk = b""
+                data = pending[conn][0] + chunk
+                if not chunk or len(data) > MAX_MESSAGE_BYTES:
+                    drop(conn)
+                    continue
+                pending[conn][0] = data
+                if not data.endswith(b"\n"):
+                    continue
+                peer = pending[conn][2]
+                selector.unregister(conn)
+                del pending[conn]
+                conn.settimeout(LINE_SECONDS)
+                try:
+                    message = json.loads(data)
+                except ValueError:
+                    message = None
+                if not isinstance(message, dict):
+                    conn.close()
+                    continue
+                refusal = _refusal(message, nnodes, token, joined)
+                if refusal:
+                    _send(conn, {"error": refusal})
+                    conn.close()
+                    continue
+                joined[message["node_rank"]] = (conn, peer, message["tasks"])
         hosts = [master_addr] + [joined[r][1] for r in range(1, nnodes)]
         counts = [tasks] + [joined[r][2] for r in range(1, nnodes)]
         for conn, _, _ in joined.values():
             _send(conn, {"hosts": hosts, "tasks": counts, "token": layout_token})
         return NodeLayout(hosts, counts, layout_token)
     finally:
+        for conn in list(pending):
+            drop(conn)
         for conn, _, _ in joined.values():
             conn.close()
+        selector.close()
         server.close()
 
 
