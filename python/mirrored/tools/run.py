@@ -652,7 +652,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ssh-port", type=int, default=None, metavar="PORT", help="ssh port of the hosts")
     p.add_argument("--ssh-identity-file", default=None, metavar="FILE", help="ssh private key for the hosts")
     p.add_argument("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT, metavar="SECONDS",
-                   help="time to reach every host over ssh, or for every node to join (--nnodes)")
+                   help=f"time to reach every host over ssh, or for every node to join (--nnodes); default "
+                        f"{DEFAULT_START_TIMEOUT:g}")
     node = p.add_argument_group("per-node mode (torchrun's; one launcher per node, e.g. under Slurm or Kubernetes)")
     node.add_argument("--nnodes", type=int, default=None, metavar="N", help="number of nodes, each running a launcher")
     node.add_argument("--node-rank", type=int, default=None, metavar="I", help="this node's index, 0..N-1")
