@@ -39,7 +39,7 @@ def reductions(ops, devices) -> str:
     from .device import device_util
 
     name = type(ops).__name__
-    if type(ops).__module__ not in (cdo.__name__, "mirrored.collective_all_reduce"):
+    if type(ops).__module__ != cdo.__name__:
         return f"{name} (a user CrossDeviceOps)"
     buffers = "CUDA" if device_util.all_gpu(devices) else "host"
     if isinstance(ops, cdo.NcclAllReduce):

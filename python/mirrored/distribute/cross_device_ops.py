@@ -301,6 +301,31 @@ class NcclAllReduce(_NativeAllReduce):
                              "cross_device_ops=md.cross_device_ops.RingAllReduce() for CPU replicas, or GPU devices")
 
 
+class CollectiveAllReduce(_NativeAllReduce):
+    """All-reduce across every replica of every worker (``tf.distribute``'s collective ops).
+
+    ``group``: the job's :class:`CollectiveGroup`; ``None`` reduces this
+    process's replicas only (a one-worker job). ``num_packs`` /
+    ``bytes_per_pack`` fuse a batch of tensors into few network messages.
+    Every reduction returns on every worker, as in TensorFlow.
+    """
+
+    def __init__(self, group=None, num_packs: int = 1, bytes_per_pack: int = 0):
+        super().__init__(num_packs, bytes_per_pack)
+        if group is not None:
+            self._collectives = group
+            self._sees_all_replicas = group.num_workers == 1
+        self.group = group
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        devices = get_devices_from(per_replica_value)
+        if get_devices_from(destinations) == devices:
+            return self.batch_reduce_implementation(reduce_op, [(per_replica_value, destinations)], options)[0]
+        # An all-reduce, not a reduce to one root: every worker needs the value.
+        reduced = self._collectives.all_reduce(_buffers(per_replica_value), reduce_op.value)[0]
+        return self.broadcast(reduced, destinations)
+
+
 class ReductionToOneDevice(CrossDeviceOps):
     """Copy every component to one device, reduce there, broadcast the result back.
 
@@ -359,15 +384,6 @@ def _check_available(device: str, argument: str) -> None:
         f"{cupy_note}; reduce on a device it has (e.g. reduce_to_device='/cpu:0' or one of "
         "md.config.list_logical_devices('GPU')), or run on a machine with that GPU, its driver and the CUDA build"
     )
-
-
-def __getattr__(name):
-    # The multi-worker implementation lives in its own module and imports only when asked for.
-    if name == "CollectiveAllReduce":
-        from .collective_all_reduce import CollectiveAllReduce
-
-        return CollectiveAllReduce
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["CrossDeviceOps", "RingAllReduce", "NcclAllReduce", "HierarchicalCopyAllReduce",
