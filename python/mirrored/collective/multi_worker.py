@@ -16,9 +16,9 @@ import logging
 
 import numpy as np
 
-from . import api as collectives
+from . import rules
 from .. import timeline
-from ..device import config
+from ..device import config, device_util, gpu as _gpu
 from ..device.dtypes import CODES, OPS, op_code
 
 __all__ = ["WorkerCollectives", "DEFAULT_RENDEZVOUS_SECONDS"]
@@ -40,52 +40,52 @@ class WorkerCollectives:
         # In place on one array: checked natively, microseconds matter for small messages.
         if (out is buffers and type(buffers) is list and type(op) is str and type(algorithm) is str
                 and _agreed is None and timeline._trace is None and self._gloo is not None):
-            code, algo = OPS.get(op), collectives.ALGORITHMS.get(algorithm)
+            code, algo = OPS.get(op), rules.ALGORITHMS.get(algorithm)
             if code is not None and algo is not None and self._gloo.all_reduce_in_place(buffers, code, algo):
                 return list(buffers)
-        if collectives.integer_mean(buffers, op):  # float64, as in one process (see mirrored.collectives)
-            return collectives.true_divide(self.all_reduce(buffers, "sum", algorithm=algorithm, _agreed=op),
+        if rules.integer_mean(buffers, op):  # float64, as in one process (see mirrored.collectives)
+            return rules.true_divide(self.all_reduce(buffers, "sum", algorithm=algorithm, _agreed=op),
                                            self.num_replicas, out)
-        if collectives._on_gpu(buffers):
+        if rules.on_gpu(buffers):
             return self._device().all_reduce(buffers, op, out=out)
-        arrays, code = collectives._inputs(buffers, "buffers")
-        opc, algo = op_code(op), collectives._algorithm(algorithm)
-        outs, finish = collectives._outputs(out, arrays, "out")
+        arrays, code = rules.inputs(buffers, "buffers")
+        opc, algo = op_code(op), rules.algorithm_code(algorithm)
+        outs, finish = rules.outputs(out, arrays, "out")
         with timeline.span("all_reduce[workers]", arrays[0].nbytes, algorithm, len(arrays), self.num_replicas):
             self._comm().all_reduce(arrays, outs, arrays[0].size, code, opc, algo,
                                     -1 if _agreed is None else op_code(_agreed))
         return finish()
 
     def broadcast(self, buffers, root=0, *, out=None):
-        if collectives._on_gpu(buffers):
+        if rules.on_gpu(buffers):
             return self._device().broadcast(buffers, root, out=out)
-        arrays, code = collectives._inputs(buffers, "buffers")
-        root = collectives._root(root, self.num_replicas)
-        outs, finish = collectives._outputs(out, arrays, "out")
+        arrays, code = rules.inputs(buffers, "buffers")
+        root = rules.root_index(root, self.num_replicas)
+        outs, finish = rules.outputs(out, arrays, "out")
         with timeline.span("broadcast[workers]", arrays[0].nbytes, "gloo", len(arrays), self.num_replicas):
             self._comm().broadcast(arrays, outs, arrays[0].size, code, root)
         return finish()
 
     def reduce(self, buffers, op="sum", root=0, *, out=None, _agreed=None):
         """The job-wide reduction, returned on the worker that holds replica ``root`` (None elsewhere)."""
-        if collectives.integer_mean(buffers, op):
+        if rules.integer_mean(buffers, op):
             total = self.reduce(buffers, "sum", root, _agreed=op)
             if total is None:
                 return None
-            local_root = collectives._root(root, self.num_replicas) % self.local_replicas
-            return collectives.true_divide([total], self.num_replicas,
+            local_root = rules.root_index(root, self.num_replicas) % self.local_replicas
+            return rules.true_divide([total], self.num_replicas,
                                            None if out is None else [out[local_root]])[0]
-        if collectives._on_gpu(buffers):
+        if rules.on_gpu(buffers):
             return self._device().reduce(buffers, op, root, out=out)
-        arrays, code = collectives._inputs(buffers, "buffers")
+        arrays, code = rules.inputs(buffers, "buffers")
         opc = op_code(op)
-        root = collectives._root(root, self.num_replicas)
+        root = rules.root_index(root, self.num_replicas)
         local_root = root % self.local_replicas
         if out is None:
             target, finish = np.empty_like(arrays[local_root]), None
             targets = [target] * len(arrays)
         else:
-            targets, finish = collectives._outputs(out, arrays, "out")
+            targets, finish = rules.outputs(out, arrays, "out")
             target = targets[local_root]
         with timeline.span("reduce[workers]", arrays[0].nbytes, "gloo", len(arrays), self.num_replicas):
             self._comm().reduce(arrays, targets, arrays[0].size, code, opc, root,
@@ -96,9 +96,9 @@ class WorkerCollectives:
 
     def all_gather(self, buffers, axis=0):
         """Every local replica gets the concatenation along ``axis`` of all replicas of the job."""
-        if collectives._on_gpu(buffers):
+        if rules.on_gpu(buffers):
             return self._device().all_gather(buffers, axis)
-        arrays, code = collectives._inputs(buffers, "buffers", same_shape=False)
+        arrays, code = rules.inputs(buffers, "buffers", same_shape=False)
         first = arrays[0]
         if first.ndim == 0 or first.ndim > _MAX_DIMS:
             raise ValueError(f"all_gather: buffers are {first.ndim}-d; gather needs 1..{_MAX_DIMS} dimensions "
@@ -151,16 +151,16 @@ class WorkerCollectives:
         tensors0 = per_replica_lists[0] if n else []
         if not tensors0:
             return [[] for _ in range(n)]
-        if collectives.any_integer_mean(tensors0, op):
-            return collectives.means_of_sums(
+        if rules.any_integer_mean(tensors0, op):
+            return rules.means_of_sums(
                 self.batch_all_reduce(per_replica_lists, "sum", bytes_per_pack=bytes_per_pack, num_packs=num_packs,
                                       algorithm=algorithm, _agreed=op), self.num_replicas)
-        if collectives._on_gpu([tensors0[0]]):
+        if rules.on_gpu([tensors0[0]]):
             return self._device().batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
                                                    num_packs=num_packs)
         if any(len(lst) != len(tensors0) for lst in per_replica_lists):
             raise ValueError("per_replica_lists: every replica must pass the same number of tensors")
-        columns = [collectives._inputs([lst[t] for lst in per_replica_lists], f"per_replica_lists[*][{t}]")[0]
+        columns = [rules.inputs([lst[t] for lst in per_replica_lists], f"per_replica_lists[*][{t}]")[0]
                    for t in range(len(tensors0))]
         results = [[None] * len(columns) for _ in range(n)]
         for pack in _packs(columns, bytes_per_pack, num_packs):
@@ -187,8 +187,6 @@ class WorkerCollectives:
     def _device(self):
         """The engine for GPU replicas: NCCL across the job, or Gloo through host memory."""
         if self._device_engine is None:
-            from ..device import gpu as _gpu
-
             use_nccl = self._implementation != "RING" and (self._implementation == "NCCL" or _gpu.nccl_available())
             self._device_engine = _NcclJob(self) if use_nccl else _HostStaged(self)
             why = "implementation=RING" if self._implementation == "RING" else f"NCCL not installed: {_gpu.NCCL_FIX}"
@@ -206,7 +204,6 @@ class _NcclJob:
 
     def __init__(self, group):
         from . import cuda as cc
-        from ..device import gpu as _gpu
 
         key = f"{group._scope}/nccl-unique-id"
         if group.rank == 0:
@@ -215,8 +212,9 @@ class _NcclJob:
             _gpu.load_nccl()
         wait = group._timeout if group._timeout is not None else DEFAULT_RENDEZVOUS_SECONDS
         if group.store.wait([key], wait):
-            raise config.net_module().PeerTimeoutError(f"task {group.tasks[0]} did not publish NCCL's unique id within {wait} s")
-        ordinals = [_gpu_ordinal(d) for d in group.devices]
+            raise config.net_module().PeerTimeoutError(
+                f"task {group.tasks[0]} did not publish NCCL's unique id within {wait} s")
+        ordinals = [device_util.physical_ordinal(d) for d in group.devices]
         self._cc = cc
         self._staged = _HostStaged(group)
         self._engine = _gpu.cuda_module().nccl_rank(group.store.get(key), group.rank * group.local_replicas,
@@ -225,26 +223,26 @@ class _NcclJob:
 
     def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto"):
         cc = self._cc
-        arrays, code, devices = cc._inputs(buffers, "buffers")
-        outs, finish = cc._outputs(out, arrays, devices, "out")
+        arrays, code, devices = rules.gpu_inputs(buffers, "buffers")
+        outs, finish = rules.gpu_outputs(out, arrays, devices, "out")
         self._engine.all_reduce(cc._ptrs(arrays), cc._ptrs(outs), arrays[0].size, code, op_code(op), 0,
                                 cc._streams(devices))
         return finish()
 
     def broadcast(self, buffers, root=0, *, out=None):
         cc = self._cc
-        arrays, code, devices = cc._inputs(buffers, "buffers")
-        root = collectives._root(root, self._replicas)
-        outs, finish = cc._outputs(out, arrays, devices, "out")
+        arrays, code, devices = rules.gpu_inputs(buffers, "buffers")
+        root = rules.root_index(root, self._replicas)
+        outs, finish = rules.gpu_outputs(out, arrays, devices, "out")
         self._engine.broadcast(cc._ptrs(arrays), cc._ptrs(outs), arrays[0].size, code, root, cc._streams(devices))
         return finish()
 
     def batch_all_reduce(self, per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto"):
         cc = self._cc
-        columns = [cc._inputs([lst[t] for lst in per_replica_lists], f"per_replica_lists[*][{t}]")
+        columns = [rules.gpu_inputs([lst[t] for lst in per_replica_lists], f"per_replica_lists[*][{t}]")
                    for t in range(len(per_replica_lists[0]))]
         devices = columns[0][2]
-        cupy = cc._cupy()
+        cupy = _gpu.cupy_module()
         outputs = []
         for r, d in enumerate(devices):
             with cupy.cuda.Device(d):
@@ -269,8 +267,6 @@ class _HostStaged:
         self._group = group
 
     def _run(self, name, buffers, *args, **kwargs):
-        from ..device import device_util
-
         devices = self._group.devices
         result = getattr(self._group, name)([device_util.to_host(b) for b in buffers], *args, **kwargs)
         if result is None or not isinstance(result, list):
@@ -284,8 +280,6 @@ class _HostStaged:
         return _into(out, self._run("broadcast", buffers, root))
 
     def reduce(self, buffers, op="sum", root=0, *, out=None):
-        from ..device import device_util
-
         result = self._group.reduce([device_util.to_host(b) for b in buffers], op, root)
         if result is None:
             return None
@@ -300,8 +294,6 @@ class _HostStaged:
         return self._run("all_gather", buffers, axis)
 
     def batch_all_reduce(self, per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto"):
-        from ..device import device_util
-
         host = [[device_util.to_host(t) for t in lst] for lst in per_replica_lists]
         reduced = self._group.batch_all_reduce(host, op, bytes_per_pack=bytes_per_pack, num_packs=num_packs)
         return [[device_util.place(r, d) for r in rs] for rs, d in zip(reduced, self._group.devices)]
@@ -313,12 +305,6 @@ def _into(out, results):
     for o, r in zip(out, results):
         o[...] = r
     return list(out)
-
-
-def _gpu_ordinal(device: str) -> int:
-    from ..device import device_util
-
-    return device_util._gpu_ordinal(device_util.parse(device))
 
 
 def _gather_call(row, shapes) -> str:

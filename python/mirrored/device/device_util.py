@@ -132,6 +132,14 @@ def _gpu_ordinal(spec: DeviceSpec) -> int:
     return config.physical_gpu_index(spec.device_index)
 
 
+def physical_ordinal(device) -> int:
+    """CUDA ordinal of a GPU device string (logical GPUs share a physical one)."""
+    spec = parse(device)
+    if spec.device_type != "GPU":
+        raise ValueError(f"device={device!r} is not a GPU device")
+    return _gpu_ordinal(spec)
+
+
 def all_gpu(devices: tuple) -> bool:
     """Whether every device of ``devices`` (a tuple of strings) is a GPU device."""
     return all(parse(d).device_type == "GPU" for d in devices)

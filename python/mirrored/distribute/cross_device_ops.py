@@ -364,6 +364,23 @@ class ReductionToOneDevice(CrossDeviceOps):
         return self.broadcast(reduced, destinations)
 
 
+def describe(ops, devices) -> str:
+    """How a strategy's ``CrossDeviceOps`` reduces over ``devices``, in words, for the engine log line."""
+    name = type(ops).__name__
+    if type(ops).__module__ != __name__:
+        return f"{name} (a user CrossDeviceOps)"
+    buffers = "CUDA" if device_util.all_gpu(devices) else "host"
+    if isinstance(ops, NcclAllReduce):
+        return f"NCCL ({name})"
+    if isinstance(ops, HierarchicalCopyAllReduce):
+        return f"native tree over {buffers} buffers ({name})"
+    if isinstance(ops, ReductionToOneDevice):
+        return f"copy to one device, reduce, copy back ({name})"
+    algorithm = getattr(ops, "_algorithm", "auto")
+    how = "ring, direct or tree picked per call by size and replica count" if algorithm == "auto" else algorithm
+    return f"native {how} over {buffers} buffers ({name}, algorithm={algorithm!r})"
+
+
 def _check_available(device: str, argument: str) -> None:
     """Names a GPU device this machine cannot use, instead of failing later inside CuPy."""
     if not device_util.is_gpu(device):

@@ -1,9 +1,8 @@
-"""Strategy, StrategyExtended, ReplicaContext and the context stack.
+"""Strategy, StrategyExtended, ReplicaContext and the default strategy.
 
-Each thread has a stack of contexts ``(strategy, replica_context)``; a
-``replica_context`` of ``None`` means cross-replica context. With an empty
-stack the thread is in the default context: the default strategy (one replica,
-no distribution) and its default replica context.
+The context stack (which strategy and replica context are current on a
+thread) is :mod:`mirrored.distribute.context`; this module installs the
+default strategy's context there.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import NamedTuple
 
 import numpy as np
 
@@ -24,60 +22,8 @@ from .values import (DeviceVariable, DistributedValues, PerReplica, _read, regro
 HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
-class _Context(NamedTuple):
-    strategy: "Strategy"
-    replica_context: "ReplicaContext | None"
-
-
-_local = threading.local()
-
-
-def _stack() -> list:
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
-
-
-def _top() -> _Context:
-    stack = _stack()
-    return stack[-1] if stack else _default_context()
-
-
-def get_strategy() -> "Strategy":
-    """The current strategy: the one whose scope (or replica) this thread is in, else the default one."""
-    return _top().strategy
-
-
-def has_strategy() -> bool:
-    """Whether a strategy other than the default one is current."""
-    return _top().strategy is not _default_context().strategy
-
-
-def in_cross_replica_context() -> bool:
-    """True inside a strategy's ``scope()`` (or a ``merge_call``), False in a replica or outside any strategy."""
-    return _top().replica_context is None
-
-
-def get_replica_context() -> "ReplicaContext | None":
-    """The replica context of this thread; None in cross-replica context; a default one outside any strategy."""
-    return _top().replica_context
-
-
-def get_cross_replica_context() -> "Strategy | None":
-    """The current strategy in cross-replica context, else None."""
-    top = _top()
-    return top.strategy if top.replica_context is None else None
-
-
-@contextlib.contextmanager
-def _entered(ctx: _Context):
-    stack = _stack()
-    stack.append(ctx)
-    try:
-        yield ctx.strategy
-    finally:
-        stack.pop()
+from .context import (_Context, _entered, _local, _stack, _top, get_cross_replica_context, get_replica_context,
+                      get_strategy, has_strategy, in_cross_replica_context, set_default_context)
 
 
 def _require_cross_replica_or_default(strategy: "Strategy", method: str):
@@ -88,6 +34,17 @@ def _require_cross_replica_or_default(strategy: "Strategy", method: str):
     if top.replica_context not in (None, default_replica_context()) and top.strategy is strategy:
         raise RuntimeError(f"{method} requires being in cross-replica context; inside strategy.run use "
                            "md.get_replica_context().merge_call(...) or the replica context's all_reduce")
+
+
+def _timeline_row() -> int:
+    """The timeline row of the calling thread: its local replica, or the host row outside replica context."""
+    ctx = get_replica_context()
+    if ctx is None or not has_strategy():
+        return timeline.HOST_ROW
+    return int(getattr(ctx, "_local_replica_id", 0))
+
+
+timeline.set_row_source(_timeline_row)
 
 
 # --- replica rendezvous ------------------------------------------------------------------
@@ -700,22 +657,17 @@ class _DefaultStrategy(Strategy):
         return "<mirrored default strategy>"
 
 
-_default = None
-_default_lock = threading.Lock()
-
-
 def _default_context() -> _Context:
-    global _default
-    if _default is None:
-        with _default_lock:
-            if _default is None:
-                strategy = _DefaultStrategy()
-                _default = _Context(strategy, ReplicaContext(strategy, 0))
-    return _default
+    return _DEFAULT
 
 
 def default_replica_context() -> ReplicaContext:
-    return _default_context().replica_context
+    return _DEFAULT.replica_context
+
+
+_default_strategy = _DefaultStrategy()
+_DEFAULT = _Context(_default_strategy, ReplicaContext(_default_strategy, 0))
+set_default_context(_DEFAULT)
 
 
 __all__ = [

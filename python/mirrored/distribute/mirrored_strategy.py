@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import _logging
 from ..device import config, device_util
-from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce
+from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, describe
 from .distribute_lib import _Aborted, _Context, _Group, _local, ReplicaContext, Strategy, StrategyExtended
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
@@ -218,7 +218,7 @@ def _default_cross_device_ops(devices) -> CrossDeviceOps:
         return RingAllReduce()
     from ..device import gpu as _gpu
 
-    if _gpu.default_gpu_algorithm([_gpu.physical_ordinal(d) for d in devices]) == "nccl":
+    if _gpu.default_gpu_algorithm([device_util.physical_ordinal(d) for d in devices]) == "nccl":
         return NcclAllReduce()
     return RingAllReduce()
 
@@ -275,7 +275,7 @@ class _GpuReplicaScope:
     def __init__(self, device, replica_id: int):
         from ..device import gpu as _gpu
 
-        ordinal = _gpu.physical_ordinal(device)
+        ordinal = device_util.physical_ordinal(device)
         self._device = device_util.device_scope(device)
         self._cuda_device = _gpu.cupy_module().cuda.Device(ordinal)
         self._stream = _gpu.replica_stream(replica_id, ordinal)
@@ -450,4 +450,4 @@ class MirroredStrategy(Strategy):
         super().__init__(MirroredExtended(self, devices, cross_device_ops))
         _logging.logger.info("MirroredStrategy: %d replica(s) on %s; reductions: %s",
                              len(self.extended.worker_devices), list(self.extended.worker_devices),
-                             _logging.reductions(self.extended._cross_device_ops, self.extended.worker_devices))
+                             describe(self.extended._cross_device_ops, self.extended.worker_devices))
