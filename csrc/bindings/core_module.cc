@@ -86,9 +86,11 @@ PyObject** items_of(PyObject* seq, int n) {
 
 // A result array of `dtype` and `shape`: small ones straight from NumPy, large ones as views of
 // a buffer from `alloc(nbytes)` (the face's recycler of dropped results).
+// Results at least this large come from the face's recycler (rules._Recycler.MIN_BYTES).
+constexpr std::size_t kRecycled = std::size_t{1} << 20;
+
 py::array new_result(const py::dtype& dtype, const std::vector<py::ssize_t>& shape, std::size_t nbytes,
                      const py::function& alloc) {
-  constexpr std::size_t kRecycled = std::size_t{1} << 20;
   if (nbytes < kRecycled) return py::array(dtype, shape);
   auto flat = alloc(nbytes).cast<py::array_t<std::uint8_t>>();
   if (static_cast<std::size_t>(flat.size()) < nbytes) throw py::value_error("alloc returned a buffer too small");
@@ -205,7 +207,9 @@ class BatchPlan {
     std::vector<void*> out(in.size());
     py::list result(n_);
     for (int r = 0; r < n_; ++r) {
-      auto flat = alloc_(total_).cast<py::array_t<std::uint8_t>>();
+      // Small results straight from NumPy; large ones from the face's recycler of dropped results.
+      auto flat = total_ < kRecycled ? py::array_t<std::uint8_t>(static_cast<py::ssize_t>(total_))
+                                     : alloc_(total_).cast<py::array_t<std::uint8_t>>();
       if (static_cast<std::size_t>(flat.size()) < total_) throw py::value_error("alloc returned a buffer too small");
       auto* base = reinterpret_cast<char*>(flat.mutable_data());
       py::list row(T);

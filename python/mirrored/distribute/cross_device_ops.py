@@ -82,13 +82,17 @@ _SUPPORTED = _supported_dtypes()
 _DEFAULT_OPTIONS = CommunicationOptions()
 
 
-def _buffers(per_replica: DistributedValues, argument: str = "per_replica_value", devices=None) -> list:
-    """The components as arrays on their devices, checked to agree in shape and dtype."""
+def _buffers(per_replica: DistributedValues, argument: str = "per_replica_value", devices=None,
+             check: bool = True) -> list:
+    """The components as arrays on their devices, checked to agree in shape and dtype (``check=False``:
+    they go to the collective face, which checks them)."""
     devices = devices or get_devices_from(per_replica, argument)
     if device_util.all_cpu(devices):  # the hot path: NumPy arrays on CPU replicas are used as they are
         arrays = [v if type(v) is np.ndarray else device_util.to_host(_read(v)) for v in per_replica.values]
     else:
         arrays = [device_util.place(_read(v), d) for v, d in zip(per_replica.values, devices)]
+    if not check:
+        return arrays
     first = arrays[0]
     if first.dtype not in _SUPPORTED and first.dtype.newbyteorder("=") not in _SUPPORTED:
         _dtypes.dtype_code(first.dtype, argument)  # raises, naming the argument and the dtypes we take
@@ -132,10 +136,9 @@ class CrossDeviceOps:
         pairs = [(_as_per_replica(v, "value_destination_pairs"), d) for v, d in value_destination_pairs]
         if not pairs:
             return []
-        for v, d in pairs:
-            get_devices_from(d)
-        if self._sees_all_replicas and all(len(v.values) == 1 and get_devices_from(v) == get_devices_from(d)
-                                           for v, d in pairs):
+        destinations = [get_devices_from(d) for _, d in pairs]
+        if self._sees_all_replicas and all(len(v.values) == 1 and get_devices_from(v) == dest
+                                           for (v, _), dest in zip(pairs, destinations)):
             return [v.values[0] for v, _ in pairs]
         return self.batch_reduce_implementation(op, pairs, options or _DEFAULT_OPTIONS)
 
@@ -226,14 +229,14 @@ class _NativeAllReduce(CrossDeviceOps):
         fused, devices = [], None
         for i, (v, d) in enumerate(value_destination_pairs):
             src = get_devices_from(v)
-            if src == get_devices_from(d) and devices in (None, src):
+            if (d is v or src == get_devices_from(d)) and devices in (None, src):
                 fused.append(i)
                 devices = src
             else:
                 results[i] = self.reduce_implementation(reduce_op, v, d, options)
         if fused:
             self._check_devices(devices)
-            tensors = [_buffers(value_destination_pairs[i][0], "value", devices) for i in fused]
+            tensors = [_buffers(value_destination_pairs[i][0], "value", devices, check=False) for i in fused]
             per_replica_lists = [[t[r] for t in tensors] for r in range(len(devices))]
             reduced = self._all_reduce_lists(reduce_op, per_replica_lists, options)
             for k, i in enumerate(fused):

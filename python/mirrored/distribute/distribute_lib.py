@@ -28,6 +28,8 @@ from .context import (_Context, _entered, _local, _stack, _top, get_cross_replic
 
 def _require_cross_replica_or_default(strategy: "Strategy", method: str):
     top = _top()
+    if top is _DEFAULT or (top.strategy is strategy and top.replica_context is None):
+        return  # outside any strategy, or in this one's cross-replica context
     if top.strategy is not strategy and top.strategy is not _default_context().strategy:
         raise RuntimeError(f"Mixing different md strategies: {method} of {strategy!r} called while "
                          f"{top.strategy!r} is current; leave the other strategy's scope first")
@@ -61,12 +63,25 @@ class _Group:
     ``combine`` once for all of them (the single native call), and each replica
     takes back its own part. A replica that fails breaks the group, so no
     replica waits forever for it.
+
+    A replica on a thread of its own waits on the condition. On the caller's
+    thread (``coop``, see mirrored_strategy's ``_Cooperative``) a replica
+    never sleeps there: the caller's own replica runs the other replicas until
+    the collective completes, and one running as a greenlet parks, handing
+    the thread back, until the combine makes it ready again.
     """
 
     def __init__(self, n: int):
         self.n = n
         self._cond = threading.Condition(threading.Lock())
+        self.coop = None  # the run's cooperative scheduler, or None
         self.reset()
+
+    def _notify(self):
+        """Wakes every waiting replica, on a thread or parked (the lock held)."""
+        self._cond.notify_all()
+        if self.coop is not None:
+            self.coop.wake_parked()
 
     def reset(self):
         self._slots = [None] * self.n
@@ -78,8 +93,11 @@ class _Group:
         self._broken = None
 
     def exchange(self, rid: int, kind: str, payload, combine):
-        with timeline.replica_wait(rid, kind):  # shows each replica's wait for the slowest one
+        if timeline._trace is None:
             results = self._exchange(rid, kind, payload, combine)
+        else:
+            with timeline.replica_wait(rid, kind):  # shows each replica's wait for the slowest one
+                results = self._exchange(rid, kind, payload, combine)
         if isinstance(results, BaseException):
             raise results
         return results[rid]
@@ -87,6 +105,8 @@ class _Group:
     def _exchange(self, rid, kind, payload, combine):
         if self.n == 1:
             return combine([payload])
+        coop = self.coop
+        parked = coop.current() if coop is not None else None  # this replica's greenlet, if it is one
         with self._cond:
             if self._broken is not None:
                 raise self._broken
@@ -107,14 +127,33 @@ class _Group:
                 self._slots = [None] * self.n
                 self._arrived = 0
                 self._generation += 1
-                self._cond.notify_all()
-            else:
-                self._check_stranded()
+                self._notify()
+                return results
+            self._check_stranded()
+            if parked is None:
                 while self._generation == generation and self._broken is None:
                     self._cond.wait()
                 if self._generation == generation:
                     raise self._broken
-            return self._results
+                return self._results
+            if self._broken is not None:  # (stranded: this replica is the one left waiting)
+                raise self._broken
+            if parked is not coop.HUB:
+                coop.park_later(parked)
+        if parked is coop.HUB:  # the caller's own replica: it runs the others until the collective completes
+            coop.serve(lambda: self._generation != generation or self._broken is not None)
+            with self._cond:
+                if self._generation != generation:
+                    return self._results
+                raise self._broken
+        while True:  # parked: the caller's thread runs other replicas until a combine (or an abort) wakes this one
+            coop.park()
+            with self._cond:
+                if self._generation != generation:
+                    return self._results
+                if self._broken is not None:
+                    raise self._broken
+                coop.park_later(parked)
 
     def _check_stranded(self):
         if self._arrived and self._arrived + self._finished == self.n and self._broken is None:
@@ -122,7 +161,7 @@ class _Group:
             self._broken = RuntimeError(
                 f"replica(s) {waiting} wait in {self._kinds[waiting[0]]} but the other replicas returned "
                 "without calling it; every replica must make the same collective calls")
-            self._cond.notify_all()
+            self._notify()
 
     def replica_finished(self):
         with self._cond:
@@ -133,7 +172,7 @@ class _Group:
         with self._cond:
             if self._broken is None:
                 self._broken = _Aborted()
-            self._cond.notify_all()
+            self._notify()
 
 
 # --- replica context -----------------------------------------------------------------------
