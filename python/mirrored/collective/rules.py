@@ -18,7 +18,7 @@ import threading
 
 import numpy as np
 
-from ..device import dlpack as _dlpack, gpu as _gpu
+from ..device import device_util, dlpack as _dlpack, gpu as _gpu
 from ..device.dtypes import OPS, dtype_code, op_code
 
 # Algorithm names -> codes of csrc/core/communicator.h (Algorithm).
@@ -56,7 +56,7 @@ def _is_integer(x) -> bool:
 
 def true_divide(sums, n: int, out=None):
     """Each (wrapped) integer sum as float64 divided by ``n``, into ``out`` if given (float64 arrays)."""
-    results = [s.astype(np.float64) / n for s in sums]  # NumPy or CuPy
+    results = [_divided(s, n) for s in sums]
     if out is None:
         return results
     for i, (o, r) in enumerate(zip(out, results)):
@@ -67,6 +67,12 @@ def true_divide(sums, n: int, out=None):
                             "buffers is float64 (NumPy true division); pass float64 out arrays or out=None")
         o[...] = r
     return list(out)
+
+
+def _divided(s, n: int):
+    """s as float64 / n, on s's own GPU for CuPy arrays."""
+    with device_util.array_device(s):
+        return s.astype(np.float64) / n
 
 
 def means_of_sums(rows, n: int):
