@@ -68,6 +68,81 @@ def broadcast(buffers, root=0, *, out=None):
     return finish()
 
 
+def call_plan(kind: str, buffers, op, root, algorithm, chunk_bytes) -> "CallPlan":
+    """The plan of an all_reduce or broadcast of these buffers, validated (errors name the argument)."""
+    arrays, code, devices = _inputs(buffers, "buffers")
+    first = arrays[0]
+    if kind == "broadcast":
+        engine, algo = _engine(devices, "auto")
+        return CallPlan(False, engine, algo, code, 0, rules.root_index(root, len(arrays)), devices, first)
+    _, _, chunk = check_packing(0, None, chunk_bytes)
+    engine, algo = _engine(devices, algorithm, chunk)
+    return CallPlan(True, engine, algo, code, op_code(op), 0, devices, first)
+
+
+class CallPlan:
+    """A validated all_reduce or broadcast of GPU buffers: engine, algorithm, dtype code and layout.
+
+    ``run`` checks that a call's arrays still fit (CuPy arrays of the planned
+    shape and dtype, contiguous, each on its replica's GPU; outputs alike),
+    makes the outputs where ``out`` is None, and enqueues the collective with
+    one binding call on each GPU's current stream. Anything else returns None:
+    the face validates that call afresh.
+    """
+
+    __slots__ = ("_reduce", "_engine", "_algo", "_code", "_op", "_root", "_devices", "_shape", "_dtype", "_count",
+                 "_cupy")
+
+    def __init__(self, reduce: bool, engine, algo: int, code: int, op: int, root: int, devices, first):
+        self._reduce, self._engine, self._algo, self._code = reduce, engine, algo, code
+        self._op, self._root, self._devices = op, root, tuple(devices)
+        self._shape, self._dtype, self._count = first.shape, first.dtype, first.size
+        self._cupy = _gpu.cupy_module()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one replica's buffer."""
+        return self._count * self._dtype.itemsize
+
+    def _pointers(self, arrays):
+        """Each array's device pointer, or None when one does not fit the plan."""
+        ndarray, shape, dtype = self._cupy.ndarray, self._shape, self._dtype
+        if type(arrays) not in (list, tuple) or len(arrays) != len(self._devices):
+            return None
+        ptrs = []
+        for a, device in zip(arrays, self._devices):
+            if type(a) is not ndarray or a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous:
+                return None
+            data = a.data
+            if data.device_id != device:
+                return None
+            ptrs.append(data.ptr)
+        return ptrs
+
+    def run(self, buffers, out):
+        ins = self._pointers(buffers)
+        if ins is None:
+            return None
+        if out is None:
+            cupy = self._cupy
+            result = []
+            for device in self._devices:
+                with cupy.cuda.Device(device):
+                    result.append(cupy.empty(self._shape, self._dtype))
+            outs = [a.data.ptr for a in result]
+        else:
+            outs = self._pointers(out)
+            if outs is None:
+                return None
+            result = list(out)
+        streams = [_gpu.collective_stream(d) for d in self._devices]
+        if self._reduce:
+            self._engine.all_reduce(ins, outs, self._count, self._code, self._op, self._algo, streams)
+        else:
+            self._engine.broadcast(ins, outs, self._count, self._code, self._root, streams)
+        return result
+
+
 def reduce(buffers, op="sum", root=0, *, out=None):
     """The reduction of all replicas' buffers, written to ``out[root]`` (or a new array on the root's GPU) and returned."""
     arrays, code, devices = _inputs(buffers, "buffers")

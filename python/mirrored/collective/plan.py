@@ -5,11 +5,13 @@ chunk size —, the number of replicas, and the type, shape and dtype of the
 first buffer). The first call of a signature is validated by
 :mod:`mirrored.collective.rules` and leaves a plan: for host buffers a native
 ``_core.CallPlan`` / ``_core.BatchPlan`` holding dtype codes, layout and
-engine parameters. A repeated call finds the plan by its signature and runs
-it: the plan checks in C++ that every array still fits (exact NumPy arrays
-of the planned dtype and shape, contiguous, outputs writeable), extracts the
-pointers and runs the engine with the GIL released. An array that does not
-fit sends the call back here, to be validated (and reported) afresh.
+engine parameters; for GPU buffers a ``cuda.CallPlan`` holding the engine
+(CUDA ring kernels or NCCL), algorithm, dtype code and devices. A repeated
+call finds the plan by its signature and runs it: the plan checks that every
+array still fits (host buffers in C++: exact NumPy arrays of the planned
+dtype and shape, contiguous, outputs writeable), extracts the pointers and
+runs the engine with the GIL released. An array that does not fit sends the
+call back here, to be validated (and reported) afresh.
 
 Fusion (``bytes_per_pack``, ``num_packs``) is decided by the engines'
 one packer (csrc/core/packer.cc) for host, CUDA and NCCL batches alike.
@@ -73,13 +75,29 @@ def _cuda():
 
 # --- the validating path: first calls of a signature, and anything unusual ------------------
 
+def _gpu_call(kind, buffers, out, op, root, algorithm, chunk_bytes):
+    """An all_reduce / broadcast of GPU buffers: planned (and the plan kept) when the buffers are
+    contiguous CuPy arrays, else converted by the CUDA engine's validating path."""
+    cuda = _cuda()
+    plan = cuda.call_plan(kind, buffers, op, root, algorithm, chunk_bytes)
+    with timeline.span(kind, plan.nbytes, algorithm, len(buffers)):
+        done = plan.run(buffers, out)
+    if done is None:
+        if kind == "broadcast":
+            return cuda.broadcast(buffers, root, out=out)
+        return cuda.all_reduce(buffers, op, out=out, algorithm=algorithm, chunk_bytes=chunk_bytes)
+    params = (root,) if kind == "broadcast" else (op, algorithm, chunk_bytes)
+    _remember(_key(kind, params, buffers), plan)
+    return done
+
+
 def all_reduce(buffers, op, out, algorithm, chunk_bytes):
     opc = op_code(op)
     if opc == rules.MEAN and rules.integer_mean(buffers, op):
         sums = all_reduce(buffers, "sum", None, algorithm, chunk_bytes)
         return rules.true_divide(sums, len(sums), out)
     if rules.on_gpu(buffers):
-        return _cuda().all_reduce(buffers, op, out=out, algorithm=algorithm, chunk_bytes=chunk_bytes)
+        return _gpu_call("all_reduce", buffers, out, op, 0, algorithm, chunk_bytes)
     chunk = rules.check_chunk_bytes(chunk_bytes)
     arrays, code = rules.inputs(buffers, "buffers")
     algo = rules.algorithm_code(algorithm)
@@ -99,7 +117,7 @@ def all_reduce(buffers, op, out, algorithm, chunk_bytes):
 
 def broadcast(buffers, root, out):
     if rules.on_gpu(buffers):
-        return _cuda().broadcast(buffers, root, out=out)
+        return _gpu_call("broadcast", buffers, out, "sum", root, "auto", 0)
     arrays, code = rules.inputs(buffers, "buffers")
     root = rules.root_index(root, len(arrays))
     outs, finish = rules.outputs(out, arrays, "out")
