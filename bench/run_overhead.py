@@ -11,9 +11,11 @@ call it divides), so the ratios hold on a loaded machine:
     run_trivial   strategy.run(lambda: None)
     run_all_reduce strategy.run(replica-context all_reduce of a 4 B value)
 
-``--device gpu`` runs the GPU call path on N logical GPUs (CuPy, or the
-simulated runtime where tests/conftest.py installs it) and prints host
-microseconds per call instead. ``--compare PATH`` also times the package
+``--device gpu`` runs the GPU call path on N logical GPUs of GPU 0 (CuPy);
+``--device sim`` the same path on the simulated CUDA runtime with the CuPy
+stand-in of tests/ (run from the repository root), so the host-side
+microseconds per call (4 B all-reduce, a 200-tensor batch, run with an
+all-reduce) are measured without a GPU. ``--compare PATH`` also times the package
 found under PATH (another build's ``mirrored``) in the same run, alternating.
 
     python bench/run_overhead.py --replicas 4
@@ -31,6 +33,11 @@ import json, statistics, sys, time
 import numpy as np
 import mirrored as md
 n, device, iters, rounds = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if device == "sim":  # the GPU call path over the simulated CUDA runtime and tests/fake_cupy.py
+    sys.path.insert(0, "tests")
+    import gpu_env
+    gpu_env.install(0)
+    device = "gpu"
 if device == "gpu":
     md.config.set_logical_device_configuration("GPU", 0, count=n)
     s = md.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
@@ -62,8 +69,12 @@ calls = {
     "run_trivial": lambda: s.run(lambda: None),
     "run_all_reduce": lambda: s.run(reduce_one, args=(x,)),
 }
-if device == "gpu":
-    del calls["all_reduce"]
+if device == "gpu":  # host microseconds per call of the GPU path (kernels are enqueued, not waited for)
+    gbufs = [xp.ones(1, xp.float32) for _ in range(n)]
+    with xp.cuda.Device(0):
+        batch = [[xp.ones(64, xp.float32) for _ in range(200)] for _ in range(n)]
+    calls["all_reduce"] = lambda: md.collectives.all_reduce(gbufs)
+    calls["batch_200"] = lambda: md.collectives.batch_all_reduce(batch)
 
 
 def per_call(fn, k):
@@ -106,7 +117,8 @@ def measure(path, n, device, iters, rounds):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, nargs="+", default=[4])
-    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "gpu", "sim"), default="cpu",
+                   help="sim: the GPU call path on the simulated CUDA runtime (host overhead without a GPU)")
     p.add_argument("--iters", type=int, default=2000, help="calls per timed round (run: a tenth)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--compare", default=None, help="directory with another build's mirrored package")

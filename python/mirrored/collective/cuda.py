@@ -90,13 +90,16 @@ class CallPlan:
     the face validates that call afresh.
     """
 
-    __slots__ = ("_reduce", "_engine", "_algo", "_code", "_op", "_root", "_devices", "_shape", "_dtype", "_count",
-                 "_cupy")
+    __slots__ = ("_reduce", "_engine", "_algo", "_code", "_op", "_root", "_devices", "_ordinals", "_shape",
+                 "_strides", "_dtype", "_count", "_cupy")
 
     def __init__(self, reduce: bool, engine, algo: int, code: int, op: int, root: int, devices, first):
         self._reduce, self._engine, self._algo, self._code = reduce, engine, algo, code
         self._op, self._root, self._devices = op, root, tuple(devices)
-        self._shape, self._dtype, self._count = first.shape, first.dtype, first.size
+        self._ordinals = tuple(dict.fromkeys(devices))  # each GPU once (logical GPUs share one)
+        # C-contiguous strides of the planned shape: an array with them is contiguous (one that is
+        # contiguous with other strides, possible along length-1 axes, takes the validating path).
+        self._shape, self._strides, self._dtype, self._count = first.shape, first.strides, first.dtype, first.size
         self._cupy = _gpu.cupy_module()
 
     @property
@@ -106,12 +109,12 @@ class CallPlan:
 
     def _pointers(self, arrays):
         """Each array's device pointer, or None when one does not fit the plan."""
-        ndarray, shape, dtype = self._cupy.ndarray, self._shape, self._dtype
+        ndarray, shape, strides, dtype = self._cupy.ndarray, self._shape, self._strides, self._dtype
         if type(arrays) not in (list, tuple) or len(arrays) != len(self._devices):
             return None
         ptrs = []
         for a, device in zip(arrays, self._devices):
-            if type(a) is not ndarray or a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous:
+            if type(a) is not ndarray or a.shape != shape or a.dtype != dtype or a.strides != strides:
                 return None
             data = a.data
             if data.device_id != device:
@@ -135,7 +138,8 @@ class CallPlan:
             if outs is None:
                 return None
             result = list(out)
-        streams = [_gpu.collective_stream(d) for d in self._devices]
+        stream = {d: _gpu.collective_stream(d) for d in self._ordinals}
+        streams = [stream[d] for d in self._devices]
         if self._reduce:
             self._engine.all_reduce(ins, outs, self._count, self._code, self._op, self._algo, streams)
         else:
