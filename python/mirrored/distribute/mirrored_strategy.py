@@ -450,31 +450,27 @@ class _BlasCap:
     def __init__(self, devices):
         cpu_replicas = sum(device_util.parse(d).device_type == "CPU" for d in devices)
         self._cap = max(1, len(os.sched_getaffinity(0)) // cpu_replicas) if cpu_replicas >= 2 else 0
-        self._lock = threading.Lock()
         self._saved = None  # (library, threads before the cap) while capped
 
     def cap(self) -> None:
-        """Caps the libraries above the cap, once per step (from the caller's thread: a pthreads
-        OpenBLAS ignores a count set on any other thread)."""
+        """Caps the libraries above the cap, once per step. Called on the caller's thread only: a
+        pthreads OpenBLAS ignores a count set on any other thread."""
         if not self._cap or self._saved is not None:
             return
-        with self._lock:
-            if self._saved is None:
-                saved = []
-                for lib in _blas_controllers():
-                    threads = lib.get_num_threads()
-                    if threads is not None and threads > self._cap:
-                        lib.set_num_threads(self._cap)
-                        saved.append((lib, threads))
-                self._saved = saved
+        saved = []
+        for lib in _blas_controllers():
+            threads = lib.get_num_threads()
+            if threads is not None and threads > self._cap:
+                lib.set_num_threads(self._cap)
+                saved.append((lib, threads))
+        self._saved = saved
 
     def restore(self) -> None:
         """Undoes :meth:`cap` (the caller, once the step's replicas all returned)."""
         if self._saved is not None:
-            with self._lock:
-                for lib, threads in self._saved:
-                    lib.set_num_threads(threads)
-                self._saved = None
+            for lib, threads in self._saved:
+                lib.set_num_threads(threads)
+            self._saved = None
 
 
 def _blas_controllers() -> list:
