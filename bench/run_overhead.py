@@ -19,7 +19,7 @@ all-reduce) are measured without a GPU. ``--compare PATH`` also times the packag
 found under PATH (another build's ``mirrored``) in the same run, alternating.
 
     python bench/run_overhead.py --replicas 4
-    python bench/run_overhead.py --replicas 2 4 8 --compare /tmp/base
+    python bench/run_overhead.py --replicas 2 4 8 --compare /tmp/base --clock cpu
 """
 
 import argparse
@@ -33,6 +33,7 @@ import json, statistics, sys, time
 import numpy as np
 import mirrored as md
 n, device, iters, rounds = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+clock = time.process_time if sys.argv[5] == "cpu" else time.perf_counter
 if device == "sim":  # the GPU call path over the simulated CUDA runtime and tests/fake_cupy.py
     sys.path.insert(0, "tests")
     import gpu_env
@@ -78,10 +79,10 @@ if device == "gpu":  # host microseconds per call of the GPU path (kernels are e
 
 
 def per_call(fn, k):
-    t = time.perf_counter()
+    t = clock()
     for _ in range(k):
         fn()
-    return (time.perf_counter() - t) / k * 1e6
+    return (clock() - t) / k * 1e6
 
 
 out = {}
@@ -103,11 +104,11 @@ print(json.dumps(out))
 TARGETS = {"all_reduce": 0.7, "batch_reduce": 2, "run_trivial": 4, "run_all_reduce": 8}
 
 
-def measure(path, n, device, iters, rounds):
+def measure(path, n, device, iters, rounds, clock):
     env = dict(os.environ)
     if path:
         env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(n), device, str(iters), str(rounds)], env=env,
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(n), device, str(iters), str(rounds), clock], env=env,
                           capture_output=True, text=True, timeout=900)
     if proc.returncode:
         raise SystemExit(proc.stderr)
@@ -122,11 +123,13 @@ def main():
     p.add_argument("--iters", type=int, default=2000, help="calls per timed round (run: a tenth)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--compare", default=None, help="directory with another build's mirrored package")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: process CPU time (all threads), steadier than wall time on a loaded machine")
     a = p.parse_args()
     builds = [("this build", None)] + ([("--compare", a.compare)] if a.compare else [])
     print(f"{'build':<12} {'replicas':>8} {'call':<16} {'us/call':>9} {'x NumPy':>8} {'target':>7}")
     for n in a.replicas:
-        results = {label: measure(path, n, a.device, a.iters, a.rounds) for label, path in builds}
+        results = {label: measure(path, n, a.device, a.iters, a.rounds, a.clock) for label, path in builds}
         for label, _ in builds:
             for name, r in results[label].items():
                 target = f"<= {TARGETS[name]}" if name in TARGETS and a.device == "cpu" else ""

@@ -31,9 +31,19 @@ from .reduce_util import ReduceOp
 from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mirrored, MirroredVariable, SyncOnReadVariable, regroup, select_replica)
 
 
-# A step that takes longer than this runs its replicas on their threads, in parallel: longer than
-# a thread hand-off costs even on a loaded machine, short enough that NumPy's GIL-free work overlaps.
+# A step that computes longer than this on the caller's thread runs its replicas on their threads,
+# in parallel: longer than a thread hand-off costs even on a loaded machine, short enough that
+# NumPy's GIL-free work overlaps. CPU time, not wall time: a loaded machine preempts short steps
+# for longer than this.
 HANDOFF_SECONDS = 0.005
+# ... or that has waited this long (sleeping, blocked in I/O): longer than any preemption.
+BLOCKED_SECONDS = 0.1
+
+
+def _is_long(started: float, started_cpu: float) -> bool:
+    """Whether a step begun at ``started`` (perf_counter) / ``started_cpu`` (thread_time) is long."""
+    wall = time.perf_counter() - started
+    return wall > HANDOFF_SECONDS and (wall > BLOCKED_SECONDS or time.thread_time() - started_cpu > HANDOFF_SECONDS)
 
 
 def _thread_state() -> tuple:
@@ -211,8 +221,7 @@ class _ReplicaPool:
         self.n = n
         self.group = _Group(n)
         self._blas = blas or _BlasCap(())
-        self._long_steps = False  # the latest two runs took longer than HANDOFF_SECONDS each
-        self._last_long = False
+        self._long_steps = False  # the latest run was long (_is_long)
         # The caller runs the replicas it claims on its own thread (see _Cooperative), when greenlet is installed.
         self._coop = _Cooperative(self.group, self._claim_next) if cooperative and n > 1 and _greenlet else None
         self._go = [threading.Lock() for _ in range(n)]
@@ -279,11 +288,11 @@ class _ReplicaPool:
     def _claim_next(self):
         """(function, index) of the next replica the caller runs itself (cooperative runs), or None once
         the threads have claimed or the caller has run every replica. Once the step has taken longer
-        than HANDOFF_SECONDS the threads are woken to take the replicas not started yet, in parallel."""
+        than HANDOFF_SECONDS (_is_long) the threads are woken to take the replicas not started yet, in parallel."""
         while self._next < self.n:
             i = self._next
             self._next += 1
-            if not self._woken and time.perf_counter() - self._started > HANDOFF_SECONDS:
+            if not self._woken and _is_long(self._started, self._started_cpu):
                 self._woken = True
                 self._wake_threads()
             if self._claims.setdefault(i, self._mine) is self._mine:
@@ -347,7 +356,7 @@ class _ReplicaPool:
             # KeyboardInterrupt interrupts: plain stores do not check for
             # signals; a call may raise one only after it returned (see _settle).
             self._caller = me
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             try:
                 if self.n > 1:
                     # (Always: a thread woken late for an earlier run may claim a replica of this one.)
@@ -363,7 +372,7 @@ class _ReplicaPool:
                         if claims.setdefault(i, mine) is mine:
                             self._run_claimed(i)
                 else:
-                    self._next, self._started, self._woken = 1, started, woken
+                    self._next, self._started, self._started_cpu, self._woken = 1, started, started_cpu, woken
                     state = _thread_state()
                     try:
                         self._execute(0)
@@ -384,9 +393,7 @@ class _ReplicaPool:
                 if self._inflight:
                     self._wait_for_replicas()
                 self._blas.restore()
-            # Two long steps in a row (not one preempted on a loaded machine) start the next on the threads.
-            long_step = time.perf_counter() - started > HANDOFF_SECONDS
-            self._long_steps, self._last_long = long_step and self._last_long, long_step
+            self._long_steps = _is_long(started, started_cpu)  # then the next step starts on the threads
             results, errors = self._results, self._errors
             self._fn = self._results = self._errors = None
             if errors:
