@@ -166,7 +166,8 @@ class _Group:
     def replica_finished(self):
         with self._cond:
             self._finished += 1
-            self._check_stranded()
+            if self._arrived:  # someone waits: is it stranded now?
+                self._check_stranded()
 
     def abort(self):
         with self._cond:
@@ -337,8 +338,15 @@ class Strategy:
         _require_cross_replica_or_default(self, "run")
         if not isinstance(args, (list, tuple)):
             raise ValueError(f"args={args!r}: pass the arguments of fn as a tuple, e.g. args=(x,)")
-        with self.scope():
+        top = _top()
+        if top.strategy is self and top.replica_context is None:  # in this strategy's scope already
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+        stack = _stack()  # (what scope() does, once the check above has passed)
+        stack.append(_Context(self, None))
+        try:
+            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+        finally:
+            stack.pop()
 
     experimental_run_v2 = run
 
