@@ -75,6 +75,7 @@ if device == "gpu":  # host microseconds per call of the GPU path (kernels are e
     with xp.cuda.Device(0):
         batch = [[xp.ones(64, xp.float32) for _ in range(200)] for _ in range(n)]
     calls["all_reduce"] = lambda: md.collectives.all_reduce(gbufs)
+    calls["all_reduce_inplace"] = lambda: md.collectives.all_reduce(gbufs, out=gbufs)
     calls["batch_200"] = lambda: md.collectives.batch_all_reduce(batch)
 
 
