@@ -589,22 +589,17 @@ class MirroredExtended(StrategyExtended):
         n = len(self._local_devices)
         structure = (args, kwargs)
         leaves = _nest.flatten(structure)
-        distributed = False
-        for leaf in leaves:
-            if isinstance(leaf, DistributedValues):
-                if len(leaf.values) != n:
-                    raise ValueError(f"args: a {type(leaf).__name__} with {len(leaf.values)} components was passed "
-                                     f"to a strategy with {n} replicas; pass one component per replica")
-                distributed = distributed or not isinstance(leaf, DistributedVariable)
-        if not distributed:  # every replica sees the same arguments
+        self._check_components(leaves)
+        if not any(isinstance(leaf, DistributedValues) and not isinstance(leaf, DistributedVariable)
+                   for leaf in leaves):  # every replica sees the same arguments
             return [structure] * n
         if not kwargs and not any(_nest.is_nested(a) for a in args):  # flat positional arguments: no re-packing
             return [(tuple(select_replica(i, a) for a in args), kwargs) for i in range(n)]
         return [_nest.pack_sequence_as(structure, [select_replica(i, leaf) for leaf in leaves]) for i in range(n)]
 
-    def _check_components(self, structure):
+    def _check_components(self, leaves):
         n = len(self._local_devices)
-        for leaf in _nest.flatten(structure):
+        for leaf in leaves:
             if isinstance(leaf, DistributedValues) and len(leaf.values) != n:
                 raise ValueError(f"args: a {type(leaf).__name__} with {len(leaf.values)} components was passed to "
                                  f"a strategy with {n} replicas; pass one component per replica")
@@ -644,7 +639,7 @@ class MirroredExtended(StrategyExtended):
         if not isinstance(var, DistributedVariable) or var.distribute_strategy is not self._container_strategy:
             raise ValueError(f"var: {var!r} was not created in this strategy's scope(); update only takes "
                              "its variables")
-        self._check_components((args, kwargs))
+        self._check_components(_nest.flatten((args, kwargs)))
         updates = []
         for i, copy in enumerate(var.values):
             with device_util.device_scope(copy.device), device_util.cross_replica_gpu_scope(copy.device):
