@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import atexit
 
-import numpy as np
-
 from ..device import gpu as _gpu
 from .. import timeline
 from ..device.dtypes import dtype_code, op_code

@@ -22,7 +22,7 @@ from .values import (DeviceVariable, DistributedValues, PerReplica, _read, regro
 HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
-from .context import (_Context, _entered, _local, _stack, _top, get_cross_replica_context, get_replica_context,
+from .context import (_Context, _entered, _stack, _top, get_cross_replica_context, get_replica_context,
                       get_strategy, has_strategy, in_cross_replica_context, set_default_context)
 
 

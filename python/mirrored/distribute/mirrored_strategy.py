@@ -25,7 +25,8 @@ except ImportError:  # optional: without it every replica but the caller's own r
 from .. import _logging, _nest
 from ..device import config, device_util
 from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, describe
-from .distribute_lib import _Aborted, _Context, _Group, _local, ReplicaContext, Strategy, StrategyExtended
+from .context import _Context, _local
+from .distribute_lib import _Aborted, _Group, ReplicaContext, Strategy, StrategyExtended
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
 from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mirrored, MirroredVariable, SyncOnReadVariable, regroup, select_replica)
