@@ -74,6 +74,7 @@ def _dtype(name: str) -> np.dtype:
         return np.dtype(name)
 
 
+_MAX_INDEX = 256 << 20  # bytes: an index of 2 million variables; a larger one is a crafted header
 _CHUNK = 4 << 20  # bytes read or hashed at a time: bounds the memory a restore needs beyond its variables
 
 # Temporaries are named ``.{target}.tmp-{host}-{pid}-{id}``: a later save on this host can tell a dead
@@ -360,6 +361,9 @@ class CheckpointReader:
         if head + index_len + _DIGEST > self._size:
             raise CheckpointError(f"path={path!r} is truncated or damaged ({self._size} bytes, but its header "
                                   f"announces an index of {index_len} bytes); restore an earlier checkpoint")
+        if index_len > _MAX_INDEX:
+            raise self._damaged(f"its header announces an index of {index_len} bytes, more than the {_MAX_INDEX} "
+                                "of any real checkpoint (about 100 bytes per variable)")
         self._index_bytes = self._read_exact(head, index_len)
         self._data_start = head + index_len
         try:
@@ -741,6 +745,8 @@ class Checkpoint:
         the first assignment; then one array is read and assigned at a time, so the memory needed is
         one variable beyond the variables themselves.
         """
+        # One entry at a time must fit in memory (asked before hashing a file of, say, a sparse terabyte).
+        _check_memory(path, max((reader.entry(k).nbytes for k in keys.values()), default=0))
         reader.verify(list(keys.values()))  # before anything is created or assigned
         variables = self._variables(create_for=keys)
         problems, unmatched = [], []

@@ -37,7 +37,7 @@ import numpy as np
 
 from . import tensorbundle
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointLoadStatus, CheckpointReader, NotFoundError,
-                         _temporary_name, load_checkpoint, sweep_stale_temporaries)
+                         _check_memory, _temporary_name, load_checkpoint, sweep_stale_temporaries)
 
 __all__ = ["Checkpoint", "CheckpointManager", "CheckpointState", "CheckpointLoadStatus", "CheckpointError",
            "NotFoundError", "latest_checkpoint", "get_checkpoint_state", "list_variables", "load_variable",
@@ -177,6 +177,7 @@ def load_variable(ckpt_dir_or_file, name: str):
     with _open(ckpt_dir_or_file) as reader:
         if name not in reader.keys:
             raise KeyError(f"name={name!r} is not in the checkpoint {reader.path!r}; it holds {sorted(reader.keys)}")
+        _check_memory(reader.path, reader.entry(name).nbytes)  # before hashing a (possibly sparse) huge file
         reader.verify([name])
         return reader.read(name)
 

@@ -136,6 +136,10 @@ class BundleEntry:
 
     __slots__ = ("key", "dtype", "tf_dtype", "shape", "shard", "offset", "size", "crc32c")
 
+    @property
+    def nbytes(self) -> int:
+        return self.size
+
     def __init__(self, key: str, proto: bytes, path: str):
         self.key, self.tf_dtype, self.shard, self.offset, self.size, self.crc32c = key, 0, 0, 0, 0, None
         dims, sliced = [], False
@@ -368,14 +372,15 @@ class BundleReader:
         return value
 
     def _strings(self, e: BundleEntry, raw):
-        """Decode a string tensor: varint64 lengths, a masked CRC32C of them (as uint64s), the bytes."""
+        """Decode a string tensor: varint64 lengths, a masked CRC32C of them, the bytes."""
         count = int(np.prod(e.shape, dtype=object))
         try:
             lengths, pos, crc = [], 0, 0
             for _ in range(count):
                 n, pos = _varint(raw, pos)
                 lengths.append(n)
-                crc = crc32c(struct.pack("<Q", n), crc)
+                # Lengths that fit 32 bits are checksummed as uint32 (older bundles had no others).
+                crc = crc32c(struct.pack("<I" if n <= 0xFFFFFFFF else "<Q", n), crc)
             if pos + 4 + sum(lengths) != len(raw):
                 raise _Malformed("its lengths do not add up to its size")
         except _Malformed as err:
