@@ -2,7 +2,7 @@
 
     /work/venvs/tf/bin/python tests/data/tf_checkpoint/make_tf_checkpoint.py tests/data/tf_checkpoint
 
-- ``single/ckpt-1`` (+ ``checkpoint``): a tf.train.Checkpoint of a tf.Module with variables of several
+- ``managed/ckpt-2``, ``managed/ckpt-3`` (+ ``checkpoint``): a tf.train.Checkpoint of a tf.Module with variables of several
   dtypes and shapes (a scalar, a bfloat16 matrix, an empty tensor, an int8 vector), a nested module and a
   list, written by ``tf.train.CheckpointManager`` (max_to_keep=2, saved three times: ckpt-2, ckpt-3 kept).
 - ``expected.npz``: every variable's value, by TF's checkpoint key, for the tests to compare against.
