@@ -127,40 +127,44 @@ def sweep_stale_temporaries(directory: str, owns) -> list:
 
 
 class _RemoveOnSigterm:
-    """While a save is in flight in the main thread, SIGTERM removes its temporary, then acts as before.
+    """While a save is in flight in the main thread, a SIGTERM that would end the process removes its temporary.
 
     The launcher stops surviving tasks with SIGTERM, whose default action ends
-    the process without running ``finally`` blocks.
+    the process without running ``finally`` blocks. A Python handler (e.g.
+    the preemption handler's) is called instead and the save goes on.
     """
 
     def __init__(self, tmp: str):
         self._tmp = tmp
         self._previous = None
+        self._installed = False
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             try:
                 self._previous = signal.signal(signal.SIGTERM, self._handle)
+                self._installed = True
             except ValueError:  # not the main interpreter
-                self._previous = None
+                pass
         return self
 
     def _handle(self, signum, frame):
+        previous = self._previous
+        if callable(previous):
+            previous(signum, frame)  # its choice; an exception it raises unwinds through the save's cleanup
+            return
+        if previous == signal.SIG_IGN:
+            return
         try:
             os.remove(self._tmp)
         except OSError:
             pass
-        previous = self._previous
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-        self._previous = None
-        if callable(previous):
-            previous(signum, frame)
-        elif previous != signal.SIG_IGN:
-            os.kill(os.getpid(), signal.SIGTERM)  # the default action, now that the handler is gone
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # the default action: the process ends as it would have
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
         return False
 
 
