@@ -356,3 +356,21 @@ def test_restore_streams_one_variable_at_a_time(tmp_path):
     # being read and a 4 MiB read buffer. Reading the whole file first would be 12.
     assert restore_peak < 6 + 1.5
     assert load_peak < 6 + 0.5   # the result itself, nothing doubled
+
+
+def test_a_python_sigterm_handler_stays_in_charge_during_a_save(tmp_path):
+    # The preemption handler's SIGTERM handler only records the notice: a save in flight must go on.
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        tmp = tmp_path / ".w.ckpt.tmp-x"
+        tmp.write_bytes(b"partial")
+        with ckpt_mod._RemoveOnSigterm(str(tmp)):
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert tmp.exists()  # not removed: the process is not ending
+        assert received == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is not None and received  # the recorder is back in place
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert received == [signal.SIGTERM, signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -28,6 +28,8 @@ File format (one file, little-endian)::
 The trailing digest catches truncated and corrupted files; a save writes a
 temporary file in the same directory and renames it over ``path`` only once
 complete, so an interrupted save leaves the previous checkpoint intact.
+A restore streams (``CheckpointReader``): header and index checked first,
+the digest verified in chunks, then one variable read and assigned at a time.
 """
 
 from __future__ import annotations
@@ -668,8 +670,10 @@ class Checkpoint:
 
         The directory is created if missing, and its ``checkpoint`` state file
         names the new file as the latest. Every worker of a multi-worker job
-        must call it (reading an ON_READ variable is a collective); only the
-        chief (``strategy.extended.should_checkpoint``) writes files.
+        must call it (reading an ON_READ variable is a collective); a path all
+        workers share is written by the chief
+        (``strategy.extended.should_checkpoint``) alone, a worker's own path by
+        that worker.
         """
         _require_cross_replica("save")
         file_prefix = _check_path(file_prefix, "file_prefix")

@@ -20,7 +20,12 @@ TensorFlow uses for its ``CheckpointState``::
 Paths in it are relative to the directory. Each checkpoint is one file (the
 format of ``md.checkpoint``), so a checkpoint "prefix" is the file's path.
 In a multi-worker job every worker calls ``save`` (reading ON_READ variables is
-a collective) and keeps the same list; only the chief writes and deletes files.
+a collective) and keeps the same list; in a directory all workers share, only
+the chief writes and deletes files (a worker's own directory, TF's
+``workertemp_<id>`` pattern, is written by that worker). A manager deletes
+only its own ``{checkpoint_name}-N`` files, whatever the state file says, and
+each save sweeps the temporaries that interrupted saves of its prefix left.
+TensorFlow's checkpoint directories are read too (``tensorbundle.py``).
 """
 
 from __future__ import annotations
