@@ -69,6 +69,16 @@ def test_crc32c_is_castagnoli():
     assert tensorbundle.unmask(tensorbundle.mask(0x12345678)) == 0x12345678
 
 
+@pytest.mark.parametrize("n", [1, 4096 * 64 - 1, 4096 * 64, 4096 * 64 + 17, (1 << 20) + 3, 65536 * 64,
+                               65536 * 64 + 99, 65536 * 70 + 5])
+def test_crc32c_in_lanes_equals_the_byte_loop(n):
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    for start in (0, 0xDEADBEEF):
+        assert tensorbundle.crc32c(data, start) == tensorbundle._crc32c_bytes(data, start)
+    half = n // 2
+    assert tensorbundle.crc32c(data[half:], tensorbundle.crc32c(data[:half])) == tensorbundle.crc32c(data)
+
+
 class Dense:
     def __init__(self, n_in, n_out):
         self.w = md.Variable(np.zeros((n_in, n_out), np.float32))
