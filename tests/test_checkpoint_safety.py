@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -112,8 +113,13 @@ def test_temporaries_of_dead_writers_are_swept_by_the_next_save(tmp_path):
         kept = [f".ckpt-8.tmp-{host}-{live_writer.pid}-0123abcd",  # a save in progress elsewhere
                 f".ckpt-9.tmp-otherhost-{dead}-0123abcd",          # another host's: its pid means nothing here
                 f".model.tmp-{host}-{dead}-0123abcd"]              # another prefix's
-        for name in stale + kept:
+        # A live process that started after the file was last written reused the dead writer's PID.
+        reused = [f".ckpt-10.tmp-{host}-{live_writer.pid}-0123abcd", f".ckpt-11.tmp-{host}-{os.getpid()}-0123abcd"]
+        for name in stale + kept + reused:
             (run / name).write_bytes(b"partial")
+        hour_ago = time.time() - 3600
+        for name in reused:
+            os.utime(run / name, (hour_ago, hour_ago))
         manager.save()
         assert _temporaries(run) == sorted(kept)
     finally:

@@ -90,14 +90,35 @@ def _temporary_name(path: str) -> str:
                         f".{os.path.basename(path)}.tmp-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
-def _pid_alive(pid: int) -> bool:
+_IN_FLIGHT = set()  # this process's temporaries being written (any thread)
+
+
+def _writer_alive(pid: int, written_at: float) -> bool:
+    """Whether process ``pid`` may still be writing a temporary last modified at ``written_at``.
+
+    A process that started after the file was written is a later one that
+    reused the PID (common after a restart in a container): not the writer.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
+    except PermissionError:  # another user's process
+        pass
+    started = _start_time(pid)
+    return started is None or started <= written_at + 1.0
+
+
+def _start_time(pid: int):
+    """When process ``pid`` started (seconds since the epoch), from /proc; None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="ascii") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def sweep_stale_temporaries(directory: str, owns) -> list:
@@ -115,14 +136,13 @@ def sweep_stale_temporaries(directory: str, owns) -> list:
         m = _TMP.match(name)
         if m is None or m["host"] != _HOST or not owns(m["target"]):
             continue
-        pid = int(m["pid"])
-        if pid == os.getpid() or _pid_alive(pid):
-            continue  # a save in progress (this process's other thread, or another live process)
         path = os.path.join(directory, name)
         try:
-            if stat.S_ISREG(os.lstat(path).st_mode):
-                os.remove(path)
-                removed.append(path)
+            info = os.lstat(path)
+            if path in _IN_FLIGHT or not stat.S_ISREG(info.st_mode) or _writer_alive(int(m["pid"]), info.st_mtime):
+                continue  # a save in progress, here or in another live process
+            os.remove(path)
+            removed.append(path)
         except FileNotFoundError:
             pass  # another task swept it first
     return removed
@@ -182,6 +202,7 @@ def _write_atomic(path: str, arrays: dict) -> None:
     _make_directory(directory, path)
     tmp = _temporary_name(path)
     digest = hashlib.sha256()
+    _IN_FLIGHT.add(tmp)
     try:
         with _RemoveOnSigterm(tmp):
             try:
@@ -203,6 +224,8 @@ def _write_atomic(path: str, arrays: dict) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+    finally:
+        _IN_FLIGHT.discard(tmp)
     try:  # make the rename itself durable where the platform allows
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
