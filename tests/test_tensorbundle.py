@@ -142,8 +142,9 @@ def test_a_variable_of_another_shape_is_named_and_nothing_is_restored():
 
 
 def test_a_tensorflow_file_given_as_a_mirrored_file_says_what_it_is():
-    with pytest.raises(md.train.CheckpointError, match="TensorFlow checkpoint .*ckpt-3.* pass that prefix"):
-        md.train.load_checkpoint(MANAGED / "ckpt-3.index")
+    for path in (MANAGED / "ckpt-3.index", MANAGED / "ckpt-3", MANAGED / "ckpt-3.data-00000-of-00001"):
+        with pytest.raises(md.train.CheckpointError, match="TensorFlow checkpoint .*ckpt-3.* pass that prefix"):
+            md.train.load_checkpoint(path)
 
 
 def _flip(path, at):

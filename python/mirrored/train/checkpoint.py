@@ -321,6 +321,18 @@ def _entry_dtype(path: str, key: str, name) -> np.dtype:
     return dtype
 
 
+def read_into(file, offset: int, view: memoryview) -> int:
+    """Fill ``view`` from ``file`` at ``offset``; returns the bytes read (fewer only at the end of the file)."""
+    file.seek(offset)
+    done = 0
+    while done < len(view):
+        got = file.readinto(view[done:])
+        if not got:
+            break
+        done += got
+    return done
+
+
 class _Entry:
     __slots__ = ("key", "dtype", "shape", "offset", "nbytes")
 
@@ -339,7 +351,13 @@ class CheckpointReader:
 
     def __init__(self, path):
         self.path = os.fspath(path)
-        self._file = open_regular_file(self.path)
+        try:
+            self._file = open_regular_file(self.path)
+        except NotFoundError:
+            hint = _tensorflow_hint(self.path)
+            if hint:  # a TensorFlow prefix names no file itself
+                raise CheckpointError(f"path={self.path!r} is not a mirrored checkpoint{hint}") from None
+            raise
         try:
             self._size = os.fstat(self._file.fileno()).st_size
             self._parse_header()
@@ -366,16 +384,12 @@ class CheckpointReader:
     def _damaged(self, what: str) -> CheckpointError:
         return CheckpointError(f"path={self.path!r} is damaged: {what}; restore an earlier checkpoint")
 
-    def _read_exact(self, offset: int, n: int) -> bytes:
-        self._file.seek(offset)
+    def _read_exact(self, offset: int, n: int) -> bytearray:
         out = bytearray(n)
-        view, done = memoryview(out), 0
-        while done < n:
-            got = self._file.readinto(view[done:])
-            if not got:
-                raise self._damaged(f"it ended at byte {offset + done} while {offset + n} were expected (truncated)")
-            done += got
-        return bytes(out)
+        done = read_into(self._file, offset, memoryview(out))
+        if done < n:
+            raise self._damaged(f"it ended at byte {offset + done} while {offset + n} were expected (truncated)")
+        return out
 
     def _parse_header(self) -> None:
         path, head = self.path, len(_MAGIC) + 1 + 8
@@ -458,14 +472,8 @@ class CheckpointReader:
         e = self._entries[key]
         _check_memory(self.path, e.nbytes)
         out = np.empty(e.shape, e.dtype)
-        view = memoryview(out.reshape(-1).view(np.uint8))
-        self._file.seek(self._data_start + e.offset)
-        done = 0
-        while done < e.nbytes:
-            got = self._file.readinto(view[done:])
-            if not got:
-                raise self._damaged(f"it ended inside entry {key!r} (truncated)")
-            done += got
+        if read_into(self._file, self._data_start + e.offset, memoryview(out.reshape(-1).view(np.uint8))) < e.nbytes:
+            raise self._damaged(f"it ended inside entry {key!r} (truncated)")
         return out
 
     def total_bytes(self) -> int:

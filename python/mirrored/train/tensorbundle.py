@@ -29,7 +29,7 @@ import struct
 
 import numpy as np
 
-from .checkpoint import _MAX_INDEX, CheckpointError, open_regular_file
+from .checkpoint import _MAX_INDEX, CheckpointError, open_regular_file, read_into
 
 __all__ = ["BundleReader", "is_tensorflow_checkpoint", "object_keys", "hint"]
 
@@ -404,15 +404,10 @@ class BundleReader:
 
     def _raw(self, e: BundleEntry) -> bytearray:
         f = self._shard(e.shard)
-        f.seek(e.offset)
         out = bytearray(e.size)
-        view, done = memoryview(out), 0
-        while done < e.size:
-            got = f.readinto(view[done:])
-            if not got:
-                raise CheckpointError(f"path={f.name!r} is truncated: tensor {e.key!r} ends at byte "
-                                      f"{e.offset + e.size}, past the end of the file")
-            done += got
+        if read_into(f, e.offset, memoryview(out)) < e.size:
+            raise CheckpointError(f"path={f.name!r} is truncated: tensor {e.key!r} ends at byte "
+                                  f"{e.offset + e.size}, past the end of the file")
         return out
 
     def _check(self, e: BundleEntry, crc: int) -> None:
