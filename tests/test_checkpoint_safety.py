@@ -28,7 +28,7 @@ def _model(value=0.0, shape=(3,)):
 
 
 def _finishes(fn, timeout=60.0):
-    """Run ``fn`` in a thread; return what it raised (or None). A call that blocks fails the test instead of hanging it."""
+    """Run ``fn`` in a thread; return what it raised (or None). A call that blocks fails the test, not hangs it."""
     outcome = {}
 
     def target():

@@ -143,7 +143,8 @@ def latest_checkpoint(checkpoint_dir, latest_filename=None):
     """The path of the newest checkpoint recorded in ``checkpoint_dir``, or None.
 
     For a directory of TensorFlow checkpoints, the newest one's prefix (which
-    ``restore``, ``list_variables`` and ``load_variable`` read). None also when the recorded file no longer exists (as ``tf.train.latest_checkpoint``).
+    ``restore``, ``list_variables`` and ``load_variable`` read). None also
+    when the recorded file no longer exists (as ``tf.train.latest_checkpoint``).
     """
     state = get_checkpoint_state(checkpoint_dir, latest_filename)
     if state is None:
