@@ -34,6 +34,7 @@ the digest verified in chunks, then one variable read and assigned at a time.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -190,6 +191,28 @@ class _RemoveOnSigterm:
         return False
 
 
+@contextlib.contextmanager
+def replacing(path: str):
+    """Yield a temporary path beside ``path`` to write; renamed over ``path`` when the block completes.
+
+    Whatever stops the write (an error, Ctrl-C, a SIGTERM with its default
+    action) removes the temporary and leaves ``path`` as it was; a SIGKILL
+    leaves it to the next save's sweep.
+    """
+    tmp = _temporary_name(path)
+    _IN_FLIGHT.add(tmp)
+    try:
+        with _RemoveOnSigterm(tmp):
+            yield tmp
+            os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    finally:
+        _IN_FLIGHT.discard(tmp)
+
+
 def _write_atomic(path: str, arrays: dict) -> None:
     """Write ``arrays`` (key -> host ndarray) to ``path`` via a temporary file + rename."""
     entries, offset = [], 0
@@ -200,32 +223,21 @@ def _write_atomic(path: str, arrays: dict) -> None:
     index = json.dumps({"entries": entries, "data_bytes": offset}).encode("utf-8")
     directory = os.path.dirname(os.path.abspath(path))
     _make_directory(directory, path)
-    tmp = _temporary_name(path)
     digest = hashlib.sha256()
-    _IN_FLIGHT.add(tmp)
-    try:
-        with _RemoveOnSigterm(tmp):
-            try:
-                f = open(tmp, "wb")
-            except OSError as e:
-                raise type(e)(e.errno, f"cannot write checkpoint {path!r}: directory {directory!r} is not "
-                                       f"writable ({e.strerror}); pick a directory this process may write") from None
-            with f:
-                for chunk in (_MAGIC + bytes([_VERSION]), struct.pack("<Q", len(index)), index,
-                              *(a.reshape(-1).view(np.uint8) for a in arrays.values())):  # bytes of any dtype
-                    digest.update(chunk)
-                    f.write(chunk)
-                f.write(digest.digest())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-    except BaseException:
-        # Whatever stopped the save (an error, Ctrl-C), the old checkpoint stays as it was.
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    finally:
-        _IN_FLIGHT.discard(tmp)
+    with replacing(path) as tmp:
+        try:
+            f = open(tmp, "wb")
+        except OSError as e:
+            raise type(e)(e.errno, f"cannot write checkpoint {path!r}: directory {directory!r} is not "
+                                   f"writable ({e.strerror}); pick a directory this process may write") from None
+        with f:
+            for chunk in (_MAGIC + bytes([_VERSION]), struct.pack("<Q", len(index)), index,
+                          *(a.reshape(-1).view(np.uint8) for a in arrays.values())):  # bytes of any dtype
+                digest.update(chunk)
+                f.write(chunk)
+            f.write(digest.digest())
+            f.flush()
+            os.fsync(f.fileno())
     try:  # make the rename itself durable where the platform allows
         fd = os.open(directory, os.O_RDONLY)
     except OSError:

@@ -42,7 +42,7 @@ import numpy as np
 
 from . import tensorbundle
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointLoadStatus, CheckpointReader, NotFoundError,
-                         _IN_FLIGHT, _check_memory, _temporary_name, load_checkpoint, sweep_stale_temporaries)
+                         _check_memory, load_checkpoint, replacing, sweep_stale_temporaries)
 
 __all__ = ["Checkpoint", "CheckpointManager", "CheckpointState", "CheckpointLoadStatus", "CheckpointError",
            "NotFoundError", "latest_checkpoint", "get_checkpoint_state", "list_variables", "load_variable",
@@ -120,18 +120,8 @@ def _write_state(directory: str, latest: str, paths, timestamps, last_preserved)
         lines.append(f"last_preserved_timestamp: {float(last_preserved)!r}")
     os.makedirs(directory, exist_ok=True)
     target = os.path.join(directory, STATE_FILE)
-    tmp = _temporary_name(target)
-    _IN_FLIGHT.add(tmp)
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    finally:
-        _IN_FLIGHT.discard(tmp)
+    with replacing(target) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def _record_latest(directory: str, path: str) -> None:
