@@ -62,6 +62,12 @@ def _step_fn(strategy, w, opt, replicas):
     return step
 
 
+def test_a_notice_before_the_last_run_lets_the_job_finish(tmp_path):
+    handler, step, _, _ = _job(tmp_path / "run")
+    _train(handler, step, preempt_at=STEPS - 1)  # the agreed run, STEPS, never starts: no save, no exit
+    assert handler.total_run_calls == STEPS and md.train.latest_checkpoint(tmp_path / "run") is None
+
+
 def _train(handler, step, preempt_at=None):
     while handler.total_run_calls < STEPS:
         if handler.total_run_calls == preempt_at:
@@ -75,7 +81,7 @@ def _uninterrupted(tmp_path, **kwargs):
     return w.numpy(), int(opt.iterations.numpy())
 
 
-@pytest.mark.parametrize("preempt_at", [0, 3, STEPS - 1])
+@pytest.mark.parametrize("preempt_at", [0, 3, STEPS - 2])
 @pytest.mark.parametrize("manager", [False, True])
 def test_sigterm_saves_exits_with_restart_code_and_the_next_job_resumes_bit_identical(tmp_path, preempt_at, manager):
     expected_w, expected_iterations = _uninterrupted(tmp_path, manager=manager)
@@ -87,7 +93,7 @@ def test_sigterm_saves_exits_with_restart_code_and_the_next_job_resumes_bit_iden
     assert md.train.latest_checkpoint(tmp_path / "run")
 
     handler, step, w, opt = _job(tmp_path / "run", manager=manager)  # the restarted job: fresh objects
-    assert handler.total_run_calls == preempt_at
+    assert handler.total_run_calls == preempt_at + 1  # as TF: the run after the notice, so all workers know
     _train(handler, step)
     np.testing.assert_array_equal(w.numpy(), expected_w)
     assert int(opt.iterations.numpy()) == expected_iterations == STEPS
@@ -111,8 +117,10 @@ def test_watch_preemption_scope_and_save_checkpoint_if_preempted(tmp_path):
                     os.kill(os.getpid(), signal.SIGTERM)
                 handler.save_checkpoint_if_preempted()
     handler, step, w, trained_step = job()
-    assert int(trained_step.numpy()) == 5
-    assert handler.total_run_calls == 4  # as TF counts: the save comes before this call is counted
+    # The notice came after step 5; all save at the next call: after step 6. As TF counts, the save comes
+    # before that call is counted.
+    assert int(trained_step.numpy()) == 6
+    assert handler.total_run_calls == 5
     with handler.watch_preemption_scope():
         while int(trained_step.numpy()) < STEPS:
             step(int(trained_step.numpy()))
@@ -151,7 +159,7 @@ def test_a_grace_period_saves_at_once_and_trains_on(tmp_path):
     os.kill(os.getpid(), signal.SIGTERM)
     for i in range(1, 4):
         handler.run(step, i)  # no exit: the grace period is an hour
-    assert int(md.train.load_variable(tmp_path / "run", "checkpointed_runs")) == 1
+    assert int(md.train.load_variable(tmp_path / "run", "checkpointed_runs")) == 2  # the run after the notice
     assert handler.total_run_calls == 4
 
 

@@ -15,13 +15,12 @@ makes every worker save a checkpoint at the same step and exit with
 and the new handler restores that checkpoint, so ``total_run_calls`` (and the
 training) carry on where they stopped, exactly as an uninterrupted job would.
 
-How the workers agree: at the start of each ``run`` (or
-``save_checkpoint_if_preempted``) every worker contributes its own notice to
-one all-reduce (MAX) of a single int32. Training steps are synchronous, so all
-workers see the notice at the same ``total_run_calls`` and save there. This
-costs one tiny collective per step, where TensorFlow uses its coordination
-service's key-value store; the outcome is the same: the agreed step is the
-one after the notice arrived.
+How the workers agree, as TensorFlow: the worker with the notice announces
+"save at run ``total_run_calls + 1``" in a key-value store (TF: its
+coordination service; here the job's rendezvous store), and every worker
+reads the store at the start of each ``run`` (or
+``save_checkpoint_if_preempted``): one store round trip per step. All save at
+the start of that run, meet once (a collective) and exit.
 
 ``RESTART_EXIT_CODE`` (``mirrored.distribute.preemption``) is TensorFlow's
 own default for platforms other than GCE (``sys.exit(42)``); ``mirrored-run``
@@ -32,6 +31,7 @@ checkpoint managers); ``md.distribute.experimental`` exposes it under TF's name.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import shutil
@@ -52,8 +52,10 @@ from .checkpoint_management import CheckpointManager
 __all__ = ["RESTART_EXIT_CODE", "PreemptionCheckpointHandler", "TerminationConfig"]
 
 _ITERATION_VARIABLE = "checkpointed_runs"  # TF's name: the same key in the checkpoint
-_NOTICE = 1    # a worker has been told it will be preempted
-_DEADLINE = 2  # ... and its grace period is over (at once when there is none): save and exit now
+# The announced steps: where every worker saves and trains on (a grace period left), or saves and exits.
+_STAGES = ("initial", "final")
+# Handlers are created in the same order on every worker: the n-th ones share their store keys.
+_instances = itertools.count()
 _log = logging.getLogger("mirrored")
 
 
@@ -156,6 +158,12 @@ class PreemptionCheckpointHandler:
         self._read_manager.restore_or_initialize()
         self._run_counter = int(self._checkpointed_runs.numpy())
 
+        # Where the announced steps live: the job's rendezvous store (TF uses its coordination service's
+        # key-value store), or this object for a single worker (TF's "local mode").
+        group = getattr(self._strategy.extended, "_group", None)
+        self._store = group.store if group is not None and group.num_workers > 1 else None
+        self._key_prefix = f"mirrored-preemption-{next(_instances)}"
+        self._local_steps = {}
         self._notice = threading.Event()       # this worker's own SIGTERM / watcher notice
         self._notice_time = None
         self._saved_in_grace = False
@@ -172,6 +180,9 @@ class PreemptionCheckpointHandler:
                                    "only in the main thread; create it there, or pass a TerminationConfig with "
                                    "a termination_watcher_fn")
             signal.signal(signal.SIGTERM, self._on_sigterm)
+            # Python's handlers interrupt system calls (EINTR) in whichever thread the kernel picks, the
+            # native collective threads included; the notice only needs a flag, so let them restart.
+            signal.siginterrupt(signal.SIGTERM, False)
         _log.info("PreemptionCheckpointHandler: %d runs restored from %s", self._run_counter,
                   self._read_manager.latest_checkpoint)
 
@@ -223,32 +234,63 @@ class PreemptionCheckpointHandler:
             self._notice.set()
             _log.info("PreemptionCheckpointHandler: worker %s received a termination notice", self._task_id)
 
-    def _own_state(self) -> int:
+    def _own_stage(self):
+        """Which step this worker's notice asks for: None, ``"initial"`` (grace left) or ``"final"``."""
         if not self._notice.is_set():
-            return 0
+            return None
         # Leave time for the final save: three times two steps, as TensorFlow reserves.
         remaining = self._notice_time + self._grace_period - 6 * self._estimated_run_time - time.monotonic()
-        return _NOTICE | (_DEADLINE if self._grace_period <= 0 or remaining <= 0 else 0)
+        return "final" if self._grace_period <= 0 or remaining <= 0 else "initial"
 
-    def _agreed_state(self) -> int:
-        """The job's state: the MAX over the workers' own states, one all-reduce (every worker calls it)."""
-        mine = np.int32(self._own_state())
-        values = self._strategy.experimental_distribute_values_from_function(lambda ctx: mine)
-        return int(np.asarray(self._strategy.reduce(ReduceOp.MAX, values, axis=None)))
+    def _published(self) -> dict:
+        """The steps announced so far, ``{"initial": n, "final": m}`` (one store round trip with several workers)."""
+        if self._store is None:
+            return dict(self._local_steps)
+        keys = {stage: f"{self._key_prefix}/{stage}" for stage in _STAGES}
+        missing = set(self._store.wait(list(keys.values()), 0.0))
+        return {stage: int(self._store.get(key)) for stage, key in keys.items() if key not in missing}
+
+    def _publish(self, stage: str) -> int:
+        """Announce that every worker saves at the start of the next run (``total_run_calls + 1``)."""
+        step = self._run_counter + 1
+        if self._store is None:
+            self._local_steps[stage] = step
+        else:
+            self._store.set(f"{self._key_prefix}/{stage}", str(step).encode())
+        _log.info("PreemptionCheckpointHandler: worker %s asks every worker to save at run %d (%s)", self._task_id,
+                  step, stage)
+        return step
 
     def _check_preemption_and_maybe_checkpoint(self, *args, **kwargs) -> None:
-        state = self._agreed_state()
-        if not state:
-            return
-        if state & _DEADLINE:
+        """TF's protocol. A worker with a notice announces ``run + 1`` unless a step is announced already.
+
+        Steps are synchronous, so when one worker starts run ``r`` no other has
+        finished it; any other worker therefore reads the announcement at the
+        latest when it starts run ``r + 1``, and all save there. Workers that
+        announce at the same time announce the same step (they are all at the
+        start of ``r``: none could pass it without the others).
+        """
+        published = self._published()
+        stage = self._own_stage()
+        if stage == "final" and "final" not in published:
+            published["final"] = self._publish("final")
+        elif stage == "initial" and not published:
+            published["initial"] = self._publish("initial")
+        if published.get("final") == self._run_counter:
             self._save_checkpoint(*args, **kwargs)
+            self._barrier()  # every worker has read the step before the store's task may exit
             self._shutdown()
             _log.info("PreemptionCheckpointHandler: checkpoint saved at run %d; exiting", self._run_counter)
             self._exit_fn()
-        elif not self._saved_in_grace:
-            # A grace period: save now, in case it ends sooner than announced, and train on until its end.
+        elif published.get("initial") == self._run_counter and not self._saved_in_grace:
+            # A grace period: save now, in case it ends sooner than announced, and train on until near its end.
             self._save_checkpoint(*args, **kwargs)
             self._saved_in_grace = True
+
+    def _barrier(self) -> None:
+        if self._store is not None:
+            values = self._strategy.experimental_distribute_values_from_function(lambda ctx: np.int32(1))
+            self._strategy.reduce(ReduceOp.SUM, values, axis=None)
 
     def _save_checkpoint(self, *args, **kwargs) -> None:
         self._checkpointed_runs.assign(np.int64(self._run_counter))
