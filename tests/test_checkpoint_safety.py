@@ -6,6 +6,7 @@ Each test is one fault of the adversarial audit (issue 20 items 3, 6, 7, 8 and 9
 import hashlib
 import json
 import os
+import pathlib
 import signal
 import struct
 import subprocess
@@ -380,3 +381,19 @@ def test_a_python_sigterm_handler_stays_in_charge_during_a_save(tmp_path):
         assert received == [signal.SIGTERM, signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_any_flipped_bit_gives_a_checkpoint_error_naming_the_file(tmp_path):
+    strategy = md.MirroredStrategy(devices=["/cpu:0"])
+    with strategy.scope():
+        model = {"w": md.Variable(np.arange(6, dtype=np.float32).reshape(2, 3)), "n": md.Variable(np.int64(3))}
+    path = md.train.Checkpoint(model=model).write(tmp_path / "ckpt-1")
+    blob = pathlib.Path(path).read_bytes()
+    for at in range(len(blob)):
+        damaged = bytearray(blob)
+        damaged[at] ^= 1 << (at % 8)
+        with open(path, "wb") as f:
+            f.write(damaged)
+        with pytest.raises(md.train.CheckpointError) as info:
+            md.train.load_checkpoint(path)
+        assert str(path) in str(info.value), at
