@@ -104,8 +104,8 @@ class PreemptionCheckpointHandler:
     ``md.train.Checkpoint`` together with ``checkpoint_dir``, where the
     handler keeps one checkpoint (workers other than the chief write to a
     temporary ``workertemp_<id>`` directory beside it, deleted on exit).
-    Every worker must create its handler, and call ``run`` the same number
-    of times: the agreement is a collective.
+    Every worker must create its handler (in the same order, if several) and
+    call ``run`` once per synchronous step: the agreed step counts runs.
     """
 
     def __init__(self, cluster_resolver, checkpoint_or_checkpoint_manager, checkpoint_dir=None,
