@@ -397,3 +397,17 @@ def test_any_flipped_bit_gives_a_checkpoint_error_naming_the_file(tmp_path):
         with pytest.raises(md.train.CheckpointError) as info:
             md.train.load_checkpoint(path)
         assert str(path) in str(info.value), at
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_a_state_file_that_is_a_fifo_or_device_is_refused_at_once(tmp_path, kind):
+    state = tmp_path / "checkpoint"
+    if kind == "fifo":
+        os.mkfifo(state)
+    else:
+        os.symlink("/dev/zero", state)
+    for fn in (lambda: md.train.latest_checkpoint(tmp_path),
+               lambda: md.train.CheckpointManager(md.train.Checkpoint(model=_model()), tmp_path)):
+        error = _finishes(fn)
+        assert isinstance(error, md.train.CheckpointError), error
+        assert "checkpoint state file" in str(error) and str(state) in str(error)

@@ -268,18 +268,19 @@ def open_regular_file(path: str, what: str = "path"):
     without end: the type is checked before opening (``O_NONBLOCK``, so a FIFO
     cannot stall the open itself) and again on the opened descriptor.
     """
+    label = f"{what}={path!r}" if what.isidentifier() else f"{what} {path!r}"  # an argument, or a description
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        raise NotFoundError(errno.ENOENT, f"{what}={path!r} does not exist; pass a path that save() or write() "
+        raise NotFoundError(errno.ENOENT, f"{label} does not exist; pass a path that save() or write() "
                                           "returned, e.g. md.train.latest_checkpoint(directory)", path) from None
     if not stat.S_ISREG(mode):
-        raise CheckpointError(f"{what}={path!r} is {_kind(mode)}, not a checkpoint file; pass a regular file")
+        raise CheckpointError(f"{label} is {_kind(mode)}, not a regular file (mirrored reads no FIFO or device); use a regular file")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):  # replaced between the stat and the open
-            raise CheckpointError(f"{what}={path!r} is {_kind(mode)}, not a checkpoint file; pass a regular file")
+            raise CheckpointError(f"{label} is {_kind(mode)}, not a regular file (mirrored reads no FIFO or device); use a regular file")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb", buffering=0)
     except BaseException:

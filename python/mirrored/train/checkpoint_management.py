@@ -42,13 +42,15 @@ import numpy as np
 
 from . import tensorbundle
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointLoadStatus, CheckpointReader, NotFoundError,
-                         _check_memory, load_checkpoint, replacing, sweep_stale_temporaries)
+                         _check_memory, load_checkpoint, open_regular_file, replacing,
+                         sweep_stale_temporaries)
 
 __all__ = ["Checkpoint", "CheckpointManager", "CheckpointState", "CheckpointLoadStatus", "CheckpointError",
            "NotFoundError", "latest_checkpoint", "get_checkpoint_state", "list_variables", "load_variable",
            "load_checkpoint"]
 
 STATE_FILE = "checkpoint"
+_MAX_STATE_BYTES = 16 << 20  # about 100,000 checkpoints listed
 
 
 # --- the directory's state file -------------------------------------------------------------------
@@ -76,8 +78,12 @@ def get_checkpoint_state(checkpoint_dir, latest_filename=None):
     directory = os.fspath(checkpoint_dir)
     state_path = os.path.join(directory, latest_filename or STATE_FILE)
     try:
-        with open(state_path, encoding="utf-8") as f:
-            text = f.read()
+        with open_regular_file(state_path, "the checkpoint state file") as f:  # never a FIFO or a device
+            size = os.fstat(f.fileno()).st_size
+            if size > _MAX_STATE_BYTES:
+                raise CheckpointError(f"{state_path}: {size} bytes, far more than a checkpoint state file holds; "
+                                      "it is damaged: delete it (the checkpoint files stay usable)")
+            text = f.read().decode("utf-8", errors="replace")
     except FileNotFoundError:
         return None
     fields = collections.defaultdict(list)
