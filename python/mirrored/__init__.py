@@ -50,6 +50,12 @@ from .train import checkpoint, mixed_precision, nn, optimizers
 from .train.checkpoint_management import Checkpoint
 from .train.module import Module
 from . import compat
+from .train import preemption as _preemption
+
+# TF names them tf.distribute.experimental.*; they drive checkpoint managers, so they live in the training
+# layer, which the distribute layer may not import.
+experimental.PreemptionCheckpointHandler = _preemption.PreemptionCheckpointHandler
+experimental.TerminationConfig = _preemption.TerminationConfig
 
 # The module paths of the flat layout (``import mirrored.collectives``,
 # ``from mirrored.cross_device_ops import ...``) keep working.

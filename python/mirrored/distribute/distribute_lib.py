@@ -378,7 +378,7 @@ class Strategy:
 
         if op is not ReduceOp.MEAN:
             return ext._reduce(op, along_axis(lambda v: _reduce_along(v, op, axis)))
-        numer = ext._reduce(ReduceOp.SUM, along_axis(lambda v: v.sum(axis=axis)))
+        numer = ext._reduce(ReduceOp.SUM, along_axis(lambda v: _reduce_along(v, ReduceOp.SUM, axis)))
         denom = ext._reduce(ReduceOp.SUM, along_axis(lambda v: np.asarray(v.shape[axis], np.int64)))
         return _nest.pack_sequence_as(numer, [_divide(a, b) for a, b in zip(_nest.flatten(numer),
                                                                             _nest.flatten(denom))])
@@ -438,9 +438,13 @@ def _place_arrays(x, device):
 
 
 def _divide(numer, denom):
+    """TensorFlow's ``truediv(numer, cast(denom, numer.dtype))``: integers divide in float32 up to 16 bits,
+    in float64 beyond; floats keep their dtype."""
     numer = np.asarray(numer)
-    if numer.dtype.kind == "f":
-        return numer / np.asarray(denom, numer.dtype)
+    denom = np.asarray(denom).astype(numer.dtype)
+    if numer.dtype.kind in "iu":
+        real = np.float32 if numer.dtype.itemsize <= 2 else np.float64
+        return numer.astype(real) / denom.astype(real)
     return numer / denom
 
 
@@ -666,7 +670,10 @@ def _reduce_along(v, op: ReduceOp, axis: int):
     """``v`` reduced along ``axis`` with ``op``; an empty slice (a replica with no rows of a
     partial batch) gives the op's identity, as TensorFlow's reduce_min/reduce_max do."""
     local = {ReduceOp.SUM: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max", ReduceOp.PROD: "prod"}[op]
-    if v.shape[axis] or op not in (ReduceOp.MIN, ReduceOp.MAX):
+    if op in (ReduceOp.SUM, ReduceOp.PROD):
+        # In v's own dtype, wrapping around as TensorFlow's reduce_sum does (NumPy would widen small ints).
+        return getattr(v, local)(axis=axis, dtype=v.dtype)
+    if v.shape[axis]:
         return getattr(v, local)(axis=axis)
     dtype = np.dtype(v.dtype)
     info = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
