@@ -21,7 +21,7 @@ if cupy is None:
 
 from mirrored.collective import cuda as cc  # noqa: E402
 from mirrored import collectives, config  # noqa: E402
-from mirrored.device import dtypes as _dtypes, gpu as _gpu  # noqa: E402
+from mirrored.device import device_util, dtypes as _dtypes, gpu as _gpu  # noqa: E402
 
 REPLICAS = (1, 2, 3, 4)
 ALGOS = ("ring", "tree", "auto", "direct")
@@ -334,14 +334,14 @@ def test_logical_gpu_configuration_maps_to_physical():
                              "/job:localhost/replica:0/task:0/device:GPU:1"]
         assert len(names) == NGPU + 1
         assert [config.physical_gpu_index(i) for i in range(len(names))] == [0] + list(range(NGPU))
-        assert _gpu.physical_ordinal("/gpu:1") == 0
+        assert device_util.physical_ordinal("/gpu:1") == 0
     finally:
         config.set_logical_device_configuration("GPU:0", None)
     assert len(config.list_logical_devices("GPU")) == NGPU
 
 
 def test_replica_scope_runs_on_the_replica_stream():
-    with _gpu.replica_scope("/gpu:0", 3):
+    with _gpu.replica_scope(device_util.physical_ordinal("/gpu:0"), 3):
         assert cupy.cuda.get_current_stream().ptr == _gpu.replica_stream(3, 0).ptr
         assert _gpu.collective_stream(0) == 0  # a merged collective from here meets every replica's stream
     assert _gpu.collective_stream(0) == cupy.cuda.get_current_stream(0).ptr
