@@ -202,6 +202,7 @@ class GlooCommunicator : public Communicator {
   std::vector<char> ring_in_;  // a chunk arriving in reduce_scatter_ring
   // All processes on one machine: large all-reduces go through shared memory.
   std::unique_ptr<ShmReducer> shm_;
+  std::string shm_off_;  // why there is no shm_ (decided once, in setup_shared_memory)
 
   // Progress for diagnosis: a collective still running after a tick of the
   // watchdog is reported to the store, so that a failure can tell the peers
