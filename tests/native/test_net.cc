@@ -380,6 +380,10 @@ TEST(strangers_at_the_mesh_listener_are_dropped_and_the_job_runs) {
       comm.all_reduce(1, in, out, 1, DType::kFloat32, ReduceOp::kSum, Algorithm::kAuto);
       results[rank] = x;
     });
+  // Ranks 1 and 2 have not started: announce them, so that rank 0 goes on to listen for the mesh.
+  const std::int64_t one = 1;
+  for (const char* key : {"strangers/replicas/1", "strangers/replicas/2"})
+    spy.set(key, std::vector<char>(reinterpret_cast<const char*>(&one), reinterpret_cast<const char*>(&one) + 8));
   CHECK(spy.wait({"strangers/mesh/0"}, milliseconds(20000)).empty());
   const auto v = spy.get("strangers/mesh/0");
   const std::string at(v.begin(), v.end());
