@@ -232,22 +232,28 @@ class LoopGate : public tcp::Handler {
   LoopGate& operator=(const LoopGate&) = delete;
 
   void handleEvents(int) override {
+    // Drained first, under our own lock's ordering: the loop will not call us
+    // again, and close() (after parked_) cannot race this read.
+    std::uint64_t v = 0;
+    const bool drained = ::read(fd_, &v, sizeof(v)) == sizeof(v);
     std::unique_lock<std::mutex> lock(mu_);
+    if (!drained) return;
     parked_ = true;
     cv_.notify_all();
     cv_.wait(lock, [this] { return released_; });
-    std::uint64_t v = 0;
-    if (::read(fd_, &v, sizeof(v)) < 0) return;  // drained: the loop will not call us again
+    left_ = true;  // the last time this thread touches the gate
+    cv_.notify_all();
   }
 
  private:
   void close() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
       released_ = true;
+      cv_.notify_all();
+      if (parked_) cv_.wait(lock, [this] { return left_; });
     }
-    cv_.notify_all();
-    device_.unregisterDescriptor(fd_, this);  // waits for the loop to leave handleEvents
+    device_.unregisterDescriptor(fd_, this);
     ::close(fd_);
   }
 
@@ -257,6 +263,7 @@ class LoopGate : public tcp::Handler {
   std::condition_variable cv_;
   bool parked_ = false;
   bool released_ = false;
+  bool left_ = false;
 };
 
 // Gloo's pair keeps its socket and state to itself; a derived class may name
