@@ -188,7 +188,7 @@ def net_module():
     try:
         from .. import _net  # type: ignore[attr-defined]
     except ModuleNotFoundError as e:
-        if e.name != f"{__package__}._net":
+        if e.name != f"{__package__.rpartition('.')[0]}._net":  # mirrored._net, one level up from here
             raise
         raise RuntimeError(GLOO_NOT_BUILT) from e
     except ImportError as e:
