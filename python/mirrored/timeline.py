@@ -240,14 +240,20 @@ def replica_wait(replica_id: int, what: str):
     return _Span(trace, f"wait:{what}", (int(replica_id),), {"replica": int(replica_id)}, "wait")
 
 
-def _caller_row() -> int:
-    """The local replica whose thread is calling, or HOST_ROW outside replica context."""
-    from .distribute import distribute_lib
+def _host_row() -> int:
+    return HOST_ROW
 
-    ctx = distribute_lib.get_replica_context()
-    if ctx is None or not distribute_lib.has_strategy():
-        return HOST_ROW
-    return int(getattr(ctx, "_local_replica_id", 0))
+
+# The row of the calling thread: the local replica it runs, else HOST_ROW. The
+# distribute layer, which knows replicas, installs its lookup (set_row_source):
+# this module sits below it and imports nothing from it.
+_caller_row = _host_row
+
+
+def set_row_source(row_of_caller) -> None:
+    """Install ``row_of_caller() -> int``, the local replica the calling thread runs (HOST_ROW: none)."""
+    global _caller_row
+    _caller_row = row_of_caller
 
 
 def _check_name(name) -> str:

@@ -24,6 +24,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from . import engine
+
 
 @dataclass(frozen=True)
 class PhysicalDevice:
@@ -60,12 +62,8 @@ def _num_cpus() -> int:
 def _num_gpus() -> int:
     """GPUs the CUDA extension can see; 0 without the extension, a driver or a GPU."""
     try:
-        from .. import _cuda  # type: ignore[attr-defined]
-    except ImportError:
-        return 0
-    try:
-        return int(_cuda.device_count())
-    except Exception:
+        return int(engine.extension().device_count())
+    except Exception:  # no extension (ImportError), or a bad $MIRRORED_CUDA_ENGINE
         return 0
 
 
@@ -188,7 +186,7 @@ def net_module():
     try:
         from .. import _net  # type: ignore[attr-defined]
     except ModuleNotFoundError as e:
-        if e.name != f"{__package__.rpartition('.')[0]}._net":  # mirrored._net, one level up from here
+        if e.name != f"{__package__.rpartition('.')[0]}._net":  # mirrored._net, one layer up
             raise
         raise RuntimeError(GLOO_NOT_BUILT) from e
     except ImportError as e:

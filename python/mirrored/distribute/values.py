@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import _nest
 from ..device import device_util
+from . import context
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
 
@@ -74,9 +75,7 @@ class _VariableMeta(type):
     # MirroredVariable / SyncOnReadVariable inside MirroredStrategy.scope().
     def __call__(cls, *args, **kwargs):
         if cls is Variable:
-            from . import distribute_lib
-
-            return distribute_lib.get_strategy().extended._create_variable(*args, **kwargs)
+            return context.get_strategy().extended._create_variable(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
     @property
@@ -84,9 +83,7 @@ class _VariableMeta(type):
         # inspect would otherwise show __call__'s (*args, **kwargs): show what md.Variable(...) takes
         # (the strategy's variable creator) and, for the subclasses, their own __init__.
         if cls is Variable:
-            from . import distribute_lib
-
-            function = distribute_lib.StrategyExtended._create_variable
+            function = type(context.get_strategy().extended)._create_variable
         else:
             function = cls.__init__
         signature = inspect.signature(function)
@@ -273,9 +270,7 @@ class DistributedVariable(DistributedValues, Variable):
 
     def _local_replica_id(self):
         """This thread's replica id when it runs a replica of this variable's strategy, else None."""
-        from . import distribute_lib
-
-        ctx = distribute_lib.get_replica_context()
+        ctx = context.get_replica_context()
         if ctx is None or ctx.strategy is not self._strategy:
             return None
         return ctx._local_replica_id
@@ -316,8 +311,6 @@ class MirroredVariable(DistributedVariable, Mirrored):
                 "context: create it with md.Variable(..., aggregation=md.VariableAggregation.SUM, MEAN or "
                 "ONLY_FIRST_REPLICA), or update it in cross-replica context (strategy.extended.update)"
             )
-        from . import distribute_lib
-
         def merge_fn(strategy, per_replica):
             if self._aggregation == VariableAggregation.ONLY_FIRST_REPLICA:
                 reduced = strategy.experimental_local_results(per_replica)[0]
@@ -326,7 +319,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
                     ReduceOp.from_variable_aggregation(self._aggregation), per_replica, destinations=self)
             self._update_each_copy(method, reduced)
 
-        distribute_lib.get_replica_context().merge_call(merge_fn, args=(value,))
+        context.get_replica_context().merge_call(merge_fn, args=(value,))
         return self
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
