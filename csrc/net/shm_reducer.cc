@@ -232,6 +232,9 @@ long ShmReducer::holder_outside(const std::vector<long>& job_pids) const {
     const long pid = std::strtol(e->d_name, &end, 10);
     if (pid <= 0 || *end != '\0' || std::find(job_pids.begin(), job_pids.end(), pid) != job_pids.end()) continue;
     const std::string dir = std::string("/proc/") + e->d_name;
+    // Only our user's processes (and root's) can open another process's descriptors through /proc.
+    struct stat owner {};
+    if (::stat(dir.c_str(), &owner) != 0 || (owner.st_uid != ::geteuid() && owner.st_uid != 0)) continue;
     // Mappings: "address perms offset dev inode path".
     if (std::FILE* maps = std::fopen((dir + "/maps").c_str(), "r")) {
       char line[4096];
