@@ -422,6 +422,10 @@ class _Plan:
         self.slots = [[[s[d] for s in slots] for slots in slot_copies] for d in range(self.num_devices)]
         self.decay = [optimizer.weight_decay is not None and optimizer._use_weight_decay(v) for v in variables]
         self.dtypes = [np.dtype(v.dtype) for v in variables]
+        self.groups = {}  # dtype -> indices of its variables
+        for k, dtype in enumerate(self.dtypes):
+            self.groups.setdefault(dtype, []).append(k)
+        self.host = [all(type(c._value) is np.ndarray for c in copies) for copies in self.copies]
         self.rule = optimizer._rule
         self.coefficients = {}
         self.decay_factors = {}
@@ -442,16 +446,53 @@ class _Plan:
                 self.decay_factors[dtype] = (t(np.float32(opt.weight_decay)), lr_t)  # tf.cast of a float
 
     def apply(self, device: int, grads: list, step: int) -> None:
-        """Weight decay and the rule on every variable and slot of local device ``device``, in place."""
+        """Weight decay and the rule on every variable and slot of local device ``device``, in place.
+
+        The float32 and float64 host arrays go through the fused kernel, one call per
+        dtype; anything else (float16, bfloat16, GPU arrays) through the same rule
+        element-wise, variable by variable.
+        """
         weights = [_private(c) for c in self.copies[device]]
         slots = [[_private(s) for s in slots] for slots in self.slots[device]]
-        for k, (w, g, s) in enumerate(zip(weights, grads, slots)):
-            dtype = self.dtypes[k]
-            if g.dtype != dtype:
-                g = g.astype(dtype)
-            if self.decay[k]:
-                rules.weight_decay(w, *self.decay_factors[dtype])
-            rules.apply(self.rule, w, g, s, self.coefficients[dtype])
+        fused = _fused_kernel() if self.host[device] else None
+        for dtype, indices in self.groups.items():
+            coefficients = self.coefficients[dtype]
+            weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))
+            if fused is not None and dtype in _KERNEL_DTYPES:
+                fused.apply(self.rule, [weights[k] for k in indices], [_host_grad(grads[k], dtype) for k in indices],
+                            [slots[k] for k in indices], [self.decay[k] for k in indices],
+                            [float(c) for c in coefficients], float(weight_decay), float(lr))
+                continue
+            for k in indices:
+                g = grads[k]
+                if g.dtype != dtype:
+                    g = g.astype(dtype)
+                if self.decay[k]:
+                    rules.weight_decay(weights[k], weight_decay, lr)
+                rules.apply(self.rule, weights[k], g, slots[k], coefficients)
+
+
+_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_kernel = None
+
+
+def _fused_kernel():
+    """The fused host kernel (the ``_fused_update`` extension), or None where it was not built."""
+    global _kernel
+    if _kernel is None:
+        try:
+            from ... import _fused_update as kernel
+        except ImportError:
+            kernel = False
+        _kernel = kernel
+    return _kernel or None
+
+
+def _host_grad(g, dtype):
+    """``g`` as the kernel takes it: a C-contiguous NumPy array of the variable's dtype."""
+    if type(g) is np.ndarray and g.dtype == dtype and g.flags.c_contiguous:
+        return g
+    return np.ascontiguousarray(g, dtype)
 
 
 def _private(copy):
