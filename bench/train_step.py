@@ -117,7 +117,7 @@ def _torch_rank(rank: int, n: int, config: dict, queue) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+    torch.set_num_threads(config["blas_threads"] or max(1, len(os.sched_getaffinity(0)) // n))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(config["torch_port"]))
     dist.init_process_group("gloo", rank=rank, world_size=n)
     layers, width, batch = config["layers"], config["width"], config["batch_size"]
@@ -151,6 +151,9 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    p.add_argument("--blas-threads", type=int, default=None,
+                   help="BLAS threads for every column (default: the library's own count; replicas cap it "
+                        "to cores / replicas)")
     p.add_argument("--torch-python", default=None, help="a Python with torch for the DDP column")
     p.add_argument("--torch-port", type=int, default=29533)
     p.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
@@ -158,6 +161,10 @@ def main(argv=None):
     if args.torch_worker:
         return torch_worker(json.loads(args.torch_worker))
     args.width = args.width or (256 if args.device == "gpu" else 128)
+    if args.blas_threads:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(args.blas_threads, user_api="blas")
     gpu = args.device == "gpu"
     if gpu:
         from mirrored.device import gpu as _gpu
@@ -180,7 +187,8 @@ def main(argv=None):
     base = per_step(plain_step, args.steps, sync)
     fwd_bwd = per_step(lambda: loss_and_grads(xp, params, x, y, args.batch_size), args.steps, sync)
     print(f"{args.layers} dense layers {args.width}x{args.width} + bias ({2 * args.layers} parameter tensors, "
-          f"{nbytes / 1e6:.1f} MB), global batch {args.batch_size}, {args.device}, optimizer {args.optimizer}\n")
+          f"{nbytes / 1e6:.1f} MB), global batch {args.batch_size}, {args.device}, optimizer {args.optimizer}, "
+          f"BLAS threads {args.blas_threads or 'default'}\n")
     print("| step | replicas | ms/step | vs plain |\n|---|---|---|---|")
     print(f"| plain {'CuPy' if gpu else 'NumPy'} (p -= lr*g) | 1 | {base * 1e3:.2f} | 1.00x |")
     print(f"| forward/backward alone | 1 | {fwd_bwd * 1e3:.2f} | {fwd_bwd / base:.2f}x |", flush=True)

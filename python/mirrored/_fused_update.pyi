@@ -1,2 +1,2 @@
-def apply(rule: int, weights: list, grads: list, slots: list, decay: list[bool], coefficients: list[float],
+def apply(rule: int, weights: list, grads: list | object, slots: list, decay: list[bool], coefficients: list[float],
           weight_decay: float, lr: float) -> None: ...

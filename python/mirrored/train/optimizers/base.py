@@ -37,6 +37,10 @@ import sys
 
 import numpy as np
 
+from ...distribute import distribute_lib, values
+from ...distribute.options import VariableAggregation
+from ...distribute.reduce_util import ReduceOp
+from ...distribute.values import DistributedValues, DistributedVariable, PerReplica
 from . import rules
 
 __all__ = ["Optimizer", "check_rate"]
@@ -71,8 +75,6 @@ def _check_positive(value, argument: str):
 
 def _check_aggregation(value) -> str:
     """``"sum"`` or ``"mean"`` from those strings (any case) or ``md.ReduceOp.SUM`` / ``MEAN``."""
-    from ...distribute.reduce_util import ReduceOp
-
     if isinstance(value, ReduceOp):
         value = value.value
     if isinstance(value, str) and value.lower() in ("sum", "mean"):
@@ -117,13 +119,13 @@ class Optimizer:
         self._iterations = None
         self._slots = {}  # id(variable) -> (variable, {slot name: slot variable})
         self._plans = {}  # tuple of variable ids -> _Plan
+        self._checked = {}  # tuple of variable ids -> their shapes, once checked
+        self._checked_variables = []
         self._exclude_ids: set = set()
         self._exclude_names: tuple = ()
         self.built = False
         # The strategy whose variables this optimizer updates: the one in scope when it
         # is created (as Keras does), else that of the first variables it updates.
-        from ...distribute import distribute_lib
-
         self._strategy = distribute_lib.get_strategy() if distribute_lib.has_strategy() else None
 
     # -- arguments --
@@ -161,9 +163,7 @@ class Optimizer:
     def iterations(self):
         """The number of ``apply_gradients`` calls so far: a mirrored int64 variable."""
         if self._iterations is None:
-            from ...distribute import distribute_lib
-
-            self._create_state(self._strategy or distribute_lib.get_strategy(), ())
+                self._create_state(self._strategy or distribute_lib.get_strategy(), ())
         return self._iterations
 
     @property
@@ -193,8 +193,6 @@ class Optimizer:
         ``apply_gradients`` builds what is missing by itself; call it inside the
         strategy's scope, as Keras ports do.
         """
-        from ...distribute import distribute_lib
-
         var_list = list(var_list)
         for i, var in enumerate(var_list):
             self._check_variable(f"var_list[{i}]", var)
@@ -206,9 +204,6 @@ class Optimizer:
 
     def _create_state(self, strategy, var_list) -> None:
         """Create ``iterations`` and the slots of ``var_list`` that do not exist yet, mirrored like the model."""
-        from ...distribute import values
-        from ...distribute.options import VariableAggregation
-
         if self._strategy is not None and strategy is not self._strategy:
             raise ValueError(
                 f"{type(self).__name__} {self.name!r} was created for {self._strategy!r} and is now asked to "
@@ -259,8 +254,6 @@ class Optimizer:
         caller must have aggregated already (e.g. with ``ReplicaContext.all_reduce``), or
         the copies drift apart. Returns the new value of ``iterations`` (a Python int).
         """
-        from ...distribute import distribute_lib
-
         grads, variables = self._check_pairs(grads_and_vars)
         aggregate = bool(experimental_aggregate_gradients)
         if distribute_lib.in_cross_replica_context():
@@ -276,17 +269,26 @@ class Optimizer:
                     "replica passes its gradients), or under `with strategy.scope():` with PerReplica gradients")
         ctx = distribute_lib.get_replica_context()
         grads = self._clip(grads)
+        # From the second step on, this replica packs its gradients into its fusion buffer
+        # (in parallel with the other replicas): the all-reduce then moves one buffer per dtype.
+        plan = self._plans.get(tuple(map(id, variables)))
+        packed = None
+        if plan is not None and plan.packable and aggregate and ctx.strategy.num_replicas_in_sync > 1:
+            packed = plan.pack(ctx._local_replica_id, grads)
         # options stay out of the merged arguments: each replica may pass its own (equal)
         # options object, which merge_call would turn into a PerReplica.
         plan, reduced, step = ctx.merge_call(
-            lambda strategy, merged: self._merged_step(strategy, merged, variables, options, aggregate, True),
-            args=(grads,))
-        plan.apply(ctx._local_replica_id, grads if reduced is None else reduced, step)
+            lambda strategy, merged: self._merged_replica_step(strategy, merged, variables, options, aggregate),
+            args=(_ReplicaGrads(grads, packed),))
+        if reduced is None:
+            plan.apply(ctx._local_replica_id, grads, step)
+        elif packed is not None:
+            plan.apply(ctx._local_replica_id, None, step, packed=reduced)
+        else:
+            plan.apply(ctx._local_replica_id, reduced, step)
         return step + 1
 
     def _check_variable(self, where: str, var) -> None:
-        from ...distribute import values
-
         if not isinstance(var, values.Variable):
             raise TypeError(f"{where}: variable {var!r} is not an md.Variable; create the model's variables with "
                             "md.Variable inside strategy.scope()")
@@ -299,8 +301,23 @@ class Optimizer:
                             "floating-point variables only")
 
     def _check_pairs(self, grads_and_vars) -> tuple:
+        """``(grads, variables)`` without the None gradients; the variables' checks run once per list."""
+        pairs = grads_and_vars if isinstance(grads_and_vars, list) else list(grads_and_vars)
+        try:
+            grads = [g for g, _ in pairs]
+            variables = [v for _, v in pairs]
+        except (TypeError, ValueError):
+            return self._check_pairs_one_by_one(pairs)
+        if any(g is None for g in grads):
+            return self._check_pairs_one_by_one(pairs)
+        shapes = self._checked.get(tuple(map(id, variables)))
+        if shapes is None or [getattr(g, "shape", None) for g in grads] != shapes:
+            return self._check_pairs_one_by_one(pairs)
+        return grads, variables
+
+    def _check_pairs_one_by_one(self, pairs) -> tuple:
         grads, variables = [], []
-        for i, pair in enumerate(grads_and_vars):
+        for i, pair in enumerate(pairs):
             try:
                 grad, var = pair
             except (TypeError, ValueError):
@@ -317,6 +334,9 @@ class Optimizer:
             raise ValueError("grads_and_vars: no gradient was given (all were None or the list is empty)")
         if len({id(v) for v in variables}) != len(variables):
             raise ValueError("grads_and_vars: a variable appears twice; sum its gradients first")
+        # The variables stay referenced by the plan (or here, until then), so their ids stay theirs.
+        self._checked[tuple(map(id, variables))] = [tuple(v.shape) for v in variables]
+        self._checked_variables.append(variables)
         return grads, variables
 
     def _clip(self, grads: list) -> list:
@@ -331,8 +351,6 @@ class Optimizer:
 
     def _cross_replica_step(self, strategy, grads, variables, options, aggregate):
         """``apply_gradients`` under ``strategy.scope()``: each replica's part clipped, reduced, applied per device."""
-        from ...distribute.values import DistributedValues, PerReplica
-
         as_local = getattr(strategy.extended, "_as_local", None)  # multi-worker: one local replica's part
         if as_local is not None:
             grads = [as_local(g) for g in grads]
@@ -346,48 +364,60 @@ class Optimizer:
         if plain:
             for k, g in zip(plain, self._clip([grads[k] for k in plain])):
                 grads[k] = g
-        plan, reduced, step = self._merged_step(strategy, grads, variables, options, aggregate, False)
+        plan = self._plan(strategy, variables)
+        distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
+        if aggregate and distributed:
+            for k, g in zip(distributed, self._all_reduce(strategy, [grads[k] for k in distributed],
+                                                          [variables[k] for k in distributed], options)):
+                grads[k] = g
+        step = self._advance(plan)
         for d in range(plan.num_devices):
-            plan.apply(d, [g.values[d] if isinstance(g, DistributedValues) else g for g in reduced], step)
+            plan.apply(d, [_component(g, d) for g in grads], step)
         return step + 1
 
-    def _merged_step(self, strategy, grads, variables, options, aggregate, from_replicas):
-        """Once per step, in cross-replica context: state, the fused all-reduce, ``iterations``.
+    def _merged_replica_step(self, strategy, merged, variables, options, aggregate):
+        """Once per step in replica context (inside merge_call): the fused all-reduce and the bookkeeping.
 
-        Returns ``(plan, reduced gradients or None, step)``; merge_call hands each
-        replica its own components of the reduced gradients.
+        Returns ``(plan, reduced, step)``: ``reduced`` (None without an all-reduce)
+        holds one list of reduced gradients per local replica, and merge_call hands
+        each replica its own.
         """
-        from ...distribute import distribute_lib
-        from ...distribute.reduce_util import ReduceOp
-        from ...distribute.values import DistributedValues, PerReplica
+        devices = strategy.extended.worker_devices
+        holders = merged.values if isinstance(merged, DistributedValues) else (merged,) * len(devices)
+        plan = self._plan(strategy, variables)
+        reduced = None
+        if aggregate and strategy.num_replicas_in_sync > 1:
+            if all(h.packed is not None for h in holders):
+                # One packed gradient per replica and dtype, reduced onto every replica's device.
+                columns = [PerReplica([h.packed[j] for h in holders], devices) for j in range(len(plan.groups))]
+                destinations = [list(devices)] * len(columns)
+            else:
+                columns = [PerReplica([h.grads[k] for h in holders], devices) for k in range(len(variables))]
+                destinations = variables
+            results = self._all_reduce(strategy, columns, destinations, options)
+            reduced = PerReplica([[_component(g, r) for g in results] for r in range(len(holders))], devices)
+        return plan, reduced, self._advance(plan)
 
-        plan = self._plans.get(tuple(map(id, variables)))
+    def _all_reduce(self, strategy, columns, destinations, options) -> list:
+        """One fused collective for every column (a gradient, or a packed buffer of them, on every replica)."""
+        op = ReduceOp.SUM if self.gradient_aggregation == "sum" else ReduceOp.MEAN
+        return strategy.extended.batch_reduce_to(op, list(zip(columns, destinations)), options=options)
+
+    def _plan(self, strategy, variables) -> "_Plan":
+        key = tuple(map(id, variables))
+        plan = self._plans.get(key)
         if plan is None:
             self._create_state(strategy, variables)
             self.built = True
-            plan = self._plans[tuple(map(id, variables))] = _Plan(self, variables)
-        if from_replicas and not isinstance(strategy, distribute_lib._DefaultStrategy):
-            # merge_call leaves a gradient unwrapped when every replica passed the same
-            # object (or there is one local replica): it is still one gradient per replica.
-            devices = strategy.extended.worker_devices
-            grads = [g if isinstance(g, DistributedValues) else PerReplica([g] * len(devices), devices)
-                     for g in grads]
-        reduced = None
-        if aggregate:
-            distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
-            reduced = list(grads)
-            if distributed:
-                op = ReduceOp.SUM if self.gradient_aggregation == "sum" else ReduceOp.MEAN
-                results = strategy.extended.batch_reduce_to(
-                    op, [(grads[k], variables[k]) for k in distributed], options=options)
-                for k, g in zip(distributed, results):
-                    reduced[k] = g
-        elif not from_replicas:
-            reduced = grads
+            plan = self._plans[key] = _Plan(self, variables)
+        return plan
+
+    def _advance(self, plan) -> int:
+        """The step being taken (``iterations`` before it): its scalars prepared, ``iterations`` incremented."""
         step = int(self._iterations.numpy())
         plan.prepare(step)
         self._iterations.assign_add(np.int64(1))
-        return plan, reduced, step
+        return step
 
     def _step_state(self, step: int, dtypes) -> None:
         """Hook: state shared by every variable of a step (Nadam's momentum-schedule product)."""
@@ -409,8 +439,6 @@ class _Plan:
     """
 
     def __init__(self, optimizer: Optimizer, variables: list):
-        from ...distribute.values import DistributedVariable
-
         self.optimizer = optimizer
         self.variables = list(variables)  # keeps the ids of the plan's key alive
         per_var = [v.values if isinstance(v, DistributedVariable) else (v,) for v in variables]
@@ -426,6 +454,13 @@ class _Plan:
         for k, dtype in enumerate(self.dtypes):
             self.groups.setdefault(dtype, []).append(k)
         self.host = [all(type(c._value) is np.ndarray for c in copies) for copies in self.copies]
+        # Host float32/float64 variables: each replica packs its gradients into a fusion buffer
+        # per dtype (allocated once) and the kernel reads the reduced buffer in place.
+        self.packable = (all(self.host) and _fused_kernel() is not None
+                         and all(dtype in _KERNEL_DTYPES for dtype in self.groups))
+        self.fusion_buffers = [[np.empty(sum(self.copies[0][k]._value.size for k in indices), dtype)
+                                for dtype, indices in self.groups.items()]
+                               for _ in range(self.num_devices)] if self.packable else None
         self.rule = optimizer._rule
         self.coefficients = {}
         self.decay_factors = {}
@@ -445,23 +480,35 @@ class _Plan:
             if opt.weight_decay is not None:
                 self.decay_factors[dtype] = (t(np.float32(opt.weight_decay)), lr_t)  # tf.cast of a float
 
-    def apply(self, device: int, grads: list, step: int) -> None:
+    def pack(self, device: int, grads: list) -> list:
+        """``grads`` copied into device ``device``'s fusion buffers, one per dtype (converted to it)."""
+        buffers = self.fusion_buffers[device]
+        if len(buffers) == 1:
+            np.concatenate(grads, axis=None, out=buffers[0])
+        else:
+            for buffer, indices in zip(buffers, self.groups.values()):
+                np.concatenate([grads[k] for k in indices], axis=None, out=buffer)
+        return buffers
+
+    def apply(self, device: int, grads, step: int, packed=None) -> None:
         """Weight decay and the rule on every variable and slot of local device ``device``, in place.
 
-        The float32 and float64 host arrays go through the fused kernel, one call per
-        dtype; anything else (float16, bfloat16, GPU arrays) through the same rule
-        element-wise, variable by variable.
+        ``grads``: one gradient per variable, or None with ``packed``: one reduced
+        fusion buffer per dtype. The float32 and float64 host arrays go through the
+        fused kernel, one call per dtype; anything else (float16, bfloat16, GPU
+        arrays) through the same rule element-wise, variable by variable.
         """
         weights = [_private(c) for c in self.copies[device]]
         slots = [[_private(s) for s in slots] for slots in self.slots[device]]
         fused = _fused_kernel() if self.host[device] else None
-        for dtype, indices in self.groups.items():
+        for j, (dtype, indices) in enumerate(self.groups.items()):
             coefficients = self.coefficients[dtype]
             weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))
             if fused is not None and dtype in _KERNEL_DTYPES:
-                fused.apply(self.rule, [weights[k] for k in indices], [_host_grad(grads[k], dtype) for k in indices],
-                            [slots[k] for k in indices], [self.decay[k] for k in indices],
-                            [float(c) for c in coefficients], float(weight_decay), float(lr))
+                group_grads = packed[j] if packed is not None else [_host_grad(grads[k], dtype) for k in indices]
+                fused.apply(self.rule, [weights[k] for k in indices], group_grads, [slots[k] for k in indices],
+                            [self.decay[k] for k in indices], [float(c) for c in coefficients], float(weight_decay),
+                            float(lr))
                 continue
             for k in indices:
                 g = grads[k]
@@ -495,6 +542,21 @@ def _host_grad(g, dtype):
     return np.ascontiguousarray(g, dtype)
 
 
+class _ReplicaGrads:
+    """One replica's gradients (and its fusion buffers, once packed), handed to merge_call as one object
+    rather than regrouped variable by variable."""
+
+    __slots__ = ("grads", "packed")
+
+    def __init__(self, grads, packed):
+        self.grads = grads
+        self.packed = packed
+
+
+def _component(value, r: int):
+    return value.values[r] if isinstance(value, DistributedValues) else value
+
+
 def _private(copy):
     """The copy's buffer, given a fresh one first when something else holds it (copy-on-write)."""
     value = copy._value
@@ -507,8 +569,6 @@ def _private(copy):
 
 def _check_gradient_shape(i: int, grad, var) -> None:
     """A gradient (each replica's, for PerReplica) must have its variable's shape exactly."""
-    from ...distribute.values import DistributedValues
-
     components = grad.values if isinstance(grad, DistributedValues) else (grad,)
     for g in components:
         shape = tuple(g.shape) if hasattr(g, "shape") else np.shape(g)
