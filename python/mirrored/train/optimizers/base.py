@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import sys
 
 import numpy as np
 
@@ -498,8 +497,8 @@ class _Plan:
         fused kernel, one call per dtype; anything else (float16, bfloat16, GPU
         arrays) through the same rule element-wise, variable by variable.
         """
-        weights = [_private(c) for c in self.copies[device]]
-        slots = [[_private(s) for s in slots] for slots in self.slots[device]]
+        weights = [c._writable_buffer() for c in self.copies[device]]
+        slots = [[s._writable_buffer() for s in slots] for slots in self.slots[device]]
         fused = _fused_kernel() if self.host[device] else None
         for j, (dtype, indices) in enumerate(self.groups.items()):
             coefficients = self.coefficients[dtype]
@@ -555,16 +554,6 @@ class _ReplicaGrads:
 
 def _component(value, r: int):
     return value.values[r] if isinstance(value, DistributedValues) else value
-
-
-def _private(copy):
-    """The copy's buffer, given a fresh one first when something else holds it (copy-on-write)."""
-    value = copy._value
-    # References: `value`, the attribute, getrefcount's argument. More: an array read
-    # earlier is still held, and TF promises it keeps its value.
-    if sys.getrefcount(value) > 3:
-        value = copy._value = value.copy()
-    return value
 
 
 def _check_gradient_shape(i: int, grad, var) -> None:
