@@ -1,4 +1,7 @@
-"""Fixtures of the Strategy-layer tests: MirroredStrategy over 1, 2 and 4 logical CPU replicas."""
+"""Fixtures of the Strategy-layer tests: MirroredStrategy over 1, 2 and 4 logical CPU replicas;
+and the GPU machine every ``gpu``-marked test runs on (real, or simulated: see gpu_env.py)."""
+
+import zlib
 
 import pytest
 
@@ -26,3 +29,17 @@ def four():
 
 def replica_id():
     return md.get_replica_context().replica_id_in_sync_group
+
+
+@pytest.fixture(autouse=True)
+def gpu_machine(request):
+    """gpu tests run on the machine's GPUs, or on the simulated ones (seeded by the test's id)."""
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    import gpu_env
+
+    if gpu_env.cupy is None:
+        pytest.skip(gpu_env.SKIP_REASON)
+    with gpu_env.machine(zlib.crc32(request.node.nodeid.encode())):
+        yield

@@ -1,4 +1,4 @@
-"""MirroredStrategy on GPU replicas (marker ``gpu``; skipped without a GPU).
+"""MirroredStrategy on GPU replicas (marker ``gpu``: on the simulated GPUs without a GPU, see gpu_env.py).
 
 Two logical GPUs on physical GPU 0, so a one-GPU machine runs multi-replica
 GPU code; with more GPUs the same examples also run one replica per GPU.
@@ -7,14 +7,13 @@ GPU code; with more GPUs the same examples also run one replica per GPU.
 import numpy as np
 import pytest
 
+from gpu_env import NGPU, SKIP_REASON, cupy
+
 pytestmark = pytest.mark.gpu
-cupy = pytest.importorskip("cupy", reason="GPU tests need CuPy (pip install cupy-cuda13x)")
+if cupy is None:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
 
 import mirrored as md  # noqa: E402
-
-NGPU = len(md.config.list_physical_devices("GPU"))
-if NGPU == 0:
-    pytest.skip("no GPU visible", allow_module_level=True)
 
 
 @pytest.fixture(params=["logical", "physical"])
@@ -106,20 +105,63 @@ def test_nccl_all_reduce_on_gpus(gpus):
 def test_demo_trains_on_gpu_replicas_to_the_cpu_accuracy(tmp_path):
     """examples/train_digits.py --device gpu: 4 replicas (logical GPUs when there are fewer GPUs)
     reach the accuracy the same run reaches on CPU replicas."""
+    import os
     import pathlib
     import subprocess
     import sys
 
     pytest.importorskip("sklearn")
+    import gpu_env
+
     demo = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
+    # Without a GPU the demo's own process runs on the simulated machine too.
+    launcher = ["-c", gpu_env.RUN_SIMULATED] if gpu_env.SIMULATED else []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
     accuracy = {}
     for device in ("cpu", "gpu"):
-        proc = subprocess.run([sys.executable, str(demo), "--device", device, "--replicas", "4", "--steps", "60",
-                               "--no-progress", "--out", str(tmp_path / device)],
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([sys.executable, *launcher, str(demo), "--device", device, "--replicas", "4",
+                               "--steps", "60", "--no-progress", "--out", str(tmp_path / device)],
+                              capture_output=True, text=True, timeout=600, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
         lines = proc.stdout.strip().splitlines()
         assert lines[-2].startswith(f"4 {device.upper()} replicas, 60 steps")
         accuracy[device] = float(lines[-1].split(":")[1])
     assert accuracy["gpu"] > 0.8
     assert abs(accuracy["gpu"] - accuracy["cpu"]) <= 0.02, accuracy
+
+
+@pytest.mark.parametrize("per_gpu", [2, 4])
+def test_optimizer_steps_on_replicas_sharing_a_gpu_match_cpu_replicas(per_gpu):
+    """Replicas sharing a GPU run on their own streams, and each step's merged update may run on
+    another replica's thread: the variables' old values must outlive every read of them (the
+    simulator poisons freed memory; this diverged before updates ran on the legacy stream)."""
+    gpus = min(NGPU, 2) if per_gpu == 2 else 1
+    n = per_gpu * gpus
+
+    def train(devices, xp):
+        s = md.MirroredStrategy(devices)
+        with s.scope():
+            w = md.Variable(np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4))
+            b = md.Variable(np.zeros(4, np.float32))
+            opt = md.optimizers.SGD(0.05, momentum=0.9)
+
+        def step():
+            r = md.get_replica_context().replica_id_in_sync_group
+            gw = w.read_value() * (r + 1) - 0.5
+            gb = xp.full(4, r - 1.5, xp.float32)
+            opt.apply_gradients([(gw, w), (gb, b)])
+
+        for _ in range(6):
+            s.run(step)
+        return np.asarray(w.numpy()), np.asarray(b.numpy())
+
+    for i in range(gpus):
+        md.config.set_logical_device_configuration("GPU", i, count=per_gpu)
+    try:
+        on_gpus = train([f"/gpu:{i}" for i in range(n)], cupy)
+    finally:
+        for i in range(gpus):
+            md.config.set_logical_device_configuration(f"GPU:{i}", None)
+    on_cpus = train([f"/cpu:{i}" for i in range(n)], np)
+    for g, c in zip(on_gpus, on_cpus):
+        np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-6)

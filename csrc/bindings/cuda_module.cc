@@ -1,7 +1,13 @@
 // mirrored._cuda: collectives over CUDA device buffers (the CUDA ring and
 // NCCL). Thin: buffers arrive as device pointers (integers) already validated
-// by mirrored._cuda_collectives, streams as CUDA stream handles; the GIL is
+// by mirrored.collective.cuda, streams as CUDA stream handles; the GIL is
 // released while the work is queued. Imports without a driver or a GPU.
+//
+// Built a second time with MIRRORED_CUDA_SIM as mirrored._cuda_sim: the same
+// module over the simulated CUDA runtime (csrc/cuda/sim) and the stand-in
+// libnccl, plus a `sim` submodule that drives the simulated machine. The
+// tests' CuPy stand-in (tests/fake_cupy.py) runs on it; users never load it
+// (mirrored.device.engine selects it only when asked to).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -13,8 +19,16 @@
 #include "cuda/cuda_ring.h"
 #include "cuda/device.h"
 #include "cuda/device_batch.h"
+#include "cuda/check.h"
 #include "cuda/stream_scope.h"
 #include "nccl/nccl_communicator.h"
+
+#ifdef MIRRORED_CUDA_SIM
+#include "cuda/sim/sim_runtime.h"
+#define MIRRORED_CUDA_MODULE _cuda_sim
+#else
+#define MIRRORED_CUDA_MODULE _cuda
+#endif
 
 namespace py = pybind11;
 using namespace mirrored;
@@ -46,9 +60,141 @@ int size_of(const Ptrs& in, const Ptrs& out) {
   return static_cast<int>(in.size());
 }
 
+#ifdef MIRRORED_CUDA_SIM
+namespace sim = cuda::sim;
+
+// A thread that must wait for the simulated machine lets go of the GIL
+// meanwhile: the holder may be draining work that needs it.
+void release_gil_while_blocked(std::recursive_mutex& machine) {
+  if (PyGILState_Check()) {
+    py::gil_scoped_release nogil;
+    machine.lock();
+  } else {
+    machine.lock();
+  }
+}
+
+// A Python callable queued as a kernel: called, and dropped, under the GIL
+// whichever thread drains the queue.
+std::shared_ptr<py::function> gil_owned(py::function f) {
+  return std::shared_ptr<py::function>(new py::function(std::move(f)), [](py::function* p) {
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+}
+
+cudaStream_t stream_of(std::uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
+cudaEvent_t event_of(std::uintptr_t handle) { return reinterpret_cast<cudaEvent_t>(handle); }
+
+void check_device(int device) {
+  int n = 0;
+  cudaGetDeviceCount(&n);
+  if (device < 0 || device >= n)
+    throw py::value_error("device=" + std::to_string(device) + " is not a simulated GPU (" + std::to_string(n) +
+                          " configured by sim.reset)");
+}
+
+// Runs f with `device` current on this thread (CUDA's current device is per thread).
+template <typename F>
+auto on_device(int device, F f) {
+  check_device(device);
+  cuda::DeviceGuard guard;
+  cudaSetDevice(device);
+  return f();
+}
+
+void def_sim(py::module_& m) {
+  auto s = m.def_submodule("sim", "The simulated CUDA machine under this engine (tests only).");
+  sim::set_block_hook(&release_gil_while_blocked);
+  s.def("reset", [](int devices, const std::vector<std::pair<int, int>>& peers, unsigned seed) {
+    if (devices < 1) throw py::value_error("devices must be at least 1");
+    sim::reset(devices, {peers.begin(), peers.end()}, seed);
+  }, py::arg("devices"), py::arg("peers"), py::arg("seed"),
+     "Configures `devices` GPUs; kernels of a may read b's memory iff (a, b) is in peers; seed picks drain orders.");
+  s.def("drain", [] {
+    py::gil_scoped_release nogil;
+    sim::drain();
+  }, "Runs every queued kernel and copy, in a random order that respects streams and events.");
+  s.def("counters", [] {
+    const sim::Counters c = sim::counters();
+    py::dict d;
+    d["launches"] = c.launches;
+    d["stream_ops"] = c.stream_ops;
+    return d;
+  }, "Engine kernel launches per device and stream operations (records, waits, copies, syncs) since reset_counters().");
+  s.def("reset_counters", [] { sim::reset_counters(); });
+  s.def("malloc", [](std::size_t bytes, int device) {
+    check_device(device);
+    return reinterpret_cast<std::uintptr_t>(sim::allocate(bytes, device));
+  }, py::arg("bytes"), py::arg("device"), "Device memory (filled with 0xcd) on `device`.");
+  s.def("free", [](std::uintptr_t p, std::uintptr_t stream) {
+    const int device = sim::device_of_pointer(reinterpret_cast<void*>(p));
+    if (device < 0) throw py::value_error("free: not live simulated device memory");
+    on_device(device, [&] { sim::release(reinterpret_cast<void*>(p), stream_of(stream)); return 0; });
+  }, py::arg("ptr"), py::arg("stream"), "Poisons the memory (0xdb) in the order of `stream`, then forgets it.");
+  s.def("device_of", [](std::uintptr_t p) { return sim::device_of_pointer(reinterpret_cast<void*>(p)); },
+        "The device of live simulated memory at p; -1 for anything else.");
+  s.def("stream_device", [](std::uintptr_t stream, int device) {
+    return on_device(device, [&] { return sim::device_of_stream(stream_of(stream)); });
+  });
+  s.def("stream_create", [](int device, bool non_blocking) {
+    return on_device(device, [&] {
+      cudaStream_t st = nullptr;
+      cudaStreamCreateWithFlags(&st, non_blocking ? cudaStreamNonBlocking : cudaStreamDefault);
+      return reinterpret_cast<std::uintptr_t>(st);
+    });
+  }, py::arg("device"), py::arg("non_blocking"));
+  s.def("event_create", [](int device) {
+    return on_device(device, [&] {
+      cudaEvent_t e = nullptr;
+      cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+      return reinterpret_cast<std::uintptr_t>(e);
+    });
+  });
+  s.def("event_destroy", [](std::uintptr_t e) { cudaEventDestroy(event_of(e)); });
+  s.def("event_record", [](std::uintptr_t e, std::uintptr_t stream, int device) {
+    on_device(device, [&] {
+      MIRRORED_CUDA_CHECK(cudaEventRecord(event_of(e), stream_of(stream)));  // on the event's device only
+      return 0;
+    });
+  });
+  s.def("stream_wait_event", [](std::uintptr_t stream, std::uintptr_t e, int device) {
+    on_device(device, [&] {
+      MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(stream_of(stream), event_of(e), 0));
+      return 0;
+    });
+  });
+  s.def("synchronize_stream", [](std::uintptr_t stream, int device) {
+    on_device(device, [&] {
+      py::gil_scoped_release nogil;
+      MIRRORED_CUDA_CHECK(cudaStreamSynchronize(stream_of(stream)));
+      return 0;
+    });
+  }, "Runs queued work until the stream's own is done (a null stream is the device's).");
+  s.def("synchronize_event", [](std::uintptr_t e) {
+    py::gil_scoped_release nogil;
+    MIRRORED_CUDA_CHECK(cudaEventSynchronize(event_of(e)));
+  });
+  s.def("event_done", [](std::uintptr_t e) { return cudaEventQuery(event_of(e)) == cudaSuccess; });
+  s.def("launch", [](std::uintptr_t stream, int device, py::function fn) {
+    on_device(device, [&] {
+      if (sim::device_of_stream(stream_of(stream)) != device)
+        throw py::value_error("launch: the stream belongs to another device");
+      auto f = gil_owned(std::move(fn));
+      sim::enqueue(stream_of(stream), [f] {
+        py::gil_scoped_acquire gil;
+        (*f)();
+      });
+      return 0;
+    });
+  }, py::arg("stream"), py::arg("device"), py::arg("fn"),
+     "Queues fn() on the stream as a kernel of `device` (not counted as an engine launch).");
+}
+#endif
+
 }  // namespace
 
-PYBIND11_MODULE(_cuda, m) {
+PYBIND11_MODULE(MIRRORED_CUDA_MODULE, m) {
   m.doc() = "CUDA-buffer collectives of mirrored: the native ring over device memory, and NCCL loaded at run time.";
 
   m.def("device_count", &cuda::device_count, "GPUs the CUDA runtime sees; 0 without a driver or a GPU (never raises).");
@@ -138,4 +284,7 @@ PYBIND11_MODULE(_cuda, m) {
     return std::make_unique<Engine>(devices, std::make_unique<nccl::NcclCommunicator>(id, rank, nranks, devices));
   }, py::arg("unique_id"), py::arg("rank"), py::arg("nranks"), py::arg("devices"),
      "This process's ranks rank.. rank+len(devices)-1 of an NCCL job of nranks sharing unique_id.");
+#ifdef MIRRORED_CUDA_SIM
+  def_sim(m);
+#endif
 }

@@ -7,13 +7,14 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <string>
-#include <type_traits>
 #include <vector>
 
+#include "cuda/reduce_ops.cuh"
 #include "cuda/sim/sim_runtime.h"
 
 namespace {
@@ -26,35 +27,27 @@ enum { kAllReduce, kBroadcast, kReduce, kAllGather };
 struct UniqueId { char bytes[128]; };
 
 constexpr int version = 22000;
-int depth = 0;
-std::vector<Call> pending;
+thread_local int depth = 0;  // groups are per thread, as NCCL's are
+thread_local std::vector<Call> pending;
 std::map<std::string, std::shared_ptr<Clique>> cliques;
 
-template <typename T>
-void reduce_into(std::vector<T>& acc, const T* x, int op, bool first) {
+// NCCL's arithmetic, element by element: the kernels' own functors
+// (reduce_ops.cuh), so halves combine in float and integers wrap.
+template <typename T, mirrored::ReduceOp Op>
+void reduce_all(std::vector<T>& acc, const std::vector<Call>& calls, bool mean) {
+  using E = mirrored::cuda::Elem<T>;
+  const int n = static_cast<int>(calls.size());
   for (std::size_t i = 0; i < acc.size(); ++i) {
-    if (first) { acc[i] = x[i]; continue; }
-    if constexpr (std::is_integral_v<T>) {  // integers wrap, as NCCL's do (signed overflow is UB here)
-      using U = std::make_unsigned_t<T>;
-      acc[i] = op == 1 ? T(U(acc[i]) * U(x[i])) : op == 2 ? std::max(acc[i], x[i]) : op == 3 ? std::min(acc[i], x[i])
-                                                                       : T(U(acc[i]) + U(x[i]));
-    } else {
-      acc[i] = op == 1 ? acc[i] * x[i] : op == 2 ? std::max(acc[i], x[i]) : op == 3 ? std::min(acc[i], x[i]) : acc[i] + x[i];
-    }
+    auto v = E::load(static_cast<const T*>(calls[0].send)[i]);
+    for (int r = 1; r < n; ++r) v = mirrored::cuda::Combine<Op>()(v, E::load(static_cast<const T*>(calls[r].send)[i]));
+    acc[i] = E::store(mean ? mirrored::cuda::divide(v, n) : v);
   }
 }
 
 template <typename T>
-void run_typed(std::vector<Call> calls) {
+void run_typed(const std::vector<Call>& calls) {
+  using mirrored::ReduceOp;
   const Call& c0 = calls[0];
-  const int n = static_cast<int>(calls.size());
-  if (c0.kind == kAllGather) {
-    const std::size_t bytes = c0.count * sizeof(T);
-    std::vector<char> all(bytes * n);
-    for (const Call& c : calls) std::memcpy(all.data() + c.comm->rank * bytes, c.send, bytes);
-    for (const Call& c : calls) std::memcpy(c.recv, all.data(), all.size());
-    return;
-  }
   if (c0.kind == kBroadcast) {
     std::vector<T> v(c0.count);
     for (const Call& c : calls) if (c.comm->rank == c.root) std::memcpy(v.data(), c.send, v.size() * sizeof(T));
@@ -62,10 +55,38 @@ void run_typed(std::vector<Call> calls) {
     return;
   }
   std::vector<T> acc(c0.count);
-  for (int r = 0; r < n; ++r) reduce_into(acc, static_cast<const T*>(calls[r].send), c0.op, r == 0);
-  if (c0.op == 4) for (auto& x : acc) x = static_cast<T>(x / n);
+  switch (c0.op) {  // ncclSum, ncclProd, ncclMax, ncclMin, ncclAvg
+    case 0: reduce_all<T, ReduceOp::kSum>(acc, calls, false); break;
+    case 1: reduce_all<T, ReduceOp::kProd>(acc, calls, false); break;
+    case 2: reduce_all<T, ReduceOp::kMax>(acc, calls, false); break;
+    case 3: reduce_all<T, ReduceOp::kMin>(acc, calls, false); break;
+    default: reduce_all<T, ReduceOp::kSum>(acc, calls, true); break;
+  }
   for (const Call& c : calls)
     if (c0.kind == kAllReduce || c.comm->rank == c.root) std::memcpy(c.recv, acc.data(), acc.size() * sizeof(T));
+}
+
+void run_gather(const std::vector<Call>& calls) {
+  const std::size_t bytes = calls[0].count;  // gathers are byte copies (ncclUint8)
+  std::vector<char> all(bytes * calls.size());
+  for (const Call& c : calls) std::memcpy(all.data() + c.comm->rank * bytes, c.send, bytes);
+  for (const Call& c : calls) std::memcpy(c.recv, all.data(), all.size());
+}
+
+void run(const std::vector<Call>& calls) {
+  using mirrored::cuda::BF16;
+  using mirrored::cuda::F16;
+  if (calls[0].kind == kAllGather) return run_gather(calls);
+  switch (calls[0].dtype) {  // ncclDataType_t
+    case 0: return run_typed<std::int8_t>(calls);
+    case 1: return run_typed<std::uint8_t>(calls);
+    case 2: return run_typed<std::int32_t>(calls);
+    case 4: return run_typed<std::int64_t>(calls);
+    case 6: return run_typed<F16>(calls);
+    case 7: return run_typed<float>(calls);
+    case 8: return run_typed<double>(calls);
+    case 9: return run_typed<BF16>(calls);
+  }
 }
 
 int launch(std::vector<Call> calls) {
@@ -79,10 +100,7 @@ int launch(std::vector<Call> calls) {
   }
   cudaSetDevice(calls[0].comm->device);
   for (auto e : arrived) cudaStreamWaitEvent(calls[0].stream, e, 0), cudaEventDestroy(e);  // a wait keeps its record
-  mirrored::cuda::sim::enqueue(calls[0].stream, [calls] {
-    if (calls[0].dtype == 2 || calls[0].kind == kAllGather) run_typed<int>(calls);  // gathers are byte copies
-    else run_typed<float>(calls);
-  });
+  mirrored::cuda::sim::enqueue(calls[0].stream, [calls] { run(calls); });
   cudaEvent_t done;
   cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
   cudaEventRecord(done, calls[0].stream);
@@ -95,8 +113,8 @@ int launch(std::vector<Call> calls) {
 }
 
 int enqueue(Call c) {
-  if (c.kind == kAllGather) c.count /= 4, c.dtype = 2;  // bytes (ncclUint8) as int32 words in the tests
-  else if (c.dtype != 2 && c.dtype != 7) return 4;       // ncclInvalidArgument: the fake knows int32/float32
+  if (c.kind != kAllGather && (c.dtype < 0 || c.dtype > 9 || c.dtype == 3 || c.dtype == 5))
+    return 4;  // ncclInvalidArgument: a dtype mirrored never passes
   pending.push_back(c);
   if (depth > 0) return 0;
   std::vector<Call> calls;
@@ -106,6 +124,9 @@ int enqueue(Call c) {
 
 }  // namespace
 
+// Exported even from a module built with hidden visibility: the Python test
+// engine (_cuda_sim) is its own libnccl, dlopen'ed by path like a real one.
+#pragma GCC visibility push(default)
 extern "C" {
 int ncclGetVersion(int* v) { *v = version; return 0; }
 const char* ncclGetErrorString(int) { return "fake NCCL error"; }
@@ -117,6 +138,7 @@ int ncclGetUniqueId(char* id) {
   return 0;
 }
 int ncclCommInitRank(Comm** comm, int nranks, UniqueId id, int rank) {
+  mirrored::cuda::sim::Lock lock;  // ranks may join from several threads
   auto& c = cliques[std::string(id.bytes, 128)];
   if (!c) c = std::make_shared<Clique>(Clique{nranks});
   int device = 0;
@@ -142,3 +164,4 @@ int ncclBroadcast(const void* s, void* r, std::size_t n, int dt, int root, Comm*
 int ncclReduce(const void* s, void* r, std::size_t n, int dt, int op, int root, Comm* c, cudaStream_t st) { return enqueue({kReduce, s, r, n, dt, op, root, c, st}); }
 int ncclAllGather(const void* s, void* r, std::size_t n, int dt, Comm* c, cudaStream_t st) { return enqueue({kAllGather, s, r, n, dt, 0, 0, c, st}); }
 }
+#pragma GCC visibility pop

@@ -5,6 +5,8 @@
 // runnable stream heads in a random order, so a missing dependency shows up
 // as a wrong result (or a reported deadlock). Kernels must only touch memory
 // of their device or of a peer with access; the simulation checks that too.
+// The current device is per thread, as CUDA's is; one recursive lock makes
+// the whole machine safe to drive from several threads (see sim_runtime.h).
 #include "cuda/sim/sim_runtime.h"
 
 #include <cuda_runtime_api.h>
@@ -34,14 +36,20 @@ struct Op {
 };
 }  // namespace
 
-struct CUstream_st { int device; std::deque<Op> queue; };
+// blocking: ordered with the device's legacy default stream (the null
+// stream), both ways, as streams created without cudaStreamNonBlocking are.
+struct CUstream_st {
+  int device;
+  bool blocking;
+  std::deque<Op> queue;
+};
 struct CUevent_st { int device; std::shared_ptr<Record> latest; };
 
 namespace mirrored::cuda::sim {
 namespace {
 int num_devices = 4;
 std::set<std::pair<int, int>> peers;
-int current = 0;
+thread_local int current = 0;
 std::map<int, CUstream_st*>& null_streams = *new std::map<int, CUstream_st*>;  // never destroyed (see allocations)
 std::vector<CUstream_st*>& streams = *new std::vector<CUstream_st*>;
 // Simulated device memory: base -> (bytes, device, the block). Holding the
@@ -54,38 +62,121 @@ struct Allocation {
   void* block;
 };
 std::map<std::uintptr_t, Allocation>& allocations = *new std::map<std::uintptr_t, Allocation>;
+// Released test memory, poisoned, kept mapped until there is too much of it.
+constexpr std::size_t quarantine_limit = std::size_t(256) << 20;
+std::deque<std::pair<void*, std::size_t>>& quarantine = *new std::deque<std::pair<void*, std::size_t>>;
+std::size_t quarantined = 0;
 std::mt19937 rng;
 Counters counted;
+void (*block_hook)(std::recursive_mutex&) = nullptr;
 
 CUstream_st* resolve(cudaStream_t s) {
   if (s) return s;
   CUstream_st*& n = null_streams[current];
-  if (!n) streams.push_back(n = new CUstream_st{current, {}});
+  if (!n) streams.push_back(n = new CUstream_st{current, false, {}});
   return n;
 }
 
-int device_of(const void* p) {
+bool is_null(const CUstream_st* s) {
+  auto it = null_streams.find(s->device);
+  return it != null_streams.end() && it->second == s;
+}
+
+// Queues op on s after the implicit synchronisation of the legacy default
+// stream: work there waits for the queued work of the device's blocking
+// streams, and work on a blocking stream waits for the null stream's.
+void push(CUstream_st* s, Op op) {
+  auto wait_for = [s](CUstream_st* other) {
+    if (other == s || other->queue.empty()) return;
+    auto record = std::make_shared<Record>();
+    other->queue.push_back(Op{nullptr, record, false});
+    s->queue.push_back(Op{nullptr, record, true});
+  };
+  if (is_null(s)) {
+    for (CUstream_st* b : streams)
+      if (b->blocking && b->device == s->device) wait_for(b);
+  } else if (s->blocking) {
+    auto it = null_streams.find(s->device);
+    if (it != null_streams.end()) wait_for(it->second);
+  }
+  s->queue.push_back(std::move(op));
+}
+
+int find_device(const void* p) {
   const auto u = reinterpret_cast<std::uintptr_t>(p);
   auto it = allocations.upper_bound(u);
-  if (it == allocations.begin() || u > (--it)->first + it->second.bytes)
-    throw std::logic_error("simulated kernel touches memory that was never allocated");
+  if (it == allocations.begin() || u > (--it)->first + it->second.bytes) return -1;
   return it->second.device;
+}
+
+int device_of(const void* p) {
+  const int d = find_device(p);
+  if (d < 0) throw std::logic_error("simulated kernel touches memory that was never allocated (or was freed)");
+  return d;
 }
 }  // namespace
 
-const Counters& counters() { return counted; }
-void reset_counters() { counted = Counters{}; }
+std::recursive_mutex& machine() {
+  static auto& m = *new std::recursive_mutex;  // outlives every static destructor that may call the runtime
+  return m;
+}
+void set_block_hook(void (*hook)(std::recursive_mutex&)) { block_hook = hook; }
+Lock::Lock() {
+  if (machine().try_lock()) return;
+  if (block_hook) block_hook(machine());
+  else machine().lock();
+}
+
+Counters counters() { Lock lock; return counted; }
+void reset_counters() { Lock lock; counted = Counters{}; }
 
 void reset(int devices, std::set<std::pair<int, int>> peer_pairs, unsigned seed) {
+  Lock lock;
   num_devices = devices;
   peers = std::move(peer_pairs);
   rng.seed(seed);
 }
 
-void enqueue(cudaStream_t stream, std::function<void()> work) { resolve(stream)->queue.push_back(Op{std::move(work)}); }
+void enqueue(cudaStream_t stream, std::function<void()> work) {
+  Lock lock;
+  push(resolve(stream), Op{std::move(work)});
+}
 
-void drain() {
-  for (;;) {
+int device_of_pointer(const void* p) { Lock lock; return find_device(p); }
+int device_of_stream(cudaStream_t stream) { Lock lock; return resolve(stream)->device; }
+
+void* allocate(std::size_t bytes, int device) {
+  Lock lock;
+  void* p = std::malloc(bytes + 1);  // + 1: a zero-byte allocation still has an address of its own
+  if (!p) throw std::bad_alloc();
+  std::memset(p, kFreshByte, bytes);
+  allocations[reinterpret_cast<std::uintptr_t>(p)] = {bytes, device, p};
+  return p;
+}
+
+void release(void* p, cudaStream_t stream) {
+  Lock lock;
+  auto it = allocations.find(reinterpret_cast<std::uintptr_t>(p));
+  if (it == allocations.end()) throw std::logic_error("sim::release of memory that allocate() did not return");
+  const std::size_t bytes = it->second.bytes;
+  enqueue(stream, [p, bytes] {
+    std::memset(p, kPoisonByte, bytes);
+    allocations.erase(reinterpret_cast<std::uintptr_t>(p));
+    quarantine.emplace_back(p, bytes);
+    quarantined += bytes;
+    while (quarantined > quarantine_limit && quarantine.size() > 1) {
+      quarantined -= quarantine.front().second;
+      std::free(quarantine.front().first);
+      quarantine.pop_front();
+    }
+  });
+}
+
+void drain() { drain_until([] { return false; }); }
+
+void drain_until(const std::function<bool()>& done) {
+  Lock lock;
+  while (!done()) {
     std::vector<CUstream_st*> ready;
     bool busy = false;
     for (auto* s : streams) {
@@ -109,26 +200,67 @@ void drain() {
 namespace sim = mirrored::cuda::sim;
 
 extern "C" {
-cudaError_t cudaGetDeviceCount(int* n) { *n = sim::num_devices; return cudaSuccess; }
+cudaError_t cudaGetDeviceCount(int* n) {
+  sim::Lock lock;
+  *n = sim::num_devices;
+  return cudaSuccess;
+}
 cudaError_t cudaSetDevice(int d) {
+  sim::Lock lock;
   if (d < 0 || d >= sim::num_devices) return cudaErrorInvalidDevice;
   sim::current = d;
   return cudaSuccess;
 }
-cudaError_t cudaGetDevice(int* d) { *d = sim::current; return cudaSuccess; }
-cudaError_t cudaGetLastError() { return cudaSuccess; }
+cudaError_t cudaGetDevice(int* d) {
+  sim::Lock lock;
+  *d = sim::current;
+  return cudaSuccess;
+}
+cudaError_t cudaGetLastError() {
+  sim::Lock lock;
+  return cudaSuccess;
+}
 const char* cudaGetErrorName(cudaError_t) { return "cudaErrorSimulated"; }
 const char* cudaGetErrorString(cudaError_t) { return "simulated error"; }
-cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) { std::memset(p, 0, sizeof *p); return cudaSuccess; }
-cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) { *v = 4; return cudaSuccess; }
-cudaError_t cudaDeviceCanAccessPeer(int* can, int a, int b) { *can = static_cast<int>(sim::peers.count({a, b})); return cudaSuccess; }
-cudaError_t cudaDeviceEnablePeerAccess(int, unsigned) { return cudaSuccess; }
-cudaError_t cudaDeviceSynchronize() { ++sim::counted.stream_ops; return cudaSuccess; }
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
-  sim::streams.push_back(*s = new CUstream_st{sim::current, {}});
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) {
+  sim::Lock lock;
+  std::memset(p, 0, sizeof *p);
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
+  sim::Lock lock;
+  *v = 4;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceCanAccessPeer(int* can, int a, int b) {
+  sim::Lock lock;
+  *can = static_cast<int>(sim::peers.count({a, b}));
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceEnablePeerAccess(int, unsigned) {
+  sim::Lock lock;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize() {
+  sim::Lock lock;
+  ++sim::counted.stream_ops;
+  sim::drain();  // the host blocks until the GPU is idle
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  sim::Lock lock;
+  ++sim::counted.stream_ops;
+  const CUstream_st* st = sim::resolve(s);
+  sim::drain_until([st] { return st->queue.empty(); });  // other streams' work runs only as far as needed
+  return cudaSuccess;
+}
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags) {
+  sim::Lock lock;
+  sim::streams.push_back(*s = new CUstream_st{sim::current, (flags & cudaStreamNonBlocking) == 0, {}});
   return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  sim::Lock lock;
   // CUDA lets queued work finish; the simulation runs it before forgetting the stream.
   sim::drain();
   for (auto it = sim::streams.begin(); it != sim::streams.end(); ++it)
@@ -136,58 +268,80 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
   delete s;
   return cudaSuccess;
 }
-cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { *e = new CUevent_st{sim::current, nullptr}; return cudaSuccess; }
-cudaError_t cudaEventDestroy(cudaEvent_t e) { delete e; return cudaSuccess; }
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+  sim::Lock lock;
+  *e = new CUevent_st{sim::current, nullptr};
+  return cudaSuccess;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  sim::Lock lock;
+  delete e;
+  return cudaSuccess;
+}
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  sim::Lock lock;
   ++sim::counted.stream_ops;
   CUstream_st* st = sim::resolve(s);
   if (st->device != e->device) return cudaErrorInvalidResourceHandle;  // CUDA's rule too
   e->latest = std::make_shared<Record>();
-  st->queue.push_back(Op{nullptr, e->latest, false});
+  sim::push(st, Op{nullptr, e->latest, false});
   return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+  sim::Lock lock;
   ++sim::counted.stream_ops;
-  if (e->latest) sim::resolve(s)->queue.push_back(Op{nullptr, e->latest, true});
+  if (e->latest) sim::push(sim::resolve(s), Op{nullptr, e->latest, true});
   return cudaSuccess;
 }
 cudaError_t cudaMalloc(void** p, size_t n) {
+  sim::Lock lock;
   *p = std::malloc(n + 1);
   std::memset(*p, 0xcd, n);
   sim::allocations[reinterpret_cast<std::uintptr_t>(*p)] = {n, sim::current, *p};
   return cudaSuccess;
 }
 cudaError_t cudaMallocHost(void** p, size_t n) {
+  sim::Lock lock;
   *p = std::malloc(n + 1);  // host memory: a kernel touching it is caught as unallocated
   return cudaSuccess;
 }
 cudaError_t cudaFreeHost(void* p) {
+  sim::Lock lock;
   std::free(p);
   return cudaSuccess;
 }
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+  sim::Lock lock;
+  return !e->latest || e->latest->done ? cudaSuccess : cudaErrorNotReady;
+}
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  sim::Lock lock;
   ++sim::counted.stream_ops;
-  if (e->latest && !e->latest->done) sim::drain();  // the host blocks until the GPU got there
+  if (const auto record = e->latest) sim::drain_until([record] { return record->done; });  // the host waits for it
   return cudaSuccess;
 }
 cudaError_t cudaFree(void* p) {
+  sim::Lock lock;
+  sim::drain();  // cudaFree waits for the device, so queued work never reads freed memory
   sim::allocations.erase(reinterpret_cast<std::uintptr_t>(p));
   std::free(p);
   return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t st) {
+  sim::Lock lock;
   ++sim::counted.stream_ops;
   if (sim::resolve(st)->device != sim::current) return cudaErrorInvalidValue;
   sim::enqueue(st, [=] { std::memmove(d, s, n); });
   return cudaSuccess;
 }
 cudaError_t cudaMemcpyPeerAsync(void* d, int, const void* s, int, size_t n, cudaStream_t st) {
+  sim::Lock lock;
   ++sim::counted.stream_ops;
   sim::enqueue(st, [=] { std::memmove(d, s, n); });
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy2DAsync(void* d, size_t dp, const void* s, size_t sp, size_t w, size_t h, cudaMemcpyKind,
-                              cudaStream_t st) {
+                              cudaStream_t st) { sim::Lock lock;
   ++sim::counted.stream_ops;
   sim::enqueue(st, [=] {
     for (size_t r = 0; r < h; ++r) std::memcpy(static_cast<char*>(d) + r * dp, static_cast<const char*>(s) + r * sp, w);
@@ -195,6 +349,7 @@ cudaError_t cudaMemcpy2DAsync(void* d, size_t dp, const void* s, size_t sp, size
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy3DPeerAsync(const cudaMemcpy3DPeerParms* p, cudaStream_t st) {
+  sim::Lock lock;
   ++sim::counted.stream_ops;
   const cudaMemcpy3DPeerParms q = *p;
   sim::enqueue(st, [=] {
@@ -276,6 +431,7 @@ void fused_op(const FusedArgs& a, std::size_t count, ReduceOp op, int mean_div, 
 
 void fused_reduce(const FusedArgs& a, std::size_t count, DType dtype, ReduceOp op, int mean_div, int sms,
                   cudaStream_t stream) {
+  sim::Lock lock;
   if (count == 0) return;
   if (a.nin < 1 || a.nin > kMaxFused || a.nout < 0 || a.nout > kMaxFused)
     throw std::logic_error("fused_reduce: bad buffer counts");
@@ -299,6 +455,7 @@ void fused_reduce(const FusedArgs& a, std::size_t count, DType dtype, ReduceOp o
 }
 
 void fused_gather(const GatherArgs& a, int unit, int sms, cudaStream_t stream) {
+  sim::Lock lock;
   const std::size_t total = a.col[a.nin] * a.outer;
   if (total == 0) return;
   launched(stream);
@@ -323,6 +480,7 @@ void fused_gather(const GatherArgs& a, int unit, int sms, cudaStream_t stream) {
 }
 
 void multi_copy(const CopyEntry* table, int entries, std::size_t slots, int sms, cudaStream_t stream) {
+  sim::Lock lock;
   if (entries == 0 || slots == 0) return;
   launched(stream);
   reachable(table);
@@ -344,6 +502,7 @@ void multi_copy(const CopyEntry* table, int entries, std::size_t slots, int sms,
 
 void reduce_copy(void* out, const void* a, const void* b, std::size_t count, DType dtype, ReduceOp op, int mean_div,
                  int, cudaStream_t stream) {
+  sim::Lock lock;
   if (count == 0) return;
   launched(stream);
   for (const void* p : {static_cast<const void*>(out), a, b}) reachable(p);

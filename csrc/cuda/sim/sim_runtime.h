@@ -1,10 +1,14 @@
-// Control of the simulated CUDA runtime (sim_runtime.cc), for sim_test.cc.
+// Control of the simulated CUDA runtime (sim_runtime.cc), for sim_test.cc
+// and for the Python test engine (csrc/bindings/cuda_module.cc built with
+// MIRRORED_CUDA_SIM).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <random>
 #include <set>
 #include <utility>
@@ -18,6 +22,9 @@ void reset(int devices, std::set<std::pair<int, int>> peer_pairs, unsigned seed)
 void enqueue(cudaStream_t stream, std::function<void()> work);
 // Runs everything queued, in a random order that respects streams and events.
 void drain();
+// The same until done() holds (checked before each step): what a host wait
+// for one stream or event sees, other streams' work having run only partly.
+void drain_until(const std::function<bool()>& done);
 
 // What the code under test asked of the runtime since reset_counters():
 // kernel launches per device, and the calls that queue work or wait
@@ -31,7 +38,33 @@ struct Counters {
     return t;
   }
 };
-const Counters& counters();
+Counters counters();
 void reset_counters();
+
+// The simulation is one machine shared by every thread: each runtime call
+// and each drain() holds this (recursive) lock. A thread about to block on
+// it calls the hook first, so that an embedder can let go of its own lock
+// (Python's GIL) while it waits: drain() may run work that takes that lock.
+std::recursive_mutex& machine();
+void set_block_hook(void (*hook)(std::recursive_mutex&));
+class Lock {
+ public:
+  Lock();
+  ~Lock() { machine().unlock(); }
+  Lock(const Lock&) = delete;
+  Lock& operator=(const Lock&) = delete;
+};
+
+// Test memory (the CuPy stand-in's): `bytes` on device `device`, filled
+// with a pattern no computation produces. release() poisons it in the order
+// of `stream` (where a memory pool would hand it out again) and then stops
+// it counting as device memory: a kernel ordered after that reads poison,
+// and a launch that names it fails. Its bytes stay mapped (quarantined)
+// until quarantine_limit bytes pile up, so a late reader never faults.
+void* allocate(std::size_t bytes, int device);
+void release(void* p, cudaStream_t stream);
+constexpr unsigned char kFreshByte = 0xcd, kPoisonByte = 0xdb;
+int device_of_pointer(const void* p);  // -1 when not (or no longer) device memory
+int device_of_stream(cudaStream_t stream);
 
 }  // namespace mirrored::cuda::sim

@@ -30,7 +30,7 @@ import threading
 import numpy as np
 
 from .. import _core, timeline
-from ..device import dlpack as _dlpack
+from ..device import device_util, dlpack as _dlpack
 from ..device.dtypes import OPS, dtype_code, op_code
 
 __all__ = ["all_reduce", "broadcast", "reduce", "all_gather", "batch_all_reduce", "ALGORITHMS"]
@@ -178,7 +178,7 @@ def _is_integer(x) -> bool:
 
 def true_divide(sums, n: int, out=None):
     """Each (wrapped) integer sum as float64 divided by ``n``, into ``out`` if given (float64 arrays)."""
-    results = [s.astype(np.float64) / n for s in sums]  # NumPy or CuPy
+    results = [_divided(s, n) for s in sums]
     if out is None:
         return results
     for i, (o, r) in enumerate(zip(out, results)):
@@ -189,6 +189,12 @@ def true_divide(sums, n: int, out=None):
                             "buffers is float64 (NumPy true division); pass float64 out arrays or out=None")
         o[...] = r
     return list(out)
+
+
+def _divided(s, n: int):
+    """s as float64 / n, on s's own GPU for CuPy arrays."""
+    with device_util.array_device(s):
+        return s.astype(np.float64) / n
 
 
 def means_of_sums(rows, n: int):

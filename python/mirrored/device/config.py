@@ -24,6 +24,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from . import engine
+
 
 @dataclass(frozen=True)
 class PhysicalDevice:
@@ -60,12 +62,8 @@ def _num_cpus() -> int:
 def _num_gpus() -> int:
     """GPUs the CUDA extension can see; 0 without the extension, a driver or a GPU."""
     try:
-        from .. import _cuda  # type: ignore[attr-defined]
-    except ImportError:
-        return 0
-    try:
-        return int(_cuda.device_count())
-    except Exception:
+        return int(engine.extension().device_count())
+    except Exception:  # no extension (ImportError), or a bad $MIRRORED_CUDA_ENGINE
         return 0
 
 

@@ -11,6 +11,7 @@ CPU devices, CuPy (on the device's GPU) for GPU devices.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import threading
@@ -125,6 +126,23 @@ class device_scope:
         _current.device = self._saved
 
 
+@contextlib.contextmanager
+def cross_replica_gpu_scope(device):
+    """For cross-replica work on GPU ``device``'s data: that GPU current (CuPy computes, and
+    allocates, on its current device), and its legacy default stream, which is ordered after
+    every replica stream's queued work and before their later work. On a replica stream the
+    next merge's reads (another replica's stream) would race with this merge's frees.
+    A null context for other devices."""
+    spec = parse(device)
+    if spec.device_type != "GPU":
+        yield
+        return
+    import cupy
+
+    with cupy.cuda.Device(_gpu_ordinal(spec)), cupy.cuda.Stream.null:
+        yield
+
+
 def _gpu_ordinal(spec: DeviceSpec) -> int:
     """CUDA ordinal of a (logical) GPU device; config maps logical GPUs onto physical ones."""
     from . import config
@@ -139,6 +157,13 @@ def all_gpu(devices: tuple) -> bool:
 
 def on_gpu(x) -> bool:
     return hasattr(x, "__cuda_array_interface__")
+
+
+def array_device(x):
+    """A context making x's GPU current for CuPy arrays (CuPy computes, and allocates, on the
+    current device, not the operands'), else a null context."""
+    device = getattr(x, "device", None) if on_gpu(x) else None
+    return device if hasattr(device, "__enter__") else contextlib.nullcontext()
 
 
 def to_host(x):

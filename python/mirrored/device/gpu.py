@@ -17,20 +17,22 @@ import threading
 
 import numpy as np
 
+from . import engine
+
 NCCL_FIX = "pip install nvidia-nccl-cu13"
 CUPY_FIX = "pip install cupy-cuda13x"
 
 
 def cuda_module():
-    """The ``mirrored._cuda`` extension, or a RuntimeError naming the fix."""
+    """The CUDA extension (``mirrored._cuda``, or the simulator's when :mod:`.engine` selects it),
+    or a RuntimeError naming the fix."""
     try:
-        from .. import _cuda  # type: ignore[attr-defined]
+        return engine.extension()
     except ImportError as e:
         raise RuntimeError(
             f"GPU collectives need mirrored's CUDA extension, which this build lacks ({e}); reinstall mirrored "
             "on a machine with the CUDA toolkit (nvcc on PATH)"
         ) from None
-    return _cuda
 
 
 def cupy_module():
@@ -104,11 +106,16 @@ def collective_stream(ordinal: int) -> int:
 
 # --- NCCL --------------------------------------------------------------------
 
-_nccl = None  # (path, version) once loaded, or the error text
+_nccl: dict = {}  # engine name -> (path, version) once loaded, or the error text
 
 
 def nccl_library_candidates() -> list[str]:
-    """Where libnccl is looked for: $MIRRORED_NCCL_LIBRARY, the nvidia-nccl-cu13 wheel, the system."""
+    """Where libnccl is looked for: $MIRRORED_NCCL_LIBRARY, the nvidia-nccl-cu13 wheel, the system.
+
+    The simulated engine is its own libnccl (a stand-in over the simulated GPUs).
+    """
+    if engine.name() == "sim":
+        return [cuda_module().__file__]
     out = []
     if os.environ.get("MIRRORED_NCCL_LIBRARY"):
         out.append(os.environ["MIRRORED_NCCL_LIBRARY"])
@@ -124,18 +131,19 @@ def nccl_library_candidates() -> list[str]:
 
 def load_nccl() -> tuple[str, int]:
     """(path, version code) of the loaded libnccl; RuntimeError naming ``pip install nvidia-nccl-cu13`` if none loads."""
-    global _nccl
     with _lock:
-        if _nccl is None:
+        key = engine.name()
+        if key not in _nccl:
             try:
-                _nccl = tuple(cuda_module().nccl_load(nccl_library_candidates()))
+                _nccl[key] = tuple(cuda_module().nccl_load(nccl_library_candidates()))
             except RuntimeError as e:
-                _nccl = str(e)
-        if isinstance(_nccl, str):
-            if NCCL_FIX not in _nccl:
-                raise RuntimeError(f"NCCL is not available: {_nccl}; {NCCL_FIX}")
-            raise RuntimeError(_nccl)
-        return _nccl
+                _nccl[key] = str(e)
+        loaded = _nccl[key]
+        if isinstance(loaded, str):
+            if NCCL_FIX not in loaded:
+                raise RuntimeError(f"NCCL is not available: {loaded}; {NCCL_FIX}")
+            raise RuntimeError(loaded)
+        return loaded
 
 
 def nccl_available() -> bool:

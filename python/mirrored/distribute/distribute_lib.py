@@ -362,8 +362,13 @@ class Strategy:
         _check_axis(axis, comps)
 
         def along_axis(fn):
-            leaves = [PerReplica([fn(device_util.place(c, d)) for c, d in zip(cs, ext.worker_devices)],
-                                 ext.worker_devices) for cs in comps]
+            def local(c, d):
+                v = device_util.place(c, d)
+                with device_util.array_device(v):  # on v's GPU, ordered after the work that wrote v
+                    return fn(v)
+
+            leaves = [PerReplica([local(c, d) for c, d in zip(cs, ext.worker_devices)], ext.worker_devices)
+                      for cs in comps]
             return _nest.pack_sequence_as(value, leaves)
 
         if op is not ReduceOp.MEAN:

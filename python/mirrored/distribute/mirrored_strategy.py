@@ -410,7 +410,7 @@ class MirroredExtended(StrategyExtended):
         self._check_components((args, kwargs))
         updates = []
         for i, copy in enumerate(var.values):
-            with device_util.device_scope(copy.device):
+            with device_util.device_scope(copy.device), device_util.cross_replica_gpu_scope(copy.device):
                 updates.append(fn(copy, *select_replica(i, args), **select_replica(i, kwargs)))
         regrouped = regroup(updates, Mirrored, devices=var._devices)
         if group:

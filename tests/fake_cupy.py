@@ -1,0 +1,788 @@
+"""A stand-in for CuPy over the simulated CUDA machine (``mirrored._cuda_sim.sim``),
+so that the GPU path runs, and is checked, on machines without a GPU.
+
+What it keeps of CuPy is what the GPU path relies on:
+
+* device memory comes from the simulator (``sim.malloc``): a kernel of the
+  engine may touch it only from its own device or a peer's, and a launch that
+  names memory already freed fails;
+* freeing is stream-ordered as in CuPy's memory pool: the memory is poisoned
+  (0xdb bytes) in the order of the stream it was allocated on, where the pool
+  would hand it out again; so anything reading it after a free without being
+  ordered before it reads poison;
+* every operation is a kernel queued on the current stream of the current
+  device (per thread, as CuPy's); kernels run only when the host waits (a
+  stream's, an event's or a device's synchronisation, ``asnumpy``), in a random
+  order that respects streams, events and the legacy default stream's
+  implicit synchronisation;
+* kernels capture device pointers, never the arrays, so an array may go
+  while work that reads it is still queued (and then the poison shows).
+
+Arithmetic is NumPy's on host views of the simulated memory; results of
+functions this module does not define come from NumPy by the same route
+(the shape and dtype worked out first from placeholder inputs, the values
+when the kernel runs). dtypes are CuPy's (no bfloat16).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import operator
+import threading
+import warnings
+import weakref
+
+import numpy as np
+
+from mirrored import _cuda_sim  # type: ignore[attr-defined]
+
+sim = _cuda_sim.sim
+__version__ = "13.0.0-sim"
+
+_DTYPES = {np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+                                 np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128)}
+bool_, int8, int16, int32, int64 = np.bool_, np.int8, np.int16, np.int32, np.int64
+uint8, uint16, uint32, uint64 = np.uint8, np.uint16, np.uint32, np.uint64
+float16, float32, float64, complex64, complex128 = np.float16, np.float32, np.float64, np.complex64, np.complex128
+newaxis = None
+inf, nan, pi, e = np.inf, np.nan, np.pi, np.e
+
+
+def _dtype(dtype) -> np.dtype:
+    dt = np.dtype(float64 if dtype is None else dtype)
+    if dt not in _DTYPES:
+        raise TypeError(f"Unsupported type {dt}")
+    return dt
+
+
+# --- devices and streams (per thread, as CuPy's) -------------------------------
+
+_tls = threading.local()
+
+
+def _device_id() -> int:
+    return getattr(_tls, "device", 0)
+
+
+class Device:
+    def __init__(self, device=None):
+        self.id = _device_id() if device is None else int(getattr(device, "id", device))
+        self._saved = []
+
+    def __enter__(self):
+        self._saved.append(_device_id())
+        self.use()
+        return self
+
+    def __exit__(self, *exc):
+        _tls.device = self._saved.pop()
+
+    def use(self):
+        sim.stream_device(0, self.id)  # validates the ordinal
+        _tls.device = self.id
+
+    def synchronize(self):
+        sim.drain()
+
+    @property
+    def compute_capability(self) -> str:
+        return "90"
+
+    def __eq__(self, other):
+        return isinstance(other, Device) and other.id == self.id
+
+    def __hash__(self):
+        return hash(self.id)
+
+    def __int__(self):
+        return self.id
+
+    def __repr__(self):
+        return f"<CUDA Device {self.id}>"
+
+
+def _streams() -> dict:
+    """This thread's current stream per device."""
+    d = getattr(_tls, "streams", None)
+    if d is None:
+        d = _tls.streams = {}
+    return d
+
+
+class Stream:
+    """A stream of the device current at creation; ``Stream.null`` is every device's legacy default stream."""
+
+    null: "Stream"
+
+    def __init__(self, null=False, non_blocking=False, ptds=False):
+        self.device_id = -1 if null else _device_id()
+        # Never destroyed: destroying a simulated stream runs all queued work, which would hide races.
+        self.ptr = 0 if null else sim.stream_create(self.device_id, bool(non_blocking))
+        self._saved = []
+
+    def _device(self) -> int:
+        return _device_id() if self.ptr == 0 else self.device_id
+
+    def __enter__(self):
+        d = self._device()
+        self._saved.append((d, _streams().get(d)))
+        _streams()[d] = self
+        return self
+
+    def __exit__(self, *exc):
+        d, prev = self._saved.pop()
+        if prev is None:
+            _streams().pop(d, None)
+        else:
+            _streams()[d] = prev
+
+    def use(self):
+        _streams()[self._device()] = self
+        return self
+
+    def synchronize(self):
+        sim.synchronize_stream(self.ptr, self._device())
+
+    def record(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def wait_event(self, event):
+        sim.stream_wait_event(self.ptr, event.ptr, self._device())
+
+    @property
+    def done(self) -> bool:
+        return self.record().done
+
+    def __eq__(self, other):
+        return isinstance(other, Stream) and other.ptr == self.ptr
+
+    def __hash__(self):
+        return hash(self.ptr)
+
+    def __repr__(self):
+        return f"<Stream {self.ptr} (device {self.device_id})>"
+
+
+Stream.null = Stream(null=True)
+
+
+def get_current_stream(device_id=None) -> Stream:
+    return _streams().get(_device_id() if device_id is None else int(device_id), Stream.null)
+
+
+class Event:
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self.device_id = _device_id()
+        self.ptr = sim.event_create(self.device_id)
+        weakref.finalize(self, sim.event_destroy, self.ptr)
+
+    def record(self, stream=None):
+        stream = stream or get_current_stream(self.device_id)
+        sim.event_record(self.ptr, stream.ptr, self.device_id)
+
+    def synchronize(self):
+        sim.synchronize_event(self.ptr)
+
+    @property
+    def done(self) -> bool:
+        return sim.event_done(self.ptr)
+
+
+# --- memory ----------------------------------------------------------------------
+
+def _free(ptr, stream):
+    try:
+        sim.free(ptr, stream)
+    except Exception:  # interpreter teardown: the simulation may be gone first
+        pass
+
+
+class Memory:
+    """One allocation, freed (poisoned, stream-ordered) when the last array on it goes."""
+
+    def __init__(self, size: int):
+        self.device_id = _device_id()
+        self.size = size
+        self.ptr = sim.malloc(size, self.device_id)
+        weakref.finalize(self, _free, self.ptr, get_current_stream(self.device_id).ptr)
+
+    @property
+    def device(self):
+        return Device(self.device_id)
+
+
+class UnownedMemory:
+    """Somebody else's device memory (``__cuda_array_interface__``), kept alive through ``owner``."""
+
+    def __init__(self, ptr: int, size: int, owner, device_id: int):
+        self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+    @property
+    def device(self):
+        return Device(self.device_id)
+
+
+class MemoryPointer:
+    def __init__(self, mem, offset: int):
+        self.mem = mem
+        self.ptr = mem.ptr + offset
+        self.device_id = mem.device_id
+
+    @property
+    def device(self):
+        return Device(self.device_id)
+
+    def __add__(self, offset: int):
+        return MemoryPointer(self.mem, self.ptr - self.mem.ptr + int(offset))
+
+    def __int__(self):
+        return self.ptr
+
+
+class _Pinned(bytearray):
+    """Pinned host memory: plain host memory here."""
+
+
+def alloc_pinned_memory(nbytes: int):
+    return _Pinned(nbytes)
+
+
+class _Pool:
+    def set_limit(self, size=None, fraction=None):
+        pass
+
+    def free_all_blocks(self):
+        pass
+
+    def used_bytes(self):
+        return 0
+
+
+_pool = _Pool()
+
+
+def get_default_memory_pool():
+    return _pool
+
+
+def get_default_pinned_memory_pool():
+    return _pool
+
+
+# --- kernels ---------------------------------------------------------------------
+
+class _Desc:
+    """What a kernel needs of an array: its pointer and layout, not the array."""
+
+    __slots__ = ("ptr", "shape", "strides", "dtype")
+
+    def __init__(self, a):
+        self.ptr, self.shape, self.strides, self.dtype = a.data.ptr, a.shape, a.strides, a.dtype
+
+    def view(self) -> np.ndarray:
+        """A host view of the simulated device memory (it is host memory underneath)."""
+        if 0 in self.shape:
+            return np.empty(self.shape, self.dtype)
+        lo = sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s < 0)
+        hi = sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s > 0) + self.dtype.itemsize
+        buf = (ctypes.c_char * (hi - lo)).from_address(self.ptr + lo)
+        return np.ndarray(self.shape, self.dtype, buffer=buf, offset=-lo, strides=self.strides)
+
+
+def _launch(work, *arrays):
+    """Queues work(*host views of arrays) on the current stream of the current device."""
+    descs = [_Desc(a) for a in arrays]
+    device = _device_id()
+    for a in arrays:
+        if a.data.device_id != device and (device, a.data.device_id) not in _peers:
+            raise ValueError(f"array on device {a.data.device_id} used from device {device} without peer access")
+
+    def run():
+        work(*(d.view() for d in descs))
+
+    sim.launch(get_current_stream(device).ptr, device, run)
+
+
+_peers: set = set()
+
+
+def configure(devices: int, peers, seed: int):
+    """The simulated machine: ``devices`` GPUs, peer access for the (a, b) pairs in peers, and a drain seed."""
+    sim.drain()
+    sim.reset(devices, list(peers), seed)
+    _peers.clear()
+    _peers.update(peers)
+
+
+def _apply(fn, args, kwargs, out=None):
+    """fn(*args, **kwargs) of NumPy as a kernel: the result array now, its values when the kernel runs."""
+    arrays = []
+    template = _template((args, kwargs), arrays)  # the arguments with each array as its index in `arrays`
+    with np.errstate(all="ignore"), warnings.catch_warnings():  # placeholders are zeros: 0/0 is expected
+        warnings.simplefilter("ignore")
+        p_args, p_kwargs = _fill(template, [_placeholder(a) for a in arrays])
+        shaped = fn(*p_args, **p_kwargs)
+    if isinstance(shaped, tuple):
+        return tuple(_apply(lambda *a, i=i, **k: fn(*a, **k)[i], args, kwargs) for i in range(len(shaped)))
+    shaped = np.asarray(shaped)
+    if out is None:
+        out = ndarray(shaped.shape, shaped.dtype)
+
+    def work(dst, *views):
+        real_args, real_kwargs = _fill(template, views)
+        np.copyto(dst, fn(*real_args, **real_kwargs), casting="unsafe")
+
+    _launch(work, out, *arrays)
+    return out
+
+
+class _Slot(int):
+    """Where an array was among a kernel's arguments (kernels hold no array, as in CuPy)."""
+
+
+def _template(x, arrays):
+    if isinstance(x, ndarray):
+        arrays.append(x)
+        return _Slot(len(arrays) - 1)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_template(v, arrays) for v in x)
+    if isinstance(x, dict):
+        return {k: _template(v, arrays) for k, v in x.items()}
+    return x
+
+
+def _fill(x, values):
+    if isinstance(x, _Slot):
+        return values[x]
+    if isinstance(x, (list, tuple)):
+        return type(x)(_fill(v, values) for v in x)
+    if isinstance(x, dict):
+        return {k: _fill(v, values) for k, v in x.items()}
+    return x
+
+
+def _placeholder(a):
+    """A stand-in of array a for working out a result's shape and dtype, without its memory."""
+    return np.broadcast_to(np.zeros((), a.dtype), a.shape)
+
+
+# --- arrays ----------------------------------------------------------------------
+
+def _c_strides(shape, itemsize):
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class _Flags:
+    def __init__(self, a):
+        self.c_contiguous = a.strides == _c_strides(a.shape, a.itemsize) or a.size <= 1
+        self.f_contiguous = a.strides == tuple(reversed(_c_strides(tuple(reversed(a.shape)), a.itemsize))) \
+            or a.size <= 1
+
+    def __getitem__(self, key):
+        return {"C_CONTIGUOUS": self.c_contiguous, "F_CONTIGUOUS": self.f_contiguous}[key]
+
+
+def _binary(ufunc, reflected=False):
+    def op(self, other):
+        if not isinstance(other, (ndarray, int, float, complex, bool, np.generic, np.ndarray)):
+            return NotImplemented
+        if isinstance(other, np.ndarray):
+            other = asarray(other)
+        return _apply(ufunc, (other, self) if reflected else (self, other), {})
+    return op
+
+
+def _inplace(ufunc):
+    def op(self, other):
+        if isinstance(other, np.ndarray):
+            other = asarray(other)
+        _apply(functools.partial(ufunc, casting="same_kind"), (self, other), {}, out=self)
+        return self
+    return op
+
+
+class ndarray:
+    __module__ = "cupy"  # what mirrored (and users) test for CuPy arrays
+
+    def __init__(self, shape, dtype=float, memptr=None, strides=None, order="C"):
+        self.shape = tuple(int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        self.dtype = _dtype(dtype)
+        self.size = int(np.prod(self.shape, dtype=np.int64))
+        self.strides = tuple(strides) if strides is not None else _c_strides(self.shape, self.dtype.itemsize)
+        self.data = memptr if memptr is not None else MemoryPointer(Memory(self.size * self.dtype.itemsize), 0)
+
+    ndim = property(lambda self: len(self.shape))
+    itemsize = property(lambda self: self.dtype.itemsize)
+    nbytes = property(lambda self: self.size * self.dtype.itemsize)
+    device = property(lambda self: Device(self.data.device_id))
+    flags = property(lambda self: _Flags(self))
+    T = property(lambda self: self.transpose())
+    base = property(lambda self: None)
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.data.ptr, False), "version": 3,
+                "strides": None if self.flags.c_contiguous else self.strides,
+                "stream": get_current_stream(self.data.device_id).ptr or 1}
+
+    def __repr__(self):
+        return f"fake_cupy.ndarray(shape={self.shape}, dtype={self.dtype}, device={self.data.device_id})"
+
+    def __len__(self):
+        if not self.shape:
+            raise TypeError("len() of unsized object")
+        return self.shape[0]
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct a "
+                        "NumPy array explicitly.")
+
+    # views
+    def _view(self, shape, strides, offset_bytes=0, dtype=None):
+        return ndarray(shape, dtype or self.dtype, memptr=self.data + offset_bytes, strides=strides)
+
+    def __getitem__(self, key):
+        placeholder = np.lib.stride_tricks.as_strided(np.zeros(1, self.dtype), self.shape, self.strides)
+        if _is_basic(key):
+            v = placeholder[key]
+            offset = (v.__array_interface__["data"][0] - placeholder.__array_interface__["data"][0]) if v.size else 0
+            return self._view(v.shape, v.strides, offset)
+        return _apply(lambda a, k: a[k], (self, _host_key(key)), {})
+
+    def __setitem__(self, key, value):
+        if isinstance(value, np.ndarray):
+            value = asarray(value)
+        if _is_basic(key):
+            target = self[key]
+            shape = target.shape  # (kernels hold no array: freeing one stays possible, as in CuPy)
+            _apply(lambda v: np.broadcast_to(v, shape), (value,), {}, out=target)
+            return
+        key = _host_key(key)
+        if isinstance(value, ndarray):
+            _launch(lambda dst, v: dst.__setitem__(key, v), self, value)
+        else:
+            _launch(lambda dst: dst.__setitem__(key, value), self)
+
+    def view(self, dtype=None):
+        dt = _dtype(dtype)
+        if dt.itemsize != self.itemsize:
+            if not self.flags.c_contiguous:
+                raise ValueError("To change to a dtype of a different size, the array must be C-contiguous")
+            shape = self.shape[:-1] + (self.shape[-1] * self.itemsize // dt.itemsize,) if self.shape else ()
+            return self._view(shape, _c_strides(shape, dt.itemsize), dtype=dt)
+        return self._view(self.shape, self.strides, dtype=dt)
+
+    def reshape(self, *shape, order="C"):
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        shape = np.broadcast_to(np.zeros((), np.bool_), self.shape).reshape(shape).shape  # NumPy's rules (-1 too)
+        if self.flags.c_contiguous:
+            return self._view(shape, _c_strides(shape, self.itemsize))
+        return self.copy().reshape(shape)
+
+    def transpose(self, *axes):
+        axes = axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
+        axes = tuple(axes) or tuple(reversed(range(self.ndim)))
+        return self._view(tuple(self.shape[a] for a in axes), tuple(self.strides[a] for a in axes))
+
+    def ravel(self, order="C"):
+        return self.reshape(-1)
+
+    def flatten(self, order="C"):
+        return self.copy().reshape(-1)
+
+    def copy(self, order="C"):
+        return _apply(np.array, (self,), {})
+
+    def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
+        dt = _dtype(dtype)
+        if not copy and dt == self.dtype:
+            return self
+        out = ndarray(self.shape, dt)
+        _apply(lambda a: a, (self,), {}, out=out)
+        return out
+
+    def fill(self, value):
+        dtype, shape = self.dtype, self.shape
+        _apply(lambda v: np.broadcast_to(np.asarray(v, dtype), shape), (value,), {}, out=self)
+
+    def get(self, stream=None, order="C", out=None):
+        return asnumpy(self, stream=stream, out=out)
+
+    def set(self, arr, stream=None):
+        with stream or get_current_stream(self.data.device_id):
+            _upload(np.asarray(arr), self)
+
+    def item(self):
+        return self.get().item()
+
+    def tolist(self):
+        return self.get().tolist()
+
+    def __float__(self):
+        return float(self.get())
+
+    def __int__(self):
+        return int(self.get())
+
+    def __bool__(self):
+        return bool(self.get())
+
+    def __index__(self):
+        return operator.index(self.get().item())
+
+    def __neg__(self):
+        return _apply(np.negative, (self,), {})
+
+    def __abs__(self):
+        return _apply(np.abs, (self,), {})
+
+    def __pos__(self):
+        return self.copy()
+
+    def __invert__(self):
+        return _apply(np.invert, (self,), {})
+
+    def __matmul__(self, other):
+        return _apply(np.matmul, (self, other), {})
+
+    def __rmatmul__(self, other):
+        return _apply(np.matmul, (other, self), {})
+
+    def __dlpack__(self, stream=None):
+        raise BufferError("fake_cupy arrays do not export DLPack")
+
+
+for _name, _uf in (("add", np.add), ("sub", np.subtract), ("mul", np.multiply), ("truediv", np.true_divide),
+                   ("floordiv", np.floor_divide), ("mod", np.remainder), ("pow", np.power), ("and", np.bitwise_and),
+                   ("or", np.bitwise_or), ("xor", np.bitwise_xor), ("lshift", np.left_shift),
+                   ("rshift", np.right_shift)):
+    setattr(ndarray, f"__{_name}__", _binary(_uf))
+    setattr(ndarray, f"__r{_name}__", _binary(_uf, reflected=True))
+    setattr(ndarray, f"__i{_name}__", _inplace(_uf))
+for _name, _uf in (("lt", np.less), ("le", np.less_equal), ("gt", np.greater), ("ge", np.greater_equal),
+                   ("eq", np.equal), ("ne", np.not_equal)):
+    setattr(ndarray, f"__{_name}__", _binary(_uf))
+ndarray.__hash__ = None
+
+
+def _reduction(fn):
+    def method(self, axis=None, dtype=None, out=None, keepdims=False):
+        kwargs = {"axis": axis, "keepdims": keepdims}
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        return _apply(fn, (self,), kwargs, out=out)
+    return method
+
+
+for _name in ("sum", "prod", "mean", "max", "min", "any", "all"):
+    setattr(ndarray, _name, _reduction(getattr(np, _name)))
+ndarray.var = lambda self, axis=None, dtype=None, keepdims=False, ddof=0: _apply(
+    np.var, (self,), {"axis": axis, "keepdims": keepdims, "ddof": ddof})
+ndarray.std = lambda self, axis=None, dtype=None, keepdims=False, ddof=0: _apply(
+    np.std, (self,), {"axis": axis, "keepdims": keepdims, "ddof": ddof})
+ndarray.argmax = lambda self, axis=None: _apply(np.argmax, (self,), {"axis": axis})
+ndarray.argmin = lambda self, axis=None: _apply(np.argmin, (self,), {"axis": axis})
+ndarray.clip = lambda self, a_min=None, a_max=None: _apply(np.clip, (self, a_min, a_max), {})
+ndarray.dot = lambda self, other: _apply(np.dot, (self, other), {})
+ndarray.squeeze = lambda self, axis=None: self.reshape(np.empty(self.shape, np.bool_).squeeze(axis).shape)
+
+
+def _is_basic(key) -> bool:
+    keys = key if isinstance(key, tuple) else (key,)
+    return all(k is None or k is Ellipsis or isinstance(k, (slice, int, np.integer)) and not isinstance(k, bool)
+               for k in keys)
+
+
+def _host_key(key):
+    """An advanced index: device index arrays are read back first (CuPy would keep them on the GPU)."""
+    keys = key if isinstance(key, tuple) else (key,)
+    out = tuple(asnumpy(k) if isinstance(k, ndarray) else k for k in keys)
+    return out if isinstance(key, tuple) else out[0]
+
+
+# --- creation and transfer ---------------------------------------------------------
+
+def _upload(host: np.ndarray, out: ndarray):
+    """Queues a copy of host (taken now, as a pageable copy is) into out on the current stream."""
+    data = np.array(host, dtype=out.dtype, copy=True)
+    _launch(lambda dst: np.copyto(dst, data), out)
+
+
+def empty(shape, dtype=float64, order="C"):
+    return ndarray(shape, dtype)
+
+
+def empty_like(a, dtype=None, order="K", subok=None, shape=None):
+    return ndarray(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
+
+
+def full(shape, fill_value, dtype=None, order="C"):
+    out = ndarray(shape, np.array(fill_value).dtype if dtype is None else dtype)
+    out.fill(fill_value)
+    return out
+
+
+def full_like(a, fill_value, dtype=None, order="K", subok=None, shape=None):
+    out = empty_like(a, dtype, shape=shape)
+    out.fill(fill_value)
+    return out
+
+
+def zeros(shape, dtype=float64, order="C"):
+    return full(shape, 0, dtype)
+
+
+def ones(shape, dtype=float64, order="C"):
+    return full(shape, 1, dtype)
+
+
+def zeros_like(a, dtype=None, order="K", subok=None, shape=None):
+    return full_like(a, 0, dtype, shape=shape)
+
+
+def ones_like(a, dtype=None, order="K", subok=None, shape=None):
+    return full_like(a, 1, dtype, shape=shape)
+
+
+def arange(start, stop=None, step=1, dtype=None):
+    host = np.arange(start, stop, step, dtype=dtype)
+    out = ndarray(host.shape, host.dtype)
+    _upload(host, out)
+    return out
+
+
+def array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, blocking=False):
+    if hasattr(obj, "__cuda_array_interface__") and not isinstance(obj, ndarray):
+        obj = _from_interface(obj)
+    if isinstance(obj, ndarray):
+        dt = obj.dtype if dtype is None else _dtype(dtype)
+        if not copy and dt == obj.dtype and obj.data.device_id == _device_id():
+            return obj
+        out = ndarray(obj.shape, dt)  # on the current device: a peer copy when obj lies elsewhere
+        _apply(lambda v: v, (obj,), {}, out=out)
+        return out
+    host = np.asarray(obj, dtype=dtype)
+    out = ndarray(host.shape, host.dtype)  # (refuses dtypes CuPy lacks)
+    _upload(host, out)
+    return out
+
+
+def asarray(a, dtype=None, order=None, blocking=False):
+    if isinstance(a, ndarray):
+        return a if dtype is None or _dtype(dtype) == a.dtype else a.astype(dtype)
+    if hasattr(a, "__cuda_array_interface__"):
+        v = _from_interface(a)
+        return v if dtype is None else v.astype(dtype)
+    return array(a, dtype)
+
+
+def ascontiguousarray(a, dtype=None):
+    a = asarray(a, dtype)
+    return a if a.flags.c_contiguous else a.copy()
+
+
+def _from_interface(obj) -> ndarray:
+    cai = obj.__cuda_array_interface__
+    ptr = cai["data"][0]
+    dtype = np.dtype(cai["typestr"])
+    shape = tuple(cai["shape"])
+    device = sim.device_of(ptr) if ptr else _device_id()
+    if device < 0:
+        raise ValueError("the __cuda_array_interface__ pointer is not device memory of the simulated GPUs")
+    strides = cai.get("strides") or _c_strides(shape, dtype.itemsize)
+    size = int(np.prod(shape)) * dtype.itemsize
+    return ndarray(shape, dtype, memptr=MemoryPointer(UnownedMemory(ptr, size, obj, device), 0), strides=strides)
+
+
+def from_dlpack(obj):
+    if hasattr(obj, "__cuda_array_interface__"):
+        return _from_interface(obj)
+    raise TypeError("CuPy can only import DLPack tensors on a CUDA device (this one is not)")
+
+
+def asnumpy(a, stream=None, order="C", out=None, blocking=True):
+    """The array's values on the host: a copy queued on the stream, then a wait for that stream."""
+    if not isinstance(a, ndarray):
+        return np.asarray(a)
+    host = np.empty(a.shape, a.dtype) if out is None else out
+    with Device(a.data.device_id):
+        s = stream or get_current_stream()
+        with s:
+            _launch(lambda src: np.copyto(host, src), a)
+        s.synchronize()
+    return host
+
+
+def get_array_module(*args):
+    import sys
+
+    return sys.modules[__name__] if any(isinstance(a, ndarray) for a in args) else np
+
+
+def concatenate(arrays, axis=0, out=None, dtype=None):
+    return _apply(np.concatenate, (list(arrays),), {"axis": axis}, out=out)
+
+
+def stack(arrays, axis=0, out=None):
+    return _apply(np.stack, (list(arrays),), {"axis": axis}, out=out)
+
+
+def _module_function(name):
+    fn = getattr(np, name)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        out = kwargs.pop("out", None)
+        args = tuple(asarray(a) if isinstance(a, np.ndarray) else a for a in args)
+        return _apply(fn, args, kwargs, out=out)
+    return wrapper
+
+
+def __getattr__(name):
+    """NumPy's ufuncs and array functions, run as kernels (see _apply)."""
+    if name.startswith("_") or not callable(getattr(np, name, None)):
+        raise AttributeError(f"module 'cupy' (fake_cupy) has no attribute {name!r}")
+    return _module_function(name)
+
+
+class _Runtime:
+    def getDeviceCount(self):
+        return _cuda_sim.device_count()
+
+    def getDeviceProperties(self, ordinal):
+        return {"name": b"Simulated GPU", "totalGlobalMem": 1 << 34, "multiProcessorCount": 4, "major": 9, "minor": 0}
+
+    def deviceSynchronize(self):
+        sim.drain()
+
+
+class _Cuda:
+    """cupy.cuda"""
+
+    Device = Device
+    Stream = Stream
+    Event = Event
+    MemoryPointer = MemoryPointer
+    Memory = Memory
+    UnownedMemory = UnownedMemory
+    runtime = _Runtime()
+    get_current_stream = staticmethod(get_current_stream)
+    alloc_pinned_memory = staticmethod(alloc_pinned_memory)
+
+    class memory:
+        MemoryPointer = MemoryPointer
+        UnownedMemory = UnownedMemory
+
+
+cuda = _Cuda()

@@ -1,0 +1,74 @@
+"""Where the ``gpu``-marked tests run: on the machine's GPUs through CuPy when
+it has any, else on the simulated CUDA machine (``mirrored._cuda_sim``) with
+the CuPy stand-in of ``fake_cupy.py``. Either way the same tests and the
+same GPU code path of mirrored run; only the runtime underneath differs.
+
+The simulated machine: SIM_DEVICES GPUs with peer access between all of
+them, kernels run at synchronisation in an order drawn from each test's
+seed. conftest.py's autouse fixture switches it on around every gpu test
+(mirrored's engine and ``import cupy`` both point at it), and off after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+from mirrored.device import engine
+
+SIM_DEVICES = 2
+SIM_PEERS = [(a, b) for a in range(SIM_DEVICES) for b in range(SIM_DEVICES) if a != b]
+
+
+def _real_gpu_cupy():
+    if os.environ.get(engine.ENV) == "sim":
+        return None
+    try:
+        import cupy
+        from mirrored import _cuda  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return cupy if _cuda.device_count() > 0 else None
+
+
+cupy = _real_gpu_cupy()
+SIMULATED = cupy is None
+if SIMULATED:
+    try:
+        import fake_cupy as cupy
+    except ImportError:  # built without the CUDA toolkit's headers: no simulator either
+        cupy = None
+NGPU = 0 if cupy is None else SIM_DEVICES if SIMULATED else len(range(cupy.cuda.runtime.getDeviceCount()))
+SKIP_REASON = "no GPU, and this build has no simulated CUDA engine (mirrored._cuda_sim needs the CUDA headers)"
+
+
+@contextlib.contextmanager
+def machine(seed: int):
+    """The GPU machine for one test: the simulated one (seeded) unless real GPUs are at hand."""
+    if not SIMULATED:
+        yield
+        return
+    saved = sys.modules.get("cupy")
+    install(seed)
+    try:
+        yield
+        cupy.sim.drain()  # a kernel that fails at the end still fails its test
+    finally:
+        engine.select(None)
+        if saved is None:
+            sys.modules.pop("cupy", None)
+        else:
+            sys.modules["cupy"] = saved
+
+
+def install(seed: int):
+    """Points mirrored's engine and ``import cupy`` at the simulated machine, for good."""
+    cupy.configure(SIM_DEVICES, SIM_PEERS, seed)
+    engine.select("sim")
+    sys.modules["cupy"] = cupy
+
+
+# A command that runs a script on the simulated machine (sys.argv[1] is the script).
+RUN_SIMULATED = ("import runpy, sys, gpu_env; gpu_env.install(0); sys.argv = sys.argv[1:]; "
+                 "runpy.run_path(sys.argv[0], run_name='__main__')")

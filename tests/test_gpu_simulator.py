@@ -1,0 +1,135 @@
+"""The simulated GPU machine the gpu tests run on without a GPU (gpu_env.py), and what
+only it can see: launches and driver calls counted, memory poisoned when freed, kernels
+run at synchronisation in a random order. Skipped on real GPUs (the other gpu tests run there)."""
+
+import numpy as np
+import pytest
+
+from gpu_env import SIMULATED, SKIP_REASON, cupy
+
+pytestmark = pytest.mark.gpu
+if cupy is None:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+if not SIMULATED:
+    pytest.skip("checks of the simulated machine; this one has real GPUs", allow_module_level=True)
+
+from mirrored import collectives  # noqa: E402
+from mirrored.collective import cuda as cc  # noqa: E402
+
+POISON = np.frombuffer(b"\xdb" * 4, np.float32)[0]
+FRESH = np.frombuffer(b"\xcd" * 4, np.float32)[0]
+
+
+def on(device, host):
+    with cupy.cuda.Device(device):
+        return cupy.asarray(host)
+
+
+def launches_and_ops(call):
+    cupy.sim.drain()
+    cupy.sim.reset_counters()
+    call()
+    counted = cupy.sim.counters()
+    cupy.sim.drain()
+    return counted["launches"], counted["stream_ops"]
+
+
+@pytest.mark.parametrize("devices", [(0, 0), (0, 0, 0, 0), (0, 1), (0, 1, 0, 1)], ids=str)
+@pytest.mark.parametrize("nbytes", [4, 4096])
+def test_one_launch_per_collective_per_gpu(devices, nbytes):
+    xs = [on(d, np.full(nbytes // 4, i + 1, np.float32)) for i, d in enumerate(devices)]
+    collectives.all_reduce(xs, "sum")  # the engine is made, and its streams, outside the count
+    launches, _ = launches_and_ops(lambda: collectives.all_reduce(xs, "sum", algorithm="direct"))
+    assert launches == {d: 1 for d in set(devices)}
+    for b in collectives.broadcast(xs, 1):
+        np.testing.assert_array_equal(cupy.asnumpy(b), np.full(nbytes // 4, 2, np.float32))
+    launches, _ = launches_and_ops(lambda: collectives.broadcast(xs, 1))
+    assert launches == {d: 1 for d in set(devices)}
+
+
+@pytest.mark.parametrize("devices", [(0, 0), (0, 1)], ids=str)
+def test_batch_all_reduce_takes_the_same_driver_calls_for_10_and_200_tensors(devices):
+    rng = np.random.default_rng(3)
+
+    def batch(count):
+        sizes = rng.integers(1, 300, count)
+        return [[on(d, np.full(s, r + 1, np.float32)) for s in sizes] for r, d in enumerate(devices)]
+
+    counted = {}
+    for count in (10, 200):
+        lists = batch(count)
+        out = collectives.batch_all_reduce(lists, "sum")  # sizes the fusion buffers and tables first
+        counted[count] = launches_and_ops(lambda: collectives.batch_all_reduce(lists, "sum"))
+        for row in out:
+            for t in row:
+                np.testing.assert_array_equal(cupy.asnumpy(t), np.full(t.shape, 3, np.float32))
+    assert counted[10] == counted[200]
+    launches, _ = counted[200]
+    assert all(k <= 3 for k in launches.values())  # pack, all-reduce, unpack
+
+
+def test_freed_memory_is_poisoned_in_its_streams_order():
+    s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with s1:
+        x = cupy.full(4, 7, cupy.float32)
+    address = x.data.ptr
+    with s2:
+        s2.wait_event(s1.record())
+        view = cupy.ndarray((4,), cupy.float32, memptr=cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(
+            address, 16, None, 0), 0))
+        early = view + 1  # after the fill
+    s1.wait_event(s2.record())  # the free (in s1's order) after early's read
+    del x
+    with s2:
+        s2.wait_event(s1.record())  # now after the free too
+        late = view + 1
+    s2.synchronize()  # (s2 is unordered with the null stream asnumpy reads on)
+    np.testing.assert_array_equal(cupy.asnumpy(early), np.full(4, 8, np.float32))
+    np.testing.assert_array_equal(cupy.asnumpy(late), np.full(4, POISON + 1, np.float32))
+
+
+def test_kernels_wait_for_synchronisation():
+    x = cupy.full(3, 5, cupy.float32)
+    cupy.cuda.Stream.null.synchronize()
+    y = x * 2
+    from fake_cupy import _Desc
+
+    np.testing.assert_array_equal(_Desc(y).view(), np.full(3, FRESH, np.float32))  # queued, not run
+    np.testing.assert_array_equal(cupy.asnumpy(y), np.full(3, 10, np.float32))
+
+
+def test_unordered_streams_run_in_either_order():
+    seen = set()
+    for seed in range(16):
+        cupy.configure(2, [(0, 1), (1, 0)], seed)
+        x = cupy.zeros(1, cupy.int32)
+        cupy.cuda.Stream.null.synchronize()
+        for value in (1, 2):
+            with cupy.cuda.Stream(non_blocking=True):
+                x.fill(value)
+        cupy.cuda.Device().synchronize()
+        seen.add(int(x.get()[0]))
+    assert seen == {1, 2}
+
+
+def test_the_legacy_stream_orders_blocking_streams_only():
+    """Work on the null stream waits for blocking streams (what collective_stream relies on), and
+    non-blocking streams stay unordered with it."""
+    for seed in range(8):
+        cupy.configure(2, [(0, 1), (1, 0)], seed)
+        x = cupy.zeros(1, cupy.int32)
+        cupy.cuda.Stream.null.synchronize()
+        with cupy.cuda.Stream(non_blocking=False):
+            x.fill(1)
+        x += 1  # the null stream: after the fill
+        assert int(x.get()[0]) == 2
+
+
+def test_a_collective_on_freed_memory_is_refused():
+    xs = [on(0, np.ones(4, np.float32)) for _ in range(2)]
+    ptrs = [x.data.ptr for x in xs]
+    engine, algo = cc._engine((0, 0), "direct")
+    del xs
+    cupy.cuda.Device().synchronize()  # the frees ran
+    with pytest.raises(RuntimeError, match="never allocated \\(or was freed\\)"):
+        engine.all_reduce(ptrs, ptrs, 4, 7, 0, algo, [0, 0])  # float32 (7) sum (0)
