@@ -36,6 +36,7 @@ import numbers
 
 import numpy as np
 
+from ...device import device_util
 from ...distribute import distribute_lib, values
 from ...distribute.options import VariableAggregation
 from ...distribute.reduce_util import ReduceOp
@@ -497,9 +498,18 @@ class _Plan:
         fused kernel, one call per dtype; anything else (float16, bfloat16, GPU
         arrays) through the same rule element-wise, variable by variable.
         """
+        if self.host[device]:
+            self._apply(device, grads, packed, _fused_kernel())
+            return
+        # GPU copies: on their GPU's legacy default stream, ordered after every replica
+        # stream's work (the gradients, the all-reduce) and before the next step's.
+        name = self.copies[device][0].device
+        with device_util.device_scope(name), device_util.cross_replica_gpu_scope(name):
+            self._apply(device, grads, packed, None)
+
+    def _apply(self, device: int, grads, packed, fused) -> None:
         weights = [c._writable_buffer() for c in self.copies[device]]
         slots = [[s._writable_buffer() for s in slots] for slots in self.slots[device]]
-        fused = _fused_kernel() if self.host[device] else None
         for j, (dtype, indices) in enumerate(self.groups.items()):
             coefficients = self.coefficients[dtype]
             weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))

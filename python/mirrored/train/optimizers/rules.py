@@ -14,6 +14,8 @@ bfloat16, GPU arrays without the CUDA kernel).
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 # Rule codes shared with csrc/host/fused_update.h (enum class Rule).
@@ -135,5 +137,7 @@ def apply(rule: int, w, g, slots, c) -> None:
 
 
 def _sqrt(x):
-    # np.sqrt dispatches to CuPy for CuPy arrays (__array_ufunc__); it writes a new array.
-    return np.sqrt(x)
+    """``sqrt(x)`` (a new array) with x's own array module: NumPy's, or CuPy's for GPU arrays."""
+    if isinstance(x, np.ndarray):
+        return np.sqrt(x)
+    return sys.modules[type(x).__module__.partition(".")[0]].sqrt(x)
