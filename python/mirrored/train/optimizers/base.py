@@ -346,7 +346,7 @@ class Optimizer:
         if self.global_clipnorm is not None:
             return _clip_by_global_norm(grads, self.global_clipnorm)
         if self.clipvalue is not None:
-            return [np.clip(g, -self.clipvalue, self.clipvalue) for g in grads]
+            return [rules.array_module(g).clip(g, -self.clipvalue, self.clipvalue) for g in grads]
         return grads
 
     def _cross_replica_step(self, strategy, grads, variables, options, aggregate):
@@ -583,17 +583,17 @@ def _dtype_of(g):
 
 def _clip_by_norm(g, clipnorm: float):
     """``tf.clip_by_norm(g, clipnorm)``: ``g * clipnorm / max(||g||, clipnorm)`` in g's dtype."""
-    t = _dtype_of(g).type
+    xp, t = rules.array_module(g), _dtype_of(g).type
     l2sum = (g * g).sum()
-    l2norm = np.sqrt(l2sum) if l2sum > 0 else l2sum
-    return (g * t(clipnorm)) / np.maximum(l2norm, t(clipnorm))
+    l2norm = xp.where(l2sum > 0, xp.sqrt(l2sum), l2sum)
+    return (g * t(clipnorm)) / xp.maximum(l2norm, t(clipnorm))
 
 
 def _clip_by_global_norm(grads: list, clipnorm: float) -> list:
     """Keras' ``clip_by_global_norm``: every gradient scaled by ``clipnorm / max(global norm, clipnorm)``."""
-    t = _dtype_of(grads[0]).type
-    squared = sum((g * g).sum() for g in grads)
-    norm = np.sqrt(t(squared))
-    # Keras' form: a NaN or infinite norm makes the scale NaN.
-    scale = t(clipnorm) * np.minimum(t(1.0) / norm, t(1.0 / clipnorm)) + (norm - norm)
+    xp, t = rules.array_module(grads[0]), _dtype_of(grads[0]).type
+    norm = xp.sqrt(sum((g * g).sum() for g in grads))
+    # Keras' form: a NaN or infinite norm makes the scale NaN. (The array module's functions
+    # for scalar-first operations: a NumPy scalar does not defer to a GPU array.)
+    scale = xp.multiply(t(clipnorm), xp.minimum(xp.divide(t(1.0), norm), t(1.0 / clipnorm))) + (norm - norm)
     return [g * scale for g in grads]

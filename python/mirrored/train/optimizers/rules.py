@@ -136,8 +136,13 @@ def apply(rule: int, w, g, slots, c) -> None:
     RULES[rule](w, g, slots, c)
 
 
+def array_module(x):
+    """x's own array module: NumPy for NumPy arrays and scalars, CuPy for GPU arrays."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return np
+    return sys.modules[type(x).__module__.partition(".")[0]]
+
+
 def _sqrt(x):
-    """``sqrt(x)`` (a new array) with x's own array module: NumPy's, or CuPy's for GPU arrays."""
-    if isinstance(x, np.ndarray):
-        return np.sqrt(x)
-    return sys.modules[type(x).__module__.partition(".")[0]].sqrt(x)
+    """``sqrt(x)``, a new array."""
+    return array_module(x).sqrt(x)
