@@ -110,8 +110,11 @@ CTRL_C = textwrap.dedent("""
     import mirrored as md
     s = md.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
 
+    started = threading.Event()
+
     def slow():
         rid = md.get_replica_context().replica_id_in_sync_group
+        started.set()
         time.sleep(5.0 if rid == 0 else 1.0)
         return rid
 
@@ -119,6 +122,7 @@ CTRL_C = textwrap.dedent("""
         return md.get_replica_context().replica_id_in_sync_group
 
     def ctrl_c_twice():
+        started.wait()  # the replicas are running: the Ctrl-Cs land inside run, however busy the machine
         for _ in range(2):
             time.sleep(0.3)
             os.kill(os.getpid(), signal.SIGINT)

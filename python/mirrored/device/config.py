@@ -186,7 +186,7 @@ def net_module():
     try:
         from .. import _net  # type: ignore[attr-defined]
     except ModuleNotFoundError as e:
-        if e.name != f"{__package__}._net":
+        if e.name != "mirrored._net":
             raise
         raise RuntimeError(GLOO_NOT_BUILT) from e
     except ImportError as e:
