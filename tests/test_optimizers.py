@@ -447,3 +447,31 @@ def test_nadam_resumes_from_a_checkpoint_as_if_never_stopped(tmp_path):
     md.train.Checkpoint(w=w2, optimizer=opt2).restore(path)
     train(opt2, w2, 3, 4)
     np.testing.assert_array_equal(w2.numpy(), w.numpy())
+
+
+def test_200_variables_take_one_collective_and_one_kernel_call_per_device_and_step(monkeypatch):
+    from mirrored.train.optimizers import base
+
+    kernel = base._fused_kernel()
+    if kernel is None:
+        pytest.skip("the _fused_update extension was not built")
+    calls = []
+
+    class Counting:
+        def apply(self, rule, weights, grads, *args):
+            calls.append((len(weights), isinstance(grads, np.ndarray)))
+            return kernel.apply(rule, weights, grads, *args)
+
+    monkeypatch.setattr(base, "_kernel", Counting())
+    ops = _RecordingOps()
+    strategy = _strategy(2, cross_device_ops=ops)
+    with strategy.scope():
+        variables = [md.Variable(np.zeros((4, 3) if i % 2 else (3,), np.float32)) for i in range(200)]
+        opt = md.optimizers.Adam(0.01)
+    grads = [np.ones(v.shape, np.float32) for v in variables]
+    for _ in range(3):
+        strategy.run(lambda: opt.apply_gradients(zip(grads, variables)))
+    assert [b[1] for b in ops.batches] == [200, 1, 1]  # then one packed float32 buffer per replica
+    assert calls == [(200, False)] * 2 + [(200, True)] * 4  # one kernel call per device and step
+    for v in variables[:3]:
+        assert _copies_equal(v)

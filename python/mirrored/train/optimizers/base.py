@@ -119,8 +119,7 @@ class Optimizer:
         self._iterations = None
         self._slots = {}  # id(variable) -> (variable, {slot name: slot variable})
         self._plans = {}  # tuple of variable ids -> _Plan
-        self._checked = {}  # tuple of variable ids -> their shapes, once checked
-        self._checked_variables = []
+        self._checked = {}  # tuple of variable ids -> (their shapes, the variables), once checked
         self._exclude_ids: set = set()
         self._exclude_names: tuple = ()
         self.built = False
@@ -310,8 +309,8 @@ class Optimizer:
             return self._check_pairs_one_by_one(pairs)
         if any(g is None for g in grads):
             return self._check_pairs_one_by_one(pairs)
-        shapes = self._checked.get(tuple(map(id, variables)))
-        if shapes is None or [getattr(g, "shape", None) for g in grads] != shapes:
+        checked = self._checked.get(tuple(map(id, variables)))
+        if checked is None or [getattr(g, "shape", None) for g in grads] != checked[0]:
             return self._check_pairs_one_by_one(pairs)
         return grads, variables
 
@@ -334,9 +333,8 @@ class Optimizer:
             raise ValueError("grads_and_vars: no gradient was given (all were None or the list is empty)")
         if len({id(v) for v in variables}) != len(variables):
             raise ValueError("grads_and_vars: a variable appears twice; sum its gradients first")
-        # The variables stay referenced by the plan (or here, until then), so their ids stay theirs.
-        self._checked[tuple(map(id, variables))] = [tuple(v.shape) for v in variables]
-        self._checked_variables.append(variables)
+        # The entry keeps its variables referenced, so their ids stay theirs.
+        self._checked.setdefault(tuple(map(id, variables)), ([tuple(v.shape) for v in variables], variables))
         return grads, variables
 
     def _clip(self, grads: list) -> list:
