@@ -4,12 +4,18 @@
     python examples/train_digits.py --replicas 1       # same global batch: same weights
     python examples/train_digits.py --steps 20 --out /tmp/run   # a quick check
     python examples/train_digits.py --device gpu       # replicas on GPUs, arrays in CuPy
+    python examples/train_digits.py --mixed-precision  # float16 compute, float32 weights, loss scaling
 
 The forward and backward passes are hand-written NumPy; `mirrored` supplies
 the rest: `strategy.experimental_distribute_dataset` splits each global batch
 over the replicas, `strategy.run` runs the step on every replica in parallel,
 the optimizer sums the gradients with one fused all-reduce (as Keras does)
-and updates every mirrored copy, `md.train.Checkpoint` saves the run. Outputs, in --out: a
+and updates every mirrored copy, `md.train.Checkpoint` saves the run.
+With `--mixed-precision` (Keras' "mixed_float16" policy) the passes run in
+float16 from float32 master weights: the backward pass starts from the loss
+scaled by `md.mixed_precision.LossScaleOptimizer`, whose `apply_gradients`
+all-reduces the float16 gradients, skips a step whose gradients overflowed
+(on any replica) and unscales the rest into float32 updates. Outputs, in --out: a
 loss-curve PNG, the checkpoint, and the history as JSON. The last line printed
 is ``final test accuracy: 0.xxxx``.
 
@@ -23,6 +29,7 @@ exactly the one-replica gradient, up to float rounding.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -43,11 +50,13 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=64, help="global batch size (default 64)")
     p.add_argument("--epochs", type=int, default=40, help="length of the run and its learning-rate schedule")
     p.add_argument("--steps", type=int, default=None,
-                   help="stop once the optimizer has made this many steps (default: all epochs)")
+                   help="stop after this many training batches (default: all epochs)")
     p.add_argument("--hidden", type=int, nargs="+", default=[128, 64], help="hidden layer widths")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 0.05 SGD, 0.002 Adam)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--mixed-precision", action="store_true",
+                   help="compute in float16 with float32 weights and dynamic loss scaling (Keras' mixed_float16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/digits", help="output directory (default ./out/digits)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
@@ -55,6 +64,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.replicas < 1:
         p.error(f"--replicas {args.replicas}: expected at least 1")
+    if args.mixed_precision and args.dtype != "float32":
+        p.error(f"--mixed-precision keeps float32 weights: it cannot be combined with --dtype {args.dtype}")
     if args.batch_size % args.replicas:
         p.error(f"--batch-size {args.batch_size} is not divisible by --replicas {args.replicas}: "
                 "every replica needs an equal share for the gradient mean to equal the global mean")
@@ -71,6 +82,9 @@ def load_data(dtype, seed: int):
     x, y = load_digits(return_X_y=True)
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, stratify=y, random_state=seed)
     mean, std = x_train.mean(axis=0), x_train.std(axis=0) + 1e-6
+    # A pixel constant over the train set stays 0 after it: its tiny std would blow a test image's
+    # other value there up past float16's range (--mixed-precision).
+    std[std <= 1e-6] = 1.0
     prep = lambda a: ((a - mean) / std).astype(dtype)  # noqa: E731
     return prep(x_train), y_train.astype(np.int64), prep(x_test), y_test.astype(np.int64)
 
@@ -111,13 +125,15 @@ def forward(params, x):
     return acts
 
 
-def loss_and_grads(params, x, y, global_batch_size=None):
-    """Cross-entropy summed over the rows of ``x`` / the global batch size, its gradients, and the
-    number of correct rows. ``global_batch_size`` defaults to ``md.nn.compute_average_loss``'s:
-    this replica's rows times the number of replicas in sync."""
+def loss_and_grads(params, x, y, global_batch_size=None, loss_scale=1.0):
+    """Cross-entropy summed over the rows of ``x`` / the global batch size, the gradients of that
+    loss times ``loss_scale``, and the number of correct rows. ``global_batch_size`` defaults to
+    ``md.nn.compute_average_loss``'s: this replica's rows times the number of replicas in sync.
+    The passes run in ``params``' dtype, the softmax in float32 (at least), as Keras advises for
+    mixed precision."""
     xp = array_module(x)
     acts = forward(params, x)
-    logits = acts[-1]
+    logits = acts[-1].astype(np.promote_types(acts[-1].dtype, np.float32), copy=False)
     shifted = logits - logits.max(axis=1, keepdims=True)
     log_probs = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
     per_example_loss = -log_probs[xp.arange(len(x)), y]
@@ -127,6 +143,7 @@ def loss_and_grads(params, x, y, global_batch_size=None):
     delta = xp.exp(log_probs)
     delta[xp.arange(len(x)), y] -= 1
     delta /= max(global_batch_size, 1)
+    delta = (delta * loss_scale).astype(acts[-1].dtype, copy=False)  # d(scaled loss)/d(logits)
     grads = [None] * len(params)
     for i in range(len(params) - 2, -1, -2):
         a = acts[i // 2]
@@ -180,23 +197,40 @@ def train(args):
     # short and resumed follows the same schedule): any callable of the step will do.
     schedule = lambda step: peak * 0.5 * (1 + np.cos(np.pi * min(step, run_steps) / run_steps))  # noqa: E731
 
+    md.mixed_precision.set_global_policy("mixed_float16" if args.mixed_precision else args.dtype)
+    policy = md.mixed_precision.global_policy()
     with strategy.scope():
-        model = MLP([x_train.shape[1], *args.hidden, 10], args.dtype, args.seed)
+        model = MLP([x_train.shape[1], *args.hidden, 10], policy.variable_dtype, args.seed)
         optimizer = (md.optimizers.SGD(schedule, momentum=0.9) if args.optimizer == "sgd"
                      else md.optimizers.Adam(schedule))
+        if args.mixed_precision:
+            optimizer = md.mixed_precision.LossScaleOptimizer(optimizer)
+        # Batches taken so far: they place a resumed run in its epoch. optimizer.iterations lags
+        # behind by the steps that loss scaling skipped.
+        batches_taken = md.Variable(np.int64(0), trainable=False, name="batches_taken")
     variables = model.trainable_variables
-    checkpoint = md.train.Checkpoint(model=model, optimizer=optimizer)
+
+    def compute(array):
+        """``array`` in the policy's compute dtype (float16 under mixed precision)."""
+        return array.astype(policy.compute_dtype, copy=False)
+    checkpoint = md.train.Checkpoint(model=model, optimizer=optimizer, batches_taken=batches_taken)
     if args.resume and os.path.exists(ckpt_path):
         checkpoint.restore(ckpt_path)
 
     def step_fn(x, y):
-        loss, grads, correct = loss_and_grads([local(v) for v in variables], x, y, args.batch_size)
-        optimizer.apply_gradients(zip(grads, variables))  # summed across replicas
+        # 1.0 without mixed precision; else the gradients are those of the loss times the scale
+        scale = optimizer.scale_loss(1.0) if args.mixed_precision else 1.0
+        # A float16 overflow is expected now and then: the loss-scale optimizer sees it, skips the step
+        # and lowers the scale, so NumPy need not warn.
+        with np.errstate(over="ignore", invalid="ignore") if args.mixed_precision else contextlib.nullcontext():
+            loss, grads, correct = loss_and_grads([compute(local(v)) for v in variables], compute(x), y,
+                                                  args.batch_size, scale)
+        optimizer.apply_gradients(zip(grads, variables))  # summed across replicas (unscaled, checked)
         # float(): a GPU loss comes back to the host
         return np.asarray(float(loss), dtype=np.float64), np.asarray(correct, dtype=np.int64)
 
     def eval_fn(x, y):
-        return np.asarray(loss_and_grads([local(v) for v in variables], x, y)[2], dtype=np.int64)
+        return np.asarray(loss_and_grads([compute(local(v)) for v in variables], compute(x), y)[2], dtype=np.int64)
 
     def evaluate():
         # Uneven last batch on purpose: a replica may get fewer (or zero) rows; SUM of counts is exact.
@@ -207,7 +241,7 @@ def train(args):
         return correct / len(x_test)
 
     history = {"step": [], "loss": [], "epoch_step": [], "test_accuracy": []}
-    step = int(optimizer.iterations.numpy())
+    step = int(batches_taken.numpy())
     bar = None if args.no_progress else _progress(total, step)
     started = time.perf_counter()
     epoch = step // steps_per_epoch
@@ -231,6 +265,7 @@ def train(args):
         epoch += 1
         history["epoch_step"].append(step)
         history["test_accuracy"].append(evaluate())
+        batches_taken.assign(np.int64(step))
         checkpoint.write(ckpt_path)  # every epoch: a stopped run loses at most one epoch (--resume)
     if bar is not None:
         bar.close()
@@ -280,7 +315,7 @@ def plot(history, path: str, args) -> None:
 
 
 def main(argv=None):
-    train(parse_args(argv))
+    return train(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ def test_tf_config_cluster_and_task(monkeypatch):
     r = cr.TFConfigClusterResolver()
     spec = r.cluster_spec()
     assert spec.as_dict() == CLUSTER
-    assert spec.jobs == ["chief", "ps", "worker"]
+    assert spec.jobs == ["chief", "worker", "ps"]  # the cluster's order, as TensorFlow lists them
     assert spec.num_tasks("worker") == 2 and spec.task_address("worker", 1) == "host2:2222"
     assert (r.task_type, r.task_id, r.rpc_layer) == ("worker", 1, "grpc")
     assert r.master() == "grpc://host2:2222"

@@ -1,6 +1,7 @@
 """compat.v1 and compat.contrib: the TF 1.x names doing what TF's docs say."""
 
 import copy
+import inspect
 
 import numpy as np
 import pytest
@@ -231,7 +232,10 @@ def test_numpy_dataset_on_v2_strategies_and_v1_stacks_lists():
 
 
 def test_experimental_namespace_has_the_tf_2_0_spellings():
-    assert md.experimental.MultiWorkerMirroredStrategy is md.MultiWorkerMirroredStrategy
+    # TF's experimental class keeps TF 2.0's argument order (communication, cluster_resolver)
+    assert issubclass(md.experimental.MultiWorkerMirroredStrategy, md.MultiWorkerMirroredStrategy)
+    assert list(inspect.signature(md.experimental.MultiWorkerMirroredStrategy).parameters)[:2] == [
+        "communication", "cluster_resolver"]
     assert md.experimental.CollectiveCommunication.RING is md.experimental.CommunicationImplementation.RING
     assert md.experimental.CommunicationOptions is md.CommunicationOptions
     s = md.experimental.MultiWorkerMirroredStrategy(communication=md.experimental.CollectiveCommunication.AUTO,

@@ -178,7 +178,11 @@ def test_tf_2_0_communication_argument():
     s = MultiWorkerMirroredStrategy(communication=md.CollectiveCommunication.RING,
                                     cluster_resolver=SimpleClusterResolver({}))
     assert s.extended._options.implementation is md.CommunicationImplementation.RING
-    s = MultiWorkerMirroredStrategy(md.CollectiveCommunication.AUTO, cluster_resolver=SimpleClusterResolver({}))
+    # tf.distribute.experimental's order: (communication, cluster_resolver)
+    s = md.experimental.MultiWorkerMirroredStrategy(md.CollectiveCommunication.RING, SimpleClusterResolver({}))
+    assert s.extended._options.implementation is md.CommunicationImplementation.RING
+    assert isinstance(s, md.MultiWorkerMirroredStrategy)
+    s = MultiWorkerMirroredStrategy(md.CollectiveCommunication.AUTO)  # TF 2.0's positional form, by its type
     assert s.extended._options.implementation is md.CommunicationImplementation.AUTO
     with pytest.raises(ValueError, match="not both"):
         MultiWorkerMirroredStrategy(md.CommunicationOptions(), communication=md.CollectiveCommunication.RING)

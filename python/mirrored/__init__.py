@@ -32,6 +32,7 @@ from .distribute.distribute_lib import (ReplicaContext, Strategy, StrategyExtend
                                         get_replica_context, get_strategy, has_strategy, in_cross_replica_context)
 from .distribute.input_lib import DistributedDataset, DistributedIterator, InputContext, ValueContext
 from .distribute.mirrored_strategy import MirroredStrategy
+from .distribute.name_scope import name_scope
 from .distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
 from .distribute.options import (CollectiveCommunication, CommunicationImplementation, CommunicationOptions,
                                  InputOptions, InputReplicationMode, RunOptions, VariableAggregation,
@@ -42,8 +43,9 @@ from .distribute.values import (DistributedValues, DistributedVariable, Mirrored
 from .distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
                                           ReductionToOneDevice, RingAllReduce)
 from . import data, train
-from .train import checkpoint, nn, optimizers
+from .train import checkpoint, mixed_precision, nn, optimizers
 from .train.checkpoint_management import Checkpoint
+from .train.module import Module
 from . import compat
 
 # The module paths of the flat layout (``import mirrored.collectives``,

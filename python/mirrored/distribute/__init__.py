@@ -12,6 +12,7 @@ from .distribute_lib import (ReplicaContext, Strategy, StrategyExtended, get_cro
                              get_replica_context, get_strategy, has_strategy, in_cross_replica_context)
 from .input_lib import DistributedDataset, DistributedIterator, InputContext, ValueContext
 from .mirrored_strategy import MirroredStrategy
+from .name_scope import name_scope
 from .multi_worker_strategy import MultiWorkerMirroredStrategy
 from .options import (CollectiveCommunication, CommunicationImplementation, CommunicationOptions, InputOptions,
                       InputReplicationMode, RunOptions, VariableAggregation, VariableSynchronization)

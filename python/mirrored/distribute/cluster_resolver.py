@@ -70,7 +70,8 @@ class ClusterSpec:
 
     @property
     def jobs(self) -> list[str]:
-        return sorted(self._jobs)
+        """The job names in the order the cluster lists them (TensorFlow's order)."""
+        return list(self._jobs)
 
     def num_tasks(self, job_name: str) -> int:
         return len(self._job(job_name))

@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import _nest, timeline
 from ..device import device_util
+from .name_scope import scoped_name
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp, as_reduce_op
 from .values import (DeviceVariable, DistributedValues, PerReplica, _read, regroup, select_replica, value_container)
@@ -602,13 +603,34 @@ class StrategyExtended:
         """Hook: make every worker start from the same initial value (one worker: nothing to do)."""
         return value
 
-    def _create_variable(self, initial_value, name=None, trainable=None, dtype=None,
-                         synchronization=VariableSynchronization.AUTO, aggregation=VariableAggregation.NONE):
+    def _create_variable(self, initial_value, trainable=None, validate_shape=True, caching_device=None, name=None,
+                         variable_def=None, dtype=None, import_scope=None, constraint=None,
+                         synchronization=VariableSynchronization.AUTO, aggregation=VariableAggregation.NONE,
+                         shape=None):
+        """``md.Variable(...)``: ``tf.Variable``'s arguments in its positional order.
+
+        ``name`` gets the current ``md.name_scope`` as prefix. ``trainable=None``
+        means True unless ``synchronization`` is ON_READ. ``constraint`` (a
+        callable of the variable's value) is kept as ``variable.constraint``
+        for optimizers, which apply it after their update in Keras;
+        ``assign`` ignores it, as TensorFlow's does. ``caching_device`` has no effect
+        (every replica reads its own copy already). ``shape`` must match the
+        initial value's; variables here keep their shape, so
+        ``validate_shape=False`` and shapes with unknown dimensions are refused,
+        as are ``variable_def`` and ``import_scope`` (graph-mode protocol buffers).
+        """
+        _check_arguments(trainable, variable_def, import_scope, validate_shape, caching_device, constraint)
+        name = scoped_name(name or "Variable")
         ctx = get_replica_context()
         if ctx is not None and ctx.strategy is self._container_strategy and ctx is not default_replica_context():
             # Created inside run: one variable for all replicas, made once in cross-replica context.
-            return ctx.merge_call(lambda strategy: strategy.extended._create_variable(
-                initial_value, name, trainable, dtype, synchronization, aggregation))
+            return ctx.merge_call(lambda strategy: strategy.extended._create_variable_named(
+                initial_value, trainable, name, dtype, constraint, synchronization, aggregation, shape))
+        return self._create_variable_named(initial_value, trainable, name, dtype, constraint, synchronization,
+                                           aggregation, shape)
+
+    def _create_variable_named(self, initial_value, trainable, name, dtype, constraint, synchronization,
+                               aggregation, shape):
         synchronization, aggregation, trainable = _check_variable_args(name, trainable, synchronization,
                                                                       aggregation)
         if callable(initial_value):
@@ -616,7 +638,10 @@ class StrategyExtended:
         value = device_util.to_host(_read(initial_value))
         if dtype is not None:
             value = value.astype(np.dtype(dtype), copy=False)
-        return self._make_variable(value, name or "Variable", trainable, synchronization, aggregation)
+        _check_shape(name, shape, value.shape)
+        variable = self._make_variable(value, name, trainable, synchronization, aggregation)
+        variable._constraint = constraint
+        return variable
 
     def _make_variable(self, value, name, trainable, synchronization, aggregation):
         return DeviceVariable(value, f"{name}:0", HOST, trainable, synchronization, aggregation)
@@ -650,6 +675,43 @@ def _reduce_along(v, op: ReduceOp, axis: int):
         with v.device:
             return cupy.full(shape, identity, dtype)
     return np.full(shape, identity, dtype)
+
+
+def _check_arguments(trainable, variable_def, import_scope, validate_shape, caching_device, constraint) -> None:
+    """Refuses the ``tf.Variable`` arguments that have no meaning here, naming each."""
+    if trainable is not None and not isinstance(trainable, (bool, np.bool_)):
+        # Most likely a name given second, in the order md.Variable had before it took tf.Variable's.
+        raise ValueError(f"trainable={trainable!r}: expected True, False or None; md.Variable takes tf.Variable's "
+                         "order (initial_value, trainable, validate_shape, caching_device, name, ...): pass the "
+                         "other arguments by keyword, e.g. md.Variable(x, name='w')")
+    for argument, value in (("variable_def", variable_def), ("import_scope", import_scope)):
+        if value is not None:
+            raise ValueError(f"{argument}={value!r}: md.Variable has no graph protocol buffers to build a variable "
+                             f"from; pass initial_value (and leave {argument} None)")
+    if validate_shape is not True:
+        raise ValueError(f"validate_shape={validate_shape!r}: md.Variable keeps its initial shape (a mirrored "
+                         "variable's copies are allocated once); create a new variable to change the shape")
+    if caching_device is not None and not isinstance(caching_device, str):
+        raise ValueError(f"caching_device={caching_device!r}: expected a device string or None")
+    if constraint is not None and not callable(constraint):
+        raise ValueError(f"constraint={constraint!r}: Argument `constraint` must be None or a callable (a "
+                         "function of the variable's value that returns the projected value)")
+
+
+def _check_shape(name, shape, actual) -> None:
+    """``shape=`` must be the initial value's (``None`` dimensions are unknown ones, which cannot change here)."""
+    if shape is None:
+        return
+    try:
+        dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    except TypeError:
+        raise ValueError(f"shape={shape!r} for variable {name!r}: expected a tuple of ints") from None
+    if None in dims or any(isinstance(d, (int, np.integer)) and d < 0 for d in dims):
+        raise ValueError(f"shape={shape!r} for variable {name!r}: unknown dimensions are not supported (a "
+                         f"variable keeps its initial shape {tuple(actual)}); pass the full shape or shape=None")
+    if dims != tuple(actual):
+        raise ValueError(f"shape={shape!r} for variable {name!r}: the initial value has shape {tuple(actual)}; "
+                         "they must be equal")
 
 
 def _check_variable_args(name, trainable, synchronization, aggregation):

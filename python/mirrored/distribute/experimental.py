@@ -5,7 +5,7 @@
 """
 
 from .input_lib import ValueContext
-from .multi_worker_strategy import MultiWorkerMirroredStrategy
+from .multi_worker_strategy import ExperimentalMultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from .options import CollectiveCommunication, CommunicationImplementation, CommunicationOptions
 
 __all__ = ["MultiWorkerMirroredStrategy", "CollectiveCommunication", "CommunicationImplementation",

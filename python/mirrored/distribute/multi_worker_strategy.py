@@ -25,7 +25,7 @@ from .mirrored_strategy import MirroredExtended, MirroredStrategy
 from .options import CommunicationImplementation, CommunicationOptions
 from .values import DistributedValues, PerReplica, Variable
 
-__all__ = ["MultiWorkerMirroredStrategy"]
+__all__ = ["MultiWorkerMirroredStrategy", "ExperimentalMultiWorkerMirroredStrategy"]
 
 # Strategies are built in the same order on every task: the n-th one of each
 # task joins the n-th group of the job.
@@ -114,18 +114,26 @@ class MultiWorkerExtended(MirroredExtended):
 class MultiWorkerMirroredStrategy(MirroredStrategy):
     """Synchronous training on the devices of several workers (``tf.distribute.MultiWorkerMirroredStrategy``).
 
+    ``cluster_resolver``: who is in the job (default: ``TF_CONFIG``, else the
+    ``SLURM_*`` variables of an ``srun`` step, else this process alone).
     ``communication_options``: a ``CommunicationOptions`` (``timeout_seconds``
     bounds every collective and the start-up wait; ``None`` or ``inf``: no
     timeout, and the start-up wait is 300 s; ``bytes_per_pack`` fuses
     gradients; ``implementation`` AUTO / RING (Gloo) / NCCL).
-    ``cluster_resolver``: who is in the job (default: ``TF_CONFIG``, else the
-    ``SLURM_*`` variables of an ``srun`` step, else this process alone).
     TensorFlow 2.0's ``communication=CollectiveCommunication.X`` is accepted
     too. ``devices`` (a mirrored extension) lists this worker's replica
     devices, e.g. ``["/cpu:0", "/cpu:1"]``; default: every GPU, else one CPU.
+
+    The positional order is TensorFlow's, ``(cluster_resolver,
+    communication_options)``. A communication argument given first, as
+    TensorFlow 2.0 (``communication``) and mirrored's first releases
+    (``communication_options``) ordered them, is recognised by its type.
     """
 
-    def __init__(self, communication_options=None, cluster_resolver=None, *, communication=None, devices=None):
+    def __init__(self, cluster_resolver=None, communication_options=None, *, communication=None, devices=None):
+        if isinstance(cluster_resolver, (CommunicationOptions, CommunicationImplementation, str)) and (
+                communication_options is None or _is_resolver(communication_options)):
+            cluster_resolver, communication_options = communication_options, cluster_resolver
         if isinstance(communication_options, (CommunicationImplementation, str)):
             communication, communication_options = communication_options, None  # TF 2.0 positional form
         if communication is not None:
@@ -137,6 +145,10 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         if not isinstance(communication_options, CommunicationOptions):
             raise ValueError(f"communication_options={communication_options!r}: expected md.CommunicationOptions"
                              "(bytes_per_pack=..., timeout_seconds=..., implementation=...)")
+        if cluster_resolver is not None and not _is_resolver(cluster_resolver):
+            raise TypeError(f"cluster_resolver={cluster_resolver!r}: expected a cluster resolver, e.g. "
+                            "md.cluster_resolver.TFConfigClusterResolver() or SimpleClusterResolver(cluster_spec, "
+                            "task_type=..., task_id=...), or None to read TF_CONFIG")
         resolver = cluster_resolver if cluster_resolver is not None else default_cluster_resolver()
         # Skip MirroredStrategy.__init__: the extended object is ours.
         super(MirroredStrategy, self).__init__(
@@ -145,3 +157,16 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     @property
     def cluster_resolver(self):
         return self._extended._resolver
+
+
+class ExperimentalMultiWorkerMirroredStrategy(MultiWorkerMirroredStrategy):
+    """``tf.distribute.experimental.MultiWorkerMirroredStrategy``: TensorFlow 2.0's ``(communication,
+    cluster_resolver)``, ``communication`` a ``CommunicationImplementation`` (``CollectiveCommunication``)."""
+
+    def __init__(self, communication=CommunicationImplementation.AUTO, cluster_resolver=None, *, devices=None):
+        super().__init__(cluster_resolver, communication=communication, devices=devices)
+
+
+def _is_resolver(value) -> bool:
+    """A cluster resolver: any object with ``cluster_spec()``, ``task_type`` and ``task_id`` (TF's interface)."""
+    return callable(getattr(value, "cluster_spec", None)) and hasattr(value, "task_type") and hasattr(value, "task_id")

@@ -99,7 +99,9 @@ class _VariableMeta(type):
 
 
 class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
-    """``md.Variable(initial_value, name=None, trainable=None, dtype=None, synchronization=AUTO, aggregation=NONE)``.
+    """``md.Variable(initial_value, trainable=None, validate_shape=True, caching_device=None, name=None,
+    variable_def=None, dtype=None, import_scope=None, constraint=None, synchronization=AUTO, aggregation=NONE,
+    shape=None)``: ``tf.Variable``'s arguments in its order.
 
     Arithmetic and NumPy functions apply to the current value. As in
     TensorFlow, ``==`` is element-wise, so variables are not hashable: key
@@ -107,6 +109,12 @@ class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
     """
 
     __hash__ = None
+    _constraint = None  # set by the strategy that creates the variable
+
+    @property
+    def constraint(self):
+        """The ``constraint`` given at creation (a callable, or None); Keras' optimizers apply it after an update."""
+        return self._constraint
 
     def value(self):
         return self.read_value()

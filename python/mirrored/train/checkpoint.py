@@ -184,9 +184,11 @@ def _walk(obj, path: str, found: dict, optimizers: list, seen: set) -> None:
         for i, item in enumerate(obj):
             _walk(item, f"{path}/{i}", found, optimizers, seen)
     elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType)):
-        for key in sorted(vars(obj)):
-            if not key.startswith("_"):
-                _walk(vars(obj)[key], f"{path}/{key}", found, optimizers, seen)
+        # md.Module tracks its private attributes too, as tf.Module does: it names its children itself.
+        children = obj._trackable_children() if hasattr(obj, "_trackable_children") else {
+            key: value for key, value in vars(obj).items() if not key.startswith("_")}
+        for key in sorted(children):
+            _walk(children[key], f"{path}/{key}", found, optimizers, seen)
 
 
 def _optimizer_state(path: str, optimizer, var_paths: dict) -> dict:

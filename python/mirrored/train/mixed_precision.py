@@ -1,0 +1,381 @@
+"""``md.mixed_precision``: Keras' loss scaling and dtype policies for float16 / bfloat16 training.
+
+    policy = md.mixed_precision.Policy("mixed_float16")   # compute float16, variables float32
+    with strategy.scope():
+        optimizer = md.mixed_precision.LossScaleOptimizer(md.optimizers.SGD(0.1))
+
+    def step(x, y):
+        # forward and backward in float16; the backward pass starts from the scaled loss
+        grads = grads_of(optimizer.scale_loss(loss))          # scaled float16 gradients
+        optimizer.apply_gradients(zip(grads, variables))      # all-reduced, checked, unscaled, applied
+
+``LossScaleOptimizer`` follows Keras 3 (``keras.mixed_precision.LossScaleOptimizer``):
+``apply_gradients`` takes the gradients of the scaled loss, and
+
+1. all-reduces them in their own dtype (float16 and bfloat16 travel as such,
+   half the bytes of float32) with one fused collective, as the wrapped
+   optimizer would; when the wrapped optimizer clips (``clipnorm``,
+   ``clipvalue``, ``global_clipnorm``), it reduces them itself after step 4,
+   since Keras clips each replica's unscaled gradient before the sum;
+2. checks that every gradient is finite and agrees on the answer across all
+   replicas of all workers (one all-reduce of a flag, MIN, across workers);
+3. if not, skips the step (the wrapped optimizer's ``iterations`` stays put),
+   halves the scale and restarts the count of good steps;
+4. else divides the gradients by the scale (float16 and bfloat16 gradients
+   become float32 here, as Keras' division promotes them), lets the wrapped
+   optimizer apply them, and doubles the scale once ``dynamic_growth_steps``
+   steps in a row were finite.
+
+Keras 3 checks the first replica's own gradients only, before the reduction,
+so a NaN on another replica reaches the weights (recorded from TensorFlow 2.21
+in tests/data/tfport_reference.json); here every replica's counts.
+
+Keras 2's ``get_scaled_loss(loss)`` / ``get_unscaled_gradients(grads)`` work
+as they did: once ``get_unscaled_gradients`` has been used, ``apply_gradients``
+takes unscaled gradients and does not divide them again. ``dynamic=False``
+(Keras 2) keeps ``initial_scale`` fixed and applies every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+
+import numpy as np
+
+from ..device import device_util
+
+__all__ = ["LossScaleOptimizer", "Policy", "DTypePolicy", "global_policy", "set_global_policy"]
+
+
+# --- dtype policies ------------------------------------------------------------------------------
+
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+class Policy:
+    """``Policy("mixed_float16")``: the dtype a model computes in and the dtype its variables keep.
+
+    ``"mixed_float16"`` / ``"mixed_bfloat16"``: compute in float16 / bfloat16,
+    variables in float32; a float dtype's name (``"float32"``): both in it.
+    Model code reads ``compute_dtype`` and ``variable_dtype`` (as Keras layers do).
+    """
+
+    def __init__(self, name):
+        if isinstance(name, Policy):
+            name = name.name
+        if not isinstance(name, str) or (name not in _FLOATS and name not in ("mixed_float16", "mixed_bfloat16")):
+            raise ValueError(
+                f"name={name!r}: cannot convert it to a mixed precision Policy; valid policies are 'mixed_float16', "
+                "'mixed_bfloat16' and the name of a float dtype ('float16', 'bfloat16', 'float32', 'float64')")
+        self._name = name
+
+    name = property(lambda self: self._name)
+
+    @property
+    def compute_dtype(self) -> str:
+        return self._name[len("mixed_"):] if self._name.startswith("mixed_") else self._name
+
+    @property
+    def variable_dtype(self) -> str:
+        return "float32" if self._name.startswith("mixed_") else self._name
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Policy) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __repr__(self) -> str:
+        return f'<Policy "{self._name}">'
+
+
+DTypePolicy = Policy  # Keras 3's name
+_global = Policy("float32")
+
+
+def global_policy() -> Policy:
+    """The policy set by ``set_global_policy`` (``float32`` until then)."""
+    return _global
+
+
+def set_global_policy(policy) -> None:
+    """Set the global policy: a ``Policy``, its name, or None for ``"float32"``."""
+    global _global
+    _global = Policy("float32" if policy is None else policy)
+
+
+# --- loss scaling --------------------------------------------------------------------------------
+
+def _check_scale(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"initial_scale={value!r}: expected a finite number > 0, e.g. 2**15 (a high scale is "
+                         "lowered in a few steps, a low one raised only every dynamic_growth_steps)")
+    return float(value)
+
+
+# The exponent bits of a 2-byte float (all set: an inf or a nan), None for other dtypes; filled
+# per dtype on first sight (a dtype's name is slow to read; bfloat16 needs no import of ml_dtypes here).
+_HALF_EXPONENTS = {}
+
+
+def _is_finite(x) -> bool:
+    if device_util.on_gpu(x):
+        import cupy
+
+        return bool(cupy.isfinite(x).all())
+    x = np.asarray(x)
+    if x.dtype.kind in "biu":
+        return True  # integers are always finite
+    exponent = _HALF_EXPONENTS.get(x.dtype, -1)
+    if exponent == -1:
+        exponent = _HALF_EXPONENTS[x.dtype] = {"float16": 0x7C00, "bfloat16": 0x7F80}.get(x.dtype.name)
+    if exponent is None:
+        return bool(np.isfinite(x).all())
+    # NumPy's isfinite on float16 (and ml_dtypes' on bfloat16) runs element by element, ~30x slower
+    # than this look at the bits: without the sign, a finite value is below the all-ones exponent.
+    return x.size == 0 or int((np.ascontiguousarray(x).view(np.uint16) & 0x7FFF).max()) < exponent
+
+
+def _clips(optimizer) -> bool:
+    return any(getattr(optimizer, name, None) is not None for name in ("clipnorm", "clipvalue", "global_clipnorm"))
+
+
+def _components(value) -> tuple:
+    from ..distribute.values import DistributedValues
+
+    return value.values if isinstance(value, DistributedValues) else (value,)
+
+
+class LossScaleOptimizer:
+    """Dynamic loss scaling around another optimizer (``keras.mixed_precision.LossScaleOptimizer``).
+
+    ``inner_optimizer``: the optimizer that applies the unscaled gradients;
+    its ``learning_rate``, ``iterations``, slots and other attributes are
+    reachable through this object. ``dynamic``: adjust the scale (Keras) or
+    keep ``initial_scale`` (Keras 2's ``dynamic=False``). ``initial_scale``:
+    the first scale. ``dynamic_growth_steps``: how many finite steps in a row
+    double the scale.
+
+    Its own state, ``dynamic_scale`` (float32) and ``step_counter`` (int64),
+    are variables of the strategy in scope when it is created, saved by
+    ``md.train.Checkpoint`` with the wrapped optimizer's.
+    """
+
+    def __init__(self, inner_optimizer, dynamic=True, initial_scale=2.0 ** 15, dynamic_growth_steps=2000,
+                 name=None):
+        if isinstance(inner_optimizer, LossScaleOptimizer):
+            raise TypeError("inner_optimizer: a LossScaleOptimizer cannot wrap another LossScaleOptimizer (the "
+                            "loss would be scaled twice); wrap the optimizer itself")
+        if not callable(getattr(inner_optimizer, "apply_gradients", None)):
+            raise TypeError(f"inner_optimizer={inner_optimizer!r}: expected an optimizer (e.g. md.optimizers.SGD(...)) "
+                            "with apply_gradients")
+        if not isinstance(dynamic, bool):
+            raise ValueError(f"dynamic={dynamic!r}: expected True (adjust the scale) or False (keep initial_scale)")
+        if isinstance(dynamic_growth_steps, bool) or not isinstance(dynamic_growth_steps, numbers.Integral) \
+                or dynamic_growth_steps < 1:
+            raise ValueError(f"dynamic_growth_steps={dynamic_growth_steps!r}: expected an integer >= 1 (the number of "
+                             "finite steps in a row after which the scale doubles)")
+        from ..distribute import values
+        from ..distribute.options import VariableAggregation
+
+        self.inner_optimizer = inner_optimizer
+        self.dynamic = dynamic
+        self.initial_scale = _check_scale(initial_scale)
+        self.dynamic_growth_steps = int(dynamic_growth_steps)
+        self.name = name or "loss_scale_optimizer"
+        # Updated in cross-replica context only, so every copy holds the same value.
+        self.step_counter = values.Variable(np.int64(0), trainable=False, name=f"{self.name}/step_counter",
+                                            aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
+        self.dynamic_scale = values.Variable(np.float32(self.initial_scale), trainable=False,
+                                             name=f"{self.name}/dynamic_scale",
+                                             aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
+        self._caller_unscales = False
+        self._var_list = None  # build(var_list)'s, for apply(grads)
+
+    def __getattr__(self, name):
+        # Called only for attributes this object lacks: the wrapped optimizer's (get_slot, momentum, ...).
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    # -- the wrapped optimizer's state --
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        self.inner_optimizer.learning_rate = value
+
+    @property
+    def iterations(self):
+        """The wrapped optimizer's step count: skipped steps do not count (Keras 3)."""
+        return self.inner_optimizer.iterations
+
+    @property
+    def variables(self) -> list:
+        """``step_counter``, ``dynamic_scale``, then the wrapped optimizer's variables (Keras 3's order)."""
+        inner = self.inner_optimizer.variables
+        return [self.step_counter, self.dynamic_scale, *(inner() if callable(inner) else inner)]
+
+    def build(self, var_list) -> None:
+        """Create the wrapped optimizer's state for ``var_list`` (this optimizer's own exists already)."""
+        self._var_list = list(var_list)
+        build = getattr(self.inner_optimizer, "build", None)
+        if build is not None:
+            build(self._var_list)
+
+    # -- the scale --
+    @property
+    def loss_scale(self) -> np.float32:
+        """The current scale (Keras 2's name; Keras 3 reads ``dynamic_scale``)."""
+        return np.float32(self.dynamic_scale.numpy())
+
+    @property
+    def dynamic_counter(self) -> int:
+        """Finite steps since the scale last changed (Keras 2's name for ``step_counter``)."""
+        return int(self.step_counter.numpy())
+
+    def scale_loss(self, loss):
+        """``loss * scale`` (Keras 3): a float16 or bfloat16 loss becomes float32, as Keras' multiply promotes."""
+        return loss * self.loss_scale
+
+    def get_scaled_loss(self, loss):
+        """``loss * scale`` in ``loss``'s own dtype (Keras 2); a callable loss gives a callable."""
+        if callable(loss):
+            return lambda: self.get_scaled_loss(loss())
+        return loss * self._scale_as(loss)
+
+    def get_unscaled_gradients(self, grads) -> list:
+        """Each gradient divided by the scale, in its own dtype (Keras 2); None stays None.
+
+        From then on ``apply_gradients`` takes unscaled gradients, as Keras 2's did.
+        """
+        self._caller_unscales = True
+        reciprocal = 1.0 / float(self.loss_scale)
+        return [None if g is None else g * self._scale_as(g, reciprocal) for g in grads]
+
+    def _scale_as(self, x, factor=None):
+        factor = float(self.loss_scale) if factor is None else factor
+        dtype = getattr(x, "dtype", None)
+        return factor if dtype is None else np.asarray(factor, dtype=dtype)[()]
+
+    # -- the step --
+    def apply(self, grads, trainable_variables=None):
+        """Keras 3's ``apply``: ``apply_gradients(zip(grads, trainable_variables))``, by default the
+        variables given to ``build``. (The wrapped optimizer's own ``apply`` would skip the scaling.)"""
+        if trainable_variables is None:
+            if self._var_list is None:
+                raise ValueError("trainable_variables: none given and build(var_list) was never called; pass the "
+                                 "variables, e.g. optimizer.apply(grads, model.trainable_variables)")
+            trainable_variables = self._var_list
+        grads = list(grads)
+        trainable_variables = list(trainable_variables)
+        if len(grads) != len(trainable_variables):
+            raise ValueError(f"grads: {len(grads)} gradients for {len(trainable_variables)} trainable_variables; "
+                             "pass one gradient (or None) per variable")
+        return self.apply_gradients(zip(grads, trainable_variables))
+
+    def apply_gradients(self, grads_and_vars, options=None, *, name=None, experimental_aggregate_gradients=True):
+        """All-reduce, check, unscale and apply gradients of the scaled loss; returns ``iterations`` after it.
+
+        Called inside ``strategy.run`` (each replica passes its gradients) or in
+        cross-replica context, as the wrapped optimizer's ``apply_gradients``.
+        A step whose gradients are not all finite (on any replica of any worker)
+        changes no weight and returns ``iterations`` unchanged.
+        """
+        from ..distribute import distribute_lib
+
+        pairs = []
+        for i, pair in enumerate(grads_and_vars):
+            try:
+                grad, var = pair
+            except (TypeError, ValueError):
+                raise ValueError(f"grads_and_vars[{i}]={pair!r}: expected a (gradient, variable) pair; pass "
+                                 "zip(grads, variables)") from None
+            if grad is not None:
+                pairs.append((grad, var))
+        aggregate = bool(experimental_aggregate_gradients)
+        if distribute_lib.in_cross_replica_context():
+            return self._apply(distribute_lib.get_strategy(), pairs, options, aggregate, False)
+        return distribute_lib.get_replica_context().merge_call(
+            lambda strategy, merged: self._apply(strategy, merged, options, aggregate, True), args=(pairs,))
+
+    def _apply(self, strategy, pairs, options, aggregate, from_replicas):
+        from ..distribute import distribute_lib
+        from ..distribute.reduce_util import ReduceOp
+        from ..distribute.values import DistributedValues, PerReplica
+
+        if not pairs:
+            raise ValueError("grads_and_vars: no gradient was given (all were None or the list is empty)")
+        devices = strategy.extended.worker_devices
+        if from_replicas and not isinstance(strategy, distribute_lib._DefaultStrategy):
+            # merge_call leaves a gradient unwrapped when every replica passed the same object
+            # (or there is one local replica): it is still one gradient per replica.
+            pairs = [(g if isinstance(g, DistributedValues) else PerReplica([g] * len(devices), devices), v)
+                     for g, v in pairs]
+        grads = [g for g, _ in pairs]
+        distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
+        # Keras clips each replica's unscaled gradient before the sum: an optimizer that clips reduces them
+        # itself. Otherwise the sum is taken here, in the gradients' own dtype (float16 and bfloat16 move
+        # half the bytes), and the check below also catches a sum that overflows.
+        reduce_here = aggregate and not _clips(self.inner_optimizer)
+        reduced = set(distributed) if reduce_here else set()
+        if reduced:
+            mean = getattr(self.inner_optimizer, "gradient_aggregation", "sum") == "mean"
+            for k, g in zip(distributed, strategy.extended.batch_reduce_to(
+                    ReduceOp.MEAN if mean else ReduceOp.SUM, [pairs[k] for k in distributed], options=options)):
+                grads[k] = g
+        # An all-reduce gives every local copy the same bits: one copy of a reduced gradient tells for all.
+        arrays = [c for k, g in enumerate(grads) for c in (_components(g)[:1] if k in reduced else _components(g))]
+        if self.dynamic and not self._agreed_finite(strategy, arrays, devices):
+            self.step_counter.assign(np.int64(0))
+            self.dynamic_scale.assign(self.dynamic_scale.numpy() * np.float32(0.5))
+            return int(self.iterations.numpy())
+        if not self._caller_unscales:
+            grads = [self._unscaled(g) for g in grads]
+        step = self.inner_optimizer.apply_gradients(
+            [(g, v) for g, (_, v) in zip(grads, pairs)], options,
+            experimental_aggregate_gradients=aggregate and not reduce_here)
+        if self.dynamic:
+            if int(self.step_counter.numpy()) == self.dynamic_growth_steps - 1:
+                self.step_counter.assign(np.int64(0))
+                self.dynamic_scale.assign(self.dynamic_scale.numpy() * np.float32(2.0))
+            else:
+                self.step_counter.assign_add(np.int64(1))
+        return step
+
+    def _agreed_finite(self, strategy, arrays, devices) -> bool:
+        """Whether every gradient is finite on every replica of every worker. One process checks all its
+        replicas' gradients here; across workers one all-reduce (MIN) of a flag makes the answer the
+        same everywhere."""
+        from ..distribute.reduce_util import ReduceOp
+        from ..distribute.values import PerReplica
+
+        finite = all(_is_finite(a) for a in arrays)
+        if strategy.extended._num_workers == 1:
+            return finite
+        flags = PerReplica([np.full((), finite, np.float32) for _ in devices], devices)
+        return bool(strategy.reduce(ReduceOp.MIN, flags, axis=None))
+
+    def _unscaled(self, grad):
+        """``grad / scale`` per component: float16 and bfloat16 become float32, as Keras' division promotes."""
+        from ..distribute.values import DistributedValues
+
+        scale = np.float32(self.dynamic_scale.numpy())
+        if not isinstance(grad, DistributedValues):
+            return grad / scale
+        devices = grad._devices_or((None,) * len(grad.values))
+        parts = []
+        for component, device in zip(grad.values, devices):
+            with device_util.device_scope(device) if device else contextlib.nullcontext():
+                parts.append(component / scale)  # on the component's own device (CuPy)
+        return type(grad)(parts, grad._devices)
+
+    def __repr__(self) -> str:
+        return (f"<LossScaleOptimizer name={self.name!r} inner_optimizer={self.inner_optimizer!r} "
+                f"dynamic={self.dynamic} loss_scale={float(self.loss_scale)}>")
+
