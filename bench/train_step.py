@@ -41,18 +41,26 @@ import mirrored as md
 
 def per_step(fn, steps: int, sync=lambda: None) -> float:
     """Median seconds per call over 5 rounds of ``steps // 5`` calls, after 3 warm-up calls."""
-    for _ in range(3):
-        fn()
-    sync()
-    samples = []
-    rounds = max(1, steps // 5)
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(rounds):
+    return interleaved([fn], steps, sync)[0]
+
+
+def interleaved(fns, steps: int, sync=lambda: None) -> list:
+    """Median seconds per call of each function, measured in turns (round r of every function, then
+    round r + 1): a machine whose load drifts during the run weighs on every column alike."""
+    for fn in fns:
+        for _ in range(3):
             fn()
-        sync()
-        samples.append((time.perf_counter() - t0) / rounds)
-    return statistics.median(samples)
+    sync()
+    samples = [[] for _ in fns]
+    calls = max(1, steps // 5)
+    for _ in range(5):
+        for fn, column in zip(fns, samples):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            column.append((time.perf_counter() - t0) / calls)
+    return [statistics.median(column) for column in samples]
 
 
 def init_params(layers: int, width: int, seed: int = 0) -> list:
@@ -184,38 +192,48 @@ def main(argv=None):
         for a, g in zip(params, grads):
             a -= 0.01 * g
 
-    base = per_step(plain_step, args.steps, sync)
-    fwd_bwd = per_step(lambda: loss_and_grads(xp, params, x, y, args.batch_size), args.steps, sync)
+    columns = [("plain " + ("CuPy" if gpu else "NumPy") + " (p -= lr*g)", 1, plain_step),
+               ("forward/backward alone", 1, lambda: loss_and_grads(xp, params, x, y, args.batch_size))]
+    ngpu = len(md.config.list_physical_devices("GPU")) if gpu else 0
+    logical = [n for n in args.replicas if gpu and n > ngpu]
+    # When a count outnumbers the GPUs, GPU 0 is split into that many logical GPUs and every
+    # count runs on the first n of them (one split serves all).
+    for n in logical[-1:]:
+        md.config.set_logical_device_configuration("GPU", 0, count=n)
+    for n in args.replicas:
+        columns.append(("mirrored MirroredStrategy", n, mirrored_step(args, xp, x, y, n, gpu)))
+    times = interleaved([fn for _, _, fn in columns], args.steps, sync)
+    base = times[0]
     print(f"{args.layers} dense layers {args.width}x{args.width} + bias ({2 * args.layers} parameter tensors, "
           f"{nbytes / 1e6:.1f} MB), global batch {args.batch_size}, {args.device}, optimizer {args.optimizer}, "
           f"BLAS threads {args.blas_threads or 'default'}\n")
     print("| step | replicas | ms/step | vs plain |\n|---|---|---|---|")
-    print(f"| plain {'CuPy' if gpu else 'NumPy'} (p -= lr*g) | 1 | {base * 1e3:.2f} | 1.00x |")
-    print(f"| forward/backward alone | 1 | {fwd_bwd * 1e3:.2f} | {fwd_bwd / base:.2f}x |", flush=True)
-    ngpu = len(md.config.list_physical_devices("GPU")) if gpu else 0
-    for n in args.replicas:
-        if gpu and n > ngpu:
-            md.config.set_logical_device_configuration("GPU", 0, count=n)
-        devices = [f"/gpu:{i}" if gpu else f"/cpu:{i}" for i in range(n)]
-        strategy = md.MirroredStrategy(devices)
-        with strategy.scope():
-            variables = [md.Variable(a) for a in init_params(args.layers, args.width)]
-            optimizer = make_optimizer(args.optimizer)
-        batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
-
-        def step_fn(xs, ys):
-            _, grads = loss_and_grads(xp, [v.read_value() for v in variables], xs, ys, args.batch_size)
-            optimizer.apply_gradients(zip(grads, variables))
-
-        t = per_step(lambda: strategy.run(step_fn, args=batch), args.steps, sync)
-        print(f"| mirrored MirroredStrategy | {n} | {t * 1e3:.2f} | {t / base:.2f}x |", flush=True)
-        if gpu and n > ngpu:
-            md.config.set_logical_device_configuration("GPU:0", None)
-        if not gpu:
+    for (label, n, _), t in zip(columns, times):
+        print(f"| {label} | {n} | {t * 1e3:.2f} | {t / base:.2f}x |", flush=True)
+    if logical:
+        md.config.set_logical_device_configuration("GPU:0", None)
+    if not gpu:
+        for n in args.replicas:
             args.replicas_now = n
             t_torch = torch_ddp(args)
             if t_torch is not None:
-                print(f"| PyTorch DDP (gloo) | {n} | {t_torch * 1e3:.2f} | {t_torch / base:.2f}x |", flush=True)
+                print(f"| PyTorch DDP (gloo), measured after | {n} | {t_torch * 1e3:.2f} | {t_torch / base:.2f}x |",
+                      flush=True)
+
+
+def mirrored_step(args, xp, x, y, n: int, gpu: bool):
+    """``strategy.run(step)`` on ``n`` replicas: forward/backward on each replica's share, apply_gradients."""
+    strategy = md.MirroredStrategy([f"/gpu:{i}" if gpu else f"/cpu:{i}" for i in range(n)])
+    with strategy.scope():
+        variables = [md.Variable(a) for a in init_params(args.layers, args.width)]
+        optimizer = make_optimizer(args.optimizer)
+    batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+
+    def step_fn(xs, ys):
+        _, grads = loss_and_grads(xp, [v.read_value() for v in variables], xs, ys, args.batch_size)
+        optimizer.apply_gradients(zip(grads, variables))
+
+    return lambda: strategy.run(step_fn, args=batch)
 
 
 if __name__ == "__main__":
