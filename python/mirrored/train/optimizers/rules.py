@@ -18,10 +18,9 @@ import sys
 
 import numpy as np
 
-# Rule codes shared with csrc/host/fused_update.h (enum class Rule).
+# Rule codes shared with csrc/host/fused_update.h (enum class Rule). RMSprop's variants
+# (momentum, centered) are read from its coefficients, by the kernel as by rmsprop() below.
 SGD, SGD_MOMENTUM, SGD_NESTEROV, ADAM, RMSPROP, ADAGRAD, NADAM = range(7)
-# RMSprop's variants are flags added to its code: the kernel reads them from the coefficients.
-RULE_NAMES = ("sgd", "sgd_momentum", "sgd_nesterov", "adam", "rmsprop", "adagrad", "nadam")
 
 
 def weight_decay(w, wd, lr) -> None:
