@@ -95,7 +95,9 @@ def loss_and_grads(xp, params, x, y, global_batch: int):
 
 
 def make_optimizer(name: str):
-    return md.optimizers.Adam(1e-4) if name == "adam" else md.optimizers.SGD(0.01, momentum=0.9)
+    if name == "adam":
+        return md.optimizers.Adam(1e-4)
+    return md.optimizers.SGD(0.01, momentum=0.0 if name == "sgd-plain" else 0.9)
 
 
 def torch_ddp(args) -> float | None:
@@ -158,7 +160,11 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=None, help="default: 128 on CPU, 256 on GPU")
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    p.add_argument("--optimizer", choices=("sgd", "sgd-plain", "adam"), default="sgd",
+                   help="sgd: momentum 0.9; sgd-plain: no momentum, the plain loop's own rule")
+    p.add_argument("--update-only", action="store_true",
+                   help="time the update alone: p -= lr*g per parameter against apply_gradients with fixed "
+                        "gradients (the optimizer's own cost, without the forward/backward pass)")
     p.add_argument("--blas-threads", type=int, default=None,
                    help="BLAS threads for every column (default: the library's own count; replicas cap it "
                         "to cores / replicas)")
@@ -187,13 +193,16 @@ def main(argv=None):
     params = [xp.asarray(a) for a in init_params(args.layers, args.width)]
     nbytes = sum(a.nbytes for a in params)
 
+    fixed_grads = loss_and_grads(xp, params, x, y, args.batch_size)[1] if args.update_only else None
+
     def plain_step():
-        _, grads = loss_and_grads(xp, params, x, y, args.batch_size)
+        _, grads = (None, fixed_grads) if args.update_only else loss_and_grads(xp, params, x, y, args.batch_size)
         for a, g in zip(params, grads):
             a -= 0.01 * g
 
-    columns = [("plain " + ("CuPy" if gpu else "NumPy") + " (p -= lr*g)", 1, plain_step),
-               ("forward/backward alone", 1, lambda: loss_and_grads(xp, params, x, y, args.batch_size))]
+    columns = [("plain " + ("CuPy" if gpu else "NumPy") + " (p -= lr*g)", 1, plain_step)]
+    if not args.update_only:
+        columns.append(("forward/backward alone", 1, lambda: loss_and_grads(xp, params, x, y, args.batch_size)))
     ngpu = len(md.config.list_physical_devices("GPU")) if gpu else 0
     logical = [n for n in args.replicas if gpu and n > ngpu]
     # When a count outnumbers the GPUs, GPU 0 is split into that many logical GPUs and every
@@ -201,18 +210,18 @@ def main(argv=None):
     for n in logical[-1:]:
         md.config.set_logical_device_configuration("GPU", 0, count=n)
     for n in args.replicas:
-        columns.append(("mirrored MirroredStrategy", n, mirrored_step(args, xp, x, y, n, gpu)))
+        columns.append(("mirrored MirroredStrategy", n, mirrored_step(args, xp, x, y, n, gpu, fixed_grads)))
     times = interleaved([fn for _, _, fn in columns], args.steps, sync)
     base = times[0]
     print(f"{args.layers} dense layers {args.width}x{args.width} + bias ({2 * args.layers} parameter tensors, "
           f"{nbytes / 1e6:.1f} MB), global batch {args.batch_size}, {args.device}, optimizer {args.optimizer}, "
-          f"BLAS threads {args.blas_threads or 'default'}\n")
+          f"BLAS threads {args.blas_threads or 'default'}{', the update alone' if args.update_only else ''}\n")
     print("| step | replicas | ms/step | vs plain |\n|---|---|---|---|")
     for (label, n, _), t in zip(columns, times):
         print(f"| {label} | {n} | {t * 1e3:.2f} | {t / base:.2f}x |", flush=True)
     if logical:
         md.config.set_logical_device_configuration("GPU:0", None)
-    if not gpu:
+    if not gpu and not args.update_only:
         for n in args.replicas:
             args.replicas_now = n
             t_torch = torch_ddp(args)
@@ -221,8 +230,9 @@ def main(argv=None):
                       flush=True)
 
 
-def mirrored_step(args, xp, x, y, n: int, gpu: bool):
-    """``strategy.run(step)`` on ``n`` replicas: forward/backward on each replica's share, apply_gradients."""
+def mirrored_step(args, xp, x, y, n: int, gpu: bool, fixed_grads=None):
+    """``strategy.run(step)`` on ``n`` replicas: forward/backward on each replica's share, apply_gradients
+    (only apply_gradients of ``fixed_grads`` when given)."""
     strategy = md.MirroredStrategy([f"/gpu:{i}" if gpu else f"/cpu:{i}" for i in range(n)])
     with strategy.scope():
         variables = [md.Variable(a) for a in init_params(args.layers, args.width)]
@@ -230,7 +240,10 @@ def mirrored_step(args, xp, x, y, n: int, gpu: bool):
     batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
 
     def step_fn(xs, ys):
-        _, grads = loss_and_grads(xp, [v.read_value() for v in variables], xs, ys, args.batch_size)
+        if fixed_grads is not None:
+            grads = fixed_grads
+        else:
+            _, grads = loss_and_grads(xp, [v.read_value() for v in variables], xs, ys, args.batch_size)
         optimizer.apply_gradients(zip(grads, variables))
 
     return lambda: strategy.run(step_fn, args=batch)
