@@ -74,3 +74,47 @@ def test_the_adam_gap_was_the_float64_step_size():
     _, _, w, _ = _train("Adam", 1)
     expected = DATA["Adam|1|w"]
     assert np.max(np.abs(w.numpy() - expected) / np.abs(expected)) < 3e-7
+
+
+MULTIWORKER_CONFIGS = ["Adam weight_decay global_clipnorm", "Nadam", "RMSprop centered momentum", "SGD clipnorm"]
+
+
+def _multiworker_task(names):
+    from mirrored.distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
+
+    strategy = MultiWorkerMirroredStrategy(communication_options=md.CommunicationOptions(timeout_seconds=60),
+                                           devices=["/cpu:0"])
+    results = {}
+    for name in names:
+        cls, kwargs, dtype = CONFIGS[name]
+        with strategy.scope():
+            w = md.Variable(DATA["w0"].astype(dtype))
+            b = md.Variable(DATA["b0"].astype(dtype))
+            opt = getattr(md.optimizers, cls)(**kwargs)
+        grads_w, grads_b = DATA["grads_w"].astype(dtype), DATA["grads_b"].astype(dtype)
+        for s in range(grads_w.shape[0]):
+            def step(s=s):
+                r = md.get_replica_context().replica_id_in_sync_group  # this worker's replica: 0 or 1
+                opt.apply_gradients([(grads_w[s, r], w), (grads_b[s, r], b)])
+            strategy.run(step)
+        results[name] = (w.numpy(), b.numpy(), int(opt.iterations.numpy()))
+    return results
+
+
+@pytest.mark.multiworker
+def test_two_workers_match_keras_and_one_process_of_two_replicas():
+    from multiworker_launch import launch
+
+    tasks = launch(_multiworker_task, 2, kwargs={"names": MULTIWORKER_CONFIGS}, timeout=240)
+    for t in tasks:
+        assert t.ok, (t.task, t.error, t.message, t.stderr[-2000:])
+    for name in MULTIWORKER_CONFIGS:
+        _, _, w, b = _train(name, 2)
+        for t in tasks:
+            tw, tb, iterations = t.value[name]
+            np.testing.assert_allclose(tw, DATA[f"{name}|2|w"], rtol=2e-6, atol=2e-7)
+            np.testing.assert_allclose(tb, DATA[f"{name}|2|b"], rtol=2e-6, atol=2e-7)
+            # Clipped per replica, then summed across the workers: the bits of one process's two replicas.
+            np.testing.assert_array_equal(tw, w.numpy())
+            np.testing.assert_array_equal(tb, b.numpy())
+            assert iterations == DATA["grads_w"].shape[0]
