@@ -1,24 +1,24 @@
 #include "host/fused_update.h"
 
-#include <cmath>
+#include "core/optimizer_rules.h"
 
 namespace mirrored::host {
 
 namespace {
 
-// One loop per rule; `Decay` is a template argument so the loop carries no branch.
-// __restrict: the entries of a table never overlap (checked by the binding's caller).
+// One loop per rule over the shared element math (core/optimizer_rules.h);
+// `Decay` is a template argument so the loop carries no branch. __restrict:
+// the entries of a table never overlap (the caller's contract).
 template <typename T, bool Decay>
 inline T decayed(T w, const FusedScalars<T>& s) {
-  return Decay ? w - (w * s.weight_decay) * s.lr : w;
+  return Decay ? rules::decayed(w, s.weight_decay, s.lr) : w;
 }
 
 template <typename T, bool Decay>
 void sgd(const FusedEntry<T>& e, const FusedScalars<T>& s) {
   T* __restrict w = e.weight;
   const T* __restrict g = e.grad;
-  const T lr = s.c[0];
-  for (std::size_t i = 0; i < e.count; ++i) w[i] = decayed<T, Decay>(w[i], s) - g[i] * lr;
+  for (std::size_t i = 0; i < e.count; ++i) w[i] = rules::sgd(decayed<T, Decay>(w[i], s), g[i], s.c);
 }
 
 template <typename T, bool Decay, bool Nesterov>
@@ -26,12 +26,10 @@ void sgd_momentum(const FusedEntry<T>& e, const FusedScalars<T>& s) {
   T* __restrict w = e.weight;
   const T* __restrict g = e.grad;
   T* __restrict m = e.slots[0];
-  const T lr = s.c[0], mu = s.c[1];
   for (std::size_t i = 0; i < e.count; ++i) {
-    const T wi = decayed<T, Decay>(w[i], s);
-    const T mi = m[i] * mu - g[i] * lr;
+    T mi = m[i];
+    w[i] = rules::sgd_momentum<T, Nesterov>(decayed<T, Decay>(w[i], s), g[i], mi, s.c);
     m[i] = mi;
-    w[i] = Nesterov ? wi + (mi * mu - g[i] * lr) : wi + mi;
   }
 }
 
@@ -41,15 +39,11 @@ void adam(const FusedEntry<T>& e, const FusedScalars<T>& s) {
   const T* __restrict g = e.grad;
   T* __restrict m = e.slots[0];
   T* __restrict v = e.slots[1];
-  const T one_minus_beta_1 = s.c[0], one_minus_beta_2 = s.c[1], alpha = s.c[2], epsilon = s.c[3];
   for (std::size_t i = 0; i < e.count; ++i) {
-    const T wi = decayed<T, Decay>(w[i], s);
-    const T gi = g[i];
-    const T mi = m[i] + (gi - m[i]) * one_minus_beta_1;
-    const T vi = v[i] + (gi * gi - v[i]) * one_minus_beta_2;
+    T mi = m[i], vi = v[i];
+    w[i] = rules::adam(decayed<T, Decay>(w[i], s), g[i], mi, vi, s.c);
     m[i] = mi;
     v[i] = vi;
-    w[i] = wi - (mi * alpha) / (std::sqrt(vi) + epsilon);
   }
 }
 
@@ -60,28 +54,12 @@ void rmsprop(const FusedEntry<T>& e, const FusedScalars<T>& s) {
   T* __restrict v = e.slots[0];
   T* __restrict a = e.slots[1];  // the average gradient when centered
   T* __restrict mom = e.slots[Centered ? 2 : 1];
-  const T lr = s.c[0], rho = s.c[1], one_minus_rho = s.c[2], epsilon = s.c[3], mu = s.c[4];
   for (std::size_t i = 0; i < e.count; ++i) {
-    const T wi = decayed<T, Decay>(w[i], s);
-    const T gi = g[i];
-    const T vi = v[i] * rho + (gi * gi) * one_minus_rho;
+    T vi = v[i], ai = Centered ? a[i] : T(0), mi = Momentum ? mom[i] : T(0);
+    w[i] = rules::rmsprop<T, Centered, Momentum>(decayed<T, Decay>(w[i], s), g[i], vi, ai, mi, s.c);
     v[i] = vi;
-    T denominator;
-    if constexpr (Centered) {
-      const T ai = a[i] * rho + gi * one_minus_rho;
-      a[i] = ai;
-      denominator = (vi - ai * ai) + epsilon;
-    } else {
-      denominator = vi + epsilon;
-    }
-    const T increment = (gi * lr) / std::sqrt(denominator);
-    if constexpr (Momentum) {
-      const T mi = mom[i] * mu + increment;
-      mom[i] = mi;
-      w[i] = wi - mi;
-    } else {
-      w[i] = wi - increment;
-    }
+    if constexpr (Centered) a[i] = ai;
+    if constexpr (Momentum) mom[i] = mi;
   }
 }
 
@@ -90,13 +68,10 @@ void adagrad(const FusedEntry<T>& e, const FusedScalars<T>& s) {
   T* __restrict w = e.weight;
   const T* __restrict g = e.grad;
   T* __restrict acc = e.slots[0];
-  const T lr = s.c[0], epsilon = s.c[1];
   for (std::size_t i = 0; i < e.count; ++i) {
-    const T wi = decayed<T, Decay>(w[i], s);
-    const T gi = g[i];
-    const T ai = acc[i] + gi * gi;
+    T ai = acc[i];
+    w[i] = rules::adagrad(decayed<T, Decay>(w[i], s), g[i], ai, s.c);
     acc[i] = ai;
-    w[i] = wi - (gi * lr) / std::sqrt(ai + epsilon);
   }
 }
 
@@ -106,18 +81,11 @@ void nadam(const FusedEntry<T>& e, const FusedScalars<T>& s) {
   const T* __restrict g = e.grad;
   T* __restrict m = e.slots[0];
   T* __restrict v = e.slots[1];
-  const T lr = s.c[0], epsilon = s.c[1], one_minus_beta_1 = s.c[2], one_minus_beta_2 = s.c[3], u_t_1 = s.c[4],
-          one_minus_u_product_t_1 = s.c[5], one_minus_u_t = s.c[6], one_minus_u_product_t = s.c[7],
-          one_minus_beta_2_power = s.c[8];
   for (std::size_t i = 0; i < e.count; ++i) {
-    const T wi = decayed<T, Decay>(w[i], s);
-    const T gi = g[i];
-    const T mi = m[i] + (gi - m[i]) * one_minus_beta_1;
-    const T vi = v[i] + (gi * gi - v[i]) * one_minus_beta_2;
+    T mi = m[i], vi = v[i];
+    w[i] = rules::nadam(decayed<T, Decay>(w[i], s), g[i], mi, vi, s.c);
     m[i] = mi;
     v[i] = vi;
-    const T m_hat = (mi * u_t_1) / one_minus_u_product_t_1 + (gi * one_minus_u_t) / one_minus_u_product_t;
-    w[i] = wi - (m_hat * lr) / (std::sqrt(vi / one_minus_beta_2_power) + epsilon);
   }
 }
 
