@@ -2,8 +2,14 @@
 // every rule over tables whose entries end on every vector tail (exact-size
 // buffers, so AddressSanitizer sees any overrun), one table against one entry
 // at a time, exact values where the arithmetic is exact, and concurrent calls
-// on disjoint tables (as replica threads make them) for ThreadSanitizer.
+// on disjoint tables (as replica threads make them) for ThreadSanitizer. And
+// the GPU kernel's walk (rules::update_table, which csrc/cuda/fused_update.cu
+// runs per thread) in a random thread order over several grid sizes, against
+// the host kernel bit for bit: the simulated runtime's way of running a kernel.
+#include <algorithm>
 #include <cstddef>
+#include <numeric>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -86,7 +92,42 @@ bool table_equals_one_entry_at_a_time(const Case& k) {
   return same && changed;
 }
 
+// The GPU kernel over `threads` threads (blocks x block size of a launch), its
+// threads in a random order, against the host kernel.
+template <typename T>
+bool gpu_walk_equals_the_host_kernel(const Case& k, std::size_t threads, unsigned seed) {
+  const std::vector<std::size_t> sizes = {0, 1, 3, 511, 512, 513, 1000, 2049};
+  std::vector<Buffers<T>> host_bufs, gpu_bufs;
+  for (std::size_t v = 0; v < sizes.size(); ++v) {
+    host_bufs.emplace_back(sizes[v], k.slots, static_cast<int>(v));
+    gpu_bufs.emplace_back(sizes[v], k.slots, static_cast<int>(v));
+  }
+  std::vector<FusedEntry<T>> host_table, gpu_table;
+  for (std::size_t v = 0; v < sizes.size(); ++v) {
+    host_table.push_back(host_bufs[v].entry(v % 3 == 0));
+    gpu_table.push_back(gpu_bufs[v].entry(v % 3 == 0));
+  }
+  const FusedScalars<T> s = scalars<T>(k);
+  fused_update<T>(k.rule, host_table.data(), host_table.size(), s);
+  std::vector<std::size_t> order(threads);
+  std::iota(order.begin(), order.end(), std::size_t(0));
+  std::shuffle(order.begin(), order.end(), std::mt19937(seed));
+  for (std::size_t tid : order)
+    mirrored::rules::update_table(k.rule, gpu_table.data(), static_cast<int>(gpu_table.size()), s, tid, threads);
+  bool same = true;
+  for (std::size_t v = 0; v < sizes.size(); ++v) same = same && host_bufs[v] == gpu_bufs[v];
+  return same;
+}
+
 }  // namespace
+
+TEST(the_gpu_kernel_walk_in_any_thread_order_equals_the_host_kernel) {
+  for (const Case& k : cases())
+    for (std::size_t threads : {std::size_t(1), std::size_t(7), std::size_t(512), std::size_t(4096)}) {
+      CHECK(gpu_walk_equals_the_host_kernel<float>(k, threads, 17u));
+      CHECK(gpu_walk_equals_the_host_kernel<double>(k, threads, 29u));
+    }
+}
 
 TEST(every_rule_over_a_table_equals_one_entry_at_a_time) {
   for (const Case& k : cases()) {
