@@ -156,6 +156,18 @@ class Stream:
     def done(self) -> bool:
         return self.record().done
 
+    # Stream capture, as CuPy's: what is queued between begin and end becomes a Graph (nothing runs).
+    def begin_capture(self, mode=None):
+        if self.ptr == 0:
+            raise RuntimeError("cudaErrorStreamCaptureImplicit: the legacy default stream cannot be captured")
+        sim.begin_capture(self.ptr, self.device_id)
+
+    def is_capturing(self) -> bool:
+        return self.ptr != 0 and sim.is_capturing(self.ptr, self.device_id)
+
+    def end_capture(self):
+        return Graph(sim.end_capture(self.ptr, self.device_id), self.device_id)
+
     def __eq__(self, other):
         return isinstance(other, Stream) and other.ptr == self.ptr
 
@@ -171,6 +183,28 @@ Stream.null = Stream(null=True)
 
 def get_current_stream(device_id=None) -> Stream:
     return _streams().get(_device_id() if device_id is None else int(device_id), Stream.null)
+
+
+class Graph:
+    """An instantiated CUDA graph (``cupy.cuda.graph.Graph``): ``launch`` replays the captured work."""
+
+    def __init__(self, exec_ptr: int, device_id: int):
+        self._exec, self.device_id = exec_ptr, device_id
+        weakref.finalize(self, _destroy_graph, exec_ptr)
+
+    def launch(self, stream=None):
+        stream = stream or get_current_stream(self.device_id)
+        sim.graph_launch(self._exec, stream.ptr, self.device_id)
+
+    def upload(self, stream=None):
+        pass
+
+
+def _destroy_graph(exec_ptr):
+    try:
+        sim.graph_destroy(exec_ptr)
+    except Exception:  # interpreter teardown: the simulation may be gone first
+        pass
 
 
 class Event:
@@ -201,13 +235,105 @@ def _free(ptr, stream):
 
 
 class Memory:
-    """One allocation, freed (poisoned, stream-ordered) when the last array on it goes."""
+    """One allocation, freed (poisoned, stream-ordered) when the last array on it goes.
+
+    As CuPy's default pool would need cudaMalloc for it, an allocation while a
+    stream of the device is being captured fails (use a pool of the graph's own:
+    ``with cupy.cuda.using_allocator(MemoryPool().malloc)``).
+    """
 
     def __init__(self, size: int):
         self.device_id = _device_id()
         self.size = size
+        if sim.capturing(self.device_id):
+            raise RuntimeError("cudaErrorStreamCaptureUnsupported: cudaMalloc while a stream of device "
+                               f"{self.device_id} is capturing (allocate from a graph-private MemoryPool)")
         self.ptr = sim.malloc(size, self.device_id)
         weakref.finalize(self, _free, self.ptr, get_current_stream(self.device_id).ptr)
+
+
+class PooledMemory:
+    """A block of a MemoryPool: back in the pool's free list (for its stream) when the last array on it goes."""
+
+    def __init__(self, pool, ptr: int, size: int, device_id: int, stream_ptr: int):
+        self.ptr, self.size, self.device_id = ptr, size, device_id
+        weakref.finalize(self, pool._give_back, (device_id, stream_ptr, size), ptr)
+
+    @property
+    def device(self):
+        return Device(self.device_id)
+
+
+class MemoryPool:
+    """CuPy's caching pool, per device and stream: a freed block serves the next request of its size on
+    its stream; its blocks go back to the device only with ``free_all_blocks`` or the pool. Blocks are
+    taken from the device directly, so a pool of its own may allocate while a stream is captured
+    (CuPy's graph-private pool)."""
+
+    def __init__(self, allocator=None):
+        self._free = {}  # (device, stream, size) -> block pointers
+        self._blocks = {}  # pointer -> bytes, every block this pool holds
+        self._lock = threading.Lock()
+        weakref.finalize(self, MemoryPool._release, self._blocks)
+
+    def malloc(self, size: int):
+        device = _device_id()
+        stream = get_current_stream(device).ptr
+        size = max(512, -(-int(size) // 512) * 512)
+        with self._lock:
+            cached = self._free.get((device, stream, size))
+            ptr = cached.pop() if cached else None
+        if ptr is None:
+            ptr = sim.malloc(size, device)
+            with self._lock:
+                self._blocks[ptr] = size
+        return MemoryPointer(PooledMemory(self, ptr, size, device, stream), 0)
+
+    def _give_back(self, key, ptr):
+        with self._lock:
+            self._free.setdefault(key, []).append(ptr)
+
+    def used_bytes(self):
+        with self._lock:
+            cached = sum(k[2] * len(v) for k, v in self._free.items())
+        return self.total_bytes() - cached
+
+    def total_bytes(self):
+        with self._lock:
+            return sum(self._blocks.values())
+
+    def free_all_blocks(self, stream=None):
+        with self._lock:
+            for (device, s, _), ptrs in self._free.items():
+                for p in ptrs:
+                    self._blocks.pop(p, None)
+                    _free(p, s)
+            self._free.clear()
+
+    @staticmethod
+    def _release(blocks):
+        for p in list(blocks):
+            _free(p, 0)
+        blocks.clear()
+
+
+def _current_allocator():
+    return getattr(_tls, "allocator", None)
+
+
+class using_allocator:
+    """``cupy.cuda.using_allocator(allocator)``: this thread's allocations come from ``allocator(size)``."""
+
+    def __init__(self, allocator=None):
+        self._allocator = allocator
+        self._saved = []
+
+    def __enter__(self):
+        self._saved.append(_current_allocator())
+        _tls.allocator = self._allocator
+
+    def __exit__(self, *exc):
+        _tls.allocator = self._saved.pop()
 
     @property
     def device(self):
@@ -237,6 +363,17 @@ class MemoryPointer:
 
     def __add__(self, offset: int):
         return MemoryPointer(self.mem, self.ptr - self.mem.ptr + int(offset))
+
+    def copy_from_device_async(self, src, size, stream=None):
+        """A device-to-device copy (cudaMemcpyAsync, not a kernel) queued on the stream."""
+        stream = stream or get_current_stream(self.device_id)
+        sim.memcpy(stream.ptr, self.device_id, self.ptr, int(src), int(size))
+
+    def copy_from_host_async(self, mem, size, stream=None):
+        """A host-to-device copy queued on the stream; the host bytes at ``mem`` are taken now (pageable)."""
+        stream = stream or get_current_stream(self.device_id)
+        address = mem.value if isinstance(mem, ctypes.c_void_p) else int(mem)
+        sim.copy_from_host(stream.ptr, self.device_id, self.ptr, ctypes.string_at(address, int(size)))
 
     def __int__(self):
         return self.ptr
@@ -428,7 +565,11 @@ class ndarray:
         self.strides = c_strides if strides is None else tuple(strides)
         self.flags = _Flags(self.shape, self.strides, self.dtype.itemsize, self.size) if strides is not None \
             and self.strides != c_strides else _Flags.contiguous(self.shape, self.size)
-        self.data = memptr if memptr is not None else MemoryPointer(Memory(self.size * self.dtype.itemsize), 0)
+        if memptr is None:
+            allocator = _current_allocator()
+            nbytes = self.size * self.dtype.itemsize
+            memptr = allocator(nbytes) if allocator is not None else MemoryPointer(Memory(nbytes), 0)
+        self.data = memptr
 
     ndim = property(lambda self: len(self.shape))
     itemsize = property(lambda self: self.dtype.itemsize)
@@ -466,7 +607,9 @@ class ndarray:
     def __getitem__(self, key):
         placeholder = np.lib.stride_tricks.as_strided(np.zeros(1, self.dtype), self.shape, self.strides)
         if _is_basic(key):
-            v = placeholder[key]
+            keys = key if isinstance(key, tuple) else (key,)
+            # (with an Ellipsis NumPy gives a 0-d view, not a scalar of its own, for a full integer index)
+            v = placeholder[keys if any(k is Ellipsis for k in keys) else keys + (Ellipsis,)]
             offset = (v.__array_interface__["data"][0] - placeholder.__array_interface__["data"][0]) if v.size else 0
             return self._view(v.shape, v.strides, offset)
         return _apply(lambda a, k: a[k], (self, _host_key(key)), {})
@@ -786,7 +929,9 @@ class _Cuda:
     Event = Event
     MemoryPointer = MemoryPointer
     Memory = Memory
+    MemoryPool = MemoryPool
     UnownedMemory = UnownedMemory
+    using_allocator = using_allocator
     runtime = _Runtime()
     get_current_stream = staticmethod(get_current_stream)
     alloc_pinned_memory = staticmethod(alloc_pinned_memory)
@@ -794,6 +939,10 @@ class _Cuda:
     class memory:
         MemoryPointer = MemoryPointer
         UnownedMemory = UnownedMemory
+        MemoryPool = MemoryPool
+
+    class graph:
+        Graph = Graph
 
 
 cuda = _Cuda()

@@ -119,9 +119,12 @@ void def_sim(py::module_& m) {
     const sim::Counters c = sim::counters();
     py::dict d;
     d["launches"] = c.launches;
+    d["graph_launches"] = c.graph_launches;
+    d["kernels"] = c.kernels;
     d["stream_ops"] = c.stream_ops;
     return d;
-  }, "Engine kernel launches per device and stream operations (records, waits, copies, syncs) since reset_counters().");
+  }, "Engine kernel launches, graph launches and stand-in kernels per device, and stream operations (records, "
+     "waits, copies, syncs) since reset_counters().");
   s.def("reset_counters", [] { sim::reset_counters(); });
   s.def("malloc", [](std::size_t bytes, int device) {
     check_device(device);
@@ -181,14 +184,64 @@ void def_sim(py::module_& m) {
       if (sim::device_of_stream(stream_of(stream)) != device)
         throw py::value_error("launch: the stream belongs to another device");
       auto f = gil_owned(std::move(fn));
-      sim::enqueue(stream_of(stream), [f] {
+      sim::launch_kernel(stream_of(stream), [f] {
         py::gil_scoped_acquire gil;
         (*f)();
       });
       return 0;
     });
   }, py::arg("stream"), py::arg("device"), py::arg("fn"),
-     "Queues fn() on the stream as a kernel of `device` (not counted as an engine launch).");
+     "Queues fn() on the stream as a kernel of `device` (counted in counters()['kernels'], not as an engine launch).");
+  s.def("copy_from_host", [](std::uintptr_t stream, int device, std::uintptr_t dst, py::bytes data) {
+    on_device(device, [&] {
+      // A pageable copy: the bytes are taken now (as cudaMemcpyAsync from pageable memory stages them).
+      auto held = std::make_shared<std::string>(data);
+      sim::enqueue(stream_of(stream), [held, dst] { std::memcpy(reinterpret_cast<void*>(dst), held->data(), held->size()); });
+      return 0;
+    });
+  }, py::arg("stream"), py::arg("device"), py::arg("dst"), py::arg("data"),
+     "Queues a host-to-device copy of `data` to dst (a copy, not a kernel).");
+  s.def("memcpy", [](std::uintptr_t stream, int device, std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) {
+    on_device(device, [&] {
+      MIRRORED_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes,
+                                          cudaMemcpyDefault, stream_of(stream)));
+      return 0;
+    });
+  }, py::arg("stream"), py::arg("device"), py::arg("dst"), py::arg("src"), py::arg("bytes"),
+     "cudaMemcpyAsync of device memory on `device`'s stream.");
+  s.def("capturing", [](int device) { return sim::capturing(device); }, py::arg("device"),
+        "Whether a stream of `device` is being captured.");
+  s.def("begin_capture", [](std::uintptr_t stream, int device) {
+    on_device(device, [&] { MIRRORED_CUDA_CHECK(cudaStreamBeginCapture(stream_of(stream), cudaStreamCaptureModeRelaxed)); return 0; });
+  }, py::arg("stream"), py::arg("device"), "cudaStreamBeginCapture.");
+  s.def("is_capturing", [](std::uintptr_t stream, int device) {
+    return on_device(device, [&] {
+      cudaStreamCaptureStatus status;
+      MIRRORED_CUDA_CHECK(cudaStreamIsCapturing(stream_of(stream), &status));
+      return status != cudaStreamCaptureStatusNone;
+    });
+  }, py::arg("stream"), py::arg("device"), "cudaStreamIsCapturing: active or invalidated.");
+  s.def("end_capture", [](std::uintptr_t stream, int device) {
+    return on_device(device, [&] {
+      cudaGraph_t graph = nullptr;
+      MIRRORED_CUDA_CHECK(cudaStreamEndCapture(stream_of(stream), &graph));
+      cudaGraphExec_t exec = nullptr;
+      const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+      cudaGraphDestroy(graph);
+      MIRRORED_CUDA_CHECK(made);
+      return reinterpret_cast<std::uintptr_t>(exec);
+    });
+  }, py::arg("stream"), py::arg("device"), "cudaStreamEndCapture then cudaGraphInstantiate: the executable graph.");
+  s.def("graph_launch", [](std::uintptr_t exec, std::uintptr_t stream, int device) {
+    on_device(device, [&] {
+      MIRRORED_CUDA_CHECK(cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(exec), stream_of(stream)));
+      return 0;
+    });
+  }, py::arg("exec"), py::arg("stream"), py::arg("device"));
+  s.def("graph_destroy", [](std::uintptr_t exec) {
+    py::gil_scoped_release nogil;
+    cudaGraphExecDestroy(reinterpret_cast<cudaGraphExec_t>(exec));
+  }, py::arg("exec"));
 }
 #endif
 

@@ -16,6 +16,12 @@ namespace {
 
 constexpr std::size_t round16(std::size_t x) { return (x + 15) / 16 * 16; }
 
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  MIRRORED_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
 // A multi-tensor pack placed in the fusion buffers: its byte offset there,
 // each entry's offset (16-byte aligned, so the copies move whole vectors),
 // and the elements its all-reduce covers (the padding between entries is
@@ -43,6 +49,10 @@ DeviceBatch::~DeviceBatch() {
     if (k.host_table) cudaFreeHost(k.host_table);
     if (k.uploaded) cudaEventDestroy(k.uploaded);
     if (k.used) cudaEventDestroy(k.used);
+  }
+  for (const CapturedTable& t : captured_) {
+    cudaFree(t.device);
+    cudaFreeHost(t.host);
   }
 }
 
@@ -125,6 +135,8 @@ void DeviceBatch::all_reduce(Communicator& comm, const std::vector<std::vector<c
     int leader;
     cudaStream_t stream;
     std::size_t pack_entries = 0, pack_slots = 0, unpack_entries = 0, unpack_slots = 0;
+    CopyEntry* table = nullptr;  // on the device
+    bool captured = false;       // the stream is being captured into a CUDA graph
   };
   std::vector<Lane> lanes;
   if (!placed.empty()) {
@@ -151,8 +163,25 @@ void DeviceBatch::all_reduce(Communicator& comm, const std::vector<std::vector<c
       Rank& k = ranks_[lane.leader];
       std::size_t members = 0;
       for (int r = 0; r < n; ++r) members += lane_of[r] == int(l);
-      reserve_table(lane.leader, 2 * live_entries * members);
-      if (k.pending) MIRRORED_CUDA_CHECK(cudaEventSynchronize(k.uploaded));  // the last upload has read host_table
+      // Under stream capture the graph replays this upload and these copies long after the
+      // call: it gets tables of its own, never rewritten (they live as long as this object),
+      // and nothing waits on the host. Otherwise the shared tables, once the last batch is
+      // done with them.
+      lane.captured = capturing(lane.stream);
+      CopyEntry* host = nullptr;
+      if (lane.captured) {
+        reserve_table(lane.leader, 0);
+        CapturedTable t;
+        const std::size_t want = 2 * live_entries * members;
+        MIRRORED_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&t.host), want * sizeof(CopyEntry)));
+        MIRRORED_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&t.device), want * sizeof(CopyEntry)));
+        captured_.push_back(t);
+        host = t.host, lane.table = t.device;
+      } else {
+        reserve_table(lane.leader, 2 * live_entries * members);
+        if (k.pending) MIRRORED_CUDA_CHECK(cudaEventSynchronize(k.uploaded));  // the last upload has read host_table
+        host = k.host_table, lane.table = k.device_table;
+      }
       // The pack entries, then the unpack entries: two tables of one upload.
       auto fill = [&](bool pack, std::size_t at, std::size_t& entries, std::size_t& slots) {
         for (int r = 0; r < n; ++r) {
@@ -162,7 +191,7 @@ void DeviceBatch::all_reduce(Communicator& comm, const std::vector<std::vector<c
               const PackEntry& e = p.pack->entries[i];
               if (e.bytes == 0) continue;
               char* slot = f[r] + (pack ? 0 : result_at) + p.offset + p.entry_offset[i];
-              CopyEntry& c = k.host_table[at + entries++];
+              CopyEntry& c = host[at + entries++];
               c = pack ? CopyEntry{in[r][e.tensor], slot, e.bytes, slots}
                        : CopyEntry{slot, out[r][e.tensor], e.bytes, slots};
               slots += (e.bytes + 15) / 16;
@@ -172,12 +201,12 @@ void DeviceBatch::all_reduce(Communicator& comm, const std::vector<std::vector<c
       fill(true, 0, lane.pack_entries, lane.pack_slots);
       fill(false, lane.pack_entries, lane.unpack_entries, lane.unpack_slots);
       MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
-      if (k.pending) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, k.used, 0));  // the last batch read the table
-      MIRRORED_CUDA_CHECK(cudaMemcpyAsync(k.device_table, k.host_table,
-                                          (lane.pack_entries + lane.unpack_entries) * sizeof(CopyEntry),
+      if (!lane.captured && k.pending)
+        MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, k.used, 0));  // the last batch read the table
+      MIRRORED_CUDA_CHECK(cudaMemcpyAsync(lane.table, host, (lane.pack_entries + lane.unpack_entries) * sizeof(CopyEntry),
                                           cudaMemcpyHostToDevice, lane.stream));
-      MIRRORED_CUDA_CHECK(cudaEventRecord(k.uploaded, lane.stream));
-      multi_copy(k.device_table, static_cast<int>(lane.pack_entries), lane.pack_slots, k.sms, lane.stream);
+      if (!lane.captured) MIRRORED_CUDA_CHECK(cudaEventRecord(k.uploaded, lane.stream));
+      multi_copy(lane.table, static_cast<int>(lane.pack_entries), lane.pack_slots, k.sms, lane.stream);
     }
     // Each pack is reduced in place, ordered after the packing on the same streams.
     for (const Placed& p : placed) {
@@ -187,8 +216,9 @@ void DeviceBatch::all_reduce(Communicator& comm, const std::vector<std::vector<c
     for (Lane& lane : lanes) {
       Rank& k = ranks_[lane.leader];
       MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
-      multi_copy(k.device_table + lane.pack_entries, static_cast<int>(lane.unpack_entries), lane.unpack_slots, k.sms,
+      multi_copy(lane.table + lane.pack_entries, static_cast<int>(lane.unpack_entries), lane.unpack_slots, k.sms,
                  lane.stream);
+      if (lane.captured) continue;
       MIRRORED_CUDA_CHECK(cudaEventRecord(k.used, lane.stream));
       k.pending = true;
     }

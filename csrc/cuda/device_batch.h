@@ -51,10 +51,17 @@ class DeviceBatch {
     bool pending = false;            // both events were recorded at least once
   };
 
+  // The tables of a call captured into a CUDA graph, which replays them later.
+  struct CapturedTable {
+    CopyEntry* host = nullptr;
+    CopyEntry* device = nullptr;
+  };
+
   void* fusion(int r, std::size_t bytes);
   void reserve_table(int r, std::size_t entries);
 
   std::vector<Rank> ranks_;
+  std::vector<CapturedTable> captured_;
   std::mutex mu_;  // the fusion buffers and tables serve one batch at a time
 };
 

@@ -35,6 +35,7 @@ from .distribute.distribute_lib import (ReplicaContext, Strategy, StrategyExtend
                                         get_replica_context, get_strategy, has_strategy, in_cross_replica_context)
 from .distribute.input_lib import DistributedDataset, DistributedIterator, InputContext, ValueContext
 from .distribute.mirrored_strategy import MirroredStrategy
+from .distribute.function import Function, function
 from .distribute.name_scope import name_scope
 from .distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
 from .distribute.options import (CollectiveCommunication, CommunicationImplementation, CommunicationOptions,

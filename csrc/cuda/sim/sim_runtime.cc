@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "cuda/fused.h"
@@ -28,22 +29,51 @@
 #include "cuda/reduce_ops.cuh"
 
 namespace {
-struct Record { bool done = false; };
+struct Capture;
+struct Record {
+  bool done = false;
+  Capture* captured = nullptr;  // recorded into this capture (a graph node), not queued
+  std::size_t branch = 0, position = 0;  // where in the capture: which stream, after how many of its ops
+};
 struct Op {
   std::function<void()> work;      // set: run it
   std::shared_ptr<Record> record;  // set with wait false: complete it; with wait true: wait for it
   bool wait = false;
 };
+// The work captured from one stream (a branch of the graph), on its device.
+struct Branch {
+  int device;
+  std::vector<Op> ops;
+  std::size_t joined = 0;  // how many of its ops another branch has waited for (the join)
+};
+// A stream capture in progress: the origin stream's work is branch 0; a stream
+// that waits for an event recorded in the capture joins it as a new branch
+// (CUDA's fork); it must be waited for again by the end (the join).
+struct Capture {
+  std::vector<Branch> branches;
+  std::string error;  // the first call that invalidated the capture
+  bool relaxed = false;  // cudaStreamCaptureModeRelaxed: allocation (not a stream operation) is allowed
+};
 }  // namespace
 
 // blocking: ordered with the device's legacy default stream (the null
 // stream), both ways, as streams created without cudaStreamNonBlocking are.
+// capture: set while the stream's work is being captured (into branch `branch`).
 struct CUstream_st {
   int device;
   bool blocking;
   std::deque<Op> queue;
+  std::shared_ptr<Capture> capture;
+  std::size_t branch = 0;
 };
 struct CUevent_st { int device; std::shared_ptr<Record> latest; };
+// A captured graph, and its instantiation: the branches, replayed per launch
+// with fresh records; branches beyond the first run on streams of the exec's own.
+struct CUgraph_st { std::vector<Branch> branches; };
+struct CUgraphExec_st {
+  std::vector<Branch> branches;
+  std::vector<CUstream_st*> lanes;  // lanes[b]: where branch b > 0 replays
+};
 
 namespace mirrored::cuda::sim {
 namespace {
@@ -86,6 +116,10 @@ bool is_null(const CUstream_st* s) {
 // stream: work there waits for the queued work of the device's blocking
 // streams, and work on a blocking stream waits for the null stream's.
 void push(CUstream_st* s, Op op) {
+  if (s->capture) {  // recorded, not queued (the legacy stream's implicit ordering is not captured)
+    s->capture->branches[s->branch].ops.push_back(std::move(op));
+    return;
+  }
   auto wait_for = [s](CUstream_st* other) {
     if (other == s || other->queue.empty()) return;
     auto record = std::make_shared<Record>();
@@ -114,7 +148,23 @@ int device_of(const void* p) {
   if (d < 0) throw std::logic_error("simulated kernel touches memory that was never allocated (or was freed)");
   return d;
 }
+// CUDA refuses, and invalidates the capture, when work that must not be
+// captured (a host wait, the legacy stream, a free) meets a capturing stream.
+[[noreturn]] void refuse(const std::shared_ptr<Capture>& c, const std::string& call) {
+  const std::string what = call + " is not permitted while a stream is capturing (cudaErrorStreamCaptureUnsupported)";
+  if (c && c->error.empty()) c->error = what;
+  throw std::runtime_error(what);
+}
+
+// The capture on any stream of `device` (-1: of any device), or null.
+std::shared_ptr<Capture> capture_on(int device) {
+  for (auto* s : streams)
+    if (s->capture && (device < 0 || s->device == device)) return s->capture;
+  return nullptr;
+}
 }  // namespace
+
+bool capturing(int device) { Lock lock; return capture_on(device) != nullptr; }
 
 std::recursive_mutex& machine() {
   static auto& m = *new std::recursive_mutex;  // outlives every static destructor that may call the runtime
@@ -139,7 +189,18 @@ void reset(int devices, std::set<std::pair<int, int>> peer_pairs, unsigned seed)
 
 void enqueue(cudaStream_t stream, std::function<void()> work) {
   Lock lock;
-  push(resolve(stream), Op{std::move(work)});
+  CUstream_st* s = resolve(stream);
+  if (is_null(s))
+    for (CUstream_st* b : streams)
+      if (b->capture && b->blocking && b->device == s->device)
+        refuse(b->capture, "work on the legacy default stream (it would wait for a capturing stream)");
+  push(s, Op{std::move(work)});
+}
+
+void launch_kernel(cudaStream_t stream, std::function<void()> work) {
+  Lock lock;
+  ++counted.kernels[resolve(stream)->device];
+  enqueue(stream, std::move(work));
 }
 
 int device_of_pointer(const void* p) { Lock lock; return find_device(p); }
@@ -159,6 +220,7 @@ void release(void* p, cudaStream_t stream) {
   auto it = allocations.find(reinterpret_cast<std::uintptr_t>(p));
   if (it == allocations.end()) throw std::logic_error("sim::release of memory that allocate() did not return");
   const std::size_t bytes = it->second.bytes;
+  if (const auto c = resolve(stream)->capture) refuse(c, "freeing device memory on a capturing stream");
   enqueue(stream, [p, bytes] {
     std::memset(p, kPoisonByte, bytes);
     allocations.erase(reinterpret_cast<std::uintptr_t>(p));
@@ -243,14 +305,17 @@ cudaError_t cudaDeviceEnablePeerAccess(int, unsigned) {
 }
 cudaError_t cudaDeviceSynchronize() {
   sim::Lock lock;
+  if (const auto c = sim::capture_on(sim::current)) sim::refuse(c, "cudaDeviceSynchronize");
   ++sim::counted.stream_ops;
   sim::drain();  // the host blocks until the GPU is idle
   return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   sim::Lock lock;
-  ++sim::counted.stream_ops;
   const CUstream_st* st = sim::resolve(s);
+  if (const auto c = sim::is_null(st) ? sim::capture_on(st->device) : st->capture)
+    sim::refuse(c, "cudaStreamSynchronize");
+  ++sim::counted.stream_ops;
   sim::drain_until([st] { return st->queue.empty(); });  // other streams' work runs only as far as needed
   return cudaSuccess;
 }
@@ -284,17 +349,39 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   CUstream_st* st = sim::resolve(s);
   if (st->device != e->device) return cudaErrorInvalidResourceHandle;  // CUDA's rule too
   e->latest = std::make_shared<Record>();
+  if (st->capture) {  // a node of the graph, which a wait elsewhere may fork from or join
+    e->latest->captured = st->capture.get();
+    e->latest->branch = st->branch;
+    e->latest->position = st->capture->branches[st->branch].ops.size() + 1;
+  }
   sim::push(st, Op{nullptr, e->latest, false});
   return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
   sim::Lock lock;
   ++sim::counted.stream_ops;
-  if (e->latest) sim::push(sim::resolve(s), Op{nullptr, e->latest, true});
+  if (!e->latest) return cudaSuccess;
+  CUstream_st* st = sim::resolve(s);
+  Capture* from = e->latest->captured;
+  if (from && !st->capture) {  // the fork: st joins the capture the event was recorded in
+    if (sim::is_null(st)) sim::refuse(nullptr, "cudaStreamWaitEvent of the legacy default stream on a captured event");
+    for (auto* other : sim::streams)
+      if (other->capture.get() == from) { st->capture = other->capture; break; }
+    st->branch = from->branches.size();
+    from->branches.push_back(Branch{st->device, {}, 0});
+  } else if (st->capture && from != st->capture.get()) {
+    sim::refuse(st->capture, "cudaStreamWaitEvent on an event recorded outside the capture (or in another one)");
+  }
+  if (from) {
+    Branch& b = from->branches[e->latest->branch];
+    if (e->latest->branch != st->branch) b.joined = std::max(b.joined, e->latest->position);
+  }
+  sim::push(st, Op{nullptr, e->latest, true});
   return cudaSuccess;
 }
 cudaError_t cudaMalloc(void** p, size_t n) {
   sim::Lock lock;
+  if (const auto c = sim::capture_on(sim::current); c && !c->relaxed) sim::refuse(c, "cudaMalloc");
   *p = std::malloc(n + 1);
   std::memset(*p, 0xcd, n);
   sim::allocations[reinterpret_cast<std::uintptr_t>(*p)] = {n, sim::current, *p};
@@ -312,16 +399,19 @@ cudaError_t cudaFreeHost(void* p) {
 }
 cudaError_t cudaEventQuery(cudaEvent_t e) {
   sim::Lock lock;
+  if (e->latest && e->latest->captured) return cudaErrorStreamCaptureUnsupported;
   return !e->latest || e->latest->done ? cudaSuccess : cudaErrorNotReady;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   sim::Lock lock;
+  if (e->latest && e->latest->captured) sim::refuse(nullptr, "cudaEventSynchronize on an event recorded in a capture");
   ++sim::counted.stream_ops;
   if (const auto record = e->latest) sim::drain_until([record] { return record->done; });  // the host waits for it
   return cudaSuccess;
 }
 cudaError_t cudaFree(void* p) {
   sim::Lock lock;
+  if (const auto c = sim::capture_on(-1)) sim::refuse(c, "cudaFree");
   sim::drain();  // cudaFree waits for the device, so queued work never reads freed memory
   sim::allocations.erase(reinterpret_cast<std::uintptr_t>(p));
   std::free(p);
@@ -357,6 +447,99 @@ cudaError_t cudaMemcpy3DPeerAsync(const cudaMemcpy3DPeerParms* p, cudaStream_t s
       std::memcpy(static_cast<char*>(q.dstPtr.ptr) + r * q.dstPtr.pitch,
                   static_cast<const char*>(q.srcPtr.ptr) + r * q.srcPtr.pitch, q.extent.width);
   });
+  return cudaSuccess;
+}
+}
+
+
+// Stream capture and graphs: what a capture records is the queue it would
+// have made; a launch queues it again (fresh records, so every launch has
+// its own ordering), branch 0 on the launch stream and every other branch on
+// a stream of the instantiated graph, and the launch stream then waits for
+// them all, as a graph launch completes only when all its nodes have.
+extern "C" {
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
+  sim::Lock lock;
+  CUstream_st* st = sim::resolve(s);
+  if (sim::is_null(st)) return cudaErrorStreamCaptureImplicit;  // the legacy stream cannot be captured
+  if (st->capture) return cudaErrorIllegalState;
+  st->capture = std::make_shared<Capture>();
+  st->capture->branches.push_back(Branch{st->device, {}, 0});
+  st->capture->relaxed = mode == cudaStreamCaptureModeRelaxed;
+  st->branch = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
+  sim::Lock lock;
+  const CUstream_st* st = sim::resolve(s);
+  *status = !st->capture ? cudaStreamCaptureStatusNone
+            : st->capture->error.empty() ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusInvalidated;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
+  sim::Lock lock;
+  CUstream_st* st = sim::resolve(s);
+  *graph = nullptr;
+  if (!st->capture || st->branch != 0) return cudaErrorIllegalState;  // ends only on the stream that began it
+  const std::shared_ptr<Capture> c = st->capture;
+  for (auto* other : sim::streams)
+    if (other->capture == c) other->capture.reset();
+  for (auto& branch : c->branches)
+    for (auto& op : branch.ops)
+      if (op.record) op.record->captured = nullptr;  // (the capture is gone; launches make their own records)
+  if (!c->error.empty()) return cudaErrorStreamCaptureInvalidated;
+  for (std::size_t b = 1; b < c->branches.size(); ++b)
+    if (c->branches[b].joined != c->branches[b].ops.size()) return cudaErrorStreamCaptureUnjoined;
+  *graph = new CUgraph_st{std::move(c->branches)};
+  return cudaSuccess;
+}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
+  sim::Lock lock;
+  auto* x = new CUgraphExec_st{graph->branches, {}};
+  x->lanes.resize(x->branches.size(), nullptr);
+  for (std::size_t b = 1; b < x->branches.size(); ++b)
+    sim::streams.push_back(x->lanes[b] = new CUstream_st{x->branches[b].device, false, {}, nullptr, 0});
+  *exec = x;
+  return cudaSuccess;
+}
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
+  sim::Lock lock;
+  CUstream_st* st = sim::resolve(s);
+  if (st->capture) sim::refuse(st->capture, "cudaGraphLaunch");
+  ++sim::counted.graph_launches[st->device];
+  std::map<Record*, std::shared_ptr<Record>> fresh;
+  auto renew = [&fresh](const std::shared_ptr<Record>& r) {
+    auto& n = fresh[r.get()];
+    if (!n) n = std::make_shared<Record>();
+    return n;
+  };
+  std::vector<std::shared_ptr<Record>> ends;
+  for (std::size_t b = 0; b < exec->branches.size(); ++b) {
+    CUstream_st* lane = b == 0 ? st : exec->lanes[b];
+    for (const Op& op : exec->branches[b].ops)
+      sim::push(lane, Op{op.work, op.record ? renew(op.record) : nullptr, op.wait});
+    if (b > 0) {
+      ends.push_back(std::make_shared<Record>());
+      sim::push(lane, Op{nullptr, ends.back(), false});
+    }
+  }
+  for (const auto& end : ends) sim::push(st, Op{nullptr, end, true});
+  return cudaSuccess;
+}
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  sim::Lock lock;
+  sim::drain();  // (a launch still queued finishes first, as on a GPU)
+  for (std::size_t b = 1; b < exec->lanes.size(); ++b) {
+    auto& all = sim::streams;
+    all.erase(std::find(all.begin(), all.end(), exec->lanes[b]));
+    delete exec->lanes[b];
+  }
+  delete exec;
+  return cudaSuccess;
+}
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  sim::Lock lock;
+  delete graph;
   return cudaSuccess;
 }
 }

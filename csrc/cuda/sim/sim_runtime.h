@@ -20,6 +20,8 @@ namespace mirrored::cuda::sim {
 void reset(int devices, std::set<std::pair<int, int>> peer_pairs, unsigned seed);
 // Queues host work on a stream (the caller's own work: writing inputs, reading outputs).
 void enqueue(cudaStream_t stream, std::function<void()> work);
+// The same for a kernel of the embedder (the CuPy stand-in's), counted as one.
+void launch_kernel(cudaStream_t stream, std::function<void()> work);
 // Runs everything queued, in a random order that respects streams and events.
 void drain();
 // The same until done() holds (checked before each step): what a host wait
@@ -31,6 +33,8 @@ void drain_until(const std::function<bool()>& done);
 // (event records and waits, copies, synchronisations), in all.
 struct Counters {
   std::map<int, long> launches;
+  std::map<int, long> graph_launches;  // cudaGraphLaunch calls, per device of the launch stream
+  std::map<int, long> kernels;  // the embedder's kernels (launch_kernel), per device
   long stream_ops = 0;
   long launches_total() const {
     long t = 0;
@@ -66,5 +70,7 @@ void release(void* p, cudaStream_t stream);
 constexpr unsigned char kFreshByte = 0xcd, kPoisonByte = 0xdb;
 int device_of_pointer(const void* p);  // -1 when not (or no longer) device memory
 int device_of_stream(cudaStream_t stream);
+// Whether a stream of `device` (-1: of any device) is being captured.
+bool capturing(int device);
 
 }  // namespace mirrored::cuda::sim

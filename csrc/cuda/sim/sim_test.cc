@@ -632,6 +632,115 @@ void check_threads() {
   EXPECT(wrong == 0, "%d wrong elements with 4 threads driving the machine", wrong.load());
 }
 
+// Stream capture: an all-reduce over callers' streams (forked from the first
+// caller's stream, joined back) captured once, then replayed with new inputs
+// written before each launch: every replay gives the sums, as one graph
+// launch and no kernel launch; a host wait, or a fork never joined, makes the
+// capture fail the way CUDA's does.
+void check_capture() {
+  for (const auto& devices : std::vector<std::vector<int>>{{0}, {0, 0}, {0, 0, 0, 0}, {0, 1}, {1, 0, 1}})
+    for (auto algo : {Algorithm::kRing, Algorithm::kTree}) {
+      sim::reset(4, {}, static_cast<unsigned>(devices.size() * 10 + static_cast<int>(algo)));
+      Layout l(devices, true);
+      const int n = l.n();
+      const std::size_t count = 301;
+      CudaRing ring(devices, 64, 2);
+      std::vector<void*> buf(n);
+      for (int r = 0; r < n; ++r) buf[r] = l.alloc(r, count * 4);
+      auto all_reduce = [&] {
+        StreamScope scope(l.streams);
+        std::vector<const void*> in(buf.begin(), buf.end());
+        ring.all_reduce(n, in.data(), buf.data(), count, DType::kInt32, ReduceOp::kSum, algo);
+      };
+      all_reduce();  // the warm-up: scratch buffers are made outside the capture
+      sim::drain();
+      cudaEvent_t fork, joined;
+      cudaSetDevice(devices[0]);
+      cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
+      std::vector<cudaEvent_t> join(n);
+      for (int r = 0; r < n; ++r) cudaSetDevice(devices[r]), cudaEventCreateWithFlags(&join[r], cudaEventDisableTiming);
+      cudaSetDevice(devices[0]);
+      EXPECT(cudaStreamBeginCapture(l.streams[0], cudaStreamCaptureModeRelaxed) == cudaSuccess, "begin capture");
+      cudaEventRecord(fork, l.streams[0]);
+      for (int r = 1; r < n; ++r) cudaSetDevice(devices[r]), cudaStreamWaitEvent(l.streams[r], fork, 0);
+      all_reduce();
+      for (int r = 1; r < n; ++r) {
+        cudaSetDevice(devices[r]);
+        cudaEventRecord(join[r], l.streams[r]);
+        cudaSetDevice(devices[0]);
+        cudaStreamWaitEvent(l.streams[0], join[r], 0);
+      }
+      cudaSetDevice(devices[0]);
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      EXPECT(cudaStreamEndCapture(l.streams[0], &graph) == cudaSuccess, "end capture on %d ranks", n);
+      EXPECT(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess, "instantiate");
+      cudaGraphDestroy(graph);
+      cudaSetDevice(devices[0]);
+      cudaEventCreateWithFlags(&joined, cudaEventDisableTiming);
+      for (int replay = 0; replay < 3; ++replay) {
+        // Inputs written on the first stream, seeded per replay, then one launch there.
+        for (int r = 0; r < n; ++r) {
+          void* p = buf[r];
+          const int seed = r + replay;
+          cudaSetDevice(devices[0]);
+          sim::enqueue(l.streams[0], [=] {
+            for (std::size_t i = 0; i < count; ++i) static_cast<int*>(p)[i] = static_cast<int>(value(seed, i, ReduceOp::kSum));
+          });
+        }
+        sim::reset_counters();
+        cudaSetDevice(devices[0]);
+        cudaGraphLaunch(exec, l.streams[0]);
+        const auto c = sim::counters();
+        EXPECT(c.launches_total() == 0 && c.graph_launches.at(devices[0]) == 1, "a replay is one graph launch");
+        std::vector<std::vector<int>> res(n);
+        for (int r = 0; r < n; ++r) {
+          res[r].assign(count, 0);
+          int* dst = res[r].data();
+          void* p = buf[r];
+          sim::enqueue(l.streams[0], [=] { std::memcpy(dst, p, count * 4); });
+        }
+        cudaStreamSynchronize(l.streams[0]);
+        for (int r = 0; r < n; ++r)
+          for (std::size_t i = 0; i < count; ++i) {
+            long long e = 0;
+            for (int q = 0; q < n; ++q) e += value(q + replay, i, ReduceOp::kSum);
+            EXPECT(res[r][i] == e, "replay %d on %d ranks: rank %d element %zu is %d, not %lld", replay, n, r, i,
+                   res[r][i], e);
+          }
+      }
+      cudaGraphExecDestroy(exec);
+      // A host wait inside the capture invalidates it; a fork never joined is refused at the end.
+      cudaSetDevice(devices[0]);
+      cudaStreamBeginCapture(l.streams[0], cudaStreamCaptureModeRelaxed);
+      bool refused = false;
+      try {
+        cudaStreamSynchronize(l.streams[0]);
+      } catch (const std::runtime_error& e) {
+        refused = std::string(e.what()).find("cudaStreamSynchronize") != std::string::npos;
+      }
+      cudaStreamCaptureStatus status;
+      cudaStreamIsCapturing(l.streams[0], &status);
+      EXPECT(refused && status == cudaStreamCaptureStatusInvalidated, "a host wait while capturing is refused");
+      EXPECT(cudaStreamEndCapture(l.streams[0], &graph) == cudaErrorStreamCaptureInvalidated && !graph,
+             "an invalidated capture gives no graph");
+      if (n > 1) {
+        cudaStreamBeginCapture(l.streams[0], cudaStreamCaptureModeRelaxed);
+        cudaEventRecord(fork, l.streams[0]);
+        cudaSetDevice(devices[1]);
+        cudaStreamWaitEvent(l.streams[1], fork, 0);
+        sim::enqueue(l.streams[1], [] {});
+        cudaSetDevice(devices[0]);
+        EXPECT(cudaStreamEndCapture(l.streams[0], &graph) == cudaErrorStreamCaptureUnjoined, "unjoined fork");
+      }
+      for (int r = 0; r < n; ++r) cudaEventDestroy(join[r]);
+      cudaEventDestroy(fork);
+      cudaEventDestroy(joined);
+      sim::drain();
+      for (int r = 0; r < n; ++r) cudaFree(buf[r]);
+    }
+}
+
 int main(int argc, char** argv) {
   sim::reset(4, {}, 1);
   check_fused_body<F16>(DType::kFloat16);
@@ -645,6 +754,7 @@ int main(int argc, char** argv) {
   check_launch_counts();
   check_fused_gather();
   check_threads();
+  check_capture();
   // Large or in-place messages over GPUs with peer access: the two-shot
   // kernels (one rank per GPU), or the ring (several ranks per GPU).
   {

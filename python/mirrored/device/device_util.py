@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import gpu as _gpu
+
 
 class DeviceSpec(NamedTuple):
     job: str
@@ -146,7 +148,8 @@ def cross_replica_gpu_scope(device):
         return
     import cupy
 
-    with cupy.cuda.Device(_gpu_ordinal(spec)), cupy.cuda.Stream.null:
+    ordinal = _gpu_ordinal(spec)
+    with cupy.cuda.Device(ordinal), _gpu.merge_stream(ordinal), _gpu.step_memory():
         yield
 
 

@@ -81,6 +81,64 @@ def replica_scope(ordinal: int, replica_id: int):
         yield
 
 
+class StepScope:
+    """The streams and memory of a step that ``md.function`` runs (eagerly to warm up, or under capture).
+
+    ``streams[ordinal]``: the one stream every replica's work on that GPU goes to (replica
+    streams and the legacy default stream alike: the legacy stream cannot be captured, and
+    one stream in issue order orders replicas and their merges as the legacy stream did).
+    ``allocator``: the step's private memory pool (``MemoryPool().malloc``), so that a
+    captured graph owns its memory and replays never write into an array that lives
+    outside it. ``capturing``: the work is being recorded, not run. ``replay_hooks``:
+    host work (``hook()``) that must run before every replay, e.g. an optimizer's scalars
+    of the step uploaded into the device buffers the graph reads. ``host_written``: the
+    allocator of such buffers (and of the input buffers): a pool of their own, because a
+    block the step's pool hands out again inside the capture is written by the graph's
+    earlier kernels, after the upload.
+    """
+
+    def __init__(self, streams: dict, allocator, capturing: bool, host_written=None):
+        self.streams, self.allocator, self.capturing = streams, allocator, capturing
+        self.host_written = host_written or allocator
+        self.replay_hooks: list = []
+        self.captured: dict = {}  # owner -> device state the captured work reads (kept as long as the graphs)
+
+
+_step: StepScope | None = None
+
+
+def step_scope() -> StepScope | None:
+    """The step ``md.function`` is running now, on any thread (replica threads see it too), else None."""
+    return _step
+
+
+@contextlib.contextmanager
+def running_step(scope: StepScope):
+    global _step
+    _step = scope
+    try:
+        yield scope
+    finally:
+        _step = None
+
+
+def merge_stream(ordinal: int):
+    """The stream cross-replica work on GPU ``ordinal`` goes to: the legacy default stream, ordered
+    after every replica stream's queued work and before their later work; the step's own stream
+    inside ``md.function``."""
+    if _step is not None:
+        return _step.streams[ordinal]
+    return cupy_module().cuda.Stream.null
+
+
+def step_memory():
+    """A context in which this thread's CuPy allocations come from the running step's private pool
+    (a null context outside ``md.function``)."""
+    if _step is None:
+        return contextlib.nullcontext()
+    return cupy_module().cuda.using_allocator(_step.allocator)
+
+
 def collective_stream(ordinal: int) -> int:
     """Handle of the stream a collective over a buffer on GPU ``ordinal`` is ordered on.
 

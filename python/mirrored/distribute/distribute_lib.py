@@ -307,6 +307,9 @@ class _Scope:
             self._pushed = False
 
 
+_run_observer = None  # set while md.function warms a step up: told of every strategy.run (distribute/function.py)
+
+
 class Strategy:
     """A way to run one computation on several replicas (``tf.distribute.Strategy``)."""
 
@@ -339,6 +342,11 @@ class Strategy:
         _require_cross_replica_or_default(self, "run")
         if not isinstance(args, (list, tuple)):
             raise ValueError(f"args={args!r}: pass the arguments of fn as a tuple, e.g. args=(x,)")
+        captured = getattr(fn, "_run_in_strategy", None)  # strategy.run(md.function(step), ...)
+        if captured is not None:
+            return captured(self, args, dict(kwargs or {}))
+        if _run_observer is not None:
+            _run_observer(self)
         top = _top()
         if top.strategy is self and top.replica_context is None:  # in this strategy's scope already
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))

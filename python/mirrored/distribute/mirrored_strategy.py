@@ -23,7 +23,7 @@ except ImportError:  # optional: without it every replica but the caller's own r
     _greenlet = None
 
 from .. import _logging, _nest
-from ..device import config, device_util
+from ..device import config, device_util, gpu as _gpu
 from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, describe
 from .context import _Context, _local
 from .distribute_lib import _Aborted, _Group, ReplicaContext, Strategy, StrategyExtended
@@ -434,7 +434,6 @@ def _default_cross_device_ops(devices) -> CrossDeviceOps:
     """TF's choice: NCCL when every replica has a GPU of its own and NCCL loads, else the native ring."""
     if not device_util.all_gpu(devices):
         return RingAllReduce()
-    from ..device import gpu as _gpu
 
     if _gpu.default_gpu_algorithm([device_util.physical_ordinal(d) for d in devices]) == "nccl":
         return NcclAllReduce()
@@ -497,20 +496,28 @@ class _GpuReplicaScope:
     """A GPU replica's device and CUDA device and stream, made once (entered by that replica's thread only)."""
 
     def __init__(self, device, replica_id: int):
-        from ..device import gpu as _gpu
 
-        ordinal = device_util.physical_ordinal(device)
+        self._ordinal = ordinal = device_util.physical_ordinal(device)
         self._device = device_util.device_scope(device)
         self._cuda_device = _gpu.cupy_module().cuda.Device(ordinal)
         self._stream = _gpu.replica_stream(replica_id, ordinal)
+        self._entered = []
 
     def __enter__(self):
+        # Inside md.function the replica runs on the step's stream and memory (device/gpu.py StepScope).
+        step = _gpu.step_scope()
+        stream = self._stream if step is None else step.streams[self._ordinal]
+        memory = _gpu.step_memory()
         self._device.__enter__()
         self._cuda_device.__enter__()
-        self._stream.__enter__()
+        stream.__enter__()
+        memory.__enter__()
+        self._entered.append((stream, memory))
 
     def __exit__(self, *exc):
-        self._stream.__exit__(*exc)
+        stream, memory = self._entered.pop()
+        memory.__exit__(*exc)
+        stream.__exit__(*exc)
         self._cuda_device.__exit__(*exc)
         self._device.__exit__(*exc)
 

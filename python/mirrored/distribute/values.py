@@ -24,7 +24,7 @@ import weakref
 import numpy as np
 
 from .. import _nest
-from ..device import device_util
+from ..device import device_util, gpu as _gpu
 from . import context
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
@@ -247,6 +247,14 @@ class DeviceVariable(Variable):
         # References: `value`, the attribute, getrefcount's argument. Any other is a
         # reader's (an array or a view read earlier), whose values must not change.
         if sys.getrefcount(value) > 3:
+            step = _gpu.step_scope()
+            if step is not None and step.capturing:
+                # A captured update must write where the graph will write on every replay.
+                raise RuntimeError(
+                    f"variable {self.name!r}: an array read from it is still referenced when it is updated, so "
+                    "the update would move it to a new buffer (copy-on-write), which a captured step cannot "
+                    "replay; inside md.function drop such references before the update (del them, or read the "
+                    "variable where it is used)")
             value = self._value = value.copy()
         return value
 
@@ -330,7 +338,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
 
     def read_value(self):
         # _component() inlined: this runs for every variable on every step.
-        stack = getattr(_contexts or _thread_contexts(), "stack", None)
+        stack = getattr(context._local, "stack", None)
         if stack:
             top = stack[-1]
             if top.replica_context is not None and top.strategy is self._strategy:
@@ -414,19 +422,6 @@ class SyncOnReadVariable(DistributedVariable):
 
 def _read(x):
     return x.read_value() if isinstance(x, Variable) else x
-
-
-_contexts = None
-
-
-def _thread_contexts():
-    """distribute_lib's thread-local context stacks (looked up once: distribute_lib imports this module)."""
-    global _contexts
-    if _contexts is None:
-        from . import distribute_lib
-
-        _contexts = distribute_lib._local
-    return _contexts
 
 
 # --- grouping per-replica results ------------------------------------------------------

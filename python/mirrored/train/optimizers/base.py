@@ -36,7 +36,7 @@ import numbers
 
 import numpy as np
 
-from ...device import device_util
+from ...device import device_util, gpu as _gpu
 from ...distribute import distribute_lib, values
 from ...distribute.options import VariableAggregation
 from ...distribute.reduce_util import ReduceOp
@@ -117,6 +117,7 @@ class Optimizer:
             raise ValueError("Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set. Received: "
                              f"clipnorm={clipnorm}, clipvalue={clipvalue}, global_clipnorm={global_clipnorm}")
         self._iterations = None
+        self._host_step = None  # iterations as of the last step this process took (read by captured steps)
         self._slots = {}  # id(variable) -> (variable, {slot name: slot variable})
         self._plans = {}  # tuple of variable ids -> _Plan
         self._checked = {}  # tuple of variable ids -> (their shapes, the variables), once checked
@@ -412,8 +413,30 @@ class Optimizer:
 
     def _advance(self, plan) -> int:
         """The step being taken (``iterations`` before it): its scalars prepared, ``iterations`` incremented."""
+        scope = _gpu.step_scope()
+        if scope is not None and scope.capturing:
+            return self._advance_captured(plan, scope)
         step = int(self._iterations.numpy())
         plan.prepare(step)
+        self._iterations.assign_add(np.int64(1))
+        self._host_step = step + 1
+        return step
+
+    def _advance_captured(self, plan, scope) -> int:
+        """The same under ``md.function``'s capture, where nothing may wait for the GPU: the host counts
+        the steps (from the eager warm-up step that precedes every capture), the captured update reads
+        the step's scalars from device buffers, and a replay hook computes and uploads them before each
+        replay; ``iterations`` is incremented on the device by the captured work itself."""
+        step = self._host_step
+        plan.capture_scalars(scope)
+
+        def before_replay():
+            replayed = self._host_step
+            self._host_step = replayed + 1
+            plan.prepare(replayed)
+            plan.upload_scalars(scope)
+
+        scope.replay_hooks.append(before_replay)
         self._iterations.assign_add(np.int64(1))
         return step
 
@@ -505,12 +528,48 @@ class _Plan:
         with device_util.device_scope(name), device_util.cross_replica_gpu_scope(name):
             self._apply(device, grads, packed, None)
 
+    def _scalars(self, dtype) -> list:
+        """The step's scalars of ``dtype``: the rule's coefficients, then weight decay's (rate, lr)."""
+        return list(self.coefficients[dtype]) + list(self.decay_factors.get(dtype, (0.0, 0.0)))
+
+    def capture_scalars(self, scope) -> None:
+        """For a captured step: every device's scalars in a device buffer per dtype (kept by the scope,
+        from its pool of host-written buffers), which the captured update reads through 0-d views. The scalars the
+        rules branch on in Python (``rules.HOST_COEFFICIENTS``) stay host values, fixed at capture."""
+        self.prepare(self.optimizer._host_step)
+        cupy = _gpu.cupy_module()
+        host_positions = rules.HOST_COEFFICIENTS.get(self.rule, ())
+        per_device = {}
+        for d in range(self.num_devices):
+            ordinal = device_util.physical_ordinal(self.copies[d][0].device)
+            per_device[d] = {}
+            with cupy.cuda.Device(ordinal), scope.streams[ordinal], cupy.cuda.using_allocator(scope.host_written):
+                for dtype in self.groups:
+                    host = self._scalars(dtype)
+                    buffer = cupy.empty(len(host), dtype)
+                    views = [h if i in host_positions else buffer[i] for i, h in enumerate(host)]
+                    n = len(self.coefficients[dtype])
+                    per_device[d][dtype] = (buffer, ordinal, tuple(views[:n]), tuple(views[n:]))
+        scope.captured[self] = per_device
+
+    def upload_scalars(self, scope) -> None:
+        """This step's scalars (``prepare`` done) copied into the capture's buffers, on the step's streams."""
+        for buffers in scope.captured[self].values():
+            for dtype, (buffer, ordinal, _, _) in buffers.items():
+                host = np.array(self._scalars(dtype), dtype)
+                buffer.data.copy_from_host_async(host.ctypes.data, host.nbytes, scope.streams[ordinal])
+
     def _apply(self, device: int, grads, packed, fused) -> None:
         weights = [c._writable_buffer() for c in self.copies[device]]
         slots = [[s._writable_buffer() for s in slots] for slots in self.slots[device]]
+        scope = _gpu.step_scope()
+        captured = scope.captured[self][device] if scope is not None and scope.capturing else None
         for j, (dtype, indices) in enumerate(self.groups.items()):
-            coefficients = self.coefficients[dtype]
-            weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))
+            if captured is None:
+                coefficients = self.coefficients[dtype]
+                weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))
+            else:
+                _, _, coefficients, (weight_decay, lr) = captured[dtype]
             if fused is not None and dtype in _KERNEL_DTYPES:
                 group_grads = packed[j] if packed is not None else [_host_grad(grads[k], dtype) for k in indices]
                 fused.apply(self.rule, [weights[k] for k in indices], group_grads, [slots[k] for k in indices],

@@ -22,6 +22,11 @@ import numpy as np
 # (momentum, centered) are read from its coefficients, by the kernel as by rmsprop() below.
 SGD, SGD_MOMENTUM, SGD_NESTEROV, ADAM, RMSPROP, ADAGRAD, NADAM = range(7)
 
+# The positions of the coefficients a rule branches on in Python (RMSprop's momentum and
+# centered): a captured step (md.function) keeps them as host values, fixed at capture,
+# and reads every other coefficient from device memory, refreshed before each replay.
+HOST_COEFFICIENTS = {RMSPROP: (4, 5)}
+
 
 def weight_decay(w, wd, lr) -> None:
     """Keras' decoupled weight decay, ``w -= w * wd * lr``, before the update."""

@@ -1,0 +1,387 @@
+"""``md.function``: a step captured once per input signature and replayed as CUDA graphs.
+
+TensorFlow's ``tf.function`` contract for NumPy/CuPy steps under a GPU strategy::
+
+    @md.function
+    def train_step(iterator):
+        return strategy.run(step_fn, args=(next(iterator),))
+
+    strategy.run(md.function(step_fn), args=(batch,))   # the same, for one replica step
+
+The first call with an input signature (structure, shapes, dtypes, devices, Python values)
+runs the step eagerly, as a warm-up, then captures it: every GPU's work (the replicas'
+CuPy kernels, the collectives, the optimizer's update) is recorded into one CUDA graph per
+GPU, on one stream per GPU and from a memory pool of the graph's own. Later calls with
+that signature copy their inputs into the captured input buffers and launch the graphs:
+no Python of the step runs. docs/function.md says what may change between calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import sys
+import threading
+import traceback
+import warnings
+
+import numpy as np
+
+from .. import _nest
+from ..device import device_util, gpu as _gpu
+from . import distribute_lib
+from .input_lib import DistributedIterator
+from .values import DistributedValues, Variable
+
+MAX_SIGNATURES = 16  # captured signatures kept per function; the least recently used goes first
+RETRACING_CALLS = 5  # TF's threshold: warn when this many calls in a row each captured anew
+
+
+class EagerFallbackWarning(RuntimeWarning):
+    """``md.function`` runs a step eagerly (a CPU strategy, or a step that cannot be captured)."""
+
+
+def function(func=None, input_signature=None, autograph=True, jit_compile=None, reduce_retracing=False,
+             experimental_implements=None, experimental_autograph_options=None, experimental_attributes=None,
+             experimental_relax_shapes=None, experimental_compile=None, experimental_follow_type_hints=None):
+    """``tf.function``'s signature: ``md.function(fn)`` or ``@md.function`` / ``@md.function(...)``.
+
+    The TensorFlow-only arguments are accepted and have no effect (there is no graph to
+    compile or relax: a new shape captures again).
+    """
+    if func is None:
+        return functools.partial(function, input_signature=input_signature, reduce_retracing=reduce_retracing)
+    if not callable(func):
+        raise TypeError(f"func={func!r}: md.function wraps a callable (the step), e.g. md.function(train_step)")
+    return Function(func)
+
+
+class Function:
+    """A step that runs eagerly once per input signature, then as captured CUDA graphs."""
+
+    def __init__(self, python_function):
+        functools.update_wrapper(self, python_function)
+        self._python_function = python_function
+        self._steps: collections.OrderedDict = collections.OrderedDict()  # signature -> _Captured or reason
+        self._lock = threading.RLock()
+        self._recent = collections.deque(maxlen=RETRACING_CALLS)  # whether each recent call captured
+        self._tracing_count = 0
+        self._warned: set = set()
+
+    @property
+    def python_function(self):
+        return self._python_function
+
+    def experimental_get_tracing_count(self) -> int:
+        """How many signatures were captured (or tried): TF's count of traces."""
+        return self._tracing_count
+
+    def __get__(self, instance, owner):  # a decorated method: bound per instance, as tf.function's
+        return self if instance is None else functools.partial(self.__call__, instance)
+
+    def __call__(self, *args, **kwargs):
+        return self._call(None, args, kwargs)
+
+    def _run_in_strategy(self, strategy, args, kwargs):
+        """``strategy.run(md.function(fn), args, kwargs)``: the whole replica step is the captured step."""
+        return self._call(strategy, tuple(args), kwargs)
+
+    # --- calls -----------------------------------------------------------------------
+
+    def _call(self, strategy, args, kwargs):
+        if _gpu.step_scope() is not None:  # inside another md.function's step: part of that step
+            return self._eager(strategy, args, kwargs)
+        with self._lock:
+            inputs = _Inputs(args, kwargs)
+            key = (id(strategy), inputs.signature)
+            step = self._steps.get(key)
+            if step is None:
+                return self._first_call(key, strategy, inputs)
+            self._steps.move_to_end(key)
+            self._recent.append(False)
+            if isinstance(step, str):
+                return self._eager(strategy, *inputs.eager())
+            return step.replay(inputs)
+
+    def _eager(self, strategy, args, kwargs):
+        if strategy is not None:
+            return strategy.run(self._python_function, args=args, kwargs=kwargs)
+        return self._python_function(*args, **kwargs)
+
+    def _first_call(self, key, strategy, inputs):
+        """Warm-up (the eager step) then capture; or, where capture is impossible, eager from now on."""
+        self._tracing_count += 1
+        self._recent.append(True)
+        if len(self._recent) == RETRACING_CALLS and all(self._recent) and "retracing" not in self._warned:
+            self._warned.add("retracing")
+            logging.getLogger("mirrored").warning(
+                "%d out of the last %d calls to %s triggered md.function retracing. Capturing is expensive and "
+                "the number of captures is bounded (%d kept): pass arrays of fixed shapes and dtypes (e.g. "
+                "batch(..., drop_remainder=True)), not changing Python values.", RETRACING_CALLS,
+                RETRACING_CALLS, self._describe(), MAX_SIGNATURES)
+        seen = []  # the strategies the step runs (strategy.run reports each while this is set)
+        distribute_lib._run_observer = seen.append
+        try:
+            result = self._eager(strategy, *inputs.eager())
+        finally:
+            distribute_lib._run_observer = None
+        if strategy is not None:
+            seen.append(strategy)
+        reason = inputs.uncapturable or _gpu_reason(seen)
+        step = reason
+        if reason is None:
+            step = _capture(self._python_function, strategy, inputs, _ordinals(seen, inputs))
+            if isinstance(step, BaseException):
+                reason = f"the step cannot be captured as a CUDA graph: {_what_broke(step)}"
+                step = reason
+        if reason is not None:
+            self._warn_once(reason)
+        self._steps[key] = step
+        while len(self._steps) > MAX_SIGNATURES:
+            self._steps.popitem(last=False)
+        return result
+
+    def _warn_once(self, reason: str):
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"md.function({self._describe()}): {reason}; it runs eagerly for these inputs",
+                          EagerFallbackWarning, stacklevel=5)
+
+    def _describe(self) -> str:
+        return getattr(self._python_function, "__qualname__", repr(self._python_function))
+
+    def __repr__(self):
+        return f"<md.function {self._describe()}>"
+
+
+# --- which GPUs a step uses ---------------------------------------------------------
+
+def _gpu_reason(strategies) -> str | None:
+    """Why the strategies the step ran cannot be captured (None: they can)."""
+    if not strategies:
+        return "the step ran no strategy.run and takes no GPU arrays (CUDA graphs capture GPU work only)"
+    for s in strategies:
+        devices = s.extended.worker_devices
+        if not device_util.all_gpu(tuple(devices)):
+            return (f"its strategy runs on {list(devices)}, not on GPUs only (CUDA graphs capture GPU work; "
+                    "a CPU step gains nothing from capture)")
+        if s.extended._num_workers != 1:
+            return "multi-worker strategies are not captured (their collectives wait on the host)"
+    return None
+
+
+def _ordinals(strategies, inputs) -> list:
+    found = {device_util.physical_ordinal(d) for s in strategies for d in s.extended.worker_devices}
+    return sorted(found | inputs.ordinals)
+
+
+# --- inputs -------------------------------------------------------------------------
+
+class _OneBatch:
+    """What an iterator argument is to the step: the batch this call took from it, once."""
+
+    def __init__(self, batch):
+        self._batch = batch
+        self._taken = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._taken:
+            raise RuntimeError("md.function: the step took a second batch from an iterator argument in one call; "
+                               "a step takes at most one batch per call from each iterator (call next() once)")
+        self._taken = True
+        return self._batch
+
+    get_next = __next__
+
+
+def _is_device_array(x) -> bool:
+    return type(x).__module__.partition(".")[0] in ("cupy", "fake_cupy") and hasattr(x, "__cuda_array_interface__")
+
+
+class _Inputs:
+    """A call's arguments: iterator arguments replaced by the batch each gives for this call, their
+    signature, and the arrays a captured step reads from its own buffers."""
+
+    def __init__(self, args, kwargs):
+        self.structure = (tuple(args), dict(kwargs or {}))
+        leaves = _nest.flatten(self.structure)
+        self.iterators = [i for i, leaf in enumerate(leaves) if isinstance(leaf, DistributedIterator)]
+        for i in self.iterators:
+            leaves[i] = next(leaves[i])  # (StopIteration ends the caller's loop, as in eager code)
+        self.leaves = leaves
+        self.uncapturable = None
+        self.ordinals = set()
+        self.arrays = []  # (leaf index, component index or None, array): what the captured step reads
+        self.signature = tuple(self._spec(i, leaf) for i, leaf in enumerate(leaves))
+
+    def _spec(self, i, leaf):
+        if i in self.iterators:
+            return ("iterator", tuple(self._spec(i, x) for x in _nest.flatten(leaf)), repr(_structure(leaf)))
+        if isinstance(leaf, Variable):
+            return ("variable", id(leaf))
+        if isinstance(leaf, DistributedValues):
+            return (type(leaf).__name__, leaf._devices,
+                    tuple(self._array_spec(c, device) for c, device in zip(leaf.values, leaf._devices_or(
+                        [None] * len(leaf.values)))))
+        if _is_device_array(leaf) or isinstance(leaf, np.ndarray):
+            return self._array_spec(leaf, None)
+        try:
+            hash(leaf)
+        except TypeError:
+            return ("object", id(leaf))
+        return ("value", type(leaf), leaf)
+
+    def _array_spec(self, x, device):
+        if _is_device_array(x):
+            self.ordinals.add(int(x.data.device_id))
+            return ("device", x.shape, x.dtype.str, int(x.data.device_id))
+        if isinstance(x, np.ndarray):
+            if device is None or not device_util.is_gpu(device):
+                self.uncapturable = self.uncapturable or (
+                    "a host NumPy array argument has no GPU to be copied to (pass CuPy arrays, or a distributed "
+                    "dataset's batches, to a captured step)")
+            return ("host", x.shape, x.dtype.str, device)
+        return ("value", type(x), x) if isinstance(x, (int, float, bool, str, type(None))) else ("object", id(x))
+
+    def eager(self):
+        """The arguments of an eager call: iterators give the batch they gave for this call."""
+        leaves = list(self.leaves)
+        for i in self.iterators:
+            leaves[i] = _OneBatch(leaves[i])
+        return _nest.pack_sequence_as(self.structure, leaves)
+
+    def sources(self):
+        """Every array the captured step reads, with where it goes: (flat position, array, device string)."""
+        out = []
+        for i, leaf in enumerate(self.leaves):
+            parts = _nest.flatten(leaf) if i in self.iterators else [leaf]
+            for j, part in enumerate(parts):
+                if isinstance(part, DistributedValues) and not isinstance(part, Variable):
+                    devices = part._devices_or([None] * len(part.values))
+                    for k, (c, d) in enumerate(zip(part.values, devices)):
+                        if _is_device_array(c) or isinstance(c, np.ndarray):
+                            out.append(((i, j, k), c, d))
+                elif _is_device_array(part):
+                    out.append(((i, j, None), part, None))
+        return out
+
+
+def _structure(x):
+    return _nest.map_structure(lambda _: None, x)
+
+
+# --- capture and replay -------------------------------------------------------------
+
+class _Captured:
+    """One signature's graphs (one per GPU), streams, private pool, input buffers and outputs."""
+
+    def __init__(self, scope, pools, graphs, buffers, outputs):
+        self.scope, self.pools, self.graphs, self.buffers, self.outputs = scope, pools, graphs, buffers, outputs
+
+    def replay(self, inputs):
+        cupy = _gpu.cupy_module()
+        streams = self.scope.streams
+        for ordinal, stream in streams.items():  # after the eager work queued so far (inputs included)
+            with cupy.cuda.Device(ordinal):
+                stream.wait_event(cupy.cuda.Stream.null.record())
+        for (_, source, _), (buffer, ordinal) in zip(inputs.sources(), self.buffers):
+            _copy_into(buffer, source, streams[ordinal])
+        for hook in self.scope.replay_hooks:
+            hook()
+        for ordinal, graph in self.graphs.items():
+            with cupy.cuda.Device(ordinal):
+                graph.launch(streams[ordinal])
+        for ordinal, stream in streams.items():  # eager work queued later runs after the replay
+            with cupy.cuda.Device(ordinal):
+                cupy.cuda.Stream.null.wait_event(stream.record())
+        return self.outputs
+
+
+def _copy_into(buffer, source, stream):
+    """One asynchronous copy of an input (device or host array) into its captured buffer."""
+    if isinstance(source, np.ndarray):
+        host = np.ascontiguousarray(source, buffer.dtype)
+        buffer.data.copy_from_host_async(host.ctypes.data, host.nbytes, stream)
+        return
+    if not source.flags.c_contiguous:
+        with stream:
+            source = source.copy()
+    buffer.data.copy_from_device_async(source.data, buffer.nbytes, stream)
+
+
+def _capture(fn, strategy, inputs, ordinals):
+    """The step captured into one graph per GPU of ``ordinals``, or the exception that stopped it."""
+    cupy = _gpu.cupy_module()
+    pool, host_written = cupy.cuda.MemoryPool(), cupy.cuda.MemoryPool()
+    streams = {}
+    for o in ordinals:
+        with cupy.cuda.Device(o):
+            streams[o] = cupy.cuda.Stream(non_blocking=True)
+            streams[o].wait_event(cupy.cuda.Stream.null.record())
+    scope = _gpu.StepScope(streams, pool.malloc, capturing=True, host_written=host_written.malloc)
+    # The input buffers, filled with this call's inputs before the capture begins.
+    leaves = [list(_nest.flatten(leaf)) if i in inputs.iterators else [leaf] for i, leaf in enumerate(inputs.leaves)]
+    buffers = []
+    with cupy.cuda.using_allocator(host_written.malloc):
+        for (i, j, k), source, device in inputs.sources():
+            ordinal = int(source.data.device_id) if k is None or _is_device_array(source) else \
+                device_util.physical_ordinal(device)
+            with cupy.cuda.Device(ordinal):
+                buffer = cupy.empty(source.shape, source.dtype)
+            _copy_into(buffer, source, streams[ordinal])
+            buffers.append((buffer, ordinal))
+            part = leaves[i][j]
+            if k is None:
+                leaves[i][j] = buffer
+            else:
+                components = list(part.values)
+                components[k] = buffer
+                leaves[i][j] = type(part)(components, part._devices)
+    flat = [_nest.pack_sequence_as(leaf, parts) if i in inputs.iterators else parts[0]
+            for i, (leaf, parts) in enumerate(zip(inputs.leaves, leaves))]
+    for i in inputs.iterators:
+        flat[i] = _OneBatch(flat[i])
+    args, kwargs = _nest.pack_sequence_as(inputs.structure, flat)
+    began, graphs, error = [], {}, None
+    first = ordinals[0]
+    try:
+        for o in ordinals:
+            with cupy.cuda.Device(o):
+                streams[o].begin_capture()
+            began.append(o)
+        with _gpu.running_step(scope), cupy.cuda.Device(first), streams[first], \
+                cupy.cuda.using_allocator(pool.malloc):
+            outputs = strategy.run(fn, args=args, kwargs=kwargs) if strategy is not None else fn(*args, **kwargs)
+    except Exception as e:
+        error = e
+    for o in began:
+        try:
+            with cupy.cuda.Device(o):
+                graphs[o] = streams[o].end_capture()
+        except Exception as e:
+            error = error or e
+    if error is not None:
+        return error
+    return _Captured(scope, (pool, host_written), graphs, buffers, outputs)
+
+
+def _what_broke(error: BaseException) -> str:
+    """The error and the line of the step (not of mirrored or CuPy) that made it, for the warning."""
+    where = ""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        module = _module_of(frame.filename)
+        if not module.startswith(("mirrored", "cupy", "fake_cupy")):
+            where = f" (at {frame.filename}:{frame.lineno}, in {frame.name}: {frame.line})"
+            break
+    return f"{type(error).__name__}: {error}{where}"
+
+
+def _module_of(filename: str) -> str:
+    for name, module in list(sys.modules.items()):
+        if getattr(module, "__file__", None) == filename:
+            return name
+    return ""

@@ -1,0 +1,174 @@
+"""md.function: a step captured once per input signature and replayed as CUDA graphs (gpu marker:
+on the simulated GPUs without a GPU, see gpu_env.py), and its eager fallback on CPU strategies.
+
+The captured step must give the eager step's bits; a replay must be one graph launch per GPU and
+no kernel launch from Python; a new signature captures again; a step that cannot be captured
+runs eagerly with one warning that names the operation that broke the capture.
+"""
+
+import numpy as np
+import pytest
+
+import mirrored as md
+from gpu_env import cupy
+from mirrored.distribute.function import EagerFallbackWarning
+
+_rng = np.random.default_rng(7)
+_W0 = _rng.standard_normal((6, 3)).astype(np.float32)
+_B0 = _rng.standard_normal(3).astype(np.float32)
+_X = _rng.standard_normal((10, 8, 6)).astype(np.float32)  # (step, global batch, features)
+_Y = _rng.standard_normal((10, 8, 3)).astype(np.float32)
+
+
+def _gpu_strategy(replicas):
+    md.config.set_logical_device_configuration("GPU", 0, count=replicas)
+    return md.MirroredStrategy([f"/gpu:{i}" for i in range(replicas)])
+
+
+def _model(strategy, optimizer):
+    with strategy.scope():
+        w, b = md.Variable(_W0), md.Variable(_B0)
+        opt = {"sgd": lambda: md.optimizers.SGD(0.1, momentum=0.9),
+               "adam": lambda: md.optimizers.Adam(0.01)}[optimizer]()
+    return w, b, opt
+
+
+def _step_fn(w, b, opt):
+    """A linear least-squares step: forward, hand-written gradients, apply_gradients."""
+    def step(x, y):
+        xp = cupy if isinstance(x, cupy.ndarray) else np
+        err = x @ w.read_value() + b.read_value() - y
+        scale = np.float32(2.0 / (err.shape[0] * md.get_replica_context().num_replicas_in_sync))
+        opt.apply_gradients([(x.T @ err * scale, w), (err.sum(axis=0) * scale, b)])
+        return xp.sum(err * err)
+    return step
+
+
+def _batches(strategy, replicas, s):
+    """Step s's batch: each replica's slice, on its GPU."""
+    per = _X.shape[1] // replicas
+
+    def part(data):
+        return md.PerReplica([md.device_util.place(data[s, r * per:(r + 1) * per], d)
+                              for r, d in enumerate(strategy.extended.worker_devices)],
+                             strategy.extended.worker_devices)
+    return part(_X), part(_Y)
+
+
+def _train(replicas, optimizer, captured, steps=10):
+    strategy = _gpu_strategy(replicas)
+    try:
+        w, b, opt = _model(strategy, optimizer)
+        step = _step_fn(w, b, opt)
+        run = md.function(step) if captured else step
+        losses = []
+        for s in range(steps):
+            x, y = _batches(strategy, replicas, s)
+            loss = strategy.run(run, args=(x, y))
+            losses.append(strategy.reduce(md.ReduceOp.SUM, loss, axis=None))
+        return [c.numpy() for v in (w, b) for c in v.values], losses, opt
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_captured_step_gives_the_eager_steps_bits(replicas, optimizer):
+    eager, eager_losses, _ = _train(replicas, optimizer, captured=False)
+    captured, captured_losses, opt = _train(replicas, optimizer, captured=True)
+    for e, c in zip(eager, captured):
+        np.testing.assert_array_equal(c, e)
+    np.testing.assert_array_equal(captured_losses, eager_losses)
+    assert int(opt.iterations.numpy()) == 10
+
+
+@pytest.mark.gpu
+def test_a_replay_is_one_graph_launch_per_gpu_and_no_kernel_launch():
+    strategy = _gpu_strategy(2)
+    try:
+        w, b, opt = _model(strategy, "adam")
+        run = md.function(_step_fn(w, b, opt))
+        for s in range(2):  # warm-up and capture, then the first replay
+            strategy.run(run, args=_batches(strategy, 2, s))
+        x, y = _batches(strategy, 2, 2)
+        cupy.sim.drain()
+        cupy.sim.reset_counters()
+        strategy.run(run, args=(x, y))
+        counted = cupy.sim.counters()
+        assert counted["graph_launches"] == {0: 1}
+        assert sum(counted["launches"].values()) == 0 and sum(counted["kernels"].values()) == 0
+        assert run.experimental_get_tracing_count() == 1
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
+
+
+@pytest.mark.gpu
+def test_a_new_batch_shape_captures_again_and_each_signature_replays_its_own_graph():
+    strategy = _gpu_strategy(1)
+    try:
+        w, b, opt = _model(strategy, "sgd")
+        w_eager, b_eager, opt_eager = _model(strategy, "sgd")
+        run, step = md.function(_step_fn(w, b, opt)), _step_fn(w_eager, b_eager, opt_eager)
+        for rows in (8, 8, 5, 5, 8, 5):
+            x, y = (md.device_util.place(a[0, :rows], "/gpu:0") for a in (_X, _Y))
+            got = float(strategy.run(run, args=(x, y)))
+            want = float(strategy.run(step, args=(x, y)))
+            assert got == want
+        assert run.experimental_get_tracing_count() == 2
+        np.testing.assert_array_equal(w.numpy(), w_eager.numpy())
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
+
+
+@pytest.mark.gpu
+def test_a_step_that_waits_for_the_gpu_runs_eagerly_and_the_warning_names_the_operation():
+    strategy = _gpu_strategy(1)
+    try:
+        w, b, opt = _model(strategy, "sgd")
+        inner = _step_fn(w, b, opt)
+
+        def step(x, y):
+            loss = inner(x, y)
+            return float(loss)  # a host wait: not capturable
+
+        run = md.function(step)
+        with pytest.warns(EagerFallbackWarning,
+                          match=r"cudaStreamSynchronize.*float\(loss\)"):
+            first = [strategy.run(run, args=_batches(strategy, 1, s)) for s in range(2)]
+        losses = first + [strategy.run(run, args=_batches(strategy, 1, s)) for s in range(2, 4)]
+        assert all(isinstance(v, float) for v in losses)
+        assert int(opt.iterations.numpy()) == 4  # the failed capture took no step of its own
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
+
+
+def test_on_a_cpu_strategy_it_runs_eagerly_and_warns_once(two):
+    calls = []
+
+    @md.function
+    def step(x):
+        calls.append(md.get_replica_context().replica_id_in_sync_group)
+        return x * 2
+
+    with pytest.warns(EagerFallbackWarning, match="not on GPUs only") as caught:
+        results = [two.run(step, args=(np.float32(i),)) for i in range(4)]
+    assert len(caught) == 1
+    assert [float(r.values[0]) for r in results] == [0.0, 2.0, 4.0, 6.0]
+    assert sorted(calls) == [0] * 4 + [1] * 4  # every call ran the Python step on every replica
+    with pytest.warns(EagerFallbackWarning, match="not on GPUs only") as caught:
+        two.run(md.function(lambda: 1))
+    assert len(caught) == 1
+
+
+def test_function_is_tfs_decorator_with_and_without_arguments():
+    @md.function(reduce_retracing=True)
+    def f(x):
+        return x + 1
+
+    g = md.function(lambda x: x * 3)
+    with pytest.warns(EagerFallbackWarning, match="no strategy.run"):
+        assert f(1) == 2 and g(2) == 6
+    assert f.python_function(1) == 2
+    with pytest.raises(TypeError, match="md.function wraps a callable"):
+        md.function(3)
