@@ -18,7 +18,14 @@ forward/backward pass plus the update, SGD with momentum 0.9 unless
   ``optimizer.apply_gradients`` (gradients summed across replicas, one fused
   update per device);
 * PyTorch DDP (gloo, one process per replica, CPU only) for the same model,
-  when torch is importable (``--torch-python`` runs it in another venv).
+  when torch is importable (``--torch-python`` runs it in another venv);
+* with ``--function``: ``strategy.run(md.function(step))``, the same step
+  captured once and replayed as one CUDA graph per GPU (docs/function.md),
+  and, when torch sees a GPU, PyTorch's eager step and its step captured
+  in one CUDA graph (``torch.cuda.CUDAGraph``), SGD with momentum;
+* with ``--host-only`` (for the simulated GPUs, ``MIRRORED_CUDA_ENGINE=sim``,
+  where kernels run on the CPU when the host waits): the host's time per
+  call alone, the queued kernels drained outside the clock.
 
 The table gives milliseconds per step and the ratio to the plain loop of the
 same run (lower is better).
@@ -44,9 +51,10 @@ def per_step(fn, steps: int, sync=lambda: None) -> float:
     return interleaved([fn], steps, sync)[0]
 
 
-def interleaved(fns, steps: int, sync=lambda: None) -> list:
+def interleaved(fns, steps: int, sync=lambda: None, host_only=False) -> list:
     """Median seconds per call of each function, measured in turns (round r of every function, then
-    round r + 1): a machine whose load drifts during the run weighs on every column alike."""
+    round r + 1): a machine whose load drifts during the run weighs on every column alike.
+    ``host_only``: each call is timed alone and its queued GPU work drained after the clock stops."""
     for fn in fns:
         for _ in range(3):
             fn()
@@ -55,11 +63,17 @@ def interleaved(fns, steps: int, sync=lambda: None) -> list:
     calls = max(1, steps // 5)
     for _ in range(5):
         for fn, column in zip(fns, samples):
+            spent = 0.0
             t0 = time.perf_counter()
             for _ in range(calls):
+                if host_only:
+                    t0 = time.perf_counter()
                 fn()
+                if host_only:
+                    spent += time.perf_counter() - t0
+                    sync()
             sync()
-            column.append((time.perf_counter() - t0) / calls)
+            column.append((spent if host_only else time.perf_counter() - t0) / calls)
     return [statistics.median(column) for column in samples]
 
 
@@ -168,6 +182,12 @@ def main(argv=None):
     p.add_argument("--blas-threads", type=int, default=None,
                    help="BLAS threads for every column (default: the library's own count; replicas cap it "
                         "to cores / replicas)")
+    p.add_argument("--function", action="store_true",
+                   help="also strategy.run(md.function(step)): the step captured as CUDA graphs (GPU only), and "
+                        "PyTorch's eager and CUDA-graph steps when torch sees a GPU")
+    p.add_argument("--host-only", action="store_true",
+                   help="time the host's part of each call only: queued GPU work is drained outside the clock "
+                        "(for the simulated GPUs)")
     p.add_argument("--torch-python", default=None, help="a Python with torch for the DDP column")
     p.add_argument("--torch-port", type=int, default=29533)
     p.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
@@ -211,11 +231,17 @@ def main(argv=None):
         md.config.set_logical_device_configuration("GPU", 0, count=n)
     for n in args.replicas:
         columns.append(("mirrored MirroredStrategy", n, mirrored_step(args, xp, x, y, n, gpu, fixed_grads)))
-    times = interleaved([fn for _, _, fn in columns], args.steps, sync)
+        if args.function and gpu:
+            columns.append(("mirrored md.function (CUDA graphs)", n,
+                            mirrored_step(args, xp, x, y, n, gpu, fixed_grads, captured=True)))
+    if args.function and gpu and not args.update_only:
+        columns += torch_gpu_columns(args)
+    times = interleaved([fn for _, _, fn in columns], args.steps, sync, host_only=args.host_only)
     base = times[0]
     print(f"{args.layers} dense layers {args.width}x{args.width} + bias ({2 * args.layers} parameter tensors, "
           f"{nbytes / 1e6:.1f} MB), global batch {args.batch_size}, {args.device}, optimizer {args.optimizer}, "
-          f"BLAS threads {args.blas_threads or 'default'}{', the update alone' if args.update_only else ''}\n")
+          f"BLAS threads {args.blas_threads or 'default'}{', the update alone' if args.update_only else ''}"
+          f"{', host time per call only (GPU work drained outside the clock)' if args.host_only else ''}\n")
     print("| step | replicas | ms/step | vs plain |\n|---|---|---|---|")
     for (label, n, _), t in zip(columns, times):
         print(f"| {label} | {n} | {t * 1e3:.2f} | {t / base:.2f}x |", flush=True)
@@ -230,9 +256,48 @@ def main(argv=None):
                       flush=True)
 
 
-def mirrored_step(args, xp, x, y, n: int, gpu: bool, fixed_grads=None):
+def torch_gpu_columns(args) -> list:
+    """PyTorch eager and whole-step CUDA-graph columns of the same model (SGD with momentum 0.9), when
+    torch sees a GPU; none otherwise."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available() or os.environ.get("MIRRORED_CUDA_ENGINE") == "sim":
+        return []
+    dev = torch.device("cuda")
+    params = [torch.tensor(a, device=dev, requires_grad=True) for a in init_params(args.layers, args.width)]
+    rng = np.random.default_rng(1)
+    x = torch.tensor(rng.standard_normal((args.batch_size, args.width), dtype=np.float32), device=dev)
+    y = torch.tensor(rng.standard_normal((args.batch_size, args.width), dtype=np.float32), device=dev)
+    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9, foreach=True)
+
+    def step():
+        h = x
+        for i in range(0, len(params), 2):
+            h = h @ params[i] + params[i + 1]
+            if i + 2 < len(params):
+                h = torch.tanh(h)
+        loss = ((h - y) ** 2).sum() / args.batch_size
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        opt.step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as torch's graph recipe asks
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return [("PyTorch eager (foreach SGD)", 1, step), ("PyTorch, step in one CUDA graph", 1, graph.replay)]
+
+
+def mirrored_step(args, xp, x, y, n: int, gpu: bool, fixed_grads=None, captured=False):
     """``strategy.run(step)`` on ``n`` replicas: forward/backward on each replica's share, apply_gradients
-    (only apply_gradients of ``fixed_grads`` when given)."""
+    (only apply_gradients of ``fixed_grads`` when given); ``captured``: the step wrapped in md.function."""
     strategy = md.MirroredStrategy([f"/gpu:{i}" if gpu else f"/cpu:{i}" for i in range(n)])
     with strategy.scope():
         variables = [md.Variable(a) for a in init_params(args.layers, args.width)]
@@ -246,7 +311,8 @@ def mirrored_step(args, xp, x, y, n: int, gpu: bool, fixed_grads=None):
             _, grads = loss_and_grads(xp, [v.read_value() for v in variables], xs, ys, args.batch_size)
         optimizer.apply_gradients(zip(grads, variables))
 
-    return lambda: strategy.run(step_fn, args=batch)
+    run = md.function(step_fn) if captured else step_fn
+    return lambda: strategy.run(run, args=batch)
 
 
 if __name__ == "__main__":
