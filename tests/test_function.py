@@ -172,3 +172,72 @@ def test_function_is_tfs_decorator_with_and_without_arguments():
     assert f.python_function(1) == 2
     with pytest.raises(TypeError, match="md.function wraps a callable"):
         md.function(3)
+
+
+@pytest.mark.gpu
+def test_an_iterator_argument_gives_one_batch_per_call_into_the_captured_buffers():
+    """TF's pattern: @function def train_step(iterator): strategy.run(step, args=(next(iterator),))."""
+    results = {}
+    for captured in (False, True):
+        strategy = _gpu_strategy(2)
+        try:
+            w, b, opt = _model(strategy, "adam")
+            step = _step_fn(w, b, opt)
+            dataset = md.data.Dataset.from_tensor_slices((_X.reshape(-1, 6), _Y.reshape(-1, 3))).batch(
+                8, drop_remainder=True)
+            iterator = iter(strategy.experimental_distribute_dataset(dataset))
+
+            def train_step(it):
+                x, y = next(it)
+                return strategy.reduce(md.ReduceOp.SUM, strategy.run(step, args=(x, y)), axis=None)
+
+            run = md.function(train_step) if captured else train_step
+            losses = [float(run(iterator)) for _ in range(6)]
+            results[captured] = losses, [c.numpy() for c in w.values]
+        finally:
+            md.config.set_logical_device_configuration("GPU:0", None)
+    assert results[True][0] == results[False][0]
+    for got, want in zip(results[True][1], results[False][1]):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+def test_results_are_the_captured_arrays_which_the_next_replay_overwrites():
+    strategy = _gpu_strategy(1)
+    try:
+        @md.function
+        def double(x):
+            return strategy.run(lambda v: v * 2, args=(x,))
+
+        first = [double(cupy.full(3, float(i), np.float32)) for i in range(3)]
+        assert first[1] is first[2]  # the replays return the captured outputs themselves
+        np.testing.assert_array_equal(cupy.asnumpy(first[2]), [4.0, 4.0, 4.0])
+        kept = cupy.asnumpy(first[2])  # a copy survives the next replay
+        double(cupy.full(3, 5.0, np.float32))
+        np.testing.assert_array_equal(cupy.asnumpy(first[2]), [10.0, 10.0, 10.0])
+        np.testing.assert_array_equal(kept, [4.0, 4.0, 4.0])
+        np.testing.assert_array_equal(cupy.asnumpy(first[0]), [0.0, 0.0, 0.0])  # the warm-up's own result
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
+
+
+@pytest.mark.gpu
+def test_new_signatures_are_bounded_and_frequent_retracing_is_logged(caplog):
+    from mirrored.distribute import function as function_module
+
+    strategy = _gpu_strategy(1)
+    try:
+        run = md.function(lambda x: strategy.run(lambda v: v + 1, args=(x,)))
+        sizes = range(1, function_module.MAX_SIGNATURES + 3)
+        with caplog.at_level("WARNING", logger="mirrored"):
+            for n in sizes:
+                out = run(cupy.zeros(n, np.float32))
+                np.testing.assert_array_equal(cupy.asnumpy(out), np.ones(n))
+        assert run.experimental_get_tracing_count() == len(sizes)
+        assert len(run._steps) == function_module.MAX_SIGNATURES
+        assert sum("triggered md.function retracing" in r.message for r in caplog.records) == 1
+        out = run(cupy.full(1, 7.0, np.float32))  # the oldest signature went: captured again
+        np.testing.assert_array_equal(cupy.asnumpy(out), [8.0])
+        assert run.experimental_get_tracing_count() == len(sizes) + 1
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)

@@ -14,7 +14,7 @@ import weakref
 import numpy as np
 
 from .. import _nest, timeline
-from ..device import device_util
+from ..device import device_util, gpu as _gpu
 from .name_scope import scoped_name
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp, as_reduce_op
@@ -606,6 +606,12 @@ class StrategyExtended:
         return value
 
     def _reduce(self, op: ReduceOp, value):
+        step = _gpu.step_scope()
+        if step is not None and step.capturing:
+            # Inside md.function's capture nothing may wait for the GPU: the result stays on the first
+            # replica's GPU (an array the next replay overwrites, as a tf.function's output tensor is).
+            result = self.reduce_to(op, value, self.worker_devices[0])
+            return _nest.map_structure(lambda v: _read(self._local_results(v)[0]), result)
         result = self.reduce_to(op, value, HOST)
         return _nest.map_structure(lambda v: device_util.to_host(_read(self._local_results(v)[0])), result)
 

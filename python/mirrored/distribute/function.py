@@ -216,11 +216,11 @@ class _Inputs:
         self.uncapturable = None
         self.ordinals = set()
         self.arrays = []  # (leaf index, component index or None, array): what the captured step reads
-        self.signature = tuple(self._spec(i, leaf) for i, leaf in enumerate(leaves))
+        self.signature = tuple(
+            ("iterator", tuple(map(self._spec, _nest.flatten(leaf))), repr(_structure(leaf)))
+            if i in self.iterators else self._spec(leaf) for i, leaf in enumerate(leaves))
 
-    def _spec(self, i, leaf):
-        if i in self.iterators:
-            return ("iterator", tuple(self._spec(i, x) for x in _nest.flatten(leaf)), repr(_structure(leaf)))
+    def _spec(self, leaf):
         if isinstance(leaf, Variable):
             return ("variable", id(leaf))
         if isinstance(leaf, DistributedValues):
