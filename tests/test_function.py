@@ -20,8 +20,10 @@ _X = _rng.standard_normal((10, 8, 6)).astype(np.float32)  # (step, global batch,
 _Y = _rng.standard_normal((10, 8, 3)).astype(np.float32)
 
 
-def _gpu_strategy(replicas):
-    md.config.set_logical_device_configuration("GPU", 0, count=replicas)
+def _gpu_strategy(replicas, one_gpu=True):
+    """``replicas`` logical GPUs on GPU 0 (the native engine), or one replica per GPU (NCCL)."""
+    if one_gpu:
+        md.config.set_logical_device_configuration("GPU", 0, count=replicas)
     return md.MirroredStrategy([f"/gpu:{i}" for i in range(replicas)])
 
 
@@ -55,8 +57,8 @@ def _batches(strategy, replicas, s):
     return part(_X), part(_Y)
 
 
-def _train(replicas, optimizer, captured, steps=10):
-    strategy = _gpu_strategy(replicas)
+def _train(replicas, optimizer, captured, steps=10, one_gpu=True):
+    strategy = _gpu_strategy(replicas, one_gpu)
     try:
         w, b, opt = _model(strategy, optimizer)
         step = _step_fn(w, b, opt)
@@ -84,8 +86,20 @@ def test_captured_step_gives_the_eager_steps_bits(replicas, optimizer):
 
 
 @pytest.mark.gpu
-def test_a_replay_is_one_graph_launch_per_gpu_and_no_kernel_launch():
-    strategy = _gpu_strategy(2)
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_on_two_gpus_each_gpu_replays_its_own_graph_with_nccl_inside(optimizer):
+    assert md.MirroredStrategy(["/gpu:0", "/gpu:1"]).extended._cross_device_ops.__class__ is md.NcclAllReduce
+    eager, eager_losses, _ = _train(2, optimizer, captured=False, one_gpu=False)
+    captured, captured_losses, _ = _train(2, optimizer, captured=True, one_gpu=False)
+    for e, c in zip(eager, captured):
+        np.testing.assert_array_equal(c, e)
+    np.testing.assert_array_equal(captured_losses, eager_losses)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("one_gpu", [True, False], ids=["logical GPUs", "two GPUs"])
+def test_a_replay_is_one_graph_launch_per_gpu_and_no_kernel_launch(one_gpu):
+    strategy = _gpu_strategy(2, one_gpu)
     try:
         w, b, opt = _model(strategy, "adam")
         run = md.function(_step_fn(w, b, opt))
@@ -96,7 +110,7 @@ def test_a_replay_is_one_graph_launch_per_gpu_and_no_kernel_launch():
         cupy.sim.reset_counters()
         strategy.run(run, args=(x, y))
         counted = cupy.sim.counters()
-        assert counted["graph_launches"] == {0: 1}
+        assert counted["graph_launches"] == ({0: 1} if one_gpu else {0: 1, 1: 1})
         assert sum(counted["launches"].values()) == 0 and sum(counted["kernels"].values()) == 0
         assert run.experimental_get_tracing_count() == 1
     finally:

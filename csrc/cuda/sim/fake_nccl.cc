@@ -1,9 +1,8 @@
 // A stand-in libnccl for the simulated runtime: the entry points
 // NcclCommunicator loads, with NCCL's semantics for one process (int32 and
-// float32 only). A group's calls run as one collective: every rank's stream
-// records its arrival, rank 0's stream waits for all arrivals and computes
-// every output, and the other streams wait for that, as NCCL's kernels
-// synchronise the ranks' streams.
+// float32 only). A group's calls run as one collective: a device-side
+// rendezvous of the ranks' streams (no event between GPUs, as NCCL's kernels
+// meet), which stream capture records per GPU and graph launches replay.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -92,23 +91,9 @@ void run(const std::vector<Call>& calls) {
 int launch(std::vector<Call> calls) {
   std::sort(calls.begin(), calls.end(), [](const Call& a, const Call& b) { return a.comm->rank < b.comm->rank; });
   if (static_cast<int>(calls.size()) != calls[0].comm->clique->nranks) return 5;  // ncclInvalidUsage: a rank missing
-  std::vector<cudaEvent_t> arrived(calls.size());
-  for (std::size_t r = 0; r < calls.size(); ++r) {
-    cudaSetDevice(calls[r].comm->device);
-    cudaEventCreateWithFlags(&arrived[r], cudaEventDisableTiming);
-    cudaEventRecord(arrived[r], calls[r].stream);
-  }
-  cudaSetDevice(calls[0].comm->device);
-  for (auto e : arrived) cudaStreamWaitEvent(calls[0].stream, e, 0), cudaEventDestroy(e);  // a wait keeps its record
-  mirrored::cuda::sim::enqueue(calls[0].stream, [calls] { run(calls); });
-  cudaEvent_t done;
-  cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
-  cudaEventRecord(done, calls[0].stream);
-  for (std::size_t r = 1; r < calls.size(); ++r) {
-    cudaSetDevice(calls[r].comm->device);  // a null stream is the current device's
-    cudaStreamWaitEvent(calls[r].stream, done, 0);
-  }
-  cudaEventDestroy(done);
+  std::vector<std::pair<int, cudaStream_t>> parties;
+  for (const Call& c : calls) parties.emplace_back(c.comm->device, c.stream);
+  mirrored::cuda::sim::rendezvous(parties, [calls] { run(calls); });
   return 0;
 }
 

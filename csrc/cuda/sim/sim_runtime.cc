@@ -35,10 +35,30 @@ struct Record {
   Capture* captured = nullptr;  // recorded into this capture (a graph node), not queued
   std::size_t branch = 0, position = 0;  // where in the capture: which stream, after how many of its ops
 };
+// A device-side rendezvous of several streams (NCCL's kernels meet this way,
+// with no event between GPUs): it runs `work` once, when it heads every one of
+// its `parties` streams. A captured one is a template: each graph launch
+// takes the next instance, so the k-th launches of the graphs of every party
+// meet, as replays of NCCL kernels captured per GPU do.
+struct Meet {
+  int parties;
+  std::function<void()> work;
+  std::map<const void*, std::size_t> launched;  // as a template: instances taken per graph
+  std::map<std::size_t, std::pair<std::shared_ptr<Meet>, int>> instances;  // k -> (instance, parties given it)
+  std::shared_ptr<Meet> instance_for(const void* graph) {
+    const std::size_t k = launched[graph]++;
+    auto& [meet, given] = instances[k];
+    if (!meet) meet = std::make_shared<Meet>(Meet{parties, work, {}, {}});
+    std::shared_ptr<Meet> out = meet;
+    if (++given == parties) instances.erase(k);
+    return out;
+  }
+};
 struct Op {
   std::function<void()> work;      // set: run it
   std::shared_ptr<Record> record;  // set with wait false: complete it; with wait true: wait for it
   bool wait = false;
+  std::shared_ptr<Meet> meet;      // set: a rendezvous of streams (work is its own)
 };
 // The work captured from one stream (a branch of the graph), on its device.
 struct Branch {
@@ -236,6 +256,24 @@ void release(void* p, cudaStream_t stream) {
 
 void drain() { drain_until([] { return false; }); }
 
+// Whether every party of m has it at the head of its queue.
+bool met(const Meet* m) {
+  int at_head = 0;
+  for (auto* s : streams) at_head += !s->queue.empty() && s->queue.front().meet.get() == m;
+  return at_head == m->parties;
+}
+
+void rendezvous(const std::vector<std::pair<int, cudaStream_t>>& parties, std::function<void()> work) {
+  Lock lock;
+  auto meet = std::make_shared<Meet>(Meet{static_cast<int>(parties.size()), std::move(work), {}, {}});
+  const int saved = current;
+  for (const auto& [device, stream] : parties) {
+    current = device;  // (a null stream is the device's own)
+    push(resolve(stream), Op{nullptr, nullptr, false, meet});
+  }
+  current = saved;
+}
+
 void drain_until(const std::function<bool()>& done) {
   Lock lock;
   while (!done()) {
@@ -245,13 +283,19 @@ void drain_until(const std::function<bool()>& done) {
       if (s->queue.empty()) continue;
       busy = true;
       const Op& head = s->queue.front();
-      if (!head.wait || head.record->done) ready.push_back(s);
+      if (head.meet ? met(head.meet.get()) : !head.wait || head.record->done) ready.push_back(s);
     }
     if (!busy) return;
     if (ready.empty()) throw std::logic_error("simulated streams deadlock: every head waits for an event");
     CUstream_st* s = ready[rng() % ready.size()];
     Op op = std::move(s->queue.front());
     s->queue.pop_front();
+    if (op.meet) {  // every party passes it at once, the work done once
+      for (auto* other : streams)
+        if (!other->queue.empty() && other->queue.front().meet == op.meet) other->queue.pop_front();
+      op.meet->work();
+      continue;
+    }
     if (op.work) op.work();
     if (op.record && !op.wait) op.record->done = true;
   }
@@ -513,11 +557,18 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
     if (!n) n = std::make_shared<Record>();
     return n;
   };
+  std::map<Meet*, std::shared_ptr<Meet>> meets;
+  auto meet_of = [&meets, exec](const std::shared_ptr<Meet>& m) {
+    auto& n = meets[m.get()];
+    if (!n) n = m->instance_for(exec);
+    return n;
+  };
   std::vector<std::shared_ptr<Record>> ends;
   for (std::size_t b = 0; b < exec->branches.size(); ++b) {
     CUstream_st* lane = b == 0 ? st : exec->lanes[b];
     for (const Op& op : exec->branches[b].ops)
-      sim::push(lane, Op{op.work, op.record ? renew(op.record) : nullptr, op.wait});
+      sim::push(lane, Op{op.work, op.record ? renew(op.record) : nullptr, op.wait,
+                         op.meet ? meet_of(op.meet) : nullptr});
     if (b > 0) {
       ends.push_back(std::make_shared<Record>());
       sim::push(lane, Op{nullptr, ends.back(), false});

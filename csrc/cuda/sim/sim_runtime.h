@@ -12,6 +12,7 @@
 #include <random>
 #include <set>
 #include <utility>
+#include <vector>
 
 namespace mirrored::cuda::sim {
 
@@ -22,6 +23,9 @@ void reset(int devices, std::set<std::pair<int, int>> peer_pairs, unsigned seed)
 void enqueue(cudaStream_t stream, std::function<void()> work);
 // The same for a kernel of the embedder (the CuPy stand-in's), counted as one.
 void launch_kernel(cudaStream_t stream, std::function<void()> work);
+// Queues work on several (device, stream) pairs as one device-side rendezvous:
+// it runs once, when all of them have reached it (NCCL's kernels across GPUs).
+void rendezvous(const std::vector<std::pair<int, cudaStream_t>>& parties, std::function<void()> work);
 // Runs everything queued, in a random order that respects streams and events.
 void drain();
 // The same until done() holds (checked before each step): what a host wait

@@ -147,6 +147,8 @@ def collective_stream(ordinal: int) -> int:
     replica): then the legacy default stream, which waits for every
     replica's queued work on the device and is waited for by their next work.
     """
+    if _step is not None:  # inside md.function every replica's work on the GPU is on the step's stream
+        return _step.streams[ordinal].ptr
     s = cupy_module().cuda.get_current_stream(ordinal)
     return 0 if s.ptr in _replica_stream_ptrs else s.ptr
 
