@@ -255,3 +255,23 @@ def test_new_signatures_are_bounded_and_frequent_retracing_is_logged(caplog):
         assert run.experimental_get_tracing_count() == len(sizes) + 1
     finally:
         md.config.set_logical_device_configuration("GPU:0", None)
+
+
+@pytest.mark.gpu
+def test_a_variable_moved_between_calls_by_copy_on_write_is_captured_again():
+    strategy = _gpu_strategy(1)
+    try:
+        w, b, opt = _model(strategy, "sgd")
+        w_eager, b_eager, opt_eager = _model(strategy, "sgd")
+        run, step = md.function(_step_fn(w, b, opt)), _step_fn(w_eager, b_eager, opt_eager)
+        held = []
+        for s in range(5):
+            for fn in (run, step):
+                strategy.run(fn, args=_batches(strategy, 1, s))
+            if s == 2:  # arrays read now keep their values: the next updates move w and b to new buffers
+                held = [cupy.asnumpy(w.values[0].read_value()), w.values[0].read_value(), b.values[0].read_value()]
+        np.testing.assert_array_equal(w.numpy(), w_eager.numpy())
+        np.testing.assert_array_equal(cupy.asnumpy(held[1]), held[0])  # the held array never changed
+        assert run.experimental_get_tracing_count() == 2
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)

@@ -102,6 +102,9 @@ class Function:
             self._recent.append(False)
             if isinstance(step, str):
                 return self._eager(strategy, *inputs.eager())
+            if step.stale():  # the graph would write a buffer that is no longer only its variable's
+                del self._steps[key]
+                return self._first_call(key, strategy, inputs)
             return step.replay(inputs)
 
     def _eager(self, strategy, args, kwargs):
@@ -281,6 +284,19 @@ class _Captured:
 
     def __init__(self, scope, pools, graphs, buffers, outputs):
         self.scope, self.pools, self.graphs, self.buffers, self.outputs = scope, pools, graphs, buffers, outputs
+        self.updated = list(scope.captured.get("variable buffers", {}).values())
+
+    def stale(self) -> bool:
+        """Whether a variable the graph updates in place has another buffer now, or its buffer is held
+        by someone else (an array read from it between calls, which must keep its values: TF's
+        promise, kept eagerly by copy-on-write). Then the step is captured again, after an eager
+        step that moves the variable to a buffer of its own."""
+        for variable, buffer in self.updated:
+            value = variable._value
+            # References: `value`, the attribute, getrefcount's argument; any other is a holder's.
+            if id(value) != buffer or sys.getrefcount(value) > 3:
+                return True
+        return False
 
     def replay(self, inputs):
         cupy = _gpu.cupy_module()

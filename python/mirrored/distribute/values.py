@@ -246,8 +246,8 @@ class DeviceVariable(Variable):
         value = self._value
         # References: `value`, the attribute, getrefcount's argument. Any other is a
         # reader's (an array or a view read earlier), whose values must not change.
+        step = _gpu._step
         if sys.getrefcount(value) > 3:
-            step = _gpu.step_scope()
             if step is not None and step.capturing:
                 # A captured update must write where the graph will write on every replay.
                 raise RuntimeError(
@@ -256,6 +256,8 @@ class DeviceVariable(Variable):
                     "replay; inside md.function drop such references before the update (del them, or read the "
                     "variable where it is used)")
             value = self._value = value.copy()
+        if step is not None and step.capturing:  # the graph writes this buffer: md.function checks it stays
+            step.captured.setdefault("variable buffers", {})[id(self)] = (self, id(value))
         return value
 
     def _store(self, new) -> None:
