@@ -741,6 +741,55 @@ void check_capture() {
     }
 }
 
+// NCCL captured one graph per GPU (each rank's stream captured on its own):
+// the ranks meet on the device, so the graphs, launched one per GPU, replay
+// the all-reduce with the inputs written before each launch.
+void check_nccl_capture() {
+  for (const auto& devices : std::vector<std::vector<int>>{{0, 1}, {2, 0, 1}}) {
+    sim::reset(4, {}, static_cast<unsigned>(devices.size()));
+    Layout l(devices, true);
+    const int n = l.n();
+    const std::size_t count = 100;
+    nccl::NcclCommunicator comm(l.devices);
+    std::vector<void*> buf(n);
+    for (int r = 0; r < n; ++r) buf[r] = l.alloc(r, count * 4);
+    sim::drain();
+    for (int r = 0; r < n; ++r) {
+      cudaSetDevice(devices[r]);
+      EXPECT(cudaStreamBeginCapture(l.streams[r], cudaStreamCaptureModeRelaxed) == cudaSuccess, "begin");
+    }
+    {
+      StreamScope scope(l.streams);
+      std::vector<const void*> in(buf.begin(), buf.end());
+      comm.all_reduce(n, in.data(), buf.data(), count, DType::kInt32, ReduceOp::kSum, Algorithm::kAuto);
+    }
+    std::vector<cudaGraphExec_t> execs(n);
+    for (int r = 0; r < n; ++r) {
+      cudaSetDevice(devices[r]);
+      cudaGraph_t graph = nullptr;
+      EXPECT(cudaStreamEndCapture(l.streams[r], &graph) == cudaSuccess, "nccl capture on rank %d", r);
+      cudaGraphInstantiate(&execs[r], graph, 0);
+      cudaGraphDestroy(graph);
+    }
+    for (int replay = 0; replay < 3; ++replay) {
+      for (int r = 0; r < n; ++r) write<int>(l, r, buf[r], count, ReduceOp::kSum, r + replay);
+      sim::reset_counters();
+      for (int r = n - 1; r >= 0; --r) cudaSetDevice(devices[r]), cudaGraphLaunch(execs[r], l.streams[r]);
+      EXPECT(sim::counters().launches_total() == 0, "a replay launches no kernel");
+      std::vector<std::vector<int>> got(n);
+      for (int r = 0; r < n; ++r) read<int>(l, r, buf[r], count, got[r]);
+      sim::drain();
+      for (int r = 0; r < n; ++r)
+        for (std::size_t i = 0; i < count; ++i) {
+          long long e = 0;
+          for (int q = 0; q < n; ++q) e += value(q + replay, i, ReduceOp::kSum);
+          EXPECT(got[r][i] == e, "nccl replay %d: rank %d element %zu is %d, not %lld", replay, r, i, got[r][i], e);
+        }
+    }
+    for (int r = 0; r < n; ++r) cudaGraphExecDestroy(execs[r]), cudaFree(buf[r]);
+  }
+}
+
 int main(int argc, char** argv) {
   sim::reset(4, {}, 1);
   check_fused_body<F16>(DType::kFloat16);
@@ -818,6 +867,7 @@ int main(int argc, char** argv) {
   if (argc > 1) {
     nccl::load({argv[1]});
     check_nccl_errors();
+    check_nccl_capture();
     for (const auto& devices : std::vector<std::vector<int>>{{0}, {0, 1}, {2, 0, 1}, {1, 3, 0, 2}})
       for (bool own_streams : {false, true}) {
         sim::reset(4, {}, static_cast<unsigned>(runs));
