@@ -275,3 +275,20 @@ def test_a_variable_moved_between_calls_by_copy_on_write_is_captured_again():
         assert run.experimental_get_tracing_count() == 2
     finally:
         md.config.set_logical_device_configuration("GPU:0", None)
+
+
+@pytest.mark.gpu
+def test_a_plain_cupy_step_without_a_strategy_is_captured_too():
+    @md.function
+    def affine(a, b):
+        return a * 2 + b
+
+    for i in range(4):
+        a, b = cupy.full(5, float(i), np.float32), cupy.ones(5, np.float32)
+        cupy.sim.drain()
+        cupy.sim.reset_counters()
+        out = affine(a, b)
+        if i >= 1:
+            assert cupy.sim.counters()["graph_launches"] == {0: 1} and not cupy.sim.counters()["kernels"]
+        np.testing.assert_array_equal(cupy.asnumpy(out), np.full(5, 2.0 * i + 1, np.float32))
+    assert affine.experimental_get_tracing_count() == 1

@@ -131,7 +131,7 @@ class Function:
             distribute_lib._run_observer = None
         if strategy is not None:
             seen.append(strategy)
-        reason = inputs.uncapturable or _gpu_reason(seen)
+        reason = inputs.uncapturable or _gpu_reason(seen, inputs)
         step = reason
         if reason is None:
             step = _capture(self._python_function, strategy, inputs, _ordinals(seen, inputs))
@@ -149,7 +149,7 @@ class Function:
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(f"md.function({self._describe()}): {reason}; it runs eagerly for these inputs",
-                          EagerFallbackWarning, stacklevel=5)
+                          EagerFallbackWarning, stacklevel=_caller_stacklevel())
 
     def _describe(self) -> str:
         return getattr(self._python_function, "__qualname__", repr(self._python_function))
@@ -160,9 +160,9 @@ class Function:
 
 # --- which GPUs a step uses ---------------------------------------------------------
 
-def _gpu_reason(strategies) -> str | None:
-    """Why the strategies the step ran cannot be captured (None: they can)."""
-    if not strategies:
+def _gpu_reason(strategies, inputs) -> str | None:
+    """Why a step that ran these strategies, with these inputs, cannot be captured (None: it can)."""
+    if not strategies and not inputs.ordinals:
         return "the step ran no strategy.run and takes no GPU arrays (CUDA graphs capture GPU work only)"
     for s in strategies:
         devices = s.extended.worker_devices
@@ -383,6 +383,14 @@ def _capture(fn, strategy, inputs, ordinals):
     if error is not None:
         return error
     return _Captured(scope, (pool, host_written), graphs, buffers, outputs)
+
+
+def _caller_stacklevel() -> int:
+    """The stacklevel of warnings.warn that names the first frame outside mirrored (the user's call)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("mirrored"):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def _what_broke(error: BaseException) -> str:
