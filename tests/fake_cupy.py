@@ -911,6 +911,9 @@ def __getattr__(name):
 
 
 class _Runtime:
+    # cudaStreamCaptureMode (the simulator captures in relaxed mode whatever is asked)
+    streamCaptureModeGlobal, streamCaptureModeThreadLocal, streamCaptureModeRelaxed = 0, 1, 2
+
     def getDeviceCount(self):
         return _cuda_sim.device_count()
 

@@ -365,9 +365,12 @@ def _capture(fn, strategy, inputs, ordinals):
     began, graphs, error = [], {}, None
     first = ordinals[0]
     try:
+        # Relaxed: a pool may take a new block (cudaMalloc) while capturing; other threads (the replicas)
+        # may call the runtime meanwhile.
+        relaxed = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
         for o in ordinals:
             with cupy.cuda.Device(o):
-                streams[o].begin_capture()
+                streams[o].begin_capture(mode=relaxed)
             began.append(o)
         with _gpu.running_step(scope), cupy.cuda.Device(first), streams[first], \
                 cupy.cuda.using_allocator(pool.malloc):
