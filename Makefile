@@ -69,19 +69,21 @@ wheel: system-deps $(VPY)
 	$(VPY) -m auditwheel show $(DIST)/mirrored-*.whl
 
 # The native tests, once under AddressSanitizer+UBSan and once under
-# ThreadSanitizer (with more pool threads than cores, to shake out races).
+# ThreadSanitizer (with more pool threads than cores, to shake out races);
+# ctest -V streams each test's "ok <name>" lines as they pass.
 native-test: system-deps
 	cmake -S . -B build/asan -G Ninja -DMIRRORED_PYTHON=OFF -DMIRRORED_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug \
 	  -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -O1" >/dev/null
 	cmake --build build/asan -j2 --target native_tests
-	cd build/asan && MIRRORED_NUM_THREADS=$(SANITIZE_THREADS) ctest --output-on-failure
+	cd build/asan && MIRRORED_NUM_THREADS=$(SANITIZE_THREADS) ctest -V
 	cmake -S . -B build/tsan -G Ninja -DMIRRORED_PYTHON=OFF -DMIRRORED_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug \
 	  -DCMAKE_CXX_FLAGS="-fsanitize=thread -O1 -g" >/dev/null
 	cmake --build build/tsan -j2 --target native_tests
-	cd build/tsan && MIRRORED_NUM_THREADS=$(SANITIZE_THREADS) TSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure
+	cd build/tsan && MIRRORED_NUM_THREADS=$(SANITIZE_THREADS) TSAN_OPTIONS=halt_on_error=1 ctest -V
 
+# -v: each test's name shows when it starts, so a long one is never a silent wait.
 python-test: setup
-	$(VPY) -m pytest tests -q
+	$(VPY) -m pytest tests -v --durations=15
 
 bench: setup
 	$(VPY) -m mirrored.bench all_reduce -b 8 -e 128M -f 2 --replicas 4 --algo auto,ring,direct,tree

@@ -50,7 +50,7 @@ def main(argv=None):
         return loss.detach()
 
     global_batch = 64
-    batches = [(x[i:i + global_batch], y[i:i + global_batch]) for i in range(0, len(x), global_batch)]
+    batches = md.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
     for epoch in range(args.steps // len(batches)):
         for xb, yb in strategy.experimental_distribute_dataset(batches):
             losses = strategy.run(step, args=(xb, yb))

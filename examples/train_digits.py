@@ -89,12 +89,14 @@ def load_data(dtype, seed: int):
     return prep(x_train), y_train.astype(np.int64), prep(x_test), y_test.astype(np.int64)
 
 
-def train_batches(x, y, batch_size: int, epoch: int, seed: int):
-    """One epoch of shuffled full batches (same order whatever the replica count)."""
-    order = np.random.default_rng([seed, epoch]).permutation(len(x))
-    for start in range(0, len(x) - batch_size + 1, batch_size):
-        idx = order[start:start + batch_size]
-        yield x[idx], y[idx]
+def train_dataset(x, y, batch_size: int, seed: int):
+    """tf.data's idiom: reshuffled every epoch, full global batches, endless, prepared in the background
+    (the same order whatever the replica count)."""
+    return (md.data.Dataset.from_tensor_slices((x, y))
+            .shuffle(len(x), seed=seed)
+            .batch(batch_size, drop_remainder=True)
+            .repeat()
+            .prefetch(md.data.AUTOTUNE))
 
 
 # --- the model: a ReLU MLP with softmax cross-entropy, backprop by hand ------------------------------
@@ -213,7 +215,12 @@ def train(args):
     def compute(array):
         """``array`` in the policy's compute dtype (float16 under mixed precision)."""
         return array.astype(policy.compute_dtype, copy=False)
-    checkpoint = md.train.Checkpoint(model=model, optimizer=optimizer, batches_taken=batches_taken)
+
+    # The input iterator is checkpointed too: a resumed run continues with the batch that followed the save.
+    iterator = iter(strategy.experimental_distribute_dataset(
+        train_dataset(x_train, y_train, args.batch_size, args.seed)))
+    checkpoint = md.train.Checkpoint(model=model, optimizer=optimizer, batches_taken=batches_taken,
+                                     iterator=iterator)
     if args.resume and os.path.exists(ckpt_path):
         checkpoint.restore(ckpt_path)
 
@@ -234,8 +241,7 @@ def train(args):
 
     def evaluate():
         # Uneven last batch on purpose: a replica may get fewer (or zero) rows; SUM of counts is exact.
-        batches = ((x_test[i:i + args.batch_size], y_test[i:i + args.batch_size])
-                   for i in range(0, len(x_test), args.batch_size))
+        batches = md.data.Dataset.from_tensor_slices((x_test, y_test)).batch(args.batch_size)
         correct = sum(int(strategy.reduce("SUM", strategy.run(eval_fn, args=batch), axis=None))
                       for batch in strategy.experimental_distribute_dataset(batches))
         return correct / len(x_test)
@@ -246,13 +252,7 @@ def train(args):
     started = time.perf_counter()
     epoch = step // steps_per_epoch
     while step < total:
-        # A resumed run skips the batches of this epoch that the checkpointed steps already took.
-        batches = itertools.islice(train_batches(x_train, y_train, args.batch_size, epoch, args.seed),
-                                   step - epoch * steps_per_epoch, None)
-        dataset = strategy.experimental_distribute_dataset(batches)
-        for x, y in dataset:
-            if step >= total:
-                break
+        for x, y in itertools.islice(iterator, min(steps_per_epoch - step % steps_per_epoch, total - step)):
             loss, correct = strategy.run(step_fn, args=(x, y))
             loss = float(strategy.reduce("SUM", loss, axis=None))  # each replica's share of the global mean
             accuracy = int(strategy.reduce("SUM", correct, axis=None)) / args.batch_size

@@ -333,7 +333,8 @@ def _apply(fn, args, kwargs, out=None):
 
     def work(dst, *views):
         real_args, real_kwargs = _fill(template, views)
-        np.copyto(dst, fn(*real_args, **real_kwargs), casting="unsafe")
+        with np.errstate(all="ignore"):  # GPU arithmetic does not warn (inf, nan, wrap-around)
+            np.copyto(dst, fn(*real_args, **real_kwargs), casting="unsafe")
 
     _launch(work, out, *arrays)
     return out
@@ -375,18 +376,26 @@ def _c_strides(shape, itemsize):
     strides, step = [], itemsize
     for n in reversed(shape):
         strides.append(step)
-        step *= max(n, 1)
+        step *= n if n > 1 else 1
     return tuple(reversed(strides))
 
 
 class _Flags:
-    def __init__(self, a):
-        self.c_contiguous = a.strides == _c_strides(a.shape, a.itemsize) or a.size <= 1
-        self.f_contiguous = a.strides == tuple(reversed(_c_strides(tuple(reversed(a.shape)), a.itemsize))) \
-            or a.size <= 1
+    __slots__ = ("c_contiguous", "f_contiguous")
+
+    def __init__(self, shape, strides, itemsize, size):
+        self.c_contiguous = size <= 1 or strides == _c_strides(shape, itemsize)
+        self.f_contiguous = size <= 1 or strides == tuple(reversed(_c_strides(tuple(reversed(shape)), itemsize)))
 
     def __getitem__(self, key):
         return {"C_CONTIGUOUS": self.c_contiguous, "F_CONTIGUOUS": self.f_contiguous}[key]
+
+    @staticmethod
+    def contiguous(shape, size):
+        f = _Flags.__new__(_Flags)
+        f.c_contiguous = True
+        f.f_contiguous = size <= 1 or sum(n > 1 for n in shape) <= 1
+        return f
 
 
 def _binary(ufunc, reflected=False):
@@ -415,14 +424,16 @@ class ndarray:
         self.shape = tuple(int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         self.dtype = _dtype(dtype)
         self.size = int(np.prod(self.shape, dtype=np.int64))
-        self.strides = tuple(strides) if strides is not None else _c_strides(self.shape, self.dtype.itemsize)
+        c_strides = _c_strides(self.shape, self.dtype.itemsize)
+        self.strides = c_strides if strides is None else tuple(strides)
+        self.flags = _Flags(self.shape, self.strides, self.dtype.itemsize, self.size) if strides is not None \
+            and self.strides != c_strides else _Flags.contiguous(self.shape, self.size)
         self.data = memptr if memptr is not None else MemoryPointer(Memory(self.size * self.dtype.itemsize), 0)
 
     ndim = property(lambda self: len(self.shape))
     itemsize = property(lambda self: self.dtype.itemsize)
     nbytes = property(lambda self: self.size * self.dtype.itemsize)
     device = property(lambda self: Device(self.data.device_id))
-    flags = property(lambda self: _Flags(self))
     T = property(lambda self: self.transpose())
     base = property(lambda self: None)
 

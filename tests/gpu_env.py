@@ -39,7 +39,7 @@ if SIMULATED:
         import fake_cupy as cupy
     except ImportError:  # built without the CUDA toolkit's headers: no simulator either
         cupy = None
-NGPU = 0 if cupy is None else SIM_DEVICES if SIMULATED else len(range(cupy.cuda.runtime.getDeviceCount()))
+NGPU = 0 if cupy is None else SIM_DEVICES if SIMULATED else engine.extension().device_count()
 SKIP_REASON = "no GPU, and this build has no simulated CUDA engine (mirrored._cuda_sim needs the CUDA headers)"
 
 

@@ -38,11 +38,12 @@ def test_header_devices_and_a_titled_block_per_algorithm(capsys):
     assert len(devices) == 2 and f"Pid {os.getpid():6d}" in devices[0] and devices[1].endswith("device cpu:1")
     titles = [line for line in lines if line.startswith("# Algorithm: ")]
     assert titles == ["# Algorithm: ring", "# Algorithm: tree"]
-    # Each block has its own column header and its two sizes, in nccl-tests' 13 columns.
+    # Each block has its own column header and its two sizes, in nccl-tests' 13 columns, then min and max over ranks.
     ring_at, tree_at = lines.index(titles[0]), lines.index(titles[1])
     ring_rows = [line for line in lines[ring_at:tree_at] if not line.startswith("#")]
     assert [r.split()[0] for r in ring_rows] == ["1024", "4096"]
-    assert all(len(r) == 13 and r[2:5] == ["float", "sum", "-1"] and r[8] == r[12] == "0" for r in rows)
+    assert all(len(r) == 15 and r[2:5] == ["float", "sum", "-1"] and r[8] == r[12] == "0" for r in rows)
+    assert all(r[13] == r[14] == r[9] for r in rows)  # one rank: its time is the minimum, the maximum and -a 1's
     assert "# Out of bounds values : 0 OK" in out
     assert "#   ring        : " in out and "#   tree        : " in out
 
@@ -118,6 +119,20 @@ def test_validation_off_prints_na(capsys):
     (["all_reduce", "-g", "0"], "-g/--replicas"),
     (["all_reduce", "--device", "gpu", "--algo", "direct"], "--algo direct: gpu replicas take"),
     (["all_gather_v"], "invalid choice"),
+    # Sweeps that cannot progress (they looped forever or ran for minutes) are refused, naming the flag.
+    (["all_reduce", "-b", "0", "-e", "64"], "-b 0: multiplying 0 by -f 2 never reaches -e 64"),
+    (["all_reduce", "-f", "nan"], "-f/--stepfactor: 'nan' is not a finite number"),
+    (["all_reduce", "-f", "inf"], "-f/--stepfactor: 'inf' is not a finite number"),
+    (["all_reduce", "-f", "1"], "-f 1: the size must grow"),
+    (["all_reduce", "-f", "0.5"], "-f 0.5: the size must grow"),
+    (["all_reduce", "-f", "1.0001"], "-f 1.0001: -b 8 to -e 134217728 makes 1663"),
+    (["all_reduce", "-i", "0"], "-i 0: the size would never grow"),
+    (["all_reduce", "-i", "1", "-e", "1M"], "-i 1: -b 8 to -e 1048576 makes 1048569 sizes (at most 1000)"),
+    (["all_reduce", "-g", "100000"], "-g 100000 -e 134217728: the buffers need about"),
+    (["all_reduce", "-b", "infK"], "size 'INFK'"),
+    (["all_reduce", "-a", "4"], "-a/--average: invalid choice: 4"),
+    (["all_reduce", "-c", "-1"], "-c/--check"),
+    (["all_reduce", "--csv", "--json"], "not allowed with argument"),
 ])
 def test_argument_errors_are_argparse_errors_before_any_output(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -261,3 +276,104 @@ def test_expected_results_cover_every_replica_of_the_job():
     inputs = np.stack([bench._pattern(50, g, "sum", np.float32) for g in range(5)]).astype(np.float64)
     np.testing.assert_array_equal(bench._expected(50, 5, "sum", np.float32), inputs.sum(0).astype(np.float32))
     np.testing.assert_array_equal(bench._expected(50, 5, "mean", np.int32), inputs.sum(0) / 5)
+
+
+def test_dash_a_is_nccl_tests_average_across_ranks(monkeypatch):
+    # Two ranks whose times differ threefold: -a picks rank 0's, the mean, the minimum or the maximum.
+    class TwoRanks(bench.Local):
+        def gather(self, values):
+            return np.array([values, [values[0] * 3, values[1] + 1]], np.float64)
+
+    def run(average):
+        args, device, _ = bench.parse_args(["all_reduce", "-b", "64", "-e", "64", "-g", "2", "-n", "1", "-w", "0",
+                                            "-a", average])
+        monkeypatch.setattr(bench.Case, "time", lambda self, inplace, iters, warmup: 1e-3)
+        (row,) = bench.run(args, device, TwoRanks())
+        return row["in_place"]
+
+    times = {a: run(a)["time_us"] for a in "0123"}
+    assert times == pytest.approx({"0": 1000.0, "1": 2000.0, "2": 1000.0, "3": 3000.0})
+    m = run("1")
+    assert (m["time_min_us"], m["time_max_us"]) == pytest.approx((1000.0, 3000.0))
+    assert m["wrong"] == 1  # #wrong is summed over ranks whatever -a says
+    assert m["algbw"] == pytest.approx(64 / 2e-3 / 1e9)
+
+
+def test_the_algorithm_has_its_own_flags(capsys):
+    outs = []
+    for flag in ("-A", "--algorithm", "--algo"):
+        assert bench.main(["all_reduce", "-b", "64", "-e", "64", "-g", "2", "-n", "1", flag, "ring,direct"]) == 0
+        outs.append([line for line in capsys.readouterr().out.splitlines() if line.startswith("# Algorithm:")])
+    assert outs == [["# Algorithm: ring", "# Algorithm: direct"]] * 3
+
+
+def test_dash_c_checks_that_many_times(capsys, monkeypatch):
+    calls = []
+
+    class OffByOne:
+        def all_reduce(self, buffers, op, *, out, algorithm):
+            calls.append(1)
+            result = collectives.all_reduce(buffers, op, out=out, algorithm=algorithm)
+            result[0][:2] += 1
+            return result
+
+    monkeypatch.setattr(bench.Local, "engine", OffByOne())
+    code, out, rows = _table(capsys, "all_reduce", "-b", "64", "-e", "64", "-g", "2", "-n", "4", "-w", "1",
+                             "-c", "3")
+    assert code == 1
+    assert len(calls) == 2 * (3 + 1 + 4)  # per mode: 3 checked runs, the warm-up, 4 timed
+    assert rows[0][8] == rows[0][12] == "6"  # 2 wrong elements, 3 checks
+    assert "validation: 3" in out.splitlines()[0]
+
+
+def test_csv_has_one_line_per_size_with_both_modes(capsys):
+    import csv
+
+    assert bench.main(["all_reduce", "-b", "256", "-e", "1K", "-g", "2", "-n", "1", "-o", "sum,avg", "-d",
+                       "float,int32", "--csv"]) == 0
+    lines = list(csv.DictReader(capsys.readouterr().out.splitlines()))
+    assert len(lines) == 3 * 2 * 2
+    assert list(lines[0])[:10] == list(bench.CSV_FIELDS)
+    for r in lines:
+        assert r["collective"] == "all_reduce" and r["replicas"] == "2" and r["oop_wrong"] == "0"
+        assert float(r["oop_busbw"]) == pytest.approx(float(r["oop_algbw"]) * 2 * (2 - 1) / 2)
+        assert float(r["oop_time_min_us"]) <= float(r["oop_time_us"]) <= float(r["oop_time_max_us"])
+        # The integer mean is float64: no in-place run, empty cells.
+        assert (r["ip_time_us"] == "") == (r["type"] == "int32" and r["redop"] == "avg")
+    assert sorted({int(r["size"]) for r in lines}) == [256, 512, 1024]
+
+
+def test_dash_d_all_says_what_it_ran_and_what_it_skips(capsys, monkeypatch):
+    code, out, rows = _table(capsys, "all_reduce", "-b", "64", "-e", "64", "-g", "2", "-n", "1", "-d", "all")
+    assert code == 0
+    assert "# -d all: int8 uint8 int32 int64 half float double bfloat16 (none skipped)" in out.splitlines()
+    assert sorted({r[2] for r in rows}) == sorted(bench.TYPE_NAMES.values())
+    monkeypatch.setattr(bench, "_bfloat16", lambda: None)
+    code, out, rows = _table(capsys, "all_reduce", "-b", "64", "-e", "64", "-g", "2", "-n", "1", "-d", "all")
+    assert code == 0 and "bfloat16" not in {r[2] for r in rows}
+    assert "# -d all skips bfloat16: ml_dtypes is not installed (pip install ml_dtypes)" in out.splitlines()
+    assert bench.main(["all_reduce", "-b", "64", "-e", "64", "-g", "2", "-n", "1", "-d", "all", "--csv"]) == 0
+    assert "-d all skips bfloat16" in capsys.readouterr().err  # scripts read stdout: the note goes to stderr
+
+
+def test_bfloat16_runs_and_is_a_declared_dependency(capsys):
+    import tomllib
+
+    code, _, rows = _table(capsys, "all_reduce", "-b", "64", "-e", "256", "-g", "3", "-n", "1", "-d", "bfloat16",
+                           "-o", "sum,max")
+    assert code == 0 and {r[2] for r in rows} == {"bfloat16"} and all(r[8] == r[12] == "0" for r in rows)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        dependencies = tomllib.load(f)["project"]["dependencies"]
+    assert any(d.startswith("ml_dtypes") for d in dependencies)
+
+
+def test_a_zero_byte_sweep_is_one_row(capsys):
+    code, _, rows = _table(capsys, "all_reduce", "-b", "0", "-e", "0", "-g", "2", "-n", "1")
+    assert code == 0 and [r[:2] for r in rows] == [["0", "0"]]
+
+
+def test_sweep_sizes_are_counted_without_making_them():
+    for begin, end, factor, step in [(8, 128 << 20, 2.0, None), (8, 100, 3.0, None), (1, 1, 2.0, None),
+                                     (1024, 4096, 2.0, 1024), (5, 17, 2.0, 4), (7, 1000, 1.5, None)]:
+        assert bench.count_sizes(begin, end, factor, step) == len(bench.sizes(begin, end, factor, step))

@@ -171,9 +171,11 @@ def test_save_inside_run_is_refused(tmp_path):
         strategy.run(lambda: ckpt.save(tmp_path / "a.ckpt"))
 
 
-# --- multi-worker: every worker saves, only the chief writes, every worker restores ----------------
+# --- multi-worker: every worker saves; a shared path is the chief's alone; TF's per-worker directories ---
 
 def _multiworker_task(directory):
+    import shutil
+
     from mirrored.distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
 
     strategy = MultiWorkerMirroredStrategy(md.CommunicationOptions(timeout_seconds=30), devices=["/cpu:0"])
@@ -184,30 +186,49 @@ def _multiworker_task(directory):
     grad = lambda: np.full(3, md.get_replica_context().replica_id_in_sync_group + 1.0, np.float32)  # noqa: E731
     for _ in range(2):
         strategy.run(lambda: opt.apply_gradients([(grad(), model["w"])]))
-    task = f"{strategy.cluster_resolver.task_type}-{strategy.cluster_resolver.task_id}"
-    md.Checkpoint(model=model, optimizer=opt).write(os.path.join(directory, f"{task}.ckpt"))
-    strategy.reduce("SUM", strategy.run(lambda: np.ones(1)), axis=None)  # a barrier: the chief has written
+    resolver = strategy.cluster_resolver
+    task = f"{resolver.task_type}-{resolver.task_id}"
+    ckpt = md.Checkpoint(model=model, optimizer=opt)
+    ckpt.write(os.path.join(directory, "shared.ckpt"))  # the same path on every worker: the chief writes it
+    ckpt.write(os.path.join(directory, f"{task}.ckpt"))  # a path of each worker's own: each writes its own
+
+    # TensorFlow's documented pattern: the chief saves to the real directory, the others to a temporary one.
+    chief = strategy.extended.should_checkpoint
+    write_dir = os.path.join(directory, "run") if chief else os.path.join(directory, f"workertemp_{resolver.task_id}")
+    manager = md.train.CheckpointManager(ckpt, write_dir, max_to_keep=1)
+    saved = [manager.save(), manager.save()]
+    mine = sorted(os.listdir(write_dir))
     with strategy.scope():
         fresh = {"w": md.Variable(np.ones(3, np.float32), name="w")}
         fresh_opt = md.optimizers.SGD(0.1, momentum=0.9)
-    md.Checkpoint(model=fresh, optimizer=fresh_opt).restore(os.path.join(directory, "chief-0.ckpt"))
-    return fresh["w"].numpy(), int(fresh_opt.iterations.numpy())
+    md.Checkpoint(model=fresh, optimizer=fresh_opt).restore(saved[-1]).assert_consumed()  # every path save() returned
+    if not chief:
+        shutil.rmtree(write_dir)
+    strategy.reduce("SUM", strategy.run(lambda: np.ones(1)), axis=None)  # a barrier: every file is written
+    with strategy.scope():
+        other = {"w": md.Variable(np.ones(3, np.float32), name="w")}
+    md.Checkpoint(model=other).restore(os.path.join(directory, "chief-0.ckpt")).expect_partial()
+    return fresh["w"].numpy(), int(fresh_opt.iterations.numpy()), other["w"].numpy(), mine
 
 
 @pytest.mark.multiworker
-def test_multiworker_only_the_chief_writes_and_every_worker_restores(tmp_path):
+def test_multiworker_checkpoints_every_saved_path_restores(tmp_path):
     pytest.importorskip("mirrored._net", reason="Gloo not built (apt-get install libgloo-dev)")
     from multiworker_launch import launch
 
     results = launch(_multiworker_task, 1, chief=True, kwargs={"directory": str(tmp_path)}, timeout=120)
     for r in results:
         assert r.ok, (r.task, r.error, r.message, r.stderr[-2000:])
-    assert sorted(os.listdir(tmp_path)) == ["chief-0.ckpt"]
+    # The temporary directory is gone; nothing else (no temporaries) is left.
+    assert sorted(os.listdir(tmp_path)) == ["chief-0.ckpt", "run", "shared.ckpt", "worker-0.ckpt"]
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint", "ckpt-2"]
     # SGD with momentum 0.9, lr 0.1 on the summed gradient 1 + 2 = 3: v = -0.3, then -0.57; w = -0.87.
     for r in results:
-        w, iterations = r.value
+        w, iterations, chiefs, listing = r.value
         np.testing.assert_allclose(w, np.full(3, -0.87), rtol=1e-6)
+        np.testing.assert_allclose(chiefs, np.full(3, -0.87), rtol=1e-6)
         assert iterations == 2
+        assert listing == ["checkpoint", "ckpt-2"]  # each worker's manager keeps its own directory
 
 
 def test_sync_on_read_sum_keeps_its_total_across_replica_counts(tmp_path):

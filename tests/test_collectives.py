@@ -291,7 +291,7 @@ def test_batch_mixes_plain_arrays_with_ones_that_need_converting():
 
 
 def test_large_results_reuse_buffers_only_once_dropped():
-    from mirrored.collectives import _recycler
+    from mirrored.collective.rules import recycler as _recycler
 
     big = [np.full(1 << 19, float(i + 1), np.float32) for i in range(2)]  # 2 MiB each
     first = collectives.all_reduce(big)
@@ -316,7 +316,7 @@ def test_large_results_reuse_buffers_only_once_dropped():
 
 
 def test_recycler_holds_bounded_memory():
-    from mirrored.collectives import _Recycler
+    from mirrored.collective.rules import _Recycler
 
     r = _Recycler()
     for size in range(1, 40):  # many distinct sizes, each dropped at once

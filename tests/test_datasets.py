@@ -190,3 +190,88 @@ def test_get_next_as_optional_and_reduce(two):
         end.get_value()
     total = ds.reduce(0.0, lambda state, x: state + float(two.reduce("SUM", x, axis=0)[0]))
     assert total == 6.0
+
+
+# --- md.data pipelines as distributed input ---------------------------------------------------------------
+
+def _rows(strategy, element):
+    return np.concatenate([np.asarray(v) for v in strategy.experimental_local_results(element)]).tolist()
+
+
+def test_md_data_pipelines_are_split_like_any_batches(four):
+    ds = md.data.Dataset.from_tensor_slices((np.arange(22), np.arange(22) * 2)).shuffle(22, seed=4).batch(8)
+    steps = list(four.experimental_distribute_dataset(ds.prefetch(md.data.AUTOTUNE)))
+    assert [sizes(x) for x, _ in steps] == [[2, 2, 2, 2], [2, 2, 2, 2], [2, 2, 2, 0]]
+    rows = [r for x, _ in steps for r in _rows(four, x)]
+    assert sorted(rows) == list(range(22))
+    assert all(_rows(four, y) == [2 * r for r in _rows(four, x)] for x, y in steps)
+    spec = four.experimental_distribute_dataset(ds).element_spec[0]
+    assert repr(spec).startswith("PerReplicaSpec(TensorSpec(shape=(None,), dtype=int64")
+
+
+def _distributed_pipelines():
+    slices = md.data.Dataset.from_tensor_slices({"i": np.arange(30), "x": np.ones((30, 2), np.float32)})
+    return {
+        "shuffle-batch": lambda: slices.shuffle(12, seed=3).batch(4).repeat(2).prefetch(2),
+        "map-filter": lambda: slices.map(lambda e: {"i": e["i"] * 10, "x": e["x"]}, num_parallel_calls=3)
+        .filter(lambda e: e["i"] % 20 == 0).batch(3),
+        "list": lambda: [{"i": np.arange(k, k + 4), "x": np.zeros((4, 2))} for k in range(0, 40, 4)],
+    }
+
+
+@pytest.mark.parametrize("kind", sorted(_distributed_pipelines()))
+@pytest.mark.parametrize("position", [0, 1, 4])
+def test_a_checkpointed_distributed_iterator_resumes_at_the_next_step(two, tmp_path, kind, position):
+    make = _distributed_pipelines()[kind]
+    expected = [_rows(two, e["i"]) for e in two.experimental_distribute_dataset(make())]
+    it = iter(two.experimental_distribute_dataset(make()))
+    for _ in range(position):
+        next(it)
+    path = md.train.Checkpoint(iterator=it).save(str(tmp_path / "ckpt"))
+    next(it)
+    restored = iter(two.experimental_distribute_dataset(make()))
+    md.train.Checkpoint(iterator=restored).restore(path).assert_consumed()
+    assert [_rows(two, e["i"]) for e in restored] == expected[position:]
+
+
+def test_pipelines_from_a_function_checkpoint_too(two, tmp_path):
+    def dataset_fn(ctx):
+        return md.data.Dataset.range(ctx.input_pipeline_id * 100, ctx.input_pipeline_id * 100 + 9).batch(2)
+
+    options = md.InputOptions(experimental_replication_mode=md.InputReplicationMode.PER_REPLICA)
+    make = lambda: two.distribute_datasets_from_function(dataset_fn, options)  # noqa: E731
+    expected = [[np.asarray(v).tolist() for v in e.values] for e in make()]
+    assert expected[0] == [[0, 1], [100, 101]]
+    it = iter(make())
+    next(it)
+    path = md.train.Checkpoint(iterator=it).save(str(tmp_path / "ckpt"))
+    restored = iter(make())
+    md.train.Checkpoint(iterator=restored).restore(path)
+    assert [[np.asarray(v).tolist() for v in e.values] for e in restored] == expected[1:]
+
+
+def test_a_one_shot_source_cannot_be_restored_and_says_why(two, tmp_path):
+    it = iter(two.experimental_distribute_dataset(np.full((2, 1), i) for i in range(5)))
+    next(it)
+    path = md.train.Checkpoint(iterator=it).save(str(tmp_path / "ckpt"))
+    again = iter(two.experimental_distribute_dataset(np.full((2, 1), i) for i in range(5)))
+    with pytest.raises(ValueError, match="one-shot iterator.*md.data.Dataset"):
+        md.train.Checkpoint(iterator=again).restore(path)
+
+
+def test_no_prefetch_thread_outlives_a_distributed_iterator(two):
+    import gc
+
+    def prefetching():
+        return [t for t in threading.enumerate() if t.name.startswith(("mirrored-prefetch", "md.data"))]
+
+    ds = two.experimental_distribute_dataset(md.data.Dataset.range(100).map(
+        lambda x: np.full(2, x), num_parallel_calls=2).prefetch(2).batch(2))
+    it = iter(ds)
+    next(it)
+    del it
+    gc.collect()
+    assert prefetching() == []
+    assert len(list(ds)) == 50
+    gc.collect()
+    assert prefetching() == []

@@ -45,8 +45,9 @@ def test_one_replica_and_four_replicas_give_the_same_weights(tmp_path):
     common = ["--steps", "40", "--batch-size", "64", "--no-progress"]
     demo.main([*common, "--replicas", "4", "--out", str(tmp_path / "r4")])
     demo.main([*common, "--replicas", "1", "--out", str(tmp_path / "r1")])
-    four = md.checkpoint.load_checkpoint(tmp_path / "r4" / "digits.ckpt")
-    one = md.checkpoint.load_checkpoint(tmp_path / "r1" / "digits.ckpt")
+    # The weights and optimizer state (the input iterator's saved prefetch buffer grows with the replicas).
+    four, one = ({k: v for k, v in md.checkpoint.load_checkpoint(tmp_path / run / "digits.ckpt").items()
+                  if not k.startswith("iterator/")} for run in ("r4", "r1"))
     assert four.keys() == one.keys()
     for key in four:
         np.testing.assert_allclose(four[key], one[key], rtol=0, atol=1e-5, err_msg=key)
@@ -62,4 +63,6 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     straight = md.checkpoint.load_checkpoint(tmp_path / "straight" / "digits.ckpt")
     assert int(resumed["optimizer/iterations"]) == 30
     for key in straight:
+        if key.startswith("iterator/"):
+            continue
         np.testing.assert_allclose(resumed[key], straight[key], rtol=0, atol=1e-6, err_msg=key)

@@ -133,3 +133,11 @@ def test_a_collective_on_freed_memory_is_refused():
     cupy.cuda.Device().synchronize()  # the frees ran
     with pytest.raises(RuntimeError, match="never allocated \\(or was freed\\)"):
         engine.all_reduce(ptrs, ptrs, 4, 7, 0, algo, [0, 0])  # float32 (7) sum (0)
+
+
+def test_engine_names_are_checked():
+    from mirrored.device import engine
+
+    with pytest.raises(ValueError, match="engine='gpu' is not a CUDA engine; use one of 'cuda', 'sim'"):
+        engine.select("gpu")
+    assert engine.name() == "sim"  # (this test runs on the simulator)

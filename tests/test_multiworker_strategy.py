@@ -49,7 +49,8 @@ def train(strategy, seed, steps=6):
     return w.numpy(), losses
 
 
-def _strategy(local_replicas, timeout=20.0):
+# Generous: the timeout also bounds start-up, which a loaded machine can stretch to many seconds.
+def _strategy(local_replicas, timeout=60.0):
     return MultiWorkerMirroredStrategy(md.CommunicationOptions(timeout_seconds=timeout),
                                        devices=[f"/cpu:{i}" for i in range(local_replicas)])
 
@@ -156,7 +157,9 @@ def test_strategy_api_spans_the_job():
 
 @needs_gloo
 def test_a_worker_killed_mid_training_is_named_within_the_timeout():
-    timeout = 3.0
+    # The timeout bounds start-up too: long enough for three tasks to start on a loaded machine (at 3 s a
+    # slow task failed the job's start-up). A death is seen at once, through its sockets, not after it.
+    timeout = 10.0
     results = launch(train_until_a_peer_dies, 2, chief=True, kwargs={"victim": 1, "timeout": timeout}, timeout=60)
     assert results[1].returncode == -9
     for r in (results[0], results[2]):

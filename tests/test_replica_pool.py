@@ -127,14 +127,24 @@ CTRL_C = textwrap.dedent("""
             time.sleep(0.3)
             os.kill(os.getpid(), signal.SIGINT)
 
-    threading.Thread(target=ctrl_c_twice, daemon=True).start()
+    killer = threading.Thread(target=ctrl_c_twice, daemon=True)
+    killer.start()
     t0 = time.monotonic()
     try:
         s.run(slow)
         print("no interrupt")
     except KeyboardInterrupt:
         print("interrupted after", round(time.monotonic() - t0, 1))
-    time.sleep(0.5)  # (a late second Ctrl-C lands here, if it did not land in run)
+    # The second Ctrl-C lands in run, or here once run has returned: absorb it.
+    while killer.is_alive():
+        try:
+            killer.join()
+        except KeyboardInterrupt:
+            pass
+    try:
+        time.sleep(0.2)  # (a signal sent just before the thread ended is handled here)
+    except KeyboardInterrupt:
+        pass
 """)
 CTRL_C_AFTER = textwrap.dedent("""
     # The strategy still works: the interrupted run's replicas are waited for, its results dropped.

@@ -242,7 +242,8 @@ def test_max_restarts_restarts_the_whole_job_with_a_new_token(tmp_path):
 def test_restarts_are_limited(tmp_path):
     task = script(tmp_path, """
         import os, sys
-        print("attempt", os.environ["MIRRORED_RESTART_COUNT"])
+        # One write: a task ended by the failure of the other cannot leave half a line (print writes in parts).
+        sys.stdout.write("attempt " + os.environ["MIRRORED_RESTART_COUNT"] + "\\n")
         sys.exit(9)
     """)
     done = launch(["-np", "2", "--max-restarts", "2", sys.executable, task])
@@ -257,9 +258,11 @@ def test_restarts_are_limited(tmp_path):
 STAND_IN_SSH = """#!/bin/sh
 # Stands in for ssh: logs the host, then runs the remote command here in a
 # bare environment and a session of its own, as sshd starts a login.
-while [ "$1" = "-o" ]; do shift 2; done
+options=""
+while case "$1" in -o|-p|-i) true;; *) false;; esac; do options="$options $1 $2"; shift 2; done
 host=$1; shift
 echo "$host" >> "{log}"
+echo "$options" >> "{log}.options"
 exec setsid --wait env -i PATH=/usr/bin:/bin /bin/sh -c "$*"
 """
 
@@ -281,14 +284,14 @@ def test_hosts_are_started_over_ssh_with_the_same_environment(tmp_path, fake_ssh
     work = tmp_path / "work"
     work.mkdir()
     base = mrun.free_ports(1)[0]
-    done = launch(["-np", "2", "-H", "127.0.0.1:2", "--port", str(base), sys.executable, task],
+    done = launch(["-np", "2", "-H", "nodeb:2", "--port", str(base), sys.executable, task],
                   env=dict(env, LAUNCHER_TEST_MARKER="it's \"quoted\" $HOME"), cwd=work)
     assert done.returncode == 0, done.stderr.decode()
-    assert log.read_text().split() == ["127.0.0.1", "127.0.0.1"]
+    assert log.read_text().split() == ["nodeb", "nodeb"]
     got = reports(done.stdout)
     assert sorted(got) == ["worker:0", "worker:1"]
     for r in got.values():
-        assert r["cluster"] == {"worker": [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]}
+        assert r["cluster"] == {"worker": [f"nodeb:{base}", f"nodeb:{base + 1}"]}
         assert r["marker"] == "it's \"quoted\" $HOME"  # forwarded unchanged
         assert r["cwd"] == str(work)
     assert by_task(done.stderr) == {"worker:0": ["to stderr"], "worker:1": ["to stderr"]}
@@ -297,11 +300,11 @@ def test_hosts_are_started_over_ssh_with_the_same_environment(tmp_path, fake_ssh
 def test_ctrl_c_reaches_remote_tasks(tmp_path, fake_ssh):
     env, log = fake_ssh
     task = script(tmp_path, CTRL_C_TASK)
-    proc = subprocess.Popen([sys.executable, "-m", "mirrored.run", "-np", "2", "-H", "127.0.0.1:2", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "mirrored.run", "-np", "2", "-H", "nodeb:2", "--port",
                              str(mrun.free_ports(1)[0]), sys.executable, task],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, **env))
     out, err, elapsed = _interrupt_when_ready(proc, 2)
-    assert log.read_text().split() == ["127.0.0.1", "127.0.0.1"]
+    assert log.read_text().split() == ["nodeb", "nodeb"]
     assert proc.returncode == 128 + signal.SIGINT
     assert elapsed < mrun.GRACE_SECONDS
     assert by_task(out) == {"worker:0": ["interrupted"], "worker:1": ["interrupted"]}
@@ -330,10 +333,10 @@ def test_a_failing_remote_task_ends_the_remote_others(tmp_path, fake_ssh):
         print("waiting", flush=True)
         time.sleep(120)
     """)
-    done = launch(["-np", "2", "-H", "127.0.0.1:1,127.0.0.1:1", "--port", str(mrun.free_ports(1)[0]),
+    done = launch(["-np", "2", "-H", "nodeb:1,nodec:1", "--port", str(mrun.free_ports(1)[0]),
                    sys.executable, task], env=env, timeout=60)
     assert done.returncode == 4
-    assert log.read_text().split() == ["127.0.0.1", "127.0.0.1"]
+    assert log.read_text().split() == ["nodeb", "nodec"]
     assert b"worker:0 exited with code 4; ending worker:1" in done.stderr
     _assert_all_gone(pids)
 

@@ -31,9 +31,10 @@ PUBLIC = _public_callables()
 
 
 def test_the_walk_finds_the_api():
-    names = {n for n, _ in PUBLIC}
-    assert {"md.Variable", "md.MirroredStrategy", "md.MirroredVariable"} <= names
-    assert {"md.collective.all_reduce", "md.collectives.all_reduce"} & names
+    # (by object: md.collectives.all_reduce is also md.collective.all_reduce, whichever the walk meets first)
+    found = {id(obj) for _, obj in PUBLIC}
+    for obj in (md.Variable, md.MirroredStrategy, md.collectives.all_reduce, md.MirroredVariable):
+        assert id(obj) in found, obj
     assert len(PUBLIC) > 60
 
 

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -40,10 +41,23 @@ def test_expand_hostlist(hostlist, hosts):
     assert expand_hostlist(hostlist) == hosts
 
 
-@pytest.mark.parametrize("hostlist", ["", "n[1-2", "n]1", "a,,b", "n[x]", "n[3-1]", "n[[1]]"])
+@pytest.mark.parametrize("hostlist", ["", "n[1-2", "n]1", "a,,b", "n[x]", "n[3-1]", "n[[1]]", "node[]", "n[1,]",
+                                      "n[²]", "n[1-٣]"])
 def test_expand_hostlist_rejects_malformed_lists(hostlist):
     with pytest.raises(ValueError, match="hostlist="):
         expand_hostlist(hostlist)
+
+
+def test_a_huge_hostlist_is_refused_before_it_is_expanded():
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"SLURM_STEP_NODELIST='n\[0-50000000\]' names more than 65536 hosts"):
+        expand_hostlist("n[0-50000000]", "SLURM_STEP_NODELIST")
+    with pytest.raises(ValueError, match="more than 65536 hosts"):
+        expand_hostlist("r[1-300]n[1-300]")  # each range is small, their product is not
+    with pytest.raises(ValueError, match="more than 65536 nodes"):
+        expand_tasks_per_node("1(x50000000)")
+    assert time.monotonic() - started < 10  # was 27 s: nothing is expanded before the count is checked
+    assert len(expand_hostlist("n[1-65536]")) == 65536
 
 
 def test_expand_tasks_per_node():
@@ -51,6 +65,30 @@ def test_expand_tasks_per_node():
     assert expand_tasks_per_node("4") == [4]
     with pytest.raises(ValueError, match=r"N\(xK\)"):
         expand_tasks_per_node("2(3)")
+    with pytest.raises(ValueError, match=r"SLURM_STEP_TASKS_PER_NODE='²'"):
+        expand_tasks_per_node("²", "SLURM_STEP_TASKS_PER_NODE")
+
+
+@pytest.mark.parametrize("variable, value, words", [
+    ("SLURM_PROCID", "²", "is not a task number"),
+    ("SLURM_PROCID", "-1", "is not a task number"),
+    ("SLURM_STEP_NUM_TASKS", "abc", "is not a number of tasks"),
+    ("SLURM_STEP_NUM_TASKS", "٣", "is not a number of tasks"),
+])
+def test_a_malformed_slurm_number_is_named(slurm, monkeypatch, variable, value, words):
+    slurm(0, 2, "n1", "2")
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(RuntimeError, match=f"{variable}={value!r} {words}"):
+        SlurmClusterResolver(gpus_per_node=0)
+
+
+def test_a_malformed_slurm_nodelist_is_named(slurm):
+    slurm(0, 2, "node[]", "2")
+    with pytest.raises(ValueError, match=r"SLURM_STEP_NODELIST='node\[\]'"):
+        SlurmClusterResolver(gpus_per_node=0)
+    slurm(0, 2, "n[0-50000000]", "2")
+    with pytest.raises(ValueError, match=r"SLURM_STEP_NODELIST='n\[0-50000000\]' names more than"):
+        SlurmClusterResolver(gpus_per_node=0)
 
 
 def test_cluster_from_the_step(slurm):
@@ -171,8 +209,7 @@ def test_an_srun_step_forms_a_job_on_loopback(tmp_path):
         import numpy as np
         import mirrored as md
         resolver = md.cluster_resolver.SlurmClusterResolver(port_base={port})
-        strategy = md.MultiWorkerMirroredStrategy(md.CommunicationOptions(timeout_seconds=30),
-                                                  cluster_resolver=resolver)
+        strategy = md.MultiWorkerMirroredStrategy(resolver, md.CommunicationOptions(timeout_seconds=30))
         me = resolver.task_id
         total = strategy.reduce("sum", strategy.run(lambda: np.float64(me + 1)), axis=None)
         print(resolver.task_type, me, strategy.num_replicas_in_sync, float(total))

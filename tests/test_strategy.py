@@ -1,5 +1,8 @@
 """MirroredStrategy: contexts, run, reduce/gather, extended — TF's API-page examples with TF's results."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -368,8 +371,6 @@ def test_reduce_non_distributed_value_with_axis_follows_tf(two):
 
 def test_replica_threads_end_with_their_strategy():
     import gc
-    import threading
-    import time
 
     before = threading.active_count()
     for _ in range(10):
@@ -381,7 +382,7 @@ def test_replica_threads_end_with_their_strategy():
     assert threading.active_count() <= before
 
 
-def test_cpu_replicas_share_the_cores_with_blas():
+def test_cpu_replicas_running_in_parallel_share_the_cores_with_blas():
     threadpoolctl = pytest.importorskip("threadpoolctl")
     import os
 
@@ -390,12 +391,23 @@ def test_cpu_replicas_share_the_cores_with_blas():
         pytest.skip("NumPy loaded no BLAS library that threadpoolctl knows")
     n = 4
     cap = max(1, len(os.sched_getaffinity(0)) // n)
+
+    def blas_threads():
+        return max(lib.num_threads for lib in controller.lib_controllers)
+
+    def long_step():
+        time.sleep(0.2)  # long steps run on the replica threads, in parallel
+        return threading.current_thread().name.startswith("mirrored-replica-"), blas_threads()
+
     with threadpoolctl.threadpool_limits(limits=8, user_api="blas"):  # as if the machine had many cores
         s = md.MirroredStrategy(cpus(n))
-        seen = s.run(lambda: max(lib.num_threads for lib in controller.lib_controllers))
-        assert max(s.experimental_local_results(seen)) <= cap
-        # restored after the step
-        assert max(lib.num_threads for lib in controller.lib_controllers) == 8
+        seen = []
+        for _ in range(3):
+            seen += s.experimental_local_results(s.run(long_step))
+        on_threads = [threads for on_thread, threads in seen if on_thread]
+        assert on_threads, "no replica of three long steps ran on a replica thread"
+        assert max(on_threads) <= cap
+        assert blas_threads() == 8  # restored after the step
 
 
 def test_reduce_min_max_along_axis_with_an_empty_replica_slice():

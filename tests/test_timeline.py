@@ -203,3 +203,13 @@ def test_a_job_writes_one_file_per_task_on_one_clock(tmp_path):
     merged = tmp_path / "job.json"
     assert timeline.merge(str(merged), paths) == sum(len(t) for t in traces)
     assert {e["pid"] for e in _chrome_trace(merged)} == {e["pid"] for t in traces for e in t}
+
+
+@pytest.mark.parametrize("where", ["missing-dir/trace.json", "."])
+def test_an_unwritable_timeline_path_is_named_and_the_import_still_works(tmp_path, where):
+    code = "import mirrored as md; print(md.timeline.enabled())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=dict(os.environ, MIRRORED_TIMELINE=str(tmp_path / where)))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+    assert f"MIRRORED_TIMELINE={tmp_path / where}" in done.stderr and "running without one" in done.stderr

@@ -1,6 +1,7 @@
 // mirrored._core: the host collectives. Thin: take NumPy arrays already
-// validated by mirrored.collectives, pull out their data pointers, release
-// the GIL, run the collective.
+// validated by the collective face (mirrored/collective/plan.py), pull out
+// their data pointers, release the GIL, run the collective. A plan object
+// does the same for a repeated call after checking that its arrays still fit.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -41,25 +42,205 @@ std::vector<void*> outputs_of(const py::list& arrays, const char* argument) {
   return ptrs;
 }
 
-// The native dtype of a NumPy dtype, or -1 where the Python layer must
-// decide (bfloat16 and other extension dtypes, non-native byte order).
-int dtype_code_of(const py::dtype& dt) {
-  if (dt.byteorder() == '>' || dt.byteorder() == '<') {
-    // '<' is native on little-endian hosts, which are all we build for.
-    if (dt.byteorder() == '>') return -1;
-  }
-  const char kind = dt.kind();
-  const auto size = dt.itemsize();
-  if (kind == 'f') return size == 2 ? 0 : size == 4 ? 2 : size == 8 ? 3 : -1;
-  if (kind == 'i') return size == 1 ? 4 : size == 4 ? 6 : size == 8 ? 7 : -1;
-  if (kind == 'u') return size == 1 ? 5 : -1;
-  return -1;
-}
-
 int size_of(const std::vector<const void*>& in, const std::vector<void*>& out) {
   if (in.size() != out.size()) throw py::value_error("inputs and outputs differ in length");
   return static_cast<int>(in.size());
 }
+
+// --- plans: calls the Python face validated once ----------------------------
+//
+// The face (mirrored/collective/plan.py) checks a collective's first call of a
+// signature and keeps a plan for it. A repeated call only has to show that its
+// arrays still fit: exact NumPy arrays with the plan's dtype (the very
+// descriptor object: NumPy shares one per built-in dtype, so a byte-swapped or
+// extension dtype never passes), shape and C-contiguity, outputs writeable.
+// Anything else returns None and the face validates the call afresh, with
+// messages naming the argument.
+
+using ArrayProxy = py::detail::PyArray_Proxy;
+
+const ArrayProxy* fitting(PyObject* h, PyObject* descr, const std::vector<py::ssize_t>& shape, int flags) {
+  if (Py_TYPE(h) != py::detail::npy_api::get().PyArray_Type_) return nullptr;
+  const auto* a = py::detail::array_proxy(h);
+  if (reinterpret_cast<PyObject*>(a->descr) != descr || (a->flags & flags) != flags) return nullptr;
+  if (a->nd != static_cast<int>(shape.size()) || !std::equal(shape.begin(), shape.end(), a->dimensions))
+    return nullptr;
+  return a;
+}
+
+constexpr int kReadable = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_;
+constexpr int kWritable = kReadable | py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+
+// The items of a list or tuple of exactly n objects, else nullptr.
+PyObject** items_of(PyObject* seq, int n) {
+  if (PyList_CheckExact(seq)) {
+    if (PyList_GET_SIZE(seq) != n) return nullptr;
+    return reinterpret_cast<PyListObject*>(seq)->ob_item;
+  }
+  if (PyTuple_CheckExact(seq)) {
+    if (PyTuple_GET_SIZE(seq) != n) return nullptr;
+    return reinterpret_cast<PyTupleObject*>(seq)->ob_item;
+  }
+  return nullptr;
+}
+
+// A result array of `dtype` and `shape`: small ones straight from NumPy, large ones as views of
+// a buffer from `alloc(nbytes)` (the face's recycler of dropped results).
+// Results at least this large come from the face's recycler (rules._Recycler.MIN_BYTES).
+constexpr std::size_t kRecycled = std::size_t{1} << 20;
+
+py::array new_result(const py::dtype& dtype, const std::vector<py::ssize_t>& shape, std::size_t nbytes,
+                     const py::function& alloc) {
+  if (nbytes < kRecycled) return py::array(dtype, shape);
+  auto flat = alloc(nbytes).cast<py::array_t<std::uint8_t>>();
+  if (static_cast<std::size_t>(flat.size()) < nbytes) throw py::value_error("alloc returned a buffer too small");
+  return py::array(dtype, shape, std::vector<py::ssize_t>{}, flat.mutable_data(), flat);
+}
+
+// all_reduce or broadcast of one array per replica.
+class CallPlan {
+ public:
+  CallPlan(std::string kind, int n, py::dtype dtype, std::vector<py::ssize_t> shape, int dtype_code, int op,
+           int algorithm, std::size_t chunk_bytes, int root, py::function alloc)
+      : broadcast_(kind == "broadcast"), n_(n), dtype_(std::move(dtype)), shape_(std::move(shape)),
+        type_(dtype_from_code(dtype_code)), op_(reduce_op_from_code(op)), algorithm_(static_cast<Algorithm>(algorithm)),
+        chunk_bytes_(chunk_bytes), root_(root), alloc_(std::move(alloc)) {
+    if (kind != "broadcast" && kind != "all_reduce") throw py::value_error("CallPlan: kind is all_reduce or broadcast");
+    if (root < 0 || root >= n) throw py::value_error("CallPlan: root out of range");
+    count_ = 1;
+    for (auto d : shape_) count_ *= static_cast<std::size_t>(d);
+  }
+
+  // The outputs (`outputs` itself as a new list, or new arrays when it is None), or None when the
+  // arrays do not fit this plan.
+  py::object run(const py::handle& inputs, const py::handle& outputs) {
+    PyObject* descr = dtype_.ptr();
+    PyObject** in_items = items_of(inputs.ptr(), n_);
+    if (in_items == nullptr) return py::none();
+    std::vector<const void*> in(n_);
+    std::vector<void*> out(n_);
+    for (int i = 0; i < n_; ++i) {
+      const auto* a = fitting(in_items[i], descr, shape_, kReadable);
+      if (a == nullptr) return py::none();
+      in[i] = a->data;
+    }
+    py::list result(n_);
+    if (outputs.is_none()) {
+      const std::size_t nbytes = count_ * dtype_size(type_);
+      for (int i = 0; i < n_; ++i) {
+        py::array r = new_result(dtype_, shape_, nbytes, alloc_);
+        out[i] = r.mutable_data();
+        result[i] = std::move(r);
+      }
+    } else {
+      PyObject** out_items = items_of(outputs.ptr(), n_);
+      if (out_items == nullptr) return py::none();
+      for (int i = 0; i < n_; ++i) {
+        const auto* a = fitting(out_items[i], descr, shape_, kWritable);
+        if (a == nullptr) return py::none();
+        out[i] = a->data;
+        result[i] = py::reinterpret_borrow<py::object>(out_items[i]);
+      }
+    }
+    {
+      py::gil_scoped_release nogil;
+      if (broadcast_)
+        comm().broadcast(n_, in.data(), out.data(), count_, type_, root_);
+      else
+        comm().all_reduce(n_, in.data(), out.data(), count_, type_, op_, algorithm_, chunk_bytes_);
+    }
+    return std::move(result);
+  }
+
+ private:
+  bool broadcast_;
+  int n_;
+  py::dtype dtype_;
+  std::vector<py::ssize_t> shape_;
+  std::size_t count_;
+  DType type_;
+  ReduceOp op_;
+  Algorithm algorithm_;
+  std::size_t chunk_bytes_;
+  int root_;
+  py::function alloc_;
+};
+
+// All-reduce of T tensors per replica, fused by the engine into packs. The results of a replica
+// are views of one buffer (from `alloc`), each 64-byte aligned: one allocation per replica.
+class BatchPlan {
+ public:
+  BatchPlan(int n, std::vector<py::dtype> dtypes, std::vector<std::vector<py::ssize_t>> shapes,
+            const std::vector<int>& codes, int op, std::size_t bytes_per_pack, int num_packs, int algorithm,
+            std::size_t chunk_bytes, py::function alloc)
+      : n_(n), dtypes_(std::move(dtypes)), shapes_(std::move(shapes)), op_(reduce_op_from_code(op)),
+        bytes_per_pack_(bytes_per_pack), num_packs_(num_packs), algorithm_(static_cast<Algorithm>(algorithm)),
+        chunk_bytes_(chunk_bytes), alloc_(std::move(alloc)) {
+    const std::size_t T = dtypes_.size();
+    if (shapes_.size() != T || codes.size() != T) throw py::value_error("BatchPlan: one dtype, shape and code per tensor");
+    for (std::size_t t = 0; t < T; ++t) {
+      types_.push_back(dtype_from_code(codes[t]));
+      std::size_t count = 1;
+      for (auto d : shapes_[t]) count *= static_cast<std::size_t>(d);
+      counts_.push_back(count);
+      offsets_.push_back(total_);
+      total_ += (count * dtype_size(types_[t]) + 63) / 64 * 64;
+    }
+    total_ = std::max<std::size_t>(total_, 1);
+  }
+
+  // per_replica_lists[r][t] -> a list per replica of its results, or None when they do not fit.
+  py::object run(const py::handle& lists) {
+    const int T = static_cast<int>(dtypes_.size());
+    PyObject** rows = items_of(lists.ptr(), n_);
+    if (rows == nullptr) return py::none();
+    std::vector<const void*> in(static_cast<std::size_t>(n_) * T);
+    for (int r = 0; r < n_; ++r) {
+      PyObject** items = items_of(rows[r], T);
+      if (items == nullptr) return py::none();
+      for (int t = 0; t < T; ++t) {
+        const auto* a = fitting(items[t], dtypes_[t].ptr(), shapes_[t], kReadable);
+        if (a == nullptr) return py::none();
+        in[r * T + t] = a->data;
+      }
+    }
+    std::vector<void*> out(in.size());
+    py::list result(n_);
+    for (int r = 0; r < n_; ++r) {
+      // Small results straight from NumPy; large ones from the face's recycler of dropped results.
+      auto flat = total_ < kRecycled ? py::array_t<std::uint8_t>(static_cast<py::ssize_t>(total_))
+                                     : alloc_(total_).cast<py::array_t<std::uint8_t>>();
+      if (static_cast<std::size_t>(flat.size()) < total_) throw py::value_error("alloc returned a buffer too small");
+      auto* base = reinterpret_cast<char*>(flat.mutable_data());
+      py::list row(T);
+      for (int t = 0; t < T; ++t) {
+        out[r * T + t] = base + offsets_[t];
+        row[t] = py::array(dtypes_[t], shapes_[t], std::vector<py::ssize_t>{}, base + offsets_[t], flat);
+      }
+      result[r] = std::move(row);
+    }
+    {
+      py::gil_scoped_release nogil;
+      comm().batch_all_reduce(n_, T, in.data(), out.data(), counts_.data(), types_.data(), op_, bytes_per_pack_,
+                              num_packs_, algorithm_, chunk_bytes_);
+    }
+    return std::move(result);
+  }
+
+ private:
+  int n_;
+  std::vector<py::dtype> dtypes_;
+  std::vector<std::vector<py::ssize_t>> shapes_;
+  std::vector<DType> types_;
+  std::vector<std::size_t> counts_, offsets_;
+  std::size_t total_ = 0;
+  ReduceOp op_;
+  std::size_t bytes_per_pack_;
+  int num_packs_;
+  Algorithm algorithm_;
+  std::size_t chunk_bytes_;
+  py::function alloc_;
+};
 
 }  // namespace
 
@@ -121,77 +302,20 @@ PYBIND11_MODULE(_core, m) {
                             bytes_per_pack, num_packs, static_cast<Algorithm>(algorithm), ring_chunk_bytes);
   });
 
-  // The fast path of collectives.batch_all_reduce for many small tensors:
-  // reads per_replica_lists[r][t] directly and makes the outputs as views of
-  // one buffer per replica (from `alloc`), so the per-tensor cost is a few pointer reads
-  // instead of Python-level checks and one allocation per tensor. Returns
-  // None when any tensor is not a plain C-contiguous array of a built-in
-  // dtype matching replica 0's; the Python layer then converts and reports.
-  m.def("batch_all_reduce_lists", [](const py::sequence& lists, int op, std::size_t bytes_per_pack, int num_packs,
-                                     int algorithm, std::size_t ring_chunk_bytes,
-                                     const py::function& alloc) -> py::object {
-    const auto n = static_cast<int>(lists.size());
-    const auto T = static_cast<std::size_t>(py::len(lists[0]));
-    std::vector<py::array> first(T);
-    std::vector<std::size_t> counts(T), offsets(T);
-    std::vector<DType> types(T);
-    std::vector<const void*> in(n * T);
-    std::size_t total = 0;
-    for (int r = 0; r < n; ++r) {
-      const py::sequence row = lists[r];
-      for (std::size_t t = 0; t < T; ++t) {
-        const py::object h = row[t];
-        if (!py::isinstance<py::array>(h)) return py::none();
-        const auto a = py::reinterpret_borrow<py::array>(h);
-        if (!(a.flags() & py::array::c_style)) return py::none();
-        if (r == 0) {
-          const int code = dtype_code_of(a.dtype());
-          if (code < 0) return py::none();
-          first[t] = a;
-          types[t] = dtype_from_code(code);
-          counts[t] = static_cast<std::size_t>(a.size());
-          offsets[t] = total;
-          total += (counts[t] * a.itemsize() + 63) / 64 * 64;  // each output 64-byte aligned
-        } else if (!a.dtype().is(first[t].dtype()) && !a.dtype().equal(first[t].dtype())) {
-          return py::none();
-        } else if (a.ndim() != first[t].ndim() ||
-                   !std::equal(a.shape(), a.shape() + a.ndim(), first[t].shape())) {
-          return py::none();
-        }
-        in[r * T + t] = a.data();
-      }
-    }
-    // Shapes and strides once per tensor (replica 0's array is contiguous).
-    std::vector<std::vector<py::ssize_t>> shapes(T), strides(T);
-    std::vector<py::dtype> dtypes(T);
-    for (std::size_t t = 0; t < T; ++t) {
-      shapes[t].assign(first[t].shape(), first[t].shape() + first[t].ndim());
-      strides[t].assign(first[t].strides(), first[t].strides() + first[t].ndim());
-      dtypes[t] = first[t].dtype();
-    }
-    std::vector<void*> out(n * T);
-    py::list result(n);
-    for (int r = 0; r < n; ++r) {
-      // alloc(nbytes) -> a uint8 array no one else uses (collectives' buffer recycler).
-      auto flat = alloc(std::max<std::size_t>(total, 1)).cast<py::array_t<std::uint8_t>>();
-      if (static_cast<std::size_t>(flat.size()) < std::max<std::size_t>(total, 1))
-        throw py::value_error("batch_all_reduce_lists: alloc returned a buffer that is too small");
-      auto* base = reinterpret_cast<char*>(flat.mutable_data());
-      py::list row(T);
-      for (std::size_t t = 0; t < T; ++t) {
-        out[r * T + t] = base + offsets[t];
-        row[t] = py::array(dtypes[t], shapes[t], strides[t], base + offsets[t], flat);
-      }
-      result[r] = std::move(row);
-    }
-    {
-      py::gil_scoped_release nogil;
-      comm().batch_all_reduce(n, static_cast<int>(T), in.data(), out.data(), counts.data(), types.data(),
-                              reduce_op_from_code(op), bytes_per_pack, num_packs, static_cast<Algorithm>(algorithm),
-                              ring_chunk_bytes);
-    }
-    return std::move(result);
-  });
+  py::class_<CallPlan>(m, "CallPlan")
+      .def(py::init<std::string, int, py::dtype, std::vector<py::ssize_t>, int, int, int, std::size_t, int,
+                    py::function>(),
+           py::arg("kind"), py::arg("n"), py::arg("dtype"), py::arg("shape"), py::arg("dtype_code"), py::arg("op"),
+           py::arg("algorithm"), py::arg("ring_chunk_bytes"), py::arg("root"), py::arg("alloc"))
+      .def("run", &CallPlan::run, py::arg("inputs"), py::arg("outputs"));
+
+  py::class_<BatchPlan>(m, "BatchPlan")
+      .def(py::init<int, std::vector<py::dtype>, std::vector<std::vector<py::ssize_t>>, const std::vector<int>&, int,
+                    std::size_t, int, int, std::size_t, py::function>(),
+           py::arg("n"), py::arg("dtypes"), py::arg("shapes"), py::arg("dtype_codes"), py::arg("op"),
+           py::arg("bytes_per_pack"), py::arg("num_packs"), py::arg("algorithm"), py::arg("ring_chunk_bytes"),
+           py::arg("alloc"))
+      .def("run", &BatchPlan::run, py::arg("per_replica_lists"));
 
   m.def("choose_algorithm", [](int n, std::size_t bytes) { return algorithm_name(HostCommunicator::choose(n, bytes)); },
         "The algorithm 'auto' picks for n replicas of `bytes` each.");

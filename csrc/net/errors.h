@@ -4,8 +4,10 @@
 // is gone" from "this task is not welcome" from "the workers disagree".
 #pragma once
 
+#include <chrono>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace mirrored::net {
 
@@ -35,5 +37,17 @@ struct CollectiveMismatch : std::invalid_argument {
 struct Interrupted : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+
+// For messages: "a, b, c".
+inline std::string join(const std::vector<std::string>& names) {
+  std::string s;
+  for (const auto& n : names) s += (s.empty() ? "" : ", ") + n;
+  return s;
+}
+
+// For messages: "2.5 s".
+inline std::string seconds(std::chrono::milliseconds ms) {
+  return std::to_string(ms.count() / 1000) + "." + std::to_string(ms.count() % 1000 / 100) + " s";
+}
 
 }  // namespace mirrored::net

@@ -1,17 +1,14 @@
 #include "net/gloo_communicator.h"
 
 #include <gloo/allreduce.h>
+#include <gloo/context.h>
 #include <gloo/common/error.h>
-#include <gloo/rendezvous/context.h>
-#include <gloo/rendezvous/store.h>
-#include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +17,7 @@
 #include "host/output_staging.h"
 #include "host/reduce_kernels.h"
 #include "net/errors.h"
+#include "net/mesh.h"
 
 namespace mirrored::net {
 namespace {
@@ -68,16 +66,6 @@ bool same_call(const CollectiveHeader& a, const CollectiveHeader& b) {
          a.op == b.op && a.algorithm == b.algorithm;
 }
 
-std::string join(const std::vector<std::string>& names) {
-  std::string s;
-  for (const auto& n : names) s += (s.empty() ? "" : ", ") + n;
-  return s;
-}
-
-std::string seconds(std::chrono::milliseconds ms) {
-  return std::to_string(ms.count() / 1000) + "." + std::to_string(ms.count() % 1000 / 100) + " s";
-}
-
 std::vector<char> to_bytes(std::int64_t v) {
   std::vector<char> b(sizeof(v));
   std::memcpy(b.data(), &v, sizeof(v));
@@ -97,47 +85,6 @@ void with_element(std::size_t size, Fn&& fn) {
     default: throw std::invalid_argument("element size " + std::to_string(size) + " is not 1, 2, 4 or 8");
   }
 }
-
-// Gloo's Store contract over our store client, inside one key namespace.
-// Gloo names its keys after ranks, so a key that never appears names a task.
-class GlooStore : public gloo::rendezvous::Store {
- public:
-  GlooStore(StoreClient& store, std::string prefix, const std::vector<std::string>& tasks)
-      : store_(store), prefix_(std::move(prefix)), tasks_(tasks) {}
-
-  void set(const std::string& key, const std::vector<char>& data) override { store_.set(prefix_ + key, data); }
-
-  std::vector<char> get(const std::string& key) override {
-    wait({key});
-    return store_.get(prefix_ + key);
-  }
-
-  void wait(const std::vector<std::string>& keys) override { wait(keys, store_.timeout()); }
-
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
-    std::vector<std::string> full;
-    for (const auto& k : keys) full.push_back(prefix_ + k);
-    const auto missing = store_.wait(full, timeout);
-    if (missing.empty()) return;
-    std::vector<std::string> who;
-    for (const auto& m : missing) who.push_back(task_of(m.substr(prefix_.size())));
-    throw PeerTimeout("connecting the Gloo mesh: " + join(who) + " did not publish an address within " +
-                      seconds(timeout) + " (did it crash while starting?)");
-  }
-
- private:
-  std::string task_of(const std::string& key) const {
-    std::size_t i = key.size();
-    while (i > 0 && std::isdigit(static_cast<unsigned char>(key[i - 1]))) --i;
-    if (i == key.size()) return "key '" + key + "'";
-    const long rank = std::stol(key.substr(i));
-    return rank < static_cast<long>(tasks_.size()) ? "task " + tasks_[rank] : "key '" + key + "'";
-  }
-
-  StoreClient& store_;
-  const std::string prefix_;
-  const std::vector<std::string>& tasks_;
-};
 
 // dst = in[first] (op) every other in[j]. Starting from in[first] keeps an
 // in-place call (dst == in[first]) correct.
@@ -194,17 +141,8 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<StoreClient> store, std::vect
                                   ": every worker must use the same number of devices");
   }
 
-  gloo::transport::tcp::attr attr;
-  attr.hostname = host;  // this task's own TF_CONFIG host: Gloo listens there only
-  auto device = gloo::transport::tcp::CreateDevice(attr);
-  auto context = std::make_shared<gloo::rendezvous::Context>(rank_, size());
-  context->setTimeout(store_->timeout());
-  GlooStore gloo_store(*store_, prefix_ + "gloo/", tasks_);
-  try {
-    context->connectFullMesh(gloo_store, device);
-  } catch (const gloo::Exception& e) {
-    throw PeerLost(std::string("connecting the Gloo mesh failed: ") + e.what());
-  }
+  // Over connections that proved the job token (see mesh.h), never Gloo's own listeners.
+  auto context = connect_mesh(*store_, prefix_, tasks_, host, store_->timeout());
   context_ = std::move(context);
   setup_shared_memory();
   seq_ = 0;  // users count their own collectives: the set-up exchange (all inline, no Gloo tags) is not one
@@ -213,7 +151,10 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<StoreClient> store, std::vect
 }
 
 void GlooCommunicator::setup_shared_memory() {
-  if (size() == 1) return;
+  if (size() == 1) {
+    shm_off_ = "the job has one task";
+    return;
+  }
   // Same machine: same host name and same boot (containers may share a
   // name). A rank with MIRRORED_SHM=0 publishes a different identity, so
   // every rank agrees on the network then.
@@ -226,26 +167,57 @@ void GlooCommunicator::setup_shared_memory() {
     std::fclose(f);
   }
   const char* env = std::getenv("MIRRORED_SHM");
-  if (env && std::string(env) == "0") me += "/rank " + std::to_string(rank_) + " without shared memory";
+  const bool disabled = env && std::string(env) == "0";
+  if (disabled) me += "/rank " + std::to_string(rank_) + " without shared memory";
+  const std::string pid = std::to_string(::getpid());
+  store_->set(prefix_ + "pid/" + std::to_string(rank_), std::vector<char>(pid.begin(), pid.end()));
   store_->set(prefix_ + "host/" + std::to_string(rank_), std::vector<char>(me.begin(), me.end()));
-  std::vector<std::string> keys;
-  for (int r = 0; r < size(); ++r) keys.push_back(prefix_ + "host/" + std::to_string(r));
-  if (!store_->wait(keys, store_->timeout()).empty()) return;  // cannot happen after connectFullMesh
+  std::vector<std::string> keys, pid_keys;
+  for (int r = 0; r < size(); ++r) {
+    keys.push_back(prefix_ + "host/" + std::to_string(r));
+    pid_keys.push_back(prefix_ + "pid/" + std::to_string(r));
+  }
+  // Every peer was in the mesh a moment ago; one that never publishes has died since.
+  const auto missing = store_->wait(keys, store_->timeout());
+  if (!missing.empty()) {
+    std::vector<std::string> who;
+    for (const auto& m : missing) who.push_back(tasks_[std::stoi(m.substr(m.rfind('/') + 1))]);
+    throw PeerTimeout("rendezvous: task(s) " + join(who) + " joined the Gloo mesh but did not announce their host within " +
+                      seconds(store_->timeout()) + " (did it crash while starting?)");
+  }
   for (const auto& k : keys)
-    if (store_->get(k) != std::vector<char>(me.begin(), me.end())) return;  // the same answer on every rank
-  std::uint64_t ok = 1;
+    if (store_->get(k) != std::vector<char>(me.begin(), me.end())) {  // the same answer on every rank
+      shm_off_ = disabled ? "MIRRORED_SHM=0" : "the tasks run on different hosts (or one has MIRRORED_SHM=0)";
+      return;
+    }
+  std::unique_ptr<ShmReducer> candidate;
   try {
-    shm_ = std::make_unique<ShmReducer>(*store_, prefix_ + "shm", rank_, size(), store_->timeout());
+    candidate = std::make_unique<ShmReducer>(*store_, prefix_ + "shm", rank_, size(), store_->timeout());
   } catch (const std::exception&) {
-    ok = 0;  // e.g. /dev/shm full or absent: every rank falls back to the network
+    // e.g. /dev/shm full or absent: every rank falls back to the network
     if (rank_ == 0) store_->set(prefix_ + "shm", {});
   }
-  // Everyone learns whether everyone mapped the segment.
-  // (Over Gloo: the headers only go through the segment once everyone can use it.)
-  std::unique_ptr<ShmReducer> candidate = std::move(shm_);
-  const auto all = exchange_locked({ok}, CollectiveHeader::kExchange);
-  if (std::find(all.begin(), all.end(), std::uint64_t{0}) != all.end()) return;
-  candidate->mapped_by_all();
+  // Everyone learns whether everyone mapped the segment, then whether rank 0
+  // could seal it with nobody outside the job holding it (see mapped_by_all).
+  // Over Gloo: the headers only go through the segment once it is trusted.
+  const auto mapped = exchange_locked({candidate ? 1u : 0u}, CollectiveHeader::kExchange);
+  if (std::find(mapped.begin(), mapped.end(), std::uint64_t{0}) != mapped.end()) {
+    shm_off_ = "a task could not map (or verify) the shared segment";
+    return;
+  }
+  std::vector<long> pids;
+  for (const auto& k : pid_keys) {
+    const auto v = store_->get(k);
+    pids.push_back(std::stol(std::string(v.begin(), v.end())));
+  }
+  const long intruder = candidate->mapped_by_all(pids);
+  const auto verdict = exchange_locked({static_cast<std::uint64_t>(intruder)}, CollectiveHeader::kExchange);
+  if (verdict[0] != 0) {
+    const auto pid = static_cast<long>(verdict[0]);
+    shm_off_ = pid < 0 ? "the shared segment could not be sealed"
+                       : "process " + std::to_string(pid) + ", outside the job, opened the shared segment";
+    return;
+  }
   shm_ = std::move(candidate);
 }
 
@@ -255,18 +227,7 @@ void GlooCommunicator::check_peers() {
     if (r != rank_ && tasks[r].departed && !tasks[r].connected) throw PeerLost("task " + tasks_[r] + " is gone");
 }
 
-std::string GlooCommunicator::shared_memory_off() const {
-  if (shm_) return "";
-  if (size() == 1) return "the job has one task";
-  const char* env = std::getenv("MIRRORED_SHM");
-  if (env && std::string(env) == "0") return "MIRRORED_SHM=0";
-  // The identities setup_shared_memory() compared: differing ones mean other hosts (or MIRRORED_SHM=0 there).
-  const auto first = store_->get(prefix_ + "host/0");
-  for (int r = 1; r < size(); ++r)
-    if (store_->get(prefix_ + "host/" + std::to_string(r)) != first)
-      return "the tasks run on different hosts (or one has MIRRORED_SHM=0)";
-  return "a task could not map a /dev/shm segment";
-}
+std::string GlooCommunicator::shared_memory_off() const { return shm_ ? "" : shm_off_; }
 
 GlooCommunicator::~GlooCommunicator() { close(); }
 

@@ -66,9 +66,10 @@ class GlooCommunicator : public Communicator {
   // Joins the full mesh of task_names.size() processes; this process is
   // store->rank(). Every process must pass the same task names (e.g.
   // "chief:0", "worker:0"), the same `scope` (namespaces the store keys of
-  // this communicator) and the same local_replicas. Gloo listens on `host`
-  // (this task's TF_CONFIG host). `timeout` bounds every collective
-  // (zero: none; a dead peer is still detected through its socket).
+  // this communicator) and the same local_replicas. The mesh is set up over
+  // connections authenticated with the job token (mesh.h); this task listens
+  // on `host` (its TF_CONFIG host). `timeout` bounds every collective (zero:
+  // none; a dead peer is still detected through its socket).
   GlooCommunicator(std::shared_ptr<StoreClient> store, std::vector<std::string> task_names, int local_replicas,
                    const std::string& host, std::chrono::milliseconds timeout, const std::string& scope);
   ~GlooCommunicator() override;
@@ -202,6 +203,7 @@ class GlooCommunicator : public Communicator {
   std::vector<char> ring_in_;  // a chunk arriving in reduce_scatter_ring
   // All processes on one machine: large all-reduces go through shared memory.
   std::unique_ptr<ShmReducer> shm_;
+  std::string shm_off_;  // why there is no shm_ (decided once, in setup_shared_memory)
 
   // Progress for diagnosis: a collective still running after a tick of the
   // watchdog is reported to the store, so that a failure can tell the peers

@@ -1,5 +1,6 @@
 #include "net/shm_reducer.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sched.h>
 #include <linux/futex.h>
@@ -23,6 +24,7 @@
 
 #include "host/reduce_kernels.h"
 #include "net/errors.h"
+#include "net/hmac.h"
 #include "net/store.h"
 
 namespace mirrored::net {
@@ -39,7 +41,10 @@ struct ShmReducer::Lane {
 // the same memory.
 struct ShmReducer::Control {
   alignas(64) std::atomic<std::int32_t> aborted_by{-1};
-  std::uint64_t token[2] = {0, 0};  // proves to a peer that it opened this job's segment
+  // Proves to an attacher that rank 0 of this job wrote this segment: the
+  // nonce (also announced through the store) and HMAC(job token, seal_message()).
+  std::uint8_t nonce[16] = {};
+  std::uint8_t mac[32] = {};
 };
 
 namespace {
@@ -88,6 +93,18 @@ void futex_wake_all(std::atomic<std::uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
+constexpr const char* kSegmentName = "mirrored-collectives";
+
+std::string hex(const std::string& bytes) {
+  static const char digits[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out.push_back(digits[c >> 4]);
+    out.push_back(digits[c & 15]);
+  }
+  return out;
+}
+
 std::runtime_error os_error(const std::string& what) {
   return std::runtime_error(what + ": " + std::system_category().message(errno));
 }
@@ -99,25 +116,32 @@ inline bool reached(std::uint32_t posted, std::uint32_t epoch) {
 
 }  // namespace
 
+// What the creator's MAC covers: this segment (device and inode, so a file
+// put at the announced path instead fails), its size, and a fresh nonce.
+std::string ShmReducer::seal_message(const std::string& key, const std::string& nonce, unsigned long long dev,
+                                     unsigned long long ino) const {
+  return std::string("mirrored shared segment") + '\0' + key + '\0' + nonce + '\0' + std::to_string(dev) + ':' + std::to_string(ino) +
+         ':' + std::to_string(bytes_);
+}
+
 ShmReducer::ShmReducer(StoreClient& store, const std::string& key, int rank, int size,
                        std::chrono::milliseconds timeout)
     : rank_(rank), size_(size), oversubscribed_(more_processes_than_cores(size)) {
   static_assert(sizeof(Control) <= 128, "the lanes start at byte 128");
   header_ = (kLanesAt + size * sizeof(Lane) + kPage - 1) / kPage * kPage;
   bytes_ = header_ + 2 * static_cast<std::size_t>(size) * kChunkBytes;
-  std::uint64_t token[2];
+  struct stat st {};
   if (rank == 0) {
-    std::random_device rd;
-    token[0] = (std::uint64_t{rd()} << 32) | rd();
-    token[1] = (std::uint64_t{rd()} << 32) | rd();
-    fd_ = ::memfd_create("mirrored-collectives", MFD_CLOEXEC);
+    // Sealable: once every rank has mapped it, nobody can map it writable again (mapped_by_all).
+    fd_ = ::memfd_create(kSegmentName, MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd_ < 0) throw os_error("memfd_create");
+    ::fchmod(fd_, 0600);
     // Reserve the pages now: a full tmpfs must fail here, not as SIGBUS later.
     const int rc = ::posix_fallocate(fd_, 0, static_cast<off_t>(bytes_));
-    if (rc != 0) {
+    if (rc != 0 || ::fstat(fd_, &st) != 0) {
       ::close(fd_);
       fd_ = -1;
-      errno = rc;
+      errno = rc != 0 ? rc : errno;
       throw os_error("reserving " + std::to_string(bytes_) + " bytes of shared memory");
     }
     base_ = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
@@ -125,23 +149,36 @@ ShmReducer::ShmReducer(StoreClient& store, const std::string& key, int rank, int
     if (!store.wait({key}, timeout).empty()) throw PeerTimeout("shared memory: rank 0 did not publish its segment");
     const auto v = store.get(key);
     long long pid = 0, fd = -1;
-    unsigned long long t0 = 0, t1 = 0, bytes = 0;
+    unsigned long long bytes = 0, dev = 0, ino = 0;
+    char nonce_hex[33] = {};
     const std::string text(v.begin(), v.end());
-    if (std::sscanf(text.c_str(), "%lld %lld %llx %llx %llu", &pid, &fd, &t0, &t1, &bytes) != 5 || bytes != bytes_)
+    if (std::sscanf(text.c_str(), "%lld %lld %llu %llu %llu %32s", &pid, &fd, &bytes, &dev, &ino, nonce_hex) != 6 ||
+        bytes != bytes_)
       throw std::runtime_error("shared memory: rank 0 offers no usable segment");
-    token[0] = t0;
-    token[1] = t1;
     // Another process's descriptor, opened through procfs: needs the same user (else: the network).
     const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
     const int local = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
     if (local < 0) throw os_error("open(" + path + ")");
-    struct stat st {};
-    if (::fstat(local, &st) != 0 || static_cast<std::size_t>(st.st_size) != bytes_) {
+    // The file rank 0 announced, and no other (a reused pid or descriptor number, another pid namespace).
+    if (::fstat(local, &st) != 0 || static_cast<std::size_t>(st.st_size) != bytes_ || st.st_dev != dev ||
+        st.st_ino != ino) {
       ::close(local);
-      throw std::runtime_error("shared memory: " + path + " is not rank 0's segment");
+      throw std::runtime_error("shared memory: " + path + " is not the segment rank 0 announced");
     }
     base_ = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, local, 0);
     ::close(local);
+    if (base_ != MAP_FAILED) {
+      control_ = static_cast<Control*>(base_);
+      const std::string nonce(reinterpret_cast<const char*>(control_->nonce), sizeof(control_->nonce));
+      Digest mac;
+      std::memcpy(mac.data(), control_->mac, mac.size());
+      if (hex(nonce) != nonce_hex ||
+          !same_digest(mac, hmac_sha256(store.token(), seal_message(key, nonce, st.st_dev, st.st_ino)))) {
+        ::munmap(base_, bytes_);
+        base_ = nullptr;
+        throw std::runtime_error("shared memory: the segment opened does not carry this job's seal");
+      }
+    }
   }
   if (base_ == MAP_FAILED) {
     base_ = nullptr;
@@ -149,24 +186,17 @@ ShmReducer::ShmReducer(StoreClient& store, const std::string& key, int rank, int
     fd_ = -1;
     throw os_error("mmap of the shared segment");
   }
+  ino_ = st.st_ino;
   if (rank == 0) {
+    const std::string nonce = random_bytes(sizeof(Control::nonce));
+    const Digest mac = hmac_sha256(store.token(), seal_message(key, nonce, st.st_dev, st.st_ino));
     control_ = new (base_) Control();
-    control_->token[0] = token[0];
-    control_->token[1] = token[1];
+    std::memcpy(control_->nonce, nonce.data(), nonce.size());
+    std::memcpy(control_->mac, mac.data(), mac.size());
     for (int r = 0; r < size; ++r) new (&lane(r)) Lane();
-    char text[128];
-    std::snprintf(text, sizeof(text), "%lld %d %llx %llx %llu", static_cast<long long>(::getpid()), fd_,
-                  static_cast<unsigned long long>(token[0]), static_cast<unsigned long long>(token[1]),
-                  static_cast<unsigned long long>(bytes_));
-    store.set(key, std::vector<char>(text, text + std::strlen(text)));
-  } else {
-    control_ = static_cast<Control*>(base_);
-    // A pid that names another process (another pid namespace, a reused pid) cannot carry our token.
-    if (control_->token[0] != token[0] || control_->token[1] != token[1]) {
-      ::munmap(base_, bytes_);
-      base_ = nullptr;
-      throw std::runtime_error("shared memory: the segment opened is not this job's");
-    }
+    const std::string text = std::to_string(::getpid()) + " " + std::to_string(fd_) + " " + std::to_string(bytes_) +
+                             " " + std::to_string(st.st_dev) + " " + std::to_string(st.st_ino) + " " + hex(nonce);
+    store.set(key, std::vector<char>(text.begin(), text.end()));
   }
 }
 
@@ -175,9 +205,59 @@ ShmReducer::~ShmReducer() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-void ShmReducer::mapped_by_all() {
-  if (fd_ >= 0) ::close(fd_);
+long ShmReducer::mapped_by_all(const std::vector<long>& job_pids) {
+  if (fd_ < 0) return 0;
+  // From now on nobody can map the segment writable or write() it (existing mappings keep working).
+  const int sealed = ::fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+  ::close(fd_);
   fd_ = -1;
+  if (sealed != 0) return -1;
+  // Until that moment any process of our user could have opened it through
+  // /proc/<pid>/fd: one that still maps or holds it is not trusted.
+  if (const long intruder = holder_outside(job_pids)) return intruder;
+  // Whatever was written before the seal is overwritten before any rank uses the segment.
+  control_->aborted_by.store(-1, std::memory_order_relaxed);
+  for (int r = 0; r < size_; ++r) new (&lane(r)) Lane();
+  return 0;
+}
+
+long ShmReducer::holder_outside(const std::vector<long>& job_pids) const {
+  const std::string name = std::string("/memfd:") + kSegmentName;
+  const std::string inode = " " + std::to_string(ino_) + " ";
+  DIR* proc = ::opendir("/proc");
+  if (!proc) return 0;
+  long found = 0;
+  while (dirent* e = ::readdir(proc)) {
+    char* end = nullptr;
+    const long pid = std::strtol(e->d_name, &end, 10);
+    if (pid <= 0 || *end != '\0' || std::find(job_pids.begin(), job_pids.end(), pid) != job_pids.end()) continue;
+    const std::string dir = std::string("/proc/") + e->d_name;
+    // Only our user's processes (and root's) can open another process's descriptors through /proc.
+    struct stat owner {};
+    if (::stat(dir.c_str(), &owner) != 0 || (owner.st_uid != ::geteuid() && owner.st_uid != 0)) continue;
+    // Mappings: "address perms offset dev inode path".
+    if (std::FILE* maps = std::fopen((dir + "/maps").c_str(), "r")) {
+      char line[4096];
+      while (!found && std::fgets(line, sizeof(line), maps))
+        if (std::strstr(line, name.c_str()) && std::strstr(line, inode.c_str())) found = pid;
+      std::fclose(maps);
+    }
+    // Open descriptors.
+    if (DIR* fds = found ? nullptr : ::opendir((dir + "/fd").c_str())) {
+      while (dirent* f = ::readdir(fds)) {
+        const std::string link = dir + "/fd/" + f->d_name;
+        char target[256];
+        const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+        if (n <= 0 || std::string(target, n).rfind(name, 0) != 0) continue;
+        struct stat st {};
+        if (::stat(link.c_str(), &st) == 0 && st.st_ino == ino_) found = pid;
+      }
+      ::closedir(fds);
+    }
+    if (found) break;
+  }
+  ::closedir(proc);
+  return found;
 }
 
 ShmReducer::Lane& ShmReducer::lane(int rank) const {

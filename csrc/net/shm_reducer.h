@@ -16,7 +16,10 @@
 //
 // The segment is an anonymous memfd: it never has a name in /dev/shm, so
 // nothing can be left behind whenever a process dies. Peers open it through
-// /proc/<pid>/fd of rank 0 and check a random token before trusting it.
+// /proc/<pid>/fd of rank 0, check that it is the file rank 0 announced through
+// the store and that it carries rank 0's MAC under the job token; once all have
+// mapped it, rank 0 seals it against new writers and checks that no process
+// outside the job opened it meanwhile (see mapped_by_all).
 #pragma once
 
 #include <atomic>
@@ -52,9 +55,13 @@ class ShmReducer {
   ShmReducer(const ShmReducer&) = delete;
   ShmReducer& operator=(const ShmReducer&) = delete;
 
-  // Every rank has mapped the segment: rank 0 closes its descriptor (the
-  // memory lives exactly as long as the mappings).
-  void mapped_by_all();
+  // Every rank has mapped the segment: rank 0 seals it (no new writable
+  // mapping, no write()), closes its descriptor (the memory lives exactly as
+  // long as the mappings), makes sure no process but `job_pids` maps or holds
+  // it, and resets it. Returns 0 when the segment can be trusted, else the pid
+  // of a process outside the job that holds it (-1: it could not be sealed).
+  // Other ranks: 0, nothing to do.
+  long mapped_by_all(const std::vector<long>& job_pids);
 
   // Posts `record` (bytes <= kRecordBytes) and waits until every rank posted its own;
   // table[r] then points at rank r's record, valid until this rank's next
@@ -79,6 +86,9 @@ class ShmReducer {
   void wait_all(std::uint32_t epoch, Deadline deadline, const OnWait& on_wait, std::chrono::microseconds spin_for);
   void barrier(Deadline deadline, const OnWait& on_wait);
   void check_aborted() const;
+  std::string seal_message(const std::string& key, const std::string& nonce, unsigned long long dev,
+                           unsigned long long ino) const;
+  long holder_outside(const std::vector<long>& job_pids) const;
   char* slot(std::size_t set, int rank) const;
 
   const int rank_;
@@ -87,6 +97,7 @@ class ShmReducer {
   std::size_t header_ = 0;  // bytes before the data slots (page-aligned)
   std::size_t bytes_ = 0;
   int fd_ = -1;  // rank 0's descriptor, open until every rank has mapped the segment
+  unsigned long long ino_ = 0;  // the segment's inode
   void* base_ = nullptr;
   Control* control_ = nullptr;
   std::uint32_t epoch_ = 0;   // posts so far: the same on every rank between calls

@@ -32,6 +32,12 @@ class Socket {
 
   int fd() const { return fd_; }
   bool valid() const { return fd_ >= 0; }
+  // Gives up ownership: the caller closes the descriptor.
+  int release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
 
   // Both throw PeerLost on a closed/reset connection and PeerTimeout at the deadline.
   void write_all(const void* data, std::size_t n, Deadline deadline);

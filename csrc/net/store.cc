@@ -57,13 +57,6 @@ bool same_token(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
-std::string seconds(std::chrono::milliseconds ms) {
-  const double s = static_cast<double>(ms.count()) / 1000.0;
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%g s", s);
-  return buf;
-}
-
 struct ProtocolError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
@@ -609,6 +602,7 @@ StoreClient::StoreClient(const std::string& host, int port, const std::string& t
                          std::string instance)
     : where_(server_task + " at " + host + ":" + std::to_string(port)),
       server_task_(std::move(server_task)),
+      token_(token),
       rank_(rank),
       timeout_(timeout) {
   if (instance.empty()) instance = process_instance();

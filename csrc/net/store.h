@@ -106,6 +106,8 @@ class StoreClient {
   std::vector<TaskState> status();
 
   int rank() const { return rank_; }
+  // The job token this task presented: the key of every other proof (Gloo mesh, shared segment).
+  const std::string& token() const { return token_; }
   const std::string& server_task() const { return server_task_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
@@ -118,6 +120,7 @@ class StoreClient {
 
   const std::string where_;  // "chief:0 at host:port", for messages
   const std::string server_task_;
+  const std::string token_;
   const int rank_;
   const std::chrono::milliseconds timeout_;
   std::mutex mu_;  // one request on the wire at a time

@@ -24,6 +24,9 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
 
 from . import _logging  # noqa: F401  (before the rest: configures the "mirrored" logger from MIRRORED_LOG_LEVEL)
 from . import errors, timeline
+from .distribute import launcher_lifeline as _launcher_lifeline
+
+_launcher_lifeline.watch_launcher()  # a task of mirrored-run ends with its launcher
 from .device import config, device_util
 from .collective import api as collectives
 from . import distribute
@@ -47,6 +50,12 @@ from .train import checkpoint, mixed_precision, nn, optimizers
 from .train.checkpoint_management import Checkpoint
 from .train.module import Module
 from . import compat
+from .train import preemption as _preemption
+
+# TF names them tf.distribute.experimental.*; they drive checkpoint managers, so they live in the training
+# layer, which the distribute layer may not import.
+experimental.PreemptionCheckpointHandler = _preemption.PreemptionCheckpointHandler
+experimental.TerminationConfig = _preemption.TerminationConfig
 
 # The module paths of the flat layout (``import mirrored.collectives``,
 # ``from mirrored.cross_device_ops import ...``) keep working.

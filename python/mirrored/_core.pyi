@@ -1,6 +1,6 @@
 """Type stubs of the host-collective extension (csrc/bindings/core_module.cc).
 
-Arrays must already be validated by mirrored.collectives: C-contiguous,
+Arrays must already be validated by mirrored.collective.rules: C-contiguous,
 one per replica, same dtype; dtype/op/algorithm are the codes of
 mirrored._dtypes and mirrored.collectives.ALGORITHMS.
 """
@@ -15,8 +15,19 @@ def all_gather(inputs: list[np.ndarray], outputs: list[np.ndarray], row_bytes: l
 def batch_all_reduce(n: int, inputs: list[np.ndarray], outputs: list[np.ndarray], counts: list[int],
                      dtypes: list[int], op: int, bytes_per_pack: int, num_packs: int, algorithm: int,
                      ring_chunk_bytes: int) -> None: ...
-def batch_all_reduce_lists(per_replica_lists: list, op: int, bytes_per_pack: int, num_packs: int, algorithm: int,
-                           ring_chunk_bytes: int, alloc) -> list[list[np.ndarray]] | None: ...
+
+class CallPlan:
+    """A validated all_reduce / broadcast (kind) of n arrays of one dtype and shape."""
+    def __init__(self, kind: str, n: int, dtype: np.dtype, shape: tuple, dtype_code: int, op: int, algorithm: int,
+                 ring_chunk_bytes: int, root: int, alloc) -> None: ...
+    def run(self, inputs: list, outputs: list | None) -> list[np.ndarray] | None: ...
+
+class BatchPlan:
+    """A validated batch all-reduce: per tensor a dtype and shape; results are views of one buffer per replica."""
+    def __init__(self, n: int, dtypes: list[np.dtype], shapes: list[tuple], dtype_codes: list[int], op: int,
+                 bytes_per_pack: int, num_packs: int, algorithm: int, ring_chunk_bytes: int, alloc) -> None: ...
+    def run(self, per_replica_lists: list) -> list[list[np.ndarray]] | None: ...
+
 def choose_algorithm(n: int, bytes: int) -> str: ...
 def isa() -> str: ...
 def num_threads() -> int: ...

@@ -33,26 +33,6 @@ class _StderrHandler(logging.StreamHandler):
         super().emit(record)
 
 
-def reductions(ops, devices) -> str:
-    """How a strategy's ``CrossDeviceOps`` reduces over ``devices``, in words, for the engine log line."""
-    from .distribute import cross_device_ops as cdo
-    from .device import device_util
-
-    name = type(ops).__name__
-    if type(ops).__module__ not in (cdo.__name__, "mirrored.collective_all_reduce"):
-        return f"{name} (a user CrossDeviceOps)"
-    buffers = "CUDA" if device_util.all_gpu(devices) else "host"
-    if isinstance(ops, cdo.NcclAllReduce):
-        return f"NCCL ({name})"
-    if isinstance(ops, cdo.HierarchicalCopyAllReduce):
-        return f"native tree over {buffers} buffers ({name})"
-    if isinstance(ops, cdo.ReductionToOneDevice):
-        return f"copy to one device, reduce, copy back ({name})"
-    algorithm = getattr(ops, "_algorithm", "auto")
-    how = "ring, direct or tree picked per call by size and replica count" if algorithm == "auto" else algorithm
-    return f"native {how} over {buffers} buffers ({name}, algorithm={algorithm!r})"
-
-
 def multi_worker(extended) -> str:
     """Who this task is in its multi-worker job and which engines carry its collectives, in words."""
     resolver, group = extended._resolver, extended._group

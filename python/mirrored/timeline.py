@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import threading
 import time
@@ -240,14 +241,20 @@ def replica_wait(replica_id: int, what: str):
     return _Span(trace, f"wait:{what}", (int(replica_id),), {"replica": int(replica_id)}, "wait")
 
 
-def _caller_row() -> int:
-    """The local replica whose thread is calling, or HOST_ROW outside replica context."""
-    from .distribute import distribute_lib
+def _host_row() -> int:
+    return HOST_ROW
 
-    ctx = distribute_lib.get_replica_context()
-    if ctx is None or not distribute_lib.has_strategy():
-        return HOST_ROW
-    return int(getattr(ctx, "_local_replica_id", 0))
+
+# The row of the calling thread: the local replica it runs, else HOST_ROW. The
+# distribute layer, which knows replicas, installs its lookup (set_row_source):
+# this module sits below it and imports nothing from it.
+_caller_row = _host_row
+
+
+def set_row_source(row_of_caller) -> None:
+    """Install ``row_of_caller() -> int``, the local replica the calling thread runs (HOST_ROW: none)."""
+    global _caller_row
+    _caller_row = row_of_caller
 
 
 def _check_name(name) -> str:
@@ -328,6 +335,18 @@ def merge(out: str, paths) -> int:
     return len(events)
 
 
+def _start_from_environment() -> None:
+    """MIRRORED_TIMELINE at import: a path that cannot be written costs the timeline, never the import."""
+    where = os.environ.get("MIRRORED_TIMELINE")
+    if not where:
+        return
+    try:
+        start(where)
+    except OSError as e:
+        logging.getLogger("mirrored").warning(
+            "MIRRORED_TIMELINE=%s: cannot write the timeline there (%s); running without one. Point it at a "
+            "writable file, or unset it", where, e.strerror or e)
+
+
 atexit.register(stop)
-if os.environ.get("MIRRORED_TIMELINE"):
-    start(os.environ["MIRRORED_TIMELINE"])
+_start_from_environment()

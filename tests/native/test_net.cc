@@ -1,6 +1,7 @@
 // The rendezvous store and the Gloo communicator in C++, with the processes
 // of a job played by threads (what the sanitizer builds exercise): results
 // against a reference, admission, and the naming of dead and late peers.
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstdint>
@@ -17,6 +18,8 @@
 #include "check.h"
 #include "net/errors.h"
 #include "net/gloo_communicator.h"
+#include "net/hmac.h"
+#include "net/socket.h"
 
 using namespace mirrored;
 using namespace mirrored::net;
@@ -332,6 +335,110 @@ TEST(a_mismatch_is_the_same_error_everywhere_and_harmless) {
   }
   if (was) ::setenv("MIRRORED_SHM", saved.c_str(), 1);
   else ::unsetenv("MIRRORED_SHM");
+}
+
+std::string hex(const Digest& d) {
+  static const char digits[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : d) out += std::string{digits[c >> 4], digits[c & 15]};
+  return out;
+}
+
+// FIPS 180-4's examples and RFC 4231's test cases 1, 2 and 6 (a key longer than a block).
+TEST(sha256_and_hmac_match_the_published_vectors) {
+  CHECK(hex(Sha256().finish()) == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  CHECK(hex(Sha256().update("abc").finish()) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  CHECK(hex(Sha256().update("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq").finish()) ==
+        "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  CHECK(hex(hmac_sha256(std::string(20, '\x0b'), "Hi There")) ==
+        "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7");
+  CHECK(hex(hmac_sha256("Jefe", "what do ya want for nothing?")) ==
+        "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+  CHECK(hex(hmac_sha256(std::string(131, '\xaa'), "Test Using Larger Than Block-Size Key - Hash Key First")) ==
+        "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+  CHECK(random_bytes(16) != random_bytes(16));
+}
+
+// Strangers reach rank 0's mesh listener before any peer does: silent, with
+// garbage, claiming a peer's rank without the token, or leaving at once.
+// Each is dropped; the job's peers join and compute as if nobody came.
+TEST(strangers_at_the_mesh_listener_are_dropped_and_the_job_runs) {
+  StoreServer server("127.0.0.1", 0, "token", 4);  // rank 3: this test, to learn where rank 0 listens
+  StoreClient spy("127.0.0.1", server.port(), "token", 3, kTasks[0], milliseconds(10000));
+  std::atomic<bool> strangers_in{false};
+  float results[3] = {0, 0, 0};
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 3; ++rank)
+    threads.emplace_back([&, rank] {
+      while (rank > 0 && !strangers_in.load()) std::this_thread::sleep_for(milliseconds(1));
+      auto store = std::make_shared<StoreClient>("127.0.0.1", server.port(), "token", rank, kTasks[0],
+                                                 milliseconds(20000));
+      GlooCommunicator comm(store, kTasks, 1, "127.0.0.1", milliseconds(20000), "strangers");
+      float x = static_cast<float>(rank + 1);
+      const void* in[1] = {&x};
+      void* out[1] = {&x};
+      comm.all_reduce(1, in, out, 1, DType::kFloat32, ReduceOp::kSum, Algorithm::kAuto);
+      results[rank] = x;
+    });
+  // Ranks 1 and 2 have not started: announce them, so that rank 0 goes on to listen for the mesh.
+  const std::int64_t one = 1;
+  for (const char* key : {"strangers/replicas/1", "strangers/replicas/2"})
+    spy.set(key, std::vector<char>(reinterpret_cast<const char*>(&one), reinterpret_cast<const char*>(&one) + 8));
+  CHECK(spy.wait({"strangers/mesh/0"}, milliseconds(20000)).empty());
+  const auto v = spy.get("strangers/mesh/0");
+  const std::string at(v.begin(), v.end());
+  const int port = std::stoi(at.substr(at.rfind(' ') + 1));
+  std::string error;
+  auto stranger = [&] { return try_connect("127.0.0.1", port, after(milliseconds(5000)), &error); };
+  Socket silent = stranger();
+  Socket garbage = stranger();
+  const std::string junk(64, '\xab');
+  garbage.write_all(junk.data(), junk.size(), after(milliseconds(5000)));
+  stranger();  // connects and leaves
+  // A well-formed hello for rank 1, then a proof made without the token.
+  Socket impostor = stranger();
+  std::string hello("mrdmesh1\x01\0\0\0\0\0\0\0", 16);
+  hello += std::string(16, 'n');
+  impostor.write_all(hello.data(), hello.size(), after(milliseconds(5000)));
+  char reply[48];
+  impostor.read_exact(reply, sizeof(reply), after(milliseconds(5000)));
+  const std::string guess(32, 'g');
+  impostor.write_all(guess.data(), guess.size(), after(milliseconds(5000)));
+  bool dropped = false;
+  try {
+    char admitted;
+    impostor.read_exact(&admitted, 1, after(milliseconds(10000)));
+  } catch (const PeerLost&) {
+    dropped = true;
+  }
+  CHECK(dropped);
+  CHECK(silent.valid() && !silent.peer_closed());  // still waiting its turn: it blocks nobody
+  strangers_in = true;
+  for (auto& t : threads) t.join();
+  CHECK(results[0] == 6 && results[1] == 6 && results[2] == 6);
+}
+
+// A peer that is gone is named with the port it listened on (Gloo's own
+// message printed it byte-swapped).
+TEST(a_gone_peer_is_named_with_its_port) {
+  StoreServer server("127.0.0.1", 0, "token", 2);
+  int port = 0;
+  { Socket closed = listen_on("127.0.0.1", 0, &port); }  // nothing listens there any more
+  StoreClient gone("127.0.0.1", server.port(), "token", 0, "chief:0", milliseconds(5000));
+  const std::int64_t one = 1;
+  gone.set("gone/replicas/0", std::vector<char>(reinterpret_cast<const char*>(&one),
+                                                reinterpret_cast<const char*>(&one) + sizeof(one)));
+  const std::string at = "127.0.0.1 " + std::to_string(port);
+  gone.set("gone/mesh/0", std::vector<char>(at.begin(), at.end()));
+  auto store = std::make_shared<StoreClient>("127.0.0.1", server.port(), "token", 1, "chief:0", milliseconds(5000));
+  std::string why;
+  try {
+    GlooCommunicator comm(store, {"chief:0", "worker:0"}, 1, "127.0.0.1", milliseconds(5000), "gone");
+  } catch (const PeerLost& e) {
+    why = e.what();
+  }
+  CHECK(why.find("task chief:0 at 127.0.0.1:" + std::to_string(port) + " refused the connection") !=
+        std::string::npos);
 }
 
 int main() { return check::run_all(); }

@@ -6,6 +6,7 @@
 // join dependency corrupts a result. With a path to fake_nccl's library as
 // argument, NcclCommunicator (and batches over it) run the same checks.
 // Exit status 0 when all is right.
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <type_traits>
@@ -13,6 +14,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda/cuda_ring.h"
@@ -592,6 +594,44 @@ void check_fused_gather() {
 
 }  // namespace
 
+// Several threads drive the machine at once, as replica threads do through
+// the Python engine: each its own communicator, streams and current device;
+// every host wait drains everybody's queued work. Results stay exact.
+void check_threads() {
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([t, &wrong] {
+      const std::vector<int> devices{t % 4, t % 4, (t + 1) % 4};
+      Layout l(devices, true);
+      CudaRing ring(devices, 64, 2);
+      const std::size_t count = 301;
+      std::vector<void*> buf(devices.size());
+      for (int round = 0; round < 20; ++round) {
+        for (int r = 0; r < l.n(); ++r) {
+          buf[r] = l.alloc(r, count * 4);
+          write<int>(l, r, buf[r], count, ReduceOp::kSum, r);
+        }
+        {
+          StreamScope scope(l.streams);
+          std::vector<const void*> in(buf.begin(), buf.end());
+          ring.all_reduce(l.n(), in.data(), buf.data(), count, DType::kInt32, ReduceOp::kSum,
+                          round % 2 ? Algorithm::kRing : Algorithm::kTree);
+        }
+        std::vector<std::vector<int>> res(l.n());
+        for (int r = 0; r < l.n(); ++r) read<int>(l, r, buf[r], count, res[r]);
+        for (int r = 0; r < l.n(); ++r) cudaSetDevice(devices[r]), cudaStreamSynchronize(l.streams[r]);
+        for (int r = 0; r < l.n(); ++r) {
+          for (std::size_t i = 0; i < count; ++i)
+            if (res[r][i] != expected(l.n(), i, ReduceOp::kSum)) ++wrong;
+          cudaFree(buf[r]);
+        }
+      }
+    });
+  for (auto& th : threads) th.join();
+  EXPECT(wrong == 0, "%d wrong elements with 4 threads driving the machine", wrong.load());
+}
+
 int main(int argc, char** argv) {
   sim::reset(4, {}, 1);
   check_fused_body<F16>(DType::kFloat16);
@@ -604,6 +644,7 @@ int main(int argc, char** argv) {
   check_fused_body<std::int64_t>(DType::kInt64);
   check_launch_counts();
   check_fused_gather();
+  check_threads();
   // Large or in-place messages over GPUs with peer access: the two-shot
   // kernels (one rank per GPU), or the ring (several ranks per GPU).
   {

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import atexit
 
-import numpy as np
-
 from ..device import gpu as _gpu
 from .. import timeline
 from ..device.dtypes import dtype_code, op_code
-from .api import check_batch, check_packing, gather_layout
+from . import rules
+from .rules import check_batch, check_packing, gather_layout, gpu_inputs as _inputs, gpu_outputs as _outputs
 
 __all__ = ["all_reduce", "broadcast", "reduce", "all_gather", "batch_all_reduce", "ALGORITHMS"]
 
@@ -59,7 +58,7 @@ def all_reduce(buffers, op="sum", *, out=None, algorithm="auto", chunk_bytes=0):
 def broadcast(buffers, root=0, *, out=None):
     """``out[i] = buffers[root]`` for every replica ``i``."""
     arrays, code, devices = _inputs(buffers, "buffers")
-    root = _root(root, len(arrays))
+    root = rules.root_index(root, len(arrays))
     engine, _ = _engine(devices, "auto")
     outs, finish = _outputs(out, arrays, devices, "out")
     with timeline.span("broadcast", arrays[0].nbytes, "direct", len(arrays)):
@@ -67,15 +66,94 @@ def broadcast(buffers, root=0, *, out=None):
     return finish()
 
 
+def call_plan(kind: str, buffers, op, root, algorithm, chunk_bytes) -> "CallPlan":
+    """The plan of an all_reduce or broadcast of these buffers, validated (errors name the argument)."""
+    arrays, code, devices = _inputs(buffers, "buffers")
+    first = arrays[0]
+    if kind == "broadcast":
+        engine, algo = _engine(devices, "auto")
+        return CallPlan(False, engine, algo, code, 0, rules.root_index(root, len(arrays)), devices, first)
+    _, _, chunk = check_packing(0, None, chunk_bytes)
+    engine, algo = _engine(devices, algorithm, chunk)
+    return CallPlan(True, engine, algo, code, op_code(op), 0, devices, first)
+
+
+class CallPlan:
+    """A validated all_reduce or broadcast of GPU buffers: engine, algorithm, dtype code and layout.
+
+    ``run`` checks that a call's arrays still fit (CuPy arrays of the planned
+    shape and dtype, contiguous, each on its replica's GPU; outputs alike),
+    makes the outputs where ``out`` is None, and enqueues the collective with
+    one binding call on each GPU's current stream. Anything else returns None:
+    the face validates that call afresh.
+    """
+
+    __slots__ = ("_reduce", "_engine", "_algo", "_code", "_op", "_root", "_devices", "_ordinals", "_shape",
+                 "_strides", "_dtype", "_count", "_cupy")
+
+    def __init__(self, reduce: bool, engine, algo: int, code: int, op: int, root: int, devices, first):
+        self._reduce, self._engine, self._algo, self._code = reduce, engine, algo, code
+        self._op, self._root, self._devices = op, root, tuple(devices)
+        self._ordinals = tuple(dict.fromkeys(devices))  # each GPU once (logical GPUs share one)
+        # C-contiguous strides of the planned shape: an array with them is contiguous (one that is
+        # contiguous with other strides, possible along length-1 axes, takes the validating path).
+        self._shape, self._strides, self._dtype, self._count = first.shape, first.strides, first.dtype, first.size
+        self._cupy = _gpu.cupy_module()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one replica's buffer."""
+        return self._count * self._dtype.itemsize
+
+    def _pointers(self, arrays):
+        """Each array's device pointer, or None when one does not fit the plan."""
+        ndarray, shape, strides, dtype = self._cupy.ndarray, self._shape, self._strides, self._dtype
+        if type(arrays) not in (list, tuple) or len(arrays) != len(self._devices):
+            return None
+        ptrs = []
+        for a, device in zip(arrays, self._devices):
+            if type(a) is not ndarray or a.shape != shape or a.dtype != dtype or a.strides != strides:
+                return None
+            data = a.data
+            if data.device_id != device:
+                return None
+            ptrs.append(data.ptr)
+        return ptrs
+
+    def run(self, buffers, out):
+        ins = self._pointers(buffers)
+        if ins is None:
+            return None
+        if out is None:
+            cupy = self._cupy
+            result = []
+            for device in self._devices:
+                with cupy.cuda.Device(device):
+                    result.append(cupy.empty(self._shape, self._dtype))
+            outs = [a.data.ptr for a in result]
+        else:
+            outs = self._pointers(out)
+            if outs is None:
+                return None
+            result = list(out)
+        stream = {d: _gpu.collective_stream(d) for d in self._ordinals}
+        streams = [stream[d] for d in self._devices]
+        if self._reduce:
+            self._engine.all_reduce(ins, outs, self._count, self._code, self._op, self._algo, streams)
+        else:
+            self._engine.broadcast(ins, outs, self._count, self._code, self._root, streams)
+        return result
+
+
 def reduce(buffers, op="sum", root=0, *, out=None):
     """The reduction of all replicas' buffers, written to ``out[root]`` (or a new array on the root's GPU) and returned."""
     arrays, code, devices = _inputs(buffers, "buffers")
     opc = op_code(op)
-    root = _root(root, len(arrays))
+    root = rules.root_index(root, len(arrays))
     engine, _ = _engine(devices, "auto")
     if out is None:
-        with _cupy().cuda.Device(devices[root]):
-            target, finish = _cupy().empty_like(arrays[root]), None
+        with _gpu.cupy_module().cuda.Device(devices[root]):
+            target, finish = _gpu.cupy_module().empty_like(arrays[root]), None
     else:
         outs, finish = _outputs(out, arrays, devices, "out")
         target = outs[root]
@@ -90,7 +168,7 @@ def all_gather(buffers, axis=0):
     arrays, _, devices = _inputs(buffers, "buffers", same_shape=False)
     shape, row_bytes, outer = gather_layout(arrays, axis)
     first = arrays[0]
-    cupy = _cupy()
+    cupy = _gpu.cupy_module()
     outs = []
     for d in devices:
         with cupy.cuda.Device(d):
@@ -121,7 +199,7 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
         layout = _batch_layout(per_replica_lists)
     devices, shapes, dtypes, codes, counts, offsets, total = layout
     engine, algo = _engine(devices, algorithm, chunk)
-    cupy = _cupy()
+    cupy = _gpu.cupy_module()
     ndarray = cupy.ndarray
     outputs, out_ptrs = [], []
     for d in devices:
@@ -142,7 +220,7 @@ _BATCH_ALIGN = 256  # results start where CuPy's own allocations would (vector l
 def _batch_layout(per_replica_lists):
     """(devices, shapes, dtypes, dtype codes, counts, result offsets, result bytes) of a batch of
     contiguous CuPy arrays, each replica's on one GPU; None when it is anything else."""
-    ndarray = _cupy().ndarray
+    ndarray = _gpu.cupy_module().ndarray
     first = per_replica_lists[0]
     shapes = [a.shape for a in first]
     dtypes = [a.dtype for a in first]
@@ -183,91 +261,7 @@ def _batch_inputs(per_replica_lists):
 _CODES: dict = {}
 
 
-# --- validation --------------------------------------------------------------
-
-def _cupy():
-    return _gpu.cupy_module()
-
-
-def _as_gpu_array(b, argument: str, i: int):
-    """buffers[i] as a C-contiguous CuPy array on its own GPU (copied only when not contiguous)."""
-    cupy = _cupy()
-    if isinstance(b, cupy.ndarray):
-        a = b
-    elif hasattr(b, "__cuda_array_interface__"):
-        a = cupy.asarray(b)  # zero-copy view
-    elif isinstance(b, np.ndarray) or hasattr(b, "__array_interface__") or isinstance(b, (bytes, bytearray, memoryview)):
-        raise TypeError(f"{argument}[{i}] is a host array but {argument}[0] is on a GPU; every replica's buffer "
-                        "must be on that replica's GPU (move it with cupy.asarray under cupy.cuda.Device(ordinal))")
-    elif hasattr(b, "__dlpack__"):
-        try:
-            a = cupy.from_dlpack(b)
-        except Exception as e:
-            raise TypeError(f"{argument}[{i}]: this DLPack tensor is not on a CUDA GPU ({e}); every replica's "
-                            "buffer must be on that replica's GPU") from None
-    else:
-        raise TypeError(f"{argument}[{i}] is {type(b).__name__}; expected a CuPy array or an object with "
-                        "__cuda_array_interface__ or __dlpack__")
-    if not a.flags.c_contiguous:
-        with a.device:
-            a = cupy.ascontiguousarray(a)
-    return a
-
-
-def _inputs(buffers, argument: str, same_shape: bool = True):
-    if not isinstance(buffers, (list, tuple)) or not buffers:
-        raise ValueError(f"{argument}: expected a non-empty list with one array per replica, got {buffers!r:.80}")
-    arrays = [_as_gpu_array(b, argument, i) for i, b in enumerate(buffers)]
-    first = arrays[0]
-    for i, a in enumerate(arrays):
-        if a.dtype != first.dtype:
-            raise TypeError(f"{argument}[{i}] has dtype {a.dtype} but {argument}[0] has {first.dtype}; "
-                            "every replica must pass the same dtype (cast with .astype)")
-        if same_shape and a.shape != first.shape:
-            raise ValueError(f"{argument}[{i}] has shape {a.shape} but {argument}[0] has {first.shape}; "
-                             "every replica must pass the same shape")
-    return arrays, dtype_code(first.dtype, argument), tuple(a.data.device_id for a in arrays)
-
-
-def _outputs(out, arrays, devices, argument: str):
-    """Device outputs the engine writes, and a function returning what the caller sees."""
-    cupy = _cupy()
-    if out is None:
-        outs = []
-        for a, d in zip(arrays, devices):
-            with cupy.cuda.Device(d):
-                outs.append(cupy.empty_like(a))
-        return outs, outs.copy
-    if not isinstance(out, (list, tuple)) or len(out) != len(arrays):
-        raise ValueError(f"{argument}: expected a list of {len(arrays)} arrays (one per replica), got {out!r:.80}")
-    outs, copies = list(out), []
-    for i, o in enumerate(out):
-        if o is arrays[i]:
-            continue
-        if not isinstance(o, cupy.ndarray):
-            if not hasattr(o, "__cuda_array_interface__"):
-                raise TypeError(f"{argument}[{i}] is {type(o).__name__}; out must hold GPU arrays "
-                                "(CuPy or __cuda_array_interface__) for GPU buffers")
-            o = outs[i] = cupy.asarray(o)  # a view: written in place
-        if o.shape != arrays[i].shape or o.dtype != arrays[i].dtype:
-            raise ValueError(f"{argument}[{i}] has shape {o.shape} and dtype {o.dtype}; expected "
-                             f"{arrays[i].shape} and {arrays[i].dtype} like the buffers")
-        if o.data.device_id != devices[i]:
-            raise ValueError(f"{argument}[{i}] is on GPU {o.device.id} but buffers[{i}] on GPU {devices[i]}; "
-                             "each output must be on its replica's GPU")
-        if not o.flags.c_contiguous:
-            with o.device:
-                outs[i] = cupy.empty_like(arrays[i])  # computed here, copied back by finish()
-            copies.append((o, outs[i]))
-
-    def finish():
-        for o, tmp in copies:
-            with o.device:
-                o[...] = tmp
-        return list(out)
-
-    return outs, finish
-
+# --- engines -----------------------------------------------------------------
 
 def _engine(devices, algorithm, chunk_bytes=0):
     """The engine for these GPUs (and ring chunk size; 0: CHUNK_BYTES) and the algorithm code to pass it."""
@@ -299,9 +293,3 @@ def _ptrs(arrays):
 
 def _streams(devices):
     return [_gpu.collective_stream(d) for d in devices]
-
-
-def _root(root, n: int) -> int:
-    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < n:
-        raise ValueError(f"root={root!r} is not a replica index; use 0..{n - 1}")
-    return int(root)

@@ -1,9 +1,12 @@
-"""``md.data``: the few ``tf.data`` names distributed input needs — options and auto-sharding.
+"""``md.data``: tf.data's input pipeline for NumPy/CuPy (docs/data.md).
 
-A dataset here is any iterable of batches. To set TensorFlow's sharding
-options on one, wrap it: ``md.data.Dataset(iterable)`` has ``with_options``
-and ``options()`` (as have the datasets ``experimental_make_numpy_dataset``
-returns)::
+    ds = (md.data.Dataset.from_tensor_slices((x, y))
+          .shuffle(1024, seed=1).batch(64).map(augment, num_parallel_calls=md.data.AUTOTUNE)
+          .prefetch(md.data.AUTOTUNE))
+    for step, (xb, yb) in enumerate(strategy.experimental_distribute_dataset(ds)): ...
+
+Distributed input also takes any iterable of batches; wrap one as
+``md.data.Dataset(iterable)`` to give it ``with_options``::
 
     options = md.data.Options()
     options.experimental_distribute.auto_shard_policy = md.data.experimental.AutoShardPolicy.DATA
@@ -16,16 +19,18 @@ dataset of global batches, per policy:
 * ``DATA``: every worker reads every batch and keeps its replicas' slices
   (the batch split over all N replicas): one step per batch; every example
   is used once per epoch.
-* ``FILE``: the dataset's items play the part of TensorFlow's files: worker
-  ``w`` reads items ``w, w+W, w+2W, ...`` only (a worker short of an item in
-  the last round gets an empty batch), splits each into N per-replica
-  batches and runs them L at a time: W steps per item read.
+* ``FILE``: each worker reads its share of the files: for an md.data
+  pipeline, the files of its ``list_files`` / ``TextLineDataset`` sources
+  (worker ``w`` takes files ``w, w+W, ...``); for a plain iterable with a
+  ``files`` attribute, its items (a worker short of an item in the last
+  round gets an empty batch). Each batch read is split into N per-replica
+  batches, run L at a time: W steps per batch read.
 * ``OFF``: no sharding: every worker reads every batch, splits it into N
   per-replica batches and runs them L at a time (W steps per batch), so
   every worker sees the whole dataset.
-* ``AUTO`` (the default): FILE for a dataset that names its files (an
-  attribute ``files``), else DATA — with TensorFlow's warning that AUTO fell
-  back to DATA.
+* ``AUTO`` (the default): FILE for a pipeline that reads at least W files
+  (or an iterable with a ``files`` attribute), else DATA — with TensorFlow's
+  warning that AUTO fell back to DATA.
 * ``HINT`` is accepted as TensorFlow spells it and shards as DATA.
 
 With one worker every policy gives the same split.
@@ -33,108 +38,27 @@ With one worker every policy gives the same split.
 
 from __future__ import annotations
 
-import enum
 import types
 
 import numpy as np
 
 from .. import _nest
 from ..device import device_util
+from .dataset_ops import AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset, _TensorSlices
+from .iterator_ops import Optional, OwnedIterator as Iterator
+from .options import AutoShardPolicy, DistributeOptions, Options
+from .readers import TextLineDataset
+from .structure import TensorSpec
 
-__all__ = ["Options", "DistributeOptions", "AutoShardPolicy", "Dataset", "NumpyDataset", "experimental"]
-
-
-class AutoShardPolicy(enum.IntEnum):
-    """How ``experimental_distribute_dataset`` shares a dataset between workers (``tf.data.experimental``)."""
-
-    OFF = -1
-    AUTO = 0
-    FILE = 1
-    DATA = 2
-    HINT = 3
+__all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "Iterator", "Options",
+           "DistributeOptions", "AutoShardPolicy", "TensorSpec", "TextLineDataset", "NumpyDataset",
+           "experimental"]
 
 
-class DistributeOptions:
-    """``options.experimental_distribute``: ``auto_shard_policy`` (default AUTO) and ``num_devices``."""
+class NumpyDataset(_TensorSlices):
+    """``experimental_make_numpy_dataset``'s result: the rows of host arrays (``from_tensor_slices``)."""
 
-    def __init__(self):
-        self._auto_shard_policy = AutoShardPolicy.AUTO
-        self.num_devices = None
-
-    @property
-    def auto_shard_policy(self) -> AutoShardPolicy:
-        return self._auto_shard_policy
-
-    @auto_shard_policy.setter
-    def auto_shard_policy(self, value):
-        try:
-            if isinstance(value, str):
-                self._auto_shard_policy = AutoShardPolicy[value.upper()]
-            elif isinstance(value, bool):
-                raise TypeError(value)
-            else:
-                self._auto_shard_policy = AutoShardPolicy(value)
-        except (KeyError, ValueError, TypeError):
-            raise ValueError(f"auto_shard_policy={value!r}: expected md.data.experimental.AutoShardPolicy "
-                             f"({', '.join(p.name for p in AutoShardPolicy)})") from None
-
-    def __repr__(self) -> str:
-        return f"DistributeOptions(auto_shard_policy={self._auto_shard_policy!r})"
-
-
-class Options:
-    """``tf.data.Options``: here only ``experimental_distribute`` matters."""
-
-    def __init__(self):
-        self.experimental_distribute = DistributeOptions()
-
-    def __repr__(self) -> str:
-        return f"Options(experimental_distribute={self.experimental_distribute!r})"
-
-
-class Dataset:
-    """An iterable of batches that carries ``md.data.Options`` (``with_options`` / ``options()``)."""
-
-    def __init__(self, iterable=None, options: Options | None = None):
-        if iterable is not None:
-            try:
-                iter(iterable)
-            except TypeError:
-                raise TypeError(f"iterable={iterable!r} is not iterable; pass an iterable of batches") from None
-        self._iterable = iterable
-        self._options = options if options is not None else Options()
-
-    def options(self) -> Options:
-        return self._options
-
-    def with_options(self, options: Options) -> "Dataset":
-        """A copy of this dataset carrying ``options``."""
-        if not isinstance(options, Options):
-            raise TypeError(f"options={options!r}: expected md.data.Options()")
-        clone = object.__new__(type(self))
-        clone.__dict__.update(self.__dict__)
-        clone._options = options
-        return clone
-
-    def __iter__(self):
-        return iter(self._iterable)
-
-    @property
-    def files(self):
-        """The files the items come from, when the wrapped iterable names them (for FILE sharding)."""
-        return getattr(self._iterable, "files", None)
-
-
-class NumpyDataset(Dataset):
-    """``experimental_make_numpy_dataset``'s result: the rows of host arrays, like ``from_tensor_slices``.
-
-    ``batch(n, drop_remainder=False)`` groups rows into batches; ``repeat``
-    repeats the rows ``count`` times (forever for ``None``).
-    """
-
-    def __init__(self, arrays, batch_size=None, drop_remainder=False, repeat=1, options=None):
-        super().__init__(None, options)
-        self._arrays = arrays
+    def __init__(self, arrays):
         leaves = _nest.flatten(arrays)
         if not leaves or any(np.ndim(a) == 0 for a in leaves):
             raise ValueError("numpy_input: expected arrays with a leading dimension of rows, got "
@@ -142,35 +66,7 @@ class NumpyDataset(Dataset):
         sizes = {len(a) for a in leaves}
         if len(sizes) != 1:
             raise ValueError(f"numpy_input: all arrays need the same number of rows; got {sorted(sizes)}")
-        self._rows = sizes.pop()
-        self._batch_size, self._drop_remainder, self._repeat = batch_size, drop_remainder, repeat
-
-    def batch(self, batch_size: int, drop_remainder: bool = False) -> "NumpyDataset":
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r}: expected a positive int")
-        return NumpyDataset(self._arrays, batch_size, drop_remainder, self._repeat, self._options)
-
-    def repeat(self, count=None) -> "NumpyDataset":
-        return NumpyDataset(self._arrays, self._batch_size, self._drop_remainder, count, self._options)
-
-    def __iter__(self):
-        leaves = _nest.flatten(self._arrays)
-        epoch = 0
-        while self._repeat is None or self._repeat < 0 or epoch < self._repeat:
-            if self._batch_size is None:
-                for i in range(self._rows):
-                    yield _nest.pack_sequence_as(self._arrays, [a[i] for a in leaves])
-            else:
-                for lo in range(0, self._rows, self._batch_size):
-                    hi = min(lo + self._batch_size, self._rows)
-                    if hi - lo < self._batch_size and self._drop_remainder:
-                        break
-                    yield _nest.pack_sequence_as(self._arrays, [a[lo:hi] for a in leaves])
-            epoch += 1
-
-    @property
-    def files(self):
-        return None
+        super().__init__(arrays)
 
 
 def _stack_lists(value):
@@ -195,17 +91,7 @@ def make_numpy_dataset(numpy_input) -> NumpyDataset:
     return NumpyDataset(_nest.map_structure(lambda a: np.array(device_util.to_host(a), copy=True), arrays))
 
 
-def policy_of(dataset) -> AutoShardPolicy:
-    """The auto-shard policy ``dataset`` carries (AUTO when it carries no options)."""
-    options = getattr(dataset, "options", None)
-    if callable(options):
-        try:
-            options = options()
-        except TypeError:
-            options = None
-    distribute = getattr(options, "experimental_distribute", None)
-    return getattr(distribute, "auto_shard_policy", AutoShardPolicy.AUTO) if distribute is not None \
-        else AutoShardPolicy.AUTO
-
-
-experimental = types.SimpleNamespace(AutoShardPolicy=AutoShardPolicy, DistributeOptions=DistributeOptions)
+experimental = types.SimpleNamespace(AutoShardPolicy=AutoShardPolicy, DistributeOptions=DistributeOptions, Optional=Optional,
+                                     AUTOTUNE=AUTOTUNE, INFINITE_CARDINALITY=INFINITE_CARDINALITY,
+                                     UNKNOWN_CARDINALITY=UNKNOWN_CARDINALITY,
+                                     cardinality=lambda dataset: dataset.cardinality())

@@ -98,6 +98,7 @@ def is_gpu(device) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=1024)
 def all_cpu(devices: tuple) -> bool:
     """Whether every device of ``devices`` (a tuple of strings) is a CPU device."""
     return all(parse(d).device_type == "CPU" for d in devices)
@@ -110,6 +111,12 @@ _current = threading.local()
 def current():
     """The canonical device of the replica running on this thread, or None."""
     return getattr(_current, "device", None)
+
+
+def set_current(device) -> None:
+    """Makes ``device`` (canonical, or None) this thread's current one: a replica resumed on a
+    thread that ran other replicas meanwhile gets its own back."""
+    _current.device = device
 
 
 class device_scope:
@@ -148,6 +155,14 @@ def _gpu_ordinal(spec: DeviceSpec) -> int:
     from . import config
 
     return config.physical_gpu_index(spec.device_index)
+
+
+def physical_ordinal(device) -> int:
+    """CUDA ordinal of a GPU device string (logical GPUs share a physical one)."""
+    spec = parse(device)
+    if spec.device_type != "GPU":
+        raise ValueError(f"device={device!r} is not a GPU device")
+    return _gpu_ordinal(spec)
 
 
 def all_gpu(devices: tuple) -> bool:

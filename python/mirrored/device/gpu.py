@@ -43,16 +43,6 @@ def cupy_module():
     return cupy
 
 
-def physical_ordinal(device) -> int:
-    """CUDA ordinal of a GPU device string (logical GPUs share a physical one)."""
-    from . import config, device_util
-
-    spec = device_util.parse(device)
-    if spec.device_type != "GPU":
-        raise ValueError(f"device={device!r} is not a GPU device")
-    return config.physical_gpu_index(spec.device_index)
-
-
 # --- streams -----------------------------------------------------------------
 
 _lock = threading.Lock()
@@ -80,14 +70,13 @@ def replica_stream(replica_id: int, ordinal: int):
 
 
 @contextlib.contextmanager
-def replica_scope(device, replica_id: int):
-    """Run a replica's code on its GPU and its own stream (made by :func:`replica_stream`)::
+def replica_scope(ordinal: int, replica_id: int):
+    """Run a replica's code on CUDA device ``ordinal`` and its own stream (made by :func:`replica_stream`)::
 
-        with _gpu.replica_scope("/gpu:1", 1):
+        with _gpu.replica_scope(device_util.physical_ordinal("/gpu:1"), 1):
             fn()   # CuPy work lands on replica 1's stream of GPU 1's physical device
     """
     cupy = cupy_module()
-    ordinal = physical_ordinal(device)
     with cupy.cuda.Device(ordinal), replica_stream(replica_id, ordinal):
         yield
 

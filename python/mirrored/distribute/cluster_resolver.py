@@ -285,60 +285,90 @@ class SimpleClusterResolver(ClusterResolver):
 
 # --- Slurm ---------------------------------------------------------------------
 
-def expand_hostlist(hostlist: str) -> list[str]:
+# More hosts (or tasks) than any cluster has: a list that expands beyond this is a typo, refused before expanding.
+MAX_HOSTS = 1 << 16
+
+
+def _decimal(text: str) -> int | None:
+    """``text`` as a non-negative int when it is plain ASCII digits (``int()`` also takes ``"²"``-like digits)."""
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
+def expand_hostlist(hostlist: str, source: str = "hostlist") -> list[str]:
     """A Slurm host list as host names, in order, duplicates kept.
 
     ``"n[1-2],m5,o[3-4,6]"`` -> ``["n1", "n2", "m5", "o3", "o4", "o6"]``;
     zero padding is kept (``"gpu[08-10]"`` -> ``gpu08, gpu09, gpu10``) and
     several ranges multiply (``"r[1-2]n[1-2]"`` -> ``r1n1, r1n2, r2n1, r2n2``).
+    A list of more than MAX_HOSTS names is refused before it is expanded;
+    errors name ``source`` (e.g. the variable the list came from).
     """
     if not isinstance(hostlist, str) or not hostlist.strip():
-        raise ValueError(f"hostlist={hostlist!r}: expected a Slurm host list like 'node[1-3,5],other'")
+        raise ValueError(f"{source}={hostlist!r}: expected a Slurm host list like 'node[1-3,5],other'")
     parts, depth, start = [], 0, 0
     for i, c in enumerate(hostlist + ","):
         depth += (c == "[") - (c == "]")
         if depth not in (0, 1):
-            raise ValueError(f"hostlist={hostlist!r}: unbalanced brackets at character {i}")
+            raise ValueError(f"{source}={hostlist!r}: unbalanced brackets at character {i}")
         if c == "," and depth == 0:
             parts.append(hostlist[start:i].strip())
             start = i + 1
     if depth or not all(parts):
-        raise ValueError(f"hostlist={hostlist!r}: expected names or name[ranges] separated by commas, e.g. "
+        raise ValueError(f"{source}={hostlist!r}: expected names or name[ranges] separated by commas, e.g. "
                          "'node[1-3,5],other'")
-    hosts: list[str] = []
+    # Each part: text and bracketed range lists, alternating; the number of names is checked before any is made.
+    plans, total = [], 0
     for part in parts:
+        pieces = [(m.group(1), None if m.group(2) is None else _parse_ranges(m.group(2), hostlist, source))
+                  for m in re.finditer(r"([^\[]*)(?:\[([^\]]*)\])?", part) if m.group(0)]
+        count = 1
+        for _, ranges in pieces:
+            count *= 1 if ranges is None else sum(last - first + 1 for first, last, _ in ranges)
+        total += count
+        if total > MAX_HOSTS:
+            raise ValueError(f"{source}={hostlist!r} names more than {MAX_HOSTS} hosts; check the ranges")
+        plans.append(pieces)
+    hosts: list[str] = []
+    for pieces in plans:
         names = [""]
-        for text, ranges in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", part):
+        for text, ranges in pieces:
             names = [n + text for n in names]
-            if ranges:
-                names = [n + value for n in names for value in _expand_ranges(ranges, hostlist)]
+            if ranges is not None:
+                names = [n + str(i).zfill(width) for n in names for first, last, width in ranges
+                         for i in range(first, last + 1)]
         hosts.extend(names)
     return hosts
 
 
-def _expand_ranges(ranges: str, hostlist: str) -> list[str]:
-    values = []
+def _parse_ranges(ranges: str, hostlist: str, source: str) -> list[tuple[int, int, int]]:
+    """``"08-10,3"`` -> ``[(8, 10, 2), (3, 3, 0)]``: first, last and zero-padded width of each range."""
+    out = []
     for item in ranges.split(","):
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", item.strip())
+        m = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", item.strip())
         if m is None:
-            raise ValueError(f"hostlist={hostlist!r}: {item!r} in [{ranges}] is not a number or a range like 3-5")
+            raise ValueError(f"{source}={hostlist!r}: {item.strip()!r} in [{ranges}] is not a number or a range "
+                             "like 3-5")
         first, last = m.group(1), m.group(2) or m.group(1)
         if int(last) < int(first):
-            raise ValueError(f"hostlist={hostlist!r}: range {item!r} runs backwards; write {last}-{first}")
-        width = len(first) if first.startswith("0") else 0  # node[08-10]: keep the padding
-        values += [str(i).zfill(width) for i in range(int(first), int(last) + 1)]
-    return values
+            raise ValueError(f"{source}={hostlist!r}: range {item!r} runs backwards; write {last}-{first}")
+        out.append((int(first), int(last), len(first) if first.startswith("0") else 0))  # node[08-10]: padding
+    return out
 
 
-def expand_tasks_per_node(tasks_per_node: str) -> list[int]:
+def expand_tasks_per_node(tasks_per_node: str, source: str = "tasks_per_node") -> list[int]:
     """Slurm's tasks-per-node list as one count per node: ``"3(x2),2,1"`` -> ``[3, 3, 2, 1]``."""
-    counts = []
+    counts: list[int] = []
     for part in str(tasks_per_node).split(","):
-        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        m = re.fullmatch(r"([0-9]+)(?:\(x([0-9]+)\))?", part.strip())
         if m is None:
-            raise ValueError(f"tasks_per_node={tasks_per_node!r}: {part!r} is not 'N' or 'N(xK)', as in "
+            raise ValueError(f"{source}={tasks_per_node!r}: {part!r} is not 'N' or 'N(xK)', as in "
                              "SLURM_STEP_TASKS_PER_NODE='2(x3),1'")
-        counts += [int(m.group(1))] * int(m.group(2) or 1)
+        repeat = int(m.group(2) or 1)
+        if len(counts) + repeat > MAX_HOSTS:
+            raise ValueError(f"{source}={tasks_per_node!r} describes more than {MAX_HOSTS} nodes; check the "
+                             "(xK) repeats")
+        counts += [int(m.group(1))] * repeat
     return counts
 
 
@@ -350,24 +380,43 @@ def _slurm_var(name: str) -> str:
     return os.environ[key]
 
 
+def _slurm_count(name: str, what: str) -> int:
+    """A numeric SLURM_* variable, refused by name when it is not plain digits."""
+    text = _slurm_var(name)
+    value = _decimal(text)
+    if value is None:
+        raise RuntimeError(f"SLURM_{name}={text!r} is not {what} (plain digits, e.g. 0 or 4); is this a Slurm "
+                           "job step?")
+    return value
+
+
 def in_slurm_step() -> bool:
     """Whether this process is a task of a Slurm job step (``srun``)."""
     return "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ
 
 
-def _gpus_on_this_node() -> int:
-    """GPUs visible here, without initialising CUDA (so CUDA_VISIBLE_DEVICES can still be set after)."""
+def local_gpu_ids() -> list[str]:
+    """This machine's visible GPUs, as CUDA_VISIBLE_DEVICES entries, without initialising CUDA.
+
+    ``CUDA_VISIBLE_DEVICES`` when set (its entries), else the driver's
+    ``/proc/driver/nvidia/gpus``, else ``nvidia-smi -L``; ``[]`` without GPUs.
+    CUDA stays untouched, so a launcher can still set CUDA_VISIBLE_DEVICES
+    for the processes it starts.
+    """
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return len([d for d in visible.split(",") if d.strip()])
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return 0
+        return [d.strip() for d in visible.split(",") if d.strip()]
     try:
-        out = subprocess.run([smi, "--list-gpus"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(line.startswith("GPU ") for line in out.splitlines())
+        count = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        count = 0
+    if not count and shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        count = sum(line.startswith("GPU ") for line in out.splitlines())
+    return [str(i) for i in range(count)]
 
 
 class SlurmClusterResolver(ClusterResolver):
@@ -390,12 +439,9 @@ class SlurmClusterResolver(ClusterResolver):
     def __init__(self, jobs=None, port_base=8888, gpus_per_node=None, gpus_per_task=None, tasks_per_node=None,
                  auto_set_gpu=True, rpc_layer="grpc"):
         super().__init__(rpc_layer=rpc_layer)
-        rank_text = _slurm_var("PROCID")
-        if not rank_text.strip().isdigit():
-            raise RuntimeError(f"SLURM_PROCID={rank_text!r} is not a task number")
-        self._rank = int(rank_text)
+        self._rank = _slurm_count("PROCID", "a task number")
         if jobs is None:
-            jobs = {"worker": int(_slurm_var("STEP_NUM_TASKS"))}
+            jobs = {"worker": _slurm_count("STEP_NUM_TASKS", "a number of tasks")}
         if not isinstance(jobs, dict) or not all(
                 isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
                 for k, v in jobs.items()):
@@ -406,8 +452,8 @@ class SlurmClusterResolver(ClusterResolver):
         self._jobs = dict(sorted(jobs.items()))
         self._port_base = port_base
         if tasks_per_node is None:
-            hosts = expand_hostlist(_slurm_var("STEP_NODELIST"))
-            counts = expand_tasks_per_node(_slurm_var("STEP_TASKS_PER_NODE"))
+            hosts = expand_hostlist(_slurm_var("STEP_NODELIST"), "SLURM_STEP_NODELIST")
+            counts = expand_tasks_per_node(_slurm_var("STEP_TASKS_PER_NODE"), "SLURM_STEP_TASKS_PER_NODE")
             if len(counts) != len(hosts):
                 raise RuntimeError(f"SLURM_STEP_TASKS_PER_NODE gives {len(counts)} node(s) but "
                                    f"SLURM_STEP_NODELIST lists {len(hosts)}")
@@ -415,10 +461,11 @@ class SlurmClusterResolver(ClusterResolver):
         elif isinstance(tasks_per_node, dict):
             self._layout = [(str(h), int(n)) for h, n in tasks_per_node.items()]
         else:
-            self._layout = [(h, int(tasks_per_node)) for h in expand_hostlist(_slurm_var("STEP_NODELIST"))]
+            self._layout = [(h, int(tasks_per_node))
+                            for h in expand_hostlist(_slurm_var("STEP_NODELIST"), "SLURM_STEP_NODELIST")]
         num_tasks = sum(n for _, n in self._layout)
         most = max((n for _, n in self._layout), default=0)
-        self._gpus_per_node = _gpus_on_this_node() if gpus_per_node is None else int(gpus_per_node)
+        self._gpus_per_node = len(local_gpu_ids()) if gpus_per_node is None else int(gpus_per_node)
         self._gpus_per_task = (self._gpus_per_node // most if most else 0) if gpus_per_task is None \
             else int(gpus_per_task)
         self._auto_set_gpu = auto_set_gpu

@@ -82,13 +82,17 @@ _SUPPORTED = _supported_dtypes()
 _DEFAULT_OPTIONS = CommunicationOptions()
 
 
-def _buffers(per_replica: DistributedValues, argument: str = "per_replica_value", devices=None) -> list:
-    """The components as arrays on their devices, checked to agree in shape and dtype."""
+def _buffers(per_replica: DistributedValues, argument: str = "per_replica_value", devices=None,
+             check: bool = True) -> list:
+    """The components as arrays on their devices, checked to agree in shape and dtype (``check=False``:
+    they go to the collective face, which checks them)."""
     devices = devices or get_devices_from(per_replica, argument)
     if device_util.all_cpu(devices):  # the hot path: NumPy arrays on CPU replicas are used as they are
         arrays = [v if type(v) is np.ndarray else device_util.to_host(_read(v)) for v in per_replica.values]
     else:
         arrays = [device_util.place(_read(v), d) for v, d in zip(per_replica.values, devices)]
+    if not check:
+        return arrays
     first = arrays[0]
     if first.dtype not in _SUPPORTED and first.dtype.newbyteorder("=") not in _SUPPORTED:
         _dtypes.dtype_code(first.dtype, argument)  # raises, naming the argument and the dtypes we take
@@ -132,10 +136,9 @@ class CrossDeviceOps:
         pairs = [(_as_per_replica(v, "value_destination_pairs"), d) for v, d in value_destination_pairs]
         if not pairs:
             return []
-        for v, d in pairs:
-            get_devices_from(d)
-        if self._sees_all_replicas and all(len(v.values) == 1 and get_devices_from(v) == get_devices_from(d)
-                                           for v, d in pairs):
+        destinations = [get_devices_from(d) for _, d in pairs]
+        if self._sees_all_replicas and all(len(v.values) == 1 and get_devices_from(v) == dest
+                                           for (v, _), dest in zip(pairs, destinations)):
             return [v.values[0] for v, _ in pairs]
         return self.batch_reduce_implementation(op, pairs, options or _DEFAULT_OPTIONS)
 
@@ -226,14 +229,14 @@ class _NativeAllReduce(CrossDeviceOps):
         fused, devices = [], None
         for i, (v, d) in enumerate(value_destination_pairs):
             src = get_devices_from(v)
-            if src == get_devices_from(d) and devices in (None, src):
+            if (d is v or src == get_devices_from(d)) and devices in (None, src):
                 fused.append(i)
                 devices = src
             else:
                 results[i] = self.reduce_implementation(reduce_op, v, d, options)
         if fused:
             self._check_devices(devices)
-            tensors = [_buffers(value_destination_pairs[i][0], "value", devices) for i in fused]
+            tensors = [_buffers(value_destination_pairs[i][0], "value", devices, check=False) for i in fused]
             per_replica_lists = [[t[r] for t in tensors] for r in range(len(devices))]
             reduced = self._all_reduce_lists(reduce_op, per_replica_lists, options)
             for k, i in enumerate(fused):
@@ -301,6 +304,31 @@ class NcclAllReduce(_NativeAllReduce):
                              "cross_device_ops=md.cross_device_ops.RingAllReduce() for CPU replicas, or GPU devices")
 
 
+class CollectiveAllReduce(_NativeAllReduce):
+    """All-reduce across every replica of every worker (``tf.distribute``'s collective ops).
+
+    ``group``: the job's :class:`CollectiveGroup`; ``None`` reduces this
+    process's replicas only (a one-worker job). ``num_packs`` /
+    ``bytes_per_pack`` fuse a batch of tensors into few network messages.
+    Every reduction returns on every worker, as in TensorFlow.
+    """
+
+    def __init__(self, group=None, num_packs: int = 1, bytes_per_pack: int = 0):
+        super().__init__(num_packs, bytes_per_pack)
+        if group is not None:
+            self._collectives = group
+            self._sees_all_replicas = group.num_workers == 1
+        self.group = group
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        devices = get_devices_from(per_replica_value)
+        if get_devices_from(destinations) == devices:
+            return self.batch_reduce_implementation(reduce_op, [(per_replica_value, destinations)], options)[0]
+        # An all-reduce, not a reduce to one root: every worker needs the value.
+        reduced = self._collectives.all_reduce(_buffers(per_replica_value), reduce_op.value)[0]
+        return self.broadcast(reduced, destinations)
+
+
 class ReductionToOneDevice(CrossDeviceOps):
     """Copy every component to one device, reduce there, broadcast the result back.
 
@@ -339,6 +367,23 @@ class ReductionToOneDevice(CrossDeviceOps):
         return self.broadcast(reduced, destinations)
 
 
+def describe(ops, devices) -> str:
+    """How a strategy's ``CrossDeviceOps`` reduces over ``devices``, in words, for the engine log line."""
+    name = type(ops).__name__
+    if type(ops).__module__ != __name__:
+        return f"{name} (a user CrossDeviceOps)"
+    buffers = "CUDA" if device_util.all_gpu(devices) else "host"
+    if isinstance(ops, NcclAllReduce):
+        return f"NCCL ({name})"
+    if isinstance(ops, HierarchicalCopyAllReduce):
+        return f"native tree over {buffers} buffers ({name})"
+    if isinstance(ops, ReductionToOneDevice):
+        return f"copy to one device, reduce, copy back ({name})"
+    algorithm = getattr(ops, "_algorithm", "auto")
+    how = "ring, direct or tree picked per call by size and replica count" if algorithm == "auto" else algorithm
+    return f"native {how} over {buffers} buffers ({name}, algorithm={algorithm!r})"
+
+
 def _check_available(device: str, argument: str) -> None:
     """Names a GPU device this machine cannot use, instead of failing later inside CuPy."""
     if not device_util.is_gpu(device):
@@ -359,15 +404,6 @@ def _check_available(device: str, argument: str) -> None:
         f"{cupy_note}; reduce on a device it has (e.g. reduce_to_device='/cpu:0' or one of "
         "md.config.list_logical_devices('GPU')), or run on a machine with that GPU, its driver and the CUDA build"
     )
-
-
-def __getattr__(name):
-    # The multi-worker implementation lives in its own module and imports only when asked for.
-    if name == "CollectiveAllReduce":
-        from .collective_all_reduce import CollectiveAllReduce
-
-        return CollectiveAllReduce
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["CrossDeviceOps", "RingAllReduce", "NcclAllReduce", "HierarchicalCopyAllReduce",

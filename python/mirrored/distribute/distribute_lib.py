@@ -1,9 +1,8 @@
-"""Strategy, StrategyExtended, ReplicaContext and the context stack.
+"""Strategy, StrategyExtended, ReplicaContext and the default strategy.
 
-Each thread has a stack of contexts ``(strategy, replica_context)``; a
-``replica_context`` of ``None`` means cross-replica context. With an empty
-stack the thread is in the default context: the default strategy (one replica,
-no distribution) and its default replica context.
+The context stack (which strategy and replica context are current on a
+thread) is :mod:`mirrored.distribute.context`; this module installs the
+default strategy's context there.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import NamedTuple
 
 import numpy as np
 
@@ -25,70 +23,31 @@ from .values import (DeviceVariable, DistributedValues, PerReplica, _read, regro
 HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
-class _Context(NamedTuple):
-    strategy: "Strategy"
-    replica_context: "ReplicaContext | None"
-
-
-_local = threading.local()
-
-
-def _stack() -> list:
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
-
-
-def _top() -> _Context:
-    stack = _stack()
-    return stack[-1] if stack else _default_context()
-
-
-def get_strategy() -> "Strategy":
-    """The current strategy: the one whose scope (or replica) this thread is in, else the default one."""
-    return _top().strategy
-
-
-def has_strategy() -> bool:
-    """Whether a strategy other than the default one is current."""
-    return _top().strategy is not _default_context().strategy
-
-
-def in_cross_replica_context() -> bool:
-    """True inside a strategy's ``scope()`` (or a ``merge_call``), False in a replica or outside any strategy."""
-    return _top().replica_context is None
-
-
-def get_replica_context() -> "ReplicaContext | None":
-    """The replica context of this thread; None in cross-replica context; a default one outside any strategy."""
-    return _top().replica_context
-
-
-def get_cross_replica_context() -> "Strategy | None":
-    """The current strategy in cross-replica context, else None."""
-    top = _top()
-    return top.strategy if top.replica_context is None else None
-
-
-@contextlib.contextmanager
-def _entered(ctx: _Context):
-    stack = _stack()
-    stack.append(ctx)
-    try:
-        yield ctx.strategy
-    finally:
-        stack.pop()
+from .context import (_Context, _entered, _stack, _top, get_cross_replica_context, get_replica_context,
+                      get_strategy, has_strategy, in_cross_replica_context, set_default_context)
 
 
 def _require_cross_replica_or_default(strategy: "Strategy", method: str):
     top = _top()
+    if top is _DEFAULT or (top.strategy is strategy and top.replica_context is None):
+        return  # outside any strategy, or in this one's cross-replica context
     if top.strategy is not strategy and top.strategy is not _default_context().strategy:
         raise RuntimeError(f"Mixing different md strategies: {method} of {strategy!r} called while "
                          f"{top.strategy!r} is current; leave the other strategy's scope first")
     if top.replica_context not in (None, default_replica_context()) and top.strategy is strategy:
         raise RuntimeError(f"{method} requires being in cross-replica context; inside strategy.run use "
                            "md.get_replica_context().merge_call(...) or the replica context's all_reduce")
+
+
+def _timeline_row() -> int:
+    """The timeline row of the calling thread: its local replica, or the host row outside replica context."""
+    ctx = get_replica_context()
+    if ctx is None or not has_strategy():
+        return timeline.HOST_ROW
+    return int(getattr(ctx, "_local_replica_id", 0))
+
+
+timeline.set_row_source(_timeline_row)
 
 
 # --- replica rendezvous ------------------------------------------------------------------
@@ -105,12 +64,25 @@ class _Group:
     ``combine`` once for all of them (the single native call), and each replica
     takes back its own part. A replica that fails breaks the group, so no
     replica waits forever for it.
+
+    A replica on a thread of its own waits on the condition. On the caller's
+    thread (``coop``, see mirrored_strategy's ``_Cooperative``) a replica
+    never sleeps there: the caller's own replica runs the other replicas until
+    the collective completes, and one running as a greenlet parks, handing
+    the thread back, until the combine makes it ready again.
     """
 
     def __init__(self, n: int):
         self.n = n
         self._cond = threading.Condition(threading.Lock())
+        self.coop = None  # the run's cooperative scheduler, or None
         self.reset()
+
+    def _notify(self):
+        """Wakes every waiting replica, on a thread or parked (the lock held)."""
+        self._cond.notify_all()
+        if self.coop is not None:
+            self.coop.wake_parked()
 
     def reset(self):
         self._slots = [None] * self.n
@@ -122,8 +94,11 @@ class _Group:
         self._broken = None
 
     def exchange(self, rid: int, kind: str, payload, combine):
-        with timeline.replica_wait(rid, kind):  # shows each replica's wait for the slowest one
+        if timeline._trace is None:
             results = self._exchange(rid, kind, payload, combine)
+        else:
+            with timeline.replica_wait(rid, kind):  # shows each replica's wait for the slowest one
+                results = self._exchange(rid, kind, payload, combine)
         if isinstance(results, BaseException):
             raise results
         return results[rid]
@@ -131,6 +106,8 @@ class _Group:
     def _exchange(self, rid, kind, payload, combine):
         if self.n == 1:
             return combine([payload])
+        coop = self.coop
+        parked = coop.current() if coop is not None else None  # this replica's greenlet, if it is one
         with self._cond:
             if self._broken is not None:
                 raise self._broken
@@ -151,14 +128,33 @@ class _Group:
                 self._slots = [None] * self.n
                 self._arrived = 0
                 self._generation += 1
-                self._cond.notify_all()
-            else:
-                self._check_stranded()
+                self._notify()
+                return results
+            self._check_stranded()
+            if parked is None:
                 while self._generation == generation and self._broken is None:
                     self._cond.wait()
                 if self._generation == generation:
                     raise self._broken
-            return self._results
+                return self._results
+            if self._broken is not None:  # (stranded: this replica is the one left waiting)
+                raise self._broken
+            if parked is not coop.HUB:
+                coop.park_later(parked)
+        if parked is coop.HUB:  # the caller's own replica: it runs the others until the collective completes
+            coop.serve(lambda: self._generation != generation or self._broken is not None)
+            with self._cond:
+                if self._generation != generation:
+                    return self._results
+                raise self._broken
+        while True:  # parked: the caller's thread runs other replicas until a combine (or an abort) wakes this one
+            coop.park()
+            with self._cond:
+                if self._generation != generation:
+                    return self._results
+                if self._broken is not None:
+                    raise self._broken
+                coop.park_later(parked)
 
     def _check_stranded(self):
         if self._arrived and self._arrived + self._finished == self.n and self._broken is None:
@@ -166,18 +162,19 @@ class _Group:
             self._broken = RuntimeError(
                 f"replica(s) {waiting} wait in {self._kinds[waiting[0]]} but the other replicas returned "
                 "without calling it; every replica must make the same collective calls")
-            self._cond.notify_all()
+            self._notify()
 
     def replica_finished(self):
         with self._cond:
             self._finished += 1
-            self._check_stranded()
+            if self._arrived:  # someone waits: is it stranded now?
+                self._check_stranded()
 
     def abort(self):
         with self._cond:
             if self._broken is None:
                 self._broken = _Aborted()
-            self._cond.notify_all()
+            self._notify()
 
 
 # --- replica context -----------------------------------------------------------------------
@@ -342,8 +339,15 @@ class Strategy:
         _require_cross_replica_or_default(self, "run")
         if not isinstance(args, (list, tuple)):
             raise ValueError(f"args={args!r}: pass the arguments of fn as a tuple, e.g. args=(x,)")
-        with self.scope():
+        top = _top()
+        if top.strategy is self and top.replica_context is None:  # in this strategy's scope already
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+        stack = _stack()  # (what scope() does, once the check above has passed)
+        stack.append(_Context(self, None))
+        try:
+            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+        finally:
+            stack.pop()
 
     experimental_run_v2 = run
 
@@ -374,7 +378,7 @@ class Strategy:
 
         if op is not ReduceOp.MEAN:
             return ext._reduce(op, along_axis(lambda v: _reduce_along(v, op, axis)))
-        numer = ext._reduce(ReduceOp.SUM, along_axis(lambda v: v.sum(axis=axis)))
+        numer = ext._reduce(ReduceOp.SUM, along_axis(lambda v: _reduce_along(v, ReduceOp.SUM, axis)))
         denom = ext._reduce(ReduceOp.SUM, along_axis(lambda v: np.asarray(v.shape[axis], np.int64)))
         return _nest.pack_sequence_as(numer, [_divide(a, b) for a, b in zip(_nest.flatten(numer),
                                                                             _nest.flatten(denom))])
@@ -434,9 +438,13 @@ def _place_arrays(x, device):
 
 
 def _divide(numer, denom):
+    """TensorFlow's ``truediv(numer, cast(denom, numer.dtype))``: integers divide in float32 up to 16 bits,
+    in float64 beyond; floats keep their dtype."""
     numer = np.asarray(numer)
-    if numer.dtype.kind == "f":
-        return numer / np.asarray(denom, numer.dtype)
+    denom = np.asarray(denom).astype(numer.dtype)
+    if numer.dtype.kind in "iu":
+        real = np.float32 if numer.dtype.itemsize <= 2 else np.float64
+        return numer.astype(real) / denom.astype(real)
     return numer / denom
 
 
@@ -662,7 +670,10 @@ def _reduce_along(v, op: ReduceOp, axis: int):
     """``v`` reduced along ``axis`` with ``op``; an empty slice (a replica with no rows of a
     partial batch) gives the op's identity, as TensorFlow's reduce_min/reduce_max do."""
     local = {ReduceOp.SUM: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max", ReduceOp.PROD: "prod"}[op]
-    if v.shape[axis] or op not in (ReduceOp.MIN, ReduceOp.MAX):
+    if op in (ReduceOp.SUM, ReduceOp.PROD):
+        # In v's own dtype, wrapping around as TensorFlow's reduce_sum does (NumPy would widen small ints).
+        return getattr(v, local)(axis=axis, dtype=v.dtype)
+    if v.shape[axis]:
         return getattr(v, local)(axis=axis)
     dtype = np.dtype(v.dtype)
     info = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
@@ -767,22 +778,17 @@ class _DefaultStrategy(Strategy):
         return "<mirrored default strategy>"
 
 
-_default = None
-_default_lock = threading.Lock()
-
-
 def _default_context() -> _Context:
-    global _default
-    if _default is None:
-        with _default_lock:
-            if _default is None:
-                strategy = _DefaultStrategy()
-                _default = _Context(strategy, ReplicaContext(strategy, 0))
-    return _default
+    return _DEFAULT
 
 
 def default_replica_context() -> ReplicaContext:
-    return _default_context().replica_context
+    return _DEFAULT.replica_context
+
+
+_default_strategy = _DefaultStrategy()
+_DEFAULT = _Context(_default_strategy, ReplicaContext(_default_strategy, 0))
+set_default_context(_DEFAULT)
 
 
 __all__ = [

@@ -12,12 +12,15 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import queue
-import threading
 
 import numpy as np
 
 from .. import _nest
+from ..data import dataset_ops
+from ..data.dataset_ops import Dataset, PrefetchIterator, _Iterator
+from ..data.iterator_ops import Optional
+from ..data.options import AutoShardPolicy, policy_of
+from ..data.structure import TensorSpec, decode_state, encode_state
 from ..device import device_util
 from .options import InputOptions, InputReplicationMode
 from .values import regroup
@@ -64,21 +67,20 @@ class ValueContext:
                f"total replicas in sync: {self._num_replicas_in_sync})"
 
 
-class TensorSpec:
-    """Shape (``None`` for a batch dimension that varies) and dtype of one element leaf."""
-
-    def __init__(self, shape, dtype):
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
-
-    def __eq__(self, other):
-        return isinstance(other, TensorSpec) and (self.shape, self.dtype) == (other.shape, other.dtype)
-
-    def __hash__(self):
-        return hash((self.shape, self.dtype))
-
-    def __repr__(self) -> str:
-        return f"TensorSpec(shape={self.shape}, dtype={self.dtype.name}, name=None)"
+def split_batch(batch, num_global: int, first: int, count: int, argument: str = "dataset"):
+    """Replicas ``first .. first+count-1`` of ``num_global``: each one's slice of every leaf of ``batch``."""
+    leaves = [device_util.to_host(x) if not device_util.on_gpu(x) else x for x in _nest.flatten(batch)]
+    sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
+    if None in sizes or len(sizes) != 1:
+        raise ValueError(f"{argument}: every array of a batch needs the same leading (batch) dimension; got "
+                         f"shapes {[tuple(leaf.shape) for leaf in leaves]}")
+    b = sizes.pop()
+    c = math.ceil(b / num_global)
+    out = []
+    for g in range(first, first + count):
+        lo, hi = min(g * c, b), min((g + 1) * c, b)
+        out.append(_nest.pack_sequence_as(batch, [leaf[lo:hi] for leaf in leaves]))
+    return out
 
 
 class PerReplicaSpec:
@@ -97,89 +99,166 @@ class PerReplicaSpec:
         return f"PerReplicaSpec({', '.join(map(repr, self._specs))})"
 
 
-def split_batch(batch, num_global: int, first: int, count: int, argument: str = "dataset"):
-    """Replicas ``first .. first+count-1`` of ``num_global``: each one's slice of every leaf of ``batch``."""
-    leaves = [device_util.to_host(x) if not device_util.on_gpu(x) else x for x in _nest.flatten(batch)]
-    sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
-    if None in sizes or len(sizes) != 1:
-        raise ValueError(f"{argument}: every array of a batch needs the same leading (batch) dimension; got "
-                         f"shapes {[tuple(leaf.shape) for leaf in leaves]}")
-    b = sizes.pop()
-    c = math.ceil(b / num_global)
-    out = []
-    for g in range(first, first + count):
-        lo, hi = min(g * c, b), min((g + 1) * c, b)
-        out.append(_nest.pack_sequence_as(batch, [leaf[lo:hi] for leaf in leaves]))
-    return out
+class _StepIterator(_Iterator):
+    """Source items -> steps, as ``(item, k)``: step ``k`` of the steps the item makes (FILE and OFF sharding
+    make several of one batch). The split itself happens later, in the prefetch thread, so what is buffered
+    and saved is the same on every worker (the source's items), whichever worker's checkpoint is restored.
 
+    The state is the source's, the item being split and how many of its steps were taken, so a restored
+    iterator continues with the step that followed the save.
+    """
 
-class _Prefetcher:
-    """A background thread that keeps up to ``depth`` steps ready; errors surface on ``next``."""
-
-    _END = object()
-
-    def __init__(self, source, make_step, depth: int):
-        self._queue = queue.Queue(maxsize=max(depth, 1))
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._fill, args=(source, make_step), daemon=True,
-                                        name="mirrored-prefetch")
-        self._thread.start()
-
-    def _fill(self, source, make_step):
-        try:
-            for item in make_step(source):
-                if not self._put(item):
-                    return
-        except BaseException as e:  # delivered to the consumer, in order
-            self._put(_Failure(e))
-            return
-        self._put(self._END)
-
-    def _put(self, item) -> bool:
-        while not self._closed.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+    def __init__(self, source: _Iterator, steps_per_item: int, state=None):
+        super().__init__(source)
+        self._steps_per_item = steps_per_item
+        self._item, self._taken = (None, steps_per_item) if state is None or state["item"] is None else \
+            (state["item"], state["taken"])
 
     def next(self):
-        item = self._queue.get()
-        if item is self._END:
-            self._queue.put(self._END)  # later calls stop too
-            raise StopIteration
-        if isinstance(item, _Failure):
-            self._queue.put(self._END)
-            raise item.error
+        if self._taken >= self._steps_per_item:
+            self._item, self._taken = self._inputs[0].next(), 0
+        self._taken += 1
+        return (self._item, self._taken - 1)
+
+    def save(self):
+        return {"source": self._inputs[0].save(), "item": self._item, "taken": self._taken}
+
+
+class _PythonSource(_Iterator):
+    """A plain Python iterable's items; its position is the count taken (a restore iterates afresh and skips)."""
+
+    def __init__(self, items: "_Reiterable", count: int = 0):
+        super().__init__()
+        self._it, self._count = items(), 0
+        if count and items._one_shot:
+            raise ValueError(f"cannot restore a position in {items._argument}: it is a one-shot iterator; pass an "
+                             "md.data.Dataset or a re-iterable (a list) to checkpoint the iterator")
+        for _ in range(count):
+            self.next()
+
+    def next(self):
+        item = next(self._it)
+        self._count += 1
         return item
 
-    def close(self):
-        self._closed.set()
+    def save(self):
+        return {"count": self._count}
 
 
-class _Failure:
-    def __init__(self, error):
-        self.error = error
+def _source_iterator(items, state=None) -> _Iterator:
+    """An iterator over ``items`` (an md.data.Dataset or a ``_Reiterable``) that can save its position."""
+    if isinstance(items, Dataset):
+        return items._make_iterator(state)
+    return _PythonSource(items, 0 if state is None else state["count"])
+
+
+class _FileRounds(_Iterator):
+    """FILE sharding of a plain iterable: item ``index`` of every round of ``workers`` items (an empty batch
+    for a worker short of an item in the last round)."""
+
+    def __init__(self, source: _Iterator, workers: int, index: int, state=None):
+        super().__init__(source)
+        self._workers, self._index = workers, index
+        self._done = False if state is None else state["done"]
+
+    def next(self):
+        if self._done:
+            raise StopIteration
+        round_ = []
+        for _ in range(self._workers):
+            try:
+                round_.append(self._inputs[0].next())
+            except StopIteration:
+                self._done = True
+                break
+        if not round_:
+            raise StopIteration
+        if self._index < len(round_):
+            return round_[self._index]
+        return _nest.map_structure(lambda x: device_util.to_host(x)[:0], round_[0])
+
+    def save(self):
+        return {"source": self._inputs[0].save(), "done": self._done}
+
+
+class _DeviceFetcher:
+    """Copies each replica's batch onto its device; runs in the prefetch thread, one step ahead of training.
+
+    Host-to-GPU copies are asynchronous: staged in pinned host memory and issued on a side stream of each
+    GPU, so they overlap the replicas' kernels on their own streams; the prefetch thread waits for its stream
+    before the step is handed over, so training never sees a batch still in flight.
+    """
+
+    def __init__(self, devices):
+        self._devices = devices
+        self._gpu = [device_util.is_gpu(d) for d in devices]
+        self._streams = {}
+
+    def __call__(self, per_replica: list) -> list:
+        if not any(self._gpu):
+            return [_nest.map_structure(lambda x: device_util.place(x, d, copy=True), s)
+                    for s, d in zip(per_replica, self._devices)]
+        import cupy
+
+        out, staged = [], []
+        for structure, device, gpu in zip(per_replica, self._devices, self._gpu):
+            if not gpu:
+                out.append(_nest.map_structure(lambda x: device_util.place(x, device, copy=True), structure))
+                continue
+            ordinal = device_util._gpu_ordinal(device_util.parse(device))
+            with cupy.cuda.Device(ordinal):
+                stream = self._streams.get(ordinal)
+                if stream is None:
+                    stream = self._streams[ordinal] = cupy.cuda.Stream(non_blocking=True)
+                out.append(_nest.map_structure(lambda x: self._copy(x, stream, staged), structure))
+        for ordinal, stream in self._streams.items():
+            with cupy.cuda.Device(ordinal):
+                stream.synchronize()
+        return out
+
+    @staticmethod
+    def _copy(x, stream, staged: list):
+        import cupy
+
+        if device_util.on_gpu(x):
+            with stream:
+                return cupy.array(x, copy=True)
+        host = device_util.to_host(x)
+        memory = cupy.cuda.alloc_pinned_memory(host.nbytes)
+        pinned = np.frombuffer(memory, host.dtype, host.size).reshape(host.shape)
+        pinned[...] = host
+        staged.append(memory)  # alive until the stream is synchronised
+        out = cupy.empty(host.shape, host.dtype)
+        out.set(pinned, stream=stream)
+        return out
 
 
 class DistributedIterator:
-    """Iterator over a distributed dataset: each ``next`` is one step, ``PerReplica`` leaves."""
+    """Iterator over a distributed dataset: each ``next`` is one step, ``PerReplica`` leaves.
 
-    def __init__(self, prefetcher: _Prefetcher, element_spec):
-        self._prefetcher = prefetcher
-        self._element_spec = element_spec
+    A background thread prepares the next steps (split, copied onto the replicas' devices). It is
+    checkpointable: ``md.train.Checkpoint(iterator=it)`` saves the position of the dataset's pipeline, the
+    steps prepared but not taken included, and a restore continues with the step that followed the save.
+    """
+
+    def __init__(self, distributed, state=None):
+        self._distributed = distributed
+        self._prefetch = distributed._build(state)
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        return self._prefetcher.next()
+        try:
+            return self._prefetch.next()
+        except StopIteration:
+            self._prefetch.close()  # the pipeline's threads end with the data
+            raise
 
     def get_next(self):
         return next(self)
 
-    def get_next_as_optional(self) -> "Optional":
+    def get_next_as_optional(self) -> Optional:
         """The next element wrapped in an :class:`Optional` that is empty at the end of the data."""
         try:
             return Optional(next(self), True)
@@ -188,25 +267,24 @@ class DistributedIterator:
 
     @property
     def element_spec(self):
-        return self._element_spec
+        return self._distributed.element_spec
+
+    def _serialize_to_tensors(self) -> dict:
+        return encode_state(self._distributed._check_checkpointable(self._prefetch.save()))
+
+    def _restore_from_tensors(self, tensors: dict) -> None:
+        state = decode_state(tensors)
+        self._prefetch.close()
+        self._prefetch = self._distributed._build(state)
+
+    def close(self) -> None:
+        """Stop the background thread now (also done when the iterator is garbage collected)."""
+        self._prefetch.close()
 
     def __del__(self):
-        self._prefetcher.close()
-
-
-class Optional:
-    """A value that may be absent (``tf.experimental.Optional``): ``has_value()``, ``get_value()``."""
-
-    def __init__(self, value, has_value: bool):
-        self._value, self._has_value = value, has_value
-
-    def has_value(self) -> bool:
-        return self._has_value
-
-    def get_value(self):
-        if not self._has_value:
-            raise ValueError("this Optional has no value (the iterator is exhausted); check has_value() first")
-        return self._value
+        prefetch = getattr(self, "_prefetch", None)
+        if prefetch is not None:
+            prefetch.close()
 
 
 class _DistributedInput:
@@ -218,30 +296,54 @@ class _DistributedInput:
         self._extended = extended
         self._options = options or InputOptions()
         self._first = None
+        self._fetcher = None
 
     @property
     def _devices(self):
         return self._extended.worker_devices
 
-    def _steps(self, source):
-        """Yield each step's per-replica structures, as lists (one per local replica)."""
+    def _source(self, state=None) -> _Iterator:
+        """The items this worker reads, as a checkpointable iterator."""
         raise NotImplementedError
+
+    def _steps_of(self, item) -> list:
+        """The steps (lists of per-replica structures, one per local replica) one source item makes."""
+        raise NotImplementedError
+
+    def _steps_per_item(self) -> int:
+        return 1
 
     def _to_step(self, per_replica: list):
         if self._options.experimental_fetch_to_device is not False:
-            per_replica = [_nest.map_structure(lambda x: device_util.place(x, d, copy=True), s)
-                           for s, d in zip(per_replica, self._devices)]
+            if self._fetcher is None:
+                self._fetcher = _DeviceFetcher(self._devices)
+            per_replica = self._fetcher(per_replica)
         if len(per_replica) == 1:
             return per_replica[0]
         return regroup(per_replica, always_wrap=True, devices=self._devices)
 
-    def _source(self):
-        raise NotImplementedError
+    def _build(self, state=None) -> PrefetchIterator:
+        depth = len(self._devices) * self._options.experimental_per_replica_buffer_size
+        steps = _StepIterator(self._source(None if state is None else state["input"]["source"]),
+                              self._steps_per_item(), None if state is None else state["input"])
+        return PrefetchIterator(steps, depth, () if state is None else state["buffer"],
+                                transform=lambda step: self._to_step(self._steps_of(step[0])[step[1]]),
+                                name="mirrored-prefetch")
+
+    def _check_checkpointable(self, state):
+        """The chief writes the checkpoint and every worker restores it: the workers' states must agree."""
+        if self._extended._num_workers > 1 and self._per_worker_input():
+            raise ValueError(
+                "iterator: each worker of this job reads different input (FILE sharding, or one pipeline per "
+                "worker from distribute_datasets_from_function), but a checkpoint holds the chief's position "
+                "only; checkpoint iterators of datasets sharded by AutoShardPolicy.DATA or OFF")
+        return state
+
+    def _per_worker_input(self) -> bool:
+        return True
 
     def __iter__(self) -> DistributedIterator:
-        depth = len(self._devices) * self._options.experimental_per_replica_buffer_size
-        prefetcher = _Prefetcher(self._source(), lambda src: (self._to_step(s) for s in self._steps(src)), depth)
-        return DistributedIterator(prefetcher, self._spec_or_none())
+        return DistributedIterator(self)
 
     def reduce(self, initial_state, reduce_func):
         """``reduce_func(state, element)`` folded over every element, starting from ``initial_state``."""
@@ -249,9 +351,6 @@ class _DistributedInput:
         for element in self:
             state = reduce_func(state, element)
         return state
-
-    def _spec_or_none(self):
-        return None if self._first is None else self._spec(self._first)
 
     @property
     def element_spec(self):
@@ -270,9 +369,6 @@ class _DistributedInput:
             return specs[0]
         return _nest.pack_sequence_as(specs[0], [PerReplicaSpec(*leaves)
                                                  for leaves in zip(*(_nest.flatten(s) for s in specs))])
-
-    def _peek(self):
-        return next(iter(self._steps(self._source())))
 
 
 class _Reiterable:
@@ -324,75 +420,135 @@ class DistributedDataset(_DistributedInput):
         if self._options.experimental_replication_mode == InputReplicationMode.PER_REPLICA:
             raise NotImplementedError("InputReplicationMode.PER_REPLICA is only supported in "
                                       "distribute_datasets_from_function")
-        self._items = _Reiterable(dataset, "dataset")
         self._policy = self._shard_policy(dataset)
+        if _is_pipeline(dataset) and extended._num_workers > 1 and self._policy != AutoShardPolicy.FILE \
+                and any(isinstance(d, dataset_ops._Shuffle) and not d._seeded for d in dataset._pipeline()):
+            _log.warning("dataset: every worker reads the whole dataset and keeps its slices of each batch, but "
+                         "its shuffle has no seed, so the workers shuffle differently (examples are repeated or "
+                         "missed, and a checkpointed iterator cannot be restored on every worker); pass "
+                         "shuffle(..., seed=...)")
+        if _is_pipeline(dataset):
+            if self._policy == AutoShardPolicy.FILE:
+                dataset = dataset._file_sharded(extended._num_workers, extended._worker_index)
+            self._items = dataset
+        else:
+            self._items = _Reiterable(dataset, "dataset")
 
     def _shard_policy(self, dataset):
         """DATA, FILE or OFF: how this worker takes its share of ``dataset`` (see md.data)."""
-        from ..data import AutoShardPolicy, policy_of
-
         policy = policy_of(dataset)
-        if self._extended._num_workers == 1:
+        workers = self._extended._num_workers
+        if workers == 1:
             return AutoShardPolicy.DATA  # one worker: every policy splits each batch over its replicas
+        if _is_pipeline(dataset):
+            return self._pipeline_policy(dataset, policy, workers)
         files = getattr(dataset, "files", None)
         if policy == AutoShardPolicy.AUTO:
             if files:
                 return AutoShardPolicy.FILE
-            # TensorFlow's words (its auto-shard rewrite logs them when it falls back).
-            _log.warning("AUTO sharding policy will apply DATA sharding policy as it failed to apply FILE sharding "
-                         "policy because of the following reason: Found an unshardable source dataset: %s",
-                         type(dataset).__name__)
+            _warn_data_fallback(f"Found an unshardable source dataset: {type(dataset).__name__}")
             return AutoShardPolicy.DATA
         if policy == AutoShardPolicy.FILE:
-            inner = getattr(dataset, "_iterable", dataset)  # md.data.Dataset wraps the iterable
+            inner = getattr(dataset, "_iterable", dataset)  # md.data.Dataset(iterable) wraps the iterable
             count = len(files) if files is not None else (len(inner) if isinstance(inner, (list, tuple)) else None)
-            if count is not None and count < self._extended._num_workers:
-                raise ValueError(
-                    f"dataset: AutoShardPolicy.FILE needs at least as many files (items) as workers; it has {count} "
-                    f"for {self._extended._num_workers} workers: use AutoShardPolicy.DATA or OFF")
+            if count is not None and count < workers:
+                raise ValueError(_too_few_files(count, workers))
         if policy == AutoShardPolicy.HINT:
             return AutoShardPolicy.DATA
         return policy
 
-    def _source(self):
-        return self._items()
+    @staticmethod
+    def _pipeline_policy(dataset, policy, workers):
+        """tf.data's rules for a pipeline: FILE shards its list_files/TextLineDataset sources by file."""
+        if policy in (AutoShardPolicy.AUTO, AutoShardPolicy.FILE):
+            count = dataset._file_count()
+            if count is None:
+                if policy == AutoShardPolicy.FILE:
+                    raise ValueError("dataset: AutoShardPolicy.FILE found no file source (Dataset.list_files or "
+                                     "TextLineDataset) in the pipeline to shard; use AutoShardPolicy.DATA or OFF")
+                _warn_data_fallback("Did not find a shardable source, walked to a node which is not a dataset")
+                return AutoShardPolicy.DATA
+            if count < workers:
+                if policy == AutoShardPolicy.FILE:
+                    raise ValueError(_too_few_files(count, workers))
+                _warn_data_fallback(f"Could not apply FILE based sharding: the dataset only has {count} file(s), "
+                                    f"which is not enough for the required {workers} shards/workers.")
+                return AutoShardPolicy.DATA
+            return AutoShardPolicy.FILE
+        return AutoShardPolicy.DATA if policy == AutoShardPolicy.HINT else policy
 
-    def _steps(self, source):
-        from ..data import AutoShardPolicy
+    def _per_worker_input(self) -> bool:
+        return self._policy == AutoShardPolicy.FILE
 
-        ext = self._extended
-        local, workers, total = len(ext.worker_devices), ext._num_workers, ext._num_replicas_in_sync
+    def _source(self, state=None):
+        if self._policy == AutoShardPolicy.FILE and not isinstance(self._items, Dataset):
+            source = _source_iterator(self._items, None if state is None else state["source"])
+            return _FileRounds(source, self._extended._num_workers, self._extended._worker_index, state)
+        return _source_iterator(self._items, state)
+
+    def _steps_per_item(self) -> int:
         if self._policy == AutoShardPolicy.DATA:
-            for batch in source:
-                yield split_batch(batch, total, ext._worker_index * local, local)
-            return
+            return 1
+        return len(range(0, self._extended._num_replicas_in_sync, len(self._extended.worker_devices)))
+
+    def _steps_of(self, batch):
+        ext = self._extended
+        local, total = len(ext.worker_devices), ext._num_replicas_in_sync
+        if self._policy == AutoShardPolicy.DATA:
+            return [split_batch(batch, total, ext._worker_index * local, local)]
         # FILE and OFF: this worker splits each batch it reads over all N replicas and runs the
         # N per-replica batches L at a time, so every worker takes the same number of steps.
-        for batch in self._worker_items(source, workers, ext._worker_index):
-            parts = split_batch(batch, total, 0, total)
-            for first in range(0, total, local):
-                yield parts[first:first + local]
-
-    def _worker_items(self, source, workers: int, index: int):
-        from ..data import AutoShardPolicy
-
-        if self._policy == AutoShardPolicy.OFF:
-            yield from source
-            return
-        while True:  # FILE: item `index` of every round of `workers` items
-            round_ = list(itertools.islice(source, workers))
-            if not round_:
-                return
-            yield round_[index] if index < len(round_) else _nest.map_structure(
-                lambda x: device_util.to_host(x)[:0], round_[0])
-            if len(round_) < workers:
-                return
+        parts = split_batch(batch, total, 0, total)
+        return [parts[first:first + local] for first in range(0, total, local)]
 
     def _peek(self):
-        first = self._items.peek(1)
+        first = self._items._peek() if isinstance(self._items, Dataset) else self._items.peek(1)
         if not first:
             raise ValueError("dataset is empty: element_spec needs at least one batch")
-        return next(self._steps(iter(first)))
+        return self._steps_of(first[0])[0]
+
+
+def _is_pipeline(dataset) -> bool:
+    """An md.data pipeline (``md.data.Dataset(iterable)`` is a plain iterable in a wrapper)."""
+    return isinstance(dataset, Dataset) and not isinstance(dataset, dataset_ops.IterableDataset)
+
+
+def _warn_data_fallback(reason: str) -> None:
+    # TensorFlow's words (its auto-shard rewrite logs them when it falls back).
+    _log.warning("AUTO sharding policy will apply DATA sharding policy as it failed to apply FILE sharding policy "
+                 "because of the following reason: %s", reason)
+
+
+def _too_few_files(count: int, workers: int) -> str:
+    return (f"dataset: AutoShardPolicy.FILE needs at least as many files (items) as workers: Could not apply FILE "
+            f"based sharding: the dataset only has {count} file(s), which is not enough for the required {workers} "
+            "shards/workers; use AutoShardPolicy.DATA or OFF")
+
+
+class _Pipelines(_Iterator):
+    """One step's items from the worker's pipelines: one item from each (one pipeline per replica), or the
+    next L items of the single pipeline (a short last step is padded with empty batches)."""
+
+    def __init__(self, pipelines: list, local: int, state=None):
+        super().__init__(*(_source_iterator(p, None if state is None else s)
+                           for p, s in zip(pipelines, [None] * len(pipelines) if state is None else state)))
+        self._local = local
+
+    def next(self):
+        if len(self._inputs) > 1:
+            return [it.next() for it in self._inputs]
+        step = []
+        for _ in range(self._local):
+            try:
+                step.append(self._inputs[0].next())
+            except StopIteration:
+                break
+        if not step:
+            raise StopIteration
+        return step
+
+    def save(self):
+        return [it.save() for it in self._inputs]
 
 
 class DistributedDatasetsFromFunction(_DistributedInput):
@@ -407,40 +563,29 @@ class DistributedDatasetsFromFunction(_DistributedInput):
         total = extended._num_replicas_in_sync
         if self._options.experimental_replication_mode == InputReplicationMode.PER_REPLICA:
             first = extended._worker_index * local
-            self._pipelines = [_Reiterable(dataset_fn(InputContext(total, first + i, total)), "dataset_fn()")
-                               for i in range(local)]
+            contexts = [InputContext(total, first + i, total) for i in range(local)]
         else:
-            self._pipelines = [_Reiterable(dataset_fn(InputContext(extended._num_workers, extended._worker_index,
-                                                                   total)), "dataset_fn()")]
+            contexts = [InputContext(extended._num_workers, extended._worker_index, total)]
+        self._pipelines = [self._pipeline(dataset_fn(ctx)) for ctx in contexts]
 
-    def _source(self):
-        return [p() for p in self._pipelines]
+    @staticmethod
+    def _pipeline(dataset):
+        return dataset if isinstance(dataset, Dataset) else _Reiterable(dataset, "dataset_fn()")
 
-    def _steps(self, sources):
+    def _source(self, state=None):
+        return _Pipelines(self._pipelines, len(self._devices), state)
+
+    def _steps_of(self, step):
         local = len(self._devices)
-        if len(sources) == local and local > 1:  # one pipeline per replica
-            for step in zip(*sources):
-                yield list(step)
-            return
-        source = sources[0]
-        while True:
-            step = []
-            for item in source:
-                step.append(item)
-                if len(step) == local:
-                    break
-            if not step:
-                return
-            # A short last step: the replicas without data get empty batches of the same trailing shape.
+        if len(step) < local:  # the replicas without data get empty batches of the same trailing shape
             empty = _nest.map_structure(lambda x: device_util.to_host(x)[:0], step[-1])
-            yield step + [empty] * (local - len(step))
-            if len(step) < local:
-                return
+            step = step + [empty] * (local - len(step))
+        return [step]
 
     def _peek(self):
-        # Take the first step's items, and keep them for one-shot pipelines so no batch is lost.
+        # Take the first step's items (one-shot pipelines keep them, so no batch is lost).
         take = len(self._devices) if len(self._pipelines) == 1 else 1
-        step = next(self._steps([iter(p.peek(take)) for p in self._pipelines]), None)
-        if step is None:
+        peeked = [p._peek(take) if isinstance(p, Dataset) else p.peek(take) for p in self._pipelines]
+        if any(not items for items in peeked):
             raise ValueError("dataset_fn() returned an empty dataset: element_spec needs at least one batch")
-        return step
+        return self._steps_of(peeked[0] if len(peeked) == 1 else [items[0] for items in peeked])[0]

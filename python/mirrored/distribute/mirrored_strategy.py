@@ -8,21 +8,187 @@ whose built-ins make one native call for all replicas with the GIL released.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
-
 import threading
+import time
 import weakref
 
 import numpy as np
 
-from .. import _logging
+try:
+    import greenlet as _greenlet
+except ImportError:  # optional: without it every replica but the caller's own runs on a thread
+    _greenlet = None
+
+from .. import _logging, _nest
 from ..device import config, device_util
-from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce
-from .distribute_lib import _Aborted, _Context, _Group, _local, ReplicaContext, Strategy, StrategyExtended
+from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, describe
+from .context import _Context, _local
+from .distribute_lib import _Aborted, _Group, ReplicaContext, Strategy, StrategyExtended
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
 from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mirrored, MirroredVariable, SyncOnReadVariable, regroup, select_replica)
+
+
+# A step that computes longer than this on the caller's thread runs its replicas on their threads,
+# in parallel: longer than a thread hand-off costs even on a loaded machine, short enough that
+# NumPy's GIL-free work overlaps. CPU time, not wall time: a loaded machine preempts short steps
+# for longer than this.
+HANDOFF_SECONDS = 0.005
+# ... or that has waited this long (sleeping, blocked in I/O): longer than any preemption.
+BLOCKED_SECONDS = 0.1
+
+
+def _is_long(started: float, started_cpu: float) -> bool:
+    """Whether a step begun at ``started`` (perf_counter) / ``started_cpu`` (thread_time) is long."""
+    wall = time.perf_counter() - started
+    return wall > HANDOFF_SECONDS and (wall > BLOCKED_SECONDS or time.thread_time() - started_cpu > HANDOFF_SECONDS)
+
+
+def _thread_state() -> tuple:
+    """What a replica keeps on its thread: the context stack and the current device."""
+    return getattr(_local, "stack", None), device_util.current()
+
+
+def _set_thread_state(state: tuple) -> None:
+    _local.stack, device = state
+    device_util.set_current(device)
+
+
+class _Cooperative:
+    """The replicas a run's caller runs itself, on the caller's thread.
+
+    The caller (the hub) runs replicas as plain calls, one after another.
+    One that must wait in a collective does not sleep: from inside its wait
+    the hub starts the replicas not started yet, as greenlets, and resumes
+    those made ready, until the collective completes. A greenlet replica that
+    must wait parks (``park_later`` under the group's lock, then ``park``),
+    handing the thread back to the hub; the replica that completes the
+    collective makes the parked ones ready (``wake_parked``). A run without
+    collectives thus costs plain calls, and a collective a few greenlet
+    switches (about a microsecond each) where a thread hand-off costs tens of
+    microseconds, hundreds on a loaded machine (docs/architecture.md). Each
+    replica keeps its own thread-local state (context stack, current device)
+    across switches.
+    """
+
+    HUB = object()  # current()'s answer for a replica running as a plain call on the hub
+
+    def __init__(self, group, next_replica):
+        self._group = group
+        self._next_replica = next_replica  # () -> (function, index) of a replica the hub claimed, or None
+
+    def begin(self) -> "_Cooperative":
+        """Ready for a run whose caller (the hub) is the calling greenlet."""
+        self._hub = _greenlet.getcurrent()
+        self._replicas = set()
+        self._ready = collections.deque()
+        self._parked = []
+        self._unfinished = 0
+        return self
+
+    def current(self):
+        """The running replica's greenlet, HUB for the hub's own replica, None on any other thread."""
+        g = _greenlet.getcurrent()
+        if g is self._hub:
+            return self.HUB
+        return g if g in self._replicas else None
+
+    def _start(self, fn, i: int) -> None:
+        """Runs ``fn(i)`` as a greenlet replica until it returns or parks.
+
+        On a greenlet this thread made for an earlier run, if one is idle: a
+        new greenlet costs ~20 us (its own frame stack), a switch ~1 us.
+        """
+        idle = _idle_greenlets()
+        g = idle.pop() if idle else _greenlet.greenlet(_serve)
+        g.parent = self._hub
+        self._replicas.add(g)
+        self._unfinished += 1
+        g.switch(self, fn, i)
+
+    def _retire(self, g):
+        """``g`` returned its replica: back to this thread's idle greenlets, and the thread to the hub."""
+        self._unfinished -= 1
+        self._replicas.discard(g)
+        _idle_greenlets().append(g)
+        return self._hub.switch()
+
+    def park_later(self, g) -> None:
+        """Marks ``g`` parked (the group's lock held): the next wake_parked makes it ready."""
+        self._parked.append(g)
+
+    def wake_parked(self) -> None:
+        """Makes every parked replica ready (the group's lock held)."""
+        self._ready.extend(self._parked)
+        self._parked.clear()
+
+    def park(self) -> None:
+        """Hands the thread back to the hub until this greenlet replica is resumed."""
+        state = _thread_state()
+        self._hub.switch()
+        _set_thread_state(state)
+
+    def serve(self, done) -> None:
+        """The hub's replica waits: start and resume the other replicas until ``done()`` (checked under
+        the group's lock), sleeping only while they all wait for replicas on other threads."""
+        cond = self._group._cond
+        state = _thread_state()
+        try:
+            while True:
+                with cond:
+                    if done():
+                        return
+                    g = self._ready.popleft() if self._ready else None
+                if g is not None:
+                    g.switch()
+                    continue
+                claimed = self._next_replica()
+                if claimed is not None:
+                    self._start(*claimed)
+                    continue
+                with cond:
+                    if not done() and not self._ready:
+                        cond.wait()
+        finally:
+            _set_thread_state(state)
+
+    def drain(self) -> None:
+        """Resumes ready replicas until every greenlet replica returned (sleeping while none is ready:
+        they wait for replicas on other threads)."""
+        cond = self._group._cond
+        while self._unfinished:
+            with cond:
+                while not self._ready:
+                    cond.wait()
+                g = self._ready.popleft()
+            g.switch()
+
+    def finish_aborted(self) -> None:
+        """After the group was aborted: lets every greenlet replica return (they raise _Aborted)."""
+        while self._unfinished and self._ready:
+            self._ready.popleft().switch()
+
+
+_threads_greenlets = threading.local()
+
+
+def _idle_greenlets() -> list:
+    """This thread's greenlets waiting for a replica to run (a greenlet only runs on its own thread)."""
+    idle = getattr(_threads_greenlets, "idle", None)
+    if idle is None:
+        idle = _threads_greenlets.idle = []
+    return idle
+
+
+def _serve(coop, fn, i):
+    """A cooperative replica's greenlet: runs replicas, one per start, for as long as its thread lives."""
+    me = _greenlet.getcurrent()
+    while True:
+        fn(i)  # (_execute and _run_claimed report whatever the replica raises)
+        coop, fn, i = coop._retire(me)
 
 
 def _signal(lock):
@@ -52,9 +218,13 @@ class _ReplicaPool:
     runs.
     """
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, cooperative: bool = False, blas=None):
         self.n = n
         self.group = _Group(n)
+        self._blas = blas or _BlasCap(())
+        self._long_steps = False  # the latest run was long (_is_long)
+        # The caller runs the replicas it claims on its own thread (see _Cooperative), when greenlet is installed.
+        self._coop = _Cooperative(self.group, self._claim_next) if cooperative and n > 1 and _greenlet else None
         self._go = [threading.Lock() for _ in range(n)]
         for lock in self._go:
             lock.acquire()
@@ -110,6 +280,34 @@ class _ReplicaPool:
         finally:
             self.group.replica_finished()
 
+    def _wake_threads(self):
+        """The replica threads take the replicas not started yet, in parallel (BLAS capped for that: OpenBLAS
+        takes its thread count from the caller's thread only)."""
+        self._blas.cap()
+        _signal(self._go[1])
+
+    def _claim_next(self):
+        """(function, index) of the next replica the caller runs itself (cooperative runs), or None once
+        the threads have claimed or the caller has run every replica. Once the step has taken longer
+        than HANDOFF_SECONDS (_is_long) the threads are woken to take the replicas not started yet, in parallel."""
+        while self._next < self.n:
+            i = self._next
+            self._next += 1
+            if not self._woken and _is_long(self._started, self._started_cpu):
+                self._woken = True
+                self._wake_threads()
+            if self._claims.setdefault(i, self._mine) is self._mine:
+                return self._run_claimed, i
+        return None
+
+    def _run_claimed(self, i: int):
+        """Replica ``i``, claimed by the caller, on the caller's thread."""
+        try:
+            if not self._errors:  # (a failed run skips the replicas not started yet)
+                self._execute(i)
+        finally:
+            self._arrive(i, True)
+
     def _arrive(self, i: int, caller: bool):
         self._arrived[i] = True
         if next(self._arrivals) == self.n - 2:  # the last of replicas 1..n-1
@@ -149,6 +347,7 @@ class _ReplicaPool:
             if self._threads is None and self.n > 1:
                 self._start()
             self.group.reset()
+            coop = self.group.coop = self._coop.begin() if self._coop is not None else None
             self._fn, self._results, self._errors = replica_fn, [None] * self.n, []
             self._arrived, self._arrivals = [False] * self.n, itertools.count()
             self._generation += 1
@@ -158,25 +357,44 @@ class _ReplicaPool:
             # KeyboardInterrupt interrupts: plain stores do not check for
             # signals; a call may raise one only after it returned (see _settle).
             self._caller = me
+            started, started_cpu = time.perf_counter(), time.thread_time()
             try:
                 if self.n > 1:
+                    # (Always: a thread woken late for an earlier run may claim a replica of this one.)
                     self._inflight = True
-                    _signal(self._go[1])
-                self._execute(0)
-                for i in range(1, self.n):  # not claimed by its thread yet: run it here, no hand-off
-                    if claims.setdefault(i, mine) is mine:
-                        try:
-                            if not self._errors:  # (a failed run skips the replicas not started yet)
-                                self._execute(i)
-                        finally:
-                            self._arrive(i, True)
+                    # Short steps run on this thread alone; once steps are long, the threads
+                    # take replicas from the start, in parallel.
+                    woken = coop is None or self._long_steps
+                    if woken:
+                        self._wake_threads()
+                if coop is None:
+                    self._execute(0)
+                    for i in range(1, self.n):  # not claimed by its thread yet: run it here, no hand-off
+                        if claims.setdefault(i, mine) is mine:
+                            self._run_claimed(i)
+                else:
+                    self._next, self._started, self._started_cpu, self._woken = 1, started, started_cpu, woken
+                    state = _thread_state()
+                    try:
+                        self._execute(0)
+                        claimed = self._claim_next()
+                        while claimed is not None:
+                            claimed[0](claimed[1])
+                            claimed = self._claim_next()
+                        coop.drain()
+                    finally:
+                        _set_thread_state(state)
             except BaseException:  # interrupted outside a replica's function: free the others
                 self.group.abort()
+                if coop is not None:
+                    coop.finish_aborted()
                 raise
             finally:
                 self._caller = None
                 if self._inflight:
                     self._wait_for_replicas()
+                self._blas.restore()
+            self._long_steps = _is_long(started, started_cpu)  # then the next step starts on the threads
             results, errors = self._results, self._errors
             self._fn = self._results = self._errors = None
             if errors:
@@ -218,7 +436,7 @@ def _default_cross_device_ops(devices) -> CrossDeviceOps:
         return RingAllReduce()
     from ..device import gpu as _gpu
 
-    if _gpu.default_gpu_algorithm([_gpu.physical_ordinal(d) for d in devices]) == "nccl":
+    if _gpu.default_gpu_algorithm([device_util.physical_ordinal(d) for d in devices]) == "nccl":
         return NcclAllReduce()
     return RingAllReduce()
 
@@ -227,34 +445,40 @@ _blas = None  # the BLAS libraries' threadpoolctl controllers NumPy loaded (foun
 
 
 class _BlasCap:
-    """Caps BLAS threads while CPU replicas run, so N replicas x BLAS threads fit the cores.
+    """Caps BLAS threads while CPU replicas run in parallel, so N replicas x BLAS threads fit the cores.
 
     Each replica thread's matmuls would otherwise start the BLAS library's own
     threads: 4 replicas on 2 cores then run ~4x slower than with one BLAS
-    thread each (bench/train_step.py). Restored after the step. The
-    libraries are found once; a step costs one get (and, when above the cap,
-    one set and one restore) per library.
+    thread each (bench/train_step.py). Capped when the caller wakes the
+    replica threads (replicas the caller runs one after another need no cap,
+    and setting it costs tens of microseconds), restored after the step. The
+    libraries are found once.
     """
 
     def __init__(self, devices):
         cpu_replicas = sum(device_util.parse(d).device_type == "CPU" for d in devices)
         self._cap = max(1, len(os.sched_getaffinity(0)) // cpu_replicas) if cpu_replicas >= 2 else 0
+        self._saved = None  # (library, threads before the cap) while capped
 
-    def enter(self) -> list:
-        """Caps the libraries above the cap; returns what :meth:`exit` restores."""
+    def cap(self) -> None:
+        """Caps the libraries above the cap, once per step. Called on the caller's thread only: a
+        pthreads OpenBLAS ignores a count set on any other thread."""
+        if not self._cap or self._saved is not None:
+            return
         saved = []
-        if self._cap:
-            for lib in _blas_controllers():
-                threads = lib.get_num_threads()
-                if threads is not None and threads > self._cap:
-                    lib.set_num_threads(self._cap)
-                    saved.append((lib, threads))
-        return saved
+        for lib in _blas_controllers():
+            threads = lib.get_num_threads()
+            if threads is not None and threads > self._cap:
+                lib.set_num_threads(self._cap)
+                saved.append((lib, threads))
+        self._saved = saved
 
-    @staticmethod
-    def exit(saved: list):
-        for lib, threads in saved:
-            lib.set_num_threads(threads)
+    def restore(self) -> None:
+        """Undoes :meth:`cap` (the caller, once the step's replicas all returned)."""
+        if self._saved is not None:
+            for lib, threads in self._saved:
+                lib.set_num_threads(threads)
+            self._saved = None
 
 
 def _blas_controllers() -> list:
@@ -275,7 +499,7 @@ class _GpuReplicaScope:
     def __init__(self, device, replica_id: int):
         from ..device import gpu as _gpu
 
-        ordinal = _gpu.physical_ordinal(device)
+        ordinal = device_util.physical_ordinal(device)
         self._device = device_util.device_scope(device)
         self._cuda_device = _gpu.cupy_module().cuda.Device(ordinal)
         self._stream = _gpu.replica_stream(replica_id, ordinal)
@@ -317,11 +541,13 @@ class MirroredExtended(StrategyExtended):
             raise ValueError(f"cross_device_ops={cross_device_ops!r}: expected an instance of "
                              "md.cross_device_ops.CrossDeviceOps (e.g. RingAllReduce())")
         self._cross_device_ops = cross_device_ops or _default_cross_device_ops(self._local_devices)
-        self._pool = _ReplicaPool(len(self._local_devices))
+        # Replicas share the caller's thread where that is safe: CPU replicas (GPU replicas each
+        # hold CuPy's per-thread device and stream).
+        self._pool = _ReplicaPool(len(self._local_devices), cooperative=device_util.all_cpu(self._local_devices),
+                                  blas=_BlasCap(self._local_devices))
         weakref.finalize(container_strategy, self._pool.close)
         self._replica_contexts = None
         self._scopes = None
-        self._blas_cap = _BlasCap(self._local_devices)
 
     def _contexts(self) -> list:
         if self._replica_contexts is None:
@@ -339,8 +565,7 @@ class MirroredExtended(StrategyExtended):
         return self._scopes
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        if args or kwargs:
-            self._check_components((args, kwargs))
+        arguments = self._replica_arguments(args, kwargs) if args or kwargs else None
         strategy, contexts, scopes = self._container_strategy, self._contexts(), self._replica_scopes()
 
         def replica(i):
@@ -349,25 +574,33 @@ class MirroredExtended(StrategyExtended):
             scope = scopes[i]
             scope.__enter__()
             try:
-                if args or kwargs:
-                    return fn(*select_replica(i, args), **select_replica(i, kwargs))
-                return fn()
+                if arguments is None:
+                    return fn()
+                args_i, kwargs_i = arguments[i]
+                return fn(*args_i, **kwargs_i)
             finally:
                 scope.__exit__(None, None, None)
                 _local.stack = saved
 
-        blas = self._blas_cap.enter()
-        try:
-            results = self._pool.run(replica)
-        finally:
-            self._blas_cap.exit(blas)
+        results = self._pool.run(replica)
         return regroup(results, devices=self._local_devices)
 
-    def _check_components(self, structure):
-        from .. import _nest
-
+    def _replica_arguments(self, args, kwargs) -> list:
+        """``(args, kwargs)`` as each replica sees them (select_replica's rule), the structure walked once."""
         n = len(self._local_devices)
-        for leaf in _nest.flatten(structure):
+        structure = (args, kwargs)
+        leaves = _nest.flatten(structure)
+        self._check_components(leaves)
+        if not any(isinstance(leaf, DistributedValues) and not isinstance(leaf, DistributedVariable)
+                   for leaf in leaves):  # every replica sees the same arguments
+            return [structure] * n
+        if not kwargs and not any(_nest.is_nested(a) for a in args):  # flat positional arguments: no re-packing
+            return [(tuple(select_replica(i, a) for a in args), kwargs) for i in range(n)]
+        return [_nest.pack_sequence_as(structure, [select_replica(i, leaf) for leaf in leaves]) for i in range(n)]
+
+    def _check_components(self, leaves):
+        n = len(self._local_devices)
+        for leaf in leaves:
             if isinstance(leaf, DistributedValues) and len(leaf.values) != n:
                 raise ValueError(f"args: a {type(leaf).__name__} with {len(leaf.values)} components was passed to "
                                  f"a strategy with {n} replicas; pass one component per replica")
@@ -407,7 +640,7 @@ class MirroredExtended(StrategyExtended):
         if not isinstance(var, DistributedVariable) or var.distribute_strategy is not self._container_strategy:
             raise ValueError(f"var: {var!r} was not created in this strategy's scope(); update only takes "
                              "its variables")
-        self._check_components((args, kwargs))
+        self._check_components(_nest.flatten((args, kwargs)))
         updates = []
         for i, copy in enumerate(var.values):
             with device_util.device_scope(copy.device), device_util.cross_replica_gpu_scope(copy.device):
@@ -415,8 +648,6 @@ class MirroredExtended(StrategyExtended):
         regrouped = regroup(updates, Mirrored, devices=var._devices)
         if group:
             return regrouped
-        from .. import _nest
-
         return _nest.map_structure(self._local_results, regrouped)
 
     def _make_variable(self, value, name, trainable, synchronization, aggregation):
@@ -450,4 +681,4 @@ class MirroredStrategy(Strategy):
         super().__init__(MirroredExtended(self, devices, cross_device_ops))
         _logging.logger.info("MirroredStrategy: %d replica(s) on %s; reductions: %s",
                              len(self.extended.worker_devices), list(self.extended.worker_devices),
-                             _logging.reductions(self.extended._cross_device_ops, self.extended.worker_devices))
+                             describe(self.extended._cross_device_ops, self.extended.worker_devices))

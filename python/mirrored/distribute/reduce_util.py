@@ -33,18 +33,32 @@ class ReduceOp(enum.Enum):
         return mapping[aggregation]
 
 
+# Ops as callers spell them -> ReduceOp: every collective converts its op (spellings are few; bounded anyway).
+_KNOWN: dict = {}
+_MAX_KNOWN = 64
+
+
 def as_reduce_op(reduce_op, argument: str = "reduce_op") -> ReduceOp:
     """``reduce_op`` as a :class:`ReduceOp`; strings are enum names in any case.
 
     As in TensorFlow, only the member names are accepted (``"avg"`` or
     ``"average"`` raise), so a typo can never select a different reduction.
     """
+    try:
+        return _KNOWN[reduce_op]
+    except (KeyError, TypeError):  # not a member or a name seen before (TypeError: unhashable)
+        pass
     if isinstance(reduce_op, ReduceOp):
         return reduce_op
     if isinstance(reduce_op, str) and reduce_op.upper() in ReduceOp.__members__:
+        if len(_KNOWN) < _MAX_KNOWN:
+            _KNOWN[reduce_op] = ReduceOp[reduce_op.upper()]
         return ReduceOp[reduce_op.upper()]
     raise ValueError(
         f"{argument}={reduce_op!r} is not a valid ReduceOp; use one of "
         f"{', '.join('md.ReduceOp.' + m for m in ReduceOp.__members__)} or their names as "
         "strings in any case (e.g. 'sum', 'MEAN')"
     )
+
+
+_KNOWN.update({op: op for op in ReduceOp})

@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import _nest
 from ..device import device_util
+from . import context
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
 
@@ -79,9 +80,7 @@ class _VariableMeta(type):
     # MirroredVariable / SyncOnReadVariable inside MirroredStrategy.scope().
     def __call__(cls, *args, **kwargs):
         if cls is Variable:
-            from . import distribute_lib
-
-            return distribute_lib.get_strategy().extended._create_variable(*args, **kwargs)
+            return context.get_strategy().extended._create_variable(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
     @property
@@ -89,9 +88,7 @@ class _VariableMeta(type):
         # inspect would otherwise show __call__'s (*args, **kwargs): show what md.Variable(...) takes
         # (the strategy's variable creator) and, for the subclasses, their own __init__.
         if cls is Variable:
-            from . import distribute_lib
-
-            function = distribute_lib.StrategyExtended._create_variable
+            function = type(context.get_strategy().extended)._create_variable
         else:
             function = cls.__init__
         signature = inspect.signature(function)
@@ -306,7 +303,7 @@ class DistributedVariable(DistributedValues, Variable):
         On every read inside ``run``: the top of this thread's context stack, read
         directly (a few attribute loads, no call).
         """
-        stack = getattr(_contexts or _thread_contexts(), "stack", None)
+        stack = getattr(context._local, "stack", None)
         if stack:
             top = stack[-1]
             if top.replica_context is not None and top.strategy is self._strategy:
@@ -333,7 +330,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
 
     def read_value(self):
         # _component() inlined: this runs for every variable on every step.
-        stack = getattr(_contexts or _thread_contexts(), "stack", None)
+        stack = getattr(context._local, "stack", None)
         if stack:
             top = stack[-1]
             if top.replica_context is not None and top.strategy is self._strategy:
@@ -355,8 +352,6 @@ class MirroredVariable(DistributedVariable, Mirrored):
                 "context: create it with md.Variable(..., aggregation=md.VariableAggregation.SUM, MEAN or "
                 "ONLY_FIRST_REPLICA), or update it in cross-replica context (strategy.extended.update)"
             )
-        from . import distribute_lib
-
         def merge_fn(strategy, per_replica):
             if self._aggregation == VariableAggregation.ONLY_FIRST_REPLICA:
                 reduced = strategy.experimental_local_results(per_replica)[0]
@@ -365,7 +360,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
                     ReduceOp.from_variable_aggregation(self._aggregation), per_replica, destinations=self)
             self._update_each_copy(method, reduced)
 
-        distribute_lib.get_replica_context().merge_call(merge_fn, args=(value,))
+        context.get_replica_context().merge_call(merge_fn, args=(value,))
         return self
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
@@ -421,17 +416,6 @@ def _read(x):
     return x.read_value() if isinstance(x, Variable) else x
 
 
-_contexts = None
-
-
-def _thread_contexts():
-    """distribute_lib's thread-local context stacks (looked up once: distribute_lib imports this module)."""
-    global _contexts
-    if _contexts is None:
-        from . import distribute_lib
-
-        _contexts = distribute_lib._local
-    return _contexts
 
 
 # --- grouping per-replica results ------------------------------------------------------

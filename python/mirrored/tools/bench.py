@@ -1,25 +1,34 @@
 """``python -m mirrored.bench``: collective benchmarks in nccl-tests' format.
 
-    python -m mirrored.bench all_reduce -b 8 -e 128M -f 2 --replicas 4 --algo auto,ring
+    python -m mirrored.bench all_reduce -b 8 -e 128M -f 2 -g 4 -A auto,ring
 
 Columns and bandwidth formulas are nccl-tests': algbw = size / time and
 busbw = algbw * factor, with factor 2(n-1)/n for all-reduce, (n-1)/n for
 all-gather, 1 for broadcast and reduce (GB = 1e9 bytes; n counts every
 replica of the job). Every size is checked (``#wrong``: elements that differ
-from the exact expected result), out-of-place and in-place. Type and
-operation names are nccl-tests' too (``-d float``, ``-o avg``, ``all``).
+from the exact expected result), out-of-place and in-place; ``-c N`` checks
+N times, ``-c 0`` not at all. Flags and type and operation names are
+nccl-tests' too (``-b -e -f -i -n -w -c -d -o -r -a``, ``-d float``,
+``-o avg``, ``all``); the algorithm, which nccl-tests leaves to NCCL_ALGO,
+is ``-A``/``--algo``. Two columns follow nccl-tests' thirteen: the fastest
+and the slowest rank's time (of the in-place run where there is one).
+``--csv`` and ``--json`` print the same results for scripts.
 
 Started as every task of a multi-worker job (``TF_CONFIG`` naming several
 tasks, as ``mirrored-run -np N`` sets it), the benchmark runs across the job:
-``--replicas`` replicas per worker, times averaged over workers, ``#wrong``
-summed, one table printed by task 0.
+``--replicas`` replicas per worker, the time reported as ``-a`` says
+(nccl-tests': 0 rank 0's, 1 the average over ranks, 2 the minimum, 3 the
+maximum; a rank is a worker process), ``#wrong`` summed, one table printed
+by task 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime
 import json
+import math
 import os
 import platform
 import socket
@@ -40,6 +49,10 @@ OP_NAMES = {"sum": "sum", "prod": "prod", "max": "max", "min": "min", "mean": "a
 CPU_ALGORITHMS = ("auto", "ring", "direct", "tree")
 GPU_ALGORITHMS = ("auto", "ring", "tree", "nccl")
 RECORD_BYTES = 96  # one replica's "host pid device" line in the devices block, exchanged in multi-worker runs
+# nccl-tests' -a: which rank's time the table reports.
+AVERAGES = {0: "rank 0", 1: "average", 2: "minimum", 3: "maximum"}
+# Sizes per table at most: more rows than any sweep needs (8 B .. 128 MiB by 2 is 25), fewer than a typo makes.
+MAX_ROWS = 1000
 
 
 def parse_size(text: str) -> int:
@@ -48,7 +61,7 @@ def parse_size(text: str) -> int:
     text = text.strip().upper()
     try:
         value = int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: "infK"
         raise argparse.ArgumentTypeError(f"size {text!r}: expected bytes like 8, 64K, 128M or 1G") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"size {text!r} is negative")
@@ -61,6 +74,8 @@ def _positive(kind):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
         if value <= 0:
             raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
         return value
@@ -86,12 +101,19 @@ def _bfloat16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
+def skipped_dtypes() -> dict[str, str]:
+    """The types ``-d all`` leaves out here, each with why (nccl-tests' name -> reason)."""
+    if _bfloat16() is None:
+        return {"bfloat16": "ml_dtypes is not installed (pip install ml_dtypes)"}
+    return {}
+
+
 def parse_dtypes(text: str) -> list[str]:
     """nccl-tests' or NumPy's type names (comma-separated, or ``all``) -> NumPy names; ValueError if unknown."""
     by_name = {**{v: k for k, v in TYPE_NAMES.items()}, **{k: k for k in TYPE_NAMES}}
     names = [t.strip().lower() for t in text.split(",") if t.strip()]
     if names == ["all"]:
-        return [d for d in TYPE_NAMES if d != "bfloat16" or _bfloat16() is not None]
+        return [d for d in TYPE_NAMES if TYPE_NAMES[d] not in skipped_dtypes()]
     out = []
     for name in names:
         if name not in by_name:
@@ -172,8 +194,9 @@ class Local:
     def barrier(self):
         pass
 
-    def combine(self, time_s: float, wrong: int) -> tuple[float, int]:
-        return time_s, wrong
+    def gather(self, values) -> np.ndarray:
+        """Every rank's ``values``, one row per rank (here: one)."""
+        return np.asarray(values, np.float64)[None]
 
     def records(self, mine: list[str]) -> list[str]:
         return mine
@@ -196,16 +219,11 @@ class Job:
     def barrier(self):
         self.group.barrier()
 
-    def _sum(self, values) -> np.ndarray:
-        # One worker's values plus zeros for its other replicas: the job-wide sum counts each worker once.
-        mine = np.asarray(values, np.float64)
-        bufs = [mine] + [np.zeros_like(mine) for _ in range(self.local - 1)]
-        return self.group.all_reduce(bufs, "sum")[0]
-
-    def combine(self, time_s: float, wrong: int) -> tuple[float, int]:
-        """nccl-tests' default report: the time averaged over ranks, the wrong elements summed."""
-        total_time, total_wrong = self._sum([time_s, wrong])
-        return total_time / self.workers, int(total_wrong)
+    def gather(self, values) -> np.ndarray:
+        """Every worker's ``values``, one row per worker in rank order."""
+        mine = np.asarray(values, np.float64)[None]
+        rows = self.group.all_gather([mine.copy() for _ in range(self.local)], 0)[0]
+        return rows[::self.local]  # each worker's replicas all sent its row: keep the first
 
     def records(self, mine: list[str]) -> list[str]:
         rows = [np.frombuffer(r.encode()[:RECORD_BYTES].ljust(RECORD_BYTES), np.uint8) for r in mine]
@@ -304,6 +322,7 @@ class Case:
         return engine.batch_all_reduce(self.parts, self.op, algorithm=self.algo)
 
     def check(self, inplace: bool) -> int:
+        """Elements that differ from the expected result after one run from fresh inputs."""
         self.reset()
         res = self.run(inplace)
         self.dev.sync()
@@ -334,16 +353,21 @@ def bus_factor(coll: str, n: int) -> float:
     return 1.0
 
 
+def count_sizes(begin: int, end: int, factor: float, step_bytes: int | None) -> int:
+    """How many sizes ``sizes`` gives, computed without making them (a typo must not loop or fill memory)."""
+    if step_bytes:
+        return (end - begin) // step_bytes + 1
+    return math.floor(math.log(end / begin, factor) + 1e-9) + 1  # + 1e-9: 8 * 2**4 == 128 counts 128
+
+
 def sizes(begin: int, end: int, factor: float, step_bytes: int | None) -> list[int]:
+    """nccl-tests' sweep: from ``begin`` to ``end``, adding ``step_bytes`` or else multiplying by ``factor`` (> 1)."""
     out, s = [], begin
     while s <= end:
         out.append(int(s))
-        if step_bytes:
-            s += step_bytes
-        elif factor > 1:
-            s *= factor
-        else:
-            s += max(begin, 1)
+        s, before = (s + step_bytes if step_bytes else s * factor), s
+        if s == before:  # -b 0 -e 0: one row (a sweep from 0 to more is refused by the CLI)
+            break
     return out
 
 
@@ -366,11 +390,14 @@ def run(args, dev: Device, comm, printer=None) -> list[dict]:
                         if mode == "in_place" and not case.has_inplace:
                             continue
                         inplace = mode == "in_place"
-                        wrong = case.check(inplace) if args.check else -1
-                        t, wrong_all = comm.combine(case.time(inplace, args.iters, args.warmup), max(wrong, 0))
+                        wrong = sum(case.check(inplace) for _ in range(args.check))
+                        ranks = comm.gather([case.time(inplace, args.iters, args.warmup), wrong])
+                        times = ranks[:, 0]
+                        t = {0: times[0], 1: times.mean(), 2: times.min(), 3: times.max()}[args.average]
                         algbw = case.bytes / t / 1e9 if t > 0 else 0.0
                         row[mode] = {"time_us": t * 1e6, "algbw": algbw, "busbw": algbw * bus_factor(
-                            args.collective, total), "wrong": wrong_all if args.check else None}
+                            args.collective, total), "wrong": int(ranks[:, 1].sum()) if args.check else None,
+                            "time_min_us": times.min() * 1e6, "time_max_us": times.max() * 1e6}
                     rows.append(row)
                     if printer:
                         printer.row(row)
@@ -378,9 +405,12 @@ def run(args, dev: Device, comm, printer=None) -> list[dict]:
 
 
 COLUMNS = (
-    "#                                                              out-of-place                       in-place\n"
-    "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong\n"
+    "#                                                              out-of-place                       in-place"
+    "          over ranks\n"
+    "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong"
+    "      min      max\n"
     "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)"
+    "             (us)     (us)"
 )
 
 
@@ -391,9 +421,11 @@ class TablePrinter:
         step = f"{args.stepbytes}(bytes)" if args.stepbytes else f"{args.stepfactor:g}(factor)"
         print(f"# nThread 1 nReplicas {meta['replicas']} nWorkers {meta['workers']} minBytes {args.minbytes} "
               f"maxBytes {args.maxbytes} step: {step} warmup iters: {args.warmup} iters: {args.iters} "
-              f"validation: {int(args.check)}")
+              f"validation: {args.check}")
         print(f"# mirrored {meta['version']} {args.collective} on {args.device}: host kernels {meta['isa']}, "
-              f"{meta['threads']} pool threads")
+              f"{meta['threads']} pool threads; time: {AVERAGES[args.average]} over ranks (-a {args.average})")
+        for line in type_notes(args):
+            print(f"# {line}")
         print("#\n# Using devices")
         for rank, line in enumerate(devices):
             print(f"#  Rank {rank:2d} Group  0 {line}")
@@ -408,8 +440,10 @@ class TablePrinter:
                 return f"{'n/a':>8s} {'n/a':>7s} {'n/a':>7s} {'n/a':>6s}"
             wrong = f"{m['wrong']:6d}" if m["wrong"] is not None else f"{'N/A':>6s}"
             return f"{m['time_us']:8.1f} {m['algbw']:7.2f} {m['busbw']:7.2f} {wrong}"
+        spread = row.get("in_place", row["out_of_place"])
         print(f"{row['size']:12d} {row['count']:13d} {row['type']:>9s} {row['redop']:>7s} {row['root']:7d} "
-              f"{cols(row.get('out_of_place'))} {cols(row.get('in_place'))}", flush=True)
+              f"{cols(row.get('out_of_place'))} {cols(row.get('in_place'))} "
+              f"{spread['time_min_us']:8.1f} {spread['time_max_us']:8.1f}", flush=True)
 
     @staticmethod
     def summary(rows: list[dict], wrong: int, check: bool):
@@ -423,6 +457,34 @@ class TablePrinter:
             for a in algos:
                 print(f"#   {a:<12s}: {avg([r for r in rows if r['algorithm'] == a]):.4f}")
         print("#")
+
+
+CSV_FIELDS = ("collective", "algorithm", "device", "workers", "replicas", "size", "count", "type", "redop", "root")
+CSV_MODE_FIELDS = ("time_us", "algbw", "busbw", "wrong", "time_min_us", "time_max_us")
+
+
+def write_csv(rows: list[dict], out) -> None:
+    """One line per row: the row's fields, then each mode's (``oop_``/``ip_``), empty where a mode has none."""
+    modes = (("oop", "out_of_place"), ("ip", "in_place"))
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow([*CSV_FIELDS, *(f"{short}_{f}" for short, _ in modes for f in CSV_MODE_FIELDS)])
+    for r in rows:
+        cells = [r[f] for f in CSV_FIELDS]
+        for _, mode in modes:
+            m = r.get(mode)
+            cells += ["" if m is None or m[f] is None else m[f] for f in CSV_MODE_FIELDS]
+        writer.writerow(cells)
+
+
+def type_notes(args) -> list[str]:
+    """What ``-d all`` ran and what it skipped, and why (nothing when the types were named)."""
+    if not args.all_dtypes:
+        return []
+    skipped = skipped_dtypes()
+    ran = " ".join(TYPE_NAMES[d] for d in args.dtype)
+    if not skipped:
+        return [f"-d all: {ran} (none skipped)"]
+    return [f"-d all: {ran}"] + [f"-d all skips {name}: {why}" for name, why in skipped.items()]
 
 
 def plot(rows: list[dict], path: str, title: str):
@@ -455,12 +517,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-b", "--minbytes", type=parse_size, default=8, help="smallest size (8, 64K, 128M, 1G)")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=128 << 20, help="largest size")
     p.add_argument("-f", "--stepfactor", type=_positive(float), default=2.0,
-                   help="multiply the size by this between rows (<= 1: add minbytes)")
+                   help="multiply the size by this between rows (> 1)")
     p.add_argument("-i", "--stepbytes", type=parse_size, default=None,
-                   help="add this many bytes between rows instead of multiplying")
+                   help="add this many bytes between rows instead of multiplying (> 0)")
     p.add_argument("-n", "--iters", type=_positive(int), default=20, help="timed iterations per size")
     p.add_argument("-w", "--warmup", type=_non_negative_int, default=5, help="untimed iterations before timing")
-    p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1, help="validate results (#wrong)")
+    p.add_argument("-c", "--check", type=_non_negative_int, default=1, metavar="N",
+                   help="validate results N times per size (#wrong, summed); 0: no validation")
+    p.add_argument("-a", "--average", type=int, choices=sorted(AVERAGES), default=1,
+                   help="the time reported across ranks: " + ", ".join(f"{k} {v}" for k, v in AVERAGES.items()))
     p.add_argument("-g", "--replicas", type=_positive(int), default=4, help="replicas (per worker in a job)")
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="where the replicas' buffers live")
     p.add_argument("-o", "--op", "--ops", dest="ops", default="sum",
@@ -468,13 +533,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-d", "--dtype", "--datatype", dest="dtype", default="float",
                    help="comma-separated nccl-tests types (int8,uint8,int32,int64,half,float,double,bfloat16) "
                         "or NumPy names (float32, ...), or all")
-    p.add_argument("-a", "--algo", default="auto",
+    p.add_argument("-A", "--algo", "--algorithm", dest="algo", default="auto",
                    help=f"comma-separated: {','.join(CPU_ALGORITHMS)} (cpu); {','.join(GPU_ALGORITHMS)} (gpu)")
     p.add_argument("-r", "--root", type=_non_negative_int, default=0,
                    help="broadcast/reduce root replica (of the whole job)")
     p.add_argument("--tensor-bytes", type=_positive(parse_size), default=4096,
                    help="batch_all_reduce: bytes of each tensor the size is split into")
-    p.add_argument("--json", action="store_true", help="print the results as JSON (metadata + results)")
+    formats = p.add_mutually_exclusive_group()
+    formats.add_argument("--json", action="store_true", help="print the results as JSON (metadata + results)")
+    formats.add_argument("--csv", action="store_true", help="print the results as CSV, one line per size")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size, one line per algorithm "
                                                       "(needs matplotlib)")
     return p
@@ -499,22 +566,60 @@ def _job_resolver(p):
     return resolver, len(tasks)
 
 
+def _available_memory() -> int | None:
+    """Bytes this machine can still give (MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_sweep(p, args) -> None:
+    """Refuses sizes, steps and replica counts that cannot progress or cannot fit, naming the flag."""
+    if args.minbytes > args.maxbytes:
+        p.error(f"-b {args.minbytes} exceeds -e {args.maxbytes}")
+    if args.stepbytes is not None and args.stepbytes == 0:
+        p.error("-i 0: the size would never grow; give a step of 1 byte or more, or leave -i out for -f")
+    if args.stepbytes is None:
+        if args.minbytes == 0 and args.maxbytes > 0:
+            p.error(f"-b 0: multiplying 0 by -f {args.stepfactor:g} never reaches -e {args.maxbytes}; start at "
+                    "-b 1 or more (nccl-tests' default is 8), or step in bytes with -i")
+        if args.stepfactor <= 1 and args.maxbytes > args.minbytes:
+            p.error(f"-f {args.stepfactor:g}: the size must grow; use a factor > 1 (e.g. -f 2), or step in bytes "
+                    "with -i")
+    rows = 1 if args.maxbytes == args.minbytes else count_sizes(args.minbytes, args.maxbytes, args.stepfactor,
+                                                                 args.stepbytes)
+    if rows > MAX_ROWS:
+        flag = f"-i {args.stepbytes}" if args.stepbytes else f"-f {args.stepfactor:g}"
+        p.error(f"{flag}: -b {args.minbytes} to -e {args.maxbytes} makes {rows} sizes (at most {MAX_ROWS}); "
+                "take a larger step")
+    # Each replica holds its input, output and expected result, and the host keeps a pattern: about 4 buffers.
+    need, available = 4 * args.replicas * args.maxbytes, _available_memory()
+    if args.device == "cpu" and available is not None and need > available:
+        p.error(f"-g {args.replicas} -e {args.maxbytes}: the buffers need about {need / 2**30:.1f} GiB, more than the "
+                f"{available / 2**30:.1f} GiB this machine has free; lower -g or -e")
+
+
 def parse_args(argv=None):
     """(args, device, job resolver or None): every argument error is an argparse error, raised before any run."""
     p = parser()
     args = p.parse_args(argv)
     try:
         args.ops = parse_ops(args.ops)
+        args.all_dtypes = args.dtype.strip().lower() == "all"
         args.dtype = parse_dtypes(args.dtype)
     except ValueError as e:
         p.error(str(e))
+    _check_sweep(p, args)
     args.algo = [a.strip().lower() for a in args.algo.split(",") if a.strip()]
     allowed = CPU_ALGORITHMS if args.device == "cpu" else GPU_ALGORITHMS
     bad = [a for a in args.algo if a not in allowed]
     if bad or not args.algo:
         p.error(f"--algo {','.join(bad) or '(empty)'}: {args.device} replicas take {', '.join(allowed)}")
-    if args.minbytes > args.maxbytes:
-        p.error(f"-b {args.minbytes} exceeds -e {args.maxbytes}")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -543,6 +648,8 @@ def metadata(args, comm, device: Device) -> dict:
             "collective": args.collective, "device": args.device, "device_names": device.names,
             "replicas": args.replicas * comm.workers, "replicas_per_worker": args.replicas,
             "workers": comm.workers, "iters": args.iters, "warmup": args.warmup, "validation": bool(args.check),
+            "check_iters": args.check, "average": args.average, "average_name": AVERAGES[args.average],
+            "skipped_types": skipped_dtypes() if args.all_dtypes else {},
             "min_bytes": args.minbytes, "max_bytes": args.maxbytes,
             "step": {"bytes": args.stepbytes} if args.stepbytes else {"factor": args.stepfactor},
             "algorithms": args.algo, "types": [TYPE_NAMES[d] for d in args.dtype],
@@ -559,15 +666,20 @@ def main(argv=None) -> int:
         host, pid = socket.gethostname(), os.getpid()
         devices = comm.records([f"Pid {pid:6d} on {host:>10s} device {name}" for name in device.names])
         leader = comm.rank == 0
-        printer = TablePrinter(args, meta, devices) if leader and not args.json else None
+        printer = TablePrinter(args, meta, devices) if leader and not (args.json or args.csv) else None
         rows = run(args, device, comm, printer)
     finally:
         comm.close()
     wrong = sum(m["wrong"] or 0 for r in rows for m in (r.get("out_of_place"), r.get("in_place")) if m)
     if leader:
+        if args.json or args.csv:
+            for line in type_notes(args):
+                print(f"# {line}", file=sys.stderr)
         if args.json:
             json.dump({"metadata": {**meta, "devices": devices}, "results": rows}, sys.stdout, indent=1)
             print()
+        elif args.csv:
+            write_csv(rows, sys.stdout)
         else:
             TablePrinter.summary(rows, wrong, args.check)
         if args.plot:

@@ -4,7 +4,7 @@ The training layer sits on top of ``mirrored.distribute``.
 """
 
 from ..distribute.cluster_resolver import ClusterSpec
-from . import checkpoint, mixed_precision, nn, optimizers
+from . import checkpoint, mixed_precision, nn, optimizers, preemption
 from .checkpoint_management import (Checkpoint, CheckpointError, CheckpointLoadStatus, CheckpointManager,
                                     CheckpointState, NotFoundError, get_checkpoint_state, latest_checkpoint,
                                     list_variables, load_checkpoint, load_variable)

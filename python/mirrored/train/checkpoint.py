@@ -28,15 +28,24 @@ File format (one file, little-endian)::
 The trailing digest catches truncated and corrupted files; a save writes a
 temporary file in the same directory and renames it over ``path`` only once
 complete, so an interrupted save leaves the previous checkpoint intact.
+A restore streams (``CheckpointReader``): header and index checked first,
+the digest verified in chunks, then one variable read and assigned at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
+import re
+import signal
+import socket
+import stat
 import struct
+import threading
 import types
 import uuid
 
@@ -45,6 +54,7 @@ import numpy as np
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "load_checkpoint", "CheckpointError", "NotFoundError"]
 
 _MAGIC = b"MDCKPT\x00"
+_ATTRIBUTES = ".ATTRIBUTES"  # key infix of a self-saving object's tensors, as in TensorFlow's checkpoints
 _VERSION = 1
 _DIGEST = 32
 
@@ -68,6 +78,142 @@ def _dtype(name: str) -> np.dtype:
         return np.dtype(name)
 
 
+_MAX_INDEX = 256 << 20  # bytes: an index of 2 million variables; a larger one is a crafted header
+_CHUNK = 4 << 20  # bytes read or hashed at a time: bounds the memory a restore needs beyond its variables
+
+# Temporaries are named ``.{target}.tmp-{host}-{pid}-{id}``: a later save on this host can tell a dead
+# writer's leftovers (a SIGKILL mid-save) from a live writer's file in progress.
+_HOST = socket.gethostname().replace("-", "_") or "host"
+_TMP = re.compile(r"^\.(?P<target>.+)\.tmp-(?P<host>[^-]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def _temporary_name(path: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(path)),
+                        f".{os.path.basename(path)}.tmp-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+_IN_FLIGHT = set()  # this process's temporaries being written (any thread)
+
+
+def _writer_alive(pid: int, written_at: float) -> bool:
+    """Whether process ``pid`` may still be writing a temporary last modified at ``written_at``.
+
+    A process that started after the file was written is a later one that
+    reused the PID (common after a restart in a container): not the writer.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    started = _start_time(pid)
+    return started is None or started <= written_at + 1.0
+
+
+def _start_time(pid: int):
+    """When process ``pid`` started (seconds since the epoch), from /proc; None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="ascii") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def sweep_stale_temporaries(directory: str, owns) -> list:
+    """Delete the temporaries of saves interrupted on this host (their writer is dead); returns their paths.
+
+    ``owns(target)`` says whether a temporary's target name (``ckpt-7``) is the
+    caller's: a manager sweeps only its own prefix's leftovers.
+    """
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _TMP.match(name)
+        if m is None or m["host"] != _HOST or not owns(m["target"]):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            info = os.lstat(path)
+            if path in _IN_FLIGHT or not stat.S_ISREG(info.st_mode) or _writer_alive(int(m["pid"]), info.st_mtime):
+                continue  # a save in progress, here or in another live process
+            os.remove(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass  # another task swept it first
+    return removed
+
+
+class _RemoveOnSigterm:
+    """While a save is in flight in the main thread, a SIGTERM that would end the process removes its temporary.
+
+    The launcher stops surviving tasks with SIGTERM, whose default action ends
+    the process without running ``finally`` blocks. A Python handler (e.g.
+    the preemption handler's) is called instead and the save goes on.
+    """
+
+    def __init__(self, tmp: str):
+        self._tmp = tmp
+        self._previous = None
+        self._installed = False
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            try:
+                self._previous = signal.signal(signal.SIGTERM, self._handle)
+                self._installed = True
+            except ValueError:  # not the main interpreter
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        previous = self._previous
+        if callable(previous):
+            previous(signum, frame)  # its choice; an exception it raises unwinds through the save's cleanup
+            return
+        if previous == signal.SIG_IGN:
+            return
+        try:
+            os.remove(self._tmp)
+        except OSError:
+            pass
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # the default action: the process ends as it would have
+
+    def __exit__(self, *exc):
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+        return False
+
+
+@contextlib.contextmanager
+def replacing(path: str):
+    """Yield a temporary path beside ``path`` to write; renamed over ``path`` when the block completes.
+
+    Whatever stops the write (an error, Ctrl-C, a SIGTERM with its default
+    action) removes the temporary and leaves ``path`` as it was; a SIGKILL
+    leaves it to the next save's sweep.
+    """
+    tmp = _temporary_name(path)
+    _IN_FLIGHT.add(tmp)
+    try:
+        with _RemoveOnSigterm(tmp):
+            yield tmp
+            os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    finally:
+        _IN_FLIGHT.discard(tmp)
+
+
 def _write_atomic(path: str, arrays: dict) -> None:
     """Write ``arrays`` (key -> host ndarray) to ``path`` via a temporary file + rename."""
     entries, offset = [], 0
@@ -78,9 +224,8 @@ def _write_atomic(path: str, arrays: dict) -> None:
     index = json.dumps({"entries": entries, "data_bytes": offset}).encode("utf-8")
     directory = os.path.dirname(os.path.abspath(path))
     _make_directory(directory, path)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     digest = hashlib.sha256()
-    try:
+    with replacing(path) as tmp:
         try:
             f = open(tmp, "wb")
         except OSError as e:
@@ -94,12 +239,6 @@ def _write_atomic(path: str, arrays: dict) -> None:
             f.write(digest.digest())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        # Whatever stopped the save (an error, Ctrl-C), the old checkpoint stays as it was.
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
     try:  # make the rename itself durable where the platform allows
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -123,39 +262,254 @@ def _make_directory(directory: str, path: str) -> None:
                                f"({e.strerror}); pick a directory this process may write") from None
 
 
+def open_regular_file(path: str, what: str = "path"):
+    """A binary file object for ``path``, refusing anything but a regular file without ever blocking.
+
+    A FIFO or a device (``/dev/zero``) would block a plain ``open`` or feed it
+    without end: the type is checked before opening (``O_NONBLOCK``, so a FIFO
+    cannot stall the open itself) and again on the opened descriptor.
+    """
+    label = f"{what}={path!r}" if what.isidentifier() else f"{what} {path!r}"  # an argument, or a description
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise NotFoundError(errno.ENOENT, f"{label} does not exist; pass a path that save() or write() "
+                                          "returned, e.g. md.train.latest_checkpoint(directory)", path) from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{label} is {_kind(mode)}, not a regular file (mirrored reads no FIFO or device); use a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # replaced between the stat and the open
+            raise CheckpointError(f"{label} is {_kind(mode)}, not a regular file (mirrored reads no FIFO or device); use a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _check_memory(path: str, nbytes: int) -> None:
+    """MemoryError, naming the file, for a checkpoint larger than the memory this machine has left.
+
+    Linux overcommits: allocating too much succeeds and the process is then
+    killed when the pages are touched, so ask first.
+    """
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            info = dict(line.split(":", 1) for line in f)
+        available = (int(info["MemAvailable"].split()[0]) + int(info["SwapFree"].split()[0])) * 1024
+    except (OSError, KeyError, ValueError):
+        return  # not Linux: the allocator will raise MemoryError itself
+    if nbytes > available:
+        raise MemoryError(f"path={path!r} holds {nbytes} bytes of variables, more than the {available} bytes of "
+                          "memory available; restore it on a machine with more memory")
+
+
+_ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3b11fnuz", "float8_e4m3fnuz",
+              "float8_e5m2fnuz", "int4", "uint4")
+
+
+def _entry_dtype(path: str, key: str, name) -> np.dtype:
+    """The dtype of an index entry: numeric or bool only (an ``object`` dtype would unpickle, a str has no size)."""
+    if not isinstance(name, str):
+        raise CheckpointError(f"path={path!r}: entry {key!r} has dtype {name!r}, not a dtype name; the file is damaged")
+    if name in _ML_DTYPES:
+        import ml_dtypes  # noqa: F401  registers them with NumPy
+
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        dtype = None
+    if dtype is None or not (dtype.kind in "biufc" or name in _ML_DTYPES) or dtype.hasobject:
+        raise CheckpointError(f"path={path!r}: entry {key!r} has dtype {name!r}, which a checkpoint cannot hold "
+                              "(numeric and bool dtypes only); the file is damaged or not written by mirrored")
+    return dtype
+
+
+def read_into(file, offset: int, view: memoryview) -> int:
+    """Fill ``view`` from ``file`` at ``offset``; returns the bytes read (fewer only at the end of the file)."""
+    file.seek(offset)
+    done = 0
+    while done < len(view):
+        got = file.readinto(view[done:])
+        if not got:
+            break
+        done += got
+    return done
+
+
+class _Entry:
+    __slots__ = ("key", "dtype", "shape", "offset", "nbytes")
+
+    def __init__(self, key, dtype, shape, offset, nbytes):
+        self.key, self.dtype, self.shape, self.offset, self.nbytes = key, dtype, shape, offset, nbytes
+
+
+class CheckpointReader:
+    """A checkpoint file opened for streaming: header and index checked at once, data read on demand.
+
+    ``verify()`` hashes the whole file in chunks (the SHA-256 trailer);
+    ``read(key)`` reads one array. A restore verifies first, then reads and
+    assigns one variable at a time, so it needs one variable of memory beyond
+    the variables themselves.
+    """
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        try:
+            self._file = open_regular_file(self.path)
+        except NotFoundError:
+            hint = _tensorflow_hint(self.path)
+            if hint:  # a TensorFlow prefix names no file itself
+                raise CheckpointError(f"path={self.path!r} is not a mirrored checkpoint{hint}") from None
+            raise
+        try:
+            self._size = os.fstat(self._file.fileno()).st_size
+            self._parse_header()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+    @property
+    def keys(self) -> list:
+        return list(self._entries)
+
+    def entry(self, key: str) -> _Entry:
+        return self._entries[key]
+
+    def _damaged(self, what: str) -> CheckpointError:
+        return CheckpointError(f"path={self.path!r} is damaged: {what}; restore an earlier checkpoint")
+
+    def _read_exact(self, offset: int, n: int) -> bytearray:
+        out = bytearray(n)
+        done = read_into(self._file, offset, memoryview(out))
+        if done < n:
+            raise self._damaged(f"it ended at byte {offset + done} while {offset + n} were expected (truncated)")
+        return out
+
+    def _parse_header(self) -> None:
+        path, head = self.path, len(_MAGIC) + 1 + 8
+        start = self._read_exact(0, head) if self._size >= head else b""
+        if not start.startswith(_MAGIC):
+            raise CheckpointError(f"path={path!r} is not a mirrored checkpoint (no {_MAGIC!r} header); "
+                                  "pass a file written by md.Checkpoint.save" + _tensorflow_hint(path))
+        if start[len(_MAGIC)] != _VERSION:
+            raise CheckpointError(f"path={path!r} has checkpoint format version {start[len(_MAGIC)]}, this "
+                                  f"mirrored reads version {_VERSION}; upgrade mirrored to read it")
+        (index_len,) = struct.unpack_from("<Q", start, len(_MAGIC) + 1)
+        if head + index_len + _DIGEST > self._size:
+            raise CheckpointError(f"path={path!r} is truncated or damaged ({self._size} bytes, but its header "
+                                  f"announces an index of {index_len} bytes); restore an earlier checkpoint")
+        if index_len > _MAX_INDEX:
+            raise self._damaged(f"its header announces an index of {index_len} bytes, more than the {_MAX_INDEX} "
+                                "of any real checkpoint (about 100 bytes per variable)")
+        self._index_bytes = self._read_exact(head, index_len)
+        self._data_start = head + index_len
+        try:
+            index = json.loads(self._index_bytes.decode("utf-8"))
+        except (ValueError, RecursionError) as e:
+            raise self._damaged(f"its index is not valid JSON ({type(e).__name__})") from None
+        if not isinstance(index, dict) or not isinstance(index.get("entries"), list) \
+                or not _is_count(index.get("data_bytes")):
+            raise self._damaged("its index lacks 'entries' (a list) or 'data_bytes' (a count)")
+        data_bytes = index["data_bytes"]
+        expected = self._data_start + data_bytes + _DIGEST
+        if self._size != expected:
+            raise CheckpointError(f"path={path!r} is truncated or damaged ({self._size} bytes; a complete file of "
+                                  f"this header has {expected}); restore an earlier checkpoint")
+        self._entries, offset = {}, 0
+        for e in index["entries"]:
+            entry = self._check_entry(e, offset)
+            self._entries[entry.key] = entry
+            offset += entry.nbytes
+        if offset != data_bytes:
+            raise self._damaged(f"its entries hold {offset} bytes but data_bytes says {data_bytes}")
+
+    def _check_entry(self, e, offset: int) -> _Entry:
+        if not isinstance(e, dict) or not isinstance(e.get("key"), str):
+            raise self._damaged(f"index entry {str(e)[:80]!r} has no 'key' string")
+        key = e["key"]
+        if key in self._entries:
+            raise self._damaged(f"entry {key!r} appears twice")
+        dtype = _entry_dtype(self.path, key, e.get("dtype"))
+        shape = e.get("shape")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise self._damaged(f"entry {key!r} has shape {shape!r}, not a list of non-negative ints")
+        nbytes = dtype.itemsize * math.prod(shape)
+        if e.get("nbytes") != nbytes or isinstance(e.get("nbytes"), bool):
+            raise self._damaged(f"entry {key!r} has nbytes {e.get('nbytes')!r}, but {dtype.name}{shape} is "
+                                f"{nbytes} bytes")
+        if e.get("offset") != offset or isinstance(e.get("offset"), bool):
+            raise self._damaged(f"entry {key!r} has offset {e.get('offset')!r}, expected {offset} (right after "
+                                "the previous entry)")
+        return _Entry(key, dtype, tuple(shape), offset, nbytes)
+
+    def verify(self, keys=None) -> None:
+        """Check the SHA-256 trailer, reading the file in chunks (memory: one chunk); it covers every key."""
+        digest = hashlib.sha256()
+        digest.update(self._read_exact(0, self._data_start))
+        buffer = bytearray(_CHUNK)
+        view = memoryview(buffer)
+        end = self._size - _DIGEST
+        self._file.seek(self._data_start)
+        position = self._data_start
+        while position < end:
+            got = self._file.readinto(view[:min(_CHUNK, end - position)])
+            if not got:
+                raise self._damaged(f"it ended at byte {position} while {end} were expected (truncated)")
+            digest.update(view[:got])
+            position += got
+        if digest.digest() != self._read_exact(end, _DIGEST):
+            raise CheckpointError(f"path={self.path!r} is corrupted (checksum mismatch); restore an earlier "
+                                  "checkpoint")
+
+    def read(self, key: str) -> np.ndarray:
+        """One array, read straight into its own buffer (no intermediate copy)."""
+        e = self._entries[key]
+        _check_memory(self.path, e.nbytes)
+        out = np.empty(e.shape, e.dtype)
+        if read_into(self._file, self._data_start + e.offset, memoryview(out.reshape(-1).view(np.uint8))) < e.nbytes:
+            raise self._damaged(f"it ended inside entry {key!r} (truncated)")
+        return out
+
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _tensorflow_hint(path: str) -> str:
+    from . import tensorbundle
+
+    return tensorbundle.hint(path)
+
+
 def load_checkpoint(path) -> dict:
     """Every array of the checkpoint at ``path``, as ``{key: ndarray}`` (validated in full)."""
-    path = os.fspath(path)
-    with open(path, "rb") as f:
-        blob = f.read()
-    head = len(_MAGIC) + 1 + 8
-    if len(blob) < head or not blob.startswith(_MAGIC):
-        raise CheckpointError(f"path={path!r} is not a mirrored checkpoint (no {_MAGIC!r} header); "
-                              "pass a file written by md.Checkpoint.save")
-    if blob[len(_MAGIC)] != _VERSION:
-        raise CheckpointError(f"path={path!r} has checkpoint format version {blob[len(_MAGIC)]}, this "
-                              f"mirrored reads version {_VERSION}; upgrade mirrored to read it")
-    (index_len,) = struct.unpack_from("<Q", blob, len(_MAGIC) + 1)
-    try:
-        index = json.loads(blob[head:head + index_len].decode("utf-8"))
-        data_bytes = int(index["data_bytes"])
-        entries = index["entries"]
-    except (ValueError, KeyError, TypeError):
-        index = None
-    expected = head + index_len + (data_bytes if index is not None else 0) + _DIGEST
-    if index is None or len(blob) != expected:
-        raise CheckpointError(
-            f"path={path!r} is truncated or damaged ({len(blob)} bytes; a complete file of this "
-            f"header has {expected if index is not None else 'more'}); restore an earlier checkpoint")
-    if hashlib.sha256(blob[:-_DIGEST]).digest() != blob[-_DIGEST:]:
-        raise CheckpointError(f"path={path!r} is corrupted (checksum mismatch); restore an earlier checkpoint")
-    data = memoryview(blob)[head + index_len:head + index_len + data_bytes]
-    arrays = {}
-    for e in entries:
-        dtype = _dtype(e["dtype"])
-        arr = np.frombuffer(data[e["offset"]:e["offset"] + e["nbytes"]], dtype=dtype)
-        arrays[e["key"]] = arr.reshape(e["shape"]).copy()
-    return arrays
+    with CheckpointReader(path) as reader:
+        _check_memory(reader.path, reader.total_bytes())
+        reader.verify()
+        return {key: reader.read(key) for key in reader.keys}
 
 
 # --- which objects hold which variables -----------------------------------------------------------
@@ -363,19 +717,24 @@ class Checkpoint:
 
         The directory is created if missing, and its ``checkpoint`` state file
         names the new file as the latest. Every worker of a multi-worker job
-        must call it (reading an ON_READ variable is a collective); only the
-        chief (``strategy.extended.should_checkpoint``) writes files.
+        must call it (reading an ON_READ variable is a collective); a path all
+        workers share is written by the chief
+        (``strategy.extended.should_checkpoint``) alone, a worker's own path by
+        that worker.
         """
         _require_cross_replica("save")
         file_prefix = _check_path(file_prefix, "file_prefix")
         counter = self.save_counter
         counter.assign_add(np.int64(1))
         path = f"{file_prefix}-{int(counter.numpy())}"
-        self.write(path, options=options)
-        if self._is_chief():
+        if self._write(path):
             from . import checkpoint_management as train
 
-            train._record_latest(os.path.dirname(os.path.abspath(path)), path)
+            directory = os.path.dirname(os.path.abspath(path))
+            train._record_latest(directory, path)
+            numbered = re.compile(re.escape(os.path.basename(file_prefix)) + r"-\d+")
+            sweep_stale_temporaries(directory, lambda target: bool(numbered.fullmatch(target))
+                                    or target == train.STATE_FILE)
         return path
 
     def write(self, file_prefix, options=None) -> str:
@@ -386,19 +745,23 @@ class Checkpoint:
         """
         _require_cross_replica("write")
         path = _check_path(file_prefix, "file_prefix")
-        variables = self._variables()
-        arrays = {key: np.asarray(var.numpy(), order="C") for key, var in variables.items()}
-        if self._is_chief(variables):
-            _write_atomic(path, arrays)
+        if self._write(path):
+            sweep_stale_temporaries(os.path.dirname(os.path.abspath(path)),
+                                    lambda target: target == os.path.basename(path))
         return path
 
-    def _is_chief(self, variables=None) -> bool:
+    def _write(self, path: str) -> bool:
+        """Write ``path`` if this worker should; returns whether it did. Every worker must call it."""
         from ..distribute import distribute_lib
 
-        if variables is None:
-            variables = self._variables()
+        variables = self._variables()
+        arrays = {key: np.asarray(var.numpy(), order="C") for key, var in variables.items()}
+        arrays.update(_saveable_tensors(self._objects))
         strategy = _strategy_of(list(variables.values())) if variables else distribute_lib.get_strategy()
-        return bool(strategy.extended.should_checkpoint)
+        if _writes_here(strategy, path):
+            _write_atomic(path, arrays)
+            return True
+        return False
 
     def restore(self, save_path, options=None) -> CheckpointLoadStatus:
         """Load ``save_path`` into the tracked objects; nothing is assigned if anything is wrong.
@@ -415,39 +778,86 @@ class Checkpoint:
             return InitializationOnlyStatus()
         _require_cross_replica("restore")
         path = _check_path(save_path, "save_path")
+        from . import tensorbundle
+
+        if tensorbundle.is_tensorflow_checkpoint(path):
+            with tensorbundle.BundleReader(path) as bundle:
+                return self._restore_from(bundle, path, tensorbundle.object_keys(bundle))
         if os.path.isdir(path):
             raise IsADirectoryError(
                 f"save_path={path!r} is a directory; pass a checkpoint file, e.g. "
                 "md.train.latest_checkpoint(directory)")
-        if not os.path.exists(path):
+        if not os.path.lexists(path):
             raise NotFoundError(
                 errno.ENOENT, f"Failed to find any matching files for save_path={path!r}; pass a path that "
                 "save() or write() returned, e.g. md.train.latest_checkpoint(directory)", path)
-        arrays = load_checkpoint(path)
-        variables = self._variables(create_for=arrays)
+        with CheckpointReader(path) as reader:
+            return self._restore_from(reader, path, {key: key for key in reader.keys})
+
+    def _restore_from(self, reader, path: str, keys: dict) -> CheckpointLoadStatus:
+        """Assign ``reader``'s arrays (``keys``: our key -> the file's key) to the tracked variables.
+
+        Shapes and dtypes are checked, and the file's checksums verified, before
+        the first assignment; then one array is read and assigned at a time, so the memory needed is
+        one variable beyond the variables themselves.
+        """
+        # One entry at a time must fit in memory (asked before hashing a file of, say, a sparse terabyte).
+        _check_memory(path, max((reader.entry(k).nbytes for k in keys.values()), default=0))
+        reader.verify(list(keys.values()))  # before anything is created or assigned
+        variables = self._variables(create_for=keys)
         problems, unmatched = [], []
         for key, var in variables.items():
-            if key not in arrays:
+            if key not in keys:
                 # As TensorFlow: the variable keeps its value; the status's assertions report it.
                 # Files written by write() have no save_counter: the counter stays, unreported.
                 if key != "save_counter":
                     unmatched.append(key)
-            elif tuple(arrays[key].shape) != tuple(var.shape) or arrays[key].dtype != np.dtype(var.dtype):
-                problems.append(f"{key}: file has {arrays[key].dtype}{list(arrays[key].shape)}, "
+                continue
+            entry = reader.entry(keys[key])
+            if tuple(entry.shape) != tuple(var.shape) or entry.dtype != np.dtype(var.dtype):
+                problems.append(f"{key}: file has {entry.dtype}{list(entry.shape)}, "
                                 f"variable is {np.dtype(var.dtype)}{list(var.shape)}")
         if problems:
             raise CheckpointError(
                 f"path={path!r} does not fit the objects of this Checkpoint; nothing was restored:\n  "
                 + "\n  ".join(problems)
                 + "\nbuild the model with the shapes it was saved with, or pass the objects it was saved from")
-        restored = [key for key in variables if key in arrays]
+        restored = [key for key in variables if key in keys]
         for key in restored:
-            variables[key].assign(arrays[key])
-        return CheckpointLoadStatus(path, set(arrays) - set(restored), restored, unmatched)
+            variables[key].assign(reader.read(keys[key]))
+        restored += _restore_saveables(self._objects, keys, lambda key: reader.read(keys[key]), unmatched)
+        return CheckpointLoadStatus(path, set(keys) - set(restored), restored, unmatched)
 
     def read(self, save_path, options=None) -> CheckpointLoadStatus:
         """Load a file written by ``write`` (or ``save``): the same as ``restore``."""
         return self.restore(save_path, options=options)
+
+
+# --- objects that save themselves (md.data iterators) -----------------------------------------------
+# TensorFlow's trackable protocol: ``_serialize_to_tensors() -> {name: array}`` and
+# ``_restore_from_tensors({name: array})``; the arrays are stored under ``<object>/.ATTRIBUTES/<name>``.
+
+def _saveable_tensors(objects: dict) -> dict:
+    return {f"{name}/{_ATTRIBUTES}/{key}": np.asarray(value, order="C")
+            for name, obj in objects.items() if hasattr(obj, "_serialize_to_tensors")
+            for key, value in obj._serialize_to_tensors().items()}
+
+
+def _restore_saveables(objects: dict, keys, read, unmatched: list) -> list:
+    """Restore every self-saving object from the file's ``keys`` (``read(key)``: the array); returns the keys
+    used. An object the file has nothing for is reported in ``unmatched``."""
+    restored = []
+    for name, obj in objects.items():
+        if not hasattr(obj, "_restore_from_tensors"):
+            continue
+        prefix = f"{name}/{_ATTRIBUTES}/"
+        mine = [key for key in keys if key.startswith(prefix)]
+        if not mine:
+            unmatched.append(name)
+            continue
+        obj._restore_from_tensors({key[len(prefix):]: read(key) for key in mine})
+        restored += mine
+    return restored
 
 
 def _check_trackable(name: str, obj) -> None:
@@ -471,6 +881,19 @@ def _check_path(path, argument: str) -> str:
     if not path:
         raise ValueError(f"{argument}='': expected a file path, e.g. 'out/ckpt'")
     return path
+
+
+def _writes_here(strategy, path: str) -> bool:
+    """Whether this worker writes ``path``: the chief always; another worker when the chief writes elsewhere.
+
+    TensorFlow's multi-worker pattern gives every worker but the chief a
+    temporary directory of its own (``write_filepath``), so each path ``save``
+    returns exists. When all workers share one path, only the chief writes it.
+    Every worker takes part in the broadcast of the chief's path, a collective.
+    """
+    fingerprint = np.frombuffer(hashlib.sha256(os.path.abspath(path).encode()).digest()[:8], np.uint8).copy()
+    chiefs = strategy.extended._make_initial_values_identical(fingerprint)
+    return bool(strategy.extended.should_checkpoint) or not np.array_equal(chiefs, fingerprint)
 
 
 def _require_cross_replica(what: str) -> None:

@@ -20,7 +20,12 @@ TensorFlow uses for its ``CheckpointState``::
 Paths in it are relative to the directory. Each checkpoint is one file (the
 format of ``md.checkpoint``), so a checkpoint "prefix" is the file's path.
 In a multi-worker job every worker calls ``save`` (reading ON_READ variables is
-a collective) and keeps the same list; only the chief writes and deletes files.
+a collective) and keeps the same list; in a directory all workers share, only
+the chief writes and deletes files (a worker's own directory, TF's
+``workertemp_<id>`` pattern, is written by that worker). A manager deletes
+only its own ``{checkpoint_name}-N`` files, whatever the state file says, and
+each save sweeps the temporaries that interrupted saves of its prefix left.
+TensorFlow's checkpoint directories are read too (``tensorbundle.py``).
 """
 
 from __future__ import annotations
@@ -29,19 +34,23 @@ import collections
 import json
 import os
 import re
+import stat
 import time
-import uuid
 import warnings
 
 import numpy as np
 
-from .checkpoint import Checkpoint, CheckpointError, CheckpointLoadStatus, NotFoundError, load_checkpoint
+from . import tensorbundle
+from .checkpoint import (Checkpoint, CheckpointError, CheckpointLoadStatus, CheckpointReader, NotFoundError,
+                         _check_memory, load_checkpoint, open_regular_file, replacing,
+                         sweep_stale_temporaries)
 
 __all__ = ["Checkpoint", "CheckpointManager", "CheckpointState", "CheckpointLoadStatus", "CheckpointError",
            "NotFoundError", "latest_checkpoint", "get_checkpoint_state", "list_variables", "load_variable",
            "load_checkpoint"]
 
-_STATE_FILE = "checkpoint"
+STATE_FILE = "checkpoint"
+_MAX_STATE_BYTES = 16 << 20  # about 100,000 checkpoints listed
 
 
 # --- the directory's state file -------------------------------------------------------------------
@@ -67,10 +76,14 @@ _LINE = re.compile(r'^\s*(\w+)\s*:\s*(.*?)\s*$')
 def get_checkpoint_state(checkpoint_dir, latest_filename=None):
     """The ``CheckpointState`` recorded in ``checkpoint_dir``, or None if there is none."""
     directory = os.fspath(checkpoint_dir)
-    state_path = os.path.join(directory, latest_filename or _STATE_FILE)
+    state_path = os.path.join(directory, latest_filename or STATE_FILE)
     try:
-        with open(state_path, encoding="utf-8") as f:
-            text = f.read()
+        with open_regular_file(state_path, "the checkpoint state file") as f:  # never a FIFO or a device
+            size = os.fstat(f.fileno()).st_size
+            if size > _MAX_STATE_BYTES:
+                raise CheckpointError(f"{state_path}: {size} bytes, far more than a checkpoint state file holds; "
+                                      "it is damaged: delete it (the checkpoint files stay usable)")
+            text = f.read().decode("utf-8", errors="replace")
     except FileNotFoundError:
         return None
     fields = collections.defaultdict(list)
@@ -112,16 +125,9 @@ def _write_state(directory: str, latest: str, paths, timestamps, last_preserved)
     if last_preserved is not None:
         lines.append(f"last_preserved_timestamp: {float(last_preserved)!r}")
     os.makedirs(directory, exist_ok=True)
-    target = os.path.join(directory, _STATE_FILE)
-    tmp = os.path.join(directory, f".{_STATE_FILE}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    target = os.path.join(directory, STATE_FILE)
+    with replacing(target) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def _record_latest(directory: str, path: str) -> None:
@@ -132,12 +138,17 @@ def _record_latest(directory: str, path: str) -> None:
 def latest_checkpoint(checkpoint_dir, latest_filename=None):
     """The path of the newest checkpoint recorded in ``checkpoint_dir``, or None.
 
-    None also when the recorded file no longer exists (as ``tf.train.latest_checkpoint``).
+    For a directory of TensorFlow checkpoints, the newest one's prefix (which
+    ``restore``, ``list_variables`` and ``load_variable`` read). None also
+    when the recorded file no longer exists (as ``tf.train.latest_checkpoint``).
     """
     state = get_checkpoint_state(checkpoint_dir, latest_filename)
-    if state is None or not os.path.isfile(state.model_checkpoint_path):
+    if state is None:
         return None
-    return state.model_checkpoint_path
+    path = state.model_checkpoint_path
+    if os.path.isfile(path) or tensorbundle.is_tensorflow_checkpoint(path):
+        return path
+    return None
 
 
 def _checkpoint_file(ckpt_dir_or_file) -> str:
@@ -150,18 +161,30 @@ def _checkpoint_file(ckpt_dir_or_file) -> str:
     return path
 
 
+def _open(ckpt_dir_or_file):
+    path = _checkpoint_file(ckpt_dir_or_file)
+    if tensorbundle.is_tensorflow_checkpoint(path):
+        return tensorbundle.BundleReader(path)
+    return CheckpointReader(path)
+
+
 def list_variables(ckpt_dir_or_file) -> list:
-    """``[(name, shape), ...]`` of a checkpoint file (or a directory's latest), sorted by name."""
-    arrays = load_checkpoint(_checkpoint_file(ckpt_dir_or_file))
-    return [(key, list(arrays[key].shape)) for key in sorted(arrays)]
+    """``[(name, shape), ...]`` of a checkpoint (or a directory's latest), sorted by name.
+
+    Reads only the index: mirrored's own files and TensorFlow's (TensorBundle) alike.
+    """
+    with _open(ckpt_dir_or_file) as reader:
+        return [(key, list(reader.entry(key).shape)) for key in sorted(reader.keys)]
 
 
 def load_variable(ckpt_dir_or_file, name: str):
-    """The saved value of ``name`` (a key of ``list_variables``) as a NumPy array."""
-    arrays = load_checkpoint(_checkpoint_file(ckpt_dir_or_file))
-    if name not in arrays:
-        raise KeyError(f"name={name!r} is not in the checkpoint; it holds {sorted(arrays)}")
-    return arrays[name]
+    """The saved value of ``name`` (a key of ``list_variables``) as a NumPy array, its checksum verified."""
+    with _open(ckpt_dir_or_file) as reader:
+        if name not in reader.keys:
+            raise KeyError(f"name={name!r} is not in the checkpoint {reader.path!r}; it holds {sorted(reader.keys)}")
+        _check_memory(reader.path, reader.entry(name).nbytes)  # before hashing a (possibly sparse) huge file
+        reader.verify([name])
+        return reader.read(name)
 
 
 # --- the manager ----------------------------------------------------------------------------------
@@ -210,6 +233,7 @@ class CheckpointManager:
         self._keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours
         self._checkpoint_name = checkpoint_name
         self._prefix = os.path.join(self._directory, checkpoint_name)
+        self._numbered = re.compile(re.escape(checkpoint_name) + r"-\d+")
         self._step_counter = step_counter
         self._checkpoint_interval = checkpoint_interval
         self._init_fn = init_fn
@@ -232,6 +256,10 @@ class CheckpointManager:
         timestamps = state.all_model_checkpoint_timestamps or \
             [self._last_preserved_timestamp] * len(state.all_model_checkpoint_paths)
         for path, stamp in zip(state.all_model_checkpoint_paths, timestamps):
+            if not self._owns(path):
+                # The state file names something this manager never writes ("../precious.txt", another
+                # prefix): it is not managed, so never deleted.
+                continue
             stamp = min(stamp, now)
             if stamp > self._last_preserved_timestamp:
                 self._maybe_delete[path] = stamp
@@ -277,18 +305,20 @@ class CheckpointManager:
         counter = self._checkpoint.save_counter
         counter.assign_add(np.int64(1))
         number = int(counter.numpy()) if checkpoint_number is None else _value(checkpoint_number)
-        path = self._checkpoint.write(f"{self._prefix}-{number}", options=options)
+        path = f"{self._prefix}-{number}"
+        wrote = self._checkpoint._write(path)
         stamp = time.time()
         self._maybe_delete.pop(path, None)  # an overwritten checkpoint moves to the newest end
         self._maybe_delete[path] = stamp
         self._latest_checkpoint = path
-        chief = self._checkpoint._is_chief()
         # State first (a job stopped while deleting still finds the new one), then again without the deleted.
-        if chief:
+        if wrote:
             self._record_state()
-        self._sweep(delete_files=chief)
-        if chief:
+        self._sweep(delete_files=wrote)
+        if wrote:
             self._record_state()
+            sweep_stale_temporaries(self._directory, lambda target: bool(self._numbered.fullmatch(target))
+                                    or target == STATE_FILE)
         return path
 
     def restore_or_initialize(self):
@@ -306,6 +336,11 @@ class CheckpointManager:
         """Nothing to wait for: saves are synchronous."""
 
     # -- bookkeeping --
+    def _owns(self, path: str) -> bool:
+        """Whether ``path`` is one of this manager's checkpoints: ``{directory}/{checkpoint_name}-N``."""
+        path = os.path.abspath(path)
+        return os.path.dirname(path) == self._directory and bool(self._numbered.fullmatch(os.path.basename(path)))
+
     def _record_state(self) -> None:
         _write_state(self._directory, self._latest_checkpoint, list(self._maybe_delete),
                      list(self._maybe_delete.values()), self._last_preserved_timestamp)
@@ -319,9 +354,10 @@ class CheckpointManager:
             if hours and stamp - hours * 3600.0 >= self._last_preserved_timestamp:
                 self._last_preserved_timestamp = stamp  # kept on disk for good, no longer managed
                 continue
-            if delete_files:
+            if delete_files and self._owns(path):
                 try:
-                    os.remove(path)
+                    if stat.S_ISREG(os.lstat(path).st_mode):
+                        os.remove(path)
                 except FileNotFoundError:
                     pass
 

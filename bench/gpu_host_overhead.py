@@ -1,0 +1,80 @@
+"""Host-side cost of mirrored's GPU call path, measured without a GPU: the engine
+runs on the simulated CUDA runtime (mirrored._cuda_sim) with the tests' CuPy
+stand-in (tests/fake_cupy.py), and only the calls are timed, not the queued
+kernels (they are drained after each call, outside the clock).
+
+    python bench/gpu_host_overhead.py [--replicas 2 4] [--repeat 2000]
+
+Reports µs per call for a 4-byte all_reduce (out= preallocated and not), a
+200-tensor batch_all_reduce and strategy.run(replica-context all_reduce) on
+logical GPUs. The stand-in's arrays are Python objects where CuPy's are
+Cython, so calls that allocate cost more here than on a GPU machine; compare
+numbers of this script with each other, same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+import numpy as np  # noqa: E402
+
+import gpu_env  # noqa: E402
+
+if not gpu_env.SIMULATED or gpu_env.cupy is None:
+    raise SystemExit("this benchmark runs on the simulated GPUs; this machine has real ones (use compare_gpu.py)")
+gpu_env.install(0)
+cupy = gpu_env.cupy
+
+import mirrored as md  # noqa: E402
+from mirrored import collectives  # noqa: E402
+
+
+def per_call_us(call, repeat: int) -> float:
+    """Median µs of one call, its queued kernels drained after it, outside the clock (so an engine's
+    own host wait for an earlier call's work finds it done, as it mostly would on a GPU)."""
+    call()
+    cupy.sim.drain()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+        cupy.sim.drain()
+    return statistics.median(times) * 1e6
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--repeat", type=int, default=2000)
+    args = p.parse_args()
+    print("| replicas | all_reduce 4 B (µs) | all_reduce 4 B, out= (µs) | batch 200 tensors (µs) | "
+          "run(all_reduce 4 B) (µs) |")
+    print("|---:|---:|---:|---:|---:|")
+    for n in args.replicas:
+        xs = [cupy.ones(1, cupy.float32) for _ in range(n)]
+        outs = [cupy.empty(1, cupy.float32) for _ in range(n)]
+        sizes = np.random.default_rng(0).integers(1, 3000, 200)
+        lists = [[cupy.ones(int(s), cupy.float32) for s in sizes] for _ in range(n)]
+        md.config.set_logical_device_configuration("GPU", 0, count=n)
+        try:
+            s = md.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
+            step_x = s.run(lambda: cupy.ones(1, cupy.float32))
+            run = lambda: s.run(lambda x: md.get_replica_context().all_reduce("sum", x), args=(step_x,))  # noqa: E731
+            row = [per_call_us(lambda: collectives.all_reduce(xs, "sum"), args.repeat),
+                   per_call_us(lambda: collectives.all_reduce(xs, "sum", out=outs), args.repeat),
+                   per_call_us(lambda: collectives.batch_all_reduce(lists, "sum"), args.repeat // 10),
+                   per_call_us(run, args.repeat // 4)]
+        finally:
+            md.config.set_logical_device_configuration("GPU:0", None)
+        print(f"| {n} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""The one collective face: every collective of the package is validated and planned here.
+
+A call's signature is (kind, its parameters — op, root, packing, algorithm,
+chunk size —, the number of replicas, and the type, shape and dtype of the
+first buffer). The first call of a signature is validated by
+:mod:`mirrored.collective.rules` and leaves a plan: for host buffers a native
+``_core.CallPlan`` / ``_core.BatchPlan`` holding dtype codes, layout and
+engine parameters; for GPU buffers a ``cuda.CallPlan`` holding the engine
+(CUDA ring kernels or NCCL), algorithm, dtype code and devices. A repeated
+call finds the plan by its signature and runs it: the plan checks that every
+array still fits (host buffers in C++: exact NumPy arrays of the planned
+dtype and shape, contiguous, outputs writeable), extracts the pointers and
+runs the engine with the GIL released. An array that does not fit sends the
+call back here, to be validated (and reported) afresh.
+
+Fusion (``bytes_per_pack``, ``num_packs``) is decided by the engines'
+one packer (csrc/core/packer.cc) for host, CUDA and NCCL batches alike.
+"""
+
+from __future__ import annotations
+
+from .. import _core, timeline
+from ..device.dtypes import op_code
+from . import rules
+
+__all__ = ["lookup", "lookup_batch", "all_reduce", "broadcast", "reduce", "all_gather", "batch_all_reduce",
+           "MAX_PLANS"]
+
+# Plans kept; the cache starts over when full (a program has a handful of signatures).
+MAX_PLANS = 4096
+_plans: dict = {}
+
+
+def lookup(kind: str, params: tuple, buffers):
+    """The plan of this call's signature, or None (first call, or not a list of arrays)."""
+    try:
+        first = buffers[0]
+        return _plans.get((kind, params, len(buffers), type(first), first.shape, first.dtype))
+    except Exception:  # not a list of arrays: the validating path reports it
+        return None
+
+
+def lookup_batch(params: tuple, per_replica_lists):
+    """The plan of a batch all-reduce: the signature names the first tensor; the plan checks the rest."""
+    try:
+        tensors = per_replica_lists[0]
+        first = tensors[0]
+        return _plans.get(("batch_all_reduce", params, len(per_replica_lists), len(tensors), type(first),
+                           first.shape, first.dtype))
+    except Exception:
+        return None
+
+
+def _remember(key: tuple, plan) -> None:
+    if len(_plans) >= MAX_PLANS:
+        _plans.clear()
+    _plans[key] = plan
+
+
+def _key(kind: str, params: tuple, buffers) -> tuple:
+    first = buffers[0]
+    return kind, params, len(buffers), type(first), first.shape, first.dtype
+
+
+def _cuda():
+    try:
+        from . import cuda
+    except ImportError as e:  # no CUDA extension in this build
+        raise RuntimeError(
+            f"GPU buffers need mirrored's CUDA extension, which is not available ({e}); "
+            "reinstall mirrored on a machine with the CUDA toolkit (nvcc) and `pip install cupy-cuda13x`"
+        ) from None
+    return cuda
+
+
+# --- the validating path: first calls of a signature, and anything unusual ------------------
+
+def _gpu_call(kind, buffers, out, op, root, algorithm, chunk_bytes):
+    """An all_reduce / broadcast of GPU buffers: planned (and the plan kept) when the buffers are
+    contiguous CuPy arrays, else converted by the CUDA engine's validating path."""
+    cuda = _cuda()
+    plan = cuda.call_plan(kind, buffers, op, root, algorithm, chunk_bytes)
+    with timeline.span(kind, plan.nbytes, algorithm, len(buffers)):
+        done = plan.run(buffers, out)
+    if done is None:
+        if kind == "broadcast":
+            return cuda.broadcast(buffers, root, out=out)
+        return cuda.all_reduce(buffers, op, out=out, algorithm=algorithm, chunk_bytes=chunk_bytes)
+    params = (root,) if kind == "broadcast" else (op, algorithm, chunk_bytes)
+    _remember(_key(kind, params, buffers), plan)
+    return done
+
+
+def all_reduce(buffers, op, out, algorithm, chunk_bytes):
+    opc = op_code(op)
+    if opc == rules.MEAN and rules.integer_mean(buffers, op):
+        sums = all_reduce(buffers, "sum", None, algorithm, chunk_bytes)
+        return rules.true_divide(sums, len(sums), out)
+    if rules.on_gpu(buffers):
+        return _gpu_call("all_reduce", buffers, out, op, 0, algorithm, chunk_bytes)
+    chunk = rules.check_chunk_bytes(chunk_bytes)
+    arrays, code = rules.inputs(buffers, "buffers")
+    algo = rules.algorithm_code(algorithm)
+    outs, finish = rules.outputs(out, arrays, "out")
+    first = arrays[0]
+    plan = _core.CallPlan("all_reduce", len(arrays), first.dtype, first.shape, code, opc, algo, chunk, 0,
+                          rules.recycler.empty)
+    with timeline.span("all_reduce", first.nbytes, algorithm, len(arrays)):
+        done = plan.run(buffers, out)
+        if done is None:  # converted inputs or outputs: this call runs on them
+            _core.all_reduce(arrays, outs, first.size, code, opc, algo, chunk)
+    if done is None:
+        return finish()
+    _remember(_key("all_reduce", (op, algorithm, chunk_bytes), buffers), plan)
+    return done
+
+
+def broadcast(buffers, root, out):
+    if rules.on_gpu(buffers):
+        return _gpu_call("broadcast", buffers, out, "sum", root, "auto", 0)
+    arrays, code = rules.inputs(buffers, "buffers")
+    root = rules.root_index(root, len(arrays))
+    outs, finish = rules.outputs(out, arrays, "out")
+    first = arrays[0]
+    plan = _core.CallPlan("broadcast", len(arrays), first.dtype, first.shape, code, 0, 0, 0, root,
+                          rules.recycler.empty)
+    with timeline.span("broadcast", first.nbytes, "direct", len(arrays)):
+        done = plan.run(buffers, out)
+        if done is None:
+            _core.broadcast(arrays, outs, first.size, code, root)
+    if done is None:
+        return finish()
+    _remember(_key("broadcast", (root,), buffers), plan)
+    return done
+
+
+def reduce(buffers, op, root, out):
+    if rules.integer_mean(buffers, op):
+        total = reduce(buffers, "sum", root, None)
+        return rules.true_divide([total], len(buffers), None if out is None else [out[root]])[0]
+    if rules.on_gpu(buffers):
+        return _cuda().reduce(buffers, op, root, out=out)
+    arrays, code = rules.inputs(buffers, "buffers")
+    opc = op_code(op)
+    root = rules.root_index(root, len(arrays))
+    if out is None:
+        target, finish = rules.result_like(arrays[root]), None
+    else:
+        outs, finish = rules.outputs(out, arrays, "out")
+        target = outs[root]
+    with timeline.span("reduce", arrays[0].nbytes, "direct", len(arrays)):
+        _core.reduce(arrays, [target] * len(arrays), arrays[0].size, code, opc, root)
+    return target if finish is None else finish()[root]
+
+
+def all_gather(buffers, axis):
+    if rules.on_gpu(buffers):
+        return _cuda().all_gather(buffers, axis)
+    arrays, _ = rules.inputs(buffers, "buffers", same_shape=False)
+    shape, row_bytes, outer = rules.gather_layout(arrays, axis)
+    outs = [rules.result(shape, arrays[0].dtype) for _ in arrays]
+    with timeline.span("all_gather", arrays[0].nbytes, "direct", len(arrays)):
+        _core.all_gather(arrays, outs, row_bytes, outer)
+    return outs
+
+
+def batch_all_reduce(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, chunk_bytes):
+    n = rules.check_batch(per_replica_lists)
+    if not per_replica_lists[0]:
+        return [[] for _ in range(n)]
+    if rules.any_integer_mean(per_replica_lists[0], op):
+        sums = batch_all_reduce(per_replica_lists, "sum", bytes_per_pack, num_packs, algorithm, chunk_bytes)
+        return rules.means_of_sums(sums, n)
+    if rules.on_gpu([per_replica_lists[0][0]]):
+        return _cuda().batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack, num_packs=num_packs,
+                                        algorithm=algorithm, chunk_bytes=chunk_bytes)
+    packing = rules.check_packing(bytes_per_pack, num_packs, chunk_bytes)
+    opc = op_code(op)
+    algo = rules.algorithm_code(algorithm)
+    # Tensor t across replicas, checked with messages naming it; converted where needed.
+    columns = [rules.inputs([tensors[t] for tensors in per_replica_lists], f"per_replica_lists[*][{t}]")
+               for t in range(len(per_replica_lists[0]))]
+    firsts = [column[0] for column, _ in columns]
+    codes = [code for _, code in columns]
+    plan = _core.BatchPlan(n, [a.dtype for a in firsts], [a.shape for a in firsts], codes, opc, packing[0],
+                           packing[1], algo, packing[2], rules.recycler.empty)
+    with timeline.span("batch_all_reduce", sum(a.nbytes for a in firsts), algorithm, n):
+        done = plan.run(per_replica_lists)
+        if done is None:  # converted inputs: arranged replica-major for the generic call
+            inputs = [column[r] for r in range(n) for column, _ in columns]
+            outputs = [rules.result_like(a) for a in inputs]
+            _core.batch_all_reduce(n, inputs, outputs, [a.size for a in firsts], codes, opc, packing[0],
+                                   packing[1], algo, packing[2])
+            T = len(columns)
+            return [outputs[r * T:(r + 1) * T] for r in range(n)]
+    first = per_replica_lists[0][0]
+    _remember(("batch_all_reduce", (op, bytes_per_pack, num_packs, algorithm, chunk_bytes), n,
+               len(per_replica_lists[0]), type(first), first.shape, first.dtype), plan)
+    return done

@@ -1,0 +1,1516 @@
+"""``md.data.Dataset``: tf.data's sources and transformations over NumPy/CuPy elements.
+
+Every dataset is an immutable description; ``iter(dataset)`` builds a tree of
+iterators, one per transformation. Each iterator can save its state (a tree
+of plain values and arrays) and be rebuilt from it, which makes the whole
+pipeline checkpointable. ``prefetch`` and ``map(num_parallel_calls=...)``
+run in background threads (the work is NumPy/CuPy or I/O, which releases the
+GIL; see docs/data.md for the measurement that chose threads).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import copy
+import math
+import os
+import threading
+from collections import deque
+
+import numpy as np
+
+from .. import _nest
+from .iterator_ops import OwnedIterator
+from .options import Options
+from .structure import TensorSpec, array_module, normalize_input, normalize_output, spec_of, stack
+
+__all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset"]
+
+AUTOTUNE = -1
+INFINITE_CARDINALITY = -1
+UNKNOWN = UNKNOWN_CARDINALITY = -2
+
+
+def _positive_int(value, argument: str, allow=()) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or (value <= 0 and value not in allow):
+        extra = f" (or {', '.join(map(str, allow))})" if allow else ""
+        raise ValueError(f"{argument}={value!r}: must be a positive int{extra}")
+    return int(value)
+
+
+def _count(value, argument: str) -> int:
+    """A ``take``/``skip``/``repeat`` count: an int; any negative one means "all" (-1), as in tf.data."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{argument}={value!r}: must be an int (>= 0, or -1 for all)")
+    return max(int(value), -1)
+
+
+def _call(fn, element):
+    """tf.data passes a tuple element's components as separate arguments."""
+    return fn(*element) if isinstance(element, tuple) else fn(element)
+
+
+def _parallelism_cap() -> int:
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+class _Iterator:
+    """One transformation's iterator: ``next()``, ``save()`` and ``close()`` (the inputs' too)."""
+
+    def __init__(self, *inputs):
+        self._inputs = list(inputs)
+
+    def next(self):
+        raise NotImplementedError
+
+    def save(self):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        for it in self._inputs:
+            it.close()
+
+
+class Dataset:
+    """A pipeline of elements (``tf.data.Dataset``), built from a source and transformations.
+
+    ``md.data.Dataset(iterable)`` (not a TensorFlow spelling) wraps any Python
+    iterable of elements, so existing loaders can take ``with_options``.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is Dataset:
+            return object.__new__(IterableDataset)
+        return object.__new__(cls)
+
+    def __init__(self, *inputs):
+        self._inputs = tuple(inputs)
+        self._options = None
+        self._pipeline_options = None  # set by a with_options downstream
+        self._spec = None
+
+    # --- what every dataset has ------------------------------------------------------------------
+    def __iter__(self) -> OwnedIterator:
+        return OwnedIterator(self)
+
+    def _make_iterator(self, state=None) -> _Iterator:
+        raise NotImplementedError
+
+    @property
+    def _input(self) -> "Dataset":
+        return self._inputs[0]
+
+    def options(self) -> Options:
+        """The options of this pipeline: the last ``with_options`` upstream wins."""
+        if self._options is not None:
+            return self._options
+        for d in self._inputs:
+            if d._options is not None or d._inputs:
+                return d.options()
+        self._options = Options()
+        return self._options
+
+    @property
+    def element_spec(self):
+        """The structure of ``TensorSpec``s of the elements (``None`` for dimensions that vary)."""
+        if self._spec is None:
+            self._spec = self._compute_spec()
+        return self._spec
+
+    def _compute_spec(self):
+        return self._input.element_spec
+
+    def cardinality(self) -> int:
+        """The number of elements: ``md.data.INFINITE_CARDINALITY`` (-1) or ``UNKNOWN_CARDINALITY`` (-2)."""
+        return UNKNOWN
+
+    def __len__(self):
+        n = self.cardinality()
+        if n == INFINITE_CARDINALITY:
+            raise TypeError("The dataset is infinite.")
+        if n == UNKNOWN:
+            raise TypeError("The dataset length is unknown.")
+        return n
+
+    def as_numpy_iterator(self):
+        """The elements, as NumPy values (device arrays are copied to the host)."""
+        from ..device import device_util
+
+        for element in self:
+            yield _nest.map_structure(lambda x: device_util.to_host(x) if device_util.on_gpu(x) else x, element)
+
+    def reduce(self, initial_state, reduce_func):
+        """``reduce_func(state, element)`` folded over every element, from ``initial_state``."""
+        state = initial_state
+        for element in self:
+            state = reduce_func(state, element)
+        return state
+
+    def _clone(self, inputs) -> "Dataset":
+        clone = copy.copy(self)
+        clone._inputs = tuple(inputs)
+        clone._spec = None
+        return clone
+
+    def _file_sharded(self, num_shards: int, index: int):
+        """This pipeline with its file sources read ``1/num_shards`` each; None if it reads no files."""
+        new, found = [], False
+        for d in self._inputs:
+            sharded = d._file_sharded(num_shards, index)
+            found |= sharded is not None
+            new.append(d if sharded is None else sharded)
+        return self._clone(new) if found else None
+
+    def _peek(self, count: int = 1) -> list:
+        """The first ``count`` elements (fewer at the end), read without changing what later iterations see:
+        the shuffles' epoch counters are put back, so computing a spec does not reorder the first epoch."""
+        shuffles = [(d, d._epochs) for d in self._pipeline() if isinstance(d, _Shuffle)]
+        it = self._make_iterator()
+        try:
+            out = []
+            for _ in range(count):
+                out.append(it.next())
+        except StopIteration:
+            pass
+        finally:
+            it.close()
+            for d, epochs in shuffles:
+                d._epochs = epochs
+        return out
+
+    def _pipeline(self):
+        """This dataset and every dataset upstream of it."""
+        yield self
+        for d in self._inputs:
+            yield from d._pipeline()
+
+    def _file_count(self):
+        """How many files the pipeline's file sources name (None: not known, or no files)."""
+        counts = [c for c in (d._file_count() for d in self._inputs) if c is not None]
+        return min(counts) if counts else None
+
+    # --- sources ---------------------------------------------------------------------------------
+    @staticmethod
+    def from_tensor_slices(tensors, name=None) -> "Dataset":
+        """One element per row of ``tensors`` (arrays, or tuples/dicts of arrays with one first dimension)."""
+        return _TensorSlices(tensors)
+
+    @staticmethod
+    def from_tensors(tensors, name=None) -> "Dataset":
+        """A dataset of one element, ``tensors``."""
+        return _Tensors(tensors)
+
+    @staticmethod
+    def range(*args, output_type=np.int64, name=None) -> "Dataset":
+        """``range(stop)``, ``range(start, stop[, step])`` as Python's, int64 scalars."""
+        return _Range(*args, output_type=output_type)
+
+    @staticmethod
+    def from_generator(generator, output_types=None, output_shapes=None, args=None, output_signature=None,
+                       name=None) -> "Dataset":
+        """The values ``generator(*args)`` yields; the generator is called afresh for every iteration."""
+        return _Generator(generator, output_types, output_shapes, args, output_signature)
+
+    @staticmethod
+    def list_files(file_pattern, shuffle=None, seed=None, name=None) -> "Dataset":
+        """The file names matching ``file_pattern`` (a glob, or a list of them), shuffled unless ``shuffle=False``."""
+        from .readers import ListFilesDataset
+
+        return ListFilesDataset(file_pattern, shuffle, seed)
+
+    @staticmethod
+    def zip(*args, datasets=None, name=None) -> "Dataset":
+        """Elements of several datasets side by side, as a tuple (or the structure ``datasets`` has)."""
+        if datasets is not None and args:
+            raise TypeError("zip: pass the datasets either positionally or as datasets=, not both")
+        if datasets is None:
+            datasets = args[0] if len(args) == 1 else tuple(args)
+        return _Zip(datasets)
+
+    # --- transformations -------------------------------------------------------------------------
+    def batch(self, batch_size, drop_remainder=False, num_parallel_calls=None, deterministic=None,
+              name=None) -> "Dataset":
+        """Consecutive elements stacked into batches; a short last batch unless ``drop_remainder``."""
+        return _Batch(self, _positive_int(batch_size, "batch_size"), bool(drop_remainder))
+
+    def padded_batch(self, batch_size, padded_shapes=None, padding_values=None, drop_remainder=False,
+                     name=None) -> "Dataset":
+        """``batch`` of elements whose shapes differ: each component padded to ``padded_shapes`` (``None``/-1
+        dimensions, or all of them by default: to the largest in the batch) with ``padding_values`` (0, b"")."""
+        return _PaddedBatch(self, _positive_int(batch_size, "batch_size"), bool(drop_remainder), padded_shapes,
+                            padding_values)
+
+    def unbatch(self, name=None) -> "Dataset":
+        """The rows of every element (the inverse of ``batch``)."""
+        unbatched = _Unbatch(self)
+        unbatched.element_spec  # noqa: B018  (as tf.data: scalar components are refused here)
+        return unbatched
+
+    def map(self, map_func, num_parallel_calls=None, deterministic=None, name=None) -> "Dataset":
+        """``map_func(element)`` for every element; in a thread pool when ``num_parallel_calls`` is set."""
+        return _Map(self, map_func, num_parallel_calls, deterministic)
+
+    def flat_map(self, map_func, name=None) -> "Dataset":
+        """The elements of the dataset ``map_func(element)`` returns, for every element in turn."""
+        return _Interleave(self, map_func, cycle_length=1, block_length=1)
+
+    def interleave(self, map_func, cycle_length=None, block_length=None, num_parallel_calls=None,
+                   deterministic=None, name=None) -> "Dataset":
+        """Elements of ``cycle_length`` datasets ``map_func`` makes, ``block_length`` from each in turn."""
+        if cycle_length is None or cycle_length == AUTOTUNE:
+            cycle_length = os.cpu_count() or 1
+        return _Interleave(self, map_func, _positive_int(cycle_length, "cycle_length"),
+                           _positive_int(1 if block_length is None else block_length, "block_length"))
+
+    def filter(self, predicate, name=None) -> "Dataset":
+        """The elements for which ``predicate(element)`` is True."""
+        return _Filter(self, predicate)
+
+    def shuffle(self, buffer_size, seed=None, reshuffle_each_iteration=True, name=None) -> "Dataset":
+        """Elements drawn at random from a buffer of ``buffer_size`` that refills from the input."""
+        return _Shuffle(self, _positive_int(buffer_size, "buffer_size"), seed, bool(reshuffle_each_iteration))
+
+    def repeat(self, count=None, name=None) -> "Dataset":
+        """The input ``count`` times over (forever for ``None`` or -1)."""
+        return _Repeat(self, -1 if count is None else _count(count, "count"))
+
+    def take(self, count, name=None) -> "Dataset":
+        """The first ``count`` elements (all for -1)."""
+        return _Take(self, _count(count, "count"))
+
+    def skip(self, count, name=None) -> "Dataset":
+        """All but the first ``count`` elements (none for -1)."""
+        return _Skip(self, _count(count, "count"))
+
+    def cache(self, filename="", name=None) -> "Dataset":
+        """The first complete pass is kept (in memory, or in ``filename``) and replayed afterwards."""
+        return _Cache(self, os.fspath(filename))
+
+    def prefetch(self, buffer_size, name=None) -> "Dataset":
+        """A background thread reads up to ``buffer_size`` elements ahead (``AUTOTUNE``: it adapts)."""
+        return _Prefetch(self, _positive_int(buffer_size, "buffer_size", allow=(AUTOTUNE, 0)))
+
+    def shard(self, num_shards, index, name=None) -> "Dataset":
+        """Every ``num_shards``-th element, starting at ``index``."""
+        num_shards = _positive_int(num_shards, "num_shards")
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < num_shards:
+            raise ValueError(f"index={index!r}: must be in [0, num_shards={num_shards}); pick the shard's "
+                             "position, e.g. the worker's task index")
+        return _Shard(self, num_shards, int(index))
+
+    def concatenate(self, dataset, name=None) -> "Dataset":
+        """This dataset's elements, then ``dataset``'s (same structure and dtypes)."""
+        return _Concatenate(self, dataset)
+
+    def enumerate(self, start=0, name=None) -> "Dataset":
+        """``(index, element)`` pairs, the index an int64 counting from ``start``."""
+        return _Enumerate(self, int(start))
+
+    def with_options(self, options: Options, name=None) -> "Dataset":
+        """This dataset carrying ``options`` (``md.data.Options``)."""
+        if not isinstance(options, Options):
+            raise TypeError(f"options={options!r}: expected md.data.Options()")
+        clone = self._under(options)
+        clone._options = options
+        return clone
+
+    def _under(self, options: Options) -> "Dataset":
+        """A copy of the pipeline whose transformations see ``options`` (tf.data applies a pipeline's options
+        to every transformation upstream of ``with_options``, e.g. ``deterministic``)."""
+        clone = self._clone([d._under(options) for d in self._inputs])
+        clone._pipeline_options = options
+        return clone
+
+    def apply(self, transformation_func) -> "Dataset":
+        return transformation_func(self)
+
+
+# --- sources -------------------------------------------------------------------------------------------
+
+class _TensorSlices(Dataset):
+    def __init__(self, tensors):
+        super().__init__()
+        self._structure = normalize_input(tensors, "from_tensor_slices(tensors)")
+        self._leaves = _nest.flatten(self._structure)
+        shapes = [tuple(leaf.shape) for leaf in self._leaves]
+        if not self._leaves or any(len(s) == 0 for s in shapes):
+            raise ValueError(f"tensors: from_tensor_slices needs components of rank >= 1 to slice; got shapes "
+                             f"{shapes}; use from_tensors for a single element")
+        sizes = sorted({s[0] for s in shapes})
+        if len(sizes) != 1:
+            raise ValueError(f"tensors: all components need the same size in the first dimension; got shapes "
+                             f"{shapes} (first dimensions {sizes})")
+        self._rows = sizes[0]
+
+    def _compute_spec(self):
+        return _nest.pack_sequence_as(self._structure, [TensorSpec(leaf.shape[1:], leaf.dtype)
+                                                         for leaf in self._leaves])
+
+    def cardinality(self):
+        return self._rows
+
+    def _make_iterator(self, state=None):
+        return _SliceIterator(self, 0 if state is None else state["i"])
+
+
+class _SliceIterator(_Iterator):
+    def __init__(self, ds, i):
+        super().__init__()
+        self._ds, self._i = ds, i
+
+    def next(self):
+        if self._i >= self._ds._rows:
+            raise StopIteration
+        i, self._i = self._i, self._i + 1
+        return _nest.pack_sequence_as(self._ds._structure, [leaf[i] for leaf in self._ds._leaves])
+
+    def save(self):
+        return {"i": self._i}
+
+
+class _Tensors(Dataset):
+    def __init__(self, tensors):
+        super().__init__()
+        self._element = normalize_input(tensors, "from_tensors(tensors)")
+
+    def _compute_spec(self):
+        return spec_of(self._element)
+
+    def cardinality(self):
+        return 1
+
+    def _make_iterator(self, state=None):
+        return _ListIterator([self._element], 0 if state is None else state["i"])
+
+
+class _ListIterator(_Iterator):
+    def __init__(self, elements, i):
+        super().__init__()
+        self._elements, self._i = elements, i
+
+    def next(self):
+        if self._i >= len(self._elements):
+            raise StopIteration
+        self._i += 1
+        return self._elements[self._i - 1]
+
+    def save(self):
+        return {"i": self._i}
+
+
+class _Range(Dataset):
+    def __init__(self, *args, output_type=np.int64):
+        super().__init__()
+        if not 1 <= len(args) <= 3 or any(isinstance(a, bool) or not isinstance(a, (int, np.integer))
+                                          for a in args):
+            raise ValueError(f"range{args!r}: expected range(stop), range(start, stop) or range(start, stop, "
+                             "step) with ints")
+        self._range = range(*(int(a) for a in args))
+        if self._range.step == 0:
+            raise ValueError("step=0: range's step must not be zero")
+        self._dtype = np.dtype(output_type)
+
+    def _compute_spec(self):
+        return TensorSpec((), self._dtype)
+
+    def cardinality(self):
+        return len(self._range)
+
+    def _make_iterator(self, state=None):
+        return _RangeIterator(self, 0 if state is None else state["i"])
+
+
+class _RangeIterator(_SliceIterator):
+    def next(self):
+        r = self._ds._range
+        if self._i >= len(r):
+            raise StopIteration
+        self._i += 1
+        return self._ds._dtype.type(r[self._i - 1])
+
+
+class _Generator(Dataset):
+    def __init__(self, generator, output_types, output_shapes, args, output_signature):
+        super().__init__()
+        if not callable(generator):
+            raise TypeError(f"generator={generator!r} must be callable (a generator function); pass the function, "
+                            "not the generator object, so every iteration starts afresh")
+        if output_signature is None:
+            if output_types is None:
+                raise TypeError("from_generator: pass output_signature (a structure of md.data.TensorSpec), "
+                                "or the deprecated output_types")
+            shapes = output_shapes
+            if shapes is None:
+                shapes = _nest.map_structure(lambda _: None, output_types)
+            output_signature = _nest.pack_sequence_as(output_types, [
+                TensorSpec(() if s is None else s, t) if s is not None else _UnknownShape(t)
+                for t, s in zip(_nest.flatten(output_types), _flatten_shapes(output_types, shapes))])
+        for spec in _nest.flatten(output_signature):
+            if not isinstance(spec, TensorSpec):
+                raise TypeError(f"output_signature: every leaf must be an md.data.TensorSpec, got {spec!r}")
+        self._generator, self._args = generator, tuple(args or ())
+        self._signature = output_signature
+
+    def _compute_spec(self):
+        return self._signature
+
+    def _make_iterator(self, state=None):
+        return _GeneratorIterator(self, 0 if state is None else state["count"])
+
+
+class _UnknownShape(TensorSpec):
+    """A spec of any rank (the deprecated ``output_types`` without ``output_shapes``)."""
+
+    def __init__(self, dtype):
+        super().__init__((), dtype)
+        self.shape = None
+
+    def __repr__(self):
+        return f"TensorSpec(shape=<unknown>, dtype={self.dtype.name}, name=None)"
+
+
+def _flatten_shapes(types, shapes):
+    """One shape per leaf of ``types`` (a shape is itself a tuple, so it cannot be flattened with them)."""
+    if isinstance(types, dict):
+        return [s for k in sorted(types) for s in _flatten_shapes(types[k], shapes[k])]
+    if isinstance(types, (tuple, list)):
+        return [s for t, sh in zip(types, shapes) for s in _flatten_shapes(t, sh)]
+    return [shapes]
+
+
+def _conform(value, signature):
+    """A generator's value in the structure of ``output_signature``, each leaf converted to its dtype (as
+    tf.data does: ``np.asarray(value, dtype)``) and checked against its shape."""
+    if isinstance(signature, TensorSpec):
+        if value is None or isinstance(value, (dict, tuple, set)):
+            raise TypeError(f"`generator` yielded {value!r:.100} where a tensor of {signature!r} was expected")
+        from ..device import device_util
+
+        if device_util.on_gpu(value):
+            leaf = value if value.dtype == signature.dtype else value.astype(signature.dtype)
+        else:
+            if isinstance(value, str) or (isinstance(value, list) and signature.dtype.kind == "S"):
+                value = normalize_input(value, "generator")
+            try:
+                leaf = np.asarray(value, dtype=signature.dtype)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"`generator` yielded {value!r:.100}, which is not a {signature.dtype} tensor "
+                                f"({e})") from None
+            if leaf.ndim == 0:
+                leaf = leaf[()]
+        if signature.shape is not None and not signature.is_compatible_with(leaf):
+            raise ValueError(f"`generator` yielded an element of shape {tuple(np.shape(leaf))} where an element of "
+                             f"shape {signature.shape} was expected")
+        return leaf
+    if isinstance(signature, dict):
+        if not isinstance(value, dict) or set(value) != set(signature):
+            raise TypeError(f"`generator` yielded {value!r:.100}, which does not match the structure of "
+                            f"output_signature {signature!r}")
+        return type(signature)((k, _conform(value[k], signature[k])) for k in signature)
+    if not isinstance(value, (tuple, list)) or len(value) != len(signature):
+        raise TypeError(f"`generator` yielded {value!r:.100}, which does not match the structure of "
+                        f"output_signature {signature!r}")
+    items = [_conform(v, s) for v, s in zip(value, signature)]
+    return type(signature)(*items) if hasattr(signature, "_fields") else tuple(items)
+
+
+class _GeneratorIterator(_Iterator):
+    def __init__(self, ds, count):
+        super().__init__()
+        self._ds, self._count = ds, 0
+        self._gen = iter(ds._generator(*ds._args))
+        for _ in range(count):  # a restored position: the generator must yield the same values again
+            self.next()
+
+    def next(self):
+        value = next(self._gen)
+        self._count += 1
+        return _conform(value, self._ds._signature)
+
+    def save(self):
+        return {"count": self._count}
+
+    def close(self):
+        close = getattr(self._gen, "close", None)
+        if close is not None:
+            try:
+                close()
+            except ValueError:  # "generator already executing" in another thread: it ends with it
+                pass
+
+
+class IterableDataset(Dataset):
+    """``md.data.Dataset(iterable)``: the items of any Python iterable, as they are.
+
+    Checkpointing counts the items taken and, on restore, iterates afresh
+    and skips them (so the iterable must be re-iterable and give the same
+    items again).
+    """
+
+    def __init__(self, iterable=None, options: Options | None = None):
+        super().__init__()
+        if iterable is not None:
+            try:
+                iter(iterable)
+            except TypeError:
+                raise TypeError(f"iterable={iterable!r} is not iterable; pass an iterable of elements") from None
+        self._iterable = () if iterable is None else iterable
+        self._options = options
+
+    @property
+    def files(self):
+        """The files the items come from, when the wrapped iterable names them (for FILE sharding)."""
+        return getattr(self._iterable, "files", None)
+
+    def _compute_spec(self):
+        first = next(iter(self._iterable), None)
+        if first is None:
+            raise ValueError("element_spec: the dataset is empty, so its elements' structure is unknown")
+        return spec_of(normalize_output(first, "dataset element"))
+
+    def cardinality(self):
+        return len(self._iterable) if isinstance(self._iterable, (list, tuple)) else UNKNOWN
+
+    def _make_iterator(self, state=None):
+        return _IterableIterator(self._iterable, 0 if state is None else state["count"])
+
+
+class _IterableIterator(_Iterator):
+    def __init__(self, iterable, count):
+        super().__init__()
+        self._it, self._count = iter(iterable), 0
+        if count and self._it is iterable:
+            raise ValueError(f"cannot restore a position in a one-shot iterator ({type(iterable).__name__}); "
+                             "wrap a re-iterable (a list, or an object whose __iter__ starts afresh)")
+        for _ in range(count):
+            self.next()
+
+    def next(self):
+        value = next(self._it)
+        self._count += 1
+        return value
+
+    def save(self):
+        return {"count": self._count}
+
+
+# --- transformations -----------------------------------------------------------------------------------
+
+class _Batch(Dataset):
+    def __init__(self, input_ds, batch_size, drop_remainder):
+        super().__init__(input_ds)
+        self._batch_size, self._drop = batch_size, drop_remainder
+
+    def _compute_spec(self):
+        first = self._batch_size if self._drop else None
+        return _nest.map_structure(lambda s: TensorSpec((first,) + s.shape, s.dtype), self._input.element_spec)
+
+    def cardinality(self):
+        n = self._input.cardinality()
+        if n < 0:
+            return n
+        return n // self._batch_size if self._drop else math.ceil(n / self._batch_size)
+
+    def _make_iterator(self, state=None):
+        # Batches of rows of arrays (optionally shuffled) are gathered with one indexing per component
+        # instead of a slice per row and a stack: the same elements, many times faster.
+        source = self._input
+        if isinstance(source, _Shuffle) and isinstance(source._input, _TensorSlices):
+            rows = source._input
+            indices = _ShuffleIterator(source, None if state is None else state["indices"],
+                                       _Range(rows._rows)._make_iterator(None if state is None else
+                                                                         state["indices"]["input"]))
+            return _GatherBatchIterator(self, rows, indices, state)
+        if isinstance(source, _TensorSlices):
+            return _SliceBatchIterator(self, source, 0 if state is None else state["i"])
+        return _BatchIterator(self, state)
+
+
+class _BatchIterator(_Iterator):
+    def __init__(self, ds, state, pad=None):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._ds, self._pad = ds, pad
+        self._done = False if state is None else state["done"]
+
+    def next(self):
+        elements = []
+        while not self._done and len(elements) < self._ds._batch_size:
+            try:
+                elements.append(self._inputs[0].next())
+            except StopIteration:
+                self._done = True
+        if not elements or (self._ds._drop and len(elements) < self._ds._batch_size):
+            raise StopIteration
+        leaves = [_nest.flatten(e) for e in elements]
+        for i, lv in enumerate(leaves[1:], 1):
+            if len(lv) != len(leaves[0]):
+                raise ValueError(f"batch: element {i} has {len(lv)} components, element 0 has {len(leaves[0])}")
+        columns = [list(column) for column in zip(*leaves)]
+        if self._pad is not None:
+            columns = [_pad(column, c, target, value)
+                       for c, (column, target, value) in enumerate(zip(columns, *self._pad))]
+        return _nest.pack_sequence_as(elements[0], [stack(column, c) for c, column in enumerate(columns)])
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "done": self._done}
+
+
+class _PaddedBatch(_Batch):
+    def __init__(self, input_ds, batch_size, drop_remainder, padded_shapes, padding_values):
+        super().__init__(input_ds, batch_size, drop_remainder)
+        self._padded_shapes, self._padding_values = padded_shapes, padding_values
+
+    def _targets(self, spec) -> list:
+        """One shape per component: a size, or None (the largest in the batch) per dimension."""
+        leaves = _nest.flatten(spec)
+        if self._padded_shapes is None:
+            return [[None] * len(s.shape) for s in leaves]
+        shapes = _flatten_shapes(spec, self._padded_shapes)
+        if len(shapes) != len(leaves):
+            raise ValueError(f"padded_shapes={self._padded_shapes!r} does not match the structure of the elements "
+                             f"{spec!r}")
+        out = []
+        for s, shape in zip(leaves, shapes):
+            shape = [None if d is None or d == -1 else int(d) for d in (() if shape is None else shape)]
+            if len(shape) != len(s.shape):
+                raise ValueError(f"padded_shapes: {tuple(shape)} has rank {len(shape)}, the component has rank "
+                                 f"{len(s.shape)} ({s!r})")
+            out.append(shape)
+        return out
+
+    def _values(self, spec) -> list:
+        leaves = _nest.flatten(spec)
+        if self._padding_values is None:
+            return [b"" if s.dtype.kind == "S" else 0 for s in leaves]
+        values = _nest.flatten(self._padding_values)
+        if len(values) == 1 and len(leaves) > 1:
+            values = values * len(leaves)
+        if len(values) != len(leaves):
+            raise ValueError(f"padding_values={self._padding_values!r} does not match the structure of the "
+                             f"elements {spec!r}")
+        return values
+
+    def _compute_spec(self):
+        spec = self._input.element_spec
+        first = self._batch_size if self._drop else None
+        return _nest.pack_sequence_as(spec, [
+            TensorSpec((first,) + tuple(d if t is None else t for d, t in zip(s.shape, target)), s.dtype)
+            for s, target in zip(_nest.flatten(spec), self._targets(spec))])
+
+    def _make_iterator(self, state=None):
+        return _BatchIterator(self, state, pad=(self._targets(self._input.element_spec),
+                                                 self._values(self._input.element_spec)))
+
+
+class _GatherBatchIterator(_Iterator):
+    """``batch`` over the rows of ``from_tensor_slices`` (read in the order ``indices`` gives)."""
+
+    def __init__(self, ds, rows, indices, state):
+        super().__init__(indices)
+        self._ds, self._rows = ds, rows
+        self._done = False if state is None else state["done"]
+
+    def next(self):
+        picked = []
+        while not self._done and len(picked) < self._ds._batch_size:
+            try:
+                picked.append(self._inputs[0].next())
+            except StopIteration:
+                self._done = True
+        if not picked or (self._ds._drop and len(picked) < self._ds._batch_size):
+            raise StopIteration
+        index = np.asarray(picked, dtype=np.int64)
+        return _nest.pack_sequence_as(self._rows._structure, [leaf[index] for leaf in self._rows._leaves])
+
+    def save(self):
+        return {"indices": self._inputs[0].save(), "done": self._done}
+
+
+class _SliceBatchIterator(_Iterator):
+    """``batch`` straight over the rows of ``from_tensor_slices``: each batch a copy of a slice."""
+
+    def __init__(self, ds, rows, i):
+        super().__init__()
+        self._ds, self._rows, self._i = ds, rows, i
+
+    def next(self):
+        lo, hi = self._i, min(self._i + self._ds._batch_size, self._rows._rows)
+        if lo >= hi or (self._ds._drop and hi - lo < self._ds._batch_size):
+            raise StopIteration
+        self._i = hi
+        return _nest.pack_sequence_as(self._rows._structure, [leaf[lo:hi].copy() for leaf in self._rows._leaves])
+
+    def save(self):
+        return {"i": self._i}
+
+
+def _pad(column: list, component: int, target: list, value) -> list:
+    """The leaves of one component padded at the end of each dimension to ``target`` (None: the batch's
+    largest)."""
+    shapes = [tuple(np.shape(x)) for x in column]
+    if any(len(s) != len(target) for s in shapes):
+        raise ValueError(f"padded_batch: component {component} has elements of ranks {sorted({len(s) for s in shapes})}"
+                         f", expected rank {len(target)}")
+    size = [max(s[d] for s in shapes) if t is None else t for d, t in enumerate(target)]
+    out = []
+    for x, shape in zip(column, shapes):
+        if any(n > m for n, m in zip(shape, size)):
+            raise ValueError(f"padded_batch: component {component} has an element of shape {list(shape)}, larger "
+                             f"than its padded shape {size}; raise padded_shapes")
+        xp = array_module(x)
+        out.append(xp.pad(x, [(0, m - n) for n, m in zip(shape, size)], constant_values=value) if shape != tuple(size)
+                   else x)
+    return out
+
+
+class _Unbatch(Dataset):
+    def _compute_spec(self):
+        def row(s):
+            if not s.shape:
+                raise ValueError("Cannot unbatch an input with scalar components; unbatch needs every component "
+                                 "to have rank >= 1 (batch the dataset first)")
+            return TensorSpec(s.shape[1:], s.dtype)
+        return _nest.map_structure(row, self._input.element_spec)
+
+    def _make_iterator(self, state=None):
+        return _UnbatchIterator(self, state)
+
+
+class _UnbatchIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._current = None if state is None else state["current"]
+        self._row = 0 if state is None else state["row"]
+
+    def next(self):
+        while True:
+            if self._current is not None:
+                leaves = _nest.flatten(self._current)
+                if self._row < leaves[0].shape[0]:
+                    self._row += 1
+                    return _nest.pack_sequence_as(self._current, [leaf[self._row - 1] for leaf in leaves])
+            element = self._inputs[0].next()
+            leaves = _nest.flatten(element)
+            sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
+            if None in sizes or len(sizes) != 1:
+                raise ValueError(f"unbatch: every component needs the same first dimension; got shapes "
+                                 f"{[tuple(leaf.shape) for leaf in leaves]}")
+            self._current, self._row = element, 0
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "current": self._current, "row": self._row}
+
+
+class _Map(Dataset):
+    def __init__(self, input_ds, fn, num_parallel_calls, deterministic):
+        super().__init__(input_ds)
+        if not callable(fn):
+            raise TypeError(f"map_func={fn!r} is not callable")
+        if num_parallel_calls is not None:
+            num_parallel_calls = _positive_int(num_parallel_calls, "num_parallel_calls", allow=(AUTOTUNE,))
+        self._fn, self._parallel, self._deterministic = fn, num_parallel_calls, deterministic
+
+    def _compute_spec(self):
+        # tf.data traces map_func over the input's spec; here it runs once on the first input element, and an
+        # output dimension equal to a size the input spec leaves unknown (a batch dimension) is unknown too.
+        first = self._input._peek()
+        if not first:
+            raise ValueError("element_spec of map: the input is empty, so map_func's output is unknown")
+        element = first[0]
+        unknown = {leaf.shape[d] for leaf, s in zip(_nest.flatten(element), _nest.flatten(self._input.element_spec))
+                   if s.shape is not None for d in range(len(s.shape)) if s.shape[d] is None}
+        out = spec_of(normalize_output(_call(self._fn, element), "map_func"))
+        return _nest.map_structure(lambda s: TensorSpec([None if d in unknown else d for d in s.shape], s.dtype), out)
+
+    def cardinality(self):
+        return self._input.cardinality()
+
+    def _make_iterator(self, state=None):
+        if self._parallel is None:
+            return _MapIterator(self, state)
+        return _ParallelMapIterator(self, state)
+
+
+class _MapIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._fn = ds._fn
+
+    def next(self):
+        return normalize_output(_call(self._fn, self._inputs[0].next()), "map_func")
+
+    def save(self):
+        return {"input": self._inputs[0].save()}
+
+
+def _apply(fn, element):
+    return normalize_output(_call(fn, element), "map_func")
+
+
+class _ParallelMapIterator(_Iterator):
+    """Up to ``num_parallel_calls`` calls in flight in a thread pool; results in input order unless
+    ``deterministic=False``. AUTOTUNE starts at the CPU count and doubles the calls in flight whenever the
+    consumer has to wait for a result (up to 4 per CPU, at least 8): I/O-bound functions get the overlap
+    they need."""
+
+    _POOL_NAME = "md.data-map"
+
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._fn = ds._fn
+        self._autotune = ds._parallel == AUTOTUNE
+        cap = _parallelism_cap()
+        self._cap = cap if self._autotune else ds._parallel
+        self._target = min(os.cpu_count() or 1, cap) if self._autotune else ds._parallel
+        deterministic = ds._deterministic
+        if deterministic is None:
+            deterministic = (ds._pipeline_options or ds.options()).deterministic
+        self._ordered = deterministic is not False
+        self._ready = deque(() if state is None else state["ready"])
+        self._input_done = False if state is None else state["input_done"]
+        self._pending = deque()
+        self._pool = None
+
+    def _fill(self):
+        while len(self._pending) < self._target and not self._input_done:
+            try:
+                element = self._inputs[0].next()
+            except StopIteration:
+                self._input_done = True
+                return
+            if self._pool is None:
+                self._pool = futures.ThreadPoolExecutor(self._cap, thread_name_prefix=self._POOL_NAME)
+            self._pending.append(self._pool.submit(_apply, self._fn, element))
+
+    def next(self):
+        if self._ready:
+            return self._ready.popleft()
+        self._fill()
+        if not self._pending:
+            raise StopIteration
+        if self._ordered:
+            head = self._pending[0]
+            if not head.done() and self._autotune and self._target < self._cap:
+                self._target = min(2 * self._target, self._cap)
+                self._fill()
+            self._pending.popleft()
+            return head.result()
+        done, _ = futures.wait(self._pending, return_when=futures.FIRST_COMPLETED)
+        first = next(f for f in self._pending if f in done)
+        self._pending.remove(first)
+        return first.result()
+
+    def save(self):
+        # Finish the calls in flight: their results are part of the state, the input is past them.
+        while self._pending:
+            self._ready.append(self._pending.popleft().result())
+        return {"input": self._inputs[0].save(), "ready": list(self._ready), "input_done": self._input_done}
+
+    def close(self):
+        if self._pool is not None:
+            # A pool thread cannot wait for itself (garbage collection may close an iterator anywhere).
+            in_pool = threading.current_thread().name.startswith(self._POOL_NAME)
+            self._pool.shutdown(wait=not in_pool, cancel_futures=True)
+        super().close()
+
+
+class _Interleave(Dataset):
+    def __init__(self, input_ds, fn, cycle_length, block_length):
+        super().__init__(input_ds)
+        if not callable(fn):
+            raise TypeError(f"map_func={fn!r} is not callable")
+        self._fn, self._cycle, self._block = fn, cycle_length, block_length
+
+    def _inner(self, element) -> Dataset:
+        ds = _call(self._fn, element)
+        if not isinstance(ds, Dataset):
+            raise TypeError(f"map_func must return an md.data.Dataset, got {type(ds).__name__}")
+        return ds
+
+    def _compute_spec(self):
+        first = self._input._peek()
+        if not first:
+            raise ValueError("element_spec: the input is empty, so map_func's datasets are unknown")
+        return self._inner(first[0]).element_spec
+
+    def _make_iterator(self, state=None):
+        return _InterleaveIterator(self, state)
+
+
+class _InterleaveIterator(_Iterator):
+    """tf.data's order: ``cycle_length`` open datasets, ``block_length`` elements from each in turn; a dataset
+    that ends is replaced by the next input element's in the same place of the cycle."""
+
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._ds = ds
+        self._slots = [None] * ds._cycle  # (input element, its dataset's iterator)
+        self._index, self._taken, self._input_done = 0, 0, False
+        if state is not None:
+            self._index, self._taken, self._input_done = state["index"], state["taken"], state["input_done"]
+            for i, slot in enumerate(state["slots"]):
+                if slot is not None:
+                    self._slots[i] = (slot[0], ds._inner(slot[0])._make_iterator(slot[1]))
+
+    def _open(self, i) -> bool:
+        if self._input_done:
+            return False
+        try:
+            element = self._inputs[0].next()
+        except StopIteration:
+            self._input_done = True
+            return False
+        self._slots[i] = (element, self._ds._inner(element)._make_iterator())
+        return True
+
+    def next(self):
+        while True:
+            if self._input_done and all(s is None for s in self._slots):
+                raise StopIteration
+            i = self._index
+            if self._slots[i] is None and not self._open(i):
+                self._advance()
+                continue
+            try:
+                value = self._slots[i][1].next()
+            except StopIteration:
+                self._slots[i][1].close()
+                self._slots[i] = None
+                self._advance()
+                continue
+            self._taken += 1
+            if self._taken >= self._ds._block:
+                self._advance()
+            return value
+
+    def _advance(self):
+        self._index, self._taken = (self._index + 1) % len(self._slots), 0
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "index": self._index, "taken": self._taken,
+                "input_done": self._input_done,
+                "slots": [None if s is None else (s[0], s[1].save()) for s in self._slots]}
+
+    def close(self):
+        for slot in self._slots:
+            if slot is not None:
+                slot[1].close()
+        super().close()
+
+
+class _Filter(Dataset):
+    def __init__(self, input_ds, predicate):
+        super().__init__(input_ds)
+        if not callable(predicate):
+            raise TypeError(f"predicate={predicate!r} is not callable")
+        self._fn = self._predicate = predicate
+
+    def _make_iterator(self, state=None):
+        return _FilterIterator(self, state)
+
+
+class _FilterIterator(_MapIterator):
+    def __init__(self, ds, state):
+        super().__init__(ds, state)
+        self._predicate = ds._predicate
+
+    def next(self):
+        while True:
+            element = self._inputs[0].next()
+            keep = _call(self._predicate, element)
+            if isinstance(keep, np.ndarray) and keep.shape == () and keep.dtype == np.bool_:
+                keep = keep[()]
+            if not isinstance(keep, (bool, np.bool_)):
+                raise TypeError(f"predicate must return a scalar boolean, got {keep!r:.80} "
+                                f"({type(keep).__name__})")
+            if keep:
+                return element
+
+
+class _Shuffle(Dataset):
+    def __init__(self, input_ds, buffer_size, seed, reshuffle):
+        super().__init__(input_ds)
+        self._buffer_size, self._reshuffle = buffer_size, reshuffle
+        # seed=None: a random seed, drawn once per dataset (its iterations differ by their epoch number).
+        self._seeded = seed is not None
+        self._seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        self._epochs = 0  # iterations started so far: each reshuffles with its own stream
+
+    def cardinality(self):
+        return self._input.cardinality()
+
+    def _clone(self, inputs):
+        clone = super()._clone(inputs)
+        clone._epochs = 0
+        return clone
+
+    def _make_iterator(self, state=None):
+        return _ShuffleIterator(self, state)
+
+
+class _ShuffleIterator(_Iterator):
+    """tf.data's buffer: the first ``buffer_size`` inputs fill it; each output is a uniformly random buffer
+    entry, whose place the next input takes."""
+
+    def __init__(self, ds, state, source=None):
+        super().__init__(source if source is not None else
+                         ds._input._make_iterator(None if state is None else state["input"]))
+        self._ds = ds
+        if state is None:
+            epoch = ds._epochs if ds._reshuffle else 0
+            ds._epochs += 1
+            self._rng = np.random.Generator(np.random.PCG64([ds._seed, epoch]))
+            self._buffer, self._input_done = [], False
+        else:
+            ds._epochs = state["epochs"]
+            self._rng = np.random.Generator(np.random.PCG64())
+            self._rng.bit_generator.state = state["rng"]
+            self._buffer, self._input_done = list(state["buffer"]), state["input_done"]
+
+    def _pull(self) -> None:
+        if self._input_done:
+            return
+        try:
+            self._buffer.append(self._inputs[0].next())
+        except StopIteration:
+            self._input_done = True
+
+    def next(self):
+        while len(self._buffer) < self._ds._buffer_size and not self._input_done:
+            self._pull()
+        if not self._buffer:
+            raise StopIteration
+        j = int(self._rng.integers(len(self._buffer)))
+        element = self._buffer[j]
+        self._buffer[j] = self._buffer[-1]
+        self._buffer.pop()
+        return element
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "rng": self._rng.bit_generator.state, "buffer": self._buffer,
+                "input_done": self._input_done, "epochs": self._ds._epochs}
+
+
+class _Repeat(Dataset):
+    def __init__(self, input_ds, count):
+        super().__init__(input_ds)
+        self._times = count
+
+    def cardinality(self):
+        n = self._input.cardinality()
+        if self._times == -1:
+            return 0 if n == 0 else INFINITE_CARDINALITY
+        return n * self._times if n >= 0 else n
+
+    def _make_iterator(self, state=None):
+        return _RepeatIterator(self, state)
+
+
+class _RepeatIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__()
+        self._ds = ds
+        self._epoch = 0 if state is None else state["epoch"]
+        self._seen = False if state is None else state["seen"]  # this epoch produced an element
+        if self._ds._times == -1 or self._epoch < self._ds._times:
+            self._inputs = [ds._input._make_iterator(None if state is None else state["input"])]
+
+    def next(self):
+        while self._inputs:
+            try:
+                element = self._inputs[0].next()
+                self._seen = True
+                return element
+            except StopIteration:
+                self._inputs.pop().close()
+                empty_epoch = not self._seen
+                self._epoch, self._seen = self._epoch + 1, False
+                # An epoch without elements ends an endless repeat instead of spinning forever.
+                if (self._ds._times == -1 and not empty_epoch) or self._epoch < self._ds._times:
+                    self._inputs = [self._ds._input._make_iterator()]
+        raise StopIteration
+
+    def save(self):
+        return {"epoch": self._epoch, "seen": self._seen,
+                "input": self._inputs[0].save() if self._inputs else None}
+
+
+class _Take(Dataset):
+    def __init__(self, input_ds, count):
+        super().__init__(input_ds)
+        self._n = count
+
+    def cardinality(self):
+        n = self._input.cardinality()
+        if self._n == -1:
+            return n
+        return self._n if n in (INFINITE_CARDINALITY,) or n >= self._n else (n if n >= 0 else UNKNOWN)
+
+    def _make_iterator(self, state=None):
+        return _TakeIterator(self, state)
+
+
+class _TakeIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._left = ds._n if state is None else state["left"]
+
+    def next(self):
+        if self._left == 0:
+            raise StopIteration
+        element = self._inputs[0].next()
+        if self._left > 0:
+            self._left -= 1
+        return element
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "left": self._left}
+
+
+class _Skip(_Take):
+    def cardinality(self):
+        n = self._input.cardinality()
+        if n < 0:
+            return n
+        return 0 if self._n == -1 else max(n - self._n, 0)
+
+    def _make_iterator(self, state=None):
+        return _SkipIterator(self, state)
+
+
+class _SkipIterator(_TakeIterator):
+    def next(self):
+        while self._left != 0:
+            self._inputs[0].next()
+            if self._left > 0:
+                self._left -= 1
+        return self._inputs[0].next()
+
+
+class _Cache(Dataset):
+    def __init__(self, input_ds, filename):
+        super().__init__(input_ds)
+        self._filename = filename
+        self._elements = None  # the complete first pass, once one finished
+
+    def cardinality(self):
+        return self._input.cardinality()
+
+    def _clone(self, inputs):
+        clone = super()._clone(inputs)
+        clone._elements = None
+        return clone
+
+    @property
+    def _path(self) -> str:
+        return f"{self._filename}.md-cache.npz"
+
+    def _cached(self):
+        if self._elements is None and self._filename and os.path.exists(self._path):
+            from .structure import decode_state
+
+            with np.load(self._path, allow_pickle=False) as f:
+                self._elements = decode_state(dict(f))
+        return self._elements
+
+    def _store(self, elements) -> None:
+        if self._filename:
+            from .structure import encode_state
+
+            tmp = f"{self._filename}.md-cache.tmp-{os.getpid()}.npz"
+            np.savez(tmp, **encode_state(elements))
+            os.replace(tmp, self._path)
+        self._elements = elements
+
+    def _make_iterator(self, state=None):
+        cached = self._cached()
+        if cached is None and state is not None and state["read"]:
+            # Restored in a new process whose cache is empty: refill it from the (deterministic) input.
+            rebuild = self._make_iterator()
+            try:
+                while True:
+                    rebuild.next()
+            except StopIteration:
+                pass
+            cached = self._cached()
+        if cached is not None:
+            return _CacheReadIterator(cached, 0 if state is None else state["i"])
+        return _CacheFillIterator(self, state)
+
+
+class _CacheFillIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._ds = ds
+        self._elements = [] if state is None else list(state["elements"])
+
+    def next(self):
+        try:
+            element = self._inputs[0].next()
+        except StopIteration:
+            if self._ds._elements is None:
+                self._ds._store(self._elements)
+            raise
+        self._elements.append(element)
+        return element
+
+    def save(self):
+        return {"read": False, "input": self._inputs[0].save(), "elements": self._elements}
+
+
+class _CacheReadIterator(_ListIterator):
+    def save(self):
+        return {"read": True, "i": self._i}
+
+
+class _Prefetch(Dataset):
+    def __init__(self, input_ds, buffer_size):
+        super().__init__(input_ds)
+        self._buffer_size = buffer_size
+
+    def cardinality(self):
+        return self._input.cardinality()
+
+    def _make_iterator(self, state=None):
+        if self._buffer_size == 0:
+            return self._input._make_iterator(state)
+        return PrefetchIterator(self._input._make_iterator(None if state is None else state["input"]),
+                                self._buffer_size, () if state is None else state["buffer"])
+
+
+class PrefetchIterator(_Iterator):
+    """A background thread keeps up to ``buffer_size`` elements of ``source`` ready (AUTOTUNE: the buffer
+    grows by one, up to 16, whenever the consumer finds it empty). Errors arrive in order; a save pauses the
+    thread and stores the buffered elements with the source's state. ``transform`` (optional) runs on each
+    element in the thread; the buffer keeps both forms and a save stores the untransformed one."""
+
+    _AUTOTUNE_CAP = 16
+
+    def __init__(self, source, buffer_size, buffered=(), transform=None, name="md.data-prefetch"):
+        super().__init__(source)
+        self._transform = transform
+        self._size = 1 if buffer_size == AUTOTUNE else buffer_size
+        self._autotune = buffer_size == AUTOTUNE
+        self._cond = threading.Condition()
+        self._buffer = deque((e, self._apply(e), None) for e in buffered)
+        self._end = self._stop = self._paused = self._busy = False
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self._thread.start()
+
+    def _apply(self, element):
+        return element if self._transform is None else self._transform(element)
+
+    def _run(self):
+        cond = self._cond
+        while True:
+            with cond:
+                while not self._stop and (self._paused or len(self._buffer) >= self._size):
+                    cond.wait()
+                if self._stop:
+                    return
+                self._busy = True
+            try:
+                element = self._inputs[0].next()
+                item = (element, self._apply(element), None)
+            except StopIteration:
+                item = None
+            except BaseException as e:  # delivered to the consumer in order, with its traceback
+                item = (None, None, e)
+            with cond:
+                self._busy = False
+                if item is None or item[2] is not None:
+                    self._end = True
+                if item is not None:
+                    self._buffer.append(item)
+                cond.notify_all()
+                if self._end:
+                    return
+
+    def next(self):
+        with self._cond:
+            while not self._buffer and not self._end:
+                if self._autotune and self._size < self._AUTOTUNE_CAP:
+                    self._size += 1
+                    self._cond.notify_all()
+                self._cond.wait()
+            if not self._buffer:
+                raise StopIteration
+            _, element, error = self._buffer.popleft()
+            self._cond.notify_all()
+        if error is not None:
+            raise error
+        return element
+
+    def save(self):
+        with self._cond:
+            self._paused = True
+            while self._busy:
+                self._cond.wait()
+            try:
+                return {"input": self._inputs[0].save(),
+                        "buffer": [raw for raw, _, error in self._buffer if error is None]}
+            finally:
+                self._paused = False
+                self._cond.notify_all()
+
+    def close(self):
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        super().close()
+
+
+class _Shard(Dataset):
+    def __init__(self, input_ds, num_shards, index):
+        super().__init__(input_ds)
+        self._n, self._index = num_shards, index
+
+    def cardinality(self):
+        n = self._input.cardinality()
+        return n if n < 0 else len(range(self._index, n, self._n))
+
+    def _make_iterator(self, state=None):
+        return _ShardIterator(self, state)
+
+
+class _ShardIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._ds = ds
+
+    def next(self):
+        # Skip the other shards' elements before and after this shard's one, so the position is a whole round.
+        for _ in range(self._ds._index):
+            self._inputs[0].next()
+        element = self._inputs[0].next()
+        for _ in range(self._ds._n - self._ds._index - 1):
+            try:
+                self._inputs[0].next()
+            except StopIteration:
+                break
+        return element
+
+    def save(self):
+        return {"input": self._inputs[0].save()}
+
+
+class _Concatenate(Dataset):
+    def __init__(self, first, second):
+        if not isinstance(second, Dataset):
+            raise TypeError(f"dataset={second!r}: expected an md.data.Dataset")
+        super().__init__(first, second)
+
+    def _compute_spec(self):
+        a, b = self._inputs[0].element_spec, self._inputs[1].element_spec
+        flat_a, flat_b = _nest.flatten(a), _nest.flatten(b)
+        try:
+            _nest.pack_sequence_as(a, flat_b)
+            ok = len(flat_a) == len(flat_b) and all(x.dtype == y.dtype and len(x.shape) == len(y.shape)
+                                                    for x, y in zip(flat_a, flat_b))
+        except (StopIteration, KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise TypeError(f"Incompatible dataset elements:\n  {a} vs.\n  {b}; concatenate needs the same "
+                            "structure, dtypes and ranks")
+        return _nest.pack_sequence_as(a, [x.most_specific_compatible(y) for x, y in zip(flat_a, flat_b)])
+
+    def cardinality(self):
+        a, b = (d.cardinality() for d in self._inputs)
+        if INFINITE_CARDINALITY in (a, b):
+            return INFINITE_CARDINALITY
+        return UNKNOWN if UNKNOWN in (a, b) else a + b
+
+    def _make_iterator(self, state=None):
+        return _ConcatenateIterator(self, state)
+
+
+class _ConcatenateIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__()
+        self._ds = ds
+        self._which = 0 if state is None else state["which"]
+        self._inputs = [ds._inputs[self._which]._make_iterator(None if state is None else state["input"])]
+
+    def next(self):
+        try:
+            return self._inputs[0].next()
+        except StopIteration:
+            if self._which == 1:
+                raise
+            self._inputs.pop().close()
+            self._which = 1
+            self._inputs = [self._ds._inputs[1]._make_iterator()]
+            return self._inputs[0].next()
+
+    def save(self):
+        return {"which": self._which, "input": self._inputs[0].save()}
+
+
+class _Zip(Dataset):
+    def __init__(self, datasets):
+        flat = _nest.flatten(datasets)
+        for d in flat:
+            if not isinstance(d, Dataset):
+                raise TypeError(f"zip: every item must be an md.data.Dataset, got {type(d).__name__}")
+        if not flat:
+            raise ValueError("zip: pass at least one dataset")
+        super().__init__(*flat)
+        self._structure = datasets
+
+    def _compute_spec(self):
+        return _nest.pack_sequence_as(self._structure, [d.element_spec for d in self._inputs])
+
+    def cardinality(self):
+        counts = [d.cardinality() for d in self._inputs]
+        known = [c for c in counts if c >= 0]
+        if known:
+            return min(known) if UNKNOWN not in counts else UNKNOWN
+        return UNKNOWN if UNKNOWN in counts else INFINITE_CARDINALITY
+
+    def _make_iterator(self, state=None):
+        return _ZipIterator(self, state)
+
+
+class _ZipIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__(*(d._make_iterator(None if state is None else s)
+                           for d, s in zip(ds._inputs, [None] * len(ds._inputs) if state is None else state)))
+        self._structure = ds._structure
+
+    def next(self):
+        return _nest.pack_sequence_as(self._structure, [it.next() for it in self._inputs])
+
+    def save(self):
+        return [it.save() for it in self._inputs]
+
+
+class _Enumerate(Dataset):
+    def __init__(self, input_ds, start):
+        super().__init__(input_ds)
+        self._start = start
+
+    def _compute_spec(self):
+        return (TensorSpec((), np.int64), self._input.element_spec)
+
+    def cardinality(self):
+        return self._input.cardinality()
+
+    def _make_iterator(self, state=None):
+        return _EnumerateIterator(self, state)
+
+
+class _EnumerateIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._i = ds._start if state is None else state["i"]
+
+    def next(self):
+        element = self._inputs[0].next()
+        self._i += 1
+        return (np.int64(self._i - 1), element)
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "i": self._i}

@@ -1,0 +1,90 @@
+"""The iterator users hold (``iter(dataset)``): ``next``, ``get_next``, checkpointing, clean shutdown."""
+
+from __future__ import annotations
+
+from .structure import decode_state, encode_state
+
+
+class Optional:
+    """A value that may be absent (``tf.experimental.Optional``): ``has_value()``, ``get_value()``."""
+
+    def __init__(self, value, has_value: bool):
+        self._value, self._has_value = value, has_value
+
+    def has_value(self) -> bool:
+        return self._has_value
+
+    def get_value(self):
+        if not self._has_value:
+            raise ValueError("this Optional has no value (the iterator is exhausted); check has_value() first")
+        return self._value
+
+
+class OwnedIterator:
+    """``iter(dataset)``: yields the dataset's elements; saved by ``md.train.Checkpoint(iterator=it)``.
+
+    Background threads (``prefetch``, parallel ``map``) belong to the iterator:
+    they stop when it reaches the end, and when it is garbage collected.
+    ``_serialize_to_tensors()`` / ``_restore_from_tensors()`` are the
+    checkpoint protocol (TensorFlow's trackables' names): the state is the
+    position in every source, every buffer's elements and every random
+    generator, so a restored iterator continues with the element that followed
+    the save.
+    """
+
+    def __init__(self, dataset, state=None):
+        self._dataset = dataset
+        self._impl = dataset._make_iterator(state)
+        self._done = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        try:
+            return self._impl.next()
+        except StopIteration:
+            self._done = True
+            self._impl.close()
+            raise
+
+    def get_next(self):
+        """The next element; ``StopIteration`` (TF: ``OutOfRangeError``) at the end."""
+        return next(self)
+
+    def get_next_as_optional(self) -> Optional:
+        try:
+            return Optional(next(self), True)
+        except StopIteration:
+            return Optional(None, False)
+
+    @property
+    def element_spec(self):
+        return self._dataset.element_spec
+
+    def _save(self):
+        return {"done": True} if self._done else {"done": False, "it": self._impl.save()}
+
+    def _restore(self, state) -> None:
+        self._impl.close()
+        self._done = state["done"]
+        self._impl = self._dataset._make_iterator(None if self._done else state["it"])
+        if self._done:
+            self._impl.close()
+
+    def _serialize_to_tensors(self) -> dict:
+        return encode_state(self._save())
+
+    def _restore_from_tensors(self, tensors: dict) -> None:
+        self._restore(decode_state(tensors))
+
+    def close(self) -> None:
+        """Stop this iterator's background threads now (also done at the end and on garbage collection)."""
+        self._impl.close()
+
+    def __del__(self):
+        impl = getattr(self, "_impl", None)
+        if impl is not None:
+            impl.close()

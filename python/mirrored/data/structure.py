@@ -1,0 +1,214 @@
+"""Elements of a dataset: nested tuples/dicts of arrays, their specs, and how they are stored in a checkpoint.
+
+tf.data's structure rules: tuples, namedtuples and dicts are structures;
+a list is one tensor (stacked) where it is an input, and a tuple where a
+``map`` function returns it. Python numbers convert as ``tf.constant`` does
+(int32, int64 when they do not fit, float32), strings to bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import abc
+
+import numpy as np
+
+from .. import _nest
+from ..device import device_util
+
+
+class TensorSpec:
+    """Shape (``None`` for a dimension that varies) and dtype of one element leaf (``tf.TensorSpec``)."""
+
+    def __init__(self, shape, dtype, name=None):
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        if self.dtype.kind == "S":
+            self.dtype = np.dtype("S")  # a string tensor: bytes of any length (tf.string)
+        self.name = name
+
+    def __eq__(self, other):
+        return isinstance(other, TensorSpec) and (self.shape, self.dtype) == (other.shape, other.dtype)
+
+    def __hash__(self):
+        return hash((self.shape, self.dtype))
+
+    def is_compatible_with(self, other) -> bool:
+        """Same dtype and rank, and every known dimension agrees (``None`` matches anything)."""
+        if isinstance(other, TensorSpec):
+            other_shape, other_dtype = other.shape, other.dtype
+        else:
+            other_shape, other_dtype = tuple(np.shape(other)), TensorSpec((), other.dtype).dtype
+        return (self.dtype == other_dtype and len(self.shape) == len(other_shape)
+                and all(a is None or b is None or a == b for a, b in zip(self.shape, other_shape)))
+
+    def most_specific_compatible(self, other: "TensorSpec") -> "TensorSpec":
+        """The spec both fit: dimensions that differ become ``None`` (rank and dtype must agree)."""
+        return TensorSpec([a if a == b else None for a, b in zip(self.shape, other.shape)], self.dtype)
+
+    def __repr__(self) -> str:
+        dtype = "string" if self.dtype.kind == "S" else self.dtype.name
+        return f"TensorSpec(shape={self.shape}, dtype={dtype}, name={self.name!r})"
+
+
+def _is_gpu_array(x) -> bool:
+    return device_util.on_gpu(x)
+
+
+def array_module(x):
+    """NumPy for host leaves, CuPy (or the array's own module) for device leaves."""
+    if _is_gpu_array(x):
+        return sys.modules[type(x).__module__.split(".")[0]]
+    return np
+
+
+def to_leaf(value, argument: str):
+    """One leaf as an array (NumPy, or a device array kept where it is), TF's conversion rules."""
+    if isinstance(value, (np.ndarray, np.generic)) or _is_gpu_array(value):
+        return value
+    if isinstance(value, str):
+        return np.bytes_(value.encode("utf-8"))
+    if isinstance(value, bytes):
+        return np.bytes_(value)
+    if isinstance(value, (list, bool, int, float, complex)) or hasattr(value, "__array_interface__") \
+            or hasattr(value, "__array__") or hasattr(value, "__dlpack__"):
+        if isinstance(value, list) and _all_strings(value):
+            return np.array([_as_bytes(v) for v in _flat_strings(value)]).reshape(np.shape(value))
+        try:
+            return device_util.to_host(value)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{argument}: {e}") from None
+    raise TypeError(f"{argument}: a value of type {type(value).__name__} ({value!r:.80}) is not a tensor; use "
+                    "NumPy/CuPy arrays, Python numbers, strings or bytes, nested in tuples or dicts")
+
+
+def _all_strings(value) -> bool:
+    flat = _flat_strings(value)
+    return bool(flat) and all(isinstance(v, (str, bytes)) for v in flat)
+
+
+def _flat_strings(value) -> list:
+    return [x for v in value for x in _flat_strings(v)] if isinstance(value, list) else [value]
+
+
+def _as_bytes(v) -> bytes:
+    return v.encode("utf-8") if isinstance(v, str) else v
+
+
+def normalize_input(value, argument: str):
+    """An input structure (``from_tensor_slices``/``from_tensors``/``output_signature``): lists are tensors."""
+    if isinstance(value, abc.Mapping):
+        return type(value)((k, normalize_input(v, argument)) for k, v in value.items())
+    if isinstance(value, tuple):
+        items = [normalize_input(v, argument) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return to_leaf(value, argument)
+
+
+def normalize_output(value, argument: str):
+    """A ``map``/generator result: lists are tuples (tf.data's rule for function results)."""
+    if value is None:
+        raise TypeError(f"{argument} returned None; return an array, a number, or a tuple/dict of them")
+    if isinstance(value, list):
+        value = tuple(value)
+    if isinstance(value, abc.Mapping):
+        return type(value)((k, normalize_output(v, argument)) for k, v in value.items())
+    if isinstance(value, tuple):
+        items = [normalize_output(v, argument) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return to_leaf(value, argument)
+
+
+def leaf_spec(x) -> TensorSpec:
+    return TensorSpec(tuple(x.shape), x.dtype)
+
+
+def spec_of(element):
+    """The structure of ``TensorSpec``s of one element."""
+    return _nest.map_structure(leaf_spec, element)
+
+
+def stack(leaves: list, component: int):
+    """One batched leaf from the same leaf of several elements (all of one shape)."""
+    first = leaves[0]
+    shape = tuple(first.shape)
+    for i, leaf in enumerate(leaves):
+        if tuple(leaf.shape) != shape:
+            raise ValueError(f"Cannot batch tensors with different shapes in component {component}. First element "
+                             f"had shape {list(shape)} and element {i} had shape {list(leaf.shape)}; give every "
+                             "element the same shape (e.g. pad or crop it in map) before batch")
+    return array_module(first).stack(leaves)
+
+
+# --- iterator state as checkpoint tensors --------------------------------------------------------------
+# An iterator's state is a tree of dicts, lists, tuples, Python scalars, strings and arrays. It is stored
+# as one JSON description (uint8) plus one entry per array, so a checkpoint file holds only plain arrays
+# (no pickle: loading a checkpoint never runs code).
+
+def encode_state(state) -> dict:
+    arrays: list = []
+
+    def enc(x):
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        if isinstance(x, (np.ndarray, np.generic)) or _is_gpu_array(x):
+            arr = np.asarray(device_util.to_host(x))
+            if arr.dtype == object:
+                raise ValueError("an iterator holds an element with an object array, which a checkpoint cannot "
+                                 "store; keep elements numeric, bytes or strings")
+            arr = np.asarray(arr, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
+            if arr.dtype.kind in "SU":  # strings travel as their bytes: a checkpoint stores numeric dtypes
+                arrays.append(np.frombuffer(arr.tobytes(), np.uint8).copy())
+                return {"a": len(arrays) - 1, "scalar": isinstance(x, np.generic), "str": arr.dtype.str,
+                        "shape": list(arr.shape)}
+            arrays.append(arr)
+            if _is_gpu_array(x):  # stored from the host, put back on its GPU
+                return {"a": len(arrays) - 1, "scalar": False, "gpu": int(x.device.id)}
+            return {"a": len(arrays) - 1, "scalar": isinstance(x, np.generic)}
+        if isinstance(x, bytes):
+            arrays.append(np.frombuffer(x, np.uint8).copy())
+            return {"b": len(arrays) - 1}
+        if isinstance(x, abc.Mapping):
+            return {"d": [[enc(k), enc(v)] for k, v in x.items()]}
+        if isinstance(x, tuple):
+            return {"t": [enc(v) for v in x]}
+        if isinstance(x, list):
+            return {"l": [enc(v) for v in x]}
+        raise ValueError(f"an iterator's state holds a {type(x).__name__}, which a checkpoint cannot store")
+
+    description = json.dumps(enc(state)).encode("utf-8")
+    tensors = {"state": np.frombuffer(description, np.uint8).copy()}
+    tensors.update({str(i): a for i, a in enumerate(arrays)})
+    return tensors
+
+
+def decode_state(tensors: dict):
+    try:
+        description = json.loads(np.asarray(tensors["state"], np.uint8).tobytes().decode("utf-8"))
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"the checkpoint has no readable iterator state ({e}); restore a checkpoint that was "
+                         "saved with the same iterator") from None
+
+    def dec(x):
+        if not isinstance(x, dict):
+            return x
+        if "a" in x:
+            arr = np.asarray(tensors[str(x["a"])])
+            if "str" in x:
+                arr = np.frombuffer(arr.tobytes(), np.dtype(x["str"])).reshape(x["shape"])
+            if "gpu" in x:
+                import cupy
+
+                with cupy.cuda.Device(x["gpu"]):
+                    return cupy.asarray(arr)
+            return arr[()] if x["scalar"] else arr
+        if "b" in x:
+            return np.asarray(tensors[str(x["b"])], np.uint8).tobytes()
+        if "d" in x:
+            return {dec(k): dec(v) for k, v in x["d"]}
+        if "t" in x:
+            return tuple(dec(v) for v in x["t"])
+        return [dec(v) for v in x["l"]]
+
+    return dec(description)
