@@ -1,88 +1,252 @@
-"""Training-step throughput: the demo's MLP, fused gradient all-reduce, N CPU replicas.
+"""Training-step time of a 200-parameter model: MirroredStrategy against a plain loop, in one run.
 
-    python bench/train_step.py --replicas 1 2 4 --hidden 512 512 --batch-size 256 --steps 100
+    python bench/train_step.py                                  # CPU: 1 and 2 replicas, 100 layers 128x128
+    python bench/train_step.py --device gpu --replicas 1 2      # GPU: 100 layers 256x256 (logical GPUs
+                                                                 # when replicas outnumber the GPUs)
 
-For each replica count, times ``strategy.run(step)`` where a step is the
-forward/backward pass of examples/train_digits.py on this replica's slice of
-the global batch plus ``optimizer.apply_gradients`` (one fused SUM
-all-reduce of all gradients, then the SGD update of every copy). The baseline
-in the same run is plain NumPy: the same forward/backward and update on the
-whole global batch in the calling thread (BLAS with its own threads), no
-strategy at all.
+The model is ``--layers`` dense layers ``width x width`` plus bias (200
+parameter tensors by default: ResNet-50 has 161, BERT-base 199), tanh between
+layers, a squared-error loss, global batch ``--batch-size``. Each step is the
+forward/backward pass plus the update, SGD with momentum 0.9 unless
+``--optimizer`` says otherwise:
+
+* plain: NumPy (CuPy with ``--device gpu``) in one process, the whole global
+  batch, then ``p -= lr*g`` per parameter (plain SGD, the cheapest update);
+* forward/backward alone (what any update adds to);
+* mirrored: ``strategy.run(step)`` where each replica runs the same
+  forward/backward on its share of the batch and calls
+  ``optimizer.apply_gradients`` (gradients summed across replicas, one fused
+  update per device);
+* PyTorch DDP (gloo, one process per replica, CPU only) for the same model,
+  when torch is importable (``--torch-python`` runs it in another venv).
+
+The table gives milliseconds per step and the ratio to the plain loop of the
+same run (lower is better).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
 
 import mirrored as md
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+
+def per_step(fn, steps: int, sync=lambda: None) -> float:
+    """Median seconds per call over 5 rounds of ``steps // 5`` calls, after 3 warm-up calls."""
+    return interleaved([fn], steps, sync)[0]
 
 
-def load_demo():
-    spec = importlib.util.spec_from_file_location("train_digits", os.path.join(HERE, "..", "examples",
-                                                                               "train_digits.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def per_step(fn, steps: int) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(max(1, steps // 5)):
+def interleaved(fns, steps: int, sync=lambda: None) -> list:
+    """Median seconds per call of each function, measured in turns (round r of every function, then
+    round r + 1): a machine whose load drifts during the run weighs on every column alike."""
+    for fn in fns:
+        for _ in range(3):
             fn()
-        samples.append((time.perf_counter() - t0) / max(1, steps // 5))
-    return statistics.median(samples)
+    sync()
+    samples = [[] for _ in fns]
+    calls = max(1, steps // 5)
+    for _ in range(5):
+        for fn, column in zip(fns, samples):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            column.append((time.perf_counter() - t0) / calls)
+    return [statistics.median(column) for column in samples]
+
+
+def init_params(layers: int, width: int, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    params = []
+    for _ in range(layers):
+        params.append((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32))
+        params.append(np.zeros(width, np.float32))
+    return params
+
+
+def loss_and_grads(xp, params, x, y, global_batch: int):
+    """Squared error of a tanh MLP, and its gradients (loss divided by the GLOBAL batch size)."""
+    acts = [x]
+    h = x
+    n = len(params) // 2
+    for i in range(n):
+        h = h @ params[2 * i] + params[2 * i + 1]
+        if i < n - 1:
+            h = xp.tanh(h)
+        acts.append(h)
+    diff = h - y
+    loss = (diff * diff).sum() / global_batch
+    d = diff * (2.0 / global_batch)
+    grads = [None] * len(params)
+    for i in reversed(range(n)):
+        grads[2 * i] = acts[i].T @ d
+        grads[2 * i + 1] = d.sum(axis=0)
+        if i:
+            d = (d @ params[2 * i].T) * (1.0 - acts[i] * acts[i])
+    return loss, grads
+
+
+def make_optimizer(name: str):
+    if name == "adam":
+        return md.optimizers.Adam(1e-4)
+    return md.optimizers.SGD(0.01, momentum=0.0 if name == "sgd-plain" else 0.9)
+
+
+def torch_ddp(args) -> float | None:
+    """Seconds per step of PyTorch DDP (gloo) over ``args.replicas_now`` processes, or None without torch."""
+    python = args.torch_python or sys.executable
+    probe = subprocess.run([python, "-c", "import torch"], capture_output=True)
+    if probe.returncode != 0:
+        return None
+    out = subprocess.run([python, os.path.abspath(__file__), "--torch-worker", json.dumps(vars(args))],
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"the torch DDP run failed:\n{out.stderr[-2000:]}")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def torch_worker(config: dict) -> None:
+    """Spawns one process per replica; rank 0 prints the median seconds per step."""
+    import torch.multiprocessing as mp
+
+    n = config["replicas_now"]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_torch_rank, args=(n, config, queue), nprocs=n, join=True)
+    print(queue.get())
+
+
+def _torch_rank(rank: int, n: int, config: dict, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(config["blas_threads"] or max(1, len(os.sched_getaffinity(0)) // n))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(config["torch_port"]))
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    layers, width, batch = config["layers"], config["width"], config["batch_size"]
+    model = torch.nn.Sequential(*[m for i in range(layers) for m in
+                                  ([torch.nn.Linear(width, width)] + ([torch.nn.Tanh()] if i < layers - 1 else []))])
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    rng = np.random.default_rng(1)
+    x = torch.from_numpy(rng.standard_normal((batch // n, width), dtype=np.float32))
+    y = torch.from_numpy(rng.standard_normal((batch // n, width), dtype=np.float32))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = ((ddp(x) - y) ** 2).sum() / batch
+        loss.backward()
+        opt.step()
+
+    t = per_step(step, config["steps"])
+    dist.barrier()
+    if rank == 0:
+        queue.put(t)
+    dist.destroy_process_group()
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--hidden", type=int, nargs="+", default=[512, 512])
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--layers", type=int, default=100)
+    p.add_argument("--width", type=int, default=None, help="default: 128 on CPU, 256 on GPU")
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--optimizer", choices=("sgd", "sgd-plain", "adam"), default="sgd",
+                   help="sgd: momentum 0.9; sgd-plain: no momentum, the plain loop's own rule")
+    p.add_argument("--update-only", action="store_true",
+                   help="time the update alone: p -= lr*g per parameter against apply_gradients with fixed "
+                        "gradients (the optimizer's own cost, without the forward/backward pass)")
+    p.add_argument("--blas-threads", type=int, default=None,
+                   help="BLAS threads for every column (default: the library's own count; replicas cap it "
+                        "to cores / replicas)")
+    p.add_argument("--torch-python", default=None, help="a Python with torch for the DDP column")
+    p.add_argument("--torch-port", type=int, default=29533)
+    p.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    demo = load_demo()
-    x, y, _, _ = demo.load_data("float32", 0)
-    xb, yb = x[:args.batch_size], y[:args.batch_size]
-    sizes = [x.shape[1], *args.hidden, 10]
-    params = [np.asarray(v.numpy()) for v in demo.MLP(sizes, "float32", 0).trainable_variables]
+    if args.torch_worker:
+        return torch_worker(json.loads(args.torch_worker))
+    args.width = args.width or (256 if args.device == "gpu" else 128)
+    if args.blas_threads:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(args.blas_threads, user_api="blas")
+    gpu = args.device == "gpu"
+    if gpu:
+        from mirrored.device import gpu as _gpu
+
+        xp = _gpu.cupy_module()
+        sync = xp.cuda.Device().synchronize
+    else:
+        xp, sync = np, (lambda: None)
+    rng = np.random.default_rng(1)
+    x = xp.asarray(rng.standard_normal((args.batch_size, args.width), dtype=np.float32))
+    y = xp.asarray(rng.standard_normal((args.batch_size, args.width), dtype=np.float32))
+    params = [xp.asarray(a) for a in init_params(args.layers, args.width)]
     nbytes = sum(a.nbytes for a in params)
 
-    def numpy_step():
-        _, grads, _ = demo.loss_and_grads(params, xb, yb)
+    fixed_grads = loss_and_grads(xp, params, x, y, args.batch_size)[1] if args.update_only else None
+
+    def plain_step():
+        _, grads = (None, fixed_grads) if args.update_only else loss_and_grads(xp, params, x, y, args.batch_size)
         for a, g in zip(params, grads):
             a -= 0.01 * g
 
-    base = per_step(numpy_step, args.steps)
-    print(f"MLP {sizes}, {nbytes / 1e6:.2f} MB of gradients, global batch {args.batch_size}\n")
-    print("| replicas | step time | samples/s | vs plain NumPy step |\n|---|---|---|---|")
-    print(f"| plain NumPy, one process | {base * 1e3:.2f} ms | {args.batch_size / base:,.0f} | 1.00x |")
+    columns = [("plain " + ("CuPy" if gpu else "NumPy") + " (p -= lr*g)", 1, plain_step)]
+    if not args.update_only:
+        columns.append(("forward/backward alone", 1, lambda: loss_and_grads(xp, params, x, y, args.batch_size)))
+    ngpu = len(md.config.list_physical_devices("GPU")) if gpu else 0
+    logical = [n for n in args.replicas if gpu and n > ngpu]
+    # When a count outnumbers the GPUs, GPU 0 is split into that many logical GPUs and every
+    # count runs on the first n of them (one split serves all).
+    for n in logical[-1:]:
+        md.config.set_logical_device_configuration("GPU", 0, count=n)
     for n in args.replicas:
-        strategy = md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
-        with strategy.scope():
-            model = demo.MLP(sizes, "float32", 0)
-            optimizer = md.optimizers.SGD(0.01)
-        variables = model.trainable_variables
-        batch = next(iter(strategy.experimental_distribute_dataset([(xb, yb)])))
+        columns.append(("mirrored MirroredStrategy", n, mirrored_step(args, xp, x, y, n, gpu, fixed_grads)))
+    times = interleaved([fn for _, _, fn in columns], args.steps, sync)
+    base = times[0]
+    print(f"{args.layers} dense layers {args.width}x{args.width} + bias ({2 * args.layers} parameter tensors, "
+          f"{nbytes / 1e6:.1f} MB), global batch {args.batch_size}, {args.device}, optimizer {args.optimizer}, "
+          f"BLAS threads {args.blas_threads or 'default'}{', the update alone' if args.update_only else ''}\n")
+    print("| step | replicas | ms/step | vs plain |\n|---|---|---|---|")
+    for (label, n, _), t in zip(columns, times):
+        print(f"| {label} | {n} | {t * 1e3:.2f} | {t / base:.2f}x |", flush=True)
+    if logical:
+        md.config.set_logical_device_configuration("GPU:0", None)
+    if not gpu and not args.update_only:
+        for n in args.replicas:
+            args.replicas_now = n
+            t_torch = torch_ddp(args)
+            if t_torch is not None:
+                print(f"| PyTorch DDP (gloo), measured after | {n} | {t_torch * 1e3:.2f} | {t_torch / base:.2f}x |",
+                      flush=True)
 
-        def step_fn(xs, ys):
-            _, grads, _ = demo.loss_and_grads([demo.local(v) for v in variables], xs, ys)
-            optimizer.apply_gradients(zip(grads, variables))
 
-        t = per_step(lambda: strategy.run(step_fn, args=batch), args.steps)
-        print(f"| {n} | {t * 1e3:.2f} ms | {args.batch_size / t:,.0f} | {base / t:.2f}x |", flush=True)
+def mirrored_step(args, xp, x, y, n: int, gpu: bool, fixed_grads=None):
+    """``strategy.run(step)`` on ``n`` replicas: forward/backward on each replica's share, apply_gradients
+    (only apply_gradients of ``fixed_grads`` when given)."""
+    strategy = md.MirroredStrategy([f"/gpu:{i}" if gpu else f"/cpu:{i}" for i in range(n)])
+    with strategy.scope():
+        variables = [md.Variable(a) for a in init_params(args.layers, args.width)]
+        optimizer = make_optimizer(args.optimizer)
+    batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+
+    def step_fn(xs, ys):
+        if fixed_grads is not None:
+            grads = fixed_grads
+        else:
+            _, grads = loss_and_grads(xp, [v.read_value() for v in variables], xs, ys, args.batch_size)
+        optimizer.apply_gradients(zip(grads, variables))
+
+    return lambda: strategy.run(step_fn, args=batch)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,9 @@
-"""Optimizers: the update rules against textbook formulas, and the distributed apply."""
+"""Optimizers: the update rules against textbook formulas, and the distributed apply.
+
+Keras rounds its hyperparameters through float32 (the learning rate is a float32 variable, and
+``ops.cast`` of a Python float makes a float32 tensor first), so the float64 checks against
+textbook formulas use hyperparameters that float32 holds exactly.
+"""
 
 import numpy as np
 import pytest
@@ -15,11 +20,11 @@ def _grads(steps, shape=(3, 4)):
 
 # --- the update rules -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.9, False), (0.9, True), (0.5, True)])
+@pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.875, False), (0.875, True), (0.5, True)])
 def test_sgd_matches_the_textbook_momentum_form(momentum, nesterov):
     # Textbook (Sutskever et al. 2013 / PyTorch form): b = mu*b + g; w -= lr*b,
     # Nesterov: w -= lr*(g + mu*b). Equal to TF's v = mu*v - lr*g for a constant lr.
-    lr, w0 = 0.1, RNG.normal(size=(3, 4))
+    lr, w0 = 0.125, RNG.normal(size=(3, 4))
     w, v = w0.copy(), (np.zeros_like(w0) if momentum else None)
     ref, b = w0.copy(), np.zeros_like(w0)
     for g in _grads(5):
@@ -30,7 +35,7 @@ def test_sgd_matches_the_textbook_momentum_form(momentum, nesterov):
 
 
 def test_adam_matches_kingma_ba_algorithm_1():
-    lr, b1, b2, eps, w0 = 0.01, 0.9, 0.999, 1e-7, RNG.normal(size=(3, 4))
+    lr, b1, b2, eps, w0 = 2 ** -6, 0.875, 1 - 2 ** -7, 2 ** -20, RNG.normal(size=(3, 4))
     w, m, v = w0.copy(), np.zeros_like(w0), np.zeros_like(w0)
     ref, rm, rv = w0.copy(), np.zeros_like(w0), np.zeros_like(w0)
     for t, g in enumerate(_grads(6), start=1):
@@ -83,9 +88,9 @@ def _copies_equal(var):
 
 @pytest.mark.parametrize("aggregation,combine", [("sum", np.sum), ("mean", np.mean)])
 @pytest.mark.parametrize("make", [
-    lambda agg: md.optimizers.SGD(0.1, gradient_aggregation=agg),
-    lambda agg: md.optimizers.SGD(0.1, momentum=0.9, nesterov=True, gradient_aggregation=agg),
-    lambda agg: md.optimizers.Adam(0.05, gradient_aggregation=agg),
+    lambda agg: md.optimizers.SGD(0.125, gradient_aggregation=agg),
+    lambda agg: md.optimizers.SGD(0.125, momentum=0.875, nesterov=True, gradient_aggregation=agg),
+    lambda agg: md.optimizers.Adam(0.0625, gradient_aggregation=agg),
 ])
 def test_apply_in_replica_context_sums_the_gradients_or_averages_on_request(make, aggregation, combine):
     n, w0 = 3, RNG.normal(size=(2, 3))
@@ -281,3 +286,192 @@ def test_works_without_a_strategy():
         opt.apply_gradients([(np.ones(3), w)])
     np.testing.assert_allclose(w.numpy(), np.full(3, 1 - 0.5 - 0.75))  # v = -0.5, then -0.75
     assert int(opt.iterations.numpy()) == 2
+
+
+# --- the fused step: packed gradients, one update per device, in place ------------------------------
+
+def test_from_the_second_step_each_replica_sends_one_packed_buffer_per_dtype():
+    ops = _RecordingOps()
+    strategy = _strategy(2, cross_device_ops=ops)
+    shapes = [(3,), (2, 2), (5,)]
+    with strategy.scope():
+        variables = [md.Variable(np.zeros(s, np.float32), name=f"v{i}") for i, s in enumerate(shapes)]
+        variables.append(md.Variable(np.zeros(4, np.float64), name="v64"))
+        opt = md.optimizers.Adam(0.01)
+    options = md.CommunicationOptions(bytes_per_pack=64)
+    for _ in range(3):
+        strategy.run(lambda: opt.apply_gradients([(np.ones(v.shape, v.dtype), v) for v in variables],
+                                                 options=options))
+    sizes = [b[1] for b in ops.batches]
+    assert sizes == [4, 2, 2]  # the first step per variable; then a float32 and a float64 buffer
+    assert all(b[2].bytes_per_pack == 64 for b in ops.batches)
+    reference = md.optimizers.Adam(0.01)
+    for v in variables:
+        w, m, vv = np.zeros(v.shape, v.dtype), np.zeros(v.shape, v.dtype), np.zeros(v.shape, v.dtype)
+        for step in range(3):
+            w, m, vv = md.optimizers.adam_update(w, np.full(v.shape, 2.0, v.dtype), m, vv, np.float32(0.01),
+                                                 reference.beta_1, reference.beta_2, reference.epsilon, step + 1)
+        np.testing.assert_array_equal(v.numpy(), w)
+        assert _copies_equal(v)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 3])
+def test_every_dtype_gives_the_reference_rule_bit_for_bit(dtype, n):
+    # float32/float64 go through the fused kernel, float16 through the NumPy rule: the same bits.
+    strategy = _strategy(n)
+    w0 = RNG.normal(size=(7, 3)).astype(dtype)
+    with strategy.scope():
+        w = md.Variable(w0.copy(), name="w")
+        opt = md.optimizers.RMSprop(0.01, momentum=0.5, centered=True, weight_decay=0.1)
+    grads = [[RNG.normal(size=(7, 3)).astype(dtype) for _ in range(n)] for _ in range(3)]
+    for per_replica in grads:
+        strategy.run(lambda g=per_replica: opt.apply_gradients(
+            [(g[md.get_replica_context().replica_id_in_sync_group], w)]))
+    t = np.dtype(dtype).type
+    ref, (v, a, mom) = w0.copy(), (np.zeros_like(w0) for _ in range(3))
+    for step, per_replica in enumerate(grads):
+        g = per_replica[0].copy()
+        for other in per_replica[1:]:
+            g += other
+        lr = t(np.float32(0.01))
+        md.optimizers.rules.weight_decay(ref, t(np.float32(0.1)), lr)
+        md.optimizers.rules.rmsprop(ref, g, (v, a, mom), opt._coefficients(t, lr, step))
+    np.testing.assert_array_equal(w.numpy(), ref)
+    assert _copies_equal(w)
+
+
+def test_updates_write_in_place_and_never_change_an_array_still_held():
+    strategy = _strategy(2)
+    with strategy.scope():
+        w = md.Variable(np.ones(4, np.float32), name="w")
+        opt = md.optimizers.SGD(0.5, momentum=0.5)
+    step = lambda: opt.apply_gradients([(np.ones(4, np.float32), w)])  # noqa: E731
+    strategy.run(step)
+    address = w.values[0].read_value().ctypes.data
+    strategy.run(step)
+    assert w.values[0].read_value().ctypes.data == address  # nobody held it: updated in place
+    held = w.values[1].read_value()
+    before = held.copy()
+    strategy.run(step)
+    np.testing.assert_array_equal(held, before)  # TF's promise: a read value keeps its value
+    assert not np.array_equal(w.values[1].read_value(), before)
+    assert _copies_equal(w)
+    slot = opt.get_slot(w, "momentum").values[0].read_value()
+    kept = slot.copy()
+    strategy.run(step)
+    np.testing.assert_array_equal(slot, kept)
+
+
+def test_build_creates_the_slots_in_scope_and_apply_uses_the_built_variables():
+    strategy = _strategy(2)
+    with strategy.scope():
+        a, b = md.Variable(np.ones(2, np.float32), name="a"), md.Variable(np.ones(3, np.float32), name="b")
+        opt = md.optimizers.Adagrad(0.1, initial_accumulator_value=0.25)
+        opt.build([a, b])
+    assert opt.built
+    assert [v.name for v in opt.variables] == ["Adagrad/iterations:0", "a/accumulator:0", "b/accumulator:0"]
+    assert isinstance(opt.get_slot(b, "accumulator"), md.MirroredVariable)
+    np.testing.assert_array_equal(opt.get_slot(a, "accumulator").numpy(), [0.25, 0.25])
+    opt.build([a, b])  # a second build changes nothing (Keras: a no-op once built)
+    assert len(opt.variables) == 3
+    with strategy.scope():
+        opt.apply([np.ones(2, np.float32), np.ones(3, np.float32)])
+    # A plain gradient in cross-replica context is the final gradient (nothing to sum).
+    np.testing.assert_allclose(a.numpy(), 1 - 0.1 / np.sqrt(0.25 + 1), rtol=1e-6)
+    with pytest.raises(ValueError, match="built"):
+        md.optimizers.SGD().apply([np.ones(2)])
+
+
+@pytest.mark.parametrize("kwargs, error, needle", [
+    ({"clipnorm": 0.0}, ValueError, "clipnorm=0.0"),
+    ({"clipnorm": -1.0}, ValueError, "clipnorm=-1.0"),
+    ({"clipvalue": 0}, ValueError, "clipvalue=0"),
+    ({"global_clipnorm": -0.5}, ValueError, "global_clipnorm=-0.5"),
+    ({"clipnorm": float("inf")}, ValueError, "clipnorm=inf"),
+    ({"weight_decay": -0.1}, ValueError, "weight_decay=-0.1"),
+    ({"clipnorm": 1.0, "clipvalue": 1.0}, ValueError, "Only one of `clipnorm`, `clipvalue` and `global_clipnorm`"),
+    ({"nonsense": 1}, ValueError, "Argument\\(s\\) not recognized"),
+    ({"use_ema": True}, NotImplementedError, "use_ema"),
+])
+@pytest.mark.parametrize("cls", ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam"])
+def test_bad_arguments_name_themselves(cls, kwargs, error, needle):
+    with pytest.raises(error, match=needle):
+        getattr(md.optimizers, cls)(**kwargs)
+
+
+def test_keras_defaults():
+    assert md.optimizers.AdamW().weight_decay == 0.004
+    with pytest.raises(ValueError, match="weight_decay=None"):
+        md.optimizers.AdamW(weight_decay=None)
+    rms = md.optimizers.RMSprop()
+    assert (rms.learning_rate, rms.rho, rms.momentum, rms.epsilon, rms.centered) == (0.001, 0.9, 0.0, 1e-7, False)
+    assert md.optimizers.Adagrad().initial_accumulator_value == 0.1
+    nadam = md.optimizers.Nadam()
+    assert (nadam.learning_rate, nadam.beta_1, nadam.beta_2, nadam.epsilon) == (0.001, 0.9, 0.999, 1e-7)
+    for cls in ("SGD", "Adam", "RMSprop", "Adagrad", "Nadam"):
+        opt = getattr(md.optimizers, cls)(decay=0.5)  # Keras ignores the old `decay`
+        assert (opt.weight_decay, opt.clipnorm, opt.clipvalue, opt.global_clipnorm) == (None, None, None, None)
+
+
+def test_excluded_variables_get_no_weight_decay():
+    strategy = _strategy(2)
+    with strategy.scope():
+        w, bias = md.Variable(np.ones(2, np.float32), name="dense/w"), md.Variable(np.ones(2, np.float32),
+                                                                                   name="dense/bias")
+        opt = md.optimizers.SGD(0.5, weight_decay=0.5)
+        opt.exclude_from_weight_decay(var_names=["bias"])
+    strategy.run(lambda: opt.apply_gradients([(np.zeros(2, np.float32), w), (np.zeros(2, np.float32), bias)]))
+    np.testing.assert_array_equal(w.numpy(), [0.75, 0.75])  # w - w * 0.5 * 0.5
+    np.testing.assert_array_equal(bias.numpy(), [1, 1])
+    with pytest.raises(ValueError, match="before the optimizer is built"):
+        opt.exclude_from_weight_decay(var_list=[w])
+
+
+def test_nadam_resumes_from_a_checkpoint_as_if_never_stopped(tmp_path):
+    def train(opt, w, steps, first):
+        for s in range(first, first + steps):
+            strategy.run(lambda s=s: opt.apply_gradients([(np.full(3, 0.1 * (s + 1), np.float32), w)]))
+
+    strategy = _strategy(2)
+    with strategy.scope():
+        w = md.Variable(np.ones(3, np.float32), name="w")
+        opt = md.optimizers.Nadam(0.01)
+    train(opt, w, 4, 0)
+    path = md.train.Checkpoint(w=w, optimizer=opt).save(str(tmp_path / "ckpt"))
+    train(opt, w, 3, 4)
+    with strategy.scope():
+        w2 = md.Variable(np.zeros(3, np.float32), name="w")
+        opt2 = md.optimizers.Nadam(0.01)
+        opt2.build([w2])
+    md.train.Checkpoint(w=w2, optimizer=opt2).restore(path)
+    train(opt2, w2, 3, 4)
+    np.testing.assert_array_equal(w2.numpy(), w.numpy())
+
+
+def test_200_variables_take_one_collective_and_one_kernel_call_per_device_and_step(monkeypatch):
+    from mirrored.train.optimizers import base
+
+    kernel = base._fused_kernel()
+    if kernel is None:
+        pytest.skip("the _fused_update extension was not built")
+    calls = []
+
+    class Counting:
+        def apply(self, rule, weights, grads, *args):
+            calls.append((len(weights), isinstance(grads, np.ndarray)))
+            return kernel.apply(rule, weights, grads, *args)
+
+    monkeypatch.setattr(base, "_kernel", Counting())
+    ops = _RecordingOps()
+    strategy = _strategy(2, cross_device_ops=ops)
+    with strategy.scope():
+        variables = [md.Variable(np.zeros((4, 3) if i % 2 else (3,), np.float32)) for i in range(200)]
+        opt = md.optimizers.Adam(0.01)
+    grads = [np.ones(v.shape, np.float32) for v in variables]
+    for _ in range(3):
+        strategy.run(lambda: opt.apply_gradients(zip(grads, variables)))
+    assert [b[1] for b in ops.batches] == [200, 1, 1]  # then one packed float32 buffer per replica
+    assert calls == [(200, False)] * 2 + [(200, True)] * 4  # one kernel call per device and step
+    for v in variables[:3]:
+        assert _copies_equal(v)

@@ -6,14 +6,19 @@ strategy, a ``MirroredVariable`` (``ON_WRITE``: every update reaches every
 copy) or a ``SyncOnReadVariable`` (``ON_READ``: each replica updates its own
 copy, reads in cross-replica context aggregate) inside a strategy's scope.
 
-A variable's value buffer is never written in place: an assign swaps in a new
-array, so an array returned by ``read_value()`` never changes under its holder.
+Reading a variable returns its buffer itself (inside ``run``, the replica's copy:
+a few attribute loads, no copy). Updates write into that buffer while nothing else
+holds it; when something does (an array read earlier and still referenced, a view
+of it), the variable first takes a new buffer, so an array read before an update
+keeps its value: TensorFlow's promise, kept the way its runtime keeps it
+(copy-on-write). docs/training.md.
 """
 
 from __future__ import annotations
 
 import inspect
 import operator
+import sys
 import weakref
 
 import numpy as np
@@ -236,13 +241,29 @@ class DeviceVariable(Variable):
             "does not fit (convert it yourself, e.g. np.clip(...).astype(...), if wrapping is meant)"
         )
 
+    def _writable_buffer(self):
+        """This copy's buffer, ready to be written in place: a fresh one first when something else holds it."""
+        value = self._value
+        # References: `value`, the attribute, getrefcount's argument. Any other is a
+        # reader's (an array or a view read earlier), whose values must not change.
+        if sys.getrefcount(value) > 3:
+            value = self._value = value.copy()
+        return value
+
+    def _store(self, new) -> None:
+        """``new`` (this variable's shape, on its device) written into the buffer, converted to its dtype.
+
+        Always a copy: the caller may later write into the array it passed.
+        """
+        buffer = self._writable_buffer()
+        buffer[...] = new
+
     def assign(self, value, use_locking=None, name=None, read_value=True):
-        # Always a copy: the caller may later write into the array it passed.
-        self._value = self._converted(value).astype(self.dtype, copy=True)
+        self._store(self._converted(value))
         return self
 
     def _combine(self, fn, delta):
-        self._value = fn(self._value, self._converted(delta, "delta")).astype(self.dtype, copy=False)
+        self._store(fn(self._value, self._converted(delta, "delta")))
         return self
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
@@ -277,11 +298,17 @@ class DistributedVariable(DistributedValues, Variable):
         return self._component().device
 
     def _local_replica_id(self):
-        """This thread's replica id when it runs a replica of this variable's strategy, else None."""
-        ctx = context.get_replica_context()
-        if ctx is None or ctx.strategy is not self._strategy:
-            return None
-        return ctx._local_replica_id
+        """This thread's replica id when it runs a replica of this variable's strategy, else None.
+
+        On every read inside ``run``: the top of this thread's context stack, read
+        directly (a few attribute loads, no call).
+        """
+        stack = getattr(context._local, "stack", None)
+        if stack:
+            top = stack[-1]
+            if top.replica_context is not None and top.strategy is self._strategy:
+                return top.replica_context._local_replica_id
+        return None
 
     def _component(self) -> DeviceVariable:
         rid = self._local_replica_id()
@@ -302,7 +329,13 @@ class MirroredVariable(DistributedVariable, Mirrored):
     _synchronization_mode = VariableSynchronization.ON_WRITE
 
     def read_value(self):
-        return self._component().read_value()
+        # _component() inlined: this runs for every variable on every step.
+        stack = getattr(context._local, "stack", None)
+        if stack:
+            top = stack[-1]
+            if top.replica_context is not None and top.strategy is self._strategy:
+                return self._values[top.replica_context._local_replica_id]._value
+        return self._values[0]._value
 
     def _update(self, method: str, value):
         if self._local_replica_id() is None:
@@ -381,6 +414,8 @@ class SyncOnReadVariable(DistributedVariable):
 
 def _read(x):
     return x.read_value() if isinstance(x, Variable) else x
+
+
 
 
 # --- grouping per-replica results ------------------------------------------------------

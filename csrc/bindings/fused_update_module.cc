@@ -1,0 +1,111 @@
+// mirrored._fused_update: the fused optimizer update on host arrays. Thin: check
+// the arrays, build the (pointer, count) table, release the GIL, run the kernel.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "host/fused_update.h"
+
+namespace py = pybind11;
+using namespace mirrored::host;
+
+namespace {
+
+// The array `h` as a contiguous T buffer of `count` elements (count 0: any), or a ValueError naming it.
+template <typename T>
+T* buffer_of(py::handle h, std::size_t count, bool writable, const std::string& where) {
+  if (!py::isinstance<py::array>(h)) throw py::type_error(where + ": expected a NumPy array");
+  auto a = py::reinterpret_borrow<py::array>(h);
+  if (!a.dtype().is(py::dtype::of<T>()))
+    throw py::value_error(where + ": dtype " + std::string(py::str(a.dtype())) + ", expected " +
+                          std::string(py::str(py::dtype::of<T>())) + " like the variable's");
+  if (!(a.flags() & py::array::c_style)) throw py::value_error(where + ": expected a C-contiguous array");
+  if (count != 0 && static_cast<std::size_t>(a.size()) != count)
+    throw py::value_error(where + ": " + std::to_string(a.size()) + " elements, the variable has " +
+                          std::to_string(count));
+  if (writable && !a.writeable()) throw py::value_error(where + ": the array is read-only");
+  if (writable) return static_cast<T*>(a.mutable_data());
+  return const_cast<T*>(static_cast<const T*>(a.data()));
+}
+
+// `grads` is a list with one array per variable, or one packed array holding them back to back.
+template <typename T>
+void apply_typed(int rule, const py::list& weights, const py::object& grads, const py::list& slots,
+                 const std::vector<bool>& decay, const std::vector<double>& coefficients, double weight_decay,
+                 double lr) {
+  const int num_slots = rule_slots(rule, coefficients.data());
+  std::vector<FusedEntry<T>> table(weights.size());
+  const bool packed = py::isinstance<py::array>(grads);
+  const T* next_grad = packed ? buffer_of<T>(grads, 0, false, "grads") : nullptr;
+  std::size_t packed_total = 0;
+  for (std::size_t k = 0; k < table.size(); ++k) {
+    const std::string at = "[" + std::to_string(k) + "]";
+    FusedEntry<T>& e = table[k];
+    e.weight = buffer_of<T>(weights[k], 0, true, "weights" + at);
+    e.count = static_cast<std::size_t>(py::reinterpret_borrow<py::array>(weights[k]).size());
+    if (packed) {
+      e.grad = next_grad;
+      next_grad += e.count;
+      packed_total += e.count;
+    } else {
+      e.grad = buffer_of<T>(py::reinterpret_borrow<py::list>(grads)[k], e.count, false, "grads" + at);
+    }
+    auto var_slots = py::reinterpret_borrow<py::list>(slots[k]);
+    if (static_cast<int>(var_slots.size()) != num_slots)
+      throw py::value_error("slots" + at + ": " + std::to_string(var_slots.size()) + " slots, the rule has " +
+                            std::to_string(num_slots));
+    for (int j = 0; j < kMaxSlots; ++j)
+      e.slots[j] = j < num_slots ? buffer_of<T>(var_slots[j], e.count, true, "slots" + at + "[" +
+                                                std::to_string(j) + "]")
+                                 : nullptr;
+    e.decay = decay[k];
+  }
+  if (packed && static_cast<std::size_t>(py::reinterpret_borrow<py::array>(grads).size()) != packed_total)
+    throw py::value_error("grads: a packed array of " +
+                          std::to_string(py::reinterpret_borrow<py::array>(grads).size()) + " elements, the variables have " +
+                          std::to_string(packed_total));
+  FusedScalars<T> s{};
+  for (std::size_t j = 0; j < coefficients.size(); ++j) s.c[j] = static_cast<T>(coefficients[j]);
+  s.weight_decay = static_cast<T>(weight_decay);
+  s.lr = static_cast<T>(lr);
+  py::gil_scoped_release release;
+  fused_update<T>(static_cast<Rule>(rule), table.data(), table.size(), s);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_fused_update, m) {
+  m.doc() = "The fused optimizer update on host arrays (csrc/host/fused_update.h).";
+  m.def(
+      "apply",
+      [](int rule, const py::list& weights, const py::object& grads, const py::list& slots,
+         const std::vector<bool>& decay, const std::vector<double>& coefficients, double weight_decay, double lr) {
+        if (rule_coefficients(rule) < 0) throw py::value_error("rule=" + std::to_string(rule) + ": no such rule");
+        if (static_cast<int>(coefficients.size()) != rule_coefficients(rule))
+          throw py::value_error("coefficients: " + std::to_string(coefficients.size()) + " given, the rule takes " +
+                                std::to_string(rule_coefficients(rule)));
+        const std::size_t n = weights.size();
+        const bool packed = py::isinstance<py::array>(grads);
+        if (!packed && !py::isinstance<py::list>(grads))
+          throw py::type_error("grads: expected a list of arrays or one packed array");
+        if ((!packed && py::len(grads) != n) || slots.size() != n || decay.size() != n)
+          throw py::value_error("weights, grads, slots and decay must have one entry per variable");
+        if (n == 0) return;
+        const py::dtype dtype = py::reinterpret_borrow<py::array>(weights[0]).dtype();
+        if (dtype.is(py::dtype::of<float>())) {
+          apply_typed<float>(rule, weights, grads, slots, decay, coefficients, weight_decay, lr);
+        } else if (dtype.is(py::dtype::of<double>())) {
+          apply_typed<double>(rule, weights, grads, slots, decay, coefficients, weight_decay, lr);
+        } else {
+          throw py::value_error("weights[0]: dtype " + std::string(py::str(dtype)) +
+                                ", the fused host kernel takes float32 and float64");
+        }
+      },
+      py::arg("rule"), py::arg("weights"), py::arg("grads"), py::arg("slots"), py::arg("decay"),
+      py::arg("coefficients"), py::arg("weight_decay"), py::arg("lr"),
+      "Weight decay (where decay[k]) and the rule on every (weight, grad, slots) entry, in place. `grads`: one\n"
+      "array per variable, or one array holding them back to back (a packed, all-reduced fusion buffer).");
+}

@@ -1,0 +1,29 @@
+// The fused optimizer update on host memory: one call applies weight decay and
+// an optimizer's rule to every variable (and its slots) of one device, walking a
+// table of (pointer, count) entries — the multi-tensor-apply way. The table and
+// the element math are core/optimizer_rules.h's, shared with the CUDA kernel.
+#pragma once
+
+#include <cstddef>
+
+#include "core/optimizer_rules.h"
+
+namespace mirrored::host {
+
+using rules::FusedEntry;
+using rules::FusedScalars;
+using rules::kMaxSlots;
+using rules::Rule;
+
+// Number of slots and coefficients each rule reads; -1 for a code that is no rule.
+int rule_slots(int rule, const double* coefficients);
+int rule_coefficients(int rule);
+
+// Applies `rule` to entries[0..n). Entries must not overlap each other.
+template <typename T>
+void fused_update(Rule rule, const FusedEntry<T>* entries, std::size_t n, const FusedScalars<T>& s);
+
+extern template void fused_update<float>(Rule, const FusedEntry<float>*, std::size_t, const FusedScalars<float>&);
+extern template void fused_update<double>(Rule, const FusedEntry<double>*, std::size_t, const FusedScalars<double>&);
+
+}  // namespace mirrored::host

@@ -1,0 +1,597 @@
+"""The optimizer step: Keras' order of operations, one fused all-reduce, one fused update per device.
+
+``apply_gradients(grads_and_vars)`` may be called inside ``strategy.run`` (each replica
+passes its own gradients) or in cross-replica context under ``strategy.scope()`` (with
+``PerReplica`` gradients, or plain ones, which are the final gradient already). In
+Keras 3's order under a tf.distribute strategy, it
+
+1. clips each replica's gradients (``clipnorm`` per gradient, ``global_clipnorm`` over
+   all of them, or ``clipvalue``) *before* they are summed, as Keras does;
+2. SUMS the gradients across all replicas of all workers with ONE
+   ``strategy.extended.batch_reduce_to`` (packed into few buffers,
+   ``CommunicationOptions.bytes_per_pack`` honoured), as Keras optimizers do under a
+   strategy, so each replica's loss is divided by the GLOBAL batch size
+   (``md.nn.compute_average_loss``); ``gradient_aggregation="mean"`` averages instead;
+3. applies weight decay (``w -= w * weight_decay * lr``) and the update rule to every
+   variable and slot of a device in ONE fused update, in place: the host kernel of
+   ``csrc/host/fused_update.cc`` over a table of (pointer, count) entries, or the same
+   rule element-wise per variable for arrays the kernel does not take. Each replica
+   updates its own device's copies with the same reduced gradients, so the copies stay
+   bit-identical;
+4. increments ``iterations``.
+
+What is per variable and fixed (the copies on each device, their slots, which ones
+decay, the dtype groups) is computed once per strategy and variable list (a
+:class:`_Plan`) and reused on every step.
+
+Arrays read from a variable stay valid as TensorFlow promises: an update writes into a
+variable's buffer only when nothing else holds it, and otherwise gives the variable a
+new buffer first (copy-on-write, as TensorFlow's runtime does). docs/training.md.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from ...device import device_util
+from ...distribute import distribute_lib, values
+from ...distribute.options import VariableAggregation
+from ...distribute.reduce_util import ReduceOp
+from ...distribute.values import DistributedValues, DistributedVariable, PerReplica
+from . import rules
+
+__all__ = ["Optimizer", "check_rate"]
+
+# Keras' arguments this package does not implement; passing a value other than Keras' default says so.
+_UNSUPPORTED = {"use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
+                "loss_scale_factor": None, "gradient_accumulation_steps": None}
+
+
+def check_rate(value, argument: str, allow_callable: bool = False, low: float = 0.0, high: float | None = None,
+               high_inclusive: bool = False):
+    """``value`` as a float in ``[low, high)`` (``[low, high]`` with ``high_inclusive``), or a callable."""
+    if allow_callable and callable(value):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        kind = "a number or a callable of the step" if allow_callable else "a number"
+        raise ValueError(f"{argument}={value!r}: expected {kind}")
+    if value < low or (high is not None and (value > high if high_inclusive else value >= high)):
+        bound = f"in [{low}, {high}{']' if high_inclusive else ')'}" if high is not None else f">= {low}"
+        raise ValueError(f"{argument}={value!r}: expected a value {bound}")
+    return float(value)
+
+
+def _check_positive(value, argument: str):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{argument}={value!r}: expected a number > 0 (or None, the default, for no clipping); "
+                         f"Keras ignores {argument} <= 0 silently, here it is an error")
+    return float(value)
+
+
+def _check_aggregation(value) -> str:
+    """``"sum"`` or ``"mean"`` from those strings (any case) or ``md.ReduceOp.SUM`` / ``MEAN``."""
+    if isinstance(value, ReduceOp):
+        value = value.value
+    if isinstance(value, str) and value.lower() in ("sum", "mean"):
+        return value.lower()
+    raise ValueError(f"gradient_aggregation={value!r}: expected 'sum' (Keras: gradients summed across "
+                     "replicas, loss divided by the global batch size) or 'mean' (gradients averaged)")
+
+
+class Optimizer:
+    """Base class of the Keras optimizers (``md.optimizers.SGD``, ``Adam``, ...).
+
+    A subclass names its slots (``_slot_specs``: ``(name, initial value)`` pairs), its
+    rule (``_rule``, a code of :mod:`.rules`) and computes the rule's scalars for a
+    dtype and step (``_coefficients``).
+    """
+
+    _slot_specs: tuple = ()
+    _slot_aliases: dict = {}
+    _rule: int = rules.SGD
+
+    def __init__(self, learning_rate, name: str, gradient_aggregation="sum", *, weight_decay=None, clipnorm=None,
+                 clipvalue=None, global_clipnorm=None, **kwargs):
+        kwargs.pop("decay", None)  # Keras: "no longer supported and will be ignored"
+        for key, value in kwargs.items():
+            if key not in _UNSUPPORTED:
+                raise ValueError(f"Argument(s) not recognized: {kwargs}")
+            if value != _UNSUPPORTED[key]:
+                raise NotImplementedError(f"{key}={value!r}: mirrored's optimizers do not implement {key}; "
+                                          f"leave it at Keras' default ({_UNSUPPORTED[key]!r})")
+        self.learning_rate = learning_rate
+        self.name = name
+        self.gradient_aggregation = _check_aggregation(gradient_aggregation)
+        if weight_decay is not None:
+            weight_decay = check_rate(weight_decay, "weight_decay")
+        self.weight_decay = weight_decay
+        self.clipnorm = _check_positive(clipnorm, "clipnorm")
+        self.clipvalue = _check_positive(clipvalue, "clipvalue")
+        self.global_clipnorm = _check_positive(global_clipnorm, "global_clipnorm")
+        if sum(a is not None for a in (clipnorm, clipvalue, global_clipnorm)) > 1:
+            raise ValueError("Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set. Received: "
+                             f"clipnorm={clipnorm}, clipvalue={clipvalue}, global_clipnorm={global_clipnorm}")
+        self._iterations = None
+        self._slots = {}  # id(variable) -> (variable, {slot name: slot variable})
+        self._plans = {}  # tuple of variable ids -> _Plan
+        self._checked = {}  # tuple of variable ids -> (their shapes, the variables), once checked
+        self._exclude_ids: set = set()
+        self._exclude_names: tuple = ()
+        self.built = False
+        # The strategy whose variables this optimizer updates: the one in scope when it
+        # is created (as Keras does), else that of the first variables it updates.
+        self._strategy = distribute_lib.get_strategy() if distribute_lib.has_strategy() else None
+
+    # -- arguments --
+    @property
+    def learning_rate(self):
+        """A number, or a callable of the step (``iterations`` before the update, from 0)."""
+        return self._learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        self._learning_rate = check_rate(value, "learning_rate", allow_callable=True)
+
+    def learning_rate_at(self, step: int) -> float:
+        """The learning rate used by the update at ``step`` (0-based)."""
+        lr = self._learning_rate(step) if callable(self._learning_rate) else self._learning_rate
+        return check_rate(lr, f"learning_rate({step})")
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None) -> None:
+        """Variables (``var_list``), or variables whose name contains one of ``var_names``, get no weight decay.
+
+        As in Keras, call it before the optimizer is built.
+        """
+        if self.built:
+            raise ValueError("`exclude_from_weight_decay()` can only be configured before the optimizer is built.")
+        self._exclude_ids = {id(v) for v in (var_list or ())}
+        self._exclude_names = tuple(var_names or ())
+
+    def _use_weight_decay(self, var) -> bool:
+        if id(var) in self._exclude_ids:
+            return False
+        return not any(name in var.name for name in self._exclude_names)
+
+    # -- state --
+    @property
+    def iterations(self):
+        """The number of ``apply_gradients`` calls so far: a mirrored int64 variable."""
+        if self._iterations is None:
+                self._create_state(self._strategy or distribute_lib.get_strategy(), ())
+        return self._iterations
+
+    @property
+    def variables(self) -> list:
+        """``iterations`` and every slot variable, in creation order (Keras 3's property)."""
+        state = [] if self._iterations is None else [self._iterations]
+        return state + [s for _, slots in self._slots.values() for s in slots.values()]
+
+    @property
+    def _slot_names(self) -> tuple:
+        return tuple(name for name, _ in self._slot_specs)
+
+    def get_slot(self, var, slot_name: str):
+        """The slot variable ``slot_name`` (Keras' names: ``"momentum"``, ``"velocity"``, ...) of ``var``."""
+        name = self._slot_aliases.get(slot_name, slot_name)
+        if name not in self._slot_names:
+            raise KeyError(f"slot_name={slot_name!r}: {type(self).__name__} has slots {list(self._slot_names)}")
+        entry = self._slots.get(id(var))
+        if entry is None:
+            raise KeyError(f"var={getattr(var, 'name', var)!r} has no slots yet: call build([var]) or "
+                           "apply_gradients to it first")
+        return entry[1][name]
+
+    def build(self, var_list) -> None:
+        """Create ``iterations`` and the slots of every variable of ``var_list`` (Keras 3's ``build``).
+
+        ``apply_gradients`` builds what is missing by itself; call it inside the
+        strategy's scope, as Keras ports do.
+        """
+        var_list = list(var_list)
+        for i, var in enumerate(var_list):
+            self._check_variable(f"var_list[{i}]", var)
+        strategy = self._strategy or next(
+            (v.distribute_strategy for v in var_list if getattr(v, "distribute_strategy", None) is not None),
+            distribute_lib.get_strategy())
+        self._create_state(strategy, var_list)
+        self.built = True
+
+    def _create_state(self, strategy, var_list) -> None:
+        """Create ``iterations`` and the slots of ``var_list`` that do not exist yet, mirrored like the model."""
+        if self._strategy is not None and strategy is not self._strategy:
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r} was created for {self._strategy!r} and is now asked to "
+                f"update variables under {strategy!r}; create one optimizer per strategy (inside its scope)"
+            )
+        missing = [v for v in var_list if id(v) not in self._slots]
+        if self._iterations is not None and not missing:
+            return
+        with strategy.scope():
+            if self._iterations is None:
+                self._iterations = values.Variable(
+                    np.int64(0), name=f"{self.name}/iterations", trainable=False, dtype=np.int64,
+                    aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
+            for var in missing:
+                base = var.name.split(":")[0]  # "dense0/w:0" -> slots "dense0/w/momentum:0", ...
+                self._slots[id(var)] = (var, {
+                    # Keras' Constant initializer casts through float32.
+                    slot: values.Variable(np.full(var.shape, np.float32(initial), dtype=var.dtype),
+                                          name=f"{base}/{slot}",
+                                          trainable=False)
+                    for slot, initial in self._slot_specs})
+        self._strategy = strategy
+
+    # -- the step --
+    def apply(self, grads, trainable_variables=None):
+        """Keras 3's ``apply(grads, trainable_variables)``: ``apply_gradients(zip(grads, trainable_variables))``;
+        without variables, the ones the optimizer was built with."""
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError("When passing `grads` without `variables`, the optimizer must already be built "
+                                 "on a list of variables. Call `optimizer.build(trainable_variables)` first.")
+            trainable_variables = [v for v, _ in self._slots.values()]
+        grads, trainable_variables = list(grads), list(trainable_variables)
+        if len(grads) != len(trainable_variables):
+            raise ValueError(f"grads: {len(grads)} gradients for {len(trainable_variables)} variables; pass one "
+                             "gradient per variable")
+        return self.apply_gradients(zip(grads, trainable_variables))
+
+    def apply_gradients(self, grads_and_vars, options=None, *, name=None, experimental_aggregate_gradients=True):
+        """Clip, sum (or average) across replicas, and update every copy of the variables in place.
+
+        ``grads_and_vars``: pairs ``(gradient, variable)``; pairs whose gradient is None
+        are skipped, as TensorFlow does. Each gradient has its variable's shape exactly
+        (no broadcasting). ``options``: an ``md.CommunicationOptions`` for the fused
+        all-reduce. ``name`` is accepted for Keras compatibility.
+        ``experimental_aggregate_gradients=False`` (Keras' switch) skips the all-reduce:
+        each replica's copy is updated with that replica's own gradient, which the
+        caller must have aggregated already (e.g. with ``ReplicaContext.all_reduce``), or
+        the copies drift apart. Returns the new value of ``iterations`` (a Python int).
+        """
+        grads, variables = self._check_pairs(grads_and_vars)
+        aggregate = bool(experimental_aggregate_gradients)
+        if distribute_lib.in_cross_replica_context():
+            return self._cross_replica_step(distribute_lib.get_strategy(), grads, variables, options, aggregate)
+        if not distribute_lib.has_strategy():
+            owner = next((v.distribute_strategy for v in variables
+                          if getattr(v, "distribute_strategy", None) is not None
+                          and not isinstance(v.distribute_strategy, distribute_lib._DefaultStrategy)), None)
+            if owner is not None:
+                raise RuntimeError(
+                    f"{type(self).__name__}.apply_gradients was called outside strategy.run and outside "
+                    f"strategy.scope(), on variables of {owner!r}; call it inside strategy.run(step_fn) (each "
+                    "replica passes its gradients), or under `with strategy.scope():` with PerReplica gradients")
+        ctx = distribute_lib.get_replica_context()
+        grads = self._clip(grads)
+        # From the second step on, this replica packs its gradients into its fusion buffer
+        # (in parallel with the other replicas): the all-reduce then moves one buffer per dtype.
+        plan = self._plans.get(tuple(map(id, variables)))
+        packed = None
+        if plan is not None and plan.packable and aggregate and ctx.strategy.num_replicas_in_sync > 1:
+            packed = plan.pack(ctx._local_replica_id, grads)
+        # options stay out of the merged arguments: each replica may pass its own (equal)
+        # options object, which merge_call would turn into a PerReplica.
+        plan, reduced, step = ctx.merge_call(
+            lambda strategy, merged: self._merged_replica_step(strategy, merged, variables, options, aggregate),
+            args=(_ReplicaGrads(grads, packed),))
+        if reduced is None:
+            plan.apply(ctx._local_replica_id, grads, step)
+        elif packed is not None:
+            plan.apply(ctx._local_replica_id, None, step, packed=reduced)
+        else:
+            plan.apply(ctx._local_replica_id, reduced, step)
+        return step + 1
+
+    def _check_variable(self, where: str, var) -> None:
+        if not isinstance(var, values.Variable):
+            raise TypeError(f"{where}: variable {var!r} is not an md.Variable; create the model's variables with "
+                            "md.Variable inside strategy.scope()")
+        if not var.trainable:
+            raise ValueError(f"{where}: variable {var.name!r} was created with trainable=False; optimizers update "
+                             "trainable variables only")
+        dtype = np.dtype(var.dtype)
+        if not np.issubdtype(dtype, np.floating) and dtype.name != "bfloat16":
+            raise TypeError(f"{where}: variable {var.name!r} has dtype {var.dtype}; optimizers update "
+                            "floating-point variables only")
+
+    def _check_pairs(self, grads_and_vars) -> tuple:
+        """``(grads, variables)`` without the None gradients; the variables' checks run once per list."""
+        pairs = grads_and_vars if isinstance(grads_and_vars, list) else list(grads_and_vars)
+        try:
+            grads = [g for g, _ in pairs]
+            variables = [v for _, v in pairs]
+        except (TypeError, ValueError):
+            return self._check_pairs_one_by_one(pairs)
+        if any(g is None for g in grads):
+            return self._check_pairs_one_by_one(pairs)
+        checked = self._checked.get(tuple(map(id, variables)))
+        if checked is None or [getattr(g, "shape", None) for g in grads] != checked[0]:
+            return self._check_pairs_one_by_one(pairs)
+        return grads, variables
+
+    def _check_pairs_one_by_one(self, pairs) -> tuple:
+        grads, variables = [], []
+        for i, pair in enumerate(pairs):
+            try:
+                grad, var = pair
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"grads_and_vars[{i}]={pair!r}: expected a (gradient, variable) pair; "
+                    "pass zip(grads, variables)") from None
+            if grad is None:
+                continue
+            self._check_variable(f"grads_and_vars[{i}]", var)
+            _check_gradient_shape(i, grad, var)
+            grads.append(grad)
+            variables.append(var)
+        if not grads:
+            raise ValueError("grads_and_vars: no gradient was given (all were None or the list is empty)")
+        if len({id(v) for v in variables}) != len(variables):
+            raise ValueError("grads_and_vars: a variable appears twice; sum its gradients first")
+        # The entry keeps its variables referenced, so their ids stay theirs.
+        self._checked.setdefault(tuple(map(id, variables)), ([tuple(v.shape) for v in variables], variables))
+        return grads, variables
+
+    def _clip(self, grads: list) -> list:
+        """One replica's gradients clipped as Keras' ``_clip_gradients`` does (new arrays; the inputs stay)."""
+        if self.clipnorm is not None:
+            return [_clip_by_norm(g, self.clipnorm) for g in grads]
+        if self.global_clipnorm is not None:
+            return _clip_by_global_norm(grads, self.global_clipnorm)
+        if self.clipvalue is not None:
+            return [rules.array_module(g).clip(g, -self.clipvalue, self.clipvalue) for g in grads]
+        return grads
+
+    def _cross_replica_step(self, strategy, grads, variables, options, aggregate):
+        """``apply_gradients`` under ``strategy.scope()``: each replica's part clipped, reduced, applied per device."""
+        as_local = getattr(strategy.extended, "_as_local", None)  # multi-worker: one local replica's part
+        if as_local is not None:
+            grads = [as_local(g) for g in grads]
+        distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
+        if distributed and (self.clipnorm or self.global_clipnorm or self.clipvalue):
+            replicas = len(grads[distributed[0]].values)
+            clipped = [self._clip([grads[k].values[r] for k in distributed]) for r in range(replicas)]
+            for j, k in enumerate(distributed):
+                grads[k] = PerReplica([clipped[r][j] for r in range(replicas)], grads[k]._devices)
+        plain = [k for k, g in enumerate(grads) if not isinstance(g, DistributedValues)]
+        if plain:
+            for k, g in zip(plain, self._clip([grads[k] for k in plain])):
+                grads[k] = g
+        plan = self._plan(strategy, variables)
+        distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
+        if aggregate and distributed:
+            for k, g in zip(distributed, self._all_reduce(strategy, [grads[k] for k in distributed],
+                                                          [variables[k] for k in distributed], options)):
+                grads[k] = g
+        step = self._advance(plan)
+        for d in range(plan.num_devices):
+            plan.apply(d, [_component(g, d) for g in grads], step)
+        return step + 1
+
+    def _merged_replica_step(self, strategy, merged, variables, options, aggregate):
+        """Once per step in replica context (inside merge_call): the fused all-reduce and the bookkeeping.
+
+        Returns ``(plan, reduced, step)``: ``reduced`` (None without an all-reduce)
+        holds one list of reduced gradients per local replica, and merge_call hands
+        each replica its own.
+        """
+        devices = strategy.extended.worker_devices
+        holders = merged.values if isinstance(merged, DistributedValues) else (merged,) * len(devices)
+        plan = self._plan(strategy, variables)
+        reduced = None
+        if aggregate and strategy.num_replicas_in_sync > 1:
+            if all(h.packed is not None for h in holders):
+                # One packed gradient per replica and dtype, reduced onto every replica's device.
+                columns = [PerReplica([h.packed[j] for h in holders], devices) for j in range(len(plan.groups))]
+                destinations = [list(devices)] * len(columns)
+            else:
+                columns = [PerReplica([h.grads[k] for h in holders], devices) for k in range(len(variables))]
+                destinations = variables
+            results = self._all_reduce(strategy, columns, destinations, options)
+            reduced = PerReplica([[_component(g, r) for g in results] for r in range(len(holders))], devices)
+        return plan, reduced, self._advance(plan)
+
+    def _all_reduce(self, strategy, columns, destinations, options) -> list:
+        """One fused collective for every column (a gradient, or a packed buffer of them, on every replica)."""
+        op = ReduceOp.SUM if self.gradient_aggregation == "sum" else ReduceOp.MEAN
+        return strategy.extended.batch_reduce_to(op, list(zip(columns, destinations)), options=options)
+
+    def _plan(self, strategy, variables) -> "_Plan":
+        key = tuple(map(id, variables))
+        plan = self._plans.get(key)
+        if plan is None:
+            self._create_state(strategy, variables)
+            self.built = True
+            plan = self._plans[key] = _Plan(self, variables)
+        return plan
+
+    def _advance(self, plan) -> int:
+        """The step being taken (``iterations`` before it): its scalars prepared, ``iterations`` incremented."""
+        step = int(self._iterations.numpy())
+        plan.prepare(step)
+        self._iterations.assign_add(np.int64(1))
+        return step
+
+    def _step_state(self, step: int, dtypes) -> None:
+        """Hook: state shared by every variable of a step (Nadam's momentum-schedule product)."""
+
+    def _coefficients(self, t, lr, step):
+        """The scalars of ``self._rule`` for dtype ``t`` (a NumPy scalar type) at ``step``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _coefficients")
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} name={self.name!r} learning_rate={self.learning_rate!r} "
+                f"gradient_aggregation={self.gradient_aggregation!r}>")
+
+
+class _Plan:
+    """What a step needs per device for one list of variables, computed once and reused.
+
+    ``copies[d][k]`` is variable k's copy on local device d, ``slots[d][k]`` its slot
+    copies there (in the rule's order); ``decay[k]`` whether it takes weight decay.
+    """
+
+    def __init__(self, optimizer: Optimizer, variables: list):
+        self.optimizer = optimizer
+        self.variables = list(variables)  # keeps the ids of the plan's key alive
+        per_var = [v.values if isinstance(v, DistributedVariable) else (v,) for v in variables]
+        self.num_devices = len(per_var[0])
+        slot_vars = [list(optimizer._slots[id(v)][1].values()) for v in variables]
+        slot_copies = [[s.values if isinstance(s, DistributedVariable) else (s,) for s in slots]
+                       for slots in slot_vars]
+        self.copies = [[copies[d] for copies in per_var] for d in range(self.num_devices)]
+        self.slots = [[[s[d] for s in slots] for slots in slot_copies] for d in range(self.num_devices)]
+        self.decay = [optimizer.weight_decay is not None and optimizer._use_weight_decay(v) for v in variables]
+        self.dtypes = [np.dtype(v.dtype) for v in variables]
+        self.groups = {}  # dtype -> indices of its variables
+        for k, dtype in enumerate(self.dtypes):
+            self.groups.setdefault(dtype, []).append(k)
+        self.host = [all(type(c._value) is np.ndarray for c in copies) for copies in self.copies]
+        # Host float32/float64 variables: each replica packs its gradients into a fusion buffer
+        # per dtype (allocated once) and the kernel reads the reduced buffer in place.
+        self.packable = (all(self.host) and _fused_kernel() is not None
+                         and all(dtype in _KERNEL_DTYPES for dtype in self.groups))
+        self.fusion_buffers = [[np.empty(sum(self.copies[0][k]._value.size for k in indices), dtype)
+                                for dtype, indices in self.groups.items()]
+                               for _ in range(self.num_devices)] if self.packable else None
+        self.rule = optimizer._rule
+        self.coefficients = {}
+        self.decay_factors = {}
+
+    def prepare(self, step: int) -> None:
+        """The step's scalars for every dtype (once per step, not per variable or device)."""
+        opt = self.optimizer
+        lr = opt.learning_rate_at(step)
+        opt._step_state(step, self.dtypes)
+        self.coefficients.clear()
+        self.decay_factors.clear()
+        for dtype in set(self.dtypes):
+            t = dtype.type
+            # Keras keeps the learning rate in a float32 variable and casts it to the variable's dtype.
+            lr_t = t(np.float32(lr))
+            self.coefficients[dtype] = opt._coefficients(t, lr_t, step)
+            if opt.weight_decay is not None:
+                self.decay_factors[dtype] = (t(np.float32(opt.weight_decay)), lr_t)  # tf.cast of a float
+
+    def pack(self, device: int, grads: list) -> list:
+        """``grads`` copied into device ``device``'s fusion buffers, one per dtype (converted to it)."""
+        buffers = self.fusion_buffers[device]
+        if len(buffers) == 1:
+            np.concatenate(grads, axis=None, out=buffers[0])
+        else:
+            for buffer, indices in zip(buffers, self.groups.values()):
+                np.concatenate([grads[k] for k in indices], axis=None, out=buffer)
+        return buffers
+
+    def apply(self, device: int, grads, step: int, packed=None) -> None:
+        """Weight decay and the rule on every variable and slot of local device ``device``, in place.
+
+        ``grads``: one gradient per variable, or None with ``packed``: one reduced
+        fusion buffer per dtype. The float32 and float64 host arrays go through the
+        fused kernel, one call per dtype; anything else (float16, bfloat16, GPU
+        arrays) through the same rule element-wise, variable by variable.
+        """
+        if self.host[device]:
+            self._apply(device, grads, packed, _fused_kernel())
+            return
+        # GPU copies: on their GPU's legacy default stream, ordered after every replica
+        # stream's work (the gradients, the all-reduce) and before the next step's.
+        name = self.copies[device][0].device
+        with device_util.device_scope(name), device_util.cross_replica_gpu_scope(name):
+            self._apply(device, grads, packed, None)
+
+    def _apply(self, device: int, grads, packed, fused) -> None:
+        weights = [c._writable_buffer() for c in self.copies[device]]
+        slots = [[s._writable_buffer() for s in slots] for slots in self.slots[device]]
+        for j, (dtype, indices) in enumerate(self.groups.items()):
+            coefficients = self.coefficients[dtype]
+            weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))
+            if fused is not None and dtype in _KERNEL_DTYPES:
+                group_grads = packed[j] if packed is not None else [_host_grad(grads[k], dtype) for k in indices]
+                fused.apply(self.rule, [weights[k] for k in indices], group_grads, [slots[k] for k in indices],
+                            [self.decay[k] for k in indices], [float(c) for c in coefficients], float(weight_decay),
+                            float(lr))
+                continue
+            for k in indices:
+                g = grads[k]
+                if g.dtype != dtype:
+                    g = g.astype(dtype)
+                if self.decay[k]:
+                    rules.weight_decay(weights[k], weight_decay, lr)
+                rules.apply(self.rule, weights[k], g, slots[k], coefficients)
+
+
+_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_kernel = None
+
+
+def _fused_kernel():
+    """The fused host kernel (the ``_fused_update`` extension), or None where it was not built."""
+    global _kernel
+    if _kernel is None:
+        try:
+            from ... import _fused_update as kernel
+        except ImportError:
+            kernel = False
+        _kernel = kernel
+    return _kernel or None
+
+
+def _host_grad(g, dtype):
+    """``g`` as the kernel takes it: a C-contiguous NumPy array of the variable's dtype."""
+    if type(g) is np.ndarray and g.dtype == dtype and g.flags.c_contiguous:
+        return g
+    return np.ascontiguousarray(g, dtype)
+
+
+class _ReplicaGrads:
+    """One replica's gradients (and its fusion buffers, once packed), handed to merge_call as one object
+    rather than regrouped variable by variable."""
+
+    __slots__ = ("grads", "packed")
+
+    def __init__(self, grads, packed):
+        self.grads = grads
+        self.packed = packed
+
+
+def _component(value, r: int):
+    return value.values[r] if isinstance(value, DistributedValues) else value
+
+
+def _check_gradient_shape(i: int, grad, var) -> None:
+    """A gradient (each replica's, for PerReplica) must have its variable's shape exactly."""
+    components = grad.values if isinstance(grad, DistributedValues) else (grad,)
+    for g in components:
+        shape = tuple(g.shape) if hasattr(g, "shape") else np.shape(g)
+        if shape != tuple(var.shape):
+            raise ValueError(
+                f"grads_and_vars[{i}]: the gradient of variable {var.name!r} has shape {shape}, the variable "
+                f"has shape {tuple(var.shape)}; a gradient must have its variable's shape (it is never broadcast)")
+
+
+def _dtype_of(g):
+    return g.dtype if hasattr(g, "dtype") else np.asarray(g).dtype
+
+
+def _clip_by_norm(g, clipnorm: float):
+    """``tf.clip_by_norm(g, clipnorm)``: ``g * clipnorm / max(||g||, clipnorm)`` in g's dtype."""
+    xp, t = rules.array_module(g), _dtype_of(g).type
+    l2sum = (g * g).sum()
+    l2norm = xp.where(l2sum > 0, xp.sqrt(l2sum), l2sum)
+    return (g * t(clipnorm)) / xp.maximum(l2norm, t(clipnorm))
+
+
+def _clip_by_global_norm(grads: list, clipnorm: float) -> list:
+    """Keras' ``clip_by_global_norm``: every gradient scaled by ``clipnorm / max(global norm, clipnorm)``."""
+    xp, t = rules.array_module(grads[0]), _dtype_of(grads[0]).type
+    norm = xp.sqrt(sum((g * g).sum() for g in grads))
+    # Keras' form: a NaN or infinite norm makes the scale NaN. (The array module's functions
+    # for scalar-first operations: a NumPy scalar does not defer to a GPU array.)
+    scale = xp.multiply(t(clipnorm), xp.minimum(xp.divide(t(1.0), norm), t(1.0 / clipnorm))) + (norm - norm)
+    return [g * scale for g in grads]

@@ -1,0 +1,176 @@
+"""Keras 3's optimizers: their arguments, defaults, slots and per-step scalars.
+
+Each class names its slots (``_slot_specs``: Keras' names and initial values), checks
+its arguments as Keras does, and computes, once per step and dtype, the scalars its
+rule in :mod:`.rules` needs (``_coefficients``), in the variable's dtype and in the
+order Keras' ``update_step`` computes them. The step itself (clipping, weight decay,
+the all-reduce, the fused update) is the base class's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import rules
+from .base import Optimizer, check_rate
+
+__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam"]
+
+
+def _pow(base, exponent):
+    return np.power(base, exponent)
+
+
+def _cast(t, value: float):
+    """Keras' ``ops.cast(value, dtype)`` of a Python float: TensorFlow makes it a float32 tensor first.
+    (A Python float meeting a tensor in an operator converts to the tensor's dtype directly: ``t(value)``.)"""
+    return t(np.float32(value))
+
+
+class SGD(Optimizer):
+    """Gradient descent with optional (Nesterov) momentum, as ``keras.optimizers.SGD``."""
+
+    def __init__(self, learning_rate=0.01, momentum: float = 0.0, nesterov: bool = False, weight_decay=None,
+                 clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
+                 gradient_aggregation="sum", **kwargs):
+        super().__init__(learning_rate, name or "SGD", gradient_aggregation, weight_decay=weight_decay,
+                         clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
+        self.momentum = check_rate(momentum, "momentum", low=0.0, high=1.0, high_inclusive=True)
+        if nesterov and self.momentum == 0.0:
+            raise ValueError("nesterov=True needs momentum > 0 (e.g. momentum=0.9)")
+        self.nesterov = bool(nesterov)
+        self._slot_specs = (("momentum", 0.0),) if self.momentum else ()
+        self._rule = (rules.SGD_NESTEROV if self.nesterov else rules.SGD_MOMENTUM) if self.momentum else rules.SGD
+
+    def _coefficients(self, t, lr, step):
+        return (lr,) if not self.momentum else (lr, _cast(t, self.momentum))
+
+
+class Adam(Optimizer):
+    """Adam (Kingma & Ba, 2014), as ``keras.optimizers.Adam`` (without amsgrad)."""
+
+    _slot_specs = (("momentum", 0.0), ("velocity", 0.0))
+    _slot_aliases = {"m": "momentum", "v": "velocity"}
+    _rule = rules.ADAM
+
+    def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
+                 amsgrad: bool = False, weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None,
+                 name: str | None = None, gradient_aggregation="sum", **kwargs):
+        super().__init__(learning_rate, name or type(self).__name__, gradient_aggregation,
+                         weight_decay=weight_decay, clipnorm=clipnorm, clipvalue=clipvalue,
+                         global_clipnorm=global_clipnorm, **kwargs)
+        if amsgrad:
+            raise NotImplementedError(f"amsgrad=True: {type(self).__name__} implements Adam without amsgrad; "
+                                      "pass amsgrad=False")
+        self.amsgrad = False
+        self.beta_1 = check_rate(beta_1, "beta_1", low=0.0, high=1.0)
+        self.beta_2 = check_rate(beta_2, "beta_2", low=0.0, high=1.0)
+        self.epsilon = check_rate(epsilon, "epsilon")
+
+    def _coefficients(self, t, lr, step):
+        local_step = t(step + 1)
+        beta_1_power = _pow(_cast(t, self.beta_1), local_step)
+        beta_2_power = _pow(_cast(t, self.beta_2), local_step)
+        alpha = lr * np.sqrt(t(1) - beta_2_power) / (t(1) - beta_1_power)
+        return t(1 - self.beta_1), t(1 - self.beta_2), alpha, t(self.epsilon)
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (Loshchilov & Hutter), as ``keras.optimizers.AdamW``:
+    Keras' Adam with ``weight_decay=0.004`` by default."""
+
+    def __init__(self, learning_rate=0.001, weight_decay=0.004, beta_1: float = 0.9, beta_2: float = 0.999,
+                 epsilon: float = 1e-7, amsgrad: bool = False, clipnorm=None, clipvalue=None, global_clipnorm=None,
+                 name: str | None = None, gradient_aggregation="sum", **kwargs):
+        if weight_decay is None:
+            raise ValueError("Argument `weight_decay` must be a float. Received: weight_decay=None")
+        super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay=weight_decay,
+                         clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, name=name,
+                         gradient_aggregation=gradient_aggregation, **kwargs)
+
+
+class RMSprop(Optimizer):
+    """RMSprop (Hinton), as ``keras.optimizers.RMSprop``: ``rho``, ``momentum``, ``centered``."""
+
+    _rule = rules.RMSPROP
+
+    def __init__(self, learning_rate=0.001, rho: float = 0.9, momentum: float = 0.0, epsilon: float = 1e-7,
+                 centered: bool = False, weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None,
+                 name: str | None = None, gradient_aggregation="sum", **kwargs):
+        super().__init__(learning_rate, name or "RMSprop", gradient_aggregation, weight_decay=weight_decay,
+                         clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
+        self.rho = check_rate(rho, "rho", low=0.0, high=1.0, high_inclusive=True)
+        self.momentum = check_rate(momentum, "momentum", low=0.0, high=1.0, high_inclusive=True)
+        self.epsilon = check_rate(epsilon, "epsilon")
+        self.centered = bool(centered)
+        # The order rules.rmsprop reads them in: velocity, average_gradient, momentum.
+        self._slot_specs = ((("velocity", 0.0),) + ((("average_gradient", 0.0),) if self.centered else ())
+                            + ((("momentum", 0.0),) if self.momentum else ()))
+
+    def _coefficients(self, t, lr, step):
+        return (lr, t(self.rho), t(1 - self.rho), t(self.epsilon), t(self.momentum), t(self.centered))
+
+
+class Adagrad(Optimizer):
+    """Adagrad (Duchi et al., 2011), as ``keras.optimizers.Adagrad``."""
+
+    _rule = rules.ADAGRAD
+
+    def __init__(self, learning_rate=0.001, initial_accumulator_value: float = 0.1, epsilon: float = 1e-7,
+                 weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
+                 gradient_aggregation="sum", **kwargs):
+        super().__init__(learning_rate, name or "Adagrad", gradient_aggregation, weight_decay=weight_decay,
+                         clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
+        self.initial_accumulator_value = check_rate(initial_accumulator_value, "initial_accumulator_value")
+        self.epsilon = check_rate(epsilon, "epsilon")
+        self._slot_specs = (("accumulator", self.initial_accumulator_value),)
+
+    def _coefficients(self, t, lr, step):
+        return lr, t(self.epsilon)
+
+
+class Nadam(Optimizer):
+    """Adam with Nesterov momentum (Dozat, 2015), as ``keras.optimizers.Nadam``.
+
+    Keras keeps the running product of the momentum schedule (``u_product``) in a
+    variable; here it is a function of ``iterations`` (recomputed after a restore),
+    so checkpoints hold nothing beyond the slots and ``iterations``.
+    """
+
+    _slot_specs = (("momentum", 0.0), ("velocity", 0.0))
+    _rule = rules.NADAM
+
+    def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
+                 weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
+                 gradient_aggregation="sum", **kwargs):
+        super().__init__(learning_rate, name or "Nadam", gradient_aggregation, weight_decay=weight_decay,
+                         clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
+        self.beta_1 = check_rate(beta_1, "beta_1", low=0.0, high=1.0)
+        self.beta_2 = check_rate(beta_2, "beta_2", low=0.0, high=1.0)
+        self.epsilon = check_rate(epsilon, "epsilon")
+        self._u_product = None  # (step, dtype, value): the product after `step` updates
+
+    def _u_product_at(self, steps: int, dtype):
+        """``u_product`` after ``steps`` updates, in the dtype of the first variable (Keras' choice)."""
+        t = dtype.type
+        step, cached_dtype, value = self._u_product or (0, dtype, t(1.0))
+        if cached_dtype != dtype or step > steps:
+            step, value = 0, t(1.0)
+        while step < steps:
+            step += 1
+            value = value * t(self.beta_1) * (t(1.0) - t(0.5) * _pow(t(0.96), t(step)))
+        self._u_product = (step, dtype, value)
+        return value
+
+    def _step_state(self, step: int, dtypes) -> None:
+        self._u_product_now = self._u_product_at(step + 1, dtypes[0])
+
+    def _coefficients(self, t, lr, step):
+        beta_1, beta_2, decay = _cast(t, self.beta_1), _cast(t, self.beta_2), _cast(t, 0.96)
+        u_t = beta_1 * (t(1.0) - t(0.5) * _pow(decay, t(step + 1)))
+        u_t_1 = beta_1 * (t(1.0) - t(0.5) * _pow(decay, t(step + 2)))
+        u_product_t = t(self._u_product_now)
+        u_product_t_1 = u_product_t * u_t_1
+        beta_2_power = _pow(beta_2, t(step + 1))
+        return (lr, t(self.epsilon), t(1) - beta_1, t(1) - beta_2, u_t_1, t(1) - u_product_t_1, t(1) - u_t,
+                t(1) - u_product_t, t(1) - beta_2_power)

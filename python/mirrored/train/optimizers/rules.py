@@ -1,0 +1,147 @@
+"""The update rules of Keras 3's optimizers, applied in place to one device's arrays.
+
+Each rule is the exact sequence of element-wise operations that Keras' ``update_step``
+runs under TensorFlow, in the variable's dtype, each rounded on its own (no fused
+multiply-add): the same sequence is the fused host kernel's (``csrc/host/fused_update.cc``),
+so both give bit-identical results and match Keras to the last bit where the
+scalars (computed by each optimizer's ``_coefficients``) match.
+
+``apply(rule, w, g, slots, c)`` updates ``w`` and ``slots`` (arrays of one dtype, NumPy or
+CuPy) with the gradient ``g`` and the coefficients ``c`` (scalars of that dtype). It is the
+reference of the kernel, and the update for arrays the kernel does not take (float16,
+bfloat16, GPU arrays without the CUDA kernel).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+# Rule codes shared with csrc/host/fused_update.h (enum class Rule). RMSprop's variants
+# (momentum, centered) are read from its coefficients, by the kernel as by rmsprop() below.
+SGD, SGD_MOMENTUM, SGD_NESTEROV, ADAM, RMSPROP, ADAGRAD, NADAM = range(7)
+
+
+def weight_decay(w, wd, lr) -> None:
+    """Keras' decoupled weight decay, ``w -= w * wd * lr``, before the update."""
+    t = w * wd
+    t *= lr
+    w -= t
+
+
+def sgd(w, g, slots, c) -> None:
+    (lr,) = c
+    w -= g * lr
+
+
+def sgd_momentum(w, g, slots, c) -> None:
+    lr, mu = c
+    (m,) = slots
+    m *= mu
+    m -= g * lr
+    w += m
+
+
+def sgd_nesterov(w, g, slots, c) -> None:
+    lr, mu = c
+    (m,) = slots
+    m *= mu
+    m -= g * lr
+    t = m * mu
+    t -= g * lr
+    w += t
+
+
+def adam(w, g, slots, c) -> None:
+    one_minus_beta_1, one_minus_beta_2, alpha, epsilon = c
+    m, v = slots
+    t = g - m
+    t *= one_minus_beta_1
+    m += t
+    t = g * g
+    t -= v
+    t *= one_minus_beta_2
+    v += t
+    d = _sqrt(v)
+    d += epsilon
+    t = m * alpha
+    t /= d
+    w -= t
+
+
+def rmsprop(w, g, slots, c) -> None:
+    """``slots``: velocity, then average_gradient when centered, then momentum when momentum > 0."""
+    lr, rho, one_minus_rho, epsilon, momentum, centered = c
+    v = slots[0]
+    v *= rho
+    v += (g * g) * one_minus_rho
+    if centered:
+        a = slots[1]
+        a *= rho
+        a += g * one_minus_rho
+        d = v - a * a
+        d += epsilon
+    else:
+        d = v + epsilon
+    t = g * lr
+    t /= _sqrt(d)
+    if momentum:
+        mom = slots[-1]
+        mom *= momentum
+        mom += t
+        w -= mom
+    else:
+        w -= t
+
+
+def adagrad(w, g, slots, c) -> None:
+    lr, epsilon = c
+    (acc,) = slots
+    acc += g * g
+    t = g * lr
+    t /= _sqrt(acc + epsilon)
+    w -= t
+
+
+def nadam(w, g, slots, c) -> None:
+    (lr, epsilon, one_minus_beta_1, one_minus_beta_2, u_t_1, one_minus_u_product_t_1, one_minus_u_t,
+     one_minus_u_product_t, one_minus_beta_2_power) = c
+    m, v = slots
+    t = g - m
+    t *= one_minus_beta_1
+    m += t
+    t = g * g
+    t -= v
+    t *= one_minus_beta_2
+    v += t
+    m_hat = m * u_t_1
+    m_hat /= one_minus_u_product_t_1
+    t = g * one_minus_u_t
+    t /= one_minus_u_product_t
+    m_hat += t
+    d = v / one_minus_beta_2_power
+    d = _sqrt(d)
+    d += epsilon
+    m_hat *= lr
+    m_hat /= d
+    w -= m_hat
+
+
+RULES = (sgd, sgd_momentum, sgd_nesterov, adam, rmsprop, adagrad, nadam)
+
+
+def apply(rule: int, w, g, slots, c) -> None:
+    RULES[rule](w, g, slots, c)
+
+
+def array_module(x):
+    """x's own array module: NumPy for NumPy arrays and scalars, CuPy for GPU arrays."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return np
+    return sys.modules[type(x).__module__.partition(".")[0]]
+
+
+def _sqrt(x):
+    """``sqrt(x)``, a new array."""
+    return array_module(x).sqrt(x)

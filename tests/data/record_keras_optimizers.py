@@ -1,0 +1,114 @@
+"""Records Keras 3 optimizers' results under tf.distribute.MirroredStrategy as test data.
+
+    /work/venvs/tf/bin/python tests/data/record_keras_optimizers.py
+
+Writes keras_optimizers.npz beside this file (read by tests/test_optimizer_keras_parity.py; the suite
+never imports TensorFlow). Every configuration trains two float32 variables (and, for the float64 rows,
+float64 ones) for STEPS steps at 1, 2 and 4 replicas (logical CPU devices); replica r of step s passes
+gradient grads[s, r], so clipping (per replica, before the all-reduce, as Keras does) and the summing
+across replicas are both exercised.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import tensorflow as tf
+import keras
+
+STEPS = 12
+REPLICAS = (1, 2, 4)
+CONFIGS = {
+    "SGD": ("SGD", {"learning_rate": 0.1}, "float32"),
+    "SGD momentum": ("SGD", {"learning_rate": 0.1, "momentum": 0.9}, "float32"),
+    "SGD nesterov": ("SGD", {"learning_rate": 0.1, "momentum": 0.9, "nesterov": True}, "float32"),
+    "SGD default": ("SGD", {}, "float32"),
+    "Adam": ("Adam", {"learning_rate": 0.01}, "float32"),
+    "Adam betas": ("Adam", {"learning_rate": 0.02, "beta_1": 0.8, "beta_2": 0.99, "epsilon": 1e-5}, "float32"),
+    "AdamW default": ("AdamW", {}, "float32"),
+    "AdamW": ("AdamW", {"learning_rate": 0.01, "weight_decay": 0.1}, "float32"),
+    "RMSprop default": ("RMSprop", {}, "float32"),
+    "RMSprop momentum": ("RMSprop", {"learning_rate": 0.01, "rho": 0.8, "momentum": 0.9}, "float32"),
+    "RMSprop centered": ("RMSprop", {"learning_rate": 0.01, "centered": True}, "float32"),
+    "RMSprop centered momentum": ("RMSprop", {"learning_rate": 0.01, "momentum": 0.5, "centered": True},
+                                  "float32"),
+    "Adagrad default": ("Adagrad", {}, "float32"),
+    "Adagrad": ("Adagrad", {"learning_rate": 0.1, "initial_accumulator_value": 0.5, "epsilon": 1e-5},
+                "float32"),
+    "Nadam default": ("Nadam", {}, "float32"),
+    "Nadam": ("Nadam", {"learning_rate": 0.02, "beta_1": 0.8, "beta_2": 0.99}, "float32"),
+    "SGD clipnorm": ("SGD", {"learning_rate": 0.1, "clipnorm": 1.0}, "float32"),
+    "SGD clipvalue": ("SGD", {"learning_rate": 0.1, "clipvalue": 0.5}, "float32"),
+    "SGD global_clipnorm": ("SGD", {"learning_rate": 0.1, "global_clipnorm": 2.0}, "float32"),
+    "Adam clipnorm": ("Adam", {"learning_rate": 0.01, "clipnorm": 1.0}, "float32"),
+    "SGD momentum weight_decay": ("SGD", {"learning_rate": 0.1, "momentum": 0.9, "weight_decay": 0.05},
+                                  "float32"),
+    "Adam weight_decay global_clipnorm": ("Adam", {"learning_rate": 0.01, "weight_decay": 0.1,
+                                                   "global_clipnorm": 1.5}, "float32"),
+    "RMSprop clipvalue weight_decay": ("RMSprop", {"learning_rate": 0.01, "clipvalue": 0.5,
+                                                   "weight_decay": 0.2}, "float32"),
+    "SGD momentum float64": ("SGD", {"learning_rate": 0.1, "momentum": 0.9}, "float64"),
+    "Adam float64": ("Adam", {"learning_rate": 0.01}, "float64"),
+    "Nadam float64": ("Nadam", {"learning_rate": 0.01}, "float64"),
+}
+
+
+def inputs():
+    rng = np.random.RandomState(17)
+    return {
+        "w0": rng.randn(3, 4), "b0": rng.randn(4),
+        # Large enough that every clipping argument above is active on most steps.
+        "grads_w": rng.randn(STEPS, max(REPLICAS), 3, 4) * 1.5,
+        "grads_b": rng.randn(STEPS, max(REPLICAS), 4),
+    }
+
+
+def record(n, dtype_wanted, path):
+    """One replica count and dtype per process: TF's collective keys clash across strategies of other
+    sizes, and across dtypes."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+    data, out = inputs(), {}
+    for name, (cls, kwargs, dtype) in CONFIGS.items():
+        if dtype != dtype_wanted:
+            continue
+        strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
+        with strategy.scope():
+            w = tf.Variable(data["w0"].astype(dtype))
+            b = tf.Variable(data["b0"].astype(dtype))
+            opt = getattr(keras.optimizers, cls)(**kwargs)
+        for s in range(STEPS):
+            def step(s=s):
+                r = tf.distribute.get_replica_context().replica_id_in_sync_group
+                gw = tf.gather(tf.constant(data["grads_w"][s].astype(dtype)), r)
+                gb = tf.gather(tf.constant(data["grads_b"][s].astype(dtype)), r)
+                opt.apply_gradients([(gw, w), (gb, b)])
+            strategy.run(step)
+        assert int(opt.iterations.numpy()) == STEPS
+        out[f"{name}|{n}|w"] = w.numpy()
+        out[f"{name}|{n}|b"] = b.numpy()
+    np.savez(path, **out)
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    data = inputs()
+    for n in REPLICAS:
+        for dtype in sorted({dtype for _, _, dtype in CONFIGS.values()}):
+            part = os.path.join(here, f".keras_optimizers_{n}_{dtype}.npz")
+            subprocess.run([sys.executable, __file__, str(n), dtype, part], check=True)
+            with np.load(part) as recorded:
+                data.update(recorded)
+            os.remove(part)
+    data["configs"] = np.array(json.dumps(CONFIGS))
+    data["versions"] = np.array(f"tensorflow {tf.__version__}, keras {keras.__version__}")
+    np.savez_compressed(os.path.join(here, "keras_optimizers.npz"), **data)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4:
+        record(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+    else:
+        main()

@@ -1,0 +1,169 @@
+// The fused optimizer update (csrc/host/fused_update.cc) under the sanitizers:
+// every rule over tables whose entries end on every vector tail (exact-size
+// buffers, so AddressSanitizer sees any overrun), one table against one entry
+// at a time, exact values where the arithmetic is exact, and concurrent calls
+// on disjoint tables (as replica threads make them) for ThreadSanitizer. And
+// the GPU kernel's walk (rules::update_table, which csrc/cuda/fused_update.cu
+// runs per thread) in a random thread order over several grid sizes, against
+// the host kernel bit for bit: the simulated runtime's way of running a kernel.
+#include <algorithm>
+#include <cstddef>
+#include <numeric>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "check.h"
+#include "host/fused_update.h"
+
+using namespace mirrored::host;
+
+namespace {
+
+struct Case {
+  Rule rule;
+  std::vector<double> c;
+  int slots;
+};
+
+const std::vector<Case>& cases() {
+  static const std::vector<Case> all = {
+      {Rule::kSgd, {0.01}, 0},
+      {Rule::kSgdMomentum, {0.01, 0.9}, 1},
+      {Rule::kSgdNesterov, {0.01, 0.9}, 1},
+      {Rule::kAdam, {0.1, 0.001, 0.0031, 1e-7}, 2},
+      {Rule::kRmsprop, {0.01, 0.9, 0.1, 1e-7, 0.0, 0.0}, 1},
+      {Rule::kRmsprop, {0.01, 0.9, 0.1, 1e-7, 0.5, 1.0}, 3},
+      {Rule::kAdagrad, {0.1, 1e-7}, 1},
+      {Rule::kNadam, {0.001, 1e-7, 0.1, 0.001, 0.45, 0.8, 0.55, 0.6, 0.002}, 2},
+  };
+  return all;
+}
+
+// One variable's buffers, each exactly `count` long.
+template <typename T>
+struct Buffers {
+  std::vector<T> w, g;
+  std::vector<std::vector<T>> s;
+  Buffers(std::size_t count, int slots, int seed) : w(count), g(count), s(slots, std::vector<T>(count)) {
+    for (std::size_t i = 0; i < count; ++i) {
+      w[i] = static_cast<T>(((i * 7 + seed) % 13) - 6) / T(8);
+      g[i] = static_cast<T>(((i * 5 + seed) % 11) - 5) / T(4);
+      for (int j = 0; j < slots; ++j) s[j][i] = (j == 0 ? T(1) : T(0)) + static_cast<T>((i + j) % 3) / T(16);
+    }
+  }
+  FusedEntry<T> entry(bool decay) {
+    FusedEntry<T> e{w.data(), g.data(), {nullptr, nullptr, nullptr}, w.size(), decay};
+    for (std::size_t j = 0; j < s.size(); ++j) e.slots[j] = s[j].data();
+    return e;
+  }
+  bool operator==(const Buffers& o) const { return w == o.w && s == o.s; }
+};
+
+template <typename T>
+FusedScalars<T> scalars(const Case& k) {
+  FusedScalars<T> s{};
+  for (std::size_t j = 0; j < k.c.size(); ++j) s.c[j] = static_cast<T>(k.c[j]);
+  s.weight_decay = T(0.004);
+  s.lr = static_cast<T>(k.c[0]);
+  return s;
+}
+
+template <typename T>
+bool table_equals_one_entry_at_a_time(const Case& k) {
+  const std::vector<std::size_t> sizes = {0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 1000};
+  std::vector<Buffers<T>> table_bufs, single_bufs;
+  for (std::size_t v = 0; v < sizes.size(); ++v) {
+    table_bufs.emplace_back(sizes[v], k.slots, static_cast<int>(v));
+    single_bufs.emplace_back(sizes[v], k.slots, static_cast<int>(v));
+  }
+  const FusedScalars<T> s = scalars<T>(k);
+  std::vector<FusedEntry<T>> table;
+  for (std::size_t v = 0; v < sizes.size(); ++v) table.push_back(table_bufs[v].entry(v % 2 == 0));
+  fused_update<T>(k.rule, table.data(), table.size(), s);
+  for (std::size_t v = 0; v < sizes.size(); ++v) {
+    const FusedEntry<T> one = single_bufs[v].entry(v % 2 == 0);
+    fused_update<T>(k.rule, &one, 1, s);
+  }
+  bool same = true;
+  for (std::size_t v = 0; v < sizes.size(); ++v) same = same && table_bufs[v] == single_bufs[v];
+  bool changed = false;  // the update did something
+  for (std::size_t v = 0; v < sizes.size(); ++v) changed = changed || !(table_bufs[v] == Buffers<T>(sizes[v], k.slots, int(v)));
+  return same && changed;
+}
+
+// The GPU kernel over `threads` threads (blocks x block size of a launch), its
+// threads in a random order, against the host kernel.
+template <typename T>
+bool gpu_walk_equals_the_host_kernel(const Case& k, std::size_t threads, unsigned seed) {
+  const std::vector<std::size_t> sizes = {0, 1, 3, 511, 512, 513, 1000, 2049};
+  std::vector<Buffers<T>> host_bufs, gpu_bufs;
+  for (std::size_t v = 0; v < sizes.size(); ++v) {
+    host_bufs.emplace_back(sizes[v], k.slots, static_cast<int>(v));
+    gpu_bufs.emplace_back(sizes[v], k.slots, static_cast<int>(v));
+  }
+  std::vector<FusedEntry<T>> host_table, gpu_table;
+  for (std::size_t v = 0; v < sizes.size(); ++v) {
+    host_table.push_back(host_bufs[v].entry(v % 3 == 0));
+    gpu_table.push_back(gpu_bufs[v].entry(v % 3 == 0));
+  }
+  const FusedScalars<T> s = scalars<T>(k);
+  fused_update<T>(k.rule, host_table.data(), host_table.size(), s);
+  std::vector<std::size_t> order(threads);
+  std::iota(order.begin(), order.end(), std::size_t(0));
+  std::shuffle(order.begin(), order.end(), std::mt19937(seed));
+  for (std::size_t tid : order)
+    mirrored::rules::update_table(k.rule, gpu_table.data(), static_cast<int>(gpu_table.size()), s, tid, threads);
+  bool same = true;
+  for (std::size_t v = 0; v < sizes.size(); ++v) same = same && host_bufs[v] == gpu_bufs[v];
+  return same;
+}
+
+}  // namespace
+
+TEST(the_gpu_kernel_walk_in_any_thread_order_equals_the_host_kernel) {
+  for (const Case& k : cases())
+    for (std::size_t threads : {std::size_t(1), std::size_t(7), std::size_t(512), std::size_t(4096)}) {
+      CHECK(gpu_walk_equals_the_host_kernel<float>(k, threads, 17u));
+      CHECK(gpu_walk_equals_the_host_kernel<double>(k, threads, 29u));
+    }
+}
+
+TEST(every_rule_over_a_table_equals_one_entry_at_a_time) {
+  for (const Case& k : cases()) {
+    CHECK(table_equals_one_entry_at_a_time<float>(k));
+    CHECK(table_equals_one_entry_at_a_time<double>(k));
+  }
+}
+
+TEST(sgd_momentum_exact_values) {
+  // Powers of two: every operation is exact, so the values are known.
+  std::vector<float> w = {1.0f, -2.0f}, g = {0.5f, 4.0f}, m = {0.25f, 0.0f};
+  FusedEntry<float> e{w.data(), g.data(), {m.data(), nullptr, nullptr}, 2, true};
+  FusedScalars<float> s{};
+  s.c[0] = 0.5f;   // lr
+  s.c[1] = 0.5f;   // momentum
+  s.weight_decay = 0.25f;
+  s.lr = 0.5f;
+  fused_update<float>(Rule::kSgdMomentum, &e, 1, s);
+  // w -= w*0.25*0.5; m = m*0.5 - g*0.5; w += m
+  CHECK(m[0] == 0.125f - 0.25f && m[1] == -2.0f);
+  CHECK(w[0] == 1.0f - 0.125f + (0.125f - 0.25f) && w[1] == -2.0f + 0.25f - 2.0f);
+}
+
+TEST(concurrent_calls_on_disjoint_tables) {
+  const Case& k = cases()[3];  // Adam
+  std::vector<Buffers<float>> bufs;
+  for (int t = 0; t < 4; ++t) bufs.emplace_back(4096 + t, k.slots, t);
+  std::vector<std::thread> threads;
+  const FusedScalars<float> s = scalars<float>(k);
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      FusedEntry<float> e = bufs[t].entry(false);
+      for (int step = 0; step < 20; ++step) fused_update<float>(k.rule, &e, 1, s);
+    });
+  for (auto& th : threads) th.join();
+  CHECK(!(bufs[0] == Buffers<float>(4096, k.slots, 0)));
+}
+
+int main() { return check::run_all(); }

@@ -1,0 +1,101 @@
+"""The fused host kernel (csrc/host/fused_update.cc) against its reference, rules.py, bit for bit.
+
+Every rule and variant, float32 and float64, sizes with every vector tail, weight decay on and
+off, many variables in one table: the kernel's results must equal the NumPy reference exactly
+(both are Keras' element-wise sequences, every operation rounded on its own).
+"""
+
+import numpy as np
+import pytest
+
+from mirrored.train.optimizers import rules
+
+kernel = pytest.importorskip("mirrored._fused_update", reason="the _fused_update extension was not built")
+
+RNG = np.random.default_rng(11)
+
+# rule, coefficients (as optimizers compute them: already in the dtype), number of slots
+CASES = {
+    "sgd": (rules.SGD, (0.01,), 0),
+    "sgd_momentum": (rules.SGD_MOMENTUM, (0.01, 0.9), 1),
+    "sgd_nesterov": (rules.SGD_NESTEROV, (0.01, 0.9), 1),
+    "adam": (rules.ADAM, (0.1, 0.001, 0.0031, 1e-7), 2),
+    "rmsprop": (rules.RMSPROP, (0.01, 0.9, 0.1, 1e-7, 0.0, 0.0), 1),
+    "rmsprop_momentum": (rules.RMSPROP, (0.01, 0.9, 0.1, 1e-7, 0.5, 0.0), 2),
+    "rmsprop_centered": (rules.RMSPROP, (0.01, 0.9, 0.1, 1e-7, 0.0, 1.0), 2),
+    "rmsprop_centered_momentum": (rules.RMSPROP, (0.01, 0.9, 0.1, 1e-7, 0.5, 1.0), 3),
+    "adagrad": (rules.ADAGRAD, (0.1, 1e-7), 1),
+    "nadam": (rules.NADAM, (0.001, 1e-7, 0.1, 0.001, 0.45, 0.8, 0.55, 0.6, 0.002), 2),
+}
+SIZES = [0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 64, 1000, 4099]
+
+
+def _tables(dtype, n_slots, sizes):
+    weights = [RNG.normal(size=s).astype(dtype) for s in sizes]
+    grads = [RNG.normal(size=s).astype(dtype) for s in sizes]
+    # Slots start positive, as after a few steps; the first (a velocity, an accumulator) above 1 and the
+    # others below 0.1, so that a centered RMSprop's velocity stays above its squared average gradient.
+    slots = [[(np.abs(RNG.normal(size=s)) * 0.1 + (1.0 if j == 0 else 0.0)).astype(dtype) for j in range(n_slots)]
+             for s in sizes]
+    return weights, grads, slots
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_equals_the_reference_bit_for_bit(case, dtype):
+    rule, coefficients, n_slots = CASES[case]
+    t = np.dtype(dtype).type
+    c = tuple(t(x) for x in coefficients)
+    weights, grads, slots = _tables(dtype, n_slots, SIZES)
+    decay = [k % 2 == 0 for k in range(len(SIZES))]
+    wd, lr = t(0.004), t(c[0])
+    ref_w, ref_s = [w.copy() for w in weights], [[s.copy() for s in ss] for ss in slots]
+    for k in range(len(SIZES)):
+        if decay[k]:
+            rules.weight_decay(ref_w[k], wd, lr)
+        rules.apply(rule, ref_w[k], grads[k], ref_s[k], c)
+    kernel.apply(rule, weights, grads, slots, decay, [float(x) for x in c], float(wd), float(lr))
+    for k in range(len(SIZES)):
+        np.testing.assert_array_equal(weights[k], ref_w[k], err_msg=f"{case} weight {k} (size {SIZES[k]})")
+        for j in range(n_slots):
+            np.testing.assert_array_equal(slots[k][j], ref_s[k][j], err_msg=f"{case} slot {j} of {k}")
+
+
+@pytest.mark.parametrize("case", ["adam", "nadam", "rmsprop_centered_momentum"])
+def test_several_steps_stay_bit_identical(case):
+    rule, coefficients, n_slots = CASES[case]
+    c = tuple(np.float32(x) for x in coefficients)
+    weights, _, slots = _tables(np.float32, n_slots, [5, 130])
+    ref_w, ref_s = [w.copy() for w in weights], [[s.copy() for s in ss] for ss in slots]
+    for _ in range(5):
+        grads = [RNG.normal(size=w.shape).astype(np.float32) for w in weights]
+        kernel.apply(rule, weights, grads, slots, [False, False], [float(x) for x in c], 0.0, 0.0)
+        for k in range(2):
+            rules.apply(rule, ref_w[k], grads[k], ref_s[k], c)
+    for k in range(2):
+        np.testing.assert_array_equal(weights[k], ref_w[k])
+
+
+def test_bad_tables_are_refused_with_the_argument_named():
+    w, g = np.zeros(4, np.float32), np.ones(4, np.float32)
+    m = np.zeros(4, np.float32)
+    args = dict(decay=[False], coefficients=[0.1, 0.9], weight_decay=0.0, lr=0.0)
+    with pytest.raises(ValueError, match=r"grads\[0\]: dtype float64"):
+        kernel.apply(rules.SGD_MOMENTUM, [w], [g.astype(np.float64)], [[m]], **args)
+    with pytest.raises(ValueError, match=r"grads\[0\]: expected a C-contiguous"):
+        kernel.apply(rules.SGD_MOMENTUM, [w], [np.ones(8, np.float32)[::2]], [[m]], **args)
+    with pytest.raises(ValueError, match=r"slots\[0\]\[0\]: 3 elements, the variable has 4"):
+        kernel.apply(rules.SGD_MOMENTUM, [w], [g], [[np.zeros(3, np.float32)]], **args)
+    with pytest.raises(ValueError, match=r"slots\[0\]: 0 slots, the rule has 1"):
+        kernel.apply(rules.SGD_MOMENTUM, [w], [g], [[]], **args)
+    with pytest.raises(ValueError, match="coefficients: 1 given, the rule takes 2"):
+        kernel.apply(rules.SGD_MOMENTUM, [w], [g], [[m]], [False], [0.1], 0.0, 0.0)
+    with pytest.raises(ValueError, match="rule=9: no such rule"):
+        kernel.apply(9, [w], [g], [[m]], **args)
+    with pytest.raises(ValueError, match="float32 and float64"):
+        kernel.apply(rules.SGD, [w.astype(np.float16)], [g.astype(np.float16)], [[]], [False], [0.1], 0.0, 0.0)
+    read_only = np.zeros(4, np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        kernel.apply(rules.SGD, [read_only], [g], [[]], [False], [0.1], 0.0, 0.0)
+    np.testing.assert_array_equal(w, 0)  # nothing was applied
