@@ -426,6 +426,8 @@ def _read(x):
     return x.read_value() if isinstance(x, Variable) else x
 
 
+
+
 # --- grouping per-replica results ------------------------------------------------------
 
 

@@ -483,6 +483,9 @@ class _Plan:
                                 for dtype, indices in self.groups.items()]
                                for _ in range(self.num_devices)] if self.packable else None
         self.rule = optimizer._rule
+        # Keras applies a variable's constraint after its update: (index, constraint) of those that have one.
+        self.constraints = [(k, v.constraint) for k, v in enumerate(variables)
+                            if getattr(v, "constraint", None) is not None]
         self.coefficients = {}
         self.decay_factors = {}
 
@@ -521,12 +524,20 @@ class _Plan:
         """
         if self.host[device]:
             self._apply(device, grads, packed, _fused_kernel())
+            self._constrain(device)
             return
         # GPU copies: on their GPU's legacy default stream, ordered after every replica
         # stream's work (the gradients, the all-reduce) and before the next step's.
         name = self.copies[device][0].device
         with device_util.device_scope(name), device_util.cross_replica_gpu_scope(name):
             self._apply(device, grads, packed, None)
+            self._constrain(device)
+
+    def _constrain(self, device: int) -> None:
+        """``w = constraint(w)`` for each constrained variable's copy on ``device``, in place (Keras' order)."""
+        for k, constraint in self.constraints:
+            weights = self.copies[device][k]._writable_buffer()
+            weights[...] = constraint(weights)
 
     def _scalars(self, dtype) -> list:
         """The step's scalars of ``dtype``: the rule's coefficients, then weight decay's (rate, lr)."""
