@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import mirrored as md
+import gpu_env
 from gpu_env import cupy
 from mirrored.distribute.function import EagerFallbackWarning
 
@@ -88,7 +89,11 @@ def test_captured_step_gives_the_eager_steps_bits(replicas, optimizer):
 @pytest.mark.gpu
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_on_two_gpus_each_gpu_replays_its_own_graph_with_nccl_inside(optimizer):
-    assert md.MirroredStrategy(["/gpu:0", "/gpu:1"]).extended._cross_device_ops.__class__ is md.NcclAllReduce
+    if gpu_env.NGPU < 2:
+        pytest.skip("needs two GPUs")
+    if not isinstance(md.MirroredStrategy(["/gpu:0", "/gpu:1"]).extended._cross_device_ops, md.NcclAllReduce):
+        pytest.skip("NCCL is not installed: the native engine orders GPUs with events, which per-GPU graphs "
+                    "cannot hold (docs/function.md)")
     eager, eager_losses, _ = _train(2, optimizer, captured=False, one_gpu=False)
     captured, captured_losses, _ = _train(2, optimizer, captured=True, one_gpu=False)
     for e, c in zip(eager, captured):
@@ -99,6 +104,8 @@ def test_on_two_gpus_each_gpu_replays_its_own_graph_with_nccl_inside(optimizer):
 @pytest.mark.gpu
 @pytest.mark.parametrize("one_gpu", [True, False], ids=["logical GPUs", "two GPUs"])
 def test_a_replay_is_one_graph_launch_per_gpu_and_no_kernel_launch(one_gpu):
+    if not gpu_env.SIMULATED:
+        pytest.skip("launches are counted by the simulated CUDA runtime (run under nsys on a GPU)")
     strategy = _gpu_strategy(2, one_gpu)
     try:
         w, b, opt = _model(strategy, "adam")
@@ -285,10 +292,11 @@ def test_a_plain_cupy_step_without_a_strategy_is_captured_too():
 
     for i in range(4):
         a, b = cupy.full(5, float(i), np.float32), cupy.ones(5, np.float32)
-        cupy.sim.drain()
-        cupy.sim.reset_counters()
+        if gpu_env.SIMULATED:
+            cupy.sim.drain()
+            cupy.sim.reset_counters()
         out = affine(a, b)
-        if i >= 1:
+        if i >= 1 and gpu_env.SIMULATED:
             assert cupy.sim.counters()["graph_launches"] == {0: 1} and not cupy.sim.counters()["kernels"]
         np.testing.assert_array_equal(cupy.asnumpy(out), np.full(5, 2.0 * i + 1, np.float32))
     assert affine.experimental_get_tracing_count() == 1
