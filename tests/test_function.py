@@ -300,3 +300,25 @@ def test_a_plain_cupy_step_without_a_strategy_is_captured_too():
             assert cupy.sim.counters()["graph_launches"] == {0: 1} and not cupy.sim.counters()["kernels"]
         np.testing.assert_array_equal(cupy.asnumpy(out), np.full(5, 2.0 * i + 1, np.float32))
     assert affine.experimental_get_tracing_count() == 1
+
+
+@pytest.mark.gpu
+def test_a_step_that_holds_a_read_across_the_update_runs_eagerly_naming_the_variable():
+    strategy = _gpu_strategy(1)
+    try:
+        with strategy.scope():
+            w = md.Variable(_W0, name="kernel")
+            opt = md.optimizers.SGD(0.1)
+
+        def step(x):
+            held = w.read_value()  # still referenced when apply_gradients updates w
+            opt.apply_gradients([(x.T @ (x @ held), w)])
+            return held.sum()
+
+        run = md.function(step)
+        x = md.device_util.place(_X[0], "/gpu:0")
+        with pytest.warns(EagerFallbackWarning, match="variable 'kernel:0'.*copy-on-write"):
+            sums = [float(strategy.run(run, args=(x,))) for _ in range(3)]
+        assert len(set(sums)) == 3  # every call stepped, eagerly
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
