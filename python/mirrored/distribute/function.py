@@ -36,6 +36,7 @@ from .values import DistributedValues, Variable
 
 MAX_SIGNATURES = 16  # captured signatures kept per function; the least recently used goes first
 RETRACING_CALLS = 5  # TF's threshold: warn when this many calls in a row each captured anew
+_capturing = threading.Lock()  # one capture at a time: the running step (device/gpu.py) is process-wide
 
 
 class EagerFallbackWarning(RuntimeWarning):
@@ -134,7 +135,8 @@ class Function:
         reason = inputs.uncapturable or _gpu_reason(seen, inputs)
         step = reason
         if reason is None:
-            step = _capture(self._python_function, strategy, inputs, _ordinals(seen, inputs))
+            with _capturing:
+                step = _capture(self._python_function, strategy, inputs, _ordinals(seen, inputs))
             if isinstance(step, BaseException):
                 reason = f"the step cannot be captured as a CUDA graph: {_what_broke(step)}"
                 step = reason
