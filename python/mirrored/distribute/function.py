@@ -204,7 +204,7 @@ class _OneBatch:
 
 
 def _is_device_array(x) -> bool:
-    return type(x).__module__.partition(".")[0] in ("cupy", "fake_cupy") and hasattr(x, "__cuda_array_interface__")
+    return type(x).__module__.partition(".")[0] == "cupy" and hasattr(x, "__cuda_array_interface__")
 
 
 class _Inputs:
@@ -220,7 +220,6 @@ class _Inputs:
         self.leaves = leaves
         self.uncapturable = None
         self.ordinals = set()
-        self.arrays = []  # (leaf index, component index or None, array): what the captured step reads
         self.signature = tuple(
             ("iterator", tuple(map(self._spec, _nest.flatten(leaf))), repr(_structure(leaf)))
             if i in self.iterators else self._spec(leaf) for i, leaf in enumerate(leaves))
