@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU checks of a round, on a machine with a GPU, CuPy and NCCL (no network needed):
+# build the package into a scratch folder, run every `gpu` test against real CuPy,
+# then the GPU benchmarks (collectives vs bound/naive CuPy, run overhead, the
+# training step eager vs md.function). Results land in $OUT (default out/gpu_check).
+#
+#   OUT=out/gpu bash bench/gpu_check.sh
+set -uo pipefail
+OUT=${OUT:-out/gpu_check}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+site=${SITE:-/tmp/mirrored-site}
+nvidia-smi -L | tee "$OUT/gpu.txt"
+t0=$(date +%s)
+$PY -m pip install -q --no-build-isolation --no-deps --no-index --target "$site" . > "$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"
+export PYTHONPATH=$site
+$PY -c "import mirrored as md; print('GPUs', md.config.list_physical_devices('GPU'), 'NCCL', md.config.is_nccl_available())"
+timeout "${TEST_SECONDS:-200}" $PY -m pytest -m gpu tests -q -p no:cacheprovider -rf --junitxml="$OUT/gpu_tests.xml" \
+  2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
+timeout 90 $PY bench/compare_gpu.py --logical --replicas 2 4 8 -b 4 -e 256M -f 64 --iters 10 --warmup 3 \
+  --json "$OUT/compare_gpu.json" 2>&1 | tee "$OUT/compare_gpu.txt"
+timeout 60 $PY bench/train_step.py --device gpu --function --replicas 1 2 --steps 10 --optimizer sgd \
+  --torch-python "$PY" 2>&1 | tee "$OUT/train_step.txt"
