@@ -36,13 +36,20 @@ def _model(strategy, optimizer):
     return w, b, opt
 
 
+def _mm(a, b):
+    """``a @ b`` as a broadcast product and a sum: CuPy refuses cuBLAS inside a stream capture
+    (NotImplementedError), so the test model's products use CuPy's own kernels, which capture on
+    a real GPU as on the simulator. A step that calls cuBLAS runs eagerly (the test below)."""
+    return (a[:, :, None] * b[None, :, :]).sum(axis=1)
+
+
 def _step_fn(w, b, opt):
     """A linear least-squares step: forward, hand-written gradients, apply_gradients."""
     def step(x, y):
         xp = cupy if isinstance(x, cupy.ndarray) else np
-        err = x @ w.read_value() + b.read_value() - y
+        err = _mm(x, w.read_value()) + b.read_value() - y
         scale = np.float32(2.0 / (err.shape[0] * md.get_replica_context().num_replicas_in_sync))
-        opt.apply_gradients([(x.T @ err * scale, w), (err.sum(axis=0) * scale, b)])
+        opt.apply_gradients([(_mm(x.T, err) * scale, w), (err.sum(axis=0) * scale, b)])
         return xp.sum(err * err)
     return step
 
@@ -312,7 +319,7 @@ def test_a_step_that_holds_a_read_across_the_update_runs_eagerly_naming_the_vari
 
         def step(x):
             held = w.read_value()  # still referenced when apply_gradients updates w
-            opt.apply_gradients([(x.T @ (x @ held), w)])
+            opt.apply_gradients([(_mm(x.T, _mm(x, held)), w)])
             return held.sum()
 
         run = md.function(step)
@@ -320,5 +327,25 @@ def test_a_step_that_holds_a_read_across_the_update_runs_eagerly_naming_the_vari
         with pytest.warns(EagerFallbackWarning, match="variable 'kernel:0'.*copy-on-write"):
             sums = [float(strategy.run(run, args=(x,))) for _ in range(3)]
         assert len(set(sums)) == 3  # every call stepped, eagerly
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_env.SIMULATED, reason="CuPy's refusal of cuBLAS in a capture exists on a real GPU only")
+def test_a_step_that_calls_cublas_runs_eagerly_naming_it():
+    strategy = _gpu_strategy(1)
+    try:
+        w, b, opt = _model(strategy, "sgd")
+
+        def step(x, y):
+            err = x @ w.read_value() + b.read_value() - y  # cuBLAS: CuPy refuses it while capturing
+            opt.apply_gradients([(x.T @ err, w), (err.sum(axis=0), b)])
+
+        run = md.function(step)
+        with pytest.warns(EagerFallbackWarning, match="cuBLAS"):
+            for s in range(3):
+                strategy.run(run, args=_batches(strategy, 1, s))
+        assert int(opt.iterations.numpy()) == 3
     finally:
         md.config.set_logical_device_configuration("GPU:0", None)
