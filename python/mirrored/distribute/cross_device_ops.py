@@ -142,6 +142,10 @@ class CrossDeviceOps:
             return [v.values[0] for v, _ in pairs]
         return self.batch_reduce_implementation(op, pairs, options or _DEFAULT_OPTIONS)
 
+    def _native_batch_reduce(self) -> bool:
+        """Whether the built-in native path serves batch_reduce (a replica context may go straight to it)."""
+        return False
+
     def broadcast(self, tensor, destinations):
         """``tensor`` copied to every device of ``destinations``."""
         get_devices_from(destinations)
@@ -256,6 +260,24 @@ class _NativeAllReduce(CrossDeviceOps):
             return [[by_tensor[t][r] for t in range(len(by_tensor))] for r in range(len(per_replica_lists))]
         return self._collectives.batch_all_reduce(per_replica_lists, op, num_packs=self._num_packs,
                                                   algorithm=self._algorithm, **self._ring_options())
+
+    def _native_batch_reduce(self) -> bool:
+        """Whether a batch_reduce of these ops ends in :meth:`_all_reduce_lists` (no subclass reroutes it)."""
+        kind = type(self)
+        return (kind.batch_reduce is CrossDeviceOps.batch_reduce
+                and kind.batch_reduce_implementation is _NativeAllReduce.batch_reduce_implementation
+                and kind._all_reduce_lists is _NativeAllReduce._all_reduce_lists
+                and kind._check_devices is _NativeAllReduce._check_devices)
+
+    def _replica_all_reduce(self, reduce_op, options, per_replica_lists):
+        """A replica context's all_reduce of host arrays (``per_replica_lists[r]``: replica r's) as
+        ``batch_reduce_implementation`` fuses it, without its wrapping in PerReplica and Mirrored;
+        None unless every leaf is a NumPy array (variables and other arrays go that way)."""
+        for leaves in per_replica_lists:
+            for a in leaves:
+                if type(a) is not np.ndarray:
+                    return None
+        return self._all_reduce_lists(reduce_op, per_replica_lists, options)
 
     def _ring_options(self):
         return {"chunk_bytes": self._chunk_bytes} if self._chunk_bytes else {}

@@ -9,6 +9,7 @@ whose built-ins make one native call for all replicas with the GIL released.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import os
 import threading
@@ -83,6 +84,7 @@ class _Cooperative:
     def begin(self) -> "_Cooperative":
         """Ready for a run whose caller (the hub) is the calling greenlet."""
         self._hub = _greenlet.getcurrent()
+        self._idle = _idle_greenlets()  # (the hub's thread's: a greenlet runs on its own thread only)
         self._replicas = set()
         self._ready = collections.deque()
         self._parked = []
@@ -102,7 +104,7 @@ class _Cooperative:
         On a greenlet this thread made for an earlier run, if one is idle: a
         new greenlet costs ~20 us (its own frame stack), a switch ~1 us.
         """
-        idle = _idle_greenlets()
+        idle = self._idle
         g = idle.pop() if idle else _greenlet.greenlet(_serve)
         g.parent = self._hub
         self._replicas.add(g)
@@ -113,7 +115,7 @@ class _Cooperative:
         """``g`` returned its replica: back to this thread's idle greenlets, and the thread to the hub."""
         self._unfinished -= 1
         self._replicas.discard(g)
-        _idle_greenlets().append(g)
+        self._idle.append(g)
         return self._hub.switch()
 
     def park_later(self, g) -> None:
@@ -122,8 +124,9 @@ class _Cooperative:
 
     def wake_parked(self) -> None:
         """Makes every parked replica ready (the group's lock held)."""
-        self._ready.extend(self._parked)
-        self._parked.clear()
+        if self._parked:
+            self._ready.extend(self._parked)
+            self._parked.clear()
 
     def park(self) -> None:
         """Hands the thread back to the hub until this greenlet replica is resumed."""
@@ -131,17 +134,18 @@ class _Cooperative:
         self._hub.switch()
         _set_thread_state(state)
 
-    def serve(self, done) -> None:
-        """The hub's replica waits: start and resume the other replicas until ``done()`` (checked under
-        the group's lock), sleeping only while they all wait for replicas on other threads."""
-        cond = self._group._cond
+    def serve(self, generation: int) -> None:
+        """The hub's replica waits in the collective of ``generation``: start and resume the other
+        replicas until it settles, sleeping only while they all wait for replicas on other threads."""
+        group = self._group
+        lock, ready = group._lock, self._ready
         state = _thread_state()
         try:
             while True:
-                with cond:
-                    if done():
+                with lock:
+                    if group._generation != generation or group._broken is not None:  # settled
                         return
-                    g = self._ready.popleft() if self._ready else None
+                    g = ready.popleft() if ready else None
                 if g is not None:
                     g.switch()
                     continue
@@ -149,21 +153,22 @@ class _Cooperative:
                 if claimed is not None:
                     self._start(*claimed)
                     continue
-                with cond:
-                    if not done() and not self._ready:
-                        cond.wait()
+                with lock:
+                    if not group.settled(generation) and not ready:
+                        group.sleep()
         finally:
             _set_thread_state(state)
 
     def drain(self) -> None:
         """Resumes ready replicas until every greenlet replica returned (sleeping while none is ready:
         they wait for replicas on other threads)."""
-        cond = self._group._cond
+        group = self._group
+        ready = self._ready
         while self._unfinished:
-            with cond:
-                while not self._ready:
-                    cond.wait()
-                g = self._ready.popleft()
+            with group._lock:
+                while not ready:
+                    group.sleep()
+                g = ready.popleft()
             g.switch()
 
     def finish_aborted(self) -> None:
@@ -293,7 +298,8 @@ class _ReplicaPool:
         while self._next < self.n:
             i = self._next
             self._next += 1
-            if not self._woken and _is_long(self._started, self._started_cpu):
+            if not self._woken and time.perf_counter() - self._started > HANDOFF_SECONDS and \
+                    _is_long(self._started, self._started_cpu):
                 self._woken = True
                 self._wake_threads()
             if self._claims.setdefault(i, self._mine) is self._mine:
@@ -588,15 +594,20 @@ class MirroredExtended(StrategyExtended):
     def _replica_arguments(self, args, kwargs) -> list:
         """``(args, kwargs)`` as each replica sees them (select_replica's rule), the structure walked once."""
         n = len(self._local_devices)
-        structure = (args, kwargs)
-        leaves = _nest.flatten(structure)
-        self._check_components(leaves)
-        if not any(isinstance(leaf, DistributedValues) and not isinstance(leaf, DistributedVariable)
-                   for leaf in leaves):  # every replica sees the same arguments
-            return [structure] * n
-        if not kwargs and not any(_nest.is_nested(a) for a in args):  # flat positional arguments: no re-packing
-            return [(tuple(select_replica(i, a) for a in args), kwargs) for i in range(n)]
-        return [_nest.pack_sequence_as(structure, [select_replica(i, leaf) for leaf in leaves]) for i in range(n)]
+        flat = not kwargs and not any(_nest.is_nested(a) for a in args)  # the common case: no re-packing
+        leaves = args if flat else _nest.flatten((args, kwargs))
+        split = []  # per leaf: whether each replica takes its own component
+        for leaf in leaves:
+            distributed = isinstance(leaf, DistributedValues)
+            if distributed and len(leaf._values) != n:
+                self._check_components([leaf])
+            split.append(distributed and not isinstance(leaf, DistributedVariable))
+        if not any(split):  # every replica sees the same arguments
+            return [(args, kwargs)] * n
+        if flat:
+            return [(tuple(a._values[i] if s else a for a, s in zip(args, split)), kwargs) for i in range(n)]
+        return [_nest.pack_sequence_as((args, kwargs), [leaf._values[i] if s else leaf
+                                                        for leaf, s in zip(leaves, split)]) for i in range(n)]
 
     def _check_components(self, leaves):
         n = len(self._local_devices)
@@ -629,6 +640,15 @@ class MirroredExtended(StrategyExtended):
 
     def _batch_reduce_to(self, op, pairs, options):
         return self._cross_device_ops.batch_reduce(op, pairs, options)
+
+    def _native_replica_all_reduce(self, op, options):
+        cdo = self._cross_device_ops
+        if type(self)._batch_reduce_to is not MirroredExtended._batch_reduce_to or len(self._local_devices) < 2 or \
+                not device_util.all_cpu(self._local_devices) or not cdo._native_batch_reduce():
+            # A subclass, a user's CrossDeviceOps, GPU buffers, or one replica (whose value is the
+            # result as it is): through batch_reduce_to
+            return None
+        return functools.partial(cdo._replica_all_reduce, op, options)
 
     def _broadcast_to(self, tensor, destinations):
         return self._cross_device_ops.broadcast(tensor, destinations)
