@@ -560,12 +560,16 @@ class StrategyExtended:
         """Reduce several ``(value, destinations)`` pairs in one fused call; one result per pair."""
         op = as_reduce_op(reduce_op)
         _require_cross_replica_or_default(self._container_strategy, "batch_reduce_to")
-        if not isinstance(value_destination_pairs, (list, tuple)) or not all(
-                isinstance(p, tuple) and len(p) == 2 for p in value_destination_pairs):
-            raise ValueError(f"value_destination_pairs={value_destination_pairs!r}: expected a list of "
-                             "(value, destinations) tuples")
-        pairs = [(self._with_devices(v, "value"), self._with_devices(d, "destinations"))
-                 for v, d in value_destination_pairs]
+        pairs = []
+        for pair in value_destination_pairs if isinstance(value_destination_pairs, (list, tuple)) else (None,):
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise ValueError(f"value_destination_pairs={value_destination_pairs!r}: expected a list of "
+                                 "(value, destinations) tuples")
+            v, d = pair
+            # (the same value twice, TF's usual call, is one object after _with_devices too)
+            if isinstance(v, DistributedValues) and v._devices is None:
+                v = self._with_devices(v, "value")
+            pairs.append((v, v if d is pair[0] else self._with_devices(d, "destinations")))
         return self._batch_reduce_to(op, pairs, options)
 
     def broadcast_to(self, tensor, destinations):
