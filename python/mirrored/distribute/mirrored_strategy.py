@@ -331,8 +331,9 @@ class _ReplicaPool:
 
     def _wait_for_replicas(self):
         """Blocks until every replica of the latest run returned (interruptible; may be called again)."""
-        self._settle()
         generation = self._generation
+        if self._completed != generation:  # (else every replica has arrived: none to settle)
+            self._settle()
         while True:
             with self._state_lock:
                 if self._completed == generation:
@@ -400,7 +401,8 @@ class _ReplicaPool:
                 if self._inflight:
                     self._wait_for_replicas()
                 self._blas.restore()
-            self._long_steps = _is_long(started, started_cpu)  # then the next step starts on the threads
+            # Then the next step starts on the threads (the wall time first: a clock read saved).
+            self._long_steps = time.perf_counter() - started > HANDOFF_SECONDS and _is_long(started, started_cpu)
             results, errors = self._results, self._errors
             self._fn = self._results = self._errors = None
             if errors:
