@@ -132,12 +132,11 @@ class CallPlan:
                     result.append(cupy.empty(self._shape, self._dtype))
             outs = [a.data.ptr for a in result]
         else:
-            outs = self._pointers(out)
+            outs = ins if out is buffers else self._pointers(out)  # (in place: the same arrays, checked once)
             if outs is None:
                 return None
             result = list(out)
-        stream = {d: _gpu.collective_stream(d) for d in self._ordinals}
-        streams = [stream[d] for d in self._devices]
+        streams = _plan_streams(self._ordinals, self._devices)
         if self._reduce:
             self._engine.all_reduce(ins, outs, self._count, self._code, self._op, self._algo, streams)
         else:
@@ -272,10 +271,17 @@ class BatchPlan:
             outputs.append([ndarray(shape, dtype, memptr=base + off) for (shape, dtype, _), off in zip(specs, offsets)])
             ptr = base.ptr
             out_ptrs.append([ptr + off for off in offsets])
-        stream = {d: _gpu.collective_stream(d) for d in self._ordinals}
         self._engine.batch_all_reduce(ins, out_ptrs, self._counts, self._codes, self._op, self._bytes_per_pack,
-                                      self._num_packs, self._algo, [stream[d] for d in self._devices])
+                                      self._num_packs, self._algo, _plan_streams(self._ordinals, self._devices))
         return outputs
+
+
+def _plan_streams(ordinals: tuple, devices: tuple) -> list:
+    """Each replica's stream for a planned call: one lookup per GPU (``ordinals``: each GPU once)."""
+    if len(ordinals) == 1:  # (every replica on one GPU: logical GPUs)
+        return [_gpu.collective_stream(ordinals[0])] * len(devices)
+    stream = {d: _gpu.collective_stream(d) for d in ordinals}
+    return [stream[d] for d in devices]
 
 
 _BATCH_ALIGN = 256  # results start where CuPy's own allocations would (vector loads need 16)
