@@ -80,15 +80,14 @@ class _Cooperative:
     def __init__(self, group, next_replica):
         self._group = group
         self._next_replica = next_replica  # () -> (function, index) of a replica the hub claimed, or None
+        self._replicas, self._ready, self._parked, self._unfinished = set(), collections.deque(), [], 0
 
     def begin(self) -> "_Cooperative":
         """Ready for a run whose caller (the hub) is the calling greenlet."""
         self._hub = _greenlet.getcurrent()
         self._idle = _idle_greenlets()  # (the hub's thread's: a greenlet runs on its own thread only)
-        self._replicas = set()
-        self._ready = collections.deque()
-        self._parked = []
-        self._unfinished = 0
+        if self._unfinished or self._replicas or self._ready or self._parked:  # an interrupted run's leftovers
+            self._replicas, self._ready, self._parked, self._unfinished = set(), collections.deque(), [], 0
         return self
 
     def current(self):
@@ -574,7 +573,9 @@ class MirroredExtended(StrategyExtended):
 
     def _call_for_each_replica(self, fn, args, kwargs):
         arguments = self._replica_arguments(args, kwargs) if args or kwargs else None
-        strategy, contexts, scopes = self._container_strategy, self._contexts(), self._replica_scopes()
+        strategy = self._container_strategy
+        contexts = self._replica_contexts or self._contexts()
+        scopes = self._scopes or self._replica_scopes()
 
         def replica(i):
             saved = getattr(_local, "stack", None)
