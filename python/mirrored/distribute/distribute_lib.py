@@ -272,7 +272,9 @@ class ReplicaContext:
         if _top().replica_context is not self:
             self._require_current(kind)
         single = type(value) is np.ndarray  # the common case: one array, no structure to walk
-        leaves = [value] if single else _nest.flatten(value)
+        # A variable is read here, in its replica (its own copy, as TF converts it to a tensor), not by the
+        # replica that combines.
+        leaves = [value] if single else [_read(leaf) for leaf in _nest.flatten(value)]
 
         def combine(per_replica):
             counts = {len(leaves_r) for leaves_r in per_replica}
