@@ -129,9 +129,10 @@ class _Cooperative:
 
     def park(self) -> None:
         """Hands the thread back to the hub until this greenlet replica is resumed."""
-        state = _thread_state()
+        stack, device = getattr(_local, "stack", None), device_util.current()  # (_thread_state, inlined)
         self._hub.switch()
-        _set_thread_state(state)
+        _local.stack = stack
+        device_util.set_current(device)
 
     def serve(self, generation: int) -> None:
         """The hub's replica waits in the collective of ``generation``: start and resume the other
@@ -607,8 +608,8 @@ class MirroredExtended(StrategyExtended):
             split.append(distributed and not isinstance(leaf, DistributedVariable))
         if not any(split):  # every replica sees the same arguments
             return [(args, kwargs)] * n
-        if flat:
-            return [(tuple(a._values[i] if s else a for a, s in zip(args, split)), kwargs) for i in range(n)]
+        if flat:  # each argument's per-replica column, transposed into each replica's tuple
+            return [(row, kwargs) for row in zip(*[a._values if s else (a,) * n for a, s in zip(args, split)])]
         return [_nest.pack_sequence_as((args, kwargs), [leaf._values[i] if s else leaf
                                                         for leaf, s in zip(leaves, split)]) for i in range(n)]
 
