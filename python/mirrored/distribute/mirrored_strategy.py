@@ -66,7 +66,8 @@ class _Cooperative:
     the hub starts the replicas not started yet, as greenlets, and resumes
     those made ready, until the collective completes. A greenlet replica that
     must wait parks (``park_later`` under the group's lock, then ``park``),
-    handing the thread back to the hub; the replica that completes the
+    handing the thread on to the next replica not started yet, else back to
+    the hub; the replica that completes the
     collective makes the parked ones ready (``wake_parked``). A run without
     collectives thus costs plain calls, and a collective a few greenlet
     switches (about a microsecond each) where a thread hand-off costs tens of
@@ -128,9 +129,14 @@ class _Cooperative:
             self._parked.clear()
 
     def park(self) -> None:
-        """Hands the thread back to the hub until this greenlet replica is resumed."""
+        """Hands the thread on until this greenlet replica is resumed: to the next replica not started
+        yet, started from here (a round trip through the hub saved), else back to the hub."""
         stack, device = getattr(_local, "stack", None), device_util.current()  # (_thread_state, inlined)
-        self._hub.switch()
+        claimed = self._next_replica()
+        if claimed is not None:
+            self._start(*claimed)
+        else:
+            self._hub.switch()
         _local.stack = stack
         device_util.set_current(device)
 
