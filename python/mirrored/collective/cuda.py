@@ -132,12 +132,11 @@ class CallPlan:
                     result.append(cupy.empty(self._shape, self._dtype))
             outs = [a.data.ptr for a in result]
         else:
-            outs = self._pointers(out)
+            outs = ins if out is buffers else self._pointers(out)  # (in place: the same arrays, checked once)
             if outs is None:
                 return None
             result = list(out)
-        stream = {d: _gpu.collective_stream(d) for d in self._ordinals}
-        streams = [stream[d] for d in self._devices]
+        streams = _plan_streams(self._ordinals, self._devices)
         if self._reduce:
             self._engine.all_reduce(ins, outs, self._count, self._code, self._op, self._algo, streams)
         else:
@@ -191,27 +190,98 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
     n = check_batch(per_replica_lists)
     if not per_replica_lists[0]:
         return [[] for _ in range(n)]
+    plan = batch_plan(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, chunk_bytes)
+    if plan is None:  # anything but contiguous CuPy arrays: convert and check tensor by tensor
+        per_replica_lists = _batch_inputs(per_replica_lists)
+        plan = batch_plan(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, chunk_bytes)
+    with timeline.span("batch_all_reduce", plan.nbytes, algorithm, n):
+        return plan.run(per_replica_lists)
+
+
+def batch_plan(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, chunk_bytes) -> "BatchPlan | None":
+    """The plan of a batch all-reduce of these arrays (a non-empty batch), validated (errors name the
+    argument); None unless every tensor is a contiguous CuPy array on its replica's GPU."""
     bytes_per_pack, num_packs, chunk = check_packing(bytes_per_pack, num_packs, chunk_bytes)
     opc = op_code(op)
     layout = _batch_layout(per_replica_lists)
-    if layout is None:  # anything but contiguous CuPy arrays: convert and check tensor by tensor
-        per_replica_lists = _batch_inputs(per_replica_lists)
-        layout = _batch_layout(per_replica_lists)
-    devices, shapes, dtypes, codes, counts, offsets, total = layout
-    engine, algo = _engine(devices, algorithm, chunk)
-    cupy = _gpu.cupy_module()
-    ndarray = cupy.ndarray
-    outputs, out_ptrs = [], []
-    for d in devices:
-        with cupy.cuda.Device(d):
-            buf = cupy.empty(total, cupy.uint8)
-        base = buf.data
-        outputs.append([ndarray(shape, dtype, memptr=base + off) for shape, dtype, off in zip(shapes, dtypes, offsets)])
-        out_ptrs.append([base.ptr + off for off in offsets])
-    with timeline.span("batch_all_reduce", total, algorithm, n):
-        engine.batch_all_reduce([[a.data.ptr for a in tensors] for tensors in per_replica_lists], out_ptrs, counts,
-                                codes, opc, bytes_per_pack, num_packs, algo, _streams(devices))
-    return outputs
+    if layout is None:
+        return None
+    engine, algo = _engine(layout[0], algorithm, chunk)
+    return BatchPlan(engine, algo, opc, bytes_per_pack, num_packs, layout, per_replica_lists[0])
+
+
+class BatchPlan:
+    """A validated batch all-reduce of GPU buffers: engine, algorithm, packing, dtype codes and the
+    results' layout (one buffer per replica), kept so a repeated batch does no planning.
+
+    ``run`` checks that each tensor still fits (a CuPy array of the planned
+    shape, dtype and strides on its replica's GPU), makes each replica's result
+    buffer and views, and enqueues the whole batch with one binding call.
+    Anything else returns None: the face validates that call afresh.
+    """
+
+    __slots__ = ("_engine", "_algo", "_op", "_bytes_per_pack", "_num_packs", "_devices", "_ordinals", "_specs",
+                 "_codes", "_counts", "_offsets", "_total", "_cupy")
+
+    def __init__(self, engine, algo: int, op: int, bytes_per_pack: int, num_packs: int, layout, first_tensors):
+        self._engine, self._algo, self._op = engine, algo, op
+        self._bytes_per_pack, self._num_packs = bytes_per_pack, num_packs
+        devices, shapes, dtypes, self._codes, self._counts, self._offsets, self._total = layout
+        self._devices = devices
+        self._ordinals = tuple(dict.fromkeys(devices))  # each GPU once (logical GPUs share one)
+        # Planned strides: C-contiguous for the planned shapes (see CallPlan).
+        self._specs = tuple(zip(shapes, dtypes, (a.strides for a in first_tensors)))
+        self._cupy = _gpu.cupy_module()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one replica's results buffer."""
+        return self._total
+
+    def _pointers(self, per_replica_lists):
+        """Each replica's list of device pointers, or None when a tensor does not fit the plan."""
+        ndarray, specs = self._cupy.ndarray, self._specs
+        if type(per_replica_lists) not in (list, tuple) or len(per_replica_lists) != len(self._devices):
+            return None
+        pointers = []
+        for tensors, device in zip(per_replica_lists, self._devices):
+            if type(tensors) not in (list, tuple) or len(tensors) != len(specs):
+                return None
+            ptrs = []
+            for a, (shape, dtype, strides) in zip(tensors, specs):
+                if type(a) is not ndarray or a.shape != shape or a.dtype != dtype or a.strides != strides:
+                    return None
+                data = a.data
+                if data.device_id != device:
+                    return None
+                ptrs.append(data.ptr)
+            pointers.append(ptrs)
+        return pointers
+
+    def run(self, per_replica_lists):
+        ins = self._pointers(per_replica_lists)
+        if ins is None:
+            return None
+        cupy, specs, offsets = self._cupy, self._specs, self._offsets
+        ndarray = cupy.ndarray
+        outputs, out_ptrs = [], []
+        for d in self._devices:
+            with cupy.cuda.Device(d):
+                base = cupy.empty(self._total, cupy.uint8).data
+            outputs.append([ndarray(shape, dtype, memptr=base + off) for (shape, dtype, _), off in zip(specs, offsets)])
+            ptr = base.ptr
+            out_ptrs.append([ptr + off for off in offsets])
+        self._engine.batch_all_reduce(ins, out_ptrs, self._counts, self._codes, self._op, self._bytes_per_pack,
+                                      self._num_packs, self._algo, _plan_streams(self._ordinals, self._devices))
+        return outputs
+
+
+def _plan_streams(ordinals: tuple, devices: tuple) -> list:
+    """Each replica's stream for a planned call: one lookup per GPU (``ordinals``: each GPU once)."""
+    if len(ordinals) == 1:  # (every replica on one GPU: logical GPUs)
+        return [_gpu.collective_stream(ordinals[0])] * len(devices)
+    stream = {d: _gpu.collective_stream(d) for d in ordinals}
+    return [stream[d] for d in devices]
 
 
 _BATCH_ALIGN = 256  # results start where CuPy's own allocations would (vector loads need 16)

@@ -43,12 +43,15 @@ def lookup(kind: str, params: tuple, buffers):
 def lookup_batch(params: tuple, per_replica_lists):
     """The plan of a batch all-reduce: the signature names the first tensor; the plan checks the rest."""
     try:
-        tensors = per_replica_lists[0]
-        first = tensors[0]
-        return _plans.get(("batch_all_reduce", params, len(per_replica_lists), len(tensors), type(first),
-                           first.shape, first.dtype))
+        return _plans.get(_batch_key(params, per_replica_lists))
     except Exception:
         return None
+
+
+def _batch_key(params: tuple, per_replica_lists) -> tuple:
+    tensors = per_replica_lists[0]
+    first = tensors[0]
+    return "batch_all_reduce", params, len(per_replica_lists), len(tensors), type(first), first.shape, first.dtype
 
 
 def _remember(key: tuple, plan) -> None:
@@ -171,9 +174,17 @@ def batch_all_reduce(per_replica_lists, op, bytes_per_pack, num_packs, algorithm
     if rules.any_integer_mean(per_replica_lists[0], op):
         sums = batch_all_reduce(per_replica_lists, "sum", bytes_per_pack, num_packs, algorithm, chunk_bytes)
         return rules.means_of_sums(sums, n)
+    params = (op, bytes_per_pack, num_packs, algorithm, chunk_bytes)
     if rules.on_gpu([per_replica_lists[0][0]]):
-        return _cuda().batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack, num_packs=num_packs,
-                                        algorithm=algorithm, chunk_bytes=chunk_bytes)
+        cuda = _cuda()
+        plan = cuda.batch_plan(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, chunk_bytes)
+        if plan is None:  # converted inputs: this call alone
+            return cuda.batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack, num_packs=num_packs,
+                                         algorithm=algorithm, chunk_bytes=chunk_bytes)
+        with timeline.span("batch_all_reduce", plan.nbytes, algorithm, n):
+            done = plan.run(per_replica_lists)
+        _remember(_batch_key(params, per_replica_lists), plan)
+        return done
     packing = rules.check_packing(bytes_per_pack, num_packs, chunk_bytes)
     opc = op_code(op)
     algo = rules.algorithm_code(algorithm)
@@ -193,7 +204,5 @@ def batch_all_reduce(per_replica_lists, op, bytes_per_pack, num_packs, algorithm
                                    packing[1], algo, packing[2])
             T = len(columns)
             return [outputs[r * T:(r + 1) * T] for r in range(n)]
-    first = per_replica_lists[0][0]
-    _remember(("batch_all_reduce", (op, bytes_per_pack, num_packs, algorithm, chunk_bytes), n,
-               len(per_replica_lists[0]), type(first), first.shape, first.dtype), plan)
+    _remember(_batch_key(params, per_replica_lists), plan)
     return done

@@ -128,7 +128,7 @@ class device_scope:
         self._device = device
 
     def __enter__(self):
-        self._saved = current()
+        self._saved = getattr(_current, "device", None)  # (current(), inlined: entered by every replica of every step)
         _current.device = self._device
 
     def __exit__(self, *exc):

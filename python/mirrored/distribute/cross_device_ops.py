@@ -88,7 +88,7 @@ def _buffers(per_replica: DistributedValues, argument: str = "per_replica_value"
     they go to the collective face, which checks them)."""
     devices = devices or get_devices_from(per_replica, argument)
     if device_util.all_cpu(devices):  # the hot path: NumPy arrays on CPU replicas are used as they are
-        arrays = [v if type(v) is np.ndarray else device_util.to_host(_read(v)) for v in per_replica.values]
+        arrays = [v if type(v) is np.ndarray else device_util.to_host(_read(v)) for v in per_replica._values]
     else:
         arrays = [device_util.place(_read(v), d) for v, d in zip(per_replica.values, devices)]
     if not check:
@@ -133,14 +133,24 @@ class CrossDeviceOps:
     def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
         """Reduce several ``(per_replica_value, destinations)`` pairs; one result per pair."""
         op = as_reduce_op(reduce_op)
-        pairs = [(_as_per_replica(v, "value_destination_pairs"), d) for v, d in value_destination_pairs]
+        pairs = []
+        local = self._sees_all_replicas  # stays True while every value is one replica's, already where it goes
+        for v, d in value_destination_pairs:
+            if not isinstance(v, DistributedValues):
+                v = _as_per_replica(v, "value_destination_pairs")
+            # Every pair's destinations are checked (TF's usual (v, v) pair: v's known devices).
+            dest = v._devices if d is v and v._devices is not None else get_devices_from(d)
+            local = local and len(v._values) == 1 and get_devices_from(v) == dest
+            pairs.append((v, d))
         if not pairs:
             return []
-        destinations = [get_devices_from(d) for _, d in pairs]
-        if self._sees_all_replicas and all(len(v.values) == 1 and get_devices_from(v) == dest
-                                           for (v, _), dest in zip(pairs, destinations)):
-            return [v.values[0] for v, _ in pairs]
+        if local:
+            return [v._values[0] for v, _ in pairs]
         return self.batch_reduce_implementation(op, pairs, options or _DEFAULT_OPTIONS)
+
+    def _native_batch_reduce(self) -> bool:
+        """Whether the built-in native path serves batch_reduce (a replica context may go straight to it)."""
+        return False
 
     def broadcast(self, tensor, destinations):
         """``tensor`` copied to every device of ``destinations``."""
@@ -201,7 +211,7 @@ class _NativeAllReduce(CrossDeviceOps):
 
     _algorithm = "auto"
 
-    _chunk_bytes = 0
+    _ring_kwargs = {}  # {"chunk_bytes": n} where set (multi-worker collectives take no chunk_bytes)
 
     def __init__(self, num_packs: int = 1, bytes_per_pack: int = 0):
         if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 0:
@@ -226,39 +236,58 @@ class _NativeAllReduce(CrossDeviceOps):
         # Pairs whose destinations are the value's own devices are all-reduced together in one
         # fused native call; the others are reduced to their destinations one by one.
         results = [None] * len(value_destination_pairs)
-        fused, devices = [], None
+        fused, tensors, devices = [], [], None
         for i, (v, d) in enumerate(value_destination_pairs):
-            src = get_devices_from(v)
-            if (d is v or src == get_devices_from(d)) and devices in (None, src):
+            src = v._devices if isinstance(v, DistributedValues) and v._devices is not None else get_devices_from(v)
+            if (d is v or src == get_devices_from(d)) and (devices is None or devices == src):
+                if devices is None:
+                    self._check_devices(src)
+                    devices = src
                 fused.append(i)
-                devices = src
+                tensors.append(_buffers(v, "value", devices, check=False))
             else:
                 results[i] = self.reduce_implementation(reduce_op, v, d, options)
         if fused:
-            self._check_devices(devices)
-            tensors = [_buffers(value_destination_pairs[i][0], "value", devices, check=False) for i in fused]
-            per_replica_lists = [[t[r] for t in tensors] for r in range(len(devices))]
+            per_replica_lists = [list(replica) for replica in zip(*tensors)]
             reduced = self._all_reduce_lists(reduce_op, per_replica_lists, options)
-            for k, i in enumerate(fused):
-                results[i] = Mirrored([reduced[r][k] for r in range(len(devices))], devices)
+            for i, column in zip(fused, zip(*reduced)):
+                results[i] = Mirrored(column, devices)
         return results
 
     def _all_reduce_lists(self, reduce_op, per_replica_lists, options):
-        op = reduce_op.value
+        op = reduce_op._value_  # (.value is a Python-level property)
         bytes_per_pack = (options.bytes_per_pack if options is not None else 0) or self._bytes_per_pack
+        if len(per_replica_lists[0]) == 1:  # one tensor: whatever the packing, one all-reduce (the cheaper call)
+            return [[out] for out in self._collectives.all_reduce([lst[0] for lst in per_replica_lists], op,
+                                                                  algorithm=self._algorithm, **self._ring_kwargs)]
         if bytes_per_pack:
             return self._collectives.batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
-                                                      algorithm=self._algorithm, **self._ring_options())
+                                                      algorithm=self._algorithm, **self._ring_kwargs)
         if self._num_packs == 0:  # no packing: one all-reduce per tensor
             by_tensor = [self._collectives.all_reduce([lst[t] for lst in per_replica_lists], op,
-                                                      algorithm=self._algorithm, **self._ring_options())
+                                                      algorithm=self._algorithm, **self._ring_kwargs)
                          for t in range(len(per_replica_lists[0]))]
             return [[by_tensor[t][r] for t in range(len(by_tensor))] for r in range(len(per_replica_lists))]
         return self._collectives.batch_all_reduce(per_replica_lists, op, num_packs=self._num_packs,
-                                                  algorithm=self._algorithm, **self._ring_options())
+                                                  algorithm=self._algorithm, **self._ring_kwargs)
 
-    def _ring_options(self):
-        return {"chunk_bytes": self._chunk_bytes} if self._chunk_bytes else {}
+    def _native_batch_reduce(self) -> bool:
+        """Whether a batch_reduce of these ops ends in :meth:`_all_reduce_lists` (no subclass reroutes it)."""
+        kind = type(self)
+        return (kind.batch_reduce is CrossDeviceOps.batch_reduce
+                and kind.batch_reduce_implementation is _NativeAllReduce.batch_reduce_implementation
+                and kind._all_reduce_lists is _NativeAllReduce._all_reduce_lists
+                and kind._check_devices is _NativeAllReduce._check_devices)
+
+    def _replica_all_reduce(self, reduce_op, options, per_replica_lists):
+        """A replica context's all_reduce of host arrays (``per_replica_lists[r]``: replica r's) as
+        ``batch_reduce_implementation`` fuses it, without its wrapping in PerReplica and Mirrored;
+        None unless every leaf is a NumPy array (variables and other arrays go that way)."""
+        for leaves in per_replica_lists:
+            for a in leaves:
+                if type(a) is not np.ndarray:
+                    return None
+        return self._all_reduce_lists(reduce_op, per_replica_lists, options)
 
 
 class RingAllReduce(_NativeAllReduce):
@@ -276,7 +305,7 @@ class RingAllReduce(_NativeAllReduce):
             raise ValueError(f"chunk_bytes={chunk_bytes!r}: expected an int >= 0 (0 = the engine's default)")
         if algorithm not in ("auto", "ring", "direct"):
             raise ValueError(f"algorithm={algorithm!r}: expected 'auto', 'ring' or 'direct'")
-        self._chunk_bytes = chunk_bytes
+        self._ring_kwargs = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
         self._algorithm = algorithm
 
 

@@ -74,15 +74,27 @@ class _Group:
 
     def __init__(self, n: int):
         self.n = n
-        self._cond = threading.Condition(threading.Lock())
+        # Entered as the bare lock (a Condition's own ``with`` is Python code, on every step's hot path).
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._sleepers = 0  # threads in sleep(): a notify costs Python calls, skipped when none waits
         self.coop = None  # the run's cooperative scheduler, or None
         self.reset()
 
     def _notify(self):
         """Wakes every waiting replica, on a thread or parked (the lock held)."""
-        self._cond.notify_all()
+        if self._sleepers:
+            self._cond.notify_all()
         if self.coop is not None:
             self.coop.wake_parked()
+
+    def sleep(self):
+        """Waits for the next ``_notify`` (the lock held)."""
+        self._sleepers += 1
+        try:
+            self._cond.wait()
+        finally:
+            self._sleepers -= 1
 
     def reset(self):
         self._slots = [None] * self.n
@@ -92,6 +104,10 @@ class _Group:
         self._generation = 0
         self._results = None
         self._broken = None
+
+    def settled(self, generation: int) -> bool:
+        """Whether the collective of ``generation`` completed or the group broke (the lock held)."""
+        return self._generation != generation or self._broken is not None
 
     def exchange(self, rid: int, kind: str, payload, combine):
         if timeline._trace is None:
@@ -107,33 +123,21 @@ class _Group:
         if self.n == 1:
             return combine([payload])
         coop = self.coop
-        parked = coop.current() if coop is not None else None  # this replica's greenlet, if it is one
-        with self._cond:
+        with self._lock:
             if self._broken is not None:
                 raise self._broken
             generation = self._generation
-            self._slots[rid], self._kinds[rid] = payload, kind
+            self._slots[rid] = payload
+            self._kinds[rid] = kind
             self._arrived += 1
             if self._arrived == self.n:
-                try:
-                    if len(set(self._kinds)) > 1:
-                        raise RuntimeError(
-                            f"replicas made different collective calls at the same step: "
-                            f"{dict(enumerate(self._kinds))}; every replica must call the same collectives "
-                            "in the same order")
-                    results = combine(list(self._slots))
-                except BaseException as e:  # every replica raises it: the run reports it once
-                    results = e
-                self._results = results
-                self._slots = [None] * self.n
-                self._arrived = 0
-                self._generation += 1
-                self._notify()
-                return results
-            self._check_stranded()
-            if parked is None:
+                return self._combine(combine)
+            if self._finished:
+                self._check_stranded()
+            parked = coop.current() if coop is not None else None  # this replica's greenlet, if it is one
+            if parked is None:  # a replica on a thread of its own
                 while self._generation == generation and self._broken is None:
-                    self._cond.wait()
+                    self.sleep()
                 if self._generation == generation:
                     raise self._broken
                 return self._results
@@ -141,20 +145,37 @@ class _Group:
                 raise self._broken
             if parked is not coop.HUB:
                 coop.park_later(parked)
-        if parked is coop.HUB:  # the caller's own replica: it runs the others until the collective completes
-            coop.serve(lambda: self._generation != generation or self._broken is not None)
-            with self._cond:
-                if self._generation != generation:
-                    return self._results
-                raise self._broken
-        while True:  # parked: the caller's thread runs other replicas until a combine (or an abort) wakes this one
-            coop.park()
-            with self._cond:
+        while True:
+            if parked is coop.HUB:  # the caller's own replica: it runs the others until the collective completes
+                coop.serve(generation)
+            else:  # parked: the caller's thread runs other replicas until a combine (or an abort) wakes this one
+                coop.park()
+            with self._lock:
                 if self._generation != generation:
                     return self._results
                 if self._broken is not None:
                     raise self._broken
-                coop.park_later(parked)
+                if parked is not coop.HUB:
+                    coop.park_later(parked)
+
+    def _combine(self, combine):
+        """The last replica to arrive: one combine for all (the lock held)."""
+        kinds = self._kinds
+        try:
+            if kinds.count(kinds[0]) != self.n:
+                raise RuntimeError(
+                    f"replicas made different collective calls at the same step: "
+                    f"{dict(enumerate(kinds))}; every replica must call the same collectives "
+                    "in the same order")
+            results = combine(self._slots)
+        except BaseException as e:  # every replica raises it: the run reports it once
+            results = e
+        self._results = results
+        self._slots = [None] * self.n
+        self._arrived = 0
+        self._generation += 1
+        self._notify()
+        return results
 
     def _check_stranded(self):
         if self._arrived and self._arrived + self._finished == self.n and self._broken is None:
@@ -165,13 +186,13 @@ class _Group:
             self._notify()
 
     def replica_finished(self):
-        with self._cond:
+        with self._lock:
             self._finished += 1
             if self._arrived:  # someone waits: is it stranded now?
                 self._check_stranded()
 
     def abort(self):
-        with self._cond:
+        with self._lock:
             if self._broken is None:
                 self._broken = _Aborted()
             self._notify()
@@ -189,6 +210,7 @@ class ReplicaContext:
         self._replica_id_in_sync_group = replica_id_in_sync_group
         self._local_replica_id = _local_replica_id
         self._group = _group if _group is not None else _Group(1)
+        self._natives = {}  # id(ReduceOp) -> the extended's _native_replica_all_reduce (False: none)
 
     @property
     def strategy(self) -> "Strategy":
@@ -240,17 +262,30 @@ class ReplicaContext:
 
         return self._group.exchange(self._local_replica_id, "merge_call", (tuple(args), dict(kwargs)), combine)
 
-    def _collective(self, kind: str, value, reduce_leaves):
-        """Run ``reduce_leaves(list of PerReplica) -> list of per-device results`` on ``value``'s leaves."""
-        self._require_current(kind)
-        leaves = _nest.flatten(value)
-        devices = self._strategy.extended.worker_devices
+    def _collective(self, kind: str, value, reduce_leaves, native=None):
+        """Run ``reduce_leaves(list of PerReplica) -> list of per-device results`` on ``value``'s leaves.
+
+        ``native(per_replica) -> per_replica results`` (``per_replica[r]``:
+        replica r's leaves), if given, is tried first; it returns None for
+        leaves it does not take.
+        """
+        if _top().replica_context is not self:
+            self._require_current(kind)
+        single = type(value) is np.ndarray  # the common case: one array, no structure to walk
+        # A variable is read here, in its replica (its own copy, as TF converts it to a tensor), not by the
+        # replica that combines.
+        leaves = [value] if single else [_read(leaf) for leaf in _nest.flatten(value)]
 
         def combine(per_replica):
             counts = {len(leaves_r) for leaves_r in per_replica}
             if len(counts) != 1:
                 raise ValueError(f"value: replicas passed structures with different numbers of arrays to {kind} "
                                  f"({[len(x) for x in per_replica]}); pass the same structure on every replica")
+            if native:
+                results = native(per_replica)
+                if results is not None:
+                    return results
+            devices = self._strategy.extended.worker_devices
             per_leaf = [PerReplica([r[t] for r in per_replica], devices) for t in range(len(per_replica[0]))]
             outs = reduce_leaves(per_leaf)
             local = [out.values if isinstance(out, DistributedValues) else (out,) * len(per_replica)
@@ -258,7 +293,7 @@ class ReplicaContext:
             return [[out[r] for out in local] for r in range(len(per_replica))]
 
         mine = self._group.exchange(self._local_replica_id, kind, leaves, combine)
-        return _nest.pack_sequence_as(value, mine)
+        return mine[0] if single else _nest.pack_sequence_as(value, mine)
 
     def all_reduce(self, reduce_op, value, options=None):
         """Reduce ``value`` (an array or a nested structure of arrays) across replicas; all get the result.
@@ -266,9 +301,15 @@ class ReplicaContext:
         All leaves go through one fused batch all-reduce of the strategy's cross-device ops.
         """
         op = as_reduce_op(reduce_op)
-        ext = self._strategy.extended
-        return self._collective("all_reduce", value,
-                                lambda per_leaf: ext._batch_reduce_to(op, [(v, v) for v in per_leaf], options))
+        native = self._natives.get(id(op)) if options is None else None  # (by id: a ReduceOp's hash is Python code)
+        if native is None:
+            # Found once per op: the built-in native ops take the replicas' arrays straight, as
+            # batch_reduce_to would hand them over (False: through batch_reduce_to).
+            native = self._strategy.extended._native_replica_all_reduce(op, options) or False
+            if options is None:
+                self._natives[id(op)] = native
+        return self._collective("all_reduce", value, lambda per_leaf: self._strategy.extended._batch_reduce_to(
+            op, [(v, v) for v in per_leaf], options), native)
 
     def all_gather(self, value, axis: int, options=None):
         """Concatenate every replica's ``value`` along ``axis`` (sizes may differ along ``axis`` only)."""
@@ -339,7 +380,9 @@ class Strategy:
         component; the results come back as one structure with ``PerReplica``
         leaves (plain values with one replica).
         """
-        _require_cross_replica_or_default(self, "run")
+        top = _top()
+        if top.strategy is not self or top.replica_context is not None:
+            _require_cross_replica_or_default(self, "run")
         if not isinstance(args, (list, tuple)):
             raise ValueError(f"args={args!r}: pass the arguments of fn as a tuple, e.g. args=(x,)")
         captured = getattr(fn, "_run_in_strategy", None)  # strategy.run(md.function(step), ...)
@@ -527,13 +570,19 @@ class StrategyExtended:
     def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
         """Reduce several ``(value, destinations)`` pairs in one fused call; one result per pair."""
         op = as_reduce_op(reduce_op)
-        _require_cross_replica_or_default(self._container_strategy, "batch_reduce_to")
-        if not isinstance(value_destination_pairs, (list, tuple)) or not all(
-                isinstance(p, tuple) and len(p) == 2 for p in value_destination_pairs):
-            raise ValueError(f"value_destination_pairs={value_destination_pairs!r}: expected a list of "
-                             "(value, destinations) tuples")
-        pairs = [(self._with_devices(v, "value"), self._with_devices(d, "destinations"))
-                 for v, d in value_destination_pairs]
+        top = _top()  # (the common case, this strategy's cross-replica context, checked without a call)
+        if top.strategy is not self._container_strategy or top.replica_context is not None:
+            _require_cross_replica_or_default(self._container_strategy, "batch_reduce_to")
+        pairs = []
+        for pair in value_destination_pairs if isinstance(value_destination_pairs, (list, tuple)) else (None,):
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise ValueError(f"value_destination_pairs={value_destination_pairs!r}: expected a list of "
+                                 "(value, destinations) tuples")
+            v, d = pair
+            # (the same value twice, TF's usual call, is one object after _with_devices too)
+            if isinstance(v, DistributedValues) and v._devices is None:
+                v = self._with_devices(v, "value")
+            pairs.append((v, v if d is pair[0] else self._with_devices(d, "destinations")))
         return self._batch_reduce_to(op, pairs, options)
 
     def broadcast_to(self, tensor, destinations):
@@ -594,6 +643,11 @@ class StrategyExtended:
             # A structure of distributed values: one structure per replica, as TF returns it.
             return tuple(select_replica(i, value) for i in range(len(self._local_devices)))
         return (value,)
+
+    def _native_replica_all_reduce(self, op, options):
+        """``native(per_replica) -> per_replica results or None`` for a replica context's all_reduce that
+        skips batch_reduce_to's wrapping, or None (the default: every all_reduce goes through it)."""
+        return None
 
     def _with_devices(self, value, argument: str):
         """``value`` with its replicas' devices known (a user-built PerReplica gets this worker's devices)."""

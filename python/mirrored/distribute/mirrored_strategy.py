@@ -9,6 +9,7 @@ whose built-ins make one native call for all replicas with the GIL released.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import os
 import threading
@@ -65,7 +66,8 @@ class _Cooperative:
     the hub starts the replicas not started yet, as greenlets, and resumes
     those made ready, until the collective completes. A greenlet replica that
     must wait parks (``park_later`` under the group's lock, then ``park``),
-    handing the thread back to the hub; the replica that completes the
+    handing the thread on to the next replica not started yet, else back to
+    the hub; the replica that completes the
     collective makes the parked ones ready (``wake_parked``). A run without
     collectives thus costs plain calls, and a collective a few greenlet
     switches (about a microsecond each) where a thread hand-off costs tens of
@@ -79,14 +81,14 @@ class _Cooperative:
     def __init__(self, group, next_replica):
         self._group = group
         self._next_replica = next_replica  # () -> (function, index) of a replica the hub claimed, or None
+        self._replicas, self._ready, self._parked, self._unfinished = set(), collections.deque(), [], 0
 
     def begin(self) -> "_Cooperative":
         """Ready for a run whose caller (the hub) is the calling greenlet."""
         self._hub = _greenlet.getcurrent()
-        self._replicas = set()
-        self._ready = collections.deque()
-        self._parked = []
-        self._unfinished = 0
+        self._idle = _idle_greenlets()  # (the hub's thread's: a greenlet runs on its own thread only)
+        if self._unfinished or self._replicas or self._ready or self._parked:  # an interrupted run's leftovers
+            self._replicas, self._ready, self._parked, self._unfinished = set(), collections.deque(), [], 0
         return self
 
     def current(self):
@@ -102,7 +104,7 @@ class _Cooperative:
         On a greenlet this thread made for an earlier run, if one is idle: a
         new greenlet costs ~20 us (its own frame stack), a switch ~1 us.
         """
-        idle = _idle_greenlets()
+        idle = self._idle
         g = idle.pop() if idle else _greenlet.greenlet(_serve)
         g.parent = self._hub
         self._replicas.add(g)
@@ -110,11 +112,14 @@ class _Cooperative:
         g.switch(self, fn, i)
 
     def _retire(self, g):
-        """``g`` returned its replica: back to this thread's idle greenlets, and the thread to the hub."""
+        """``g`` returned its replica: back to this thread's idle greenlets, and the thread on to a
+        ready replica (a round trip through the hub saved), else to the hub. Returns what the next
+        ``_start`` of ``g`` passes."""
         self._unfinished -= 1
         self._replicas.discard(g)
-        _idle_greenlets().append(g)
-        return self._hub.switch()
+        self._idle.append(g)
+        ready = self._ready
+        return (ready.popleft() if ready else self._hub).switch()
 
     def park_later(self, g) -> None:
         """Marks ``g`` parked (the group's lock held): the next wake_parked makes it ready."""
@@ -122,26 +127,34 @@ class _Cooperative:
 
     def wake_parked(self) -> None:
         """Makes every parked replica ready (the group's lock held)."""
-        self._ready.extend(self._parked)
-        self._parked.clear()
+        if self._parked:
+            self._ready.extend(self._parked)
+            self._parked.clear()
 
     def park(self) -> None:
-        """Hands the thread back to the hub until this greenlet replica is resumed."""
-        state = _thread_state()
-        self._hub.switch()
-        _set_thread_state(state)
+        """Hands the thread on until this greenlet replica is resumed: to the next replica not started
+        yet, started from here (a round trip through the hub saved), else back to the hub."""
+        stack, device = getattr(_local, "stack", None), device_util.current()  # (_thread_state, inlined)
+        claimed = self._next_replica()
+        if claimed is not None:
+            self._start(*claimed)
+        else:
+            self._hub.switch()
+        _local.stack = stack
+        device_util.set_current(device)
 
-    def serve(self, done) -> None:
-        """The hub's replica waits: start and resume the other replicas until ``done()`` (checked under
-        the group's lock), sleeping only while they all wait for replicas on other threads."""
-        cond = self._group._cond
+    def serve(self, generation: int) -> None:
+        """The hub's replica waits in the collective of ``generation``: start and resume the other
+        replicas until it settles, sleeping only while they all wait for replicas on other threads."""
+        group = self._group
+        lock, ready = group._lock, self._ready
         state = _thread_state()
         try:
             while True:
-                with cond:
-                    if done():
+                with lock:
+                    if group._generation != generation or group._broken is not None:  # settled
                         return
-                    g = self._ready.popleft() if self._ready else None
+                    g = ready.popleft() if ready else None
                 if g is not None:
                     g.switch()
                     continue
@@ -149,21 +162,22 @@ class _Cooperative:
                 if claimed is not None:
                     self._start(*claimed)
                     continue
-                with cond:
-                    if not done() and not self._ready:
-                        cond.wait()
+                with lock:
+                    if not group.settled(generation) and not ready:
+                        group.sleep()
         finally:
             _set_thread_state(state)
 
     def drain(self) -> None:
         """Resumes ready replicas until every greenlet replica returned (sleeping while none is ready:
         they wait for replicas on other threads)."""
-        cond = self._group._cond
+        group = self._group
+        ready = self._ready
         while self._unfinished:
-            with cond:
-                while not self._ready:
-                    cond.wait()
-                g = self._ready.popleft()
+            with group._lock:
+                while not ready:
+                    group.sleep()
+                g = ready.popleft()
             g.switch()
 
     def finish_aborted(self) -> None:
@@ -293,7 +307,8 @@ class _ReplicaPool:
         while self._next < self.n:
             i = self._next
             self._next += 1
-            if not self._woken and _is_long(self._started, self._started_cpu):
+            if not self._woken and time.perf_counter() - self._started > HANDOFF_SECONDS and \
+                    _is_long(self._started, self._started_cpu):
                 self._woken = True
                 self._wake_threads()
             if self._claims.setdefault(i, self._mine) is self._mine:
@@ -325,8 +340,9 @@ class _ReplicaPool:
 
     def _wait_for_replicas(self):
         """Blocks until every replica of the latest run returned (interruptible; may be called again)."""
-        self._settle()
         generation = self._generation
+        if self._completed != generation:  # (else every replica has arrived: none to settle)
+            self._settle()
         while True:
             with self._state_lock:
                 if self._completed == generation:
@@ -394,7 +410,8 @@ class _ReplicaPool:
                 if self._inflight:
                     self._wait_for_replicas()
                 self._blas.restore()
-            self._long_steps = _is_long(started, started_cpu)  # then the next step starts on the threads
+            # Then the next step starts on the threads (the wall time first: a clock read saved).
+            self._long_steps = time.perf_counter() - started > HANDOFF_SECONDS and _is_long(started, started_cpu)
             results, errors = self._results, self._errors
             self._fn = self._results = self._errors = None
             if errors:
@@ -573,7 +590,9 @@ class MirroredExtended(StrategyExtended):
 
     def _call_for_each_replica(self, fn, args, kwargs):
         arguments = self._replica_arguments(args, kwargs) if args or kwargs else None
-        strategy, contexts, scopes = self._container_strategy, self._contexts(), self._replica_scopes()
+        strategy = self._container_strategy
+        contexts = self._replica_contexts or self._contexts()
+        scopes = self._scopes or self._replica_scopes()
 
         def replica(i):
             saved = getattr(_local, "stack", None)
@@ -595,15 +614,20 @@ class MirroredExtended(StrategyExtended):
     def _replica_arguments(self, args, kwargs) -> list:
         """``(args, kwargs)`` as each replica sees them (select_replica's rule), the structure walked once."""
         n = len(self._local_devices)
-        structure = (args, kwargs)
-        leaves = _nest.flatten(structure)
-        self._check_components(leaves)
-        if not any(isinstance(leaf, DistributedValues) and not isinstance(leaf, DistributedVariable)
-                   for leaf in leaves):  # every replica sees the same arguments
-            return [structure] * n
-        if not kwargs and not any(_nest.is_nested(a) for a in args):  # flat positional arguments: no re-packing
-            return [(tuple(select_replica(i, a) for a in args), kwargs) for i in range(n)]
-        return [_nest.pack_sequence_as(structure, [select_replica(i, leaf) for leaf in leaves]) for i in range(n)]
+        flat = not kwargs and not any(_nest.is_nested(a) for a in args)  # the common case: no re-packing
+        leaves = args if flat else _nest.flatten((args, kwargs))
+        split = []  # per leaf: whether each replica takes its own component
+        for leaf in leaves:
+            distributed = isinstance(leaf, DistributedValues)
+            if distributed and len(leaf._values) != n:
+                self._check_components([leaf])
+            split.append(distributed and not isinstance(leaf, DistributedVariable))
+        if not any(split):  # every replica sees the same arguments
+            return [(args, kwargs)] * n
+        if flat:  # each argument's per-replica column, transposed into each replica's tuple
+            return [(row, kwargs) for row in zip(*[a._values if s else (a,) * n for a, s in zip(args, split)])]
+        return [_nest.pack_sequence_as((args, kwargs), [leaf._values[i] if s else leaf
+                                                        for leaf, s in zip(leaves, split)]) for i in range(n)]
 
     def _check_components(self, leaves):
         n = len(self._local_devices)
@@ -636,6 +660,15 @@ class MirroredExtended(StrategyExtended):
 
     def _batch_reduce_to(self, op, pairs, options):
         return self._cross_device_ops.batch_reduce(op, pairs, options)
+
+    def _native_replica_all_reduce(self, op, options):
+        cdo = self._cross_device_ops
+        if type(self)._batch_reduce_to is not MirroredExtended._batch_reduce_to or len(self._local_devices) < 2 or \
+                not device_util.all_cpu(self._local_devices) or not cdo._native_batch_reduce():
+            # A subclass, a user's CrossDeviceOps, GPU buffers, or one replica (whose value is the
+            # result as it is): through batch_reduce_to
+            return None
+        return functools.partial(cdo._replica_all_reduce, op, options)
 
     def _broadcast_to(self, tensor, destinations):
         return self._cross_device_ops.broadcast(tensor, destinations)

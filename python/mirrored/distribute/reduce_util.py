@@ -44,6 +44,8 @@ def as_reduce_op(reduce_op, argument: str = "reduce_op") -> ReduceOp:
     As in TensorFlow, only the member names are accepted (``"avg"`` or
     ``"average"`` raise), so a typo can never select a different reduction.
     """
+    if type(reduce_op) is ReduceOp:  # (before the dict: a member's hash is Python code)
+        return reduce_op
     try:
         return _KNOWN[reduce_op]
     except (KeyError, TypeError):  # not a member or a name seen before (TypeError: unhashable)

@@ -51,20 +51,14 @@ import uuid
 
 import numpy as np
 
+from .checkpoint_io import (_MAGIC, _MAX_INDEX, CheckpointError, NotFoundError, open_regular_file,
+                            read_into)
+
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "load_checkpoint", "CheckpointError", "NotFoundError"]
 
-_MAGIC = b"MDCKPT\x00"
 _ATTRIBUTES = ".ATTRIBUTES"  # key infix of a self-saving object's tensors, as in TensorFlow's checkpoints
 _VERSION = 1
 _DIGEST = 32
-
-
-class CheckpointError(ValueError):
-    """The file is not a complete ``mirrored`` checkpoint, or does not fit the objects."""
-
-
-class NotFoundError(FileNotFoundError):
-    """No checkpoint at the path given to ``restore`` / ``read`` (TensorFlow raises ``NotFoundError`` too)."""
 
 
 # --- the file format ------------------------------------------------------------------------------
@@ -78,7 +72,6 @@ def _dtype(name: str) -> np.dtype:
         return np.dtype(name)
 
 
-_MAX_INDEX = 256 << 20  # bytes: an index of 2 million variables; a larger one is a crafted header
 _CHUNK = 4 << 20  # bytes read or hashed at a time: bounds the memory a restore needs beyond its variables
 
 # Temporaries are named ``.{target}.tmp-{host}-{pid}-{id}``: a later save on this host can tell a dead
@@ -262,41 +255,6 @@ def _make_directory(directory: str, path: str) -> None:
                                f"({e.strerror}); pick a directory this process may write") from None
 
 
-def open_regular_file(path: str, what: str = "path"):
-    """A binary file object for ``path``, refusing anything but a regular file without ever blocking.
-
-    A FIFO or a device (``/dev/zero``) would block a plain ``open`` or feed it
-    without end: the type is checked before opening (``O_NONBLOCK``, so a FIFO
-    cannot stall the open itself) and again on the opened descriptor.
-    """
-    label = f"{what}={path!r}" if what.isidentifier() else f"{what} {path!r}"  # an argument, or a description
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise NotFoundError(errno.ENOENT, f"{label} does not exist; pass a path that save() or write() "
-                                          "returned, e.g. md.train.latest_checkpoint(directory)", path) from None
-    if not stat.S_ISREG(mode):
-        raise CheckpointError(f"{label} is {_kind(mode)}, not a regular file (mirrored reads no FIFO or device); use a regular file")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):  # replaced between the stat and the open
-            raise CheckpointError(f"{label} is {_kind(mode)}, not a regular file (mirrored reads no FIFO or device); use a regular file")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb", buffering=0)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
 def _check_memory(path: str, nbytes: int) -> None:
     """MemoryError, naming the file, for a checkpoint larger than the memory this machine has left.
 
@@ -333,18 +291,6 @@ def _entry_dtype(path: str, key: str, name) -> np.dtype:
         raise CheckpointError(f"path={path!r}: entry {key!r} has dtype {name!r}, which a checkpoint cannot hold "
                               "(numeric and bool dtypes only); the file is damaged or not written by mirrored")
     return dtype
-
-
-def read_into(file, offset: int, view: memoryview) -> int:
-    """Fill ``view`` from ``file`` at ``offset``; returns the bytes read (fewer only at the end of the file)."""
-    file.seek(offset)
-    done = 0
-    while done < len(view):
-        got = file.readinto(view[done:])
-        if not got:
-            break
-        done += got
-    return done
 
 
 class _Entry:
@@ -631,6 +577,34 @@ class InitializationOnlyStatus(CheckpointLoadStatus):
 _UNTRACKABLE = (bool, int, float, complex, str, bytes, np.generic, np.ndarray, type(None))
 
 
+# --- the directory's state file (read by checkpoint_management, written here and there) ----------
+
+STATE_FILE = "checkpoint"
+
+
+def _write_state(directory: str, latest: str, paths, timestamps, last_preserved) -> None:
+    """Write the directory's state file atomically (temporary file + rename)."""
+
+    def relative(p):
+        p = os.path.abspath(p)
+        return os.path.relpath(p, directory) if os.path.dirname(p) == directory else p
+
+    lines = [f"model_checkpoint_path: {json.dumps(relative(latest), ensure_ascii=False)}"]
+    lines += [f"all_model_checkpoint_paths: {json.dumps(relative(p), ensure_ascii=False)}" for p in paths]
+    lines += [f"all_model_checkpoint_timestamps: {t!r}" for t in timestamps]
+    if last_preserved is not None:
+        lines.append(f"last_preserved_timestamp: {float(last_preserved)!r}")
+    os.makedirs(directory, exist_ok=True)
+    target = os.path.join(directory, STATE_FILE)
+    with replacing(target) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _record_latest(directory: str, path: str) -> None:
+    """What ``Checkpoint.save`` records: ``path`` as the latest and only checkpoint (no times, as TF)."""
+    _write_state(os.path.abspath(directory), path, [path], [], None)
+
+
 class Checkpoint:
     """Groups the objects to save, as ``tf.train.Checkpoint``: ``md.train.Checkpoint(model=..., optimizer=...)``.
 
@@ -728,13 +702,11 @@ class Checkpoint:
         counter.assign_add(np.int64(1))
         path = f"{file_prefix}-{int(counter.numpy())}"
         if self._write(path):
-            from . import checkpoint_management as train
-
             directory = os.path.dirname(os.path.abspath(path))
-            train._record_latest(directory, path)
+            _record_latest(directory, path)
             numbered = re.compile(re.escape(os.path.basename(file_prefix)) + r"-\d+")
             sweep_stale_temporaries(directory, lambda target: bool(numbered.fullmatch(target))
-                                    or target == train.STATE_FILE)
+                                    or target == STATE_FILE)
         return path
 
     def write(self, file_prefix, options=None) -> str:

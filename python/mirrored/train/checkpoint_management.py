@@ -41,15 +41,14 @@ import warnings
 import numpy as np
 
 from . import tensorbundle
-from .checkpoint import (Checkpoint, CheckpointError, CheckpointLoadStatus, CheckpointReader, NotFoundError,
-                         _check_memory, load_checkpoint, open_regular_file, replacing,
+from .checkpoint import (STATE_FILE, Checkpoint, CheckpointError, CheckpointLoadStatus, CheckpointReader,
+                         NotFoundError, _check_memory, _write_state, load_checkpoint, open_regular_file,
                          sweep_stale_temporaries)
 
 __all__ = ["Checkpoint", "CheckpointManager", "CheckpointState", "CheckpointLoadStatus", "CheckpointError",
            "NotFoundError", "latest_checkpoint", "get_checkpoint_state", "list_variables", "load_variable",
            "load_checkpoint"]
 
-STATE_FILE = "checkpoint"
 _MAX_STATE_BYTES = 16 << 20  # about 100,000 checkpoints listed
 
 
@@ -110,29 +109,6 @@ def get_checkpoint_state(checkpoint_dir, latest_filename=None):
                            [absolute(p) for p in fields["all_model_checkpoint_paths"]],
                            [float(t) for t in fields["all_model_checkpoint_timestamps"]],
                            float(fields["last_preserved_timestamp"][-1]) if fields["last_preserved_timestamp"] else 0.0)
-
-
-def _write_state(directory: str, latest: str, paths, timestamps, last_preserved) -> None:
-    """Write the directory's state file atomically (temporary file + rename)."""
-
-    def relative(p):
-        p = os.path.abspath(p)
-        return os.path.relpath(p, directory) if os.path.dirname(p) == directory else p
-
-    lines = [f"model_checkpoint_path: {json.dumps(relative(latest), ensure_ascii=False)}"]
-    lines += [f"all_model_checkpoint_paths: {json.dumps(relative(p), ensure_ascii=False)}" for p in paths]
-    lines += [f"all_model_checkpoint_timestamps: {t!r}" for t in timestamps]
-    if last_preserved is not None:
-        lines.append(f"last_preserved_timestamp: {float(last_preserved)!r}")
-    os.makedirs(directory, exist_ok=True)
-    target = os.path.join(directory, STATE_FILE)
-    with replacing(target) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-
-
-def _record_latest(directory: str, path: str) -> None:
-    """What ``Checkpoint.save`` records: ``path`` as the latest and only checkpoint (no times, as TF)."""
-    _write_state(os.path.abspath(directory), path, [path], [], None)
 
 
 def latest_checkpoint(checkpoint_dir, latest_filename=None):

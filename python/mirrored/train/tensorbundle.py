@@ -29,7 +29,7 @@ import struct
 
 import numpy as np
 
-from .checkpoint import _MAX_INDEX, CheckpointError, open_regular_file, read_into
+from .checkpoint_io import _MAGIC, _MAX_INDEX, CheckpointError, open_regular_file, read_into
 
 __all__ = ["BundleReader", "is_tensorflow_checkpoint", "object_keys", "hint"]
 
@@ -321,8 +321,6 @@ def is_tensorflow_checkpoint(path: str) -> bool:
 
 
 def _is_mirrored_file(path: str) -> bool:
-    from .checkpoint import _MAGIC
-
     try:
         with open_regular_file(path) as f:
             return f.read(len(_MAGIC)) == _MAGIC

@@ -1,0 +1,155 @@
+"""A repeated batch all-reduce of GPU buffers runs the face's cached plan (collective/cuda.py's
+BatchPlan): the same Python steps of mirrored and the same driver calls whatever the tensor count,
+results as NumPy's, and any call that no longer fits the plan validated afresh. On real GPUs or the
+simulated ones (gpu_env.py)."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from gpu_env import SIMULATED, SKIP_REASON, cupy
+
+pytestmark = pytest.mark.gpu
+if cupy is None:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+from mirrored import collectives  # noqa: E402
+from mirrored.collective import cuda as cc, plan as face  # noqa: E402
+
+DEVICE_SETS = [(0, 0), (0, 1), (0, 1, 0, 1)]
+NP_OPS = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
+
+
+def on(device, host):
+    with cupy.cuda.Device(device):
+        return cupy.asarray(host)
+
+
+def make_batch(devices, sizes, dtypes, seed=0):
+    rng = np.random.default_rng(seed)
+    host = [[rng.integers(-3, 4, size).astype(dtype) for size, dtype in zip(sizes, dtypes)] for _ in devices]
+    return host, [[on(d, x) for x in row] for d, row in zip(devices, host)]
+
+
+def expected(host, op):
+    n = len(host)
+    out = []
+    for t in range(len(host[0])):
+        stacked = np.stack([row[t] for row in host])
+        if op == "mean":
+            dtype = np.float64 if stacked.dtype.kind in "iu" else stacked.dtype
+            out.append((np.sum(stacked, axis=0, dtype=stacked.dtype) / n).astype(dtype))
+        else:
+            out.append(NP_OPS[op](stacked, axis=0).astype(stacked.dtype))
+    return out
+
+
+def check(out, host, op, devices):
+    want = expected(host, op)
+    assert len(out) == len(devices)
+    for row, device in zip(out, devices):
+        for got, w in zip(row, want):
+            assert got.dtype == w.dtype and got.shape == w.shape
+            assert got.data.device_id == device
+            np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float64), w.astype(np.float64), rtol=2e-3)
+
+
+def mirrored_steps(call):
+    """(the number of mirrored's Python functions ``call`` enters, its result)."""
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        if event == "call" and "/mirrored/" in frame.f_code.co_filename:
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        result = call()
+    finally:
+        sys.setprofile(None)
+    return count, result
+
+
+def counted(call):
+    """(launches per GPU, driver calls) of ``call`` on the simulated machine (None on real GPUs)."""
+    if not SIMULATED:
+        call()
+        return None
+    cupy.sim.drain()
+    cupy.sim.reset_counters()
+    call()
+    numbers = cupy.sim.counters()
+    cupy.sim.drain()
+    return numbers["launches"], numbers["stream_ops"]
+
+
+@pytest.mark.parametrize("devices", DEVICE_SETS, ids=str)
+def test_a_repeated_batch_takes_the_same_python_steps_and_driver_calls_for_10_and_200_tensors(devices):
+    rng = np.random.default_rng(7)
+    steps, driver = {}, {}
+    for count in (10, 200):
+        sizes = rng.integers(0, 300, count)
+        dtypes = [np.float32 if t % 3 else np.float64 for t in range(count)]
+        host, lists = make_batch(devices, sizes, dtypes, seed=count)
+        check(collectives.batch_all_reduce(lists, "sum"), host, "sum", devices)  # plans it
+        assert isinstance(face.lookup_batch(("sum", 0, None, "auto", 0), lists), cc.BatchPlan)
+        steps[count], out = mirrored_steps(lambda: collectives.batch_all_reduce(lists, "sum"))
+        check(out, host, "sum", devices)
+        driver[count] = counted(lambda: collectives.batch_all_reduce(lists, "sum"))
+    assert steps[10] == steps[200], steps
+    assert steps[200] <= 30, steps  # the face, the plan's check and run, a few per GPU; none per tensor
+    assert driver[10] == driver[200]
+
+
+@pytest.mark.parametrize("devices", DEVICE_SETS, ids=str)
+@pytest.mark.parametrize("op", ["sum", "max", "min", "prod", "mean"])
+@pytest.mark.parametrize("packing", [{}, {"num_packs": 3}, {"bytes_per_pack": 512}], ids=str)
+def test_planned_batches_match_numpy_across_ops_dtypes_and_packing(devices, op, packing):
+    sizes = [5, 0, 130, 1, 64, 33, 7]
+    dtypes = [np.float32, np.float64, np.float16, np.float32, np.int32, np.int64, np.float32]
+    if op == "mean":  # integer MEAN is a float64 division of the sums: its own rule, tested below
+        dtypes = [np.float32, np.float64, np.float16, np.float32, np.float32, np.float64, np.float32]
+    for seed in range(3):  # the first call plans; the others run the plan on new arrays
+        host, lists = make_batch(devices, sizes, dtypes, seed)
+        check(collectives.batch_all_reduce(lists, op, **packing), host, op, devices)
+
+
+def test_integer_mean_of_a_batch_is_float64_every_time():
+    devices = (0, 1)
+    for seed in range(3):
+        host, lists = make_batch(devices, [4, 9], [np.int32, np.int64], seed)
+        check(collectives.batch_all_reduce(lists, "mean"), host, "mean", devices)
+
+
+def test_a_call_that_no_longer_fits_the_plan_is_validated_afresh():
+    devices = (0, 1)
+    sizes, dtypes = [6, 8, 10], [np.float32] * 3
+    host, lists = make_batch(devices, sizes, dtypes)
+    check(collectives.batch_all_reduce(lists, "sum"), host, "sum", devices)
+
+    # another dtype for tensor 1 (the signature names tensor 0 only)
+    host, lists = make_batch(devices, sizes, [np.float32, np.float64, np.float32], seed=1)
+    check(collectives.batch_all_reduce(lists, "sum"), host, "sum", devices)
+
+    # a strided view for tensor 2: converted, still right
+    host, lists = make_batch(devices, [6, 8, 20], dtypes, seed=2)
+    strided = [[row[0], row[1], row[2][::2]] for row in lists]
+    want_host = [[row[0], row[1], row[2][::2]] for row in host]
+    check(collectives.batch_all_reduce(strided, "sum"), want_host, "sum", devices)
+
+    # one replica's tensor on the other replica's GPU: refused, naming the tensor
+    host, lists = make_batch(devices, sizes, dtypes, seed=3)
+    lists[1][2] = on(0, host[1][2])
+    with pytest.raises(ValueError, match=r"per_replica_lists\[\*\]\[2\]"):
+        collectives.batch_all_reduce(lists, "sum")
+
+    # a missing tensor on one replica: refused, naming the argument
+    host, lists = make_batch(devices, sizes, dtypes, seed=4)
+    with pytest.raises(ValueError, match="per_replica_lists"):
+        collectives.batch_all_reduce([lists[0], lists[1][:2]], "sum")
+
+    # and the plan still serves the batch it was made for
+    host, lists = make_batch(devices, sizes, dtypes, seed=5)
+    check(collectives.batch_all_reduce(lists, "sum"), host, "sum", devices)
