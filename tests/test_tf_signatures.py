@@ -177,3 +177,15 @@ def test_cluster_spec_answers_as_tensorflows():
         spec.num_tasks("nope")
     with pytest.raises(ValueError, match="task_index=2"):
         spec.task_address("ps", 2)
+
+
+@pytest.mark.parametrize("replicas, key", [(1, "keras_sgd_applies_constraint"),
+                                           (2, "mirrored_keras_sgd_applies_constraint")])
+def test_optimizers_apply_the_constraint_after_the_update_as_keras_does(replicas, key):
+    # TF: SGD(0.5) on w = [1, -2, 3] with gradient [1, 1, -10] from every replica, constraint clip(-1, 1).
+    strategy = md.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        w = md.Variable(np.array([1.0, -2.0, 3.0], np.float32), constraint=lambda x: np.clip(x, -1.0, 1.0))
+        opt = md.optimizers.SGD(0.5)
+    strategy.run(lambda: opt.apply_gradients([(np.array([1.0, 1.0, -10.0], np.float32), w)]))
+    assert [np.asarray(c).tolist() for c in w.values] == [TF_VARIABLE[key]] * replicas

@@ -482,6 +482,9 @@ class _Plan:
         self.gpu_tables = [None] * self.num_devices  # per device: one FusedUpdateTable per dtype
         self.tables_made_at = [None] * self.num_devices  # values.buffers_replaced when they were made
         self.rule = optimizer._rule
+        # Keras applies a variable's constraint after its update: (index, constraint) of those that have one.
+        self.constraints = [(k, v.constraint) for k, v in enumerate(variables)
+                            if getattr(v, "constraint", None) is not None]
         self.coefficients = {}
         self.decay_factors = {}
         iterations = optimizer._iterations
@@ -526,6 +529,7 @@ class _Plan:
         """
         if self.host[device]:
             self._apply_host(device, grads, packed)
+            self._constrain(device)
             self.iterations[device]._writable_buffer().fill(self.next_step)
             return
         # GPU copies: on their GPU's legacy default stream, ordered after every replica
@@ -536,7 +540,14 @@ class _Plan:
                 self._apply_gpu(device, grads, packed)
             else:
                 self._apply_each(device, grads, self.groups)
+            self._constrain(device)
             self.iterations[device]._writable_buffer().fill(self.next_step)  # one kernel, no upload
+
+    def _constrain(self, device: int) -> None:
+        """``w = constraint(w)`` for each constrained variable's copy on ``device``, in place (Keras' order)."""
+        for k, constraint in self.constraints:
+            weights = self.copies[device][k]._writable_buffer()
+            weights[...] = constraint(weights)
 
     def _writable(self, device: int) -> None:
         """Copy-on-write (values.DeviceVariable._writable_buffer) for every copy of the device, at the cost
