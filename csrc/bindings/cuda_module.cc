@@ -90,12 +90,10 @@ void def_fused_update(py::module_& m) {
       .def_property_readonly("device", &cuda::FusedUpdateTable::device)
       .def_property_readonly("total_count", &cuda::FusedUpdateTable::total_count,
                              "Elements of the packed gradients apply() reads.")
-      .def("apply", [](cuda::FusedUpdateTable& t, int rule, std::uintptr_t grads, const std::vector<double>& coefficients,
-                       double weight_decay, double lr, std::uintptr_t stream) {
-             if (rules::rule_coefficients(rule) < 0) throw py::value_error("rule=" + std::to_string(rule) + ": no such rule");
-             if (static_cast<int>(coefficients.size()) != rules::rule_coefficients(rule))
-               throw py::value_error("coefficients: " + std::to_string(coefficients.size()) + " given, the rule takes " +
-                                     std::to_string(rules::rule_coefficients(rule)));
+      .def("apply", [](cuda::FusedUpdateTable& t, int rule, std::uintptr_t grads,
+                       const std::vector<double>& coefficients, double weight_decay, double lr, std::uintptr_t stream) {
+             const std::string error = rules::coefficients_error(rule, coefficients.size());
+             if (!error.empty()) throw py::value_error(error);
              py::gil_scoped_release nogil;
              cuda::DeviceGuard guard;
              MIRRORED_CUDA_CHECK(cudaSetDevice(t.device()));

@@ -85,10 +85,8 @@ void def_host_fused_update(py::module_& m) {
       "fused_update",
       [](int rule, const py::list& weights, const py::object& grads, const py::list& slots,
          const std::vector<bool>& decay, const std::vector<double>& coefficients, double weight_decay, double lr) {
-        if (rule_coefficients(rule) < 0) throw py::value_error("rule=" + std::to_string(rule) + ": no such rule");
-        if (static_cast<int>(coefficients.size()) != rule_coefficients(rule))
-          throw py::value_error("coefficients: " + std::to_string(coefficients.size()) + " given, the rule takes " +
-                                std::to_string(rule_coefficients(rule)));
+        const std::string error = rules::coefficients_error(rule, coefficients.size());
+        if (!error.empty()) throw py::value_error(error);
         const std::size_t n = weights.size();
         const bool packed = py::isinstance<py::array>(grads);
         if (!packed && !py::isinstance<py::list>(grads))

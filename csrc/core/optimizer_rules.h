@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <string>
 
 #if defined(__CUDACC__)
 #define MIRRORED_HD __host__ __device__
@@ -32,6 +33,15 @@ constexpr int kMaxCoefficients = 9;
 inline int rule_coefficients(int rule) {
   constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9};
   return rule >= 0 && rule < 7 ? counts[rule] : -1;
+}
+
+// What is wrong with `given` coefficients for `rule` (a code from Python), naming the argument; empty when nothing.
+inline std::string coefficients_error(int rule, std::size_t given) {
+  const int wanted = rule_coefficients(rule);
+  if (wanted < 0) return "rule=" + std::to_string(rule) + ": no such rule";
+  if (given != static_cast<std::size_t>(wanted))
+    return "coefficients: " + std::to_string(given) + " given, the rule takes " + std::to_string(wanted);
+  return {};
 }
 
 // Number of slots the rule updates, given its coefficients (RMSprop's variants are read from them).
