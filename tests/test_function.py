@@ -90,6 +90,22 @@ def test_captured_step_gives_the_eager_steps_bits(replicas, optimizer):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("replicas", [1, 2])
+def test_a_captured_float32_update_is_the_fused_kernel_reading_device_scalars(replicas, monkeypatch):
+    from mirrored.train.optimizers import base
+
+    element_wise = []
+    original = base._Plan._apply_each
+    monkeypatch.setattr(base._Plan, "_apply_each", lambda self, *a: (element_wise.append(a), original(self, *a))[1])
+    eager, eager_losses, _ = _train(replicas, "adam", captured=False)
+    captured, captured_losses, _ = _train(replicas, "adam", captured=True)
+    assert element_wise == []  # eager and captured steps alike: one fused launch per GPU and dtype
+    for e, c in zip(eager, captured):
+        np.testing.assert_array_equal(c, e)
+    np.testing.assert_array_equal(captured_losses, eager_losses)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("replicas", [1, 2])
 def test_iterations_assigned_between_replays_gives_the_next_replay_that_steps_scalars(replicas):
     # Adam's bias corrections depend on the step: after `iterations` is assigned (as a checkpoint's
     # restore does), the replay hook must count from the new value, as the eager step does.

@@ -103,7 +103,23 @@ void def_fused_update(py::module_& m) {
            py::arg("rule"), py::arg("grads"), py::arg("coefficients"), py::arg("weight_decay"), py::arg("lr"),
            py::arg("stream"),
            "Weight decay (where decay[k]) and the rule on every variable, in place, in one launch on `stream`;\n"
-           "`grads`: the packed gradients (total_count elements, the variables' back to back).");
+           "`grads`: the packed gradients (total_count elements, the variables' back to back).")
+      .def("apply_captured", [](cuda::FusedUpdateTable& t, int rule, std::uintptr_t grads, std::uintptr_t scalars,
+                                int coefficients, std::uintptr_t stream) {
+             const std::string error = rules::coefficients_error(rule, static_cast<std::size_t>(coefficients));
+             if (!error.empty()) throw py::value_error(error);
+             // The GIL held: this records (no wait), and the replica threads' captured work must enter
+             // the graph in the order the Python step issues it (released, replays read garbage results).
+             cuda::DeviceGuard guard;
+             MIRRORED_CUDA_CHECK(cudaSetDevice(t.device()));
+             t.apply_captured(static_cast<rules::Rule>(rule), reinterpret_cast<const void*>(grads),
+                              reinterpret_cast<const void*>(scalars), coefficients,
+                              reinterpret_cast<cudaStream_t>(stream));
+           },
+           py::arg("rule"), py::arg("grads"), py::arg("scalars"), py::arg("coefficients"), py::arg("stream"),
+           "apply() for a step being captured on `stream` (md.function): the upload and the launch are recorded,\n"
+           "the scalars read at each replay from `scalars`, a device buffer of the table's dtype holding the\n"
+           "rule's `coefficients` values, then weight decay's rate and lr. The table then serves that graph only.");
 }
 
 #ifdef MIRRORED_CUDA_SIM

@@ -21,6 +21,12 @@ namespace mirrored::cuda {
 void fused_update(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
                   const void* scalars, int sms, cudaStream_t stream);
 
+// The same, with the scalars read by the kernel from device memory when it
+// runs (a captured step's, refreshed before each replay): `device_scalars`
+// holds `coefficients` T's, then weight decay's rate and lr (rules.py's order).
+void fused_update_from_device(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
+                              const void* device_scalars, int coefficients, int sms, cudaStream_t stream);
+
 // One variable of a FusedUpdateTable: its buffer and its slots' (the rule's
 // order) on the table's device, `count` elements each.
 struct FusedVariable {
@@ -51,6 +57,14 @@ class FusedUpdateTable {
   void apply(rules::Rule rule, const void* grads, const std::vector<double>& coefficients, double weight_decay,
              double lr, cudaStream_t stream);
 
+  // The same for a step being captured into a CUDA graph on `stream`: the
+  // table's upload (from its pinned host copy, which a capture's table never
+  // rewrites) and the launch are recorded, the scalars read from
+  // `device_scalars` (fused_update_from_device) at each replay. No events: a
+  // table captured once serves only that capture's graph.
+  void apply_captured(rules::Rule rule, const void* grads, const void* device_scalars, int coefficients,
+                      cudaStream_t stream);
+
  private:
   template <typename T>
   void point_grads_at(const void* grads);
@@ -72,6 +86,7 @@ class FusedUpdateTable {
   cudaEvent_t uploaded_ = nullptr;  // host_table_ may be rewritten once this completed
   cudaEvent_t used_ = nullptr;      // device_table_ may be rewritten after this (the last launch)
   bool pending_ = false;            // both events were recorded at least once
+  bool captured_ = false;           // apply_captured was called: the table belongs to a graph
 };
 
 }  // namespace mirrored::cuda

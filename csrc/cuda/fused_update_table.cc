@@ -91,8 +91,28 @@ void FusedUpdateTable::launch(rules::Rule rule, const std::vector<double>& coeff
   fused_update(rule, dtype_, device_table_, entries_, max_count_, &s, sms_, stream);
 }
 
+void FusedUpdateTable::apply_captured(rules::Rule rule, const void* grads, const void* device_scalars,
+                                      int coefficients, cudaStream_t stream) {
+  if (coefficients > rules::kMaxCoefficients) throw std::invalid_argument("fused_update: too many coefficients");
+  if (pending_ || (captured_ && grads != grads_))
+    throw std::logic_error("fused_update: a captured table serves one capture (make a new table for another)");
+  if (entries_ == 0 || max_count_ == 0) return;
+  if (dtype_ == DType::kFloat32) {
+    point_grads_at<float>(grads);
+  } else {
+    point_grads_at<double>(grads);
+  }
+  grads_ = grads;
+  captured_ = true;
+  MIRRORED_CUDA_CHECK(cudaMemcpyAsync(device_table_, host_table_, entries_ * entry_bytes_, cudaMemcpyHostToDevice,
+                                      stream));
+  fused_update_from_device(rule, dtype_, device_table_, entries_, max_count_, device_scalars, coefficients, sms_,
+                           stream);
+}
+
 void FusedUpdateTable::apply(rules::Rule rule, const void* grads, const std::vector<double>& coefficients,
                              double weight_decay, double lr, cudaStream_t stream) {
+  if (captured_) throw std::logic_error("fused_update: this table belongs to a captured graph");
   if (coefficients.size() > static_cast<std::size_t>(rules::kMaxCoefficients))
     throw std::invalid_argument("fused_update: too many coefficients");
   if (entries_ == 0 || max_count_ == 0) return;

@@ -783,7 +783,50 @@ void fused_update_grid(rules::Rule rule, const void* table, int entries, std::si
   run_grid(blocks, [&](std::size_t tid, std::size_t stride) { rules::update_table(rule, t, entries, s, tid, stride); });
 }
 
+// fused_update_from_device's scalars, read when the kernel runs (as the
+// .cu's threads load them).
+template <typename T>
+rules::FusedScalars<T> scalars_from(const void* device_scalars, int coefficients) {
+  reachable(device_scalars);
+  const T* p = static_cast<const T*>(device_scalars);
+  rules::FusedScalars<T> s{};
+  for (int j = 0; j < coefficients; ++j) s.c[j] = p[j];
+  s.weight_decay = p[coefficients];
+  s.lr = p[coefficients + 1];
+  return s;
+}
+
 }  // namespace
+
+void fused_update_from_device(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
+                              const void* device_scalars, int coefficients, int sms, cudaStream_t stream) {
+  sim::Lock lock;
+  if (entries == 0 || max_count == 0) return;
+  if (dtype != DType::kFloat32 && dtype != DType::kFloat64)
+    throw std::invalid_argument("fused_update: the GPU kernel takes float32 and float64");
+  launched(stream);
+  reachable(table);
+  reachable(device_scalars);
+  const int device = sim::current;
+  const unsigned blocks = fused_blocks(max_count, sms);
+  if (dtype == DType::kFloat32) {
+    sim::enqueue(stream, [=] {
+      const int saved = sim::current;
+      sim::current = device;
+      const auto s = scalars_from<float>(device_scalars, coefficients);
+      sim::current = saved;
+      fused_update_grid<float>(rule, table, entries, max_count, s, blocks, device);
+    });
+  } else {
+    sim::enqueue(stream, [=] {
+      const int saved = sim::current;
+      sim::current = device;
+      const auto s = scalars_from<double>(device_scalars, coefficients);
+      sim::current = saved;
+      fused_update_grid<double>(rule, table, entries, max_count, s, blocks, device);
+    });
+  }
+}
 
 void fused_update(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
                   const void* scalars, int sms, cudaStream_t stream) {

@@ -544,18 +544,6 @@ class _Plan:
                 xp.concatenate([grads[k] for k in indices], axis=None, out=buffer)
         return buffers
 
-    def unpack(self, device: int, packed: list) -> list:
-        """Each variable's gradient as a view of device ``device``'s reduced fusion buffers (``pack``'s inverse)."""
-        grads = [None] * len(self.dtypes)
-        for buffer, indices in zip(packed, self.groups.values()):
-            offset = 0
-            for k in indices:
-                shape = self.copies[device][k]._value.shape
-                size = self.copies[device][k]._value.size
-                grads[k] = buffer[offset:offset + size].reshape(shape)
-                offset += size
-        return grads
-
     def apply(self, device: int, grads, step: int, packed=None) -> None:
         """Weight decay and the rule on every variable and slot of local device ``device``, in place.
 
@@ -576,10 +564,12 @@ class _Plan:
         with device_util.device_scope(name), device_util.cross_replica_gpu_scope(name):
             scope = _gpu.step_scope()
             if scope is not None and scope.capturing:
-                # The fused kernel takes its scalars by value, which a graph would replay unchanged: a
-                # captured step runs the rule element-wise on the scalars' device buffers instead, and
-                # counts the step on the device.
-                self._apply_each(device, grads if packed is None else self.unpack(device, packed), self.groups)
+                # md.function: the update reads the step's scalars from device buffers that a hook
+                # refreshes before each replay, and the step is counted on the device.
+                if self.packable:
+                    self._apply_gpu_captured(device, grads, packed, scope)
+                else:
+                    self._apply_each(device, grads, self.groups)
                 self._constrain(device)
                 self.iterations[device]._writable_buffer()[...] += 1
                 return
@@ -670,6 +660,22 @@ class _Plan:
             table.apply(self.rule, _gpu_grad(buffer, dtype, table.total_count).data.ptr,
                         [float(c) for c in self.coefficients[dtype]], float(weight_decay), float(lr), stream)
 
+    def _apply_gpu_captured(self, device: int, grads, packed, scope) -> None:
+        """``_apply_gpu`` recorded into the step's graph: tables of the capture's own (kept by the scope as
+        long as the graph), each launch reading its scalars from the capture's buffer of its dtype."""
+        for c in self.written[device]:
+            c._writable_buffer()  # the graph writes these buffers: md.function checks they stay
+        if packed is None:
+            packed = self.pack(device, grads)
+        tables = self._make_tables(device)
+        scope.captured.setdefault("fused update tables", []).append(tables)
+        weakref.finalize(scope, _retire_tables, tables)
+        stream = rules.array_module(packed[0]).cuda.get_current_stream().ptr
+        for table, buffer, dtype in zip(tables, packed, self.groups):
+            scalars, _, coefficients, _ = scope.captured[self][device][dtype]
+            table.apply_captured(self.rule, _gpu_grad(buffer, dtype, table.total_count).data.ptr, scalars.data.ptr,
+                                 len(coefficients), stream)
+
     def _make_tables(self, device: int) -> list:
         module = _gpu_kernel()
         ordinal = device_util.physical_ordinal(self.copies[device][0].device)
@@ -684,7 +690,7 @@ class _Plan:
         return tables
 
     def _apply_each(self, device: int, grads, groups: dict) -> None:
-        """The rule element-wise, variable by variable (dtypes and arrays no kernel takes, and captured steps)."""
+        """The rule element-wise, variable by variable (dtypes and arrays no kernel takes)."""
         weights = [c._writable_buffer() for c in self.copies[device]]
         slots = [[s._writable_buffer() for s in slots] for slots in self.slots[device]]
         scope = _gpu.step_scope()
@@ -709,8 +715,9 @@ _VALUE = operator.attrgetter("_value")
 _host_kernel = _core.fused_update
 
 
-# Tables of plans collected (by the garbage collector, on any thread) while md.function was capturing
-# a step: freeing their device memory then would break the capture, so they go at the next eager update.
+# Tables of plans, or of captured steps, collected (by the garbage collector, on any thread) while
+# md.function was capturing a step: freeing their device memory then would break the capture, so they
+# go at the next eager update.
 _retired_tables = []
 
 
