@@ -8,9 +8,8 @@ off, many variables in one table: the kernel's results must equal the NumPy refe
 import numpy as np
 import pytest
 
+from mirrored._core import fused_update
 from mirrored.train.optimizers import rules
-
-kernel = pytest.importorskip("mirrored._fused_update", reason="the _fused_update extension was not built")
 
 RNG = np.random.default_rng(11)
 
@@ -54,7 +53,7 @@ def test_kernel_equals_the_reference_bit_for_bit(case, dtype):
         if decay[k]:
             rules.weight_decay(ref_w[k], wd, lr)
         rules.apply(rule, ref_w[k], grads[k], ref_s[k], c)
-    kernel.apply(rule, weights, grads, slots, decay, [float(x) for x in c], float(wd), float(lr))
+    fused_update(rule, weights, grads, slots, decay, [float(x) for x in c], float(wd), float(lr))
     for k in range(len(SIZES)):
         np.testing.assert_array_equal(weights[k], ref_w[k], err_msg=f"{case} weight {k} (size {SIZES[k]})")
         for j in range(n_slots):
@@ -69,7 +68,7 @@ def test_several_steps_stay_bit_identical(case):
     ref_w, ref_s = [w.copy() for w in weights], [[s.copy() for s in ss] for ss in slots]
     for _ in range(5):
         grads = [RNG.normal(size=w.shape).astype(np.float32) for w in weights]
-        kernel.apply(rule, weights, grads, slots, [False, False], [float(x) for x in c], 0.0, 0.0)
+        fused_update(rule, weights, grads, slots, [False, False], [float(x) for x in c], 0.0, 0.0)
         for k in range(2):
             rules.apply(rule, ref_w[k], grads[k], ref_s[k], c)
     for k in range(2):
@@ -81,21 +80,21 @@ def test_bad_tables_are_refused_with_the_argument_named():
     m = np.zeros(4, np.float32)
     args = dict(decay=[False], coefficients=[0.1, 0.9], weight_decay=0.0, lr=0.0)
     with pytest.raises(ValueError, match=r"grads\[0\]: dtype float64"):
-        kernel.apply(rules.SGD_MOMENTUM, [w], [g.astype(np.float64)], [[m]], **args)
+        fused_update(rules.SGD_MOMENTUM, [w], [g.astype(np.float64)], [[m]], **args)
     with pytest.raises(ValueError, match=r"grads\[0\]: expected a C-contiguous"):
-        kernel.apply(rules.SGD_MOMENTUM, [w], [np.ones(8, np.float32)[::2]], [[m]], **args)
+        fused_update(rules.SGD_MOMENTUM, [w], [np.ones(8, np.float32)[::2]], [[m]], **args)
     with pytest.raises(ValueError, match=r"slots\[0\]\[0\]: 3 elements, the variable has 4"):
-        kernel.apply(rules.SGD_MOMENTUM, [w], [g], [[np.zeros(3, np.float32)]], **args)
+        fused_update(rules.SGD_MOMENTUM, [w], [g], [[np.zeros(3, np.float32)]], **args)
     with pytest.raises(ValueError, match=r"slots\[0\]: 0 slots, the rule has 1"):
-        kernel.apply(rules.SGD_MOMENTUM, [w], [g], [[]], **args)
+        fused_update(rules.SGD_MOMENTUM, [w], [g], [[]], **args)
     with pytest.raises(ValueError, match="coefficients: 1 given, the rule takes 2"):
-        kernel.apply(rules.SGD_MOMENTUM, [w], [g], [[m]], [False], [0.1], 0.0, 0.0)
+        fused_update(rules.SGD_MOMENTUM, [w], [g], [[m]], [False], [0.1], 0.0, 0.0)
     with pytest.raises(ValueError, match="rule=9: no such rule"):
-        kernel.apply(9, [w], [g], [[m]], **args)
+        fused_update(9, [w], [g], [[m]], **args)
     with pytest.raises(ValueError, match="float32 and float64"):
-        kernel.apply(rules.SGD, [w.astype(np.float16)], [g.astype(np.float16)], [[]], [False], [0.1], 0.0, 0.0)
+        fused_update(rules.SGD, [w.astype(np.float16)], [g.astype(np.float16)], [[]], [False], [0.1], 0.0, 0.0)
     read_only = np.zeros(4, np.float32)
     read_only.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
-        kernel.apply(rules.SGD, [read_only], [g], [[]], [False], [0.1], 0.0, 0.0)
+        fused_update(rules.SGD, [read_only], [g], [[]], [False], [0.1], 0.0, 0.0)
     np.testing.assert_array_equal(w, 0)  # nothing was applied

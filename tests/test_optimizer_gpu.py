@@ -1,19 +1,27 @@
 """Keras' optimizers on GPU replicas (marker ``gpu``: on the simulated GPUs without a GPU, see gpu_env.py).
 
 Every optimizer, its clipping and weight decay, on two logical GPUs: the same weights as the values
-recorded from TensorFlow (tests/data/keras_optimizers.npz) and as the same run on CPU replicas.
+recorded from TensorFlow (tests/data/keras_optimizers.npz) and as the same run on CPU replicas. The
+fused CUDA update kernel (csrc/cuda/fused_update.cu) against the host kernel, bit for bit, and its
+cost: one launch per GPU and dtype, whatever the number of variables.
 """
+
+import collections
 
 import numpy as np
 import pytest
 
-from gpu_env import SKIP_REASON, cupy
+from gpu_env import SIMULATED, SKIP_REASON, cupy
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 import mirrored as md  # noqa: E402
+from mirrored._core import fused_update as host_fused_update  # noqa: E402
+from mirrored.device import gpu as _gpu  # noqa: E402
+from mirrored.device.dtypes import dtype_code  # noqa: E402
+from test_fused_update import CASES, SIZES, _tables  # noqa: E402
 from test_optimizer_keras_parity import CONFIGS, DATA  # noqa: E402
 
 
@@ -48,3 +56,120 @@ def test_gpu_replicas_match_keras_and_the_cpu_replicas(name):
         np.testing.assert_allclose(got, cpu, rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(on_gpu[0], on_gpu[1])  # the copies stay bit-identical
     np.testing.assert_array_equal(on_gpu[2], on_gpu[3])
+
+
+def _table(device, weights, slots, decay):
+    return _gpu.cuda_module().FusedUpdateTable(device, dtype_code(weights[0].dtype), [w.data.ptr for w in weights],
+                                               [[s.data.ptr for s in ss] for ss in slots],
+                                               [w.size for w in weights], decay)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gpu_kernel_equals_the_host_kernel_bit_for_bit(case, dtype):
+    """Every rule and variant, both dtypes, sizes with every tail and beyond one grid's threads, weight decay
+    on and off: three steps, the packed gradients in a new buffer at each (the table follows it)."""
+    rule, coefficients, n_slots = CASES[case]
+    t = np.dtype(dtype).type
+    c = [float(t(x)) for x in coefficients]
+    sizes = SIZES + [20011]
+    weights, _, slots = _tables(dtype, n_slots, sizes)
+    decay = [k % 3 == 0 for k in range(len(sizes))]
+    wd, lr = float(t(0.004)), c[0]
+    with cupy.cuda.Device(1):
+        gpu_weights = [cupy.asarray(w) for w in weights]
+        gpu_slots = [[cupy.asarray(s) for s in ss] for ss in slots]
+        table = _table(1, gpu_weights, gpu_slots, decay)
+        assert table.total_count == sum(sizes)
+        stream = cupy.cuda.get_current_stream().ptr
+        for _ in range(3):
+            grads = [np.random.default_rng(len(sizes)).normal(size=n).astype(dtype) for n in sizes]
+            host_fused_update(rule, weights, grads, slots, decay, c, wd, lr)
+            packed = cupy.asarray(np.concatenate(grads))
+            table.apply(rule, packed.data.ptr, c, wd, lr, stream)
+        for k, n in enumerate(sizes):
+            np.testing.assert_array_equal(cupy.asnumpy(gpu_weights[k]), weights[k], err_msg=f"weight {k} (size {n})")
+            for j in range(n_slots):
+                np.testing.assert_array_equal(cupy.asnumpy(gpu_slots[k][j]), slots[k][j], err_msg=f"slot {j} of {k}")
+
+
+def test_gpu_kernel_refuses_bad_arguments_naming_them():
+    w = cupy.zeros(4, np.float32)
+    table = _table(0, [w], [[cupy.zeros(4, np.float32)]], [False])
+    g = cupy.ones(4, np.float32)
+    with pytest.raises(ValueError, match="rule=9: no such rule"):
+        table.apply(9, g.data.ptr, [0.1, 0.9], 0.0, 0.0, 0)
+    with pytest.raises(ValueError, match="coefficients: 1 given, the rule takes 2"):
+        table.apply(1, g.data.ptr, [0.1], 0.0, 0.0, 0)
+    with pytest.raises(ValueError, match="float16.*float32 and float64"):
+        _table(0, [cupy.zeros(4, np.float16)], [[]], [False])
+    with pytest.raises(ValueError, match="device: GPU 7 does not exist"):
+        _table(7, [w], [[]], [False])
+    with pytest.raises(ValueError, match="one entry per variable"):
+        _gpu.cuda_module().FusedUpdateTable(0, dtype_code(np.float32), [w.data.ptr], [], [4], [False])
+
+
+def _count_launches(monkeypatch, step):
+    """Launches per GPU of step(): the engine's kernels and the CuPy stand-in's (its own counter)."""
+    import fake_cupy
+
+    stand_in = collections.Counter()
+    real = fake_cupy.sim
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def launch(self, stream, device, fn):
+            stand_in[device] += 1
+            return real.launch(stream, device, fn)
+
+    cupy.sim.drain()
+    cupy.sim.reset_counters()
+    with monkeypatch.context() as m:
+        m.setattr(fake_cupy, "sim", Counting())
+        step()
+    engine = collections.Counter(cupy.sim.counters()["launches"])
+    cupy.sim.drain()
+    return engine, stand_in
+
+
+@pytest.mark.skipif(not SIMULATED, reason="counts the simulated runtime's launches")
+@pytest.mark.parametrize("aggregate", [True, False])
+def test_apply_gradients_on_200_variables_costs_at_most_3_launches_per_gpu_plus_the_all_reduce(monkeypatch,
+                                                                                               aggregate):
+    strategy = md.MirroredStrategy(["/gpu:0", "/gpu:1"])
+    shapes = [(16, 8) if k % 2 else (8,) for k in range(200)]
+    with strategy.scope():
+        variables = [md.Variable(np.full(shape, 0.5, np.float32)) for shape in shapes]
+        opt = md.optimizers.Adam(0.01)
+    host_opt = md.optimizers.Adam(0.01)
+    host_variables = [md.Variable(np.full(shape, 0.5, np.float32)) for shape in shapes]
+
+    def step():
+        r = md.get_replica_context().replica_id_in_sync_group
+        grads = [cupy.full(shape, 0.25 * (r + 1), np.float32) for shape in shapes]
+        opt.apply_gradients(zip(grads, variables), experimental_aggregate_gradients=aggregate)
+
+    for _ in range(2):  # the plan, the slots and the tables are made outside the count
+        strategy.run(step)
+    packed = [cupy.asarray(np.zeros(sum(int(np.prod(s)) for s in shapes), np.float32)) for _ in range(2)]
+    with cupy.cuda.Device(1):
+        packed[1] = cupy.asarray(np.zeros(packed[0].size, np.float32))
+    all_reduce, _ = _count_launches(monkeypatch, lambda: strategy.extended.batch_reduce_to(
+        md.ReduceOp.SUM, [(md.distribute.values.PerReplica(packed, strategy.extended.worker_devices), variables[0])]))
+    engine, stand_in = _count_launches(monkeypatch, lambda: strategy.run(step))
+    for gpu in (0, 1):
+        update = engine[gpu] - (all_reduce[gpu] if aggregate else 0)
+        assert update == 1, f"GPU {gpu}: {engine[gpu]} engine launches, the all-reduce's are {all_reduce[gpu]}"
+        # The stand-in's kernels besides the step's own 200 gradients: packing them, and nothing per variable.
+        assert update + stand_in[gpu] - 200 <= 3, f"GPU {gpu}: {stand_in[gpu]} CuPy kernels"
+
+    # Three steps of Adam on the GPUs equal the host's bits: every copy with the summed gradients, or
+    # (not aggregated) replica 0's copy with its own.
+    for _ in range(3):
+        host_opt.apply_gradients([(np.full(shape, 0.75 if aggregate else 0.25, np.float32), v)
+                                  for shape, v in zip(shapes, host_variables)])
+    for k in (0, 1, 199):
+        for copy in variables[k].values if aggregate else variables[k].values[:1]:
+            np.testing.assert_array_equal(cupy.asnumpy(copy.read_value()), host_variables[k].numpy())

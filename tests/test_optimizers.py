@@ -452,17 +452,14 @@ def test_nadam_resumes_from_a_checkpoint_as_if_never_stopped(tmp_path):
 def test_200_variables_take_one_collective_and_one_kernel_call_per_device_and_step(monkeypatch):
     from mirrored.train.optimizers import base
 
-    kernel = base._fused_kernel()
-    if kernel is None:
-        pytest.skip("the _fused_update extension was not built")
+    kernel = base._host_kernel
     calls = []
 
-    class Counting:
-        def apply(self, rule, weights, grads, *args):
-            calls.append((len(weights), isinstance(grads, np.ndarray)))
-            return kernel.apply(rule, weights, grads, *args)
+    def counting(rule, weights, grads, *args):
+        calls.append((len(weights), isinstance(grads, np.ndarray)))
+        return kernel(rule, weights, grads, *args)
 
-    monkeypatch.setattr(base, "_kernel", Counting())
+    monkeypatch.setattr(base, "_host_kernel", counting)
     ops = _RecordingOps()
     strategy = _strategy(2, cross_device_ops=ops)
     with strategy.scope():
@@ -475,3 +472,24 @@ def test_200_variables_take_one_collective_and_one_kernel_call_per_device_and_st
     assert calls == [(200, False)] * 2 + [(200, True)] * 4  # one kernel call per device and step
     for v in variables[:3]:
         assert _copies_equal(v)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_iterations_assigned_from_outside_is_the_next_step(replicas):
+    """The optimizer counts its steps without reading ``iterations`` back, until someone assigns it."""
+    strategy = _strategy(replicas)
+    with strategy.scope():
+        w = md.Variable(np.zeros(3, np.float32))
+        opt = md.optimizers.SGD(0.1)
+    grad = np.ones(3, np.float32)
+    steps = [strategy.run(lambda: opt.apply_gradients([(grad, w)])) for _ in range(2)]
+    assert [strategy.experimental_local_results(s)[0] for s in steps] == [1, 2]
+    with strategy.scope():
+        opt.iterations.assign(np.int64(10))
+        assert opt.apply_gradients([(grad, w)]) == 11
+    assert int(opt.iterations.numpy()) == 11
+    assert [int(c.numpy()) for c in opt.iterations.values] == [11] * replicas
+    opt.learning_rate = lambda step: 1.0 if step == 11 else 0.0  # the schedule sees the assigned step
+    before = w.numpy().copy()
+    strategy.run(lambda: opt.apply_gradients([(grad, w)]))
+    np.testing.assert_array_equal(w.numpy(), before - replicas * grad)  # the gradients are summed

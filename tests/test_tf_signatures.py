@@ -2,6 +2,7 @@
 (cluster_resolver, communication_options), md.train.ClusterSpec's methods. Expected values recorded from
 TensorFlow 2.21 (tests/data/tfport_reference.json)."""
 
+import importlib
 import json
 import pathlib
 
@@ -85,6 +86,24 @@ def test_variables_created_inside_run_keep_the_replicas_name_scope():
             return md.Variable(np.zeros(2, np.float32), False, name="w")
     w = strategy.run(make)
     assert isinstance(w, md.MirroredVariable) and w.name == "layer/w:0" and not w.trainable
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_every_replica_starts_in_the_callers_name_scope(replicas):
+    """Each replica sees the scope strategy.run was called in, plus its own, whichever thread runs it."""
+    current_scope = importlib.import_module("mirrored.distribute.name_scope").current_scope  # (the name is the class)
+    strategy = md.MirroredStrategy(cpus(replicas))
+
+    def scope_of_each():
+        with md.name_scope("block"):
+            seen = current_scope()
+            md.get_replica_context().merge_call(lambda s: None)  # the other replicas run meanwhile
+            return seen, current_scope()
+
+    with md.name_scope("model"):
+        results = strategy.experimental_local_results(strategy.run(scope_of_each))
+        assert current_scope() == "model/"
+    assert list(results) == [("model/block/", "model/block/")] * replicas
 
 
 # --- MultiWorkerMirroredStrategy ---------------------------------------------------------------------

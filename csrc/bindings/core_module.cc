@@ -1,4 +1,5 @@
-// mirrored._core: the host collectives. Thin: take NumPy arrays already
+// mirrored._core: the host collectives, and the fused optimizer update on host
+// arrays (fused_update_binding.cc). Thin: take NumPy arrays already
 // validated by the collective face (mirrored/collective/plan.py), pull out
 // their data pointers, release the GIL, run the collective. A plan object
 // does the same for a repeated call after checking that its arrays still fit.
@@ -10,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "bindings/fused_update_binding.h"
 #include "host/host_communicator.h"
 
 namespace py = pybind11;
@@ -321,4 +323,5 @@ PYBIND11_MODULE(_core, m) {
         "The algorithm 'auto' picks for n replicas of `bytes` each.");
   m.def("isa", [] { return std::string(comm().isa()); }, "Instruction set of the reduction kernels in use.");
   m.def("num_threads", [] { return ThreadPool::global().size(); }, "Threads of the host collective pool.");
+  bindings::def_host_fused_update(m);
 }

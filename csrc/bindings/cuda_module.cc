@@ -19,6 +19,7 @@
 #include "cuda/cuda_ring.h"
 #include "cuda/device.h"
 #include "cuda/device_batch.h"
+#include "cuda/fused_update.h"
 #include "cuda/check.h"
 #include "cuda/stream_scope.h"
 #include "nccl/nccl_communicator.h"
@@ -58,6 +59,67 @@ std::vector<cudaStream_t> as_streams(const Ptrs& s) { return as_ptrs<CUstream_st
 int size_of(const Ptrs& in, const Ptrs& out) {
   if (in.size() != out.size()) throw py::value_error("inputs and outputs differ in length");
   return static_cast<int>(in.size());
+}
+
+// The fused optimizer update (cuda/fused_update.h): one table per device and
+// dtype of a variable set, made once by mirrored.train.optimizers; each step
+// is one launch. Pointers arrive as integers, validated by the caller.
+void def_fused_update(py::module_& m) {
+  py::class_<cuda::FusedUpdateTable>(m, "FusedUpdateTable")
+      .def(py::init([](int device, int dtype, const Ptrs& weights, const std::vector<Ptrs>& slots,
+                       const std::vector<std::size_t>& counts, const std::vector<bool>& decay) {
+             const std::size_t n = weights.size();
+             if (slots.size() != n || counts.size() != n || decay.size() != n)
+               throw py::value_error("weights, slots, counts and decay must have one entry per variable");
+             std::vector<cuda::FusedVariable> variables(n);
+             for (std::size_t k = 0; k < n; ++k) {
+               if (slots[k].size() > static_cast<std::size_t>(rules::kMaxSlots))
+                 throw py::value_error("slots[" + std::to_string(k) + "]: at most " +
+                                       std::to_string(rules::kMaxSlots) + " slots");
+               cuda::FusedVariable& v = variables[k];
+               v.weight = reinterpret_cast<void*>(weights[k]);
+               for (int j = 0; j < rules::kMaxSlots; ++j)
+                 v.slots[j] = j < static_cast<int>(slots[k].size()) ? reinterpret_cast<void*>(slots[k][j]) : nullptr;
+               v.count = counts[k];
+               v.decay = decay[k];
+             }
+             return std::make_unique<cuda::FusedUpdateTable>(device, dtype_from_code(dtype), variables);
+           }),
+           py::arg("device"), py::arg("dtype"), py::arg("weights"), py::arg("slots"), py::arg("counts"),
+           py::arg("decay"))
+      .def_property_readonly("device", &cuda::FusedUpdateTable::device)
+      .def_property_readonly("total_count", &cuda::FusedUpdateTable::total_count,
+                             "Elements of the packed gradients apply() reads.")
+      .def("apply", [](cuda::FusedUpdateTable& t, int rule, std::uintptr_t grads,
+                       const std::vector<double>& coefficients, double weight_decay, double lr, std::uintptr_t stream) {
+             const std::string error = rules::coefficients_error(rule, coefficients.size());
+             if (!error.empty()) throw py::value_error(error);
+             py::gil_scoped_release nogil;
+             cuda::DeviceGuard guard;
+             MIRRORED_CUDA_CHECK(cudaSetDevice(t.device()));
+             t.apply(static_cast<rules::Rule>(rule), reinterpret_cast<const void*>(grads), coefficients, weight_decay,
+                     lr, reinterpret_cast<cudaStream_t>(stream));
+           },
+           py::arg("rule"), py::arg("grads"), py::arg("coefficients"), py::arg("weight_decay"), py::arg("lr"),
+           py::arg("stream"),
+           "Weight decay (where decay[k]) and the rule on every variable, in place, in one launch on `stream`;\n"
+           "`grads`: the packed gradients (total_count elements, the variables' back to back).")
+      .def("apply_captured", [](cuda::FusedUpdateTable& t, int rule, std::uintptr_t grads, std::uintptr_t scalars,
+                                int coefficients, std::uintptr_t stream) {
+             const std::string error = rules::coefficients_error(rule, static_cast<std::size_t>(coefficients));
+             if (!error.empty()) throw py::value_error(error);
+             // The GIL held: this records (no wait), and the replica threads' captured work must enter
+             // the graph in the order the Python step issues it (released, replays read garbage results).
+             cuda::DeviceGuard guard;
+             MIRRORED_CUDA_CHECK(cudaSetDevice(t.device()));
+             t.apply_captured(static_cast<rules::Rule>(rule), reinterpret_cast<const void*>(grads),
+                              reinterpret_cast<const void*>(scalars), coefficients,
+                              reinterpret_cast<cudaStream_t>(stream));
+           },
+           py::arg("rule"), py::arg("grads"), py::arg("scalars"), py::arg("coefficients"), py::arg("stream"),
+           "apply() for a step being captured on `stream` (md.function): the upload and the launch are recorded,\n"
+           "the scalars read at each replay from `scalars`, a device buffer of the table's dtype holding the\n"
+           "rule's `coefficients` values, then weight decay's rate and lr. The table then serves that graph only.");
 }
 
 #ifdef MIRRORED_CUDA_SIM
@@ -337,6 +399,7 @@ PYBIND11_MODULE(MIRRORED_CUDA_MODULE, m) {
     return std::make_unique<Engine>(devices, std::make_unique<nccl::NcclCommunicator>(id, rank, nranks, devices));
   }, py::arg("unique_id"), py::arg("rank"), py::arg("nranks"), py::arg("devices"),
      "This process's ranks rank.. rank+len(devices)-1 of an NCCL job of nranks sharing unique_id.");
+  def_fused_update(m);
 #ifdef MIRRORED_CUDA_SIM
   def_sim(m);
 #endif

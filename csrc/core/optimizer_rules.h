@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <string>
 
 #if defined(__CUDACC__)
 #define MIRRORED_HD __host__ __device__
@@ -27,6 +28,35 @@ enum class Rule : int { kSgd = 0, kSgdMomentum, kSgdNesterov, kAdam, kRmsprop, k
 
 constexpr int kMaxSlots = 3;
 constexpr int kMaxCoefficients = 9;
+
+// Number of scalars each rule reads (rules.py's coefficients); -1 for a code that is no rule.
+inline int rule_coefficients(int rule) {
+  constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9};
+  return rule >= 0 && rule < 7 ? counts[rule] : -1;
+}
+
+// What is wrong with `given` coefficients for `rule` (a code from Python), naming the argument; empty when nothing.
+inline std::string coefficients_error(int rule, std::size_t given) {
+  const int wanted = rule_coefficients(rule);
+  if (wanted < 0) return "rule=" + std::to_string(rule) + ": no such rule";
+  if (given != static_cast<std::size_t>(wanted))
+    return "coefficients: " + std::to_string(given) + " given, the rule takes " + std::to_string(wanted);
+  return {};
+}
+
+// Number of slots the rule updates, given its coefficients (RMSprop's variants are read from them).
+inline int rule_slots(int rule, const double* c) {
+  switch (static_cast<Rule>(rule)) {
+    case Rule::kSgd: return 0;
+    case Rule::kSgdMomentum:
+    case Rule::kSgdNesterov:
+    case Rule::kAdagrad: return 1;
+    case Rule::kAdam:
+    case Rule::kNadam: return 2;
+    case Rule::kRmsprop: return 1 + (c[5] != 0.0) + (c[4] != 0.0);
+  }
+  return -1;
+}
 
 // One variable of a fused update (one entry of its table): `count` elements of
 // the variable, its gradient and each of its slots (in the rule's order), all

@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <vector>
 
 #include "core/dtype.h"
 #include "core/optimizer_rules.h"
@@ -19,5 +20,73 @@ namespace mirrored::cuda {
 // passed by value. `sms` bounds the grid.
 void fused_update(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
                   const void* scalars, int sms, cudaStream_t stream);
+
+// The same, with the scalars read by the kernel from device memory when it
+// runs (a captured step's, refreshed before each replay): `device_scalars`
+// holds `coefficients` T's, then weight decay's rate and lr (rules.py's order).
+void fused_update_from_device(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
+                              const void* device_scalars, int coefficients, int sms, cudaStream_t stream);
+
+// One variable of a FusedUpdateTable: its buffer and its slots' (the rule's
+// order) on the table's device, `count` elements each.
+struct FusedVariable {
+  void* weight;
+  void* slots[rules::kMaxSlots];
+  std::size_t count;
+  bool decay;
+};
+
+// The device-side table of one device's variables of one dtype, built once
+// per variable set: every step is then a single launch. The gradients come
+// packed, the variables' back to back in table order; the table holds their
+// pointers, so it is uploaded again (on the launch's stream, ordered after
+// the last launch that read it) only when the packed buffer moves.
+class FusedUpdateTable {
+ public:
+  FusedUpdateTable(int device, DType dtype, const std::vector<FusedVariable>& variables);
+  ~FusedUpdateTable();
+  FusedUpdateTable(const FusedUpdateTable&) = delete;
+  FusedUpdateTable& operator=(const FusedUpdateTable&) = delete;
+
+  int device() const { return device_; }
+  std::size_t total_count() const { return total_count_; }
+
+  // The rule (coefficients: rules.py's for it, weight decay's factors) on
+  // every variable, with `grads` the packed gradients in device memory; one
+  // launch on `stream`, which must be of the table's device (current).
+  void apply(rules::Rule rule, const void* grads, const std::vector<double>& coefficients, double weight_decay,
+             double lr, cudaStream_t stream);
+
+  // The same for a step being captured into a CUDA graph on `stream`: the
+  // table's upload (from its pinned host copy, which a capture's table never
+  // rewrites) and the launch are recorded, the scalars read from
+  // `device_scalars` (fused_update_from_device) at each replay. No events: a
+  // table captured once serves only that capture's graph.
+  void apply_captured(rules::Rule rule, const void* grads, const void* device_scalars, int coefficients,
+                      cudaStream_t stream);
+
+ private:
+  template <typename T>
+  void point_grads_at(const void* grads);
+  template <typename T>
+  void launch(rules::Rule rule, const std::vector<double>& coefficients, double weight_decay, double lr,
+              cudaStream_t stream);
+
+  int device_;
+  DType dtype_;
+  int entries_;
+  int sms_ = 1;
+  std::size_t entry_bytes_;
+  std::size_t max_count_ = 0;
+  std::size_t total_count_ = 0;
+  std::vector<std::size_t> offsets_;  // each variable's first element in the packed gradients
+  void* host_table_ = nullptr;        // pinned, so the upload is asynchronous
+  void* device_table_ = nullptr;
+  const void* grads_ = nullptr;    // the packed gradients the device table points at
+  cudaEvent_t uploaded_ = nullptr;  // host_table_ may be rewritten once this completed
+  cudaEvent_t used_ = nullptr;      // device_table_ may be rewritten after this (the last launch)
+  bool pending_ = false;            // both events were recorded at least once
+  bool captured_ = false;           // apply_captured was called: the table belongs to a graph
+};
 
 }  // namespace mirrored::cuda

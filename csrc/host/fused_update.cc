@@ -108,24 +108,6 @@ void apply_entry(Rule rule, const FusedEntry<T>& e, const FusedScalars<T>& s) {
 
 }  // namespace
 
-int rule_coefficients(int rule) {
-  static const int counts[] = {1, 2, 2, 4, 6, 2, 9};
-  return rule >= 0 && rule < 7 ? counts[rule] : -1;
-}
-
-int rule_slots(int rule, const double* c) {
-  switch (static_cast<Rule>(rule)) {
-    case Rule::kSgd: return 0;
-    case Rule::kSgdMomentum:
-    case Rule::kSgdNesterov:
-    case Rule::kAdagrad: return 1;
-    case Rule::kAdam:
-    case Rule::kNadam: return 2;
-    case Rule::kRmsprop: return 1 + (c[5] != 0.0) + (c[4] != 0.0);
-  }
-  return -1;
-}
-
 template <typename T>
 void fused_update(Rule rule, const FusedEntry<T>* entries, std::size_t n, const FusedScalars<T>& s) {
   for (std::size_t k = 0; k < n; ++k) {

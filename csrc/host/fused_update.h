@@ -14,10 +14,9 @@ using rules::FusedEntry;
 using rules::FusedScalars;
 using rules::kMaxSlots;
 using rules::Rule;
+using rules::rule_coefficients;
+using rules::rule_slots;
 
-// Number of slots and coefficients each rule reads; -1 for a code that is no rule.
-int rule_slots(int rule, const double* coefficients);
-int rule_coefficients(int rule);
 
 // Applies `rule` to entries[0..n). Entries must not overlap each other.
 template <typename T>

@@ -25,6 +25,7 @@
 
 #include "cuda/fused.h"
 #include "cuda/fused_body.cuh"
+#include "cuda/fused_update.h"
 #include "cuda/reduce_kernels.h"
 #include "cuda/reduce_ops.cuh"
 
@@ -752,6 +753,99 @@ void reduce_copy(void* out, const void* a, const void* b, std::size_t count, DTy
       case DType::kInt64: return combine_op<std::int64_t>(out, a, b, count, op, mean_div);
     }
   });
+}
+
+}  // namespace mirrored::cuda
+
+// The fused optimizer update (cuda/fused_update.h): the .cu's kernel body,
+// rules::update_table, per thread of the same grid.
+namespace mirrored::cuda {
+namespace {
+
+template <typename T>
+void fused_update_grid(rules::Rule rule, const void* table, int entries, std::size_t max_count,
+                       const rules::FusedScalars<T>& s, unsigned blocks, int device) {
+  // The table is read when the kernel runs (it was uploaded on this stream
+  // just before); so are the pointers it holds.
+  const auto* t = static_cast<const rules::FusedEntry<T>*>(table);
+  const int saved = sim::current;
+  sim::current = device;
+  std::size_t largest = 0;
+  for (int e = 0; e < entries; ++e) {
+    largest = std::max(largest, t[e].count);
+    if (!t[e].count) continue;
+    reachable(t[e].weight), reachable(t[e].grad);
+    for (int j = 0; j < rules::kMaxSlots; ++j)
+      if (t[e].slots[j]) reachable(t[e].slots[j]);
+  }
+  sim::current = saved;
+  if (largest != max_count) throw std::logic_error("fused_update: max_count is not the table's largest count");
+  run_grid(blocks, [&](std::size_t tid, std::size_t stride) { rules::update_table(rule, t, entries, s, tid, stride); });
+}
+
+// fused_update_from_device's scalars, read when the kernel runs (as the
+// .cu's threads load them).
+template <typename T>
+rules::FusedScalars<T> scalars_from(const void* device_scalars, int coefficients) {
+  reachable(device_scalars);
+  const T* p = static_cast<const T*>(device_scalars);
+  rules::FusedScalars<T> s{};
+  for (int j = 0; j < coefficients; ++j) s.c[j] = p[j];
+  s.weight_decay = p[coefficients];
+  s.lr = p[coefficients + 1];
+  return s;
+}
+
+}  // namespace
+
+void fused_update_from_device(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
+                              const void* device_scalars, int coefficients, int sms, cudaStream_t stream) {
+  sim::Lock lock;
+  if (entries == 0 || max_count == 0) return;
+  if (dtype != DType::kFloat32 && dtype != DType::kFloat64)
+    throw std::invalid_argument("fused_update: the GPU kernel takes float32 and float64");
+  launched(stream);
+  reachable(table);
+  reachable(device_scalars);
+  const int device = sim::current;
+  const unsigned blocks = fused_blocks(max_count, sms);
+  if (dtype == DType::kFloat32) {
+    sim::enqueue(stream, [=] {
+      const int saved = sim::current;
+      sim::current = device;
+      const auto s = scalars_from<float>(device_scalars, coefficients);
+      sim::current = saved;
+      fused_update_grid<float>(rule, table, entries, max_count, s, blocks, device);
+    });
+  } else {
+    sim::enqueue(stream, [=] {
+      const int saved = sim::current;
+      sim::current = device;
+      const auto s = scalars_from<double>(device_scalars, coefficients);
+      sim::current = saved;
+      fused_update_grid<double>(rule, table, entries, max_count, s, blocks, device);
+    });
+  }
+}
+
+void fused_update(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
+                  const void* scalars, int sms, cudaStream_t stream) {
+  sim::Lock lock;
+  if (entries == 0 || max_count == 0) return;
+  if (dtype != DType::kFloat32 && dtype != DType::kFloat64)
+    throw std::invalid_argument("fused_update: the GPU kernel takes float32 and float64");
+  launched(stream);
+  reachable(table);
+  const int device = sim::current;
+  const unsigned blocks = fused_blocks(max_count, sms);
+  // Kernel arguments are captured at the launch, as CUDA does.
+  if (dtype == DType::kFloat32) {
+    const auto s = *static_cast<const rules::FusedScalars<float>*>(scalars);
+    sim::enqueue(stream, [=] { fused_update_grid<float>(rule, table, entries, max_count, s, blocks, device); });
+  } else {
+    const auto s = *static_cast<const rules::FusedScalars<double>*>(scalars);
+    sim::enqueue(stream, [=] { fused_update_grid<double>(rule, table, entries, max_count, s, blocks, device); });
+  }
 }
 
 }  // namespace mirrored::cuda

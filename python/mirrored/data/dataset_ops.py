@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import copy
+import inspect
 import math
 import os
 import threading
@@ -575,6 +576,11 @@ class IterableDataset(Dataset):
     def _make_iterator(self, state=None):
         return _IterableIterator(self._iterable, 0 if state is None else state["count"])
 
+
+
+# md.data.Dataset(iterable, options) makes an IterableDataset (Dataset.__new__): inspect and help() show
+# that class's parameters rather than __new__'s (*args, **kwargs).
+Dataset.__new__.__signature__ = inspect.signature(IterableDataset.__init__)
 
 class _IterableIterator(_Iterator):
     def __init__(self, iterable, count):

@@ -28,6 +28,7 @@ from ..device import config, device_util, gpu as _gpu
 from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, describe
 from .context import _Context, _local
 from .distribute_lib import _Aborted, _Group, ReplicaContext, Strategy, StrategyExtended
+from .name_scope import current_scope, swap_scope
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
 from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mirrored, MirroredVariable, SyncOnReadVariable, regroup, select_replica)
@@ -49,13 +50,14 @@ def _is_long(started: float, started_cpu: float) -> bool:
 
 
 def _thread_state() -> tuple:
-    """What a replica keeps on its thread: the context stack and the current device."""
-    return getattr(_local, "stack", None), device_util.current()
+    """What a replica keeps on its thread: the context stack, the current device and md.name_scope."""
+    return getattr(_local, "stack", None), device_util.current(), current_scope()
 
 
 def _set_thread_state(state: tuple) -> None:
-    _local.stack, device = state
+    _local.stack, device, name_scope = state
     device_util.set_current(device)
+    swap_scope(name_scope)
 
 
 class _Cooperative:
@@ -72,7 +74,7 @@ class _Cooperative:
     collectives thus costs plain calls, and a collective a few greenlet
     switches (about a microsecond each) where a thread hand-off costs tens of
     microseconds, hundreds on a loaded machine (docs/architecture.md). Each
-    replica keeps its own thread-local state (context stack, current device)
+    replica keeps its own thread-local state (context stack, current device, name scope)
     across switches.
     """
 
@@ -593,10 +595,14 @@ class MirroredExtended(StrategyExtended):
         strategy = self._container_strategy
         contexts = self._replica_contexts or self._contexts()
         scopes = self._scopes or self._replica_scopes()
+        # Every replica starts in the caller's md.name_scope, as TF's replica threads do, and keeps its
+        # own: a thread that runs another replica while this one waits in a merge_call must not see it.
+        name_scope = current_scope()
 
         def replica(i):
             saved = getattr(_local, "stack", None)
             _local.stack = [_Context(strategy, contexts[i])]
+            outer_name_scope = swap_scope(name_scope)
             scope = scopes[i]
             scope.__enter__()
             try:
@@ -606,6 +612,7 @@ class MirroredExtended(StrategyExtended):
                 return fn(*args_i, **kwargs_i)
             finally:
                 scope.__exit__(None, None, None)
+                swap_scope(outer_name_scope)
                 _local.stack = saved
 
         results = self._pool.run(replica)

@@ -24,6 +24,13 @@ def current_scope() -> str:
     return getattr(_state, "scope", "")
 
 
+def swap_scope(scope: str) -> str:
+    """Make ``scope`` (a whole scope name) current on this thread; returns the one it replaces."""
+    previous = getattr(_state, "scope", "")
+    _state.scope = scope
+    return previous
+
+
 @contextlib.contextmanager
 def entered(scope: str):
     """A context in which ``current_scope()`` is ``scope``, a whole scope name (``""`` or ending in ``/``)."""

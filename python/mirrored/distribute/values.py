@@ -29,6 +29,9 @@ from . import context
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
 
+# How many times a variable copy was given a new buffer (copy-on-write, see _writable_buffer):
+# while it stays the same, every buffer a caller cached (the optimizers' GPU tables) is current.
+buffers_replaced = 0
 
 
 def _numpy_text(value) -> str:
@@ -243,6 +246,7 @@ class DeviceVariable(Variable):
 
     def _writable_buffer(self):
         """This copy's buffer, ready to be written in place: a fresh one first when something else holds it."""
+        global buffers_replaced
         value = self._value
         # References: `value`, the attribute, getrefcount's argument. Any other is a
         # reader's (an array or a view read earlier), whose values must not change.
@@ -256,9 +260,14 @@ class DeviceVariable(Variable):
                     "replay; inside md.function drop such references before the update (del them, or read the "
                     "variable where it is used)")
             value = self._value = value.copy()
+            buffers_replaced += 1
         if step is not None and step.capturing:  # the graph writes this buffer: md.function checks it stays
             step.captured.setdefault("variable buffers", {})[id(self)] = (self, id(value))
         return value
+
+    # assign, assign_add and assign_sub calls so far: a caller that remembers a value it wrote
+    # itself (the optimizers' step count) knows it is still current while this stays the same.
+    _stores = 0
 
     def _store(self, new) -> None:
         """``new`` (this variable's shape, on its device) written into the buffer, converted to its dtype.
@@ -267,6 +276,7 @@ class DeviceVariable(Variable):
         """
         buffer = self._writable_buffer()
         buffer[...] = new
+        self._stores += 1
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         self._store(self._converted(value))

@@ -33,10 +33,15 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
+import sys
+import weakref
 
 import numpy as np
 
+from ... import _core
 from ...device import device_util, gpu as _gpu
+from ...device.dtypes import dtype_code
 from ...distribute import distribute_lib, values
 from ...distribute.options import VariableAggregation
 from ...distribute.reduce_util import ReduceOp
@@ -117,7 +122,9 @@ class Optimizer:
             raise ValueError("Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set. Received: "
                              f"clipnorm={clipnorm}, clipvalue={clipvalue}, global_clipnorm={global_clipnorm}")
         self._iterations = None
-        self._host_step = None  # iterations as of the last step this process took (read by captured steps)
+        # (iterations' value, its first copy, that copy's _stores) after the last step this process took:
+        # the step count without a read from the GPU, and what a captured step's replays count from
+        self._known_step = None
         self._slots = {}  # id(variable) -> (variable, {slot name: slot variable})
         self._plans = {}  # tuple of variable ids -> _Plan
         self._checked = {}  # tuple of variable ids -> (their shapes, the variables), once checked
@@ -412,33 +419,43 @@ class Optimizer:
         return plan
 
     def _advance(self, plan) -> int:
-        """The step being taken (``iterations`` before it): its scalars prepared, ``iterations`` incremented."""
+        """The step being taken (``iterations`` before it), its scalars prepared; each device's copy of
+        ``iterations`` goes up with its update (``_Plan.apply``).
+
+        Under ``md.function``'s capture nothing may wait for the GPU: the step is the one counted by the
+        eager warm-up step that precedes every capture, the captured update reads the step's scalars
+        from device buffers, and a replay hook counts the step and uploads its scalars before each replay.
+        """
+        step = self._counted_step(plan)
         scope = _gpu.step_scope()
         if scope is not None and scope.capturing:
-            return self._advance_captured(plan, scope)
-        step = int(self._iterations.numpy())
+            plan.capture_scalars(scope, step)
+            scope.replay_hooks.append(lambda: self._before_replay(plan, scope))
+            return step  # the capture runs nothing: each replay is a step, counted by its hook
+        self._known_step = (step + 1, plan.iterations[0], plan.iterations[0]._stores)
         plan.prepare(step)
-        self._iterations.assign_add(np.int64(1))
-        self._host_step = step + 1
         return step
 
-    def _advance_captured(self, plan, scope) -> int:
-        """The same under ``md.function``'s capture, where nothing may wait for the GPU: the host counts
-        the steps (from the eager warm-up step that precedes every capture), the captured update reads
-        the step's scalars from device buffers, and a replay hook computes and uploads them before each
-        replay; ``iterations`` is incremented on the device by the captured work itself."""
-        step = self._host_step
-        plan.capture_scalars(scope)
+    def _counted_step(self, plan) -> int:
+        """``iterations`` now: the count this optimizer keeps, read from ``iterations`` (on a GPU: a copy to
+        the host, which waits for the GPU) only when someone else assigned it since this optimizer counted."""
+        first = plan.iterations[0]
+        known = self._known_step
+        if known is not None and known[1] is first and known[2] == first._stores:
+            return known[0]
+        scope = _gpu.step_scope()
+        if scope is not None and scope.capturing:
+            raise RuntimeError(
+                f"optimizer {self.name!r}: `iterations` was assigned after md.function's warm-up step, so a "
+                "captured step cannot know its value without waiting for the GPU; assign it outside the step")
+        return int(self._iterations.numpy())
 
-        def before_replay():
-            replayed = self._host_step
-            self._host_step = replayed + 1
-            plan.prepare(replayed)
-            plan.upload_scalars(scope)
-
-        scope.replay_hooks.append(before_replay)
-        self._iterations.assign_add(np.int64(1))
-        return step
+    def _before_replay(self, plan, scope) -> None:
+        """Before each replay of a captured step: its step counted, its scalars uploaded."""
+        step = self._counted_step(plan)
+        self._known_step = (step + 1, plan.iterations[0], plan.iterations[0]._stores)
+        plan.prepare(step)
+        plan.upload_scalars(scope)
 
     def _step_state(self, step: int, dtypes) -> None:
         """Hook: state shared by every variable of a step (Nadam's momentum-schedule product)."""
@@ -475,25 +492,37 @@ class _Plan:
         for k, dtype in enumerate(self.dtypes):
             self.groups.setdefault(dtype, []).append(k)
         self.host = [all(type(c._value) is np.ndarray for c in copies) for copies in self.copies]
-        # Host float32/float64 variables: each replica packs its gradients into a fusion buffer
-        # per dtype (allocated once) and the kernel reads the reduced buffer in place.
-        self.packable = (all(self.host) and _fused_kernel() is not None
-                         and all(dtype in _KERNEL_DTYPES for dtype in self.groups))
-        self.fusion_buffers = [[np.empty(sum(self.copies[0][k]._value.size for k in indices), dtype)
+        # Per device, every copy the update writes (variables, then slots), for the copy-on-write check.
+        self.written = [copies + [s for slots in device_slots for s in slots]
+                        for copies, device_slots in zip(self.copies, self.slots)]
+        # float32/float64 variables all on host, or all on GPUs with the CUDA kernel: each replica
+        # packs its gradients into a fusion buffer per dtype (allocated once, on its device), and
+        # the fused kernel reads the reduced buffer in place.
+        kernel = _host_kernel if all(self.host) else _gpu_kernel() if not any(self.host) else None
+        self.packable = kernel is not None and all(dtype in _KERNEL_DTYPES for dtype in self.groups)
+        self.fusion_buffers = [[device_util.place(np.empty(sum(self.copies[0][k]._value.size for k in indices),
+                                                           dtype), self.copies[d][0].device)
                                 for dtype, indices in self.groups.items()]
-                               for _ in range(self.num_devices)] if self.packable else None
+                               for d in range(self.num_devices)] if self.packable else None
+        self.gpu_tables = [None] * self.num_devices  # per device: one FusedUpdateTable per dtype
+        weakref.finalize(self, _retire_tables, self.gpu_tables)
+        self.tables_made_at = [None] * self.num_devices  # values.buffers_replaced when they were made
         self.rule = optimizer._rule
         # Keras applies a variable's constraint after its update: (index, constraint) of those that have one.
         self.constraints = [(k, v.constraint) for k, v in enumerate(variables)
                             if getattr(v, "constraint", None) is not None]
         self.coefficients = {}
         self.decay_factors = {}
+        iterations = optimizer._iterations
+        self.iterations = iterations.values if isinstance(iterations, DistributedVariable) else (iterations,)
+        self.next_step = None
 
     def prepare(self, step: int) -> None:
         """The step's scalars for every dtype (once per step, not per variable or device)."""
         opt = self.optimizer
         lr = opt.learning_rate_at(step)
         opt._step_state(step, self.dtypes)
+        self.next_step = step + 1
         self.coefficients.clear()
         self.decay_factors.clear()
         for dtype in set(self.dtypes):
@@ -507,31 +536,49 @@ class _Plan:
     def pack(self, device: int, grads: list) -> list:
         """``grads`` copied into device ``device``'s fusion buffers, one per dtype (converted to it)."""
         buffers = self.fusion_buffers[device]
+        xp = rules.array_module(buffers[0])
         if len(buffers) == 1:
-            np.concatenate(grads, axis=None, out=buffers[0])
+            xp.concatenate(grads, axis=None, out=buffers[0])
         else:
             for buffer, indices in zip(buffers, self.groups.values()):
-                np.concatenate([grads[k] for k in indices], axis=None, out=buffer)
+                xp.concatenate([grads[k] for k in indices], axis=None, out=buffer)
         return buffers
 
     def apply(self, device: int, grads, step: int, packed=None) -> None:
         """Weight decay and the rule on every variable and slot of local device ``device``, in place.
 
         ``grads``: one gradient per variable, or None with ``packed``: one reduced
-        fusion buffer per dtype. The float32 and float64 host arrays go through the
-        fused kernel, one call per dtype; anything else (float16, bfloat16, GPU
-        arrays) through the same rule element-wise, variable by variable.
+        fusion buffer per dtype. float32 and float64 go through the fused kernel, one
+        call per dtype: on host csrc/host/fused_update.cc, on a GPU one launch of
+        csrc/cuda/fused_update.cu over a table made once. Anything else (float16,
+        bfloat16) goes through the same rule element-wise, variable by variable.
         """
         if self.host[device]:
-            self._apply(device, grads, packed, _fused_kernel())
+            self._apply_host(device, grads, packed)
             self._constrain(device)
+            self.iterations[device]._writable_buffer().fill(self.next_step)
             return
         # GPU copies: on their GPU's legacy default stream, ordered after every replica
         # stream's work (the gradients, the all-reduce) and before the next step's.
         name = self.copies[device][0].device
         with device_util.device_scope(name), device_util.cross_replica_gpu_scope(name):
-            self._apply(device, grads, packed, None)
+            scope = _gpu.step_scope()
+            if scope is not None and scope.capturing:
+                # md.function: the update reads the step's scalars from device buffers that a hook
+                # refreshes before each replay, and the step is counted on the device.
+                if self.packable:
+                    self._apply_gpu_captured(device, grads, packed, scope)
+                else:
+                    self._apply_each(device, grads, self.groups)
+                self._constrain(device)
+                self.iterations[device]._writable_buffer()[...] += 1
+                return
+            if self.packable:
+                self._apply_gpu(device, grads, packed)
+            else:
+                self._apply_each(device, grads, self.groups)
             self._constrain(device)
+            self.iterations[device]._writable_buffer().fill(self.next_step)  # one kernel, no upload
 
     def _constrain(self, device: int) -> None:
         """``w = constraint(w)`` for each constrained variable's copy on ``device``, in place (Keras' order)."""
@@ -543,11 +590,11 @@ class _Plan:
         """The step's scalars of ``dtype``: the rule's coefficients, then weight decay's (rate, lr)."""
         return list(self.coefficients[dtype]) + list(self.decay_factors.get(dtype, (0.0, 0.0)))
 
-    def capture_scalars(self, scope) -> None:
+    def capture_scalars(self, scope, step: int) -> None:
         """For a captured step: every device's scalars in a device buffer per dtype (kept by the scope,
         from its pool of host-written buffers), which the captured update reads through 0-d views. The scalars the
         rules branch on in Python (``rules.HOST_COEFFICIENTS``) stay host values, fixed at capture."""
-        self.prepare(self.optimizer._host_step)
+        self.prepare(step)
         cupy = _gpu.cupy_module()
         host_positions = rules.HOST_COEFFICIENTS.get(self.rule, ())
         per_device = {}
@@ -570,23 +617,90 @@ class _Plan:
                 host = np.array(self._scalars(dtype), dtype)
                 buffer.data.copy_from_host_async(host.ctypes.data, host.nbytes, scope.streams[ordinal])
 
-    def _apply(self, device: int, grads, packed, fused) -> None:
+    def _writable(self, device: int) -> None:
+        """Copy-on-write (values.DeviceVariable._writable_buffer) for every copy of the device, at the cost
+        of one C loop when no copy is held elsewhere (the common case)."""
+        written = self.written[device]
+        buffers = list(map(_VALUE, written))
+        # References to each: its copy's attribute, the list, map's argument.
+        if max(map(sys.getrefcount, buffers)) > 3:
+            del buffers
+            for c in written:
+                c._writable_buffer()
+
+    def _apply_host(self, device: int, grads, packed) -> None:
+        self._writable(device)
+        weights = list(map(_VALUE, self.copies[device]))
+        rest = {}
+        for j, (dtype, indices) in enumerate(self.groups.items()):
+            if dtype not in _KERNEL_DTYPES:
+                rest[dtype] = indices
+                continue
+            weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))
+            group_grads = packed[j] if packed is not None else [_host_grad(grads[k], dtype) for k in indices]
+            _host_kernel(self.rule, [weights[k] for k in indices], group_grads,
+                         [list(map(_VALUE, self.slots[device][k])) for k in indices],
+                         [self.decay[k] for k in indices], [float(c) for c in self.coefficients[dtype]],
+                         float(weight_decay), float(lr))
+        if rest:
+            self._apply_each(device, grads, rest)
+
+    def _apply_gpu(self, device: int, grads, packed) -> None:
+        """One launch per dtype: the device's table (made once, again only after a copy-on-write)."""
+        self._writable(device)
+        _retired_tables.clear()
+        if self.tables_made_at[device] != values.buffers_replaced:
+            self.gpu_tables[device] = self._make_tables(device)
+            self.tables_made_at[device] = values.buffers_replaced
+        if packed is None:
+            packed = self.pack(device, grads)
+        stream = rules.array_module(packed[0]).cuda.get_current_stream().ptr
+        for table, buffer, dtype in zip(self.gpu_tables[device], packed, self.groups):
+            weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))
+            table.apply(self.rule, _gpu_grad(buffer, dtype, table.total_count).data.ptr,
+                        [float(c) for c in self.coefficients[dtype]], float(weight_decay), float(lr), stream)
+
+    def _apply_gpu_captured(self, device: int, grads, packed, scope) -> None:
+        """``_apply_gpu`` recorded into the step's graph: tables of the capture's own (kept by the scope as
+        long as the graph), each launch reading its scalars from the capture's buffer of its dtype."""
+        for c in self.written[device]:
+            c._writable_buffer()  # the graph writes these buffers: md.function checks they stay
+        if packed is None:
+            packed = self.pack(device, grads)
+        tables = self._make_tables(device)
+        scope.captured.setdefault("fused update tables", []).append(tables)
+        weakref.finalize(scope, _retire_tables, tables)
+        stream = rules.array_module(packed[0]).cuda.get_current_stream().ptr
+        for table, buffer, dtype in zip(tables, packed, self.groups):
+            scalars, _, coefficients, _ = scope.captured[self][device][dtype]
+            table.apply_captured(self.rule, _gpu_grad(buffer, dtype, table.total_count).data.ptr, scalars.data.ptr,
+                                 len(coefficients), stream)
+
+    def _make_tables(self, device: int) -> list:
+        module = _gpu_kernel()
+        ordinal = device_util.physical_ordinal(self.copies[device][0].device)
+        tables = []
+        for dtype, indices in self.groups.items():
+            weights = [self.copies[device][k]._value for k in indices]
+            slots = [[s._value for s in self.slots[device][k]] for k in indices]
+            tables.append(module.FusedUpdateTable(
+                ordinal, dtype_code(dtype), [w.data.ptr for w in weights],
+                [[s.data.ptr for s in var_slots] for var_slots in slots], [w.size for w in weights],
+                [self.decay[k] for k in indices]))
+        return tables
+
+    def _apply_each(self, device: int, grads, groups: dict) -> None:
+        """The rule element-wise, variable by variable (dtypes and arrays no kernel takes)."""
         weights = [c._writable_buffer() for c in self.copies[device]]
         slots = [[s._writable_buffer() for s in slots] for slots in self.slots[device]]
         scope = _gpu.step_scope()
         captured = scope.captured[self][device] if scope is not None and scope.capturing else None
-        for j, (dtype, indices) in enumerate(self.groups.items()):
+        for dtype, indices in groups.items():
             if captured is None:
                 coefficients = self.coefficients[dtype]
                 weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))
-            else:
+            else:  # 0-d views of the device buffers each replay's hook refreshes
                 _, _, coefficients, (weight_decay, lr) = captured[dtype]
-            if fused is not None and dtype in _KERNEL_DTYPES:
-                group_grads = packed[j] if packed is not None else [_host_grad(grads[k], dtype) for k in indices]
-                fused.apply(self.rule, [weights[k] for k in indices], group_grads, [slots[k] for k in indices],
-                            [self.decay[k] for k in indices], [float(c) for c in coefficients], float(weight_decay),
-                            float(lr))
-                continue
             for k in indices:
                 g = grads[k]
                 if g.dtype != dtype:
@@ -597,19 +711,29 @@ class _Plan:
 
 
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_kernel = None
+_VALUE = operator.attrgetter("_value")
+_host_kernel = _core.fused_update
 
 
-def _fused_kernel():
-    """The fused host kernel (the ``_fused_update`` extension), or None where it was not built."""
-    global _kernel
-    if _kernel is None:
-        try:
-            from ... import _fused_update as kernel
-        except ImportError:
-            kernel = False
-        _kernel = kernel
-    return _kernel or None
+# Tables of plans, or of captured steps, collected (by the garbage collector, on any thread) while
+# md.function was capturing a step: freeing their device memory then would break the capture, so they
+# go at the next eager update.
+_retired_tables = []
+
+
+def _retire_tables(tables: list) -> None:
+    step = _gpu._step
+    if step is not None and step.capturing and any(tables):
+        _retired_tables.append(tables)
+
+
+def _gpu_kernel():
+    """The CUDA engine's extension when it has the fused update kernel, else None."""
+    try:
+        module = _gpu.cuda_module()
+    except RuntimeError:
+        return None
+    return module if hasattr(module, "FusedUpdateTable") else None
 
 
 def _host_grad(g, dtype):
@@ -617,6 +741,14 @@ def _host_grad(g, dtype):
     if type(g) is np.ndarray and g.dtype == dtype and g.flags.c_contiguous:
         return g
     return np.ascontiguousarray(g, dtype)
+
+
+def _gpu_grad(buffer, dtype, count: int):
+    """A reduced fusion buffer as the GPU kernel reads it: contiguous, of the variables' dtype and size."""
+    if buffer.dtype != dtype or buffer.size != count or not buffer.flags.c_contiguous:
+        raise RuntimeError(f"the reduced gradient buffer has dtype {buffer.dtype}, {buffer.size} elements "
+                           f"(contiguous: {buffer.flags.c_contiguous}); the update expects {dtype}, {count}")
+    return buffer
 
 
 class _ReplicaGrads:

@@ -1,7 +1,8 @@
-// mirrored._fused_update: the fused optimizer update on host arrays. Thin: check
-// the arrays, build the (pointer, count) table, release the GIL, run the kernel.
+// mirrored._core.fused_update: the fused optimizer update on host arrays. Thin:
+// check the arrays, build the (pointer, count) table, release the GIL, run the kernel.
+#include "bindings/fused_update_binding.h"
+
 #include <pybind11/numpy.h>
-#include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <string>
@@ -77,16 +78,15 @@ void apply_typed(int rule, const py::list& weights, const py::object& grads, con
 
 }  // namespace
 
-PYBIND11_MODULE(_fused_update, m) {
-  m.doc() = "The fused optimizer update on host arrays (csrc/host/fused_update.h).";
+namespace mirrored::bindings {
+
+void def_host_fused_update(py::module_& m) {
   m.def(
-      "apply",
+      "fused_update",
       [](int rule, const py::list& weights, const py::object& grads, const py::list& slots,
          const std::vector<bool>& decay, const std::vector<double>& coefficients, double weight_decay, double lr) {
-        if (rule_coefficients(rule) < 0) throw py::value_error("rule=" + std::to_string(rule) + ": no such rule");
-        if (static_cast<int>(coefficients.size()) != rule_coefficients(rule))
-          throw py::value_error("coefficients: " + std::to_string(coefficients.size()) + " given, the rule takes " +
-                                std::to_string(rule_coefficients(rule)));
+        const std::string error = rules::coefficients_error(rule, coefficients.size());
+        if (!error.empty()) throw py::value_error(error);
         const std::size_t n = weights.size();
         const bool packed = py::isinstance<py::array>(grads);
         if (!packed && !py::isinstance<py::list>(grads))
@@ -109,3 +109,5 @@ PYBIND11_MODULE(_fused_update, m) {
       "Weight decay (where decay[k]) and the rule on every (weight, grad, slots) entry, in place. `grads`: one\n"
       "array per variable, or one array holding them back to back (a packed, all-reduced fusion buffer).");
 }
+
+}  // namespace mirrored::bindings

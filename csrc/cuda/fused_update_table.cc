@@ -1,0 +1,141 @@
+// FusedUpdateTable (fused_update.h): the table built and uploaded once, the
+// packed gradients' pointers rewritten only when that buffer moves, one
+// launch per step. Plain host code over the CUDA runtime: the real build and
+// the simulated runtime share it.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/check.h"
+#include "cuda/device.h"
+#include "cuda/fused_update.h"
+
+namespace mirrored::cuda {
+
+namespace {
+
+std::size_t entry_bytes_of(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return sizeof(rules::FusedEntry<float>);
+    case DType::kFloat64: return sizeof(rules::FusedEntry<double>);
+    default:
+      throw std::invalid_argument("fused_update: dtype " + std::string(dtype_name(dtype)) +
+                                  ", the GPU kernel takes float32 and float64");
+  }
+}
+
+template <typename T>
+void fill(void* host_table, const std::vector<FusedVariable>& variables) {
+  auto* table = static_cast<rules::FusedEntry<T>*>(host_table);
+  for (std::size_t k = 0; k < variables.size(); ++k) {
+    const FusedVariable& v = variables[k];
+    rules::FusedEntry<T>& e = table[k];
+    e.weight = static_cast<T*>(v.weight);
+    e.grad = nullptr;  // set by the first apply
+    for (int j = 0; j < rules::kMaxSlots; ++j) e.slots[j] = static_cast<T*>(v.slots[j]);
+    e.count = v.count;
+    e.decay = v.decay;
+  }
+}
+
+}  // namespace
+
+FusedUpdateTable::FusedUpdateTable(int device, DType dtype, const std::vector<FusedVariable>& variables)
+    : device_(device), dtype_(dtype), entries_(static_cast<int>(variables.size())),
+      entry_bytes_(entry_bytes_of(dtype)) {
+  check_ordinal(device, "device");
+  for (const FusedVariable& v : variables) {
+    offsets_.push_back(total_count_);
+    total_count_ += v.count;
+    max_count_ = std::max(max_count_, v.count);
+  }
+  DeviceGuard guard;
+  MIRRORED_CUDA_CHECK(cudaSetDevice(device));
+  MIRRORED_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device));
+  const std::size_t bytes = std::max<std::size_t>(1, variables.size()) * entry_bytes_;
+  MIRRORED_CUDA_CHECK(cudaMallocHost(&host_table_, bytes));
+  MIRRORED_CUDA_CHECK(cudaMalloc(&device_table_, bytes));
+  MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&uploaded_, cudaEventDisableTiming));
+  MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&used_, cudaEventDisableTiming));
+  if (dtype == DType::kFloat32) {
+    fill<float>(host_table_, variables);
+  } else {
+    fill<double>(host_table_, variables);
+  }
+}
+
+FusedUpdateTable::~FusedUpdateTable() {
+  DeviceGuard guard;
+  if (cudaSetDevice(device_) != cudaSuccess) return;
+  if (pending_) cudaEventSynchronize(used_);  // the last launch reads the table
+  cudaFree(device_table_);
+  cudaFreeHost(host_table_);
+  cudaEventDestroy(uploaded_);
+  cudaEventDestroy(used_);
+}
+
+template <typename T>
+void FusedUpdateTable::point_grads_at(const void* grads) {
+  auto* table = static_cast<rules::FusedEntry<T>*>(host_table_);
+  const T* base = static_cast<const T*>(grads);
+  for (int k = 0; k < entries_; ++k) table[k].grad = base + offsets_[k];
+}
+
+template <typename T>
+void FusedUpdateTable::launch(rules::Rule rule, const std::vector<double>& coefficients, double weight_decay,
+                              double lr, cudaStream_t stream) {
+  rules::FusedScalars<T> s{};
+  for (std::size_t j = 0; j < coefficients.size(); ++j) s.c[j] = static_cast<T>(coefficients[j]);
+  s.weight_decay = static_cast<T>(weight_decay);
+  s.lr = static_cast<T>(lr);
+  fused_update(rule, dtype_, device_table_, entries_, max_count_, &s, sms_, stream);
+}
+
+void FusedUpdateTable::apply_captured(rules::Rule rule, const void* grads, const void* device_scalars,
+                                      int coefficients, cudaStream_t stream) {
+  if (coefficients > rules::kMaxCoefficients) throw std::invalid_argument("fused_update: too many coefficients");
+  if (pending_ || (captured_ && grads != grads_))
+    throw std::logic_error("fused_update: a captured table serves one capture (make a new table for another)");
+  if (entries_ == 0 || max_count_ == 0) return;
+  if (dtype_ == DType::kFloat32) {
+    point_grads_at<float>(grads);
+  } else {
+    point_grads_at<double>(grads);
+  }
+  grads_ = grads;
+  captured_ = true;
+  MIRRORED_CUDA_CHECK(cudaMemcpyAsync(device_table_, host_table_, entries_ * entry_bytes_, cudaMemcpyHostToDevice,
+                                      stream));
+  fused_update_from_device(rule, dtype_, device_table_, entries_, max_count_, device_scalars, coefficients, sms_,
+                           stream);
+}
+
+void FusedUpdateTable::apply(rules::Rule rule, const void* grads, const std::vector<double>& coefficients,
+                             double weight_decay, double lr, cudaStream_t stream) {
+  if (captured_) throw std::logic_error("fused_update: this table belongs to a captured graph");
+  if (coefficients.size() > static_cast<std::size_t>(rules::kMaxCoefficients))
+    throw std::invalid_argument("fused_update: too many coefficients");
+  if (entries_ == 0 || max_count_ == 0) return;
+  if (grads != grads_) {
+    if (pending_) MIRRORED_CUDA_CHECK(cudaEventSynchronize(uploaded_));  // the last upload has read host_table_
+    if (dtype_ == DType::kFloat32) {
+      point_grads_at<float>(grads);
+    } else {
+      point_grads_at<double>(grads);
+    }
+    if (pending_) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(stream, used_, 0));  // the last launch read the table
+    MIRRORED_CUDA_CHECK(cudaMemcpyAsync(device_table_, host_table_, entries_ * entry_bytes_, cudaMemcpyHostToDevice,
+                                        stream));
+    MIRRORED_CUDA_CHECK(cudaEventRecord(uploaded_, stream));
+    grads_ = grads;
+  }
+  if (dtype_ == DType::kFloat32) {
+    launch<float>(rule, coefficients, weight_decay, lr, stream);
+  } else {
+    launch<double>(rule, coefficients, weight_decay, lr, stream);
+  }
+  MIRRORED_CUDA_CHECK(cudaEventRecord(used_, stream));
+  pending_ = true;
+}
+
+}  // namespace mirrored::cuda
