@@ -65,7 +65,7 @@ int size_of(const Ptrs& in, const Ptrs& out) {
 // dtype of a variable set, made once by mirrored.train.optimizers; each step
 // is one launch. Pointers arrive as integers, validated by the caller.
 void def_fused_update(py::module_& m) {
-  py::class_<cuda::FusedUpdateTable>(m, "FusedUpdateTable")
+  py::class_<cuda::FusedUpdateTable>(m, "FusedUpdateTable", py::module_local())  // local: _cuda and _cuda_sim both bind it
       .def(py::init([](int device, int dtype, const Ptrs& weights, const std::vector<Ptrs>& slots,
                        const std::vector<std::size_t>& counts, const std::vector<bool>& decay) {
              const std::size_t n = weights.size();

@@ -2,80 +2,16 @@
 
 from __future__ import annotations
 
-import glob
 import gzip
 import os
 import zlib
 
 import numpy as np
 
-from .dataset_ops import UNKNOWN, Dataset, _Iterator
+from .dataset_ops import UNKNOWN, Dataset, ListFilesDataset, _Iterator
 from .structure import TensorSpec
 
 __all__ = ["ListFilesDataset", "TextLineDataset"]
-
-
-def _patterns(file_pattern) -> list:
-    if isinstance(file_pattern, (str, bytes, os.PathLike)):
-        file_pattern = [file_pattern]
-    elif isinstance(file_pattern, Dataset):
-        file_pattern = list(file_pattern)
-    elif isinstance(file_pattern, np.ndarray):
-        file_pattern = file_pattern.reshape(-1).tolist()
-    out = []
-    for p in file_pattern:
-        p = os.fsdecode(os.fspath(p) if not isinstance(p, np.bytes_) else bytes(p))
-        out.append(p)
-    if not out:
-        raise ValueError("file_pattern=[]: pass at least one glob pattern")
-    return out
-
-
-class ListFilesDataset(Dataset):
-    """``Dataset.list_files``: the names matching the patterns, sorted, then shuffled (seeded) per iteration.
-
-    Under FILE auto-sharding each worker keeps every W-th name of the sorted
-    list before the shuffle, so the workers' files never overlap whatever the
-    seed.
-    """
-
-    def __init__(self, file_pattern, shuffle, seed):
-        super().__init__()
-        patterns = _patterns(file_pattern)
-        files = sorted({f for p in patterns for f in glob.glob(p)})
-        if not files:
-            raise FileNotFoundError(f"file_pattern={file_pattern!r}: No files matched pattern: "
-                                    f"{', '.join(patterns)}; check the path (glob syntax: *, ?, [...])")
-        self._shuffle = True if shuffle is None else bool(shuffle)
-        self._seed = seed
-        self._set_files([np.bytes_(os.fsencode(f)) for f in files])
-
-    def _set_files(self, files: list) -> None:
-        self._files = files
-        names = Dataset.from_tensor_slices(np.array(files))
-        # One shuffle dataset for all iterations, so each reshuffles.
-        self._names = names.shuffle(len(files), seed=self._seed) if self._shuffle else names
-
-    def _pipeline(self):
-        yield self
-        yield from self._names._pipeline()
-
-    def _compute_spec(self):
-        return TensorSpec((), np.dtype("S"))
-
-    def cardinality(self):
-        return len(self._files)
-
-    def _make_iterator(self, state=None):
-        return self._names._make_iterator(state)
-
-    def _file_sharded(self, num_shards, index):
-        clone = self._clone(())
-        clone._set_files(self._files[index::num_shards])
-        return clone
-
-    def _file_count(self):
-        return len(self._files)
 
 
 class TextLineDataset(Dataset):
