@@ -65,18 +65,37 @@ def _device_id() -> int:
     return getattr(_tls, "device", 0)
 
 
+def _saved(context) -> list:
+    """What ``context``'s ``__enter__`` replaced on this thread, for its ``__exit__`` to put back. Per
+    thread, as CuPy's stream and device stacks are: replica threads enter the same object at once
+    (``Stream.null`` in every cross-replica update), and one stack shared between them handed a thread
+    another thread's stream on exit."""
+    stacks = getattr(_tls, "saved", None)
+    if stacks is None:
+        stacks = _tls.saved = {}
+    return stacks.setdefault(id(context), [])
+
+
+def _restore(context):
+    """The value ``context``'s matching ``__enter__`` saved on this thread (its stack dropped once empty)."""
+    stack = _tls.saved[id(context)]
+    value = stack.pop()
+    if not stack:
+        del _tls.saved[id(context)]
+    return value
+
+
 class Device:
     def __init__(self, device=None):
         self.id = _device_id() if device is None else int(getattr(device, "id", device))
-        self._saved = []
 
     def __enter__(self):
-        self._saved.append(_device_id())
+        _saved(self).append(_device_id())
         self.use()
         return self
 
     def __exit__(self, *exc):
-        _tls.device = self._saved.pop()
+        _tls.device = _restore(self)
 
     def use(self):
         sim.stream_device(0, self.id)  # validates the ordinal
@@ -119,19 +138,18 @@ class Stream:
         self.device_id = -1 if null else _device_id()
         # Never destroyed: destroying a simulated stream runs all queued work, which would hide races.
         self.ptr = 0 if null else sim.stream_create(self.device_id, bool(non_blocking))
-        self._saved = []
 
     def _device(self) -> int:
         return _device_id() if self.ptr == 0 else self.device_id
 
     def __enter__(self):
         d = self._device()
-        self._saved.append((d, _streams().get(d)))
+        _saved(self).append((d, _streams().get(d)))
         _streams()[d] = self
         return self
 
     def __exit__(self, *exc):
-        d, prev = self._saved.pop()
+        d, prev = _restore(self)
         if prev is None:
             _streams().pop(d, None)
         else:
@@ -326,14 +344,13 @@ class using_allocator:
 
     def __init__(self, allocator=None):
         self._allocator = allocator
-        self._saved = []
 
     def __enter__(self):
-        self._saved.append(_current_allocator())
+        _saved(self).append(_current_allocator())
         _tls.allocator = self._allocator
 
     def __exit__(self, *exc):
-        _tls.allocator = self._saved.pop()
+        _tls.allocator = _restore(self)
 
     @property
     def device(self):

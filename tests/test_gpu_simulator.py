@@ -141,3 +141,44 @@ def test_engine_names_are_checked():
     with pytest.raises(ValueError, match="engine='gpu' is not a CUDA engine; use one of 'cuda', 'sim'"):
         engine.select("gpu")
     assert engine.name() == "sim"  # (this test runs on the simulator)
+
+
+
+@pytest.mark.parametrize("shared", ["Stream.null", "a replica stream", "a Device"])
+def test_threads_entering_one_stream_or_device_object_each_get_their_own_back(shared):
+    # CuPy keeps what a `with` replaced per thread. Replica threads enter the same object at once
+    # (every cross-replica update enters Stream.null); a stack on the object handed the thread that
+    # left first the other's stream, so its next kernels ran unordered with its own arrays' frees.
+    import threading
+
+    own = []
+    for device in (0, 1):
+        with cupy.cuda.Device(device):
+            own.append(cupy.cuda.Stream())
+    context = {"Stream.null": cupy.cuda.Stream.null, "a replica stream": cupy.cuda.Stream(),
+               "a Device": cupy.cuda.Device(0)}[shared]
+    turns = [threading.Event() for _ in range(3)]
+    after = [None, None]
+
+    def replica(i):
+        # Thread 0 enters, then thread 1, then thread 0 leaves first.
+        with cupy.cuda.Device(i), own[i]:
+            if i == 1:
+                turns[0].wait()
+            with context:
+                if i == 0:
+                    turns[0].set()
+                    turns[1].wait()
+                else:
+                    turns[1].set()
+                    turns[2].wait()
+            if i == 0:
+                turns[2].set()
+            after[i] = (cupy.cuda.Device().id, cupy.cuda.get_current_stream())
+
+    threads = [threading.Thread(target=replica, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert after == [(0, own[0]), (1, own[1])]
