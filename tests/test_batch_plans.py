@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from gpu_env import SIMULATED, SKIP_REASON, cupy
+from gpu_env import NGPU, SIMULATED, SKIP_REASON, cupy
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
@@ -17,7 +17,9 @@ if cupy is None:
 from mirrored import collectives  # noqa: E402
 from mirrored.collective import cuda as cc, plan as face  # noqa: E402
 
-DEVICE_SETS = [(0, 0), (0, 1), (0, 1, 0, 1)]
+# Replicas sharing GPU 0, and spread over two GPUs where there are two (always on the simulator).
+DEVICE_SETS = [s for s in [(0, 0), (0, 1), (0, 1, 0, 1)] if max(s) < NGPU]
+TWO = (0, 1) if NGPU > 1 else (0, 0)
 NP_OPS = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
 
 
@@ -117,14 +119,14 @@ def test_planned_batches_match_numpy_across_ops_dtypes_and_packing(devices, op, 
 
 
 def test_integer_mean_of_a_batch_is_float64_every_time():
-    devices = (0, 1)
+    devices = TWO
     for seed in range(3):
         host, lists = make_batch(devices, [4, 9], [np.int32, np.int64], seed)
         check(collectives.batch_all_reduce(lists, "mean"), host, "mean", devices)
 
 
 def test_a_call_that_no_longer_fits_the_plan_is_validated_afresh():
-    devices = (0, 1)
+    devices = TWO
     sizes, dtypes = [6, 8, 10], [np.float32] * 3
     host, lists = make_batch(devices, sizes, dtypes)
     check(collectives.batch_all_reduce(lists, "sum"), host, "sum", devices)

@@ -11,7 +11,7 @@ import collections
 import numpy as np
 import pytest
 
-from gpu_env import SIMULATED, SKIP_REASON, cupy
+from gpu_env import NGPU, SIMULATED, SKIP_REASON, cupy
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
@@ -76,7 +76,7 @@ def test_gpu_kernel_equals_the_host_kernel_bit_for_bit(case, dtype):
     weights, _, slots = _tables(dtype, n_slots, sizes)
     decay = [k % 3 == 0 for k in range(len(sizes))]
     wd, lr = float(t(0.004)), c[0]
-    with cupy.cuda.Device(1):
+    with cupy.cuda.Device(NGPU - 1):
         gpu_weights = [cupy.asarray(w) for w in weights]
         gpu_slots = [[cupy.asarray(s) for s in ss] for ss in slots]
         table = _table(1, gpu_weights, gpu_slots, decay)

@@ -401,6 +401,8 @@ def _what_broke(error: BaseException) -> str:
     """The error and the line of the step (not of mirrored or CuPy) that made it, for the warning."""
     where = ""
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if frame.filename.endswith((".pyx", ".pxd", ".pxi")):  # CuPy's Cython frames: not the step's
+            continue
         module = _module_of(frame.filename)
         if not module.startswith(("mirrored", "cupy", "fake_cupy")):
             where = f" (at {frame.filename}:{frame.lineno}, in {frame.name}: {frame.line})"
