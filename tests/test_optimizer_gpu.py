@@ -79,7 +79,7 @@ def test_gpu_kernel_equals_the_host_kernel_bit_for_bit(case, dtype):
     with cupy.cuda.Device(NGPU - 1):
         gpu_weights = [cupy.asarray(w) for w in weights]
         gpu_slots = [[cupy.asarray(s) for s in ss] for ss in slots]
-        table = _table(1, gpu_weights, gpu_slots, decay)
+        table = _table(NGPU - 1, gpu_weights, gpu_slots, decay)
         assert table.total_count == sum(sizes)
         stream = cupy.cuda.get_current_stream().ptr
         for _ in range(3):
