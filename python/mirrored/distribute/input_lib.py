@@ -18,7 +18,7 @@ import numpy as np
 from .. import _nest
 from ..data import dataset_ops
 from ..data.dataset_ops import Dataset, PrefetchIterator, _Iterator
-from ..data.iterator_ops import Optional
+from ..data.iterator_ops import IteratorProtocol
 from ..data.options import AutoShardPolicy, policy_of
 from ..data.structure import TensorSpec, decode_state, encode_state
 from ..device import device_util
@@ -233,7 +233,7 @@ class _DeviceFetcher:
         return out
 
 
-class DistributedIterator:
+class DistributedIterator(IteratorProtocol):
     """Iterator over a distributed dataset: each ``next`` is one step, ``PerReplica`` leaves.
 
     A background thread prepares the next steps (split, copied onto the replicas' devices). It is
@@ -243,48 +243,19 @@ class DistributedIterator:
 
     def __init__(self, distributed, state=None):
         self._distributed = distributed
-        self._prefetch = distributed._build(state)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        try:
-            return self._prefetch.next()
-        except StopIteration:
-            self._prefetch.close()  # the pipeline's threads end with the data
-            raise
-
-    def get_next(self):
-        return next(self)
-
-    def get_next_as_optional(self) -> Optional:
-        """The next element wrapped in an :class:`Optional` that is empty at the end of the data."""
-        try:
-            return Optional(next(self), True)
-        except StopIteration:
-            return Optional(None, False)
+        self._source = distributed._build(state)
 
     @property
     def element_spec(self):
         return self._distributed.element_spec
 
     def _serialize_to_tensors(self) -> dict:
-        return encode_state(self._distributed._check_checkpointable(self._prefetch.save()))
+        return encode_state(self._distributed._check_checkpointable(self._source.save()))
 
     def _restore_from_tensors(self, tensors: dict) -> None:
         state = decode_state(tensors)
-        self._prefetch.close()
-        self._prefetch = self._distributed._build(state)
-
-    def close(self) -> None:
-        """Stop the background thread now (also done when the iterator is garbage collected)."""
-        self._prefetch.close()
-
-    def __del__(self):
-        prefetch = getattr(self, "_prefetch", None)
-        if prefetch is not None:
-            prefetch.close()
+        self._source.close()
+        self._source, self._done = self._distributed._build(state), False
 
 
 class _DistributedInput:
