@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import _nest
 from ..data import dataset_ops
-from ..data.dataset_ops import Dataset, PrefetchIterator, _Iterator
+from ..data.dataset_ops import CountingIterator, Dataset, PrefetchIterator, _Iterator
 from ..data.iterator_ops import IteratorProtocol
 from ..data.options import AutoShardPolicy, policy_of
 from ..data.structure import TensorSpec, decode_state, encode_state
@@ -124,25 +124,15 @@ class _StepIterator(_Iterator):
         return {"source": self._inputs[0].save(), "item": self._item, "taken": self._taken}
 
 
-class _PythonSource(_Iterator):
+class _PythonSource(CountingIterator):
     """A plain Python iterable's items; its position is the count taken (a restore iterates afresh and skips)."""
 
     def __init__(self, items: "_Reiterable", count: int = 0):
-        super().__init__()
-        self._it, self._count = items(), 0
+        it = items()
         if count and items._one_shot:
             raise ValueError(f"cannot restore a position in {items._argument}: it is a one-shot iterator; pass an "
                              "md.data.Dataset or a re-iterable (a list) to checkpoint the iterator")
-        for _ in range(count):
-            self.next()
-
-    def next(self):
-        item = next(self._it)
-        self._count += 1
-        return item
-
-    def save(self):
-        return {"count": self._count}
+        super().__init__(it, count)
 
 
 def _source_iterator(items, state=None) -> _Iterator:
