@@ -22,12 +22,19 @@ class Optional:
 
 class IteratorProtocol:
     """What ``iter(dataset)`` and ``iter(distributed_dataset)`` share: Python's iterator protocol and TF's
-    ``get_next`` / ``get_next_as_optional`` over ``self._source``, the root of a tree of iterators (``next()``,
-    ``close()``). Its background threads stop at the end of the data, on ``close()`` and when the iterator is
-    garbage collected."""
+    ``get_next`` / ``get_next_as_optional`` over ``source``, the root of a tree of iterators (``next()``,
+    ``close()``) over ``dataset``. Its background threads stop at the end of the data, on ``close()`` and when
+    the iterator is garbage collected."""
 
     _source = None
     _done = False
+
+    def __init__(self, dataset, source):
+        self._dataset, self._source = dataset, source
+
+    @property
+    def element_spec(self):
+        return self._dataset.element_spec
 
     def __iter__(self):
         return self
@@ -75,12 +82,7 @@ class OwnedIterator(IteratorProtocol):
     """
 
     def __init__(self, dataset, state=None):
-        self._dataset = dataset
-        self._source = dataset._make_iterator(state)
-
-    @property
-    def element_spec(self):
-        return self._dataset.element_spec
+        super().__init__(dataset, dataset._make_iterator(state))
 
     def _save(self):
         return {"done": True} if self._done else {"done": False, "it": self._source.save()}

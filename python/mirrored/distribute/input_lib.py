@@ -232,20 +232,15 @@ class DistributedIterator(IteratorProtocol):
     """
 
     def __init__(self, distributed, state=None):
-        self._distributed = distributed
-        self._source = distributed._build(state)
-
-    @property
-    def element_spec(self):
-        return self._distributed.element_spec
+        super().__init__(distributed, distributed._build(state))
 
     def _serialize_to_tensors(self) -> dict:
-        return encode_state(self._distributed._check_checkpointable(self._source.save()))
+        return encode_state(self._dataset._check_checkpointable(self._source.save()))
 
     def _restore_from_tensors(self, tensors: dict) -> None:
         state = decode_state(tensors)
         self._source.close()
-        self._source, self._done = self._distributed._build(state), False
+        self._source, self._done = self._dataset._build(state), False
 
 
 class _DistributedInput:
