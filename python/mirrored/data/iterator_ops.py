@@ -28,6 +28,7 @@ class IteratorProtocol:
 
     _source = None
     _done = False
+    _closed = False
 
     def __init__(self, dataset, source):
         self._dataset, self._source = dataset, source
@@ -42,6 +43,9 @@ class IteratorProtocol:
     def __next__(self):
         if self._done:
             raise StopIteration
+        if self._closed:  # its threads are gone: waiting on them would never end
+            raise ValueError("next() on a closed iterator: close() stopped its background threads; "
+                             "make a new iterator with iter(dataset)")
         try:
             return self._source.next()
         except StopIteration:
@@ -61,7 +65,8 @@ class IteratorProtocol:
             return Optional(None, False)
 
     def close(self) -> None:
-        """Stop this iterator's background threads now."""
+        """Stop this iterator's background threads now; ``next()`` then raises ``ValueError``."""
+        self._closed = True
         self._source.close()
 
     def __del__(self):
