@@ -250,3 +250,29 @@ def test_a_kernel_that_waits_for_the_gpu_is_refused_and_the_work_behind_it_waits
         cupy.cuda.Stream.null.synchronize()
     np.testing.assert_array_equal(raw(), np.full(4, -1, np.float32))  # the copy did not run ahead of it
     np.testing.assert_array_equal(cupy.asnumpy(y), np.full(4, 3, np.float32))  # it runs after
+
+
+def test_a_kernel_runs_in_a_context_of_its_own():
+    # GPU work sees none of the host thread's context variables. A finalizer's host wait can drain
+    # kernels in the middle of that thread's ContextVar.set (a collection due at its allocation);
+    # a kernel setting a variable of that context (NumPy's errstate does) then freed the variables the
+    # set was still reading: the interpreter crashed in its next collection (issue 21, gc thresholds 5).
+    import contextvars
+
+    from fake_cupy import _launch
+
+    var = contextvars.ContextVar("var", default="unset")
+    token = var.set("host")
+    seen = []
+
+    def kernel(_):
+        seen.append(var.get())
+        var.set("kernel")
+
+    try:
+        _launch(kernel, cupy.zeros(1, cupy.float32))
+        cupy.cuda.Stream.null.synchronize()
+        assert seen == ["unset"]
+        assert var.get() == "host"
+    finally:
+        var.reset(token)

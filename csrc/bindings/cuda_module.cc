@@ -175,6 +175,30 @@ class NoCollection {
   bool was_enabled_;
 };
 
+// A kernel runs in a context of its own (contextvars), as GPU work sees none
+// of the host's: a finalizer's host wait can drain kernels in the middle of a
+// host thread's ContextVar.set (a collection due at its allocation), and a
+// kernel's own set (NumPy's errstate) on that thread's context would free the
+// variables that set is still reading.
+class OwnContext {
+ public:
+  OwnContext() : context_(PyContext_New()) {
+    if (!context_ || PyContext_Enter(context_) != 0) {
+      Py_XDECREF(context_);
+      throw py::error_already_set();
+    }
+  }
+  ~OwnContext() {
+    PyContext_Exit(context_);
+    Py_DECREF(context_);
+  }
+  OwnContext(const OwnContext&) = delete;
+  OwnContext& operator=(const OwnContext&) = delete;
+
+ private:
+  PyObject* context_;
+};
+
 cudaStream_t stream_of(std::uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
 cudaEvent_t event_of(std::uintptr_t handle) { return reinterpret_cast<cudaEvent_t>(handle); }
 
@@ -279,6 +303,7 @@ void def_sim(py::module_& m) {
       sim::launch_kernel(stream_of(stream), [f] {
         py::gil_scoped_acquire gil;
         NoCollection no_collection;
+        OwnContext own_context;
         (*f)();
       });
       return 0;
