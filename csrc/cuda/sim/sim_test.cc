@@ -633,11 +633,6 @@ void check_threads() {
   EXPECT(wrong == 0, "%d wrong elements with 4 threads driving the machine", wrong.load());
 }
 
-// Stream capture: an all-reduce over callers' streams (forked from the first
-// caller's stream, joined back) captured once, then replayed with new inputs
-// written before each launch: every replay gives the sums, as one graph
-// launch and no kernel launch; a host wait, or a fork never joined, makes the
-// capture fail the way CUDA's does.
 // Queued work that waits for the GPU (host code run inside a kernel, e.g. a
 // finalizer Python's garbage collector ran there) is refused: draining from
 // inside it would run the work queued behind it first.
@@ -663,6 +658,11 @@ void check_wait_inside_work() {
   sim::drain();
 }
 
+// Stream capture: an all-reduce over callers' streams (forked from the first
+// caller's stream, joined back) captured once, then replayed with new inputs
+// written before each launch: every replay gives the sums, as one graph
+// launch and no kernel launch; a host wait, or a fork never joined, makes the
+// capture fail the way CUDA's does.
 void check_capture() {
   for (const auto& devices : std::vector<std::vector<int>>{{0}, {0, 0}, {0, 0, 0, 0}, {0, 1}, {1, 0, 1}})
     for (auto algo : {Algorithm::kRing, Algorithm::kTree}) {
