@@ -125,9 +125,6 @@ def test_iterations_assigned_between_replays_gives_the_next_replay_that_steps_sc
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(gpu_env.SIMULATED, reason="known race, open in issue 21: on the simulator, per-GPU graph "
-                    "replays with the stand-in NCCL inside occasionally diverge from the eager step (seen once in "
-                    "a clean-clone make test); it runs on machines with two real GPUs")
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_on_two_gpus_each_gpu_replays_its_own_graph_with_nccl_inside(optimizer):
     if gpu_env.NGPU < 2:

@@ -173,3 +173,97 @@ def test_threads_entering_one_stream_or_device_object_each_get_their_own_back(sh
     for t in threads:
         t.join()
     assert after == [(0, own[0]), (1, own[1])]
+
+
+def _write_then_copy(write):
+    """Two stand-in kernels on one stream: ``write(x)`` fills x with 7, then y = x. Returns y's bytes
+    right after the host wait that runs them (raw: a later read would drain anything left)."""
+    from fake_cupy import _Desc, _launch
+
+    x, y = cupy.full(4, 3, cupy.float32), cupy.full(4, -1, cupy.float32)
+    cupy.cuda.Stream.null.synchronize()
+    _launch(write, x)
+    _launch(lambda dst, src: np.copyto(dst, src), y, x)
+    return y, lambda: _Desc(y).view().copy()
+
+
+def test_the_garbage_collector_runs_no_finalizer_inside_a_kernel():
+    # Issue 21: a collection inside a stand-in kernel ran the finalizers of garbage there (a dead
+    # optimizer's update tables, whose destructor waits for the GPU and frees). That wait drained the
+    # kernels queued behind the running one first, so they read what it had not written yet: the
+    # two-GPU eager step (and md.function's test beside it) diverged once in a full test run.
+    import gc
+    import weakref
+
+    ran_inside = []
+    running = [False]
+
+    def wait_for_the_gpu():  # what FusedUpdateTable's destructor does (cudaEventSynchronize, cudaFree)
+        ran_inside.append(running[0])
+        cupy.cuda.Device().synchronize()
+
+    class Cycle:
+        pass
+
+    def write(dst):
+        running[0] = True
+        garbage = Cycle()
+        garbage.itself = garbage  # only a collection frees it
+        weakref.finalize(garbage, wait_for_the_gpu)
+        del garbage
+        gc.set_threshold(1)  # a collection falls due at the next allocations, inside this kernel
+        for _ in range(50):
+            [[] for _ in range(4)]
+        dst[...] = 7
+        running[0] = False
+
+    saved = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(10**9)  # none before the kernel
+    try:
+        y, raw = _write_then_copy(write)
+        cupy.cuda.Stream.null.synchronize()
+        got = raw()
+        gc.collect()
+    finally:
+        gc.set_threshold(*saved)
+    assert ran_inside == [False]  # collected after the kernel, on the host's side
+    np.testing.assert_array_equal(got, np.full(4, 7, np.float32))
+
+
+def test_a_kernel_that_waits_for_the_gpu_is_refused_and_the_work_behind_it_waits():
+    def wait_then_write(dst):
+        cupy.cuda.Device().synchronize()
+        dst[...] = 7
+
+    y, raw = _write_then_copy(wait_then_write)
+    with pytest.raises(RuntimeError, match="host wait .* from inside simulated GPU work"):
+        cupy.cuda.Stream.null.synchronize()
+    np.testing.assert_array_equal(raw(), np.full(4, -1, np.float32))  # the copy did not run ahead of it
+    np.testing.assert_array_equal(cupy.asnumpy(y), np.full(4, 3, np.float32))  # it runs after
+
+
+def test_a_kernel_runs_in_a_context_of_its_own():
+    # GPU work sees none of the host thread's context variables. A finalizer's host wait can drain
+    # kernels in the middle of that thread's ContextVar.set (a collection due at its allocation);
+    # a kernel setting a variable of that context (NumPy's errstate does) then freed the variables the
+    # set was still reading: the interpreter crashed in its next collection (issue 21, gc thresholds 5).
+    import contextvars
+
+    from fake_cupy import _launch
+
+    var = contextvars.ContextVar("var", default="unset")
+    token = var.set("host")
+    seen = []
+
+    def kernel(_):
+        seen.append(var.get())
+        var.set("kernel")
+
+    try:
+        _launch(kernel, cupy.zeros(1, cupy.float32))
+        cupy.cuda.Stream.null.synchronize()
+        assert seen == ["unset"]
+        assert var.get() == "host"
+    finally:
+        var.reset(token)

@@ -145,6 +145,60 @@ std::shared_ptr<py::function> gil_owned(py::function f) {
   });
 }
 
+// Python's cyclic garbage collector held off while a kernel runs (the GIL
+// held): a collection there would run finalizers (a dead optimizer's update
+// tables, a dead md.function's graphs) inside GPU work, and their host waits
+// would drain the work queued behind the running kernel before it. They run
+// at the next allocation after it instead, on the host's side, as on a GPU.
+class NoCollection {
+ public:
+  NoCollection() : was_enabled_(disable()) {}
+  ~NoCollection() {
+    if (was_enabled_) enable();
+  }
+  NoCollection(const NoCollection&) = delete;
+  NoCollection& operator=(const NoCollection&) = delete;
+
+ private:
+#if PY_VERSION_HEX >= 0x030A0000
+  static bool disable() { return PyGC_Disable() != 0; }
+  static void enable() { PyGC_Enable(); }
+#else
+  static bool disable() {
+    py::module_ gc = py::module_::import("gc");
+    const bool was = gc.attr("isenabled")().cast<bool>();
+    gc.attr("disable")();
+    return was;
+  }
+  static void enable() { py::module_::import("gc").attr("enable")(); }
+#endif
+  bool was_enabled_;
+};
+
+// A kernel runs in a context of its own (contextvars), as GPU work sees none
+// of the host's: a finalizer's host wait can drain kernels in the middle of a
+// host thread's ContextVar.set (a collection due at its allocation), and a
+// kernel's own set (NumPy's errstate) on that thread's context would free the
+// variables that set is still reading.
+class OwnContext {
+ public:
+  OwnContext() : context_(PyContext_New()) {
+    if (!context_ || PyContext_Enter(context_) != 0) {
+      Py_XDECREF(context_);
+      throw py::error_already_set();
+    }
+  }
+  ~OwnContext() {
+    PyContext_Exit(context_);
+    Py_DECREF(context_);
+  }
+  OwnContext(const OwnContext&) = delete;
+  OwnContext& operator=(const OwnContext&) = delete;
+
+ private:
+  PyObject* context_;
+};
+
 cudaStream_t stream_of(std::uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
 cudaEvent_t event_of(std::uintptr_t handle) { return reinterpret_cast<cudaEvent_t>(handle); }
 
@@ -248,6 +302,8 @@ void def_sim(py::module_& m) {
       auto f = gil_owned(std::move(fn));
       sim::launch_kernel(stream_of(stream), [f] {
         py::gil_scoped_acquire gil;
+        NoCollection no_collection;
+        OwnContext own_context;
         (*f)();
       });
       return 0;

@@ -275,6 +275,15 @@ void rendezvous(const std::vector<std::pair<int, cudaStream_t>>& parties, std::f
   current = saved;
 }
 
+namespace {
+// Whether this thread is running queued work now (inside drain_until's loop).
+thread_local bool running_work = false;
+struct RunningWork {
+  RunningWork() { running_work = true; }
+  ~RunningWork() { running_work = false; }
+};
+}  // namespace
+
 void drain_until(const std::function<bool()>& done) {
   Lock lock;
   while (!done()) {
@@ -287,10 +296,18 @@ void drain_until(const std::function<bool()>& done) {
       if (head.meet ? met(head.meet.get()) : !head.wait || head.record->done) ready.push_back(s);
     }
     if (!busy) return;
+    // A host wait from inside queued work: the work ran host code (a Python
+    // kernel, or a finalizer Python's garbage collector ran in it). The op in
+    // flight has left its queue, so draining here would run the work queued
+    // behind it first, which no GPU does: refused, loudly.
+    if (running_work)
+      throw std::logic_error("a host wait (a synchronisation, cudaFree or a graph's destruction) from inside "
+                             "simulated GPU work: queued work must not wait for the GPU");
     if (ready.empty()) throw std::logic_error("simulated streams deadlock: every head waits for an event");
     CUstream_st* s = ready[rng() % ready.size()];
     Op op = std::move(s->queue.front());
     s->queue.pop_front();
+    RunningWork running;
     if (op.meet) {  // every party passes it at once, the work done once
       for (auto* other : streams)
         if (!other->queue.empty() && other->queue.front().meet == op.meet) other->queue.pop_front();

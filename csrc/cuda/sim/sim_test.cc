@@ -633,6 +633,31 @@ void check_threads() {
   EXPECT(wrong == 0, "%d wrong elements with 4 threads driving the machine", wrong.load());
 }
 
+// Queued work that waits for the GPU (host code run inside a kernel, e.g. a
+// finalizer Python's garbage collector ran there) is refused: draining from
+// inside it would run the work queued behind it first.
+void check_wait_inside_work() {
+  sim::reset(1, {}, 0);
+  int order = 0, waited = -1, behind = -1;
+  bool refused = false;
+  sim::enqueue(nullptr, [&] {
+    cudaDeviceSynchronize();
+    waited = order++;
+  });
+  sim::enqueue(nullptr, [&] { behind = order++; });
+  try {
+    sim::drain();
+  } catch (const std::logic_error& e) {
+    refused = std::string(e.what()).find("from inside simulated GPU work") != std::string::npos;
+  }
+  EXPECT(refused && waited == -1 && behind == -1, "a host wait inside queued work: refused %d, ran %d, %d", refused,
+         waited, behind);
+  sim::drain();  // the work behind it still runs, after
+  EXPECT(behind == 0, "the work behind the refused one ran (%d)", behind);
+  sim::enqueue(nullptr, [&] { cudaDeviceSynchronize(); });  // nothing else queued: no wait needed, none refused
+  sim::drain();
+}
+
 // Stream capture: an all-reduce over callers' streams (forked from the first
 // caller's stream, joined back) captured once, then replayed with new inputs
 // written before each launch: every replay gives the sums, as one graph
@@ -804,6 +829,7 @@ int main(int argc, char** argv) {
   check_launch_counts();
   check_fused_gather();
   check_threads();
+  check_wait_inside_work();
   check_capture();
   // Large or in-place messages over GPUs with peer access: the two-shot
   // kernels (one rank per GPU), or the ring (several ranks per GPU).
