@@ -42,7 +42,10 @@ def _train(name, devices, xp):
 
 
 @pytest.mark.parametrize("name", ["SGD nesterov", "Adam", "AdamW", "RMSprop centered momentum", "Adagrad", "Nadam",
-                                  "SGD clipnorm", "Adam weight_decay global_clipnorm", "RMSprop clipvalue weight_decay"])
+                                  "SGD clipnorm", "Adam weight_decay global_clipnorm", "RMSprop clipvalue weight_decay",
+                                  "Adam amsgrad", "AdamW amsgrad", "SGD momentum use_ema overwrite",
+                                  "Adam loss_scale_factor clipnorm", "SGD momentum accumulation clipnorm weight_decay",
+                                  "AdamW amsgrad use_ema accumulation loss_scale"])
 def test_gpu_replicas_match_keras_and_the_cpu_replicas(name):
     md.config.set_logical_device_configuration("GPU", 0, count=2)
     try:

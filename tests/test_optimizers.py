@@ -392,7 +392,13 @@ def test_build_creates_the_slots_in_scope_and_apply_uses_the_built_variables():
     ({"weight_decay": -0.1}, ValueError, "weight_decay=-0.1"),
     ({"clipnorm": 1.0, "clipvalue": 1.0}, ValueError, "Only one of `clipnorm`, `clipvalue` and `global_clipnorm`"),
     ({"nonsense": 1}, ValueError, "Argument\\(s\\) not recognized"),
-    ({"use_ema": True}, NotImplementedError, "use_ema"),
+    ({"use_ema": True, "ema_momentum": 1.5}, ValueError, "ema_momentum=1.5"),
+    ({"use_ema": True, "ema_overwrite_frequency": 0}, ValueError, "ema_overwrite_frequency=0"),
+    ({"use_ema": True, "ema_overwrite_frequency": 2.5}, ValueError, "ema_overwrite_frequency=2.5"),
+    ({"gradient_accumulation_steps": 1}, ValueError, "gradient_accumulation_steps=1"),
+    ({"gradient_accumulation_steps": 2.0}, ValueError, "gradient_accumulation_steps=2.0"),
+    ({"loss_scale_factor": 0.0}, ValueError, "loss_scale_factor=0.0"),
+    ({"loss_scale_factor": float("nan")}, ValueError, "loss_scale_factor=nan"),
 ])
 @pytest.mark.parametrize("cls", ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam"])
 def test_bad_arguments_name_themselves(cls, kwargs, error, needle):

@@ -192,10 +192,15 @@ template <typename T, bool Centered, bool Momentum>
 struct Rmsprop {
   static constexpr int kSlots = 1 + Centered + Momentum;
   MIRRORED_HD T operator()(T w, T g, T* st, const T* c) const {
-    T unused = T(0);
-    T* a = Centered ? st + 1 : &unused;
-    T* mom = Momentum ? st + (Centered ? 2 : 1) : &unused;
-    return rmsprop<T, Centered, Momentum>(w, g, st[0], *a, *mom, c);
+    // Locals for the slots this variant lacks (no pointer into `st` chosen at run time: the host
+    // loop keeps `st` in registers and vectorises).
+    T a = T(0), mom = T(0);
+    if constexpr (Centered) a = st[1];
+    if constexpr (Momentum) mom = st[Centered ? 2 : 1];
+    const T result = rmsprop<T, Centered, Momentum>(w, g, st[0], a, mom, c);
+    if constexpr (Centered) st[1] = a;
+    if constexpr (Momentum) st[Centered ? 2 : 1] = mom;
+    return result;
   }
 };
 

@@ -9,16 +9,16 @@ namespace {
 // One loop for every rule: the rule's functor (core/optimizer_rules.h) on each
 // element, its slots loaded into locals and stored back. `Decay` and the
 // functor are template arguments, so the loop carries no branch and
-// vectorises. __restrict: the entries of a table never overlap (the caller's
-// contract), and a variable's own buffers are distinct.
+// vectorises. The buffers are __restrict parameters (the entries of a table
+// never overlap, the caller's contract; a variable's own buffers are
+// distinct) and the scalars a local copy, so the compiler needs no run-time
+// alias checks (with three slots it would need more than it allows, and
+// would not vectorise).
 template <typename T, bool Decay, typename F>
-void update_entry(F rule, const FusedEntry<T>& e, const FusedScalars<T>& s) {
-  T* __restrict w = e.weight;
-  const T* __restrict g = e.grad;
-  T* __restrict s0 = e.slots[0];
-  T* __restrict s1 = e.slots[1];
-  T* __restrict s2 = e.slots[2];
-  for (std::size_t i = 0; i < e.count; ++i) {
+void update_arrays(F rule, std::size_t count, T* __restrict w, const T* __restrict g, T* __restrict s0,
+                   T* __restrict s1, T* __restrict s2, const FusedScalars<T> s) {
+  static_assert(F::kSlots <= kMaxSlots, "a rule has at most kMaxSlots slots");
+  for (std::size_t i = 0; i < count; ++i) {
     T st[F::kSlots > 0 ? F::kSlots : 1];
     if constexpr (F::kSlots > 0) st[0] = s0[i];
     if constexpr (F::kSlots > 1) st[1] = s1[i];
@@ -29,7 +29,11 @@ void update_entry(F rule, const FusedEntry<T>& e, const FusedScalars<T>& s) {
     if constexpr (F::kSlots > 1) s1[i] = st[1];
     if constexpr (F::kSlots > 2) s2[i] = st[2];
   }
-  static_assert(F::kSlots <= kMaxSlots, "a rule has at most kMaxSlots slots");
+}
+
+template <typename T, bool Decay, typename F>
+void update_entry(F rule, const FusedEntry<T>& e, const FusedScalars<T>& s) {
+  update_arrays<T, Decay>(rule, e.count, e.weight, e.grad, e.slots[0], e.slots[1], e.slots[2], s);
 }
 
 template <typename T>
