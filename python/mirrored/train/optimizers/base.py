@@ -452,6 +452,7 @@ class Optimizer:
                 return step + 1
             grads = [PerReplica([plan.accumulated(d, k, g.values[d]) for d in range(len(g.values))], g._devices)
                      if isinstance(g, DistributedValues) else plan.accumulated(0, k, g) for k, g in enumerate(grads)]
+            # (clipped below, each replica's part, as on every step)
         distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
         if distributed and (self.clipnorm or self.global_clipnorm or self.clipvalue):
             replicas = len(grads[distributed[0]].values)
@@ -488,8 +489,7 @@ class Optimizer:
         if self.gradient_accumulation_steps:
             if not self._is_update_step(step):
                 return plan, None, step, False
-            holders = [_ReplicaGrads(self._clip([plan.accumulated(d, k, g) for k, g in enumerate(h.grads)]), None)
-                       for d, h in enumerate(holders)]
+            holders = [_ReplicaGrads(plan.accumulated_and_clipped(d, h.grads), None) for d, h in enumerate(holders)]
             reduced = PerReplica([h.grads for h in holders], devices)  # without an all-reduce: its own average
         if aggregate and strategy.num_replicas_in_sync > 1:
             if all(h.packed is not None for h in holders):
@@ -726,11 +726,18 @@ class _Plan:
         """Keras' gradient of an update step under gradient accumulation: ``(g + accumulator) / steps``
         (a new array, in the variable's dtype) with variable k's accumulator on local device ``device``."""
         acc = self.accumulators[device][k]._value
-        if g.dtype != acc.dtype:
-            g = g.astype(acc.dtype)
-        total = g + acc
-        total /= acc.dtype.type(self.optimizer.gradient_accumulation_steps)
+        with device_util.cross_replica_gpu_scope(self.copies[device][0].device):
+            if g.dtype != acc.dtype:
+                g = g.astype(acc.dtype)
+            total = g + acc
+            total /= acc.dtype.type(self.optimizer.gradient_accumulation_steps)
         return total
+
+    def accumulated_and_clipped(self, device: int, grads: list) -> list:
+        """A replica's gradients of an update step (in merge_call): accumulated, then clipped (Keras' order),
+        on its device's merge stream (ordered after the accumulations and the replica's own work)."""
+        with device_util.cross_replica_gpu_scope(self.copies[device][0].device):
+            return self.optimizer._clip([self.accumulated(device, k, g) for k, g in enumerate(grads)])
 
     def _accumulate(self, device: int, grads) -> None:
         """A step that only accumulates: ``accumulator += g``, each replica its own gradients (as Keras does

@@ -51,7 +51,7 @@ class Adam(Optimizer):
     (the largest velocity so far), by which the step divides."""
 
     _slot_specs = (("momentum", 0.0), ("velocity", 0.0))
-    _slot_aliases = {"m": "momentum", "v": "velocity"}
+    _slot_aliases = {"m": "momentum", "v": "velocity", "vhat": "velocity_hat"}  # tf.keras' legacy names
     _rule = rules.ADAM
 
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
