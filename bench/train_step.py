@@ -1,12 +1,16 @@
-"""Training-step time of a 200-parameter model: MirroredStrategy against a plain loop, in one run.
+"""Training-step time of a 200-parameter model or an MLP: MirroredStrategy against a plain loop, in one run.
 
     python bench/train_step.py                                  # CPU: 1 and 2 replicas, 100 layers 128x128
     python bench/train_step.py --device gpu --replicas 1 2      # GPU: 100 layers 256x256 (logical GPUs
                                                                  # when replicas outnumber the GPUs)
+    python bench/train_step.py --model mlp --replicas 1 2 4     # the MLP [1024, 4096, 4096, 10], batch 2048
 
-The model is ``--layers`` dense layers ``width x width`` plus bias (200
-parameter tensors by default: ResNet-50 has 161, BERT-base 199), tanh between
-layers, a squared-error loss, global batch ``--batch-size``. Each step is the
+The ``deep`` model (the default) is ``--layers`` dense layers ``width x width``
+plus bias (200 parameter tensors by default: ResNet-50 has 161, BERT-base 199);
+``--model mlp`` is issue 17's MLP [1024, 4096, 4096, 10] (3 weight tensors plus
+biases, 84 MB of gradients, global batch 2048 unless ``--batch-size`` says
+otherwise). tanh between layers, a squared-error loss, global batch
+``--batch-size``. Each step is the
 forward/backward pass plus the update, SGD with momentum 0.9 unless
 ``--optimizer`` says otherwise:
 
@@ -77,12 +81,23 @@ def interleaved(fns, steps: int, sync=lambda: None, host_only=False) -> list:
     return [statistics.median(column) for column in samples]
 
 
-def init_params(layers: int, width: int, seed: int = 0) -> list:
+MLP_SIZES = [1024, 4096, 4096, 10]
+
+
+def layer_sizes(config: dict) -> list:
+    """The widths of the model's layers, input first: ``[width] * (layers + 1)``, or the MLP's."""
+    if config["model"] == "mlp":
+        return MLP_SIZES
+    return [config["width"]] * (config["layers"] + 1)
+
+
+def init_params(sizes: list, seed: int = 0) -> list:
+    """A weight ``(fan_in, fan_out)`` and a zero bias per layer of ``sizes``."""
     rng = np.random.default_rng(seed)
     params = []
-    for _ in range(layers):
-        params.append((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32))
-        params.append(np.zeros(width, np.float32))
+    for fan_in, fan_out in zip(sizes, sizes[1:]):
+        params.append((rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)).astype(np.float32))
+        params.append(np.zeros(fan_out, np.float32))
     return params
 
 
@@ -144,14 +159,16 @@ def _torch_rank(rank: int, n: int, config: dict, queue) -> None:
     torch.set_num_threads(config["blas_threads"] or max(1, len(os.sched_getaffinity(0)) // n))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(config["torch_port"]))
     dist.init_process_group("gloo", rank=rank, world_size=n)
-    layers, width, batch = config["layers"], config["width"], config["batch_size"]
+    sizes, batch = layer_sizes(config), config["batch_size"]
+    layers = len(sizes) - 1
     model = torch.nn.Sequential(*[m for i in range(layers) for m in
-                                  ([torch.nn.Linear(width, width)] + ([torch.nn.Tanh()] if i < layers - 1 else []))])
+                                  ([torch.nn.Linear(sizes[i], sizes[i + 1])]
+                                   + ([torch.nn.Tanh()] if i < layers - 1 else []))])
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     rng = np.random.default_rng(1)
-    x = torch.from_numpy(rng.standard_normal((batch // n, width), dtype=np.float32))
-    y = torch.from_numpy(rng.standard_normal((batch // n, width), dtype=np.float32))
+    x = torch.from_numpy(rng.standard_normal((batch // n, sizes[0]), dtype=np.float32))
+    y = torch.from_numpy(rng.standard_normal((batch // n, sizes[-1]), dtype=np.float32))
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -170,9 +187,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--model", choices=("deep", "mlp"), default="deep",
+                   help="deep: --layers dense layers --width square (200 tensors); mlp: [1024, 4096, 4096, 10]")
     p.add_argument("--layers", type=int, default=100)
     p.add_argument("--width", type=int, default=None, help="default: 128 on CPU, 256 on GPU")
-    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=None, help="default: 512, 2048 for the MLP")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--optimizer", choices=("sgd", "sgd-plain", "adam"), default="sgd",
                    help="sgd: momentum 0.9; sgd-plain: no momentum, the plain loop's own rule")
@@ -195,6 +214,8 @@ def main(argv=None):
     if args.torch_worker:
         return torch_worker(json.loads(args.torch_worker))
     args.width = args.width or (256 if args.device == "gpu" else 128)
+    args.batch_size = args.batch_size or (2048 if args.model == "mlp" else 512)
+    sizes = layer_sizes(vars(args))
     if args.blas_threads:
         from threadpoolctl import threadpool_limits
 
@@ -208,9 +229,9 @@ def main(argv=None):
     else:
         xp, sync = np, (lambda: None)
     rng = np.random.default_rng(1)
-    x = xp.asarray(rng.standard_normal((args.batch_size, args.width), dtype=np.float32))
-    y = xp.asarray(rng.standard_normal((args.batch_size, args.width), dtype=np.float32))
-    params = [xp.asarray(a) for a in init_params(args.layers, args.width)]
+    x = xp.asarray(rng.standard_normal((args.batch_size, sizes[0]), dtype=np.float32))
+    y = xp.asarray(rng.standard_normal((args.batch_size, sizes[-1]), dtype=np.float32))
+    params = [xp.asarray(a) for a in init_params(sizes)]
     nbytes = sum(a.nbytes for a in params)
 
     fixed_grads = loss_and_grads(xp, params, x, y, args.batch_size)[1] if args.update_only else None
@@ -238,8 +259,10 @@ def main(argv=None):
         columns += torch_gpu_columns(args)
     times = interleaved([fn for _, _, fn in columns], args.steps, sync, host_only=args.host_only)
     base = times[0]
-    print(f"{args.layers} dense layers {args.width}x{args.width} + bias ({2 * args.layers} parameter tensors, "
-          f"{nbytes / 1e6:.1f} MB), global batch {args.batch_size}, {args.device}, optimizer {args.optimizer}, "
+    model = (f"MLP {sizes}" if args.model == "mlp" else
+             f"{args.layers} dense layers {args.width}x{args.width}")
+    print(f"{model} + bias ({len(params)} parameter tensors, {nbytes / 1e6:.1f} MB), "
+          f"global batch {args.batch_size}, {args.device}, optimizer {args.optimizer}, "
           f"BLAS threads {args.blas_threads or 'default'}{', the update alone' if args.update_only else ''}"
           f"{', host time per call only (GPU work drained outside the clock)' if args.host_only else ''}\n")
     print("| step | replicas | ms/step | vs plain |\n|---|---|---|---|")
@@ -266,10 +289,11 @@ def torch_gpu_columns(args) -> list:
     if not torch.cuda.is_available() or os.environ.get("MIRRORED_CUDA_ENGINE") == "sim":
         return []
     dev = torch.device("cuda")
-    params = [torch.tensor(a, device=dev, requires_grad=True) for a in init_params(args.layers, args.width)]
+    sizes = layer_sizes(vars(args))
+    params = [torch.tensor(a, device=dev, requires_grad=True) for a in init_params(sizes)]
     rng = np.random.default_rng(1)
-    x = torch.tensor(rng.standard_normal((args.batch_size, args.width), dtype=np.float32), device=dev)
-    y = torch.tensor(rng.standard_normal((args.batch_size, args.width), dtype=np.float32), device=dev)
+    x = torch.tensor(rng.standard_normal((args.batch_size, sizes[0]), dtype=np.float32), device=dev)
+    y = torch.tensor(rng.standard_normal((args.batch_size, sizes[-1]), dtype=np.float32), device=dev)
     opt = torch.optim.SGD(params, lr=0.01, momentum=0.9, foreach=True)
 
     def step():
@@ -300,7 +324,7 @@ def mirrored_step(args, xp, x, y, n: int, gpu: bool, fixed_grads=None, captured=
     (only apply_gradients of ``fixed_grads`` when given); ``captured``: the step wrapped in md.function."""
     strategy = md.MirroredStrategy([f"/gpu:{i}" if gpu else f"/cpu:{i}" for i in range(n)])
     with strategy.scope():
-        variables = [md.Variable(a) for a in init_params(args.layers, args.width)]
+        variables = [md.Variable(a) for a in init_params(layer_sizes(vars(args)))]
         optimizer = make_optimizer(args.optimizer)
     batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
 

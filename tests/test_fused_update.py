@@ -25,6 +25,9 @@ CASES = {
     "rmsprop_centered_momentum": (rules.RMSPROP, (0.01, 0.9, 0.1, 1e-7, 0.5, 1.0), 3),
     "adagrad": (rules.ADAGRAD, (0.1, 1e-7), 1),
     "nadam": (rules.NADAM, (0.001, 1e-7, 0.1, 0.001, 0.45, 0.8, 0.55, 0.6, 0.002), 2),
+    # beta_2 far from 1: the velocity falls below velocity_hat on some elements and rises above on others
+    "adam_amsgrad": (rules.ADAM_AMSGRAD, (0.1, 0.5, 0.0031, 1e-7), 3),
+    "ema": (rules.EMA, (0.99, 1 - 0.99), 0),
 }
 SIZES = [0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 64, 1000, 4099]
 
@@ -60,7 +63,7 @@ def test_kernel_equals_the_reference_bit_for_bit(case, dtype):
             np.testing.assert_array_equal(slots[k][j], ref_s[k][j], err_msg=f"{case} slot {j} of {k}")
 
 
-@pytest.mark.parametrize("case", ["adam", "nadam", "rmsprop_centered_momentum"])
+@pytest.mark.parametrize("case", ["adam", "nadam", "rmsprop_centered_momentum", "adam_amsgrad"])
 def test_several_steps_stay_bit_identical(case):
     rule, coefficients, n_slots = CASES[case]
     c = tuple(np.float32(x) for x in coefficients)
@@ -91,6 +94,8 @@ def test_bad_tables_are_refused_with_the_argument_named():
         fused_update(rules.SGD_MOMENTUM, [w], [g], [[m]], [False], [0.1], 0.0, 0.0)
     with pytest.raises(ValueError, match="rule=9: no such rule"):
         fused_update(9, [w], [g], [[m]], **args)
+    with pytest.raises(ValueError, match="rule=-1: no such rule"):
+        fused_update(-1, [w], [g], [[m]], **args)
     with pytest.raises(ValueError, match="float32 and float64"):
         fused_update(rules.SGD, [w.astype(np.float16)], [g.astype(np.float16)], [[]], [False], [0.1], 0.0, 0.0)
     read_only = np.zeros(4, np.float32)
@@ -98,3 +103,21 @@ def test_bad_tables_are_refused_with_the_argument_named():
     with pytest.raises(ValueError, match="read-only"):
         fused_update(rules.SGD, [read_only], [g], [[]], [False], [0.1], 0.0, 0.0)
     np.testing.assert_array_equal(w, 0)  # nothing was applied
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_amsgrad_keeps_the_largest_velocity_and_propagates_nan_as_tf_maximum(dtype):
+    """velocity_hat = maximum(velocity_hat, velocity) after the velocity's update, then the step divides by
+    its root; a NaN on either side propagates (tf.maximum and np.maximum do)."""
+    t = np.dtype(dtype).type
+    w = np.ones(5, dtype)
+    g = np.array([0.0, 2.0, 0.0, np.nan, 1.0], dtype)
+    m = np.zeros(5, dtype)
+    v = np.array([4.0, 0.0, 1.0, 0.0, 1.0], dtype)
+    v_hat = np.array([16.0, 0.0, np.nan, 0.0, 0.5], dtype)
+    c = [0.5, 0.5, 1.0, 0.0]  # 1 - beta_1, 1 - beta_2, alpha, epsilon
+    fused_update(rules.ADAM_AMSGRAD, [w], [g], [[m, v, v_hat]], [False], c, 0.0, 0.0)
+    np.testing.assert_array_equal(v, [2.0, 2.0, 0.5, np.nan, 1.0])
+    np.testing.assert_array_equal(v_hat, [16.0, 2.0, np.nan, np.nan, 1.0])
+    np.testing.assert_array_equal(m, [0.0, 1.0, 0.0, np.nan, 0.5])
+    np.testing.assert_array_equal(w, [1.0, t(1) - t(1) / np.sqrt(t(2)), np.nan, np.nan, 0.5])

@@ -31,7 +31,10 @@ def _train(name, devices, xp):
 
 
 @pytest.mark.parametrize("name", ["SGD nesterov", "Adam", "AdamW", "RMSprop centered momentum", "Adagrad", "Nadam",
-                                  "SGD clipnorm", "Adam weight_decay global_clipnorm", "RMSprop clipvalue weight_decay"])
+                                  "SGD clipnorm", "Adam weight_decay global_clipnorm", "RMSprop clipvalue weight_decay",
+                                  "Adam amsgrad", "AdamW amsgrad", "SGD momentum use_ema overwrite",
+                                  "Adam loss_scale_factor clipnorm", "SGD momentum accumulation clipnorm weight_decay",
+                                  "AdamW amsgrad use_ema accumulation loss_scale"])
 def test_gpu_replicas_match_keras_and_the_cpu_replicas(name):
     with gpu_pair():
         on_gpu = _train(name, ["/gpu:0", "/gpu:1"], cupy)
@@ -121,15 +124,16 @@ def _count_launches(monkeypatch, step):
 
 
 @pytest.mark.skipif(not SIMULATED, reason="counts the simulated runtime's launches")
+@pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize("aggregate", [True, False])
 def test_apply_gradients_on_200_variables_costs_at_most_3_launches_per_gpu_plus_the_all_reduce(monkeypatch,
-                                                                                               aggregate):
+                                                                                               aggregate, amsgrad):
     strategy = md.MirroredStrategy(["/gpu:0", "/gpu:1"])
     shapes = [(16, 8) if k % 2 else (8,) for k in range(200)]
     with strategy.scope():
         variables = [md.Variable(np.full(shape, 0.5, np.float32)) for shape in shapes]
-        opt = md.optimizers.Adam(0.01)
-    host_opt = md.optimizers.Adam(0.01)
+        opt = md.optimizers.Adam(0.01, amsgrad=amsgrad)
+    host_opt = md.optimizers.Adam(0.01, amsgrad=amsgrad)
     host_variables = [md.Variable(np.full(shape, 0.5, np.float32)) for shape in shapes]
 
     def step():
@@ -159,3 +163,45 @@ def test_apply_gradients_on_200_variables_costs_at_most_3_launches_per_gpu_plus_
     for k in (0, 1, 199):
         for copy in variables[k].values if aggregate else variables[k].values[:1]:
             np.testing.assert_array_equal(cupy.asnumpy(copy.read_value()), host_variables[k].numpy())
+
+
+def _captured_steps(kwargs, steps, captured=True):
+    """``steps`` steps of SGD-with-momentum or Adam options ``kwargs`` on two logical GPUs, through
+    md.function when ``captured``; the weights' copies."""
+    md.config.set_logical_device_configuration("GPU", 0, count=2)
+    try:
+        strategy = md.MirroredStrategy(["/gpu:0", "/gpu:1"])
+        with strategy.scope():
+            w = md.Variable(np.linspace(-1, 1, 8, dtype=np.float32))
+            opt = md.optimizers.Adam(0.01, **kwargs)
+
+        def step(g):
+            opt.apply_gradients([(g * g - w.read_value(), w)])
+
+        run = md.function(step) if captured else step
+        devices = strategy.extended.worker_devices
+        for s in range(steps):
+            g = md.PerReplica([md.device_util.place(np.linspace(s, r + 1, 8, dtype=np.float32), d)
+                               for r, d in enumerate(devices)], devices)
+            strategy.run(run, args=(g,))
+        return [np.asarray(c.numpy()) for c in w.values]
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
+
+
+def test_amsgrad_and_loss_scale_factor_replay_as_the_eager_steps():
+    kwargs = {"amsgrad": True, "beta_2": 0.5, "loss_scale_factor": 2.0}
+    captured, eager = _captured_steps(kwargs, 5), _captured_steps(kwargs, 5, captured=False)
+    for c, e in zip(captured, eager):
+        np.testing.assert_array_equal(c, e)
+
+
+@pytest.mark.parametrize("kwargs", [{"use_ema": True, "ema_overwrite_frequency": 2},
+                                    {"gradient_accumulation_steps": 2}])
+def test_the_options_that_branch_on_the_step_run_eagerly_under_md_function_saying_why(kwargs):
+    from mirrored.distribute.function import EagerFallbackWarning
+
+    with pytest.warns(EagerFallbackWarning, match="use_ema and gradient_accumulation_steps branch on the step"):
+        captured = _captured_steps(kwargs, 5)
+    for c, e in zip(captured, _captured_steps(kwargs, 5, captured=False)):
+        np.testing.assert_array_equal(c, e)

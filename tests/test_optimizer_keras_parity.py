@@ -2,7 +2,10 @@
 
 tests/data/keras_optimizers.npz was written by tests/data/record_keras_optimizers.py (the suite never
 imports TensorFlow): two variables trained 12 steps at 1, 2 and 4 replicas, replica r of step s passing
-gradient grads[s, r], for every optimizer and the clipping and weight-decay arguments.
+gradient grads[s, r], for every optimizer and the clipping and weight-decay arguments, and Keras 3's
+amsgrad, use_ema (with its overwrites and finalize_variable_values), loss_scale_factor and
+gradient_accumulation_steps, with what Keras keeps for them (velocity_hat, the moving averages, each
+replica's gradient accumulators, the floor-divided iterations).
 """
 
 import json
@@ -67,11 +70,40 @@ def test_weights_match_keras_under_mirrored_strategy(name, n):
             np.testing.assert_allclose(np.asarray(copy), expected, rtol=rtol, atol=rtol * 1e-1)
         first = np.asarray(var.values[0])
         assert all(np.array_equal(np.asarray(c), first) for c in var.values[1:])  # copies bit-identical
-    assert int(opt.iterations.numpy()) == DATA["grads_w"].shape[0]
+    assert int(opt.iterations.numpy()) == DATA[f"{name}|{n}|iterations"]
+    _check_keras_state(name, n, opt, w, b, rtol)
+
+
+def _check_keras_state(name, n, opt, w, b, rtol):
+    """velocity_hat, the moving averages and the accumulators against Keras', then finalize_variable_values."""
+    for var, key in ((w, "w"), (b, "b")):
+        for slot, recorded in (("velocity_hat", "velocity_hat"), ("average", "average")):
+            if f"{name}|{n}|{recorded}_{key}" in DATA:
+                state = opt.get_slot(var, slot)
+                for copy in state.values:  # bit-identical on every replica
+                    np.testing.assert_array_equal(np.asarray(copy), np.asarray(state.values[0]))
+                np.testing.assert_allclose(np.asarray(state.values[0]), DATA[f"{name}|{n}|{recorded}_{key}"],
+                                           rtol=rtol, atol=rtol * 1e-1)
+        if f"{name}|{n}|accumulator_{key}" in DATA:
+            # Each replica accumulates its own gradients, summed across replicas only when applied (Keras).
+            accumulator = opt.get_slot(var, "gradient_accumulator")
+            for r, copy in enumerate(accumulator.values):
+                np.testing.assert_allclose(np.asarray(copy), DATA[f"{name}|{n}|accumulator_{key}"][r],
+                                           rtol=rtol, atol=rtol * 1e-1)
+    if f"{name}|{n}|final_w" in DATA:
+        with opt._strategy.scope():
+            opt.finalize_variable_values([w, b])
+        for var, key in ((w, "w"), (b, "b")):
+            for copy in var.values:
+                np.testing.assert_allclose(np.asarray(copy), DATA[f"{name}|{n}|final_{key}"], rtol=rtol,
+                                           atol=rtol * 1e-1)
 
 
 @pytest.mark.parametrize("name", ["Adam", "SGD momentum", "RMSprop centered momentum", "Nadam", "Adagrad",
-                                  "SGD clipnorm", "Adam weight_decay global_clipnorm"])
+                                  "SGD clipnorm", "Adam weight_decay global_clipnorm", "Adam amsgrad",
+                                  "SGD momentum use_ema overwrite", "Adam loss_scale_factor clipnorm",
+                                  "SGD momentum accumulation clipnorm weight_decay",
+                                  "AdamW amsgrad use_ema accumulation loss_scale"])
 def test_cross_replica_apply_with_per_replica_gradients_is_the_same_step(name):
     _, _, w, b = _train(name, 2)
     _, _, w2, b2 = _train(name, 2, in_replica_context=False)

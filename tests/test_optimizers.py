@@ -392,7 +392,13 @@ def test_build_creates_the_slots_in_scope_and_apply_uses_the_built_variables():
     ({"weight_decay": -0.1}, ValueError, "weight_decay=-0.1"),
     ({"clipnorm": 1.0, "clipvalue": 1.0}, ValueError, "Only one of `clipnorm`, `clipvalue` and `global_clipnorm`"),
     ({"nonsense": 1}, ValueError, "Argument\\(s\\) not recognized"),
-    ({"use_ema": True}, NotImplementedError, "use_ema"),
+    ({"use_ema": True, "ema_momentum": 1.5}, ValueError, "ema_momentum=1.5"),
+    ({"use_ema": True, "ema_overwrite_frequency": 0}, ValueError, "ema_overwrite_frequency=0"),
+    ({"use_ema": True, "ema_overwrite_frequency": 2.5}, ValueError, "ema_overwrite_frequency=2.5"),
+    ({"gradient_accumulation_steps": 1}, ValueError, "gradient_accumulation_steps=1"),
+    ({"gradient_accumulation_steps": 2.0}, ValueError, "gradient_accumulation_steps=2.0"),
+    ({"loss_scale_factor": 0.0}, ValueError, "loss_scale_factor=0.0"),
+    ({"loss_scale_factor": float("nan")}, ValueError, "loss_scale_factor=nan"),
 ])
 @pytest.mark.parametrize("cls", ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam"])
 def test_bad_arguments_name_themselves(cls, kwargs, error, needle):
@@ -493,3 +499,113 @@ def test_iterations_assigned_from_outside_is_the_next_step(replicas):
     before = w.numpy().copy()
     strategy.run(lambda: opt.apply_gradients([(grad, w)]))
     np.testing.assert_array_equal(w.numpy(), before - replicas * grad)  # the gradients are summed
+
+
+# -- Keras 3's amsgrad, use_ema, loss_scale_factor and gradient_accumulation_steps (their values against
+# -- Keras' are in test_optimizer_keras_parity.py) --
+
+@pytest.mark.parametrize("kwargs", [
+    {"amsgrad": True}, {"use_ema": True, "ema_overwrite_frequency": 2}, {"gradient_accumulation_steps": 3}])
+def test_keras_state_is_checkpointed_under_keras_slot_names_and_resumes_exactly(tmp_path, kwargs):
+    def train(opt, w, steps, first):
+        for s in range(first, first + steps):
+            strategy.run(lambda s=s: opt.apply_gradients(
+                [(np.full(3, 0.1 * (s + 1) * (md.get_replica_context().replica_id_in_sync_group + 1), np.float32),
+                  w)]))
+
+    strategy = _strategy(2)
+    with strategy.scope():
+        w = md.Variable(np.ones(3, np.float32), name="w")
+        opt = md.optimizers.Adam(0.01, **kwargs)
+    # 6 steps: an update step's end, where the accumulators are zero (a checkpoint holds one copy of a
+    # variable, the first replica's, as TensorFlow's does, and each replica accumulates its own gradients)
+    train(opt, w, 6, 0)
+    path = md.train.Checkpoint(w=w, optimizer=opt).save(str(tmp_path / "ckpt"))
+    names = {"amsgrad": "velocity_hat", "use_ema": "average", "gradient_accumulation_steps": "gradient_accumulator"}
+    slot = next(names[k] for k in kwargs if k in names)
+    assert any(key.endswith(f"/w/{slot}") for key in md.train.load_checkpoint(path)), slot
+    train(opt, w, 5, 6)
+    with strategy.scope():
+        w2 = md.Variable(np.zeros(3, np.float32), name="w")
+        opt2 = md.optimizers.Adam(0.01, **kwargs)
+        opt2.build([w2])
+    md.train.Checkpoint(w=w2, optimizer=opt2).restore(path)
+    train(opt2, w2, 5, 6)
+    for copy, copy2 in zip(w.values, w2.values):
+        np.testing.assert_array_equal(np.asarray(copy2), np.asarray(copy))
+
+
+def test_gradient_accumulation_counts_updates_and_applies_every_nth_step():
+    strategy = _strategy(2)
+    with strategy.scope():
+        w = md.Variable(np.zeros(2, np.float32))
+        opt = md.optimizers.SGD(1.0, gradient_accumulation_steps=3)
+    seen = []
+    for s in range(7):
+        def step(s=s):
+            r = md.get_replica_context().replica_id_in_sync_group
+            return opt.apply_gradients([(np.full(2, float(s + 1 + 10 * r), np.float32), w)])
+        seen.append(strategy.experimental_local_results(strategy.run(step))[0])
+        if s == 1:
+            np.testing.assert_array_equal(w.numpy(), [0, 0])  # nothing applied yet
+            # each replica keeps its own sum until the update (Keras under a strategy)
+            acc = opt.get_slot(w, "gradient_accumulator")
+            np.testing.assert_array_equal([np.asarray(c) for c in acc.values], [[3, 3], [23, 23]])
+    assert seen == list(range(1, 8))  # apply_gradients returns the real count, as Keras' _iterations
+    # steps 0-2 and 3-5 applied: (sum over replicas of the replica's mean over 3 steps) * lr
+    np.testing.assert_array_equal(w.numpy(), -((2 + 12) + (5 + 15)) * np.ones(2))
+    assert int(opt.iterations) == 2 and int(opt.iterations.numpy()) == 2
+    assert int(opt._iterations.numpy()) == 7
+    np.testing.assert_array_equal(opt.get_slot(w, "gradient_accumulator").values[1].numpy(), [17, 17])
+
+
+def test_loss_scale_factor_scales_the_loss_and_divides_the_gradients():
+    opt = md.optimizers.SGD(0.5, loss_scale_factor=4.0)
+    assert opt.scale_loss(np.float32(3.0)) == np.float32(12.0)
+    assert md.optimizers.SGD().scale_loss(3.0) == 3.0
+    w = md.Variable(np.ones(2, np.float32))
+    opt.apply_gradients([(np.full(2, 8.0, np.float32), w)])
+    np.testing.assert_array_equal(w.numpy(), [0.0, 0.0])  # 1 - 0.5 * 8 / 4
+
+
+def test_ema_on_float16_variables_and_finalize_variable_values():
+    # float16 takes the element-wise path (no kernel), float32 the fused one: both are Keras' EMA.
+    strategy = _strategy(2)
+    with strategy.scope():
+        a = md.Variable(np.ones(3, np.float16), name="a")
+        b = md.Variable(np.ones(3, np.float32), name="b")
+        opt = md.optimizers.SGD(0.5, use_ema=True, ema_momentum=0.5)
+    for _ in range(2):
+        strategy.run(lambda: opt.apply_gradients([(np.full(3, 0.25, np.float16), a),
+                                                   (np.full(3, 0.25, np.float32), b)]))
+    # w: 1 -> 0.75 -> 0.5 (the sum of 2 replicas' 0.25); average: 0.75 (first step: w), then 0.5*0.75+0.5*0.5
+    for var, dtype in ((a, np.float16), (b, np.float32)):
+        average = opt.get_slot(var, "average")
+        assert average.dtype == dtype
+        for copy in average.values:
+            np.testing.assert_array_equal(np.asarray(copy), np.full(3, 0.625, dtype))
+        np.testing.assert_array_equal(var.numpy(), np.full(3, 0.5, dtype))
+    with strategy.scope():
+        opt.finalize_variable_values([a, b])
+    for var in (a, b):
+        for copy in var.values:
+            np.testing.assert_array_equal(np.asarray(copy), np.full(3, 0.625))
+    with strategy.scope():
+        stranger = md.Variable(np.ones(3, np.float32), name="stranger")
+    with pytest.raises(ValueError, match=r"var_list\[0\]: variable 'stranger.*no moving average"):
+        opt.finalize_variable_values([stranger])
+    md.optimizers.SGD().finalize_variable_values([stranger])  # without use_ema: nothing to do
+    np.testing.assert_array_equal(stranger.numpy(), 1)
+
+
+def test_amsgrad_slot_and_get_slot_names():
+    strategy = _strategy(2)
+    with strategy.scope():
+        w = md.Variable(np.ones(2, np.float32), name="dense/w")
+        opt = md.optimizers.AdamW(amsgrad=True)
+        opt.build([w])
+    assert [v.name for v in opt.variables] == ["AdamW/iterations:0", "dense/w/momentum:0", "dense/w/velocity:0",
+                                               "dense/w/velocity_hat:0"]
+    assert opt.get_slot(w, "vhat") is opt.get_slot(w, "velocity_hat")
+    with pytest.raises(KeyError, match="'average'.*'velocity_hat'"):
+        opt.get_slot(w, "average")

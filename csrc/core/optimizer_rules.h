@@ -24,15 +24,16 @@ namespace mirrored::rules {
 using std::sqrt;
 
 // Codes shared with rules.py.
-enum class Rule : int { kSgd = 0, kSgdMomentum, kSgdNesterov, kAdam, kRmsprop, kAdagrad, kNadam };
+enum class Rule : int { kSgd = 0, kSgdMomentum, kSgdNesterov, kAdam, kRmsprop, kAdagrad, kNadam, kAdamAmsgrad, kEma };
 
 constexpr int kMaxSlots = 3;
 constexpr int kMaxCoefficients = 9;
 
 // Number of scalars each rule reads (rules.py's coefficients); -1 for a code that is no rule.
 inline int rule_coefficients(int rule) {
-  constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9};
-  return rule >= 0 && rule < 7 ? counts[rule] : -1;
+  constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9, 4, 2};
+  constexpr int rules = sizeof(counts) / sizeof(counts[0]);
+  return rule >= 0 && rule < rules ? counts[rule] : -1;
 }
 
 // What is wrong with `given` coefficients for `rule` (a code from Python), naming the argument; empty when nothing.
@@ -47,12 +48,14 @@ inline std::string coefficients_error(int rule, std::size_t given) {
 // Number of slots the rule updates, given its coefficients (RMSprop's variants are read from them).
 inline int rule_slots(int rule, const double* c) {
   switch (static_cast<Rule>(rule)) {
-    case Rule::kSgd: return 0;
+    case Rule::kSgd:
+    case Rule::kEma: return 0;
     case Rule::kSgdMomentum:
     case Rule::kSgdNesterov:
     case Rule::kAdagrad: return 1;
     case Rule::kAdam:
     case Rule::kNadam: return 2;
+    case Rule::kAdamAmsgrad: return 3;
     case Rule::kRmsprop: return 1 + (c[5] != 0.0) + (c[4] != 0.0);
   }
   return -1;
@@ -138,35 +141,129 @@ MIRRORED_HD inline T nadam(T w, T g, T& m, T& v, const T* c) {
   return w - (m_hat * c[0]) / (sqrt(v / c[8]) + c[1]);
 }
 
-// Element i of entry e under `rule`: what a host loop iteration or a GPU thread does.
+// Adam with amsgrad (Keras: velocity_hat = maximum(velocity_hat, velocity), then
+// the step divides by sqrt(velocity_hat)). The maximum propagates a NaN from
+// either side, as tf.maximum and np.maximum do.
 template <typename T>
-MIRRORED_HD inline void update_element(Rule rule, const FusedEntry<T>& e, const FusedScalars<T>& s, std::size_t i) {
-  const T w = e.decay ? decayed(e.weight[i], s.weight_decay, s.lr) : e.weight[i];
-  const T g = e.grad[i];
-  T unused = T(0);
+MIRRORED_HD inline T adam_amsgrad(T w, T g, T& m, T& v, T& v_hat, const T* c) {
+  m = m + (g - m) * c[0];
+  v = v + (g * g - v) * c[1];
+  v_hat = (v > v_hat || v != v) ? v : v_hat;
+  return w - (m * c[2]) / (sqrt(v_hat) + c[3]);
+}
+
+// Keras' moving average of a variable (use_ema), as a rule whose "weight" is
+// the average and whose "gradient" is the variable: c = (momentum, 1 - momentum).
+template <typename T>
+MIRRORED_HD inline T ema(T average, T w, const T* c) {
+  return average * c[0] + w * c[1];
+}
+
+// Each rule as a functor over one element: `kSlots` slot values in `st` (the
+// rule's order), read and written back by the caller. The host loop
+// (csrc/host/fused_update.cc) and the GPU walk below share them.
+template <typename T>
+struct Sgd {
+  static constexpr int kSlots = 0;
+  MIRRORED_HD T operator()(T w, T g, T*, const T* c) const { return sgd(w, g, c); }
+};
+
+template <typename T, bool Nesterov>
+struct SgdMomentum {
+  static constexpr int kSlots = 1;
+  MIRRORED_HD T operator()(T w, T g, T* st, const T* c) const { return sgd_momentum<T, Nesterov>(w, g, st[0], c); }
+};
+
+template <typename T>
+struct Adam {
+  static constexpr int kSlots = 2;
+  MIRRORED_HD T operator()(T w, T g, T* st, const T* c) const { return adam(w, g, st[0], st[1], c); }
+};
+
+template <typename T>
+struct AdamAmsgrad {
+  static constexpr int kSlots = 3;
+  MIRRORED_HD T operator()(T w, T g, T* st, const T* c) const {
+    return adam_amsgrad(w, g, st[0], st[1], st[2], c);
+  }
+};
+
+template <typename T, bool Centered, bool Momentum>
+struct Rmsprop {
+  static constexpr int kSlots = 1 + Centered + Momentum;
+  MIRRORED_HD T operator()(T w, T g, T* st, const T* c) const {
+    // Locals for the slots this variant lacks (no pointer into `st` chosen at run time: the host
+    // loop keeps `st` in registers and vectorises).
+    T a = T(0), mom = T(0);
+    if constexpr (Centered) a = st[1];
+    if constexpr (Momentum) mom = st[Centered ? 2 : 1];
+    const T result = rmsprop<T, Centered, Momentum>(w, g, st[0], a, mom, c);
+    if constexpr (Centered) st[1] = a;
+    if constexpr (Momentum) st[Centered ? 2 : 1] = mom;
+    return result;
+  }
+};
+
+template <typename T>
+struct Adagrad {
+  static constexpr int kSlots = 1;
+  MIRRORED_HD T operator()(T w, T g, T* st, const T* c) const { return adagrad(w, g, st[0], c); }
+};
+
+template <typename T>
+struct Nadam {
+  static constexpr int kSlots = 2;
+  MIRRORED_HD T operator()(T w, T g, T* st, const T* c) const { return nadam(w, g, st[0], st[1], c); }
+};
+
+template <typename T>
+struct Ema {
+  static constexpr int kSlots = 0;
+  MIRRORED_HD T operator()(T average, T w, T*, const T* c) const { return ema(average, w, c); }
+};
+
+// Calls visit(F{}) with the functor F of `rule` (RMSprop's variant read from its coefficients `c`).
+template <typename T, typename Visitor>
+MIRRORED_HD inline void visit_rule(Rule rule, const T* c, const Visitor& visit) {
   switch (rule) {
-    case Rule::kSgd: e.weight[i] = sgd(w, g, s.c); return;
-    case Rule::kSgdMomentum: e.weight[i] = sgd_momentum<T, false>(w, g, e.slots[0][i], s.c); return;
-    case Rule::kSgdNesterov: e.weight[i] = sgd_momentum<T, true>(w, g, e.slots[0][i], s.c); return;
-    case Rule::kAdam: e.weight[i] = adam(w, g, e.slots[0][i], e.slots[1][i], s.c); return;
+    case Rule::kSgd: return visit(Sgd<T>{});
+    case Rule::kSgdMomentum: return visit(SgdMomentum<T, false>{});
+    case Rule::kSgdNesterov: return visit(SgdMomentum<T, true>{});
+    case Rule::kAdam: return visit(Adam<T>{});
+    case Rule::kAdamAmsgrad: return visit(AdamAmsgrad<T>{});
     case Rule::kRmsprop: {
-      const bool centered = s.c[5] != T(0), momentum = s.c[4] != T(0);
-      T& v = e.slots[0][i];
-      if (centered && momentum) {
-        e.weight[i] = rmsprop<T, true, true>(w, g, v, e.slots[1][i], e.slots[2][i], s.c);
-      } else if (centered) {
-        e.weight[i] = rmsprop<T, true, false>(w, g, v, e.slots[1][i], unused, s.c);
-      } else if (momentum) {
-        e.weight[i] = rmsprop<T, false, true>(w, g, v, unused, e.slots[1][i], s.c);
-      } else {
-        e.weight[i] = rmsprop<T, false, false>(w, g, v, unused, unused, s.c);
-      }
-      return;
+      const bool centered = c[5] != T(0), momentum = c[4] != T(0);
+      if (centered) return momentum ? visit(Rmsprop<T, true, true>{}) : visit(Rmsprop<T, true, false>{});
+      return momentum ? visit(Rmsprop<T, false, true>{}) : visit(Rmsprop<T, false, false>{});
     }
-    case Rule::kAdagrad: e.weight[i] = adagrad(w, g, e.slots[0][i], s.c); return;
-    case Rule::kNadam: e.weight[i] = nadam(w, g, e.slots[0][i], e.slots[1][i], s.c); return;
+    case Rule::kAdagrad: return visit(Adagrad<T>{});
+    case Rule::kNadam: return visit(Nadam<T>{});
+    case Rule::kEma: return visit(Ema<T>{});
   }
 }
+
+// Element i of entry e under the rule F: what a host loop iteration or a GPU thread does.
+template <typename T, typename F>
+MIRRORED_HD inline void update_element(F rule, const FusedEntry<T>& e, const FusedScalars<T>& s, std::size_t i) {
+  T st[F::kSlots > 0 ? F::kSlots : 1];
+  for (int j = 0; j < F::kSlots; ++j) st[j] = e.slots[j][i];
+  const T w = e.decay ? decayed(e.weight[i], s.weight_decay, s.lr) : e.weight[i];
+  e.weight[i] = rule(w, e.grad[i], st, s.c);
+  for (int j = 0; j < F::kSlots; ++j) e.slots[j][i] = st[j];
+}
+
+template <typename T>
+struct TableWalk {
+  const FusedEntry<T>* table;
+  int entries;
+  const FusedScalars<T>& s;
+  std::size_t tid, stride;
+  template <typename F>
+  MIRRORED_HD void operator()(F rule) const {
+    for (int k = 0; k < entries; ++k)
+      for (std::size_t i = tid; i < table[k].count; i += stride) update_element(rule, table[k], s, i);
+  }
+};
 
 // A whole table, walked grid-stride: thread `tid` of `stride` threads updates
 // elements tid, tid + stride, ... of every entry. The CUDA kernel runs this per
@@ -174,8 +271,7 @@ MIRRORED_HD inline void update_element(Rule rule, const FusedEntry<T>& e, const 
 template <typename T>
 MIRRORED_HD inline void update_table(Rule rule, const FusedEntry<T>* table, int entries, const FusedScalars<T>& s,
                                      std::size_t tid, std::size_t stride) {
-  for (int k = 0; k < entries; ++k)
-    for (std::size_t i = tid; i < table[k].count; i += stride) update_element(rule, table[k], s, i);
+  visit_rule(rule, s.c, TableWalk<T>{table, entries, s, tid, stride});
 }
 
 }  // namespace mirrored::rules

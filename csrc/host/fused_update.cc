@@ -6,117 +6,58 @@ namespace mirrored::host {
 
 namespace {
 
-// One loop per rule over the shared element math (core/optimizer_rules.h);
-// `Decay` is a template argument so the loop carries no branch. __restrict:
-// the entries of a table never overlap (the caller's contract).
-template <typename T, bool Decay>
-inline T decayed(T w, const FusedScalars<T>& s) {
-  return Decay ? rules::decayed(w, s.weight_decay, s.lr) : w;
-}
-
-template <typename T, bool Decay>
-void sgd(const FusedEntry<T>& e, const FusedScalars<T>& s) {
-  T* __restrict w = e.weight;
-  const T* __restrict g = e.grad;
-  for (std::size_t i = 0; i < e.count; ++i) w[i] = rules::sgd(decayed<T, Decay>(w[i], s), g[i], s.c);
-}
-
-template <typename T, bool Decay, bool Nesterov>
-void sgd_momentum(const FusedEntry<T>& e, const FusedScalars<T>& s) {
-  T* __restrict w = e.weight;
-  const T* __restrict g = e.grad;
-  T* __restrict m = e.slots[0];
-  for (std::size_t i = 0; i < e.count; ++i) {
-    T mi = m[i];
-    w[i] = rules::sgd_momentum<T, Nesterov>(decayed<T, Decay>(w[i], s), g[i], mi, s.c);
-    m[i] = mi;
+// One loop for every rule: the rule's functor (core/optimizer_rules.h) on each
+// element, its slots loaded into locals and stored back. `Decay` and the
+// functor are template arguments, so the loop carries no branch and
+// vectorises. The buffers are __restrict parameters (the entries of a table
+// never overlap, the caller's contract; a variable's own buffers are
+// distinct) and the scalars a local copy, so the compiler needs no run-time
+// alias checks (with three slots it would need more than it allows, and
+// would not vectorise).
+template <typename T, bool Decay, typename F>
+void update_arrays(F rule, std::size_t count, T* __restrict w, const T* __restrict g, T* __restrict s0,
+                   T* __restrict s1, T* __restrict s2, const FusedScalars<T> s) {
+  static_assert(F::kSlots <= kMaxSlots, "a rule has at most kMaxSlots slots");
+  for (std::size_t i = 0; i < count; ++i) {
+    T st[F::kSlots > 0 ? F::kSlots : 1];
+    if constexpr (F::kSlots > 0) st[0] = s0[i];
+    if constexpr (F::kSlots > 1) st[1] = s1[i];
+    if constexpr (F::kSlots > 2) st[2] = s2[i];
+    const T wi = Decay ? rules::decayed(w[i], s.weight_decay, s.lr) : w[i];
+    w[i] = rule(wi, g[i], st, s.c);
+    if constexpr (F::kSlots > 0) s0[i] = st[0];
+    if constexpr (F::kSlots > 1) s1[i] = st[1];
+    if constexpr (F::kSlots > 2) s2[i] = st[2];
   }
 }
 
-template <typename T, bool Decay>
-void adam(const FusedEntry<T>& e, const FusedScalars<T>& s) {
-  T* __restrict w = e.weight;
-  const T* __restrict g = e.grad;
-  T* __restrict m = e.slots[0];
-  T* __restrict v = e.slots[1];
-  for (std::size_t i = 0; i < e.count; ++i) {
-    T mi = m[i], vi = v[i];
-    w[i] = rules::adam(decayed<T, Decay>(w[i], s), g[i], mi, vi, s.c);
-    m[i] = mi;
-    v[i] = vi;
-  }
+template <typename T, bool Decay, typename F>
+void update_entry(F rule, const FusedEntry<T>& e, const FusedScalars<T>& s) {
+  update_arrays<T, Decay>(rule, e.count, e.weight, e.grad, e.slots[0], e.slots[1], e.slots[2], s);
 }
 
-template <typename T, bool Decay, bool Centered, bool Momentum>
-void rmsprop(const FusedEntry<T>& e, const FusedScalars<T>& s) {
-  T* __restrict w = e.weight;
-  const T* __restrict g = e.grad;
-  T* __restrict v = e.slots[0];
-  T* __restrict a = e.slots[1];  // the average gradient when centered
-  T* __restrict mom = e.slots[Centered ? 2 : 1];
-  for (std::size_t i = 0; i < e.count; ++i) {
-    T vi = v[i], ai = Centered ? a[i] : T(0), mi = Momentum ? mom[i] : T(0);
-    w[i] = rules::rmsprop<T, Centered, Momentum>(decayed<T, Decay>(w[i], s), g[i], vi, ai, mi, s.c);
-    v[i] = vi;
-    if constexpr (Centered) a[i] = ai;
-    if constexpr (Momentum) mom[i] = mi;
-  }
-}
-
-template <typename T, bool Decay>
-void adagrad(const FusedEntry<T>& e, const FusedScalars<T>& s) {
-  T* __restrict w = e.weight;
-  const T* __restrict g = e.grad;
-  T* __restrict acc = e.slots[0];
-  for (std::size_t i = 0; i < e.count; ++i) {
-    T ai = acc[i];
-    w[i] = rules::adagrad(decayed<T, Decay>(w[i], s), g[i], ai, s.c);
-    acc[i] = ai;
-  }
-}
-
-template <typename T, bool Decay>
-void nadam(const FusedEntry<T>& e, const FusedScalars<T>& s) {
-  T* __restrict w = e.weight;
-  const T* __restrict g = e.grad;
-  T* __restrict m = e.slots[0];
-  T* __restrict v = e.slots[1];
-  for (std::size_t i = 0; i < e.count; ++i) {
-    T mi = m[i], vi = v[i];
-    w[i] = rules::nadam(decayed<T, Decay>(w[i], s), g[i], mi, vi, s.c);
-    m[i] = mi;
-    v[i] = vi;
-  }
-}
-
-template <typename T, bool Decay>
-void apply_entry(Rule rule, const FusedEntry<T>& e, const FusedScalars<T>& s) {
-  switch (rule) {
-    case Rule::kSgd: return sgd<T, Decay>(e, s);
-    case Rule::kSgdMomentum: return sgd_momentum<T, Decay, false>(e, s);
-    case Rule::kSgdNesterov: return sgd_momentum<T, Decay, true>(e, s);
-    case Rule::kAdam: return adam<T, Decay>(e, s);
-    case Rule::kRmsprop: {
-      const bool centered = s.c[5] != T(0), momentum = s.c[4] != T(0);
-      if (centered) return momentum ? rmsprop<T, Decay, true, true>(e, s) : rmsprop<T, Decay, true, false>(e, s);
-      return momentum ? rmsprop<T, Decay, false, true>(e, s) : rmsprop<T, Decay, false, false>(e, s);
+template <typename T>
+struct TableLoop {
+  const FusedEntry<T>* entries;
+  std::size_t n;
+  const FusedScalars<T>& s;
+  template <typename F>
+  void operator()(F rule) const {
+    for (std::size_t k = 0; k < n; ++k) {
+      if (entries[k].decay) {
+        update_entry<T, true>(rule, entries[k], s);
+      } else {
+        update_entry<T, false>(rule, entries[k], s);
+      }
     }
-    case Rule::kAdagrad: return adagrad<T, Decay>(e, s);
-    case Rule::kNadam: return nadam<T, Decay>(e, s);
   }
-}
+};
 
 }  // namespace
 
 template <typename T>
 void fused_update(Rule rule, const FusedEntry<T>* entries, std::size_t n, const FusedScalars<T>& s) {
-  for (std::size_t k = 0; k < n; ++k) {
-    if (entries[k].decay) {
-      apply_entry<T, true>(rule, entries[k], s);
-    } else {
-      apply_entry<T, false>(rule, entries[k], s);
-    }
-  }
+  rules::visit_rule(rule, s.c, TableLoop<T>{entries, n, s});
 }
 
 template void fused_update<float>(Rule, const FusedEntry<float>*, std::size_t, const FusedScalars<float>&);

@@ -52,7 +52,48 @@ CONFIGS = {
     "SGD momentum float64": ("SGD", {"learning_rate": 0.1, "momentum": 0.9}, "float64"),
     "Adam float64": ("Adam", {"learning_rate": 0.01}, "float64"),
     "Nadam float64": ("Nadam", {"learning_rate": 0.01}, "float64"),
+    # Keras 3's amsgrad, moving average (EMA), loss scale factor and gradient accumulation.
+    "Adam amsgrad": ("Adam", {"learning_rate": 0.01, "amsgrad": True}, "float32"),
+    "Adam amsgrad betas clipnorm": ("Adam", {"learning_rate": 0.02, "beta_1": 0.8, "beta_2": 0.5, "amsgrad": True,
+                                             "clipnorm": 1.0}, "float32"),
+    "AdamW amsgrad": ("AdamW", {"learning_rate": 0.01, "weight_decay": 0.1, "amsgrad": True}, "float32"),
+    "Adam amsgrad float64": ("Adam", {"learning_rate": 0.01, "beta_2": 0.5, "amsgrad": True}, "float64"),
+    "Adam use_ema": ("Adam", {"learning_rate": 0.01, "use_ema": True, "ema_momentum": 0.9}, "float32"),
+    "SGD momentum use_ema overwrite": ("SGD", {"learning_rate": 0.1, "momentum": 0.9, "use_ema": True,
+                                              "ema_momentum": 0.8, "ema_overwrite_frequency": 5}, "float32"),
+    "RMSprop use_ema default momentum": ("RMSprop", {"learning_rate": 0.01, "use_ema": True}, "float32"),
+    "Adam use_ema overwrite float64": ("Adam", {"learning_rate": 0.01, "use_ema": True,
+                                                "ema_overwrite_frequency": 4}, "float64"),
+    "SGD loss_scale_factor": ("SGD", {"learning_rate": 0.1, "loss_scale_factor": 8.0}, "float32"),
+    "Adam loss_scale_factor clipnorm": ("Adam", {"learning_rate": 0.01, "loss_scale_factor": 0.3, "clipnorm": 1.0},
+                                        "float32"),
+    "Adam gradient_accumulation_steps": ("Adam", {"learning_rate": 0.01, "gradient_accumulation_steps": 3},
+                                         "float32"),
+    "SGD momentum accumulation clipnorm weight_decay": ("SGD", {"learning_rate": 0.1, "momentum": 0.9,
+                                                               "gradient_accumulation_steps": 4, "clipnorm": 1.0,
+                                                               "weight_decay": 0.05}, "float32"),
+    "Nadam gradient_accumulation_steps": ("Nadam", {"learning_rate": 0.02, "gradient_accumulation_steps": 2},
+                                          "float32"),
+    "Adam accumulation float64": ("Adam", {"learning_rate": 0.01, "gradient_accumulation_steps": 5}, "float64"),
+    "AdamW amsgrad use_ema accumulation loss_scale": ("AdamW", {
+        "learning_rate": 0.01, "amsgrad": True, "use_ema": True, "ema_momentum": 0.7, "ema_overwrite_frequency": 2,
+        "gradient_accumulation_steps": 2, "loss_scale_factor": 4.0}, "float32"),
 }
+
+
+def extras(opt, w, b):
+    """What Keras keeps beside the slots each test compares: velocity_hat, the moving averages, each
+    replica's gradient accumulators, and `iterations` (floor-divided under gradient accumulation)."""
+    out = {"iterations": np.array(int(opt.iterations.numpy()))}
+    for key, var in (("w", w), ("b", b)):
+        i = opt._get_variable_index(var)
+        if getattr(opt, "amsgrad", False):
+            out[f"velocity_hat_{key}"] = opt._velocity_hats[i].numpy()
+        if opt.use_ema:
+            out[f"average_{key}"] = opt._model_variables_moving_average[i].numpy()
+        if opt.gradient_accumulation_steps:
+            out[f"accumulator_{key}"] = np.stack([v.numpy() for v in opt._accumulated_gradients[i].value.values])
+    return out
 
 
 def inputs():
@@ -86,9 +127,15 @@ def record(n, dtype_wanted, path):
                 gb = tf.gather(tf.constant(data["grads_b"][s].astype(dtype)), r)
                 opt.apply_gradients([(gw, w), (gb, b)])
             strategy.run(step)
-        assert int(opt.iterations.numpy()) == STEPS
         out[f"{name}|{n}|w"] = w.numpy()
         out[f"{name}|{n}|b"] = b.numpy()
+        for key, value in extras(opt, w, b).items():
+            out[f"{name}|{n}|{key}"] = value
+        if opt.use_ema:  # the end of training: every variable takes its average
+            with strategy.scope():
+                opt.finalize_variable_values([w, b])
+            out[f"{name}|{n}|final_w"] = w.numpy()
+            out[f"{name}|{n}|final_b"] = b.numpy()
     np.savez(path, **out)
 
 

@@ -38,6 +38,7 @@ const std::vector<Case> kCases = {
     {rules::Rule::kRmsprop, {0.01, 0.9, 0.1, 1e-7, 0.5, 1.0}, 3},
     {rules::Rule::kAdagrad, {0.1, 1e-7}, 1},
     {rules::Rule::kNadam, {0.001, 1e-7, 0.1, 0.001, 0.45, 0.8, 0.55, 0.6, 0.002}, 2},
+    {rules::Rule::kAdamAmsgrad, {0.1, 0.001, 0.0031, 1e-7}, 3},
 };
 const std::vector<std::size_t> kSizes = {0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 64, 1000, 4099, 3000017};
 

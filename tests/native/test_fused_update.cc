@@ -7,6 +7,8 @@
 // runs per thread) in a random thread order over several grid sizes, against
 // the host kernel bit for bit: the simulated runtime's way of running a kernel.
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstddef>
 #include <numeric>
 #include <random>
@@ -36,6 +38,8 @@ const std::vector<Case>& cases() {
       {Rule::kRmsprop, {0.01, 0.9, 0.1, 1e-7, 0.5, 1.0}, 3},
       {Rule::kAdagrad, {0.1, 1e-7}, 1},
       {Rule::kNadam, {0.001, 1e-7, 0.1, 0.001, 0.45, 0.8, 0.55, 0.6, 0.002}, 2},
+      {Rule::kAdamAmsgrad, {0.1, 0.001, 0.0031, 1e-7}, 3},
+      {Rule::kEma, {0.99, 0.01}, 0},
   };
   return all;
 }
@@ -149,6 +153,34 @@ TEST(sgd_momentum_exact_values) {
   // w -= w*0.25*0.5; m = m*0.5 - g*0.5; w += m
   CHECK(m[0] == 0.125f - 0.25f && m[1] == -2.0f);
   CHECK(w[0] == 1.0f - 0.125f + (0.125f - 0.25f) && w[1] == -2.0f + 0.25f - 2.0f);
+}
+
+TEST(amsgrad_keeps_the_maximum_velocity_and_divides_by_it) {
+  // v_hat = max(v_hat, v) after v's update; a NaN on either side propagates (tf.maximum's rule).
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> w = {1.0f, 1.0f, 1.0f, 1.0f}, g = {0.0f, 2.0f, 0.0f, nan}, m = {0.0f, 0.0f, 0.0f, 0.0f};
+  std::vector<float> v = {4.0f, 0.0f, 1.0f, 0.0f}, v_hat = {16.0f, 0.0f, nan, 0.0f};
+  FusedEntry<float> e{w.data(), g.data(), {m.data(), v.data(), v_hat.data()}, 4, false};
+  FusedScalars<float> s{};
+  s.c[0] = 0.5f;  // 1 - beta_1
+  s.c[1] = 0.5f;  // 1 - beta_2
+  s.c[2] = 1.0f;  // alpha
+  s.c[3] = 0.0f;  // epsilon
+  fused_update<float>(Rule::kAdamAmsgrad, &e, 1, s);
+  CHECK(v[0] == 2.0f && v_hat[0] == 16.0f && w[0] == 1.0f);            // m stays 0: no step
+  CHECK(v[1] == 2.0f && v_hat[1] == 2.0f && m[1] == 1.0f);               // the new velocity is larger
+  CHECK(w[1] == 1.0f - 1.0f / std::sqrt(2.0f));
+  CHECK(std::isnan(v_hat[2]) && std::isnan(v_hat[3]) && std::isnan(w[3]));
+}
+
+TEST(ema_is_momentum_times_average_plus_one_minus_momentum_times_the_variable) {
+  std::vector<float> average = {0.0f, 2.0f}, w = {4.0f, 8.0f};
+  FusedEntry<float> e{average.data(), w.data(), {nullptr, nullptr, nullptr}, 2, false};
+  FusedScalars<float> s{};
+  s.c[0] = 0.75f;
+  s.c[1] = 0.25f;
+  fused_update<float>(Rule::kEma, &e, 1, s);
+  CHECK(average[0] == 1.0f && average[1] == 3.5f && w[0] == 4.0f && w[1] == 8.0f);
 }
 
 TEST(concurrent_calls_on_disjoint_tables) {

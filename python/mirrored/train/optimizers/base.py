@@ -18,7 +18,14 @@ Keras 3's order under a tf.distribute strategy, it
    rule element-wise per variable for arrays the kernel does not take. Each replica
    updates its own device's copies with the same reduced gradients, so the copies stay
    bit-identical;
-4. increments ``iterations``.
+4. updates Keras' moving averages (``use_ema``: a second fused pass) and applies the
+   constraints;
+5. increments ``iterations``.
+
+Keras 3's ``loss_scale_factor`` divides the gradients first; with
+``gradient_accumulation_steps`` a step that only accumulates adds each replica's gradients
+to its accumulators (no all-reduce), and every n-th step applies their average
+(docs/training.md, "Keras 3's extra options").
 
 What is per variable and fixed (the copies on each device, their slots, which ones
 decay, the dtype groups) is computed once per strategy and variable list (a
@@ -50,9 +57,13 @@ from . import rules
 
 __all__ = ["Optimizer", "check_rate"]
 
-# Keras' arguments this package does not implement; passing a value other than Keras' default says so.
-_UNSUPPORTED = {"use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
-                "loss_scale_factor": None, "gradient_accumulation_steps": None}
+
+class _FlooredIterations(int):
+    """``iterations`` under gradient accumulation: Keras' ``floor_divide(_iterations, steps)``, a read-only
+    count (``int(x)``, ``x.numpy()``); the variable itself (the real count, checkpointed) is ``_iterations``."""
+
+    def numpy(self):
+        return np.int64(self)
 
 
 def check_rate(value, argument: str, allow_callable: bool = False, low: float = 0.0, high: float | None = None,
@@ -101,14 +112,34 @@ class Optimizer:
     _rule: int = rules.SGD
 
     def __init__(self, learning_rate, name: str, gradient_aggregation="sum", *, weight_decay=None, clipnorm=None,
-                 clipvalue=None, global_clipnorm=None, **kwargs):
+                 clipvalue=None, global_clipnorm=None, use_ema=False, ema_momentum=0.99, ema_overwrite_frequency=None,
+                 loss_scale_factor=None, gradient_accumulation_steps=None, **kwargs):
         kwargs.pop("decay", None)  # Keras: "no longer supported and will be ignored"
-        for key, value in kwargs.items():
-            if key not in _UNSUPPORTED:
-                raise ValueError(f"Argument(s) not recognized: {kwargs}")
-            if value != _UNSUPPORTED[key]:
-                raise NotImplementedError(f"{key}={value!r}: mirrored's optimizers do not implement {key}; "
-                                          f"leave it at Keras' default ({_UNSUPPORTED[key]!r})")
+        if kwargs:
+            raise ValueError(f"Argument(s) not recognized: {kwargs}")
+        self.use_ema = bool(use_ema)
+        self.ema_momentum = ema_momentum
+        self.ema_overwrite_frequency = ema_overwrite_frequency
+        if self.use_ema:  # Keras checks these only with use_ema
+            self.ema_momentum = check_rate(ema_momentum, "ema_momentum", low=0.0, high=1.0, high_inclusive=True)
+            if ema_overwrite_frequency is not None and (
+                    isinstance(ema_overwrite_frequency, bool)
+                    or not isinstance(ema_overwrite_frequency, numbers.Integral)
+                    or ema_overwrite_frequency < 1):
+                raise ValueError("`ema_overwrite_frequency` must be an integer >= 1 or None. Received: "
+                                 f"ema_overwrite_frequency={ema_overwrite_frequency!r}")
+        if loss_scale_factor is not None and (
+                isinstance(loss_scale_factor, bool) or not isinstance(loss_scale_factor, numbers.Real)
+                or not math.isfinite(loss_scale_factor) or loss_scale_factor == 0):
+            raise ValueError(f"loss_scale_factor={loss_scale_factor!r}: expected a finite nonzero number (the loss "
+                             "is multiplied by it, the gradients divided), or None")
+        self.loss_scale_factor = loss_scale_factor
+        if gradient_accumulation_steps and (
+                isinstance(gradient_accumulation_steps, bool)
+                or not isinstance(gradient_accumulation_steps, numbers.Integral) or gradient_accumulation_steps < 2):
+            raise ValueError("`gradient_accumulation_steps` must be an integer >= 2. Received: "
+                             f"gradient_accumulation_steps={gradient_accumulation_steps!r}")
+        self.gradient_accumulation_steps = int(gradient_accumulation_steps) if gradient_accumulation_steps else None
         self.learning_rate = learning_rate
         self.name = name
         self.gradient_aggregation = _check_aggregation(gradient_aggregation)
@@ -168,10 +199,17 @@ class Optimizer:
     # -- state --
     @property
     def iterations(self):
-        """The number of ``apply_gradients`` calls so far: a mirrored int64 variable."""
+        """The number of ``apply_gradients`` calls so far: a mirrored int64 variable. With
+        ``gradient_accumulation_steps``, the number of updates (Keras: calls // steps) as a read-only count."""
         if self._iterations is None:
-                self._create_state(self._strategy or distribute_lib.get_strategy(), ())
+            self._create_state(self._strategy or distribute_lib.get_strategy(), ())
+        if self.gradient_accumulation_steps:
+            return _FlooredIterations(int(self._iterations.numpy()) // self.gradient_accumulation_steps)
         return self._iterations
+
+    def _rule_step(self, step: int) -> int:
+        """Keras' ``iterations`` at real step ``step``: the update rules and the moving average count updates."""
+        return step // self.gradient_accumulation_steps if self.gradient_accumulation_steps else step
 
     @property
     def variables(self) -> list:
@@ -183,11 +221,19 @@ class Optimizer:
     def _slot_names(self) -> tuple:
         return tuple(name for name, _ in self._slot_specs)
 
+    @property
+    def _state_specs(self) -> tuple:
+        """Every per-variable state: the rule's slots, then Keras' moving average (``average``, with
+        ``use_ema``) and gradient accumulator (``gradient_accumulator``), zeros at first as in Keras."""
+        return (self._slot_specs + ((("average", 0.0),) if self.use_ema else ())
+                + ((("gradient_accumulator", 0.0),) if self.gradient_accumulation_steps else ()))
+
     def get_slot(self, var, slot_name: str):
         """The slot variable ``slot_name`` (Keras' names: ``"momentum"``, ``"velocity"``, ...) of ``var``."""
         name = self._slot_aliases.get(slot_name, slot_name)
-        if name not in self._slot_names:
-            raise KeyError(f"slot_name={slot_name!r}: {type(self).__name__} has slots {list(self._slot_names)}")
+        names = [n for n, _ in self._state_specs]
+        if name not in names:
+            raise KeyError(f"slot_name={slot_name!r}: {type(self).__name__} has slots {names}")
         entry = self._slots.get(id(var))
         if entry is None:
             raise KeyError(f"var={getattr(var, 'name', var)!r} has no slots yet: call build([var]) or "
@@ -231,8 +277,38 @@ class Optimizer:
                     slot: values.Variable(np.full(var.shape, np.float32(initial), dtype=var.dtype),
                                           name=f"{base}/{slot}",
                                           trainable=False)
-                    for slot, initial in self._slot_specs})
+                    for slot, initial in self._state_specs})
         self._strategy = strategy
+
+    def scale_loss(self, loss):
+        """Keras 3's ``scale_loss``: ``loss * loss_scale_factor`` (the loss itself without one); the gradients
+        of the scaled loss are divided by the factor again before the update."""
+        if self.loss_scale_factor is None:
+            return loss
+        return loss * self.loss_scale_factor
+
+    def finalize_variable_values(self, var_list) -> None:
+        """Keras' end of training: with ``use_ema``, every copy of each variable of ``var_list`` takes its
+        moving average's value (call it in cross-replica context, e.g. after the training loop)."""
+        if not self.use_ema:
+            return
+        var_list = list(var_list)
+        for i, var in enumerate(var_list):
+            entry = self._slots.get(id(var))
+            if entry is None:
+                raise ValueError(f"var_list[{i}]: variable {getattr(var, 'name', var)!r} has no moving average in "
+                                 f"optimizer {self.name!r}; pass the variables it updated")
+            copies = var.values if isinstance(var, DistributedVariable) else (var,)
+            averages = entry[1]["average"]
+            averages = averages.values if isinstance(averages, DistributedVariable) else (averages,)
+            for copy, average in zip(copies, averages):
+                copy._writable_buffer()[...] = average._value
+
+    def _unscale(self, grads: list) -> list:
+        """Keras divides the gradients by ``loss_scale_factor`` (in each gradient's dtype) before anything else."""
+        if self.loss_scale_factor is None:
+            return grads
+        return [g / _dtype_of(g).type(self.loss_scale_factor) for g in grads]
 
     # -- the step --
     def apply(self, grads, trainable_variables=None):
@@ -275,19 +351,23 @@ class Optimizer:
                     f"strategy.scope(), on variables of {owner!r}; call it inside strategy.run(step_fn) (each "
                     "replica passes its gradients), or under `with strategy.scope():` with PerReplica gradients")
         ctx = distribute_lib.get_replica_context()
-        grads = self._clip(grads)
-        # From the second step on, this replica packs its gradients into its fusion buffer
-        # (in parallel with the other replicas): the all-reduce then moves one buffer per dtype.
-        plan = self._plans.get(tuple(map(id, variables)))
+        grads = self._unscale(grads)
         packed = None
-        if plan is not None and plan.packable and aggregate and ctx.strategy.num_replicas_in_sync > 1:
-            packed = plan.pack(ctx._local_replica_id, grads)
+        if not self.gradient_accumulation_steps:  # else clipped after the accumulated average (merge step)
+            grads = self._clip(grads)
+            # From the second step on, this replica packs its gradients into its fusion buffer
+            # (in parallel with the other replicas): the all-reduce then moves one buffer per dtype.
+            plan = self._plans.get(tuple(map(id, variables)))
+            if plan is not None and plan.packable and aggregate and ctx.strategy.num_replicas_in_sync > 1:
+                packed = plan.pack(ctx._local_replica_id, grads)
         # options stay out of the merged arguments: each replica may pass its own (equal)
         # options object, which merge_call would turn into a PerReplica.
-        plan, reduced, step = ctx.merge_call(
+        plan, reduced, step, update = ctx.merge_call(
             lambda strategy, merged: self._merged_replica_step(strategy, merged, variables, options, aggregate),
             args=(_ReplicaGrads(grads, packed),))
-        if reduced is None:
+        if not update:
+            plan.apply(ctx._local_replica_id, grads, step, update=False)
+        elif reduced is None:
             plan.apply(ctx._local_replica_id, grads, step)
         elif packed is not None:
             plan.apply(ctx._local_replica_id, None, step, packed=reduced)
@@ -360,6 +440,19 @@ class Optimizer:
         as_local = getattr(strategy.extended, "_as_local", None)  # multi-worker: one local replica's part
         if as_local is not None:
             grads = [as_local(g) for g in grads]
+        if self.loss_scale_factor is not None:
+            grads = [PerReplica(self._unscale(list(g.values)), g._devices) if isinstance(g, DistributedValues)
+                     else self._unscale([g])[0] for g in grads]
+        plan = self._plan(strategy, variables)
+        step = self._advance(plan)
+        if self.gradient_accumulation_steps:
+            if not self._is_update_step(step):
+                for d in range(plan.num_devices):
+                    plan.apply(d, [_component(g, d) for g in grads], step, update=False)
+                return step + 1
+            grads = [PerReplica([plan.accumulated(d, k, g.values[d]) for d in range(len(g.values))], g._devices)
+                     if isinstance(g, DistributedValues) else plan.accumulated(0, k, g) for k, g in enumerate(grads)]
+            # (clipped below, each replica's part, as on every step)
         distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
         if distributed and (self.clipnorm or self.global_clipnorm or self.clipvalue):
             replicas = len(grads[distributed[0]].values)
@@ -370,13 +463,11 @@ class Optimizer:
         if plain:
             for k, g in zip(plain, self._clip([grads[k] for k in plain])):
                 grads[k] = g
-        plan = self._plan(strategy, variables)
         distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
         if aggregate and distributed:
             for k, g in zip(distributed, self._all_reduce(strategy, [grads[k] for k in distributed],
                                                           [variables[k] for k in distributed], options)):
                 grads[k] = g
-        step = self._advance(plan)
         for d in range(plan.num_devices):
             plan.apply(d, [_component(g, d) for g in grads], step)
         return step + 1
@@ -384,14 +475,22 @@ class Optimizer:
     def _merged_replica_step(self, strategy, merged, variables, options, aggregate):
         """Once per step in replica context (inside merge_call): the fused all-reduce and the bookkeeping.
 
-        Returns ``(plan, reduced, step)``: ``reduced`` (None without an all-reduce)
+        Returns ``(plan, reduced, step, update)``: ``reduced`` (None without an all-reduce)
         holds one list of reduced gradients per local replica, and merge_call hands
-        each replica its own.
+        each replica its own. With ``gradient_accumulation_steps``, ``update`` is False on
+        the steps that only accumulate (nothing is reduced); on the others each replica's
+        gradients are its accumulated average, clipped, then reduced (Keras' order).
         """
         devices = strategy.extended.worker_devices
         holders = merged.values if isinstance(merged, DistributedValues) else (merged,) * len(devices)
         plan = self._plan(strategy, variables)
+        step = self._advance(plan)
         reduced = None
+        if self.gradient_accumulation_steps:
+            if not self._is_update_step(step):
+                return plan, None, step, False
+            holders = [_ReplicaGrads(plan.accumulated_and_clipped(d, h.grads), None) for d, h in enumerate(holders)]
+            reduced = PerReplica([h.grads for h in holders], devices)  # without an all-reduce: its own average
         if aggregate and strategy.num_replicas_in_sync > 1:
             if all(h.packed is not None for h in holders):
                 # One packed gradient per replica and dtype, reduced onto every replica's device.
@@ -402,7 +501,12 @@ class Optimizer:
                 destinations = variables
             results = self._all_reduce(strategy, columns, destinations, options)
             reduced = PerReplica([[_component(g, r) for g in results] for r in range(len(holders))], devices)
-        return plan, reduced, self._advance(plan)
+        return plan, reduced, step, True
+
+    def _is_update_step(self, step: int) -> bool:
+        """With gradient accumulation, whether ``step`` applies the accumulated gradients (Keras:
+        ``(_iterations + 1) % gradient_accumulation_steps == 0``)."""
+        return (step + 1) % self.gradient_accumulation_steps == 0
 
     def _all_reduce(self, strategy, columns, destinations, options) -> list:
         """One fused collective for every column (a gradient, or a packed buffer of them, on every replica)."""
@@ -429,6 +533,10 @@ class Optimizer:
         step = self._counted_step(plan)
         scope = _gpu.step_scope()
         if scope is not None and scope.capturing:
+            if self.use_ema or self.gradient_accumulation_steps:
+                raise NotImplementedError(
+                    f"optimizer {self.name!r}: use_ema and gradient_accumulation_steps branch on the step in Python, "
+                    "which a step captured by md.function cannot replay; run this step without md.function")
             plan.capture_scalars(scope, step)
             scope.replay_hooks.append(lambda: self._before_replay(plan, scope))
             return step  # the capture runs nothing: each replay is a step, counted by its hook
@@ -481,11 +589,20 @@ class _Plan:
         self.variables = list(variables)  # keeps the ids of the plan's key alive
         per_var = [v.values if isinstance(v, DistributedVariable) else (v,) for v in variables]
         self.num_devices = len(per_var[0])
-        slot_vars = [list(optimizer._slots[id(v)][1].values()) for v in variables]
-        slot_copies = [[s.values if isinstance(s, DistributedVariable) else (s,) for s in slots]
-                       for slots in slot_vars]
+        state = [optimizer._slots[id(v)][1] for v in variables]
+
+        def per_device(names):  # [d][k]: variable k's state `names` (in that order) on device d
+            copies = [[s.values if isinstance(s, DistributedVariable) else (s,) for s in (st[n] for n in names)]
+                      for st in state]
+            return [[[c[d] for c in var_copies] for var_copies in copies] for d in range(self.num_devices)]
+
         self.copies = [[copies[d] for copies in per_var] for d in range(self.num_devices)]
-        self.slots = [[[s[d] for s in slots] for slots in slot_copies] for d in range(self.num_devices)]
+        self.slots = per_device(optimizer._slot_names)  # the rule's slots, in its order
+        # Keras' moving averages (use_ema) and gradient accumulators: [d][k], or None
+        self.averages = ([[a for (a,) in var] for var in per_device(("average",))]
+                         if optimizer.use_ema else None)
+        self.accumulators = ([[a for (a,) in var] for var in per_device(("gradient_accumulator",))]
+                             if optimizer.gradient_accumulation_steps else None)
         self.decay = [optimizer.weight_decay is not None and optimizer._use_weight_decay(v) for v in variables]
         self.dtypes = [np.dtype(v.dtype) for v in variables]
         self.groups = {}  # dtype -> indices of its variables
@@ -494,7 +611,9 @@ class _Plan:
         self.host = [all(type(c._value) is np.ndarray for c in copies) for copies in self.copies]
         # Per device, every copy the update writes (variables, then slots), for the copy-on-write check.
         self.written = [copies + [s for slots in device_slots for s in slots]
-                        for copies, device_slots in zip(self.copies, self.slots)]
+                        + (self.averages[d] if self.averages else [])
+                        + (self.accumulators[d] if self.accumulators else [])
+                        for d, (copies, device_slots) in enumerate(zip(self.copies, self.slots))]
         # float32/float64 variables all on host, or all on GPUs with the CUDA kernel: each replica
         # packs its gradients into a fusion buffer per dtype (allocated once, on its device), and
         # the fused kernel reads the reduced buffer in place.
@@ -513,6 +632,8 @@ class _Plan:
                             if getattr(v, "constraint", None) is not None]
         self.coefficients = {}
         self.decay_factors = {}
+        self.ema_coefficients = {}  # dtype -> (momentum, 1 - momentum) of this step's moving average
+        self.ema_overwrite = False  # this step ends by overwriting the variables with their averages
         iterations = optimizer._iterations
         self.iterations = iterations.values if isinstance(iterations, DistributedVariable) else (iterations,)
         self.next_step = None
@@ -520,18 +641,28 @@ class _Plan:
     def prepare(self, step: int) -> None:
         """The step's scalars for every dtype (once per step, not per variable or device)."""
         opt = self.optimizer
+        # The learning rate follows the real step; the rules (and the moving average) count updates
+        # (Keras' `iterations`, floor-divided under gradient accumulation).
         lr = opt.learning_rate_at(step)
-        opt._step_state(step, self.dtypes)
+        rule_step = opt._rule_step(step)
+        opt._step_state(rule_step, self.dtypes)
         self.next_step = step + 1
         self.coefficients.clear()
         self.decay_factors.clear()
+        self.ema_coefficients.clear()
         for dtype in set(self.dtypes):
             t = dtype.type
             # Keras keeps the learning rate in a float32 variable and casts it to the variable's dtype.
             lr_t = t(np.float32(lr))
-            self.coefficients[dtype] = opt._coefficients(t, lr_t, step)
+            self.coefficients[dtype] = opt._coefficients(t, lr_t, rule_step)
             if opt.weight_decay is not None:
                 self.decay_factors[dtype] = (t(np.float32(opt.weight_decay)), lr_t)  # tf.cast of a float
+            if opt.use_ema:
+                # Keras: cast(iterations != 0, dtype) * ema_momentum, and 1 - that, in the variable's dtype.
+                momentum = t(rule_step != 0) * t(opt.ema_momentum)
+                self.ema_coefficients[dtype] = (momentum, t(1) - momentum)
+        frequency = opt.ema_overwrite_frequency
+        self.ema_overwrite = bool(opt.use_ema and frequency and (rule_step + 1) % frequency == 0)
 
     def pack(self, device: int, grads: list) -> list:
         """``grads`` copied into device ``device``'s fusion buffers, one per dtype (converted to it)."""
@@ -544,8 +675,11 @@ class _Plan:
                 xp.concatenate([grads[k] for k in indices], axis=None, out=buffer)
         return buffers
 
-    def apply(self, device: int, grads, step: int, packed=None) -> None:
-        """Weight decay and the rule on every variable and slot of local device ``device``, in place.
+    def apply(self, device: int, grads, step: int, packed=None, update: bool = True) -> None:
+        """Weight decay and the rule on every variable and slot of local device ``device``, in place;
+        then Keras' moving average (``use_ema``), the constraints and the step count.
+        ``update=False`` (gradient accumulation, a step that only accumulates): ``grads`` are added
+        to the device's accumulators instead of applied.
 
         ``grads``: one gradient per variable, or None with ``packed``: one reduced
         fusion buffer per dtype. float32 and float64 go through the fused kernel, one
@@ -554,8 +688,12 @@ class _Plan:
         bfloat16) goes through the same rule element-wise, variable by variable.
         """
         if self.host[device]:
-            self._apply_host(device, grads, packed)
-            self._constrain(device)
+            if not update:
+                self._accumulate(device, grads)
+            else:
+                self._apply_host(device, grads, packed)
+                self._reset_accumulators(device)
+            self._finish(device)
             self.iterations[device]._writable_buffer().fill(self.next_step)
             return
         # GPU copies: on their GPU's legacy default stream, ordered after every replica
@@ -573,12 +711,72 @@ class _Plan:
                 self._constrain(device)
                 self.iterations[device]._writable_buffer()[...] += 1
                 return
-            if self.packable:
+            if not update:
+                self._accumulate(device, grads)
+            elif self.packable:
                 self._apply_gpu(device, grads, packed)
             else:
                 self._apply_each(device, grads, self.groups)
-            self._constrain(device)
+            if update:
+                self._reset_accumulators(device)
+            self._finish(device)
             self.iterations[device]._writable_buffer().fill(self.next_step)  # one kernel, no upload
+
+    def accumulated(self, device: int, k: int, g):
+        """Keras' gradient of an update step under gradient accumulation: ``(g + accumulator) / steps``
+        (a new array, in the variable's dtype) with variable k's accumulator on local device ``device``."""
+        acc = self.accumulators[device][k]._value
+        with device_util.cross_replica_gpu_scope(self.copies[device][0].device):
+            if g.dtype != acc.dtype:
+                g = g.astype(acc.dtype)
+            total = g + acc
+            total /= acc.dtype.type(self.optimizer.gradient_accumulation_steps)
+        return total
+
+    def accumulated_and_clipped(self, device: int, grads: list) -> list:
+        """A replica's gradients of an update step (in merge_call): accumulated, then clipped (Keras' order),
+        on its device's merge stream (ordered after the accumulations and the replica's own work)."""
+        with device_util.cross_replica_gpu_scope(self.copies[device][0].device):
+            return self.optimizer._clip([self.accumulated(device, k, g) for k, g in enumerate(grads)])
+
+    def _accumulate(self, device: int, grads) -> None:
+        """A step that only accumulates: ``accumulator += g``, each replica its own gradients (as Keras does
+        under a strategy: the accumulators are summed across replicas only when applied)."""
+        self._writable(device)
+        for acc, g in zip(self.accumulators[device], grads):
+            buffer = acc._value
+            buffer += g if g.dtype == buffer.dtype else g.astype(buffer.dtype)
+
+    def _reset_accumulators(self, device: int) -> None:
+        if self.accumulators is not None:
+            for acc in self.accumulators[device]:
+                acc._writable_buffer().fill(0)
+
+    def _finish(self, device: int) -> None:
+        """After the update (or the accumulation): the moving average, then the constraints (Keras' order)."""
+        if self.averages is not None:
+            self._moving_average(device)
+        self._constrain(device)
+
+    def _moving_average(self, device: int) -> None:
+        """Keras' ``average = momentum * average + (1 - momentum) * w`` for every variable of the device:
+        on host one fused kernel call per dtype (rules.EMA: the averages as weights, the variables as
+        gradients), else element-wise per variable; then, every ``ema_overwrite_frequency`` updates, each
+        variable takes its average's value."""
+        self._writable(device)
+        weights = list(map(_VALUE, self.copies[device]))
+        averages = list(map(_VALUE, self.averages[device]))
+        for dtype, indices in self.groups.items():
+            c = self.ema_coefficients[dtype]
+            if self.host[device] and dtype in _KERNEL_DTYPES:
+                _host_kernel(rules.EMA, [averages[k] for k in indices], [weights[k] for k in indices],
+                             [[] for _ in indices], [False] * len(indices), [float(x) for x in c], 0.0, 0.0)
+            else:
+                for k in indices:
+                    rules.ema(averages[k], weights[k], (), c)
+        if self.ema_overwrite:
+            for w, average in zip(weights, averages):
+                w[...] = average
 
     def _constrain(self, device: int) -> None:
         """``w = constraint(w)`` for each constrained variable's copy on ``device``, in place (Keras' order)."""

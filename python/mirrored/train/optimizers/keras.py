@@ -47,10 +47,11 @@ class SGD(Optimizer):
 
 
 class Adam(Optimizer):
-    """Adam (Kingma & Ba, 2014), as ``keras.optimizers.Adam`` (without amsgrad)."""
+    """Adam (Kingma & Ba, 2014), as ``keras.optimizers.Adam``; ``amsgrad=True`` adds the slot ``velocity_hat``
+    (the largest velocity so far), by which the step divides."""
 
     _slot_specs = (("momentum", 0.0), ("velocity", 0.0))
-    _slot_aliases = {"m": "momentum", "v": "velocity"}
+    _slot_aliases = {"m": "momentum", "v": "velocity", "vhat": "velocity_hat"}  # tf.keras' legacy names
     _rule = rules.ADAM
 
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
@@ -59,10 +60,11 @@ class Adam(Optimizer):
         super().__init__(learning_rate, name or type(self).__name__, gradient_aggregation,
                          weight_decay=weight_decay, clipnorm=clipnorm, clipvalue=clipvalue,
                          global_clipnorm=global_clipnorm, **kwargs)
-        if amsgrad:
-            raise NotImplementedError(f"amsgrad=True: {type(self).__name__} implements Adam without amsgrad; "
-                                      "pass amsgrad=False")
-        self.amsgrad = False
+        self.amsgrad = bool(amsgrad)
+        if self.amsgrad:
+            # Keras' slot name: a checkpoint carries it as `velocity_hat`.
+            self._slot_specs = Adam._slot_specs + (("velocity_hat", 0.0),)
+            self._rule = rules.ADAM_AMSGRAD
         self.beta_1 = check_rate(beta_1, "beta_1", low=0.0, high=1.0)
         self.beta_2 = check_rate(beta_2, "beta_2", low=0.0, high=1.0)
         self.epsilon = check_rate(epsilon, "epsilon")

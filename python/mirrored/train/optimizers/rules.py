@@ -18,9 +18,11 @@ import sys
 
 import numpy as np
 
-# Rule codes shared with csrc/host/fused_update.h (enum class Rule). RMSprop's variants
+# Rule codes shared with csrc/core/optimizer_rules.h (enum class Rule). RMSprop's variants
 # (momentum, centered) are read from its coefficients, by the kernel as by rmsprop() below.
-SGD, SGD_MOMENTUM, SGD_NESTEROV, ADAM, RMSPROP, ADAGRAD, NADAM = range(7)
+# EMA is Keras' moving average of the variables (use_ema): its "weight" is the average and
+# its "gradient" the variable.
+SGD, SGD_MOMENTUM, SGD_NESTEROV, ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD, EMA = range(9)
 
 # The positions of the coefficients a rule branches on in Python (RMSprop's momentum and
 # centered): a captured step (md.function) keeps them as host values, fixed at capture,
@@ -58,9 +60,8 @@ def sgd_nesterov(w, g, slots, c) -> None:
     w += t
 
 
-def adam(w, g, slots, c) -> None:
-    one_minus_beta_1, one_minus_beta_2, alpha, epsilon = c
-    m, v = slots
+def _moments(g, m, v, one_minus_beta_1, one_minus_beta_2) -> None:
+    """Adam's and Nadam's moment updates: ``m += (g - m) * (1 - beta_1)``, ``v += (g*g - v) * (1 - beta_2)``."""
     t = g - m
     t *= one_minus_beta_1
     m += t
@@ -68,11 +69,39 @@ def adam(w, g, slots, c) -> None:
     t -= v
     t *= one_minus_beta_2
     v += t
+
+
+def _adam_step(w, m, v, alpha, epsilon) -> None:
+    """``w -= (m * alpha) / (sqrt(v) + epsilon)``."""
     d = _sqrt(v)
     d += epsilon
     t = m * alpha
     t /= d
     w -= t
+
+
+def adam(w, g, slots, c) -> None:
+    one_minus_beta_1, one_minus_beta_2, alpha, epsilon = c
+    m, v = slots
+    _moments(g, m, v, one_minus_beta_1, one_minus_beta_2)
+    _adam_step(w, m, v, alpha, epsilon)
+
+
+def adam_amsgrad(w, g, slots, c) -> None:
+    """Adam with amsgrad: ``velocity_hat = maximum(velocity_hat, velocity)`` (a NaN on either side
+    propagates, as in tf.maximum), and the step divides by its square root."""
+    one_minus_beta_1, one_minus_beta_2, alpha, epsilon = c
+    m, v, v_hat = slots
+    _moments(g, m, v, one_minus_beta_1, one_minus_beta_2)
+    array_module(v_hat).maximum(v_hat, v, out=v_hat)
+    _adam_step(w, m, v_hat, alpha, epsilon)
+
+
+def ema(average, w, slots, c) -> None:
+    """Keras' moving average: ``average = momentum * average + (1 - momentum) * w``."""
+    momentum, one_minus_momentum = c
+    average *= momentum
+    average += w * one_minus_momentum
 
 
 def rmsprop(w, g, slots, c) -> None:
@@ -113,13 +142,7 @@ def nadam(w, g, slots, c) -> None:
     (lr, epsilon, one_minus_beta_1, one_minus_beta_2, u_t_1, one_minus_u_product_t_1, one_minus_u_t,
      one_minus_u_product_t, one_minus_beta_2_power) = c
     m, v = slots
-    t = g - m
-    t *= one_minus_beta_1
-    m += t
-    t = g * g
-    t -= v
-    t *= one_minus_beta_2
-    v += t
+    _moments(g, m, v, one_minus_beta_1, one_minus_beta_2)
     m_hat = m * u_t_1
     m_hat /= one_minus_u_product_t_1
     t = g * one_minus_u_t
@@ -133,7 +156,7 @@ def nadam(w, g, slots, c) -> None:
     w -= m_hat
 
 
-RULES = (sgd, sgd_momentum, sgd_nesterov, adam, rmsprop, adagrad, nadam)
+RULES = (sgd, sgd_momentum, sgd_nesterov, adam, rmsprop, adagrad, nadam, adam_amsgrad, ema)
 
 
 def apply(rule: int, w, g, slots, c) -> None:
