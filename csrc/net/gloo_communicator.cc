@@ -449,10 +449,9 @@ void GlooCommunicator::check_agreement(const CollectiveHeader& mine) {
       message = "collective #" + std::to_string(a.seq) + ": " + tasks_[0] + " calls " + kind_name(a.kind) + " (" +
                 describe(a) + "), " + tasks_[r] + " calls " + kind_name(b.kind) + " (" + describe(b) + ")";
     } else {
-      const bool batch = a.layout != 0;  // a pack of a batch: both batches have the same layout
-      message = std::string(batch ? "batch_all_reduce" : kind_name(a.kind)) + " #" + std::to_string(a.seq) + ": " +
-                tasks_[0] + " passes " + (batch ? "a pack of " : "") + describe(a) + ", " + tasks_[r] + " passes " +
-                describe(b);
+      // A pack of a batch (both batches have the same layout) or a single collective.
+      message = std::string(a.layout != 0 ? "batch_all_reduce" : kind_name(a.kind)) + " #" + std::to_string(a.seq) +
+                ": " + tasks_[0] + " passes " + describe(a) + ", " + tasks_[r] + " passes " + describe(b);
     }
     throw CollectiveMismatch(message +
                              "; every worker must run the same collectives in the same order, with the same sizes, "
