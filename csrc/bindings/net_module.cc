@@ -258,6 +258,76 @@ class WorkerBatchPlan {
   py::function alloc_;
 };
 
+// all_gather of one array per local replica (their shapes may differ along
+// `axis`; the plan holds each one's). Every call opens with the workers'
+// size table (GlooCommunicator::agree_gather): other workers' extents may
+// change from call to call, so the results are shaped per call.
+class WorkerGatherPlan {
+ public:
+  WorkerGatherPlan(py::object comm, py::dtype dtype, int dtype_code, std::vector<std::vector<py::ssize_t>> shapes,
+                   int axis, py::function alloc)
+      : comm_(std::move(comm)), c_(communicator_of(comm_)), dtype_(std::move(dtype)), shapes_(std::move(shapes)),
+        type_(dtype_from_code(dtype_code)), axis_(axis), alloc_(std::move(alloc)) {
+    n_ = static_cast<int>(shapes_.size());
+    if (n_ != c_.local_replicas()) throw py::value_error("WorkerGatherPlan: one shape per local replica");
+    const auto& first = shapes_[0];
+    if (axis < 0 || axis >= static_cast<int>(first.size())) throw py::value_error("WorkerGatherPlan: axis out of range");
+    outer_ = 1;
+    inner_ = dtype_size(type_);
+    for (int d = 0; d < axis; ++d) outer_ *= static_cast<std::size_t>(first[d]);
+    for (std::size_t d = axis + 1; d < first.size(); ++d) inner_ *= static_cast<std::size_t>(first[d]);
+    for (const auto& s : shapes_) record_.emplace_back(s.begin(), s.end());
+  }
+
+  // A list of every local replica's result, or None when the arrays do not fit this plan.
+  py::object run(const py::handle& inputs) {
+    PyObject** items = items_of(inputs.ptr(), n_);
+    if (items == nullptr) return py::none();
+    std::vector<const void*> in(n_);
+    for (int i = 0; i < n_; ++i) {
+      const auto* a = fitting(items[i], dtype_.ptr(), shapes_[i], kReadable);
+      if (a == nullptr) return py::none();
+      in[i] = a->data;
+    }
+    std::vector<std::uint64_t> extents;
+    {
+      py::gil_scoped_release nogil;
+      extents = c_.agree_gather(n_, type_, axis_, record_);
+    }
+    std::vector<py::ssize_t> shape = shapes_[0];
+    std::uint64_t extent = 0;
+    for (auto e : extents) extent += e;
+    shape[axis_] = static_cast<py::ssize_t>(extent);
+    std::vector<std::uint64_t> row_bytes(extents.size());
+    for (std::size_t i = 0; i < extents.size(); ++i) row_bytes[i] = extents[i] * inner_;
+    const std::size_t nbytes = outer_ * extent * inner_;
+    std::vector<void*> out(n_);
+    py::list result(n_);
+    for (int i = 0; i < n_; ++i) {
+      py::array r = bindings::new_result(dtype_, shape, nbytes, alloc_);
+      out[i] = r.mutable_data();
+      result[i] = std::move(r);
+    }
+    {
+      py::gil_scoped_release nogil;
+      c_.all_gather_planned(n_, in.data(), out.data(), row_bytes.data(), outer_);
+    }
+    return std::move(result);
+  }
+
+ private:
+  py::object comm_;
+  GlooCommunicator& c_;
+  py::dtype dtype_;
+  std::vector<std::vector<py::ssize_t>> shapes_;
+  std::vector<std::vector<std::uint64_t>> record_;
+  DType type_;
+  int axis_;
+  int n_;
+  std::size_t outer_, inner_;
+  py::function alloc_;
+};
+
 // Stopping the server joins its threads: an explicit close() makes that moment deterministic.
 struct Server {
   std::unique_ptr<StoreServer> impl;
@@ -503,4 +573,10 @@ PYBIND11_MODULE(_net, m) {
            py::arg("bytes_per_pack"), py::arg("num_packs"), py::arg("algorithm"), py::arg("agreed_op"),
            py::arg("alloc"))
       .def("run", &WorkerBatchPlan::run, py::arg("per_replica_lists"));
+
+  py::class_<WorkerGatherPlan>(m, "WorkerGatherPlan")
+      .def(py::init<py::object, py::dtype, int, std::vector<std::vector<py::ssize_t>>, int, py::function>(),
+           py::arg("comm"), py::arg("dtype"), py::arg("dtype_code"), py::arg("shapes"), py::arg("axis"),
+           py::arg("alloc"))
+      .def("run", &WorkerGatherPlan::run, py::arg("inputs"));
 }

@@ -987,6 +987,67 @@ void GlooCommunicator::all_gather(int n, const void* const* in, void* const* out
   all_gather_planned(n, in, out, job_rows.data(), outer);
 }
 
+namespace {
+// A shape as Python prints a tuple: "(2, 3)", "(5,)".
+std::string shape_text(const std::uint64_t* dims, std::size_t ndim) {
+  std::string text = "(";
+  for (std::size_t d = 0; d < ndim; ++d) text += (d ? ", " : "") + std::to_string(dims[d]);
+  return text + (ndim == 1 ? ",)" : ")");
+}
+}  // namespace
+
+std::vector<std::uint64_t> GlooCommunicator::agree_gather(int n, DType dtype, int axis,
+                                                          const std::vector<std::vector<std::uint64_t>>& shapes) {
+  check_replicas(n, "all_gather");
+  if (static_cast<int>(shapes.size()) != n) throw std::invalid_argument("all_gather: one shape per local replica");
+  const std::size_t ndim = shapes[0].size();
+  if (ndim == 0 || ndim > kMaxGatherDims || axis < 0 || static_cast<std::size_t>(axis) >= ndim)
+    throw std::invalid_argument("all_gather: shapes need 1.." + std::to_string(kMaxGatherDims) +
+                                " dimensions and an axis among them");
+  // The record: ndim, dtype, axis, then each local replica's shape padded to kMaxGatherDims.
+  const std::size_t width = 3 + kMaxGatherDims * n;
+  std::vector<std::uint64_t> mine(width, 0);
+  mine[0] = ndim;
+  mine[1] = static_cast<std::uint64_t>(dtype);
+  mine[2] = static_cast<std::uint64_t>(axis);
+  for (int j = 0; j < n; ++j) {
+    if (shapes[j].size() != ndim) throw std::invalid_argument("all_gather: local shapes differ in rank");
+    std::copy(shapes[j].begin(), shapes[j].end(), mine.begin() + 3 + kMaxGatherDims * j);
+  }
+  const std::vector<std::uint64_t> table = exchange(mine, CollectiveHeader::kAllGather);
+  // Every process checks the same table, so every process raises the same error.
+  const std::uint64_t* head = table.data();
+  const auto dims = [&](int w, int j) { return table.data() + w * width + 3 + kMaxGatherDims * j; };
+  const auto agrees = [&](int w) {
+    const std::uint64_t* row = table.data() + w * width;
+    if (row[0] != head[0] || row[1] != head[1] || row[2] != head[2]) return false;
+    for (int j = 0; j < n; ++j)
+      for (std::size_t d = 0; d < ndim; ++d)
+        if (d != static_cast<std::size_t>(axis) && dims(w, j)[d] != dims(0, 0)[d]) return false;
+    return true;
+  };
+  const auto call = [&](int w) {
+    const std::uint64_t* row = table.data() + w * width;
+    const std::string name = row[1] < static_cast<std::uint64_t>(kNumDTypes)
+                                 ? dtype_name(static_cast<DType>(row[1]))
+                                 : "dtype code " + std::to_string(row[1]);
+    std::string listed;
+    for (int j = 0; j < n; ++j)
+      listed += (j ? ", " : "") + shape_text(dims(w, j), std::min<std::size_t>(row[0], kMaxGatherDims));
+    return name + " buffers of shape " + listed + " gathered along axis " + std::to_string(row[2]);
+  };
+  for (int w = 0; w < size(); ++w)  // this process's own replicas too
+    if (!agrees(w))
+      throw CollectiveMismatch("all_gather #" + std::to_string(seq_) + ": " + tasks_[0] + " passes " + call(0) + ", " +
+                               tasks_[w] + " passes " + call(w) +
+                               "; every worker must pass the same dtype, number of dimensions and axis, and shapes "
+                               "may differ along the gather axis only (no data was exchanged)");
+  std::vector<std::uint64_t> extents;
+  for (int w = 0; w < size(); ++w)
+    for (int j = 0; j < n; ++j) extents.push_back(dims(w, j)[axis]);
+  return extents;
+}
+
 void GlooCommunicator::all_gather_planned(int n, const void* const* in, void* const* out,
                                           const std::uint64_t* job_row_bytes, std::size_t outer) {
   check_replicas(n, "all_gather");

@@ -124,11 +124,21 @@ class GlooCommunicator : public Communicator {
   // kAllGather for the size table of a gather: all_gather_planned continues it).
   std::vector<std::uint64_t> exchange(const std::vector<std::uint64_t>& mine,
                                       CollectiveHeader::Kind kind = CollectiveHeader::kExchange);
+  // Opens an all-gather: this process's local replicas have `shapes` (each of
+  // the same number of dimensions, 1..kMaxGatherDims; they may differ along
+  // `axis` only); every process's size table is exchanged and checked, alike
+  // on every process (a CollectiveMismatch before any data moves). Returns
+  // every replica's extent along `axis`, in job replica order, for
+  // all_gather_planned.
+  static constexpr std::size_t kMaxGatherDims = 32;
+  std::vector<std::uint64_t> agree_gather(int n, DType dtype, int axis,
+                                          const std::vector<std::vector<std::uint64_t>>& shapes);
   // The data stage of the all-gather whose size table the last exchange(...,
   // kAllGather) agreed: job_row_bytes holds every replica's row size, in job
   // replica order; no sizes are exchanged again.
   void all_gather_planned(int n, const void* const* in, void* const* out, const std::uint64_t* job_row_bytes,
                           std::size_t outer);
+  const std::string& task(int rank) const { return tasks_.at(rank); }
   // Collectives started so far (the number of the last one).
   std::int64_t collectives() const { return seq_; }
   // Called from the calling thread about every 100 ms while a collective waits

@@ -19,13 +19,13 @@ import numpy as np
 from . import plan as _face, rules
 from .. import timeline
 from ..device import config, device_util, gpu as _gpu
-from ..device.dtypes import CODES, OPS, op_code
+from ..device.dtypes import CODES, op_code
 
 __all__ = ["WorkerCollectives", "DEFAULT_RENDEZVOUS_SECONDS"]
 
 # How long workers wait for each other at start-up when CommunicationOptions sets no timeout.
 DEFAULT_RENDEZVOUS_SECONDS = 300.0
-# all_gather exchanges shapes as fixed-length records: ndim, dtype, then the padded shape.
+# all_gather exchanges shapes as fixed-length records of this many dimensions (GlooCommunicator::agree_gather).
 _MAX_DIMS = 32
 
 
@@ -200,6 +200,37 @@ class WorkerCollectives:
         _face.remember_batch((comm, op, bytes_per_pack, num_packs, algorithm, agreed), per_replica_lists, plan)
         return done
 
+    def _all_gather(self, buffers, axis):
+        if rules.on_gpu(buffers):
+            return self._device().all_gather(buffers, axis)
+        comm = self._comm()
+        arrays, code = rules.inputs(buffers, "buffers", same_shape=False)
+        first = arrays[0]
+        if first.ndim == 0 or first.ndim > _MAX_DIMS:
+            raise ValueError(f"all_gather: buffers are {first.ndim}-d; gather needs 1..{_MAX_DIMS} dimensions "
+                             "(use x[None] for a scalar)")
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -first.ndim <= axis < first.ndim:
+            raise ValueError(f"axis={axis!r} is out of range for {first.ndim}-d buffers; use 0..{first.ndim - 1}")
+        if len(arrays) != self.local_replicas:
+            raise ValueError(f"all_gather: got {len(arrays)} local buffers, but this worker joined the job with "
+                             f"{self.local_replicas} replicas")
+        # Shapes may differ along `axis` only: the plan opens every call with
+        # the table of every replica's shape, this worker's replicas
+        # included, which every worker checks alike (so every worker raises
+        # the same error).
+        plan = config.net_module().WorkerGatherPlan(comm, first.dtype, code, [a.shape for a in arrays],
+                                                    int(axis) % first.ndim, rules.recycler.empty)
+        with timeline.span("all_gather[workers]", first.nbytes, "gloo", len(arrays), self.num_replicas):
+            done = plan.run(buffers)
+            if done is not None:
+                _face.remember("all_gather[workers]", (comm, axis), buffers, plan)
+                return done
+            done = plan.run(arrays)  # converted inputs: this call alone
+        if done is None:
+            raise TypeError(f"all_gather: buffers of dtype {first.dtype!r} cannot be gathered; pass arrays of a "
+                            f"plain NumPy dtype ({', '.join(CODES)})")
+        return done
+
     def _plan(self, kind, arrays, code, opc, algo, root, agreed_code):
         """A native plan of this call; None where the replica count is wrong (the engine's error explains)."""
         if len(arrays) != self.local_replicas:
@@ -210,47 +241,12 @@ class WorkerCollectives:
 
     def all_gather(self, buffers, axis=0):
         """Every local replica gets the concatenation along ``axis`` of all replicas of the job."""
-        if rules.on_gpu(buffers):
-            return self._device().all_gather(buffers, axis)
-        arrays, code = rules.inputs(buffers, "buffers", same_shape=False)
-        first = arrays[0]
-        if first.ndim == 0 or first.ndim > _MAX_DIMS:
-            raise ValueError(f"all_gather: buffers are {first.ndim}-d; gather needs 1..{_MAX_DIMS} dimensions "
-                             "(use x[None] for a scalar)")
-        if not isinstance(axis, (int, np.integer)) or not -first.ndim <= axis < first.ndim:
-            raise ValueError(f"axis={axis!r} is out of range for {first.ndim}-d buffers; use 0..{first.ndim - 1}")
-        axis = int(axis) % first.ndim
-        # Shapes may differ between workers along `axis` only. The table of
-        # every replica's shape opens the collective: every worker checks the
-        # same table, so every worker raises the same error.
-        mine = [first.ndim, code, axis]
-        for a in arrays:
-            mine += list(a.shape) + [0] * (_MAX_DIMS - a.ndim)
-        comm = self._comm()
-        table = np.asarray(comm.exchange(mine, "all_gather"), dtype=np.int64).reshape(self.num_workers, -1)
-        shapes = [[tuple(int(d) for d in row[3 + j * _MAX_DIMS: 3 + j * _MAX_DIMS + row[0]])
-                   for j in range(self.local_replicas)] for row in table]
-        head, off = tuple(table[0][:3]), shapes[0][0][:axis] + shapes[0][0][axis + 1:]
-        for w, row in enumerate(table):
-            if tuple(row[:3]) != head or any(s[:axis] + s[axis + 1:] != off for s in shapes[w]):
-                from ..errors import CollectiveMismatchError
-
-                raise CollectiveMismatchError(
-                    f"all_gather #{comm.collectives}: {self.tasks[0]} passes {_gather_call(table[0], shapes[0])}, "
-                    f"{self.tasks[w]} passes {_gather_call(row, shapes[w])}; every worker must pass the same dtype, "
-                    "number of dimensions and axis, and shapes may differ along the gather axis only (no data was "
-                    "exchanged)")
-        shapes = [s for per_worker in shapes for s in per_worker]
-        outer = int(np.prod(first.shape[:axis], dtype=np.int64))
-        inner = int(np.prod(first.shape[axis + 1:], dtype=np.int64)) * first.itemsize
-        total = first.shape[:axis] + (sum(s[axis] for s in shapes),) + first.shape[axis + 1:]
-        outs = [np.empty(total, first.dtype) for _ in arrays]
-        # Every replica's row size: the data stage of the collective the table opened.
-        row_bytes = [s[axis] * inner for s in shapes] if self.num_workers > 1 else \
-            [a.shape[axis] * inner for a in arrays]
-        with timeline.span("all_gather[workers]", first.nbytes, "gloo", len(arrays), self.num_replicas):
-            comm.all_gather(arrays, outs, row_bytes, outer)
-        return outs
+        plan = _face.lookup("all_gather[workers]", (self._gloo, axis), buffers)
+        if plan is not None and timeline._trace is None:
+            done = plan.run(buffers)
+            if done is not None:
+                return done
+        return self._all_gather(buffers, axis)
 
     def barrier(self) -> None:
         self._comm().barrier()
@@ -383,10 +379,3 @@ def _into(out, results):
     for o, r in zip(out, results):
         o[...] = r
     return list(out)
-
-
-def _gather_call(row, shapes) -> str:
-    """One worker's part of an all_gather, from its row of the shape table, for a mismatch error."""
-    name = next((n for n, c in CODES.items() if c == row[1]), f"dtype code {row[1]}")
-    listed = ", ".join(str(s) for s in shapes)
-    return f"{name} buffers of shape {listed} gathered along axis {row[2]}"
