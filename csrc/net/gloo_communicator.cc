@@ -812,6 +812,7 @@ void GlooCommunicator::batch_all_reduce(int n, int ntensors, const void* const* 
     // A pack's inputs are all read into the fusion buffer before any of its outputs is written.
     char* acc = fusion_.data();
     for (const PackEntry& e : p.entries) {
+      if (e.bytes == 0) continue;  // an empty tensor: nothing to read (its pointer may be null)
       for (int k = 0; k < n; ++k) column[k] = in[k * ntensors + e.tensor];
       combine_local(n, column.data(), acc + e.offset, 0, counts[e.tensor], p.dtype, op);
     }

@@ -440,6 +440,52 @@ TEST(batches_that_differ_raise_the_same_error_everywhere) {
   });
 }
 
+// agree_gather returns every replica's extent along the axis, in job order;
+// shapes that differ off the axis (here or on a peer) raise the same error on
+// every rank, and the gather after it is exact.
+TEST(agree_gather_checks_the_shape_table_everywhere) {
+  constexpr int n = 2;
+  job(n, milliseconds(10000), "gather-table", [](int rank, GlooCommunicator& comm) {
+    // Replica g has g + 1 rows of 3 int32 columns.
+    std::vector<std::vector<std::uint64_t>> shapes;
+    for (int j = 0; j < n; ++j) shapes.push_back({static_cast<std::uint64_t>(rank * n + j + 1), 3});
+    const auto extents = comm.agree_gather(n, DType::kInt32, 0, shapes);
+    CHECK(extents == (std::vector<std::uint64_t>{1, 2, 3, 4, 5, 6}));
+    std::vector<std::vector<std::int32_t>> in(n);
+    for (int j = 0; j < n; ++j) in[j].assign(shapes[j][0] * 3, rank * n + j);
+    std::vector<std::int32_t> out0(21 * 3), out1(21 * 3);
+    const void* ins[n] = {in[0].data(), in[1].data()};
+    void* outs[n] = {out0.data(), out1.data()};
+    std::vector<std::uint64_t> row_bytes;
+    for (auto e : extents) row_bytes.push_back(e * 3 * sizeof(std::int32_t));
+    comm.all_gather_planned(n, ins, outs, row_bytes.data(), 1);
+    CHECK(out0[0] == 0 && out0[3] == 1 && out0[9] == 2 && out0.back() == 5 && out0 == out1);
+    // worker:1's second replica has 4 columns: nothing is gathered.
+    if (rank == 2) shapes[1][1] = 4;
+    std::string error;
+    try {
+      comm.agree_gather(n, DType::kInt32, 0, shapes);
+    } catch (const CollectiveMismatch& e) {
+      error = e.what();
+    }
+    CHECK(error.find("all_gather #2: chief:0 passes int32 buffers of shape (1, 3), (2, 3) gathered along axis 0, "
+                     "worker:1 passes int32 buffers of shape (5, 3), (6, 4) gathered along axis 0; every worker must "
+                     "pass the same dtype, number of dimensions and axis") == 0);
+    // One dimension: the shape reads as Python prints a 1-tuple.
+    error.clear();
+    try {
+      comm.agree_gather(n, rank == 0 ? DType::kInt32 : DType::kFloat32, 0, {{2}, {2}});
+    } catch (const CollectiveMismatch& e) {
+      error = e.what();
+    }
+    CHECK(error.find("all_gather #3: chief:0 passes int32 buffers of shape (2,), (2,) gathered along axis 0, "
+                     "worker:0 passes float32 buffers") == 0);
+    // Along axis 1 the rows must agree and the columns may differ.
+    const auto columns = comm.agree_gather(n, DType::kInt32, 1, {{2, 1}, {2, static_cast<std::uint64_t>(rank + 2)}});
+    CHECK(columns == (std::vector<std::uint64_t>{1, 2, 1, 3, 1, 4}));
+  });
+}
+
 std::string hex(const Digest& d) {
   static const char digits[] = "0123456789abcdef";
   std::string out;
