@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "bindings/array_fit.h"
 #include "bindings/fused_update_binding.h"
 #include "host/host_communicator.h"
 
@@ -53,51 +54,16 @@ int size_of(const std::vector<const void*>& in, const std::vector<void*>& out) {
 //
 // The face (mirrored/collective/plan.py) checks a collective's first call of a
 // signature and keeps a plan for it. A repeated call only has to show that its
-// arrays still fit: exact NumPy arrays with the plan's dtype (the very
-// descriptor object: NumPy shares one per built-in dtype, so a byte-swapped or
-// extension dtype never passes), shape and C-contiguity, outputs writeable.
-// Anything else returns None and the face validates the call afresh, with
-// messages naming the argument.
+// arrays still fit (bindings/array_fit.h). Anything else returns None and the
+// face validates the call afresh, with messages naming the argument.
 
-using ArrayProxy = py::detail::PyArray_Proxy;
+using bindings::fitting;
+using bindings::items_of;
+using bindings::kReadable;
+using bindings::kWritable;
 
-const ArrayProxy* fitting(PyObject* h, PyObject* descr, const std::vector<py::ssize_t>& shape, int flags) {
-  if (Py_TYPE(h) != py::detail::npy_api::get().PyArray_Type_) return nullptr;
-  const auto* a = py::detail::array_proxy(h);
-  if (reinterpret_cast<PyObject*>(a->descr) != descr || (a->flags & flags) != flags) return nullptr;
-  if (a->nd != static_cast<int>(shape.size()) || !std::equal(shape.begin(), shape.end(), a->dimensions))
-    return nullptr;
-  return a;
-}
-
-constexpr int kReadable = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_;
-constexpr int kWritable = kReadable | py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
-
-// The items of a list or tuple of exactly n objects, else nullptr.
-PyObject** items_of(PyObject* seq, int n) {
-  if (PyList_CheckExact(seq)) {
-    if (PyList_GET_SIZE(seq) != n) return nullptr;
-    return reinterpret_cast<PyListObject*>(seq)->ob_item;
-  }
-  if (PyTuple_CheckExact(seq)) {
-    if (PyTuple_GET_SIZE(seq) != n) return nullptr;
-    return reinterpret_cast<PyTupleObject*>(seq)->ob_item;
-  }
-  return nullptr;
-}
-
-// A result array of `dtype` and `shape`: small ones straight from NumPy, large ones as views of
-// a buffer from `alloc(nbytes)` (the face's recycler of dropped results).
-// Results at least this large come from the face's recycler (rules._Recycler.MIN_BYTES).
-constexpr std::size_t kRecycled = std::size_t{1} << 20;
-
-py::array new_result(const py::dtype& dtype, const std::vector<py::ssize_t>& shape, std::size_t nbytes,
-                     const py::function& alloc) {
-  if (nbytes < kRecycled) return py::array(dtype, shape);
-  auto flat = alloc(nbytes).cast<py::array_t<std::uint8_t>>();
-  if (static_cast<std::size_t>(flat.size()) < nbytes) throw py::value_error("alloc returned a buffer too small");
-  return py::array(dtype, shape, std::vector<py::ssize_t>{}, flat.mutable_data(), flat);
-}
+using bindings::kRecycled;
+using bindings::new_result;
 
 // all_reduce or broadcast of one array per replica.
 class CallPlan {

@@ -1,6 +1,7 @@
 // mirrored._net: the rendezvous store and the Gloo communicator of a
-// multi-worker job. Thin: arrays arrive validated by
-// mirrored.collective_all_reduce; every call that can block releases the GIL.
+// multi-worker job. Thin: arrays arrive validated by the collective face
+// (mirrored/collective/multi_worker.py), which keeps a plan per call
+// signature; every call that can block releases the GIL.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -11,6 +12,7 @@
 #include <memory>
 #include <vector>
 
+#include "bindings/array_fit.h"
 #include "net/errors.h"
 #include "net/gloo_communicator.h"
 #include "net/store.h"
@@ -70,35 +72,261 @@ void python_wait_hook(const WaitReport& report) {
   }
 }
 
-// The hot path of CollectiveGroup.all_reduce([x], op, out=[x]): one
-// contiguous, writeable, native-order NumPy array reduced in place, checked
-// here in a few hundred nanoseconds. False, touching nothing, when the call
-// needs the general path (Python validates and explains there).
-bool all_reduce_in_place(GlooCommunicator& c, const py::list& buffers, int op, int algorithm) {
-  if (buffers.size() != 1 || c.local_replicas() != 1) return false;
-  const py::handle h = buffers[0];
-  if (!py::array::check_(h)) return false;
-  auto a = py::reinterpret_borrow<py::array>(h);
-  constexpr int kNeed = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
-  if ((a.flags() & kNeed) != kNeed) return false;
-  const py::dtype dt = a.dtype();
-  if (dt.byteorder() == '>') return false;
-  const char kind = dt.kind();
-  const auto size = dt.itemsize();
-  int code = -1;
-  if (kind == 'f') code = size == 2 ? 0 : size == 4 ? 2 : size == 8 ? 3 : -1;
-  else if (kind == 'i') code = size == 1 ? 4 : size == 4 ? 6 : size == 8 ? 7 : -1;
-  else if (kind == 'u') code = size == 1 ? 5 : -1;
-  const ReduceOp rop = reduce_op_from_code(op);
-  if (code < 0 || (rop == ReduceOp::kMean && kind != 'f')) return false;  // integer MEAN: float64 result
-  void* data = a.mutable_data();
-  const std::size_t count = static_cast<std::size_t>(a.size());
-  const void* in[1] = {data};
-  void* out[1] = {data};
-  py::gil_scoped_release nogil;
-  c.all_reduce(1, in, out, count, dtype_from_code(code), rop, static_cast<Algorithm>(algorithm));
-  return true;
-}
+// --- plans: calls the collective face validated once ------------------------
+//
+// mirrored/collective/multi_worker.py validates a collective's first call of
+// a signature and keeps one of these for it (in the face's cache,
+// mirrored/collective/plan.py). A repeated call shows that its arrays still
+// fit (bindings/array_fit.h), else returns None and is validated afresh; then
+// one native call with the GIL released. The workers still agree on every
+// call: each collective's header carries its signature (and a batch's layout
+// digest), so workers that call differently raise the same error everywhere.
+
+using bindings::fitting;
+using bindings::items_of;
+using bindings::kReadable;
+using bindings::kWritable;
+
+// The communicator a plan runs on, kept alive by the plan.
+GlooCommunicator& communicator_of(const py::object& comm) { return comm.cast<GlooCommunicator&>(); }
+
+// all_reduce, broadcast or reduce of one array per local replica.
+class WorkerPlan {
+ public:
+  WorkerPlan(py::object comm, const std::string& kind, int n, py::dtype dtype, std::vector<py::ssize_t> shape,
+             int dtype_code, int op, int algorithm, int root, int agreed_op, py::function alloc)
+      : comm_(std::move(comm)), c_(communicator_of(comm_)), n_(n), dtype_(std::move(dtype)),
+        shape_(std::move(shape)), type_(dtype_from_code(dtype_code)), op_(reduce_op_from_code(op)),
+        agreed_(agreed_op < 0 ? op_ : reduce_op_from_code(agreed_op)), algorithm_(static_cast<Algorithm>(algorithm)),
+        root_(root), alloc_(std::move(alloc)) {
+    if (kind == "all_reduce") kind_ = CollectiveHeader::kAllReduce;
+    else if (kind == "broadcast") kind_ = CollectiveHeader::kBroadcast;
+    else if (kind == "reduce") kind_ = CollectiveHeader::kReduce;
+    else throw py::value_error("WorkerPlan: kind is all_reduce, broadcast or reduce");
+    if (n != c_.local_replicas()) throw py::value_error("WorkerPlan: n must be the group's local replicas");
+    if (root < 0 || root >= n * c_.size()) throw py::value_error("WorkerPlan: root out of range");
+    count_ = 1;
+    for (auto d : shape_) count_ *= static_cast<std::size_t>(d);
+  }
+
+  // all_reduce, broadcast: the outputs (`outputs` as a new list, or new arrays when it is None).
+  // reduce: [the root's result] on the worker holding the root replica, [None] elsewhere.
+  // None when the arrays do not fit this plan.
+  py::object run(const py::handle& inputs, const py::handle& outputs) {
+    PyObject* descr = dtype_.ptr();
+    PyObject** in_items = items_of(inputs.ptr(), n_);
+    if (in_items == nullptr) return py::none();
+    std::vector<const void*> in(n_);
+    std::vector<void*> out(n_);
+    for (int i = 0; i < n_; ++i) {
+      const auto* a = fitting(in_items[i], descr, shape_, kReadable);
+      if (a == nullptr) return py::none();
+      in[i] = a->data;
+    }
+    const bool reduce = kind_ == CollectiveHeader::kReduce;
+    const int local_root = root_ % n_;
+    const bool holds_root = root_ / n_ == c_.rank();
+    py::list result(reduce ? 1 : n_);
+    if (outputs.is_none()) {
+      const std::size_t nbytes = count_ * dtype_size(type_);
+      if (reduce) {  // one result, every replica's slot pointing at it (only the root's is written)
+        py::array r = bindings::new_result(dtype_, shape_, nbytes, alloc_);
+        std::fill(out.begin(), out.end(), r.mutable_data());
+        result[0] = holds_root ? py::object(std::move(r)) : py::none();
+      } else {
+        for (int i = 0; i < n_; ++i) {
+          py::array r = bindings::new_result(dtype_, shape_, nbytes, alloc_);
+          out[i] = r.mutable_data();
+          result[i] = std::move(r);
+        }
+      }
+    } else {
+      PyObject** out_items = items_of(outputs.ptr(), n_);
+      if (out_items == nullptr) return py::none();
+      for (int i = 0; i < n_; ++i) {
+        const auto* a = fitting(out_items[i], descr, shape_, kWritable);
+        if (a == nullptr) return py::none();
+        out[i] = a->data;
+        if (!reduce) result[i] = py::reinterpret_borrow<py::object>(out_items[i]);
+      }
+      if (reduce) result[0] = holds_root ? py::reinterpret_borrow<py::object>(out_items[local_root]) : py::none();
+    }
+    {
+      py::gil_scoped_release nogil;
+      if (kind_ == CollectiveHeader::kAllReduce)
+        c_.all_reduce_as(n_, in.data(), out.data(), count_, type_, op_, algorithm_, agreed_);
+      else if (kind_ == CollectiveHeader::kBroadcast)
+        c_.broadcast(n_, in.data(), out.data(), count_, type_, root_);
+      else
+        c_.reduce_as(n_, in.data(), out.data(), count_, type_, op_, root_, agreed_);
+    }
+    return std::move(result);
+  }
+
+ private:
+  py::object comm_;
+  GlooCommunicator& c_;
+  CollectiveHeader::Kind kind_;
+  int n_;
+  py::dtype dtype_;
+  std::vector<py::ssize_t> shape_;
+  std::size_t count_;
+  DType type_;
+  ReduceOp op_, agreed_;
+  Algorithm algorithm_;
+  int root_;
+  py::function alloc_;
+};
+
+// All-reduce of T tensors per local replica, fused by the engines' packer
+// (GlooCommunicator::batch_all_reduce). The results of a replica are views of
+// one buffer, each 64-byte aligned: one allocation per replica.
+class WorkerBatchPlan {
+ public:
+  WorkerBatchPlan(py::object comm, int n, std::vector<py::dtype> dtypes, std::vector<std::vector<py::ssize_t>> shapes,
+                  const std::vector<int>& codes, int op, std::size_t bytes_per_pack, int num_packs, int algorithm,
+                  int agreed_op, py::function alloc)
+      : comm_(std::move(comm)), c_(communicator_of(comm_)), n_(n), dtypes_(std::move(dtypes)),
+        shapes_(std::move(shapes)), op_(reduce_op_from_code(op)),
+        agreed_(agreed_op < 0 ? op_ : reduce_op_from_code(agreed_op)), bytes_per_pack_(bytes_per_pack),
+        num_packs_(num_packs), algorithm_(static_cast<Algorithm>(algorithm)), alloc_(std::move(alloc)) {
+    const std::size_t T = dtypes_.size();
+    if (shapes_.size() != T || codes.size() != T)
+      throw py::value_error("WorkerBatchPlan: one dtype, shape and code per tensor");
+    if (n != c_.local_replicas()) throw py::value_error("WorkerBatchPlan: n must be the group's local replicas");
+    for (std::size_t t = 0; t < T; ++t) {
+      types_.push_back(dtype_from_code(codes[t]));
+      std::size_t count = 1;
+      for (auto d : shapes_[t]) count *= static_cast<std::size_t>(d);
+      counts_.push_back(count);
+      offsets_.push_back(total_);
+      total_ += (count * dtype_size(types_[t]) + 63) / 64 * 64;
+    }
+    total_ = std::max<std::size_t>(total_, 1);
+  }
+
+  // per_replica_lists[r][t] -> a list per replica of its results, or None when they do not fit.
+  py::object run(const py::handle& lists) {
+    const int T = static_cast<int>(dtypes_.size());
+    PyObject** rows = items_of(lists.ptr(), n_);
+    if (rows == nullptr) return py::none();
+    std::vector<const void*> in(static_cast<std::size_t>(n_) * T);
+    for (int r = 0; r < n_; ++r) {
+      PyObject** items = items_of(rows[r], T);
+      if (items == nullptr) return py::none();
+      for (int t = 0; t < T; ++t) {
+        const auto* a = fitting(items[t], dtypes_[t].ptr(), shapes_[t], kReadable);
+        if (a == nullptr) return py::none();
+        in[r * T + t] = a->data;
+      }
+    }
+    std::vector<void*> out(in.size());
+    py::list result(n_);
+    for (int r = 0; r < n_; ++r) {
+      auto flat = total_ < bindings::kRecycled ? py::array_t<std::uint8_t>(static_cast<py::ssize_t>(total_))
+                                               : alloc_(total_).cast<py::array_t<std::uint8_t>>();
+      if (static_cast<std::size_t>(flat.size()) < total_) throw py::value_error("alloc returned a buffer too small");
+      auto* base = reinterpret_cast<char*>(flat.mutable_data());
+      py::list row(T);
+      for (int t = 0; t < T; ++t) {
+        out[r * T + t] = base + offsets_[t];
+        row[t] = py::array(dtypes_[t], shapes_[t], std::vector<py::ssize_t>{}, base + offsets_[t], flat);
+      }
+      result[r] = std::move(row);
+    }
+    {
+      py::gil_scoped_release nogil;
+      c_.batch_all_reduce(n_, T, in.data(), out.data(), counts_.data(), types_.data(), op_, bytes_per_pack_,
+                          num_packs_, algorithm_, agreed_);
+    }
+    return std::move(result);
+  }
+
+ private:
+  py::object comm_;
+  GlooCommunicator& c_;
+  int n_;
+  std::vector<py::dtype> dtypes_;
+  std::vector<std::vector<py::ssize_t>> shapes_;
+  std::vector<DType> types_;
+  std::vector<std::size_t> counts_, offsets_;
+  std::size_t total_ = 0;
+  ReduceOp op_, agreed_;
+  std::size_t bytes_per_pack_;
+  int num_packs_;
+  Algorithm algorithm_;
+  py::function alloc_;
+};
+
+// all_gather of one array per local replica (their shapes may differ along
+// `axis`; the plan holds each one's). Every call opens with the workers'
+// size table (GlooCommunicator::agree_gather): other workers' extents may
+// change from call to call, so the results are shaped per call.
+class WorkerGatherPlan {
+ public:
+  WorkerGatherPlan(py::object comm, py::dtype dtype, int dtype_code, std::vector<std::vector<py::ssize_t>> shapes,
+                   int axis, py::function alloc)
+      : comm_(std::move(comm)), c_(communicator_of(comm_)), dtype_(std::move(dtype)), shapes_(std::move(shapes)),
+        type_(dtype_from_code(dtype_code)), axis_(axis), alloc_(std::move(alloc)) {
+    n_ = static_cast<int>(shapes_.size());
+    if (n_ != c_.local_replicas()) throw py::value_error("WorkerGatherPlan: one shape per local replica");
+    const auto& first = shapes_[0];
+    if (axis < 0 || axis >= static_cast<int>(first.size())) throw py::value_error("WorkerGatherPlan: axis out of range");
+    outer_ = 1;
+    inner_ = dtype_size(type_);
+    for (int d = 0; d < axis; ++d) outer_ *= static_cast<std::size_t>(first[d]);
+    for (std::size_t d = axis + 1; d < first.size(); ++d) inner_ *= static_cast<std::size_t>(first[d]);
+    for (const auto& s : shapes_) record_.emplace_back(s.begin(), s.end());
+  }
+
+  // A list of every local replica's result, or None when the arrays do not fit this plan.
+  py::object run(const py::handle& inputs) {
+    PyObject** items = items_of(inputs.ptr(), n_);
+    if (items == nullptr) return py::none();
+    std::vector<const void*> in(n_);
+    for (int i = 0; i < n_; ++i) {
+      const auto* a = fitting(items[i], dtype_.ptr(), shapes_[i], kReadable);
+      if (a == nullptr) return py::none();
+      in[i] = a->data;
+    }
+    std::vector<std::uint64_t> extents;
+    {
+      py::gil_scoped_release nogil;
+      extents = c_.agree_gather(n_, type_, axis_, record_);
+    }
+    std::vector<py::ssize_t> shape = shapes_[0];
+    std::uint64_t extent = 0;
+    for (auto e : extents) extent += e;
+    shape[axis_] = static_cast<py::ssize_t>(extent);
+    std::vector<std::uint64_t> row_bytes(extents.size());
+    for (std::size_t i = 0; i < extents.size(); ++i) row_bytes[i] = extents[i] * inner_;
+    const std::size_t nbytes = outer_ * extent * inner_;
+    std::vector<void*> out(n_);
+    py::list result(n_);
+    for (int i = 0; i < n_; ++i) {
+      py::array r = bindings::new_result(dtype_, shape, nbytes, alloc_);
+      out[i] = r.mutable_data();
+      result[i] = std::move(r);
+    }
+    {
+      py::gil_scoped_release nogil;
+      c_.all_gather_planned(n_, in.data(), out.data(), row_bytes.data(), outer_);
+    }
+    return std::move(result);
+  }
+
+ private:
+  py::object comm_;
+  GlooCommunicator& c_;
+  py::dtype dtype_;
+  std::vector<std::vector<py::ssize_t>> shapes_;
+  std::vector<std::vector<std::uint64_t>> record_;
+  DType type_;
+  int axis_;
+  int n_;
+  std::size_t outer_, inner_;
+  py::function alloc_;
+};
 
 // Stopping the server joins its threads: an explicit close() makes that moment deterministic.
 struct Server {
@@ -246,8 +474,6 @@ PYBIND11_MODULE(_net, m) {
            py::arg("algorithm"), py::arg("agreed_op") = -1,
            "agreed_op: the op the workers compare (default: op); an integer MEAN runs as a SUM but must "
            "still match the other workers' MEAN.")
-      .def("all_reduce_in_place", &all_reduce_in_place, py::arg("buffers"), py::arg("op"), py::arg("algorithm"),
-           "all_reduce of one contiguous array in place, if it qualifies for the fast path (else False).")
       .def("broadcast",
            [](GlooCommunicator& c, const py::list& inputs, const py::list& outputs, std::size_t count, int dtype,
               int root) {
@@ -307,8 +533,50 @@ PYBIND11_MODULE(_net, m) {
         py::gil_scoped_release nogil;
         c.barrier();
       })
+      .def("batch_all_reduce",
+           [](GlooCommunicator& c, int n, const py::list& inputs, const py::list& outputs,
+              const std::vector<std::size_t>& counts, const std::vector<int>& dtypes, int op, std::size_t bytes_per_pack,
+              int num_packs, int algorithm, int agreed_op) {
+             auto in = inputs_of(inputs);
+             auto out = outputs_of(outputs);
+             size_of(in, out);
+             const int ntensors = static_cast<int>(counts.size());
+             if (dtypes.size() != counts.size() || in.size() != static_cast<std::size_t>(n) * ntensors)
+               throw py::value_error("batch_all_reduce: inputs must be n * len(counts) arrays with one dtype per tensor");
+             std::vector<DType> types;
+             for (int code : dtypes) types.push_back(dtype_from_code(code));
+             const ReduceOp rop = reduce_op_from_code(op);
+             const ReduceOp agreed = agreed_op < 0 ? rop : reduce_op_from_code(agreed_op);
+             py::gil_scoped_release nogil;
+             c.batch_all_reduce(n, ntensors, in.data(), out.data(), counts.data(), types.data(), rop, bytes_per_pack,
+                                num_packs, static_cast<Algorithm>(algorithm), agreed);
+           },
+           py::arg("n"), py::arg("inputs"), py::arg("outputs"), py::arg("counts"), py::arg("dtypes"), py::arg("op"),
+           py::arg("bytes_per_pack"), py::arg("num_packs"), py::arg("algorithm"), py::arg("agreed_op") = -1,
+           "Tensors fused by the engines' packer; inputs and outputs replica-major (n * len(counts) arrays).")
       .def("close", [](GlooCommunicator& c) {
         py::gil_scoped_release nogil;
         c.close();
       }, "Closes the mesh now (peers blocked on this process fail at once); later calls raise.");
+
+  py::class_<WorkerPlan>(m, "WorkerPlan")
+      .def(py::init<py::object, const std::string&, int, py::dtype, std::vector<py::ssize_t>, int, int, int, int, int,
+                    py::function>(),
+           py::arg("comm"), py::arg("kind"), py::arg("n"), py::arg("dtype"), py::arg("shape"), py::arg("dtype_code"),
+           py::arg("op"), py::arg("algorithm"), py::arg("root"), py::arg("agreed_op"), py::arg("alloc"))
+      .def("run", &WorkerPlan::run, py::arg("inputs"), py::arg("outputs"));
+
+  py::class_<WorkerBatchPlan>(m, "WorkerBatchPlan")
+      .def(py::init<py::object, int, std::vector<py::dtype>, std::vector<std::vector<py::ssize_t>>,
+                    const std::vector<int>&, int, std::size_t, int, int, int, py::function>(),
+           py::arg("comm"), py::arg("n"), py::arg("dtypes"), py::arg("shapes"), py::arg("dtype_codes"), py::arg("op"),
+           py::arg("bytes_per_pack"), py::arg("num_packs"), py::arg("algorithm"), py::arg("agreed_op"),
+           py::arg("alloc"))
+      .def("run", &WorkerBatchPlan::run, py::arg("per_replica_lists"));
+
+  py::class_<WorkerGatherPlan>(m, "WorkerGatherPlan")
+      .def(py::init<py::object, py::dtype, int, std::vector<std::vector<py::ssize_t>>, int, py::function>(),
+           py::arg("comm"), py::arg("dtype"), py::arg("dtype_code"), py::arg("shapes"), py::arg("axis"),
+           py::arg("alloc"))
+      .def("run", &WorkerGatherPlan::run, py::arg("inputs"));
 }

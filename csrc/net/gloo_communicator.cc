@@ -63,7 +63,13 @@ std::string describe(const CollectiveHeader& h) {
 
 bool same_call(const CollectiveHeader& a, const CollectiveHeader& b) {
   return a.seq == b.seq && a.kind == b.kind && a.count == b.count && a.root == b.root && a.dtype == b.dtype &&
-         a.op == b.op && a.algorithm == b.algorithm;
+         a.op == b.op && a.algorithm == b.algorithm && a.layout == b.layout;
+}
+
+// FNV-1a over 64-bit words.
+std::uint64_t fnv1a(std::uint64_t h, std::uint64_t word) {
+  for (int i = 0; i < 8; ++i) h = (h ^ ((word >> (8 * i)) & 0xff)) * 0x100000001b3ull;
+  return h;
 }
 
 std::vector<char> to_bytes(std::int64_t v) {
@@ -432,12 +438,20 @@ void GlooCommunicator::check_agreement(const CollectiveHeader& mine) {
       // Numbering never realigns: nothing later can be trusted.
       broken_ = "this job's collectives are broken since collective #" + std::to_string(mine.seq) + " (" + message +
                 "); restart the job";
+    } else if (a.kind == b.kind && a.layout != b.layout && (a.layout == 0 || b.layout == 0)) {
+      const int batch = a.layout != 0 ? 0 : r;
+      message = "collective #" + std::to_string(a.seq) + ": " + tasks_[batch] + " calls batch_all_reduce, " +
+                tasks_[batch == 0 ? r : 0] + " calls all_reduce (" + describe(a) + ")";
+    } else if (a.kind == b.kind && a.layout != b.layout) {
+      message = "batch_all_reduce #" + std::to_string(a.seq) + ": " + tasks_[0] + " and " + tasks_[r] +
+                " pass batches that differ in their tensors' sizes or dtypes, or in bytes_per_pack / num_packs";
     } else if (a.kind != b.kind) {
       message = "collective #" + std::to_string(a.seq) + ": " + tasks_[0] + " calls " + kind_name(a.kind) + " (" +
                 describe(a) + "), " + tasks_[r] + " calls " + kind_name(b.kind) + " (" + describe(b) + ")";
     } else {
-      message = std::string(kind_name(a.kind)) + " #" + std::to_string(a.seq) + ": " + tasks_[0] + " passes " +
-                describe(a) + ", " + tasks_[r] + " passes " + describe(b);
+      // A pack of a batch (both batches have the same layout) or a single collective.
+      message = std::string(a.layout != 0 ? "batch_all_reduce" : kind_name(a.kind)) + " #" + std::to_string(a.seq) +
+                ": " + tasks_[0] + " passes " + describe(a) + ", " + tasks_[r] + " passes " + describe(b);
     }
     throw CollectiveMismatch(message +
                              "; every worker must run the same collectives in the same order, with the same sizes, "
@@ -664,6 +678,79 @@ void GlooCommunicator::reduce_scatter_ring(char* acc, std::size_t count, std::si
   }
 }
 
+// The network stage of an all-reduce: acc holds this process's combined
+// replicas and receives the job's reduction (a MEAN is left as the SUM; the
+// caller divides). The caller holds mu_.
+void GlooCommunicator::reduce_across(void* acc, std::size_t count, DType dtype, ReduceOp op, Algorithm algorithm,
+                                     ReduceOp agreed, std::uint64_t layout) {
+  if (size() == 1) return;
+  const std::size_t bytes = count * dtype_size(dtype);
+  const auto combine_fn = reduce_kernels().combine[static_cast<int>(dtype)][static_cast<int>(combining_op(op))];
+  CollectiveHeader h = header(CollectiveHeader::kAllReduce);
+  h.count = count;
+  h.dtype = static_cast<std::uint8_t>(dtype);
+  h.op = static_cast<std::uint8_t>(agreed);
+  h.algorithm = static_cast<std::uint8_t>(algorithm);
+  h.layout = layout;
+  // Tiny buffers ride in the headers: once they are agreed, every process
+  // combines every contribution in rank order, so every process gets the same bits.
+  const bool tiny = bytes <= inline_capacity() && (algorithm == Algorithm::kAuto || algorithm == Algorithm::kDirect);
+  if (tiny && count > 0) set_payload(h, acc, bytes);
+  // Small buffers are latency-bound: one all-gather round and a local
+  // reduction beats the ring's 2(p-1) rounds. (With fewer elements than
+  // processes most ring segments are empty: ring wins.)
+  const bool direct = algorithm == Algorithm::kDirect ||
+                      (algorithm == Algorithm::kAuto && bytes <= kDirectMaxBytes && count >= std::size_t(size()));
+  collective(h, [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
+    if (count == 0) return;
+    if (tiny) {
+      // Into scratch: acc is this rank's payload, read for every rank in turn.
+      scratch_.resize(bytes);
+      combine_fn(scratch_.data(), payload(0), payload(1), count);
+      for (int r = 2; r < size(); ++r) combine_fn(scratch_.data(), scratch_.data(), payload(r), count);
+      std::memcpy(acc, scratch_.data(), bytes);
+    } else if (shm_ && algorithm == Algorithm::kAuto) {
+      shm_->all_reduce(acc, count, dtype, op, after(timeout),
+                       [this](const std::vector<int>& missing) { on_wait(missing); });
+    } else if (direct) {
+      gathered_.resize(bytes * size());
+      std::memcpy(gathered_.data() + rank_ * bytes, acc, bytes);
+      std::vector<std::size_t> offset(size()), sizes(size(), bytes);
+      for (int r = 0; r < size(); ++r) offset[r] = r * bytes;
+      all_gather_blocks(gathered_.data(), offset, sizes, tag, timeout);
+      combine_fn(acc, gathered_.data(), gathered_.data() + bytes, count);
+      for (int r = 2; r < size(); ++r) combine_fn(acc, acc, gathered_.data() + r * bytes, count);
+    } else if (algorithm != Algorithm::kTree) {
+      // Ring: reduce-scatter, then every process passes the chunks it has
+      // completed to its right, p - 1 steps (2 (p - 1) / p of the buffer sent per process).
+      const std::size_t elem = dtype_size(dtype);
+      char* a = static_cast<char*>(acc);
+      reduce_scatter_ring(a, count, elem, combine_fn, tag, timeout);
+      const int p = size(), right = (rank_ + 1) % p, left = (rank_ + p - 1) % p;
+      auto* buf = data_buffer(a, bytes);
+      const std::uint64_t slot = gloo::Slot::build(kDataSlotPrefix, tag) + std::uint8_t{1};
+      for (int s = 0; s < p - 1; ++s) {
+        const int send_c = (owned_chunk(rank_) - s + p) % p, recv_c = (owned_chunk(left) - s + p) % p;
+        const std::size_t s0 = chunk_begin(count, send_c), s1 = chunk_begin(count, send_c + 1);
+        const std::size_t r0 = chunk_begin(count, recv_c), r1 = chunk_begin(count, recv_c + 1);
+        if (r1 > r0) buf->recv(left, slot, r0 * elem, (r1 - r0) * elem);
+        if (s1 > s0) buf->send(right, slot, s0 * elem, (s1 - s0) * elem);
+        if (r1 > r0) wait_recv(buf, timeout);
+        if (s1 > s0) wait_send(buf, timeout);
+      }
+    } else {
+      gloo::AllreduceOptions o(context_);
+      with_element(dtype_size(dtype), [&](auto t) { o.setOutput(static_cast<decltype(t)*>(acc), count); });
+      o.setReduceFunction(combine_fn);
+      // "tree": Gloo's bcube, log(p) rounds (at Gloo's per-call buffer cost, see data_buffer).
+      o.setAlgorithm(gloo::AllreduceOptions::Algorithm::BCUBE);
+      o.setTag(tag);
+      o.setTimeout(timeout);
+      gloo::allreduce(o);
+    }
+  });
+}
+
 void GlooCommunicator::all_reduce_as(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
                                      ReduceOp op, Algorithm algorithm, ReduceOp agreed) {
   check_replicas(n, "all_reduce");
@@ -675,75 +762,68 @@ void GlooCommunicator::all_reduce_as(int n, const void* const* in, void* const* 
   std::lock_guard<std::mutex> lock(mu_);
   void* acc = out[0];
   combine_local(n, in, acc, 0, count, dtype, op);
-  const auto combine_fn = reduce_kernels().combine[static_cast<int>(dtype)][static_cast<int>(combining_op(op))];
-  if (size() > 1) {
-    CollectiveHeader h = header(CollectiveHeader::kAllReduce);
-    h.count = count;
-    h.dtype = static_cast<std::uint8_t>(dtype);
-    h.op = static_cast<std::uint8_t>(agreed);
-    h.algorithm = static_cast<std::uint8_t>(algorithm);
-    // Tiny buffers ride in the headers: once they are agreed, every process
-    // combines every contribution in rank order, so every process gets the same bits.
-    const bool tiny = bytes <= inline_capacity() && (algorithm == Algorithm::kAuto || algorithm == Algorithm::kDirect);
-    if (tiny && count > 0) set_payload(h, acc, bytes);
-    // Small buffers are latency-bound: one all-gather round and a local
-    // reduction beats the ring's 2(p-1) rounds. (With fewer elements than
-    // processes most ring segments are empty: ring wins.)
-    const bool direct = algorithm == Algorithm::kDirect ||
-                        (algorithm == Algorithm::kAuto && bytes <= kDirectMaxBytes && count >= std::size_t(size()));
-    collective(h, [&](std::uint32_t tag, std::chrono::milliseconds timeout) {
-      if (count == 0) return;
-      if (tiny) {
-        // Into scratch: acc is this rank's payload, read for every rank in turn.
-        scratch_.resize(bytes);
-        combine_fn(scratch_.data(), payload(0), payload(1), count);
-        for (int r = 2; r < size(); ++r) combine_fn(scratch_.data(), scratch_.data(), payload(r), count);
-        std::memcpy(acc, scratch_.data(), bytes);
-      } else if (shm_ && algorithm == Algorithm::kAuto) {
-        shm_->all_reduce(acc, count, dtype, op, after(timeout),
-                         [this](const std::vector<int>& missing) { on_wait(missing); });
-      } else if (direct) {
-        gathered_.resize(bytes * size());
-        std::memcpy(gathered_.data() + rank_ * bytes, acc, bytes);
-        std::vector<std::size_t> offset(size()), sizes(size(), bytes);
-        for (int r = 0; r < size(); ++r) offset[r] = r * bytes;
-        all_gather_blocks(gathered_.data(), offset, sizes, tag, timeout);
-        combine_fn(acc, gathered_.data(), gathered_.data() + bytes, count);
-        for (int r = 2; r < size(); ++r) combine_fn(acc, acc, gathered_.data() + r * bytes, count);
-      } else if (algorithm != Algorithm::kTree) {
-        // Ring: reduce-scatter, then every process passes the chunks it has
-        // completed to its right, p - 1 steps (2 (p - 1) / p of the buffer sent per process).
-        const std::size_t elem = dtype_size(dtype);
-        char* a = static_cast<char*>(acc);
-        reduce_scatter_ring(a, count, elem, combine_fn, tag, timeout);
-        const int p = size(), right = (rank_ + 1) % p, left = (rank_ + p - 1) % p;
-        auto* buf = data_buffer(a, bytes);
-        const std::uint64_t slot = gloo::Slot::build(kDataSlotPrefix, tag) + std::uint8_t{1};
-        for (int s = 0; s < p - 1; ++s) {
-          const int send_c = (owned_chunk(rank_) - s + p) % p, recv_c = (owned_chunk(left) - s + p) % p;
-          const std::size_t s0 = chunk_begin(count, send_c), s1 = chunk_begin(count, send_c + 1);
-          const std::size_t r0 = chunk_begin(count, recv_c), r1 = chunk_begin(count, recv_c + 1);
-          if (r1 > r0) buf->recv(left, slot, r0 * elem, (r1 - r0) * elem);
-          if (s1 > s0) buf->send(right, slot, s0 * elem, (s1 - s0) * elem);
-          if (r1 > r0) wait_recv(buf, timeout);
-          if (s1 > s0) wait_send(buf, timeout);
-        }
-      } else {
-        gloo::AllreduceOptions o(context_);
-        with_element(dtype_size(dtype), [&](auto t) { o.setOutput(static_cast<decltype(t)*>(acc), count); });
-        o.setReduceFunction(combine_fn);
-        // "tree": Gloo's bcube, log(p) rounds (at Gloo's per-call buffer cost, see data_buffer).
-        o.setAlgorithm(gloo::AllreduceOptions::Algorithm::BCUBE);
-        o.setTag(tag);
-        o.setTimeout(timeout);
-        gloo::allreduce(o);
-      }
-    });
-  }
+  reduce_across(acc, count, dtype, op, algorithm, agreed, 0);
   if (op == ReduceOp::kMean && count > 0) reduce_kernels().divide[static_cast<int>(dtype)](acc, count, n * size());
   for (int i = 1; i < n; ++i)
     if (out[i] != acc) std::memcpy(out[i], acc, bytes);
   staging.finish();
+}
+
+std::uint64_t GlooCommunicator::batch_layout(int ntensors, const std::size_t* counts, const DType* dtypes,
+                                             std::size_t bytes_per_pack, int num_packs) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  h = fnv1a(h, static_cast<std::uint64_t>(ntensors));
+  for (int t = 0; t < ntensors; ++t) h = fnv1a(fnv1a(h, counts[t]), static_cast<std::uint64_t>(dtypes[t]));
+  h = fnv1a(fnv1a(h, bytes_per_pack), static_cast<std::uint64_t>(num_packs));
+  return h | 1;  // never 0, which marks a plain all_reduce
+}
+
+const std::vector<Pack>& GlooCommunicator::packs_for(int ntensors, const std::size_t* counts, const DType* dtypes,
+                                                     std::size_t bytes_per_pack, int num_packs) {
+  // A training loop reduces the same gradient list every step: replan only when the layout changes.
+  const std::uint64_t layout = batch_layout(ntensors, counts, dtypes, bytes_per_pack, num_packs);
+  bool same = layout == batch_.layout && batch_.bytes.size() == static_cast<std::size_t>(ntensors);
+  for (int t = 0; same && t < ntensors; ++t)
+    same = batch_.dtypes[t] == dtypes[t] && batch_.bytes[t] == counts[t] * dtype_size(dtypes[t]);
+  if (!same) {
+    batch_.layout = layout;
+    batch_.dtypes.assign(dtypes, dtypes + ntensors);
+    batch_.bytes.resize(ntensors);
+    for (int t = 0; t < ntensors; ++t) batch_.bytes[t] = counts[t] * dtype_size(dtypes[t]);
+    batch_.packs = plan_packs(batch_.bytes, batch_.dtypes, bytes_per_pack, num_packs);
+    std::size_t largest = 0;
+    for (const Pack& p : batch_.packs) largest = std::max(largest, p.bytes);
+    if (fusion_.size() < largest) fusion_.resize(largest);
+  }
+  return batch_.packs;
+}
+
+void GlooCommunicator::batch_all_reduce(int n, int ntensors, const void* const* in, void* const* out,
+                                        const std::size_t* counts, const DType* dtypes, ReduceOp op,
+                                        std::size_t bytes_per_pack, int num_packs, Algorithm algorithm,
+                                        ReduceOp agreed) {
+  check_replicas(n, "batch_all_reduce");
+  if (ntensors < 0) throw std::invalid_argument("batch_all_reduce: ntensors must be >= 0");
+  if (ntensors == 0) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::vector<Pack>& packs = packs_for(ntensors, counts, dtypes, bytes_per_pack, num_packs);
+  std::vector<const void*> column(n);  // tensor t of every local replica
+  for (const Pack& p : packs) {
+    // A pack's inputs are all read into the fusion buffer before any of its outputs is written.
+    char* acc = fusion_.data();
+    for (const PackEntry& e : p.entries) {
+      if (e.bytes == 0) continue;  // an empty tensor: nothing to read (its pointer may be null)
+      for (int k = 0; k < n; ++k) column[k] = in[k * ntensors + e.tensor];
+      combine_local(n, column.data(), acc + e.offset, 0, counts[e.tensor], p.dtype, op);
+    }
+    const std::size_t count = p.bytes / dtype_size(p.dtype);
+    // Every pack carries the whole batch's layout: workers whose batches differ all raise at the first pack.
+    reduce_across(acc, count, p.dtype, op, algorithm, agreed, batch_.layout);
+    if (op == ReduceOp::kMean && count > 0) reduce_kernels().divide[static_cast<int>(p.dtype)](acc, count, n * size());
+    for (const PackEntry& e : p.entries)
+      for (int k = 0; k < n; ++k)
+        if (e.bytes) std::memcpy(out[k * ntensors + e.tensor], acc + e.offset, e.bytes);
+  }
 }
 
 void GlooCommunicator::broadcast(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
@@ -906,6 +986,67 @@ void GlooCommunicator::all_gather(int n, const void* const* in, void* const* out
     }
   }
   all_gather_planned(n, in, out, job_rows.data(), outer);
+}
+
+namespace {
+// A shape as Python prints a tuple: "(2, 3)", "(5,)".
+std::string shape_text(const std::uint64_t* dims, std::size_t ndim) {
+  std::string text = "(";
+  for (std::size_t d = 0; d < ndim; ++d) text += (d ? ", " : "") + std::to_string(dims[d]);
+  return text + (ndim == 1 ? ",)" : ")");
+}
+}  // namespace
+
+std::vector<std::uint64_t> GlooCommunicator::agree_gather(int n, DType dtype, int axis,
+                                                          const std::vector<std::vector<std::uint64_t>>& shapes) {
+  check_replicas(n, "all_gather");
+  if (static_cast<int>(shapes.size()) != n) throw std::invalid_argument("all_gather: one shape per local replica");
+  const std::size_t ndim = shapes[0].size();
+  if (ndim == 0 || ndim > kMaxGatherDims || axis < 0 || static_cast<std::size_t>(axis) >= ndim)
+    throw std::invalid_argument("all_gather: shapes need 1.." + std::to_string(kMaxGatherDims) +
+                                " dimensions and an axis among them");
+  // The record: ndim, dtype, axis, then each local replica's shape padded to kMaxGatherDims.
+  const std::size_t width = 3 + kMaxGatherDims * n;
+  std::vector<std::uint64_t> mine(width, 0);
+  mine[0] = ndim;
+  mine[1] = static_cast<std::uint64_t>(dtype);
+  mine[2] = static_cast<std::uint64_t>(axis);
+  for (int j = 0; j < n; ++j) {
+    if (shapes[j].size() != ndim) throw std::invalid_argument("all_gather: local shapes differ in rank");
+    std::copy(shapes[j].begin(), shapes[j].end(), mine.begin() + 3 + kMaxGatherDims * j);
+  }
+  const std::vector<std::uint64_t> table = exchange(mine, CollectiveHeader::kAllGather);
+  // Every process checks the same table, so every process raises the same error.
+  const std::uint64_t* head = table.data();
+  const auto dims = [&](int w, int j) { return table.data() + w * width + 3 + kMaxGatherDims * j; };
+  const auto agrees = [&](int w) {
+    const std::uint64_t* row = table.data() + w * width;
+    if (row[0] != head[0] || row[1] != head[1] || row[2] != head[2]) return false;
+    for (int j = 0; j < n; ++j)
+      for (std::size_t d = 0; d < ndim; ++d)
+        if (d != static_cast<std::size_t>(axis) && dims(w, j)[d] != dims(0, 0)[d]) return false;
+    return true;
+  };
+  const auto call = [&](int w) {
+    const std::uint64_t* row = table.data() + w * width;
+    const std::string name = row[1] < static_cast<std::uint64_t>(kNumDTypes)
+                                 ? dtype_name(static_cast<DType>(row[1]))
+                                 : "dtype code " + std::to_string(row[1]);
+    std::string listed;
+    for (int j = 0; j < n; ++j)
+      listed += (j ? ", " : "") + shape_text(dims(w, j), std::min<std::size_t>(row[0], kMaxGatherDims));
+    return name + " buffers of shape " + listed + " gathered along axis " + std::to_string(row[2]);
+  };
+  for (int w = 0; w < size(); ++w)  // this process's own replicas too
+    if (!agrees(w))
+      throw CollectiveMismatch("all_gather #" + std::to_string(seq_) + ": " + tasks_[0] + " passes " + call(0) + ", " +
+                               tasks_[w] + " passes " + call(w) +
+                               "; every worker must pass the same dtype, number of dimensions and axis, and shapes "
+                               "may differ along the gather axis only (no data was exchanged)");
+  std::vector<std::uint64_t> extents;
+  for (int w = 0; w < size(); ++w)
+    for (int j = 0; j < n; ++j) extents.push_back(dims(w, j)[axis]);
+  return extents;
 }
 
 void GlooCommunicator::all_gather_planned(int n, const void* const* in, void* const* out,

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "core/communicator.h"
+#include "core/packer.h"
 #include "net/errors.h"
 #include "net/shm_reducer.h"
 #include "net/store.h"
@@ -48,10 +49,14 @@ struct CollectiveHeader {
   std::uint8_t op = 0;
   std::uint8_t algorithm = 0;
   std::uint32_t inline_bytes = 0;  // payload carried in `data`
+  // A pack of a batch_all_reduce: the digest of the whole batch (its tensors'
+  // sizes and dtypes, and the packing), so that batches which differ raise at
+  // the first pack even where that pack agrees; 0 for every other collective.
+  std::uint64_t layout = 0;
   static constexpr std::size_t kInlineBytes = 64;
   char data[kInlineBytes] = {};
 };
-static_assert(sizeof(CollectiveHeader) == 96, "the header's layout is part of the wire format");
+static_assert(sizeof(CollectiveHeader) == 104, "the header's layout is part of the wire format");
 
 // What a collective that waits long reports (see set_wait_hook).
 struct WaitReport {
@@ -90,6 +95,18 @@ class GlooCommunicator : public Communicator {
   // still mismatch another worker's SUM.
   void all_reduce_as(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
                      Algorithm algorithm, ReduceOp agreed);
+  // ntensors tensors per local replica: in[k * ntensors + t] is tensor t of
+  // local replica k (counts[t] elements of dtypes[t]). The tensors are fused
+  // by the engines' one packer (core/packer.h) and every pack is all-reduced
+  // as above, its header carrying the batch's layout digest (batch_layout)
+  // so that workers whose batches differ all raise before any data moves.
+  // out[k * ntensors + t] may equal its own input; no other overlap is allowed.
+  void batch_all_reduce(int n, int ntensors, const void* const* in, void* const* out, const std::size_t* counts,
+                        const DType* dtypes, ReduceOp op, std::size_t bytes_per_pack, int num_packs,
+                        Algorithm algorithm, ReduceOp agreed);
+  // The digest a batch's packs carry (never 0).
+  static std::uint64_t batch_layout(int ntensors, const std::size_t* counts, const DType* dtypes,
+                                    std::size_t bytes_per_pack, int num_packs);
   // `root` is a replica of the whole job.
   void broadcast(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, int root) override;
   void reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
@@ -107,11 +124,21 @@ class GlooCommunicator : public Communicator {
   // kAllGather for the size table of a gather: all_gather_planned continues it).
   std::vector<std::uint64_t> exchange(const std::vector<std::uint64_t>& mine,
                                       CollectiveHeader::Kind kind = CollectiveHeader::kExchange);
+  // Opens an all-gather: this process's local replicas have `shapes` (each of
+  // the same number of dimensions, 1..kMaxGatherDims; they may differ along
+  // `axis` only); every process's size table is exchanged and checked, alike
+  // on every process (a CollectiveMismatch before any data moves). Returns
+  // every replica's extent along `axis`, in job replica order, for
+  // all_gather_planned.
+  static constexpr std::size_t kMaxGatherDims = 32;
+  std::vector<std::uint64_t> agree_gather(int n, DType dtype, int axis,
+                                          const std::vector<std::vector<std::uint64_t>>& shapes);
   // The data stage of the all-gather whose size table the last exchange(...,
   // kAllGather) agreed: job_row_bytes holds every replica's row size, in job
   // replica order; no sizes are exchanged again.
   void all_gather_planned(int n, const void* const* in, void* const* out, const std::uint64_t* job_row_bytes,
                           std::size_t outer);
+  const std::string& task(int rank) const { return tasks_.at(rank); }
   // Collectives started so far (the number of the last one).
   std::int64_t collectives() const { return seq_; }
   // Called from the calling thread about every 100 ms while a collective waits
@@ -155,6 +182,11 @@ class GlooCommunicator : public Communicator {
   enum class Verdict { kGone, kBehind, kUnknown };
   std::string diagnose(std::int64_t seq, bool timed_out, Verdict* verdict);
   void check_replicas(int n, const char* what) const;
+  // The network stage of an all-reduce of acc (this process's combined replicas), mu_ held.
+  void reduce_across(void* acc, std::size_t count, DType dtype, ReduceOp op, Algorithm algorithm, ReduceOp agreed,
+                     std::uint64_t layout);
+  const std::vector<Pack>& packs_for(int ntensors, const std::size_t* counts, const DType* dtypes,
+                                     std::size_t bytes_per_pack, int num_packs);
   void watch();
   void setup_shared_memory();
   void check_peers();
@@ -199,6 +231,13 @@ class GlooCommunicator : public Communicator {
   // Buffers of past data stages, destroyed at the start of the next one (see DataStage).
   std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> data_buffers_;
   std::vector<char> scratch_;  // reused across calls
+  struct {
+    std::uint64_t layout = 0;
+    std::vector<std::size_t> bytes;
+    std::vector<DType> dtypes;
+    std::vector<Pack> packs;
+  } batch_;                    // the last batch's packs (mu_)
+  std::vector<char> fusion_;   // a pack of the batch being reduced
   std::vector<char> gathered_;
   std::vector<char> ring_in_;  // a chunk arriving in reduce_scatter_ring
   // All processes on one machine: large all-reduces go through shared memory.

@@ -1,6 +1,7 @@
 // The rendezvous store and the Gloo communicator in C++, with the processes
 // of a job played by threads (what the sanitizer builds exercise): results
 // against a reference, admission, and the naming of dead and late peers.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -335,6 +336,154 @@ TEST(a_mismatch_is_the_same_error_everywhere_and_harmless) {
   }
   if (was) ::setenv("MIRRORED_SHM", saved.c_str(), 1);
   else ::unsetenv("MIRRORED_SHM");
+}
+
+// A batch is fused by the engines' packer and every tensor comes back as the
+// job's reduction, whatever the packing; in place too.
+TEST(batch_all_reduce_matches_the_reference) {
+  constexpr int n = 2;
+  constexpr int replicas = 3 * n;
+  job(n, milliseconds(10000), "batch", [](int rank, GlooCommunicator& comm) {
+    // Mixed dtypes and sizes (an empty tensor among them), in an order that interleaves the dtypes.
+    const std::vector<std::size_t> counts{3, 1, 0, 700, 5, 40000, 2};
+    const std::vector<DType> dtypes{DType::kFloat32, DType::kInt32, DType::kFloat32, DType::kFloat32,
+                                    DType::kInt32,   DType::kFloat32, DType::kInt32};
+    const int T = static_cast<int>(counts.size());
+    struct Packing {
+      std::size_t bytes_per_pack;
+      int num_packs;
+    };
+    for (const Packing packing : {Packing{0, 0}, Packing{64, 0}, Packing{0, 3}, Packing{1, 0}}) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax}) {
+        for (bool in_place : {false, true}) {
+          // 4-byte elements either way: float32 and int32 share the storage.
+          std::vector<std::vector<std::uint32_t>> in(n * T), out(n * T);
+          std::vector<const void*> ins(n * T);
+          std::vector<void*> outs(n * T);
+          for (int k = 0; k < n; ++k)
+            for (int t = 0; t < T; ++t) {
+              auto& v = in[k * T + t];
+              v.resize(counts[t]);
+              for (std::size_t i = 0; i < counts[t]; ++i) {
+                const float x = value(rank * n + k, i + t);
+                if (dtypes[t] == DType::kFloat32) std::memcpy(&v[i], &x, 4);
+                else v[i] = static_cast<std::uint32_t>(static_cast<std::int32_t>(x));
+              }
+              out[k * T + t].assign(counts[t], 0xdeadbeef);
+              ins[k * T + t] = v.data();
+              outs[k * T + t] = in_place ? static_cast<void*>(v.data()) : out[k * T + t].data();
+            }
+          comm.batch_all_reduce(n, T, ins.data(), outs.data(), counts.data(), dtypes.data(), op,
+                                packing.bytes_per_pack, packing.num_packs, Algorithm::kAuto, op);
+          for (int t = 0; t < T; ++t)
+            for (std::size_t i = 0; i < counts[t]; i += (counts[t] < 997 ? 1 : 97)) {
+              float want = op == ReduceOp::kSum ? 0.0f : -1e9f;
+              for (int g = 0; g < replicas; ++g)
+                want = op == ReduceOp::kSum ? want + value(g, i + t) : std::max(want, value(g, i + t));
+              for (int k = 0; k < n; ++k) {
+                const std::uint32_t got = (in_place ? in : out)[k * T + t][i];
+                if (dtypes[t] == DType::kFloat32) {
+                  float f;
+                  std::memcpy(&f, &got, 4);
+                  CHECK(f == want);
+                } else {
+                  CHECK(static_cast<std::int32_t>(got) == static_cast<std::int32_t>(want));
+                }
+              }
+            }
+        }
+      }
+    }
+  });
+}
+
+// Batches that differ only in how their elements split into tensors have
+// packs of the same size: the layout digest still makes every rank raise the
+// same error before any data moves; a batch against a plain all_reduce too.
+TEST(batches_that_differ_raise_the_same_error_everywhere) {
+  job(1, milliseconds(10000), "batch-mismatch", [](int rank, GlooCommunicator& comm) {
+    float a[3] = {1, 1, 1}, b[5] = {1, 1, 1, 1, 1};
+    const std::size_t counts[2] = {rank == 1 ? 5u : 3u, rank == 1 ? 3u : 5u};
+    float* first = rank == 1 ? b : a;
+    float* second = rank == 1 ? a : b;
+    const void* in[2] = {first, second};
+    void* out[2] = {first, second};
+    const DType dtypes[2] = {DType::kFloat32, DType::kFloat32};
+    std::string error;
+    try {
+      comm.batch_all_reduce(1, 2, in, out, counts, dtypes, ReduceOp::kSum, 0, 0, Algorithm::kAuto, ReduceOp::kSum);
+    } catch (const CollectiveMismatch& e) {
+      error = e.what();
+    }
+    CHECK(error.find("batch_all_reduce #1: chief:0 and worker:0 pass batches that differ in their tensors' sizes or "
+                     "dtypes, or in bytes_per_pack / num_packs") == 0);
+    CHECK(a[0] == 1 && b[4] == 1);  // nothing moved
+    error.clear();
+    float eight[8] = {};
+    const void* plain_in[1] = {eight};
+    void* plain_out[1] = {eight};
+    try {
+      if (rank == 0)
+        comm.all_reduce(1, plain_in, plain_out, 8, DType::kFloat32, ReduceOp::kSum, Algorithm::kAuto);
+      else
+        comm.batch_all_reduce(1, 2, in, out, counts, dtypes, ReduceOp::kSum, 0, 0, Algorithm::kAuto, ReduceOp::kSum);
+    } catch (const CollectiveMismatch& e) {
+      error = e.what();
+    }
+    CHECK(error.find("collective #2: worker:0 calls batch_all_reduce, chief:0 calls all_reduce") == 0);
+    // The job goes on: a matched batch is exact.
+    const std::size_t same[2] = {3, 5};
+    const void* in2[2] = {a, b};
+    void* out2[2] = {a, b};
+    comm.batch_all_reduce(1, 2, in2, out2, same, dtypes, ReduceOp::kSum, 0, 0, Algorithm::kAuto, ReduceOp::kSum);
+    CHECK(a[0] == 3 && b[4] == 3);
+  });
+}
+
+// agree_gather returns every replica's extent along the axis, in job order;
+// shapes that differ off the axis (here or on a peer) raise the same error on
+// every rank, and the gather after it is exact.
+TEST(agree_gather_checks_the_shape_table_everywhere) {
+  constexpr int n = 2;
+  job(n, milliseconds(10000), "gather-table", [](int rank, GlooCommunicator& comm) {
+    // Replica g has g + 1 rows of 3 int32 columns.
+    std::vector<std::vector<std::uint64_t>> shapes;
+    for (int j = 0; j < n; ++j) shapes.push_back({static_cast<std::uint64_t>(rank * n + j + 1), 3});
+    const auto extents = comm.agree_gather(n, DType::kInt32, 0, shapes);
+    CHECK(extents == (std::vector<std::uint64_t>{1, 2, 3, 4, 5, 6}));
+    std::vector<std::vector<std::int32_t>> in(n);
+    for (int j = 0; j < n; ++j) in[j].assign(shapes[j][0] * 3, rank * n + j);
+    std::vector<std::int32_t> out0(21 * 3), out1(21 * 3);
+    const void* ins[n] = {in[0].data(), in[1].data()};
+    void* outs[n] = {out0.data(), out1.data()};
+    std::vector<std::uint64_t> row_bytes;
+    for (auto e : extents) row_bytes.push_back(e * 3 * sizeof(std::int32_t));
+    comm.all_gather_planned(n, ins, outs, row_bytes.data(), 1);
+    CHECK(out0[0] == 0 && out0[3] == 1 && out0[9] == 2 && out0.back() == 5 && out0 == out1);
+    // worker:1's second replica has 4 columns: nothing is gathered.
+    if (rank == 2) shapes[1][1] = 4;
+    std::string error;
+    try {
+      comm.agree_gather(n, DType::kInt32, 0, shapes);
+    } catch (const CollectiveMismatch& e) {
+      error = e.what();
+    }
+    CHECK(error.find("all_gather #2: chief:0 passes int32 buffers of shape (1, 3), (2, 3) gathered along axis 0, "
+                     "worker:1 passes int32 buffers of shape (5, 3), (6, 4) gathered along axis 0; every worker must "
+                     "pass the same dtype, number of dimensions and axis") == 0);
+    // One dimension: the shape reads as Python prints a 1-tuple.
+    error.clear();
+    try {
+      comm.agree_gather(n, rank == 0 ? DType::kInt32 : DType::kFloat32, 0, {{2}, {2}});
+    } catch (const CollectiveMismatch& e) {
+      error = e.what();
+    }
+    CHECK(error.find("all_gather #3: chief:0 passes int32 buffers of shape (2,), (2,) gathered along axis 0, "
+                     "worker:0 passes float32 buffers") == 0);
+    // Along axis 1 the rows must agree and the columns may differ.
+    const auto columns = comm.agree_gather(n, DType::kInt32, 1, {{2, 1}, {2, static_cast<std::uint64_t>(rank + 2)}});
+    CHECK(columns == (std::vector<std::uint64_t>{1, 2, 1, 3, 1, 4}));
+  });
 }
 
 std::string hex(const Digest& d) {

@@ -16,16 +16,16 @@ import logging
 
 import numpy as np
 
-from . import rules
+from . import plan as _face, rules
 from .. import timeline
 from ..device import config, device_util, gpu as _gpu
-from ..device.dtypes import CODES, OPS, op_code
+from ..device.dtypes import CODES, op_code
 
 __all__ = ["WorkerCollectives", "DEFAULT_RENDEZVOUS_SECONDS"]
 
 # How long workers wait for each other at start-up when CommunicationOptions sets no timeout.
 DEFAULT_RENDEZVOUS_SECONDS = 300.0
-# all_gather exchanges shapes as fixed-length records: ndim, dtype, then the padded shape.
+# all_gather exchanges shapes as fixed-length records of this many dimensions (GlooCommunicator::agree_gather).
 _MAX_DIMS = 32
 
 
@@ -34,121 +34,136 @@ class WorkerCollectives:
     ``num_workers``, ``local_replicas``, ``num_replicas``, ``devices``, ``store``, ``_gloo``,
     ``_timeout``, ``_scope``, ``_implementation`` and ``_device_engine``."""
 
+    # Every call goes through the one collective face (mirrored.collective.plan):
+    # its first call of a signature (which names this job's communicator) is
+    # validated here and leaves a native plan over the Gloo engine; a repeated
+    # call finds the plan and runs it (pointer extraction and one native call
+    # with the GIL released). The workers agree on every call natively: each
+    # collective's header carries its signature (see GlooCommunicator).
+
     def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto", _agreed=None):
         # _agreed: the op the workers compare, when it differs from `op` (an
         # integer MEAN runs as a SUM here, but another worker's SUM is still a mismatch).
-        # In place on one array: checked natively, microseconds matter for small messages.
-        if (out is buffers and type(buffers) is list and type(op) is str and type(algorithm) is str
-                and _agreed is None and timeline._trace is None and self._gloo is not None):
-            code, algo = OPS.get(op), rules.ALGORITHMS.get(algorithm)
-            if code is not None and algo is not None and self._gloo.all_reduce_in_place(buffers, code, algo):
-                return list(buffers)
-        if rules.integer_mean(buffers, op):  # float64, as in one process (see mirrored.collectives)
-            return rules.true_divide(self.all_reduce(buffers, "sum", algorithm=algorithm, _agreed=op),
-                                           self.num_replicas, out)
-        if rules.on_gpu(buffers):
-            return self._device().all_reduce(buffers, op, out=out)
-        arrays, code = rules.inputs(buffers, "buffers")
-        opc, algo = op_code(op), rules.algorithm_code(algorithm)
-        outs, finish = rules.outputs(out, arrays, "out")
-        with timeline.span("all_reduce[workers]", arrays[0].nbytes, algorithm, len(arrays), self.num_replicas):
-            self._comm().all_reduce(arrays, outs, arrays[0].size, code, opc, algo,
-                                    -1 if _agreed is None else op_code(_agreed))
-        return finish()
+        plan = _face.lookup("all_reduce[workers]", (self._gloo, op, algorithm, _agreed), buffers)
+        if plan is not None and timeline._trace is None:
+            done = plan.run(buffers, out)
+            if done is not None:
+                return done
+        return self._all_reduce(buffers, op, out, algorithm, _agreed)
 
     def broadcast(self, buffers, root=0, *, out=None):
-        if rules.on_gpu(buffers):
-            return self._device().broadcast(buffers, root, out=out)
-        arrays, code = rules.inputs(buffers, "buffers")
-        root = rules.root_index(root, self.num_replicas)
-        outs, finish = rules.outputs(out, arrays, "out")
-        with timeline.span("broadcast[workers]", arrays[0].nbytes, "gloo", len(arrays), self.num_replicas):
-            self._comm().broadcast(arrays, outs, arrays[0].size, code, root)
-        return finish()
+        plan = _face.lookup("broadcast[workers]", (self._gloo, root), buffers)
+        if plan is not None and timeline._trace is None:
+            done = plan.run(buffers, out)
+            if done is not None:
+                return done
+        return self._broadcast(buffers, root, out)
 
     def reduce(self, buffers, op="sum", root=0, *, out=None, _agreed=None):
         """The job-wide reduction, returned on the worker that holds replica ``root`` (None elsewhere)."""
-        if rules.integer_mean(buffers, op):
-            total = self.reduce(buffers, "sum", root, _agreed=op)
-            if total is None:
-                return None
-            local_root = rules.root_index(root, self.num_replicas) % self.local_replicas
-            return rules.true_divide([total], self.num_replicas,
-                                           None if out is None else [out[local_root]])[0]
-        if rules.on_gpu(buffers):
-            return self._device().reduce(buffers, op, root, out=out)
-        arrays, code = rules.inputs(buffers, "buffers")
-        opc = op_code(op)
-        root = rules.root_index(root, self.num_replicas)
-        local_root = root % self.local_replicas
-        if out is None:
-            target, finish = np.empty_like(arrays[local_root]), None
-            targets = [target] * len(arrays)
-        else:
-            targets, finish = rules.outputs(out, arrays, "out")
-            target = targets[local_root]
-        with timeline.span("reduce[workers]", arrays[0].nbytes, "gloo", len(arrays), self.num_replicas):
-            self._comm().reduce(arrays, targets, arrays[0].size, code, opc, root,
-                                -1 if _agreed is None else op_code(_agreed))
-        if root // self.local_replicas != self.rank:
-            return None
-        return target if finish is None else finish()[local_root]
-
-    def all_gather(self, buffers, axis=0):
-        """Every local replica gets the concatenation along ``axis`` of all replicas of the job."""
-        if rules.on_gpu(buffers):
-            return self._device().all_gather(buffers, axis)
-        arrays, code = rules.inputs(buffers, "buffers", same_shape=False)
-        first = arrays[0]
-        if first.ndim == 0 or first.ndim > _MAX_DIMS:
-            raise ValueError(f"all_gather: buffers are {first.ndim}-d; gather needs 1..{_MAX_DIMS} dimensions "
-                             "(use x[None] for a scalar)")
-        if not isinstance(axis, (int, np.integer)) or not -first.ndim <= axis < first.ndim:
-            raise ValueError(f"axis={axis!r} is out of range for {first.ndim}-d buffers; use 0..{first.ndim - 1}")
-        axis = int(axis) % first.ndim
-        # Shapes may differ between workers along `axis` only. The table of
-        # every replica's shape opens the collective: every worker checks the
-        # same table, so every worker raises the same error.
-        mine = [first.ndim, code, axis]
-        for a in arrays:
-            mine += list(a.shape) + [0] * (_MAX_DIMS - a.ndim)
-        comm = self._comm()
-        table = np.asarray(comm.exchange(mine, "all_gather"), dtype=np.int64).reshape(self.num_workers, -1)
-        shapes = [[tuple(int(d) for d in row[3 + j * _MAX_DIMS: 3 + j * _MAX_DIMS + row[0]])
-                   for j in range(self.local_replicas)] for row in table]
-        head, off = tuple(table[0][:3]), shapes[0][0][:axis] + shapes[0][0][axis + 1:]
-        for w, row in enumerate(table):
-            if tuple(row[:3]) != head or any(s[:axis] + s[axis + 1:] != off for s in shapes[w]):
-                from ..errors import CollectiveMismatchError
-
-                raise CollectiveMismatchError(
-                    f"all_gather #{comm.collectives}: {self.tasks[0]} passes {_gather_call(table[0], shapes[0])}, "
-                    f"{self.tasks[w]} passes {_gather_call(row, shapes[w])}; every worker must pass the same dtype, "
-                    "number of dimensions and axis, and shapes may differ along the gather axis only (no data was "
-                    "exchanged)")
-        shapes = [s for per_worker in shapes for s in per_worker]
-        outer = int(np.prod(first.shape[:axis], dtype=np.int64))
-        inner = int(np.prod(first.shape[axis + 1:], dtype=np.int64)) * first.itemsize
-        total = first.shape[:axis] + (sum(s[axis] for s in shapes),) + first.shape[axis + 1:]
-        outs = [np.empty(total, first.dtype) for _ in arrays]
-        # Every replica's row size: the data stage of the collective the table opened.
-        row_bytes = [s[axis] * inner for s in shapes] if self.num_workers > 1 else \
-            [a.shape[axis] * inner for a in arrays]
-        with timeline.span("all_gather[workers]", first.nbytes, "gloo", len(arrays), self.num_replicas):
-            comm.all_gather(arrays, outs, row_bytes, outer)
-        return outs
+        plan = _face.lookup("reduce[workers]", (self._gloo, op, root, _agreed), buffers)
+        if plan is not None and timeline._trace is None:
+            done = plan.run(buffers, out)
+            if done is not None:
+                return done[0]
+        return self._reduce(buffers, op, root, out, _agreed)
 
     def batch_all_reduce(self, per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None,
                          algorithm="auto", _agreed=None):
         """All-reduce many tensors per replica, fused: one network all-reduce per pack.
 
-        Tensors of one dtype are packed into flat buffers of at most
-        ``bytes_per_pack`` bytes (or into ``num_packs`` packs; neither: one
-        pack per dtype), so a step's gradients cross the network in a few
-        large messages instead of many small ones.
+        Tensors of one dtype are packed (by the engines' one packer,
+        csrc/core/packer.cc) into flat buffers of at most ``bytes_per_pack``
+        bytes (or into ``num_packs`` packs; neither: one pack per dtype), so a
+        step's gradients cross the network in a few large messages instead of
+        many small ones.
         """
-        n = len(per_replica_lists)
-        tensors0 = per_replica_lists[0] if n else []
+        params = (self._gloo, op, bytes_per_pack, num_packs, algorithm, _agreed)
+        plan = _face.lookup_batch(params, per_replica_lists)
+        if plan is not None and timeline._trace is None:
+            done = plan.run(per_replica_lists)
+            if done is not None:
+                return done
+        return self._batch_all_reduce(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, _agreed)
+
+    # -- the validating path: first calls of a signature, and anything unusual --
+
+    def _all_reduce(self, buffers, op, out, algorithm, agreed):
+        if rules.integer_mean(buffers, op):  # float64, as in one process (see mirrored.collectives)
+            return rules.true_divide(self.all_reduce(buffers, "sum", algorithm=algorithm, _agreed=op),
+                                     self.num_replicas, out)
+        if rules.on_gpu(buffers):
+            return self._device().all_reduce(buffers, op, out=out)
+        comm = self._comm()
+        arrays, code = rules.inputs(buffers, "buffers")
+        opc, algo = op_code(op), rules.algorithm_code(algorithm)
+        agreed_code = -1 if agreed is None else op_code(agreed)
+        outs, finish = rules.outputs(out, arrays, "out")
+        first = arrays[0]
+        plan = self._plan("all_reduce", arrays, code, opc, algo, 0, agreed_code)
+        with timeline.span("all_reduce[workers]", first.nbytes, algorithm, len(arrays), self.num_replicas):
+            done = plan.run(buffers, out) if plan is not None else None
+            if done is None:  # converted inputs or outputs (or a wrong replica count): this call alone
+                comm.all_reduce(arrays, outs, first.size, code, opc, algo, agreed_code)
+        if done is None:
+            return finish()
+        _face.remember("all_reduce[workers]", (comm, op, algorithm, agreed), buffers, plan)
+        return done
+
+    def _broadcast(self, buffers, root, out):
+        if rules.on_gpu(buffers):
+            return self._device().broadcast(buffers, root, out=out)
+        comm = self._comm()
+        arrays, code = rules.inputs(buffers, "buffers")
+        index = rules.root_index(root, self.num_replicas)
+        outs, finish = rules.outputs(out, arrays, "out")
+        first = arrays[0]
+        plan = self._plan("broadcast", arrays, code, 0, 0, index, -1)
+        with timeline.span("broadcast[workers]", first.nbytes, "gloo", len(arrays), self.num_replicas):
+            done = plan.run(buffers, out) if plan is not None else None
+            if done is None:
+                comm.broadcast(arrays, outs, first.size, code, index)
+        if done is None:
+            return finish()
+        _face.remember("broadcast[workers]", (comm, root), buffers, plan)
+        return done
+
+    def _reduce(self, buffers, op, root, out, agreed):
+        if rules.integer_mean(buffers, op):
+            total = self.reduce(buffers, "sum", root, _agreed=op)
+            if total is None:
+                return None
+            local_root = rules.root_index(root, self.num_replicas) % self.local_replicas
+            return rules.true_divide([total], self.num_replicas, None if out is None else [out[local_root]])[0]
+        if rules.on_gpu(buffers):
+            return self._device().reduce(buffers, op, root, out=out)
+        comm = self._comm()
+        arrays, code = rules.inputs(buffers, "buffers")
+        opc = op_code(op)
+        agreed_code = -1 if agreed is None else op_code(agreed)
+        index = rules.root_index(root, self.num_replicas)
+        local_root = index % self.local_replicas
+        if out is None:
+            target, finish = rules.result_like(arrays[local_root]), None
+            targets = [target] * len(arrays)
+        else:
+            targets, finish = rules.outputs(out, arrays, "out")
+            target = targets[local_root]
+        plan = self._plan("reduce", arrays, code, opc, 0, index, agreed_code)
+        with timeline.span("reduce[workers]", arrays[0].nbytes, "gloo", len(arrays), self.num_replicas):
+            done = plan.run(buffers, out) if plan is not None else None
+            if done is None:
+                comm.reduce(arrays, targets, arrays[0].size, code, opc, index, agreed_code)
+        if done is not None:
+            _face.remember("reduce[workers]", (comm, op, root, agreed), buffers, plan)
+            return done[0]
+        if index // self.local_replicas != self.rank:
+            return None
+        return target if finish is None else finish()[local_root]
+
+    def _batch_all_reduce(self, per_replica_lists, op, bytes_per_pack, num_packs, algorithm, agreed):
+        n = rules.check_batch(per_replica_lists)
+        tensors0 = per_replica_lists[0]
         if not tensors0:
             return [[] for _ in range(n)]
         if rules.any_integer_mean(tensors0, op):
@@ -158,21 +173,80 @@ class WorkerCollectives:
         if rules.on_gpu([tensors0[0]]):
             return self._device().batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
                                                    num_packs=num_packs)
-        if any(len(lst) != len(tensors0) for lst in per_replica_lists):
-            raise ValueError("per_replica_lists: every replica must pass the same number of tensors")
-        columns = [rules.inputs([lst[t] for lst in per_replica_lists], f"per_replica_lists[*][{t}]")[0]
+        comm = self._comm()
+        packing = rules.check_packing(bytes_per_pack, num_packs)
+        opc, algo = op_code(op), rules.algorithm_code(algorithm)
+        agreed_code = -1 if agreed is None else op_code(agreed)
+        # Tensor t across replicas, checked with messages naming it; converted where needed.
+        columns = [rules.inputs([tensors[t] for tensors in per_replica_lists], f"per_replica_lists[*][{t}]")
                    for t in range(len(tensors0))]
-        results = [[None] * len(columns) for _ in range(n)]
-        for pack in _packs(columns, bytes_per_pack, num_packs):
-            flat = [np.concatenate([columns[t][r].reshape(-1) for t in pack]) for r in range(n)]
-            self.all_reduce(flat, op, out=flat, algorithm=algorithm, _agreed=_agreed)
-            for r in range(n):
-                at = 0
-                for t in pack:
-                    size = columns[t][r].size
-                    results[r][t] = flat[r][at:at + size].reshape(columns[t][r].shape)
-                    at += size
-        return results
+        firsts = [column[0] for column, _ in columns]
+        codes = [code for _, code in columns]
+        plan = None
+        if n == self.local_replicas:
+            plan = config.net_module().WorkerBatchPlan(
+                comm, n, [a.dtype for a in firsts], [a.shape for a in firsts], codes, opc, packing[0], packing[1],
+                algo, agreed_code, rules.recycler.empty)
+        with timeline.span("batch_all_reduce[workers]", sum(a.nbytes for a in firsts), algorithm, n,
+                           self.num_replicas):
+            done = plan.run(per_replica_lists) if plan is not None else None
+            if done is None:  # converted inputs: arranged replica-major for the generic call
+                inputs = [column[r] for r in range(n) for column, _ in columns]
+                outputs = [rules.result_like(a) for a in inputs]
+                comm.batch_all_reduce(n, inputs, outputs, [a.size for a in firsts], codes, opc, packing[0],
+                                      packing[1], algo, agreed_code)
+                T = len(columns)
+                return [outputs[r * T:(r + 1) * T] for r in range(n)]
+        _face.remember_batch((comm, op, bytes_per_pack, num_packs, algorithm, agreed), per_replica_lists, plan)
+        return done
+
+    def _all_gather(self, buffers, axis):
+        if rules.on_gpu(buffers):
+            return self._device().all_gather(buffers, axis)
+        comm = self._comm()
+        arrays, code = rules.inputs(buffers, "buffers", same_shape=False)
+        first = arrays[0]
+        if first.ndim == 0 or first.ndim > _MAX_DIMS:
+            raise ValueError(f"all_gather: buffers are {first.ndim}-d; gather needs 1..{_MAX_DIMS} dimensions "
+                             "(use x[None] for a scalar)")
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -first.ndim <= axis < first.ndim:
+            raise ValueError(f"axis={axis!r} is out of range for {first.ndim}-d buffers; use 0..{first.ndim - 1}")
+        if len(arrays) != self.local_replicas:
+            raise ValueError(f"all_gather: got {len(arrays)} local buffers, but this worker joined the job with "
+                             f"{self.local_replicas} replicas")
+        # Shapes may differ along `axis` only: the plan opens every call with
+        # the table of every replica's shape, this worker's replicas
+        # included, which every worker checks alike (so every worker raises
+        # the same error).
+        plan = config.net_module().WorkerGatherPlan(comm, first.dtype, code, [a.shape for a in arrays],
+                                                    int(axis) % first.ndim, rules.recycler.empty)
+        with timeline.span("all_gather[workers]", first.nbytes, "gloo", len(arrays), self.num_replicas):
+            done = plan.run(buffers)
+            if done is not None:
+                _face.remember("all_gather[workers]", (comm, axis), buffers, plan)
+                return done
+            done = plan.run(arrays)  # converted inputs: this call alone
+        if done is None:
+            raise TypeError(f"all_gather: buffers of dtype {first.dtype!r} cannot be gathered; pass arrays of a "
+                            f"plain NumPy dtype ({', '.join(CODES)})")
+        return done
+
+    def _plan(self, kind, arrays, code, opc, algo, root, agreed_code):
+        """A native plan of this call; None where the replica count is wrong (the engine's error explains)."""
+        if len(arrays) != self.local_replicas:
+            return None
+        first = arrays[0]
+        return config.net_module().WorkerPlan(self._gloo, kind, len(arrays), first.dtype, first.shape, code, opc,
+                                              algo, root, agreed_code, rules.recycler.empty)
+
+    def all_gather(self, buffers, axis=0):
+        """Every local replica gets the concatenation along ``axis`` of all replicas of the job."""
+        plan = _face.lookup("all_gather[workers]", (self._gloo, axis), buffers)
+        if plan is not None and timeline._trace is None:
+            done = plan.run(buffers)
+            if done is not None:
+                return done
+        return self._all_gather(buffers, axis)
 
     def barrier(self) -> None:
         self._comm().barrier()
@@ -305,34 +379,3 @@ def _into(out, results):
     for o, r in zip(out, results):
         o[...] = r
     return list(out)
-
-
-def _gather_call(row, shapes) -> str:
-    """One worker's part of an all_gather, from its row of the shape table, for a mismatch error."""
-    name = next((n for n, c in CODES.items() if c == row[1]), f"dtype code {row[1]}")
-    listed = ", ".join(str(s) for s in shapes)
-    return f"{name} buffers of shape {listed} gathered along axis {row[2]}"
-
-
-def _packs(columns, bytes_per_pack, num_packs):
-    """Lists of tensor indices to fuse: same dtype, in order, split by size or count."""
-    by_dtype: dict = {}
-    for t, column in enumerate(columns):
-        by_dtype.setdefault(column[0].dtype, []).append(t)
-    for tensors in by_dtype.values():
-        if num_packs:
-            k = max(1, min(int(num_packs), len(tensors)))
-            bounds = np.linspace(0, len(tensors), k + 1).astype(int)
-            yield from (tensors[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
-        elif bytes_per_pack:
-            pack, size = [], 0
-            for t in tensors:
-                nbytes = columns[t][0].nbytes
-                if pack and size + nbytes > bytes_per_pack:
-                    yield pack
-                    pack, size = [], 0
-                pack.append(t)
-                size += nbytes
-            yield pack
-        else:
-            yield tensors

@@ -6,7 +6,10 @@ first buffer). The first call of a signature is validated by
 :mod:`mirrored.collective.rules` and leaves a plan: for host buffers a native
 ``_core.CallPlan`` / ``_core.BatchPlan`` holding dtype codes, layout and
 engine parameters; for GPU buffers a ``cuda.CallPlan`` holding the engine
-(CUDA ring kernels or NCCL), algorithm, dtype code and devices. A repeated
+(CUDA ring kernels or NCCL), algorithm, dtype code and devices; for the
+collectives of a multi-worker job (mirrored.collective.multi_worker, whose
+signatures name the job's communicator) a native ``_net.WorkerPlan`` /
+``_net.WorkerBatchPlan`` over the Gloo engine. A repeated
 call finds the plan by its signature and runs it: the plan checks that every
 array still fits (host buffers in C++: exact NumPy arrays of the planned
 dtype and shape, contiguous, outputs writeable), extracts the pointers and
@@ -14,7 +17,7 @@ runs the engine with the GIL released. An array that does not fit sends the
 call back here, to be validated (and reported) afresh.
 
 Fusion (``bytes_per_pack``, ``num_packs``) is decided by the engines'
-one packer (csrc/core/packer.cc) for host, CUDA and NCCL batches alike.
+one packer (csrc/core/packer.cc) for host, CUDA, NCCL and Gloo batches alike.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from .. import _core, timeline
 from ..device.dtypes import op_code
 from . import rules
 
-__all__ = ["lookup", "lookup_batch", "all_reduce", "broadcast", "reduce", "all_gather", "batch_all_reduce",
-           "MAX_PLANS"]
+__all__ = ["lookup", "lookup_batch", "remember", "remember_batch", "all_reduce", "broadcast", "reduce", "all_gather",
+           "batch_all_reduce", "MAX_PLANS"]
 
 # Plans kept; the cache starts over when full (a program has a handful of signatures).
 MAX_PLANS = 4096
@@ -58,6 +61,15 @@ def _remember(key: tuple, plan) -> None:
     if len(_plans) >= MAX_PLANS:
         _plans.clear()
     _plans[key] = plan
+
+
+def remember(kind: str, params: tuple, buffers, plan) -> None:
+    """Keeps ``plan`` for the signature of this call (an engine outside this module planned it)."""
+    _remember(_key(kind, params, buffers), plan)
+
+
+def remember_batch(params: tuple, per_replica_lists, plan) -> None:
+    _remember(_batch_key(params, per_replica_lists), plan)
 
 
 def _key(kind: str, params: tuple, buffers) -> tuple:
