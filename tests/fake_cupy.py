@@ -255,17 +255,22 @@ def _free(ptr, stream):
 class Memory:
     """One allocation, freed (poisoned, stream-ordered) when the last array on it goes.
 
-    As CuPy's default pool would need cudaMalloc for it, an allocation while a
-    stream of the device is being captured fails (use a pool of the graph's own:
-    ``with cupy.cuda.using_allocator(MemoryPool().malloc)``).
+    Work that is being captured must not take memory from CuPy's default pool: the
+    graph would keep the block's address while the pool hands it out again, so
+    every replay would write into someone else's array. An allocation on a thread
+    whose current stream is capturing therefore fails (use a pool of the graph's
+    own: ``with cupy.cuda.using_allocator(MemoryPool().malloc)``). Other threads
+    (an input pipeline's) allocate as usual: md.function captures in relaxed mode,
+    where CUDA lets them call cudaMalloc.
     """
 
     def __init__(self, size: int):
         self.device_id = _device_id()
         self.size = size
-        if sim.capturing(self.device_id):
-            raise RuntimeError("cudaErrorStreamCaptureUnsupported: cudaMalloc while a stream of device "
-                               f"{self.device_id} is capturing (allocate from a graph-private MemoryPool)")
+        if get_current_stream(self.device_id).is_capturing():
+            raise RuntimeError("cudaErrorStreamCaptureUnsupported: cudaMalloc from CuPy's default pool inside the "
+                               f"capture of a stream of device {self.device_id} (allocate from a graph-private "
+                               "MemoryPool)")
         self.ptr = sim.malloc(size, self.device_id)
         weakref.finalize(self, _free, self.ptr, get_current_stream(self.device_id).ptr)
 

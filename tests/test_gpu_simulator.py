@@ -267,3 +267,33 @@ def test_a_kernel_runs_in_a_context_of_its_own():
         assert var.get() == "host"
     finally:
         var.reset(token)
+
+
+def test_inside_a_capture_only_the_capturing_thread_is_refused_the_default_pool():
+    """The captured work's memory must come from a pool of the graph's own, so the capturing thread's
+    default-pool allocation is refused; another thread (an input pipeline's) allocates as CUDA's relaxed
+    capture mode lets it, and its copy runs at once, outside the graph."""
+    import threading
+
+    with cupy.cuda.Device(0):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        stream.begin_capture(mode=getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None))
+        try:
+            with stream:
+                with pytest.raises(RuntimeError, match="default pool inside the capture"):
+                    cupy.empty(4, cupy.float32)
+            got = {}
+
+            def pipeline():
+                with cupy.cuda.Device(0):
+                    side = cupy.cuda.Stream(non_blocking=True)
+                    with side:
+                        got["x"] = cupy.asarray(np.arange(4, dtype=np.float32))
+                    side.synchronize()
+
+            t = threading.Thread(target=pipeline)
+            t.start()
+            t.join()
+        finally:
+            stream.end_capture()
+    np.testing.assert_array_equal(cupy.asnumpy(got["x"]), np.arange(4, dtype=np.float32))
