@@ -22,7 +22,18 @@ demo: setup
 	  $$($(VPY) -c "import cupy, mirrored as md; print('--device gpu' if md.config.list_physical_devices('GPU') else '')" 2>/dev/null)
 	$(VPY) -m mirrored.bench all_reduce -b 8 -e 16M -f 4 --replicas 4 --algo auto
 
-test: setup native-test python-test
+# The native tests (mostly compiling the two sanitizer builds) run beside the Python
+# suite, on the core pytest leaves idle while it waits on its worker processes; their
+# log streams to build/native-test.log and their summary prints when both are done.
+test: setup
+	@mkdir -p build && echo "native tests (ASan+UBSan, then TSan) run beside pytest; their log: build/native-test.log"
+	@$(MAKE) --no-print-directory native-test > build/native-test.log 2>&1 & native=$$!; \
+	$(MAKE) --no-print-directory python-test; python=$$?; \
+	wait $$native; native=$$?; \
+	echo "--- native tests (build/native-test.log) ---"; \
+	grep -E "Test +#|tests passed|tests failed|Error|error:" build/native-test.log; \
+	if [ $$native -ne 0 ]; then tail -n 60 build/native-test.log; echo "native tests FAILED"; fi; \
+	[ $$python -eq 0 ] && [ $$native -eq 0 ]
 
 setup: $(STAMP)
 

@@ -56,13 +56,19 @@ def reference(inputs, op):
     return st.sum(0, dtype=dtype).astype(np.float64) / n
 
 
-def assert_reduced(result, inputs, op):
+def assert_reduced(results, inputs, op):
+    """``results`` (one array, or every replica's) hold the reduction of ``inputs``: exactly for
+    integers, within the roundings a combine order may add for floats. The reference is made once."""
+    if not isinstance(results, (list, tuple)):
+        results = [results]
     ref = reference(inputs, op)
     dtype = inputs[0].dtype
-    assert result.dtype == ref.dtype if not is_float(dtype) else result.dtype == dtype
-    assert result.shape == inputs[0].shape
+    for result in results:
+        assert result.dtype == ref.dtype if not is_float(dtype) else result.dtype == dtype
+        assert result.shape == inputs[0].shape
     if not is_float(dtype):
-        np.testing.assert_array_equal(result, ref)
+        for result in results:
+            np.testing.assert_array_equal(result, ref)
         return
     # Each combine rounds once in the dtype: allow n roundings of the magnitudes involved.
     eps = 2.0 ** -7 if dtype == BFLOAT16 else float(np.finfo(dtype).eps)
@@ -71,5 +77,6 @@ def assert_reduced(result, inputs, op):
     if op == "mean":
         scale = scale / len(inputs)
     tol = len(inputs) * eps * scale + 1e-30
-    err = np.abs(result.astype(np.float64) - ref)
-    assert np.all(err <= tol), f"max error {err.max()} (tolerance {tol.flat[np.argmax(err - tol)]})"
+    for result in results:
+        err = np.abs(result.astype(np.float64) - ref)
+        assert np.all(err <= tol), f"max error {err.max()} (tolerance {tol.flat[np.argmax(err - tol)]})"

@@ -40,8 +40,7 @@ def test_all_reduce_matches_numpy(n, dtype, op, algorithm):
         out = collectives.all_reduce(inputs, op, algorithm=algorithm)
         for x, orig in zip(inputs, originals):  # out of place leaves inputs alone
             np.testing.assert_array_equal(x, orig)
-        for r in out:
-            assert_reduced(r, originals, op)
+        assert_reduced(out, originals, op)
         if op == "mean" and not is_float(dtype):
             continue  # the float64 mean of integers cannot be written in place
         collectives.all_reduce(inputs, op, out=inputs, algorithm=algorithm)
@@ -72,8 +71,7 @@ def test_all_reduce_64_mib_in_place():
 )
 def test_all_reduce_property(n, shape, dtype, op, algorithm, seed):
     inputs = make_inputs(np.random.default_rng(seed), n, shape, dtype, op)
-    for r in collectives.all_reduce(inputs, op, algorithm=algorithm):
-        assert_reduced(r, inputs, op)
+    assert_reduced(collectives.all_reduce(inputs, op, algorithm=algorithm), inputs, op)
 
 
 @pytest.mark.parametrize("n", REPLICAS)
@@ -262,8 +260,7 @@ def test_ring_chunk_bytes_changes_the_schedule_not_the_result(chunk_bytes):
     rng = np.random.default_rng(chunk_bytes)
     for n in (2, 3, 5):
         inputs = make_inputs(rng, n, (12345,), np.int32, "sum")
-        for r in collectives.all_reduce(inputs, "sum", algorithm="ring", chunk_bytes=chunk_bytes):
-            assert_reduced(r, inputs, "sum")
+        assert_reduced(collectives.all_reduce(inputs, "sum", algorithm="ring", chunk_bytes=chunk_bytes), inputs, "sum")
         lists = [[x, x[:77]] for x in inputs]
         got = collectives.batch_all_reduce(lists, "max", algorithm="ring", chunk_bytes=chunk_bytes)
         np.testing.assert_array_equal(got[0][1], np.max([x[:77] for x in inputs], axis=0))
