@@ -934,6 +934,13 @@ class _Runtime:
     def getDeviceCount(self):
         return _cuda_sim.device_count()
 
+    def getDevice(self):
+        """The calling thread's current device (cudaGetDevice: per host thread, greenlets share it)."""
+        return _device_id()
+
+    def setDevice(self, device):
+        Device(device).use()
+
     def getDeviceProperties(self, ordinal):
         return {"name": b"Simulated GPU", "totalGlobalMem": 1 << 34, "multiProcessorCount": 4, "major": 9, "minor": 0}
 

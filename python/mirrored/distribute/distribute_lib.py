@@ -390,7 +390,7 @@ class Strategy:
             return captured(self, args, dict(kwargs or {}))
         if _run_observer is not None:
             _run_observer(self)
-        top = _top()
+            top = _top()  # (the observer may have entered a scope)
         if top.strategy is self and top.replica_context is None:  # in this strategy's scope already
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
         stack = _stack()  # (what scope() does, once the check above has passed)

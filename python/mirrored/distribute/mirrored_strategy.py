@@ -49,15 +49,44 @@ def _is_long(started: float, started_cpu: float) -> bool:
     return wall > HANDOFF_SECONDS and (wall > BLOCKED_SECONDS or time.thread_time() - started_cpu > HANDOFF_SECONDS)
 
 
-def _thread_state() -> tuple:
-    """What a replica keeps on its thread: the context stack, the current device and md.name_scope."""
-    return getattr(_local, "stack", None), device_util.current(), current_scope()
+class _ThreadState:
+    """What a replica keeps on its thread: the context stack, the current device and md.name_scope.
+
+    Replicas that share a thread (greenlets, see _Cooperative) take it along:
+    ``save`` when one hands the thread on, ``restore`` when it is resumed.
+    """
+
+    def save(self) -> tuple:
+        return getattr(_local, "stack", None), device_util.current(), current_scope()
+
+    def restore(self, state: tuple) -> None:
+        _local.stack, device, name_scope = state
+        device_util.set_current(device)
+        swap_scope(name_scope)
 
 
-def _set_thread_state(state: tuple) -> None:
-    _local.stack, device, name_scope = state
-    device_util.set_current(device)
-    swap_scope(name_scope)
+class _GpuThreadState(_ThreadState):
+    """... and, for GPU replicas, CuPy's per-thread CUDA state: the current CUDA device (the runtime's,
+    per host thread) and the current stream of each of the strategy's GPUs (CuPy's, per thread and
+    device). Set with ``setDevice`` and ``Stream.use``, never with CuPy's ``with`` stacks: one thread's
+    stack shared by interleaved replicas would pop another replica's stream."""
+
+    def __init__(self, ordinals):
+        self._ordinals = tuple(sorted(set(ordinals)))
+        cuda = _gpu.cupy_module().cuda
+        self._runtime, self._current_stream = cuda.runtime, cuda.get_current_stream
+
+    def save(self) -> tuple:
+        current = self._current_stream
+        return super().save() + (self._runtime.getDevice(), [current(o) for o in self._ordinals])
+
+    def restore(self, state: tuple) -> None:
+        super().restore(state[:3])
+        set_device, device, streams = self._runtime.setDevice, state[3], state[4]
+        for ordinal, stream in zip(self._ordinals, streams):
+            set_device(ordinal)
+            stream.use()
+        set_device(device)
 
 
 class _Cooperative:
@@ -80,8 +109,9 @@ class _Cooperative:
 
     HUB = object()  # current()'s answer for a replica running as a plain call on the hub
 
-    def __init__(self, group, next_replica):
+    def __init__(self, group, next_replica, state: _ThreadState):
         self._group = group
+        self._state = state
         self._next_replica = next_replica  # () -> (function, index) of a replica the hub claimed, or None
         self._replicas, self._ready, self._parked, self._unfinished = set(), collections.deque(), [], 0
 
@@ -136,21 +166,20 @@ class _Cooperative:
     def park(self) -> None:
         """Hands the thread on until this greenlet replica is resumed: to the next replica not started
         yet, started from here (a round trip through the hub saved), else back to the hub."""
-        stack, device = getattr(_local, "stack", None), device_util.current()  # (_thread_state, inlined)
+        state = self._state.save()
         claimed = self._next_replica()
         if claimed is not None:
             self._start(*claimed)
         else:
             self._hub.switch()
-        _local.stack = stack
-        device_util.set_current(device)
+        self._state.restore(state)
 
     def serve(self, generation: int) -> None:
         """The hub's replica waits in the collective of ``generation``: start and resume the other
         replicas until it settles, sleeping only while they all wait for replicas on other threads."""
         group = self._group
         lock, ready = group._lock, self._ready
-        state = _thread_state()
+        state = self._state.save()
         try:
             while True:
                 with lock:
@@ -168,7 +197,7 @@ class _Cooperative:
                     if not group.settled(generation) and not ready:
                         group.sleep()
         finally:
-            _set_thread_state(state)
+            self._state.restore(state)
 
     def drain(self) -> None:
         """Resumes ready replicas until every greenlet replica returned (sleeping while none is ready:
@@ -234,13 +263,15 @@ class _ReplicaPool:
     runs.
     """
 
-    def __init__(self, n: int, cooperative: bool = False, blas=None):
+    def __init__(self, n: int, cooperative: bool = False, blas=None, state: _ThreadState | None = None):
         self.n = n
         self.group = _Group(n)
         self._blas = blas or _BlasCap(())
+        self._state = state or _ThreadState()
         self._long_steps = False  # the latest run was long (_is_long)
         # The caller runs the replicas it claims on its own thread (see _Cooperative), when greenlet is installed.
-        self._coop = _Cooperative(self.group, self._claim_next) if cooperative and n > 1 and _greenlet else None
+        self._coop = _Cooperative(self.group, self._claim_next, self._state) \
+            if cooperative and n > 1 and _greenlet else None
         self._go = [threading.Lock() for _ in range(n)]
         for lock in self._go:
             lock.acquire()
@@ -392,7 +423,7 @@ class _ReplicaPool:
                             self._run_claimed(i)
                 else:
                     self._next, self._started, self._started_cpu, self._woken = 1, started, started_cpu, woken
-                    state = _thread_state()
+                    state = self._state.save()
                     try:
                         self._execute(0)
                         claimed = self._claim_next()
@@ -401,7 +432,7 @@ class _ReplicaPool:
                             claimed = self._claim_next()
                         coop.drain()
                     finally:
-                        _set_thread_state(state)
+                        self._state.restore(state)
             except BaseException:  # interrupted outside a replica's function: free the others
                 self.group.abort()
                 if coop is not None:
@@ -512,32 +543,45 @@ def _blas_controllers() -> list:
 
 
 class _GpuReplicaScope:
-    """A GPU replica's device and CUDA device and stream, made once (entered by that replica's thread only)."""
+    """A GPU replica's device and CUDA device and stream, made once (entered by one replica at a time).
+
+    The CUDA device and stream are set (``setDevice``, ``Stream.use``), not
+    entered: replicas that share a thread (greenlets) enter and leave their
+    scopes interleaved, which CuPy's per-thread ``with`` stacks do not allow.
+    On a thread of its own the exit puts back what the enter found; on a
+    shared thread the scheduler restores each replica's state when it resumes
+    (_GpuThreadState), and the caller's when the run ends.
+    """
 
     def __init__(self, device, replica_id: int):
-
         self._ordinal = ordinal = device_util.physical_ordinal(device)
         self._device = device_util.device_scope(device)
-        self._cuda_device = _gpu.cupy_module().cuda.Device(ordinal)
+        cuda = _gpu.cupy_module().cuda
+        self._runtime, self._current_stream = cuda.runtime, cuda.get_current_stream
         self._stream = _gpu.replica_stream(replica_id, ordinal)
         self._entered = []
 
     def __enter__(self):
         # Inside md.function the replica runs on the step's stream and memory (device/gpu.py StepScope).
+        # The step's allocator is the same for every replica and the md.function caller's own, so
+        # interleaved enters and exits of its (per-thread) scope leave it as it was.
         step = _gpu.step_scope()
         stream = self._stream if step is None else step.streams[self._ordinal]
         memory = _gpu.step_memory()
+        runtime, ordinal = self._runtime, self._ordinal
         self._device.__enter__()
-        self._cuda_device.__enter__()
-        stream.__enter__()
+        device = runtime.getDevice()
+        runtime.setDevice(ordinal)
+        self._entered.append((device, self._current_stream(ordinal), memory))
+        stream.use()
         memory.__enter__()
-        self._entered.append((stream, memory))
 
     def __exit__(self, *exc):
-        stream, memory = self._entered.pop()
+        device, stream, memory = self._entered.pop()
         memory.__exit__(*exc)
-        stream.__exit__(*exc)
-        self._cuda_device.__exit__(*exc)
+        self._runtime.setDevice(self._ordinal)
+        stream.use()
+        self._runtime.setDevice(device)
         self._device.__exit__(*exc)
 
 
@@ -567,10 +611,12 @@ class MirroredExtended(StrategyExtended):
             raise ValueError(f"cross_device_ops={cross_device_ops!r}: expected an instance of "
                              "md.cross_device_ops.CrossDeviceOps (e.g. RingAllReduce())")
         self._cross_device_ops = cross_device_ops or _default_cross_device_ops(self._local_devices)
-        # Replicas share the caller's thread where that is safe: CPU replicas (GPU replicas each
-        # hold CuPy's per-thread device and stream).
-        self._pool = _ReplicaPool(len(self._local_devices), cooperative=device_util.all_cpu(self._local_devices),
-                                  blas=_BlasCap(self._local_devices))
+        # Replicas share the caller's thread (greenlets): GPU replicas too, as their kernels are
+        # asynchronous; each takes its CUDA device and stream along when it hands the thread on.
+        gpus = [device_util.physical_ordinal(d) for d in self._local_devices
+                if device_util.parse(d).device_type == "GPU"]
+        self._pool = _ReplicaPool(len(self._local_devices), cooperative=True, blas=_BlasCap(self._local_devices),
+                                  state=_GpuThreadState(gpus) if gpus else _ThreadState())
         weakref.finalize(container_strategy, self._pool.close)
         self._replica_contexts = None
         self._scopes = None
