@@ -43,10 +43,12 @@ HANDOFF_SECONDS = 0.005
 BLOCKED_SECONDS = 0.1
 
 
-def _is_long(started: float, started_cpu: float) -> bool:
-    """Whether a step begun at ``started`` (perf_counter) / ``started_cpu`` (thread_time) is long."""
+def _is_long(started: float, started_cpu: float | None) -> bool:
+    """Whether a step begun at ``started`` (perf_counter) / ``started_cpu`` (thread_time) is long.
+    Without ``started_cpu`` (not read: see _ReplicaPool.run) only a blocked step counts as long."""
     wall = time.perf_counter() - started
-    return wall > HANDOFF_SECONDS and (wall > BLOCKED_SECONDS or time.thread_time() - started_cpu > HANDOFF_SECONDS)
+    return wall > HANDOFF_SECONDS and (wall > BLOCKED_SECONDS or started_cpu is not None and
+                                       time.thread_time() - started_cpu > HANDOFF_SECONDS)
 
 
 class _ThreadState:
@@ -269,6 +271,11 @@ class _ReplicaPool:
         self._blas = blas or _BlasCap(())
         self._state = state or _ThreadState()
         self._long_steps = False  # the latest run was long (_is_long)
+        # Whether runs read the thread's CPU clock (a system call, ~1.5 us: a tenth of a short run) when
+        # they start: only after a run that took longer than HANDOFF_SECONDS, which may have computed
+        # that long. So the first of a series of long computing steps runs its replicas one after
+        # another; the next ones hand off to the threads as before.
+        self._read_cpu = False
         # The caller runs the replicas it claims on its own thread (see _Cooperative), when greenlet is installed.
         self._coop = _Cooperative(self.group, self._claim_next, self._state) \
             if cooperative and n > 1 and _greenlet else None
@@ -406,7 +413,7 @@ class _ReplicaPool:
             # KeyboardInterrupt interrupts: plain stores do not check for
             # signals; a call may raise one only after it returned (see _settle).
             self._caller = me
-            started, started_cpu = time.perf_counter(), time.thread_time()
+            started, started_cpu = time.perf_counter(), time.thread_time() if self._read_cpu else None
             try:
                 if self.n > 1:
                     # (Always: a thread woken late for an earlier run may claim a replica of this one.)
@@ -444,7 +451,8 @@ class _ReplicaPool:
                     self._wait_for_replicas()
                 self._blas.restore()
             # Then the next step starts on the threads (the wall time first: a clock read saved).
-            self._long_steps = time.perf_counter() - started > HANDOFF_SECONDS and _is_long(started, started_cpu)
+            self._read_cpu = time.perf_counter() - started > HANDOFF_SECONDS
+            self._long_steps = self._read_cpu and _is_long(started, started_cpu)
             results, errors = self._results, self._errors
             self._fn = self._results = self._errors = None
             if errors:
@@ -620,6 +628,7 @@ class MirroredExtended(StrategyExtended):
         weakref.finalize(container_strategy, self._pool.close)
         self._replica_contexts = None
         self._scopes = None
+        self._native_all_reduces = {}  # id(ReduceOp) -> _native_replica_all_reduce's answer (False: none)
 
     def _contexts(self) -> list:
         if self._replica_contexts is None:
@@ -712,7 +721,32 @@ class MirroredExtended(StrategyExtended):
         return self._cross_device_ops.broadcast(value, destinations)
 
     def _batch_reduce_to(self, op, pairs, options):
+        if options is None:
+            native = self._native_all_reduces.get(id(op))  # (by id: a ReduceOp's hash is Python code)
+            if native is None:
+                native = self._native_all_reduces[id(op)] = self._native_replica_all_reduce(op, None) or False
+            if native:
+                results = self._fused_all_reduce(native, pairs)
+                if results is not None:
+                    return results
         return self._cross_device_ops.batch_reduce(op, pairs, options)
+
+    def _fused_all_reduce(self, native, pairs):
+        """``batch_reduce_to`` of ``(v, v)`` pairs of host arrays on this strategy's devices, straight to the
+        native fused all-reduce the cross-device ops' batch_reduce ends in (the same call, the same
+        results, without its per-pair checks and wrapping); None for any other pairs."""
+        devices = self._local_devices
+        columns = []
+        for v, d in pairs:
+            if d is not v or not isinstance(v, DistributedValues) or v._devices != devices:
+                return None
+            columns.append(v._values)
+        if not columns:
+            return None
+        reduced = native([list(replica) for replica in zip(*columns)])
+        if reduced is None:  # not all NumPy arrays (variables, ...)
+            return None
+        return [Mirrored(column, devices) for column in zip(*reduced)]
 
     def _native_replica_all_reduce(self, op, options):
         cdo = self._cross_device_ops
