@@ -84,11 +84,15 @@ class _GpuThreadState(_ThreadState):
 
     def restore(self, state: tuple) -> None:
         super().restore(state[:3])
-        set_device, device, streams = self._runtime.setDevice, state[3], state[4]
-        for ordinal, stream in zip(self._ordinals, streams):
-            set_device(ordinal)
-            stream.use()
-        set_device(device)
+        runtime, current, device = self._runtime, self._current_stream, state[3]
+        moved = False  # (only what changed is set: replicas mostly share a GPU and keep their stream)
+        for ordinal, stream in zip(self._ordinals, state[4]):
+            if current(ordinal) is not stream:
+                runtime.setDevice(ordinal)  # (Stream.use sets the stream of the current device)
+                stream.use()
+                moved = True
+        if moved or runtime.getDevice() != device:
+            runtime.setDevice(device)
 
 
 class _Cooperative:
@@ -579,7 +583,8 @@ class _GpuReplicaScope:
         runtime, ordinal = self._runtime, self._ordinal
         self._device.__enter__()
         device = runtime.getDevice()
-        runtime.setDevice(ordinal)
+        if device != ordinal:
+            runtime.setDevice(ordinal)
         self._entered.append((device, self._current_stream(ordinal), memory))
         stream.use()
         memory.__enter__()
@@ -587,9 +592,12 @@ class _GpuReplicaScope:
     def __exit__(self, *exc):
         device, stream, memory = self._entered.pop()
         memory.__exit__(*exc)
-        self._runtime.setDevice(self._ordinal)
+        runtime, ordinal = self._runtime, self._ordinal
+        if runtime.getDevice() != ordinal:
+            runtime.setDevice(ordinal)
         stream.use()
-        self._runtime.setDevice(device)
+        if device != ordinal:
+            runtime.setDevice(device)
         self._device.__exit__(*exc)
 
 
