@@ -69,9 +69,14 @@ class _ThreadState:
 
 class _GpuThreadState(_ThreadState):
     """... and, for GPU replicas, CuPy's per-thread CUDA state: the current CUDA device (the runtime's,
-    per host thread) and the current stream of each of the strategy's GPUs (CuPy's, per thread and
-    device). Set with ``setDevice`` and ``Stream.use``, never with CuPy's ``with`` stacks: one thread's
-    stack shared by interleaved replicas would pop another replica's stream."""
+    per host thread), the current stream of each of the strategy's GPUs, and the running replica's
+    entry on the thread's ``with stream`` stack (CuPy's, per thread: cupy/cuda/stream.pyx).
+
+    Only the running replica's stream is on that stack: a replica handing the thread on takes its
+    entry off (``_GpuReplicaScope.suspend``) and puts it back when resumed, so the ``with`` blocks
+    that library code opens and closes inside a replica unwind to that replica's stream, never to
+    another's.
+    """
 
     def __init__(self, ordinals):
         self._ordinals = tuple(sorted(set(ordinals)))
@@ -80,11 +85,18 @@ class _GpuThreadState(_ThreadState):
 
     def save(self) -> tuple:
         current = self._current_stream
-        return super().save() + (self._runtime.getDevice(), [current(o) for o in self._ordinals])
+        state = super().save() + (self._runtime.getDevice(), [current(o) for o in self._ordinals],
+                                  getattr(_running, "scope", None))
+        if state[5] is not None:
+            state[5].suspend()
+        return state
 
     def restore(self, state: tuple) -> None:
         super().restore(state[:3])
-        runtime, current, device = self._runtime, self._current_stream, state[3]
+        runtime, current, device, scope = self._runtime, self._current_stream, state[3], state[5]
+        _running.scope = scope
+        if scope is not None:
+            scope.resume()
         moved = False  # (only what changed is set: replicas mostly share a GPU and keep their stream)
         for ordinal, stream in zip(self._ordinals, state[4]):
             if current(ordinal) is not stream:
@@ -93,6 +105,9 @@ class _GpuThreadState(_ThreadState):
                 moved = True
         if moved or runtime.getDevice() != device:
             runtime.setDevice(device)
+
+
+_running = threading.local()  # .scope: the _GpuReplicaScope of the replica running on this thread, if any
 
 
 class _Cooperative:
@@ -557,21 +572,18 @@ def _blas_controllers() -> list:
 class _GpuReplicaScope:
     """A GPU replica's device and CUDA device and stream, made once (entered by one replica at a time).
 
-    The CUDA device and stream are set (``setDevice``, ``Stream.use``), not
-    entered: replicas that share a thread (greenlets) enter and leave their
-    scopes interleaved, which CuPy's per-thread ``with`` stacks do not allow.
-    On a thread of its own the exit puts back what the enter found; on a
-    shared thread the scheduler restores each replica's state when it resumes
-    (_GpuThreadState), and the caller's when the run ends.
+    Its stream is entered as CuPy's ``with stream`` does (pushed on the
+    thread's stack), so that ``with`` blocks inside the replica unwind to it.
+    Replicas that share a thread (greenlets) take their entry off the stack
+    while another runs (``suspend``/``resume``, from _GpuThreadState).
     """
 
     def __init__(self, device, replica_id: int):
         self._ordinal = ordinal = device_util.physical_ordinal(device)
         self._device = device_util.device_scope(device)
-        cuda = _gpu.cupy_module().cuda
-        self._runtime, self._current_stream = cuda.runtime, cuda.get_current_stream
+        self._runtime = _gpu.cupy_module().cuda.runtime
         self._stream = _gpu.replica_stream(replica_id, ordinal)
-        self._entered = []
+        self._entered = []  # (CUDA device before, stream entered, memory scope, _running.scope before)
 
     def __enter__(self):
         # Inside md.function the replica runs on the step's stream and memory (device/gpu.py StepScope).
@@ -580,24 +592,32 @@ class _GpuReplicaScope:
         step = _gpu.step_scope()
         stream = self._stream if step is None else step.streams[self._ordinal]
         memory = _gpu.step_memory()
-        runtime, ordinal = self._runtime, self._ordinal
         self._device.__enter__()
-        device = runtime.getDevice()
-        if device != ordinal:
-            runtime.setDevice(ordinal)
-        self._entered.append((device, self._current_stream(ordinal), memory))
-        stream.use()
+        device = self._runtime.getDevice()
+        self._entered.append((device, stream, memory, getattr(_running, "scope", None)))
+        self.resume()
         memory.__enter__()
+        _running.scope = self
+
+    def suspend(self) -> None:
+        """Takes this replica's stream off the thread's ``with`` stack (it is on top: anything entered
+        after it inside the replica has been left)."""
+        self._entered[-1][1].__exit__(None, None, None)
+
+    def resume(self) -> None:
+        """This replica's GPU current again and its stream back on top of the thread's ``with`` stack."""
+        if self._runtime.getDevice() != self._ordinal:
+            self._runtime.setDevice(self._ordinal)
+        self._entered[-1][1].__enter__()
 
     def __exit__(self, *exc):
-        device, stream, memory = self._entered.pop()
+        device, stream, memory, running = self._entered[-1]
         memory.__exit__(*exc)
-        runtime, ordinal = self._runtime, self._ordinal
-        if runtime.getDevice() != ordinal:
-            runtime.setDevice(ordinal)
-        stream.use()
-        if device != ordinal:
-            runtime.setDevice(device)
+        self.suspend()
+        self._entered.pop()
+        _running.scope = running
+        if self._runtime.getDevice() != device:
+            self._runtime.setDevice(device)
         self._device.__exit__(*exc)
 
 
