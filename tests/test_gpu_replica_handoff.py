@@ -184,3 +184,33 @@ def test_replicas_on_two_gpus_keep_their_own_device():
         assert seen[i] == (state, state, i)
     for v in s.experimental_local_results(out):
         np.testing.assert_array_equal(cupy.asnumpy(v), np.full(2, 3, np.float32))
+
+
+def test_with_blocks_inside_a_replica_unwind_to_its_own_stream(logical):
+    """CuPy's ``with stream`` stack is one per thread: a block a replica opens and closes between two
+    hand-offs must unwind to that replica's stream, not to the caller's or another replica's."""
+    s = logical
+    n = s.num_replicas_in_sync
+    other = cupy.cuda.Stream()
+    seen = {}
+
+    def step():
+        ctx = md.get_replica_context()
+        i = ctx.replica_id_in_sync_group
+        y = ctx.all_reduce("sum", cupy.full(2, 1.0, cupy.float32))
+        with cupy.cuda.Stream.null:
+            pass
+        after_null = cupy.cuda.get_current_stream().ptr
+        ctx.merge_call(lambda strategy: None)
+        with other:  # (nothing on it: it is not ordered after the replica's collective)
+            pass
+        seen[i] = (after_null, cupy.cuda.get_current_stream().ptr)
+        return y * 2
+
+    out = s.run(step)
+    for i in range(n):
+        own = _gpu.replica_stream(i, 0).ptr
+        assert seen[i] == (own, own), f"replica {i}: {seen[i]}"
+    for v in s.experimental_local_results(out):
+        np.testing.assert_array_equal(cupy.asnumpy(v), np.full(2, 2.0 * n, np.float32))
+    assert _cuda_state() == (0, cupy.cuda.Stream.null.ptr)
