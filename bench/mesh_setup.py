@@ -12,13 +12,11 @@ alternating job by job, and prints the ratio of the medians.
 """
 
 import argparse
-import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import time
+
+from loopback_job import run_workers
 
 TASK = r"""
 import json, sys, time
@@ -30,30 +28,10 @@ print(json.dumps([start, time.time()]))
 """
 
 
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def job_seconds(package, workers):
     """One job: seconds from the first task's entry to the last task's exit."""
-    spec = {"worker": [f"127.0.0.1:{p}" for p in free_ports(workers)]}
-    env = dict(os.environ, PYTHONPATH=package)
-    procs = [subprocess.Popen([sys.executable, "-c", TASK], stdout=subprocess.PIPE, text=True,
-                              env=dict(env, TF_CONFIG=json.dumps({"cluster": spec,
-                                                                  "task": {"type": "worker", "index": i}})))
-             for i in range(workers)]
-    spans = []
-    for p in procs:
-        out, _ = p.communicate(timeout=300)
-        if p.returncode != 0:
-            raise SystemExit(f"a task of {package} failed ({p.returncode})")
-        spans.append(json.loads(out.strip().splitlines()[-1]))
+    spans = run_workers(workers, lambda rank, ports: [sys.executable, "-c", TASK], pythonpath=package, timeout=300,
+                    what=package)
     return max(end for _, end in spans) - min(start for start, _ in spans)
 
 

@@ -23,12 +23,12 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
+from loopback_job import run_workers
 
 DEFAULT_SIZES = "4,64,1K,16K,64K,256K,1M,4M,16M,64M"
 
@@ -45,16 +45,6 @@ ROUNDS = 3  # timed rounds per size and job; the best one counts
 def iterations(nbytes: int) -> int:
     # About 20 MB moved per round, between 3 and 500 calls: every worker derives the same count.
     return max(3, min(500, 20_000_000 // max(nbytes, 4096)))
-
-
-def free_ports(k: int) -> list[int]:
-    socks = [socket.socket() for _ in range(k)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 # --- worker side ------------------------------------------------------------------------------
@@ -159,22 +149,10 @@ def run_job(kind: str, world: int, sizes: list[int]) -> dict:
         return {int(k): v for k, v in json.loads(p.stdout.strip().splitlines()[-1]).items()}
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(mirrored.__file__)))  # workers import the same mirrored
-    ports = free_ports(world)
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-        env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
-                                       "task": {"type": "worker", "index": rank}})
-        cmd = [sys.executable, __file__, "--_worker", kind, "--_rank", str(rank), "--_world", str(world),
-               "--_port", str(ports[0]), "--sizes", ",".join(map(str, sizes))]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
-    per_worker = []
-    for p in procs:
-        out, _ = p.communicate(timeout=1800)
-        if p.returncode != 0:
-            raise SystemExit(f"{kind} worker failed with exit code {p.returncode}")
-        per_worker.append({int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()})
-    return {size: max(w[size] for w in per_worker) for size in sizes}
+    per_worker = run_workers(world, lambda rank, ports: [
+        sys.executable, __file__, "--_worker", kind, "--_rank", str(rank), "--_world", str(world),
+        "--_port", str(ports[0]), "--sizes", ",".join(map(str, sizes))], pythonpath=root, what=kind)
+    return {size: max(w[str(size)] for w in per_worker) for size in sizes}
 
 
 def human(n: int) -> str:

@@ -13,13 +13,11 @@ same run, alternating with this one.
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
 
 import numpy as np
+from loopback_job import run_workers
 
 SIZES = [4096, 65536, 1 << 20]
 
@@ -76,26 +74,9 @@ def torch_worker(rank, port):
 
 
 def launch(kind, pythonpath=None):
-    socks = [socket.socket() for _ in range(2)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    procs = []
-    for r in range(2):
-        env = dict(os.environ, MIRRORED_SHM="0", TF_CONFIG=json.dumps(
-            {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": r}}))
-        if pythonpath:
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
-        procs.append(subprocess.Popen([sys.executable, __file__, "--_worker", kind, "--_rank", str(r),
-                                       "--_port", str(ports[0])], env=env, stdout=subprocess.PIPE, text=True))
-    outs = []
-    for p in procs:
-        out, _ = p.communicate(timeout=600)
-        if p.returncode != 0:
-            raise SystemExit(f"{kind} worker failed with exit code {p.returncode}")
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+    outs = run_workers(2, lambda rank, ports: [sys.executable, __file__, "--_worker", kind, "--_rank", str(rank),
+                                           "--_port", str(ports[0])],
+                   pythonpath=pythonpath, env={"MIRRORED_SHM": "0"}, timeout=600, what=kind)
     return {k: max(o[k] for o in outs) for k in outs[0]}
 
 

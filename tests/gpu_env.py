@@ -15,7 +15,9 @@ import contextlib
 import os
 import sys
 
-from mirrored.device import engine
+import pytest
+
+from mirrored.device import config, engine
 
 SIM_DEVICES = 2
 SIM_PEERS = [(a, b) for a in range(SIM_DEVICES) for b in range(SIM_DEVICES) if a != b]
@@ -67,6 +69,32 @@ def install(seed: int):
     cupy.configure(SIM_DEVICES, SIM_PEERS, seed)
     engine.select("sim")
     sys.modules["cupy"] = cupy
+
+
+@contextlib.contextmanager
+def gpu_pair(kind: str = "logical"):
+    """Two GPU devices, /gpu:0 and /gpu:1, for a block: two ``"logical"`` GPUs on GPU 0, or two ``"physical"``
+    GPUs (the test skips with fewer). Yields each one's physical ordinal."""
+    if kind == "physical":
+        if NGPU < 2:
+            pytest.skip("needs 2 GPUs")
+        yield [0, 1]
+        return
+    config.set_logical_device_configuration("GPU", 0, count=2)
+    try:
+        yield [0, 0]
+    finally:
+        config.set_logical_device_configuration("GPU:0", None)
+
+
+def launches_and_ops(call):
+    """(kernel launches per GPU, stream operations per GPU) of ``call`` on the simulated machine."""
+    cupy.sim.drain()
+    cupy.sim.reset_counters()
+    call()
+    counted = cupy.sim.counters()
+    cupy.sim.drain()
+    return counted["launches"], counted["stream_ops"]
 
 
 # A command that runs a script on the simulated machine (sys.argv[1] is the script).

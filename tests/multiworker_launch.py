@@ -102,6 +102,27 @@ def launch(fn, num_workers: int, *, chief: bool = False, kwargs=None, per_task_k
     return results
 
 
+def run_restartable_job(tmp_path, script: str, name: str, crash: bool, timeout: float = 300):
+    """Run ``script`` as a two-task ``mirrored-run --max-restarts 2`` job in ``tmp_path``.
+
+    The script gets three arguments: its checkpoint directory, a crash marker (a task crashes once while it
+    is missing; ``crash=False`` creates it first, so the job goes straight through) and an output prefix
+    (task ``me`` writes its JSON result to ``{prefix}.{me}``). Returns the finished launcher process and the
+    tasks' results in task order.
+    """
+    path = tmp_path / "train.py"
+    path.write_text(script)
+    marker = tmp_path / f"{name}.crashed"
+    if not crash:
+        marker.touch()
+    out = tmp_path / f"{name}.json"
+    done = subprocess.run([sys.executable, "-m", "mirrored.run", "-np", "2", "--max-restarts", "2", sys.executable,
+                           str(path), str(tmp_path / name), str(marker), str(out)],
+                          capture_output=True, timeout=timeout, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr.decode()[-4000:]
+    return done, [json.loads((tmp_path / f"{name}.json.{me}").read_text()) for me in range(2)]
+
+
 def _task_main(module_path: str, fn_name: str, out: str, kwargs: str) -> int:
     spec = importlib.util.spec_from_file_location("_multiworker_task", module_path)
     module = importlib.util.module_from_spec(spec)

@@ -31,7 +31,8 @@ def test_one_worker_splits_the_same_under_every_policy():
         assert [v.tolist() for v in step.values] == [[0, 1], [2, 3]], policy
 
 
-def _worker(policy, items=4):
+def _strategy_and_log_messages():
+    """This task's one-CPU-replica MultiWorkerMirroredStrategy, and the list its "mirrored" log messages go to."""
     from mirrored.distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
 
     records = []
@@ -41,7 +42,11 @@ def _worker(policy, items=4):
             records.append(record.getMessage())
 
     logging.getLogger("mirrored").addHandler(Keep())
-    strategy = MultiWorkerMirroredStrategy(md.CommunicationOptions(timeout_seconds=30), devices=["/cpu:0"])
+    return MultiWorkerMirroredStrategy(md.CommunicationOptions(timeout_seconds=30), devices=["/cpu:0"]), records
+
+
+def _worker(policy, items=4):
+    strategy, records = _strategy_and_log_messages()
     batches = [np.arange(4) + 10 * i for i in range(items)]  # global batches of 4 rows
     dataset = batches
     if policy is not None:
@@ -84,16 +89,7 @@ def test_multiworker_policies():
 
 
 def _pipeline_worker(directory, kinds):
-    from mirrored.distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
-
-    records = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    logging.getLogger("mirrored").addHandler(Keep())
-    strategy = MultiWorkerMirroredStrategy(md.CommunicationOptions(timeout_seconds=30), devices=["/cpu:0"])
+    strategy, records = _strategy_and_log_messages()
     D = md.data.Dataset
     pattern = f"{directory}/part*.txt"
     datasets = {

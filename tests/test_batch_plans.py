@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from gpu_env import NGPU, SIMULATED, SKIP_REASON, cupy
+from gpu_env import NGPU, SIMULATED, SKIP_REASON, cupy, launches_and_ops
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
@@ -79,12 +79,7 @@ def counted(call):
     if not SIMULATED:
         call()
         return None
-    cupy.sim.drain()
-    cupy.sim.reset_counters()
-    call()
-    numbers = cupy.sim.counters()
-    cupy.sim.drain()
-    return numbers["launches"], numbers["stream_ops"]
+    return launches_and_ops(call)
 
 
 @pytest.mark.parametrize("devices", DEVICE_SETS, ids=str)

@@ -403,3 +403,23 @@ def test_deterministic_false_yields_results_as_they_complete(where):
     one_taken.set()
     assert first == 1 and sorted([first] + [int(x) for x in it]) == [0, 1, 2, 3]
     assert values(D.range(4).map(lambda x: x, num_parallel_calls=2)) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("pipeline", ["prefetch", "parallel_map", "interleave", "distributed"])
+def test_next_after_close_raises_instead_of_waiting_on_stopped_threads(pipeline):
+    """close() stops the background threads; a later next() must say so, not wait for them forever."""
+    base = md.data.Dataset.from_tensor_slices(np.arange(1000.0))
+    if pipeline == "prefetch":
+        it = iter(base.prefetch(2))
+    elif pipeline == "parallel_map":
+        it = iter(base.map(lambda x: x * 2, num_parallel_calls=4).prefetch(4))
+    elif pipeline == "interleave":
+        it = iter(md.data.Dataset.range(4).interleave(lambda i: md.data.Dataset.range(10), num_parallel_calls=2))
+    else:
+        strategy = md.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        it = iter(strategy.experimental_distribute_dataset(base.batch(4).prefetch(2)))
+    next(it)
+    it.close()
+    for call in (lambda: next(it), it.get_next, it.get_next_as_optional):
+        with pytest.raises(ValueError, match=r"closed iterator.*iter\(dataset\)"):
+            call()

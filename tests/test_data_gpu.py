@@ -5,7 +5,7 @@ gpu_env.py)."""
 import numpy as np
 import pytest
 
-from gpu_env import NGPU, SKIP_REASON, cupy
+from gpu_env import SKIP_REASON, cupy, gpu_pair
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
@@ -17,16 +17,8 @@ import mirrored as md  # noqa: E402
 @pytest.fixture(params=["logical", "physical"])
 def two_gpus(request):
     """Two replicas: on one GPU (two logical GPUs), or on two GPUs."""
-    if request.param == "physical":
-        if NGPU < 2:
-            pytest.skip("needs 2 GPUs")
+    with gpu_pair(request.param):
         yield md.MirroredStrategy(["/gpu:0", "/gpu:1"])
-        return
-    md.config.set_logical_device_configuration("GPU", 0, count=2)
-    try:
-        yield md.MirroredStrategy(["/gpu:0", "/gpu:1"])
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
 
 
 def test_batches_are_fetched_onto_the_replicas_devices(two_gpus):

@@ -3,11 +3,10 @@ next batch (the iterator is in the checkpoint) and ends with weights bit-identic
 
 import json
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from multiworker_launch import run_restartable_job
 
 pytestmark = pytest.mark.multiworker
 pytest.importorskip("mirrored._net", reason="Gloo not built (apt-get install libgloo-dev)")
@@ -63,21 +62,6 @@ with open(f"{{out}}.{{me}}", "w") as f:
 """
 
 
-def train(tmp_path, name, crash):
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
-    marker = tmp_path / f"{name}.crashed"
-    if not crash:
-        marker.touch()  # as if it had crashed already: this run goes straight through
-    out = tmp_path / f"{name}.json"
-    done = subprocess.run([sys.executable, "-m", "mirrored.run", "-np", "2", "--max-restarts", "2", sys.executable,
-                           str(script), str(tmp_path / name), str(marker), str(out)],
-                          capture_output=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr.decode()[-4000:]
-    results = [json.loads((tmp_path / f"{name}.json.{me}").read_text()) for me in range(2)]
-    return done, results
-
-
 def batches(stdout: bytes) -> list:
     """(worker, step, ids) of every step the job ran, in order."""
     found = re.findall(rb"\[worker:(\d)\] step (\d+) ids (\[[^\]]*\])", stdout)
@@ -85,8 +69,8 @@ def batches(stdout: bytes) -> list:
 
 
 def test_a_job_killed_mid_epoch_resumes_on_the_same_next_batch_with_bit_identical_weights(tmp_path):
-    clean, expected = train(tmp_path, "clean", crash=False)
-    crashed, got = train(tmp_path, "crashed", crash=True)
+    clean, expected = run_restartable_job(tmp_path, TRAIN, "clean", crash=False)
+    crashed, got = run_restartable_job(tmp_path, TRAIN, "crashed", crash=True)
 
     assert crashed.stdout.count(b"[worker:1] crashing") == 1
     assert crashed.stderr.count(b"[mirrored-run] restarting the job (1 of 2 restarts)") == 1

@@ -5,7 +5,7 @@ run at synchronisation in a random order. Skipped on real GPUs (the other gpu te
 import numpy as np
 import pytest
 
-from gpu_env import SIMULATED, SKIP_REASON, cupy
+from gpu_env import SIMULATED, SKIP_REASON, cupy, launches_and_ops
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
@@ -23,15 +23,6 @@ FRESH = np.frombuffer(b"\xcd" * 4, np.float32)[0]
 def on(device, host):
     with cupy.cuda.Device(device):
         return cupy.asarray(host)
-
-
-def launches_and_ops(call):
-    cupy.sim.drain()
-    cupy.sim.reset_counters()
-    call()
-    counted = cupy.sim.counters()
-    cupy.sim.drain()
-    return counted["launches"], counted["stream_ops"]
 
 
 @pytest.mark.parametrize("devices", [(0, 0), (0, 0, 0, 0), (0, 1), (0, 1, 0, 1)], ids=str)

@@ -7,7 +7,7 @@ GPU code; with more GPUs the same examples also run one replica per GPU.
 import numpy as np
 import pytest
 
-from gpu_env import NGPU, SKIP_REASON, cupy
+from gpu_env import NGPU, SKIP_REASON, cupy, gpu_pair
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
@@ -18,16 +18,8 @@ import mirrored as md  # noqa: E402
 
 @pytest.fixture(params=["logical", "physical"])
 def gpus(request):
-    if request.param == "physical":
-        if NGPU < 2:
-            pytest.skip("needs 2 GPUs")
-        yield ["/gpu:0", "/gpu:1"], [0, 1]
-        return
-    md.config.set_logical_device_configuration("GPU", 0, count=2)
-    try:
-        yield ["/gpu:0", "/gpu:1"], [0, 0]
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
+    with gpu_pair(request.param) as ordinals:
+        yield ["/gpu:0", "/gpu:1"], ordinals
 
 
 def test_default_strategy_takes_every_gpu():

@@ -7,6 +7,8 @@ import importlib.util
 import inspect
 import json
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -64,6 +66,20 @@ def test_defaults_and_scale_loss_are_keras_3s():
     assert float(opt.scale_loss(3.0)) == ref["scale_loss_unbuilt"]
     scaled = opt.scale_loss(np.float16(3.0))  # Keras' multiply promotes float16 by the float32 scale
     assert scaled.dtype == np.float32 and scaled == 98304.0
+
+
+@pytest.mark.parametrize("statement", [
+    "from mirrored.train.optimizers import LossScaleOptimizer",  # the first import of the package
+    "from mirrored.optimizers import LossScaleOptimizer",
+    "import mirrored as md; LossScaleOptimizer = md.optimizers.LossScaleOptimizer",
+])
+def test_keras_3s_optimizers_name_is_the_same_class(statement):
+    # keras.optimizers.LossScaleOptimizer is keras.mixed_precision.LossScaleOptimizer in Keras 3.
+    check = f"{statement}\nimport mirrored as md\nassert LossScaleOptimizer is md.mixed_precision.LossScaleOptimizer"
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert md.optimizers.LossScaleOptimizer is LSO
+    assert isinstance(md.optimizers.LossScaleOptimizer(md.optimizers.SGD(0.1)), LSO)
 
 
 def test_a_non_finite_gradient_on_a_later_replica_skips_the_step_everywhere():

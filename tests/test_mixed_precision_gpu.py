@@ -8,6 +8,7 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy", reason="GPU tests need CuPy (pip install cupy-cuda13x)")
 
 import mirrored as md  # noqa: E402
+from gpu_env import gpu_pair  # noqa: E402
 
 if not md.config.list_physical_devices("GPU"):
     pytest.skip("no GPU visible", allow_module_level=True)
@@ -15,11 +16,8 @@ if not md.config.list_physical_devices("GPU"):
 
 @pytest.fixture
 def two_logical_gpus():
-    md.config.set_logical_device_configuration("GPU", 0, count=2)
-    try:
+    with gpu_pair():
         yield md.MirroredStrategy(["/gpu:0", "/gpu:1"])
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
 
 
 def test_float16_gradients_on_gpu_replicas(two_logical_gpus):

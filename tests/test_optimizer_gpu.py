@@ -11,7 +11,7 @@ import collections
 import numpy as np
 import pytest
 
-from gpu_env import NGPU, SIMULATED, SKIP_REASON, cupy
+from gpu_env import NGPU, SIMULATED, SKIP_REASON, cupy, gpu_pair
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
@@ -22,33 +22,19 @@ from mirrored._core import fused_update as host_fused_update  # noqa: E402
 from mirrored.device import gpu as _gpu  # noqa: E402
 from mirrored.device.dtypes import dtype_code  # noqa: E402
 from test_fused_update import CASES, SIZES, _tables  # noqa: E402
-from test_optimizer_keras_parity import CONFIGS, DATA  # noqa: E402
+from test_optimizer_keras_parity import DATA, train_in_replicas  # noqa: E402
 
 
 def _train(name, devices, xp):
-    cls, kwargs, dtype = CONFIGS[name]
-    strategy = md.MirroredStrategy(devices)
-    with strategy.scope():
-        w = md.Variable(DATA["w0"].astype(dtype))
-        b = md.Variable(DATA["b0"].astype(dtype))
-        opt = getattr(md.optimizers, cls)(**kwargs)
-    grads_w, grads_b = DATA["grads_w"].astype(dtype), DATA["grads_b"].astype(dtype)
-    for s in range(grads_w.shape[0]):
-        def step(s=s):
-            r = md.get_replica_context().replica_id_in_sync_group
-            opt.apply_gradients([(xp.asarray(grads_w[s, r]), w), (xp.asarray(grads_b[s, r]), b)])
-        strategy.run(step)
+    _, w, b = train_in_replicas(md.MirroredStrategy(devices), name, xp)
     return [np.asarray(c.numpy()) for var in (w, b) for c in var.values]
 
 
 @pytest.mark.parametrize("name", ["SGD nesterov", "Adam", "AdamW", "RMSprop centered momentum", "Adagrad", "Nadam",
                                   "SGD clipnorm", "Adam weight_decay global_clipnorm", "RMSprop clipvalue weight_decay"])
 def test_gpu_replicas_match_keras_and_the_cpu_replicas(name):
-    md.config.set_logical_device_configuration("GPU", 0, count=2)
-    try:
+    with gpu_pair():
         on_gpu = _train(name, ["/gpu:0", "/gpu:1"], cupy)
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
     on_cpu = _train(name, ["/cpu:0", "/cpu:1"], np)
     w, b = DATA[f"{name}|2|w"], DATA[f"{name}|2|b"]
     for got, cpu, expected in zip(on_gpu, on_cpu, (w, w, b, b)):

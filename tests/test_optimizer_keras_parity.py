@@ -18,25 +18,37 @@ CONFIGS = json.loads(str(DATA["configs"]))
 REPLICAS = (1, 2, 4)
 
 
-def _train(name, n, in_replica_context=True):
+def _model(strategy, name):
+    """The recorded model's w and b, optimizer ``name`` (built in ``strategy``'s scope) and its gradients."""
     cls, kwargs, dtype = CONFIGS[name]
-    strategy = md.MirroredStrategy(devices=[f"/cpu:{i}" for i in range(n)])
     with strategy.scope():
         w = md.Variable(DATA["w0"].astype(dtype))
         b = md.Variable(DATA["b0"].astype(dtype))
         opt = getattr(md.optimizers, cls)(**kwargs)
-    grads_w, grads_b = DATA["grads_w"].astype(dtype), DATA["grads_b"].astype(dtype)
+    return w, b, opt, DATA["grads_w"].astype(dtype), DATA["grads_b"].astype(dtype)
+
+
+def train_in_replicas(strategy, name, xp=np):
+    """Every recorded step in ``strategy.run``: replica ``r`` applies its gradients (as ``xp`` arrays)."""
+    w, b, opt, grads_w, grads_b = _model(strategy, name)
     for s in range(grads_w.shape[0]):
-        if in_replica_context:
-            def step(s=s):
-                r = md.get_replica_context().replica_id_in_sync_group
-                opt.apply_gradients([(grads_w[s, r], w), (grads_b[s, r], b)])
-            strategy.run(step)
-        else:
-            per_replica = [strategy.experimental_distribute_values_from_function(
-                lambda ctx, g=g: g[s, ctx.replica_id_in_sync_group]) for g in (grads_w, grads_b)]
-            with strategy.scope():
-                opt.apply_gradients(zip(per_replica, [w, b]))
+        def step(s=s):
+            r = md.get_replica_context().replica_id_in_sync_group
+            opt.apply_gradients([(xp.asarray(grads_w[s, r]), w), (xp.asarray(grads_b[s, r]), b)])
+        strategy.run(step)
+    return opt, w, b
+
+
+def _train(name, n, in_replica_context=True):
+    strategy = md.MirroredStrategy(devices=[f"/cpu:{i}" for i in range(n)])
+    if in_replica_context:
+        return (strategy, *train_in_replicas(strategy, name))
+    w, b, opt, grads_w, grads_b = _model(strategy, name)
+    for s in range(grads_w.shape[0]):
+        per_replica = [strategy.experimental_distribute_values_from_function(
+            lambda ctx, g=g: g[s, ctx.replica_id_in_sync_group]) for g in (grads_w, grads_b)]
+        with strategy.scope():
+            opt.apply_gradients(zip(per_replica, [w, b]))
     return strategy, opt, w, b
 
 
@@ -86,17 +98,7 @@ def _multiworker_task(names):
                                            devices=["/cpu:0"])
     results = {}
     for name in names:
-        cls, kwargs, dtype = CONFIGS[name]
-        with strategy.scope():
-            w = md.Variable(DATA["w0"].astype(dtype))
-            b = md.Variable(DATA["b0"].astype(dtype))
-            opt = getattr(md.optimizers, cls)(**kwargs)
-        grads_w, grads_b = DATA["grads_w"].astype(dtype), DATA["grads_b"].astype(dtype)
-        for s in range(grads_w.shape[0]):
-            def step(s=s):
-                r = md.get_replica_context().replica_id_in_sync_group  # this worker's replica: 0 or 1
-                opt.apply_gradients([(grads_w[s, r], w), (grads_b[s, r], b)])
-            strategy.run(step)
+        opt, w, b = train_in_replicas(strategy, name)  # this worker's one replica is replica 0 or 1
         results[name] = (w.numpy(), b.numpy(), int(opt.iterations.numpy()))
     return results
 

@@ -37,6 +37,17 @@ def script(tmp_path, body, name="task.py"):
     return str(path)
 
 
+def pid_recording_task(tmp_path, body):
+    """A task script that records its pid in a folder (for :func:`_assert_all_gone`), then runs ``body`` with
+    json, os, signal, sys and time imported and ``me``, its task index; returns (script, folder)."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    return script(tmp_path, "import json, os, signal, sys, time\n"
+                            "me = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+                            f"open(os.path.join({str(pids)!r}, str(os.getpid())), 'w').close()\n"
+                            + textwrap.dedent(body)), pids
+
+
 def by_task(stream: bytes) -> dict:
     """Output lines grouped by their task prefix; every line must carry one."""
     lines: dict = {}
@@ -114,12 +125,7 @@ def test_lines_of_different_tasks_never_mix(tmp_path):
 
 
 def test_a_failing_task_ends_the_job_with_its_exit_code(tmp_path):
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    task = script(tmp_path, f"""
-        import json, os, sys, time
-        me = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-        open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
+    task, pids = pid_recording_task(tmp_path, """
         if me == 1:
             time.sleep(1)
             print("failing")
@@ -136,12 +142,7 @@ def test_a_failing_task_ends_the_job_with_its_exit_code(tmp_path):
 
 
 def test_a_task_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    task = script(tmp_path, f"""
-        import json, os, signal, sys, time
-        me = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-        open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
+    task, pids = pid_recording_task(tmp_path, """
         if me == 0:
             time.sleep(1)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -198,11 +199,7 @@ def test_ctrl_c_is_forwarded_to_every_task(tmp_path):
 
 
 def test_tasks_die_with_a_killed_launcher(tmp_path):
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    task = script(tmp_path, f"""
-        import os, time
-        open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
+    task, pids = pid_recording_task(tmp_path, """
         print("ready", flush=True)
         time.sleep(120)
     """)
@@ -321,12 +318,7 @@ def test_localhost_runs_without_ssh(tmp_path, fake_ssh):
 
 def test_a_failing_remote_task_ends_the_remote_others(tmp_path, fake_ssh):
     env, log = fake_ssh
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    task = script(tmp_path, f"""
-        import json, os, sys, time
-        me = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-        open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
+    task, pids = pid_recording_task(tmp_path, """
         if me == 0:
             time.sleep(1)
             sys.exit(4)

@@ -1,13 +1,8 @@
 """``mirrored-run --max-restarts``: a job whose task crashes resumes from its last checkpoint and ends as if uninterrupted."""
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
+from multiworker_launch import run_restartable_job
 
 pytestmark = pytest.mark.multiworker
 pytest.importorskip("mirrored._net", reason="Gloo not built (apt-get install libgloo-dev)")
@@ -57,24 +52,9 @@ with open(f"{{out}}.{{me}}", "w") as f:
 """
 
 
-def train(tmp_path, name, crash):
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
-    marker = tmp_path / f"{name}.crashed"
-    if not crash:
-        marker.touch()  # as if it had crashed already: this run goes straight through
-    out = tmp_path / f"{name}.json"
-    done = subprocess.run([sys.executable, "-m", "mirrored.run", "-np", "2", "--max-restarts", "2", sys.executable,
-                           str(script), str(tmp_path / name), str(marker), str(out)],
-                          capture_output=True, timeout=240, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr.decode()
-    results = [json.loads((tmp_path / f"{name}.json.{me}").read_text()) for me in range(2)]
-    return done, results
-
-
 def test_a_crashed_task_restarts_the_job_from_its_checkpoint_and_ends_like_an_uninterrupted_run(tmp_path):
-    clean, expected = train(tmp_path, "clean", crash=False)
-    crashed, got = train(tmp_path, "crashed", crash=True)
+    clean, expected = run_restartable_job(tmp_path, TRAIN, "clean", crash=False)
+    crashed, got = run_restartable_job(tmp_path, TRAIN, "crashed", crash=True)
 
     assert b"restarting" not in clean.stderr
     assert clean.stdout.count(b"resumed at step 0") == 2

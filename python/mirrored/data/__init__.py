@@ -40,11 +40,8 @@ from __future__ import annotations
 
 import types
 
-import numpy as np
-
-from .. import _nest
-from ..device import device_util
-from .dataset_ops import AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset, _TensorSlices
+from .dataset_ops import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset, NumpyDataset,
+                          make_numpy_dataset)
 from .iterator_ops import Optional, OwnedIterator as Iterator
 from .options import AutoShardPolicy, DistributeOptions, Options
 from .readers import TextLineDataset
@@ -53,42 +50,6 @@ from .structure import TensorSpec
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "Iterator", "Options",
            "DistributeOptions", "AutoShardPolicy", "TensorSpec", "TextLineDataset", "NumpyDataset",
            "experimental"]
-
-
-class NumpyDataset(_TensorSlices):
-    """``experimental_make_numpy_dataset``'s result: the rows of host arrays (``from_tensor_slices``)."""
-
-    def __init__(self, arrays):
-        leaves = _nest.flatten(arrays)
-        if not leaves or any(np.ndim(a) == 0 for a in leaves):
-            raise ValueError("numpy_input: expected arrays with a leading dimension of rows, got "
-                             f"{[np.shape(a) for a in leaves]}")
-        sizes = {len(a) for a in leaves}
-        if len(sizes) != 1:
-            raise ValueError(f"numpy_input: all arrays need the same number of rows; got {sorted(sizes)}")
-        super().__init__(arrays)
-
-
-def _stack_lists(value):
-    """Lists are tensors (stacked), tuples and dicts are structures: ``tf.data``'s rule for NumPy input."""
-    if isinstance(value, list):
-        try:
-            return np.stack([np.asarray(device_util.to_host(v)) for v in value]) if value else np.asarray(value)
-        except ValueError as e:
-            raise ValueError(f"numpy_input: a list is stacked into one array (tf.data's rule), but its items "
-                             f"differ in shape ({e}); pass a tuple for a structure of arrays") from None
-    if isinstance(value, dict):
-        return type(value)((k, _stack_lists(v)) for k, v in value.items())
-    if isinstance(value, tuple):
-        items = [_stack_lists(v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    return value
-
-
-def make_numpy_dataset(numpy_input) -> NumpyDataset:
-    """The rows of ``numpy_input`` (an array, or tuples/dicts of arrays; lists are stacked), copied to the host."""
-    arrays = _stack_lists(numpy_input)
-    return NumpyDataset(_nest.map_structure(lambda a: np.array(device_util.to_host(a), copy=True), arrays))
 
 
 experimental = types.SimpleNamespace(AutoShardPolicy=AutoShardPolicy, DistributeOptions=DistributeOptions, Optional=Optional,

@@ -22,9 +22,11 @@ from collections import deque
 import numpy as np
 
 from .. import _nest
+from ..device import device_util
 from .iterator_ops import OwnedIterator
 from .options import Options
-from .structure import TensorSpec, array_module, normalize_input, normalize_output, spec_of, stack
+from .structure import (TensorSpec, array_module, map_container, normalize_input, normalize_output, spec_of,
+                        stack)
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset"]
 
@@ -137,8 +139,6 @@ class Dataset:
 
     def as_numpy_iterator(self):
         """The elements, as NumPy values (device arrays are copied to the host)."""
-        from ..device import device_util
-
         for element in self:
             yield _nest.map_structure(lambda x: device_util.to_host(x) if device_util.on_gpu(x) else x, element)
 
@@ -369,6 +369,39 @@ class _SliceIterator(_Iterator):
         return {"i": self._i}
 
 
+class NumpyDataset(_TensorSlices):
+    """``experimental_make_numpy_dataset``'s result: the rows of host arrays (``from_tensor_slices``)."""
+
+    def __init__(self, arrays):
+        leaves = _nest.flatten(arrays)
+        if not leaves or any(np.ndim(a) == 0 for a in leaves):
+            raise ValueError("numpy_input: expected arrays with a leading dimension of rows, got "
+                             f"{[np.shape(a) for a in leaves]}")
+        sizes = {len(a) for a in leaves}
+        if len(sizes) != 1:
+            raise ValueError(f"numpy_input: all arrays need the same number of rows; got {sorted(sizes)}")
+        super().__init__(arrays)
+
+
+def _stack_lists(value):
+    """Lists are tensors (stacked), tuples and dicts are structures: ``tf.data``'s rule for NumPy input."""
+    if isinstance(value, list):
+        try:
+            return np.stack([np.asarray(device_util.to_host(v)) for v in value]) if value else np.asarray(value)
+        except ValueError as e:
+            raise ValueError(f"numpy_input: a list is stacked into one array (tf.data's rule), but its items "
+                             f"differ in shape ({e}); pass a tuple for a structure of arrays") from None
+    if isinstance(value, (dict, tuple)):
+        return map_container(_stack_lists, value)
+    return value
+
+
+def make_numpy_dataset(numpy_input) -> NumpyDataset:
+    """The rows of ``numpy_input`` (an array, or tuples/dicts of arrays; lists are stacked), copied to the host."""
+    arrays = _stack_lists(numpy_input)
+    return NumpyDataset(_nest.map_structure(lambda a: np.array(device_util.to_host(a), copy=True), arrays))
+
+
 class _Tensors(Dataset):
     def __init__(self, tensors):
         super().__init__()
@@ -485,8 +518,6 @@ def _conform(value, signature):
     if isinstance(signature, TensorSpec):
         if value is None or isinstance(value, (dict, tuple, set)):
             raise TypeError(f"`generator` yielded {value!r:.100} where a tensor of {signature!r} was expected")
-        from ..device import device_util
-
         if device_util.on_gpu(value):
             leaf = value if value.dtype == signature.dtype else value.astype(signature.dtype)
         else:
@@ -581,13 +612,12 @@ class IterableDataset(Dataset):
 # that class's parameters rather than __new__'s (*args, **kwargs).
 Dataset.__new__.__signature__ = inspect.signature(IterableDataset.__init__)
 
-class _IterableIterator(_Iterator):
-    def __init__(self, iterable, count):
+class CountingIterator(_Iterator):
+    """A Python iterator's items; its position is the count taken (a restore iterates afresh and skips)."""
+
+    def __init__(self, it, count: int):
         super().__init__()
-        self._it, self._count = iter(iterable), 0
-        if count and self._it is iterable:
-            raise ValueError(f"cannot restore a position in a one-shot iterator ({type(iterable).__name__}); "
-                             "wrap a re-iterable (a list, or an object whose __iter__ starts afresh)")
+        self._it, self._count = it, 0
         for _ in range(count):
             self.next()
 
@@ -598,6 +628,15 @@ class _IterableIterator(_Iterator):
 
     def save(self):
         return {"count": self._count}
+
+
+class _IterableIterator(CountingIterator):
+    def __init__(self, iterable, count):
+        it = iter(iterable)
+        if count and it is iterable:
+            raise ValueError(f"cannot restore a position in a one-shot iterator ({type(iterable).__name__}); "
+                             "wrap a re-iterable (a list, or an object whose __iter__ starts afresh)")
+        super().__init__(it, count)
 
 
 # --- transformations -----------------------------------------------------------------------------------
@@ -632,21 +671,34 @@ class _Batch(Dataset):
         return _BatchIterator(self, state)
 
 
-class _BatchIterator(_Iterator):
-    def __init__(self, ds, state, pad=None):
-        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
-        self._ds, self._pad = ds, pad
+class _TakingIterator(_Iterator):
+    """A batch's worth of its input at a time: ``_take()`` reads up to ``batch_size`` items, the last batch
+    short (or none, with ``drop_remainder``); ``_done`` once the input has ended."""
+
+    def __init__(self, ds, source, state):
+        super().__init__(source)
+        self._ds = ds
         self._done = False if state is None else state["done"]
 
-    def next(self):
-        elements = []
-        while not self._done and len(elements) < self._ds._batch_size:
+    def _take(self) -> list:
+        items = []
+        while not self._done and len(items) < self._ds._batch_size:
             try:
-                elements.append(self._inputs[0].next())
+                items.append(self._inputs[0].next())
             except StopIteration:
                 self._done = True
-        if not elements or (self._ds._drop and len(elements) < self._ds._batch_size):
+        if not items or (self._ds._drop and len(items) < self._ds._batch_size):
             raise StopIteration
+        return items
+
+
+class _BatchIterator(_TakingIterator):
+    def __init__(self, ds, state, pad=None):
+        super().__init__(ds, ds._input._make_iterator(None if state is None else state["input"]), state)
+        self._pad = pad
+
+    def next(self):
+        elements = self._take()
         leaves = [_nest.flatten(e) for e in elements]
         for i, lv in enumerate(leaves[1:], 1):
             if len(lv) != len(leaves[0]):
@@ -708,24 +760,15 @@ class _PaddedBatch(_Batch):
                                                  self._values(self._input.element_spec)))
 
 
-class _GatherBatchIterator(_Iterator):
+class _GatherBatchIterator(_TakingIterator):
     """``batch`` over the rows of ``from_tensor_slices`` (read in the order ``indices`` gives)."""
 
     def __init__(self, ds, rows, indices, state):
-        super().__init__(indices)
-        self._ds, self._rows = ds, rows
-        self._done = False if state is None else state["done"]
+        super().__init__(ds, indices, state)
+        self._rows = rows
 
     def next(self):
-        picked = []
-        while not self._done and len(picked) < self._ds._batch_size:
-            try:
-                picked.append(self._inputs[0].next())
-            except StopIteration:
-                self._done = True
-        if not picked or (self._ds._drop and len(picked) < self._ds._batch_size):
-            raise StopIteration
-        index = np.asarray(picked, dtype=np.int64)
+        index = np.asarray(self._take(), dtype=np.int64)
         return _nest.pack_sequence_as(self._rows._structure, [leaf[index] for leaf in self._rows._leaves])
 
     def save(self):

@@ -20,7 +20,61 @@ class Optional:
         return self._value
 
 
-class OwnedIterator:
+class IteratorProtocol:
+    """What ``iter(dataset)`` and ``iter(distributed_dataset)`` share: Python's iterator protocol and TF's
+    ``get_next`` / ``get_next_as_optional`` over ``source``, the root of a tree of iterators (``next()``,
+    ``close()``) over ``dataset``. Its background threads stop at the end of the data, on ``close()`` and when
+    the iterator is garbage collected."""
+
+    _source = None
+    _done = False
+    _closed = False
+
+    def __init__(self, dataset, source):
+        self._dataset, self._source = dataset, source
+
+    @property
+    def element_spec(self):
+        return self._dataset.element_spec
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        if self._closed:  # its threads are gone: waiting on them would never end
+            raise ValueError("next() on a closed iterator: close() stopped its background threads; "
+                             "make a new iterator with iter(dataset)")
+        try:
+            return self._source.next()
+        except StopIteration:
+            self._done = True
+            self._source.close()  # the pipeline's threads end with the data
+            raise
+
+    def get_next(self):
+        """The next element; ``StopIteration`` (TF: ``OutOfRangeError``) at the end."""
+        return next(self)
+
+    def get_next_as_optional(self) -> Optional:
+        """The next element wrapped in an :class:`Optional` that is empty at the end of the data."""
+        try:
+            return Optional(next(self), True)
+        except StopIteration:
+            return Optional(None, False)
+
+    def close(self) -> None:
+        """Stop this iterator's background threads now; ``next()`` then raises ``ValueError``."""
+        self._closed = True
+        self._source.close()
+
+    def __del__(self):
+        if self._source is not None:
+            self._source.close()
+
+
+class OwnedIterator(IteratorProtocol):
     """``iter(dataset)``: yields the dataset's elements; saved by ``md.train.Checkpoint(iterator=it)``.
 
     Background threads (``prefetch``, parallel ``map``) belong to the iterator:
@@ -33,58 +87,20 @@ class OwnedIterator:
     """
 
     def __init__(self, dataset, state=None):
-        self._dataset = dataset
-        self._impl = dataset._make_iterator(state)
-        self._done = False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self._done:
-            raise StopIteration
-        try:
-            return self._impl.next()
-        except StopIteration:
-            self._done = True
-            self._impl.close()
-            raise
-
-    def get_next(self):
-        """The next element; ``StopIteration`` (TF: ``OutOfRangeError``) at the end."""
-        return next(self)
-
-    def get_next_as_optional(self) -> Optional:
-        try:
-            return Optional(next(self), True)
-        except StopIteration:
-            return Optional(None, False)
-
-    @property
-    def element_spec(self):
-        return self._dataset.element_spec
+        super().__init__(dataset, dataset._make_iterator(state))
 
     def _save(self):
-        return {"done": True} if self._done else {"done": False, "it": self._impl.save()}
+        return {"done": True} if self._done else {"done": False, "it": self._source.save()}
 
     def _restore(self, state) -> None:
-        self._impl.close()
+        self._source.close()
         self._done = state["done"]
-        self._impl = self._dataset._make_iterator(None if self._done else state["it"])
+        self._source = self._dataset._make_iterator(None if self._done else state["it"])
         if self._done:
-            self._impl.close()
+            self._source.close()
 
     def _serialize_to_tensors(self) -> dict:
         return encode_state(self._save())
 
     def _restore_from_tensors(self, tensors: dict) -> None:
         self._restore(decode_state(tensors))
-
-    def close(self) -> None:
-        """Stop this iterator's background threads now (also done at the end and on garbage collection)."""
-        self._impl.close()
-
-    def __del__(self):
-        impl = getattr(self, "_impl", None)
-        if impl is not None:
-            impl.close()

@@ -96,13 +96,18 @@ def _as_bytes(v) -> bytes:
     return v.encode("utf-8") if isinstance(v, str) else v
 
 
+def map_container(fn, container):
+    """A mapping or tuple with ``fn`` applied to each item, rebuilt as its type (a namedtuple stays one)."""
+    if isinstance(container, abc.Mapping):
+        return type(container)((k, fn(v)) for k, v in container.items())
+    items = [fn(v) for v in container]
+    return type(container)(*items) if hasattr(container, "_fields") else tuple(items)
+
+
 def normalize_input(value, argument: str):
     """An input structure (``from_tensor_slices``/``from_tensors``/``output_signature``): lists are tensors."""
-    if isinstance(value, abc.Mapping):
-        return type(value)((k, normalize_input(v, argument)) for k, v in value.items())
-    if isinstance(value, tuple):
-        items = [normalize_input(v, argument) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, (abc.Mapping, tuple)):
+        return map_container(lambda v: normalize_input(v, argument), value)
     return to_leaf(value, argument)
 
 
@@ -112,11 +117,8 @@ def normalize_output(value, argument: str):
         raise TypeError(f"{argument} returned None; return an array, a number, or a tuple/dict of them")
     if isinstance(value, list):
         value = tuple(value)
-    if isinstance(value, abc.Mapping):
-        return type(value)((k, normalize_output(v, argument)) for k, v in value.items())
-    if isinstance(value, tuple):
-        items = [normalize_output(v, argument) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, (abc.Mapping, tuple)):
+        return map_container(lambda v: normalize_output(v, argument), value)
     return to_leaf(value, argument)
 
 

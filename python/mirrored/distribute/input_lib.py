@@ -17,8 +17,8 @@ import numpy as np
 
 from .. import _nest
 from ..data import dataset_ops
-from ..data.dataset_ops import Dataset, PrefetchIterator, _Iterator
-from ..data.iterator_ops import Optional
+from ..data.dataset_ops import CountingIterator, Dataset, PrefetchIterator, _Iterator
+from ..data.iterator_ops import IteratorProtocol
 from ..data.options import AutoShardPolicy, policy_of
 from ..data.structure import TensorSpec, decode_state, encode_state
 from ..device import device_util
@@ -124,25 +124,15 @@ class _StepIterator(_Iterator):
         return {"source": self._inputs[0].save(), "item": self._item, "taken": self._taken}
 
 
-class _PythonSource(_Iterator):
+class _PythonSource(CountingIterator):
     """A plain Python iterable's items; its position is the count taken (a restore iterates afresh and skips)."""
 
     def __init__(self, items: "_Reiterable", count: int = 0):
-        super().__init__()
-        self._it, self._count = items(), 0
+        it = items()
         if count and items._one_shot:
             raise ValueError(f"cannot restore a position in {items._argument}: it is a one-shot iterator; pass an "
                              "md.data.Dataset or a re-iterable (a list) to checkpoint the iterator")
-        for _ in range(count):
-            self.next()
-
-    def next(self):
-        item = next(self._it)
-        self._count += 1
-        return item
-
-    def save(self):
-        return {"count": self._count}
+        super().__init__(it, count)
 
 
 def _source_iterator(items, state=None) -> _Iterator:
@@ -233,7 +223,7 @@ class _DeviceFetcher:
         return out
 
 
-class DistributedIterator:
+class DistributedIterator(IteratorProtocol):
     """Iterator over a distributed dataset: each ``next`` is one step, ``PerReplica`` leaves.
 
     A background thread prepares the next steps (split, copied onto the replicas' devices). It is
@@ -242,49 +232,15 @@ class DistributedIterator:
     """
 
     def __init__(self, distributed, state=None):
-        self._distributed = distributed
-        self._prefetch = distributed._build(state)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        try:
-            return self._prefetch.next()
-        except StopIteration:
-            self._prefetch.close()  # the pipeline's threads end with the data
-            raise
-
-    def get_next(self):
-        return next(self)
-
-    def get_next_as_optional(self) -> Optional:
-        """The next element wrapped in an :class:`Optional` that is empty at the end of the data."""
-        try:
-            return Optional(next(self), True)
-        except StopIteration:
-            return Optional(None, False)
-
-    @property
-    def element_spec(self):
-        return self._distributed.element_spec
+        super().__init__(distributed, distributed._build(state))
 
     def _serialize_to_tensors(self) -> dict:
-        return encode_state(self._distributed._check_checkpointable(self._prefetch.save()))
+        return encode_state(self._dataset._check_checkpointable(self._source.save()))
 
     def _restore_from_tensors(self, tensors: dict) -> None:
         state = decode_state(tensors)
-        self._prefetch.close()
-        self._prefetch = self._distributed._build(state)
-
-    def close(self) -> None:
-        """Stop the background thread now (also done when the iterator is garbage collected)."""
-        self._prefetch.close()
-
-    def __del__(self):
-        prefetch = getattr(self, "_prefetch", None)
-        if prefetch is not None:
-            prefetch.close()
+        self._source.close()
+        self._source, self._done = self._dataset._build(state), False
 
 
 class _DistributedInput:

@@ -9,6 +9,9 @@ from .checkpoint_management import (Checkpoint, CheckpointError, CheckpointLoadS
                                     CheckpointState, NotFoundError, get_checkpoint_state, latest_checkpoint,
                                     list_variables, load_checkpoint, load_variable)
 
+# Keras 3 names it keras.optimizers.LossScaleOptimizer too (the same class as keras.mixed_precision's).
+optimizers.LossScaleOptimizer = mixed_precision.LossScaleOptimizer
+
 __all__ = ["Checkpoint", "CheckpointManager", "CheckpointState", "CheckpointLoadStatus", "CheckpointError",
            "NotFoundError", "latest_checkpoint", "get_checkpoint_state", "list_variables", "load_variable",
            "load_checkpoint", "ClusterSpec"]
