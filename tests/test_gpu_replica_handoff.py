@@ -197,11 +197,11 @@ def test_with_blocks_inside_a_replica_unwind_to_its_own_stream(logical):
     def step():
         ctx = md.get_replica_context()
         i = ctx.replica_id_in_sync_group
-        y = ctx.all_reduce("sum", cupy.full(2, 1.0, cupy.float32))
+        ctx.merge_call(lambda strategy: None)
         with cupy.cuda.Stream.null:
             pass
         after_null = cupy.cuda.get_current_stream().ptr
-        ctx.merge_call(lambda strategy: None)
+        y = ctx.all_reduce("sum", cupy.full(2, 1.0, cupy.float32))
         with other:  # (nothing on it: it is not ordered after the replica's collective)
             pass
         seen[i] = (after_null, cupy.cuda.get_current_stream().ptr)
