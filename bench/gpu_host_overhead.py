@@ -4,6 +4,7 @@ stand-in (tests/fake_cupy.py), and only the calls are timed, not the queued
 kernels (they are drained after each call, outside the clock).
 
     python bench/gpu_host_overhead.py [--replicas 2 4] [--repeat 2000]
+    python bench/gpu_host_overhead.py --run-only --replicas 2 4 8    # strategy.run only
 
 Reports µs per call for a 4-byte all_reduce (out= preallocated and not), a
 200-tensor batch_all_reduce and strategy.run(replica-context all_reduce) on
@@ -38,6 +39,9 @@ import mirrored as md  # noqa: E402
 from mirrored import collectives  # noqa: E402
 
 
+clock = time.perf_counter
+
+
 def per_call_us(call, repeat: int) -> float:
     """Median µs of one call, its queued kernels drained after it, outside the clock (so an engine's
     own host wait for an earlier call's work finds it done, as it mostly would on a GPU)."""
@@ -45,9 +49,9 @@ def per_call_us(call, repeat: int) -> float:
     cupy.sim.drain()
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = clock()
         call()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
         cupy.sim.drain()
     return statistics.median(times) * 1e6
 
@@ -56,7 +60,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     p.add_argument("--repeat", type=int, default=2000)
+    p.add_argument("--run-only", action="store_true",
+                   help="only strategy.run: of a trivial step and of a replica-context all_reduce (4 B)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: the process's CPU time (all threads), steadier than wall time on a loaded machine")
     args = p.parse_args()
+    global clock
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.run_only:
+        return run_only(args)
     print("| replicas | all_reduce 4 B (µs) | all_reduce 4 B, out= (µs) | batch 200 tensors (µs) | "
           "run(all_reduce 4 B) (µs) |")
     print("|---:|---:|---:|---:|---:|")
@@ -83,6 +95,23 @@ def main():
     for n in args.replicas:
         fused, each = (optimizer_step_us(n, kernel, args.repeat // 20) for kernel in (True, False))
         print(f"| {n} | {fused:.0f} | {each:.0f} | {fused / each:.2f} |")
+
+
+def run_only(args):
+    """µs per strategy.run of a trivial step and of one replica-context all_reduce of 4 B."""
+    print("| replicas | run(trivial) (µs) | run(all_reduce 4 B) (µs) |")
+    print("|---:|---:|---:|")
+    for n in args.replicas:
+        md.config.set_logical_device_configuration("GPU", 0, count=n)
+        try:
+            s = md.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
+            step_x = s.run(lambda: cupy.ones(1, cupy.float32))
+            trivial = per_call_us(lambda: s.run(lambda: None), args.repeat)
+            reduce = per_call_us(lambda: s.run(lambda x: md.get_replica_context().all_reduce("sum", x),
+                                               args=(step_x,)), args.repeat)
+        finally:
+            md.config.set_logical_device_configuration("GPU:0", None)
+        print(f"| {n} | {trivial:.1f} | {reduce:.1f} |")
 
 
 def optimizer_step_us(n: int, kernel: bool, repeat: int) -> float:

@@ -20,6 +20,7 @@ found under PATH (another build's ``mirrored``) in the same run, alternating.
 
     python bench/run_overhead.py --replicas 4
     python bench/run_overhead.py --replicas 2 4 8 --compare /tmp/base --clock cpu
+    python bench/run_overhead.py --device sim --replicas 2 4 8 --calls run_trivial run_all_reduce --compare /tmp/base
 """
 
 import argparse
@@ -33,6 +34,7 @@ import json, statistics, sys, time
 import numpy as np
 import mirrored as md
 n, device, iters, rounds = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+only = set(sys.argv[6].split(",")) if len(sys.argv) > 6 else None
 clock = time.process_time if sys.argv[5] == "cpu" else time.perf_counter
 if device == "sim":  # the GPU call path over the simulated CUDA runtime and tests/fake_cupy.py
     sys.path.insert(0, "tests")
@@ -88,6 +90,8 @@ def per_call(fn, k):
 
 out = {}
 for name, fn in calls.items():
+    if only is not None and name not in only:
+        continue
     k = max(1, iters // (10 if name.startswith("run") else 1))
     for _ in range(3):
         per_call(fn, k)
@@ -99,18 +103,21 @@ for name, fn in calls.items():
         ratios.append(t / ref)
     out[name] = {"us": statistics.median(us), "ratio": statistics.median(ratios)}
 out["unit"] = {"us": min(per_call(unit, iters) for _ in range(rounds)), "ratio": 1.0}
+if hasattr(xp, "sim"):  # the simulator's queued kernels run now, not during interpreter shutdown
+    xp.sim.drain()
 print(json.dumps(out))
 """
 
 TARGETS = {"all_reduce": 0.7, "batch_reduce": 2, "run_trivial": 4, "run_all_reduce": 8}
 
 
-def measure(path, n, device, iters, rounds, clock):
+def measure(path, n, device, iters, rounds, clock, calls):
     env = dict(os.environ)
     if path:
         env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(n), device, str(iters), str(rounds), clock], env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(n), device, str(iters), str(rounds), clock]
+                          + ([",".join(calls)] if calls else []), env=env, capture_output=True, text=True,
+                          timeout=900)
     if proc.returncode:
         raise SystemExit(proc.stderr)
     return json.loads(proc.stdout)
@@ -126,11 +133,13 @@ def main():
     p.add_argument("--compare", default=None, help="directory with another build's mirrored package")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: process CPU time (all threads), steadier than wall time on a loaded machine")
+    p.add_argument("--calls", nargs="+", default=None,
+                   help="time only these calls (e.g. run_trivial run_all_reduce; the unit always)")
     a = p.parse_args()
     builds = [("this build", None)] + ([("--compare", a.compare)] if a.compare else [])
     print(f"{'build':<12} {'replicas':>8} {'call':<16} {'us/call':>9} {'x NumPy':>8} {'target':>7}")
     for n in a.replicas:
-        results = {label: measure(path, n, a.device, a.iters, a.rounds, a.clock) for label, path in builds}
+        results = {label: measure(path, n, a.device, a.iters, a.rounds, a.clock, a.calls) for label, path in builds}
         for label, _ in builds:
             for name, r in results[label].items():
                 target = f"<= {TARGETS[name]}" if name in TARGETS and a.device == "cpu" else ""

@@ -129,6 +129,26 @@ def _streams() -> dict:
     return d
 
 
+def _stream_stacks() -> tuple:
+    """This thread's ``with stream`` stacks, as CuPy's (cupy/cuda/stream.pyx ``_ThreadLocal``): each
+    enter pushes the stream on its device's stack and the device on one list; each exit pops the
+    latest device's latest stream, whichever stream exits, and makes the one below current. Code
+    that interleaves ``with`` blocks on one thread (greenlets) unwinds another's stream, as on CuPy."""
+    stacks = getattr(_tls, "stream_stacks", None)
+    if stacks is None:
+        stacks = _tls.stream_stacks = ([], {})
+    return stacks
+
+
+def _check_stream_device(stream) -> int:
+    """The stream's device, which must be the current one (CuPy's check_stream_device_match)."""
+    device, current = stream._device(), _device_id()
+    if device != current:
+        raise RuntimeError(f"The device that the stream is created on ({device}) does not match with the "
+                           f"current device ({current})")
+    return device
+
+
 class Stream:
     """A stream of the device current at creation; ``Stream.null`` is every device's legacy default stream."""
 
@@ -143,20 +163,22 @@ class Stream:
         return _device_id() if self.ptr == 0 else self.device_id
 
     def __enter__(self):
-        d = self._device()
-        _saved(self).append((d, _streams().get(d)))
+        d = _check_stream_device(self)
+        devices, stacks = _stream_stacks()
+        stacks.setdefault(d, [Stream.null]).append(self)
+        devices.append(d)
         _streams()[d] = self
         return self
 
     def __exit__(self, *exc):
-        d, prev = _restore(self)
-        if prev is None:
-            _streams().pop(d, None)
-        else:
-            _streams()[d] = prev
+        devices, stacks = _stream_stacks()
+        stack = stacks[devices.pop()]
+        stack.pop()
+        below = stack[-1]
+        _streams()[below._device()] = below  # (the null stream: on the device current now, as CuPy)
 
     def use(self):
-        _streams()[self._device()] = self
+        _streams()[_check_stream_device(self)] = self
         return self
 
     def synchronize(self):
@@ -938,6 +960,13 @@ class _Runtime:
 
     def getDeviceCount(self):
         return _cuda_sim.device_count()
+
+    def getDevice(self):
+        """The calling thread's current device (cudaGetDevice: per host thread, greenlets share it)."""
+        return _device_id()
+
+    def setDevice(self, device):
+        Device(device).use()
 
     def getDeviceProperties(self, ordinal):
         return {"name": b"Simulated GPU", "totalGlobalMem": 1 << 34, "multiProcessorCount": 4, "major": 9, "minor": 0}

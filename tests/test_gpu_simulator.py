@@ -142,8 +142,10 @@ def test_threads_entering_one_stream_or_device_object_each_get_their_own_back(sh
     # left first the other's stream, so its next kernels ran unordered with its own arrays' frees.
     import threading
 
+    # (A stream is entered on its own device only, as CuPy checks: threads sharing one do so on GPU 0.)
+    devices = (0, 0) if shared == "a replica stream" else (0, 1)
     own = []
-    for device in (0, 1):
+    for device in devices:
         with cupy.cuda.Device(device):
             own.append(cupy.cuda.Stream())
     context = {"Stream.null": cupy.cuda.Stream.null, "a replica stream": cupy.cuda.Stream(),
@@ -153,7 +155,7 @@ def test_threads_entering_one_stream_or_device_object_each_get_their_own_back(sh
 
     def replica(i):
         # Thread 0 enters, then thread 1, then thread 0 leaves first.
-        with cupy.cuda.Device(i), own[i]:
+        with cupy.cuda.Device(devices[i]), own[i]:
             if i == 1:
                 turns[0].wait()
             with context:
@@ -172,7 +174,7 @@ def test_threads_entering_one_stream_or_device_object_each_get_their_own_back(sh
         t.start()
     for t in threads:
         t.join()
-    assert after == [(0, own[0]), (1, own[1])]
+    assert after == [(devices[0], own[0]), (devices[1], own[1])]
 
 
 def _write_then_copy(write):

@@ -390,7 +390,7 @@ class Strategy:
             return captured(self, args, dict(kwargs or {}))
         if _run_observer is not None:
             _run_observer(self)
-        top = _top()
+            top = _top()  # (the observer may have entered a scope)
         if top.strategy is self and top.replica_context is None:  # in this strategy's scope already
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
         stack = _stack()  # (what scope() does, once the check above has passed)
@@ -570,9 +570,10 @@ class StrategyExtended:
     def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
         """Reduce several ``(value, destinations)`` pairs in one fused call; one result per pair."""
         op = as_reduce_op(reduce_op)
-        top = _top()  # (the common case, this strategy's cross-replica context, checked without a call)
-        if top.strategy is not self._container_strategy or top.replica_context is not None:
-            _require_cross_replica_or_default(self._container_strategy, "batch_reduce_to")
+        strategy = self._container_strategy
+        top = _top()  # (the common cases, outside any scope or in this strategy's, checked without a call)
+        if top is not _DEFAULT and (top.strategy is not strategy or top.replica_context is not None):
+            _require_cross_replica_or_default(strategy, "batch_reduce_to")
         pairs = []
         for pair in value_destination_pairs if isinstance(value_destination_pairs, (list, tuple)) else (None,):
             if not isinstance(pair, tuple) or len(pair) != 2:

@@ -43,21 +43,76 @@ HANDOFF_SECONDS = 0.005
 BLOCKED_SECONDS = 0.1
 
 
-def _is_long(started: float, started_cpu: float) -> bool:
-    """Whether a step begun at ``started`` (perf_counter) / ``started_cpu`` (thread_time) is long."""
+# _Context(strategy, replica_context) built without the NamedTuple's Python-level __new__ (~0.35 us
+# saved per replica of every step); the entry must not be cached: it holds the strategy.
+_new_tuple = tuple.__new__
+
+
+def _is_long(started: float, started_cpu: float | None) -> bool:
+    """Whether a step begun at ``started`` (perf_counter) / ``started_cpu`` (thread_time) is long.
+    Without ``started_cpu`` (not read: see _ReplicaPool.run) only a blocked step counts as long."""
     wall = time.perf_counter() - started
-    return wall > HANDOFF_SECONDS and (wall > BLOCKED_SECONDS or time.thread_time() - started_cpu > HANDOFF_SECONDS)
+    return wall > HANDOFF_SECONDS and (wall > BLOCKED_SECONDS or started_cpu is not None and
+                                       time.thread_time() - started_cpu > HANDOFF_SECONDS)
 
 
-def _thread_state() -> tuple:
-    """What a replica keeps on its thread: the context stack, the current device and md.name_scope."""
-    return getattr(_local, "stack", None), device_util.current(), current_scope()
+class _ThreadState:
+    """What a replica keeps on its thread: the context stack, the current device and md.name_scope.
+
+    Replicas that share a thread (greenlets, see _Cooperative) take it along:
+    ``save`` when one hands the thread on, ``restore`` when it is resumed.
+    """
+
+    def save(self) -> tuple:
+        return getattr(_local, "stack", None), device_util.current(), current_scope()
+
+    def restore(self, state: tuple) -> None:
+        _local.stack, device, name_scope = state
+        device_util.set_current(device)
+        swap_scope(name_scope)
 
 
-def _set_thread_state(state: tuple) -> None:
-    _local.stack, device, name_scope = state
-    device_util.set_current(device)
-    swap_scope(name_scope)
+class _GpuThreadState(_ThreadState):
+    """... and, for GPU replicas, CuPy's per-thread CUDA state: the current CUDA device (the runtime's,
+    per host thread), the current stream of each of the strategy's GPUs, and the running replica's
+    entry on the thread's ``with stream`` stack (CuPy's, per thread: cupy/cuda/stream.pyx).
+
+    Only the running replica's stream is on that stack: a replica handing the thread on takes its
+    entry off (``_GpuReplicaScope.suspend``) and puts it back when resumed, so the ``with`` blocks
+    that library code opens and closes inside a replica unwind to that replica's stream, never to
+    another's.
+    """
+
+    def __init__(self, ordinals):
+        self._ordinals = tuple(sorted(set(ordinals)))
+        cuda = _gpu.cupy_module().cuda
+        self._runtime, self._current_stream = cuda.runtime, cuda.get_current_stream
+
+    def save(self) -> tuple:
+        current = self._current_stream
+        state = super().save() + (self._runtime.getDevice(), [current(o) for o in self._ordinals],
+                                  getattr(_running, "scope", None))
+        if state[5] is not None:
+            state[5].suspend()
+        return state
+
+    def restore(self, state: tuple) -> None:
+        super().restore(state[:3])
+        runtime, current, device, scope = self._runtime, self._current_stream, state[3], state[5]
+        _running.scope = scope
+        if scope is not None:
+            scope.resume()
+        moved = False  # (only what changed is set: replicas mostly share a GPU and keep their stream)
+        for ordinal, stream in zip(self._ordinals, state[4]):
+            if current(ordinal) is not stream:
+                runtime.setDevice(ordinal)  # (Stream.use sets the stream of the current device)
+                stream.use()
+                moved = True
+        if moved or runtime.getDevice() != device:
+            runtime.setDevice(device)
+
+
+_running = threading.local()  # .scope: the _GpuReplicaScope of the replica running on this thread, if any
 
 
 class _Cooperative:
@@ -80,8 +135,9 @@ class _Cooperative:
 
     HUB = object()  # current()'s answer for a replica running as a plain call on the hub
 
-    def __init__(self, group, next_replica):
+    def __init__(self, group, next_replica, state: _ThreadState):
         self._group = group
+        self._state = state
         self._next_replica = next_replica  # () -> (function, index) of a replica the hub claimed, or None
         self._replicas, self._ready, self._parked, self._unfinished = set(), collections.deque(), [], 0
 
@@ -136,21 +192,20 @@ class _Cooperative:
     def park(self) -> None:
         """Hands the thread on until this greenlet replica is resumed: to the next replica not started
         yet, started from here (a round trip through the hub saved), else back to the hub."""
-        stack, device = getattr(_local, "stack", None), device_util.current()  # (_thread_state, inlined)
+        state = self._state.save()
         claimed = self._next_replica()
         if claimed is not None:
             self._start(*claimed)
         else:
             self._hub.switch()
-        _local.stack = stack
-        device_util.set_current(device)
+        self._state.restore(state)
 
     def serve(self, generation: int) -> None:
         """The hub's replica waits in the collective of ``generation``: start and resume the other
         replicas until it settles, sleeping only while they all wait for replicas on other threads."""
         group = self._group
         lock, ready = group._lock, self._ready
-        state = _thread_state()
+        state = self._state.save()
         try:
             while True:
                 with lock:
@@ -168,7 +223,7 @@ class _Cooperative:
                     if not group.settled(generation) and not ready:
                         group.sleep()
         finally:
-            _set_thread_state(state)
+            self._state.restore(state)
 
     def drain(self) -> None:
         """Resumes ready replicas until every greenlet replica returned (sleeping while none is ready:
@@ -234,13 +289,20 @@ class _ReplicaPool:
     runs.
     """
 
-    def __init__(self, n: int, cooperative: bool = False, blas=None):
+    def __init__(self, n: int, cooperative: bool = False, blas=None, state: _ThreadState | None = None):
         self.n = n
         self.group = _Group(n)
         self._blas = blas or _BlasCap(())
+        self._state = state or _ThreadState()
         self._long_steps = False  # the latest run was long (_is_long)
+        # Whether runs read the thread's CPU clock (a system call, ~1.5 us: a tenth of a short run) when
+        # they start: only after a run that took longer than HANDOFF_SECONDS, which may have computed
+        # that long. So the first of a series of long computing steps runs its replicas one after
+        # another; the next ones hand off to the threads as before.
+        self._read_cpu = False
         # The caller runs the replicas it claims on its own thread (see _Cooperative), when greenlet is installed.
-        self._coop = _Cooperative(self.group, self._claim_next) if cooperative and n > 1 and _greenlet else None
+        self._coop = _Cooperative(self.group, self._claim_next, self._state) \
+            if cooperative and n > 1 and _greenlet else None
         self._go = [threading.Lock() for _ in range(n)]
         for lock in self._go:
             lock.acquire()
@@ -375,7 +437,7 @@ class _ReplicaPool:
             # KeyboardInterrupt interrupts: plain stores do not check for
             # signals; a call may raise one only after it returned (see _settle).
             self._caller = me
-            started, started_cpu = time.perf_counter(), time.thread_time()
+            started, started_cpu = time.perf_counter(), time.thread_time() if self._read_cpu else None
             try:
                 if self.n > 1:
                     # (Always: a thread woken late for an earlier run may claim a replica of this one.)
@@ -386,13 +448,17 @@ class _ReplicaPool:
                     if woken:
                         self._wake_threads()
                 if coop is None:
-                    self._execute(0)
-                    for i in range(1, self.n):  # not claimed by its thread yet: run it here, no hand-off
-                        if claims.setdefault(i, mine) is mine:
-                            self._run_claimed(i)
+                    state = self._state.save()
+                    try:
+                        self._execute(0)
+                        for i in range(1, self.n):  # not claimed by its thread yet: run it here, no hand-off
+                            if claims.setdefault(i, mine) is mine:
+                                self._run_claimed(i)
+                    finally:
+                        self._state.restore(state)
                 else:
                     self._next, self._started, self._started_cpu, self._woken = 1, started, started_cpu, woken
-                    state = _thread_state()
+                    state = self._state.save()
                     try:
                         self._execute(0)
                         claimed = self._claim_next()
@@ -401,7 +467,7 @@ class _ReplicaPool:
                             claimed = self._claim_next()
                         coop.drain()
                     finally:
-                        _set_thread_state(state)
+                        self._state.restore(state)
             except BaseException:  # interrupted outside a replica's function: free the others
                 self.group.abort()
                 if coop is not None:
@@ -413,7 +479,8 @@ class _ReplicaPool:
                     self._wait_for_replicas()
                 self._blas.restore()
             # Then the next step starts on the threads (the wall time first: a clock read saved).
-            self._long_steps = time.perf_counter() - started > HANDOFF_SECONDS and _is_long(started, started_cpu)
+            self._read_cpu = time.perf_counter() - started > HANDOFF_SECONDS
+            self._long_steps = self._read_cpu and _is_long(started, started_cpu)
             results, errors = self._results, self._errors
             self._fn = self._results = self._errors = None
             if errors:
@@ -512,32 +579,54 @@ def _blas_controllers() -> list:
 
 
 class _GpuReplicaScope:
-    """A GPU replica's device and CUDA device and stream, made once (entered by that replica's thread only)."""
+    """A GPU replica's device and CUDA device and stream, made once (entered by one replica at a time).
+
+    Its stream is entered as CuPy's ``with stream`` does (pushed on the
+    thread's stack), so that ``with`` blocks inside the replica unwind to it.
+    Replicas that share a thread (greenlets) take their entry off the stack
+    while another runs (``suspend``/``resume``, from _GpuThreadState).
+    """
 
     def __init__(self, device, replica_id: int):
-
         self._ordinal = ordinal = device_util.physical_ordinal(device)
         self._device = device_util.device_scope(device)
-        self._cuda_device = _gpu.cupy_module().cuda.Device(ordinal)
+        self._runtime = _gpu.cupy_module().cuda.runtime
         self._stream = _gpu.replica_stream(replica_id, ordinal)
-        self._entered = []
+        self._entered = []  # (CUDA device before, stream entered, memory scope, _running.scope before)
 
     def __enter__(self):
         # Inside md.function the replica runs on the step's stream and memory (device/gpu.py StepScope).
+        # The step's allocator is the same for every replica and the md.function caller's own, so
+        # interleaved enters and exits of its (per-thread) scope leave it as it was.
         step = _gpu.step_scope()
         stream = self._stream if step is None else step.streams[self._ordinal]
         memory = _gpu.step_memory()
         self._device.__enter__()
-        self._cuda_device.__enter__()
-        stream.__enter__()
+        device = self._runtime.getDevice()
+        self._entered.append((device, stream, memory, getattr(_running, "scope", None)))
+        self.resume()
         memory.__enter__()
-        self._entered.append((stream, memory))
+        _running.scope = self
+
+    def suspend(self) -> None:
+        """Takes this replica's stream off the thread's ``with`` stack (it is on top: anything entered
+        after it inside the replica has been left)."""
+        self._entered[-1][1].__exit__(None, None, None)
+
+    def resume(self) -> None:
+        """This replica's GPU current again and its stream back on top of the thread's ``with`` stack."""
+        if self._runtime.getDevice() != self._ordinal:
+            self._runtime.setDevice(self._ordinal)
+        self._entered[-1][1].__enter__()
 
     def __exit__(self, *exc):
-        stream, memory = self._entered.pop()
+        device, stream, memory, running = self._entered[-1]
         memory.__exit__(*exc)
-        stream.__exit__(*exc)
-        self._cuda_device.__exit__(*exc)
+        self.suspend()
+        self._entered.pop()
+        _running.scope = running
+        if self._runtime.getDevice() != device:
+            self._runtime.setDevice(device)
         self._device.__exit__(*exc)
 
 
@@ -567,13 +656,16 @@ class MirroredExtended(StrategyExtended):
             raise ValueError(f"cross_device_ops={cross_device_ops!r}: expected an instance of "
                              "md.cross_device_ops.CrossDeviceOps (e.g. RingAllReduce())")
         self._cross_device_ops = cross_device_ops or _default_cross_device_ops(self._local_devices)
-        # Replicas share the caller's thread where that is safe: CPU replicas (GPU replicas each
-        # hold CuPy's per-thread device and stream).
-        self._pool = _ReplicaPool(len(self._local_devices), cooperative=device_util.all_cpu(self._local_devices),
-                                  blas=_BlasCap(self._local_devices))
+        # Replicas share the caller's thread (greenlets): GPU replicas too, as their kernels are
+        # asynchronous; each takes its CUDA device and stream along when it hands the thread on.
+        gpus = [device_util.physical_ordinal(d) for d in self._local_devices
+                if device_util.parse(d).device_type == "GPU"]
+        self._pool = _ReplicaPool(len(self._local_devices), cooperative=True, blas=_BlasCap(self._local_devices),
+                                  state=_GpuThreadState(gpus) if gpus else _ThreadState())
         weakref.finalize(container_strategy, self._pool.close)
         self._replica_contexts = None
         self._scopes = None
+        self._native_all_reduces = {}  # id(ReduceOp) -> _native_replica_all_reduce's answer (False: none)
 
     def _contexts(self) -> list:
         if self._replica_contexts is None:
@@ -600,9 +692,10 @@ class MirroredExtended(StrategyExtended):
         name_scope = current_scope()
 
         def replica(i):
-            saved = getattr(_local, "stack", None)
-            _local.stack = [_Context(strategy, contexts[i])]
-            outer_name_scope = swap_scope(name_scope)
+            # (The thread's context stack and name scope are not put back here: the pool restores the
+            # caller's once the run ends, and a replica thread's are set afresh by its next replica.)
+            _local.stack = [_new_tuple(_Context, (strategy, contexts[i]))]
+            swap_scope(name_scope)
             scope = scopes[i]
             scope.__enter__()
             try:
@@ -612,8 +705,6 @@ class MirroredExtended(StrategyExtended):
                 return fn(*args_i, **kwargs_i)
             finally:
                 scope.__exit__(None, None, None)
-                swap_scope(outer_name_scope)
-                _local.stack = saved
 
         results = self._pool.run(replica)
         return regroup(results, devices=self._local_devices)
@@ -666,7 +757,32 @@ class MirroredExtended(StrategyExtended):
         return self._cross_device_ops.broadcast(value, destinations)
 
     def _batch_reduce_to(self, op, pairs, options):
+        if options is None:
+            native = self._native_all_reduces.get(id(op))  # (by id: a ReduceOp's hash is Python code)
+            if native is None:
+                native = self._native_all_reduces[id(op)] = self._native_replica_all_reduce(op, None) or False
+            if native:
+                results = self._fused_all_reduce(native, pairs)
+                if results is not None:
+                    return results
         return self._cross_device_ops.batch_reduce(op, pairs, options)
+
+    def _fused_all_reduce(self, native, pairs):
+        """``batch_reduce_to`` of ``(v, v)`` pairs of host arrays on this strategy's devices, straight to the
+        native fused all-reduce the cross-device ops' batch_reduce ends in (the same call, the same
+        results, without its per-pair checks and wrapping); None for any other pairs."""
+        devices = self._local_devices
+        columns = []
+        for v, d in pairs:
+            if d is not v or not isinstance(v, DistributedValues) or v._devices != devices:
+                return None
+            columns.append(v._values)
+        if not columns:
+            return None
+        reduced = native([list(replica) for replica in zip(*columns)])
+        if reduced is None:  # not all NumPy arrays (variables, ...)
+            return None
+        return [Mirrored(column, devices) for column in zip(*reduced)]
 
     def _native_replica_all_reduce(self, op, options):
         cdo = self._cross_device_ops
