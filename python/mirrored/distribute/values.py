@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import operator
 import sys
+import threading
 import weakref
 
 import numpy as np
@@ -31,7 +32,9 @@ from .reduce_util import ReduceOp
 
 # How many times a variable copy was given a new buffer (copy-on-write, see _writable_buffer):
 # while it stays the same, every buffer a caller cached (the optimizers' GPU tables) is current.
+# Replica threads count under a lock: a lost update could step it back to a value a cache was made at.
 buffers_replaced = 0
+_buffers_replaced_lock = threading.Lock()
 
 
 def _numpy_text(value) -> str:
@@ -260,7 +263,8 @@ class DeviceVariable(Variable):
                     "replay; inside md.function drop such references before the update (del them, or read the "
                     "variable where it is used)")
             value = self._value = value.copy()
-            buffers_replaced += 1
+            with _buffers_replaced_lock:
+                buffers_replaced += 1
         if step is not None and step.capturing:  # the graph writes this buffer: md.function checks it stays
             step.captured.setdefault("variable buffers", {})[id(self)] = (self, id(value))
         return value
