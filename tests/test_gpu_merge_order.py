@@ -99,10 +99,12 @@ def test_all_reduce_result_read_after_an_empty_merge_call(strategy, seed):
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("op", ["sum", "max"])
-def test_replicas_on_their_own_non_blocking_streams(strategy, op, seed):
-    """Each replica computes on a non-blocking stream of its own (not ordered by the legacy stream):
-    the collective still reads every replica's finished input, each replica's later work sees the
-    result, and the merge_fn sees every replica's value."""
+@pytest.mark.parametrize("non_blocking", [True, False])
+def test_replicas_on_streams_of_their_own(strategy, op, non_blocking, seed):
+    """Each replica computes on a stream of its own (a non-blocking one is not ordered by the legacy
+    stream; a blocking one is, but not with the other replicas' streams): the collective still reads
+    every replica's finished input, each replica's later work sees the result, and the merge_fn sees
+    every replica's value."""
     n = strategy.num_replicas_in_sync
     host = _inputs(n, seed, (6, 5))
     streams = {}
@@ -110,7 +112,7 @@ def test_replicas_on_their_own_non_blocking_streams(strategy, op, seed):
     def step():
         ctx = md.get_replica_context()
         r = ctx.replica_id_in_sync_group
-        stream = streams.setdefault(r, cupy.cuda.Stream(non_blocking=True))
+        stream = streams.setdefault(r, cupy.cuda.Stream(non_blocking=non_blocking))
         with stream:
             x = cupy.asarray(host[r]) * 3 - 1  # written on the user's stream just before the collective
             y = ctx.all_reduce(op, x)

@@ -185,30 +185,40 @@ class MergeOrder:
     def combine(self, combine, slots):
         """``combine(slots)`` (a list of per-replica results) on the merge streams, ordered with every replica."""
         cuda = self._cuda
+        runtime = cuda.runtime
         foreign = [(r, s) for r, s in enumerate(self._foreign) if s is not None]
         if foreign:
             self._foreign = [None] * len(self._ordinals)
             for r, stream in foreign:
                 with cuda.Device(self._ordinals[r]):
                     merge_stream(self._ordinals[r]).wait_event(stream.record())
+        device = runtime.getDevice()
+        entered = []  # (a stream is entered with its device current, and left so; entered as `with` does)
         results = None
         try:
-            with contextlib.ExitStack() as scope:
-                device = cuda.runtime.getDevice()
-                for ordinal in self._gpus:  # (a stream is entered with its device current, and left so)
-                    scope.enter_context(cuda.Device(ordinal))
-                    scope.enter_context(merge_stream(ordinal))
-                scope.enter_context(cuda.Device(device))
-                scope.enter_context(step_memory())
+            for ordinal in self._gpus:
+                runtime.setDevice(ordinal)
+                stream = merge_stream(ordinal)
+                stream.__enter__()
+                entered.append((ordinal, stream))
+            runtime.setDevice(device)
+            if _step is None:
                 results = combine(slots)
-                return results
+            else:
+                with step_memory():
+                    results = combine(slots)
+            return results
         finally:
+            for ordinal, stream in reversed(entered):
+                runtime.setDevice(ordinal)
+                stream.__exit__(None, None, None)
             for r, stream in foreign:
                 ordinal = self._ordinals[r]
-                with cuda.Device(ordinal):
-                    stream.wait_event(merge_stream(ordinal).record())
+                runtime.setDevice(ordinal)
+                stream.wait_event(merge_stream(ordinal).record())
                 if results is not None:
                     self._held[r].append((ordinal, stream, results[r]))
+            runtime.setDevice(device)
 
     def finish(self, replica: int) -> None:
         """Replica ``replica`` returned: what was handed to it on a stream of the user's goes once
@@ -228,6 +238,7 @@ def collective_stream(ordinal: int) -> int:
     except when that is a replica stream (a merged call from inside a
     replica): then the legacy default stream, which waits for every
     replica's queued work on the device and is waited for by their next work.
+    (A replica context's collectives run in :meth:`MergeOrder.combine`, with that stream current.)
     """
     if _step is not None:  # inside md.function every replica's work on the GPU is on the step's stream
         return _step.streams[ordinal].ptr
