@@ -47,11 +47,9 @@ def test_replicas_run_on_the_callers_thread_each_on_its_own_stream(logical):
         i = ctx.replica_id_in_sync_group
         states = [(threading.get_ident(), _cuda_state())]
         x = cupy.full(3, i + 1, cupy.float32)
-        # (merge_call first: an all_reduce result read after a later merge_call can come back freed on
-        # GPU replicas, a bug of the collective path reported separately)
-        z = ctx.merge_call(lambda strategy, v: max(float(cupy.asnumpy(c)[0]) for c in v.values), args=(x,))
-        states.append((threading.get_ident(), _cuda_state()))
         y = ctx.all_reduce("sum", x)
+        states.append((threading.get_ident(), _cuda_state()))
+        z = ctx.merge_call(lambda strategy, v: max(float(cupy.asnumpy(c)[0]) for c in v.values), args=(x,))
         states.append((threading.get_ident(), _cuda_state()))
         seen[i] = states
         return y + z
@@ -199,11 +197,11 @@ def test_with_blocks_inside_a_replica_unwind_to_its_own_stream(logical):
     def step():
         ctx = md.get_replica_context()
         i = ctx.replica_id_in_sync_group
-        ctx.merge_call(lambda strategy: None)
+        y = ctx.all_reduce("sum", cupy.full(2, 1.0, cupy.float32))
         with cupy.cuda.Stream.null:
             pass
         after_null = cupy.cuda.get_current_stream().ptr
-        y = ctx.all_reduce("sum", cupy.full(2, 1.0, cupy.float32))
+        ctx.merge_call(lambda strategy: None)
         with other:  # (nothing on it: it is not ordered after the replica's collective)
             pass
         seen[i] = (after_null, cupy.cuda.get_current_stream().ptr)

@@ -139,6 +139,98 @@ def step_memory():
     return cupy_module().cuda.using_allocator(_step.allocator)
 
 
+class MergeOrder:
+    """Orders the cross-replica work of a group's combine (one collective call, or one merge_fn)
+    with every replica's stream; ``ordinals[r]``: replica r's CUDA ordinal (None: not a GPU replica).
+
+    The combine runs on whichever replica arrives last, and hands arrays to every replica. CuPy's
+    memory pool files each block under the stream current at its allocation and hands it out
+    again to that stream's next allocation as soon as it is freed, with no wait
+    (cupy/cuda/memory.pyx: ``_arena(stream_ptr)``): an array allocated on the combining replica's
+    stream, read by another replica's kernels on that replica's stream and then dropped, is
+    rewritten by the combining stream's next work while those reads may still be queued. So the
+    combine runs with each GPU's merge stream current (:func:`merge_stream`, the legacy default
+    stream): what it allocates is filed under that stream, whose later work (the reuse) waits for
+    every blocking stream's queued work (every replica stream's reads), and its collectives and
+    kernels are ordered after every replica's queued work and before their next work.
+
+    A replica whose current stream is one of the user's (``with cupy.cuda.Stream(non_blocking=True)``
+    inside the replica: not ordered by the legacy stream) is ordered with events instead: the merge
+    stream waits for that stream's queued work before the combine (the inputs), that stream waits
+    for the combine's work after it (the results), and the results handed to that replica are kept
+    until the work its stream queued before the replica returned is done (a free on the merge
+    stream would not wait for those reads). Inside ``md.function`` every replica's work is on the
+    step's stream already.
+    """
+
+    __slots__ = ("_ordinals", "_gpus", "_foreign", "_held", "_cuda")
+
+    def __init__(self, ordinals):
+        self._ordinals = tuple(ordinals)
+        self._gpus = tuple(sorted({o for o in self._ordinals if o is not None}))
+        n = len(self._ordinals)
+        self._foreign = [None] * n  # replica -> its current stream at arrival, when not ordered by the legacy one
+        self._held = [[] for _ in range(n)]  # replica -> [(ordinal, its stream, results handed to it)] of this run
+        self._cuda = cupy_module().cuda
+
+    def arrive(self, replica: int) -> None:
+        """Notes the stream replica ``replica`` (the calling one) has queued its inputs on."""
+        ordinal = self._ordinals[replica]
+        if ordinal is None or _step is not None:
+            return
+        stream = self._cuda.get_current_stream(ordinal)
+        if stream.ptr != 0 and stream.ptr not in _replica_stream_ptrs:
+            self._foreign[replica] = stream
+
+    def combine(self, combine, slots):
+        """``combine(slots)`` (a list of per-replica results) on the merge streams, ordered with every replica."""
+        cuda = self._cuda
+        runtime = cuda.runtime
+        foreign = [(r, s) for r, s in enumerate(self._foreign) if s is not None]
+        if foreign:
+            self._foreign = [None] * len(self._ordinals)
+            for r, stream in foreign:
+                with cuda.Device(self._ordinals[r]):
+                    merge_stream(self._ordinals[r]).wait_event(stream.record())
+        device = runtime.getDevice()
+        entered = []  # (a stream is entered with its device current, and left so; entered as `with` does)
+        results = None
+        try:
+            for ordinal in self._gpus:
+                runtime.setDevice(ordinal)
+                stream = merge_stream(ordinal)
+                stream.__enter__()
+                entered.append((ordinal, stream))
+            runtime.setDevice(device)
+            if _step is None:
+                results = combine(slots)
+            else:
+                with step_memory():
+                    results = combine(slots)
+            return results
+        finally:
+            for ordinal, stream in reversed(entered):
+                runtime.setDevice(ordinal)
+                stream.__exit__(None, None, None)
+            for r, stream in foreign:
+                ordinal = self._ordinals[r]
+                runtime.setDevice(ordinal)
+                stream.wait_event(merge_stream(ordinal).record())
+                if results is not None:
+                    self._held[r].append((ordinal, stream, results[r]))
+            runtime.setDevice(device)
+
+    def finish(self, replica: int) -> None:
+        """Replica ``replica`` returned: what was handed to it on a stream of the user's goes once
+        that stream's work queued so far is done."""
+        held = self._held[replica]
+        if held:
+            self._held[replica] = []
+            for ordinal, stream in {s.ptr: (o, s) for o, s, _ in held}.values():
+                with self._cuda.Device(ordinal):
+                    _inflight.add(stream.record(), held)
+
+
 def collective_stream(ordinal: int) -> int:
     """Handle of the stream a collective over a buffer on GPU ``ordinal`` is ordered on.
 
@@ -146,6 +238,7 @@ def collective_stream(ordinal: int) -> int:
     except when that is a replica stream (a merged call from inside a
     replica): then the legacy default stream, which waits for every
     replica's queued work on the device and is waited for by their next work.
+    (A replica context's collectives run in :meth:`MergeOrder.combine`, with that stream current.)
     """
     if _step is not None:  # inside md.function every replica's work on the GPU is on the step's stream
         return _step.streams[ordinal].ptr

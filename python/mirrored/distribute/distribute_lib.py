@@ -79,6 +79,9 @@ class _Group:
         self._cond = threading.Condition(self._lock)
         self._sleepers = 0  # threads in sleep(): a notify costs Python calls, skipped when none waits
         self.coop = None  # the run's cooperative scheduler, or None
+        # GPU replicas: device/gpu.py's MergeOrder, which each replica tells of its arrival and every
+        # combine runs in (on the merge streams, ordered with every replica's stream); None for CPU replicas.
+        self.order = None
         self.reset()
 
     def _notify(self):
@@ -120,8 +123,11 @@ class _Group:
         return results[rid]
 
     def _exchange(self, rid, kind, payload, combine):
+        order = self.order
+        if order is not None:
+            order.arrive(rid)
         if self.n == 1:
-            return combine([payload])
+            return self._run_combine(combine, [payload])
         coop = self.coop
         with self._lock:
             if self._broken is not None:
@@ -167,7 +173,7 @@ class _Group:
                     f"replicas made different collective calls at the same step: "
                     f"{dict(enumerate(kinds))}; every replica must call the same collectives "
                     "in the same order")
-            results = combine(self._slots)
+            results = self._run_combine(combine, self._slots)
         except BaseException as e:  # every replica raises it: the run reports it once
             results = e
         self._results = results
@@ -176,6 +182,9 @@ class _Group:
         self._generation += 1
         self._notify()
         return results
+
+    def _run_combine(self, combine, slots):
+        return combine(slots) if self.order is None else self.order.combine(combine, slots)
 
     def _check_stranded(self):
         if self._arrived and self._arrived + self._finished == self.n and self._broken is None:

@@ -658,10 +658,13 @@ class MirroredExtended(StrategyExtended):
         self._cross_device_ops = cross_device_ops or _default_cross_device_ops(self._local_devices)
         # Replicas share the caller's thread (greenlets): GPU replicas too, as their kernels are
         # asynchronous; each takes its CUDA device and stream along when it hands the thread on.
-        gpus = [device_util.physical_ordinal(d) for d in self._local_devices
-                if device_util.parse(d).device_type == "GPU"]
+        ordinals = [device_util.physical_ordinal(d) if device_util.parse(d).device_type == "GPU" else None
+                    for d in self._local_devices]
+        gpus = [o for o in ordinals if o is not None]
         self._pool = _ReplicaPool(len(self._local_devices), cooperative=True, blas=_BlasCap(self._local_devices),
                                   state=_GpuThreadState(gpus) if gpus else _ThreadState())
+        if gpus:  # collectives and merge_fns run on the merge streams, ordered with every replica's stream
+            self._pool.group.order = _gpu.MergeOrder(ordinals)
         weakref.finalize(container_strategy, self._pool.close)
         self._replica_contexts = None
         self._scopes = None
@@ -687,6 +690,7 @@ class MirroredExtended(StrategyExtended):
         strategy = self._container_strategy
         contexts = self._replica_contexts or self._contexts()
         scopes = self._scopes or self._replica_scopes()
+        order = self._pool.group.order
         # Every replica starts in the caller's md.name_scope, as TF's replica threads do, and keeps its
         # own: a thread that runs another replica while this one waits in a merge_call must not see it.
         name_scope = current_scope()
@@ -705,6 +709,8 @@ class MirroredExtended(StrategyExtended):
                 return fn(*args_i, **kwargs_i)
             finally:
                 scope.__exit__(None, None, None)
+                if order is not None:
+                    order.finish(i)
 
         results = self._pool.run(replica)
         return regroup(results, devices=self._local_devices)
