@@ -5,6 +5,9 @@
 # training step eager vs md.function). Results land in $OUT (default out/gpu_check).
 #
 #   OUT=out/gpu bash bench/gpu_check.sh
+#
+# CUDA_ARCHITECTURES (default: native, the GPU at hand) and EXTRA_PYTHONPATH (wheels
+# installed beside it, e.g. greenlet where the machine lacks it) may be set.
 set -uo pipefail
 OUT=${OUT:-out/gpu_check}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -12,14 +15,17 @@ PY=${PYTHON:-python3}
 site=${SITE:-/tmp/mirrored-site}
 nvidia-smi -L | tee "$OUT/gpu.txt"
 t0=$(date +%s)
-$PY -m pip install -q --no-build-isolation --no-deps --no-index --target "$site" . > "$OUT/build.log" 2>&1 \
+$PY -m pip install -q --no-build-isolation --no-deps --no-index --target "$site" \
+  --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHITECTURES:-native}" . > "$OUT/build.log" 2>&1 \
   || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
-export PYTHONPATH=$site
-$PY -c "import mirrored as md; print('GPUs', md.config.list_physical_devices('GPU'), 'NCCL', md.config.is_nccl_available())"
+export PYTHONPATH=$site${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
+$PY -c "import mirrored as md, importlib.util as u; print('GPUs', md.config.list_physical_devices('GPU'), 'NCCL', md.config.is_nccl_available(), 'greenlet', bool(u.find_spec('greenlet')))"
 timeout "${TEST_SECONDS:-200}" $PY -m pytest -m gpu tests -q -p no:cacheprovider -rf --junitxml="$OUT/gpu_tests.xml" \
   2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
-timeout 90 $PY bench/compare_gpu.py --logical --replicas 2 4 8 -b 4 -e 256M -f 64 --iters 10 --warmup 3 \
+timeout 80 $PY bench/compare_gpu.py --logical --replicas 2 4 8 -b 4 -e 256M -f 64 --iters 10 --warmup 3 \
   --json "$OUT/compare_gpu.json" 2>&1 | tee "$OUT/compare_gpu.txt"
 timeout 60 $PY bench/train_step.py --device gpu --function --replicas 1 2 --steps 10 --optimizer sgd \
   --torch-python "$PY" 2>&1 | tee "$OUT/train_step.txt"
+timeout 60 $PY bench/train_step.py --device gpu --model mlp --replicas 1 2 4 --steps 10 --optimizer sgd \
+  2>&1 | tee "$OUT/train_step_mlp.txt"
