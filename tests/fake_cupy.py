@@ -131,10 +131,9 @@ def _streams() -> dict:
 
 def _stream_stacks() -> tuple:
     """This thread's ``with stream`` stacks, as CuPy's (cupy/cuda/stream.pyx ``_ThreadLocal``): each
-    enter pushes the stream current before it (set by ``with`` or by ``use``) on its device's stack
-    and the device on one list, and makes the stream current; each exit pops the latest device's
-    saved stream, whichever stream exits, and makes it current again. Code that interleaves
-    ``with`` blocks on one thread (greenlets) unwinds another's stream, as on CuPy."""
+    enter pushes the stream on its device's stack and the device on one list; each exit pops the
+    latest device's latest stream, whichever stream exits, and makes the one below current. Code
+    that interleaves ``with`` blocks on one thread (greenlets) unwinds another's stream, as on CuPy."""
     stacks = getattr(_tls, "stream_stacks", None)
     if stacks is None:
         stacks = _tls.stream_stacks = ([], {})
@@ -166,16 +165,17 @@ class Stream:
     def __enter__(self):
         d = _check_stream_device(self)
         devices, stacks = _stream_stacks()
-        current = _streams()
-        stacks.setdefault(d, []).append(current.get(d, Stream.null))
+        stacks.setdefault(d, [Stream.null]).append(self)
         devices.append(d)
-        current[d] = self
+        _streams()[d] = self
         return self
 
     def __exit__(self, *exc):
         devices, stacks = _stream_stacks()
-        d = devices.pop()
-        _streams()[d] = stacks[d].pop()
+        stack = stacks[devices.pop()]
+        stack.pop()
+        below = stack[-1]
+        _streams()[below._device()] = below  # (the null stream: on the device current now, as CuPy)
 
     def use(self):
         _streams()[_check_stream_device(self)] = self
