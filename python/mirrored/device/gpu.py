@@ -194,6 +194,9 @@ class MergeOrder:
                     merge_stream(self._ordinals[r]).wait_event(stream.record())
         device = runtime.getDevice()
         entered = []  # (a stream is entered with its device current, and left so; entered as `with` does)
+        # Leaving a `with` block makes the top of CuPy's per-thread stack current again, not a stream the
+        # combining replica chose with use(): that one is made current again after the combine.
+        current = [cuda.get_current_stream(ordinal) for ordinal in self._gpus]
         results = None
         try:
             for ordinal in self._gpus:
@@ -212,6 +215,10 @@ class MergeOrder:
             for ordinal, stream in reversed(entered):
                 runtime.setDevice(ordinal)
                 stream.__exit__(None, None, None)
+            for ordinal, stream in zip(self._gpus, current):
+                if cuda.get_current_stream(ordinal) != stream:
+                    runtime.setDevice(ordinal)
+                    stream.use()
             for r, stream in foreign:
                 ordinal = self._ordinals[r]
                 runtime.setDevice(ordinal)
