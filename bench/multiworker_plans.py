@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,19 +33,11 @@ import tempfile
 
 import numpy as np
 
+from loopback_job import free_ports
+
 WORKERS = 2
 # 200 tensor sizes, deterministic: gradient-like, small to medium.
 BATCH_SIZES = [16 << (i % 9) for i in range(200)]
-
-
-def free_ports(k: int) -> list[int]:
-    socks = [socket.socket() for _ in range(k)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def worker(local: int, rounds: int, calls: int, out: str) -> None:

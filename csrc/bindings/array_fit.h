@@ -9,7 +9,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
+
+#include "core/dtype.h"
 
 namespace mirrored::bindings {
 
@@ -53,5 +57,78 @@ inline py::array new_result(const py::dtype& dtype, const std::vector<py::ssize_
   if (static_cast<std::size_t>(flat.size()) < nbytes) throw py::value_error("alloc returned a buffer too small");
   return py::array(dtype, shape, std::vector<py::ssize_t>{}, flat.mutable_data(), flat);
 }
+
+// The layout of a batch plan's tensors (host BatchPlan, multi-worker WorkerBatchPlan): each
+// tensor's dtype, shape, engine type and count, and its 64-byte aligned offset in the one result
+// buffer each replica gets.
+class BatchLayout {
+ public:
+  BatchLayout(std::vector<py::dtype> dtypes, std::vector<std::vector<py::ssize_t>> shapes, const std::vector<int>& codes,
+              const char* plan)
+      : dtypes_(std::move(dtypes)), shapes_(std::move(shapes)) {
+    const std::size_t T = dtypes_.size();
+    if (shapes_.size() != T || codes.size() != T)
+      throw py::value_error(std::string(plan) + ": one dtype, shape and code per tensor");
+    for (std::size_t t = 0; t < T; ++t) {
+      types_.push_back(dtype_from_code(codes[t]));
+      std::size_t count = 1;
+      for (auto d : shapes_[t]) count *= static_cast<std::size_t>(d);
+      counts_.push_back(count);
+      offsets_.push_back(total_);
+      total_ += (count * dtype_size(types_[t]) + 63) / 64 * 64;
+    }
+    total_ = std::max<std::size_t>(total_, 1);
+  }
+
+  int tensors() const { return static_cast<int>(dtypes_.size()); }
+  const std::size_t* counts() const { return counts_.data(); }
+  const DType* types() const { return types_.data(); }
+
+  // The data of per_replica_lists[r][t] at in[r * T + t]; false when an array does not fit the plan.
+  bool inputs(const py::handle& lists, int n, std::vector<const void*>& in) const {
+    const int T = tensors();
+    PyObject** rows = items_of(lists.ptr(), n);
+    if (rows == nullptr) return false;
+    in.resize(static_cast<std::size_t>(n) * T);
+    for (int r = 0; r < n; ++r) {
+      PyObject** items = items_of(rows[r], T);
+      if (items == nullptr) return false;
+      for (int t = 0; t < T; ++t) {
+        const auto* a = fitting(items[t], dtypes_[t].ptr(), shapes_[t], kReadable);
+        if (a == nullptr) return false;
+        in[r * T + t] = a->data;
+      }
+    }
+    return true;
+  }
+
+  // Every replica's result list, views of one fresh buffer per replica (small ones straight from
+  // NumPy, large ones from the face's recycler `alloc`), with their data at out[r * T + t].
+  py::list outputs(int n, const py::function& alloc, std::vector<void*>& out) const {
+    const int T = tensors();
+    out.resize(static_cast<std::size_t>(n) * T);
+    py::list result(n);
+    for (int r = 0; r < n; ++r) {
+      auto flat = total_ < kRecycled ? py::array_t<std::uint8_t>(static_cast<py::ssize_t>(total_))
+                                     : alloc(total_).cast<py::array_t<std::uint8_t>>();
+      if (static_cast<std::size_t>(flat.size()) < total_) throw py::value_error("alloc returned a buffer too small");
+      auto* base = reinterpret_cast<char*>(flat.mutable_data());
+      py::list row(T);
+      for (int t = 0; t < T; ++t) {
+        out[r * T + t] = base + offsets_[t];
+        row[t] = py::array(dtypes_[t], shapes_[t], std::vector<py::ssize_t>{}, base + offsets_[t], flat);
+      }
+      result[r] = std::move(row);
+    }
+    return result;
+  }
+
+ private:
+  std::vector<py::dtype> dtypes_;
+  std::vector<std::vector<py::ssize_t>> shapes_;
+  std::vector<DType> types_;
+  std::vector<std::size_t> counts_, offsets_;
+  std::size_t total_ = 0;
+};
 
 }  // namespace mirrored::bindings

@@ -141,67 +141,27 @@ class BatchPlan {
   BatchPlan(int n, std::vector<py::dtype> dtypes, std::vector<std::vector<py::ssize_t>> shapes,
             const std::vector<int>& codes, int op, std::size_t bytes_per_pack, int num_packs, int algorithm,
             std::size_t chunk_bytes, py::function alloc)
-      : n_(n), dtypes_(std::move(dtypes)), shapes_(std::move(shapes)), op_(reduce_op_from_code(op)),
+      : n_(n), layout_(std::move(dtypes), std::move(shapes), codes, "BatchPlan"), op_(reduce_op_from_code(op)),
         bytes_per_pack_(bytes_per_pack), num_packs_(num_packs), algorithm_(static_cast<Algorithm>(algorithm)),
-        chunk_bytes_(chunk_bytes), alloc_(std::move(alloc)) {
-    const std::size_t T = dtypes_.size();
-    if (shapes_.size() != T || codes.size() != T) throw py::value_error("BatchPlan: one dtype, shape and code per tensor");
-    for (std::size_t t = 0; t < T; ++t) {
-      types_.push_back(dtype_from_code(codes[t]));
-      std::size_t count = 1;
-      for (auto d : shapes_[t]) count *= static_cast<std::size_t>(d);
-      counts_.push_back(count);
-      offsets_.push_back(total_);
-      total_ += (count * dtype_size(types_[t]) + 63) / 64 * 64;
-    }
-    total_ = std::max<std::size_t>(total_, 1);
-  }
+        chunk_bytes_(chunk_bytes), alloc_(std::move(alloc)) {}
 
   // per_replica_lists[r][t] -> a list per replica of its results, or None when they do not fit.
   py::object run(const py::handle& lists) {
-    const int T = static_cast<int>(dtypes_.size());
-    PyObject** rows = items_of(lists.ptr(), n_);
-    if (rows == nullptr) return py::none();
-    std::vector<const void*> in(static_cast<std::size_t>(n_) * T);
-    for (int r = 0; r < n_; ++r) {
-      PyObject** items = items_of(rows[r], T);
-      if (items == nullptr) return py::none();
-      for (int t = 0; t < T; ++t) {
-        const auto* a = fitting(items[t], dtypes_[t].ptr(), shapes_[t], kReadable);
-        if (a == nullptr) return py::none();
-        in[r * T + t] = a->data;
-      }
-    }
-    std::vector<void*> out(in.size());
-    py::list result(n_);
-    for (int r = 0; r < n_; ++r) {
-      // Small results straight from NumPy; large ones from the face's recycler of dropped results.
-      auto flat = total_ < kRecycled ? py::array_t<std::uint8_t>(static_cast<py::ssize_t>(total_))
-                                     : alloc_(total_).cast<py::array_t<std::uint8_t>>();
-      if (static_cast<std::size_t>(flat.size()) < total_) throw py::value_error("alloc returned a buffer too small");
-      auto* base = reinterpret_cast<char*>(flat.mutable_data());
-      py::list row(T);
-      for (int t = 0; t < T; ++t) {
-        out[r * T + t] = base + offsets_[t];
-        row[t] = py::array(dtypes_[t], shapes_[t], std::vector<py::ssize_t>{}, base + offsets_[t], flat);
-      }
-      result[r] = std::move(row);
-    }
+    std::vector<const void*> in;
+    if (!layout_.inputs(lists, n_, in)) return py::none();
+    std::vector<void*> out;
+    py::list result = layout_.outputs(n_, alloc_, out);
     {
       py::gil_scoped_release nogil;
-      comm().batch_all_reduce(n_, T, in.data(), out.data(), counts_.data(), types_.data(), op_, bytes_per_pack_,
-                              num_packs_, algorithm_, chunk_bytes_);
+      comm().batch_all_reduce(n_, layout_.tensors(), in.data(), out.data(), layout_.counts(), layout_.types(), op_,
+                              bytes_per_pack_, num_packs_, algorithm_, chunk_bytes_);
     }
     return std::move(result);
   }
 
  private:
   int n_;
-  std::vector<py::dtype> dtypes_;
-  std::vector<std::vector<py::ssize_t>> shapes_;
-  std::vector<DType> types_;
-  std::vector<std::size_t> counts_, offsets_;
-  std::size_t total_ = 0;
+  bindings::BatchLayout layout_;
   ReduceOp op_;
   std::size_t bytes_per_pack_;
   int num_packs_;
