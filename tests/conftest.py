@@ -1,11 +1,19 @@
 """Fixtures of the Strategy-layer tests: MirroredStrategy over 1, 2 and 4 logical CPU replicas;
 and the GPU machine every ``gpu``-marked test runs on (real, or simulated: see gpu_env.py)."""
 
+import signal
 import zlib
 
 import pytest
 
 import mirrored as md
+
+# A run started in the background of a non-interactive shell (`make test &`) inherits SIGINT
+# ignored, and so would every process the tests start: Python then never raises KeyboardInterrupt,
+# and the Ctrl-C tests could not deliver one. A handler of our own is reset to the default in the
+# children, so they get Python's usual one.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def cpus(n):
