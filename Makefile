@@ -23,8 +23,9 @@ demo: setup
 	$(VPY) -m mirrored.bench all_reduce -b 8 -e 16M -f 4 --replicas 4 --algo auto
 
 # The native tests (mostly compiling the two sanitizer builds) run beside the Python
-# suite, on the core pytest leaves idle while it waits on its worker processes; their
-# log streams to build/native-test.log and their summary prints when both are done.
+# suite: much of pytest's time is spent waiting on the processes its tests start, so the
+# two finish sooner together than one after the other. The native log streams to
+# build/native-test.log; its summary prints when both are done.
 test: setup
 	@mkdir -p build && echo "native tests (ASan+UBSan, then TSan) run beside pytest; their log: build/native-test.log"
 	@$(MAKE) --no-print-directory native-test > build/native-test.log 2>&1 & native=$$!; \
@@ -93,9 +94,11 @@ native-test: system-deps
 	@# MIRRORED_NATIVE_TEST_SMALL: the single-threaded matrices run whole under ASan only.
 	cd build/tsan && MIRRORED_NUM_THREADS=$(SANITIZE_THREADS) MIRRORED_NATIVE_TEST_SMALL=1 TSAN_OPTIONS=halt_on_error=1 ctest -V
 
-# -v: each test's name shows when it starts, so a long one is never a silent wait.
+# -v: each test's name shows as it ends, so progress is never silent. -n auto: one pytest worker
+# per core (most tests wait on processes they start); --dist loadfile keeps each file on one
+# worker, so a module's set-up (a wheel build, a job) runs once.
 python-test: setup
-	$(VPY) -m pytest tests -v --durations=15
+	$(VPY) -m pytest tests -v --durations=15 -n auto --dist loadfile
 
 bench: setup
 	$(VPY) -m mirrored.bench all_reduce -b 8 -e 128M -f 2 --replicas 4 --algo auto,ring,direct,tree

@@ -283,6 +283,13 @@ def _in_subprocess(code: str, *args) -> str:
     return done.stdout
 
 
+_PEAK_MIB = """
+def peak_mib():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmHWM:"))
+"""
+
+
 def test_a_large_sparse_file_is_rejected_by_its_header_without_reading_it(tmp_path):
     sparse = tmp_path / "sparse"
     with open(sparse, "wb") as f:
@@ -291,25 +298,27 @@ def test_a_large_sparse_file_is_rejected_by_its_header_without_reading_it(tmp_pa
     with open(headed, "wb") as f:
         f.write(ckpt_mod._MAGIC + bytes([ckpt_mod._VERSION]) + struct.pack("<Q", (1 << 30) - 100))
         f.truncate(1 << 30)
-    out = _in_subprocess("""
-        import resource, sys, mirrored as md
+    # The peak as VmHWM (this process's own), not ru_maxrss: getrusage keeps the parent's peak across
+    # fork and exec, so a big test process would be measured instead of the load.
+    out = _in_subprocess(_PEAK_MIB + textwrap.dedent("""
+        import sys, mirrored as md
         for path, expected in ((sys.argv[1], "not a mirrored checkpoint"), (sys.argv[2], "announces an index")):
             try:
                 md.train.load_checkpoint(path)
             except md.train.CheckpointError as e:
                 assert expected in str(e), e
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
-    """, sparse, headed)
+        print(peak_mib())
+    """), sparse, headed)
     assert int(out) < 400  # MiB: the interpreter with NumPy and mirrored, not the files
-    sparse_growth = _in_subprocess("""
-        import resource, sys, mirrored as md
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    sparse_growth = _in_subprocess(_PEAK_MIB + textwrap.dedent("""
+        import sys, mirrored as md
+        before = peak_mib()
         try:
             md.train.load_checkpoint(sys.argv[1])
         except md.train.CheckpointError:
             pass
-        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
-    """, sparse)
+        print(peak_mib() - before)
+    """), sparse)
     assert int(sparse_growth) < 16  # MiB: the header, not the file
 
 
