@@ -91,7 +91,7 @@ native-test: system-deps
 	cmake -S . -B build/tsan -G Ninja -DMIRRORED_PYTHON=OFF -DMIRRORED_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug \
 	  -DCMAKE_CXX_FLAGS="-fsanitize=thread -O1 -g" >/dev/null
 	cmake --build build/tsan -j2 --target native_tests
-	@# MIRRORED_NATIVE_TEST_SMALL: the single-threaded matrices run whole under ASan only.
+	@# MIRRORED_NATIVE_TEST_SMALL: test_host's single-threaded matrix runs whole under ASan only.
 	cd build/tsan && MIRRORED_NUM_THREADS=$(SANITIZE_THREADS) MIRRORED_NATIVE_TEST_SMALL=1 TSAN_OPTIONS=halt_on_error=1 ctest -V
 
 # -v: each test's name shows as it ends, so progress is never silent. -n auto: one pytest worker

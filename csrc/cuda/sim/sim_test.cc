@@ -865,11 +865,11 @@ int main(int argc, char** argv) {
         all_pairs.insert({a, b});
         if ((a + b) % 2) odd_pairs.insert({a, b});
       }
-  // MIRRORED_NATIVE_TEST_SMALL=1 (the ThreadSanitizer run, and pytest's, which come after
-  // the ASan run): the schedule matrix below is single-threaded and already exhaustive under
-  // ASan; elsewhere one peer set, the four-GPU layouts with their own streams, and the sizes
-  // at the chunk edges keep the engine's code covered while the threaded checks above carry
-  // the race detection.
+  // MIRRORED_NATIVE_TEST_SMALL=1 (the sanitizer runs, where it runs ~10x slower; pytest's
+  // test_cuda_build runs the whole matrix unsanitized): the schedule matrix below is
+  // single-threaded; one peer set, the four-GPU layouts with their own streams, and the
+  // sizes at the chunk edges keep the engine's code under the sanitizers while the threaded
+  // checks above carry the race detection.
   const bool small = std::getenv("MIRRORED_NATIVE_TEST_SMALL") != nullptr;
   const std::vector<std::set<std::pair<int, int>>> peer_sets =
       small ? std::vector<std::set<std::pair<int, int>>>{odd_pairs}
