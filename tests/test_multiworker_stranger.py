@@ -161,8 +161,11 @@ def test_a_same_user_process_opening_the_segment_at_start_up_cannot_change_the_s
         intruder.stop.set()
         intruder.join()
     check_sums(results, 2)
-    if intruder.mapped:  # it got in before the seal: the job went over the network instead
-        assert all("outside the job" in r.value["shm_off"] for r in results), [r.value["shm_off"] for r in results]
+    if intruder.mapped:  # it got in before the seal: the job went over the network instead, every task
+        # agreeing: named once sealed, or (its junk over the segment as a task checks it) unverified.
+        reasons = [r.value["shm_off"] for r in results]
+        assert len(set(reasons)) == 1, reasons
+        assert "outside the job" in reasons[0] or "could not map (or verify)" in reasons[0], reasons
 
 
 def test_without_an_intruder_the_segment_is_used():
