@@ -45,6 +45,22 @@ inline PyObject** items_of(PyObject* seq, int n) {
   return nullptr;
 }
 
+// The items of `seq`, n arrays that each fit (`flags`: kReadable for inputs, kWritable for
+// outputs), with their data at ptrs[i]; nullptr when one does not fit (the plan's caller then
+// validates the call afresh).
+template <typename Ptr>
+inline PyObject** fitting_items(const py::handle& seq, int n, PyObject* descr, const std::vector<py::ssize_t>& shape,
+                                int flags, std::vector<Ptr>& ptrs) {
+  PyObject** items = items_of(seq.ptr(), n);
+  if (items == nullptr) return nullptr;
+  for (int i = 0; i < n; ++i) {
+    const auto* a = fitting(items[i], descr, shape, flags);
+    if (a == nullptr) return nullptr;
+    ptrs[i] = a->data;
+  }
+  return items;
+}
+
 // A result array of `dtype` and `shape`: small ones straight from NumPy, large ones as views of
 // a buffer from `alloc(nbytes)` (the face's recycler of dropped results).
 // Results at least this large come from the face's recycler (rules._Recycler.MIN_BYTES).

@@ -83,15 +83,9 @@ class CallPlan {
   // arrays do not fit this plan.
   py::object run(const py::handle& inputs, const py::handle& outputs) {
     PyObject* descr = dtype_.ptr();
-    PyObject** in_items = items_of(inputs.ptr(), n_);
-    if (in_items == nullptr) return py::none();
     std::vector<const void*> in(n_);
     std::vector<void*> out(n_);
-    for (int i = 0; i < n_; ++i) {
-      const auto* a = fitting(in_items[i], descr, shape_, kReadable);
-      if (a == nullptr) return py::none();
-      in[i] = a->data;
-    }
+    if (bindings::fitting_items(inputs, n_, descr, shape_, kReadable, in) == nullptr) return py::none();
     py::list result(n_);
     if (outputs.is_none()) {
       const std::size_t nbytes = count_ * dtype_size(type_);
@@ -101,14 +95,9 @@ class CallPlan {
         result[i] = std::move(r);
       }
     } else {
-      PyObject** out_items = items_of(outputs.ptr(), n_);
+      PyObject** out_items = bindings::fitting_items(outputs, n_, descr, shape_, kWritable, out);
       if (out_items == nullptr) return py::none();
-      for (int i = 0; i < n_; ++i) {
-        const auto* a = fitting(out_items[i], descr, shape_, kWritable);
-        if (a == nullptr) return py::none();
-        out[i] = a->data;
-        result[i] = py::reinterpret_borrow<py::object>(out_items[i]);
-      }
+      for (int i = 0; i < n_; ++i) result[i] = py::reinterpret_borrow<py::object>(out_items[i]);
     }
     {
       py::gil_scoped_release nogil;

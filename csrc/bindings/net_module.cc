@@ -114,15 +114,9 @@ class WorkerPlan {
   // None when the arrays do not fit this plan.
   py::object run(const py::handle& inputs, const py::handle& outputs) {
     PyObject* descr = dtype_.ptr();
-    PyObject** in_items = items_of(inputs.ptr(), n_);
-    if (in_items == nullptr) return py::none();
     std::vector<const void*> in(n_);
     std::vector<void*> out(n_);
-    for (int i = 0; i < n_; ++i) {
-      const auto* a = fitting(in_items[i], descr, shape_, kReadable);
-      if (a == nullptr) return py::none();
-      in[i] = a->data;
-    }
+    if (bindings::fitting_items(inputs, n_, descr, shape_, kReadable, in) == nullptr) return py::none();
     const bool reduce = kind_ == CollectiveHeader::kReduce;
     const int local_root = root_ % n_;
     const bool holds_root = root_ / n_ == c_.rank();
@@ -141,14 +135,10 @@ class WorkerPlan {
         }
       }
     } else {
-      PyObject** out_items = items_of(outputs.ptr(), n_);
+      PyObject** out_items = bindings::fitting_items(outputs, n_, descr, shape_, kWritable, out);
       if (out_items == nullptr) return py::none();
-      for (int i = 0; i < n_; ++i) {
-        const auto* a = fitting(out_items[i], descr, shape_, kWritable);
-        if (a == nullptr) return py::none();
-        out[i] = a->data;
-        if (!reduce) result[i] = py::reinterpret_borrow<py::object>(out_items[i]);
-      }
+      if (!reduce)
+        for (int i = 0; i < n_; ++i) result[i] = py::reinterpret_borrow<py::object>(out_items[i]);
       if (reduce) result[0] = holds_root ? py::reinterpret_borrow<py::object>(out_items[local_root]) : py::none();
     }
     {
