@@ -54,6 +54,13 @@ def _step_fn(w, b, opt):
     return step
 
 
+def _captured_and_eager(strategy, optimizer="sgd"):
+    """Two copies of the model: the captured one's (w, b), the eager one's w, and each one's step."""
+    w, b, opt = _model(strategy, optimizer)
+    w_eager, b_eager, opt_eager = _model(strategy, optimizer)
+    return (w, b), w_eager, md.function(_step_fn(w, b, opt)), _step_fn(w_eager, b_eager, opt_eager)
+
+
 def _batches(strategy, replicas, s):
     """Step s's batch: each replica's slice, on its GPU."""
     per = _X.shape[1] // replicas
@@ -166,9 +173,7 @@ def test_a_replay_is_one_graph_launch_per_gpu_and_no_kernel_launch(one_gpu):
 def test_a_new_batch_shape_captures_again_and_each_signature_replays_its_own_graph():
     strategy = _gpu_strategy(1)
     try:
-        w, b, opt = _model(strategy, "sgd")
-        w_eager, b_eager, opt_eager = _model(strategy, "sgd")
-        run, step = md.function(_step_fn(w, b, opt)), _step_fn(w_eager, b_eager, opt_eager)
+        (w, b), w_eager, run, step = _captured_and_eager(strategy)
         for rows in (8, 8, 5, 5, 8, 5):
             x, y = (md.device_util.place(a[0, :rows], "/gpu:0") for a in (_X, _Y))
             got = float(strategy.run(run, args=(x, y)))
@@ -306,9 +311,7 @@ def test_new_signatures_are_bounded_and_frequent_retracing_is_logged(caplog):
 def test_a_variable_moved_between_calls_by_copy_on_write_is_captured_again():
     strategy = _gpu_strategy(1)
     try:
-        w, b, opt = _model(strategy, "sgd")
-        w_eager, b_eager, opt_eager = _model(strategy, "sgd")
-        run, step = md.function(_step_fn(w, b, opt)), _step_fn(w_eager, b_eager, opt_eager)
+        (w, b), w_eager, run, step = _captured_and_eager(strategy)
         held = []
         for s in range(5):
             for fn in (run, step):
