@@ -826,23 +826,21 @@ void fused_update_from_device(rules::Rule rule, DType dtype, const void* table, 
   reachable(device_scalars);
   const int device = sim::current;
   const unsigned blocks = fused_blocks(max_count, sms);
-  if (dtype == DType::kFloat32) {
+  // The scalars are read from device memory when the kernel runs, not at the launch.
+  const auto enqueue = [&](auto zero) {
+    using T = decltype(zero);
     sim::enqueue(stream, [=] {
       const int saved = sim::current;
       sim::current = device;
-      const auto s = scalars_from<float>(device_scalars, coefficients);
+      const auto s = scalars_from<T>(device_scalars, coefficients);
       sim::current = saved;
-      fused_update_grid<float>(rule, table, entries, max_count, s, blocks, device);
+      fused_update_grid<T>(rule, table, entries, max_count, s, blocks, device);
     });
-  } else {
-    sim::enqueue(stream, [=] {
-      const int saved = sim::current;
-      sim::current = device;
-      const auto s = scalars_from<double>(device_scalars, coefficients);
-      sim::current = saved;
-      fused_update_grid<double>(rule, table, entries, max_count, s, blocks, device);
-    });
-  }
+  };
+  if (dtype == DType::kFloat32)
+    enqueue(float{});
+  else
+    enqueue(double{});
 }
 
 void fused_update(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
