@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "bindings/device_fit.h"
 #include "cuda/cuda_ring.h"
 #include "cuda/device.h"
 #include "cuda/device_batch.h"
@@ -55,6 +56,121 @@ std::vector<T*> as_ptrs(const Ptrs& p) {
 }
 
 std::vector<cudaStream_t> as_streams(const Ptrs& s) { return as_ptrs<CUstream_st>(s); }
+
+// A planned all_reduce or broadcast of device arrays (mirrored.collective.cuda.CallPlan): the
+// engine, algorithm, dtype and op or root, and what the arrays must be (bindings/device_fit.h).
+class DeviceCallPlan {
+ public:
+  DeviceCallPlan(py::object engine, bool reduce, int algorithm, int dtype, int op, int root, std::size_t count,
+                 bindings::DeviceFit fit)
+      : engine_object_(std::move(engine)), engine_(engine_object_.cast<Engine*>()), reduce_(reduce),
+        algorithm_(static_cast<Algorithm>(algorithm)), dtype_(dtype_from_code(dtype)),
+        op_(reduce_op_from_code(op)), root_(root), count_(count), fit_(std::move(fit)) {}
+
+  // Checks that the arrays fit, takes `out` (or what alloc() returns when it is None: a list of
+  // arrays that fit), enqueues the collective on `streams` with the GIL released and returns the
+  // outputs; None, with nothing queued or allocated, when an array does not fit.
+  py::object run(py::handle buffers, py::handle out, const Ptrs& streams, const py::function& alloc) {
+    std::vector<std::uintptr_t> in, outs;
+    if (!fit_.pointers(buffers, in)) return py::none();
+    py::object result = py::reinterpret_borrow<py::object>(out);
+    if (out.is(buffers)) {
+      outs = in;  // in place: the same arrays, checked once
+    } else if (out.is_none()) {
+      result = alloc();
+      if (!fit_.pointers(result, outs)) throw py::value_error("CallPlan.run: alloc() made outputs that do not fit");
+    } else if (!fit_.pointers(out, outs)) {
+      return py::none();
+    }
+    const int n = fit_.replicas();
+    auto i = as_ptrs<const void>(in);
+    auto o = as_ptrs<void>(outs);
+    py::gil_scoped_release nogil;
+    cuda::StreamScope scope(as_streams(streams));
+    if (reduce_)
+      engine_->comm->all_reduce(n, i.data(), o.data(), count_, dtype_, op_, algorithm_);
+    else
+      engine_->comm->broadcast(n, i.data(), o.data(), count_, dtype_, root_);
+    return result;
+  }
+
+ private:
+  py::object engine_object_;  // keeps engine_ alive
+  Engine* engine_;
+  bool reduce_;
+  Algorithm algorithm_;
+  DType dtype_;
+  ReduceOp op_;
+  int root_;
+  std::size_t count_;
+  bindings::DeviceFit fit_;
+};
+
+// A planned batch all-reduce of device arrays (mirrored.collective.cuda.BatchPlan): the engine,
+// algorithm, packing, each tensor's dtype, count and offset in its replica's one result buffer.
+class DeviceBatchPlan {
+ public:
+  DeviceBatchPlan(py::object engine, int algorithm, int op, std::size_t bytes_per_pack, int num_packs,
+                  const std::vector<int>& dtypes, std::vector<std::size_t> counts, std::vector<std::size_t> offsets,
+                  bindings::DeviceFit fit)
+      : engine_object_(std::move(engine)), engine_(engine_object_.cast<Engine*>()),
+        algorithm_(static_cast<Algorithm>(algorithm)), op_(reduce_op_from_code(op)), bytes_per_pack_(bytes_per_pack),
+        num_packs_(num_packs), counts_(std::move(counts)), offsets_(std::move(offsets)), fit_(std::move(fit)) {
+    for (int d : dtypes) dtypes_.push_back(dtype_from_code(d));
+    const std::size_t T = static_cast<std::size_t>(fit_.tensors());
+    if (dtypes_.size() != T || counts_.size() != T || offsets_.size() != T)
+      throw py::value_error("BatchPlan: one dtype, count and offset per tensor");
+  }
+
+  // Checks that every tensor fits, calls alloc() for (results, each replica's result buffer
+  // address), enqueues the batch on `streams` with the GIL released (tensor t of replica r lands
+  // at base[r] + offsets[t]) and returns the results; None, with nothing queued or allocated,
+  // when a tensor does not fit.
+  py::object run(py::handle lists, const Ptrs& streams, const py::function& alloc) {
+    std::vector<std::uintptr_t> in;
+    if (!fit_.batch_pointers(lists, in)) return py::none();
+    auto made = alloc().cast<std::pair<py::object, Ptrs>>();
+    const int n = fit_.replicas(), T = fit_.tensors();
+    if (static_cast<int>(made.second.size()) != n) throw py::value_error("BatchPlan.run: alloc() must give one base per replica");
+    std::vector<std::vector<const void*>> i(n, std::vector<const void*>(T));
+    std::vector<std::vector<void*>> o(n, std::vector<void*>(T));
+    for (int r = 0; r < n; ++r)
+      for (int t = 0; t < T; ++t) {
+        i[r][t] = reinterpret_cast<const void*>(in[static_cast<std::size_t>(r) * T + t]);
+        o[r][t] = reinterpret_cast<void*>(made.second[r] + offsets_[t]);
+      }
+    {
+      py::gil_scoped_release nogil;
+      cuda::StreamScope scope(as_streams(streams));
+      engine_->batch.all_reduce(*engine_->comm, i, o, counts_, dtypes_, op_, algorithm_, bytes_per_pack_, num_packs_);
+    }
+    return std::move(made.first);
+  }
+
+ private:
+  py::object engine_object_;  // keeps engine_ alive
+  Engine* engine_;
+  Algorithm algorithm_;
+  ReduceOp op_;
+  std::size_t bytes_per_pack_;
+  int num_packs_;
+  std::vector<DType> dtypes_;
+  std::vector<std::size_t> counts_, offsets_;
+  bindings::DeviceFit fit_;
+};
+
+// The fit of a plan's arrays: their exact type, each replica's device, and per tensor
+// (shape, strides, dtype, number of elements) as the planning call's arrays gave them.
+bindings::DeviceFit device_fit(py::object array_type, std::vector<int> devices, const py::list& specs) {
+  std::vector<bindings::DeviceSpec> s;
+  for (auto spec : specs) {
+    auto t = spec.cast<py::tuple>();
+    if (t.size() != 4) throw py::value_error("specs: (shape, strides, dtype, size) per tensor");
+    s.push_back({t[0], t[1], t[2], t[3].cast<std::size_t>() == 0});
+  }
+  if (s.empty()) throw py::value_error("specs: at least one tensor");
+  return bindings::DeviceFit(std::move(array_type), std::move(devices), std::move(s));
+}
 
 int size_of(const Ptrs& in, const Ptrs& out) {
   if (in.size() != out.size()) throw py::value_error("inputs and outputs differ in length");
@@ -440,6 +556,35 @@ PYBIND11_MODULE(MIRRORED_CUDA_MODULE, m) {
         e.batch.all_reduce(*e.comm, i, o, counts, dts, reduce_op_from_code(op), static_cast<Algorithm>(algorithm),
                            bytes_per_pack, num_packs);
       });
+
+  py::class_<DeviceCallPlan>(m, "CallPlan")
+      .def(py::init([](py::object engine, bool reduce, int algorithm, int dtype, int op, int root, std::size_t count,
+                       py::object array_type, std::vector<int> devices, const py::list& specs) {
+             return std::make_unique<DeviceCallPlan>(std::move(engine), reduce, algorithm, dtype, op, root, count,
+                                                     device_fit(std::move(array_type), std::move(devices), specs));
+           }),
+           py::arg("engine"), py::arg("reduce"), py::arg("algorithm"), py::arg("dtype"), py::arg("op"),
+           py::arg("root"), py::arg("count"), py::arg("array_type"), py::arg("devices"), py::arg("specs"))
+      .def("run", &DeviceCallPlan::run, py::arg("buffers"), py::arg("out"), py::arg("streams"), py::arg("alloc"),
+           "The all_reduce (reduce) or broadcast of `buffers` into `out` (None: alloc()'s arrays; `buffers`: in\n"
+           "place) on `streams`; returns the outputs, or None when an array is not exactly `array_type` with\n"
+           "specs[0]'s (shape, strides, dtype) on its replica's device.");
+  py::class_<DeviceBatchPlan>(m, "BatchPlan")
+      .def(py::init([](py::object engine, int algorithm, int op, std::size_t bytes_per_pack, int num_packs,
+                       const std::vector<int>& dtypes, std::vector<std::size_t> counts,
+                       std::vector<std::size_t> offsets, py::object array_type, std::vector<int> devices,
+                       const py::list& specs) {
+             return std::make_unique<DeviceBatchPlan>(std::move(engine), algorithm, op, bytes_per_pack, num_packs,
+                                                      dtypes, std::move(counts), std::move(offsets),
+                                                      device_fit(std::move(array_type), std::move(devices), specs));
+           }),
+           py::arg("engine"), py::arg("algorithm"), py::arg("op"), py::arg("bytes_per_pack"), py::arg("num_packs"),
+           py::arg("dtypes"), py::arg("counts"), py::arg("offsets"), py::arg("array_type"), py::arg("devices"),
+           py::arg("specs"))
+      .def("run", &DeviceBatchPlan::run, py::arg("per_replica_lists"), py::arg("streams"), py::arg("alloc"),
+           "The batch all-reduce of per_replica_lists[r][t] into alloc()'s (results, base addresses) (tensor t of\n"
+           "replica r at base[r] + offsets[t]) on `streams`; returns the results, or None when a tensor does not\n"
+           "fit its spec (exactly `array_type`, (shape, strides, dtype), on its replica's device).");
 
   m.def("ring", [](const std::vector<int>& devices, std::size_t chunk_bytes, int channels) {
     return std::make_unique<Engine>(devices, std::make_unique<cuda::CudaRing>(devices, chunk_bytes, channels));

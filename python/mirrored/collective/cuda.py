@@ -79,69 +79,78 @@ def call_plan(kind: str, buffers, op, root, algorithm, chunk_bytes) -> "CallPlan
 
 
 class CallPlan:
-    """A validated all_reduce or broadcast of GPU buffers: engine, algorithm, dtype code and layout.
+    """A validated all_reduce or broadcast of GPU buffers: the native ``_cuda.CallPlan`` (engine,
+    algorithm, dtype code, op or root, and what the arrays must be), the devices and the outputs' layout.
 
-    ``run`` checks that a call's arrays still fit (CuPy arrays of the planned
-    shape and dtype, contiguous, each on its replica's GPU; outputs alike),
-    makes the outputs where ``out`` is None, and enqueues the collective with
-    one binding call on each GPU's current stream. Anything else returns None:
-    the face validates that call afresh.
+    ``run`` looks up each GPU's stream and makes one binding call, which checks
+    in C++ that the call's arrays still fit (CuPy arrays of the planned type,
+    shape, dtype and strides, each on its replica's GPU; outputs alike), makes
+    the outputs where ``out`` is None and enqueues the collective with the GIL
+    released. Anything else returns None: the face validates that call afresh.
     """
 
-    __slots__ = ("_reduce", "_engine", "_algo", "_code", "_op", "_root", "_devices", "_ordinals", "_shape",
-                 "_strides", "_dtype", "_count", "_cupy")
+    __slots__ = ("_plan", "_devices", "_ordinals", "_shape", "_dtype", "_count", "_slots", "_gpu_bytes", "_cupy")
 
     def __init__(self, reduce: bool, engine, algo: int, code: int, op: int, root: int, devices, first):
-        self._reduce, self._engine, self._algo, self._code = reduce, engine, algo, code
-        self._op, self._root, self._devices = op, root, tuple(devices)
+        self._devices = tuple(devices)
         self._ordinals = tuple(dict.fromkeys(devices))  # each GPU once (logical GPUs share one)
-        # C-contiguous strides of the planned shape: an array with them is contiguous (one that is
-        # contiguous with other strides, possible along length-1 axes, takes the validating path).
-        self._shape, self._strides, self._dtype, self._count = first.shape, first.strides, first.dtype, first.size
-        self._cupy = _gpu.cupy_module()
+        # The planned strides are C-contiguous (the planning call's arrays were made so): an array with them
+        # is contiguous (one that is contiguous with other strides, possible along length-1 axes, takes the
+        # validating path).
+        self._shape, self._dtype, self._count = first.shape, first.dtype, first.size
+        self._cupy = cupy = _gpu.cupy_module()
+        self._plan = _gpu.cuda_module().CallPlan(engine, reduce, algo, code, op, root, first.size, cupy.ndarray,
+                                                 list(devices), [(first.shape, first.strides, first.dtype, first.size)])
+        # Small results of replicas that share a GPU: views of one allocation per GPU and call, replica r's
+        # at (its GPU, offset) = _slots[r], each GPU's allocation _gpu_bytes[GPU] long (None: one each).
+        stride = -(-first.nbytes // _BATCH_ALIGN) * _BATCH_ALIGN
+        self._slots = self._gpu_bytes = None
+        if len(self._ordinals) < len(self._devices) and 0 < stride * len(self._devices) <= _SHARED_BYTES:
+            taken = dict.fromkeys(self._ordinals, 0)
+            slots = []
+            for d in self._devices:
+                slots.append((d, taken[d]))
+                taken[d] += stride
+            self._slots, self._gpu_bytes = tuple(slots), tuple(taken.items())
 
     @property
     def nbytes(self) -> int:
         """Bytes of one replica's buffer."""
         return self._count * self._dtype.itemsize
 
-    def _pointers(self, arrays):
-        """Each array's device pointer, or None when one does not fit the plan."""
-        ndarray, shape, strides, dtype = self._cupy.ndarray, self._shape, self._strides, self._dtype
-        if type(arrays) not in (list, tuple) or len(arrays) != len(self._devices):
-            return None
-        ptrs = []
-        for a, device in zip(arrays, self._devices):
-            if type(a) is not ndarray or a.shape != shape or a.dtype != dtype or a.strides != strides:
-                return None
-            data = a.data
-            if data.device_id != device:
-                return None
-            ptrs.append(data.ptr)
-        return ptrs
-
     def run(self, buffers, out):
-        ins = self._pointers(buffers)
-        if ins is None:
-            return None
-        if out is None:
-            cupy = self._cupy
-            result = []
-            for device in self._devices:
-                with cupy.cuda.Device(device):
-                    result.append(cupy.empty(self._shape, self._dtype))
-            outs = [a.data.ptr for a in result]
-        else:
-            outs = ins if out is buffers else self._pointers(out)  # (in place: the same arrays, checked once)
-            if outs is None:
-                return None
-            result = list(out)
-        streams = _plan_streams(self._ordinals, self._devices)
-        if self._reduce:
-            self._engine.all_reduce(ins, outs, self._count, self._code, self._op, self._algo, streams)
-        else:
-            self._engine.broadcast(ins, outs, self._count, self._code, self._root, streams)
-        return result
+        done = self._plan.run(buffers, out, _plan_streams(self._ordinals, self._devices), self._new_outputs)
+        return done if done is None or out is None else list(out)
+
+    def _new_outputs(self) -> list:
+        """A new output per replica on its GPU (TF's all-reduce returns new tensors)."""
+        cupy, shape, dtype = self._cupy, self._shape, self._dtype
+        if self._slots is None:
+            return _on_each_gpu(cupy, self._devices, self._ordinals, lambda: cupy.empty(shape, dtype))
+        bases = {}
+        for ordinal, nbytes in self._gpu_bytes:
+            with cupy.cuda.Device(ordinal):
+                bases[ordinal] = cupy.empty(nbytes, cupy.uint8).data
+        ndarray = cupy.ndarray
+        return [ndarray(shape, dtype, memptr=bases[d] + offset) for d, offset in self._slots]
+
+
+# Results of a call whose replicas share GPUs come from one allocation per GPU up to this many bytes
+# in all (a pool allocation per replica costs more than the view; larger results keep their own memory,
+# so that one kept result does not keep the others' alive).
+_SHARED_BYTES = 1 << 16
+
+
+def _on_each_gpu(cupy, devices: tuple, ordinals: tuple, make) -> list:
+    """``[make() with replica r's GPU current for r in replicas]``: one device switch in all when they share one."""
+    if len(ordinals) == 1:
+        with cupy.cuda.Device(ordinals[0]):
+            return [make() for _ in devices]
+    made = []
+    for d in devices:
+        with cupy.cuda.Device(d):
+            made.append(make())
+    return made
 
 
 def reduce(buffers, op="sum", root=0, *, out=None):
@@ -211,69 +220,45 @@ def batch_plan(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, chun
 
 
 class BatchPlan:
-    """A validated batch all-reduce of GPU buffers: engine, algorithm, packing, dtype codes and the
-    results' layout (one buffer per replica), kept so a repeated batch does no planning.
+    """A validated batch all-reduce of GPU buffers: the native ``_cuda.BatchPlan`` (engine, algorithm,
+    packing, dtype codes, the results' offsets in one buffer per replica, and what each tensor must be),
+    kept so a repeated batch does no planning.
 
-    ``run`` checks that each tensor still fits (a CuPy array of the planned
-    shape, dtype and strides on its replica's GPU), makes each replica's result
-    buffer and views, and enqueues the whole batch with one binding call.
-    Anything else returns None: the face validates that call afresh.
+    ``run`` looks up each GPU's stream and makes one binding call, which checks
+    in C++ that each tensor still fits (a CuPy array of the planned shape, dtype
+    and strides on its replica's GPU), has each replica's result buffer and views
+    made, and enqueues the whole batch. Anything else returns None: the face
+    validates that call afresh.
     """
 
-    __slots__ = ("_engine", "_algo", "_op", "_bytes_per_pack", "_num_packs", "_devices", "_ordinals", "_specs",
-                 "_codes", "_counts", "_offsets", "_total", "_cupy")
+    __slots__ = ("_plan", "_devices", "_ordinals", "_views", "_total", "_cupy")
 
     def __init__(self, engine, algo: int, op: int, bytes_per_pack: int, num_packs: int, layout, first_tensors):
-        self._engine, self._algo, self._op = engine, algo, op
-        self._bytes_per_pack, self._num_packs = bytes_per_pack, num_packs
-        devices, shapes, dtypes, self._codes, self._counts, self._offsets, self._total = layout
+        devices, shapes, dtypes, codes, counts, offsets, self._total = layout
         self._devices = devices
         self._ordinals = tuple(dict.fromkeys(devices))  # each GPU once (logical GPUs share one)
+        self._views = tuple(zip(shapes, dtypes, offsets))
+        self._cupy = cupy = _gpu.cupy_module()
         # Planned strides: C-contiguous for the planned shapes (see CallPlan).
-        self._specs = tuple(zip(shapes, dtypes, (a.strides for a in first_tensors)))
-        self._cupy = _gpu.cupy_module()
+        specs = [(a.shape, a.strides, a.dtype, a.size) for a in first_tensors]
+        self._plan = _gpu.cuda_module().BatchPlan(engine, algo, op, bytes_per_pack, num_packs, codes, counts, offsets,
+                                                  cupy.ndarray, list(devices), specs)
 
     @property
     def nbytes(self) -> int:
         """Bytes of one replica's results buffer."""
         return self._total
 
-    def _pointers(self, per_replica_lists):
-        """Each replica's list of device pointers, or None when a tensor does not fit the plan."""
-        ndarray, specs = self._cupy.ndarray, self._specs
-        if type(per_replica_lists) not in (list, tuple) or len(per_replica_lists) != len(self._devices):
-            return None
-        pointers = []
-        for tensors, device in zip(per_replica_lists, self._devices):
-            if type(tensors) not in (list, tuple) or len(tensors) != len(specs):
-                return None
-            ptrs = []
-            for a, (shape, dtype, strides) in zip(tensors, specs):
-                if type(a) is not ndarray or a.shape != shape or a.dtype != dtype or a.strides != strides:
-                    return None
-                data = a.data
-                if data.device_id != device:
-                    return None
-                ptrs.append(data.ptr)
-            pointers.append(ptrs)
-        return pointers
-
     def run(self, per_replica_lists):
-        ins = self._pointers(per_replica_lists)
-        if ins is None:
-            return None
-        cupy, specs, offsets = self._cupy, self._specs, self._offsets
-        ndarray = cupy.ndarray
-        outputs, out_ptrs = [], []
-        for d in self._devices:
-            with cupy.cuda.Device(d):
-                base = cupy.empty(self._total, cupy.uint8).data
-            outputs.append([ndarray(shape, dtype, memptr=base + off) for (shape, dtype, _), off in zip(specs, offsets)])
-            ptr = base.ptr
-            out_ptrs.append([ptr + off for off in offsets])
-        self._engine.batch_all_reduce(ins, out_ptrs, self._counts, self._codes, self._op, self._bytes_per_pack,
-                                      self._num_packs, self._algo, _plan_streams(self._ordinals, self._devices))
-        return outputs
+        return self._plan.run(per_replica_lists, _plan_streams(self._ordinals, self._devices), self._new_results)
+
+    def _new_results(self):
+        """(each replica's results: views of one new buffer on its GPU, each buffer's address)."""
+        cupy, total = self._cupy, self._total
+        ndarray, views = cupy.ndarray, self._views
+        bases = _on_each_gpu(cupy, self._devices, self._ordinals, lambda: cupy.empty(total, cupy.uint8).data)
+        results = [[ndarray(shape, dtype, memptr=base + off) for shape, dtype, off in views] for base in bases]
+        return results, [base.ptr for base in bases]
 
 
 def _plan_streams(ordinals: tuple, devices: tuple) -> list:
@@ -298,9 +283,9 @@ def _batch_layout(per_replica_lists):
     for tensors in per_replica_lists:
         if not all(type(a) is ndarray for a in tensors):
             return None
-        device = tensors[0].data.device_id
-        if not all(a.shape == s and a.dtype == dt and a.flags.c_contiguous and a.data.device_id == device
-                   for a, s, dt in zip(tensors, shapes, dtypes)):
+        device = _memory_device(tensors[0])
+        if device is None or not all(a.shape == s and a.dtype == dt and a.flags.c_contiguous
+                                     and _memory_device(a) == device for a, s, dt in zip(tensors, shapes, dtypes)):
             return None
         devices.append(device)
     codes, counts, offsets, total = [], [], [], 0
@@ -313,6 +298,15 @@ def _batch_layout(per_replica_lists):
         offsets.append(total if a.nbytes else 0)  # (an empty result points at the buffer's start)
         total += -(-a.nbytes // _BATCH_ALIGN) * _BATCH_ALIGN
     return tuple(devices), shapes, dtypes, codes, counts, offsets, max(total, 1)
+
+
+def _memory_device(a):
+    """The GPU of a CuPy array's device memory; None when it has none (the validating path says so)."""
+    data = a.data
+    ptr = getattr(data, "ptr", None)
+    if not isinstance(ptr, int) or (ptr == 0 and a.size):
+        return None
+    return data.device_id
 
 
 def _batch_inputs(per_replica_lists):

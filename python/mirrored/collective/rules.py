@@ -370,6 +370,9 @@ def _as_gpu_array(b, argument: str, i: int):
     else:
         raise TypeError(f"{argument}[{i}] is {type(b).__name__}; expected a CuPy array or an object with "
                         "__cuda_array_interface__ or __dlpack__")
+    data = a.data
+    if data is None or not isinstance(getattr(data, "ptr", None), int) or (data.ptr == 0 and a.size):
+        raise ValueError(f"{argument}[{i}] has no device memory (its data is {data!r:.60}); pass a live CuPy array")
     if not a.flags.c_contiguous:
         with a.device:
             a = cupy.ascontiguousarray(a)
