@@ -50,6 +50,10 @@ VirtualDeviceConfiguration = LogicalDeviceConfiguration  # TF 1.x / 2.0 name
 
 # (device type, physical index) -> its logical devices; absent: one.
 _logical: dict[tuple[str, int], list[LogicalDeviceConfiguration]] = {}
+# (device type, CUDA engine, configuration) -> its logical-to-physical table: placing a value on a GPU
+# resolves its ordinal per replica and call. The GPUs a process sees do not change (CUDA reads
+# CUDA_VISIBLE_DEVICES once), so a table changes only with the configuration, or the engine (the tests').
+_tables: dict = {}
 
 
 def _num_cpus() -> int:
@@ -98,6 +102,7 @@ def set_logical_device_configuration(device, logical_devices=None, *, count: int
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"count={count!r} must be a positive integer (logical devices on {kind}:{index})")
         logical_devices = [LogicalDeviceConfiguration()] * count
+    _tables.clear()
     if not logical_devices:
         _logical.pop((kind, index), None)
         return
@@ -126,11 +131,15 @@ def physical_gpu_index(logical_index: int) -> int:
     return table[logical_index]
 
 
-def _logical_to_physical(kind: str) -> list[int]:
-    out = []
-    for i in range(_num_physical(kind)):
-        out += [i] * len(_logical.get((kind, i)) or [None])
-    return out
+def _logical_to_physical(kind: str) -> tuple[int, ...]:
+    key = (kind, engine.name() if kind == "GPU" else None)
+    table = _tables.get(key)
+    if table is None:
+        table = []
+        for i in range(_num_physical(kind)):
+            table += [i] * len(_logical.get((kind, i)) or [None])
+        _tables[key] = table = tuple(table)
+    return table
 
 
 def _physical(device, index: int | None = None) -> tuple[str, int]:

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import gpu as _gpu
+from . import config, gpu as _gpu
 
 
 class DeviceSpec(NamedTuple):
@@ -155,8 +155,6 @@ def cross_replica_gpu_scope(device):
 
 def _gpu_ordinal(spec: DeviceSpec) -> int:
     """CUDA ordinal of a (logical) GPU device; config maps logical GPUs onto physical ones."""
-    from . import config
-
     return config.physical_gpu_index(spec.device_index)
 
 
@@ -237,6 +235,8 @@ def place(x, device, copy: bool = False):
         import cupy
 
         ordinal = _gpu_ordinal(spec)
+        if type(x) is cupy.ndarray and not copy and x.data.device_id == ordinal:
+            return x  # (what cupy.asarray returns, without a device switch: the hot path of collectives)
         with cupy.cuda.Device(ordinal):
             if on_gpu(x):
                 same_gpu = getattr(getattr(x, "device", None), "id", None) == ordinal
