@@ -5,6 +5,7 @@ kernels (they are drained after each call, outside the clock).
 
     python bench/gpu_host_overhead.py [--replicas 2 4] [--repeat 2000]
     python bench/gpu_host_overhead.py --run-only --replicas 2 4 8    # strategy.run only
+    python bench/gpu_host_overhead.py --no-optimizer --clock cpu     # the collectives' table only
 
 Reports µs per call for a 4-byte all_reduce (out= preallocated and not), a
 200-tensor batch_all_reduce and strategy.run(replica-context all_reduce) on
@@ -62,6 +63,7 @@ def main():
     p.add_argument("--repeat", type=int, default=2000)
     p.add_argument("--run-only", action="store_true",
                    help="only strategy.run: of a trivial step and of a replica-context all_reduce (4 B)")
+    p.add_argument("--no-optimizer", action="store_true", help="skip the optimizer step's table")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: the process's CPU time (all threads), steadier than wall time on a loaded machine")
     args = p.parse_args()
@@ -89,6 +91,8 @@ def main():
         finally:
             md.config.set_logical_device_configuration("GPU:0", None)
         print(f"| {n} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
+    if args.no_optimizer:
+        return
     print()
     print("| replicas | apply_gradients, 200 variables, fused kernel (µs) | variable by variable (µs) | ratio |")
     print("|---:|---:|---:|---:|")

@@ -39,35 +39,44 @@ class DeviceFit {
   // false when one does not fit.
   bool pointers(py::handle arrays, std::vector<std::uintptr_t>& ptrs) const {
     const int n = replicas();
-    PyObject** items = items_of(arrays.ptr(), n);
-    if (items == nullptr) return false;
+    if (!sized(arrays.ptr(), n)) return false;
     ptrs.resize(n);
-    for (int r = 0; r < n; ++r)
-      if (!pointer(items[r], specs_[0], devices_[r], ptrs[r])) return false;
+    for (int r = 0; r < n; ++r) {
+      py::object a = item(arrays.ptr(), r, n);
+      if (!a || !pointer(a.ptr(), specs_[0], devices_[r], ptrs[r])) return false;
+    }
     return true;
   }
 
   // ptrs[r * T + t] = the data of lists[r][t]; false when one does not fit.
   bool batch_pointers(py::handle lists, std::vector<std::uintptr_t>& ptrs) const {
     const int n = replicas(), T = tensors();
-    PyObject** rows = items_of(lists.ptr(), n);
-    if (rows == nullptr) return false;
+    if (!sized(lists.ptr(), n)) return false;
     ptrs.resize(static_cast<std::size_t>(n) * T);
     for (int r = 0; r < n; ++r) {
-      PyObject** items = items_of(rows[r], T);
-      if (items == nullptr) return false;
-      for (int t = 0; t < T; ++t)
-        if (!pointer(items[t], specs_[t], devices_[r], ptrs[static_cast<std::size_t>(r) * T + t])) return false;
+      py::object row = item(lists.ptr(), r, n);
+      if (!row || !sized(row.ptr(), T)) return false;
+      for (int t = 0; t < T; ++t) {
+        py::object a = item(row.ptr(), t, T);
+        if (!a || !pointer(a.ptr(), specs_[t], devices_[r], ptrs[static_cast<std::size_t>(r) * T + t])) return false;
+      }
     }
     return true;
   }
 
  private:
-  // The items of a list or tuple of exactly n objects, else nullptr.
-  static PyObject** items_of(PyObject* seq, int n) {
-    if (PyList_CheckExact(seq)) return PyList_GET_SIZE(seq) == n ? reinterpret_cast<PyListObject*>(seq)->ob_item : nullptr;
-    if (PyTuple_CheckExact(seq)) return PyTuple_GET_SIZE(seq) == n ? reinterpret_cast<PyTupleObject*>(seq)->ob_item : nullptr;
-    return nullptr;
+  // Whether seq is a list or tuple of exactly n objects.
+  static bool sized(PyObject* seq, int n) {
+    if (PyList_CheckExact(seq)) return PyList_GET_SIZE(seq) == n;
+    if (PyTuple_CheckExact(seq)) return PyTuple_GET_SIZE(seq) == n;
+    return false;
+  }
+
+  // seq[i], held (an attribute read of an earlier item runs Python code, which may change a list);
+  // empty when seq no longer holds n items.
+  static py::object item(PyObject* seq, int i, int n) {
+    if (!sized(seq, n)) return py::object();
+    return py::reinterpret_borrow<py::object>(PyList_CheckExact(seq) ? PyList_GET_ITEM(seq, i) : PyTuple_GET_ITEM(seq, i));
   }
 
   // Whether attribute `name` of o equals `expected` (identical first: NumPy shares one descriptor per
