@@ -366,6 +366,12 @@ def _current_allocator():
     return getattr(_tls, "allocator", None)
 
 
+def alloc(size: int):
+    """``cupy.cuda.alloc``: memory on the current device from the thread's current allocator."""
+    allocator = _current_allocator()
+    return allocator(size) if allocator is not None else MemoryPointer(Memory(size), 0)
+
+
 class using_allocator:
     """``cupy.cuda.using_allocator(allocator)``: this thread's allocations come from ``allocator(size)``."""
 
@@ -609,11 +615,7 @@ class ndarray:
         self.strides = c_strides if strides is None else tuple(strides)
         self.flags = _Flags(self.shape, self.strides, self.dtype.itemsize, self.size) if strides is not None \
             and self.strides != c_strides else _Flags.contiguous(self.shape, self.size)
-        if memptr is None:
-            allocator = _current_allocator()
-            nbytes = self.size * self.dtype.itemsize
-            memptr = allocator(nbytes) if allocator is not None else MemoryPointer(Memory(nbytes), 0)
-        self.data = memptr
+        self.data = alloc(self.size * self.dtype.itemsize) if memptr is None else memptr
 
     ndim = property(lambda self: len(self.shape))
     itemsize = property(lambda self: self.dtype.itemsize)
@@ -989,6 +991,7 @@ class _Cuda:
     runtime = _Runtime()
     get_current_stream = staticmethod(get_current_stream)
     alloc_pinned_memory = staticmethod(alloc_pinned_memory)
+    alloc = staticmethod(alloc)
 
     class memory:
         MemoryPointer = MemoryPointer

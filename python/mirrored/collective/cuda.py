@@ -130,7 +130,7 @@ class CallPlan:
         bases = {}
         for ordinal, nbytes in self._gpu_bytes:
             with cupy.cuda.Device(ordinal):
-                bases[ordinal] = cupy.empty(nbytes, cupy.uint8).data
+                bases[ordinal] = cupy.cuda.alloc(nbytes)
         ndarray = cupy.ndarray
         return [ndarray(shape, dtype, memptr=bases[d] + offset) for d, offset in self._slots]
 
@@ -256,7 +256,7 @@ class BatchPlan:
         """(each replica's results: views of one new buffer on its GPU, each buffer's address)."""
         cupy, total = self._cupy, self._total
         ndarray, views = cupy.ndarray, self._views
-        bases = _on_each_gpu(cupy, self._devices, self._ordinals, lambda: cupy.empty(total, cupy.uint8).data)
+        bases = _on_each_gpu(cupy, self._devices, self._ordinals, lambda: cupy.cuda.alloc(total))
         results = [[ndarray(shape, dtype, memptr=base + off) for shape, dtype, off in views] for base in bases]
         return results, [base.ptr for base in bases]
 
