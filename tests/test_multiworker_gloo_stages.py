@@ -5,7 +5,6 @@ ring's chunks are uneven and some are empty (fewer elements than workers),
 and payloads above the 16 KiB that ride in the agreement headers.
 """
 
-
 import numpy as np
 
 from multiworker_launch import launch
