@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from . import engine
+from .engine import extension, name as engine_name
 
 NCCL_FIX = "pip install nvidia-nccl-cu13"
 CUPY_FIX = "pip install cupy-cuda13x"
@@ -27,7 +27,7 @@ def cuda_module():
     """The CUDA extension (``mirrored._cuda``, or the simulator's when :mod:`.engine` selects it),
     or a RuntimeError naming the fix."""
     try:
-        return engine.extension()
+        return extension()
     except ImportError as e:
         raise RuntimeError(
             f"GPU collectives need mirrored's CUDA extension, which this build lacks ({e}); reinstall mirrored "
@@ -263,7 +263,7 @@ def nccl_library_candidates() -> list[str]:
 
     The simulated engine is its own libnccl (a stand-in over the simulated GPUs).
     """
-    if engine.name() == "sim":
+    if engine_name() == "sim":
         return [cuda_module().__file__]
     out = []
     if os.environ.get("MIRRORED_NCCL_LIBRARY"):
@@ -281,7 +281,7 @@ def nccl_library_candidates() -> list[str]:
 def load_nccl() -> tuple[str, int]:
     """(path, version code) of the loaded libnccl; RuntimeError naming ``pip install nvidia-nccl-cu13`` if none loads."""
     with _lock:
-        key = engine.name()
+        key = engine_name()
         if key not in _nccl:
             try:
                 _nccl[key] = tuple(cuda_module().nccl_load(nccl_library_candidates()))

@@ -23,7 +23,8 @@ try:
 except ImportError:  # optional: without it every replica but the caller's own runs on a thread
     _greenlet = None
 
-from .. import _logging, _nest
+from .._logging import logger
+from .._nest import flatten, is_nested, map_structure, pack_sequence_as
 from ..device import config, device_util, gpu as _gpu
 from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, describe
 from .context import _Context, _local
@@ -718,8 +719,8 @@ class MirroredExtended(StrategyExtended):
     def _replica_arguments(self, args, kwargs) -> list:
         """``(args, kwargs)`` as each replica sees them (select_replica's rule), the structure walked once."""
         n = len(self._local_devices)
-        flat = not kwargs and not any(_nest.is_nested(a) for a in args)  # the common case: no re-packing
-        leaves = args if flat else _nest.flatten((args, kwargs))
+        flat = not kwargs and not any(is_nested(a) for a in args)  # the common case: no re-packing
+        leaves = args if flat else flatten((args, kwargs))
         split = []  # per leaf: whether each replica takes its own component
         for leaf in leaves:
             distributed = isinstance(leaf, DistributedValues)
@@ -730,8 +731,8 @@ class MirroredExtended(StrategyExtended):
             return [(args, kwargs)] * n
         if flat:  # each argument's per-replica column, transposed into each replica's tuple
             return [(row, kwargs) for row in zip(*[a._values if s else (a,) * n for a, s in zip(args, split)])]
-        return [_nest.pack_sequence_as((args, kwargs), [leaf._values[i] if s else leaf
-                                                        for leaf, s in zip(leaves, split)]) for i in range(n)]
+        return [pack_sequence_as((args, kwargs), [leaf._values[i] if s else leaf
+                                                  for leaf, s in zip(leaves, split)]) for i in range(n)]
 
     def _check_components(self, leaves):
         n = len(self._local_devices)
@@ -809,7 +810,7 @@ class MirroredExtended(StrategyExtended):
         if not isinstance(var, DistributedVariable) or var.distribute_strategy is not self._container_strategy:
             raise ValueError(f"var: {var!r} was not created in this strategy's scope(); update only takes "
                              "its variables")
-        self._check_components(_nest.flatten((args, kwargs)))
+        self._check_components(flatten((args, kwargs)))
         updates = []
         for i, copy in enumerate(var.values):
             with device_util.device_scope(copy.device), device_util.cross_replica_gpu_scope(copy.device):
@@ -817,7 +818,7 @@ class MirroredExtended(StrategyExtended):
         regrouped = regroup(updates, Mirrored, devices=var._devices)
         if group:
             return regrouped
-        return _nest.map_structure(self._local_results, regrouped)
+        return map_structure(self._local_results, regrouped)
 
     def _make_variable(self, value, name, trainable, synchronization, aggregation):
         if synchronization == VariableSynchronization.NONE:
@@ -848,6 +849,6 @@ class MirroredStrategy(Strategy):
 
     def __init__(self, devices=None, cross_device_ops=None):
         super().__init__(MirroredExtended(self, devices, cross_device_ops))
-        _logging.logger.info("MirroredStrategy: %d replica(s) on %s; reductions: %s",
-                             len(self.extended.worker_devices), list(self.extended.worker_devices),
-                             describe(self.extended._cross_device_ops, self.extended.worker_devices))
+        logger.info("MirroredStrategy: %d replica(s) on %s; reductions: %s",
+                    len(self.extended.worker_devices), list(self.extended.worker_devices),
+                    describe(self.extended._cross_device_ops, self.extended.worker_devices))
