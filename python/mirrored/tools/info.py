@@ -110,7 +110,7 @@ def collect() -> dict:
 
     return {
         "version": __version__,
-        "location": os.path.dirname(os.path.abspath(__file__)),
+        "location": os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # the package, not tools/
         "python": platform.python_version(),
         "numpy": np.__version__,
         "platform": platform.platform(),
