@@ -319,16 +319,20 @@ def test_gpu_operands_on_two_devices_are_refused():
 
 
 def test_a_missing_cublas_names_every_path_tried_and_the_fix():
-    code = ("from mirrored import _cuda\n"
-            "try:\n    _cuda.blas_load(['/nonexistent/libcublas.so.13'])\n"
-            "except RuntimeError as e:\n    print(e)\n")
     try:
-        from mirrored import _cuda  # noqa: F401  (type: ignore[attr-defined])
+        from mirrored import _cuda  # noqa: F401  (the real engine: nothing loaded it in a fresh process)
     except ImportError:
         pytest.skip("this build has no CUDA extension")
+    libm = next((p for p in ("/lib/x86_64-linux-gnu/libm.so.6", "/usr/lib64/libm.so.6", "/lib64/libm.so.6")
+                 if pathlib.Path(p).exists()), "/lib64/libm.so.6")
+    code = ("from mirrored import _cuda\n"
+            f"try:\n    _cuda.blas_load(['/nonexistent/libcublas.so.13', {libm!r}])\n"
+            "except RuntimeError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "cuBLAS is not available" in out.stdout
+    assert "cuBLAS is not available" in out.stdout, out.stdout + out.stderr
     assert "/nonexistent/libcublas.so.13" in out.stdout and "MIRRORED_CUBLAS_LIBRARY" in out.stdout
+    if pathlib.Path(libm).exists():  # a library without cuBLAS's entry points is named and refused
+        assert f"{libm}: lacks cublasCreate_v2" in out.stdout
 
 
 def test_the_library_is_looked_for_first_where_the_environment_says(monkeypatch):
