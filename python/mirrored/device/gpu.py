@@ -73,6 +73,24 @@ def replica_stream(replica_id: int, ordinal: int):
         return s
 
 
+_step_streams: dict = {}
+
+
+def step_stream(ordinal: int):
+    """GPU ``ordinal``'s stream for the steps ``md.function`` captures and replays, made once and
+    shared by all of them (captures run one at a time; replays are ordered with the legacy default
+    stream both ways). One stream, not one per capture: each stream that runs a matrix product
+    keeps a cuBLAS workspace for good (docs/linalg.md). Non-blocking: the legacy stream's
+    implicit synchronisation cannot be captured."""
+    with _lock:
+        s = _step_streams.get(int(ordinal))
+        if s is None:
+            cupy = cupy_module()
+            with cupy.cuda.Device(ordinal):
+                s = _step_streams[int(ordinal)] = cupy.cuda.Stream(non_blocking=True)
+        return s
+
+
 @contextlib.contextmanager
 def replica_scope(ordinal: int, replica_id: int):
     """Run a replica's code on CUDA device ``ordinal`` and its own stream (made by :func:`replica_stream`)::

@@ -337,7 +337,7 @@ def _capture(fn, strategy, inputs, ordinals):
     streams = {}
     for o in ordinals:
         with cupy.cuda.Device(o):
-            streams[o] = cupy.cuda.Stream(non_blocking=True)
+            streams[o] = _gpu.step_stream(o)
             streams[o].wait_event(cupy.cuda.Stream.null.record())
     scope = _gpu.StepScope(streams, pool.malloc, capturing=True, host_written=host_written.malloc)
     # The input buffers, filled with this call's inputs before the capture begins.
