@@ -58,7 +58,8 @@ def matmul(a, b, transpose_a=False, transpose_b=False, adjoint_a=False, adjoint_
         a, b = np.asarray(a), np.asarray(b)
     _check_ranks(a, b)
     out_dtype = _result_dtype(a.dtype, b.dtype, output_type, on_gpu[0])
-    ops = (_op(transpose_a, adjoint_a), _op(transpose_b, adjoint_b))
+    conjugate = np.dtype(a.dtype).kind == "c"  # a real adjoint is a transpose (which a layout flip serves)
+    ops = (_op(transpose_a, adjoint_a, conjugate), _op(transpose_b, adjoint_b, conjugate))
     m, k = _rows_cols(a.shape, ops[0])
     k_b, n = _rows_cols(b.shape, ops[1])
     if k != k_b:
@@ -122,8 +123,8 @@ def _result_dtype(a_dtype, b_dtype, output_type, on_gpu: bool):
     return np.dtype(a_dtype)
 
 
-def _op(transpose: bool, adjoint: bool) -> int:
-    return _OP_C if adjoint else _OP_T if transpose else _OP_N
+def _op(transpose: bool, adjoint: bool, conjugate: bool) -> int:
+    return _OP_C if adjoint and conjugate else _OP_T if transpose or adjoint else _OP_N
 
 
 def _rows_cols(shape, op):
@@ -145,7 +146,7 @@ def _apply_op(x, op):
     if op == _OP_N:
         return x
     x = np.swapaxes(x, -1, -2)
-    return np.conj(x) if op == _OP_C and x.dtype.kind == "c" else x
+    return np.conj(x) if op == _OP_C else x
 
 
 # --- CuPy arrays: mirrored's cuBLAS ------------------------------------------------------
