@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import glob
+import importlib
 import importlib.util
 import logging
 import os
@@ -20,6 +22,8 @@ import numpy as np
 from .engine import extension, name as engine_name
 
 NCCL_FIX = "pip install nvidia-nccl-cu13"
+CUBLAS_FIX = ("pip install nvidia-cublas-cu13 (the cuBLAS CuPy uses), or set MIRRORED_CUBLAS_LIBRARY to "
+              "libcublas.so's path")
 CUPY_FIX = "pip install cupy-cuda13x"
 
 
@@ -66,6 +70,24 @@ def replica_stream(replica_id: int, ordinal: int):
                 s = cupy.cuda.Stream(non_blocking=False)
             _replica_streams[key] = s
             _replica_stream_ptrs.add(s.ptr)
+        return s
+
+
+_step_streams: dict = {}
+
+
+def step_stream(ordinal: int):
+    """GPU ``ordinal``'s stream for the steps ``md.function`` captures and replays, made once and
+    shared by all of them (captures run one at a time; replays are ordered with the legacy default
+    stream both ways). One stream, not one per capture: each stream that runs a matrix product
+    keeps a cuBLAS workspace for good (docs/linalg.md). Non-blocking: the legacy stream's
+    implicit synchronisation cannot be captured."""
+    with _lock:
+        s = _step_streams.get(int(ordinal))
+        if s is None:
+            cupy = cupy_module()
+            with cupy.cuda.Device(ordinal):
+                s = _step_streams[int(ordinal)] = cupy.cuda.Stream(non_blocking=True)
         return s
 
 
@@ -251,6 +273,63 @@ def collective_stream(ordinal: int) -> int:
         return _step.streams[ordinal].ptr
     s = cupy_module().cuda.get_current_stream(ordinal)
     return 0 if s.ptr in _replica_stream_ptrs else s.ptr
+
+
+# --- cuBLAS ------------------------------------------------------------------
+
+_cublas: dict = {}  # engine name -> the loaded library's path, or the error text
+
+
+def cublas_library_candidates() -> list[str]:
+    """Where libcublas is looked for: $MIRRORED_CUBLAS_LIBRARY, the copy CuPy has loaded (the same
+    cuBLAS as its ``@``), the nvidia-cublas wheels, the system.
+
+    The simulated engine is its own libcublas (a stand-in over the simulated GPUs).
+    """
+    if engine.name() == "sim":
+        return [cuda_module().__file__]
+    out = []
+    if os.environ.get("MIRRORED_CUBLAS_LIBRARY"):
+        out.append(os.environ["MIRRORED_CUBLAS_LIBRARY"])
+    out += _cupys_cublas()
+    for package in ("nvidia.cu13", "nvidia.cublas"):  # the CUDA 13 wheels' layout, and the CUDA 12 one
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            spec = None
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            out += sorted(glob.glob(os.path.join(root, "lib", "libcublas.so.*")))
+    out += ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]
+    return list(dict.fromkeys(out))
+
+
+def _cupys_cublas() -> list[str]:
+    """The libcublas files mapped into this process once CuPy's cuBLAS module is imported (it links them)."""
+    try:
+        importlib.import_module("cupy_backends.cuda.libs.cublas")
+    except Exception:  # no CuPy, or one that cannot load cuBLAS: the other candidates remain
+        return []
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = [line.split(None, 5)[5].strip() for line in maps if len(line.split(None, 5)) == 6]
+    except OSError:
+        return []
+    return [p for p in dict.fromkeys(paths) if os.path.basename(p).startswith("libcublas.so")]
+
+
+def load_cublas() -> str:
+    """The path of the loaded libcublas; RuntimeError naming the fix if none loads."""
+    with _lock:
+        key = engine.name()
+        if key not in _cublas:
+            try:
+                _cublas[key] = ("loaded", cuda_module().blas_load(cublas_library_candidates()))
+            except RuntimeError as e:
+                _cublas[key] = ("failed", str(e))
+        state, text = _cublas[key]
+    if state == "failed":
+        raise RuntimeError(f"md.linalg.matmul on GPU arrays needs cuBLAS: {text}; {CUBLAS_FIX}")
+    return text
 
 
 # --- NCCL --------------------------------------------------------------------

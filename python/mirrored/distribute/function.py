@@ -337,7 +337,7 @@ def _capture(fn, strategy, inputs, ordinals):
     streams = {}
     for o in ordinals:
         with cupy.cuda.Device(o):
-            streams[o] = cupy.cuda.Stream(non_blocking=True)
+            streams[o] = _gpu.step_stream(o)
             streams[o].wait_event(cupy.cuda.Stream.null.record())
     scope = _gpu.StepScope(streams, pool.malloc, capturing=True, host_written=host_written.malloc)
     # The input buffers, filled with this call's inputs before the capture begins.
@@ -398,7 +398,8 @@ def _caller_stacklevel() -> int:
 
 
 def _what_broke(error: BaseException) -> str:
-    """The error and the line of the step (not of mirrored or CuPy) that made it, for the warning."""
+    """The error and the line of the step (not of mirrored or CuPy) that made it, for the warning, with
+    the fix where there is one of ours."""
     where = ""
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
         if frame.filename.endswith((".pyx", ".pxd", ".pxi")):  # CuPy's Cython frames: not the step's
@@ -407,7 +408,11 @@ def _what_broke(error: BaseException) -> str:
         if not module.startswith(("mirrored", "cupy", "fake_cupy")):
             where = f" (at {frame.filename}:{frame.lineno}, in {frame.name}: {frame.line})"
             break
-    return f"{type(error).__name__}: {error}{where}"
+    hint = ""
+    if isinstance(error, NotImplementedError) and "cuBLAS" in str(error):
+        hint = ("; CuPy refuses cuBLAS (`@`, cupy.matmul, dot, tensordot) while a stream is capturing: write the "
+                "step's matrix products with md.linalg.matmul (or md.matmul), whose cuBLAS calls capture")
+    return f"{type(error).__name__}: {error}{where}{hint}"
 
 
 def _module_of(filename: str) -> str:
