@@ -286,7 +286,7 @@ def cublas_library_candidates() -> list[str]:
 
     The simulated engine is its own libcublas (a stand-in over the simulated GPUs).
     """
-    if engine.name() == "sim":
+    if engine_name() == "sim":
         return [cuda_module().__file__]
     out = []
     if os.environ.get("MIRRORED_CUBLAS_LIBRARY"):
@@ -320,7 +320,7 @@ def _cupys_cublas() -> list[str]:
 def load_cublas() -> str:
     """The path of the loaded libcublas; RuntimeError naming the fix if none loads."""
     with _lock:
-        key = engine.name()
+        key = engine_name()
         if key not in _cublas:
             try:
                 _cublas[key] = ("loaded", cuda_module().blas_load(cublas_library_candidates()))
