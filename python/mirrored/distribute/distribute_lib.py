@@ -219,7 +219,7 @@ class ReplicaContext:
         self._replica_id_in_sync_group = replica_id_in_sync_group
         self._local_replica_id = _local_replica_id
         self._group = _group if _group is not None else _Group(1)
-        self._natives = {}  # id(ReduceOp) -> the extended's _native_replica_all_reduce (False: none)
+        self._all_reduces = {}  # id(ReduceOp) -> the combine of an all_reduce without options (made once)
 
     @property
     def strategy(self) -> "Strategy":
@@ -271,60 +271,67 @@ class ReplicaContext:
 
         return self._group.exchange(self._local_replica_id, "merge_call", (tuple(args), dict(kwargs)), combine)
 
-    def _collective(self, kind: str, value, reduce_leaves, native=None):
-        """Run ``reduce_leaves(list of PerReplica) -> list of per-device results`` on ``value``'s leaves.
-
-        ``native(per_replica) -> per_replica results`` (``per_replica[r]``:
-        replica r's leaves), if given, is tried first; it returns None for
-        leaves it does not take.
-        """
-        if _top().replica_context is not self:
-            self._require_current(kind)
-        single = type(value) is np.ndarray  # the common case: one array, no structure to walk
-        # A variable is read here, in its replica (its own copy, as TF converts it to a tensor), not by the
-        # replica that combines.
-        leaves = [value] if single else [_read(leaf) for leaf in _nest.flatten(value)]
+    def _combiner(self, kind: str, reduce_leaves, native=None):
+        """The combine of a collective (run once, by the last replica to arrive): ``per_replica[r]`` (replica
+        r's leaves) -> each replica's results, from ``reduce_leaves(list of PerReplica) -> list of
+        per-device results``. ``native(per_replica) -> per_replica results``, if given, is tried first; it
+        returns None for leaves it does not take."""
 
         def combine(per_replica):
-            counts = {len(leaves_r) for leaves_r in per_replica}
-            if len(counts) != 1:
-                raise ValueError(f"value: replicas passed structures with different numbers of arrays to {kind} "
-                                 f"({[len(x) for x in per_replica]}); pass the same structure on every replica")
+            count = len(per_replica[0])
+            for leaves_r in per_replica:
+                if len(leaves_r) != count:
+                    raise ValueError(f"value: replicas passed structures with different numbers of arrays to "
+                                     f"{kind} ({[len(x) for x in per_replica]}); pass the same structure on "
+                                     "every replica")
             if native:
                 results = native(per_replica)
                 if results is not None:
                     return results
             devices = self._strategy.extended.worker_devices
-            per_leaf = [PerReplica([r[t] for r in per_replica], devices) for t in range(len(per_replica[0]))]
+            per_leaf = [PerReplica([r[t] for r in per_replica], devices) for t in range(count)]
             outs = reduce_leaves(per_leaf)
             local = [out.values if isinstance(out, DistributedValues) else (out,) * len(per_replica)
                      for out in outs]
             return [[out[r] for out in local] for r in range(len(per_replica))]
 
-        mine = self._group.exchange(self._local_replica_id, kind, leaves, combine)
-        return mine[0] if single else _nest.pack_sequence_as(value, mine)
+        return combine
+
+    def _collective(self, kind: str, value, combine):
+        """Runs ``combine`` (see :meth:`_combiner`) on ``value``'s leaves, with every replica's."""
+        if _top().replica_context is not self:
+            self._require_current(kind)
+        if type(value) is np.ndarray:  # the common case: one array, no structure to walk
+            return self._group.exchange(self._local_replica_id, kind, [value], combine)[0]
+        # A variable is read here, in its replica (its own copy, as TF converts it to a tensor), not by the
+        # replica that combines.
+        leaves = [_read(leaf) for leaf in _nest.flatten(value)]
+        return _nest.pack_sequence_as(value, self._group.exchange(self._local_replica_id, kind, leaves, combine))
 
     def all_reduce(self, reduce_op, value, options=None):
         """Reduce ``value`` (an array or a nested structure of arrays) across replicas; all get the result.
 
         All leaves go through one fused batch all-reduce of the strategy's cross-device ops.
         """
-        op = as_reduce_op(reduce_op)
-        native = self._natives.get(id(op)) if options is None else None  # (by id: a ReduceOp's hash is Python code)
-        if native is None:
-            # Found once per op: the built-in native ops take the replicas' arrays straight, as
-            # batch_reduce_to would hand them over (False: through batch_reduce_to).
-            native = self._strategy.extended._native_replica_all_reduce(op, options) or False
-            if options is None:
-                self._natives[id(op)] = native
-        return self._collective("all_reduce", value, lambda per_leaf: self._strategy.extended._batch_reduce_to(
+        op = reduce_op if type(reduce_op) is ReduceOp else as_reduce_op(reduce_op)
+        if options is None:
+            combine = self._all_reduces.get(id(op))  # (by id: a ReduceOp's hash is Python code)
+            if combine is not None:
+                return self._collective("all_reduce", value, combine)
+        # Made once per op: the built-in native ops take the replicas' arrays straight, as batch_reduce_to
+        # would hand them over (none: through batch_reduce_to).
+        native = self._strategy.extended._native_replica_all_reduce(op, options)
+        combine = self._combiner("all_reduce", lambda per_leaf: self._strategy.extended._batch_reduce_to(
             op, [(v, v) for v in per_leaf], options), native)
+        if options is None:
+            self._all_reduces[id(op)] = combine
+        return self._collective("all_reduce", value, combine)
 
     def all_gather(self, value, axis: int, options=None):
         """Concatenate every replica's ``value`` along ``axis`` (sizes may differ along ``axis`` only)."""
         ext = self._strategy.extended
-        return self._collective("all_gather", value,
-                                lambda per_leaf: [ext._gather_to(v, v, axis, options) for v in per_leaf])
+        return self._collective("all_gather", value, self._combiner(
+            "all_gather", lambda per_leaf: [ext._gather_to(v, v, axis, options) for v in per_leaf]))
 
     def __repr__(self) -> str:
         return f"ReplicaContext(replica_id_in_sync_group={self._replica_id_in_sync_group})"
