@@ -151,18 +151,9 @@ class _Group:
                 raise self._broken
             if parked is not coop.HUB:
                 coop.park_later(parked)
-        while True:
-            if parked is coop.HUB:  # the caller's own replica: it runs the others until the collective completes
-                coop.serve(generation)
-            else:  # parked: the caller's thread runs other replicas until a combine (or an abort) wakes this one
-                coop.park()
-            with self._lock:
-                if self._generation != generation:
-                    return self._results
-                if self._broken is not None:
-                    raise self._broken
-                if parked is not coop.HUB:
-                    coop.park_later(parked)
+        # The caller's own replica runs the others until the collective completes; a parked one hands the
+        # thread on until a combine (or an abort) wakes it.
+        return coop.wait(generation, parked)
 
     def _combine(self, combine):
         """The last replica to arrive: one combine for all (the lock held)."""

@@ -25,10 +25,11 @@ except ImportError:  # optional: without it every replica but the caller's own r
 
 from .. import _logging, _nest
 from ..device import config, device_util, gpu as _gpu
+from ..device.device_util import _current as _device_local
 from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, describe
 from .context import _Context, _local
 from .distribute_lib import _Aborted, _Group, ReplicaContext, Strategy, StrategyExtended
-from .name_scope import current_scope, swap_scope
+from .name_scope import _state as _scope_local, current_scope, swap_scope
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
 from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mirrored, MirroredVariable, SyncOnReadVariable, regroup, select_replica)
@@ -63,13 +64,13 @@ class _ThreadState:
     ``save`` when one hands the thread on, ``restore`` when it is resumed.
     """
 
+    # (The thread-locals of context.py, device_util.current() and current_scope(), read and set here
+    # directly: every greenlet switch of a collective saves and restores them.)
     def save(self) -> tuple:
-        return getattr(_local, "stack", None), device_util.current(), current_scope()
+        return getattr(_local, "stack", None), getattr(_device_local, "device", None), getattr(_scope_local, "scope", "")
 
     def restore(self, state: tuple) -> None:
-        _local.stack, device, name_scope = state
-        device_util.set_current(device)
-        swap_scope(name_scope)
+        _local.stack, _device_local.device, _scope_local.scope = state
 
 
 class _GpuThreadState(_ThreadState):
@@ -122,7 +123,7 @@ class _Cooperative:
     One that must wait in a collective does not sleep: from inside its wait
     the hub starts the replicas not started yet, as greenlets, and resumes
     those made ready, until the collective completes. A greenlet replica that
-    must wait parks (``park_later`` under the group's lock, then ``park``),
+    must wait parks (``park_later`` under the group's lock, then ``wait``),
     handing the thread on to the next replica not started yet, else back to
     the hub; the replica that completes the
     collective makes the parked ones ready (``wake_parked``). A run without
@@ -135,10 +136,11 @@ class _Cooperative:
 
     HUB = object()  # current()'s answer for a replica running as a plain call on the hub
 
-    def __init__(self, group, next_replica, state: _ThreadState):
+    def __init__(self, group, next_replica, run_replica, state: _ThreadState):
         self._group = group
         self._state = state
-        self._next_replica = next_replica  # () -> (function, index) of a replica the hub claimed, or None
+        self._next_replica = next_replica  # () -> the index of a replica the hub claimed, or None
+        self._run_replica = run_replica  # (index) -> runs that replica (claimed by the hub) to its end
         self._replicas, self._ready, self._parked, self._unfinished = set(), collections.deque(), [], 0
 
     def begin(self) -> "_Cooperative":
@@ -156,8 +158,8 @@ class _Cooperative:
             return self.HUB
         return g if g in self._replicas else None
 
-    def _start(self, fn, i: int) -> None:
-        """Runs ``fn(i)`` as a greenlet replica until it returns or parks.
+    def _start(self, i: int) -> None:
+        """Runs replica ``i`` as a greenlet replica until it returns or parks.
 
         On a greenlet this thread made for an earlier run, if one is idle: a
         new greenlet costs ~20 us (its own frame stack), a switch ~1 us.
@@ -167,7 +169,7 @@ class _Cooperative:
         g.parent = self._hub
         self._replicas.add(g)
         self._unfinished += 1
-        g.switch(self, fn, i)
+        g.switch(self, i)
 
     def _retire(self, g):
         """``g`` returned its replica: back to this thread's idle greenlets, and the thread on to a
@@ -189,41 +191,54 @@ class _Cooperative:
             self._ready.extend(self._parked)
             self._parked.clear()
 
-    def park(self) -> None:
-        """Hands the thread on until this greenlet replica is resumed: to the next replica not started
-        yet, started from here (a round trip through the hub saved), else back to the hub."""
+    def wait(self, generation: int, parked):
+        """The results of the collective of ``generation``, for which the running replica (``parked``:
+        HUB, or its greenlet, parked already) waits; raises if the group broke meanwhile."""
+        group = self._group
+        lock = group._lock
         state = self._state.save()
-        claimed = self._next_replica()
-        if claimed is not None:
-            self._start(*claimed)
-        else:
-            self._hub.switch()
-        self._state.restore(state)
+        try:
+            while True:
+                if parked is self.HUB:
+                    self._serve(generation)
+                else:
+                    # Hands the thread on until this greenlet is resumed: to the next replica not started
+                    # yet, started from here (a round trip through the hub saved), else back to the hub.
+                    i = self._next_replica()
+                    if i is not None:
+                        self._start(i)
+                    else:
+                        self._hub.switch()
+                with lock:
+                    if group._generation != generation:
+                        return group._results
+                    if group._broken is not None:
+                        raise group._broken
+                    if parked is not self.HUB:
+                        self._parked.append(parked)
+        finally:
+            self._state.restore(state)
 
-    def serve(self, generation: int) -> None:
+    def _serve(self, generation: int) -> None:
         """The hub's replica waits in the collective of ``generation``: start and resume the other
         replicas until it settles, sleeping only while they all wait for replicas on other threads."""
         group = self._group
         lock, ready = group._lock, self._ready
-        state = self._state.save()
-        try:
-            while True:
-                with lock:
-                    if group._generation != generation or group._broken is not None:  # settled
-                        return
-                    g = ready.popleft() if ready else None
-                if g is not None:
-                    g.switch()
-                    continue
-                claimed = self._next_replica()
-                if claimed is not None:
-                    self._start(*claimed)
-                    continue
-                with lock:
-                    if not group.settled(generation) and not ready:
-                        group.sleep()
-        finally:
-            self._state.restore(state)
+        while True:
+            with lock:
+                if group._generation != generation or group._broken is not None:  # settled
+                    return
+                g = ready.popleft() if ready else None
+            if g is not None:
+                g.switch()
+                continue
+            i = self._next_replica()
+            if i is not None:
+                self._start(i)
+                continue
+            with lock:
+                if not group.settled(generation) and not ready:
+                    group.sleep()
 
     def drain(self) -> None:
         """Resumes ready replicas until every greenlet replica returned (sleeping while none is ready:
@@ -254,12 +269,12 @@ def _idle_greenlets() -> list:
     return idle
 
 
-def _serve(coop, fn, i):
+def _serve(coop, i):
     """A cooperative replica's greenlet: runs replicas, one per start, for as long as its thread lives."""
     me = _greenlet.getcurrent()
     while True:
-        fn(i)  # (_execute and _run_claimed report whatever the replica raises)
-        coop, fn, i = coop._retire(me)
+        coop._run_replica(i)  # (_run_claimed reports whatever the replica raises)
+        coop, i = coop._retire(me)
 
 
 def _signal(lock):
@@ -301,7 +316,7 @@ class _ReplicaPool:
         # another; the next ones hand off to the threads as before.
         self._read_cpu = False
         # The caller runs the replicas it claims on its own thread (see _Cooperative), when greenlet is installed.
-        self._coop = _Cooperative(self.group, self._claim_next, self._state) \
+        self._coop = _Cooperative(self.group, self._claim_next, self._run_claimed, self._state) \
             if cooperative and n > 1 and _greenlet else None
         self._go = [threading.Lock() for _ in range(n)]
         for lock in self._go:
@@ -365,7 +380,7 @@ class _ReplicaPool:
         _signal(self._go[1])
 
     def _claim_next(self):
-        """(function, index) of the next replica the caller runs itself (cooperative runs), or None once
+        """The index of the next replica the caller runs itself (cooperative runs), or None once
         the threads have claimed or the caller has run every replica. Once the step has taken longer
         than HANDOFF_SECONDS (_is_long) the threads are woken to take the replicas not started yet, in parallel."""
         while self._next < self.n:
@@ -376,7 +391,7 @@ class _ReplicaPool:
                 self._woken = True
                 self._wake_threads()
             if self._claims.setdefault(i, self._mine) is self._mine:
-                return self._run_claimed, i
+                return i
         return None
 
     def _run_claimed(self, i: int):
@@ -461,10 +476,10 @@ class _ReplicaPool:
                     state = self._state.save()
                     try:
                         self._execute(0)
-                        claimed = self._claim_next()
-                        while claimed is not None:
-                            claimed[0](claimed[1])
-                            claimed = self._claim_next()
+                        i = self._claim_next()
+                        while i is not None:
+                            self._run_claimed(i)
+                            i = self._claim_next()
                         coop.drain()
                     finally:
                         self._state.restore(state)
