@@ -263,28 +263,34 @@ class ReplicaContext:
         return self._group.exchange(self._local_replica_id, "merge_call", (tuple(args), dict(kwargs)), combine)
 
     def _combiner(self, kind: str, reduce_leaves, native=None):
-        """The combine of a collective (run once, by the last replica to arrive): ``per_replica[r]`` (replica
-        r's leaves) -> each replica's results, from ``reduce_leaves(list of PerReplica) -> list of
-        per-device results``. ``native(per_replica) -> per_replica results``, if given, is tried first; it
-        returns None for leaves it does not take."""
+        """The combine of a collective (run once, by the last replica to arrive): ``slots[r]`` (replica r's
+        one array, or its list of leaves) -> each replica's results in the same form, from
+        ``reduce_leaves(list of PerReplica) -> list of per-device results``. ``native(slots)`` (one array
+        per replica, or lists of leaves) -> the results, if given, is tried first; it returns None for
+        values it does not take."""
 
-        def combine(per_replica):
+        def combine(slots):
+            single = [type(s) is np.ndarray for s in slots]
+            if native and all(single):  # the common case: one array each, one native call
+                results = native(slots)
+                if results is not None:
+                    return results
+            per_replica = [[s] if one else s for s, one in zip(slots, single)]
             count = len(per_replica[0])
             for leaves_r in per_replica:
                 if len(leaves_r) != count:
                     raise ValueError(f"value: replicas passed structures with different numbers of arrays to "
                                      f"{kind} ({[len(x) for x in per_replica]}); pass the same structure on "
                                      "every replica")
-            if native:
-                results = native(per_replica)
-                if results is not None:
-                    return results
-            devices = self._strategy.extended.worker_devices
-            per_leaf = [PerReplica([r[t] for r in per_replica], devices) for t in range(count)]
-            outs = reduce_leaves(per_leaf)
-            local = [out.values if isinstance(out, DistributedValues) else (out,) * len(per_replica)
-                     for out in outs]
-            return [[out[r] for out in local] for r in range(len(per_replica))]
+            results = native(per_replica) if native and not any(single) else None
+            if results is None:
+                devices = self._strategy.extended.worker_devices
+                per_leaf = [PerReplica([r[t] for r in per_replica], devices) for t in range(count)]
+                outs = reduce_leaves(per_leaf)
+                local = [out.values if isinstance(out, DistributedValues) else (out,) * len(per_replica)
+                         for out in outs]
+                results = [[out[r] for out in local] for r in range(len(per_replica))]
+            return [r[0] if one else r for r, one in zip(results, single)]
 
         return combine
 
@@ -293,7 +299,7 @@ class ReplicaContext:
         if _top().replica_context is not self:
             self._require_current(kind)
         if type(value) is np.ndarray:  # the common case: one array, no structure to walk
-            return self._group.exchange(self._local_replica_id, kind, [value], combine)[0]
+            return self._group.exchange(self._local_replica_id, kind, value, combine)
         # A variable is read here, in its replica (its own copy, as TF converts it to a tensor), not by the
         # replica that combines.
         leaves = [_read(leaf) for leaf in _nest.flatten(value)]
