@@ -88,8 +88,10 @@ class _Group:
         """Wakes every waiting replica, on a thread or parked (the lock held)."""
         if self._sleepers:
             self._cond.notify_all()
-        if self.coop is not None:
-            self.coop.wake_parked()
+        coop = self.coop
+        if coop is not None and coop.parked:  # every parked replica is ready now
+            coop.ready.extend(coop.parked)
+            coop.parked.clear()
 
     def sleep(self):
         """Waits for the next ``_notify`` (the lock held)."""
@@ -140,7 +142,10 @@ class _Group:
                 return self._combine(combine)
             if self._finished:
                 self._check_stranded()
-            parked = coop.current() if coop is not None else None  # this replica's greenlet, if it is one
+            # This replica's greenlet, if it is one of the run's cooperative ones (the hub's included).
+            parked = coop.getcurrent() if coop is not None else None
+            if parked is not None and parked is not coop.hub and parked not in coop.replicas:
+                parked = None
             if parked is None:  # a replica on a thread of its own
                 while self._generation == generation and self._broken is None:
                     self.sleep()
@@ -149,8 +154,8 @@ class _Group:
                 return self._results
             if self._broken is not None:  # (stranded: this replica is the one left waiting)
                 raise self._broken
-            if parked is not coop.HUB:
-                coop.park_later(parked)
+            if parked is not coop.hub:
+                coop.parked.append(parked)  # made ready by the combine (_notify)
         # The caller's own replica runs the others until the collective completes; a parked one hands the
         # thread on until a combine (or an abort) wakes it.
         return coop.wait(generation, parked)
@@ -164,7 +169,7 @@ class _Group:
                     f"replicas made different collective calls at the same step: "
                     f"{dict(enumerate(kinds))}; every replica must call the same collectives "
                     "in the same order")
-            results = self._run_combine(combine, self._slots)
+            results = combine(self._slots) if self.order is None else self.order.combine(combine, self._slots)
         except BaseException as e:  # every replica raises it: the run reports it once
             results = e
         self._results = results

@@ -32,7 +32,8 @@ from .distribute_lib import _Aborted, _Group, ReplicaContext, Strategy, Strategy
 from .name_scope import _state as _scope_local, current_scope, swap_scope
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
-from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mirrored, MirroredVariable, SyncOnReadVariable, regroup, select_replica)
+from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mirrored, MirroredVariable, PerReplica,
+                     SyncOnReadVariable, regroup, select_replica)
 
 
 # A step that computes longer than this on the caller's thread runs its replicas on their threads,
@@ -123,40 +124,38 @@ class _Cooperative:
     One that must wait in a collective does not sleep: from inside its wait
     the hub starts the replicas not started yet, as greenlets, and resumes
     those made ready, until the collective completes. A greenlet replica that
-    must wait parks (``park_later`` under the group's lock, then ``wait``),
+    must wait parks (on ``parked``, under the group's lock, then ``wait``),
     handing the thread on to the next replica not started yet, else back to
-    the hub; the replica that completes the
-    collective makes the parked ones ready (``wake_parked``). A run without
-    collectives thus costs plain calls, and a collective a few greenlet
-    switches (about a microsecond each) where a thread hand-off costs tens of
-    microseconds, hundreds on a loaded machine (docs/architecture.md). Each
-    replica keeps its own thread-local state (context stack, current device, name scope)
-    across switches.
+    the hub; the replica that completes the collective makes the parked ones
+    ``ready`` (_Group._notify). A run without collectives thus costs plain
+    calls, and a collective a few greenlet switches (about a microsecond
+    each) where a thread hand-off costs tens of microseconds, hundreds on a
+    loaded machine (docs/architecture.md). Each replica keeps its own
+    thread-local state (context stack, current device, name scope) across
+    switches.
+
+    _Group reads ``hub``, ``replicas``, ``parked``, ``ready`` and calls
+    ``getcurrent`` (greenlet's, a C function) itself, under its lock: every
+    collective of every replica passes there.
     """
 
-    HUB = object()  # current()'s answer for a replica running as a plain call on the hub
+    getcurrent = staticmethod(_greenlet.getcurrent) if _greenlet else None
 
     def __init__(self, group, next_replica, run_replica, state: _ThreadState):
         self._group = group
         self._state = state
         self._next_replica = next_replica  # () -> the index of a replica the hub claimed, or None
         self._run_replica = run_replica  # (index) -> runs that replica (claimed by the hub) to its end
-        self._replicas, self._ready, self._parked, self._unfinished = set(), collections.deque(), [], 0
+        self.hub = None  # the greenlet of the run's caller
+        self.replicas, self.ready, self.parked, self._unfinished = set(), collections.deque(), [], 0
 
     def begin(self) -> "_Cooperative":
         """Ready for a run whose caller (the hub) is the calling greenlet."""
-        self._hub = _greenlet.getcurrent()
+        self.hub = _greenlet.getcurrent()
         self._idle = _idle_greenlets()  # (the hub's thread's: a greenlet runs on its own thread only)
-        if self._unfinished or self._replicas or self._ready or self._parked:  # an interrupted run's leftovers
-            self._replicas, self._ready, self._parked, self._unfinished = set(), collections.deque(), [], 0
+        if self._unfinished or self.replicas or self.ready or self.parked:  # an interrupted run's leftovers
+            self.replicas, self.ready, self.parked, self._unfinished = set(), collections.deque(), [], 0
         return self
-
-    def current(self):
-        """The running replica's greenlet, HUB for the hub's own replica, None on any other thread."""
-        g = _greenlet.getcurrent()
-        if g is self._hub:
-            return self.HUB
-        return g if g in self._replicas else None
 
     def _start(self, i: int) -> None:
         """Runs replica ``i`` as a greenlet replica until it returns or parks.
@@ -166,8 +165,8 @@ class _Cooperative:
         """
         idle = self._idle
         g = idle.pop() if idle else _greenlet.greenlet(_serve)
-        g.parent = self._hub
-        self._replicas.add(g)
+        g.parent = self.hub
+        self.replicas.add(g)
         self._unfinished += 1
         g.switch(self, i)
 
@@ -176,30 +175,20 @@ class _Cooperative:
         ready replica (a round trip through the hub saved), else to the hub. Returns what the next
         ``_start`` of ``g`` passes."""
         self._unfinished -= 1
-        self._replicas.discard(g)
+        self.replicas.discard(g)
         self._idle.append(g)
-        ready = self._ready
-        return (ready.popleft() if ready else self._hub).switch()
-
-    def park_later(self, g) -> None:
-        """Marks ``g`` parked (the group's lock held): the next wake_parked makes it ready."""
-        self._parked.append(g)
-
-    def wake_parked(self) -> None:
-        """Makes every parked replica ready (the group's lock held)."""
-        if self._parked:
-            self._ready.extend(self._parked)
-            self._parked.clear()
+        ready = self.ready
+        return (ready.popleft() if ready else self.hub).switch()
 
     def wait(self, generation: int, parked):
         """The results of the collective of ``generation``, for which the running replica (``parked``:
-        HUB, or its greenlet, parked already) waits; raises if the group broke meanwhile."""
+        the hub, or its greenlet, parked already) waits; raises if the group broke meanwhile."""
         group = self._group
-        lock = group._lock
+        lock, hub = group._lock, self.hub
         state = self._state.save()
         try:
             while True:
-                if parked is self.HUB:
+                if parked is hub:
                     self._serve(generation)
                 else:
                     # Hands the thread on until this greenlet is resumed: to the next replica not started
@@ -208,14 +197,14 @@ class _Cooperative:
                     if i is not None:
                         self._start(i)
                     else:
-                        self._hub.switch()
+                        hub.switch()
                 with lock:
                     if group._generation != generation:
                         return group._results
                     if group._broken is not None:
                         raise group._broken
-                    if parked is not self.HUB:
-                        self._parked.append(parked)
+                    if parked is not hub:
+                        self.parked.append(parked)
         finally:
             self._state.restore(state)
 
@@ -223,7 +212,7 @@ class _Cooperative:
         """The hub's replica waits in the collective of ``generation``: start and resume the other
         replicas until it settles, sleeping only while they all wait for replicas on other threads."""
         group = self._group
-        lock, ready = group._lock, self._ready
+        lock, ready = group._lock, self.ready
         while True:
             with lock:
                 if group._generation != generation or group._broken is not None:  # settled
@@ -244,7 +233,7 @@ class _Cooperative:
         """Resumes ready replicas until every greenlet replica returned (sleeping while none is ready:
         they wait for replicas on other threads)."""
         group = self._group
-        ready = self._ready
+        ready = self.ready
         while self._unfinished:
             with group._lock:
                 while not ready:
@@ -254,8 +243,8 @@ class _Cooperative:
 
     def finish_aborted(self) -> None:
         """After the group was aborted: lets every greenlet replica return (they raise _Aborted)."""
-        while self._unfinished and self._ready:
-            self._ready.popleft().switch()
+        while self._unfinished and self.ready:
+            self.ready.popleft().switch()
 
 
 _threads_greenlets = threading.local()
@@ -683,6 +672,8 @@ class MirroredExtended(StrategyExtended):
         weakref.finalize(container_strategy, self._pool.close)
         self._replica_contexts = None
         self._scopes = None
+        # CPU replicas (every device a CPU): their devices, which is all their scopes set; else None.
+        self._cpu_devices = self._local_devices if device_util.all_cpu(self._local_devices) else None
         self._native_all_reduces = {}  # id(ReduceOp) -> _native_replica_all_reduce's answer (False: none)
 
     def _contexts(self) -> list:
@@ -709,12 +700,20 @@ class MirroredExtended(StrategyExtended):
         # Every replica starts in the caller's md.name_scope, as TF's replica threads do, and keeps its
         # own: a thread that runs another replica while this one waits in a merge_call must not see it.
         name_scope = current_scope()
+        devices = self._cpu_devices
 
         def replica(i):
-            # (The thread's context stack and name scope are not put back here: the pool restores the
-            # caller's once the run ends, and a replica thread's are set afresh by its next replica.)
+            # (The thread's context stack, name scope and CPU device are not put back here: the pool
+            # restores the caller's once the run ends, and a replica thread's are set afresh by its next
+            # replica.)
             _local.stack = [_new_tuple(_Context, (strategy, contexts[i]))]
-            swap_scope(name_scope)
+            _scope_local.scope = name_scope
+            if devices is not None:  # CPU replicas: their device is all there is to enter
+                _device_local.device = devices[i]
+                if arguments is None:
+                    return fn()
+                args_i, kwargs_i = arguments[i]
+                return fn(*args_i, **kwargs_i) if kwargs_i else fn(*args_i)
             scope = scopes[i]
             scope.__enter__()
             try:
@@ -733,6 +732,8 @@ class MirroredExtended(StrategyExtended):
     def _replica_arguments(self, args, kwargs) -> list:
         """``(args, kwargs)`` as each replica sees them (select_replica's rule), the structure walked once."""
         n = len(self._local_devices)
+        if len(args) == 1 and not kwargs and type(args[0]) in (PerReplica, Mirrored) and len(args[0]._values) == n:
+            return [((v,), kwargs) for v in args[0]._values]  # the commonest case: one distributed batch
         flat = not kwargs and not any(_nest.is_nested(a) for a in args)  # the common case: no re-packing
         leaves = args if flat else _nest.flatten((args, kwargs))
         split = []  # per leaf: whether each replica takes its own component
