@@ -114,23 +114,22 @@ class _Group:
         """Whether the collective of ``generation`` completed or the group broke (the lock held)."""
         return self._generation != generation or self._broken is not None
 
-    def exchange(self, rid: int, kind: str, payload, combine):
-        if timeline._trace is None:
-            results = self._exchange(rid, kind, payload, combine)
-        else:
+    def exchange(self, rid: int, kind: str, payload, combine, _traced: bool = False):
+        """Replica ``rid`` hands in ``payload`` for the collective ``kind`` and gets back its part of the
+        results of ``combine(payloads)``, which the last replica to arrive runs; raises what broke the group."""
+        if timeline._trace is not None and not _traced:
             with timeline.replica_wait(rid, kind):  # shows each replica's wait for the slowest one
-                results = self._exchange(rid, kind, payload, combine)
-        if isinstance(results, BaseException):
-            raise results
-        return results[rid]
-
-    def _exchange(self, rid, kind, payload, combine):
+                return self.exchange(rid, kind, payload, combine, True)
         order = self.order
         if order is not None:
             order.arrive(rid)
         if self.n == 1:
-            return self._run_combine(combine, [payload])
+            results = self._run_combine(combine, [payload])
+            if isinstance(results, BaseException):
+                raise results
+            return results[rid]
         coop = self.coop
+        parked = None
         with self._lock:
             if self._broken is not None:
                 raise self._broken
@@ -139,26 +138,31 @@ class _Group:
             self._kinds[rid] = kind
             self._arrived += 1
             if self._arrived == self.n:
-                return self._combine(combine)
-            if self._finished:
-                self._check_stranded()
-            # This replica's greenlet, if it is one of the run's cooperative ones (the hub's included).
-            parked = coop.getcurrent() if coop is not None else None
-            if parked is not None and parked is not coop.hub and parked not in coop.replicas:
-                parked = None
-            if parked is None:  # a replica on a thread of its own
-                while self._generation == generation and self._broken is None:
-                    self.sleep()
-                if self._generation == generation:
+                results = self._combine(combine)
+            else:
+                if self._finished:
+                    self._check_stranded()
+                # This replica's greenlet, if it is one of the run's cooperative ones (the hub's included).
+                parked = coop.getcurrent() if coop is not None else None
+                if parked is not None and parked is not coop.hub and parked not in coop.replicas:
+                    parked = None
+                if parked is None:  # a replica on a thread of its own
+                    while self._generation == generation and self._broken is None:
+                        self.sleep()
+                    if self._generation == generation:
+                        raise self._broken
+                    results = self._results
+                elif self._broken is not None:  # (stranded: this replica is the one left waiting)
                     raise self._broken
-                return self._results
-            if self._broken is not None:  # (stranded: this replica is the one left waiting)
-                raise self._broken
-            if parked is not coop.hub:
-                coop.parked.append(parked)  # made ready by the combine (_notify)
-        # The caller's own replica runs the others until the collective completes; a parked one hands the
-        # thread on until a combine (or an abort) wakes it.
-        return coop.wait(generation, parked)
+                elif parked is not coop.hub:
+                    coop.parked.append(parked)  # made ready by the combine (_notify)
+        if parked is not None:
+            # The caller's own replica runs the others until the collective completes; a parked one hands
+            # the thread on until a combine (or an abort) wakes it.
+            results = coop.wait(generation, parked)
+        if isinstance(results, BaseException):
+            raise results
+        return results[rid]
 
     def _combine(self, combine):
         """The last replica to arrive: one combine for all (the lock held)."""
