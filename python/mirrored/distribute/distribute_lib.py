@@ -323,6 +323,8 @@ class ReplicaContext:
         if options is None:
             combine = self._all_reduces.get(id(op))  # (by id: a ReduceOp's hash is Python code)
             if combine is not None:
+                if type(value) is np.ndarray and _top().replica_context is self:  # (_collective's first case)
+                    return self._group.exchange(self._local_replica_id, "all_reduce", value, combine)
                 return self._collective("all_reduce", value, combine)
         # Made once per op: the built-in native ops take the replicas' arrays straight, as batch_reduce_to
         # would hand them over (none: through batch_reduce_to).

@@ -262,7 +262,7 @@ def _serve(coop, i):
     """A cooperative replica's greenlet: runs replicas, one per start, for as long as its thread lives."""
     me = _greenlet.getcurrent()
     while True:
-        coop._run_replica(i)  # (_run_claimed reports whatever the replica raises)
+        coop._run_replica(i)  # (_ReplicaPool._execute reports whatever the replica raises)
         coop, i = coop._retire(me)
 
 
@@ -305,7 +305,7 @@ class _ReplicaPool:
         # another; the next ones hand off to the threads as before.
         self._read_cpu = False
         # The caller runs the replicas it claims on its own thread (see _Cooperative), when greenlet is installed.
-        self._coop = _Cooperative(self.group, self._claim_next, self._run_claimed, self._state) \
+        self._coop = _Cooperative(self.group, self._claim_next, self._execute, self._state) \
             if cooperative and n > 1 and _greenlet else None
         self._go = [threading.Lock() for _ in range(n)]
         for lock in self._go:
@@ -346,14 +346,14 @@ class _ReplicaPool:
             token = object()
             if self._claims.setdefault(i, token) is not token:
                 continue  # the caller runs it, or a late wake-up of a finished run
-            try:
-                self._execute(i)
-            finally:
-                self._arrive(i, False)
+            self._execute(i, False)
 
-    def _execute(self, i: int):
+    def _execute(self, i: int, caller: bool = True):
+        """Runs replica ``i`` on this thread (``caller``: the run's caller's, else a replica thread's) and
+        reports what it raises; replicas 1..n-1 then arrive (``_arrive``)."""
         try:
-            self._results[i] = self._fn(i)
+            if not (i and caller and self._errors):  # (a failed run skips the replicas the caller has not started)
+                self._results[i] = self._fn(i)
         except _Aborted:
             pass
         except BaseException as e:
@@ -361,6 +361,8 @@ class _ReplicaPool:
             self.group.abort()  # release the replicas waiting for this one in a collective
         finally:
             self.group.replica_finished()
+            if i:
+                self._arrive(i, caller)
 
     def _wake_threads(self):
         """The replica threads take the replicas not started yet, in parallel (BLAS capped for that: OpenBLAS
@@ -382,14 +384,6 @@ class _ReplicaPool:
             if self._claims.setdefault(i, self._mine) is self._mine:
                 return i
         return None
-
-    def _run_claimed(self, i: int):
-        """Replica ``i``, claimed by the caller, on the caller's thread."""
-        try:
-            if not self._errors:  # (a failed run skips the replicas not started yet)
-                self._execute(i)
-        finally:
-            self._arrive(i, True)
 
     def _arrive(self, i: int, caller: bool):
         self._arrived[i] = True
@@ -457,7 +451,7 @@ class _ReplicaPool:
                         self._execute(0)
                         for i in range(1, self.n):  # not claimed by its thread yet: run it here, no hand-off
                             if claims.setdefault(i, mine) is mine:
-                                self._run_claimed(i)
+                                self._execute(i)
                     finally:
                         self._state.restore(state)
                 else:
@@ -467,7 +461,7 @@ class _ReplicaPool:
                         self._execute(0)
                         i = self._claim_next()
                         while i is not None:
-                            self._run_claimed(i)
+                            self._execute(i)
                             i = self._claim_next()
                         coop.drain()
                     finally:
