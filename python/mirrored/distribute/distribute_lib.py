@@ -13,7 +13,7 @@ import weakref
 
 import numpy as np
 
-from .. import _nest, timeline
+from .. import _core, _nest, timeline
 from ..device import device_util, gpu as _gpu
 from .name_scope import scoped_name
 from .options import VariableAggregation, VariableSynchronization
@@ -57,154 +57,33 @@ class _Aborted(Exception):
     """A replica was released from a collective because another replica failed."""
 
 
-class _Group:
-    """Where the replicas of one ``run`` meet for each collective call.
+class _Group(_core.Rendezvous):
+    """Where the replicas of one ``run`` meet for each collective call (native: csrc/bindings/rendezvous_binding.cc).
 
-    Every replica hands in its payload; the last one to arrive runs
-    ``combine`` once for all of them (the single native call), and each replica
-    takes back its own part. A replica that fails breaks the group, so no
-    replica waits forever for it.
+    Every replica hands in its payload (``exchange(rid, kind, payload,
+    combine)``); the last one to arrive runs ``combine`` once for all of them
+    (the single native call), and each replica takes back its own part. A
+    replica that fails breaks the group (``abort``), so no replica waits
+    forever for it; one that returns without calling a collective the others
+    wait in (``replica_finished``) breaks it with an error naming them.
 
-    A replica on a thread of its own waits on the condition. On the caller's
-    thread (``coop``, see mirrored_strategy's ``_Cooperative``) a replica
-    never sleeps there: the caller's own replica runs the other replicas until
-    the collective completes, and one running as a greenlet parks, handing
-    the thread back, until the combine makes it ready again.
+    A replica on a thread of its own sleeps until the combine, the GIL
+    released. On the caller's thread (after ``cooperate``, see
+    mirrored_strategy's ``_ReplicaPool``) a replica never sleeps there: the
+    caller's own replica runs the other replicas, as greenlets, until the
+    collective completes, and one running as a greenlet parks, handing the
+    thread on, until the combine makes it ready again. ``order``: GPU
+    replicas' MergeOrder (device/gpu.py), which each replica tells of its
+    arrival and every combine runs in; None for CPU replicas.
     """
 
     def __init__(self, n: int):
-        self.n = n
-        # Entered as the bare lock (a Condition's own ``with`` is Python code, on every step's hot path).
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._sleepers = 0  # threads in sleep(): a notify costs Python calls, skipped when none waits
-        self.coop = None  # the run's cooperative scheduler, or None
-        # GPU replicas: device/gpu.py's MergeOrder, which each replica tells of its arrival and every
-        # combine runs in (on the merge streams, ordered with every replica's stream); None for CPU replicas.
-        self.order = None
-        self.reset()
+        super().__init__(n, _Aborted, _traced_exchange, timeline)
 
-    def _notify(self):
-        """Wakes every waiting replica, on a thread or parked (the lock held)."""
-        if self._sleepers:
-            self._cond.notify_all()
-        coop = self.coop
-        if coop is not None and coop.parked:  # every parked replica is ready now
-            coop.ready.extend(coop.parked)
-            coop.parked.clear()
 
-    def sleep(self):
-        """Waits for the next ``_notify`` (the lock held)."""
-        self._sleepers += 1
-        try:
-            self._cond.wait()
-        finally:
-            self._sleepers -= 1
-
-    def reset(self):
-        self._slots = [None] * self.n
-        self._kinds = [None] * self.n
-        self._arrived = 0
-        self._finished = 0
-        self._generation = 0
-        self._results = None
-        self._broken = None
-
-    def settled(self, generation: int) -> bool:
-        """Whether the collective of ``generation`` completed or the group broke (the lock held)."""
-        return self._generation != generation or self._broken is not None
-
-    def exchange(self, rid: int, kind: str, payload, combine, _traced: bool = False):
-        """Replica ``rid`` hands in ``payload`` for the collective ``kind`` and gets back its part of the
-        results of ``combine(payloads)``, which the last replica to arrive runs; raises what broke the group."""
-        if timeline._trace is not None and not _traced:
-            with timeline.replica_wait(rid, kind):  # shows each replica's wait for the slowest one
-                return self.exchange(rid, kind, payload, combine, True)
-        order = self.order
-        if order is not None:
-            order.arrive(rid)
-        if self.n == 1:
-            results = self._run_combine(combine, [payload])
-            if isinstance(results, BaseException):
-                raise results
-            return results[rid]
-        coop = self.coop
-        parked = None
-        with self._lock:
-            if self._broken is not None:
-                raise self._broken
-            generation = self._generation
-            self._slots[rid] = payload
-            self._kinds[rid] = kind
-            self._arrived += 1
-            if self._arrived == self.n:
-                results = self._combine(combine)
-            else:
-                if self._finished:
-                    self._check_stranded()
-                # This replica's greenlet, if it is one of the run's cooperative ones (the hub's included).
-                parked = coop.getcurrent() if coop is not None else None
-                if parked is not None and parked is not coop.hub and parked not in coop.replicas:
-                    parked = None
-                if parked is None:  # a replica on a thread of its own
-                    while self._generation == generation and self._broken is None:
-                        self.sleep()
-                    if self._generation == generation:
-                        raise self._broken
-                    results = self._results
-                elif self._broken is not None:  # (stranded: this replica is the one left waiting)
-                    raise self._broken
-                elif parked is not coop.hub:
-                    coop.parked.append(parked)  # made ready by the combine (_notify)
-        if parked is not None:
-            # The caller's own replica runs the others until the collective completes; a parked one hands
-            # the thread on until a combine (or an abort) wakes it.
-            results = coop.wait(generation, parked)
-        if isinstance(results, BaseException):
-            raise results
-        return results[rid]
-
-    def _combine(self, combine):
-        """The last replica to arrive: one combine for all (the lock held)."""
-        kinds = self._kinds
-        try:
-            if kinds.count(kinds[0]) != self.n:
-                raise RuntimeError(
-                    f"replicas made different collective calls at the same step: "
-                    f"{dict(enumerate(kinds))}; every replica must call the same collectives "
-                    "in the same order")
-            results = combine(self._slots) if self.order is None else self.order.combine(combine, self._slots)
-        except BaseException as e:  # every replica raises it: the run reports it once
-            results = e
-        self._results = results
-        self._slots = [None] * self.n
-        self._arrived = 0
-        self._generation += 1
-        self._notify()
-        return results
-
-    def _run_combine(self, combine, slots):
-        return combine(slots) if self.order is None else self.order.combine(combine, slots)
-
-    def _check_stranded(self):
-        if self._arrived and self._arrived + self._finished == self.n and self._broken is None:
-            waiting = [i for i, k in enumerate(self._kinds) if k is not None and self._slots[i] is not None]
-            self._broken = RuntimeError(
-                f"replica(s) {waiting} wait in {self._kinds[waiting[0]]} but the other replicas returned "
-                "without calling it; every replica must make the same collective calls")
-            self._notify()
-
-    def replica_finished(self):
-        with self._lock:
-            self._finished += 1
-            if self._arrived:  # someone waits: is it stranded now?
-                self._check_stranded()
-
-    def abort(self):
-        with self._lock:
-            if self._broken is None:
-                self._broken = _Aborted()
-            self._notify()
+def _traced_exchange(group, rid, kind, payload, combine):
+    with timeline.replica_wait(rid, kind):  # shows each replica's wait for the slowest one
+        return group._exchange(rid, kind, payload, combine)
 
 
 # --- replica context -----------------------------------------------------------------------

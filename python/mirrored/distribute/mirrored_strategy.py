@@ -61,12 +61,19 @@ def _is_long(started: float, started_cpu: float | None) -> bool:
 class _ThreadState:
     """What a replica keeps on its thread: the context stack, the current device and md.name_scope.
 
-    Replicas that share a thread (greenlets, see _Cooperative) take it along:
+    Replicas that share a thread (greenlets, see _Group) take it along:
     ``save`` when one hands the thread on, ``restore`` when it is resumed.
     """
 
-    # (The thread-locals of context.py, device_util.current() and current_scope(), read and set here
-    # directly: every greenlet switch of a collective saves and restores them.)
+    # The thread-locals of context.py, device_util.current() and current_scope(): (object, name, default).
+    LOCALS = ((_local, "stack", None), (_device_local, "device", None), (_scope_local, "scope", ""))
+
+    def native(self):
+        """What _Group.cooperate takes: the LOCALS triples, which it reads and sets itself (every greenlet
+        switch of a collective saves and restores them), or this object, whose save and restore it calls."""
+        return self.LOCALS if type(self) is _ThreadState else self
+
+    # (The thread-locals read and set directly, as LOCALS says.)
     def save(self) -> tuple:
         return getattr(_local, "stack", None), getattr(_device_local, "device", None), getattr(_scope_local, "scope", "")
 
@@ -117,136 +124,6 @@ class _GpuThreadState(_ThreadState):
 _running = threading.local()  # .scope: the _GpuReplicaScope of the replica running on this thread, if any
 
 
-class _Cooperative:
-    """The replicas a run's caller runs itself, on the caller's thread.
-
-    The caller (the hub) runs replicas as plain calls, one after another.
-    One that must wait in a collective does not sleep: from inside its wait
-    the hub starts the replicas not started yet, as greenlets, and resumes
-    those made ready, until the collective completes. A greenlet replica that
-    must wait parks (on ``parked``, under the group's lock, then ``wait``),
-    handing the thread on to the next replica not started yet, else back to
-    the hub; the replica that completes the collective makes the parked ones
-    ``ready`` (_Group._notify). A run without collectives thus costs plain
-    calls, and a collective a few greenlet switches (about a microsecond
-    each) where a thread hand-off costs tens of microseconds, hundreds on a
-    loaded machine (docs/architecture.md). Each replica keeps its own
-    thread-local state (context stack, current device, name scope) across
-    switches.
-
-    _Group reads ``hub``, ``replicas``, ``parked``, ``ready`` and calls
-    ``getcurrent`` (greenlet's, a C function) itself, under its lock: every
-    collective of every replica passes there.
-    """
-
-    getcurrent = staticmethod(_greenlet.getcurrent) if _greenlet else None
-
-    def __init__(self, group, next_replica, run_replica, state: _ThreadState):
-        self._group = group
-        self._state = state
-        self._next_replica = next_replica  # () -> the index of a replica the hub claimed, or None
-        self._run_replica = run_replica  # (index) -> runs that replica (claimed by the hub) to its end
-        self.hub = None  # the greenlet of the run's caller
-        self.replicas, self.ready, self.parked, self._unfinished = set(), collections.deque(), [], 0
-
-    def begin(self) -> "_Cooperative":
-        """Ready for a run whose caller (the hub) is the calling greenlet."""
-        self.hub = _greenlet.getcurrent()
-        self._idle = _idle_greenlets()  # (the hub's thread's: a greenlet runs on its own thread only)
-        if self._unfinished or self.replicas or self.ready or self.parked:  # an interrupted run's leftovers
-            self.replicas, self.ready, self.parked, self._unfinished = set(), collections.deque(), [], 0
-        return self
-
-    def _start(self, i: int) -> None:
-        """Runs replica ``i`` as a greenlet replica until it returns or parks.
-
-        On a greenlet this thread made for an earlier run, if one is idle: a
-        new greenlet costs ~20 us (its own frame stack), a switch ~1 us.
-        """
-        idle = self._idle
-        g = idle.pop() if idle else _greenlet.greenlet(_serve)
-        g.parent = self.hub
-        self.replicas.add(g)
-        self._unfinished += 1
-        g.switch(self, i)
-
-    def _retire(self, g):
-        """``g`` returned its replica: back to this thread's idle greenlets, and the thread on to a
-        ready replica (a round trip through the hub saved), else to the hub. Returns what the next
-        ``_start`` of ``g`` passes."""
-        self._unfinished -= 1
-        self.replicas.discard(g)
-        self._idle.append(g)
-        ready = self.ready
-        return (ready.popleft() if ready else self.hub).switch()
-
-    def wait(self, generation: int, parked):
-        """The results of the collective of ``generation``, for which the running replica (``parked``:
-        the hub, or its greenlet, parked already) waits; raises if the group broke meanwhile."""
-        group = self._group
-        lock, hub = group._lock, self.hub
-        state = self._state.save()
-        try:
-            while True:
-                if parked is hub:
-                    self._serve(generation)
-                else:
-                    # Hands the thread on until this greenlet is resumed: to the next replica not started
-                    # yet, started from here (a round trip through the hub saved), else back to the hub.
-                    i = self._next_replica()
-                    if i is not None:
-                        self._start(i)
-                    else:
-                        hub.switch()
-                with lock:
-                    if group._generation != generation:
-                        return group._results
-                    if group._broken is not None:
-                        raise group._broken
-                    if parked is not hub:
-                        self.parked.append(parked)
-        finally:
-            self._state.restore(state)
-
-    def _serve(self, generation: int) -> None:
-        """The hub's replica waits in the collective of ``generation``: start and resume the other
-        replicas until it settles, sleeping only while they all wait for replicas on other threads."""
-        group = self._group
-        lock, ready = group._lock, self.ready
-        while True:
-            with lock:
-                if group._generation != generation or group._broken is not None:  # settled
-                    return
-                g = ready.popleft() if ready else None
-            if g is not None:
-                g.switch()
-                continue
-            i = self._next_replica()
-            if i is not None:
-                self._start(i)
-                continue
-            with lock:
-                if not group.settled(generation) and not ready:
-                    group.sleep()
-
-    def drain(self) -> None:
-        """Resumes ready replicas until every greenlet replica returned (sleeping while none is ready:
-        they wait for replicas on other threads)."""
-        group = self._group
-        ready = self.ready
-        while self._unfinished:
-            with group._lock:
-                while not ready:
-                    group.sleep()
-                g = ready.popleft()
-            g.switch()
-
-    def finish_aborted(self) -> None:
-        """After the group was aborted: lets every greenlet replica return (they raise _Aborted)."""
-        while self._unfinished and self.ready:
-            self.ready.popleft().switch()
-
-
 _threads_greenlets = threading.local()
 
 
@@ -258,12 +135,13 @@ def _idle_greenlets() -> list:
     return idle
 
 
-def _serve(coop, i):
-    """A cooperative replica's greenlet: runs replicas, one per start, for as long as its thread lives."""
+def _serve(group, i):
+    """A cooperative replica's greenlet: runs replicas, one per start (by its group, a _Group), for as long
+    as its thread lives."""
     me = _greenlet.getcurrent()
     while True:
-        coop._run_replica(i)  # (_ReplicaPool._execute reports whatever the replica raises)
-        coop, i = coop._retire(me)
+        group.run_replica(i)  # (_ReplicaPool._execute reports whatever the replica raises)
+        group, i = group.retire(me)
 
 
 def _signal(lock):
@@ -304,9 +182,11 @@ class _ReplicaPool:
         # that long. So the first of a series of long computing steps runs its replicas one after
         # another; the next ones hand off to the threads as before.
         self._read_cpu = False
-        # The caller runs the replicas it claims on its own thread (see _Cooperative), when greenlet is installed.
-        self._coop = _Cooperative(self.group, self._claim_next, self._execute, self._state) \
-            if cooperative and n > 1 and _greenlet else None
+        # The caller runs the replicas it claims on its own thread, as greenlets when one must wait in a
+        # collective (see _Group), when greenlet is installed: then _coop is the group.
+        self._coop = self.group if cooperative and n > 1 and _greenlet else None
+        if self._coop is not None:
+            self.group.cooperate(self._claim_next, self._execute, self._state.native(), _serve, _greenlet)
         self._go = [threading.Lock() for _ in range(n)]
         for lock in self._go:
             lock.acquire()
@@ -424,8 +304,8 @@ class _ReplicaPool:
                 self._wait_for_replicas()
             if self._threads is None and self.n > 1:
                 self._start()
-            self.group.reset()
-            coop = self.group.coop = self._coop.begin() if self._coop is not None else None
+            coop = self._coop
+            self.group.reset(_idle_greenlets() if coop is not None else None)
             self._fn, self._results, self._errors = replica_fn, [None] * self.n, []
             self._arrived, self._arrivals = [False] * self.n, itertools.count()
             self._generation += 1
@@ -463,7 +343,8 @@ class _ReplicaPool:
                         while i is not None:
                             self._execute(i)
                             i = self._claim_next()
-                        coop.drain()
+                        if coop.unfinished:  # (greenlet replicas waiting for replicas on other threads)
+                            coop.drain()
                     finally:
                         self._state.restore(state)
             except BaseException:  # interrupted outside a replica's function: free the others
