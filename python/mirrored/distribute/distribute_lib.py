@@ -158,11 +158,11 @@ class ReplicaContext:
         values it does not take."""
 
         def combine(slots):
-            single = [type(s) is np.ndarray for s in slots]
-            if native and all(single):  # the common case: one array each, one native call
-                results = native(slots)
+            if native and type(slots[0]) is np.ndarray:  # the common case: one array each, one native call
+                results = native(slots)  # (None unless every slot is a NumPy array)
                 if results is not None:
                     return results
+            single = [type(s) is np.ndarray for s in slots]
             per_replica = [[s] if one else s for s, one in zip(slots, single)]
             count = len(per_replica[0])
             for leaves_r in per_replica:
