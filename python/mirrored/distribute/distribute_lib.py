@@ -23,7 +23,7 @@ from .values import (DeviceVariable, DistributedValues, PerReplica, _read, regro
 HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
-from .context import (_Context, _entered, _stack, _top, get_cross_replica_context, get_replica_context,
+from .context import (_Context, _entered, _local, _stack, _top, get_cross_replica_context, get_replica_context,
                       get_strategy, has_strategy, in_cross_replica_context, set_default_context)
 
 
@@ -202,7 +202,8 @@ class ReplicaContext:
         if options is None:
             combine = self._all_reduces.get(id(op))  # (by id: a ReduceOp's hash is Python code)
             if combine is not None:
-                if type(value) is np.ndarray and _top().replica_context is self:  # (_collective's first case)
+                stack = getattr(_local, "stack", None)  # (_collective's first case, its _top() inlined)
+                if type(value) is np.ndarray and stack and stack[-1].replica_context is self:
                     return self._group.exchange(self._local_replica_id, "all_reduce", value, combine)
                 return self._collective("all_reduce", value, combine)
         # Made once per op: the built-in native ops take the replicas' arrays straight, as batch_reduce_to
