@@ -54,6 +54,8 @@ def test_steps_with_several_collectives_match_numpy(n, op, dtype, shape, collect
 
 @pytest.mark.parametrize("n", [3, 4])
 def test_replicas_on_threads_meet_replicas_on_greenlets(monkeypatch, n):
+    if mirrored_strategy._greenlet is None:
+        pytest.skip("without greenlet every replica but the caller's runs on its thread")
     # Every step counts as long, so the caller wakes the replica threads once it needs a second replica.
     # Replica 1, claimed by the caller (a greenlet on its thread), blocks until a replica thread has taken a
     # replica: the collectives then meet the caller's replicas and the threads' ones.
