@@ -3,6 +3,7 @@
 // validated by the collective face (mirrored/collective/plan.py), pull out
 // their data pointers, release the GIL, run the collective. A plan object
 // does the same for a repeated call after checking that its arrays still fit.
+// Also the replicas' rendezvous of strategy.run (rendezvous_binding.cc).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
