@@ -8,7 +8,6 @@ default strategy's context there.
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 
 import numpy as np

@@ -8,7 +8,6 @@ whose built-ins make one native call for all replicas with the GIL released.
 
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 import os
@@ -29,7 +28,7 @@ from ..device.device_util import _current as _device_local
 from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, describe
 from .context import _Context, _local
 from .distribute_lib import _Aborted, _Group, ReplicaContext, Strategy, StrategyExtended
-from .name_scope import _state as _scope_local, current_scope, swap_scope
+from .name_scope import _state as _scope_local, current_scope
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
 from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mirrored, MirroredVariable, PerReplica,
