@@ -38,8 +38,8 @@ struct State {
   PyObject* broken = nullptr;        // the exception every waiting replica raises, once the group broke
   PyObject* order = nullptr;         // GPU replicas' MergeOrder (device/gpu.py), else null
   PyObject* aborted_type = nullptr;  // distribute_lib._Aborted
+  PyObject* tracing = nullptr;       // () -> whether the timeline records (mirrored.timeline.enabled)
   PyObject* traced = nullptr;        // (group, rid, kind, payload, combine) -> exchange inside a timeline span
-  PyObject* timeline = nullptr;      // the mirrored.timeline module: its _trace is set while tracing
 
   // The cooperative scheduler (set once by cooperate(); hub set per run by reset()).
   PyObject* next_replica = nullptr;   // () -> index of a replica the caller claimed, or None
@@ -68,8 +68,7 @@ struct Rendezvous {
   State* s;
 };
 
-PyObject* str_trace;  // interned "_trace", "arrive", "combine", "save", "restore", "parent"
-PyObject* str_arrive;
+PyObject* str_arrive;  // interned "arrive", "combine", "save", "restore", "parent"
 PyObject* str_combine;
 PyObject* str_save;
 PyObject* str_restore;
@@ -443,10 +442,12 @@ PyObject* exchange(Rendezvous* self, PyObject* const* args, Py_ssize_t nargs) {
 
 PyObject* rv_exchange(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
-  PyObject* trace = PyObject_GetAttr(s->timeline, str_trace);
-  if (!trace) return nullptr;
-  Py_DECREF(trace);
-  if (trace != Py_None && nargs == 4) {  // the timeline records each replica's wait
+  PyObject* tracing = PyObject_CallNoArgs(s->tracing);
+  if (!tracing) return nullptr;
+  const int traced = PyObject_IsTrue(tracing);
+  Py_DECREF(tracing);
+  if (traced < 0) return nullptr;
+  if (traced && nargs == 4) {  // the timeline records each replica's wait
     PyObject* call[5] = {self, args[0], args[1], args[2], args[3]};
     return PyObject_Vectorcall(s->traced, call, 5, nullptr);
   }
@@ -601,11 +602,11 @@ PyObject* rv_finish_aborted(PyObject* self, PyObject*) {
 }
 
 int rv_init(PyObject* self, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"n", "aborted", "traced", "timeline", nullptr};
+  static const char* names[] = {"n", "aborted", "tracing", "traced", nullptr};
   int n;
-  PyObject *aborted, *traced, *timeline;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOOO:Rendezvous", const_cast<char**>(names), &n, &aborted, &traced,
-                                   &timeline))
+  PyObject *aborted, *tracing, *traced;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOOO:Rendezvous", const_cast<char**>(names), &n, &aborted, &tracing,
+                                   &traced))
     return -1;
   if (n < 1) {
     PyErr_Format(PyExc_ValueError, "n=%d: a rendezvous needs at least one replica", n);
@@ -617,8 +618,8 @@ int rv_init(PyObject* self, PyObject* args, PyObject* kwargs) {
   s->slots.assign(n, nullptr);
   s->kinds.assign(n, nullptr);
   Py_XSETREF(s->aborted_type, Py_NewRef(aborted));
+  Py_XSETREF(s->tracing, Py_NewRef(tracing));
   Py_XSETREF(s->traced, Py_NewRef(traced));
-  Py_XSETREF(s->timeline, Py_NewRef(timeline));
   return 0;
 }
 
@@ -636,7 +637,7 @@ void each_reference(State* s, F&& visit) {
   for (PyObject* o : s->state_locals) visit(o);
   for (PyObject* o : s->parked) visit(o);
   for (PyObject* o : s->ready) visit(o);
-  for (PyObject* o : {s->results, s->broken, s->order, s->aborted_type, s->traced, s->timeline, s->next_replica,
+  for (PyObject* o : {s->results, s->broken, s->order, s->aborted_type, s->tracing, s->traced, s->next_replica,
                       s->run_replica, s->state, s->body, s->greenlet_type, s->getcurrent, s->switch_fn, s->hub,
                       s->idle, s->replicas})
     visit(o);
@@ -661,7 +662,7 @@ int rv_clear(PyObject* self) {
   s->state_locals.clear();
   s->parked.clear();
   s->ready.clear();
-  for (PyObject** o : {&s->results, &s->broken, &s->order, &s->aborted_type, &s->traced, &s->timeline,
+  for (PyObject** o : {&s->results, &s->broken, &s->order, &s->aborted_type, &s->tracing, &s->traced,
                        &s->next_replica, &s->run_replica, &s->state, &s->body, &s->greenlet_type, &s->getcurrent,
                        &s->switch_fn, &s->hub, &s->idle, &s->replicas})
     *o = nullptr;
@@ -739,7 +740,7 @@ PyType_Spec rv_spec = {"mirrored._core.Rendezvous", sizeof(Rendezvous), 0,
 }  // namespace
 
 int add_rendezvous(PyObject* module) {
-  for (auto [target, text] : {std::pair{&str_trace, "_trace"}, {&str_arrive, "arrive"}, {&str_combine, "combine"},
+  for (auto [target, text] : {std::pair{&str_arrive, "arrive"}, {&str_combine, "combine"},
                               {&str_save, "save"}, {&str_restore, "restore"}, {&str_parent, "parent"}}) {
     *target = PyUnicode_InternFromString(text);
     if (!*target) return -1;

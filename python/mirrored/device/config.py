@@ -20,11 +20,12 @@ strategies created afterwards. ``memory_limit`` is recorded, not enforced
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from dataclasses import dataclass
 
-from . import engine
+from .engine import extension
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def _num_cpus() -> int:
 def _num_gpus() -> int:
     """GPUs the CUDA extension can see; 0 without the extension, a driver or a GPU."""
     try:
-        return int(engine.extension().device_count())
+        return int(extension().device_count())
     except Exception:  # no extension (ImportError), or a bad $MIRRORED_CUDA_ENGINE
         return 0
 
@@ -184,7 +185,9 @@ def net_module():
     the second names that library.
     """
     try:
-        from .. import _net  # type: ignore[attr-defined]
+        # By its full name, as engine.extension() loads the CUDA one: an extension runs no Python of ours,
+        # and ``from .. import _net`` would go through mirrored's __init__, which imports this module.
+        _net = importlib.import_module("mirrored._net")
     except ModuleNotFoundError as e:
         if e.name != "mirrored._net":
             raise
@@ -217,9 +220,9 @@ def is_gloo_available() -> bool:
 
 def is_nccl_available() -> bool:
     """True when the CUDA extension is built and libnccl loads (nvidia-nccl-cu13 or the system's)."""
-    from . import gpu as _gpu
+    from .gpu import nccl_available
 
-    return _gpu.nccl_available()
+    return nccl_available()
 
 
 def is_cuda_available() -> bool:

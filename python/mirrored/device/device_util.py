@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import gpu as _gpu
+from .gpu import merge_stream, step_memory
 
 
 class DeviceSpec(NamedTuple):
@@ -149,15 +149,15 @@ def cross_replica_gpu_scope(device):
     import cupy
 
     ordinal = _gpu_ordinal(spec)
-    with cupy.cuda.Device(ordinal), _gpu.merge_stream(ordinal), _gpu.step_memory():
+    with cupy.cuda.Device(ordinal), merge_stream(ordinal), step_memory():
         yield
 
 
 def _gpu_ordinal(spec: DeviceSpec) -> int:
     """CUDA ordinal of a (logical) GPU device; config maps logical GPUs onto physical ones."""
-    from . import config
+    from .config import physical_gpu_index
 
-    return config.physical_gpu_index(spec.device_index)
+    return physical_gpu_index(spec.device_index)
 
 
 def physical_ordinal(device) -> int:

@@ -12,7 +12,9 @@ import weakref
 
 import numpy as np
 
-from .. import _core, _nest, timeline
+from .._core import Rendezvous
+from .._nest import flatten, is_nested, map_structure, pack_sequence_as
+from ..timeline import HOST_ROW, enabled as tracing, replica_wait, set_row_source
 from ..device import device_util, gpu as _gpu
 from .name_scope import scoped_name
 from .options import VariableAggregation, VariableSynchronization
@@ -42,11 +44,11 @@ def _timeline_row() -> int:
     """The timeline row of the calling thread: its local replica, or the host row outside replica context."""
     ctx = get_replica_context()
     if ctx is None or not has_strategy():
-        return timeline.HOST_ROW
+        return HOST_ROW
     return int(getattr(ctx, "_local_replica_id", 0))
 
 
-timeline.set_row_source(_timeline_row)
+set_row_source(_timeline_row)
 
 
 # --- replica rendezvous ------------------------------------------------------------------
@@ -56,7 +58,7 @@ class _Aborted(Exception):
     """A replica was released from a collective because another replica failed."""
 
 
-class _Group(_core.Rendezvous):
+class _Group(Rendezvous):
     """Where the replicas of one ``run`` meet for each collective call (native: csrc/bindings/rendezvous_binding.cc).
 
     Every replica hands in its payload (``exchange(rid, kind, payload,
@@ -77,11 +79,11 @@ class _Group(_core.Rendezvous):
     """
 
     def __init__(self, n: int):
-        super().__init__(n, _Aborted, _traced_exchange, timeline)
+        super().__init__(n, _Aborted, tracing, _traced_exchange)
 
 
 def _traced_exchange(group, rid, kind, payload, combine):
-    with timeline.replica_wait(rid, kind):  # shows each replica's wait for the slowest one
+    with replica_wait(rid, kind):  # shows each replica's wait for the slowest one
         return group._exchange(rid, kind, payload, combine)
 
 
@@ -189,8 +191,8 @@ class ReplicaContext:
             return self._group.exchange(self._local_replica_id, kind, value, combine)
         # A variable is read here, in its replica (its own copy, as TF converts it to a tensor), not by the
         # replica that combines.
-        leaves = [_read(leaf) for leaf in _nest.flatten(value)]
-        return _nest.pack_sequence_as(value, self._group.exchange(self._local_replica_id, kind, leaves, combine))
+        leaves = [_read(leaf) for leaf in flatten(value)]
+        return pack_sequence_as(value, self._group.exchange(self._local_replica_id, kind, leaves, combine))
 
     def all_reduce(self, reduce_op, value, options=None):
         """Reduce ``value`` (an array or a nested structure of arrays) across replicas; all get the result.
@@ -317,7 +319,7 @@ class Strategy:
             return self._extended._reduce(op, value)
         ext = self._extended
         n = len(ext.worker_devices)
-        comps = [[_read(select_replica(i, leaf)) for i in range(n)] for leaf in _nest.flatten(value)]
+        comps = [[_read(select_replica(i, leaf)) for i in range(n)] for leaf in flatten(value)]
         _check_axis(axis, comps)
 
         def along_axis(fn):
@@ -328,19 +330,19 @@ class Strategy:
 
             leaves = [PerReplica([local(c, d) for c, d in zip(cs, ext.worker_devices)], ext.worker_devices)
                       for cs in comps]
-            return _nest.pack_sequence_as(value, leaves)
+            return pack_sequence_as(value, leaves)
 
         if op is not ReduceOp.MEAN:
             return ext._reduce(op, along_axis(lambda v: _reduce_along(v, op, axis)))
         numer = ext._reduce(ReduceOp.SUM, along_axis(lambda v: _reduce_along(v, ReduceOp.SUM, axis)))
         denom = ext._reduce(ReduceOp.SUM, along_axis(lambda v: np.asarray(v.shape[axis], np.int64)))
-        return _nest.pack_sequence_as(numer, [_divide(a, b) for a, b in zip(_nest.flatten(numer),
-                                                                            _nest.flatten(denom))])
+        return pack_sequence_as(numer, [_divide(a, b) for a, b in zip(flatten(numer),
+                                                                      flatten(denom))])
 
     def gather(self, value, axis: int):
         """Concatenate the replicas' components of ``value`` along ``axis``, on the host."""
         _require_cross_replica_or_default(self, "gather (use get_replica_context().all_gather() in replicas)")
-        return _nest.map_structure(lambda v: self._extended._gather_to_host(v, axis), value)
+        return map_structure(lambda v: self._extended._gather_to_host(v, axis), value)
 
     def experimental_local_results(self, value) -> tuple:
         """The components of ``value`` on this worker's replicas; ``(value,)`` for a non-distributed value."""
@@ -348,15 +350,15 @@ class Strategy:
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """Split each batch of ``dataset`` over the replicas (TF's rule), prefetching in the background."""
-        from . import input_lib
+        from .input_lib import DistributedDataset
 
-        return input_lib.DistributedDataset(dataset, self._extended, options)
+        return DistributedDataset(dataset, self._extended, options)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """``dataset_fn(InputContext)`` gives per-replica batches; each replica takes one per step."""
-        from . import input_lib
+        from .input_lib import DistributedDatasetsFromFunction
 
-        return input_lib.DistributedDatasetsFromFunction(dataset_fn, self._extended, options)
+        return DistributedDatasetsFromFunction(dataset_fn, self._extended, options)
 
     experimental_distribute_datasets_from_function = distribute_datasets_from_function
 
@@ -380,7 +382,7 @@ class Strategy:
         results = []
         for i, device in enumerate(ext.worker_devices):
             ctx = ValueContext(ext._worker_index * local + i, ext._num_replicas_in_sync)
-            results.append(_nest.map_structure(lambda x: _place_arrays(x, device), value_fn(ctx)))
+            results.append(map_structure(lambda x: _place_arrays(x, device), value_fn(ctx)))
         return regroup(results, always_wrap=True, devices=ext.worker_devices)
 
 
@@ -467,7 +469,7 @@ class StrategyExtended:
         op = as_reduce_op(reduce_op)
         _require_cross_replica_or_default(self._container_strategy, "reduce_to")
         destinations = self._with_devices(destinations, "destinations")
-        return _nest.map_structure(
+        return map_structure(
             lambda v: self._reduce_to(op, self._with_devices(v, "value"), destinations, options), value)
 
     def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
@@ -543,7 +545,7 @@ class StrategyExtended:
     def _local_results(self, value) -> tuple:
         if isinstance(value, DistributedValues):
             return value.values
-        if _nest.is_nested(value) and any(isinstance(v, DistributedValues) for v in _nest.flatten(value)):
+        if is_nested(value) and any(isinstance(v, DistributedValues) for v in flatten(value)):
             # A structure of distributed values: one structure per replica, as TF returns it.
             return tuple(select_replica(i, value) for i in range(len(self._local_devices)))
         return (value,)
@@ -569,9 +571,9 @@ class StrategyExtended:
             # Inside md.function's capture nothing may wait for the GPU: the result stays on the first
             # replica's GPU (an array the next replay overwrites, as a tf.function's output tensor is).
             result = self.reduce_to(op, value, self.worker_devices[0])
-            return _nest.map_structure(lambda v: _read(self._local_results(v)[0]), result)
+            return map_structure(lambda v: _read(self._local_results(v)[0]), result)
         result = self.reduce_to(op, value, HOST)
-        return _nest.map_structure(lambda v: device_util.to_host(_read(self._local_results(v)[0])), result)
+        return map_structure(lambda v: device_util.to_host(_read(self._local_results(v)[0])), result)
 
     def _gather_to_host(self, value, axis):
         if not isinstance(value, DistributedValues):

@@ -22,7 +22,8 @@ try:
 except ImportError:  # optional: without it every replica but the caller's own runs on a thread
     _greenlet = None
 
-from .. import _logging, _nest
+from .._logging import logger
+from .._nest import flatten, is_nested, map_structure, pack_sequence_as
 from ..device import config, device_util, gpu as _gpu
 from ..device.device_util import _current as _device_local
 from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, describe
@@ -608,8 +609,8 @@ class MirroredExtended(StrategyExtended):
         n = len(self._local_devices)
         if len(args) == 1 and not kwargs and type(args[0]) in (PerReplica, Mirrored) and len(args[0]._values) == n:
             return [((v,), kwargs) for v in args[0]._values]  # the commonest case: one distributed batch
-        flat = not kwargs and not any(_nest.is_nested(a) for a in args)  # the common case: no re-packing
-        leaves = args if flat else _nest.flatten((args, kwargs))
+        flat = not kwargs and not any(is_nested(a) for a in args)  # the common case: no re-packing
+        leaves = args if flat else flatten((args, kwargs))
         split = []  # per leaf: whether each replica takes its own component
         for leaf in leaves:
             distributed = isinstance(leaf, DistributedValues)
@@ -620,8 +621,8 @@ class MirroredExtended(StrategyExtended):
             return [(args, kwargs)] * n
         if flat:  # each argument's per-replica column, transposed into each replica's tuple
             return [(row, kwargs) for row in zip(*[a._values if s else (a,) * n for a, s in zip(args, split)])]
-        return [_nest.pack_sequence_as((args, kwargs), [leaf._values[i] if s else leaf
-                                                        for leaf, s in zip(leaves, split)]) for i in range(n)]
+        return [pack_sequence_as((args, kwargs), [leaf._values[i] if s else leaf
+                                                  for leaf, s in zip(leaves, split)]) for i in range(n)]
 
     def _check_components(self, leaves):
         n = len(self._local_devices)
@@ -699,7 +700,7 @@ class MirroredExtended(StrategyExtended):
         if not isinstance(var, DistributedVariable) or var.distribute_strategy is not self._container_strategy:
             raise ValueError(f"var: {var!r} was not created in this strategy's scope(); update only takes "
                              "its variables")
-        self._check_components(_nest.flatten((args, kwargs)))
+        self._check_components(flatten((args, kwargs)))
         updates = []
         for i, copy in enumerate(var.values):
             with device_util.device_scope(copy.device), device_util.cross_replica_gpu_scope(copy.device):
@@ -707,7 +708,7 @@ class MirroredExtended(StrategyExtended):
         regrouped = regroup(updates, Mirrored, devices=var._devices)
         if group:
             return regrouped
-        return _nest.map_structure(self._local_results, regrouped)
+        return map_structure(self._local_results, regrouped)
 
     def _make_variable(self, value, name, trainable, synchronization, aggregation):
         if synchronization == VariableSynchronization.NONE:
@@ -738,6 +739,6 @@ class MirroredStrategy(Strategy):
 
     def __init__(self, devices=None, cross_device_ops=None):
         super().__init__(MirroredExtended(self, devices, cross_device_ops))
-        _logging.logger.info("MirroredStrategy: %d replica(s) on %s; reductions: %s",
-                             len(self.extended.worker_devices), list(self.extended.worker_devices),
-                             describe(self.extended._cross_device_ops, self.extended.worker_devices))
+        logger.info("MirroredStrategy: %d replica(s) on %s; reductions: %s",
+                    len(self.extended.worker_devices), list(self.extended.worker_devices),
+                    describe(self.extended._cross_device_ops, self.extended.worker_devices))
