@@ -12,7 +12,7 @@ import weakref
 
 import numpy as np
 
-from .._core import Rendezvous
+from .._core import Rendezvous as _Rendezvous  # (private: a native type, not API)
 from .._nest import flatten, is_nested, map_structure, pack_sequence_as
 from ..timeline import HOST_ROW, enabled as tracing, replica_wait, set_row_source
 from ..device import device_util, gpu as _gpu
@@ -58,7 +58,7 @@ class _Aborted(Exception):
     """A replica was released from a collective because another replica failed."""
 
 
-class _Group(Rendezvous):
+class _Group(_Rendezvous):
     """Where the replicas of one ``run`` meet for each collective call (native: csrc/bindings/rendezvous_binding.cc).
 
     Every replica hands in its payload (``exchange(rid, kind, payload,
