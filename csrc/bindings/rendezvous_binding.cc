@@ -202,6 +202,11 @@ PyObject* combine_all(State* s, PyObject* combine) {
     }
     if (!results) results = take_error();
   }
+  if (!results) {  // (a failure that set no error: cannot happen, but every replica must be told)
+    results = PyObject_CallFunction(PyExc_SystemError, "s", "the combine of a collective failed without an error");
+    if (!results) results = take_error();
+    if (!results) results = Py_NewRef(Py_None);
+  }
   Py_INCREF(results);
   Py_XSETREF(s->results, results);
   for (PyObject*& slot : s->slots) Py_CLEAR(slot);
