@@ -3,6 +3,7 @@
 // validated by the collective face (mirrored/collective/plan.py), pull out
 // their data pointers, release the GIL, run the collective. A plan object
 // does the same for a repeated call after checking that its arrays still fit.
+// Also the replicas' rendezvous of strategy.run (rendezvous_binding.cc).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -14,6 +15,7 @@
 #include "bindings/array_fit.h"
 #include "bindings/host_buffers.h"
 #include "bindings/fused_update_binding.h"
+#include "bindings/rendezvous_binding.h"
 #include "host/host_communicator.h"
 
 namespace py = pybind11;
@@ -205,4 +207,5 @@ PYBIND11_MODULE(_core, m) {
   m.def("isa", [] { return std::string(comm().isa()); }, "Instruction set of the reduction kernels in use.");
   m.def("num_threads", [] { return ThreadPool::global().size(); }, "Threads of the host collective pool.");
   bindings::def_host_fused_update(m);
+  if (bindings::add_rendezvous(m.ptr()) < 0) throw py::error_already_set();
 }

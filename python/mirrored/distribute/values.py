@@ -452,6 +452,11 @@ def regroup(per_replica, wrap_class=PerReplica, always_wrap: bool = False, devic
     ``always_wrap``); copies of one distributed variable become that variable.
     """
     v0 = per_replica[0]
+    if type(v0) is np.ndarray:  # the commonest result (a leaf, no container): the checks below, in short
+        for v in per_replica:
+            if v is not v0:
+                return wrap_class(per_replica, devices)
+        return wrap_class(per_replica, devices) if always_wrap else v0
     if isinstance(v0, (list, tuple, dict)) and not isinstance(v0, DistributedValues):
         for v in per_replica[1:]:
             if type(v) is not type(v0) or len(v) != len(v0) or (isinstance(v0, dict) and v.keys() != v0.keys()):
