@@ -22,8 +22,9 @@ one packer (csrc/core/packer.cc) for host, CUDA, NCCL and Gloo batches alike.
 
 from __future__ import annotations
 
-from .._core import (BatchPlan, CallPlan, all_gather as host_all_gather, all_reduce as host_all_reduce,
-                     batch_all_reduce as host_batch_all_reduce, broadcast as host_broadcast, reduce as host_reduce)
+from .._core import (BatchPlan as _BatchPlan, CallPlan as _CallPlan, all_gather as _host_all_gather,
+                     all_reduce as _host_all_reduce, batch_all_reduce as _host_batch_all_reduce,
+                     broadcast as _host_broadcast, reduce as _host_reduce)
 from ..device.dtypes import op_code
 from ..timeline import span
 from .rules import (MEAN, algorithm_code, any_integer_mean, check_batch, check_chunk_bytes, check_packing,
@@ -112,12 +113,12 @@ def all_reduce(buffers, op, out, algorithm, chunk_bytes):
     algo = algorithm_code(algorithm)
     outs, finish = _outputs(out, arrays, "out")
     first = arrays[0]
-    plan = CallPlan("all_reduce", len(arrays), first.dtype, first.shape, code, opc, algo, chunk, 0,
-                    recycler.empty)
+    plan = _CallPlan("all_reduce", len(arrays), first.dtype, first.shape, code, opc, algo, chunk, 0,
+                     recycler.empty)
     with span("all_reduce", first.nbytes, algorithm, len(arrays)):
         done = plan.run(buffers, out)
         if done is None:  # converted inputs or outputs: this call runs on them
-            host_all_reduce(arrays, outs, first.size, code, opc, algo, chunk)
+            _host_all_reduce(arrays, outs, first.size, code, opc, algo, chunk)
     if done is None:
         return finish()
     _remember(_key("all_reduce", (op, algorithm, chunk_bytes), buffers), plan)
@@ -131,12 +132,12 @@ def broadcast(buffers, root, out):
     root = root_index(root, len(arrays))
     outs, finish = _outputs(out, arrays, "out")
     first = arrays[0]
-    plan = CallPlan("broadcast", len(arrays), first.dtype, first.shape, code, 0, 0, 0, root,
-                    recycler.empty)
+    plan = _CallPlan("broadcast", len(arrays), first.dtype, first.shape, code, 0, 0, 0, root,
+                     recycler.empty)
     with span("broadcast", first.nbytes, "direct", len(arrays)):
         done = plan.run(buffers, out)
         if done is None:
-            host_broadcast(arrays, outs, first.size, code, root)
+            _host_broadcast(arrays, outs, first.size, code, root)
     if done is None:
         return finish()
     _remember(_key("broadcast", (root,), buffers), plan)
@@ -160,7 +161,7 @@ def reduce(buffers, op, root, out):
         outs, finish = _outputs(out, arrays, "out")
         target = outs[root]
     with span("reduce", arrays[0].nbytes, "direct", len(arrays)):
-        host_reduce(arrays, [target] * len(arrays), arrays[0].size, code, opc, root)
+        _host_reduce(arrays, [target] * len(arrays), arrays[0].size, code, opc, root)
     return target if finish is None else finish()[root]
 
 
@@ -173,7 +174,7 @@ def all_gather(buffers, axis):
     shape, row_bytes, outer = gather_layout(arrays, axis)
     outs = [result(shape, arrays[0].dtype) for _ in arrays]
     with span("all_gather", arrays[0].nbytes, "direct", len(arrays)):
-        host_all_gather(arrays, outs, row_bytes, outer)
+        _host_all_gather(arrays, outs, row_bytes, outer)
     return outs
 
 
@@ -204,15 +205,15 @@ def batch_all_reduce(per_replica_lists, op, bytes_per_pack, num_packs, algorithm
                for t in range(len(per_replica_lists[0]))]
     firsts = [column[0] for column, _ in columns]
     codes = [code for _, code in columns]
-    plan = BatchPlan(n, [a.dtype for a in firsts], [a.shape for a in firsts], codes, opc, packing[0],
-                     packing[1], algo, packing[2], recycler.empty)
+    plan = _BatchPlan(n, [a.dtype for a in firsts], [a.shape for a in firsts], codes, opc, packing[0],
+                      packing[1], algo, packing[2], recycler.empty)
     with span("batch_all_reduce", sum(a.nbytes for a in firsts), algorithm, n):
         done = plan.run(per_replica_lists)
         if done is None:  # converted inputs: arranged replica-major for the generic call
             inputs = [column[r] for r in range(n) for column, _ in columns]
             outputs = [result_like(a) for a in inputs]
-            host_batch_all_reduce(n, inputs, outputs, [a.size for a in firsts], codes, opc, packing[0],
-                                  packing[1], algo, packing[2])
+            _host_batch_all_reduce(n, inputs, outputs, [a.size for a in firsts], codes, opc, packing[0],
+                                   packing[1], algo, packing[2])
             T = len(columns)
             return [outputs[r * T:(r + 1) * T] for r in range(n)]
     _remember(_batch_key(params, per_replica_lists), plan)

@@ -46,7 +46,7 @@ import weakref
 
 import numpy as np
 
-from ..._core import fused_update
+from ..._core import fused_update as _fused_update
 from ...device import device_util, gpu as _gpu
 from ...device.dtypes import dtype_code
 from ...distribute import distribute_lib, values
@@ -911,7 +911,7 @@ class _Plan:
 
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _VALUE = operator.attrgetter("_value")
-_host_kernel = fused_update
+_host_kernel = _fused_update
 
 
 # Tables of plans, or of captured steps, collected (by the garbage collector, on any thread) while
