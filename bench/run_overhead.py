@@ -9,6 +9,9 @@ call it divides), so the ratios hold on a loaded machine:
     all_reduce    md.collectives.all_reduce(buffers, out=outs)
     batch_reduce  strategy.extended.batch_reduce_to(SUM, [(x, x)]) (one small pair)
     run_trivial   strategy.run(lambda: None)
+    run_ident     strategy.run(lambda v: v, args=(x,)): the run plus splitting one PerReplica
+    run_exchange  ... plus the replicas' bare rendezvous (_Group.exchange, a combine that hands back
+                  its input): run_exchange - run_ident is the rendezvous alone
     run_all_reduce strategy.run(replica-context all_reduce of a 4 B value)
 
 ``--device gpu`` runs the GPU call path on N logical GPUs of GPU 0 (CuPy);
@@ -66,10 +69,19 @@ def reduce_one(v):
     return md.get_replica_context().all_reduce(SUM, v)
 
 
+group = s.extended._pool.group
+
+
+def exchange_one(v):
+    return group.exchange(md.get_replica_context()._local_replica_id, "exchange", v, list)
+
+
 calls = {
     "all_reduce": lambda: md.collectives.all_reduce(bufs, out=outs),
     "batch_reduce": lambda: s.extended.batch_reduce_to(SUM, [(x, x)]),
     "run_trivial": lambda: s.run(lambda: None),
+    "run_ident": lambda: s.run(lambda v: v, args=(x,)),
+    "run_exchange": lambda: s.run(exchange_one, args=(x,)),
     "run_all_reduce": lambda: s.run(reduce_one, args=(x,)),
 }
 if device == "gpu":  # host microseconds per call of the GPU path (kernels are enqueued, not waited for)

@@ -17,8 +17,11 @@ forward/backward pass plus the update, SGD with momentum 0.9 unless
 * plain: NumPy (CuPy with ``--device gpu``) in one process, the whole global
   batch, then ``p -= lr*g`` per parameter (plain SGD, the cheapest update);
 * forward/backward alone (what any update adds to);
+* plain CuPy with md.linalg.matmul (``--device gpu``): the plain loop with
+  its products on mirrored's cuBLAS handle instead of CuPy's;
 * mirrored: ``strategy.run(step)`` where each replica runs the same
-  forward/backward on its share of the batch and calls
+  forward/backward on its share of the batch (products by
+  ``md.linalg.matmul``, so that md.function can capture them) and calls
   ``optimizer.apply_gradients`` (gradients summed across replicas, one fused
   update per device);
 * PyTorch DDP (gloo, one process per replica, CPU only) for the same model,
@@ -101,13 +104,20 @@ def init_params(sizes: list, seed: int = 0) -> list:
     return params
 
 
-def loss_and_grads(xp, params, x, y, global_batch: int):
-    """Squared error of a tanh MLP, and its gradients (loss divided by the GLOBAL batch size)."""
+def operator_matmul(a, b, transpose_a=False, transpose_b=False):
+    """The products as a plain loop writes them: ``a @ b`` (CuPy's cuBLAS on GPU arrays)."""
+    return (a.T if transpose_a else a) @ (b.T if transpose_b else b)
+
+
+def loss_and_grads(xp, params, x, y, global_batch: int, matmul=operator_matmul):
+    """Squared error of a tanh MLP, and its gradients (loss divided by the GLOBAL batch size).
+    ``matmul(a, b, transpose_a=, transpose_b=)`` makes every product: ``@``, or md.linalg.matmul
+    (mirrored's cuBLAS, which md.function's capture records; CuPy refuses its own there)."""
     acts = [x]
     h = x
     n = len(params) // 2
     for i in range(n):
-        h = h @ params[2 * i] + params[2 * i + 1]
+        h = matmul(h, params[2 * i]) + params[2 * i + 1]
         if i < n - 1:
             h = xp.tanh(h)
         acts.append(h)
@@ -116,10 +126,10 @@ def loss_and_grads(xp, params, x, y, global_batch: int):
     d = diff * (2.0 / global_batch)
     grads = [None] * len(params)
     for i in reversed(range(n)):
-        grads[2 * i] = acts[i].T @ d
+        grads[2 * i] = matmul(acts[i], d, transpose_a=True)
         grads[2 * i + 1] = d.sum(axis=0)
         if i:
-            d = (d @ params[2 * i].T) * (1.0 - acts[i] * acts[i])
+            d = matmul(d, params[2 * i], transpose_b=True) * (1.0 - acts[i] * acts[i])
     return loss, grads
 
 
@@ -242,6 +252,13 @@ def main(argv=None):
             a -= 0.01 * g
 
     columns = [("plain " + ("CuPy" if gpu else "NumPy") + " (p -= lr*g)", 1, plain_step)]
+    if gpu and not args.update_only:
+        def plain_step_own_cublas():
+            _, grads = loss_and_grads(xp, params, x, y, args.batch_size, md.linalg.matmul)
+            for a, g in zip(params, grads):
+                a -= 0.01 * g
+
+        columns.append(("plain CuPy with md.linalg.matmul", 1, plain_step_own_cublas))
     if not args.update_only:
         columns.append(("forward/backward alone", 1, lambda: loss_and_grads(xp, params, x, y, args.batch_size)))
     ngpu = len(md.config.list_physical_devices("GPU")) if gpu else 0
@@ -332,7 +349,8 @@ def mirrored_step(args, xp, x, y, n: int, gpu: bool, fixed_grads=None, captured=
         if fixed_grads is not None:
             grads = fixed_grads
         else:
-            _, grads = loss_and_grads(xp, [v.read_value() for v in variables], xs, ys, args.batch_size)
+            _, grads = loss_and_grads(xp, [v.read_value() for v in variables], xs, ys, args.batch_size,
+                                      md.linalg.matmul)
         optimizer.apply_gradients(zip(grads, variables))
 
     run = md.function(step_fn) if captured else step_fn

@@ -16,7 +16,10 @@ What it keeps of CuPy is what the GPU path relies on:
   order that respects streams, events and the legacy default stream's
   implicit synchronisation;
 * kernels capture device pointers, never the arrays, so an array may go
-  while work that reads it is still queued (and then the poison shows).
+  while work that reads it is still queued (and then the poison shows);
+* products of float and complex arrays (``@``, ``matmul``, ``dot``,
+  ``tensordot``, ``einsum``) are refused while the current stream is
+  capturing, with CuPy's NotImplementedError: CuPy's cuBLAS calls are.
 
 Arithmetic is NumPy's on host views of the simulated memory; results of
 functions this module does not define come from NumPy by the same route
@@ -585,6 +588,29 @@ class _Flags:
         return f
 
 
+# CuPy's products of float and complex arrays call cuBLAS, whose stream setting (cupy_backends'
+# cublas.setStream, before every routine) refuses a capturing stream: such a step cannot be captured
+# unless its products go through mirrored's own cuBLAS handle (md.linalg.matmul).
+CUBLAS_REFUSAL = "calling cuBLAS API during stream capture is currently unsupported"
+_CUBLAS_FUNCTIONS = frozenset({"matmul", "dot", "tensordot", "einsum", "inner", "vdot", "outer"})
+
+
+def _cublas(product):
+    """``product`` (a function queuing kernels) as a CuPy function that calls cuBLAS: refused while the
+    current stream is capturing."""
+    @functools.wraps(product)
+    def checked(*args, **kwargs):
+        if any(isinstance(x, ndarray) and x.dtype.kind in "fc" for x in args) and \
+                get_current_stream().is_capturing():
+            raise NotImplementedError(CUBLAS_REFUSAL)
+        return product(*args, **kwargs)
+    return checked
+
+
+def _kernel(fn):
+    return lambda *args: _apply(fn, args, {})
+
+
 def _binary(ufunc, reflected=False):
     def op(self, other):
         if not isinstance(other, (ndarray, int, float, complex, bool, np.generic, np.ndarray)):
@@ -754,10 +780,10 @@ class ndarray:
         return _apply(np.invert, (self,), {})
 
     def __matmul__(self, other):
-        return _apply(np.matmul, (self, other), {})
+        return _cublas(_kernel(np.matmul))(self, other)
 
     def __rmatmul__(self, other):
-        return _apply(np.matmul, (other, self), {})
+        return _cublas(_kernel(np.matmul))(other, self)
 
     def __dlpack__(self, stream=None):
         raise BufferError("fake_cupy arrays do not export DLPack")
@@ -794,7 +820,7 @@ ndarray.std = lambda self, axis=None, dtype=None, keepdims=False, ddof=0: _apply
 ndarray.argmax = lambda self, axis=None: _apply(np.argmax, (self,), {"axis": axis})
 ndarray.argmin = lambda self, axis=None: _apply(np.argmin, (self,), {"axis": axis})
 ndarray.clip = lambda self, a_min=None, a_max=None: _apply(np.clip, (self, a_min, a_max), {})
-ndarray.dot = lambda self, other: _apply(np.dot, (self, other), {})
+ndarray.dot = _cublas(_kernel(np.dot))
 ndarray.squeeze = lambda self, axis=None: self.reshape(np.empty(self.shape, np.bool_).squeeze(axis).shape)
 
 
@@ -953,7 +979,7 @@ def __getattr__(name):
     """NumPy's ufuncs and array functions, run as kernels (see _apply)."""
     if name.startswith("_") or not callable(getattr(np, name, None)):
         raise AttributeError(f"module 'cupy' (fake_cupy) has no attribute {name!r}")
-    return _module_function(name)
+    return _cublas(_module_function(name)) if name in _CUBLAS_FUNCTIONS else _module_function(name)
 
 
 class _Runtime:

@@ -36,20 +36,14 @@ def _model(strategy, optimizer):
     return w, b, opt
 
 
-def _mm(a, b):
-    """``a @ b`` as a broadcast product and a sum: CuPy refuses cuBLAS inside a stream capture
-    (NotImplementedError), so the test model's products use CuPy's own kernels, which capture on
-    a real GPU as on the simulator. A step that calls cuBLAS runs eagerly (the test below)."""
-    return (a[:, :, None] * b[None, :, :]).sum(axis=1)
-
-
 def _step_fn(w, b, opt):
     """A linear least-squares step: forward, hand-written gradients, apply_gradients."""
     def step(x, y):
         xp = cupy if isinstance(x, cupy.ndarray) else np
-        err = _mm(x, w.read_value()) + b.read_value() - y
+        # md.linalg.matmul: mirrored's cuBLAS, which a capture records (CuPy's `@` is refused there).
+        err = md.linalg.matmul(x, w.read_value()) + b.read_value() - y
         scale = np.float32(2.0 / (err.shape[0] * md.get_replica_context().num_replicas_in_sync))
-        opt.apply_gradients([(_mm(x.T, err) * scale, w), (err.sum(axis=0) * scale, b)])
+        opt.apply_gradients([(md.linalg.matmul(x, err, transpose_a=True) * scale, w), (err.sum(axis=0) * scale, b)])
         return xp.sum(err * err)
     return step
 
@@ -164,6 +158,7 @@ def test_a_replay_is_one_graph_launch_per_gpu_and_no_kernel_launch(one_gpu):
         counted = cupy.sim.counters()
         assert counted["graph_launches"] == ({0: 1} if one_gpu else {0: 1, 1: 1})
         assert sum(counted["launches"].values()) == 0 and sum(counted["kernels"].values()) == 0
+        assert sum(counted["blas"].values()) == 0  # the step's cuBLAS products are inside the graphs
         assert run.experimental_get_tracing_count() == 1
     finally:
         md.config.set_logical_device_configuration("GPU:0", None)
@@ -353,7 +348,7 @@ def test_a_step_that_holds_a_read_across_the_update_runs_eagerly_naming_the_vari
 
         def step(x):
             held = w.read_value()  # still referenced when apply_gradients updates w
-            opt.apply_gradients([(_mm(x.T, _mm(x, held)), w)])
+            opt.apply_gradients([(md.matmul(x, md.matmul(x, held), transpose_a=True), w)])
             return held.sum()
 
         run = md.function(step)
@@ -366,20 +361,41 @@ def test_a_step_that_holds_a_read_across_the_update_runs_eagerly_naming_the_vari
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(gpu_env.SIMULATED, reason="CuPy's refusal of cuBLAS in a capture exists on a real GPU only")
-def test_a_step_that_calls_cublas_runs_eagerly_naming_it():
+def test_a_step_that_calls_cupys_cublas_runs_eagerly_and_the_warning_names_md_linalg_matmul():
     strategy = _gpu_strategy(1)
     try:
         w, b, opt = _model(strategy, "sgd")
 
         def step(x, y):
-            err = x @ w.read_value() + b.read_value() - y  # cuBLAS: CuPy refuses it while capturing
+            err = x @ w.read_value() + b.read_value() - y  # CuPy's cuBLAS: refused while capturing
             opt.apply_gradients([(x.T @ err, w), (err.sum(axis=0), b)])
 
         run = md.function(step)
-        with pytest.warns(EagerFallbackWarning, match="cuBLAS"):
+        with pytest.warns(EagerFallbackWarning, match=r"cuBLAS.*x @ w\.read_value\(\).*md\.linalg\.matmul"):
             for s in range(3):
                 strategy.run(run, args=_batches(strategy, 1, s))
         assert int(opt.iterations.numpy()) == 3
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
+
+
+@pytest.mark.gpu
+def test_the_captured_products_run_on_mirroreds_cublas_at_each_replay():
+    strategy = _gpu_strategy(1)
+    try:
+        (w, b), w_eager, run, step = _captured_and_eager(strategy)
+        for s in range(3):  # warm-up, capture, replays
+            for fn in (run, step):
+                strategy.run(fn, args=_batches(strategy, 1, s))
+        np.testing.assert_array_equal(w.numpy(), w_eager.numpy())
+        if gpu_env.SIMULATED:  # two products a step, run from the graph: none queued from Python
+            cupy.sim.drain()
+            cupy.sim.reset_counters()
+            strategy.run(step, args=_batches(strategy, 1, 3))
+            assert cupy.sim.counters()["blas"] == {0: 2}
+            cupy.sim.drain()
+            cupy.sim.reset_counters()
+            strategy.run(run, args=_batches(strategy, 1, 3))
+            assert not cupy.sim.counters()["blas"] and cupy.sim.counters()["graph_launches"] == {0: 1}
     finally:
         md.config.set_logical_device_configuration("GPU:0", None)

@@ -65,6 +65,7 @@ def test_info_prints_every_fact_and_json_agrees():
                         timeout=120, env=_clean_env(MIRRORED_NUM_THREADS="3"))
     facts = json.loads(js.stdout)
     assert facts["version"] == md.__version__ and facts["threads"] == 3 and facts["isa"] == _core.isa()
+    assert facts["location"] == os.path.dirname(os.path.abspath(md.__file__))  # the package's folder
     assert facts["gloo"]["available"] is config.is_gloo_available()
     assert facts["cuda"]["devices"] == len(config.list_physical_devices("GPU"))
     assert facts["nccl"]["available"] is config.is_nccl_available()

@@ -7,16 +7,14 @@ x 2 local replicas (and x 3, where a rotation makes a partial sum overwrite
 an input not yet read), over shared memory and over Gloo TCP.
 """
 
-import importlib.util
 
 import numpy as np
 import pytest
 
 from multiworker_launch import launch
+from multiworker_marks import MULTIWORKER
 
-pytestmark = [pytest.mark.multiworker,
-              pytest.mark.skipif(importlib.util.find_spec("mirrored._net") is None,
-                                 reason="Gloo not built (apt-get install libgloo-dev)")]
+pytestmark = MULTIWORKER
 
 COUNTS = [5, 300_000]  # in the headers; and through the segment's chunks / a Gloo data stage
 

@@ -5,16 +5,12 @@ ring's chunks are uneven and some are empty (fewer elements than workers),
 and payloads above the 16 KiB that ride in the agreement headers.
 """
 
-import importlib.util
-
 import numpy as np
-import pytest
 
 from multiworker_launch import launch
+from multiworker_marks import MULTIWORKER
 
-pytestmark = [pytest.mark.multiworker,
-              pytest.mark.skipif(importlib.util.find_spec("mirrored._net") is None,
-                                 reason="Gloo not built (apt-get install libgloo-dev)")]
+pytestmark = MULTIWORKER
 
 WORKERS, LOCAL = 3, 2
 COUNTS = [1, 2, 5, 4097, 100_003]  # 4097 float32 > 16 KiB: a data stage, not the headers

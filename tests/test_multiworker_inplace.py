@@ -1,15 +1,13 @@
 """CollectiveGroup.all_reduce(b, op, out=b), the in-place call checked natively: the same answers and errors."""
 
-import importlib.util
 
 import numpy as np
 import pytest
 
 from multiworker_launch import launch
+from multiworker_marks import MULTIWORKER
 
-pytestmark = [pytest.mark.multiworker,
-              pytest.mark.skipif(importlib.util.find_spec("mirrored._net") is None,
-                                 reason="Gloo not built (apt-get install libgloo-dev)")]
+pytestmark = MULTIWORKER
 
 
 def in_place_calls():

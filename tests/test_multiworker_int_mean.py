@@ -5,17 +5,15 @@ workers compare the op the user asked for: every worker raises the same
 CollectiveMismatchError naming both sides. Over shared memory and over Gloo TCP.
 """
 
-import importlib.util
 import re
 
 import numpy as np
 import pytest
 
 from multiworker_launch import launch
+from multiworker_marks import MULTIWORKER
 
-pytestmark = [pytest.mark.multiworker,
-              pytest.mark.skipif(importlib.util.find_spec("mirrored._net") is None,
-                                 reason="Gloo not built (apt-get install libgloo-dev)")]
+pytestmark = MULTIWORKER
 
 
 # --- task function (runs inside the launched processes) ---------------------------------------

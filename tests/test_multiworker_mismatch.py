@@ -4,19 +4,17 @@ Each variant runs over shared memory (MIRRORED_SHM=1, the default on one
 machine) and over Gloo TCP (MIRRORED_SHM=0), through the public API.
 """
 
-import importlib.util
 import re
 
 import numpy as np
 import pytest
 
 from multiworker_launch import launch
+from multiworker_marks import MULTIWORKER
 
 import mirrored as md
 
-pytestmark = [pytest.mark.multiworker,
-              pytest.mark.skipif(importlib.util.find_spec("mirrored._net") is None,
-                                 reason="Gloo not built (apt-get install libgloo-dev)")]
+pytestmark = MULTIWORKER
 
 
 # --- task function (runs inside the launched processes) ---------------------------------------

@@ -7,16 +7,14 @@ packer whatever the packing, integer MEAN stays float64; workers whose
 batches differ all raise the same error, and the job goes on.
 """
 
-import importlib.util
 
 import numpy as np
 import pytest
 
 from multiworker_launch import launch
+from multiworker_marks import MULTIWORKER
 
-pytestmark = [pytest.mark.multiworker,
-              pytest.mark.skipif(importlib.util.find_spec("mirrored._net") is None,
-                                 reason="Gloo not built (apt-get install libgloo-dev)")]
+pytestmark = MULTIWORKER
 
 LOCAL = 2
 WORKERS = 2

@@ -1,6 +1,5 @@
 """The shared-memory segment of co-located workers leaves nothing behind, whenever a worker dies."""
 
-import importlib.util
 import os
 import threading
 
@@ -8,11 +7,9 @@ import numpy as np
 import pytest
 
 from multiworker_launch import kill_self, launch
+from multiworker_marks import MULTIWORKER
 
-pytestmark = [pytest.mark.multiworker,
-              pytest.mark.skipif(importlib.util.find_spec("mirrored._net") is None,
-                                 reason="Gloo not built (apt-get install libgloo-dev)"),
-              pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this system")]
+pytestmark = [*MULTIWORKER, pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this system")]
 
 
 def _group(timeout):

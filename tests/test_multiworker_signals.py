@@ -1,6 +1,5 @@
 """A collective blocked on a peer that never arrives: Ctrl-C lands, and stall warnings name the missing task."""
 
-import importlib.util
 import logging
 import os
 import signal
@@ -11,12 +10,11 @@ import numpy as np
 import pytest
 
 from multiworker_launch import launch
+from multiworker_marks import MULTIWORKER
 
 from mirrored.distribute.collective_all_reduce import stall_warning_seconds
 
-pytestmark = [pytest.mark.multiworker,
-              pytest.mark.skipif(importlib.util.find_spec("mirrored._net") is None,
-                                 reason="Gloo not built (apt-get install libgloo-dev)")]
+pytestmark = MULTIWORKER
 
 
 def _group(timeout):

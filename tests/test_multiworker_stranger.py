@@ -8,7 +8,6 @@ another one. An intruder of this user opens the shared segment through
 with exact results.
 """
 
-import importlib.util
 import mmap
 import os
 import pwd
@@ -21,13 +20,12 @@ import numpy as np
 import pytest
 
 from multiworker_launch import cluster, launch
+from multiworker_marks import MULTIWORKER
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tools"))
 from stranger import Stranger  # noqa: E402
 
-pytestmark = [pytest.mark.multiworker,
-              pytest.mark.skipif(importlib.util.find_spec("mirrored._net") is None,
-                                 reason="Gloo not built (apt-get install libgloo-dev)")]
+pytestmark = MULTIWORKER
 
 STRANGER_USER = "mirrored-stranger"
 SIZES = (1, 17, 5000, 700_000)  # inline in the headers, one Gloo message, a ring, several shared-memory chunks

@@ -1,6 +1,5 @@
 """MultiWorkerMirroredStrategy across worker processes on 127.0.0.1, against single-process MirroredStrategy."""
 
-import importlib.util
 import sys
 import time
 
@@ -8,14 +7,13 @@ import numpy as np
 import pytest
 
 from multiworker_launch import kill_self, launch
+from multiworker_marks import needs_gloo
 
 import mirrored as md
 from mirrored.cluster_resolver import SimpleClusterResolver
 from mirrored.distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
 
 pytestmark = pytest.mark.multiworker
-needs_gloo = pytest.mark.skipif(importlib.util.find_spec("mirrored._net") is None,
-                                reason="Gloo not built (apt-get install libgloo-dev)")
 
 GLOBAL_BATCH = 8
 

@@ -3,6 +3,7 @@
 // validated by the collective face (mirrored/collective/plan.py), pull out
 // their data pointers, release the GIL, run the collective. A plan object
 // does the same for a repeated call after checking that its arrays still fit.
+// Also the replicas' rendezvous of strategy.run (rendezvous_binding.cc).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -12,7 +13,9 @@
 #include <vector>
 
 #include "bindings/array_fit.h"
+#include "bindings/host_buffers.h"
 #include "bindings/fused_update_binding.h"
+#include "bindings/rendezvous_binding.h"
 #include "host/host_communicator.h"
 
 namespace py = pybind11;
@@ -23,31 +26,6 @@ namespace {
 HostCommunicator& comm() {
   static HostCommunicator* c = new HostCommunicator();  // lives as long as the pool
   return *c;
-}
-
-std::vector<const void*> inputs_of(const py::list& arrays, const char* argument) {
-  std::vector<const void*> ptrs;
-  ptrs.reserve(arrays.size());
-  for (const py::handle& h : arrays) {
-    if (!py::isinstance<py::array>(h)) throw py::type_error(std::string(argument) + ": expected NumPy arrays");
-    ptrs.push_back(py::reinterpret_borrow<py::array>(h).data());
-  }
-  return ptrs;
-}
-
-std::vector<void*> outputs_of(const py::list& arrays, const char* argument) {
-  std::vector<void*> ptrs;
-  ptrs.reserve(arrays.size());
-  for (const py::handle& h : arrays) {
-    if (!py::isinstance<py::array>(h)) throw py::type_error(std::string(argument) + ": expected NumPy arrays");
-    ptrs.push_back(py::reinterpret_borrow<py::array>(h).mutable_data());  // raises if read-only
-  }
-  return ptrs;
-}
-
-int size_of(const std::vector<const void*>& in, const std::vector<void*>& out) {
-  if (in.size() != out.size()) throw py::value_error("inputs and outputs differ in length");
-  return static_cast<int>(in.size());
 }
 
 // --- plans: calls the Python face validated once ----------------------------
@@ -166,9 +144,7 @@ PYBIND11_MODULE(_core, m) {
 
   m.def("all_reduce", [](const py::list& inputs, const py::list& outputs, std::size_t count, int dtype, int op,
                          int algorithm, std::size_t ring_chunk_bytes) {
-    auto in = inputs_of(inputs, "buffers");
-    auto out = outputs_of(outputs, "out");
-    const int n = size_of(in, out);
+    auto [in, out, n] = bindings::buffers_of(inputs, "buffers", outputs);
     py::gil_scoped_release nogil;
     comm().all_reduce(n, in.data(), out.data(), count, dtype_from_code(dtype), reduce_op_from_code(op),
                       static_cast<Algorithm>(algorithm), ring_chunk_bytes);
@@ -176,27 +152,21 @@ PYBIND11_MODULE(_core, m) {
      py::arg("ring_chunk_bytes") = 0);
 
   m.def("broadcast", [](const py::list& inputs, const py::list& outputs, std::size_t count, int dtype, int root) {
-    auto in = inputs_of(inputs, "buffers");
-    auto out = outputs_of(outputs, "out");
-    const int n = size_of(in, out);
+    auto [in, out, n] = bindings::buffers_of(inputs, "buffers", outputs);
     py::gil_scoped_release nogil;
     comm().broadcast(n, in.data(), out.data(), count, dtype_from_code(dtype), root);
   });
 
   m.def("reduce", [](const py::list& inputs, const py::list& outputs, std::size_t count, int dtype, int op,
                      int root) {
-    auto in = inputs_of(inputs, "buffers");
-    auto out = outputs_of(outputs, "out");
-    const int n = size_of(in, out);
+    auto [in, out, n] = bindings::buffers_of(inputs, "buffers", outputs);
     py::gil_scoped_release nogil;
     comm().reduce(n, in.data(), out.data(), count, dtype_from_code(dtype), reduce_op_from_code(op), root);
   });
 
   m.def("all_gather", [](const py::list& inputs, const py::list& outputs, const std::vector<std::size_t>& row_bytes,
                          std::size_t outer) {
-    auto in = inputs_of(inputs, "buffers");
-    auto out = outputs_of(outputs, "out");
-    const int n = size_of(in, out);
+    auto [in, out, n] = bindings::buffers_of(inputs, "buffers", outputs);
     if (row_bytes.size() != in.size()) throw py::value_error("row_bytes needs one entry per buffer");
     py::gil_scoped_release nogil;
     comm().all_gather(n, in.data(), out.data(), row_bytes.data(), outer);
@@ -206,9 +176,7 @@ PYBIND11_MODULE(_core, m) {
                                const std::vector<std::size_t>& counts, const std::vector<int>& dtypes, int op,
                                std::size_t bytes_per_pack, int num_packs, int algorithm,
                                std::size_t ring_chunk_bytes) {
-    auto in = inputs_of(inputs, "per_replica_lists");
-    auto out = outputs_of(outputs, "out");
-    size_of(in, out);
+    [[maybe_unused]] auto [in, out, replicas] = bindings::buffers_of(inputs, "per_replica_lists", outputs);  // (n counts the replicas here)
     const int ntensors = static_cast<int>(counts.size());
     if (dtypes.size() != counts.size() || in.size() != static_cast<std::size_t>(n) * ntensors)
       throw py::value_error("batch_all_reduce: inputs must be n * len(counts) arrays with one dtype per tensor");
@@ -239,4 +207,5 @@ PYBIND11_MODULE(_core, m) {
   m.def("isa", [] { return std::string(comm().isa()); }, "Instruction set of the reduction kernels in use.");
   m.def("num_threads", [] { return ThreadPool::global().size(); }, "Threads of the host collective pool.");
   bindings::def_host_fused_update(m);
+  if (bindings::add_rendezvous(m.ptr()) < 0) throw py::error_already_set();
 }

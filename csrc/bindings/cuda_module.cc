@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "bindings/device_fit.h"
+#include "cuda/blas.h"
 #include "cuda/cuda_ring.h"
 #include "cuda/device.h"
 #include "cuda/device_batch.h"
@@ -353,9 +354,10 @@ void def_sim(py::module_& m) {
     d["launches"] = c.launches;
     d["graph_launches"] = c.graph_launches;
     d["kernels"] = c.kernels;
+    d["blas"] = c.blas;
     d["stream_ops"] = c.stream_ops;
     return d;
-  }, "Engine kernel launches, graph launches and stand-in kernels per device, and stream operations (records, "
+  }, "Engine kernel launches, graph launches, stand-in kernels and stand-in cuBLAS products per device, and stream operations (records, "
      "waits, copies, syncs) since reset_counters().");
   s.def("reset_counters", [] { sim::reset_counters(); });
   s.def("malloc", [](std::size_t bytes, int device) {
@@ -500,6 +502,26 @@ PYBIND11_MODULE(MIRRORED_CUDA_MODULE, m) {
     return py::make_tuple(lib.path, lib.version);
   }, "Loads libnccl from the first loadable candidate path; returns (path, version code).");
   m.def("nccl_unique_id", [] { return py::bytes(nccl::unique_id()); });
+
+  m.def("blas_load", &cuda::blas::load, py::arg("candidates"),
+        "Loads libcublas from the first loadable candidate path; returns that path.");
+  m.def("matmul", [](int device, int type, long long m, long long n, long long k, long long batch, std::uintptr_t a,
+                     int op_a, long long lda, long long stride_a, std::uintptr_t b, int op_b, long long ldb,
+                     long long stride_b, std::uintptr_t c, std::uintptr_t stream) {
+          const cuda::blas::Product p{static_cast<cuda::blas::Type>(type), m, n, k, batch,
+                                      {reinterpret_cast<const void*>(a), static_cast<cuda::blas::Operation>(op_a), lda,
+                                       stride_a},
+                                      {reinterpret_cast<const void*>(b), static_cast<cuda::blas::Operation>(op_b), ldb,
+                                       stride_b},
+                                      reinterpret_cast<void*>(c)};
+          py::gil_scoped_release nogil;
+          cuda::blas::matmul(device, reinterpret_cast<cudaStream_t>(stream), p);
+        },
+        py::arg("device"), py::arg("type"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("batch"), py::arg("a"),
+        py::arg("op_a"), py::arg("lda"), py::arg("stride_a"), py::arg("b"), py::arg("op_b"), py::arg("ldb"),
+        py::arg("stride_b"), py::arg("c"), py::arg("stream"),
+        "C = op(A) op(B) per batch item on `stream` of GPU `device`, with mirrored's cuBLAS handle (cuda/blas.h):\n"
+        "row-major operands (ld: elements between rows, stride: between batch items, 0: shared), C contiguous.");
 
   py::class_<Engine>(m, "Engine")
       .def_property_readonly("backend", [](const Engine& e) { return e.comm->backend(); })

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bindings/array_fit.h"
+#include "bindings/host_buffers.h"
 #include "net/errors.h"
 #include "net/gloo_communicator.h"
 #include "net/store.h"
@@ -31,22 +32,8 @@ std::chrono::milliseconds millis(double seconds) {
   return std::chrono::milliseconds(static_cast<long long>(std::min(seconds, 1e9) * 1000.0));
 }
 
-std::vector<const void*> inputs_of(const py::list& arrays) {
-  std::vector<const void*> ptrs;
-  for (const py::handle& h : arrays) ptrs.push_back(h.cast<py::array>().data());
-  return ptrs;
-}
-
-std::vector<void*> outputs_of(const py::list& arrays) {
-  std::vector<void*> ptrs;
-  for (const py::handle& h : arrays) ptrs.push_back(h.cast<py::array>().mutable_data());  // raises if read-only
-  return ptrs;
-}
-
-int size_of(const std::vector<const void*>& in, const std::vector<void*>& out) {
-  if (in.size() != out.size()) throw py::value_error("inputs and outputs differ in length");
-  return static_cast<int>(in.size());
-}
+// The op the workers compare: agreed_op when given (>= 0), else the op itself.
+ReduceOp agreed_op_or(int agreed_op, ReduceOp op) { return agreed_op < 0 ? op : reduce_op_from_code(agreed_op); }
 
 // Run about every 100 ms by a collective waiting for peers, on the waiting
 // thread: lets Ctrl-C land (the signal's Python exception stays set and
@@ -412,11 +399,9 @@ PYBIND11_MODULE(_net, m) {
       .def("all_reduce",
            [](GlooCommunicator& c, const py::list& inputs, const py::list& outputs, std::size_t count, int dtype,
               int op, int algorithm, int agreed_op) {
-             auto in = inputs_of(inputs);
-             auto out = outputs_of(outputs);
-             const int n = size_of(in, out);
+             auto [in, out, n] = bindings::buffers_of(inputs, "inputs", outputs);
              const ReduceOp rop = reduce_op_from_code(op);
-             const ReduceOp agreed = agreed_op < 0 ? rop : reduce_op_from_code(agreed_op);
+             const ReduceOp agreed = agreed_op_or(agreed_op, rop);
              py::gil_scoped_release nogil;
              c.all_reduce_as(n, in.data(), out.data(), count, dtype_from_code(dtype), rop,
                              static_cast<Algorithm>(algorithm), agreed);
@@ -428,9 +413,7 @@ PYBIND11_MODULE(_net, m) {
       .def("broadcast",
            [](GlooCommunicator& c, const py::list& inputs, const py::list& outputs, std::size_t count, int dtype,
               int root) {
-             auto in = inputs_of(inputs);
-             auto out = outputs_of(outputs);
-             const int n = size_of(in, out);
+             auto [in, out, n] = bindings::buffers_of(inputs, "inputs", outputs);
              py::gil_scoped_release nogil;
              c.broadcast(n, in.data(), out.data(), count, dtype_from_code(dtype), root);
            })
@@ -443,11 +426,9 @@ PYBIND11_MODULE(_net, m) {
       .def("reduce",
            [](GlooCommunicator& c, const py::list& inputs, const py::list& outputs, std::size_t count, int dtype,
               int op, int root, int agreed_op) {
-             auto in = inputs_of(inputs);
-             auto out = outputs_of(outputs);
-             const int n = size_of(in, out);
+             auto [in, out, n] = bindings::buffers_of(inputs, "inputs", outputs);
              const ReduceOp rop = reduce_op_from_code(op);
-             const ReduceOp agreed = agreed_op < 0 ? rop : reduce_op_from_code(agreed_op);
+             const ReduceOp agreed = agreed_op_or(agreed_op, rop);
              py::gil_scoped_release nogil;
              c.reduce_as(n, in.data(), out.data(), count, dtype_from_code(dtype), rop, root, agreed);
            },
@@ -456,9 +437,7 @@ PYBIND11_MODULE(_net, m) {
       .def("all_gather",
            [](GlooCommunicator& c, const py::list& inputs, const py::list& outputs,
               const std::vector<std::size_t>& row_bytes, std::size_t outer) {
-             auto in = inputs_of(inputs);
-             auto out = outputs_of(outputs);
-             const int n = size_of(in, out);
+             auto [in, out, n] = bindings::buffers_of(inputs, "inputs", outputs);
              if (row_bytes.size() == in.size() * static_cast<std::size_t>(c.size()) && c.size() > 1) {
                // Every replica's row size: the sizes were agreed by exchange(..., "all_gather").
                std::vector<std::uint64_t> job(row_bytes.begin(), row_bytes.end());
@@ -488,16 +467,14 @@ PYBIND11_MODULE(_net, m) {
            [](GlooCommunicator& c, int n, const py::list& inputs, const py::list& outputs,
               const std::vector<std::size_t>& counts, const std::vector<int>& dtypes, int op, std::size_t bytes_per_pack,
               int num_packs, int algorithm, int agreed_op) {
-             auto in = inputs_of(inputs);
-             auto out = outputs_of(outputs);
-             size_of(in, out);
+             [[maybe_unused]] auto [in, out, replicas] = bindings::buffers_of(inputs, "inputs", outputs);  // (n counts the replicas here)
              const int ntensors = static_cast<int>(counts.size());
              if (dtypes.size() != counts.size() || in.size() != static_cast<std::size_t>(n) * ntensors)
                throw py::value_error("batch_all_reduce: inputs must be n * len(counts) arrays with one dtype per tensor");
              std::vector<DType> types;
              for (int code : dtypes) types.push_back(dtype_from_code(code));
              const ReduceOp rop = reduce_op_from_code(op);
-             const ReduceOp agreed = agreed_op < 0 ? rop : reduce_op_from_code(agreed_op);
+             const ReduceOp agreed = agreed_op_or(agreed_op, rop);
              py::gil_scoped_release nogil;
              c.batch_all_reduce(n, ntensors, in.data(), out.data(), counts.data(), types.data(), rop, bytes_per_pack,
                                 num_packs, static_cast<Algorithm>(algorithm), agreed);

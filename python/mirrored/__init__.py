@@ -27,7 +27,8 @@ from . import errors, timeline
 from .distribute import launcher_lifeline as _launcher_lifeline
 
 _launcher_lifeline.watch_launcher()  # a task of mirrored-run ends with its launcher
-from .device import config, device_util
+from .device import config, device_util, linalg
+from .device.linalg import matmul
 from .collective import api as collectives
 from . import distribute
 from .distribute import cluster_resolver, cross_device_ops, experimental
@@ -63,6 +64,6 @@ experimental.TerminationConfig = _preemption.TerminationConfig
 for _name, _module in {"collectives": collectives, "config": config, "device_util": device_util,
                        "cross_device_ops": cross_device_ops, "cluster_resolver": cluster_resolver,
                        "experimental": experimental, "checkpoint": checkpoint, "nn": nn,
-                       "optimizers": optimizers}.items():
+                       "optimizers": optimizers, "linalg": linalg}.items():
     _sys.modules.setdefault(f"{__name__}.{_name}", _module)
 del _name, _module

@@ -224,6 +224,12 @@ void launch_kernel(cudaStream_t stream, std::function<void()> work) {
   enqueue(stream, std::move(work));
 }
 
+void launch_blas(cudaStream_t stream, std::function<void()> work) {
+  Lock lock;
+  ++counted.blas[resolve(stream)->device];
+  enqueue(stream, std::move(work));
+}
+
 int device_of_pointer(const void* p) { Lock lock; return find_device(p); }
 int device_of_stream(cudaStream_t stream) { Lock lock; return resolve(stream)->device; }
 

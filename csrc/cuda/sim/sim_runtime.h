@@ -23,6 +23,8 @@ void reset(int devices, std::set<std::pair<int, int>> peer_pairs, unsigned seed)
 void enqueue(cudaStream_t stream, std::function<void()> work);
 // The same for a kernel of the embedder (the CuPy stand-in's), counted as one.
 void launch_kernel(cudaStream_t stream, std::function<void()> work);
+// The same for a kernel of the stand-in cuBLAS (fake_cublas.cc), counted apart.
+void launch_blas(cudaStream_t stream, std::function<void()> work);
 // Queues work on several (device, stream) pairs as one device-side rendezvous:
 // it runs once, when all of them have reached it (NCCL's kernels across GPUs).
 void rendezvous(const std::vector<std::pair<int, cudaStream_t>>& parties, std::function<void()> work);
@@ -39,6 +41,7 @@ struct Counters {
   std::map<int, long> launches;
   std::map<int, long> graph_launches;  // cudaGraphLaunch calls, per device of the launch stream
   std::map<int, long> kernels;  // the embedder's kernels (launch_kernel), per device
+  std::map<int, long> blas;     // the stand-in cuBLAS's kernels (launch_blas), per device
   long stream_ops = 0;
   long launches_total() const {
     long t = 0;

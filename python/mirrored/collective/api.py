@@ -24,8 +24,10 @@ TensorFlow's MEAN of integer tensors is; NaN and Inf propagate as IEEE says
 
 from __future__ import annotations
 
-from .. import timeline
-from . import plan as _face
+from ..timeline import enabled as tracing
+from .plan import (all_gather as plan_all_gather, all_reduce as plan_all_reduce,
+                   batch_all_reduce as plan_batch_all_reduce, broadcast as plan_broadcast, lookup, lookup_batch,
+                   reduce as plan_reduce)
 from .rules import ALGORITHMS
 
 __all__ = ["all_reduce", "broadcast", "reduce", "all_gather", "batch_all_reduce", "ALGORITHMS"]
@@ -37,32 +39,32 @@ def all_reduce(buffers, op="sum", *, out=None, algorithm="auto", chunk_bytes=0):
     ``chunk_bytes``: bytes each participant handles per ring step (0: the
     engine's default); only the ring uses it.
     """
-    plan = _face.lookup("all_reduce", (op, algorithm, chunk_bytes), buffers)
-    if plan is not None and timeline._trace is None:
+    plan = lookup("all_reduce", (op, algorithm, chunk_bytes), buffers)
+    if plan is not None and not tracing():
         done = plan.run(buffers, out)
         if done is not None:
             return done
-    return _face.all_reduce(buffers, op, out, algorithm, chunk_bytes)
+    return plan_all_reduce(buffers, op, out, algorithm, chunk_bytes)
 
 
 def broadcast(buffers, root=0, *, out=None):
     """``out[i] = buffers[root]`` for every replica ``i``."""
-    plan = _face.lookup("broadcast", (root,), buffers)
-    if plan is not None and timeline._trace is None:
+    plan = lookup("broadcast", (root,), buffers)
+    if plan is not None and not tracing():
         done = plan.run(buffers, out)
         if done is not None:
             return done
-    return _face.broadcast(buffers, root, out)
+    return plan_broadcast(buffers, root, out)
 
 
 def reduce(buffers, op="sum", root=0, *, out=None):
     """The reduction of all replicas' buffers, written to ``out[root]`` (or a new array) and returned."""
-    return _face.reduce(buffers, op, root, out)
+    return plan_reduce(buffers, op, root, out)
 
 
 def all_gather(buffers, axis=0):
     """Every replica gets ``np.concatenate(buffers, axis)``; sizes may differ along ``axis`` only."""
-    return _face.all_gather(buffers, axis)
+    return plan_all_gather(buffers, axis)
 
 
 def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto",
@@ -74,9 +76,9 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
     ``num_packs`` splits each dtype's tensors into that many packs; neither:
     one pack per dtype.
     """
-    plan = _face.lookup_batch((op, bytes_per_pack, num_packs, algorithm, chunk_bytes), per_replica_lists)
-    if plan is not None and timeline._trace is None:
+    plan = lookup_batch((op, bytes_per_pack, num_packs, algorithm, chunk_bytes), per_replica_lists)
+    if plan is not None and not tracing():
         done = plan.run(per_replica_lists)
         if done is not None:
             return done
-    return _face.batch_all_reduce(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, chunk_bytes)
+    return plan_batch_all_reduce(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, chunk_bytes)

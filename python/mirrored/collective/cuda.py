@@ -21,10 +21,10 @@ from __future__ import annotations
 import atexit
 
 from ..device import gpu as _gpu
-from .. import timeline
+from ..timeline import span
 from ..device.dtypes import dtype_code, op_code
-from . import rules
-from .rules import check_batch, check_packing, gather_layout, gpu_inputs as _inputs, gpu_outputs as _outputs
+from .rules import (check_batch, check_packing, gather_layout, gpu_inputs as _inputs, gpu_outputs as _outputs,
+                    root_index)
 
 __all__ = ["all_reduce", "broadcast", "reduce", "all_gather", "batch_all_reduce", "ALGORITHMS"]
 
@@ -50,7 +50,7 @@ def all_reduce(buffers, op="sum", *, out=None, algorithm="auto", chunk_bytes=0):
     _, _, chunk = check_packing(0, None, chunk_bytes)
     engine, algo = _engine(devices, algorithm, chunk)
     outs, finish = _outputs(out, arrays, devices, "out")
-    with timeline.span("all_reduce", arrays[0].nbytes, algorithm, len(arrays)):
+    with span("all_reduce", arrays[0].nbytes, algorithm, len(arrays)):
         engine.all_reduce(_ptrs(arrays), _ptrs(outs), arrays[0].size, code, opc, algo, _streams(devices))
     return finish()
 
@@ -58,10 +58,10 @@ def all_reduce(buffers, op="sum", *, out=None, algorithm="auto", chunk_bytes=0):
 def broadcast(buffers, root=0, *, out=None):
     """``out[i] = buffers[root]`` for every replica ``i``."""
     arrays, code, devices = _inputs(buffers, "buffers")
-    root = rules.root_index(root, len(arrays))
+    root = root_index(root, len(arrays))
     engine, _ = _engine(devices, "auto")
     outs, finish = _outputs(out, arrays, devices, "out")
-    with timeline.span("broadcast", arrays[0].nbytes, "direct", len(arrays)):
+    with span("broadcast", arrays[0].nbytes, "direct", len(arrays)):
         engine.broadcast(_ptrs(arrays), _ptrs(outs), arrays[0].size, code, root, _streams(devices))
     return finish()
 
@@ -72,7 +72,7 @@ def call_plan(kind: str, buffers, op, root, algorithm, chunk_bytes) -> "CallPlan
     first = arrays[0]
     if kind == "broadcast":
         engine, algo = _engine(devices, "auto")
-        return CallPlan(False, engine, algo, code, 0, rules.root_index(root, len(arrays)), devices, first)
+        return CallPlan(False, engine, algo, code, 0, root_index(root, len(arrays)), devices, first)
     _, _, chunk = check_packing(0, None, chunk_bytes)
     engine, algo = _engine(devices, algorithm, chunk)
     return CallPlan(True, engine, algo, code, op_code(op), 0, devices, first)
@@ -157,7 +157,7 @@ def reduce(buffers, op="sum", root=0, *, out=None):
     """The reduction of all replicas' buffers, written to ``out[root]`` (or a new array on the root's GPU) and returned."""
     arrays, code, devices = _inputs(buffers, "buffers")
     opc = op_code(op)
-    root = rules.root_index(root, len(arrays))
+    root = root_index(root, len(arrays))
     engine, _ = _engine(devices, "auto")
     if out is None:
         with _gpu.cupy_module().cuda.Device(devices[root]):
@@ -165,7 +165,7 @@ def reduce(buffers, op="sum", root=0, *, out=None):
     else:
         outs, finish = _outputs(out, arrays, devices, "out")
         target = outs[root]
-    with timeline.span("reduce", arrays[0].nbytes, "direct", len(arrays)):
+    with span("reduce", arrays[0].nbytes, "direct", len(arrays)):
         engine.reduce(_ptrs(arrays), [target.data.ptr] * len(arrays), arrays[0].size, code, opc, root,
                       _streams(devices))
     return target if finish is None else finish()[root]
@@ -182,7 +182,7 @@ def all_gather(buffers, axis=0):
         with cupy.cuda.Device(d):
             outs.append(cupy.empty(shape, first.dtype))
     engine, _ = _engine(devices, "auto")
-    with timeline.span("all_gather", first.nbytes, "direct", len(arrays)):
+    with span("all_gather", first.nbytes, "direct", len(arrays)):
         engine.all_gather(_ptrs(arrays), _ptrs(outs), row_bytes, outer, _streams(devices))
     return outs
 
@@ -203,7 +203,7 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
     if plan is None:  # anything but contiguous CuPy arrays: convert and check tensor by tensor
         per_replica_lists = _batch_inputs(per_replica_lists)
         plan = batch_plan(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, chunk_bytes)
-    with timeline.span("batch_all_reduce", plan.nbytes, algorithm, n):
+    with span("batch_all_reduce", plan.nbytes, algorithm, n):
         return plan.run(per_replica_lists)
 
 

@@ -16,10 +16,13 @@ import logging
 
 import numpy as np
 
-from . import plan as _face, rules
-from .. import timeline
+from ..timeline import enabled as tracing, span
 from ..device import config, device_util, gpu as _gpu
 from ..device.dtypes import CODES, op_code
+from .plan import lookup, lookup_batch, remember, remember_batch
+from .rules import (algorithm_code, any_integer_mean, check_batch, check_packing, gpu_inputs, gpu_outputs,
+                    inputs as _inputs, integer_mean, means_of_sums, on_gpu, outputs as _outputs, recycler,
+                    result_like, root_index, true_divide)
 
 __all__ = ["WorkerCollectives", "DEFAULT_RENDEZVOUS_SECONDS"]
 
@@ -44,16 +47,16 @@ class WorkerCollectives:
     def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto", _agreed=None):
         # _agreed: the op the workers compare, when it differs from `op` (an
         # integer MEAN runs as a SUM here, but another worker's SUM is still a mismatch).
-        plan = _face.lookup("all_reduce[workers]", (self._gloo, op, algorithm, _agreed), buffers)
-        if plan is not None and timeline._trace is None:
+        plan = lookup("all_reduce[workers]", (self._gloo, op, algorithm, _agreed), buffers)
+        if plan is not None and not tracing():
             done = plan.run(buffers, out)
             if done is not None:
                 return done
         return self._all_reduce(buffers, op, out, algorithm, _agreed)
 
     def broadcast(self, buffers, root=0, *, out=None):
-        plan = _face.lookup("broadcast[workers]", (self._gloo, root), buffers)
-        if plan is not None and timeline._trace is None:
+        plan = lookup("broadcast[workers]", (self._gloo, root), buffers)
+        if plan is not None and not tracing():
             done = plan.run(buffers, out)
             if done is not None:
                 return done
@@ -61,8 +64,8 @@ class WorkerCollectives:
 
     def reduce(self, buffers, op="sum", root=0, *, out=None, _agreed=None):
         """The job-wide reduction, returned on the worker that holds replica ``root`` (None elsewhere)."""
-        plan = _face.lookup("reduce[workers]", (self._gloo, op, root, _agreed), buffers)
-        if plan is not None and timeline._trace is None:
+        plan = lookup("reduce[workers]", (self._gloo, op, root, _agreed), buffers)
+        if plan is not None and not tracing():
             done = plan.run(buffers, out)
             if done is not None:
                 return done[0]
@@ -79,8 +82,8 @@ class WorkerCollectives:
         many small ones.
         """
         params = (self._gloo, op, bytes_per_pack, num_packs, algorithm, _agreed)
-        plan = _face.lookup_batch(params, per_replica_lists)
-        if plan is not None and timeline._trace is None:
+        plan = lookup_batch(params, per_replica_lists)
+        if plan is not None and not tracing():
             done = plan.run(per_replica_lists)
             if done is not None:
                 return done
@@ -89,96 +92,96 @@ class WorkerCollectives:
     # -- the validating path: first calls of a signature, and anything unusual --
 
     def _all_reduce(self, buffers, op, out, algorithm, agreed):
-        if rules.integer_mean(buffers, op):  # float64, as in one process (see mirrored.collectives)
-            return rules.true_divide(self.all_reduce(buffers, "sum", algorithm=algorithm, _agreed=op),
-                                     self.num_replicas, out)
-        if rules.on_gpu(buffers):
+        if integer_mean(buffers, op):  # float64, as in one process (see mirrored.collectives)
+            return true_divide(self.all_reduce(buffers, "sum", algorithm=algorithm, _agreed=op),
+                               self.num_replicas, out)
+        if on_gpu(buffers):
             return self._device().all_reduce(buffers, op, out=out)
         comm = self._comm()
-        arrays, code = rules.inputs(buffers, "buffers")
-        opc, algo = op_code(op), rules.algorithm_code(algorithm)
+        arrays, code = _inputs(buffers, "buffers")
+        opc, algo = op_code(op), algorithm_code(algorithm)
         agreed_code = -1 if agreed is None else op_code(agreed)
-        outs, finish = rules.outputs(out, arrays, "out")
+        outs, finish = _outputs(out, arrays, "out")
         first = arrays[0]
         plan = self._plan("all_reduce", arrays, code, opc, algo, 0, agreed_code)
-        with timeline.span("all_reduce[workers]", first.nbytes, algorithm, len(arrays), self.num_replicas):
+        with span("all_reduce[workers]", first.nbytes, algorithm, len(arrays), self.num_replicas):
             done = plan.run(buffers, out) if plan is not None else None
             if done is None:  # converted inputs or outputs (or a wrong replica count): this call alone
                 comm.all_reduce(arrays, outs, first.size, code, opc, algo, agreed_code)
         if done is None:
             return finish()
-        _face.remember("all_reduce[workers]", (comm, op, algorithm, agreed), buffers, plan)
+        remember("all_reduce[workers]", (comm, op, algorithm, agreed), buffers, plan)
         return done
 
     def _broadcast(self, buffers, root, out):
-        if rules.on_gpu(buffers):
+        if on_gpu(buffers):
             return self._device().broadcast(buffers, root, out=out)
         comm = self._comm()
-        arrays, code = rules.inputs(buffers, "buffers")
-        index = rules.root_index(root, self.num_replicas)
-        outs, finish = rules.outputs(out, arrays, "out")
+        arrays, code = _inputs(buffers, "buffers")
+        index = root_index(root, self.num_replicas)
+        outs, finish = _outputs(out, arrays, "out")
         first = arrays[0]
         plan = self._plan("broadcast", arrays, code, 0, 0, index, -1)
-        with timeline.span("broadcast[workers]", first.nbytes, "gloo", len(arrays), self.num_replicas):
+        with span("broadcast[workers]", first.nbytes, "gloo", len(arrays), self.num_replicas):
             done = plan.run(buffers, out) if plan is not None else None
             if done is None:
                 comm.broadcast(arrays, outs, first.size, code, index)
         if done is None:
             return finish()
-        _face.remember("broadcast[workers]", (comm, root), buffers, plan)
+        remember("broadcast[workers]", (comm, root), buffers, plan)
         return done
 
     def _reduce(self, buffers, op, root, out, agreed):
-        if rules.integer_mean(buffers, op):
+        if integer_mean(buffers, op):
             total = self.reduce(buffers, "sum", root, _agreed=op)
             if total is None:
                 return None
-            local_root = rules.root_index(root, self.num_replicas) % self.local_replicas
-            return rules.true_divide([total], self.num_replicas, None if out is None else [out[local_root]])[0]
-        if rules.on_gpu(buffers):
+            local_root = root_index(root, self.num_replicas) % self.local_replicas
+            return true_divide([total], self.num_replicas, None if out is None else [out[local_root]])[0]
+        if on_gpu(buffers):
             return self._device().reduce(buffers, op, root, out=out)
         comm = self._comm()
-        arrays, code = rules.inputs(buffers, "buffers")
+        arrays, code = _inputs(buffers, "buffers")
         opc = op_code(op)
         agreed_code = -1 if agreed is None else op_code(agreed)
-        index = rules.root_index(root, self.num_replicas)
+        index = root_index(root, self.num_replicas)
         local_root = index % self.local_replicas
         if out is None:
-            target, finish = rules.result_like(arrays[local_root]), None
+            target, finish = result_like(arrays[local_root]), None
             targets = [target] * len(arrays)
         else:
-            targets, finish = rules.outputs(out, arrays, "out")
+            targets, finish = _outputs(out, arrays, "out")
             target = targets[local_root]
         plan = self._plan("reduce", arrays, code, opc, 0, index, agreed_code)
-        with timeline.span("reduce[workers]", arrays[0].nbytes, "gloo", len(arrays), self.num_replicas):
+        with span("reduce[workers]", arrays[0].nbytes, "gloo", len(arrays), self.num_replicas):
             done = plan.run(buffers, out) if plan is not None else None
             if done is None:
                 comm.reduce(arrays, targets, arrays[0].size, code, opc, index, agreed_code)
         if done is not None:
-            _face.remember("reduce[workers]", (comm, op, root, agreed), buffers, plan)
+            remember("reduce[workers]", (comm, op, root, agreed), buffers, plan)
             return done[0]
         if index // self.local_replicas != self.rank:
             return None
         return target if finish is None else finish()[local_root]
 
     def _batch_all_reduce(self, per_replica_lists, op, bytes_per_pack, num_packs, algorithm, agreed):
-        n = rules.check_batch(per_replica_lists)
+        n = check_batch(per_replica_lists)
         tensors0 = per_replica_lists[0]
         if not tensors0:
             return [[] for _ in range(n)]
-        if rules.any_integer_mean(tensors0, op):
-            return rules.means_of_sums(
+        if any_integer_mean(tensors0, op):
+            return means_of_sums(
                 self.batch_all_reduce(per_replica_lists, "sum", bytes_per_pack=bytes_per_pack, num_packs=num_packs,
                                       algorithm=algorithm, _agreed=op), self.num_replicas)
-        if rules.on_gpu([tensors0[0]]):
+        if on_gpu([tensors0[0]]):
             return self._device().batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
                                                    num_packs=num_packs)
         comm = self._comm()
-        packing = rules.check_packing(bytes_per_pack, num_packs)
-        opc, algo = op_code(op), rules.algorithm_code(algorithm)
+        packing = check_packing(bytes_per_pack, num_packs)
+        opc, algo = op_code(op), algorithm_code(algorithm)
         agreed_code = -1 if agreed is None else op_code(agreed)
         # Tensor t across replicas, checked with messages naming it; converted where needed.
-        columns = [rules.inputs([tensors[t] for tensors in per_replica_lists], f"per_replica_lists[*][{t}]")
+        columns = [_inputs([tensors[t] for tensors in per_replica_lists], f"per_replica_lists[*][{t}]")
                    for t in range(len(tensors0))]
         firsts = [column[0] for column, _ in columns]
         codes = [code for _, code in columns]
@@ -186,25 +189,25 @@ class WorkerCollectives:
         if n == self.local_replicas:
             plan = config.net_module().WorkerBatchPlan(
                 comm, n, [a.dtype for a in firsts], [a.shape for a in firsts], codes, opc, packing[0], packing[1],
-                algo, agreed_code, rules.recycler.empty)
-        with timeline.span("batch_all_reduce[workers]", sum(a.nbytes for a in firsts), algorithm, n,
-                           self.num_replicas):
+                algo, agreed_code, recycler.empty)
+        with span("batch_all_reduce[workers]", sum(a.nbytes for a in firsts), algorithm, n,
+                  self.num_replicas):
             done = plan.run(per_replica_lists) if plan is not None else None
             if done is None:  # converted inputs: arranged replica-major for the generic call
                 inputs = [column[r] for r in range(n) for column, _ in columns]
-                outputs = [rules.result_like(a) for a in inputs]
+                outputs = [result_like(a) for a in inputs]
                 comm.batch_all_reduce(n, inputs, outputs, [a.size for a in firsts], codes, opc, packing[0],
                                       packing[1], algo, agreed_code)
                 T = len(columns)
                 return [outputs[r * T:(r + 1) * T] for r in range(n)]
-        _face.remember_batch((comm, op, bytes_per_pack, num_packs, algorithm, agreed), per_replica_lists, plan)
+        remember_batch((comm, op, bytes_per_pack, num_packs, algorithm, agreed), per_replica_lists, plan)
         return done
 
     def _all_gather(self, buffers, axis):
-        if rules.on_gpu(buffers):
+        if on_gpu(buffers):
             return self._device().all_gather(buffers, axis)
         comm = self._comm()
-        arrays, code = rules.inputs(buffers, "buffers", same_shape=False)
+        arrays, code = _inputs(buffers, "buffers", same_shape=False)
         first = arrays[0]
         if first.ndim == 0 or first.ndim > _MAX_DIMS:
             raise ValueError(f"all_gather: buffers are {first.ndim}-d; gather needs 1..{_MAX_DIMS} dimensions "
@@ -219,11 +222,11 @@ class WorkerCollectives:
         # included, which every worker checks alike (so every worker raises
         # the same error).
         plan = config.net_module().WorkerGatherPlan(comm, first.dtype, code, [a.shape for a in arrays],
-                                                    int(axis) % first.ndim, rules.recycler.empty)
-        with timeline.span("all_gather[workers]", first.nbytes, "gloo", len(arrays), self.num_replicas):
+                                                    int(axis) % first.ndim, recycler.empty)
+        with span("all_gather[workers]", first.nbytes, "gloo", len(arrays), self.num_replicas):
             done = plan.run(buffers)
             if done is not None:
-                _face.remember("all_gather[workers]", (comm, axis), buffers, plan)
+                remember("all_gather[workers]", (comm, axis), buffers, plan)
                 return done
             done = plan.run(arrays)  # converted inputs: this call alone
         if done is None:
@@ -237,12 +240,12 @@ class WorkerCollectives:
             return None
         first = arrays[0]
         return config.net_module().WorkerPlan(self._gloo, kind, len(arrays), first.dtype, first.shape, code, opc,
-                                              algo, root, agreed_code, rules.recycler.empty)
+                                              algo, root, agreed_code, recycler.empty)
 
     def all_gather(self, buffers, axis=0):
         """Every local replica gets the concatenation along ``axis`` of all replicas of the job."""
-        plan = _face.lookup("all_gather[workers]", (self._gloo, axis), buffers)
-        if plan is not None and timeline._trace is None:
+        plan = lookup("all_gather[workers]", (self._gloo, axis), buffers)
+        if plan is not None and not tracing():
             done = plan.run(buffers)
             if done is not None:
                 return done
@@ -277,7 +280,7 @@ class _NcclJob:
     """
 
     def __init__(self, group):
-        from . import cuda as cc
+        from .cuda import _ptrs, _streams
 
         key = f"{group._scope}/nccl-unique-id"
         if group.rank == 0:
@@ -289,31 +292,29 @@ class _NcclJob:
             raise config.net_module().PeerTimeoutError(
                 f"task {group.tasks[0]} did not publish NCCL's unique id within {wait} s")
         ordinals = [device_util.physical_ordinal(d) for d in group.devices]
-        self._cc = cc
+        self._ptrs, self._streams = _ptrs, _streams  # the CUDA engine's pointer and stream lists
         self._staged = _HostStaged(group)
         self._engine = _gpu.cuda_module().nccl_rank(group.store.get(key), group.rank * group.local_replicas,
                                                     group.num_replicas, ordinals)
         self._replicas = group.num_replicas
 
     def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto"):
-        cc = self._cc
-        arrays, code, devices = rules.gpu_inputs(buffers, "buffers")
-        outs, finish = rules.gpu_outputs(out, arrays, devices, "out")
-        self._engine.all_reduce(cc._ptrs(arrays), cc._ptrs(outs), arrays[0].size, code, op_code(op), 0,
-                                cc._streams(devices))
+        arrays, code, devices = gpu_inputs(buffers, "buffers")
+        outs, finish = gpu_outputs(out, arrays, devices, "out")
+        self._engine.all_reduce(self._ptrs(arrays), self._ptrs(outs), arrays[0].size, code, op_code(op), 0,
+                                self._streams(devices))
         return finish()
 
     def broadcast(self, buffers, root=0, *, out=None):
-        cc = self._cc
-        arrays, code, devices = rules.gpu_inputs(buffers, "buffers")
-        root = rules.root_index(root, self._replicas)
-        outs, finish = rules.gpu_outputs(out, arrays, devices, "out")
-        self._engine.broadcast(cc._ptrs(arrays), cc._ptrs(outs), arrays[0].size, code, root, cc._streams(devices))
+        arrays, code, devices = gpu_inputs(buffers, "buffers")
+        root = root_index(root, self._replicas)
+        outs, finish = gpu_outputs(out, arrays, devices, "out")
+        self._engine.broadcast(self._ptrs(arrays), self._ptrs(outs), arrays[0].size, code, root,
+                               self._streams(devices))
         return finish()
 
     def batch_all_reduce(self, per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto"):
-        cc = self._cc
-        columns = [rules.gpu_inputs([lst[t] for lst in per_replica_lists], f"per_replica_lists[*][{t}]")
+        columns = [gpu_inputs([lst[t] for lst in per_replica_lists], f"per_replica_lists[*][{t}]")
                    for t in range(len(per_replica_lists[0]))]
         devices = columns[0][2]
         cupy = _gpu.cupy_module()
@@ -324,7 +325,7 @@ class _NcclJob:
         self._engine.batch_all_reduce([[c[0][r].data.ptr for c in columns] for r in range(len(devices))],
                                       [[o.data.ptr for o in outs] for outs in outputs],
                                       [c[0][0].size for c in columns], [c[1] for c in columns], op_code(op),
-                                      int(bytes_per_pack), int(num_packs or 0), 0, cc._streams(devices))
+                                      int(bytes_per_pack), int(num_packs or 0), 0, self._streams(devices))
         return outputs
 
     def reduce(self, buffers, op="sum", root=0, *, out=None):

@@ -22,9 +22,14 @@ one packer (csrc/core/packer.cc) for host, CUDA, NCCL and Gloo batches alike.
 
 from __future__ import annotations
 
-from .. import _core, timeline
+from .._core import (BatchPlan as _BatchPlan, CallPlan as _CallPlan, all_gather as _host_all_gather,
+                     all_reduce as _host_all_reduce, batch_all_reduce as _host_batch_all_reduce,
+                     broadcast as _host_broadcast, reduce as _host_reduce)
 from ..device.dtypes import op_code
-from . import rules
+from ..timeline import span
+from .rules import (MEAN, algorithm_code, any_integer_mean, check_batch, check_chunk_bytes, check_packing,
+                    gather_layout, inputs as _inputs, integer_mean, means_of_sums, on_gpu, outputs as _outputs,
+                    recycler, result, result_like, root_index, true_divide)
 
 __all__ = ["lookup", "lookup_batch", "remember", "remember_batch", "all_reduce", "broadcast", "reduce", "all_gather",
            "batch_all_reduce", "MAX_PLANS"]
@@ -77,30 +82,20 @@ def _key(kind: str, params: tuple, buffers) -> tuple:
     return kind, params, len(buffers), type(first), first.shape, first.dtype
 
 
-def _cuda():
-    try:
-        from . import cuda
-    except ImportError as e:  # no CUDA extension in this build
-        raise RuntimeError(
-            f"GPU buffers need mirrored's CUDA extension, which is not available ({e}); "
-            "reinstall mirrored on a machine with the CUDA toolkit (nvcc) and `pip install cupy-cuda13x`"
-        ) from None
-    return cuda
-
-
 # --- the validating path: first calls of a signature, and anything unusual ------------------
 
 def _gpu_call(kind, buffers, out, op, root, algorithm, chunk_bytes):
     """An all_reduce / broadcast of GPU buffers: planned (and the plan kept) when the buffers are
     contiguous CuPy arrays, else converted by the CUDA engine's validating path."""
-    cuda = _cuda()
-    plan = cuda.call_plan(kind, buffers, op, root, algorithm, chunk_bytes)
-    with timeline.span(kind, plan.nbytes, algorithm, len(buffers)):
+    from .cuda import all_reduce as gpu_all_reduce, broadcast as gpu_broadcast, call_plan
+
+    plan = call_plan(kind, buffers, op, root, algorithm, chunk_bytes)
+    with span(kind, plan.nbytes, algorithm, len(buffers)):
         done = plan.run(buffers, out)
     if done is None:
         if kind == "broadcast":
-            return cuda.broadcast(buffers, root, out=out)
-        return cuda.all_reduce(buffers, op, out=out, algorithm=algorithm, chunk_bytes=chunk_bytes)
+            return gpu_broadcast(buffers, root, out=out)
+        return gpu_all_reduce(buffers, op, out=out, algorithm=algorithm, chunk_bytes=chunk_bytes)
     params = (root,) if kind == "broadcast" else (op, algorithm, chunk_bytes)
     _remember(_key(kind, params, buffers), plan)
     return done
@@ -108,22 +103,22 @@ def _gpu_call(kind, buffers, out, op, root, algorithm, chunk_bytes):
 
 def all_reduce(buffers, op, out, algorithm, chunk_bytes):
     opc = op_code(op)
-    if opc == rules.MEAN and rules.integer_mean(buffers, op):
+    if opc == MEAN and integer_mean(buffers, op):
         sums = all_reduce(buffers, "sum", None, algorithm, chunk_bytes)
-        return rules.true_divide(sums, len(sums), out)
-    if rules.on_gpu(buffers):
+        return true_divide(sums, len(sums), out)
+    if on_gpu(buffers):
         return _gpu_call("all_reduce", buffers, out, op, 0, algorithm, chunk_bytes)
-    chunk = rules.check_chunk_bytes(chunk_bytes)
-    arrays, code = rules.inputs(buffers, "buffers")
-    algo = rules.algorithm_code(algorithm)
-    outs, finish = rules.outputs(out, arrays, "out")
+    chunk = check_chunk_bytes(chunk_bytes)
+    arrays, code = _inputs(buffers, "buffers")
+    algo = algorithm_code(algorithm)
+    outs, finish = _outputs(out, arrays, "out")
     first = arrays[0]
-    plan = _core.CallPlan("all_reduce", len(arrays), first.dtype, first.shape, code, opc, algo, chunk, 0,
-                          rules.recycler.empty)
-    with timeline.span("all_reduce", first.nbytes, algorithm, len(arrays)):
+    plan = _CallPlan("all_reduce", len(arrays), first.dtype, first.shape, code, opc, algo, chunk, 0,
+                     recycler.empty)
+    with span("all_reduce", first.nbytes, algorithm, len(arrays)):
         done = plan.run(buffers, out)
         if done is None:  # converted inputs or outputs: this call runs on them
-            _core.all_reduce(arrays, outs, first.size, code, opc, algo, chunk)
+            _host_all_reduce(arrays, outs, first.size, code, opc, algo, chunk)
     if done is None:
         return finish()
     _remember(_key("all_reduce", (op, algorithm, chunk_bytes), buffers), plan)
@@ -131,18 +126,18 @@ def all_reduce(buffers, op, out, algorithm, chunk_bytes):
 
 
 def broadcast(buffers, root, out):
-    if rules.on_gpu(buffers):
+    if on_gpu(buffers):
         return _gpu_call("broadcast", buffers, out, "sum", root, "auto", 0)
-    arrays, code = rules.inputs(buffers, "buffers")
-    root = rules.root_index(root, len(arrays))
-    outs, finish = rules.outputs(out, arrays, "out")
+    arrays, code = _inputs(buffers, "buffers")
+    root = root_index(root, len(arrays))
+    outs, finish = _outputs(out, arrays, "out")
     first = arrays[0]
-    plan = _core.CallPlan("broadcast", len(arrays), first.dtype, first.shape, code, 0, 0, 0, root,
-                          rules.recycler.empty)
-    with timeline.span("broadcast", first.nbytes, "direct", len(arrays)):
+    plan = _CallPlan("broadcast", len(arrays), first.dtype, first.shape, code, 0, 0, 0, root,
+                     recycler.empty)
+    with span("broadcast", first.nbytes, "direct", len(arrays)):
         done = plan.run(buffers, out)
         if done is None:
-            _core.broadcast(arrays, outs, first.size, code, root)
+            _host_broadcast(arrays, outs, first.size, code, root)
     if done is None:
         return finish()
     _remember(_key("broadcast", (root,), buffers), plan)
@@ -150,69 +145,74 @@ def broadcast(buffers, root, out):
 
 
 def reduce(buffers, op, root, out):
-    if rules.integer_mean(buffers, op):
+    if integer_mean(buffers, op):
         total = reduce(buffers, "sum", root, None)
-        return rules.true_divide([total], len(buffers), None if out is None else [out[root]])[0]
-    if rules.on_gpu(buffers):
-        return _cuda().reduce(buffers, op, root, out=out)
-    arrays, code = rules.inputs(buffers, "buffers")
+        return true_divide([total], len(buffers), None if out is None else [out[root]])[0]
+    if on_gpu(buffers):
+        from .cuda import reduce as gpu_reduce
+
+        return gpu_reduce(buffers, op, root, out=out)
+    arrays, code = _inputs(buffers, "buffers")
     opc = op_code(op)
-    root = rules.root_index(root, len(arrays))
+    root = root_index(root, len(arrays))
     if out is None:
-        target, finish = rules.result_like(arrays[root]), None
+        target, finish = result_like(arrays[root]), None
     else:
-        outs, finish = rules.outputs(out, arrays, "out")
+        outs, finish = _outputs(out, arrays, "out")
         target = outs[root]
-    with timeline.span("reduce", arrays[0].nbytes, "direct", len(arrays)):
-        _core.reduce(arrays, [target] * len(arrays), arrays[0].size, code, opc, root)
+    with span("reduce", arrays[0].nbytes, "direct", len(arrays)):
+        _host_reduce(arrays, [target] * len(arrays), arrays[0].size, code, opc, root)
     return target if finish is None else finish()[root]
 
 
 def all_gather(buffers, axis):
-    if rules.on_gpu(buffers):
-        return _cuda().all_gather(buffers, axis)
-    arrays, _ = rules.inputs(buffers, "buffers", same_shape=False)
-    shape, row_bytes, outer = rules.gather_layout(arrays, axis)
-    outs = [rules.result(shape, arrays[0].dtype) for _ in arrays]
-    with timeline.span("all_gather", arrays[0].nbytes, "direct", len(arrays)):
-        _core.all_gather(arrays, outs, row_bytes, outer)
+    if on_gpu(buffers):
+        from .cuda import all_gather as gpu_all_gather
+
+        return gpu_all_gather(buffers, axis)
+    arrays, _ = _inputs(buffers, "buffers", same_shape=False)
+    shape, row_bytes, outer = gather_layout(arrays, axis)
+    outs = [result(shape, arrays[0].dtype) for _ in arrays]
+    with span("all_gather", arrays[0].nbytes, "direct", len(arrays)):
+        _host_all_gather(arrays, outs, row_bytes, outer)
     return outs
 
 
 def batch_all_reduce(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, chunk_bytes):
-    n = rules.check_batch(per_replica_lists)
+    n = check_batch(per_replica_lists)
     if not per_replica_lists[0]:
         return [[] for _ in range(n)]
-    if rules.any_integer_mean(per_replica_lists[0], op):
+    if any_integer_mean(per_replica_lists[0], op):
         sums = batch_all_reduce(per_replica_lists, "sum", bytes_per_pack, num_packs, algorithm, chunk_bytes)
-        return rules.means_of_sums(sums, n)
+        return means_of_sums(sums, n)
     params = (op, bytes_per_pack, num_packs, algorithm, chunk_bytes)
-    if rules.on_gpu([per_replica_lists[0][0]]):
-        cuda = _cuda()
-        plan = cuda.batch_plan(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, chunk_bytes)
+    if on_gpu([per_replica_lists[0][0]]):
+        from .cuda import batch_all_reduce as gpu_batch_all_reduce, batch_plan
+
+        plan = batch_plan(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, chunk_bytes)
         if plan is None:  # converted inputs: this call alone
-            return cuda.batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack, num_packs=num_packs,
-                                         algorithm=algorithm, chunk_bytes=chunk_bytes)
-        with timeline.span("batch_all_reduce", plan.nbytes, algorithm, n):
+            return gpu_batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack, num_packs=num_packs,
+                                        algorithm=algorithm, chunk_bytes=chunk_bytes)
+        with span("batch_all_reduce", plan.nbytes, algorithm, n):
             done = plan.run(per_replica_lists)
         _remember(_batch_key(params, per_replica_lists), plan)
         return done
-    packing = rules.check_packing(bytes_per_pack, num_packs, chunk_bytes)
+    packing = check_packing(bytes_per_pack, num_packs, chunk_bytes)
     opc = op_code(op)
-    algo = rules.algorithm_code(algorithm)
+    algo = algorithm_code(algorithm)
     # Tensor t across replicas, checked with messages naming it; converted where needed.
-    columns = [rules.inputs([tensors[t] for tensors in per_replica_lists], f"per_replica_lists[*][{t}]")
+    columns = [_inputs([tensors[t] for tensors in per_replica_lists], f"per_replica_lists[*][{t}]")
                for t in range(len(per_replica_lists[0]))]
     firsts = [column[0] for column, _ in columns]
     codes = [code for _, code in columns]
-    plan = _core.BatchPlan(n, [a.dtype for a in firsts], [a.shape for a in firsts], codes, opc, packing[0],
-                           packing[1], algo, packing[2], rules.recycler.empty)
-    with timeline.span("batch_all_reduce", sum(a.nbytes for a in firsts), algorithm, n):
+    plan = _BatchPlan(n, [a.dtype for a in firsts], [a.shape for a in firsts], codes, opc, packing[0],
+                      packing[1], algo, packing[2], recycler.empty)
+    with span("batch_all_reduce", sum(a.nbytes for a in firsts), algorithm, n):
         done = plan.run(per_replica_lists)
         if done is None:  # converted inputs: arranged replica-major for the generic call
             inputs = [column[r] for r in range(n) for column, _ in columns]
-            outputs = [rules.result_like(a) for a in inputs]
-            _core.batch_all_reduce(n, inputs, outputs, [a.size for a in firsts], codes, opc, packing[0],
+            outputs = [result_like(a) for a in inputs]
+            _host_batch_all_reduce(n, inputs, outputs, [a.size for a in firsts], codes, opc, packing[0],
                                    packing[1], algo, packing[2])
             T = len(columns)
             return [outputs[r * T:(r + 1) * T] for r in range(n)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .. import _nest
+from .._nest import map_structure
 from ..device import device_util
 from ..distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice)
 from ..distribute.distribute_lib import get_cross_replica_context, get_replica_context, get_strategy, has_strategy
@@ -204,7 +204,7 @@ class MirroredStrategy(_MirroredStrategyV1):
         def on_copy(copy, *a, **k):
             i = next(j for j, c in enumerate(copies) if c is copy)
             pick = lambda x: x.values[i] if isinstance(x, DistributedVariable) else x  # noqa: E731
-            return fn(copy, *_nest.map_structure(pick, list(a)), **_nest.map_structure(pick, dict(k)))
+            return fn(copy, *map_structure(pick, list(a)), **map_structure(pick, dict(k)))
 
         return self.extended.update(var, on_copy, args, kwargs)
 

@@ -21,7 +21,7 @@ from collections import deque
 
 import numpy as np
 
-from .. import _nest
+from .._nest import flatten, map_structure, pack_sequence_as
 from ..device import device_util
 from .iterator_ops import OwnedIterator
 from .options import Options
@@ -140,7 +140,7 @@ class Dataset:
     def as_numpy_iterator(self):
         """The elements, as NumPy values (device arrays are copied to the host)."""
         for element in self:
-            yield _nest.map_structure(lambda x: device_util.to_host(x) if device_util.on_gpu(x) else x, element)
+            yield map_structure(lambda x: device_util.to_host(x) if device_util.on_gpu(x) else x, element)
 
     def reduce(self, initial_state, reduce_func):
         """``reduce_func(state, element)`` folded over every element, from ``initial_state``."""
@@ -332,7 +332,7 @@ class _TensorSlices(Dataset):
     def __init__(self, tensors):
         super().__init__()
         self._structure = normalize_input(tensors, "from_tensor_slices(tensors)")
-        self._leaves = _nest.flatten(self._structure)
+        self._leaves = flatten(self._structure)
         shapes = [tuple(leaf.shape) for leaf in self._leaves]
         if not self._leaves or any(len(s) == 0 for s in shapes):
             raise ValueError(f"tensors: from_tensor_slices needs components of rank >= 1 to slice; got shapes "
@@ -344,7 +344,7 @@ class _TensorSlices(Dataset):
         self._rows = sizes[0]
 
     def _compute_spec(self):
-        return _nest.pack_sequence_as(self._structure, [TensorSpec(leaf.shape[1:], leaf.dtype)
+        return pack_sequence_as(self._structure, [TensorSpec(leaf.shape[1:], leaf.dtype)
                                                          for leaf in self._leaves])
 
     def cardinality(self):
@@ -363,7 +363,7 @@ class _SliceIterator(_Iterator):
         if self._i >= self._ds._rows:
             raise StopIteration
         i, self._i = self._i, self._i + 1
-        return _nest.pack_sequence_as(self._ds._structure, [leaf[i] for leaf in self._ds._leaves])
+        return pack_sequence_as(self._ds._structure, [leaf[i] for leaf in self._ds._leaves])
 
     def save(self):
         return {"i": self._i}
@@ -373,7 +373,7 @@ class NumpyDataset(_TensorSlices):
     """``experimental_make_numpy_dataset``'s result: the rows of host arrays (``from_tensor_slices``)."""
 
     def __init__(self, arrays):
-        leaves = _nest.flatten(arrays)
+        leaves = flatten(arrays)
         if not leaves or any(np.ndim(a) == 0 for a in leaves):
             raise ValueError("numpy_input: expected arrays with a leading dimension of rows, got "
                              f"{[np.shape(a) for a in leaves]}")
@@ -399,7 +399,7 @@ def _stack_lists(value):
 def make_numpy_dataset(numpy_input) -> NumpyDataset:
     """The rows of ``numpy_input`` (an array, or tuples/dicts of arrays; lists are stacked), copied to the host."""
     arrays = _stack_lists(numpy_input)
-    return NumpyDataset(_nest.map_structure(lambda a: np.array(device_util.to_host(a), copy=True), arrays))
+    return NumpyDataset(map_structure(lambda a: np.array(device_util.to_host(a), copy=True), arrays))
 
 
 class _Tensors(Dataset):
@@ -475,11 +475,11 @@ class _Generator(Dataset):
                                 "or the deprecated output_types")
             shapes = output_shapes
             if shapes is None:
-                shapes = _nest.map_structure(lambda _: None, output_types)
-            output_signature = _nest.pack_sequence_as(output_types, [
+                shapes = map_structure(lambda _: None, output_types)
+            output_signature = pack_sequence_as(output_types, [
                 TensorSpec(() if s is None else s, t) if s is not None else _UnknownShape(t)
-                for t, s in zip(_nest.flatten(output_types), _flatten_shapes(output_types, shapes))])
-        for spec in _nest.flatten(output_signature):
+                for t, s in zip(flatten(output_types), _flatten_shapes(output_types, shapes))])
+        for spec in flatten(output_signature):
             if not isinstance(spec, TensorSpec):
                 raise TypeError(f"output_signature: every leaf must be an md.data.TensorSpec, got {spec!r}")
         self._generator, self._args = generator, tuple(args or ())
@@ -648,7 +648,7 @@ class _Batch(Dataset):
 
     def _compute_spec(self):
         first = self._batch_size if self._drop else None
-        return _nest.map_structure(lambda s: TensorSpec((first,) + s.shape, s.dtype), self._input.element_spec)
+        return map_structure(lambda s: TensorSpec((first,) + s.shape, s.dtype), self._input.element_spec)
 
     def cardinality(self):
         n = self._input.cardinality()
@@ -699,7 +699,7 @@ class _BatchIterator(_TakingIterator):
 
     def next(self):
         elements = self._take()
-        leaves = [_nest.flatten(e) for e in elements]
+        leaves = [flatten(e) for e in elements]
         for i, lv in enumerate(leaves[1:], 1):
             if len(lv) != len(leaves[0]):
                 raise ValueError(f"batch: element {i} has {len(lv)} components, element 0 has {len(leaves[0])}")
@@ -707,7 +707,7 @@ class _BatchIterator(_TakingIterator):
         if self._pad is not None:
             columns = [_pad(column, c, target, value)
                        for c, (column, target, value) in enumerate(zip(columns, *self._pad))]
-        return _nest.pack_sequence_as(elements[0], [stack(column, c) for c, column in enumerate(columns)])
+        return pack_sequence_as(elements[0], [stack(column, c) for c, column in enumerate(columns)])
 
     def save(self):
         return {"input": self._inputs[0].save(), "done": self._done}
@@ -720,7 +720,7 @@ class _PaddedBatch(_Batch):
 
     def _targets(self, spec) -> list:
         """One shape per component: a size, or None (the largest in the batch) per dimension."""
-        leaves = _nest.flatten(spec)
+        leaves = flatten(spec)
         if self._padded_shapes is None:
             return [[None] * len(s.shape) for s in leaves]
         shapes = _flatten_shapes(spec, self._padded_shapes)
@@ -737,10 +737,10 @@ class _PaddedBatch(_Batch):
         return out
 
     def _values(self, spec) -> list:
-        leaves = _nest.flatten(spec)
+        leaves = flatten(spec)
         if self._padding_values is None:
             return [b"" if s.dtype.kind == "S" else 0 for s in leaves]
-        values = _nest.flatten(self._padding_values)
+        values = flatten(self._padding_values)
         if len(values) == 1 and len(leaves) > 1:
             values = values * len(leaves)
         if len(values) != len(leaves):
@@ -751,9 +751,9 @@ class _PaddedBatch(_Batch):
     def _compute_spec(self):
         spec = self._input.element_spec
         first = self._batch_size if self._drop else None
-        return _nest.pack_sequence_as(spec, [
+        return pack_sequence_as(spec, [
             TensorSpec((first,) + tuple(d if t is None else t for d, t in zip(s.shape, target)), s.dtype)
-            for s, target in zip(_nest.flatten(spec), self._targets(spec))])
+            for s, target in zip(flatten(spec), self._targets(spec))])
 
     def _make_iterator(self, state=None):
         return _BatchIterator(self, state, pad=(self._targets(self._input.element_spec),
@@ -769,7 +769,7 @@ class _GatherBatchIterator(_TakingIterator):
 
     def next(self):
         index = np.asarray(self._take(), dtype=np.int64)
-        return _nest.pack_sequence_as(self._rows._structure, [leaf[index] for leaf in self._rows._leaves])
+        return pack_sequence_as(self._rows._structure, [leaf[index] for leaf in self._rows._leaves])
 
     def save(self):
         return {"indices": self._inputs[0].save(), "done": self._done}
@@ -787,7 +787,7 @@ class _SliceBatchIterator(_Iterator):
         if lo >= hi or (self._ds._drop and hi - lo < self._ds._batch_size):
             raise StopIteration
         self._i = hi
-        return _nest.pack_sequence_as(self._rows._structure, [leaf[lo:hi].copy() for leaf in self._rows._leaves])
+        return pack_sequence_as(self._rows._structure, [leaf[lo:hi].copy() for leaf in self._rows._leaves])
 
     def save(self):
         return {"i": self._i}
@@ -819,7 +819,7 @@ class _Unbatch(Dataset):
                 raise ValueError("Cannot unbatch an input with scalar components; unbatch needs every component "
                                  "to have rank >= 1 (batch the dataset first)")
             return TensorSpec(s.shape[1:], s.dtype)
-        return _nest.map_structure(row, self._input.element_spec)
+        return map_structure(row, self._input.element_spec)
 
     def _make_iterator(self, state=None):
         return _UnbatchIterator(self, state)
@@ -834,12 +834,12 @@ class _UnbatchIterator(_Iterator):
     def next(self):
         while True:
             if self._current is not None:
-                leaves = _nest.flatten(self._current)
+                leaves = flatten(self._current)
                 if self._row < leaves[0].shape[0]:
                     self._row += 1
-                    return _nest.pack_sequence_as(self._current, [leaf[self._row - 1] for leaf in leaves])
+                    return pack_sequence_as(self._current, [leaf[self._row - 1] for leaf in leaves])
             element = self._inputs[0].next()
-            leaves = _nest.flatten(element)
+            leaves = flatten(element)
             sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
             if None in sizes or len(sizes) != 1:
                 raise ValueError(f"unbatch: every component needs the same first dimension; got shapes "
@@ -866,10 +866,10 @@ class _Map(Dataset):
         if not first:
             raise ValueError("element_spec of map: the input is empty, so map_func's output is unknown")
         element = first[0]
-        unknown = {leaf.shape[d] for leaf, s in zip(_nest.flatten(element), _nest.flatten(self._input.element_spec))
+        unknown = {leaf.shape[d] for leaf, s in zip(flatten(element), flatten(self._input.element_spec))
                    if s.shape is not None for d in range(len(s.shape)) if s.shape[d] is None}
         out = spec_of(normalize_output(_call(self._fn, element), "map_func"))
-        return _nest.map_structure(lambda s: TensorSpec([None if d in unknown else d for d in s.shape], s.dtype), out)
+        return map_structure(lambda s: TensorSpec([None if d in unknown else d for d in s.shape], s.dtype), out)
 
     def cardinality(self):
         return self._input.cardinality()
@@ -1453,9 +1453,9 @@ class _Concatenate(Dataset):
 
     def _compute_spec(self):
         a, b = self._inputs[0].element_spec, self._inputs[1].element_spec
-        flat_a, flat_b = _nest.flatten(a), _nest.flatten(b)
+        flat_a, flat_b = flatten(a), flatten(b)
         try:
-            _nest.pack_sequence_as(a, flat_b)
+            pack_sequence_as(a, flat_b)
             ok = len(flat_a) == len(flat_b) and all(x.dtype == y.dtype and len(x.shape) == len(y.shape)
                                                     for x, y in zip(flat_a, flat_b))
         except (StopIteration, KeyError, TypeError):
@@ -1463,7 +1463,7 @@ class _Concatenate(Dataset):
         if not ok:
             raise TypeError(f"Incompatible dataset elements:\n  {a} vs.\n  {b}; concatenate needs the same "
                             "structure, dtypes and ranks")
-        return _nest.pack_sequence_as(a, [x.most_specific_compatible(y) for x, y in zip(flat_a, flat_b)])
+        return pack_sequence_as(a, [x.most_specific_compatible(y) for x, y in zip(flat_a, flat_b)])
 
     def cardinality(self):
         a, b = (d.cardinality() for d in self._inputs)
@@ -1499,7 +1499,7 @@ class _ConcatenateIterator(_Iterator):
 
 class _Zip(Dataset):
     def __init__(self, datasets):
-        flat = _nest.flatten(datasets)
+        flat = flatten(datasets)
         for d in flat:
             if not isinstance(d, Dataset):
                 raise TypeError(f"zip: every item must be an md.data.Dataset, got {type(d).__name__}")
@@ -1509,7 +1509,7 @@ class _Zip(Dataset):
         self._structure = datasets
 
     def _compute_spec(self):
-        return _nest.pack_sequence_as(self._structure, [d.element_spec for d in self._inputs])
+        return pack_sequence_as(self._structure, [d.element_spec for d in self._inputs])
 
     def cardinality(self):
         counts = [d.cardinality() for d in self._inputs]
@@ -1529,7 +1529,7 @@ class _ZipIterator(_Iterator):
         self._structure = ds._structure
 
     def next(self):
-        return _nest.pack_sequence_as(self._structure, [it.next() for it in self._inputs])
+        return pack_sequence_as(self._structure, [it.next() for it in self._inputs])
 
     def save(self):
         return [it.save() for it in self._inputs]

@@ -14,7 +14,7 @@ from collections import abc
 
 import numpy as np
 
-from .. import _nest
+from .._nest import map_structure
 from ..device import device_util
 
 
@@ -128,7 +128,7 @@ def leaf_spec(x) -> TensorSpec:
 
 def spec_of(element):
     """The structure of ``TensorSpec``s of one element."""
-    return _nest.map_structure(leaf_spec, element)
+    return map_structure(leaf_spec, element)
 
 
 def stack(leaves: list, component: int):

@@ -20,11 +20,12 @@ strategies created afterwards. ``memory_limit`` is recorded, not enforced
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from dataclasses import dataclass
 
-from . import engine
+from .engine import extension, name as engine_name
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def _num_cpus() -> int:
 def _num_gpus() -> int:
     """GPUs the CUDA extension can see; 0 without the extension, a driver or a GPU."""
     try:
-        return int(engine.extension().device_count())
+        return int(extension().device_count())
     except Exception:  # no extension (ImportError), or a bad $MIRRORED_CUDA_ENGINE
         return 0
 
@@ -132,7 +133,7 @@ def physical_gpu_index(logical_index: int) -> int:
 
 
 def _logical_to_physical(kind: str) -> tuple[int, ...]:
-    key = (kind, engine.name() if kind == "GPU" else None)
+    key = (kind, engine_name() if kind == "GPU" else None)
     table = _tables.get(key)
     if table is None:
         table = []
@@ -193,7 +194,9 @@ def net_module():
     the second names that library.
     """
     try:
-        from .. import _net  # type: ignore[attr-defined]
+        # By its full name, as engine.extension() loads the CUDA one: an extension runs no Python of ours,
+        # and ``from .. import _net`` would go through mirrored's __init__, which imports this module.
+        _net = importlib.import_module("mirrored._net")
     except ModuleNotFoundError as e:
         if e.name != "mirrored._net":
             raise
@@ -226,9 +229,9 @@ def is_gloo_available() -> bool:
 
 def is_nccl_available() -> bool:
     """True when the CUDA extension is built and libnccl loads (nvidia-nccl-cu13 or the system's)."""
-    from . import gpu as _gpu
+    from .gpu import nccl_available
 
-    return _gpu.nccl_available()
+    return nccl_available()
 
 
 def is_cuda_available() -> bool:

@@ -19,7 +19,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import config, gpu as _gpu
+from .config import physical_gpu_index as _physical_gpu_index
+from .gpu import merge_stream, step_memory
 
 
 class DeviceSpec(NamedTuple):
@@ -149,13 +150,13 @@ def cross_replica_gpu_scope(device):
     import cupy
 
     ordinal = _gpu_ordinal(spec)
-    with cupy.cuda.Device(ordinal), _gpu.merge_stream(ordinal), _gpu.step_memory():
+    with cupy.cuda.Device(ordinal), merge_stream(ordinal), step_memory():
         yield
 
 
 def _gpu_ordinal(spec: DeviceSpec) -> int:
     """CUDA ordinal of a (logical) GPU device; config maps logical GPUs onto physical ones."""
-    return config.physical_gpu_index(spec.device_index)
+    return _physical_gpu_index(spec.device_index)
 
 
 def physical_ordinal(device) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import glob
+import importlib
 import importlib.util
 import logging
 import os
@@ -17,9 +19,11 @@ import threading
 
 import numpy as np
 
-from . import engine
+from .engine import extension, name as engine_name
 
 NCCL_FIX = "pip install nvidia-nccl-cu13"
+CUBLAS_FIX = ("pip install nvidia-cublas-cu13 (the cuBLAS CuPy uses), or set MIRRORED_CUBLAS_LIBRARY to "
+              "libcublas.so's path")
 CUPY_FIX = "pip install cupy-cuda13x"
 
 
@@ -27,7 +31,7 @@ def cuda_module():
     """The CUDA extension (``mirrored._cuda``, or the simulator's when :mod:`.engine` selects it),
     or a RuntimeError naming the fix."""
     try:
-        return engine.extension()
+        return extension()
     except ImportError as e:
         raise RuntimeError(
             f"GPU collectives need mirrored's CUDA extension, which this build lacks ({e}); reinstall mirrored "
@@ -66,6 +70,24 @@ def replica_stream(replica_id: int, ordinal: int):
                 s = cupy.cuda.Stream(non_blocking=False)
             _replica_streams[key] = s
             _replica_stream_ptrs.add(s.ptr)
+        return s
+
+
+_step_streams: dict = {}
+
+
+def step_stream(ordinal: int):
+    """GPU ``ordinal``'s stream for the steps ``md.function`` captures and replays, made once and
+    shared by all of them (captures run one at a time; replays are ordered with the legacy default
+    stream both ways). One stream, not one per capture: each stream that runs a matrix product
+    keeps a cuBLAS workspace for good (docs/linalg.md). Non-blocking: the legacy stream's
+    implicit synchronisation cannot be captured."""
+    with _lock:
+        s = _step_streams.get(int(ordinal))
+        if s is None:
+            cupy = cupy_module()
+            with cupy.cuda.Device(ordinal):
+                s = _step_streams[int(ordinal)] = cupy.cuda.Stream(non_blocking=True)
         return s
 
 
@@ -253,6 +275,63 @@ def collective_stream(ordinal: int) -> int:
     return 0 if s.ptr in _replica_stream_ptrs else s.ptr
 
 
+# --- cuBLAS ------------------------------------------------------------------
+
+_cublas: dict = {}  # engine name -> the loaded library's path, or the error text
+
+
+def cublas_library_candidates() -> list[str]:
+    """Where libcublas is looked for: $MIRRORED_CUBLAS_LIBRARY, the copy CuPy has loaded (the same
+    cuBLAS as its ``@``), the nvidia-cublas wheels, the system.
+
+    The simulated engine is its own libcublas (a stand-in over the simulated GPUs).
+    """
+    if engine_name() == "sim":
+        return [cuda_module().__file__]
+    out = []
+    if os.environ.get("MIRRORED_CUBLAS_LIBRARY"):
+        out.append(os.environ["MIRRORED_CUBLAS_LIBRARY"])
+    out += _cupys_cublas()
+    for package in ("nvidia.cu13", "nvidia.cublas"):  # the CUDA 13 wheels' layout, and the CUDA 12 one
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            spec = None
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            out += sorted(glob.glob(os.path.join(root, "lib", "libcublas.so.*")))
+    out += ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]
+    return list(dict.fromkeys(out))
+
+
+def _cupys_cublas() -> list[str]:
+    """The libcublas files mapped into this process once CuPy's cuBLAS module is imported (it links them)."""
+    try:
+        importlib.import_module("cupy_backends.cuda.libs.cublas")
+    except Exception:  # no CuPy, or one that cannot load cuBLAS: the other candidates remain
+        return []
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = [line.split(None, 5)[5].strip() for line in maps if len(line.split(None, 5)) == 6]
+    except OSError:
+        return []
+    return [p for p in dict.fromkeys(paths) if os.path.basename(p).startswith("libcublas.so")]
+
+
+def load_cublas() -> str:
+    """The path of the loaded libcublas; RuntimeError naming the fix if none loads."""
+    with _lock:
+        key = engine_name()
+        if key not in _cublas:
+            try:
+                _cublas[key] = ("loaded", cuda_module().blas_load(cublas_library_candidates()))
+            except RuntimeError as e:
+                _cublas[key] = ("failed", str(e))
+        state, text = _cublas[key]
+    if state == "failed":
+        raise RuntimeError(f"md.linalg.matmul on GPU arrays needs cuBLAS: {text}; {CUBLAS_FIX}")
+    return text
+
+
 # --- NCCL --------------------------------------------------------------------
 
 _nccl: dict = {}  # engine name -> (path, version) once loaded, or the error text
@@ -263,7 +342,7 @@ def nccl_library_candidates() -> list[str]:
 
     The simulated engine is its own libnccl (a stand-in over the simulated GPUs).
     """
-    if engine.name() == "sim":
+    if engine_name() == "sim":
         return [cuda_module().__file__]
     out = []
     if os.environ.get("MIRRORED_NCCL_LIBRARY"):
@@ -281,7 +360,7 @@ def nccl_library_candidates() -> list[str]:
 def load_nccl() -> tuple[str, int]:
     """(path, version code) of the loaded libnccl; RuntimeError naming ``pip install nvidia-nccl-cu13`` if none loads."""
     with _lock:
-        key = engine.name()
+        key = engine_name()
         if key not in _nccl:
             try:
                 _nccl[key] = tuple(cuda_module().nccl_load(nccl_library_candidates()))

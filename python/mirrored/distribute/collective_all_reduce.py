@@ -24,7 +24,7 @@ import time
 
 from ..collective.multi_worker import DEFAULT_RENDEZVOUS_SECONDS, WorkerCollectives
 from ..device import config
-from .. import timeline
+from ..timeline import sync_clock
 from .cross_device_ops import CollectiveAllReduce
 from .options import CommunicationOptions, _check_timeout, no_timeout
 
@@ -92,7 +92,7 @@ class CollectiveGroup(WorkerCollectives):
         self._gloo = _net.GlooCommunicator(self.store, self.tasks, local_replicas, my_host,
                                            0.0 if timeout is None else timeout, scope)
         self._gloo.set_stall_warning(stall)
-        timeline.sync_clock(self.store, rank, self.tasks, rendezvous, scope)  # one clock for the job's timelines
+        sync_clock(self.store, rank, self.tasks, rendezvous, scope)  # one clock for the job's timelines
 
     @classmethod
     def from_cluster_resolver(cls, resolver, local_replicas, *, timeout=None, scope="mirrored", devices=None,

@@ -64,7 +64,8 @@ def in_cross_replica_context() -> bool:
 
 def get_replica_context():
     """The replica context of this thread; None in cross-replica context; a default one outside any strategy."""
-    return _top().replica_context
+    stack = getattr(_local, "stack", None)  # (_top(), inlined: every replica's collective asks)
+    return (stack[-1] if stack else _default).replica_context
 
 
 def get_cross_replica_context():

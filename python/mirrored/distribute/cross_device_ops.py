@@ -279,15 +279,22 @@ class _NativeAllReduce(CrossDeviceOps):
                 and kind._all_reduce_lists is _NativeAllReduce._all_reduce_lists
                 and kind._check_devices is _NativeAllReduce._check_devices)
 
-    def _replica_all_reduce(self, reduce_op, options, per_replica_lists):
-        """A replica context's all_reduce of host arrays (``per_replica_lists[r]``: replica r's) as
-        ``batch_reduce_implementation`` fuses it, without its wrapping in PerReplica and Mirrored;
-        None unless every leaf is a NumPy array (variables and other arrays go that way)."""
-        for leaves in per_replica_lists:
+    def _replica_all_reduce(self, reduce_op, options, per_replica):
+        """A replica context's all_reduce of host arrays (``per_replica[r]``: replica r's one array, or
+        its list of arrays; the results take the same form) as ``batch_reduce_implementation`` fuses it,
+        without its wrapping in PerReplica and Mirrored; None unless every value is a NumPy array
+        (variables and other arrays go that way)."""
+        if type(per_replica[0]) is np.ndarray:  # one array each: one all-reduce
+            for a in per_replica:
+                if type(a) is not np.ndarray:
+                    return None
+            return self._collectives.all_reduce(per_replica, reduce_op._value_, algorithm=self._algorithm,
+                                                **self._ring_kwargs)
+        for leaves in per_replica:
             for a in leaves:
                 if type(a) is not np.ndarray:
                     return None
-        return self._all_reduce_lists(reduce_op, per_replica_lists, options)
+        return self._all_reduce_lists(reduce_op, per_replica, options)
 
 
 class RingAllReduce(_NativeAllReduce):

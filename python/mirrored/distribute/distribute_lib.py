@@ -8,12 +8,13 @@ default strategy's context there.
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 
 import numpy as np
 
-from .. import _nest, timeline
+from .._core import Rendezvous as _Rendezvous  # (private: a native type, not API)
+from .._nest import flatten, is_nested, map_structure, pack_sequence_as
+from ..timeline import HOST_ROW, enabled as tracing, replica_wait, set_row_source
 from ..device import device_util, gpu as _gpu
 from .name_scope import scoped_name
 from .options import VariableAggregation, VariableSynchronization
@@ -23,7 +24,7 @@ from .values import (DeviceVariable, DistributedValues, PerReplica, _read, regro
 HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
-from .context import (_Context, _entered, _stack, _top, get_cross_replica_context, get_replica_context,
+from .context import (_Context, _entered, _local, _stack, _top, get_cross_replica_context, get_replica_context,
                       get_strategy, has_strategy, in_cross_replica_context, set_default_context)
 
 
@@ -43,11 +44,11 @@ def _timeline_row() -> int:
     """The timeline row of the calling thread: its local replica, or the host row outside replica context."""
     ctx = get_replica_context()
     if ctx is None or not has_strategy():
-        return timeline.HOST_ROW
+        return HOST_ROW
     return int(getattr(ctx, "_local_replica_id", 0))
 
 
-timeline.set_row_source(_timeline_row)
+set_row_source(_timeline_row)
 
 
 # --- replica rendezvous ------------------------------------------------------------------
@@ -57,154 +58,33 @@ class _Aborted(Exception):
     """A replica was released from a collective because another replica failed."""
 
 
-class _Group:
-    """Where the replicas of one ``run`` meet for each collective call.
+class _Group(_Rendezvous):
+    """Where the replicas of one ``run`` meet for each collective call (native: csrc/bindings/rendezvous_binding.cc).
 
-    Every replica hands in its payload; the last one to arrive runs
-    ``combine`` once for all of them (the single native call), and each replica
-    takes back its own part. A replica that fails breaks the group, so no
-    replica waits forever for it.
+    Every replica hands in its payload (``exchange(rid, kind, payload,
+    combine)``); the last one to arrive runs ``combine`` once for all of them
+    (the single native call), and each replica takes back its own part. A
+    replica that fails breaks the group (``abort``), so no replica waits
+    forever for it; one that returns without calling a collective the others
+    wait in (``replica_finished``) breaks it with an error naming them.
 
-    A replica on a thread of its own waits on the condition. On the caller's
-    thread (``coop``, see mirrored_strategy's ``_Cooperative``) a replica
-    never sleeps there: the caller's own replica runs the other replicas until
-    the collective completes, and one running as a greenlet parks, handing
-    the thread back, until the combine makes it ready again.
+    A replica on a thread of its own sleeps until the combine, the GIL
+    released. On the caller's thread (after ``cooperate``, see
+    mirrored_strategy's ``_ReplicaPool``) a replica never sleeps there: the
+    caller's own replica runs the other replicas, as greenlets, until the
+    collective completes, and one running as a greenlet parks, handing the
+    thread on, until the combine makes it ready again. ``order``: GPU
+    replicas' MergeOrder (device/gpu.py), which each replica tells of its
+    arrival and every combine runs in; None for CPU replicas.
     """
 
     def __init__(self, n: int):
-        self.n = n
-        # Entered as the bare lock (a Condition's own ``with`` is Python code, on every step's hot path).
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._sleepers = 0  # threads in sleep(): a notify costs Python calls, skipped when none waits
-        self.coop = None  # the run's cooperative scheduler, or None
-        # GPU replicas: device/gpu.py's MergeOrder, which each replica tells of its arrival and every
-        # combine runs in (on the merge streams, ordered with every replica's stream); None for CPU replicas.
-        self.order = None
-        self.reset()
+        super().__init__(n, _Aborted, tracing, _traced_exchange)
 
-    def _notify(self):
-        """Wakes every waiting replica, on a thread or parked (the lock held)."""
-        if self._sleepers:
-            self._cond.notify_all()
-        if self.coop is not None:
-            self.coop.wake_parked()
 
-    def sleep(self):
-        """Waits for the next ``_notify`` (the lock held)."""
-        self._sleepers += 1
-        try:
-            self._cond.wait()
-        finally:
-            self._sleepers -= 1
-
-    def reset(self):
-        self._slots = [None] * self.n
-        self._kinds = [None] * self.n
-        self._arrived = 0
-        self._finished = 0
-        self._generation = 0
-        self._results = None
-        self._broken = None
-
-    def settled(self, generation: int) -> bool:
-        """Whether the collective of ``generation`` completed or the group broke (the lock held)."""
-        return self._generation != generation or self._broken is not None
-
-    def exchange(self, rid: int, kind: str, payload, combine):
-        if timeline._trace is None:
-            results = self._exchange(rid, kind, payload, combine)
-        else:
-            with timeline.replica_wait(rid, kind):  # shows each replica's wait for the slowest one
-                results = self._exchange(rid, kind, payload, combine)
-        if isinstance(results, BaseException):
-            raise results
-        return results[rid]
-
-    def _exchange(self, rid, kind, payload, combine):
-        order = self.order
-        if order is not None:
-            order.arrive(rid)
-        if self.n == 1:
-            return self._run_combine(combine, [payload])
-        coop = self.coop
-        with self._lock:
-            if self._broken is not None:
-                raise self._broken
-            generation = self._generation
-            self._slots[rid] = payload
-            self._kinds[rid] = kind
-            self._arrived += 1
-            if self._arrived == self.n:
-                return self._combine(combine)
-            if self._finished:
-                self._check_stranded()
-            parked = coop.current() if coop is not None else None  # this replica's greenlet, if it is one
-            if parked is None:  # a replica on a thread of its own
-                while self._generation == generation and self._broken is None:
-                    self.sleep()
-                if self._generation == generation:
-                    raise self._broken
-                return self._results
-            if self._broken is not None:  # (stranded: this replica is the one left waiting)
-                raise self._broken
-            if parked is not coop.HUB:
-                coop.park_later(parked)
-        while True:
-            if parked is coop.HUB:  # the caller's own replica: it runs the others until the collective completes
-                coop.serve(generation)
-            else:  # parked: the caller's thread runs other replicas until a combine (or an abort) wakes this one
-                coop.park()
-            with self._lock:
-                if self._generation != generation:
-                    return self._results
-                if self._broken is not None:
-                    raise self._broken
-                if parked is not coop.HUB:
-                    coop.park_later(parked)
-
-    def _combine(self, combine):
-        """The last replica to arrive: one combine for all (the lock held)."""
-        kinds = self._kinds
-        try:
-            if kinds.count(kinds[0]) != self.n:
-                raise RuntimeError(
-                    f"replicas made different collective calls at the same step: "
-                    f"{dict(enumerate(kinds))}; every replica must call the same collectives "
-                    "in the same order")
-            results = self._run_combine(combine, self._slots)
-        except BaseException as e:  # every replica raises it: the run reports it once
-            results = e
-        self._results = results
-        self._slots = [None] * self.n
-        self._arrived = 0
-        self._generation += 1
-        self._notify()
-        return results
-
-    def _run_combine(self, combine, slots):
-        return combine(slots) if self.order is None else self.order.combine(combine, slots)
-
-    def _check_stranded(self):
-        if self._arrived and self._arrived + self._finished == self.n and self._broken is None:
-            waiting = [i for i, k in enumerate(self._kinds) if k is not None and self._slots[i] is not None]
-            self._broken = RuntimeError(
-                f"replica(s) {waiting} wait in {self._kinds[waiting[0]]} but the other replicas returned "
-                "without calling it; every replica must make the same collective calls")
-            self._notify()
-
-    def replica_finished(self):
-        with self._lock:
-            self._finished += 1
-            if self._arrived:  # someone waits: is it stranded now?
-                self._check_stranded()
-
-    def abort(self):
-        with self._lock:
-            if self._broken is None:
-                self._broken = _Aborted()
-            self._notify()
+def _traced_exchange(group, rid, kind, payload, combine):
+    with replica_wait(rid, kind):  # shows each replica's wait for the slowest one
+        return group._exchange(rid, kind, payload, combine)
 
 
 # --- replica context -----------------------------------------------------------------------
@@ -219,7 +99,7 @@ class ReplicaContext:
         self._replica_id_in_sync_group = replica_id_in_sync_group
         self._local_replica_id = _local_replica_id
         self._group = _group if _group is not None else _Group(1)
-        self._natives = {}  # id(ReduceOp) -> the extended's _native_replica_all_reduce (False: none)
+        self._all_reduces = {}  # id(ReduceOp) -> the combine of an all_reduce without options (made once)
 
     @property
     def strategy(self) -> "Strategy":
@@ -271,60 +151,76 @@ class ReplicaContext:
 
         return self._group.exchange(self._local_replica_id, "merge_call", (tuple(args), dict(kwargs)), combine)
 
-    def _collective(self, kind: str, value, reduce_leaves, native=None):
-        """Run ``reduce_leaves(list of PerReplica) -> list of per-device results`` on ``value``'s leaves.
+    def _combiner(self, kind: str, reduce_leaves, native=None):
+        """The combine of a collective (run once, by the last replica to arrive): ``slots[r]`` (replica r's
+        one array, or its list of leaves) -> each replica's results in the same form, from
+        ``reduce_leaves(list of PerReplica) -> list of per-device results``. ``native(slots)`` (one array
+        per replica, or lists of leaves) -> the results, if given, is tried first; it returns None for
+        values it does not take."""
 
-        ``native(per_replica) -> per_replica results`` (``per_replica[r]``:
-        replica r's leaves), if given, is tried first; it returns None for
-        leaves it does not take.
-        """
-        if _top().replica_context is not self:
-            self._require_current(kind)
-        single = type(value) is np.ndarray  # the common case: one array, no structure to walk
-        # A variable is read here, in its replica (its own copy, as TF converts it to a tensor), not by the
-        # replica that combines.
-        leaves = [value] if single else [_read(leaf) for leaf in _nest.flatten(value)]
-
-        def combine(per_replica):
-            counts = {len(leaves_r) for leaves_r in per_replica}
-            if len(counts) != 1:
-                raise ValueError(f"value: replicas passed structures with different numbers of arrays to {kind} "
-                                 f"({[len(x) for x in per_replica]}); pass the same structure on every replica")
-            if native:
-                results = native(per_replica)
+        def combine(slots):
+            if native and type(slots[0]) is np.ndarray:  # the common case: one array each, one native call
+                results = native(slots)  # (None unless every slot is a NumPy array)
                 if results is not None:
                     return results
-            devices = self._strategy.extended.worker_devices
-            per_leaf = [PerReplica([r[t] for r in per_replica], devices) for t in range(len(per_replica[0]))]
-            outs = reduce_leaves(per_leaf)
-            local = [out.values if isinstance(out, DistributedValues) else (out,) * len(per_replica)
-                     for out in outs]
-            return [[out[r] for out in local] for r in range(len(per_replica))]
+            single = [type(s) is np.ndarray for s in slots]
+            per_replica = [[s] if one else s for s, one in zip(slots, single)]
+            count = len(per_replica[0])
+            for leaves_r in per_replica:
+                if len(leaves_r) != count:
+                    raise ValueError(f"value: replicas passed structures with different numbers of arrays to "
+                                     f"{kind} ({[len(x) for x in per_replica]}); pass the same structure on "
+                                     "every replica")
+            results = native(per_replica) if native and not any(single) else None
+            if results is None:
+                devices = self._strategy.extended.worker_devices
+                per_leaf = [PerReplica([r[t] for r in per_replica], devices) for t in range(count)]
+                outs = reduce_leaves(per_leaf)
+                local = [out.values if isinstance(out, DistributedValues) else (out,) * len(per_replica)
+                         for out in outs]
+                results = [[out[r] for out in local] for r in range(len(per_replica))]
+            return [r[0] if one else r for r, one in zip(results, single)]
 
-        mine = self._group.exchange(self._local_replica_id, kind, leaves, combine)
-        return mine[0] if single else _nest.pack_sequence_as(value, mine)
+        return combine
+
+    def _collective(self, kind: str, value, combine):
+        """Runs ``combine`` (see :meth:`_combiner`) on ``value``'s leaves, with every replica's."""
+        if _top().replica_context is not self:
+            self._require_current(kind)
+        if type(value) is np.ndarray:  # the common case: one array, no structure to walk
+            return self._group.exchange(self._local_replica_id, kind, value, combine)
+        # A variable is read here, in its replica (its own copy, as TF converts it to a tensor), not by the
+        # replica that combines.
+        leaves = [_read(leaf) for leaf in flatten(value)]
+        return pack_sequence_as(value, self._group.exchange(self._local_replica_id, kind, leaves, combine))
 
     def all_reduce(self, reduce_op, value, options=None):
         """Reduce ``value`` (an array or a nested structure of arrays) across replicas; all get the result.
 
         All leaves go through one fused batch all-reduce of the strategy's cross-device ops.
         """
-        op = as_reduce_op(reduce_op)
-        native = self._natives.get(id(op)) if options is None else None  # (by id: a ReduceOp's hash is Python code)
-        if native is None:
-            # Found once per op: the built-in native ops take the replicas' arrays straight, as
-            # batch_reduce_to would hand them over (False: through batch_reduce_to).
-            native = self._strategy.extended._native_replica_all_reduce(op, options) or False
-            if options is None:
-                self._natives[id(op)] = native
-        return self._collective("all_reduce", value, lambda per_leaf: self._strategy.extended._batch_reduce_to(
+        op = reduce_op if type(reduce_op) is ReduceOp else as_reduce_op(reduce_op)
+        if options is None:
+            combine = self._all_reduces.get(id(op))  # (by id: a ReduceOp's hash is Python code)
+            if combine is not None:
+                stack = getattr(_local, "stack", None)  # (_collective's first case, its _top() inlined)
+                if type(value) is np.ndarray and stack and stack[-1].replica_context is self:
+                    return self._group.exchange(self._local_replica_id, "all_reduce", value, combine)
+                return self._collective("all_reduce", value, combine)
+        # Made once per op: the built-in native ops take the replicas' arrays straight, as batch_reduce_to
+        # would hand them over (none: through batch_reduce_to).
+        native = self._strategy.extended._native_replica_all_reduce(op, options)
+        combine = self._combiner("all_reduce", lambda per_leaf: self._strategy.extended._batch_reduce_to(
             op, [(v, v) for v in per_leaf], options), native)
+        if options is None:
+            self._all_reduces[id(op)] = combine
+        return self._collective("all_reduce", value, combine)
 
     def all_gather(self, value, axis: int, options=None):
         """Concatenate every replica's ``value`` along ``axis`` (sizes may differ along ``axis`` only)."""
         ext = self._strategy.extended
-        return self._collective("all_gather", value,
-                                lambda per_leaf: [ext._gather_to(v, v, axis, options) for v in per_leaf])
+        return self._collective("all_gather", value, self._combiner(
+            "all_gather", lambda per_leaf: [ext._gather_to(v, v, axis, options) for v in per_leaf]))
 
     def __repr__(self) -> str:
         return f"ReplicaContext(replica_id_in_sync_group={self._replica_id_in_sync_group})"
@@ -423,7 +319,7 @@ class Strategy:
             return self._extended._reduce(op, value)
         ext = self._extended
         n = len(ext.worker_devices)
-        comps = [[_read(select_replica(i, leaf)) for i in range(n)] for leaf in _nest.flatten(value)]
+        comps = [[_read(select_replica(i, leaf)) for i in range(n)] for leaf in flatten(value)]
         _check_axis(axis, comps)
 
         def along_axis(fn):
@@ -434,19 +330,19 @@ class Strategy:
 
             leaves = [PerReplica([local(c, d) for c, d in zip(cs, ext.worker_devices)], ext.worker_devices)
                       for cs in comps]
-            return _nest.pack_sequence_as(value, leaves)
+            return pack_sequence_as(value, leaves)
 
         if op is not ReduceOp.MEAN:
             return ext._reduce(op, along_axis(lambda v: _reduce_along(v, op, axis)))
         numer = ext._reduce(ReduceOp.SUM, along_axis(lambda v: _reduce_along(v, ReduceOp.SUM, axis)))
         denom = ext._reduce(ReduceOp.SUM, along_axis(lambda v: np.asarray(v.shape[axis], np.int64)))
-        return _nest.pack_sequence_as(numer, [_divide(a, b) for a, b in zip(_nest.flatten(numer),
-                                                                            _nest.flatten(denom))])
+        return pack_sequence_as(numer, [_divide(a, b) for a, b in zip(flatten(numer),
+                                                                      flatten(denom))])
 
     def gather(self, value, axis: int):
         """Concatenate the replicas' components of ``value`` along ``axis``, on the host."""
         _require_cross_replica_or_default(self, "gather (use get_replica_context().all_gather() in replicas)")
-        return _nest.map_structure(lambda v: self._extended._gather_to_host(v, axis), value)
+        return map_structure(lambda v: self._extended._gather_to_host(v, axis), value)
 
     def experimental_local_results(self, value) -> tuple:
         """The components of ``value`` on this worker's replicas; ``(value,)`` for a non-distributed value."""
@@ -454,15 +350,15 @@ class Strategy:
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """Split each batch of ``dataset`` over the replicas (TF's rule), prefetching in the background."""
-        from . import input_lib
+        from .input_lib import DistributedDataset
 
-        return input_lib.DistributedDataset(dataset, self._extended, options)
+        return DistributedDataset(dataset, self._extended, options)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """``dataset_fn(InputContext)`` gives per-replica batches; each replica takes one per step."""
-        from . import input_lib
+        from .input_lib import DistributedDatasetsFromFunction
 
-        return input_lib.DistributedDatasetsFromFunction(dataset_fn, self._extended, options)
+        return DistributedDatasetsFromFunction(dataset_fn, self._extended, options)
 
     experimental_distribute_datasets_from_function = distribute_datasets_from_function
 
@@ -486,7 +382,7 @@ class Strategy:
         results = []
         for i, device in enumerate(ext.worker_devices):
             ctx = ValueContext(ext._worker_index * local + i, ext._num_replicas_in_sync)
-            results.append(_nest.map_structure(lambda x: _place_arrays(x, device), value_fn(ctx)))
+            results.append(map_structure(lambda x: _place_arrays(x, device), value_fn(ctx)))
         return regroup(results, always_wrap=True, devices=ext.worker_devices)
 
 
@@ -573,7 +469,7 @@ class StrategyExtended:
         op = as_reduce_op(reduce_op)
         _require_cross_replica_or_default(self._container_strategy, "reduce_to")
         destinations = self._with_devices(destinations, "destinations")
-        return _nest.map_structure(
+        return map_structure(
             lambda v: self._reduce_to(op, self._with_devices(v, "value"), destinations, options), value)
 
     def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
@@ -649,7 +545,7 @@ class StrategyExtended:
     def _local_results(self, value) -> tuple:
         if isinstance(value, DistributedValues):
             return value.values
-        if _nest.is_nested(value) and any(isinstance(v, DistributedValues) for v in _nest.flatten(value)):
+        if is_nested(value) and any(isinstance(v, DistributedValues) for v in flatten(value)):
             # A structure of distributed values: one structure per replica, as TF returns it.
             return tuple(select_replica(i, value) for i in range(len(self._local_devices)))
         return (value,)
@@ -675,9 +571,9 @@ class StrategyExtended:
             # Inside md.function's capture nothing may wait for the GPU: the result stays on the first
             # replica's GPU (an array the next replay overwrites, as a tf.function's output tensor is).
             result = self.reduce_to(op, value, self.worker_devices[0])
-            return _nest.map_structure(lambda v: _read(self._local_results(v)[0]), result)
+            return map_structure(lambda v: _read(self._local_results(v)[0]), result)
         result = self.reduce_to(op, value, HOST)
-        return _nest.map_structure(lambda v: device_util.to_host(_read(self._local_results(v)[0])), result)
+        return map_structure(lambda v: device_util.to_host(_read(self._local_results(v)[0])), result)
 
     def _gather_to_host(self, value, axis):
         if not isinstance(value, DistributedValues):

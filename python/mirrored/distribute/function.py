@@ -28,7 +28,7 @@ import warnings
 
 import numpy as np
 
-from .. import _nest
+from .._nest import flatten, map_structure, pack_sequence_as
 from ..device import device_util, gpu as _gpu
 from . import distribute_lib
 from .input_lib import DistributedIterator
@@ -213,7 +213,7 @@ class _Inputs:
 
     def __init__(self, args, kwargs):
         self.structure = (tuple(args), dict(kwargs or {}))
-        leaves = _nest.flatten(self.structure)
+        leaves = flatten(self.structure)
         self.iterators = [i for i, leaf in enumerate(leaves) if isinstance(leaf, DistributedIterator)]
         for i in self.iterators:
             leaves[i] = next(leaves[i])  # (StopIteration ends the caller's loop, as in eager code)
@@ -221,7 +221,7 @@ class _Inputs:
         self.uncapturable = None
         self.ordinals = set()
         self.signature = tuple(
-            ("iterator", tuple(map(self._spec, _nest.flatten(leaf))), repr(_structure(leaf)))
+            ("iterator", tuple(map(self._spec, flatten(leaf))), repr(_structure(leaf)))
             if i in self.iterators else self._spec(leaf) for i, leaf in enumerate(leaves))
 
     def _spec(self, leaf):
@@ -256,13 +256,13 @@ class _Inputs:
         leaves = list(self.leaves)
         for i in self.iterators:
             leaves[i] = _OneBatch(leaves[i])
-        return _nest.pack_sequence_as(self.structure, leaves)
+        return pack_sequence_as(self.structure, leaves)
 
     def sources(self):
         """Every array the captured step reads, with where it goes: (flat position, array, device string)."""
         out = []
         for i, leaf in enumerate(self.leaves):
-            parts = _nest.flatten(leaf) if i in self.iterators else [leaf]
+            parts = flatten(leaf) if i in self.iterators else [leaf]
             for j, part in enumerate(parts):
                 if isinstance(part, DistributedValues) and not isinstance(part, Variable):
                     devices = part._devices_or([None] * len(part.values))
@@ -275,7 +275,7 @@ class _Inputs:
 
 
 def _structure(x):
-    return _nest.map_structure(lambda _: None, x)
+    return map_structure(lambda _: None, x)
 
 
 # --- capture and replay -------------------------------------------------------------
@@ -337,11 +337,11 @@ def _capture(fn, strategy, inputs, ordinals):
     streams = {}
     for o in ordinals:
         with cupy.cuda.Device(o):
-            streams[o] = cupy.cuda.Stream(non_blocking=True)
+            streams[o] = _gpu.step_stream(o)
             streams[o].wait_event(cupy.cuda.Stream.null.record())
     scope = _gpu.StepScope(streams, pool.malloc, capturing=True, host_written=host_written.malloc)
     # The input buffers, filled with this call's inputs before the capture begins.
-    leaves = [list(_nest.flatten(leaf)) if i in inputs.iterators else [leaf] for i, leaf in enumerate(inputs.leaves)]
+    leaves = [list(flatten(leaf)) if i in inputs.iterators else [leaf] for i, leaf in enumerate(inputs.leaves)]
     buffers = []
     with cupy.cuda.using_allocator(host_written.malloc):
         for (i, j, k), source, device in inputs.sources():
@@ -358,11 +358,11 @@ def _capture(fn, strategy, inputs, ordinals):
                 components = list(part.values)
                 components[k] = buffer
                 leaves[i][j] = type(part)(components, part._devices)
-    flat = [_nest.pack_sequence_as(leaf, parts) if i in inputs.iterators else parts[0]
+    flat = [pack_sequence_as(leaf, parts) if i in inputs.iterators else parts[0]
             for i, (leaf, parts) in enumerate(zip(inputs.leaves, leaves))]
     for i in inputs.iterators:
         flat[i] = _OneBatch(flat[i])
-    args, kwargs = _nest.pack_sequence_as(inputs.structure, flat)
+    args, kwargs = pack_sequence_as(inputs.structure, flat)
     began, graphs, error = [], {}, None
     first = ordinals[0]
     try:
@@ -398,7 +398,8 @@ def _caller_stacklevel() -> int:
 
 
 def _what_broke(error: BaseException) -> str:
-    """The error and the line of the step (not of mirrored or CuPy) that made it, for the warning."""
+    """The error and the line of the step (not of mirrored or CuPy) that made it, for the warning, with
+    the fix where there is one of ours."""
     where = ""
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
         if frame.filename.endswith((".pyx", ".pxd", ".pxi")):  # CuPy's Cython frames: not the step's
@@ -407,7 +408,11 @@ def _what_broke(error: BaseException) -> str:
         if not module.startswith(("mirrored", "cupy", "fake_cupy")):
             where = f" (at {frame.filename}:{frame.lineno}, in {frame.name}: {frame.line})"
             break
-    return f"{type(error).__name__}: {error}{where}"
+    hint = ""
+    if isinstance(error, NotImplementedError) and "cuBLAS" in str(error):
+        hint = ("; CuPy refuses cuBLAS (`@`, cupy.matmul, dot, tensordot) while a stream is capturing: write the "
+                "step's matrix products with md.linalg.matmul (or md.matmul), whose cuBLAS calls capture")
+    return f"{type(error).__name__}: {error}{where}{hint}"
 
 
 def _module_of(filename: str) -> str:

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from .. import _nest
+from .._nest import flatten, map_structure, pack_sequence_as
 from ..data import dataset_ops
 from ..data.dataset_ops import CountingIterator, Dataset, PrefetchIterator, _Iterator
 from ..data.iterator_ops import IteratorProtocol
@@ -69,7 +69,7 @@ class ValueContext:
 
 def split_batch(batch, num_global: int, first: int, count: int, argument: str = "dataset"):
     """Replicas ``first .. first+count-1`` of ``num_global``: each one's slice of every leaf of ``batch``."""
-    leaves = [device_util.to_host(x) if not device_util.on_gpu(x) else x for x in _nest.flatten(batch)]
+    leaves = [device_util.to_host(x) if not device_util.on_gpu(x) else x for x in flatten(batch)]
     sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
     if None in sizes or len(sizes) != 1:
         raise ValueError(f"{argument}: every array of a batch needs the same leading (batch) dimension; got "
@@ -79,7 +79,7 @@ def split_batch(batch, num_global: int, first: int, count: int, argument: str = 
     out = []
     for g in range(first, first + count):
         lo, hi = min(g * c, b), min((g + 1) * c, b)
-        out.append(_nest.pack_sequence_as(batch, [leaf[lo:hi] for leaf in leaves]))
+        out.append(pack_sequence_as(batch, [leaf[lo:hi] for leaf in leaves]))
     return out
 
 
@@ -165,7 +165,7 @@ class _FileRounds(_Iterator):
             raise StopIteration
         if self._index < len(round_):
             return round_[self._index]
-        return _nest.map_structure(lambda x: device_util.to_host(x)[:0], round_[0])
+        return map_structure(lambda x: device_util.to_host(x)[:0], round_[0])
 
     def save(self):
         return {"source": self._inputs[0].save(), "done": self._done}
@@ -186,21 +186,21 @@ class _DeviceFetcher:
 
     def __call__(self, per_replica: list) -> list:
         if not any(self._gpu):
-            return [_nest.map_structure(lambda x: device_util.place(x, d, copy=True), s)
+            return [map_structure(lambda x: device_util.place(x, d, copy=True), s)
                     for s, d in zip(per_replica, self._devices)]
         import cupy
 
         out, staged = [], []
         for structure, device, gpu in zip(per_replica, self._devices, self._gpu):
             if not gpu:
-                out.append(_nest.map_structure(lambda x: device_util.place(x, device, copy=True), structure))
+                out.append(map_structure(lambda x: device_util.place(x, device, copy=True), structure))
                 continue
             ordinal = device_util._gpu_ordinal(device_util.parse(device))
             with cupy.cuda.Device(ordinal):
                 stream = self._streams.get(ordinal)
                 if stream is None:
                     stream = self._streams[ordinal] = cupy.cuda.Stream(non_blocking=True)
-                out.append(_nest.map_structure(lambda x: self._copy(x, stream, staged), structure))
+                out.append(map_structure(lambda x: self._copy(x, stream, staged), structure))
         for ordinal, stream in self._streams.items():
             with cupy.cuda.Device(ordinal):
                 stream.synchronize()
@@ -320,11 +320,11 @@ class _DistributedInput:
             x = device_util.to_host(x) if not device_util.on_gpu(x) else x
             return TensorSpec((None,) + tuple(x.shape[1:]), x.dtype)
 
-        specs = [_nest.map_structure(leaf_spec, s) for s in per_replica]
+        specs = [map_structure(leaf_spec, s) for s in per_replica]
         if len(specs) == 1:
             return specs[0]
-        return _nest.pack_sequence_as(specs[0], [PerReplicaSpec(*leaves)
-                                                 for leaves in zip(*(_nest.flatten(s) for s in specs))])
+        return pack_sequence_as(specs[0], [PerReplicaSpec(*leaves)
+                                           for leaves in zip(*(flatten(s) for s in specs))])
 
 
 class _Reiterable:
@@ -534,7 +534,7 @@ class DistributedDatasetsFromFunction(_DistributedInput):
     def _steps_of(self, step):
         local = len(self._devices)
         if len(step) < local:  # the replicas without data get empty batches of the same trailing shape
-            empty = _nest.map_structure(lambda x: device_util.to_host(x)[:0], step[-1])
+            empty = map_structure(lambda x: device_util.to_host(x)[:0], step[-1])
             step = step + [empty] * (local - len(step))
         return [step]
 

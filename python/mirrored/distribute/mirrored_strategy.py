@@ -8,7 +8,6 @@ whose built-ins make one native call for all replicas with the GIL released.
 
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 import os
@@ -23,15 +22,18 @@ try:
 except ImportError:  # optional: without it every replica but the caller's own runs on a thread
     _greenlet = None
 
-from .. import _logging, _nest
+from .._logging import logger
+from .._nest import flatten, is_nested, map_structure, pack_sequence_as
 from ..device import config, device_util, gpu as _gpu
+from ..device.device_util import _current as _device_local
 from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, describe
 from .context import _Context, _local
 from .distribute_lib import _Aborted, _Group, ReplicaContext, Strategy, StrategyExtended
-from .name_scope import current_scope, swap_scope
+from .name_scope import _state as _scope_local, current_scope
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
-from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mirrored, MirroredVariable, SyncOnReadVariable, regroup, select_replica)
+from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mirrored, MirroredVariable, PerReplica,
+                     SyncOnReadVariable, regroup, select_replica)
 
 
 # A step that computes longer than this on the caller's thread runs its replicas on their threads,
@@ -59,17 +61,24 @@ def _is_long(started: float, started_cpu: float | None) -> bool:
 class _ThreadState:
     """What a replica keeps on its thread: the context stack, the current device and md.name_scope.
 
-    Replicas that share a thread (greenlets, see _Cooperative) take it along:
+    Replicas that share a thread (greenlets, see _Group) take it along:
     ``save`` when one hands the thread on, ``restore`` when it is resumed.
     """
 
+    # The thread-locals of context.py, device_util.current() and current_scope(): (object, name, default).
+    LOCALS = ((_local, "stack", None), (_device_local, "device", None), (_scope_local, "scope", ""))
+
+    def native(self):
+        """What _Group.cooperate takes: the LOCALS triples, which it reads and sets itself (every greenlet
+        switch of a collective saves and restores them), or this object, whose save and restore it calls."""
+        return self.LOCALS if type(self) is _ThreadState else self
+
+    # (The thread-locals read and set directly, as LOCALS says.)
     def save(self) -> tuple:
-        return getattr(_local, "stack", None), device_util.current(), current_scope()
+        return getattr(_local, "stack", None), getattr(_device_local, "device", None), getattr(_scope_local, "scope", "")
 
     def restore(self, state: tuple) -> None:
-        _local.stack, device, name_scope = state
-        device_util.set_current(device)
-        swap_scope(name_scope)
+        _local.stack, _device_local.device, _scope_local.scope = state
 
 
 class _GpuThreadState(_ThreadState):
@@ -115,134 +124,6 @@ class _GpuThreadState(_ThreadState):
 _running = threading.local()  # .scope: the _GpuReplicaScope of the replica running on this thread, if any
 
 
-class _Cooperative:
-    """The replicas a run's caller runs itself, on the caller's thread.
-
-    The caller (the hub) runs replicas as plain calls, one after another.
-    One that must wait in a collective does not sleep: from inside its wait
-    the hub starts the replicas not started yet, as greenlets, and resumes
-    those made ready, until the collective completes. A greenlet replica that
-    must wait parks (``park_later`` under the group's lock, then ``park``),
-    handing the thread on to the next replica not started yet, else back to
-    the hub; the replica that completes the
-    collective makes the parked ones ready (``wake_parked``). A run without
-    collectives thus costs plain calls, and a collective a few greenlet
-    switches (about a microsecond each) where a thread hand-off costs tens of
-    microseconds, hundreds on a loaded machine (docs/architecture.md). Each
-    replica keeps its own thread-local state (context stack, current device, name scope)
-    across switches.
-    """
-
-    HUB = object()  # current()'s answer for a replica running as a plain call on the hub
-
-    def __init__(self, group, next_replica, state: _ThreadState):
-        self._group = group
-        self._state = state
-        self._next_replica = next_replica  # () -> (function, index) of a replica the hub claimed, or None
-        self._replicas, self._ready, self._parked, self._unfinished = set(), collections.deque(), [], 0
-
-    def begin(self) -> "_Cooperative":
-        """Ready for a run whose caller (the hub) is the calling greenlet."""
-        self._hub = _greenlet.getcurrent()
-        self._idle = _idle_greenlets()  # (the hub's thread's: a greenlet runs on its own thread only)
-        if self._unfinished or self._replicas or self._ready or self._parked:  # an interrupted run's leftovers
-            self._replicas, self._ready, self._parked, self._unfinished = set(), collections.deque(), [], 0
-        return self
-
-    def current(self):
-        """The running replica's greenlet, HUB for the hub's own replica, None on any other thread."""
-        g = _greenlet.getcurrent()
-        if g is self._hub:
-            return self.HUB
-        return g if g in self._replicas else None
-
-    def _start(self, fn, i: int) -> None:
-        """Runs ``fn(i)`` as a greenlet replica until it returns or parks.
-
-        On a greenlet this thread made for an earlier run, if one is idle: a
-        new greenlet costs ~20 us (its own frame stack), a switch ~1 us.
-        """
-        idle = self._idle
-        g = idle.pop() if idle else _greenlet.greenlet(_serve)
-        g.parent = self._hub
-        self._replicas.add(g)
-        self._unfinished += 1
-        g.switch(self, fn, i)
-
-    def _retire(self, g):
-        """``g`` returned its replica: back to this thread's idle greenlets, and the thread on to a
-        ready replica (a round trip through the hub saved), else to the hub. Returns what the next
-        ``_start`` of ``g`` passes."""
-        self._unfinished -= 1
-        self._replicas.discard(g)
-        self._idle.append(g)
-        ready = self._ready
-        return (ready.popleft() if ready else self._hub).switch()
-
-    def park_later(self, g) -> None:
-        """Marks ``g`` parked (the group's lock held): the next wake_parked makes it ready."""
-        self._parked.append(g)
-
-    def wake_parked(self) -> None:
-        """Makes every parked replica ready (the group's lock held)."""
-        if self._parked:
-            self._ready.extend(self._parked)
-            self._parked.clear()
-
-    def park(self) -> None:
-        """Hands the thread on until this greenlet replica is resumed: to the next replica not started
-        yet, started from here (a round trip through the hub saved), else back to the hub."""
-        state = self._state.save()
-        claimed = self._next_replica()
-        if claimed is not None:
-            self._start(*claimed)
-        else:
-            self._hub.switch()
-        self._state.restore(state)
-
-    def serve(self, generation: int) -> None:
-        """The hub's replica waits in the collective of ``generation``: start and resume the other
-        replicas until it settles, sleeping only while they all wait for replicas on other threads."""
-        group = self._group
-        lock, ready = group._lock, self._ready
-        state = self._state.save()
-        try:
-            while True:
-                with lock:
-                    if group._generation != generation or group._broken is not None:  # settled
-                        return
-                    g = ready.popleft() if ready else None
-                if g is not None:
-                    g.switch()
-                    continue
-                claimed = self._next_replica()
-                if claimed is not None:
-                    self._start(*claimed)
-                    continue
-                with lock:
-                    if not group.settled(generation) and not ready:
-                        group.sleep()
-        finally:
-            self._state.restore(state)
-
-    def drain(self) -> None:
-        """Resumes ready replicas until every greenlet replica returned (sleeping while none is ready:
-        they wait for replicas on other threads)."""
-        group = self._group
-        ready = self._ready
-        while self._unfinished:
-            with group._lock:
-                while not ready:
-                    group.sleep()
-                g = ready.popleft()
-            g.switch()
-
-    def finish_aborted(self) -> None:
-        """After the group was aborted: lets every greenlet replica return (they raise _Aborted)."""
-        while self._unfinished and self._ready:
-            self._ready.popleft().switch()
-
-
 _threads_greenlets = threading.local()
 
 
@@ -254,12 +135,13 @@ def _idle_greenlets() -> list:
     return idle
 
 
-def _serve(coop, fn, i):
-    """A cooperative replica's greenlet: runs replicas, one per start, for as long as its thread lives."""
+def _serve(group, i):
+    """A cooperative replica's greenlet: runs replicas, one per start (by its group, a _Group), for as long
+    as its thread lives."""
     me = _greenlet.getcurrent()
     while True:
-        fn(i)  # (_execute and _run_claimed report whatever the replica raises)
-        coop, fn, i = coop._retire(me)
+        group.run_replica(i)  # (_ReplicaPool._execute reports whatever the replica raises)
+        group, i = group.retire(me)
 
 
 def _signal(lock):
@@ -300,9 +182,11 @@ class _ReplicaPool:
         # that long. So the first of a series of long computing steps runs its replicas one after
         # another; the next ones hand off to the threads as before.
         self._read_cpu = False
-        # The caller runs the replicas it claims on its own thread (see _Cooperative), when greenlet is installed.
-        self._coop = _Cooperative(self.group, self._claim_next, self._state) \
-            if cooperative and n > 1 and _greenlet else None
+        # The caller runs the replicas it claims on its own thread, as greenlets when one must wait in a
+        # collective (see _Group), when greenlet is installed: then _coop is the group.
+        self._coop = self.group if cooperative and n > 1 and _greenlet else None
+        if self._coop is not None:
+            self.group.cooperate(self._claim_next, self._execute, self._state.native(), _serve, _greenlet)
         self._go = [threading.Lock() for _ in range(n)]
         for lock in self._go:
             lock.acquire()
@@ -342,14 +226,14 @@ class _ReplicaPool:
             token = object()
             if self._claims.setdefault(i, token) is not token:
                 continue  # the caller runs it, or a late wake-up of a finished run
-            try:
-                self._execute(i)
-            finally:
-                self._arrive(i, False)
+            self._execute(i, False)
 
-    def _execute(self, i: int):
+    def _execute(self, i: int, caller: bool = True):
+        """Runs replica ``i`` on this thread (``caller``: the run's caller's, else a replica thread's) and
+        reports what it raises; replicas 1..n-1 then arrive (``_arrive``)."""
         try:
-            self._results[i] = self._fn(i)
+            if not (i and caller and self._errors):  # (a failed run skips the replicas the caller has not started)
+                self._results[i] = self._fn(i)
         except _Aborted:
             pass
         except BaseException as e:
@@ -357,6 +241,8 @@ class _ReplicaPool:
             self.group.abort()  # release the replicas waiting for this one in a collective
         finally:
             self.group.replica_finished()
+            if i:
+                self._arrive(i, caller)
 
     def _wake_threads(self):
         """The replica threads take the replicas not started yet, in parallel (BLAS capped for that: OpenBLAS
@@ -365,7 +251,7 @@ class _ReplicaPool:
         _signal(self._go[1])
 
     def _claim_next(self):
-        """(function, index) of the next replica the caller runs itself (cooperative runs), or None once
+        """The index of the next replica the caller runs itself (cooperative runs), or None once
         the threads have claimed or the caller has run every replica. Once the step has taken longer
         than HANDOFF_SECONDS (_is_long) the threads are woken to take the replicas not started yet, in parallel."""
         while self._next < self.n:
@@ -376,16 +262,8 @@ class _ReplicaPool:
                 self._woken = True
                 self._wake_threads()
             if self._claims.setdefault(i, self._mine) is self._mine:
-                return self._run_claimed, i
+                return i
         return None
-
-    def _run_claimed(self, i: int):
-        """Replica ``i``, claimed by the caller, on the caller's thread."""
-        try:
-            if not self._errors:  # (a failed run skips the replicas not started yet)
-                self._execute(i)
-        finally:
-            self._arrive(i, True)
 
     def _arrive(self, i: int, caller: bool):
         self._arrived[i] = True
@@ -426,8 +304,8 @@ class _ReplicaPool:
                 self._wait_for_replicas()
             if self._threads is None and self.n > 1:
                 self._start()
-            self.group.reset()
-            coop = self.group.coop = self._coop.begin() if self._coop is not None else None
+            coop = self._coop
+            self.group.reset(_idle_greenlets() if coop is not None else None)
             self._fn, self._results, self._errors = replica_fn, [None] * self.n, []
             self._arrived, self._arrivals = [False] * self.n, itertools.count()
             self._generation += 1
@@ -453,7 +331,7 @@ class _ReplicaPool:
                         self._execute(0)
                         for i in range(1, self.n):  # not claimed by its thread yet: run it here, no hand-off
                             if claims.setdefault(i, mine) is mine:
-                                self._run_claimed(i)
+                                self._execute(i)
                     finally:
                         self._state.restore(state)
                 else:
@@ -461,11 +339,12 @@ class _ReplicaPool:
                     state = self._state.save()
                     try:
                         self._execute(0)
-                        claimed = self._claim_next()
-                        while claimed is not None:
-                            claimed[0](claimed[1])
-                            claimed = self._claim_next()
-                        coop.drain()
+                        i = self._claim_next()
+                        while i is not None:
+                            self._execute(i)
+                            i = self._claim_next()
+                        if coop.unfinished:  # (greenlet replicas waiting for replicas on other threads)
+                            coop.drain()
                     finally:
                         self._state.restore(state)
             except BaseException:  # interrupted outside a replica's function: free the others
@@ -668,6 +547,8 @@ class MirroredExtended(StrategyExtended):
         weakref.finalize(container_strategy, self._pool.close)
         self._replica_contexts = None
         self._scopes = None
+        # CPU replicas (every device a CPU): their devices, which is all their scopes set; else None.
+        self._cpu_devices = self._local_devices if device_util.all_cpu(self._local_devices) else None
         self._native_all_reduces = {}  # id(ReduceOp) -> _native_replica_all_reduce's answer (False: none)
 
     def _contexts(self) -> list:
@@ -694,12 +575,20 @@ class MirroredExtended(StrategyExtended):
         # Every replica starts in the caller's md.name_scope, as TF's replica threads do, and keeps its
         # own: a thread that runs another replica while this one waits in a merge_call must not see it.
         name_scope = current_scope()
+        devices = self._cpu_devices
 
         def replica(i):
-            # (The thread's context stack and name scope are not put back here: the pool restores the
-            # caller's once the run ends, and a replica thread's are set afresh by its next replica.)
+            # (The thread's context stack, name scope and CPU device are not put back here: the pool
+            # restores the caller's once the run ends, and a replica thread's are set afresh by its next
+            # replica.)
             _local.stack = [_new_tuple(_Context, (strategy, contexts[i]))]
-            swap_scope(name_scope)
+            _scope_local.scope = name_scope
+            if devices is not None:  # CPU replicas: their device is all there is to enter
+                _device_local.device = devices[i]
+                if arguments is None:
+                    return fn()
+                args_i, kwargs_i = arguments[i]
+                return fn(*args_i, **kwargs_i) if kwargs_i else fn(*args_i)
             scope = scopes[i]
             scope.__enter__()
             try:
@@ -718,8 +607,10 @@ class MirroredExtended(StrategyExtended):
     def _replica_arguments(self, args, kwargs) -> list:
         """``(args, kwargs)`` as each replica sees them (select_replica's rule), the structure walked once."""
         n = len(self._local_devices)
-        flat = not kwargs and not any(_nest.is_nested(a) for a in args)  # the common case: no re-packing
-        leaves = args if flat else _nest.flatten((args, kwargs))
+        if len(args) == 1 and not kwargs and type(args[0]) in (PerReplica, Mirrored) and len(args[0]._values) == n:
+            return [((v,), kwargs) for v in args[0]._values]  # the commonest case: one distributed batch
+        flat = not kwargs and not any(is_nested(a) for a in args)  # the common case: no re-packing
+        leaves = args if flat else flatten((args, kwargs))
         split = []  # per leaf: whether each replica takes its own component
         for leaf in leaves:
             distributed = isinstance(leaf, DistributedValues)
@@ -730,8 +621,8 @@ class MirroredExtended(StrategyExtended):
             return [(args, kwargs)] * n
         if flat:  # each argument's per-replica column, transposed into each replica's tuple
             return [(row, kwargs) for row in zip(*[a._values if s else (a,) * n for a, s in zip(args, split)])]
-        return [_nest.pack_sequence_as((args, kwargs), [leaf._values[i] if s else leaf
-                                                        for leaf, s in zip(leaves, split)]) for i in range(n)]
+        return [pack_sequence_as((args, kwargs), [leaf._values[i] if s else leaf
+                                                  for leaf, s in zip(leaves, split)]) for i in range(n)]
 
     def _check_components(self, leaves):
         n = len(self._local_devices)
@@ -809,7 +700,7 @@ class MirroredExtended(StrategyExtended):
         if not isinstance(var, DistributedVariable) or var.distribute_strategy is not self._container_strategy:
             raise ValueError(f"var: {var!r} was not created in this strategy's scope(); update only takes "
                              "its variables")
-        self._check_components(_nest.flatten((args, kwargs)))
+        self._check_components(flatten((args, kwargs)))
         updates = []
         for i, copy in enumerate(var.values):
             with device_util.device_scope(copy.device), device_util.cross_replica_gpu_scope(copy.device):
@@ -817,7 +708,7 @@ class MirroredExtended(StrategyExtended):
         regrouped = regroup(updates, Mirrored, devices=var._devices)
         if group:
             return regrouped
-        return _nest.map_structure(self._local_results, regrouped)
+        return map_structure(self._local_results, regrouped)
 
     def _make_variable(self, value, name, trainable, synchronization, aggregation):
         if synchronization == VariableSynchronization.NONE:
@@ -848,6 +739,6 @@ class MirroredStrategy(Strategy):
 
     def __init__(self, devices=None, cross_device_ops=None):
         super().__init__(MirroredExtended(self, devices, cross_device_ops))
-        _logging.logger.info("MirroredStrategy: %d replica(s) on %s; reductions: %s",
-                             len(self.extended.worker_devices), list(self.extended.worker_devices),
-                             describe(self.extended._cross_device_ops, self.extended.worker_devices))
+        logger.info("MirroredStrategy: %d replica(s) on %s; reductions: %s",
+                    len(self.extended.worker_devices), list(self.extended.worker_devices),
+                    describe(self.extended._cross_device_ops, self.extended.worker_devices))

@@ -17,7 +17,7 @@ import weakref
 
 import numpy as np
 
-from .. import _logging
+from .._logging import multi_worker
 from ..device import device_util
 from .cluster_resolver import collective_tasks, default_cluster_resolver
 from .collective_all_reduce import CollectiveAllReduce, CollectiveGroup
@@ -63,7 +63,7 @@ class MultiWorkerExtended(MirroredExtended):
             self._worker_index = self._group.rank
             weakref.finalize(container_strategy, self._group.close)
         self._cross_device_ops = CollectiveAllReduce(self._group, bytes_per_pack=options.bytes_per_pack)
-        logging.getLogger("mirrored").info("MultiWorkerMirroredStrategy: %s", _logging.multi_worker(self))
+        logging.getLogger("mirrored").info("MultiWorkerMirroredStrategy: %s", multi_worker(self))
 
     @property
     def _is_chief(self) -> bool:

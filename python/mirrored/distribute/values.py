@@ -24,9 +24,9 @@ import weakref
 
 import numpy as np
 
-from .. import _nest
+from .._nest import is_nested, map_structure
 from ..device import device_util, gpu as _gpu
-from . import context
+from .context import _local, get_replica_context, get_strategy
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
 
@@ -86,7 +86,7 @@ class _VariableMeta(type):
     # MirroredVariable / SyncOnReadVariable inside MirroredStrategy.scope().
     def __call__(cls, *args, **kwargs):
         if cls is Variable:
-            return context.get_strategy().extended._create_variable(*args, **kwargs)
+            return get_strategy().extended._create_variable(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
     @property
@@ -94,7 +94,7 @@ class _VariableMeta(type):
         # inspect would otherwise show __call__'s (*args, **kwargs): show what md.Variable(...) takes
         # (the strategy's variable creator) and, for the subclasses, their own __init__.
         if cls is Variable:
-            function = type(context.get_strategy().extended)._create_variable
+            function = type(get_strategy().extended)._create_variable
         else:
             function = cls.__init__
         signature = inspect.signature(function)
@@ -327,7 +327,7 @@ class DistributedVariable(DistributedValues, Variable):
         On every read inside ``run``: the top of this thread's context stack, read
         directly (a few attribute loads, no call).
         """
-        stack = getattr(context._local, "stack", None)
+        stack = getattr(_local, "stack", None)
         if stack:
             top = stack[-1]
             if top.replica_context is not None and top.strategy is self._strategy:
@@ -354,7 +354,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
 
     def read_value(self):
         # _component() inlined: this runs for every variable on every step.
-        stack = getattr(context._local, "stack", None)
+        stack = getattr(_local, "stack", None)
         if stack:
             top = stack[-1]
             if top.replica_context is not None and top.strategy is self._strategy:
@@ -384,7 +384,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
                     ReduceOp.from_variable_aggregation(self._aggregation), per_replica, destinations=self)
             self._update_each_copy(method, reduced)
 
-        context.get_replica_context().merge_call(merge_fn, args=(value,))
+        get_replica_context().merge_call(merge_fn, args=(value,))
         return self
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
@@ -452,6 +452,11 @@ def regroup(per_replica, wrap_class=PerReplica, always_wrap: bool = False, devic
     ``always_wrap``); copies of one distributed variable become that variable.
     """
     v0 = per_replica[0]
+    if type(v0) is np.ndarray:  # the commonest result (a leaf, no container): the checks below, in short
+        for v in per_replica:
+            if v is not v0:
+                return wrap_class(per_replica, devices)
+        return wrap_class(per_replica, devices) if always_wrap else v0
     if isinstance(v0, (list, tuple, dict)) and not isinstance(v0, DistributedValues):
         for v in per_replica[1:]:
             if type(v) is not type(v0) or len(v) != len(v0) or (isinstance(v0, dict) and v.keys() != v0.keys()):
@@ -476,7 +481,7 @@ def regroup(per_replica, wrap_class=PerReplica, always_wrap: bool = False, devic
 
 
 def _shape_of(x):
-    return _nest.map_structure(lambda _: "*", x)
+    return map_structure(lambda _: "*", x)
 
 
 def select_replica(replica_id: int, structure):
@@ -490,9 +495,9 @@ def select_replica(replica_id: int, structure):
             return x._values[replica_id]
         return x
 
-    if not _nest.is_nested(structure):
+    if not is_nested(structure):
         return pick(structure)
-    return _nest.map_structure(pick, structure)
+    return map_structure(pick, structure)
 
 
 def value_container(value):

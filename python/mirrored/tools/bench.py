@@ -642,9 +642,10 @@ def parse_args(argv=None):
 
 
 def metadata(args, comm, device: Device) -> dict:
-    from .. import __version__, _core
+    from .. import __version__
+    from .._core import isa, num_threads
 
-    return {"version": __version__, "isa": _core.isa(), "threads": int(_core.num_threads()),
+    return {"version": __version__, "isa": isa(), "threads": int(num_threads()),
             "collective": args.collective, "device": args.device, "device_names": device.names,
             "replicas": args.replicas * comm.workers, "replicas_per_worker": args.replicas,
             "workers": comm.workers, "iters": args.iters, "warmup": args.warmup, "validation": bool(args.check),

@@ -43,13 +43,13 @@ def _loaded_library(pattern: str) -> str | None:
 
 def _cuda() -> dict:
     try:
-        from .. import _cuda  # type: ignore[attr-defined]
+        from .._cuda import device_properties  # type: ignore[import-not-found]
     except ImportError as e:
         return {"built": False, "devices": 0, "reason": f"CUDA extension not built ({e}); rebuild with nvcc on PATH"}
     count = config._num_gpus()
     out = {"built": True, "devices": count, "available": config.is_cuda_available()}
     if count:
-        props = [_cuda.device_properties(i) for i in range(count)]
+        props = [device_properties(i) for i in range(count)]
         out["names"] = [f"{d['name']} (sm_{d['compute_capability'][0]}{d['compute_capability'][1]}, "
                         f"{d['total_memory'] / 2**30:.0f} GiB)" for d in props]
     else:
@@ -106,16 +106,16 @@ def _shm() -> dict:
 
 def collect() -> dict:
     """Every fact ``python -m mirrored.info`` prints, as a dict (the ``--json`` form)."""
-    from .. import _core
+    from .._core import isa, num_threads
 
     return {
         "version": __version__,
-        "location": os.path.dirname(os.path.abspath(__file__)),
+        "location": os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # the package, not tools/
         "python": platform.python_version(),
         "numpy": np.__version__,
         "platform": platform.platform(),
-        "isa": _core.isa(),
-        "threads": int(_core.num_threads()),
+        "isa": isa(),
+        "threads": int(num_threads()),
         "cuda": _cuda(),
         "nccl": _nccl(),
         "cupy": _cupy(),

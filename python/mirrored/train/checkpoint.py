@@ -445,9 +445,9 @@ def _is_count(x) -> bool:
 
 
 def _tensorflow_hint(path: str) -> str:
-    from . import tensorbundle
+    from .tensorbundle import hint
 
-    return tensorbundle.hint(path)
+    return hint(path)
 
 
 def load_checkpoint(path) -> dict:
@@ -468,7 +468,7 @@ def _is_variable(obj) -> bool:
 
 def _walk(obj, path: str, found: dict, optimizers: list, seen: set) -> None:
     """Collect ``path -> variable`` for every variable under ``obj`` (first path wins)."""
-    from .optimizers import Optimizer
+    from .optimizers.base import Optimizer
 
     if id(obj) in seen:
         return
@@ -750,11 +750,11 @@ class Checkpoint:
             return InitializationOnlyStatus()
         _require_cross_replica("restore")
         path = _check_path(save_path, "save_path")
-        from . import tensorbundle
+        from .tensorbundle import BundleReader, is_tensorflow_checkpoint, object_keys
 
-        if tensorbundle.is_tensorflow_checkpoint(path):
-            with tensorbundle.BundleReader(path) as bundle:
-                return self._restore_from(bundle, path, tensorbundle.object_keys(bundle))
+        if is_tensorflow_checkpoint(path):
+            with BundleReader(path) as bundle:
+                return self._restore_from(bundle, path, object_keys(bundle))
         if os.path.isdir(path):
             raise IsADirectoryError(
                 f"save_path={path!r} is a directory; pass a checkpoint file, e.g. "

@@ -40,7 +40,7 @@ import warnings
 
 import numpy as np
 
-from . import tensorbundle
+from .tensorbundle import BundleReader, is_tensorflow_checkpoint
 from .checkpoint import (STATE_FILE, Checkpoint, CheckpointError, CheckpointLoadStatus, CheckpointReader,
                          NotFoundError, _check_memory, _write_state, load_checkpoint, open_regular_file,
                          sweep_stale_temporaries)
@@ -122,7 +122,7 @@ def latest_checkpoint(checkpoint_dir, latest_filename=None):
     if state is None:
         return None
     path = state.model_checkpoint_path
-    if os.path.isfile(path) or tensorbundle.is_tensorflow_checkpoint(path):
+    if os.path.isfile(path) or is_tensorflow_checkpoint(path):
         return path
     return None
 
@@ -139,8 +139,8 @@ def _checkpoint_file(ckpt_dir_or_file) -> str:
 
 def _open(ckpt_dir_or_file):
     path = _checkpoint_file(ckpt_dir_or_file)
-    if tensorbundle.is_tensorflow_checkpoint(path):
-        return tensorbundle.BundleReader(path)
+    if is_tensorflow_checkpoint(path):
+        return BundleReader(path)
     return CheckpointReader(path)
 
 

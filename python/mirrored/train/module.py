@@ -29,7 +29,7 @@ import functools
 import re
 from collections import abc
 
-from .. import _nest
+from .._nest import is_nested
 from ..distribute.name_scope import name_scope as _name_scope
 from ..distribute.values import Variable
 
@@ -128,7 +128,7 @@ def _is_variable(x) -> bool:
 
 def _leaves_with_paths(value, path=()):
     """``(path, leaf)`` of a nested structure, in ``_nest.flatten``'s order (dicts by sorted key)."""
-    if _nest.is_nested(value):
+    if is_nested(value):
         items = sorted(value.items(), key=lambda item: item[0]) if isinstance(value, abc.Mapping) else enumerate(value)
         for key, item in items:
             yield from _leaves_with_paths(item, path + (key,))

@@ -46,14 +46,15 @@ import weakref
 
 import numpy as np
 
-from ... import _core
+from ..._core import fused_update as _fused_update
 from ...device import device_util, gpu as _gpu
 from ...device.dtypes import dtype_code
 from ...distribute import distribute_lib, values
 from ...distribute.options import VariableAggregation
 from ...distribute.reduce_util import ReduceOp
 from ...distribute.values import DistributedValues, DistributedVariable, PerReplica
-from . import rules
+from .rules import (EMA, HOST_COEFFICIENTS, SGD, apply as apply_rule, array_module, ema,
+                    weight_decay as apply_weight_decay)
 
 __all__ = ["Optimizer", "check_rate"]
 
@@ -109,7 +110,7 @@ class Optimizer:
 
     _slot_specs: tuple = ()
     _slot_aliases: dict = {}
-    _rule: int = rules.SGD
+    _rule: int = SGD
 
     def __init__(self, learning_rate, name: str, gradient_aggregation="sum", *, weight_decay=None, clipnorm=None,
                  clipvalue=None, global_clipnorm=None, use_ema=False, ema_momentum=0.99, ema_overwrite_frequency=None,
@@ -432,7 +433,7 @@ class Optimizer:
         if self.global_clipnorm is not None:
             return _clip_by_global_norm(grads, self.global_clipnorm)
         if self.clipvalue is not None:
-            return [rules.array_module(g).clip(g, -self.clipvalue, self.clipvalue) for g in grads]
+            return [array_module(g).clip(g, -self.clipvalue, self.clipvalue) for g in grads]
         return grads
 
     def _cross_replica_step(self, strategy, grads, variables, options, aggregate):
@@ -667,7 +668,7 @@ class _Plan:
     def pack(self, device: int, grads: list) -> list:
         """``grads`` copied into device ``device``'s fusion buffers, one per dtype (converted to it)."""
         buffers = self.fusion_buffers[device]
-        xp = rules.array_module(buffers[0])
+        xp = array_module(buffers[0])
         if len(buffers) == 1:
             xp.concatenate(grads, axis=None, out=buffers[0])
         else:
@@ -769,11 +770,11 @@ class _Plan:
         for dtype, indices in self.groups.items():
             c = self.ema_coefficients[dtype]
             if self.host[device] and dtype in _KERNEL_DTYPES:
-                _host_kernel(rules.EMA, [averages[k] for k in indices], [weights[k] for k in indices],
+                _host_kernel(EMA, [averages[k] for k in indices], [weights[k] for k in indices],
                              [[] for _ in indices], [False] * len(indices), [float(x) for x in c], 0.0, 0.0)
             else:
                 for k in indices:
-                    rules.ema(averages[k], weights[k], (), c)
+                    ema(averages[k], weights[k], (), c)
         if self.ema_overwrite:
             for w, average in zip(weights, averages):
                 w[...] = average
@@ -794,7 +795,7 @@ class _Plan:
         rules branch on in Python (``rules.HOST_COEFFICIENTS``) stay host values, fixed at capture."""
         self.prepare(step)
         cupy = _gpu.cupy_module()
-        host_positions = rules.HOST_COEFFICIENTS.get(self.rule, ())
+        host_positions = HOST_COEFFICIENTS.get(self.rule, ())
         per_device = {}
         for d in range(self.num_devices):
             ordinal = device_util.physical_ordinal(self.copies[d][0].device)
@@ -852,7 +853,7 @@ class _Plan:
             self.tables_made_at[device] = values.buffers_replaced
         if packed is None:
             packed = self.pack(device, grads)
-        stream = rules.array_module(packed[0]).cuda.get_current_stream().ptr
+        stream = array_module(packed[0]).cuda.get_current_stream().ptr
         for table, buffer, dtype in zip(self.gpu_tables[device], packed, self.groups):
             weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))
             table.apply(self.rule, _gpu_grad(buffer, dtype, table.total_count).data.ptr,
@@ -868,7 +869,7 @@ class _Plan:
         tables = self._make_tables(device)
         scope.captured.setdefault("fused update tables", []).append(tables)
         weakref.finalize(scope, _retire_tables, tables)
-        stream = rules.array_module(packed[0]).cuda.get_current_stream().ptr
+        stream = array_module(packed[0]).cuda.get_current_stream().ptr
         for table, buffer, dtype in zip(tables, packed, self.groups):
             scalars, _, coefficients, _ = scope.captured[self][device][dtype]
             table.apply_captured(self.rule, _gpu_grad(buffer, dtype, table.total_count).data.ptr, scalars.data.ptr,
@@ -904,13 +905,13 @@ class _Plan:
                 if g.dtype != dtype:
                     g = g.astype(dtype)
                 if self.decay[k]:
-                    rules.weight_decay(weights[k], weight_decay, lr)
-                rules.apply(self.rule, weights[k], g, slots[k], coefficients)
+                    apply_weight_decay(weights[k], weight_decay, lr)
+                apply_rule(self.rule, weights[k], g, slots[k], coefficients)
 
 
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _VALUE = operator.attrgetter("_value")
-_host_kernel = _core.fused_update
+_host_kernel = _fused_update
 
 
 # Tables of plans, or of captured steps, collected (by the garbage collector, on any thread) while
@@ -981,7 +982,7 @@ def _dtype_of(g):
 
 def _clip_by_norm(g, clipnorm: float):
     """``tf.clip_by_norm(g, clipnorm)``: ``g * clipnorm / max(||g||, clipnorm)`` in g's dtype."""
-    xp, t = rules.array_module(g), _dtype_of(g).type
+    xp, t = array_module(g), _dtype_of(g).type
     l2sum = (g * g).sum()
     l2norm = xp.where(l2sum > 0, xp.sqrt(l2sum), l2sum)
     return (g * t(clipnorm)) / xp.maximum(l2norm, t(clipnorm))
@@ -989,7 +990,7 @@ def _clip_by_norm(g, clipnorm: float):
 
 def _clip_by_global_norm(grads: list, clipnorm: float) -> list:
     """Keras' ``clip_by_global_norm``: every gradient scaled by ``clipnorm / max(global norm, clipnorm)``."""
-    xp, t = rules.array_module(grads[0]), _dtype_of(grads[0]).type
+    xp, t = array_module(grads[0]), _dtype_of(grads[0]).type
     norm = xp.sqrt(sum((g * g).sum() for g in grads))
     # Keras' form: a NaN or infinite norm makes the scale NaN. (The array module's functions
     # for scalar-first operations: a NumPy scalar does not defer to a GPU array.)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import rules
+from .rules import ADAGRAD, ADAM, ADAM_AMSGRAD, NADAM, RMSPROP, SGD as PLAIN_SGD, SGD_MOMENTUM, SGD_NESTEROV
 from .base import Optimizer, check_rate
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam"]
@@ -40,7 +40,7 @@ class SGD(Optimizer):
             raise ValueError("nesterov=True needs momentum > 0 (e.g. momentum=0.9)")
         self.nesterov = bool(nesterov)
         self._slot_specs = (("momentum", 0.0),) if self.momentum else ()
-        self._rule = (rules.SGD_NESTEROV if self.nesterov else rules.SGD_MOMENTUM) if self.momentum else rules.SGD
+        self._rule = (SGD_NESTEROV if self.nesterov else SGD_MOMENTUM) if self.momentum else PLAIN_SGD
 
     def _coefficients(self, t, lr, step):
         return (lr,) if not self.momentum else (lr, _cast(t, self.momentum))
@@ -52,7 +52,7 @@ class Adam(Optimizer):
 
     _slot_specs = (("momentum", 0.0), ("velocity", 0.0))
     _slot_aliases = {"m": "momentum", "v": "velocity", "vhat": "velocity_hat"}  # tf.keras' legacy names
-    _rule = rules.ADAM
+    _rule = ADAM
 
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
                  amsgrad: bool = False, weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None,
@@ -64,7 +64,7 @@ class Adam(Optimizer):
         if self.amsgrad:
             # Keras' slot name: a checkpoint carries it as `velocity_hat`.
             self._slot_specs = Adam._slot_specs + (("velocity_hat", 0.0),)
-            self._rule = rules.ADAM_AMSGRAD
+            self._rule = ADAM_AMSGRAD
         self.beta_1 = check_rate(beta_1, "beta_1", low=0.0, high=1.0)
         self.beta_2 = check_rate(beta_2, "beta_2", low=0.0, high=1.0)
         self.epsilon = check_rate(epsilon, "epsilon")
@@ -94,7 +94,7 @@ class AdamW(Adam):
 class RMSprop(Optimizer):
     """RMSprop (Hinton), as ``keras.optimizers.RMSprop``: ``rho``, ``momentum``, ``centered``."""
 
-    _rule = rules.RMSPROP
+    _rule = RMSPROP
 
     def __init__(self, learning_rate=0.001, rho: float = 0.9, momentum: float = 0.0, epsilon: float = 1e-7,
                  centered: bool = False, weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None,
@@ -116,7 +116,7 @@ class RMSprop(Optimizer):
 class Adagrad(Optimizer):
     """Adagrad (Duchi et al., 2011), as ``keras.optimizers.Adagrad``."""
 
-    _rule = rules.ADAGRAD
+    _rule = ADAGRAD
 
     def __init__(self, learning_rate=0.001, initial_accumulator_value: float = 0.1, epsilon: float = 1e-7,
                  weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
@@ -140,7 +140,7 @@ class Nadam(Optimizer):
     """
 
     _slot_specs = (("momentum", 0.0), ("velocity", 0.0))
-    _rule = rules.NADAM
+    _rule = NADAM
 
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
                  weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,

@@ -1,0 +1,224 @@
+"""The replicas' rendezvous (_core.Rendezvous, distribute_lib._Group): collectives inside strategy.run
+give NumPy's answer whichever way the replicas run (plain calls, greenlets on the caller's thread,
+replica threads, or a mix), and every misuse ends in a clear error, never a hang."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import mirrored as md
+from mirrored.distribute import mirrored_strategy
+from mirrored.distribute.distribute_lib import _Group
+
+OPS = {"sum": np.sum, "mean": np.mean, "min": np.min, "max": np.max}
+STRATEGIES = {}
+
+
+def strategy(n):
+    if n not in STRATEGIES:
+        STRATEGIES[n] = md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
+    return STRATEGIES[n]
+
+
+def per_replica(s, values):
+    return s.experimental_distribute_values_from_function(lambda ctx: values[ctx.replica_id_in_sync_group])
+
+
+def expected(op, values):
+    return OPS[op](np.stack(values), axis=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 5), op=st.sampled_from(sorted(OPS)), dtype=st.sampled_from([np.float32, np.float64, np.int32]),
+       shape=st.sampled_from([(1,), (3,), (2, 5)]), collectives=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_steps_with_several_collectives_match_numpy(n, op, dtype, shape, collectives, seed):
+    rng = np.random.default_rng(seed)
+    values = [rng.integers(-50, 50, shape).astype(dtype) for _ in range(n)]
+    s = strategy(n)
+
+    def step(v):
+        ctx = md.get_replica_context()
+        got = []
+        for k in range(collectives):  # each collective parks and resumes every replica but the last to arrive
+            got.append(ctx.all_reduce(op, v + k))
+        return got
+
+    got = s.run(step, args=(per_replica(s, values),))
+    for k in range(collectives):
+        want = expected(op, [v + k for v in values])
+        for r in s.experimental_local_results(got[k]):
+            np.testing.assert_allclose(r, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_replicas_on_threads_meet_replicas_on_greenlets(monkeypatch, n):
+    if mirrored_strategy._greenlet is None:
+        pytest.skip("without greenlet every replica but the caller's runs on its thread")
+    # Every step counts as long, so the caller wakes the replica threads once it needs a second replica.
+    # Replica 1, claimed by the caller (a greenlet on its thread), blocks until a replica thread has taken a
+    # replica: the collectives then meet the caller's replicas and the threads' ones.
+    monkeypatch.setattr(mirrored_strategy, "HANDOFF_SECONDS", 0.0)
+    monkeypatch.setattr(mirrored_strategy, "BLOCKED_SECONDS", 0.0)
+    s = md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
+    values = [np.full(4, i + 1, np.float64) for i in range(n)]
+    x = per_replica(s, values)
+    caller = threading.get_ident()
+    on_threads, on_greenlets = [], []
+
+    def step(v):
+        ctx = md.get_replica_context()
+        if threading.get_ident() != caller:
+            on_threads.append(ctx.replica_id_in_sync_group)
+            thread_took_one.set()
+        elif ctx.replica_id_in_sync_group:  # (before replica 0 returns: a greenlet)
+            on_greenlets.append(ctx.replica_id_in_sync_group)
+            assert thread_took_one.wait(timeout=60), "no replica thread took a replica"
+        a = ctx.all_reduce("sum", v)
+        b = ctx.merge_call(lambda strategy, parts: parts, args=(v * 2,))
+        return a, ctx.all_reduce("max", b)
+
+    for _ in range(20):
+        thread_took_one = threading.Event()
+        got_sum, got_max = s.run(step, args=(x,))
+        for r in s.experimental_local_results(got_sum):
+            np.testing.assert_array_equal(r, expected("sum", values))
+        for r in s.experimental_local_results(got_max):
+            np.testing.assert_array_equal(r, expected("max", [v * 2 for v in values]))
+    assert on_threads and on_greenlets, (on_threads, on_greenlets)
+
+
+def test_a_replica_may_pass_an_array_or_a_structure_and_gets_its_own_back():
+    s = strategy(3)
+    values = [np.arange(3.0) + i for i in range(3)]
+    got = {}
+
+    def step(v):
+        ctx = md.get_replica_context()
+        r = ctx.replica_id_in_sync_group
+        got[r] = ctx.all_reduce("sum", v if r == 1 else [v])
+
+    s.run(step, args=(per_replica(s, values),))
+    want = expected("sum", values)
+    np.testing.assert_array_equal(got[1], want)
+    for r in (0, 2):
+        assert isinstance(got[r], list) and len(got[r]) == 1
+        np.testing.assert_array_equal(got[r][0], want)
+
+
+def test_a_replica_that_skips_the_collective_strands_the_others_with_an_error_naming_them():
+    s = strategy(4)
+
+    def step():
+        ctx = md.get_replica_context()
+        if ctx.replica_id_in_sync_group == 2:
+            return None
+        return ctx.all_reduce("sum", np.ones(2))
+
+    with pytest.raises(RuntimeError, match=r"replica\(s\) \[0, 1, 3\] wait in all_reduce"):
+        s.run(step)
+    got = s.run(lambda: md.get_replica_context().all_reduce("sum", np.ones(2)))  # the strategy still works
+    np.testing.assert_array_equal(s.experimental_local_results(got)[3], [4.0, 4.0])
+
+
+def test_a_failing_combine_fails_every_replica_once_and_the_next_run_works():
+    s = strategy(3)
+
+    def step():
+        ctx = md.get_replica_context()
+        return ctx.all_reduce("sum", np.ones(2 + ctx.replica_id_in_sync_group))  # shapes differ
+
+    with pytest.raises(ValueError):
+        s.run(step)
+    got = s.run(lambda: md.get_replica_context().all_reduce("sum", np.ones(2)))
+    np.testing.assert_array_equal(s.experimental_local_results(got)[0], [3.0, 3.0])
+
+
+def test_a_replica_raising_while_others_are_parked_fails_the_run_with_its_error():
+    s = strategy(4)
+
+    def step():
+        ctx = md.get_replica_context()
+        if ctx.replica_id_in_sync_group == 3:
+            raise KeyError("replica 3")
+        return ctx.all_reduce("sum", np.ones(1))
+
+    for _ in range(3):
+        with pytest.raises(KeyError, match="replica 3"):
+            s.run(step)
+    got = s.run(lambda: md.get_replica_context().all_reduce("sum", np.ones(1)))
+    assert [float(r[0]) for r in s.experimental_local_results(got)] == [4.0] * 4
+
+
+def test_the_group_checks_its_arguments():
+    with pytest.raises(ValueError, match="at least one replica"):
+        _Group(0)
+    group = _Group(2)
+    with pytest.raises(ValueError, match=r"rid=2: expected a replica index in \[0, 2\)"):
+        group.exchange(2, "all_reduce", None, list)
+    with pytest.raises(TypeError, match="takes 4 arguments"):
+        group.exchange(0, "all_reduce", None)
+    with pytest.raises(TypeError, match="cooperate"):
+        group.reset([])
+    single = _Group(1)
+    assert single.exchange(0, "all_reduce", 5, lambda slots: [slots[0] + 1]) == 6
+
+
+CTRL_C_IN_A_COLLECTIVE = textwrap.dedent("""
+    import os, signal, threading, time
+    import numpy as np
+    import mirrored as md
+    from mirrored.distribute import mirrored_strategy
+    # Every step counts as long, so from the second run on the replica threads take replicas from the start.
+    mirrored_strategy.HANDOFF_SECONDS = mirrored_strategy.BLOCKED_SECONDS = 0.0
+    s = md.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    s.run(lambda: None)
+    caller, on_thread = threading.get_ident(), threading.Event()
+
+    def step():
+        ctx = md.get_replica_context()
+        if threading.get_ident() != caller:  # replica 1, on its thread: late to the collective
+            on_thread.set()
+            time.sleep(3.0)
+            return ctx.all_reduce("sum", np.ones(1))
+        # The caller's replica waits for it in the collective, asleep in the rendezvous.
+        assert on_thread.wait(60), "no replica thread took a replica"
+        try:
+            return ctx.all_reduce("sum", np.ones(1))
+        except KeyboardInterrupt:
+            print("the caller's replica interrupted after", round(time.monotonic() - t0, 1))
+            raise
+
+    def ctrl_c():
+        on_thread.wait()
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        s.run(step)
+        print("no interrupt")
+    except KeyboardInterrupt:
+        print("interrupted after", round(time.monotonic() - t0, 1))
+    got = s.run(lambda: md.get_replica_context().all_reduce("sum", np.ones(1)))  # waits for the late replica
+    print("sum", [float(v[0]) for v in s.experimental_local_results(got)])
+""")
+
+
+def test_ctrl_c_reaches_a_caller_asleep_in_a_collective_and_the_strategy_stays_usable():
+    proc = subprocess.run([sys.executable, "-c", CTRL_C_IN_A_COLLECTIVE], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    # Interrupted in its wait (Ctrl-C ~0.3 s after replica 1 started, far from its 3 s); the run then waits
+    # for replica 1, which finds the group broken.
+    assert lines[0].startswith("the caller's replica interrupted after"), lines
+    assert float(lines[0].split()[-1]) < 2.5, lines
+    assert lines[1].startswith("interrupted after"), lines
+    assert lines[2] == "sum [2.0, 2.0]", lines
