@@ -1,7 +1,5 @@
 #include "cuda/blas.h"
 
-#include <dlfcn.h>
-
 #include <climits>
 #include <complex>
 #include <map>
@@ -11,6 +9,7 @@
 #include <utility>
 
 #include "cuda/check.h"
+#include "cuda/dynamic_library.h"
 #include "cuda/device.h"
 
 namespace mirrored::cuda::blas {
@@ -36,12 +35,6 @@ struct DeviceState {
 std::mutex mu;
 Library* lib = nullptr;  // never unloaded, and neither are the handles: products may be queued at exit
 std::map<int, DeviceState*>& states = *new std::map<int, DeviceState*>;
-
-template <typename F>
-void bind(void* handle, const char* name, F& fn, std::string& missing) {
-  fn = reinterpret_cast<F>(dlsym(handle, name));
-  if (!fn) missing += std::string(missing.empty() ? "" : ", ") + name;
-}
 
 void check(Status status, const char* call) {
   if (status == kSuccess) return;
@@ -116,34 +109,22 @@ int fits(long long v, const char* what) {
 std::string load(const std::vector<std::string>& candidates) {
   std::lock_guard<std::mutex> lock(mu);
   if (lib) return lib->path;
+  auto l = std::make_unique<Library>();
+  Api& a = l->api;
   std::string tried;
-  for (const std::string& path : candidates) {
-    void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (!h) {
-      const char* e = dlerror();
-      tried += "\n  " + path + ": " + (e ? e : "not loadable");
-      continue;
-    }
-    auto l = std::make_unique<Library>();
-    Api& a = l->api;
-    std::string missing;
-    bind(h, "cublasCreate_v2", a.Create, missing);
-    bind(h, "cublasSetStream_v2", a.SetStream, missing);
-    bind(h, "cublasSetWorkspace_v2", a.SetWorkspace, missing);
-    bind(h, "cublasSetMathMode", a.SetMathMode, missing);
-    bind(h, "cublasGemmEx", a.GemmEx, missing);
-    bind(h, "cublasGemmStridedBatchedEx", a.GemmStridedBatchedEx, missing);
-    if (!missing.empty()) {
-      tried += "\n  " + path + ": lacks " + missing + " (cuBLAS older than CUDA 11)";
-      dlclose(h);
-      continue;
-    }
-    l->path = path;
-    lib = l.release();
-    return lib->path;
-  }
-  throw std::runtime_error(std::string("cuBLAS is not available; ") + kFix + ". Tried:" +
-                           (tried.empty() ? std::string(" no candidates") : tried));
+  void* h = open_first(candidates, [&a](void* h, std::string& missing) {
+    bind_symbol(h, "cublasCreate_v2", a.Create, missing);
+    bind_symbol(h, "cublasSetStream_v2", a.SetStream, missing);
+    bind_symbol(h, "cublasSetWorkspace_v2", a.SetWorkspace, missing);
+    bind_symbol(h, "cublasSetMathMode", a.SetMathMode, missing);
+    bind_symbol(h, "cublasGemmEx", a.GemmEx, missing);
+    bind_symbol(h, "cublasGemmStridedBatchedEx", a.GemmStridedBatchedEx, missing);
+  }, "cuBLAS older than CUDA 11", l->path, tried);
+  if (!h)
+    throw std::runtime_error(std::string("cuBLAS is not available; ") + kFix + ". Tried:" +
+                             (tried.empty() ? std::string(" no candidates") : tried));
+  lib = l.release();
+  return lib->path;
 }
 
 void matmul(int device, cudaStream_t stream, const Product& p) {

@@ -1,10 +1,10 @@
 #include "nccl/nccl_lib.h"
 
-#include <dlfcn.h>
-
 #include <memory>
 #include <mutex>
 #include <stdexcept>
+
+#include "cuda/dynamic_library.h"
 
 namespace mirrored::nccl {
 namespace {
@@ -14,55 +14,36 @@ constexpr const char* kFix = "install it with `pip install nvidia-nccl-cu13` (or
 std::mutex mu;
 std::unique_ptr<Library> lib;  // never unloaded: communicators may outlive any owner
 
-template <typename F>
-bool bind(void* handle, const char* name, F& fn, std::string& missing) {
-  fn = reinterpret_cast<F>(dlsym(handle, name));
-  if (!fn) missing += std::string(missing.empty() ? "" : ", ") + name;
-  return fn != nullptr;
-}
-
 }  // namespace
 
 const Library& load(const std::vector<std::string>& candidates) {
   std::lock_guard<std::mutex> lock(mu);
   if (lib) return *lib;
+  auto l = std::make_unique<Library>();
+  Api& a = l->api;
   std::string tried;
-  for (const std::string& path : candidates) {
-    void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (!h) {
-      const char* e = dlerror();
-      tried += "\n  " + path + ": " + (e ? e : "not loadable");
-      continue;
-    }
-    auto l = std::make_unique<Library>();
-    Api& a = l->api;
-    std::string missing;
-    bind(h, "ncclGetVersion", a.GetVersion, missing);
-    bind(h, "ncclGetErrorString", a.GetErrorString, missing);
-    bind(h, "ncclGetUniqueId", a.GetUniqueId, missing);
-    bind(h, "ncclCommInitRank", a.CommInitRank, missing);
-    bind(h, "ncclCommInitAll", a.CommInitAll, missing);
-    bind(h, "ncclCommDestroy", a.CommDestroy, missing);
-    bind(h, "ncclAllReduce", a.AllReduce, missing);
-    bind(h, "ncclBroadcast", a.Broadcast, missing);
-    bind(h, "ncclReduce", a.Reduce, missing);
-    bind(h, "ncclAllGather", a.AllGather, missing);
-    bind(h, "ncclGroupStart", a.GroupStart, missing);
-    bind(h, "ncclGroupEnd", a.GroupEnd, missing);
-    if (!missing.empty()) {
-      tried += "\n  " + path + ": lacks " + missing + " (too old an NCCL)";
-      dlclose(h);
-      continue;
-    }
-    std::string optional;
-    bind(h, "ncclGetLastError", a.GetLastError, optional);
-    if (a.GetVersion(&l->version) != kSuccess) l->version = 0;
-    l->path = path;
-    lib = std::move(l);
-    return *lib;
-  }
-  throw std::runtime_error(std::string("NCCL is not available; ") + kFix + ". Tried:" +
-                           (tried.empty() ? std::string(" no candidates") : tried));
+  void* h = cuda::open_first(candidates, [&a](void* h, std::string& missing) {
+    cuda::bind_symbol(h, "ncclGetVersion", a.GetVersion, missing);
+    cuda::bind_symbol(h, "ncclGetErrorString", a.GetErrorString, missing);
+    cuda::bind_symbol(h, "ncclGetUniqueId", a.GetUniqueId, missing);
+    cuda::bind_symbol(h, "ncclCommInitRank", a.CommInitRank, missing);
+    cuda::bind_symbol(h, "ncclCommInitAll", a.CommInitAll, missing);
+    cuda::bind_symbol(h, "ncclCommDestroy", a.CommDestroy, missing);
+    cuda::bind_symbol(h, "ncclAllReduce", a.AllReduce, missing);
+    cuda::bind_symbol(h, "ncclBroadcast", a.Broadcast, missing);
+    cuda::bind_symbol(h, "ncclReduce", a.Reduce, missing);
+    cuda::bind_symbol(h, "ncclAllGather", a.AllGather, missing);
+    cuda::bind_symbol(h, "ncclGroupStart", a.GroupStart, missing);
+    cuda::bind_symbol(h, "ncclGroupEnd", a.GroupEnd, missing);
+  }, "too old an NCCL", l->path, tried);
+  if (!h)
+    throw std::runtime_error(std::string("NCCL is not available; ") + kFix + ". Tried:" +
+                             (tried.empty() ? std::string(" no candidates") : tried));
+  std::string optional;
+  cuda::bind_symbol(h, "ncclGetLastError", a.GetLastError, optional);
+  if (a.GetVersion(&l->version) != kSuccess) l->version = 0;
+  lib = std::move(l);
+  return *lib;
 }
 
 const Library& loaded() {
