@@ -288,19 +288,24 @@ def cublas_library_candidates() -> list[str]:
     """
     if engine_name() == "sim":
         return [cuda_module().__file__]
-    out = []
-    if os.environ.get("MIRRORED_CUBLAS_LIBRARY"):
-        out.append(os.environ["MIRRORED_CUBLAS_LIBRARY"])
-    out += _cupys_cublas()
-    for package in ("nvidia.cu13", "nvidia.cublas"):  # the CUDA 13 wheels' layout, and the CUDA 12 one
+    # (the CUDA 13 wheels' layout, and the CUDA 12 one)
+    return _library_candidates("MIRRORED_CUBLAS_LIBRARY", _cupys_cublas(), ("nvidia.cu13", "nvidia.cublas"),
+                               "libcublas.so.*", ["libcublas.so.13", "libcublas.so.12", "libcublas.so"])
+
+
+def _library_candidates(variable: str, loaded: list, packages: tuple, pattern: str, system: list) -> list[str]:
+    """A run-time library's candidate paths, in order: $variable, those this process has ``loaded``
+    already, the files matching ``pattern`` in lib/ of each pip wheel of ``packages``, the system's."""
+    out = [os.environ[variable]] if os.environ.get(variable) else []
+    out += loaded
+    for package in packages:
         try:
             spec = importlib.util.find_spec(package)
         except (ImportError, ValueError):
             spec = None
         for root in (spec.submodule_search_locations or []) if spec else []:
-            out += sorted(glob.glob(os.path.join(root, "lib", "libcublas.so.*")))
-    out += ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]
-    return list(dict.fromkeys(out))
+            out += sorted(glob.glob(os.path.join(root, "lib", pattern)))
+    return list(dict.fromkeys(out + system))
 
 
 def _cupys_cublas() -> list[str]:
@@ -345,17 +350,7 @@ def nccl_library_candidates() -> list[str]:
     """
     if engine_name() == "sim":
         return [cuda_module().__file__]
-    out = []
-    if os.environ.get("MIRRORED_NCCL_LIBRARY"):
-        out.append(os.environ["MIRRORED_NCCL_LIBRARY"])
-    try:
-        spec = importlib.util.find_spec("nvidia.nccl")
-    except (ImportError, ValueError):
-        spec = None
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        out.append(os.path.join(root, "lib", "libnccl.so.2"))
-    out.append("libnccl.so.2")
-    return out
+    return _library_candidates("MIRRORED_NCCL_LIBRARY", [], ("nvidia.nccl",), "libnccl.so.2", ["libnccl.so.2"])
 
 
 def load_nccl() -> tuple[str, int]:
