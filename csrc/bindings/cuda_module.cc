@@ -173,9 +173,16 @@ bindings::DeviceFit device_fit(py::object array_type, std::vector<int> devices, 
   return bindings::DeviceFit(std::move(array_type), std::move(devices), std::move(s));
 }
 
-int size_of(const Ptrs& in, const Ptrs& out) {
+// A collective's device buffers from Python's integers: n inputs and n outputs.
+struct DeviceBuffers {
+  std::vector<const void*> in;
+  std::vector<void*> out;
+  int n;
+};
+
+DeviceBuffers buffers_of(const Ptrs& in, const Ptrs& out) {
   if (in.size() != out.size()) throw py::value_error("inputs and outputs differ in length");
-  return static_cast<int>(in.size());
+  return {as_ptrs<const void>(in), as_ptrs<void>(out), static_cast<int>(in.size())};
 }
 
 // The fused optimizer update (cuda/fused_update.h): one table per device and
@@ -527,9 +534,7 @@ PYBIND11_MODULE(MIRRORED_CUDA_MODULE, m) {
       .def_property_readonly("backend", [](const Engine& e) { return e.comm->backend(); })
       .def("all_reduce", [](Engine& e, const Ptrs& in, const Ptrs& out, std::size_t count, int dtype, int op,
                             int algorithm, const Ptrs& streams) {
-        const int n = size_of(in, out);
-        auto i = as_ptrs<const void>(in);
-        auto o = as_ptrs<void>(out);
+        auto [i, o, n] = buffers_of(in, out);
         py::gil_scoped_release nogil;
         cuda::StreamScope scope(as_streams(streams));
         e.comm->all_reduce(n, i.data(), o.data(), count, dtype_from_code(dtype), reduce_op_from_code(op),
@@ -537,28 +542,22 @@ PYBIND11_MODULE(MIRRORED_CUDA_MODULE, m) {
       })
       .def("broadcast", [](Engine& e, const Ptrs& in, const Ptrs& out, std::size_t count, int dtype, int root,
                            const Ptrs& streams) {
-        const int n = size_of(in, out);
-        auto i = as_ptrs<const void>(in);
-        auto o = as_ptrs<void>(out);
+        auto [i, o, n] = buffers_of(in, out);
         py::gil_scoped_release nogil;
         cuda::StreamScope scope(as_streams(streams));
         e.comm->broadcast(n, i.data(), o.data(), count, dtype_from_code(dtype), root);
       })
       .def("reduce", [](Engine& e, const Ptrs& in, const Ptrs& out, std::size_t count, int dtype, int op, int root,
                         const Ptrs& streams) {
-        const int n = size_of(in, out);
-        auto i = as_ptrs<const void>(in);
-        auto o = as_ptrs<void>(out);
+        auto [i, o, n] = buffers_of(in, out);
         py::gil_scoped_release nogil;
         cuda::StreamScope scope(as_streams(streams));
         e.comm->reduce(n, i.data(), o.data(), count, dtype_from_code(dtype), reduce_op_from_code(op), root);
       })
       .def("all_gather", [](Engine& e, const Ptrs& in, const Ptrs& out, const std::vector<std::size_t>& row_bytes,
                             std::size_t outer, const Ptrs& streams) {
-        const int n = size_of(in, out);
+        auto [i, o, n] = buffers_of(in, out);
         if (row_bytes.size() != in.size()) throw py::value_error("row_bytes: need one entry per buffer");
-        auto i = as_ptrs<const void>(in);
-        auto o = as_ptrs<void>(out);
         py::gil_scoped_release nogil;
         cuda::StreamScope scope(as_streams(streams));
         e.comm->all_gather(n, i.data(), o.data(), row_bytes.data(), outer);
