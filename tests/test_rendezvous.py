@@ -169,6 +169,35 @@ def test_the_group_checks_its_arguments():
     assert single.exchange(0, "all_reduce", 5, lambda slots: [slots[0] + 1]) == 6
 
 
+MISUSED_RENDEZVOUS = textwrap.dedent("""
+    from mirrored._core import Rendezvous
+    from mirrored.distribute.distribute_lib import _Group
+
+    def refused(call):
+        try:
+            call()
+        except (TypeError, RuntimeError) as e:
+            print(type(e).__name__, e)
+
+    uninitialised = Rendezvous.__new__(Rendezvous)
+    refused(lambda: uninitialised.exchange(0, "all_reduce", 1, list))
+    refused(lambda: uninitialised._exchange(0, "all_reduce", 1, list))
+    refused(lambda: uninitialised.abort())
+    refused(lambda: _Group(2).run_replica(0))
+    print("alive")
+""")
+
+
+def test_a_group_used_before_it_is_set_up_raises_instead_of_crashing():
+    # (A subprocess: before the fix these calls dereferenced null callables and killed the interpreter.)
+    done = subprocess.run([sys.executable, "-c", MISUSED_RENDEZVOUS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "alive"
+    assert sum("Rendezvous.__init__ was not called" in line for line in lines) == 3, lines
+    assert any("run_replica(): cooperate() first" in line for line in lines), lines
+
+
 CTRL_C_IN_A_COLLECTIVE = textwrap.dedent("""
     import os, signal, threading, time
     import numpy as np
