@@ -1,7 +1,5 @@
 #include "cuda/blas.h"
 
-#include <dlfcn.h>
-
 #include <climits>
 #include <complex>
 #include <map>
@@ -10,6 +8,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "core/dynamic_library.h"
 #include "cuda/check.h"
 #include "cuda/device.h"
 
@@ -36,12 +35,6 @@ struct DeviceState {
 std::mutex mu;
 Library* lib = nullptr;  // never unloaded, and neither are the handles: products may be queued at exit
 std::map<int, DeviceState*>& states = *new std::map<int, DeviceState*>;
-
-template <typename F>
-void bind(void* handle, const char* name, F& fn, std::string& missing) {
-  fn = reinterpret_cast<F>(dlsym(handle, name));
-  if (!fn) missing += std::string(missing.empty() ? "" : ", ") + name;
-}
 
 void check(Status status, const char* call) {
   if (status == kSuccess) return;
@@ -116,29 +109,17 @@ int fits(long long v, const char* what) {
 std::string load(const std::vector<std::string>& candidates) {
   std::lock_guard<std::mutex> lock(mu);
   if (lib) return lib->path;
+  auto l = std::make_unique<Library>();
+  Api& a = l->api;
   std::string tried;
-  for (const std::string& path : candidates) {
-    void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (!h) {
-      const char* e = dlerror();
-      tried += "\n  " + path + ": " + (e ? e : "not loadable");
-      continue;
-    }
-    auto l = std::make_unique<Library>();
-    Api& a = l->api;
-    std::string missing;
-    bind(h, "cublasCreate_v2", a.Create, missing);
-    bind(h, "cublasSetStream_v2", a.SetStream, missing);
-    bind(h, "cublasSetWorkspace_v2", a.SetWorkspace, missing);
-    bind(h, "cublasSetMathMode", a.SetMathMode, missing);
-    bind(h, "cublasGemmEx", a.GemmEx, missing);
-    bind(h, "cublasGemmStridedBatchedEx", a.GemmStridedBatchedEx, missing);
-    if (!missing.empty()) {
-      tried += "\n  " + path + ": lacks " + missing + " (cuBLAS older than CUDA 11)";
-      dlclose(h);
-      continue;
-    }
-    l->path = path;
+  if (dl::open_first(candidates, "cuBLAS older than CUDA 11", [&a](void* h, std::string& missing) {
+        dl::bind(h, "cublasCreate_v2", a.Create, missing);
+        dl::bind(h, "cublasSetStream_v2", a.SetStream, missing);
+        dl::bind(h, "cublasSetWorkspace_v2", a.SetWorkspace, missing);
+        dl::bind(h, "cublasSetMathMode", a.SetMathMode, missing);
+        dl::bind(h, "cublasGemmEx", a.GemmEx, missing);
+        dl::bind(h, "cublasGemmStridedBatchedEx", a.GemmStridedBatchedEx, missing);
+      }, l->path, tried)) {
     lib = l.release();
     return lib->path;
   }
