@@ -308,6 +308,28 @@ int restore_state(State* s, PyObject* saved) {
   return 0;
 }
 
+// Takes every entry of `me` out of `queue` (the references move to `dropped`).
+template <typename Queue>
+void take_out(Queue& queue, PyObject* me, std::vector<PyObject*>& dropped) {
+  for (auto it = queue.begin(); it != queue.end();) {
+    if (*it == me) {
+      dropped.push_back(*it);
+      it = queue.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// A greenlet replica whose wait failed leaves the collective: a later combine or abort must not
+// resume it where it no longer waits (in retire, say, whose switch would then return nothing).
+void unpark(State* s, PyObject* me) {
+  std::vector<PyObject*> dropped;
+  take_out(s->parked, me, dropped);
+  take_out(s->ready, me, dropped);
+  for (PyObject* g : dropped) Py_DECREF(g);
+}
+
 // The results of the collective of `generation` for the running replica, the hub or a greenlet (parked
 // already): the hub serves the others; a greenlet hands the thread on, to the next replica not started yet
 // (started from here: a round trip through the hub saved), else to the hub, until a combine (or an abort)
@@ -349,6 +371,7 @@ PyObject* wait(State* s, PyObject* self, long generation, PyObject* me, Waiter w
   }
   PyObject *type, *value, *traceback;
   PyErr_Fetch(&type, &value, &traceback);  // (restored whatever happened, the error kept)
+  if (!results && waiter == kGreenlet) unpark(s, me);
   const int rc = restore_state(s, saved);
   Py_DECREF(saved);
   if (type) {
