@@ -57,7 +57,7 @@ def test_info_prints_every_fact_and_json_agrees():
     text = out.stdout
     assert text.startswith(f"mirrored {md.__version__} (")
     assert f"Host kernels:  {_core.isa()}, 3 threads" in text
-    for label in ("CUDA:", "NCCL:", "CuPy:", "Gloo:", "Shared memory: /dev/shm"):
+    for label in ("CUDA:", "NCCL:", "cuBLAS:", "CuPy:", "Gloo:", "Shared memory: /dev/shm"):
         assert f"\n{label}" in text, label
     assert ("Gloo:          yes" in text) is config.is_gloo_available()
 
@@ -69,6 +69,8 @@ def test_info_prints_every_fact_and_json_agrees():
     assert facts["gloo"]["available"] is config.is_gloo_available()
     assert facts["cuda"]["devices"] == len(config.list_physical_devices("GPU"))
     assert facts["nccl"]["available"] is config.is_nccl_available()
+    if not facts["cublas"]["available"]:  # says how to get it
+        assert "MIRRORED_CUBLAS_LIBRARY" in facts["cublas"]["reason"]
     if not facts["nccl"]["available"]:
         assert "nvidia-nccl-cu13" in facts["nccl"]["reason"]
     if facts["gloo"]["available"]:

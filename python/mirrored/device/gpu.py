@@ -328,7 +328,8 @@ def load_cublas() -> str:
                 _cublas[key] = ("failed", str(e))
         state, text = _cublas[key]
     if state == "failed":
-        raise RuntimeError(f"md.linalg.matmul on GPU arrays needs cuBLAS: {text}; {CUBLAS_FIX}")
+        fix = "" if "MIRRORED_CUBLAS_LIBRARY" in text else f"; {CUBLAS_FIX}"  # (the loader's own text names it)
+        raise RuntimeError(f"md.linalg.matmul on GPU arrays needs cuBLAS: {text}{fix}")
     return text
 
 

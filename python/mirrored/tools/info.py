@@ -70,6 +70,16 @@ def _nccl() -> dict:
     return {"available": True, "version": f"{major}.{rest // 100}.{rest % 100}", "path": str(path)}
 
 
+def _cublas() -> dict:
+    """The cuBLAS md.linalg.matmul uses on CuPy arrays (mirrored's own handle: capturable)."""
+    from ..device import gpu as _gpu
+
+    try:
+        return {"available": True, "path": _gpu.load_cublas()}
+    except RuntimeError as e:
+        return {"available": False, "reason": str(e)}
+
+
 def _cupy() -> dict:
     if importlib.util.find_spec("cupy") is None:
         return {"installed": False, "reason": "pip install cupy-cuda13x (GPU replicas hold CuPy arrays)"}
@@ -118,6 +128,7 @@ def collect() -> dict:
         "threads": int(num_threads()),
         "cuda": _cuda(),
         "nccl": _nccl(),
+        "cublas": _cublas(),
         "cupy": _cupy(),
         "gloo": _gloo(),
         "shared_memory": _shm(),
@@ -130,6 +141,7 @@ def _yes(flag: bool) -> str:
 
 def report(info: dict) -> str:
     cuda, nccl, cupy, gloo, shm = info["cuda"], info["nccl"], info["cupy"], info["gloo"], info["shared_memory"]
+    cublas = info["cublas"]
     lines = [
         f"mirrored {info['version']} ({info['location']})",
         f"Python {info['python']}, NumPy {info['numpy']}, {info['platform']}",
@@ -138,6 +150,8 @@ def report(info: dict) -> str:
         + (f": {', '.join(cuda['names'])}" if cuda.get("names") else f" - {cuda['reason']}"),
         f"NCCL:          {_yes(nccl['available'])}"
         + (f", {nccl['version']} from {nccl['path']}" if nccl["available"] else f" - {nccl['reason']}"),
+        f"cuBLAS:        {_yes(cublas['available'])}"
+        + (f", {cublas['path']} (md.linalg.matmul on GPUs)" if cublas["available"] else f" - {cublas['reason']}"),
         f"CuPy:          {cupy['version'] if cupy.get('version') else _yes(False)}"
         + (f" - {cupy['reason']}" if cupy.get("reason") else ""),
         f"Gloo:          {_yes(gloo['available'])}"
