@@ -113,6 +113,17 @@ def test_broadcast_and_reduce_with_aliased_outputs():
             np.testing.assert_array_equal(cupy.asnumpy(o), host[0:16])
 
 
+def test_reduce_leaves_the_other_replicas_outputs_alone():
+    # Only the root's output is written: a non-root output (contiguous or not) keeps its values.
+    for call in range(2):
+        xs = [on(0, np.full(6, float(i + 1), np.float32)) for i in range(2)]
+        other = on(0, np.arange(12, dtype=np.float32))[::2]  # not contiguous
+        target = collectives.reduce(xs, "sum", root=0, out=[on(0, np.zeros(6, np.float32)), other])
+        settle()
+        np.testing.assert_array_equal(cupy.asnumpy(target), 3.0)
+        np.testing.assert_array_equal(cupy.asnumpy(other), np.arange(12, dtype=np.float32)[::2])
+
+
 def test_outputs_sharing_memory_are_refused():
     a, b = on(0, np.ones(8, np.float32)), on(0, np.ones(8, np.float32))
     collectives.all_reduce([a, b], "sum", out=[on(0, np.zeros(8, np.float32)), on(0, np.zeros(8, np.float32))])
