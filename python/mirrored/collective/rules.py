@@ -293,8 +293,9 @@ def new_outputs(arrays):
     return [result_like(a) for a in arrays]
 
 
-def outputs(out, arrays, argument: str):
-    """Native-writable outputs and a function returning what the caller sees (``out`` itself)."""
+def outputs(out, arrays, argument: str, written=None):
+    """Native-writable outputs and a function returning what the caller sees (``out`` itself).
+    ``written``: the one output the collective writes (reduce's root), else every one."""
     if out is None:
         outs = new_outputs(arrays)
         return outs, outs.copy
@@ -314,6 +315,8 @@ def outputs(out, arrays, argument: str):
                              f"{arrays[i].shape} and {arrays[i].dtype} like the buffers")
         if not o.flags.writeable:
             raise ValueError(f"{argument}[{i}] is read-only; pass writeable arrays (or out=None)")
+        if written is not None and i != written:
+            continue
         if not o.flags.c_contiguous or not o.dtype.isnative:
             # Computed into a temporary, copied back (byte-swapped where out is) by finish().
             outs[i] = result_like(arrays[i])
