@@ -103,6 +103,40 @@ def test_host_bfloat16_accumulates_in_float32():
     np.testing.assert_array_equal(got, np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(a.dtype))
 
 
+# What tf.linalg.matmul (TF 2.21) returns for Python values: they convert as tf.convert_to_tensor
+# converts them (floats to float32, ints to int32, or int64 beyond int32), b with a's dtype as its hint.
+PYTHON_VALUES = [
+    ([[1, 2]], [[3], [4]], np.int32, [[11]]),
+    ([[1.0, 2.0]], [[3.0], [4.0]], np.float32, [[11.0]]),
+    (((1.0, 2.0),), ((1.0,), (2.0,)), np.float32, [[5.0]]),
+    ([[np.float64(1.5), 2.0]], [[1.0], [2.0]], np.float64, [[5.5]]),  # (a NumPy scalar keeps its dtype)
+    ([[2**40, 1], [1, 1]], [[1, 1], [1, 1]], np.int64, [[2**40 + 1] * 2, [2, 2]]),
+    ([[1 + 1j, 1]], [[1], [1]], np.complex128, [[2 + 1j]]),
+    (np.ones((1, 2)), [[1], [2]], np.float64, [[3.0]]),
+    (np.ones((1, 2), np.float16), [[1], [2]], np.float16, [[3.0]]),
+    (np.ones((1, 2), np.complex64), [[1.5], [2]], np.complex64, [[3.5]]),
+    (np.ones((1, 2), np.float32), [[1], [2**40]], np.float32, [[1.0 + 2**40]]),
+]
+
+
+@pytest.mark.parametrize("a, b, dtype, want", PYTHON_VALUES)
+def test_python_values_convert_as_tensorflow_converts_them(a, b, dtype, want):
+    got = md.matmul(a, b)
+    assert got.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(got, np.array(want, dtype))
+
+
+def test_python_values_that_do_not_fit_the_hint_keep_their_own_dtype():
+    # Floats are no int32 (TF: InvalidArgumentError, the dtypes differ) ...
+    with pytest.raises(TypeError, match="a is int32 and b is float32"):
+        md.matmul([[1, 2]], [[1.5], [2.0]])
+    # ... and where TF wraps 2**40 into int32 and truncates 1.5, mirrored converts exactly or not at all.
+    with pytest.raises(TypeError, match="a is int32 and b is int64"):
+        md.matmul(np.ones((1, 2), np.int32), [[1], [2**40]])
+    with pytest.raises(TypeError, match="a is int32 and b is float32"):
+        md.matmul(np.ones((1, 2), np.int32), [[1.5], [2.0]])
+
+
 def test_matmul_is_the_same_function_under_both_names():
     assert md.matmul is md.linalg.matmul
     import mirrored.linalg

@@ -176,6 +176,20 @@ def test_broadcast_and_reduce_with_aliased_outputs():
     np.testing.assert_array_equal(out[1], src)
 
 
+def test_reduce_leaves_the_other_replicas_outputs_alone():
+    # Only the root's output is written: a non-root output that is not contiguous keeps its values
+    # (it was staged like a written one, and the uninitialised staging buffer copied into it).
+    xs = [np.full(6, 1.0, np.float32), np.full(6, 2.0, np.float32)]
+    for root in (0, 1):
+        for _ in range(2):
+            other = np.arange(12, dtype=np.float32)[::2]
+            out = [np.zeros(6, np.float32), np.zeros(6, np.float32)]
+            out[1 - root] = other
+            target = collectives.reduce(xs, "sum", root=root, out=out)
+            np.testing.assert_array_equal(target, 3.0)
+            np.testing.assert_array_equal(other, np.arange(12, dtype=np.float32)[::2])
+
+
 def test_in_place_stays_zero_copy():
     xs = [np.full(1 << 16, float(i), np.float32) for i in range(4)]
     pointers = [x.ctypes.data for x in xs]

@@ -169,6 +169,76 @@ def test_the_group_checks_its_arguments():
     assert single.exchange(0, "all_reduce", 5, lambda slots: [slots[0] + 1]) == 6
 
 
+def test_a_greenlet_whose_wait_fails_leaves_no_stale_wake_up():
+    # A parked greenlet whose wait fails (here the claim of the next replica raises, as Ctrl-C may make it)
+    # leaves the collective: no later notify may resume it where it no longer waits.
+    greenlet = pytest.importorskip("greenlet")
+    from mirrored.distribute.distribute_lib import _Aborted
+
+    group, results = _Group(3), {}
+    claims = iter([1, "fail", 2])
+
+    def next_replica():
+        claim = next(claims, None)
+        if claim == "fail":
+            raise RuntimeError("claim failed")
+        return claim
+
+    def run_replica(i):
+        try:
+            results[i] = group.exchange(i, "all_reduce", i, lambda slots: [sum(slots)] * 3)
+        except BaseException as e:
+            results[i] = e
+            group.abort()
+        finally:
+            group.replica_finished()
+
+    def body(g, i):
+        me = greenlet.getcurrent()
+        while True:
+            g.run_replica(i)
+            g, i = g.retire(me)
+
+    group.cooperate(next_replica, run_replica, (), body, greenlet)
+    group.reset([])
+    run_replica(0)  # the hub: serves replica 1 as a greenlet, whose wait fails
+    for i in iter(next_replica, None):
+        run_replica(i)
+    group.drain()
+    assert isinstance(results[1], RuntimeError) and str(results[1]) == "claim failed", results
+    assert isinstance(results[0], _Aborted) and isinstance(results[2], _Aborted), results
+    assert group.unfinished == 0
+
+
+MISUSED_RENDEZVOUS = textwrap.dedent("""
+    from mirrored._core import Rendezvous
+    from mirrored.distribute.distribute_lib import _Group
+
+    def refused(call):
+        try:
+            call()
+        except (TypeError, RuntimeError) as e:
+            print(type(e).__name__, e)
+
+    uninitialised = Rendezvous.__new__(Rendezvous)
+    refused(lambda: uninitialised.exchange(0, "all_reduce", 1, list))
+    refused(lambda: uninitialised._exchange(0, "all_reduce", 1, list))
+    refused(lambda: uninitialised.abort())
+    refused(lambda: _Group(2).run_replica(0))
+    print("alive")
+""")
+
+
+def test_a_group_used_before_it_is_set_up_raises_instead_of_crashing():
+    # (A subprocess: before the fix these calls dereferenced null callables and killed the interpreter.)
+    done = subprocess.run([sys.executable, "-c", MISUSED_RENDEZVOUS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "alive"
+    assert sum("Rendezvous.__init__ was not called" in line for line in lines) == 3, lines
+    assert any("run_replica(): cooperate() first" in line for line in lines), lines
+
+
 CTRL_C_IN_A_COLLECTIVE = textwrap.dedent("""
     import os, signal, threading, time
     import numpy as np

@@ -58,6 +58,21 @@ std::vector<T*> as_ptrs(const Ptrs& p) {
 
 std::vector<cudaStream_t> as_streams(const Ptrs& s) { return as_ptrs<CUstream_st>(s); }
 
+// Whether an output overlaps an input other than its own replica's exactly (in place), or another
+// output: the engine reads every input while it writes, so such a call goes to the validating path,
+// which computes those outputs aside (collective/rules.py gpu_outputs) or refuses them. Device
+// addresses of all GPUs share one space (unified addressing), so any two compare.
+bool aliased(const std::vector<std::uintptr_t>& in, const std::vector<std::uintptr_t>& out, std::size_t bytes) {
+  const auto overlap = [bytes](std::uintptr_t a, std::uintptr_t b) { return a < b + bytes && b < a + bytes; };
+  for (std::size_t k = 0; bytes && k < out.size(); ++k) {
+    for (std::size_t j = 0; j < in.size(); ++j)
+      if (overlap(out[k], in[j]) && !(j == k && out[k] == in[j])) return true;
+    for (std::size_t j = 0; j < k; ++j)
+      if (overlap(out[k], out[j])) return true;
+  }
+  return false;
+}
+
 // A planned all_reduce or broadcast of device arrays (mirrored.collective.cuda.CallPlan): the
 // engine, algorithm, dtype and op or root, and what the arrays must be (bindings/device_fit.h).
 class DeviceCallPlan {
@@ -80,7 +95,7 @@ class DeviceCallPlan {
     } else if (out.is_none()) {
       result = alloc();
       if (!fit_.pointers(result, outs)) throw py::value_error("CallPlan.run: alloc() made outputs that do not fit");
-    } else if (!fit_.pointers(out, outs)) {
+    } else if (!fit_.pointers(out, outs) || aliased(in, outs, count_ * dtype_size(dtype_))) {
       return py::none();
     }
     const int n = fit_.replicas();

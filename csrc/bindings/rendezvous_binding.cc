@@ -308,6 +308,28 @@ int restore_state(State* s, PyObject* saved) {
   return 0;
 }
 
+// Takes every entry of `me` out of `queue` (the references move to `dropped`).
+template <typename Queue>
+void take_out(Queue& queue, PyObject* me, std::vector<PyObject*>& dropped) {
+  for (auto it = queue.begin(); it != queue.end();) {
+    if (*it == me) {
+      dropped.push_back(*it);
+      it = queue.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// A greenlet replica whose wait failed leaves the collective: a later combine or abort must not
+// resume it where it no longer waits (in retire, say, whose switch would then return nothing).
+void unpark(State* s, PyObject* me) {
+  std::vector<PyObject*> dropped;
+  take_out(s->parked, me, dropped);
+  take_out(s->ready, me, dropped);
+  for (PyObject* g : dropped) Py_DECREF(g);
+}
+
 // The results of the collective of `generation` for the running replica, the hub or a greenlet (parked
 // already): the hub serves the others; a greenlet hands the thread on, to the next replica not started yet
 // (started from here: a round trip through the hub saved), else to the hub, until a combine (or an abort)
@@ -349,6 +371,7 @@ PyObject* wait(State* s, PyObject* self, long generation, PyObject* me, Waiter w
   }
   PyObject *type, *value, *traceback;
   PyErr_Fetch(&type, &value, &traceback);  // (restored whatever happened, the error kept)
+  if (!results && waiter == kGreenlet) unpark(s, me);
   const int rc = restore_state(s, saved);
   Py_DECREF(saved);
   if (type) {
@@ -445,8 +468,18 @@ PyObject* exchange(Rendezvous* self, PyObject* const* args, Py_ssize_t nargs) {
   return mine;
 }
 
+// Whether __init__ ran (it sets the callables the calls below make); a TypeError otherwise, as a subclass
+// whose __init__ skips the base's, or Rendezvous.__new__ alone, leaves them null.
+bool initialised(const State* s) {
+  if (s->n > 0) return true;
+  PyErr_SetString(PyExc_TypeError, "Rendezvous.__init__ was not called: make it with Rendezvous(n, aborted, tracing, "
+                                   "traced) (a subclass's __init__ calls super().__init__)");
+  return false;
+}
+
 PyObject* rv_exchange(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
+  if (!initialised(s)) return nullptr;
   PyObject* tracing = PyObject_CallNoArgs(s->tracing);
   if (!tracing) return nullptr;
   const int traced = PyObject_IsTrue(tracing);
@@ -460,6 +493,7 @@ PyObject* rv_exchange(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 PyObject* rv_exchange_untraced(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (!initialised(reinterpret_cast<Rendezvous*>(self)->s)) return nullptr;
   return exchange(reinterpret_cast<Rendezvous*>(self), args, nargs);
 }
 
@@ -551,6 +585,7 @@ PyObject* rv_replica_finished(PyObject* self, PyObject*) {
 
 PyObject* rv_abort(PyObject* self, PyObject*) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
+  if (!initialised(s)) return nullptr;
   if (!s->broken) {
     PyObject* exc = PyObject_CallNoArgs(s->aborted_type);
     if (!exc) return nullptr;
@@ -561,7 +596,12 @@ PyObject* rv_abort(PyObject* self, PyObject*) {
 }
 
 PyObject* rv_run_replica(PyObject* self, PyObject* index) {
-  return PyObject_CallOneArg(reinterpret_cast<Rendezvous*>(self)->s->run_replica, index);
+  PyObject* run_replica = reinterpret_cast<Rendezvous*>(self)->s->run_replica;
+  if (!run_replica) {
+    PyErr_SetString(PyExc_RuntimeError, "run_replica(): cooperate() first (it says how a replica runs)");
+    return nullptr;
+  }
+  return PyObject_CallOneArg(run_replica, index);
 }
 
 // A greenlet replica returned: its greenlet goes back to the idle ones, and the thread on to a ready replica

@@ -163,7 +163,7 @@ def reduce(buffers, op="sum", root=0, *, out=None):
         with _gpu.cupy_module().cuda.Device(devices[root]):
             target, finish = _gpu.cupy_module().empty_like(arrays[root]), None
     else:
-        outs, finish = _outputs(out, arrays, devices, "out")
+        outs, finish = _outputs(out, arrays, devices, "out", written=root)
         target = outs[root]
     with span("reduce", arrays[0].nbytes, "direct", len(arrays)):
         engine.reduce(_ptrs(arrays), [target.data.ptr] * len(arrays), arrays[0].size, code, opc, root,

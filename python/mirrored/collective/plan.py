@@ -158,7 +158,7 @@ def reduce(buffers, op, root, out):
     if out is None:
         target, finish = result_like(arrays[root]), None
     else:
-        outs, finish = _outputs(out, arrays, "out")
+        outs, finish = _outputs(out, arrays, "out", written=root)
         target = outs[root]
     with span("reduce", arrays[0].nbytes, "direct", len(arrays)):
         _host_reduce(arrays, [target] * len(arrays), arrays[0].size, code, opc, root)

@@ -293,8 +293,9 @@ def new_outputs(arrays):
     return [result_like(a) for a in arrays]
 
 
-def outputs(out, arrays, argument: str):
-    """Native-writable outputs and a function returning what the caller sees (``out`` itself)."""
+def outputs(out, arrays, argument: str, written=None):
+    """Native-writable outputs and a function returning what the caller sees (``out`` itself).
+    ``written``: the one output the collective writes (reduce's root), else every one."""
     if out is None:
         outs = new_outputs(arrays)
         return outs, outs.copy
@@ -314,6 +315,8 @@ def outputs(out, arrays, argument: str):
                              f"{arrays[i].shape} and {arrays[i].dtype} like the buffers")
         if not o.flags.writeable:
             raise ValueError(f"{argument}[{i}] is read-only; pass writeable arrays (or out=None)")
+        if written is not None and i != written:
+            continue
         if not o.flags.c_contiguous or not o.dtype.isnative:
             # Computed into a temporary, copied back (byte-swapped where out is) by finish().
             outs[i] = result_like(arrays[i])
@@ -394,8 +397,13 @@ def gpu_inputs(buffers, argument: str, same_shape: bool = True):
     return arrays, dtype_code(first.dtype, argument), tuple(a.data.device_id for a in arrays)
 
 
-def gpu_outputs(out, arrays, devices, argument: str):
-    """Device outputs the engine writes, and a function returning what the caller sees."""
+def gpu_outputs(out, arrays, devices, argument: str, written=None):
+    """Device outputs the engine writes, and a function returning what the caller sees.
+
+    As on the host (csrc/host/output_staging.h): ``out[i]`` may be its own input (in place); one that
+    overlaps an input otherwise (another replica's, or part of its own) or is not contiguous is
+    computed into a new array and copied in by ``finish``; outputs that overlap each other are refused.
+    ``written``: the one output the collective writes (reduce's root), else every one."""
     cupy = _gpu.cupy_module()
     if out is None:
         outs = []
@@ -405,9 +413,11 @@ def gpu_outputs(out, arrays, devices, argument: str):
         return outs, outs.copy
     if not isinstance(out, (list, tuple)) or len(out) != len(arrays):
         raise ValueError(f"{argument}: expected a list of {len(arrays)} arrays (one per replica), got {out!r:.80}")
-    outs, copies = list(out), []
+    outs, copies, spans = list(out), [], {}
+    inputs = [gpu_span(a) for a in arrays]
     for i, o in enumerate(out):
         if o is arrays[i]:
+            spans[i] = inputs[i]
             continue
         if not isinstance(o, cupy.ndarray):
             if not hasattr(o, "__cuda_array_interface__"):
@@ -420,10 +430,20 @@ def gpu_outputs(out, arrays, devices, argument: str):
         if o.data.device_id != devices[i]:
             raise ValueError(f"{argument}[{i}] is on GPU {o.device.id} but buffers[{i}] on GPU {devices[i]}; "
                              "each output must be on its replica's GPU")
-        if not o.flags.c_contiguous:
+        if written is not None and i != written:
+            continue
+        span = spans[i] = gpu_span(o)
+        in_place = o.flags.c_contiguous and span == inputs[i]
+        if not in_place and (not o.flags.c_contiguous or any(_overlap(span, x) for x in inputs)):
             with o.device:
                 outs[i] = cupy.empty_like(arrays[i])  # computed here, copied back by finish()
             copies.append((o, outs[i]))
+    written_spans = sorted(spans.items())
+    for k, (i, a) in enumerate(written_spans):
+        for j, b in written_spans[:k]:
+            if _overlap(a, b):
+                raise ValueError(f"{argument}[{j}] and {argument}[{i}] share memory; give every replica its own "
+                                 "output array")
 
     def finish():
         for o, tmp in copies:
@@ -432,3 +452,20 @@ def gpu_outputs(out, arrays, devices, argument: str):
         return list(out)
 
     return outs, finish
+
+
+def gpu_span(a) -> tuple:
+    """The device addresses [first, end) that a CuPy array's elements lie in ((p, p) when it has none)."""
+    first = end = a.data.ptr
+    if a.size == 0:
+        return first, first
+    for n, stride in zip(a.shape, a.strides):
+        if stride < 0:
+            first += (n - 1) * stride
+        else:
+            end += (n - 1) * stride
+    return first, end + a.itemsize
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    return a[0] < b[1] and b[0] < a[1]

@@ -73,7 +73,8 @@ def matmul(a, b, transpose_a=False, transpose_b=False, adjoint_a=False, adjoint_
         raise TypeError(f"matmul: {which} is a CuPy array and {other} is not: pass both on the same GPU "
                         f"(cupy.asarray({other})) or both on the host")
     if not on_gpu[0]:
-        a, b = np.asarray(a), np.asarray(b)
+        a = _host_operand(a)
+        b = _host_operand(b, a.dtype)  # (TF converts b with a's dtype as its hint)
     _check_ranks(a, b)
     out_dtype = _result_dtype(a.dtype, b.dtype, output_type, on_gpu[0])
     conjugate = np.dtype(a.dtype).kind == "c"  # a real adjoint is a transpose (which a layout flip serves)
@@ -96,6 +97,38 @@ def matmul(a, b, transpose_a=False, transpose_b=False, adjoint_a=False, adjoint_
 
 def _is_cupy(x) -> bool:
     return type(x).__module__.partition(".")[0] == "cupy" and hasattr(x, "__cuda_array_interface__")
+
+
+def _host_operand(x, hint=None):
+    """``x`` as a NumPy array; Python values (numbers, or lists and tuples of them) as
+    ``tf.convert_to_tensor`` converts them: to ``hint`` where they fit it exactly (see _CONVERTS_TO),
+    else floats to float32 and ints to int32 (int64 beyond its range)."""
+    if not _python_values(x):
+        return np.asarray(x)
+    value = np.asarray(x)
+    kind = value.dtype.kind
+    if hint is not None and hint.kind in _CONVERTS_TO.get(kind, ""):
+        converted = value.astype(hint)
+        if hint.kind not in "iu" or np.array_equal(converted, value):  # (TF would wrap an int that overflows)
+            return converted
+    if kind == "f":
+        return value.astype(np.float32)
+    if kind == "i" and np.iinfo(np.int32).min <= value.min() and value.max() <= np.iinfo(np.int32).max:
+        return value.astype(np.int32)
+    return value
+
+
+# The dtype kinds Python values of a kind convert to under a hint: ints to any number, floats to
+# floats and complex, complex to complex (TF falls back to the default dtype otherwise).
+_CONVERTS_TO = {"i": "iufc", "f": "fc", "c": "c"}
+
+
+def _python_values(x) -> bool:
+    """Whether x is a Python number or a (nested) list or tuple of them only; NumPy scalars and
+    arrays keep their dtype, as in TF."""
+    if type(x) in (list, tuple):
+        return all(map(_python_values, x))
+    return type(x) in (int, float, complex, bool)
 
 
 def _check_ranks(a, b):
