@@ -558,6 +558,9 @@ class MirroredExtended(StrategyExtended):
                 _MirroredReplicaContext(self._container_strategy, self._worker_index * local + i, i,
                                         self._pool.group)
                 for i in range(local)]
+            if self._pool.group.order is not None:  # GPU replicas: a CuPy array is one leaf too
+                for context in self._replica_contexts:
+                    context._array_type = _gpu.cupy_module().ndarray
         return self._replica_contexts
 
     def _replica_scopes(self) -> list:
@@ -683,12 +686,18 @@ class MirroredExtended(StrategyExtended):
 
     def _native_replica_all_reduce(self, op, options):
         cdo = self._cross_device_ops
-        if type(self)._batch_reduce_to is not MirroredExtended._batch_reduce_to or len(self._local_devices) < 2 or \
-                not device_util.all_cpu(self._local_devices) or not cdo._native_batch_reduce():
-            # A subclass, a user's CrossDeviceOps, GPU buffers, or one replica (whose value is the
-            # result as it is): through batch_reduce_to
+        devices = self._local_devices
+        if type(self)._batch_reduce_to is not MirroredExtended._batch_reduce_to or len(devices) < 2 or \
+                not cdo._native_batch_reduce():
+            # A subclass, a user's CrossDeviceOps, or one replica (whose value is the result as it is):
+            # through batch_reduce_to
             return None
-        return functools.partial(cdo._replica_all_reduce, op, options)
+        if device_util.all_cpu(devices):
+            return functools.partial(cdo._replica_all_reduce, op, options, None, np.ndarray)
+        if device_util.all_gpu(devices):
+            ordinals = tuple(device_util.physical_ordinal(d) for d in devices)
+            return functools.partial(cdo._replica_all_reduce, op, options, ordinals, _gpu.cupy_module().ndarray)
+        return None  # CPU and GPU replicas mixed
 
     def _broadcast_to(self, tensor, destinations):
         return self._cross_device_ops.broadcast(tensor, destinations)
