@@ -218,15 +218,19 @@ class MergeOrder:
         entered = []  # (a stream is entered with its device current, and left so; entered as `with` does)
         # Leaving a `with` block makes the top of CuPy's per-thread stack current again, not a stream the
         # combining replica chose with use(): that one is made current again after the combine.
-        current = [cuda.get_current_stream(ordinal) for ordinal in self._gpus]
+        current = tuple(map(cuda.get_current_stream, self._gpus))
+        on = device  # the current device: switched only to another one (logical GPUs share one: no switch)
         results = None
         try:
             for ordinal in self._gpus:
-                runtime.setDevice(ordinal)
+                if on != ordinal:
+                    runtime.setDevice(ordinal)
+                    on = ordinal
                 stream = merge_stream(ordinal)
                 stream.__enter__()
                 entered.append((ordinal, stream))
-            runtime.setDevice(device)
+            if on != device:
+                runtime.setDevice(device)
             if _step is None:
                 results = combine(slots)
             else:
@@ -234,20 +238,28 @@ class MergeOrder:
                     results = combine(slots)
             return results
         finally:
+            on = runtime.getDevice()
             for ordinal, stream in reversed(entered):
-                runtime.setDevice(ordinal)
+                if on != ordinal:
+                    runtime.setDevice(ordinal)
+                    on = ordinal
                 stream.__exit__(None, None, None)
             for ordinal, stream in zip(self._gpus, current):
                 if cuda.get_current_stream(ordinal) != stream:
-                    runtime.setDevice(ordinal)
+                    if on != ordinal:
+                        runtime.setDevice(ordinal)
+                        on = ordinal
                     stream.use()
             for r, stream in foreign:
                 ordinal = self._ordinals[r]
-                runtime.setDevice(ordinal)
+                if on != ordinal:
+                    runtime.setDevice(ordinal)
+                    on = ordinal
                 stream.wait_event(merge_stream(ordinal).record())
                 if results is not None:
                     self._held[r].append((ordinal, stream, results[r]))
-            runtime.setDevice(device)
+            if on != device:
+                runtime.setDevice(device)
 
     def finish(self, replica: int) -> None:
         """Replica ``replica`` returned: what was handed to it on a stream of the user's goes once
