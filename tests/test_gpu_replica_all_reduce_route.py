@@ -39,10 +39,10 @@ def replicas(request):
         md.config.set_logical_device_configuration("GPU:0", None)
 
 
-def _strategies(n):
-    """The plain ring (direct route) and one whose batch path is overridden (batch_reduce_to route)."""
+def _strategies(n, ops="RingAllReduce"):
+    """Built-in ``ops`` (direct route) and a ring whose batch path is overridden (batch_reduce_to route)."""
     devices = [f"/gpu:{i}" for i in range(n)]
-    return md.MirroredStrategy(devices, md.cross_device_ops.RingAllReduce()), \
+    return md.MirroredStrategy(devices, getattr(md.cross_device_ops, ops)()), \
         md.MirroredStrategy(devices, RecordingBatchReduce())
 
 
@@ -54,10 +54,11 @@ def _host(x):
 @pytest.mark.parametrize("dtype,shape", [("float32", (1,)), ("float64", (3, 2)), ("int32", (5,)),
                                          ("float16", (0,)), ("uint8", (2, 3))])
 @pytest.mark.parametrize("nested", [False, True])
-def test_the_direct_route_gives_what_batch_reduce_to_and_numpy_give(replicas, op, dtype, shape, nested):
+@pytest.mark.parametrize("ops", ["RingAllReduce", "HierarchicalCopyAllReduce"])
+def test_the_direct_route_gives_what_batch_reduce_to_and_numpy_give(replicas, op, dtype, shape, nested, ops):
     rng = np.random.default_rng(replicas)
     host = [[rng.integers(0, 4, size=shape).astype(dtype) for _ in range(3)] for _ in range(replicas)]
-    direct, recorded = _strategies(replicas)
+    direct, recorded = _strategies(replicas, ops)
 
     def step():
         r = md.get_replica_context().replica_id_in_sync_group

@@ -148,8 +148,9 @@ class CrossDeviceOps:
             return [v._values[0] for v, _ in pairs]
         return self.batch_reduce_implementation(op, pairs, options or _DEFAULT_OPTIONS)
 
-    def _native_batch_reduce(self) -> bool:
-        """Whether the built-in native path serves batch_reduce (a replica context may go straight to it)."""
+    def _native_batch_reduce(self, devices) -> bool:
+        """Whether the built-in native path serves batch_reduce over ``devices`` (a replica context may go
+        straight to it)."""
         return False
 
     def broadcast(self, tensor, destinations):
@@ -271,13 +272,19 @@ class _NativeAllReduce(CrossDeviceOps):
         return self._collectives.batch_all_reduce(per_replica_lists, op, num_packs=self._num_packs,
                                                   algorithm=self._algorithm, **self._ring_kwargs)
 
-    def _native_batch_reduce(self) -> bool:
-        """Whether a batch_reduce of these ops ends in :meth:`_all_reduce_lists` (no subclass reroutes it)."""
+    def _native_batch_reduce(self, devices) -> bool:
+        """Whether a batch_reduce of these ops over ``devices`` ends in :meth:`_all_reduce_lists` (no subclass
+        reroutes it) and the ops serve those devices (else batch_reduce raises, naming them)."""
         kind = type(self)
-        return (kind.batch_reduce is CrossDeviceOps.batch_reduce
+        if not (kind.batch_reduce is CrossDeviceOps.batch_reduce
                 and kind.batch_reduce_implementation is _NativeAllReduce.batch_reduce_implementation
-                and kind._all_reduce_lists is _NativeAllReduce._all_reduce_lists
-                and kind._check_devices is _NativeAllReduce._check_devices)
+                and kind._all_reduce_lists is _NativeAllReduce._all_reduce_lists):
+            return False
+        try:
+            self._check_devices(devices)
+        except ValueError:
+            return False
+        return True
 
     def _replica_all_reduce(self, reduce_op, options, ordinals, array_type, per_replica):
         """A replica context's all_reduce (``per_replica[r]``: replica r's one array, or its list of arrays;

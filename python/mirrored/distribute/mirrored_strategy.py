@@ -692,7 +692,7 @@ class MirroredExtended(StrategyExtended):
         cdo = self._cross_device_ops
         devices = self._local_devices
         if type(self)._batch_reduce_to is not MirroredExtended._batch_reduce_to or len(devices) < 2 or \
-                not cdo._native_batch_reduce():
+                not cdo._native_batch_reduce(devices):
             # A subclass, a user's CrossDeviceOps, or one replica (whose value is the result as it is):
             # through batch_reduce_to
             return None
