@@ -185,13 +185,14 @@ class MergeOrder:
     step's stream already.
     """
 
-    __slots__ = ("_ordinals", "_gpus", "_foreign", "_held", "_cuda")
+    __slots__ = ("_ordinals", "_gpus", "_foreign", "_any_foreign", "_held", "_cuda")
 
     def __init__(self, ordinals):
         self._ordinals = tuple(ordinals)
         self._gpus = tuple(sorted({o for o in self._ordinals if o is not None}))
         n = len(self._ordinals)
         self._foreign = [None] * n  # replica -> its current stream at arrival, when not ordered by the legacy one
+        self._any_foreign = False  # whether any is (the common case, none, costs the combine no walk)
         self._held = [[] for _ in range(n)]  # replica -> [(ordinal, its stream, results handed to it)] of this run
         self._cuda = cupy_module().cuda
 
@@ -203,14 +204,16 @@ class MergeOrder:
         stream = self._cuda.get_current_stream(ordinal)
         if stream.ptr != 0 and stream.ptr not in _replica_stream_ptrs:
             self._foreign[replica] = stream
+            self._any_foreign = True
 
     def combine(self, combine, slots):
         """``combine(slots)`` (a list of per-replica results) on the merge streams, ordered with every replica."""
         cuda = self._cuda
         runtime = cuda.runtime
-        foreign = [(r, s) for r, s in enumerate(self._foreign) if s is not None]
-        if foreign:
-            self._foreign = [None] * len(self._ordinals)
+        foreign = ()
+        if self._any_foreign:
+            foreign = [(r, s) for r, s in enumerate(self._foreign) if s is not None]
+            self._foreign, self._any_foreign = [None] * len(self._ordinals), False
             for r, stream in foreign:
                 with cuda.Device(self._ordinals[r]):
                     merge_stream(self._ordinals[r]).wait_event(stream.record())
