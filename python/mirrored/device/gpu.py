@@ -185,13 +185,14 @@ class MergeOrder:
     step's stream already.
     """
 
-    __slots__ = ("_ordinals", "_gpus", "_foreign", "_held", "_cuda")
+    __slots__ = ("_ordinals", "_gpus", "_foreign", "_any_foreign", "_held", "_cuda")
 
     def __init__(self, ordinals):
         self._ordinals = tuple(ordinals)
         self._gpus = tuple(sorted({o for o in self._ordinals if o is not None}))
         n = len(self._ordinals)
         self._foreign = [None] * n  # replica -> its current stream at arrival, when not ordered by the legacy one
+        self._any_foreign = False  # whether any is (the common case, none, costs the combine no walk)
         self._held = [[] for _ in range(n)]  # replica -> [(ordinal, its stream, results handed to it)] of this run
         self._cuda = cupy_module().cuda
 
@@ -203,14 +204,16 @@ class MergeOrder:
         stream = self._cuda.get_current_stream(ordinal)
         if stream.ptr != 0 and stream.ptr not in _replica_stream_ptrs:
             self._foreign[replica] = stream
+            self._any_foreign = True
 
     def combine(self, combine, slots):
         """``combine(slots)`` (a list of per-replica results) on the merge streams, ordered with every replica."""
         cuda = self._cuda
         runtime = cuda.runtime
-        foreign = [(r, s) for r, s in enumerate(self._foreign) if s is not None]
-        if foreign:
-            self._foreign = [None] * len(self._ordinals)
+        foreign = ()
+        if self._any_foreign:
+            foreign = [(r, s) for r, s in enumerate(self._foreign) if s is not None]
+            self._foreign, self._any_foreign = [None] * len(self._ordinals), False
             for r, stream in foreign:
                 with cuda.Device(self._ordinals[r]):
                     merge_stream(self._ordinals[r]).wait_event(stream.record())
@@ -218,15 +221,19 @@ class MergeOrder:
         entered = []  # (a stream is entered with its device current, and left so; entered as `with` does)
         # Leaving a `with` block makes the top of CuPy's per-thread stack current again, not a stream the
         # combining replica chose with use(): that one is made current again after the combine.
-        current = [cuda.get_current_stream(ordinal) for ordinal in self._gpus]
+        current = tuple(map(cuda.get_current_stream, self._gpus))
+        on = device  # the current device: switched only to another one (logical GPUs share one: no switch)
         results = None
         try:
             for ordinal in self._gpus:
-                runtime.setDevice(ordinal)
+                if on != ordinal:
+                    runtime.setDevice(ordinal)
+                    on = ordinal
                 stream = merge_stream(ordinal)
                 stream.__enter__()
                 entered.append((ordinal, stream))
-            runtime.setDevice(device)
+            if on != device:
+                runtime.setDevice(device)
             if _step is None:
                 results = combine(slots)
             else:
@@ -234,20 +241,28 @@ class MergeOrder:
                     results = combine(slots)
             return results
         finally:
+            on = runtime.getDevice()
             for ordinal, stream in reversed(entered):
-                runtime.setDevice(ordinal)
+                if on != ordinal:
+                    runtime.setDevice(ordinal)
+                    on = ordinal
                 stream.__exit__(None, None, None)
             for ordinal, stream in zip(self._gpus, current):
                 if cuda.get_current_stream(ordinal) != stream:
-                    runtime.setDevice(ordinal)
+                    if on != ordinal:
+                        runtime.setDevice(ordinal)
+                        on = ordinal
                     stream.use()
             for r, stream in foreign:
                 ordinal = self._ordinals[r]
-                runtime.setDevice(ordinal)
+                if on != ordinal:
+                    runtime.setDevice(ordinal)
+                    on = ordinal
                 stream.wait_event(merge_stream(ordinal).record())
                 if results is not None:
                     self._held[r].append((ordinal, stream, results[r]))
-            runtime.setDevice(device)
+            if on != device:
+                runtime.setDevice(device)
 
     def finish(self, replica: int) -> None:
         """Replica ``replica`` returned: what was handed to it on a stream of the user's goes once

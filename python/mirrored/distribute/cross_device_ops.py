@@ -148,8 +148,9 @@ class CrossDeviceOps:
             return [v._values[0] for v, _ in pairs]
         return self.batch_reduce_implementation(op, pairs, options or _DEFAULT_OPTIONS)
 
-    def _native_batch_reduce(self) -> bool:
-        """Whether the built-in native path serves batch_reduce (a replica context may go straight to it)."""
+    def _native_batch_reduce(self, devices) -> bool:
+        """Whether the built-in native path serves batch_reduce over ``devices`` (a replica context may go
+        straight to it)."""
         return False
 
     def broadcast(self, tensor, destinations):
@@ -271,30 +272,48 @@ class _NativeAllReduce(CrossDeviceOps):
         return self._collectives.batch_all_reduce(per_replica_lists, op, num_packs=self._num_packs,
                                                   algorithm=self._algorithm, **self._ring_kwargs)
 
-    def _native_batch_reduce(self) -> bool:
-        """Whether a batch_reduce of these ops ends in :meth:`_all_reduce_lists` (no subclass reroutes it)."""
+    def _native_batch_reduce(self, devices) -> bool:
+        """Whether a batch_reduce of these ops over ``devices`` ends in :meth:`_all_reduce_lists` (no subclass
+        reroutes it) and the ops serve those devices (else batch_reduce raises, naming them)."""
         kind = type(self)
-        return (kind.batch_reduce is CrossDeviceOps.batch_reduce
+        if not (kind.batch_reduce is CrossDeviceOps.batch_reduce
                 and kind.batch_reduce_implementation is _NativeAllReduce.batch_reduce_implementation
-                and kind._all_reduce_lists is _NativeAllReduce._all_reduce_lists
-                and kind._check_devices is _NativeAllReduce._check_devices)
+                and kind._all_reduce_lists is _NativeAllReduce._all_reduce_lists):
+            return False
+        try:
+            self._check_devices(devices)
+        except ValueError:
+            return False
+        return True
 
-    def _replica_all_reduce(self, reduce_op, options, per_replica):
-        """A replica context's all_reduce of host arrays (``per_replica[r]``: replica r's one array, or
-        its list of arrays; the results take the same form) as ``batch_reduce_implementation`` fuses it,
-        without its wrapping in PerReplica and Mirrored; None unless every value is a NumPy array
-        (variables and other arrays go that way)."""
-        if type(per_replica[0]) is np.ndarray:  # one array each: one all-reduce
-            for a in per_replica:
-                if type(a) is not np.ndarray:
-                    return None
+    def _replica_all_reduce(self, reduce_op, options, ordinals, array_type, per_replica):
+        """A replica context's all_reduce (``per_replica[r]``: replica r's one array, or its list of arrays;
+        the results take the same form) as ``batch_reduce_implementation`` fuses it, without its wrapping in
+        PerReplica and Mirrored; None unless every value is what ``_buffers`` would hand on as it is (then
+        they go that way: variables, arrays to move): an ``array_type`` array, on replica r's GPU
+        ``ordinals[r]`` where ``ordinals`` is given (GPU replicas), NumPy arrays on CPU replicas."""
+        if type(per_replica[0]) is not list:  # one array each: one all-reduce
+            if not _placed(per_replica, ordinals, array_type):
+                return None
             return self._collectives.all_reduce(per_replica, reduce_op._value_, algorithm=self._algorithm,
                                                 **self._ring_kwargs)
-        for leaves in per_replica:
-            for a in leaves:
-                if type(a) is not np.ndarray:
-                    return None
+        for leaves in zip(*per_replica):
+            if not _placed(leaves, ordinals, array_type):
+                return None
         return self._all_reduce_lists(reduce_op, per_replica, options)
+
+
+def _placed(arrays, ordinals, array_type) -> bool:
+    """Whether ``arrays[r]`` is an ``array_type`` array on GPU ``ordinals[r]`` (any ``array_type`` where
+    ``ordinals`` is None): what device_util.place keeps as it is."""
+    for a in arrays:
+        if type(a) is not array_type:
+            return False
+    if ordinals is not None:
+        for a, ordinal in zip(arrays, ordinals):
+            if a.data.device_id != ordinal:
+                return False
+    return True
 
 
 class RingAllReduce(_NativeAllReduce):

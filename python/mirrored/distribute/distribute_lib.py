@@ -93,6 +93,10 @@ def _traced_exchange(group, rid, kind, payload, combine):
 class ReplicaContext:
     """The context of one replica inside ``strategy.run``: its id and the collectives across replicas."""
 
+    # The replicas' own array type besides NumPy's (GPU strategies: CuPy's), taken as one leaf without
+    # walking it as a structure.
+    _array_type = np.ndarray
+
     def __init__(self, strategy: "Strategy", replica_id_in_sync_group: int, _local_replica_id: int = 0,
                  _group: _Group | None = None):
         self._strategy = strategy
@@ -159,11 +163,12 @@ class ReplicaContext:
         values it does not take."""
 
         def combine(slots):
-            if native and type(slots[0]) is np.ndarray:  # the common case: one array each, one native call
-                results = native(slots)  # (None unless every slot is a NumPy array)
+            # (A slot is one array, or the list of a structure's leaves: see _collective.)
+            if native and type(slots[0]) is not list:  # the common case: one array each, one native call
+                results = native(slots)  # (None unless every slot is an array native takes as it is)
                 if results is not None:
                     return results
-            single = [type(s) is np.ndarray for s in slots]
+            single = [type(s) is not list for s in slots]
             per_replica = [[s] if one else s for s, one in zip(slots, single)]
             count = len(per_replica[0])
             for leaves_r in per_replica:
@@ -187,7 +192,7 @@ class ReplicaContext:
         """Runs ``combine`` (see :meth:`_combiner`) on ``value``'s leaves, with every replica's."""
         if _top().replica_context is not self:
             self._require_current(kind)
-        if type(value) is np.ndarray:  # the common case: one array, no structure to walk
+        if type(value) is np.ndarray or type(value) is self._array_type:  # the common case: one array
             return self._group.exchange(self._local_replica_id, kind, value, combine)
         # A variable is read here, in its replica (its own copy, as TF converts it to a tensor), not by the
         # replica that combines.
@@ -204,7 +209,8 @@ class ReplicaContext:
             combine = self._all_reduces.get(id(op))  # (by id: a ReduceOp's hash is Python code)
             if combine is not None:
                 stack = getattr(_local, "stack", None)  # (_collective's first case, its _top() inlined)
-                if type(value) is np.ndarray and stack and stack[-1].replica_context is self:
+                if (type(value) is np.ndarray or type(value) is self._array_type) and stack and \
+                        stack[-1].replica_context is self:
                     return self._group.exchange(self._local_replica_id, "all_reduce", value, combine)
                 return self._collective("all_reduce", value, combine)
         # Made once per op: the built-in native ops take the replicas' arrays straight, as batch_reduce_to

@@ -87,7 +87,7 @@ class _GpuThreadState(_ThreadState):
     entry on the thread's ``with stream`` stack (CuPy's, per thread: cupy/cuda/stream.pyx).
 
     Only the running replica's stream is on that stack: a replica handing the thread on takes its
-    entry off (``_GpuReplicaScope.suspend``) and puts it back when resumed, so the ``with`` blocks
+    entry off (``save``) and puts it back when resumed (``restore``), so the ``with`` blocks
     that library code opens and closes inside a replica unwind to that replica's stream, never to
     another's.
     """
@@ -98,26 +98,33 @@ class _GpuThreadState(_ThreadState):
         self._runtime, self._current_stream = cuda.runtime, cuda.get_current_stream
 
     def save(self) -> tuple:
-        current = self._current_stream
-        state = super().save() + (self._runtime.getDevice(), [current(o) for o in self._ordinals],
-                                  getattr(_running, "scope", None))
-        if state[5] is not None:
-            state[5].suspend()
+        scope = getattr(_running, "scope", None)
+        state = (getattr(_local, "stack", None), getattr(_device_local, "device", None),
+                 getattr(_scope_local, "scope", ""), self._runtime.getDevice(),
+                 tuple(map(self._current_stream, self._ordinals)), scope)
+        if scope is not None:  # its stream off the thread's `with` stack (see _GpuReplicaScope)
+            scope._entered[-1][1].__exit__(None, None, None)
         return state
 
     def restore(self, state: tuple) -> None:
-        super().restore(state[:3])
-        runtime, current, device, scope = self._runtime, self._current_stream, state[3], state[5]
+        _local.stack, _device_local.device, _scope_local.scope, device, streams, scope = state
+        runtime, current = self._runtime, self._current_stream
         _running.scope = scope
-        if scope is not None:
-            scope.resume()
-        moved = False  # (only what changed is set: replicas mostly share a GPU and keep their stream)
-        for ordinal, stream in zip(self._ordinals, state[4]):
+        if scope is not None:  # its GPU current again and its stream back on top of the `with` stack
+            on = scope._ordinal
+            if runtime.getDevice() != on:
+                runtime.setDevice(on)
+            scope._entered[-1][1].__enter__()
+        else:
+            on = runtime.getDevice()
+        # Only what differs is set: replicas mostly share a GPU and keep their stream.
+        for ordinal, stream in zip(self._ordinals, streams):
             if current(ordinal) is not stream:
-                runtime.setDevice(ordinal)  # (Stream.use sets the stream of the current device)
+                if on != ordinal:  # (Stream.use sets the stream of the current device)
+                    runtime.setDevice(ordinal)
+                    on = ordinal
                 stream.use()
-                moved = True
-        if moved or runtime.getDevice() != device:
+        if on != device:
             runtime.setDevice(device)
 
 
@@ -463,50 +470,47 @@ class _GpuReplicaScope:
     Its stream is entered as CuPy's ``with stream`` does (pushed on the
     thread's stack), so that ``with`` blocks inside the replica unwind to it.
     Replicas that share a thread (greenlets) take their entry off the stack
-    while another runs (``suspend``/``resume``, from _GpuThreadState).
+    while another runs (_GpuThreadState's save and restore).
     """
 
     def __init__(self, device, replica_id: int):
         self._ordinal = ordinal = device_util.physical_ordinal(device)
-        self._device = device_util.device_scope(device)
+        self._device = device
         self._runtime = _gpu.cupy_module().cuda.runtime
         self._stream = _gpu.replica_stream(replica_id, ordinal)
-        self._entered = []  # (CUDA device before, stream entered, memory scope, _running.scope before)
+        # (CUDA device before, stream entered, memory scope or None, _running.scope before, md device before)
+        self._entered = []
 
     def __enter__(self):
         # Inside md.function the replica runs on the step's stream and memory (device/gpu.py StepScope).
         # The step's allocator is the same for every replica and the md.function caller's own, so
         # interleaved enters and exits of its (per-thread) scope leave it as it was.
         step = _gpu.step_scope()
-        stream = self._stream if step is None else step.streams[self._ordinal]
-        memory = _gpu.step_memory()
-        self._device.__enter__()
-        device = self._runtime.getDevice()
-        self._entered.append((device, stream, memory, getattr(_running, "scope", None)))
-        self.resume()
-        memory.__enter__()
+        if step is None:
+            stream, memory = self._stream, None
+        else:
+            stream, memory = step.streams[self._ordinal], _gpu.step_memory()
+        runtime = self._runtime
+        device = runtime.getDevice()
+        self._entered.append((device, stream, memory, getattr(_running, "scope", None),
+                              getattr(_device_local, "device", None)))
+        _device_local.device = self._device
+        if device != self._ordinal:
+            runtime.setDevice(self._ordinal)
+        stream.__enter__()
+        if memory is not None:
+            memory.__enter__()
         _running.scope = self
 
-    def suspend(self) -> None:
-        """Takes this replica's stream off the thread's ``with`` stack (it is on top: anything entered
-        after it inside the replica has been left)."""
-        self._entered[-1][1].__exit__(None, None, None)
-
-    def resume(self) -> None:
-        """This replica's GPU current again and its stream back on top of the thread's ``with`` stack."""
-        if self._runtime.getDevice() != self._ordinal:
-            self._runtime.setDevice(self._ordinal)
-        self._entered[-1][1].__enter__()
-
     def __exit__(self, *exc):
-        device, stream, memory, running = self._entered[-1]
-        memory.__exit__(*exc)
-        self.suspend()
-        self._entered.pop()
+        device, stream, memory, running, md_device = self._entered.pop()
+        if memory is not None:
+            memory.__exit__(*exc)
+        stream.__exit__(None, None, None)  # (on top: anything entered after it inside the replica has been left)
         _running.scope = running
         if self._runtime.getDevice() != device:
             self._runtime.setDevice(device)
-        self._device.__exit__(*exc)
+        _device_local.device = md_device
 
 
 class _MirroredReplicaContext(ReplicaContext):
@@ -558,6 +562,9 @@ class MirroredExtended(StrategyExtended):
                 _MirroredReplicaContext(self._container_strategy, self._worker_index * local + i, i,
                                         self._pool.group)
                 for i in range(local)]
+            if self._pool.group.order is not None:  # GPU replicas: a CuPy array is one leaf too
+                for context in self._replica_contexts:
+                    context._array_type = _gpu.cupy_module().ndarray
         return self._replica_contexts
 
     def _replica_scopes(self) -> list:
@@ -683,12 +690,18 @@ class MirroredExtended(StrategyExtended):
 
     def _native_replica_all_reduce(self, op, options):
         cdo = self._cross_device_ops
-        if type(self)._batch_reduce_to is not MirroredExtended._batch_reduce_to or len(self._local_devices) < 2 or \
-                not device_util.all_cpu(self._local_devices) or not cdo._native_batch_reduce():
-            # A subclass, a user's CrossDeviceOps, GPU buffers, or one replica (whose value is the
-            # result as it is): through batch_reduce_to
+        devices = self._local_devices
+        if type(self)._batch_reduce_to is not MirroredExtended._batch_reduce_to or len(devices) < 2 or \
+                not cdo._native_batch_reduce(devices):
+            # A subclass, a user's CrossDeviceOps, or one replica (whose value is the result as it is):
+            # through batch_reduce_to
             return None
-        return functools.partial(cdo._replica_all_reduce, op, options)
+        if device_util.all_cpu(devices):
+            return functools.partial(cdo._replica_all_reduce, op, options, None, np.ndarray)
+        if device_util.all_gpu(devices):
+            ordinals = tuple(device_util.physical_ordinal(d) for d in devices)
+            return functools.partial(cdo._replica_all_reduce, op, options, ordinals, _gpu.cupy_module().ndarray)
+        return None  # CPU and GPU replicas mixed
 
     def _broadcast_to(self, tensor, destinations):
         return self._cross_device_ops.broadcast(tensor, destinations)

@@ -1,0 +1,111 @@
+"""A replica context's all_reduce of CuPy arrays on GPU replicas goes straight to the built-in native
+ops (one array, or a structure's leaves, each already on its replica's GPU), and through
+batch_reduce_to otherwise (variables, host arrays, a user's ops): the same
+results either way, equal to NumPy's (marker ``gpu``: simulated GPUs without a GPU, see gpu_env.py)."""
+
+import numpy as np
+import pytest
+
+from gpu_env import SKIP_REASON, cupy
+
+pytestmark = pytest.mark.gpu
+if cupy is None:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+import mirrored as md  # noqa: E402
+
+REFERENCE = {"SUM": np.sum, "MEAN": np.mean, "MIN": np.min, "MAX": np.max, "PROD": np.prod}
+
+
+class RecordingBatchReduce(md.cross_device_ops.RingAllReduce):
+    """The built-in ring, with batch_reduce_implementation overridden (so every call comes through it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        self.calls += 1
+        return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+
+
+@pytest.fixture(params=[2, 3, 4])
+def replicas(request):
+    n = request.param
+    md.config.set_logical_device_configuration("GPU", 0, count=n)
+    try:
+        yield n
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
+
+
+def _strategies(n, ops="RingAllReduce"):
+    """Built-in ``ops`` (direct route) and a ring whose batch path is overridden (batch_reduce_to route)."""
+    devices = [f"/gpu:{i}" for i in range(n)]
+    return md.MirroredStrategy(devices, getattr(md.cross_device_ops, ops)()), \
+        md.MirroredStrategy(devices, RecordingBatchReduce())
+
+
+def _host(x):
+    return cupy.asnumpy(x) if isinstance(x, cupy.ndarray) else np.asarray(x)
+
+
+@pytest.mark.parametrize("op", sorted(REFERENCE))
+@pytest.mark.parametrize("dtype,shape", [("float32", (1,)), ("float64", (3, 2)), ("int32", (5,)),
+                                         ("float16", (0,)), ("uint8", (2, 3))])
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("ops", ["RingAllReduce", "HierarchicalCopyAllReduce"])
+def test_the_direct_route_gives_what_batch_reduce_to_and_numpy_give(replicas, op, dtype, shape, nested, ops):
+    rng = np.random.default_rng(replicas)
+    host = [[rng.integers(0, 4, size=shape).astype(dtype) for _ in range(3)] for _ in range(replicas)]
+    direct, recorded = _strategies(replicas, ops)
+
+    def step():
+        r = md.get_replica_context().replica_id_in_sync_group
+        leaves = [cupy.asarray(a) for a in host[r]]
+        value = {"a": leaves[0], "rest": (leaves[1], leaves[2])} if nested else leaves[0]
+        return md.get_replica_context().all_reduce(op, value)
+
+    spied = []
+    direct.extended._cross_device_ops.batch_reduce = lambda *a, **k: spied.append(a)  # must not be reached
+    routes = []
+    for s in (direct, recorded):
+        results = []
+        for got in s.experimental_local_results(s.run(step)):
+            flat = [got["a"], *got["rest"]] if nested else [got]
+            assert all(isinstance(leaf, cupy.ndarray) for leaf in flat)
+            results.append([_host(leaf) for leaf in flat])
+        routes.append(results)
+    for direct_leaves, recorded_leaves in zip(*routes):
+        for t, (a, b) in enumerate(zip(direct_leaves, recorded_leaves)):
+            np.testing.assert_array_equal(a, b)
+            assert a.dtype == b.dtype
+            if not (op == "MEAN" and np.dtype(dtype).kind in "iu"):  # (integer MEAN: the engine's own rule)
+                assert a.dtype == np.dtype(dtype)
+                expected = REFERENCE[op](np.stack([h[t] for h in host]), axis=0).astype(dtype)
+                np.testing.assert_allclose(a, expected, rtol=1e-3 if dtype == "float16" else 1e-6)
+    assert not spied
+    assert recorded.extended._cross_device_ops.calls == 1
+
+
+def test_values_native_ops_cannot_take_as_they_are_go_through_batch_reduce_to(replicas):
+    """Host arrays and variables inside GPU replicas: batch_reduce_to moves or reads them first."""
+    direct, _ = _strategies(replicas)
+    reached = []
+    cdo = direct.extended._cross_device_ops
+    original = cdo.batch_reduce
+    cdo.batch_reduce = lambda *a, **k: reached.append(1) or original(*a, **k)
+    with direct.scope():
+        v = md.Variable(np.zeros(3, np.float32), synchronization=md.VariableSynchronization.ON_READ,
+                        aggregation=md.VariableAggregation.SUM)
+
+    def step():
+        r = md.get_replica_context().replica_id_in_sync_group
+        v.assign(np.full(3, r + 1, np.float32))
+        return md.get_replica_context().all_reduce("sum", [v, np.full(2, r, np.float32)])
+
+    total = replicas * (replicas + 1) // 2
+    for reduced_v, reduced_host in direct.experimental_local_results(direct.run(step)):
+        np.testing.assert_array_equal(_host(reduced_v), np.full(3, total, np.float32))
+        np.testing.assert_array_equal(_host(reduced_host), np.full(2, total - replicas, np.float32))
+    assert reached
