@@ -109,3 +109,24 @@ def test_values_native_ops_cannot_take_as_they_are_go_through_batch_reduce_to(re
         np.testing.assert_array_equal(_host(reduced_v), np.full(3, total, np.float32))
         np.testing.assert_array_equal(_host(reduced_host), np.full(2, total - replicas, np.float32))
     assert reached
+
+
+@pytest.mark.parametrize("ops", ["RingAllReduce", "NcclAllReduce", "HierarchicalCopyAllReduce"])
+@pytest.mark.parametrize("shape", [(5,), (64, 3)])
+def test_a_value_on_the_other_gpu_is_copied_in_order(ops, shape):
+    """Each replica all-reduces an array it made on the OTHER GPU: the copy onto its own GPU waits for the
+    write there, and that GPU's stream waits for the copy before the array's memory goes back to its pool
+    (a freed array read by a copy still queued came back as the pool's poison)."""
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    strategy = md.MirroredStrategy(["/gpu:0", "/gpu:1"], getattr(md.cross_device_ops, ops)())
+
+    def step():
+        r = md.get_replica_context().replica_id_in_sync_group
+        with cupy.cuda.Device(1 - r):
+            x = cupy.full(shape, r + 1, np.float32)
+        return md.get_replica_context().all_reduce("sum", x)
+
+    for _ in range(3):
+        for got in strategy.experimental_local_results(strategy.run(step)):
+            np.testing.assert_array_equal(_host(got), np.full(shape, 3, np.float32))

@@ -224,6 +224,30 @@ def _python_to_array(x) -> np.ndarray:
     return a
 
 
+def written_event(cupy, x):
+    """An event recorded on the current stream of GPU array ``x``'s device: a copy on another
+    stream waits for it to read x only after the work queued there (which writes x) is done."""
+    device = getattr(getattr(x, "data", None), "device_id", None)
+    with cupy.cuda.Device(device) if device is not None else contextlib.nullcontext():
+        return cupy.cuda.get_current_stream().record()
+
+
+def _copy_from_other_gpu(cupy, x, ordinal: int):
+    """``x`` (a CuPy array on another GPU) copied onto GPU ``ordinal``, ordered both ways with the
+    current stream of x's GPU: the copy waits for the work there that writes x, and that stream
+    waits for the copy, so x's memory (freed into that stream's pool once x goes) is not handed out
+    again before the copy has read it. CuPy orders neither: its copy runs on the destination's stream."""
+    written = written_event(cupy, x)
+    with cupy.cuda.Device(ordinal):
+        stream = cupy.cuda.get_current_stream()
+        stream.wait_event(written)
+        y = cupy.array(x, copy=True)
+        read = stream.record()
+    with cupy.cuda.Device(x.data.device_id):
+        cupy.cuda.get_current_stream().wait_event(read)
+    return y
+
+
 def place(x, device, copy: bool = False):
     """``x`` as an array on ``device``: NumPy for CPU devices, CuPy for GPU devices.
 
@@ -238,6 +262,8 @@ def place(x, device, copy: bool = False):
         ordinal = _gpu_ordinal(spec)
         if type(x) is cupy.ndarray and not copy and x.data.device_id == ordinal:
             return x  # (what cupy.asarray returns, without a device switch: the hot path of collectives)
+        if type(x) is cupy.ndarray and x.data.device_id != ordinal:
+            return _copy_from_other_gpu(cupy, x, ordinal)
         with cupy.cuda.Device(ordinal):
             if on_gpu(x):
                 same_gpu = getattr(getattr(x, "device", None), "id", None) == ordinal

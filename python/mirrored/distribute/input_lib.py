@@ -211,6 +211,7 @@ class _DeviceFetcher:
         import cupy
 
         if device_util.on_gpu(x):
+            stream.wait_event(device_util.written_event(cupy, x))  # (x's producer may be on another stream)
             with stream:
                 return cupy.array(x, copy=True)
         host = device_util.to_host(x)
