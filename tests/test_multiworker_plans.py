@@ -51,6 +51,14 @@ def plan_calls():
         x = [value(r, 1, (4,), dtype) for r in mine]
         out[("broadcast", dtype)] = [g.broadcast(x, root=3), g.broadcast(x, root=3)]
         out[("reduce", dtype)] = [g.reduce(x, "sum", root=1), g.reduce(x, "sum", root=1)]
+    # A reduce writes only the root's output (replica 1, on worker 0): the strided outputs of the other
+    # replicas keep their values on every worker.
+    x = [value(r, 1, (4,), "float32") for r in mine]
+    kept = [np.arange(8, dtype=np.float32)[::2] for _ in mine]
+    outs = list(kept)
+    if g.rank == 0:
+        outs[1] = np.zeros(4, np.float32)
+    out["reduce into strided"] = (g.reduce(x, "sum", root=1, out=outs), kept)
     # Arrays that do not fit a plan (strided, another dtype) are validated afresh and still right.
     base = [value(r, 0, (10,), "float32") for r in mine]
     out["strided"] = g.all_reduce([b[::2] for b in base], "sum")
@@ -118,6 +126,14 @@ def test_repeated_calls_run_their_plan_and_match_numpy(shm):
                     np.testing.assert_array_equal(r, expected(reducers["sum"], 1, (4,), dtype))
                 else:
                     assert r is None
+        target, kept = got["reduce into strided"]
+        if rank == 0:
+            np.testing.assert_array_equal(target, expected(reducers["sum"], 1, (4,), "float32"))
+        else:
+            assert target is None
+        for i, a in enumerate(kept):
+            if not (rank == 0 and i == 1):
+                np.testing.assert_array_equal(a, np.arange(8, dtype=np.float32)[::2])
         base_sum = sum(value(g, 0, (10,), "float32") for g in range(REPLICAS))
         for a in got["strided"]:
             np.testing.assert_array_equal(a, base_sum[::2])

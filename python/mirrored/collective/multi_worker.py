@@ -150,7 +150,10 @@ class WorkerCollectives:
             target, finish = result_like(arrays[local_root]), None
             targets = [target] * len(arrays)
         else:
-            targets, finish = _outputs(out, arrays, "out")
+            # Only the root's output is written (on the root's worker; none elsewhere): the others are
+            # neither staged nor copied back, so a strided one keeps its values.
+            holds_root = index // self.local_replicas == self.rank
+            targets, finish = _outputs(out, arrays, "out", written=local_root if holds_root else -1)
             target = targets[local_root]
         plan = self._plan("reduce", arrays, code, opc, 0, index, agreed_code)
         with span("reduce[workers]", arrays[0].nbytes, "gloo", len(arrays), self.num_replicas):
