@@ -13,20 +13,9 @@ if cupy is None:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 import mirrored as md  # noqa: E402
+from recording_ops import RecordingImplementation  # noqa: E402
 
 REFERENCE = {"SUM": np.sum, "MEAN": np.mean, "MIN": np.min, "MAX": np.max, "PROD": np.prod}
-
-
-class RecordingBatchReduce(md.cross_device_ops.RingAllReduce):
-    """The built-in ring, with batch_reduce_implementation overridden (so every call comes through it)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        self.calls += 1
-        return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
 
 
 @pytest.fixture(params=[2, 3, 4])
@@ -43,7 +32,7 @@ def _strategies(n, ops="RingAllReduce"):
     """Built-in ``ops`` (direct route) and a ring whose batch path is overridden (batch_reduce_to route)."""
     devices = [f"/gpu:{i}" for i in range(n)]
     return md.MirroredStrategy(devices, getattr(md.cross_device_ops, ops)()), \
-        md.MirroredStrategy(devices, RecordingBatchReduce())
+        md.MirroredStrategy(devices, RecordingImplementation())
 
 
 def _host(x):

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import mirrored as md
+from recording_ops import RecordingImplementation
 
 OPS = ["SUM", "MEAN", "MIN", "MAX", "PROD"]
 DTYPES = ["float32", "float64", "int32", "int64", "float16", "uint8"]
@@ -57,16 +58,6 @@ def test_results_are_new_arrays_the_inputs_can_change_under():
     for o in out:
         assert all(o is not x for x in xs)
         np.testing.assert_array_equal(o, np.full(4, 6, np.float32))
-
-
-class RecordingImplementation(md.cross_device_ops.RingAllReduce):
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        self.calls += 1
-        return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
 
 
 class RecordingBatchReduce(md.cross_device_ops.RingAllReduce):
