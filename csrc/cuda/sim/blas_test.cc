@@ -17,6 +17,7 @@
 
 #include "cuda/blas.h"
 #include "cuda/reduce_ops.cuh"
+#include "cuda/sim/expect.h"
 #include "cuda/sim/sim_runtime.h"
 
 using namespace mirrored::cuda;
@@ -24,12 +25,7 @@ using blas::Operation;
 
 namespace {
 
-int failures = 0;
-#define EXPECT(cond, ...)                                                        \
-  if (!(cond)) {                                                                 \
-    if (++failures <= 10) std::printf("FAIL: " __VA_ARGS__), std::printf("\n"); \
-    return;                                                                      \
-  }
+using sim_check::failures;
 
 using C64 = std::complex<double>;
 

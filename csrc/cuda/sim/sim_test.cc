@@ -22,6 +22,7 @@
 #include "cuda/device_batch.h"
 #include "cuda/fused.h"
 #include "cuda/reduce_ops.cuh"
+#include "cuda/sim/expect.h"
 #include "cuda/sim/sim_runtime.h"
 #include "cuda/stream_scope.h"
 #include "nccl/nccl_communicator.h"
@@ -31,12 +32,7 @@ using namespace mirrored::cuda;
 
 namespace {
 
-int failures = 0;
-#define EXPECT(cond, ...)                                            \
-  if (!(cond)) {                                                     \
-    if (++failures <= 10) std::printf("FAIL: " __VA_ARGS__), std::printf("\n"); \
-    return;                                                          \
-  }
+using sim_check::failures;
 
 // Exact in every dtype used: small integers, and prod stays within 2^4.
 long long value(int rank, std::size_t i, ReduceOp op) {
