@@ -58,10 +58,11 @@ def matmul(a, b, transpose_a=False, transpose_b=False, adjoint_a=False, adjoint_
     if (output_type is None and not (adjoint_a or adjoint_b) and a.__class__ is b.__class__ and _is_cupy(a)
             and a.ndim == 2 == b.ndim and a.dtype == b.dtype and a.dtype.name in _GPU_TYPES):
         # The common GPU case likewise: two matrices of one dtype.
-        m, k = a.shape[::-1] if transpose_a else a.shape
-        k_b, n = b.shape[::-1] if transpose_b else b.shape
+        ops = (_OP_T if transpose_a else _OP_N, _OP_T if transpose_b else _OP_N)
+        m, k = _rows_cols(a.shape, ops[0])
+        k_b, n = _rows_cols(b.shape, ops[1])
         if k == k_b:
-            return _gpu_matmul(a, b, (_OP_T if transpose_a else _OP_N, _OP_T if transpose_b else _OP_N), (), m, n, k)
+            return _gpu_matmul(a, b, ops, (), m, n, k)
     for flag, t, adj in (("a", transpose_a, adjoint_a), ("b", transpose_b, adjoint_b)):
         if t and adj:
             raise ValueError(f"Only one of `transpose_{flag}` and `adjoint_{flag}` can be True. Received "
