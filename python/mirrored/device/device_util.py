@@ -260,10 +260,11 @@ def place(x, device, copy: bool = False):
         import cupy
 
         ordinal = _gpu_ordinal(spec)
-        if type(x) is cupy.ndarray and not copy and x.data.device_id == ordinal:
-            return x  # (what cupy.asarray returns, without a device switch: the hot path of collectives)
-        if type(x) is cupy.ndarray and x.data.device_id != ordinal:
-            return _copy_from_other_gpu(cupy, x, ordinal)
+        if type(x) is cupy.ndarray:
+            if x.data.device_id != ordinal:
+                return _copy_from_other_gpu(cupy, x, ordinal)
+            if not copy:
+                return x  # (what cupy.asarray returns, without a device switch: the hot path of collectives)
         with cupy.cuda.Device(ordinal):
             if on_gpu(x):
                 same_gpu = getattr(getattr(x, "device", None), "id", None) == ordinal
