@@ -177,10 +177,7 @@ def all_gather(buffers, axis=0):
     shape, row_bytes, outer = gather_layout(arrays, axis)
     first = arrays[0]
     cupy = _gpu.cupy_module()
-    outs = []
-    for d in devices:
-        with cupy.cuda.Device(d):
-            outs.append(cupy.empty(shape, first.dtype))
+    outs = _on_each_gpu(cupy, devices, tuple(dict.fromkeys(devices)), lambda: cupy.empty(shape, first.dtype))
     engine, _ = _engine(devices, "auto")
     with span("all_gather", first.nbytes, "direct", len(arrays)):
         engine.all_gather(_ptrs(arrays), _ptrs(outs), row_bytes, outer, _streams(devices))
