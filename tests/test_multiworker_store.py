@@ -407,11 +407,12 @@ def test_the_chief_logs_who_it_is_waiting_for():
 
 def test_a_worker_logs_that_it_is_waiting_for_the_chief():
     spec = cluster(2)
-    (worker,) = launch(join_logging_progress, 2, spec=spec, only=[1], kwargs={"timeout": 3.5}, timeout=30,
+    # Long enough for two of the once-a-second progress lines on a loaded machine (3.5 s gave one).
+    (worker,) = launch(join_logging_progress, 2, spec=spec, only=[1], kwargs={"timeout": 8.0}, timeout=40,
                        env={"MIRRORED_LOG_LEVEL": "INFO"})
     assert worker.error == "PeerTimeoutError", (worker.error, worker.message)
     assert "could not reach the rendezvous store of worker:0" in worker.message
-    lines = re.findall(rf"mirrored INFO waiting for worker:0 at {re.escape(spec['worker'][0])} \((\d+) s of 3.5 s\)",
+    lines = re.findall(rf"mirrored INFO waiting for worker:0 at {re.escape(spec['worker'][0])} \((\d+) s of 8 s\)",
                        worker.stderr)
     assert len(lines) >= 2, worker.stderr
 
