@@ -204,22 +204,21 @@ def _apply_op(x, op):
 
 # What a product's signature determines, found on its first call and reused by the fast path
 # (_gpu_fast), which then reads neither the environment nor a dtype's name: CuPy's array class ->
-# (cupy, the CUDA extension with cuBLAS loaded) (the real CuPy's arrays go to the real engine, the
-# simulator's stand-in's to the simulator), and dtype -> the engine's Type code.
+# the calls a product makes (cupy.empty, the current device and stream, the engine's matmul with
+# cuBLAS loaded; the real CuPy's arrays go to the real engine, the simulator's stand-in's to the
+# simulator), and dtype -> the engine's Type code.
 _gpu_ready: dict = {}
 _gpu_codes: dict = {}
 
 
 def _gpu_engine(cls):
     """(cupy, the CUDA extension with cuBLAS loaded) for products of CuPy arrays of class ``cls``."""
-    ready = _gpu_ready.get(cls)
-    if ready is None:
-        extension = gpu.cuda_module()
-        gpu.load_cublas()
-        ready = gpu.cupy_module(), extension
-        if cls is ready[0].ndarray:
-            _gpu_ready[cls] = ready
-    return ready
+    extension = gpu.cuda_module()
+    gpu.load_cublas()
+    cupy = gpu.cupy_module()
+    if cls is cupy.ndarray and cls not in _gpu_ready:
+        _gpu_ready[cls] = cupy.empty, cupy.cuda.runtime.getDevice, cupy.cuda.get_current_stream, extension.matmul
+    return cupy, extension
 
 
 def _gpu_code(dtype) -> int:
@@ -237,9 +236,10 @@ def _gpu_fast(ready, a, b, op_a, op_b):
     code = _gpu_codes.get(dtype)
     if code is None or b.dtype is not dtype:
         return None
-    cupy, extension = ready
-    device = a.data.device_id
-    if b.data.device_id != device or cupy.cuda.runtime.getDevice() != device:
+    empty, current_device, current_stream, product = ready
+    data_a, data_b = a.data, b.data
+    device = data_a.device_id
+    if data_b.device_id != device or current_device() != device:
         return None
     size = dtype.itemsize
     x, y = _fast_operand(a.shape, a.strides, size, op_a), _fast_operand(b.shape, b.strides, size, op_b)
@@ -250,9 +250,9 @@ def _gpu_fast(ready, a, b, op_a, op_b):
     count = items_a if items_b == 1 else items_b
     if k != k_b or not (m and n and k and count) or items_a not in (1, count):
         return None
-    out = cupy.empty((m, n) if a.ndim == 2 == b.ndim else (count, m, n), dtype)
-    extension.matmul(device, code, m, n, k, count, a.data.ptr, flag_a, lda, stride_a, b.data.ptr, flag_b, ldb,
-                     stride_b, out.data.ptr, cupy.cuda.get_current_stream().ptr)
+    out = empty((m, n) if a.ndim == 2 == b.ndim else (count, m, n), dtype)
+    product(device, code, m, n, k, count, data_a.ptr, flag_a, lda, stride_a, data_b.ptr, flag_b, ldb, stride_b,
+            out.data.ptr, current_stream().ptr)
     return out
 
 
