@@ -8,7 +8,8 @@ stand-in (tests/fake_cupy.py), whose `@` is NumPy's: there only md's column,
 and md against an earlier build of it, mean anything.
 
 Each call is timed alone (perf_counter around it), its queued work drained
-after it outside the clock, and the median over --repeat calls is reported:
+after it outside the clock, the three calls of a row in turn, and the median
+over --repeat calls of each is reported:
 the host's cost of a call, which is what a launch-bound training step pays.
 "native" is mirrored's binding alone with the arguments precomputed (the cuBLAS
 call and what mirrored's C++ does around it).
@@ -48,20 +49,23 @@ CASES = [
 SIMULATED_SHAPES = {(512, 256): (16, 8), (256, 256): (8, 8), (8, 64, 64): (8, 4, 4), (64, 64): (4, 4)}
 
 
-def per_call_us(call, repeat: int) -> float:
-    """Median µs of one call, its queued work drained after each, outside the clock."""
+def per_call_us(calls, repeat: int) -> list:
+    """Median µs of one call of each of ``calls``, taken in turn (so that a busy or drifting host
+    weighs on each alike), the queued work drained after each call, outside the clock."""
     drain = cupy.sim.drain if gpu_env.SIMULATED else cupy.cuda.get_current_stream().synchronize
-    for _ in range(20):
-        call()
+    for call in calls:
+        for _ in range(20):
+            call()
     drain()
-    times = []
+    times = [[] for _ in calls]
     clock = time.perf_counter
     for _ in range(repeat):
-        t0 = clock()
-        call()
-        times.append(clock() - t0)
-        drain()
-    return statistics.median(times) * 1e6
+        for call, spent in zip(calls, times):
+            t0 = clock()
+            call()
+            spent.append(clock() - t0)
+            drain()
+    return [statistics.median(spent) * 1e6 for spent in times]
 
 
 def native_call(a, b, flags):
@@ -97,9 +101,8 @@ def main():
             if gpu_env.SIMULATED:  # (the stand-in multiplies on the host: small operands keep the run short)
                 shapes = [SIMULATED_SHAPES[s] for s in shapes]
             a, b = (cupy.asarray(rng.standard_normal(s).astype(dtype)) for s in shapes)
-            ours = per_call_us(lambda: md.linalg.matmul(a, b, **flags), args.repeat)
-            theirs = per_call_us(lambda: cupys(a, b), args.repeat)
-            native = per_call_us(native_call(a, b, flags), args.repeat)
+            ours, theirs, native = per_call_us(
+                [lambda: md.linalg.matmul(a, b, **flags), lambda: cupys(a, b), native_call(a, b, flags)], args.repeat)
             print(f"| {dtype} | {name} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f} | {native:.1f} |")
 
 
