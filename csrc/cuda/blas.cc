@@ -1,10 +1,13 @@
 #include "cuda/blas.h"
 
+#include <array>
+#include <atomic>
 #include <climits>
 #include <complex>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <utility>
 
@@ -26,15 +29,23 @@ struct Library {
 
 // A GPU's handle and its workspaces, one per stream; `mu` serialises the
 // set-stream/set-workspace/call sequence of the threads sharing the handle.
+// `stream` is the one the handle was last set to (with its workspace), so that
+// a product on the same stream as the last one sets neither again.
 struct DeviceState {
   Handle handle = nullptr;
   std::map<cudaStream_t, void*> workspaces;
+  std::optional<cudaStream_t> stream;
   std::mutex mu;
 };
 
+// Devices a process can address (CUDA's ordinals are small; more is refused).
+constexpr int kMaxDevices = 256;
+
+// `mu` guards loading the library and making a device's state; a product reads
+// both through the atomics without it, as neither changes once set.
 std::mutex mu;
-Library* lib = nullptr;  // never unloaded, and neither are the handles: products may be queued at exit
-std::map<int, DeviceState*>& states = *new std::map<int, DeviceState*>;
+std::atomic<Library*> lib{nullptr};  // never unloaded, and neither are the handles: products may be queued at exit
+std::array<std::atomic<DeviceState*>, kMaxDevices> states{};
 
 void check(Status status, const char* call) {
   if (status == kSuccess) return;
@@ -43,23 +54,25 @@ void check(Status status, const char* call) {
 }
 
 const Api& loaded() {
-  std::lock_guard<std::mutex> lock(mu);
-  if (!lib) throw std::runtime_error(std::string("cuBLAS is not loaded; ") + kFix);
-  return lib->api;
+  const Library* l = lib.load(std::memory_order_acquire);
+  if (!l) throw std::runtime_error(std::string("cuBLAS is not loaded; ") + kFix);
+  return l->api;
 }
 
 DeviceState& state_of(int device, const Api& api) {
+  if (device < 0 || device >= kMaxDevices)
+    throw std::invalid_argument("matmul: device=" + std::to_string(device) + " is not a GPU ordinal");
+  std::atomic<DeviceState*>& slot = states[static_cast<std::size_t>(device)];
+  if (DeviceState* s = slot.load(std::memory_order_acquire)) return *s;
   std::lock_guard<std::mutex> lock(mu);
-  DeviceState*& s = states[device];
-  if (!s) {
-    auto made = std::make_unique<DeviceState>();
-    DeviceGuard guard;
-    MIRRORED_CUDA_CHECK(cudaSetDevice(device));
-    check(api.Create(&made->handle), "cublasCreate");
-    check(api.SetMathMode(made->handle, kDefaultMath), "cublasSetMathMode");
-    s = made.release();
-  }
-  return *s;
+  if (DeviceState* s = slot.load(std::memory_order_relaxed)) return *s;
+  auto made = std::make_unique<DeviceState>();
+  DeviceGuard guard;
+  MIRRORED_CUDA_CHECK(cudaSetDevice(device));
+  check(api.Create(&made->handle), "cublasCreate");
+  check(api.SetMathMode(made->handle, kDefaultMath), "cublasSetMathMode");
+  slot.store(made.get(), std::memory_order_release);
+  return *made.release();
 }
 
 // The stream's workspace, allocated on its first product (relaxed stream
@@ -108,7 +121,7 @@ int fits(long long v, const char* what) {
 
 std::string load(const std::vector<std::string>& candidates) {
   std::lock_guard<std::mutex> lock(mu);
-  if (lib) return lib->path;
+  if (const Library* l = lib.load(std::memory_order_relaxed)) return l->path;
   auto l = std::make_unique<Library>();
   Api& a = l->api;
   std::string tried;
@@ -123,8 +136,8 @@ std::string load(const std::vector<std::string>& candidates) {
   if (!h)
     throw std::runtime_error(std::string("cuBLAS is not available; ") + kFix + ". Tried:" +
                              (tried.empty() ? std::string(" no candidates") : tried));
-  lib = l.release();
-  return lib->path;
+  lib.store(l.get(), std::memory_order_release);
+  return l.release()->path;
 }
 
 void matmul(int device, cudaStream_t stream, const Product& p) {
@@ -139,11 +152,22 @@ void matmul(int device, cudaStream_t stream, const Product& p) {
   const Scalars scalars;
   DeviceState& s = state_of(device, api);
   std::lock_guard<std::mutex> lock(s.mu);
-  DeviceGuard guard;
-  MIRRORED_CUDA_CHECK(cudaSetDevice(device));
-  // SetStream resets the workspace to cuBLAS's own pool: the stream's workspace is set after it.
-  check(api.SetStream(s.handle, stream), "cublasSetStream");
-  check(api.SetWorkspace(s.handle, workspace_of(s, stream), kWorkspaceBytes), "cublasSetWorkspace");
+  // cuBLAS calls go to the handle's device, which the caller mostly has current already.
+  int current = -1;
+  MIRRORED_CUDA_CHECK(cudaGetDevice(&current));
+  std::optional<DeviceGuard> guard;
+  if (current != device) {
+    guard.emplace();
+    MIRRORED_CUDA_CHECK(cudaSetDevice(device));
+  }
+  if (s.stream != stream) {
+    void* workspace = workspace_of(s, stream);
+    s.stream.reset();  // (until both calls succeed)
+    // SetStream resets the workspace to cuBLAS's own pool: the stream's workspace is set after it.
+    check(api.SetStream(s.handle, stream), "cublasSetStream");
+    check(api.SetWorkspace(s.handle, workspace, kWorkspaceBytes), "cublasSetWorkspace");
+    s.stream = stream;
+  }
   if (batch == 1) {
     check(api.GemmEx(s.handle, p.b.op, p.a.op, m, n, k, scalars.alpha(p.type), p.b.data, f.data, lda, p.a.data, f.data,
                      ldb, scalars.beta(p.type), p.c, f.data, ldc, f.compute, kGemmDefault),

@@ -84,6 +84,9 @@ void check_product(Operation op_a, Operation op_b, long long m, long long n, lon
   for (long long i = 0; i < rows_b * ldb * items_b; ++i) b[i] = Traits<T>::put(C64(i % 5 - 2.0, 1.0 - i % 4) * 0.5);
   cudaSetDevice(0);  // the engine switches to the product's device itself
   blas::matmul(device, stream, {Traits<T>::type, m, n, k, batch, {a, op_a, lda, stride_a}, {b, op_b, ldb, stride_b}, c});
+  int current = -1;
+  cudaGetDevice(&current);
+  EXPECT(current == 0, "the caller's device is current again after a product on GPU %d (got %d)", device, current);
   sim::drain();
   for (long long item = 0; item < batch; ++item)
     for (long long i = 0; i < m; ++i)
@@ -136,6 +139,41 @@ void check_capture() {
   EXPECT(sim::counters().blas.empty(), "a replay queues no product from the host");
   cudaGraphExecDestroy(exec);
   cudaFree(a), cudaFree(b), cudaFree(c);
+}
+
+// A product on the stream of the last one sets neither stream nor workspace again; one on
+// another stream sets both, and a capture on a stream set eagerly before still has its workspace.
+void check_stream_switches(void* lib) {
+  using Count = long long (*)();
+  auto set_streams = reinterpret_cast<Count>(dlsym(lib, "mirroredSimCublasSetStreamCalls"));
+  EXPECT(set_streams, "the stand-in counts its cublasSetStream calls");
+  if (!set_streams) return;
+  cudaSetDevice(0);
+  cudaStream_t s1 = nullptr, s2 = nullptr;
+  cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking);
+  cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking);
+  auto* a = static_cast<float*>(device_alloc(4 * 4)), *c = static_cast<float*>(device_alloc(4 * 4));
+  for (int i = 0; i < 4; ++i) a[i] = 1.0f;
+  const blas::Product p{blas::Type::kFloat32, 2, 2, 2, 1, {a, blas::kOpN, 2, 0}, {a, blas::kOpT, 2, 0}, c};
+  blas::matmul(0, s1, p);
+  const long long first = set_streams();
+  blas::matmul(0, s1, p);
+  blas::matmul(0, s1, p);
+  EXPECT(set_streams() == first, "products on the last product's stream set no stream (%lld calls)",
+         set_streams() - first);
+  blas::matmul(0, s2, p);
+  EXPECT(set_streams() == first + 1, "a product on another stream sets it");
+  blas::matmul(0, s1, p);
+  EXPECT(set_streams() == first + 2, "and one back on the first stream sets that again");
+  cudaStreamBeginCapture(s1, cudaStreamCaptureModeRelaxed);
+  blas::matmul(0, s1, p);  // (the stand-in refuses a capture without the stream's workspace)
+  cudaGraph_t graph = nullptr;
+  EXPECT(cudaStreamEndCapture(s1, &graph) == cudaSuccess, "a capture on a stream set before ends");
+  EXPECT(set_streams() == first + 2, "a captured product on the handle's stream sets nothing");
+  cudaGraphDestroy(graph);
+  sim::drain();
+  for (int i = 0; i < 4; ++i) EXPECT(c[i] == 2.0f, "c[%d] = %g", i, c[i]);
+  cudaFree(a), cudaFree(c);
 }
 
 // The stand-in's own rules, called directly as a careless caller would.
@@ -220,6 +258,7 @@ int main(int argc, char** argv) {
   check_products<F16>(stream1);
   check_capture();
   check_refusals(dlopen(argv[1], RTLD_NOW | RTLD_LOCAL));
+  check_stream_switches(dlopen(argv[1], RTLD_NOW | RTLD_LOCAL));
   check_threads();
   std::printf("cuBLAS engine on the simulated runtime: %d failures\n", failures);
   return failures ? 1 : 0;

@@ -9,6 +9,7 @@
 // smaller than it needs.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <complex>
 #include <cstdint>
 #include <cstring>
@@ -27,6 +28,10 @@ using mirrored::cuda::BF16;
 using mirrored::cuda::F16;
 
 constexpr int kInvalidValue = 7, kExecutionFailed = 13;
+
+// cublasSetStream calls of every handle, for the engine's test that a product on
+// the stream of the last one sets no stream (nor workspace) again.
+std::atomic<long long> set_stream_calls{0};
 
 struct Handle {
   int device;
@@ -189,6 +194,7 @@ int cublasDestroy_v2(Handle* h) {
 }
 int cublasSetStream_v2(Handle* h, cudaStream_t stream) {
   sim::Lock lock;
+  ++set_stream_calls;
   h->stream = stream;
   h->workspace = nullptr;  // as cuBLAS: a new stream goes back to the library's own workspace pool
   h->workspace_bytes = 0;
@@ -216,5 +222,7 @@ int cublasGemmStridedBatchedEx(Handle* h, int opa, int opb, int m, int n, int k,
   return gemm(h, opa, opb, m, n, k, alpha, a, atype, lda, stride_a, b, btype, ldb, stride_b, beta, c, ctype, ldc,
               stride_c, batch, compute);
 }
+// Not cuBLAS's: the count of cublasSetStream calls so far (blas_test.cc).
+long long mirroredSimCublasSetStreamCalls() { return set_stream_calls.load(); }
 }
 #pragma GCC visibility pop

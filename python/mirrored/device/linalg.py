@@ -55,14 +55,13 @@ def matmul(a, b, transpose_a=False, transpose_b=False, adjoint_a=False, adjoint_
         x, y = a.T if transpose_a else a, b.T if transpose_b else b
         if x.shape[1] == y.shape[0]:
             return np.matmul(x, y)
-    if (output_type is None and not (adjoint_a or adjoint_b) and a.__class__ is b.__class__ and _is_cupy(a)
-            and a.ndim == 2 == b.ndim and a.dtype == b.dtype and a.dtype.name in _GPU_TYPES):
-        # The common GPU case likewise: two matrices of one dtype.
-        ops = (_OP_T if transpose_a else _OP_N, _OP_T if transpose_b else _OP_N)
-        m, k = _rows_cols(a.shape, ops[0])
-        k_b, n = _rows_cols(b.shape, ops[1])
-        if k == k_b:
-            return _gpu_matmul(a, b, ops, (), m, n, k)
+    ready = _gpu_ready.get(a.__class__)
+    if ready is not None and b.__class__ is a.__class__ and output_type is None and not (adjoint_a or adjoint_b):
+        # The common GPU case likewise: matrices (or 3-D batches of them) of one dtype, row- or
+        # column-major, on the current GPU.
+        out = _gpu_fast(ready, a, b, _OP_T if transpose_a else _OP_N, _OP_T if transpose_b else _OP_N)
+        if out is not None:
+            return out
     for flag, t, adj in (("a", transpose_a, adjoint_a), ("b", transpose_b, adjoint_b)):
         if t and adj:
             raise ValueError(f"Only one of `transpose_{flag}` and `adjoint_{flag}` can be True. Received "
@@ -203,14 +202,92 @@ def _apply_op(x, op):
 
 # --- CuPy arrays: mirrored's cuBLAS ------------------------------------------------------
 
-def _gpu_matmul(a, b, ops, batch, m, n, k):
+# What a product's signature determines, found on its first call and reused by the fast path
+# (_gpu_fast), which then reads neither the environment nor a dtype's name: CuPy's array class ->
+# the calls a product makes (cupy.empty, the current device and stream, the engine's matmul with
+# cuBLAS loaded; the real CuPy's arrays go to the real engine, the simulator's stand-in's to the
+# simulator), and dtype -> the engine's Type code.
+_gpu_ready: dict = {}
+_gpu_codes: dict = {}
+
+
+def _gpu_engine(cls):
+    """(cupy, the CUDA extension with cuBLAS loaded) for products of CuPy arrays of class ``cls``."""
+    extension = gpu.cuda_module()
+    gpu.load_cublas()
     cupy = gpu.cupy_module()
+    if cls is cupy.ndarray and cls not in _gpu_ready:
+        _gpu_ready[cls] = cupy.empty, cupy.cuda.runtime.getDevice, cupy.cuda.get_current_stream, extension.matmul
+    return cupy, extension
+
+
+def _gpu_code(dtype) -> int:
+    code = _gpu_codes.get(dtype)
+    if code is None:
+        code = _gpu_codes[dtype] = _GPU_TYPES[np.dtype(dtype).name]
+    return code
+
+
+def _gpu_fast(ready, a, b, op_a, op_b):
+    """``op(a) @ op(b)`` of 2-D or 3-D CuPy arrays of one dtype on the current GPU whose matrices are
+    row- or column-major, without the general path's checks (cuBLAS's arguments from the shapes and
+    strides alone); None for anything else, which the general path takes (and raises for)."""
+    dtype = a.dtype
+    code = _gpu_codes.get(dtype)
+    if code is None or b.dtype is not dtype:
+        return None
+    empty, current_device, current_stream, product = ready
+    data_a, data_b = a.data, b.data
+    device = data_a.device_id
+    if data_b.device_id != device or current_device() != device:
+        return None
+    size = dtype.itemsize
+    x, y = _fast_operand(a.shape, a.strides, size, op_a), _fast_operand(b.shape, b.strides, size, op_b)
+    if x is None or y is None:
+        return None
+    m, k, flag_a, lda, items_a, stride_a = x
+    k_b, n, flag_b, ldb, items_b, stride_b = y
+    count = items_a if items_b == 1 else items_b
+    if k != k_b or not (m and n and k and count) or items_a not in (1, count):
+        return None
+    out = empty((m, n) if a.ndim == 2 == b.ndim else (count, m, n), dtype)
+    product(device, code, m, n, k, count, data_a.ptr, flag_a, lda, stride_a, data_b.ptr, flag_b, ldb, stride_b,
+            out.data.ptr, current_stream().ptr)
+    return out
+
+
+def _fast_operand(shape, strides, size, op):
+    """(rows, cols of op(x), op flag, ld, batch items, batch stride) for cuBLAS of a 2-D or 3-D
+    operand whose matrices are C-contiguous (read as stored) or F-contiguous (read with the op flag
+    flipped); None for other layouts and ranks."""
+    if len(shape) == 2:
+        items, stride = 1, 0
+    elif len(shape) == 3:
+        items, stride = shape[0], strides[0]
+        if items == 1:
+            stride = 0
+        elif stride < 0 or stride % size:
+            return None
+    else:
+        return None
+    r, c = shape[-2], shape[-1]
+    sr, sc = strides[-2], strides[-1]
+    if sc == size and sr == c * size:
+        flag, ld = op, c
+    elif sr == size and sc == r * size:
+        flag, ld = 1 - op, r  # (N <-> T)
+    else:
+        return None
+    return (c, r, flag, ld, items, stride // size) if op else (r, c, flag, ld, items, stride // size)
+
+
+def _gpu_matmul(a, b, ops, batch, m, n, k):
+    cupy, extension = _gpu_engine(a.__class__)
     device = int(a.data.device_id)
     if int(b.data.device_id) != device:
         raise ValueError(f"matmul: a is on GPU {device} and b on GPU {int(b.data.device_id)}: both must be on one GPU "
                          f"(copy one: with cupy.cuda.Device({device}): b = cupy.asarray(b))")
-    extension = gpu.cuda_module()
-    gpu.load_cublas()
+    code = _gpu_code(a.dtype)
     with cupy.cuda.Device(device):
         out = cupy.empty(batch + (m, n), a.dtype)
         if out.size == 0:
@@ -222,8 +299,8 @@ def _gpu_matmul(a, b, ops, batch, m, n, k):
         (a, op_a, lda, stride_a), (b, op_b, ldb, stride_b) = (
             _operand(cupy, x, op, batch, count) for x, op in ((a, ops[0]), (b, ops[1])))
         stream = cupy.cuda.get_current_stream()
-        extension.matmul(device, _GPU_TYPES[a.dtype.name], m, n, k, count, a.data.ptr, op_a, lda, stride_a,
-                         b.data.ptr, op_b, ldb, stride_b, out.data.ptr, stream.ptr)
+        extension.matmul(device, code, m, n, k, count, a.data.ptr, op_a, lda, stride_a, b.data.ptr, op_b, ldb,
+                         stride_b, out.data.ptr, stream.ptr)
     return out
 
 
