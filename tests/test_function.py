@@ -483,3 +483,69 @@ def test_a_step_over_many_parameters_is_captured_and_gives_the_eager_steps_bits(
     for e, c in zip(eager, captured):
         np.testing.assert_array_equal(c, e)
     np.testing.assert_array_equal(captured_losses, eager_losses)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_compute_average_loss_in_a_captured_step_captures_and_gives_the_eager_values(replicas):
+    """md.nn.compute_average_loss divides by a NumPy scalar: no host-to-device copy inside the step."""
+    def train(captured):
+        strategy = _gpu_strategy(replicas)
+        try:
+            w, b, opt = _model(strategy, "sgd")
+            inner = _step_fn(w, b, opt)
+
+            def step(x, y):
+                inner(x, y)
+                return md.nn.compute_average_loss(cupy.sum(x * x, axis=1), global_batch_size=8)
+
+            run = md.function(step) if captured else step
+            losses = [strategy.reduce(md.ReduceOp.SUM, strategy.run(run, args=_batches(strategy, replicas, s)),
+                                      axis=None) for s in range(4)]
+            return [float(v) for v in losses], w.numpy(), run
+        finally:
+            md.config.set_logical_device_configuration("GPU:0", None)
+
+    eager_losses, eager_w, _ = train(False)
+    losses, w, run = train(True)
+    assert run.experimental_get_tracing_count() == 1
+    assert losses == eager_losses
+    np.testing.assert_array_equal(w, eager_w)
+
+
+@pytest.mark.gpu
+def test_a_step_that_uploads_host_data_runs_eagerly_and_the_warning_says_to_pass_it_in():
+    strategy = _gpu_strategy(1)
+    try:
+        w, b, opt = _model(strategy, "sgd")
+        inner = _step_fn(w, b, opt)
+        offset = np.ones(3, np.float32)
+
+        def step(x, y):
+            return inner(x, y + cupy.asarray(offset))  # a host-to-device copy: refused while capturing
+
+        run = md.function(step)
+        with pytest.warns(EagerFallbackWarning, match=r"H2D transfers are disallowed.*cupy\.asarray\(offset\).*"
+                                                      r"make such arrays before the step and pass them in"):
+            for s in range(3):
+                strategy.run(run, args=_batches(strategy, 1, s))
+        assert int(opt.iterations.numpy()) == 3
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
+
+
+@pytest.mark.gpu
+def test_a_loss_scaled_step_runs_eagerly_and_the_warning_names_the_loss_scale_optimizer():
+    strategy = _gpu_strategy(1)
+    try:
+        with strategy.scope():
+            w, b = md.Variable(_W0), md.Variable(_B0)
+            opt = md.mixed_precision.LossScaleOptimizer(md.optimizers.SGD(0.1))
+        run = md.function(_step_fn(w, b, opt))
+        with pytest.warns(EagerFallbackWarning, match=r"inside mirrored\.train\.mixed_precision\..*"
+                                                      r"LossScaleOptimizer .* run a loss-scaled step without md\.function"):
+            for s in range(3):
+                strategy.run(run, args=_batches(strategy, 1, s))
+        assert int(opt.iterations.numpy()) == 3
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
