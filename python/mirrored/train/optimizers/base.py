@@ -686,7 +686,7 @@ class _Plan:
         scope = _gpu.step_scope()
         if scope is not None and scope.capturing:
             pack = self._make_pack(device, ordinal)  # the graph's own: its table is never rewritten
-            scope.captured.setdefault("fused update tables", []).append([pack])
+            scope.captured.setdefault("gradient packs", []).append([pack])
             weakref.finalize(scope, _retire_tables, [pack])
             pack.copy_captured(src, stream)
         else:
