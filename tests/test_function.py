@@ -542,8 +542,8 @@ def test_a_loss_scaled_step_runs_eagerly_and_the_warning_names_the_loss_scale_op
             w, b = md.Variable(_W0), md.Variable(_B0)
             opt = md.mixed_precision.LossScaleOptimizer(md.optimizers.SGD(0.1))
         run = md.function(_step_fn(w, b, opt))
-        with pytest.warns(EagerFallbackWarning, match=r"inside mirrored\.train\.mixed_precision\..*"
-                                                      r"LossScaleOptimizer .* run a loss-scaled step without md\.function"):
+        with pytest.warns(EagerFallbackWarning, match=r"inside mirrored\.train\.mixed_precision\..*LossScaleOptimizer "
+                                                      r".* run a loss-scaled step without md\.function"):
             for s in range(3):
                 strategy.run(run, args=_batches(strategy, 1, s))
         assert int(opt.iterations.numpy()) == 3
