@@ -19,7 +19,12 @@ What it keeps of CuPy is what the GPU path relies on:
   while work that reads it is still queued (and then the poison shows);
 * products of float and complex arrays (``@``, ``matmul``, ``dot``,
   ``tensordot``, ``einsum``) are refused while the current stream is
-  capturing, with CuPy's NotImplementedError: CuPy's cuBLAS calls are.
+  capturing, with CuPy's NotImplementedError: CuPy's cuBLAS calls are;
+* a host-to-device copy on a capturing stream is refused with CuPy 14's
+  RuntimeError (``copy_from_host_async``, and so ``array``/``asarray`` of host
+  data, ``ndarray.set``, ``arange``), and so is a concatenation (or stack) that
+  CuPy runs as one kernel over a pointer table it uploads: more than 8 arrays,
+  all of the result's dtype, under 2 MiB each on average.
 
 Arithmetic is NumPy's on host views of the simulated memory; results of
 functions this module does not define come from NumPy by the same route
@@ -423,13 +428,27 @@ class MemoryPointer:
         sim.memcpy(stream.ptr, self.device_id, self.ptr, int(src), int(size))
 
     def copy_from_host_async(self, mem, size, stream=None):
-        """A host-to-device copy queued on the stream; the host bytes at ``mem`` are taken now (pageable)."""
-        stream = stream or get_current_stream(self.device_id)
+        """A host-to-device copy queued on the stream; the host bytes at ``mem`` are taken now (pageable).
+        Refused, as CuPy 14 refuses it, while that stream is capturing."""
+        stream = _h2d_stream(stream or get_current_stream(self.device_id))
         address = mem.value if isinstance(mem, ctypes.c_void_p) else int(mem)
         sim.copy_from_host(stream.ptr, self.device_id, self.ptr, ctypes.string_at(address, int(size)))
 
     def __int__(self):
         return self.ptr
+
+
+# CuPy 14 refuses every host-to-device copy on a capturing stream: the graph would replay the copy from
+# host memory that is long gone or rewritten (pageable: CUDA would even read it at capture, not replay).
+# cupy.array/asarray of host data, ndarray.set, arange and concatenate's pointer table all copy this way.
+H2D_REFUSAL = "the current stream is capturing, so H2D transfers are disallowed"
+
+
+def _h2d_stream(stream):
+    """``stream``, the stream of a host-to-device copy; CuPy's RuntimeError if it is capturing."""
+    if stream.is_capturing():
+        raise RuntimeError(H2D_REFUSAL)
+    return stream
 
 
 class _Pinned(bytearray):
@@ -840,9 +859,14 @@ def _host_key(key):
 # --- creation and transfer ---------------------------------------------------------
 
 def _upload(host: np.ndarray, out: ndarray):
-    """Queues a copy of host (taken now, as a pageable copy is) into out on the current stream."""
+    """Queues a copy of host (taken now, as a pageable copy is) into out on the current stream: refused
+    while that stream is capturing (copy_from_host_async)."""
     data = np.array(host, dtype=out.dtype, copy=True)
-    _launch(lambda dst: np.copyto(dst, data), out)
+    if out.flags.c_contiguous:
+        out.data.copy_from_host_async(data.ctypes.data, data.nbytes)
+    else:
+        _h2d_stream(get_current_stream(out.data.device_id))
+        _launch(lambda dst: np.copyto(dst, data), out)
 
 
 def empty(shape, dtype=float64, order="C"):
@@ -956,12 +980,47 @@ def get_array_module(*args):
     return sys.modules[__name__] if any(isinstance(a, ndarray) for a in args) else np
 
 
+# CuPy's concatenate (cupy/_core/_routines_manipulation.pyx, _concatenate) copies more than this many
+# arrays, all of the result's dtype and under this many bytes each on average, in one kernel that reads
+# them through a table of their pointers, which it uploads from host memory first; else one copy kernel
+# per array.
+_SINGLE_KERNEL_ARRAYS = 8
+_SINGLE_KERNEL_BYTES_PER_ARRAY = 2 * 1024 * 1024
+
+
+def _concatenate_table(arrays: list, dtype: np.dtype):
+    """CuPy's single-kernel concatenation's host work: the arrays must be on the current device, and
+    their pointer table is uploaded (a host-to-device copy: refused while the current stream captures)."""
+    if len(arrays) <= _SINGLE_KERNEL_ARRAYS or any(a.dtype != dtype for a in arrays):
+        return
+    if sum(a.nbytes for a in arrays) >= _SINGLE_KERNEL_BYTES_PER_ARRAY * len(arrays):
+        return
+    device = _device_id()
+    for a in arrays:
+        if a.data.device_id != device:
+            raise ValueError(f"Array device must be same as the current device: array device = "
+                             f"{a.data.device_id} while current = {device}")
+    array(np.array([a.data.ptr for a in arrays], np.int64))
+
+
 def concatenate(arrays, axis=0, out=None, dtype=None):
-    return _apply(np.concatenate, (list(arrays),), {"axis": axis}, out=out)
+    arrays = [a.ravel() for a in arrays] if axis is None else list(arrays)
+    axis = 0 if axis is None else axis
+    if dtype is not None:
+        arrays = [a.astype(dtype, copy=False) for a in arrays]
+    devices = [a for a in arrays if isinstance(a, ndarray)]
+    if devices:
+        _concatenate_table(devices, out.dtype if out is not None else np.result_type(*(a.dtype for a in devices)))
+    return _apply(np.concatenate, (arrays,), {"axis": axis}, out=out)
 
 
 def stack(arrays, axis=0, out=None):
-    return _apply(np.stack, (list(arrays),), {"axis": axis}, out=out)
+    """CuPy's: the arrays, each given a new axis, concatenated along it."""
+    arrays = [asarray(a) for a in arrays]
+    if not arrays:
+        raise ValueError("need at least one array to stack")
+    axis = axis + arrays[0].ndim + 1 if axis < 0 else axis
+    return concatenate([a.reshape(a.shape[:axis] + (1,) + a.shape[axis:]) for a in arrays], axis, out=out)
 
 
 def _module_function(name):

@@ -399,3 +399,153 @@ def test_the_captured_products_run_on_mirroreds_cublas_at_each_replay():
             assert not cupy.sim.counters()["blas"] and cupy.sim.counters()["graph_launches"] == {0: 1}
     finally:
         md.config.set_logical_device_configuration("GPU:0", None)
+
+
+# A deep ReLU network of bench/train_step.py's kind, small: 2 * _LAYERS parameter tensors (more than the
+# 8 beyond which CuPy's concatenate uploads a pointer table, refused under capture), odd widths (so that
+# packed gradients lie at offsets that are not 16-byte aligned).
+_LAYERS, _WIDTH = 12, 5
+
+
+def _deep_variables(strategy, optimizer):
+    rng = np.random.default_rng(3)
+    with strategy.scope():
+        params = []
+        for _ in range(_LAYERS):
+            params.append(md.Variable(rng.standard_normal((_WIDTH, _WIDTH)).astype(np.float32) / np.float32(2)))
+            params.append(md.Variable(rng.standard_normal(_WIDTH).astype(np.float32) / np.float32(10)))
+        opt = {"sgd": lambda: md.optimizers.SGD(0.01),
+               "sgd momentum": lambda: md.optimizers.SGD(0.01, momentum=0.9),
+               "adam": lambda: md.optimizers.Adam(0.001)}[optimizer]()
+    return params, opt
+
+
+def _deep_step(params, opt, global_batch):
+    """Forward, backward by hand (bench/train_step.py's way), apply_gradients of every parameter."""
+    def forward_backward(x, y):
+        # (A function of its own: the values read go before the update, which then stays in place.)
+        xp = cupy if isinstance(x, cupy.ndarray) else np
+        weights = [p.read_value() for p in params]
+        hs = [x]
+        for j in range(0, len(weights), 2):
+            z = md.linalg.matmul(hs[-1], weights[j]) + weights[j + 1]
+            hs.append(xp.maximum(z, np.float32(0)) if j + 2 < len(weights) else z)
+        err = hs[-1] - y
+        g = err * np.float32(2.0 / global_batch)
+        grads = [None] * len(weights)
+        for j in range(len(weights) - 2, -1, -2):
+            h = hs[j // 2]
+            grads[j], grads[j + 1] = md.linalg.matmul(h, g, transpose_a=True), g.sum(axis=0)
+            if j:
+                g = md.linalg.matmul(g, weights[j], transpose_b=True) * (h > 0)
+        return xp.sum(err * err), grads
+
+    def step(x, y):
+        loss, grads = forward_backward(x, y)
+        opt.apply_gradients(zip(grads, params))
+        return loss
+    return step
+
+
+def _train_deep(replicas, optimizer, captured, steps=4):
+    strategy = _gpu_strategy(replicas)
+    try:
+        params, opt = _deep_variables(strategy, optimizer)
+        step = _deep_step(params, opt, global_batch=8)
+        run = md.function(step) if captured else step
+        rng = np.random.default_rng(5)
+        losses = []
+        for _ in range(steps):
+            x = rng.standard_normal((8, _WIDTH)).astype(np.float32)
+            y = rng.standard_normal((8, _WIDTH)).astype(np.float32)
+            per = 8 // replicas
+
+            def part(data):
+                return md.PerReplica([md.device_util.place(data[r * per:(r + 1) * per], d)
+                                      for r, d in enumerate(strategy.extended.worker_devices)],
+                                     strategy.extended.worker_devices)
+            losses.append(strategy.reduce(md.ReduceOp.SUM, strategy.run(run, args=(part(x), part(y))), axis=None))
+        return [c.numpy() for p in params for c in p.values], losses, run
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd momentum", "adam"])
+def test_a_step_over_many_parameters_is_captured_and_gives_the_eager_steps_bits(replicas, optimizer):
+    """The optimizer packs the gradients with the native multi-tensor copy (no pointer-table upload
+    from pageable memory, which CuPy refuses while capturing): no fallback warning (pytest turns it
+    into an error), one capture, the eager step's bits."""
+    eager, eager_losses, _ = _train_deep(replicas, optimizer, captured=False)
+    captured, captured_losses, run = _train_deep(replicas, optimizer, captured=True)
+    assert run.experimental_get_tracing_count() == 1
+    for e, c in zip(eager, captured):
+        np.testing.assert_array_equal(c, e)
+    np.testing.assert_array_equal(captured_losses, eager_losses)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_compute_average_loss_in_a_captured_step_captures_and_gives_the_eager_values(replicas):
+    """md.nn.compute_average_loss divides by a NumPy scalar: no host-to-device copy inside the step."""
+    def train(captured):
+        strategy = _gpu_strategy(replicas)
+        try:
+            w, b, opt = _model(strategy, "sgd")
+            inner = _step_fn(w, b, opt)
+
+            def step(x, y):
+                inner(x, y)
+                return md.nn.compute_average_loss(cupy.sum(x * x, axis=1), global_batch_size=8)
+
+            run = md.function(step) if captured else step
+            losses = [strategy.reduce(md.ReduceOp.SUM, strategy.run(run, args=_batches(strategy, replicas, s)),
+                                      axis=None) for s in range(4)]
+            return [float(v) for v in losses], w.numpy(), run
+        finally:
+            md.config.set_logical_device_configuration("GPU:0", None)
+
+    eager_losses, eager_w, _ = train(False)
+    losses, w, run = train(True)
+    assert run.experimental_get_tracing_count() == 1
+    assert losses == eager_losses
+    np.testing.assert_array_equal(w, eager_w)
+
+
+@pytest.mark.gpu
+def test_a_step_that_uploads_host_data_runs_eagerly_and_the_warning_says_to_pass_it_in():
+    strategy = _gpu_strategy(1)
+    try:
+        w, b, opt = _model(strategy, "sgd")
+        inner = _step_fn(w, b, opt)
+        offset = np.ones(3, np.float32)
+
+        def step(x, y):
+            return inner(x, y + cupy.asarray(offset))  # a host-to-device copy: refused while capturing
+
+        run = md.function(step)
+        with pytest.warns(EagerFallbackWarning, match=r"H2D transfers are disallowed.*cupy\.asarray\(offset\).*"
+                                                      r"make such arrays before the step and pass them in"):
+            for s in range(3):
+                strategy.run(run, args=_batches(strategy, 1, s))
+        assert int(opt.iterations.numpy()) == 3
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
+
+
+@pytest.mark.gpu
+def test_a_loss_scaled_step_runs_eagerly_and_the_warning_names_the_loss_scale_optimizer():
+    strategy = _gpu_strategy(1)
+    try:
+        with strategy.scope():
+            w, b = md.Variable(_W0), md.Variable(_B0)
+            opt = md.mixed_precision.LossScaleOptimizer(md.optimizers.SGD(0.1))
+        run = md.function(_step_fn(w, b, opt))
+        with pytest.warns(EagerFallbackWarning, match=r"inside mirrored\.train\.mixed_precision\..*LossScaleOptimizer "
+                                                      r".* run a loss-scaled step without md\.function"):
+            for s in range(3):
+                strategy.run(run, args=_batches(strategy, 1, s))
+        assert int(opt.iterations.numpy()) == 3
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)

@@ -22,6 +22,7 @@
 #include "cuda/device.h"
 #include "cuda/device_batch.h"
 #include "cuda/fused_update.h"
+#include "cuda/gradient_pack.h"
 #include "cuda/check.h"
 #include "cuda/stream_scope.h"
 #include "nccl/nccl_communicator.h"
@@ -259,6 +260,33 @@ void def_fused_update(py::module_& m) {
            "apply() for a step being captured on `stream` (md.function): the upload and the launch are recorded,\n"
            "the scalars read at each replay from `scalars`, a device buffer of the table's dtype holding the\n"
            "rule's `coefficients` values, then weight decay's rate and lr. The table then serves that graph only.");
+
+  py::class_<cuda::GradientPack>(m, "GradientPack", py::module_local())
+      .def(py::init([](int device, const Ptrs& dst, const std::vector<std::size_t>& bytes) {
+             return std::make_unique<cuda::GradientPack>(device, as_ptrs<void>(dst), bytes);
+           }),
+           py::arg("device"), py::arg("dst"), py::arg("bytes"))
+      .def_property_readonly("device", &cuda::GradientPack::device)
+      .def("__len__", &cuda::GradientPack::size)
+      .def("copy", [](cuda::GradientPack& p, const Ptrs& src, std::uintptr_t stream) {
+             const auto sources = as_ptrs<const void>(src);
+             py::gil_scoped_release nogil;  // may wait for the last upload to have read the host table
+             cuda::DeviceGuard guard;
+             MIRRORED_CUDA_CHECK(cudaSetDevice(p.device()));
+             p.copy(sources, reinterpret_cast<cudaStream_t>(stream));
+           },
+           py::arg("src"), py::arg("stream"),
+           "dst[k] = src[k] (bytes[k] each) for every k in one launch on `stream`; the table is uploaded\n"
+           "again only when a source moved since the last call.")
+      .def("copy_captured", [](cuda::GradientPack& p, const Ptrs& src, std::uintptr_t stream) {
+             // The GIL held, as apply_captured: recorded in the order the Python step issues it.
+             cuda::DeviceGuard guard;
+             MIRRORED_CUDA_CHECK(cudaSetDevice(p.device()));
+             p.copy_captured(as_ptrs<const void>(src), reinterpret_cast<cudaStream_t>(stream));
+           },
+           py::arg("src"), py::arg("stream"),
+           "copy() recorded into the graph `stream` is capturing (md.function): the upload from the pack's\n"
+           "pinned table and the launch. The pack then serves that graph only and must live as long.");
 }
 
 #ifdef MIRRORED_CUDA_SIM

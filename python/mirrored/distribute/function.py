@@ -397,26 +397,49 @@ def _caller_stacklevel() -> int:
     return level
 
 
-def _what_broke(error: BaseException) -> str:
-    """The error and the line of the step (not of mirrored or CuPy) that made it, for the warning, with
-    the fix where there is one of ours."""
-    where = ""
-    for frame in reversed(traceback.extract_tb(error.__traceback__)):
-        if frame.filename.endswith((".pyx", ".pxd", ".pxi")):  # CuPy's Cython frames: not the step's
-            continue
-        module = _module_of(frame.filename)
-        if not module.startswith(("mirrored", "cupy", "fake_cupy")):
-            where = f" (at {frame.filename}:{frame.lineno}, in {frame.name}: {frame.line})"
-            break
-    hint = ""
-    if isinstance(error, NotImplementedError) and "cuBLAS" in str(error):
-        hint = ("; CuPy refuses cuBLAS (`@`, cupy.matmul, dot, tensordot) while a stream is capturing: write the "
+# What broke a capture, recognised by the refusal's text, and how to write the step so that it captures.
+_CUBLAS_HINT = ("CuPy refuses cuBLAS (`@`, cupy.matmul, dot, tensordot) while a stream is capturing: write the "
                 "step's matrix products with md.linalg.matmul (or md.matmul), whose cuBLAS calls capture")
-    return f"{type(error).__name__}: {error}{where}{hint}"
+_UPLOAD_HINT = ("a host value became a GPU array inside the step (cupy.asarray/array of NumPy or Python data, "
+                "ndarray.set, arange, or CuPy's concatenate/stack of more than 8 small arrays, which uploads a "
+                "pointer table), a copy CuPy refuses while a stream is capturing: make such arrays before the "
+                "step and pass them in (inputs are copied into the captured buffers at every call), and keep "
+                "constants as Python or NumPy scalars")
+_WAIT_HINT = ("the step waits for the GPU to read a value on the host (float(), int(), bool(), .item(), .get(), "
+              "cupy.asnumpy, Variable.numpy()), which a capture cannot record: return the array and read it "
+              "after the call")
+_LOSS_SCALE_HINT = ("LossScaleOptimizer reads its loss scale and checks that the gradients are finite on the "
+                    "host at every step (a non-finite step is skipped in Python), which a captured step cannot "
+                    "replay: run a loss-scaled step without md.function")
+_WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "D2H transfers are disallowed")
 
 
-def _module_of(filename: str) -> str:
-    for name, module in list(sys.modules.items()):
-        if getattr(module, "__file__", None) == filename:
-            return name
-    return ""
+def _what_broke(error: BaseException) -> str:
+    """The error, the line of the step (not of mirrored or CuPy) that made it and the operation of mirrored
+    it was in, for the warning, with the fix where there is one."""
+    frames = []  # (module, frame), outermost first, without CuPy's Cython frames (not the step's)
+    tb = error.__traceback__
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.endswith((".pyx", ".pxd", ".pxi")):
+            frames.append((tb.tb_frame.f_globals.get("__name__", ""), tb))
+        tb = tb.tb_next
+    where, user = "", -1
+    for i in range(len(frames) - 1, -1, -1):
+        module, tb = frames[i]
+        if not module.startswith(("mirrored", "cupy", "fake_cupy")):
+            line = traceback.extract_tb(tb, limit=1)[0]
+            where, user = f" (at {line.filename}:{line.lineno}, in {line.name}: {line.line})", i
+            break
+    # The innermost of mirrored's functions the step's line called: the operation that broke the capture.
+    inside = [(module, tb.tb_frame.f_code.co_qualname) for module, tb in frames[user + 1:]
+              if module.startswith("mirrored.")]
+    operation = f" inside {inside[-1][0]}.{inside[-1][1]}" if inside else ""
+    message = str(error)
+    hint = ""
+    if isinstance(error, NotImplementedError) and "cuBLAS" in message:
+        hint = _CUBLAS_HINT
+    elif "H2D transfers are disallowed" in message:
+        hint = _UPLOAD_HINT
+    elif any(wait in message for wait in _WAITS):
+        hint = _LOSS_SCALE_HINT if any(m == "mirrored.train.mixed_precision" for m, _ in inside) else _WAIT_HINT
+    return f"{type(error).__name__}: {message}{where}{operation}{'; ' + hint if hint else ''}"

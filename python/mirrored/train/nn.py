@@ -68,10 +68,12 @@ def _check_loss_dtype(arr, argument: str) -> None:
 
 def _divide(total, divisor: int, dtype):
     """``total / divisor`` as TensorFlow's division gives it: in ``dtype``, float64 for integer losses."""
+    # The divisor as a NumPy scalar, not an array: on a GPU an array would be a host-to-device copy,
+    # which CuPy refuses inside a step md.function captures.
     xp = _xp(total)
     if dtype.name != "bfloat16" and np.issubdtype(dtype, np.integer):
-        return xp.asarray(total, dtype=np.float64) / xp.asarray(divisor, dtype=np.float64)
-    return (total / xp.asarray(divisor, dtype=dtype)).astype(dtype, copy=False)
+        return xp.asarray(total, dtype=np.float64) / np.float64(divisor)
+    return (total / dtype.type(divisor)).astype(dtype, copy=False)
 
 
 def _num_replicas_in_sync(function: str) -> int:

@@ -625,7 +625,9 @@ class _Plan:
                                 for dtype, indices in self.groups.items()]
                                for d in range(self.num_devices)] if self.packable else None
         self.gpu_tables = [None] * self.num_devices  # per device: one FusedUpdateTable per dtype
+        self.gpu_packs = [None] * self.num_devices  # per device: the GradientPack of its eager steps
         weakref.finalize(self, _retire_tables, self.gpu_tables)
+        weakref.finalize(self, _retire_tables, self.gpu_packs)
         self.tables_made_at = [None] * self.num_devices  # values.buffers_replaced when they were made
         self.rule = optimizer._rule
         # Keras applies a variable's constraint after its update: (index, constraint) of those that have one.
@@ -668,13 +670,43 @@ class _Plan:
     def pack(self, device: int, grads: list) -> list:
         """``grads`` copied into device ``device``'s fusion buffers, one per dtype (converted to it)."""
         buffers = self.fusion_buffers[device]
-        xp = array_module(buffers[0])
-        if len(buffers) == 1:
-            xp.concatenate(grads, axis=None, out=buffers[0])
-        else:
+        if self.host[device]:
             for buffer, indices in zip(buffers, self.groups.values()):
-                xp.concatenate([grads[k] for k in indices], axis=None, out=buffer)
+                np.concatenate([grads[k] for k in indices], axis=None, out=buffer)
+            return buffers
+        # On a GPU, one launch of the native multi-tensor copy over a table made once: CuPy's
+        # concatenate of many arrays uploads a pointer table from pageable memory on every call, which
+        # CuPy refuses while a stream is captured (md.function).
+        cupy = _gpu.cupy_module()
+        ordinal = device_util.physical_ordinal(self.copies[device][0].device)
+        sources = [_packable(cupy, grads[k], dtype, ordinal) for dtype, indices in self.groups.items()
+                   for k in indices]
+        src = [g.data.ptr for g in sources]
+        stream = cupy.cuda.get_current_stream().ptr
+        scope = _gpu.step_scope()
+        if scope is not None and scope.capturing:
+            pack = self._make_pack(device, ordinal)  # the graph's own: its table is never rewritten
+            scope.captured.setdefault("gradient packs", []).append([pack])
+            weakref.finalize(scope, _retire_tables, [pack])
+            pack.copy_captured(src, stream)
+        else:
+            if self.gpu_packs[device] is None:
+                self.gpu_packs[device] = self._make_pack(device, ordinal)
+            self.gpu_packs[device].copy(src, stream)
         return buffers
+
+    def _make_pack(self, device: int, ordinal: int):
+        """The native multi-tensor copy of device ``device``'s gradients into its fusion buffers (table order:
+        the groups', each group's variables back to back)."""
+        dst, nbytes = [], []
+        for buffer, indices in zip(self.fusion_buffers[device], self.groups.values()):
+            at = buffer.data.ptr
+            for k in indices:
+                size = self.copies[device][k]._value.size * buffer.itemsize
+                dst.append(at)
+                nbytes.append(size)
+                at += size
+        return _gpu_kernel().GradientPack(ordinal, dst, nbytes)
 
     def apply(self, device: int, grads, step: int, packed=None, update: bool = True) -> None:
         """Weight decay and the rule on every variable and slot of local device ``device``, in place;
@@ -940,6 +972,15 @@ def _host_grad(g, dtype):
     if type(g) is np.ndarray and g.dtype == dtype and g.flags.c_contiguous:
         return g
     return np.ascontiguousarray(g, dtype)
+
+
+def _packable(cupy, g, dtype, ordinal: int):
+    """Gradient ``g`` as the native pack copies it: a C-contiguous CuPy array of ``dtype`` on GPU ``ordinal``
+    (converted as concatenate's ``out=`` would, by a kernel of the current stream where it is not)."""
+    if isinstance(g, cupy.ndarray) and g.dtype == dtype and g.flags.c_contiguous and g.data.device_id == ordinal:
+        return g
+    with cupy.cuda.Device(ordinal):
+        return cupy.ascontiguousarray(cupy.array(g, dtype=dtype, copy=False))
 
 
 def _gpu_grad(buffer, dtype, count: int):
