@@ -34,6 +34,35 @@ __global__ void __launch_bounds__(kFusedThreads) multi_copy_kernel(const CopyEnt
 }
 
 template <typename T, ReduceOp Op>
+__global__ void __launch_bounds__(kFusedThreads)
+    multi_reduce_kernel(const ReduceEntry* table, const void* const* pointers, int entries, int n, int mean_div) {
+  multi_reduce_body<T, Op>(table, pointers, entries, n, mean_div, thread_index(), grid_threads());
+}
+
+template <typename T>
+void launch_multi(const ReduceEntry* table, const void* const* pointers, int entries, int n, std::size_t slots,
+                  ReduceOp op, int mean_div, int sms, cudaStream_t stream) {
+  const unsigned blocks = fused_blocks(slots, sms);
+  switch (op) {
+    case ReduceOp::kSum:
+      multi_reduce_kernel<T, ReduceOp::kSum><<<blocks, kFusedThreads, 0, stream>>>(table, pointers, entries, n, mean_div);
+      break;
+    case ReduceOp::kProd:
+      multi_reduce_kernel<T, ReduceOp::kProd><<<blocks, kFusedThreads, 0, stream>>>(table, pointers, entries, n, mean_div);
+      break;
+    case ReduceOp::kMin:
+      multi_reduce_kernel<T, ReduceOp::kMin><<<blocks, kFusedThreads, 0, stream>>>(table, pointers, entries, n, mean_div);
+      break;
+    case ReduceOp::kMax:
+      multi_reduce_kernel<T, ReduceOp::kMax><<<blocks, kFusedThreads, 0, stream>>>(table, pointers, entries, n, mean_div);
+      break;
+    case ReduceOp::kMean:
+      throw std::invalid_argument("multi_reduce: MEAN combines as sum; pass its combining op and the divisor");
+  }
+  MIRRORED_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T, ReduceOp Op>
 void launch(const FusedArgs& a, std::size_t count, int mean_div, int sms, cudaStream_t stream) {
   const bool vec = fused_vectorised(a);
   const unsigned blocks = fused_blocks(fused_work(count, sizeof(T), vec), sms);
@@ -90,6 +119,22 @@ void multi_copy(const CopyEntry* table, int entries, std::size_t slots, int sms,
   if (entries == 0 || slots == 0) return;
   multi_copy_kernel<<<fused_blocks(slots, sms), kFusedThreads, 0, stream>>>(table, entries);
   MIRRORED_CUDA_CHECK(cudaGetLastError());
+}
+
+void multi_reduce(const ReduceEntry* table, const void* const* pointers, int entries, int n, std::size_t slots,
+                  DType dtype, ReduceOp op, int mean_div, int sms, cudaStream_t stream) {
+  if (entries == 0 || slots == 0) return;
+  switch (dtype) {
+    case DType::kFloat16: return launch_multi<F16>(table, pointers, entries, n, slots, op, mean_div, sms, stream);
+    case DType::kBFloat16: return launch_multi<BF16>(table, pointers, entries, n, slots, op, mean_div, sms, stream);
+    case DType::kFloat32: return launch_multi<float>(table, pointers, entries, n, slots, op, mean_div, sms, stream);
+    case DType::kFloat64: return launch_multi<double>(table, pointers, entries, n, slots, op, mean_div, sms, stream);
+    case DType::kInt8: return launch_multi<std::int8_t>(table, pointers, entries, n, slots, op, mean_div, sms, stream);
+    case DType::kUInt8: return launch_multi<std::uint8_t>(table, pointers, entries, n, slots, op, mean_div, sms, stream);
+    case DType::kInt32: return launch_multi<std::int32_t>(table, pointers, entries, n, slots, op, mean_div, sms, stream);
+    case DType::kInt64: return launch_multi<std::int64_t>(table, pointers, entries, n, slots, op, mean_div, sms, stream);
+  }
+  throw std::invalid_argument("multi_reduce: unknown dtype code " + std::to_string(static_cast<int>(dtype)));
 }
 
 }  // namespace mirrored::cuda
