@@ -247,3 +247,36 @@ def test_all_reduce_outputs_are_reused_once_dropped_and_never_while_held(n, size
         for a in out:
             np.testing.assert_array_equal(cupy.asnumpy(a), np.sum(host2, 0))
     np.testing.assert_array_equal(cupy.asnumpy(view), np.sum(host1, 0)[:1])
+
+
+def test_results_of_a_captured_batch_are_never_handed_out_again():
+    import mirrored as md
+
+    devices = (0, 0)
+    host1, lists1 = batch(devices, 1)
+    host2, lists2 = batch(devices, 2)
+    eager = collectives.batch_all_reduce(lists1, "sum")  # plans; held through the capture
+    collectives.batch_all_reduce(lists1, "sum")  # a second set, dropped: free for the next eager call
+
+    @md.function
+    def step(lists):
+        return collectives.batch_all_reduce(lists, "sum")
+
+    step(lists1)  # the warm-up (eager)
+    captured = step(lists2)  # captured, then replayed
+    check(captured, host2, "sum", devices)
+    check(eager, host1, "sum", devices)  # the capture took no kept set
+    graph = set(pointers(captured))
+    for _ in range(3):
+        out = collectives.batch_all_reduce(lists1, "sum")
+        assert not set(pointers(out)) & graph  # the graph's results are its own for good
+        check(out, host1, "sum", devices)
+        del out
+    check(captured, host2, "sum", devices)
+    if SIMULATED:
+        cupy.sim.drain()
+        cupy.sim.reset_counters()
+    assert set(pointers(step(lists1))) == graph  # a replay writes them again
+    if SIMULATED:
+        assert cupy.sim.counters()["graph_launches"] == {0: 1}
+    check(captured, host1, "sum", devices)
