@@ -131,8 +131,9 @@ class DeviceCallPlan {
         op_(reduce_op_from_code(op)), root_(root), count_(count), fit_(std::move(fit)) {}
 
   // Checks that the arrays fit, takes `out` (or when it is None a kept set of outputs nobody else
-  // holds, else what alloc() returns: a list of arrays that fit), enqueues the collective on `streams` with the GIL released and returns the
-  // outputs; None, with nothing queued or allocated, when an array does not fit.
+  // holds, else what alloc() returns: a list of arrays that fit), enqueues the collective on
+  // `streams` with the GIL released and returns the outputs; None, with nothing queued or
+  // allocated, when an array does not fit.
   py::object run(py::handle buffers, py::handle out, const Ptrs& streams, const py::function& alloc) {
     std::vector<std::uintptr_t> in, outs;
     if (!fit_.pointers(buffers, in)) return py::none();
@@ -213,7 +214,8 @@ class DeviceBatchPlan {
       arrays.reserve(static_cast<std::size_t>(n) * T);
       for (py::handle row : made.first) {
         auto tensors = row.cast<py::list>();
-        if (static_cast<int>(tensors.size()) != T) throw py::value_error("BatchPlan.run: alloc() must give T results a replica");
+        if (static_cast<int>(tensors.size()) != T)
+          throw py::value_error("BatchPlan.run: alloc() must give one result per tensor and replica");
         for (py::handle a : tensors) arrays.push_back(py::reinterpret_borrow<py::object>(a));
       }
       return std::make_pair(std::move(arrays), std::move(made.second));

@@ -49,7 +49,8 @@ DeviceBatch::Layout DeviceBatch::plan(std::vector<std::size_t> counts, std::vect
   // The one-pass launches: the non-empty tensors by dtype, in batch order.
   for (std::size_t t = 0; t < counts.size(); ++t) {
     if (bytes[t] == 0) continue;
-    auto g = std::find_if(l.groups.begin(), l.groups.end(), [&](const Layout::Group& x) { return x.dtype == dtypes[t]; });
+    auto g = std::find_if(l.groups.begin(), l.groups.end(),
+                          [&](const Layout::Group& x) { return x.dtype == dtypes[t]; });
     if (g == l.groups.end()) g = l.groups.insert(l.groups.end(), Layout::Group{dtypes[t], {}, 0});
     g->tensors.push_back(t);
     g->slots += (bytes[t] + 15) / 16;
@@ -296,7 +297,8 @@ void DeviceBatch::packed(Communicator& comm, const std::vector<std::vector<const
       MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
       // The fusion buffers: after the last batch's unpack (a wait on the GPU, not the host).
       if (!captured && k.pending) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, k.used, 0));
-      MIRRORED_CUDA_CHECK(cudaMemcpyAsync(lane.table, host, (lane.pack_entries + lane.unpack_entries) * sizeof(CopyEntry),
+      MIRRORED_CUDA_CHECK(cudaMemcpyAsync(lane.table, host,
+                                          (lane.pack_entries + lane.unpack_entries) * sizeof(CopyEntry),
                                           cudaMemcpyHostToDevice, lane.stream));
       multi_copy(lane.table, static_cast<int>(lane.pack_entries), lane.pack_slots, k.sms, lane.stream);
     }
