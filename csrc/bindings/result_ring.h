@@ -41,6 +41,8 @@ class ResultRing {
     std::uint64_t last_use = 0;
   };
 
+  ResultRing() { sets_.reserve(kSets); }  // (a kept set never moves)
+
   // A kept set no one else references, made for a call on these streams (marked used now), or nullptr.
   // The GIL held.
   Set* take(const std::vector<std::uintptr_t>& streams) {
