@@ -206,9 +206,10 @@ def test_anything_holding_part_of_a_result_keeps_it_out_of_reuse(kind):
         np.testing.assert_array_equal(got, expected)
     del keeper
     gc.collect()
-    freed = collectives.batch_all_reduce(lists2, "sum")
-    assert freed is not None  # (a set is free again: the ring reuses one of its two)
-    check(freed, host2, "sum", devices)
+    freed = pointers(collectives.batch_all_reduce(lists2, "sum"))  # dropped at once
+    again = collectives.batch_all_reduce(lists2, "sum")
+    assert pointers(again) == freed  # nothing holds any set now: reuse resumes
+    check(again, host2, "sum", devices)
 
 
 def test_a_result_is_reused_only_on_the_stream_it_was_written_on():
