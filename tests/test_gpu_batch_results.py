@@ -97,25 +97,31 @@ def test_any_batch_on_one_gpu_matches_numpy(n, sizes, dtype, op, seed):
 def test_an_engine_batch_on_a_stream_per_replica_is_ordered_after_and_before_each(in_place, packing):
     # Each replica writes its inputs on its own stream, the batch runs on those streams, and each reads
     # its results back on its own: the one launch must wait for every stream and every stream for it.
+    # (Several rounds: the simulator's drain order is random, so a missing dependency shows in some.)
     devices = (0, 0, 0)
-    host, lists = make(devices, [5, 0, 64, 17, 300], [np.float32, np.float64, np.int32, np.float32, np.float32], 3)
     # (blocking streams: ordered after the inputs' upload on the legacy default stream)
     streams = [cupy.cuda.Stream(non_blocking=False) for _ in devices]
-    for s, row in zip(streams, lists):
-        with s:
-            for a in row:
-                a *= 2
-    outs = lists if in_place else [[cupy.empty_like(a) for a in row] for row in lists]
     engine, _ = cc._engine(devices, "auto")
-    engine.batch_all_reduce([[a.data.ptr for a in row] for row in lists], [[a.data.ptr for a in row] for row in outs],
-                            [a.size for a in lists[0]], [dtype_code(a.dtype, "x") for a in lists[0]], op_code("sum"), packing[0],
-                            packing[1], 0, [s.ptr for s in streams])
-    doubled = [[2 * x for x in row] for row in host]
-    for s, row in zip(streams, outs):
-        with s:
-            got = [a.copy() for a in row]
-        for g, w in zip(got, want(doubled, "sum")):
-            np.testing.assert_array_equal(cupy.asnumpy(g, stream=s), w)
+    for seed in range(6):
+        host, lists = make(devices, [5, 0, 64, 17, 300], [np.float32, np.float64, np.int32, np.float32, np.float32],
+                           seed)
+        for r, (s, row) in enumerate(zip(streams, lists)):
+            with s:
+                for a in row:
+                    a *= 2
+                    for _ in range(4 * r):  # more work queued on the other ranks' streams than on rank 0's
+                        a += 0
+        outs = lists if in_place else [[cupy.empty_like(a) for a in row] for row in lists]
+        engine.batch_all_reduce([[a.data.ptr for a in row] for row in lists],
+                                [[a.data.ptr for a in row] for row in outs], [a.size for a in lists[0]],
+                                [dtype_code(a.dtype, "x") for a in lists[0]], op_code("sum"), packing[0], packing[1],
+                                0, [s.ptr for s in streams])
+        doubled = [[2 * x for x in row] for row in host]
+        for s, row in reversed(list(zip(streams, outs))):  # (rank 0's stream, which runs the batch, last)
+            with s:
+                got = [a.copy() for a in row]
+            for g, w in zip(got, want(doubled, "sum")):
+                np.testing.assert_array_equal(cupy.asnumpy(g, stream=s), w)
 
 
 @pytest.mark.skipif(not SIMULATED, reason="counts the simulated machine's launches and host waits")
