@@ -6,6 +6,7 @@ kernels (they are drained after each call, outside the clock).
     python bench/gpu_host_overhead.py [--replicas 2 4] [--repeat 2000]
     python bench/gpu_host_overhead.py --run-only --replicas 2 4 8    # strategy.run only
     python bench/gpu_host_overhead.py --no-optimizer --clock cpu     # the collectives' table only
+    python bench/gpu_host_overhead.py --driver --replicas 2 8        # driver work per call instead of time
 
 Reports µs per call for a 4-byte all_reduce (out= preallocated and not), a
 200-tensor batch_all_reduce and strategy.run(replica-context all_reduce) on
@@ -64,6 +65,8 @@ def main():
     p.add_argument("--run-only", action="store_true",
                    help="only strategy.run: of a trivial step and of a replica-context all_reduce (4 B)")
     p.add_argument("--no-optimizer", action="store_true", help="skip the optimizer step's table")
+    p.add_argument("--driver", action="store_true",
+                   help="the simulated driver's work per repeated call (launches, stream operations, host waits)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: the process's CPU time (all threads), steadier than wall time on a loaded machine")
     args = p.parse_args()
@@ -71,6 +74,8 @@ def main():
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.run_only:
         return run_only(args)
+    if args.driver:
+        return driver(args)
     print("| replicas | all_reduce 4 B (µs) | all_reduce 4 B, out= (µs) | batch 200 tensors (µs) | "
           "run(all_reduce 4 B) (µs) |")
     print("|---:|---:|---:|---:|---:|")
@@ -99,6 +104,27 @@ def main():
     for n in args.replicas:
         fused, each = (optimizer_step_us(n, kernel, args.repeat // 20) for kernel in (True, False))
         print(f"| {n} | {fused:.0f} | {each:.0f} | {fused / each:.2f} |")
+
+
+def driver(args):
+    """Kernel launches, stream operations (records, waits, copies) and host waits for the GPU of one
+    repeated call (its results dropped, as in a training loop), on n logical GPUs."""
+    print("| replicas | call | launches | stream ops | host waits |")
+    print("|---:|---|---:|---:|---:|")
+    for n in args.replicas:
+        xs = [cupy.ones(1, cupy.float32) for _ in range(n)]
+        sizes = np.random.default_rng(0).integers(1, 3000, 200)
+        lists = [[cupy.ones(int(s), cupy.float32) for s in sizes] for _ in range(n)]
+        for name, call in (("all_reduce 4 B", lambda: collectives.all_reduce(xs, "sum")),
+                           ("batch 200 tensors", lambda: collectives.batch_all_reduce(lists, "sum"))):
+            for _ in range(8):  # planned, and the engine's tables grown
+                call()
+            cupy.sim.drain()
+            cupy.sim.reset_counters()
+            call()
+            c = cupy.sim.counters()
+            cupy.sim.drain()
+            print(f"| {n} | {name} | {sum(c['launches'].values())} | {c['stream_ops']} | {c['host_waits']} |")
 
 
 def run_only(args):

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "bindings/device_fit.h"
+#include "bindings/result_ring.h"
 #include "cuda/blas.h"
 #include "cuda/cuda_ring.h"
 #include "cuda/device.h"
@@ -74,6 +75,52 @@ bool aliased(const std::vector<std::uintptr_t>& in, const std::vector<std::uintp
   return false;
 }
 
+// Whether a stream (not the legacy default stream, which cannot be) is being captured into a CUDA graph.
+bool any_capturing(const Ptrs& streams) {
+  for (std::uintptr_t s : streams) {
+    if (s == 0) continue;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    MIRRORED_CUDA_CHECK(cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(s), &status));
+    if (status != cudaStreamCaptureStatusNone) return true;
+  }
+  return false;
+}
+
+// A plan's results for a call on `streams`: a set of `ring` that nobody else holds (result_ring.h), else
+// make()'s (arrays replica-major, the pointers the plan writes to), kept in the ring unless the call is
+// being captured (a graph writes its results at every replay: they are never handed out again). Returns
+// the arrays as a list per replica (`per` arrays each; 0: one flat list) and sets `pointers`. The GIL held.
+template <typename Make>
+py::object recycled(bindings::ResultRing& ring, const Ptrs& streams, std::size_t per, Ptrs& pointers, Make make) {
+  const auto lists = [per](const std::vector<py::object>& arrays) {
+    if (per == 0) {
+      py::list flat(arrays.size());
+      for (std::size_t k = 0; k < arrays.size(); ++k) flat[k] = arrays[k];
+      return flat;
+    }
+    py::list rows(arrays.size() / per);
+    for (std::size_t r = 0; r < arrays.size() / per; ++r) {
+      py::list row(per);
+      for (std::size_t t = 0; t < per; ++t) row[t] = arrays[r * per + t];
+      rows[r] = std::move(row);
+    }
+    return rows;
+  };
+  const bool captured = any_capturing(streams);
+  if (!captured) {
+    if (bindings::ResultRing::Set* kept = ring.take(streams)) {
+      pointers = kept->pointers;
+      return lists(kept->arrays);
+    }
+  }
+  auto [arrays, made_pointers] = make();
+  pointers = made_pointers;
+  if (captured) return lists(arrays);
+  bindings::ResultRing::Set& kept = ring.keep(std::move(arrays), std::move(made_pointers), streams);
+  bindings::ResultRing::settle(kept);  // (make()'s temporaries are gone: only the ring holds the arrays)
+  return lists(kept.arrays);
+}
+
 // A planned all_reduce or broadcast of device arrays (mirrored.collective.cuda.CallPlan): the
 // engine, algorithm, dtype and op or root, and what the arrays must be (bindings/device_fit.h).
 class DeviceCallPlan {
@@ -84,9 +131,10 @@ class DeviceCallPlan {
         algorithm_(static_cast<Algorithm>(algorithm)), dtype_(dtype_from_code(dtype)),
         op_(reduce_op_from_code(op)), root_(root), count_(count), fit_(std::move(fit)) {}
 
-  // Checks that the arrays fit, takes `out` (or what alloc() returns when it is None: a list of
-  // arrays that fit), enqueues the collective on `streams` with the GIL released and returns the
-  // outputs; None, with nothing queued or allocated, when an array does not fit.
+  // Checks that the arrays fit, takes `out` (or when it is None a kept set of outputs nobody else
+  // holds, else what alloc() returns: a list of arrays that fit), enqueues the collective on
+  // `streams` with the GIL released and returns the outputs; None, with nothing queued or
+  // allocated, when an array does not fit.
   py::object run(py::handle buffers, py::handle out, const Ptrs& streams, const py::function& alloc) {
     std::vector<std::uintptr_t> in, outs;
     if (!fit_.pointers(buffers, in)) return py::none();
@@ -94,8 +142,7 @@ class DeviceCallPlan {
     if (out.is(buffers)) {
       outs = in;  // in place: the same arrays, checked once
     } else if (out.is_none()) {
-      result = alloc();
-      if (!fit_.pointers(result, outs)) throw py::value_error("CallPlan.run: alloc() made outputs that do not fit");
+      result = new_outputs(streams, alloc, outs);
     } else if (!fit_.pointers(out, outs) || aliased(in, outs, count_ * dtype_size(dtype_))) {
       return py::none();
     }
@@ -112,6 +159,15 @@ class DeviceCallPlan {
   }
 
  private:
+  // The outputs of a call without `out`: a kept set nobody else holds, or alloc()'s (result_ring.h).
+  py::object new_outputs(const Ptrs& streams, const py::function& alloc, std::vector<std::uintptr_t>& outs) {
+    return recycled(results_, streams, 0, outs, [&] {
+      py::object made = alloc();
+      if (!fit_.pointers(made, outs)) throw py::value_error("CallPlan.run: alloc() made outputs that do not fit");
+      return std::make_pair(made.cast<std::vector<py::object>>(), outs);
+    });
+  }
+
   py::object engine_object_;  // keeps engine_ alive
   Engine* engine_;
   bool reduce_;
@@ -121,6 +177,7 @@ class DeviceCallPlan {
   int root_;
   std::size_t count_;
   bindings::DeviceFit fit_;
+  bindings::ResultRing results_;
 };
 
 // A planned batch all-reduce of device arrays (mirrored.collective.cuda.BatchPlan): the engine,
@@ -131,37 +188,52 @@ class DeviceBatchPlan {
                   const std::vector<int>& dtypes, std::vector<std::size_t> counts, std::vector<std::size_t> offsets,
                   bindings::DeviceFit fit)
       : engine_object_(std::move(engine)), engine_(engine_object_.cast<Engine*>()),
-        algorithm_(static_cast<Algorithm>(algorithm)), op_(reduce_op_from_code(op)), bytes_per_pack_(bytes_per_pack),
-        num_packs_(num_packs), counts_(std::move(counts)), offsets_(std::move(offsets)), fit_(std::move(fit)) {
-    for (int d : dtypes) dtypes_.push_back(dtype_from_code(d));
+        algorithm_(static_cast<Algorithm>(algorithm)), op_(reduce_op_from_code(op)),
+        offsets_(std::move(offsets)), fit_(std::move(fit)) {
+    std::vector<DType> types;
+    for (int d : dtypes) types.push_back(dtype_from_code(d));
     const std::size_t T = static_cast<std::size_t>(fit_.tensors());
-    if (dtypes_.size() != T || counts_.size() != T || offsets_.size() != T)
+    if (types.size() != T || counts.size() != T || offsets_.size() != T)
       throw py::value_error("BatchPlan: one dtype, count and offset per tensor");
+    layout_ = cuda::DeviceBatch::plan(std::move(counts), std::move(types), bytes_per_pack, num_packs);
   }
 
-  // Checks that every tensor fits, calls alloc() for (results, each replica's result buffer
-  // address), enqueues the batch on `streams` with the GIL released (tensor t of replica r lands
-  // at base[r] + offsets[t]) and returns the results; None, with nothing queued or allocated,
-  // when a tensor does not fit.
+  // Checks that every tensor fits, takes a kept set of results nobody else holds or calls alloc()
+  // for (results, each replica's result buffer address), enqueues the batch on `streams` with the
+  // GIL released (tensor t of replica r lands at base[r] + offsets[t]) and returns the results;
+  // None, with nothing queued or allocated, when a tensor does not fit.
   py::object run(py::handle lists, const Ptrs& streams, const py::function& alloc) {
     std::vector<std::uintptr_t> in;
     if (!fit_.batch_pointers(lists, in)) return py::none();
-    auto made = alloc().cast<std::pair<py::object, Ptrs>>();
     const int n = fit_.replicas(), T = fit_.tensors();
-    if (static_cast<int>(made.second.size()) != n) throw py::value_error("BatchPlan.run: alloc() must give one base per replica");
+    Ptrs bases;
+    py::object results = recycled(results_, streams, static_cast<std::size_t>(T), bases, [&] {
+      auto made = alloc().cast<std::pair<py::list, Ptrs>>();
+      if (static_cast<int>(made.second.size()) != n || static_cast<int>(made.first.size()) != n)
+        throw py::value_error("BatchPlan.run: alloc() must give one results list and one base per replica");
+      std::vector<py::object> arrays;
+      arrays.reserve(static_cast<std::size_t>(n) * T);
+      for (py::handle row : made.first) {
+        auto tensors = row.cast<py::list>();
+        if (static_cast<int>(tensors.size()) != T)
+          throw py::value_error("BatchPlan.run: alloc() must give one result per tensor and replica");
+        for (py::handle a : tensors) arrays.push_back(py::reinterpret_borrow<py::object>(a));
+      }
+      return std::make_pair(std::move(arrays), std::move(made.second));
+    });
     std::vector<std::vector<const void*>> i(n, std::vector<const void*>(T));
     std::vector<std::vector<void*>> o(n, std::vector<void*>(T));
     for (int r = 0; r < n; ++r)
       for (int t = 0; t < T; ++t) {
         i[r][t] = reinterpret_cast<const void*>(in[static_cast<std::size_t>(r) * T + t]);
-        o[r][t] = reinterpret_cast<void*>(made.second[r] + offsets_[t]);
+        o[r][t] = reinterpret_cast<void*>(bases[r] + offsets_[t]);
       }
     {
       py::gil_scoped_release nogil;
       cuda::StreamScope scope(as_streams(streams));
-      engine_->batch.all_reduce(*engine_->comm, i, o, counts_, dtypes_, op_, algorithm_, bytes_per_pack_, num_packs_);
+      engine_->batch.all_reduce(*engine_->comm, i, o, layout_, op_, algorithm_);
     }
-    return std::move(made.first);
+    return results;
   }
 
  private:
@@ -169,11 +241,10 @@ class DeviceBatchPlan {
   Engine* engine_;
   Algorithm algorithm_;
   ReduceOp op_;
-  std::size_t bytes_per_pack_;
-  int num_packs_;
-  std::vector<DType> dtypes_;
-  std::vector<std::size_t> counts_, offsets_;
+  cuda::DeviceBatch::Layout layout_;  // the packing, planned once
+  std::vector<std::size_t> offsets_;
   bindings::DeviceFit fit_;
+  bindings::ResultRing results_;
 };
 
 // The fit of a plan's arrays: their exact type, each replica's device, and per tensor
@@ -406,9 +477,10 @@ void def_sim(py::module_& m) {
     d["kernels"] = c.kernels;
     d["blas"] = c.blas;
     d["stream_ops"] = c.stream_ops;
+    d["host_waits"] = c.host_waits;
     return d;
-  }, "Engine kernel launches, graph launches, stand-in kernels and stand-in cuBLAS products per device, and stream operations (records, "
-     "waits, copies, syncs) since reset_counters().");
+  }, "Engine kernel launches, graph launches, stand-in kernels and stand-in cuBLAS products per device, stream operations (records, "
+     "waits, copies, syncs) and host waits for the GPU (synchronisations, cudaFree) since reset_counters().");
   s.def("reset_counters", [] { sim::reset_counters(); });
   s.def("malloc", [](std::size_t bytes, int device) {
     check_device(device);

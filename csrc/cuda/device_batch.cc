@@ -6,8 +6,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "core/packer.h"
 #include "cuda/check.h"
+#include "cuda/cuda_ring.h"
 #include "cuda/device.h"
 #include "cuda/stream_scope.h"
 
@@ -22,32 +22,64 @@ bool capturing(cudaStream_t s) {
   return status != cudaStreamCaptureStatusNone;
 }
 
-// A multi-tensor pack placed in the fusion buffers: its byte offset there,
-// each entry's offset (16-byte aligned, so the copies move whole vectors),
-// and the elements its all-reduce covers (the padding between entries is
-// reduced too, and never read).
-struct Placed {
-  const Pack* pack;
-  std::size_t offset;
-  std::vector<std::size_t> entry_offset;
-  std::size_t count;
-};
-
 }  // namespace
 
+DeviceBatch::Layout DeviceBatch::plan(std::vector<std::size_t> counts, std::vector<DType> dtypes,
+                                      std::size_t bytes_per_pack, int num_packs) {
+  if (counts.size() != dtypes.size()) throw std::invalid_argument("batch_all_reduce: one dtype per tensor count");
+  Layout l;
+  std::vector<std::size_t> bytes(counts.size());
+  for (std::size_t t = 0; t < counts.size(); ++t) bytes[t] = counts[t] * dtype_size(dtypes[t]);
+  l.packs = plan_packs(bytes, dtypes, bytes_per_pack, num_packs);
+  // The multi-tensor packs back to back in the fusion buffers.
+  for (std::size_t k = 0; k < l.packs.size(); ++k) {
+    const Pack& pack = l.packs[k];
+    if (pack.bytes == 0 || pack.entries.size() == 1) continue;
+    Layout::Placed p{k, l.fused_bytes, {}, 0};
+    std::size_t cur = 0;
+    for (const PackEntry& e : pack.entries) {
+      p.entry_offset.push_back(cur);
+      cur = round16(cur + e.bytes);
+      l.live_entries += e.bytes > 0;
+    }
+    p.count = cur / dtype_size(pack.dtype);
+    l.fused_bytes += cur;
+    l.placed.push_back(std::move(p));
+  }
+  // The one-pass launches: the non-empty tensors by dtype, in batch order.
+  for (std::size_t t = 0; t < counts.size(); ++t) {
+    if (bytes[t] == 0) continue;
+    auto g = std::find_if(l.groups.begin(), l.groups.end(),
+                          [&](const Layout::Group& x) { return x.dtype == dtypes[t]; });
+    if (g == l.groups.end()) g = l.groups.insert(l.groups.end(), Layout::Group{dtypes[t], {}, 0});
+    g->tensors.push_back(t);
+    g->slots += (bytes[t] + 15) / 16;
+  }
+  l.counts = std::move(counts);
+  l.dtypes = std::move(dtypes);
+  return l;
+}
+
 DeviceBatch::DeviceBatch(std::vector<int> devices) : ranks_(devices.size()) {
-  for (std::size_t r = 0; r < devices.size(); ++r) ranks_[r].device = devices[r];
+  for (std::size_t r = 0; r < devices.size(); ++r) {
+    ranks_[r].device = devices[r];
+    one_gpu_ = one_gpu_ && devices[r] == devices[0];
+  }
 }
 
 DeviceBatch::~DeviceBatch() {
   DeviceGuard guard;
   for (Rank& k : ranks_) {
     if (cudaSetDevice(k.device) != cudaSuccess) continue;
-    if (k.pending) cudaEventSynchronize(k.used);  // the last batch's kernels read the table and buffers
+    if (k.pending) cudaEventSynchronize(k.used);  // the last batch's kernels read the buffers
+    for (Table& t : k.tables) {
+      if (t.pending) cudaEventSynchronize(t.done);
+      if (t.device) cudaFree(t.device);
+      if (t.host) cudaFreeHost(t.host);
+      if (t.done) cudaEventDestroy(t.done);
+    }
     if (k.fusion) cudaFree(k.fusion);
-    if (k.device_table) cudaFree(k.device_table);
-    if (k.host_table) cudaFreeHost(k.host_table);
-    if (k.uploaded) cudaEventDestroy(k.uploaded);
+    if (k.ready) cudaEventDestroy(k.ready);
     if (k.used) cudaEventDestroy(k.used);
   }
   for (const CapturedTable& t : captured_) {
@@ -72,81 +104,153 @@ void* DeviceBatch::fusion(int r, std::size_t bytes) {
   return k.fusion;
 }
 
-void DeviceBatch::reserve_table(int r, std::size_t entries) {
+void DeviceBatch::prepare(int r) {
   Rank& k = ranks_[r];
   MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
-  if (!k.uploaded) {
-    MIRRORED_CUDA_CHECK(cudaDeviceGetAttribute(&k.sms, cudaDevAttrMultiProcessorCount, k.device));
-    MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&k.uploaded, cudaEventDisableTiming));
-    MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&k.used, cudaEventDisableTiming));
+  if (k.used) return;
+  MIRRORED_CUDA_CHECK(cudaDeviceGetAttribute(&k.sms, cudaDevAttrMultiProcessorCount, k.device));
+  MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&k.ready, cudaEventDisableTiming));
+  MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&k.used, cudaEventDisableTiming));
+}
+
+DeviceBatch::Table* DeviceBatch::table(int r, std::size_t bytes, bool captured, char** host, char** device) {
+  Rank& k = ranks_[r];
+  if (captured) {
+    // The graph replays this upload and these kernels long after the call: tables of its own, never
+    // rewritten (they live as long as this object), and nothing waits on the host.
+    CapturedTable t;
+    MIRRORED_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&t.host), bytes));
+    MIRRORED_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&t.device), bytes));
+    captured_.push_back(t);
+    *host = t.host, *device = t.device;
+    return nullptr;
   }
-  if (k.table_entries >= entries) return;
-  if (k.pending) MIRRORED_CUDA_CHECK(cudaEventSynchronize(k.used));  // nothing reads the old tables any more
-  if (k.device_table) MIRRORED_CUDA_CHECK(cudaFree(k.device_table));
-  if (k.host_table) MIRRORED_CUDA_CHECK(cudaFreeHost(k.host_table));
-  k.device_table = nullptr, k.host_table = nullptr, k.table_entries = 0, k.pending = false;
-  // Room to grow: a model's batch sizes repeat, so this happens once or twice.
-  const std::size_t want = std::max<std::size_t>(64, entries + entries / 2);
-  MIRRORED_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&k.host_table), want * sizeof(CopyEntry)));
-  MIRRORED_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&k.device_table), want * sizeof(CopyEntry)));
-  k.table_entries = want;
+  Table& t = k.tables[k.next_table];
+  k.next_table = (k.next_table + 1) % kTables;
+  // A wait only when the GPU is still on the batch kTables calls back.
+  if (t.pending && cudaEventQuery(t.done) == cudaErrorNotReady) MIRRORED_CUDA_CHECK(cudaEventSynchronize(t.done));
+  t.pending = false;
+  if (!t.done) MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&t.done, cudaEventDisableTiming));
+  if (t.bytes < bytes) {
+    if (t.device) MIRRORED_CUDA_CHECK(cudaFree(t.device));
+    if (t.host) MIRRORED_CUDA_CHECK(cudaFreeHost(t.host));
+    t.device = t.host = nullptr, t.bytes = 0;
+    // Room to grow: a model's batch sizes repeat, so this happens once or twice.
+    const std::size_t want = std::max<std::size_t>(4096, bytes + bytes / 2);
+    MIRRORED_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&t.host), want));
+    MIRRORED_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&t.device), want));
+    t.bytes = want;
+  }
+  *host = t.host, *device = t.device;
+  return &t;
 }
 
 void DeviceBatch::all_reduce(Communicator& comm, const std::vector<std::vector<const void*>>& in,
-                             const std::vector<std::vector<void*>>& out, const std::vector<std::size_t>& counts,
-                             const std::vector<DType>& dtypes, ReduceOp op, Algorithm algorithm,
-                             std::size_t bytes_per_pack, int num_packs) {
+                             const std::vector<std::vector<void*>>& out, const Layout& layout, ReduceOp op,
+                             Algorithm algorithm) {
   const int n = static_cast<int>(ranks_.size());
   if (static_cast<int>(in.size()) != n || static_cast<int>(out.size()) != n)
     throw std::invalid_argument("batch_all_reduce: got " + std::to_string(in.size()) + " input and " +
                                 std::to_string(out.size()) + " output lists for " + std::to_string(n) + " ranks");
   for (int r = 0; r < n; ++r)
-    if (in[r].size() != counts.size() || out[r].size() != counts.size())
+    if (in[r].size() != layout.counts.size() || out[r].size() != layout.counts.size())
       throw std::invalid_argument("batch_all_reduce: rank " + std::to_string(r) + " has " +
                                   std::to_string(in[r].size()) + " tensors, expected " +
-                                  std::to_string(counts.size()) + " like every rank");
-  std::vector<std::size_t> bytes(counts.size());
-  for (std::size_t t = 0; t < counts.size(); ++t) bytes[t] = counts[t] * dtype_size(dtypes[t]);
-  const std::vector<Pack> packs = plan_packs(bytes, dtypes, bytes_per_pack, num_packs);
-
+                                  std::to_string(layout.counts.size()) + " like every rank");
   std::lock_guard<std::mutex> lock(mu_);
   DeviceGuard guard;
+  // One pass where one kernel reads every rank: all of them on one GPU of this process (the CUDA
+  // ring; an NCCL communicator's ranks may span processes).
+  if (one_gpu_ && dynamic_cast<CudaRing*>(&comm) != nullptr) return one_pass(in, out, layout, op);
+  packed(comm, in, out, layout, op, algorithm);
+}
+
+void DeviceBatch::one_pass(const std::vector<std::vector<const void*>>& in, const std::vector<std::vector<void*>>& out,
+                           const Layout& layout, ReduceOp op) {
+  const int n = static_cast<int>(ranks_.size());
+  std::size_t entries = 0;
+  for (const Layout::Group& g : layout.groups) entries += g.tensors.size();
+  if (entries == 0) return;
+  prepare(0);
+  for (int r = 1; r < n; ++r) prepare(r);
+  MIRRORED_CUDA_CHECK(cudaSetDevice(ranks_[0].device));
+  // The launch goes on rank 0's stream, after every other rank's stream's queued work, which then waits for it.
+  const cudaStream_t lead = current_stream(0, n);
+  std::vector<int> joined;  // ranks with a stream of their own
+  for (int r = 1; r < n; ++r) {
+    const cudaStream_t s = current_stream(r, n);
+    bool seen = s == lead;
+    for (int q : joined) seen = seen || current_stream(q, n) == s;
+    if (seen) continue;
+    joined.push_back(r);
+    MIRRORED_CUDA_CHECK(cudaEventRecord(ranks_[r].ready, s));
+    MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(lead, ranks_[r].ready, 0));
+  }
+  // The table: every entry, then every entry's 2n pointers (the groups' in order).
+  const std::size_t entry_bytes = entries * sizeof(ReduceEntry);
+  const std::size_t bytes = entry_bytes + entries * 2 * n * sizeof(void*);
+  const bool captured = capturing(lead);
+  char *host = nullptr, *device = nullptr;
+  Table* t = table(0, bytes, captured, &host, &device);
+  auto* e = reinterpret_cast<ReduceEntry*>(host);
+  auto* p = reinterpret_cast<const void**>(host + entry_bytes);
+  for (const Layout::Group& g : layout.groups) {
+    std::size_t slot = 0;
+    const std::size_t per = 16 / dtype_size(g.dtype);
+    for (std::size_t tensor : g.tensors) {
+      bool vectorised = true;
+      for (int r = 0; r < n; ++r) {
+        *p++ = in[r][tensor];
+        vectorised = vectorised && aligned16(in[r][tensor]);
+      }
+      for (int r = 0; r < n; ++r) {
+        *p++ = out[r][tensor];
+        vectorised = vectorised && aligned16(out[r][tensor]);
+      }
+      *e++ = ReduceEntry{slot, layout.counts[tensor], vectorised};
+      slot += (layout.counts[tensor] + per - 1) / per;
+    }
+  }
+  MIRRORED_CUDA_CHECK(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, lead));
+  const auto* table_entries = reinterpret_cast<const ReduceEntry*>(device);
+  const auto* table_pointers = reinterpret_cast<const void* const*>(device + entry_bytes);
+  const int mean_div = op == ReduceOp::kMean ? n : 1;
+  std::size_t first = 0;
+  for (const Layout::Group& g : layout.groups) {
+    multi_reduce(table_entries + first, table_pointers + first * 2 * n, static_cast<int>(g.tensors.size()), n,
+                 g.slots, g.dtype, combining_op(op), mean_div, ranks_[0].sms, lead);
+    first += g.tensors.size();
+  }
+  if (t) {
+    MIRRORED_CUDA_CHECK(cudaEventRecord(t->done, lead));
+    t->pending = true;
+  }
+  if (joined.empty()) return;
+  MIRRORED_CUDA_CHECK(cudaEventRecord(ranks_[0].used, lead));
+  for (int r : joined) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(current_stream(r, n), ranks_[0].used, 0));
+}
+
+void DeviceBatch::packed(Communicator& comm, const std::vector<std::vector<const void*>>& in,
+                         const std::vector<std::vector<void*>>& out, const Layout& layout, ReduceOp op,
+                         Algorithm algorithm) {
+  const int n = static_cast<int>(ranks_.size());
   std::vector<const void*> pin(n);
   std::vector<void*> pout(n);
-
-  // Lay the multi-tensor packs out back to back in the fusion buffers.
-  std::vector<Placed> placed;
-  std::size_t total = 0, live_entries = 0;
-  for (const Pack& pack : packs) {
-    if (pack.bytes == 0 || pack.entries.size() == 1) continue;
-    Placed p{&pack, total, {}, 0};
-    std::size_t cur = 0;
-    for (const PackEntry& e : pack.entries) {
-      p.entry_offset.push_back(cur);
-      cur = round16(cur + e.bytes);
-      live_entries += e.bytes > 0;
-    }
-    p.count = cur / dtype_size(pack.dtype);
-    total += cur;
-    placed.push_back(std::move(p));
-  }
-
   struct Lane {
     int leader;
     cudaStream_t stream;
     std::size_t pack_entries = 0, pack_slots = 0, unpack_entries = 0, unpack_slots = 0;
     CopyEntry* table = nullptr;  // on the device
-    bool captured = false;       // the stream is being captured into a CUDA graph
+    Table* ring = nullptr;       // the ring's table (null: a captured call's own)
   };
   std::vector<Lane> lanes;
-  if (!placed.empty()) {
+  if (!layout.placed.empty()) {
     // Ranks on one GPU reduce the packs in place; across GPUs into a second
     // half of the buffer, so that a one-pass kernel on one GPU never
     // overwrites a pack another GPU is still reading (CudaRing runs its
     // one-shot kernel only out of place).
-    bool one_gpu = true;
-    for (int r = 1; r < n; ++r) one_gpu = one_gpu && ranks_[r].device == ranks_[0].device;
-    const std::size_t result_at = one_gpu ? 0 : total;
+    const std::size_t total = layout.fused_bytes;
+    const std::size_t result_at = one_gpu_ ? 0 : total;
     std::vector<char*> f(n);
     for (int r = 0; r < n; ++r) f[r] = static_cast<char*>(fusion(r, total + result_at));
     // Lanes: the ranks of one GPU that queue on one stream share a table and launches.
@@ -161,34 +265,23 @@ void DeviceBatch::all_reduce(Communicator& comm, const std::vector<std::vector<c
     for (std::size_t l = 0; l < lanes.size(); ++l) {
       Lane& lane = lanes[l];
       Rank& k = ranks_[lane.leader];
+      prepare(lane.leader);
       std::size_t members = 0;
       for (int r = 0; r < n; ++r) members += lane_of[r] == int(l);
-      // Under stream capture the graph replays this upload and these copies long after the
-      // call: it gets tables of its own, never rewritten (they live as long as this object),
-      // and nothing waits on the host. Otherwise the shared tables, once the last batch is
-      // done with them.
-      lane.captured = capturing(lane.stream);
-      CopyEntry* host = nullptr;
-      if (lane.captured) {
-        reserve_table(lane.leader, 0);
-        CapturedTable t;
-        const std::size_t want = 2 * live_entries * members;
-        MIRRORED_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&t.host), want * sizeof(CopyEntry)));
-        MIRRORED_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&t.device), want * sizeof(CopyEntry)));
-        captured_.push_back(t);
-        host = t.host, lane.table = t.device;
-      } else {
-        reserve_table(lane.leader, 2 * live_entries * members);
-        if (k.pending) MIRRORED_CUDA_CHECK(cudaEventSynchronize(k.uploaded));  // the last upload has read host_table
-        host = k.host_table, lane.table = k.device_table;
-      }
+      const bool captured = capturing(lane.stream);
+      char *host_bytes = nullptr, *device_bytes = nullptr;
+      lane.ring = table(lane.leader, 2 * layout.live_entries * members * sizeof(CopyEntry), captured, &host_bytes,
+                        &device_bytes);
+      auto* host = reinterpret_cast<CopyEntry*>(host_bytes);
+      lane.table = reinterpret_cast<CopyEntry*>(device_bytes);
       // The pack entries, then the unpack entries: two tables of one upload.
       auto fill = [&](bool pack, std::size_t at, std::size_t& entries, std::size_t& slots) {
         for (int r = 0; r < n; ++r) {
           if (lane_of[r] != int(l)) continue;
-          for (const Placed& p : placed)
-            for (std::size_t i = 0; i < p.pack->entries.size(); ++i) {
-              const PackEntry& e = p.pack->entries[i];
+          for (const Layout::Placed& p : layout.placed) {
+            const Pack& packed = layout.packs[p.pack];
+            for (std::size_t i = 0; i < packed.entries.size(); ++i) {
+              const PackEntry& e = packed.entries[i];
               if (e.bytes == 0) continue;
               char* slot = f[r] + (pack ? 0 : result_at) + p.offset + p.entry_offset[i];
               CopyEntry& c = host[at + entries++];
@@ -196,35 +289,38 @@ void DeviceBatch::all_reduce(Communicator& comm, const std::vector<std::vector<c
                        : CopyEntry{slot, out[r][e.tensor], e.bytes, slots};
               slots += (e.bytes + 15) / 16;
             }
+          }
         }
       };
       fill(true, 0, lane.pack_entries, lane.pack_slots);
       fill(false, lane.pack_entries, lane.unpack_entries, lane.unpack_slots);
       MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
-      if (!lane.captured && k.pending)
-        MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, k.used, 0));  // the last batch read the table
-      MIRRORED_CUDA_CHECK(cudaMemcpyAsync(lane.table, host, (lane.pack_entries + lane.unpack_entries) * sizeof(CopyEntry),
+      // The fusion buffers: after the last batch's unpack (a wait on the GPU, not the host).
+      if (!captured && k.pending) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, k.used, 0));
+      MIRRORED_CUDA_CHECK(cudaMemcpyAsync(lane.table, host,
+                                          (lane.pack_entries + lane.unpack_entries) * sizeof(CopyEntry),
                                           cudaMemcpyHostToDevice, lane.stream));
-      if (!lane.captured) MIRRORED_CUDA_CHECK(cudaEventRecord(k.uploaded, lane.stream));
       multi_copy(lane.table, static_cast<int>(lane.pack_entries), lane.pack_slots, k.sms, lane.stream);
     }
     // Each pack is reduced in place, ordered after the packing on the same streams.
-    for (const Placed& p : placed) {
+    for (const Layout::Placed& p : layout.placed) {
       for (int r = 0; r < n; ++r) pin[r] = f[r] + p.offset, pout[r] = f[r] + result_at + p.offset;
-      comm.all_reduce(n, pin.data(), pout.data(), p.count, p.pack->dtype, op, algorithm);
+      comm.all_reduce(n, pin.data(), pout.data(), p.count, layout.packs[p.pack].dtype, op, algorithm);
     }
     for (Lane& lane : lanes) {
       Rank& k = ranks_[lane.leader];
       MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
       multi_copy(lane.table + lane.pack_entries, static_cast<int>(lane.unpack_entries), lane.unpack_slots, k.sms,
                  lane.stream);
-      if (lane.captured) continue;
+      if (!lane.ring) continue;  // (captured)
+      MIRRORED_CUDA_CHECK(cudaEventRecord(lane.ring->done, lane.stream));
+      lane.ring->pending = true;
       MIRRORED_CUDA_CHECK(cudaEventRecord(k.used, lane.stream));
       k.pending = true;
     }
   }
   // A tensor alone in its pack is reduced where it lies.
-  for (const Pack& pack : packs) {
+  for (const Pack& pack : layout.packs) {
     if (pack.bytes == 0 || pack.entries.size() != 1) continue;
     const std::size_t t = pack.entries[0].tensor;
     for (int r = 0; r < n; ++r) pin[r] = in[r][t], pout[r] = out[r][t];

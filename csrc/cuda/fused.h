@@ -46,6 +46,17 @@ struct CopyEntry {
   std::size_t slot;
 };
 
+// One tensor of a multi-tensor all-reduce on one GPU (multi_reduce): `count`
+// elements, its first slot of 16 bytes' worth of elements counted across the
+// table (a prefix sum), and whether every one of its pointers is 16-byte
+// aligned (whole slots then move as vectors). Its n input and n output
+// pointers sit in the pointer table at [2n·e, 2n·e + n) and [2n·e + n, 2n·(e+1)).
+struct ReduceEntry {
+  std::size_t slot;
+  std::size_t count;
+  std::size_t vectorised;
+};
+
 // Launch shape: enough 512-thread blocks for the work, at most 4 per SM (the
 // bodies are grid-stride loops, so a bounded grid covers any size).
 constexpr unsigned kFusedThreads = 512;
@@ -84,5 +95,11 @@ void fused_gather(const GatherArgs& args, int unit, int sms, cudaStream_t stream
 // Runs the copies of `entries` entries of a table in device memory readable
 // from the stream's device, whose entries hold `slots` 16-byte slots in all.
 void multi_copy(const CopyEntry* device_table, int entries, std::size_t slots, int sms, cudaStream_t stream);
+// out_e[j] = op(in_e[0..n)) (/ mean_div) for every entry e of a table in device
+// memory (all tensors of one dtype, every pointer readable or writable from
+// the stream's device): one launch over `slots` slots in all, whatever the
+// tensor count. out_e[j] may equal in_e[j] (in place). `op` is a combining op.
+void multi_reduce(const ReduceEntry* entries, const void* const* pointers, int count, int n, std::size_t slots,
+                  DType dtype, ReduceOp op, int mean_div, int sms, cudaStream_t stream);
 
 }  // namespace mirrored::cuda

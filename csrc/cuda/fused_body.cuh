@@ -109,4 +109,60 @@ __host__ __device__ inline void multi_copy_body(const CopyEntry* table, int entr
   }
 }
 
+// The all-reduce of every table entry (multi_reduce): slot s of entry e holds
+// its elements [(s - slot_e)·kN, +kN) (kN per 16 bytes, the tail slot fewer);
+// an entry whose pointers are all aligned moves its whole slots as vectors.
+// A thread's slots only grow, so it finds each slot's entry by a binary
+// search of the entries from its last one on. Each element's inputs are all
+// read before any output of it is written (in place is safe).
+template <typename T, ReduceOp Op>
+__host__ __device__ inline void multi_reduce_body(const ReduceEntry* table, const void* const* pointers, int entries,
+                                                  int n, int mean_div, std::size_t tid, std::size_t stride) {
+  using E = Elem<T>;
+  using Acc = typename E::Acc;
+  constexpr int kN = Vec16<T>::kN;
+  const Combine<Op> combine;
+  if (entries == 0) return;
+  const std::size_t slots = table[entries - 1].slot + (table[entries - 1].count + kN - 1) / kN;
+  int e = 0;
+  for (std::size_t s = tid; s < slots; s += stride) {
+    if (e + 1 < entries && table[e + 1].slot <= s) {
+      int lo = e + 1, hi = entries - 1;  // the last entry starting at or before s
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (table[mid].slot <= s) lo = mid; else hi = mid - 1;
+      }
+      e = lo;
+    }
+    const ReduceEntry& x = table[e];
+    const void* const* in = pointers + std::size_t(e) * 2 * n;
+    void* const* out = const_cast<void* const*>(in + n);
+    const std::size_t v = s - x.slot, first = v * kN;
+    if (first >= x.count) continue;  // (an empty entry owns no slot; never reached)
+    if (x.vectorised && x.count - first >= std::size_t(kN)) {
+      Vec16<T> y;
+      y.raw = static_cast<const uint4*>(in[0])[v];
+      Acc acc[kN];
+#pragma unroll
+      for (int k = 0; k < kN; ++k) acc[k] = E::load(y.v[k]);
+      for (int j = 1; j < n; ++j) {
+        y.raw = static_cast<const uint4*>(in[j])[v];
+#pragma unroll
+        for (int k = 0; k < kN; ++k) acc[k] = combine(acc[k], E::load(y.v[k]));
+      }
+#pragma unroll
+      for (int k = 0; k < kN; ++k) y.v[k] = E::store(mean_div > 1 ? divide(acc[k], mean_div) : acc[k]);
+      for (int j = 0; j < n; ++j) static_cast<uint4*>(out[j])[v] = y.raw;
+      continue;
+    }
+    const std::size_t last = x.count - first < std::size_t(kN) ? x.count : first + kN;
+    for (std::size_t i = first; i < last; ++i) {
+      Acc acc = E::load(static_cast<const T*>(in[0])[i]);
+      for (int j = 1; j < n; ++j) acc = combine(acc, E::load(static_cast<const T*>(in[j])[i]));
+      const T r = E::store(mean_div > 1 ? divide(acc, mean_div) : acc);
+      for (int j = 0; j < n; ++j) static_cast<T*>(out[j])[i] = r;
+    }
+  }
+}
+
 }  // namespace mirrored::cuda

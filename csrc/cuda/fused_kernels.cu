@@ -34,6 +34,33 @@ __global__ void __launch_bounds__(kFusedThreads) multi_copy_kernel(const CopyEnt
 }
 
 template <typename T, ReduceOp Op>
+__global__ void __launch_bounds__(kFusedThreads)
+    multi_reduce_kernel(const ReduceEntry* table, const void* const* pointers, int entries, int n, int mean_div) {
+  multi_reduce_body<T, Op>(table, pointers, entries, n, mean_div, thread_index(), grid_threads());
+}
+
+template <typename T, ReduceOp Op>
+void launch_multi(const ReduceEntry* table, const void* const* pointers, int entries, int n, std::size_t slots,
+                  int mean_div, int sms, cudaStream_t stream) {
+  multi_reduce_kernel<T, Op><<<fused_blocks(slots, sms), kFusedThreads, 0, stream>>>(table, pointers, entries, n,
+                                                                                    mean_div);
+  MIRRORED_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void multi_op(const ReduceEntry* table, const void* const* pointers, int entries, int n, std::size_t slots,
+              ReduceOp op, int mean_div, int sms, cudaStream_t stream) {
+  switch (op) {
+    case ReduceOp::kSum: return launch_multi<T, ReduceOp::kSum>(table, pointers, entries, n, slots, mean_div, sms, stream);
+    case ReduceOp::kProd: return launch_multi<T, ReduceOp::kProd>(table, pointers, entries, n, slots, mean_div, sms, stream);
+    case ReduceOp::kMin: return launch_multi<T, ReduceOp::kMin>(table, pointers, entries, n, slots, mean_div, sms, stream);
+    case ReduceOp::kMax: return launch_multi<T, ReduceOp::kMax>(table, pointers, entries, n, slots, mean_div, sms, stream);
+    case ReduceOp::kMean: break;
+  }
+  throw std::invalid_argument("multi_reduce: MEAN combines as sum; pass its combining op and the divisor");
+}
+
+template <typename T, ReduceOp Op>
 void launch(const FusedArgs& a, std::size_t count, int mean_div, int sms, cudaStream_t stream) {
   const bool vec = fused_vectorised(a);
   const unsigned blocks = fused_blocks(fused_work(count, sizeof(T), vec), sms);
@@ -90,6 +117,22 @@ void multi_copy(const CopyEntry* table, int entries, std::size_t slots, int sms,
   if (entries == 0 || slots == 0) return;
   multi_copy_kernel<<<fused_blocks(slots, sms), kFusedThreads, 0, stream>>>(table, entries);
   MIRRORED_CUDA_CHECK(cudaGetLastError());
+}
+
+void multi_reduce(const ReduceEntry* table, const void* const* pointers, int entries, int n, std::size_t slots,
+                  DType dtype, ReduceOp op, int mean_div, int sms, cudaStream_t stream) {
+  if (entries == 0 || slots == 0) return;
+  switch (dtype) {
+    case DType::kFloat16: return multi_op<F16>(table, pointers, entries, n, slots, op, mean_div, sms, stream);
+    case DType::kBFloat16: return multi_op<BF16>(table, pointers, entries, n, slots, op, mean_div, sms, stream);
+    case DType::kFloat32: return multi_op<float>(table, pointers, entries, n, slots, op, mean_div, sms, stream);
+    case DType::kFloat64: return multi_op<double>(table, pointers, entries, n, slots, op, mean_div, sms, stream);
+    case DType::kInt8: return multi_op<std::int8_t>(table, pointers, entries, n, slots, op, mean_div, sms, stream);
+    case DType::kUInt8: return multi_op<std::uint8_t>(table, pointers, entries, n, slots, op, mean_div, sms, stream);
+    case DType::kInt32: return multi_op<std::int32_t>(table, pointers, entries, n, slots, op, mean_div, sms, stream);
+    case DType::kInt64: return multi_op<std::int64_t>(table, pointers, entries, n, slots, op, mean_div, sms, stream);
+  }
+  throw std::invalid_argument("multi_reduce: unknown dtype code " + std::to_string(static_cast<int>(dtype)));
 }
 
 }  // namespace mirrored::cuda

@@ -374,6 +374,7 @@ cudaError_t cudaDeviceEnablePeerAccess(int, unsigned) {
 cudaError_t cudaDeviceSynchronize() {
   sim::Lock lock;
   if (const auto c = sim::capture_on(sim::current)) sim::refuse(c, "cudaDeviceSynchronize");
+  ++sim::counted.host_waits;
   ++sim::counted.stream_ops;
   sim::drain();  // the host blocks until the GPU is idle
   return cudaSuccess;
@@ -383,6 +384,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   const CUstream_st* st = sim::resolve(s);
   if (const auto c = sim::is_null(st) ? sim::capture_on(st->device) : st->capture)
     sim::refuse(c, "cudaStreamSynchronize");
+  ++sim::counted.host_waits;
   ++sim::counted.stream_ops;
   sim::drain_until([st] { return st->queue.empty(); });  // other streams' work runs only as far as needed
   return cudaSuccess;
@@ -473,6 +475,7 @@ cudaError_t cudaEventQuery(cudaEvent_t e) {
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   sim::Lock lock;
   if (e->latest && e->latest->captured) sim::refuse(nullptr, "cudaEventSynchronize on an event recorded in a capture");
+  ++sim::counted.host_waits;
   ++sim::counted.stream_ops;
   if (const auto record = e->latest) sim::drain_until([record] { return record->done; });  // the host waits for it
   return cudaSuccess;
@@ -480,6 +483,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
 cudaError_t cudaFree(void* p) {
   sim::Lock lock;
   if (const auto c = sim::capture_on(-1)) sim::refuse(c, "cudaFree");
+  ++sim::counted.host_waits;
   sim::drain();  // cudaFree waits for the device, so queued work never reads freed memory
   sim::allocations.erase(reinterpret_cast<std::uintptr_t>(p));
   std::free(p);
@@ -755,6 +759,54 @@ void multi_copy(const CopyEntry* table, int entries, std::size_t slots, int sms,
       throw std::logic_error("multi_copy: the table's slots do not add up to the launch's");
     sim::current = saved;
     run_grid(blocks, [&](std::size_t tid, std::size_t stride) { multi_copy_body(table, entries, tid, stride); });
+  });
+}
+
+void multi_reduce(const ReduceEntry* table, const void* const* pointers, int entries, int n, std::size_t slots,
+                  DType dtype, ReduceOp op, int mean_div, int sms, cudaStream_t stream) {
+  sim::Lock lock;
+  if (entries == 0 || slots == 0) return;
+  if (op == ReduceOp::kMean) throw std::logic_error("multi_reduce: MEAN reached a kernel: pass its combining op");
+  launched(stream);
+  reachable(table);
+  reachable(pointers);
+  const int device = sim::current;
+  const unsigned blocks = fused_blocks(slots, sms);
+  sim::enqueue(stream, [=] {
+    // The tables are read when the kernel runs (uploaded on this stream just before); so are the pointers they hold.
+    const int saved = sim::current;
+    sim::current = device;
+    const std::size_t per = 16 / dtype_size(dtype);
+    for (int e = 0; e < entries; ++e) {
+      if (e > 0 && table[e].slot != table[e - 1].slot + (table[e - 1].count + per - 1) / per)
+        throw std::logic_error("multi_reduce: the table's slots are not a prefix sum of its counts");
+      for (int j = 0; j < 2 * n; ++j) reachable(pointers[std::size_t(e) * 2 * n + j]);
+    }
+    if (table[entries - 1].slot + (table[entries - 1].count + per - 1) / per != slots)
+      throw std::logic_error("multi_reduce: the table's slots do not add up to the launch's");
+    sim::current = saved;
+    const auto run = [&](auto type) {
+      using T = decltype(type);
+      run_grid(blocks, [&](std::size_t tid, std::size_t stride) {
+        switch (op) {
+          case ReduceOp::kSum: return multi_reduce_body<T, ReduceOp::kSum>(table, pointers, entries, n, mean_div, tid, stride);
+          case ReduceOp::kProd: return multi_reduce_body<T, ReduceOp::kProd>(table, pointers, entries, n, mean_div, tid, stride);
+          case ReduceOp::kMin: return multi_reduce_body<T, ReduceOp::kMin>(table, pointers, entries, n, mean_div, tid, stride);
+          case ReduceOp::kMax: return multi_reduce_body<T, ReduceOp::kMax>(table, pointers, entries, n, mean_div, tid, stride);
+          case ReduceOp::kMean: break;
+        }
+      });
+    };
+    switch (dtype) {
+      case DType::kFloat16: return run(F16{});
+      case DType::kBFloat16: return run(BF16{});
+      case DType::kFloat32: return run(float{});
+      case DType::kFloat64: return run(double{});
+      case DType::kInt8: return run(std::int8_t{});
+      case DType::kUInt8: return run(std::uint8_t{});
+      case DType::kInt32: return run(std::int32_t{});
+      case DType::kInt64: return run(std::int64_t{});
+    }
   });
 }
 

@@ -43,6 +43,7 @@ struct Counters {
   std::map<int, long> kernels;  // the embedder's kernels (launch_kernel), per device
   std::map<int, long> blas;     // the stand-in cuBLAS's kernels (launch_blas), per device
   long stream_ops = 0;
+  long host_waits = 0;  // the host blocked on the GPU: stream, event and device synchronisations, cudaFree
   long launches_total() const {
     long t = 0;
     for (const auto& [d, k] : launches) t += k;

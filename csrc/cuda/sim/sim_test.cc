@@ -504,8 +504,8 @@ void check_launch_counts() {
       check("broadcast", per_gpu, false, [&] { ring.broadcast(n, in.data(), out.data(), count, DType::kFloat32, n - 1); });
       check("reduce", 1, true, [&] { ring.reduce(n, in.data(), out.data(), count, DType::kFloat32, ReduceOp::kMax, 0); });
       check("all_gather", per_gpu, false, [&] { ring.all_gather(n, in.data(), gout.data(), rows.data(), 1); });
-      // Fused batches: at most 3 launches per GPU (pack, all-reduce, unpack)
-      // when a GPU's ranks queue on one stream (as the Strategy's do; else a
+      // Fused batches: at most 3 launches per GPU (pack, all-reduce, unpack; one
+      // when every rank is on one GPU) when a GPU's ranks queue on one stream (as the Strategy's do; else a
       // pack and an unpack per stream), and the same stream operations for 2
       // tensors as for 300 (once the table has grown).
       DeviceBatch batch(l.devices);
@@ -532,9 +532,13 @@ void check_launch_counts() {
         for (const auto& [d, k] : c.launches) ok = ok && k <= per_gpu_limit;
         if (call == 4) ops_at_2 = c.stream_ops;
         if (call == 5) ok = ok && c.stream_ops == ops_at_2;
+        // Ranks on one GPU: one multi-tensor kernel (one dtype), and no host wait while each call
+        // takes a table of the ring it has not used yet (the fifth regrows the first: a free).
+        if (gpus.size() == 1) ok = ok && c.launches_total() == 1 && (call == 5 || c.host_waits == 0);
         if (!ok && ++failures <= 10)
-          std::printf("FAIL: batch of %zu on %zu GPU(s), n=%d, own_streams=%d: %ld launches, %ld stream ops\n",
-                      tensors, gpus.size(), n, int(own_streams), c.launches_total(), c.stream_ops);
+          std::printf("FAIL: batch of %zu on %zu GPU(s), n=%d, own_streams=%d: %ld launches, %ld stream ops, "
+                      "%ld host waits\n", tensors, gpus.size(), n, int(own_streams), c.launches_total(), c.stream_ops,
+                      c.host_waits);
         if (!batch_summed(l, n, counts, dtypes, ReduceOp::kSum, bout, "counted batch")) return;
         for (int r = 0; r < n; ++r)
           for (std::size_t t = 0; t < tensors; ++t) {
@@ -544,6 +548,86 @@ void check_launch_counts() {
       }
       for (int r = 0; r < n; ++r) cudaFree(in[r]), cudaFree(out[r]), cudaFree(gout[r]);
     }
+}
+
+// The multi-tensor all-reduce (multi_reduce, batches of ranks on one GPU):
+// one table of tensors that are empty, odd-sized, shorter than a vector or
+// many vectors long, some of them off alignment on one rank, in and out of
+// place, in one launch.
+template <typename T>
+void check_multi_reduce_body(DType dtype) {
+  using E = Elem<T>;
+  const bool half = sizeof(T) == 2 && !std::is_integral<T>::value;
+  const std::vector<std::size_t> counts{0, 1, 3, 7, 8, 17, 33, 257, 0, 16};
+  constexpr std::size_t kPer = 16 / sizeof(T);
+  for (int n : {1, 2, 3, 8})
+    for (auto op : {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kMean})
+      for (bool in_place : {false, true}) {
+        std::vector<void*> bufs;
+        std::vector<ReduceEntry> entries;
+        std::vector<const void*> pointers;
+        std::size_t slots = 0;
+        for (std::size_t t = 0; t < counts.size(); ++t) {
+          if (counts[t] == 0) continue;  // (the batch leaves empty tensors out of the table)
+          const std::size_t count = counts[t], misalign = t % 3 == 1 ? 1 : 0;
+          std::vector<void*> in(n), out(n);
+          bool vectorised = true;
+          for (int r = 0; r < n; ++r) {
+            void* p = nullptr;
+            cudaMalloc(&p, (count + 1) * sizeof(T));
+            bufs.push_back(p);
+            T* x = reinterpret_cast<T*>(static_cast<char*>(p) + (r == n - 1 ? misalign * sizeof(T) : 0));
+            for (std::size_t i = 0; i < count; ++i) x[i] = E::store(static_cast<typename E::Acc>(value(r, i + t, op)));
+            in[r] = x;
+            if (in_place) {
+              out[r] = x;
+            } else {
+              cudaMalloc(&p, count * sizeof(T));
+              bufs.push_back(p);
+              out[r] = p;
+            }
+            vectorised = vectorised && aligned16(in[r]) && aligned16(out[r]);
+          }
+          entries.push_back(ReduceEntry{slots, count, vectorised});
+          slots += (count + kPer - 1) / kPer;
+          for (int r = 0; r < n; ++r) pointers.push_back(in[r]);
+          for (int r = 0; r < n; ++r) pointers.push_back(out[r]);
+        }
+        void* table = nullptr;
+        void* ptrs = nullptr;
+        cudaMalloc(&table, entries.size() * sizeof(ReduceEntry));
+        cudaMalloc(&ptrs, pointers.size() * sizeof(void*));
+        std::memcpy(table, entries.data(), entries.size() * sizeof(ReduceEntry));
+        std::memcpy(ptrs, pointers.data(), pointers.size() * sizeof(void*));
+        sim::reset_counters();
+        multi_reduce(static_cast<const ReduceEntry*>(table), static_cast<const void* const*>(ptrs),
+                     static_cast<int>(entries.size()), n, slots, dtype, combining_op(op),
+                     op == ReduceOp::kMean ? n : 1, 2, nullptr);
+        sim::drain();
+        EXPECT(sim::counters().launches_total() == 1, "multi_reduce launched %ld kernels",
+               sim::counters().launches_total());
+        bool ok = true;
+        std::size_t e = 0;
+        for (std::size_t t = 0; t < counts.size() && ok; ++t) {
+          if (counts[t] == 0) continue;
+          for (int r = 0; r < n && ok; ++r)
+            for (std::size_t i = 0; i < counts[t] && ok; ++i) {
+              const double want = reference<T>(n, i + t, op);
+              const double got = double(E::load(static_cast<const T*>(pointers[e * 2 * n + n + r])[i]));
+              if (std::abs(got - want) > (half ? 1e-2 * std::max(1.0, std::abs(want)) : 0.0)) {
+                ok = false;
+                if (++failures <= 10)
+                  std::printf("FAIL: multi_reduce %s n=%d op=%s in_place=%d: tensor %zu rank %d element %zu is %g, "
+                              "expected %g\n", dtype_name(dtype), n, reduce_op_name(op), int(in_place), t, r, i, got,
+                              want);
+              }
+            }
+          ++e;
+        }
+        for (void* p : bufs) cudaFree(p);
+        cudaFree(table);
+        cudaFree(ptrs);
+      }
 }
 
 // The one-pass all-gather in every unit (16 down to 1 byte): row sizes that
@@ -822,6 +906,14 @@ int main(int argc, char** argv) {
   check_fused_body<std::uint8_t>(DType::kUInt8);
   check_fused_body<std::int32_t>(DType::kInt32);
   check_fused_body<std::int64_t>(DType::kInt64);
+  check_multi_reduce_body<F16>(DType::kFloat16);
+  check_multi_reduce_body<BF16>(DType::kBFloat16);
+  check_multi_reduce_body<float>(DType::kFloat32);
+  check_multi_reduce_body<double>(DType::kFloat64);
+  check_multi_reduce_body<std::int8_t>(DType::kInt8);
+  check_multi_reduce_body<std::uint8_t>(DType::kUInt8);
+  check_multi_reduce_body<std::int32_t>(DType::kInt32);
+  check_multi_reduce_body<std::int64_t>(DType::kInt64);
   check_launch_counts();
   check_fused_gather();
   check_threads();

@@ -84,9 +84,10 @@ class CallPlan:
 
     ``run`` looks up each GPU's stream and makes one binding call, which checks
     in C++ that the call's arrays still fit (CuPy arrays of the planned type,
-    shape, dtype and strides, each on its replica's GPU; outputs alike), makes
-    the outputs where ``out`` is None and enqueues the collective with the GIL
-    released. Anything else returns None: the face validates that call afresh.
+    shape, dtype and strides, each on its replica's GPU; outputs alike), takes
+    the outputs where ``out`` is None (a kept set nobody references, else
+    ``_new_outputs``; docs/collectives_results.md) and enqueues the collective
+    with the GIL released. Anything else returns None: the face validates that call afresh.
     """
 
     __slots__ = ("_plan", "_devices", "_ordinals", "_shape", "_dtype", "_count", "_slots", "_gpu_bytes", "_cupy")
@@ -188,10 +189,13 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
                      chunk_bytes=0):
     """All-reduce many tensors per replica at once, fused into few packs (see :mod:`mirrored.collectives`).
 
-    One native call whatever the tensor count: it uploads a (pointer, size)
-    table, packs every tensor with one kernel per GPU, all-reduces each pack
-    and unpacks with one more kernel. The results of a replica are views of
-    one new buffer on its GPU (one allocation per replica, not per tensor).
+    One native call whatever the tensor count: replicas that share one GPU
+    take one multi-tensor kernel per dtype from the inputs to the results;
+    across GPUs it uploads a (pointer, size) table, packs every tensor with
+    one kernel per GPU, all-reduces each pack and unpacks with one more
+    kernel. The results of a replica are views of one buffer on its GPU (one
+    allocation per replica, not per tensor), new unless the previous call's
+    were dropped (docs/collectives_results.md).
     """
     n = check_batch(per_replica_lists)
     if not per_replica_lists[0]:
@@ -223,8 +227,8 @@ class BatchPlan:
 
     ``run`` looks up each GPU's stream and makes one binding call, which checks
     in C++ that each tensor still fits (a CuPy array of the planned shape, dtype
-    and strides on its replica's GPU), has each replica's result buffer and views
-    made, and enqueues the whole batch. Anything else returns None: the face
+    and strides on its replica's GPU), takes a kept set of results nobody
+    references or has ``_new_results`` make one, and enqueues the whole batch. Anything else returns None: the face
     validates that call afresh.
     """
 
