@@ -42,7 +42,7 @@ DeviceBatch::DeviceBatch(std::vector<int> devices) : ranks_(devices.size()) {
 DeviceBatch::~DeviceBatch() {
   DeviceGuard guard;
   for (Rank& k : ranks_) {
-    if (cudaSetDevice(k.device) != cudaSuccess) continue;
+    if (set_device(k.device) != cudaSuccess) continue;
     if (k.pending) cudaEventSynchronize(k.used);  // the last batch's kernels read the table and buffers
     if (k.fusion) cudaFree(k.fusion);
     if (k.device_table) cudaFree(k.device_table);
@@ -59,7 +59,7 @@ DeviceBatch::~DeviceBatch() {
 void* DeviceBatch::fusion(int r, std::size_t bytes) {
   Rank& k = ranks_[r];
   if (k.fusion_bytes >= bytes) return k.fusion;
-  MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+  MIRRORED_CUDA_CHECK(set_device(k.device));
   if (k.fusion) {
     // An earlier batch may still be reading it on some stream of this device.
     MIRRORED_CUDA_CHECK(cudaDeviceSynchronize());
@@ -74,7 +74,7 @@ void* DeviceBatch::fusion(int r, std::size_t bytes) {
 
 void DeviceBatch::reserve_table(int r, std::size_t entries) {
   Rank& k = ranks_[r];
-  MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+  MIRRORED_CUDA_CHECK(set_device(k.device));
   if (!k.uploaded) {
     MIRRORED_CUDA_CHECK(cudaDeviceGetAttribute(&k.sms, cudaDevAttrMultiProcessorCount, k.device));
     MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&k.uploaded, cudaEventDisableTiming));
@@ -200,7 +200,7 @@ void DeviceBatch::all_reduce(Communicator& comm, const std::vector<std::vector<c
       };
       fill(true, 0, lane.pack_entries, lane.pack_slots);
       fill(false, lane.pack_entries, lane.unpack_entries, lane.unpack_slots);
-      MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+      MIRRORED_CUDA_CHECK(set_device(k.device));
       if (!lane.captured && k.pending)
         MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, k.used, 0));  // the last batch read the table
       MIRRORED_CUDA_CHECK(cudaMemcpyAsync(lane.table, host, (lane.pack_entries + lane.unpack_entries) * sizeof(CopyEntry),
@@ -215,7 +215,7 @@ void DeviceBatch::all_reduce(Communicator& comm, const std::vector<std::vector<c
     }
     for (Lane& lane : lanes) {
       Rank& k = ranks_[lane.leader];
-      MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+      MIRRORED_CUDA_CHECK(set_device(k.device));
       multi_copy(lane.table + lane.pack_entries, static_cast<int>(lane.unpack_entries), lane.unpack_slots, k.sms,
                  lane.stream);
       if (lane.captured) continue;
