@@ -70,6 +70,7 @@ def test_a_repeated_small_all_reduce_on_logical_gpus_is_one_launch(n, streams, c
     with cupy.cuda.Device(current):
         call()  # the first call may make what it keeps
         counted = runtime_calls(call)
+        assert cupy.cuda.runtime.getDevice() == current  # (switched back when it switched)
     extra = len(set(handles)) - 1  # the streams besides the launching one
     switches = 2 if current != 0 else 0
     # Each other stream's "ready" before the launch and the launching stream's "done" after it, each waited for once.

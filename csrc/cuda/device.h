@@ -26,6 +26,8 @@ void check_ordinal(int ordinal, const char* argument);
 // call switched away from it. Inside a guard, switch devices only with
 // set_device(): it skips the switch to the device already current, so a
 // collective whose ranks all live on the caller's GPU makes no switch at all.
+// Library calls inside a guard must leave the device as they found it (the
+// CUDA libraries, cuBLAS and NCCL do).
 class DeviceGuard {
  public:
   DeviceGuard();
