@@ -70,7 +70,9 @@ _tls = threading.local()
 
 
 def _device_id() -> int:
-    return getattr(_tls, "device", 0)
+    """The calling thread's current device: the simulated runtime's (CuPy's is the CUDA runtime's), so
+    that the engine sees the device CuPy made current, as it does on a GPU."""
+    return sim.current_device()
 
 
 def _saved(context) -> list:
@@ -103,11 +105,10 @@ class Device:
         return self
 
     def __exit__(self, *exc):
-        _tls.device = _restore(self)
+        sim.set_current_device(_restore(self))
 
     def use(self):
-        sim.stream_device(0, self.id)  # validates the ordinal
-        _tls.device = self.id
+        sim.set_current_device(self.id)  # (validates the ordinal)
 
     def synchronize(self):
         sim.drain()

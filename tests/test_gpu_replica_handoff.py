@@ -135,7 +135,8 @@ def test_host_waits_inside_replicas_neither_deadlock_nor_mix_replicas(logical, w
 
 
 def test_state_of_a_replica_on_a_thread_of_its_own_is_put_back(logical):
-    """The replica scope on a replica thread (long steps) leaves that thread as it found it."""
+    """The replica scope on a replica thread (long steps) takes its stream off when left, so the thread's
+    current stream is what it was (its device stays the replica's: only replicas run on that thread)."""
     s = logical
     n = s.num_replicas_in_sync
     scopes = s.extended._replica_scopes()
@@ -214,3 +215,42 @@ def test_with_blocks_inside_a_replica_unwind_to_its_own_stream(logical):
     for v in s.experimental_local_results(out):
         np.testing.assert_array_equal(cupy.asnumpy(v), np.full(2, 2.0 * n, np.float32))
     assert _cuda_state() == (0, cupy.cuda.Stream.null.ptr)
+
+
+@pytest.mark.skipif(mirrored_strategy._greenlet is None, reason="replicas share the thread only with greenlet")
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_a_run_asks_cupy_for_the_device_and_streams_a_bounded_number_of_times(n, monkeypatch):
+    """strategy.run(replica-context all_reduce) on n logical GPUs: the caller's state is read and put back
+    once, each replica's scope reads the device once (and leaves it), each hand-off reads the device and
+    streams once each way (a resumed replica's own stream is known current: no lookup), the combine reads
+    them once and checks them once. So at most 3n + 2 device reads and 2n + 4 stream lookups per run,
+    2 and 2 for a trivial step's caller plus one device read per replica (it was 4n + 2 and 3n + 3)."""
+    counted = {"getDevice": 0, "get_current_stream": 0}
+    runtime, get_current_stream = cupy.cuda.runtime, cupy.cuda.get_current_stream
+    get_device = runtime.getDevice
+
+    def counting(name, fn):
+        def call(*args):
+            counted[name] += 1
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(runtime, "getDevice", counting("getDevice", get_device))
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", counting("get_current_stream", get_current_stream))
+    md.config.set_logical_device_configuration("GPU", 0, count=n)
+    try:
+        s = md.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
+        x = s.run(lambda: cupy.ones(1, cupy.float32))
+        step = lambda v: md.get_replica_context().all_reduce("sum", v)  # noqa: E731
+        for fn, args, device_reads, stream_lookups in ((lambda: None, (), n + 2, 2),
+                                                       (step, (x,), 3 * n + 2, 2 * n + 4)):
+            s.run(fn, args=args)  # (plans and outputs made)
+            for name in counted:
+                counted[name] = 0
+            out = s.run(fn, args=args)
+            assert counted["getDevice"] <= device_reads and counted["get_current_stream"] <= stream_lookups, counted
+        for v in s.experimental_local_results(out):
+            np.testing.assert_array_equal(cupy.asnumpy(v), np.full(1, n, np.float32))
+        assert _cuda_state() == (0, cupy.cuda.Stream.null.ptr)
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)

@@ -15,6 +15,7 @@ if not SIMULATED:
 
 from mirrored import collectives  # noqa: E402
 from mirrored.collective import cuda as cc  # noqa: E402
+from mirrored.device import dtypes  # noqa: E402
 
 POISON = np.frombuffer(b"\xdb" * 4, np.float32)[0]
 FRESH = np.frombuffer(b"\xcd" * 4, np.float32)[0]
@@ -36,6 +37,61 @@ def test_one_launch_per_collective_per_gpu(devices, nbytes):
         np.testing.assert_array_equal(cupy.asnumpy(b), np.full(nbytes // 4, 2, np.float32))
     launches, _ = launches_and_ops(lambda: collectives.broadcast(xs, 1))
     assert launches == {d: 1 for d in set(devices)}
+
+
+def runtime_calls(call) -> dict:
+    """The simulated runtime's counters for ``call``: launches per GPU, stream operations, and every
+    runtime entry point's calls by name."""
+    cupy.sim.drain()
+    cupy.sim.reset_counters()
+    call()
+    counted = cupy.sim.counters()
+    cupy.sim.drain()
+    return counted
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("streams", ["legacy", "one stream", "a stream each"])
+@pytest.mark.parametrize("current", [0, 1], ids=["own GPU current", "other GPU current"])
+def test_a_repeated_small_all_reduce_on_logical_gpus_is_one_launch(n, streams, current):
+    """n ranks on GPU 0: one kernel reads every input and writes every output. On one stream nothing
+    else reaches the runtime (no event between a stream and itself) but the read of the current
+    device; the device is switched only when another one is current (and switched back). Each
+    further stream costs one event each way."""
+    xs = [on(0, np.full(1, r + 1, np.float32)) for r in range(n)]
+    outs = [on(0, np.zeros(1, np.float32)) for _ in range(n)]
+    engine, algo = cc._engine((0,) * n, "auto")
+    with cupy.cuda.Device(0):
+        made = [cupy.cuda.Stream(non_blocking=True) for _ in range(n)]
+    handles = {"legacy": [0] * n, "one stream": [made[0].ptr] * n, "a stream each": [s.ptr for s in made]}[streams]
+    ins, outs_ptrs = [x.data.ptr for x in xs], [o.data.ptr for o in outs]
+    code, op = dtypes.dtype_code(np.float32), dtypes.op_code("sum")
+    call = lambda: engine.all_reduce(ins, outs_ptrs, 1, code, op, algo, handles)  # noqa: E731
+    with cupy.cuda.Device(current):
+        call()  # the first call may make what it keeps
+        counted = runtime_calls(call)
+        assert cupy.cuda.runtime.getDevice() == current  # (switched back when it switched)
+    extra = len(set(handles)) - 1  # the streams besides the launching one
+    switches = 2 if current != 0 else 0
+    # Each other stream's "ready" before the launch and the launching stream's "done" after it, each waited for once.
+    expected = {"cudaGetDevice": 1, "cudaSetDevice": switches, "cudaEventRecord": extra + 1 if extra else 0,
+                "cudaStreamWaitEvent": 2 * extra}
+    assert counted["launches"] == {0: 1}
+    assert {k: v for k, v in counted["calls"].items() if v} == {k: v for k, v in expected.items() if v}
+    assert counted["stream_ops"] == (0 if not extra else 3 * extra + 1)
+    for o in outs:
+        np.testing.assert_array_equal(cupy.asnumpy(o), np.full(1, n * (n + 1) / 2, np.float32))
+
+
+def test_a_planned_all_reduce_makes_no_runtime_call_beyond_the_engines():
+    """collectives.all_reduce through its cached plan (out= given): the launch and the device read, nothing else."""
+    xs = [on(0, np.full(1, r + 1, np.float32)) for r in range(4)]
+    outs = [on(0, np.zeros(1, np.float32)) for _ in range(4)]
+    collectives.all_reduce(xs, "sum", out=outs)
+    counted = runtime_calls(lambda: collectives.all_reduce(xs, "sum", out=outs))
+    assert counted["launches"] == {0: 1}
+    assert {k: v for k, v in counted["calls"].items() if v} == {"cudaGetDevice": 1}
+    assert counted["stream_ops"] == 0
 
 
 @pytest.mark.parametrize("devices", [(0, 0), (0, 1)], ids=str)

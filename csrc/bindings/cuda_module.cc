@@ -307,7 +307,7 @@ void def_fused_update(py::module_& m) {
              if (!error.empty()) throw py::value_error(error);
              py::gil_scoped_release nogil;
              cuda::DeviceGuard guard;
-             MIRRORED_CUDA_CHECK(cudaSetDevice(t.device()));
+             MIRRORED_CUDA_CHECK(cuda::set_device(t.device()));
              t.apply(static_cast<rules::Rule>(rule), reinterpret_cast<const void*>(grads), coefficients, weight_decay,
                      lr, reinterpret_cast<cudaStream_t>(stream));
            },
@@ -322,7 +322,7 @@ void def_fused_update(py::module_& m) {
              // The GIL held: this records (no wait), and the replica threads' captured work must enter
              // the graph in the order the Python step issues it (released, replays read garbage results).
              cuda::DeviceGuard guard;
-             MIRRORED_CUDA_CHECK(cudaSetDevice(t.device()));
+             MIRRORED_CUDA_CHECK(cuda::set_device(t.device()));
              t.apply_captured(static_cast<rules::Rule>(rule), reinterpret_cast<const void*>(grads),
                               reinterpret_cast<const void*>(scalars), coefficients,
                               reinterpret_cast<cudaStream_t>(stream));
@@ -343,7 +343,7 @@ void def_fused_update(py::module_& m) {
              const auto sources = as_ptrs<const void>(src);
              py::gil_scoped_release nogil;  // may wait for the last upload to have read the host table
              cuda::DeviceGuard guard;
-             MIRRORED_CUDA_CHECK(cudaSetDevice(p.device()));
+             MIRRORED_CUDA_CHECK(cuda::set_device(p.device()));
              p.copy(sources, reinterpret_cast<cudaStream_t>(stream));
            },
            py::arg("src"), py::arg("stream"),
@@ -352,7 +352,7 @@ void def_fused_update(py::module_& m) {
       .def("copy_captured", [](cuda::GradientPack& p, const Ptrs& src, std::uintptr_t stream) {
              // The GIL held, as apply_captured: recorded in the order the Python step issues it.
              cuda::DeviceGuard guard;
-             MIRRORED_CUDA_CHECK(cudaSetDevice(p.device()));
+             MIRRORED_CUDA_CHECK(cuda::set_device(p.device()));
              p.copy_captured(as_ptrs<const void>(src), reinterpret_cast<cudaStream_t>(stream));
            },
            py::arg("src"), py::arg("stream"),
@@ -453,7 +453,7 @@ template <typename F>
 auto on_device(int device, F f) {
   check_device(device);
   cuda::DeviceGuard guard;
-  cudaSetDevice(device);
+  cuda::set_device(device);
   return f();
 }
 
@@ -478,10 +478,18 @@ void def_sim(py::module_& m) {
     d["blas"] = c.blas;
     d["stream_ops"] = c.stream_ops;
     d["host_waits"] = c.host_waits;
+    d["calls"] = c.calls;
     return d;
   }, "Engine kernel launches, graph launches, stand-in kernels and stand-in cuBLAS products per device, stream operations (records, "
-     "waits, copies, syncs) and host waits for the GPU (synchronisations, cudaFree) since reset_counters().");
+     "waits, copies, syncs), host waits for the GPU (synchronisations, cudaFree) and runtime calls by name (cudaSetDevice: ...) "
+     "since reset_counters().");
   s.def("reset_counters", [] { sim::reset_counters(); });
+  s.def("current_device", [] { return sim::current_device(); },
+        "The calling thread's current device (cudaGetDevice, not counted: CuPy's own calls are not the engine's).");
+  s.def("set_current_device", [](int device) {
+    check_device(device);
+    sim::set_current_device(device);
+  }, py::arg("device"), "cudaSetDevice for the calling thread, not counted (CuPy's Device.use).");
   s.def("malloc", [](std::size_t bytes, int device) {
     check_device(device);
     return reinterpret_cast<std::uintptr_t>(sim::allocate(bytes, device));

@@ -68,7 +68,7 @@ DeviceState& state_of(int device, const Api& api) {
   if (DeviceState* s = slot.load(std::memory_order_relaxed)) return *s;
   auto made = std::make_unique<DeviceState>();
   DeviceGuard guard;
-  MIRRORED_CUDA_CHECK(cudaSetDevice(device));
+  MIRRORED_CUDA_CHECK(set_device(device));
   check(api.Create(&made->handle), "cublasCreate");
   check(api.SetMathMode(made->handle, kDefaultMath), "cublasSetMathMode");
   slot.store(made.get(), std::memory_order_release);
@@ -158,7 +158,7 @@ void matmul(int device, cudaStream_t stream, const Product& p) {
   std::optional<DeviceGuard> guard;
   if (current != device) {
     guard.emplace();
-    MIRRORED_CUDA_CHECK(cudaSetDevice(device));
+    MIRRORED_CUDA_CHECK(set_device(device));
   }
   if (s.stream != stream) {
     void* workspace = workspace_of(s, stream);

@@ -64,7 +64,7 @@ CudaRing::CudaRing(std::vector<int> devices, std::size_t chunk_bytes, int channe
       check_ordinal(devices[r], "devices");
       Rank& k = ranks_[r];
       k.device = devices[r];
-      MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+      MIRRORED_CUDA_CHECK(set_device(k.device));
       MIRRORED_CUDA_CHECK(cudaDeviceGetAttribute(&k.sms, cudaDevAttrMultiProcessorCount, k.device));
       k.ready = make_event();
       for (int c = 0; c < channels_; ++c) {
@@ -82,7 +82,7 @@ CudaRing::CudaRing(std::vector<int> devices, std::size_t chunk_bytes, int channe
         int can = 0;
         if (q.device != k.device) MIRRORED_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, k.device, q.device));
         if (can) {
-          MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+          MIRRORED_CUDA_CHECK(set_device(k.device));
           const cudaError_t err = cudaDeviceEnablePeerAccess(q.device, 0);
           if (err == cudaErrorPeerAccessAlreadyEnabled) {
             cudaGetLastError();  // enabled earlier (by us or CuPy): what we wanted
@@ -111,7 +111,7 @@ CudaRing::~CudaRing() { release(); }
 void CudaRing::release() noexcept {
   DeviceGuard guard;
   for (auto& k : ranks_) {
-    if (cudaSetDevice(k.device) != cudaSuccess) continue;
+    if (set_device(k.device) != cudaSuccess) continue;
     for (auto s : k.streams) cudaStreamDestroy(s);  // waits for nothing: queued work still completes
     for (auto* events : {&k.done, &k.step[0], &k.step[1]})
       for (auto e : *events) cudaEventDestroy(e);
@@ -133,11 +133,11 @@ void CudaRing::begin(int n, const char* what) {
 void CudaRing::fork(int used, bool ring) {
   const int n = size();
   for (int r = 0; r < n; ++r) {
-    MIRRORED_CUDA_CHECK(cudaSetDevice(ranks_[r].device));
+    MIRRORED_CUDA_CHECK(set_device(ranks_[r].device));
     MIRRORED_CUDA_CHECK(cudaEventRecord(ranks_[r].ready, callers_[r]));
   }
   for (int r = 0; r < n; ++r) {
-    MIRRORED_CUDA_CHECK(cudaSetDevice(ranks_[r].device));
+    MIRRORED_CUDA_CHECK(set_device(ranks_[r].device));
     for (int c = 0; c < used; ++c) {
       const cudaStream_t s = ranks_[r].streams[c];
       if (ring) {
@@ -153,11 +153,11 @@ void CudaRing::fork(int used, bool ring) {
 void CudaRing::join(int used, bool ring) {
   const int n = size();
   for (auto& k : ranks_) {
-    MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+    MIRRORED_CUDA_CHECK(set_device(k.device));
     for (int c = 0; c < used; ++c) MIRRORED_CUDA_CHECK(cudaEventRecord(k.done[c], k.streams[c]));
   }
   for (int r = 0; r < n; ++r) {
-    MIRRORED_CUDA_CHECK(cudaSetDevice(ranks_[r].device));  // a null caller stream means this device's
+    MIRRORED_CUDA_CHECK(set_device(ranks_[r].device));  // a null caller stream means this device's
     for (int q = 0; q < n; ++q) {
       if (ring && q != r && q != (r + 1) % n) continue;
       for (int c = 0; c < used; ++c) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(callers_[r], ranks_[q].done[c], 0));
@@ -174,7 +174,7 @@ void* CudaRing::scratch(int r, int c) {
 void CudaRing::fold(int r, int c, void* out, const void* a, const void* b, int q, std::size_t count, DType dtype,
                     ReduceOp op, int mean_div) {
   Rank& k = ranks_[r];
-  MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+  MIRRORED_CUDA_CHECK(set_device(k.device));
   if (k.direct[q]) {
     reduce_copy(out, a, b, count, dtype, op, mean_div, k.sms, k.streams[c]);
     return;
@@ -194,7 +194,7 @@ void CudaRing::fold(int r, int c, void* out, const void* a, const void* b, int q
 void CudaRing::copy(int r, int c, void* dst, const void* src, int q, std::size_t bytes) {
   if (bytes == 0 || dst == src) return;
   Rank& k = ranks_[r];
-  MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+  MIRRORED_CUDA_CHECK(set_device(k.device));
   if (ranks_[q].device == k.device) {
     MIRRORED_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, k.streams[c]));
   } else {
@@ -206,7 +206,7 @@ void CudaRing::gather_rows(int r, void* dst, std::size_t dst_pitch, const void* 
                            std::size_t rows) {
   if (rows == 1) return copy(r, 0, dst, src, q, width);
   Rank& k = ranks_[r];
-  MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+  MIRRORED_CUDA_CHECK(set_device(k.device));
   if (ranks_[q].device == k.device) {
     MIRRORED_CUDA_CHECK(
         cudaMemcpy2DAsync(dst, dst_pitch, src, width, width, rows, cudaMemcpyDeviceToDevice, k.streams[0]));
@@ -254,16 +254,19 @@ void CudaRing::phased(int phases, F launch) {
   auto same = [&](int a, int b) { return callers_[a] == callers_[b] && ranks_[a].device == ranks_[b].device; };
   // The distinct caller streams, each named by its first rank (a null stream
   // is a different stream on each GPU).
-  std::vector<int> uniq;
+  std::vector<int>& uniq = uniq_;
+  uniq.clear();
   for (int r = 0; r < n; ++r)
     if (std::none_of(uniq.begin(), uniq.end(), [&](int u) { return same(u, r); })) uniq.push_back(r);
-  int cur = -1;
-  auto on = [&](int device) {
-    if (device != cur) MIRRORED_CUDA_CHECK(cudaSetDevice(cur = device));
-  };
+  auto on = [](int device) { MIRRORED_CUDA_CHECK(set_device(device)); };  // no call when already current
   const bool sync = uniq.size() > 1;
+  // Whether some launching stream is not u's (and so waits for u's work, and u for its launches).
+  auto waited = [&](int u) {
+    return std::any_of(groups_.begin(), groups_.end(), [&](const Group& g) { return !same(u, g.ranks[0]); });
+  };
   if (sync) {  // each launching stream waits for every other caller stream's queued work
     for (int u : uniq) {
+      if (!waited(u)) continue;
       on(ranks_[u].device);
       MIRRORED_CUDA_CHECK(cudaEventRecord(ranks_[u].ready, callers_[u]));
     }
@@ -408,7 +411,7 @@ void CudaRing::ring_all_reduce(const void* const* in, void* const* out, std::siz
       for (int r = 0; r < n; ++r) {
         const RingOp o = ring.op(s, t, r);
         Rank& k = ranks_[r];
-        MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+        MIRRORED_CUDA_CHECK(set_device(k.device));
         // The schedule's one dependency: the predecessor's op of the previous
         // step. Two events per channel, by step parity, because this rank
         // records step t before its successor has waited on step t-1.
@@ -441,7 +444,7 @@ void CudaRing::tree_all_reduce(const void* const* in, void* const* out, std::siz
     for (int i = 0; i < tree.num_ops(l); ++i) {
       const TreeOp o = tree.op(l, i);
       Rank& k = ranks_[o.dst];
-      MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+      MIRRORED_CUDA_CHECK(set_device(k.device));
       if (!o.src_input) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(k.streams[0], latest(o.src), 0));
       fold(o.dst, 0, out[o.dst], o.dst_input ? in[o.dst] : out[o.dst], o.src_input ? in[o.src] : out[o.src], o.src,
            count, dtype, combine, o.finalize ? mean_div : 1);
@@ -450,7 +453,7 @@ void CudaRing::tree_all_reduce(const void* const* in, void* const* out, std::siz
   }
   // Rank 0 holds the result: hand it to everyone.
   for (int r = 1; r < n; ++r) {
-    MIRRORED_CUDA_CHECK(cudaSetDevice(ranks_[r].device));
+    MIRRORED_CUDA_CHECK(set_device(ranks_[r].device));
     MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(ranks_[r].streams[0], latest(0), 0));
     copy(r, 0, out[r], out[0], 0, count * dtype_size(dtype));
   }

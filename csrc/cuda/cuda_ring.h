@@ -116,6 +116,7 @@ class CudaRing : public Communicator {
   std::vector<Group> groups_;
   bool one_pass_ = false;
   std::vector<cudaStream_t> callers_;  // the caller's streams for the call in progress
+  std::vector<int> uniq_;              // phased()'s distinct caller streams, kept to reuse its memory
   std::size_t chunk_bytes_;
   int channels_;
   std::mutex mu_;

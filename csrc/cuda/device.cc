@@ -31,12 +31,27 @@ void check_ordinal(int ordinal, const char* argument) {
                                 std::to_string(n) + " visible; check CUDA_VISIBLE_DEVICES)");
 }
 
-DeviceGuard::DeviceGuard() {
+namespace {
+thread_local DeviceGuard* innermost = nullptr;
+}  // namespace
+
+DeviceGuard::DeviceGuard() : outer_(innermost) {
   if (cudaGetDevice(&saved_) != cudaSuccess) saved_ = -1;
+  current_ = saved_;
+  innermost = this;
 }
 
 DeviceGuard::~DeviceGuard() {
-  if (saved_ >= 0) cudaSetDevice(saved_);
+  innermost = outer_;
+  if (saved_ >= 0 && current_ != saved_) cudaSetDevice(saved_);
+}
+
+cudaError_t set_device(int device) noexcept {
+  DeviceGuard* g = innermost;
+  if (g != nullptr && g->current_ == device) return cudaSuccess;
+  const cudaError_t err = cudaSetDevice(device);
+  if (g != nullptr) g->current_ = err == cudaSuccess ? device : -1;  // after a failure: unknown, so switch next time
+  return err;
 }
 
 }  // namespace mirrored::cuda

@@ -2,6 +2,8 @@
 // no driver or no GPU simply has 0 devices.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <cstddef>
 #include <string>
 
@@ -20,7 +22,12 @@ DeviceProperties device_properties(int ordinal);
 // Validates an ordinal against device_count(), naming `argument` on failure.
 void check_ordinal(int ordinal, const char* argument);
 
-// Restores the calling thread's current device when a call returns.
+// Restores the calling thread's current device when a call returns, if the
+// call switched away from it. Inside a guard, switch devices only with
+// set_device(): it skips the switch to the device already current, so a
+// collective whose ranks all live on the caller's GPU makes no switch at all.
+// Library calls inside a guard must leave the device as they found it (the
+// CUDA libraries, cuBLAS and NCCL do).
 class DeviceGuard {
  public:
   DeviceGuard();
@@ -29,7 +36,14 @@ class DeviceGuard {
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
-  int saved_ = -1;
+  friend cudaError_t set_device(int device) noexcept;
+  DeviceGuard* outer_;  // the guard this one is nested in (per thread)
+  int saved_ = -1;      // the device at entry; -1 when cudaGetDevice failed
+  int current_ = -1;    // the device current now, as this guard saw it set
 };
+
+// cudaSetDevice(device), or nothing when the innermost DeviceGuard of this
+// thread knows `device` is current already.
+cudaError_t set_device(int device) noexcept;
 
 }  // namespace mirrored::cuda

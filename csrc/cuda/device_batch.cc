@@ -70,7 +70,7 @@ DeviceBatch::DeviceBatch(std::vector<int> devices) : ranks_(devices.size()) {
 DeviceBatch::~DeviceBatch() {
   DeviceGuard guard;
   for (Rank& k : ranks_) {
-    if (cudaSetDevice(k.device) != cudaSuccess) continue;
+    if (set_device(k.device) != cudaSuccess) continue;
     if (k.pending) cudaEventSynchronize(k.used);  // the last batch's kernels read the buffers
     for (Table& t : k.tables) {
       if (t.pending) cudaEventSynchronize(t.done);
@@ -91,7 +91,7 @@ DeviceBatch::~DeviceBatch() {
 void* DeviceBatch::fusion(int r, std::size_t bytes) {
   Rank& k = ranks_[r];
   if (k.fusion_bytes >= bytes) return k.fusion;
-  MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+  MIRRORED_CUDA_CHECK(set_device(k.device));
   if (k.fusion) {
     // An earlier batch may still be reading it on some stream of this device.
     MIRRORED_CUDA_CHECK(cudaDeviceSynchronize());
@@ -106,7 +106,7 @@ void* DeviceBatch::fusion(int r, std::size_t bytes) {
 
 void DeviceBatch::prepare(int r) {
   Rank& k = ranks_[r];
-  MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+  MIRRORED_CUDA_CHECK(set_device(k.device));
   if (k.used) return;
   MIRRORED_CUDA_CHECK(cudaDeviceGetAttribute(&k.sms, cudaDevAttrMultiProcessorCount, k.device));
   MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&k.ready, cudaEventDisableTiming));
@@ -173,7 +173,7 @@ void DeviceBatch::one_pass(const std::vector<std::vector<const void*>>& in, cons
   if (entries == 0) return;
   prepare(0);
   for (int r = 1; r < n; ++r) prepare(r);
-  MIRRORED_CUDA_CHECK(cudaSetDevice(ranks_[0].device));
+  MIRRORED_CUDA_CHECK(set_device(ranks_[0].device));
   // The launch goes on rank 0's stream, after every other rank's stream's queued work, which then waits for it.
   const cudaStream_t lead = current_stream(0, n);
   std::vector<int> joined;  // ranks with a stream of their own
@@ -294,7 +294,7 @@ void DeviceBatch::packed(Communicator& comm, const std::vector<std::vector<const
       };
       fill(true, 0, lane.pack_entries, lane.pack_slots);
       fill(false, lane.pack_entries, lane.unpack_entries, lane.unpack_slots);
-      MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+      MIRRORED_CUDA_CHECK(set_device(k.device));
       // The fusion buffers: after the last batch's unpack (a wait on the GPU, not the host).
       if (!captured && k.pending) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, k.used, 0));
       MIRRORED_CUDA_CHECK(cudaMemcpyAsync(lane.table, host,
@@ -309,7 +309,7 @@ void DeviceBatch::packed(Communicator& comm, const std::vector<std::vector<const
     }
     for (Lane& lane : lanes) {
       Rank& k = ranks_[lane.leader];
-      MIRRORED_CUDA_CHECK(cudaSetDevice(k.device));
+      MIRRORED_CUDA_CHECK(set_device(k.device));
       multi_copy(lane.table + lane.pack_entries, static_cast<int>(lane.unpack_entries), lane.unpack_slots, k.sms,
                  lane.stream);
       if (!lane.ring) continue;  // (captured)

@@ -50,7 +50,7 @@ FusedUpdateTable::FusedUpdateTable(int device, DType dtype, const std::vector<Fu
     max_count_ = std::max(max_count_, v.count);
   }
   DeviceGuard guard;
-  MIRRORED_CUDA_CHECK(cudaSetDevice(device));
+  MIRRORED_CUDA_CHECK(set_device(device));
   MIRRORED_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device));
   const std::size_t bytes = std::max<std::size_t>(1, variables.size()) * entry_bytes_;
   MIRRORED_CUDA_CHECK(cudaMallocHost(&host_table_, bytes));
@@ -66,7 +66,7 @@ FusedUpdateTable::FusedUpdateTable(int device, DType dtype, const std::vector<Fu
 
 FusedUpdateTable::~FusedUpdateTable() {
   DeviceGuard guard;
-  if (cudaSetDevice(device_) != cudaSuccess) return;
+  if (set_device(device_) != cudaSuccess) return;
   if (pending_) cudaEventSynchronize(used_);  // the last launch reads the table
   cudaFree(device_table_);
   cudaFreeHost(host_table_);

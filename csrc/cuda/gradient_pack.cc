@@ -23,7 +23,7 @@ GradientPack::GradientPack(int device, const std::vector<void*>& dst, const std:
     entry_of_[k] = entries_++;
   }
   DeviceGuard guard;
-  MIRRORED_CUDA_CHECK(cudaSetDevice(device));
+  MIRRORED_CUDA_CHECK(set_device(device));
   MIRRORED_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device));
   const std::size_t table_bytes = std::max(1, entries_) * sizeof(CopyEntry);
   MIRRORED_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_table_), table_bytes));
@@ -40,7 +40,7 @@ GradientPack::GradientPack(int device, const std::vector<void*>& dst, const std:
 
 GradientPack::~GradientPack() {
   DeviceGuard guard;
-  if (cudaSetDevice(device_) != cudaSuccess) return;
+  if (set_device(device_) != cudaSuccess) return;
   if (pending_) cudaEventSynchronize(used_);  // the last launch reads the table
   cudaFree(device_table_);
   cudaFreeHost(host_table_);

@@ -56,7 +56,7 @@ NcclCommunicator::NcclCommunicator(const std::string& id, int first_rank, int nr
   // first would wait forever for the others.
   MIRRORED_NCCL_CHECK(lib_, GroupStart(), nullptr);
   for (int i = 0; i < size(); ++i) {
-    MIRRORED_CUDA_CHECK(cudaSetDevice(devices_[i]));
+    MIRRORED_CUDA_CHECK(cuda::set_device(devices_[i]));
     const Result r = lib_.api.CommInitRank(&comms_[i], nranks, uid, first_rank + i);
     if (r != kSuccess) {
       lib_.api.GroupEnd();
@@ -100,7 +100,7 @@ void NcclCommunicator::group(int n, F f) {
   MIRRORED_NCCL_CHECK(lib_, GroupStart(), nullptr);
   try {
     for (int r = 0; r < n; ++r) {
-      MIRRORED_CUDA_CHECK(cudaSetDevice(devices_[r]));  // a null stream means this device's
+      MIRRORED_CUDA_CHECK(cuda::set_device(devices_[r]));  // a null stream means this device's
       f(r, cuda::current_stream(r, n));
     }
   } catch (...) {

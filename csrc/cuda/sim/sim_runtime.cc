@@ -198,6 +198,8 @@ Lock::Lock() {
   else machine().lock();
 }
 
+Call::Call(const char* name) { ++counted.calls[name]; }
+
 Counters counters() { Lock lock; return counted; }
 void reset_counters() { Lock lock; counted = Counters{}; }
 
@@ -230,6 +232,8 @@ void launch_blas(cudaStream_t stream, std::function<void()> work) {
   enqueue(stream, std::move(work));
 }
 
+int current_device() { return current; }
+void set_current_device(int device) { current = device; }
 int device_of_pointer(const void* p) { Lock lock; return find_device(p); }
 int device_of_stream(cudaStream_t stream) { Lock lock; return resolve(stream)->device; }
 
@@ -331,48 +335,48 @@ namespace sim = mirrored::cuda::sim;
 
 extern "C" {
 cudaError_t cudaGetDeviceCount(int* n) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   *n = sim::num_devices;
   return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int d) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   if (d < 0 || d >= sim::num_devices) return cudaErrorInvalidDevice;
   sim::current = d;
   return cudaSuccess;
 }
 cudaError_t cudaGetDevice(int* d) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   *d = sim::current;
   return cudaSuccess;
 }
 cudaError_t cudaGetLastError() {
-  sim::Lock lock;
+  sim::Call call(__func__);
   return cudaSuccess;
 }
 const char* cudaGetErrorName(cudaError_t) { return "cudaErrorSimulated"; }
 const char* cudaGetErrorString(cudaError_t) { return "simulated error"; }
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   std::memset(p, 0, sizeof *p);
   return cudaSuccess;
 }
 cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   *v = 4;
   return cudaSuccess;
 }
 cudaError_t cudaDeviceCanAccessPeer(int* can, int a, int b) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   *can = static_cast<int>(sim::peers.count({a, b}));
   return cudaSuccess;
 }
 cudaError_t cudaDeviceEnablePeerAccess(int, unsigned) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize() {
-  sim::Lock lock;
+  sim::Call call(__func__);
   if (const auto c = sim::capture_on(sim::current)) sim::refuse(c, "cudaDeviceSynchronize");
   ++sim::counted.host_waits;
   ++sim::counted.stream_ops;
@@ -380,7 +384,7 @@ cudaError_t cudaDeviceSynchronize() {
   return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   const CUstream_st* st = sim::resolve(s);
   if (const auto c = sim::is_null(st) ? sim::capture_on(st->device) : st->capture)
     sim::refuse(c, "cudaStreamSynchronize");
@@ -390,12 +394,12 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   sim::streams.push_back(*s = new CUstream_st{sim::current, (flags & cudaStreamNonBlocking) == 0, {}});
   return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   // CUDA lets queued work finish; the simulation runs it before forgetting the stream.
   sim::drain();
   for (auto it = sim::streams.begin(); it != sim::streams.end(); ++it)
@@ -404,17 +408,17 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
   return cudaSuccess;
 }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   *e = new CUevent_st{sim::current, nullptr};
   return cudaSuccess;
 }
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   delete e;
   return cudaSuccess;
 }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   ++sim::counted.stream_ops;
   CUstream_st* st = sim::resolve(s);
   if (st->device != e->device) return cudaErrorInvalidResourceHandle;  // CUDA's rule too
@@ -428,7 +432,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   ++sim::counted.stream_ops;
   if (!e->latest) return cudaSuccess;
   CUstream_st* st = sim::resolve(s);
@@ -450,7 +454,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
   return cudaSuccess;
 }
 cudaError_t cudaMalloc(void** p, size_t n) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   if (const auto c = sim::capture_on(sim::current); c && !c->relaxed) sim::refuse(c, "cudaMalloc");
   *p = std::malloc(n + 1);
   std::memset(*p, 0xcd, n);
@@ -458,22 +462,22 @@ cudaError_t cudaMalloc(void** p, size_t n) {
   return cudaSuccess;
 }
 cudaError_t cudaMallocHost(void** p, size_t n) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   *p = std::malloc(n + 1);  // host memory: a kernel touching it is caught as unallocated
   return cudaSuccess;
 }
 cudaError_t cudaFreeHost(void* p) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   std::free(p);
   return cudaSuccess;
 }
 cudaError_t cudaEventQuery(cudaEvent_t e) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   if (e->latest && e->latest->captured) return cudaErrorStreamCaptureUnsupported;
   return !e->latest || e->latest->done ? cudaSuccess : cudaErrorNotReady;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   if (e->latest && e->latest->captured) sim::refuse(nullptr, "cudaEventSynchronize on an event recorded in a capture");
   ++sim::counted.host_waits;
   ++sim::counted.stream_ops;
@@ -481,7 +485,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   return cudaSuccess;
 }
 cudaError_t cudaFree(void* p) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   if (const auto c = sim::capture_on(-1)) sim::refuse(c, "cudaFree");
   ++sim::counted.host_waits;
   sim::drain();  // cudaFree waits for the device, so queued work never reads freed memory
@@ -490,20 +494,20 @@ cudaError_t cudaFree(void* p) {
   return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t st) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   ++sim::counted.stream_ops;
   if (sim::resolve(st)->device != sim::current) return cudaErrorInvalidValue;
   sim::enqueue(st, [=] { std::memmove(d, s, n); });
   return cudaSuccess;
 }
 cudaError_t cudaMemcpyPeerAsync(void* d, int, const void* s, int, size_t n, cudaStream_t st) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   ++sim::counted.stream_ops;
   sim::enqueue(st, [=] { std::memmove(d, s, n); });
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy2DAsync(void* d, size_t dp, const void* s, size_t sp, size_t w, size_t h, cudaMemcpyKind,
-                              cudaStream_t st) { sim::Lock lock;
+                              cudaStream_t st) { sim::Call call(__func__);
   ++sim::counted.stream_ops;
   sim::enqueue(st, [=] {
     for (size_t r = 0; r < h; ++r) std::memcpy(static_cast<char*>(d) + r * dp, static_cast<const char*>(s) + r * sp, w);
@@ -511,7 +515,7 @@ cudaError_t cudaMemcpy2DAsync(void* d, size_t dp, const void* s, size_t sp, size
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy3DPeerAsync(const cudaMemcpy3DPeerParms* p, cudaStream_t st) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   ++sim::counted.stream_ops;
   const cudaMemcpy3DPeerParms q = *p;
   sim::enqueue(st, [=] {
@@ -531,7 +535,7 @@ cudaError_t cudaMemcpy3DPeerAsync(const cudaMemcpy3DPeerParms* p, cudaStream_t s
 // them all, as a graph launch completes only when all its nodes have.
 extern "C" {
 cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   CUstream_st* st = sim::resolve(s);
   if (sim::is_null(st)) return cudaErrorStreamCaptureImplicit;  // the legacy stream cannot be captured
   if (st->capture) return cudaErrorIllegalState;
@@ -542,14 +546,14 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   const CUstream_st* st = sim::resolve(s);
   *status = !st->capture ? cudaStreamCaptureStatusNone
             : st->capture->error.empty() ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusInvalidated;
   return cudaSuccess;
 }
 cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   CUstream_st* st = sim::resolve(s);
   *graph = nullptr;
   if (!st->capture || st->branch != 0) return cudaErrorIllegalState;  // ends only on the stream that began it
@@ -566,7 +570,7 @@ cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
   return cudaSuccess;
 }
 cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   auto* x = new CUgraphExec_st{graph->branches, {}};
   x->lanes.resize(x->branches.size(), nullptr);
   for (std::size_t b = 1; b < x->branches.size(); ++b)
@@ -575,7 +579,7 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsig
   return cudaSuccess;
 }
 cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   CUstream_st* st = sim::resolve(s);
   if (st->capture) sim::refuse(st->capture, "cudaGraphLaunch");
   ++sim::counted.graph_launches[st->device];
@@ -606,7 +610,7 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
   return cudaSuccess;
 }
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   sim::drain();  // (a launch still queued finishes first, as on a GPU)
   for (std::size_t b = 1; b < exec->lanes.size(); ++b) {
     auto& all = sim::streams;
@@ -617,7 +621,7 @@ cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
   return cudaSuccess;
 }
 cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
-  sim::Lock lock;
+  sim::Call call(__func__);
   delete graph;
   return cudaSuccess;
 }

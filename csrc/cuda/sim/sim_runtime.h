@@ -11,6 +11,7 @@
 #include <mutex>
 #include <random>
 #include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -35,8 +36,9 @@ void drain();
 void drain_until(const std::function<bool()>& done);
 
 // What the code under test asked of the runtime since reset_counters():
-// kernel launches per device, and the calls that queue work or wait
-// (event records and waits, copies, synchronisations), in all.
+// kernel launches per device, the calls that queue work or wait (event
+// records and waits, copies, synchronisations) in all, and every runtime
+// entry point's calls by name (cudaSetDevice, cudaGetDevice, ...).
 struct Counters {
   std::map<int, long> launches;
   std::map<int, long> graph_launches;  // cudaGraphLaunch calls, per device of the launch stream
@@ -44,6 +46,7 @@ struct Counters {
   std::map<int, long> blas;     // the stand-in cuBLAS's kernels (launch_blas), per device
   long stream_ops = 0;
   long host_waits = 0;  // the host blocked on the GPU: stream, event and device synchronisations, cudaFree
+  std::map<std::string, long> calls;
   long launches_total() const {
     long t = 0;
     for (const auto& [d, k] : launches) t += k;
@@ -66,6 +69,14 @@ class Lock {
   Lock(const Lock&) = delete;
   Lock& operator=(const Lock&) = delete;
 };
+// The lock, taken by a runtime entry point that counts itself in Counters::calls.
+class Call {
+ public:
+  explicit Call(const char* name);
+
+ private:
+  Lock lock_;
+};
 
 // Test memory (the CuPy stand-in's): `bytes` on device `device`, filled
 // with a pattern no computation produces. release() poisons it in the order
@@ -76,6 +87,10 @@ class Lock {
 void* allocate(std::size_t bytes, int device);
 void release(void* p, cudaStream_t stream);
 constexpr unsigned char kFreshByte = 0xcd, kPoisonByte = 0xdb;
+// The calling thread's current device (cudaGetDevice / cudaSetDevice without counting the call:
+// the embedder's own device switches, as CuPy's Device.use makes them, are not the engine's).
+int current_device();
+void set_current_device(int device);
 int device_of_pointer(const void* p);  // -1 when not (or no longer) device memory
 int device_of_stream(cudaStream_t stream);
 // Whether a stream of `device` (-1: of any device) is being captured.

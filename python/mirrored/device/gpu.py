@@ -185,7 +185,7 @@ class MergeOrder:
     step's stream already.
     """
 
-    __slots__ = ("_ordinals", "_gpus", "_foreign", "_any_foreign", "_held", "_cuda")
+    __slots__ = ("_ordinals", "_gpus", "_foreign", "_any_foreign", "_held", "_cuda", "_null")
 
     def __init__(self, ordinals):
         self._ordinals = tuple(ordinals)
@@ -195,6 +195,7 @@ class MergeOrder:
         self._any_foreign = False  # whether any is (the common case, none, costs the combine no walk)
         self._held = [[] for _ in range(n)]  # replica -> [(ordinal, its stream, results handed to it)] of this run
         self._cuda = cupy_module().cuda
+        self._null = self._cuda.Stream.null  # (merge_stream outside md.function, looked up once)
 
     def arrive(self, replica: int) -> None:
         """Notes the stream replica ``replica`` (the calling one) has queued its inputs on."""
@@ -206,6 +207,9 @@ class MergeOrder:
             self._foreign[replica] = stream
             self._any_foreign = True
 
+    def _merge_stream(self, ordinal: int):
+        return self._null if _step is None else _step.streams[ordinal]
+
     def combine(self, combine, slots):
         """``combine(slots)`` (a list of per-replica results) on the merge streams, ordered with every replica."""
         cuda = self._cuda
@@ -216,7 +220,7 @@ class MergeOrder:
             self._foreign, self._any_foreign = [None] * len(self._ordinals), False
             for r, stream in foreign:
                 with cuda.Device(self._ordinals[r]):
-                    merge_stream(self._ordinals[r]).wait_event(stream.record())
+                    self._merge_stream(self._ordinals[r]).wait_event(stream.record())
         device = runtime.getDevice()
         entered = []  # (a stream is entered with its device current, and left so; entered as `with` does)
         # Leaving a `with` block makes the top of CuPy's per-thread stack current again, not a stream the
@@ -229,7 +233,7 @@ class MergeOrder:
                 if on != ordinal:
                     runtime.setDevice(ordinal)
                     on = ordinal
-                stream = merge_stream(ordinal)
+                stream = self._merge_stream(ordinal)
                 stream.__enter__()
                 entered.append((ordinal, stream))
             if on != device:
@@ -258,7 +262,7 @@ class MergeOrder:
                 if on != ordinal:
                     runtime.setDevice(ordinal)
                     on = ordinal
-                stream.wait_event(merge_stream(ordinal).record())
+                stream.wait_event(self._merge_stream(ordinal).record())
                 if results is not None:
                     self._held[r].append((ordinal, stream, results[r]))
             if on != device:

@@ -103,23 +103,26 @@ class _GpuThreadState(_ThreadState):
                  getattr(_scope_local, "scope", ""), self._runtime.getDevice(),
                  tuple(map(self._current_stream, self._ordinals)), scope)
         if scope is not None:  # its stream off the thread's `with` stack (see _GpuReplicaScope)
-            scope._entered[-1][1].__exit__(None, None, None)
+            scope._entered[-1][0].__exit__(None, None, None)
         return state
 
     def restore(self, state: tuple) -> None:
         _local.stack, _device_local.device, _scope_local.scope, device, streams, scope = state
         runtime, current = self._runtime, self._current_stream
         _running.scope = scope
+        entered = None  # (the stream just made current on GPU `on`: its current stream needs no lookup)
         if scope is not None:  # its GPU current again and its stream back on top of the `with` stack
             on = scope._ordinal
             if runtime.getDevice() != on:
                 runtime.setDevice(on)
-            scope._entered[-1][1].__enter__()
+            entered = scope._entered[-1][0]
+            entered.__enter__()
         else:
             on = runtime.getDevice()
+        entered_on = on
         # Only what differs is set: replicas mostly share a GPU and keep their stream.
         for ordinal, stream in zip(self._ordinals, streams):
-            if current(ordinal) is not stream:
+            if (entered if entered is not None and ordinal == entered_on else current(ordinal)) is not stream:
                 if on != ordinal:  # (Stream.use sets the stream of the current device)
                     runtime.setDevice(ordinal)
                     on = ordinal
@@ -465,12 +468,17 @@ def _blas_controllers() -> list:
 
 
 class _GpuReplicaScope:
-    """A GPU replica's device and CUDA device and stream, made once (entered by one replica at a time).
+    """A GPU replica's device and CUDA device and stream, made once (entered by one replica at a time,
+    and only by the replica pool's runs).
 
     Its stream is entered as CuPy's ``with stream`` does (pushed on the
     thread's stack), so that ``with`` blocks inside the replica unwind to it.
     Replicas that share a thread (greenlets) take their entry off the stack
     while another runs (_GpuThreadState's save and restore).
+
+    Leaving takes the stream off the stack and nothing else: the thread's CUDA device and md device
+    stay as the replica left them, like a CPU replica's device (the pool puts the caller's back once
+    the run ends, and the next replica on the thread sets its own), which saves a device read a replica.
     """
 
     def __init__(self, device, replica_id: int):
@@ -478,8 +486,7 @@ class _GpuReplicaScope:
         self._device = device
         self._runtime = _gpu.cupy_module().cuda.runtime
         self._stream = _gpu.replica_stream(replica_id, ordinal)
-        # (CUDA device before, stream entered, memory scope or None, _running.scope before, md device before)
-        self._entered = []
+        self._entered = []  # (stream entered, memory scope or None)
 
     def __enter__(self):
         # Inside md.function the replica runs on the step's stream and memory (device/gpu.py StepScope).
@@ -490,27 +497,21 @@ class _GpuReplicaScope:
             stream, memory = self._stream, None
         else:
             stream, memory = step.streams[self._ordinal], _gpu.step_memory()
-        runtime = self._runtime
-        device = runtime.getDevice()
-        self._entered.append((device, stream, memory, getattr(_running, "scope", None),
-                              getattr(_device_local, "device", None)))
         _device_local.device = self._device
-        if device != self._ordinal:
-            runtime.setDevice(self._ordinal)
+        if self._runtime.getDevice() != self._ordinal:
+            self._runtime.setDevice(self._ordinal)
         stream.__enter__()
         if memory is not None:
             memory.__enter__()
+        self._entered.append((stream, memory))
         _running.scope = self
 
     def __exit__(self, *exc):
-        device, stream, memory, running, md_device = self._entered.pop()
+        stream, memory = self._entered.pop()
         if memory is not None:
             memory.__exit__(*exc)
         stream.__exit__(None, None, None)  # (on top: anything entered after it inside the replica has been left)
-        _running.scope = running
-        if self._runtime.getDevice() != device:
-            self._runtime.setDevice(device)
-        _device_local.device = md_device
+        _running.scope = None
 
 
 class _MirroredReplicaContext(ReplicaContext):
@@ -609,7 +610,7 @@ class MirroredExtended(StrategyExtended):
                     order.finish(i)
 
         results = self._pool.run(replica)
-        return regroup(results, devices=self._local_devices)
+        return regroup(results, devices=self._local_devices, array_type=contexts[0]._array_type)
 
     def _replica_arguments(self, args, kwargs) -> list:
         """``(args, kwargs)`` as each replica sees them (select_replica's rule), the structure walked once."""

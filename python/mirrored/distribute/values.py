@@ -445,14 +445,17 @@ def _read(x):
 # --- grouping per-replica results ------------------------------------------------------
 
 
-def regroup(per_replica, wrap_class=PerReplica, always_wrap: bool = False, devices=None):
+def regroup(per_replica, wrap_class=PerReplica, always_wrap: bool = False, devices=None, array_type=np.ndarray):
     """One structure with ``wrap_class`` leaves from one structure per replica.
 
     Leaves that are the same object on every replica stay unwrapped (unless
     ``always_wrap``); copies of one distributed variable become that variable.
+    ``array_type``: the replicas' own array type besides NumPy's (GPU strategies: CuPy's), a leaf too.
     """
     v0 = per_replica[0]
-    if type(v0) is np.ndarray:  # the commonest result (a leaf, no container): the checks below, in short
+    t0 = type(v0)
+    # The commonest results, a leaf (an array) or nothing (None): the checks below, in short.
+    if t0 is np.ndarray or t0 is array_type or v0 is None:
         for v in per_replica:
             if v is not v0:
                 return wrap_class(per_replica, devices)
@@ -465,8 +468,10 @@ def regroup(per_replica, wrap_class=PerReplica, always_wrap: bool = False, devic
                     "must return the same nesting of tuples, lists and dicts"
                 )
         if isinstance(v0, dict):
-            return type(v0)((k, regroup([v[k] for v in per_replica], wrap_class, always_wrap, devices)) for k in v0)
-        items = [regroup([v[i] for v in per_replica], wrap_class, always_wrap, devices) for i in range(len(v0))]
+            return type(v0)((k, regroup([v[k] for v in per_replica], wrap_class, always_wrap, devices, array_type))
+                            for k in v0)
+        items = [regroup([v[i] for v in per_replica], wrap_class, always_wrap, devices, array_type)
+                 for i in range(len(v0))]
         return type(v0)(*items) if hasattr(v0, "_fields") else type(v0)(items)
     same = all(v is v0 for v in per_replica[1:])
     if same and isinstance(v0, DistributedVariable):
