@@ -2,7 +2,7 @@
 # The GPU checks of a round, on a machine with a GPU, CuPy and NCCL (no network needed):
 # build the package into a scratch folder, run every `gpu` test against real CuPy,
 # then the GPU benchmarks (collectives vs bound/naive CuPy, run overhead, the
-# training step eager vs md.function). Results land in $OUT (default out/gpu_check).
+# training step eager vs md.function with SGD and Adam, md.linalg.matmul's host cost). Results land in $OUT (default out/gpu_check).
 #
 #   OUT=out/gpu bash bench/gpu_check.sh
 #
@@ -27,5 +27,8 @@ timeout 80 $PY bench/compare_gpu.py --logical --replicas 2 4 8 -b 4 -e 256M -f 6
   --json "$OUT/compare_gpu.json" 2>&1 | tee "$OUT/compare_gpu.txt"
 timeout 60 $PY bench/train_step.py --device gpu --function --replicas 1 2 --steps 10 --optimizer sgd \
   --torch-python "$PY" 2>&1 | tee "$OUT/train_step.txt"
+timeout 60 $PY bench/train_step.py --device gpu --function --replicas 1 2 --steps 10 --optimizer adam \
+  2>&1 | tee "$OUT/train_step_adam.txt"
+timeout 60 $PY bench/linalg_overhead.py --repeat 2000 --dtypes float32 2>&1 | tee "$OUT/linalg_overhead.txt"
 timeout 60 $PY bench/train_step.py --device gpu --model mlp --replicas 1 2 4 --steps 10 --optimizer sgd \
   2>&1 | tee "$OUT/train_step_mlp.txt"
