@@ -44,7 +44,7 @@ import numbers
 
 import numpy as np
 
-from ..device import device_util
+from ..device import device_util, gpu
 
 __all__ = ["LossScaleOptimizer", "Policy", "DTypePolicy", "global_policy", "set_global_policy"]
 
@@ -142,6 +142,13 @@ def _clips(optimizer) -> bool:
     return any(getattr(optimizer, name, None) is not None for name in ("clipnorm", "clipvalue", "global_clipnorm"))
 
 
+def _copies(variable) -> tuple:
+    """A variable's copies, one per local device (the variable itself when it has one)."""
+    from ..distribute.values import DistributedVariable
+
+    return variable.values if isinstance(variable, DistributedVariable) else (variable,)
+
+
 def _components(value) -> tuple:
     from ..distribute.values import DistributedValues
 
@@ -193,6 +200,7 @@ class LossScaleOptimizer:
                                              aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
         self._caller_unscales = False
         self._var_list = None  # build(var_list)'s, for apply(grads)
+        self._nonfinite = {}  # GPU ordinal -> the int32 flag of the device check (a CuPy array, zero between steps)
 
     def __getattr__(self, name):
         # Called only for attributes this object lacks: the wrapped optimizer's (get_slot, momentum, ...).
@@ -240,7 +248,18 @@ class LossScaleOptimizer:
         return int(self.step_counter.numpy())
 
     def scale_loss(self, loss):
-        """``loss * scale`` (Keras 3): a float16 or bfloat16 loss becomes float32, as Keras' multiply promotes."""
+        """``loss * scale`` (Keras 3): a float16 or bfloat16 loss becomes float32, as Keras' multiply promotes.
+
+        A GPU loss in replica context is multiplied by the replica's own copy of the scale, on its device:
+        no wait for the GPU (and a step that md.function can capture)."""
+        if device_util.on_gpu(loss):
+            from ..distribute import distribute_lib
+
+            if not distribute_lib.in_cross_replica_context():
+                scale = self.dynamic_scale.read_value()
+                if device_util.on_gpu(scale):
+                    dtype = np.result_type(loss.dtype, np.float32)
+                    return loss.astype(dtype, copy=False) * scale.astype(dtype, copy=False)
         return loss * self.loss_scale
 
     def get_scaled_loss(self, loss):
@@ -329,6 +348,9 @@ class LossScaleOptimizer:
             for k, g in zip(distributed, strategy.extended.batch_reduce_to(
                     ReduceOp.MEAN if mean else ReduceOp.SUM, [pairs[k] for k in distributed], options=options)):
                 grads[k] = g
+        plan = self._device_plan(strategy, pairs, reduced)
+        if plan is not None:
+            return self._apply_on_device(plan, grads)
         # An all-reduce gives every local copy the same bits: one copy of a reduced gradient tells for all.
         arrays = [c for k, g in enumerate(grads) for c in (_components(g)[:1] if k in reduced else _components(g))]
         if self.dynamic and not self._agreed_finite(strategy, arrays, devices):
@@ -347,6 +369,62 @@ class LossScaleOptimizer:
             else:
                 self.step_counter.assign_add(np.int64(1))
         return step
+
+    def _device_plan(self, strategy, pairs, reduced):
+        """The wrapped optimizer's plan when this step can be decided on the GPUs, else None.
+
+        That takes variables on GPUs that the fused kernel updates (float32, float64), every gradient
+        all-reduced here (so every replica of every worker checks the same bits and agrees), and nothing
+        that branches on the step in Python (moving averages, gradient accumulation, constraints) or divides
+        the gradients elsewhere (Keras 2's ``get_unscaled_gradients``, ``loss_scale_factor``).
+        """
+        from .optimizers import base
+
+        inner = self.inner_optimizer
+        if (self._caller_unscales or len(reduced) != len(pairs) or not isinstance(inner, base.Optimizer)
+                or inner.use_ema or inner.gradient_accumulation_steps or inner.loss_scale_factor is not None):
+            return None
+        variables = [v for _, v in pairs]
+        kernel = base._gpu_kernel()
+        if kernel is None or not hasattr(kernel, "loss_scale_step"):
+            return None
+        for i, var in enumerate(variables):
+            inner._check_variable(f"grads_and_vars[{i}]", var)
+        plan = inner._plan(strategy, variables)
+        if any(plan.host) or not plan.packable or plan.constraints:
+            return None
+        return plan
+
+    def _apply_on_device(self, plan, grads):
+        """The step decided on each GPU (no host sync): each device's reduced gradients packed, checked
+        for inf and nan into one flag, applied divided by the scale unless the flag is set, then the scale,
+        its counter and ``iterations`` updated there (csrc/cuda/fused_update.h). Returns ``iterations``
+        (the variable: reading it waits for the step)."""
+        from ..distribute.values import DistributedValues
+        from .optimizers.base import LossScaleGate
+
+        inner = self.inner_optimizer
+        step = inner._advance(plan)
+        inner._skips_on_device = inner._skips_on_device or self.dynamic
+        scales, counters = _copies(self.dynamic_scale), _copies(self.step_counter)
+        for d in range(plan.num_devices):
+            device = plan.copies[d][0].device
+            gate = LossScaleGate(
+                nonfinite=self._nonfinite_flag(device), scale=scales[d]._writable_buffer().data.ptr,
+                counter=counters[d]._writable_buffer().data.ptr, growth_steps=self.dynamic_growth_steps,
+                dynamic=self.dynamic)
+            plan.apply(d, [g.values[d] if isinstance(g, DistributedValues) else g for g in grads], step, gate=gate)
+        return self.iterations
+
+    def _nonfinite_flag(self, device) -> int:
+        """The device's check flag (made once, zero: each step's last kernel clears it again)."""
+        ordinal = device_util.physical_ordinal(device)
+        flag = self._nonfinite.get(ordinal)
+        if flag is None:
+            cupy = gpu.cupy_module()
+            with cupy.cuda.Device(ordinal):
+                flag = self._nonfinite[ordinal] = cupy.zeros((), np.int32)
+        return flag.data.ptr
 
     def _agreed_finite(self, strategy, arrays, devices) -> bool:
         """Whether every gradient is finite on every replica of every worker. One process checks all its

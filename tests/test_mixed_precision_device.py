@@ -1,0 +1,192 @@
+"""LossScaleOptimizer decided on the GPUs (gpu marker: on the simulated GPUs without a GPU, see gpu_env.py).
+
+On GPU replicas the finiteness check, the skip, the unscaling and the scale's update run on the devices
+(csrc/cuda/fused_update.h), so a step waits for nothing and md.function captures it. Both must give the
+bits of the host-decided step (the same optimizer with the device path switched off), over steps with
+injected inf and nan gradients (skip and halve), growth after dynamic_growth_steps, and a fixed scale.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import mirrored as md
+import gpu_env
+from gpu_env import cupy
+from mirrored.train import mixed_precision
+
+pytestmark = pytest.mark.gpu
+
+_rng = np.random.default_rng(11)
+_W0 = _rng.standard_normal((6, 3)).astype(np.float32)
+_B0 = _rng.standard_normal(3).astype(np.float32)
+_X = _rng.standard_normal((10, 8, 6)).astype(np.float32)  # (step, global batch, features)
+_Y = _rng.standard_normal((10, 8, 3)).astype(np.float32)
+_X[3, 1, 2] = np.inf  # step 3: an inf gradient on replica 0's part (skipped, the scale halves)
+_X[7, 7, 0] = np.nan  # step 7: a nan on the last replica's part
+_X[8] *= 3e4  # step 8: finite inputs whose scaled float16 gradients overflow
+
+
+def _strategy(replicas):
+    md.config.set_logical_device_configuration("GPU", 0, count=replicas)
+    return md.MirroredStrategy([f"/gpu:{i}" for i in range(replicas)])
+
+
+def _model(strategy, inner, dynamic, variable_dtype):
+    with strategy.scope():
+        w, b = md.Variable(_W0.astype(variable_dtype)), md.Variable(_B0.astype(variable_dtype))
+        opt = mixed_precision.LossScaleOptimizer(
+            {"sgd": lambda: md.optimizers.SGD(0.1, momentum=0.9), "adam": lambda: md.optimizers.Adam(0.01)}[inner](),
+            dynamic=dynamic, initial_scale=2.0 ** 10, dynamic_growth_steps=2)
+    return w, b, opt
+
+
+def _step_fn(w, b, opt, grad_dtype):
+    """Least squares with hand-written gradients of the scaled loss, cast to ``grad_dtype`` (float16: as a
+    mixed-precision backward pass gives them)."""
+    def step(x, y):
+        xp = cupy if isinstance(x, cupy.ndarray) else np
+        x, y = x.astype(w.dtype, copy=False), y.astype(w.dtype, copy=False)
+        err = md.linalg.matmul(x, w.read_value()) + b.read_value() - y
+        c = np.float32(2.0 / (err.shape[0] * md.get_replica_context().num_replicas_in_sync))
+        scaled = opt.scale_loss(err * c)
+        opt.apply_gradients([(md.linalg.matmul(x, scaled, transpose_a=True).astype(grad_dtype), w),
+                             (scaled.sum(axis=0).astype(grad_dtype), b)])
+        return xp.sum(err * err)
+    return step
+
+
+def _batches(strategy, replicas, s):
+    per = _X.shape[1] // replicas
+
+    def part(data):
+        return md.PerReplica([md.device_util.place(data[s, r * per:(r + 1) * per], d)
+                              for r, d in enumerate(strategy.extended.worker_devices)],
+                             strategy.extended.worker_devices)
+    return part(_X), part(_Y)
+
+
+def _train(monkeypatch, replicas, inner="sgd", dynamic=True, grad_dtype=np.float32, variable_dtype=np.float32,
+           mode="device", steps=10):
+    """Every copy of the weights and slots, and (loss scale, counter, iterations) after each step."""
+    if mode == "host":  # the host-decided step this replaces, as it runs on GPU replicas
+        monkeypatch.setattr(mixed_precision.LossScaleOptimizer, "_device_plan", lambda *a: None)
+    else:  # nothing of the host-decided step may run
+        monkeypatch.setattr(mixed_precision.LossScaleOptimizer, "_unscaled", None)
+        monkeypatch.setattr(mixed_precision, "_is_finite", None)
+    strategy = _strategy(replicas)
+    try:
+        w, b, opt = _model(strategy, inner, dynamic, variable_dtype)
+        step = _step_fn(w, b, opt, grad_dtype)
+        run = md.function(step) if mode == "captured" else step
+        history = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a captured step must not fall back to eager
+            for s in range(steps):
+                replay = mode == "captured" and s == steps - 1 and gpu_env.SIMULATED
+                if replay:
+                    cupy.sim.drain()
+                    cupy.sim.reset_counters()
+                strategy.run(run, args=_batches(strategy, replicas, s))
+                if replay:  # the step was a replay of the graph, with no launch from Python
+                    counted = cupy.sim.counters()
+                    assert counted["graph_launches"] == {0: 1} and sum(counted["launches"].values()) == 0
+                history.append((float(opt.loss_scale), opt.dynamic_counter, int(opt.iterations.numpy())))
+        return _state(w, b, opt), history
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
+        monkeypatch.undo()
+
+
+def _state(w, b, opt):
+    """Every copy of the weights, of the optimizers' variables (scale, counter, iterations) and of the slots."""
+    return [c.numpy() for v in (w, b, *opt.variables) for c in v.values]
+
+
+def _assert_same(got, expected):
+    (state, history), (want_state, want_history) = got, expected
+    assert history == want_history
+    for g, e in zip(state, want_state):
+        np.testing.assert_array_equal(g, e)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+@pytest.mark.parametrize("grad_dtype", [np.float32, np.float16], ids=["float32 grads", "float16 grads"])
+def test_the_device_decided_step_gives_the_host_decided_steps_bits(replicas, inner, grad_dtype, monkeypatch):
+    host = _train(monkeypatch, replicas, inner, grad_dtype=grad_dtype, mode="host")
+    device = _train(monkeypatch, replicas, inner, grad_dtype=grad_dtype)
+    _assert_same(device, host)
+    scales = [h[0] for h in host[1]]
+    # Keras' rules at work: growth after 2 good steps, halving on each bad step (3, 7, and 8 in float16).
+    assert scales[:3] == [1024.0, 2048.0, 2048.0] and scales[3] == scales[2] / 2
+    assert host[1][-1][2] == (7 if grad_dtype == np.float16 else 8)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+def test_a_fixed_scale_applies_every_step_on_the_device_as_on_the_host(replicas, inner, monkeypatch):
+    host = _train(monkeypatch, replicas, inner, dynamic=False, mode="host", steps=3)
+    device = _train(monkeypatch, replicas, inner, dynamic=False, steps=3)
+    _assert_same(device, host)
+    assert [h[0] for h in device[1]] == [1024.0] * 3 and device[1][-1][2] == 3
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+def test_a_captured_loss_scaled_step_replays_the_eager_steps_bits(replicas, inner, monkeypatch):
+    eager = _train(monkeypatch, replicas, inner)
+    captured = _train(monkeypatch, replicas, inner, mode="captured")
+    _assert_same(captured, eager)
+
+
+def test_float64_variables_take_the_device_path_too(monkeypatch):
+    host = _train(monkeypatch, 2, "adam", variable_dtype=np.float64, mode="host")
+    _assert_same(_train(monkeypatch, 2, "adam", variable_dtype=np.float64), host)
+
+
+def test_a_skipped_step_leaves_weights_and_slots_bit_identical():
+    strategy = _strategy(2)
+    try:
+        w, b, opt = _model(strategy, "adam", True, np.float32)
+        step = _step_fn(w, b, opt, np.float32)
+        for s in range(3):
+            strategy.run(step, args=_batches(strategy, 2, s))
+        before = _state(w, b, opt.inner_optimizer)
+        strategy.run(step, args=_batches(strategy, 2, 3))  # the inf step
+        for a, e in zip(_state(w, b, opt.inner_optimizer), before):
+            assert a.tobytes() == e.tobytes()
+        assert int(opt.iterations.numpy()) == 3 and opt.dynamic_counter == 0
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
+
+
+def test_the_step_is_a_constant_number_of_launches_whatever_the_number_of_variables():
+    if not gpu_env.SIMULATED:
+        pytest.skip("launches are counted by the simulated CUDA runtime (run under nsys on a GPU)")
+
+    def launches(n):
+        strategy = _strategy(2)
+        try:
+            with strategy.scope():
+                variables = [md.Variable(np.ones(5, np.float32)) for _ in range(n)]
+                opt = mixed_precision.LossScaleOptimizer(md.optimizers.Adam(0.01))
+            grads = [md.PerReplica([md.device_util.place(np.full(5, 2.0, np.float32), d)
+                                    for d in strategy.extended.worker_devices], strategy.extended.worker_devices)
+                     for _ in range(n)]
+
+            def step(*gs):
+                opt.apply_gradients(zip(gs, variables))
+
+            for _ in range(2):  # the plan and its tables are made on the first steps
+                strategy.run(step, args=grads)
+            cupy.sim.drain()
+            cupy.sim.reset_counters()
+            strategy.run(step, args=grads)
+            cupy.sim.drain()
+            return sum(cupy.sim.counters()["launches"].values())
+        finally:
+            md.config.set_logical_device_configuration("GPU:0", None)
+
+    assert launches(2) == launches(12)
