@@ -250,17 +250,25 @@ class LossScaleOptimizer:
     def scale_loss(self, loss):
         """``loss * scale`` (Keras 3): a float16 or bfloat16 loss becomes float32, as Keras' multiply promotes.
 
-        A GPU loss in replica context is multiplied by the replica's own copy of the scale, on its device:
-        no wait for the GPU (and a step that md.function can capture)."""
-        if device_util.on_gpu(loss):
-            from ..distribute import distribute_lib
+        In replica context on GPU replicas the product is taken on the replica's GPU with its own copy of
+        the scale (a GPU array, also for a number such as the backward pass's seed ``scale_loss(1.0)``): the
+        step waits for nothing, and md.function can capture it."""
+        scale = self._device_scale(loss)
+        if scale is None:
+            return loss * self.loss_scale
+        dtype = np.result_type(loss.dtype if device_util.on_gpu(loss) else loss, np.float32)
+        scale = scale.astype(dtype, copy=False)
+        return loss.astype(dtype, copy=False) * scale if device_util.on_gpu(loss) else scale * dtype.type(loss)
 
-            if not distribute_lib.in_cross_replica_context():
-                scale = self.dynamic_scale.read_value()
-                if device_util.on_gpu(scale):
-                    dtype = np.result_type(loss.dtype, np.float32)
-                    return loss.astype(dtype, copy=False) * scale.astype(dtype, copy=False)
-        return loss * self.loss_scale
+    def _device_scale(self, loss):
+        """This replica's copy of the scale when ``loss`` (a GPU array or a number) is scaled on its GPU."""
+        from ..distribute import distribute_lib
+
+        if not (device_util.on_gpu(loss) or isinstance(loss, numbers.Real)) \
+                or distribute_lib.in_cross_replica_context():
+            return None
+        scale = self.dynamic_scale.read_value()
+        return scale if device_util.on_gpu(scale) else None
 
     def get_scaled_loss(self, loss):
         """``loss * scale`` in ``loss``'s own dtype (Keras 2); a callable loss gives a callable."""
