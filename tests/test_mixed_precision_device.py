@@ -33,12 +33,12 @@ def _strategy(replicas):
     return md.MirroredStrategy([f"/gpu:{i}" for i in range(replicas)])
 
 
-def _model(strategy, inner, dynamic, variable_dtype):
+def _model(strategy, inner, dynamic, variable_dtype, initial_scale=2.0 ** 10):
     with strategy.scope():
         w, b = md.Variable(_W0.astype(variable_dtype)), md.Variable(_B0.astype(variable_dtype))
         opt = mixed_precision.LossScaleOptimizer(
             {"sgd": lambda: md.optimizers.SGD(0.1, momentum=0.9), "adam": lambda: md.optimizers.Adam(0.01)}[inner](),
-            dynamic=dynamic, initial_scale=2.0 ** 10, dynamic_growth_steps=2)
+            dynamic=dynamic, initial_scale=initial_scale, dynamic_growth_steps=2)
     return w, b, opt
 
 
@@ -69,17 +69,19 @@ def _batches(strategy, replicas, s):
 
 
 def _train(monkeypatch, replicas, inner="sgd", dynamic=True, grad_dtype=np.float32, variable_dtype=np.float32,
-           mode="device", steps=10, seed=False):
-    """Every copy of the weights and slots, and (loss scale, counter, iterations) after each step."""
+           mode="device", steps=10, seed=False, initial_scale=2.0 ** 10):
+    """Every copy of the weights and slots, and (loss scale, counter, iterations) after each step. ``mode``:
+    "device" (the host-decided step switched off), "captured" (the same under md.function), "host" (the
+    device-decided one switched off), "auto" (either, as the optimizer chooses)."""
     if mode == "host":  # the host-decided step this replaces, as it runs on GPU replicas
         monkeypatch.setattr(mixed_precision.LossScaleOptimizer, "_device_plan", lambda *a: None)
         monkeypatch.setattr(mixed_precision.LossScaleOptimizer, "_device_scale", lambda *a: None)
-    else:  # nothing of the host-decided step may run
+    elif mode != "auto":  # nothing of the host-decided step may run
         monkeypatch.setattr(mixed_precision.LossScaleOptimizer, "_unscaled", None)
         monkeypatch.setattr(mixed_precision, "_is_finite", None)
     strategy = _strategy(replicas)
     try:
-        w, b, opt = _model(strategy, inner, dynamic, variable_dtype)
+        w, b, opt = _model(strategy, inner, dynamic, variable_dtype, initial_scale)
         step = _step_fn(w, b, opt, grad_dtype, seed)
         run = md.function(step) if mode == "captured" else step
         history = []
@@ -146,9 +148,25 @@ def test_a_captured_loss_scaled_step_replays_the_eager_steps_bits(replicas, inne
     _assert_same(captured, eager)
 
 
-def test_float64_variables_take_the_device_path_too(monkeypatch):
-    host = _train(monkeypatch, 2, "adam", variable_dtype=np.float64, mode="host")
-    _assert_same(_train(monkeypatch, 2, "adam", variable_dtype=np.float64), host)
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+@pytest.mark.parametrize("grad_dtype", [np.float32, np.float16], ids=["float32 grads", "float16 grads"])
+def test_a_scale_whose_reciprocal_is_inexact_divides_as_the_host_step(inner, grad_dtype, monkeypatch):
+    host = _train(monkeypatch, 2, inner, grad_dtype=grad_dtype, mode="host", initial_scale=1000.0)
+    _assert_same(_train(monkeypatch, 2, inner, grad_dtype=grad_dtype, initial_scale=1000.0), host)
+
+
+def test_float64_variables_with_float64_gradients_take_the_device_path_too(monkeypatch):
+    host = _train(monkeypatch, 2, "adam", grad_dtype=np.float64, variable_dtype=np.float64, mode="host",
+                  initial_scale=1000.0)
+    _assert_same(_train(monkeypatch, 2, "adam", grad_dtype=np.float64, variable_dtype=np.float64,
+                        initial_scale=1000.0), host)
+
+
+def test_float32_gradients_of_float64_variables_keep_the_host_steps_float32_division(monkeypatch):
+    # The host step divides a float32 gradient in float32 and then widens it: the device path, which would
+    # divide in float64, is not taken (here nothing is switched off, and the bits are the host step's).
+    host = _train(monkeypatch, 2, "adam", variable_dtype=np.float64, mode="host", initial_scale=1000.0)
+    _assert_same(_train(monkeypatch, 2, "adam", variable_dtype=np.float64, mode="auto", initial_scale=1000.0), host)
 
 
 def test_a_skipped_step_leaves_weights_and_slots_bit_identical():

@@ -26,6 +26,13 @@
    optimizer apply them, and doubles the scale once ``dynamic_growth_steps``
    steps in a row were finite.
 
+On GPU replicas (float32 or float64 variables, the fused update's dtypes) steps 2 to 4 run on the
+devices without a host sync, as TensorFlow's graph mode does: a check kernel into a device flag, the
+fused update dividing by the scale and writing nothing when the flag is set, and one kernel that moves
+the scale, its counter and ``iterations`` (docs/tf_ports.md, "On GPU replicas"); the same bits, and a
+step md.function captures. The host-decided step serves CPU replicas and the cases the device path
+does not take (``_device_plan``).
+
 Keras 3 checks the first replica's own gradients only, before the reduction,
 so a NaN on another replica reaches the weights (recorded from TensorFlow 2.21
 in tests/data/tfport_reference.json); here every replica's counts.
@@ -356,7 +363,7 @@ class LossScaleOptimizer:
             for k, g in zip(distributed, strategy.extended.batch_reduce_to(
                     ReduceOp.MEAN if mean else ReduceOp.SUM, [pairs[k] for k in distributed], options=options)):
                 grads[k] = g
-        plan = self._device_plan(strategy, pairs, reduced)
+        plan = self._device_plan(strategy, grads, [v for _, v in pairs], reduced)
         if plan is not None:
             return self._apply_on_device(plan, grads)
         # An all-reduce gives every local copy the same bits: one copy of a reduced gradient tells for all.
@@ -378,21 +385,25 @@ class LossScaleOptimizer:
                 self.step_counter.assign_add(np.int64(1))
         return step
 
-    def _device_plan(self, strategy, pairs, reduced):
+    def _device_plan(self, strategy, grads, variables, reduced):
         """The wrapped optimizer's plan when this step can be decided on the GPUs, else None.
 
         That takes variables on GPUs that the fused kernel updates (float32, float64), every gradient
-        all-reduced here (so every replica of every worker checks the same bits and agrees), and nothing
-        that branches on the step in Python (moving averages, gradient accumulation, constraints) or divides
-        the gradients elsewhere (Keras 2's ``get_unscaled_gradients``, ``loss_scale_factor``).
+        all-reduced here (so every replica of every worker checks the same bits and agrees) and of a dtype
+        whose quotient by the float32 scale has its variable's dtype (so the kernel's division in that dtype
+        is the host step's), and nothing that branches on the step in Python (moving averages, gradient
+        accumulation, constraints) or divides the gradients elsewhere (Keras 2's ``get_unscaled_gradients``,
+        ``loss_scale_factor``).
         """
         from .optimizers import base
 
         inner = self.inner_optimizer
-        if (self._caller_unscales or len(reduced) != len(pairs) or not isinstance(inner, base.Optimizer)
+        if (self._caller_unscales or len(reduced) != len(grads) or not isinstance(inner, base.Optimizer)
                 or inner.use_ema or inner.gradient_accumulation_steps or inner.loss_scale_factor is not None):
             return None
-        variables = [v for _, v in pairs]
+        if any(np.result_type(_components(g)[0].dtype, np.float32) != np.dtype(v.dtype)
+               for g, v in zip(grads, variables)):
+            return None
         kernel = base._gpu_kernel()
         if kernel is None or not hasattr(kernel, "loss_scale_step"):
             return None
