@@ -6,6 +6,7 @@ bits of the host-decided step (the same optimizer with the device path switched 
 injected inf and nan gradients (skip and halve), growth after dynamic_growth_steps, and a fixed scale.
 """
 
+import gc
 import warnings
 
 import numpy as np
@@ -185,14 +186,14 @@ def test_a_skipped_step_leaves_weights_and_slots_bit_identical():
         md.config.set_logical_device_configuration("GPU:0", None)
 
 
-def _counted_step(n, inner, replicas=2):
+def _counted_step(n, inner, grad_dtype=np.float32, replicas=2):
     """The simulator's counters of an eager loss-scaled step (the third) of ``n`` variables."""
     strategy = _strategy(replicas)
     try:
         with strategy.scope():
             variables = [md.Variable(np.ones(5, np.float32)) for _ in range(n)]
             opt = mixed_precision.LossScaleOptimizer(inner())
-        grads = [md.PerReplica([md.device_util.place(np.full(5, 2.0, np.float32), d)
+        grads = [md.PerReplica([md.device_util.place(np.full(5, 2.0, grad_dtype), d)
                                 for d in strategy.extended.worker_devices], strategy.extended.worker_devices)
                  for _ in range(n)]
 
@@ -202,9 +203,14 @@ def _counted_step(n, inner, replicas=2):
         for _ in range(2):  # the plan, its tables and its packs are made on the first steps
             strategy.run(step, args=grads)
         cupy.sim.drain()
-        cupy.sim.reset_counters()
-        strategy.run(step, args=grads)
-        counted = cupy.sim.counters()
+        gc.collect()  # earlier tests' arrays freed now, not inside the counted step (a free waits)
+        gc.disable()
+        try:
+            cupy.sim.reset_counters()
+            strategy.run(step, args=grads)
+            counted = cupy.sim.counters()
+        finally:
+            gc.enable()
         cupy.sim.drain()
         assert int(opt.iterations.numpy()) == 3
         return counted
@@ -214,11 +220,15 @@ def _counted_step(n, inner, replicas=2):
 
 @pytest.mark.parametrize("inner", [lambda: md.optimizers.SGD(0.1), lambda: md.optimizers.Adam(0.01)],
                          ids=["sgd", "adam"])
-def test_the_step_is_a_constant_number_of_launches_whatever_the_number_of_variables(inner):
+@pytest.mark.parametrize("grad_dtype", [np.float32, np.float16], ids=["float32 grads", "float16 grads"])
+def test_the_step_is_a_constant_number_of_launches_whatever_the_number_of_variables(inner, grad_dtype):
     if not gpu_env.SIMULATED:
         pytest.skip("launches are counted by the simulated CUDA runtime (run under nsys on a GPU)")
-    few, many = _counted_step(2, inner), _counted_step(12, inner)
+    # Native launches (pack, all-reduce, check, update, scale step) and CuPy kernels (float16 gradients:
+    # one conversion of each packed buffer) alike.
+    few, many = _counted_step(2, inner, grad_dtype), _counted_step(12, inner, grad_dtype)
     assert few["launches"] == many["launches"] and sum(few["launches"].values()) > 0
+    assert few["kernels"] == many["kernels"]
 
 
 def test_an_sgd_step_waits_for_nothing_an_adam_step_reads_its_step_count_back():
@@ -226,5 +236,6 @@ def test_an_sgd_step_waits_for_nothing_an_adam_step_reads_its_step_count_back():
         pytest.skip("host waits are counted by the simulated CUDA runtime")
     # SGD's scalars do not follow the step; Adam's bias corrections follow `iterations`, which a skipped
     # step leaves where it was: its next step reads the count back (one 8-byte copy).
-    assert _counted_step(4, lambda: md.optimizers.SGD(0.1))["host_waits"] == 0
-    assert _counted_step(4, lambda: md.optimizers.Adam(0.01))["host_waits"] == 1
+    for grad_dtype in (np.float32, np.float16):
+        assert _counted_step(4, lambda: md.optimizers.SGD(0.1), grad_dtype)["host_waits"] == 0
+        assert _counted_step(4, lambda: md.optimizers.Adam(0.01), grad_dtype)["host_waits"] == 1

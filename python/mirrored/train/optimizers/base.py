@@ -639,7 +639,9 @@ class _Plan:
                                 for dtype, indices in self.groups.items()]
                                for d in range(self.num_devices)] if self.packable else None
         self.gpu_tables = [None] * self.num_devices  # per device: one FusedUpdateTable per dtype
-        self.gpu_packs = [None] * self.num_devices  # per device: the GradientPack of its eager steps
+        # per device: (staged dtypes, the GradientPack of its eager steps)
+        self.gpu_packs = [None] * self.num_devices
+        self.staging = {}  # (device, id(fusion buffer), dtype) -> a buffer the pack fills with gradients of dtype
         weakref.finalize(self, _retire_tables, self.gpu_tables)
         weakref.finalize(self, _retire_tables, self.gpu_packs)
         self.tables_made_at = [None] * self.num_devices  # values.buffers_replaced when they were made
@@ -690,33 +692,52 @@ class _Plan:
             return buffers
         # On a GPU, one launch of the native multi-tensor copy over a table made once: CuPy's
         # concatenate of many arrays uploads a pointer table from pageable memory on every call, which
-        # CuPy refuses while a stream is captured (md.function).
+        # CuPy refuses while a stream is capturing (md.function).
         cupy = _gpu.cupy_module()
         ordinal = device_util.physical_ordinal(self.copies[device][0].device)
-        sources = [_packable(cupy, grads[k], dtype, ordinal) for dtype, indices in self.groups.items()
-                   for k in indices]
+        # A group whose gradients all have another dtype (mixed precision: float16 gradients of float32
+        # variables) is copied as such into a staging buffer and converted by one kernel over the whole
+        # buffer, not one per gradient.
+        staged = tuple(_one_dtype(_dtype_of(grads[k]) for k in indices) for indices in self.groups.values())
+        staged = tuple(None if s == dtype else s for s, dtype in zip(staged, self.groups))
+        sources = [_packable(cupy, grads[k], staged_dtype or dtype, ordinal)
+                   for (dtype, indices), staged_dtype in zip(self.groups.items(), staged) for k in indices]
         src = [g.data.ptr for g in sources]
         stream = cupy.cuda.get_current_stream().ptr
         scope = _gpu.step_scope()
         if scope is not None and scope.capturing:
-            pack = self._make_pack(device, ordinal)  # the graph's own: its table is never rewritten
+            pack = self._make_pack(device, ordinal, staged)  # the graph's own: its table is never rewritten
             scope.captured.setdefault("gradient packs", []).append([pack])
             weakref.finalize(scope, _retire_tables, [pack])
             pack.copy_captured(src, stream)
         else:
-            if self.gpu_packs[device] is None:
-                self.gpu_packs[device] = self._make_pack(device, ordinal)
-            self.gpu_packs[device].copy(src, stream)
+            if self.gpu_packs[device] is None or self.gpu_packs[device][0] != staged:
+                self.gpu_packs[device] = (staged, self._make_pack(device, ordinal, staged))
+            self.gpu_packs[device][1].copy(src, stream)
+        for buffer, staged_dtype in zip(buffers, staged):
+            if staged_dtype is not None:
+                buffer[...] = self._staging(device, buffer, staged_dtype)
         return buffers
 
-    def _make_pack(self, device: int, ordinal: int):
-        """The native multi-tensor copy of device ``device``'s gradients into its fusion buffers (table order:
-        the groups', each group's variables back to back)."""
+    def _staging(self, device: int, buffer, dtype):
+        """Device ``device``'s staging buffer of ``dtype`` for fusion buffer ``buffer`` (made once, by the eager
+        step that precedes a capture)."""
+        key = (device, id(buffer), np.dtype(dtype))
+        stage = self.staging.get(key)
+        if stage is None:
+            stage = self.staging[key] = device_util.place(np.empty(buffer.size, dtype), self.copies[device][0].device)
+        return stage
+
+    def _make_pack(self, device: int, ordinal: int, staged: tuple):
+        """The native multi-tensor copy of device ``device``'s gradients into its fusion buffers, or for a
+        group with a ``staged`` dtype into its staging buffer (table order: the groups', each group's
+        variables back to back)."""
         dst, nbytes = [], []
-        for buffer, indices in zip(self.fusion_buffers[device], self.groups.values()):
-            at = buffer.data.ptr
+        for buffer, indices, staged_dtype in zip(self.fusion_buffers[device], self.groups.values(), staged):
+            target = buffer if staged_dtype is None else self._staging(device, buffer, staged_dtype)
+            at = target.data.ptr
             for k in indices:
-                size = self.copies[device][k]._value.size * buffer.itemsize
+                size = self.copies[device][k]._value.size * target.itemsize
                 dst.append(at)
                 nbytes.append(size)
                 at += size
@@ -1034,6 +1055,12 @@ def _host_grad(g, dtype):
     if type(g) is np.ndarray and g.dtype == dtype and g.flags.c_contiguous:
         return g
     return np.ascontiguousarray(g, dtype)
+
+
+def _one_dtype(dtypes):
+    """The dtype of every one of ``dtypes``, or None when they differ (or there are none)."""
+    seen = set(map(np.dtype, dtypes))
+    return seen.pop() if len(seen) == 1 else None
 
 
 def _packable(cupy, g, dtype, ordinal: int):
