@@ -29,8 +29,10 @@ _X[7, 7, 0] = np.nan  # step 7: a nan on the last replica's part
 _X[8] *= 3e4  # step 8: finite inputs whose scaled float16 gradients overflow
 
 
-def _strategy(replicas):
-    md.config.set_logical_device_configuration("GPU", 0, count=replicas)
+def _strategy(replicas, one_gpu=True):
+    """``replicas`` logical GPUs on GPU 0 (the native engine), or one replica per GPU (NCCL)."""
+    if one_gpu:
+        md.config.set_logical_device_configuration("GPU", 0, count=replicas)
     return md.MirroredStrategy([f"/gpu:{i}" for i in range(replicas)])
 
 
@@ -70,7 +72,7 @@ def _batches(strategy, replicas, s):
 
 
 def _train(monkeypatch, replicas, inner="sgd", dynamic=True, grad_dtype=np.float32, variable_dtype=np.float32,
-           mode="device", steps=10, seed=False, initial_scale=2.0 ** 10):
+           mode="device", steps=10, seed=False, initial_scale=2.0 ** 10, one_gpu=True):
     """Every copy of the weights and slots, and (loss scale, counter, iterations) after each step. ``mode``:
     "device" (the host-decided step switched off), "captured" (the same under md.function), "host" (the
     device-decided one switched off), "auto" (either, as the optimizer chooses)."""
@@ -80,7 +82,7 @@ def _train(monkeypatch, replicas, inner="sgd", dynamic=True, grad_dtype=np.float
     elif mode != "auto":  # nothing of the host-decided step may run
         monkeypatch.setattr(mixed_precision.LossScaleOptimizer, "_unscaled", None)
         monkeypatch.setattr(mixed_precision, "_is_finite", None)
-    strategy = _strategy(replicas)
+    strategy = _strategy(replicas, one_gpu)
     try:
         w, b, opt = _model(strategy, inner, dynamic, variable_dtype, initial_scale)
         step = _step_fn(w, b, opt, grad_dtype, seed)
@@ -96,7 +98,8 @@ def _train(monkeypatch, replicas, inner="sgd", dynamic=True, grad_dtype=np.float
                 strategy.run(run, args=_batches(strategy, replicas, s))
                 if replay:  # the step was a replay of the graph, with no launch from Python
                     counted = cupy.sim.counters()
-                    assert counted["graph_launches"] == {0: 1} and sum(counted["launches"].values()) == 0
+                    assert counted["graph_launches"] == ({0: 1} if one_gpu else {0: 1, 1: 1})
+                    assert sum(counted["launches"].values()) == 0
                 history.append((float(opt.loss_scale), opt.dynamic_counter, int(opt.iterations.numpy())))
         return _state(w, b, opt), history
     finally:
@@ -146,6 +149,20 @@ def test_a_captured_loss_scaled_step_replays_the_eager_steps_bits(replicas, inne
     eager = _train(monkeypatch, replicas, inner, seed=seed)
     captured = _train(monkeypatch, replicas, inner, mode="captured", seed=seed)
     _assert_same(eager, host)
+    _assert_same(captured, eager)
+
+
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+def test_on_two_gpus_each_gpu_decides_with_its_own_copy_of_the_scale(inner, monkeypatch):
+    if gpu_env.NGPU < 2:
+        pytest.skip("needs two GPUs")
+    if not isinstance(md.MirroredStrategy(["/gpu:0", "/gpu:1"]).extended._cross_device_ops, md.NcclAllReduce):
+        pytest.skip("NCCL is not installed: per-GPU graphs need it (docs/function.md)")
+    # Two replicas on two GPUs (NCCL) sum the same two float16 values as on two logical GPUs of one.
+    logical = _train(monkeypatch, 2, inner, grad_dtype=np.float16)
+    eager = _train(monkeypatch, 2, inner, grad_dtype=np.float16, one_gpu=False)
+    captured = _train(monkeypatch, 2, inner, grad_dtype=np.float16, mode="captured", one_gpu=False)
+    _assert_same(eager, logical)
     _assert_same(captured, eager)
 
 

@@ -443,6 +443,8 @@ class LossScaleOptimizer:
             cupy = gpu.cupy_module()
             with cupy.cuda.Device(ordinal):
                 flag = self._nonfinite[ordinal] = cupy.zeros((), np.int32)
+                # Zeroed on this stream, read on the step's: once, the host waits for the zeros.
+                cupy.cuda.get_current_stream().synchronize()
         return flag.data.ptr
 
     def _agreed_finite(self, strategy, arrays, devices) -> bool:
