@@ -158,11 +158,14 @@ def test_on_two_gpus_each_gpu_decides_with_its_own_copy_of_the_scale(inner, monk
         pytest.skip("needs two GPUs")
     if not isinstance(md.MirroredStrategy(["/gpu:0", "/gpu:1"]).extended._cross_device_ops, md.NcclAllReduce):
         pytest.skip("NCCL is not installed: per-GPU graphs need it (docs/function.md)")
-    # Two replicas on two GPUs (NCCL) sum the same two float16 values as on two logical GPUs of one.
+    # Two replicas on two GPUs (NCCL) sum the same two float16 values as on two logical GPUs of one. (The
+    # host-decided step once divided on one stream and updated on another here: weights from garbage.)
     logical = _train(monkeypatch, 2, inner, grad_dtype=np.float16)
+    host = _train(monkeypatch, 2, inner, grad_dtype=np.float16, mode="host", one_gpu=False)
     eager = _train(monkeypatch, 2, inner, grad_dtype=np.float16, one_gpu=False)
     captured = _train(monkeypatch, 2, inner, grad_dtype=np.float16, mode="captured", one_gpu=False)
-    _assert_same(eager, logical)
+    _assert_same(host, logical)
+    _assert_same(eager, host)
     _assert_same(captured, eager)
 
 

@@ -470,8 +470,10 @@ class LossScaleOptimizer:
         devices = grad._devices_or((None,) * len(grad.values))
         parts = []
         for component, device in zip(grad.values, devices):
-            with device_util.device_scope(device) if device else contextlib.nullcontext():
-                parts.append(component / scale)  # on the component's own device (CuPy)
+            # On the component's own device (CuPy), and on the stream the update then reads it on: the
+            # device's merge stream (else the update can read the quotient's memory before it is written).
+            with device_util.cross_replica_gpu_scope(device) if device else contextlib.nullcontext():
+                parts.append(component / scale)
         return type(grad)(parts, grad._devices)
 
     def __repr__(self) -> str:
