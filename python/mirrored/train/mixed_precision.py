@@ -127,11 +127,13 @@ def _check_scale(value) -> float:
 _HALF_EXPONENTS = {}
 
 
-def _is_finite(x) -> bool:
+def _is_finite(x, device=None) -> bool:
     if device_util.on_gpu(x):
         import cupy
 
-        return bool(cupy.isfinite(x).all())
+        # On the device's merge stream, ordered after the all-reduce that wrote x (the current stream may not be).
+        with device_util.cross_replica_gpu_scope(device) if device else contextlib.nullcontext():
+            return bool(cupy.isfinite(x).all())
     x = np.asarray(x)
     if x.dtype.kind in "biu":
         return True  # integers are always finite
@@ -160,6 +162,15 @@ def _components(value) -> tuple:
     from ..distribute.values import DistributedValues
 
     return value.values if isinstance(value, DistributedValues) else (value,)
+
+
+def _placed_components(value) -> list:
+    """``(component, its device or None)`` for each component of ``value``."""
+    from ..distribute.values import DistributedValues
+
+    if not isinstance(value, DistributedValues):
+        return [(value, None)]
+    return list(zip(value.values, value._devices_or((None,) * len(value.values))))
 
 
 class LossScaleOptimizer:
@@ -367,7 +378,8 @@ class LossScaleOptimizer:
         if plan is not None:
             return self._apply_on_device(plan, grads)
         # An all-reduce gives every local copy the same bits: one copy of a reduced gradient tells for all.
-        arrays = [c for k, g in enumerate(grads) for c in (_components(g)[:1] if k in reduced else _components(g))]
+        arrays = [c for k, g in enumerate(grads)
+                  for c in (_placed_components(g)[:1] if k in reduced else _placed_components(g))]
         if self.dynamic and not self._agreed_finite(strategy, arrays, devices):
             self.step_counter.assign(np.int64(0))
             self.dynamic_scale.assign(self.dynamic_scale.numpy() * np.float32(0.5))
@@ -454,7 +466,7 @@ class LossScaleOptimizer:
         from ..distribute.reduce_util import ReduceOp
         from ..distribute.values import PerReplica
 
-        finite = all(_is_finite(a) for a in arrays)
+        finite = all(_is_finite(a, device) for a, device in arrays)
         if strategy.extended._num_workers == 1:
             return finite
         flags = PerReplica([np.full((), finite, np.float32) for _ in devices], devices)
