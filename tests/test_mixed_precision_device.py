@@ -152,8 +152,9 @@ def test_a_captured_loss_scaled_step_replays_the_eager_steps_bits(replicas, inne
     _assert_same(captured, eager)
 
 
+@pytest.mark.parametrize("kernel_order", range(3))  # each test id draws its own order of the kernels
 @pytest.mark.parametrize("inner", ["sgd", "adam"])
-def test_on_two_gpus_each_gpu_decides_with_its_own_copy_of_the_scale(inner, monkeypatch):
+def test_on_two_gpus_each_gpu_decides_with_its_own_copy_of_the_scale(inner, kernel_order, monkeypatch):
     if gpu_env.NGPU < 2:
         pytest.skip("needs two GPUs")
     if not isinstance(md.MirroredStrategy(["/gpu:0", "/gpu:1"]).extended._cross_device_ops, md.NcclAllReduce):
