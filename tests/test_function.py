@@ -535,15 +535,23 @@ def test_a_step_that_uploads_host_data_runs_eagerly_and_the_warning_says_to_pass
 
 
 @pytest.mark.gpu
-def test_a_loss_scaled_step_runs_eagerly_and_the_warning_names_the_loss_scale_optimizer():
+def test_a_keras2_loss_scaled_step_runs_eagerly_and_the_warning_names_the_loss_scale_optimizer():
+    # Keras 2's get_unscaled_gradients divides by the scale on the host (a loss-scaled step that calls
+    # apply_gradients with the scaled gradients captures: tests/test_mixed_precision_device.py).
     strategy = _gpu_strategy(1)
     try:
         with strategy.scope():
             w, b = md.Variable(_W0), md.Variable(_B0)
             opt = md.mixed_precision.LossScaleOptimizer(md.optimizers.SGD(0.1))
-        run = md.function(_step_fn(w, b, opt))
-        with pytest.warns(EagerFallbackWarning, match=r"inside mirrored\.train\.mixed_precision\..*LossScaleOptimizer "
-                                                      r".* run a loss-scaled step without md\.function"):
+
+        def step(x, y):
+            err = md.linalg.matmul(x, w.read_value()) + b.read_value() - y
+            grads = opt.get_unscaled_gradients([md.linalg.matmul(x, err, transpose_a=True), err.sum(axis=0)])
+            opt.apply_gradients(zip(grads, (w, b)))
+
+        run = md.function(step)
+        with pytest.warns(EagerFallbackWarning,
+                          match=r"get_unscaled_gradients\(.*LossScaleOptimizer read its loss scale on the host"):
             for s in range(3):
                 strategy.run(run, args=_batches(strategy, 1, s))
         assert int(opt.iterations.numpy()) == 3

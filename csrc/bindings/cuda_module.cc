@@ -272,6 +272,10 @@ DeviceBuffers buffers_of(const Ptrs& in, const Ptrs& out) {
   return {as_ptrs<const void>(in), as_ptrs<void>(out), static_cast<int>(in.size())};
 }
 
+cuda::LossScaleGate gate_of(std::uintptr_t nonfinite, std::uintptr_t scale) {
+  return {reinterpret_cast<const int*>(nonfinite), reinterpret_cast<const float*>(scale)};
+}
+
 // The fused optimizer update (cuda/fused_update.h): one table per device and
 // dtype of a variable set, made once by mirrored.train.optimizers; each step
 // is one launch. Pointers arrive as integers, validated by the caller.
@@ -302,21 +306,25 @@ void def_fused_update(py::module_& m) {
       .def_property_readonly("total_count", &cuda::FusedUpdateTable::total_count,
                              "Elements of the packed gradients apply() reads.")
       .def("apply", [](cuda::FusedUpdateTable& t, int rule, std::uintptr_t grads,
-                       const std::vector<double>& coefficients, double weight_decay, double lr, std::uintptr_t stream) {
+                       const std::vector<double>& coefficients, double weight_decay, double lr, std::uintptr_t stream,
+                       std::uintptr_t nonfinite, std::uintptr_t scale) {
              const std::string error = rules::coefficients_error(rule, coefficients.size());
              if (!error.empty()) throw py::value_error(error);
              py::gil_scoped_release nogil;
              cuda::DeviceGuard guard;
              MIRRORED_CUDA_CHECK(cuda::set_device(t.device()));
              t.apply(static_cast<rules::Rule>(rule), reinterpret_cast<const void*>(grads), coefficients, weight_decay,
-                     lr, reinterpret_cast<cudaStream_t>(stream));
+                     lr, reinterpret_cast<cudaStream_t>(stream), gate_of(nonfinite, scale));
            },
            py::arg("rule"), py::arg("grads"), py::arg("coefficients"), py::arg("weight_decay"), py::arg("lr"),
-           py::arg("stream"),
+           py::arg("stream"), py::arg("nonfinite") = 0, py::arg("scale") = 0,
            "Weight decay (where decay[k]) and the rule on every variable, in place, in one launch on `stream`;\n"
-           "`grads`: the packed gradients (total_count elements, the variables' back to back).")
+           "`grads`: the packed gradients (total_count elements, the variables' back to back). A loss-scaled\n"
+           "step passes `nonfinite` (a device int32: nonzero skips every write) and `scale` (a device float32\n"
+           "each gradient is divided by), both read when the kernel runs.")
       .def("apply_captured", [](cuda::FusedUpdateTable& t, int rule, std::uintptr_t grads, std::uintptr_t scalars,
-                                int coefficients, std::uintptr_t stream) {
+                                int coefficients, std::uintptr_t stream, std::uintptr_t nonfinite,
+                                std::uintptr_t scale) {
              const std::string error = rules::coefficients_error(rule, static_cast<std::size_t>(coefficients));
              if (!error.empty()) throw py::value_error(error);
              // The GIL held: this records (no wait), and the replica threads' captured work must enter
@@ -325,12 +333,38 @@ void def_fused_update(py::module_& m) {
              MIRRORED_CUDA_CHECK(cuda::set_device(t.device()));
              t.apply_captured(static_cast<rules::Rule>(rule), reinterpret_cast<const void*>(grads),
                               reinterpret_cast<const void*>(scalars), coefficients,
-                              reinterpret_cast<cudaStream_t>(stream));
+                              reinterpret_cast<cudaStream_t>(stream), gate_of(nonfinite, scale));
            },
            py::arg("rule"), py::arg("grads"), py::arg("scalars"), py::arg("coefficients"), py::arg("stream"),
+           py::arg("nonfinite") = 0, py::arg("scale") = 0,
            "apply() for a step being captured on `stream` (md.function): the upload and the launch are recorded,\n"
            "the scalars read at each replay from `scalars`, a device buffer of the table's dtype holding the\n"
-           "rule's `coefficients` values, then weight decay's rate and lr. The table then serves that graph only.");
+           "rule's `coefficients` values, then weight decay's rate and lr. The table then serves that graph only.")
+      .def("check_finite", [](const cuda::FusedUpdateTable& t, std::uintptr_t grads, std::uintptr_t nonfinite,
+                              std::uintptr_t stream) {
+             // The GIL held, as apply_captured: it may be recorded into a graph.
+             cuda::DeviceGuard guard;
+             MIRRORED_CUDA_CHECK(cuda::set_device(t.device()));
+             t.check_finite(reinterpret_cast<const void*>(grads), reinterpret_cast<int*>(nonfinite),
+                            reinterpret_cast<cudaStream_t>(stream));
+           },
+           py::arg("grads"), py::arg("nonfinite"), py::arg("stream"),
+           "Sets the device int32 `nonfinite` to 1 when one of the packed gradients `grads` (total_count\n"
+           "elements) is inf or nan, in one launch on `stream`; leaves it otherwise.");
+  m.def("loss_scale_step", [](int device, std::uintptr_t nonfinite, std::uintptr_t scale, std::uintptr_t counter,
+                              std::uintptr_t iterations, long long growth_steps, bool dynamic, std::uintptr_t stream) {
+          cuda::DeviceGuard guard;
+          MIRRORED_CUDA_CHECK(cuda::set_device(device));
+          cuda::loss_scale_step(reinterpret_cast<int*>(nonfinite), reinterpret_cast<float*>(scale),
+                                reinterpret_cast<long long*>(counter), reinterpret_cast<long long*>(iterations),
+                                growth_steps, dynamic, reinterpret_cast<cudaStream_t>(stream));
+        },
+        py::arg("device"), py::arg("nonfinite"), py::arg("scale"), py::arg("counter"), py::arg("iterations"),
+        py::arg("growth_steps"), py::arg("dynamic"), py::arg("stream"),
+        "LossScaleOptimizer's state after a step's gated updates, on device `device` in one launch on `stream`\n"
+        "(Keras' rules): a step whose `nonfinite` (int32) is set halves a dynamic `scale` (float32) and zeroes\n"
+        "`counter` (int64); a finite one adds 1 to `iterations` (int64) and doubles a dynamic scale after\n"
+        "`growth_steps` in a row. `nonfinite` is cleared for the next step.");
 
   py::class_<cuda::GradientPack>(m, "GradientPack", py::module_local())
       .def(py::init([](int device, const Ptrs& dst, const std::vector<std::size_t>& bytes) {

@@ -74,12 +74,48 @@ struct FusedEntry {
 };
 
 // The rule's scalars, already in T (rules.py's order for the rule), and the weight decay's.
+// `unscale`: a loss-scaled step (md.mixed_precision.LossScaleOptimizer), whose
+// gradients are divided by `loss_scale` first, in T, as Keras' `grad / scale` does.
 template <typename T>
 struct FusedScalars {
   T c[kMaxCoefficients];
   T weight_decay;
   T lr;
+  bool unscale;
+  T loss_scale;
 };
+
+// Whether x is neither inf nor nan (inf - inf and nan - nan are nan).
+template <typename T>
+MIRRORED_HD inline bool finite(T x) {
+  return x - x == T(0);
+}
+
+// LossScaleOptimizer's state after a step, Keras' rules: a step with a
+// non-finite gradient (`*nonfinite`, set by the check) counts nothing, halves a
+// dynamic scale and restarts its count of good steps; a finite one counts in
+// `iterations` and doubles a dynamic scale after `growth_steps` in a row. The
+// flag is cleared for the next step's check.
+MIRRORED_HD inline void loss_scale_step(int* nonfinite, float* scale, long long* counter, long long* iterations,
+                                        long long growth_steps, bool dynamic) {
+  if (*nonfinite) {
+    if (dynamic) {
+      *counter = 0;
+      *scale = *scale * 0.5f;
+    }
+  } else {
+    *iterations += 1;
+    if (dynamic) {
+      if (*counter == growth_steps - 1) {
+        *counter = 0;
+        *scale = *scale * 2.0f;
+      } else {
+        *counter += 1;
+      }
+    }
+  }
+  *nonfinite = 0;
+}
 
 // Keras' decoupled weight decay, before the rule.
 template <typename T>
@@ -248,7 +284,7 @@ MIRRORED_HD inline void update_element(F rule, const FusedEntry<T>& e, const Fus
   T st[F::kSlots > 0 ? F::kSlots : 1];
   for (int j = 0; j < F::kSlots; ++j) st[j] = e.slots[j][i];
   const T w = e.decay ? decayed(e.weight[i], s.weight_decay, s.lr) : e.weight[i];
-  e.weight[i] = rule(w, e.grad[i], st, s.c);
+  e.weight[i] = rule(w, s.unscale ? e.grad[i] / s.loss_scale : e.grad[i], st, s.c);
   for (int j = 0; j < F::kSlots; ++j) e.slots[j][i] = st[j];
 }
 

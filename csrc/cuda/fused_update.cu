@@ -12,10 +12,23 @@
 namespace mirrored::cuda {
 namespace {
 
+// The gate's part of the scalars; false when the step is skipped (every thread
+// returns before writing anything).
+template <typename T>
+__device__ bool open_gate(LossScaleGate gate, rules::FusedScalars<T>& scalars) {
+  if (gate.nonfinite != nullptr && *gate.nonfinite != 0) return false;
+  if (gate.scale != nullptr) {
+    scalars.unscale = true;
+    scalars.loss_scale = static_cast<T>(*gate.scale);
+  }
+  return true;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kFusedThreads)
     fused_update_kernel(rules::Rule rule, const rules::FusedEntry<T>* table, int entries,
-                        const rules::FusedScalars<T> scalars) {
+                        rules::FusedScalars<T> scalars, LossScaleGate gate) {
+  if (!open_gate(gate, scalars)) return;
   const std::size_t tid = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
   rules::update_table(rule, table, entries, scalars, tid, static_cast<std::size_t>(gridDim.x) * blockDim.x);
 }
@@ -25,8 +38,9 @@ __global__ void __launch_bounds__(kFusedThreads)
 template <typename T>
 __global__ void __launch_bounds__(kFusedThreads)
     fused_update_from_device_kernel(rules::Rule rule, const rules::FusedEntry<T>* table, int entries,
-                                    const T* device_scalars, int coefficients) {
+                                    const T* device_scalars, int coefficients, LossScaleGate gate) {
   rules::FusedScalars<T> scalars{};
+  if (!open_gate(gate, scalars)) return;
   for (int j = 0; j < coefficients; ++j) scalars.c[j] = device_scalars[j];
   scalars.weight_decay = device_scalars[coefficients];
   scalars.lr = device_scalars[coefficients + 1];
@@ -34,52 +48,95 @@ __global__ void __launch_bounds__(kFusedThreads)
   rules::update_table(rule, table, entries, scalars, tid, static_cast<std::size_t>(gridDim.x) * blockDim.x);
 }
 
+// Threads that see a non-finite element all store the same 1: no atomics needed.
+template <typename T>
+__global__ void __launch_bounds__(kFusedThreads)
+    count_nonfinite_kernel(const T* data, std::size_t count, int* nonfinite) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  bool seen = false;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < count; i += stride)
+    seen |= !rules::finite(data[i]);
+  if (seen) *nonfinite = 1;
+}
+
+__global__ void loss_scale_step_kernel(int* nonfinite, float* scale, long long* counter, long long* iterations,
+                                       long long growth_steps, bool dynamic) {
+  rules::loss_scale_step(nonfinite, scale, counter, iterations, growth_steps, dynamic);
+}
+
 template <typename T>
 void launch(rules::Rule rule, const void* table, int entries, std::size_t max_count, const void* scalars, int sms,
-            cudaStream_t stream) {
+            cudaStream_t stream, LossScaleGate gate) {
   const unsigned blocks = fused_blocks(max_count, sms);
   fused_update_kernel<T><<<blocks, kFusedThreads, 0, stream>>>(
       rule, static_cast<const rules::FusedEntry<T>*>(table), entries,
-      *static_cast<const rules::FusedScalars<T>*>(scalars));
+      *static_cast<const rules::FusedScalars<T>*>(scalars), gate);
   MIRRORED_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename T>
 void launch_from_device(rules::Rule rule, const void* table, int entries, std::size_t max_count,
-                        const void* device_scalars, int coefficients, int sms, cudaStream_t stream) {
+                        const void* device_scalars, int coefficients, int sms, cudaStream_t stream,
+                        LossScaleGate gate) {
   const unsigned blocks = fused_blocks(max_count, sms);
   fused_update_from_device_kernel<T><<<blocks, kFusedThreads, 0, stream>>>(
       rule, static_cast<const rules::FusedEntry<T>*>(table), entries, static_cast<const T*>(device_scalars),
-      coefficients);
+      coefficients, gate);
   MIRRORED_CUDA_CHECK(cudaGetLastError());
+}
+
+[[noreturn]] void unsupported(DType dtype) {
+  throw std::invalid_argument("fused_update: dtype " + std::string(dtype_name(dtype)) +
+                              ", the GPU kernel takes float32 and float64");
 }
 
 }  // namespace
 
 void fused_update_from_device(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
-                              const void* device_scalars, int coefficients, int sms, cudaStream_t stream) {
+                              const void* device_scalars, int coefficients, int sms, cudaStream_t stream,
+                              LossScaleGate gate) {
   if (entries == 0 || max_count == 0) return;
   switch (dtype) {
     case DType::kFloat32:
-      return launch_from_device<float>(rule, table, entries, max_count, device_scalars, coefficients, sms, stream);
+      return launch_from_device<float>(rule, table, entries, max_count, device_scalars, coefficients, sms, stream,
+                                       gate);
     case DType::kFloat64:
-      return launch_from_device<double>(rule, table, entries, max_count, device_scalars, coefficients, sms, stream);
-    default:
-      throw std::invalid_argument("fused_update: dtype " + std::string(dtype_name(dtype)) +
-                                  ", the GPU kernel takes float32 and float64");
+      return launch_from_device<double>(rule, table, entries, max_count, device_scalars, coefficients, sms, stream,
+                                        gate);
+    default: unsupported(dtype);
   }
 }
 
 void fused_update(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
-                  const void* scalars, int sms, cudaStream_t stream) {
+                  const void* scalars, int sms, cudaStream_t stream, LossScaleGate gate) {
   if (entries == 0 || max_count == 0) return;
   switch (dtype) {
-    case DType::kFloat32: return launch<float>(rule, table, entries, max_count, scalars, sms, stream);
-    case DType::kFloat64: return launch<double>(rule, table, entries, max_count, scalars, sms, stream);
-    default:
-      throw std::invalid_argument("fused_update: dtype " + std::string(dtype_name(dtype)) +
-                                  ", the GPU kernel takes float32 and float64");
+    case DType::kFloat32: return launch<float>(rule, table, entries, max_count, scalars, sms, stream, gate);
+    case DType::kFloat64: return launch<double>(rule, table, entries, max_count, scalars, sms, stream, gate);
+    default: unsupported(dtype);
   }
+}
+
+void count_nonfinite(DType dtype, const void* data, std::size_t count, int* nonfinite, int sms, cudaStream_t stream) {
+  if (count == 0) return;
+  const unsigned blocks = fused_blocks(count, sms);
+  switch (dtype) {
+    case DType::kFloat32:
+      count_nonfinite_kernel<<<blocks, kFusedThreads, 0, stream>>>(static_cast<const float*>(data), count, nonfinite);
+      break;
+    case DType::kFloat64:
+      count_nonfinite_kernel<<<blocks, kFusedThreads, 0, stream>>>(static_cast<const double*>(data), count,
+                                                                   nonfinite);
+      break;
+    default: unsupported(dtype);
+  }
+  MIRRORED_CUDA_CHECK(cudaGetLastError());
+}
+
+void loss_scale_step(int* nonfinite, float* scale, long long* counter, long long* iterations, long long growth_steps,
+                     bool dynamic, cudaStream_t stream) {
+  loss_scale_step_kernel<<<1, 1, 0, stream>>>(nonfinite, scale, counter, iterations, growth_steps, dynamic);
+  MIRRORED_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace mirrored::cuda

@@ -14,18 +14,39 @@
 
 namespace mirrored::cuda {
 
+// A loss-scaled step's gate (md.mixed_precision.LossScaleOptimizer on a GPU),
+// read by the kernel when it runs: `nonfinite`, an int32 that count_nonfinite
+// sets when a gradient is inf or nan, skips every write of the update (the
+// weights and slots keep their bits, as Keras' skipped step); `scale`, the
+// float32 loss scale, divides each gradient first. Null: an ordinary step.
+struct LossScaleGate {
+  const int* nonfinite = nullptr;
+  const float* scale = nullptr;
+};
+
 // `table`: `entries` FusedEntry<T> in memory of `stream`'s device (uploaded on
 // `stream` before), T from `dtype` (float32 or float64); `max_count`: the
 // largest entry's count (it sizes the grid); `scalars`: a host FusedScalars<T>,
 // passed by value. `sms` bounds the grid.
 void fused_update(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
-                  const void* scalars, int sms, cudaStream_t stream);
+                  const void* scalars, int sms, cudaStream_t stream, LossScaleGate gate = {});
 
 // The same, with the scalars read by the kernel from device memory when it
 // runs (a captured step's, refreshed before each replay): `device_scalars`
 // holds `coefficients` T's, then weight decay's rate and lr (rules.py's order).
 void fused_update_from_device(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
-                              const void* device_scalars, int coefficients, int sms, cudaStream_t stream);
+                              const void* device_scalars, int coefficients, int sms, cudaStream_t stream,
+                              LossScaleGate gate = {});
+
+// Sets `*nonfinite` (an int32 in device memory) to 1 when one of the `count`
+// elements of `data` (float32 or float64, e.g. a packed, all-reduced gradient
+// buffer) is inf or nan; leaves it otherwise. One launch.
+void count_nonfinite(DType dtype, const void* data, std::size_t count, int* nonfinite, int sms, cudaStream_t stream);
+
+// rules::loss_scale_step on device memory, one thread: the step after the
+// gated updates of a device (`scale` float32, the others int64).
+void loss_scale_step(int* nonfinite, float* scale, long long* counter, long long* iterations, long long growth_steps,
+                     bool dynamic, cudaStream_t stream);
 
 // One variable of a FusedUpdateTable: its buffer and its slots' (the rule's
 // order) on the table's device, `count` elements each.
@@ -55,7 +76,7 @@ class FusedUpdateTable {
   // every variable, with `grads` the packed gradients in device memory; one
   // launch on `stream`, which must be of the table's device (current).
   void apply(rules::Rule rule, const void* grads, const std::vector<double>& coefficients, double weight_decay,
-             double lr, cudaStream_t stream);
+             double lr, cudaStream_t stream, LossScaleGate gate = {});
 
   // The same for a step being captured into a CUDA graph on `stream`: the
   // table's upload (from its pinned host copy, which a capture's table never
@@ -63,14 +84,18 @@ class FusedUpdateTable {
   // `device_scalars` (fused_update_from_device) at each replay. No events: a
   // table captured once serves only that capture's graph.
   void apply_captured(rules::Rule rule, const void* grads, const void* device_scalars, int coefficients,
-                      cudaStream_t stream);
+                      cudaStream_t stream, LossScaleGate gate = {});
+
+  // count_nonfinite over packed gradients `grads` (total_count elements of
+  // the table's dtype): a loss-scaled step's check, before its gated apply.
+  void check_finite(const void* grads, int* nonfinite, cudaStream_t stream) const;
 
  private:
   template <typename T>
   void point_grads_at(const void* grads);
   template <typename T>
   void launch(rules::Rule rule, const std::vector<double>& coefficients, double weight_decay, double lr,
-              cudaStream_t stream);
+              cudaStream_t stream, LossScaleGate gate);
 
   int device_;
   DType dtype_;

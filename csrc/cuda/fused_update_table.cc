@@ -83,16 +83,16 @@ void FusedUpdateTable::point_grads_at(const void* grads) {
 
 template <typename T>
 void FusedUpdateTable::launch(rules::Rule rule, const std::vector<double>& coefficients, double weight_decay,
-                              double lr, cudaStream_t stream) {
+                              double lr, cudaStream_t stream, LossScaleGate gate) {
   rules::FusedScalars<T> s{};
   for (std::size_t j = 0; j < coefficients.size(); ++j) s.c[j] = static_cast<T>(coefficients[j]);
   s.weight_decay = static_cast<T>(weight_decay);
   s.lr = static_cast<T>(lr);
-  fused_update(rule, dtype_, device_table_, entries_, max_count_, &s, sms_, stream);
+  fused_update(rule, dtype_, device_table_, entries_, max_count_, &s, sms_, stream, gate);
 }
 
 void FusedUpdateTable::apply_captured(rules::Rule rule, const void* grads, const void* device_scalars,
-                                      int coefficients, cudaStream_t stream) {
+                                      int coefficients, cudaStream_t stream, LossScaleGate gate) {
   if (coefficients > rules::kMaxCoefficients) throw std::invalid_argument("fused_update: too many coefficients");
   if (pending_ || (captured_ && grads != grads_))
     throw std::logic_error("fused_update: a captured table serves one capture (make a new table for another)");
@@ -107,11 +107,15 @@ void FusedUpdateTable::apply_captured(rules::Rule rule, const void* grads, const
   MIRRORED_CUDA_CHECK(cudaMemcpyAsync(device_table_, host_table_, entries_ * entry_bytes_, cudaMemcpyHostToDevice,
                                       stream));
   fused_update_from_device(rule, dtype_, device_table_, entries_, max_count_, device_scalars, coefficients, sms_,
-                           stream);
+                           stream, gate);
+}
+
+void FusedUpdateTable::check_finite(const void* grads, int* nonfinite, cudaStream_t stream) const {
+  count_nonfinite(dtype_, grads, total_count_, nonfinite, sms_, stream);
 }
 
 void FusedUpdateTable::apply(rules::Rule rule, const void* grads, const std::vector<double>& coefficients,
-                             double weight_decay, double lr, cudaStream_t stream) {
+                             double weight_decay, double lr, cudaStream_t stream, LossScaleGate gate) {
   if (captured_) throw std::logic_error("fused_update: this table belongs to a captured graph");
   if (coefficients.size() > static_cast<std::size_t>(rules::kMaxCoefficients))
     throw std::invalid_argument("fused_update: too many coefficients");
@@ -130,9 +134,9 @@ void FusedUpdateTable::apply(rules::Rule rule, const void* grads, const std::vec
     grads_ = grads;
   }
   if (dtype_ == DType::kFloat32) {
-    launch<float>(rule, coefficients, weight_decay, lr, stream);
+    launch<float>(rule, coefficients, weight_decay, lr, stream, gate);
   } else {
-    launch<double>(rule, coefficients, weight_decay, lr, stream);
+    launch<double>(rule, coefficients, weight_decay, lr, stream, gate);
   }
   MIRRORED_CUDA_CHECK(cudaEventRecord(used_, stream));
   pending_ = true;

@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "check.h"
@@ -60,8 +61,15 @@ T value(std::size_t i, int which) {
   return which == 0 ? unit * 2 - 1 : which == 1 ? (unit - T(0.5)) * 3 : T(which == 2 ? 1 : 0) + unit / 8;
 }
 
+// With `loss_scaled`, the steps of md.mixed_precision.LossScaleOptimizer on
+// the GPU: the check over the packed gradients, the gated update dividing by
+// a scale of 1000 (an inexact reciprocal), the scale's step; step 1 carries an
+// inf in its last gradient and must write nothing. The host kernel runs on
+// gradients divided first, and skips step 1.
+constexpr float kLossScale = 1000.0f;
+
 template <typename T>
-void check_case(const Case& k, DType dtype) {
+void check_case(const Case& k, DType dtype, bool loss_scaled) {
   const int n = static_cast<int>(kSizes.size());
   std::size_t total = 0;
   for (std::size_t s : kSizes) total += s;
@@ -98,23 +106,56 @@ void check_case(const Case& k, DType dtype) {
   scalars.lr = static_cast<T>(lr);
   T* packed[2] = {nullptr, nullptr};
   for (T*& p : packed) p = device_buffer<T>(total);
+  int* nonfinite = device_buffer<int>(1);
+  float* scale = device_buffer<float>(1);
+  long long* counters = device_buffer<long long>(2);  // the good-step counter, iterations
+  const long long zeros[2] = {0, 0};
+  CUDA_OK(cudaMemset(nonfinite, 0, sizeof(int)));
+  CUDA_OK(cudaMemcpy(scale, &kLossScale, sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(counters, zeros, sizeof(zeros), cudaMemcpyHostToDevice));
   for (int step = 0; step < 3; ++step) {
+    const bool skipped = loss_scaled && step == 1;
     std::vector<T> host_packed(total);
     std::vector<rules::FusedEntry<T>> entries(n);
     std::size_t at = 0;
     for (int v = 0; v < n; ++v) {
       g[v].resize(kSizes[v]);
-      for (std::size_t i = 0; i < kSizes[v]; ++i) host_packed[at + i] = g[v][i] = value<T>(i + v + step, 1);
+      for (std::size_t i = 0; i < kSizes[v]; ++i) {
+        host_packed[at + i] = value<T>(i + v + step, 1);
+        g[v][i] = loss_scaled ? host_packed[at + i] / static_cast<T>(kLossScale) : host_packed[at + i];
+      }
       entries[v] = {w[v].data(), g[v].data(), {nullptr, nullptr, nullptr}, kSizes[v], vars[v].decay};
       for (int j = 0; j < k.slots; ++j) entries[v].slots[j] = s[v][j].data();
       at += kSizes[v];
     }
-    host::fused_update<T>(k.rule, entries.data(), entries.size(), scalars);
+    if (skipped) {
+      host_packed[total - 1] = std::numeric_limits<T>::infinity();
+    } else {
+      host::fused_update<T>(k.rule, entries.data(), entries.size(), scalars);
+    }
     T* grads = packed[step % 2];  // a new address every step: the table follows
     CUDA_OK(cudaMemcpy(grads, host_packed.data(), total * sizeof(T), cudaMemcpyHostToDevice));
-    table.apply(k.rule, grads, c, wd, lr, nullptr);
+    if (loss_scaled) {
+      table.check_finite(grads, nonfinite, nullptr);
+      table.apply(k.rule, grads, c, wd, lr, nullptr, cuda::LossScaleGate{nonfinite, scale});
+      cuda::loss_scale_step(nonfinite, scale, counters, counters + 1, 2, true, nullptr);
+    } else {
+      table.apply(k.rule, grads, c, wd, lr, nullptr);
+    }
   }
   CUDA_OK(cudaDeviceSynchronize());
+  if (loss_scaled) {  // good, bad (halved, counted anew), good
+    int flag = -1;
+    float scale_after = 0;
+    long long state[2] = {-1, -1};
+    CUDA_OK(cudaMemcpy(&flag, nonfinite, sizeof(int), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(&scale_after, scale, sizeof(float), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(state, counters, sizeof(state), cudaMemcpyDeviceToHost));
+    CHECK(flag == 0 && scale_after == kLossScale / 2 && state[0] == 1 && state[1] == 2);
+  }
+  CUDA_OK(cudaFree(nonfinite));
+  CUDA_OK(cudaFree(scale));
+  CUDA_OK(cudaFree(counters));
   for (int v = 0; v < n; ++v) {
     std::vector<T> back(kSizes[v]);
     CUDA_OK(cudaMemcpy(back.data(), dw[v], back.size() * sizeof(T), cudaMemcpyDeviceToHost));
@@ -131,8 +172,15 @@ void check_case(const Case& k, DType dtype) {
 
 TEST(gpu_kernel_equals_the_host_kernel_bit_for_bit) {
   for (const Case& k : kCases) {
-    check_case<float>(k, DType::kFloat32);
-    check_case<double>(k, DType::kFloat64);
+    check_case<float>(k, DType::kFloat32, false);
+    check_case<double>(k, DType::kFloat64, false);
+  }
+}
+
+TEST(a_loss_scaled_gpu_step_unscales_skips_and_steps_the_scale_as_the_host) {
+  for (const Case& k : kCases) {
+    check_case<float>(k, DType::kFloat32, true);
+    check_case<double>(k, DType::kFloat64, true);
   }
 }
 

@@ -123,6 +123,35 @@ bool gpu_walk_equals_the_host_kernel(const Case& k, std::size_t threads, unsigne
   return same;
 }
 
+// A loss-scaled step's walk (FusedScalars::unscale, the GPU kernel's gated
+// path) against the host kernel on gradients divided by the scale first, as
+// Keras' `grad / scale` then the update: bit for bit, for a power of two and
+// for a scale whose reciprocal is inexact.
+template <typename T>
+bool unscaled_walk_equals_dividing_first(const Case& k, float scale) {
+  const std::vector<std::size_t> sizes = {0, 1, 3, 511, 513, 1000};
+  std::vector<Buffers<T>> host_bufs, gpu_bufs;
+  for (std::size_t v = 0; v < sizes.size(); ++v) {
+    host_bufs.emplace_back(sizes[v], k.slots, static_cast<int>(v));
+    gpu_bufs.emplace_back(sizes[v], k.slots, static_cast<int>(v));
+    for (T& g : host_bufs.back().g) g = g / static_cast<T>(scale);
+  }
+  std::vector<FusedEntry<T>> host_table, gpu_table;
+  for (std::size_t v = 0; v < sizes.size(); ++v) {
+    host_table.push_back(host_bufs[v].entry(v % 2 == 0));
+    gpu_table.push_back(gpu_bufs[v].entry(v % 2 == 0));
+  }
+  FusedScalars<T> s = scalars<T>(k);
+  fused_update<T>(k.rule, host_table.data(), host_table.size(), s);
+  s.unscale = true;
+  s.loss_scale = static_cast<T>(scale);
+  for (std::size_t tid = 0; tid < 512; ++tid)
+    mirrored::rules::update_table(k.rule, gpu_table.data(), static_cast<int>(gpu_table.size()), s, tid, 512);
+  bool same = true;
+  for (std::size_t v = 0; v < sizes.size(); ++v) same = same && host_bufs[v] == gpu_bufs[v];
+  return same;
+}
+
 }  // namespace
 
 TEST(the_gpu_kernel_walk_in_any_thread_order_equals_the_host_kernel) {
@@ -199,3 +228,45 @@ TEST(concurrent_calls_on_disjoint_tables) {
 }
 
 int main() { return check::run_all(); }
+
+TEST(an_unscaled_walk_equals_the_host_kernel_on_gradients_divided_first) {
+  for (const Case& k : cases())
+    for (float scale : {1024.0f, 1000.0f, 3.0f}) {
+      CHECK(unscaled_walk_equals_dividing_first<float>(k, scale));
+      CHECK(unscaled_walk_equals_dividing_first<double>(k, scale));
+    }
+}
+
+TEST(finite_tells_inf_and_nan_from_every_finite_value) {
+  using mirrored::rules::finite;
+  for (float x : {0.0f, -0.0f, 1.0f, std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
+                  std::numeric_limits<float>::denorm_min()})
+    CHECK(finite(x));
+  for (float x : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::quiet_NaN()})
+    CHECK(!finite(x));
+  CHECK(finite(std::numeric_limits<double>::max()) && !finite(std::numeric_limits<double>::infinity()));
+}
+
+TEST(loss_scale_step_follows_keras_dynamic_scaling) {
+  // Growth every 3 good steps, halving (and a new count) on a bad one; only good steps count.
+  int nonfinite = 0;
+  float scale = 8.0f;
+  long long counter = 0, iterations = 0;
+  const int pattern[] = {0, 0, 0, 0, 1, 0, 0, 0};
+  const float scales[] = {8.0f, 8.0f, 16.0f, 16.0f, 8.0f, 8.0f, 8.0f, 16.0f};
+  const long long counters[] = {1, 2, 0, 1, 0, 1, 2, 0};
+  for (int step = 0; step < 8; ++step) {
+    nonfinite = pattern[step];
+    mirrored::rules::loss_scale_step(&nonfinite, &scale, &counter, &iterations, 3, true);
+    CHECK(nonfinite == 0 && scale == scales[step] && counter == counters[step]);
+  }
+  CHECK(iterations == 7);
+  // A fixed scale: every step counts, the scale and its counter stay.
+  scale = 8.0f;
+  counter = 0;
+  iterations = 0;
+  for (int step = 0; step < 4; ++step)
+    mirrored::rules::loss_scale_step(&nonfinite, &scale, &counter, &iterations, 1, false);
+  CHECK(scale == 8.0f && counter == 0 && iterations == 4);
+}

@@ -875,10 +875,38 @@ rules::FusedScalars<T> scalars_from(const void* device_scalars, int coefficients
   return s;
 }
 
+// The .cu's open_gate, on the device the kernel runs on: false skips the update.
+template <typename T>
+bool open_gate(LossScaleGate gate, rules::FusedScalars<T>& s) {
+  if (gate.nonfinite != nullptr) {
+    reachable(gate.nonfinite);
+    if (*gate.nonfinite != 0) return false;
+  }
+  if (gate.scale != nullptr) {
+    reachable(gate.scale);
+    s.unscale = true;
+    s.loss_scale = static_cast<T>(*gate.scale);
+  }
+  return true;
+}
+
+// A gated fused update, run when the kernel runs: the gate and (from_device) the scalars read then.
+template <typename T>
+void gated_update(rules::Rule rule, const void* table, int entries, std::size_t max_count, rules::FusedScalars<T> s,
+                  const void* device_scalars, int coefficients, LossScaleGate gate, unsigned blocks, int device) {
+  const int saved = sim::current;
+  sim::current = device;
+  if (device_scalars != nullptr) s = scalars_from<T>(device_scalars, coefficients);
+  const bool open = open_gate(gate, s);
+  sim::current = saved;
+  if (open) fused_update_grid<T>(rule, table, entries, max_count, s, blocks, device);
+}
+
 }  // namespace
 
 void fused_update_from_device(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
-                              const void* device_scalars, int coefficients, int sms, cudaStream_t stream) {
+                              const void* device_scalars, int coefficients, int sms, cudaStream_t stream,
+                              LossScaleGate gate) {
   sim::Lock lock;
   if (entries == 0 || max_count == 0) return;
   if (dtype != DType::kFloat32 && dtype != DType::kFloat64)
@@ -888,25 +916,20 @@ void fused_update_from_device(rules::Rule rule, DType dtype, const void* table, 
   reachable(device_scalars);
   const int device = sim::current;
   const unsigned blocks = fused_blocks(max_count, sms);
-  // The scalars are read from device memory when the kernel runs, not at the launch.
-  const auto enqueue = [&](auto zero) {
-    using T = decltype(zero);
+  // The scalars (and the gate) are read from device memory when the kernel runs, not at the launch.
+  if (dtype == DType::kFloat32) {
     sim::enqueue(stream, [=] {
-      const int saved = sim::current;
-      sim::current = device;
-      const auto s = scalars_from<T>(device_scalars, coefficients);
-      sim::current = saved;
-      fused_update_grid<T>(rule, table, entries, max_count, s, blocks, device);
+      gated_update<float>(rule, table, entries, max_count, {}, device_scalars, coefficients, gate, blocks, device);
     });
-  };
-  if (dtype == DType::kFloat32)
-    enqueue(float{});
-  else
-    enqueue(double{});
+  } else {
+    sim::enqueue(stream, [=] {
+      gated_update<double>(rule, table, entries, max_count, {}, device_scalars, coefficients, gate, blocks, device);
+    });
+  }
 }
 
 void fused_update(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
-                  const void* scalars, int sms, cudaStream_t stream) {
+                  const void* scalars, int sms, cudaStream_t stream, LossScaleGate gate) {
   sim::Lock lock;
   if (entries == 0 || max_count == 0) return;
   if (dtype != DType::kFloat32 && dtype != DType::kFloat64)
@@ -915,14 +938,51 @@ void fused_update(rules::Rule rule, DType dtype, const void* table, int entries,
   reachable(table);
   const int device = sim::current;
   const unsigned blocks = fused_blocks(max_count, sms);
-  // Kernel arguments are captured at the launch, as CUDA does.
+  // Kernel arguments are captured at the launch, as CUDA does; the gate is read when it runs.
   if (dtype == DType::kFloat32) {
     const auto s = *static_cast<const rules::FusedScalars<float>*>(scalars);
-    sim::enqueue(stream, [=] { fused_update_grid<float>(rule, table, entries, max_count, s, blocks, device); });
+    sim::enqueue(stream,
+                 [=] { gated_update<float>(rule, table, entries, max_count, s, nullptr, 0, gate, blocks, device); });
   } else {
     const auto s = *static_cast<const rules::FusedScalars<double>*>(scalars);
-    sim::enqueue(stream, [=] { fused_update_grid<double>(rule, table, entries, max_count, s, blocks, device); });
+    sim::enqueue(stream,
+                 [=] { gated_update<double>(rule, table, entries, max_count, s, nullptr, 0, gate, blocks, device); });
   }
+}
+
+void count_nonfinite(DType dtype, const void* data, std::size_t count, int* nonfinite, int sms, cudaStream_t stream) {
+  sim::Lock lock;
+  if (count == 0) return;
+  if (dtype != DType::kFloat32 && dtype != DType::kFloat64)
+    throw std::invalid_argument("fused_update: dtype " + std::string(dtype_name(dtype)) +
+                                ", the GPU kernel takes float32 and float64");
+  launched(stream);
+  reachable(data);
+  reachable(nonfinite);
+  const unsigned blocks = fused_blocks(count, sms);
+  const auto check = [=](auto zero) {
+    using T = decltype(zero);
+    const T* p = static_cast<const T*>(data);
+    run_grid(blocks, [&](std::size_t tid, std::size_t stride) {
+      bool seen = false;
+      for (std::size_t i = tid; i < count; i += stride) seen |= !rules::finite(p[i]);
+      if (seen) *nonfinite = 1;
+    });
+  };
+  if (dtype == DType::kFloat32)
+    sim::enqueue(stream, [=] { check(float{}); });
+  else
+    sim::enqueue(stream, [=] { check(double{}); });
+}
+
+void loss_scale_step(int* nonfinite, float* scale, long long* counter, long long* iterations, long long growth_steps,
+                     bool dynamic, cudaStream_t stream) {
+  sim::Lock lock;
+  launched(stream);
+  for (const void* p : {static_cast<const void*>(nonfinite), static_cast<const void*>(scale),
+                        static_cast<const void*>(counter), static_cast<const void*>(iterations)})
+    reachable(p);
+  sim::enqueue(stream, [=] { rules::loss_scale_step(nonfinite, scale, counter, iterations, growth_steps, dynamic); });
 }
 
 }  // namespace mirrored::cuda

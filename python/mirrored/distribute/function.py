@@ -408,9 +408,10 @@ _UPLOAD_HINT = ("a host value became a GPU array inside the step (cupy.asarray/a
 _WAIT_HINT = ("the step waits for the GPU to read a value on the host (float(), int(), bool(), .item(), .get(), "
               "cupy.asnumpy, Variable.numpy()), which a capture cannot record: return the array and read it "
               "after the call")
-_LOSS_SCALE_HINT = ("LossScaleOptimizer reads its loss scale and checks that the gradients are finite on the "
-                    "host at every step (a non-finite step is skipped in Python), which a captured step cannot "
-                    "replay: run a loss-scaled step without md.function")
+_LOSS_SCALE_HINT = ("LossScaleOptimizer read its loss scale on the host: Keras 2's get_scaled_loss and "
+                    "get_unscaled_gradients do, and so does a step it cannot decide on the GPUs (docs/function.md); "
+                    "use scale_loss and pass the scaled gradients to apply_gradients, or run the step without "
+                    "md.function")
 _WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "D2H transfers are disallowed")
 
 

@@ -26,6 +26,13 @@
    optimizer apply them, and doubles the scale once ``dynamic_growth_steps``
    steps in a row were finite.
 
+On GPU replicas (float32 or float64 variables, the fused update's dtypes) steps 2 to 4 run on the
+devices without a host sync, as TensorFlow's graph mode does: a check kernel into a device flag, the
+fused update dividing by the scale and writing nothing when the flag is set, and one kernel that moves
+the scale, its counter and ``iterations`` (docs/tf_ports.md, "On GPU replicas"); the same bits, and a
+step md.function captures. The host-decided step serves CPU replicas and the cases the device path
+does not take (``_device_plan``).
+
 Keras 3 checks the first replica's own gradients only, before the reduction,
 so a NaN on another replica reaches the weights (recorded from TensorFlow 2.21
 in tests/data/tfport_reference.json); here every replica's counts.
@@ -44,7 +51,7 @@ import numbers
 
 import numpy as np
 
-from ..device import device_util
+from ..device import device_util, gpu
 
 __all__ = ["LossScaleOptimizer", "Policy", "DTypePolicy", "global_policy", "set_global_policy"]
 
@@ -120,11 +127,13 @@ def _check_scale(value) -> float:
 _HALF_EXPONENTS = {}
 
 
-def _is_finite(x) -> bool:
+def _is_finite(x, device=None) -> bool:
     if device_util.on_gpu(x):
         import cupy
 
-        return bool(cupy.isfinite(x).all())
+        # On the device's merge stream, ordered after the all-reduce that wrote x (the current stream may not be).
+        with device_util.cross_replica_gpu_scope(device) if device else contextlib.nullcontext():
+            return bool(cupy.isfinite(x).all())
     x = np.asarray(x)
     if x.dtype.kind in "biu":
         return True  # integers are always finite
@@ -142,10 +151,26 @@ def _clips(optimizer) -> bool:
     return any(getattr(optimizer, name, None) is not None for name in ("clipnorm", "clipvalue", "global_clipnorm"))
 
 
+def _copies(variable) -> tuple:
+    """A variable's copies, one per local device (the variable itself when it has one)."""
+    from ..distribute.values import DistributedVariable
+
+    return variable.values if isinstance(variable, DistributedVariable) else (variable,)
+
+
 def _components(value) -> tuple:
     from ..distribute.values import DistributedValues
 
     return value.values if isinstance(value, DistributedValues) else (value,)
+
+
+def _placed_components(value) -> list:
+    """``(component, its device or None)`` for each component of ``value``."""
+    from ..distribute.values import DistributedValues
+
+    if not isinstance(value, DistributedValues):
+        return [(value, None)]
+    return list(zip(value.values, value._devices_or((None,) * len(value.values))))
 
 
 class LossScaleOptimizer:
@@ -193,6 +218,7 @@ class LossScaleOptimizer:
                                              aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
         self._caller_unscales = False
         self._var_list = None  # build(var_list)'s, for apply(grads)
+        self._nonfinite = {}  # GPU ordinal -> the int32 flag of the device check (a CuPy array, zero between steps)
 
     def __getattr__(self, name):
         # Called only for attributes this object lacks: the wrapped optimizer's (get_slot, momentum, ...).
@@ -240,8 +266,27 @@ class LossScaleOptimizer:
         return int(self.step_counter.numpy())
 
     def scale_loss(self, loss):
-        """``loss * scale`` (Keras 3): a float16 or bfloat16 loss becomes float32, as Keras' multiply promotes."""
-        return loss * self.loss_scale
+        """``loss * scale`` (Keras 3): a float16 or bfloat16 loss becomes float32, as Keras' multiply promotes.
+
+        In replica context on GPU replicas the product is taken on the replica's GPU with its own copy of
+        the scale (a GPU array, also for a number such as the backward pass's seed ``scale_loss(1.0)``): the
+        step waits for nothing, and md.function can capture it."""
+        scale = self._device_scale(loss)
+        if scale is None:
+            return loss * self.loss_scale
+        dtype = np.result_type(loss.dtype if device_util.on_gpu(loss) else loss, np.float32)
+        scale = scale.astype(dtype, copy=False)
+        return loss.astype(dtype, copy=False) * scale if device_util.on_gpu(loss) else scale * dtype.type(loss)
+
+    def _device_scale(self, loss):
+        """This replica's copy of the scale when ``loss`` (a GPU array or a number) is scaled on its GPU."""
+        from ..distribute import distribute_lib
+
+        if not (device_util.on_gpu(loss) or isinstance(loss, numbers.Real)) \
+                or distribute_lib.in_cross_replica_context():
+            return None
+        scale = self.dynamic_scale.read_value()
+        return scale if device_util.on_gpu(scale) else None
 
     def get_scaled_loss(self, loss):
         """``loss * scale`` in ``loss``'s own dtype (Keras 2); a callable loss gives a callable."""
@@ -329,8 +374,12 @@ class LossScaleOptimizer:
             for k, g in zip(distributed, strategy.extended.batch_reduce_to(
                     ReduceOp.MEAN if mean else ReduceOp.SUM, [pairs[k] for k in distributed], options=options)):
                 grads[k] = g
+        plan = self._device_plan(strategy, grads, [v for _, v in pairs], reduced)
+        if plan is not None:
+            return self._apply_on_device(plan, grads)
         # An all-reduce gives every local copy the same bits: one copy of a reduced gradient tells for all.
-        arrays = [c for k, g in enumerate(grads) for c in (_components(g)[:1] if k in reduced else _components(g))]
+        arrays = [c for k, g in enumerate(grads)
+                  for c in (_placed_components(g)[:1] if k in reduced else _placed_components(g))]
         if self.dynamic and not self._agreed_finite(strategy, arrays, devices):
             self.step_counter.assign(np.int64(0))
             self.dynamic_scale.assign(self.dynamic_scale.numpy() * np.float32(0.5))
@@ -348,6 +397,68 @@ class LossScaleOptimizer:
                 self.step_counter.assign_add(np.int64(1))
         return step
 
+    def _device_plan(self, strategy, grads, variables, reduced):
+        """The wrapped optimizer's plan when this step can be decided on the GPUs, else None.
+
+        That takes variables on GPUs that the fused kernel updates (float32, float64), every gradient
+        all-reduced here (so every replica of every worker checks the same bits and agrees) and of a dtype
+        whose quotient by the float32 scale has its variable's dtype (so the kernel's division in that dtype
+        is the host step's), and nothing that branches on the step in Python (moving averages, gradient
+        accumulation, constraints) or divides the gradients elsewhere (Keras 2's ``get_unscaled_gradients``,
+        ``loss_scale_factor``).
+        """
+        from .optimizers import base
+
+        inner = self.inner_optimizer
+        if (self._caller_unscales or len(reduced) != len(grads) or not isinstance(inner, base.Optimizer)
+                or inner.use_ema or inner.gradient_accumulation_steps or inner.loss_scale_factor is not None):
+            return None
+        if any(np.result_type(_components(g)[0].dtype, np.float32) != np.dtype(v.dtype)
+               for g, v in zip(grads, variables)):
+            return None
+        kernel = base._gpu_kernel()
+        if kernel is None or not hasattr(kernel, "loss_scale_step"):
+            return None
+        for i, var in enumerate(variables):
+            inner._check_variable(f"grads_and_vars[{i}]", var)
+        plan = inner._plan(strategy, variables)
+        if any(plan.host) or not plan.packable or plan.constraints:
+            return None
+        return plan
+
+    def _apply_on_device(self, plan, grads):
+        """The step decided on each GPU (no host sync): each device's reduced gradients packed, checked
+        for inf and nan into one flag, applied divided by the scale unless the flag is set, then the scale,
+        its counter and ``iterations`` updated there (csrc/cuda/fused_update.h). Returns ``iterations``
+        (the variable: reading it waits for the step)."""
+        from ..distribute.values import DistributedValues
+        from .optimizers.base import LossScaleGate
+
+        inner = self.inner_optimizer
+        step = inner._advance(plan)
+        inner._skips_on_device = inner._skips_on_device or self.dynamic
+        scales, counters = _copies(self.dynamic_scale), _copies(self.step_counter)
+        for d in range(plan.num_devices):
+            device = plan.copies[d][0].device
+            gate = LossScaleGate(
+                nonfinite=self._nonfinite_flag(device), scale=scales[d]._writable_buffer().data.ptr,
+                counter=counters[d]._writable_buffer().data.ptr, growth_steps=self.dynamic_growth_steps,
+                dynamic=self.dynamic)
+            plan.apply(d, [g.values[d] if isinstance(g, DistributedValues) else g for g in grads], step, gate=gate)
+        return self.iterations
+
+    def _nonfinite_flag(self, device) -> int:
+        """The device's check flag (made once, zero: each step's last kernel clears it again)."""
+        ordinal = device_util.physical_ordinal(device)
+        flag = self._nonfinite.get(ordinal)
+        if flag is None:
+            cupy = gpu.cupy_module()
+            with cupy.cuda.Device(ordinal):
+                flag = self._nonfinite[ordinal] = cupy.zeros((), np.int32)
+                # Zeroed on this stream, read on the step's: once, the host waits for the zeros.
+                cupy.cuda.get_current_stream().synchronize()
+        return flag.data.ptr
+
     def _agreed_finite(self, strategy, arrays, devices) -> bool:
         """Whether every gradient is finite on every replica of every worker. One process checks all its
         replicas' gradients here; across workers one all-reduce (MIN) of a flag makes the answer the
@@ -355,7 +466,7 @@ class LossScaleOptimizer:
         from ..distribute.reduce_util import ReduceOp
         from ..distribute.values import PerReplica
 
-        finite = all(_is_finite(a) for a in arrays)
+        finite = all(_is_finite(a, device) for a, device in arrays)
         if strategy.extended._num_workers == 1:
             return finite
         flags = PerReplica([np.full((), finite, np.float32) for _ in devices], devices)
@@ -371,8 +482,10 @@ class LossScaleOptimizer:
         devices = grad._devices_or((None,) * len(grad.values))
         parts = []
         for component, device in zip(grad.values, devices):
-            with device_util.device_scope(device) if device else contextlib.nullcontext():
-                parts.append(component / scale)  # on the component's own device (CuPy)
+            # On the component's own device (CuPy), and on the stream the update then reads it on: the
+            # device's merge stream (else the update can read the quotient's memory before it is written).
+            with device_util.cross_replica_gpu_scope(device) if device else contextlib.nullcontext():
+                parts.append(component / scale)
         return type(grad)(parts, grad._devices)
 
     def __repr__(self) -> str:

@@ -43,6 +43,7 @@ import numbers
 import operator
 import sys
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,7 +57,7 @@ from ...distribute.values import DistributedValues, DistributedVariable, PerRepl
 from .rules import (EMA, HOST_COEFFICIENTS, SGD, apply as apply_rule, array_module, ema,
                     weight_decay as apply_weight_decay)
 
-__all__ = ["Optimizer", "check_rate"]
+__all__ = ["LossScaleGate", "Optimizer", "check_rate"]
 
 
 class _FlooredIterations(int):
@@ -111,6 +112,7 @@ class Optimizer:
     _slot_specs: tuple = ()
     _slot_aliases: dict = {}
     _rule: int = SGD
+    _coefficients_use_step = False  # whether _coefficients reads `step` (Adam's bias corrections do)
 
     def __init__(self, learning_rate, name: str, gradient_aggregation="sum", *, weight_decay=None, clipnorm=None,
                  clipvalue=None, global_clipnorm=None, use_ema=False, ema_momentum=0.99, ema_overwrite_frequency=None,
@@ -157,6 +159,9 @@ class Optimizer:
         # (iterations' value, its first copy, that copy's _stores) after the last step this process took:
         # the step count without a read from the GPU, and what a captured step's replays count from
         self._known_step = None
+        # Set by a LossScaleOptimizer whose steps are checked on the GPU: a step may leave `iterations`
+        # where it was, which only the device knows (see _counted_step).
+        self._skips_on_device = False
         self._slots = {}  # id(variable) -> (variable, {slot name: slot variable})
         self._plans = {}  # tuple of variable ids -> _Plan
         self._checked = {}  # tuple of variable ids -> (their shapes, the variables), once checked
@@ -550,14 +555,23 @@ class Optimizer:
         the host, which waits for the GPU) only when someone else assigned it since this optimizer counted."""
         first = plan.iterations[0]
         known = self._known_step
-        if known is not None and known[1] is first and known[2] == first._stores:
-            return known[0]
         scope = _gpu.step_scope()
-        if scope is not None and scope.capturing:
+        capturing = scope is not None and scope.capturing
+        if known is not None and known[1] is first and known[2] == first._stores:
+            # After a step a LossScaleOptimizer may have skipped on the GPU, the count is an upper bound:
+            # exact enough for scalars that do not follow the step, and for a capture (each replay's hook
+            # counts again); otherwise read back, a copy that waits for the last step.
+            if not self._skips_on_device or capturing or not self._scalars_use_step():
+                return known[0]
+            return int(self._iterations.numpy())
+        if capturing:
             raise RuntimeError(
                 f"optimizer {self.name!r}: `iterations` was assigned after md.function's warm-up step, so a "
                 "captured step cannot know its value without waiting for the GPU; assign it outside the step")
         return int(self._iterations.numpy())
+
+    def _scalars_use_step(self) -> bool:
+        return self._coefficients_use_step or callable(self._learning_rate)
 
     def _before_replay(self, plan, scope) -> None:
         """Before each replay of a captured step: its step counted, its scalars uploaded."""
@@ -625,7 +639,9 @@ class _Plan:
                                 for dtype, indices in self.groups.items()]
                                for d in range(self.num_devices)] if self.packable else None
         self.gpu_tables = [None] * self.num_devices  # per device: one FusedUpdateTable per dtype
-        self.gpu_packs = [None] * self.num_devices  # per device: the GradientPack of its eager steps
+        # per device: (staged dtypes, the GradientPack of its eager steps)
+        self.gpu_packs = [None] * self.num_devices
+        self.staging = {}  # (device, id(fusion buffer), dtype) -> a buffer the pack fills with gradients of dtype
         weakref.finalize(self, _retire_tables, self.gpu_tables)
         weakref.finalize(self, _retire_tables, self.gpu_packs)
         self.tables_made_at = [None] * self.num_devices  # values.buffers_replaced when they were made
@@ -676,39 +692,58 @@ class _Plan:
             return buffers
         # On a GPU, one launch of the native multi-tensor copy over a table made once: CuPy's
         # concatenate of many arrays uploads a pointer table from pageable memory on every call, which
-        # CuPy refuses while a stream is captured (md.function).
+        # CuPy refuses while a stream is capturing (md.function).
         cupy = _gpu.cupy_module()
         ordinal = device_util.physical_ordinal(self.copies[device][0].device)
-        sources = [_packable(cupy, grads[k], dtype, ordinal) for dtype, indices in self.groups.items()
-                   for k in indices]
+        # A group whose gradients all have another dtype (mixed precision: float16 gradients of float32
+        # variables) is copied as such into a staging buffer and converted by one kernel over the whole
+        # buffer, not one per gradient.
+        staged = tuple(_one_dtype(_dtype_of(grads[k]) for k in indices) for indices in self.groups.values())
+        staged = tuple(None if s == dtype else s for s, dtype in zip(staged, self.groups))
+        sources = [_packable(cupy, grads[k], staged_dtype or dtype, ordinal)
+                   for (dtype, indices), staged_dtype in zip(self.groups.items(), staged) for k in indices]
         src = [g.data.ptr for g in sources]
         stream = cupy.cuda.get_current_stream().ptr
         scope = _gpu.step_scope()
         if scope is not None and scope.capturing:
-            pack = self._make_pack(device, ordinal)  # the graph's own: its table is never rewritten
+            pack = self._make_pack(device, ordinal, staged)  # the graph's own: its table is never rewritten
             scope.captured.setdefault("gradient packs", []).append([pack])
             weakref.finalize(scope, _retire_tables, [pack])
             pack.copy_captured(src, stream)
         else:
-            if self.gpu_packs[device] is None:
-                self.gpu_packs[device] = self._make_pack(device, ordinal)
-            self.gpu_packs[device].copy(src, stream)
+            if self.gpu_packs[device] is None or self.gpu_packs[device][0] != staged:
+                self.gpu_packs[device] = (staged, self._make_pack(device, ordinal, staged))
+            self.gpu_packs[device][1].copy(src, stream)
+        for buffer, staged_dtype in zip(buffers, staged):
+            if staged_dtype is not None:
+                buffer[...] = self._staging(device, buffer, staged_dtype)
         return buffers
 
-    def _make_pack(self, device: int, ordinal: int):
-        """The native multi-tensor copy of device ``device``'s gradients into its fusion buffers (table order:
-        the groups', each group's variables back to back)."""
+    def _staging(self, device: int, buffer, dtype):
+        """Device ``device``'s staging buffer of ``dtype`` for fusion buffer ``buffer`` (made once, by the eager
+        step that precedes a capture)."""
+        key = (device, id(buffer), np.dtype(dtype))
+        stage = self.staging.get(key)
+        if stage is None:
+            stage = self.staging[key] = device_util.place(np.empty(buffer.size, dtype), self.copies[device][0].device)
+        return stage
+
+    def _make_pack(self, device: int, ordinal: int, staged: tuple):
+        """The native multi-tensor copy of device ``device``'s gradients into its fusion buffers, or for a
+        group with a ``staged`` dtype into its staging buffer (table order: the groups', each group's
+        variables back to back)."""
         dst, nbytes = [], []
-        for buffer, indices in zip(self.fusion_buffers[device], self.groups.values()):
-            at = buffer.data.ptr
+        for buffer, indices, staged_dtype in zip(self.fusion_buffers[device], self.groups.values(), staged):
+            target = buffer if staged_dtype is None else self._staging(device, buffer, staged_dtype)
+            at = target.data.ptr
             for k in indices:
-                size = self.copies[device][k]._value.size * buffer.itemsize
+                size = self.copies[device][k]._value.size * target.itemsize
                 dst.append(at)
                 nbytes.append(size)
                 at += size
         return _gpu_kernel().GradientPack(ordinal, dst, nbytes)
 
-    def apply(self, device: int, grads, step: int, packed=None, update: bool = True) -> None:
+    def apply(self, device: int, grads, step: int, packed=None, update: bool = True, gate=None) -> None:
         """Weight decay and the rule on every variable and slot of local device ``device``, in place;
         then Keras' moving average (``use_ema``), the constraints and the step count.
         ``update=False`` (gradient accumulation, a step that only accumulates): ``grads`` are added
@@ -719,6 +754,9 @@ class _Plan:
         call per dtype: on host csrc/host/fused_update.cc, on a GPU one launch of
         csrc/cuda/fused_update.cu over a table made once. Anything else (float16,
         bfloat16) goes through the same rule element-wise, variable by variable.
+
+        ``gate`` (a :class:`LossScaleGate`, GPU copies of a ``packable`` plan only): a loss-scaled step,
+        decided on the device (md.mixed_precision.LossScaleOptimizer's, no host sync).
         """
         if self.host[device]:
             if not update:
@@ -738,22 +776,28 @@ class _Plan:
                 # md.function: the update reads the step's scalars from device buffers that a hook
                 # refreshes before each replay, and the step is counted on the device.
                 if self.packable:
-                    self._apply_gpu_captured(device, grads, packed, scope)
+                    self._apply_gpu_captured(device, grads, packed, scope, gate)
                 else:
                     self._apply_each(device, grads, self.groups)
                 self._constrain(device)
-                self.iterations[device]._writable_buffer()[...] += 1
+                if gate is not None:
+                    self._count_step(device, gate)
+                else:
+                    self.iterations[device]._writable_buffer()[...] += 1
                 return
             if not update:
                 self._accumulate(device, grads)
             elif self.packable:
-                self._apply_gpu(device, grads, packed)
+                self._apply_gpu(device, grads, packed, gate)
             else:
                 self._apply_each(device, grads, self.groups)
             if update:
                 self._reset_accumulators(device)
             self._finish(device)
-            self.iterations[device]._writable_buffer().fill(self.next_step)  # one kernel, no upload
+            if gate is not None:
+                self._count_step(device, gate)
+            else:
+                self.iterations[device]._writable_buffer().fill(self.next_step)  # one kernel, no upload
 
     def accumulated(self, device: int, k: int, g):
         """Keras' gradient of an update step under gradient accumulation: ``(g + accumulator) / steps``
@@ -876,7 +920,7 @@ class _Plan:
         if rest:
             self._apply_each(device, grads, rest)
 
-    def _apply_gpu(self, device: int, grads, packed) -> None:
+    def _apply_gpu(self, device: int, grads, packed, gate=None) -> None:
         """One launch per dtype: the device's table (made once, again only after a copy-on-write)."""
         self._writable(device)
         _retired_tables.clear()
@@ -886,12 +930,13 @@ class _Plan:
         if packed is None:
             packed = self.pack(device, grads)
         stream = array_module(packed[0]).cuda.get_current_stream().ptr
-        for table, buffer, dtype in zip(self.gpu_tables[device], packed, self.groups):
+        grads = self._checked_grads(self.gpu_tables[device], packed, stream, gate)
+        for table, grad, dtype in zip(self.gpu_tables[device], grads, self.groups):
             weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))
-            table.apply(self.rule, _gpu_grad(buffer, dtype, table.total_count).data.ptr,
-                        [float(c) for c in self.coefficients[dtype]], float(weight_decay), float(lr), stream)
+            table.apply(self.rule, grad, [float(c) for c in self.coefficients[dtype]], float(weight_decay), float(lr),
+                        stream, *_gate_pointers(gate))
 
-    def _apply_gpu_captured(self, device: int, grads, packed, scope) -> None:
+    def _apply_gpu_captured(self, device: int, grads, packed, scope, gate=None) -> None:
         """``_apply_gpu`` recorded into the step's graph: tables of the capture's own (kept by the scope as
         long as the graph), each launch reading its scalars from the capture's buffer of its dtype."""
         for c in self.written[device]:
@@ -902,10 +947,29 @@ class _Plan:
         scope.captured.setdefault("fused update tables", []).append(tables)
         weakref.finalize(scope, _retire_tables, tables)
         stream = array_module(packed[0]).cuda.get_current_stream().ptr
-        for table, buffer, dtype in zip(tables, packed, self.groups):
+        grads = self._checked_grads(tables, packed, stream, gate)
+        for table, grad, dtype in zip(tables, grads, self.groups):
             scalars, _, coefficients, _ = scope.captured[self][device][dtype]
-            table.apply_captured(self.rule, _gpu_grad(buffer, dtype, table.total_count).data.ptr, scalars.data.ptr,
-                                 len(coefficients), stream)
+            table.apply_captured(self.rule, grad, scalars.data.ptr, len(coefficients), stream, *_gate_pointers(gate))
+
+    def _checked_grads(self, tables, packed, stream, gate) -> list:
+        """The packed gradients' pointers; for a dynamic loss-scaled step, each first checked for inf and nan
+        into the gate's flag (every dtype's before any update reads the flag)."""
+        grads = [_gpu_grad(buffer, dtype, table.total_count).data.ptr
+                 for table, buffer, dtype in zip(tables, packed, self.groups)]
+        if gate is not None and gate.dynamic:
+            for table, grad in zip(tables, grads):
+                table.check_finite(grad, gate.nonfinite, stream)
+        return grads
+
+    def _count_step(self, device: int, gate) -> None:
+        """A loss-scaled step's end on device ``device`` (rules::loss_scale_step, one launch): ``iterations``
+        +1 only when the step was applied, and the loss scale and its counter updated."""
+        iterations = self.iterations[device]._writable_buffer()
+        ordinal = device_util.physical_ordinal(self.copies[device][0].device)
+        stream = array_module(iterations).cuda.get_current_stream().ptr
+        _gpu_kernel().loss_scale_step(ordinal, gate.nonfinite, gate.scale, gate.counter, iterations.data.ptr,
+                                      gate.growth_steps, gate.dynamic, stream)
 
     def _make_tables(self, device: int) -> list:
         module = _gpu_kernel()
@@ -942,6 +1006,25 @@ class _Plan:
 
 
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+class LossScaleGate(NamedTuple):
+    """A loss-scaled step's state on one GPU, as device pointers (csrc/cuda/fused_update.h): ``nonfinite``
+    an int32 flag the check sets (zero between steps), ``scale`` the float32 loss scale, ``counter`` the int64
+    count of good steps; ``dynamic``: check and adjust the scale (else apply every step at a fixed scale)."""
+
+    nonfinite: int
+    scale: int
+    counter: int
+    growth_steps: int
+    dynamic: bool
+
+
+def _gate_pointers(gate) -> tuple:
+    """The fused update's ``nonfinite`` and ``scale`` arguments (0: none) for ``gate``."""
+    if gate is None:
+        return 0, 0
+    return gate.nonfinite if gate.dynamic else 0, gate.scale
 _VALUE = operator.attrgetter("_value")
 _host_kernel = _fused_update
 
@@ -972,6 +1055,12 @@ def _host_grad(g, dtype):
     if type(g) is np.ndarray and g.dtype == dtype and g.flags.c_contiguous:
         return g
     return np.ascontiguousarray(g, dtype)
+
+
+def _one_dtype(dtypes):
+    """The dtype of every one of ``dtypes``, or None when they differ (or there are none)."""
+    seen = set(map(np.dtype, dtypes))
+    return seen.pop() if len(seen) == 1 else None
 
 
 def _packable(cupy, g, dtype, ordinal: int):

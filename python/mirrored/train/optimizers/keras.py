@@ -50,6 +50,8 @@ class Adam(Optimizer):
     """Adam (Kingma & Ba, 2014), as ``keras.optimizers.Adam``; ``amsgrad=True`` adds the slot ``velocity_hat``
     (the largest velocity so far), by which the step divides."""
 
+    _coefficients_use_step = True  # bias corrections (Nadam: the momentum schedule) follow the step
+
     _slot_specs = (("momentum", 0.0), ("velocity", 0.0))
     _slot_aliases = {"m": "momentum", "v": "velocity", "vhat": "velocity_hat"}  # tf.keras' legacy names
     _rule = ADAM
@@ -138,6 +140,8 @@ class Nadam(Optimizer):
     variable; here it is a function of ``iterations`` (recomputed after a restore),
     so checkpoints hold nothing beyond the slots and ``iterations``.
     """
+
+    _coefficients_use_step = True  # bias corrections (Nadam: the momentum schedule) follow the step
 
     _slot_specs = (("momentum", 0.0), ("velocity", 0.0))
     _rule = NADAM
