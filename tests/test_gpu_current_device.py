@@ -111,3 +111,52 @@ def test_a_training_step_leaves_the_current_device(kind, current, captured):
             np.testing.assert_array_equal(w.values[0].numpy(), w.values[1].numpy())
     finally:
         md.config.set_logical_device_configuration("GPU:0", None)
+
+
+@pytest.mark.parametrize("devices", [(0, 0), (0, 1)], ids=str)
+def test_plans_result_rings_and_matmul_from_threads_at_once(devices):
+    """Four threads (as GPU replicas on threads of their own) share the cached plans, their result
+    rings and the cuBLAS handles: each call's results are its own values, whatever the others do,
+    held or dropped, and each thread's current device is its own."""
+    import threading
+
+    def work(t, errors, barrier):
+        try:
+            rng = np.random.default_rng(t)
+            current = t % 2
+            with cupy.cuda.Device(current):
+                barrier.wait()
+                held = []
+                for k in range(12):
+                    host = [rng.integers(-4, 5, 33).astype(np.float32) for _ in devices]
+                    xs = [on(d, h) for d, h in zip(devices, host)]
+                    lists = [[x, on(d, 2 * h)] for x, d, h in zip(xs, devices, host)]
+                    out = collectives.all_reduce(xs, "sum")
+                    batch = collectives.batch_all_reduce(lists, "sum")
+                    a = rng.standard_normal((3, 4)).astype(np.float32)
+                    b = rng.standard_normal((4, 5)).astype(np.float32)
+                    product = md.linalg.matmul(on(current, a), on(current, b))
+                    total = np.sum(host, axis=0)
+                    for o in out:
+                        np.testing.assert_array_equal(cupy.asnumpy(o), total)
+                    for row in batch:
+                        np.testing.assert_array_equal(cupy.asnumpy(row[0]), total)
+                        np.testing.assert_array_equal(cupy.asnumpy(row[1]), 2 * total)
+                    np.testing.assert_allclose(cupy.asnumpy(product), a @ b, rtol=1e-5, atol=1e-5)
+                    if k % 3 == 0:
+                        held.append((out, total))  # held across the later calls: never written again
+                    assert cupy.cuda.runtime.getDevice() == current
+                for out, total in held:
+                    for o in out:
+                        np.testing.assert_array_equal(cupy.asnumpy(o), total)
+        except BaseException as e:  # noqa: BLE001 (reported by the main thread)
+            errors.append(e)
+
+    errors, barrier = [], threading.Barrier(4)
+    threads = [threading.Thread(target=work, args=(t, errors, barrier)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
