@@ -287,3 +287,35 @@ def test_results_of_a_captured_batch_are_never_handed_out_again():
     if SIMULATED:
         assert cupy.sim.counters()["graph_launches"] == {0: 1}
     check(captured, host1, "sum", devices)
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "batch_all_reduce"])
+def test_a_set_is_never_handed_out_twice_when_python_runs_inside_the_ring(kind):
+    """Replacing a kept set frees its arrays, which runs Python (finalizers; on a busy process,
+    another thread's call through the same plan while the GIL changes hands). A call made then must
+    find the ring whole: the set being kept is the calling one's alone, not also the other call's."""
+    import weakref
+
+    devices = (0, 0)
+    host, lists = batch(devices, 1)
+    xs = [row[1] for row in lists]
+    call = (lambda: collectives.all_reduce(xs, "sum")) if kind == "all_reduce" else \
+        (lambda: [a for row in collectives.batch_all_reduce(lists, "sum") for a in row])
+    call()  # plans
+    with cupy.cuda.Device(0):
+        first = call()  # a set kept for the legacy stream
+        inner = []
+        weakref.finalize(first[0].data.mem, lambda: inner.append(call()))
+        del first  # free, but for another stream than the calls below
+        with cupy.cuda.Stream(non_blocking=False):
+            held = call()  # the ring's second set, held
+            outer = call()  # a third set replaces the first, whose finalizer calls again
+    assert len(inner) == 1
+    ptrs = {id(x): {a.data.ptr for a in x if a.size} for x in (held, outer, inner[0])}
+    assert not ptrs[id(outer)] & ptrs[id(inner[0])], "one set handed to two calls"
+    assert not ptrs[id(held)] & (ptrs[id(outer)] | ptrs[id(inner[0])])
+    for got in (held, outer, inner[0]):
+        want_all = want(host, "sum")
+        expected = [want_all[1]] * len(devices) if kind == "all_reduce" else want_all * len(devices)
+        for g, w in zip(got, expected):
+            np.testing.assert_array_equal(cupy.asnumpy(g), w)

@@ -107,18 +107,13 @@ py::object recycled(bindings::ResultRing& ring, const Ptrs& streams, std::size_t
     return rows;
   };
   const bool captured = any_capturing(streams);
-  if (!captured) {
-    if (bindings::ResultRing::Set* kept = ring.take(streams)) {
-      pointers = kept->pointers;
-      return lists(kept->arrays);
-    }
-  }
+  std::vector<py::object> taken;
+  if (!captured && ring.take(streams, taken, pointers)) return lists(taken);
   auto [arrays, made_pointers] = make();
   pointers = made_pointers;
   if (captured) return lists(arrays);
-  bindings::ResultRing::Set& kept = ring.keep(std::move(arrays), std::move(made_pointers), streams);
-  bindings::ResultRing::settle(kept);  // (make()'s temporaries are gone: only the ring holds the arrays)
-  return lists(kept.arrays);
+  // (make()'s temporaries are gone: only `arrays` holds the new results)
+  return lists(ring.keep(std::move(arrays), std::move(made_pointers), streams));
 }
 
 // A planned all_reduce or broadcast of device arrays (mirrored.collective.cuda.CallPlan): the

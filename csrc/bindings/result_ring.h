@@ -43,22 +43,29 @@ class ResultRing {
 
   ResultRing() { sets_.reserve(kSets); }  // (a kept set never moves)
 
-  // A kept set no one else references, made for a call on these streams (marked used now), or nullptr.
-  // The GIL held.
-  Set* take(const std::vector<std::uintptr_t>& streams) {
+  // A kept set no one else references, made for a call on these streams: its arrays (referenced here,
+  // before anything else can run, so that no other call takes it too) and the pointers the plan writes to.
+  // False when there is none. The GIL held.
+  bool take(const std::vector<std::uintptr_t>& streams, std::vector<py::object>& arrays,
+            std::vector<std::uintptr_t>& pointers) {
     for (Set& s : sets_) {
       if (s.streams != streams || !unreferenced(s)) continue;
       s.last_use = ++clock_;
-      return &s;
+      arrays = s.arrays;
+      pointers = s.pointers;
+      return true;
     }
-    return nullptr;
+    return false;
   }
 
-  // Keeps new results (replacing the set used longest ago when the ring is full) and returns the kept set.
-  // The caller must drop every other reference it made to them before the next take() for them to count
-  // as free. The GIL held.
-  Set& keep(std::vector<py::object> arrays, std::vector<std::uintptr_t> pointers,
-            std::vector<std::uintptr_t> streams) {
+  // Keeps new results (replacing the set used longest ago when the ring is full) and returns its arrays,
+  // referenced for the caller. The caller must hold no other reference to them: their reference counts now
+  // are those of "nobody else holds them". The GIL held.
+  //
+  // Python may run inside (the replaced set's arrays go, and their finalizers run, which may let another
+  // thread's call through this plan run): the ring is whole by then and the new set already the caller's.
+  std::vector<py::object> keep(std::vector<py::object> arrays, std::vector<std::uintptr_t> pointers,
+                               std::vector<std::uintptr_t> streams) {
     Set s;
     s.arrays = std::move(arrays);
     s.pointers = std::move(pointers);
@@ -66,35 +73,31 @@ class ResultRing {
     s.last_use = ++clock_;
     static PyObject* const kData = PyUnicode_InternFromString("data");
     static PyObject* const kMem = PyUnicode_InternFromString("mem");
-    std::vector<PyObject*> objects;
+    std::vector<py::object> objects;  // (held while gathered: an attribute may be made on access)
     for (const py::object& a : s.arrays) {
-      objects.push_back(a.ptr());
+      objects.push_back(a);
       py::object data = attribute(a.ptr(), kData);
       if (!data) continue;
-      objects.push_back(data.ptr());
       py::object mem = attribute(data.ptr(), kMem);
-      if (mem) objects.push_back(mem.ptr());
+      objects.push_back(std::move(data));
+      if (mem) objects.push_back(std::move(mem));
     }
-    std::sort(objects.begin(), objects.end());
-    objects.erase(std::unique(objects.begin(), objects.end()), objects.end());
-    for (PyObject* o : objects) s.watched.push_back(py::reinterpret_borrow<py::object>(o));
-    Set* slot = nullptr;
+    std::sort(objects.begin(), objects.end(), [](const py::object& a, const py::object& b) { return a.ptr() < b.ptr(); });
+    for (std::size_t k = 0; k < objects.size(); ++k)
+      if (k == 0 || objects[k].ptr() != objects[k - 1].ptr()) s.watched.push_back(objects[k]);
+    objects.clear();
+    for (const py::object& o : s.watched) s.baseline.push_back(Py_REFCNT(o.ptr()));
+    std::vector<py::object> handed = s.arrays;
+    Set replaced;
     if (sets_.size() < kSets) {
       sets_.push_back(std::move(s));
-      slot = &sets_.back();
     } else {
-      slot = &*std::min_element(sets_.begin(), sets_.end(),
-                                [](const Set& a, const Set& b) { return a.last_use < b.last_use; });
-      *slot = std::move(s);  // (the old set's arrays live on with whoever holds them)
+      Set& oldest = *std::min_element(sets_.begin(), sets_.end(),
+                                      [](const Set& a, const Set& b) { return a.last_use < b.last_use; });
+      replaced = std::move(oldest);
+      oldest = std::move(s);
     }
-    return *slot;
-  }
-
-  // Records the set's reference counts as those of "nobody else holds it": call once the caller's own
-  // temporaries (the allocating call's lists, the base pointers) are gone.
-  static void settle(Set& s) {
-    s.baseline.clear();
-    for (const py::object& o : s.watched) s.baseline.push_back(Py_REFCNT(o.ptr()));
+    return handed;  // (then `replaced` goes: its arrays live on with whoever holds them)
   }
 
  private:

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <exception>
 #include <stdexcept>
 
 #include "cuda/check.h"
@@ -35,7 +36,7 @@ namespace {
 thread_local DeviceGuard* innermost = nullptr;
 }  // namespace
 
-DeviceGuard::DeviceGuard() : outer_(innermost) {
+DeviceGuard::DeviceGuard() : outer_(innermost), unwinding_(std::uncaught_exceptions()) {
   if (cudaGetDevice(&saved_) != cudaSuccess) saved_ = -1;
   current_ = saved_;
   innermost = this;
@@ -43,7 +44,9 @@ DeviceGuard::DeviceGuard() : outer_(innermost) {
 
 DeviceGuard::~DeviceGuard() {
   innermost = outer_;
-  if (saved_ >= 0 && current_ != saved_) cudaSetDevice(saved_);
+  // On an error's unwinding the record is not trusted: a library call that failed may have left
+  // another device current (NCCL's group end skips its own restore when it fails).
+  if (saved_ >= 0 && (current_ != saved_ || std::uncaught_exceptions() > unwinding_)) cudaSetDevice(saved_);
 }
 
 cudaError_t set_device(int device) noexcept {

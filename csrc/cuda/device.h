@@ -27,7 +27,8 @@ void check_ordinal(int ordinal, const char* argument);
 // set_device(): it skips the switch to the device already current, so a
 // collective whose ranks all live on the caller's GPU makes no switch at all.
 // Library calls inside a guard must leave the device as they found it (the
-// CUDA libraries, cuBLAS and NCCL do).
+// CUDA libraries, cuBLAS and NCCL do when they succeed); on an error's
+// unwinding the guard restores the caller's device whatever its record says.
 class DeviceGuard {
  public:
   DeviceGuard();
@@ -40,6 +41,7 @@ class DeviceGuard {
   DeviceGuard* outer_;  // the guard this one is nested in (per thread)
   int saved_ = -1;      // the device at entry; -1 when cudaGetDevice failed
   int current_ = -1;    // the device current now, as this guard saw it set
+  int unwinding_;       // std::uncaught_exceptions() at entry: more at exit means an error is unwinding
 };
 
 // cudaSetDevice(device), or nothing when the innermost DeviceGuard of this

@@ -52,7 +52,7 @@ bool GradientPack::point_at(const std::vector<const void*>& src) {
   if (src.size() != dst_.size())
     throw std::invalid_argument("GradientPack: " + std::to_string(src.size()) + " sources for " +
                                 std::to_string(dst_.size()) + " destinations; pass one gradient per variable");
-  bool changed = !uploaded_once_;
+  bool changed = !device_matches_;
   for (std::size_t k = 0; k < src.size(); ++k) {
     if (entry_of_[k] < 0) continue;
     if (src[k] == nullptr) throw std::invalid_argument("GradientPack: src[" + std::to_string(k) + "] is null");
@@ -60,6 +60,7 @@ bool GradientPack::point_at(const std::vector<const void*>& src) {
   }
   if (!changed) return false;
   if (pending_) MIRRORED_CUDA_CHECK(cudaEventSynchronize(uploaded_));  // the last upload has read host_table_
+  device_matches_ = false;  // until the upload is queued (a failed one leaves the next call to upload)
   for (std::size_t k = 0; k < src.size(); ++k)
     if (entry_of_[k] >= 0) host_table_[entry_of_[k]].src = src[k];
   return true;
@@ -68,7 +69,7 @@ bool GradientPack::point_at(const std::vector<const void*>& src) {
 void GradientPack::upload(cudaStream_t stream) {
   MIRRORED_CUDA_CHECK(
       cudaMemcpyAsync(device_table_, host_table_, entries_ * sizeof(CopyEntry), cudaMemcpyHostToDevice, stream));
-  uploaded_once_ = true;
+  device_matches_ = true;
 }
 
 void GradientPack::copy(const std::vector<const void*>& src, cudaStream_t stream) {

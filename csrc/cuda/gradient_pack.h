@@ -54,7 +54,7 @@ class GradientPack {
   std::size_t slots_ = 0;             // 16-byte slots of all entries
   CopyEntry* host_table_ = nullptr;   // pinned, so the upload is asynchronous
   CopyEntry* device_table_ = nullptr;
-  bool uploaded_once_ = false;        // the device table holds the host table's sources
+  bool device_matches_ = false;       // the device table holds (or its queued upload gives) the host table's sources
   cudaEvent_t uploaded_ = nullptr;    // host_table_ may be rewritten once this completed
   cudaEvent_t used_ = nullptr;        // device_table_ may be rewritten after this (the last launch)
   bool pending_ = false;              // both events were recorded at least once

@@ -175,6 +175,36 @@ void check_misuse() {
   EXPECT(refused, "a source list of the wrong length is refused");
 }
 
+// A copy whose upload fails (here: a stream of another GPU) after the sources moved: the next copy
+// with the same sources uploads the table again rather than reading the one of the sources before.
+void check_failed_upload() {
+  sim::reset(2, {}, 3);
+  cudaStream_t on_other_gpu, s;
+  cudaSetDevice(1);
+  cudaStreamCreateWithFlags(&on_other_gpu, cudaStreamNonBlocking);
+  cudaSetDevice(0);
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  Gradients a(0), b(0);
+  Packed packed(0);
+  GradientPack pack(0, packed.dst, kBytes);
+  a.write(s, 1);
+  pack.copy(a.src(), s);
+  EXPECT(packed.holds(s, 1), "the first copy packs the gradients");
+  b.write(s, 2);
+  bool refused = false;
+  try {
+    pack.copy(b.src(), on_other_gpu);
+  } catch (const std::exception&) {
+    refused = true;
+  }
+  EXPECT(refused, "a copy on a stream of another GPU fails");
+  pack.copy(b.src(), s);
+  EXPECT(packed.holds(s, 2), "after a failed upload the next copy packs the new sources, not the old ones");
+  sim::drain();
+  cudaStreamDestroy(s);
+  cudaStreamDestroy(on_other_gpu);
+}
+
 }  // namespace
 
 int main() {
@@ -184,6 +214,7 @@ int main() {
     check_threads(seed);
   }
   check_misuse();
+  check_failed_upload();
   std::printf("GradientPack on the simulated runtime: %d failures\n", failures);
   return failures ? 1 : 0;
 }

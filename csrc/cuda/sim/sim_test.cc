@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cuda/cuda_ring.h"
+#include "cuda/device.h"
 #include "cuda/device_batch.h"
 #include "cuda/fused.h"
 #include "cuda/reduce_ops.cuh"
@@ -896,6 +897,46 @@ void check_nccl_capture() {
   }
 }
 
+// DeviceGuard puts the caller's device back, switching only when a call switched: on return, and
+// on an error's unwinding even where its record says nothing switched (a library call that fails,
+// as NCCL's group end does, may leave another device current without going through set_device).
+void check_device_guard() {
+  using mirrored::cuda::DeviceGuard;
+  using mirrored::cuda::set_device;
+  const auto current = [] {
+    int d = -1;
+    cudaGetDevice(&d);
+    return d;
+  };
+  cudaSetDevice(1);
+  {
+    DeviceGuard outer;
+    set_device(2);
+    {
+      DeviceGuard inner;
+      set_device(3);
+      set_device(3);
+    }
+    EXPECT(current() == 2, "an inner guard puts back its outer one's device, not %d", current());
+  }
+  EXPECT(current() == 1, "a guard puts back the caller's device, not %d", current());
+  sim::reset_counters();
+  { DeviceGuard same; set_device(1); }
+  EXPECT(sim::counters().calls["cudaSetDevice"] == 0, "a switch to the device already current is no call");
+  for (int inside : {1, 2}) {
+    try {
+      DeviceGuard guard;
+      set_device(inside);
+      cudaSetDevice(3);  // (a library call switching on its own, then failing)
+      throw std::runtime_error("a library call failed");
+    } catch (const std::runtime_error&) {
+    }
+    EXPECT(current() == 1, "after an error inside a guard (on %d) the caller's device 1 is current, not %d", inside,
+           current());
+  }
+  cudaSetDevice(0);
+}
+
 int main(int argc, char** argv) {
   sim::reset(4, {}, 1);
   check_fused_body<F16>(DType::kFloat16);
@@ -914,6 +955,7 @@ int main(int argc, char** argv) {
   check_multi_reduce_body<std::uint8_t>(DType::kUInt8);
   check_multi_reduce_body<std::int32_t>(DType::kInt32);
   check_multi_reduce_body<std::int64_t>(DType::kInt64);
+  check_device_guard();
   check_launch_counts();
   check_fused_gather();
   check_threads();
