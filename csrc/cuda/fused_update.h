@@ -7,10 +7,12 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <optional>
 #include <vector>
 
 #include "core/dtype.h"
 #include "core/optimizer_rules.h"
+#include "cuda/uploaded_table.h"
 
 namespace mirrored::cuda {
 
@@ -65,7 +67,6 @@ struct FusedVariable {
 class FusedUpdateTable {
  public:
   FusedUpdateTable(int device, DType dtype, const std::vector<FusedVariable>& variables);
-  ~FusedUpdateTable();
   FusedUpdateTable(const FusedUpdateTable&) = delete;
   FusedUpdateTable& operator=(const FusedUpdateTable&) = delete;
 
@@ -105,13 +106,9 @@ class FusedUpdateTable {
   std::size_t max_count_ = 0;
   std::size_t total_count_ = 0;
   std::vector<std::size_t> offsets_;  // each variable's first element in the packed gradients
-  void* host_table_ = nullptr;        // pinned, so the upload is asynchronous
-  void* device_table_ = nullptr;
-  const void* grads_ = nullptr;    // the packed gradients the device table points at
-  cudaEvent_t uploaded_ = nullptr;  // host_table_ may be rewritten once this completed
-  cudaEvent_t used_ = nullptr;      // device_table_ may be rewritten after this (the last launch)
-  bool pending_ = false;            // both events were recorded at least once
-  bool captured_ = false;           // apply_captured was called: the table belongs to a graph
+  std::optional<UploadedTable> table_;  // entries_ FusedEntry<dtype_>; made once the device is current
+  const void* grads_ = nullptr;         // the packed gradients the device table points at
+  bool captured_ = false;               // apply_captured was called: the table belongs to a graph
 };
 
 }  // namespace mirrored::cuda

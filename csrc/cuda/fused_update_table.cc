@@ -52,31 +52,17 @@ FusedUpdateTable::FusedUpdateTable(int device, DType dtype, const std::vector<Fu
   DeviceGuard guard;
   MIRRORED_CUDA_CHECK(set_device(device));
   MIRRORED_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device));
-  const std::size_t bytes = std::max<std::size_t>(1, variables.size()) * entry_bytes_;
-  MIRRORED_CUDA_CHECK(cudaMallocHost(&host_table_, bytes));
-  MIRRORED_CUDA_CHECK(cudaMalloc(&device_table_, bytes));
-  MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&uploaded_, cudaEventDisableTiming));
-  MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&used_, cudaEventDisableTiming));
+  table_.emplace(device, std::max<std::size_t>(1, variables.size()) * entry_bytes_);
   if (dtype == DType::kFloat32) {
-    fill<float>(host_table_, variables);
+    fill<float>(table_->host(), variables);
   } else {
-    fill<double>(host_table_, variables);
+    fill<double>(table_->host(), variables);
   }
-}
-
-FusedUpdateTable::~FusedUpdateTable() {
-  DeviceGuard guard;
-  if (set_device(device_) != cudaSuccess) return;
-  if (pending_) cudaEventSynchronize(used_);  // the last launch reads the table
-  cudaFree(device_table_);
-  cudaFreeHost(host_table_);
-  cudaEventDestroy(uploaded_);
-  cudaEventDestroy(used_);
 }
 
 template <typename T>
 void FusedUpdateTable::point_grads_at(const void* grads) {
-  auto* table = static_cast<rules::FusedEntry<T>*>(host_table_);
+  auto* table = static_cast<rules::FusedEntry<T>*>(table_->host());
   const T* base = static_cast<const T*>(grads);
   for (int k = 0; k < entries_; ++k) table[k].grad = base + offsets_[k];
 }
@@ -88,13 +74,13 @@ void FusedUpdateTable::launch(rules::Rule rule, const std::vector<double>& coeff
   for (std::size_t j = 0; j < coefficients.size(); ++j) s.c[j] = static_cast<T>(coefficients[j]);
   s.weight_decay = static_cast<T>(weight_decay);
   s.lr = static_cast<T>(lr);
-  fused_update(rule, dtype_, device_table_, entries_, max_count_, &s, sms_, stream, gate);
+  fused_update(rule, dtype_, table_->device(), entries_, max_count_, &s, sms_, stream, gate);
 }
 
 void FusedUpdateTable::apply_captured(rules::Rule rule, const void* grads, const void* device_scalars,
                                       int coefficients, cudaStream_t stream, LossScaleGate gate) {
   if (coefficients > rules::kMaxCoefficients) throw std::invalid_argument("fused_update: too many coefficients");
-  if (pending_ || (captured_ && grads != grads_))
+  if (table_->pending() || (captured_ && grads != grads_))
     throw std::logic_error("fused_update: a captured table serves one capture (make a new table for another)");
   if (entries_ == 0 || max_count_ == 0) return;
   if (dtype_ == DType::kFloat32) {
@@ -104,9 +90,8 @@ void FusedUpdateTable::apply_captured(rules::Rule rule, const void* grads, const
   }
   grads_ = grads;
   captured_ = true;
-  MIRRORED_CUDA_CHECK(cudaMemcpyAsync(device_table_, host_table_, entries_ * entry_bytes_, cudaMemcpyHostToDevice,
-                                      stream));
-  fused_update_from_device(rule, dtype_, device_table_, entries_, max_count_, device_scalars, coefficients, sms_,
+  table_->upload_captured(entries_ * entry_bytes_, stream);
+  fused_update_from_device(rule, dtype_, table_->device(), entries_, max_count_, device_scalars, coefficients, sms_,
                            stream, gate);
 }
 
@@ -121,16 +106,13 @@ void FusedUpdateTable::apply(rules::Rule rule, const void* grads, const std::vec
     throw std::invalid_argument("fused_update: too many coefficients");
   if (entries_ == 0 || max_count_ == 0) return;
   if (grads != grads_) {
-    if (pending_) MIRRORED_CUDA_CHECK(cudaEventSynchronize(uploaded_));  // the last upload has read host_table_
+    table_->wait_uploaded();
     if (dtype_ == DType::kFloat32) {
       point_grads_at<float>(grads);
     } else {
       point_grads_at<double>(grads);
     }
-    if (pending_) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(stream, used_, 0));  // the last launch read the table
-    MIRRORED_CUDA_CHECK(cudaMemcpyAsync(device_table_, host_table_, entries_ * entry_bytes_, cudaMemcpyHostToDevice,
-                                        stream));
-    MIRRORED_CUDA_CHECK(cudaEventRecord(uploaded_, stream));
+    table_->upload(entries_ * entry_bytes_, stream);
     grads_ = grads;
   }
   if (dtype_ == DType::kFloat32) {
@@ -138,8 +120,7 @@ void FusedUpdateTable::apply(rules::Rule rule, const void* grads, const std::vec
   } else {
     launch<double>(rule, coefficients, weight_decay, lr, stream, gate);
   }
-  MIRRORED_CUDA_CHECK(cudaEventRecord(used_, stream));
-  pending_ = true;
+  table_->used_by(stream);
 }
 
 }  // namespace mirrored::cuda

@@ -13,9 +13,11 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <optional>
 #include <vector>
 
 #include "cuda/fused.h"
+#include "cuda/uploaded_table.h"
 
 namespace mirrored::cuda {
 
@@ -23,7 +25,6 @@ class GradientPack {
  public:
   // dst[k]: where gradient k goes on `device`, bytes[k] long (0: skipped).
   GradientPack(int device, const std::vector<void*>& dst, const std::vector<std::size_t>& bytes);
-  ~GradientPack();
   GradientPack(const GradientPack&) = delete;
   GradientPack& operator=(const GradientPack&) = delete;
 
@@ -43,7 +44,7 @@ class GradientPack {
  private:
   // Points the host table at `src`; whether any source changed.
   bool point_at(const std::vector<const void*>& src);
-  void upload(cudaStream_t stream);
+  CopyEntry* host_table() const;
 
   int device_;
   int sms_ = 1;
@@ -52,12 +53,8 @@ class GradientPack {
   std::vector<int> entry_of_;         // gradient k's entry in the table, or -1 (0 bytes)
   int entries_ = 0;                   // non-empty copies
   std::size_t slots_ = 0;             // 16-byte slots of all entries
-  CopyEntry* host_table_ = nullptr;   // pinned, so the upload is asynchronous
-  CopyEntry* device_table_ = nullptr;
+  std::optional<UploadedTable> table_;  // entries_ CopyEntry; made once entries_ is counted
   bool device_matches_ = false;       // the device table holds (or its queued upload gives) the host table's sources
-  cudaEvent_t uploaded_ = nullptr;    // host_table_ may be rewritten once this completed
-  cudaEvent_t used_ = nullptr;        // device_table_ may be rewritten after this (the last launch)
-  bool pending_ = false;              // both events were recorded at least once
   bool captured_ = false;             // copy_captured was called: the pack belongs to a graph
 };
 
