@@ -80,3 +80,20 @@ def assert_reduced(results, inputs, op):
     for result in results:
         err = np.abs(result.astype(np.float64) - ref)
         assert np.all(err <= tol), f"max error {err.max()} (tolerance {tol.flat[np.argmax(err - tol)]})"
+
+
+_NP_OPS = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
+
+
+def batch_reference(host, op):
+    """What every replica must hold after batch_all_reduce of ``host`` (host[replica][tensor]): per
+    tensor, the replicas' reduction in its dtype (an integer mean: float64, as TensorFlow's MEAN)."""
+    out = []
+    for t in range(len(host[0])):
+        stacked = np.stack([row[t] for row in host])
+        if op == "mean":
+            dtype = np.float64 if stacked.dtype.kind in "iu" else stacked.dtype
+            out.append((np.sum(stacked, axis=0, dtype=stacked.dtype) / len(host)).astype(dtype))
+        else:
+            out.append(_NP_OPS[op](stacked, axis=0).astype(stacked.dtype))
+    return out

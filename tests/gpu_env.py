@@ -15,9 +15,12 @@ import contextlib
 import os
 import sys
 
+import numpy as np
 import pytest
 
-from mirrored.device import config, engine
+import mirrored
+from collective_reference import batch_reference
+from mirrored.device import config, device_util, engine
 
 SIM_DEVICES = 2
 SIM_PEERS = [(a, b) for a in range(SIM_DEVICES) for b in range(SIM_DEVICES) if a != b]
@@ -85,6 +88,39 @@ def gpu_pair(kind: str = "logical"):
         yield [0, 0]
     finally:
         config.set_logical_device_configuration("GPU:0", None)
+
+
+@contextlib.contextmanager
+def mirrored_strategy(replicas: int, one_gpu: bool = True):
+    """A MirroredStrategy over ``replicas`` logical GPUs on GPU 0 (the native engine), or one replica per GPU
+    (NCCL), for a block; GPU 0's logical split is undone after it."""
+    if one_gpu:
+        config.set_logical_device_configuration("GPU", 0, count=replicas)
+    try:
+        yield mirrored.MirroredStrategy([f"/gpu:{i}" for i in range(replicas)])
+    finally:
+        config.set_logical_device_configuration("GPU:0", None)
+
+
+def replica_batches(strategy, step: int, *data):
+    """Step ``step``'s batch of each array in ``data`` (shaped step, global batch, ...): per array, a
+    PerReplica of each replica's slice of that batch, on its GPU."""
+    devices = strategy.extended.worker_devices
+    per = data[0].shape[1] // len(devices)
+    return tuple(mirrored.PerReplica([device_util.place(d[step, r * per:(r + 1) * per], device)
+                                      for r, device in enumerate(devices)], devices)
+                 for d in data)
+
+
+def check_batch(out, host, op, devices):
+    """``out`` (out[replica][tensor], CuPy arrays) is batch_reference(host, op) on each replica's device."""
+    want = batch_reference(host, op)
+    assert len(out) == len(devices)
+    for row, device in zip(out, devices):
+        assert len(row) == len(want)
+        for got, w in zip(row, want):
+            assert got.dtype == w.dtype and got.shape == w.shape and got.data.device_id == device
+            np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float64), w.astype(np.float64), rtol=2e-3)
 
 
 def launches_and_ops(call):

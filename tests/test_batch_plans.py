@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from gpu_env import NGPU, SIMULATED, SKIP_REASON, cupy, launches_and_ops
+from gpu_env import NGPU, SIMULATED, SKIP_REASON, check_batch, cupy, launches_and_ops
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
@@ -21,7 +21,6 @@ from mirrored.collective import cuda as cc, plan as face  # noqa: E402
 # Replicas sharing GPU 0, and spread over two GPUs where there are two (always on the simulator).
 DEVICE_SETS = [s for s in [(0, 0), (0, 1), (0, 1, 0, 1)] if max(s) < NGPU]
 TWO = (0, 1) if NGPU > 1 else (0, 0)
-NP_OPS = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
 
 
 def on(device, host):
@@ -33,29 +32,6 @@ def make_batch(devices, sizes, dtypes, seed=0):
     rng = np.random.default_rng(seed)
     host = [[rng.integers(-3, 4, size).astype(dtype) for size, dtype in zip(sizes, dtypes)] for _ in devices]
     return host, [[on(d, x) for x in row] for d, row in zip(devices, host)]
-
-
-def expected(host, op):
-    n = len(host)
-    out = []
-    for t in range(len(host[0])):
-        stacked = np.stack([row[t] for row in host])
-        if op == "mean":
-            dtype = np.float64 if stacked.dtype.kind in "iu" else stacked.dtype
-            out.append((np.sum(stacked, axis=0, dtype=stacked.dtype) / n).astype(dtype))
-        else:
-            out.append(NP_OPS[op](stacked, axis=0).astype(stacked.dtype))
-    return out
-
-
-def check(out, host, op, devices):
-    want = expected(host, op)
-    assert len(out) == len(devices)
-    for row, device in zip(out, devices):
-        for got, w in zip(row, want):
-            assert got.dtype == w.dtype and got.shape == w.shape
-            assert got.data.device_id == device
-            np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float64), w.astype(np.float64), rtol=2e-3)
 
 
 def mirrored_steps(call):
@@ -95,10 +71,10 @@ def test_a_repeated_batch_takes_the_same_python_steps_and_driver_calls_for_10_an
         sizes = rng.integers(0, 300, count)
         dtypes = [np.float32 if t % 3 else np.float64 for t in range(count)]
         host, lists = make_batch(devices, sizes, dtypes, seed=count)
-        check(collectives.batch_all_reduce(lists, "sum"), host, "sum", devices)  # plans it
+        check_batch(collectives.batch_all_reduce(lists, "sum"), host, "sum", devices)  # plans it
         assert isinstance(face.lookup_batch(("sum", 0, None, "auto", 0), lists), cc.BatchPlan)
         steps[count], out = mirrored_steps(lambda: collectives.batch_all_reduce(lists, "sum"))
-        check(out, host, "sum", devices)
+        check_batch(out, host, "sum", devices)
         driver[count] = counted(lambda: collectives.batch_all_reduce(lists, "sum"))
     assert steps[10] == steps[200], steps
     assert steps[200] <= 30, steps  # the face, the plan's check and run, a few per GPU; none per tensor
@@ -115,31 +91,31 @@ def test_planned_batches_match_numpy_across_ops_dtypes_and_packing(devices, op, 
         dtypes = [np.float32, np.float64, np.float16, np.float32, np.float32, np.float64, np.float32]
     for seed in range(3):  # the first call plans; the others run the plan on new arrays
         host, lists = make_batch(devices, sizes, dtypes, seed)
-        check(collectives.batch_all_reduce(lists, op, **packing), host, op, devices)
+        check_batch(collectives.batch_all_reduce(lists, op, **packing), host, op, devices)
 
 
 def test_integer_mean_of_a_batch_is_float64_every_time():
     devices = TWO
     for seed in range(3):
         host, lists = make_batch(devices, [4, 9], [np.int32, np.int64], seed)
-        check(collectives.batch_all_reduce(lists, "mean"), host, "mean", devices)
+        check_batch(collectives.batch_all_reduce(lists, "mean"), host, "mean", devices)
 
 
 def test_a_call_that_no_longer_fits_the_plan_is_validated_afresh():
     devices = TWO
     sizes, dtypes = [6, 8, 10], [np.float32] * 3
     host, lists = make_batch(devices, sizes, dtypes)
-    check(collectives.batch_all_reduce(lists, "sum"), host, "sum", devices)
+    check_batch(collectives.batch_all_reduce(lists, "sum"), host, "sum", devices)
 
     # another dtype for tensor 1 (the signature names tensor 0 only)
     host, lists = make_batch(devices, sizes, [np.float32, np.float64, np.float32], seed=1)
-    check(collectives.batch_all_reduce(lists, "sum"), host, "sum", devices)
+    check_batch(collectives.batch_all_reduce(lists, "sum"), host, "sum", devices)
 
     # a strided view for tensor 2: converted, still right
     host, lists = make_batch(devices, [6, 8, 20], dtypes, seed=2)
     strided = [[row[0], row[1], row[2][::2]] for row in lists]
     want_host = [[row[0], row[1], row[2][::2]] for row in host]
-    check(collectives.batch_all_reduce(strided, "sum"), want_host, "sum", devices)
+    check_batch(collectives.batch_all_reduce(strided, "sum"), want_host, "sum", devices)
 
     # one replica's tensor on the other replica's GPU: refused, naming the tensor (where there are two GPUs)
     if devices[0] != devices[1]:
@@ -155,4 +131,4 @@ def test_a_call_that_no_longer_fits_the_plan_is_validated_afresh():
 
     # and the plan still serves the batch it was made for
     host, lists = make_batch(devices, sizes, dtypes, seed=5)
-    check(collectives.batch_all_reduce(lists, "sum"), host, "sum", devices)
+    check_batch(collectives.batch_all_reduce(lists, "sum"), host, "sum", devices)

@@ -21,13 +21,6 @@ _X = _rng.standard_normal((10, 8, 6)).astype(np.float32)  # (step, global batch,
 _Y = _rng.standard_normal((10, 8, 3)).astype(np.float32)
 
 
-def _gpu_strategy(replicas, one_gpu=True):
-    """``replicas`` logical GPUs on GPU 0 (the native engine), or one replica per GPU (NCCL)."""
-    if one_gpu:
-        md.config.set_logical_device_configuration("GPU", 0, count=replicas)
-    return md.MirroredStrategy([f"/gpu:{i}" for i in range(replicas)])
-
-
 def _model(strategy, optimizer):
     with strategy.scope():
         w, b = md.Variable(_W0), md.Variable(_B0)
@@ -55,20 +48,8 @@ def _captured_and_eager(strategy, optimizer="sgd"):
     return (w, b), w_eager, md.function(_step_fn(w, b, opt)), _step_fn(w_eager, b_eager, opt_eager)
 
 
-def _batches(strategy, replicas, s):
-    """Step s's batch: each replica's slice, on its GPU."""
-    per = _X.shape[1] // replicas
-
-    def part(data):
-        return md.PerReplica([md.device_util.place(data[s, r * per:(r + 1) * per], d)
-                              for r, d in enumerate(strategy.extended.worker_devices)],
-                             strategy.extended.worker_devices)
-    return part(_X), part(_Y)
-
-
 def _train(replicas, optimizer, captured, steps=10, one_gpu=True, assign_at=None):
-    strategy = _gpu_strategy(replicas, one_gpu)
-    try:
+    with gpu_env.mirrored_strategy(replicas, one_gpu) as strategy:
         w, b, opt = _model(strategy, optimizer)
         step = _step_fn(w, b, opt)
         run = md.function(step) if captured else step
@@ -76,12 +57,10 @@ def _train(replicas, optimizer, captured, steps=10, one_gpu=True, assign_at=None
         for s in range(steps):
             if assign_at is not None and s == assign_at[0]:
                 opt.iterations.assign(assign_at[1])
-            x, y = _batches(strategy, replicas, s)
+            x, y = gpu_env.replica_batches(strategy, s, _X, _Y)
             loss = strategy.run(run, args=(x, y))
             losses.append(strategy.reduce(md.ReduceOp.SUM, loss, axis=None))
         return [c.numpy() for v in (w, b) for c in v.values], losses, opt
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
 
 
 @pytest.mark.gpu
@@ -145,13 +124,12 @@ def test_on_two_gpus_each_gpu_replays_its_own_graph_with_nccl_inside(optimizer):
 def test_a_replay_is_one_graph_launch_per_gpu_and_no_kernel_launch(one_gpu):
     if not gpu_env.SIMULATED:
         pytest.skip("launches are counted by the simulated CUDA runtime (run under nsys on a GPU)")
-    strategy = _gpu_strategy(2, one_gpu)
-    try:
+    with gpu_env.mirrored_strategy(2, one_gpu) as strategy:
         w, b, opt = _model(strategy, "adam")
         run = md.function(_step_fn(w, b, opt))
         for s in range(2):  # warm-up and capture, then the first replay
-            strategy.run(run, args=_batches(strategy, 2, s))
-        x, y = _batches(strategy, 2, 2)
+            strategy.run(run, args=gpu_env.replica_batches(strategy, s, _X, _Y))
+        x, y = gpu_env.replica_batches(strategy, 2, _X, _Y)
         cupy.sim.drain()
         cupy.sim.reset_counters()
         strategy.run(run, args=(x, y))
@@ -160,14 +138,11 @@ def test_a_replay_is_one_graph_launch_per_gpu_and_no_kernel_launch(one_gpu):
         assert sum(counted["launches"].values()) == 0 and sum(counted["kernels"].values()) == 0
         assert sum(counted["blas"].values()) == 0  # the step's cuBLAS products are inside the graphs
         assert run.experimental_get_tracing_count() == 1
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
 
 
 @pytest.mark.gpu
 def test_a_new_batch_shape_captures_again_and_each_signature_replays_its_own_graph():
-    strategy = _gpu_strategy(1)
-    try:
+    with gpu_env.mirrored_strategy(1) as strategy:
         (w, b), w_eager, run, step = _captured_and_eager(strategy)
         for rows in (8, 8, 5, 5, 8, 5):
             x, y = (md.device_util.place(a[0, :rows], "/gpu:0") for a in (_X, _Y))
@@ -176,14 +151,11 @@ def test_a_new_batch_shape_captures_again_and_each_signature_replays_its_own_gra
             assert got == want
         assert run.experimental_get_tracing_count() == 2
         np.testing.assert_array_equal(w.numpy(), w_eager.numpy())
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
 
 
 @pytest.mark.gpu
 def test_a_step_that_waits_for_the_gpu_runs_eagerly_and_the_warning_names_the_operation():
-    strategy = _gpu_strategy(1)
-    try:
+    with gpu_env.mirrored_strategy(1) as strategy:
         w, b, opt = _model(strategy, "sgd")
         inner = _step_fn(w, b, opt)
 
@@ -194,12 +166,10 @@ def test_a_step_that_waits_for_the_gpu_runs_eagerly_and_the_warning_names_the_op
         run = md.function(step)
         with pytest.warns(EagerFallbackWarning,
                           match=r"(cudaStreamSynchronize|D2H transfers are disallowed).*float\(loss\)"):
-            first = [strategy.run(run, args=_batches(strategy, 1, s)) for s in range(2)]
-        losses = first + [strategy.run(run, args=_batches(strategy, 1, s)) for s in range(2, 4)]
+            first = [strategy.run(run, args=gpu_env.replica_batches(strategy, s, _X, _Y)) for s in range(2)]
+        losses = first + [strategy.run(run, args=gpu_env.replica_batches(strategy, s, _X, _Y)) for s in range(2, 4)]
         assert all(isinstance(v, float) for v in losses)
         assert int(opt.iterations.numpy()) == 4  # the failed capture took no step of its own
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
 
 
 def test_on_a_cpu_strategy_it_runs_eagerly_and_warns_once(two):
@@ -238,8 +208,7 @@ def test_an_iterator_argument_gives_one_batch_per_call_into_the_captured_buffers
     """TF's pattern: @function def train_step(iterator): strategy.run(step, args=(next(iterator),))."""
     results = {}
     for captured in (False, True):
-        strategy = _gpu_strategy(2)
-        try:
+        with gpu_env.mirrored_strategy(2) as strategy:
             w, b, opt = _model(strategy, "adam")
             step = _step_fn(w, b, opt)
             dataset = md.data.Dataset.from_tensor_slices((_X.reshape(-1, 6), _Y.reshape(-1, 3))).batch(
@@ -253,8 +222,6 @@ def test_an_iterator_argument_gives_one_batch_per_call_into_the_captured_buffers
             run = md.function(train_step) if captured else train_step
             losses = [float(run(iterator)) for _ in range(6)]
             results[captured] = losses, [c.numpy() for c in w.values]
-        finally:
-            md.config.set_logical_device_configuration("GPU:0", None)
     assert results[True][0] == results[False][0]
     for got, want in zip(results[True][1], results[False][1]):
         np.testing.assert_array_equal(got, want)
@@ -262,8 +229,7 @@ def test_an_iterator_argument_gives_one_batch_per_call_into_the_captured_buffers
 
 @pytest.mark.gpu
 def test_results_are_the_captured_arrays_which_the_next_replay_overwrites():
-    strategy = _gpu_strategy(1)
-    try:
+    with gpu_env.mirrored_strategy(1) as strategy:
         @md.function
         def double(x):
             return strategy.run(lambda v: v * 2, args=(x,))
@@ -276,16 +242,13 @@ def test_results_are_the_captured_arrays_which_the_next_replay_overwrites():
         np.testing.assert_array_equal(cupy.asnumpy(first[2]), [10.0, 10.0, 10.0])
         np.testing.assert_array_equal(kept, [4.0, 4.0, 4.0])
         np.testing.assert_array_equal(cupy.asnumpy(first[0]), [0.0, 0.0, 0.0])  # the warm-up's own result
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
 
 
 @pytest.mark.gpu
 def test_new_signatures_are_bounded_and_frequent_retracing_is_logged(caplog):
     from mirrored.distribute import function as function_module
 
-    strategy = _gpu_strategy(1)
-    try:
+    with gpu_env.mirrored_strategy(1) as strategy:
         run = md.function(lambda x: strategy.run(lambda v: v + 1, args=(x,)))
         sizes = range(1, function_module.MAX_SIGNATURES + 3)
         with caplog.at_level("WARNING", logger="mirrored"):
@@ -298,26 +261,21 @@ def test_new_signatures_are_bounded_and_frequent_retracing_is_logged(caplog):
         out = run(cupy.full(1, 7.0, np.float32))  # the oldest signature went: captured again
         np.testing.assert_array_equal(cupy.asnumpy(out), [8.0])
         assert run.experimental_get_tracing_count() == len(sizes) + 1
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
 
 
 @pytest.mark.gpu
 def test_a_variable_moved_between_calls_by_copy_on_write_is_captured_again():
-    strategy = _gpu_strategy(1)
-    try:
+    with gpu_env.mirrored_strategy(1) as strategy:
         (w, b), w_eager, run, step = _captured_and_eager(strategy)
         held = []
         for s in range(5):
             for fn in (run, step):
-                strategy.run(fn, args=_batches(strategy, 1, s))
+                strategy.run(fn, args=gpu_env.replica_batches(strategy, s, _X, _Y))
             if s == 2:  # arrays read now keep their values: the next updates move w and b to new buffers
                 held = [cupy.asnumpy(w.values[0].read_value()), w.values[0].read_value(), b.values[0].read_value()]
         np.testing.assert_array_equal(w.numpy(), w_eager.numpy())
         np.testing.assert_array_equal(cupy.asnumpy(held[1]), held[0])  # the held array never changed
         assert run.experimental_get_tracing_count() == 2
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
 
 
 @pytest.mark.gpu
@@ -340,8 +298,7 @@ def test_a_plain_cupy_step_without_a_strategy_is_captured_too():
 
 @pytest.mark.gpu
 def test_a_step_that_holds_a_read_across_the_update_runs_eagerly_naming_the_variable():
-    strategy = _gpu_strategy(1)
-    try:
+    with gpu_env.mirrored_strategy(1) as strategy:
         with strategy.scope():
             w = md.Variable(_W0, name="kernel")
             opt = md.optimizers.SGD(0.1)
@@ -356,14 +313,11 @@ def test_a_step_that_holds_a_read_across_the_update_runs_eagerly_naming_the_vari
         with pytest.warns(EagerFallbackWarning, match="variable 'kernel:0'.*copy-on-write"):
             sums = [float(strategy.run(run, args=(x,))) for _ in range(3)]
         assert len(set(sums)) == 3  # every call stepped, eagerly
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
 
 
 @pytest.mark.gpu
 def test_a_step_that_calls_cupys_cublas_runs_eagerly_and_the_warning_names_md_linalg_matmul():
-    strategy = _gpu_strategy(1)
-    try:
+    with gpu_env.mirrored_strategy(1) as strategy:
         w, b, opt = _model(strategy, "sgd")
 
         def step(x, y):
@@ -373,32 +327,27 @@ def test_a_step_that_calls_cupys_cublas_runs_eagerly_and_the_warning_names_md_li
         run = md.function(step)
         with pytest.warns(EagerFallbackWarning, match=r"cuBLAS.*x @ w\.read_value\(\).*md\.linalg\.matmul"):
             for s in range(3):
-                strategy.run(run, args=_batches(strategy, 1, s))
+                strategy.run(run, args=gpu_env.replica_batches(strategy, s, _X, _Y))
         assert int(opt.iterations.numpy()) == 3
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
 
 
 @pytest.mark.gpu
 def test_the_captured_products_run_on_mirroreds_cublas_at_each_replay():
-    strategy = _gpu_strategy(1)
-    try:
+    with gpu_env.mirrored_strategy(1) as strategy:
         (w, b), w_eager, run, step = _captured_and_eager(strategy)
         for s in range(3):  # warm-up, capture, replays
             for fn in (run, step):
-                strategy.run(fn, args=_batches(strategy, 1, s))
+                strategy.run(fn, args=gpu_env.replica_batches(strategy, s, _X, _Y))
         np.testing.assert_array_equal(w.numpy(), w_eager.numpy())
         if gpu_env.SIMULATED:  # two products a step, run from the graph: none queued from Python
             cupy.sim.drain()
             cupy.sim.reset_counters()
-            strategy.run(step, args=_batches(strategy, 1, 3))
+            strategy.run(step, args=gpu_env.replica_batches(strategy, 3, _X, _Y))
             assert cupy.sim.counters()["blas"] == {0: 2}
             cupy.sim.drain()
             cupy.sim.reset_counters()
-            strategy.run(run, args=_batches(strategy, 1, 3))
+            strategy.run(run, args=gpu_env.replica_batches(strategy, 3, _X, _Y))
             assert not cupy.sim.counters()["blas"] and cupy.sim.counters()["graph_launches"] == {0: 1}
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
 
 
 # A deep ReLU network of bench/train_step.py's kind, small: 2 * _LAYERS parameter tensors (more than the
@@ -448,8 +397,7 @@ def _deep_step(params, opt, global_batch):
 
 
 def _train_deep(replicas, optimizer, captured, steps=4):
-    strategy = _gpu_strategy(replicas)
-    try:
+    with gpu_env.mirrored_strategy(replicas) as strategy:
         params, opt = _deep_variables(strategy, optimizer)
         step = _deep_step(params, opt, global_batch=8)
         run = md.function(step) if captured else step
@@ -466,8 +414,6 @@ def _train_deep(replicas, optimizer, captured, steps=4):
                                      strategy.extended.worker_devices)
             losses.append(strategy.reduce(md.ReduceOp.SUM, strategy.run(run, args=(part(x), part(y))), axis=None))
         return [c.numpy() for p in params for c in p.values], losses, run
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
 
 
 @pytest.mark.gpu
@@ -490,8 +436,7 @@ def test_a_step_over_many_parameters_is_captured_and_gives_the_eager_steps_bits(
 def test_compute_average_loss_in_a_captured_step_captures_and_gives_the_eager_values(replicas):
     """md.nn.compute_average_loss divides by a NumPy scalar: no host-to-device copy inside the step."""
     def train(captured):
-        strategy = _gpu_strategy(replicas)
-        try:
+        with gpu_env.mirrored_strategy(replicas) as strategy:
             w, b, opt = _model(strategy, "sgd")
             inner = _step_fn(w, b, opt)
 
@@ -500,11 +445,10 @@ def test_compute_average_loss_in_a_captured_step_captures_and_gives_the_eager_va
                 return md.nn.compute_average_loss(cupy.sum(x * x, axis=1), global_batch_size=8)
 
             run = md.function(step) if captured else step
-            losses = [strategy.reduce(md.ReduceOp.SUM, strategy.run(run, args=_batches(strategy, replicas, s)),
-                                      axis=None) for s in range(4)]
+            losses = [strategy.reduce(md.ReduceOp.SUM,
+                                      strategy.run(run, args=gpu_env.replica_batches(strategy, s, _X, _Y)), axis=None)
+                      for s in range(4)]
             return [float(v) for v in losses], w.numpy(), run
-        finally:
-            md.config.set_logical_device_configuration("GPU:0", None)
 
     eager_losses, eager_w, _ = train(False)
     losses, w, run = train(True)
@@ -515,8 +459,7 @@ def test_compute_average_loss_in_a_captured_step_captures_and_gives_the_eager_va
 
 @pytest.mark.gpu
 def test_a_step_that_uploads_host_data_runs_eagerly_and_the_warning_says_to_pass_it_in():
-    strategy = _gpu_strategy(1)
-    try:
+    with gpu_env.mirrored_strategy(1) as strategy:
         w, b, opt = _model(strategy, "sgd")
         inner = _step_fn(w, b, opt)
         offset = np.ones(3, np.float32)
@@ -528,18 +471,15 @@ def test_a_step_that_uploads_host_data_runs_eagerly_and_the_warning_says_to_pass
         with pytest.warns(EagerFallbackWarning, match=r"H2D transfers are disallowed.*cupy\.asarray\(offset\).*"
                                                       r"make such arrays before the step and pass them in"):
             for s in range(3):
-                strategy.run(run, args=_batches(strategy, 1, s))
+                strategy.run(run, args=gpu_env.replica_batches(strategy, s, _X, _Y))
         assert int(opt.iterations.numpy()) == 3
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
 
 
 @pytest.mark.gpu
 def test_a_keras2_loss_scaled_step_runs_eagerly_and_the_warning_names_the_loss_scale_optimizer():
     # Keras 2's get_unscaled_gradients divides by the scale on the host (a loss-scaled step that calls
     # apply_gradients with the scaled gradients captures: tests/test_mixed_precision_device.py).
-    strategy = _gpu_strategy(1)
-    try:
+    with gpu_env.mirrored_strategy(1) as strategy:
         with strategy.scope():
             w, b = md.Variable(_W0), md.Variable(_B0)
             opt = md.mixed_precision.LossScaleOptimizer(md.optimizers.SGD(0.1))
@@ -553,7 +493,5 @@ def test_a_keras2_loss_scaled_step_runs_eagerly_and_the_warning_names_the_loss_s
         with pytest.warns(EagerFallbackWarning,
                           match=r"get_unscaled_gradients\(.*LossScaleOptimizer read its loss scale on the host"):
             for s in range(3):
-                strategy.run(run, args=_batches(strategy, 1, s))
+                strategy.run(run, args=gpu_env.replica_batches(strategy, s, _X, _Y))
         assert int(opt.iterations.numpy()) == 3
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)

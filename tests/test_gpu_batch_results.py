@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gpu_env import NGPU, SIMULATED, SKIP_REASON, cupy
+from collective_reference import batch_reference
+from gpu_env import NGPU, SIMULATED, SKIP_REASON, check_batch, cupy
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
@@ -21,7 +22,6 @@ from mirrored.collective import cuda as cc  # noqa: E402
 from mirrored.device.dtypes import dtype_code, op_code  # noqa: E402
 
 DTYPES = [np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64]
-NP_OPS = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
 
 
 def on(device, host, offset=0):
@@ -41,27 +41,6 @@ def make(devices, sizes, dtypes, seed, offsets=None):
     return host, [[on(d, x, o) for x, o in zip(row, offsets)] for d, row in zip(devices, host)]
 
 
-def want(host, op):
-    out = []
-    for t in range(len(host[0])):
-        stacked = np.stack([row[t] for row in host])
-        if op == "mean":
-            out.append((np.sum(stacked, axis=0, dtype=stacked.dtype) / len(host)).astype(stacked.dtype))
-        else:
-            out.append(NP_OPS[op](stacked, axis=0).astype(stacked.dtype))
-    return out
-
-
-def check(out, host, op, devices):
-    expected = want(host, op)
-    assert len(out) == len(devices)
-    for row, device in zip(out, devices):
-        assert len(row) == len(expected)
-        for got, w in zip(row, expected):
-            assert got.dtype == w.dtype and got.shape == w.shape and got.data.device_id == device
-            np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float64), w.astype(np.float64), rtol=2e-3)
-
-
 # --- one pass on a shared GPU, and the pack path across GPUs -------------------------------
 
 DEVICE_SETS = [(0,) * n for n in range(1, 9)] + ([(0, 1), (0, 1, 1, 0)] if NGPU > 1 else [])
@@ -78,7 +57,7 @@ def test_batches_match_numpy_for_every_dtype_size_and_alignment(devices, op):
         dtypes = [(np.float32, np.float64, np.float16)[t % 3] for t in range(len(sizes))]
     for seed in range(2):  # the planning call, then the plan
         host, lists = make(devices, sizes, dtypes, seed, offsets)
-        check(collectives.batch_all_reduce(lists, op), host, op, devices)
+        check_batch(collectives.batch_all_reduce(lists, op), host, op, devices)
 
 
 @settings(max_examples=25, deadline=None)
@@ -89,7 +68,7 @@ def test_any_batch_on_one_gpu_matches_numpy(n, sizes, dtype, op, seed):
     rng = np.random.default_rng(seed)
     offsets = [int(rng.integers(0, 4)) for _ in sizes]
     host, lists = make(devices, sizes, [dtype] * len(sizes), seed, offsets)
-    check(collectives.batch_all_reduce(lists, op), host, op, devices)
+    check_batch(collectives.batch_all_reduce(lists, op), host, op, devices)
 
 
 @pytest.mark.parametrize("in_place", [False, True])
@@ -120,7 +99,7 @@ def test_an_engine_batch_on_a_stream_per_replica_is_ordered_after_and_before_eac
         for s, row in reversed(list(zip(streams, outs))):  # (rank 0's stream, which runs the batch, last)
             with s:
                 got = [a.copy() for a in row]
-            for g, w in zip(got, want(doubled, "sum")):
+            for g, w in zip(got, batch_reference(doubled, "sum")):
                 np.testing.assert_array_equal(cupy.asnumpy(g, stream=s), w)
 
 
@@ -129,7 +108,7 @@ def test_replicas_on_one_gpu_take_one_launch_per_dtype_and_the_host_never_waits(
     devices = (0, 0, 0, 0)
     host, lists = make(devices, [10, 0, 300, 7, 64] * 40, [np.float32, np.float64] * 100, 0)
     for _ in range(5):  # plans it, and fills the engine's table ring with tables this large
-        check(collectives.batch_all_reduce(lists, "sum"), host, "sum", devices)
+        check_batch(collectives.batch_all_reduce(lists, "sum"), host, "sum", devices)
     cupy.sim.drain()
     cupy.sim.reset_counters()
     # fewer calls than the table ring holds, the GPU never catching up meanwhile
@@ -138,7 +117,7 @@ def test_replicas_on_one_gpu_take_one_launch_per_dtype_and_the_host_never_waits(
     assert counted["host_waits"] == 0, counted
     assert counted["launches"] == {0: 3 * 2}, counted  # one multi-tensor kernel per dtype and call
     for out in results:
-        check(out, host, "sum", devices)
+        check_batch(out, host, "sum", devices)
 
 
 # --- results handed out again ---------------------------------------------------------------
@@ -162,15 +141,15 @@ def test_a_dropped_batch_result_is_reused_and_a_held_one_is_never_overwritten(de
     gc.collect()
     again = collectives.batch_all_reduce(lists1, "sum")
     assert pointers(again) == old  # nobody held it: the same memory again
-    check(again, host1, "sum", devices)
+    check_batch(again, host1, "sum", devices)
     held = again  # held across the next calls
     for k in range(4):
         out = collectives.batch_all_reduce(lists2, "sum")
         assert not set(pointers(out)) & set(old)
-        check(out, host2, "sum", devices)
+        check_batch(out, host2, "sum", devices)
         if k % 2:
             del out  # dropped every other call: the held set still stays out of reuse
-    check(held, host1, "sum", devices)
+    check_batch(held, host1, "sum", devices)
 
 
 def held_by(kind, a):
@@ -204,9 +183,9 @@ def test_anything_holding_part_of_a_result_keeps_it_out_of_reuse(kind):
     for _ in range(3):
         fresh = collectives.batch_all_reduce(lists2, "sum")
         assert base not in pointers(fresh)
-        check(fresh, host2, "sum", devices)
+        check_batch(fresh, host2, "sum", devices)
     if kind in ("view", "element_view", "dlpack"):
-        whole = want(host1, "sum")[1]
+        whole = batch_reference(host1, "sum")[1]
         got = cupy.asnumpy(keeper)
         expected = whole[1:] if kind == "view" else whole[2:3] if kind == "element_view" else whole
         np.testing.assert_array_equal(got, expected)
@@ -215,7 +194,7 @@ def test_anything_holding_part_of_a_result_keeps_it_out_of_reuse(kind):
     freed = pointers(collectives.batch_all_reduce(lists2, "sum"))  # dropped at once
     again = collectives.batch_all_reduce(lists2, "sum")
     assert pointers(again) == freed  # nothing holds any set now: reuse resumes
-    check(again, host2, "sum", devices)
+    check_batch(again, host2, "sum", devices)
 
 
 def test_a_result_is_reused_only_on_the_stream_it_was_written_on():
@@ -226,7 +205,7 @@ def test_a_result_is_reused_only_on_the_stream_it_was_written_on():
     with cupy.cuda.Device(0), cupy.cuda.Stream(non_blocking=False):
         other = collectives.batch_all_reduce(lists, "sum")
         assert not set(pointers(other)) & set(old)
-        check(other, host, "sum", devices)
+        check_batch(other, host, "sum", devices)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -271,22 +250,22 @@ def test_results_of_a_captured_batch_are_never_handed_out_again():
 
     step(lists1)  # the warm-up (eager)
     captured = step(lists2)  # captured, then replayed
-    check(captured, host2, "sum", devices)
-    check(eager, host1, "sum", devices)  # the capture took no kept set
+    check_batch(captured, host2, "sum", devices)
+    check_batch(eager, host1, "sum", devices)  # the capture took no kept set
     graph = set(pointers(captured))
     for _ in range(3):
         out = collectives.batch_all_reduce(lists1, "sum")
         assert not set(pointers(out)) & graph  # the graph's results are its own for good
-        check(out, host1, "sum", devices)
+        check_batch(out, host1, "sum", devices)
         del out
-    check(captured, host2, "sum", devices)
+    check_batch(captured, host2, "sum", devices)
     if SIMULATED:
         cupy.sim.drain()
         cupy.sim.reset_counters()
     assert set(pointers(step(lists1))) == graph  # a replay writes them again
     if SIMULATED:
         assert cupy.sim.counters()["graph_launches"] == {0: 1}
-    check(captured, host1, "sum", devices)
+    check_batch(captured, host1, "sum", devices)
 
 
 @pytest.mark.parametrize("kind", ["all_reduce", "batch_all_reduce"])
@@ -315,7 +294,7 @@ def test_a_set_is_never_handed_out_twice_when_python_runs_inside_the_ring(kind):
     assert not ptrs[id(outer)] & ptrs[id(inner[0])], "one set handed to two calls"
     assert not ptrs[id(held)] & (ptrs[id(outer)] | ptrs[id(inner[0])])
     for got in (held, outer, inner[0]):
-        want_all = want(host, "sum")
+        want_all = batch_reference(host, "sum")
         expected = [want_all[1]] * len(devices) if kind == "all_reduce" else want_all * len(devices)
         for g, w in zip(got, expected):
             np.testing.assert_array_equal(cupy.asnumpy(g), w)

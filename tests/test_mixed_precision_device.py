@@ -29,13 +29,6 @@ _X[7, 7, 0] = np.nan  # step 7: a nan on the last replica's part
 _X[8] *= 3e4  # step 8: finite inputs whose scaled float16 gradients overflow
 
 
-def _strategy(replicas, one_gpu=True):
-    """``replicas`` logical GPUs on GPU 0 (the native engine), or one replica per GPU (NCCL)."""
-    if one_gpu:
-        md.config.set_logical_device_configuration("GPU", 0, count=replicas)
-    return md.MirroredStrategy([f"/gpu:{i}" for i in range(replicas)])
-
-
 def _model(strategy, inner, dynamic, variable_dtype, initial_scale=2.0 ** 10):
     with strategy.scope():
         w, b = md.Variable(_W0.astype(variable_dtype)), md.Variable(_B0.astype(variable_dtype))
@@ -61,16 +54,6 @@ def _step_fn(w, b, opt, grad_dtype, seed=False):
     return step
 
 
-def _batches(strategy, replicas, s):
-    per = _X.shape[1] // replicas
-
-    def part(data):
-        return md.PerReplica([md.device_util.place(data[s, r * per:(r + 1) * per], d)
-                              for r, d in enumerate(strategy.extended.worker_devices)],
-                             strategy.extended.worker_devices)
-    return part(_X), part(_Y)
-
-
 def _train(monkeypatch, replicas, inner="sgd", dynamic=True, grad_dtype=np.float32, variable_dtype=np.float32,
            mode="device", steps=10, seed=False, initial_scale=2.0 ** 10, one_gpu=True):
     """Every copy of the weights and slots, and (loss scale, counter, iterations) after each step. ``mode``:
@@ -82,28 +65,27 @@ def _train(monkeypatch, replicas, inner="sgd", dynamic=True, grad_dtype=np.float
     elif mode != "auto":  # nothing of the host-decided step may run
         monkeypatch.setattr(mixed_precision.LossScaleOptimizer, "_unscaled", None)
         monkeypatch.setattr(mixed_precision, "_is_finite", None)
-    strategy = _strategy(replicas, one_gpu)
     try:
-        w, b, opt = _model(strategy, inner, dynamic, variable_dtype, initial_scale)
-        step = _step_fn(w, b, opt, grad_dtype, seed)
-        run = md.function(step) if mode == "captured" else step
-        history = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # a captured step must not fall back to eager
-            for s in range(steps):
-                replay = mode == "captured" and s == steps - 1 and gpu_env.SIMULATED
-                if replay:
-                    cupy.sim.drain()
-                    cupy.sim.reset_counters()
-                strategy.run(run, args=_batches(strategy, replicas, s))
-                if replay:  # the step was a replay of the graph, with no launch from Python
-                    counted = cupy.sim.counters()
-                    assert counted["graph_launches"] == ({0: 1} if one_gpu else {0: 1, 1: 1})
-                    assert sum(counted["launches"].values()) == 0
-                history.append((float(opt.loss_scale), opt.dynamic_counter, int(opt.iterations.numpy())))
-        return _state(w, b, opt), history
+        with gpu_env.mirrored_strategy(replicas, one_gpu) as strategy:
+            w, b, opt = _model(strategy, inner, dynamic, variable_dtype, initial_scale)
+            step = _step_fn(w, b, opt, grad_dtype, seed)
+            run = md.function(step) if mode == "captured" else step
+            history = []
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a captured step must not fall back to eager
+                for s in range(steps):
+                    replay = mode == "captured" and s == steps - 1 and gpu_env.SIMULATED
+                    if replay:
+                        cupy.sim.drain()
+                        cupy.sim.reset_counters()
+                    strategy.run(run, args=gpu_env.replica_batches(strategy, s, _X, _Y))
+                    if replay:  # the step was a replay of the graph, with no launch from Python
+                        counted = cupy.sim.counters()
+                        assert counted["graph_launches"] == ({0: 1} if one_gpu else {0: 1, 1: 1})
+                        assert sum(counted["launches"].values()) == 0
+                    history.append((float(opt.loss_scale), opt.dynamic_counter, int(opt.iterations.numpy())))
+            return _state(w, b, opt), history
     finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
         monkeypatch.undo()
 
 
@@ -192,25 +174,21 @@ def test_float32_gradients_of_float64_variables_keep_the_host_steps_float32_divi
 
 
 def test_a_skipped_step_leaves_weights_and_slots_bit_identical():
-    strategy = _strategy(2)
-    try:
+    with gpu_env.mirrored_strategy(2) as strategy:
         w, b, opt = _model(strategy, "adam", True, np.float32)
         step = _step_fn(w, b, opt, np.float32)
         for s in range(3):
-            strategy.run(step, args=_batches(strategy, 2, s))
+            strategy.run(step, args=gpu_env.replica_batches(strategy, s, _X, _Y))
         before = _state(w, b, opt.inner_optimizer)
-        strategy.run(step, args=_batches(strategy, 2, 3))  # the inf step
+        strategy.run(step, args=gpu_env.replica_batches(strategy, 3, _X, _Y))  # the inf step
         for a, e in zip(_state(w, b, opt.inner_optimizer), before):
             assert a.tobytes() == e.tobytes()
         assert int(opt.iterations.numpy()) == 3 and opt.dynamic_counter == 0
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
 
 
 def _counted_step(n, inner, grad_dtype=np.float32, replicas=2):
     """The simulator's counters of an eager loss-scaled step (the third) of ``n`` variables."""
-    strategy = _strategy(replicas)
-    try:
+    with gpu_env.mirrored_strategy(replicas) as strategy:
         with strategy.scope():
             variables = [md.Variable(np.ones(5, np.float32)) for _ in range(n)]
             opt = mixed_precision.LossScaleOptimizer(inner())
@@ -235,8 +213,6 @@ def _counted_step(n, inner, grad_dtype=np.float32, replicas=2):
         cupy.sim.drain()
         assert int(opt.iterations.numpy()) == 3
         return counted
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
 
 
 @pytest.mark.parametrize("inner", [lambda: md.optimizers.SGD(0.1), lambda: md.optimizers.Adam(0.01)],
