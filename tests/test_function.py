@@ -48,6 +48,15 @@ def _captured_and_eager(strategy, optimizer="sgd"):
     return (w, b), w_eager, md.function(_step_fn(w, b, opt)), _step_fn(w_eager, b_eager, opt_eager)
 
 
+def _runs_eagerly_warning(strategy, step, opt, match):
+    """md.function(step) runs three batches eagerly, warning once with ``match``, and every step updates."""
+    run = md.function(step)
+    with pytest.warns(EagerFallbackWarning, match=match):
+        for s in range(3):
+            strategy.run(run, args=gpu_env.replica_batches(strategy, s, _X, _Y))
+    assert int(opt.iterations.numpy()) == 3
+
+
 def _train(replicas, optimizer, captured, steps=10, one_gpu=True, assign_at=None):
     with gpu_env.mirrored_strategy(replicas, one_gpu) as strategy:
         w, b, opt = _model(strategy, optimizer)
@@ -324,11 +333,7 @@ def test_a_step_that_calls_cupys_cublas_runs_eagerly_and_the_warning_names_md_li
             err = x @ w.read_value() + b.read_value() - y  # CuPy's cuBLAS: refused while capturing
             opt.apply_gradients([(x.T @ err, w), (err.sum(axis=0), b)])
 
-        run = md.function(step)
-        with pytest.warns(EagerFallbackWarning, match=r"cuBLAS.*x @ w\.read_value\(\).*md\.linalg\.matmul"):
-            for s in range(3):
-                strategy.run(run, args=gpu_env.replica_batches(strategy, s, _X, _Y))
-        assert int(opt.iterations.numpy()) == 3
+        _runs_eagerly_warning(strategy, step, opt, r"cuBLAS.*x @ w\.read_value\(\).*md\.linalg\.matmul")
 
 
 @pytest.mark.gpu
@@ -467,12 +472,8 @@ def test_a_step_that_uploads_host_data_runs_eagerly_and_the_warning_says_to_pass
         def step(x, y):
             return inner(x, y + cupy.asarray(offset))  # a host-to-device copy: refused while capturing
 
-        run = md.function(step)
-        with pytest.warns(EagerFallbackWarning, match=r"H2D transfers are disallowed.*cupy\.asarray\(offset\).*"
-                                                      r"make such arrays before the step and pass them in"):
-            for s in range(3):
-                strategy.run(run, args=gpu_env.replica_batches(strategy, s, _X, _Y))
-        assert int(opt.iterations.numpy()) == 3
+        _runs_eagerly_warning(strategy, step, opt, r"H2D transfers are disallowed.*cupy\.asarray\(offset\).*"
+                              r"make such arrays before the step and pass them in")
 
 
 @pytest.mark.gpu
@@ -489,9 +490,5 @@ def test_a_keras2_loss_scaled_step_runs_eagerly_and_the_warning_names_the_loss_s
             grads = opt.get_unscaled_gradients([md.linalg.matmul(x, err, transpose_a=True), err.sum(axis=0)])
             opt.apply_gradients(zip(grads, (w, b)))
 
-        run = md.function(step)
-        with pytest.warns(EagerFallbackWarning,
-                          match=r"get_unscaled_gradients\(.*LossScaleOptimizer read its loss scale on the host"):
-            for s in range(3):
-                strategy.run(run, args=gpu_env.replica_batches(strategy, s, _X, _Y))
-        assert int(opt.iterations.numpy()) == 3
+        _runs_eagerly_warning(strategy, step, opt,
+                              r"get_unscaled_gradients\(.*LossScaleOptimizer read its loss scale on the host")
