@@ -284,7 +284,7 @@ def test_a_set_is_never_handed_out_twice_when_python_runs_inside_the_ring(kind):
     with cupy.cuda.Device(0):
         first = call()  # a set kept for the legacy stream
         inner = []
-        weakref.finalize(first[0].data.mem, lambda: inner.append(call()))
+        weakref.finalize(first[0], lambda: inner.append(call()))
         del first  # free, but for another stream than the calls below
         with cupy.cuda.Stream(non_blocking=False):
             held = call()  # the ring's second set, held

@@ -5,6 +5,7 @@ neither deadlocks nor mixes replicas up (marker ``gpu``: simulated GPUs
 without a GPU, see gpu_env.py)."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -254,3 +255,41 @@ def test_a_run_asks_cupy_for_the_device_and_streams_a_bounded_number_of_times(n,
         assert _cuda_state() == (0, cupy.cuda.Stream.null.ptr)
     finally:
         md.config.set_logical_device_configuration("GPU:0", None)
+
+
+def _threads_of(s, fn, steps: int) -> list:
+    """The set of threads the replicas ran on, per step."""
+    def replica():
+        fn()
+        return threading.get_ident()
+    return [set(s.experimental_local_results(s.run(replica))) for _ in range(steps)]
+
+
+def test_gpu_replicas_that_compute_on_the_host_are_not_long_steps(logical):
+    """A GPU strategy's long step that spent its time on the CPU (launching kernels, holding the GIL)
+    is not handed to the replica threads: they would only take turns at the GIL. A CPU strategy's
+    is (test_run_fast_paths). Clocks given, not measured: a loaded machine must not change the answer."""
+    assert logical.extended._pool._launch_only
+    now, cpu = time.perf_counter(), time.thread_time()
+    second = 1.0
+    assert not mirrored_strategy._is_long(now - second, cpu - 0.9 * second, launch_only=True)
+    assert mirrored_strategy._is_long(now - second, cpu - 0.9 * second, launch_only=False)
+    assert mirrored_strategy._is_long(now - second, cpu - 0.1 * second, launch_only=True)  # it waited
+    assert not mirrored_strategy._is_long(now - second, None, launch_only=True)  # CPU clock not read yet
+    assert not mirrored_strategy._is_long(now, cpu, launch_only=True)  # short
+    cpus = md.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert not cpus.extended._pool._launch_only
+
+def test_gpu_replicas_that_wait_go_to_their_threads(logical):
+    """A step that mostly waits (a host synchronisation, I/O: here a sleep) is long: the next steps
+    start on the replica threads, so the waits overlap (a busy machine may start a thread late: a
+    few steps show it)."""
+    s = logical
+    wait = lambda: time.sleep(4 * mirrored_strategy.HANDOFF_SECONDS)
+    seen = _threads_of(s, wait, 2)
+    assert s.extended._pool._long_steps
+    for _ in range(20):
+        seen += _threads_of(s, wait, 1)
+        if len(seen[-1]) > 1:
+            break
+    assert len(seen[-1]) > 1, seen
