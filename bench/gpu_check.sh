@@ -30,5 +30,5 @@ timeout 60 $PY bench/train_step.py --device gpu --function --replicas 1 2 --step
 timeout 60 $PY bench/train_step.py --device gpu --function --replicas 1 2 --steps 10 --optimizer adam \
   2>&1 | tee "$OUT/train_step_adam.txt"
 timeout 60 $PY bench/linalg_overhead.py --repeat 2000 --dtypes float32 2>&1 | tee "$OUT/linalg_overhead.txt"
-timeout 60 $PY bench/train_step.py --device gpu --model mlp --replicas 1 2 4 --steps 10 --optimizer sgd \
+timeout 90 $PY bench/train_step.py --device gpu --model mlp --function --replicas 1 2 4 --steps 10 --optimizer sgd \
   2>&1 | tee "$OUT/train_step_mlp.txt"
