@@ -13,7 +13,7 @@ OUT=${OUT:-out/gpu_check}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 site=${SITE:-/tmp/mirrored-site}
-nvidia-smi -L | tee "$OUT/gpu.txt"
+nvidia-smi -L
 t0=$(date +%s)
 $PY -m pip install -q --no-build-isolation --no-deps --no-index --target "$site" \
   --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHITECTURES:-native}" . > "$OUT/build.log" 2>&1 \
@@ -28,7 +28,7 @@ timeout 80 $PY bench/compare_gpu.py --logical --replicas 2 4 8 -b 4 -e 256M -f 6
 timeout 60 $PY bench/train_step.py --device gpu --function --replicas 1 2 --steps 10 --optimizer sgd \
   --torch-python "$PY" 2>&1 | tee "$OUT/train_step.txt"
 timeout 60 $PY bench/train_step.py --device gpu --function --replicas 1 2 --steps 10 --optimizer adam \
-  2>&1 | tee "$OUT/train_step_adam.txt"
+  2>&1 | tee -a "$OUT/train_step.txt"
 timeout 60 $PY bench/linalg_overhead.py --repeat 2000 --dtypes float32 2>&1 | tee "$OUT/linalg_overhead.txt"
 timeout 90 $PY bench/train_step.py --device gpu --model mlp --function --replicas 1 2 4 --steps 10 --optimizer sgd \
-  2>&1 | tee "$OUT/train_step_mlp.txt"
+  2>&1 | tee -a "$OUT/train_step.txt"
