@@ -94,6 +94,54 @@ def test_a_planned_all_reduce_makes_no_runtime_call_beyond_the_engines():
     assert counted["stream_ops"] == 0
 
 
+@pytest.mark.parametrize("n", [2, 8])
+def test_replicas_that_share_a_stream_have_its_capture_status_read_once(n):
+    """A repeated all_reduce whose results may be recycled (out= not given) asks whether its streams are
+    being captured (a graph's results are never handed out again): each distinct stream once, not once
+    per replica. On the legacy stream (which cannot be captured) it asks nothing."""
+    xs = [on(0, np.full(1, r + 1, np.float32)) for r in range(n)]
+    with cupy.cuda.Device(0):
+        stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        collectives.all_reduce(xs, "sum")  # planned
+        counted = runtime_calls(lambda: collectives.all_reduce(xs, "sum"))
+        got = collectives.all_reduce(xs, "sum")
+    assert counted["launches"] == {0: 1}
+    assert {k: v for k, v in counted["calls"].items() if v} == {"cudaGetDevice": 1, "cudaStreamIsCapturing": 1}
+    collectives.all_reduce(xs, "sum")  # (results made for this stream: those of `stream` are kept for it)
+    counted = runtime_calls(lambda: collectives.all_reduce(xs, "sum"))
+    assert {k: v for k, v in counted["calls"].items() if v} == {"cudaGetDevice": 1}
+    stream.synchronize()
+    for g in got:
+        np.testing.assert_array_equal(cupy.asnumpy(g), np.full(1, n * (n + 1) / 2, np.float32))
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_a_repeated_replica_context_all_reduce_on_logical_gpus_is_one_launch(n):
+    """strategy.run(replica-context all_reduce of 4 B) on n logical GPUs, repeated with its results dropped:
+    one launch on the legacy stream (ordered by CUDA with every replica stream: no event, no host wait),
+    the device read once, and the previous step's result memory written again (nothing allocated)."""
+    import mirrored as md
+
+    md.config.set_logical_device_configuration("GPU", 0, count=n)
+    try:
+        s = md.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
+        x = s.experimental_distribute_values_from_function(lambda ctx: cupy.full(1, ctx.replica_id_in_sync_group + 1,
+                                                                                 cupy.float32))
+        step = lambda: s.run(lambda v: md.get_replica_context().all_reduce("sum", v), args=(x,))  # noqa: E731
+        pointers = [v.data.ptr for v in s.experimental_local_results(step())]  # planned; results dropped
+        counted = runtime_calls(step)
+        assert counted["launches"] == {0: 1}
+        assert counted["stream_ops"] == 0 and counted["host_waits"] == 0
+        assert {k: v for k, v in counted["calls"].items() if v} == {"cudaGetDevice": 1}
+        got = s.experimental_local_results(step())
+        assert [v.data.ptr for v in got] == pointers
+        for v in got:
+            np.testing.assert_array_equal(cupy.asnumpy(v), np.full(1, n * (n + 1) / 2, np.float32))
+    finally:
+        md.config.set_logical_device_configuration("GPU:0", None)
+
+
 @pytest.mark.parametrize("devices", [(0, 0), (0, 1)], ids=str)
 def test_batch_all_reduce_takes_the_same_driver_calls_for_10_and_200_tensors(devices):
     rng = np.random.default_rng(3)

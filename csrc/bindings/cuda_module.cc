@@ -11,9 +11,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bindings/device_fit.h"
@@ -60,6 +62,15 @@ std::vector<T*> as_ptrs(const Ptrs& p) {
 
 std::vector<cudaStream_t> as_streams(const Ptrs& s) { return as_ptrs<CUstream_st>(s); }
 
+// f() with CUDA device `device` current on this thread (the runtime's current device is per thread), the
+// thread's own device current again after it.
+template <typename F>
+decltype(auto) on_device(int device, F&& f) {
+  cuda::DeviceGuard guard;
+  MIRRORED_CUDA_CHECK(cuda::set_device(device));
+  return f();
+}
+
 // Whether an output overlaps an input other than its own replica's exactly (in place), or another
 // output: the engine reads every input while it writes, so such a call goes to the validating path,
 // which computes those outputs aside (collective/rules.py gpu_outputs) or refuses them. Device
@@ -76,9 +87,11 @@ bool aliased(const std::vector<std::uintptr_t>& in, const std::vector<std::uintp
 }
 
 // Whether a stream (not the legacy default stream, which cannot be) is being captured into a CUDA graph.
+// Each stream is asked once: replicas that share a GPU mostly share its stream.
 bool any_capturing(const Ptrs& streams) {
-  for (std::uintptr_t s : streams) {
-    if (s == 0) continue;
+  for (auto it = streams.begin(); it != streams.end(); ++it) {
+    const std::uintptr_t s = *it;
+    if (s == 0 || std::find(streams.begin(), it, s) != it) continue;
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     MIRRORED_CUDA_CHECK(cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(s), &status));
     if (status != cudaStreamCaptureStatusNone) return true;
@@ -306,10 +319,10 @@ void def_fused_update(py::module_& m) {
              const std::string error = rules::coefficients_error(rule, coefficients.size());
              if (!error.empty()) throw py::value_error(error);
              py::gil_scoped_release nogil;
-             cuda::DeviceGuard guard;
-             MIRRORED_CUDA_CHECK(cuda::set_device(t.device()));
-             t.apply(static_cast<rules::Rule>(rule), reinterpret_cast<const void*>(grads), coefficients, weight_decay,
-                     lr, reinterpret_cast<cudaStream_t>(stream), gate_of(nonfinite, scale));
+             on_device(t.device(), [&] {
+               t.apply(static_cast<rules::Rule>(rule), reinterpret_cast<const void*>(grads), coefficients,
+                       weight_decay, lr, reinterpret_cast<cudaStream_t>(stream), gate_of(nonfinite, scale));
+             });
            },
            py::arg("rule"), py::arg("grads"), py::arg("coefficients"), py::arg("weight_decay"), py::arg("lr"),
            py::arg("stream"), py::arg("nonfinite") = 0, py::arg("scale") = 0,
@@ -324,11 +337,11 @@ void def_fused_update(py::module_& m) {
              if (!error.empty()) throw py::value_error(error);
              // The GIL held: this records (no wait), and the replica threads' captured work must enter
              // the graph in the order the Python step issues it (released, replays read garbage results).
-             cuda::DeviceGuard guard;
-             MIRRORED_CUDA_CHECK(cuda::set_device(t.device()));
-             t.apply_captured(static_cast<rules::Rule>(rule), reinterpret_cast<const void*>(grads),
-                              reinterpret_cast<const void*>(scalars), coefficients,
-                              reinterpret_cast<cudaStream_t>(stream), gate_of(nonfinite, scale));
+             on_device(t.device(), [&] {
+               t.apply_captured(static_cast<rules::Rule>(rule), reinterpret_cast<const void*>(grads),
+                                reinterpret_cast<const void*>(scalars), coefficients,
+                                reinterpret_cast<cudaStream_t>(stream), gate_of(nonfinite, scale));
+             });
            },
            py::arg("rule"), py::arg("grads"), py::arg("scalars"), py::arg("coefficients"), py::arg("stream"),
            py::arg("nonfinite") = 0, py::arg("scale") = 0,
@@ -338,21 +351,21 @@ void def_fused_update(py::module_& m) {
       .def("check_finite", [](const cuda::FusedUpdateTable& t, std::uintptr_t grads, std::uintptr_t nonfinite,
                               std::uintptr_t stream) {
              // The GIL held, as apply_captured: it may be recorded into a graph.
-             cuda::DeviceGuard guard;
-             MIRRORED_CUDA_CHECK(cuda::set_device(t.device()));
-             t.check_finite(reinterpret_cast<const void*>(grads), reinterpret_cast<int*>(nonfinite),
-                            reinterpret_cast<cudaStream_t>(stream));
+             on_device(t.device(), [&] {
+               t.check_finite(reinterpret_cast<const void*>(grads), reinterpret_cast<int*>(nonfinite),
+                              reinterpret_cast<cudaStream_t>(stream));
+             });
            },
            py::arg("grads"), py::arg("nonfinite"), py::arg("stream"),
            "Sets the device int32 `nonfinite` to 1 when one of the packed gradients `grads` (total_count\n"
            "elements) is inf or nan, in one launch on `stream`; leaves it otherwise.");
   m.def("loss_scale_step", [](int device, std::uintptr_t nonfinite, std::uintptr_t scale, std::uintptr_t counter,
                               std::uintptr_t iterations, long long growth_steps, bool dynamic, std::uintptr_t stream) {
-          cuda::DeviceGuard guard;
-          MIRRORED_CUDA_CHECK(cuda::set_device(device));
-          cuda::loss_scale_step(reinterpret_cast<int*>(nonfinite), reinterpret_cast<float*>(scale),
-                                reinterpret_cast<long long*>(counter), reinterpret_cast<long long*>(iterations),
-                                growth_steps, dynamic, reinterpret_cast<cudaStream_t>(stream));
+          on_device(device, [&] {
+            cuda::loss_scale_step(reinterpret_cast<int*>(nonfinite), reinterpret_cast<float*>(scale),
+                                  reinterpret_cast<long long*>(counter), reinterpret_cast<long long*>(iterations),
+                                  growth_steps, dynamic, reinterpret_cast<cudaStream_t>(stream));
+          });
         },
         py::arg("device"), py::arg("nonfinite"), py::arg("scale"), py::arg("counter"), py::arg("iterations"),
         py::arg("growth_steps"), py::arg("dynamic"), py::arg("stream"),
@@ -371,18 +384,15 @@ void def_fused_update(py::module_& m) {
       .def("copy", [](cuda::GradientPack& p, const Ptrs& src, std::uintptr_t stream) {
              const auto sources = as_ptrs<const void>(src);
              py::gil_scoped_release nogil;  // may wait for the last upload to have read the host table
-             cuda::DeviceGuard guard;
-             MIRRORED_CUDA_CHECK(cuda::set_device(p.device()));
-             p.copy(sources, reinterpret_cast<cudaStream_t>(stream));
+             on_device(p.device(), [&] { p.copy(sources, reinterpret_cast<cudaStream_t>(stream)); });
            },
            py::arg("src"), py::arg("stream"),
            "dst[k] = src[k] (bytes[k] each) for every k in one launch on `stream`; the table is uploaded\n"
            "again only when a source moved since the last call.")
       .def("copy_captured", [](cuda::GradientPack& p, const Ptrs& src, std::uintptr_t stream) {
              // The GIL held, as apply_captured: recorded in the order the Python step issues it.
-             cuda::DeviceGuard guard;
-             MIRRORED_CUDA_CHECK(cuda::set_device(p.device()));
-             p.copy_captured(as_ptrs<const void>(src), reinterpret_cast<cudaStream_t>(stream));
+             on_device(p.device(),
+                       [&] { p.copy_captured(as_ptrs<const void>(src), reinterpret_cast<cudaStream_t>(stream)); });
            },
            py::arg("src"), py::arg("stream"),
            "copy() recorded into the graph `stream` is capturing (md.function): the upload from the pack's\n"
@@ -477,13 +487,11 @@ void check_device(int device) {
                           " configured by sim.reset)");
 }
 
-// Runs f with `device` current on this thread (CUDA's current device is per thread).
+// on_device() for a device number from a test, checked first.
 template <typename F>
-auto on_device(int device, F f) {
+decltype(auto) on_simulated(int device, F&& f) {
   check_device(device);
-  cuda::DeviceGuard guard;
-  cuda::set_device(device);
-  return f();
+  return on_device(device, std::forward<F>(f));
 }
 
 void def_sim(py::module_& m) {
@@ -526,22 +534,22 @@ void def_sim(py::module_& m) {
   s.def("free", [](std::uintptr_t p, std::uintptr_t stream) {
     const int device = sim::device_of_pointer(reinterpret_cast<void*>(p));
     if (device < 0) throw py::value_error("free: not live simulated device memory");
-    on_device(device, [&] { sim::release(reinterpret_cast<void*>(p), stream_of(stream)); return 0; });
+    on_simulated(device, [&] { sim::release(reinterpret_cast<void*>(p), stream_of(stream)); return 0; });
   }, py::arg("ptr"), py::arg("stream"), "Poisons the memory (0xdb) in the order of `stream`, then forgets it.");
   s.def("device_of", [](std::uintptr_t p) { return sim::device_of_pointer(reinterpret_cast<void*>(p)); },
         "The device of live simulated memory at p; -1 for anything else.");
   s.def("stream_device", [](std::uintptr_t stream, int device) {
-    return on_device(device, [&] { return sim::device_of_stream(stream_of(stream)); });
+    return on_simulated(device, [&] { return sim::device_of_stream(stream_of(stream)); });
   });
   s.def("stream_create", [](int device, bool non_blocking) {
-    return on_device(device, [&] {
+    return on_simulated(device, [&] {
       cudaStream_t st = nullptr;
       cudaStreamCreateWithFlags(&st, non_blocking ? cudaStreamNonBlocking : cudaStreamDefault);
       return reinterpret_cast<std::uintptr_t>(st);
     });
   }, py::arg("device"), py::arg("non_blocking"));
   s.def("event_create", [](int device) {
-    return on_device(device, [&] {
+    return on_simulated(device, [&] {
       cudaEvent_t e = nullptr;
       cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
       return reinterpret_cast<std::uintptr_t>(e);
@@ -549,19 +557,19 @@ void def_sim(py::module_& m) {
   });
   s.def("event_destroy", [](std::uintptr_t e) { cudaEventDestroy(event_of(e)); });
   s.def("event_record", [](std::uintptr_t e, std::uintptr_t stream, int device) {
-    on_device(device, [&] {
+    on_simulated(device, [&] {
       MIRRORED_CUDA_CHECK(cudaEventRecord(event_of(e), stream_of(stream)));  // on the event's device only
       return 0;
     });
   });
   s.def("stream_wait_event", [](std::uintptr_t stream, std::uintptr_t e, int device) {
-    on_device(device, [&] {
+    on_simulated(device, [&] {
       MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(stream_of(stream), event_of(e), 0));
       return 0;
     });
   });
   s.def("synchronize_stream", [](std::uintptr_t stream, int device) {
-    on_device(device, [&] {
+    on_simulated(device, [&] {
       py::gil_scoped_release nogil;
       MIRRORED_CUDA_CHECK(cudaStreamSynchronize(stream_of(stream)));
       return 0;
@@ -573,7 +581,7 @@ void def_sim(py::module_& m) {
   });
   s.def("event_done", [](std::uintptr_t e) { return cudaEventQuery(event_of(e)) == cudaSuccess; });
   s.def("launch", [](std::uintptr_t stream, int device, py::function fn) {
-    on_device(device, [&] {
+    on_simulated(device, [&] {
       if (sim::device_of_stream(stream_of(stream)) != device)
         throw py::value_error("launch: the stream belongs to another device");
       auto f = gil_owned(std::move(fn));
@@ -588,7 +596,7 @@ void def_sim(py::module_& m) {
   }, py::arg("stream"), py::arg("device"), py::arg("fn"),
      "Queues fn() on the stream as a kernel of `device` (counted in counters()['kernels'], not as an engine launch).");
   s.def("copy_from_host", [](std::uintptr_t stream, int device, std::uintptr_t dst, py::bytes data) {
-    on_device(device, [&] {
+    on_simulated(device, [&] {
       // A pageable copy: the bytes are taken now (as cudaMemcpyAsync from pageable memory stages them).
       auto held = std::make_shared<std::string>(data);
       sim::enqueue(stream_of(stream), [held, dst] { std::memcpy(reinterpret_cast<void*>(dst), held->data(), held->size()); });
@@ -597,7 +605,7 @@ void def_sim(py::module_& m) {
   }, py::arg("stream"), py::arg("device"), py::arg("dst"), py::arg("data"),
      "Queues a host-to-device copy of `data` to dst (a copy, not a kernel).");
   s.def("memcpy", [](std::uintptr_t stream, int device, std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) {
-    on_device(device, [&] {
+    on_simulated(device, [&] {
       MIRRORED_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes,
                                           cudaMemcpyDefault, stream_of(stream)));
       return 0;
@@ -607,17 +615,17 @@ void def_sim(py::module_& m) {
   s.def("capturing", [](int device) { return sim::capturing(device); }, py::arg("device"),
         "Whether a stream of `device` is being captured.");
   s.def("begin_capture", [](std::uintptr_t stream, int device) {
-    on_device(device, [&] { MIRRORED_CUDA_CHECK(cudaStreamBeginCapture(stream_of(stream), cudaStreamCaptureModeRelaxed)); return 0; });
+    on_simulated(device, [&] { MIRRORED_CUDA_CHECK(cudaStreamBeginCapture(stream_of(stream), cudaStreamCaptureModeRelaxed)); return 0; });
   }, py::arg("stream"), py::arg("device"), "cudaStreamBeginCapture.");
   s.def("is_capturing", [](std::uintptr_t stream, int device) {
-    return on_device(device, [&] {
+    return on_simulated(device, [&] {
       cudaStreamCaptureStatus status;
       MIRRORED_CUDA_CHECK(cudaStreamIsCapturing(stream_of(stream), &status));
       return status != cudaStreamCaptureStatusNone;
     });
   }, py::arg("stream"), py::arg("device"), "cudaStreamIsCapturing: active or invalidated.");
   s.def("end_capture", [](std::uintptr_t stream, int device) {
-    return on_device(device, [&] {
+    return on_simulated(device, [&] {
       cudaGraph_t graph = nullptr;
       MIRRORED_CUDA_CHECK(cudaStreamEndCapture(stream_of(stream), &graph));
       cudaGraphExec_t exec = nullptr;
@@ -628,7 +636,7 @@ void def_sim(py::module_& m) {
     });
   }, py::arg("stream"), py::arg("device"), "cudaStreamEndCapture then cudaGraphInstantiate: the executable graph.");
   s.def("graph_launch", [](std::uintptr_t exec, std::uintptr_t stream, int device) {
-    on_device(device, [&] {
+    on_simulated(device, [&] {
       MIRRORED_CUDA_CHECK(cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(exec), stream_of(stream)));
       return 0;
     });
