@@ -6,6 +6,8 @@ no kernel launch from Python; a new signature captures again; a step that cannot
 runs eagerly with one warning that names the operation that broke the capture.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -234,6 +236,39 @@ def test_an_array_one_replica_hands_to_all_is_read_before_its_memory_is_reused(r
                 np.testing.assert_array_equal(cupy.asnumpy(c), host[r] * np.float32(3))
                 np.testing.assert_allclose(cupy.asnumpy(t), np.sum(host, axis=0) * len(devices), rtol=1e-5)
         assert run.experimental_get_tracing_count() == 1
+
+
+@pytest.mark.gpu
+def test_logical_gpus_on_two_gpus_run_eagerly_and_give_the_eager_bits():
+    """2 GPUs x 2 logical replicas: NCCL refuses shared GPUs, and the native engine orders the GPUs with
+    events, which per-GPU graphs cannot hold: the capture fails (its forked streams joined, so the next
+    steps run on clean streams), the step runs eagerly with one warning, and gives the eager bits."""
+    if gpu_env.NGPU < 2:
+        pytest.skip("needs two GPUs")
+    from mirrored.device import config
+
+    results = []
+    try:
+        for gpu in (0, 1):
+            config.set_logical_device_configuration("GPU", gpu, count=2)
+        for captured in (False, True):
+            strategy = md.MirroredStrategy([f"/gpu:{i}" for i in range(4)])
+            assert sorted(md.device_util.physical_ordinal(d) for d in strategy.extended.worker_devices) == [0, 0, 1, 1]
+            w, b, opt = _model(strategy, "adam")
+            step = _step_fn(w, b, opt)
+            run = md.function(step) if captured else step
+            with pytest.warns(EagerFallbackWarning, match="recorded outside the capture") if captured else \
+                    contextlib.nullcontext():
+                losses = [strategy.reduce(md.ReduceOp.SUM, strategy.run(run, args=_replica_batches_of(strategy, s)),
+                                          axis=None) for s in range(4)]
+            results.append((losses, [c.numpy() for v in (w, b) for c in v.values]))
+    finally:
+        for gpu in (0, 1):
+            config.set_logical_device_configuration(f"GPU:{gpu}", None)
+    (eager_losses, eager), (captured_losses, captured) = results
+    np.testing.assert_array_equal(captured_losses, eager_losses)
+    for e, c in zip(eager, captured):
+        np.testing.assert_array_equal(c, e)
 
 
 @pytest.mark.gpu
