@@ -249,7 +249,8 @@ class MergeOrder:
                              if o is not None and self._ordinals.count(o) > 1)
         self._forks = None  # [(ordinal, fork stream)] of those, made at the first step that forks
         self._kept = []  # memory of this run's combine inputs inside md.function (see StepScope)
-        self._finished = 0  # replicas of this run finished since the first kept
+        self._finished = set()  # the replicas of this run that finished since the first kept (a set: replica
+        # threads may finish at once)
 
     def arrive(self, replica: int) -> None:
         """Notes the stream replica ``replica`` (the calling one) has queued its inputs on."""
@@ -359,9 +360,9 @@ class MergeOrder:
         that stream's work queued so far is done; inside ``md.function``, once every replica has
         (joined its GPU's step stream), the memory of the run's combine inputs."""
         if self._kept:  # (every replica finishes after the run's last combine: all of them are counted)
-            self._finished += 1
-            if self._finished == len(self._ordinals):
-                self._kept, self._finished = [], 0
+            self._finished.add(replica)
+            if len(self._finished) == len(self._ordinals):
+                self._kept, self._finished = [], set()
         held = self._held[replica]
         if held:
             self._held[replica] = []
