@@ -120,7 +120,7 @@ class StepScope:
     stream, which ordered replica streams and merges eagerly, cannot be captured). A replica that
     has its GPU to itself runs there. Replicas that share a GPU (logical GPUs) each run on a
     stream of their own (:func:`fork_stream`), so that the GPU's graph holds them as parallel
-    branches, which a replay runs concurrently: entering the replica, its stream waits for the
+    branches, which a replay can run concurrently: entering the replica, its stream waits for the
     step stream's work so far (the fork); leaving, the step stream waits for the replica stream's
     work (the join, which CUDA requires of every forked stream before the capture ends).
     Cross-replica work runs on the step stream: the step's code outside ``strategy.run``, and
@@ -357,8 +357,8 @@ class MergeOrder:
 
     def finish(self, replica: int) -> None:
         """Replica ``replica`` returned: what was handed to it on a stream of the user's goes once
-        that stream's work queued so far is done; inside ``md.function``, once every replica has
-        (joined its GPU's step stream), the memory of the run's combine inputs."""
+        that stream's work queued so far is done. Inside ``md.function`` the memory of the run's
+        combine inputs goes once every replica has finished (and so joined its GPU's step stream)."""
         if self._kept:  # (every replica finishes after the run's last combine: all of them are counted)
             self._finished.add(replica)
             if len(self._finished) == len(self._ordinals):
