@@ -186,7 +186,8 @@ def test_replicas_sharing_a_gpu_are_parallel_branches_of_its_graph_and_give_the_
                 if captured and gpu_env.SIMULATED and s == 2:  # the first replay (after warm-up and capture)
                     cupy.sim.drain()
                     cupy.sim.reset_counters()
-                losses.append(float(run(_replica_batches_of(strategy, 2 * s), _replica_batches_of(strategy, 2 * s + 1))))
+                first, second = _replica_batches_of(strategy, 2 * s), _replica_batches_of(strategy, 2 * s + 1)
+                losses.append(float(run(first, second)))
                 if captured and gpu_env.SIMULATED and s == 2:
                     counted = cupy.sim.counters()
                     assert counted["graph_launches"] == {0: 1}
