@@ -6,6 +6,8 @@ no kernel launch from Python; a new signature captures again; a step that cannot
 runs eagerly with one warning that names the operation that broke the capture.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -144,9 +146,132 @@ def test_a_replay_is_one_graph_launch_per_gpu_and_no_kernel_launch(one_gpu):
         strategy.run(run, args=(x, y))
         counted = cupy.sim.counters()
         assert counted["graph_launches"] == ({0: 1} if one_gpu else {0: 1, 1: 1})
+        # Replicas sharing GPU 0 are a branch each beside the step stream's; a GPU's only replica is on it.
+        assert counted["graph_branches"] == ({0: 3} if one_gpu else {0: 1, 1: 1})
         assert sum(counted["launches"].values()) == 0 and sum(counted["kernels"].values()) == 0
         assert sum(counted["blas"].values()) == 0  # the step's cuBLAS products are inside the graphs
         assert run.experimental_get_tracing_count() == 1
+
+
+def _replica_batches_of(strategy, s):
+    """Step ``s``'s batch split over the strategy's replicas (the global batch of 8 rows)."""
+    return gpu_env.replica_batches(strategy, s % len(_X), _X, _Y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("replicas", [2, 4])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_replicas_sharing_a_gpu_are_parallel_branches_of_its_graph_and_give_the_eager_bits(replicas, optimizer):
+    """Two strategy.run per step (an evaluation with an all-reduce, then a training step), each forking
+    the replicas off GPU 0's step stream and joining them at every collective and at the end, with a
+    reduce after each on the step stream: the replay is one graph whose branches are the step stream's
+    and one per replica, and 10 steps give the eager steps' bits."""
+    results = {}
+    for captured in (False, True):
+        with gpu_env.mirrored_strategy(replicas) as strategy:
+            w, b, opt = _model(strategy, optimizer)
+            step = _step_fn(w, b, opt)
+
+            def evaluate(x, y):
+                err = md.linalg.matmul(x, w.read_value()) + b.read_value() - y
+                return md.get_replica_context().all_reduce(md.ReduceOp.SUM, (err * err).sum())
+
+            def two_steps(first, second):
+                loss = strategy.reduce(md.ReduceOp.SUM, strategy.run(evaluate, args=first), axis=None)
+                return loss + strategy.reduce(md.ReduceOp.SUM, strategy.run(step, args=second), axis=None)
+
+            run = md.function(two_steps) if captured else two_steps
+            losses = []
+            for s in range(10):
+                if captured and gpu_env.SIMULATED and s == 2:  # the first replay (after warm-up and capture)
+                    cupy.sim.drain()
+                    cupy.sim.reset_counters()
+                first, second = _replica_batches_of(strategy, 2 * s), _replica_batches_of(strategy, 2 * s + 1)
+                losses.append(float(run(first, second)))
+                if captured and gpu_env.SIMULATED and s == 2:
+                    counted = cupy.sim.counters()
+                    assert counted["graph_launches"] == {0: 1}
+                    assert counted["graph_branches"] == {0: 1 + replicas}
+            results[captured] = losses, [c.numpy() for v in (w, b) for c in v.values]
+            if captured:
+                assert run.experimental_get_tracing_count() == 1
+    assert results[True][0] == results[False][0]
+    for got, want in zip(results[True][1], results[False][1]):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_an_array_one_replica_hands_to_all_is_read_before_its_memory_is_reused(replicas):
+    """A merge_fn returning replica 0's array gives it to every replica: the others read it on their own
+    branches, two collectives later, after replica 0 dropped it; its block (filed under replica 0's
+    stream in the step's pool) must not go to replica 0's later array before those reads (StepScope)."""
+    rng = np.random.default_rng(11)
+    with gpu_env.mirrored_strategy(replicas) as strategy:
+        devices = strategy.extended.worker_devices
+
+        def step(x):
+            ctx = md.get_replica_context()
+            mine = x * np.float32(2)
+            first = ctx.merge_call(lambda s, v: s.experimental_local_results(v)[0], args=(mine,))
+            del mine
+            if ctx.replica_id_in_sync_group == 0:
+                seen = first + x
+                del first
+            total = ctx.all_reduce(md.ReduceOp.SUM, ctx.all_reduce(md.ReduceOp.SUM, x))
+            if ctx.replica_id_in_sync_group != 0:
+                seen = first + x
+                del first
+            later = x * np.float32(3)  # replica 0: the size of its `mine`, from its stream's blocks
+            return seen, later, total
+
+        run = md.function(step)
+        for s in range(6):
+            host = [rng.standard_normal(64).astype(np.float32) for _ in devices]
+            x = md.PerReplica([md.device_util.place(h, d) for h, d in zip(host, devices)], devices)
+            seen, later, total = strategy.run(run, args=(x,))
+            if s == 0:
+                # The warm-up, an eager step, is not checked: eagerly MergeOrder does not keep such a hand-off's
+                # block (a known gap of the eager path, not of the capture's).
+                continue
+            for r, (a, c, t) in enumerate(zip(*map(strategy.experimental_local_results, (seen, later, total)))):
+                np.testing.assert_array_equal(cupy.asnumpy(a), host[0] * np.float32(2) + host[r])
+                np.testing.assert_array_equal(cupy.asnumpy(c), host[r] * np.float32(3))
+                np.testing.assert_allclose(cupy.asnumpy(t), np.sum(host, axis=0) * len(devices), rtol=1e-5)
+        assert run.experimental_get_tracing_count() == 1
+
+
+@pytest.mark.gpu
+def test_logical_gpus_on_two_gpus_run_eagerly_and_give_the_eager_bits():
+    """2 GPUs x 2 logical replicas: NCCL refuses shared GPUs, and the native engine orders the GPUs with
+    events, which per-GPU graphs cannot hold: the capture fails (its forked streams joined, so the next
+    steps run on clean streams), the step runs eagerly with one warning, and gives the eager bits."""
+    if gpu_env.NGPU < 2:
+        pytest.skip("needs two GPUs")
+    from mirrored.device import config
+
+    results = []
+    try:
+        for gpu in (0, 1):
+            config.set_logical_device_configuration("GPU", gpu, count=2)
+        for captured in (False, True):
+            strategy = md.MirroredStrategy([f"/gpu:{i}" for i in range(4)])
+            assert sorted(md.device_util.physical_ordinal(d) for d in strategy.extended.worker_devices) == [0, 0, 1, 1]
+            w, b, opt = _model(strategy, "adam")
+            step = _step_fn(w, b, opt)
+            run = md.function(step) if captured else step
+            with pytest.warns(EagerFallbackWarning, match="recorded outside the capture") if captured else \
+                    contextlib.nullcontext():
+                losses = [strategy.reduce(md.ReduceOp.SUM, strategy.run(run, args=_replica_batches_of(strategy, s)),
+                                          axis=None) for s in range(4)]
+            results.append((losses, [c.numpy() for v in (w, b) for c in v.values]))
+    finally:
+        for gpu in (0, 1):
+            config.set_logical_device_configuration(f"GPU:{gpu}", None)
+    (eager_losses, eager), (captured_losses, captured) = results
+    np.testing.assert_array_equal(captured_losses, eager_losses)
+    for e, c in zip(eager, captured):
+        np.testing.assert_array_equal(c, e)
 
 
 @pytest.mark.gpu
@@ -422,7 +547,7 @@ def _train_deep(replicas, optimizer, captured, steps=4):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("replicas", [1, 2, 4])
 @pytest.mark.parametrize("optimizer", ["sgd", "sgd momentum", "adam"])
 def test_a_step_over_many_parameters_is_captured_and_gives_the_eager_steps_bits(replicas, optimizer):
     """The optimizer packs the gradients with the native multi-tensor copy (no pointer-table upload

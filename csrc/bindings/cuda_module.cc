@@ -511,13 +511,14 @@ void def_sim(py::module_& m) {
     py::dict d;
     d["launches"] = c.launches;
     d["graph_launches"] = c.graph_launches;
+    d["graph_branches"] = c.graph_branches;
     d["kernels"] = c.kernels;
     d["blas"] = c.blas;
     d["stream_ops"] = c.stream_ops;
     d["host_waits"] = c.host_waits;
     d["calls"] = c.calls;
     return d;
-  }, "Engine kernel launches, graph launches, stand-in kernels and stand-in cuBLAS products per device, stream operations (records, "
+  }, "Engine kernel launches, graph launches and the branches they replayed, stand-in kernels and stand-in cuBLAS products per device, stream operations (records, "
      "waits, copies, syncs), host waits for the GPU (synchronisations, cudaFree) and runtime calls by name (cudaSetDevice: ...) "
      "since reset_counters().");
   s.def("reset_counters", [] { sim::reset_counters(); });

@@ -583,6 +583,7 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
   CUstream_st* st = sim::resolve(s);
   if (st->capture) sim::refuse(st->capture, "cudaGraphLaunch");
   ++sim::counted.graph_launches[st->device];
+  sim::counted.graph_branches[st->device] += static_cast<long>(exec->branches.size());
   std::map<Record*, std::shared_ptr<Record>> fresh;
   auto renew = [&fresh](const std::shared_ptr<Record>& r) {
     auto& n = fresh[r.get()];

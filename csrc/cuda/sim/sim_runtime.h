@@ -42,6 +42,9 @@ void drain_until(const std::function<bool()>& done);
 struct Counters {
   std::map<int, long> launches;
   std::map<int, long> graph_launches;  // cudaGraphLaunch calls, per device of the launch stream
+  // The branches those launches replayed (a captured stream's work each: the origin's, and every
+  // stream that forked from it), per device of the launch stream.
+  std::map<int, long> graph_branches;
   std::map<int, long> kernels;  // the embedder's kernels (launch_kernel), per device
   std::map<int, long> blas;     // the stand-in cuBLAS's kernels (launch_blas), per device
   long stream_ops = 0;

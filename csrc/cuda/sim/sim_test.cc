@@ -800,6 +800,8 @@ void check_capture() {
         cudaGraphLaunch(exec, l.streams[0]);
         const auto c = sim::counters();
         EXPECT(c.launches_total() == 0 && c.graph_launches.at(devices[0]) == 1, "a replay is one graph launch");
+        EXPECT(c.graph_branches.at(devices[0]) >= n,
+               "the launch replays a branch per caller's stream at least (the engine forks streams of its own too)");
         std::vector<std::vector<int>> res(n);
         for (int r = 0; r < n; ++r) {
           res[r].assign(count, 0);

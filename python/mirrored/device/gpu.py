@@ -19,6 +19,7 @@ import threading
 
 import numpy as np
 
+from .._nest import flatten
 from .engine import extension, name as engine_name
 
 NCCL_FIX = "pip install nvidia-nccl-cu13"
@@ -61,19 +62,25 @@ def replica_stream(replica_id: int, ordinal: int):
     default stream orders them with each other, which is what collectives
     use to meet every replica's work (see :func:`collective_stream`).
     """
-    key = (int(replica_id), int(ordinal))
-    with _lock:
-        s = _replica_streams.get(key)
-        if s is None:
-            cupy = cupy_module()
-            with cupy.cuda.Device(ordinal):
-                s = cupy.cuda.Stream(non_blocking=False)
-            _replica_streams[key] = s
-            _replica_stream_ptrs.add(s.ptr)
-        return s
+    return _made_once(_replica_streams, (int(replica_id), int(ordinal)), ordinal, False, _replica_stream_ptrs)
 
 
 _step_streams: dict = {}
+_fork_streams: dict = {}
+_fork_stream_ptrs: set = set()
+
+
+def _made_once(table: dict, key, ordinal: int, non_blocking: bool, ptrs: set | None = None):
+    """``table[key]``, a stream of GPU ``ordinal`` made on first use (its handle added to ``ptrs``)."""
+    with _lock:
+        s = table.get(key)
+        if s is None:
+            cupy = cupy_module()
+            with cupy.cuda.Device(ordinal):
+                s = table[key] = cupy.cuda.Stream(non_blocking=non_blocking)
+            if ptrs is not None:
+                ptrs.add(s.ptr)
+        return s
 
 
 def step_stream(ordinal: int):
@@ -82,13 +89,16 @@ def step_stream(ordinal: int):
     stream both ways). One stream, not one per capture: each stream that runs a matrix product
     keeps a cuBLAS workspace for good (docs/linalg.md). Non-blocking: the legacy stream's
     implicit synchronisation cannot be captured."""
-    with _lock:
-        s = _step_streams.get(int(ordinal))
-        if s is None:
-            cupy = cupy_module()
-            with cupy.cuda.Device(ordinal):
-                s = _step_streams[int(ordinal)] = cupy.cuda.Stream(non_blocking=True)
-        return s
+    return _made_once(_step_streams, int(ordinal), ordinal, True)
+
+
+def fork_stream(replica_id: int, ordinal: int):
+    """Replica ``replica_id``'s stream on GPU ``ordinal`` inside ``md.function``'s steps when it shares
+    that GPU with other replicas: forked from :func:`step_stream` and joined back (see
+    :class:`StepScope`), so that the replicas' work is parallel branches of the GPU's graph. Made once
+    per (replica, GPU) and shared by every capture, as ``step_stream`` is: the cuBLAS workspaces stay
+    one per replica and GPU. Non-blocking, as ``step_stream``."""
+    return _made_once(_fork_streams, (int(replica_id), int(ordinal)), ordinal, True, _fork_stream_ptrs)
 
 
 @contextlib.contextmanager
@@ -106,12 +116,37 @@ def replica_scope(ordinal: int, replica_id: int):
 class StepScope:
     """The streams and memory of a step that ``md.function`` runs (eagerly to warm up, or under capture).
 
-    ``streams[ordinal]``: the one stream every replica's work on that GPU goes to (replica
-    streams and the legacy default stream alike: the legacy stream cannot be captured, and
-    one stream in issue order orders replicas and their merges as the legacy stream did).
+    ``streams[ordinal]``: GPU ``ordinal``'s step stream (:func:`step_stream`; the legacy default
+    stream, which ordered replica streams and merges eagerly, cannot be captured). A replica that
+    has its GPU to itself runs there. Replicas that share a GPU (logical GPUs) each run on a
+    stream of their own (:func:`fork_stream`), so that the GPU's graph holds them as parallel
+    branches, which a replay can run concurrently: entering the replica, its stream waits for the
+    step stream's work so far (the fork); leaving, the step stream waits for the replica stream's
+    work (the join, which CUDA requires of every forked stream before the capture ends).
+    Cross-replica work runs on the step stream: the step's code outside ``strategy.run``, and
+    every combine of :class:`MergeOrder` (collectives, merge_fns, the optimizer's update), which
+    first joins every replica stream of the GPU and is waited for by each before its later work.
+
     ``allocator``: the step's private memory pool (``MemoryPool().malloc``), so that a
     captured graph owns its memory and replays never write into an array that lives
-    outside it. ``capturing``: the work is being recorded, not run. ``replay_hooks``:
+    outside it. The pool, as CuPy's, files a block under the stream current at its allocation
+    and hands it out again, without a wait, only to that stream's later allocations; a block is
+    safe when every read of it on another stream is ordered before that stream's later work:
+
+    * allocated on a step stream (a combine's results, code outside ``strategy.run``), read by
+      replicas: the step stream's next work is a combine, which joins every replica stream
+      first, or code after ``strategy.run``, when every replica has joined;
+    * allocated on a replica's stream, read on the step stream (a combine's inputs, the
+      replica's results read after ``strategy.run``): the replica stream's later work waits
+      for the step stream (after the combine; at its next fork);
+    * allocated on replica A's stream, read on replica B's: only when a combine hands one
+      replica's input array to others (a merge_fn returning it), and B may read it, and drop
+      it last, long after; A's next allocation is not ordered after those reads until the next
+      combine. So :class:`MergeOrder` keeps the memory of every combine's input arrays until
+      every replica of the ``run`` has finished (joined): A's stream then reuses the block
+      only after its next fork, which follows B's join.
+
+    ``capturing``: the work is being recorded, not run. ``replay_hooks``:
     host work (``hook()``) that must run before every replay, e.g. an optimizer's scalars
     of the step uploaded into the device buffers the graph reads. ``host_written``: the
     allocator of such buffers (and of the input buffers): a pool of their own, because a
@@ -146,11 +181,19 @@ def running_step(scope: StepScope):
 
 def merge_stream(ordinal: int):
     """The stream cross-replica work on GPU ``ordinal`` goes to: the legacy default stream, ordered
-    after every replica stream's queued work and before their later work; the step's own stream
-    inside ``md.function``."""
+    after every replica stream's queued work and before their later work; inside ``md.function``
+    the stream the caller's data is ordered on (:func:`_step_stream_of_caller`)."""
     if _step is not None:
-        return _step.streams[ordinal]
+        return _step_stream_of_caller(ordinal)
     return cupy_module().cuda.Stream.null
+
+
+def _step_stream_of_caller(ordinal: int):
+    """Inside ``md.function``: the calling replica's fork stream on GPU ``ordinal`` when that is the
+    thread's current stream there (a replica sharing the GPU, outside a combine), else the GPU's step
+    stream (a replica alone on its GPU, a combine, the step's code outside ``strategy.run``)."""
+    current = cupy_module().cuda.get_current_stream(ordinal)
+    return current if current.ptr in _fork_stream_ptrs else _step.streams[ordinal]
 
 
 def step_memory():
@@ -181,11 +224,16 @@ class MergeOrder:
     stream waits for that stream's queued work before the combine (the inputs), that stream waits
     for the combine's work after it (the results), and the results handed to that replica are kept
     until the work its stream queued before the replica returned is done (a free on the merge
-    stream would not wait for those reads). Inside ``md.function`` every replica's work is on the
-    step's stream already.
+    stream would not wait for those reads).
+
+    Inside ``md.function`` the merge stream is each GPU's step stream (:class:`StepScope`): a
+    combine first joins the streams of the replicas that share a GPU (forked from it), and each of
+    them waits for the combine after it; the memory of the combine's input arrays is kept until
+    every replica of the run has finished (StepScope says why).
     """
 
-    __slots__ = ("_ordinals", "_gpus", "_foreign", "_any_foreign", "_held", "_cuda", "_null")
+    __slots__ = ("_ordinals", "_gpus", "_foreign", "_any_foreign", "_held", "_cuda", "_null", "_shared", "_forks",
+                 "_kept", "_finished")
 
     def __init__(self, ordinals):
         self._ordinals = tuple(ordinals)
@@ -196,6 +244,13 @@ class MergeOrder:
         self._held = [[] for _ in range(n)]  # replica -> [(ordinal, its stream, results handed to it)] of this run
         self._cuda = cupy_module().cuda
         self._null = self._cuda.Stream.null  # (merge_stream outside md.function, looked up once)
+        # (replica, ordinal) of the replicas that share their GPU: inside md.function each runs on a fork stream
+        self._shared = tuple((r, o) for r, o in enumerate(self._ordinals)
+                             if o is not None and self._ordinals.count(o) > 1)
+        self._forks = None  # [(ordinal, fork stream)] of those, made at the first step that forks
+        self._kept = []  # memory of this run's combine inputs inside md.function (see StepScope)
+        self._finished = set()  # the replicas of this run that finished since the first kept (a set: replica
+        # threads may finish at once)
 
     def arrive(self, replica: int) -> None:
         """Notes the stream replica ``replica`` (the calling one) has queued its inputs on."""
@@ -221,6 +276,11 @@ class MergeOrder:
             for r, stream in foreign:
                 with cuda.Device(self._ordinals[r]):
                     self._merge_stream(self._ordinals[r]).wait_event(stream.record())
+        forks = ()
+        if _step is not None and self._shared:
+            forks = self._fork_streams()
+            self._join(forks)
+            self._keep(slots)
         device = runtime.getDevice()
         entered = []  # (a stream is entered with its device current, and left so; entered as `with` does)
         # Leaving a `with` block makes the top of CuPy's per-thread stack current again, not a stream the
@@ -265,12 +325,44 @@ class MergeOrder:
                 stream.wait_event(self._merge_stream(ordinal).record())
                 if results is not None:
                     self._held[r].append((ordinal, stream, results[r]))
+            if forks:
+                self._fork(forks)
             if on != device:
                 runtime.setDevice(device)
 
+    def _fork_streams(self) -> list:
+        if self._forks is None:
+            self._forks = [(o, fork_stream(r, o)) for r, o in self._shared]
+        return self._forks
+
+    def _join(self, forks) -> None:
+        """Each GPU's step stream waits for the queued work of its replicas' fork streams."""
+        for ordinal, stream in forks:
+            with self._cuda.Device(ordinal):
+                _step.streams[ordinal].wait_event(stream.record())
+
+    def _fork(self, forks) -> None:
+        """The replicas' fork streams wait for their GPU's step stream (the combine's work)."""
+        combined = {}
+        for ordinal, stream in forks:
+            with self._cuda.Device(ordinal):
+                if ordinal not in combined:
+                    combined[ordinal] = _step.streams[ordinal].record()
+                stream.wait_event(combined[ordinal])
+
+    def _keep(self, slots) -> None:
+        """Keeps the memory of the combine's input arrays until the run's replicas have all finished."""
+        ndarray = cupy_module().ndarray
+        self._kept.extend(leaf.data.mem for leaf in flatten(slots) if isinstance(leaf, ndarray))
+
     def finish(self, replica: int) -> None:
         """Replica ``replica`` returned: what was handed to it on a stream of the user's goes once
-        that stream's work queued so far is done."""
+        that stream's work queued so far is done. Inside ``md.function`` the memory of the run's
+        combine inputs goes once every replica has finished (and so joined its GPU's step stream)."""
+        if self._kept:  # (every replica finishes after the run's last combine: all of them are counted)
+            self._finished.add(replica)
+            if len(self._finished) == len(self._ordinals):
+                self._kept, self._finished = [], set()
         held = self._held[replica]
         if held:
             self._held[replica] = []
@@ -287,9 +379,10 @@ def collective_stream(ordinal: int) -> int:
     replica): then the legacy default stream, which waits for every
     replica's queued work on the device and is waited for by their next work.
     (A replica context's collectives run in :meth:`MergeOrder.combine`, with that stream current.)
+    Inside ``md.function``: the step's stream the caller's data is ordered on (see :class:`StepScope`).
     """
-    if _step is not None:  # inside md.function every replica's work on the GPU is on the step's stream
-        return _step.streams[ordinal].ptr
+    if _step is not None:
+        return _step_stream_of_caller(ordinal).ptr
     s = cupy_module().cuda.get_current_stream(ordinal)
     return 0 if s.ptr in _replica_stream_ptrs else s.ptr
 

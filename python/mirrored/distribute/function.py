@@ -11,7 +11,8 @@ TensorFlow's ``tf.function`` contract for NumPy/CuPy steps under a GPU strategy:
 The first call with an input signature (structure, shapes, dtypes, devices, Python values)
 runs the step eagerly, as a warm-up, then captures it: every GPU's work (the replicas'
 CuPy kernels, the collectives, the optimizer's update) is recorded into one CUDA graph per
-GPU, on one stream per GPU and from a memory pool of the graph's own. Later calls with
+GPU, from the GPU's step stream (replicas that share a GPU as parallel branches forked from it,
+device/gpu.py StepScope) and from a memory pool of the graph's own. Later calls with
 that signature copy their inputs into the captured input buffers and launch the graphs:
 no Python of the step runs. docs/function.md says what may change between calls.
 """

@@ -492,37 +492,49 @@ class _GpuReplicaScope:
     the run ends, and the next replica on the thread sets its own), which saves a device read a replica.
     """
 
-    def __init__(self, device, replica_id: int):
+    def __init__(self, device, replica_id: int, shares_gpu: bool):
         self._ordinal = ordinal = device_util.physical_ordinal(device)
         self._device = device
         self._runtime = _gpu.cupy_module().cuda.runtime
         self._stream = _gpu.replica_stream(replica_id, ordinal)
-        self._entered = []  # (stream entered, memory scope or None)
+        self._replica_id, self._shares_gpu = replica_id, shares_gpu
+        self._entered = []  # (stream entered, memory scope or None, the step stream it forked from or None)
 
     def __enter__(self):
-        # Inside md.function the replica runs on the step's stream and memory (device/gpu.py StepScope).
-        # The step's allocator is the same for every replica and the md.function caller's own, so
-        # interleaved enters and exits of its (per-thread) scope leave it as it was.
+        # Inside md.function the replica runs on the step's memory, and on its GPU's step stream, or, when
+        # replicas share the GPU, on a stream forked from it (device/gpu.py StepScope). The step's allocator
+        # is the same for every replica and the md.function caller's own, so interleaved enters and exits of
+        # its (per-thread) scope leave it as it was.
         step = _gpu.step_scope()
+        origin = None
         if step is None:
             stream, memory = self._stream, None
+        elif self._shares_gpu:
+            origin, memory = step.streams[self._ordinal], _gpu.step_memory()
+            stream = _gpu.fork_stream(self._replica_id, self._ordinal)
         else:
             stream, memory = step.streams[self._ordinal], _gpu.step_memory()
         _device_local.device = self._device
         if self._runtime.getDevice() != self._ordinal:
             self._runtime.setDevice(self._ordinal)
+        if origin is not None:  # the fork
+            stream.wait_event(origin.record())
         stream.__enter__()
         if memory is not None:
             memory.__enter__()
-        self._entered.append((stream, memory))
+        self._entered.append((stream, memory, origin))
         _running.scope = self
 
     def __exit__(self, *exc):
-        stream, memory = self._entered.pop()
+        stream, memory, origin = self._entered.pop()
         if memory is not None:
             memory.__exit__(*exc)
         stream.__exit__(None, None, None)  # (on top: anything entered after it inside the replica has been left)
         _running.scope = None
+        if origin is not None:  # the join, with the stream's device current (the replica may have left it)
+            if self._runtime.getDevice() != self._ordinal:
+                self._runtime.setDevice(self._ordinal)
+            origin.wait_event(stream.record())
 
 
 class _MirroredReplicaContext(ReplicaContext):
@@ -582,8 +594,10 @@ class MirroredExtended(StrategyExtended):
 
     def _replica_scopes(self) -> list:
         if self._scopes is None:
-            self._scopes = [_GpuReplicaScope(d, i) if device_util.parse(d).device_type == "GPU"
-                            else device_util.device_scope(d) for i, d in enumerate(self._local_devices)]
+            gpus = [device_util.physical_ordinal(d) if device_util.parse(d).device_type == "GPU" else None
+                    for d in self._local_devices]
+            self._scopes = [_GpuReplicaScope(d, i, gpus.count(o) > 1) if o is not None
+                            else device_util.device_scope(d) for i, (d, o) in enumerate(zip(self._local_devices, gpus))]
         return self._scopes
 
     def _call_for_each_replica(self, fn, args, kwargs):
