@@ -28,7 +28,11 @@ _Y = _rng.standard_normal((10, 8, 3)).astype(np.float32)
 
 _OPTIMIZERS = {"sgd": lambda: md.optimizers.SGD(0.1),
                "momentum": lambda: md.optimizers.SGD(0.05, momentum=0.9),
-               "adam": lambda: md.optimizers.Adam(0.01)}
+               "adam": lambda: md.optimizers.Adam(0.01),
+               # (the rules with more scalars of the step: Nadam's momentum schedule, weight decay, RMSprop's)
+               "nadam": lambda: md.optimizers.Nadam(0.01),
+               "adamw": lambda: md.optimizers.AdamW(0.01, weight_decay=0.1),
+               "rmsprop": lambda: md.optimizers.RMSprop(0.01, momentum=0.5, centered=True)}
 
 # Which optimizer applies which layer's gradients, in order: (optimizer index, layer index, loss-scaled).
 # A pair of one layer after another layer's pair recomputes the gradients from the updated weights.
@@ -78,7 +82,7 @@ def _step_fn(case, layers, optimizers):
 def _refused(case, optimizer) -> bool:
     """Whether md.function runs the step eagerly: a loss-scaled optimizer applied twice whose scalars follow
     the step, where the second apply's step depends on whether the GPU skipped the first."""
-    return case == "a loss-scaled optimizer twice on the same variables" and optimizer == "adam"
+    return case == "a loss-scaled optimizer twice on the same variables" and optimizer in ("adam", "nadam", "adamw")
 
 
 def _train(replicas, one_gpu, case, optimizer, captured, steps=10):
@@ -109,14 +113,8 @@ def _train(replicas, one_gpu, case, optimizer, captured, steps=10):
         return state, losses, counts
 
 
-@pytest.mark.parametrize("replicas, one_gpu", [(1, True), (2, True), (4, True), (2, False)],
-                         ids=["1 replica", "2 logical GPUs", "4 logical GPUs", "2 GPUs"])
-@pytest.mark.parametrize("optimizer", list(_OPTIMIZERS))
-@pytest.mark.parametrize("case", list(_CASES))
-def test_a_captured_step_with_several_applies_gives_the_eager_steps_bits_and_counts(case, optimizer, replicas,
-                                                                                    one_gpu):
-    if not one_gpu and gpu_env.NGPU < 2:
-        pytest.skip("needs two GPUs")
+def _check(case, optimizer, replicas, one_gpu):
+    """The captured step gives the eager step's bits (weights, slots, counts, losses), counting as TensorFlow."""
     eager, eager_losses, eager_counts = _train(replicas, one_gpu, case, optimizer, captured=False)
     captured, captured_losses, captured_counts = _train(replicas, one_gpu, case, optimizer, captured=True)
     assert len(captured) == len(eager)
@@ -128,3 +126,21 @@ def test_a_captured_step_with_several_applies_gives_the_eager_steps_bits_and_cou
     per_step = [sum(1 for o, _, _ in _CASES[case] if o == index) for index in range(len(eager_counts[0]))]
     assert eager_counts == [[n * (s + 1) for n in per_step] for s in range(10)]
     assert captured_counts == eager_counts
+
+
+@pytest.mark.parametrize("replicas, one_gpu", [(1, True), (2, True), (4, True), (2, False)],
+                         ids=["1 replica", "2 logical GPUs", "4 logical GPUs", "2 GPUs"])
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
+@pytest.mark.parametrize("case", list(_CASES))
+def test_a_captured_step_with_several_applies_gives_the_eager_steps_bits_and_counts(case, optimizer, replicas,
+                                                                                    one_gpu):
+    if not one_gpu and gpu_env.NGPU < 2:
+        pytest.skip("needs two GPUs")
+    _check(case, optimizer, replicas, one_gpu)
+
+
+@pytest.mark.parametrize("optimizer", ["nadam", "adamw", "rmsprop"])
+@pytest.mark.parametrize("case", ["one optimizer twice on the same variables",
+                                  "a loss-scaled optimizer and a plain one"])
+def test_the_other_rules_in_a_captured_step_with_several_applies_give_the_eager_steps_bits(case, optimizer):
+    _check(case, optimizer, 2, True)
