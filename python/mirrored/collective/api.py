@@ -57,9 +57,13 @@ def broadcast(buffers, root=0, *, out=None):
     return plan_broadcast(buffers, root, out)
 
 
-def reduce(buffers, op="sum", root=0, *, out=None):
-    """The reduction of all replicas' buffers, written to ``out[root]`` (or a new array) and returned."""
-    return plan_reduce(buffers, op, root, out)
+def reduce(buffers, op="sum", root=0, *, out=None, algorithm="auto"):
+    """The reduction of all replicas' buffers, written to ``out[root]`` (or a new array) and returned.
+
+    ``algorithm``: ``"nccl"`` reduces GPU buffers with NCCL (one GPU per
+    replica); any other name of ``ALGORITHMS`` takes the engine's direct reduce.
+    """
+    return plan_reduce(buffers, op, root, out, algorithm)
 
 
 def all_gather(buffers, axis=0):

@@ -154,19 +154,23 @@ def _on_each_gpu(cupy, devices: tuple, ordinals: tuple, make) -> list:
     return made
 
 
-def reduce(buffers, op="sum", root=0, *, out=None):
-    """The reduction of all replicas' buffers, written to ``out[root]`` (or a new array on the root's GPU) and returned."""
+def reduce(buffers, op="sum", root=0, *, out=None, algorithm="auto"):
+    """The reduction of all replicas' buffers, written to ``out[root]`` (or a new array on the root's GPU) and returned.
+
+    ``algorithm="nccl"``: NCCL's reduce (one GPU per replica), which a CUDA
+    graph of each GPU can hold; any other: the native engine's direct reduce.
+    """
     arrays, code, devices = _inputs(buffers, "buffers")
     opc = op_code(op)
     root = root_index(root, len(arrays))
-    engine, _ = _engine(devices, "auto")
+    engine, _ = _engine(devices, algorithm)
     if out is None:
         with _gpu.cupy_module().cuda.Device(devices[root]):
             target, finish = _gpu.cupy_module().empty_like(arrays[root]), None
     else:
         outs, finish = _outputs(out, arrays, devices, "out", written=root)
         target = outs[root]
-    with span("reduce", arrays[0].nbytes, "direct", len(arrays)):
+    with span("reduce", arrays[0].nbytes, algorithm, len(arrays)):
         engine.reduce(_ptrs(arrays), [target.data.ptr] * len(arrays), arrays[0].size, code, opc, root,
                       _streams(devices))
     return target if finish is None else finish()[root]

@@ -144,14 +144,15 @@ def broadcast(buffers, root, out):
     return done
 
 
-def reduce(buffers, op, root, out):
+def reduce(buffers, op, root, out, algorithm):
     if integer_mean(buffers, op):
-        total = reduce(buffers, "sum", root, None)
+        total = reduce(buffers, "sum", root, None, algorithm)
         return true_divide([total], len(buffers), None if out is None else [out[root]])[0]
     if on_gpu(buffers):
         from .cuda import reduce as gpu_reduce
 
-        return gpu_reduce(buffers, op, root, out=out)
+        return gpu_reduce(buffers, op, root, out=out, algorithm=algorithm)
+    algorithm_code(algorithm)  # (named, so 'nccl' on host buffers says why; the host reduce is one direct pass)
     arrays, code = _inputs(buffers, "buffers")
     opc = op_code(op)
     root = root_index(root, len(arrays))

@@ -230,7 +230,10 @@ class _NativeAllReduce(CrossDeviceOps):
         if get_devices_from(destinations) == devices:
             return self.batch_reduce_implementation(reduce_op, [(per_replica_value, destinations)], options)[0]
         self._check_devices(devices)
-        reduced = self._collectives.reduce(_buffers(per_replica_value), reduce_op.value, root=0)
+        # TF reduces to one device here. The engine is the all-reduce's: NCCL's reduce for NcclAllReduce,
+        # which each GPU's CUDA graph holds (md.function), where the native engine orders GPUs with events.
+        reduced = self._collectives.reduce(_buffers(per_replica_value), reduce_op.value, root=0,
+                                           algorithm=self._algorithm)
         return _fresh_to(reduced, destinations)
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
