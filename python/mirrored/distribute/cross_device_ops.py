@@ -227,12 +227,15 @@ class _NativeAllReduce(CrossDeviceOps):
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         devices = get_devices_from(per_replica_value)
-        if get_devices_from(destinations) == devices:
+        dest = get_devices_from(destinations)
+        if dest == devices:
             return self.batch_reduce_implementation(reduce_op, [(per_replica_value, destinations)], options)[0]
         self._check_devices(devices)
-        # TF reduces to one device here. The engine is the all-reduce's: NCCL's reduce for NcclAllReduce,
-        # which each GPU's CUDA graph holds (md.function), where the native engine orders GPUs with events.
-        reduced = self._collectives.reduce(_buffers(per_replica_value), reduce_op.value, root=0,
+        # TF reduces to one device here: the first destination where it holds a component (no copy after
+        # the reduce), with the all-reduce's engine. NCCL's reduce for NcclAllReduce is what each GPU's
+        # CUDA graph can hold (md.function); the native engine orders the GPUs with events.
+        root = devices.index(dest[0]) if dest[0] in devices else 0
+        reduced = self._collectives.reduce(_buffers(per_replica_value), reduce_op.value, root=root,
                                            algorithm=self._algorithm)
         return _fresh_to(reduced, destinations)
 
