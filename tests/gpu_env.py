@@ -92,6 +92,22 @@ def gpu_pair(kind: str = "logical"):
 
 
 @contextlib.contextmanager
+def physical_gpus(count: int, seed: int = 0):
+    """``count`` physical GPUs (peer access between all) for a block: the simulated machine remade with
+    that many, and SIM_DEVICES again after; on real GPUs the machine's own (the test skips with fewer)."""
+    if not SIMULATED:
+        if NGPU < count:
+            pytest.skip(f"needs {count} GPUs")
+        yield
+        return
+    cupy.configure(count, [(a, b) for a in range(count) for b in range(count) if a != b], seed)
+    try:
+        yield
+    finally:
+        cupy.configure(SIM_DEVICES, SIM_PEERS, seed)
+
+
+@contextlib.contextmanager
 def mirrored_strategy(replicas: int, one_gpu: bool = True):
     """A MirroredStrategy over ``replicas`` logical GPUs on GPU 0 (the native engine), or one replica per GPU
     (NCCL), for a block; GPU 0's logical split is undone after it."""

@@ -32,6 +32,8 @@ A = np.ones(4, np.float32)
         (lambda: collectives.broadcast([A, A], root=2), ValueError, "root=2"),
         (lambda: collectives.broadcast([A, A], root=-1), ValueError, "root=-1"),
         (lambda: collectives.reduce([A, A], "sum", root="0"), ValueError, "root="),
+        (lambda: collectives.reduce([A, A], "sum", algorithm="nccl"), ValueError, "GPU"),
+        (lambda: collectives.reduce([A, A], "sum", algorithm="bogus"), ValueError, "algorithm='bogus'"),
         (lambda: collectives.all_gather([A, A], axis=1), ValueError, "axis=1"),
         (lambda: collectives.all_gather([np.float32(1)] * 2), ValueError, "0-d"),
         (lambda: collectives.all_gather([np.ones((2, 3)), np.ones((2, 4))], 0), ValueError, "except along axis 0"),

@@ -158,6 +158,38 @@ def test_nccl_all_reduce_matches_numpy(op, dtype):
     check_matrix(n, dtype, op, "nccl", tuple(range(n)))
 
 
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nccl_reduce_matches_numpy_on_the_root_only(op, dtype):
+    """NCCL's reduce (NcclAllReduce's reduce to one device): the result on the root's GPU, other outputs untouched."""
+    if not _gpu.nccl_available():
+        pytest.skip("NCCL is not installed (pip install nvidia-nccl-cu13)")
+    n = min(NGPU, 4)
+    if n < 2:
+        pytest.skip("needs 2 GPUs")
+    if not cupy_has(dtype):
+        pytest.skip(f"this CuPy has no {np.dtype(dtype)} arrays")
+    rng = np.random.default_rng([OPS.index(op), DTYPES.index(dtype)])
+    xs = make_inputs(rng, n, (37,), dtype, op)
+    arrays = upload(xs, tuple(range(n)))
+    for root in range(n):
+        r = collectives.reduce(arrays, op, root, algorithm="nccl")
+        assert r.device.id == root
+        assert_reduced(download([r], dtype), xs, op)
+        if op == "mean" and np.dtype(dtype).kind in "iu":
+            continue  # the float64 mean of integers has no out= of the inputs' dtype
+        out = []
+        for a in arrays:
+            with a.device:
+                out.append(cupy.full_like(a, 3))
+        assert collectives.reduce(arrays, op, root, out=out, algorithm="nccl") is out[root]
+        got = download(out, dtype)
+        assert_reduced(got[root], xs, op)
+        for i, o in enumerate(got):
+            if i != root:
+                np.testing.assert_array_equal(o, np.full_like(xs[0], 3))
+
+
 def test_nccl_refuses_two_replicas_on_one_gpu():
     xs = upload([np.ones(4, np.float32)] * 2, (0, 0))
     with pytest.raises(ValueError, match="use algorithm='ring' for logical GPUs"):
