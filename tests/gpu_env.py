@@ -101,10 +101,12 @@ def physical_gpus(count: int, seed: int = 0):
         yield
         return
     cupy.configure(count, [(a, b) for a in range(count) for b in range(count) if a != b], seed)
+    config.set_logical_device_configuration("GPU:0", None)  # (also drops the device tables of the last machine)
     try:
         yield
     finally:
         cupy.configure(SIM_DEVICES, SIM_PEERS, seed)
+        config.set_logical_device_configuration("GPU:0", None)
 
 
 @contextlib.contextmanager

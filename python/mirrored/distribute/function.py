@@ -20,6 +20,7 @@ no Python of the step runs. docs/function.md says what may change between calls.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import sys
@@ -374,7 +375,7 @@ def _capture(fn, strategy, inputs, ordinals):
             with cupy.cuda.Device(o):
                 streams[o].begin_capture(mode=relaxed)
             began.append(o)
-        with _gpu.running_step(scope), cupy.cuda.Device(first), streams[first], \
+        with _gpu.running_step(scope), _on_step_streams(cupy, streams, first), \
                 cupy.cuda.using_allocator(pool.malloc):
             outputs = strategy.run(fn, args=args, kwargs=kwargs) if strategy is not None else fn(*args, **kwargs)
     except Exception as e:
@@ -388,6 +389,19 @@ def _capture(fn, strategy, inputs, ordinals):
     if error is not None:
         return error
     return _Captured(scope, (pool, host_written), graphs, buffers, outputs)
+
+
+@contextlib.contextmanager
+def _on_step_streams(cupy, streams: dict, first: int):
+    """Every GPU's step stream current on that GPU for the step's own code, and GPU ``first`` current. Work
+    the step queues on another GPU (under ``with array.device``, as strategy.reduce along an axis computes
+    each replica's part) is then captured into that GPU's graph; on its legacy stream it would run once,
+    now, while the capture records nothing of it."""
+    with contextlib.ExitStack() as stack:
+        for o in sorted(streams, key=lambda o: o == first):  # the first GPU last: it stays current
+            stack.enter_context(cupy.cuda.Device(o))
+            stack.enter_context(streams[o])
+        yield
 
 
 def _caller_stacklevel() -> int:
