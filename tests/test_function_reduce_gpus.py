@@ -174,3 +174,31 @@ def test_reduce_to_batch_reduce_to_and_local_results_are_captured_on_their_desti
             want = [sums, sums / gpus] + [maxes] * gpus + [sums] * (gpus + 2) + [sums]
             for (_, got), w in zip(eager, want):
                 np.testing.assert_allclose(got, w, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64, np.int32])
+@pytest.mark.parametrize("op", ["SUM", "MEAN", "MAX"])
+def test_a_captured_reduce_across_gpus_keeps_tensorflows_dtypes(op, dtype):
+    """NCCL's reduce of each dtype (the MEAN of integers: a float64 division after the sum, as TF's)."""
+    runs = {}
+    with gpu_env.physical_gpus(2):
+        for captured in (False, True):
+            strategy = _nccl_strategy(2)
+
+            def replica_step(x):
+                return (x * 4).astype(dtype)
+
+            def step(x):
+                return strategy.reduce(op, strategy.run(replica_step, args=(x,)), axis=None)
+
+            run = md.function(step) if captured else step
+            runs[captured] = [_host(run(*gpu_env.replica_batches(strategy, s, _X))).copy() for s in range(4)]
+    for s, (got, want) in enumerate(zip(runs[True], runs[False])):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+        parts = (_X[s] * 4).astype(dtype).reshape(2, -1, 6)
+        ref = parts.max(axis=0) if op == "MAX" else parts.sum(axis=0, dtype=dtype)
+        if op == "MEAN":
+            ref = ref.astype(np.float64) / 2 if np.dtype(dtype).kind == "i" else ref / dtype(2)
+        assert want.dtype == ref.dtype
+        np.testing.assert_allclose(want, ref, rtol=2e-3 if dtype == np.float16 else 1e-6)
