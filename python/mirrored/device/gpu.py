@@ -232,17 +232,19 @@ class MergeOrder:
     every replica of the run has finished (StepScope says why).
     """
 
-    __slots__ = ("_ordinals", "_gpus", "_foreign", "_any_foreign", "_held", "_cuda", "_null", "_shared", "_forks",
-                 "_kept", "_finished")
+    __slots__ = ("_ordinals", "_gpus", "_arrived", "_foreign", "_any_foreign", "_held", "_cuda", "_ndarray", "_null",
+                 "_shared", "_forks", "_kept", "_finished")
 
     def __init__(self, ordinals):
         self._ordinals = tuple(ordinals)
         self._gpus = tuple(sorted({o for o in self._ordinals if o is not None}))
         n = len(self._ordinals)
+        self._arrived = [None] * n  # replica -> its current stream at its latest arrival (eager steps)
         self._foreign = [None] * n  # replica -> its current stream at arrival, when not ordered by the legacy one
         self._any_foreign = False  # whether any is (the common case, none, costs the combine no walk)
         self._held = [[] for _ in range(n)]  # replica -> [(ordinal, its stream, results handed to it)] of this run
-        self._cuda = cupy_module().cuda
+        cupy = cupy_module()
+        self._cuda, self._ndarray = cupy.cuda, cupy.ndarray
         self._null = self._cuda.Stream.null  # (merge_stream outside md.function, looked up once)
         # (replica, ordinal) of the replicas that share their GPU: inside md.function each runs on a fork stream
         self._shared = tuple((r, o) for r, o in enumerate(self._ordinals)
@@ -257,7 +259,7 @@ class MergeOrder:
         ordinal = self._ordinals[replica]
         if ordinal is None or _step is not None:
             return
-        stream = self._cuda.get_current_stream(ordinal)
+        stream = self._arrived[replica] = self._cuda.get_current_stream(ordinal)
         if stream.ptr != 0 and stream.ptr not in _replica_stream_ptrs:
             self._foreign[replica] = stream
             self._any_foreign = True
@@ -329,6 +331,53 @@ class MergeOrder:
                 self._fork(forks)
             if on != device:
                 runtime.setDevice(device)
+
+    def hand_over(self, slots, results) -> None:
+        """A merge_fn's results, ``results[r]`` handed to replica r, where ``slots[k]`` holds replica k's
+        arguments: orders each array (or view) of replica k's arguments handed to a replica r != k.
+
+        Replica k wrote it on its own stream, and CuPy's pool filed its block under that stream
+        (:class:`MergeOrder`); replica r reads it on its own, which nothing else orders with k's when
+        the merge_fn queued no work. So r's stream waits for k's queued work (the write), and the
+        array's memory is kept, as results handed to a stream of the user's are, until the work r's
+        stream queued before replica r returned is done: k's stream hands the block out again only
+        after r's reads, whoever drops the array last. Every other result is either new (allocated
+        on the merge stream) or was the replica's own already: nothing is done for it. Inside
+        ``md.function`` StepScope keeps such memory instead.
+        """
+        if _step is not None:
+            return
+        ndarray = self._ndarray
+        owners = {}  # base pointer of an argument array's memory -> the replicas whose arguments hold it
+        for k, slot in enumerate(slots):
+            for leaf in flatten(slot):
+                if isinstance(leaf, ndarray) and leaf.data.mem.ptr:  # (a zero-size array has no memory)
+                    owners.setdefault(leaf.data.mem.ptr, set()).add(k)
+        if not owners:
+            return
+        written = {}  # replica k -> an event after the work its stream had queued (recorded once)
+        waited = set()  # (r, k): replica r's stream waits for replica k's
+        for r, result in enumerate(results):
+            ordinal = self._ordinals[r]
+            for leaf in flatten(result) if ordinal is not None else ():
+                if not isinstance(leaf, ndarray):
+                    continue
+                mem = leaf.data.mem
+                sources = owners.get(mem.ptr)
+                if sources is None or r in sources:
+                    continue
+                reader = self._arrived[r]
+                for k in sources:
+                    writer = self._arrived[k]
+                    if (r, k) in waited or writer is None or (writer == reader and self._ordinals[k] == ordinal):
+                        continue
+                    waited.add((r, k))
+                    if k not in written:
+                        with self._cuda.Device(self._ordinals[k]):
+                            written[k] = writer.record()
+                    with self._cuda.Device(ordinal):
+                        reader.wait_event(written[k])
+                self._held[r].append((ordinal, reader, mem))
 
     def _fork_streams(self) -> list:
         if self._forks is None:

@@ -151,7 +151,11 @@ class ReplicaContext:
             merged_kwargs = regroup([k for _, k in per_replica], devices=devices)
             with _entered(_Context(strategy, None)):
                 result = merge_fn(strategy, *merged_args, **merged_kwargs)
-            return [select_replica(r, result) for r in range(len(per_replica))]
+            results = [select_replica(r, result) for r in range(len(per_replica))]
+            order = self._group.order
+            if order is not None and result is not None:  # GPU replicas: one replica's array handed to others?
+                order.hand_over(per_replica, results)
+            return results
 
         return self._group.exchange(self._local_replica_id, "merge_call", (tuple(args), dict(kwargs)), combine)
 
