@@ -119,3 +119,68 @@ def test_an_array_handed_across_is_read_after_the_owner_dropped_it_and_two_colle
             np.testing.assert_array_equal(cupy.asnumpy(a), hosts[0] * np.float32(2) + hosts[r])
             np.testing.assert_array_equal(cupy.asnumpy(c), hosts[r] * np.float32(3))
             np.testing.assert_allclose(cupy.asnumpy(t), np.sum(hosts, axis=0) * n, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("where", ["non-blocking", "blocking", "legacy"])
+def test_hand_offs_between_replicas_on_streams_of_their_own(strategy, where, seed):
+    """Odd replicas compute on a stream of the user's (or the legacy default stream), even ones on their
+    replica stream: the array of the last replica, handed to all, is still read after its writes and
+    before its block is handed out again."""
+    n = strategy.num_replicas_in_sync
+    rng = np.random.default_rng(seed)
+    streams = {}
+    for _ in range(3):
+        hosts = [rng.standard_normal(24).astype(np.float32) for _ in range(n)]
+
+        def step():
+            ctx = md.get_replica_context()
+            r = ctx.replica_id_in_sync_group
+            if r % 2:
+                if where == "legacy":
+                    stream = cupy.cuda.Stream.null
+                else:
+                    stream = streams.setdefault(r, cupy.cuda.Stream(non_blocking=where == "non-blocking"))
+                stream.use()
+            x = cupy.asarray(hosts[r])  # (on the replica's current stream, as everything it computes)
+            mine = x * np.float32(2)
+            got = ctx.merge_call(lambda s, v: v.values[-1], kwargs={"v": mine})
+            del mine
+            seen = got - np.float32(1)
+            del got
+            later = [x * np.float32(5) for _ in range(3)]
+            return seen, later
+
+        seen, later = strategy.run(step)
+        for stream in streams.values():
+            stream.synchronize()
+        for r in range(n):
+            np.testing.assert_array_equal(cupy.asnumpy(strategy.experimental_local_results(seen)[r]),
+                                          hosts[-1] * np.float32(2) - np.float32(1), err_msg=f"replica {r}")
+            for leaf in later:
+                np.testing.assert_array_equal(cupy.asnumpy(strategy.experimental_local_results(leaf)[r]),
+                                              hosts[r] * np.float32(5))
+
+
+@pytest.mark.parametrize("merge_fn", [
+    lambda s, v: None,
+    lambda s, v: v,  # each replica gets its own array back
+    lambda s, v: s.experimental_local_results(v)[0] * 2,  # a new array, made on the merge stream
+    lambda s, v: len(v.values),
+], ids=["none", "own", "new", "number"])
+def test_results_not_handed_across_replicas_cost_no_stream_work(strategy, merge_fn):
+    """Only an array of one replica handed to another is ordered: every other merge_fn result costs no
+    event record or wait (the simulator counts them), as many as a merge_call that returns nothing."""
+    from gpu_env import launches_and_ops
+
+    n = strategy.num_replicas_in_sync
+    x = strategy.run(lambda: cupy.ones(4, cupy.float32) * md.get_replica_context().replica_id_in_sync_group)
+
+    def ops(fn):
+        step = lambda v: md.get_replica_context().merge_call(fn, args=(v,))  # noqa: E731
+        strategy.run(step, args=(x,))
+        return launches_and_ops(lambda: strategy.run(step, args=(x,)))[1]
+
+    assert ops(merge_fn) == ops(lambda s, v: None)
+    handed = ops(lambda s, v: v.values[0])
+    assert handed > ops(lambda s, v: None) or n == 1
