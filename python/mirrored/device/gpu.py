@@ -224,7 +224,8 @@ class MergeOrder:
     stream waits for that stream's queued work before the combine (the inputs), that stream waits
     for the combine's work after it (the results), and the results handed to that replica are kept
     until the work its stream queued before the replica returned is done (a free on the merge
-    stream would not wait for those reads).
+    stream would not wait for those reads). An array of one replica's arguments that a merge_fn
+    hands to another replica is ordered and kept the same way (:meth:`hand_over`).
 
     Inside ``md.function`` the merge stream is each GPU's step stream (:class:`StepScope`): a
     combine first joins the streams of the replicas that share a GPU (forked from it), and each of
