@@ -11,7 +11,7 @@ or a silently wrong value on a GPU).
 import numpy as np
 import pytest
 
-from gpu_env import NGPU, SKIP_REASON, cupy
+from gpu_env import NGPU, SIMULATED, SKIP_REASON, cupy
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
@@ -184,3 +184,56 @@ def test_results_not_handed_across_replicas_cost_no_stream_work(strategy, merge_
     assert ops(merge_fn) == ops(lambda s, v: None)
     handed = ops(lambda s, v: v.values[0])
     assert handed > ops(lambda s, v: None) or n == 1
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_md_function_does_not_capture_a_hand_off_between_gpus(seed):
+    """md.function captures one graph per GPU, which cannot order GPU 1's reads of GPU 0's array after
+    GPU 0's writes: the capture fails naming the fix and the step runs eagerly, right at every call; the
+    fix it names (a collective in replica context) captures."""
+    if NGPU < 2:
+        pytest.skip("needs 2 GPUs")
+    from mirrored.distribute.function import EagerFallbackWarning
+
+    strategy = md.MirroredStrategy(["/gpu:0", "/gpu:1"])
+    devices = strategy.extended.worker_devices
+    rng = np.random.default_rng(seed)
+
+    def handed(ctx, mine):
+        return ctx.merge_call(lambda s, v: v.values[0], args=(mine,))
+
+    def all_reduced(ctx, mine):
+        return ctx.all_reduce(md.ReduceOp.SUM, mine * np.float32(ctx.replica_id_in_sync_group == 0))
+
+    for share, captures in ((handed, False), (all_reduced, True)):
+        def step(x):
+            ctx = md.get_replica_context()
+            mine = x * np.float32(2)
+            got = share(ctx, mine)
+            del mine
+            seen = got + x
+            del got
+            return seen, [x * np.float32(3) for _ in range(3)]
+
+        run = md.function(step)
+        for call in range(4):
+            hosts = [rng.standard_normal(32).astype(np.float32) for _ in devices]
+            x = md.PerReplica([md.device_util.place(h, d) for h, d in zip(hosts, devices)], devices)
+            if call == 0 and not captures:
+                with pytest.warns(EagerFallbackWarning, match=r"handed replica 0's array \(on GPU 0\) to replica 1 "
+                                  r"\(on GPU 1\).*ReplicaContext.all_reduce"):
+                    seen, later = strategy.run(run, args=(x,))
+            else:
+                if SIMULATED:
+                    cupy.sim.drain()
+                    cupy.sim.reset_counters()
+                seen, later = strategy.run(run, args=(x,))
+                if SIMULATED and call > 1:  # (after the warm-up and the capture: a replay, or the eager step)
+                    assert bool(cupy.sim.counters()["graph_launches"]) == captures
+            for r in range(2):
+                np.testing.assert_array_equal(cupy.asnumpy(strategy.experimental_local_results(seen)[r]),
+                                              hosts[0] * np.float32(2) + hosts[r], err_msg=f"call {call}")
+                for leaf in later:
+                    np.testing.assert_array_equal(cupy.asnumpy(strategy.experimental_local_results(leaf)[r]),
+                                                  hosts[r] * np.float32(3))
+        assert run.experimental_get_tracing_count() == 1

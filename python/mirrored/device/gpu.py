@@ -343,42 +343,64 @@ class MergeOrder:
         array's memory is kept, as results handed to a stream of the user's are, until the work r's
         stream queued before replica r returned is done: k's stream hands the block out again only
         after r's reads, whoever drops the array last. Every other result is either new (allocated
-        on the merge stream) or was the replica's own already: nothing is done for it. Inside
-        ``md.function`` StepScope keeps such memory instead.
+        on the merge stream) or was the replica's own already: nothing is done for it.
+
+        Inside ``md.function`` replicas that share a GPU are joined at every combine and StepScope
+        keeps the memory instead; between GPUs, whose graphs are captured apart, nothing can order
+        one GPU's reads after another's writes: the capture fails, naming the fix, and the step runs
+        eagerly (where the above holds).
         """
+        handed = self._handed(slots, results)
         if _step is not None:
+            for r, sources, _ in handed:
+                for k in sources:
+                    if self._ordinals[k] != self._ordinals[r]:
+                        raise RuntimeError(
+                            f"a merge_fn handed replica {k}'s array (on GPU {self._ordinals[k]}) to replica {r} "
+                            f"(on GPU {self._ordinals[r]}), which md.function's per-GPU graphs cannot order after "
+                            "its writes; share values between GPUs through a collective in replica context "
+                            "(ReplicaContext.all_reduce or all_gather, which the graphs hold), or call the step "
+                            "without md.function")
             return
+        written = {}  # replica k -> an event after the work its stream had queued (recorded once)
+        waited = set()  # (r, k): replica r's stream waits for replica k's
+        for r, sources, mem in handed:
+            ordinal, reader = self._ordinals[r], self._arrived[r]
+            for k in sources:
+                writer = self._arrived[k]
+                if (r, k) in waited or (writer == reader and self._ordinals[k] == ordinal):
+                    continue
+                waited.add((r, k))
+                if k not in written:
+                    with self._cuda.Device(self._ordinals[k]):
+                        written[k] = writer.record()
+                with self._cuda.Device(ordinal):
+                    reader.wait_event(written[k])
+            self._held[r].append((ordinal, reader, mem))
+
+    def _handed(self, slots, results) -> list:
+        """``[(r, replicas whose arguments hold it, memory)]`` of each array ``results[r]`` holds whose
+        memory (its allocation's base pointer: views count) other replicas' arguments hold, r's not."""
         ndarray = self._ndarray
         owners = {}  # base pointer of an argument array's memory -> the replicas whose arguments hold it
         for k, slot in enumerate(slots):
+            if self._ordinals[k] is None:
+                continue
             for leaf in flatten(slot):
                 if isinstance(leaf, ndarray) and leaf.data.mem.ptr:  # (a zero-size array has no memory)
                     owners.setdefault(leaf.data.mem.ptr, set()).add(k)
         if not owners:
-            return
-        written = {}  # replica k -> an event after the work its stream had queued (recorded once)
-        waited = set()  # (r, k): replica r's stream waits for replica k's
+            return []
+        handed = []
         for r, result in enumerate(results):
-            ordinal = self._ordinals[r]
-            for leaf in flatten(result) if ordinal is not None else ():
-                if not isinstance(leaf, ndarray):
-                    continue
-                mem = leaf.data.mem
-                sources = owners.get(mem.ptr)
-                if sources is None or r in sources:
-                    continue
-                reader = self._arrived[r]
-                for k in sources:
-                    writer = self._arrived[k]
-                    if (r, k) in waited or writer is None or (writer == reader and self._ordinals[k] == ordinal):
-                        continue
-                    waited.add((r, k))
-                    if k not in written:
-                        with self._cuda.Device(self._ordinals[k]):
-                            written[k] = writer.record()
-                    with self._cuda.Device(ordinal):
-                        reader.wait_event(written[k])
-                self._held[r].append((ordinal, reader, mem))
+            if self._ordinals[r] is None:
+                continue
+            for leaf in flatten(result):
+                if isinstance(leaf, ndarray):
+                    sources = owners.get(leaf.data.mem.ptr)
+                    if sources is not None and r not in sources:
+                        handed.append((r, sources, leaf.data.mem))
+        return handed
 
     def _fork_streams(self) -> list:
         if self._forks is None:
