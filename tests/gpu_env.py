@@ -12,6 +12,7 @@ seed. conftest.py's autouse fixture switches it on around every gpu test
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 
@@ -124,7 +125,10 @@ def check_batch(out, host, op, devices):
 
 
 def launches_and_ops(call):
-    """(kernel launches per GPU, stream operations per GPU) of ``call`` on the simulated machine."""
+    """(kernel launches per GPU, stream operations per GPU) of ``call`` on the simulated machine.
+    Earlier tests' garbage is collected first: its device memory, freed in stream order, would
+    count as the call's stream operations when a collection ran inside the call."""
+    gc.collect()
     cupy.sim.drain()
     cupy.sim.reset_counters()
     call()

@@ -46,6 +46,25 @@ def test_run_and_all_reduce(gpus):
     np.testing.assert_array_equal(s.reduce("sum", out["y"], axis=0), np.float32(60))
 
 
+def test_reduce_of_a_gpu_array_that_is_not_distributed_follows_tfs_rules_for_tensors(gpus):
+    """One replica: every op gives the value (on the host, as strategy.reduce does). Several: MEAN gives it,
+    SUM raises, also for zeros (TF's shortcut for 0 is for non-tensors only: a GPU array is not read back)."""
+    devices, _ = gpus
+    x = cupy.arange(6, dtype=cupy.float32).reshape(2, 3) - 2
+    one = md.MirroredStrategy(devices[:1])
+    for op in ("SUM", "MEAN", "MIN", "MAX"):
+        got = one.reduce(op, x, axis=None)
+        assert isinstance(got, np.ndarray) and got.dtype == np.float32
+        np.testing.assert_array_equal(got, cupy.asnumpy(x))
+    np.testing.assert_array_equal(one.reduce("MEAN", x, axis=0), np.float32([-0.5, 0.5, 1.5]))
+    two = md.MirroredStrategy(devices)
+    np.testing.assert_array_equal(two.reduce("MEAN", x, axis=None), cupy.asnumpy(x))
+    for value in (x, cupy.zeros(3, cupy.float32)):
+        with pytest.raises(ValueError, match="cannot be reduced with the given reduce op.*use ReduceOp.MEAN"):
+            two.reduce("SUM", value, axis=None)
+    np.testing.assert_array_equal(two.reduce("SUM", np.zeros(3, np.float32), axis=None), np.zeros(3))
+
+
 def test_mirrored_variable_lives_on_each_gpu(gpus):
     devices, ordinals = gpus
     s = md.MirroredStrategy(devices)

@@ -354,9 +354,11 @@ class Strategy:
         if op is not ReduceOp.MEAN:
             return ext._reduce(op, along_axis(lambda v: _reduce_along(v, op, axis)))
         numer = ext._reduce(ReduceOp.SUM, along_axis(lambda v: _reduce_along(v, ReduceOp.SUM, axis)))
-        denom = ext._reduce(ReduceOp.SUM, along_axis(lambda v: np.asarray(v.shape[axis], np.int64)))
-        return pack_sequence_as(numer, [_divide(a, b) for a, b in zip(flatten(numer),
-                                                                      flatten(denom))])
+        if ext._num_workers == 1:  # every count is here: the shapes' (no collective, no upload to a GPU)
+            denom = [np.int64(sum(np.shape(c)[axis] for c in cs)) for cs in comps]
+        else:
+            denom = flatten(ext._reduce(ReduceOp.SUM, along_axis(lambda v: np.asarray(v.shape[axis], np.int64))))
+        return pack_sequence_as(numer, [_divide(a, b) for a, b in zip(flatten(numer), denom)])
 
     def gather(self, value, axis: int):
         """Concatenate the replicas' components of ``value`` along ``axis``, on the host."""
@@ -414,12 +416,14 @@ def _place_arrays(x, device):
 
 def _divide(numer, denom):
     """TensorFlow's ``truediv(numer, cast(denom, numer.dtype))``: integers divide in float32 up to 16 bits,
-    in float64 beyond; floats keep their dtype."""
-    numer = np.asarray(numer)
-    denom = np.asarray(denom).astype(numer.dtype)
+    in float64 beyond; floats keep their dtype. ``denom`` is a count on the host; a GPU ``numer`` (a reduce
+    inside md.function's capture) is divided on its GPU, by a scalar: nothing waits for the GPU."""
+    if not device_util.on_gpu(numer):
+        numer = np.asarray(numer)
+    denom = np.asarray(denom).astype(numer.dtype)[()]
     if numer.dtype.kind in "iu":
         real = np.float32 if numer.dtype.itemsize <= 2 else np.float64
-        return numer.astype(real) / denom.astype(real)
+        return numer.astype(real) / real(denom)
     return numer / denom
 
 

@@ -675,9 +675,14 @@ class MirroredExtended(StrategyExtended):
         return self._cross_device_ops.reduce(op, value, destinations, options)
 
     def _reduce_non_distributed(self, op, value, destinations):
-        host = device_util.to_host(value.read_value() if isinstance(value, DeviceVariable) else value)
-        if np.all(host == 0):
-            return np.zeros(host.shape, host.dtype)
+        """TensorFlow's ``reduce_non_distributed_value``. Its shortcut for a value of 0 is taken for host values
+        only, as TensorFlow takes it for non-tensors only: a GPU array is not read back (inside md.function's
+        capture nothing may wait for the GPU), and is reduced as TensorFlow reduces a tensor."""
+        read = value.read_value() if isinstance(value, DeviceVariable) else value
+        if not device_util.on_gpu(read):
+            host = device_util.to_host(read)
+            if np.all(host == 0):
+                return np.zeros(host.shape, host.dtype)
         if op is ReduceOp.MEAN:
             return value
         if self._num_replicas_in_sync != 1:

@@ -536,16 +536,30 @@ class Optimizer:
         eager warm-up step that precedes every capture, the captured update reads the step's scalars
         from device buffers, and a replay hook counts the step and uploads its scalars before each replay.
         """
-        step = self._counted_step(plan)
         scope = _gpu.step_scope()
         if scope is not None and scope.capturing:
             if self.use_ema or self.gradient_accumulation_steps:
                 raise NotImplementedError(
                     f"optimizer {self.name!r}: use_ema and gradient_accumulation_steps branch on the step in Python, "
                     "which a step captured by md.function cannot replay; run this step without md.function")
-            plan.capture_scalars(scope, step)
-            scope.replay_hooks.append(lambda: self._before_replay(plan, scope))
-            return step  # the capture runs nothing: each replay is a step, counted by its hook
+            # The capture runs nothing, so it counts its applies by itself: a second apply of this optimizer
+            # in the step is the step after the first's, as eagerly. Each replay's hooks count them again.
+            counted = (self, "next step")
+            if counted in scope.captured:
+                if self._skips_on_device and self._scalars_use_step():
+                    raise NotImplementedError(
+                        f"optimizer {self.name!r} is applied twice in one step under a dynamic loss scale, and its "
+                        "scalars follow the step (bias corrections, a learning-rate schedule): the second apply's "
+                        "step depends on whether the GPU skipped the first, which a replay cannot know before it "
+                        "runs; apply it once per step, or run this step without md.function")
+                step = scope.captured[counted]
+            else:
+                step = self._counted_step(plan)
+            scope.captured[counted] = step + 1
+            scalars = plan.capture_scalars(scope, step)
+            scope.replay_hooks.append(lambda: self._before_replay(plan, scalars, scope))
+            return step
+        step = self._counted_step(plan)
         self._known_step = (step + 1, plan.iterations[0], plan.iterations[0]._stores)
         plan.prepare(step)
         return step
@@ -573,12 +587,13 @@ class Optimizer:
     def _scalars_use_step(self) -> bool:
         return self._coefficients_use_step or callable(self._learning_rate)
 
-    def _before_replay(self, plan, scope) -> None:
-        """Before each replay of a captured step: its step counted, its scalars uploaded."""
+    def _before_replay(self, plan, scalars, scope) -> None:
+        """Before each replay of a captured step, for one of its applies (in their order): the apply counted,
+        its scalars uploaded into the buffers its update reads (``scalars``, from ``capture_scalars``)."""
         step = self._counted_step(plan)
         self._known_step = (step + 1, plan.iterations[0], plan.iterations[0]._stores)
         plan.prepare(step)
-        plan.upload_scalars(scope)
+        plan.upload_scalars(scalars, scope)
 
     def _step_state(self, step: int, dtypes) -> None:
         """Hook: state shared by every variable of a step (Nadam's momentum-schedule product)."""
@@ -865,10 +880,15 @@ class _Plan:
         """The step's scalars of ``dtype``: the rule's coefficients, then weight decay's (rate, lr)."""
         return list(self.coefficients[dtype]) + list(self.decay_factors.get(dtype, (0.0, 0.0)))
 
-    def capture_scalars(self, scope, step: int) -> None:
-        """For a captured step: every device's scalars in a device buffer per dtype (kept by the scope,
-        from its pool of host-written buffers), which the captured update reads through 0-d views. The scalars the
-        rules branch on in Python (``rules.HOST_COEFFICIENTS``) stay host values, fixed at capture."""
+    def capture_scalars(self, scope, step: int) -> dict:
+        """For one apply of a captured step: every device's scalars in a device buffer per dtype (from the
+        scope's pool of host-written buffers), which the captured update reads through 0-d views. The scalars the
+        rules branch on in Python (``rules.HOST_COEFFICIENTS``) stay host values, fixed at capture.
+
+        Returns them (``{device: {dtype: (buffer, ordinal, coefficient views, weight decay views)}}``) for
+        the apply's replay hook, and files them as ``scope.captured[self]`` for the update of this apply to
+        read. Each apply of the plan in one step has buffers of its own: the next apply's files them over
+        this one's only after every replica has updated (its merge_call waits for them all)."""
         self.prepare(step)
         cupy = _gpu.cupy_module()
         host_positions = HOST_COEFFICIENTS.get(self.rule, ())
@@ -884,10 +904,12 @@ class _Plan:
                     n = len(self.coefficients[dtype])
                     per_device[d][dtype] = (buffer, ordinal, tuple(views[:n]), tuple(views[n:]))
         scope.captured[self] = per_device
+        return per_device
 
-    def upload_scalars(self, scope) -> None:
-        """This step's scalars (``prepare`` done) copied into the capture's buffers, on the step's streams."""
-        for buffers in scope.captured[self].values():
+    def upload_scalars(self, scalars, scope) -> None:
+        """This step's scalars (``prepare`` done) copied into one apply's buffers (``capture_scalars``'),
+        on the step's streams."""
+        for buffers in scalars.values():
             for dtype, (buffer, ordinal, _, _) in buffers.items():
                 host = np.array(self._scalars(dtype), dtype)
                 buffer.data.copy_from_host_async(host.ctypes.data, host.nbytes, scope.streams[ordinal])
