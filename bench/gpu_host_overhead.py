@@ -63,7 +63,7 @@ def main():
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     p.add_argument("--repeat", type=int, default=2000)
     p.add_argument("--run-only", action="store_true",
-                   help="only strategy.run: of a trivial step and of a replica-context all_reduce (4 B)")
+                   help="only strategy.run: of a trivial step, a replica-context all_reduce (4 B) and merge_calls")
     p.add_argument("--no-optimizer", action="store_true", help="skip the optimizer step's table")
     p.add_argument("--driver", action="store_true",
                    help="the simulated driver's work per repeated call (launches, stream operations, host waits)")
@@ -128,20 +128,26 @@ def driver(args):
 
 
 def run_only(args):
-    """µs per strategy.run of a trivial step and of one replica-context all_reduce of 4 B."""
-    print("| replicas | run(trivial) (µs) | run(all_reduce 4 B) (µs) |")
-    print("|---:|---:|---:|")
+    """µs per strategy.run of a trivial step, of one replica-context all_reduce of 4 B, of one merge_call
+    of a 4 B array whose merge_fn returns a number (no array handed over), and of one whose merge_fn
+    hands replica 0's array to every replica (ordered and kept across the replicas' streams)."""
+    print("| replicas | run(trivial) (µs) | run(all_reduce 4 B) (µs) | run(merge_call 4 B) (µs) | "
+          "run(merge_call handing replica 0's 4 B to all) (µs) |")
+    print("|---:|---:|---:|---:|---:|")
+    steps = (lambda: None,
+             lambda x: md.get_replica_context().all_reduce("sum", x),
+             lambda x: md.get_replica_context().merge_call(lambda s, v: len(v.values), args=(x,)),
+             lambda x: md.get_replica_context().merge_call(lambda s, v: v.values[0], args=(x,)))
     for n in args.replicas:
         md.config.set_logical_device_configuration("GPU", 0, count=n)
         try:
             s = md.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
             step_x = s.run(lambda: cupy.ones(1, cupy.float32))
-            trivial = per_call_us(lambda: s.run(lambda: None), args.repeat)
-            reduce = per_call_us(lambda: s.run(lambda x: md.get_replica_context().all_reduce("sum", x),
-                                               args=(step_x,)), args.repeat)
+            row = [per_call_us(lambda: s.run(step, args=(step_x,) if k else ()), args.repeat)
+                   for k, step in enumerate(steps)]
         finally:
             md.config.set_logical_device_configuration("GPU:0", None)
-        print(f"| {n} | {trivial:.1f} | {reduce:.1f} |")
+        print(f"| {n} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
 
 
 def optimizer_step_us(n: int, kernel: bool, repeat: int) -> float:

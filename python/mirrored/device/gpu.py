@@ -224,7 +224,8 @@ class MergeOrder:
     stream waits for that stream's queued work before the combine (the inputs), that stream waits
     for the combine's work after it (the results), and the results handed to that replica are kept
     until the work its stream queued before the replica returned is done (a free on the merge
-    stream would not wait for those reads).
+    stream would not wait for those reads). An array of one replica's arguments that a merge_fn
+    hands to another replica is ordered and kept the same way (:meth:`hand_over`).
 
     Inside ``md.function`` the merge stream is each GPU's step stream (:class:`StepScope`): a
     combine first joins the streams of the replicas that share a GPU (forked from it), and each of
@@ -232,17 +233,19 @@ class MergeOrder:
     every replica of the run has finished (StepScope says why).
     """
 
-    __slots__ = ("_ordinals", "_gpus", "_foreign", "_any_foreign", "_held", "_cuda", "_null", "_shared", "_forks",
-                 "_kept", "_finished")
+    __slots__ = ("_ordinals", "_gpus", "_arrived", "_foreign", "_any_foreign", "_held", "_cuda", "_ndarray", "_null",
+                 "_shared", "_forks", "_kept", "_finished")
 
     def __init__(self, ordinals):
         self._ordinals = tuple(ordinals)
         self._gpus = tuple(sorted({o for o in self._ordinals if o is not None}))
         n = len(self._ordinals)
+        self._arrived = [None] * n  # replica -> its current stream at its latest arrival (eager steps)
         self._foreign = [None] * n  # replica -> its current stream at arrival, when not ordered by the legacy one
         self._any_foreign = False  # whether any is (the common case, none, costs the combine no walk)
         self._held = [[] for _ in range(n)]  # replica -> [(ordinal, its stream, results handed to it)] of this run
-        self._cuda = cupy_module().cuda
+        cupy = cupy_module()
+        self._cuda, self._ndarray = cupy.cuda, cupy.ndarray
         self._null = self._cuda.Stream.null  # (merge_stream outside md.function, looked up once)
         # (replica, ordinal) of the replicas that share their GPU: inside md.function each runs on a fork stream
         self._shared = tuple((r, o) for r, o in enumerate(self._ordinals)
@@ -257,7 +260,7 @@ class MergeOrder:
         ordinal = self._ordinals[replica]
         if ordinal is None or _step is not None:
             return
-        stream = self._cuda.get_current_stream(ordinal)
+        stream = self._arrived[replica] = self._cuda.get_current_stream(ordinal)
         if stream.ptr != 0 and stream.ptr not in _replica_stream_ptrs:
             self._foreign[replica] = stream
             self._any_foreign = True
@@ -329,6 +332,75 @@ class MergeOrder:
                 self._fork(forks)
             if on != device:
                 runtime.setDevice(device)
+
+    def hand_over(self, slots, results) -> None:
+        """A merge_fn's results, ``results[r]`` handed to replica r, where ``slots[k]`` holds replica k's
+        arguments: orders each array (or view) of replica k's arguments handed to a replica r != k.
+
+        Replica k wrote it on its own stream, and CuPy's pool filed its block under that stream
+        (:class:`MergeOrder`); replica r reads it on its own, which nothing else orders with k's when
+        the merge_fn queued no work. So r's stream waits for k's queued work (the write), and the
+        array's memory is kept, as results handed to a stream of the user's are, until the work r's
+        stream queued before replica r returned is done: k's stream hands the block out again only
+        after r's reads, whoever drops the array last. Every other result is either new (allocated
+        on the merge stream) or was the replica's own already: nothing is done for it.
+
+        Inside ``md.function`` replicas that share a GPU are joined at every combine and StepScope
+        keeps the memory instead; between GPUs, whose graphs are captured apart, nothing can order
+        one GPU's reads after another's writes: the capture fails, naming the fix, and the step runs
+        eagerly (where the above holds).
+        """
+        handed = self._handed(slots, results)
+        if _step is not None:
+            for r, sources, _ in handed:
+                for k in sources:
+                    if self._ordinals[k] != self._ordinals[r]:
+                        raise RuntimeError(
+                            f"a merge_fn handed replica {k}'s array (on GPU {self._ordinals[k]}) to replica {r} "
+                            f"(on GPU {self._ordinals[r]}), which md.function's per-GPU graphs cannot order after "
+                            "its writes; share values between GPUs through a collective in replica context "
+                            "(ReplicaContext.all_reduce or all_gather, which the graphs hold), or call the step "
+                            "without md.function")
+            return
+        written = {}  # replica k -> an event after the work its stream had queued (recorded once)
+        waited = set()  # (r, k): replica r's stream waits for replica k's
+        for r, sources, mem in handed:
+            ordinal, reader = self._ordinals[r], self._arrived[r]
+            for k in sources:
+                writer = self._arrived[k]
+                if (r, k) in waited or (writer == reader and self._ordinals[k] == ordinal):
+                    continue
+                waited.add((r, k))
+                if k not in written:
+                    with self._cuda.Device(self._ordinals[k]):
+                        written[k] = writer.record()
+                with self._cuda.Device(ordinal):
+                    reader.wait_event(written[k])
+            self._held[r].append((ordinal, reader, mem))
+
+    def _handed(self, slots, results) -> list:
+        """``[(r, replicas whose arguments hold it, memory)]`` of each array ``results[r]`` holds whose
+        memory (its allocation's base pointer: views count) other replicas' arguments hold, r's not."""
+        ndarray = self._ndarray
+        owners = {}  # base pointer of an argument array's memory -> the replicas whose arguments hold it
+        for k, slot in enumerate(slots):
+            if self._ordinals[k] is None:
+                continue
+            for leaf in flatten(slot):
+                if isinstance(leaf, ndarray) and leaf.data.mem.ptr:  # (a zero-size array has no memory)
+                    owners.setdefault(leaf.data.mem.ptr, set()).add(k)
+        if not owners:
+            return []
+        handed = []
+        for r, result in enumerate(results):
+            if self._ordinals[r] is None:
+                continue
+            for leaf in flatten(result):
+                if isinstance(leaf, ndarray):
+                    sources = owners.get(leaf.data.mem.ptr)
+                    if sources is not None and r not in sources:
+                        handed.append((r, sources, leaf.data.mem))
+        return handed
 
     def _fork_streams(self) -> list:
         if self._forks is None:

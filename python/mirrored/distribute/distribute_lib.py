@@ -90,6 +90,15 @@ def _traced_exchange(group, rid, kind, payload, combine):
 # --- replica context -----------------------------------------------------------------------
 
 
+def _may_hand_arrays(result, array_type) -> bool:
+    """Whether a merge_fn's ``result`` may hand the replicas arrays: it holds one, or a distributed value
+    (whose components each replica gets). Most hold neither (None, a number, a step count), and
+    then the replicas' arguments, which may be long lists (a step's gradients), are not walked."""
+    if result is None:
+        return False
+    return any(isinstance(leaf, (array_type, DistributedValues)) for leaf in flatten(result))
+
+
 class ReplicaContext:
     """The context of one replica inside ``strategy.run``: its id and the collectives across replicas."""
 
@@ -151,7 +160,11 @@ class ReplicaContext:
             merged_kwargs = regroup([k for _, k in per_replica], devices=devices)
             with _entered(_Context(strategy, None)):
                 result = merge_fn(strategy, *merged_args, **merged_kwargs)
-            return [select_replica(r, result) for r in range(len(per_replica))]
+            results = [select_replica(r, result) for r in range(len(per_replica))]
+            order = self._group.order
+            if order is not None and _may_hand_arrays(result, self._array_type):
+                order.hand_over(per_replica, results)  # GPU replicas: orders one replica's array handed to others
+            return results
 
         return self._group.exchange(self._local_replica_id, "merge_call", (tuple(args), dict(kwargs)), combine)
 
