@@ -1,5 +1,6 @@
 """CPU replicas allocate their arrays from the replica array pool (csrc/host/array_pool.h): on their
-threads and, during a run, on the caller's, which gets its own allocator back afterwards. Arrays
+threads and, during a run that follows a long one, on the caller's, which gets its own allocator back
+afterwards (short steps keep NumPy's there). Arrays
 made in a replica stay valid after the step, wherever they are freed, and np.zeros / resize keep
 NumPy's contracts on reused blocks."""
 
@@ -50,8 +51,11 @@ def test_every_cpu_replica_allocates_from_the_pool_and_the_caller_gets_its_alloc
         assert get_handler_name() == callers
         threads.update(thread)
     assert "mirrored-replica-1" in threads
-    short = s.run(lambda: get_handler_name(np.ones(100_000)))  # the caller runs both replicas
-    assert list(s.experimental_local_results(short)) == [POOL, POOL]
+    # Short steps (the caller runs both replicas): the first still after a long one, the next not.
+    after_long, short = [s.experimental_local_results(s.run(lambda: get_handler_name(np.ones(100_000))))
+                         for _ in range(2)]
+    assert list(after_long) == [POOL, POOL]
+    assert list(short) == [callers, callers]
     assert get_handler_name() == callers
     assert get_handler_name(np.ones(100_000)) == callers
 
@@ -74,6 +78,7 @@ def test_arrays_made_in_replicas_outlive_the_step_and_blocks_are_reused(replicas
     s = md.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
 
     def fn(step):
+        compute()  # long steps: from the second on, the caller's replicas take the pool too
         rid = md.get_replica_context().replica_id_in_sync_group
         scratch = [np.full((300, 128), step, np.float32) for _ in range(4)]  # freed in the step
         kept = np.full((200, 129), 1000 * step + rid, np.float64)  # returned, freed later by the caller

@@ -85,6 +85,10 @@ void def_array_pool(py::module_& m) {
   if (capsule == nullptr) throw py::error_already_set();
   m.attr("replica_array_handler") = py::reinterpret_borrow<py::object>(capsule);
   m.def("set_array_handler", [](py::object handler) {
+        if (!PyCapsule_IsValid(handler.ptr(), "mem_handler")) {
+          throw py::type_error("set_array_handler: handler must be a NumPy mem_handler capsule "
+                               "(mirrored._core.replica_array_handler, or what set_array_handler returned)");
+        }
         PyObject* previous = numpy_set_handler()(handler.ptr());
         if (previous == nullptr) throw py::error_already_set();
         return py::reinterpret_steal<py::object>(previous);

@@ -196,8 +196,8 @@ class _ReplicaPool:
         self.n = n
         self._launch_only = launch_only  # every replica on a GPU: see _is_long
         # NumPy's array allocator (a mem_handler capsule) for the replicas on the pool's threads and on the
-        # caller's during a run, or None for NumPy's own. (Replicas that run as greenlets keep NumPy's: a
-        # greenlet starts with a context of its own, and only short steps run replicas that way.)
+        # caller's during a run after a long one, or None for NumPy's own. (Replicas that run as greenlets
+        # keep NumPy's: a greenlet starts with a context of its own, and only short steps run replicas that way.)
         self._arrays = arrays
         self.group = _Group(n)
         self._blas = blas or _BlasCap(())
@@ -344,7 +344,9 @@ class _ReplicaPool:
             # signals; a call may raise one only after it returned (see _settle).
             self._caller = me
             started, started_cpu = time.perf_counter(), time.thread_time() if self._read_cpu else None
-            arrays, callers_arrays = self._arrays, None
+            # The caller's context takes the replicas' allocator after a long run only: a short step
+            # allocates little, and the two calls would add a tenth to a trivial run.
+            arrays, callers_arrays = self._arrays if self._read_cpu else None, None
             try:
                 if arrays is not None:
                     callers_arrays = set_array_handler(arrays)
