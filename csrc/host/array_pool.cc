@@ -9,8 +9,10 @@ namespace mirrored::host {
 
 namespace {
 
-// Each block starts with its capacity; the caller's bytes follow, 16-byte aligned as malloc's.
-constexpr std::size_t kHeader = 16;
+// Each block starts with its capacity; the caller's bytes follow. Cached blocks' bytes start on a cache
+// line: vector loops over arrays that straddle lines ran up to twice as long (a + b of 256 x 128 float32,
+// AVX-512: 4.6 us aligned, 8.5-11.8 us at 16 or 48 bytes past a line); the others keep malloc's 16 bytes.
+constexpr std::size_t kHeader = 64;
 
 bool cacheable(std::size_t capacity) {
   return capacity >= ArrayPool::kMinCached && capacity <= ArrayPool::kMaxCached;
@@ -40,9 +42,14 @@ void* ArrayPool::allocate(std::size_t bytes, bool zeroed) {
     stats_.peak_bytes = std::max(stats_.peak_bytes, stats_.live_bytes);
     auto it = free_.find(capacity);
     if (it != free_.end()) {
-      void* base = it->second.back();
-      it->second.pop_back();
-      if (it->second.empty()) free_.erase(it);
+      // This thread's own block first: the one it freed last, still in its core's cache.
+      auto& by_thread = it->second;
+      auto own = by_thread.find(std::this_thread::get_id());
+      auto from = own != by_thread.end() ? own : by_thread.begin();
+      void* base = from->second.back();
+      from->second.pop_back();
+      if (from->second.empty()) by_thread.erase(from);
+      if (by_thread.empty()) free_.erase(it);
       stats_.cached_bytes -= capacity;
       ++stats_.hits;
       lock.unlock();
@@ -52,7 +59,13 @@ void* ArrayPool::allocate(std::size_t bytes, bool zeroed) {
     ++stats_.misses;
     evict_locked();
   }
-  void* base = zeroed ? std::calloc(1, kHeader + capacity) : std::malloc(kHeader + capacity);
+  void* base;
+  if (cacheable(capacity)) {  // (a multiple of the page: aligned_alloc's size rule holds)
+    base = std::aligned_alloc(kHeader, kHeader + capacity);
+    if (base != nullptr && zeroed) std::memset(data_of(base), 0, bytes);
+  } else {
+    base = zeroed ? std::calloc(1, kHeader + capacity) : std::malloc(kHeader + capacity);
+  }
   if (base == nullptr) {
     if (cacheable(capacity)) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -84,7 +97,7 @@ void ArrayPool::release(void* block) {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.live_bytes -= capacity;
     stats_.cached_bytes += capacity;
-    free_[capacity].push_back(base);
+    free_[capacity][std::this_thread::get_id()].push_back(base);
     return;
   }
   std::free(base);
@@ -94,9 +107,11 @@ void ArrayPool::evict_locked() {
   // live already counts the request being served; a hit or a release never changes live + cached.
   while (!free_.empty() && stats_.live_bytes + stats_.cached_bytes > stats_.peak_bytes) {
     auto largest = std::prev(free_.end());
-    void* base = largest->second.back();
-    largest->second.pop_back();
+    auto& blocks = largest->second.begin()->second;
+    void* base = blocks.back();
+    blocks.pop_back();
     stats_.cached_bytes -= largest->first;
+    if (blocks.empty()) largest->second.erase(largest->second.begin());
     if (largest->second.empty()) free_.erase(largest);
     std::free(base);
   }
@@ -104,8 +119,10 @@ void ArrayPool::evict_locked() {
 
 void ArrayPool::trim() {
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [capacity, blocks] : free_) {
-    for (void* base : blocks) std::free(base);
+  for (auto& [capacity, by_thread] : free_) {
+    for (auto& [thread, blocks] : by_thread) {
+      for (void* base : blocks) std::free(base);
+    }
   }
   free_.clear();
   stats_.cached_bytes = 0;

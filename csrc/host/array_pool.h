@@ -13,12 +13,16 @@
 // pool past that first releases cached blocks of other sizes, so a changed
 // shape (a new batch size) replaces the old sizes' blocks rather than adding
 // to them. Thread-safe: a block may be freed on another thread than the one
-// that allocated it (arrays move between replicas and the caller).
+// that allocated it (arrays move between replicas and the caller). A thread
+// gets back the blocks it freed itself first, warm in its core's cache: with
+// one shared list, two replicas took each other's blocks and their steps were
+// ~5 ms slower than on glibc's per-thread heaps without faults.
 #pragma once
 
 #include <cstddef>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 namespace mirrored::host {
@@ -43,7 +47,7 @@ class ArrayPool {
   ArrayPool(const ArrayPool&) = delete;
   ArrayPool& operator=(const ArrayPool&) = delete;
 
-  // 16-byte aligned, as malloc; nullptr when out of memory. `zeroed`: calloc's contract.
+  // 64-byte aligned when cacheable, else 16 as malloc; nullptr when out of memory. `zeroed`: calloc's contract.
   void* allocate(std::size_t bytes, bool zeroed = false);
   // realloc's contract (a block of this pool or nullptr; the contents kept up to the smaller size).
   void* reallocate(void* block, std::size_t bytes);
@@ -55,7 +59,8 @@ class ArrayPool {
   void evict_locked();  // releases cached blocks (the largest first) until live + cached is within the peak
 
   mutable std::mutex mu_;
-  std::map<std::size_t, std::vector<void*>> free_;  // capacity -> cached blocks (their headers)
+  // capacity -> the thread that freed them -> cached blocks (their headers)
+  std::map<std::size_t, std::map<std::thread::id, std::vector<void*>>> free_;
   Stats stats_{};
 };
 

@@ -32,7 +32,7 @@ int main() { return check::run_all(); }
 TEST(a_freed_block_serves_the_next_request_of_its_size) {
   ArrayPool pool;
   void* a = pool.allocate(kBig);
-  CHECK(a != nullptr && reinterpret_cast<std::uintptr_t>(a) % 16 == 0);
+  CHECK(a != nullptr && reinterpret_cast<std::uintptr_t>(a) % 64 == 0);
   std::memset(a, 7, kBig);
   pool.release(a);
   CHECK(pool.stats().cached_bytes == kBig);
@@ -144,4 +144,33 @@ TEST(blocks_freed_on_other_threads) {
   for (auto& th : threads) th.join();
   auto s = pool.stats();
   CHECK(s.live_bytes == 0 && within_peak(pool));
+}
+
+TEST(a_thread_gets_back_the_block_it_freed_first) {
+  ArrayPool pool;
+  void* mine[2] = {};
+  void* again[2] = {};
+  auto on_thread = [](auto fn) { std::thread(fn).join(); };
+  on_thread([&] { mine[0] = pool.allocate(kBig); });
+  on_thread([&] { mine[1] = pool.allocate(kBig); });
+  std::thread first([&] {
+    pool.release(mine[0]);
+    std::thread second([&] {
+      pool.release(mine[1]);
+      again[1] = pool.allocate(kBig);  // the last freed is first's; second gets its own back
+    });
+    second.join();
+    again[0] = pool.allocate(kBig);
+  });
+  first.join();
+  CHECK(again[0] == mine[0] && again[1] == mine[1]);
+  auto s = pool.stats();
+  CHECK(s.hits == 2 && s.misses == 2);
+  pool.release(again[0]);
+  pool.release(again[1]);
+  // A thread with none of its own takes another's.
+  void* other = nullptr;
+  on_thread([&] { other = pool.allocate(kBig); });
+  CHECK(other == again[0] || other == again[1]);
+  pool.release(other);
 }
