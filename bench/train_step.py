@@ -30,6 +30,9 @@ forward/backward pass plus the update, SGD with momentum 0.9 unless
   captured once and replayed as one CUDA graph per GPU (docs/function.md),
   and, when torch sees a GPU, PyTorch's eager step and its step captured
   in one CUDA graph (``torch.cuda.CUDAGraph``), SGD with momentum;
+* with ``--numpy-allocator`` (CPU): the mirrored step again with NumPy's own
+  allocator inside the replicas instead of the replica array pool
+  (docs/replica_arrays.md), in the same run;
 * with ``--host-only`` (for the simulated GPUs, ``MIRRORED_CUDA_ENGINE=sim``,
   where kernels run on the CPU when the host waits): the host's time per
   call alone, the queued kernels drained outside the clock.
@@ -217,6 +220,9 @@ def main(argv=None):
     p.add_argument("--host-only", action="store_true",
                    help="time the host's part of each call only: queued GPU work is drained outside the clock "
                         "(for the simulated GPUs)")
+    p.add_argument("--numpy-allocator", action="store_true",
+                   help="also the mirrored step with NumPy's own allocator in the replicas (CPU; the default is "
+                        "the replica array pool, docs/replica_arrays.md)")
     p.add_argument("--torch-python", default=None, help="a Python with torch for the DDP column")
     p.add_argument("--torch-port", type=int, default=29533)
     p.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
@@ -269,6 +275,9 @@ def main(argv=None):
         md.config.set_logical_device_configuration("GPU", 0, count=n)
     for n in args.replicas:
         columns.append(("mirrored MirroredStrategy", n, mirrored_step(args, xp, x, y, n, gpu, fixed_grads)))
+        if args.numpy_allocator and not gpu:
+            columns.append(("mirrored, NumPy's allocator in the replicas", n,
+                            mirrored_step(args, xp, x, y, n, gpu, fixed_grads, numpy_allocator=True)))
         if args.function and gpu:
             columns.append(("mirrored md.function (CUDA graphs)", n,
                             mirrored_step(args, xp, x, y, n, gpu, fixed_grads, captured=True)))
@@ -336,9 +345,10 @@ def torch_gpu_columns(args) -> list:
     return [("PyTorch eager (foreach SGD)", 1, step), ("PyTorch, step in one CUDA graph", 1, graph.replay)]
 
 
-def mirrored_step(args, xp, x, y, n: int, gpu: bool, fixed_grads=None, captured=False):
+def mirrored_step(args, xp, x, y, n: int, gpu: bool, fixed_grads=None, captured=False, numpy_allocator=False):
     """``strategy.run(step)`` on ``n`` replicas: forward/backward on each replica's share, apply_gradients
-    (only apply_gradients of ``fixed_grads`` when given); ``captured``: the step wrapped in md.function."""
+    (only apply_gradients of ``fixed_grads`` when given); ``captured``: the step wrapped in md.function;
+    ``numpy_allocator``: each replica's arrays from NumPy's own allocator, not the replica array pool."""
     strategy = md.MirroredStrategy([f"/gpu:{i}" if gpu else f"/cpu:{i}" for i in range(n)])
     with strategy.scope():
         variables = [md.Variable(a) for a in init_params(layer_sizes(vars(args)))]
@@ -354,6 +364,20 @@ def mirrored_step(args, xp, x, y, n: int, gpu: bool, fixed_grads=None, captured=
         optimizer.apply_gradients(zip(grads, variables))
 
     run = md.function(step_fn) if captured else step_fn
+    if numpy_allocator:
+        from mirrored import _core
+
+        numpy_default = _core.set_array_handler(_core.replica_array_handler)
+        _core.set_array_handler(numpy_default)
+        pooled = run
+
+        def run(xs, ys):
+            replicas = _core.set_array_handler(numpy_default)
+            try:
+                pooled(xs, ys)
+            finally:
+                _core.set_array_handler(replicas)
+
     return lambda: strategy.run(run, args=batch)
 
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bindings/array_fit.h"
+#include "bindings/array_pool_binding.h"
 #include "bindings/host_buffers.h"
 #include "bindings/fused_update_binding.h"
 #include "bindings/rendezvous_binding.h"
@@ -207,5 +208,6 @@ PYBIND11_MODULE(_core, m) {
   m.def("isa", [] { return std::string(comm().isa()); }, "Instruction set of the reduction kernels in use.");
   m.def("num_threads", [] { return ThreadPool::global().size(); }, "Threads of the host collective pool.");
   bindings::def_host_fused_update(m);
+  bindings::def_array_pool(m);
   if (bindings::add_rendezvous(m.ptr()) < 0) throw py::error_already_set();
 }

@@ -58,3 +58,16 @@ class Rendezvous:
 def choose_algorithm(n: int, bytes: int) -> str: ...
 def isa() -> str: ...
 def num_threads() -> int: ...
+
+replica_array_handler: Any
+"""NumPy's mem_handler capsule of the replica array pool (csrc/host/array_pool.h): CPU replicas' arrays."""
+
+def set_array_handler(handler: Any) -> Any:
+    """Makes ``handler`` (a NumPy mem_handler capsule) allocate the arrays created in this thread's current
+    context; returns the one it replaces."""
+
+def replica_array_stats() -> dict[str, int]:
+    """The pool's live_bytes, cached_bytes, peak_bytes, hits and misses."""
+
+def trim_replica_arrays() -> None:
+    """Frees the pool's cached blocks."""

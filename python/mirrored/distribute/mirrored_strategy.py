@@ -22,6 +22,7 @@ try:
 except ImportError:  # optional: without it every replica but the caller's own runs on a thread
     _greenlet = None
 
+from .._core import replica_array_handler, set_array_handler
 from .._logging import logger
 from .._nest import flatten, is_nested, map_structure, pack_sequence_as
 from ..device import config, device_util, gpu as _gpu
@@ -191,9 +192,13 @@ class _ReplicaPool:
     """
 
     def __init__(self, n: int, cooperative: bool = False, blas=None, state: _ThreadState | None = None,
-                 launch_only: bool = False):
+                 launch_only: bool = False, arrays=None):
         self.n = n
         self._launch_only = launch_only  # every replica on a GPU: see _is_long
+        # NumPy's array allocator (a mem_handler capsule) for the replicas on the pool's threads and on the
+        # caller's during a run after a long one, or None for NumPy's own. (Replicas that run as greenlets
+        # keep NumPy's: a greenlet starts with a context of its own, and only short steps run replicas that way.)
+        self._arrays = arrays
         self.group = _Group(n)
         self._blas = blas or _BlasCap(())
         self._state = state or _ThreadState()
@@ -236,6 +241,8 @@ class _ReplicaPool:
         self._worker_ids = frozenset(t.ident for t in self._threads)
 
     def _worker(self, i: int):
+        if self._arrays is not None:  # (this thread's context, for its life)
+            set_array_handler(self._arrays)
         go = self._go[i]
         following = self._go[i + 1] if i + 1 < self.n else None
         while True:
@@ -337,7 +344,12 @@ class _ReplicaPool:
             # signals; a call may raise one only after it returned (see _settle).
             self._caller = me
             started, started_cpu = time.perf_counter(), time.thread_time() if self._read_cpu else None
+            # The caller's context takes the replicas' allocator after a long run only: a short step
+            # allocates little, and the two calls would add a tenth to a trivial run.
+            arrays, callers_arrays = self._arrays if self._read_cpu else None, None
             try:
+                if arrays is not None:
+                    callers_arrays = set_array_handler(arrays)
                 if self.n > 1:
                     # (Always: a thread woken late for an earlier run may claim a replica of this one.)
                     self._inflight = True
@@ -378,6 +390,8 @@ class _ReplicaPool:
                 if self._inflight:
                     self._wait_for_replicas()
                 self._blas.restore()
+                if callers_arrays is not None:
+                    set_array_handler(callers_arrays)
             # Then the next step starts on the threads (the wall time first: a clock read saved).
             self._read_cpu = time.perf_counter() - started > HANDOFF_SECONDS
             self._long_steps = self._read_cpu and _is_long(started, started_cpu, self._launch_only)
@@ -568,9 +582,12 @@ class MirroredExtended(StrategyExtended):
         ordinals = [device_util.physical_ordinal(d) if device_util.parse(d).device_type == "GPU" else None
                     for d in self._local_devices]
         gpus = [o for o in ordinals if o is not None]
+        # CPU replicas allocate their arrays from the process's replica array pool (csrc/host/array_pool.h):
+        # a step's arrays come back every step, which glibc would otherwise fault in afresh each time.
         self._pool = _ReplicaPool(len(self._local_devices), cooperative=True, blas=_BlasCap(self._local_devices),
                                   state=_GpuThreadState(gpus) if gpus else _ThreadState(),
-                                  launch_only=len(gpus) == len(ordinals))
+                                  launch_only=len(gpus) == len(ordinals),
+                                  arrays=None if gpus else replica_array_handler)
         if gpus:  # collectives and merge_fns run on the merge streams, ordered with every replica's stream
             self._pool.group.order = _gpu.MergeOrder(ordinals)
         weakref.finalize(container_strategy, self._pool.close)
