@@ -112,3 +112,4 @@ def test_zeros_and_resize_in_a_replica_keep_numpys_contracts_on_reused_blocks():
     for got in long_runs(s, fn, 3):
         for zeros, head, tail in zip(*[s.experimental_local_results(x) for x in got]):
             assert (zeros, head, tail) == (0.0, float(np.arange(40_000).sum()), 0.0)
+

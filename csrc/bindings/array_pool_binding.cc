@@ -38,7 +38,11 @@ constexpr int kSetHandler = 304;         // PyDataMem_SetHandler
 constexpr unsigned kFeatureVersionWithHandlers = 0xf;  // NumPy 1.22
 
 host::ArrayPool& pool() {
-  static host::ArrayPool* p = new host::ArrayPool();
+  static host::ArrayPool* p = [] {
+    auto* made = new host::ArrayPool();
+    made->guard_fork();  // a fork while a replica thread held its lock would leave the child's held for good
+    return made;
+  }();
   return *p;
 }
 

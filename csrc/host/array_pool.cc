@@ -1,5 +1,7 @@
 #include "host/array_pool.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -126,6 +128,16 @@ void ArrayPool::trim() {
   }
   free_.clear();
   stats_.cached_bytes = 0;
+}
+
+namespace {
+ArrayPool* fork_guarded = nullptr;  // the pool whose lock fork() takes (guard_fork)
+}  // namespace
+
+void ArrayPool::guard_fork() {
+  fork_guarded = this;
+  pthread_atfork([] { fork_guarded->mu_.lock(); }, [] { fork_guarded->mu_.unlock(); },
+                 [] { fork_guarded->mu_.unlock(); });
 }
 
 ArrayPool::Stats ArrayPool::stats() const {

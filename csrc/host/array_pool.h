@@ -54,6 +54,11 @@ class ArrayPool {
   void release(void* block);  // nullptr: nothing
   void trim();                // frees every cached block
   Stats stats() const;
+  // Makes fork() safe for this pool, which must live as long as the process (the handlers cannot be
+  // unregistered; one pool per process): its lock is taken before a fork and released after it in
+  // parent and child, so that a child forked while another thread allocates finds the lock free
+  // and the pool whole (pthread_atfork).
+  void guard_fork();
 
  private:
   void evict_locked();  // releases cached blocks (the largest first) until live + cached is within the peak

@@ -3,7 +3,13 @@
 // reallocation, never make the pool hold more than its peak of live bytes, and
 // move between threads (a block freed on another thread than its own, as arrays
 // pass between replicas) without a race.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -173,4 +179,51 @@ TEST(a_thread_gets_back_the_block_it_freed_first) {
   on_thread([&] { other = pool.allocate(kBig); });
   CHECK(other == again[0] || other == again[1]);
   pool.release(other);
+}
+
+// fork() while other threads allocate and free all the time (their lock held much of it): every child
+// allocates from the pool and exits, none hangs on a lock a thread of the parent held at the fork.
+TEST(a_child_forked_while_threads_use_the_pool_can_allocate) {
+  static ArrayPool* pool = new ArrayPool();  // guard_fork's pool lives as long as the process
+  pool->guard_fork();
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> churn;
+  for (int t = 0; t < 2; ++t) {
+    churn.emplace_back([&stop] {
+      while (!stop.load(std::memory_order_relaxed)) {
+        void* a = pool->allocate(kBig);
+        void* b = pool->allocate(2 * kBig);
+        pool->release(a);
+        pool->release(b);
+      }
+    });
+  }
+  int hung = 0, failed = 0;
+  for (int i = 0; i < 50; ++i) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      void* a = pool->allocate(kBig);
+      const bool ok = a != nullptr;
+      pool->release(a);
+      _exit(ok ? 0 : 1);
+    }
+    // Generous: a busy machine may be slow to run the child.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    int status = 0;
+    while (waitpid(pid, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        ++hung;
+        break;
+      }
+      usleep(1000);
+    }
+    if (!hung && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) ++failed;
+    if (hung) break;
+  }
+  stop = true;
+  for (auto& t : churn) t.join();
+  CHECK(hung == 0);
+  CHECK(failed == 0);
 }
