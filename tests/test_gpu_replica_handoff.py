@@ -276,7 +276,8 @@ def test_gpu_replicas_that_compute_on_the_host_are_not_long_steps(logical):
     assert mirrored_strategy._is_long(now - second, cpu - 0.9 * second, launch_only=False)
     assert mirrored_strategy._is_long(now - second, cpu - 0.1 * second, launch_only=True)  # it waited
     assert not mirrored_strategy._is_long(now - second, None, launch_only=True)  # CPU clock not read yet
-    assert not mirrored_strategy._is_long(now, cpu, launch_only=True)  # short
+    # Short: wall time under HANDOFF_SECONDS (a start an hour ahead: no preemption can make it long).
+    assert not mirrored_strategy._is_long(now + 3600, cpu, launch_only=True)
     cpus = md.MirroredStrategy(["/cpu:0", "/cpu:1"])
     assert not cpus.extended._pool._launch_only
 
