@@ -22,7 +22,7 @@ try:
 except ImportError:  # optional: without it every replica but the caller's own runs on a thread
     _greenlet = None
 
-from .._core import replica_array_handler, set_array_handler
+from .._core import replica_array_handler as _replica_array_handler, set_array_handler as _set_array_handler
 from .._logging import logger
 from .._nest import flatten, is_nested, map_structure, pack_sequence_as
 from ..device import config, device_util, gpu as _gpu
@@ -242,7 +242,7 @@ class _ReplicaPool:
 
     def _worker(self, i: int):
         if self._arrays is not None:  # (this thread's context, for its life)
-            set_array_handler(self._arrays)
+            _set_array_handler(self._arrays)
         go = self._go[i]
         following = self._go[i + 1] if i + 1 < self.n else None
         while True:
@@ -349,7 +349,7 @@ class _ReplicaPool:
             arrays, callers_arrays = self._arrays if self._read_cpu else None, None
             try:
                 if arrays is not None:
-                    callers_arrays = set_array_handler(arrays)
+                    callers_arrays = _set_array_handler(arrays)
                 if self.n > 1:
                     # (Always: a thread woken late for an earlier run may claim a replica of this one.)
                     self._inflight = True
@@ -391,7 +391,7 @@ class _ReplicaPool:
                     self._wait_for_replicas()
                 self._blas.restore()
                 if callers_arrays is not None:
-                    set_array_handler(callers_arrays)
+                    _set_array_handler(callers_arrays)
             # Then the next step starts on the threads (the wall time first: a clock read saved).
             self._read_cpu = time.perf_counter() - started > HANDOFF_SECONDS
             self._long_steps = self._read_cpu and _is_long(started, started_cpu, self._launch_only)
@@ -587,7 +587,7 @@ class MirroredExtended(StrategyExtended):
         self._pool = _ReplicaPool(len(self._local_devices), cooperative=True, blas=_BlasCap(self._local_devices),
                                   state=_GpuThreadState(gpus) if gpus else _ThreadState(),
                                   launch_only=len(gpus) == len(ordinals),
-                                  arrays=None if gpus else replica_array_handler)
+                                  arrays=None if gpus else _replica_array_handler)
         if gpus:  # collectives and merge_fns run on the merge streams, ordered with every replica's stream
             self._pool.group.order = _gpu.MergeOrder(ordinals)
         weakref.finalize(container_strategy, self._pool.close)
