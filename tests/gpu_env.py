@@ -121,6 +121,50 @@ def mirrored_strategy(replicas: int, one_gpu: bool = True):
         config.set_logical_device_configuration("GPU:0", None)
 
 
+# The strategy layouts tests of cross-replica ordering run on: logical GPUs of GPU 0, and GPUs of their own.
+LAYOUTS = ("logical-2", "logical-3", "logical-4", "physical-2")
+
+
+@contextlib.contextmanager
+def layout_strategy(layout: str):
+    """A MirroredStrategy for ``layout`` (one of LAYOUTS: "logical-N" or "physical-N"), for a block; the test
+    is skipped where the machine has too few GPUs."""
+    kind, n = layout.split("-")
+    n = int(n)
+    if kind == "physical" and NGPU < n:
+        pytest.skip(f"needs {n} GPUs")
+    with mirrored_strategy(n, one_gpu=kind == "logical") as strategy:
+        yield strategy
+
+
+def hand_off_step(x):
+    """A replica step whose merge_fn hands replica 0's array to every replica; the others read it two
+    collectives later, after replica 0 dropped it, and replica 0 then allocates an array of its size
+    (from its stream's blocks). Returns (replica 0's array + x, x * 3, the double all-reduce of x)."""
+    ctx = mirrored.get_replica_context()
+    mine = x * np.float32(2)
+    first = ctx.merge_call(lambda s, v: s.experimental_local_results(v)[0], args=(mine,))
+    del mine
+    if ctx.replica_id_in_sync_group == 0:
+        seen = first + x
+        del first
+    total = ctx.all_reduce(mirrored.ReduceOp.SUM, ctx.all_reduce(mirrored.ReduceOp.SUM, x))
+    if ctx.replica_id_in_sync_group != 0:
+        seen = first + x
+        del first
+    later = x * np.float32(3)
+    return seen, later, total
+
+
+def check_hand_off(strategy, hosts, out):
+    """``out``: hand_off_step's results for the replicas' inputs ``hosts`` (NumPy)."""
+    n = len(hosts)
+    for r, (a, c, t) in enumerate(zip(*map(strategy.experimental_local_results, out))):
+        np.testing.assert_array_equal(cupy.asnumpy(a), hosts[0] * np.float32(2) + hosts[r])
+        np.testing.assert_array_equal(cupy.asnumpy(c), hosts[r] * np.float32(3))
+        np.testing.assert_allclose(cupy.asnumpy(t), np.sum(hosts, axis=0) * n, rtol=1e-5)
+
+
 def replica_batches(strategy, step: int, *data):
     """Step ``step``'s batch of each array in ``data`` (shaped step, global batch, ...): per array, a
     PerReplica of each replica's slice of that batch, on its GPU."""

@@ -210,30 +210,12 @@ def test_an_array_one_replica_hands_to_all_is_read_before_its_memory_is_reused(r
     with gpu_env.mirrored_strategy(replicas) as strategy:
         devices = strategy.extended.worker_devices
 
-        def step(x):
-            ctx = md.get_replica_context()
-            mine = x * np.float32(2)
-            first = ctx.merge_call(lambda s, v: s.experimental_local_results(v)[0], args=(mine,))
-            del mine
-            if ctx.replica_id_in_sync_group == 0:
-                seen = first + x
-                del first
-            total = ctx.all_reduce(md.ReduceOp.SUM, ctx.all_reduce(md.ReduceOp.SUM, x))
-            if ctx.replica_id_in_sync_group != 0:
-                seen = first + x
-                del first
-            later = x * np.float32(3)  # replica 0: the size of its `mine`, from its stream's blocks
-            return seen, later, total
-
-        run = md.function(step)
+        run = md.function(gpu_env.hand_off_step)
         for s in range(6):
             host = [rng.standard_normal(64).astype(np.float32) for _ in devices]
             x = md.PerReplica([md.device_util.place(h, d) for h, d in zip(host, devices)], devices)
-            seen, later, total = strategy.run(run, args=(x,))  # (s == 0: the eager warm-up, checked too)
-            for r, (a, c, t) in enumerate(zip(*map(strategy.experimental_local_results, (seen, later, total)))):
-                np.testing.assert_array_equal(cupy.asnumpy(a), host[0] * np.float32(2) + host[r])
-                np.testing.assert_array_equal(cupy.asnumpy(c), host[r] * np.float32(3))
-                np.testing.assert_allclose(cupy.asnumpy(t), np.sum(host, axis=0) * len(devices), rtol=1e-5)
+            # (s == 0: the eager warm-up, checked too)
+            gpu_env.check_hand_off(strategy, host, strategy.run(run, args=(x,)))
         assert run.experimental_get_tracing_count() == 1
 
 

@@ -12,7 +12,8 @@ or a silently wrong value on a GPU).
 import numpy as np
 import pytest
 
-from gpu_env import NGPU, SIMULATED, SKIP_REASON, cupy, launches_and_ops
+from gpu_env import (LAYOUTS, NGPU, SIMULATED, SKIP_REASON, check_hand_off, cupy, hand_off_step, launches_and_ops,
+                     layout_strategy)
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
@@ -22,20 +23,10 @@ import mirrored as md  # noqa: E402
 from mirrored._nest import flatten  # noqa: E402
 
 
-@pytest.fixture(params=["logical-2", "logical-3", "logical-4", "physical-2"])
+@pytest.fixture(params=LAYOUTS)
 def strategy(request):
-    kind, n = request.param.split("-")
-    n = int(n)
-    if kind == "physical":
-        if NGPU < n:
-            pytest.skip(f"needs {n} GPUs")
-        yield md.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
-        return
-    md.config.set_logical_device_configuration("GPU", 0, count=n)
-    try:
-        yield md.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
+    with layout_strategy(request.param) as s:
+        yield s
 
 
 # merge_fn(strategy, v) -> what every replica gets; want(hosts) -> the same from the replicas' `mine` on the host.
@@ -100,26 +91,7 @@ def test_an_array_handed_across_is_read_after_the_owner_dropped_it_and_two_colle
         hosts = [rng.standard_normal(64).astype(np.float32) for _ in devices]
         x = md.PerReplica([md.device_util.place(h, d) for h, d in zip(hosts, devices)], devices)
 
-        def step(x):
-            ctx = md.get_replica_context()
-            mine = x * np.float32(2)
-            first = ctx.merge_call(lambda s, v: s.experimental_local_results(v)[0], args=(mine,))
-            del mine
-            if ctx.replica_id_in_sync_group == 0:
-                seen = first + x
-                del first
-            total = ctx.all_reduce(md.ReduceOp.SUM, ctx.all_reduce(md.ReduceOp.SUM, x))
-            if ctx.replica_id_in_sync_group != 0:
-                seen = first + x
-                del first
-            later = x * np.float32(3)
-            return seen, later, total
-
-        seen, later, total = strategy.run(step, args=(x,))
-        for r, (a, c, t) in enumerate(zip(*map(strategy.experimental_local_results, (seen, later, total)))):
-            np.testing.assert_array_equal(cupy.asnumpy(a), hosts[0] * np.float32(2) + hosts[r])
-            np.testing.assert_array_equal(cupy.asnumpy(c), hosts[r] * np.float32(3))
-            np.testing.assert_allclose(cupy.asnumpy(t), np.sum(hosts, axis=0) * n, rtol=1e-5)
+        check_hand_off(strategy, hosts, strategy.run(hand_off_step, args=(x,)))
 
 
 @pytest.mark.parametrize("seed", range(3))

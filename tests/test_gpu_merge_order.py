@@ -12,7 +12,7 @@ simulator, a silently wrong value on a GPU).
 import numpy as np
 import pytest
 
-from gpu_env import NGPU, SKIP_REASON, cupy
+from gpu_env import LAYOUTS, NGPU, SKIP_REASON, cupy, layout_strategy
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
@@ -23,20 +23,10 @@ import mirrored as md  # noqa: E402
 REDUCE = {"sum": np.sum, "mean": np.mean, "max": np.max}
 
 
-@pytest.fixture(params=["logical-2", "logical-3", "logical-4", "physical-2"])
+@pytest.fixture(params=LAYOUTS)
 def strategy(request):
-    kind, n = request.param.split("-")
-    n = int(n)
-    if kind == "physical":
-        if NGPU < n:
-            pytest.skip(f"needs {n} GPUs")
-        yield md.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
-        return
-    md.config.set_logical_device_configuration("GPU", 0, count=n)
-    try:
-        yield md.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
-    finally:
-        md.config.set_logical_device_configuration("GPU:0", None)
+    with layout_strategy(request.param) as s:
+        yield s
 
 
 def _inputs(n, seed, shape):
