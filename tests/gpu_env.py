@@ -165,6 +165,17 @@ def check_hand_off(strategy, hosts, out):
         np.testing.assert_allclose(cupy.asnumpy(t), np.sum(hosts, axis=0) * n, rtol=1e-5)
 
 
+def nccl_strategy(gpus: int):
+    """A MirroredStrategy over GPUs 0 .. gpus-1 with NCCL's cross-device ops; the test is skipped without
+    NCCL: the native engine orders GPUs with events, which md.function's per-GPU graphs cannot hold
+    (docs/function.md)."""
+    strategy = mirrored.MirroredStrategy([f"/gpu:{i}" for i in range(gpus)])
+    if not isinstance(strategy.extended._cross_device_ops, mirrored.NcclAllReduce):
+        pytest.skip("NCCL is not installed: without it the GPUs are ordered with events, which per-GPU graphs "
+                    "cannot hold (docs/function.md)")
+    return strategy
+
+
 def replica_batches(strategy, step: int, *data):
     """Step ``step``'s batch of each array in ``data`` (shaped step, global batch, ...): per array, a
     PerReplica of each replica's slice of that batch, on its GPU."""

@@ -120,9 +120,7 @@ def test_iterations_assigned_between_replays_gives_the_next_replay_that_steps_sc
 def test_on_two_gpus_each_gpu_replays_its_own_graph_with_nccl_inside(optimizer):
     if gpu_env.NGPU < 2:
         pytest.skip("needs two GPUs")
-    if not isinstance(md.MirroredStrategy(["/gpu:0", "/gpu:1"]).extended._cross_device_ops, md.NcclAllReduce):
-        pytest.skip("NCCL is not installed: the native engine orders GPUs with events, which per-GPU graphs "
-                    "cannot hold (docs/function.md)")
+    gpu_env.nccl_strategy(2)  # (skips without NCCL)
     eager, eager_losses, _ = _train(2, optimizer, captured=False, one_gpu=False)
     captured, captured_losses, _ = _train(2, optimizer, captured=True, one_gpu=False)
     for e, c in zip(eager, captured):

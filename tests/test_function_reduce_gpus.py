@@ -30,14 +30,6 @@ _Y = _rng.standard_normal((10, 8, 3)).astype(np.float32)
 _OPTIMIZERS = {"sgd": lambda: md.optimizers.SGD(0.1, momentum=0.9), "adam": lambda: md.optimizers.Adam(0.01)}
 
 
-def _nccl_strategy(gpus):
-    strategy = md.MirroredStrategy([f"/gpu:{i}" for i in range(gpus)])
-    if not isinstance(strategy.extended._cross_device_ops, md.NcclAllReduce):
-        pytest.skip("NCCL is not installed: without it the GPUs are ordered with events, which per-GPU graphs "
-                    "cannot hold (docs/function.md)")
-    return strategy
-
-
 def _host(x):
     return cupy.asnumpy(x) if isinstance(x, cupy.ndarray) else np.asarray(x)
 
@@ -64,7 +56,7 @@ def _reference(w, b, step, op, axis, gpus):
 def _train(gpus, op, axis, optimizer, captured, steps=10):
     """Each step's reduced loss (copied to the host) and the weights before it, the final weights, and the
     replay's counters (captured) on the simulator."""
-    strategy = _nccl_strategy(gpus)
+    strategy = gpu_env.nccl_strategy(gpus)
     with strategy.scope():
         w, b = md.Variable(_W0), md.Variable(_B0)
         opt = _OPTIMIZERS[optimizer]()
@@ -149,7 +141,7 @@ def test_reduce_to_batch_reduce_to_and_local_results_are_captured_on_their_desti
     runs = {}
     with gpu_env.physical_gpus(gpus):
         for captured in (False, True):
-            strategy = _nccl_strategy(gpus)
+            strategy = gpu_env.nccl_strategy(gpus)
             with strategy.scope():
                 w, b = md.Variable(_W0), md.Variable(_B0)
                 opt = md.optimizers.SGD(0.1)
@@ -183,7 +175,7 @@ def test_a_captured_reduce_across_gpus_keeps_tensorflows_dtypes(op, dtype):
     runs = {}
     with gpu_env.physical_gpus(2):
         for captured in (False, True):
-            strategy = _nccl_strategy(2)
+            strategy = gpu_env.nccl_strategy(2)
 
             def replica_step(x):
                 return (x * 4).astype(dtype)

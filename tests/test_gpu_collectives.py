@@ -41,6 +41,11 @@ def placements(n):
     return out
 
 
+def _skip_without_nccl():
+    if not _gpu.nccl_available():
+        pytest.skip(f"NCCL is not installed ({_gpu.NCCL_FIX})")
+
+
 def cupy_has(dtype) -> bool:
     try:
         cupy.zeros(1, dtype)
@@ -140,8 +145,8 @@ def direct_capable(devices) -> bool:
 def test_integer_mean_of_empty_buffers_is_float64(algorithm, dtype):
     n = min(NGPU, 2) if algorithm == "nccl" else 3
     devices = tuple(range(n)) if algorithm == "nccl" else (0,) * n
-    if algorithm == "nccl" and not _gpu.nccl_available():
-        pytest.skip("NCCL is not installed (pip install nvidia-nccl-cu13)")
+    if algorithm == "nccl":
+        _skip_without_nccl()
     for shape in ((0,), (2, 0), (5,)):
         xs = upload([np.arange(np.prod(shape), dtype=dtype).reshape(shape) + i for i in range(n)], devices)
         for r in collectives.all_reduce(xs, "mean", algorithm=algorithm):
@@ -152,8 +157,7 @@ def test_integer_mean_of_empty_buffers_is_float64(algorithm, dtype):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_nccl_all_reduce_matches_numpy(op, dtype):
-    if not _gpu.nccl_available():
-        pytest.skip("NCCL is not installed (pip install nvidia-nccl-cu13)")
+    _skip_without_nccl()
     n = min(NGPU, 4)
     check_matrix(n, dtype, op, "nccl", tuple(range(n)))
 
@@ -162,8 +166,7 @@ def test_nccl_all_reduce_matches_numpy(op, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_nccl_reduce_matches_numpy_on_the_root_only(op, dtype):
     """NCCL's reduce (NcclAllReduce's reduce to one device): the result on the root's GPU, other outputs untouched."""
-    if not _gpu.nccl_available():
-        pytest.skip("NCCL is not installed (pip install nvidia-nccl-cu13)")
+    _skip_without_nccl()
     n = min(NGPU, 4)
     if n < 2:
         pytest.skip("needs 2 GPUs")
@@ -265,8 +268,8 @@ def test_broadcast_reduce_gather(small_chunks, n):
 @pytest.mark.parametrize("packing", [dict(), dict(bytes_per_pack=64), dict(num_packs=2)])
 @pytest.mark.parametrize("algorithm", ("auto", "nccl"))
 def test_batch_all_reduce(small_chunks, packing, algorithm):
-    if algorithm == "nccl" and not _gpu.nccl_available():
-        pytest.skip("NCCL is not installed (pip install nvidia-nccl-cu13)")
+    if algorithm == "nccl":
+        _skip_without_nccl()
     n = min(NGPU, 3) if algorithm == "nccl" else 3
     devices = tuple(range(n)) if algorithm == "nccl" else placements(n)[-1][1]
     rng = np.random.default_rng(7)
@@ -286,8 +289,8 @@ def test_batch_all_reduce(small_chunks, packing, algorithm):
 def test_batch_of_200_tensors_in_one_buffer_per_replica(algorithm):
     """The O(1) batch path: 200 tensors of mixed sizes (some empty, some not a whole 16-byte vector),
     mixed dtypes and non-contiguous inputs; results are views of one buffer per replica."""
-    if algorithm == "nccl" and not _gpu.nccl_available():
-        pytest.skip("NCCL is not installed (pip install nvidia-nccl-cu13)")
+    if algorithm == "nccl":
+        _skip_without_nccl()
     n = min(NGPU, 2) if algorithm == "nccl" else 2
     devices = tuple(range(n)) if algorithm == "nccl" else (0,) * n
     rng = np.random.default_rng(11)

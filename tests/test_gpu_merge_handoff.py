@@ -84,7 +84,6 @@ def test_arrays_a_merge_fn_hands_across_replicas_read_right(strategy, hand_off, 
 def test_an_array_handed_across_is_read_after_the_owner_dropped_it_and_two_collectives(strategy, seed):
     """md.function's hand-off test, eagerly: replica 0's array read by the others two all-reduces later,
     after replica 0 dropped it and wrote an array of its size."""
-    n = strategy.num_replicas_in_sync
     rng = np.random.default_rng(seed)
     devices = strategy.extended.worker_devices
     for _ in range(3):

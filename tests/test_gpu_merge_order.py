@@ -12,7 +12,7 @@ simulator, a silently wrong value on a GPU).
 import numpy as np
 import pytest
 
-from gpu_env import LAYOUTS, NGPU, SKIP_REASON, cupy, layout_strategy
+from gpu_env import LAYOUTS, SKIP_REASON, cupy, layout_strategy
 
 pytestmark = pytest.mark.gpu
 if cupy is None:

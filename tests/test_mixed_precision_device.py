@@ -139,8 +139,7 @@ def test_a_captured_loss_scaled_step_replays_the_eager_steps_bits(replicas, inne
 def test_on_two_gpus_each_gpu_decides_with_its_own_copy_of_the_scale(inner, kernel_order, monkeypatch):
     if gpu_env.NGPU < 2:
         pytest.skip("needs two GPUs")
-    if not isinstance(md.MirroredStrategy(["/gpu:0", "/gpu:1"]).extended._cross_device_ops, md.NcclAllReduce):
-        pytest.skip("NCCL is not installed: per-GPU graphs need it (docs/function.md)")
+    gpu_env.nccl_strategy(2)  # (skips without NCCL)
     # Two replicas on two GPUs (NCCL) sum the same two float16 values as on two logical GPUs of one. (The
     # host-decided step once divided on one stream and updated on another here: weights from garbage.)
     logical = _train(monkeypatch, 2, inner, grad_dtype=np.float16)
