@@ -424,7 +424,7 @@ class MergeOrder:
 
     def _keep(self, slots) -> None:
         """Keeps the memory of the combine's input arrays until the run's replicas have all finished."""
-        ndarray = cupy_module().ndarray
+        ndarray = self._ndarray
         self._kept.extend(leaf.data.mem for leaf in flatten(slots) if isinstance(leaf, ndarray))
 
     def finish(self, replica: int) -> None:

@@ -579,8 +579,9 @@ class MirroredExtended(StrategyExtended):
         self._cross_device_ops = cross_device_ops or _default_cross_device_ops(self._local_devices)
         # Replicas share the caller's thread (greenlets): GPU replicas too, as their kernels are
         # asynchronous; each takes its CUDA device and stream along when it hands the thread on.
-        ordinals = [device_util.physical_ordinal(d) if device_util.parse(d).device_type == "GPU" else None
-                    for d in self._local_devices]
+        # Each replica's CUDA ordinal (None: not a GPU replica).
+        self._ordinals = ordinals = [device_util.physical_ordinal(d) if device_util.parse(d).device_type == "GPU"
+                                     else None for d in self._local_devices]
         gpus = [o for o in ordinals if o is not None]
         # CPU replicas allocate their arrays from the process's replica array pool (csrc/host/array_pool.h):
         # a step's arrays come back every step, which glibc would otherwise fault in afresh each time.
@@ -611,10 +612,9 @@ class MirroredExtended(StrategyExtended):
 
     def _replica_scopes(self) -> list:
         if self._scopes is None:
-            gpus = [device_util.physical_ordinal(d) if device_util.parse(d).device_type == "GPU" else None
-                    for d in self._local_devices]
-            self._scopes = [_GpuReplicaScope(d, i, gpus.count(o) > 1) if o is not None
-                            else device_util.device_scope(d) for i, (d, o) in enumerate(zip(self._local_devices, gpus))]
+            ordinals = self._ordinals
+            self._scopes = [_GpuReplicaScope(d, i, ordinals.count(o) > 1) if o is not None
+                            else device_util.device_scope(d) for i, (d, o) in enumerate(zip(self._local_devices, ordinals))]
         return self._scopes
 
     def _call_for_each_replica(self, fn, args, kwargs):
@@ -748,7 +748,7 @@ class MirroredExtended(StrategyExtended):
         if device_util.all_cpu(devices):
             return functools.partial(cdo._replica_all_reduce, op, options, None, np.ndarray)
         if device_util.all_gpu(devices):
-            ordinals = tuple(device_util.physical_ordinal(d) for d in devices)
+            ordinals = tuple(self._ordinals)
             return functools.partial(cdo._replica_all_reduce, op, options, ordinals, _gpu.cupy_module().ndarray)
         return None  # CPU and GPU replicas mixed
 
