@@ -23,13 +23,15 @@ bool cacheable(std::size_t capacity) {
 // Cacheable sizes round up to whole pages, so that nearly equal requests share blocks.
 std::size_t capacity_for(std::size_t bytes) {
   constexpr std::size_t kPage = 4096;
-  if (bytes < ArrayPool::kMinCached || bytes > ArrayPool::kMaxCached) return bytes;
+  if (!cacheable(bytes)) return bytes;
   return (bytes + kPage - 1) / kPage * kPage;
 }
 
 std::size_t& capacity_of(void* base) { return *static_cast<std::size_t*>(base); }
 void* data_of(void* base) { return static_cast<char*>(base) + kHeader; }
 void* base_of(void* data) { return static_cast<char*>(data) - kHeader; }
+
+ArrayPool* fork_guarded = nullptr;  // the pool whose lock fork() takes (guard_fork)
 
 }  // namespace
 
@@ -38,7 +40,8 @@ ArrayPool::~ArrayPool() { trim(); }
 void* ArrayPool::allocate(std::size_t bytes, bool zeroed) {
   if (bytes > SIZE_MAX - kHeader) return nullptr;
   const std::size_t capacity = capacity_for(bytes);
-  if (cacheable(capacity)) {
+  const bool cached = cacheable(capacity);
+  if (cached) {
     std::unique_lock<std::mutex> lock(mu_);
     stats_.live_bytes += capacity;
     stats_.peak_bytes = std::max(stats_.peak_bytes, stats_.live_bytes);
@@ -62,14 +65,14 @@ void* ArrayPool::allocate(std::size_t bytes, bool zeroed) {
     evict_locked();
   }
   void* base;
-  if (cacheable(capacity)) {  // (a multiple of the page: aligned_alloc's size rule holds)
+  if (cached) {  // (a multiple of the page: aligned_alloc's size rule holds)
     base = std::aligned_alloc(kHeader, kHeader + capacity);
     if (base != nullptr && zeroed) std::memset(data_of(base), 0, bytes);
   } else {
     base = zeroed ? std::calloc(1, kHeader + capacity) : std::malloc(kHeader + capacity);
   }
   if (base == nullptr) {
-    if (cacheable(capacity)) {
+    if (cached) {
       std::lock_guard<std::mutex> lock(mu_);
       stats_.live_bytes -= capacity;
     }
@@ -130,14 +133,15 @@ void ArrayPool::trim() {
   stats_.cached_bytes = 0;
 }
 
-namespace {
-ArrayPool* fork_guarded = nullptr;  // the pool whose lock fork() takes (guard_fork)
-}  // namespace
-
 void ArrayPool::guard_fork() {
   fork_guarded = this;
-  pthread_atfork([] { fork_guarded->mu_.lock(); }, [] { fork_guarded->mu_.unlock(); },
-                 [] { fork_guarded->mu_.unlock(); });
+  // Registered once: a second pair of handlers would take the same lock twice at a fork.
+  static const bool registered = [] {
+    pthread_atfork([] { fork_guarded->mu_.lock(); }, [] { fork_guarded->mu_.unlock(); },
+                   [] { fork_guarded->mu_.unlock(); });
+    return true;
+  }();
+  (void)registered;
 }
 
 ArrayPool::Stats ArrayPool::stats() const {
