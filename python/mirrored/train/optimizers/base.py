@@ -1047,6 +1047,8 @@ def _gate_pointers(gate) -> tuple:
     if gate is None:
         return 0, 0
     return gate.nonfinite if gate.dynamic else 0, gate.scale
+
+
 _VALUE = operator.attrgetter("_value")
 _host_kernel = _fused_update
 
