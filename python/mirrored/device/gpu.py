@@ -234,7 +234,7 @@ class MergeOrder:
     """
 
     __slots__ = ("_ordinals", "_gpus", "_arrived", "_foreign", "_any_foreign", "_held", "_cuda", "_ndarray", "_null",
-                 "_shared", "_forks", "_kept", "_finished")
+                 "_shared", "_forks", "_kept", "_finished", "pending")
 
     def __init__(self, ordinals):
         self._ordinals = tuple(ordinals)
@@ -254,6 +254,7 @@ class MergeOrder:
         self._kept = []  # memory of this run's combine inputs inside md.function (see StepScope)
         self._finished = set()  # the replicas of this run that finished since the first kept (a set: replica
         # threads may finish at once)
+        self.pending = False  # whether finish() has work: something held or kept (else replicas skip the call)
 
     def arrive(self, replica: int) -> None:
         """Notes the stream replica ``replica`` (the calling one) has queued its inputs on."""
@@ -328,6 +329,7 @@ class MergeOrder:
                 stream.wait_event(self._merge_stream(ordinal).record())
                 if results is not None:
                     self._held[r].append((ordinal, stream, results[r]))
+                    self.pending = True
             if forks:
                 self._fork(forks)
             if on != device:
@@ -377,6 +379,7 @@ class MergeOrder:
                 with self._cuda.Device(ordinal):
                     reader.wait_event(written[k])
             self._held[r].append((ordinal, reader, mem))
+            self.pending = True
 
     def _handed(self, slots, results) -> list:
         """``[(r, replicas whose arguments hold it, memory)]`` of each array ``results[r]`` holds whose
@@ -426,6 +429,7 @@ class MergeOrder:
         """Keeps the memory of the combine's input arrays until the run's replicas have all finished."""
         ndarray = self._ndarray
         self._kept.extend(leaf.data.mem for leaf in flatten(slots) if isinstance(leaf, ndarray))
+        self.pending = bool(self._kept) or self.pending
 
     def finish(self, replica: int) -> None:
         """Replica ``replica`` returned: what was handed to it on a stream of the user's goes once
@@ -441,6 +445,7 @@ class MergeOrder:
             for ordinal, stream in {s.ptr: (o, s) for o, s, _ in held}.values():
                 with self._cuda.Device(ordinal):
                     _inflight.add(stream.record(), held)
+        self.pending = bool(self._kept) or any(self._held)
 
 
 def collective_stream(ordinal: int) -> int:

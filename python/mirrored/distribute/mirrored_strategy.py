@@ -28,9 +28,9 @@ from .._nest import flatten, is_nested, map_structure, pack_sequence_as
 from ..device import config, device_util, gpu as _gpu
 from ..device.device_util import _current as _device_local
 from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, describe
-from .context import _Context, _local
+from .context import _Context, _local, _new_tuple
 from .distribute_lib import _Aborted, _Group, ReplicaContext, Strategy, StrategyExtended
-from .name_scope import _state as _scope_local, current_scope
+from .name_scope import _state as _scope_local
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
 from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mirrored, MirroredVariable, PerReplica,
@@ -44,11 +44,6 @@ from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mir
 HANDOFF_SECONDS = 0.005
 # ... or that has waited this long (sleeping, blocked in I/O): longer than any preemption.
 BLOCKED_SECONDS = 0.1
-
-
-# _Context(strategy, replica_context) built without the NamedTuple's Python-level __new__ (~0.35 us
-# saved per replica of every step); the entry must not be cached: it holds the strategy.
-_new_tuple = tuple.__new__
 
 
 def _is_long(started: float, started_cpu: float | None, launch_only: bool = False) -> bool:
@@ -92,14 +87,15 @@ class _ThreadState:
 
 
 class _GpuThreadState(_ThreadState):
-    """... and, for GPU replicas, CuPy's per-thread CUDA state: the current CUDA device (the runtime's,
-    per host thread), the current stream of each of the strategy's GPUs, and the running replica's
-    entry on the thread's ``with stream`` stack (CuPy's, per thread: cupy/cuda/stream.pyx).
+    """... and, for GPU replicas, CuPy's per-thread CUDA state (``cuda``): the current CUDA device (the
+    runtime's, per host thread), the current stream of each of the strategy's GPUs, and the running
+    replica's entry on the thread's ``with stream`` stack (CuPy's, per thread: cupy/cuda/stream.pyx).
 
     Only the running replica's stream is on that stack: a replica handing the thread on takes its
-    entry off (``save``) and puts it back when resumed (``restore``), so the ``with`` blocks
+    entry off (reading ``cuda``) and puts it back when resumed (setting it), so the ``with`` blocks
     that library code opens and closes inside a replica unwind to that replica's stream, never to
-    another's.
+    another's. _Group.cooperate reads and sets the thread-locals itself and ``cuda`` as a fourth
+    one: a park and a resume cost one Python call each.
     """
 
     def __init__(self, ordinals):
@@ -107,17 +103,30 @@ class _GpuThreadState(_ThreadState):
         cuda = _gpu.cupy_module().cuda
         self._runtime, self._current_stream = cuda.runtime, cuda.get_current_stream
 
+    def native(self):
+        return self.LOCALS + ((self, "cuda", None),)
+
     def save(self) -> tuple:
-        scope = getattr(_running, "scope", None)
-        state = (getattr(_local, "stack", None), getattr(_device_local, "device", None),
-                 getattr(_scope_local, "scope", ""), self._runtime.getDevice(),
-                 tuple(map(self._current_stream, self._ordinals)), scope)
-        if scope is not None:  # its stream off the thread's `with` stack (see _GpuReplicaScope)
-            scope._entered[-1][0].__exit__(None, None, None)
-        return state
+        return getattr(_local, "stack", None), getattr(_device_local, "device", None), \
+            getattr(_scope_local, "scope", ""), self.cuda
 
     def restore(self, state: tuple) -> None:
-        _local.stack, _device_local.device, _scope_local.scope, device, streams, scope = state
+        _local.stack, _device_local.device, _scope_local.scope, self.cuda = state
+
+    @property
+    def cuda(self) -> tuple:
+        try:
+            scope = _running.scope
+        except AttributeError:  # (no GPU replica has run on this thread yet)
+            scope = None
+        state = self._runtime.getDevice(), tuple(map(self._current_stream, self._ordinals)), scope
+        if scope is not None:  # its stream off the thread's `with` stack (see _GpuReplicaScope)
+            scope._entry[0].__exit__(None, None, None)
+        return state
+
+    @cuda.setter
+    def cuda(self, state: tuple) -> None:
+        device, streams, scope = state
         runtime, current = self._runtime, self._current_stream
         _running.scope = scope
         entered = None  # (the stream just made current on GPU `on`: its current stream needs no lookup)
@@ -125,7 +134,7 @@ class _GpuThreadState(_ThreadState):
             on = scope._ordinal
             if runtime.getDevice() != on:
                 runtime.setDevice(on)
-            entered = scope._entered[-1][0]
+            entered = scope._entry[0]
             entered.__enter__()
         else:
             on = runtime.getDevice()
@@ -144,15 +153,8 @@ class _GpuThreadState(_ThreadState):
 _running = threading.local()  # .scope: the _GpuReplicaScope of the replica running on this thread, if any
 
 
+# .idle: this thread's greenlets waiting for a replica to run (a greenlet only runs on its own thread)
 _threads_greenlets = threading.local()
-
-
-def _idle_greenlets() -> list:
-    """This thread's greenlets waiting for a replica to run (a greenlet only runs on its own thread)."""
-    idle = getattr(_threads_greenlets, "idle", None)
-    if idle is None:
-        idle = _threads_greenlets.idle = []
-    return idle
 
 
 def _serve(group, i):
@@ -333,7 +335,14 @@ class _ReplicaPool:
             if self._threads is None and self.n > 1:
                 self._start()
             coop = self._coop
-            self.group.reset(_idle_greenlets() if coop is not None else None)
+            if coop is not None:
+                try:
+                    idle = _threads_greenlets.idle
+                except AttributeError:  # this thread's first cooperative run
+                    idle = _threads_greenlets.idle = []
+                self.group.reset(idle)
+            else:
+                self.group.reset(None)
             self._fn, self._results, self._errors = replica_fn, [None] * self.n, []
             self._arrived, self._arrivals = [False] * self.n, itertools.count()
             self._generation += 1
@@ -512,17 +521,19 @@ class _GpuReplicaScope:
         self._runtime = _gpu.cupy_module().cuda.runtime
         self._stream = _gpu.replica_stream(replica_id, ordinal)
         self._replica_id, self._shares_gpu = replica_id, shares_gpu
-        self._entered = []  # (stream entered, memory scope or None, the step stream it forked from or None)
+        # While entered: (stream entered, memory scope or None, the step stream it forked from or None).
+        # One slot: a run enters each replica's scope once, and runs do not overlap.
+        self._entry = None
 
     def __enter__(self):
         # Inside md.function the replica runs on the step's memory, and on its GPU's step stream, or, when
         # replicas share the GPU, on a stream forked from it (device/gpu.py StepScope). The step's allocator
         # is the same for every replica and the md.function caller's own, so interleaved enters and exits of
         # its (per-thread) scope leave it as it was.
-        step = _gpu.step_scope()
-        origin = None
+        step = _gpu._step  # (step_scope(), inlined: every replica of every step asks)
+        origin = memory = None
         if step is None:
-            stream, memory = self._stream, None
+            stream = self._stream
         elif self._shares_gpu:
             origin, memory = step.streams[self._ordinal], _gpu.step_memory()
             stream = _gpu.fork_stream(self._replica_id, self._ordinal)
@@ -536,11 +547,12 @@ class _GpuReplicaScope:
         stream.__enter__()
         if memory is not None:
             memory.__enter__()
-        self._entered.append((stream, memory, origin))
+        self._entry = stream, memory, origin
         _running.scope = self
 
     def __exit__(self, *exc):
-        stream, memory, origin = self._entered.pop()
+        stream, memory, origin = self._entry
+        self._entry = None
         if memory is not None:
             memory.__exit__(*exc)
         stream.__exit__(None, None, None)  # (on top: anything entered after it inside the replica has been left)
@@ -618,14 +630,21 @@ class MirroredExtended(StrategyExtended):
         return self._scopes
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        arguments = self._replica_arguments(args, kwargs) if args or kwargs else None
-        strategy = self._container_strategy
+        # Each replica's arguments: `column[i]` alone (the commonest case: one distributed batch), else
+        # `arguments[i]`, (args, kwargs) as replica i sees them, else none.
+        column = arguments = None
+        if len(args) == 1 and not kwargs and type(args[0]) in (PerReplica, Mirrored) and \
+                len(args[0]._values) == len(self._local_devices):
+            column = args[0]._values
+        elif args or kwargs:
+            arguments = self._replica_arguments(args, kwargs)
+        strategy = self._container_strategy_weakref()  # (the property, inlined: every step asks)
         contexts = self._replica_contexts or self._contexts()
         scopes = self._scopes or self._replica_scopes()
         order = self._pool.group.order
         # Every replica starts in the caller's md.name_scope, as TF's replica threads do, and keeps its
         # own: a thread that runs another replica while this one waits in a merge_call must not see it.
-        name_scope = current_scope()
+        name_scope = getattr(_scope_local, "scope", "")  # (current_scope(), inlined)
         devices = self._cpu_devices
 
         def replica(i):
@@ -636,6 +655,8 @@ class MirroredExtended(StrategyExtended):
             _scope_local.scope = name_scope
             if devices is not None:  # CPU replicas: their device is all there is to enter
                 _device_local.device = devices[i]
+                if column is not None:
+                    return fn(column[i])
                 if arguments is None:
                     return fn()
                 args_i, kwargs_i = arguments[i]
@@ -643,13 +664,15 @@ class MirroredExtended(StrategyExtended):
             scope = scopes[i]
             scope.__enter__()
             try:
+                if column is not None:
+                    return fn(column[i])
                 if arguments is None:
                     return fn()
                 args_i, kwargs_i = arguments[i]
                 return fn(*args_i, **kwargs_i)
             finally:
                 scope.__exit__(None, None, None)
-                if order is not None:
+                if order is not None and order.pending:  # (work handed to it to let go: rare)
                     order.finish(i)
 
         results = self._pool.run(replica)
@@ -658,8 +681,6 @@ class MirroredExtended(StrategyExtended):
     def _replica_arguments(self, args, kwargs) -> list:
         """``(args, kwargs)`` as each replica sees them (select_replica's rule), the structure walked once."""
         n = len(self._local_devices)
-        if len(args) == 1 and not kwargs and type(args[0]) in (PerReplica, Mirrored) and len(args[0]._values) == n:
-            return [((v,), kwargs) for v in args[0]._values]  # the commonest case: one distributed batch
         flat = not kwargs and not any(is_nested(a) for a in args)  # the common case: no re-packing
         leaves = args if flat else flatten((args, kwargs))
         split = []  # per leaf: whether each replica takes its own component
