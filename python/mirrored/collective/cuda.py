@@ -119,6 +119,11 @@ class CallPlan:
         """Bytes of one replica's buffer."""
         return self._count * self._dtype.itemsize
 
+    @property
+    def devices(self) -> tuple:
+        """Each replica's GPU (CUDA ordinal)."""
+        return self._devices
+
     def run(self, buffers, out):
         done = self._plan.run(buffers, out, _plan_streams(self._ordinals, self._devices), self._new_outputs)
         return done if done is None or out is None else list(out)

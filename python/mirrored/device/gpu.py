@@ -297,7 +297,7 @@ class MergeOrder:
                 if on != ordinal:
                     runtime.setDevice(ordinal)
                     on = ordinal
-                stream = self._merge_stream(ordinal)
+                stream = self._null if _step is None else _step.streams[ordinal]  # (_merge_stream(), inlined)
                 stream.__enter__()
                 entered.append((ordinal, stream))
             if on != device:
@@ -316,7 +316,8 @@ class MergeOrder:
                     on = ordinal
                 stream.__exit__(None, None, None)
             for ordinal, stream in zip(self._gpus, current):
-                if cuda.get_current_stream(ordinal) != stream:
+                now = cuda.get_current_stream(ordinal)
+                if now is not stream and now != stream:
                     if on != ordinal:
                         runtime.setDevice(ordinal)
                         on = ordinal
@@ -460,7 +461,9 @@ def collective_stream(ordinal: int) -> int:
     """
     if _step is not None:
         return _step_stream_of_caller(ordinal).ptr
-    s = cupy_module().cuda.get_current_stream(ordinal)
+    import cupy  # (cupy_module(), inlined: a call on GPU buffers has CuPy, and every planned call asks)
+
+    s = cupy.cuda.get_current_stream(ordinal)
     return 0 if s.ptr in _replica_stream_ptrs else s.ptr
 
 

@@ -114,6 +114,7 @@ class ReplicaContext:
         self._local_replica_id = _local_replica_id
         self._group = _group if _group is not None else _Group(1)
         self._all_reduces = {}  # op name -> the combine of an all_reduce without options (made once per op)
+        self._latest = (None, None)  # (op name, combine) of the latest such all_reduce
 
     @property
     def strategy(self) -> "Strategy":
@@ -222,7 +223,12 @@ class ReplicaContext:
         # by the ReduceOp: its hash is Python code).
         name = reduce_op._value_ if type(reduce_op) is ReduceOp else reduce_op
         if options is None and type(name) is str:
-            combine = self._all_reduces.get(name)
+            if name is self._latest[0]:  # (the same string object as the latest call's: no lookup)
+                combine = self._latest[1]
+            else:
+                combine = self._all_reduces.get(name)
+                if combine is not None:
+                    self._latest = name, combine
             if combine is not None:
                 try:  # (_collective's first case, its _top() inlined)
                     stack = _local.stack

@@ -8,7 +8,6 @@ whose built-ins make one native call for all replicas with the GIL released.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import threading
@@ -27,7 +26,7 @@ from .._logging import logger
 from .._nest import flatten, is_nested, map_structure, pack_sequence_as
 from ..device import config, device_util, gpu as _gpu
 from ..device.device_util import _current as _device_local
-from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, describe
+from .cross_device_ops import CrossDeviceOps, NcclAllReduce, _ReplicaAllReduce, RingAllReduce, describe
 from .context import _Context, _local, _new_tuple
 from .distribute_lib import _Aborted, _Group, ReplicaContext, Strategy, StrategyExtended
 from .name_scope import _state as _scope_local
@@ -767,10 +766,9 @@ class MirroredExtended(StrategyExtended):
             # through batch_reduce_to
             return None
         if device_util.all_cpu(devices):
-            return functools.partial(cdo._replica_all_reduce, op, options, None, np.ndarray)
+            return _ReplicaAllReduce(cdo, op, options, None, np.ndarray)
         if device_util.all_gpu(devices):
-            ordinals = tuple(self._ordinals)
-            return functools.partial(cdo._replica_all_reduce, op, options, ordinals, _gpu.cupy_module().ndarray)
+            return _ReplicaAllReduce(cdo, op, options, tuple(self._ordinals), _gpu.cupy_module().ndarray)
         return None  # CPU and GPU replicas mixed
 
     def _broadcast_to(self, tensor, destinations):
