@@ -380,10 +380,11 @@ class _ReplicaPool:
                     state = self._state.save()
                     try:
                         self._execute(0)
-                        i = self._claim_next()
-                        while i is not None:
-                            self._execute(i)
+                        while self._next < self.n:  # (not asked once every replica has started: mostly so by now)
                             i = self._claim_next()
+                            if i is None:
+                                break
+                            self._execute(i)
                         if coop.unfinished:  # (greenlet replicas waiting for replicas on other threads)
                             coop.drain()
                     finally:
@@ -502,12 +503,12 @@ def _blas_controllers() -> list:
 
 class _GpuReplicaScope:
     """A GPU replica's device and CUDA device and stream, made once (entered by one replica at a time,
-    and only by the replica pool's runs).
+    and only by the replica pool's runs): ``call`` runs the replica's function inside it.
 
     Its stream is entered as CuPy's ``with stream`` does (pushed on the
     thread's stack), so that ``with`` blocks inside the replica unwind to it.
     Replicas that share a thread (greenlets) take their entry off the stack
-    while another runs (_GpuThreadState's save and restore).
+    while another runs (_GpuThreadState's ``cuda``).
 
     Leaving takes the stream off the stack and nothing else: the thread's CUDA device and md device
     stay as the replica left them, like a CPU replica's device (the pool puts the caller's back once
@@ -524,12 +525,14 @@ class _GpuReplicaScope:
         # One slot: a run enters each replica's scope once, and runs do not overlap.
         self._entry = None
 
-    def __enter__(self):
+    def call(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` inside the scope: entering and leaving in this one Python call (the
+        replica pool's way in, for every replica of every step)."""
         # Inside md.function the replica runs on the step's memory, and on its GPU's step stream, or, when
         # replicas share the GPU, on a stream forked from it (device/gpu.py StepScope). The step's allocator
         # is the same for every replica and the md.function caller's own, so interleaved enters and exits of
         # its (per-thread) scope leave it as it was.
-        step = _gpu._step  # (step_scope(), inlined: every replica of every step asks)
+        step = _gpu._step  # (step_scope(), inlined)
         origin = memory = None
         if step is None:
             stream = self._stream
@@ -548,18 +551,18 @@ class _GpuReplicaScope:
             memory.__enter__()
         self._entry = stream, memory, origin
         _running.scope = self
-
-    def __exit__(self, *exc):
-        stream, memory, origin = self._entry
-        self._entry = None
-        if memory is not None:
-            memory.__exit__(*exc)
-        stream.__exit__(None, None, None)  # (on top: anything entered after it inside the replica has been left)
-        _running.scope = None
-        if origin is not None:  # the join, with the stream's device current (the replica may have left it)
-            if self._runtime.getDevice() != self._ordinal:
-                self._runtime.setDevice(self._ordinal)
-            origin.wait_event(stream.record())
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._entry = None
+            if memory is not None:
+                memory.__exit__(None, None, None)
+            stream.__exit__(None, None, None)  # (on top: anything entered after it inside the replica has been left)
+            _running.scope = None
+            if origin is not None:  # the join, with the stream's device current (the replica may have left it)
+                if self._runtime.getDevice() != self._ordinal:
+                    self._runtime.setDevice(self._ordinal)
+                origin.wait_event(stream.record())
 
 
 class _MirroredReplicaContext(ReplicaContext):
@@ -633,7 +636,7 @@ class MirroredExtended(StrategyExtended):
         # `arguments[i]`, (args, kwargs) as replica i sees them, else none.
         column = arguments = None
         if len(args) == 1 and not kwargs and type(args[0]) in (PerReplica, Mirrored) and \
-                len(args[0]._values) == len(self._local_devices):
+                len(args[0]._values) == self._pool.n:
             column = args[0]._values
         elif args or kwargs:
             arguments = self._replica_arguments(args, kwargs)
@@ -660,17 +663,14 @@ class MirroredExtended(StrategyExtended):
                     return fn()
                 args_i, kwargs_i = arguments[i]
                 return fn(*args_i, **kwargs_i) if kwargs_i else fn(*args_i)
-            scope = scopes[i]
-            scope.__enter__()
             try:
                 if column is not None:
-                    return fn(column[i])
+                    return scopes[i].call(fn, column[i])
                 if arguments is None:
-                    return fn()
+                    return scopes[i].call(fn)
                 args_i, kwargs_i = arguments[i]
-                return fn(*args_i, **kwargs_i)
+                return scopes[i].call(fn, *args_i, **kwargs_i)
             finally:
-                scope.__exit__(None, None, None)
                 if order is not None and order.pending:  # (work handed to it to let go: rare)
                     order.finish(i)
 
