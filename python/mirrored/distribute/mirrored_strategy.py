@@ -398,7 +398,8 @@ class _ReplicaPool:
                 self._caller = None
                 if self._inflight:
                     self._wait_for_replicas()
-                self._blas.restore()
+                if self._blas.capped is not None:  # (threads were woken: mostly not)
+                    self._blas.restore()
                 if callers_arrays is not None:
                     _set_array_handler(callers_arrays)
             # Then the next step starts on the threads (the wall time first: a clock read saved).
@@ -466,12 +467,12 @@ class _BlasCap:
     def __init__(self, devices):
         cpu_replicas = sum(device_util.parse(d).device_type == "CPU" for d in devices)
         self._cap = max(1, len(os.sched_getaffinity(0)) // cpu_replicas) if cpu_replicas >= 2 else 0
-        self._saved = None  # (library, threads before the cap) while capped
+        self.capped = None  # [(library, threads before the cap)] while capped, else None
 
     def cap(self) -> None:
         """Caps the libraries above the cap, once per step. Called on the caller's thread only: a
         pthreads OpenBLAS ignores a count set on any other thread."""
-        if not self._cap or self._saved is not None:
+        if not self._cap or self.capped is not None:
             return
         saved = []
         for lib in _blas_controllers():
@@ -479,14 +480,14 @@ class _BlasCap:
             if threads is not None and threads > self._cap:
                 lib.set_num_threads(self._cap)
                 saved.append((lib, threads))
-        self._saved = saved
+        self.capped = saved
 
     def restore(self) -> None:
         """Undoes :meth:`cap` (the caller, once the step's replicas all returned)."""
-        if self._saved is not None:
-            for lib, threads in self._saved:
+        if self.capped is not None:
+            for lib, threads in self.capped:
                 lib.set_num_threads(threads)
-            self._saved = None
+            self.capped = None
 
 
 def _blas_controllers() -> list:
