@@ -211,19 +211,21 @@ def launches_and_ops(call):
 
 
 def python_calls(call, repeat: int = 100) -> dict:
-    """Python-level function calls per ``call()`` (the mean over ``repeat`` calls, after warm-up ones),
+    """Python-level function calls of one ``call()`` (the median of ``repeat`` calls, after warm-up ones),
     counted with ``sys.setprofile``: each ``'call'`` (a Python function starts) and ``'c_call'`` (Python
     code calls a builtin) event, by the file of the code that runs or makes the call. On a slow host each
     costs ~0.2-0.3 us, so the count is the host cost, free of a loaded machine's noise.
 
-    ``mirrored``: the events in mirrored's own files; ``cupy_by_mirrored``: the CuPy functions mirrored's
-    code calls (Python functions of the stand-in here, Cython ones in CuPy, which charges each call too);
-    ``stand_in``: every event in the stand-in's files (calls its own code makes, which CuPy makes in
-    Cython); ``total``: every event. Each call's queued kernels are drained after it, outside the count."""
+    ``mirrored``: the events in mirrored's own files: their functions, and the builtins they call (CuPy's
+    too on a GPU, whose functions are Cython's); ``cupy_by_mirrored``: the stand-in's functions mirrored's
+    code calls (Python here; CuPy charges each such call too); ``stand_in``: every event in the stand-in's
+    files (its own calls, which CuPy makes in Cython); ``total``: every event. Each call's queued kernels
+    are drained after it, outside the count. Only this thread's calls count (a step long enough to go to
+    the replica threads is an outlier the median leaves out)."""
     package = os.path.dirname(os.path.abspath(mirrored.__file__)) + os.sep
     stand_in = os.path.abspath(os.path.join(os.path.dirname(__file__), "fake_cupy.py"))
-    counts = {"mirrored": 0, "cupy_by_mirrored": 0, "stand_in": 0, "total": 0}
     files = {}  # co_filename -> "mirrored", "stand_in" or None
+    counts = {}
 
     def where(code):
         name = code.co_filename
@@ -247,15 +249,18 @@ def python_calls(call, repeat: int = 100) -> dict:
         call()
     if SIMULATED:
         cupy.sim.drain()
+    per_call = []
     for _ in range(repeat):
+        counts = {"mirrored": 0, "cupy_by_mirrored": 0, "stand_in": 0, "total": 0}
         sys.setprofile(profile)
         try:
             call()
         finally:
             sys.setprofile(None)
+        per_call.append(counts)
         if SIMULATED:
             cupy.sim.drain()
-    return {k: v / repeat for k, v in counts.items()}
+    return {key: float(np.median([c[key] for c in per_call])) for key in per_call[0]}
 
 
 # A command that runs a script on the simulated machine (sys.argv[1] is the script).
