@@ -133,10 +133,11 @@ def driver(args):
 
 
 def calls(args):
-    """Python function calls per call (gpu_env.python_calls: 'call' and 'c_call' events) of strategy.run of a
-    trivial step, of strategy.run(replica-context all_reduce of 4 B) and of collectives.all_reduce of 4 B on
-    n logical GPUs. `mirrored`: events in mirrored's files; `CuPy calls`: the CuPy functions mirrored calls
-    (CuPy charges them too); `stand-in`: all events in tests/fake_cupy.py (CuPy does its part in Cython)."""
+    """Python function calls of one call (gpu_env.python_calls: 'call' and 'c_call' events, the median of the
+    calls) of strategy.run of a trivial step, of strategy.run(replica-context all_reduce of 4 B) and of
+    collectives.all_reduce of 4 B on n logical GPUs. `mirrored`: events in mirrored's files; `CuPy calls`:
+    the CuPy functions mirrored calls (CuPy charges them too); `stand-in`: all events in tests/fake_cupy.py
+    (CuPy does its part in Cython). Deterministic: unlike time, a loaded machine does not move them."""
     print("| replicas | call | mirrored | CuPy calls by mirrored | mirrored + CuPy calls | stand-in, all | all |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     repeat = max(10, args.repeat // 20)
