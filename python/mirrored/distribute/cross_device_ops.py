@@ -8,6 +8,8 @@ call (the native core, GIL released); nothing is reduced in Python.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..device import dtypes as _dtypes, device_util
@@ -313,19 +315,21 @@ class _NativeAllReduce(CrossDeviceOps):
 
 class _ReplicaAllReduce:
     """``ops._replica_all_reduce`` bound to an op and the replicas' placement (``ordinals``, ``array_type``:
-    see there): what a replica context's all_reduce combines with, made once per op.
+    see there): what a replica context's all_reduce combines with, made once per op. ``bound``: that
+    method bound, as a C partial (batch_reduce_to's lists take it: no Python frame of this object's).
 
-    When the ops run this process's collectives (mirrored.collective), it keeps the plan of its latest
+    When the ops run this process's collectives (mirrored.collective), a call keeps the plan of its latest
     call of one array per replica: a repeated call runs that plan straight, whose native run checks what
     ``_placed`` and the plan's signature would (each array's type, shape, dtype and strides, and its
     replica's GPU), and goes the validating way only when an array does not fit (or while the timeline
     records: its spans come from that way).
     """
 
-    __slots__ = ("_ops", "_args", "_ordinals", "_params", "_plan")
+    __slots__ = ("bound", "_ordinals", "_params", "_plan")
 
     def __init__(self, ops: "_NativeAllReduce", reduce_op: ReduceOp, options, ordinals, array_type):
-        self._ops, self._args, self._ordinals = ops, (reduce_op, options, ordinals, array_type), ordinals
+        self.bound = functools.partial(ops._replica_all_reduce, reduce_op, options, ordinals, array_type)
+        self._ordinals = ordinals
         # (op, algorithm, chunk_bytes) of the collectives.all_reduce the ops make, or None: another engine's
         self._params = (reduce_op._value_, ops._algorithm, ops._ring_kwargs.get("chunk_bytes", 0)) \
             if ops._collectives is collectives else None
@@ -337,7 +341,7 @@ class _ReplicaAllReduce:
             done = plan.run(per_replica, None)
             if done is not None:
                 return done
-        results = self._ops._replica_all_reduce(*self._args, per_replica)
+        results = self.bound(per_replica)
         if results is not None and self._params is not None and type(per_replica[0]) is not list:
             plan = all_reduce_plan(per_replica, *self._params)
             # (A plan of the same signature made for other GPUs would run these arrays there: not kept.)

@@ -753,7 +753,7 @@ class MirroredExtended(StrategyExtended):
             columns.append(v._values)
         if not columns:
             return None
-        reduced = native([list(replica) for replica in zip(*columns)])
+        reduced = native.bound([list(replica) for replica in zip(*columns)])
         if reduced is None:  # not all NumPy arrays (variables, ...)
             return None
         return [Mirrored(column, devices) for column in zip(*reduced)]
