@@ -51,7 +51,10 @@ def per_replica(strategy, hosts):
 
 
 def step(v):
-    """A replica's work, several kernels long on its own stream."""
+    """A replica's work on its own stream: a few kernels on GPU 0, a dozen on the others, so that the
+    caller's work on GPU 0 (ordered after GPU 0's replica by CUDA) may well run before theirs ends."""
+    for _ in range(0 if v.data.device_id == 0 else 10):
+        v = v * np.float32(1)
     return (v * np.float32(2) + np.float32(1)) * np.float32(3)
 
 
@@ -136,12 +139,12 @@ def test_an_array_the_caller_drops_after_the_run_is_read_first(gpus, seed):
 
         def scaled(v, w):
             with peer_kernels():
-                return step(v * w)
+                return step(v) * w  # (read last, after the replica's other kernels)
         out = strategy.run(scaled, args=(x, shared))
         del shared
         reused = cupy.asarray(np.full(SIZE, -1, np.float32))  # (the freed block, written again)
         for got, h in zip(strategy.experimental_local_results(out), hosts):
-            np.testing.assert_array_equal(cupy.asnumpy(got), want(h * scale))
+            np.testing.assert_array_equal(cupy.asnumpy(got), want(h) * scale)
         np.testing.assert_array_equal(cupy.asnumpy(reused), np.full(SIZE, -1, np.float32))
 
 
