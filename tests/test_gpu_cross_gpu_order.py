@@ -150,6 +150,29 @@ def test_an_array_the_caller_drops_after_the_run_is_read_first(gpus, seed):
 
 @pytest.mark.parametrize("gpus", [2, 4])
 @pytest.mark.parametrize("seed", SEEDS)
+def test_a_callers_stream_of_its_own_is_joined_both_ways(gpus, seed):
+    """The caller works on a non-blocking stream of its own on GPU 0 (the legacy stream's rule orders it
+    with nothing): what it writes there before the run, and reads there after it, are ordered too."""
+    hosts = host_inputs(gpus)
+    scale = np.linspace(1, 2, SIZE, dtype=np.float32)
+    with strategy_on(gpus, seed) as strategy:
+        x = per_replica(strategy, hosts)
+        cupy.cuda.Device(0).synchronize()
+        with cupy.cuda.Stream(non_blocking=True) as mine:
+            shared = cupy.asarray(scale) * np.float32(3)
+
+            def scaled(v, w):
+                with peer_kernels():
+                    return step(v) * w
+            out = strategy.run(scaled, args=(x, shared))
+            with peer_kernels():
+                total = sum(strategy.experimental_local_results(out))
+            got = cupy.asnumpy(total, stream=mine)
+        np.testing.assert_array_equal(got, sum(want(h) * (scale * np.float32(3)) for h in hosts))
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+@pytest.mark.parametrize("seed", SEEDS)
 def test_reduce_gather_and_host_reads_after_a_run(gpus, seed):
     """strategy.reduce / gather, reduce_to another GPU, and host reads (variables, checkpoints) after an
     eager run: the package reads each value on its own GPU's stream or orders its copies between GPUs."""
