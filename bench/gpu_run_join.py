@@ -90,7 +90,8 @@ print(json.dumps(out))
 
 
 def measure(package: str, layouts, step: str, repeat: int, rounds: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package, os.path.join(ROOT, "tests")]), MIRRORED_LOG_LEVEL="ERROR")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package, os.path.join(ROOT, "tests")]),
+               MIRRORED_LOG_LEVEL="ERROR")
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(layouts), step, str(repeat), str(rounds)],
                           cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -462,12 +462,13 @@ class CrossGpuOrder:
     previous GPU's event, recorded after its own wait; the last GPU's event is then after every GPU's
     work, and the others wait for it on the way back. For G GPUs: G event records, 2(G - 1) waits,
     2(G - 1) device switches, one device read (docs/gpu_ordering.md). A strategy on one physical GPU
-    makes none of this (its logical GPUs share a legacy stream). Inside ``md.function``'s step
-    (capture or warm-up on the step's streams) nothing is done: the legacy streams cannot be
-    captured, and the replay joins the GPUs around its graphs instead.
+    makes none of this (its logical GPUs share a legacy stream). Inside ``md.function``'s capture
+    nothing is done: the replicas run on the step's streams, the legacy streams cannot be captured,
+    and the replay joins the GPUs around its graphs instead. One join at a time (runs of the
+    strategy from several threads): each re-records the events.
     """
 
-    __slots__ = ("_ordinals", "_chains", "_events", "_runtime", "_null", "_current", "_cuda")
+    __slots__ = ("_ordinals", "_chains", "_events", "_runtime", "_null", "_current", "_cuda", "_lock")
 
     def __init__(self, ordinals):
         self._ordinals = tuple(sorted(set(ordinals)))
@@ -475,6 +476,7 @@ class CrossGpuOrder:
         self._runtime, self._null, self._current = cuda.runtime, cuda.Stream.null, cuda.get_current_stream
         self._chains = {}  # the current device at the join -> ((ordinal, its event), ...) in the chain's order
         self._events = {}  # ordinal -> its event (re-recorded at every join: a wait takes the latest record)
+        self._lock = threading.Lock()
 
     def _chain(self, device: int) -> tuple:
         """The GPUs in the order a join from ``device`` visits them: ``device`` first when it is one of
@@ -492,6 +494,10 @@ class CrossGpuOrder:
     def join(self) -> None:
         if _step is not None:
             return
+        with self._lock:
+            self._join()
+
+    def _join(self) -> None:
         runtime, null, current = self._runtime, self._null, self._current
         device = runtime.getDevice()
         chain = self._chain(device)
