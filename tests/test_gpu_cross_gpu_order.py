@@ -82,7 +82,8 @@ def test_results_copied_onto_the_callers_gpu(gpus, seed):
     hosts = host_inputs(gpus)
     with strategy_on(gpus, seed) as strategy:
         out = strategy.run(step, args=(per_replica(strategy, hosts),))
-        copies = [cupy.array(v) for v in strategy.experimental_local_results(out)]
+        with peer_kernels():  # (CuPy copies with a kernel of the current GPU)
+            copies = [cupy.array(v) for v in strategy.experimental_local_results(out)]
         for c, h in zip(copies, hosts):
             assert c.data.device_id == 0
             np.testing.assert_array_equal(cupy.asnumpy(c), want(h))
