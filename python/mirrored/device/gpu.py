@@ -449,6 +449,91 @@ class MergeOrder:
         self.pending = bool(self._kept) or any(self._held)
 
 
+class CrossGpuOrder:
+    """Orders the work of several physical GPUs at the boundaries of an eager ``strategy.run`` (and of
+    an ``md.function`` replay): :meth:`join` makes each GPU's legacy default stream wait for the work
+    every one of the GPUs had queued so far on its legacy stream and its blocking streams (and on the
+    caller's current stream there, where that is another).
+
+    CUDA orders a device's legacy stream with that device's blocking streams only. A replica's results
+    on GPU 1, written on its replica stream, are ordered for GPU 1's legacy stream, but not for GPU 0's,
+    where the caller's code reads them (``sum(strategy.experimental_local_results(out))``, a copy onto
+    GPU 0); nor is the caller's work on GPU 0 (an array a replica on GPU 1 reads, or frees) for GPU 1's
+    replica streams. TensorFlow orders every such read by the tensor's producer; we cannot see the
+    reads, so the run orders the GPUs both ways: a join at entry (each GPU's replica streams, blocking,
+    start after its legacy stream, which is then after every GPU's caller work) and one at exit (each
+    GPU's legacy stream, and the caller's current stream there, after every GPU's replica work).
+
+    A join is a chain over the GPUs, not all pairs: down the chain each legacy stream waits for the
+    previous GPU's event, recorded after its own wait; the last GPU's event is then after every GPU's
+    work, and the others wait for it on the way back. For G GPUs: G event records, 2(G - 1) waits,
+    2(G - 1) device switches, one device read (docs/gpu_ordering.md). A strategy on one physical GPU
+    makes none of this (its logical GPUs share a legacy stream). Inside ``md.function``'s capture
+    nothing is done: the replicas run on the step's streams, the legacy streams cannot be captured,
+    and the replay joins the GPUs around its graphs instead. One join at a time (runs of the
+    strategy from several threads): each re-records the events.
+    """
+
+    __slots__ = ("_ordinals", "_chains", "_events", "_runtime", "_null", "_current", "_cuda", "_lock")
+
+    def __init__(self, ordinals):
+        self._ordinals = tuple(sorted(set(ordinals)))
+        self._cuda = cuda = cupy_module().cuda
+        self._runtime, self._null, self._current = cuda.runtime, cuda.Stream.null, cuda.get_current_stream
+        self._chains = {}  # the current device at the join -> ((ordinal, its event), ...) in the chain's order
+        self._events = {}  # ordinal -> its event (re-recorded at every join: a wait takes the latest record)
+        self._lock = threading.Lock()
+
+    def _chain(self, device: int) -> tuple:
+        """The GPUs in the order a join from ``device`` visits them: ``device`` first when it is one of
+        them (no switch to begin with, and the way back ends there)."""
+        chain = self._chains.get(device)
+        if chain is None:
+            order = sorted(self._ordinals, key=lambda o: o != device)
+            for o in order:
+                if o not in self._events:
+                    with self._cuda.Device(o):
+                        self._events[o] = self._cuda.Event(disable_timing=True)
+            chain = self._chains[device] = tuple((o, self._events[o]) for o in order)
+        return chain
+
+    def join(self) -> None:
+        if _step is not None:
+            return
+        with self._lock:
+            self._join()
+
+    def _join(self) -> None:
+        runtime, null, current = self._runtime, self._null, self._current
+        device = runtime.getDevice()
+        chain = self._chain(device)
+        users = {}  # ordinal -> the caller's current stream there, where that is not the legacy stream
+        on, before = device, None
+        for ordinal, event in chain:  # down the chain: each GPU's legacy stream after every GPU before it
+            if on != ordinal:
+                runtime.setDevice(ordinal)
+                on = ordinal
+            stream = current(ordinal)
+            if stream.ptr:  # the caller's work there joins too
+                event.record(stream)
+                null.wait_event(event)
+                users[ordinal] = stream
+            if before is not None:
+                null.wait_event(before)
+            event.record(null)
+            before = event
+        if on in users:  # the last GPU's: its legacy stream is where the last event was recorded
+            users[on].wait_event(before)
+        for ordinal, _ in reversed(chain[:-1]):  # and back: each after the last, which is after every one
+            runtime.setDevice(ordinal)
+            on = ordinal
+            null.wait_event(before)
+            if ordinal in users:
+                users[ordinal].wait_event(before)
+        if on != device:
+            runtime.setDevice(device)
+
+
 def collective_stream(ordinal: int) -> int:
     """Handle of the stream a collective over a buffer on GPU ``ordinal`` is ordered on.
 

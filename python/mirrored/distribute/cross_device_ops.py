@@ -452,7 +452,11 @@ class ReductionToOneDevice(CrossDeviceOps):
             if reduce_op not in (ReduceOp.SUM, ReduceOp.MEAN):
                 raise ValueError(f"reduce_op={reduce_op}: ReductionToOneDevice with accumulation_fn supports "
                                  "SUM and MEAN only; drop accumulation_fn to use the native reduce")
-            reduced = device_util.place(self.accumulation_fn([device_util.place(a, target) for a in arrays]), target)
+            # On the target (TF runs accumulation_fn under reduce_to_device): on the caller's GPU its kernels
+            # would read the copies on the target's stream unordered.
+            with device_util.cross_replica_gpu_scope(target):
+                reduced = device_util.place(self.accumulation_fn([device_util.place(a, target) for a in arrays]),
+                                            target)
             if tuple(reduced.shape) != tuple(arrays[0].shape) or reduced.dtype != arrays[0].dtype:
                 raise ValueError(
                     f"accumulation_fn={getattr(self.accumulation_fn, '__name__', self.accumulation_fn)!r} returned "
@@ -460,7 +464,8 @@ class ReductionToOneDevice(CrossDeviceOps):
                     f"{tuple(arrays[0].shape)} and dtype {arrays[0].dtype}; it must add the list of arrays "
                     "element-wise and keep their shape and dtype (like np.add.reduce(arrays) or sum(arrays))")
             if reduce_op is ReduceOp.MEAN:
-                reduced = (reduced / len(arrays)).astype(arrays[0].dtype, copy=False)
+                with device_util.array_device(reduced):
+                    reduced = (reduced / len(arrays)).astype(arrays[0].dtype, copy=False)
         else:
             devices = get_devices_from(per_replica_value)
             root = devices.index(target) if target in devices else 0

@@ -288,6 +288,8 @@ class _Captured:
     def __init__(self, scope, pools, graphs, buffers, outputs):
         self.scope, self.pools, self.graphs, self.buffers, self.outputs = scope, pools, graphs, buffers, outputs
         self.updated = list(scope.captured.get("variable buffers", {}).values())
+        # Graphs on several GPUs: a replay joins them as an eager strategy.run does (device/gpu.py)
+        self.across = _gpu.CrossGpuOrder(graphs) if len(graphs) > 1 else None
 
     def stale(self) -> bool:
         """Whether a variable the graph updates in place has another buffer now, or its buffer is held
@@ -304,6 +306,8 @@ class _Captured:
     def replay(self, inputs):
         cupy = _gpu.cupy_module()
         streams = self.scope.streams
+        if self.across is not None:  # each GPU's legacy stream after every GPU's work so far
+            self.across.join()
         for ordinal, stream in streams.items():  # after the eager work queued so far (inputs included)
             with cupy.cuda.Device(ordinal):
                 stream.wait_event(cupy.cuda.Stream.null.record())
@@ -317,6 +321,8 @@ class _Captured:
         for ordinal, stream in streams.items():  # eager work queued later runs after the replay
             with cupy.cuda.Device(ordinal):
                 cupy.cuda.Stream.null.wait_event(stream.record())
+        if self.across is not None:  # and readers on any GPU after every GPU's graph
+            self.across.join()
         return self.outputs
 
 

@@ -606,6 +606,9 @@ class MirroredExtended(StrategyExtended):
                                   arrays=None if gpus else _replica_array_handler)
         if gpus:  # collectives and merge_fns run on the merge streams, ordered with every replica's stream
             self._pool.group.order = _gpu.MergeOrder(ordinals)
+        # Replicas on several physical GPUs: each run joins them at entry and exit (device/gpu.py), so that
+        # the caller's work on any GPU and the replicas' results are ordered for readers on every other one.
+        self._across_gpus = _gpu.CrossGpuOrder(gpus) if len(set(gpus)) > 1 else None
         weakref.finalize(container_strategy, self._pool.close)
         self._replica_contexts = None
         self._scopes = None
@@ -675,7 +678,15 @@ class MirroredExtended(StrategyExtended):
                 if order is not None and order.pending:  # (work handed to it to let go: rare)
                     order.finish(i)
 
-        results = self._pool.run(replica)
+        across = self._across_gpus
+        if across is None:
+            results = self._pool.run(replica)
+        else:
+            across.join()
+            try:
+                results = self._pool.run(replica)
+            finally:  # (also when a replica raised: the caller may drop arrays replicas still read)
+                across.join()
         return regroup(results, devices=self._local_devices, array_type=contexts[0]._array_type)
 
     def _replica_arguments(self, args, kwargs) -> list:
