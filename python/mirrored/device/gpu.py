@@ -430,7 +430,8 @@ class MergeOrder:
         """Keeps the memory of the combine's input arrays until the run's replicas have all finished."""
         ndarray = self._ndarray
         self._kept.extend(leaf.data.mem for leaf in flatten(slots) if isinstance(leaf, ndarray))
-        self.pending = bool(self._kept) or self.pending
+        if self._kept:
+            self.pending = True
 
     def finish(self, replica: int) -> None:
         """Replica ``replica`` returned: what was handed to it on a stream of the user's goes once

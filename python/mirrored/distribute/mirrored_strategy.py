@@ -26,7 +26,7 @@ from .._logging import logger
 from .._nest import flatten, is_nested, map_structure, pack_sequence_as
 from ..device import config, device_util, gpu as _gpu
 from ..device.device_util import _current as _device_local
-from .cross_device_ops import CrossDeviceOps, NcclAllReduce, _ReplicaAllReduce, RingAllReduce, describe
+from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, _ReplicaAllReduce, describe
 from .context import _Context, _local, _new_tuple
 from .distribute_lib import _Aborted, _Group, ReplicaContext, Strategy, StrategyExtended
 from .name_scope import _state as _scope_local
