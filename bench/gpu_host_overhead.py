@@ -7,6 +7,7 @@ kernels (they are drained after each call, outside the clock).
     python bench/gpu_host_overhead.py --run-only --replicas 2 4 8    # strategy.run only
     python bench/gpu_host_overhead.py --no-optimizer --clock cpu     # the collectives' table only
     python bench/gpu_host_overhead.py --driver --replicas 2 8        # driver work per call instead of time
+    python bench/gpu_host_overhead.py --calls --replicas 2 4 8       # Python function calls per call instead
 
 Reports µs per call for a 4-byte all_reduce (out= preallocated and not), a
 200-tensor batch_all_reduce and strategy.run(replica-context all_reduce) on
@@ -67,6 +68,8 @@ def main():
     p.add_argument("--no-optimizer", action="store_true", help="skip the optimizer step's table")
     p.add_argument("--driver", action="store_true",
                    help="the simulated driver's work per repeated call (launches, stream operations, host waits)")
+    p.add_argument("--calls", action="store_true",
+                   help="Python function calls per call (sys.setprofile), mirrored's own and the CuPy stand-in's")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: the process's CPU time (all threads), steadier than wall time on a loaded machine")
     args = p.parse_args()
@@ -76,6 +79,8 @@ def main():
         return run_only(args)
     if args.driver:
         return driver(args)
+    if args.calls:
+        return calls(args)
     print("| replicas | all_reduce 4 B (µs) | all_reduce 4 B, out= (µs) | batch 200 tensors (µs) | "
           "run(all_reduce 4 B) (µs) |")
     print("|---:|---:|---:|---:|---:|")
@@ -125,6 +130,33 @@ def driver(args):
             c = cupy.sim.counters()
             cupy.sim.drain()
             print(f"| {n} | {name} | {sum(c['launches'].values())} | {c['stream_ops']} | {c['host_waits']} |")
+
+
+def calls(args):
+    """Python function calls of one call (gpu_env.python_calls: 'call' and 'c_call' events, the median of the
+    calls) of strategy.run of a trivial step, of strategy.run(replica-context all_reduce of 4 B) and of
+    collectives.all_reduce of 4 B on n logical GPUs. `mirrored`: events in mirrored's files; `CuPy calls`:
+    the CuPy functions mirrored calls (CuPy charges them too); `stand-in`: all events in tests/fake_cupy.py
+    (CuPy does its part in Cython). Deterministic: unlike time, a loaded machine does not move them."""
+    print("| replicas | call | mirrored | CuPy calls by mirrored | mirrored + CuPy calls | stand-in, all | all |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    repeat = max(10, args.repeat // 20)
+    for n in args.replicas:
+        xs = [cupy.ones(1, cupy.float32) for _ in range(n)]
+        md.config.set_logical_device_configuration("GPU", 0, count=n)
+        try:
+            s = md.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
+            step_x = s.experimental_distribute_values_from_function(lambda ctx: cupy.ones(1, cupy.float32))
+            step = lambda v: md.get_replica_context().all_reduce("sum", v)  # noqa: E731
+            for name, call in (("run(trivial)", lambda: s.run(lambda: None)),
+                               ("run(all_reduce 4 B)", lambda: s.run(step, args=(step_x,))),
+                               ("all_reduce 4 B", lambda: collectives.all_reduce(xs, "sum"))):
+                c = gpu_env.python_calls(call, repeat)
+                own = c["mirrored"] + c["cupy_by_mirrored"]
+                print(f"| {n} | {name} | {c['mirrored']:.0f} | {c['cupy_by_mirrored']:.0f} | {own:.0f} | "
+                      f"{c['stand_in']:.0f} | {c['total']:.0f} |")
+        finally:
+            md.config.set_logical_device_configuration("GPU:0", None)
 
 
 def run_only(args):

@@ -210,6 +210,59 @@ def launches_and_ops(call):
     return counted["launches"], counted["stream_ops"]
 
 
+def python_calls(call, repeat: int = 100) -> dict:
+    """Python-level function calls of one ``call()`` (the median of ``repeat`` calls, after warm-up ones),
+    counted with ``sys.setprofile``: each ``'call'`` (a Python function starts) and ``'c_call'`` (Python
+    code calls a builtin) event, by the file of the code that runs or makes the call. On a slow host each
+    costs ~0.2-0.3 us, so the count is the host cost, free of a loaded machine's noise.
+
+    ``mirrored``: the events in mirrored's own files: their functions, and the builtins they call (CuPy's
+    too on a GPU, whose functions are Cython's); ``cupy_by_mirrored``: the stand-in's functions mirrored's
+    code calls (Python here; CuPy charges each such call too); ``stand_in``: every event in the stand-in's
+    files (its own calls, which CuPy makes in Cython); ``total``: every event. Each call's queued kernels
+    are drained after it, outside the count. Only this thread's calls count (a step long enough to go to
+    the replica threads is an outlier the median leaves out)."""
+    package = os.path.dirname(os.path.abspath(mirrored.__file__)) + os.sep
+    stand_in = os.path.abspath(os.path.join(os.path.dirname(__file__), "fake_cupy.py"))
+    files = {}  # co_filename -> "mirrored", "stand_in" or None
+    counts = {}
+
+    def where(code):
+        name = code.co_filename
+        kind = files.get(name, False)
+        if kind is False:
+            path = os.path.abspath(name)
+            kind = files[name] = "mirrored" if path.startswith(package) else "stand_in" if path == stand_in else None
+        return kind
+
+    def profile(frame, event, arg):
+        if event == "call" or event == "c_call":
+            counts["total"] += 1
+            kind = where(frame.f_code)
+            if kind is not None:
+                counts[kind] += 1
+            if event == "call" and kind == "stand_in" and frame.f_back is not None and \
+                    where(frame.f_back.f_code) == "mirrored":
+                counts["cupy_by_mirrored"] += 1
+
+    for _ in range(3):  # planned, and every cache filled
+        call()
+    if SIMULATED:
+        cupy.sim.drain()
+    per_call = []
+    for _ in range(repeat):
+        counts = {"mirrored": 0, "cupy_by_mirrored": 0, "stand_in": 0, "total": 0}
+        sys.setprofile(profile)
+        try:
+            call()
+        finally:
+            sys.setprofile(None)
+        per_call.append(counts)
+        if SIMULATED:
+            cupy.sim.drain()
+    return {key: float(np.median([c[key] for c in per_call])) for key in per_call[0]}
+
+
 # A command that runs a script on the simulated machine (sys.argv[1] is the script).
 RUN_SIMULATED = ("import runpy, sys, gpu_env; gpu_env.install(0); sys.argv = sys.argv[1:]; "
                  "runpy.run_path(sys.argv[0], run_name='__main__')")

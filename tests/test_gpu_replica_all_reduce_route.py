@@ -119,3 +119,39 @@ def test_a_value_on_the_other_gpu_is_copied_in_order(ops, shape):
     for _ in range(3):
         for got in strategy.experimental_local_results(strategy.run(step)):
             np.testing.assert_array_equal(_host(got), np.full(shape, 3, np.float32))
+
+
+def test_a_repeated_all_reduce_whose_arrays_stop_fitting_its_plan_takes_the_validating_way():
+    """The direct route runs the plan of its latest call straight: arrays that no longer fit it (another
+    shape, a strided view, the other GPU's memory) go the validating way, results on each replica's own
+    GPU; a plan of the same signature made by a collectives call on other GPUs is not taken for it."""
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    strategy = md.MirroredStrategy(["/gpu:0", "/gpu:1"], md.cross_device_ops.RingAllReduce())
+    on_gpu = {"own": lambda r: r, "other": lambda r: 1 - r, "GPU 1": lambda r: 1}
+
+    def step(shape, gpu, strided):
+        r = md.get_replica_context().replica_id_in_sync_group
+        with cupy.cuda.Device(on_gpu[gpu](r)):
+            x = cupy.full((shape[0] * 2,) + shape[1:] if strided else shape, r + 1, np.float32)
+        return md.get_replica_context().all_reduce("sum", x[::2] if strided else x)
+
+    def check(shape, gpu="own", strided=False):
+        got = strategy.experimental_local_results(strategy.run(step, args=(shape, gpu, strided)))
+        for r, v in enumerate(got):
+            assert v.data.device_id == r and v.shape == shape
+            np.testing.assert_array_equal(_host(v), np.full(shape, 3, np.float32))
+
+    for _ in range(2):
+        check((4,))  # planned, then the plan run straight
+    check((4,), gpu="other")
+    check((4,), strided=True)
+    check((2, 3))
+    check((4,))
+    with cupy.cuda.Device(1):  # the same signature's plan for two buffers on GPU 1
+        others = [cupy.ones(4, np.float32) for _ in range(2)]
+    np.testing.assert_array_equal(_host(md.collectives.all_reduce(others, "SUM")[0]), np.full(4, 2, np.float32))
+    check((4,), strided=True)  # (validated, and no plan made: the signature's plan found is GPU 1's)
+    for _ in range(2):  # (that plan, run straight, would hand replica 0 a result on GPU 1)
+        check((4,), gpu="GPU 1")
+    check((4,))

@@ -145,8 +145,7 @@ def test_state_of_a_replica_on_a_thread_of_its_own_is_put_back(logical):
 
     def on_thread(i):
         before = _cuda_state()
-        with scopes[i]:
-            results[i] = _cuda_state()
+        results[i] = scopes[i].call(_cuda_state)
         results[(i, "after")] = _cuda_state() == before
 
     threads = [threading.Thread(target=on_thread, args=(i,)) for i in range(n)]

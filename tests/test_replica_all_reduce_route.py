@@ -60,6 +60,22 @@ def test_results_are_new_arrays_the_inputs_can_change_under():
         np.testing.assert_array_equal(o, np.full(4, 6, np.float32))
 
 
+def test_a_repeated_all_reduce_whose_arrays_stop_fitting_its_plan_is_still_right():
+    """The direct route runs the plan of its latest call straight; arrays that no longer fit it (a strided
+    view, the other byte order, another dtype or shape) are validated afresh, and the results stay right."""
+    s = _STRATEGIES[2]
+    made = [lambda r: np.full(4, r + 1, np.float32)] * 2 + [
+        lambda r: np.full(8, r + 1, np.float32)[::2], lambda r: np.full(4, r + 1, ">f4"),
+        lambda r: np.full(4, r + 1, np.float64), lambda r: np.full((2, 2), r + 1, np.float32),
+        lambda r: np.full(4, r + 1, np.float32)]
+    for make in made:
+        out = s.experimental_local_results(s.run(lambda: md.get_replica_context().all_reduce("sum", make(replica_id()))))
+        want = make(0) * 3
+        for o in out:
+            assert o.shape == want.shape and o.dtype == want.dtype.newbyteorder("=")
+            np.testing.assert_array_equal(o, want)
+
+
 class RecordingBatchReduce(md.cross_device_ops.RingAllReduce):
     def __init__(self):
         super().__init__()

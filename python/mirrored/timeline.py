@@ -36,9 +36,11 @@ check (``span``-likes return a shared no-op context manager).
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -210,6 +212,11 @@ def stop() -> None:
 
 def enabled() -> bool:
     return _trace is not None
+
+
+# enabled()'s answer for native callers, with no Python frame: the open trace (true) or None. The
+# replica rendezvous asks it at every replica's every collective.
+enabled_native = functools.partial(getattr, sys.modules[__name__], "_trace")
 
 
 def path() -> str | None:

@@ -24,7 +24,7 @@ TensorFlow's MEAN of integer tensors is; NaN and Inf propagate as IEEE says
 
 from __future__ import annotations
 
-from ..timeline import enabled as tracing
+from ..timeline import enabled_native as tracing
 from .plan import (all_gather as plan_all_gather, all_reduce as plan_all_reduce,
                    batch_all_reduce as plan_batch_all_reduce, broadcast as plan_broadcast, lookup, lookup_batch,
                    reduce as plan_reduce)
@@ -39,7 +39,7 @@ def all_reduce(buffers, op="sum", *, out=None, algorithm="auto", chunk_bytes=0):
     ``chunk_bytes``: bytes each participant handles per ring step (0: the
     engine's default); only the ring uses it.
     """
-    plan = lookup("all_reduce", (op, algorithm, chunk_bytes), buffers)
+    plan = lookup("all_reduce", (op, algorithm, chunk_bytes), buffers)  # (all_reduce_plan(), inlined)
     if plan is not None and not tracing():
         done = plan.run(buffers, out)
         if done is not None:

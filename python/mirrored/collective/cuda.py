@@ -90,11 +90,11 @@ class CallPlan:
     with the GIL released. Anything else returns None: the face validates that call afresh.
     """
 
-    __slots__ = ("_plan", "_devices", "_ordinals", "_shape", "_dtype", "_count", "_slots", "_gpu_bytes", "_cupy")
+    __slots__ = ("_plan", "_devices", "_ordinals", "_replicas", "_one_gpu", "_shape", "_dtype", "_count", "_slots",
+                 "_gpu_bytes", "_cupy")
 
     def __init__(self, reduce: bool, engine, algo: int, code: int, op: int, root: int, devices, first):
-        self._devices = tuple(devices)
-        self._ordinals = tuple(dict.fromkeys(devices))  # each GPU once (logical GPUs share one)
+        _layout(self, devices)
         # The planned strides are C-contiguous (the planning call's arrays were made so): an array with them
         # is contiguous (one that is contiguous with other strides, possible along length-1 axes, takes the
         # validating path).
@@ -119,8 +119,13 @@ class CallPlan:
         """Bytes of one replica's buffer."""
         return self._count * self._dtype.itemsize
 
+    @property
+    def devices(self) -> tuple:
+        """Each replica's GPU (CUDA ordinal)."""
+        return self._devices
+
     def run(self, buffers, out):
-        done = self._plan.run(buffers, out, _plan_streams(self._ordinals, self._devices), self._new_outputs)
+        done = self._plan.run(buffers, out, _plan_streams(self), self._new_outputs)
         return done if done is None or out is None else list(out)
 
     def _new_outputs(self) -> list:
@@ -236,12 +241,11 @@ class BatchPlan:
     validates that call afresh.
     """
 
-    __slots__ = ("_plan", "_devices", "_ordinals", "_views", "_total", "_cupy")
+    __slots__ = ("_plan", "_devices", "_ordinals", "_replicas", "_one_gpu", "_views", "_total", "_cupy")
 
     def __init__(self, engine, algo: int, op: int, bytes_per_pack: int, num_packs: int, layout, first_tensors):
         devices, shapes, dtypes, codes, counts, offsets, self._total = layout
-        self._devices = devices
-        self._ordinals = tuple(dict.fromkeys(devices))  # each GPU once (logical GPUs share one)
+        _layout(self, devices)
         self._views = tuple(zip(shapes, dtypes, offsets))
         self._cupy = cupy = _gpu.cupy_module()
         # Planned strides: C-contiguous for the planned shapes (see CallPlan).
@@ -255,7 +259,7 @@ class BatchPlan:
         return self._total
 
     def run(self, per_replica_lists):
-        return self._plan.run(per_replica_lists, _plan_streams(self._ordinals, self._devices), self._new_results)
+        return self._plan.run(per_replica_lists, _plan_streams(self), self._new_results)
 
     def _new_results(self):
         """(each replica's results: views of one new buffer on its GPU, each buffer's address)."""
@@ -266,12 +270,21 @@ class BatchPlan:
         return results, [base.ptr for base in bases]
 
 
-def _plan_streams(ordinals: tuple, devices: tuple) -> list:
-    """Each replica's stream for a planned call: one lookup per GPU (``ordinals``: each GPU once)."""
-    if len(ordinals) == 1:  # (every replica on one GPU: logical GPUs)
-        return [_gpu.collective_stream(ordinals[0])] * len(devices)
-    stream = {d: _gpu.collective_stream(d) for d in ordinals}
-    return [stream[d] for d in devices]
+def _plan_streams(plan) -> list:
+    """Each replica's stream for a planned call (a CallPlan or BatchPlan): one lookup per GPU."""
+    if plan._one_gpu is not None:  # (every replica on one GPU: logical GPUs)
+        return [_gpu.collective_stream(plan._one_gpu)] * plan._replicas
+    stream = {d: _gpu.collective_stream(d) for d in plan._ordinals}
+    return [stream[d] for d in plan._devices]
+
+
+def _layout(plan, devices) -> None:
+    """Sets a plan's replicas' GPUs: ``_devices`` (each replica's), ``_ordinals`` (each GPU once: logical
+    GPUs share one), ``_replicas`` and ``_one_gpu`` (the one GPU of every replica, else None)."""
+    plan._devices = tuple(devices)
+    plan._ordinals = tuple(dict.fromkeys(plan._devices))
+    plan._replicas = len(plan._devices)
+    plan._one_gpu = plan._ordinals[0] if len(plan._ordinals) == 1 else None
 
 
 _BATCH_ALIGN = 256  # results start where CuPy's own allocations would (vector loads need 16)

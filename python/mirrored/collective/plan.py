@@ -31,8 +31,8 @@ from .rules import (MEAN, algorithm_code, any_integer_mean, check_batch, check_c
                     gather_layout, inputs as _inputs, integer_mean, means_of_sums, on_gpu, outputs as _outputs,
                     recycler, result, result_like, root_index, true_divide)
 
-__all__ = ["lookup", "lookup_batch", "remember", "remember_batch", "all_reduce", "broadcast", "reduce", "all_gather",
-           "batch_all_reduce", "MAX_PLANS"]
+__all__ = ["lookup", "all_reduce_plan", "lookup_batch", "remember", "remember_batch", "all_reduce", "broadcast",
+           "reduce", "all_gather", "batch_all_reduce", "MAX_PLANS"]
 
 # Plans kept; the cache starts over when full (a program has a handful of signatures).
 MAX_PLANS = 4096
@@ -46,6 +46,12 @@ def lookup(kind: str, params: tuple, buffers):
         return _plans.get((kind, params, len(buffers), type(first), first.shape, first.dtype))
     except Exception:  # not a list of arrays: the validating path reports it
         return None
+
+
+def all_reduce_plan(buffers, op, algorithm, chunk_bytes):
+    """The plan of ``collectives.all_reduce(buffers, op, algorithm=, chunk_bytes=)``'s signature, or None;
+    ``plan.run(buffers, out)`` makes such a call again (None, with nothing done, when an array does not fit)."""
+    return lookup("all_reduce", (op, algorithm, chunk_bytes), buffers)
 
 
 def lookup_batch(params: tuple, per_replica_lists):

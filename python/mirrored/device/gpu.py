@@ -234,7 +234,7 @@ class MergeOrder:
     """
 
     __slots__ = ("_ordinals", "_gpus", "_arrived", "_foreign", "_any_foreign", "_held", "_cuda", "_ndarray", "_null",
-                 "_shared", "_forks", "_kept", "_finished")
+                 "_shared", "_forks", "_kept", "_finished", "pending")
 
     def __init__(self, ordinals):
         self._ordinals = tuple(ordinals)
@@ -254,6 +254,7 @@ class MergeOrder:
         self._kept = []  # memory of this run's combine inputs inside md.function (see StepScope)
         self._finished = set()  # the replicas of this run that finished since the first kept (a set: replica
         # threads may finish at once)
+        self.pending = False  # whether finish() has work: something held or kept (else replicas skip the call)
 
     def arrive(self, replica: int) -> None:
         """Notes the stream replica ``replica`` (the calling one) has queued its inputs on."""
@@ -296,7 +297,7 @@ class MergeOrder:
                 if on != ordinal:
                     runtime.setDevice(ordinal)
                     on = ordinal
-                stream = self._merge_stream(ordinal)
+                stream = self._null if _step is None else _step.streams[ordinal]  # (_merge_stream(), inlined)
                 stream.__enter__()
                 entered.append((ordinal, stream))
             if on != device:
@@ -315,7 +316,8 @@ class MergeOrder:
                     on = ordinal
                 stream.__exit__(None, None, None)
             for ordinal, stream in zip(self._gpus, current):
-                if cuda.get_current_stream(ordinal) != stream:
+                now = cuda.get_current_stream(ordinal)
+                if now is not stream and now != stream:
                     if on != ordinal:
                         runtime.setDevice(ordinal)
                         on = ordinal
@@ -328,6 +330,7 @@ class MergeOrder:
                 stream.wait_event(self._merge_stream(ordinal).record())
                 if results is not None:
                     self._held[r].append((ordinal, stream, results[r]))
+                    self.pending = True
             if forks:
                 self._fork(forks)
             if on != device:
@@ -377,6 +380,7 @@ class MergeOrder:
                 with self._cuda.Device(ordinal):
                     reader.wait_event(written[k])
             self._held[r].append((ordinal, reader, mem))
+            self.pending = True
 
     def _handed(self, slots, results) -> list:
         """``[(r, replicas whose arguments hold it, memory)]`` of each array ``results[r]`` holds whose
@@ -426,6 +430,8 @@ class MergeOrder:
         """Keeps the memory of the combine's input arrays until the run's replicas have all finished."""
         ndarray = self._ndarray
         self._kept.extend(leaf.data.mem for leaf in flatten(slots) if isinstance(leaf, ndarray))
+        if self._kept:
+            self.pending = True
 
     def finish(self, replica: int) -> None:
         """Replica ``replica`` returned: what was handed to it on a stream of the user's goes once
@@ -441,6 +447,7 @@ class MergeOrder:
             for ordinal, stream in {s.ptr: (o, s) for o, s, _ in held}.values():
                 with self._cuda.Device(ordinal):
                     _inflight.add(stream.record(), held)
+        self.pending = bool(self._kept) or any(self._held)
 
 
 class CrossGpuOrder:
@@ -540,7 +547,9 @@ def collective_stream(ordinal: int) -> int:
     """
     if _step is not None:
         return _step_stream_of_caller(ordinal).ptr
-    s = cupy_module().cuda.get_current_stream(ordinal)
+    import cupy  # (cupy_module(), inlined: a call on GPU buffers has CuPy, and every planned call asks)
+
+    s = cupy.cuda.get_current_stream(ordinal)
     return 0 if s.ptr in _replica_stream_ptrs else s.ptr
 
 

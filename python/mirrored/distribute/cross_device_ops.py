@@ -8,10 +8,14 @@ call (the native core, GIL released); nothing is reduced in Python.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..device import dtypes as _dtypes, device_util
 from ..collective import api as collectives
+from ..collective.plan import all_reduce_plan
+from ..timeline import enabled_native as tracing
 from .options import CommunicationOptions
 from .reduce_util import ReduceOp, as_reduce_op
 from .values import DistributedValues, Mirrored, PerReplica, Variable, _read
@@ -307,6 +311,43 @@ class _NativeAllReduce(CrossDeviceOps):
             if not _placed(leaves, ordinals, array_type):
                 return None
         return self._all_reduce_lists(reduce_op, per_replica, options)
+
+
+class _ReplicaAllReduce:
+    """``ops._replica_all_reduce`` bound to an op and the replicas' placement (``ordinals``, ``array_type``:
+    see there): what a replica context's all_reduce combines with, made once per op. ``bound``: that
+    method bound, as a C partial (batch_reduce_to's lists take it: no Python frame of this object's).
+
+    When the ops run this process's collectives (mirrored.collective), a call keeps the plan of its latest
+    call of one array per replica: a repeated call runs that plan straight, whose native run checks what
+    ``_placed`` and the plan's signature would (each array's type, shape, dtype and strides, and its
+    replica's GPU), and goes the validating way only when an array does not fit (or while the timeline
+    records: its spans come from that way).
+    """
+
+    __slots__ = ("bound", "_ordinals", "_params", "_plan")
+
+    def __init__(self, ops: "_NativeAllReduce", reduce_op: ReduceOp, options, ordinals, array_type):
+        self.bound = functools.partial(ops._replica_all_reduce, reduce_op, options, ordinals, array_type)
+        self._ordinals = ordinals
+        # (op, algorithm, chunk_bytes) of the collectives.all_reduce the ops make, or None: another engine's
+        self._params = (reduce_op._value_, ops._algorithm, ops._ring_kwargs.get("chunk_bytes", 0)) \
+            if ops._collectives is collectives else None
+        self._plan = None
+
+    def __call__(self, per_replica):
+        plan = self._plan
+        if plan is not None and type(per_replica[0]) is not list and not tracing():
+            done = plan.run(per_replica, None)
+            if done is not None:
+                return done
+        results = self.bound(per_replica)
+        if results is not None and self._params is not None and type(per_replica[0]) is not list:
+            plan = all_reduce_plan(per_replica, *self._params)
+            # (A plan of the same signature made for other GPUs would run these arrays there: not kept.)
+            if plan is not None and (self._ordinals is None or plan.devices == self._ordinals):
+                self._plan = plan
+        return results
 
 
 def _placed(arrays, ordinals, array_type) -> bool:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from types import FunctionType as _FunctionType
 
 import numpy as np
 
 from .._core import Rendezvous as _Rendezvous  # (private: a native type, not API)
 from .._nest import flatten, is_nested, map_structure, pack_sequence_as
-from ..timeline import HOST_ROW, enabled as tracing, replica_wait, set_row_source
+from ..timeline import HOST_ROW, enabled_native as tracing, replica_wait, set_row_source
 from ..device import device_util, gpu as _gpu
 from .name_scope import scoped_name
 from .options import VariableAggregation, VariableSynchronization
@@ -24,8 +25,8 @@ from .values import (DeviceVariable, DistributedValues, PerReplica, _read, regro
 HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
-from .context import (_Context, _entered, _local, _stack, _top, get_cross_replica_context, get_replica_context,
-                      get_strategy, has_strategy, in_cross_replica_context, set_default_context)
+from .context import (_Context, _entered, _local, _new_tuple, _stack, _top, get_cross_replica_context,
+                      get_replica_context, get_strategy, has_strategy, in_cross_replica_context, set_default_context)
 
 
 def _require_cross_replica_or_default(strategy: "Strategy", method: str):
@@ -112,7 +113,8 @@ class ReplicaContext:
         self._replica_id_in_sync_group = replica_id_in_sync_group
         self._local_replica_id = _local_replica_id
         self._group = _group if _group is not None else _Group(1)
-        self._all_reduces = {}  # id(ReduceOp) -> the combine of an all_reduce without options (made once)
+        self._all_reduces = {}  # op name -> the combine of an all_reduce without options (made once per op)
+        self._latest = (None, None)  # (op name, combine) of the latest such all_reduce
 
     @property
     def strategy(self) -> "Strategy":
@@ -217,22 +219,33 @@ class ReplicaContext:
 
         All leaves go through one fused batch all-reduce of the strategy's cross-device ops.
         """
-        op = reduce_op if type(reduce_op) is ReduceOp else as_reduce_op(reduce_op)
-        if options is None:
-            combine = self._all_reduces.get(id(op))  # (by id: a ReduceOp's hash is Python code)
+        # A repeated call first: its combine is kept by the op's name as given (a ReduceOp by its value; not
+        # by the ReduceOp: its hash is Python code).
+        name = reduce_op._value_ if type(reduce_op) is ReduceOp else reduce_op
+        if options is None and type(name) is str:
+            if name is self._latest[0]:  # (the same string object as the latest call's: no lookup)
+                combine = self._latest[1]
+            else:
+                combine = self._all_reduces.get(name)
+                if combine is not None:
+                    self._latest = name, combine
             if combine is not None:
-                stack = getattr(_local, "stack", None)  # (_collective's first case, its _top() inlined)
+                try:  # (_collective's first case, its _top() inlined)
+                    stack = _local.stack
+                except AttributeError:  # (a thread outside any strategy: _collective reports it)
+                    stack = None
                 if (type(value) is np.ndarray or type(value) is self._array_type) and stack and \
                         stack[-1].replica_context is self:
                     return self._group.exchange(self._local_replica_id, "all_reduce", value, combine)
                 return self._collective("all_reduce", value, combine)
+        op = as_reduce_op(reduce_op)
         # Made once per op: the built-in native ops take the replicas' arrays straight, as batch_reduce_to
         # would hand them over (none: through batch_reduce_to).
         native = self._strategy.extended._native_replica_all_reduce(op, options)
         combine = self._combiner("all_reduce", lambda per_leaf: self._strategy.extended._batch_reduce_to(
             op, [(v, v) for v in per_leaf], options), native)
-        if options is None:
-            self._all_reduces[id(op)] = combine
+        if options is None:  # (an op's names are few: bounded)
+            self._all_reduces[op._value_] = self._all_reduces[name] = combine
         return self._collective("all_reduce", value, combine)
 
     def all_gather(self, value, axis: int, options=None):
@@ -304,21 +317,25 @@ class Strategy:
         component; the results come back as one structure with ``PerReplica``
         leaves (plain values with one replica).
         """
-        top = _top()
-        if top.strategy is not self or top.replica_context is not None:
+        stack = getattr(_local, "stack", None)  # (_top() and _stack() inlined: every step calls run)
+        top = stack[-1] if stack else _DEFAULT
+        if top is not _DEFAULT and (top.strategy is not self or top.replica_context is not None):
             _require_cross_replica_or_default(self, "run")
-        if not isinstance(args, (list, tuple)):
+        if type(args) is not tuple and not isinstance(args, (list, tuple)):
             raise ValueError(f"args={args!r}: pass the arguments of fn as a tuple, e.g. args=(x,)")
-        captured = getattr(fn, "_run_in_strategy", None)  # strategy.run(md.function(step), ...)
+        # strategy.run(md.function(step), ...): md.function's objects have it; a plain function has not.
+        captured = None if type(fn) is _FunctionType else getattr(fn, "_run_in_strategy", None)
         if captured is not None:
             return captured(self, args, dict(kwargs or {}))
         if _run_observer is not None:
             _run_observer(self)
-            top = _top()  # (the observer may have entered a scope)
+            stack = _stack()  # (the observer may have entered a scope)
+            top = stack[-1] if stack else _DEFAULT
         if top.strategy is self and top.replica_context is None:  # in this strategy's scope already
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
-        stack = _stack()  # (what scope() does, once the check above has passed)
-        stack.append(_Context(self, None))
+        if stack is None:
+            stack = _stack()
+        stack.append(_new_tuple(_Context, (self, None)))  # (what scope() does, once the check above has passed)
         try:
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
         finally:

@@ -8,7 +8,6 @@ whose built-ins make one native call for all replicas with the GIL released.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import threading
@@ -27,10 +26,10 @@ from .._logging import logger
 from .._nest import flatten, is_nested, map_structure, pack_sequence_as
 from ..device import config, device_util, gpu as _gpu
 from ..device.device_util import _current as _device_local
-from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, describe
-from .context import _Context, _local
+from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, _ReplicaAllReduce, describe
+from .context import _Context, _local, _new_tuple
 from .distribute_lib import _Aborted, _Group, ReplicaContext, Strategy, StrategyExtended
-from .name_scope import _state as _scope_local, current_scope
+from .name_scope import _state as _scope_local
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
 from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mirrored, MirroredVariable, PerReplica,
@@ -44,11 +43,6 @@ from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mir
 HANDOFF_SECONDS = 0.005
 # ... or that has waited this long (sleeping, blocked in I/O): longer than any preemption.
 BLOCKED_SECONDS = 0.1
-
-
-# _Context(strategy, replica_context) built without the NamedTuple's Python-level __new__ (~0.35 us
-# saved per replica of every step); the entry must not be cached: it holds the strategy.
-_new_tuple = tuple.__new__
 
 
 def _is_long(started: float, started_cpu: float | None, launch_only: bool = False) -> bool:
@@ -92,14 +86,15 @@ class _ThreadState:
 
 
 class _GpuThreadState(_ThreadState):
-    """... and, for GPU replicas, CuPy's per-thread CUDA state: the current CUDA device (the runtime's,
-    per host thread), the current stream of each of the strategy's GPUs, and the running replica's
-    entry on the thread's ``with stream`` stack (CuPy's, per thread: cupy/cuda/stream.pyx).
+    """... and, for GPU replicas, CuPy's per-thread CUDA state (``cuda``): the current CUDA device (the
+    runtime's, per host thread), the current stream of each of the strategy's GPUs, and the running
+    replica's entry on the thread's ``with stream`` stack (CuPy's, per thread: cupy/cuda/stream.pyx).
 
     Only the running replica's stream is on that stack: a replica handing the thread on takes its
-    entry off (``save``) and puts it back when resumed (``restore``), so the ``with`` blocks
+    entry off (reading ``cuda``) and puts it back when resumed (setting it), so the ``with`` blocks
     that library code opens and closes inside a replica unwind to that replica's stream, never to
-    another's.
+    another's. _Group.cooperate reads and sets the thread-locals itself and ``cuda`` as a fourth
+    one: a park and a resume cost one Python call each.
     """
 
     def __init__(self, ordinals):
@@ -107,17 +102,30 @@ class _GpuThreadState(_ThreadState):
         cuda = _gpu.cupy_module().cuda
         self._runtime, self._current_stream = cuda.runtime, cuda.get_current_stream
 
+    def native(self):
+        return self.LOCALS + ((self, "cuda", None),)
+
     def save(self) -> tuple:
-        scope = getattr(_running, "scope", None)
-        state = (getattr(_local, "stack", None), getattr(_device_local, "device", None),
-                 getattr(_scope_local, "scope", ""), self._runtime.getDevice(),
-                 tuple(map(self._current_stream, self._ordinals)), scope)
-        if scope is not None:  # its stream off the thread's `with` stack (see _GpuReplicaScope)
-            scope._entered[-1][0].__exit__(None, None, None)
-        return state
+        return getattr(_local, "stack", None), getattr(_device_local, "device", None), \
+            getattr(_scope_local, "scope", ""), self.cuda
 
     def restore(self, state: tuple) -> None:
-        _local.stack, _device_local.device, _scope_local.scope, device, streams, scope = state
+        _local.stack, _device_local.device, _scope_local.scope, self.cuda = state
+
+    @property
+    def cuda(self) -> tuple:
+        try:
+            scope = _running.scope
+        except AttributeError:  # (no GPU replica has run on this thread yet)
+            scope = None
+        state = self._runtime.getDevice(), tuple(map(self._current_stream, self._ordinals)), scope
+        if scope is not None:  # its stream off the thread's `with` stack (see _GpuReplicaScope)
+            scope._entry[0].__exit__(None, None, None)
+        return state
+
+    @cuda.setter
+    def cuda(self, state: tuple) -> None:
+        device, streams, scope = state
         runtime, current = self._runtime, self._current_stream
         _running.scope = scope
         entered = None  # (the stream just made current on GPU `on`: its current stream needs no lookup)
@@ -125,7 +133,7 @@ class _GpuThreadState(_ThreadState):
             on = scope._ordinal
             if runtime.getDevice() != on:
                 runtime.setDevice(on)
-            entered = scope._entered[-1][0]
+            entered = scope._entry[0]
             entered.__enter__()
         else:
             on = runtime.getDevice()
@@ -144,15 +152,8 @@ class _GpuThreadState(_ThreadState):
 _running = threading.local()  # .scope: the _GpuReplicaScope of the replica running on this thread, if any
 
 
+# .idle: this thread's greenlets waiting for a replica to run (a greenlet only runs on its own thread)
 _threads_greenlets = threading.local()
-
-
-def _idle_greenlets() -> list:
-    """This thread's greenlets waiting for a replica to run (a greenlet only runs on its own thread)."""
-    idle = getattr(_threads_greenlets, "idle", None)
-    if idle is None:
-        idle = _threads_greenlets.idle = []
-    return idle
 
 
 def _serve(group, i):
@@ -333,7 +334,14 @@ class _ReplicaPool:
             if self._threads is None and self.n > 1:
                 self._start()
             coop = self._coop
-            self.group.reset(_idle_greenlets() if coop is not None else None)
+            if coop is not None:
+                try:
+                    idle = _threads_greenlets.idle
+                except AttributeError:  # this thread's first cooperative run
+                    idle = _threads_greenlets.idle = []
+                self.group.reset(idle)
+            else:
+                self.group.reset(None)
             self._fn, self._results, self._errors = replica_fn, [None] * self.n, []
             self._arrived, self._arrivals = [False] * self.n, itertools.count()
             self._generation += 1
@@ -372,10 +380,11 @@ class _ReplicaPool:
                     state = self._state.save()
                     try:
                         self._execute(0)
-                        i = self._claim_next()
-                        while i is not None:
-                            self._execute(i)
+                        while self._next < self.n:  # (not asked once every replica has started: mostly so by now)
                             i = self._claim_next()
+                            if i is None:
+                                break
+                            self._execute(i)
                         if coop.unfinished:  # (greenlet replicas waiting for replicas on other threads)
                             coop.drain()
                     finally:
@@ -389,7 +398,8 @@ class _ReplicaPool:
                 self._caller = None
                 if self._inflight:
                     self._wait_for_replicas()
-                self._blas.restore()
+                if self._blas.capped is not None:  # (threads were woken: mostly not)
+                    self._blas.restore()
                 if callers_arrays is not None:
                     _set_array_handler(callers_arrays)
             # Then the next step starts on the threads (the wall time first: a clock read saved).
@@ -457,12 +467,12 @@ class _BlasCap:
     def __init__(self, devices):
         cpu_replicas = sum(device_util.parse(d).device_type == "CPU" for d in devices)
         self._cap = max(1, len(os.sched_getaffinity(0)) // cpu_replicas) if cpu_replicas >= 2 else 0
-        self._saved = None  # (library, threads before the cap) while capped
+        self.capped = None  # [(library, threads before the cap)] while capped, else None
 
     def cap(self) -> None:
         """Caps the libraries above the cap, once per step. Called on the caller's thread only: a
         pthreads OpenBLAS ignores a count set on any other thread."""
-        if not self._cap or self._saved is not None:
+        if not self._cap or self.capped is not None:
             return
         saved = []
         for lib in _blas_controllers():
@@ -470,14 +480,14 @@ class _BlasCap:
             if threads is not None and threads > self._cap:
                 lib.set_num_threads(self._cap)
                 saved.append((lib, threads))
-        self._saved = saved
+        self.capped = saved
 
     def restore(self) -> None:
         """Undoes :meth:`cap` (the caller, once the step's replicas all returned)."""
-        if self._saved is not None:
-            for lib, threads in self._saved:
+        if self.capped is not None:
+            for lib, threads in self.capped:
                 lib.set_num_threads(threads)
-            self._saved = None
+            self.capped = None
 
 
 def _blas_controllers() -> list:
@@ -494,12 +504,12 @@ def _blas_controllers() -> list:
 
 class _GpuReplicaScope:
     """A GPU replica's device and CUDA device and stream, made once (entered by one replica at a time,
-    and only by the replica pool's runs).
+    and only by the replica pool's runs): ``call`` runs the replica's function inside it.
 
     Its stream is entered as CuPy's ``with stream`` does (pushed on the
     thread's stack), so that ``with`` blocks inside the replica unwind to it.
     Replicas that share a thread (greenlets) take their entry off the stack
-    while another runs (_GpuThreadState's save and restore).
+    while another runs (_GpuThreadState's ``cuda``).
 
     Leaving takes the stream off the stack and nothing else: the thread's CUDA device and md device
     stay as the replica left them, like a CPU replica's device (the pool puts the caller's back once
@@ -512,17 +522,21 @@ class _GpuReplicaScope:
         self._runtime = _gpu.cupy_module().cuda.runtime
         self._stream = _gpu.replica_stream(replica_id, ordinal)
         self._replica_id, self._shares_gpu = replica_id, shares_gpu
-        self._entered = []  # (stream entered, memory scope or None, the step stream it forked from or None)
+        # While entered: (stream entered, memory scope or None, the step stream it forked from or None).
+        # One slot: a run enters each replica's scope once, and runs do not overlap.
+        self._entry = None
 
-    def __enter__(self):
+    def call(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` inside the scope: entering and leaving in this one Python call (the
+        replica pool's way in, for every replica of every step)."""
         # Inside md.function the replica runs on the step's memory, and on its GPU's step stream, or, when
         # replicas share the GPU, on a stream forked from it (device/gpu.py StepScope). The step's allocator
         # is the same for every replica and the md.function caller's own, so interleaved enters and exits of
         # its (per-thread) scope leave it as it was.
-        step = _gpu.step_scope()
-        origin = None
+        step = _gpu._step  # (step_scope(), inlined)
+        origin = memory = None
         if step is None:
-            stream, memory = self._stream, None
+            stream = self._stream
         elif self._shares_gpu:
             origin, memory = step.streams[self._ordinal], _gpu.step_memory()
             stream = _gpu.fork_stream(self._replica_id, self._ordinal)
@@ -536,19 +550,20 @@ class _GpuReplicaScope:
         stream.__enter__()
         if memory is not None:
             memory.__enter__()
-        self._entered.append((stream, memory, origin))
+        self._entry = stream, memory, origin
         _running.scope = self
-
-    def __exit__(self, *exc):
-        stream, memory, origin = self._entered.pop()
-        if memory is not None:
-            memory.__exit__(*exc)
-        stream.__exit__(None, None, None)  # (on top: anything entered after it inside the replica has been left)
-        _running.scope = None
-        if origin is not None:  # the join, with the stream's device current (the replica may have left it)
-            if self._runtime.getDevice() != self._ordinal:
-                self._runtime.setDevice(self._ordinal)
-            origin.wait_event(stream.record())
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._entry = None
+            if memory is not None:
+                memory.__exit__(None, None, None)
+            stream.__exit__(None, None, None)  # (on top: anything entered after it inside the replica has been left)
+            _running.scope = None
+            if origin is not None:  # the join, with the stream's device current (the replica may have left it)
+                if self._runtime.getDevice() != self._ordinal:
+                    self._runtime.setDevice(self._ordinal)
+                origin.wait_event(stream.record())
 
 
 class _MirroredReplicaContext(ReplicaContext):
@@ -621,14 +636,21 @@ class MirroredExtended(StrategyExtended):
         return self._scopes
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        arguments = self._replica_arguments(args, kwargs) if args or kwargs else None
-        strategy = self._container_strategy
+        # Each replica's arguments: `column[i]` alone (the commonest case: one distributed batch), else
+        # `arguments[i]`, (args, kwargs) as replica i sees them, else none.
+        column = arguments = None
+        if len(args) == 1 and not kwargs and type(args[0]) in (PerReplica, Mirrored) and \
+                len(args[0]._values) == self._pool.n:
+            column = args[0]._values
+        elif args or kwargs:
+            arguments = self._replica_arguments(args, kwargs)
+        strategy = self._container_strategy_weakref()  # (the property, inlined: every step asks)
         contexts = self._replica_contexts or self._contexts()
         scopes = self._scopes or self._replica_scopes()
         order = self._pool.group.order
         # Every replica starts in the caller's md.name_scope, as TF's replica threads do, and keeps its
         # own: a thread that runs another replica while this one waits in a merge_call must not see it.
-        name_scope = current_scope()
+        name_scope = getattr(_scope_local, "scope", "")  # (current_scope(), inlined)
         devices = self._cpu_devices
 
         def replica(i):
@@ -639,20 +661,21 @@ class MirroredExtended(StrategyExtended):
             _scope_local.scope = name_scope
             if devices is not None:  # CPU replicas: their device is all there is to enter
                 _device_local.device = devices[i]
+                if column is not None:
+                    return fn(column[i])
                 if arguments is None:
                     return fn()
                 args_i, kwargs_i = arguments[i]
                 return fn(*args_i, **kwargs_i) if kwargs_i else fn(*args_i)
-            scope = scopes[i]
-            scope.__enter__()
             try:
+                if column is not None:
+                    return scopes[i].call(fn, column[i])
                 if arguments is None:
-                    return fn()
+                    return scopes[i].call(fn)
                 args_i, kwargs_i = arguments[i]
-                return fn(*args_i, **kwargs_i)
+                return scopes[i].call(fn, *args_i, **kwargs_i)
             finally:
-                scope.__exit__(None, None, None)
-                if order is not None:
+                if order is not None and order.pending:  # (work handed to it to let go: rare)
                     order.finish(i)
 
         across = self._across_gpus
@@ -669,8 +692,6 @@ class MirroredExtended(StrategyExtended):
     def _replica_arguments(self, args, kwargs) -> list:
         """``(args, kwargs)`` as each replica sees them (select_replica's rule), the structure walked once."""
         n = len(self._local_devices)
-        if len(args) == 1 and not kwargs and type(args[0]) in (PerReplica, Mirrored) and len(args[0]._values) == n:
-            return [((v,), kwargs) for v in args[0]._values]  # the commonest case: one distributed batch
         flat = not kwargs and not any(is_nested(a) for a in args)  # the common case: no re-packing
         leaves = args if flat else flatten((args, kwargs))
         split = []  # per leaf: whether each replica takes its own component
@@ -743,7 +764,7 @@ class MirroredExtended(StrategyExtended):
             columns.append(v._values)
         if not columns:
             return None
-        reduced = native([list(replica) for replica in zip(*columns)])
+        reduced = native.bound([list(replica) for replica in zip(*columns)])
         if reduced is None:  # not all NumPy arrays (variables, ...)
             return None
         return [Mirrored(column, devices) for column in zip(*reduced)]
@@ -757,10 +778,9 @@ class MirroredExtended(StrategyExtended):
             # through batch_reduce_to
             return None
         if device_util.all_cpu(devices):
-            return functools.partial(cdo._replica_all_reduce, op, options, None, np.ndarray)
+            return _ReplicaAllReduce(cdo, op, options, None, np.ndarray)
         if device_util.all_gpu(devices):
-            ordinals = tuple(self._ordinals)
-            return functools.partial(cdo._replica_all_reduce, op, options, ordinals, _gpu.cupy_module().ndarray)
+            return _ReplicaAllReduce(cdo, op, options, tuple(self._ordinals), _gpu.cupy_module().ndarray)
         return None  # CPU and GPU replicas mixed
 
     def _broadcast_to(self, tensor, destinations):
