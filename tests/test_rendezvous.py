@@ -170,19 +170,19 @@ def test_the_group_checks_its_arguments():
 
 
 def test_a_greenlet_whose_wait_fails_leaves_no_stale_wake_up():
-    # A parked greenlet whose wait fails (here the claim of the next replica raises, as Ctrl-C may make it)
-    # leaves the collective: no later notify may resume it where it no longer waits.
+    # A parked greenlet whose wait fails (here the claim of the next replica raises: the pool's wake(),
+    # asked at a claim once the step has run `handoff` seconds, raises, as Ctrl-C may make it) leaves the
+    # collective: no later notify may resume it where it no longer waits. The failed claim loses no replica.
     greenlet = pytest.importorskip("greenlet")
     from mirrored.distribute.distribute_lib import _Aborted
 
     group, results = _Group(3), {}
-    claims = iter([1, "fail", 2])
+    wakes = iter([False, "fail"])
 
-    def next_replica():
-        claim = next(claims, None)
-        if claim == "fail":
+    def wake():
+        if next(wakes, False) == "fail":
             raise RuntimeError("claim failed")
-        return claim
+        return False
 
     def run_replica(i):
         try:
@@ -193,21 +193,71 @@ def test_a_greenlet_whose_wait_fails_leaves_no_stale_wake_up():
         finally:
             group.replica_finished()
 
-    def body(g, i):
-        me = greenlet.getcurrent()
-        while True:
-            g.run_replica(i)
-            g, i = g.retire(me)
-
-    group.cooperate(next_replica, run_replica, (), body, greenlet)
-    group.reset([])
+    completions = []
+    group.pool(run_replica, lambda: completions.append(True), wake, 0.0)
+    group.cooperate((), None, greenlet)
+    mine, claims, arrived = object(), {}, [False] * 3
+    group.reset([], claims, mine, arrived, False)
     run_replica(0)  # the hub: serves replica 1 as a greenlet, whose wait fails
-    for i in iter(next_replica, None):
+    while group.unclaimed:
+        i = group.claim()
+        if i is None:
+            break
         run_replica(i)
     group.drain()
     assert isinstance(results[1], RuntimeError) and str(results[1]) == "claim failed", results
     assert isinstance(results[0], _Aborted) and isinstance(results[2], _Aborted), results
     assert group.unfinished == 0
+    assert claims == {1: mine, 2: mine}
+
+
+def test_the_native_claims_and_arrivals_of_a_run():
+    group = _Group(4)
+    wakes = []
+    group.pool(lambda i: None, lambda: wakes.append("complete"), lambda: wakes.append("wake") or True, 0.0)
+    mine, claims, arrived = object(), {2: "a thread's"}, [False] * 4
+    group.reset(None, claims, mine, arrived, False)
+    assert group.unclaimed and not group.completed
+    assert [group.claim(), group.claim(), group.claim()] == [1, 3, None]  # 2 is the thread's
+    assert wakes == ["wake"] and claims == {1: mine, 2: "a thread's", 3: mine}  # woken once: asked no more
+    assert not group.unclaimed
+    group.finished(0, True)
+    group.finished(1, True)
+    group.arrive(3, True)
+    assert arrived == [False, True, False, True] and not group.completed
+    group.finished(2, False)  # the last, on a thread of its own: the pool hears of it by complete()
+    assert arrived == [False, True, True, True] and wakes == ["wake", "complete"] and not group.completed
+    group.reset(None, {}, mine, [False] * 4, True)
+    assert [group.claim() for _ in range(4)] == [1, 2, 3, None]
+    for i in (1, 2, 3):
+        group.arrive(i, True)
+    assert group.completed and wakes == ["wake", "complete"]  # the last on the caller's thread: no call
+    with pytest.raises(TypeError, match="claims must be a dict"):
+        group.reset(None, [], mine, [False] * 4, True)
+    with pytest.raises(TypeError, match="list of 4 flags"):
+        group.reset(None, {}, mine, [False] * 3, True)
+    with pytest.raises(ValueError, match="no such replica"):
+        group.arrive(4, True)
+    with pytest.raises(RuntimeError, match=r"cooperate\(\) first"):
+        group.save_state()
+
+
+def test_the_thread_state_goes_and_comes_back_natively():
+    import threading
+
+    here = threading.local()
+    here.a = 1
+    group = _Group(2)
+    group.cooperate(((here, "a", None), (here, "b", "default")), None, None)
+    saved = group.save_state()
+    assert saved == (1, "default")
+    here.a, here.b = 2, 3
+    group.restore_state(saved)
+    assert (here.a, here.b) == (1, "default")
+    with pytest.raises(TypeError, match="what save_state"):
+        group.restore_state((1,))
+    with pytest.raises(TypeError, match="triples"):
+        group.cooperate(((here, "a"),), None, None)
 
 
 MISUSED_RENDEZVOUS = textwrap.dedent("""
@@ -236,7 +286,7 @@ def test_a_group_used_before_it_is_set_up_raises_instead_of_crashing():
     lines = done.stdout.splitlines()
     assert lines[-1] == "alive"
     assert sum("Rendezvous.__init__ was not called" in line for line in lines) == 3, lines
-    assert any("run_replica(): cooperate() first" in line for line in lines), lines
+    assert any("run_replica(): pool() first" in line for line in lines), lines
 
 
 CTRL_C_IN_A_COLLECTIVE = textwrap.dedent("""
