@@ -41,9 +41,12 @@ struct State {
   PyObject* tracing = nullptr;       // () -> whether the timeline records (mirrored.timeline.enabled)
   PyObject* traced = nullptr;        // (group, rid, kind, payload, combine) -> exchange inside a timeline span
 
-  // The replica pool (set once by pool()): how the caller runs a replica, and this run's claims and
-  // arrivals (reset()). A claim is an atomic dict.setdefault (GIL held) that replica threads make too.
-  PyObject* run_replica = nullptr;  // (index) -> runs that replica on the caller's thread to its end
+  // The replica pool (set once by pool()): how it hears of a run's end and is asked whether a step is
+  // long; and this run's function, outputs, claims and arrivals (reset()). A claim is an atomic
+  // dict.setdefault (GIL held) that replica threads make too.
+  PyObject* fn = nullptr;           // this run's replica function: fn(i) is replica i's result
+  PyObject* outputs = nullptr;      // this run's [replica i's result] (a list)
+  PyObject* errors = nullptr;       // this run's exceptions raised in replicas, first first (a list)
   PyObject* complete = nullptr;     // () -> the last of replicas 1..n-1 arrived, on a thread of its own
   PyObject* wake = nullptr;         // () -> whether the step is long (its replicas not started yet go to the threads)
   double handoff = 0;               // seconds a step runs before the claims ask wake()
@@ -277,11 +280,11 @@ PyObject* claim(State* s) {
 // Replica i (1..n-1) is done with this run; the last of them tells the pool: on the caller's thread by
 // `completed` (the caller reads it once the run ends), on a thread of its own by complete().
 int arrive(State* s, long i, bool caller) {
-  if (s->arrived_flags && (i < 0 || i >= PyList_GET_SIZE(s->arrived_flags) ||
-                           PyList_SetItem(s->arrived_flags, i, Py_NewRef(Py_True)) < 0)) {
-    if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "arrive(%ld): no such replica in this run", i);
+  if (i < 1 || i >= s->n) {
+    PyErr_Format(PyExc_ValueError, "arrive(%ld): expected a replica index in [1, %d)", i, s->n);
     return -1;
   }
+  if (s->arrived_flags && PyList_SetItem(s->arrived_flags, i, Py_NewRef(Py_True)) < 0) return -1;
   if (++s->arrivals != s->n - 1) return 0;
   if (caller || !s->complete) {
     s->completed = true;
@@ -709,6 +712,9 @@ void clear_cooperative(State* s) {  // an interrupted run's greenlets, dropped
 }
 
 void clear_pool_run(State* s) {
+  Py_CLEAR(s->fn);
+  Py_CLEAR(s->outputs);
+  Py_CLEAR(s->errors);
   Py_CLEAR(s->claims);
   Py_CLEAR(s->mine);
   Py_CLEAR(s->arrived_flags);
@@ -718,25 +724,27 @@ void clear_pool_run(State* s) {
   s->woken = true;
 }
 
-// reset(idle, claims=None, mine=None, arrived=None, woken=True): ready for a run (see the method table).
+// reset(idle, fn=None, outputs=None, errors=None, claims=None, mine=None, arrived=None, woken=True): ready
+// for a run (see the method table).
 PyObject* rv_reset(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
-  if (nargs < 1 || nargs > 5) {
-    PyErr_Format(PyExc_TypeError, "reset(idle, claims=None, mine=None, arrived=None, woken=True) takes 1 to 5 "
-                                  "arguments (%zd given)", nargs);
+  if (nargs < 1 || nargs > 8) {
+    PyErr_Format(PyExc_TypeError, "reset(idle, fn=None, outputs=None, errors=None, claims=None, mine=None, "
+                                  "arrived=None, woken=True) takes 1 to 8 arguments (%zd given)", nargs);
     return nullptr;
   }
-  PyObject* idle = args[0];
-  PyObject* claims = nargs > 1 && args[1] != Py_None ? args[1] : nullptr;
-  PyObject* mine = nargs > 2 ? args[2] : Py_None;
-  PyObject* arrived = nargs > 3 && args[3] != Py_None ? args[3] : nullptr;
-  if ((claims && !PyDict_Check(claims)) || (arrived && (!PyList_Check(arrived) || PyList_GET_SIZE(arrived) != s->n))) {
-    PyErr_Format(PyExc_TypeError, "reset(): claims must be a dict (or None) and arrived a list of %d flags (or None)",
-                 s->n);
+  auto arg = [&](Py_ssize_t k) -> PyObject* { return nargs > k && args[k] != Py_None ? args[k] : nullptr; };
+  PyObject *idle = args[0], *fn = arg(1), *outputs = arg(2), *errors = arg(3), *claims = arg(4), *arrived = arg(6);
+  PyObject* mine = nargs > 5 ? args[5] : Py_None;
+  auto per_replica = [&](PyObject* list) { return !list || (PyList_Check(list) && PyList_GET_SIZE(list) == s->n); };
+  if ((claims && !PyDict_Check(claims)) || !per_replica(arrived) || !per_replica(outputs) ||
+      (errors && !PyList_Check(errors)) || (fn && (!outputs || !errors))) {
+    PyErr_Format(PyExc_TypeError, "reset(): outputs and arrived must be lists of %d items, errors a list and claims "
+                 "a dict (or None each; a run's fn needs outputs and errors)", s->n);
     return nullptr;
   }
   int woken = 1;
-  if (nargs > 4 && (woken = PyObject_IsTrue(args[4])) < 0) return nullptr;
+  if (nargs > 7 && (woken = PyObject_IsTrue(args[7])) < 0) return nullptr;
   if (idle != Py_None && (!s->getcurrent || !PyList_Check(idle))) {
     PyErr_SetString(PyExc_TypeError, "reset(idle): a list of idle greenlets needs cooperate() with greenlet "
                                      "first; None: replicas on threads only");
@@ -745,6 +753,9 @@ PyObject* rv_reset(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   clear_run(s);
   clear_pool_run(s);
   Py_CLEAR(s->hub);
+  s->fn = Py_XNewRef(fn);
+  s->outputs = Py_XNewRef(outputs);
+  s->errors = Py_XNewRef(errors);
   s->claims = Py_XNewRef(claims);
   s->mine = Py_NewRef(mine);
   s->arrived_flags = Py_XNewRef(arrived);
@@ -760,14 +771,13 @@ PyObject* rv_reset(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
-// pool(run_replica, complete, wake, handoff): how the replica pool runs a replica on the caller's thread and
-// hears of the run's end (see the method table).
+// pool(complete, wake, handoff): how the replica pool hears of a run's end and is asked whether a step is
+// long (see the method table).
 PyObject* rv_pool(PyObject* self, PyObject* args) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
-  PyObject *run_replica, *complete, *wake;
+  PyObject *complete, *wake;
   double handoff;
-  if (!PyArg_ParseTuple(args, "OOOd:pool", &run_replica, &complete, &wake, &handoff)) return nullptr;
-  Py_XSETREF(s->run_replica, Py_NewRef(run_replica));
+  if (!PyArg_ParseTuple(args, "OOd:pool", &complete, &wake, &handoff)) return nullptr;
   Py_XSETREF(s->complete, Py_NewRef(complete));
   Py_XSETREF(s->wake, Py_NewRef(wake));
   s->handoff = handoff;
@@ -866,29 +876,6 @@ bool index_and_caller(PyObject* const* args, Py_ssize_t nargs, const char* name,
   return true;
 }
 
-// finished(i, caller): replica i's function returned (replica_finished()); replicas 1..n-1 then arrive
-// (arrive()), even if the check for stranded replicas failed.
-PyObject* rv_finished(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  State* s = reinterpret_cast<Rendezvous*>(self)->s;
-  long i;
-  bool caller;
-  if (!index_and_caller(args, nargs, "finished", &i, &caller)) return nullptr;
-  ++s->finished;
-  const int rc = s->arrived ? check_stranded(s) : 0;
-  if (i != 0) {
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    const int arrival = arrive(s, i, caller);
-    if (type) {
-      if (arrival < 0) PyErr_Clear();
-      PyErr_Restore(type, value, traceback);
-    }
-    if (arrival < 0) return nullptr;
-  }
-  if (rc < 0) return nullptr;
-  Py_RETURN_NONE;
-}
-
 PyObject* rv_arrive(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   long i;
   bool caller;
@@ -912,16 +899,69 @@ PyObject* rv_abort(PyObject* self, PyObject*) {
   Py_RETURN_NONE;
 }
 
-PyObject* run_replica(State* s, PyObject* index) {
-  if (!s->run_replica) {
-    PyErr_SetString(PyExc_RuntimeError, "run_replica(): pool() first (it says how a replica runs)");
-    return nullptr;
+// Runs replica `i` on this thread (`caller`: the run's caller's, else a replica thread's) and keeps what it
+// returns or raises (the first error is the run's; the group breaks so no replica waits for this one);
+// replicas 1..n-1 then arrive. A failed run skips the replicas the caller has not started. -1 only if the
+// bookkeeping itself failed (out of memory).
+int execute(State* s, long i, bool caller) {
+  if (!s->fn || i < 0 || i >= s->n) {
+    PyErr_Format(PyExc_RuntimeError, "run_replica(%ld): no run under way (reset() with the run's function first)", i);
+    return -1;
   }
-  return PyObject_CallOneArg(s->run_replica, index);
+  int rc = 0;
+  if (!(i && caller && PyList_GET_SIZE(s->errors))) {
+    // (Held: a replica interrupted by Ctrl-C may outlive its run, see _ReplicaPool.run.)
+    PyObject* fn = Py_NewRef(s->fn);
+    PyObject* outputs = Py_NewRef(s->outputs);
+    PyObject* errors = Py_NewRef(s->errors);
+    PyObject* index = PyLong_FromLong(i);
+    PyObject* result = index ? PyObject_CallOneArg(fn, index) : nullptr;
+    if (result) {
+      rc = PyList_SetItem(outputs, i, result);  // (steals)
+    } else if (!PyErr_ExceptionMatches(s->aborted_type)) {
+      PyObject* error = take_error();
+      rc = error && PyList_Append(errors, error) == 0 ? 0 : -1;
+      Py_XDECREF(error);
+      if (rc == 0 && !s->broken) {  // (abort(): release the replicas waiting for this one in a collective)
+        PyObject* exc = PyObject_CallNoArgs(s->aborted_type);
+        if (exc) Py_XSETREF(s->broken, exc);
+        else rc = -1;
+      }
+      notify(s);
+    } else {
+      PyErr_Clear();
+    }
+    Py_XDECREF(index);
+    Py_DECREF(fn);
+    Py_DECREF(outputs);
+    Py_DECREF(errors);
+  }
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  if (++s->finished == s->n) {  // every replica returned: the run's function goes (it may hold the strategy)
+    Py_CLEAR(s->fn);
+    Py_CLEAR(s->outputs);
+    Py_CLEAR(s->errors);
+  }
+  int done = s->arrived ? check_stranded(s) : 0;  // someone waits: is it stranded now?
+  if (i && arrive(s, i, caller) < 0) done = -1;
+  if (type) {
+    if (PyErr_Occurred()) PyErr_Clear();
+    PyErr_Restore(type, value, traceback);
+  }
+  return rc < 0 || done < 0 ? -1 : 0;
 }
 
-PyObject* rv_run_replica(PyObject* self, PyObject* index) {
-  return run_replica(reinterpret_cast<Rendezvous*>(self)->s, index);
+PyObject* rv_run_replica(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 1 || nargs > 2) {
+    PyErr_Format(PyExc_TypeError, "run_replica(i, caller=True) takes 1 or 2 arguments (%zd given)", nargs);
+    return nullptr;
+  }
+  const long i = PyLong_AsLong(args[0]);
+  if (i == -1 && PyErr_Occurred()) return nullptr;
+  const int caller = nargs > 1 ? PyObject_IsTrue(args[1]) : 1;
+  if (caller < 0 || execute(reinterpret_cast<Rendezvous*>(self)->s, i, caller) < 0) return nullptr;
+  Py_RETURN_NONE;
 }
 
 // A greenlet replica returned: its greenlet (the current one) goes back to the idle ones, and the thread on
@@ -951,7 +991,7 @@ PyObject* retire(State* s) {
 }
 
 // A cooperative replica's greenlet (its run function): runs replicas, one per start (rendezvous, index),
-// for as long as its thread lives (the pool's run_replica reports whatever a replica raises).
+// for as long as its thread lives (execute() keeps whatever a replica returns or raises).
 PyObject* serve_replicas(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2 || !PyObject_TypeCheck(args[0], rendezvous_type) || !PyLong_Check(args[1])) {
     PyErr_SetString(PyExc_TypeError, "a replica greenlet starts with (rendezvous, index)");
@@ -961,9 +1001,8 @@ PyObject* serve_replicas(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* index = Py_NewRef(args[1]);
   for (;;) {
     State* s = reinterpret_cast<Rendezvous*>(group)->s;
-    PyObject* r = run_replica(s, index);
-    PyObject* next = r ? retire(s) : nullptr;
-    Py_XDECREF(r);
+    const long i = PyLong_AsLong(index);
+    PyObject* next = i == -1 && PyErr_Occurred() ? nullptr : execute(s, i, true) < 0 ? nullptr : retire(s);
     Py_DECREF(group);
     Py_DECREF(index);
     if (!next) return nullptr;
@@ -1035,7 +1074,8 @@ void each_reference(State* s, F&& visit) {
   for (PyObject* o : s->state_locals) visit(o);
   for (PyObject* o : s->parked) visit(o);
   for (PyObject* o : s->ready) visit(o);
-  for (PyObject* o : {s->results, s->broken, s->order, s->aborted_type, s->tracing, s->traced, s->run_replica,
+  for (PyObject* o : {s->results, s->broken, s->order, s->aborted_type, s->tracing, s->traced, s->fn, s->outputs,
+                      s->errors,
                       s->complete, s->wake, s->claims, s->mine, s->arrived_flags, s->running, s->get_device,
                       s->set_device, s->current_stream, s->ordinals, s->body, s->greenlet_type, s->getcurrent,
                       s->switch_fn, s->hub, s->idle, s->replicas})
@@ -1062,7 +1102,7 @@ int rv_clear(PyObject* self) {
   s->parked.clear();
   s->ready.clear();
   for (PyObject** o : {&s->results, &s->broken, &s->order, &s->aborted_type, &s->tracing, &s->traced,
-                       &s->run_replica, &s->complete, &s->wake, &s->claims, &s->mine, &s->arrived_flags, &s->running,
+                       &s->fn, &s->outputs, &s->errors, &s->complete, &s->wake, &s->claims, &s->mine, &s->arrived_flags, &s->running,
                        &s->get_device, &s->set_device, &s->current_stream, &s->ordinals, &s->body,
                        &s->greenlet_type, &s->getcurrent,
                        &s->switch_fn, &s->hub, &s->idle, &s->replicas})
@@ -1114,14 +1154,15 @@ PyMethodDef rv_methods[] = {
     {"_exchange", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_exchange_untraced)), METH_FASTCALL,
      "exchange() without the timeline's check (the traced exchange runs it inside its span)."},
     {"reset", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_reset)), METH_FASTCALL,
-     "reset(idle, claims=None, mine=None, arrived=None, woken=True): ready for a run. idle: the calling thread's "
-     "idle greenlets (the caller runs replicas as greenlets), or None (replicas on threads only); claims: the "
+     "reset(idle, fn=None, outputs=None, errors=None, claims=None, mine=None, arrived=None, woken=True): ready "
+     "for a run. idle: the calling thread's idle greenlets (the caller runs replicas as greenlets), or None "
+     "(replicas on threads only); fn: the run's replica function (run_replica(i) sets outputs[i] = fn(i), or "
+     "appends to errors what it raised); claims: the "
      "run's {index: token} that claim() and the replica threads fill (None: claim() claims every replica); "
      "mine: the caller's token; arrived: the run's list of n flags that arrive() sets; woken: the threads "
      "already take replicas (claim() does not ask wake())."},
     {"pool", rv_pool, METH_VARARGS,
-     "pool(run_replica, complete, wake, handoff): run_replica(i) runs replica i on the caller's thread; "
-     "complete() when the last of replicas 1..n-1 arrived on a thread of its own (on the caller's: "
+     "pool(complete, wake, handoff): complete() when the last of replicas 1..n-1 arrived on a thread of its own (on the caller's: "
      "`completed`); wake() -> whether the step is long, asked "
      "by claims once it has run handoff seconds."},
     {"cooperate", rv_cooperate, METH_VARARGS,
@@ -1133,12 +1174,12 @@ PyMethodDef rv_methods[] = {
     {"claim", rv_claim, METH_NOARGS,
      "The index of the next replica the caller runs itself, or None once every replica is claimed."},
     {"replica_finished", rv_replica_finished, METH_NOARGS, "A replica's function returned."},
-    {"finished", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_finished)), METH_FASTCALL,
-     "finished(i, caller): replica i's function returned (replica_finished), then replicas 1..n-1 arrive."},
     {"arrive", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_arrive)), METH_FASTCALL,
      "arrive(i, caller): replica i (1..n-1) is done with the run (caller: on the run's caller's thread)."},
     {"abort", rv_abort, METH_NOARGS, "Breaks the group (a replica failed): every waiting replica raises _Aborted."},
-    {"run_replica", rv_run_replica, METH_O, "Runs replica `index` on this thread (pool() says how)."},
+    {"run_replica", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_run_replica)), METH_FASTCALL,
+     "run_replica(i, caller=True): runs replica i of the run on this thread (caller: the run's caller's) and "
+     "keeps its result or error (reset() says where); replicas 1..n-1 then arrive."},
     {"drain", rv_drain, METH_NOARGS, "Resumes ready replicas until every greenlet replica returned."},
     {"finish_aborted", rv_finish_aborted, METH_NOARGS, "After an abort: lets every greenlet replica return."},
     {nullptr, nullptr, 0, nullptr}};

@@ -159,7 +159,7 @@ class _ReplicaPool:
         self._coop = self.group if cooperative and n > 1 and _greenlet else None
         # The rendezvous claims replicas for the caller, counts the arrivals, and saves and restores the
         # thread state natively: no Python call per replica for any of that.
-        self.group.pool(self._execute, self._complete, self._wake, HANDOFF_SECONDS)
+        self.group.pool(self._complete, self._wake, HANDOFF_SECONDS)
         self.group.cooperate(*self._state.native(), _greenlet if self._coop is not None else None)
         self._go = [threading.Lock() for _ in range(n)]
         for lock in self._go:
@@ -202,21 +202,7 @@ class _ReplicaPool:
             token = object()
             if self._claims.setdefault(i, token) is not token:
                 continue  # the caller runs it, or a late wake-up of a finished run
-            self._execute(i, False)
-
-    def _execute(self, i: int, caller: bool = True):
-        """Runs replica ``i`` on this thread (``caller``: the run's caller's, else a replica thread's) and
-        reports what it raises; replicas 1..n-1 then arrive (the rendezvous' ``finished``)."""
-        try:
-            if not (i and caller and self._errors):  # (a failed run skips the replicas the caller has not started)
-                self._results[i] = self._fn(i)
-        except _Aborted:
-            pass
-        except BaseException as e:
-            self._errors.append(e)
-            self.group.abort()  # release the replicas waiting for this one in a collective
-        finally:
-            self.group.finished(i, caller)
+            self.group.run_replica(i, False)
 
     def _wake_threads(self):
         """The replica threads take the replicas not started yet, in parallel (BLAS capped for that: OpenBLAS
@@ -283,7 +269,9 @@ class _ReplicaPool:
             self._fn, self._results, self._errors = replica_fn, [None] * self.n, []
             self._generation += 1
             mine, claims, arrived = object(), {}, [False] * self.n
-            group.reset(idle, claims, mine, arrived, woken)
+            # The rendezvous runs each replica (run_replica: the result, or the error, kept in these lists)
+            # and claims replicas for the caller, woken threads claiming theirs in `claims`.
+            group.reset(idle, replica_fn, self._results, self._errors, claims, mine, arrived, woken)
             self._mine, self._arrived = mine, arrived
             self._claims = claims  # last: a thread that sees it sees the rest of this run
             # From here on every path leaves the pool consistent, whatever a
@@ -305,14 +293,14 @@ class _ReplicaPool:
                         self._wake_threads()
                 state = group.save_state()
                 try:
-                    self._execute(0)
+                    group.run_replica(0)
                     # The replicas not claimed by a thread (nor started as greenlets) yet: run here, no
                     # hand-off. (`unclaimed` is an attribute, not a call: mostly false by now.)
                     while group.unclaimed:
                         i = group.claim()
                         if i is None:
                             break
-                        self._execute(i)
+                        group.run_replica(i)
                     if coop is not None and coop.unfinished:  # (greenlets waiting for replicas on other threads)
                         coop.drain()
                 finally:
