@@ -6,7 +6,11 @@
 // Why native: a collective inside strategy.run costs, per replica, an arrival,
 // a park and a resume. In Python each of those is several frames (about 18 us
 // for 4 replicas, four times the all-reduce itself); here each is one call
-// (docs/architecture.md, "Replica hand-offs", has the numbers).
+// (docs/architecture.md, "Replica hand-offs", has the numbers). For the same
+// reason the replica pool's per-replica work is here too: running a replica
+// and keeping its result or error, claiming the next one, counting arrivals,
+// and saving and restoring the thread state (the CUDA part included) of a
+// replica that parks (docs/gpu_call_path.md, "The rendezvous runs the replicas").
 //
 // Every field is read and written with the GIL held and no Python code runs
 // between a check and the update it guards, so the GIL alone serialises the
