@@ -171,7 +171,6 @@ class _ReplicaPool:
         self._threads = None
         self._worker_ids = frozenset()
         self._closed = False
-        self._fn = None
         self._caller = None
         self._generation = 0  # of the latest run started
         self._completed = 0   # of the latest run whose replicas all returned
@@ -226,20 +225,25 @@ class _ReplicaPool:
             self._done.release()
 
     def _settle(self):
-        """After an interruption: replicas the caller claimed but never ran count as finished."""
-        for i, owner in list(self._claims.items()):
-            if owner is self._mine and not self._arrived[i]:
+        """After an interruption: replicas the caller claimed but never ran, and those nobody claimed (the
+        caller claims them now), count as finished."""
+        claims, mine = self._claims, self._mine
+        for i in range(1, self.n):
+            if claims.setdefault(i, mine) is mine and not self._arrived[i]:
                 self.group.abort()
                 self.group.arrive(i, True)
 
     def _wait_for_replicas(self):
         """Blocks until every replica of the latest run returned (interruptible; may be called again)."""
         generation = self._generation
-        if self._completed != generation:  # (else every replica has arrived: none to settle)
+        group = self.group
+        if self._completed != generation and not group.completed:  # (else every replica has arrived)
             self._settle()
         while True:
             with self._state_lock:
-                if self._completed == generation:
+                # (The last arrival on this thread is the rendezvous' `completed`; on a replica thread,
+                # _complete's `_completed`.)
+                if self._completed == generation or group.completed:
                     self._done.acquire(False)  # consume that run's wake-up if still there
                     break
             self._done.acquire()
@@ -266,7 +270,7 @@ class _ReplicaPool:
             # Short steps run on this thread alone; once steps are long, the threads take replicas from
             # the start, in parallel (and the claims need not ask whether to wake them).
             woken = coop is None or self._long_steps
-            self._fn, self._results, self._errors = replica_fn, [None] * self.n, []
+            self._results, self._errors = [None] * self.n, []
             self._generation += 1
             mine, claims, arrived = object(), {}, [False] * self.n
             # The rendezvous runs each replica (run_replica: the result, or the error, kept in these lists)
@@ -325,7 +329,7 @@ class _ReplicaPool:
             self._read_cpu = time.perf_counter() - started > HANDOFF_SECONDS
             self._long_steps = self._read_cpu and _is_long(started, started_cpu, self._launch_only)
             results, errors = self._results, self._errors
-            self._fn = self._results = self._errors = None
+            self._results = self._errors = None
             if errors:
                 raise errors[0]
             return results
