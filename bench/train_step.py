@@ -61,23 +61,9 @@ def per_step(fn, steps: int, sync=lambda: None) -> float:
     return interleaved([fn], steps, sync)[0]
 
 
-def quiesce(limit: float = 1.0) -> None:
-    """Waits (up to ``limit`` seconds) until no other thread of this process computes: OpenBLAS's
-    worker threads spin for ~0.13 s (2**28 cycles) after the last multi-threaded product before they
-    sleep, so without the wait the column after one that used them (the plain loop, one replica)
-    starts against a busy core. A column timed in a training loop never sees that."""
-    deadline = time.perf_counter() + limit
-    while time.perf_counter() < deadline:
-        before, own = sum(os.times()[:2]), time.thread_time()
-        time.sleep(0.02)
-        if sum(os.times()[:2]) - before - (time.thread_time() - own) < 0.002:
-            return
-
-
 def interleaved(fns, steps: int, sync=lambda: None, host_only=False) -> list:
     """Median seconds per call of each function, measured in turns (round r of every function, then
-    round r + 1): a machine whose load drifts during the run weighs on every column alike. Each round
-    starts with the process quiet (:func:`quiesce`), so no column pays for the one before it.
+    round r + 1): a machine whose load drifts during the run weighs on every column alike.
     ``host_only``: each call is timed alone and its queued GPU work drained after the clock stops."""
     for fn in fns:
         for _ in range(3):
@@ -87,7 +73,6 @@ def interleaved(fns, steps: int, sync=lambda: None, host_only=False) -> list:
     calls = max(1, steps // 5)
     for _ in range(5):
         for fn, column in zip(fns, samples):
-            quiesce()
             spent = 0.0
             t0 = time.perf_counter()
             for _ in range(calls):
