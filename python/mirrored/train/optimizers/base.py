@@ -367,11 +367,9 @@ class Optimizer:
             # From the second step on, this replica packs its gradients into its fusion buffer
             # (in parallel with the other replicas): the all-reduce then moves one buffer per dtype.
             plan = self._plans.get(tuple(map(id, variables)))
-            if plan is not None and aggregate and ctx.strategy.num_replicas_in_sync > 1:
-                if plan.sums_replicas:
-                    grads = plan.host_grads(grads)  # (read as they are by every replica's update)
-                elif plan.packable:
-                    packed = plan.pack(ctx._local_replica_id, grads)
+            if plan is not None and plan.packable and not plan.sums_replicas and aggregate and \
+                    ctx.strategy.num_replicas_in_sync > 1:
+                packed = plan.pack(ctx._local_replica_id, grads)
         # options stay out of the merged arguments: each replica may pass its own (equal)
         # options object, which merge_call would turn into a PerReplica.
         plan, reduced, step, update = ctx.merge_call(
