@@ -61,9 +61,25 @@ def per_step(fn, steps: int, sync=lambda: None) -> float:
     return interleaved([fn], steps, sync)[0]
 
 
+# OpenBLAS's worker threads spin for 2**28 cycles (~0.13 s) after their last multi-threaded product
+# before they sleep: a column timed right after one that used them (the plain loop, one replica) would
+# share the cores with a spinning thread, which no training loop of its own steps does.
+SETTLE_SECONDS = 0.2
+
+
+def settle(fn, sync) -> None:
+    """Untimed calls of ``fn`` for SETTLE_SECONDS, so that its round starts in its own steady state (the
+    cores kept busy: no idle gap either)."""
+    end = time.perf_counter() + SETTLE_SECONDS
+    while time.perf_counter() < end:
+        fn()
+    sync()
+
+
 def interleaved(fns, steps: int, sync=lambda: None, host_only=False) -> list:
     """Median seconds per call of each function, measured in turns (round r of every function, then
-    round r + 1): a machine whose load drifts during the run weighs on every column alike.
+    round r + 1): a machine whose load drifts during the run weighs on every column alike. Each round
+    starts after :func:`settle`, so that no column pays for the one before it.
     ``host_only``: each call is timed alone and its queued GPU work drained after the clock stops."""
     for fn in fns:
         for _ in range(3):
@@ -73,6 +89,7 @@ def interleaved(fns, steps: int, sync=lambda: None, host_only=False) -> list:
     calls = max(1, steps // 5)
     for _ in range(5):
         for fn, column in zip(fns, samples):
+            settle(fn, sync)
             spent = 0.0
             t0 = time.perf_counter()
             for _ in range(calls):

@@ -32,7 +32,8 @@ T* buffer_of(py::handle h, std::size_t count, bool writable, const std::string& 
   return const_cast<T*>(static_cast<const T*>(a.data()));
 }
 
-// `grads` is a list with one array per variable, or one packed array holding them back to back.
+// `grads` is a list with one array per variable, one packed array holding them back to back, or a
+// tuple of such lists, one per replica, whose sum (in their order) is each variable's gradient.
 template <typename T>
 void apply_typed(int rule, const py::list& weights, const py::object& grads, const py::list& slots,
                  const std::vector<bool>& decay, const std::vector<double>& coefficients, double weight_decay,
@@ -41,6 +42,9 @@ void apply_typed(int rule, const py::list& weights, const py::object& grads, con
   std::vector<FusedEntry<T>> table(weights.size());
   const bool packed = py::isinstance<py::array>(grads);
   const T* next_grad = packed ? buffer_of<T>(grads, 0, false, "grads") : nullptr;
+  const auto replicas = py::isinstance<py::tuple>(grads) ? py::reinterpret_borrow<py::tuple>(grads) : py::tuple();
+  const std::size_t more = replicas.empty() ? 0 : replicas.size() - 1;
+  std::vector<const T*> others(table.size() * more);
   std::size_t packed_total = 0;
   for (std::size_t k = 0; k < table.size(); ++k) {
     const std::string at = "[" + std::to_string(k) + "]";
@@ -51,6 +55,11 @@ void apply_typed(int rule, const py::list& weights, const py::object& grads, con
       e.grad = next_grad;
       next_grad += e.count;
       packed_total += e.count;
+    } else if (more != 0) {
+      e.grad = buffer_of<T>(py::reinterpret_borrow<py::list>(replicas[0])[k], e.count, false, "grads[0]" + at);
+      for (std::size_t r = 1; r <= more; ++r)
+        others[k * more + r - 1] = buffer_of<T>(py::reinterpret_borrow<py::list>(replicas[r])[k], e.count, false,
+                                                "grads[" + std::to_string(r) + "]" + at);
     } else {
       e.grad = buffer_of<T>(py::reinterpret_borrow<py::list>(grads)[k], e.count, false, "grads" + at);
     }
@@ -73,7 +82,12 @@ void apply_typed(int rule, const py::list& weights, const py::object& grads, con
   s.weight_decay = static_cast<T>(weight_decay);
   s.lr = static_cast<T>(lr);
   py::gil_scoped_release release;
-  fused_update<T>(static_cast<Rule>(rule), table.data(), table.size(), s);
+  if (more != 0) {
+    fused_update_summed<T>(static_cast<Rule>(rule), table.data(), table.size(), others.data(),
+                           static_cast<int>(more + 1), s);
+  } else {
+    fused_update<T>(static_cast<Rule>(rule), table.data(), table.size(), s);
+  }
 }
 
 }  // namespace
@@ -89,9 +103,19 @@ void def_host_fused_update(py::module_& m) {
         if (!error.empty()) throw py::value_error(error);
         const std::size_t n = weights.size();
         const bool packed = py::isinstance<py::array>(grads);
-        if (!packed && !py::isinstance<py::list>(grads))
-          throw py::type_error("grads: expected a list of arrays or one packed array");
-        if ((!packed && py::len(grads) != n) || slots.size() != n || decay.size() != n)
+        const bool summed = py::isinstance<py::tuple>(grads);
+        if (!packed && !summed && !py::isinstance<py::list>(grads))
+          throw py::type_error("grads: expected a list of arrays, one packed array, or a tuple of lists (one per "
+                               "replica, summed)");
+        if (summed) {
+          if (py::len(grads) < 2)
+            throw py::value_error("grads: a tuple of " + std::to_string(py::len(grads)) +
+                                  " replicas' lists; pass the list itself for one replica");
+          for (auto replica : py::reinterpret_borrow<py::tuple>(grads))
+            if (!py::isinstance<py::list>(replica) || py::len(replica) != n)
+              throw py::value_error("grads: each replica's entry must be a list with one array per variable");
+        }
+        if ((!packed && !summed && py::len(grads) != n) || slots.size() != n || decay.size() != n)
           throw py::value_error("weights, grads, slots and decay must have one entry per variable");
         if (n == 0) return;
         const py::dtype dtype = py::reinterpret_borrow<py::array>(weights[0]).dtype();
@@ -107,7 +131,8 @@ void def_host_fused_update(py::module_& m) {
       py::arg("rule"), py::arg("weights"), py::arg("grads"), py::arg("slots"), py::arg("decay"),
       py::arg("coefficients"), py::arg("weight_decay"), py::arg("lr"),
       "Weight decay (where decay[k]) and the rule on every (weight, grad, slots) entry, in place. `grads`: one\n"
-      "array per variable, or one array holding them back to back (a packed, all-reduced fusion buffer).");
+      "array per variable, one array holding them back to back (a packed, all-reduced fusion buffer), or a\n"
+      "tuple of such lists, one per replica, summed in their order first (as the host all-reduce sums).");
 }
 
 }  // namespace mirrored::bindings

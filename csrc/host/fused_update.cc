@@ -1,5 +1,7 @@
 #include "host/fused_update.h"
 
+#include <algorithm>
+
 #include "core/optimizer_rules.h"
 
 namespace mirrored::host {
@@ -36,18 +38,56 @@ void update_entry(F rule, const FusedEntry<T>& e, const FusedScalars<T>& s) {
   update_arrays<T, Decay>(rule, e.count, e.weight, e.grad, e.slots[0], e.slots[1], e.slots[2], s);
 }
 
+// Summed gradients are made a block at a time, small enough to stay in L1 while the rule reads them.
+constexpr std::size_t kSumBytes = 8 * 1024;
+
+template <typename T>
+void add_arrays(std::size_t count, T* __restrict out, const T* __restrict a, const T* __restrict b) {
+  for (std::size_t i = 0; i < count; ++i) out[i] = a[i] + b[i];
+}
+
+template <typename T>
+void add_to(std::size_t count, T* __restrict acc, const T* __restrict x) {
+  for (std::size_t i = 0; i < count; ++i) acc[i] += x[i];
+}
+
+template <typename T>
+T* at(T* p, std::size_t offset) {
+  return p ? p + offset : nullptr;  // (a slot the rule does not have stays null)
+}
+
+// The entry's update with gradient g0 + g1 + ... (replica 0's is e.grad, replica r's others[r - 1]).
+template <typename T, bool Decay, typename F>
+void update_entry_summed(F rule, const FusedEntry<T>& e, const T* const* others, int more, const FusedScalars<T>& s) {
+  constexpr std::size_t block = kSumBytes / sizeof(T);
+  alignas(64) T sum[block];
+  for (std::size_t b = 0; b < e.count; b += block) {
+    const std::size_t m = std::min(block, e.count - b);
+    add_arrays(m, sum, e.grad + b, others[0] + b);
+    for (int r = 1; r < more; ++r) add_to(m, sum, others[r] + b);
+    update_arrays<T, Decay>(rule, m, e.weight + b, sum, at(e.slots[0], b), at(e.slots[1], b), at(e.slots[2], b),
+                            s);
+  }
+}
+
+// others: null for the plain update, else `more` further gradients per entry (fused_update_summed).
 template <typename T>
 struct TableLoop {
   const FusedEntry<T>* entries;
   std::size_t n;
   const FusedScalars<T>& s;
+  const T* const* others = nullptr;
+  int more = 0;
   template <typename F>
   void operator()(F rule) const {
     for (std::size_t k = 0; k < n; ++k) {
-      if (entries[k].decay) {
-        update_entry<T, true>(rule, entries[k], s);
+      const bool decay = entries[k].decay;
+      if (others != nullptr) {
+        const T* const* mine = others + k * more;
+        decay ? update_entry_summed<T, true>(rule, entries[k], mine, more, s)
+              : update_entry_summed<T, false>(rule, entries[k], mine, more, s);
       } else {
-        update_entry<T, false>(rule, entries[k], s);
+        decay ? update_entry<T, true>(rule, entries[k], s) : update_entry<T, false>(rule, entries[k], s);
       }
     }
   }
@@ -60,7 +100,17 @@ void fused_update(Rule rule, const FusedEntry<T>* entries, std::size_t n, const 
   rules::visit_rule(rule, s.c, TableLoop<T>{entries, n, s});
 }
 
+template <typename T>
+void fused_update_summed(Rule rule, const FusedEntry<T>* entries, std::size_t n, const T* const* others,
+                         int replicas, const FusedScalars<T>& s) {
+  rules::visit_rule(rule, s.c, TableLoop<T>{entries, n, s, others, replicas - 1});
+}
+
 template void fused_update<float>(Rule, const FusedEntry<float>*, std::size_t, const FusedScalars<float>&);
 template void fused_update<double>(Rule, const FusedEntry<double>*, std::size_t, const FusedScalars<double>&);
+template void fused_update_summed<float>(Rule, const FusedEntry<float>*, std::size_t, const float* const*, int,
+                                         const FusedScalars<float>&);
+template void fused_update_summed<double>(Rule, const FusedEntry<double>*, std::size_t, const double* const*, int,
+                                          const FusedScalars<double>&);
 
 }  // namespace mirrored::host

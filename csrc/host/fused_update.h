@@ -25,4 +25,17 @@ void fused_update(Rule rule, const FusedEntry<T>* entries, std::size_t n, const 
 extern template void fused_update<float>(Rule, const FusedEntry<float>*, std::size_t, const FusedScalars<float>&);
 extern template void fused_update<double>(Rule, const FusedEntry<double>*, std::size_t, const FusedScalars<double>&);
 
+// The same update with each entry's gradient summed across `replicas` (>= 2) in-process replicas
+// first: entries[k].grad is replica 0's, others[k * (replicas - 1) + r - 1] replica r's. The sum is
+// ((g0 + g1) + g2) + ..., the order of HostCommunicator's direct fold, so the update gets the
+// all-reduced gradient bit for bit without the gradients being packed and all-reduced first.
+template <typename T>
+void fused_update_summed(Rule rule, const FusedEntry<T>* entries, std::size_t n, const T* const* others,
+                         int replicas, const FusedScalars<T>& s);
+
+extern template void fused_update_summed<float>(Rule, const FusedEntry<float>*, std::size_t, const float* const*,
+                                                int, const FusedScalars<float>&);
+extern template void fused_update_summed<double>(Rule, const FusedEntry<double>*, std::size_t, const double* const*,
+                                                 int, const FusedScalars<double>&);
+
 }  // namespace mirrored::host

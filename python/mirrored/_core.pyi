@@ -18,11 +18,13 @@ def batch_all_reduce(n: int, inputs: list[np.ndarray], outputs: list[np.ndarray]
                      dtypes: list[int], op: int, bytes_per_pack: int, num_packs: int, algorithm: int,
                      ring_chunk_bytes: int) -> None: ...
 
-def fused_update(rule: int, weights: list[np.ndarray], grads: list[np.ndarray] | np.ndarray,
+def fused_update(rule: int, weights: list[np.ndarray],
+                 grads: list[np.ndarray] | np.ndarray | tuple[list[np.ndarray], ...],
                  slots: list[list[np.ndarray]], decay: list[bool], coefficients: list[float], weight_decay: float,
                  lr: float) -> None:
     """The optimizer rule (mirrored.train.optimizers.rules' codes) on every variable, in place; grads: one
-    array per variable or one packed buffer holding them back to back."""
+    array per variable, one packed buffer holding them back to back, or a tuple of per-variable lists, one
+    per replica, summed in that order (the host all-reduce's) before the rule."""
 
 class CallPlan:
     """A validated all_reduce / broadcast (kind) of n arrays of one dtype and shape."""

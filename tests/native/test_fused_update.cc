@@ -152,6 +152,40 @@ bool unscaled_walk_equals_dividing_first(const Case& k, float scale) {
   return same;
 }
 
+// The summed update (fused_update_summed) over `replicas` replicas' gradients of exact-size buffers whose
+// sizes cross the 8 KiB blocks of summed gradients, against the plain update of the gradients summed
+// first in replica order: bit for bit.
+template <typename T>
+bool summed_equals_summing_first(const Case& k, int replicas) {
+  const std::size_t block = 8 * 1024 / sizeof(T);
+  const std::vector<std::size_t> sizes = {0, 1, 17, block - 1, block, block + 1, 3 * block + 5};
+  std::vector<Buffers<T>> summed_bufs, reference_bufs;
+  std::vector<std::vector<std::vector<T>>> others(sizes.size());  // [variable][replica - 1]
+  for (std::size_t v = 0; v < sizes.size(); ++v) {
+    summed_bufs.emplace_back(sizes[v], k.slots, static_cast<int>(v));
+    reference_bufs.emplace_back(sizes[v], k.slots, static_cast<int>(v));
+    for (int r = 1; r < replicas; ++r) {
+      std::vector<T> g(sizes[v]);
+      for (std::size_t i = 0; i < g.size(); ++i) g[i] = static_cast<T>(((i * 3 + r * 7) % 17) - 8) / T(3);
+      for (std::size_t i = 0; i < g.size(); ++i) reference_bufs[v].g[i] = reference_bufs[v].g[i] + g[i];
+      others[v].push_back(std::move(g));
+    }
+  }
+  std::vector<FusedEntry<T>> summed_table, reference_table;
+  std::vector<const T*> pointers;
+  for (std::size_t v = 0; v < sizes.size(); ++v) {
+    summed_table.push_back(summed_bufs[v].entry(v % 2 == 0));
+    reference_table.push_back(reference_bufs[v].entry(v % 2 == 0));
+    for (const auto& g : others[v]) pointers.push_back(g.data());
+  }
+  const FusedScalars<T> s = scalars<T>(k);
+  fused_update_summed<T>(k.rule, summed_table.data(), summed_table.size(), pointers.data(), replicas, s);
+  fused_update<T>(k.rule, reference_table.data(), reference_table.size(), s);
+  bool same = true;
+  for (std::size_t v = 0; v < sizes.size(); ++v) same = same && summed_bufs[v] == reference_bufs[v];
+  return same;
+}
+
 }  // namespace
 
 TEST(the_gpu_kernel_walk_in_any_thread_order_equals_the_host_kernel) {
@@ -225,6 +259,34 @@ TEST(concurrent_calls_on_disjoint_tables) {
     });
   for (auto& th : threads) th.join();
   CHECK(!(bufs[0] == Buffers<float>(4096, k.slots, 0)));
+}
+
+TEST(the_summed_update_equals_summing_first_in_replica_order) {
+  for (const Case& k : cases())
+    for (int replicas : {2, 3, 4}) {
+      CHECK(summed_equals_summing_first<float>(k, replicas));
+      CHECK(summed_equals_summing_first<double>(k, replicas));
+    }
+}
+
+TEST(replicas_read_each_others_gradients_concurrently) {
+  // As CPU replicas do: each thread updates its own copy, reading every thread's gradient.
+  const Case& k = cases()[1];  // SGD with momentum
+  constexpr int kReplicas = 4;
+  std::vector<Buffers<float>> bufs;
+  for (int t = 0; t < kReplicas; ++t) bufs.emplace_back(5000, k.slots, 0);
+  const FusedScalars<float> s = scalars<float>(k);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kReplicas; ++t)
+    threads.emplace_back([&, t] {
+      FusedEntry<float> e = bufs[t].entry(false);
+      e.grad = bufs[0].g.data();
+      const float* others[kReplicas - 1] = {bufs[1].g.data(), bufs[2].g.data(), bufs[3].g.data()};
+      for (int step = 0; step < 20; ++step) fused_update_summed<float>(k.rule, &e, 1, others, kReplicas, s);
+    });
+  for (auto& th : threads) th.join();
+  for (int t = 1; t < kReplicas; ++t) CHECK(bufs[t] == bufs[0]);
+  CHECK(!(bufs[0] == Buffers<float>(5000, k.slots, 0)));
 }
 
 int main() { return check::run_all(); }

@@ -595,6 +595,13 @@ class StrategyExtended:
         skips batch_reduce_to's wrapping, or None (the default: every all_reduce goes through it)."""
         return None
 
+    def _sums_host_replicas_in_order(self) -> bool:
+        """Whether a SUM batch_reduce_to of this strategy's replicas is, bit for bit, each element summed
+        over the replicas in their order (``((r0 + r1) + r2) + ...``), all of them NumPy arrays in this
+        process: then an optimizer may sum the replicas' gradients inside its fused update instead of
+        all-reducing them first (optimizers/base.py, ``_Summands``). The default: no."""
+        return False
+
     def _with_devices(self, value, argument: str):
         """``value`` with its replicas' devices known (a user-built PerReplica gets this worker's devices)."""
         if isinstance(value, DistributedValues) and value._devices is None:

@@ -706,6 +706,15 @@ class MirroredExtended(StrategyExtended):
             return _ReplicaAllReduce(cdo, op, options, tuple(self._ordinals), _gpu.cupy_module().ndarray)
         return None  # CPU and GPU replicas mixed
 
+    def _sums_host_replicas_in_order(self) -> bool:
+        # CPU replicas whose reductions end in the host engine's direct fold (csrc/host/host_communicator.cc:
+        # `auto` is `direct` there at every size), which sums the replicas in their order.
+        cdo = self._cross_device_ops
+        devices = self._local_devices
+        return (type(self)._batch_reduce_to is MirroredExtended._batch_reduce_to and len(devices) > 1
+                and device_util.all_cpu(devices) and isinstance(cdo, RingAllReduce)
+                and cdo._algorithm in ("auto", "direct") and cdo._native_batch_reduce(devices))
+
     def _broadcast_to(self, tensor, destinations):
         return self._cross_device_ops.broadcast(tensor, destinations)
 

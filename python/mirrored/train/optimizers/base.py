@@ -11,7 +11,10 @@ Keras 3's order under a tf.distribute strategy, it
    ``strategy.extended.batch_reduce_to`` (packed into few buffers,
    ``CommunicationOptions.bytes_per_pack`` honoured), as Keras optimizers do under a
    strategy, so each replica's loss is divided by the GLOBAL batch size
-   (``md.nn.compute_average_loss``); ``gradient_aggregation="mean"`` averages instead;
+   (``md.nn.compute_average_loss``); ``gradient_aggregation="mean"`` averages instead.
+   CPU replicas of one process skip the all-reduce: each replica's fused update reads every
+   replica's gradients and sums them itself, in the order the all-reduce sums them
+   (:class:`_Summands`, docs/replica_arrays.md);
 3. applies weight decay (``w -= w * weight_decay * lr``) and the update rule to every
    variable and slot of a device in ONE fused update, in place: the host kernel of
    ``csrc/host/fused_update.cc`` over a table of (pointer, count) entries, or the same
@@ -364,7 +367,8 @@ class Optimizer:
             # From the second step on, this replica packs its gradients into its fusion buffer
             # (in parallel with the other replicas): the all-reduce then moves one buffer per dtype.
             plan = self._plans.get(tuple(map(id, variables)))
-            if plan is not None and plan.packable and aggregate and ctx.strategy.num_replicas_in_sync > 1:
+            if plan is not None and plan.packable and not plan.sums_replicas and aggregate and \
+                    ctx.strategy.num_replicas_in_sync > 1:
                 packed = plan.pack(ctx._local_replica_id, grads)
         # options stay out of the merged arguments: each replica may pass its own (equal)
         # options object, which merge_call would turn into a PerReplica.
@@ -375,6 +379,10 @@ class Optimizer:
             plan.apply(ctx._local_replica_id, grads, step, update=False)
         elif reduced is None:
             plan.apply(ctx._local_replica_id, grads, step)
+        elif type(reduced) is _Summands:
+            plan.apply(ctx._local_replica_id, None, step, summands=reduced.grads)
+            # Every replica has read the others' gradients before any returns to code that may write them.
+            ctx._group.exchange(ctx._local_replica_id, "apply_gradients", None, _release)
         elif packed is not None:
             plan.apply(ctx._local_replica_id, None, step, packed=reduced)
         else:
@@ -498,6 +506,9 @@ class Optimizer:
             holders = [_ReplicaGrads(plan.accumulated_and_clipped(d, h.grads), None) for d, h in enumerate(holders)]
             reduced = PerReplica([h.grads for h in holders], devices)  # without an all-reduce: its own average
         if aggregate and strategy.num_replicas_in_sync > 1:
+            if plan.sums_replicas and reduced is None:
+                # Every replica's gradients are final (all have arrived): each update sums them itself.
+                return plan, _Summands(tuple(plan.host_grads(h.grads) for h in holders)), step, True
             if all(h.packed is not None for h in holders):
                 # One packed gradient per replica and dtype, reduced onto every replica's device.
                 columns = [PerReplica([h.packed[j] for h in holders], devices) for j in range(len(plan.groups))]
@@ -649,6 +660,12 @@ class _Plan:
         # the fused kernel reads the reduced buffer in place.
         kernel = _host_kernel if all(self.host) else _gpu_kernel() if not any(self.host) else None
         self.packable = kernel is not None and all(dtype in _KERNEL_DTYPES for dtype in self.groups)
+        # Host replicas of one process whose all-reduce sums in replica order: no pack and no all-reduce,
+        # the update sums the replicas' gradients (see _Summands).
+        extended = optimizer._strategy.extended if optimizer._strategy is not None else None
+        self.sums_replicas = (self.packable and all(self.host) and self.num_devices > 1
+                              and optimizer.gradient_aggregation == "sum" and extended is not None
+                              and extended._sums_host_replicas_in_order())
         self.fusion_buffers = [[device_util.place(np.empty(sum(self.copies[0][k]._value.size for k in indices),
                                                            dtype), self.copies[d][0].device)
                                 for dtype, indices in self.groups.items()]
@@ -697,6 +714,11 @@ class _Plan:
                 self.ema_coefficients[dtype] = (momentum, t(1) - momentum)
         frequency = opt.ema_overwrite_frequency
         self.ema_overwrite = bool(opt.use_ema and frequency and (rule_step + 1) % frequency == 0)
+
+    def host_grads(self, grads: list) -> list:
+        """``grads`` as the host kernel reads them: C-contiguous NumPy arrays of their variables' dtypes."""
+        return [g if type(g) is np.ndarray and g.dtype is dtype and g.flags.c_contiguous else _host_grad(g, dtype)
+                for g, dtype in zip(grads, self.dtypes)]
 
     def pack(self, device: int, grads: list) -> list:
         """``grads`` copied into device ``device``'s fusion buffers, one per dtype (converted to it)."""
@@ -758,14 +780,16 @@ class _Plan:
                 at += size
         return _gpu_kernel().GradientPack(ordinal, dst, nbytes)
 
-    def apply(self, device: int, grads, step: int, packed=None, update: bool = True, gate=None) -> None:
+    def apply(self, device: int, grads, step: int, packed=None, update: bool = True, gate=None,
+              summands=None) -> None:
         """Weight decay and the rule on every variable and slot of local device ``device``, in place;
         then Keras' moving average (``use_ema``), the constraints and the step count.
         ``update=False`` (gradient accumulation, a step that only accumulates): ``grads`` are added
         to the device's accumulators instead of applied.
 
         ``grads``: one gradient per variable, or None with ``packed``: one reduced
-        fusion buffer per dtype. float32 and float64 go through the fused kernel, one
+        fusion buffer per dtype, or with ``summands`` (host copies): every replica's gradients
+        (``_Summands.grads``), summed by the kernel. float32 and float64 go through the fused kernel, one
         call per dtype: on host csrc/host/fused_update.cc, on a GPU one launch of
         csrc/cuda/fused_update.cu over a table made once. Anything else (float16,
         bfloat16) goes through the same rule element-wise, variable by variable.
@@ -777,7 +801,7 @@ class _Plan:
             if not update:
                 self._accumulate(device, grads)
             else:
-                self._apply_host(device, grads, packed)
+                self._apply_host(device, grads, packed, summands)
                 self._reset_accumulators(device)
             self._finish(device)
             self.iterations[device]._writable_buffer().fill(self.next_step)
@@ -925,16 +949,24 @@ class _Plan:
             for c in written:
                 c._writable_buffer()
 
-    def _apply_host(self, device: int, grads, packed) -> None:
+    def _apply_host(self, device: int, grads, packed, summands=None) -> None:
+        # (After the replicas' rendezvous: a gradient of any replica that holds one of these buffers is
+        # counted here, and the buffer is replaced before it is written.)
         self._writable(device)
         weights = list(map(_VALUE, self.copies[device]))
         rest = {}
+        whole = len(self.groups) == 1  # (one dtype: the lists as they are, no per-group copy)
         for j, (dtype, indices) in enumerate(self.groups.items()):
             if dtype not in _KERNEL_DTYPES:
                 rest[dtype] = indices
                 continue
             weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))
-            group_grads = packed[j] if packed is not None else [_host_grad(grads[k], dtype) for k in indices]
+            if packed is not None:
+                group_grads = packed[j]
+            elif summands is not None:
+                group_grads = summands if whole else tuple([replica[k] for k in indices] for replica in summands)
+            else:
+                group_grads = [_host_grad(grads[k], dtype) for k in indices]
             _host_kernel(self.rule, [weights[k] for k in indices], group_grads,
                          [list(map(_VALUE, self.slots[device][k])) for k in indices],
                          [self.decay[k] for k in indices], [float(c) for c in self.coefficients[dtype]],
@@ -1102,6 +1134,24 @@ def _gpu_grad(buffer, dtype, count: int):
         raise RuntimeError(f"the reduced gradient buffer has dtype {buffer.dtype}, {buffer.size} elements "
                            f"(contiguous: {buffer.flags.c_contiguous}); the update expects {dtype}, {count}")
     return buffer
+
+
+class _Summands:
+    """Every local replica's gradients (one list per replica, host arrays as the kernel reads them), handed
+    by merge_call to each replica, whose fused update sums them in replica order as it applies them: the
+    host all-reduce's sum, bit for bit (MirroredExtended._sums_host_replicas_in_order), without a pack or
+    an all-reduce. The merge_call is the rendezvous after which every gradient is final; the exchange
+    after the update (``_release``) keeps each replica from returning, and so from writing its gradients,
+    before every replica has read them. One opaque object, so select_replica hands it on unwalked."""
+
+    __slots__ = ("grads",)
+
+    def __init__(self, grads: tuple):
+        self.grads = grads
+
+
+def _release(slots) -> list:
+    return [None] * len(slots)
 
 
 class _ReplicaGrads:
