@@ -707,10 +707,13 @@ void clear_run(State* s) {
 }
 
 void clear_cooperative(State* s) {  // an interrupted run's greenlets, dropped
-  for (PyObject* g : s->parked) Py_DECREF(g);
+  // Moved out first: a dropped greenlet runs its replica on (GreenletExit), which may reach these queues.
+  std::vector<PyObject*> dropped(s->parked.begin(), s->parked.end());
+  dropped.insert(dropped.end(), s->ready.begin(), s->ready.end());
   s->parked.clear();
-  for (PyObject* g : s->ready) Py_DECREF(g);
   s->ready.clear();
+  s->unfinished = 0;
+  for (PyObject* g : dropped) Py_DECREF(g);
   if (s->replicas) PySet_Clear(s->replicas);
   s->unfinished = 0;
 }
@@ -754,6 +757,10 @@ PyObject* rv_reset(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
                                      "first; None: replicas on threads only");
     return nullptr;
   }
+  // An interrupted run's greenlets first: whatever their replicas do as they are dropped (GreenletExit)
+  // lands on that run's state, cleared next, not on this run's.
+  if (s->unfinished || !s->parked.empty() || !s->ready.empty() || (s->replicas && PySet_GET_SIZE(s->replicas)))
+    clear_cooperative(s);
   clear_run(s);
   clear_pool_run(s);
   Py_CLEAR(s->hub);
@@ -770,8 +777,6 @@ PyObject* rv_reset(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   s->hub = PyObject_CallNoArgs(s->getcurrent);
   if (!s->hub) return nullptr;
   Py_XSETREF(s->idle, Py_NewRef(idle));
-  if (s->unfinished || !s->parked.empty() || !s->ready.empty() || PySet_GET_SIZE(s->replicas))
-    clear_cooperative(s);
   Py_RETURN_NONE;
 }
 
