@@ -715,7 +715,6 @@ void clear_cooperative(State* s) {  // an interrupted run's greenlets, dropped
   s->unfinished = 0;
   for (PyObject* g : dropped) Py_DECREF(g);
   if (s->replicas) PySet_Clear(s->replicas);
-  s->unfinished = 0;
 }
 
 void clear_pool_run(State* s) {
