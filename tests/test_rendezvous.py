@@ -170,44 +170,108 @@ def test_the_group_checks_its_arguments():
 
 
 def test_a_greenlet_whose_wait_fails_leaves_no_stale_wake_up():
-    # A parked greenlet whose wait fails (here the claim of the next replica raises, as Ctrl-C may make it)
-    # leaves the collective: no later notify may resume it where it no longer waits.
+    # A parked greenlet whose wait fails (here the claim of the next replica raises: the pool's wake(),
+    # asked at a claim once the step has run `handoff` seconds, raises, as Ctrl-C may make it) leaves the
+    # collective: no later notify may resume it where it no longer waits. The failed claim loses no replica.
     greenlet = pytest.importorskip("greenlet")
     from mirrored.distribute.distribute_lib import _Aborted
 
-    group, results = _Group(3), {}
-    claims = iter([1, "fail", 2])
+    group, seen = _Group(3), {}
+    wakes = iter([False, "fail"])
 
-    def next_replica():
-        claim = next(claims, None)
-        if claim == "fail":
+    def wake():
+        if next(wakes, False) == "fail":
             raise RuntimeError("claim failed")
-        return claim
+        return False
 
-    def run_replica(i):
+    def replica(i):
         try:
-            results[i] = group.exchange(i, "all_reduce", i, lambda slots: [sum(slots)] * 3)
+            return group.exchange(i, "all_reduce", i, lambda slots: [sum(slots)] * 3)
         except BaseException as e:
-            results[i] = e
-            group.abort()
-        finally:
-            group.replica_finished()
+            seen[i] = e
+            raise
 
-    def body(g, i):
-        me = greenlet.getcurrent()
-        while True:
-            g.run_replica(i)
-            g, i = g.retire(me)
-
-    group.cooperate(next_replica, run_replica, (), body, greenlet)
-    group.reset([])
-    run_replica(0)  # the hub: serves replica 1 as a greenlet, whose wait fails
-    for i in iter(next_replica, None):
-        run_replica(i)
+    group.pool(lambda: None, wake, 0.0)
+    group.cooperate((), None, greenlet)
+    mine, claims, arrived, outputs, errors = object(), {}, [False] * 3, [None] * 3, []
+    group.reset([], replica, outputs, errors, claims, mine, arrived, False)
+    group.run_replica(0)  # the hub: serves replica 1 as a greenlet, whose wait fails
+    while group.unclaimed:
+        i = group.claim()
+        if i is None:
+            break
+        group.run_replica(i)  # (skipped: the run failed; it arrives all the same)
     group.drain()
-    assert isinstance(results[1], RuntimeError) and str(results[1]) == "claim failed", results
-    assert isinstance(results[0], _Aborted) and isinstance(results[2], _Aborted), results
+    assert [type(e) for e in errors] == [RuntimeError] and str(errors[0]) == "claim failed", errors
+    assert isinstance(seen[0], _Aborted) and 2 not in seen, seen
+    assert outputs == [None] * 3 and arrived == [False, True, True] and group.completed
     assert group.unfinished == 0
+    assert claims == {1: mine, 2: mine}
+
+
+def test_the_native_claims_runs_and_arrivals_of_a_run():
+    group = _Group(4)
+    calls = []
+    group.pool(lambda: calls.append("complete"), lambda: calls.append("wake") or True, 0.0)
+    mine, claims, arrived, outputs, errors = object(), {2: "a thread's"}, [False] * 4, [None] * 4, []
+
+    def replica(i):
+        if i == 3:
+            raise KeyError("replica 3")
+        return i * 10
+
+    group.reset(None, replica, outputs, errors, claims, mine, arrived, False)
+    assert group.unclaimed and not group.completed
+    assert [group.claim(), group.claim(), group.claim()] == [1, 3, None]  # 2 is the thread's
+    assert calls == ["wake"] and claims == {1: mine, 2: "a thread's", 3: mine}  # woken once: asked no more
+    assert not group.unclaimed
+    group.run_replica(0)
+    group.run_replica(1)
+    group.run_replica(3)
+    assert outputs == [0, 10, None, None] and [str(e) for e in errors] == ["'replica 3'"]
+    assert arrived == [False, True, False, True] and not group.completed
+    group.run_replica(2, False)  # the last, on a thread of its own: the pool hears of it by complete()
+    assert outputs == [0, 10, 20, None] and arrived == [False, True, True, True]
+    assert calls == ["wake", "complete"] and not group.completed
+    outputs, errors = [None] * 4, []
+    group.reset(None, replica, outputs, errors, {}, mine, [False] * 4, True)
+    assert [group.claim() for _ in range(4)] == [1, 2, 3, None]
+    for i in (0, 3, 2, 1):  # replica 3 fails: the caller's replicas not started yet are skipped
+        group.run_replica(i)
+    assert outputs == [0, None, None, None] and len(errors) == 1
+    assert group.completed and calls == ["wake", "complete"]  # the last on the caller's thread: no call
+    with pytest.raises(TypeError, match="claims"):
+        group.reset(None, replica, [None] * 4, [], [], mine, [False] * 4, True)
+    with pytest.raises(TypeError, match="lists of 4 items"):
+        group.reset(None, replica, [None] * 4, [], {}, mine, [False] * 3, True)
+    with pytest.raises(TypeError, match="fn needs outputs and errors"):
+        group.reset(None, replica)
+    group.reset(None)
+    with pytest.raises(RuntimeError, match="no run under way"):
+        group.run_replica(0)
+    for i in (0, 4):
+        with pytest.raises(ValueError, match=r"expected a replica index in \[1, 4\)"):
+            group.arrive(i, True)
+    with pytest.raises(RuntimeError, match=r"cooperate\(\) first"):
+        group.save_state()
+
+
+def test_the_thread_state_goes_and_comes_back_natively():
+    import threading
+
+    here = threading.local()
+    here.a = 1
+    group = _Group(2)
+    group.cooperate(((here, "a", None), (here, "b", "default")), None, None)
+    saved = group.save_state()
+    assert saved == (1, "default")
+    here.a, here.b = 2, 3
+    group.restore_state(saved)
+    assert (here.a, here.b) == (1, "default")
+    with pytest.raises(TypeError, match="what save_state"):
+        group.restore_state((1,))
+    with pytest.raises(TypeError, match="triples"):
+        group.cooperate(((here, "a"),), None, None)
 
 
 MISUSED_RENDEZVOUS = textwrap.dedent("""
@@ -236,7 +300,7 @@ def test_a_group_used_before_it_is_set_up_raises_instead_of_crashing():
     lines = done.stdout.splitlines()
     assert lines[-1] == "alive"
     assert sum("Rendezvous.__init__ was not called" in line for line in lines) == 3, lines
-    assert any("run_replica(): cooperate() first" in line for line in lines), lines
+    assert any("no run under way" in line for line in lines), lines
 
 
 CTRL_C_IN_A_COLLECTIVE = textwrap.dedent("""

@@ -172,3 +172,37 @@ def test_ctrl_c_twice_during_run_leaves_the_strategy_usable():
     assert lines[1:4] == ["ids [0, 1, 2]"] * 3, lines
     assert lines[4] == "thread ids [0, 1, 2]", lines
     assert lines[5] == "sum [3.0, 3.0, 3.0]", lines
+
+
+
+def test_a_run_interrupted_between_its_replicas_leaves_the_pool_usable():
+    # Ctrl-C landing in the caller's own loop (here: the pool's wake-up check, asked at a claim, raises it)
+    # with replicas not started yet: they count as finished, the run raises, and the next run is whole.
+    import pytest
+
+    pytest.importorskip("greenlet")
+    from mirrored.distribute.mirrored_strategy import _ReplicaPool
+
+    pool = _ReplicaPool(3, cooperative=True)
+    asked, ran, got = [], [], []
+
+    def wake():
+        asked.append(True)
+        if len(asked) == 1:
+            raise KeyboardInterrupt
+        return False
+
+    def two_runs():
+        try:
+            pool.run(ran.append)
+        except KeyboardInterrupt:
+            got.append("interrupted")
+        got.append(pool.run(lambda i: i * 2))
+
+    pool.group.pool(pool._complete, wake, 0.0)  # (asked at every claim)
+    runner = threading.Thread(target=two_runs, daemon=True)
+    runner.start()
+    runner.join(60)
+    pool.close()
+    assert got == ["interrupted", [0, 2, 4]], "the interrupted run hung, or the next one was not whole"
+    assert ran == [0]

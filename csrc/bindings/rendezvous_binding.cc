@@ -6,7 +6,11 @@
 // Why native: a collective inside strategy.run costs, per replica, an arrival,
 // a park and a resume. In Python each of those is several frames (about 18 us
 // for 4 replicas, four times the all-reduce itself); here each is one call
-// (docs/architecture.md, "Replica hand-offs", has the numbers).
+// (docs/architecture.md, "Replica hand-offs", has the numbers). For the same
+// reason the replica pool's per-replica work is here too: running a replica
+// and keeping its result or error, claiming the next one, counting arrivals,
+// and saving and restoring the thread state (the CUDA part included) of a
+// replica that parks (docs/gpu_call_path.md, "The rendezvous runs the replicas").
 //
 // Every field is read and written with the GIL held and no Python code runs
 // between a check and the update it guards, so the GIL alone serialises the
@@ -41,12 +45,36 @@ struct State {
   PyObject* tracing = nullptr;       // () -> whether the timeline records (mirrored.timeline.enabled)
   PyObject* traced = nullptr;        // (group, rid, kind, payload, combine) -> exchange inside a timeline span
 
-  // The cooperative scheduler (set once by cooperate(); hub set per run by reset()).
-  PyObject* next_replica = nullptr;   // () -> index of a replica the caller claimed, or None
-  PyObject* run_replica = nullptr;    // (index) -> runs that replica to its end
-  PyObject* state = nullptr;          // an object with save()/restore(saved), or null with state_locals
+  // The replica pool (set once by pool()): how it hears of a run's end and is asked whether a step is
+  // long; and this run's function, outputs, claims and arrivals (reset()). A claim is an atomic
+  // dict.setdefault (GIL held) that replica threads make too.
+  PyObject* fn = nullptr;           // this run's replica function: fn(i) is replica i's result
+  PyObject* outputs = nullptr;      // this run's [replica i's result] (a list)
+  PyObject* errors = nullptr;       // this run's exceptions raised in replicas, first first (a list)
+  PyObject* complete = nullptr;     // () -> the last of replicas 1..n-1 arrived, on a thread of its own
+  PyObject* wake = nullptr;         // () -> whether the step is long (its replicas not started yet go to the threads)
+  double handoff = 0;               // seconds a step runs before the claims ask wake()
+  PyObject* claims = nullptr;       // this run's {index: token of whoever runs it}, or null: the caller runs all
+  PyObject* mine = nullptr;         // the caller's token
+  PyObject* arrived_flags = nullptr;  // this run's [whether replica i arrived] (a list), or null
+  int next = 0;                     // the next replica the caller may claim
+  int arrivals = 0;                 // of replicas 1..n-1
+  bool completed = false;           // the last of them arrived on the caller's thread (complete() not called)
+  bool woken = true;                // the threads were woken this run (wake() is not asked again)
+  std::chrono::steady_clock::time_point started;
+
+  // The thread state replicas that share a thread take along (set once by cooperate()).
   std::vector<PyObject*> state_locals;  // (object, name, default) triples read and set directly
-  PyObject* body = nullptr;           // the greenlets' run function: (rendezvous, index)
+  // GPU replicas' CUDA part: (running, getDevice, setDevice, get_current_stream, ordinals), or null.
+  PyObject* running = nullptr;         // a threading.local whose .scope is the running replica's _GpuReplicaScope
+  PyObject* get_device = nullptr;
+  PyObject* set_device = nullptr;
+  PyObject* current_stream = nullptr;  // (ordinal) -> that GPU's current stream
+  PyObject* ordinals = nullptr;        // a tuple of ints
+  bool has_state = false;              // cooperate() was called
+
+  // The cooperative scheduler (set once by cooperate(); hub set per run by reset()).
+  PyObject* body = nullptr;           // the greenlets' run function (serve_replicas, bound to nothing)
   PyObject* greenlet_type = nullptr;
   PyObject* getcurrent = nullptr;
   PyObject* switch_fn = nullptr;      // greenlet.greenlet.switch
@@ -68,11 +96,17 @@ struct Rendezvous {
   State* s;
 };
 
-PyObject* str_arrive;  // interned "arrive", "combine", "save", "restore", "parent"
+PyObject* str_arrive;  // interned "arrive", "combine", "parent", ...
 PyObject* str_combine;
-PyObject* str_save;
-PyObject* str_restore;
 PyObject* str_parent;
+PyObject* str_scope;
+PyObject* str_entry;
+PyObject* str_ordinal;
+PyObject* str_enter;
+PyObject* str_exit;
+PyObject* str_use;
+
+PyTypeObject* rendezvous_type;  // (set by add_rendezvous)
 
 bool settled(const State* s, long generation) { return s->generation != generation || s->broken != nullptr; }
 
@@ -221,6 +255,50 @@ PyObject* switch_to(State* s, PyObject* g, PyObject* a = nullptr, PyObject* b = 
   return PyObject_Vectorcall(s->switch_fn, args, a ? 3 : 1, nullptr);
 }
 
+// The index of the next replica the caller runs itself (a new reference), None once the threads have
+// claimed or the caller has run every replica, or null with an error. Once the step has run longer than
+// `handoff` seconds, wake() is asked whether it is long (then the threads take the replicas not started yet).
+PyObject* claim(State* s) {
+  while (s->next < s->n) {
+    // (Asked before the index is taken: a wake() that raises, as Ctrl-C may make it, loses no replica.)
+    if (!s->woken && s->wake &&
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - s->started).count() > s->handoff) {
+      PyObject* woken = PyObject_CallNoArgs(s->wake);
+      if (!woken) return nullptr;
+      const int truth = PyObject_IsTrue(woken);
+      Py_DECREF(woken);
+      if (truth < 0) return nullptr;
+      s->woken = truth;
+    }
+    const int i = s->next++;
+    PyObject* index = PyLong_FromLong(i);
+    if (!index || !s->claims) return index;
+    PyObject* owner = PyDict_SetDefault(s->claims, index, s->mine);  // (borrowed)
+    if (owner == s->mine) return index;
+    Py_DECREF(index);
+    if (!owner) return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+// Replica i (1..n-1) is done with this run; the last of them tells the pool: on the caller's thread by
+// `completed` (the caller reads it once the run ends), on a thread of its own by complete().
+int arrive(State* s, long i, bool caller) {
+  if (i < 1 || i >= s->n) {
+    PyErr_Format(PyExc_ValueError, "arrive(%ld): expected a replica index in [1, %d)", i, s->n);
+    return -1;
+  }
+  if (s->arrived_flags && PyList_SetItem(s->arrived_flags, i, Py_NewRef(Py_True)) < 0) return -1;
+  if (++s->arrivals != s->n - 1) return 0;
+  if (caller || !s->complete) {
+    s->completed = true;
+    return 0;
+  }
+  PyObject* r = PyObject_CallNoArgs(s->complete);
+  Py_XDECREF(r);
+  return r ? 0 : -1;
+}
+
 // Runs replica `index` as a greenlet until it returns or parks, on an idle greenlet of this thread if
 // there is one (a new greenlet costs ~20 us, its own frame stack; a switch ~0.4 us).
 int start(State* s, PyObject* self, PyObject* index) {
@@ -265,7 +343,7 @@ int serve(State* s, PyObject* self, long generation) {
       if (switch_ready(s) < 0) return -1;
       continue;
     }
-    PyObject* index = PyObject_CallNoArgs(s->next_replica);
+    PyObject* index = claim(s);
     if (!index) return -1;
     if (index != Py_None) {
       int rc = start(s, self, index);
@@ -279,33 +357,155 @@ int serve(State* s, PyObject* self, long generation) {
   return 0;
 }
 
+// GPU replicas' CUDA state (_GpuThreadState): the current CUDA device, the current stream of each of the
+// strategy's GPUs and the running replica's _GpuReplicaScope, whose stream comes off the thread's `with`
+// stack (CuPy's, per thread) while another replica runs.
+PyObject* save_gpu(State* s) {
+  PyObject* scope = PyObject_GetAttr(s->running, str_scope);
+  if (!scope) {  // (no GPU replica has run on this thread yet)
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return nullptr;
+    PyErr_Clear();
+    scope = Py_NewRef(Py_None);
+  }
+  PyObject* device = PyObject_CallNoArgs(s->get_device);
+  const Py_ssize_t count = PyTuple_GET_SIZE(s->ordinals);
+  PyObject* streams = device ? PyTuple_New(count) : nullptr;
+  for (Py_ssize_t k = 0; streams && k < count; ++k) {
+    PyObject* stream = PyObject_CallOneArg(s->current_stream, PyTuple_GET_ITEM(s->ordinals, k));
+    if (!stream) Py_CLEAR(streams);
+    else PyTuple_SET_ITEM(streams, k, stream);
+  }
+  PyObject* saved = streams ? PyTuple_Pack(3, device, streams, scope) : nullptr;
+  if (saved && scope != Py_None) {  // its stream off the thread's `with` stack
+    PyObject* entry = PyObject_GetAttr(scope, str_entry);
+    PyObject* stream = entry ? PySequence_GetItem(entry, 0) : nullptr;
+    PyObject* r = stream ? PyObject_CallMethodObjArgs(stream, str_exit, Py_None, Py_None, Py_None, nullptr) : nullptr;
+    if (!r) Py_CLEAR(saved);
+    Py_XDECREF(r);
+    Py_XDECREF(stream);
+    Py_XDECREF(entry);
+  }
+  Py_XDECREF(streams);
+  Py_XDECREF(device);
+  Py_DECREF(scope);
+  return saved;
+}
+
+int set_device(State* s, PyObject* ordinal) {
+  PyObject* r = PyObject_CallOneArg(s->set_device, ordinal);
+  Py_XDECREF(r);
+  return r ? 0 : -1;
+}
+
+// The current device as a long, or -1 with an error set.
+long current_device(State* s) {
+  PyObject* device = PyObject_CallNoArgs(s->get_device);
+  if (!device) return -1;
+  const long on = PyLong_AsLong(device);
+  Py_DECREF(device);
+  return on;
+}
+
+// Puts back what save_gpu() read: the scope's GPU current and its stream on top of the `with` stack again,
+// then each GPU's current stream and the current device. Only what differs is set: replicas mostly share
+// a GPU and keep their stream.
+int restore_gpu(State* s, PyObject* saved) {
+  if (!PyTuple_Check(saved) || PyTuple_GET_SIZE(saved) != 3 || !PyTuple_Check(PyTuple_GET_ITEM(saved, 1)) ||
+      PyTuple_GET_SIZE(PyTuple_GET_ITEM(saved, 1)) != PyTuple_GET_SIZE(s->ordinals)) {
+    PyErr_SetString(PyExc_TypeError, "restore_state(saved): expected what save_state() returned");
+    return -1;
+  }
+  PyObject *device = PyTuple_GET_ITEM(saved, 0), *streams = PyTuple_GET_ITEM(saved, 1),
+           *scope = PyTuple_GET_ITEM(saved, 2);
+  if (PyObject_SetAttr(s->running, str_scope, scope) < 0) return -1;
+  PyObject* entered = nullptr;  // (the stream just made current on GPU `on`: its current stream needs no lookup)
+  long on;
+  if (scope != Py_None) {
+    PyObject* ordinal = PyObject_GetAttr(scope, str_ordinal);
+    if (!ordinal) return -1;
+    on = PyLong_AsLong(ordinal);
+    long now = on == -1 && PyErr_Occurred() ? -1 : current_device(s);
+    int rc = now == -1 && PyErr_Occurred() ? -1 : now != on ? set_device(s, ordinal) : 0;
+    Py_DECREF(ordinal);
+    if (rc < 0) return -1;
+    PyObject* entry = PyObject_GetAttr(scope, str_entry);
+    entered = entry ? PySequence_GetItem(entry, 0) : nullptr;
+    Py_XDECREF(entry);
+    PyObject* r = entered ? PyObject_CallMethodNoArgs(entered, str_enter) : nullptr;
+    if (!r) {
+      Py_XDECREF(entered);
+      return -1;
+    }
+    Py_DECREF(r);
+  } else {
+    on = current_device(s);
+    if (on == -1 && PyErr_Occurred()) return -1;
+  }
+  const long entered_on = on;
+  int rc = 0;
+  for (Py_ssize_t k = 0; rc == 0 && k < PyTuple_GET_SIZE(s->ordinals); ++k) {
+    PyObject *ordinal = PyTuple_GET_ITEM(s->ordinals, k), *stream = PyTuple_GET_ITEM(streams, k);
+    const long o = PyLong_AsLong(ordinal);
+    if (o == -1 && PyErr_Occurred()) {
+      rc = -1;
+      break;
+    }
+    PyObject* current = entered && o == entered_on ? Py_NewRef(entered) : PyObject_CallOneArg(s->current_stream, ordinal);
+    if (!current) {
+      rc = -1;
+      break;
+    }
+    Py_DECREF(current);  // (compared by identity only)
+    if (current == stream) continue;
+    if (on != o) {  // (Stream.use sets the stream of the current device)
+      if (set_device(s, ordinal) < 0) {
+        rc = -1;
+        break;
+      }
+      on = o;
+    }
+    PyObject* r = PyObject_CallMethodNoArgs(stream, str_use);
+    Py_XDECREF(r);
+    if (!r) rc = -1;
+  }
+  Py_XDECREF(entered);
+  if (rc < 0) return -1;
+  const long want = PyLong_AsLong(device);
+  if (want == -1 && PyErr_Occurred()) return -1;
+  return on != want ? set_device(s, device) : 0;
+}
+
+// The thread's state (the thread-locals, and GPU replicas' CUDA state last) as a tuple.
 PyObject* save_state(State* s) {
-  if (s->state) return PyObject_CallMethodNoArgs(s->state, str_save);
   const Py_ssize_t count = static_cast<Py_ssize_t>(s->state_locals.size() / 3);
-  PyObject* saved = PyTuple_New(count);
+  PyObject* saved = PyTuple_New(count + (s->running ? 1 : 0));
   for (Py_ssize_t i = 0; saved && i < count; ++i) {
     PyObject* value = PyObject_GetAttr(s->state_locals[3 * i], s->state_locals[3 * i + 1]);
     if (!value && PyErr_ExceptionMatches(PyExc_AttributeError)) {
       PyErr_Clear();
-      value = s->state_locals[3 * i + 2];
-      Py_INCREF(value);
+      value = Py_NewRef(s->state_locals[3 * i + 2]);
     }
     if (!value) Py_CLEAR(saved);
     else PyTuple_SET_ITEM(saved, i, value);
+  }
+  if (saved && s->running) {
+    PyObject* gpu = save_gpu(s);
+    if (!gpu) Py_CLEAR(saved);
+    else PyTuple_SET_ITEM(saved, count, gpu);
   }
   return saved;
 }
 
 int restore_state(State* s, PyObject* saved) {
-  if (s->state) {
-    PyObject* r = PyObject_CallMethodOneArg(s->state, str_restore, saved);
-    Py_XDECREF(r);
-    return r ? 0 : -1;
+  const Py_ssize_t count = static_cast<Py_ssize_t>(s->state_locals.size() / 3);
+  if (!PyTuple_Check(saved) || PyTuple_GET_SIZE(saved) != count + (s->running ? 1 : 0)) {
+    PyErr_SetString(PyExc_TypeError, "restore_state(saved): expected what save_state() returned");
+    return -1;
   }
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(saved); ++i)
+  for (Py_ssize_t i = 0; i < count; ++i)
     if (PyObject_SetAttr(s->state_locals[3 * i], s->state_locals[3 * i + 1], PyTuple_GET_ITEM(saved, i)) < 0)
       return -1;
-  return 0;
+  return s->running ? restore_gpu(s, PyTuple_GET_ITEM(saved, count)) : 0;
 }
 
 // Takes every entry of `me` out of `queue` (the references move to `dropped`).
@@ -342,7 +542,7 @@ PyObject* wait(State* s, PyObject* self, long generation, PyObject* me, Waiter w
     if (waiter == kHub) {
       if (serve(s, self, generation) < 0) break;
     } else {
-      PyObject* index = PyObject_CallNoArgs(s->next_replica);
+      PyObject* index = claim(s);
       if (!index) break;
       int rc;
       if (index != Py_None) {
@@ -507,72 +707,159 @@ void clear_run(State* s) {
 }
 
 void clear_cooperative(State* s) {  // an interrupted run's greenlets, dropped
-  for (PyObject* g : s->parked) Py_DECREF(g);
+  // Moved out first: a dropped greenlet runs its replica on (GreenletExit), which may reach these queues.
+  std::vector<PyObject*> dropped(s->parked.begin(), s->parked.end());
+  dropped.insert(dropped.end(), s->ready.begin(), s->ready.end());
   s->parked.clear();
-  for (PyObject* g : s->ready) Py_DECREF(g);
   s->ready.clear();
-  if (s->replicas) PySet_Clear(s->replicas);
   s->unfinished = 0;
+  for (PyObject* g : dropped) Py_DECREF(g);
+  if (s->replicas) PySet_Clear(s->replicas);
 }
 
-PyObject* rv_reset(PyObject* self, PyObject* idle) {
+void clear_pool_run(State* s) {
+  Py_CLEAR(s->fn);
+  Py_CLEAR(s->outputs);
+  Py_CLEAR(s->errors);
+  Py_CLEAR(s->claims);
+  Py_CLEAR(s->mine);
+  Py_CLEAR(s->arrived_flags);
+  s->next = s->n;  // (nothing to claim outside a run)
+  s->arrivals = 0;
+  s->completed = false;
+  s->woken = true;
+}
+
+// reset(idle, fn=None, outputs=None, errors=None, claims=None, mine=None, arrived=None, woken=True): ready
+// for a run (see the method table).
+PyObject* rv_reset(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
-  clear_run(s);
-  Py_CLEAR(s->hub);
-  if (idle == Py_None) Py_RETURN_NONE;
-  if (!s->getcurrent || !PyList_Check(idle)) {
-    PyErr_SetString(PyExc_TypeError, "reset(idle): a list of idle greenlets needs cooperate() first; None: "
-                                     "replicas on threads only");
+  if (nargs < 1 || nargs > 8) {
+    PyErr_Format(PyExc_TypeError, "reset(idle, fn=None, outputs=None, errors=None, claims=None, mine=None, "
+                                  "arrived=None, woken=True) takes 1 to 8 arguments (%zd given)", nargs);
     return nullptr;
   }
+  auto arg = [&](Py_ssize_t k) -> PyObject* { return nargs > k && args[k] != Py_None ? args[k] : nullptr; };
+  PyObject *idle = args[0], *fn = arg(1), *outputs = arg(2), *errors = arg(3), *claims = arg(4), *arrived = arg(6);
+  PyObject* mine = nargs > 5 ? args[5] : Py_None;
+  auto per_replica = [&](PyObject* list) { return !list || (PyList_Check(list) && PyList_GET_SIZE(list) == s->n); };
+  if ((claims && !PyDict_Check(claims)) || !per_replica(arrived) || !per_replica(outputs) ||
+      (errors && !PyList_Check(errors)) || (fn && (!outputs || !errors))) {
+    PyErr_Format(PyExc_TypeError, "reset(): outputs and arrived must be lists of %d items, errors a list and claims "
+                 "a dict (or None each; a run's fn needs outputs and errors)", s->n);
+    return nullptr;
+  }
+  int woken = 1;
+  if (nargs > 7 && (woken = PyObject_IsTrue(args[7])) < 0) return nullptr;
+  if (idle != Py_None && (!s->getcurrent || !PyList_Check(idle))) {
+    PyErr_SetString(PyExc_TypeError, "reset(idle): a list of idle greenlets needs cooperate() with greenlet "
+                                     "first; None: replicas on threads only");
+    return nullptr;
+  }
+  // An interrupted run's greenlets first: whatever their replicas do as they are dropped (GreenletExit)
+  // lands on that run's state, cleared next, not on this run's.
+  if (s->unfinished || !s->parked.empty() || !s->ready.empty() || (s->replicas && PySet_GET_SIZE(s->replicas)))
+    clear_cooperative(s);
+  clear_run(s);
+  clear_pool_run(s);
+  Py_CLEAR(s->hub);
+  s->fn = Py_XNewRef(fn);
+  s->outputs = Py_XNewRef(outputs);
+  s->errors = Py_XNewRef(errors);
+  s->claims = Py_XNewRef(claims);
+  s->mine = Py_NewRef(mine);
+  s->arrived_flags = Py_XNewRef(arrived);
+  s->next = 1;  // (replica 0 is the caller's own)
+  s->woken = woken;
+  s->started = std::chrono::steady_clock::now();
+  if (idle == Py_None) Py_RETURN_NONE;
   s->hub = PyObject_CallNoArgs(s->getcurrent);
   if (!s->hub) return nullptr;
-  Py_INCREF(idle);
-  Py_XSETREF(s->idle, idle);
-  if (s->unfinished || !s->parked.empty() || !s->ready.empty() || PySet_GET_SIZE(s->replicas))
-    clear_cooperative(s);
+  Py_XSETREF(s->idle, Py_NewRef(idle));
   Py_RETURN_NONE;
 }
 
+// pool(complete, wake, handoff): how the replica pool hears of a run's end and is asked whether a step is
+// long (see the method table).
+PyObject* rv_pool(PyObject* self, PyObject* args) {
+  State* s = reinterpret_cast<Rendezvous*>(self)->s;
+  PyObject *complete, *wake;
+  double handoff;
+  if (!PyArg_ParseTuple(args, "OOd:pool", &complete, &wake, &handoff)) return nullptr;
+  Py_XSETREF(s->complete, Py_NewRef(complete));
+  Py_XSETREF(s->wake, Py_NewRef(wake));
+  s->handoff = handoff;
+  Py_RETURN_NONE;
+}
+
+PyObject* serve_replicas(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyMethodDef serve_def = {"serve_replicas", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(serve_replicas)),
+                         METH_FASTCALL, "A cooperative replica's greenlet: runs replicas, one per start."};
+
+// cooperate(state, gpu, greenlet): the thread state replicas take along when they share a thread, and the
+// greenlet module (None: no greenlets, save_state()/restore_state() only).
 PyObject* rv_cooperate(PyObject* self, PyObject* args) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
-  PyObject *next_replica, *run_replica, *state, *body, *greenlet;
-  if (!PyArg_ParseTuple(args, "OOOOO:cooperate", &next_replica, &run_replica, &state, &body, &greenlet))
-    return nullptr;
+  PyObject *state, *gpu, *greenlet;
+  if (!PyArg_ParseTuple(args, "O!OO:cooperate", &PyTuple_Type, &state, &gpu, &greenlet)) return nullptr;
   std::vector<PyObject*> locals;
-  if (PyTuple_Check(state)) {  // ((object, name, default), ...): read and set directly
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(state); ++i) {
-      PyObject* triple = PyTuple_GET_ITEM(state, i);
-      if (!PyTuple_Check(triple) || PyTuple_GET_SIZE(triple) != 3 || !PyUnicode_Check(PyTuple_GET_ITEM(triple, 1))) {
-        PyErr_SetString(PyExc_TypeError, "state: expected (object, name, default) triples or an object with "
-                                         "save() and restore(saved)");
-        return nullptr;
-      }
-      for (int k = 0; k < 3; ++k) locals.push_back(Py_NewRef(PyTuple_GET_ITEM(triple, k)));
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(state); ++i) {  // ((object, name, default), ...)
+    PyObject* triple = PyTuple_GET_ITEM(state, i);
+    if (!PyTuple_Check(triple) || PyTuple_GET_SIZE(triple) != 3 || !PyUnicode_Check(PyTuple_GET_ITEM(triple, 1))) {
+      PyErr_SetString(PyExc_TypeError, "state: expected (object, name, default) triples");
+      return nullptr;
     }
   }
-  PyObject* type = PyObject_GetAttrString(greenlet, "greenlet");
-  PyObject* getcurrent = PyObject_GetAttrString(greenlet, "getcurrent");
-  PyObject* switch_fn = type ? PyObject_GetAttrString(type, "switch") : nullptr;
-  PyObject* replicas = PySet_New(nullptr);
-  if (!type || !getcurrent || !switch_fn || !replicas) {
-    Py_XDECREF(type);
-    Py_XDECREF(getcurrent);
-    Py_XDECREF(switch_fn);
-    Py_XDECREF(replicas);
-    for (PyObject* o : locals) Py_DECREF(o);
-    return nullptr;
+  PyObject* gpu_parts[5] = {};
+  if (gpu != Py_None) {
+    if (!PyTuple_Check(gpu) || PyTuple_GET_SIZE(gpu) != 5 || !PyTuple_Check(PyTuple_GET_ITEM(gpu, 4))) {
+      PyErr_SetString(PyExc_TypeError, "gpu: expected (running, getDevice, setDevice, get_current_stream, ordinals) "
+                                       "or None");
+      return nullptr;
+    }
+    for (int k = 0; k < 5; ++k) gpu_parts[k] = PyTuple_GET_ITEM(gpu, k);
   }
-  Py_XSETREF(s->next_replica, Py_NewRef(next_replica));
-  Py_XSETREF(s->run_replica, Py_NewRef(run_replica));
-  Py_XSETREF(s->state, PyTuple_Check(state) ? nullptr : Py_NewRef(state));
+  PyObject *type = nullptr, *getcurrent = nullptr, *switch_fn = nullptr, *replicas = nullptr, *body = nullptr;
+  if (greenlet != Py_None) {
+    type = PyObject_GetAttrString(greenlet, "greenlet");
+    getcurrent = PyObject_GetAttrString(greenlet, "getcurrent");
+    switch_fn = type ? PyObject_GetAttrString(type, "switch") : nullptr;
+    replicas = PySet_New(nullptr);
+    body = PyCFunction_New(&serve_def, nullptr);
+    if (!type || !getcurrent || !switch_fn || !replicas || !body) {
+      for (PyObject* o : {type, getcurrent, switch_fn, replicas, body}) Py_XDECREF(o);
+      return nullptr;
+    }
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(state); ++i)
+    for (int k = 0; k < 3; ++k) locals.push_back(Py_NewRef(PyTuple_GET_ITEM(PyTuple_GET_ITEM(state, i), k)));
   for (PyObject* o : s->state_locals) Py_DECREF(o);
   s->state_locals = std::move(locals);
-  Py_XSETREF(s->body, Py_NewRef(body));
+  PyObject** gpu_fields[5] = {&s->running, &s->get_device, &s->set_device, &s->current_stream, &s->ordinals};
+  for (int k = 0; k < 5; ++k) Py_XSETREF(*gpu_fields[k], Py_XNewRef(gpu_parts[k]));
   Py_XSETREF(s->greenlet_type, type);
   Py_XSETREF(s->getcurrent, getcurrent);
   Py_XSETREF(s->switch_fn, switch_fn);
   Py_XSETREF(s->replicas, replicas);
+  Py_XSETREF(s->body, body);
+  s->has_state = true;
+  Py_RETURN_NONE;
+}
+
+bool has_state(const State* s) {
+  if (s->has_state) return true;
+  PyErr_SetString(PyExc_RuntimeError, "save_state()/restore_state(): cooperate() first (it says what the state is)");
+  return false;
+}
+
+PyObject* rv_save_state(PyObject* self, PyObject*) {
+  State* s = reinterpret_cast<Rendezvous*>(self)->s;
+  return has_state(s) ? save_state(s) : nullptr;
+}
+
+PyObject* rv_restore_state(PyObject* self, PyObject* saved) {
+  State* s = reinterpret_cast<Rendezvous*>(self)->s;
+  if (!has_state(s) || restore_state(s, saved) < 0) return nullptr;
   Py_RETURN_NONE;
 }
 
@@ -582,6 +869,31 @@ PyObject* rv_replica_finished(PyObject* self, PyObject*) {
   if (s->arrived && check_stranded(s) < 0) return nullptr;  // someone waits: is it stranded now?
   Py_RETURN_NONE;
 }
+
+// Parses (i, caller) of finished() and arrive().
+bool index_and_caller(PyObject* const* args, Py_ssize_t nargs, const char* name, long* i, bool* caller) {
+  if (nargs != 2) {
+    PyErr_Format(PyExc_TypeError, "%s(i, caller) takes 2 arguments (%zd given)", name, nargs);
+    return false;
+  }
+  *i = PyLong_AsLong(args[0]);
+  if (*i == -1 && PyErr_Occurred()) return false;
+  const int truth = PyObject_IsTrue(args[1]);
+  if (truth < 0) return false;
+  *caller = truth;
+  return true;
+}
+
+PyObject* rv_arrive(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  long i;
+  bool caller;
+  if (!index_and_caller(args, nargs, "arrive", &i, &caller) ||
+      arrive(reinterpret_cast<Rendezvous*>(self)->s, i, caller) < 0)
+    return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyObject* rv_claim(PyObject* self, PyObject*) { return claim(reinterpret_cast<Rendezvous*>(self)->s); }
 
 PyObject* rv_abort(PyObject* self, PyObject*) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
@@ -595,25 +907,85 @@ PyObject* rv_abort(PyObject* self, PyObject*) {
   Py_RETURN_NONE;
 }
 
-PyObject* rv_run_replica(PyObject* self, PyObject* index) {
-  PyObject* run_replica = reinterpret_cast<Rendezvous*>(self)->s->run_replica;
-  if (!run_replica) {
-    PyErr_SetString(PyExc_RuntimeError, "run_replica(): cooperate() first (it says how a replica runs)");
-    return nullptr;
+// Runs replica `i` on this thread (`caller`: the run's caller's, else a replica thread's) and keeps what it
+// returns or raises (the first error is the run's; the group breaks so no replica waits for this one);
+// replicas 1..n-1 then arrive. A failed run skips the replicas the caller has not started. -1 only if the
+// bookkeeping itself failed (out of memory).
+int execute(State* s, long i, bool caller) {
+  if (!s->fn || i < 0 || i >= s->n) {
+    PyErr_Format(PyExc_RuntimeError, "run_replica(%ld): no run under way (reset() with the run's function first)", i);
+    return -1;
   }
-  return PyObject_CallOneArg(run_replica, index);
+  int rc = 0;
+  if (!(i && caller && PyList_GET_SIZE(s->errors))) {
+    // (Held: a replica interrupted by Ctrl-C may outlive its run, see _ReplicaPool.run.)
+    PyObject* fn = Py_NewRef(s->fn);
+    PyObject* outputs = Py_NewRef(s->outputs);
+    PyObject* errors = Py_NewRef(s->errors);
+    PyObject* index = PyLong_FromLong(i);
+    PyObject* result = index ? PyObject_CallOneArg(fn, index) : nullptr;
+    if (result) {
+      rc = PyList_SetItem(outputs, i, result);  // (steals)
+    } else if (!PyErr_ExceptionMatches(s->aborted_type)) {
+      PyObject* error = take_error();
+      rc = error && PyList_Append(errors, error) == 0 ? 0 : -1;
+      Py_XDECREF(error);
+      if (rc == 0 && !s->broken) {  // (abort(): release the replicas waiting for this one in a collective)
+        PyObject* exc = PyObject_CallNoArgs(s->aborted_type);
+        if (exc) Py_XSETREF(s->broken, exc);
+        else rc = -1;
+      }
+      notify(s);
+    } else {
+      PyErr_Clear();
+    }
+    Py_XDECREF(index);
+    Py_DECREF(fn);
+    Py_DECREF(outputs);
+    Py_DECREF(errors);
+  }
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  if (++s->finished == s->n) {  // every replica returned: the run's function goes (it may hold the strategy)
+    Py_CLEAR(s->fn);
+    Py_CLEAR(s->outputs);
+    Py_CLEAR(s->errors);
+  }
+  int done = s->arrived ? check_stranded(s) : 0;  // someone waits: is it stranded now?
+  if (i && arrive(s, i, caller) < 0) done = -1;
+  if (type) {
+    if (PyErr_Occurred()) PyErr_Clear();
+    PyErr_Restore(type, value, traceback);
+  }
+  return rc < 0 || done < 0 ? -1 : 0;
 }
 
-// A greenlet replica returned: its greenlet goes back to the idle ones, and the thread on to a ready replica
-// (a round trip through the hub saved), else to the hub. Returns what the greenlet's next start passes.
-PyObject* rv_retire(PyObject* self, PyObject* g) {
-  State* s = reinterpret_cast<Rendezvous*>(self)->s;
-  if (!s->hub) {
-    PyErr_SetString(PyExc_RuntimeError, "retire(): no cooperative run is under way");
+PyObject* rv_run_replica(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 1 || nargs > 2) {
+    PyErr_Format(PyExc_TypeError, "run_replica(i, caller=True) takes 1 or 2 arguments (%zd given)", nargs);
     return nullptr;
   }
+  const long i = PyLong_AsLong(args[0]);
+  if (i == -1 && PyErr_Occurred()) return nullptr;
+  const int caller = nargs > 1 ? PyObject_IsTrue(args[1]) : 1;
+  if (caller < 0 || execute(reinterpret_cast<Rendezvous*>(self)->s, i, caller) < 0) return nullptr;
+  Py_RETURN_NONE;
+}
+
+// A greenlet replica returned: its greenlet (the current one) goes back to the idle ones, and the thread on
+// to a ready replica (a round trip through the hub saved), else to the hub. Returns what the greenlet's next
+// start passes.
+PyObject* retire(State* s) {
+  if (!s->hub) {
+    PyErr_SetString(PyExc_RuntimeError, "a greenlet replica returned outside a cooperative run");
+    return nullptr;
+  }
+  PyObject* g = PyObject_CallNoArgs(s->getcurrent);
+  if (!g) return nullptr;
   --s->unfinished;
-  if (PySet_Discard(s->replicas, g) < 0 || PyList_Append(s->idle, g) < 0) return nullptr;
+  const int rc = PySet_Discard(s->replicas, g) < 0 || PyList_Append(s->idle, g) < 0 ? -1 : 0;
+  Py_DECREF(g);
+  if (rc < 0) return nullptr;
   PyObject* target;
   if (!s->ready.empty()) {
     target = s->ready.front();
@@ -624,6 +996,33 @@ PyObject* rv_retire(PyObject* self, PyObject* g) {
   PyObject* r = switch_to(s, target);
   Py_DECREF(target);
   return r;
+}
+
+// A cooperative replica's greenlet (its run function): runs replicas, one per start (rendezvous, index),
+// for as long as its thread lives (execute() keeps whatever a replica returns or raises).
+PyObject* serve_replicas(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyObject_TypeCheck(args[0], rendezvous_type) || !PyLong_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "a replica greenlet starts with (rendezvous, index)");
+    return nullptr;
+  }
+  PyObject* group = Py_NewRef(args[0]);
+  PyObject* index = Py_NewRef(args[1]);
+  for (;;) {
+    State* s = reinterpret_cast<Rendezvous*>(group)->s;
+    const long i = PyLong_AsLong(index);
+    PyObject* next = i == -1 && PyErr_Occurred() ? nullptr : execute(s, i, true) < 0 ? nullptr : retire(s);
+    Py_DECREF(group);
+    Py_DECREF(index);
+    if (!next) return nullptr;
+    if (!PyTuple_Check(next) || PyTuple_GET_SIZE(next) != 2) {
+      Py_DECREF(next);
+      PyErr_SetString(PyExc_TypeError, "a replica greenlet resumes with (rendezvous, index)");
+      return nullptr;
+    }
+    group = Py_NewRef(PyTuple_GET_ITEM(next, 0));
+    index = Py_NewRef(PyTuple_GET_ITEM(next, 1));
+    Py_DECREF(next);
+  }
 }
 
 // Resumes ready replicas until every greenlet replica returned, sleeping while none is ready (they wait for
@@ -660,6 +1059,7 @@ int rv_init(PyObject* self, PyObject* args, PyObject* kwargs) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
   clear_run(s);
   s->n = n;
+  clear_pool_run(s);
   s->slots.assign(n, nullptr);
   s->kinds.assign(n, nullptr);
   Py_XSETREF(s->aborted_type, Py_NewRef(aborted));
@@ -682,9 +1082,11 @@ void each_reference(State* s, F&& visit) {
   for (PyObject* o : s->state_locals) visit(o);
   for (PyObject* o : s->parked) visit(o);
   for (PyObject* o : s->ready) visit(o);
-  for (PyObject* o : {s->results, s->broken, s->order, s->aborted_type, s->tracing, s->traced, s->next_replica,
-                      s->run_replica, s->state, s->body, s->greenlet_type, s->getcurrent, s->switch_fn, s->hub,
-                      s->idle, s->replicas})
+  for (PyObject* o : {s->results, s->broken, s->order, s->aborted_type, s->tracing, s->traced, s->fn, s->outputs,
+                      s->errors,
+                      s->complete, s->wake, s->claims, s->mine, s->arrived_flags, s->running, s->get_device,
+                      s->set_device, s->current_stream, s->ordinals, s->body, s->greenlet_type, s->getcurrent,
+                      s->switch_fn, s->hub, s->idle, s->replicas})
     visit(o);
 }
 
@@ -708,7 +1110,9 @@ int rv_clear(PyObject* self) {
   s->parked.clear();
   s->ready.clear();
   for (PyObject** o : {&s->results, &s->broken, &s->order, &s->aborted_type, &s->tracing, &s->traced,
-                       &s->next_replica, &s->run_replica, &s->state, &s->body, &s->greenlet_type, &s->getcurrent,
+                       &s->fn, &s->outputs, &s->errors, &s->complete, &s->wake, &s->claims, &s->mine, &s->arrived_flags, &s->running,
+                       &s->get_device, &s->set_device, &s->current_stream, &s->ordinals, &s->body,
+                       &s->greenlet_type, &s->getcurrent,
                        &s->switch_fn, &s->hub, &s->idle, &s->replicas})
     *o = nullptr;
   s->unfinished = 0;
@@ -726,6 +1130,15 @@ void rv_dealloc(PyObject* self) {
 }
 
 PyObject* rv_get_n(PyObject* self, void*) { return PyLong_FromLong(reinterpret_cast<Rendezvous*>(self)->s->n); }
+
+PyObject* rv_get_unclaimed(PyObject* self, void*) {
+  State* s = reinterpret_cast<Rendezvous*>(self)->s;
+  return PyBool_FromLong(s->next < s->n);
+}
+
+PyObject* rv_get_completed(PyObject* self, void*) {
+  return PyBool_FromLong(reinterpret_cast<Rendezvous*>(self)->s->completed);
+}
 
 PyObject* rv_get_unfinished(PyObject* self, void*) {
   return PyLong_FromLong(reinterpret_cast<Rendezvous*>(self)->s->unfinished);
@@ -748,21 +1161,42 @@ PyMethodDef rv_methods[] = {
      "last replica to arrive runs; raises what broke the group."},
     {"_exchange", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_exchange_untraced)), METH_FASTCALL,
      "exchange() without the timeline's check (the traced exchange runs it inside its span)."},
-    {"reset", rv_reset, METH_O,
-     "reset(idle): ready for a run; idle: the calling thread's idle greenlets (the caller runs replicas as "
-     "greenlets), or None (replicas on threads only)."},
+    {"reset", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_reset)), METH_FASTCALL,
+     "reset(idle, fn=None, outputs=None, errors=None, claims=None, mine=None, arrived=None, woken=True): ready "
+     "for a run. idle: the calling thread's idle greenlets (the caller runs replicas as greenlets), or None "
+     "(replicas on threads only); fn: the run's replica function (run_replica(i) sets outputs[i] = fn(i), or "
+     "appends to errors what it raised); claims: the "
+     "run's {index: token} that claim() and the replica threads fill (None: claim() claims every replica); "
+     "mine: the caller's token; arrived: the run's list of n flags that arrive() sets; woken: the threads "
+     "already take replicas (claim() does not ask wake())."},
+    {"pool", rv_pool, METH_VARARGS,
+     "pool(complete, wake, handoff): complete() when the last of replicas 1..n-1 arrived on a thread of its own (on the caller's: "
+     "`completed`); wake() -> whether the step is long, asked "
+     "by claims once it has run handoff seconds."},
     {"cooperate", rv_cooperate, METH_VARARGS,
-     "cooperate(next_replica, run_replica, state, body, greenlet): how the caller runs replicas as greenlets."},
+     "cooperate(state, gpu, greenlet): the thread state that replicas sharing a thread take along ((object, "
+     "name, default) triples, and gpu: (running, getDevice, setDevice, get_current_stream, ordinals) or None), "
+     "and the greenlet module the caller runs replicas with (None: none)."},
+    {"save_state", rv_save_state, METH_NOARGS, "The thread's state, as cooperate() says."},
+    {"restore_state", rv_restore_state, METH_O, "restore_state(saved): puts back what save_state() returned."},
+    {"claim", rv_claim, METH_NOARGS,
+     "The index of the next replica the caller runs itself, or None once every replica is claimed."},
     {"replica_finished", rv_replica_finished, METH_NOARGS, "A replica's function returned."},
+    {"arrive", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_arrive)), METH_FASTCALL,
+     "arrive(i, caller): replica i (1..n-1) is done with the run (caller: on the run's caller's thread)."},
     {"abort", rv_abort, METH_NOARGS, "Breaks the group (a replica failed): every waiting replica raises _Aborted."},
-    {"run_replica", rv_run_replica, METH_O, "Runs replica `index` (on a greenlet)."},
-    {"retire", rv_retire, METH_O, "retire(greenlet): its replica returned; hands the thread on."},
+    {"run_replica", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_run_replica)), METH_FASTCALL,
+     "run_replica(i, caller=True): runs replica i of the run on this thread (caller: the run's caller's) and "
+     "keeps its result or error (reset() says where); replicas 1..n-1 then arrive."},
     {"drain", rv_drain, METH_NOARGS, "Resumes ready replicas until every greenlet replica returned."},
     {"finish_aborted", rv_finish_aborted, METH_NOARGS, "After an abort: lets every greenlet replica return."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyGetSetDef rv_getset[] = {
     {"n", rv_get_n, nullptr, "Replicas that meet.", nullptr},
+    {"unclaimed", rv_get_unclaimed, nullptr, "Whether claim() may still find a replica this run.", nullptr},
+    {"completed", rv_get_completed, nullptr,
+     "Whether the last of replicas 1..n-1 arrived on the caller's thread this run (arrive(i, True)).", nullptr},
     {"unfinished", rv_get_unfinished, nullptr, "Greenlet replicas started and not returned.", nullptr},
     {"order", rv_get_order, rv_set_order, "GPU replicas' MergeOrder, or None.", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr}};
@@ -786,12 +1220,15 @@ PyType_Spec rv_spec = {"mirrored._core.Rendezvous", sizeof(Rendezvous), 0,
 
 int add_rendezvous(PyObject* module) {
   for (auto [target, text] : {std::pair{&str_arrive, "arrive"}, {&str_combine, "combine"},
-                              {&str_save, "save"}, {&str_restore, "restore"}, {&str_parent, "parent"}}) {
+                              {&str_parent, "parent"}, {&str_scope, "scope"}, {&str_entry, "_entry"},
+                              {&str_ordinal, "_ordinal"}, {&str_enter, "__enter__"}, {&str_exit, "__exit__"},
+                              {&str_use, "use"}}) {
     *target = PyUnicode_InternFromString(text);
     if (!*target) return -1;
   }
   PyObject* type = PyType_FromSpec(&rv_spec);
   if (!type) return -1;
+  rendezvous_type = reinterpret_cast<PyTypeObject*>(type);  // (the module keeps it)
   if (PyModule_AddObject(module, "Rendezvous", type) < 0) {
     Py_DECREF(type);
     return -1;

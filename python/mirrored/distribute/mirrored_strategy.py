@@ -8,7 +8,6 @@ whose built-ins make one native call for all replicas with the GIL released.
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import time
@@ -65,36 +64,29 @@ def _is_long(started: float, started_cpu: float | None, launch_only: bool = Fals
 class _ThreadState:
     """What a replica keeps on its thread: the context stack, the current device and md.name_scope.
 
-    Replicas that share a thread (greenlets, see _Group) take it along:
-    ``save`` when one hands the thread on, ``restore`` when it is resumed.
+    Replicas that share a thread (greenlets, see _Group) take it along: the rendezvous reads and sets it
+    natively (``save_state`` when one hands the thread on, ``restore_state`` when it is resumed), as
+    ``native()`` describes it.
     """
 
     # The thread-locals of context.py, device_util.current() and current_scope(): (object, name, default).
     LOCALS = ((_local, "stack", None), (_device_local, "device", None), (_scope_local, "scope", ""))
 
-    def native(self):
-        """What _Group.cooperate takes: the LOCALS triples, which it reads and sets itself (every greenlet
-        switch of a collective saves and restores them), or this object, whose save and restore it calls."""
-        return self.LOCALS if type(self) is _ThreadState else self
-
-    # (The thread-locals read and set directly, as LOCALS says.)
-    def save(self) -> tuple:
-        return getattr(_local, "stack", None), getattr(_device_local, "device", None), getattr(_scope_local, "scope", "")
-
-    def restore(self, state: tuple) -> None:
-        _local.stack, _device_local.device, _scope_local.scope = state
+    def native(self) -> tuple:
+        """What _Group.cooperate takes: the LOCALS triples, and the CUDA part (None: none)."""
+        return self.LOCALS, None
 
 
 class _GpuThreadState(_ThreadState):
-    """... and, for GPU replicas, CuPy's per-thread CUDA state (``cuda``): the current CUDA device (the
-    runtime's, per host thread), the current stream of each of the strategy's GPUs, and the running
-    replica's entry on the thread's ``with stream`` stack (CuPy's, per thread: cupy/cuda/stream.pyx).
+    """... and, for GPU replicas, CuPy's per-thread CUDA state: the current CUDA device (the runtime's, per
+    host thread), the current stream of each of the strategy's GPUs, and the running replica's entry on the
+    thread's ``with stream`` stack (CuPy's, per thread: cupy/cuda/stream.pyx).
 
     Only the running replica's stream is on that stack: a replica handing the thread on takes its
-    entry off (reading ``cuda``) and puts it back when resumed (setting it), so the ``with`` blocks
-    that library code opens and closes inside a replica unwind to that replica's stream, never to
-    another's. _Group.cooperate reads and sets the thread-locals itself and ``cuda`` as a fourth
-    one: a park and a resume cost one Python call each.
+    entry off and puts it back when resumed, so the ``with`` blocks that library code opens and closes
+    inside a replica unwind to that replica's stream, never to another's. The rendezvous does that
+    natively (csrc/bindings/rendezvous_binding.cc save_gpu/restore_gpu), with the CuPy calls below: a
+    park and a resume cost no Python call of mirrored's own.
     """
 
     def __init__(self, ordinals):
@@ -102,67 +94,19 @@ class _GpuThreadState(_ThreadState):
         cuda = _gpu.cupy_module().cuda
         self._runtime, self._current_stream = cuda.runtime, cuda.get_current_stream
 
-    def native(self):
-        return self.LOCALS + ((self, "cuda", None),)
-
-    def save(self) -> tuple:
-        return getattr(_local, "stack", None), getattr(_device_local, "device", None), \
-            getattr(_scope_local, "scope", ""), self.cuda
-
-    def restore(self, state: tuple) -> None:
-        _local.stack, _device_local.device, _scope_local.scope, self.cuda = state
-
-    @property
-    def cuda(self) -> tuple:
-        try:
-            scope = _running.scope
-        except AttributeError:  # (no GPU replica has run on this thread yet)
-            scope = None
-        state = self._runtime.getDevice(), tuple(map(self._current_stream, self._ordinals)), scope
-        if scope is not None:  # its stream off the thread's `with` stack (see _GpuReplicaScope)
-            scope._entry[0].__exit__(None, None, None)
-        return state
-
-    @cuda.setter
-    def cuda(self, state: tuple) -> None:
-        device, streams, scope = state
-        runtime, current = self._runtime, self._current_stream
-        _running.scope = scope
-        entered = None  # (the stream just made current on GPU `on`: its current stream needs no lookup)
-        if scope is not None:  # its GPU current again and its stream back on top of the `with` stack
-            on = scope._ordinal
-            if runtime.getDevice() != on:
-                runtime.setDevice(on)
-            entered = scope._entry[0]
-            entered.__enter__()
-        else:
-            on = runtime.getDevice()
-        entered_on = on
-        # Only what differs is set: replicas mostly share a GPU and keep their stream.
-        for ordinal, stream in zip(self._ordinals, streams):
-            if (entered if entered is not None and ordinal == entered_on else current(ordinal)) is not stream:
-                if on != ordinal:  # (Stream.use sets the stream of the current device)
-                    runtime.setDevice(ordinal)
-                    on = ordinal
-                stream.use()
-        if on != device:
-            runtime.setDevice(device)
+    def native(self) -> tuple:
+        # _running.scope: the running replica's _GpuReplicaScope, whose ``_entry[0]`` (its stream) leaves
+        # the `with` stack at a park and comes back at a resume, and whose ``_ordinal`` is made current.
+        return self.LOCALS, (_running, self._runtime.getDevice, self._runtime.setDevice, self._current_stream,
+                             self._ordinals)
 
 
 _running = threading.local()  # .scope: the _GpuReplicaScope of the replica running on this thread, if any
 
 
-# .idle: this thread's greenlets waiting for a replica to run (a greenlet only runs on its own thread)
+# .idle: this thread's greenlets waiting for a replica to run (a greenlet only runs on its own thread;
+# each runs the rendezvous' native body, which runs replicas one per start for as long as its thread lives)
 _threads_greenlets = threading.local()
-
-
-def _serve(group, i):
-    """A cooperative replica's greenlet: runs replicas, one per start (by its group, a _Group), for as long
-    as its thread lives."""
-    me = _greenlet.getcurrent()
-    while True:
-        group.run_replica(i)  # (_ReplicaPool._execute reports whatever the replica raises)
-        group, i = group.retire(me)
 
 
 def _signal(lock):
@@ -181,8 +125,9 @@ class _ReplicaPool:
     next before it works, and the caller, once replica 0 returned, runs
     itself every replica that no thread has claimed yet, so a short step
     costs no thread switch at all. Each replica is claimed exactly once per
-    run, with an atomic ``dict.setdefault``; the last one to finish (an
-    atomic ``itertools.count``) wakes the caller if it is not the caller.
+    run, with an atomic ``dict.setdefault`` (the caller's claims and the
+    count of arrivals are the rendezvous', native); the last one to finish
+    wakes the caller if it is not the caller.
 
     The pool holds no reference to its strategy: ``close`` ends the threads
     when the strategy goes. Runs are serialised (a second thread's ``run``
@@ -212,8 +157,10 @@ class _ReplicaPool:
         # The caller runs the replicas it claims on its own thread, as greenlets when one must wait in a
         # collective (see _Group), when greenlet is installed: then _coop is the group.
         self._coop = self.group if cooperative and n > 1 and _greenlet else None
-        if self._coop is not None:
-            self.group.cooperate(self._claim_next, self._execute, self._state.native(), _serve, _greenlet)
+        # The rendezvous claims replicas for the caller, counts the arrivals, and saves and restores the
+        # thread state natively: no Python call per replica for any of that.
+        self.group.pool(self._complete, self._wake, HANDOFF_SECONDS)
+        self.group.cooperate(*self._state.native(), _greenlet if self._coop is not None else None)
         self._go = [threading.Lock() for _ in range(n)]
         for lock in self._go:
             lock.acquire()
@@ -224,14 +171,13 @@ class _ReplicaPool:
         self._threads = None
         self._worker_ids = frozenset()
         self._closed = False
-        self._fn = None
         self._caller = None
         self._generation = 0  # of the latest run started
         self._completed = 0   # of the latest run whose replicas all returned
         self._inflight = False  # replicas of the latest run may still be running
         self._claims = {}  # replica index -> the token of whoever runs it, this run
         self._mine = None  # the caller's token
-        self._arrived = self._arrivals = None
+        self._arrived = None  # this run's [whether replica i arrived], set by the rendezvous (arrive)
         self._results = self._errors = None
 
     def _start(self):
@@ -255,23 +201,7 @@ class _ReplicaPool:
             token = object()
             if self._claims.setdefault(i, token) is not token:
                 continue  # the caller runs it, or a late wake-up of a finished run
-            self._execute(i, False)
-
-    def _execute(self, i: int, caller: bool = True):
-        """Runs replica ``i`` on this thread (``caller``: the run's caller's, else a replica thread's) and
-        reports what it raises; replicas 1..n-1 then arrive (``_arrive``)."""
-        try:
-            if not (i and caller and self._errors):  # (a failed run skips the replicas the caller has not started)
-                self._results[i] = self._fn(i)
-        except _Aborted:
-            pass
-        except BaseException as e:
-            self._errors.append(e)
-            self.group.abort()  # release the replicas waiting for this one in a collective
-        finally:
-            self.group.replica_finished()
-            if i:
-                self._arrive(i, caller)
+            self.group.run_replica(i, False)
 
     def _wake_threads(self):
         """The replica threads take the replicas not started yet, in parallel (BLAS capped for that: OpenBLAS
@@ -279,44 +209,41 @@ class _ReplicaPool:
         self._blas.cap()
         _signal(self._go[1])
 
-    def _claim_next(self):
-        """The index of the next replica the caller runs itself (cooperative runs), or None once
-        the threads have claimed or the caller has run every replica. Once the step has taken longer
-        than HANDOFF_SECONDS (_is_long) the threads are woken to take the replicas not started yet, in parallel."""
-        while self._next < self.n:
-            i = self._next
-            self._next += 1
-            if not self._woken and time.perf_counter() - self._started > HANDOFF_SECONDS and \
-                    _is_long(self._started, self._started_cpu, self._launch_only):
-                self._woken = True
-                self._wake_threads()
-            if self._claims.setdefault(i, self._mine) is self._mine:
-                return i
-        return None
+    def _wake(self) -> bool:
+        """The rendezvous asks (at a claim, once the step has taken longer than HANDOFF_SECONDS) whether the
+        step is long (_is_long): then the threads are woken to take the replicas not started yet, in parallel."""
+        if _is_long(self._started, self._started_cpu, self._launch_only):
+            self._wake_threads()
+            return True
+        return False
 
-    def _arrive(self, i: int, caller: bool):
-        self._arrived[i] = True
-        if next(self._arrivals) == self.n - 2:  # the last of replicas 1..n-1
-            with self._state_lock:
-                self._completed = self._generation
-                if not caller:
-                    self._done.release()
+    def _complete(self):
+        """The last of replicas 1..n-1 arrived, on a replica thread (told by the rendezvous; one that arrives
+        on the caller's thread is the rendezvous' ``completed``, which the caller reads when it ends the run)."""
+        with self._state_lock:
+            self._completed = self._generation
+            self._done.release()
 
     def _settle(self):
-        """After an interruption: replicas the caller claimed but never ran count as finished."""
-        for i, owner in list(self._claims.items()):
-            if owner is self._mine and not self._arrived[i]:
+        """After an interruption: replicas the caller claimed but never ran, and those nobody claimed (the
+        caller claims them now), count as finished."""
+        claims, mine = self._claims, self._mine
+        for i in range(1, self.n):
+            if claims.setdefault(i, mine) is mine and not self._arrived[i]:
                 self.group.abort()
-                self._arrive(i, True)
+                self.group.arrive(i, True)
 
     def _wait_for_replicas(self):
         """Blocks until every replica of the latest run returned (interruptible; may be called again)."""
         generation = self._generation
-        if self._completed != generation:  # (else every replica has arrived: none to settle)
+        group = self.group
+        if self._completed != generation and not group.completed:  # (else every replica has arrived)
             self._settle()
         while True:
             with self._state_lock:
-                if self._completed == generation:
+                # (The last arrival on this thread is the rendezvous' `completed`; on a replica thread,
+                # _complete's `_completed`.)
+                if self._completed == generation or group.completed:
                     self._done.acquire(False)  # consume that run's wake-up if still there
                     break
             self._done.acquire()
@@ -333,25 +260,30 @@ class _ReplicaPool:
                 self._wait_for_replicas()
             if self._threads is None and self.n > 1:
                 self._start()
-            coop = self._coop
+            group, coop = self.group, self._coop
+            idle = None
             if coop is not None:
                 try:
                     idle = _threads_greenlets.idle
                 except AttributeError:  # this thread's first cooperative run
                     idle = _threads_greenlets.idle = []
-                self.group.reset(idle)
-            else:
-                self.group.reset(None)
-            self._fn, self._results, self._errors = replica_fn, [None] * self.n, []
-            self._arrived, self._arrivals = [False] * self.n, itertools.count()
+            # Short steps run on this thread alone; once steps are long, the threads take replicas from
+            # the start, in parallel (and the claims need not ask whether to wake them).
+            woken = coop is None or self._long_steps
+            self._results, self._errors = [None] * self.n, []
             self._generation += 1
-            mine = self._mine = object()
-            claims = self._claims = {}  # last: a thread that sees it sees the rest of this run
+            mine, claims, arrived = object(), {}, [False] * self.n
+            # The rendezvous runs each replica (run_replica: the result, or the error, kept in these lists)
+            # and claims replicas for the caller, woken threads claiming theirs in `claims`.
+            group.reset(idle, replica_fn, self._results, self._errors, claims, mine, arrived, woken)
+            self._mine, self._arrived = mine, arrived
+            self._claims = claims  # last: a thread that sees it sees the rest of this run
             # From here on every path leaves the pool consistent, whatever a
             # KeyboardInterrupt interrupts: plain stores do not check for
             # signals; a call may raise one only after it returned (see _settle).
             self._caller = me
             started, started_cpu = time.perf_counter(), time.thread_time() if self._read_cpu else None
+            self._started, self._started_cpu = started, started_cpu  # (for _wake)
             # The caller's context takes the replicas' allocator after a long run only: a short step
             # allocates little, and the two calls would add a tenth to a trivial run.
             arrays, callers_arrays = self._arrays if self._read_cpu else None, None
@@ -361,34 +293,22 @@ class _ReplicaPool:
                 if self.n > 1:
                     # (Always: a thread woken late for an earlier run may claim a replica of this one.)
                     self._inflight = True
-                    # Short steps run on this thread alone; once steps are long, the threads
-                    # take replicas from the start, in parallel.
-                    woken = coop is None or self._long_steps
                     if woken:
                         self._wake_threads()
-                if coop is None:
-                    state = self._state.save()
-                    try:
-                        self._execute(0)
-                        for i in range(1, self.n):  # not claimed by its thread yet: run it here, no hand-off
-                            if claims.setdefault(i, mine) is mine:
-                                self._execute(i)
-                    finally:
-                        self._state.restore(state)
-                else:
-                    self._next, self._started, self._started_cpu, self._woken = 1, started, started_cpu, woken
-                    state = self._state.save()
-                    try:
-                        self._execute(0)
-                        while self._next < self.n:  # (not asked once every replica has started: mostly so by now)
-                            i = self._claim_next()
-                            if i is None:
-                                break
-                            self._execute(i)
-                        if coop.unfinished:  # (greenlet replicas waiting for replicas on other threads)
-                            coop.drain()
-                    finally:
-                        self._state.restore(state)
+                state = group.save_state()
+                try:
+                    group.run_replica(0)
+                    # The replicas not claimed by a thread (nor started as greenlets) yet: run here, no
+                    # hand-off. (`unclaimed` is an attribute, not a call: mostly false by now.)
+                    while group.unclaimed:
+                        i = group.claim()
+                        if i is None:
+                            break
+                        group.run_replica(i)
+                    if coop is not None and coop.unfinished:  # (greenlets waiting for replicas on other threads)
+                        coop.drain()
+                finally:
+                    group.restore_state(state)
             except BaseException:  # interrupted outside a replica's function: free the others
                 self.group.abort()
                 if coop is not None:
@@ -397,7 +317,10 @@ class _ReplicaPool:
             finally:
                 self._caller = None
                 if self._inflight:
-                    self._wait_for_replicas()
+                    if group.completed:  # (the last of replicas 1..n-1 arrived on this thread: mostly so)
+                        self._completed, self._inflight = self._generation, False
+                    else:
+                        self._wait_for_replicas()
                 if self._blas.capped is not None:  # (threads were woken: mostly not)
                     self._blas.restore()
                 if callers_arrays is not None:
@@ -406,7 +329,7 @@ class _ReplicaPool:
             self._read_cpu = time.perf_counter() - started > HANDOFF_SECONDS
             self._long_steps = self._read_cpu and _is_long(started, started_cpu, self._launch_only)
             results, errors = self._results, self._errors
-            self._fn = self._results = self._errors = None
+            self._results = self._errors = None
             if errors:
                 raise errors[0]
             return results
