@@ -241,12 +241,20 @@ def _copy_from_other_gpu(cupy, x, ordinal: int):
     """``x`` (a CuPy array on another GPU) copied onto GPU ``ordinal``, ordered both ways with the
     current stream of x's GPU: the copy waits for the work there that writes x, and that stream
     waits for the copy, so x's memory (freed into that stream's pool once x goes) is not handed out
-    again before the copy has read it. CuPy orders neither: its copy runs on the destination's stream."""
-    written = written_event(cupy, x)
+    again before the copy has read it. CuPy orders neither: its copy runs on the destination's stream.
+
+    The copy is a memcpy (CUDA routes it peer to peer, or through the host where the GPUs have no
+    peer access), not a kernel on the destination reading x's memory: that would need peer access,
+    and CuPy warns when it switches it on. A strided x is made contiguous on its own GPU first."""
+    with cupy.cuda.Device(x.data.device_id):
+        source = cupy.ascontiguousarray(x)  # (x itself when contiguous)
+    written = written_event(cupy, source)
     with cupy.cuda.Device(ordinal):
         stream = cupy.cuda.get_current_stream()
         stream.wait_event(written)
-        y = cupy.array(x, copy=True)
+        y = cupy.empty(x.shape, x.dtype)
+        if y.nbytes:
+            y.data.copy_from_device_async(source.data, y.nbytes, stream)
         read = stream.record()
     with cupy.cuda.Device(x.data.device_id):
         cupy.cuda.get_current_stream().wait_event(read)
