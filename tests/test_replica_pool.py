@@ -49,6 +49,28 @@ def test_dropped_strategies_end_their_threads_without_gc():
         gc.enable()
 
 
+def test_dropped_strategies_whose_steps_ran_on_the_replica_threads_end_them():
+    """Long steps run on the replica threads; a thread that ran one must not keep its strategy alive."""
+    def use_and_drop():
+        s = md.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+        def long_step():  # (waits: handed to the replica threads from the second step on)
+            time.sleep(0.15)
+            return threading.current_thread().name
+
+        names = []
+        for _ in range(3):
+            names += s.experimental_local_results(s.run(long_step))
+        assert any(name.startswith("mirrored-replica-") for name in names), names
+        return weakref.ref(s)
+
+    before = replica_threads()
+    refs = [use_and_drop() for _ in range(3)]
+    gc.collect()
+    assert all(r() is None for r in refs), "a replica thread keeps its dropped strategy alive"
+    assert wait_until(lambda: replica_threads() <= before), f"{replica_threads() - before} replica threads left"
+
+
 def test_concurrent_runs_from_two_threads_are_serialised():
     s = md.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
     errors, counts = [], [0, 0]

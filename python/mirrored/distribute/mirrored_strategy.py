@@ -202,6 +202,9 @@ class _ReplicaPool:
             if self._claims.setdefault(i, token) is not token:
                 continue  # the caller runs it, or a late wake-up of a finished run
             self.group.run_replica(i, False)
+            # Its replica's context stack goes with it: it holds the strategy, which a sleeping thread
+            # would keep alive, and with it this thread, after the program dropped it.
+            _local.stack = None
 
     def _wake_threads(self):
         """The replica threads take the replicas not started yet, in parallel (BLAS capped for that: OpenBLAS
