@@ -37,6 +37,7 @@ def _cuda_state():
     return device, cupy.cuda.get_current_stream(device).ptr
 
 
+@pytest.mark.skipif(mirrored_strategy._greenlet is None, reason="replicas share the thread only with greenlet")
 def test_replicas_run_on_the_callers_thread_each_on_its_own_stream(logical):
     s = logical
     n = s.num_replicas_in_sync
