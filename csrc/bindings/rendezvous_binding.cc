@@ -154,6 +154,19 @@ void break_group(State* s, PyObject* exc) {  // steals exc
   notify(s);
 }
 
+// Breaks the group with an _Aborted, unless it is broken already, and wakes every waiter: the replicas
+// waiting in a collective for one that failed (or for a run that was interrupted) are released. -1 only if
+// the exception could not be made (the waiters are woken all the same).
+int abort_group(State* s) {
+  PyObject* exc = s->broken ? nullptr : PyObject_CallNoArgs(s->aborted_type);
+  if (!exc) {
+    notify(s);
+    return s->broken ? 0 : -1;
+  }
+  break_group(s, exc);
+  return 0;
+}
+
 // A replica returned while others wait in a collective it never called: they are stranded.
 int check_stranded(State* s) {
   if (!s->arrived || s->arrived + s->finished != s->n || s->broken) return 0;
@@ -863,14 +876,7 @@ PyObject* rv_restore_state(PyObject* self, PyObject* saved) {
   Py_RETURN_NONE;
 }
 
-PyObject* rv_replica_finished(PyObject* self, PyObject*) {
-  State* s = reinterpret_cast<Rendezvous*>(self)->s;
-  ++s->finished;
-  if (s->arrived && check_stranded(s) < 0) return nullptr;  // someone waits: is it stranded now?
-  Py_RETURN_NONE;
-}
-
-// Parses (i, caller) of finished() and arrive().
+// Parses (i, caller) of arrive().
 bool index_and_caller(PyObject* const* args, Py_ssize_t nargs, const char* name, long* i, bool* caller) {
   if (nargs != 2) {
     PyErr_Format(PyExc_TypeError, "%s(i, caller) takes 2 arguments (%zd given)", name, nargs);
@@ -897,13 +903,7 @@ PyObject* rv_claim(PyObject* self, PyObject*) { return claim(reinterpret_cast<Re
 
 PyObject* rv_abort(PyObject* self, PyObject*) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
-  if (!initialised(s)) return nullptr;
-  if (!s->broken) {
-    PyObject* exc = PyObject_CallNoArgs(s->aborted_type);
-    if (!exc) return nullptr;
-    Py_XSETREF(s->broken, exc);
-  }
-  notify(s);
+  if (!initialised(s) || abort_group(s) < 0) return nullptr;
   Py_RETURN_NONE;
 }
 
@@ -930,12 +930,8 @@ int execute(State* s, long i, bool caller) {
       PyObject* error = take_error();
       rc = error && PyList_Append(errors, error) == 0 ? 0 : -1;
       Py_XDECREF(error);
-      if (rc == 0 && !s->broken) {  // (abort(): release the replicas waiting for this one in a collective)
-        PyObject* exc = PyObject_CallNoArgs(s->aborted_type);
-        if (exc) Py_XSETREF(s->broken, exc);
-        else rc = -1;
-      }
-      notify(s);
+      if (rc == 0) rc = abort_group(s);  // (release the replicas waiting for this one in a collective)
+      else notify(s);
     } else {
       PyErr_Clear();
     }
@@ -1181,7 +1177,6 @@ PyMethodDef rv_methods[] = {
     {"restore_state", rv_restore_state, METH_O, "restore_state(saved): puts back what save_state() returned."},
     {"claim", rv_claim, METH_NOARGS,
      "The index of the next replica the caller runs itself, or None once every replica is claimed."},
-    {"replica_finished", rv_replica_finished, METH_NOARGS, "A replica's function returned."},
     {"arrive", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_arrive)), METH_FASTCALL,
      "arrive(i, caller): replica i (1..n-1) is done with the run (caller: on the run's caller's thread)."},
     {"abort", rv_abort, METH_NOARGS, "Breaks the group (a replica failed): every waiting replica raises _Aborted."},
