@@ -717,8 +717,7 @@ class _Plan:
 
     def host_grads(self, grads: list) -> list:
         """``grads`` as the host kernel reads them: C-contiguous NumPy arrays of their variables' dtypes."""
-        return [g if type(g) is np.ndarray and g.dtype is dtype and g.flags.c_contiguous else _host_grad(g, dtype)
-                for g, dtype in zip(grads, self.dtypes)]
+        return list(map(_host_grad, grads, self.dtypes))
 
     def pack(self, device: int, grads: list) -> list:
         """``grads`` copied into device ``device``'s fusion buffers, one per dtype (converted to it)."""
