@@ -1,8 +1,10 @@
 #include "host/fused_update.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "core/optimizer_rules.h"
+#include "host/reduce_kernels.h"
 
 namespace mirrored::host {
 
@@ -42,29 +44,22 @@ void update_entry(F rule, const FusedEntry<T>& e, const FusedScalars<T>& s) {
 constexpr std::size_t kSumBytes = 8 * 1024;
 
 template <typename T>
-void add_arrays(std::size_t count, T* __restrict out, const T* __restrict a, const T* __restrict b) {
-  for (std::size_t i = 0; i < count; ++i) out[i] = a[i] + b[i];
-}
-
-template <typename T>
-void add_to(std::size_t count, T* __restrict acc, const T* __restrict x) {
-  for (std::size_t i = 0; i < count; ++i) acc[i] += x[i];
-}
-
-template <typename T>
 T* at(T* p, std::size_t offset) {
   return p ? p + offset : nullptr;  // (a slot the rule does not have stays null)
 }
 
-// The entry's update with gradient g0 + g1 + ... (replica 0's is e.grad, replica r's others[r - 1]).
+// The entry's update with gradient g0 + g1 + ... (replica 0's is e.grad, replica r's others[r - 1]), summed
+// by the host all-reduce's own kernels (this CPU's table), pair by pair in replica order as its direct fold.
 template <typename T, bool Decay, typename F>
 void update_entry_summed(F rule, const FusedEntry<T>& e, const T* const* others, int more, const FusedScalars<T>& s) {
   constexpr std::size_t block = kSumBytes / sizeof(T);
+  constexpr DType dtype = std::is_same_v<T, float> ? DType::kFloat32 : DType::kFloat64;
+  const ReduceKernels& kernels = reduce_kernels();
   alignas(64) T sum[block];
   for (std::size_t b = 0; b < e.count; b += block) {
     const std::size_t m = std::min(block, e.count - b);
-    add_arrays(m, sum, e.grad + b, others[0] + b);
-    for (int r = 1; r < more; ++r) add_to(m, sum, others[r] + b);
+    combine(kernels, dtype, ReduceOp::kSum, sum, e.grad + b, others[0] + b, m);
+    for (int r = 1; r < more; ++r) combine(kernels, dtype, ReduceOp::kSum, sum, sum, others[r] + b, m);
     update_arrays<T, Decay>(rule, m, e.weight + b, sum, at(e.slots[0], b), at(e.slots[1], b), at(e.slots[2], b),
                             s);
   }
