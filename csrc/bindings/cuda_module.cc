@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -378,15 +377,18 @@ void def_step_window(py::module_& m) {
              return out;
            },
            "The copies that have arrived, oldest first, as (tag, step, outside); never waits.")
-      .def("wait_oldest", [](cuda::StepReadback& r) -> py::object {
-             std::optional<cuda::StepReadback::Reading> reading;
+      .def("wait", [](cuda::StepReadback& r, int n) {
+             std::vector<cuda::StepReadback::Reading> readings;
              {
                py::gil_scoped_release nogil;
-               reading = on_device(r.device(), [&] { return r.wait_oldest(); });
+               readings = on_device(r.device(), [&] { return r.wait(n); });
              }
-             return reading ? py::object(reading_of(*reading)) : py::object(py::none());
+             py::list out;
+             for (const auto& reading : readings) out.append(reading_of(reading));
+             return out;
            },
-           "Waits for the oldest copy in flight: (tag, step, outside), or None when none is in flight.");
+           py::arg("n"),
+           "Waits for the n-th oldest copy in flight (clamped to those in flight), then returns arrived().");
 }
 
 // The fused optimizer update (cuda/fused_update.h): one table per device and
@@ -504,7 +506,7 @@ void def_fused_update(py::module_& m) {
       .def("__len__", &cuda::GradientPack::size)
       .def("copy", [](cuda::GradientPack& p, const Ptrs& src, std::uintptr_t stream) {
              const auto sources = as_ptrs<const void>(src);
-             py::gil_scoped_release nogil;  // may wait for the last upload to have read the host table
+             py::gil_scoped_release nogil;  // may wait for an earlier upload to have read a host table
              on_device(p.device(), [&] { p.copy(sources, reinterpret_cast<cudaStream_t>(stream)); });
            },
            py::arg("src"), py::arg("stream"),

@@ -101,7 +101,7 @@ void FusedUpdateTable::check_finite(const void* grads, int* nonfinite, cudaStrea
 
 void FusedUpdateTable::point_and_upload(const void* grads, cudaStream_t stream) {
   if (grads == grads_) return;
-  table_->wait_uploaded();
+  table_->rewrite();
   if (dtype_ == DType::kFloat32) {
     point_grads_at<float>(grads);
   } else {

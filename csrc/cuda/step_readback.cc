@@ -2,6 +2,7 @@
 // its copy completes.
 #include "cuda/step_readback.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "cuda/check.h"
@@ -57,10 +58,11 @@ std::vector<StepReadback::Reading> StepReadback::arrived() {
   return out;
 }
 
-std::optional<StepReadback::Reading> StepReadback::wait_oldest() {
-  if (count_ == 0) return std::nullopt;
-  MIRRORED_CUDA_CHECK(cudaEventSynchronize(slots_[first_].copied));
-  return take_oldest();
+std::vector<StepReadback::Reading> StepReadback::wait(int n) {
+  if (count_ == 0) return {};
+  const std::size_t k = std::min<std::size_t>(count_, static_cast<std::size_t>(std::max(n, 1)));
+  MIRRORED_CUDA_CHECK(cudaEventSynchronize(slots_[(first_ + k - 1) % slots_.size()].copied));
+  return arrived();
 }
 
 }  // namespace mirrored::cuda

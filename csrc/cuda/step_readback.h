@@ -14,7 +14,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
-#include <optional>
 #include <vector>
 
 #include "core/optimizer_rules.h"
@@ -44,9 +43,9 @@ class StepReadback {
   // The copies that have arrived, oldest first, their slots freed; no wait.
   std::vector<Reading> arrived();
 
-  // Waits for the oldest copy in flight and returns it (its slot freed);
-  // nullopt when none is in flight.
-  std::optional<Reading> wait_oldest();
+  // Waits for the `n`-th oldest copy in flight (at least the oldest, at most
+  // the newest), then returns arrived(): every copy up to it, at least.
+  std::vector<Reading> wait(int n);
 
  private:
   struct Slot {

@@ -565,11 +565,12 @@ class Optimizer:
             # (A second apply under a dynamic scale: its step is the first's + 1 at most, and its device picks
             # the row of whatever the first apply left in `iterations`.)
             counted = (self, "next step")
-            step = scope.captured[counted] if counted in scope.captured else self._counted_step(plan)
+            first = counted not in scope.captured
+            step = self._counted_step(plan) if first else scope.captured[counted]
             scope.captured[counted] = step + 1
             selected = on_device and self._selects_on_device()
             scalars = plan.capture_scalars(scope, step, selected)
-            scope.replay_hooks.append(lambda: self._before_replay(plan, scalars, scope, selected))
+            scope.replay_hooks.append(lambda: self._before_replay(plan, scalars, scope, selected, first))
             return step
         self._prepare_step(plan, on_device and self._selects_on_device())
         return plan.next_step - 1
@@ -581,19 +582,17 @@ class Optimizer:
     def _prepare_step(self, plan, selected: bool) -> None:
         """Counts the step and prepares its scalars: with ``selected``, one row per step the device may be at."""
         step = self._counted_step(plan, bounded=selected)
+        if selected:
+            bounds = self._window.bounds(step)
+            # (None: no count known within MAX_ROWS applies, after an assignment: read it, a wait)
+            lower, step = bounds if bounds is not None else (self._read_step(),) * 2
+            plan.prepare_rows(lower, step)
+        else:
+            plan.prepare(step)
+            if not self._skips_on_device:  # the count is exact: the range starts there once steps may skip
+                self._window.known_exactly(step)
+        self._window.counted()
         self._known_step = (step + 1, plan.iterations[0], plan.iterations[0]._stores)
-        lower = self._window.lower_bound(step) if selected else None
-        if lower is None:
-            if selected:  # no count known within MAX_ROWS steps (after an assignment): read it, a wait
-                step = self._read_step()
-                self._known_step = (step + 1, plan.iterations[0], plan.iterations[0]._stores)
-                lower = step
-            else:
-                plan.prepare(step)
-                if not self._skips_on_device:  # the count is exact: the range starts at it when steps may skip
-                    self._window.known_exactly(step)
-                return
-        plan.prepare_rows(lower, step)
 
     def _counted_step(self, plan, bounded: bool = False) -> int:
         """``iterations`` now: the count this optimizer keeps, read from ``iterations`` (on a GPU: a copy to
@@ -625,12 +624,12 @@ class Optimizer:
     def _scalars_use_step(self) -> bool:
         return self._coefficients_use_step or callable(self._learning_rate)
 
-    def _before_replay(self, plan, scalars, scope, selected: bool) -> None:
+    def _before_replay(self, plan, scalars, scope, selected: bool, first: bool) -> None:
         """Before each replay of a captured step, for one of its applies (in their order): the apply counted,
         its scalars uploaded into the buffers its update reads (``scalars``, from ``capture_scalars``): the
-        step's, or the rows the device selects from (then the copy of the device's count is queued first,
-        after the earlier replays' work)."""
-        if selected:
+        step's, or the rows the device selects from. Before the step's ``first`` apply of this optimizer, the
+        copy of the device's count is queued, after the earlier replays' work (the last apply counted)."""
+        if selected and first:
             ordinal = device_util.physical_ordinal(plan.copies[0][0].device)
             self._window.record(ordinal, scope.streams[ordinal].ptr)
         self._prepare_step(plan, selected)

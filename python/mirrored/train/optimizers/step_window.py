@@ -29,18 +29,28 @@ MAX_ROWS = 32
 
 
 class StepWindow:
-    """One optimizer's range ``[lower, upper]`` of its GPU step count, and the copies that narrow it."""
+    """One optimizer's range ``[lower, upper]`` of its GPU step count, and the copies that narrow it.
+
+    Every apply of the optimizer is counted (``counted``), so a count that arrives tells for the apply it was
+    read by: the count before apply ``a`` was ``v``, so the count before apply ``A`` lies in ``[v, v + A - a]``,
+    whatever the host counted (skips do not widen the range)."""
 
     def __init__(self):
-        self.lower = None  # a count the device had reached (None: none known yet)
-        self._epoch = 0  # copies taken before the last exact count (an assignment) are stale: tagged older
+        self.lower = None  # a count the device had before apply self._lower_at (None: none known yet)
+        self._lower_at = 0
+        self._applies = 0  # the optimizer's applies counted so far
+        self._fresh_from = 0  # copies taken by an apply before this one are stale (read before an assignment)
         self._readback = None  # (ordinal, native StepReadback) of the first device
         self._status = {}  # ordinal -> the device's StepStatus buffer (two int64: step read, outside the rows)
 
     def known_exactly(self, step: int) -> None:
-        """The device's count is ``step`` (read back, or never skipped): copies in flight are stale now."""
-        self.lower = step
-        self._epoch += 1
+        """The count before the next apply is ``step`` (read back, or no step skipped): copies in flight are stale."""
+        self.lower, self._lower_at = step, self._applies
+        self._fresh_from = self._applies
+
+    def counted(self) -> None:
+        """An apply was made (after its ``bounds``, if any)."""
+        self._applies += 1
 
     def status(self, ordinal: int):
         """GPU ``ordinal``'s status buffer, which its select kernels write (made once, zero)."""
@@ -54,35 +64,40 @@ class StepWindow:
         return status
 
     def record(self, ordinal: int, stream: int) -> None:
-        """Queues on ``stream`` the copy of GPU ``ordinal``'s status (the first device's; every copy of the
-        count is the same) to the host; a step whose every slot is still in flight records nothing."""
+        """Queues on ``stream`` the copy of GPU ``ordinal``'s status to the host, after the select of the last
+        apply counted (the first device's: every copy of the count is the same); nothing when every slot is
+        still in flight."""
         if self._readback is None:
             self._readback = (ordinal, _gpu.cuda_module().StepReadback(ordinal, MAX_ROWS))
         if self._readback[0] == ordinal:
-            self._readback[1].record(self.status(ordinal).data.ptr, self._epoch, stream)
+            self._readback[1].record(self.status(ordinal).data.ptr, self._applies - 1, stream)
 
-    def lower_bound(self, upper: int) -> int | None:
-        """``lower`` for a step whose count is at most ``upper``: raised by the copies that arrived, without a
-        wait unless the rows ``lower..upper`` would exceed :data:`MAX_ROWS`; None when no count is known."""
-        if self._readback is not None:
-            for reading in self._readback[1].arrived():
+    def bounds(self, upper: int):
+        """``(lower, upper)`` for the next apply, whose count the host bounds by ``upper``: narrowed by the copies
+        that arrived, without a wait unless the range would exceed :data:`MAX_ROWS` rows (then it waits for
+        copies until it is half that); None when no count is known within it."""
+        readback = self._readback[1] if self._readback is not None else None
+        if readback is not None:
+            for reading in readback.arrived():
                 self._take(reading)
-            while self.lower is not None and upper - self.lower >= MAX_ROWS:
-                reading = self._readback[1].wait_oldest()
-                if reading is None:
-                    return None
-                self._take(reading)
-        if self.lower is None or upper - self.lower >= MAX_ROWS:
+            if self.lower is not None and self._applies - self._lower_at >= MAX_ROWS:
+                # The host is MAX_ROWS applies ahead of the last count that arrived: it waits until it is half as
+                # far ahead, so that the next wait is that many applies away (not one per apply at the edge).
+                while self._applies - self._lower_at >= MAX_ROWS // 2 and readback.in_flight:
+                    # (one copy per apply, the newest taken by the last one: the copy of MAX_ROWS // 2 - 1 ago)
+                    for reading in readback.wait(readback.in_flight - MAX_ROWS // 2 + 2):
+                        self._take(reading)
+        if self.lower is None or self._applies - self._lower_at >= MAX_ROWS:
             return None
-        return self.lower
+        return self.lower, min(upper, self.lower + self._applies - self._lower_at)
 
     def _take(self, reading) -> None:
-        epoch, step, outside = reading
+        applied_at, step, outside = reading
         if outside:
             raise RuntimeError(
                 f"the GPU found its step count {step} outside the rows of scalars the host sent (a bug of mirrored's "
                 "loss-scaled step: the host's count of applies must bound it); the weights of that step are NaN. "
                 "Please report it; LossScaleOptimizer(dynamic=False) or an optimizer whose scalars do not follow "
                 "the step avoids the path")
-        if epoch == self._epoch and (self.lower is None or step > self.lower):
-            self.lower = step
+        if applied_at >= self._fresh_from and applied_at > self._lower_at:
+            self.lower, self._lower_at = step, applied_at
