@@ -750,6 +750,8 @@ class _Plan:
     def prepare_rows(self, lower: int, upper: int) -> None:
         """The scalars of every step from ``lower`` to ``upper`` (one row each, per dtype), for a device that
         selects the row of its own count; the plan's step is ``upper`` (the count it keeps)."""
+        for d in range(self.num_devices):  # (made here, once, not by the replica threads that apply at once)
+            self._status_pointer(d)
         rows = {dtype: [] for dtype in self.groups}
         for step in range(lower, upper + 1):
             self.prepare(step)
