@@ -185,23 +185,19 @@ def test_a_repeated_adam_step_under_a_dynamic_scale_makes_no_host_wait(layout, m
 
 
 def _run_far_ahead(monkeypatch, mode, steps, skipped):
-    """``steps`` eager steps of a loss-scaled Adam on one GPU replica with gradients that keep their buffers
-    (nothing else makes the host wait: the simulator then runs no kernel until the host waits), non-finite
-    at ``skipped``. Returns the state and the steps at which the host waited."""
+    """``steps`` eager steps of a loss-scaled Adam on one GPU replica whose gradients keep their buffers (their
+    values rewritten in place, inf at ``skipped``), so that nothing else makes the host wait: the simulator
+    then runs no kernel until the host waits. Returns the state and the steps at which the host waited."""
     if mode == "host":
         _host_decided(monkeypatch)
     try:
         with gpu_env.mirrored_strategy(1) as strategy:
-            devices = strategy.extended.worker_devices
+            device = strategy.extended.worker_devices[0]
             with strategy.scope():
                 w, b = md.Variable(_W0.astype(np.float32)), md.Variable(_B0.astype(np.float32))
                 opt = mixed_precision.LossScaleOptimizer(md.optimizers.Adam(0.01), dynamic_growth_steps=3)
-
-            def grads(scale):
-                return [md.PerReplica([md.device_util.place((v * scale).astype(np.float32), d) for d in devices],
-                                      devices) for v in (_W0, _B0)]
-
-            finite, nonfinite = grads(2.0), grads(np.inf)
+            finite = [md.device_util.place((v * 2.0).astype(np.float32), device) for v in (_W0, _B0)]
+            grads = [g.copy() for g in finite]
 
             def step(gw, gb):
                 opt.apply_gradients([(gw, w), (gb, b)])
@@ -213,7 +209,9 @@ def _run_far_ahead(monkeypatch, mode, steps, skipped):
             try:
                 cupy.sim.reset_counters()
                 for s in range(steps):
-                    strategy.run(step, args=nonfinite if s in skipped else finite)
+                    for g, f in zip(grads, finite):  # (kernels on the legacy stream, ordered with the steps)
+                        g[...] = np.float32(np.inf) if s in skipped else f
+                    strategy.run(step, args=tuple(grads))
                     waits = cupy.sim.counters()["host_waits"]
                     if waits != before:
                         waited.append(s)
