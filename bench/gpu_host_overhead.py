@@ -16,9 +16,11 @@ apply_gradients) over 200 variables, through the fused CUDA kernel (one
 launch per GPU) and through the rule applied variable by variable (the path
 without the kernel), and wrapped in a dynamic LossScaleOptimizer: the GPU
 selecting the step's scalars by its own count, and the step read back first
-(the path before it), same run (--driver: the host waits of those too). The stand-in's arrays are Python objects where CuPy's are
-Cython, so calls that allocate cost more here than on a GPU machine; compare
-numbers of this script with each other, same run.
+(the path before it), same run (--driver: the host waits of those too). The
+stand-in's arrays are Python objects where CuPy's are Cython, so calls that
+allocate cost more here than on a GPU machine; compare numbers of this script
+with each other, same run. (A host wait here runs the simulated kernels queued
+before it, inside the clock, as a GPU's wait would wait for them.)
 """
 
 from __future__ import annotations
