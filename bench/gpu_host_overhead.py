@@ -14,14 +14,19 @@ Reports µs per call for a 4-byte all_reduce (out= preallocated and not), a
 logical GPUs; then a training step's update, strategy.run(Adam's
 apply_gradients) over 200 variables, through the fused CUDA kernel (one
 launch per GPU) and through the rule applied variable by variable (the path
-without the kernel), same run. The stand-in's arrays are Python objects where CuPy's are
-Cython, so calls that allocate cost more here than on a GPU machine; compare
-numbers of this script with each other, same run.
+without the kernel), and wrapped in a dynamic LossScaleOptimizer: the GPU
+selecting the step's scalars by its own count, and the step read back first
+(the path before it), same run (--driver: the host waits of those too). The
+stand-in's arrays are Python objects where CuPy's are Cython, so calls that
+allocate cost more here than on a GPU machine; compare numbers of this script
+with each other, same run. (A host wait here runs the simulated kernels queued
+before it, inside the clock, as a GPU's wait would wait for them.)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -104,11 +109,15 @@ def main():
     if args.no_optimizer:
         return
     print()
-    print("| replicas | apply_gradients, 200 variables, fused kernel (µs) | variable by variable (µs) | ratio |")
-    print("|---:|---:|---:|---:|")
+    print("| replicas | apply_gradients, 200 variables, fused kernel (µs) | variable by variable (µs) | ratio | "
+          "Adam + dynamic LossScaleOptimizer, GPU selects the step (µs) | step read back first (µs) | ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for n in args.replicas:
         fused, each = (optimizer_step_us(n, kernel, args.repeat // 20) for kernel in (True, False))
-        print(f"| {n} | {fused:.0f} | {each:.0f} | {fused / each:.2f} |")
+        selects, reads = (optimizer_step_us(n, True, args.repeat // 20, loss_scale=mode)
+                          for mode in ("selects", "reads back"))
+        print(f"| {n} | {fused:.0f} | {each:.0f} | {fused / each:.2f} | {selects:.0f} | {reads:.0f} | "
+              f"{selects / reads:.2f} |")
 
 
 def driver(args):
@@ -130,6 +139,11 @@ def driver(args):
             c = cupy.sim.counters()
             cupy.sim.drain()
             print(f"| {n} | {name} | {sum(c['launches'].values())} | {c['stream_ops']} | {c['host_waits']} |")
+        for mode in ("selects", "reads back"):
+            c = optimizer_step_counters(n, mode)
+            how = "the GPU selects the step's scalars" if mode == "selects" else "the step read back first"
+            print(f"| {n} | run(Adam + LossScaleOptimizer apply_gradients, 200 variables), {how} | "
+                  f"{sum(c['launches'].values())} | {c['stream_ops']} | {c['host_waits']} |")
 
 
 def calls(args):
@@ -182,29 +196,50 @@ def run_only(args):
         print(f"| {n} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
 
 
-def optimizer_step_us(n: int, kernel: bool, repeat: int) -> float:
+def optimizer_step_us(n: int, kernel: bool, repeat: int, loss_scale=None) -> float:
     """µs of strategy.run(Adam.apply_gradients) over 200 small variables (100 of 32x32, 100 of 32: the
     host's cost, not the simulated kernels') on n logical GPUs; kernel False: the optimizer's path
-    without the fused CUDA kernel."""
+    without the fused CUDA kernel. ``loss_scale``: Adam in a dynamic LossScaleOptimizer, the GPU selecting
+    the step's scalars ("selects") or the step read back before each step ("reads back", the path before)."""
+    with optimizer_step(n, kernel, loss_scale) as step:
+        return per_call_us(step, repeat)
+
+
+def optimizer_step_counters(n: int, loss_scale: str) -> dict:
+    """The simulator's counters of one repeated optimizer_step (planned first), as driver()'s."""
+    with optimizer_step(n, True, loss_scale) as step:
+        for _ in range(8):
+            step()
+        cupy.sim.drain()
+        cupy.sim.reset_counters()
+        step()
+        counted = cupy.sim.counters()
+        cupy.sim.drain()
+        return counted
+
+
+@contextlib.contextmanager
+def optimizer_step(n: int, kernel: bool, loss_scale):
     from mirrored.train.optimizers import base
 
     shapes = [(32, 32) if k % 2 == 0 else (32,) for k in range(200)]
     md.config.set_logical_device_configuration("GPU", 0, count=n)
-    saved = base._gpu_kernel
+    saved, selects = base._gpu_kernel, base.Optimizer._selects_on_device
     if not kernel:
         base._gpu_kernel = lambda: None
+    if loss_scale == "reads back":
+        base.Optimizer._selects_on_device = lambda self: False
     try:
         s = md.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
         with s.scope():
             variables = [md.Variable(np.zeros(shape, np.float32)) for shape in shapes]
             opt = md.optimizers.Adam(0.001)
+            if loss_scale is not None:
+                opt = md.mixed_precision.LossScaleOptimizer(opt)
         grads = s.run(lambda: [cupy.ones(shape, cupy.float32) for shape in shapes])
-
-        def step():
-            s.run(lambda g: opt.apply_gradients(zip(g, variables)), args=(grads,))
-        return per_call_us(step, repeat)
+        yield lambda: s.run(lambda g: opt.apply_gradients(zip(g, variables)), args=(grads,))
     finally:
-        base._gpu_kernel = saved
+        base._gpu_kernel, base.Optimizer._selects_on_device = saved, selects
         md.config.set_logical_device_configuration("GPU:0", None)
 
 

@@ -26,6 +26,7 @@
 #include "cuda/device_batch.h"
 #include "cuda/fused_update.h"
 #include "cuda/gradient_pack.h"
+#include "cuda/step_readback.h"
 #include "cuda/check.h"
 #include "cuda/stream_scope.h"
 #include "nccl/nccl_communicator.h"
@@ -284,6 +285,112 @@ cuda::LossScaleGate gate_of(std::uintptr_t nonfinite, std::uintptr_t scale) {
   return {reinterpret_cast<const int*>(nonfinite), reinterpret_cast<const float*>(scale)};
 }
 
+// A rules::StepRows<T> of `values` (`rows` rows of `width` scalars, row r the step lower + r), as bytes of
+// the struct: what the select kernel takes by value, or reads from device memory once uploaded.
+template <typename T>
+std::string step_rows_of(long long lower, int width, const std::vector<double>& values) {
+  if (width < 1 || width > rules::kMaxRowWidth)
+    throw py::value_error("width=" + std::to_string(width) + ": expected 1 to " + std::to_string(rules::kMaxRowWidth));
+  const std::size_t rows = values.size() / static_cast<std::size_t>(width);
+  if (rows < 1 || rows > static_cast<std::size_t>(rules::kMaxStepRows) || rows * width != values.size())
+    throw py::value_error("values: " + std::to_string(values.size()) + " scalars; expected 1 to " +
+                          std::to_string(rules::kMaxStepRows) + " rows of width=" + std::to_string(width));
+  rules::StepRows<T> r{};
+  r.lower = lower;
+  r.rows = static_cast<int>(rows);
+  r.width = width;
+  for (std::size_t i = 0; i < values.size(); ++i) r.values[i] = static_cast<T>(values[i]);
+  return std::string(reinterpret_cast<const char*>(&r), sizeof(r));
+}
+
+std::string step_rows(int dtype, long long lower, int width, const std::vector<double>& values) {
+  switch (dtype_from_code(dtype)) {
+    case DType::kFloat32: return step_rows_of<float>(lower, width, values);
+    case DType::kFloat64: return step_rows_of<double>(lower, width, values);
+    default: throw py::value_error("dtype: the step's rows are float32 or float64");
+  }
+}
+
+py::tuple reading_of(const cuda::StepReadback::Reading& r) {
+  return py::make_tuple(r.tag, r.status.step, r.status.outside != 0);
+}
+
+// A dynamic loss scale's step on the GPU: the host's rows of candidate scalars, the device's pick by its own
+// `iterations` (cuda/fused_update.h select_step_row), and the count read back without a wait
+// (cuda/step_readback.h). Used by mirrored.train.optimizers.step_window.
+void def_step_window(py::module_& m) {
+  m.attr("MAX_STEP_ROWS") = rules::kMaxStepRows;
+  m.def("step_rows", [](int dtype, long long lower, int width, const std::vector<double>& values) {
+          return py::bytes(step_rows(dtype, lower, width, values));
+        },
+        py::arg("dtype"), py::arg("lower"), py::arg("width"), py::arg("values"),
+        "The rows of steps lower, lower + 1, ... (`width` scalars each, row after row in `values`) as the bytes\n"
+        "of the device struct select_step_row_from_device reads (upload them into a buffer that large).");
+  m.def("select_step_row", [](int device, int dtype, std::uintptr_t iterations, long long lower, int width,
+                              const std::vector<double>& values, std::uintptr_t out, std::uintptr_t status,
+                              std::uintptr_t stream) {
+          const std::string rows = step_rows(dtype, lower, width, values);
+          py::gil_scoped_release nogil;
+          on_device(device, [&] {
+            cuda::select_step_row(dtype_from_code(dtype), reinterpret_cast<const long long*>(iterations), rows.data(),
+                                  reinterpret_cast<void*>(out), reinterpret_cast<rules::StepStatus*>(status),
+                                  reinterpret_cast<cudaStream_t>(stream));
+          });
+        },
+        py::arg("device"), py::arg("dtype"), py::arg("iterations"), py::arg("lower"), py::arg("width"),
+        py::arg("values"), py::arg("out"), py::arg("status"), py::arg("stream"),
+        "One thread on `stream`: out[:width] = the row of step *iterations (int64) among the rows of steps\n"
+        "lower, lower + 1, ... (passed by value with the launch), and *status = (that step, 1 if it was outside\n"
+        "the rows: `out` then NaN).");
+  m.def("select_step_row_from_device", [](int device, int dtype, std::uintptr_t iterations, std::uintptr_t rows,
+                                          std::uintptr_t out, std::uintptr_t status, std::uintptr_t stream) {
+          // The GIL held, as apply_captured: it is recorded into a graph in the order the step issues it.
+          on_device(device, [&] {
+            cuda::select_step_row_from_device(dtype_from_code(dtype), reinterpret_cast<const long long*>(iterations),
+                                              reinterpret_cast<const void*>(rows), reinterpret_cast<void*>(out),
+                                              reinterpret_cast<rules::StepStatus*>(status),
+                                              reinterpret_cast<cudaStream_t>(stream));
+          });
+        },
+        py::arg("device"), py::arg("dtype"), py::arg("iterations"), py::arg("rows"), py::arg("out"),
+        py::arg("status"), py::arg("stream"),
+        "select_step_row with the rows read from device memory `rows` (step_rows' bytes, uploaded) when it runs.");
+  py::class_<cuda::StepReadback>(m, "StepReadback", py::module_local())
+      .def(py::init([](int device, int slots) {
+             return on_device(device, [&] { return std::make_unique<cuda::StepReadback>(device, slots); });
+           }),
+           py::arg("device"), py::arg("slots"))
+      .def_property_readonly("in_flight", &cuda::StepReadback::in_flight)
+      .def("record", [](cuda::StepReadback& r, std::uintptr_t status, long long tag, std::uintptr_t stream) {
+             return on_device(r.device(), [&] {
+               return r.record(reinterpret_cast<const rules::StepStatus*>(status), tag,
+                               reinterpret_cast<cudaStream_t>(stream));
+             });
+           },
+           py::arg("status"), py::arg("tag"), py::arg("stream"),
+           "Queues on `stream` the copy of the device StepStatus `status` (int64 step, int64 outside) into a pinned\n"
+           "slot, tagged `tag`; False (nothing queued) when every slot is in flight.")
+      .def("arrived", [](cuda::StepReadback& r) {
+             py::list out;
+             for (const auto& reading : on_device(r.device(), [&] { return r.arrived(); }))
+               out.append(reading_of(reading));
+             return out;
+           },
+           "The copies that have arrived, oldest first, as (tag, step, outside); never waits.")
+      .def("wait", [](cuda::StepReadback& r, int n) {
+             std::vector<cuda::StepReadback::Reading> readings;
+             {
+               py::gil_scoped_release nogil;
+               readings = on_device(r.device(), [&] { return r.wait(n); });
+             }
+             py::list out;
+             for (const auto& reading : readings) out.append(reading_of(reading));
+             return out;
+           },
+           py::arg("n"),
+           "Waits for the n-th oldest copy in flight (clamped to those in flight), then returns arrived().");
+}
+
 // The fused optimizer update (cuda/fused_update.h): one table per device and
 // dtype of a variable set, made once by mirrored.train.optimizers; each step
 // is one launch. Pointers arrive as integers, validated by the caller.
@@ -330,6 +437,22 @@ void def_fused_update(py::module_& m) {
            "`grads`: the packed gradients (total_count elements, the variables' back to back). A loss-scaled\n"
            "step passes `nonfinite` (a device int32: nonzero skips every write) and `scale` (a device float32\n"
            "each gradient is divided by), both read when the kernel runs.")
+      .def("apply_from_device", [](cuda::FusedUpdateTable& t, int rule, std::uintptr_t grads, std::uintptr_t scalars,
+                                   int coefficients, std::uintptr_t stream, std::uintptr_t nonfinite,
+                                   std::uintptr_t scale) {
+             const std::string error = rules::coefficients_error(rule, static_cast<std::size_t>(coefficients));
+             if (!error.empty()) throw py::value_error(error);
+             py::gil_scoped_release nogil;
+             on_device(t.device(), [&] {
+               t.apply_from_device(static_cast<rules::Rule>(rule), reinterpret_cast<const void*>(grads),
+                                   reinterpret_cast<const void*>(scalars), coefficients,
+                                   reinterpret_cast<cudaStream_t>(stream), gate_of(nonfinite, scale));
+             });
+           },
+           py::arg("rule"), py::arg("grads"), py::arg("scalars"), py::arg("coefficients"), py::arg("stream"),
+           py::arg("nonfinite") = 0, py::arg("scale") = 0,
+           "apply() with the scalars read when the kernel runs from `scalars`, a device buffer of the table's\n"
+           "dtype (the rule's `coefficients` values, then weight decay's rate and lr), e.g. select_step_row's.")
       .def("apply_captured", [](cuda::FusedUpdateTable& t, int rule, std::uintptr_t grads, std::uintptr_t scalars,
                                 int coefficients, std::uintptr_t stream, std::uintptr_t nonfinite,
                                 std::uintptr_t scale) {
@@ -383,7 +506,7 @@ void def_fused_update(py::module_& m) {
       .def("__len__", &cuda::GradientPack::size)
       .def("copy", [](cuda::GradientPack& p, const Ptrs& src, std::uintptr_t stream) {
              const auto sources = as_ptrs<const void>(src);
-             py::gil_scoped_release nogil;  // may wait for the last upload to have read the host table
+             py::gil_scoped_release nogil;  // may wait for an earlier upload to have read a host table
              on_device(p.device(), [&] { p.copy(sources, reinterpret_cast<cudaStream_t>(stream)); });
            },
            py::arg("src"), py::arg("stream"),
@@ -783,6 +906,7 @@ PYBIND11_MODULE(MIRRORED_CUDA_MODULE, m) {
   }, py::arg("unique_id"), py::arg("rank"), py::arg("nranks"), py::arg("devices"),
      "This process's ranks rank.. rank+len(devices)-1 of an NCCL job of nranks sharing unique_id.");
   def_fused_update(m);
+  def_step_window(m);
 #ifdef MIRRORED_CUDA_SIM
   def_sim(m);
 #endif

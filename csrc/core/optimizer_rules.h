@@ -117,6 +117,45 @@ MIRRORED_HD inline void loss_scale_step(int* nonfinite, float* scale, long long*
   *nonfinite = 0;
 }
 
+// The scalars of a step whose number only the device knows (a dynamic loss
+// scale skips a step on the GPU and leaves `iterations` where it was): the host
+// knows the step lies in [lower, lower + rows) and writes one row per candidate,
+// `width` scalars each (the rule's coefficients, then weight decay's rate and
+// lr: FusedScalars' order without the gate). Passed by value to the select
+// kernel (a CUDA launch copies its arguments), or uploaded for a captured one.
+constexpr int kMaxStepRows = 32;
+constexpr int kMaxRowWidth = kMaxCoefficients + 2;
+
+template <typename T>
+struct StepRows {
+  long long lower;
+  int rows;
+  int width;
+  T values[kMaxStepRows * kMaxRowWidth];  // row r at values[r * width]
+};
+
+// What select_step_row leaves in `status`: the step it read, and 1 when that
+// step was outside the rows (the host checks it when the copy arrives).
+struct StepStatus {
+  long long step;
+  long long outside;
+};
+
+// Copies the row of step `*iterations` into `out` (width T's). A step outside
+// the rows cannot happen (the host counts every apply and learns `lower` from
+// a count the device had reached before): if it does, `out` becomes NaN, so no
+// wrong scalar is applied quietly, and `status->outside` is set for the host.
+template <typename T>
+MIRRORED_HD inline void select_step_row(const long long* iterations, const StepRows<T>& rows, T* out,
+                                        StepStatus* status) {
+  const long long step = *iterations;
+  const long long r = step - rows.lower;
+  const bool inside = r >= 0 && r < rows.rows;
+  for (int j = 0; j < rows.width; ++j) out[j] = inside ? rows.values[r * rows.width + j] : static_cast<T>(NAN);
+  status->step = step;
+  if (!inside) status->outside = 1;
+}
+
 // Keras' decoupled weight decay, before the rule.
 template <typename T>
 MIRRORED_HD inline T decayed(T w, T weight_decay, T lr) {

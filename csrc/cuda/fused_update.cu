@@ -65,6 +65,18 @@ __global__ void loss_scale_step_kernel(int* nonfinite, float* scale, long long* 
 }
 
 template <typename T>
+__global__ void select_step_row_kernel(const long long* iterations, rules::StepRows<T> rows, T* out,
+                                       rules::StepStatus* status) {
+  rules::select_step_row(iterations, rows, out, status);
+}
+
+template <typename T>
+__global__ void select_step_row_from_device_kernel(const long long* iterations, const rules::StepRows<T>* rows,
+                                                   T* out, rules::StepStatus* status) {
+  rules::select_step_row(iterations, *rows, out, status);
+}
+
+template <typename T>
 void launch(rules::Rule rule, const void* table, int entries, std::size_t max_count, const void* scalars, int sms,
             cudaStream_t stream, LossScaleGate gate) {
   const unsigned blocks = fused_blocks(max_count, sms);
@@ -127,6 +139,38 @@ void count_nonfinite(DType dtype, const void* data, std::size_t count, int* nonf
     case DType::kFloat64:
       count_nonfinite_kernel<<<blocks, kFusedThreads, 0, stream>>>(static_cast<const double*>(data), count,
                                                                    nonfinite);
+      break;
+    default: unsupported(dtype);
+  }
+  MIRRORED_CUDA_CHECK(cudaGetLastError());
+}
+
+void select_step_row(DType dtype, const long long* iterations, const void* rows, void* out, rules::StepStatus* status,
+                     cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kFloat32:
+      select_step_row_kernel<float><<<1, 1, 0, stream>>>(
+          iterations, *static_cast<const rules::StepRows<float>*>(rows), static_cast<float*>(out), status);
+      break;
+    case DType::kFloat64:
+      select_step_row_kernel<double><<<1, 1, 0, stream>>>(
+          iterations, *static_cast<const rules::StepRows<double>*>(rows), static_cast<double*>(out), status);
+      break;
+    default: unsupported(dtype);
+  }
+  MIRRORED_CUDA_CHECK(cudaGetLastError());
+}
+
+void select_step_row_from_device(DType dtype, const long long* iterations, const void* device_rows, void* out,
+                                 rules::StepStatus* status, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kFloat32:
+      select_step_row_from_device_kernel<float><<<1, 1, 0, stream>>>(
+          iterations, static_cast<const rules::StepRows<float>*>(device_rows), static_cast<float*>(out), status);
+      break;
+    case DType::kFloat64:
+      select_step_row_from_device_kernel<double><<<1, 1, 0, stream>>>(
+          iterations, static_cast<const rules::StepRows<double>*>(device_rows), static_cast<double*>(out), status);
       break;
     default: unsupported(dtype);
   }

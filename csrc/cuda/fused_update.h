@@ -50,6 +50,18 @@ void count_nonfinite(DType dtype, const void* data, std::size_t count, int* nonf
 void loss_scale_step(int* nonfinite, float* scale, long long* counter, long long* iterations, long long growth_steps,
                      bool dynamic, cudaStream_t stream);
 
+// rules::select_step_row on device memory, one thread on `stream`: the row
+// of step `*iterations` (int64) of `rows` into `out` (the scalars a
+// fused_update_from_device then reads), and `status` written. `rows`: a host
+// rules::StepRows<T>, T from `dtype`, passed by value (the launch copies it).
+void select_step_row(DType dtype, const long long* iterations, const void* rows, void* out, rules::StepStatus* status,
+                     cudaStream_t stream);
+
+// The same with the rows in device memory (a captured step's, uploaded before
+// each replay).
+void select_step_row_from_device(DType dtype, const long long* iterations, const void* device_rows, void* out,
+                                 rules::StepStatus* status, cudaStream_t stream);
+
 // One variable of a FusedUpdateTable: its buffer and its slots' (the rule's
 // order) on the table's device, `count` elements each.
 struct FusedVariable {
@@ -79,6 +91,11 @@ class FusedUpdateTable {
   void apply(rules::Rule rule, const void* grads, const std::vector<double>& coefficients, double weight_decay,
              double lr, cudaStream_t stream, LossScaleGate gate = {});
 
+  // The same with the scalars read from `device_scalars` when the kernel runs
+  // (fused_update_from_device): a step whose scalars the device selects.
+  void apply_from_device(rules::Rule rule, const void* grads, const void* device_scalars, int coefficients,
+                         cudaStream_t stream, LossScaleGate gate = {});
+
   // The same for a step being captured into a CUDA graph on `stream`: the
   // table's upload (from its pinned host copy, which a capture's table never
   // rewrites) and the launch are recorded, the scalars read from
@@ -94,6 +111,7 @@ class FusedUpdateTable {
  private:
   template <typename T>
   void point_grads_at(const void* grads);
+  void point_and_upload(const void* grads, cudaStream_t stream);
   template <typename T>
   void launch(rules::Rule rule, const std::vector<double>& coefficients, double weight_decay, double lr,
               cudaStream_t stream, LossScaleGate gate);

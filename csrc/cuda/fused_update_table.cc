@@ -99,22 +99,36 @@ void FusedUpdateTable::check_finite(const void* grads, int* nonfinite, cudaStrea
   count_nonfinite(dtype_, grads, total_count_, nonfinite, sms_, stream);
 }
 
+void FusedUpdateTable::point_and_upload(const void* grads, cudaStream_t stream) {
+  if (grads == grads_) return;
+  table_->rewrite();
+  if (dtype_ == DType::kFloat32) {
+    point_grads_at<float>(grads);
+  } else {
+    point_grads_at<double>(grads);
+  }
+  table_->upload(entries_ * entry_bytes_, stream);
+  grads_ = grads;
+}
+
+void FusedUpdateTable::apply_from_device(rules::Rule rule, const void* grads, const void* device_scalars,
+                                         int coefficients, cudaStream_t stream, LossScaleGate gate) {
+  if (captured_) throw std::logic_error("fused_update: this table belongs to a captured graph");
+  if (coefficients > rules::kMaxCoefficients) throw std::invalid_argument("fused_update: too many coefficients");
+  if (entries_ == 0 || max_count_ == 0) return;
+  point_and_upload(grads, stream);
+  fused_update_from_device(rule, dtype_, table_->device(), entries_, max_count_, device_scalars, coefficients, sms_,
+                           stream, gate);
+  table_->used_by(stream);
+}
+
 void FusedUpdateTable::apply(rules::Rule rule, const void* grads, const std::vector<double>& coefficients,
                              double weight_decay, double lr, cudaStream_t stream, LossScaleGate gate) {
   if (captured_) throw std::logic_error("fused_update: this table belongs to a captured graph");
   if (coefficients.size() > static_cast<std::size_t>(rules::kMaxCoefficients))
     throw std::invalid_argument("fused_update: too many coefficients");
   if (entries_ == 0 || max_count_ == 0) return;
-  if (grads != grads_) {
-    table_->wait_uploaded();
-    if (dtype_ == DType::kFloat32) {
-      point_grads_at<float>(grads);
-    } else {
-      point_grads_at<double>(grads);
-    }
-    table_->upload(entries_ * entry_bytes_, stream);
-    grads_ = grads;
-  }
+  point_and_upload(grads, stream);
   if (dtype_ == DType::kFloat32) {
     launch<float>(rule, coefficients, weight_decay, lr, stream, gate);
   } else {

@@ -45,7 +45,7 @@ bool GradientPack::point_at(const std::vector<const void*>& src) {
     changed = changed || host_table()[entry_of_[k]].src != src[k];
   }
   if (!changed) return false;
-  table_->wait_uploaded();
+  table_->rewrite();
   device_matches_ = false;  // until the upload is queued (a failed one leaves the next call to upload)
   for (std::size_t k = 0; k < src.size(); ++k)
     if (entry_of_[k] >= 0) host_table()[entry_of_[k]].src = src[k];

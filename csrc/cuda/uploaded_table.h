@@ -1,9 +1,12 @@
 // A table of kernel arguments kept in pinned host memory and mirrored on one
 // device: the owner (GradientPack, FusedUpdateTable) writes entries into
-// host(), uploads them on a launch's stream, and launches on device(). Two
-// events keep the rewrites safe without a device-wide sync: the host copy is
-// rewritten only after the last upload read it, and the device copy only
-// after the last launch that used it. Under stream capture the upload is
+// host(), uploads them on a launch's stream, and launches on device(). Events
+// keep the rewrites safe without a device-wide sync: the device copy is
+// rewritten only after the last launch that used it (a wait of the stream, not
+// of the host), and the host copy is one of kHostCopies pinned copies used in
+// turn, so rewriting it waits only for the upload kHostCopies uploads ago (a
+// host that many steps ahead of the GPU; an upload runs as soon as the launch
+// before it, so it is mostly done). Under stream capture the upload is
 // recorded with no event (the table then serves that one graph).
 //
 // Plain host code over the CUDA runtime: the real build and the simulated
@@ -13,6 +16,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstring>
 
 #include "cuda/check.h"
 #include "cuda/device.h"
@@ -21,31 +25,52 @@ namespace mirrored::cuda {
 
 class UploadedTable {
  public:
+  static constexpr int kHostCopies = 4;
+
   // `bytes` (> 0) on `device`, which must be current.
-  UploadedTable(int device, std::size_t bytes) : device_(device) {
-    MIRRORED_CUDA_CHECK(cudaMallocHost(&host_, bytes));
+  UploadedTable(int device, std::size_t bytes) : device_(device), bytes_(bytes) {
+    for (Copy& c : host_) {
+      MIRRORED_CUDA_CHECK(cudaMallocHost(&c.data, bytes));
+      MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&c.uploaded, cudaEventDisableTiming));
+    }
     MIRRORED_CUDA_CHECK(cudaMalloc(&device_table_, bytes));
-    MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&uploaded_, cudaEventDisableTiming));
     MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&used_, cudaEventDisableTiming));
   }
   ~UploadedTable() {
     DeviceGuard guard;
     if (set_device(device_) != cudaSuccess) return;
     if (pending_) cudaEventSynchronize(used_);  // the last launch reads the table
+    for (Copy& c : host_)
+      if (c.queued) cudaEventSynchronize(c.uploaded);  // an upload still reads it
     cudaFree(device_table_);
-    cudaFreeHost(host_);
-    cudaEventDestroy(uploaded_);
+    for (Copy& c : host_) {
+      cudaFreeHost(c.data);
+      cudaEventDestroy(c.uploaded);
+    }
     cudaEventDestroy(used_);
   }
   UploadedTable(const UploadedTable&) = delete;
   UploadedTable& operator=(const UploadedTable&) = delete;
 
-  void* host() const { return host_; }  // pinned, so the upload is asynchronous
+  void* host() const { return host_[current_].data; }  // pinned, so the upload is asynchronous
   void* device() const { return device_table_; }
 
-  // Blocks until host() may be rewritten: the last upload has read it.
-  void wait_uploaded() {
-    if (pending_) MIRRORED_CUDA_CHECK(cudaEventSynchronize(uploaded_));
+  // Makes host() a copy that may be rewritten, holding the current one's
+  // bytes: the next of the pinned copies, once the upload that last read it
+  // is done (a wait only when the host is kHostCopies uploads ahead).
+  void rewrite() {
+    Copy& next = host_[(current_ + 1) % kHostCopies];
+    if (next.queued) {
+      const cudaError_t done = cudaEventQuery(next.uploaded);
+      if (done == cudaErrorNotReady) {
+        MIRRORED_CUDA_CHECK(cudaEventSynchronize(next.uploaded));
+      } else {
+        MIRRORED_CUDA_CHECK(done);
+      }
+    }
+    next.queued = false;
+    std::memcpy(next.data, host_[current_].data, bytes_);
+    current_ = (current_ + 1) % kHostCopies;
   }
 
   // Queues the upload of host()'s first `bytes` on `stream`, after the last
@@ -53,12 +78,13 @@ class UploadedTable {
   void upload(std::size_t bytes, cudaStream_t stream) {
     if (pending_) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(stream, used_, 0));
     upload_captured(bytes, stream);
-    MIRRORED_CUDA_CHECK(cudaEventRecord(uploaded_, stream));
+    MIRRORED_CUDA_CHECK(cudaEventRecord(host_[current_].uploaded, stream));
+    host_[current_].queued = true;
   }
 
   // The same inside a stream capture: no event to wait on or record.
   void upload_captured(std::size_t bytes, cudaStream_t stream) {
-    MIRRORED_CUDA_CHECK(cudaMemcpyAsync(device_table_, host_, bytes, cudaMemcpyHostToDevice, stream));
+    MIRRORED_CUDA_CHECK(cudaMemcpyAsync(device_table_, host(), bytes, cudaMemcpyHostToDevice, stream));
   }
 
   // Marks the launch just queued on `stream` as the device table's last user.
@@ -67,15 +93,22 @@ class UploadedTable {
     pending_ = true;
   }
 
-  // Whether an eager launch used the table (both events were recorded).
+  // Whether an eager launch used the table (its events were recorded).
   bool pending() const { return pending_; }
 
  private:
+  struct Copy {
+    void* data = nullptr;
+    cudaEvent_t uploaded = nullptr;  // data may be rewritten once this completed
+    bool queued = false;             // an upload of data was queued (and `uploaded` recorded after it)
+  };
+
   int device_;
-  void* host_ = nullptr;
+  std::size_t bytes_;
+  Copy host_[kHostCopies];
+  int current_ = 0;
   void* device_table_ = nullptr;
-  cudaEvent_t uploaded_ = nullptr;  // host_ may be rewritten once this completed
-  cudaEvent_t used_ = nullptr;      // device_table_ may be rewritten after this (the last launch)
+  cudaEvent_t used_ = nullptr;  // device_table_ may be rewritten after this (the last launch)
   bool pending_ = false;
 };
 

@@ -976,6 +976,45 @@ void count_nonfinite(DType dtype, const void* data, std::size_t count, int* nonf
     sim::enqueue(stream, [=] { check(double{}); });
 }
 
+// The select kernel's one thread, run when it runs: `rows` a copy taken at the launch (by value) or the
+// device table itself (read then).
+template <typename T>
+void select_row_when_run(const long long* iterations, std::shared_ptr<const rules::StepRows<T>> by_value,
+                         const void* device_rows, void* out, rules::StepStatus* status, cudaStream_t stream) {
+  sim::Lock lock;
+  launched(stream);
+  for (const void* p : {static_cast<const void*>(iterations), static_cast<const void*>(out),
+                        static_cast<const void*>(status)})
+    reachable(p);
+  if (device_rows != nullptr) reachable(device_rows);
+  sim::enqueue(stream, [=] {
+    const auto* rows = by_value ? by_value.get() : static_cast<const rules::StepRows<T>*>(device_rows);
+    rules::select_step_row(iterations, *rows, static_cast<T*>(out), status);
+  });
+}
+
+void select_step_row(DType dtype, const long long* iterations, const void* rows, void* out, rules::StepStatus* status,
+                     cudaStream_t stream) {
+  if (dtype == DType::kFloat32)
+    return select_row_when_run<float>(
+        iterations, std::make_shared<rules::StepRows<float>>(*static_cast<const rules::StepRows<float>*>(rows)),
+        nullptr, out, status, stream);
+  if (dtype == DType::kFloat64)
+    return select_row_when_run<double>(
+        iterations, std::make_shared<rules::StepRows<double>>(*static_cast<const rules::StepRows<double>*>(rows)),
+        nullptr, out, status, stream);
+  throw std::invalid_argument("select_step_row: the GPU kernel takes float32 and float64");
+}
+
+void select_step_row_from_device(DType dtype, const long long* iterations, const void* device_rows, void* out,
+                                 rules::StepStatus* status, cudaStream_t stream) {
+  if (dtype == DType::kFloat32)
+    return select_row_when_run<float>(iterations, nullptr, device_rows, out, status, stream);
+  if (dtype == DType::kFloat64)
+    return select_row_when_run<double>(iterations, nullptr, device_rows, out, status, stream);
+  throw std::invalid_argument("select_step_row: the GPU kernel takes float32 and float64");
+}
+
 void loss_scale_step(int* nonfinite, float* scale, long long* counter, long long* iterations, long long growth_steps,
                      bool dynamic, cudaStream_t stream) {
   sim::Lock lock;

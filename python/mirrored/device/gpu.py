@@ -706,6 +706,20 @@ class _Inflight:
 _inflight = _Inflight()
 
 
+def upload_async(host, out, stream) -> None:
+    """Copies host array ``host`` into device array ``out`` (as many bytes), queued on ``stream``, through a
+    pinned staging buffer: the call returns at once, and ``host`` may change right after."""
+    cupy = cupy_module()
+    host = np.ascontiguousarray(host)
+    pinned = cupy.cuda.alloc_pinned_memory(host.nbytes)
+    staging = np.frombuffer(pinned, host.dtype, host.size).reshape(host.shape)
+    staging[...] = host
+    with cupy.cuda.Device(out.data.device_id):
+        out.set(staging, stream=stream)
+        event = stream.record()
+    _inflight.add(event, pinned)
+
+
 def to_device_async(host, ordinal: int, stream=None):
     """A CuPy copy of host array ``host`` on GPU ``ordinal``, queued on ``stream``.
 

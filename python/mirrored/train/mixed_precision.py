@@ -435,8 +435,8 @@ class LossScaleOptimizer:
         from .optimizers.base import LossScaleGate
 
         inner = self.inner_optimizer
-        step = inner._advance(plan)
         inner._skips_on_device = inner._skips_on_device or self.dynamic
+        step = inner._advance(plan, on_device=True)
         scales, counters = _copies(self.dynamic_scale), _copies(self.step_counter)
         for d in range(plan.num_devices):
             device = plan.copies[d][0].device

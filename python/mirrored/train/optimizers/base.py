@@ -59,6 +59,7 @@ from ...distribute.reduce_util import ReduceOp
 from ...distribute.values import DistributedValues, DistributedVariable, PerReplica
 from .rules import (EMA, HOST_COEFFICIENTS, SGD, apply as apply_rule, array_module, ema,
                     weight_decay as apply_weight_decay)
+from .step_window import StepWindow
 
 __all__ = ["LossScaleGate", "Optimizer", "check_rate"]
 
@@ -163,8 +164,10 @@ class Optimizer:
         # the step count without a read from the GPU, and what a captured step's replays count from
         self._known_step = None
         # Set by a LossScaleOptimizer whose steps are checked on the GPU: a step may leave `iterations`
-        # where it was, which only the device knows (see _counted_step).
+        # where it was, which only the device knows (see _counted_step); the range that holds the device's
+        # count, for the steps whose scalars the device then selects (step_window.py).
         self._skips_on_device = False
+        self._window = StepWindow()
         self._slots = {}  # id(variable) -> (variable, {slot name: slot variable})
         self._plans = {}  # tuple of variable ids -> _Plan
         self._checked = {}  # tuple of variable ids -> (their shapes, the variables), once checked
@@ -539,13 +542,17 @@ class Optimizer:
             plan = self._plans[key] = _Plan(self, variables)
         return plan
 
-    def _advance(self, plan) -> int:
+    def _advance(self, plan, on_device: bool = False) -> int:
         """The step being taken (``iterations`` before it), its scalars prepared; each device's copy of
         ``iterations`` goes up with its update (``_Plan.apply``).
 
         Under ``md.function``'s capture nothing may wait for the GPU: the step is the one counted by the
         eager warm-up step that precedes every capture, the captured update reads the step's scalars
         from device buffers, and a replay hook counts the step and uploads its scalars before each replay.
+
+        ``on_device``: a loss-scaled step decided on the GPUs (LossScaleOptimizer). After a step the GPU may
+        have skipped, the returned step is an upper bound; when the scalars follow the step, they are
+        prepared for every step the device may be at, and the device picks its own (step_window.py).
         """
         scope = _gpu.step_scope()
         if scope is not None and scope.capturing:
@@ -555,55 +562,77 @@ class Optimizer:
                     "which a step captured by md.function cannot replay; run this step without md.function")
             # The capture runs nothing, so it counts its applies by itself: a second apply of this optimizer
             # in the step is the step after the first's, as eagerly. Each replay's hooks count them again.
+            # (A second apply under a dynamic scale: its step is the first's + 1 at most, and its device picks
+            # the row of whatever the first apply left in `iterations`.)
             counted = (self, "next step")
-            if counted in scope.captured:
-                if self._skips_on_device and self._scalars_use_step():
-                    raise NotImplementedError(
-                        f"optimizer {self.name!r} is applied twice in one step under a dynamic loss scale, and its "
-                        "scalars follow the step (bias corrections, a learning-rate schedule): the second apply's "
-                        "step depends on whether the GPU skipped the first, which a replay cannot know before it "
-                        "runs; apply it once per step, or run this step without md.function")
-                step = scope.captured[counted]
-            else:
-                step = self._counted_step(plan)
+            first = counted not in scope.captured
+            step = self._counted_step(plan) if first else scope.captured[counted]
             scope.captured[counted] = step + 1
-            scalars = plan.capture_scalars(scope, step)
-            scope.replay_hooks.append(lambda: self._before_replay(plan, scalars, scope))
+            selected = on_device and self._selects_on_device()
+            scalars = plan.capture_scalars(scope, step, selected)
+            scope.replay_hooks.append(lambda: self._before_replay(plan, scalars, scope, selected, first))
             return step
-        step = self._counted_step(plan)
-        self._known_step = (step + 1, plan.iterations[0], plan.iterations[0]._stores)
-        plan.prepare(step)
-        return step
+        self._prepare_step(plan, on_device and self._selects_on_device())
+        return plan.next_step - 1
 
-    def _counted_step(self, plan) -> int:
+    def _selects_on_device(self) -> bool:
+        """Whether a loss-scaled step's device picks its scalars (they follow a step only the GPU knows)."""
+        return self._skips_on_device and self._scalars_use_step()
+
+    def _prepare_step(self, plan, selected: bool) -> None:
+        """Counts the step and prepares its scalars: with ``selected``, one row per step the device may be at."""
+        step = self._counted_step(plan, bounded=selected)
+        if selected:
+            bounds = self._window.bounds(step)
+            # (None: no count known within MAX_ROWS applies, after an assignment: read it, a wait)
+            lower, step = bounds if bounds is not None else (self._read_step(),) * 2
+            plan.prepare_rows(lower, step)
+        else:
+            plan.prepare(step)
+            if not self._skips_on_device:  # the count is exact: the range starts there once steps may skip
+                self._window.known_exactly(step)
+        self._window.counted()
+        self._known_step = (step + 1, plan.iterations[0], plan.iterations[0]._stores)
+
+    def _counted_step(self, plan, bounded: bool = False) -> int:
         """``iterations`` now: the count this optimizer keeps, read from ``iterations`` (on a GPU: a copy to
-        the host, which waits for the GPU) only when someone else assigned it since this optimizer counted."""
+        the host, which waits for the GPU) only when someone else assigned it since this optimizer counted.
+
+        After a step a LossScaleOptimizer may have skipped on the GPU, the count is an upper bound: exact
+        enough for scalars that do not follow the step, for a capture (each replay's hook counts again) and
+        where the device selects the scalars (``bounded``); otherwise read back, a copy that waits."""
         first = plan.iterations[0]
         known = self._known_step
         scope = _gpu.step_scope()
         capturing = scope is not None and scope.capturing
         if known is not None and known[1] is first and known[2] == first._stores:
-            # After a step a LossScaleOptimizer may have skipped on the GPU, the count is an upper bound:
-            # exact enough for scalars that do not follow the step, and for a capture (each replay's hook
-            # counts again); otherwise read back, a copy that waits for the last step.
-            if not self._skips_on_device or capturing or not self._scalars_use_step():
+            if bounded or not self._skips_on_device or capturing or not self._scalars_use_step():
                 return known[0]
-            return int(self._iterations.numpy())
+            return self._read_step()
         if capturing:
             raise RuntimeError(
                 f"optimizer {self.name!r}: `iterations` was assigned after md.function's warm-up step, so a "
                 "captured step cannot know its value without waiting for the GPU; assign it outside the step")
-        return int(self._iterations.numpy())
+        return self._read_step()
+
+    def _read_step(self) -> int:
+        """``iterations`` read back (on a GPU a copy that waits for the last step): the exact count."""
+        step = int(self._iterations.numpy())
+        self._window.known_exactly(step)
+        return step
 
     def _scalars_use_step(self) -> bool:
         return self._coefficients_use_step or callable(self._learning_rate)
 
-    def _before_replay(self, plan, scalars, scope) -> None:
+    def _before_replay(self, plan, scalars, scope, selected: bool, first: bool) -> None:
         """Before each replay of a captured step, for one of its applies (in their order): the apply counted,
-        its scalars uploaded into the buffers its update reads (``scalars``, from ``capture_scalars``)."""
-        step = self._counted_step(plan)
-        self._known_step = (step + 1, plan.iterations[0], plan.iterations[0]._stores)
-        plan.prepare(step)
+        its scalars uploaded into the buffers its update reads (``scalars``, from ``capture_scalars``): the
+        step's, or the rows the device selects from. Before the step's ``first`` apply of this optimizer, the
+        copy of the device's count is queued, after the earlier replays' work (the last apply counted)."""
+        if selected and first:
+            ordinal = device_util.physical_ordinal(plan.copies[0][0].device)
+            self._window.record(ordinal, scope.streams[ordinal].ptr)
+        self._prepare_step(plan, selected)
         plan.upload_scalars(scalars, scope)
 
     def _step_state(self, step: int, dtypes) -> None:
@@ -688,6 +717,8 @@ class _Plan:
         iterations = optimizer._iterations
         self.iterations = iterations.values if isinstance(iterations, DistributedVariable) else (iterations,)
         self.next_step = None
+        # (lower, {dtype: every row's scalars, row after row}) when the device selects the step's scalars
+        self.rows = None
 
     def prepare(self, step: int) -> None:
         """The step's scalars for every dtype (once per step, not per variable or device)."""
@@ -698,6 +729,7 @@ class _Plan:
         rule_step = opt._rule_step(step)
         opt._step_state(rule_step, self.dtypes)
         self.next_step = step + 1
+        self.rows = None
         self.coefficients.clear()
         self.decay_factors.clear()
         self.ema_coefficients.clear()
@@ -714,6 +746,18 @@ class _Plan:
                 self.ema_coefficients[dtype] = (momentum, t(1) - momentum)
         frequency = opt.ema_overwrite_frequency
         self.ema_overwrite = bool(opt.use_ema and frequency and (rule_step + 1) % frequency == 0)
+
+    def prepare_rows(self, lower: int, upper: int) -> None:
+        """The scalars of every step from ``lower`` to ``upper`` (one row each, per dtype), for a device that
+        selects the row of its own count; the plan's step is ``upper`` (the count it keeps)."""
+        for d in range(self.num_devices):  # (made here, once, not by the replica threads that apply at once)
+            self._status_pointer(d)
+        rows = {dtype: [] for dtype in self.groups}
+        for step in range(lower, upper + 1):
+            self.prepare(step)
+            for dtype, values in rows.items():
+                values.extend(map(float, self._scalars(dtype)))
+        self.rows = (lower, rows)
 
     def host_grads(self, grads: list) -> list:
         """``grads`` as the host kernel reads them: C-contiguous NumPy arrays of their variables' dtypes."""
@@ -903,15 +947,17 @@ class _Plan:
         """The step's scalars of ``dtype``: the rule's coefficients, then weight decay's (rate, lr)."""
         return list(self.coefficients[dtype]) + list(self.decay_factors.get(dtype, (0.0, 0.0)))
 
-    def capture_scalars(self, scope, step: int) -> dict:
+    def capture_scalars(self, scope, step: int, selected: bool = False) -> dict:
         """For one apply of a captured step: every device's scalars in a device buffer per dtype (from the
         scope's pool of host-written buffers), which the captured update reads through 0-d views. The scalars the
         rules branch on in Python (``rules.HOST_COEFFICIENTS``) stay host values, fixed at capture.
+        ``selected``: the device selects them from rows of candidate steps (``prepare_rows``), uploaded into a
+        buffer of their own, by a kernel the graph holds.
 
-        Returns them (``{device: {dtype: (buffer, ordinal, coefficient views, weight decay views)}}``) for
-        the apply's replay hook, and files them as ``scope.captured[self]`` for the update of this apply to
-        read. Each apply of the plan in one step has buffers of its own: the next apply's files them over
-        this one's only after every replica has updated (its merge_call waits for them all)."""
+        Returns them (``{device: {dtype: _CapturedScalars}}``) for the apply's replay hook, and files them as
+        ``scope.captured[self]`` for the update of this apply to read. Each apply of the plan in one step has
+        buffers of its own: the next apply's files them over this one's only after every replica has updated
+        (its merge_call waits for them all)."""
         self.prepare(step)
         cupy = _gpu.cupy_module()
         host_positions = HOST_COEFFICIENTS.get(self.rule, ())
@@ -925,17 +971,23 @@ class _Plan:
                     buffer = cupy.empty(len(host), dtype)
                     views = [h if i in host_positions else buffer[i] for i, h in enumerate(host)]
                     n = len(self.coefficients[dtype])
-                    per_device[d][dtype] = (buffer, ordinal, tuple(views[:n]), tuple(views[n:]))
+                    rows = cupy.empty(len(_step_rows(dtype, 0, host)), np.uint8) if selected else None
+                    per_device[d][dtype] = _CapturedScalars(buffer, ordinal, tuple(views[:n]), tuple(views[n:]), rows)
         scope.captured[self] = per_device
         return per_device
 
     def upload_scalars(self, scalars, scope) -> None:
-        """This step's scalars (``prepare`` done) copied into one apply's buffers (``capture_scalars``'),
-        on the step's streams."""
+        """This step's scalars (``prepare`` or ``prepare_rows`` done) copied into one apply's buffers
+        (``capture_scalars``'), from pinned staging on the step's streams."""
         for buffers in scalars.values():
-            for dtype, (buffer, ordinal, _, _) in buffers.items():
-                host = np.array(self._scalars(dtype), dtype)
-                buffer.data.copy_from_host_async(host.ctypes.data, host.nbytes, scope.streams[ordinal])
+            for dtype, captured in buffers.items():
+                if captured.rows is not None:
+                    lower, rows = self.rows
+                    host = np.frombuffer(_step_rows(dtype, lower, rows[dtype], len(self._scalars(dtype))), np.uint8)
+                    target = captured.rows
+                else:
+                    host, target = np.array(self._scalars(dtype), dtype), captured.buffer
+                _gpu.upload_async(host, target, scope.streams[captured.ordinal])
 
     def _writable(self, device: int) -> None:
         """Copy-on-write (values.DeviceVariable._writable_buffer) for every copy of the device, at the cost
@@ -982,12 +1034,33 @@ class _Plan:
             self.tables_made_at[device] = values.buffers_replaced
         if packed is None:
             packed = self.pack(device, grads)
-        stream = array_module(packed[0]).cuda.get_current_stream().ptr
+        cupy = array_module(packed[0])
+        stream = cupy.cuda.get_current_stream().ptr
         grads = self._checked_grads(self.gpu_tables[device], packed, stream, gate)
         for table, grad, dtype in zip(self.gpu_tables[device], grads, self.groups):
+            if self.rows is not None:
+                # The device picks the row of its own count into a buffer of this stream (its pool
+                # reuses the block only for this stream's later work, after the update read it).
+                lower, rows = self.rows
+                width = len(self._scalars(dtype))
+                scalars = cupy.empty(width, dtype)
+                _gpu_kernel().select_step_row(table.device, dtype_code(dtype), self._iterations_pointer(device),
+                                              lower, width, rows[dtype], scalars.data.ptr,
+                                              self._status_pointer(device), stream)
+                table.apply_from_device(self.rule, grad, scalars.data.ptr, len(self.coefficients[dtype]), stream,
+                                        *_gate_pointers(gate))
+                continue
             weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))
             table.apply(self.rule, grad, [float(c) for c in self.coefficients[dtype]], float(weight_decay), float(lr),
                         stream, *_gate_pointers(gate))
+        if self.rows is not None and device == 0:
+            self.optimizer._window.record(table.device, stream)
+
+    def _iterations_pointer(self, device: int) -> int:
+        return self.iterations[device]._writable_buffer().data.ptr
+
+    def _status_pointer(self, device: int) -> int:
+        return self.optimizer._window.status(device_util.physical_ordinal(self.copies[device][0].device)).data.ptr
 
     def _apply_gpu_captured(self, device: int, grads, packed, scope, gate=None) -> None:
         """``_apply_gpu`` recorded into the step's graph: tables of the capture's own (kept by the scope as
@@ -1002,8 +1075,13 @@ class _Plan:
         stream = array_module(packed[0]).cuda.get_current_stream().ptr
         grads = self._checked_grads(tables, packed, stream, gate)
         for table, grad, dtype in zip(tables, grads, self.groups):
-            scalars, _, coefficients, _ = scope.captured[self][device][dtype]
-            table.apply_captured(self.rule, grad, scalars.data.ptr, len(coefficients), stream, *_gate_pointers(gate))
+            captured = scope.captured[self][device][dtype]
+            if captured.rows is not None:  # the graph's kernel picks the row of the device's count
+                _gpu_kernel().select_step_row_from_device(
+                    table.device, dtype_code(dtype), self._iterations_pointer(device), captured.rows.data.ptr,
+                    captured.buffer.data.ptr, self._status_pointer(device), stream)
+            table.apply_captured(self.rule, grad, captured.buffer.data.ptr, len(captured.coefficients), stream,
+                                 *_gate_pointers(gate))
 
     def _checked_grads(self, tables, packed, stream, gate) -> list:
         """The packed gradients' pointers; for a dynamic loss-scaled step, each first checked for inf and nan
@@ -1048,7 +1126,7 @@ class _Plan:
                 coefficients = self.coefficients[dtype]
                 weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))
             else:  # 0-d views of the device buffers each replay's hook refreshes
-                _, _, coefficients, (weight_decay, lr) = captured[dtype]
+                coefficients, (weight_decay, lr) = captured[dtype].coefficients, captured[dtype].decay
             for k in indices:
                 g = grads[k]
                 if g.dtype != dtype:
@@ -1059,6 +1137,25 @@ class _Plan:
 
 
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+class _CapturedScalars(NamedTuple):
+    """One dtype's scalars of a captured apply on one device: ``buffer`` (device, the rule's coefficients then
+    weight decay's rate and lr), read by the update also through 0-d views (``coefficients``, ``decay``;
+    host values where ``rules.HOST_COEFFICIENTS``); ``rows``: the device buffer of the rows the graph's select
+    kernel picks from into ``buffer`` (None: each replay's hook uploads ``buffer`` itself)."""
+
+    buffer: object
+    ordinal: int
+    coefficients: tuple
+    decay: tuple
+    rows: object
+
+
+def _step_rows(dtype, lower: int, values: list, width: int | None = None) -> bytes:
+    """The rows ``values`` (of ``width`` scalars each; one row without it) as the select kernel's device struct."""
+    width = len(values) if width is None else width
+    return _gpu_kernel().step_rows(dtype_code(dtype), lower, width, [float(v) for v in values])
 
 
 class LossScaleGate(NamedTuple):

@@ -13,6 +13,7 @@ import numpy as np
 
 from .rules import ADAGRAD, ADAM, ADAM_AMSGRAD, NADAM, RMSPROP, SGD as PLAIN_SGD, SGD_MOMENTUM, SGD_NESTEROV
 from .base import Optimizer, check_rate
+from .step_window import MAX_ROWS
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam"]
 
@@ -154,18 +155,27 @@ class Nadam(Optimizer):
         self.beta_1 = check_rate(beta_1, "beta_1", low=0.0, high=1.0)
         self.beta_2 = check_rate(beta_2, "beta_2", low=0.0, high=1.0)
         self.epsilon = check_rate(epsilon, "epsilon")
-        self._u_product = None  # (step, dtype, value): the product after `step` updates
+        # The products after the latest steps, {steps: value} in `_u_dtype`: a step whose scalars the GPU
+        # selects asks for a few steps before the last one (step_window.py), each computed once.
+        self._u_products, self._u_dtype = {}, None
 
     def _u_product_at(self, steps: int, dtype):
         """``u_product`` after ``steps`` updates, in the dtype of the first variable (Keras' choice)."""
         t = dtype.type
-        step, cached_dtype, value = self._u_product or (0, dtype, t(1.0))
-        if cached_dtype != dtype or step > steps:
-            step, value = 0, t(1.0)
+        if dtype != self._u_dtype:
+            self._u_products, self._u_dtype = {}, dtype
+        known = self._u_products
+        value = known.get(steps)
+        if value is not None:
+            return value
+        step = max((s for s in known if s < steps), default=0)
+        value = known.get(step, t(1.0))
         while step < steps:
             step += 1
             value = value * t(self.beta_1) * (t(1.0) - t(0.5) * _pow(t(0.96), t(step)))
-        self._u_product = (step, dtype, value)
+        known[steps] = value
+        for old in [s for s in known if s < steps - 2 * MAX_ROWS]:
+            del known[old]
         return value
 
     def _step_state(self, step: int, dtypes) -> None:
