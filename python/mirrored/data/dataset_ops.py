@@ -26,7 +26,7 @@ from ..device import device_util
 from .iterator_ops import OwnedIterator
 from .options import Options
 from .structure import (TensorSpec, array_module, map_container, normalize_input, normalize_output, spec_of,
-                        stack)
+                        stack, to_leaf)
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset"]
 
@@ -35,9 +35,16 @@ INFINITE_CARDINALITY = -1
 UNKNOWN = UNKNOWN_CARDINALITY = -2
 
 
+def _int(value, argument: str, what: str) -> int:
+    """An int argument; TypeError for any other type, as TF's conversion to an int64 tensor."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{argument}={value!r}: must be {what}, not {type(value).__name__}")
+    return int(value)
+
+
 def _positive_int(value, argument: str, allow=()) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
-            or (value <= 0 and value not in allow):
+    _int(value, argument, "a positive int")
+    if value <= 0 and value not in allow:
         extra = f" (or {', '.join(map(str, allow))})" if allow else ""
         raise ValueError(f"{argument}={value!r}: must be a positive int{extra}")
     return int(value)
@@ -45,14 +52,30 @@ def _positive_int(value, argument: str, allow=()) -> int:
 
 def _count(value, argument: str) -> int:
     """A ``take``/``skip``/``repeat`` count: an int; any negative one means "all" (-1), as in tf.data."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{argument}={value!r}: must be an int (>= 0, or -1 for all)")
-    return max(int(value), -1)
+    return max(_int(value, argument, "an int (>= 0, or -1 for all)"), -1)
 
 
 def _call(fn, element):
-    """tf.data passes a tuple element's components as separate arguments."""
-    return fn(*element) if isinstance(element, tuple) else fn(element)
+    """tf.data passes a tuple element's components as separate arguments (a namedtuple, dict or list is one
+    argument)."""
+    return fn(*element) if type(element) is tuple else fn(element)
+
+
+def _numpy_value(x):
+    """A leaf as as_numpy_iterator gives it: device arrays copied to the host, a scalar string as bytes."""
+    if device_util.on_gpu(x):
+        return device_util.to_host(x)
+    return bytes(x) if isinstance(x, np.bytes_) else x
+
+
+def _same_state(old, new, argument: str):
+    """``new`` (a function's new state) as a structure of arrays; its structure and dtypes must be ``old``'s."""
+    new = normalize_output(new, argument)
+    if not _same_structure(old, new) or any(np.result_type(a) != np.result_type(b)
+                                            for a, b in zip(flatten(old), flatten(new))):
+        raise TypeError(f"{argument} must keep the state's structure and dtypes: the state was {spec_of(old)}, "
+                        f"{argument} returned {spec_of(new)}; cast the new state (e.g. np.int64(...))")
+    return new
 
 
 def _parallelism_cap() -> int:
@@ -140,13 +163,14 @@ class Dataset:
     def as_numpy_iterator(self):
         """The elements, as NumPy values (device arrays are copied to the host)."""
         for element in self:
-            yield map_structure(lambda x: device_util.to_host(x) if device_util.on_gpu(x) else x, element)
+            yield map_structure(_numpy_value, element)
 
     def reduce(self, initial_state, reduce_func):
-        """``reduce_func(state, element)`` folded over every element, from ``initial_state``."""
-        state = initial_state
+        """``reduce_func(state, element)`` folded over every element, from ``initial_state``; the state keeps
+        its structure and dtypes (Python numbers in it convert as TF's: 0 is int32, 0.0 float32)."""
+        state = normalize_input(initial_state, "initial_state")
         for element in self:
-            state = reduce_func(state, element)
+            state = _same_state(state, reduce_func(state, element), "reduce_func")
         return state
 
     def _clone(self, inputs) -> "Dataset":
@@ -328,9 +352,16 @@ class Dataset:
 
 # --- sources -------------------------------------------------------------------------------------------
 
+def _not_empty(tensors, method: str) -> None:
+    if tensors is None or (isinstance(tensors, (tuple, dict)) and not flatten(tensors)):
+        raise ValueError(f"{method}: Invalid `element`. `element` should not be empty (got {tensors!r}); pass an "
+                         "array, or a tuple/dict of them")
+
+
 class _TensorSlices(Dataset):
     def __init__(self, tensors):
         super().__init__()
+        _not_empty(tensors, "from_tensor_slices")
         self._structure = normalize_input(tensors, "from_tensor_slices(tensors)")
         self._leaves = flatten(self._structure)
         shapes = [tuple(leaf.shape) for leaf in self._leaves]
@@ -405,6 +436,7 @@ def make_numpy_dataset(numpy_input) -> NumpyDataset:
 class _Tensors(Dataset):
     def __init__(self, tensors):
         super().__init__()
+        _not_empty(tensors, "from_tensors")
         self._element = normalize_input(tensors, "from_tensors(tensors)")
 
     def _compute_spec(self):
@@ -435,11 +467,10 @@ class _ListIterator(_Iterator):
 class _Range(Dataset):
     def __init__(self, *args, output_type=np.int64):
         super().__init__()
-        if not 1 <= len(args) <= 3 or any(isinstance(a, bool) or not isinstance(a, (int, np.integer))
-                                          for a in args):
+        if not 1 <= len(args) <= 3:
             raise ValueError(f"range{args!r}: expected range(stop), range(start, stop) or range(start, stop, "
-                             "step) with ints")
-        self._range = range(*(int(a) for a in args))
+                             f"step); the length of `args` should be between 1 and 3 but was {len(args)}")
+        self._range = range(*(_int(a, "range argument", "an int") for a in args))
         if self._range.step == 0:
             raise ValueError("step=0: range's step must not be zero")
         self._dtype = np.dtype(output_type)
@@ -469,6 +500,9 @@ class _Generator(Dataset):
         if not callable(generator):
             raise TypeError(f"generator={generator!r} must be callable (a generator function); pass the function, "
                             "not the generator object, so every iteration starts afresh")
+        if output_signature is not None and (output_types is not None or output_shapes is not None):
+            raise TypeError("The `output_types` and `output_shapes` arguments can not be used together with the "
+                            "`output_signature` argument; pass only output_signature")
         if output_signature is None:
             if output_types is None:
                 raise TypeError("from_generator: pass output_signature (a structure of md.data.TensorSpec), "
@@ -477,7 +511,7 @@ class _Generator(Dataset):
             if shapes is None:
                 shapes = map_structure(lambda _: None, output_types)
             output_signature = pack_sequence_as(output_types, [
-                TensorSpec(() if s is None else s, t) if s is not None else _UnknownShape(t)
+                TensorSpec(s, t)  # no output_shapes: any rank
                 for t, s in zip(flatten(output_types), _flatten_shapes(output_types, shapes))])
         for spec in flatten(output_signature):
             if not isinstance(spec, TensorSpec):
@@ -490,17 +524,6 @@ class _Generator(Dataset):
 
     def _make_iterator(self, state=None):
         return _GeneratorIterator(self, 0 if state is None else state["count"])
-
-
-class _UnknownShape(TensorSpec):
-    """A spec of any rank (the deprecated ``output_types`` without ``output_shapes``)."""
-
-    def __init__(self, dtype):
-        super().__init__((), dtype)
-        self.shape = None
-
-    def __repr__(self):
-        return f"TensorSpec(shape=<unknown>, dtype={self.dtype.name}, name=None)"
 
 
 def _flatten_shapes(types, shapes):
@@ -531,7 +554,7 @@ def _conform(value, signature):
             if leaf.ndim == 0:
                 leaf = leaf[()]
         if signature.shape is not None and not signature.is_compatible_with(leaf):
-            raise ValueError(f"`generator` yielded an element of shape {tuple(np.shape(leaf))} where an element of "
+            raise TypeError(f"`generator` yielded an element of shape {tuple(np.shape(leaf))} where an element of "
                              f"shape {signature.shape} was expected")
         return leaf
     if isinstance(signature, dict):
@@ -539,7 +562,7 @@ def _conform(value, signature):
             raise TypeError(f"`generator` yielded {value!r:.100}, which does not match the structure of "
                             f"output_signature {signature!r}")
         return type(signature)((k, _conform(value[k], signature[k])) for k in signature)
-    if not isinstance(value, (tuple, list)) or len(value) != len(signature):
+    if not isinstance(value, tuple) or len(value) != len(signature):  # as tf.data: a list is not a tuple
         raise TypeError(f"`generator` yielded {value!r:.100}, which does not match the structure of "
                         f"output_signature {signature!r}")
     items = [_conform(v, s) for v, s in zip(value, signature)]
@@ -648,7 +671,8 @@ class _Batch(Dataset):
 
     def _compute_spec(self):
         first = self._batch_size if self._drop else None
-        return map_structure(lambda s: TensorSpec((first,) + s.shape, s.dtype), self._input.element_spec)
+        return map_structure(lambda s: TensorSpec(None if s.shape is None else (first,) + s.shape, s.dtype),
+                             self._input.element_spec)
 
     def cardinality(self):
         n = self._input.cardinality()
@@ -746,6 +770,11 @@ class _PaddedBatch(_Batch):
         if len(values) != len(leaves):
             raise ValueError(f"padding_values={self._padding_values!r} does not match the structure of the "
                              f"elements {spec!r}")
+        values = [to_leaf(v, "padding_values") for v in values]
+        for v, s in zip(values, leaves):
+            if TensorSpec((), v.dtype).dtype != s.dtype:  # tf.data converts as tf.constant: 0 is int32, 0.0 float32
+                raise TypeError(f"Invalid `padding_values`. `padding_values` values type {v.dtype} does not match type "
+                                f"{s.dtype} of the corresponding input component; pass e.g. np.{s.dtype}({v!r})")
         return values
 
     def _compute_spec(self):
@@ -813,8 +842,18 @@ def _pad(column: list, component: int, target: list, value) -> list:
 
 
 class _Unbatch(Dataset):
+    def cardinality(self):
+        """Known when the input's batch dimension is (one size for every component), as in tf.data."""
+        n = self._input.cardinality()
+        rows = {s.shape[0] if s.shape else None for s in flatten(self._input.element_spec)}
+        if n < 0 or len(rows) != 1 or None in rows or 0 in rows:
+            return n if n == INFINITE_CARDINALITY else (0 if n == 0 else UNKNOWN)
+        return n * rows.pop()
+
     def _compute_spec(self):
         def row(s):
+            if s.shape is None:
+                return s
             if not s.shape:
                 raise ValueError("Cannot unbatch an input with scalar components; unbatch needs every component "
                                  "to have rank >= 1 (batch the dataset first)")
@@ -854,7 +893,7 @@ class _Map(Dataset):
     def __init__(self, input_ds, fn, num_parallel_calls, deterministic):
         super().__init__(input_ds)
         if not callable(fn):
-            raise TypeError(f"map_func={fn!r} is not callable")
+            raise ValueError(f"map_func={fn!r} is not callable; pass a function of the element")
         if num_parallel_calls is not None:
             num_parallel_calls = _positive_int(num_parallel_calls, "num_parallel_calls", allow=(AUTOTUNE,))
         self._fn, self._parallel, self._deterministic = fn, num_parallel_calls, deterministic
@@ -967,7 +1006,7 @@ class _Interleave(Dataset):
     def __init__(self, input_ds, fn, cycle_length, block_length):
         super().__init__(input_ds)
         if not callable(fn):
-            raise TypeError(f"map_func={fn!r} is not callable")
+            raise ValueError(f"map_func={fn!r} is not callable; pass a function of the element")
         self._fn, self._cycle, self._block = fn, cycle_length, block_length
 
     def _inner(self, element) -> Dataset:
@@ -1051,7 +1090,7 @@ class _Filter(Dataset):
     def __init__(self, input_ds, predicate):
         super().__init__(input_ds)
         if not callable(predicate):
-            raise TypeError(f"predicate={predicate!r} is not callable")
+            raise ValueError(f"predicate={predicate!r} is not callable; pass a function of the element")
         self._fn = self._predicate = predicate
 
     def _make_iterator(self, state=None):
@@ -1070,7 +1109,7 @@ class _FilterIterator(_MapIterator):
             if isinstance(keep, np.ndarray) and keep.shape == () and keep.dtype == np.bool_:
                 keep = keep[()]
             if not isinstance(keep, (bool, np.bool_)):
-                raise TypeError(f"predicate must return a scalar boolean, got {keep!r:.80} "
+                raise ValueError(f"predicate must return a scalar boolean, got {keep!r:.80} "
                                 f"({type(keep).__name__})")
             if keep:
                 return element
@@ -1147,6 +1186,8 @@ class _Repeat(Dataset):
 
     def cardinality(self):
         n = self._input.cardinality()
+        if self._times == 0:
+            return 0
         if self._times == -1:
             return 0 if n == 0 else INFINITE_CARDINALITY
         return n * self._times if n >= 0 else n
@@ -1229,6 +1270,8 @@ class _Skip(_Take):
 
 class _SkipIterator(_TakeIterator):
     def next(self):
+        if self._left == -1:  # tf.data's skip(-1) is empty without reading its input (which may be endless)
+            raise StopIteration
         while self._left != 0:
             self._inputs[0].next()
             if self._left > 0:
@@ -1445,6 +1488,16 @@ class _ShardIterator(_Iterator):
         return {"input": self._inputs[0].save()}
 
 
+def _same_structure(a, b) -> bool:
+    if isinstance(a, dict) or isinstance(b, dict):
+        return isinstance(a, dict) and isinstance(b, dict) and set(a) == set(b) and all(
+            _same_structure(a[k], b[k]) for k in a)
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and all(
+            _same_structure(x, y) for x, y in zip(a, b))
+    return True
+
+
 class _Concatenate(Dataset):
     def __init__(self, first, second):
         if not isinstance(second, Dataset):
@@ -1453,17 +1506,11 @@ class _Concatenate(Dataset):
 
     def _compute_spec(self):
         a, b = self._inputs[0].element_spec, self._inputs[1].element_spec
-        flat_a, flat_b = flatten(a), flatten(b)
-        try:
-            pack_sequence_as(a, flat_b)
-            ok = len(flat_a) == len(flat_b) and all(x.dtype == y.dtype and len(x.shape) == len(y.shape)
-                                                    for x, y in zip(flat_a, flat_b))
-        except (StopIteration, KeyError, TypeError):
-            ok = False
-        if not ok:
+        if not _same_structure(a, b) or any(x.dtype != y.dtype for x, y in zip(flatten(a), flatten(b))):
             raise TypeError(f"Incompatible dataset elements:\n  {a} vs.\n  {b}; concatenate needs the same "
-                            "structure, dtypes and ranks")
-        return pack_sequence_as(a, [x.most_specific_compatible(y) for x, y in zip(flat_a, flat_b)])
+                            "structure (tuple lengths, dict keys) and dtypes")
+        # Shapes may differ: dimensions that differ become None, and the whole shape where the ranks differ.
+        return pack_sequence_as(a, [x.most_specific_compatible(y) for x, y in zip(flatten(a), flatten(b))])
 
     def cardinality(self):
         a, b = (d.cardinality() for d in self._inputs)
@@ -1504,7 +1551,7 @@ class _Zip(Dataset):
             if not isinstance(d, Dataset):
                 raise TypeError(f"zip: every item must be an md.data.Dataset, got {type(d).__name__}")
         if not flat:
-            raise ValueError("zip: pass at least one dataset")
+            raise TypeError("Must pass at least one dataset to `zip`.")
         super().__init__(*flat)
         self._structure = datasets
 
