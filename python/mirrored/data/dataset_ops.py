@@ -14,6 +14,7 @@ import concurrent.futures as futures
 import copy
 import glob
 import inspect
+import logging
 import math
 import os
 import threading
@@ -76,6 +77,16 @@ def _same_state(old, new, argument: str):
         raise TypeError(f"{argument} must keep the state's structure and dtypes: the state was {spec_of(old)}, "
                         f"{argument} returned {spec_of(new)}; cast the new state (e.g. np.int64(...))")
     return new
+
+
+def _scalar_bool(keep) -> bool:
+    """A predicate's result: a Python or NumPy boolean scalar (tf.bool), nothing else."""
+    if isinstance(keep, np.ndarray) and keep.shape == () and keep.dtype == np.bool_:
+        keep = keep[()]
+    if not isinstance(keep, (bool, np.bool_)):
+        raise ValueError(f"predicate must return a scalar boolean, got {keep!r:.80} ({type(keep).__name__}); "
+                         "compare, e.g. x > 0")
+    return bool(keep)
 
 
 def _parallelism_cap() -> int:
@@ -348,6 +359,73 @@ class Dataset:
 
     def apply(self, transformation_func) -> "Dataset":
         return transformation_func(self)
+
+    def take_while(self, predicate, name=None) -> "Dataset":
+        """The elements up to (not including) the first for which ``predicate(element)`` is False."""
+        return _TakeWhile(self, predicate)
+
+    def scan(self, initial_state, scan_func, name=None) -> "Dataset":
+        """``scan_func(state, element)`` returns ``(new_state, output)``: the outputs, the state carried along."""
+        return _Scan(self, initial_state, scan_func)
+
+    def unique(self, name=None) -> "Dataset":
+        """Each distinct element once, in order of first appearance (int32, int64 or string components)."""
+        return _Unique(self)
+
+    def rebatch(self, batch_size, drop_remainder=False, name=None) -> "Dataset":
+        """The rows of the batches regrouped into batches of ``batch_size`` (an int, or a list used in turn)."""
+        return _Rebatch(self, batch_size, bool(drop_remainder))
+
+    def ignore_errors(self, log_warning=False, name=None) -> "Dataset":
+        """The elements whose computation did not raise (those that did are dropped, logged if asked)."""
+        return _IgnoreErrors(self, bool(log_warning))
+
+    def get_single_element(self, name=None):
+        """The dataset's only element; ValueError if it has none or more than one."""
+        it = self._make_iterator()
+        try:
+            try:
+                element = it.next()
+            except StopIteration:
+                raise ValueError("Dataset was empty; get_single_element needs exactly one element") from None
+            try:
+                it.next()
+            except StopIteration:
+                return element
+            raise ValueError("Dataset had more than one element; take(1) or batch the dataset first")
+        finally:
+            it.close()
+
+    @staticmethod
+    def counter(start=0, step=1, dtype=np.int64, name=None) -> "Dataset":
+        """``start, start + step, ...`` forever, as ``dtype`` scalars."""
+        return _Counter(_int(start, "start", "an int"), _int(step, "step", "an int"), dtype)
+
+    @staticmethod
+    def choose_from_datasets(datasets, choice_dataset, stop_on_empty_dataset=True) -> "Dataset":
+        """The next element of ``datasets[i]`` for each ``i`` of ``choice_dataset`` (int64 scalars)."""
+        return _ChooseFromDatasets(datasets, choice_dataset, bool(stop_on_empty_dataset))
+
+    @staticmethod
+    def sample_from_datasets(datasets, weights=None, seed=None, stop_on_empty_dataset=False,
+                             rerandomize_each_iteration=None) -> "Dataset":
+        """Elements drawn from ``datasets`` at random, dataset ``i`` with probability ``weights[i]`` (uniform by
+        default); an exhausted dataset drops out unless ``stop_on_empty_dataset``."""
+        datasets = _datasets_argument(datasets)
+        if weights is not None:
+            weights = [float(w) for w in np.asarray(weights, np.float64).reshape(-1)]
+            if len(weights) != len(datasets):
+                raise ValueError(f"Invalid `weights`. `weights` should have the same length as `datasets` but got "
+                                 f"`len(weights)={len(weights)}` vs. `len(datasets)={len(datasets)}`.")
+            if any(w < 0 for w in weights) or not sum(weights) > 0:
+                raise ValueError(f"weights={weights}: must be >= 0 with a positive sum")
+            # As tf.data: datasets of weight 0 are never read, and a lone remaining dataset is returned as it is.
+            kept = [(d, w) for d, w in zip(datasets, weights) if w > 0]
+            if len(kept) == 1:
+                return kept[0][0]
+            datasets, weights = [d for d, _ in kept], [w for _, w in kept]
+        return _SampleFromDatasets(datasets, weights, seed, bool(stop_on_empty_dataset),
+                                   bool(rerandomize_each_iteration))
 
 
 # --- sources -------------------------------------------------------------------------------------------
@@ -1105,13 +1183,7 @@ class _FilterIterator(_MapIterator):
     def next(self):
         while True:
             element = self._inputs[0].next()
-            keep = _call(self._predicate, element)
-            if isinstance(keep, np.ndarray) and keep.shape == () and keep.dtype == np.bool_:
-                keep = keep[()]
-            if not isinstance(keep, (bool, np.bool_)):
-                raise ValueError(f"predicate must return a scalar boolean, got {keep!r:.80} "
-                                f"({type(keep).__name__})")
-            if keep:
+            if _scalar_bool(_call(self._predicate, element)):
                 return element
 
 
@@ -1672,3 +1744,360 @@ class ListFilesDataset(Dataset):
 
     def _file_count(self):
         return len(self._files)
+
+
+# --- take_while, scan, unique, rebatch, ignore_errors, counter, choose/sample_from_datasets ---------------
+
+class _TakeWhile(_Filter):
+    def cardinality(self):
+        return UNKNOWN  # as tf.data, even for an endless input
+
+    def _make_iterator(self, state=None):
+        return _TakeWhileIterator(self, state)
+
+
+class _TakeWhileIterator(_MapIterator):
+    def __init__(self, ds, state):
+        super().__init__(ds, state)
+        self._predicate = ds._predicate
+        self._done = False if state is None else state["done"]
+
+    def next(self):
+        if self._done:
+            raise StopIteration
+        element = self._inputs[0].next()
+        if not _scalar_bool(_call(self._predicate, element)):
+            self._done = True
+            raise StopIteration
+        return element
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "done": self._done}
+
+
+def _scan_step(fn, state, element):
+    """``fn(state, element)``: the new state (same structure and dtypes) and the output."""
+    result = fn(state, element)
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise TypeError(f"Invalid `scan_func`. `scan_func` should return a pair consisting of new state and the "
+                        f"output value, got {result!r:.80}")
+    return _same_state(state, result[0], "scan_func"), normalize_output(result[1], "scan_func")
+
+
+class _Scan(Dataset):
+    def __init__(self, input_ds, initial_state, fn):
+        super().__init__(input_ds)
+        if not callable(fn):
+            raise ValueError(f"scan_func={fn!r} is not callable; pass a function of (state, element)")
+        self._initial, self._fn = normalize_input(initial_state, "initial_state"), fn
+
+    def _compute_spec(self):
+        first = self._input._peek()
+        if not first:
+            raise ValueError("element_spec of scan: the input is empty, so scan_func's output is unknown")
+        return spec_of(_scan_step(self._fn, self._initial, first[0])[1])
+
+    def cardinality(self):
+        return self._input.cardinality()
+
+    def _make_iterator(self, state=None):
+        return _ScanIterator(self, state)
+
+
+class _ScanIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._fn = ds._fn
+        self._state = ds._initial if state is None else state["state"]
+
+    def next(self):
+        self._state, output = _scan_step(self._fn, self._state, self._inputs[0].next())
+        return output
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "state": self._state}
+
+
+class _Unique(Dataset):
+    def __init__(self, input_ds):
+        super().__init__(input_ds)
+        leaves = flatten(input_ds.element_spec)
+        if len(leaves) != 1:
+            raise ValueError("unique only supports inputs with a single component (not a tuple or dict); map "
+                             "the element to one component first")
+        if leaves[0].dtype.kind != "S" and leaves[0].dtype not in (np.int32, np.int64):
+            raise TypeError(f"`Dataset.unique` does not support type {leaves[0].dtype} -- only int32, int64, and "
+                            "string are supported")
+
+    def _make_iterator(self, state=None):
+        return _UniqueIterator(self, state)
+
+
+class _UniqueIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._kept = [] if state is None else list(state["seen"])
+        self._seen = {self._key(x) for x in self._kept}
+
+    @staticmethod
+    def _key(x):
+        x = np.asarray(device_util.to_host(x) if device_util.on_gpu(x) else x)
+        return (x.shape, x.tobytes())
+
+    def next(self):
+        while True:
+            element = self._inputs[0].next()
+            key = self._key(element)
+            if key not in self._seen:
+                self._seen.add(key)
+                self._kept.append(element)
+                return element
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "seen": self._kept}
+
+
+def _batch_sizes(batch_size) -> list:
+    sizes = list(batch_size) if isinstance(batch_size, (list, tuple, np.ndarray)) else [batch_size]
+    if not sizes:
+        raise ValueError("batch_size=[]: pass a batch size, or a list of them")
+    return [_positive_int(b, "batch_size") for b in sizes]
+
+
+class _Rebatch(Dataset):
+    def __init__(self, input_ds, batch_size, drop_remainder):
+        super().__init__(input_ds)
+        self._sizes, self._drop = _batch_sizes(batch_size), drop_remainder
+        if any(s.shape is not None and not s.shape for s in flatten(input_ds.element_spec)):
+            raise ValueError("Invalid `batch_sizes`. Expected dataset with rank of >= 1 but found a dataset with "
+                             "scalar elements. Fix the issue by adding the `batch` transformation to the dataset.")
+
+    def _compute_spec(self):
+        # Every batch has the one size when the remainder is dropped, or when each input batch splits evenly.
+        inputs = {s.shape[0] if s.shape else None for s in flatten(self._input.element_spec)}
+        size = self._sizes[0] if len(set(self._sizes)) == 1 else None
+        even = len(inputs) == 1 and None not in inputs and size is not None and inputs.pop() % size == 0
+        first = size if self._drop or even else None
+        return map_structure(lambda s: TensorSpec(None if s.shape is None else (first,) + s.shape[1:], s.dtype),
+                             self._input.element_spec)
+
+    def cardinality(self):
+        return UNKNOWN  # as tf.data
+
+    def _make_iterator(self, state=None):
+        return _RebatchIterator(self, state)
+
+
+class _RebatchIterator(_Iterator):
+    """Rows taken from the input batches in order, ``sizes[k % len(sizes)]`` for the k-th batch."""
+
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._ds = ds
+        self._current, self._row, self._k = (None, 0, 0) if state is None else (state["current"], state["row"],
+                                                                                   state["k"])
+
+    def _rows_left(self) -> int:
+        return 0 if self._current is None else flatten(self._current)[0].shape[0] - self._row
+
+    def next(self):
+        size = self._ds._sizes[self._k % len(self._ds._sizes)]
+        parts, rows = [], 0
+        while rows < size:
+            if self._rows_left() == 0:
+                try:
+                    self._current, self._row = self._inputs[0].next(), 0
+                except StopIteration:
+                    self._current = None
+                    break
+                continue
+            take = min(size - rows, self._rows_left())
+            parts.append([leaf[self._row:self._row + take] for leaf in flatten(self._current)])
+            self._row, rows = self._row + take, rows + take
+        if not parts or (self._ds._drop and rows < size):
+            raise StopIteration
+        self._k += 1
+        leaves = [parts[0][c] if len(parts) == 1 else array_module(parts[0][c]).concatenate([p[c] for p in parts])
+                  for c in range(len(parts[0]))]
+        return pack_sequence_as(self._ds._input.element_spec, leaves)
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "current": self._current, "row": self._row, "k": self._k}
+
+
+class _IgnoreErrors(Dataset):
+    def __init__(self, input_ds, log_warning):
+        super().__init__(input_ds)
+        self._log = log_warning
+
+    def cardinality(self):
+        return UNKNOWN  # as tf.data: any element may be dropped
+
+    def _make_iterator(self, state=None):
+        return _IgnoreErrorsIterator(self, state)
+
+
+class _IgnoreErrorsIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._log = ds._log
+
+    def next(self):
+        while True:
+            try:
+                return self._inputs[0].next()
+            except StopIteration:
+                raise
+            except Exception as e:  # noqa: BLE001  (dropping failed elements is the point)
+                if self._log:
+                    logging.getLogger("mirrored.data").warning("ignore_errors dropped an element: %s: %s",
+                                                               type(e).__name__, e)
+
+    def save(self):
+        return {"input": self._inputs[0].save()}
+
+
+class _Counter(Dataset):
+    def __init__(self, start, step, dtype):
+        super().__init__()
+        self._start, self._step, self._dtype = start, step, np.dtype(dtype)
+
+    def _compute_spec(self):
+        return TensorSpec((), self._dtype)
+
+    def cardinality(self):
+        return INFINITE_CARDINALITY
+
+    def _make_iterator(self, state=None):
+        return _CounterIterator(self, 0 if state is None else state["i"])
+
+
+class _CounterIterator(_SliceIterator):
+    def next(self):
+        self._i += 1
+        return self._ds._dtype.type(self._ds._start + (self._i - 1) * self._ds._step)
+
+
+def _datasets_argument(datasets) -> list:
+    datasets = list(datasets)
+    if not datasets:
+        raise ValueError("Invalid `datasets`. `datasets` should not be empty.")
+    for d in datasets:
+        if not isinstance(d, Dataset):
+            raise TypeError(f"datasets: every item must be an md.data.Dataset, got {type(d).__name__}")
+    return datasets
+
+
+class _Selecting(Dataset):
+    """Elements of ``datasets`` (all of one structure and dtypes), one dataset picked per element."""
+
+    def __init__(self, datasets, extra_inputs, stop_on_empty):
+        datasets = _datasets_argument(datasets)
+        super().__init__(*datasets, *extra_inputs)
+        self._count, self._stop = len(datasets), stop_on_empty
+        self.element_spec  # noqa: B018  (incompatible datasets are refused here, as tf.data does)
+
+    def _compute_spec(self):
+        specs = [d.element_spec for d in self._inputs[:self._count]]
+        spec = specs[0]
+        for i, other in enumerate(specs[1:], 1):
+            if not _same_structure(spec, other) or any(a.dtype != b.dtype for a, b in zip(flatten(spec),
+                                                                                         flatten(other))):
+                raise TypeError(f"Invalid `datasets`. `datasets` must have compatible element specs.\n Dataset 0 "
+                                f"element_spec={specs[0]}.\nDataset {i} element_spec={other}.")
+            spec = pack_sequence_as(spec, [a.most_specific_compatible(b) for a, b in zip(flatten(spec),
+                                                                                         flatten(other))])
+        return spec
+
+
+class _SelectingIterator(_Iterator):
+    """The inputs' iterators and which are exhausted; ``_choose()`` gives the next index (StopIteration: done)."""
+
+    def __init__(self, ds, state):
+        states = [None] * ds._count if state is None else state["inputs"]
+        super().__init__(*(d._make_iterator(s) for d, s in zip(ds._inputs[:ds._count], states)))
+        self._ds = ds
+        self._empty = [False] * ds._count if state is None else list(state["empty"])
+
+    def next(self):
+        while True:
+            i = self._choose()
+            if not self._empty[i]:
+                try:
+                    return self._inputs[i].next()
+                except StopIteration:
+                    self._empty[i] = True
+            if self._ds._stop or all(self._empty):
+                raise StopIteration
+
+    def save(self):
+        return {"inputs": [it.save() for it in self._inputs[:self._ds._count]], "empty": self._empty}
+
+
+class _ChooseFromDatasets(_Selecting):
+    def __init__(self, datasets, choice_dataset, stop_on_empty):
+        if not isinstance(choice_dataset, Dataset):
+            raise TypeError(f"choice_dataset={choice_dataset!r}: expected an md.data.Dataset of int64 scalars")
+        if choice_dataset.element_spec != TensorSpec((), np.int64):
+            raise TypeError("Invalid `choice_dataset`. Elements of `choice_dataset` must be scalar int64 tensors "
+                            f"but are {choice_dataset.element_spec}")
+        super().__init__(datasets, [choice_dataset], stop_on_empty)
+
+    def cardinality(self):
+        return UNKNOWN
+
+    def _make_iterator(self, state=None):
+        return _ChooseIterator(self, state)
+
+
+class _ChooseIterator(_SelectingIterator):
+    def __init__(self, ds, state):
+        super().__init__(ds, state)
+        self._inputs.append(ds._inputs[-1]._make_iterator(None if state is None else state["choice"]))
+
+    def _choose(self):
+        i = int(self._inputs[-1].next())
+        if not 0 <= i < self._ds._count:
+            raise ValueError(f"Selector index out of range: {i} >= {self._ds._count}; choice_dataset's values "
+                             f"must be in [0, {self._ds._count})")
+        return i
+
+    def save(self):
+        return {**super().save(), "choice": self._inputs[-1].save()}
+
+
+class _SampleFromDatasets(_Selecting):
+    def __init__(self, datasets, weights, seed, stop_on_empty, rerandomize):
+        super().__init__(datasets, [], stop_on_empty)
+        self._weights = np.full(self._count, 1.0) if weights is None else np.asarray(weights, np.float64)
+        self._reshuffle = rerandomize or seed is None
+        self._seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        self._epochs = 0
+
+    def cardinality(self):
+        endless = [d.cardinality() == INFINITE_CARDINALITY for d in self._inputs]
+        return INFINITE_CARDINALITY if (all(endless) if self._stop else any(endless)) else UNKNOWN
+
+    def _make_iterator(self, state=None):
+        return _SampleIterator(self, state)
+
+
+class _SampleIterator(_SelectingIterator):
+    def __init__(self, ds, state):
+        super().__init__(ds, state)
+        if state is None:
+            epoch = ds._epochs if ds._reshuffle else 0
+            ds._epochs += 1
+            self._rng = np.random.Generator(np.random.PCG64([ds._seed, epoch]))
+        else:
+            self._rng = np.random.Generator(np.random.PCG64())
+            self._rng.bit_generator.state = state["rng"]
+
+    def _choose(self):
+        # tf.data skips a draw that lands on an exhausted dataset; drawing among the others gives the same
+        # distribution without spinning.
+        weights = np.where(self._empty, 0.0, self._ds._weights)
+        return int(self._rng.choice(len(weights), p=weights / weights.sum()))
+
+    def save(self):
+        return {**super().save(), "rng": self._rng.bit_generator.state}
