@@ -14,8 +14,17 @@ import mirrored as md
 D = md.data.Dataset
 
 
+def plain(element):
+    """An element as Python lists and numbers (tuples and dicts kept)."""
+    if isinstance(element, tuple):
+        return tuple(plain(e) for e in element)
+    if isinstance(element, dict):
+        return {k: plain(v) for k, v in element.items()}
+    return np.asarray(element).tolist()
+
+
 def values(ds):
-    return [np.asarray(e).tolist() for e in ds.as_numpy_iterator()]
+    return [plain(e) for e in ds.as_numpy_iterator()]
 
 
 # --- shuffle --------------------------------------------------------------------------------------------------
@@ -152,6 +161,8 @@ PIPELINES = {
     "choose": lambda: D.choose_from_datasets([D.range(6), D.range(100, 110)],
                                              D.from_tensor_slices(np.int64([0, 1, 1, 0] * 5)), False),
     "sample": lambda: D.sample_from_datasets([D.range(8), D.range(100, 112)], seed=4),
+    "window": lambda: D.from_tensor_slices((np.arange(20), np.arange(20) * 10)).window(4, 3, 2).flat_map(
+        lambda a, b: D.zip(a.batch(4), b)),
     "ignore_errors": lambda: D.from_tensor_slices(["1", "x", "3", "4", "y", "6"]).map(_parse).ignore_errors(),
 }
 
@@ -167,7 +178,7 @@ def test_a_restored_iterator_of_an_added_method_continues_after_the_save(tmp_pat
     path = md.train.Checkpoint(iterator=it).save(str(tmp_path / "ckpt" / "it"))
     restored = iter(make())
     md.train.Checkpoint(iterator=restored).restore(path).assert_consumed()
-    assert [np.asarray(e).tolist() for e in restored] == expected[position:]
+    assert [plain(e) for e in restored] == expected[position:]
 
 
 def test_as_numpy_iterator_gives_bytes_and_numpy_scalars_as_tf():

@@ -26,7 +26,7 @@ from .._nest import flatten, map_structure, pack_sequence_as
 from ..device import device_util
 from .iterator_ops import OwnedIterator
 from .options import Options
-from .structure import (TensorSpec, array_module, map_container, normalize_input, normalize_output, spec_of,
+from .structure import (DatasetSpec, TensorSpec, array_module, map_container, normalize_input, normalize_output, spec_of,
                         stack, to_leaf)
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset"]
@@ -173,6 +173,10 @@ class Dataset:
 
     def as_numpy_iterator(self):
         """The elements, as NumPy values (device arrays are copied to the host)."""
+        for spec in flatten(self.element_spec):
+            if isinstance(spec, DatasetSpec):
+                raise TypeError("`Dataset.as_numpy_iterator()` is not supported for datasets that produce datasets "
+                                "(window); iterate it, or flat_map(lambda w: w.batch(size)) first")
         for element in self:
             yield map_structure(_numpy_value, element)
 
@@ -359,6 +363,13 @@ class Dataset:
 
     def apply(self, transformation_func) -> "Dataset":
         return transformation_func(self)
+
+    def window(self, size, shift=None, stride=1, drop_remainder=False, name=None) -> "Dataset":
+        """Windows of ``size`` elements (every ``stride``-th), one starting every ``shift`` (default ``size``)
+        inputs; each window is the element's structure of datasets (``flat_map(lambda w: w.batch(size))``)."""
+        size = _positive_int(size, "size")
+        return _Window(self, size, size if shift is None else _positive_int(shift, "shift"),
+                       _positive_int(stride, "stride"), bool(drop_remainder))
 
     def take_while(self, predicate, name=None) -> "Dataset":
         """The elements up to (not including) the first for which ``predicate(element)`` is False."""
@@ -1116,7 +1127,8 @@ class _InterleaveIterator(_Iterator):
             self._index, self._taken, self._input_done = state["index"], state["taken"], state["input_done"]
             for i, slot in enumerate(state["slots"]):
                 if slot is not None:
-                    self._slots[i] = (slot[0], ds._inner(slot[0])._make_iterator(slot[1]))
+                    element = _element_from_state(slot[0], ds._input.element_spec)
+                    self._slots[i] = (element, ds._inner(element)._make_iterator(slot[1]))
 
     def _open(self, i) -> bool:
         if self._input_done:
@@ -1155,13 +1167,23 @@ class _InterleaveIterator(_Iterator):
     def save(self):
         return {"input": self._inputs[0].save(), "index": self._index, "taken": self._taken,
                 "input_done": self._input_done,
-                "slots": [None if s is None else (s[0], s[1].save()) for s in self._slots]}
+                "slots": [None if s is None else (_element_state(s[0]), s[1].save()) for s in self._slots]}
 
     def close(self):
         for slot in self._slots:
             if slot is not None:
                 slot[1].close()
         super().close()
+
+
+def _element_state(element) -> list:
+    """An input element of interleave/flat_map as checkpoint state: its leaves, a window's as its values."""
+    return [x._values if isinstance(x, _WindowComponent) else x for x in flatten(element)]
+
+
+def _element_from_state(leaves: list, spec):
+    return pack_sequence_as(spec, [_WindowComponent(list(v), s.element_spec) if isinstance(s, DatasetSpec) else v
+                                   for v, s in zip(leaves, flatten(spec))])
 
 
 class _Filter(Dataset):
@@ -2101,3 +2123,80 @@ class _SampleIterator(_SelectingIterator):
 
     def save(self):
         return {**super().save(), "rng": self._rng.bit_generator.state}
+
+
+class _Window(Dataset):
+    def __init__(self, input_ds, size, shift, stride, drop_remainder):
+        super().__init__(input_ds)
+        self._size, self._shift, self._stride, self._drop = size, shift, stride, drop_remainder
+
+    def _compute_spec(self):
+        return map_structure(DatasetSpec, self._input.element_spec)
+
+    def cardinality(self):
+        n = self._input.cardinality()
+        if n < 0:
+            return n
+        if self._drop:
+            return max(0, (n - (self._size - 1) * self._stride - 1) // self._shift + 1)
+        return math.ceil(n / self._shift)
+
+    def _make_iterator(self, state=None):
+        return _WindowIterator(self, state)
+
+
+class _WindowIterator(_Iterator):
+    """Window k holds inputs ``k*shift + j*stride`` (j < size); ``buffer`` starts at input ``k*shift``."""
+
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._ds = ds
+        self._buffer = [] if state is None else list(state["buffer"])
+        self._skip, self._done = (0, False) if state is None else (state["skip"], state["done"])
+
+    def _read(self) -> bool:
+        try:
+            element = self._inputs[0].next()
+        except StopIteration:
+            self._done = True
+            return False
+        if self._skip:
+            self._skip -= 1
+        else:
+            self._buffer.append(element)
+        return True
+
+    def next(self):
+        ds = self._ds
+        span = (ds._size - 1) * ds._stride + 1
+        while not self._done and (self._skip or len(self._buffer) < span):
+            self._read()
+        window = self._buffer[:span:ds._stride]
+        if not window or (ds._drop and len(window) < ds._size):
+            raise StopIteration
+        self._skip = max(0, ds._shift - len(self._buffer))
+        del self._buffer[:ds._shift]
+        spec = ds._input.element_spec
+        columns = zip(*(flatten(e) for e in window))
+        return pack_sequence_as(spec, [_WindowComponent(list(column), s)
+                                       for column, s in zip(columns, flatten(spec))])
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "buffer": self._buffer, "skip": self._skip, "done": self._done}
+
+
+class _WindowComponent(Dataset):
+    """One component of a window: a dataset of the window's values of it."""
+
+    def __init__(self, values, spec):
+        super().__init__()
+        self._values, self._component_spec = values, spec
+
+    def _compute_spec(self):
+        return self._component_spec
+
+    def cardinality(self):
+        return len(self._values)
+
+    def _make_iterator(self, state=None):
+        return _ListIterator(self._values, 0 if state is None else state["i"])

@@ -61,6 +61,22 @@ class TensorSpec:
         return f"TensorSpec(shape={shape}, dtype={dtype}, name={self.name!r})"
 
 
+class DatasetSpec:
+    """The spec of a component that is itself a dataset (``window``'s elements): its ``element_spec``."""
+
+    def __init__(self, element_spec):
+        self.element_spec = element_spec
+
+    def __eq__(self, other):
+        return isinstance(other, DatasetSpec) and self.element_spec == other.element_spec
+
+    def __hash__(self):
+        return hash(repr(self.element_spec))
+
+    def __repr__(self) -> str:
+        return f"DatasetSpec({self.element_spec!r}, TensorShape([]))"
+
+
 def _is_gpu_array(x) -> bool:
     return device_util.on_gpu(x)
 
