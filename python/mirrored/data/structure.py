@@ -14,7 +14,7 @@ from collections import abc
 
 import numpy as np
 
-from .._nest import map_structure
+from .._nest import flatten, map_structure
 from ..device import device_util
 
 
@@ -167,6 +167,8 @@ def normalize_output(value, argument: str):
         raise TypeError(f"{argument} returned None; return an array, a number, or a tuple/dict of them")
     if isinstance(value, list):  # only at the top: a list inside a tuple or dict is one tensor (stacked)
         value = tuple(value)
+    if isinstance(value, (abc.Mapping, tuple)) and not flatten(value):
+        raise ValueError(f"{argument} returned an empty structure ({value!r}); return at least one array or number")
     if isinstance(value, (abc.Mapping, tuple)):
         return map_container(lambda v: normalize_input(v, argument) if isinstance(v, list)
                              else normalize_output(v, argument), value)
