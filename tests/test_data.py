@@ -230,7 +230,7 @@ def test_nested_structures_cardinality_and_reduce():
     (lambda: D.range(3).prefetch(-5), ValueError, "buffer_size=-5"),
     (lambda: D.from_tensor_slices((np.ones(3), np.ones(2))), ValueError, "tensors: .*same size in the first"),
     (lambda: D.from_tensor_slices(np.float32(1)), ValueError, "rank >= 1"),
-    (lambda: D.range(6).shard(3, 3), ValueError, r"index=3: must be in \[0, num_shards=3\)"),
+    (lambda: D.range(6).shard(3, 3), ValueError, r"index=3: Index must be between 0 and 2 \(num_shards=3\)"),
     (lambda: D.range(6).shard(0, 0), ValueError, "num_shards=0"),
     (lambda: D.range(3).map(42), ValueError, "map_func=42"),
     (lambda: D.range(3).unbatch(), ValueError, "Cannot unbatch an input with scalar components"),

@@ -25,7 +25,7 @@ with open(os.path.join(HERE, "tf_data_reference_more.json")) as f:
 # TypeError (a generator's bad value); its Python-side errors keep their class.
 ERROR_CLASSES = {"InvalidArgumentError": ValueError, "DataLossError": ValueError}
 
-# Kept deliberately: the case, TF's error class, md.data's, and why.
+# Kept deliberately (docs/data.md): the case and md.data's error class, with why.
 DELIBERATE = {
     # TF fails while tracing (a graph op's attribute check); md.data names map_func and what to return.
     "D.range(4).map(lambda x: None)": TypeError,
@@ -34,6 +34,16 @@ DELIBERATE = {
     "D.range(3).flat_map(lambda x: x)": TypeError,
     "D.range(4).interleave(lambda x: x, cycle_length=2)": TypeError,
 }
+
+
+# Phrases of TF's messages that md.data's say too, so a search for TF's error finds ours.
+PHRASES = ["Incompatible dataset elements", "should not be empty", "Selector index out of range", "Dataset was empty",
+           "more than one element", "Cannot unbatch an input with scalar components", "non-rectangular",
+           "Must pass at least one dataset", "Invalid `padding_values`", "Invalid `weights`",
+           "Invalid `choice_dataset`", "Invalid `datasets`", "Invalid `batch_sizes`", "only supports inputs with a single component",
+           "does not support type", "can not be used together with the `output_signature`", "`generator` yielded",
+           "must be greater than zero", "Index must be between", "missing 1 required positional argument",
+           "must return a `tf.bool` scalar", "should return a pair", "must match the initial state"]
 
 
 def expected_error_class(case, tf_class, tf_message):
@@ -64,6 +74,9 @@ def test_same_answer_as_tf(case):
         assert "error" in got, f"TF raised {expected['error']}, md.data gave {got}"
         wanted = expected_error_class(case, *expected["error"])
         assert got["error"][0] == wanted.__name__, (expected["error"], got["error"])
+        for phrase in PHRASES:
+            if phrase in expected["error"][1]:
+                assert phrase in got["error"][1], (phrase, got["error"][1])
         return
     assert "error" not in got, got["error"]
     assert got == expected

@@ -26,8 +26,8 @@ from .._nest import flatten, map_structure, pack_sequence_as
 from ..device import device_util
 from .iterator_ops import OwnedIterator
 from .options import Options
-from .structure import (DatasetSpec, TensorSpec, array_module, map_container, normalize_input, normalize_output, spec_of,
-                        stack, to_leaf)
+from .structure import (DatasetSpec, TensorSpec, array_module, map_container, normalize_input, normalize_output,
+                        spec_of, stack, to_leaf)
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset"]
 
@@ -47,7 +47,7 @@ def _positive_int(value, argument: str, allow=()) -> int:
     _int(value, argument, "a positive int")
     if value <= 0 and value not in allow:
         extra = f" (or {', '.join(map(str, allow))})" if allow else ""
-        raise ValueError(f"{argument}={value!r}: must be a positive int{extra}")
+        raise ValueError(f"{argument}={value!r}: must be greater than zero (a positive int{extra})")
     return int(value)
 
 
@@ -74,7 +74,8 @@ def _same_state(old, new, argument: str):
     new = normalize_output(new, argument)
     if not _same_structure(old, new) or any(np.result_type(a) != np.result_type(b)
                                             for a, b in zip(flatten(old), flatten(new))):
-        raise TypeError(f"{argument} must keep the state's structure and dtypes: the state was {spec_of(old)}, "
+        raise TypeError(f"{argument} must keep the state's structure and dtypes (the new state must match the "
+                        f"initial state): the state was {spec_of(old)}, "
                         f"{argument} returned {spec_of(new)}; cast the new state (e.g. np.int64(...))")
     return new
 
@@ -84,8 +85,8 @@ def _scalar_bool(keep) -> bool:
     if isinstance(keep, np.ndarray) and keep.shape == () and keep.dtype == np.bool_:
         keep = keep[()]
     if not isinstance(keep, (bool, np.bool_)):
-        raise ValueError(f"predicate must return a scalar boolean, got {keep!r:.80} ({type(keep).__name__}); "
-                         "compare, e.g. x > 0")
+        raise ValueError(f"predicate must return a scalar boolean, got {keep!r:.80} ({type(keep).__name__}); it "
+                         "must return a `tf.bool` scalar: compare, e.g. x > 0")
     return bool(keep)
 
 
@@ -334,8 +335,8 @@ class Dataset:
         """Every ``num_shards``-th element, starting at ``index``."""
         num_shards = _positive_int(num_shards, "num_shards")
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < num_shards:
-            raise ValueError(f"index={index!r}: must be in [0, num_shards={num_shards}); pick the shard's "
-                             "position, e.g. the worker's task index")
+            raise ValueError(f"index={index!r}: Index must be between 0 and {num_shards - 1} "
+                             f"(num_shards={num_shards}); pick the shard's position, e.g. the worker's task index")
         return _Shard(self, num_shards, int(index))
 
     def concatenate(self, dataset, name=None) -> "Dataset":
