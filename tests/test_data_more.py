@@ -163,6 +163,7 @@ PIPELINES = {
     "sample": lambda: D.sample_from_datasets([D.range(8), D.range(100, 112)], seed=4),
     "window": lambda: D.from_tensor_slices((np.arange(20), np.arange(20) * 10)).window(4, 3, 2).flat_map(
         lambda a, b: D.zip(a.batch(4), b)),
+    "group_by_window": lambda: D.range(30).group_by_window(lambda x: x % 4, lambda k, w: w.batch(2), window_size=3),
     "ignore_errors": lambda: D.from_tensor_slices(["1", "x", "3", "4", "y", "6"]).map(_parse).ignore_errors(),
 }
 

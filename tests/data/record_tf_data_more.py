@@ -294,6 +294,18 @@ CASES = [
     "D.range(3).map(lambda x: (x, x)).reduce(np.int64(0), lambda s, e: s + e[0])",
     "D.from_tensors(1).concatenate(D.from_tensors(2.0))", "D.from_tensors(np.int64(1)).concatenate(D.from_tensors(2))",
     "D.from_tensors(np.zeros((2, 3))).concatenate(D.from_tensors(np.zeros((2, 4))))",
+    "D.range(10).group_by_window(lambda x: x % 3, lambda k, w: w.batch(2), window_size=2)",
+    "D.range(10).group_by_window(lambda x: x % 3, lambda k, w: w.batch(4), window_size=4)",
+    "D.range(20).group_by_window(lambda x: (x * 7) % 5, lambda k, w: w.batch(10), window_size=10)",
+    "D.range(10).group_by_window(lambda x: x % 2, lambda k, w: w.map(lambda v: (k, v)), window_size=3)",
+    "D.range(10).group_by_window(lambda x: x % 2, lambda k, w: w.batch(5), window_size_func=lambda k: k + 2)",
+    "D.range(10).group_by_window(lambda x: x % 2, lambda k, w: w.batch(2))",
+    "D.range(10).group_by_window(lambda x: x % 2, lambda k, w: w.batch(2), window_size=2, window_size_func=lambda k: k)",
+    "D.range(10).group_by_window(lambda x: x % 2, lambda k, w: w.batch(2), window_size=0)",
+    "D.range(10).group_by_window(lambda x: x % 2, lambda k, w: k, window_size=2)",
+    f"{PAIRS}.group_by_window(lambda a, b: a % 2, lambda k, w: w.batch(3), window_size=3)",
+    "D.range(10).group_by_window(lambda x: 9 - x, lambda k, w: w, window_size=5)",
+    "D.range(12).repeat().group_by_window(lambda x: x % 3, lambda k, w: w.batch(4), window_size=4).take(5)",
     "D.range(3).options().deterministic", "int(D.range(3).apply(lambda ds: ds.batch(2)).cardinality())",
 ]
 

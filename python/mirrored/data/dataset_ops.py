@@ -372,6 +372,19 @@ class Dataset:
         return _Window(self, size, size if shift is None else _positive_int(shift, "shift"),
                        _positive_int(stride, "stride"), bool(drop_remainder))
 
+    def group_by_window(self, key_func, reduce_func, window_size=None, window_size_func=None,
+                        name=None) -> "Dataset":
+        """Elements grouped by ``key_func(element)`` (an int); each group's window of ``window_size`` elements
+        (or ``window_size_func(key)``) becomes the dataset ``reduce_func(key, window)``, whose elements are the
+        output. At the end of the input the unfinished windows follow, by increasing key."""
+        if (window_size is None) == (window_size_func is None):
+            raise ValueError("Either the `window_size` argument or the `window_size_func` argument must be "
+                             "specified (not both).")
+        if window_size is not None:
+            size = _positive_int(window_size, "window_size")
+            window_size_func = lambda key: size  # noqa: E731
+        return _GroupByWindow(self, key_func, reduce_func, window_size_func)
+
     def take_while(self, predicate, name=None) -> "Dataset":
         """The elements up to (not including) the first for which ``predicate(element)`` is False."""
         return _TakeWhile(self, predicate)
@@ -2201,3 +2214,103 @@ class _WindowComponent(Dataset):
 
     def _make_iterator(self, state=None):
         return _ListIterator(self._values, 0 if state is None else state["i"])
+
+
+class _GroupByWindow(Dataset):
+    def __init__(self, input_ds, key_func, reduce_func, window_size_func):
+        super().__init__(input_ds)
+        for argument, fn in (("key_func", key_func), ("reduce_func", reduce_func),
+                             ("window_size_func", window_size_func)):
+            if not callable(fn):
+                raise ValueError(f"{argument}={fn!r} is not callable")
+        self._key_func, self._reduce_func, self._size_func = key_func, reduce_func, window_size_func
+
+    def cardinality(self):
+        n = self._input.cardinality()
+        return INFINITE_CARDINALITY if n == INFINITE_CARDINALITY else UNKNOWN
+
+    def _key(self, element) -> int:
+        key = _call(self._key_func, element)
+        if isinstance(key, np.ndarray) and key.shape == ():
+            key = key[()]
+        if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)):
+            raise ValueError(f"key_func must return a scalar int (a `tf.int64` key), got {key!r:.80}")
+        return int(key)
+
+    def _window_size(self, key: int) -> int:
+        size = self._size_func(np.int64(key))
+        if isinstance(size, np.ndarray) and size.shape == ():
+            size = size[()]
+        if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or size <= 0:
+            raise ValueError(f"Window size must be greater than zero, but got {size!r} (window_size_func({key}))")
+        return int(size)
+
+    def _reduced(self, key: int, window: list) -> Dataset:
+        out = self._reduce_func(np.int64(key), _WindowComponent(window, self._input.element_spec))
+        if not isinstance(out, Dataset):
+            raise TypeError(f"Invalid `reduce_func`. `reduce_func` must return a single `tf.data.Dataset` object, "
+                            f"got {type(out).__name__}")
+        return out
+
+    def _compute_spec(self):
+        first = self._input._peek()
+        if not first:
+            raise ValueError("element_spec of group_by_window: the input is empty, so reduce_func's datasets are "
+                             "unknown")
+        return self._reduced(self._key(first[0]), first).element_spec
+
+    def _make_iterator(self, state=None):
+        return _GroupByWindowIterator(self, state)
+
+
+class _GroupByWindowIterator(_Iterator):
+    """``groups``: key -> its window so far; ``current``: the (key, window) being read out, with its iterator."""
+
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._ds = ds
+        self._groups = {} if state is None else {int(k): list(v) for k, v in state["groups"]}
+        self._input_done = False if state is None else state["input_done"]
+        self._current = None
+        if state is not None and state["current"] is not None:
+            key, window, inner = state["current"]
+            self._current = (key, window, ds._reduced(key, window)._make_iterator(inner))
+
+    def _next_window(self):
+        """The next full window from the input, or at its end the unfinished ones by increasing key."""
+        while not self._input_done:
+            try:
+                element = self._inputs[0].next()
+            except StopIteration:
+                self._input_done = True
+                break
+            key = self._ds._key(element)
+            group = self._groups.setdefault(key, [])
+            group.append(element)
+            if len(group) >= self._ds._window_size(key):
+                return key, self._groups.pop(key)
+        if not self._groups:
+            raise StopIteration
+        key = min(self._groups)
+        return key, self._groups.pop(key)
+
+    def next(self):
+        while True:
+            if self._current is None:
+                key, window = self._next_window()
+                self._current = (key, window, self._ds._reduced(key, window)._make_iterator())
+            try:
+                return self._current[2].next()
+            except StopIteration:
+                self._current[2].close()
+                self._current = None
+
+    def save(self):
+        current = None if self._current is None else (self._current[0], self._current[1], self._current[2].save())
+        return {"input": self._inputs[0].save(), "groups": [[k, v] for k, v in self._groups.items()],
+                "input_done": self._input_done, "current": current}
+
+    def close(self):
+        if self._current is not None:
+            self._current[2].close()
+        super().close()
