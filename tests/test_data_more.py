@@ -164,6 +164,9 @@ PIPELINES = {
     "window": lambda: D.from_tensor_slices((np.arange(20), np.arange(20) * 10)).window(4, 3, 2).flat_map(
         lambda a, b: D.zip(a.batch(4), b)),
     "group_by_window": lambda: D.range(30).group_by_window(lambda x: x % 4, lambda k, w: w.batch(2), window_size=3),
+    "bucket_by_sequence_length": lambda: D.from_generator(
+        lambda: (np.arange(n) for n in [1, 5, 2, 7, 3, 3, 8, 1, 6, 2]),
+        output_signature=md.data.TensorSpec((None,), np.int64)).bucket_by_sequence_length(len, [3, 6], [2, 2, 2]),
     "ignore_errors": lambda: D.from_tensor_slices(["1", "x", "3", "4", "y", "6"]).map(_parse).ignore_errors(),
 }
 

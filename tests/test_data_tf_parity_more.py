@@ -23,7 +23,7 @@ with open(os.path.join(HERE, "tf_data_reference_more.json")) as f:
 
 # TF's errors from its C++ kernels (raised when the op runs) are ValueError in md.data, unless they wrap a Python
 # TypeError (a generator's bad value); its Python-side errors keep their class.
-ERROR_CLASSES = {"InvalidArgumentError": ValueError, "DataLossError": ValueError}
+ERROR_CLASSES = {"InvalidArgumentError": ValueError, "DataLossError": ValueError, "InternalError": ValueError}
 
 # Kept deliberately (docs/data.md): the case and md.data's error class, with why.
 DELIBERATE = {
@@ -55,7 +55,7 @@ def expected_error_class(case, tf_class, tf_message):
 
 
 ENV = {"D": md.data.Dataset, "np": np, "AUTOTUNE": md.data.AUTOTUNE, "TensorSpec": md.data.TensorSpec,
-       "P": record.P, "collections": collections,
+       "P": record.P, "collections": collections, "LEN": len,
        "shape_of": lambda s: None if s.shape is None else list(s.shape),
        "dtype_of": lambda s: "string" if s.dtype.kind == "S" else s.dtype.name}
 

@@ -3,7 +3,7 @@
     /work/venvs/tf/bin/python tests/data/record_tf_data_more.py   # writes tests/data/tf_data_reference_more.json
 
 Each case is an expression over ``D`` (the Dataset class), ``np``, ``AUTOTUNE``, ``TensorSpec``, ``P`` (a
-namedtuple class) and ``collections``. A case that gives a dataset records its elements (values, dtypes,
+namedtuple class), ``collections`` and ``LEN`` (a sequence's length: ``tf.shape(x)[0]`` in TF). A case that gives a dataset records its elements (values, dtypes,
 shapes, the Python type of each leaf as ``as_numpy_iterator`` yields it, tuple/dict/namedtuple structure),
 its element_spec, cardinality and ``len``; a case that gives anything else records that value; a case
 that raises records the exception's class and message (construction and iteration alike).
@@ -23,6 +23,8 @@ MAX_ELEMENTS = 30
 GEN = "lambda: (np.arange(i) for i in range(1, 6))"
 SIG = "output_signature=TensorSpec((None,), np.int64)"
 RAGGED = f"D.from_generator({GEN}, {SIG})"
+SEQS = ("D.from_generator(lambda: (np.arange(n) + 1 for n in [1, 5, 2, 7, 3, 3, 8, 1, 6, 2]), "
+        "output_signature=TensorSpec((None,), np.int64))")
 PAIRS = "D.from_tensor_slices((np.arange(6), np.arange(6) * 10))"
 DICTS = "D.from_tensor_slices({'a': np.arange(5), 'b': np.arange(10.0).reshape(5, 2)})"
 
@@ -306,6 +308,15 @@ CASES = [
     f"{PAIRS}.group_by_window(lambda a, b: a % 2, lambda k, w: w.batch(3), window_size=3)",
     "D.range(10).group_by_window(lambda x: 9 - x, lambda k, w: w, window_size=5)",
     "D.range(12).repeat().group_by_window(lambda x: x % 3, lambda k, w: w.batch(4), window_size=4).take(5)",
+    f"{SEQS}.bucket_by_sequence_length(LEN, [3, 6], [2, 2, 2])",
+    f"{SEQS}.bucket_by_sequence_length(LEN, [3, 6], [2, 2, 2], pad_to_bucket_boundary=True)",
+    f"{SEQS}.bucket_by_sequence_length(LEN, [3, 6, 10], [2, 2, 2, 2], pad_to_bucket_boundary=True)",
+    f"{SEQS}.bucket_by_sequence_length(LEN, [4], [3, 2], drop_remainder=True)",
+    f"{SEQS}.bucket_by_sequence_length(LEN, [4], [3, 2], padding_values=np.int64(-1))",
+    f"{SEQS}.bucket_by_sequence_length(LEN, [4], [3])",
+    f"{SEQS}.bucket_by_sequence_length(LEN, [4], [3, 2], padded_shapes=[9])",
+    f"D.zip({SEQS}, D.range(10)).bucket_by_sequence_length(lambda x, i: LEN(x), [4], [3, 2])",
+    f"{SEQS}.map(lambda x: x[:1]).bucket_by_sequence_length(lambda x: np.int64(1), [4], [3, 2], no_padding=True)",
     "D.range(3).options().deterministic", "int(D.range(3).apply(lambda ds: ds.batch(2)).cardinality())",
 ]
 
@@ -391,7 +402,7 @@ def record(case, env, dataset_type):
 def main():
     import tensorflow as tf
 
-    env = {"D": tf.data.Dataset, "np": np, "AUTOTUNE": tf.data.AUTOTUNE, "TensorSpec": tf.TensorSpec, "P": P,
+    env = {"D": tf.data.Dataset, "LEN": lambda x: tf.shape(x)[0], "np": np, "AUTOTUNE": tf.data.AUTOTUNE, "TensorSpec": tf.TensorSpec, "P": P,
            "collections": collections, "shape_of": lambda s: s.shape.as_list() if s.shape.rank is not None else None,
            "dtype_of": lambda s: s.dtype.name}
     out = {case: record(case, dict(env), tf.data.Dataset) for case in CASES}

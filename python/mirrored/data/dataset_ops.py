@@ -385,6 +385,55 @@ class Dataset:
             window_size_func = lambda key: size  # noqa: E731
         return _GroupByWindow(self, key_func, reduce_func, window_size_func)
 
+    def bucket_by_sequence_length(self, element_length_func, bucket_boundaries, bucket_batch_sizes,
+                                  padded_shapes=None, padding_values=None, pad_to_bucket_boundary=False,
+                                  no_padding=False, drop_remainder=False, name=None) -> "Dataset":
+        """Elements batched with others of similar length: bucket ``i`` holds lengths in
+        ``[bucket_boundaries[i-1], bucket_boundaries[i])`` and is batched ``bucket_batch_sizes[i]`` at a time,
+        padded (``padded_batch``) to the longest in the batch, or to its boundary minus one with
+        ``pad_to_bucket_boundary``."""
+        boundaries = [_int(b, "bucket_boundaries", "a list of ints") for b in bucket_boundaries]
+        sizes = [_positive_int(b, "bucket_batch_sizes") for b in bucket_batch_sizes]
+        if len(sizes) != len(boundaries) + 1:
+            raise ValueError(f"len(bucket_batch_sizes) must equal len(bucket_boundaries) + 1, got {len(sizes)} and "
+                             f"{len(boundaries)}")
+        if any(b >= c for b, c in zip(boundaries, boundaries[1:])):
+            raise ValueError(f"bucket_boundaries={boundaries} must be increasing")
+        if not callable(element_length_func):
+            raise ValueError(f"element_length_func={element_length_func!r} is not callable")
+
+        def bucket(*element):
+            length = int(element_length_func(*element))
+            return sum(length >= b for b in boundaries)
+
+        def batch(bucket_id, window):
+            size = sizes[int(bucket_id)]
+            if no_padding:
+                return window.batch(size, drop_remainder=drop_remainder)
+            shapes = padded_shapes
+            if pad_to_bucket_boundary:
+                if int(bucket_id) == len(boundaries):
+                    raise ValueError("pad_to_bucket_boundary=True: an element's length is at least the last "
+                                     f"bucket boundary ({boundaries[-1] if boundaries else 0}); raise the last "
+                                     "boundary above the longest element")
+                spec = window.element_spec
+                shapes = map_structure(lambda s: [boundaries[int(bucket_id)] - 1 if d is None else d
+                                                  for d in s.shape], spec) if shapes is None else shapes
+            return window.padded_batch(size, shapes, padding_values, drop_remainder=drop_remainder)
+
+        def batched(s, shape):
+            return TensorSpec(None if s.shape is None else (None,) + tuple(shape), s.dtype)
+
+        # The spec of every bucket's batches (TF's): batch and padded dimensions unknown unless padded_shapes fixes
+        # them.
+        spec = self.element_spec
+        if no_padding or padded_shapes is None:
+            out = map_structure(lambda s: batched(s, s.shape or ()), spec)
+        else:
+            out = pack_sequence_as(spec, [batched(s, [None if d is None or d == -1 else int(d) for d in shape])
+                                          for s, shape in zip(flatten(spec), _flatten_shapes(spec, padded_shapes))])
+        return _GroupByWindow(self, bucket, batch, lambda bucket_id: sizes[int(bucket_id)], spec=out)
+
     def take_while(self, predicate, name=None) -> "Dataset":
         """The elements up to (not including) the first for which ``predicate(element)`` is False."""
         return _TakeWhile(self, predicate)
@@ -2217,8 +2266,9 @@ class _WindowComponent(Dataset):
 
 
 class _GroupByWindow(Dataset):
-    def __init__(self, input_ds, key_func, reduce_func, window_size_func):
+    def __init__(self, input_ds, key_func, reduce_func, window_size_func, spec=None):
         super().__init__(input_ds)
+        self._given_spec = spec  # bucket_by_sequence_length's, which no single bucket shows
         for argument, fn in (("key_func", key_func), ("reduce_func", reduce_func),
                              ("window_size_func", window_size_func)):
             if not callable(fn):
@@ -2253,6 +2303,8 @@ class _GroupByWindow(Dataset):
         return out
 
     def _compute_spec(self):
+        if self._given_spec is not None:
+            return self._given_spec
         first = self._input._peek()
         if not first:
             raise ValueError("element_spec of group_by_window: the input is empty, so reduce_func's datasets are "
