@@ -167,6 +167,7 @@ PIPELINES = {
     "bucket_by_sequence_length": lambda: D.from_generator(
         lambda: (np.arange(n) for n in [1, 5, 2, 7, 3, 3, 8, 1, 6, 2]),
         output_signature=md.data.TensorSpec((None,), np.int64)).bucket_by_sequence_length(len, [3, 6], [2, 2, 2]),
+    "random": lambda: D.random(seed=8).take(9),
     "ignore_errors": lambda: D.from_tensor_slices(["1", "x", "3", "4", "y", "6"]).map(_parse).ignore_errors(),
 }
 
@@ -189,3 +190,16 @@ def test_as_numpy_iterator_gives_bytes_and_numpy_scalars_as_tf():
     assert [type(x) for x in D.from_tensor_slices(["a", "b"]).as_numpy_iterator()] == [bytes, bytes]
     assert [type(x) for x in D.from_tensors(3).as_numpy_iterator()] == [np.int32]
     assert [type(x) for x in D.range(4).map(lambda x: 1.5).as_numpy_iterator()] == [np.float32] * 4
+
+
+def test_random_is_tfs_int64_stream_of_32_bit_values_fixed_by_seed():
+    ds = D.random(seed=4)
+    assert ds.element_spec == md.data.TensorSpec((), np.int64) and ds.cardinality() == md.data.INFINITE_CARDINALITY
+    v = np.array(values(ds.take(20000)))
+    assert v.dtype == np.int64 and 0 <= v.min() and v.max() < 2**32 and v.max() > 2**31 and len(set(v.tolist())) > 19000
+    first = values(D.random(seed=4).take(5))
+    assert values(D.random(seed=4).take(5)) == first
+    fixed = D.random().take(5)  # no seed: one seed per dataset, the same draws each iteration (TF's default)
+    assert values(fixed) == values(fixed)
+    again = D.random(seed=4, rerandomize_each_iteration=True).take(5)
+    assert values(again) != values(again)

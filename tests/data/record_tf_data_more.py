@@ -317,6 +317,7 @@ CASES = [
     f"{SEQS}.bucket_by_sequence_length(LEN, [4], [3, 2], padded_shapes=[9])",
     f"D.zip({SEQS}, D.range(10)).bucket_by_sequence_length(lambda x, i: LEN(x), [4], [3, 2])",
     f"{SEQS}.map(lambda x: x[:1]).bucket_by_sequence_length(lambda x: np.int64(1), [4], [3, 2], no_padding=True)",
+    "int(D.random(seed=1).cardinality())", "D.random(seed=1).take(0)", "D.random(seed=1.5)",
     "D.range(3).options().deterministic", "int(D.range(3).apply(lambda ds: ds.batch(2)).cardinality())",
 ]
 

@@ -476,6 +476,12 @@ class Dataset:
         return _Counter(_int(start, "start", "an int"), _int(step, "step", "an int"), dtype)
 
     @staticmethod
+    def random(seed=None, rerandomize_each_iteration=None, name=None) -> "Dataset":
+        """Endless pseudorandom int64 scalars in ``[0, 2**32)``; ``seed`` (or one drawn per dataset) fixes them
+        for every iteration unless ``rerandomize_each_iteration``. NumPy's PCG64, not TF's stream."""
+        return _Random(seed, bool(rerandomize_each_iteration))
+
+    @staticmethod
     def choose_from_datasets(datasets, choice_dataset, stop_on_empty_dataset=True) -> "Dataset":
         """The next element of ``datasets[i]`` for each ``i`` of ``choice_dataset`` (int64 scalars)."""
         return _ChooseFromDatasets(datasets, choice_dataset, bool(stop_on_empty_dataset))
@@ -2366,3 +2372,35 @@ class _GroupByWindowIterator(_Iterator):
         if self._current is not None:
             self._current[2].close()
         super().close()
+
+
+class _Random(Dataset):
+    def __init__(self, seed, rerandomize):
+        super().__init__()
+        self._seed = _int(seed, "seed", "an int or None") if seed is not None else \
+            int(np.random.SeedSequence().entropy % 2**63)
+        self._reshuffle, self._epochs = rerandomize, 0
+
+    def _compute_spec(self):
+        return TensorSpec((), np.int64)
+
+    def cardinality(self):
+        return INFINITE_CARDINALITY
+
+    def _make_iterator(self, state=None):
+        return _RandomIterator(self, state)
+
+
+class _RandomIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__()
+        self._rng = np.random.Generator(np.random.PCG64([ds._seed, ds._epochs if ds._reshuffle else 0]))
+        ds._epochs += 1
+        if state is not None:
+            self._rng.bit_generator.state = state["rng"]
+
+    def next(self):
+        return np.int64(self._rng.integers(0, 2**32))
+
+    def save(self):
+        return {"rng": self._rng.bit_generator.state}
