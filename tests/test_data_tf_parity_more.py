@@ -40,8 +40,8 @@ DELIBERATE = {
 PHRASES = ["Incompatible dataset elements", "should not be empty", "Selector index out of range", "Dataset was empty",
            "more than one element", "Cannot unbatch an input with scalar components", "non-rectangular",
            "Must pass at least one dataset", "Invalid `padding_values`", "Invalid `weights`",
-           "Invalid `choice_dataset`", "Invalid `datasets`", "Invalid `batch_sizes`", "only supports inputs with a single component",
-           "does not support type", "can not be used together with the `output_signature`", "`generator` yielded",
+           "Invalid `choice_dataset`", "Invalid `datasets`", "Invalid `batch_sizes`",
+           "only supports inputs with a single component", "does not support type", "can not be used together with the `output_signature`", "`generator` yielded",
            "must be greater than zero", "Index must be between", "missing 1 required positional argument",
            "must return a `tf.bool` scalar", "should return a pair", "must match the initial state"]
 
