@@ -1,0 +1,940 @@
+"""Scenarios of tf.distribute's semantics, written once over a small adapter ``X`` so that the same code runs
+in TensorFlow (tests/data/record_tf_semantics.py records it) and in mirrored (tests/test_tf_semantics_parity.py
+compares). This module imports neither TensorFlow nor mirrored.
+
+The adapter offers: ``X.strategy(n)`` (MirroredStrategy over n CPU replicas, cached), ``X.new_strategy(n)``,
+``X.dist`` (``tf.distribute`` / ``md.distribute``), ``X.const(value, dtype)``, ``X.Variable``, ``X.VS`` /
+``X.VA`` (VariableSynchronization / VariableAggregation), ``X.Dataset`` (``tf.data.Dataset`` / ``md.data.Dataset``).
+
+Each scenario ``fn(X, n)`` returns a value; :func:`encode` turns it into plain data (types, dtypes, shapes,
+values); an exception becomes ``{"raises": type name, "msg": text}``. ``words`` are the key words both
+libraries' messages must contain.
+"""
+
+import collections
+
+import numpy as np
+
+SCENARIOS = {}  # name -> (fn, replica counts, words)
+ALL = (1, 2, 4)
+MULTI = (2, 4)
+
+
+def scenario(ns=ALL, words=()):
+    def register(fn):
+        SCENARIOS[fn.__name__] = (fn, tuple(ns), tuple(words))
+        return fn
+    return register
+
+
+Pair = collections.namedtuple("Pair", ["a", "b"])
+
+_DISTRIBUTED = {"PerReplica", "Mirrored"}
+_VARIABLES = {"MirroredVariable", "SyncOnReadVariable"}
+
+
+def _dtype_name(d):
+    return getattr(d, "name", None) or str(d)
+
+
+def _array(x):
+    a = np.asarray(x.numpy() if hasattr(x, "numpy") else x)
+    return {"dtype": a.dtype.name, "shape": list(a.shape), "v": a.tolist()}
+
+
+def encode(x):
+    """``x`` as plain data; TF's and mirrored's objects of the same meaning encode alike."""
+    kind = type(x).__name__
+    if x is None or isinstance(x, (bool, int, float, str)) and not isinstance(x, np.generic):
+        return {"py": kind, "v": x}
+    if kind in _DISTRIBUTED:
+        return {"type": kind, "values": [encode(v) for v in x.values]}
+    if kind in _VARIABLES:
+        return {"type": kind, "values": [_array(v) for v in x.values]}
+    if kind == "TensorSpec":
+        return {"spec": [None if d is None else int(d) for d in x.shape], "dtype": _dtype_name(x.dtype)}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return {"namedtuple": kind, "v": [encode(v) for v in x]}
+    if isinstance(x, (tuple, list)):
+        return {kind: [encode(v) for v in x]}
+    if isinstance(x, dict):
+        return {"dict": [[k, encode(v)] for k, v in x.items()]}
+    if hasattr(x, "dtype") and (hasattr(x, "numpy") or isinstance(x, (np.ndarray, np.generic))):
+        return _array(x)
+    return {"other": kind}
+
+
+def run_scenario(X, fn, n):
+    try:
+        return encode(fn(X, n))
+    except Exception as e:  # noqa: BLE001  (the exception is the result)
+        return {"raises": type(e).__name__, "msg": str(e)}
+
+
+def kind(x):
+    """A value's kind: "tensor" for TF's tensors and NumPy's arrays alike, else its type's name."""
+    if hasattr(x, "dtype") and hasattr(x, "shape") and type(x).__name__ not in _DISTRIBUTED | _VARIABLES:
+        return "tensor"
+    return type(x).__name__
+
+
+def rid(X):
+    return int(X.dist.get_replica_context().replica_id_in_sync_group)
+
+
+def per_replica(X, s, make):
+    """A PerReplica whose replica r holds ``make(r)``."""
+    return s.experimental_distribute_values_from_function(lambda ctx: make(ctx.replica_id_in_sync_group))
+
+
+def var_info(v):
+    return {"type": type(v).__name__, "name": v.name, "dtype": _dtype_name(v.dtype), "shape": list(v.shape),
+            "trainable": v.trainable, "sync": v.synchronization.name, "agg": v.aggregation.name,
+            "value": v.numpy()}
+
+
+# --- strategy.run return structures -------------------------------------------------------------------
+
+@scenario()
+def run_python_float(X, n):
+    return X.strategy(n).run(lambda: 1.0)
+
+
+@scenario()
+def run_python_tuple_with_none(X, n):
+    return X.strategy(n).run(lambda: (1, None, "s"))
+
+
+@scenario()
+def run_returns_none(X, n):
+    return X.strategy(n).run(lambda: None)
+
+
+@scenario()
+def run_replica_id(X, n):
+    return X.strategy(n).run(lambda: X.dist.get_replica_context().replica_id_in_sync_group)
+
+
+@scenario()
+def run_replica_num_in_sync(X, n):
+    return X.strategy(n).run(lambda: X.dist.get_replica_context().num_replicas_in_sync)
+
+
+@scenario()
+def run_per_replica_array(X, n):
+    return X.strategy(n).run(lambda: X.const([1.0, 2.0], "float32") * float(rid(X) + 1))
+
+
+@scenario()
+def run_identical_array(X, n):
+    return X.strategy(n).run(lambda: X.const([1.0, 2.0], "float32"))
+
+
+@scenario()
+def run_python_int_depends_on_replica(X, n):
+    return X.strategy(n).run(lambda: rid(X) * 10)
+
+
+@scenario()
+def run_tuple(X, n):
+    return X.strategy(n).run(lambda: (X.const(rid(X), "int32"), X.const([1.5], "float64")))
+
+
+@scenario()
+def run_list(X, n):
+    return X.strategy(n).run(lambda: [X.const(rid(X), "int64"), X.const(2, "int64")])
+
+
+@scenario()
+def run_dict(X, n):
+    return X.strategy(n).run(lambda: {"z": X.const(rid(X), "float32"), "a": [X.const(1, "int32")]})
+
+
+@scenario()
+def run_namedtuple(X, n):
+    return X.strategy(n).run(lambda: Pair(X.const(rid(X), "float32"), X.const(0.5, "float16")))
+
+
+@scenario()
+def run_nested(X, n):
+    return X.strategy(n).run(lambda: {"k": (X.const([rid(X)], "int32"), {"x": Pair(X.const(1.0, "float32"),
+                                                                                  None)})})
+
+
+@scenario()
+def run_args_per_replica(X, n):
+    s = X.strategy(n)
+    x = per_replica(X, s, lambda r: X.const([r, r + 1], "float32"))
+    return s.run(lambda a, b: a * b, args=(x,), kwargs={"b": X.const(2.0, "float32")})
+
+
+@scenario()
+def run_args_plain_array(X, n):
+    return X.strategy(n).run(lambda a: a + 1, args=(X.const([1, 2], "int32"),))
+
+
+@scenario()
+def run_args_nested_per_replica(X, n):
+    s = X.strategy(n)
+    x = per_replica(X, s, lambda r: X.const(r, "int32"))
+    return s.run(lambda d: (d["p"] + 1, d["q"]), args=({"p": x, "q": X.const(7, "int32")},))
+
+
+@scenario()
+def run_returns_mirrored_variable(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([1.0, 2.0], "float32"))
+    return type(s.run(lambda: v)).__name__
+
+
+@scenario()
+def run_reads_variable_value(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([1.0, 2.0], "float32"))
+    return s.run(lambda: v * 2.0)
+
+
+@scenario()
+def run_variable_created_outside_scope(X, n):
+    v = X.Variable(X.const(3.0, "float32"))
+    return X.strategy(n).run(lambda: v + float(rid(X)))
+
+
+@scenario()
+def run_exception_propagates(X, n):
+    def fn():
+        if rid(X) == n - 1:
+            raise KeyError("boom in replica")
+        return 1
+    return X.strategy(n).run(fn)
+
+
+# --- local results, devices, counts -------------------------------------------------------------------
+
+@scenario()
+def local_results_per_replica(X, n):
+    s = X.strategy(n)
+    return s.experimental_local_results(per_replica(X, s, lambda r: X.const(r, "float32")))
+
+
+@scenario()
+def local_results_plain_array(X, n):
+    return X.strategy(n).experimental_local_results(X.const([1, 2], "int32"))
+
+
+@scenario()
+def local_results_python_int(X, n):
+    return X.strategy(n).experimental_local_results(5)
+
+
+@scenario()
+def local_results_nested(X, n):
+    s = X.strategy(n)
+    x = per_replica(X, s, lambda r: X.const(r, "float32"))
+    return s.experimental_local_results((x, {"a": x}))
+
+
+@scenario()
+def local_results_mirrored_variable(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([1.0], "float32"))
+    return [type(c).__name__ != "NoneType" and c.numpy().tolist() for c in s.experimental_local_results(v)]
+
+
+@scenario()
+def num_replicas_in_sync(X, n):
+    return X.strategy(n).num_replicas_in_sync
+
+
+@scenario()
+def worker_devices(X, n):
+    s = X.strategy(n)
+    return {"worker": tuple(s.extended.worker_devices), "parameter": tuple(s.extended.parameter_devices)}
+
+
+@scenario()
+def replica_context_devices(X, n):
+    return X.strategy(n).run(lambda: len(X.dist.get_replica_context().devices))
+
+
+# --- strategy.reduce ------------------------------------------------------------------------------------
+
+def _reduce(X, n, op, dtype, axis, shape=(2, 3)):
+    s = X.strategy(n)
+    size = int(np.prod(shape))
+    x = per_replica(X, s, lambda r: X.const((np.arange(size).reshape(shape) + r * 3).astype(dtype), dtype))
+    return s.reduce(op, x, axis=axis)
+
+
+for _op in ("SUM", "MEAN"):
+    for _dtype in ("float32", "float64", "float16", "int32", "int64"):
+        for _axis in (None, 0, 1, -1):
+            def _fn(X, n, op=_op, dtype=_dtype, axis=_axis):
+                return _reduce(X, n, getattr(X.dist.ReduceOp, op), dtype, axis)
+            _fn.__name__ = f"reduce_{_op.lower()}_{_dtype}_axis_{_axis}"
+            scenario()(_fn)
+
+
+@scenario()
+def reduce_mean_int_rounds(X, n):
+    s = X.strategy(n)
+    return s.reduce("MEAN", per_replica(X, s, lambda r: X.const([r, 2 * r + 1, 7], "int32")), axis=None)
+
+
+@scenario()
+def reduce_mean_int_axis0_rounds(X, n):
+    s = X.strategy(n)
+    return s.reduce("MEAN", per_replica(X, s, lambda r: X.const([r, 2 * r + 1, 4], "int32")), axis=0)
+
+
+@scenario()
+def reduce_rank0_axis_none(X, n):
+    s = X.strategy(n)
+    return s.reduce("SUM", per_replica(X, s, lambda r: X.const(r + 0.5, "float32")), axis=None)
+
+
+@scenario(words=("dimension",))
+def reduce_rank0_axis0(X, n):
+    s = X.strategy(n)
+    return s.reduce("SUM", per_replica(X, s, lambda r: X.const(r + 0.5, "float32")), axis=0)
+
+
+@scenario()
+def reduce_axis_out_of_range(X, n):
+    s = X.strategy(n)
+    return type(run_error(lambda: s.reduce("SUM", per_replica(X, s, lambda r: X.const([1.0], "float32")),
+                                           axis=2))).__name__ != "NoneType"
+
+
+def run_error(call):
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001
+        return e
+    return None
+
+
+@scenario()
+def reduce_string_ops(X, n):
+    s = X.strategy(n)
+    x = per_replica(X, s, lambda r: X.const([r + 1.0], "float32"))
+    return [s.reduce(op, x, axis=None) for op in ("SUM", "MEAN", X.dist.ReduceOp.SUM)]
+
+
+@scenario(words=("sum",))
+def reduce_lowercase_string(X, n):
+    s = X.strategy(n)
+    return s.reduce("sum", per_replica(X, s, lambda r: X.const([r + 1.0], "float32")), axis=None)
+
+
+@scenario()
+def reduce_bad_string(X, n):
+    s = X.strategy(n)
+    return type(run_error(lambda: s.reduce("avg", per_replica(X, s, lambda r: X.const([1.0], "float32")),
+                                           axis=None))).__name__
+
+
+@scenario()
+def reduce_plain_value_mean(X, n):
+    return X.strategy(n).reduce("MEAN", X.const([1.0, 3.0], "float32"), axis=None)
+
+
+@scenario()
+def reduce_plain_value_mean_axis0(X, n):
+    return X.strategy(n).reduce("MEAN", X.const([1.0, 3.0], "float32"), axis=0)
+
+
+@scenario()
+def reduce_plain_value_sum(X, n):
+    return X.strategy(n).reduce("SUM", X.const([1.0, 3.0], "float32"), axis=None)
+
+
+@scenario()
+def reduce_plain_python_float_mean(X, n):
+    return X.strategy(n).reduce("MEAN", 2.5, axis=None)
+
+
+@scenario()
+def reduce_empty_sum(X, n):
+    s = X.strategy(n)
+    x = per_replica(X, s, lambda r: X.const(np.zeros((0, 2), np.float32), "float32"))
+    return [s.reduce("SUM", x, axis=None), s.reduce("SUM", x, axis=0)]
+
+
+@scenario()
+def reduce_empty_mean_axis0(X, n):
+    s = X.strategy(n)
+    x = per_replica(X, s, lambda r: X.const(np.zeros((0, 2), np.float32), "float32"))
+    return s.reduce("MEAN", x, axis=0)
+
+
+@scenario()
+def reduce_uneven_mean_axis0(X, n):
+    s = X.strategy(n)
+    x = per_replica(X, s, lambda r: X.const(np.arange(r + 1, dtype=np.float32), "float32"))
+    return s.reduce("MEAN", x, axis=0)
+
+
+@scenario()
+def reduce_nested(X, n):
+    s = X.strategy(n)
+    x = per_replica(X, s, lambda r: X.const([r + 1.0], "float32"))
+    return s.reduce("SUM", (x, {"a": x}), axis=None)
+
+
+@scenario()
+def reduce_mirrored_variable(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([1.0, 2.0], "float32"))
+    return [s.reduce("SUM", v, axis=None), s.reduce("MEAN", v, axis=None)]
+
+
+@scenario()
+def reduce_run_result(X, n):
+    s = X.strategy(n)
+    out = s.run(lambda: X.const([[1.0, 2.0]], "float32") * float(rid(X) + 1))
+    return [s.reduce("SUM", out, axis=0), s.reduce("MEAN", out, axis=1)]
+
+
+@scenario()
+def reduce_bool(X, n):
+    s = X.strategy(n)
+    return s.reduce("SUM", per_replica(X, s, lambda r: X.const([True], "bool")), axis=None)
+
+
+# --- replica context collectives -----------------------------------------------------------------------
+
+def _in_replicas(X, n, fn):
+    return X.strategy(n).run(fn)
+
+
+for _op in ("SUM", "MEAN"):
+    for _dtype in ("float32", "int32", "float64"):
+        def _fn(X, n, op=_op, dtype=_dtype):
+            return _in_replicas(X, n, lambda: X.dist.get_replica_context().all_reduce(
+                op, X.const([rid(X) + 1, 2 * rid(X)], dtype)))
+        _fn.__name__ = f"all_reduce_{_op.lower()}_{_dtype}"
+        scenario()(_fn)
+
+
+@scenario()
+def all_reduce_nested(X, n):
+    return _in_replicas(X, n, lambda: X.dist.get_replica_context().all_reduce(
+        X.dist.ReduceOp.SUM, {"a": X.const(rid(X), "float32"), "b": (X.const([1.0, 2.0], "float64"),)}))
+
+
+@scenario()
+def all_reduce_python_float(X, n):
+    return _in_replicas(X, n, lambda: X.dist.get_replica_context().all_reduce("SUM", 1.5))
+
+
+@scenario()
+def all_reduce_bad_op(X, n):
+    return _in_replicas(X, n, lambda: type(run_error(lambda: X.dist.get_replica_context().all_reduce(
+        "avg", X.const(1.0, "float32")))).__name__)
+
+
+@scenario()
+def all_reduce_variable(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([1.0, 2.0], "float32"))
+    return s.run(lambda: X.dist.get_replica_context().all_reduce("SUM", v))
+
+
+@scenario()
+def all_gather_axis0_uneven(X, n):
+    return _in_replicas(X, n, lambda: X.dist.get_replica_context().all_gather(
+        X.const(np.full((rid(X) + 1, 2), rid(X)), "int32"), axis=0))
+
+
+@scenario()
+def all_gather_axis1(X, n):
+    return _in_replicas(X, n, lambda: X.dist.get_replica_context().all_gather(
+        X.const(np.full((2, 1), rid(X)), "float32"), axis=1))
+
+
+@scenario()
+def all_gather_nested(X, n):
+    return _in_replicas(X, n, lambda: X.dist.get_replica_context().all_gather(
+        (X.const([rid(X)], "int64"), {"a": X.const([[1.0]], "float32")}), axis=0))
+
+
+@scenario(ns=MULTI)
+def all_gather_rank0(X, n):
+    return _in_replicas(X, n, lambda: X.dist.get_replica_context().all_gather(X.const(1.0, "float32"), axis=0))
+
+
+@scenario()
+def merge_call_sees_per_replica(X, n):
+    def merge_fn(strategy, value):
+        return (kind(value), strategy.experimental_local_results(value))
+
+    return _in_replicas(X, n, lambda: X.dist.get_replica_context().merge_call(
+        merge_fn, args=(X.const(rid(X), "int32"),)))
+
+
+@scenario()
+def merge_call_returns_per_replica(X, n):
+    def merge_fn(strategy, value):
+        return value
+
+    return _in_replicas(X, n, lambda: X.dist.get_replica_context().merge_call(
+        merge_fn, args=(X.const(rid(X) * 2, "int32"),)))
+
+
+@scenario()
+def merge_call_identical_arg_and_kwargs(X, n):
+    def merge_fn(strategy, value, scale=None):
+        return (kind(value), kind(scale), X.dist.in_cross_replica_context())
+
+    return _in_replicas(X, n, lambda: X.dist.get_replica_context().merge_call(
+        merge_fn, args=(3,), kwargs={"scale": X.const(rid(X), "float32")}))
+
+
+@scenario()
+def merge_call_reduce_to(X, n):
+    def merge_fn(strategy, value):
+        return strategy.extended.reduce_to("SUM", value, destinations=value)
+
+    return _in_replicas(X, n, lambda: X.dist.get_replica_context().merge_call(
+        merge_fn, args=(X.const([rid(X) + 1.0], "float32"),)))
+
+
+# --- extended -------------------------------------------------------------------------------------------
+
+@scenario()
+def reduce_to_variable_destination(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([0.0, 0.0], "float32"))
+    x = per_replica(X, s, lambda r: X.const([r, 1.0], "float32"))
+    return [s.extended.reduce_to("SUM", x, v), s.extended.reduce_to("MEAN", x, v)]
+
+
+@scenario()
+def reduce_to_device_string(X, n):
+    s = X.strategy(n)
+    return s.extended.reduce_to("SUM", per_replica(X, s, lambda r: X.const([r, 1.0], "float32")), "/cpu:0")
+
+
+@scenario()
+def reduce_to_per_replica_destination(X, n):
+    s = X.strategy(n)
+    x = per_replica(X, s, lambda r: X.const([r, 1.0], "float32"))
+    return s.extended.reduce_to("MEAN", x, x)
+
+
+@scenario()
+def batch_reduce_to(X, n):
+    s = X.strategy(n)
+    x = per_replica(X, s, lambda r: X.const([r, 1.0], "float32"))
+    y = per_replica(X, s, lambda r: X.const(r * 2, "float64"))
+    return s.extended.batch_reduce_to("SUM", [(x, x), (y, y)])
+
+
+@scenario()
+def broadcast_to_variable(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([0.0, 0.0], "float32"))
+    return s.extended.broadcast_to(X.const([3.0, 4.0], "float32"), v)
+
+
+@scenario()
+def gather_axis0_uneven(X, n):
+    s = X.strategy(n)
+    return s.gather(per_replica(X, s, lambda r: X.const(np.full((r + 1, 2), r), "int32")), axis=0)
+
+
+@scenario()
+def gather_axis1(X, n):
+    s = X.strategy(n)
+    return s.gather(per_replica(X, s, lambda r: X.const(np.full((2, r + 1), r), "float32")), axis=1)
+
+
+@scenario()
+def gather_plain_value(X, n):
+    return X.strategy(n).gather(X.const([[1, 2]], "int32"), axis=0)
+
+
+@scenario()
+def gather_nested(X, n):
+    s = X.strategy(n)
+    x = per_replica(X, s, lambda r: X.const([r], "int32"))
+    return s.gather((x, {"a": x}), axis=0)
+
+
+@scenario(ns=MULTI)
+def gather_rank0(X, n):
+    s = X.strategy(n)
+    return s.gather(per_replica(X, s, lambda r: X.const(r, "int32")), axis=0)
+
+
+# --- variables ----------------------------------------------------------------------------------------
+
+_SYNCS = ("AUTO", "ON_WRITE", "ON_READ", "NONE")
+_AGGS = ("NONE", "SUM", "MEAN", "ONLY_FIRST_REPLICA")
+
+for _sync in _SYNCS:
+    for _agg in _AGGS:
+        def _fn(X, n, sync=_sync, agg=_agg):
+            with X.strategy(n).scope():
+                v = X.Variable(X.const([1.0, 2.0], "float32"), synchronization=getattr(X.VS, sync),
+                               aggregation=getattr(X.VA, agg))
+            info = var_info(v)
+            info["type"] = info["type"] if n > 1 or info["type"] in _VARIABLES else "single"
+            return info
+        _fn.__name__ = f"variable_{_sync.lower()}_{_agg.lower()}"
+        scenario()(_fn)
+
+
+@scenario()
+def variable_int_mean(X, n):
+    with X.strategy(n).scope():
+        return var_info(X.Variable(X.const(1, "int32"), aggregation=X.VA.MEAN))
+
+
+@scenario()
+def variable_int_sum_on_read(X, n):
+    with X.strategy(n).scope():
+        return var_info(X.Variable(X.const(1, "int64"), synchronization=X.VS.ON_READ, aggregation=X.VA.SUM))
+
+
+@scenario()
+def variable_names(X, n):
+    with X.strategy(n).scope():
+        a = X.Variable(X.const(1.0, "float32"), name="v")
+        b = X.Variable(X.const(1.0, "float32"), name="v")
+        c = X.Variable(X.const(1.0, "float32"))
+    return [a.name, b.name, c.name]
+
+
+@scenario()
+def variable_names_outside_scope(X, n):
+    return [X.Variable(X.const(1.0, "float32"), name="w").name, X.Variable(X.const(1.0, "float32")).name]
+
+
+def _replica_update(X, n, agg, method, sync="ON_WRITE", dtype="float32"):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([10.0, 20.0], dtype), synchronization=getattr(X.VS, sync),
+                       aggregation=getattr(X.VA, agg))
+    s.run(lambda: getattr(v, method)(X.const([rid(X) + 1.0, 2.0], dtype)))
+    return {"read": v.read_value(), "values": [c.numpy() for c in s.experimental_local_results(v)]}
+
+
+for _agg in _AGGS:
+    for _method in ("assign", "assign_add", "assign_sub"):
+        def _fn(X, n, agg=_agg, method=_method):
+            return _replica_update(X, n, agg, method)
+        _fn.__name__ = f"replica_{_method}_{_agg.lower()}"
+        scenario()(_fn)
+        if _agg != "NONE":
+            def _fn(X, n, agg=_agg, method=_method):
+                return _replica_update(X, n, agg, method, sync="ON_READ")
+            _fn.__name__ = f"replica_{_method}_on_read_{_agg.lower()}"
+            scenario()(_fn)
+
+
+@scenario()
+def cross_replica_assign_on_read(X, n):
+    out = {}
+    for agg in ("SUM", "MEAN", "ONLY_FIRST_REPLICA"):
+        with X.strategy(n).scope():
+            v = X.Variable(X.const([0.0, 0.0], "float32"), synchronization=X.VS.ON_READ,
+                           aggregation=getattr(X.VA, agg))
+        v.assign(X.const([4.0, 8.0], "float32"))
+        out[agg] = {"read": v.read_value(), "values": [c.numpy() for c in v.values]}
+    return out
+
+
+@scenario()
+def cross_replica_assign_add_mirrored(X, n):
+    with X.strategy(n).scope():
+        v = X.Variable(X.const([1.0, 2.0], "float32"), aggregation=X.VA.SUM)
+    v.assign_add(X.const([1.0, 1.0], "float32"))
+    v.assign_sub(X.const([0.5, 0.5], "float32"))
+    return [c.numpy() for c in v.values]
+
+
+@scenario()
+def assign_return_values(X, n):
+    with X.strategy(n).scope():
+        v = X.Variable(X.const([1.0, 2.0], "float32"))
+    return {"read_value_true": type(v.assign(X.const([3.0, 4.0], "float32"))).__name__,
+            "read_value_false": v.assign(X.const([5.0, 6.0], "float32"), read_value=False) is None,
+            "add": type(v.assign_add(X.const([1.0, 1.0], "float32"))).__name__, "value": v.numpy()}
+
+
+@scenario()
+def variable_operators(X, n):
+    with X.strategy(n).scope():
+        v = X.Variable(X.const([[1.0, -2.0], [3.0, 4.0]], "float32"))
+    m = X.const([[1.0], [2.0]], "float32")
+    return [v + 1.0, 1.0 - v, -v, v * v, v @ m, v > 0.0, v / 2.0, v ** 2, abs(v), v[0], np.asarray(v)]
+
+
+@scenario()
+def variable_dtype_cast(X, n):
+    with X.strategy(n).scope():
+        v = X.Variable(X.const([1, 2], "int64"))
+        w = X.Variable([1.0, 2.0])
+        z = X.Variable(3)
+    return [v.numpy(), w.numpy(), z.numpy()]
+
+
+@scenario()
+def variable_in_replica_reads_own_copy(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const(1.0, "float32"), synchronization=X.VS.ON_READ, aggregation=X.VA.SUM)
+    s.run(lambda: v.assign_add(X.const(float(rid(X)), "float32")))
+    return s.run(lambda: v.read_value())
+
+
+@scenario(ns=MULTI)
+def replica_assign_none_aggregation_int(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([0, 0], "int32"))
+    s.run(lambda: v.assign(X.const([rid(X), 1], "int32")))
+    return [c.numpy() for c in v.values]
+
+
+@scenario()
+def create_variable_inside_run(X, n):
+    s = X.strategy(n)
+
+    def fn():
+        return type(X.Variable(X.const(1.0, "float32"))).__name__
+    return s.run(fn)
+
+
+# --- datasets -----------------------------------------------------------------------------------------
+
+def _steps(s, dist):
+    return [s.experimental_local_results(batch) for batch in dist]
+
+
+@scenario()
+def dataset_batches(X, n):
+    s = X.strategy(n)
+    return _steps(s, s.experimental_distribute_dataset(X.Dataset.from_tensor_slices(np.arange(10)).batch(4)))
+
+
+@scenario()
+def dataset_drop_remainder(X, n):
+    s = X.strategy(n)
+    ds = X.Dataset.from_tensor_slices(np.arange(10, dtype=np.float32)).batch(4, drop_remainder=True)
+    return _steps(s, s.experimental_distribute_dataset(ds))
+
+
+@scenario()
+def dataset_batch_smaller_than_replicas(X, n):
+    s = X.strategy(n)
+    ds = X.Dataset.from_tensor_slices(np.arange(6, dtype=np.float32).reshape(3, 2)).batch(3)
+    return _steps(s, s.experimental_distribute_dataset(ds))
+
+
+@scenario()
+def dataset_tuple_elements(X, n):
+    s = X.strategy(n)
+    ds = X.Dataset.from_tensor_slices((np.arange(6, dtype=np.int32), np.arange(6, dtype=np.float64) / 2)).batch(6)
+    return _steps(s, s.experimental_distribute_dataset(ds))
+
+
+@scenario()
+def dataset_dict_elements(X, n):
+    s = X.strategy(n)
+    ds = X.Dataset.from_tensor_slices({"x": np.arange(5, dtype=np.int64), "y": np.ones((5, 2), np.float32)}).batch(5)
+    return _steps(s, s.experimental_distribute_dataset(ds))
+
+
+@scenario()
+def dataset_element_types(X, n):
+    s = X.strategy(n)
+    ds = X.Dataset.from_tensor_slices(np.arange(8, dtype=np.float32)).batch(4)
+    return [kind(b) for b in s.experimental_distribute_dataset(ds)]
+
+
+@scenario()
+def dataset_element_spec(X, n):
+    s = X.strategy(n)
+    ds = X.Dataset.from_tensor_slices((np.arange(8, dtype=np.float32), np.arange(8))).batch(4)
+    return s.experimental_distribute_dataset(ds).element_spec
+
+
+@scenario()
+def dataset_element_spec_drop_remainder(X, n):
+    s = X.strategy(n)
+    ds = X.Dataset.from_tensor_slices(np.zeros((8, 3), np.float32)).batch(4, drop_remainder=True)
+    return s.experimental_distribute_dataset(ds).element_spec
+
+
+@scenario()
+def dataset_iterator_next_and_stop(X, n):
+    s = X.strategy(n)
+    it = iter(s.experimental_distribute_dataset(X.Dataset.from_tensor_slices(np.arange(4)).batch(2)))
+    first, second = next(it), next(it)
+    end = run_error(lambda: next(it))
+    return [s.experimental_local_results(first), s.experimental_local_results(second), type(end).__name__]
+
+
+@scenario()
+def dataset_iterate_twice(X, n):
+    s = X.strategy(n)
+    dist = s.experimental_distribute_dataset(X.Dataset.from_tensor_slices(np.arange(6)).batch(3))
+    return [_steps(s, dist), _steps(s, dist)]
+
+
+@scenario()
+def dataset_get_next_as_optional(X, n):
+    s = X.strategy(n)
+    it = iter(s.experimental_distribute_dataset(X.Dataset.from_tensor_slices(np.arange(4)).batch(4)))
+    first = it.get_next_as_optional()
+    second = it.get_next_as_optional()
+    return [bool(first.has_value()), s.experimental_local_results(first.get_value()), bool(second.has_value())]
+
+
+@scenario()
+def dataset_run_on_batches(X, n):
+    s = X.strategy(n)
+    dist = s.experimental_distribute_dataset(X.Dataset.from_tensor_slices(np.arange(10, dtype=np.float32)).batch(6))
+    return [s.reduce("SUM", s.run(lambda x: x * 2.0, args=(b,)), axis=0) for b in dist]
+
+
+@scenario()
+def datasets_from_function_contexts(X, n):
+    s = X.strategy(n)
+    seen = []
+
+    def dataset_fn(ctx):
+        seen.append((ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync,
+                     ctx.get_per_replica_batch_size(8)))
+        return X.Dataset.from_tensor_slices(np.arange(8)).batch(ctx.get_per_replica_batch_size(8))
+
+    steps = _steps(s, s.distribute_datasets_from_function(dataset_fn))
+    return {"contexts": seen, "steps": steps}
+
+
+@scenario(ns=(4,), words=("10", "4"))
+def input_context_batch_not_divisible(X, n):
+    return X.dist.InputContext(num_input_pipelines=1, input_pipeline_id=0,
+                               num_replicas_in_sync=n).get_per_replica_batch_size(10)
+
+
+@scenario()
+def input_context_defaults(X, n):
+    ctx = X.dist.InputContext()
+    return [ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync]
+
+
+@scenario()
+def values_from_function_contexts(X, n):
+    s = X.strategy(n)
+    return s.experimental_distribute_values_from_function(
+        lambda ctx: (ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync))
+
+
+@scenario()
+def values_from_function_arrays(X, n):
+    s = X.strategy(n)
+    return s.experimental_distribute_values_from_function(
+        lambda ctx: X.const([ctx.replica_id_in_sync_group], "float32"))
+
+
+# --- contexts and errors --------------------------------------------------------------------------------
+
+def _context_state(X):
+    ctx = X.dist.get_replica_context()
+    return {"strategy": type(X.dist.get_strategy()).__name__, "has": X.dist.has_strategy(),
+            "cross": X.dist.in_cross_replica_context(), "replica_ctx": ctx is not None,
+            "replica_id": None if ctx is None else int(ctx.replica_id_in_sync_group)}
+
+
+@scenario(ns=(1,))
+def context_outside_any_scope(X, n):
+    return _context_state(X)
+
+
+@scenario()
+def context_in_scope(X, n):
+    with X.strategy(n).scope():
+        return _context_state(X)
+
+
+@scenario()
+def context_in_run(X, n):
+    return X.strategy(n).run(lambda: _context_state(X))
+
+
+@scenario()
+def context_in_merge_call(X, n):
+    return X.strategy(n).run(lambda: X.dist.get_replica_context().merge_call(lambda s: _context_state(X)))
+
+
+@scenario()
+def get_strategy_is_strategy(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        in_scope = X.dist.get_strategy() is s
+    return [in_scope, all(s.experimental_local_results(s.run(lambda: X.dist.get_strategy() is s)))]
+
+
+@scenario(ns=MULTI)
+def all_reduce_in_cross_replica_context(X, n):
+    with X.strategy(n).scope():
+        return X.dist.get_replica_context() is None
+
+
+@scenario(ns=(1,))
+def default_replica_context_all_reduce(X, n):
+    return X.dist.get_replica_context().all_reduce("SUM", X.const([1.0, 2.0], "float32"))
+
+
+@scenario(ns=(1,))
+def default_replica_context_merge_call(X, n):
+    return X.dist.get_replica_context().merge_call(lambda s, x: (type(s).__name__, x), args=(X.const(2, "int32"),))
+
+
+@scenario(ns=MULTI, words=("strateg",))
+def nested_scopes_of_two_strategies(X, n):
+    with X.strategy(n).scope():
+        with X.new_strategy(n).scope():
+            return "entered"
+
+
+@scenario(ns=MULTI)
+def same_scope_twice(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        with s.scope():
+            return X.dist.get_strategy() is s
+
+
+@scenario(ns=MULTI)
+def run_inside_other_strategy_scope(X, n):
+    other = X.new_strategy(n)
+    with other.scope():
+        return type(run_error(lambda: X.strategy(n).run(lambda: 1))).__name__
+
+
+@scenario(ns=MULTI)
+def nested_run(X, n):
+    s = X.strategy(n)
+    return s.run(lambda: type(run_error(lambda: s.run(lambda: 1))).__name__)
+
+
+@scenario(ns=MULTI)
+def scope_inside_run(X, n):
+    s = X.strategy(n)
+
+    def fn():
+        with s.scope():
+            return X.dist.in_cross_replica_context()
+    return s.run(fn)
