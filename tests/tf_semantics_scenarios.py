@@ -51,6 +51,9 @@ def encode(x):
         return {"type": kind, "values": [encode(v) for v in x.values]}
     if kind in _VARIABLES:
         return {"type": kind, "values": [_array(v) for v in x.values]}
+    if kind == "PerReplicaSpec":
+        specs = x._value_specs if hasattr(x, "_value_specs") else x._specs
+        return {"type": kind, "values": [encode(v) for v in specs]}
     if kind == "TensorSpec":
         return {"spec": [None if d is None else int(d) for d in x.shape], "dtype": _dtype_name(x.dtype)}
     if isinstance(x, tuple) and hasattr(x, "_fields"):
@@ -386,10 +389,26 @@ def reduce_nested(X, n):
 
 
 @scenario()
-def reduce_mirrored_variable(X, n):
+def reduce_mirrored_variable_sum(X, n):
     s = X.strategy(n)
     with s.scope():
         v = X.Variable(X.const([1.0, 2.0], "float32"))
+    return s.reduce("SUM", v, axis=None)
+
+
+@scenario()
+def reduce_mirrored_variable_mean(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([1.0, 2.0], "float32"))
+    return s.reduce("MEAN", v, axis=None)
+
+
+@scenario()
+def reduce_on_read_variable(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([1.0, 2.0], "float32"), synchronization=X.VS.ON_READ, aggregation=X.VA.SUM)
     return [s.reduce("SUM", v, axis=None), s.reduce("MEAN", v, axis=None)]
 
 
@@ -663,12 +682,45 @@ def cross_replica_assign_add_mirrored(X, n):
 
 
 @scenario()
-def assign_return_values(X, n):
+def assign_return_types(X, n):
     with X.strategy(n).scope():
         v = X.Variable(X.const([1.0, 2.0], "float32"))
-    return {"read_value_true": type(v.assign(X.const([3.0, 4.0], "float32"))).__name__,
-            "read_value_false": v.assign(X.const([5.0, 6.0], "float32"), read_value=False) is None,
-            "add": type(v.assign_add(X.const([1.0, 1.0], "float32"))).__name__, "value": v.numpy()}
+    return [type(v.assign(X.const([3.0, 4.0], "float32"))).__name__,
+            type(v.assign_add(X.const([1.0, 1.0], "float32"))).__name__]
+
+
+@scenario()
+def assign_read_value_false(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([1.0, 2.0], "float32"), aggregation=X.VA.SUM)
+        w = X.Variable(X.const([1.0, 2.0], "float32"), synchronization=X.VS.ON_READ, aggregation=X.VA.MEAN)
+    plain = X.Variable(X.const([1.0, 2.0], "float32"))
+    cross = [x.assign(X.const([5.0, 6.0], "float32"), read_value=False) is None for x in (v, w, plain)]
+    cross += [x.assign_sub(X.const([1.0, 1.0], "float32"), read_value=False) is None for x in (v, w, plain)]
+    replica = s.run(lambda: (v.assign_add(X.const([1.0, 1.0], "float32"), read_value=False) is None,
+                             w.assign_add(X.const([1.0, 1.0], "float32"), read_value=False) is None))
+    return {"cross": cross, "replica": replica, "v": v.numpy(), "w": w.numpy(), "plain": plain.numpy()}
+
+
+@scenario()
+def replica_assign_add_same_object_sum(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([1.0, 2.0], "float32"), aggregation=X.VA.SUM)
+    delta = X.const([1.0, 1.0], "float32")
+    s.run(lambda: v.assign_add(delta))
+    return v.numpy()
+
+
+@scenario()
+def replica_assign_same_object_mean(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([1.0, 2.0], "float32"), aggregation=X.VA.MEAN)
+    value = X.const([3.0, 5.0], "float32")
+    s.run(lambda: v.assign(value))
+    return v.numpy()
 
 
 @scenario()
@@ -777,6 +829,20 @@ def dataset_element_spec_drop_remainder(X, n):
 
 
 @scenario()
+def dataset_element_spec_uneven_drop_remainder(X, n):
+    s = X.strategy(n)
+    ds = X.Dataset.from_tensor_slices(np.zeros((12, 2), np.int32)).batch(6, drop_remainder=True)
+    return s.experimental_distribute_dataset(ds).element_spec
+
+
+@scenario()
+def dataset_element_spec_dict(X, n):
+    s = X.strategy(n)
+    ds = X.Dataset.from_tensor_slices({"x": np.zeros((8, 2), np.float64), "y": np.arange(8)}).batch(8)
+    return s.experimental_distribute_dataset(ds).element_spec
+
+
+@scenario()
 def dataset_iterator_next_and_stop(X, n):
     s = X.strategy(n)
     it = iter(s.experimental_distribute_dataset(X.Dataset.from_tensor_slices(np.arange(4)).batch(2)))
@@ -820,6 +886,21 @@ def datasets_from_function_contexts(X, n):
 
     steps = _steps(s, s.distribute_datasets_from_function(dataset_fn))
     return {"contexts": seen, "steps": steps}
+
+
+@scenario()
+def datasets_from_function_element_spec(X, n):
+    s = X.strategy(n)
+    return s.distribute_datasets_from_function(
+        lambda ctx: X.Dataset.from_tensor_slices(np.zeros((8, 2), np.float32)).batch(2, drop_remainder=True)
+    ).element_spec
+
+
+@scenario()
+def datasets_from_function_element_spec_partial(X, n):
+    s = X.strategy(n)
+    return s.distribute_datasets_from_function(
+        lambda ctx: X.Dataset.from_tensor_slices(np.zeros((8, 2), np.float32)).batch(3)).element_spec
 
 
 @scenario(ns=(4,), words=("10", "4"))

@@ -438,10 +438,11 @@ def _divide(numer, denom):
     if not device_util.on_gpu(numer):
         numer = np.asarray(numer)
     denom = np.asarray(denom).astype(numer.dtype)[()]
-    if numer.dtype.kind in "iu":
-        real = np.float32 if numer.dtype.itemsize <= 2 else np.float64
-        return numer.astype(real) / real(denom)
-    return numer / denom
+    with np.errstate(invalid="ignore", divide="ignore"):  # no rows at all: NaN, as TF's 0 / 0, no warning
+        if numer.dtype.kind in "iu":
+            real = np.float32 if numer.dtype.itemsize <= 2 else np.float64
+            return numer.astype(real) / real(denom)
+        return numer / denom
 
 
 # --- extended ------------------------------------------------------------------------------
@@ -620,7 +621,9 @@ class StrategyExtended:
             result = self.reduce_to(op, value, self.worker_devices[0])
             return map_structure(lambda v: _read(self._local_results(v)[0]), result)
         result = self.reduce_to(op, value, HOST)
-        return map_structure(lambda v: device_util.to_host(_read(self._local_results(v)[0])), result)
+        # A Python number that comes back as it went in (MEAN of a non-distributed value) stays one, as in TF.
+        return map_structure(lambda v: v if type(v) in (int, float) else
+                             device_util.to_host(_read(self._local_results(v)[0])), result)
 
     def _gather_to_host(self, value, axis):
         if not isinstance(value, DistributedValues):
@@ -683,8 +686,10 @@ def _check_axis(axis, components) -> None:
             ndim = len(np.shape(c))
             if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
                 valid = f"use {-ndim}..{ndim - 1}, or" if ndim else "a scalar has no axis: use"
-                raise ValueError(f"axis={axis!r} is out of range for a value of rank {ndim} (shape "
-                                 f"{tuple(np.shape(c))}); {valid} axis=None to reduce across replicas only")
+                # (TF's words first: "Invalid reduction dimension 0 for input with 0 dimensions")
+                raise ValueError(f"Invalid reduction dimension: axis={axis!r} is out of range for a value of rank "
+                                 f"{ndim} (shape {tuple(np.shape(c))}); {valid} axis=None to reduce across "
+                                 "replicas only")
 
 
 def _reduce_along(v, op: ReduceOp, axis: int):
@@ -791,7 +796,7 @@ class _DefaultExtended(StrategyExtended):
         return isinstance(v, DeviceVariable) and v._distributed_container is None
 
 
-class _DefaultStrategy(Strategy):
+class _DefaultDistributionStrategy(Strategy):  # (TF's class name: users print type(get_strategy()))
     def __init__(self):
         super().__init__(_DefaultExtended(self, (HOST,)))
 
@@ -807,7 +812,8 @@ def default_replica_context() -> ReplicaContext:
     return _DEFAULT.replica_context
 
 
-_default_strategy = _DefaultStrategy()
+_DefaultStrategy = _DefaultDistributionStrategy  # (the name train/ tests against)
+_default_strategy = _DefaultDistributionStrategy()
 _DEFAULT = _Context(_default_strategy, ReplicaContext(_default_strategy, 0))
 set_default_context(_DEFAULT)
 

@@ -311,15 +311,30 @@ class _DistributedInput:
 
     @property
     def element_spec(self):
-        """Structure of ``TensorSpec`` (one replica) or ``PerReplicaSpec`` leaves, batch dimension ``None``."""
+        """Structure of ``TensorSpec`` (one replica) or ``PerReplicaSpec`` leaves; the batch dimension is
+        ``None`` unless every replica's batch has a known, fixed size (see :meth:`_static_batch`)."""
         if self._first is None:
             self._first = self._peek()
         return self._spec(self._first)
 
+    def _static_batch(self):
+        """The size of every replica's batch where it is fixed and known before reading, else None."""
+        return None
+
+    @staticmethod
+    def _batch_of(dataset):
+        """A pipeline's batch size where its element_spec fixes it (``batch(..., drop_remainder=True)``)."""
+        if not _is_pipeline(dataset):
+            return None
+        sizes = {spec.shape[0] if spec.shape else None for spec in flatten(dataset.element_spec)}
+        return sizes.pop() if len(sizes) == 1 else None
+
     def _spec(self, per_replica: list):
+        batch = self._static_batch()
+
         def leaf_spec(x):
             x = device_util.to_host(x) if not device_util.on_gpu(x) else x
-            return TensorSpec((None,) + tuple(x.shape[1:]), x.dtype)
+            return TensorSpec((batch,) + tuple(x.shape[1:]), x.dtype)
 
         specs = [map_structure(leaf_spec, s) for s in per_replica]
         if len(specs) == 1:
@@ -458,6 +473,11 @@ class DistributedDataset(_DistributedInput):
         parts = split_batch(batch, total, 0, total)
         return [parts[first:first + local] for first in range(0, total, local)]
 
+    def _static_batch(self):
+        # TF's rule: a fixed global batch that the replicas (of all workers) share evenly.
+        size, total = self._batch_of(self._items), self._extended._num_replicas_in_sync
+        return size // total if size is not None and size % total == 0 else None
+
     def _peek(self):
         first = self._items._peek() if isinstance(self._items, Dataset) else self._items.peek(1)
         if not first:
@@ -531,6 +551,10 @@ class DistributedDatasetsFromFunction(_DistributedInput):
 
     def _source(self, state=None):
         return _Pipelines(self._pipelines, len(self._devices), state)
+
+    def _static_batch(self):
+        sizes = {self._batch_of(p) for p in self._pipelines}
+        return sizes.pop() if len(sizes) == 1 else None
 
     def _steps_of(self, step):
         local = len(self._devices)

@@ -284,17 +284,18 @@ class DeviceVariable(Variable):
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         self._store(self._converted(value))
-        return self
+        return _updated(self, read_value)
 
     def _combine(self, fn, delta):
         self._store(fn(self._value, self._converted(delta, "delta")))
-        return self
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        return self._combine(operator.add, delta)
+        self._combine(operator.add, delta)
+        return _updated(self, read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        return self._combine(operator.sub, delta)
+        self._combine(operator.sub, delta)
+        return _updated(self, read_value)
 
 
 class DistributedVariable(DistributedValues, Variable):
@@ -388,13 +389,13 @@ class MirroredVariable(DistributedVariable, Mirrored):
         return self
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
-        return self._update("assign", value)
+        return _updated(self._update("assign", value), read_value)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        return self._update("assign_add", delta)
+        return _updated(self._update("assign_add", delta), read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        return self._update("assign_sub", delta)
+        return _updated(self._update("assign_sub", delta), read_value)
 
 
 class SyncOnReadVariable(DistributedVariable):
@@ -408,6 +409,9 @@ class SyncOnReadVariable(DistributedVariable):
         return self._strategy.reduce(ReduceOp.from_variable_aggregation(self._aggregation), self, axis=None)
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
+        return _updated(self._assign(value), read_value)
+
+    def _assign(self, value):
         if self._local_replica_id() is not None:
             self._component().assign(value)
             return self
@@ -430,10 +434,15 @@ class SyncOnReadVariable(DistributedVariable):
         return self._update_each_copy(method, delta)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        return self._add("assign_add", delta)
+        return _updated(self._add("assign_add", delta), read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        return self._add("assign_sub", delta)
+        return _updated(self._add("assign_sub", delta), read_value)
+
+
+def _updated(variable, read_value):
+    """An update's result: the variable (read as its new value), or None with ``read_value=False``, as TF."""
+    return variable if read_value else None
 
 
 def _read(x):
