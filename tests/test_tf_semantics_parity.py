@@ -125,6 +125,25 @@ DELIBERATE = {
     # assign. Ours: the variable itself (which reads as the new value).
     "assign_return_types": (lambda n: {"list": [_py("Mirrored" if n > 1 else "_UnreadVariable")] * 2},
                             lambda n: {"list": [_py("MirroredVariable")] * 2}),
+    # TF: update returns a Mirrored of what fn returned on each copy. Ours: fn's results regrouped; copies of
+    # one variable (what assign_add returns here) regroup to the variable itself, as they do everywhere.
+    "extended_update": (lambda n: {"dict": [["type", _py("Mirrored" if n > 1 else "tensor")],
+                                            ["value", _tensor([2.0, 3.0], np.float32)]]},
+                        lambda n: {"dict": [["type", _py("MirroredVariable")], ["value", _tensor([2.0, 3.0],
+                                                                                                  np.float32)]]}),
+    # TF: a TypeError from its graph code when a nested structure is reduced along an axis. Ours: each leaf
+    # reduced as on its own.
+    "reduce_run_dict_axis0": (
+        lambda n: {"raises": "TypeError"},
+        lambda n: {"list": [{"dict": [["loss", _tensor(n + n * (n - 1) / 2, np.float32)],
+                                      ["n", _tensor(6 * n, np.int32)]]},
+                            {"dict": [["loss", _tensor((n + n * (n - 1) / 2) / (2 * n), np.float32)],
+                                      ["n", _tensor(2.0, np.float64)]]}]}),
+    # TF: IndexError from its input code when unbatched (rank-0) elements meet several replicas. Ours: a
+    # ValueError naming the missing batch dimension. (With one replica both pass elements through.)
+    "dataset_unbatched_scalars": (
+        lambda n: {"raises": "IndexError"} if n > 1 else {"list": [{"tuple": [_tensor(0, np.int64)]}]},
+        lambda n: {"raises": "ValueError"} if n > 1 else {"list": [{"tuple": [_tensor(0, np.int64)]}]}),
 }
 # TF >= 2.4 lets a MirroredVariable with aggregation NONE be updated in replica context, each copy on its own
 # (the copies drift apart). SPEC section 3: mirrored refuses it (a ValueError naming the aggregation), as TF <= 2.3.

@@ -1019,3 +1019,289 @@ def scope_inside_run(X, n):
         with s.scope():
             return X.dist.in_cross_replica_context()
     return s.run(fn)
+
+
+# --- more variables -------------------------------------------------------------------------------------
+
+@scenario()
+def variable_devices(X, n):
+    with X.strategy(n).scope():
+        v = X.Variable(X.const(1.0, "float32"))
+    return {"device": v.device, "values": [c.device for c in v.values]}
+
+
+@scenario()
+def variable_shape_and_dtype_compare(X, n):
+    with X.strategy(n).scope():
+        v = X.Variable(X.const([[1.0, 2.0]], "float32"))
+    return [v.shape == (1, 2), tuple(v.shape), len(v.shape), v.dtype == np.float32, np.asarray(v).dtype.name,
+            type(v.numpy()).__name__]
+
+
+@scenario()
+def variable_callable_initial_value_and_dtype(X, n):
+    with X.strategy(n).scope():
+        v = X.Variable(lambda: X.const([1.0, 2.0], "float32"))
+        w = X.Variable(3, dtype="float32")
+    return [v.numpy(), w.numpy()]
+
+
+@scenario()
+def variable_assign_wrong_shape(X, n):
+    with X.strategy(n).scope():
+        v = X.Variable(X.const([1.0, 2.0], "float32"))
+    return type(run_error(lambda: v.assign(X.const([1.0, 2.0, 3.0], "float32")))).__name__
+
+
+@scenario()
+def variable_assign_python_values(X, n):
+    with X.strategy(n).scope():
+        v = X.Variable(X.const([1.0, 2.0], "float32"))
+        i = X.Variable(X.const([1, 2], "int64"))
+    v.assign([3.0, 4.0])
+    i.assign_add([1, 1])
+    v.assign_sub(0.5)
+    return [v.numpy(), i.numpy()]
+
+
+@scenario()
+def on_read_cross_replica_assign_add(X, n):
+    out = {}
+    for agg in ("SUM", "MEAN", "ONLY_FIRST_REPLICA"):
+        with X.strategy(n).scope():
+            v = X.Variable(X.const([4.0, 8.0], "float32"), synchronization=X.VS.ON_READ,
+                           aggregation=getattr(X.VA, agg))
+        error = run_error(lambda: v.assign_add(X.const([1.0, 1.0], "float32")))
+        out[agg] = {"error": type(error).__name__, "read": v.read_value(), "values": [c.numpy() for c in v.values]}
+    return out
+
+
+@scenario()
+def on_read_trainable_true(X, n):
+    with X.strategy(n).scope():
+        v = X.Variable(X.const(1.0, "float32"), trainable=True, synchronization=X.VS.ON_READ,
+                       aggregation=X.VA.SUM)
+    return v.trainable
+
+
+@scenario()
+def on_read_only_first_replica_reads(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const(0.0, "float32"), synchronization=X.VS.ON_READ,
+                       aggregation=X.VA.ONLY_FIRST_REPLICA)
+    s.run(lambda: v.assign(X.const(float(rid(X) + 5), "float32")))
+    return [v.read_value(), v.numpy(), [c.numpy() for c in v.values]]
+
+
+@scenario()
+def on_read_mean_reads(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([0.0, 0.0], "float32"), synchronization=X.VS.ON_READ, aggregation=X.VA.MEAN)
+    s.run(lambda: v.assign_add(X.const([float(rid(X)), 1.0], "float32")))
+    return [v.read_value(), v.numpy(), s.reduce("SUM", v, axis=None)]
+
+
+@scenario()
+def extended_update(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([1.0, 2.0], "float32"))
+    result = s.extended.update(v, lambda var, x: var.assign_add(x), args=(X.const([1.0, 1.0], "float32"),))
+    return {"type": kind(result), "value": v.numpy()}
+
+
+@scenario()
+def extended_value_container_and_created_in_scope(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const(1.0, "float32"))
+    plain = X.Variable(X.const(1.0, "float32"))
+    return [s.extended.value_container(v.values[-1]) is v, s.extended.variable_created_in_scope(v),
+            s.extended.variable_created_in_scope(plain)]
+
+
+@scenario()
+def extended_flags(X, n):
+    e = X.strategy(n).extended
+    return [e.should_checkpoint, e.should_save_summary, e.experimental_should_init, e.experimental_between_graph,
+            X.strategy(n).cluster_resolver is None]
+
+
+# --- more run / merge_call ------------------------------------------------------------------------------
+
+@scenario()
+def run_args_list(X, n):
+    return X.strategy(n).run(lambda a, b: a + b, args=[X.const(1, "int32"), X.const(2, "int32")])
+
+
+@scenario()
+def run_returns_argument_per_replica(X, n):
+    s = X.strategy(n)
+    x = per_replica(X, s, lambda r: X.const(r, "int64"))
+    return s.run(lambda a: a, args=(x,))
+
+
+@scenario()
+def run_all_replicas_raise(X, n):
+    def fn():
+        raise ValueError("every replica fails")
+    return X.strategy(n).run(fn)
+
+
+@scenario()
+def merge_call_returns_tuple_of_per_replica(X, n):
+    def merge_fn(strategy, a, b):
+        return a, strategy.reduce("SUM", b, axis=None)
+
+    return _in_replicas(X, n, lambda: X.dist.get_replica_context().merge_call(
+        merge_fn, args=(X.const(rid(X), "float32"), X.const([1.0, rid(X)], "float32"))))
+
+
+@scenario()
+def merge_call_with_variable(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const(2.0, "float32"))
+
+    def merge_fn(strategy, var):
+        return type(var).__name__
+
+    return s.run(lambda: X.dist.get_replica_context().merge_call(merge_fn, args=(v,)))
+
+
+@scenario()
+def all_reduce_float16(X, n):
+    return _in_replicas(X, n, lambda: X.dist.get_replica_context().all_reduce(
+        "SUM", (X.const([0.5, rid(X)], "float16"), X.const([1.0], "float32"))))
+
+
+@scenario()
+def all_reduce_mean_mixed_structure(X, n):
+    return _in_replicas(X, n, lambda: X.dist.get_replica_context().all_reduce(
+        X.dist.ReduceOp.MEAN, [X.const(rid(X) + 1, "int64"), X.const([rid(X)], "float64")]))
+
+
+@scenario()
+def replica_context_attributes(X, n):
+    s = X.strategy(n)
+    return s.run(lambda: (X.dist.get_replica_context().strategy is s,
+                          X.dist.get_replica_context().num_replicas_in_sync))
+
+
+@scenario()
+def reduce_op_conversions(X, n):
+    R = X.dist.ReduceOp
+    return [R.SUM.value, R.MEAN.value, R("SUM") is R.SUM, R.from_variable_aggregation(X.VA.MEAN) is R.MEAN,
+            R.from_variable_aggregation(X.VA.SUM) is R.SUM, type(run_error(lambda: R("sum"))).__name__,
+            type(run_error(lambda: R.from_variable_aggregation(X.VA.NONE))).__name__]
+
+
+@scenario()
+def reduce_run_dict_axis0(X, n):
+    s = X.strategy(n)
+    out = s.run(lambda: {"loss": X.const([1.0, float(rid(X))], "float32"), "n": X.const([1, 2, 3], "int32")})
+    return [s.reduce("SUM", out, axis=0), s.reduce("MEAN", out, axis=0)]
+
+
+# --- more datasets --------------------------------------------------------------------------------------
+
+@scenario()
+def dataset_batch7(X, n):
+    s = X.strategy(n)
+    return _steps(s, s.experimental_distribute_dataset(X.Dataset.from_tensor_slices(np.arange(7)).batch(7)))
+
+
+@scenario()
+def dataset_repeat_take(X, n):
+    s = X.strategy(n)
+    ds = X.Dataset.from_tensor_slices(np.arange(3, dtype=np.float32)).repeat(2).batch(4).take(2)
+    return _steps(s, s.experimental_distribute_dataset(ds))
+
+
+@scenario()
+def dataset_unbatched_scalars(X, n):
+    s = X.strategy(n)
+    return _steps(s, s.experimental_distribute_dataset(X.Dataset.from_tensor_slices(np.arange(2)).take(1)))
+
+
+@scenario()
+def dataset_first_element_kind(X, n):
+    s = X.strategy(n)
+    b = next(iter(s.experimental_distribute_dataset(X.Dataset.from_tensor_slices(np.arange(8)).batch(8))))
+    return [kind(b), [kind(c) for c in s.experimental_local_results(b)]]
+
+
+@scenario()
+def dataset_iterator_element_spec(X, n):
+    s = X.strategy(n)
+    it = iter(s.experimental_distribute_dataset(X.Dataset.from_tensor_slices(np.ones((4, 2), np.float32)).batch(4)))
+    return it.element_spec
+
+
+@scenario()
+def dataset_fetch_to_device_false(X, n):
+    s = X.strategy(n)
+    ds = X.Dataset.from_tensor_slices(np.arange(4)).batch(4)
+    options = X.dist.InputOptions(experimental_fetch_to_device=False)
+    return _steps(s, s.experimental_distribute_dataset(ds, options=options))
+
+
+@scenario()
+def datasets_from_function_uneven_pipeline(X, n):
+    s = X.strategy(n)
+    return _steps(s, s.distribute_datasets_from_function(
+        lambda ctx: X.Dataset.from_tensor_slices(np.arange(5)).batch(2)))
+
+
+@scenario()
+def input_context_per_replica_batch_sizes(X, n):
+    ctx = X.dist.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=n)
+    return [ctx.get_per_replica_batch_size(8), ctx.get_per_replica_batch_size(0)]
+
+
+@scenario()
+def value_context_defaults(X, n):
+    ctx = X.dist.experimental.ValueContext()
+    return [ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync]
+
+
+@scenario()
+def values_from_function_nested(X, n):
+    s = X.strategy(n)
+    return s.experimental_distribute_values_from_function(
+        lambda ctx: {"a": X.const(ctx.replica_id_in_sync_group, "int32"), "b": (X.const([1.0], "float32"),)})
+
+
+@scenario()
+def values_from_function_python_values(X, n):
+    s = X.strategy(n)
+    return s.experimental_distribute_values_from_function(lambda ctx: [ctx.replica_id_in_sync_group * 2.5])
+
+
+@scenario(ns=(1,), words=("scope",))
+def experimental_set_strategy_inside_scope(X, n):
+    with X.strategy(2).scope():
+        X.dist.experimental_set_strategy(X.strategy(2))
+
+
+@scenario(ns=(1,))
+def experimental_set_strategy_twice(X, n):
+    X.dist.experimental_set_strategy(X.strategy(2))
+    X.dist.experimental_set_strategy(X.strategy(4))
+    try:
+        return [X.dist.get_strategy() is X.strategy(4), X.dist.get_strategy().num_replicas_in_sync]
+    finally:
+        X.dist.experimental_set_strategy(None)
+
+
+@scenario(ns=(1,))
+def experimental_set_strategy(X, n):
+    s = X.strategy(2)
+    X.dist.experimental_set_strategy(s)
+    try:
+        inside = [X.dist.get_strategy() is s, X.dist.has_strategy(), X.dist.in_cross_replica_context()]
+    finally:
+        X.dist.experimental_set_strategy(None)
+    return inside + [X.dist.has_strategy()]

@@ -56,6 +56,8 @@ def record(n):
     for name, (fn, ns, words) in scenarios.SCENARIOS.items():
         if n not in ns:
             continue
+        if os.environ.get("RECORD_VERBOSE"):
+            print(name, file=sys.stderr, flush=True)
         result = scenarios.run_scenario(adapter, fn, n)
         if "raises" in result:
             missing = [w for w in words if w.lower() not in result["msg"].lower()]

@@ -758,12 +758,8 @@ def _check_variable_args(name, trainable, synchronization, aggregation):
     if not isinstance(aggregation, VariableAggregation):
         raise ValueError(f"Invalid variable aggregation mode: {aggregation!r} for variable {name!r}; expected a "
                          "md.VariableAggregation (NONE, SUM, MEAN or ONLY_FIRST_REPLICA)")
-    if trainable is None:
+    if trainable is None:  # (an explicit trainable=True with ON_READ stands, as in TF 2.x)
         trainable = synchronization != VariableSynchronization.ON_READ
-    elif trainable and synchronization == VariableSynchronization.ON_READ:
-        raise ValueError(
-            "Synchronization value can be set to VariableSynchronization.ON_READ only for non-trainable "
-            f"variables; variable {name!r} has trainable=True: pass trainable=False")
     return synchronization, aggregation, trainable
 
 
@@ -812,6 +808,22 @@ def default_replica_context() -> ReplicaContext:
     return _DEFAULT.replica_context
 
 
+def experimental_set_strategy(strategy) -> None:
+    """Make ``strategy`` current on this thread without a ``with`` block (``tf.distribute``'s name); ``None``
+    goes back to the default strategy. A strategy set earlier this way is replaced."""
+    old = getattr(_local, "set_scope", None)
+    if old is not None:
+        _local.set_scope = None
+        old.__exit__(None, None, None)
+    if has_strategy():
+        raise RuntimeError("Must not be called inside a `tf.distribute.Strategy` scope: leave the `with "
+                           "strategy.scope()` block first")
+    if strategy is not None:
+        scope = strategy.scope()
+        scope.__enter__()
+        _local.set_scope = scope
+
+
 _DefaultStrategy = _DefaultDistributionStrategy  # (the name train/ tests against)
 _default_strategy = _DefaultDistributionStrategy()
 _DEFAULT = _Context(_default_strategy, ReplicaContext(_default_strategy, 0))
@@ -820,5 +832,5 @@ set_default_context(_DEFAULT)
 
 __all__ = [
     "Strategy", "StrategyExtended", "ReplicaContext", "get_strategy", "has_strategy",
-    "in_cross_replica_context", "get_replica_context", "get_cross_replica_context",
+    "in_cross_replica_context", "get_replica_context", "get_cross_replica_context", "experimental_set_strategy",
 ]

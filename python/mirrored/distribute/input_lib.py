@@ -70,6 +70,8 @@ class ValueContext:
 def split_batch(batch, num_global: int, first: int, count: int, argument: str = "dataset"):
     """Replicas ``first .. first+count-1`` of ``num_global``: each one's slice of every leaf of ``batch``."""
     leaves = [device_util.to_host(x) if not device_util.on_gpu(x) else x for x in flatten(batch)]
+    if num_global == 1:  # one replica takes each element as it is, batched or not (TF's rule)
+        return [pack_sequence_as(batch, leaves)]
     sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
     if None in sizes or len(sizes) != 1:
         raise ValueError(f"{argument}: every array of a batch needs the same leading (batch) dimension; got "
