@@ -350,7 +350,7 @@ def reduce_plain_value_mean_axis0(X, n):
     return X.strategy(n).reduce("MEAN", X.const([1.0, 3.0], "float32"), axis=0)
 
 
-@scenario()
+@scenario(words=("non-DistributedValues", "cannot be reduced"))
 def reduce_plain_value_sum(X, n):
     return X.strategy(n).reduce("SUM", X.const([1.0, 3.0], "float32"), axis=None)
 
@@ -588,7 +588,7 @@ def gather_nested(X, n):
     return s.gather((x, {"a": x}), axis=0)
 
 
-@scenario(ns=MULTI)
+@scenario(ns=MULTI, words=("concatenate scalars",))
 def gather_rank0(X, n):
     s = X.strategy(n)
     return s.gather(per_replica(X, s, lambda r: X.const(r, "int32")), axis=0)
@@ -609,10 +609,11 @@ for _sync in _SYNCS:
             info["type"] = info["type"] if n > 1 or info["type"] in _VARIABLES else "single"
             return info
         _fn.__name__ = f"variable_{_sync.lower()}_{_agg.lower()}"
-        scenario()(_fn)
+        scenario(words={"NONE": ("synchronization mode is not supported",)}.get(
+            _sync, ("Could not convert",) if (_sync, _agg) == ("ON_READ", "NONE") else ()))(_fn)
 
 
-@scenario()
+@scenario(words=("MEAN",))
 def variable_int_mean(X, n):
     with X.strategy(n).scope():
         return var_info(X.Variable(X.const(1, "int32"), aggregation=X.VA.MEAN))
@@ -703,7 +704,7 @@ def assign_read_value_false(X, n):
     return {"cross": cross, "replica": replica, "v": v.numpy(), "w": w.numpy(), "plain": plain.numpy()}
 
 
-@scenario()
+@scenario(words=("non-DistributedValues",))
 def replica_assign_add_same_object_sum(X, n):
     s = X.strategy(n)
     with s.scope():
@@ -983,7 +984,7 @@ def default_replica_context_merge_call(X, n):
     return X.dist.get_replica_context().merge_call(lambda s, x: (type(s).__name__, x), args=(X.const(2, "int32"),))
 
 
-@scenario(ns=MULTI, words=("strateg",))
+@scenario(ns=MULTI, words=("Mixing different",))
 def nested_scopes_of_two_strategies(X, n):
     with X.strategy(n).scope():
         with X.new_strategy(n).scope():
@@ -1011,7 +1012,7 @@ def nested_run(X, n):
     return s.run(lambda: type(run_error(lambda: s.run(lambda: 1))).__name__)
 
 
-@scenario(ns=MULTI)
+@scenario(ns=MULTI, words=("requires being in cross-replica context",))
 def scope_inside_run(X, n):
     s = X.strategy(n)
 
