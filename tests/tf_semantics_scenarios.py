@@ -1306,3 +1306,210 @@ def experimental_set_strategy(X, n):
     finally:
         X.dist.experimental_set_strategy(None)
     return inside + [X.dist.has_strategy()]
+
+
+# --- public names (the test asserts TF's are a subset of mirrored's) --------------------------------------
+
+def public_names(obj):
+    return sorted(name for name in dir(obj) if not name.startswith("_"))
+
+
+@scenario(ns=(2,))
+def api_strategy(X, n):
+    return public_names(X.strategy(n))
+
+
+@scenario(ns=(2,))
+def api_extended(X, n):
+    return public_names(X.strategy(n).extended)
+
+
+@scenario(ns=(2,))
+def api_per_replica(X, n):
+    s = X.strategy(n)
+    return public_names(per_replica(X, s, lambda r: X.const(r, "float32")))
+
+
+@scenario(ns=(2,))
+def api_mirrored(X, n):
+    s = X.strategy(n)
+    x = per_replica(X, s, lambda r: X.const(r, "float32"))
+    return public_names(s.extended.reduce_to("SUM", x, x))
+
+
+@scenario(ns=(2,))
+def api_mirrored_variable(X, n):
+    with X.strategy(n).scope():
+        return public_names(X.Variable(X.const(1.0, "float32")))
+
+
+@scenario(ns=(2,))
+def api_sync_on_read_variable(X, n):
+    with X.strategy(n).scope():
+        return public_names(X.Variable(X.const(1.0, "float32"), synchronization=X.VS.ON_READ, aggregation=X.VA.SUM))
+
+
+@scenario(ns=(1,))
+def api_variable(X, n):
+    return public_names(X.Variable(X.const(1.0, "float32")))
+
+
+@scenario(ns=(2,))
+def api_replica_context(X, n):
+    return X.strategy(n).run(lambda: public_names(X.dist.get_replica_context()))
+
+
+@scenario(ns=(2,))
+def api_distributed_dataset_and_iterator(X, n):
+    s = X.strategy(n)
+    dist = s.experimental_distribute_dataset(X.Dataset.from_tensor_slices(np.arange(4)).batch(4))
+    it = iter(dist)
+    return {"dataset": public_names(dist), "iterator": public_names(it),
+            "optional": public_names(it.get_next_as_optional())}
+
+
+@scenario(ns=(2,))
+def api_datasets_from_function(X, n):
+    s = X.strategy(n)
+    return public_names(s.distribute_datasets_from_function(lambda ctx: X.Dataset.from_tensor_slices([1, 2])))
+
+
+@scenario(ns=(1,))
+def api_contexts(X, n):
+    return {"input": public_names(X.dist.InputContext()),
+            "value": public_names(X.dist.experimental.ValueContext())}
+
+
+@scenario(ns=(1,))
+def api_distribute_module(X, n):
+    return public_names(X.dist)
+
+
+@scenario(ns=(1,))
+def api_distribute_experimental_module(X, n):
+    return public_names(X.dist.experimental)
+
+
+# --- constructing strategies, cross-device ops ----------------------------------------------------------
+
+for _i, _devices in enumerate((["CPU:0", "CPU:1"], ["/CPU:1", "/device:CPU:0"], "/cpu:1",
+                              ["/job:localhost/replica:0/task:0/device:CPU:1"])):
+    def _fn(X, n, devices=_devices):
+        s = X.dist.MirroredStrategy(devices)
+        return [s.num_replicas_in_sync, tuple(s.extended.worker_devices)]
+    _fn.__name__ = f"strategy_device_spelling_{_i}"
+    scenario(ns=(1,))(_fn)
+
+
+@scenario(ns=(1,))
+def strategy_default_devices_without_gpu(X, n):
+    with X.logical_cpus(4):
+        return [[s.num_replicas_in_sync, tuple(s.extended.worker_devices)]
+                for s in (X.dist.MirroredStrategy(), X.dist.MirroredStrategy([]))]
+
+
+@scenario(ns=(1,))
+def strategy_duplicate_devices(X, n):
+    return X.dist.MirroredStrategy(["/cpu:0", "/cpu:0"]).num_replicas_in_sync
+
+
+@scenario(ns=MULTI)
+def run_args_not_a_sequence(X, n):
+    return X.strategy(n).run(lambda *a: len(a), args=X.const([1.0, 2.0], "float32"))
+
+
+@scenario()
+def scope_enter_returns_strategy(X, n):
+    s = X.strategy(n)
+    with s.scope() as entered:
+        return entered is s
+
+
+def _cdo(X, name):
+    return getattr(X.dist, name)()
+
+
+for _name in ("ReductionToOneDevice", "HierarchicalCopyAllReduce"):
+    def _fn(X, n, name=_name):
+        s = X.strategy(n)
+        ops = _cdo(X, name)
+        x = per_replica(X, s, lambda r: X.const([r + 1.0, 2.0], "float32"))
+        y = per_replica(X, s, lambda r: X.const(float(r), "float32"))
+        R = X.dist.ReduceOp
+        return {"reduce": ops.reduce(R.SUM, x, destinations=x),
+                "batch": ops.batch_reduce(R.MEAN, [(x, x), (y, y)]),
+                "broadcast": ops.broadcast(X.const([7.0], "float32"), destinations=x)}
+    _fn.__name__ = f"cross_device_ops_{_name}"
+    scenario()(_fn)
+
+
+@scenario()
+def strategy_with_reduction_to_one_device(X, n):
+    s = X.dist.MirroredStrategy([f"/cpu:{i}" for i in range(n)], cross_device_ops=X.dist.ReductionToOneDevice())
+    out = s.run(lambda: X.dist.get_replica_context().all_reduce("MEAN", X.const([rid(X) * 2.0], "float32")))
+    return [out, s.reduce("SUM", out, axis=None)]
+
+
+# --- names added after the public-names audit -----------------------------------------------------------
+
+@scenario()
+def variable_legacy_readers(X, n):
+    with X.strategy(n).scope():
+        v = X.Variable(X.const([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], "float32"))
+    return [tuple(v.get_shape()), v.sparse_read([2, 0]), v.gather_nd([[1, 1], [0, 0]]), bool(v.is_initialized())]
+
+
+@scenario()
+def on_read_variable_sparse_read(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([1.0, 2.0, 3.0], "float32"), synchronization=X.VS.ON_READ, aggregation=X.VA.SUM)
+    return [v.sparse_read([1]), s.run(lambda: v.sparse_read([0, 2]))]
+
+
+@scenario()
+def distributed_dataset_cardinality(X, n):
+    s = X.strategy(n)
+    ds = X.Dataset.from_tensor_slices(np.arange(10))
+    return [s.experimental_distribute_dataset(d.batch(4)).cardinality
+            for d in (ds, ds.repeat(), ds.filter(lambda x: x > 3), ds.take(3))]
+
+
+@scenario()
+def distributed_iterator_next_method(X, n):
+    s = X.strategy(n)
+    it = iter(s.experimental_distribute_dataset(X.Dataset.from_tensor_slices(np.arange(4)).batch(4)))
+    return s.experimental_local_results(it.next())
+
+
+@scenario()
+def extended_read_var(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([1.0, 2.0], "float32"), synchronization=X.VS.ON_READ, aggregation=X.VA.SUM)
+        w = X.Variable(X.const([3.0], "float32"))
+    s.run(lambda: v.assign(X.const([1.0, 1.0], "float32")))
+    return [s.extended.read_var(v), s.extended.read_var(w)]
+
+
+@scenario()
+def extended_worker_devices_by_replica(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const(1.0, "float32"))
+    return [s.extended.worker_devices_by_replica, tuple(s.extended.non_slot_devices([v]))]
+
+
+@scenario()
+def datasets_from_function_cardinality(X, n):
+    s = X.strategy(n)
+    ds = X.Dataset.from_tensor_slices(np.arange(10))
+    return [s.distribute_datasets_from_function(lambda ctx, d=d: d.batch(2)).cardinality
+            for d in (ds, ds.repeat(), ds.filter(lambda x: x > 3))]
+
+
+@scenario(ns=(1,))
+def plain_variable_legacy_readers(X, n):
+    v = X.Variable(X.const([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], "float32"))
+    return [tuple(v.get_shape()), v.sparse_read([2, 0]), v.gather_nd([[1, 1], [0, 0]]), v.gather_nd([[2]]),
+            bool(v.is_initialized()), v.sparse_read(X.const(1, "int32"))]

@@ -6,6 +6,7 @@ the tests): every scenario of tests/tf_semantics_scenarios.py, run through TF's 
         (writes tests/data/tf_semantics_reference.json)
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -43,6 +44,12 @@ class TensorFlow:
     @staticmethod
     def const(value, dtype):
         return tf.constant(value, dtype)
+
+    @staticmethod
+    def logical_cpus(count):
+        """The recording runs with 4 logical CPUs from the start (TF cannot change them later)."""
+        assert count == len(tf.config.list_logical_devices("CPU"))
+        return contextlib.nullcontext()
 
 
 def record(n):

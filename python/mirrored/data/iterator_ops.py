@@ -57,6 +57,8 @@ class IteratorProtocol:
         """The next element; ``StopIteration`` (TF: ``OutOfRangeError``) at the end."""
         return next(self)
 
+    next = get_next  # (TF's iterators have the Python 2 name too)
+
     def get_next_as_optional(self) -> Optional:
         """The next element wrapped in an :class:`Optional` that is empty at the end of the data."""
         try:

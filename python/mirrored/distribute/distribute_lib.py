@@ -480,6 +480,19 @@ class StrategyExtended:
         return self._local_devices
 
     @property
+    def worker_devices_by_replica(self) -> list:
+        """Each replica's devices: one device per replica here (TF's list of lists)."""
+        return [[d] for d in self.worker_devices]
+
+    def non_slot_devices(self, var_list) -> tuple:
+        """Where variables that are not slots of ``var_list`` live: every replica's device."""
+        return tuple(self.worker_devices)
+
+    def read_var(self, var):
+        """``var``'s value in cross-replica context (an ON_READ variable's aggregate)."""
+        return var.read_value()
+
+    @property
     def parameter_devices(self) -> tuple:
         return self._local_devices
 

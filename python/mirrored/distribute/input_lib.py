@@ -323,6 +323,21 @@ class _DistributedInput:
         """The size of every replica's batch where it is fixed and known before reading, else None."""
         return None
 
+    @property
+    def cardinality(self) -> np.int64:
+        """How many elements the input has (TF's: global batches; with distribute_datasets_from_function, the
+        pipeline's own count), or ``md.data.INFINITE_CARDINALITY`` (-1) / ``UNKNOWN_CARDINALITY`` (-2)."""
+        items = self._counted_input()
+        if isinstance(items, _Reiterable):
+            items = items._dataset
+        if isinstance(items, Dataset):
+            return np.int64(items.cardinality())
+        return np.int64(len(items) if isinstance(items, (list, tuple)) else dataset_ops.UNKNOWN_CARDINALITY)
+
+    def _counted_input(self):
+        """The input whose elements :attr:`cardinality` counts."""
+        raise NotImplementedError
+
     @staticmethod
     def _batch_of(dataset):
         """A pipeline's batch size where its element_spec fixes it (``batch(..., drop_remainder=True)``)."""
@@ -475,6 +490,9 @@ class DistributedDataset(_DistributedInput):
         parts = split_batch(batch, total, 0, total)
         return [parts[first:first + local] for first in range(0, total, local)]
 
+    def _counted_input(self):
+        return self._items
+
     def _static_batch(self):
         # TF's rule: a fixed global batch that the replicas (of all workers) share evenly.
         size, total = self._batch_of(self._items), self._extended._num_replicas_in_sync
@@ -553,6 +571,9 @@ class DistributedDatasetsFromFunction(_DistributedInput):
 
     def _source(self, state=None):
         return _Pipelines(self._pipelines, len(self._devices), state)
+
+    def _counted_input(self):
+        return self._pipelines[0]
 
     def _static_batch(self):
         sizes = {self._batch_of(p) for p in self._pipelines}

@@ -344,15 +344,11 @@ class _ReplicaPool:
 
 
 def _resolve_devices(devices) -> tuple:
-    if devices is None:
-        gpus = config.list_logical_devices("GPU")
-        devices = [d.name for d in gpus] or [device_util.canonicalize("/cpu:0")]
     if isinstance(devices, str):
         devices = [devices]
+    if not devices:  # None or empty: TF's default, every logical GPU, else every logical CPU (one unless split)
+        devices = [d.name for d in config.list_logical_devices("GPU") or config.list_logical_devices("CPU")]
     devices = list(devices)
-    if not devices:
-        raise ValueError("devices=[]: a MirroredStrategy needs at least one device, e.g. ['/cpu:0'] or "
-                         "devices=None for every GPU (else one CPU replica)")
     canonical = tuple(device_util.canonicalize(d, argument="devices") for d in devices)
     if len(set(canonical)) != len(canonical):
         raise ValueError(f"devices={devices!r}: No duplicates allowed in `devices` argument; each replica needs "

@@ -200,6 +200,23 @@ class DeviceVariable(Variable):
     def read_value(self):
         return self._value
 
+    # tf.Variable's older readers, which TF keeps on its plain variables (not on distributed ones)
+
+    def get_shape(self) -> tuple:
+        return self.shape
+
+    def sparse_read(self, indices):
+        """The rows of the value at ``indices`` (``tf.gather`` along axis 0)."""
+        return self._value[_indices(indices)]
+
+    def gather_nd(self, indices):
+        """``tf.gather_nd``: each row of ``indices`` indexes the leading dimensions of the value."""
+        indices = _indices(indices)
+        return self._value[tuple(np.moveaxis(indices, -1, 0))]
+
+    def is_initialized(self) -> np.bool_:
+        return np.bool_(True)  # (a variable here holds its value from creation on)
+
     def _converted(self, value, argument: str = "value"):
         """``value`` on this variable's device, checked as TF's assign checks it: the same shape; a
         variable of the same dtype; an array or number of another dtype only when it converts
@@ -438,6 +455,11 @@ class SyncOnReadVariable(DistributedVariable):
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
         return _updated(self._add("assign_sub", delta), read_value)
+
+
+def _indices(indices):
+    """Index arrays given as lists or arrays (host or device), as NumPy/CuPy indexing takes them."""
+    return indices if device_util.on_gpu(indices) else np.asarray(device_util.to_host(indices))
 
 
 def _updated(variable, read_value):
