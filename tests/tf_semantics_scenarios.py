@@ -1513,3 +1513,10 @@ def plain_variable_legacy_readers(X, n):
     v = X.Variable(X.const([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], "float32"))
     return [tuple(v.get_shape()), v.sparse_read([2, 0]), v.gather_nd([[1, 1], [0, 0]]), v.gather_nd([[2]]),
             bool(v.is_initialized()), v.sparse_read(X.const(1, "int32"))]
+
+
+@scenario(ns=(1,))
+def multi_worker_default_devices_without_gpu(X, n):
+    with X.logical_cpus(4):
+        s = X.dist.MultiWorkerMirroredStrategy()
+        return [s.num_replicas_in_sync, tuple(s.extended.worker_devices), s.cluster_resolver.task_type]
