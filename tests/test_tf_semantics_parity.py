@@ -162,6 +162,10 @@ DELIBERATE = {
         lambda n: {"list": [_py(1), {"tuple": [_py("/job:localhost/replica:0/task:0/device:CPU:1")]}]}),
     # TF: an `assert` (AssertionError) on duplicate devices. Ours: ValueError with TF's words.
     "strategy_duplicate_devices": (lambda n: {"raises": "AssertionError"}, lambda n: {"raises": "ValueError"}),
+    # TF builds InputOptions(experimental_place_dataset_on_device=True, experimental_fetch_to_device=True) and
+    # refuses it when a dataset is distributed with it. Ours refuses the contradiction where it is written.
+    "input_options_rules": (lambda n: {"list": [_py("NoneType"), _py("NoneType"), _py("PER_REPLICA")]},
+                            lambda n: {"list": [_py("ValueError"), _py("NoneType"), _py("PER_REPLICA")]}),
 }
 # TF >= 2.4 lets a MirroredVariable with aggregation NONE be updated in replica context, each copy on its own
 # (the copies drift apart). SPEC section 3: mirrored refuses it (a ValueError naming the aggregation), as TF <= 2.3.

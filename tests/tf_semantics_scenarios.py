@@ -1520,3 +1520,47 @@ def multi_worker_default_devices_without_gpu(X, n):
     with X.logical_cpus(4):
         s = X.dist.MultiWorkerMirroredStrategy()
         return [s.num_replicas_in_sync, tuple(s.extended.worker_devices), s.cluster_resolver.task_type]
+
+
+@scenario(ns=(1,))
+def option_defaults(X, n):
+    i, r = X.dist.InputOptions(), X.dist.RunOptions()
+    return {"input": [i.experimental_fetch_to_device, i.experimental_replication_mode.name,
+                      i.experimental_place_dataset_on_device, i.experimental_per_replica_buffer_size],
+            "run": [r.experimental_enable_dynamic_batch_size, r.experimental_bucketizing_dynamic_shape,
+                    r.experimental_xla_options]}
+
+
+@scenario(ns=(1,))
+def input_options_rules(X, n):
+    M = X.dist.InputReplicationMode
+    return [type(run_error(lambda: X.dist.InputOptions(experimental_place_dataset_on_device=True,
+                                                       experimental_fetch_to_device=True))).__name__,
+            type(run_error(lambda: X.dist.InputOptions(experimental_place_dataset_on_device=True))).__name__,
+            X.dist.InputOptions(experimental_replication_mode=M.PER_REPLICA).experimental_replication_mode.name]
+
+
+@scenario()
+def distribute_dataset_per_replica_mode_refused(X, n):
+    s = X.strategy(n)
+    options = X.dist.InputOptions(experimental_replication_mode=X.dist.InputReplicationMode.PER_REPLICA)
+    return s.experimental_distribute_dataset(X.Dataset.from_tensor_slices(np.arange(4)).batch(2), options)
+
+
+@scenario()
+def datasets_from_function_per_replica_mode(X, n):
+    s = X.strategy(n)
+    options = X.dist.InputOptions(experimental_replication_mode=X.dist.InputReplicationMode.PER_REPLICA,
+                                  experimental_fetch_to_device=False)
+    seen = []
+
+    def dataset_fn(ctx):
+        seen.append((ctx.num_input_pipelines, ctx.input_pipeline_id))
+        return X.Dataset.from_tensor_slices(np.arange(4) + 10 * ctx.input_pipeline_id).batch(2)
+    return {"steps": _steps(s, s.distribute_datasets_from_function(dataset_fn, options)), "contexts": seen}
+
+
+@scenario()
+def run_with_run_options(X, n):
+    s = X.strategy(n)
+    return s.run(lambda: rid(X) + 1, options=X.dist.RunOptions(experimental_enable_dynamic_batch_size=False))
