@@ -1564,3 +1564,29 @@ def datasets_from_function_per_replica_mode(X, n):
 def run_with_run_options(X, n):
     s = X.strategy(n)
     return s.run(lambda: rid(X) + 1, options=X.dist.RunOptions(experimental_enable_dynamic_batch_size=False))
+
+
+# --- small integer dtypes (wrap-around as TF's kernels do) ---------------------------------------------------
+
+for _dtype in ("int8", "uint8", "int16"):
+    for _op in ("SUM", "MEAN"):
+        for _axis in (None, 0):
+            def _fn(X, n, op=_op, dtype=_dtype, axis=_axis):
+                s = X.strategy(n)
+                x = per_replica(X, s, lambda r: X.const([[100, 7 + r], [120, 3]], dtype))
+                return s.reduce(op, x, axis=axis)
+            _fn.__name__ = f"reduce_{_op.lower()}_{_dtype}_wraps_axis_{_axis}"
+            scenario()(_fn)
+
+    def _fn(X, n, dtype=_dtype):
+        return _in_replicas(X, n, lambda: X.dist.get_replica_context().all_reduce(
+            "SUM", X.const([100, rid(X), 120], dtype)))
+    _fn.__name__ = f"all_reduce_sum_{_dtype}_wraps"
+    scenario()(_fn)
+
+
+@scenario()
+def reduce_float_specials(X, n):
+    s = X.strategy(n)
+    x = per_replica(X, s, lambda r: X.const([np.inf if r == 0 else 1.0, np.nan, -np.inf, 1e38], "float32"))
+    return [s.reduce("SUM", x, axis=None), s.reduce("MEAN", x, axis=None)]

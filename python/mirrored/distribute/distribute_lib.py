@@ -352,7 +352,12 @@ class Strategy:
         op = as_reduce_op(reduce_op)
         _require_cross_replica_or_default(self, "reduce")
         if axis is None:
-            return self._extended._reduce(op, value)
+            result = self._extended._reduce(op, value)
+            if op is not ReduceOp.MEAN:
+                return result
+            if isinstance(value, DistributedValues):  # (the common case: one value)
+                return _as_tf_mean(value, result)
+            return pack_sequence_as(result, [_as_tf_mean(v, m) for v, m in zip(flatten(value), flatten(result))])
         ext = self._extended
         n = len(ext.worker_devices)
         comps = [[_read(select_replica(i, leaf)) for i in range(n)] for leaf in flatten(value)]
@@ -429,6 +434,16 @@ def _place_arrays(x, device):
     if x is None or isinstance(x, (int, float, bool, complex, str, np.generic)):
         return x
     return device_util.place(x, device)
+
+
+def _as_tf_mean(value, mean):
+    """The mean of ``value``'s components in TF's dtype: the collectives divide integers in float64 (NumPy's
+    rule); TF divides integers of up to 16 bits in float32."""
+    if isinstance(value, DistributedValues) and getattr(mean, "dtype", None) == np.float64:
+        dtype = getattr(_read(value.values[0]), "dtype", None)
+        if dtype is not None and np.dtype(dtype).kind in "iu" and np.dtype(dtype).itemsize <= 2:
+            return mean.astype(np.float32)
+    return mean
 
 
 def _divide(numer, denom):
