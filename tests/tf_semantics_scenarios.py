@@ -1590,3 +1590,37 @@ def reduce_float_specials(X, n):
     s = X.strategy(n)
     x = per_replica(X, s, lambda r: X.const([np.inf if r == 0 else 1.0, np.nan, -np.inf, 1e38], "float32"))
     return [s.reduce("SUM", x, axis=None), s.reduce("MEAN", x, axis=None)]
+
+
+@scenario()
+def run_returns_variable_reads(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([1.0, 2.0], "float32"))
+    return [s.run(lambda: v.read_value()), s.run(lambda: v.value()), s.run(lambda x: x, args=(v,)).__class__.__name__]
+
+
+@scenario()
+def run_passes_mirrored_through(X, n):
+    s = X.strategy(n)
+    x = per_replica(X, s, lambda r: X.const([r + 1.0], "float32"))
+    m = s.extended.reduce_to("SUM", x, x)
+    return s.run(lambda a: a * 2.0, args=(m,))
+
+
+@scenario()
+def merge_call_returns_mirrored(X, n):
+    def merge_fn(strategy, value):
+        return strategy.extended.reduce_to("MEAN", value, value)
+
+    return _in_replicas(X, n, lambda: X.dist.get_replica_context().merge_call(
+        merge_fn, args=(X.const([rid(X) * 2.0], "float32"),)) + 1.0)
+
+
+@scenario()
+def on_read_inside_run_reads_and_values(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const(0.0, "float32"), synchronization=X.VS.ON_READ, aggregation=X.VA.SUM)
+    s.run(lambda: v.assign(X.const(float(rid(X) + 1), "float32")))
+    return [s.run(lambda: v.value()), v.value(), v.numpy(), s.run(lambda: v + 1.0)]
