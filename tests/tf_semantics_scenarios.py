@@ -1624,3 +1624,30 @@ def on_read_inside_run_reads_and_values(X, n):
         v = X.Variable(X.const(0.0, "float32"), synchronization=X.VS.ON_READ, aggregation=X.VA.SUM)
     s.run(lambda: v.assign(X.const(float(rid(X) + 1), "float32")))
     return [s.run(lambda: v.value()), v.value(), v.numpy(), s.run(lambda: v + 1.0)]
+
+
+@scenario()
+def values_from_function_context_state(X, n):
+    s = X.strategy(n)
+    return s.experimental_distribute_values_from_function(
+        lambda ctx: [X.dist.in_cross_replica_context(), X.dist.has_strategy(), X.dist.get_strategy() is s])
+
+
+@scenario()
+def dataset_fn_context_state(X, n):
+    s = X.new_strategy(n)  # (TF's cached strategy may keep an earlier PER_REPLICA scenario's input workers)
+    seen = []
+
+    def dataset_fn(ctx):
+        seen.append([X.dist.in_cross_replica_context(), X.dist.has_strategy(), X.dist.get_strategy() is s])
+        return X.Dataset.from_tensor_slices(np.arange(4)).batch(2)
+    s.distribute_datasets_from_function(dataset_fn)
+    return seen
+
+
+@scenario()
+def dataset_string_elements(X, n):
+    s = X.strategy(n)
+    ds = X.Dataset.from_tensor_slices((np.array([b"a", b"bb", b"c", b"d"]), np.arange(4))).batch(4)
+    return [[[kind(leaf), np.asarray(leaf.numpy() if hasattr(leaf, "numpy") else leaf).tolist()]
+             for leaf in (c[0],)] for c in _steps(s, s.experimental_distribute_dataset(ds))[0]]
