@@ -30,6 +30,7 @@ class Mirrored:
     VS = md.VariableSynchronization
     VA = md.VariableAggregation
     Dataset = md.data.Dataset
+    dist_name_scope = md.name_scope
 
     def __init__(self):
         self._strategies = {}
@@ -166,6 +167,9 @@ DELIBERATE = {
     # refuses it when a dataset is distributed with it. Ours refuses the contradiction where it is written.
     "input_options_rules": (lambda n: {"list": [_py("NoneType"), _py("NoneType"), _py("PER_REPLICA")]},
                             lambda n: {"list": [_py("ValueError"), _py("NoneType"), _py("PER_REPLICA")]}),
+    # TF runs a strategy.run called from inside a merge_fn. Ours: RuntimeError (the strategy's replicas are the
+    # ones waiting in merge_call; run the work in merge_fn itself, in cross-replica context).
+    "run_inside_merge_fn": (lambda n: _py("NoneType"), lambda n: _py("RuntimeError")),
 }
 # SPEC section 3's dtypes are NCCL's set: int16 is refused (TypeError naming the supported dtypes) where TF's
 # strategy.reduce takes it; int8 and uint8 all-reduce inside run (sums wrap, as in TF's strategy.reduce) where

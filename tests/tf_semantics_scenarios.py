@@ -4,7 +4,9 @@ compares). This module imports neither TensorFlow nor mirrored.
 
 The adapter offers: ``X.strategy(n)`` (MirroredStrategy over n CPU replicas, cached), ``X.new_strategy(n)``,
 ``X.dist`` (``tf.distribute`` / ``md.distribute``), ``X.const(value, dtype)``, ``X.Variable``, ``X.VS`` /
-``X.VA`` (VariableSynchronization / VariableAggregation), ``X.Dataset`` (``tf.data.Dataset`` / ``md.data.Dataset``).
+``X.VA`` (VariableSynchronization / VariableAggregation), ``X.Dataset`` (``tf.data.Dataset`` / ``md.data.Dataset``),
+``X.dist_name_scope`` (``tf.name_scope`` / ``md.name_scope``) and ``X.logical_cpus(count)`` (a context with that
+many logical CPU devices).
 
 Each scenario ``fn(X, n)`` returns a value; :func:`encode` turns it into plain data (types, dtypes, shapes,
 values); an exception becomes ``{"raises": type name, "msg": text}``. ``words`` are the key words both
@@ -1651,3 +1653,90 @@ def dataset_string_elements(X, n):
     ds = X.Dataset.from_tensor_slices((np.array([b"a", b"bb", b"c", b"d"]), np.arange(4))).batch(4)
     return [[[kind(leaf), np.asarray(leaf.numpy() if hasattr(leaf, "numpy") else leaf).tolist()]
              for leaf in (c[0],)] for c in _steps(s, s.experimental_distribute_dataset(ds))[0]]
+
+
+# --- names ----------------------------------------------------------------------------------------------
+
+@scenario()
+def variable_component_names(X, n):
+    with X.strategy(n).scope():
+        v = X.Variable(X.const(1.0, "float32"), name="w")
+        r = X.Variable(X.const(1.0, "float32"), name="r", synchronization=X.VS.ON_READ, aggregation=X.VA.SUM)
+    return [[c.name for c in v.values], [c.name for c in r.values]]
+
+
+@scenario()
+def variable_names_in_name_scope(X, n):
+    with X.strategy(n).scope():
+        with X.dist_name_scope("outer"):
+            with X.dist_name_scope("inner"):
+                v = X.Variable(X.const(1.0, "float32"), name="w")
+            u = X.Variable(X.const(1.0, "float32"))
+    return [v.name, u.name, [c.name for c in v.values]]
+
+
+@scenario()
+def variable_names_created_in_run(X, n):
+    s = X.strategy(n)
+    made = []
+
+    def fn():
+        with X.dist_name_scope("step"):
+            v = X.Variable(X.const(1.0, "float32"), name="k")
+        made.append(v)
+        return v.name
+    names = s.run(fn)
+    return [names, made[0] is made[-1], [c.name for c in s.experimental_local_results(made[0])]]
+
+
+@scenario(ns=(1,))
+def plain_variable_device_and_name(X, n):
+    v = X.Variable(X.const(1.0, "float32"), name="p")
+    return [v.name, v.device, v.trainable, v.synchronization.name, v.aggregation.name]
+
+
+# --- calls in the wrong context -------------------------------------------------------------------------
+
+def _error_in_replicas(X, n, call):
+    return X.strategy(n).run(lambda: type(run_error(call)).__name__)
+
+
+@scenario(ns=MULTI)
+def reduce_inside_run(X, n):
+    s = X.strategy(n)
+    return _error_in_replicas(X, n, lambda: s.reduce("SUM", X.const(1.0, "float32"), axis=None))
+
+
+@scenario(ns=MULTI)
+def gather_inside_run(X, n):
+    s = X.strategy(n)
+    return _error_in_replicas(X, n, lambda: s.gather(X.const([1.0], "float32"), axis=0))
+
+
+@scenario(ns=MULTI)
+def reduce_to_inside_run(X, n):
+    s = X.strategy(n)
+    return _error_in_replicas(X, n, lambda: s.extended.reduce_to("SUM", X.const(1.0, "float32"), "/cpu:0"))
+
+
+@scenario(ns=MULTI)
+def distribute_dataset_inside_run(X, n):
+    s = X.strategy(n)
+    return _error_in_replicas(X, n, lambda: s.experimental_distribute_dataset(
+        X.Dataset.from_tensor_slices(np.arange(4)).batch(2)))
+
+
+@scenario(ns=MULTI)
+def run_inside_merge_fn(X, n):
+    s = X.strategy(n)
+    return s.run(lambda: X.dist.get_replica_context().merge_call(
+        lambda st: type(run_error(lambda: st.run(lambda: 1))).__name__))
+
+
+@scenario(ns=MULTI)
+def update_in_replica_context(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([1.0], "float32"))
+    s.run(lambda: s.extended.update(v, lambda var, x: var.assign_add(x), args=(X.const([float(rid(X))], "float32"),)))
+    return [c.numpy() for c in v.values]

@@ -28,6 +28,7 @@ class TensorFlow:
     VS = tf.VariableSynchronization
     VA = tf.VariableAggregation
     Dataset = tf.data.Dataset
+    dist_name_scope = tf.name_scope
 
     def __init__(self):
         self._strategies = {}
