@@ -1740,3 +1740,37 @@ def update_in_replica_context(X, n):
         v = X.Variable(X.const([1.0], "float32"))
     s.run(lambda: s.extended.update(v, lambda var, x: var.assign_add(x), args=(X.const([float(rid(X))], "float32"),)))
     return [c.numpy() for c in v.values]
+
+
+# --- shapes and axes ------------------------------------------------------------------------------------
+
+for _shape, _axis in (((0,), 0), ((1,), -1), ((3, 1, 2), 1), ((3, 1, 2), -2), ((2, 0, 3), 2), ((4, 5), -1),
+                      ((2, 3), None), ((1, 1, 1, 2), 3)):
+    def _fn(X, n, shape=_shape, axis=_axis):
+        s = X.strategy(n)
+        size = int(np.prod(shape))
+        x = per_replica(X, s, lambda r: X.const((np.arange(size) * (r + 1) % 7).reshape(shape), "float32"))
+        out = [s.reduce("SUM", x, axis=axis), s.reduce("MEAN", x, axis=axis)]
+        if size:  # (TF's collective kernels crash the process on empty tensors)
+            out.append(s.run(lambda v: X.dist.get_replica_context().all_reduce("MEAN", v), args=(x,)))
+        return out
+    _fn.__name__ = "reduce_shape_" + "x".join(map(str, _shape)) + f"_axis_{_axis}".replace("-", "m")
+    scenario()(_fn)
+
+
+for _shape in ((1, 2), (3,), (2, 3, 1)):  # (TF crashes the process gathering empty tensors)
+    def _fn(X, n, shape=_shape):
+        s = X.strategy(n)
+        x = per_replica(X, s, lambda r: X.const(np.full(shape, r), "int64"))
+        out = [s.gather(x, axis=0)]
+        if np.prod(shape):  # (as above)
+            out.append(s.run(lambda v: X.dist.get_replica_context().all_gather(v, axis=len(shape) - 1), args=(x,)))
+        return out
+    _fn.__name__ = "gather_shape_" + "x".join(map(str, _shape))
+    scenario()(_fn)
+
+
+@scenario(ns=MULTI)
+def all_gather_negative_axis(X, n):
+    return _in_replicas(X, n, lambda: X.dist.get_replica_context().all_gather(
+        X.const([[rid(X), 1]], "int32"), axis=-1))
