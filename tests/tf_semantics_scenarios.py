@@ -1774,3 +1774,27 @@ for _shape in ((1, 2), (3,), (2, 3, 1)):  # (TF crashes the process gathering em
 def all_gather_negative_axis(X, n):
     return _in_replicas(X, n, lambda: X.dist.get_replica_context().all_gather(
         X.const([[rid(X), 1]], "int32"), axis=-1))
+
+
+@scenario()
+def run_returns_the_same_object_everywhere(X, n):
+    s = X.strategy(n)
+    t = X.const([1.0, 2.0], "float32")
+    out = s.run(lambda: (t, X.const(rid(X), "int32")))
+    return [kind(out[0]), out[0] is t, out]
+
+
+@scenario()
+def reduce_variable_along_axis(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([[1.0, 2.0], [3.0, 4.0]], "float32"))
+    return [s.reduce("MEAN", v, axis=0), s.reduce("SUM", v, axis=1)]
+
+
+@scenario()
+def collectives_with_options(X, n):
+    options = X.dist.experimental.CommunicationOptions(bytes_per_pack=8)
+    return _in_replicas(X, n, lambda: (
+        X.dist.get_replica_context().all_reduce("SUM", [X.const([rid(X), 1.0], "float32")] * 3, options=options),
+        X.dist.get_replica_context().all_gather(X.const([rid(X)], "int32"), axis=0, options=options)))
