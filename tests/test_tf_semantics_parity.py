@@ -170,6 +170,14 @@ DELIBERATE = {
     # TF runs a strategy.run called from inside a merge_fn. Ours: RuntimeError (the strategy's replicas are the
     # ones waiting in merge_call; run the work in merge_fn itself, in cross-replica context).
     "run_inside_merge_fn": (lambda n: _py("NoneType"), lambda n: _py("RuntimeError")),
+    # TF fails on Python numbers returned by run (AttributeError: no 'device' / 'shape'). Ours reduces them as
+    # tf.convert_to_tensor would make them (int32, float32); with one replica nothing is distributed and TF's
+    # rule for plain values applies (MEAN returns a nonzero value as given).
+    "reduce_per_replica_python_numbers": (
+        lambda n: {"raises": "AttributeError"},
+        lambda n: {"list": [_tensor(1, np.int32), _py(1), _tensor(0.0, np.float32), _tensor(0.0, np.float32)]}
+        if n == 1 else {"list": [_tensor(5 * n * (n - 1) + n, np.int32), _tensor((5 * n * (n - 1) + n) / n, np.float64),
+                                 _tensor(n * (n - 1) / 4, np.float32), _tensor((n - 1) / 4, np.float32)]}),
 }
 # SPEC section 3's dtypes are NCCL's set: int16 is refused (TypeError naming the supported dtypes) where TF's
 # strategy.reduce takes it; int8 and uint8 all-reduce inside run (sums wrap, as in TF's strategy.reduce) where

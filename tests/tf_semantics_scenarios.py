@@ -1798,3 +1798,35 @@ def collectives_with_options(X, n):
     return _in_replicas(X, n, lambda: (
         X.dist.get_replica_context().all_reduce("SUM", [X.const([rid(X), 1.0], "float32")] * 3, options=options),
         X.dist.get_replica_context().all_gather(X.const([rid(X)], "int32"), axis=0, options=options)))
+
+
+@scenario()
+def reduce_per_replica_python_numbers(X, n):
+    s = X.strategy(n)
+    ints = s.run(lambda: rid(X) * 10 + 1)
+    floats = s.run(lambda: rid(X) * 0.5)
+    return [s.reduce("SUM", ints, axis=None), s.reduce("MEAN", ints, axis=None), s.reduce("SUM", floats, axis=None),
+            s.reduce("MEAN", floats, axis=None)]
+
+
+@scenario()
+def all_reduce_python_int_per_replica(X, n):
+    return _in_replicas(X, n, lambda: X.dist.get_replica_context().all_reduce("SUM", X.const(rid(X) + 1, "int64")))
+
+
+@scenario()
+def on_read_only_first_cross_replica_assign(X, n):
+    with X.strategy(n).scope():
+        v = X.Variable(X.const([0, 0], "int32"), synchronization=X.VS.ON_READ, aggregation=X.VA.ONLY_FIRST_REPLICA)
+    v.assign(X.const([3, 4], "int32"))
+    v.assign_add(X.const([1, 1], "int32"))
+    return [v.read_value(), [c.numpy() for c in v.values]]
+
+
+@scenario()
+def mirrored_only_first_replica_int(X, n):
+    s = X.strategy(n)
+    with s.scope():
+        v = X.Variable(X.const([0, 0], "int64"), aggregation=X.VA.ONLY_FIRST_REPLICA)
+    s.run(lambda: v.assign_add(X.const([rid(X) + 1, 5], "int64")))
+    return [c.numpy() for c in v.values]
