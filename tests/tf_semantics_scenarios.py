@@ -1830,3 +1830,13 @@ def mirrored_only_first_replica_int(X, n):
         v = X.Variable(X.const([0, 0], "int64"), aggregation=X.VA.ONLY_FIRST_REPLICA)
     s.run(lambda: v.assign_add(X.const([rid(X) + 1, 5], "int64")))
     return [c.numpy() for c in v.values]
+
+
+@scenario()
+def iterator_get_next_at_end(X, n):
+    s = X.strategy(n)
+    it = iter(s.experimental_distribute_dataset(X.Dataset.from_tensor_slices(np.arange(2)).batch(2)))
+    it.get_next()
+    error = run_error(it.get_next)
+    return [type(error).__name__, isinstance(error, Exception), type(run_error(lambda: next(it))).__name__,
+            type(run_error(it.next)).__name__]

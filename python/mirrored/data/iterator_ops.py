@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..errors import OutOfRangeError
 from .structure import decode_state, encode_state
 
 
@@ -54,10 +55,13 @@ class IteratorProtocol:
             raise
 
     def get_next(self):
-        """The next element; ``StopIteration`` (TF: ``OutOfRangeError``) at the end."""
-        return next(self)
+        """The next element; ``md.errors.OutOfRangeError`` (a ``StopIteration``) at the end, as TF's."""
+        try:
+            return next(self)
+        except StopIteration:
+            raise OutOfRangeError("End of sequence") from None
 
-    next = get_next  # (TF's iterators have the Python 2 name too)
+    next = __next__  # (TF's iterators have the Python 2 name too; it raises StopIteration, as there)
 
     def get_next_as_optional(self) -> Optional:
         """The next element wrapped in an :class:`Optional` that is empty at the end of the data."""
