@@ -346,9 +346,13 @@ class _ReplicaPool:
 def _resolve_devices(devices) -> tuple:
     if isinstance(devices, str):
         devices = [devices]
-    if not devices:  # None or empty: TF's default, every logical GPU, else every logical CPU (one unless split)
+    if devices is None or isinstance(devices, (list, tuple)) and not devices:
+        # TF's default for None or empty: every logical GPU, else every logical CPU (one unless split)
         devices = [d.name for d in config.list_logical_devices("GPU") or config.list_logical_devices("CPU")]
     devices = list(devices)
+    if not devices:  # (an empty iterator)
+        raise ValueError("devices: no device given; pass a list such as ['/cpu:0', '/cpu:1'], or None for TF's "
+                         "default (every GPU, else every logical CPU)")
     canonical = tuple(device_util.canonicalize(d, argument="devices") for d in devices)
     if len(set(canonical)) != len(canonical):
         raise ValueError(f"devices={devices!r}: No duplicates allowed in `devices` argument; each replica needs "

@@ -36,7 +36,8 @@ class MultiWorkerExtended(MirroredExtended):
     """``MultiWorkerMirroredStrategy.extended``: local replicas, reductions across the job."""
 
     def __init__(self, container_strategy, options: CommunicationOptions, resolver, devices=None):
-        if not devices:  # TF's: every GPU of the worker, else one CPU (however many logical CPUs there are)
+        if devices is None or isinstance(devices, (list, tuple)) and not devices:
+            # TF's: every GPU of the worker, else one CPU (however many logical CPUs there are)
             devices = [d.name for d in config.list_logical_devices("GPU")] or ["/cpu:0"]
         super().__init__(container_strategy, devices)
         if resolver.task_type is not None:
