@@ -1840,3 +1840,10 @@ def iterator_get_next_at_end(X, n):
     error = run_error(it.get_next)
     return [type(error).__name__, isinstance(error, Exception), type(run_error(lambda: next(it))).__name__,
             type(run_error(it.next)).__name__]
+
+
+@scenario()
+def per_replica_repr_shape(X, n):
+    s = X.strategy(n)
+    text = repr(per_replica(X, s, lambda r: X.const(r, "int32")))
+    return [line.split(":")[0] for line in text.splitlines()]
