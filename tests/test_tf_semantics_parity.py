@@ -18,7 +18,7 @@ import tf_semantics_scenarios as scenarios
 with open(os.path.join(os.path.dirname(__file__), "data", "tf_semantics_reference.json")) as _f:
     REFERENCE = json.load(_f)["scenarios"]
 
-# TensorFlow's own exception classes and the built-in ones mirrored raises for them (as md.errors maps them).
+# TensorFlow's own exception classes and the built-in ones mirrored raises in their place.
 _TF_ERRORS = {"InvalidArgumentError": "ValueError", "NotFoundError": "FileNotFoundError"}
 
 

@@ -4,6 +4,9 @@ the tests): every scenario of tests/tf_semantics_scenarios.py, run through TF's 
 
     /path/to/venv-with-tensorflow/bin/python tests/data/record_tf_semantics.py
         (writes tests/data/tf_semantics_reference.json)
+
+With an argument N it prints the N-replica results only; RECORD_VERBOSE=1 names each scenario as it starts
+(TF crashes the process on some inputs, e.g. collectives of empty tensors: the last name is the culprit).
 """
 
 import contextlib
