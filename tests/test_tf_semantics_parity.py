@@ -31,6 +31,7 @@ class Mirrored:
     VA = md.VariableAggregation
     Dataset = md.data.Dataset
     dist_name_scope = md.name_scope
+    Optional = md.data.experimental.Optional
 
     def __init__(self):
         self._strategies = {}
@@ -241,7 +242,7 @@ NOT_PROVIDED = {
     "api_variable": _GRAPH_VARIABLE | _SCATTERS | {"create", "read_value_no_copy", "scatter_nd_max",
                                                    "scatter_nd_min"},
     "api_distributed_dataset_and_iterator": {"dataset": {"auto_shard", "build"}, "iterator": set(),
-                                             "optional": {"element_spec", "empty", "from_value"}},
+                                             "optional": set()},
     "api_datasets_from_function": {"auto_shard", "build"},
     "api_distribute_module": {"OneDeviceStrategy", "ParameterServerStrategy", "Server", "TPUStrategy",
                               "coordinator"},

@@ -5,7 +5,8 @@ compares). This module imports neither TensorFlow nor mirrored.
 The adapter offers: ``X.strategy(n)`` (MirroredStrategy over n CPU replicas, cached), ``X.new_strategy(n)``,
 ``X.dist`` (``tf.distribute`` / ``md.distribute``), ``X.const(value, dtype)``, ``X.Variable``, ``X.VS`` /
 ``X.VA`` (VariableSynchronization / VariableAggregation), ``X.Dataset`` (``tf.data.Dataset`` / ``md.data.Dataset``),
-``X.dist_name_scope`` (``tf.name_scope`` / ``md.name_scope``) and ``X.logical_cpus(count)`` (a context with that
+``X.dist_name_scope`` (``tf.name_scope`` / ``md.name_scope``), ``X.Optional`` (``tf.experimental.Optional`` /
+``md.data.experimental.Optional``) and ``X.logical_cpus(count)`` (a context with that
 many logical CPU devices).
 
 Each scenario ``fn(X, n)`` returns a value; :func:`encode` turns it into plain data (types, dtypes, shapes,
@@ -1847,3 +1848,18 @@ def per_replica_repr_shape(X, n):
     s = X.strategy(n)
     text = repr(per_replica(X, s, lambda r: X.const(r, "int32")))
     return [line.split(":")[0] for line in text.splitlines()]
+
+
+@scenario()
+def optional_element_spec(X, n):
+    s = X.strategy(n)
+    it = iter(s.experimental_distribute_dataset(X.Dataset.from_tensor_slices(np.ones((4, 2), np.float32)).batch(4)))
+    first, end = it.get_next_as_optional(), it.get_next_as_optional()
+    return [first.element_spec, end.element_spec, bool(end.has_value())]
+
+
+@scenario(ns=(1,))
+def optional_from_value_and_empty(X, n):
+    full = X.Optional.from_value((X.const([1, 2], "int32"), {"a": X.const(1.5, "float64")}))
+    empty = X.Optional.empty(full.element_spec)
+    return [full.element_spec, bool(full.has_value()), full.get_value(), empty.element_spec, bool(empty.has_value())]

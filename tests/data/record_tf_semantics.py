@@ -32,6 +32,7 @@ class TensorFlow:
     VA = tf.VariableAggregation
     Dataset = tf.data.Dataset
     dist_name_scope = tf.name_scope
+    Optional = tf.experimental.Optional
 
     def __init__(self):
         self._strategies = {}

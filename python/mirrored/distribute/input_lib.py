@@ -20,10 +20,10 @@ from ..data import dataset_ops
 from ..data.dataset_ops import CountingIterator, Dataset, PrefetchIterator, _Iterator
 from ..data.iterator_ops import IteratorProtocol
 from ..data.options import AutoShardPolicy, policy_of
-from ..data.structure import TensorSpec, decode_state, encode_state
+from ..data.structure import TensorSpec, decode_state, encode_state, leaf_spec
 from ..device import device_util
 from .options import InputOptions, InputReplicationMode
-from .values import regroup
+from .values import DistributedValues, regroup
 
 _log = logging.getLogger("mirrored")
 
@@ -236,6 +236,11 @@ class DistributedIterator(IteratorProtocol):
 
     def __init__(self, distributed, state=None):
         super().__init__(distributed, distributed._build(state))
+
+    @staticmethod
+    def _spec_of(element):
+        return map_structure(lambda x: PerReplicaSpec(*(leaf_spec(c) for c in x.values))
+                             if isinstance(x, DistributedValues) else leaf_spec(x), element)
 
     def _serialize_to_tensors(self) -> dict:
         return encode_state(self._dataset._check_checkpointable(self._source.save()))
