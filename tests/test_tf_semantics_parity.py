@@ -222,8 +222,7 @@ def _assert_deliberate(name, n, got, want):
 
 # Public names of TF's objects that mirrored does not have (the "api_*" scenarios assert exactly these are
 # missing): graph-mode members (op, graph, handle, initializer, eval, load, to_proto/from_proto, ...), the
-# IndexedSlices scatters, TF 1.x strategy methods (md.compat.v1 and md.compat.contrib have them), and strategies
-# other than the mirrored ones.
+# IndexedSlices scatters, TF 1.x members of strategy.extended, and strategies other than the mirrored ones.
 _GRAPH_VARIABLE = {"SaveSliceInfo", "count_up_to", "eval", "experimental_ref", "from_proto", "graph", "handle",
                    "initial_value", "initialized_value", "initializer", "load", "op", "set_shape", "to_proto"}
 _SCATTERS = {"batch_scatter_update", "scatter_add", "scatter_div", "scatter_max", "scatter_min", "scatter_mul",
@@ -233,8 +232,6 @@ _SCATTERS = {"batch_scatter_update", "scatter_add", "scatter_div", "scatter_max"
 _DISTRIBUTED_VARIABLE = _GRAPH_VARIABLE | _SCATTERS | {"gather_nd", "get_shape", "is_distributed_variable",
                                                        "is_initialized", "sparse_read"}
 NOT_PROVIDED = {
-    "api_strategy": {"colocate_vars_with", "configure", "experimental_run", "group", "make_dataset_iterator",
-                     "make_input_fn_iterator", "unwrap", "update_config_proto"},
     "api_extended": {"experimental_enable_get_next_as_optional", "experimental_make_numpy_dataset",
                      "experimental_run_steps_on_iterator", "update_non_slot"},
     "api_mirrored_variable": _DISTRIBUTED_VARIABLE,

@@ -1863,3 +1863,12 @@ def optional_from_value_and_empty(X, n):
     full = X.Optional.from_value((X.const([1, 2], "int32"), {"a": X.const(1.5, "float64")}))
     empty = X.Optional.empty(full.element_spec)
     return [full.element_spec, bool(full.has_value()), full.get_value(), empty.element_spec, bool(empty.has_value())]
+
+
+@scenario()
+def tf1_names_on_a_tf2_strategy(X, n):
+    s = X.strategy(n)
+    x = per_replica(X, s, lambda r: X.const([r], "int64"))
+    it = s.make_dataset_iterator(X.Dataset.from_tensor_slices(np.arange(2 * n)).batch(n))
+    return [s.unwrap(x), s.group(x), s.configure(), s.experimental_run(lambda b: b * 10, it),
+            s.experimental_local_results(s.experimental_run(lambda: X.const(1, "int32")))]

@@ -8,6 +8,7 @@ default strategy's context there.
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from types import FunctionType as _FunctionType
 
@@ -18,7 +19,7 @@ from .._nest import flatten, is_nested, map_structure, pack_sequence_as
 from ..timeline import HOST_ROW, enabled_native as tracing, replica_wait, set_row_source
 from ..device import device_util, gpu as _gpu
 from .name_scope import scoped_name
-from .options import VariableAggregation, VariableSynchronization
+from .options import InputReplicationMode, VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp, as_reduce_op
 from .values import (DeviceVariable, DistributedValues, PerReplica, _read, regroup, select_replica, value_container)
 
@@ -427,6 +428,53 @@ class Strategy:
             ctx = ValueContext(ext._worker_index * local + i, ext._num_replicas_in_sync)
             results.append(map_structure(lambda x: _place_arrays(x, device), value_fn(ctx)))
         return regroup(results, always_wrap=True, devices=ext.worker_devices)
+
+    # TF 1.x names that TF 2's strategies keep (deprecated there): one step from an iterator, session config
+
+    def experimental_run(self, fn, input_iterator=None):
+        """Run ``fn`` on every replica, with the next element of ``input_iterator`` as its argument if given."""
+        if input_iterator is None:
+            return self.run(fn)
+        return self.run(fn, args=(input_iterator.get_next(),))
+
+    def make_dataset_iterator(self, dataset):
+        """An iterator whose elements are the batches of ``dataset`` split over the replicas."""
+        from .input_lib import DatasetIterator, DistributedDataset
+
+        return DatasetIterator(DistributedDataset(dataset, self.extended))
+
+    def make_input_fn_iterator(self, input_fn, replication_mode=InputReplicationMode.PER_WORKER):
+        """An iterator over ``input_fn(InputContext)``'s per-replica batches (one per replica per step)."""
+        if replication_mode != InputReplicationMode.PER_WORKER:
+            raise ValueError(f"replication_mode={replication_mode!r}: only InputReplicationMode.PER_WORKER is "
+                             "supported here (use distribute_datasets_from_function for PER_REPLICA)")
+        from .input_lib import DatasetIterator, DistributedDatasetsFromFunction
+
+        return DatasetIterator(DistributedDatasetsFromFunction(input_fn, self.extended))
+
+    def update_config_proto(self, config_proto):
+        """A copy of ``config_proto`` (the strategies here need no session settings)."""
+        return copy.deepcopy(config_proto)
+
+    def unwrap(self, value) -> tuple:
+        """Deprecated TF 1.x name of ``experimental_local_results``."""
+        return self.experimental_local_results(value)
+
+    def group(self, value, name=None):
+        """TF's: a single local result (without ``name``) is returned as it is; else a ``tf.group`` of them,
+        which eagerly is None (the results are computed already)."""
+        results = flatten(self.experimental_local_results(value))
+        return results[0] if len(results) == 1 and name is None else None
+
+    def colocate_vars_with(self, colocate_with_variable):
+        return self.extended.colocate_vars_with(colocate_with_variable)
+
+    def configure(self, session_config=None, cluster_spec=None, task_type=None, task_id=None):
+        """Keep ``session_config``; a strategy here takes its cluster when it is built, not from here."""
+        if cluster_spec:
+            raise ValueError("cluster_spec: a strategy takes its cluster when it is built; use "
+                             "md.MultiWorkerMirroredStrategy with TF_CONFIG (or cluster_resolver=...) for a cluster")
+        self._session_config = session_config
 
 
 def _place_arrays(x, device):

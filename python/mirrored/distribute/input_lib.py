@@ -226,6 +226,28 @@ class _DeviceFetcher:
         return out
 
 
+class DatasetIterator:
+    """TF 1.x input iterator: ``initialize()`` then ``get_next()`` once per step."""
+
+    def __init__(self, distributed):
+        self._distributed = distributed
+        self._iterator = None
+
+    def initialize(self) -> list:
+        """(Re)start from the first batch; returns the (empty, eager) list of initializer ops."""
+        self._iterator = iter(self._distributed)
+        return []
+
+    def get_next(self):
+        if self._iterator is None:
+            self.initialize()
+        return next(self._iterator)
+
+    @property
+    def element_spec(self):
+        return self._distributed.element_spec
+
+
 class DistributedIterator(IteratorProtocol):
     """Iterator over a distributed dataset: each ``next`` is one step, ``PerReplica`` leaves.
 
