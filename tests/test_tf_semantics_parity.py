@@ -222,7 +222,8 @@ def _assert_deliberate(name, n, got, want):
 
 # Public names of TF's objects that mirrored does not have (the "api_*" scenarios assert exactly these are
 # missing): graph-mode members (op, graph, handle, initializer, eval, load, to_proto/from_proto, ...), the
-# IndexedSlices scatters, TF 1.x members of strategy.extended, and strategies other than the mirrored ones.
+# IndexedSlices scatters, TF 1.x's extended.experimental_run_steps_on_iterator, and strategies other than the
+# mirrored ones.
 _GRAPH_VARIABLE = {"SaveSliceInfo", "count_up_to", "eval", "experimental_ref", "from_proto", "graph", "handle",
                    "initial_value", "initialized_value", "initializer", "load", "op", "set_shape", "to_proto"}
 _SCATTERS = {"batch_scatter_update", "scatter_add", "scatter_div", "scatter_max", "scatter_min", "scatter_mul",
@@ -232,8 +233,7 @@ _SCATTERS = {"batch_scatter_update", "scatter_add", "scatter_div", "scatter_max"
 _DISTRIBUTED_VARIABLE = _GRAPH_VARIABLE | _SCATTERS | {"gather_nd", "get_shape", "is_distributed_variable",
                                                        "is_initialized", "sparse_read"}
 NOT_PROVIDED = {
-    "api_extended": {"experimental_enable_get_next_as_optional", "experimental_make_numpy_dataset",
-                     "experimental_run_steps_on_iterator", "update_non_slot"},
+    "api_extended": {"experimental_run_steps_on_iterator"},
     "api_mirrored_variable": _DISTRIBUTED_VARIABLE,
     "api_sync_on_read_variable": _DISTRIBUTED_VARIABLE,
     "api_variable": _GRAPH_VARIABLE | _SCATTERS | {"create", "read_value_no_copy", "scatter_nd_max",

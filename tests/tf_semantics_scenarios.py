@@ -1872,3 +1872,17 @@ def tf1_names_on_a_tf2_strategy(X, n):
     it = s.make_dataset_iterator(X.Dataset.from_tensor_slices(np.arange(2 * n)).batch(n))
     return [s.unwrap(x), s.group(x), s.configure(), s.experimental_run(lambda b: b * 10, it),
             s.experimental_local_results(s.experimental_run(lambda: X.const(1, "int32")))]
+
+
+@scenario()
+def extended_update_non_slot_and_numpy_dataset(X, n):
+    s = X.strategy(n)
+    e = s.extended
+    with s.scope():
+        v = X.Variable(X.const(1.0, "float32"))
+    devices = e.non_slot_devices([v])
+    return [e.experimental_enable_get_next_as_optional,
+            e.update_non_slot(devices, lambda x: x * 2.0, args=(X.const(3.0, "float32"),)),
+            e.update_non_slot(devices, lambda x: x * 2.0, args=(X.const(3.0, "float32"),), group=False),
+            e.update_non_slot(devices, lambda: X.const(5, "int32")),
+            list(e.experimental_make_numpy_dataset(np.arange(3)))]

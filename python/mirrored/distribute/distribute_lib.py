@@ -21,7 +21,8 @@ from ..device import device_util, gpu as _gpu
 from .name_scope import scoped_name
 from .options import InputReplicationMode, VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp, as_reduce_op
-from .values import (DeviceVariable, DistributedValues, PerReplica, _read, regroup, select_replica, value_container)
+from .values import (DeviceVariable, DistributedValues, Mirrored, PerReplica, _read, regroup, select_replica,
+                     value_container)
 
 HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 
@@ -554,6 +555,25 @@ class StrategyExtended:
     def read_var(self, var):
         """``var``'s value in cross-replica context (an ON_READ variable's aggregate)."""
         return var.read_value()
+
+    # (TF's flag for input pipelines that may end with a partial batch: the input here always handles them)
+    experimental_enable_get_next_as_optional = True
+
+    def update_non_slot(self, colocate_with, fn, args=(), kwargs=None, group=True):
+        """``fn(*args, **kwargs)`` once per device of ``colocate_with`` (``non_slot_devices``' answer), each
+        with its own components of distributed arguments; the results as one ``Mirrored`` value
+        (``group=False``: a tuple of them)."""
+        _require_cross_replica_or_default(self._container_strategy, "update_non_slot")
+        devices, kwargs = tuple(colocate_with), dict(kwargs or {})
+        results = []
+        for i, device in enumerate(devices):
+            with device_util.device_scope(device):
+                results.append(fn(*select_replica(i, tuple(args)), **select_replica(i, kwargs)))
+        regrouped = regroup(results, Mirrored, devices=devices)
+        return regrouped if group else self._local_results(regrouped)
+
+    def experimental_make_numpy_dataset(self, numpy_input):
+        return self._container_strategy.experimental_make_numpy_dataset(numpy_input)
 
     @property
     def parameter_devices(self) -> tuple:
