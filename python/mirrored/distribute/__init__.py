@@ -8,8 +8,9 @@
 from . import cluster_resolver, experimental
 from .cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice,
                                RingAllReduce)
-from .distribute_lib import (ReplicaContext, Strategy, StrategyExtended, get_cross_replica_context,
-                             get_replica_context, get_strategy, has_strategy, in_cross_replica_context)
+from .distribute_lib import (ReplicaContext, Strategy, StrategyExtended, experimental_set_strategy,
+                             get_cross_replica_context, get_replica_context, get_strategy, has_strategy,
+                             in_cross_replica_context)
 from .input_lib import DistributedDataset, DistributedIterator, InputContext, ValueContext
 from .mirrored_strategy import MirroredStrategy
 from .name_scope import name_scope
@@ -22,7 +23,8 @@ from .values import (DistributedValues, DistributedVariable, Mirrored, MirroredV
 
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "Strategy", "StrategyExtended", "ReplicaContext",
            "ReduceOp", "get_replica_context", "get_cross_replica_context", "get_strategy", "has_strategy",
-           "in_cross_replica_context", "InputContext", "InputOptions", "InputReplicationMode", "RunOptions",
+           "in_cross_replica_context", "experimental_set_strategy", "InputContext", "InputOptions",
+           "InputReplicationMode", "RunOptions",
            "DistributedDataset", "DistributedIterator", "DistributedValues", "CrossDeviceOps", "NcclAllReduce",
            "HierarchicalCopyAllReduce", "ReductionToOneDevice", "RingAllReduce", "experimental",
            "cluster_resolver"]

@@ -200,6 +200,23 @@ class DeviceVariable(Variable):
     def read_value(self):
         return self._value
 
+    # tf.Variable's older readers, which TF keeps on its plain variables (not on distributed ones)
+
+    def get_shape(self) -> tuple:
+        return self.shape
+
+    def sparse_read(self, indices):
+        """The rows of the value at ``indices`` (``tf.gather`` along axis 0)."""
+        return self._value[_indices(indices)]
+
+    def gather_nd(self, indices):
+        """``tf.gather_nd``: each row of ``indices`` indexes the leading dimensions of the value."""
+        indices = _indices(indices)
+        return self._value[tuple(np.moveaxis(indices, -1, 0))]
+
+    def is_initialized(self) -> np.bool_:
+        return np.bool_(True)  # (a variable here holds its value from creation on)
+
     def _converted(self, value, argument: str = "value"):
         """``value`` on this variable's device, checked as TF's assign checks it: the same shape; a
         variable of the same dtype; an array or number of another dtype only when it converts
@@ -284,17 +301,18 @@ class DeviceVariable(Variable):
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         self._store(self._converted(value))
-        return self
+        return _updated(self, read_value)
 
     def _combine(self, fn, delta):
         self._store(fn(self._value, self._converted(delta, "delta")))
-        return self
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        return self._combine(operator.add, delta)
+        self._combine(operator.add, delta)
+        return _updated(self, read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        return self._combine(operator.sub, delta)
+        self._combine(operator.sub, delta)
+        return _updated(self, read_value)
 
 
 class DistributedVariable(DistributedValues, Variable):
@@ -388,13 +406,13 @@ class MirroredVariable(DistributedVariable, Mirrored):
         return self
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
-        return self._update("assign", value)
+        return _updated(self._update("assign", value), read_value)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        return self._update("assign_add", delta)
+        return _updated(self._update("assign_add", delta), read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        return self._update("assign_sub", delta)
+        return _updated(self._update("assign_sub", delta), read_value)
 
 
 class SyncOnReadVariable(DistributedVariable):
@@ -408,6 +426,9 @@ class SyncOnReadVariable(DistributedVariable):
         return self._strategy.reduce(ReduceOp.from_variable_aggregation(self._aggregation), self, axis=None)
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
+        return _updated(self._assign(value), read_value)
+
+    def _assign(self, value):
         if self._local_replica_id() is not None:
             self._component().assign(value)
             return self
@@ -430,10 +451,20 @@ class SyncOnReadVariable(DistributedVariable):
         return self._update_each_copy(method, delta)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        return self._add("assign_add", delta)
+        return _updated(self._add("assign_add", delta), read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        return self._add("assign_sub", delta)
+        return _updated(self._add("assign_sub", delta), read_value)
+
+
+def _indices(indices):
+    """Index arrays given as lists or arrays (host or device), as NumPy/CuPy indexing takes them."""
+    return indices if device_util.on_gpu(indices) else np.asarray(device_util.to_host(indices))
+
+
+def _updated(variable, read_value):
+    """An update's result: the variable (read as its new value), or None with ``read_value=False``, as TF."""
+    return variable if read_value else None
 
 
 def _read(x):
