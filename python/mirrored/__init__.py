@@ -36,6 +36,7 @@ from .distribute.distribute_lib import (ReplicaContext, Strategy, StrategyExtend
                                         get_replica_context, get_strategy, has_strategy, in_cross_replica_context)
 from .distribute.input_lib import DistributedDataset, DistributedIterator, InputContext, ValueContext
 from .distribute.mirrored_strategy import MirroredStrategy
+from .distribute.one_device_strategy import OneDeviceStrategy
 from .distribute.function import Function, function
 from .distribute.name_scope import name_scope
 from .distribute.multi_worker_strategy import MultiWorkerMirroredStrategy

@@ -189,6 +189,10 @@ class DeviceVariable(Variable):
         self._aggregation = aggregation
         self._distributed_container = None
 
+    # The strategy whose scope created it when that strategy keeps plain variables (OneDeviceStrategy), else None
+    # (outside any scope, or a copy of a distributed variable, whose container has the strategy).
+    _strategy = None
+    distribute_strategy = property(lambda self: self._strategy)
     name = property(lambda self: self._name)
     device = property(lambda self: self._device)
     shape = property(lambda self: tuple(self._value.shape))
