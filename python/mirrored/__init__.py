@@ -29,6 +29,7 @@ from .distribute import launcher_lifeline as _launcher_lifeline
 _launcher_lifeline.watch_launcher()  # a task of mirrored-run ends with its launcher
 from .device import config, device_util, linalg
 from .device.linalg import matmul
+from .device.tensor_shape import TensorShape
 from .collective import api as collectives
 from . import distribute
 from .distribute import cluster_resolver, cross_device_ops, experimental
