@@ -129,8 +129,8 @@ class TensorShape(tuple):
         return not self._unknown_rank  # TF's: every shape of known rank is true, the scalar shape () too
 
     def __eq__(self, other):
-        if isinstance(other, TensorShape) and (self._unknown_rank or other._unknown_rank):
-            return self._unknown_rank and other._unknown_rank
+        if self._unknown_rank or isinstance(other, TensorShape) and other._unknown_rank:
+            return isinstance(other, TensorShape) and self._unknown_rank and other._unknown_rank
         if isinstance(other, list):  # TF's: TensorShape([2, 3]) == [2, 3]
             other = tuple(other)
         return tuple.__eq__(self, other)
