@@ -20,15 +20,16 @@ from .values import DeviceVariable, select_replica
 __all__ = ["OneDeviceStrategy"]
 
 
-def _one_device(device) -> str:
-    """``device`` in its full form. TF's spellings: ``None`` or ``''`` is the default device (the CPU), and a
-    bare ``'gpu'``/``'cpu'`` is its device 0."""
+def _one_device(device):
+    """``device``, checked, for MirroredStrategy's device list (which names it in its own errors as given). TF's
+    spellings: ``None`` or ``''`` is the default device (the CPU), and a bare ``'gpu'``/``'cpu'`` is device 0."""
     if device is None or device == "":
         return "/cpu:0"
     if not isinstance(device, str) and not hasattr(device, "name"):
         raise ValueError(f"device={device!r}: expected one device string, e.g. '/gpu:0' or '/cpu:0' (for several "
                          "devices use md.MirroredStrategy)")
-    return device_util.canonicalize(device, argument="device")
+    device_util.parse(device, argument="device")
+    return device
 
 
 class OneDeviceExtended(MirroredExtended):
