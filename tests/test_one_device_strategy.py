@@ -5,6 +5,7 @@ device and like the plain loop, on the CPU and on a (simulated) GPU."""
 import json
 import os
 import pickle
+import tempfile
 
 import numpy as np
 import pytest
@@ -13,20 +14,15 @@ from hypothesis import given, settings, strategies as st
 import mirrored as md
 import one_device_scenarios as scenarios
 from gpu_env import SKIP_REASON, cupy
-from test_tf_semantics_parity import assert_same
+import test_tf_semantics_parity as semantics_parity
 
 with open(os.path.join(os.path.dirname(__file__), "data", "tf_one_device_reference.json")) as _f:
     REFERENCE = json.load(_f)
 
 
-class Mirrored:
-    """The scenarios' adapter over mirrored."""
+class Mirrored(semantics_parity.Mirrored):
+    """The scenarios' adapter over mirrored: tf_semantics' and what one_device_scenarios adds."""
 
-    dist = md.distribute
-    Variable = md.Variable
-    VS = md.VariableSynchronization
-    VA = md.VariableAggregation
-    Dataset = md.data.Dataset
     TensorShape = md.TensorShape
     optimizers = md.optimizers
 
@@ -39,13 +35,7 @@ class Mirrored:
         return md.MirroredStrategy(["/cpu:0"])
 
     @staticmethod
-    def const(value, dtype):
-        return np.asarray(value, dtype)
-
-    @staticmethod
     def checkpoint_keys(root):
-        import tempfile
-
         path = md.train.Checkpoint(**root).save(os.path.join(tempfile.mkdtemp(), "ckpt"))
         return sorted(name for name, _ in md.train.list_variables(path))
 
@@ -58,8 +48,8 @@ def test_every_scenario_is_recorded():
 def test_strategy_matches_tensorflow(name):
     fn, words = scenarios.SCENARIOS[name]
     want = REFERENCE["scenarios"][name]
-    got = scenarios.run_scenario(Mirrored, fn)
-    assert_same(got, want)
+    got = scenarios.run_scenario(Mirrored(), fn)
+    semantics_parity.assert_same(got, want)
     if "raises" in want:
         for word in words:
             assert word.lower() in got["msg"].lower(), (word, got["msg"])
@@ -67,7 +57,7 @@ def test_strategy_matches_tensorflow(name):
 
 def test_tensor_shape_matches_tensorflow():
     want = REFERENCE["tensor_shape"]
-    got = scenarios.tensor_shape_cases(Mirrored)
+    got = scenarios.tensor_shape_cases(Mirrored())
     assert sorted(got) == sorted(want)
     for case in want:
         if isinstance(want[case], dict) and "raises" in want[case]:

@@ -17,16 +17,12 @@ import tensorflow as tf  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 import one_device_scenarios as scenarios  # noqa: E402
+import record_tf_semantics  # noqa: E402  (this folder: the script's own)
 
 
-class TensorFlow:
-    """The scenarios' adapter over TensorFlow."""
+class TensorFlow(record_tf_semantics.TensorFlow):
+    """The scenarios' adapter over TensorFlow: tf_semantics' and what one_device_scenarios adds."""
 
-    dist = tf.distribute
-    Variable = tf.Variable
-    VS = tf.VariableSynchronization
-    VA = tf.VariableAggregation
-    Dataset = tf.data.Dataset
     TensorShape = tf.TensorShape
     optimizers = tf.keras.optimizers
 
@@ -37,10 +33,6 @@ class TensorFlow:
     @staticmethod
     def mirrored_one():
         return tf.distribute.MirroredStrategy(["/cpu:0"])
-
-    @staticmethod
-    def const(value, dtype):
-        return tf.constant(value, dtype)
 
     @staticmethod
     def checkpoint_keys(root):
