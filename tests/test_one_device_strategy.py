@@ -228,8 +228,9 @@ def test_md_function_step_on_a_gpu_matches_the_eager_one():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@pytest.mark.parametrize("loss_scale", [False, True], ids=["plain", "loss_scale"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_on_a_gpu_trains_as_on_the_cpu(name):
+def test_on_a_gpu_trains_as_on_the_cpu(name, loss_scale):
     s = md.OneDeviceStrategy("/gpu:0")
     assert s.extended.worker_devices == ("/job:localhost/replica:0/task:0/device:GPU:0",)
     with s.scope():
@@ -239,7 +240,7 @@ def test_on_a_gpu_trains_as_on_the_cpu(name):
     assert [type(b) for b in batches] == [cupy.ndarray] * 2 and [b.shape for b in batches] == [(4,), (2,)]
     out = s.run(lambda: md.get_replica_context().all_reduce("SUM", v.read_value() * 2))
     assert isinstance(out, cupy.ndarray) and s.reduce("SUM", out, axis=0) == 4.0
-    on_gpu = _train(s, OPTIMIZERS[name], cupy)
-    on_cpu = _train(md.OneDeviceStrategy("/cpu:0"), OPTIMIZERS[name], np)
+    on_gpu = _train(s, OPTIMIZERS[name], cupy, loss_scale=loss_scale)
+    on_cpu = _train(md.OneDeviceStrategy("/cpu:0"), OPTIMIZERS[name], np, loss_scale=loss_scale)
     for a, b in zip(on_gpu, on_cpu):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
