@@ -244,3 +244,11 @@ def test_on_a_gpu_trains_as_on_the_cpu(name, loss_scale):
     on_cpu = _train(md.OneDeviceStrategy("/cpu:0"), OPTIMIZERS[name], np, loss_scale=loss_scale)
     for a, b in zip(on_gpu, on_cpu):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_tf1_spelling():
+    s = md.compat.v1.distribute.OneDeviceStrategy("/cpu:0")
+    assert isinstance(s, md.OneDeviceStrategy) and s.num_replicas_in_sync == 1
+    rows = list(s.experimental_distribute_dataset(s.experimental_make_numpy_dataset(np.arange(5), session=None)
+                                                 .batch(2)))
+    assert [r.tolist() for r in rows] == [[0, 1], [2, 3], [4]]
