@@ -1,4 +1,4 @@
-"""``md.compat.v1``: the TF 1.x ``tf.compat.v1.distribute`` spellings of MirroredStrategy."""
+"""``md.compat.v1``: the TF 1.x ``tf.compat.v1.distribute`` spellings of MirroredStrategy and OneDeviceStrategy."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from ..distribute.distribute_lib import (get_cross_replica_context, get_replica_
 from ..data import NumpyDataset, make_numpy_dataset
 from ..distribute.input_lib import DatasetIterator
 from ..distribute.mirrored_strategy import MirroredStrategy as _MirroredStrategyV2
+from ..distribute.one_device_strategy import OneDeviceStrategy as _OneDeviceStrategyV2
 
 
-class MirroredStrategy(_MirroredStrategyV2):
-    """``tf.compat.v1.distribute.MirroredStrategy``: the v2 strategy (which has the TF 1.x input and run names too,
-    as TF's does) with v1's ``experimental_make_numpy_dataset(numpy_input, session)``."""
+class _StrategyV1:
+    """What TF 1.x's strategies add to the v2 ones (which have the TF 1.x input and run names too, as TF's do):
+    ``experimental_make_numpy_dataset(numpy_input, session)``."""
 
     def experimental_make_numpy_dataset(self, numpy_input, session=None) -> NumpyDataset:
         """A dataset of the rows of ``numpy_input``, copied to the host; ``session`` is ignored (eager).
@@ -24,7 +25,15 @@ class MirroredStrategy(_MirroredStrategyV2):
         return make_numpy_dataset(numpy_input)
 
 
-__all__ = ["MirroredStrategy", "get_strategy", "has_strategy", "in_cross_replica_context", "get_replica_context",
+class MirroredStrategy(_StrategyV1, _MirroredStrategyV2):
+    """``tf.compat.v1.distribute.MirroredStrategy``."""
+
+
+class OneDeviceStrategy(_StrategyV1, _OneDeviceStrategyV2):
+    """``tf.compat.v1.distribute.OneDeviceStrategy``."""
+
+
+__all__ = ["MirroredStrategy", "OneDeviceStrategy", "get_strategy", "has_strategy", "in_cross_replica_context", "get_replica_context",
            "get_cross_replica_context", "NumpyDataset", "DatasetIterator"]
 
 # ``tf.compat.v1.distribute.MirroredStrategy`` ported verbatim reads ``md.compat.v1.distribute.MirroredStrategy``:

@@ -26,6 +26,7 @@ import numpy as np
 
 from .._nest import is_nested, map_structure
 from ..device import device_util, gpu as _gpu
+from ..device.tensor_shape import TensorShape
 from .context import _local, get_replica_context, get_strategy
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
@@ -122,6 +123,10 @@ class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
     def value(self):
         return self.read_value()
 
+    def get_shape(self) -> TensorShape:
+        """TF's alias of ``shape`` (an ``md.TensorShape``: a tuple with ``as_list()``, ``rank``, ...)."""
+        return self.shape
+
     def numpy(self):
         """A host copy of the current value (a NumPy scalar for a scalar variable, as in TensorFlow)."""
         return np.array(device_util.to_host(self.read_value()), copy=True)[()]
@@ -183,15 +188,20 @@ class DeviceVariable(Variable):
                  synchronization=VariableSynchronization.AUTO, aggregation=VariableAggregation.NONE):
         self._device = device
         self._value = device_util.place(value, device, copy=True)
+        self._shape = TensorShape(self._value.shape)  # (a variable keeps its shape: assign checks it)
         self._name = name
         self._trainable = trainable
         self._synchronization = synchronization
         self._aggregation = aggregation
         self._distributed_container = None
 
+    # The strategy whose scope created it when that strategy keeps plain variables (OneDeviceStrategy), else None
+    # (outside any scope, or a copy of a distributed variable, whose container has the strategy).
+    _strategy = None
+    distribute_strategy = property(lambda self: self._strategy)
     name = property(lambda self: self._name)
     device = property(lambda self: self._device)
-    shape = property(lambda self: tuple(self._value.shape))
+    shape = property(lambda self: self._shape)
     dtype = property(lambda self: self._value.dtype)
     trainable = property(lambda self: self._trainable)
     synchronization = property(lambda self: self._synchronization)
@@ -201,9 +211,6 @@ class DeviceVariable(Variable):
         return self._value
 
     # tf.Variable's older readers, which TF keeps on its plain variables (not on distributed ones)
-
-    def get_shape(self) -> tuple:
-        return self.shape
 
     def sparse_read(self, indices):
         """The rows of the value at ``indices`` (``tf.gather`` along axis 0)."""
