@@ -30,7 +30,7 @@ CASES = {
     "bad device string": ("ValueError", "devices", "md.MirroredStrategy(['/cpu:0', '/gpuu:1'])"),
     "missing gpu": ("ValueError", "not available", "md.MirroredStrategy(['/gpu:7'])"),
     "duplicate devices": ("ValueError", "duplicates", "md.MirroredStrategy(['/cpu:0', 'CPU:0'])"),
-    "empty devices": ("ValueError", "devices", "md.MirroredStrategy([])"),
+    "empty device iterator": ("ValueError", "no device given", "md.MirroredStrategy(iter([]))"),
     "nccl on cpu": ("ValueError", "RingAllReduce",
                     "md.MirroredStrategy(['/cpu:0', '/cpu:1'], cross_device_ops=md.NcclAllReduce())"
                     ".reduce('sum', md.PerReplica([np.ones(1), np.ones(1)]), axis=None)"),

@@ -141,8 +141,9 @@ def test_variable_creation_rules(two):
             md.Variable(1, aggregation=md.VariableAggregation.MEAN)
         with pytest.raises(ValueError, match="NONE"):
             md.Variable(1.0, synchronization=md.VariableSynchronization.NONE)
-        with pytest.raises(ValueError, match="trainable"):
-            md.Variable(1.0, trainable=True, synchronization=md.VariableSynchronization.ON_READ)
+        # TF 2.x keeps an explicit trainable=True on an ON_READ variable (only the default becomes False).
+        assert md.Variable(1.0, trainable=True, synchronization=md.VariableSynchronization.ON_READ,
+                           aggregation=md.VariableAggregation.SUM).trainable
         with pytest.raises(ValueError, match="aggregation"):
             md.Variable(1.0, aggregation="sum")
         v = md.Variable(lambda: np.ones((2, 2)), name="kernel", trainable=False, dtype=np.float32)

@@ -29,6 +29,7 @@ from .distribute import launcher_lifeline as _launcher_lifeline
 _launcher_lifeline.watch_launcher()  # a task of mirrored-run ends with its launcher
 from .device import config, device_util, linalg
 from .device.linalg import matmul
+from .device.tensor_shape import TensorShape
 from .collective import api as collectives
 from . import distribute
 from .distribute import cluster_resolver, cross_device_ops, experimental
@@ -36,6 +37,7 @@ from .distribute.distribute_lib import (ReplicaContext, Strategy, StrategyExtend
                                         get_replica_context, get_strategy, has_strategy, in_cross_replica_context)
 from .distribute.input_lib import DistributedDataset, DistributedIterator, InputContext, ValueContext
 from .distribute.mirrored_strategy import MirroredStrategy
+from .distribute.one_device_strategy import OneDeviceStrategy
 from .distribute.function import Function, function
 from .distribute.name_scope import name_scope
 from .distribute.multi_worker_strategy import MultiWorkerMirroredStrategy

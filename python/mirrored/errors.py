@@ -1,4 +1,4 @@
-"""Errors of multi-worker jobs that users catch by name (``md.errors``).
+"""Errors that users catch by name (``md.errors``, ``tf.errors``' names where TF has one).
 
 Failures of a peer surface as Python's own classes: ``TimeoutError`` (a peer
 did not arrive in time), ``ConnectionError`` (a peer is gone, or the job's
@@ -8,7 +8,14 @@ rendezvous store refused this task).
 
 from __future__ import annotations
 
-__all__ = ["CollectiveMismatchError"]
+__all__ = ["CollectiveMismatchError", "OutOfRangeError"]
+
+
+class OutOfRangeError(StopIteration):
+    """``iterator.get_next()`` past the end of the data (``tf.errors.OutOfRangeError``).
+
+    A ``StopIteration`` too, so loops written for Python's iterator protocol end on it as well.
+    """
 
 
 class CollectiveMismatchError(ValueError):

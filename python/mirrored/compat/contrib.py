@@ -213,11 +213,7 @@ class MirroredStrategy(_MirroredStrategyV1):
         variables = colocate_with if isinstance(colocate_with, (list, tuple)) else [colocate_with]
         devices = variables[0]._devices if isinstance(variables[0], DistributedVariable) else \
             self.extended.worker_devices
-        results = []
-        for device in devices:
-            with device_util.device_scope(device):
-                results.append(fn(*args, **kwargs))
-        return results[0] if all(r is results[0] for r in results) else PerReplica(results, devices)
+        return self.extended.update_non_slot(devices, fn, args, kwargs)
 
     def read_var(self, var):
         """The value of ``var`` in cross-tower context (aggregated for tower-local variables)."""

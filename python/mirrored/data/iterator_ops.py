@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
-from .structure import decode_state, encode_state
+from ..errors import OutOfRangeError
+from .structure import decode_state, encode_state, spec_of
 
 
 class Optional:
-    """A value that may be absent (``tf.experimental.Optional``): ``has_value()``, ``get_value()``."""
+    """A value that may be absent (``tf.experimental.Optional``): ``has_value()``, ``get_value()``,
+    ``element_spec``; ``Optional.from_value(value)``, ``Optional.empty(element_spec)``."""
 
-    def __init__(self, value, has_value: bool):
-        self._value, self._has_value = value, has_value
+    def __init__(self, value, has_value: bool, element_spec=None):
+        # element_spec: the spec, or a function giving it (an iterator's, asked only if someone reads it)
+        self._value, self._has_value, self._element_spec = value, has_value, element_spec
+
+    @staticmethod
+    def from_value(value) -> "Optional":
+        return Optional(value, True, spec_of(value))
+
+    @staticmethod
+    def empty(element_spec) -> "Optional":
+        return Optional(None, False, element_spec)
+
+    @property
+    def element_spec(self):
+        if callable(self._element_spec):
+            self._element_spec = self._element_spec()
+        return self._element_spec
 
     def has_value(self) -> bool:
         return self._has_value
@@ -54,15 +71,26 @@ class IteratorProtocol:
             raise
 
     def get_next(self):
-        """The next element; ``StopIteration`` (TF: ``OutOfRangeError``) at the end."""
-        return next(self)
+        """The next element; ``md.errors.OutOfRangeError`` (a ``StopIteration``) at the end, as TF's."""
+        try:
+            return next(self)
+        except StopIteration:
+            raise OutOfRangeError("End of sequence") from None
+
+    next = __next__  # (TF's iterators have the Python 2 name too; it raises StopIteration, as there)
 
     def get_next_as_optional(self) -> Optional:
         """The next element wrapped in an :class:`Optional` that is empty at the end of the data."""
         try:
-            return Optional(next(self), True)
+            value = next(self)
         except StopIteration:
-            return Optional(None, False)
+            return Optional(None, False, lambda: self.element_spec)
+        return Optional(value, True, lambda: self._spec_of(value))
+
+    @staticmethod
+    def _spec_of(element):
+        """The spec of ``element`` itself (its own shapes), as TF's Optional of a value states it."""
+        return spec_of(element)
 
     def close(self) -> None:
         """Stop this iterator's background threads now; ``next()`` then raises ``ValueError``."""

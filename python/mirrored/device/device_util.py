@@ -35,7 +35,7 @@ class DeviceSpec(NamedTuple):
                 f"/device:{self.device_type}:{self.device_index}")
 
 
-_PART = re.compile(r"^(?:(job):([A-Za-z0-9_\-]+)|(replica|task):(\d+)|(?:device:)?(cpu|gpu):(\d+|\*)?)$",
+_PART = re.compile(r"^(?:(job):([A-Za-z0-9_\-]+)|(replica|task):(\d+)|(?:device:)?(cpu|gpu)(?::(\d+|\*)?)?)$",
                    re.IGNORECASE)
 
 
@@ -68,6 +68,9 @@ def _parse(device, argument: str) -> DeviceSpec:
         elif m.group(3):
             fields[m.group(3).lower()] = int(m.group(4))
         else:
+            if fields["device_type"] is not None:
+                raise ValueError(f"{argument}={device!r}: Multiple device types are not allowed; name one device, "
+                                 "e.g. '/cpu:0'")
             fields["device_type"] = m.group(5).upper()
             fields["device_index"] = int(m.group(6)) if m.group(6) not in (None, "*") else 0
     if fields["device_type"] is None:

@@ -199,9 +199,12 @@ def _fresh_to(reduced, destinations):
 
 def _check_gather(arrays, axis):
     first = arrays[0]
-    if not -first.ndim <= axis < max(first.ndim, 1) or first.ndim == 0:
+    if first.ndim == 0:  # (TF's words: "Can't concatenate scalars")
+        raise ValueError(f"axis={axis}: can't concatenate scalars; gather needs arrays of rank >= 1 (use x[None] "
+                         "to give each replica's value a dimension of 1)")
+    if not -first.ndim <= axis < first.ndim:
         raise ValueError(f"axis={axis} is out of range for values of shape {tuple(first.shape)}; gather needs "
-                         "arrays of rank >= 1 and -rank <= axis < rank")
+                         "-rank <= axis < rank")
     ax = axis % first.ndim
     for r, a in enumerate(arrays[1:], 1):
         if a.dtype != first.dtype or a.ndim != first.ndim or any(

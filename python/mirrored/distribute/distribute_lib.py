@@ -8,6 +8,7 @@ default strategy's context there.
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from types import FunctionType as _FunctionType
 
@@ -18,9 +19,10 @@ from .._nest import flatten, is_nested, map_structure, pack_sequence_as
 from ..timeline import HOST_ROW, enabled_native as tracing, replica_wait, set_row_source
 from ..device import device_util, gpu as _gpu
 from .name_scope import scoped_name
-from .options import VariableAggregation, VariableSynchronization
+from .options import InputReplicationMode, VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp, as_reduce_op
-from .values import (DeviceVariable, DistributedValues, PerReplica, _read, regroup, select_replica, value_container)
+from .values import (DeviceVariable, DistributedValues, Mirrored, PerReplica, _read, regroup, select_replica,
+                     value_container)
 
 HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 
@@ -352,7 +354,12 @@ class Strategy:
         op = as_reduce_op(reduce_op)
         _require_cross_replica_or_default(self, "reduce")
         if axis is None:
-            return self._extended._reduce(op, value)
+            result = self._extended._reduce(op, value)
+            if op is not ReduceOp.MEAN:
+                return result
+            if isinstance(value, DistributedValues):  # (the common case: one value)
+                return _as_tf_mean(value, result)
+            return pack_sequence_as(result, [_as_tf_mean(v, m) for v, m in zip(flatten(value), flatten(result))])
         ext = self._extended
         n = len(ext.worker_devices)
         comps = [[_read(select_replica(i, leaf)) for i in range(n)] for leaf in flatten(value)]
@@ -423,12 +430,69 @@ class Strategy:
             results.append(map_structure(lambda x: _place_arrays(x, device), value_fn(ctx)))
         return regroup(results, always_wrap=True, devices=ext.worker_devices)
 
+    # TF 1.x names that TF 2's strategies keep (deprecated there): one step from an iterator, session config
+
+    def experimental_run(self, fn, input_iterator=None):
+        """Run ``fn`` on every replica, with the next element of ``input_iterator`` as its argument if given."""
+        if input_iterator is None:
+            return self.run(fn)
+        return self.run(fn, args=(input_iterator.get_next(),))
+
+    def make_dataset_iterator(self, dataset):
+        """An iterator whose elements are the batches of ``dataset`` split over the replicas."""
+        from .input_lib import DatasetIterator, DistributedDataset
+
+        return DatasetIterator(DistributedDataset(dataset, self.extended))
+
+    def make_input_fn_iterator(self, input_fn, replication_mode=InputReplicationMode.PER_WORKER):
+        """An iterator over ``input_fn(InputContext)``'s per-replica batches (one per replica per step)."""
+        if replication_mode != InputReplicationMode.PER_WORKER:
+            raise ValueError(f"replication_mode={replication_mode!r}: only InputReplicationMode.PER_WORKER is "
+                             "supported here (use distribute_datasets_from_function for PER_REPLICA)")
+        from .input_lib import DatasetIterator, DistributedDatasetsFromFunction
+
+        return DatasetIterator(DistributedDatasetsFromFunction(input_fn, self.extended))
+
+    def update_config_proto(self, config_proto):
+        """A copy of ``config_proto`` (the strategies here need no session settings)."""
+        return copy.deepcopy(config_proto)
+
+    def unwrap(self, value) -> tuple:
+        """Deprecated TF 1.x name of ``experimental_local_results``."""
+        return self.experimental_local_results(value)
+
+    def group(self, value, name=None):
+        """TF's: a single local result (without ``name``) is returned as it is; else a ``tf.group`` of them,
+        which eagerly is None (the results are computed already)."""
+        results = flatten(self.experimental_local_results(value))
+        return results[0] if len(results) == 1 and name is None else None
+
+    def colocate_vars_with(self, colocate_with_variable):
+        return self.extended.colocate_vars_with(colocate_with_variable)
+
+    def configure(self, session_config=None, cluster_spec=None, task_type=None, task_id=None):
+        """Keep ``session_config``; a strategy here takes its cluster when it is built, not from here."""
+        if cluster_spec:
+            raise ValueError("cluster_spec: a strategy takes its cluster when it is built; use "
+                             "md.MultiWorkerMirroredStrategy with TF_CONFIG (or cluster_resolver=...) for a cluster")
+        self._session_config = session_config
+
 
 def _place_arrays(x, device):
     # Scalars stay as they are (TF leaves Python numbers alone); arrays go to the replica's device.
     if x is None or isinstance(x, (int, float, bool, complex, str, np.generic)):
         return x
     return device_util.place(x, device)
+
+
+def _as_tf_mean(value, mean):
+    """The mean of ``value``'s components in TF's dtype: the collectives divide integers in float64 (NumPy's
+    rule); TF divides integers of up to 16 bits in float32."""
+    if isinstance(value, DistributedValues) and getattr(mean, "dtype", None) == np.float64:
+        dtype = getattr(_read(value.values[0]), "dtype", None)
+        if dtype is not None and np.dtype(dtype).kind in "iu" and np.dtype(dtype).itemsize <= 2:
+            return mean.astype(np.float32)
+    return mean
 
 
 def _divide(numer, denom):
@@ -438,10 +502,11 @@ def _divide(numer, denom):
     if not device_util.on_gpu(numer):
         numer = np.asarray(numer)
     denom = np.asarray(denom).astype(numer.dtype)[()]
-    if numer.dtype.kind in "iu":
-        real = np.float32 if numer.dtype.itemsize <= 2 else np.float64
-        return numer.astype(real) / real(denom)
-    return numer / denom
+    with np.errstate(invalid="ignore", divide="ignore"):  # no rows at all: NaN, as TF's 0 / 0, no warning
+        if numer.dtype.kind in "iu":
+            real = np.float32 if numer.dtype.itemsize <= 2 else np.float64
+            return numer.astype(real) / real(denom)
+        return numer / denom
 
 
 # --- extended ------------------------------------------------------------------------------
@@ -477,6 +542,38 @@ class StrategyExtended:
     @property
     def worker_devices(self) -> tuple:
         return self._local_devices
+
+    @property
+    def worker_devices_by_replica(self) -> list:
+        """Each replica's devices: one device per replica here (TF's list of lists)."""
+        return [[d] for d in self.worker_devices]
+
+    def non_slot_devices(self, var_list) -> tuple:
+        """Where variables that are not slots of ``var_list`` live: every replica's device."""
+        return tuple(self.worker_devices)
+
+    def read_var(self, var):
+        """``var``'s value in cross-replica context (an ON_READ variable's aggregate)."""
+        return var.read_value()
+
+    # (TF's flag for input pipelines that may end with a partial batch: the input here always handles them)
+    experimental_enable_get_next_as_optional = True
+
+    def update_non_slot(self, colocate_with, fn, args=(), kwargs=None, group=True):
+        """``fn(*args, **kwargs)`` once per device of ``colocate_with`` (``non_slot_devices``' answer), each
+        with its own components of distributed arguments; the results as one ``Mirrored`` value
+        (``group=False``: a tuple of them)."""
+        _require_cross_replica_or_default(self._container_strategy, "update_non_slot")
+        devices, kwargs = tuple(colocate_with), dict(kwargs or {})
+        results = []
+        for i, device in enumerate(devices):
+            with device_util.device_scope(device):
+                results.append(fn(*select_replica(i, tuple(args)), **select_replica(i, kwargs)))
+        regrouped = regroup(results, Mirrored, devices=devices)
+        return regrouped if group else self._local_results(regrouped)
+
+    def experimental_make_numpy_dataset(self, numpy_input):
+        return self._container_strategy.experimental_make_numpy_dataset(numpy_input)
 
     @property
     def parameter_devices(self) -> tuple:
@@ -620,7 +717,9 @@ class StrategyExtended:
             result = self.reduce_to(op, value, self.worker_devices[0])
             return map_structure(lambda v: _read(self._local_results(v)[0]), result)
         result = self.reduce_to(op, value, HOST)
-        return map_structure(lambda v: device_util.to_host(_read(self._local_results(v)[0])), result)
+        # A Python number that comes back as it went in (MEAN of a non-distributed value) stays one, as in TF.
+        return map_structure(lambda v: v if type(v) in (int, float) else
+                             device_util.to_host(_read(self._local_results(v)[0])), result)
 
     def _gather_to_host(self, value, axis):
         if not isinstance(value, DistributedValues):
@@ -683,8 +782,10 @@ def _check_axis(axis, components) -> None:
             ndim = len(np.shape(c))
             if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
                 valid = f"use {-ndim}..{ndim - 1}, or" if ndim else "a scalar has no axis: use"
-                raise ValueError(f"axis={axis!r} is out of range for a value of rank {ndim} (shape "
-                                 f"{tuple(np.shape(c))}); {valid} axis=None to reduce across replicas only")
+                # (TF's words first: "Invalid reduction dimension 0 for input with 0 dimensions")
+                raise ValueError(f"Invalid reduction dimension: axis={axis!r} is out of range for a value of rank "
+                                 f"{ndim} (shape {tuple(np.shape(c))}); {valid} axis=None to reduce across "
+                                 "replicas only")
 
 
 def _reduce_along(v, op: ReduceOp, axis: int):
@@ -753,12 +854,8 @@ def _check_variable_args(name, trainable, synchronization, aggregation):
     if not isinstance(aggregation, VariableAggregation):
         raise ValueError(f"Invalid variable aggregation mode: {aggregation!r} for variable {name!r}; expected a "
                          "md.VariableAggregation (NONE, SUM, MEAN or ONLY_FIRST_REPLICA)")
-    if trainable is None:
+    if trainable is None:  # (an explicit trainable=True with ON_READ stands, as in TF 2.x)
         trainable = synchronization != VariableSynchronization.ON_READ
-    elif trainable and synchronization == VariableSynchronization.ON_READ:
-        raise ValueError(
-            "Synchronization value can be set to VariableSynchronization.ON_READ only for non-trainable "
-            f"variables; variable {name!r} has trainable=True: pass trainable=False")
     return synchronization, aggregation, trainable
 
 
@@ -791,7 +888,7 @@ class _DefaultExtended(StrategyExtended):
         return isinstance(v, DeviceVariable) and v._distributed_container is None
 
 
-class _DefaultStrategy(Strategy):
+class _DefaultDistributionStrategy(Strategy):  # (TF's class name: users print type(get_strategy()))
     def __init__(self):
         super().__init__(_DefaultExtended(self, (HOST,)))
 
@@ -807,12 +904,29 @@ def default_replica_context() -> ReplicaContext:
     return _DEFAULT.replica_context
 
 
-_default_strategy = _DefaultStrategy()
+def experimental_set_strategy(strategy) -> None:
+    """Make ``strategy`` current on this thread without a ``with`` block (``tf.distribute``'s name); ``None``
+    goes back to the default strategy. A strategy set earlier this way is replaced."""
+    old = getattr(_local, "set_scope", None)
+    if old is not None:
+        _local.set_scope = None
+        old.__exit__(None, None, None)
+    if has_strategy():
+        raise RuntimeError("Must not be called inside a `tf.distribute.Strategy` scope: leave the `with "
+                           "strategy.scope()` block first")
+    if strategy is not None:
+        scope = strategy.scope()
+        scope.__enter__()
+        _local.set_scope = scope
+
+
+_DefaultStrategy = _DefaultDistributionStrategy  # (the name train/ tests against)
+_default_strategy = _DefaultDistributionStrategy()
 _DEFAULT = _Context(_default_strategy, ReplicaContext(_default_strategy, 0))
 set_default_context(_DEFAULT)
 
 
 __all__ = [
     "Strategy", "StrategyExtended", "ReplicaContext", "get_strategy", "has_strategy",
-    "in_cross_replica_context", "get_replica_context", "get_cross_replica_context",
+    "in_cross_replica_context", "get_replica_context", "get_cross_replica_context", "experimental_set_strategy",
 ]

@@ -20,10 +20,10 @@ from ..data import dataset_ops
 from ..data.dataset_ops import CountingIterator, Dataset, PrefetchIterator, _Iterator
 from ..data.iterator_ops import IteratorProtocol
 from ..data.options import AutoShardPolicy, policy_of
-from ..data.structure import TensorSpec, decode_state, encode_state
+from ..data.structure import TensorSpec, decode_state, encode_state, leaf_spec
 from ..device import device_util
 from .options import InputOptions, InputReplicationMode
-from .values import regroup
+from .values import DistributedValues, regroup
 
 _log = logging.getLogger("mirrored")
 
@@ -70,6 +70,8 @@ class ValueContext:
 def split_batch(batch, num_global: int, first: int, count: int, argument: str = "dataset"):
     """Replicas ``first .. first+count-1`` of ``num_global``: each one's slice of every leaf of ``batch``."""
     leaves = [device_util.to_host(x) if not device_util.on_gpu(x) else x for x in flatten(batch)]
+    if num_global == 1:  # one replica takes each element as it is, batched or not (TF's rule)
+        return [pack_sequence_as(batch, leaves)]
     sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
     if None in sizes or len(sizes) != 1:
         raise ValueError(f"{argument}: every array of a batch needs the same leading (batch) dimension; got "
@@ -224,6 +226,28 @@ class _DeviceFetcher:
         return out
 
 
+class DatasetIterator:
+    """TF 1.x input iterator: ``initialize()`` then ``get_next()`` once per step."""
+
+    def __init__(self, distributed):
+        self._distributed = distributed
+        self._iterator = None
+
+    def initialize(self) -> list:
+        """(Re)start from the first batch; returns the (empty, eager) list of initializer ops."""
+        self._iterator = iter(self._distributed)
+        return []
+
+    def get_next(self):
+        if self._iterator is None:
+            self.initialize()
+        return next(self._iterator)
+
+    @property
+    def element_spec(self):
+        return self._distributed.element_spec
+
+
 class DistributedIterator(IteratorProtocol):
     """Iterator over a distributed dataset: each ``next`` is one step, ``PerReplica`` leaves.
 
@@ -234,6 +258,11 @@ class DistributedIterator(IteratorProtocol):
 
     def __init__(self, distributed, state=None):
         super().__init__(distributed, distributed._build(state))
+
+    @staticmethod
+    def _spec_of(element):
+        return map_structure(lambda x: PerReplicaSpec(*(leaf_spec(c) for c in x.values))
+                             if isinstance(x, DistributedValues) else leaf_spec(x), element)
 
     def _serialize_to_tensors(self) -> dict:
         return encode_state(self._dataset._check_checkpointable(self._source.save()))
@@ -311,15 +340,45 @@ class _DistributedInput:
 
     @property
     def element_spec(self):
-        """Structure of ``TensorSpec`` (one replica) or ``PerReplicaSpec`` leaves, batch dimension ``None``."""
+        """Structure of ``TensorSpec`` (one replica) or ``PerReplicaSpec`` leaves; the batch dimension is
+        ``None`` unless every replica's batch has a known, fixed size (see :meth:`_static_batch`)."""
         if self._first is None:
             self._first = self._peek()
         return self._spec(self._first)
 
+    def _static_batch(self):
+        """The size of every replica's batch where it is fixed and known before reading, else None."""
+        return None
+
+    @property
+    def cardinality(self) -> np.int64:
+        """How many elements the input has (TF's: global batches; with distribute_datasets_from_function, the
+        pipeline's own count), or ``md.data.INFINITE_CARDINALITY`` (-1) / ``UNKNOWN_CARDINALITY`` (-2)."""
+        items = self._counted_input()
+        if isinstance(items, _Reiterable):
+            items = items._dataset
+        if isinstance(items, Dataset):
+            return np.int64(items.cardinality())
+        return np.int64(len(items) if isinstance(items, (list, tuple)) else dataset_ops.UNKNOWN_CARDINALITY)
+
+    def _counted_input(self):
+        """The input whose elements :attr:`cardinality` counts."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _batch_of(dataset):
+        """A pipeline's batch size where its element_spec fixes it (``batch(..., drop_remainder=True)``)."""
+        if not _is_pipeline(dataset):
+            return None
+        sizes = {spec.shape[0] if spec.shape else None for spec in flatten(dataset.element_spec)}
+        return sizes.pop() if len(sizes) == 1 else None
+
     def _spec(self, per_replica: list):
+        batch = self._static_batch()
+
         def leaf_spec(x):
             x = device_util.to_host(x) if not device_util.on_gpu(x) else x
-            return TensorSpec((None,) + tuple(x.shape[1:]), x.dtype)
+            return TensorSpec((batch,) + tuple(x.shape[1:]), x.dtype)
 
         specs = [map_structure(leaf_spec, s) for s in per_replica]
         if len(specs) == 1:
@@ -458,6 +517,14 @@ class DistributedDataset(_DistributedInput):
         parts = split_batch(batch, total, 0, total)
         return [parts[first:first + local] for first in range(0, total, local)]
 
+    def _counted_input(self):
+        return self._items
+
+    def _static_batch(self):
+        # TF's rule: a fixed global batch that the replicas (of all workers) share evenly.
+        size, total = self._batch_of(self._items), self._extended._num_replicas_in_sync
+        return size // total if size is not None and size % total == 0 else None
+
     def _peek(self):
         first = self._items._peek() if isinstance(self._items, Dataset) else self._items.peek(1)
         if not first:
@@ -531,6 +598,13 @@ class DistributedDatasetsFromFunction(_DistributedInput):
 
     def _source(self, state=None):
         return _Pipelines(self._pipelines, len(self._devices), state)
+
+    def _counted_input(self):
+        return self._pipelines[0]
+
+    def _static_batch(self):
+        sizes = {self._batch_of(p) for p in self._pipelines}
+        return sizes.pop() if len(sizes) == 1 else None
 
     def _steps_of(self, step):
         local = len(self._devices)

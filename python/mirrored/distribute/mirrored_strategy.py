@@ -344,15 +344,15 @@ class _ReplicaPool:
 
 
 def _resolve_devices(devices) -> tuple:
-    if devices is None:
-        gpus = config.list_logical_devices("GPU")
-        devices = [d.name for d in gpus] or [device_util.canonicalize("/cpu:0")]
     if isinstance(devices, str):
         devices = [devices]
+    if devices is None or isinstance(devices, (list, tuple)) and not devices:
+        # TF's default for None or empty: every logical GPU, else every logical CPU (one unless split)
+        devices = [d.name for d in config.list_logical_devices("GPU") or config.list_logical_devices("CPU")]
     devices = list(devices)
-    if not devices:
-        raise ValueError("devices=[]: a MirroredStrategy needs at least one device, e.g. ['/cpu:0'] or "
-                         "devices=None for every GPU (else one CPU replica)")
+    if not devices:  # (an empty iterator)
+        raise ValueError("devices: no device given; pass a list such as ['/cpu:0', '/cpu:1'], or None for TF's "
+                         "default (every GPU, else every logical CPU)")
     canonical = tuple(device_util.canonicalize(d, argument="devices") for d in devices)
     if len(set(canonical)) != len(canonical):
         raise ValueError(f"devices={devices!r}: No duplicates allowed in `devices` argument; each replica needs "

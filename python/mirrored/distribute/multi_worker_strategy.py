@@ -18,7 +18,7 @@ import weakref
 import numpy as np
 
 from .._logging import multi_worker
-from ..device import device_util
+from ..device import config, device_util
 from .cluster_resolver import collective_tasks, default_cluster_resolver
 from .collective_all_reduce import CollectiveAllReduce, CollectiveGroup
 from .mirrored_strategy import MirroredExtended, MirroredStrategy
@@ -36,6 +36,9 @@ class MultiWorkerExtended(MirroredExtended):
     """``MultiWorkerMirroredStrategy.extended``: local replicas, reductions across the job."""
 
     def __init__(self, container_strategy, options: CommunicationOptions, resolver, devices=None):
+        if devices is None or isinstance(devices, (list, tuple)) and not devices:
+            # TF's: every GPU of the worker, else one CPU (however many logical CPUs there are)
+            devices = [d.name for d in config.list_logical_devices("GPU")] or ["/cpu:0"]
         super().__init__(container_strategy, devices)
         if resolver.task_type is not None:
             # As TensorFlow names a worker's devices: '/job:worker/replica:0/task:1/device:CPU:0'.

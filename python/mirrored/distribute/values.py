@@ -26,6 +26,7 @@ import numpy as np
 
 from .._nest import is_nested, map_structure
 from ..device import device_util, gpu as _gpu
+from ..device.tensor_shape import TensorShape
 from .context import _local, get_replica_context, get_strategy
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
@@ -122,6 +123,10 @@ class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
     def value(self):
         return self.read_value()
 
+    def get_shape(self) -> TensorShape:
+        """TF's alias of ``shape`` (an ``md.TensorShape``: a tuple with ``as_list()``, ``rank``, ...)."""
+        return self.shape
+
     def numpy(self):
         """A host copy of the current value (a NumPy scalar for a scalar variable, as in TensorFlow)."""
         return np.array(device_util.to_host(self.read_value()), copy=True)[()]
@@ -183,15 +188,20 @@ class DeviceVariable(Variable):
                  synchronization=VariableSynchronization.AUTO, aggregation=VariableAggregation.NONE):
         self._device = device
         self._value = device_util.place(value, device, copy=True)
+        self._shape = TensorShape(self._value.shape)  # (a variable keeps its shape: assign checks it)
         self._name = name
         self._trainable = trainable
         self._synchronization = synchronization
         self._aggregation = aggregation
         self._distributed_container = None
 
+    # The strategy whose scope created it when that strategy keeps plain variables (OneDeviceStrategy), else None
+    # (outside any scope, or a copy of a distributed variable, whose container has the strategy).
+    _strategy = None
+    distribute_strategy = property(lambda self: self._strategy)
     name = property(lambda self: self._name)
     device = property(lambda self: self._device)
-    shape = property(lambda self: tuple(self._value.shape))
+    shape = property(lambda self: self._shape)
     dtype = property(lambda self: self._value.dtype)
     trainable = property(lambda self: self._trainable)
     synchronization = property(lambda self: self._synchronization)
@@ -199,6 +209,20 @@ class DeviceVariable(Variable):
 
     def read_value(self):
         return self._value
+
+    # tf.Variable's older readers, which TF keeps on its plain variables (not on distributed ones)
+
+    def sparse_read(self, indices):
+        """The rows of the value at ``indices`` (``tf.gather`` along axis 0)."""
+        return self._value[_indices(indices)]
+
+    def gather_nd(self, indices):
+        """``tf.gather_nd``: each row of ``indices`` indexes the leading dimensions of the value."""
+        indices = _indices(indices)
+        return self._value[tuple(np.moveaxis(indices, -1, 0))]
+
+    def is_initialized(self) -> np.bool_:
+        return np.bool_(True)  # (a variable here holds its value from creation on)
 
     def _converted(self, value, argument: str = "value"):
         """``value`` on this variable's device, checked as TF's assign checks it: the same shape; a
@@ -284,17 +308,18 @@ class DeviceVariable(Variable):
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         self._store(self._converted(value))
-        return self
+        return _updated(self, read_value)
 
     def _combine(self, fn, delta):
         self._store(fn(self._value, self._converted(delta, "delta")))
-        return self
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        return self._combine(operator.add, delta)
+        self._combine(operator.add, delta)
+        return _updated(self, read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        return self._combine(operator.sub, delta)
+        self._combine(operator.sub, delta)
+        return _updated(self, read_value)
 
 
 class DistributedVariable(DistributedValues, Variable):
@@ -388,13 +413,13 @@ class MirroredVariable(DistributedVariable, Mirrored):
         return self
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
-        return self._update("assign", value)
+        return _updated(self._update("assign", value), read_value)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        return self._update("assign_add", delta)
+        return _updated(self._update("assign_add", delta), read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        return self._update("assign_sub", delta)
+        return _updated(self._update("assign_sub", delta), read_value)
 
 
 class SyncOnReadVariable(DistributedVariable):
@@ -408,6 +433,9 @@ class SyncOnReadVariable(DistributedVariable):
         return self._strategy.reduce(ReduceOp.from_variable_aggregation(self._aggregation), self, axis=None)
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
+        return _updated(self._assign(value), read_value)
+
+    def _assign(self, value):
         if self._local_replica_id() is not None:
             self._component().assign(value)
             return self
@@ -430,10 +458,20 @@ class SyncOnReadVariable(DistributedVariable):
         return self._update_each_copy(method, delta)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        return self._add("assign_add", delta)
+        return _updated(self._add("assign_add", delta), read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        return self._add("assign_sub", delta)
+        return _updated(self._add("assign_sub", delta), read_value)
+
+
+def _indices(indices):
+    """Index arrays given as lists or arrays (host or device), as NumPy/CuPy indexing takes them."""
+    return indices if device_util.on_gpu(indices) else np.asarray(device_util.to_host(indices))
+
+
+def _updated(variable, read_value):
+    """An update's result: the variable (read as its new value), or None with ``read_value=False``, as TF."""
+    return variable if read_value else None
 
 
 def _read(x):
