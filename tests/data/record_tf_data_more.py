@@ -3,7 +3,8 @@
     /work/venvs/tf/bin/python tests/data/record_tf_data_more.py   # writes tests/data/tf_data_reference_more.json
 
 Each case is an expression over ``D`` (the Dataset class), ``np``, ``AUTOTUNE``, ``TensorSpec``, ``P`` (a
-namedtuple class), ``collections`` and ``LEN`` (a sequence's length: ``tf.shape(x)[0]`` in TF). A case that gives a dataset records its elements (values, dtypes,
+namedtuple class), ``collections``, ``LEN`` (a sequence's length: ``tf.shape(x)[0]`` in TF), ``O`` (options
+with deterministic / auto_shard_policy set) and ``OPTS`` (the options a dataset carries). A case that gives a dataset records its elements (values, dtypes,
 shapes, the Python type of each leaf as ``as_numpy_iterator`` yields it, tuple/dict/namedtuple structure),
 its element_spec, cardinality and ``len``; a case that gives anything else records that value; a case
 that raises records the exception's class and message (construction and iteration alike).
@@ -318,6 +319,12 @@ CASES = [
     f"D.zip({SEQS}, D.range(10)).bucket_by_sequence_length(lambda x, i: LEN(x), [4], [3, 2])",
     f"{SEQS}.map(lambda x: x[:1]).bucket_by_sequence_length(lambda x: np.int64(1), [4], [3, 2], no_padding=True)",
     "int(D.random(seed=1).cardinality())", "D.random(seed=1).take(0)", "D.random(seed=1.5)",
+    "OPTS(D.range(3).with_options(O(False)).map(lambda x: x).with_options(O(None, 'DATA')))",
+    "OPTS(D.range(3).with_options(O(False)).with_options(O(True)))",
+    "OPTS(D.range(3).with_options(O(False, 'FILE')).with_options(O(None, 'OFF')).batch(2))",
+    "OPTS(D.zip(D.range(2).with_options(O(False)), D.range(2).with_options(O(None, 'DATA'))))",
+    "OPTS(D.range(2).with_options(O(True)).concatenate(D.range(2).with_options(O(False))))",
+    "OPTS(D.range(2))", "OPTS(D.range(2).with_options(O(False)).take(1).repeat(2).shuffle(2).prefetch(1))",
     "D.range(3).options().deterministic", "int(D.range(3).apply(lambda ds: ds.batch(2)).cardinality())",
 ]
 
@@ -367,6 +374,24 @@ def canonical_spec(spec, shape_of, dtype_of):
     return [shape_of(spec), dtype_of(spec)]
 
 
+def options_maker(options_class, policy_class):
+    """``O(deterministic, policy_name)``: an Options object with those set (None: left unset)."""
+    def make(deterministic=None, policy=None):
+        options = options_class()
+        if deterministic is not None:
+            options.deterministic = deterministic
+        if policy is not None:
+            options.experimental_distribute.auto_shard_policy = getattr(policy_class, policy)
+        return options
+    return make
+
+
+def options_seen(dataset):
+    """``OPTS(ds)``: the options a pipeline carries, as (deterministic, auto_shard_policy name)."""
+    options = dataset.options()
+    return (options.deterministic, options.experimental_distribute.auto_shard_policy.name)
+
+
 def _numpy(value):
     """TF's eager tensors (of reduce, get_single_element) as as_numpy_iterator gives them."""
     if isinstance(value, dict):
@@ -403,7 +428,8 @@ def record(case, env, dataset_type):
 def main():
     import tensorflow as tf
 
-    env = {"D": tf.data.Dataset, "LEN": lambda x: tf.shape(x)[0], "np": np, "AUTOTUNE": tf.data.AUTOTUNE, "TensorSpec": tf.TensorSpec, "P": P,
+    env = {"D": tf.data.Dataset, "LEN": lambda x: tf.shape(x)[0], "OPTS": options_seen,
+           "O": options_maker(tf.data.Options, tf.data.experimental.AutoShardPolicy), "np": np, "AUTOTUNE": tf.data.AUTOTUNE, "TensorSpec": tf.TensorSpec, "P": P,
            "collections": collections, "shape_of": lambda s: s.shape.as_list() if s.shape.rank is not None else None,
            "dtype_of": lambda s: s.dtype.name}
     out = {case: record(case, dict(env), tf.data.Dataset) for case in CASES}

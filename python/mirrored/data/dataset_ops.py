@@ -25,7 +25,7 @@ import numpy as np
 from .._nest import flatten, map_structure, pack_sequence_as
 from ..device import device_util
 from .iterator_ops import OwnedIterator
-from .options import Options
+from .options import Options, merge_options
 from .structure import (DatasetSpec, TensorSpec, array_module, map_container, normalize_input, normalize_output,
                         spec_of, stack, to_leaf)
 
@@ -141,14 +141,18 @@ class Dataset:
         return self._inputs[0]
 
     def options(self) -> Options:
-        """The options of this pipeline: the last ``with_options`` upstream wins."""
-        if self._options is not None:
-            return self._options
+        """The options of this pipeline: every ``with_options`` upstream merged, a later one winning where both
+        set an option (tf.data's rule); the one ``with_options`` object itself when there is one."""
+        return merge_options(self._options_chain())
+
+    def _options_chain(self) -> list:
+        """The ``with_options`` objects of the pipeline, upstream (and the inputs in order) first."""
+        chain = []
         for d in self._inputs:
-            if d._options is not None or d._inputs:
-                return d.options()
-        self._options = Options()
-        return self._options
+            chain.extend(o for o in d._options_chain() if not any(o is c for c in chain))
+        if self._options is not None and not any(self._options is c for c in chain):
+            chain.append(self._options)
+        return chain
 
     @property
     def element_spec(self):
@@ -352,7 +356,8 @@ class Dataset:
         if not isinstance(options, Options):
             raise TypeError(f"options={options!r}: expected md.data.Options()")
         clone = self._under(options)
-        clone._options = options
+        # Options set on this very dataset before are merged with these (a later one wins where both set one).
+        clone._options = options if self._options is None else merge_options([self._options, options])
         return clone
 
     def _under(self, options: Options) -> "Dataset":
