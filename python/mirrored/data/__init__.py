@@ -45,10 +45,10 @@ from .dataset_ops import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, D
 from .iterator_ops import Optional, OwnedIterator as Iterator
 from .options import AutoShardPolicy, DistributeOptions, Options
 from .readers import TextLineDataset
-from .structure import TensorSpec
+from .structure import DatasetSpec, TensorSpec
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "Iterator", "Options",
-           "DistributeOptions", "AutoShardPolicy", "TensorSpec", "TextLineDataset", "NumpyDataset",
+           "DistributeOptions", "AutoShardPolicy", "TensorSpec", "DatasetSpec", "TextLineDataset", "NumpyDataset",
            "experimental"]
 
 

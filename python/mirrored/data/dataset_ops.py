@@ -14,6 +14,7 @@ import concurrent.futures as futures
 import copy
 import glob
 import inspect
+import logging
 import math
 import os
 import threading
@@ -24,9 +25,9 @@ import numpy as np
 from .._nest import flatten, map_structure, pack_sequence_as
 from ..device import device_util
 from .iterator_ops import OwnedIterator
-from .options import Options
-from .structure import (TensorSpec, array_module, map_container, normalize_input, normalize_output, spec_of,
-                        stack)
+from .options import Options, merge_options
+from .structure import (DatasetSpec, TensorSpec, array_module, map_container, normalize_input, normalize_output,
+                        spec_of, stack, to_leaf)
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset"]
 
@@ -35,24 +36,58 @@ INFINITE_CARDINALITY = -1
 UNKNOWN = UNKNOWN_CARDINALITY = -2
 
 
+def _int(value, argument: str, what: str) -> int:
+    """An int argument; TypeError for any other type, as TF's conversion to an int64 tensor."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{argument}={value!r}: must be {what}, not {type(value).__name__}")
+    return int(value)
+
+
 def _positive_int(value, argument: str, allow=()) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
-            or (value <= 0 and value not in allow):
+    _int(value, argument, "a positive int")
+    if value <= 0 and value not in allow:
         extra = f" (or {', '.join(map(str, allow))})" if allow else ""
-        raise ValueError(f"{argument}={value!r}: must be a positive int{extra}")
+        raise ValueError(f"{argument}={value!r}: must be greater than zero (a positive int{extra})")
     return int(value)
 
 
 def _count(value, argument: str) -> int:
     """A ``take``/``skip``/``repeat`` count: an int; any negative one means "all" (-1), as in tf.data."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{argument}={value!r}: must be an int (>= 0, or -1 for all)")
-    return max(int(value), -1)
+    return max(_int(value, argument, "an int (>= 0, or -1 for all)"), -1)
 
 
 def _call(fn, element):
-    """tf.data passes a tuple element's components as separate arguments."""
-    return fn(*element) if isinstance(element, tuple) else fn(element)
+    """tf.data passes a tuple element's components as separate arguments (a namedtuple, dict or list is one
+    argument)."""
+    return fn(*element) if type(element) is tuple else fn(element)
+
+
+def _numpy_value(x):
+    """A leaf as as_numpy_iterator gives it: device arrays copied to the host, a scalar string as bytes."""
+    if device_util.on_gpu(x):
+        return device_util.to_host(x)
+    return bytes(x) if isinstance(x, np.bytes_) else x
+
+
+def _same_state(old, new, argument: str):
+    """``new`` (a function's new state) as a structure of arrays; its structure and dtypes must be ``old``'s."""
+    new = normalize_output(new, argument)
+    if not _same_structure(old, new) or any(np.result_type(a) != np.result_type(b)
+                                            for a, b in zip(flatten(old), flatten(new))):
+        raise TypeError(f"{argument} must keep the state's structure and dtypes (the new state must match the "
+                        f"initial state): the state was {spec_of(old)}, "
+                        f"{argument} returned {spec_of(new)}; cast the new state (e.g. np.int64(...))")
+    return new
+
+
+def _scalar_bool(keep) -> bool:
+    """A predicate's result: a Python or NumPy boolean scalar (tf.bool), nothing else."""
+    if isinstance(keep, np.ndarray) and keep.shape == () and keep.dtype == np.bool_:
+        keep = keep[()]
+    if not isinstance(keep, (bool, np.bool_)):
+        raise ValueError(f"predicate must return a scalar boolean, got {keep!r:.80} ({type(keep).__name__}); it "
+                         "must return a `tf.bool` scalar: compare, e.g. x > 0")
+    return bool(keep)
 
 
 def _parallelism_cap() -> int:
@@ -106,14 +141,18 @@ class Dataset:
         return self._inputs[0]
 
     def options(self) -> Options:
-        """The options of this pipeline: the last ``with_options`` upstream wins."""
-        if self._options is not None:
-            return self._options
+        """The options of this pipeline: every ``with_options`` upstream merged, a later one winning where both
+        set an option (tf.data's rule); the one ``with_options`` object itself when there is one."""
+        return merge_options(self._options_chain())
+
+    def _options_chain(self) -> list:
+        """The ``with_options`` objects of the pipeline, upstream (and the inputs in order) first."""
+        chain = []
         for d in self._inputs:
-            if d._options is not None or d._inputs:
-                return d.options()
-        self._options = Options()
-        return self._options
+            chain.extend(o for o in d._options_chain() if not any(o is c for c in chain))
+        if self._options is not None and not any(self._options is c for c in chain):
+            chain.append(self._options)
+        return chain
 
     @property
     def element_spec(self):
@@ -139,14 +178,19 @@ class Dataset:
 
     def as_numpy_iterator(self):
         """The elements, as NumPy values (device arrays are copied to the host)."""
+        for spec in flatten(self.element_spec):
+            if isinstance(spec, DatasetSpec):
+                raise TypeError("`Dataset.as_numpy_iterator()` is not supported for datasets that produce datasets "
+                                "(window); iterate it, or flat_map(lambda w: w.batch(size)) first")
         for element in self:
-            yield map_structure(lambda x: device_util.to_host(x) if device_util.on_gpu(x) else x, element)
+            yield map_structure(_numpy_value, element)
 
     def reduce(self, initial_state, reduce_func):
-        """``reduce_func(state, element)`` folded over every element, from ``initial_state``."""
-        state = initial_state
+        """``reduce_func(state, element)`` folded over every element, from ``initial_state``; the state keeps
+        its structure and dtypes (Python numbers in it convert as TF's: 0 is int32, 0.0 float32)."""
+        state = normalize_input(initial_state, "initial_state")
         for element in self:
-            state = reduce_func(state, element)
+            state = _same_state(state, reduce_func(state, element), "reduce_func")
         return state
 
     def _clone(self, inputs) -> "Dataset":
@@ -295,8 +339,8 @@ class Dataset:
         """Every ``num_shards``-th element, starting at ``index``."""
         num_shards = _positive_int(num_shards, "num_shards")
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < num_shards:
-            raise ValueError(f"index={index!r}: must be in [0, num_shards={num_shards}); pick the shard's "
-                             "position, e.g. the worker's task index")
+            raise ValueError(f"index={index!r}: Index must be between 0 and {num_shards - 1} "
+                             f"(num_shards={num_shards}); pick the shard's position, e.g. the worker's task index")
         return _Shard(self, num_shards, int(index))
 
     def concatenate(self, dataset, name=None) -> "Dataset":
@@ -312,7 +356,8 @@ class Dataset:
         if not isinstance(options, Options):
             raise TypeError(f"options={options!r}: expected md.data.Options()")
         clone = self._under(options)
-        clone._options = options
+        # Options set on this very dataset before are merged with these (a later one wins where both set one).
+        clone._options = options if self._options is None else merge_options([self._options, options])
         return clone
 
     def _under(self, options: Options) -> "Dataset":
@@ -325,12 +370,161 @@ class Dataset:
     def apply(self, transformation_func) -> "Dataset":
         return transformation_func(self)
 
+    def window(self, size, shift=None, stride=1, drop_remainder=False, name=None) -> "Dataset":
+        """Windows of ``size`` elements (every ``stride``-th), one starting every ``shift`` (default ``size``)
+        inputs; each window is the element's structure of datasets (``flat_map(lambda w: w.batch(size))``)."""
+        size = _positive_int(size, "size")
+        return _Window(self, size, size if shift is None else _positive_int(shift, "shift"),
+                       _positive_int(stride, "stride"), bool(drop_remainder))
+
+    def group_by_window(self, key_func, reduce_func, window_size=None, window_size_func=None,
+                        name=None) -> "Dataset":
+        """Elements grouped by ``key_func(element)`` (an int); each group's window of ``window_size`` elements
+        (or ``window_size_func(key)``) becomes the dataset ``reduce_func(key, window)``, whose elements are the
+        output. At the end of the input the unfinished windows follow, by increasing key."""
+        if (window_size is None) == (window_size_func is None):
+            raise ValueError("Either the `window_size` argument or the `window_size_func` argument must be "
+                             "specified (not both).")
+        if window_size is not None:
+            size = _positive_int(window_size, "window_size")
+            window_size_func = lambda key: size  # noqa: E731
+        return _GroupByWindow(self, key_func, reduce_func, window_size_func)
+
+    def bucket_by_sequence_length(self, element_length_func, bucket_boundaries, bucket_batch_sizes,
+                                  padded_shapes=None, padding_values=None, pad_to_bucket_boundary=False,
+                                  no_padding=False, drop_remainder=False, name=None) -> "Dataset":
+        """Elements batched with others of similar length: bucket ``i`` holds lengths in
+        ``[bucket_boundaries[i-1], bucket_boundaries[i])`` and is batched ``bucket_batch_sizes[i]`` at a time,
+        padded (``padded_batch``) to the longest in the batch, or to its boundary minus one with
+        ``pad_to_bucket_boundary``."""
+        boundaries = [_int(b, "bucket_boundaries", "a list of ints") for b in bucket_boundaries]
+        sizes = [_positive_int(b, "bucket_batch_sizes") for b in bucket_batch_sizes]
+        if len(sizes) != len(boundaries) + 1:
+            raise ValueError(f"len(bucket_batch_sizes) must equal len(bucket_boundaries) + 1, got {len(sizes)} and "
+                             f"{len(boundaries)}")
+        if any(b >= c for b, c in zip(boundaries, boundaries[1:])):
+            raise ValueError(f"bucket_boundaries={boundaries} must be increasing")
+        if not callable(element_length_func):
+            raise ValueError(f"element_length_func={element_length_func!r} is not callable")
+
+        def bucket(*element):
+            length = int(element_length_func(*element))
+            return sum(length >= b for b in boundaries)
+
+        def batch(bucket_id, window):
+            size = sizes[int(bucket_id)]
+            if no_padding:
+                return window.batch(size, drop_remainder=drop_remainder)
+            shapes = padded_shapes
+            if pad_to_bucket_boundary:
+                if int(bucket_id) == len(boundaries):
+                    raise ValueError("pad_to_bucket_boundary=True: an element's length is at least the last "
+                                     f"bucket boundary ({boundaries[-1] if boundaries else 0}); raise the last "
+                                     "boundary above the longest element")
+                spec = window.element_spec
+                shapes = map_structure(lambda s: [boundaries[int(bucket_id)] - 1 if d is None else d
+                                                  for d in s.shape], spec) if shapes is None else shapes
+            return window.padded_batch(size, shapes, padding_values, drop_remainder=drop_remainder)
+
+        def batched(s, shape):
+            return TensorSpec(None if s.shape is None else (None,) + tuple(shape), s.dtype)
+
+        # The spec of every bucket's batches (TF's): batch and padded dimensions unknown unless padded_shapes fixes
+        # them.
+        spec = self.element_spec
+        if no_padding or padded_shapes is None:
+            out = map_structure(lambda s: batched(s, s.shape or ()), spec)
+        else:
+            out = pack_sequence_as(spec, [batched(s, [None if d is None or d == -1 else int(d) for d in shape])
+                                          for s, shape in zip(flatten(spec), _flatten_shapes(spec, padded_shapes))])
+        return _GroupByWindow(self, bucket, batch, lambda bucket_id: sizes[int(bucket_id)], spec=out)
+
+    def take_while(self, predicate, name=None) -> "Dataset":
+        """The elements up to (not including) the first for which ``predicate(element)`` is False."""
+        return _TakeWhile(self, predicate)
+
+    def scan(self, initial_state, scan_func, name=None) -> "Dataset":
+        """``scan_func(state, element)`` returns ``(new_state, output)``: the outputs, the state carried along."""
+        return _Scan(self, initial_state, scan_func)
+
+    def unique(self, name=None) -> "Dataset":
+        """Each distinct element once, in order of first appearance (int32, int64 or string components)."""
+        return _Unique(self)
+
+    def rebatch(self, batch_size, drop_remainder=False, name=None) -> "Dataset":
+        """The rows of the batches regrouped into batches of ``batch_size`` (an int, or a list used in turn)."""
+        return _Rebatch(self, batch_size, bool(drop_remainder))
+
+    def ignore_errors(self, log_warning=False, name=None) -> "Dataset":
+        """The elements whose computation did not raise (those that did are dropped, logged if asked)."""
+        return _IgnoreErrors(self, bool(log_warning))
+
+    def get_single_element(self, name=None):
+        """The dataset's only element; ValueError if it has none or more than one."""
+        it = self._make_iterator()
+        try:
+            try:
+                element = it.next()
+            except StopIteration:
+                raise ValueError("Dataset was empty; get_single_element needs exactly one element") from None
+            try:
+                it.next()
+            except StopIteration:
+                return element
+            raise ValueError("Dataset had more than one element; take(1) or batch the dataset first")
+        finally:
+            it.close()
+
+    @staticmethod
+    def counter(start=0, step=1, dtype=np.int64, name=None) -> "Dataset":
+        """``start, start + step, ...`` forever, as ``dtype`` scalars."""
+        return _Counter(_int(start, "start", "an int"), _int(step, "step", "an int"), dtype)
+
+    @staticmethod
+    def random(seed=None, rerandomize_each_iteration=None, name=None) -> "Dataset":
+        """Endless pseudorandom int64 scalars in ``[0, 2**32)``; ``seed`` (or one drawn per dataset) fixes them
+        for every iteration unless ``rerandomize_each_iteration``. NumPy's PCG64, not TF's stream."""
+        return _Random(seed, bool(rerandomize_each_iteration))
+
+    @staticmethod
+    def choose_from_datasets(datasets, choice_dataset, stop_on_empty_dataset=True) -> "Dataset":
+        """The next element of ``datasets[i]`` for each ``i`` of ``choice_dataset`` (int64 scalars)."""
+        return _ChooseFromDatasets(datasets, choice_dataset, bool(stop_on_empty_dataset))
+
+    @staticmethod
+    def sample_from_datasets(datasets, weights=None, seed=None, stop_on_empty_dataset=False,
+                             rerandomize_each_iteration=None) -> "Dataset":
+        """Elements drawn from ``datasets`` at random, dataset ``i`` with probability ``weights[i]`` (uniform by
+        default); an exhausted dataset drops out unless ``stop_on_empty_dataset``."""
+        datasets = _datasets_argument(datasets)
+        if weights is not None:
+            weights = [float(w) for w in np.asarray(weights, np.float64).reshape(-1)]
+            if len(weights) != len(datasets):
+                raise ValueError(f"Invalid `weights`. `weights` should have the same length as `datasets` but got "
+                                 f"`len(weights)={len(weights)}` vs. `len(datasets)={len(datasets)}`.")
+            if any(w < 0 for w in weights) or not sum(weights) > 0:
+                raise ValueError(f"weights={weights}: must be >= 0 with a positive sum")
+            # As tf.data: datasets of weight 0 are never read, and a lone remaining dataset is returned as it is.
+            kept = [(d, w) for d, w in zip(datasets, weights) if w > 0]
+            if len(kept) == 1:
+                return kept[0][0]
+            datasets, weights = [d for d, _ in kept], [w for _, w in kept]
+        return _SampleFromDatasets(datasets, weights, seed, bool(stop_on_empty_dataset),
+                                   bool(rerandomize_each_iteration))
+
 
 # --- sources -------------------------------------------------------------------------------------------
+
+def _not_empty(tensors, method: str) -> None:
+    if tensors is None or (isinstance(tensors, (tuple, dict)) and not flatten(tensors)):
+        raise ValueError(f"{method}: Invalid `element`. `element` should not be empty (got {tensors!r}); pass an "
+                         "array, or a tuple/dict of them")
+
 
 class _TensorSlices(Dataset):
     def __init__(self, tensors):
         super().__init__()
+        _not_empty(tensors, "from_tensor_slices")
         self._structure = normalize_input(tensors, "from_tensor_slices(tensors)")
         self._leaves = flatten(self._structure)
         shapes = [tuple(leaf.shape) for leaf in self._leaves]
@@ -405,6 +599,7 @@ def make_numpy_dataset(numpy_input) -> NumpyDataset:
 class _Tensors(Dataset):
     def __init__(self, tensors):
         super().__init__()
+        _not_empty(tensors, "from_tensors")
         self._element = normalize_input(tensors, "from_tensors(tensors)")
 
     def _compute_spec(self):
@@ -435,11 +630,10 @@ class _ListIterator(_Iterator):
 class _Range(Dataset):
     def __init__(self, *args, output_type=np.int64):
         super().__init__()
-        if not 1 <= len(args) <= 3 or any(isinstance(a, bool) or not isinstance(a, (int, np.integer))
-                                          for a in args):
+        if not 1 <= len(args) <= 3:
             raise ValueError(f"range{args!r}: expected range(stop), range(start, stop) or range(start, stop, "
-                             "step) with ints")
-        self._range = range(*(int(a) for a in args))
+                             f"step); the length of `args` should be between 1 and 3 but was {len(args)}")
+        self._range = range(*(_int(a, "range argument", "an int") for a in args))
         if self._range.step == 0:
             raise ValueError("step=0: range's step must not be zero")
         self._dtype = np.dtype(output_type)
@@ -469,6 +663,9 @@ class _Generator(Dataset):
         if not callable(generator):
             raise TypeError(f"generator={generator!r} must be callable (a generator function); pass the function, "
                             "not the generator object, so every iteration starts afresh")
+        if output_signature is not None and (output_types is not None or output_shapes is not None):
+            raise TypeError("The `output_types` and `output_shapes` arguments can not be used together with the "
+                            "`output_signature` argument; pass only output_signature")
         if output_signature is None:
             if output_types is None:
                 raise TypeError("from_generator: pass output_signature (a structure of md.data.TensorSpec), "
@@ -477,7 +674,7 @@ class _Generator(Dataset):
             if shapes is None:
                 shapes = map_structure(lambda _: None, output_types)
             output_signature = pack_sequence_as(output_types, [
-                TensorSpec(() if s is None else s, t) if s is not None else _UnknownShape(t)
+                TensorSpec(s, t)  # no output_shapes: any rank
                 for t, s in zip(flatten(output_types), _flatten_shapes(output_types, shapes))])
         for spec in flatten(output_signature):
             if not isinstance(spec, TensorSpec):
@@ -490,17 +687,6 @@ class _Generator(Dataset):
 
     def _make_iterator(self, state=None):
         return _GeneratorIterator(self, 0 if state is None else state["count"])
-
-
-class _UnknownShape(TensorSpec):
-    """A spec of any rank (the deprecated ``output_types`` without ``output_shapes``)."""
-
-    def __init__(self, dtype):
-        super().__init__((), dtype)
-        self.shape = None
-
-    def __repr__(self):
-        return f"TensorSpec(shape=<unknown>, dtype={self.dtype.name}, name=None)"
 
 
 def _flatten_shapes(types, shapes):
@@ -531,7 +717,7 @@ def _conform(value, signature):
             if leaf.ndim == 0:
                 leaf = leaf[()]
         if signature.shape is not None and not signature.is_compatible_with(leaf):
-            raise ValueError(f"`generator` yielded an element of shape {tuple(np.shape(leaf))} where an element of "
+            raise TypeError(f"`generator` yielded an element of shape {tuple(np.shape(leaf))} where an element of "
                              f"shape {signature.shape} was expected")
         return leaf
     if isinstance(signature, dict):
@@ -539,7 +725,7 @@ def _conform(value, signature):
             raise TypeError(f"`generator` yielded {value!r:.100}, which does not match the structure of "
                             f"output_signature {signature!r}")
         return type(signature)((k, _conform(value[k], signature[k])) for k in signature)
-    if not isinstance(value, (tuple, list)) or len(value) != len(signature):
+    if not isinstance(value, tuple) or len(value) != len(signature):  # as tf.data: a list is not a tuple
         raise TypeError(f"`generator` yielded {value!r:.100}, which does not match the structure of "
                         f"output_signature {signature!r}")
     items = [_conform(v, s) for v, s in zip(value, signature)]
@@ -648,7 +834,8 @@ class _Batch(Dataset):
 
     def _compute_spec(self):
         first = self._batch_size if self._drop else None
-        return map_structure(lambda s: TensorSpec((first,) + s.shape, s.dtype), self._input.element_spec)
+        return map_structure(lambda s: TensorSpec(None if s.shape is None else (first,) + s.shape, s.dtype),
+                             self._input.element_spec)
 
     def cardinality(self):
         n = self._input.cardinality()
@@ -746,6 +933,11 @@ class _PaddedBatch(_Batch):
         if len(values) != len(leaves):
             raise ValueError(f"padding_values={self._padding_values!r} does not match the structure of the "
                              f"elements {spec!r}")
+        values = [to_leaf(v, "padding_values") for v in values]
+        for v, s in zip(values, leaves):
+            if TensorSpec((), v.dtype).dtype != s.dtype:  # tf.data converts as tf.constant: 0 is int32, 0.0 float32
+                raise TypeError(f"Invalid `padding_values`. `padding_values` values type {v.dtype} does not match type "
+                                f"{s.dtype} of the corresponding input component; pass e.g. np.{s.dtype}({v!r})")
         return values
 
     def _compute_spec(self):
@@ -813,8 +1005,18 @@ def _pad(column: list, component: int, target: list, value) -> list:
 
 
 class _Unbatch(Dataset):
+    def cardinality(self):
+        """Known when the input's batch dimension is (one size for every component), as in tf.data."""
+        n = self._input.cardinality()
+        rows = {s.shape[0] if s.shape else None for s in flatten(self._input.element_spec)}
+        if n < 0 or len(rows) != 1 or None in rows or 0 in rows:
+            return n if n == INFINITE_CARDINALITY else (0 if n == 0 else UNKNOWN)
+        return n * rows.pop()
+
     def _compute_spec(self):
         def row(s):
+            if s.shape is None:
+                return s
             if not s.shape:
                 raise ValueError("Cannot unbatch an input with scalar components; unbatch needs every component "
                                  "to have rank >= 1 (batch the dataset first)")
@@ -854,7 +1056,7 @@ class _Map(Dataset):
     def __init__(self, input_ds, fn, num_parallel_calls, deterministic):
         super().__init__(input_ds)
         if not callable(fn):
-            raise TypeError(f"map_func={fn!r} is not callable")
+            raise ValueError(f"map_func={fn!r} is not callable; pass a function of the element")
         if num_parallel_calls is not None:
             num_parallel_calls = _positive_int(num_parallel_calls, "num_parallel_calls", allow=(AUTOTUNE,))
         self._fn, self._parallel, self._deterministic = fn, num_parallel_calls, deterministic
@@ -967,7 +1169,7 @@ class _Interleave(Dataset):
     def __init__(self, input_ds, fn, cycle_length, block_length):
         super().__init__(input_ds)
         if not callable(fn):
-            raise TypeError(f"map_func={fn!r} is not callable")
+            raise ValueError(f"map_func={fn!r} is not callable; pass a function of the element")
         self._fn, self._cycle, self._block = fn, cycle_length, block_length
 
     def _inner(self, element) -> Dataset:
@@ -999,7 +1201,8 @@ class _InterleaveIterator(_Iterator):
             self._index, self._taken, self._input_done = state["index"], state["taken"], state["input_done"]
             for i, slot in enumerate(state["slots"]):
                 if slot is not None:
-                    self._slots[i] = (slot[0], ds._inner(slot[0])._make_iterator(slot[1]))
+                    element = _element_from_state(slot[0], ds._input.element_spec)
+                    self._slots[i] = (element, ds._inner(element)._make_iterator(slot[1]))
 
     def _open(self, i) -> bool:
         if self._input_done:
@@ -1038,7 +1241,7 @@ class _InterleaveIterator(_Iterator):
     def save(self):
         return {"input": self._inputs[0].save(), "index": self._index, "taken": self._taken,
                 "input_done": self._input_done,
-                "slots": [None if s is None else (s[0], s[1].save()) for s in self._slots]}
+                "slots": [None if s is None else (_element_state(s[0]), s[1].save()) for s in self._slots]}
 
     def close(self):
         for slot in self._slots:
@@ -1047,11 +1250,21 @@ class _InterleaveIterator(_Iterator):
         super().close()
 
 
+def _element_state(element) -> list:
+    """An input element of interleave/flat_map as checkpoint state: its leaves, a window's as its values."""
+    return [x._values if isinstance(x, _WindowComponent) else x for x in flatten(element)]
+
+
+def _element_from_state(leaves: list, spec):
+    return pack_sequence_as(spec, [_WindowComponent(list(v), s.element_spec) if isinstance(s, DatasetSpec) else v
+                                   for v, s in zip(leaves, flatten(spec))])
+
+
 class _Filter(Dataset):
     def __init__(self, input_ds, predicate):
         super().__init__(input_ds)
         if not callable(predicate):
-            raise TypeError(f"predicate={predicate!r} is not callable")
+            raise ValueError(f"predicate={predicate!r} is not callable; pass a function of the element")
         self._fn = self._predicate = predicate
 
     def _make_iterator(self, state=None):
@@ -1066,13 +1279,7 @@ class _FilterIterator(_MapIterator):
     def next(self):
         while True:
             element = self._inputs[0].next()
-            keep = _call(self._predicate, element)
-            if isinstance(keep, np.ndarray) and keep.shape == () and keep.dtype == np.bool_:
-                keep = keep[()]
-            if not isinstance(keep, (bool, np.bool_)):
-                raise TypeError(f"predicate must return a scalar boolean, got {keep!r:.80} "
-                                f"({type(keep).__name__})")
-            if keep:
+            if _scalar_bool(_call(self._predicate, element)):
                 return element
 
 
@@ -1147,6 +1354,8 @@ class _Repeat(Dataset):
 
     def cardinality(self):
         n = self._input.cardinality()
+        if self._times == 0:
+            return 0
         if self._times == -1:
             return 0 if n == 0 else INFINITE_CARDINALITY
         return n * self._times if n >= 0 else n
@@ -1229,6 +1438,8 @@ class _Skip(_Take):
 
 class _SkipIterator(_TakeIterator):
     def next(self):
+        if self._left == -1:  # tf.data's skip(-1) is empty without reading its input (which may be endless)
+            raise StopIteration
         while self._left != 0:
             self._inputs[0].next()
             if self._left > 0:
@@ -1445,6 +1656,16 @@ class _ShardIterator(_Iterator):
         return {"input": self._inputs[0].save()}
 
 
+def _same_structure(a, b) -> bool:
+    if isinstance(a, dict) or isinstance(b, dict):
+        return isinstance(a, dict) and isinstance(b, dict) and set(a) == set(b) and all(
+            _same_structure(a[k], b[k]) for k in a)
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and all(
+            _same_structure(x, y) for x, y in zip(a, b))
+    return True
+
+
 class _Concatenate(Dataset):
     def __init__(self, first, second):
         if not isinstance(second, Dataset):
@@ -1453,17 +1674,11 @@ class _Concatenate(Dataset):
 
     def _compute_spec(self):
         a, b = self._inputs[0].element_spec, self._inputs[1].element_spec
-        flat_a, flat_b = flatten(a), flatten(b)
-        try:
-            pack_sequence_as(a, flat_b)
-            ok = len(flat_a) == len(flat_b) and all(x.dtype == y.dtype and len(x.shape) == len(y.shape)
-                                                    for x, y in zip(flat_a, flat_b))
-        except (StopIteration, KeyError, TypeError):
-            ok = False
-        if not ok:
+        if not _same_structure(a, b) or any(x.dtype != y.dtype for x, y in zip(flatten(a), flatten(b))):
             raise TypeError(f"Incompatible dataset elements:\n  {a} vs.\n  {b}; concatenate needs the same "
-                            "structure, dtypes and ranks")
-        return pack_sequence_as(a, [x.most_specific_compatible(y) for x, y in zip(flat_a, flat_b)])
+                            "structure (tuple lengths, dict keys) and dtypes")
+        # Shapes may differ: dimensions that differ become None, and the whole shape where the ranks differ.
+        return pack_sequence_as(a, [x.most_specific_compatible(y) for x, y in zip(flatten(a), flatten(b))])
 
     def cardinality(self):
         a, b = (d.cardinality() for d in self._inputs)
@@ -1504,7 +1719,7 @@ class _Zip(Dataset):
             if not isinstance(d, Dataset):
                 raise TypeError(f"zip: every item must be an md.data.Dataset, got {type(d).__name__}")
         if not flat:
-            raise ValueError("zip: pass at least one dataset")
+            raise TypeError("Must pass at least one dataset to `zip`.")
         super().__init__(*flat)
         self._structure = datasets
 
@@ -1625,3 +1840,572 @@ class ListFilesDataset(Dataset):
 
     def _file_count(self):
         return len(self._files)
+
+
+# --- take_while, scan, unique, rebatch, ignore_errors, counter, choose/sample_from_datasets ---------------
+
+class _TakeWhile(_Filter):
+    def cardinality(self):
+        return UNKNOWN  # as tf.data, even for an endless input
+
+    def _make_iterator(self, state=None):
+        return _TakeWhileIterator(self, state)
+
+
+class _TakeWhileIterator(_MapIterator):
+    def __init__(self, ds, state):
+        super().__init__(ds, state)
+        self._predicate = ds._predicate
+        self._done = False if state is None else state["done"]
+
+    def next(self):
+        if self._done:
+            raise StopIteration
+        element = self._inputs[0].next()
+        if not _scalar_bool(_call(self._predicate, element)):
+            self._done = True
+            raise StopIteration
+        return element
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "done": self._done}
+
+
+def _scan_step(fn, state, element):
+    """``fn(state, element)``: the new state (same structure and dtypes) and the output."""
+    result = fn(state, element)
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise TypeError(f"Invalid `scan_func`. `scan_func` should return a pair consisting of new state and the "
+                        f"output value, got {result!r:.80}")
+    return _same_state(state, result[0], "scan_func"), normalize_output(result[1], "scan_func")
+
+
+class _Scan(Dataset):
+    def __init__(self, input_ds, initial_state, fn):
+        super().__init__(input_ds)
+        if not callable(fn):
+            raise ValueError(f"scan_func={fn!r} is not callable; pass a function of (state, element)")
+        self._initial, self._fn = normalize_input(initial_state, "initial_state"), fn
+
+    def _compute_spec(self):
+        first = self._input._peek()
+        if not first:
+            raise ValueError("element_spec of scan: the input is empty, so scan_func's output is unknown")
+        return spec_of(_scan_step(self._fn, self._initial, first[0])[1])
+
+    def cardinality(self):
+        return self._input.cardinality()
+
+    def _make_iterator(self, state=None):
+        return _ScanIterator(self, state)
+
+
+class _ScanIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._fn = ds._fn
+        self._state = ds._initial if state is None else state["state"]
+
+    def next(self):
+        self._state, output = _scan_step(self._fn, self._state, self._inputs[0].next())
+        return output
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "state": self._state}
+
+
+class _Unique(Dataset):
+    def __init__(self, input_ds):
+        super().__init__(input_ds)
+        leaves = flatten(input_ds.element_spec)
+        if len(leaves) != 1:
+            raise ValueError("unique only supports inputs with a single component (not a tuple or dict); map "
+                             "the element to one component first")
+        if leaves[0].dtype.kind != "S" and leaves[0].dtype not in (np.int32, np.int64):
+            raise TypeError(f"`Dataset.unique` does not support type {leaves[0].dtype} -- only int32, int64, and "
+                            "string are supported")
+
+    def _make_iterator(self, state=None):
+        return _UniqueIterator(self, state)
+
+
+class _UniqueIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._kept = [] if state is None else list(state["seen"])
+        self._seen = {self._key(x) for x in self._kept}
+
+    @staticmethod
+    def _key(x):
+        x = np.asarray(device_util.to_host(x) if device_util.on_gpu(x) else x)
+        return (x.shape, x.tobytes())
+
+    def next(self):
+        while True:
+            element = self._inputs[0].next()
+            key = self._key(element)
+            if key not in self._seen:
+                self._seen.add(key)
+                self._kept.append(element)
+                return element
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "seen": self._kept}
+
+
+def _batch_sizes(batch_size) -> list:
+    sizes = list(batch_size) if isinstance(batch_size, (list, tuple, np.ndarray)) else [batch_size]
+    if not sizes:
+        raise ValueError("batch_size=[]: pass a batch size, or a list of them")
+    return [_positive_int(b, "batch_size") for b in sizes]
+
+
+class _Rebatch(Dataset):
+    def __init__(self, input_ds, batch_size, drop_remainder):
+        super().__init__(input_ds)
+        self._sizes, self._drop = _batch_sizes(batch_size), drop_remainder
+        if any(s.shape is not None and not s.shape for s in flatten(input_ds.element_spec)):
+            raise ValueError("Invalid `batch_sizes`. Expected dataset with rank of >= 1 but found a dataset with "
+                             "scalar elements. Fix the issue by adding the `batch` transformation to the dataset.")
+
+    def _compute_spec(self):
+        # Every batch has the one size when the remainder is dropped, or when each input batch splits evenly.
+        inputs = {s.shape[0] if s.shape else None for s in flatten(self._input.element_spec)}
+        size = self._sizes[0] if len(set(self._sizes)) == 1 else None
+        even = len(inputs) == 1 and None not in inputs and size is not None and inputs.pop() % size == 0
+        first = size if self._drop or even else None
+        return map_structure(lambda s: TensorSpec(None if s.shape is None else (first,) + s.shape[1:], s.dtype),
+                             self._input.element_spec)
+
+    def cardinality(self):
+        return UNKNOWN  # as tf.data
+
+    def _make_iterator(self, state=None):
+        return _RebatchIterator(self, state)
+
+
+class _RebatchIterator(_Iterator):
+    """Rows taken from the input batches in order, ``sizes[k % len(sizes)]`` for the k-th batch."""
+
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._ds = ds
+        self._current, self._row, self._k = (None, 0, 0) if state is None else (state["current"], state["row"],
+                                                                                   state["k"])
+
+    def _rows_left(self) -> int:
+        return 0 if self._current is None else flatten(self._current)[0].shape[0] - self._row
+
+    def next(self):
+        size = self._ds._sizes[self._k % len(self._ds._sizes)]
+        parts, rows = [], 0
+        while rows < size:
+            if self._rows_left() == 0:
+                try:
+                    self._current, self._row = self._inputs[0].next(), 0
+                except StopIteration:
+                    self._current = None
+                    break
+                continue
+            take = min(size - rows, self._rows_left())
+            parts.append([leaf[self._row:self._row + take] for leaf in flatten(self._current)])
+            self._row, rows = self._row + take, rows + take
+        if not parts or (self._ds._drop and rows < size):
+            raise StopIteration
+        self._k += 1
+        leaves = [parts[0][c] if len(parts) == 1 else array_module(parts[0][c]).concatenate([p[c] for p in parts])
+                  for c in range(len(parts[0]))]
+        return pack_sequence_as(self._ds._input.element_spec, leaves)
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "current": self._current, "row": self._row, "k": self._k}
+
+
+class _IgnoreErrors(Dataset):
+    def __init__(self, input_ds, log_warning):
+        super().__init__(input_ds)
+        self._log = log_warning
+
+    def cardinality(self):
+        return UNKNOWN  # as tf.data: any element may be dropped
+
+    def _make_iterator(self, state=None):
+        return _IgnoreErrorsIterator(self, state)
+
+
+class _IgnoreErrorsIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._log = ds._log
+
+    def next(self):
+        while True:
+            try:
+                return self._inputs[0].next()
+            except StopIteration:
+                raise
+            except Exception as e:  # noqa: BLE001  (dropping failed elements is the point)
+                if self._log:
+                    logging.getLogger("mirrored.data").warning("ignore_errors dropped an element: %s: %s",
+                                                               type(e).__name__, e)
+
+    def save(self):
+        return {"input": self._inputs[0].save()}
+
+
+class _Counter(Dataset):
+    def __init__(self, start, step, dtype):
+        super().__init__()
+        self._start, self._step, self._dtype = start, step, np.dtype(dtype)
+
+    def _compute_spec(self):
+        return TensorSpec((), self._dtype)
+
+    def cardinality(self):
+        return INFINITE_CARDINALITY
+
+    def _make_iterator(self, state=None):
+        return _CounterIterator(self, 0 if state is None else state["i"])
+
+
+class _CounterIterator(_SliceIterator):
+    def next(self):
+        self._i += 1
+        return self._ds._dtype.type(self._ds._start + (self._i - 1) * self._ds._step)
+
+
+def _datasets_argument(datasets) -> list:
+    datasets = list(datasets)
+    if not datasets:
+        raise ValueError("Invalid `datasets`. `datasets` should not be empty.")
+    for d in datasets:
+        if not isinstance(d, Dataset):
+            raise TypeError(f"datasets: every item must be an md.data.Dataset, got {type(d).__name__}")
+    return datasets
+
+
+class _Selecting(Dataset):
+    """Elements of ``datasets`` (all of one structure and dtypes), one dataset picked per element."""
+
+    def __init__(self, datasets, extra_inputs, stop_on_empty):
+        datasets = _datasets_argument(datasets)
+        super().__init__(*datasets, *extra_inputs)
+        self._count, self._stop = len(datasets), stop_on_empty
+        self.element_spec  # noqa: B018  (incompatible datasets are refused here, as tf.data does)
+
+    def _compute_spec(self):
+        specs = [d.element_spec for d in self._inputs[:self._count]]
+        spec = specs[0]
+        for i, other in enumerate(specs[1:], 1):
+            if not _same_structure(spec, other) or any(a.dtype != b.dtype for a, b in zip(flatten(spec),
+                                                                                         flatten(other))):
+                raise TypeError(f"Invalid `datasets`. `datasets` must have compatible element specs.\n Dataset 0 "
+                                f"element_spec={specs[0]}.\nDataset {i} element_spec={other}.")
+            spec = pack_sequence_as(spec, [a.most_specific_compatible(b) for a, b in zip(flatten(spec),
+                                                                                         flatten(other))])
+        return spec
+
+
+class _SelectingIterator(_Iterator):
+    """The inputs' iterators and which are exhausted; ``_choose()`` gives the next index (StopIteration: done)."""
+
+    def __init__(self, ds, state):
+        states = [None] * ds._count if state is None else state["inputs"]
+        super().__init__(*(d._make_iterator(s) for d, s in zip(ds._inputs[:ds._count], states)))
+        self._ds = ds
+        self._empty = [False] * ds._count if state is None else list(state["empty"])
+
+    def next(self):
+        while True:
+            i = self._choose()
+            if not self._empty[i]:
+                try:
+                    return self._inputs[i].next()
+                except StopIteration:
+                    self._empty[i] = True
+            if self._ds._stop or all(self._empty):
+                raise StopIteration
+
+    def save(self):
+        return {"inputs": [it.save() for it in self._inputs[:self._ds._count]], "empty": self._empty}
+
+
+class _ChooseFromDatasets(_Selecting):
+    def __init__(self, datasets, choice_dataset, stop_on_empty):
+        if not isinstance(choice_dataset, Dataset):
+            raise TypeError(f"choice_dataset={choice_dataset!r}: expected an md.data.Dataset of int64 scalars")
+        if choice_dataset.element_spec != TensorSpec((), np.int64):
+            raise TypeError("Invalid `choice_dataset`. Elements of `choice_dataset` must be scalar int64 tensors "
+                            f"but are {choice_dataset.element_spec}")
+        super().__init__(datasets, [choice_dataset], stop_on_empty)
+
+    def cardinality(self):
+        return UNKNOWN
+
+    def _make_iterator(self, state=None):
+        return _ChooseIterator(self, state)
+
+
+class _ChooseIterator(_SelectingIterator):
+    def __init__(self, ds, state):
+        super().__init__(ds, state)
+        self._inputs.append(ds._inputs[-1]._make_iterator(None if state is None else state["choice"]))
+
+    def _choose(self):
+        i = int(self._inputs[-1].next())
+        if not 0 <= i < self._ds._count:
+            raise ValueError(f"Selector index out of range: {i} >= {self._ds._count}; choice_dataset's values "
+                             f"must be in [0, {self._ds._count})")
+        return i
+
+    def save(self):
+        return {**super().save(), "choice": self._inputs[-1].save()}
+
+
+class _SampleFromDatasets(_Selecting):
+    def __init__(self, datasets, weights, seed, stop_on_empty, rerandomize):
+        super().__init__(datasets, [], stop_on_empty)
+        self._weights = np.full(self._count, 1.0) if weights is None else np.asarray(weights, np.float64)
+        self._reshuffle = rerandomize or seed is None
+        self._seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        self._epochs = 0
+
+    def cardinality(self):
+        endless = [d.cardinality() == INFINITE_CARDINALITY for d in self._inputs]
+        return INFINITE_CARDINALITY if (all(endless) if self._stop else any(endless)) else UNKNOWN
+
+    def _make_iterator(self, state=None):
+        return _SampleIterator(self, state)
+
+
+class _SampleIterator(_SelectingIterator):
+    def __init__(self, ds, state):
+        super().__init__(ds, state)
+        if state is None:
+            epoch = ds._epochs if ds._reshuffle else 0
+            ds._epochs += 1
+            self._rng = np.random.Generator(np.random.PCG64([ds._seed, epoch]))
+        else:
+            self._rng = np.random.Generator(np.random.PCG64())
+            self._rng.bit_generator.state = state["rng"]
+
+    def _choose(self):
+        # tf.data skips a draw that lands on an exhausted dataset; drawing among the others gives the same
+        # distribution without spinning.
+        weights = np.where(self._empty, 0.0, self._ds._weights)
+        return int(self._rng.choice(len(weights), p=weights / weights.sum()))
+
+    def save(self):
+        return {**super().save(), "rng": self._rng.bit_generator.state}
+
+
+class _Window(Dataset):
+    def __init__(self, input_ds, size, shift, stride, drop_remainder):
+        super().__init__(input_ds)
+        self._size, self._shift, self._stride, self._drop = size, shift, stride, drop_remainder
+
+    def _compute_spec(self):
+        return map_structure(DatasetSpec, self._input.element_spec)
+
+    def cardinality(self):
+        n = self._input.cardinality()
+        if n < 0:
+            return n
+        if self._drop:
+            return max(0, (n - (self._size - 1) * self._stride - 1) // self._shift + 1)
+        return math.ceil(n / self._shift)
+
+    def _make_iterator(self, state=None):
+        return _WindowIterator(self, state)
+
+
+class _WindowIterator(_Iterator):
+    """Window k holds inputs ``k*shift + j*stride`` (j < size); ``buffer`` starts at input ``k*shift``."""
+
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._ds = ds
+        self._buffer = [] if state is None else list(state["buffer"])
+        self._skip, self._done = (0, False) if state is None else (state["skip"], state["done"])
+
+    def _read(self) -> bool:
+        try:
+            element = self._inputs[0].next()
+        except StopIteration:
+            self._done = True
+            return False
+        if self._skip:
+            self._skip -= 1
+        else:
+            self._buffer.append(element)
+        return True
+
+    def next(self):
+        ds = self._ds
+        span = (ds._size - 1) * ds._stride + 1
+        while not self._done and (self._skip or len(self._buffer) < span):
+            self._read()
+        window = self._buffer[:span:ds._stride]
+        if not window or (ds._drop and len(window) < ds._size):
+            raise StopIteration
+        self._skip = max(0, ds._shift - len(self._buffer))
+        del self._buffer[:ds._shift]
+        spec = ds._input.element_spec
+        columns = zip(*(flatten(e) for e in window))
+        return pack_sequence_as(spec, [_WindowComponent(list(column), s)
+                                       for column, s in zip(columns, flatten(spec))])
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "buffer": self._buffer, "skip": self._skip, "done": self._done}
+
+
+class _WindowComponent(Dataset):
+    """One component of a window: a dataset of the window's values of it."""
+
+    def __init__(self, values, spec):
+        super().__init__()
+        self._values, self._component_spec = values, spec
+
+    def _compute_spec(self):
+        return self._component_spec
+
+    def cardinality(self):
+        return len(self._values)
+
+    def _make_iterator(self, state=None):
+        return _ListIterator(self._values, 0 if state is None else state["i"])
+
+
+class _GroupByWindow(Dataset):
+    def __init__(self, input_ds, key_func, reduce_func, window_size_func, spec=None):
+        super().__init__(input_ds)
+        self._given_spec = spec  # bucket_by_sequence_length's, which no single bucket shows
+        for argument, fn in (("key_func", key_func), ("reduce_func", reduce_func),
+                             ("window_size_func", window_size_func)):
+            if not callable(fn):
+                raise ValueError(f"{argument}={fn!r} is not callable")
+        self._key_func, self._reduce_func, self._size_func = key_func, reduce_func, window_size_func
+
+    def cardinality(self):
+        n = self._input.cardinality()
+        return INFINITE_CARDINALITY if n == INFINITE_CARDINALITY else UNKNOWN
+
+    def _key(self, element) -> int:
+        key = _call(self._key_func, element)
+        if isinstance(key, np.ndarray) and key.shape == ():
+            key = key[()]
+        if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)):
+            raise ValueError(f"key_func must return a scalar int (a `tf.int64` key), got {key!r:.80}")
+        return int(key)
+
+    def _window_size(self, key: int) -> int:
+        size = self._size_func(np.int64(key))
+        if isinstance(size, np.ndarray) and size.shape == ():
+            size = size[()]
+        if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or size <= 0:
+            raise ValueError(f"Window size must be greater than zero, but got {size!r} (window_size_func({key}))")
+        return int(size)
+
+    def _reduced(self, key: int, window: list) -> Dataset:
+        out = self._reduce_func(np.int64(key), _WindowComponent(window, self._input.element_spec))
+        if not isinstance(out, Dataset):
+            raise TypeError(f"Invalid `reduce_func`. `reduce_func` must return a single `tf.data.Dataset` object, "
+                            f"got {type(out).__name__}")
+        return out
+
+    def _compute_spec(self):
+        if self._given_spec is not None:
+            return self._given_spec
+        first = self._input._peek()
+        if not first:
+            raise ValueError("element_spec of group_by_window: the input is empty, so reduce_func's datasets are "
+                             "unknown")
+        return self._reduced(self._key(first[0]), first).element_spec
+
+    def _make_iterator(self, state=None):
+        return _GroupByWindowIterator(self, state)
+
+
+class _GroupByWindowIterator(_Iterator):
+    """``groups``: key -> its window so far; ``current``: the (key, window) being read out, with its iterator."""
+
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._ds = ds
+        self._groups = {} if state is None else {int(k): list(v) for k, v in state["groups"]}
+        self._input_done = False if state is None else state["input_done"]
+        self._current = None
+        if state is not None and state["current"] is not None:
+            key, window, inner = state["current"]
+            self._current = (key, window, ds._reduced(key, window)._make_iterator(inner))
+
+    def _next_window(self):
+        """The next full window from the input, or at its end the unfinished ones by increasing key."""
+        while not self._input_done:
+            try:
+                element = self._inputs[0].next()
+            except StopIteration:
+                self._input_done = True
+                break
+            key = self._ds._key(element)
+            group = self._groups.setdefault(key, [])
+            group.append(element)
+            if len(group) >= self._ds._window_size(key):
+                return key, self._groups.pop(key)
+        if not self._groups:
+            raise StopIteration
+        key = min(self._groups)
+        return key, self._groups.pop(key)
+
+    def next(self):
+        while True:
+            if self._current is None:
+                key, window = self._next_window()
+                self._current = (key, window, self._ds._reduced(key, window)._make_iterator())
+            try:
+                return self._current[2].next()
+            except StopIteration:
+                self._current[2].close()
+                self._current = None
+
+    def save(self):
+        current = None if self._current is None else (self._current[0], self._current[1], self._current[2].save())
+        return {"input": self._inputs[0].save(), "groups": [[k, v] for k, v in self._groups.items()],
+                "input_done": self._input_done, "current": current}
+
+    def close(self):
+        if self._current is not None:
+            self._current[2].close()
+        super().close()
+
+
+class _Random(Dataset):
+    def __init__(self, seed, rerandomize):
+        super().__init__()
+        self._seed = _int(seed, "seed", "an int or None") if seed is not None else \
+            int(np.random.SeedSequence().entropy % 2**63)
+        self._reshuffle, self._epochs = rerandomize, 0
+
+    def _compute_spec(self):
+        return TensorSpec((), np.int64)
+
+    def cardinality(self):
+        return INFINITE_CARDINALITY
+
+    def _make_iterator(self, state=None):
+        return _RandomIterator(self, state)
+
+
+class _RandomIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__()
+        self._rng = np.random.Generator(np.random.PCG64([ds._seed, ds._epochs if ds._reshuffle else 0]))
+        ds._epochs += 1
+        if state is not None:
+            self._rng.bit_generator.state = state["rng"]
+
+    def next(self):
+        return np.int64(self._rng.integers(0, 2**32))
+
+    def save(self):
+        return {"rng": self._rng.bit_generator.state}

@@ -20,6 +20,7 @@ class DistributeOptions:
 
     def __init__(self):
         self._auto_shard_policy = AutoShardPolicy.AUTO
+        self._policy_set = False  # set explicitly: it wins when options are merged
         self.num_devices = None
 
     @property
@@ -35,6 +36,7 @@ class DistributeOptions:
                 raise TypeError(value)
             else:
                 self._auto_shard_policy = AutoShardPolicy(value)
+            self._policy_set = True
         except (KeyError, ValueError, TypeError):
             raise ValueError(f"auto_shard_policy={value!r}: expected md.data.experimental.AutoShardPolicy "
                              f"({', '.join(p.name for p in AutoShardPolicy)})") from None
@@ -57,6 +59,21 @@ class Options:
 
     def __repr__(self) -> str:
         return f"Options(experimental_distribute={self.experimental_distribute!r}, deterministic={self.deterministic})"
+
+
+def merge_options(options: list) -> Options:
+    """tf.data's merge of the options of a pipeline (upstream first): what a later one sets wins."""
+    if len(options) == 1:
+        return options[0]
+    merged = Options()  # (none: the defaults)
+    for o in options:
+        if o.deterministic is not None:
+            merged.deterministic = o.deterministic
+        if o.experimental_distribute._policy_set:
+            merged.experimental_distribute.auto_shard_policy = o.experimental_distribute.auto_shard_policy
+        if o.experimental_distribute.num_devices is not None:
+            merged.experimental_distribute.num_devices = o.experimental_distribute.num_devices
+    return merged
 
 
 def policy_of(dataset) -> AutoShardPolicy:

@@ -14,17 +14,18 @@ from collections import abc
 
 import numpy as np
 
-from .._nest import map_structure
+from .._nest import flatten, map_structure
 from ..device import device_util
 
 
 class TensorSpec:
-    """Shape (``None`` for a dimension that varies) and dtype of one element leaf (``tf.TensorSpec``)."""
+    """Shape (``None`` for a dimension that varies, or for the whole shape when even the rank is unknown) and
+    dtype of one element leaf (``tf.TensorSpec``)."""
 
     def __init__(self, shape, dtype, name=None):
-        self.shape = tuple(shape)
+        self.shape = None if shape is None else tuple(None if d is None else int(d) for d in shape)
         self.dtype = np.dtype(dtype)
-        if self.dtype.kind == "S":
+        if self.dtype.kind in "SU":
             self.dtype = np.dtype("S")  # a string tensor: bytes of any length (tf.string)
         self.name = name
 
@@ -40,16 +41,40 @@ class TensorSpec:
             other_shape, other_dtype = other.shape, other.dtype
         else:
             other_shape, other_dtype = tuple(np.shape(other)), TensorSpec((), other.dtype).dtype
-        return (self.dtype == other_dtype and len(self.shape) == len(other_shape)
-                and all(a is None or b is None or a == b for a, b in zip(self.shape, other_shape)))
+        if self.dtype != other_dtype:
+            return False
+        if self.shape is None or other_shape is None:
+            return True
+        return len(self.shape) == len(other_shape) and all(a is None or b is None or a == b
+                                                           for a, b in zip(self.shape, other_shape))
 
     def most_specific_compatible(self, other: "TensorSpec") -> "TensorSpec":
-        """The spec both fit: dimensions that differ become ``None`` (rank and dtype must agree)."""
+        """The spec both fit: dimensions that differ become ``None``, and the shape when the ranks differ
+        (the dtypes must agree)."""
+        if self.shape is None or other.shape is None or len(self.shape) != len(other.shape):
+            return TensorSpec(None, self.dtype)
         return TensorSpec([a if a == b else None for a, b in zip(self.shape, other.shape)], self.dtype)
 
     def __repr__(self) -> str:
         dtype = "string" if self.dtype.kind == "S" else self.dtype.name
-        return f"TensorSpec(shape={self.shape}, dtype={dtype}, name={self.name!r})"
+        shape = "<unknown>" if self.shape is None else self.shape
+        return f"TensorSpec(shape={shape}, dtype={dtype}, name={self.name!r})"
+
+
+class DatasetSpec:
+    """The spec of a component that is itself a dataset (``window``'s elements): its ``element_spec``."""
+
+    def __init__(self, element_spec):
+        self.element_spec = element_spec
+
+    def __eq__(self, other):
+        return isinstance(other, DatasetSpec) and self.element_spec == other.element_spec
+
+    def __hash__(self):
+        return hash(repr(self.element_spec))
+
+    def __repr__(self) -> str:
+        return f"DatasetSpec({self.element_spec!r}, TensorShape([]))"
 
 
 def _is_gpu_array(x) -> bool:
@@ -65,6 +90,8 @@ def array_module(x):
 
 def to_leaf(value, argument: str):
     """One leaf as an array (NumPy, or a device array kept where it is), TF's conversion rules."""
+    if isinstance(value, (np.str_, np.ndarray)) and np.asarray(value).dtype.kind == "U":
+        return _unicode_to_bytes(value)  # tf.string holds bytes (UTF-8)
     if isinstance(value, (np.ndarray, np.generic)) or _is_gpu_array(value):
         return value
     if isinstance(value, str):
@@ -75,12 +102,35 @@ def to_leaf(value, argument: str):
             or hasattr(value, "__array__") or hasattr(value, "__dlpack__"):
         if isinstance(value, list) and _all_strings(value):
             return np.array([_as_bytes(v) for v in _flat_strings(value)]).reshape(np.shape(value))
+        if isinstance(value, list) and any(isinstance(v, (np.ndarray, np.generic)) for v in _flat_strings(value)):
+            return np.asarray(value)  # a list of arrays keeps their dtype (tf.stack), Python numbers convert as TF
+        if isinstance(value, list) and _ragged(value):
+            raise ValueError(f"{argument}: Can't convert non-rectangular Python sequence to Tensor ({value!r:.80}); "
+                             "give every row the same length, or pad them")
         try:
-            return device_util.to_host(value)
+            leaf = device_util.to_host(value)
         except (TypeError, ValueError) as e:
             raise TypeError(f"{argument}: {e}") from None
+        # A Python number is a NumPy scalar (as tf.data's elements are in as_numpy_iterator), not a 0-d array.
+        return leaf[()] if isinstance(leaf, np.ndarray) and leaf.ndim == 0 else leaf
     raise TypeError(f"{argument}: a value of type {type(value).__name__} ({value!r:.80}) is not a tensor; use "
                     "NumPy/CuPy arrays, Python numbers, strings or bytes, nested in tuples or dicts")
+
+
+def _unicode_to_bytes(value):
+    arr = np.asarray(value)
+    out = np.array([s.encode("utf-8") for s in arr.reshape(-1).tolist()], dtype=np.bytes_).reshape(arr.shape)
+    return out[()] if isinstance(value, np.generic) else out
+
+
+def _ragged(value) -> bool:
+    """A nested list whose rows differ in length (or in nesting)."""
+    rows = [v for v in value if isinstance(v, (list, tuple))]
+    if not rows:
+        return False
+    if len(rows) != len(value) or len({len(r) for r in rows}) != 1:
+        return True
+    return any(_ragged(list(r)) for r in rows)
 
 
 def _all_strings(value) -> bool:
@@ -115,10 +165,13 @@ def normalize_output(value, argument: str):
     """A ``map``/generator result: lists are tuples (tf.data's rule for function results)."""
     if value is None:
         raise TypeError(f"{argument} returned None; return an array, a number, or a tuple/dict of them")
-    if isinstance(value, list):
+    if isinstance(value, list):  # only at the top: a list inside a tuple or dict is one tensor (stacked)
         value = tuple(value)
+    if isinstance(value, (abc.Mapping, tuple)) and not flatten(value):
+        raise ValueError(f"{argument} returned an empty structure ({value!r}); return at least one array or number")
     if isinstance(value, (abc.Mapping, tuple)):
-        return map_container(lambda v: normalize_output(v, argument), value)
+        return map_container(lambda v: normalize_input(v, argument) if isinstance(v, list)
+                             else normalize_output(v, argument), value)
     return to_leaf(value, argument)
 
 
