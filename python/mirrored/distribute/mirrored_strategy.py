@@ -27,7 +27,7 @@ from ..device import config, device_util, gpu as _gpu
 from ..device.device_util import _current as _device_local
 from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, _ReplicaAllReduce, describe
 from .context import _Context, _local, _new_tuple
-from .distribute_lib import _Aborted, _Group, ReplicaContext, Strategy, StrategyExtended
+from .distribute_lib import _Group, ReplicaContext, Strategy, StrategyExtended
 from .name_scope import _state as _scope_local
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
