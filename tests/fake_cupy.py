@@ -34,6 +34,7 @@ when the kernel runs). dtypes are CuPy's (no bfloat16).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import operator
@@ -75,24 +76,15 @@ def _device_id() -> int:
     return sim.current_device()
 
 
-def _saved(context) -> list:
-    """What ``context``'s ``__enter__`` replaced on this thread, for its ``__exit__`` to put back. Per
-    thread, as CuPy's stream and device stacks are: replica threads enter the same object at once
-    (``Stream.null`` in every cross-replica update), and one stack shared between them handed a thread
-    another thread's stream on exit."""
-    stacks = getattr(_tls, "saved", None)
-    if stacks is None:
-        stacks = _tls.saved = {}
-    return stacks.setdefault(id(context), [])
-
-
-def _restore(context):
-    """The value ``context``'s matching ``__enter__`` saved on this thread (its stack dropped once empty)."""
-    stack = _tls.saved[id(context)]
-    value = stack.pop()
-    if not stack:
-        del _tls.saved[id(context)]
-    return value
+def _device_stack() -> list:
+    """This thread's ``with Device`` stack, as CuPy's (cupy/cuda/device.pyx ``_ThreadLocal.push/pop``): one
+    per thread, shared by every Device object. An enter pushes the device current then, an exit pops the
+    latest entry, whichever Device exits: ``with`` blocks interleaved on one thread (greenlets) unwind
+    each other's devices, as on CuPy."""
+    stack = getattr(_tls, "devices", None)
+    if stack is None:
+        stack = _tls.devices = []
+    return stack
 
 
 class Device:
@@ -100,15 +92,18 @@ class Device:
         self.id = _device_id() if device is None else int(getattr(device, "id", device))
 
     def __enter__(self):
-        _saved(self).append(_device_id())
-        self.use()
+        current = _device_id()
+        _device_stack().append(current)
+        if self.id != current:
+            self.use()
         return self
 
     def __exit__(self, *exc):
-        sim.set_current_device(_restore(self))
+        sim.set_current_device(_device_stack().pop())
 
     def use(self):
         sim.set_current_device(self.id)  # (validates the ordinal)
+        return self
 
     def synchronize(self):
         sim.drain()
@@ -230,8 +225,16 @@ class Stream:
 Stream.null = Stream(null=True)
 
 
-def get_current_stream(device_id=None) -> Stream:
-    return _streams().get(_device_id() if device_id is None else int(device_id), Stream.null)
+_machine = {"devices": 0}  # GPUs of the simulated machine (configure())
+
+
+def get_current_stream(device_id=-1) -> Stream:
+    """This thread's current stream of GPU ``device_id`` (-1: the current GPU), as CuPy's: IndexError for
+    an ordinal the machine lacks."""
+    device = _device_id() if device_id == -1 else int(device_id)
+    if not 0 <= device < _machine["devices"]:  # (CuPy's per-device list, sized once: no runtime call)
+        raise IndexError("list index out of range")
+    return _streams().get(device, Stream.null)
 
 
 class Graph:
@@ -257,14 +260,17 @@ def _destroy_graph(exec_ptr):
 
 
 class Event:
+    """An event of the GPU current at its creation (CUDA's rule; CuPy's Event keeps no device)."""
+
     def __init__(self, block=False, disable_timing=False, interprocess=False):
-        self.device_id = _device_id()
-        self.ptr = sim.event_create(self.device_id)
+        self.ptr = sim.event_create(_device_id())
         weakref.finalize(self, sim.event_destroy, self.ptr)
 
     def record(self, stream=None):
-        stream = stream or get_current_stream(self.device_id)
-        sim.event_record(self.ptr, stream.ptr, self.device_id)
+        """As CuPy's: on ``stream``, by default the current GPU's current stream; ``Stream.null`` is the
+        current GPU's legacy stream, so an event of another GPU is refused there, as CUDA refuses it."""
+        stream = get_current_stream() if stream is None else stream
+        sim.event_record(self.ptr, stream.ptr, _device_id())
 
     def synchronize(self):
         sim.synchronize_event(self.ptr)
@@ -381,22 +387,17 @@ def alloc(size: int):
     return allocator(size) if allocator is not None else MemoryPointer(Memory(size), 0)
 
 
-class using_allocator:
-    """``cupy.cuda.using_allocator(allocator)``: this thread's allocations come from ``allocator(size)``."""
-
-    def __init__(self, allocator=None):
-        self._allocator = allocator
-
-    def __enter__(self):
-        _saved(self).append(_current_allocator())
-        _tls.allocator = self._allocator
-
-    def __exit__(self, *exc):
-        _tls.allocator = _restore(self)
-
-    @property
-    def device(self):
-        return Device(self.device_id)
+@contextlib.contextmanager
+def using_allocator(allocator=None):
+    """``cupy.cuda.using_allocator(allocator)``: this thread's allocations come from ``allocator(size)`` (None:
+    unpooled memory). A generator context, as CuPy's (cupy/cuda/__init__.py): each object is entered once, and
+    its exit puts back the allocator current at its enter."""
+    previous = _current_allocator()
+    _tls.allocator = allocator
+    try:
+        yield
+    finally:
+        _tls.allocator = previous
 
 
 class UnownedMemory:
@@ -424,9 +425,13 @@ class MemoryPointer:
         return MemoryPointer(self.mem, self.ptr - self.mem.ptr + int(offset))
 
     def copy_from_device_async(self, src, size, stream=None):
-        """A device-to-device copy (cudaMemcpyAsync, not a kernel) queued on the stream."""
-        stream = stream or get_current_stream(self.device_id)
-        sim.memcpy(stream.ptr, self.device_id, self.ptr, int(src), int(size))
+        """A device-to-device copy (cudaMemcpyAsync, not a kernel) queued on the stream (by default the
+        current GPU's current stream, as CuPy's). ``src``: a MemoryPointer, as CuPy's typed argument."""
+        if not isinstance(src, MemoryPointer):
+            raise TypeError(f"Argument 'src' has incorrect type (expected cupy.cuda.memory.MemoryPointer, got "
+                            f"{type(src).__name__})")
+        stream = get_current_stream() if stream is None else stream
+        sim.memcpy(stream.ptr, self.device_id, self.ptr, src.ptr, int(size))
 
     def copy_from_host_async(self, mem, size, stream=None):
         """A host-to-device copy queued on the stream; the host bytes at ``mem`` are taken now (pageable).
@@ -523,6 +528,7 @@ def configure(devices: int, peers, seed: int):
     """The simulated machine: ``devices`` GPUs, peer access for the (a, b) pairs in peers, and a drain seed."""
     sim.drain()
     sim.reset(devices, list(peers), seed)
+    _machine["devices"] = devices
     _peers.clear()
     _peers.update(peers)
 
@@ -766,8 +772,18 @@ class ndarray:
         return asnumpy(self, stream=stream, out=out)
 
     def set(self, arr, stream=None):
-        with stream or get_current_stream(self.data.device_id):
-            _upload(np.asarray(arr), self)
+        """As CuPy's: a NumPy array of this dtype and shape only, copied with this array's GPU current, on
+        ``stream`` (by default that GPU's current stream)."""
+        if not isinstance(arr, np.ndarray):
+            raise TypeError("Only numpy.ndarray can be set to cupy.ndarray")
+        if self.dtype != arr.dtype:
+            raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
+        if self.shape != arr.shape:
+            raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
+        if not (self.flags.c_contiguous or self.flags.f_contiguous):
+            raise RuntimeError("Cannot set to non-contiguous array")
+        with Device(self.data.device_id), get_current_stream() if stream is None else stream:
+            _upload(arr, self)
 
     def item(self):
         return self.get().item()
@@ -1073,7 +1089,7 @@ class _Cuda:
     Memory = Memory
     MemoryPool = MemoryPool
     UnownedMemory = UnownedMemory
-    using_allocator = using_allocator
+    using_allocator = staticmethod(using_allocator)
     runtime = _Runtime()
     get_current_stream = staticmethod(get_current_stream)
     alloc_pinned_memory = staticmethod(alloc_pinned_memory)

@@ -294,3 +294,66 @@ def test_gpu_replicas_that_wait_go_to_their_threads(logical):
         if len(seen[-1]) > 1:
             break
     assert len(seen[-1]) > 1, seen
+
+
+def _collectives_inside(context_of):
+    """Runs ``n`` replicas that each make two all-reduces inside ``context_of(i)`` (two hand-offs: the
+    replicas interleave inside the block); returns each replica's (CUDA device, current stream) after it."""
+    def step():
+        ctx = md.get_replica_context()
+        i = ctx.replica_id_in_sync_group
+        x = cupy.full(2, i + 1.0, cupy.float32)
+        with context_of(i):
+            for _ in range(2):
+                x = ctx.all_reduce("sum", x)
+        seen[i] = _cuda_state()
+        return x
+
+    seen = {}
+    return step, seen
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(mirrored_strategy._greenlet is None, reason="replicas share the thread only with greenlet")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="known: CuPy's `with Device` stack is one per thread (cupy/cuda/device.pyx), and a block "
+                   "spanning hand-offs unwinds to another replica's GPU (docs/architecture.md)")
+def test_a_device_block_spanning_hand_offs_unwinds_to_the_replicas_own_gpu():
+    s = md.MirroredStrategy(["/gpu:0", "/gpu:1"])
+    step, seen = _collectives_inside(cupy.cuda.Device)
+    s.run(step)
+    assert {i: seen[i][0] for i in seen} == {0: 0, 1: 1}
+
+
+@pytest.mark.skipif(mirrored_strategy._greenlet is None, reason="replicas share the thread only with greenlet")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="known: a `with stream` block spanning hand-offs unwinds to another replica's stream "
+                   "(docs/architecture.md: use stream.use() there)")
+def test_a_stream_block_spanning_hand_offs_unwinds_to_the_replicas_own_stream(logical):
+    n = logical.num_replicas_in_sync
+    mine = [cupy.cuda.Stream() for _ in range(n)]
+    step, seen = _collectives_inside(lambda i: mine[i])
+    logical.run(step)
+    assert seen == {i: (0, _gpu.replica_stream(i, 0).ptr) for i in range(n)}
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+def test_a_device_a_replica_makes_current_with_use_stays_across_hand_offs():
+    # (The way round the known failure above: hand-offs carry each replica's current device.)
+    s = md.MirroredStrategy(["/gpu:0", "/gpu:1"])
+    seen = {}
+
+    def step():
+        ctx = md.get_replica_context()
+        i = ctx.replica_id_in_sync_group
+        x = cupy.full(2, i + 1.0, cupy.float32)
+        cupy.cuda.Device(1 - i).use()
+        for _ in range(2):
+            x = ctx.all_reduce("sum", x)
+        seen[i] = cupy.cuda.runtime.getDevice()
+        return x
+
+    out = s.run(step)
+    assert seen == {0: 1, 1: 0}
+    for v in s.experimental_local_results(out):
+        np.testing.assert_array_equal(cupy.asnumpy(v), np.full(2, 6, np.float32))
