@@ -734,12 +734,6 @@ def to_device_async(host, ordinal: int, stream=None):
         stream = stream or cupy.cuda.get_current_stream()
         with stream:
             out = cupy.empty(host.shape, host.dtype)
-            if host.nbytes == 0:
-                return out
-            pinned = cupy.cuda.alloc_pinned_memory(host.nbytes)
-            staging = np.frombuffer(pinned, host.dtype, host.size).reshape(host.shape)
-            staging[...] = host
-            out.set(staging, stream=stream)
-            event = stream.record()
-    _inflight.add(event, pinned)
+    if host.nbytes:
+        upload_async(host, out, stream)
     return out
