@@ -131,13 +131,7 @@ def driver(args):
         lists = [[cupy.ones(int(s), cupy.float32) for s in sizes] for _ in range(n)]
         for name, call in (("all_reduce 4 B", lambda: collectives.all_reduce(xs, "sum")),
                            ("batch 200 tensors", lambda: collectives.batch_all_reduce(lists, "sum"))):
-            for _ in range(8):  # planned, and the engine's tables grown
-                call()
-            cupy.sim.drain()
-            cupy.sim.reset_counters()
-            call()
-            c = cupy.sim.counters()
-            cupy.sim.drain()
+            c = repeated_call_counters(call)
             print(f"| {n} | {name} | {sum(c['launches'].values())} | {c['stream_ops']} | {c['host_waits']} |")
         for mode in ("selects", "reads back"):
             c = optimizer_step_counters(n, mode)
@@ -208,14 +202,20 @@ def optimizer_step_us(n: int, kernel: bool, repeat: int, loss_scale=None) -> flo
 def optimizer_step_counters(n: int, loss_scale: str) -> dict:
     """The simulator's counters of one repeated optimizer_step (planned first), as driver()'s."""
     with optimizer_step(n, True, loss_scale) as step:
-        for _ in range(8):
-            step()
-        cupy.sim.drain()
-        cupy.sim.reset_counters()
-        step()
-        counted = cupy.sim.counters()
-        cupy.sim.drain()
-        return counted
+        return repeated_call_counters(step)
+
+
+def repeated_call_counters(call) -> dict:
+    """The simulator's counters of one ``call()`` after 8 untimed ones (planned, and the engine's tables
+    grown), its queued kernels drained before and after."""
+    for _ in range(8):
+        call()
+    cupy.sim.drain()
+    cupy.sim.reset_counters()
+    call()
+    counted = cupy.sim.counters()
+    cupy.sim.drain()
+    return counted
 
 
 @contextlib.contextmanager
