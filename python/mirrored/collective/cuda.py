@@ -384,7 +384,7 @@ def _engine_kind(devices: tuple, name: str) -> str:
     if name == "nccl":
         if gpus == 1 and len(devices) > 1:
             raise ValueError(f"algorithm='nccl': every replica shares GPU {devices[0]} (logical GPUs); NCCL needs "
-                             "several GPUs, use algorithm='auto' or 'ring' for logical GPUs of one GPU")
+                             "several GPUs, use algorithm='ring' for logical GPUs (or 'auto')")
         return "hierarchical" if mix else "nccl"
     return "hierarchical" if mix and name == "auto" and _gpu.nccl_available() else "ring"
 
