@@ -140,15 +140,32 @@ def test_broadcast_reaches_every_replica_from_every_root(layout):
                 np.testing.assert_array_equal(g, xs[root])
 
 
-def test_reduce_and_all_gather_on_a_mix():
-    """reduce and all_gather take the native engine over the same replicas (docs/hierarchical.md)."""
-    with gpus_for((2, 2)) as devices:
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int32)], ids=str)
+@pytest.mark.parametrize("layout", [(2, 2), (1, 3), (2, 2, 2, 2)], ids=["2x2", "1+3", "4x2"])
+def test_reduce_writes_the_roots_output_only(layout, dtype):
+    """Each GPU folds its replicas, NCCL reduces to the root's GPU: only out[root] changes."""
+    with gpus_for(layout) as devices:
         rng = np.random.default_rng(3)
-        xs = make_inputs(rng, 4, (129,), np.dtype(np.float32), "sum")
-        for root in range(4):
-            got = collectives.reduce(upload(xs, devices), "sum", root=root)
-            assert got.device.id == devices[root]
-            assert_reduced(cupy.asnumpy(got), xs, "sum")
+        n = len(devices)
+        for op in OPS:
+            xs = make_inputs(rng, n, (129,), dtype, op)
+            for root in range(n):
+                got = collectives.reduce(upload(xs, devices), op, root=root)
+                assert got.device.id == devices[root]
+                assert_reduced(cupy.asnumpy(got), xs, op)
+                if op == "mean" and dtype.kind in "iu":
+                    continue
+                outs = upload([np.full_like(x, 7) for x in xs], devices)
+                collectives.reduce(upload(xs, devices), op, root=root, out=outs)
+                for r, o in enumerate(download(outs, dtype)):
+                    if r == root:
+                        assert_reduced(o, xs, op)
+                    else:
+                        np.testing.assert_array_equal(o, np.full_like(xs[0], 7))
+
+
+def test_all_gather_on_a_mix_is_the_native_engines():
+    with gpus_for((2, 2)) as devices:
         parts = [np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * r for r in range(4)]
         for axis in (0, 1):
             for g, d in zip(collectives.all_gather(upload(parts, devices), axis), devices):
@@ -300,6 +317,45 @@ def test_a_training_step_on_a_mix_is_captured_and_gives_the_eager_bits(layout):
     np.testing.assert_array_equal(cb, b)
     for c in copies + ccopies:
         assert any(np.array_equal(c, ref) for ref in (w, b))
+
+
+def test_the_outer_step_with_its_reduce_to_one_device_is_captured_on_a_mix():
+    """TF's canonical outer step (strategy.run, then strategy.reduce to one device inside md.function): the
+    reduce is hierarchical too (each GPU folds, NCCL reduces to the root's GPU), so the whole step is captured
+    and a replay is one graph launch per GPU, with the eager steps' bits."""
+    results = []
+    for captured in (False, True):
+        with mix_strategy((2, 2)) as strategy:
+            with strategy.scope():
+                w = md.Variable(_W0)
+                opt = md.optimizers.SGD(0.1)
+
+            def replica_step(x, y):
+                err = md.linalg.matmul(x, w.read_value()) - y
+                scale = np.float32(2.0 / (err.shape[0] * md.get_replica_context().num_replicas_in_sync))
+                opt.apply_gradients([(md.linalg.matmul(x, err, transpose_a=True) * scale, w)])
+                return err * err
+
+            def outer(x, y):
+                return strategy.reduce(md.ReduceOp.SUM, strategy.run(replica_step, args=(x, y)), axis=None)
+
+            step = md.function(outer) if captured else outer
+            losses = []
+            for s in range(5):
+                if SIMULATED:
+                    cupy.sim.reset_counters()
+                loss = step(*gpu_env.replica_batches(strategy, s, _X, _Y))
+                replayed = cupy.sim.counters()["graph_launches"] if SIMULATED else None
+                losses.append(cupy.asnumpy(loss))
+            if captured:
+                assert step.experimental_get_tracing_count() == 1
+                if SIMULATED:
+                    assert replayed == {0: 1, 1: 1}
+            results.append((losses, w.values[0].numpy()))
+    (eager_losses, eager_w), (captured_losses, captured_w) = results
+    for e, c in zip(eager_losses, captured_losses):
+        np.testing.assert_array_equal(c, e)
+    np.testing.assert_array_equal(captured_w, eager_w)
 
 
 def test_a_mix_trains_as_the_native_ring_and_one_gpu_per_replica_do_within_rounding():

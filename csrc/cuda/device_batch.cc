@@ -16,12 +16,6 @@ namespace {
 
 constexpr std::size_t round16(std::size_t x) { return (x + 15) / 16 * 16; }
 
-bool capturing(cudaStream_t s) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  MIRRORED_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
-  return status != cudaStreamCaptureStatusNone;
-}
-
 }  // namespace
 
 DeviceBatch::Layout DeviceBatch::plan(std::vector<std::size_t> counts, std::vector<DType> dtypes,

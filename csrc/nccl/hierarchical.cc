@@ -36,6 +36,7 @@ HierarchicalCommunicator::HierarchicalCommunicator(std::vector<int> devices) : d
         MIRRORED_CUDA_CHECK(cudaDeviceGetAttribute(&g->sms, cudaDevAttrMultiProcessorCount, g->device));
         g->ready = make_event();
         g->done = make_event();
+        g->used = make_event();
       }
       g->ranks.push_back(r);
     }
@@ -54,10 +55,16 @@ void HierarchicalCommunicator::release() noexcept {
   cuda::DeviceGuard guard;
   for (Group& g : groups_) {
     if (cuda::set_device(g.device) != cudaSuccess) continue;
-    if (g.ready) cudaEventDestroy(g.ready);
-    if (g.done) cudaEventDestroy(g.done);
-    g.ready = g.done = nullptr;
+    if (g.pending) cudaEventSynchronize(g.used);  // the last reduce's NCCL call reads the fold buffer
+    if (g.fold) cudaFree(g.fold);
+    for (cudaEvent_t e : {g.ready, g.done, g.used})
+      if (e) cudaEventDestroy(e);
+    g.ready = g.done = g.used = nullptr;
+    g.fold = nullptr;
   }
+  for (const auto& [device, p] : captured_)
+    if (cuda::set_device(device) == cudaSuccess) cudaFree(p);
+  captured_.clear();
 }
 
 void HierarchicalCommunicator::begin(int n, const char* what) {
@@ -174,10 +181,85 @@ cuda::CudaRing& HierarchicalCommunicator::native() {
   return *native_;
 }
 
+void* HierarchicalCommunicator::fold_buffer(std::size_t k, std::size_t bytes, bool captured) {
+  Group& g = groups_[k];
+  void* p = nullptr;
+  if (captured) {
+    MIRRORED_CUDA_CHECK(cudaMalloc(&p, bytes));
+    captured_.emplace_back(g.device, p);
+    return p;
+  }
+  if (g.fold_bytes < bytes) {
+    if (g.pending) MIRRORED_CUDA_CHECK(cudaEventSynchronize(g.used));  // (once or twice: sizes repeat)
+    if (g.fold) MIRRORED_CUDA_CHECK(cudaFree(g.fold));
+    g.fold = nullptr, g.fold_bytes = 0, g.pending = false;
+    MIRRORED_CUDA_CHECK(cudaMalloc(&g.fold, bytes));
+    g.fold_bytes = bytes;
+  }
+  if (g.pending && g.last != leads_[k]) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(leads_[k], g.used, 0));
+  return g.fold;
+}
+
 void HierarchicalCommunicator::reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype,
                                       ReduceOp op, int root) {
   std::lock_guard<std::mutex> lock(mu_);
-  native().reduce(n, in, out, count, dtype, op, root);
+  cuda::DeviceGuard guard;
+  begin(n, "reduce");
+  if (root < 0 || root >= n)
+    throw std::invalid_argument("root=" + std::to_string(root) + " is not a replica; use 0.." + std::to_string(n - 1));
+  const std::size_t bytes = count * dtype_size(dtype);
+  if (bytes == 0) return;
+  const ReduceOp combine = combining_op(op);
+  on_leads([&] {
+    std::vector<const void*> sends;
+    std::vector<void*> recvs;
+    std::vector<std::size_t> folded;  // the GPUs whose fold buffer NCCL reads (eager calls)
+    int root_gpu = 0;
+    for (std::size_t k = 0; k < groups_.size(); ++k) {  // each GPU folds its replicas, in replica order
+      const Group& g = groups_[k];
+      const bool has_root = std::find(g.ranks.begin(), g.ranks.end(), root) != g.ranks.end();
+      MIRRORED_CUDA_CHECK(cuda::set_device(g.device));
+      void* target = nullptr;
+      if (has_root) {
+        root_gpu = static_cast<int>(k);
+        target = out[root];
+      } else if (g.ranks.size() > 1) {
+        const bool captured = cuda::capturing(leads_[k]);
+        target = fold_buffer(k, bytes, captured);
+        if (!captured) folded.push_back(k);
+      }
+      if (target == nullptr) {  // one replica: NCCL sends its input as it is
+        sends.push_back(in[g.ranks[0]]);
+        recvs.push_back(const_cast<void*>(in[g.ranks[0]]));  // (NCCL writes only the root's)
+        continue;
+      }
+      sends.push_back(target);
+      recvs.push_back(target);
+      if (g.ranks.size() == 1 && target == in[g.ranks[0]]) continue;
+      cuda::FusedArgs a;
+      for (int r : g.ranks) a.in[a.nin++] = in[r];
+      a.out[a.nout++] = target;
+      cuda::fused_reduce(a, count, dtype, combine, 1, g.sms, leads_[k]);
+    }
+    if (groups_.size() > 1) {
+      cuda::StreamScope scope(leads_);
+      across_->reduce(gpus(), sends.data(), recvs.data(), count, dtype, combine, root_gpu);
+    }
+    for (std::size_t k : folded) {
+      Group& g = groups_[k];
+      MIRRORED_CUDA_CHECK(cuda::set_device(g.device));
+      MIRRORED_CUDA_CHECK(cudaEventRecord(g.used, leads_[k]));
+      g.pending = true, g.last = leads_[k];
+    }
+    if (op == ReduceOp::kMean) {  // the root's output divided in place
+      const Group& g = groups_[root_gpu];
+      cuda::FusedArgs a;
+      a.in[a.nin++] = out[root];
+      a.out[a.nout++] = out[root];
+      MIRRORED_CUDA_CHECK(cuda::set_device(g.device));
+      cuda::fused_reduce(a, count, dtype, ReduceOp::kSum, n, g.sms, leads_[root_gpu]);
+    }
+  });
 }
 
 void HierarchicalCommunicator::all_gather(int n, const void* const* in, void* const* out,

@@ -11,14 +11,17 @@
 // per GPU can capture it (md.function). GPUs may host different numbers of
 // replicas: the local fold makes every GPU one NCCL rank whatever its count.
 //
-// reduce and all_gather have no capture-safe form here yet: they run on the
-// native engine (CudaRing) over the same replicas.
+// reduce folds each GPU's replicas the same way (into a buffer of the
+// engine's on GPUs other than the root's) and NCCL-reduces to the root's GPU.
+// all_gather has no capture-safe form here: it runs on the native engine
+// (CudaRing) over the same replicas.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "core/communicator.h"
@@ -47,9 +50,11 @@ class HierarchicalCommunicator : public Communicator {
   // NCCL broadcasts from the root's GPU into one output per GPU; one copy
   // kernel per GPU writes the other outputs there.
   void broadcast(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, int root) override;
-  // The native engine's (see the file comment).
+  // Folds each GPU's replicas, NCCL-reduces to the root's GPU into out[root]
+  // (MEAN divides there); no other output is written.
   void reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
               int root) override;
+  // The native engine's (see the file comment).
   void all_gather(int n, const void* const* in, void* const* out, const std::size_t* row_bytes,
                   std::size_t outer) override;
 
@@ -61,6 +66,13 @@ class HierarchicalCommunicator : public Communicator {
     std::vector<int> ranks;
     cudaEvent_t ready = nullptr;  // a member on another stream: recorded there, waited for by the lead's
     cudaEvent_t done = nullptr;   // recorded on the lead's stream at exit, waited for by such members
+    // reduce's fold buffer on a GPU without the root; `used` is recorded after the NCCL call that read it
+    // last, on stream `last`: a call on another stream waits for it before the fold overwrites it.
+    void* fold = nullptr;
+    std::size_t fold_bytes = 0;
+    cudaEvent_t used = nullptr;
+    cudaStream_t last = nullptr;
+    bool pending = false;
   };
 
   void release() noexcept;
@@ -70,13 +82,17 @@ class HierarchicalCommunicator : public Communicator {
   template <typename F>
   void on_leads(F f);
   cuda::CudaRing& native();
+  // A fold buffer of `bytes` for GPU k's reduce on its lead stream (a capture gets one of its own: its
+  // graph replays it long after the call, so it is never rewritten; it lives as long as this engine).
+  void* fold_buffer(std::size_t k, std::size_t bytes, bool captured);
 
   std::vector<int> devices_;
   std::vector<Group> groups_;
   std::vector<cudaStream_t> callers_;  // each replica's stream for the call in progress
   std::vector<cudaStream_t> leads_;    // each GPU's lead stream for the call in progress
   std::unique_ptr<NcclCommunicator> across_;  // one rank per GPU
-  std::unique_ptr<cuda::CudaRing> native_;    // made at the first reduce or all_gather
+  std::unique_ptr<cuda::CudaRing> native_;    // made at the first all_gather
+  std::vector<std::pair<int, void*>> captured_;  // (GPU, buffer) of captured reduces' folds
   std::mutex mu_;
 };
 

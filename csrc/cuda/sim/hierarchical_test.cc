@@ -7,6 +7,7 @@
 // (one fold, one NCCL call and one copy per GPU, no event); a fused batch;
 // and one CUDA graph per GPU that replays the all-reduce.
 // Exit status 0 when all is right.
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
@@ -145,21 +146,25 @@ void check_collectives(Setup& s, std::size_t count, bool in_place) {
       for (std::size_t i = 0; i < count; ++i)
         EXPECT(got[r][i] == value(root, i, ReduceOp::kSum), "broadcast n=%d root=%d: replica %d element %zu", n,
                root, r, i);
-    // reduce: the native engine's; only the root's output is written.
-    for (int r = 0; r < n; ++r) {
-      s.write(r, in[r], count, r, ReduceOp::kSum);
-      if (!in_place) s.write(r, out[r], count, 100 + r, ReduceOp::kSum);
+    // reduce: only the root's output is written.
+    for (auto op : {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kMean}) {
+      for (int r = 0; r < n; ++r) {
+        s.write(r, in[r], count, r, op);
+        if (!in_place) s.write(r, out[r], count, 100 + r, ReduceOp::kSum);
+      }
+      {
+        StreamScope scope(s.streams);
+        comm.reduce(n, in.data(), out.data(), count, DType::kInt32, op, root);
+      }
+      for (int r = 0; r < n; ++r) s.read(r, out[r], count, got[r]);
+      sim::drain();
+      for (int r = 0; r < n; ++r)
+        for (std::size_t i = 0; i < count; ++i) {
+          const int want = r == root ? expected(n, i, op) : in_place ? value(r, i, op) : value(100 + r, i, ReduceOp::kSum);
+          EXPECT(got[r][i] == want, "reduce n=%d root=%d op=%s in_place=%d: replica %d element %zu is %d, not %d", n,
+                 root, reduce_op_name(op), in_place, r, i, got[r][i], want);
+        }
     }
-    {
-      StreamScope scope(s.streams);
-      comm.reduce(n, in.data(), out.data(), count, DType::kInt32, ReduceOp::kSum, root);
-    }
-    for (int r = 0; r < n; ++r) s.read(r, out[r], count, got[r]);
-    sim::drain();
-    for (int r = 0; r < n; ++r)
-      for (std::size_t i = 0; i < count; ++i)
-        EXPECT(got[r][i] == (r == root ? expected(n, i, ReduceOp::kSum) : value(in_place ? r : 100 + r, i, ReduceOp::kSum)),
-               "reduce n=%d root=%d: replica %d element %zu", n, root, r, i);
   }
   // A fused batch: packed per replica, each pack through the engine, unpacked.
   DeviceBatch batch(s.devices);
@@ -203,9 +208,12 @@ void check_capture(const std::vector<int>& devices) {
   sim::drain();
   for (std::size_t k = 0; k < s.made.size(); ++k)
     EXPECT(cudaStreamBeginCapture(s.made[k], cudaStreamCaptureModeRelaxed) == cudaSuccess, "begin capture");
+  std::vector<void*> last(n, nullptr);  // the reduce's outputs: only the last replica's is written
+  last[n - 1] = s.alloc(n - 1, count * 4);
   {
     StreamScope scope(s.streams);
     comm.all_reduce(n, in.data(), out.data(), count, DType::kInt32, ReduceOp::kSum, Algorithm::kAuto);
+    comm.reduce(n, in.data(), last.data(), count, DType::kInt32, ReduceOp::kMax, n - 1);
   }
   std::vector<cudaGraphExec_t> execs(s.made.size());
   for (std::size_t k = 0; k < s.made.size(); ++k) {
@@ -219,18 +227,22 @@ void check_capture(const std::vector<int>& devices) {
     sim::reset_counters();
     for (std::size_t k = s.made.size(); k-- > 0;) cudaGraphLaunch(execs[k], s.made[k]);
     EXPECT(sim::counters().launches_total() == 0, "a replay launches no kernel");
-    std::vector<std::vector<int>> got(n);
+    std::vector<std::vector<int>> got(n), top;
     for (int r = 0; r < n; ++r) s.read(r, out[r], count, got[r]);
+    top.resize(1);
+    s.read(n - 1, last[n - 1], count, top[0]);
     sim::drain();
-    for (int r = 0; r < n; ++r)
-      for (std::size_t i = 0; i < count; ++i) {
-        int e = 0;
-        for (int q = 0; q < n; ++q) e += value(q + replay, i, ReduceOp::kSum);
+    for (std::size_t i = 0; i < count; ++i) {
+      int e = 0, m = value(replay, i, ReduceOp::kMax);
+      for (int q = 0; q < n; ++q) e += value(q + replay, i, ReduceOp::kSum), m = std::max(m, value(q + replay, i, ReduceOp::kMax));
+      for (int r = 0; r < n; ++r)
         EXPECT(got[r][i] == e, "replay %d: replica %d element %zu is %d, not %d", replay, r, i, got[r][i], e);
-      }
+      EXPECT(top[0][i] == m, "replay %d: the reduce's element %zu is %d, not %d", replay, i, top[0][i], m);
+    }
   }
   for (auto e : execs) cudaGraphExecDestroy(e);
   for (int r = 0; r < n; ++r) cudaFree(in[r]), cudaFree(out[r]);
+  cudaFree(last[n - 1]);
 }
 
 // Threads sharing one engine, each on streams of its own: the engine serves one call at a time, and

@@ -168,7 +168,10 @@ def reduce(buffers, op="sum", root=0, *, out=None, algorithm="auto"):
     """The reduction of all replicas' buffers, written to ``out[root]`` (or a new array on the root's GPU) and returned.
 
     ``algorithm="nccl"``: NCCL's reduce (one GPU per replica), which a CUDA
-    graph of each GPU can hold; any other: the native engine's direct reduce.
+    graph of each GPU can hold; on a mix of GPUs hosting several replicas,
+    ``"nccl"`` or ``"auto"`` (NCCL loaded): the hierarchical reduce, which
+    graphs hold too (docs/hierarchical.md); any other: the native engine's
+    direct reduce.
     """
     arrays, code, devices = _inputs(buffers, "buffers")
     opc = op_code(op)
@@ -180,7 +183,7 @@ def reduce(buffers, op="sum", root=0, *, out=None, algorithm="auto"):
     else:
         outs, finish = _outputs(out, arrays, devices, "out", written=root)
         target = outs[root]
-    with span("reduce", arrays[0].nbytes, engine.backend if engine.backend == "nccl" else "direct", len(arrays)):
+    with span("reduce", arrays[0].nbytes, engine.backend if engine.backend.startswith("nccl") else "direct", len(arrays)):
         engine.reduce(_ptrs(arrays), [target.data.ptr] * len(arrays), arrays[0].size, code, opc, root,
                       _streams(devices))
     return target if finish is None else finish()[root]
