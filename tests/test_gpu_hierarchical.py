@@ -164,13 +164,30 @@ def test_reduce_writes_the_roots_output_only(layout, dtype):
                         np.testing.assert_array_equal(o, np.full_like(xs[0], 7))
 
 
-def test_all_gather_on_a_mix_is_the_native_engines():
+@pytest.mark.parametrize("layout", [(2, 2), (3, 3), (2, 1), (2, 2, 2, 2)], ids=["2x2", "2x3", "2+1", "4x2"])
+def test_all_gather_matches_numpy_along_every_axis(layout):
+    """Axis 0 with equal parts on GPUs hosting as many replicas each: by GPU (a gather kernel, NCCL's
+    all-gather, a copy kernel); other axes, sizes and layouts: the native engine. Every replica gets it all."""
+    with gpus_for(layout) as devices:
+        n = len(devices)
+        for rows in ([2] * n, [r + 1 for r in range(n)]):
+            parts = [np.arange(rows[r] * 6, dtype=np.float32).reshape(rows[r], 2, 3) + 100 * r for r in range(n)]
+            for axis in (0, 1, 2):
+                if axis and len(set(rows)) > 1:
+                    continue  # (sizes may differ along the axis only)
+                for g, d in zip(collectives.all_gather(upload(parts, devices), axis), devices):
+                    assert g.device.id == d
+                    np.testing.assert_array_equal(cupy.asnumpy(g), np.concatenate(parts, axis))
+
+
+@pytest.mark.skipif(not SIMULATED, reason="counts the simulated runtime's launches and calls")
+def test_an_all_gather_by_gpu_is_two_launches_and_one_nccl_call_per_gpu():
     with gpus_for((2, 2)) as devices:
-        parts = [np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * r for r in range(4)]
-        for axis in (0, 1):
-            for g, d in zip(collectives.all_gather(upload(parts, devices), axis), devices):
-                assert g.device.id == d
-                np.testing.assert_array_equal(cupy.asnumpy(g), np.concatenate(parts, axis))
+        xs = upload([np.full(100, r, np.float32) for r in range(4)], devices)
+        got = _counted(lambda: collectives.all_gather(xs, 0))
+        assert got["launches"] == {0: 2, 1: 2}
+        assert got["calls"].get("ncclAllGather") == 2
+        assert got["calls"].get("cudaEventRecord", 0) == got["calls"].get("cudaStreamWaitEvent", 0) == 0
 
 
 @pytest.mark.parametrize("packing", [dict(), dict(bytes_per_pack=256), dict(num_packs=2)], ids=str)
@@ -243,6 +260,10 @@ def test_algorithm_names_pick_the_engine(monkeypatch):
         assert cc._engine((0, 0), "auto")[0].backend == "cuda-ring"
         with pytest.raises(ValueError, match="algorithm='nccl': every replica shares GPU 0.*use algorithm='ring' for logical GPUs"):
             cc._engine((0, 0), "nccl")
+        crowded = (0,) * 33 + (1,)  # more replicas on GPU 0 than one fold kernel takes: the native engine
+        assert cc._engine(crowded, "auto")[0].backend == "cuda-ring"
+        with pytest.raises(ValueError, match="NCCL cannot place two ranks on one GPU.*use algorithm='ring'"):
+            cc._engine(crowded, "nccl")
         monkeypatch.setattr(_gpu, "nccl_available", lambda: False)
         assert cc._engine(devices, "auto")[0].backend == "cuda-ring"  # no NCCL: the native engine
 

@@ -1,6 +1,7 @@
 #include "nccl/hierarchical.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -22,9 +23,11 @@ cudaEvent_t make_event() {
 
 HierarchicalCommunicator::HierarchicalCommunicator(std::vector<int> devices) : devices_(std::move(devices)) {
   if (devices_.empty()) throw std::invalid_argument("devices: the hierarchical engine needs at least one GPU replica");
-  if (static_cast<int>(devices_.size()) > cuda::kMaxFused)
-    throw std::invalid_argument("devices: " + std::to_string(devices_.size()) + " replicas; the hierarchical engine "
-                                "takes at most " + std::to_string(cuda::kMaxFused) + " (use algorithm='ring')");
+  for (int d : devices_)
+    if (std::count(devices_.begin(), devices_.end(), d) > cuda::kMaxFused)  // one fold kernel takes them all
+      throw std::invalid_argument("devices: more than " + std::to_string(cuda::kMaxFused) + " replicas on GPU " +
+                                  std::to_string(d) + "; the hierarchical engine takes at most that many per GPU "
+                                  "(use algorithm='ring')");
   cuda::DeviceGuard guard;
   try {
     for (int r = 0; r < size(); ++r) {
@@ -262,10 +265,68 @@ void HierarchicalCommunicator::reduce(int n, const void* const* in, void* const*
   });
 }
 
+bool HierarchicalCommunicator::gathers_by_gpu(const std::size_t* row_bytes, std::size_t outer) const {
+  const std::size_t per = groups_[0].ranks.size();
+  if (outer != 1) return false;
+  for (int r = 0; r < size(); ++r)
+    if (row_bytes[r] != row_bytes[0]) return false;
+  for (std::size_t k = 0; k < groups_.size(); ++k) {
+    if (groups_[k].ranks.size() != per) return false;
+    for (std::size_t j = 0; j < per; ++j)
+      if (groups_[k].ranks[j] != static_cast<int>(k * per + j)) return false;
+  }
+  return true;
+}
+
 void HierarchicalCommunicator::all_gather(int n, const void* const* in, void* const* out,
                                           const std::size_t* row_bytes, std::size_t outer) {
   std::lock_guard<std::mutex> lock(mu_);
-  native().all_gather(n, in, out, row_bytes, outer);
+  if (n != size() || !gathers_by_gpu(row_bytes, outer)) return native().all_gather(n, in, out, row_bytes, outer);
+  cuda::DeviceGuard guard;
+  begin(n, "all_gather");
+  const std::size_t row = row_bytes[0], block = row * groups_[0].ranks.size(), total = block * groups_.size();
+  if (total == 0) return;
+  auto at = [](void* p, std::size_t bytes) { return static_cast<char*>(p) + bytes; };
+  // The widest unit (16 down to 1 byte) that divides the rows and every pointer the gathers touch.
+  int unit = 16;
+  auto fits = [&](int u) {
+    if (row % u) return false;
+    for (int r = 0; r < n; ++r)
+      if (reinterpret_cast<std::uintptr_t>(in[r]) % u || reinterpret_cast<std::uintptr_t>(out[r]) % u) return false;
+    return true;
+  };
+  while (unit > 1 && !fits(unit)) unit /= 2;
+  on_leads([&] {
+    std::vector<const void*> sends;
+    std::vector<void*> recvs;
+    for (std::size_t k = 0; k < groups_.size(); ++k) {  // each GPU gathers its replicas into its block of the lead's output
+      const Group& g = groups_[k];
+      void* mine = at(out[g.ranks[0]], k * block);
+      cuda::GatherArgs a;
+      a.outer = 1;
+      a.col[0] = 0;
+      for (int r : g.ranks) a.in[a.nin] = in[r], a.col[a.nin + 1] = a.col[a.nin] + row / unit, ++a.nin;
+      a.out[a.nout++] = mine;
+      MIRRORED_CUDA_CHECK(cuda::set_device(g.device));
+      cuda::fused_gather(a, unit, g.sms, leads_[k]);
+      sends.push_back(mine);
+      recvs.push_back(out[g.ranks[0]]);
+    }
+    if (groups_.size() > 1) {  // NCCL's in-place all-gather of the GPUs' blocks (rank-major: GPU order)
+      const std::vector<std::size_t> blocks(groups_.size(), block);
+      cuda::StreamScope scope(leads_);
+      across_->all_gather(gpus(), sends.data(), recvs.data(), blocks.data(), 1);
+    }
+    for (std::size_t k = 0; k < groups_.size(); ++k) {  // and hands the whole to its other replicas
+      const Group& g = groups_[k];
+      cuda::FusedArgs a;
+      a.in[a.nin++] = out[g.ranks[0]];
+      for (std::size_t j = 1; j < g.ranks.size(); ++j) a.out[a.nout++] = out[g.ranks[j]];
+      if (a.nout == 0) continue;
+      MIRRORED_CUDA_CHECK(cuda::set_device(g.device));
+      cuda::fused_reduce(a, total, DType::kUInt8, ReduceOp::kSum, 1, g.sms, leads_[k]);
+    }
+  });
 }
 
 }  // namespace mirrored::nccl

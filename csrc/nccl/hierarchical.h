@@ -9,11 +9,15 @@
 // Everything is queued on the GPUs' own streams with no host wait and no
 // event between GPUs (NCCL's kernels meet on the device), so a CUDA graph
 // per GPU can capture it (md.function). GPUs may host different numbers of
-// replicas: the local fold makes every GPU one NCCL rank whatever its count.
+// replicas (at most kMaxFused on one GPU): the local fold makes every GPU one
+// NCCL rank whatever its count.
 //
 // reduce folds each GPU's replicas the same way (into a buffer of the
 // engine's on GPUs other than the root's) and NCCL-reduces to the root's GPU.
-// all_gather has no capture-safe form here: it runs on the native engine
+// all_gather, where every GPU hosts the same number of consecutive replicas
+// and the rows are equal (axis 0): each GPU gathers its replicas into its
+// block of the first one's output, NCCL all-gathers the blocks in place, one
+// kernel hands the whole out. Other gathers run on the native engine
 // (CudaRing) over the same replicas.
 #pragma once
 
@@ -54,7 +58,7 @@ class HierarchicalCommunicator : public Communicator {
   // (MEAN divides there); no other output is written.
   void reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
               int root) override;
-  // The native engine's (see the file comment).
+  // By GPU where it can (see the file comment), else the native engine's.
   void all_gather(int n, const void* const* in, void* const* out, const std::size_t* row_bytes,
                   std::size_t outer) override;
 
@@ -82,6 +86,8 @@ class HierarchicalCommunicator : public Communicator {
   template <typename F>
   void on_leads(F f);
   cuda::CudaRing& native();
+  // Whether all_gather can go by GPU: equal rows, outer == 1, every GPU the same number of consecutive replicas.
+  bool gathers_by_gpu(const std::size_t* row_bytes, std::size_t outer) const;
   // A fold buffer of `bytes` for GPU k's reduce on its lead stream (a capture gets one of its own: its
   // graph replays it long after the call, so it is never rewritten; it lives as long as this engine).
   void* fold_buffer(std::size_t k, std::size_t bytes, bool captured);
@@ -91,7 +97,7 @@ class HierarchicalCommunicator : public Communicator {
   std::vector<cudaStream_t> callers_;  // each replica's stream for the call in progress
   std::vector<cudaStream_t> leads_;    // each GPU's lead stream for the call in progress
   std::unique_ptr<NcclCommunicator> across_;  // one rank per GPU
-  std::unique_ptr<cuda::CudaRing> native_;    // made at the first all_gather
+  std::unique_ptr<cuda::CudaRing> native_;    // made at the first all_gather it cannot do by GPU
   std::vector<std::pair<int, void*>> captured_;  // (GPU, buffer) of captured reduces' folds
   std::mutex mu_;
 };

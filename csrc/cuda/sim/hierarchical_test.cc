@@ -97,6 +97,14 @@ struct Setup {
       std::memset(p, 0x5a, count * sizeof(int));
     });
   }
+  // Whether every GPU hosts the same number of replicas, consecutive ones (all_gather goes by GPU).
+  bool blocks() const {
+    if (devices.size() % gpus()) return false;
+    const std::size_t per = devices.size() / gpus();
+    for (std::size_t r = 1; r < devices.size(); ++r)
+      if ((devices[r] != devices[r - 1]) != (r % per == 0)) return false;
+    return true;
+  }
   int gpus() const { return static_cast<int>(std::set<int>(devices.begin(), devices.end()).size()); }
 };
 
@@ -106,7 +114,7 @@ void check_collectives(Setup& s, std::size_t count, bool in_place) {
   EXPECT(comm.gpus() == s.gpus(), "gpus() is %d, not %d", comm.gpus(), s.gpus());
   std::vector<void*> in(n), out(n);
   for (int r = 0; r < n; ++r) {
-    in[r] = s.alloc(r, count * 4);
+    in[r] = s.alloc(r, (count + r) * 4);  // (the uneven all_gather's rows are count + r long)
     out[r] = in_place ? in[r] : s.alloc(r, count * 4);
   }
   std::vector<std::vector<int>> got(n);
@@ -166,6 +174,38 @@ void check_collectives(Setup& s, std::size_t count, bool in_place) {
         }
     }
   }
+  // all_gather: by GPU (equal rows, the same number of consecutive replicas on each GPU) or by the
+  // native engine (the others, and rows of different sizes).
+  for (bool equal : {true, false}) {
+    std::vector<std::size_t> rows(n);
+    std::size_t width = 0;
+    for (int r = 0; r < n; ++r) rows[r] = (equal ? count : count + r) * 4, width += rows[r];
+    std::vector<void*> gout(n);
+    for (int r = 0; r < n; ++r) {
+      s.write(r, in[r], rows[r] / 4, r, ReduceOp::kSum);
+      gout[r] = s.alloc(r, width);
+    }
+    sim::reset_counters();
+    {
+      StreamScope scope(s.streams);
+      comm.all_gather(n, in.data(), gout.data(), rows.data(), 1);
+    }
+    const sim::Counters c = sim::counters();
+    if (equal && count > 0 && s.made.size() == static_cast<std::size_t>(s.gpus()) && s.gpus() > 1 && s.blocks()) {
+      EXPECT(c.calls.count("ncclAllGather") && c.calls.at("ncclAllGather") == s.gpus(),
+             "all_gather by GPU: NCCL calls for %d GPUs", s.gpus());
+      for (const auto& [d, k] : c.launches) EXPECT(k <= 2, "all_gather: %ld launches on GPU %d", k, d);
+    }
+    for (int r = 0; r < n; ++r) s.read(r, gout[r], width / 4, got[r]);
+    sim::drain();
+    for (int r = 0; r < n; ++r) {
+      std::size_t at = 0;
+      for (int j = 0; j < n; ++j)
+        for (std::size_t i = 0; i < rows[j] / 4; ++i, ++at)
+          EXPECT(got[r][at] == value(j, i, ReduceOp::kSum), "all_gather n=%d equal=%d: replica %d part %d element %zu",
+                 n, equal, r, j, i);
+    }
+  }
   // A fused batch: packed per replica, each pack through the engine, unpacked.
   DeviceBatch batch(s.devices);
   const std::vector<std::size_t> counts = {3, count, 5, 0, 17};
@@ -210,10 +250,14 @@ void check_capture(const std::vector<int>& devices) {
     EXPECT(cudaStreamBeginCapture(s.made[k], cudaStreamCaptureModeRelaxed) == cudaSuccess, "begin capture");
   std::vector<void*> last(n, nullptr);  // the reduce's outputs: only the last replica's is written
   last[n - 1] = s.alloc(n - 1, count * 4);
+  std::vector<void*> gathered(n);  // and an all_gather where it goes by GPU
+  const std::vector<std::size_t> rows(n, count * 4);
+  for (int r = 0; r < n; ++r) gathered[r] = s.alloc(r, count * 4 * n);
   {
     StreamScope scope(s.streams);
     comm.all_reduce(n, in.data(), out.data(), count, DType::kInt32, ReduceOp::kSum, Algorithm::kAuto);
     comm.reduce(n, in.data(), last.data(), count, DType::kInt32, ReduceOp::kMax, n - 1);
+    if (s.blocks()) comm.all_gather(n, in.data(), gathered.data(), rows.data(), 1);
   }
   std::vector<cudaGraphExec_t> execs(s.made.size());
   for (std::size_t k = 0; k < s.made.size(); ++k) {
@@ -227,8 +271,8 @@ void check_capture(const std::vector<int>& devices) {
     sim::reset_counters();
     for (std::size_t k = s.made.size(); k-- > 0;) cudaGraphLaunch(execs[k], s.made[k]);
     EXPECT(sim::counters().launches_total() == 0, "a replay launches no kernel");
-    std::vector<std::vector<int>> got(n), top;
-    for (int r = 0; r < n; ++r) s.read(r, out[r], count, got[r]);
+    std::vector<std::vector<int>> got(n), top, all(n);
+    for (int r = 0; r < n; ++r) s.read(r, out[r], count, got[r]), s.read(r, gathered[r], count * n, all[r]);
     top.resize(1);
     s.read(n - 1, last[n - 1], count, top[0]);
     sim::drain();
@@ -238,11 +282,16 @@ void check_capture(const std::vector<int>& devices) {
       for (int r = 0; r < n; ++r)
         EXPECT(got[r][i] == e, "replay %d: replica %d element %zu is %d, not %d", replay, r, i, got[r][i], e);
       EXPECT(top[0][i] == m, "replay %d: the reduce's element %zu is %d, not %d", replay, i, top[0][i], m);
+      for (int r = 0; r < n && s.blocks(); ++r)
+        for (int j = 0; j < n; ++j)
+          EXPECT(all[r][j * count + i] == value(j + replay, i, ReduceOp::kSum),
+                 "replay %d: replica %d's gather, part %d element %zu", replay, r, j, i);
     }
   }
   for (auto e : execs) cudaGraphExecDestroy(e);
   for (int r = 0; r < n; ++r) cudaFree(in[r]), cudaFree(out[r]);
   cudaFree(last[n - 1]);
+  for (void* p : gathered) cudaFree(p);
 }
 
 // Threads sharing one engine, each on streams of its own: the engine serves one call at a time, and

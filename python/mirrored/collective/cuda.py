@@ -40,6 +40,9 @@ ALGORITHMS = {"auto": 0, "ring": 1, "direct": 2, "tree": 3, "hierarchical": 3, "
 CHUNK_BYTES = 1 << 20
 CHANNELS = 2
 
+# Replicas one kernel folds (csrc/cuda/fused.h kMaxFused): the hierarchical engine's most per GPU.
+MAX_FOLD = 32
+
 _engines: dict = {}
 # Communicators go while CUDA (and NCCL) are still up, not in the interpreter's teardown.
 atexit.register(_engines.clear)
@@ -383,7 +386,8 @@ def _engine_kind(devices: tuple, name: str) -> str:
     when NCCL loads (per-GPU CUDA graphs can hold it, not the native engine's events between GPUs);
     every other name is the native engine's."""
     gpus = len(set(devices))
-    mix = 1 < gpus < len(devices)
+    # (One fold kernel per GPU takes at most MAX_FOLD of its replicas: beyond, only the native engine.)
+    mix = 1 < gpus < len(devices) and max(devices.count(d) for d in set(devices)) <= MAX_FOLD
     if name == "nccl":
         if gpus == 1 and len(devices) > 1:
             raise ValueError(f"algorithm='nccl': every replica shares GPU {devices[0]} (logical GPUs); NCCL needs "
