@@ -133,7 +133,7 @@ void HierarchicalCommunicator::all_reduce(int n, const void* const* in, void* co
       cuda::FusedArgs a;
       a.in[a.nin++] = out[g.ranks[0]];
       for (int r : g.ranks)
-        if (r != g.ranks[0] || mean_div > 1) a.out[a.nout++] = out[r];
+        if (r == g.ranks[0] ? mean_div > 1 : out[r] != out[g.ranks[0]]) a.out[a.nout++] = out[r];
       if (a.nout == 0) continue;
       MIRRORED_CUDA_CHECK(cuda::set_device(g.device));
       cuda::fused_reduce(a, count, dtype, ReduceOp::kSum, mean_div, g.sms, leads_[k]);

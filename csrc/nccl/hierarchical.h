@@ -43,12 +43,14 @@ class HierarchicalCommunicator : public Communicator {
   HierarchicalCommunicator& operator=(const HierarchicalCommunicator&) = delete;
 
   const char* backend() const override { return "nccl-hierarchical"; }
+  bool one_output_per_gpu() const override { return true; }
   int size() const { return static_cast<int>(devices_.size()); }
   int gpus() const { return static_cast<int>(groups_.size()); }
 
   // Per GPU: fold its replicas into the first one's output, NCCL all-reduce
   // those across GPUs, copy to the other outputs (MEAN divides there, by the
-  // replica count). `algorithm` is NCCL's own choice; any value is accepted.
+  // replica count); outputs equal to the first one's get no copy. `algorithm`
+  // is NCCL's own choice; any value is accepted.
   void all_reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
                   Algorithm algorithm) override;
   // NCCL broadcasts from the root's GPU into one output per GPU; one copy

@@ -219,10 +219,14 @@ void check_collectives(Setup& s, std::size_t count, bool in_place) {
       bin[r].push_back(p);
       bout[r].push_back(in_place ? p : s.alloc(r, counts[t] * 4));
     }
+  sim::reset_counters();
   {
     StreamScope scope(s.streams);
     batch.all_reduce(comm, bin, bout, counts, dtypes, ReduceOp::kSum, Algorithm::kAuto, 0, 0);
   }
+  // One pack: per GPU and stream the pack, the fold and the unpack (every replica reads the GPU's one result).
+  if (s.made.size() == static_cast<std::size_t>(s.gpus()))
+    for (const auto& [d, k] : sim::counters().launches) EXPECT(k <= 3, "batch: %ld launches on GPU %d", k, d);
   std::vector<std::vector<std::vector<int>>> res(n, std::vector<std::vector<int>>(counts.size()));
   for (int r = 0; r < n; ++r)
     for (std::size_t t = 0; t < counts.size(); ++t) s.read(r, bout[r][t], counts[t], res[r][t]);
