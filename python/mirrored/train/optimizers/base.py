@@ -370,14 +370,16 @@ class Optimizer:
             # From the second step on, this replica packs its gradients into its fusion buffer
             # (in parallel with the other replicas): the all-reduce then moves one buffer per dtype.
             plan = self._plans.get(tuple(map(id, variables)))
-            if plan is not None and plan.packable and not plan.sums_replicas and aggregate and \
-                    ctx.strategy.num_replicas_in_sync > 1:
+            if plan is not None and plan.packable and not plan.sums_replicas and not plan.central and aggregate \
+                    and ctx.strategy.num_replicas_in_sync > 1:
                 packed = plan.pack(ctx._local_replica_id, grads)
         # options stay out of the merged arguments: each replica may pass its own (equal)
         # options object, which merge_call would turn into a PerReplica.
         plan, reduced, step, update = ctx.merge_call(
             lambda strategy, merged: self._merged_replica_step(strategy, merged, variables, options, aggregate),
             args=(_ReplicaGrads(grads, packed),))
+        if update is None:  # applied in the merge
+            return step + 1
         if not update:
             plan.apply(ctx._local_replica_id, grads, step, update=False)
         elif reduced is None:
@@ -502,6 +504,9 @@ class Optimizer:
         holders = merged.values if isinstance(merged, DistributedValues) else (merged,) * len(devices)
         plan = self._plan(strategy, variables)
         step = self._advance(plan)
+        if plan.central:
+            self._central_step(strategy, plan, [h.grads for h in holders], variables, step, options, aggregate)
+            return plan, None, step, None
         reduced = None
         if self.gradient_accumulation_steps:
             if not self._is_update_step(step):
@@ -522,6 +527,24 @@ class Optimizer:
             results = self._all_reduce(strategy, columns, destinations, options)
             reduced = PerReplica([[_component(g, r) for g in results] for r in range(len(holders))], devices)
         return plan, reduced, step, True
+
+    def _central_step(self, strategy, plan, per_replica: list, variables, step: int, options, aggregate) -> None:
+        """The step of variables kept once for all replicas (CentralStorageStrategy), in the merge: every replica's
+        gradients reduced onto the variables' device in one fused collective (without ``aggregate``: the
+        first replica's, aggregated by the caller), then accumulated (``gradient_accumulation_steps``) and
+        applied there once."""
+        if aggregate and len(per_replica) > 1:
+            devices = strategy.extended.worker_devices
+            grads = self._all_reduce(strategy, [PerReplica(column, devices) for column in zip(*per_replica)],
+                                     variables, options)
+        else:
+            grads = per_replica[0]
+        if self.gradient_accumulation_steps:
+            if not self._is_update_step(step):
+                plan.apply(0, grads, step, update=False)
+                return
+            grads = plan.accumulated_and_clipped(0, grads)
+        plan.apply(0, grads, step)
 
     def _is_update_step(self, step: int) -> bool:
         """With gradient accumulation, whether ``step`` applies the accumulated gradients (Keras:
@@ -692,6 +715,9 @@ class _Plan:
         # Host replicas of one process whose all-reduce sums in replica order: no pack and no all-reduce,
         # the update sums the replicas' gradients (see _Summands).
         extended = optimizer._strategy.extended if optimizer._strategy is not None else None
+        # One copy of each variable for several local replicas (CentralStorageStrategy): the step is applied
+        # once, in the merge (see Optimizer._merged_replica_step).
+        self.central = extended is not None and self.num_devices != len(extended.worker_devices)
         self.sums_replicas = (self.packable and all(self.host) and self.num_devices > 1
                               and optimizer.gradient_aggregation == "sum" and extended is not None
                               and extended._sums_host_replicas_in_order())
