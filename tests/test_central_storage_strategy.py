@@ -41,3 +41,182 @@ def test_strategy_matches_tensorflow(name):
     if "raises" in want:
         for word in words:
             assert word.lower() in got["msg"].lower(), (word, got["msg"])
+
+
+# --- construction ---------------------------------------------------------------------------------------------
+
+CPU = "/job:localhost/replica:0/task:0/device:CPU:{}"
+
+
+@pytest.mark.parametrize("bad, error, argument", [
+    ("/cpu:0", ValueError, "compute_devices"), (3, TypeError, "compute_devices"), ([], ValueError, "compute_devices"),
+    (["/foo:0"], ValueError, "compute_devices"), (["/cpu:0/gpu:0"], ValueError, "compute_devices"),
+    (["/cpu:0", "cpu:0"], ValueError, "No duplicates"), (["/gpu:7"], ValueError, "not available")])
+def test_bad_compute_devices_say_what_to_pass(bad, error, argument):
+    with pytest.raises(error, match=argument):
+        CentralStorageStrategy(bad)
+
+
+@pytest.mark.parametrize("bad", [3, ["/cpu:0"], "/foo:0", "/gpu:7"])
+def test_bad_parameter_device_names_the_argument(bad):
+    with pytest.raises(ValueError, match="parameter_device"):
+        CentralStorageStrategy(["/cpu:0", "/cpu:1"], bad)
+
+
+def test_exported_where_tf_has_it():
+    assert "CentralStorageStrategy" in md.distribute.experimental.__all__
+    assert isinstance(CentralStorageStrategy(), md.distribute.Strategy)
+    v1 = md.compat.v1.distribute.experimental.CentralStorageStrategy(["/cpu:0", "/cpu:1"])
+    assert isinstance(v1, CentralStorageStrategy) and v1.num_replicas_in_sync == 2
+    rows = list(v1.experimental_distribute_dataset(v1.experimental_make_numpy_dataset(np.arange(4), session=None)
+                                                   .batch(4)))
+    assert [[c.tolist() for c in v1.experimental_local_results(r)] for r in rows] == [[[0, 1], [2, 3]]]
+
+
+# --- variables ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("aggregation", ["SUM", "MEAN", "ONLY_FIRST_REPLICA"])
+@pytest.mark.parametrize("method", ["assign", "assign_add", "assign_sub"])
+def test_updates_in_run_aggregate_then_apply_once(n, aggregation, method):
+    s = CentralStorageStrategy([f"/cpu:{i}" for i in range(n)], "/cpu:0")
+    start = np.array([[1.0, -2.0], [0.5, 4.0]], np.float64)
+    with s.scope():
+        v = md.Variable(start, aggregation=md.VariableAggregation[aggregation])
+    deltas = [np.full((2, 2), 1.5, np.float64) * (r + 1) + np.eye(2) * r for r in range(n)]
+    s.run(lambda: getattr(v, method)(deltas[md.get_replica_context().replica_id_in_sync_group]))
+    combined = {"SUM": np.sum(deltas, axis=0), "MEAN": np.mean(deltas, axis=0), "ONLY_FIRST_REPLICA": deltas[0]}
+    want = {"assign": combined[aggregation], "assign_add": start + combined[aggregation],
+            "assign_sub": start - combined[aggregation]}[method]
+    np.testing.assert_allclose(v.numpy(), want, rtol=1e-12)
+    assert type(v).__name__ == "AggregatingVariable" and v.device == CPU.format(0)
+
+
+def test_replicas_read_the_value_itself_on_cpus_and_arrays_read_earlier_keep_theirs():
+    s = CentralStorageStrategy(["/cpu:1", "/cpu:2"], "/cpu:0")
+    with s.scope():
+        v = md.Variable(np.arange(3, dtype=np.float32), aggregation=md.VariableAggregation.SUM)
+    reads = s.experimental_local_results(s.run(lambda: v.read_value()))
+    assert all(r is v.read_value() for r in reads)
+    before = v.read_value()
+    s.run(lambda: v.assign_add(np.ones(3, np.float32)))
+    assert before.tolist() == [0, 1, 2] and v.numpy().tolist() == [2, 3, 4]
+
+
+def test_checkpoint_restores_into_mirrored_variables_and_back(tmp_path):
+    central = CentralStorageStrategy(["/cpu:0", "/cpu:1"])
+    with central.scope():
+        w = md.Variable(np.arange(3, dtype=np.float32))
+    path = md.train.Checkpoint(w=w).save(str(tmp_path / "central"))
+    mirrored = md.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with mirrored.scope():
+        m = md.Variable(np.zeros(3, np.float32))
+    md.train.Checkpoint(w=m).restore(path)
+    assert [c.numpy().tolist() for c in m.values] == [[0, 1, 2]] * 2
+    m.assign(np.full(3, 7, np.float32))
+    md.train.Checkpoint(w=w).restore(md.train.Checkpoint(w=m).save(str(tmp_path / "mirrored")))
+    assert w.numpy().tolist() == [7, 7, 7]
+
+
+# --- training -------------------------------------------------------------------------------------------------
+
+OPTIMIZERS = {"sgd": lambda: md.optimizers.SGD(0.1, momentum=0.9), "adam": lambda: md.optimizers.Adam(0.05)}
+
+
+def _train(strategy, optimizer, xp=np, steps=4, loss_scale=False, cross_replica=False):
+    """Weights after ``steps`` steps of a least-squares fit over a global batch of 8 rows split over the replicas
+    (``strategy`` None: the whole batch in one plain loop)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=(8, 1)).astype(np.float32)
+    scale = 128.0 if loss_scale else 1.0
+
+    def build():
+        w = md.Variable(np.linspace(-1, 1, 3, dtype=np.float32).reshape(3, 1), name="w")
+        b = md.Variable(np.zeros(1, np.float32), name="b")
+        opt = optimizer()
+        if loss_scale:
+            opt = md.mixed_precision.LossScaleOptimizer(opt, dynamic=False, initial_scale=scale)
+        return w, b, opt
+
+    def grads(xb, yb):
+        xb, yb = xp.asarray(xb), xp.asarray(yb)
+        err = xb @ w.read_value() + b.read_value() - yb
+        g = [(xb.T @ err) * (2 * scale / len(x)), err.sum(axis=0) * (2 * scale / len(x))]
+        return opt.get_unscaled_gradients(g) if loss_scale else g
+
+    def step(xb, yb):
+        opt.apply_gradients(zip(grads(xb, yb), [w, b]))
+
+    if strategy is None:
+        w, b, opt = build()
+        for _ in range(steps):
+            step(x, y)
+    else:
+        with strategy.scope():
+            w, b, opt = build()
+        batch = next(iter(strategy.experimental_distribute_dataset(md.data.Dataset.from_tensors((x, y)))))
+        for _ in range(steps):
+            if cross_replica:
+                with strategy.scope():
+                    opt.apply_gradients(zip(strategy.run(grads, args=batch), [w, b]))
+            else:
+                strategy.run(step, args=batch)
+    return [np.asarray(md.device_util.to_host(v.read_value())) for v in (w, b)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("loss_scale", [False, True], ids=["plain", "loss_scale"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_trains_as_mirrored_on_the_same_replicas_and_as_the_plain_loop(name, loss_scale, n):
+    devices = [f"/cpu:{i}" for i in range(n)]
+    optimizer = OPTIMIZERS[name]
+    central = _train(CentralStorageStrategy(devices), optimizer, loss_scale=loss_scale)
+    mirrored = _train(md.MirroredStrategy(devices), optimizer, loss_scale=loss_scale)
+    plain = _train(None, optimizer, loss_scale=loss_scale)
+    for c, m, p in zip(central, mirrored, plain):
+        np.testing.assert_array_equal(c, m)
+        np.testing.assert_allclose(c, p, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_apply_gradients_in_cross_replica_context_takes_per_replica_gradients(name):
+    devices = ["/cpu:0", "/cpu:1", "/cpu:2"]
+    central = _train(CentralStorageStrategy(devices), OPTIMIZERS[name], cross_replica=True)
+    mirrored = _train(md.MirroredStrategy(devices), OPTIMIZERS[name], cross_replica=True)
+    for c, m in zip(central, mirrored):
+        np.testing.assert_array_equal(c, m)
+
+
+def test_gradient_accumulation_applies_the_sum_over_replicas_every_nth_step():
+    devices = ["/cpu:0", "/cpu:1"]
+    sgd = lambda: md.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2)  # noqa: E731
+    central = _train(CentralStorageStrategy(devices), sgd)
+    mirrored = _train(md.MirroredStrategy(devices), sgd)
+    for c, m in zip(central, mirrored):
+        np.testing.assert_allclose(c, m, rtol=1e-6)
+
+
+def test_one_fused_update_on_the_parameter_device_per_step(monkeypatch):
+    """The replicas' gradients of every variable are all-reduced in one call, and the update runs once."""
+    s = CentralStorageStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+    with s.scope():
+        ws = [md.Variable(np.full(4, k, np.float32)) for k in range(10)]
+        opt = md.optimizers.SGD(0.5)
+    from mirrored.train.optimizers import base
+
+    calls = {"apply": 0, "batch_reduce": 0}
+    apply, batch_reduce = base._Plan.apply, type(s.extended._cross_device_ops).batch_reduce
+
+    def counted_apply(*args, **kwargs):
+        calls["apply"] += 1
+        return apply(*args, **kwargs)
+
+    def counted_batch_reduce(*args, **kwargs):
+        calls["batch_reduce"] += 1
+        return batch_reduce(*args, **kwargs)
+
+    monkeypatch.setattr(base._Plan, "apply", counted_apply)
+    monkeypatch.setattr(type(s.extended._cross_device_ops), "batch_reduce", counted_batch_reduce)
+    s.run(lambda: opt.apply_gradients([(np.ones(4, np.float32), w) for w in ws]))
+    assert calls == {"apply": 1, "batch_reduce": 1}
+    assert [w.numpy()[0] for w in ws] == [k - 1.5 for k in range(10)]
