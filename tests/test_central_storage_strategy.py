@@ -12,7 +12,8 @@ import mirrored as md
 import central_storage_scenarios as scenarios
 import test_one_device_strategy as one_device
 import test_tf_semantics_parity as semantics_parity
-from gpu_env import SKIP_REASON, cupy
+from gpu_env import SKIP_REASON, cupy, gpu_pair
+from mirrored.distribute.function import EagerFallbackWarning
 
 with open(os.path.join(os.path.dirname(__file__), "data", "tf_central_storage_reference.json")) as _f:
     REFERENCE = json.load(_f)
@@ -220,3 +221,95 @@ def test_one_fused_update_on_the_parameter_device_per_step(monkeypatch):
     s.run(lambda: opt.apply_gradients([(np.ones(4, np.float32), w) for w in ws]))
     assert calls == {"apply": 1, "batch_reduce": 1}
     assert [w.numpy()[0] for w in ws] == [k - 1.5 for k in range(10)]
+
+
+# --- GPUs (simulated without one) -----------------------------------------------------------------------------
+
+GPUS = ["/gpu:0", "/gpu:1"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@pytest.mark.parametrize("parameter_device", ["/cpu:0", "/gpu:1"])
+def test_gpu_replicas_read_copies_on_their_own_gpu(parameter_device):
+    s = CentralStorageStrategy(GPUS, parameter_device)
+    with s.scope():
+        v = md.Variable(np.arange(3, dtype=np.float32), aggregation=md.VariableAggregation.MEAN)
+    assert v.device == md.device_util.canonicalize(parameter_device)
+
+    def step():
+        value = v.read_value()
+        rid = md.get_replica_context().replica_id_in_sync_group
+        v.assign_add(value * 0 + float(rid + 1))
+        return value, value.device.id
+
+    values, ordinals = step_results = s.run(step)
+    assert [type(r) for r in s.experimental_local_results(values)] == [cupy.ndarray] * 2
+    assert list(s.experimental_local_results(ordinals)) == [0, 1]
+    assert [np.asarray(md.device_util.to_host(r)).tolist() for r in s.experimental_local_results(values)] == \
+        [[0, 1, 2]] * 2
+    assert v.numpy().tolist() == [1.5, 2.5, 3.5] and step_results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@pytest.mark.parametrize("parameter_device", ["/cpu:0", "/gpu:0"])
+@pytest.mark.parametrize("loss_scale", [False, True], ids=["plain", "loss_scale"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_gpu_compute_devices_train_as_mirrored_on_them(name, loss_scale, parameter_device):
+    central = _train(CentralStorageStrategy(GPUS, parameter_device), OPTIMIZERS[name], cupy, loss_scale=loss_scale)
+    mirrored = _train(md.MirroredStrategy(GPUS), OPTIMIZERS[name], cupy, loss_scale=loss_scale)
+    for c, m in zip(central, mirrored):
+        np.testing.assert_allclose(c, m, rtol=1e-6, atol=1e-7)
+
+
+def _function_steps(strategy, compiled, xp):
+    with strategy.scope():
+        w = md.Variable(np.ones(3, np.float32))
+        opt = md.optimizers.SGD(0.1)
+
+    def step(x):
+        opt.apply_gradients([(w.read_value() * x, w)])
+        return md.get_replica_context().all_reduce("SUM", (w.read_value() ** 2).sum())
+
+    fn = md.function(step) if compiled else step
+    losses = [float(strategy.reduce("SUM", strategy.run(fn, args=(xp.float32(i + 1),)), axis=None))
+              for i in range(4)]
+    return np.asarray(md.device_util.to_host(w.read_value())), losses
+
+
+def test_md_function_with_variables_on_the_cpu_runs_eagerly_and_says_why():
+    eager = _function_steps(CentralStorageStrategy(["/cpu:0", "/cpu:1"]), False, np)
+    with pytest.warns(EagerFallbackWarning, match="not on GPUs"):
+        compiled = _function_steps(CentralStorageStrategy(["/cpu:0", "/cpu:1"]), True, np)
+    np.testing.assert_array_equal(eager[0], compiled[0])
+    assert eager[1] == compiled[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+def test_md_function_with_gpu_compute_devices_and_a_cpu_parameter_device_runs_eagerly():
+    eager = _function_steps(CentralStorageStrategy(GPUS, "/cpu:0"), False, np)
+    with pytest.warns(EagerFallbackWarning, match="variables"):
+        compiled = _function_steps(CentralStorageStrategy(GPUS, "/cpu:0"), True, np)
+    np.testing.assert_allclose(eager[0], compiled[0], rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+def test_md_function_with_replicas_on_other_gpus_than_the_variables_runs_eagerly():
+    with pytest.warns(EagerFallbackWarning, match="from another GPU"):
+        compiled = _function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), True, np)
+    eager = _function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), False, np)
+    np.testing.assert_allclose(eager[0], compiled[0], rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+def test_md_function_captures_replicas_on_the_parameter_devices_gpu():
+    """Two logical GPUs on GPU 0 holding the variables: the step is captured, and replays the eager results."""
+    with gpu_pair("logical"):
+        eager = _function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), False, np)
+        compiled = _function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), True, np)
+    np.testing.assert_allclose(eager[0], compiled[0], rtol=1e-6)
+    np.testing.assert_allclose(eager[1], compiled[1], rtol=1e-6)

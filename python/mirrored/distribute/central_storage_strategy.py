@@ -154,6 +154,18 @@ class CentralStorageExtended(MirroredExtended):
         """``fn(*args, **kwargs)`` once, on the parameter device."""
         return super().update_non_slot((self._parameter_device,), fn, args, kwargs, group)
 
+    def _capture_refusal(self):
+        """Why md.function cannot capture this strategy's step as CUDA graphs (None: it can): the variables'
+        update and the replicas' reads must all run on the parameter device's GPU."""
+        if device_util.parse(self._parameter_device).device_type != "GPU":
+            return (f"its variables live on {self._parameter_device}, not on a GPU (their update runs on the "
+                    "host); pass parameter_device='/gpu:0'")
+        ordinal = device_util.physical_ordinal(self._parameter_device)
+        if any(device_util.physical_ordinal(d) != ordinal for d in self._local_devices):
+            return (f"its replicas read the variables on {self._parameter_device} from another GPU, a copy between "
+                    "GPUs that a captured step cannot order")
+        return None
+
     def _make_variable(self, value, name, trainable, synchronization, aggregation):
         # TF keeps ``synchronization`` and ``aggregation`` as given, unchecked (NONE, MEAN of integers).
         if self._plain_variables:
