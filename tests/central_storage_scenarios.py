@@ -165,7 +165,10 @@ def assign_in_cross_replica_context(X):
         v.assign(X.const([5.0, 6.0], "float32"))
         v.assign_add(X.const([1.0, 1.0], "float32"))
     v.assign_sub(X.const([0.5, 0.5], "float32"))
-    return v.numpy()
+    first = v.numpy()
+    with s.scope():
+        v.assign(s.run(lambda: X.const([1.0, 1.0], "float32") * float(rid(X) + 1)))  # the first replica's value
+    return [first, v.numpy(), s.run(lambda: v.sparse_read([1, 0]))]
 
 
 # --- run, reduce, input --------------------------------------------------------------------------------------

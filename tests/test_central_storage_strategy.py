@@ -197,6 +197,25 @@ def test_gradient_accumulation_applies_the_sum_over_replicas_every_nth_step():
         np.testing.assert_allclose(c, m, rtol=1e-6)
 
 
+def test_dynamic_loss_scale_skips_a_step_whose_gradients_are_not_finite_on_any_replica():
+    s = CentralStorageStrategy(["/cpu:0", "/cpu:1"])
+    with s.scope():
+        w = md.Variable(np.ones(2, np.float32))
+        opt = md.mixed_precision.LossScaleOptimizer(md.optimizers.SGD(0.5), initial_scale=4.0)
+
+    def step(bad):
+        rid = md.get_replica_context().replica_id_in_sync_group
+        g = np.full(2, 4.0 * (rid + 1), np.float32)
+        if bad and rid == 1:
+            g[0] = np.inf
+        opt.apply_gradients([(g, w)])
+
+    s.run(step, args=(True,))
+    assert w.numpy().tolist() == [1, 1] and float(opt.loss_scale) == 2.0 and int(opt.iterations.numpy()) == 0
+    s.run(step, args=(False,))  # (4 + 8) / 2 = 6, times the learning rate
+    assert w.numpy().tolist() == [-2, -2] and int(opt.iterations.numpy()) == 1
+
+
 def test_one_fused_update_on_the_parameter_device_per_step(monkeypatch):
     """The replicas' gradients of every variable are all-reduced in one call, and the update runs once."""
     s = CentralStorageStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
@@ -249,6 +268,9 @@ def test_gpu_replicas_read_copies_on_their_own_gpu(parameter_device):
     assert [np.asarray(md.device_util.to_host(r)).tolist() for r in s.experimental_local_results(values)] == \
         [[0, 1, 2]] * 2
     assert v.numpy().tolist() == [1.5, 2.5, 3.5] and step_results
+    rows = s.experimental_local_results(s.run(lambda: v.sparse_read(np.array([2, 0]))))
+    assert [(type(r), r.device.id, md.device_util.to_host(r).tolist()) for r in rows] == \
+        [(cupy.ndarray, 0, [3.5, 1.5]), (cupy.ndarray, 1, [3.5, 1.5])]
 
 
 @pytest.mark.gpu

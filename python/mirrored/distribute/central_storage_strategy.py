@@ -70,7 +70,11 @@ class AggregatingVariable(DeviceVariable):
     def __init__(self, strategy, value, name, device, trainable, synchronization, aggregation):
         super().__init__(value, name, device, trainable, synchronization, aggregation)
         self._strategy = strategy
-        self._cpu = device_util.parse(device).device_type == "CPU"
+        # Per replica: the device a read is copied to, or None where the replica reads the value itself (a CPU
+        # replica of a variable in host memory)
+        on_host = device_util.parse(device).device_type == "CPU"
+        self._copy_to = tuple(None if on_host and device_util.parse(d).device_type == "CPU" else d
+                              for d in strategy.extended.worker_devices)
 
     def _replica_id(self):
         """The running replica's local id when it is one of this variable's strategy, else None."""
@@ -81,20 +85,25 @@ class AggregatingVariable(DeviceVariable):
                 return top.replica_context._local_replica_id
         return None
 
-    def read_value(self):
+    def _for_replica(self, x, copy: bool):
+        """``x`` (read on the parameter device) as the running replica reads it: on its own device."""
         rid = self._replica_id()
-        if rid is None:
-            return self._value
-        device = self._strategy.extended._local_devices[rid]
-        if self._cpu and device_util.parse(device).device_type == "CPU":
-            return self._value  # (host memory is every CPU replica's)
-        return device_util.place(self._value, device, copy=True)
+        device = None if rid is None else self._copy_to[rid]
+        return x if device is None else device_util.place(x, device, copy=copy)
+
+    def read_value(self):
+        return self._for_replica(self._value, copy=True)
+
+    def sparse_read(self, indices):
+        return self._for_replica(super().sparse_read(indices), copy=False)
+
+    def gather_nd(self, indices):
+        return self._for_replica(super().gather_nd(indices), copy=False)
 
     def _update(self, method: str, value):
         update = getattr(DeviceVariable, method)
-        if self._replica_id() is None:
-            with device_util.device_scope(self._device), device_util.cross_replica_gpu_scope(self._device):
-                update(self, value)
+        if self._replica_id() is None:  # TF's: through extended.update (distributed values: the first replica's)
+            self._strategy.extended.update(self, update, args=(value,))
             return self
         if self._aggregation == VariableAggregation.NONE:
             raise ValueError(
