@@ -2,6 +2,7 @@
 (tests/central_storage_scenarios.py, recorded by tests/data/record_tf_central_storage.py), training like
 MirroredStrategy over the same replicas and like the plain loop, on the CPU and on (simulated) GPUs."""
 
+import inspect
 import json
 import os
 
@@ -67,6 +68,7 @@ def test_bad_parameter_device_names_the_argument(bad):
 def test_exported_where_tf_has_it():
     assert "CentralStorageStrategy" in md.distribute.experimental.__all__
     assert isinstance(CentralStorageStrategy(), md.distribute.Strategy)
+    assert str(inspect.signature(CentralStorageStrategy)) == "(compute_devices=None, parameter_device=None)"
     v1 = md.compat.v1.distribute.experimental.CentralStorageStrategy(["/cpu:0", "/cpu:1"])
     assert isinstance(v1, CentralStorageStrategy) and v1.num_replicas_in_sync == 2
     rows = list(v1.experimental_distribute_dataset(v1.experimental_make_numpy_dataset(np.arange(4), session=None)
@@ -188,11 +190,12 @@ def test_apply_gradients_in_cross_replica_context_takes_per_replica_gradients(na
         np.testing.assert_array_equal(c, m)
 
 
-def test_gradient_accumulation_applies_the_sum_over_replicas_every_nth_step():
+@pytest.mark.parametrize("cross_replica", [False, True], ids=["in_run", "cross_replica"])
+def test_gradient_accumulation_applies_the_sum_over_replicas_every_nth_step(cross_replica):
     devices = ["/cpu:0", "/cpu:1"]
     sgd = lambda: md.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2)  # noqa: E731
-    central = _train(CentralStorageStrategy(devices), sgd)
-    mirrored = _train(md.MirroredStrategy(devices), sgd)
+    central = _train(CentralStorageStrategy(devices), sgd, steps=5, cross_replica=cross_replica)
+    mirrored = _train(md.MirroredStrategy(devices), sgd, steps=5, cross_replica=cross_replica)
     for c, m in zip(central, mirrored):
         np.testing.assert_allclose(c, m, rtol=1e-6)
 

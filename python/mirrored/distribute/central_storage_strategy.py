@@ -197,7 +197,7 @@ class CentralStorageExtended(MirroredExtended):
         # result is moved there: one collective, not one reduce per value.
         strategy, devices = self._container_strategy, self._local_devices
         if pairs and all(type(d) is AggregatingVariable and d._strategy is strategy and d is not v
-                                  and isinstance(v, DistributedValues) and v._devices == devices for v, d in pairs):
+                         and isinstance(v, DistributedValues) and v._devices == devices for v, d in pairs):
             reduced = super()._batch_reduce_to(op, [(v, v) for v, _ in pairs], options)
             with device_util.cross_replica_gpu_scope(self._parameter_device):
                 return [device_util.place(self._local_results(r)[0], self._parameter_device) for r in reduced]

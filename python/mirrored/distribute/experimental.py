@@ -9,5 +9,5 @@ from .input_lib import ValueContext
 from .multi_worker_strategy import ExperimentalMultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from .options import CollectiveCommunication, CommunicationImplementation, CommunicationOptions
 
-__all__ = ["CentralStorageStrategy", "MultiWorkerMirroredStrategy", "CollectiveCommunication", "CommunicationImplementation",
-           "CommunicationOptions", "ValueContext"]
+__all__ = ["CentralStorageStrategy", "MultiWorkerMirroredStrategy", "CollectiveCommunication",
+           "CommunicationImplementation", "CommunicationOptions", "ValueContext"]

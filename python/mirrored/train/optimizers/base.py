@@ -464,6 +464,8 @@ class Optimizer:
                      else self._unscale([g])[0] for g in grads]
         plan = self._plan(strategy, variables)
         step = self._advance(plan)
+        if plan.central and self.gradient_accumulation_steps and aggregate:
+            grads = self._reduced(strategy, grads, variables, options)  # (one accumulator: of the replicas' sum)
         if self.gradient_accumulation_steps:
             if not self._is_update_step(step):
                 for d in range(plan.num_devices):
@@ -482,14 +484,21 @@ class Optimizer:
         if plain:
             for k, g in zip(plain, self._clip([grads[k] for k in plain])):
                 grads[k] = g
-        distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
-        if aggregate and distributed:
-            for k, g in zip(distributed, self._all_reduce(strategy, [grads[k] for k in distributed],
-                                                          [variables[k] for k in distributed], options)):
-                grads[k] = g
+        if aggregate:
+            grads = self._reduced(strategy, grads, variables, options)
         for d in range(plan.num_devices):
             plan.apply(d, [_component(g, d) for g in grads], step)
         return step + 1
+
+    def _reduced(self, strategy, grads: list, variables, options) -> list:
+        """``grads`` with the distributed ones reduced onto their variables (one fused collective)."""
+        grads = list(grads)
+        distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
+        if distributed:
+            for k, g in zip(distributed, self._all_reduce(strategy, [grads[k] for k in distributed],
+                                                          [variables[k] for k in distributed], options)):
+                grads[k] = g
+        return grads
 
     def _merged_replica_step(self, strategy, merged, variables, options, aggregate):
         """Once per step in replica context (inside merge_call): the fused all-reduce and the bookkeeping.
