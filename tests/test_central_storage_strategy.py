@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import mirrored as md
 import central_storage_scenarios as scenarios
@@ -93,6 +94,32 @@ def test_updates_in_run_aggregate_then_apply_once(n, aggregation, method):
             "assign_sub": start - combined[aggregation]}[method]
     np.testing.assert_allclose(v.numpy(), want, rtol=1e-12)
     assert type(v).__name__ == "AggregatingVariable" and v.device == CPU.format(0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 4), shape=st.lists(st.integers(0, 3), max_size=3), dtype=st.sampled_from(["float32", "float64"]),
+       aggregation=st.sampled_from(["SUM", "MEAN", "ONLY_FIRST_REPLICA"]), seed=st.integers(0, 2 ** 16))
+def test_assign_add_in_run_is_numpys_aggregate_over_shapes_dtypes_and_replicas(n, shape, dtype, aggregation, seed):
+    rng = np.random.default_rng(seed)
+    start = rng.normal(size=shape).astype(dtype)
+    deltas = [rng.normal(size=shape).astype(dtype) for _ in range(n)]
+    s = CentralStorageStrategy([f"/cpu:{i}" for i in range(n)])
+    with s.scope():
+        v = md.Variable(start, aggregation=md.VariableAggregation[aggregation])
+
+    def step():
+        before = v.read_value() + 0
+        v.assign_add(deltas[md.get_replica_context().replica_id_in_sync_group])
+        return before
+
+    reads = s.run(step)
+    combined = {"SUM": np.sum(deltas, axis=0, dtype=dtype), "MEAN": np.mean(deltas, axis=0, dtype=dtype),
+                "ONLY_FIRST_REPLICA": deltas[0]}[aggregation]
+    tol = 1e-6 if dtype == "float32" else 1e-12
+    np.testing.assert_allclose(v.numpy(), start + combined, rtol=tol, atol=tol)
+    assert v.dtype == dtype and v.shape == tuple(shape)
+    for r in s.experimental_local_results(reads):
+        np.testing.assert_array_equal(r, start)  # each replica read the value before the update
 
 
 def test_replicas_read_the_value_itself_on_cpus_and_arrays_read_earlier_keep_theirs():
