@@ -40,7 +40,8 @@ def variable(v):
 def devices(X):
     out = []
     for compute, parameter in ((None, None), (["/cpu:0"], None), (["cpu:1"], None), (TWO, None),
-                               (["/cpu:1", "CPU:2", "/device:CPU:3"], None), (TWO, "/cpu:3"), (["cpu:0", "CPU:1"], "CPU:2")):
+                               (["/cpu:1", "CPU:2", "/device:CPU:3"], None), (TWO, "/cpu:3"),
+                               (["cpu:0", "CPU:1"], "CPU:2")):
         s = X.central(compute, parameter)
         ext = s.extended
         out.append([s.num_replicas_in_sync, list(ext.worker_devices), list(ext.parameter_devices),

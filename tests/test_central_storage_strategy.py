@@ -97,8 +97,8 @@ def test_updates_in_run_aggregate_then_apply_once(n, aggregation, method):
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(2, 4), shape=st.lists(st.integers(0, 3), max_size=3), dtype=st.sampled_from(["float32", "float64"]),
-       aggregation=st.sampled_from(["SUM", "MEAN", "ONLY_FIRST_REPLICA"]), seed=st.integers(0, 2 ** 16))
+@given(n=st.integers(2, 4), shape=st.lists(st.integers(0, 3), max_size=3),
+       dtype=st.sampled_from(["float32", "float64"]), aggregation=st.sampled_from(["SUM", "MEAN", "ONLY_FIRST_REPLICA"]), seed=st.integers(0, 2 ** 16))
 def test_assign_add_in_run_is_numpys_aggregate_over_shapes_dtypes_and_replicas(n, shape, dtype, aggregation, seed):
     rng = np.random.default_rng(seed)
     start = rng.normal(size=shape).astype(dtype)

@@ -43,8 +43,9 @@ class CentralStorageStrategy(_StrategyV1, _CentralStorageStrategyV2):
 # ``tf.compat.v1.distribute.experimental``'s strategy (its other names are multi-worker or TPU ones)
 experimental = types.SimpleNamespace(CentralStorageStrategy=CentralStorageStrategy)
 
-__all__ = ["MirroredStrategy", "OneDeviceStrategy", "experimental", "get_strategy", "has_strategy", "in_cross_replica_context", "get_replica_context",
-           "get_cross_replica_context", "NumpyDataset", "DatasetIterator"]
+__all__ = ["MirroredStrategy", "OneDeviceStrategy", "experimental", "get_strategy", "has_strategy",
+           "in_cross_replica_context", "get_replica_context", "get_cross_replica_context", "NumpyDataset",
+           "DatasetIterator"]
 
 # ``tf.compat.v1.distribute.MirroredStrategy`` ported verbatim reads ``md.compat.v1.distribute.MirroredStrategy``:
 # this module is that namespace too.
