@@ -200,8 +200,8 @@ def reduce_gather_local_results(X):
 @scenario()
 def distribute_dataset_splits_batches(X):
     s = X.central(TWO)
-    batches = [s.experimental_local_results(b) for b in s.experimental_distribute_dataset(X.Dataset.range(10).batch(4))]
-    return batches
+    return [[s.experimental_local_results(b)
+             for b in s.experimental_distribute_dataset(X.Dataset.range(size).batch(4))] for size in (10, 9, 5)]
 
 
 @scenario()
@@ -212,9 +212,10 @@ def datasets_from_function(X):
     def dataset_fn(ctx):
         seen.append([ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync,
                      ctx.get_per_replica_batch_size(8)])
-        return X.Dataset.range(6).batch(2)
+        return X.Dataset.range(ctx.num_replicas_in_sync * 3 - len(seen) + 1).batch(2)  # 6, then 5 rows
 
-    batches = [s.experimental_local_results(b) for b in s.distribute_datasets_from_function(dataset_fn)]
+    batches = [[s.experimental_local_results(b) for b in s.distribute_datasets_from_function(dataset_fn)]
+               for _ in range(2)]
     return [seen, batches]
 
 
