@@ -227,8 +227,8 @@ def test_gradient_accumulation_applies_the_sum_over_replicas_every_nth_step(cros
         np.testing.assert_allclose(c, m, rtol=1e-6)
 
 
-def test_dynamic_loss_scale_skips_a_step_whose_gradients_are_not_finite_on_any_replica():
-    s = CentralStorageStrategy(["/cpu:0", "/cpu:1"])
+def _dynamic_loss_scale_steps(devices, parameter_device, xp):
+    s = CentralStorageStrategy(devices, parameter_device)
     with s.scope():
         w = md.Variable(np.ones(2, np.float32))
         opt = md.mixed_precision.LossScaleOptimizer(md.optimizers.SGD(0.5), initial_scale=4.0)
@@ -238,12 +238,16 @@ def test_dynamic_loss_scale_skips_a_step_whose_gradients_are_not_finite_on_any_r
         g = np.full(2, 4.0 * (rid + 1), np.float32)
         if bad and rid == 1:
             g[0] = np.inf
-        opt.apply_gradients([(g, w)])
+        opt.apply_gradients([(xp.asarray(g), w)])
 
     s.run(step, args=(True,))
     assert w.numpy().tolist() == [1, 1] and float(opt.loss_scale) == 2.0 and int(opt.iterations.numpy()) == 0
     s.run(step, args=(False,))  # (4 + 8) / 2 = 6, times the learning rate
     assert w.numpy().tolist() == [-2, -2] and int(opt.iterations.numpy()) == 1
+
+
+def test_dynamic_loss_scale_skips_a_step_whose_gradients_are_not_finite_on_any_replica():
+    _dynamic_loss_scale_steps(["/cpu:0", "/cpu:1"], None, np)
 
 
 def test_one_fused_update_on_the_parameter_device_per_step(monkeypatch):
@@ -313,6 +317,13 @@ def test_gpu_compute_devices_train_as_mirrored_on_them(name, loss_scale, paramet
     mirrored = _train(md.MirroredStrategy(GPUS), OPTIMIZERS[name], cupy, loss_scale=loss_scale)
     for c, m in zip(central, mirrored):
         np.testing.assert_allclose(c, m, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@pytest.mark.parametrize("parameter_device", ["/cpu:0", "/gpu:0"])
+def test_gpu_dynamic_loss_scale_skips_a_step_whose_gradients_are_not_finite(parameter_device):
+    _dynamic_loss_scale_steps(GPUS, parameter_device, cupy)
 
 
 def _function_steps(strategy, compiled, xp):
