@@ -251,29 +251,31 @@ def test_dynamic_loss_scale_skips_a_step_whose_gradients_are_not_finite_on_any_r
 
 
 def test_one_fused_update_on_the_parameter_device_per_step(monkeypatch):
-    """The replicas' gradients of every variable are all-reduced in one call, and the update runs once."""
+    """The replicas' gradients of every variable are all-reduced in one call (from the second step on, one packed
+    buffer per dtype, as MirroredStrategy's), and the update runs once."""
     s = CentralStorageStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
     with s.scope():
         ws = [md.Variable(np.full(4, k, np.float32)) for k in range(10)]
         opt = md.optimizers.SGD(0.5)
     from mirrored.train.optimizers import base
 
-    calls = {"apply": 0, "batch_reduce": 0}
+    applied, reduced = [], []
     apply, batch_reduce = base._Plan.apply, type(s.extended._cross_device_ops).batch_reduce
 
-    def counted_apply(*args, **kwargs):
-        calls["apply"] += 1
-        return apply(*args, **kwargs)
+    def counted_apply(plan, device, *args, **kwargs):
+        applied.append(device)
+        return apply(plan, device, *args, **kwargs)
 
-    def counted_batch_reduce(*args, **kwargs):
-        calls["batch_reduce"] += 1
-        return batch_reduce(*args, **kwargs)
+    def counted_batch_reduce(cdo, op, pairs, options=None):
+        reduced.append(len(pairs))
+        return batch_reduce(cdo, op, pairs, options)
 
     monkeypatch.setattr(base._Plan, "apply", counted_apply)
     monkeypatch.setattr(type(s.extended._cross_device_ops), "batch_reduce", counted_batch_reduce)
-    s.run(lambda: opt.apply_gradients([(np.ones(4, np.float32), w) for w in ws]))
-    assert calls == {"apply": 1, "batch_reduce": 1}
-    assert [w.numpy()[0] for w in ws] == [k - 1.5 for k in range(10)]
+    for _ in range(3):
+        s.run(lambda: opt.apply_gradients([(np.ones(4, np.float32), w) for w in ws]))
+    assert applied == [0, 0, 0] and reduced == [10, 1, 1]
+    assert [w.numpy()[0] for w in ws] == [k - 4.5 for k in range(10)]
 
 
 # --- GPUs (simulated without one) -----------------------------------------------------------------------------
