@@ -243,7 +243,7 @@ NOT_PROVIDED = {
     "api_datasets_from_function": {"auto_shard", "build"},
     "api_distribute_module": {"ParameterServerStrategy", "Server", "TPUStrategy",
                               "coordinator"},
-    "api_distribute_experimental_module": {"CentralStorageStrategy", "CollectiveHints", "ParameterServerStrategy",
+    "api_distribute_experimental_module": {"CollectiveHints", "ParameterServerStrategy",
                                            "PreemptionWatcher", "TPUStrategy", "coordinator", "partitioners",
                                            "rpc"},
 }

@@ -692,6 +692,11 @@ class StrategyExtended:
         skips batch_reduce_to's wrapping, or None (the default: every all_reduce goes through it)."""
         return None
 
+    def _capture_refusal(self) -> str | None:
+        """Why md.function cannot capture this strategy's GPU step as CUDA graphs beyond where its replicas run
+        (e.g. where its variables live), or None (the default: nothing more)."""
+        return None
+
     def _sums_host_replicas_in_order(self) -> bool:
         """Whether a SUM batch_reduce_to of this strategy's replicas is, bit for bit, each element summed
         over the replicas in their order (``((r0 + r1) + r2) + ...``), all of them NumPy arrays in this

@@ -370,7 +370,7 @@ class Optimizer:
             # From the second step on, this replica packs its gradients into its fusion buffer
             # (in parallel with the other replicas): the all-reduce then moves one buffer per dtype.
             plan = self._plans.get(tuple(map(id, variables)))
-            if plan is not None and plan.packable and not plan.sums_replicas and aggregate and \
+            if plan is not None and plan.packs and not plan.sums_replicas and aggregate and \
                     ctx.strategy.num_replicas_in_sync > 1:
                 packed = plan.pack(ctx._local_replica_id, grads)
         # options stay out of the merged arguments: each replica may pass its own (equal)
@@ -378,6 +378,8 @@ class Optimizer:
         plan, reduced, step, update = ctx.merge_call(
             lambda strategy, merged: self._merged_replica_step(strategy, merged, variables, options, aggregate),
             args=(_ReplicaGrads(grads, packed),))
+        if update is None:  # applied in the merge
+            return step + 1
         if not update:
             plan.apply(ctx._local_replica_id, grads, step, update=False)
         elif reduced is None:
@@ -462,6 +464,8 @@ class Optimizer:
                      else self._unscale([g])[0] for g in grads]
         plan = self._plan(strategy, variables)
         step = self._advance(plan)
+        if plan.central and self.gradient_accumulation_steps and aggregate:
+            grads = self._reduced(strategy, grads, variables, options)  # (one accumulator: of the replicas' sum)
         if self.gradient_accumulation_steps:
             if not self._is_update_step(step):
                 for d in range(plan.num_devices):
@@ -480,14 +484,21 @@ class Optimizer:
         if plain:
             for k, g in zip(plain, self._clip([grads[k] for k in plain])):
                 grads[k] = g
-        distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
-        if aggregate and distributed:
-            for k, g in zip(distributed, self._all_reduce(strategy, [grads[k] for k in distributed],
-                                                          [variables[k] for k in distributed], options)):
-                grads[k] = g
+        if aggregate:
+            grads = self._reduced(strategy, grads, variables, options)
         for d in range(plan.num_devices):
             plan.apply(d, [_component(g, d) for g in grads], step)
         return step + 1
+
+    def _reduced(self, strategy, grads: list, variables, options) -> list:
+        """``grads`` with the distributed ones reduced onto their variables (one fused collective)."""
+        grads = list(grads)
+        distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
+        if distributed:
+            for k, g in zip(distributed, self._all_reduce(strategy, [grads[k] for k in distributed],
+                                                          [variables[k] for k in distributed], options)):
+                grads[k] = g
+        return grads
 
     def _merged_replica_step(self, strategy, merged, variables, options, aggregate):
         """Once per step in replica context (inside merge_call): the fused all-reduce and the bookkeeping.
@@ -502,6 +513,9 @@ class Optimizer:
         holders = merged.values if isinstance(merged, DistributedValues) else (merged,) * len(devices)
         plan = self._plan(strategy, variables)
         step = self._advance(plan)
+        if plan.central:
+            self._central_step(strategy, plan, holders, variables, step, options, aggregate)
+            return plan, None, step, None
         reduced = None
         if self.gradient_accumulation_steps:
             if not self._is_update_step(step):
@@ -522,6 +536,29 @@ class Optimizer:
             results = self._all_reduce(strategy, columns, destinations, options)
             reduced = PerReplica([[_component(g, r) for g in results] for r in range(len(holders))], devices)
         return plan, reduced, step, True
+
+    def _central_step(self, strategy, plan, holders: list, variables, step: int, options, aggregate) -> None:
+        """The step of variables kept once for all replicas (CentralStorageStrategy), in the merge: every replica's
+        gradients summed in one fused collective (from the second step on, CPU replicas' packed buffers, as
+        MirroredStrategy's), the first replica's sum taken to the variables' device (without ``aggregate``: the
+        first replica's gradients, aggregated by the caller), accumulated (``gradient_accumulation_steps``) and
+        applied there once."""
+        devices = strategy.extended.worker_devices
+        packed = None
+        if not aggregate or len(holders) == 1:
+            grads = holders[0].grads
+        elif all(h.packed is not None for h in holders):
+            columns = [PerReplica([h.packed[j] for h in holders], devices) for j in range(len(plan.groups))]
+            grads, packed = None, [_component(g, 0) for g in self._all_reduce(strategy, columns, columns, options)]
+        else:
+            grads = self._all_reduce(strategy, [PerReplica([h.grads[k] for h in holders], devices)
+                                                for k in range(len(variables))], variables, options)
+        if self.gradient_accumulation_steps:
+            if not self._is_update_step(step):
+                plan.apply(0, grads, step, update=False)
+                return
+            grads = plan.accumulated_and_clipped(0, grads)
+        plan.apply(0, grads, step, packed=packed)
 
     def _is_update_step(self, step: int) -> bool:
         """With gradient accumulation, whether ``step`` applies the accumulated gradients (Keras:
@@ -692,13 +729,22 @@ class _Plan:
         # Host replicas of one process whose all-reduce sums in replica order: no pack and no all-reduce,
         # the update sums the replicas' gradients (see _Summands).
         extended = optimizer._strategy.extended if optimizer._strategy is not None else None
+        # One copy of each variable for several local replicas (CentralStorageStrategy): the step is applied
+        # once, in the merge (see Optimizer._merged_replica_step).
+        self.central = extended is not None and self.num_devices != len(extended.worker_devices)
         self.sums_replicas = (self.packable and all(self.host) and self.num_devices > 1
                               and optimizer.gradient_aggregation == "sum" and extended is not None
                               and extended._sums_host_replicas_in_order())
+        # Whether each replica packs its gradients (see Optimizer.apply_gradients); central variables: only
+        # CPU replicas of host variables, whose packed sum the host kernel reads as it is.
+        self.packs = self.packable and (not self.central or all(self.host)
+                                        and device_util.all_cpu(tuple(extended.worker_devices)))
+        pack_devices = (extended.worker_devices if self.central and self.packs
+                        else [copies[0].device for copies in self.copies])  # (a GPU update packs there itself)
         self.fusion_buffers = [[device_util.place(np.empty(sum(self.copies[0][k]._value.size for k in indices),
-                                                           dtype), self.copies[d][0].device)
+                                                           dtype), device)
                                 for dtype, indices in self.groups.items()]
-                               for d in range(self.num_devices)] if self.packable else None
+                               for device in pack_devices] if self.packable else None
         self.gpu_tables = [None] * self.num_devices  # per device: one FusedUpdateTable per dtype
         # per device: (staged dtypes, the GradientPack of its eager steps)
         self.gpu_packs = [None] * self.num_devices
@@ -766,7 +812,7 @@ class _Plan:
     def pack(self, device: int, grads: list) -> list:
         """``grads`` copied into device ``device``'s fusion buffers, one per dtype (converted to it)."""
         buffers = self.fusion_buffers[device]
-        if self.host[device]:
+        if type(buffers[0]) is np.ndarray:
             for buffer, indices in zip(buffers, self.groups.values()):
                 np.concatenate([grads[k] for k in indices], axis=None, out=buffer)
             return buffers
