@@ -57,6 +57,20 @@ from .checkpoint_io import (_MAGIC, _MAX_INDEX, CheckpointError, NotFoundError, 
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "load_checkpoint", "CheckpointError", "NotFoundError"]
 
 _ATTRIBUTES = ".ATTRIBUTES"  # key infix of a self-saving object's tensors, as in TensorFlow's checkpoints
+_VALUE = f"{_ATTRIBUTES}/VARIABLE_VALUE"  # a variable's tensor, under its object path
+
+
+def tensor_name(path: str) -> str:
+    """The name a variable at object path ``path`` is saved under, as TensorFlow's: ``model/w/.ATTRIBUTES/VARIABLE_VALUE``."""
+    return f"{path}/{_VALUE}" if path else _VALUE
+
+
+def object_path(name: str) -> str:
+    """The object path of a saved tensor's ``name`` (the inverse of ``tensor_name``); a name without TensorFlow's
+    suffix (files of mirrored before 0.x, an iterator's state) is its own path."""
+    if name == _VALUE:
+        return ""
+    return name[:-len(_VALUE) - 1] if name.endswith("/" + _VALUE) else name
 _VERSION = 1
 _DIGEST = 32
 
@@ -451,11 +465,12 @@ def _tensorflow_hint(path: str) -> str:
 
 
 def load_checkpoint(path) -> dict:
-    """Every array of the checkpoint at ``path``, as ``{key: ndarray}`` (validated in full)."""
+    """Every array of the checkpoint at ``path``, as ``{object path: ndarray}`` (validated in full): ``model/w``
+    where ``list_variables`` says ``model/w/.ATTRIBUTES/VARIABLE_VALUE``."""
     with CheckpointReader(path) as reader:
         _check_memory(reader.path, reader.total_bytes())
         reader.verify()
-        return {key: reader.read(key) for key in reader.keys}
+        return {object_path(key): reader.read(key) for key in reader.keys}
 
 
 # --- which objects hold which variables -----------------------------------------------------------
@@ -479,21 +494,29 @@ def _walk(obj, path: str, found: dict, optimizers: list, seen: set) -> None:
         optimizers.append((path, obj))
     elif isinstance(obj, dict):
         for key in sorted(obj, key=str):
-            _walk(obj[key], f"{path}/{key}", found, optimizers, seen)
+            _walk(obj[key], _join(path, key), found, optimizers, seen)
     elif isinstance(obj, (list, tuple)):
         for i, item in enumerate(obj):
-            _walk(item, f"{path}/{i}", found, optimizers, seen)
+            _walk(item, _join(path, i), found, optimizers, seen)
     elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType)):
         # md.Module tracks its private attributes too, as tf.Module does: it names its children itself.
         children = obj._trackable_children() if hasattr(obj, "_trackable_children") else {
             key: value for key, value in vars(obj).items() if not key.startswith("_")}
         for key in sorted(children):
-            _walk(children[key], f"{path}/{key}", found, optimizers, seen)
+            _walk(children[key], _join(path, key), found, optimizers, seen)
+
+
+_ITERATIONS = "_iterations"  # an optimizer's step counter, under Keras 3's attribute name
+
+
+def _join(path: str, name) -> str:
+    """A child's object path: its name under the root object (path ``""``), else ``parent/name``."""
+    return f"{path}/{name}" if path else str(name)
 
 
 def _optimizer_state(path: str, optimizer, var_paths: dict) -> dict:
     """``key -> state variable`` of ``optimizer``; slots keyed by their variable's path."""
-    state = {} if optimizer._iterations is None else {f"{path}/iterations": optimizer._iterations}
+    state = {} if optimizer._iterations is None else {_join(path, _ITERATIONS): optimizer._iterations}
     for var, slots in optimizer._slots.values():
         var_path = var_paths.get(id(var))
         if var_path is None:
@@ -501,7 +524,7 @@ def _optimizer_state(path: str, optimizer, var_paths: dict) -> dict:
                 f"{path}: the optimizer has slots for variable {var.name!r}, which is not part of this "
                 "Checkpoint; pass the model too, e.g. md.Checkpoint(model=model, optimizer=optimizer)")
         for slot_name, slot in slots.items():
-            state[f"{path}/slots/{var_path}/{slot_name}"] = slot
+            state[_join(path, f"slots/{var_path}/{slot_name}")] = slot
     return state
 
 
@@ -616,10 +639,13 @@ class Checkpoint:
     """
 
     def __init__(self, root=None, **objects):
+        # As TensorFlow: a ``root``'s own children are saved at the top level (``w``, not ``root/w``), beside
+        # the keyword arguments.
         if root is not None:
-            objects = {"root": root, **objects}
+            _check_trackable("root", root)
         for name, obj in objects.items():
             _check_trackable(name, obj)
+        self._root = root
         self._objects = objects
         self._save_counter = None
 
@@ -630,14 +656,28 @@ class Checkpoint:
             return
         if isinstance(getattr(type(self), name, None), property):
             raise AttributeError(f"Checkpoint.{name} cannot be set; pick another name for the object")
-        _check_trackable(name, value)
+        if isinstance(value, _UNTRACKABLE):
+            # As TensorFlow: a plain value set as an attribute is kept, not saved (only the constructor refuses it).
+            self._objects.pop(name, None)
+            object.__setattr__(self, name, value)
+            return
+        self.__dict__.pop(name, None)
         self._objects[name] = value
 
     def __getattr__(self, name):
         objects = self.__dict__.get("_objects", {})
         if name in objects:
             return objects[name]
+        if name == "root" and self.__dict__.get("_root") is not None:
+            return self._root
         raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
+
+    def _trackable_children(self) -> dict:
+        """What a Checkpoint nested in another saves: its objects, and its ``save_counter`` once created."""
+        children = dict(self._objects)
+        if self._save_counter is not None:
+            children["save_counter"] = self._save_counter
+        return children
 
     @property
     def save_counter(self):
@@ -659,11 +699,13 @@ class Checkpoint:
 
     def _tracked(self):
         found, optimizers, seen = {}, [], set()
+        if self._root is not None:
+            _walk(self._root, "", found, optimizers, seen)
         for name, obj in self._objects.items():
             _walk(obj, name, found, optimizers, seen)
         return found, optimizers, seen
 
-    def _variables(self, create_for=None) -> dict:
+    def _variables(self, create_for=None, create_counter=True) -> dict:
         """``key -> variable`` of everything tracked.
 
         With ``create_for`` (the keys of a file being restored), optimizers first
@@ -674,13 +716,13 @@ class Checkpoint:
         var_paths = {id(v): p for p, v in found.items()}
         for path, opt in optimizers:
             if create_for is not None:
-                prefix = f"{path}/slots/"
+                prefix = _join(path, "slots/")
                 wanted = [v for p, v in found.items()
                           if any(k.startswith(f"{prefix}{p}/") for k in create_for)]
-                if wanted or f"{path}/iterations" in create_for:
+                if wanted or _join(path, _ITERATIONS) in create_for:
                     opt._create_state(_strategy_of(wanted or list(found.values())), wanted)
             found.update(_optimizer_state(path, opt, var_paths))
-        if create_for is not None and "save_counter" in create_for and self._save_counter is None:
+        if create_for is not None and create_counter and "save_counter" in create_for and self._save_counter is None:
             self._create_save_counter()
         if self._save_counter is not None:
             found["save_counter"] = self._save_counter
@@ -727,7 +769,7 @@ class Checkpoint:
         from ..distribute import distribute_lib
 
         variables = self._variables()
-        arrays = {key: np.asarray(var.numpy(), order="C") for key, var in variables.items()}
+        arrays = {tensor_name(key): np.asarray(var.numpy(), order="C") for key, var in variables.items()}
         arrays.update(_saveable_tensors(self._objects))
         strategy = _strategy_of(list(variables.values())) if variables else distribute_lib.get_strategy()
         if _writes_here(strategy, path):
@@ -746,15 +788,18 @@ class Checkpoint:
         ``assert_existing_objects_matched()`` on the returned status report them. ``save_path=None`` restores nothing
         (``CheckpointManager.latest_checkpoint`` is None before the first save).
         """
+        return self._load(save_path, counter=True, what="restore")
+
+    def _load(self, save_path, counter: bool, what: str) -> CheckpointLoadStatus:
         if save_path is None:
             return InitializationOnlyStatus()
-        _require_cross_replica("restore")
+        _require_cross_replica(what)
         path = _check_path(save_path, "save_path")
         from .tensorbundle import BundleReader, is_tensorflow_checkpoint, object_keys
 
         if is_tensorflow_checkpoint(path):
             with BundleReader(path) as bundle:
-                return self._restore_from(bundle, path, object_keys(bundle))
+                return self._restore_from(bundle, path, object_keys(bundle), counter)
         if os.path.isdir(path):
             raise IsADirectoryError(
                 f"save_path={path!r} is a directory; pass a checkpoint file, e.g. "
@@ -764,10 +809,23 @@ class Checkpoint:
                 errno.ENOENT, f"Failed to find any matching files for save_path={path!r}; pass a path that "
                 "save() or write() returned, e.g. md.train.latest_checkpoint(directory)", path)
         with CheckpointReader(path) as reader:
-            return self._restore_from(reader, path, {key: key for key in reader.keys})
+            return self._restore_from(reader, path, self._own_keys(reader.keys), counter)
 
-    def _restore_from(self, reader, path: str, keys: dict) -> CheckpointLoadStatus:
-        """Assign ``reader``'s arrays (``keys``: our key -> the file's key) to the tracked variables.
+    def _own_keys(self, names) -> dict:
+        """``object path -> tensor name`` of one of mirrored's files. Files of earlier versions named tensors by
+        their object path alone, and an optimizer's counter ``iterations``: those are found too."""
+        keys = {object_path(name): name for name in names}
+        for path, _ in self._tracked()[1]:
+            legacy, current = _join(path, "iterations"), _join(path, _ITERATIONS)
+            if current not in keys and keys.get(legacy) == legacy:
+                keys[current] = keys.pop(legacy)
+        return keys
+
+    def _restore_from(self, reader, path: str, keys: dict, counter: bool) -> CheckpointLoadStatus:
+        """Assign ``reader``'s arrays (``keys``: object path -> the file's tensor name) to the tracked variables.
+
+        ``counter``: whether ``save_counter`` is created (``restore``) or left alone when not yet created
+        (``read``, whose files come from ``write``), as TensorFlow's.
 
         Shapes and dtypes are checked, and the file's checksums verified, before
         the first assignment; then one array is read and assigned at a time, so the memory needed is
@@ -776,7 +834,7 @@ class Checkpoint:
         # One entry at a time must fit in memory (asked before hashing a file of, say, a sparse terabyte).
         _check_memory(path, max((reader.entry(k).nbytes for k in keys.values()), default=0))
         reader.verify(list(keys.values()))  # before anything is created or assigned
-        variables = self._variables(create_for=keys)
+        variables = self._variables(create_for=keys, create_counter=counter)
         problems, unmatched = [], []
         for key, var in variables.items():
             if key not in keys:
@@ -791,7 +849,8 @@ class Checkpoint:
                                 f"variable is {np.dtype(var.dtype)}{list(var.shape)}")
         if problems:
             raise CheckpointError(
-                f"path={path!r} does not fit the objects of this Checkpoint; nothing was restored:\n  "
+                f"path={path!r} does not fit the objects of this Checkpoint (a shape or dtype mismatch); nothing "
+                "was restored:\n  "
                 + "\n  ".join(problems)
                 + "\nbuild the model with the shapes it was saved with, or pass the objects it was saved from")
         restored = [key for key in variables if key in keys]
@@ -801,8 +860,9 @@ class Checkpoint:
         return CheckpointLoadStatus(path, set(keys) - set(restored), restored, unmatched)
 
     def read(self, save_path, options=None) -> CheckpointLoadStatus:
-        """Load a file written by ``write`` (or ``save``): the same as ``restore``."""
-        return self.restore(save_path, options=options)
+        """Load a file written by ``write`` (or ``save``) as ``restore`` does, except that ``save_counter`` is
+        restored only if it exists already (as TensorFlow's: a file from ``save`` then leaves it unclaimed)."""
+        return self._load(save_path, counter=False, what="read")
 
 
 # --- objects that save themselves (md.data iterators) -----------------------------------------------

@@ -43,11 +43,12 @@ import numpy as np
 from .tensorbundle import BundleReader, is_tensorflow_checkpoint
 from .checkpoint import (STATE_FILE, Checkpoint, CheckpointError, CheckpointLoadStatus, CheckpointReader,
                          NotFoundError, _check_memory, _write_state, load_checkpoint, open_regular_file,
-                         sweep_stale_temporaries)
+                         sweep_stale_temporaries, tensor_name)
+from .checkpoint_io import KeyNotFoundError
 
 __all__ = ["Checkpoint", "CheckpointManager", "CheckpointState", "CheckpointLoadStatus", "CheckpointError",
-           "NotFoundError", "latest_checkpoint", "get_checkpoint_state", "list_variables", "load_variable",
-           "load_checkpoint"]
+           "NotFoundError", "latest_checkpoint", "get_checkpoint_state", "checkpoints_iterator", "list_variables",
+           "load_variable", "load_checkpoint"]
 
 _MAX_STATE_BYTES = 16 << 20  # about 100,000 checkpoints listed
 
@@ -127,6 +128,46 @@ def latest_checkpoint(checkpoint_dir, latest_filename=None):
     return None
 
 
+_POLL_SECONDS = 1.0  # how often checkpoints_iterator looks at the state file, as TensorFlow's
+
+
+def _wait_for_new_checkpoint(checkpoint_dir, last, timeout):
+    """The directory's latest checkpoint once it is not ``last``; None when ``timeout`` seconds pass first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        path = latest_checkpoint(checkpoint_dir)
+        if path is not None and path != last:
+            return path
+        if deadline is not None and time.monotonic() + _POLL_SECONDS > deadline:
+            return None
+        time.sleep(_POLL_SECONDS)
+
+
+def checkpoints_iterator(checkpoint_dir, min_interval_secs=0, timeout=None, timeout_fn=None):
+    """Yield each new latest checkpoint of ``checkpoint_dir`` as it appears, as ``tf.train.checkpoints_iterator``.
+
+    The first is the latest at the call (if any). With ``timeout``, after that many seconds without a new one
+    the iterator ends, unless ``timeout_fn`` is given and returns False (then it waits again). Consecutive
+    yields are at least ``min_interval_secs`` apart.
+    """
+    for value, argument in ((min_interval_secs, "min_interval_secs"), (timeout, "timeout")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise ValueError(f"{argument}={value!r}: expected a non-negative number of seconds")
+    last = None
+    while True:
+        path = _wait_for_new_checkpoint(checkpoint_dir, last, timeout)
+        if path is None:
+            if timeout_fn is None or timeout_fn():
+                return
+            continue
+        started = time.monotonic()
+        last = path
+        yield path
+        pause = started + min_interval_secs - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+
+
 def _checkpoint_file(ckpt_dir_or_file) -> str:
     path = os.fspath(ckpt_dir_or_file)
     if os.path.isdir(path):
@@ -154,10 +195,15 @@ def list_variables(ckpt_dir_or_file) -> list:
 
 
 def load_variable(ckpt_dir_or_file, name: str):
-    """The saved value of ``name`` (a key of ``list_variables``) as a NumPy array, its checksum verified."""
+    """The saved value of ``name`` (a name of ``list_variables``; a trailing ``:0`` is ignored, as TensorFlow's)
+    as a NumPy array, its checksum verified."""
+    if name.endswith(":0"):
+        name = name[:-2]
     with _open(ckpt_dir_or_file) as reader:
         if name not in reader.keys:
-            raise KeyError(f"name={name!r} is not in the checkpoint {reader.path!r}; it holds {sorted(reader.keys)}")
+            hint = f"; did you mean {tensor_name(name)!r}?" if tensor_name(name) in reader.keys else ""
+            raise KeyNotFoundError(f"Key {name} not found in checkpoint {reader.path!r}{hint} It holds "
+                                   f"{sorted(reader.keys)}")
         _check_memory(reader.path, reader.entry(name).nbytes)  # before hashing a (possibly sparse) huge file
         reader.verify([name])
         return reader.read(name)
