@@ -76,6 +76,20 @@ def _every_replica_resumes(got, want):
     assert_same(got["resumed"], want["continued"], "result.resumed")
 
 
+def _directory_named(got, want):
+    # TF tries to open the directory as a TensorBundle table (DataLossError); mirrored says what to pass.
+    assert want["raises"][0] == "DataLossError"
+    assert "IsADirectoryError" in got["raises"], got
+    assert_words(got, ("is a directory", "latest_checkpoint"))
+
+
+def _prefix_must_be_a_path(got, want):
+    # TF converts the int 123 to the string "123" and saves "123-1" in the working directory.
+    assert want == "123-1"
+    assert "TypeError" in got["raises"], got
+    assert_words(got, ("file_prefix=123", "path"))
+
+
 # (scenario, replicas) -> a check of mirrored's result where it differs from TensorFlow's on purpose
 # (docs/tf_semantics.md says why); each also asserts what TF recorded, so a change on either side is noticed.
 DELIBERATE = {
@@ -83,6 +97,8 @@ DELIBERATE = {
     ("ck_optimizer_names", 1): _slots_keyed_by_variable,
     ("ck_sgd_momentum_resume", 2): _every_replica_resumes,
     ("ck_adam_resume", 2): _every_replica_resumes,
+    ("ck_restore_directory", 1): _directory_named,
+    ("ck_save_bad_prefix_type", 1): _prefix_must_be_a_path,
 }
 
 

@@ -673,3 +673,122 @@ def fn_load_variable_trailing_colon(X, n, tmp):
 @scenario(ONE)
 def fn_list_variables_missing(X, n, tmp):
     return X.train.list_variables(os.path.join(tmp, "nope"))
+
+
+# --- more of the contract: relative directories, deferred restoration, kept-for-good checkpoints ---------------
+
+class _InDirectory:
+    """Run with ``tmp`` as the working directory, so relative paths are what a user passes."""
+
+    def __init__(self, tmp):
+        self._tmp, self._old = tmp, None
+
+    def __enter__(self):
+        self._old = os.getcwd()
+        os.chdir(self._tmp)
+
+    def __exit__(self, *exc):
+        os.chdir(self._old)
+
+
+@scenario(ONE)
+def rel_manager_paths(X, n, tmp):
+    with _InDirectory(tmp):
+        manager = X.CheckpointManager(X.Checkpoint(v=var(X, n, 1.0)), "run", max_to_keep=2)
+        paths = [manager.save() for _ in range(3)]
+        return {"paths": paths, "directory": manager.directory, "checkpoints": list(manager.checkpoints),
+                "latest": manager.latest_checkpoint, "tf_latest": X.train.latest_checkpoint("run"),
+                "state": X.train.get_checkpoint_state("run").model_checkpoint_path,
+                "reopened": list(X.CheckpointManager(X.Checkpoint(v=var(X, n, 1.0)), "run", 2).checkpoints)}
+
+
+@scenario(ONE)
+def rel_checkpoint_paths(X, n, tmp):
+    with _InDirectory(tmp):
+        ckpt = X.Checkpoint(v=var(X, n, 1.0))
+        return {"save": ckpt.save("out/ckpt"), "write": ckpt.write("out/w"),
+                "latest": X.train.latest_checkpoint("out"), "dot": ckpt.save("ckpt")}
+
+
+@scenario(ONE)
+def ck_restore_write_file_with_restore(X, n, tmp):
+    v = var(X, n, 2.0)
+    path = X.Checkpoint(v=v).write(os.path.join(tmp, "w"))
+    other = X.Checkpoint(v=var(X, n, 0.0))
+    status = other.restore(path)
+    return {"checks": statuses(status), "counter": arr(other.save_counter)}
+
+
+@scenario(ONE, words=())
+def ck_restore_directory(X, n, tmp):
+    ckpt = X.Checkpoint(v=var(X, n, 1.0))
+    ckpt.save(os.path.join(tmp, "ckpt"))
+    return ckpt.restore(tmp)
+
+
+@scenario(ONE)
+def ck_deferred_module_attribute(X, n, tmp):
+    m = X.Module()
+    m.w = var(X, n, [1.0, 2.0])
+    path = X.Checkpoint(model=m).save(os.path.join(tmp, "ckpt"))
+    fresh = X.Module()
+    status = X.Checkpoint(model=fresh).restore(path)
+    before = statuses(status)
+    fresh.w = var(X, n, [0.0, 0.0])  # created after the restore
+    return {"before": before, "w": arr(fresh.w), "after": statuses(status)}
+
+
+@scenario(ONE)
+def ck_deferred_checkpoint_attribute(X, n, tmp):
+    path = X.Checkpoint(v=var(X, n, [1.0, 2.0])).save(os.path.join(tmp, "ckpt"))
+    ckpt = X.Checkpoint()
+    status = ckpt.restore(path)
+    ckpt.v = var(X, n, [0.0, 0.0])
+    return {"v": arr(ckpt.v), "after": statuses(status)}
+
+
+@scenario(ONE)
+def mgr_keep_every_n_hours(X, n, tmp):
+    # A tiny number of hours: every checkpoint pushed out of max_to_keep is kept on disk for good.
+    manager = X.CheckpointManager(X.Checkpoint(v=var(X, n, 1.0)), tmp, max_to_keep=2,
+                                  keep_checkpoint_every_n_hours=1e-9)
+    for _ in range(4):
+        manager.save()
+    return {"checkpoints": [rel(tmp, p) for p in manager.checkpoints], "files": files(tmp),
+            "state": state_lines(tmp)}
+
+
+@scenario(ONE)
+def mgr_restore_or_initialize_sets_interval_step(X, n, tmp):
+    step = X.Variable(X.const(4, "int64"))
+    ckpt = X.Checkpoint(step=step)
+    first = X.CheckpointManager(ckpt, tmp, max_to_keep=None, step_counter=step, checkpoint_interval=3)
+    first.save()
+    second = X.CheckpointManager(ckpt, tmp, max_to_keep=None, step_counter=step, checkpoint_interval=3)
+    second.restore_or_initialize()
+    out = []
+    for i in (5, 6, 7):
+        step.assign(X.const(i, "int64"))
+        out.append(rel(tmp, second.save()))
+    return out
+
+
+@scenario(ONE)
+def fn_get_checkpoint_state_other_filename(X, n, tmp):
+    X.Checkpoint(v=var(X, n, 1.0)).save(os.path.join(tmp, "ckpt"))
+    os.rename(os.path.join(tmp, "checkpoint"), os.path.join(tmp, "state"))
+    state = X.train.get_checkpoint_state(tmp, latest_filename="state")
+    return {"latest": rel(tmp, state.model_checkpoint_path), "default": X.train.get_checkpoint_state(tmp),
+            "tf_latest": rel(tmp, X.train.latest_checkpoint(tmp, "state"))}
+
+
+@scenario(ONE)
+def fn_list_variables_manager_dir(X, n, tmp):
+    manager = X.CheckpointManager(X.Checkpoint(v=var(X, n, 1.0), w=var(X, n, [1, 2], "int64")), tmp, 2)
+    manager.save()
+    return names(X, tmp)
+
+
+@scenario(ONE)
+def ck_save_bad_prefix_type(X, n, tmp):
+    return X.Checkpoint(v=var(X, n, 1.0)).save(123)

@@ -48,6 +48,7 @@ import struct
 import threading
 import types
 import uuid
+import weakref
 
 import numpy as np
 
@@ -509,6 +510,71 @@ def _walk(obj, path: str, found: dict, optimizers: list, seen: set) -> None:
 _ITERATIONS = "_iterations"  # an optimizer's step counter, under Keras 3's attribute name
 
 
+def _children(obj) -> dict:
+    """``name -> child`` of a tracked container or object, as ``_walk`` names them."""
+    if isinstance(obj, dict):
+        return {str(key): value for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return {str(i): item for i, item in enumerate(obj)}
+    if hasattr(obj, "_trackable_children"):
+        return obj._trackable_children()
+    if hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType)):
+        return {key: value for key, value in vars(obj).items() if not key.startswith("_")}
+    return {}
+
+
+# --- deferred restoration: values restored before their variables exist ------------------------------------
+
+_DEFERRED = weakref.WeakKeyDictionary()  # holder -> {path below it: _Pending}
+
+
+class _Pending:
+    """A restored value waiting for its variable; read from the file when a holder is found for it."""
+
+    def __init__(self, path: str, key: str, status, read):
+        self.path, self.key, self.status, self._read, self._value = path, key, status, read, None
+
+    def value(self) -> np.ndarray:
+        if self._value is None:
+            self._value = self._read()
+            self._read = None  # the reader is closed once restore() returns
+        return self._value
+
+
+def _defer(obj, path: str, pending: _Pending, assign: bool = True) -> None:
+    """Assign ``pending`` to the variable at ``path`` below ``obj``, or leave it with the deepest existing object
+    that will be told of a new child (a class with ``_defers_restoration``: md.Module, Checkpoint); a value
+    with no such holder is dropped (the status still reports it). ``assign=False``: a variable found there is
+    already restored under another path (the first path names a shared variable), so it is left alone."""
+    names = path.split("/") if path else []
+    for i, name in enumerate(names):
+        children = _children(obj)
+        if name not in children:
+            if getattr(type(obj), "_defers_restoration", False):
+                pending.value()
+                _DEFERRED.setdefault(obj, {})["/".join(names[i:])] = pending
+            return
+        obj = children[name]
+    if assign and _is_variable(obj):
+        value = pending.value()
+        if tuple(value.shape) != tuple(obj.shape) or value.dtype != np.dtype(obj.dtype):
+            raise CheckpointError(
+                f"path={pending.path!r}: {pending.key} has {value.dtype}{list(value.shape)} (a shape or dtype "
+                f"mismatch), the variable attached there is {np.dtype(obj.dtype)}{list(obj.shape)}; create it "
+                "with the shape and dtype it was saved with")
+        obj.assign(value)
+        pending.status._claim(pending.key)
+
+
+def attached(holder, name: str, value) -> None:
+    """``holder.name = value`` happened: restore into ``value`` what a restore left waiting there."""
+    waiting = _DEFERRED.get(holder)
+    if not waiting:
+        return
+    for path in [p for p in waiting if p == name or p.startswith(name + "/")]:
+        _defer(value, path[len(name) + 1:], waiting.pop(path))
+
+
 def _join(path: str, name) -> str:
     """A child's object path: its name under the root object (path ``""``), else ``parent/name``."""
     return f"{path}/{name}" if path else str(name)
@@ -567,6 +633,11 @@ class CheckpointLoadStatus:
             raise AssertionError(f"nothing in checkpoint {self._save_path!r} matched an object of this "
                                  "Checkpoint; pass the objects it was saved from")
         return self
+
+    def _claim(self, key: str) -> None:
+        """``key`` was restored later, into a variable created after the restore (deferred restoration)."""
+        self._unused.remove(key)
+        self._restored.append(key)
 
     def expect_partial(self) -> "CheckpointLoadStatus":
         """Mark entries of the file that no object claims as expected (e.g. a model-only restore)."""
@@ -638,6 +709,8 @@ class Checkpoint:
     return a status with ``assert_consumed()`` and ``expect_partial()``.
     """
 
+    _defers_restoration = True  # __setattr__ calls attached()
+
     def __init__(self, root=None, **objects):
         # As TensorFlow: a ``root``'s own children are saved at the top level (``w``, not ``root/w``), beside
         # the keyword arguments.
@@ -663,6 +736,7 @@ class Checkpoint:
             return
         self.__dict__.pop(name, None)
         self._objects[name] = value
+        attached(self, name, value)
 
     def __getattr__(self, name):
         objects = self.__dict__.get("_objects", {})
@@ -673,8 +747,9 @@ class Checkpoint:
         raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
 
     def _trackable_children(self) -> dict:
-        """What a Checkpoint nested in another saves: its objects, and its ``save_counter`` once created."""
-        children = dict(self._objects)
+        """What a Checkpoint saves: its root's children, its objects, and its ``save_counter`` once created."""
+        children = {} if self._root is None else _children(self._root)
+        children.update(self._objects)
         if self._save_counter is not None:
             children["save_counter"] = self._save_counter
         return children
@@ -722,7 +797,7 @@ class Checkpoint:
                 if wanted or _join(path, _ITERATIONS) in create_for:
                     opt._create_state(_strategy_of(wanted or list(found.values())), wanted)
             found.update(_optimizer_state(path, opt, var_paths))
-        if create_for is not None and create_counter and "save_counter" in create_for and self._save_counter is None:
+        if create_for is not None and create_counter and self._save_counter is None:
             self._create_save_counter()
         if self._save_counter is not None:
             found["save_counter"] = self._save_counter
@@ -838,10 +913,9 @@ class Checkpoint:
         problems, unmatched = [], []
         for key, var in variables.items():
             if key not in keys:
-                # As TensorFlow: the variable keeps its value; the status's assertions report it.
-                # Files written by write() have no save_counter: the counter stays, unreported.
-                if key != "save_counter":
-                    unmatched.append(key)
+                # As TensorFlow: the variable keeps its value; the status's assertions report it (the
+                # save_counter too, when restore() reads a file of write(): TF's advice is read() for those).
+                unmatched.append(key)
                 continue
             entry = reader.entry(keys[key])
             if tuple(entry.shape) != tuple(var.shape) or entry.dtype != np.dtype(var.dtype):
@@ -857,7 +931,13 @@ class Checkpoint:
         for key in restored:
             variables[key].assign(reader.read(keys[key]))
         restored += _restore_saveables(self._objects, keys, lambda key: reader.read(keys[key]), unmatched)
-        return CheckpointLoadStatus(path, set(keys) - set(restored), restored, unmatched)
+        status = CheckpointLoadStatus(path, set(keys) - set(restored), restored, unmatched)
+        # As TensorFlow: a value whose variable does not exist yet waits on the object that will hold it
+        # (an md.Module, a Checkpoint) and is assigned when the variable is attached there.
+        for key in status._unused:
+            if key != "save_counter" and f"/{_ATTRIBUTES}/" not in f"/{key}":
+                _defer(self, key, _Pending(path, key, status, lambda name=keys[key]: reader.read(name)), assign=False)
+        return status
 
     def read(self, save_path, options=None) -> CheckpointLoadStatus:
         """Load a file written by ``write`` (or ``save``) as ``restore`` does, except that ``save_counter`` is

@@ -250,7 +250,9 @@ class CheckpointManager:
         if not checkpoint_name or os.sep in checkpoint_name:
             raise ValueError(f"checkpoint_name={checkpoint_name!r}: expected a file name without a directory")
         self._checkpoint = checkpoint
-        self._directory = os.path.abspath(os.fspath(directory))
+        # As given (a relative directory gives relative paths, as TensorFlow's); files are matched by absolute path.
+        self._directory = os.fsdecode(os.fspath(directory))
+        self._absolute_directory = os.path.abspath(self._directory)
         self._max_to_keep = max_to_keep
         self._keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours
         self._checkpoint_name = checkpoint_name
@@ -339,7 +341,7 @@ class CheckpointManager:
         self._sweep(delete_files=wrote)
         if wrote:
             self._record_state()
-            sweep_stale_temporaries(self._directory, lambda target: bool(self._numbered.fullmatch(target))
+            sweep_stale_temporaries(self._absolute_directory, lambda target: bool(self._numbered.fullmatch(target))
                                     or target == STATE_FILE)
         return path
 
@@ -361,10 +363,11 @@ class CheckpointManager:
     def _owns(self, path: str) -> bool:
         """Whether ``path`` is one of this manager's checkpoints: ``{directory}/{checkpoint_name}-N``."""
         path = os.path.abspath(path)
-        return os.path.dirname(path) == self._directory and bool(self._numbered.fullmatch(os.path.basename(path)))
+        return (os.path.dirname(path) == self._absolute_directory
+                and bool(self._numbered.fullmatch(os.path.basename(path))))
 
     def _record_state(self) -> None:
-        _write_state(self._directory, self._latest_checkpoint, list(self._maybe_delete),
+        _write_state(self._absolute_directory, self._latest_checkpoint, list(self._maybe_delete),
                      list(self._maybe_delete.values()), self._last_preserved_timestamp)
 
     def _sweep(self, delete_files: bool) -> None:
