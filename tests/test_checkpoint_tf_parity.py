@@ -155,3 +155,146 @@ def test_matches_tensorflow(name, n, tmp_path):
     assert_same(got, want)
     if isinstance(want, dict) and "raises" in want:
         assert_words(got, words)
+
+
+# --- what the audit added, against NumPy ----------------------------------------------------------------------
+
+_VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def _two_replicas():
+    return md.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+def test_files_of_earlier_versions_still_restore(tmp_path):
+    # Before the audit, tensors were named by their object path alone and the optimizer's counter "iterations".
+    momentum = np.array([0.5, -0.25], np.float32)
+    path = str(tmp_path / "old-3")
+    md.checkpoint._write_atomic(path, {"model/w": np.array([3.0, 4.0], np.float32),
+                                       "optimizer/iterations": np.int64(7),
+                                       "optimizer/slots/model/w/momentum": momentum, "save_counter": np.int64(3)})
+    strategy = _two_replicas()
+    with strategy.scope():
+        model = {"w": md.Variable(np.zeros(2, np.float32))}
+        opt = md.optimizers.SGD(0.1, momentum=0.9)
+    ckpt = md.train.Checkpoint(model=model, optimizer=opt)
+    ckpt.restore(path).assert_consumed()
+    assert int(opt.iterations.numpy()) == 7 and int(ckpt.save_counter.numpy()) == 3
+    np.testing.assert_array_equal(opt.get_slot(model["w"], "momentum").numpy(), momentum)
+    grad = np.array([1.0, 2.0], np.float32)
+    strategy.run(lambda: opt.apply_gradients([(grad, model["w"])]))
+    velocity = 0.9 * momentum - 0.1 * (2 * grad)  # Keras' SGD momentum; the 2 replicas' gradients summed
+    for copy in model["w"].values:
+        np.testing.assert_allclose(copy.numpy(), np.array([3.0, 4.0]) + velocity, rtol=1e-6)
+    assert [name for name, _ in md.train.list_variables(ckpt.save(str(tmp_path / "new")))] == [
+        "model/w" + _VALUE, "optimizer/_iterations" + _VALUE, "optimizer/slots/model/w/momentum" + _VALUE,
+        "save_counter" + _VALUE]
+
+
+def test_load_variable_names_as_tensorflow(tmp_path):
+    values = {"a": np.arange(6, dtype=np.int32).reshape(2, 3), "b": np.float16(1.5)}
+    path = md.train.Checkpoint(**{k: md.Variable(v) for k, v in values.items()}).write(str(tmp_path / "w"))
+    assert md.train.list_variables(path) == [("a" + _VALUE, [2, 3]), ("b" + _VALUE, [])]
+    for key, value in values.items():
+        for name in (key + _VALUE, key + _VALUE + ":0"):
+            got = md.train.load_variable(path, name)
+            assert got.dtype == np.asarray(value).dtype
+            np.testing.assert_array_equal(got, value)
+    with pytest.raises(md.train.NotFoundError, match="Key a not found in checkpoint.*did you mean 'a/.ATTRIBUTES") \
+            as info:
+        md.train.load_variable(path, "a")
+    assert isinstance(info.value, KeyError)  # what mirrored raised before, still caught by `except KeyError`
+    assert md.checkpoint.load_checkpoint(path).keys() == {"a", "b"}  # mirrored's own: by object path
+
+
+def test_checkpoints_iterator_yields_each_new_checkpoint_until_told_to_stop(tmp_path):
+    import threading
+
+    manager = md.train.CheckpointManager(md.train.Checkpoint(v=md.Variable(np.float32(1.0))), str(tmp_path), 5)
+    manager.save()
+    seen, wanted = [], threading.Event()
+    saved_all = threading.Event()
+
+    def saver():  # a training job saving whenever the evaluator asks
+        for _ in range(2):
+            wanted.wait()
+            wanted.clear()
+            manager.save()
+        saved_all.set()
+
+    thread = threading.Thread(target=saver)
+    thread.start()
+    try:
+        for path in md.train.checkpoints_iterator(str(tmp_path), timeout=0.5,
+                                                  timeout_fn=lambda: saved_all.is_set() and len(seen) == 3):
+            seen.append(os.path.basename(path))
+            wanted.set()
+    finally:
+        wanted.set()
+        thread.join()
+    assert seen == ["ckpt-1", "ckpt-2", "ckpt-3"]
+    assert list(md.train.checkpoints_iterator(str(tmp_path / "none"), timeout=0)) == []
+    for bad in ({"timeout": -1}, {"min_interval_secs": "1"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            next(md.train.checkpoints_iterator(str(tmp_path), **bad))
+
+
+def test_variables_attached_after_restore_get_their_values(tmp_path):
+    strategy = _two_replicas()
+    with strategy.scope():
+        model = md.Module()
+        model.dense = md.Module()
+        model.dense.w = md.Variable(np.arange(6, dtype=np.float32).reshape(2, 3))
+        model.b = md.Variable(np.float64([1.5, -2.5]))
+    path = md.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+    fresh = md.Module()
+    status = md.train.Checkpoint(model=fresh).restore(path)
+    with pytest.raises(AssertionError, match="Unresolved object"):
+        status.assert_consumed()
+    with strategy.scope():
+        fresh.b = md.Variable(np.zeros(2, np.float64))
+        dense = md.Module()
+        dense.w = md.Variable(np.zeros((2, 3), np.float32))
+    fresh.dense = dense  # the value waits on `fresh` and moves to `dense`, which has w already
+    for copy in fresh.dense.w.values:
+        np.testing.assert_array_equal(copy.numpy(), np.arange(6).reshape(2, 3))
+    for copy in fresh.b.values:
+        np.testing.assert_array_equal(copy.numpy(), [1.5, -2.5])
+    status.assert_consumed()
+
+    other = md.Module()
+    md.train.Checkpoint(model=other).restore(path)
+    with pytest.raises(md.train.CheckpointError, match=r"model/b has float64\[2\].*float64\[3\]"):
+        other.b = md.Variable(np.zeros(3, np.float64))
+    later = {}
+    md.train.Checkpoint(model=later).restore(path)
+    later["b"] = md.Variable(np.zeros(2))  # a dict is no md.Module: nothing is told of its new keys
+    np.testing.assert_array_equal(later["b"].numpy(), [0.0, 0.0])
+
+
+def test_a_relative_manager_directory_stays_relative_and_deletes_only_its_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("run")
+    with open(os.path.join("run", "notes.txt"), "w") as f:
+        f.write("keep")
+    manager = md.train.CheckpointManager(md.train.Checkpoint(v=md.Variable(np.float32(1.0))), "run", max_to_keep=1)
+    assert [manager.save() for _ in range(3)] == [os.path.join("run", f"ckpt-{i}") for i in (1, 2, 3)]
+    assert manager.directory == "run" and manager.checkpoints == [os.path.join("run", "ckpt-3")]
+    assert sorted(os.listdir("run")) == ["checkpoint", "ckpt-3", "notes.txt"]
+    monkeypatch.chdir(tmp_path / "run")
+    assert md.train.latest_checkpoint(".") == os.path.join(".", "ckpt-3")
+
+
+def test_a_root_objects_children_are_saved_at_the_top(tmp_path):
+    root = md.Module()
+    root.w = md.Variable(np.float32([1.0, 2.0]))
+    extra = md.Variable(np.int64(5))
+    path = md.train.Checkpoint(root, extra=extra).save(str(tmp_path / "ckpt"))
+    assert [name for name, _ in md.train.list_variables(path)] == ["extra" + _VALUE, "save_counter" + _VALUE,
+                                                                   "w" + _VALUE]
+    fresh = md.Module()
+    fresh.w = md.Variable(np.float32([0.0, 0.0]))
+    ckpt = md.train.Checkpoint(fresh, extra=md.Variable(np.int64(0)))
+    ckpt.restore(path).assert_consumed()
+    assert ckpt.root is fresh and int(ckpt.extra.numpy()) == 5
+    np.testing.assert_array_equal(fresh.w.numpy(), [1.0, 2.0])

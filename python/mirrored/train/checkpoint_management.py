@@ -138,9 +138,11 @@ def _wait_for_new_checkpoint(checkpoint_dir, last, timeout):
         path = latest_checkpoint(checkpoint_dir)
         if path is not None and path != last:
             return path
-        if deadline is not None and time.monotonic() + _POLL_SECONDS > deadline:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
             return None
-        time.sleep(_POLL_SECONDS)
+        # Sleep out a short timeout too (TF returns at once), so a timeout_fn loop never spins.
+        time.sleep(_POLL_SECONDS if left is None else min(_POLL_SECONDS, left))
 
 
 def checkpoints_iterator(checkpoint_dir, min_interval_secs=0, timeout=None, timeout_fn=None):
