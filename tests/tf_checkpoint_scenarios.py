@@ -791,4 +791,65 @@ def fn_list_variables_manager_dir(X, n, tmp):
 
 @scenario(ONE)
 def ck_save_bad_prefix_type(X, n, tmp):
-    return X.Checkpoint(v=var(X, n, 1.0)).save(123)
+    with _InDirectory(tmp):  # TF writes there
+        return X.Checkpoint(v=var(X, n, 1.0)).save(123)
+
+
+# --- bad input and numbering after a restore ---------------------------------------------------------------
+
+@scenario(ONE)
+def mgr_checkpoint_interval_zero(X, n, tmp):
+    step = X.Variable(X.const(0, "int64"))
+    return X.CheckpointManager(X.Checkpoint(step=step), tmp, 1, step_counter=step, checkpoint_interval=0)
+
+
+@scenario(ONE)
+def mgr_numbering_continues_after_restore(X, n, tmp):
+    first = X.CheckpointManager(X.Checkpoint(v=var(X, n, 1.0)), tmp, max_to_keep=2)
+    for _ in range(3):
+        first.save()
+    ckpt = X.Checkpoint(v=var(X, n, 0.0))
+    second = X.CheckpointManager(ckpt, tmp, max_to_keep=2)
+    restored = rel(tmp, second.restore_or_initialize())
+    return {"restored": restored, "counter": arr(ckpt.save_counter), "next": rel(tmp, second.save()),
+            "checkpoints": [rel(tmp, p) for p in second.checkpoints]}
+
+
+@scenario(ONE)
+def mgr_checkpoint_number_numpy(X, n, tmp):
+    manager = X.CheckpointManager(X.Checkpoint(v=var(X, n, 1.0)), tmp, max_to_keep=2)
+    return rel(tmp, manager.save(checkpoint_number=np.int64(5)))
+
+
+@scenario(ONE)
+def ck_restore_twice(X, n, tmp):
+    v = var(X, n, 1.0)
+    ckpt = X.Checkpoint(v=v)
+    first = ckpt.save(os.path.join(tmp, "ckpt"))
+    v.assign(X.const(2.0, "float32"))
+    ckpt.save(os.path.join(tmp, "ckpt"))
+    ckpt.restore(first)
+    at_first = arr(v)
+    status = ckpt.restore(X.train.latest_checkpoint(tmp))
+    return {"at_first": at_first, "at_latest": arr(v), "counter": arr(ckpt.save_counter), "checks": statuses(status)}
+
+
+@scenario(ONE, words=())
+def fn_list_variables_garbage_file(X, n, tmp):
+    path = os.path.join(tmp, "garbage")
+    with open(path, "wb") as f:
+        f.write(b"not a checkpoint at all" * 10)
+    return X.train.list_variables(path)
+
+
+@scenario((2,))
+def ck_save_then_restore_under_other_strategy_size(X, n, tmp):
+    model, opt = _model_and_optimizer(X, 1, _sgd, [1.0, -1.0])
+    _train_step(X, 1, model, opt, [0.5, 0.25])
+    path = X.Checkpoint(model=model, optimizer=opt).save(os.path.join(tmp, "ckpt"))
+    model2, opt2 = _model_and_optimizer(X, 2, _sgd, [0.0, 0.0])
+    status = X.Checkpoint(model=model2, optimizer=opt2).restore(path)
+    before_first_step = statuses(status)
+    _train_step(X, 2, model2, opt2, [0.5, 0.5])
+    return {"w": replicas(model2["w"])[0], "iterations": arr(opt2.iterations), "before": before_first_step,
+            "after": statuses(status)}

@@ -247,8 +247,8 @@ class CheckpointManager:
             if step_counter is None:
                 raise ValueError("`step_counter` should be passed if `checkpoint_interval` is not None.")
             if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) \
-                    or checkpoint_interval <= 0:
-                raise ValueError(f"checkpoint_interval={checkpoint_interval!r}: expected a positive int of steps")
+                    or checkpoint_interval < 0:  # 0, as TF: every save() at a new step
+                raise ValueError(f"checkpoint_interval={checkpoint_interval!r}: expected a non-negative int of steps")
         if not checkpoint_name or os.sep in checkpoint_name:
             raise ValueError(f"checkpoint_name={checkpoint_name!r}: expected a file name without a directory")
         self._checkpoint = checkpoint
