@@ -63,7 +63,8 @@ def _slots_keyed_by_variable(got, want):
                                           "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE",
                                           "optimizer/_learning_rate/.ATTRIBUTES/VARIABLE_VALUE",
                                           "optimizer/_variables/2/.ATTRIBUTES/VARIABLE_VALUE"]
-    assert got == [["model/w/.ATTRIBUTES/VARIABLE_VALUE", [2]], ["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE", []],
+    assert got == [["model/w/.ATTRIBUTES/VARIABLE_VALUE", [2]],
+                   ["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE", []],
                    ["optimizer/slots/model/w/momentum/.ATTRIBUTES/VARIABLE_VALUE", [2]]]
 
 

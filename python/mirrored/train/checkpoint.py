@@ -12,8 +12,12 @@ Python numbers cannot be tracked (a restore could not write them back): pass
 What is saved: every ``md.Variable`` reachable from the keyword arguments —
 directly, in dicts/lists/tuples, or as public attributes of plain objects
 (a model class) — under its path (``model/w1``, ``model/layers/0/b``), and for
-an optimizer its ``iterations`` and its slot variables, keyed by the path of
-the variable they belong to (``optimizer/slots/model/w1/m``). Values are the
+an optimizer its step counter ``_iterations`` and its slot variables, keyed by
+the path of the variable they belong to (``optimizer/slots/model/w1/m``). The
+file names each by TensorFlow's tensor name for that path
+(``model/w1/.ATTRIBUTES/VARIABLE_VALUE``), as ``list_variables`` shows. A
+value whose variable does not exist yet at restore waits on the ``md.Module``
+or ``Checkpoint`` that will hold it (TensorFlow's deferred restoration). Values are the
 variables' cross-replica values, so a checkpoint written with 4 replicas
 restores into 1 or 8.
 
@@ -58,22 +62,23 @@ from .checkpoint_io import (_MAGIC, _MAX_INDEX, CheckpointError, NotFoundError, 
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "load_checkpoint", "CheckpointError", "NotFoundError"]
 
 _ATTRIBUTES = ".ATTRIBUTES"  # key infix of a self-saving object's tensors, as in TensorFlow's checkpoints
+_VERSION = 1
+_DIGEST = 32
 _VALUE = f"{_ATTRIBUTES}/VARIABLE_VALUE"  # a variable's tensor, under its object path
 
 
 def tensor_name(path: str) -> str:
-    """The name a variable at object path ``path`` is saved under, as TensorFlow's: ``model/w/.ATTRIBUTES/VARIABLE_VALUE``."""
+    """The name a variable at object path ``path`` is saved under, TensorFlow's:
+    ``model/w/.ATTRIBUTES/VARIABLE_VALUE``."""
     return f"{path}/{_VALUE}" if path else _VALUE
 
 
 def object_path(name: str) -> str:
     """The object path of a saved tensor's ``name`` (the inverse of ``tensor_name``); a name without TensorFlow's
-    suffix (files of mirrored before 0.x, an iterator's state) is its own path."""
+    suffix (files mirrored wrote before it used TensorFlow's names, an iterator's state) is its own path."""
     if name == _VALUE:
         return ""
     return name[:-len(_VALUE) - 1] if name.endswith("/" + _VALUE) else name
-_VERSION = 1
-_DIGEST = 32
 
 
 # --- the file format ------------------------------------------------------------------------------
