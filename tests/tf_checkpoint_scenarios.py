@@ -853,3 +853,28 @@ def ck_save_then_restore_under_other_strategy_size(X, n, tmp):
     _train_step(X, 2, model2, opt2, [0.5, 0.5])
     return {"w": replicas(model2["w"])[0], "iterations": arr(opt2.iterations), "before": before_first_step,
             "after": statuses(status)}
+
+
+@scenario(ONE)
+def ck_status_only_save_counter_matches(X, n, tmp):
+    path = X.Checkpoint(v=var(X, n, 1.0)).save(os.path.join(tmp, "ckpt"))
+    q = var(X, n, 9.0)
+    ckpt = X.Checkpoint(q=q)
+    status = ckpt.restore(path)
+    return {"q": arr(q), "counter": arr(ckpt.save_counter), "checks": statuses(status)}
+
+
+@scenario(ONE)
+def ck_status_empty_checkpoint(X, n, tmp):
+    path = X.Checkpoint(v=var(X, n, 1.0)).save(os.path.join(tmp, "ckpt"))
+    ckpt = X.Checkpoint()
+    status = ckpt.restore(path)
+    return {"counter": arr(ckpt.save_counter), "checks": statuses(status)}
+
+
+@scenario(ONE)
+def ck_iterator_missing_in_file(X, n, tmp):
+    path = X.Checkpoint(v=var(X, n, 1.0)).save(os.path.join(tmp, "ckpt"))
+    it = iter(X.Dataset.range(4))
+    status = X.Checkpoint(v=var(X, n, 0.0), it=it).restore(path)
+    return {"checks": statuses(status), "next": arr(next(it))}
