@@ -316,3 +316,27 @@ def test_a_root_objects_children_are_saved_at_the_top(tmp_path):
     ckpt.restore(path).assert_consumed()
     assert ckpt.root is fresh and int(ckpt.extra.numpy()) == 5
     np.testing.assert_array_equal(fresh.w.numpy(), [1.0, 2.0])
+
+
+def test_deferred_restoration_into_an_unhashable_module_and_its_release(tmp_path):
+    import gc
+    import weakref
+
+    class Layer(md.Module):
+        def __eq__(self, other):  # makes the class unhashable, as dataclass-like modules are
+            return isinstance(other, Layer)
+
+    saved = Layer()
+    saved.w = md.Variable(np.float32([1.0, 2.0]))
+    path = md.train.Checkpoint(layer=saved).save(str(tmp_path / "ckpt"))
+    fresh = Layer()
+    md.train.Checkpoint(layer=fresh).restore(path)
+    fresh.w = md.Variable(np.float32([0.0, 0.0]))
+    np.testing.assert_array_equal(fresh.w.numpy(), [1.0, 2.0])
+    waiting = Layer()
+    md.train.Checkpoint(layer=waiting).restore(path)
+    gone = weakref.ref(waiting)
+    del waiting
+    gc.collect()
+    assert gone() is None  # a value left waiting does not keep its holder alive
+    assert not md.checkpoint._DEFERRED.get(id(fresh))

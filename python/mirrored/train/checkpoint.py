@@ -530,7 +530,9 @@ def _children(obj) -> dict:
 
 # --- deferred restoration: values restored before their variables exist ------------------------------------
 
-_DEFERRED = weakref.WeakKeyDictionary()  # holder -> {path below it: _Pending}
+# id(holder) -> {path below it: _Pending}; by id, as a holder may be unhashable (a class with __eq__), and
+# dropped when the holder is collected.
+_DEFERRED = {}
 
 
 class _Pending:
@@ -557,7 +559,10 @@ def _defer(obj, path: str, pending: _Pending, assign: bool = True) -> None:
         if name not in children:
             if getattr(type(obj), "_defers_restoration", False):
                 pending.value()
-                _DEFERRED.setdefault(obj, {})["/".join(names[i:])] = pending
+                if id(obj) not in _DEFERRED:
+                    _DEFERRED[id(obj)] = {}
+                    weakref.finalize(obj, _DEFERRED.pop, id(obj), None)
+                _DEFERRED[id(obj)]["/".join(names[i:])] = pending
             return
         obj = children[name]
     if assign and _is_variable(obj):
@@ -573,7 +578,7 @@ def _defer(obj, path: str, pending: _Pending, assign: bool = True) -> None:
 
 def attached(holder, name: str, value) -> None:
     """``holder.name = value`` happened: restore into ``value`` what a restore left waiting there."""
-    waiting = _DEFERRED.get(holder)
+    waiting = _DEFERRED.get(id(holder))
     if not waiting:
         return
     for path in [p for p in waiting if p == name or p.startswith(name + "/")]:
