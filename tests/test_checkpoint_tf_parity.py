@@ -301,6 +301,10 @@ def test_a_relative_manager_directory_stays_relative_and_deletes_only_its_files(
     assert sorted(os.listdir("run")) == ["checkpoint", "ckpt-3", "notes.txt"]
     monkeypatch.chdir(tmp_path / "run")
     assert md.train.latest_checkpoint(".") == os.path.join(".", "ckpt-3")
+    # The process moved: the manager's files stay where its directory was when it was made.
+    assert manager.save() == os.path.join("run", "ckpt-4")
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint", "ckpt-4", "notes.txt"]
+    assert md.train.latest_checkpoint(str(tmp_path / "run")) == str(tmp_path / "run" / "ckpt-4")
 
 
 def test_a_root_objects_children_are_saved_at_the_top(tmp_path):

@@ -252,9 +252,11 @@ class CheckpointManager:
         if not checkpoint_name or os.sep in checkpoint_name:
             raise ValueError(f"checkpoint_name={checkpoint_name!r}: expected a file name without a directory")
         self._checkpoint = checkpoint
-        # As given (a relative directory gives relative paths, as TensorFlow's); files are matched by absolute path.
+        # As given (a relative directory gives relative paths, as TensorFlow's); the files themselves are
+        # written, matched and deleted below the working directory of this call, wherever the process moves.
         self._directory = os.fsdecode(os.fspath(directory))
-        self._absolute_directory = os.path.abspath(self._directory)
+        self._origin = os.getcwd()
+        self._absolute_directory = self._absolute(self._directory)
         self._max_to_keep = max_to_keep
         self._keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours
         self._checkpoint_name = checkpoint_name
@@ -332,7 +334,7 @@ class CheckpointManager:
         counter.assign_add(np.int64(1))
         number = int(counter.numpy()) if checkpoint_number is None else _value(checkpoint_number)
         path = f"{self._prefix}-{number}"
-        wrote = self._checkpoint._write(path)
+        wrote = self._checkpoint._write(self._absolute(path))
         stamp = time.time()
         self._maybe_delete.pop(path, None)  # an overwritten checkpoint moves to the newest end
         self._maybe_delete[path] = stamp
@@ -350,7 +352,7 @@ class CheckpointManager:
     def restore_or_initialize(self):
         """Restore the latest checkpoint and return its path, or call ``init_fn`` and return None."""
         if self._latest_checkpoint is not None:
-            self._checkpoint.restore(self._latest_checkpoint)
+            self._checkpoint.restore(self._absolute(self._latest_checkpoint))
             if self._checkpoint_interval is not None:
                 self._last_checkpoint_step = _value(self._step_counter)
             return self._latest_checkpoint
@@ -362,14 +364,18 @@ class CheckpointManager:
         """Nothing to wait for: saves are synchronous."""
 
     # -- bookkeeping --
+    def _absolute(self, path: str) -> str:
+        return os.path.normpath(os.path.join(self._origin, path))
+
     def _owns(self, path: str) -> bool:
         """Whether ``path`` is one of this manager's checkpoints: ``{directory}/{checkpoint_name}-N``."""
-        path = os.path.abspath(path)
+        path = self._absolute(path)
         return (os.path.dirname(path) == self._absolute_directory
                 and bool(self._numbered.fullmatch(os.path.basename(path))))
 
     def _record_state(self) -> None:
-        _write_state(self._absolute_directory, self._latest_checkpoint, list(self._maybe_delete),
+        _write_state(self._absolute_directory, self._absolute(self._latest_checkpoint),
+                     [self._absolute(p) for p in self._maybe_delete],
                      list(self._maybe_delete.values()), self._last_preserved_timestamp)
 
     def _sweep(self, delete_files: bool) -> None:
@@ -383,8 +389,8 @@ class CheckpointManager:
                 continue
             if delete_files and self._owns(path):
                 try:
-                    if stat.S_ISREG(os.lstat(path).st_mode):
-                        os.remove(path)
+                    if stat.S_ISREG(os.lstat(self._absolute(path)).st_mode):
+                        os.remove(self._absolute(path))
                 except FileNotFoundError:
                     pass
 
