@@ -9,6 +9,7 @@ TensorFlow; where mirrored differs on purpose (docs/tf_semantics.md) the table `
 import json
 import os
 
+import ml_dtypes  # noqa: F401  registers "bfloat16" with NumPy, for the scenarios' dtype names
 import numpy as np
 import pytest
 
@@ -106,6 +107,14 @@ def _slots_exist_after_restore(got, want):
     assert_same({**got, "before": None}, {**want, "before": None})
 
 
+def _iterators_are_checkpointable(got, want):
+    # TF 2.21 refuses a DistributedIterator in a Checkpoint (not trackable); SPEC §7 makes mirrored's
+    # checkpointable, restoring the exact position.
+    assert want["raises"][0] == "ValueError" and "trackable" in want["msg"]
+    assert got["after"] == got["again"]
+    assert [x for part in got["again"] for x in part["v"]] == [4, 5, 6, 7]  # the batch after the saved one
+
+
 # (scenario, replicas) -> a check of mirrored's result where it differs from TensorFlow's on purpose
 # (docs/tf_semantics.md says why); each also asserts what TF recorded, so a change on either side is noticed.
 DELIBERATE = {
@@ -117,6 +126,8 @@ DELIBERATE = {
     ("ck_save_bad_prefix_type", 1): _prefix_must_be_a_path,
     ("fn_list_variables_garbage_file", 1): _not_a_checkpoint,
     ("ck_save_then_restore_under_other_strategy_size", 2): _slots_exist_after_restore,
+    ("ck_distributed_iterator", 1): _iterators_are_checkpointable,
+    ("ck_distributed_iterator", 2): _iterators_are_checkpointable,
 }
 
 

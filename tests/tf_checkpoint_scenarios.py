@@ -878,3 +878,28 @@ def ck_iterator_missing_in_file(X, n, tmp):
     it = iter(X.Dataset.range(4))
     status = X.Checkpoint(v=var(X, n, 0.0), it=it).restore(path)
     return {"checks": statuses(status), "next": arr(next(it))}
+
+
+@scenario(ONE)
+def ck_dtypes_more(X, n, tmp):
+    values = {"bf16": ([1.5, -2.0], "bfloat16"), "i8": ([-3, 4], "int8"), "u8": ([200], "uint8"),
+              "i16": ([-300], "int16"), "u16": ([60000], "uint16")}
+    variables = {k: var(X, n, v, d) for k, (v, d) in values.items()}
+    path = X.Checkpoint(**variables).save(os.path.join(tmp, "ckpt"))
+    listed = names(X, path)
+    loaded = {k: arr(X.train.load_variable(path, f"{k}/.ATTRIBUTES/VARIABLE_VALUE")) for k in values}
+    return {"names": listed, "loaded": loaded}
+
+
+@scenario()
+def ck_distributed_iterator(X, n, tmp):
+    s = X.strategy(n)
+    dist = iter(s.experimental_distribute_dataset(X.Dataset.range(16).batch(4)))
+    next(dist)
+    ckpt = X.Checkpoint(it=dist)
+    path = ckpt.save(os.path.join(tmp, "ckpt"))
+    first_after = next(dist)
+    after = [arr(v) for v in getattr(first_after, "values", (first_after,))]
+    ckpt.restore(path)
+    again = next(dist)
+    return {"after": after, "again": [arr(v) for v in getattr(again, "values", (again,))]}
