@@ -4,7 +4,8 @@ scenarios of tests/tf_checkpoint_scenarios.py over MirroredStrategy with 1 and 2
 optimizers), asserted against mirrored: the same scenario code, run over mirrored's names in a fresh temporary
 directory, must give the same returned paths (relative to that directory), files, state-file lines, tracked names,
 values, dtypes, status outcomes and exception classes (with the scenario's key words). The suite never imports
-TensorFlow; where mirrored differs on purpose (docs/tf_semantics.md) the table ``DELIBERATE`` holds its result."""
+TensorFlow; where mirrored differs on purpose (docs/tf_semantics.md) the table ``DELIBERATE`` checks mirrored's
+result and TF's. The last part tests what the audit added against NumPy."""
 
 import json
 import os
@@ -49,6 +50,7 @@ class Mirrored:
 
 
 _ADAPTER = Mirrored()
+
 
 def _refused_at_construction(got, want):
     # TF accepts anything and fails at the first save(); mirrored refuses at once, naming the argument.
