@@ -13,7 +13,7 @@ import numpy as np
 from . import device_util
 from .tensor_shape import TensorShape
 
-__all__ = ["IndexedSlices", "convert_to_tensor", "is_indexed_slices", "map_arrays", "to_dense"]
+__all__ = ["IndexedSlices", "convert_to_tensor", "is_indexed_slices", "map_arrays", "map_values", "to_dense"]
 
 
 def _array_module(x):
@@ -142,6 +142,12 @@ def _dense_shape(dense_shape, values) -> np.ndarray:
 def map_arrays(fn, slices: IndexedSlices) -> IndexedSlices:
     """The slices with ``fn`` applied to their values and to their indices (to move or copy both)."""
     return slices._with(values=fn(slices.values), indices=fn(slices.indices))
+
+
+def map_values(fn, x):
+    """``fn(x)`` for an array; for IndexedSlices, the slices with ``fn`` applied to their values (an
+    element-wise operation that keeps zero at zero applies to a sparse array's rows alone)."""
+    return x._with(values=fn(x.values)) if type(x) is IndexedSlices else fn(x)
 
 
 def is_indexed_slices(x) -> bool:

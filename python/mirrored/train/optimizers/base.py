@@ -53,12 +53,13 @@ import numpy as np
 from ..._core import fused_update as _fused_update
 from ...device import device_util, gpu as _gpu
 from ...device.dtypes import dtype_code
+from ...device.indexed_slices import IndexedSlices, map_values, scatter_add_rows
 from ...distribute import distribute_lib, values
 from ...distribute.options import VariableAggregation
 from ...distribute.reduce_util import ReduceOp
 from ...distribute.values import DistributedValues, DistributedVariable, PerReplica
-from .rules import (EMA, HOST_COEFFICIENTS, SGD, apply as apply_rule, array_module, ema,
-                    weight_decay as apply_weight_decay)
+from .rules import (EMA, HOST_COEFFICIENTS, SGD, SQUARING, SquaredGradient, apply as apply_rule, array_module,
+                    ema, weight_decay as apply_weight_decay)
 from .step_window import StepWindow
 
 __all__ = ["LossScaleGate", "Optimizer", "check_rate"]
@@ -320,7 +321,7 @@ class Optimizer:
         """Keras divides the gradients by ``loss_scale_factor`` (in each gradient's dtype) before anything else."""
         if self.loss_scale_factor is None:
             return grads
-        return [g / _dtype_of(g).type(self.loss_scale_factor) for g in grads]
+        return [map_values(lambda a: a / _dtype_of(a).type(self.loss_scale_factor), g) for g in grads]
 
     # -- the step --
     def apply(self, grads, trainable_variables=None):
@@ -364,9 +365,12 @@ class Optimizer:
                     "replica passes its gradients), or under `with strategy.scope():` with PerReplica gradients")
         ctx = distribute_lib.get_replica_context()
         grads = self._unscale(grads)
-        packed = None
         if not self.gradient_accumulation_steps:  # else clipped after the accumulated average (merge step)
             grads = self._clip(grads)
+        if IndexedSlices in map(type, grads):
+            grads, aggregate = self._sparse_step(ctx, grads, variables, options, aggregate)
+        packed = None
+        if not self.gradient_accumulation_steps:
             # From the second step on, this replica packs its gradients into its fusion buffer
             # (in parallel with the other replicas): the all-reduce then moves one buffer per dtype.
             plan = self._plans.get(tuple(map(id, variables)))
@@ -391,6 +395,18 @@ class Optimizer:
         else:
             plan.apply(ctx._local_replica_id, reduced, step)
         return step + 1
+
+    def _sparse_step(self, ctx, grads, variables, options, aggregate) -> tuple:
+        """A replica's gradients of a step with IndexedSlices, as Keras' TF backend takes them: all-reduced
+        first (dense ones summed, IndexedSlices' rows gathered from every replica), then densified, their
+        rows' squares apart where the rule squares; returns them and whether they still need the all-reduce.
+        (Under gradient accumulation Keras adds them to its dense accumulators: densified, no more.)"""
+        if self.gradient_accumulation_steps:
+            return _densified(grads, variables), aggregate
+        if aggregate and ctx.strategy.num_replicas_in_sync > 1:
+            op = ReduceOp.SUM if self.gradient_aggregation == "sum" else ReduceOp.MEAN
+            grads, aggregate = ctx.all_reduce(op, grads, options), False
+        return _densified(grads, variables, self._rule in SQUARING), aggregate
 
     def _check_variable(self, where: str, var) -> None:
         if not isinstance(var, values.Variable):
@@ -444,12 +460,16 @@ class Optimizer:
 
     def _clip(self, grads: list) -> list:
         """One replica's gradients clipped as Keras' ``_clip_gradients`` does (new arrays; the inputs stay)."""
+        # IndexedSlices are clipped by their rows, as Keras' TF backend clips them (tf.clip_by_norm of the
+        # values, their squares in the global norm, each value clipped): a repeated index is two rows here.
         if self.clipnorm is not None:
-            return [_clip_by_norm(g, self.clipnorm) for g in grads]
+            return [map_values(lambda a: _clip_by_norm(a, self.clipnorm), g) for g in grads]
         if self.global_clipnorm is not None:
-            return _clip_by_global_norm(grads, self.global_clipnorm)
+            scaled = _clip_by_global_norm([_rows(g) for g in grads], self.global_clipnorm)
+            return [g._with(values=a) if type(g) is IndexedSlices else a for g, a in zip(grads, scaled)]
         if self.clipvalue is not None:
-            return [array_module(g).clip(g, -self.clipvalue, self.clipvalue) for g in grads]
+            return [map_values(lambda a: array_module(a).clip(a, -self.clipvalue, self.clipvalue), g)
+                    for g in grads]
         return grads
 
     def _cross_replica_step(self, strategy, grads, variables, options, aggregate):
@@ -460,6 +480,8 @@ class Optimizer:
         if self.loss_scale_factor is not None:
             grads = [PerReplica(self._unscale(list(g.values)), g._devices) if isinstance(g, DistributedValues)
                      else self._unscale([g])[0] for g in grads]
+        if self.gradient_accumulation_steps:  # Keras adds IndexedSlices to its dense accumulators
+            grads = _densified(grads, variables)
         plan = self._plan(strategy, variables)
         step = self._advance(plan)
         if self.gradient_accumulation_steps:
@@ -485,6 +507,7 @@ class Optimizer:
             for k, g in zip(distributed, self._all_reduce(strategy, [grads[k] for k in distributed],
                                                           [variables[k] for k in distributed], options)):
                 grads[k] = g
+        grads = _densified(grads, variables, self._rule in SQUARING)  # (IndexedSlices: their gathered rows)
         for d in range(plan.num_devices):
             plan.apply(d, [_component(g, d) for g in grads], step)
         return step + 1
@@ -857,7 +880,7 @@ class _Plan:
             if scope is not None and scope.capturing:
                 # md.function: the update reads the step's scalars from device buffers that a hook
                 # refreshes before each replay, and the step is counted on the device.
-                if self.packable:
+                if self.packable and not _has_squares(grads):
                     self._apply_gpu_captured(device, grads, packed, scope, gate)
                 else:
                     self._apply_each(device, grads, self.groups)
@@ -869,7 +892,7 @@ class _Plan:
                 return
             if not update:
                 self._accumulate(device, grads)
-            elif self.packable:
+            elif self.packable and not _has_squares(grads):
                 self._apply_gpu(device, grads, packed, gate)
             else:
                 self._apply_each(device, grads, self.groups)
@@ -1005,11 +1028,13 @@ class _Plan:
         # counted here, and the buffer is replaced before it is written.)
         self._writable(device)
         weights = list(map(_VALUE, self.copies[device]))
-        rest = {}
+        groups, rest = self.groups, {}
+        if grads is not None and SquaredGradient in map(type, grads):
+            groups, rest = _squared_apart(groups, grads)  # (the kernel squares g itself)
         whole = len(self.groups) == 1  # (one dtype: the lists as they are, no per-group copy)
-        for j, (dtype, indices) in enumerate(self.groups.items()):
+        for j, (dtype, indices) in enumerate(groups.items()):
             if dtype not in _KERNEL_DTYPES:
-                rest[dtype] = indices
+                rest.setdefault(dtype, []).extend(indices)
                 continue
             weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))
             if packed is not None:
@@ -1129,7 +1154,7 @@ class _Plan:
                 coefficients, (weight_decay, lr) = captured[dtype].coefficients, captured[dtype].decay
             for k in indices:
                 g = grads[k]
-                if g.dtype != dtype:
+                if type(g) is not SquaredGradient and g.dtype != dtype:  # (a SquaredGradient has dtype's)
                     g = g.astype(dtype)
                 if self.decay[k]:
                     apply_weight_decay(weights[k], weight_decay, lr)
@@ -1269,11 +1294,59 @@ def _check_gradient_shape(i: int, grad, var) -> None:
     """A gradient (each replica's, for PerReplica) must have its variable's shape exactly."""
     components = grad.values if isinstance(grad, DistributedValues) else (grad,)
     for g in components:
-        shape = tuple(g.shape) if hasattr(g, "shape") else np.shape(g)
+        if type(g) is IndexedSlices:
+            shape = tuple(g.shape) if g.dense_shape is not None else \
+                (tuple(var.shape)[:1] + tuple(g.values.shape)[1:])  # (no dense shape: its rows must fit)
+        else:
+            shape = tuple(g.shape) if hasattr(g, "shape") else np.shape(g)
         if shape != tuple(var.shape):
             raise ValueError(
                 f"grads_and_vars[{i}]: the gradient of variable {var.name!r} has shape {shape}, the variable "
                 f"has shape {tuple(var.shape)}; a gradient must have its variable's shape (it is never broadcast)")
+
+
+def _rows(g):
+    return g.values if type(g) is IndexedSlices else g
+
+
+def _dense(g, var, squares: bool = False):
+    """Gradient ``g`` as a dense array of its variable's shape and dtype: IndexedSlices scattered (repeated
+    indices add up), on the device of their values, with their rows' squares scattered beside
+    (a SquaredGradient) where ``squares``; other gradients as they are."""
+    if type(g) is not IndexedSlices:
+        return g
+    xp = array_module(g.values)
+    with device_util.array_device(g.values):
+        rows = g.values.astype(np.dtype(var.dtype), copy=False)
+        dense = scatter_add_rows(xp.zeros(tuple(var.shape), rows.dtype), g._with(values=rows))
+        if not squares:
+            return dense
+        return SquaredGradient(dense, scatter_add_rows(xp.zeros(tuple(var.shape), rows.dtype),
+                                                       g._with(values=rows * rows)))
+
+
+def _densified(grads: list, variables: list, squares: bool = False) -> list:
+    """Every IndexedSlices gradient (or replica component of one) densified for the update (see _dense)."""
+    out = []
+    for g, var in zip(grads, variables):
+        if isinstance(g, DistributedValues) and IndexedSlices in map(type, g.values):
+            g = type(g)([_dense(c, var, squares) for c in g.values], g._devices)
+        out.append(_dense(g, var, squares))
+    return out
+
+
+def _has_squares(grads) -> bool:
+    return grads is not None and SquaredGradient in map(type, grads)
+
+
+def _squared_apart(groups: dict, grads: list) -> tuple:
+    """``groups`` (dtype -> variable indices) split into the ones of plain gradients (for the fused kernel)
+    and the ones of SquaredGradients (for the rules, which take their squares)."""
+    plain, squared = {}, {}
+    for dtype, indices in groups.items():
+        for k in indices:
+            (squared if type(grads[k]) is SquaredGradient else plain).setdefault(dtype, []).append(k)
+    return plain, squared
 
 
 def _dtype_of(g):
