@@ -1051,11 +1051,27 @@ def _module_function(name):
     return wrapper
 
 
+def _ufunc_at(ufunc):
+    """``cupy.<ufunc>.at(a, indices, b)`` (CuPy 13): in place, one kernel; repeated indices apply in turn."""
+    def at(a, indices, b=None):
+        def combined(a, indices, b):
+            out = np.array(a)
+            ufunc.at(out, indices, b)
+            return out
+        _apply(combined, (a, indices, b), {}, out=a)
+    return at
+
+
 def __getattr__(name):
     """NumPy's ufuncs and array functions, run as kernels (see _apply)."""
     if name.startswith("_") or not callable(getattr(np, name, None)):
         raise AttributeError(f"module 'cupy' (fake_cupy) has no attribute {name!r}")
-    return _cublas(_module_function(name)) if name in _CUBLAS_FUNCTIONS else _module_function(name)
+    if name in _CUBLAS_FUNCTIONS:
+        return _cublas(_module_function(name))
+    function = _module_function(name)
+    if isinstance(getattr(np, name), np.ufunc):
+        function.at = _ufunc_at(getattr(np, name))
+    return function
 
 
 class _Runtime:

@@ -253,6 +253,9 @@ class ReplicaContext:
 
     def all_gather(self, value, axis: int, options=None):
         """Concatenate every replica's ``value`` along ``axis`` (sizes may differ along ``axis`` only)."""
+        if IndexedSlices in map(type, flatten(value)):  # (TF's words)
+            raise NotImplementedError("all_gather does not support IndexedSlices; gather their values and "
+                                      "indices (two arrays) instead, or all_reduce them (their rows concatenate)")
         ext = self._strategy.extended
         return self._collective("all_gather", value, self._combiner(
             "all_gather", lambda per_leaf: [ext._gather_to(v, v, axis, options) for v in per_leaf]))
