@@ -489,6 +489,8 @@ def _place_arrays(x, device):
     # Scalars stay as they are (TF leaves Python numbers alone); arrays go to the replica's device.
     if x is None or isinstance(x, (int, float, bool, complex, str, np.generic)):
         return x
+    if type(x) is IndexedSlices:
+        return map_arrays(lambda a: device_util.place(a, device), x)
     return device_util.place(x, device)
 
 
