@@ -1051,6 +1051,13 @@ def _module_function(name):
     return wrapper
 
 
+def unique(ar, return_index=False, return_inverse=False, return_counts=False, axis=None):
+    """A result whose shape depends on the values: as in CuPy, the host waits for them (asnumpy)."""
+    result = np.unique(asnumpy(ar), return_index=return_index, return_inverse=return_inverse,
+                       return_counts=return_counts, axis=axis)
+    return tuple(asarray(r) for r in result) if isinstance(result, tuple) else asarray(result)
+
+
 def _ufunc_at(ufunc):
     """``cupy.<ufunc>.at(a, indices, b)`` (CuPy 13): in place, one kernel; repeated indices apply in turn."""
     def at(a, indices, b=None):

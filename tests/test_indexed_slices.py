@@ -136,6 +136,17 @@ def test_densifying_adds_repeated_rows_as_numpy(rows, width, k, seed, dtype, ind
     np.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.parametrize("repeats", [1, 3, 64, 65, 300])
+def test_a_row_repeated_many_times_adds_up_in_order(repeats):
+    rng = np.random.default_rng(repeats)
+    indices = np.concatenate([np.full(repeats, 2), rng.integers(0, 5, 20)])
+    rng.shuffle(indices)
+    values = rng.standard_normal((len(indices), 3)).astype(np.float32)
+    expected = np.zeros((5, 3), np.float32)
+    np.add.at(expected, indices, values)  # one slice at a time, in order
+    np.testing.assert_array_equal(md.convert_to_tensor(md.IndexedSlices(values, indices, (5, 3))), expected)
+
+
 # --- variables ------------------------------------------------------------------------------------------
 
 

@@ -53,7 +53,7 @@ import numpy as np
 from ..._core import fused_update as _fused_update
 from ...device import device_util, gpu as _gpu
 from ...device.dtypes import dtype_code
-from ...device.indexed_slices import IndexedSlices, map_values, scatter_add_rows
+from ...device.indexed_slices import IndexedSlices, map_values, scatter_add_rows, summed_rows
 from ...distribute import distribute_lib, values
 from ...distribute.options import VariableAggregation
 from ...distribute.reduce_util import ReduceOp
@@ -862,12 +862,19 @@ class _Plan:
 
         ``gate`` (a :class:`LossScaleGate`, GPU copies of a ``packable`` plan only): a loss-scaled step,
         decided on the device (md.mixed_precision.LossScaleOptimizer's, no host sync).
+
+        A gradient may be a ``_SparseRows`` (an IndexedSlices' of a squaring rule): see :meth:`_rows_before`.
         """
+        sparse = grads is not None and _SparseRows in map(type, grads)
         if self.host[device]:
             if not update:
                 self._accumulate(device, grads)
             else:
+                if sparse:
+                    grads, before = self._rows_before(device, grads)
                 self._apply_host(device, grads, packed, summands)
+                if sparse:
+                    self._rows_again(device, before)
                 self._reset_accumulators(device)
             self._finish(device)
             self.iterations[device]._writable_buffer().fill(self.next_step)
@@ -880,7 +887,12 @@ class _Plan:
             if scope is not None and scope.capturing:
                 # md.function: the update reads the step's scalars from device buffers that a hook
                 # refreshes before each replay, and the step is counted on the device.
-                if self.packable and not _has_squares(grads):
+                if sparse:
+                    raise NotImplementedError(
+                        "md.function cannot capture a step with IndexedSlices gradients of a rule that squares "
+                        "them (finding their rows waits for the GPU); call the step without md.function, or "
+                        "densify the gradients first (md.convert_to_tensor)")
+                if self.packable:
                     self._apply_gpu_captured(device, grads, packed, scope, gate)
                 else:
                     self._apply_each(device, grads, self.groups)
@@ -892,10 +904,15 @@ class _Plan:
                 return
             if not update:
                 self._accumulate(device, grads)
-            elif self.packable and not _has_squares(grads):
-                self._apply_gpu(device, grads, packed, gate)
             else:
-                self._apply_each(device, grads, self.groups)
+                if sparse:
+                    grads, before = self._rows_before(device, grads)
+                if self.packable:
+                    self._apply_gpu(device, grads, packed, gate)
+                else:
+                    self._apply_each(device, grads, self.groups)
+                if sparse:
+                    self._rows_again(device, before)
             if update:
                 self._reset_accumulators(device)
             self._finish(device)
@@ -1023,18 +1040,41 @@ class _Plan:
             for c in written:
                 c._writable_buffer()
 
+    def _rows_before(self, device: int, grads: list) -> tuple:
+        """A step with ``_SparseRows`` gradients: ``(grads, before)``, the gradients dense for the update
+        (every row but the ones the slices name gets Keras' value from it: a zero gradient, zero squares) and,
+        for each such variable, its rows the slices name as they are now, weights and slots, for
+        :meth:`_rows_again`."""
+        dense, before = list(grads), []
+        for k, g in enumerate(grads):
+            if type(g) is _SparseRows:
+                dense[k] = g.dense
+                before.append((k, g, self.copies[device][k]._value[g.rows],
+                               [s._value[g.rows] for s in self.slots[device][k]]))
+        return dense, before
+
+    def _rows_again(self, device: int, before: list) -> None:
+        """The rows the slices name, updated again from their values before, by the rule with the rows'
+        squares (rules.SquaredGradient: Keras squares IndexedSlices row by row), and written back."""
+        for k, g, weight_rows, slot_rows in before:
+            dtype = self.dtypes[k]
+            if self.decay[k]:
+                apply_weight_decay(weight_rows, *self.decay_factors.get(dtype, (0.0, 0.0)))
+            apply_rule(self.rule, weight_rows, g.at_rows, slot_rows, self.coefficients[dtype])
+            self.copies[device][k]._value[g.rows] = weight_rows
+            for slot, rows in zip(self.slots[device][k], slot_rows):
+                slot._value[g.rows] = rows
+
     def _apply_host(self, device: int, grads, packed, summands=None) -> None:
         # (After the replicas' rendezvous: a gradient of any replica that holds one of these buffers is
         # counted here, and the buffer is replaced before it is written.)
         self._writable(device)
         weights = list(map(_VALUE, self.copies[device]))
-        groups, rest = self.groups, {}
-        if grads is not None and SquaredGradient in map(type, grads):
-            groups, rest = _squared_apart(groups, grads)  # (the kernel squares g itself)
+        rest = {}
         whole = len(self.groups) == 1  # (one dtype: the lists as they are, no per-group copy)
-        for j, (dtype, indices) in enumerate(groups.items()):
+        for j, (dtype, indices) in enumerate(self.groups.items()):
             if dtype not in _KERNEL_DTYPES:
-                rest.setdefault(dtype, []).extend(indices)
+                rest[dtype] = indices
                 continue
             weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))
             if packed is not None:
@@ -1154,7 +1194,7 @@ class _Plan:
                 coefficients, (weight_decay, lr) = captured[dtype].coefficients, captured[dtype].decay
             for k in indices:
                 g = grads[k]
-                if type(g) is not SquaredGradient and g.dtype != dtype:  # (a SquaredGradient has dtype's)
+                if g.dtype != dtype:
                     g = g.astype(dtype)
                 if self.decay[k]:
                     apply_weight_decay(weights[k], weight_decay, lr)
@@ -1309,20 +1349,31 @@ def _rows(g):
     return g.values if type(g) is IndexedSlices else g
 
 
+class _SparseRows(NamedTuple):
+    """An IndexedSlices gradient of a squaring rule, densified: ``dense`` for the update of every row, and
+    the distinct ``rows`` it names with their gradient and their slices' squares added up (``at_rows``, a
+    rules.SquaredGradient), with which the plan updates those rows again (_Plan._rows_again)."""
+
+    dense: object
+    rows: object
+    at_rows: SquaredGradient
+
+
 def _dense(g, var, squares: bool = False):
     """Gradient ``g`` as a dense array of its variable's shape and dtype: IndexedSlices scattered (repeated
-    indices add up), on the device of their values, with their rows' squares scattered beside
-    (a SquaredGradient) where ``squares``; other gradients as they are."""
+    indices add up), on the device of their values; with ``squares``, a _SparseRows. Others as they are."""
     if type(g) is not IndexedSlices:
         return g
     xp = array_module(g.values)
+    shape = tuple(var.shape)
     with device_util.array_device(g.values):
-        rows = g.values.astype(np.dtype(var.dtype), copy=False)
-        dense = scatter_add_rows(xp.zeros(tuple(var.shape), rows.dtype), g._with(values=rows))
+        slices = g._with(values=g.values.astype(np.dtype(var.dtype), copy=False))
         if not squares:
-            return dense
-        return SquaredGradient(dense, scatter_add_rows(xp.zeros(tuple(var.shape), rows.dtype),
-                                                       g._with(values=rows * rows)))
+            return scatter_add_rows(xp.zeros(shape, slices.dtype), slices)
+        rows, sums, square_sums = summed_rows(slices, shape, squares=True)
+        dense = xp.zeros(shape, slices.dtype)
+        dense[rows] = sums
+        return _SparseRows(dense, rows, SquaredGradient(sums, square_sums))
 
 
 def _densified(grads: list, variables: list, squares: bool = False) -> list:
@@ -1333,20 +1384,6 @@ def _densified(grads: list, variables: list, squares: bool = False) -> list:
             g = type(g)([_dense(c, var, squares) for c in g.values], g._devices)
         out.append(_dense(g, var, squares))
     return out
-
-
-def _has_squares(grads) -> bool:
-    return grads is not None and SquaredGradient in map(type, grads)
-
-
-def _squared_apart(groups: dict, grads: list) -> tuple:
-    """``groups`` (dtype -> variable indices) split into the ones of plain gradients (for the fused kernel)
-    and the ones of SquaredGradients (for the rules, which take their squares)."""
-    plain, squared = {}, {}
-    for dtype, indices in groups.items():
-        for k in indices:
-            (squared if type(grads[k]) is SquaredGradient else plain).setdefault(dtype, []).append(k)
-    return plain, squared
 
 
 def _dtype_of(g):
