@@ -73,3 +73,28 @@ def test_optimizers_on_gpu_replicas_match_keras(name):
     with gpu_pair():
         opt, e, w = _train(name, 2, xp=cupy)
         _check_optimizer(name, 2, opt, e, w)
+
+
+def test_md_function_runs_a_step_with_sparse_squares_eagerly_saying_why():
+    # Finding the rows the slices name (cupy.unique) waits for the GPU: no capture, the step runs eagerly.
+    from mirrored.distribute.function import EagerFallbackWarning
+
+    def train(xp, devices, wrap):
+        with gpu_pair():
+            strategy = md.MirroredStrategy(devices)
+            with strategy.scope():
+                e = md.Variable(np.zeros((7, 3), np.float32))
+                opt = md.optimizers.Adam(0.01)
+
+            def step(values, indices):
+                opt.apply_gradients([(md.IndexedSlices(values, indices, (7, 3)), e)])
+            step = wrap(step)
+            for s in range(3):
+                strategy.run(step, args=(xp.asarray(np.full((2, 3), s + 1, np.float32)),
+                                         xp.asarray(np.array([1, 1]))))
+            return [cupy.asnumpy(c.read_value()) if xp is cupy else c.numpy() for c in e.values]
+
+    with pytest.warns(EagerFallbackWarning, match="summed_rows"):
+        on_gpu = train(cupy, ["/gpu:0", "/gpu:1"], md.function)
+    for got, expected in zip(on_gpu, train(np, ["/cpu:0", "/cpu:1"], lambda f: f)):
+        np.testing.assert_array_equal(got, expected)

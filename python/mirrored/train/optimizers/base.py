@@ -887,11 +887,6 @@ class _Plan:
             if scope is not None and scope.capturing:
                 # md.function: the update reads the step's scalars from device buffers that a hook
                 # refreshes before each replay, and the step is counted on the device.
-                if sparse:
-                    raise NotImplementedError(
-                        "md.function cannot capture a step with IndexedSlices gradients of a rule that squares "
-                        "them (finding their rows waits for the GPU); call the step without md.function, or "
-                        "densify the gradients first (md.convert_to_tensor)")
                 if self.packable:
                     self._apply_gpu_captured(device, grads, packed, scope, gate)
                 else:
