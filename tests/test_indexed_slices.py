@@ -393,7 +393,8 @@ def test_loss_scale_optimizer_checks_the_rows_and_skips_a_step_with_an_inf():
         opt.apply_gradients([(md.IndexedSlices(values, g.indices, g.dense_shape), e)])
         scales.append(float(opt.dynamic_scale.numpy()))
         if s != 1:
-            expected -= np.float32(0.1) * to_dense(md.IndexedSlices(values / np.float32(scale), g.indices, (ROWS, WIDTH)))
+            unscaled = md.IndexedSlices(values / np.float32(scale), g.indices, (ROWS, WIDTH))
+            expected -= np.float32(0.1) * to_dense(unscaled)
         np.testing.assert_allclose(np.asarray(e), expected, rtol=1e-6)
         if s == 0:  # a finite step: Keras' result
             np.testing.assert_allclose(np.asarray(e), _array(record["after_first"]), rtol=1e-6)

@@ -13,7 +13,8 @@ import numpy as np
 from . import device_util
 from .tensor_shape import TensorShape
 
-__all__ = ["IndexedSlices", "convert_to_tensor", "is_indexed_slices", "map_arrays", "map_values", "summed_rows", "to_dense"]
+__all__ = ["IndexedSlices", "convert_to_tensor", "is_indexed_slices", "map_arrays", "map_values", "summed_rows",
+           "to_dense"]
 
 
 def _array_module(x):
