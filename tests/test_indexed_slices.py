@@ -399,3 +399,34 @@ def test_loss_scale_optimizer_checks_the_rows_and_skips_a_step_with_an_inf():
         if s == 0:  # a finite step: Keras' result
             np.testing.assert_allclose(np.asarray(e), _array(record["after_first"]), rtol=1e-6)
     assert scales == [4.0, 2.0, 2.0]
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.sampled_from(REPLICAS), rows=st.integers(4, 12), width=st.integers(1, 4), seed=st.integers(0, 2 ** 16),
+       config=st.sampled_from(sorted(name for name, (_, kwargs) in REF["optimizer_configs"].items()
+                                     if not {"clipnorm", "clipvalue", "global_clipnorm"} & set(kwargs))))
+def test_slices_naming_each_row_once_train_as_their_dense_gradient(n, rows, width, seed, config):
+    # Each row named once over all replicas: the rows' squares are the squares of the sums, and the sparse step
+    # gives the dense step's bits (weights on every replica, and slots).
+    cls, kwargs = REF["optimizer_configs"][config]
+    strategy = md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
+    w0 = np.random.default_rng(seed).standard_normal((rows, width)).astype(np.float32)
+
+    def train(densify):
+        rng = np.random.default_rng(seed + 1)
+        with strategy.scope():
+            e = md.Variable(w0)
+            opt = getattr(md.optimizers, cls)(**kwargs)
+        for _ in range(3):
+            named = np.array_split(rng.permutation(rows)[:rng.integers(1, rows + 1)], n)
+            grads = [md.IndexedSlices(rng.standard_normal((len(p), width)).astype(np.float32), p, (rows, width))
+                     for p in named]
+            if densify:
+                grads = [md.convert_to_tensor(g) for g in grads]
+            strategy.run(lambda: opt.apply_gradients([(grads[md.get_replica_context().replica_id_in_sync_group],
+                                                       e)]))
+        slots = [opt.get_slot(e, name) for name in opt._slot_names]
+        return [np.asarray(c) for c in e.values] + [np.asarray(c) for s in slots for c in s.values]
+
+    for sparse, dense in zip(train(False), train(True)):
+        np.testing.assert_array_equal(sparse, dense)
