@@ -24,6 +24,8 @@ forward/backward pass plus the update, SGD with momentum 0.9 unless
   ``md.linalg.matmul``, so that md.function can capture them) and calls
   ``optimizer.apply_gradients`` (gradients summed across replicas, one fused
   update per device);
+* with ``--central``: the same step under CentralStorageStrategy over the same devices (the variables
+  once, on the CPU, or on GPU 0 with ``--device gpu``; gradients all-reduced, one update there);
 * PyTorch DDP (gloo, one process per replica, CPU only) for the same model,
   when torch is importable (``--torch-python`` runs it in another venv);
 * with ``--function``: ``strategy.run(md.function(step))``, the same step
@@ -240,6 +242,8 @@ def main(argv=None):
     p.add_argument("--numpy-allocator", action="store_true",
                    help="also the mirrored step with NumPy's own allocator in the replicas (CPU; the default is "
                         "the replica array pool, docs/replica_arrays.md)")
+    p.add_argument("--central", action="store_true",
+                   help="also md.distribute.experimental.CentralStorageStrategy over the same devices")
     p.add_argument("--torch-python", default=None, help="a Python with torch for the DDP column")
     p.add_argument("--torch-port", type=int, default=29533)
     p.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
@@ -292,6 +296,9 @@ def main(argv=None):
         md.config.set_logical_device_configuration("GPU", 0, count=n)
     for n in args.replicas:
         columns.append(("mirrored MirroredStrategy", n, mirrored_step(args, xp, x, y, n, gpu, fixed_grads)))
+        if args.central:
+            columns.append(("mirrored CentralStorageStrategy", n,
+                            mirrored_step(args, xp, x, y, n, gpu, fixed_grads, central=True)))
         if args.numpy_allocator and not gpu:
             columns.append(("mirrored, NumPy's allocator in the replicas", n,
                             mirrored_step(args, xp, x, y, n, gpu, fixed_grads, numpy_allocator=True)))
@@ -362,11 +369,15 @@ def torch_gpu_columns(args) -> list:
     return [("PyTorch eager (foreach SGD)", 1, step), ("PyTorch, step in one CUDA graph", 1, graph.replay)]
 
 
-def mirrored_step(args, xp, x, y, n: int, gpu: bool, fixed_grads=None, captured=False, numpy_allocator=False):
+def mirrored_step(args, xp, x, y, n: int, gpu: bool, fixed_grads=None, captured=False, numpy_allocator=False,
+                  central=False):
     """``strategy.run(step)`` on ``n`` replicas: forward/backward on each replica's share, apply_gradients
     (only apply_gradients of ``fixed_grads`` when given); ``captured``: the step wrapped in md.function;
-    ``numpy_allocator``: each replica's arrays from NumPy's own allocator, not the replica array pool."""
-    strategy = md.MirroredStrategy([f"/gpu:{i}" if gpu else f"/cpu:{i}" for i in range(n)])
+    ``numpy_allocator``: each replica's arrays from NumPy's own allocator, not the replica array pool;
+    ``central``: CentralStorageStrategy (variables on the CPU, or on GPU 0), not MirroredStrategy."""
+    devices = [f"/gpu:{i}" if gpu else f"/cpu:{i}" for i in range(n)]
+    strategy = (md.distribute.experimental.CentralStorageStrategy(devices, devices[0] if gpu else "/cpu:0")
+                if central else md.MirroredStrategy(devices))
     with strategy.scope():
         variables = [md.Variable(a) for a in init_params(layer_sizes(vars(args)))]
         optimizer = make_optimizer(args.optimizer)

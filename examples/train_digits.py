@@ -222,7 +222,7 @@ def train(args):
     checkpoint = md.train.Checkpoint(model=model, optimizer=optimizer, batches_taken=batches_taken,
                                      iterator=iterator)
     if args.resume and os.path.exists(ckpt_path):
-        checkpoint.restore(ckpt_path)
+        checkpoint.read(ckpt_path)  # a file of write(): no save_counter in it
 
     def step_fn(x, y):
         # 1.0 without mixed precision; else the gradients are those of the loss times the scale

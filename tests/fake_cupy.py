@@ -1051,11 +1051,34 @@ def _module_function(name):
     return wrapper
 
 
+def unique(ar, return_index=False, return_inverse=False, return_counts=False, axis=None):
+    """A result whose shape depends on the values: as in CuPy, the host waits for them (asnumpy)."""
+    result = np.unique(asnumpy(ar), return_index=return_index, return_inverse=return_inverse,
+                       return_counts=return_counts, axis=axis)
+    return tuple(asarray(r) for r in result) if isinstance(result, tuple) else asarray(result)
+
+
+def _ufunc_at(ufunc):
+    """``cupy.<ufunc>.at(a, indices, b)`` (CuPy 13): in place, one kernel; repeated indices apply in turn."""
+    def at(a, indices, b=None):
+        def combined(a, indices, b):
+            out = np.array(a)
+            ufunc.at(out, indices, b)
+            return out
+        _apply(combined, (a, indices, b), {}, out=a)
+    return at
+
+
 def __getattr__(name):
     """NumPy's ufuncs and array functions, run as kernels (see _apply)."""
     if name.startswith("_") or not callable(getattr(np, name, None)):
         raise AttributeError(f"module 'cupy' (fake_cupy) has no attribute {name!r}")
-    return _cublas(_module_function(name)) if name in _CUBLAS_FUNCTIONS else _module_function(name)
+    if name in _CUBLAS_FUNCTIONS:
+        return _cublas(_module_function(name))
+    function = _module_function(name)
+    if isinstance(getattr(np, name), np.ufunc):
+        function.at = _ufunc_at(getattr(np, name))
+    return function
 
 
 class _Runtime:

@@ -15,9 +15,9 @@ from tf_semantics_scenarios import encode, kind
 SCENARIOS = {}  # name -> (fn, words)
 
 
-def scenario(words=()):
+def scenario(words=(), registry=SCENARIOS):
     def register(fn):
-        SCENARIOS[fn.__name__] = (fn, tuple(words))
+        registry[fn.__name__] = (fn, tuple(words))
         return fn
     return register
 

@@ -165,7 +165,7 @@ def test_contrib_read_var_of_tower_local_variables():
     # Saving reads them the same way.
     import tempfile
     path = md.train.Checkpoint(t=total, m=mean).write(tempfile.mkdtemp() + "/c")
-    assert md.train.load_variable(path, "t").tolist() == [3.0, 3.0]
+    assert md.train.load_variable(path, "t/.ATTRIBUTES/VARIABLE_VALUE").tolist() == [3.0, 3.0]
 
 
 def test_contrib_missing_members():

@@ -411,7 +411,7 @@ def test_demo_trains_with_mixed_precision(tmp_path):
     assert accuracy > 0.8  # 30 float16 steps learn most digits, as float32 ones do
     state = md.checkpoint.load_checkpoint(tmp_path / "digits.ckpt")
     assert state["model/layers/0/w"].dtype == np.float32  # float32 master weights
-    assert int(state["optimizer/inner_optimizer/iterations"]) == 30
+    assert int(state["optimizer/inner_optimizer/_iterations"]) == 30
     assert float(state["optimizer/dynamic_scale"]) == 2.0 ** 15  # no overflow: never lowered
     history = json.loads((tmp_path / "history.json").read_text())
     assert history["loss"][-1] < history["loss"][0] / 2
@@ -430,8 +430,8 @@ def test_demo_skips_overflowing_steps_quietly_and_resumes_by_batches(tmp_path, m
         demo.main(["--steps", "40", *args, "--resume"])
     finally:
         md.mixed_precision.set_global_policy(None)
-    skipped = 30 - int(first["optimizer/inner_optimizer/iterations"])
+    skipped = 30 - int(first["optimizer/inner_optimizer/_iterations"])
     assert skipped > 0 and float(first["optimizer/dynamic_scale"]) == 2.0 ** (40 - skipped)
     resumed = md.checkpoint.load_checkpoint(tmp_path / "digits.ckpt")
     assert int(resumed["batches_taken"]) == 40
-    assert int(resumed["optimizer/inner_optimizer/iterations"]) == 40 - skipped
+    assert int(resumed["optimizer/inner_optimizer/_iterations"]) == 40 - skipped

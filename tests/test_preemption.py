@@ -148,7 +148,7 @@ def test_a_termination_watcher_and_custom_exit(tmp_path):
         while True:  # the watcher polls about once a second: the save comes within a few runs
             handler.run(step, min(handler.total_run_calls, STEPS - 1))
     assert exits == [True]
-    saved = md.train.load_variable(tmp_path / "run", "checkpointed_runs")
+    saved = md.train.load_variable(tmp_path / "run", "checkpointed_runs/.ATTRIBUTES/VARIABLE_VALUE")
     assert int(saved) == handler.total_run_calls >= 1
 
 
@@ -159,7 +159,8 @@ def test_a_grace_period_saves_at_once_and_trains_on(tmp_path):
     os.kill(os.getpid(), signal.SIGTERM)
     for i in range(1, 4):
         handler.run(step, i)  # no exit: the grace period is an hour
-    assert int(md.train.load_variable(tmp_path / "run", "checkpointed_runs")) == 2  # the run after the notice
+    runs = md.train.load_variable(tmp_path / "run", "checkpointed_runs/.ATTRIBUTES/VARIABLE_VALUE")
+    assert int(runs) == 2  # the run after the notice
     assert handler.total_run_calls == 4
 
 

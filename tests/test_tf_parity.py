@@ -205,10 +205,15 @@ def test_checkpoint_errors_and_late_tracking(tmp_path):
     late = md.train.Checkpoint()
     late.v = md.Variable(np.float32(3.0))
     path = late.save(str(tmp_path / "late" / "ckpt"))
-    assert md.train.list_variables(path) == [("save_counter", []), ("v", [])]
+    assert md.train.list_variables(path) == [("save_counter/.ATTRIBUTES/VARIABLE_VALUE", []),
+                                             ("v/.ATTRIBUTES/VARIABLE_VALUE", [])]
     assert float(late.v.numpy()) == 3.0
-    with pytest.raises(ValueError, match="trackable"):
-        late.step = 0
+    # TF 2.21 keeps a plain value set as an attribute without saving it (tests/data/tf_checkpoint_api_reference.json).
+    late.step = 0
+    assert late.step == 0
+    path = late.save(str(tmp_path / "late" / "ckpt"))
+    assert [name for name, _ in md.train.list_variables(path)] == ["save_counter/.ATTRIBUTES/VARIABLE_VALUE",
+                                                                  "v/.ATTRIBUTES/VARIABLE_VALUE"]
 
 
 def test_manager_numbering_deletion_order_and_pickup(tmp_path):

@@ -55,8 +55,8 @@ def test_write_and_read_use_exactly_the_path(tmp_path):
     path = ckpt.write(tmp_path / "sub" / "exact.bin")
     assert path == str(tmp_path / "sub" / "exact.bin")
     assert os.listdir(tmp_path / "sub") == ["exact.bin"]  # no counter, no state file
-    assert md.train.list_variables(path) == [("model/w", [3])]
-    np.testing.assert_array_equal(md.train.load_variable(path, "model/w"), np.full(3, 4.0))
+    assert md.train.list_variables(path) == [("model/w/.ATTRIBUTES/VARIABLE_VALUE", [3])]  # TF's names
+    np.testing.assert_array_equal(md.train.load_variable(path, "model/w/.ATTRIBUTES/VARIABLE_VALUE"), np.full(3, 4.0))
     model["w"].assign(np.zeros(3, np.float32))
     ckpt.read(path).assert_consumed()
     np.testing.assert_array_equal(model["w"].numpy(), np.full(3, 4.0))
@@ -100,7 +100,7 @@ def test_status_reports_unclaimed_entries_until_expect_partial(tmp_path):
     _, model2, _ = _model(value=7.0)
     status = md.train.Checkpoint(model=model2).restore(path)
     np.testing.assert_allclose(model2["w"].numpy(), np.full(3, -0.2), rtol=1e-6)  # 2 replicas' gradients summed
-    with pytest.raises(AssertionError, match="optimizer/iterations"):
+    with pytest.raises(AssertionError, match="optimizer/_iterations"):
         status.assert_consumed()
     assert status.expect_partial() is status
     status.assert_existing_objects_matched()

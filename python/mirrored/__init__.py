@@ -30,6 +30,7 @@ _launcher_lifeline.watch_launcher()  # a task of mirrored-run ends with its laun
 from .device import config, device_util, linalg
 from .device.linalg import matmul
 from .device.tensor_shape import TensorShape
+from .device.indexed_slices import IndexedSlices, convert_to_tensor
 from .collective import api as collectives
 from . import distribute
 from .distribute import cluster_resolver, cross_device_ops, experimental

@@ -1,11 +1,14 @@
-"""``md.compat.v1``: the TF 1.x ``tf.compat.v1.distribute`` spellings of MirroredStrategy and OneDeviceStrategy."""
+"""``md.compat.v1``: the TF 1.x ``tf.compat.v1.distribute`` spellings of MirroredStrategy, OneDeviceStrategy and
+``experimental.CentralStorageStrategy``."""
 
 from __future__ import annotations
 
 import sys
+import types
 
 from ..distribute.distribute_lib import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy, in_cross_replica_context)
 from ..data import NumpyDataset, make_numpy_dataset
+from ..distribute.central_storage_strategy import CentralStorageStrategy as _CentralStorageStrategyV2
 from ..distribute.input_lib import DatasetIterator
 from ..distribute.mirrored_strategy import MirroredStrategy as _MirroredStrategyV2
 from ..distribute.one_device_strategy import OneDeviceStrategy as _OneDeviceStrategyV2
@@ -33,8 +36,16 @@ class OneDeviceStrategy(_StrategyV1, _OneDeviceStrategyV2):
     """``tf.compat.v1.distribute.OneDeviceStrategy``."""
 
 
-__all__ = ["MirroredStrategy", "OneDeviceStrategy", "get_strategy", "has_strategy", "in_cross_replica_context", "get_replica_context",
-           "get_cross_replica_context", "NumpyDataset", "DatasetIterator"]
+class CentralStorageStrategy(_StrategyV1, _CentralStorageStrategyV2):
+    """``tf.compat.v1.distribute.experimental.CentralStorageStrategy``."""
+
+
+# ``tf.compat.v1.distribute.experimental``'s strategy (its other names are multi-worker or TPU ones)
+experimental = types.SimpleNamespace(CentralStorageStrategy=CentralStorageStrategy)
+
+__all__ = ["MirroredStrategy", "OneDeviceStrategy", "experimental", "get_strategy", "has_strategy",
+           "in_cross_replica_context", "get_replica_context", "get_cross_replica_context", "NumpyDataset",
+           "DatasetIterator"]
 
 # ``tf.compat.v1.distribute.MirroredStrategy`` ported verbatim reads ``md.compat.v1.distribute.MirroredStrategy``:
 # this module is that namespace too.

@@ -13,6 +13,7 @@ import functools
 import numpy as np
 
 from ..device import dtypes as _dtypes, device_util
+from ..device.indexed_slices import IndexedSlices, map_arrays
 from ..collective import api as collectives
 from ..collective.plan import all_reduce_plan
 from ..timeline import enabled_native as tracing
@@ -28,7 +29,7 @@ def get_devices_from(destinations, argument: str = "destinations") -> tuple:
         if devices is None:
             raise ValueError(f"{argument}: this {type(destinations).__name__} does not know its devices; pass it "
                              "through the strategy (strategy.extended.reduce_to) or give device strings")
-    elif isinstance(destinations, Variable) or hasattr(destinations, "__array_interface__") or \
+    elif isinstance(destinations, (Variable, IndexedSlices)) or hasattr(destinations, "__array_interface__") or \
             device_util.on_gpu(destinations):
         devices = (_device_of(destinations),)
     elif isinstance(destinations, str):
@@ -53,7 +54,7 @@ def _as_per_replica(value, argument: str = "per_replica_value") -> DistributedVa
 
 
 def _device_of(x) -> str:
-    if isinstance(x, Variable):
+    if isinstance(x, (Variable, IndexedSlices)):
         return x.device
     if device_util.on_gpu(x):
         # CuPy names its *physical* device .id (other CUDA arrays may not say: GPU 0). Several logical
@@ -132,6 +133,8 @@ class CrossDeviceOps:
         if self._sees_all_replicas and len(per_replica_value.values) == 1 and \
                 dest_devices == get_devices_from(per_replica_value):
             return per_replica_value.values[0]
+        if _sparse(per_replica_value):
+            return self._reduce_indexed_slices(op, per_replica_value, destinations)
         return self.reduce_implementation(op, per_replica_value, destinations, options or _DEFAULT_OPTIONS)
 
     def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
@@ -150,7 +153,43 @@ class CrossDeviceOps:
             return []
         if local:
             return [v._values[0] for v, _ in pairs]
-        return self.batch_reduce_implementation(op, pairs, options or _DEFAULT_OPTIONS)
+        sparse = [_sparse(v) for v, _ in pairs]
+        if not any(sparse):
+            return self.batch_reduce_implementation(op, pairs, options or _DEFAULT_OPTIONS)
+        # IndexedSlices are gathered one by one, the dense values still fused together (TF splits them so).
+        dense = iter(self.batch_reduce_implementation(op, [p for p, s in zip(pairs, sparse) if not s],
+                                                      options or _DEFAULT_OPTIONS) if not all(sparse) else ())
+        return [self._reduce_indexed_slices(op, v, d) if s else next(dense) for (v, d), s in zip(pairs, sparse)]
+
+    def _reduce_indexed_slices(self, op, per_replica_value, destinations):
+        """TF's reduction of ``IndexedSlices``: not a sum of dense arrays but every replica's rows, concatenated
+        in replica order (an all-gather of the values and one of the indices, whatever the ops' algorithm);
+        MEAN scales the values by 1 / replicas. Repeated indices stay repeated: densifying adds them up."""
+        if op not in (ReduceOp.SUM, ReduceOp.MEAN):
+            raise ValueError(f"reduce_op={op}: IndexedSlices reduce with SUM or MEAN only (their rows are "
+                             "concatenated); densify them first (md.convert_to_tensor) for MIN, MAX or PROD")
+        slices = per_replica_value.values
+        first = slices[0]
+        for r, s in enumerate(slices[1:], 1):
+            if s.dtype != first.dtype or s.values.shape[1:] != first.values.shape[1:]:
+                raise ValueError(f"per_replica_value: replica {r} has IndexedSlices of values {s.dtype} "
+                                 f"{tuple(s.values.shape)} but replica 0 of {first.dtype} "
+                                 f"{tuple(first.values.shape)}; every replica's rows must have one dtype and shape")
+        devices = get_devices_from(per_replica_value)
+        index_dtype = np.result_type(*[s.indices.dtype for s in slices])  # int32 beside int64: int64, as TF
+        values = self._collectives.all_gather([device_util.place(s.values, d) for s, d in zip(slices, devices)])
+        indices = self._collectives.all_gather([device_util.place(s.indices.astype(index_dtype, copy=False), d)
+                                                for s, d in zip(slices, devices)])
+        if op is ReduceOp.MEAN:
+            replicas = getattr(self._collectives, "num_replicas", len(slices))  # every worker's replicas
+            values = [_divided(v, replicas) for v in values]
+        gathered = [first._with(values=v, indices=i) for v, i in zip(values, indices)]
+        dest = get_devices_from(destinations)
+        if dest == devices:
+            return _mirrored(gathered, devices)
+        placed = [map_arrays(lambda a, d=d, k=k: device_util.place(a, d, copy=k > 0), gathered[0])
+                  for k, d in enumerate(dest)]
+        return _mirrored(placed, dest)
 
     def _native_batch_reduce(self, devices) -> bool:
         """Whether the built-in native path serves batch_reduce over ``devices`` (a replica context may go
@@ -171,6 +210,9 @@ class CrossDeviceOps:
 
     def broadcast_implementation(self, tensor, destinations):
         devices = get_devices_from(destinations)
+        if type(tensor) is IndexedSlices:
+            return _mirrored([map_arrays(lambda a, d=d: device_util.place(a, d, copy=True), tensor)
+                              for d in devices], devices)
         return _mirrored([device_util.place(_read(tensor), d, copy=True) for d in devices], devices)
 
     def _gather(self, per_replica_value, destinations, axis, options=None):
@@ -186,6 +228,22 @@ class CrossDeviceOps:
         if dest == src:
             return Mirrored(gathered, dest)
         return self.broadcast(gathered[0], destinations)
+
+
+def _sparse(per_replica: DistributedValues) -> bool:
+    """Whether every component is an IndexedSlices (some dense ones beside them: the dense path densifies
+    them all and sums, as TF's add_n does)."""
+    return type(per_replica._values[0]) is IndexedSlices and all(
+        type(v) is IndexedSlices for v in per_replica._values)
+
+
+def _divided(values, n: int):
+    """``values / n`` as TF's MEAN of IndexedSlices divides them: floats keep their dtype; integers divide in
+    float64 (float32 up to 16 bits)."""
+    with device_util.array_device(values):
+        if np.dtype(values.dtype).kind in "iu":
+            return (values / n).astype(np.float32 if np.dtype(values.dtype).itemsize <= 2 else np.float64)
+        return (values / n).astype(values.dtype, copy=False)
 
 
 def _fresh_to(reduced, destinations):

@@ -18,6 +18,7 @@ from .._core import Rendezvous as _Rendezvous  # (private: a native type, not AP
 from .._nest import flatten, is_nested, map_structure, pack_sequence_as
 from ..timeline import HOST_ROW, enabled_native as tracing, replica_wait, set_row_source
 from ..device import device_util, gpu as _gpu
+from ..device.indexed_slices import IndexedSlices, map_arrays
 from .name_scope import scoped_name
 from .options import InputReplicationMode, VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp, as_reduce_op
@@ -252,6 +253,9 @@ class ReplicaContext:
 
     def all_gather(self, value, axis: int, options=None):
         """Concatenate every replica's ``value`` along ``axis`` (sizes may differ along ``axis`` only)."""
+        if IndexedSlices in map(type, flatten(value)):  # (TF's words)
+            raise NotImplementedError("all_gather does not support IndexedSlices; gather their values and "
+                                      "indices (two arrays) instead, or all_reduce them (their rows concatenate)")
         ext = self._strategy.extended
         return self._collective("all_gather", value, self._combiner(
             "all_gather", lambda per_leaf: [ext._gather_to(v, v, axis, options) for v in per_leaf]))
@@ -363,6 +367,9 @@ class Strategy:
         ext = self._extended
         n = len(ext.worker_devices)
         comps = [[_read(select_replica(i, leaf)) for i in range(n)] for leaf in flatten(value)]
+        if any(type(c) is IndexedSlices for cs in comps for c in cs):
+            raise ValueError(f"axis={axis!r}: IndexedSlices reduce across replicas only; pass axis=None (their "
+                             "rows are concatenated), or densify them first (md.convert_to_tensor)")
         _check_axis(axis, comps)
 
         def along_axis(fn):
@@ -482,6 +489,8 @@ def _place_arrays(x, device):
     # Scalars stay as they are (TF leaves Python numbers alone); arrays go to the replica's device.
     if x is None or isinstance(x, (int, float, bool, complex, str, np.generic)):
         return x
+    if type(x) is IndexedSlices:
+        return map_arrays(lambda a: device_util.place(a, device), x)
     return device_util.place(x, device)
 
 
@@ -692,6 +701,11 @@ class StrategyExtended:
         skips batch_reduce_to's wrapping, or None (the default: every all_reduce goes through it)."""
         return None
 
+    def _capture_refusal(self) -> str | None:
+        """Why md.function cannot capture this strategy's GPU step as CUDA graphs beyond where its replicas run
+        (e.g. where its variables live), or None (the default: nothing more)."""
+        return None
+
     def _sums_host_replicas_in_order(self) -> bool:
         """Whether a SUM batch_reduce_to of this strategy's replicas is, bit for bit, each element summed
         over the replicas in their order (``((r0 + r1) + r2) + ...``), all of them NumPy arrays in this
@@ -719,7 +733,7 @@ class StrategyExtended:
         result = self.reduce_to(op, value, HOST)
         # A Python number that comes back as it went in (MEAN of a non-distributed value) stays one, as in TF.
         return map_structure(lambda v: v if type(v) in (int, float) else
-                             device_util.to_host(_read(self._local_results(v)[0])), result)
+                             _to_host(_read(self._local_results(v)[0])), result)
 
     def _gather_to_host(self, value, axis):
         if not isinstance(value, DistributedValues):
@@ -773,6 +787,11 @@ class StrategyExtended:
 
     def _make_variable(self, value, name, trainable, synchronization, aggregation):
         return DeviceVariable(value, f"{name}:0", HOST, trainable, synchronization, aggregation)
+
+
+def _to_host(x):
+    """A reduced value on the host: an array as NumPy, IndexedSlices as IndexedSlices of NumPy arrays."""
+    return map_arrays(device_util.to_host, x) if type(x) is IndexedSlices else device_util.to_host(x)
 
 
 def _check_axis(axis, components) -> None:

@@ -4,9 +4,10 @@
         communication=md.experimental.CollectiveCommunication.RING)
 """
 
+from .central_storage_strategy import CentralStorageStrategy
 from .input_lib import ValueContext
 from .multi_worker_strategy import ExperimentalMultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from .options import CollectiveCommunication, CommunicationImplementation, CommunicationOptions
 
-__all__ = ["MultiWorkerMirroredStrategy", "CollectiveCommunication", "CommunicationImplementation",
-           "CommunicationOptions", "ValueContext"]
+__all__ = ["CentralStorageStrategy", "MultiWorkerMirroredStrategy", "CollectiveCommunication",
+           "CommunicationImplementation", "CommunicationOptions", "ValueContext"]

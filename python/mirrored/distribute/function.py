@@ -175,6 +175,9 @@ def _gpu_reason(strategies, inputs) -> str | None:
                     "a CPU step gains nothing from capture)")
         if s.extended._num_workers != 1:
             return "multi-worker strategies are not captured (their collectives wait on the host)"
+        refusal = s.extended._capture_refusal()
+        if refusal is not None:
+            return refusal
     return None
 
 

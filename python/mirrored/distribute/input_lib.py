@@ -551,12 +551,14 @@ def _too_few_files(count: int, workers: int) -> str:
 
 class _Pipelines(_Iterator):
     """One step's items from the worker's pipelines: one item from each (one pipeline per replica), or the
-    next L items of the single pipeline (a short last step is padded with empty batches)."""
+    next L items of the single pipeline (a short last step is padded with empty batches, or ends the input
+    where ``partial`` is False: TF's strategies without ``experimental_enable_get_next_as_optional``)."""
 
-    def __init__(self, pipelines: list, local: int, state=None):
+    def __init__(self, pipelines: list, local: int, state=None, partial: bool = True):
         super().__init__(*(_source_iterator(p, None if state is None else s)
                            for p, s in zip(pipelines, [None] * len(pipelines) if state is None else state)))
         self._local = local
+        self._partial = partial
 
     def next(self):
         if len(self._inputs) > 1:
@@ -567,7 +569,7 @@ class _Pipelines(_Iterator):
                 step.append(self._inputs[0].next())
             except StopIteration:
                 break
-        if not step:
+        if not step or len(step) < self._local and not self._partial:
             raise StopIteration
         return step
 
@@ -597,7 +599,8 @@ class DistributedDatasetsFromFunction(_DistributedInput):
         return dataset if isinstance(dataset, Dataset) else _Reiterable(dataset, "dataset_fn()")
 
     def _source(self, state=None):
-        return _Pipelines(self._pipelines, len(self._devices), state)
+        return _Pipelines(self._pipelines, len(self._devices), state,
+                          self._extended.experimental_enable_get_next_as_optional)
 
     def _counted_input(self):
         return self._pipelines[0]

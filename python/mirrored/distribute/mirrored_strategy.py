@@ -25,6 +25,7 @@ from .._logging import logger
 from .._nest import flatten, is_nested, map_structure, pack_sequence_as
 from ..device import config, device_util, gpu as _gpu
 from ..device.device_util import _current as _device_local
+from ..device.indexed_slices import IndexedSlices
 from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, _ReplicaAllReduce, describe
 from .context import _Context, _local, _new_tuple
 from .distribute_lib import _Group, ReplicaContext, Strategy, StrategyExtended
@@ -654,7 +655,7 @@ class MirroredExtended(StrategyExtended):
         only, as TensorFlow takes it for non-tensors only: a GPU array is not read back (inside md.function's
         capture nothing may wait for the GPU), and is reduced as TensorFlow reduces a tensor."""
         read = value.read_value() if isinstance(value, DeviceVariable) else value
-        if not device_util.on_gpu(read):
+        if not device_util.on_gpu(read) and type(read) is not IndexedSlices:  # (TF's shortcut skips tensors)
             host = device_util.to_host(read)
             if np.all(host == 0):
                 return np.zeros(host.shape, host.dtype)

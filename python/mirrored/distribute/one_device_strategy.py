@@ -32,6 +32,14 @@ def _one_device(device):
     return device
 
 
+def update_on(extended, device, var, fn, args, kwargs, group):
+    """``extended.update`` where variables have one copy (TF's OneDevice and CentralStorage strategies):
+    ``fn(var, ...)`` once, on ``device``, with the first replica's part of distributed arguments."""
+    with device_util.device_scope(device), device_util.cross_replica_gpu_scope(device):
+        result = fn(var, *select_replica(0, args), **select_replica(0, kwargs))
+    return result if group else map_structure(extended._local_results, result)
+
+
 class OneDeviceExtended(MirroredExtended):
     """``OneDeviceStrategy.extended``: one replica on one device; variables are that device's own."""
 
@@ -50,10 +58,7 @@ class OneDeviceExtended(MirroredExtended):
 
     def _update(self, var, fn, args, kwargs, group):
         # TF's: fn(var, ...) on the device, whatever var is (no check that this strategy made it).
-        device = self._local_devices[0]
-        with device_util.device_scope(device), device_util.cross_replica_gpu_scope(device):
-            result = fn(var, *select_replica(0, args), **select_replica(0, kwargs))
-        return result if group else map_structure(self._local_results, result)
+        return update_on(self, self._local_devices[0], var, fn, args, kwargs, group)
 
 
 class OneDeviceStrategy(Strategy):

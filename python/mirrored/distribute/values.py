@@ -26,6 +26,7 @@ import numpy as np
 
 from .._nest import is_nested, map_structure
 from ..device import device_util, gpu as _gpu
+from ..device.indexed_slices import IndexedSlices
 from ..device.tensor_shape import TensorShape
 from .context import _local, get_replica_context, get_strategy
 from .options import VariableAggregation, VariableSynchronization
@@ -181,6 +182,34 @@ class _Ref:
         return isinstance(other, _Ref) and other._var is self._var
 
 
+# tf.Variable's scatter methods: the NumPy/CuPy ufunc whose ``at`` applies each row (None: assignment).
+_SCATTERS = {"scatter_add": "add", "scatter_sub": "subtract", "scatter_mul": "multiply",
+             "scatter_div": "true_divide", "scatter_max": "maximum", "scatter_min": "minimum",
+             "scatter_update": None}
+
+
+def _scatter_method(method: str):
+    def scatter(self, sparse_delta, use_locking=False, name=None):
+        return self._scatter(method, sparse_delta)
+    scatter.__name__ = scatter.__qualname__ = method
+    ufunc = _SCATTERS[method]
+    scatter.__doc__ = (f"``tf.Variable.{method}``: row ``sparse_delta.indices[i]`` of the value "
+                       + (f"becomes ``sparse_delta.values[i]``" if ufunc is None else
+                          f"combined with ``sparse_delta.values[i]`` by ``{ufunc}`` (repeated rows, each in turn)")
+                       + "; returns the variable.")
+    return scatter
+
+
+def _check_sparse_delta(variable, sparse_delta, method: str) -> None:
+    if type(sparse_delta) is not IndexedSlices:
+        raise TypeError(f"sparse_delta: {method} takes an md.IndexedSlices (values, indices), not a "
+                        f"{type(sparse_delta).__name__}; for a dense delta use assign_add/assign_sub")
+    rows = tuple(sparse_delta.values.shape)
+    if rows[1:] != tuple(variable.shape)[1:]:
+        raise ValueError(f"sparse_delta: rows of shape {rows[1:]} do not fit variable '{variable.name}' of shape "
+                         f"{tuple(variable.shape)}; each row must have shape {tuple(variable.shape)[1:]}")
+
+
 class DeviceVariable(Variable):
     """A variable on one device: ``md.Variable`` outside a strategy, and each copy of a distributed one."""
 
@@ -321,6 +350,28 @@ class DeviceVariable(Variable):
         self._combine(operator.sub, delta)
         return _updated(self, read_value)
 
+    def _scatter(self, method: str, sparse_delta):
+        _check_sparse_delta(self, sparse_delta, method)
+        values = device_util.place(sparse_delta.values, self._device).astype(self.dtype, copy=False)
+        indices = device_util.place(sparse_delta.indices, self._device)
+        rows = self.shape[0]
+        if not device_util.on_gpu(indices) and len(indices) and (indices.min() < 0 or indices.max() >= rows):
+            bad = int(np.argmax((indices < 0) | (indices >= rows)))
+            raise IndexError(f"sparse_delta: indices[{bad}] = {int(indices[bad])} is not in [0, {rows}), the rows "
+                             f"of variable '{self._name}'")
+        buffer = self._writable_buffer()
+        with device_util.array_device(buffer):
+            ufunc = _SCATTERS[method]
+            if ufunc is None:
+                buffer[indices] = values
+            else:
+                getattr(sys.modules[type(buffer).__module__.partition(".")[0]], ufunc).at(buffer, indices, values)
+        self._stores += 1
+        return self
+
+    scatter_add, scatter_sub, scatter_mul, scatter_div, scatter_max, scatter_min, scatter_update = map(
+        _scatter_method, _SCATTERS)
+
 
 class DistributedVariable(DistributedValues, Variable):
     """A variable with one :class:`DeviceVariable` copy per replica device."""
@@ -420,6 +471,20 @@ class MirroredVariable(DistributedVariable, Mirrored):
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
         return _updated(self._update("assign_sub", delta), read_value)
+
+    def _scatter(self, method: str, sparse_delta):
+        _check_sparse_delta(self, sparse_delta, method)
+        if self._aggregation not in (VariableAggregation.NONE, VariableAggregation.ONLY_FIRST_REPLICA):
+            # (TF's words)
+            raise NotImplementedError(
+                f"{method} is only supported for mirrored variable (variable created within certain "
+                f"`tf.distribute.Strategy` scope) with NONE or `ONLY_FIRST_REPLICA` aggregation, got: "
+                f"{self._aggregation}; variable '{self.name}': update it with assign_add, or create it with "
+                "aggregation NONE")
+        return self._update(method, sparse_delta)
+
+    scatter_add, scatter_sub, scatter_mul, scatter_div, scatter_max, scatter_min, scatter_update = map(
+        _scatter_method, _SCATTERS)
 
 
 class SyncOnReadVariable(DistributedVariable):

@@ -12,8 +12,12 @@ Python numbers cannot be tracked (a restore could not write them back): pass
 What is saved: every ``md.Variable`` reachable from the keyword arguments —
 directly, in dicts/lists/tuples, or as public attributes of plain objects
 (a model class) — under its path (``model/w1``, ``model/layers/0/b``), and for
-an optimizer its ``iterations`` and its slot variables, keyed by the path of
-the variable they belong to (``optimizer/slots/model/w1/m``). Values are the
+an optimizer its step counter ``_iterations`` and its slot variables, keyed by
+the path of the variable they belong to (``optimizer/slots/model/w1/m``). The
+file names each by TensorFlow's tensor name for that path
+(``model/w1/.ATTRIBUTES/VARIABLE_VALUE``), as ``list_variables`` shows. A
+value whose variable does not exist yet at restore waits on the ``md.Module``
+or ``Checkpoint`` that will hold it (TensorFlow's deferred restoration). Values are the
 variables' cross-replica values, so a checkpoint written with 4 replicas
 restores into 1 or 8.
 
@@ -48,6 +52,7 @@ import struct
 import threading
 import types
 import uuid
+import weakref
 
 import numpy as np
 
@@ -59,6 +64,21 @@ __all__ = ["Checkpoint", "CheckpointLoadStatus", "load_checkpoint", "CheckpointE
 _ATTRIBUTES = ".ATTRIBUTES"  # key infix of a self-saving object's tensors, as in TensorFlow's checkpoints
 _VERSION = 1
 _DIGEST = 32
+_VALUE = f"{_ATTRIBUTES}/VARIABLE_VALUE"  # a variable's tensor, under its object path
+
+
+def tensor_name(path: str) -> str:
+    """The name a variable at object path ``path`` is saved under, TensorFlow's:
+    ``model/w/.ATTRIBUTES/VARIABLE_VALUE``."""
+    return f"{path}/{_VALUE}" if path else _VALUE
+
+
+def object_path(name: str) -> str:
+    """The object path of a saved tensor's ``name`` (the inverse of ``tensor_name``); a name without TensorFlow's
+    suffix (files mirrored wrote before it used TensorFlow's names, an iterator's state) is its own path."""
+    if name == _VALUE:
+        return ""
+    return name[:-len(_VALUE) - 1] if name.endswith("/" + _VALUE) else name
 
 
 # --- the file format ------------------------------------------------------------------------------
@@ -451,11 +471,12 @@ def _tensorflow_hint(path: str) -> str:
 
 
 def load_checkpoint(path) -> dict:
-    """Every array of the checkpoint at ``path``, as ``{key: ndarray}`` (validated in full)."""
+    """Every array of the checkpoint at ``path``, as ``{object path: ndarray}`` (validated in full): ``model/w``
+    where ``list_variables`` says ``model/w/.ATTRIBUTES/VARIABLE_VALUE``."""
     with CheckpointReader(path) as reader:
         _check_memory(reader.path, reader.total_bytes())
         reader.verify()
-        return {key: reader.read(key) for key in reader.keys}
+        return {object_path(key): reader.read(key) for key in reader.keys}
 
 
 # --- which objects hold which variables -----------------------------------------------------------
@@ -479,21 +500,99 @@ def _walk(obj, path: str, found: dict, optimizers: list, seen: set) -> None:
         optimizers.append((path, obj))
     elif isinstance(obj, dict):
         for key in sorted(obj, key=str):
-            _walk(obj[key], f"{path}/{key}", found, optimizers, seen)
+            _walk(obj[key], _join(path, key), found, optimizers, seen)
     elif isinstance(obj, (list, tuple)):
         for i, item in enumerate(obj):
-            _walk(item, f"{path}/{i}", found, optimizers, seen)
+            _walk(item, _join(path, i), found, optimizers, seen)
     elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType)):
         # md.Module tracks its private attributes too, as tf.Module does: it names its children itself.
         children = obj._trackable_children() if hasattr(obj, "_trackable_children") else {
             key: value for key, value in vars(obj).items() if not key.startswith("_")}
         for key in sorted(children):
-            _walk(children[key], f"{path}/{key}", found, optimizers, seen)
+            _walk(children[key], _join(path, key), found, optimizers, seen)
+
+
+_ITERATIONS = "_iterations"  # an optimizer's step counter, under Keras 3's attribute name
+
+
+def _children(obj) -> dict:
+    """``name -> child`` of a tracked container or object, as ``_walk`` names them."""
+    if isinstance(obj, dict):
+        return {str(key): value for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return {str(i): item for i, item in enumerate(obj)}
+    if hasattr(obj, "_trackable_children"):
+        return obj._trackable_children()
+    if hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType)):
+        return {key: value for key, value in vars(obj).items() if not key.startswith("_")}
+    return {}
+
+
+# --- deferred restoration: values restored before their variables exist ------------------------------------
+
+# id(holder) -> {path below it: _Pending}; by id, as a holder may be unhashable (a class with __eq__), and
+# dropped when the holder is collected.
+_DEFERRED = {}
+
+
+class _Pending:
+    """A restored value waiting for its variable; read from the file when a holder is found for it."""
+
+    def __init__(self, path: str, key: str, status, read):
+        self.path, self.key, self.status, self._read, self._value = path, key, status, read, None
+
+    def value(self) -> np.ndarray:
+        if self._value is None:
+            self._value = self._read()
+            self._read = None  # the reader is closed once restore() returns
+        return self._value
+
+
+def _defer(obj, path: str, pending: _Pending, assign: bool = True) -> None:
+    """Assign ``pending`` to the variable at ``path`` below ``obj``, or leave it with the deepest existing object
+    that will be told of a new child (a class with ``_defers_restoration``: md.Module, Checkpoint); a value
+    with no such holder is dropped (the status still reports it). ``assign=False``: a variable found there is
+    already restored under another path (the first path names a shared variable), so it is left alone."""
+    names = path.split("/") if path else []
+    for i, name in enumerate(names):
+        children = _children(obj)
+        if name not in children:
+            if getattr(type(obj), "_defers_restoration", False):
+                pending.value()
+                if id(obj) not in _DEFERRED:
+                    _DEFERRED[id(obj)] = {}
+                    weakref.finalize(obj, _DEFERRED.pop, id(obj), None)
+                _DEFERRED[id(obj)]["/".join(names[i:])] = pending
+            return
+        obj = children[name]
+    if assign and _is_variable(obj):
+        value = pending.value()
+        if tuple(value.shape) != tuple(obj.shape) or value.dtype != np.dtype(obj.dtype):
+            raise CheckpointError(
+                f"path={pending.path!r}: {pending.key} has {value.dtype}{list(value.shape)} (a shape or dtype "
+                f"mismatch), the variable attached there is {np.dtype(obj.dtype)}{list(obj.shape)}; create it "
+                "with the shape and dtype it was saved with")
+        obj.assign(value)
+        pending.status._claim(pending.key)
+
+
+def attached(holder, name: str, value) -> None:
+    """``holder.name = value`` happened: restore into ``value`` what a restore left waiting there."""
+    waiting = _DEFERRED.get(id(holder))
+    if not waiting:
+        return
+    for path in [p for p in waiting if p == name or p.startswith(name + "/")]:
+        _defer(value, path[len(name) + 1:], waiting.pop(path))
+
+
+def _join(path: str, name) -> str:
+    """A child's object path: its name under the root object (path ``""``), else ``parent/name``."""
+    return f"{path}/{name}" if path else str(name)
 
 
 def _optimizer_state(path: str, optimizer, var_paths: dict) -> dict:
     """``key -> state variable`` of ``optimizer``; slots keyed by their variable's path."""
-    state = {} if optimizer._iterations is None else {f"{path}/iterations": optimizer._iterations}
+    state = {} if optimizer._iterations is None else {_join(path, _ITERATIONS): optimizer._iterations}
     for var, slots in optimizer._slots.values():
         var_path = var_paths.get(id(var))
         if var_path is None:
@@ -501,7 +600,7 @@ def _optimizer_state(path: str, optimizer, var_paths: dict) -> dict:
                 f"{path}: the optimizer has slots for variable {var.name!r}, which is not part of this "
                 "Checkpoint; pass the model too, e.g. md.Checkpoint(model=model, optimizer=optimizer)")
         for slot_name, slot in slots.items():
-            state[f"{path}/slots/{var_path}/{slot_name}"] = slot
+            state[_join(path, f"slots/{var_path}/{slot_name}")] = slot
     return state
 
 
@@ -544,6 +643,11 @@ class CheckpointLoadStatus:
             raise AssertionError(f"nothing in checkpoint {self._save_path!r} matched an object of this "
                                  "Checkpoint; pass the objects it was saved from")
         return self
+
+    def _claim(self, key: str) -> None:
+        """``key`` was restored later, into a variable created after the restore (deferred restoration)."""
+        self._unused.remove(key)
+        self._restored.append(key)
 
     def expect_partial(self) -> "CheckpointLoadStatus":
         """Mark entries of the file that no object claims as expected (e.g. a model-only restore)."""
@@ -615,11 +719,16 @@ class Checkpoint:
     return a status with ``assert_consumed()`` and ``expect_partial()``.
     """
 
+    _defers_restoration = True  # __setattr__ calls attached()
+
     def __init__(self, root=None, **objects):
+        # As TensorFlow: a ``root``'s own children are saved at the top level (``w``, not ``root/w``), beside
+        # the keyword arguments.
         if root is not None:
-            objects = {"root": root, **objects}
+            _check_trackable("root", root)
         for name, obj in objects.items():
             _check_trackable(name, obj)
+        self._root = root
         self._objects = objects
         self._save_counter = None
 
@@ -630,14 +739,30 @@ class Checkpoint:
             return
         if isinstance(getattr(type(self), name, None), property):
             raise AttributeError(f"Checkpoint.{name} cannot be set; pick another name for the object")
-        _check_trackable(name, value)
+        if isinstance(value, _UNTRACKABLE):
+            # As TensorFlow: a plain value set as an attribute is kept, not saved (only the constructor refuses it).
+            self._objects.pop(name, None)
+            object.__setattr__(self, name, value)
+            return
+        self.__dict__.pop(name, None)
         self._objects[name] = value
+        attached(self, name, value)
 
     def __getattr__(self, name):
         objects = self.__dict__.get("_objects", {})
         if name in objects:
             return objects[name]
+        if name == "root" and self.__dict__.get("_root") is not None:
+            return self._root
         raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
+
+    def _trackable_children(self) -> dict:
+        """What a Checkpoint saves: its root's children, its objects, and its ``save_counter`` once created."""
+        children = {} if self._root is None else _children(self._root)
+        children.update(self._objects)
+        if self._save_counter is not None:
+            children["save_counter"] = self._save_counter
+        return children
 
     @property
     def save_counter(self):
@@ -659,11 +784,13 @@ class Checkpoint:
 
     def _tracked(self):
         found, optimizers, seen = {}, [], set()
+        if self._root is not None:
+            _walk(self._root, "", found, optimizers, seen)
         for name, obj in self._objects.items():
             _walk(obj, name, found, optimizers, seen)
         return found, optimizers, seen
 
-    def _variables(self, create_for=None) -> dict:
+    def _variables(self, create_for=None, create_counter=True) -> dict:
         """``key -> variable`` of everything tracked.
 
         With ``create_for`` (the keys of a file being restored), optimizers first
@@ -674,13 +801,13 @@ class Checkpoint:
         var_paths = {id(v): p for p, v in found.items()}
         for path, opt in optimizers:
             if create_for is not None:
-                prefix = f"{path}/slots/"
+                prefix = _join(path, "slots/")
                 wanted = [v for p, v in found.items()
                           if any(k.startswith(f"{prefix}{p}/") for k in create_for)]
-                if wanted or f"{path}/iterations" in create_for:
+                if wanted or _join(path, _ITERATIONS) in create_for:
                     opt._create_state(_strategy_of(wanted or list(found.values())), wanted)
             found.update(_optimizer_state(path, opt, var_paths))
-        if create_for is not None and "save_counter" in create_for and self._save_counter is None:
+        if create_for is not None and create_counter and self._save_counter is None:
             self._create_save_counter()
         if self._save_counter is not None:
             found["save_counter"] = self._save_counter
@@ -727,7 +854,7 @@ class Checkpoint:
         from ..distribute import distribute_lib
 
         variables = self._variables()
-        arrays = {key: np.asarray(var.numpy(), order="C") for key, var in variables.items()}
+        arrays = {tensor_name(key): np.asarray(var.numpy(), order="C") for key, var in variables.items()}
         arrays.update(_saveable_tensors(self._objects))
         strategy = _strategy_of(list(variables.values())) if variables else distribute_lib.get_strategy()
         if _writes_here(strategy, path):
@@ -746,15 +873,18 @@ class Checkpoint:
         ``assert_existing_objects_matched()`` on the returned status report them. ``save_path=None`` restores nothing
         (``CheckpointManager.latest_checkpoint`` is None before the first save).
         """
+        return self._load(save_path, counter=True, what="restore")
+
+    def _load(self, save_path, counter: bool, what: str) -> CheckpointLoadStatus:
         if save_path is None:
             return InitializationOnlyStatus()
-        _require_cross_replica("restore")
+        _require_cross_replica(what)
         path = _check_path(save_path, "save_path")
         from .tensorbundle import BundleReader, is_tensorflow_checkpoint, object_keys
 
         if is_tensorflow_checkpoint(path):
             with BundleReader(path) as bundle:
-                return self._restore_from(bundle, path, object_keys(bundle))
+                return self._restore_from(bundle, path, object_keys(bundle), counter)
         if os.path.isdir(path):
             raise IsADirectoryError(
                 f"save_path={path!r} is a directory; pass a checkpoint file, e.g. "
@@ -764,10 +894,23 @@ class Checkpoint:
                 errno.ENOENT, f"Failed to find any matching files for save_path={path!r}; pass a path that "
                 "save() or write() returned, e.g. md.train.latest_checkpoint(directory)", path)
         with CheckpointReader(path) as reader:
-            return self._restore_from(reader, path, {key: key for key in reader.keys})
+            return self._restore_from(reader, path, self._own_keys(reader.keys), counter)
 
-    def _restore_from(self, reader, path: str, keys: dict) -> CheckpointLoadStatus:
-        """Assign ``reader``'s arrays (``keys``: our key -> the file's key) to the tracked variables.
+    def _own_keys(self, names) -> dict:
+        """``object path -> tensor name`` of one of mirrored's files. Files of earlier versions named tensors by
+        their object path alone, and an optimizer's counter ``iterations``: those are found too."""
+        keys = {object_path(name): name for name in names}
+        for path, _ in self._tracked()[1]:
+            legacy, current = _join(path, "iterations"), _join(path, _ITERATIONS)
+            if current not in keys and keys.get(legacy) == legacy:
+                keys[current] = keys.pop(legacy)
+        return keys
+
+    def _restore_from(self, reader, path: str, keys: dict, counter: bool) -> CheckpointLoadStatus:
+        """Assign ``reader``'s arrays (``keys``: object path -> the file's tensor name) to the tracked variables.
+
+        ``counter``: whether ``save_counter`` is created (``restore``) or left alone when not yet created
+        (``read``, whose files come from ``write``), as TensorFlow's.
 
         Shapes and dtypes are checked, and the file's checksums verified, before
         the first assignment; then one array is read and assigned at a time, so the memory needed is
@@ -776,14 +919,13 @@ class Checkpoint:
         # One entry at a time must fit in memory (asked before hashing a file of, say, a sparse terabyte).
         _check_memory(path, max((reader.entry(k).nbytes for k in keys.values()), default=0))
         reader.verify(list(keys.values()))  # before anything is created or assigned
-        variables = self._variables(create_for=keys)
+        variables = self._variables(create_for=keys, create_counter=counter)
         problems, unmatched = [], []
         for key, var in variables.items():
             if key not in keys:
-                # As TensorFlow: the variable keeps its value; the status's assertions report it.
-                # Files written by write() have no save_counter: the counter stays, unreported.
-                if key != "save_counter":
-                    unmatched.append(key)
+                # As TensorFlow: the variable keeps its value; the status's assertions report it (the
+                # save_counter too, when restore() reads a file of write(): TF's advice is read() for those).
+                unmatched.append(key)
                 continue
             entry = reader.entry(keys[key])
             if tuple(entry.shape) != tuple(var.shape) or entry.dtype != np.dtype(var.dtype):
@@ -791,18 +933,26 @@ class Checkpoint:
                                 f"variable is {np.dtype(var.dtype)}{list(var.shape)}")
         if problems:
             raise CheckpointError(
-                f"path={path!r} does not fit the objects of this Checkpoint; nothing was restored:\n  "
+                f"path={path!r} does not fit the objects of this Checkpoint (a shape or dtype mismatch); nothing "
+                "was restored:\n  "
                 + "\n  ".join(problems)
                 + "\nbuild the model with the shapes it was saved with, or pass the objects it was saved from")
         restored = [key for key in variables if key in keys]
         for key in restored:
             variables[key].assign(reader.read(keys[key]))
         restored += _restore_saveables(self._objects, keys, lambda key: reader.read(keys[key]), unmatched)
-        return CheckpointLoadStatus(path, set(keys) - set(restored), restored, unmatched)
+        status = CheckpointLoadStatus(path, set(keys) - set(restored), restored, unmatched)
+        # As TensorFlow: a value whose variable does not exist yet waits on the object that will hold it
+        # (an md.Module, a Checkpoint) and is assigned when the variable is attached there.
+        for key in status._unused:
+            if key != "save_counter" and f"/{_ATTRIBUTES}/" not in f"/{key}":
+                _defer(self, key, _Pending(path, key, status, lambda name=keys[key]: reader.read(name)), assign=False)
+        return status
 
     def read(self, save_path, options=None) -> CheckpointLoadStatus:
-        """Load a file written by ``write`` (or ``save``): the same as ``restore``."""
-        return self.restore(save_path, options=options)
+        """Load a file written by ``write`` (or ``save``) as ``restore`` does, except that ``save_counter`` is
+        restored only if it exists already (as TensorFlow's: a file from ``save`` then leaves it unclaimed)."""
+        return self._load(save_path, counter=False, what="read")
 
 
 # --- objects that save themselves (md.data iterators) -----------------------------------------------

@@ -9,7 +9,7 @@ import errno
 import os
 import stat
 
-__all__ = ["CheckpointError", "NotFoundError", "open_regular_file", "read_into"]
+__all__ = ["CheckpointError", "NotFoundError", "KeyNotFoundError", "open_regular_file", "read_into"]
 
 _MAGIC = b"MDCKPT\x00"  # a mirrored checkpoint's first bytes (then the format version byte)
 _MAX_INDEX = 256 << 20  # bytes: an index of 2 million variables; a larger one is a crafted header
@@ -21,6 +21,10 @@ class CheckpointError(ValueError):
 
 class NotFoundError(FileNotFoundError):
     """No checkpoint at the path given to ``restore`` / ``read`` (TensorFlow raises ``NotFoundError`` too)."""
+
+
+class KeyNotFoundError(NotFoundError, KeyError):
+    """``load_variable`` of a name the checkpoint lacks: TensorFlow's ``NotFoundError``, and a ``KeyError``."""
 
 
 def open_regular_file(path: str, what: str = "path"):

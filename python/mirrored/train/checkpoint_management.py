@@ -43,11 +43,12 @@ import numpy as np
 from .tensorbundle import BundleReader, is_tensorflow_checkpoint
 from .checkpoint import (STATE_FILE, Checkpoint, CheckpointError, CheckpointLoadStatus, CheckpointReader,
                          NotFoundError, _check_memory, _write_state, load_checkpoint, open_regular_file,
-                         sweep_stale_temporaries)
+                         sweep_stale_temporaries, tensor_name)
+from .checkpoint_io import KeyNotFoundError
 
 __all__ = ["Checkpoint", "CheckpointManager", "CheckpointState", "CheckpointLoadStatus", "CheckpointError",
-           "NotFoundError", "latest_checkpoint", "get_checkpoint_state", "list_variables", "load_variable",
-           "load_checkpoint"]
+           "NotFoundError", "latest_checkpoint", "get_checkpoint_state", "checkpoints_iterator", "list_variables",
+           "load_variable", "load_checkpoint"]
 
 _MAX_STATE_BYTES = 16 << 20  # about 100,000 checkpoints listed
 
@@ -127,6 +128,48 @@ def latest_checkpoint(checkpoint_dir, latest_filename=None):
     return None
 
 
+_POLL_SECONDS = 1.0  # how often checkpoints_iterator looks at the state file, as TensorFlow's
+
+
+def _wait_for_new_checkpoint(checkpoint_dir, last, timeout):
+    """The directory's latest checkpoint once it is not ``last``; None when ``timeout`` seconds pass first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        path = latest_checkpoint(checkpoint_dir)
+        if path is not None and path != last:
+            return path
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return None
+        # Sleep out a short timeout too (TF returns at once), so a timeout_fn loop never spins.
+        time.sleep(_POLL_SECONDS if left is None else min(_POLL_SECONDS, left))
+
+
+def checkpoints_iterator(checkpoint_dir, min_interval_secs=0, timeout=None, timeout_fn=None):
+    """Yield each new latest checkpoint of ``checkpoint_dir`` as it appears, as ``tf.train.checkpoints_iterator``.
+
+    The first is the latest at the call (if any). With ``timeout``, after that many seconds without a new one
+    the iterator ends, unless ``timeout_fn`` is given and returns False (then it waits again). Consecutive
+    yields are at least ``min_interval_secs`` apart.
+    """
+    for value, argument in ((min_interval_secs, "min_interval_secs"), (timeout, "timeout")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise ValueError(f"{argument}={value!r}: expected a non-negative number of seconds")
+    last = None
+    while True:
+        path = _wait_for_new_checkpoint(checkpoint_dir, last, timeout)
+        if path is None:
+            if timeout_fn is None or timeout_fn():
+                return
+            continue
+        started = time.monotonic()
+        last = path
+        yield path
+        pause = started + min_interval_secs - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+
+
 def _checkpoint_file(ckpt_dir_or_file) -> str:
     path = os.fspath(ckpt_dir_or_file)
     if os.path.isdir(path):
@@ -154,10 +197,15 @@ def list_variables(ckpt_dir_or_file) -> list:
 
 
 def load_variable(ckpt_dir_or_file, name: str):
-    """The saved value of ``name`` (a key of ``list_variables``) as a NumPy array, its checksum verified."""
+    """The saved value of ``name`` (a name of ``list_variables``; a trailing ``:0`` is ignored, as TensorFlow's)
+    as a NumPy array, its checksum verified."""
+    if name.endswith(":0"):
+        name = name[:-2]
     with _open(ckpt_dir_or_file) as reader:
         if name not in reader.keys:
-            raise KeyError(f"name={name!r} is not in the checkpoint {reader.path!r}; it holds {sorted(reader.keys)}")
+            hint = f"; did you mean {tensor_name(name)!r}?" if tensor_name(name) in reader.keys else ""
+            raise KeyNotFoundError(f"Key {name} not found in checkpoint {reader.path!r}{hint} It holds "
+                                   f"{sorted(reader.keys)}")
         _check_memory(reader.path, reader.entry(name).nbytes)  # before hashing a (possibly sparse) huge file
         reader.verify([name])
         return reader.read(name)
@@ -199,12 +247,16 @@ class CheckpointManager:
             if step_counter is None:
                 raise ValueError("`step_counter` should be passed if `checkpoint_interval` is not None.")
             if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) \
-                    or checkpoint_interval <= 0:
-                raise ValueError(f"checkpoint_interval={checkpoint_interval!r}: expected a positive int of steps")
+                    or checkpoint_interval < 0:  # 0, as TF: every save() at a new step
+                raise ValueError(f"checkpoint_interval={checkpoint_interval!r}: expected a non-negative int of steps")
         if not checkpoint_name or os.sep in checkpoint_name:
             raise ValueError(f"checkpoint_name={checkpoint_name!r}: expected a file name without a directory")
         self._checkpoint = checkpoint
-        self._directory = os.path.abspath(os.fspath(directory))
+        # As given (a relative directory gives relative paths, as TensorFlow's); the files themselves are
+        # written, matched and deleted below the working directory of this call, wherever the process moves.
+        self._directory = os.fsdecode(os.fspath(directory))
+        self._origin = os.getcwd()
+        self._absolute_directory = self._absolute(self._directory)
         self._max_to_keep = max_to_keep
         self._keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours
         self._checkpoint_name = checkpoint_name
@@ -282,7 +334,7 @@ class CheckpointManager:
         counter.assign_add(np.int64(1))
         number = int(counter.numpy()) if checkpoint_number is None else _value(checkpoint_number)
         path = f"{self._prefix}-{number}"
-        wrote = self._checkpoint._write(path)
+        wrote = self._checkpoint._write(self._absolute(path))
         stamp = time.time()
         self._maybe_delete.pop(path, None)  # an overwritten checkpoint moves to the newest end
         self._maybe_delete[path] = stamp
@@ -293,14 +345,14 @@ class CheckpointManager:
         self._sweep(delete_files=wrote)
         if wrote:
             self._record_state()
-            sweep_stale_temporaries(self._directory, lambda target: bool(self._numbered.fullmatch(target))
+            sweep_stale_temporaries(self._absolute_directory, lambda target: bool(self._numbered.fullmatch(target))
                                     or target == STATE_FILE)
         return path
 
     def restore_or_initialize(self):
         """Restore the latest checkpoint and return its path, or call ``init_fn`` and return None."""
         if self._latest_checkpoint is not None:
-            self._checkpoint.restore(self._latest_checkpoint)
+            self._checkpoint.restore(self._absolute(self._latest_checkpoint))
             if self._checkpoint_interval is not None:
                 self._last_checkpoint_step = _value(self._step_counter)
             return self._latest_checkpoint
@@ -312,13 +364,18 @@ class CheckpointManager:
         """Nothing to wait for: saves are synchronous."""
 
     # -- bookkeeping --
+    def _absolute(self, path: str) -> str:
+        return os.path.normpath(os.path.join(self._origin, path))
+
     def _owns(self, path: str) -> bool:
         """Whether ``path`` is one of this manager's checkpoints: ``{directory}/{checkpoint_name}-N``."""
-        path = os.path.abspath(path)
-        return os.path.dirname(path) == self._directory and bool(self._numbered.fullmatch(os.path.basename(path)))
+        path = self._absolute(path)
+        return (os.path.dirname(path) == self._absolute_directory
+                and bool(self._numbered.fullmatch(os.path.basename(path))))
 
     def _record_state(self) -> None:
-        _write_state(self._directory, self._latest_checkpoint, list(self._maybe_delete),
+        _write_state(self._absolute_directory, self._absolute(self._latest_checkpoint),
+                     [self._absolute(p) for p in self._maybe_delete],
                      list(self._maybe_delete.values()), self._last_preserved_timestamp)
 
     def _sweep(self, delete_files: bool) -> None:
@@ -332,8 +389,8 @@ class CheckpointManager:
                 continue
             if delete_files and self._owns(path):
                 try:
-                    if stat.S_ISREG(os.lstat(path).st_mode):
-                        os.remove(path)
+                    if stat.S_ISREG(os.lstat(self._absolute(path)).st_mode):
+                        os.remove(self._absolute(path))
                 except FileNotFoundError:
                     pass
 

@@ -52,6 +52,7 @@ import numbers
 import numpy as np
 
 from ..device import device_util, gpu
+from ..device.indexed_slices import IndexedSlices, map_values
 
 __all__ = ["LossScaleOptimizer", "Policy", "DTypePolicy", "global_policy", "set_global_policy"]
 
@@ -128,6 +129,8 @@ _HALF_EXPONENTS = {}
 
 
 def _is_finite(x, device=None) -> bool:
+    if type(x) is IndexedSlices:  # its rows: the dense array's other values are zeros
+        x = x.values
     if device_util.on_gpu(x):
         import cupy
 
@@ -301,7 +304,7 @@ class LossScaleOptimizer:
         """
         self._caller_unscales = True
         reciprocal = 1.0 / float(self.loss_scale)
-        return [None if g is None else g * self._scale_as(g, reciprocal) for g in grads]
+        return [None if g is None else map_values(lambda a: a * self._scale_as(a, reciprocal), g) for g in grads]
 
     def _scale_as(self, x, factor=None):
         factor = float(self.loss_scale) if factor is None else factor
@@ -411,7 +414,8 @@ class LossScaleOptimizer:
 
         inner = self.inner_optimizer
         if (self._caller_unscales or len(reduced) != len(grads) or not isinstance(inner, base.Optimizer)
-                or inner.use_ema or inner.gradient_accumulation_steps or inner.loss_scale_factor is not None):
+                or inner.use_ema or inner.gradient_accumulation_steps or inner.loss_scale_factor is not None
+                or any(type(_components(g)[0]) is IndexedSlices for g in grads)):  # (densified on the host path)
             return None
         if any(np.result_type(_components(g)[0].dtype, np.float32) != np.dtype(v.dtype)
                for g, v in zip(grads, variables)):
@@ -478,14 +482,14 @@ class LossScaleOptimizer:
 
         scale = np.float32(self.dynamic_scale.numpy())
         if not isinstance(grad, DistributedValues):
-            return grad / scale
+            return map_values(lambda a: a / scale, grad)
         devices = grad._devices_or((None,) * len(grad.values))
         parts = []
         for component, device in zip(grad.values, devices):
             # On the component's own device (CuPy), and on the stream the update then reads it on: the
             # device's merge stream (else the update can read the quotient's memory before it is written).
             with device_util.cross_replica_gpu_scope(device) if device else contextlib.nullcontext():
-                parts.append(component / scale)
+                parts.append(map_values(lambda a: a / scale, component))
         return type(grad)(parts, grad._devices)
 
     def __repr__(self) -> str:

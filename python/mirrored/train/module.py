@@ -32,6 +32,7 @@ from collections import abc
 from .._nest import is_nested
 from ..distribute.name_scope import name_scope as _name_scope
 from ..distribute.values import Variable
+from .checkpoint import attached
 
 __all__ = ["Module"]
 
@@ -65,6 +66,13 @@ class Module:
         self._name = name
         with _name_scope(name) as scope:
             self._name_scope = _name_scope(scope)  # the whole scope, so entering it later anywhere gives it again
+
+    _defers_restoration = True  # __setattr__ calls attached()
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        # A restore may have left a value for a variable attached here only now (TF's deferred restoration).
+        attached(self, name, value)
 
     @property
     def name(self) -> str:

@@ -53,12 +53,13 @@ import numpy as np
 from ..._core import fused_update as _fused_update
 from ...device import device_util, gpu as _gpu
 from ...device.dtypes import dtype_code
+from ...device.indexed_slices import IndexedSlices, map_values, scatter_add_rows, summed_rows
 from ...distribute import distribute_lib, values
 from ...distribute.options import VariableAggregation
 from ...distribute.reduce_util import ReduceOp
 from ...distribute.values import DistributedValues, DistributedVariable, PerReplica
-from .rules import (EMA, HOST_COEFFICIENTS, SGD, apply as apply_rule, array_module, ema,
-                    weight_decay as apply_weight_decay)
+from .rules import (EMA, HOST_COEFFICIENTS, SGD, SQUARING, SquaredGradient, apply as apply_rule, array_module,
+                    ema, weight_decay as apply_weight_decay)
 from .step_window import StepWindow
 
 __all__ = ["LossScaleGate", "Optimizer", "check_rate"]
@@ -320,7 +321,7 @@ class Optimizer:
         """Keras divides the gradients by ``loss_scale_factor`` (in each gradient's dtype) before anything else."""
         if self.loss_scale_factor is None:
             return grads
-        return [g / _dtype_of(g).type(self.loss_scale_factor) for g in grads]
+        return [map_values(lambda a: a / _dtype_of(a).type(self.loss_scale_factor), g) for g in grads]
 
     # -- the step --
     def apply(self, grads, trainable_variables=None):
@@ -364,13 +365,16 @@ class Optimizer:
                     "replica passes its gradients), or under `with strategy.scope():` with PerReplica gradients")
         ctx = distribute_lib.get_replica_context()
         grads = self._unscale(grads)
-        packed = None
         if not self.gradient_accumulation_steps:  # else clipped after the accumulated average (merge step)
             grads = self._clip(grads)
+        if IndexedSlices in map(type, grads):
+            grads, aggregate = self._sparse_step(ctx, grads, variables, options, aggregate)
+        packed = None
+        if not self.gradient_accumulation_steps:
             # From the second step on, this replica packs its gradients into its fusion buffer
             # (in parallel with the other replicas): the all-reduce then moves one buffer per dtype.
             plan = self._plans.get(tuple(map(id, variables)))
-            if plan is not None and plan.packable and not plan.sums_replicas and aggregate and \
+            if plan is not None and plan.packs and not plan.sums_replicas and aggregate and \
                     ctx.strategy.num_replicas_in_sync > 1:
                 packed = plan.pack(ctx._local_replica_id, grads)
         # options stay out of the merged arguments: each replica may pass its own (equal)
@@ -378,6 +382,8 @@ class Optimizer:
         plan, reduced, step, update = ctx.merge_call(
             lambda strategy, merged: self._merged_replica_step(strategy, merged, variables, options, aggregate),
             args=(_ReplicaGrads(grads, packed),))
+        if update is None:  # applied in the merge
+            return step + 1
         if not update:
             plan.apply(ctx._local_replica_id, grads, step, update=False)
         elif reduced is None:
@@ -391,6 +397,18 @@ class Optimizer:
         else:
             plan.apply(ctx._local_replica_id, reduced, step)
         return step + 1
+
+    def _sparse_step(self, ctx, grads, variables, options, aggregate) -> tuple:
+        """A replica's gradients of a step with IndexedSlices, as Keras' TF backend takes them: all-reduced
+        first (dense ones summed, IndexedSlices' rows gathered from every replica), then densified, their
+        rows' squares apart where the rule squares; returns them and whether they still need the all-reduce.
+        (Under gradient accumulation Keras adds them to its dense accumulators: densified, no more.)"""
+        if self.gradient_accumulation_steps:
+            return _densified(grads, variables), aggregate
+        if aggregate and ctx.strategy.num_replicas_in_sync > 1:
+            op = ReduceOp.SUM if self.gradient_aggregation == "sum" else ReduceOp.MEAN
+            grads, aggregate = ctx.all_reduce(op, grads, options), False
+        return _densified(grads, variables, self._rule in SQUARING), aggregate
 
     def _check_variable(self, where: str, var) -> None:
         if not isinstance(var, values.Variable):
@@ -444,12 +462,16 @@ class Optimizer:
 
     def _clip(self, grads: list) -> list:
         """One replica's gradients clipped as Keras' ``_clip_gradients`` does (new arrays; the inputs stay)."""
+        # IndexedSlices are clipped by their rows, as Keras' TF backend clips them (tf.clip_by_norm of the
+        # values, their squares in the global norm, each value clipped): a repeated index is two rows here.
         if self.clipnorm is not None:
-            return [_clip_by_norm(g, self.clipnorm) for g in grads]
+            return [map_values(lambda a: _clip_by_norm(a, self.clipnorm), g) for g in grads]
         if self.global_clipnorm is not None:
-            return _clip_by_global_norm(grads, self.global_clipnorm)
+            scaled = _clip_by_global_norm([_rows(g) for g in grads], self.global_clipnorm)
+            return [g._with(values=a) if type(g) is IndexedSlices else a for g, a in zip(grads, scaled)]
         if self.clipvalue is not None:
-            return [array_module(g).clip(g, -self.clipvalue, self.clipvalue) for g in grads]
+            return [map_values(lambda a: array_module(a).clip(a, -self.clipvalue, self.clipvalue), g)
+                    for g in grads]
         return grads
 
     def _cross_replica_step(self, strategy, grads, variables, options, aggregate):
@@ -460,8 +482,12 @@ class Optimizer:
         if self.loss_scale_factor is not None:
             grads = [PerReplica(self._unscale(list(g.values)), g._devices) if isinstance(g, DistributedValues)
                      else self._unscale([g])[0] for g in grads]
+        if self.gradient_accumulation_steps:  # Keras adds IndexedSlices to its dense accumulators
+            grads = _densified(grads, variables)
         plan = self._plan(strategy, variables)
         step = self._advance(plan)
+        if plan.central and self.gradient_accumulation_steps and aggregate:
+            grads = self._reduced(strategy, grads, variables, options)  # (one accumulator: of the replicas' sum)
         if self.gradient_accumulation_steps:
             if not self._is_update_step(step):
                 for d in range(plan.num_devices):
@@ -480,14 +506,22 @@ class Optimizer:
         if plain:
             for k, g in zip(plain, self._clip([grads[k] for k in plain])):
                 grads[k] = g
-        distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
-        if aggregate and distributed:
-            for k, g in zip(distributed, self._all_reduce(strategy, [grads[k] for k in distributed],
-                                                          [variables[k] for k in distributed], options)):
-                grads[k] = g
+        if aggregate:
+            grads = self._reduced(strategy, grads, variables, options)
+        grads = _densified(grads, variables, self._rule in SQUARING)  # (IndexedSlices: their gathered rows)
         for d in range(plan.num_devices):
             plan.apply(d, [_component(g, d) for g in grads], step)
         return step + 1
+
+    def _reduced(self, strategy, grads: list, variables, options) -> list:
+        """``grads`` with the distributed ones reduced onto their variables (one fused collective)."""
+        grads = list(grads)
+        distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
+        if distributed:
+            for k, g in zip(distributed, self._all_reduce(strategy, [grads[k] for k in distributed],
+                                                          [variables[k] for k in distributed], options)):
+                grads[k] = g
+        return grads
 
     def _merged_replica_step(self, strategy, merged, variables, options, aggregate):
         """Once per step in replica context (inside merge_call): the fused all-reduce and the bookkeeping.
@@ -502,6 +536,9 @@ class Optimizer:
         holders = merged.values if isinstance(merged, DistributedValues) else (merged,) * len(devices)
         plan = self._plan(strategy, variables)
         step = self._advance(plan)
+        if plan.central:
+            self._central_step(strategy, plan, holders, variables, step, options, aggregate)
+            return plan, None, step, None
         reduced = None
         if self.gradient_accumulation_steps:
             if not self._is_update_step(step):
@@ -522,6 +559,29 @@ class Optimizer:
             results = self._all_reduce(strategy, columns, destinations, options)
             reduced = PerReplica([[_component(g, r) for g in results] for r in range(len(holders))], devices)
         return plan, reduced, step, True
+
+    def _central_step(self, strategy, plan, holders: list, variables, step: int, options, aggregate) -> None:
+        """The step of variables kept once for all replicas (CentralStorageStrategy), in the merge: every replica's
+        gradients summed in one fused collective (from the second step on, CPU replicas' packed buffers, as
+        MirroredStrategy's), the first replica's sum taken to the variables' device (without ``aggregate``: the
+        first replica's gradients, aggregated by the caller), accumulated (``gradient_accumulation_steps``) and
+        applied there once."""
+        devices = strategy.extended.worker_devices
+        packed = None
+        if not aggregate or len(holders) == 1:
+            grads = holders[0].grads
+        elif all(h.packed is not None for h in holders):
+            columns = [PerReplica([h.packed[j] for h in holders], devices) for j in range(len(plan.groups))]
+            grads, packed = None, [_component(g, 0) for g in self._all_reduce(strategy, columns, columns, options)]
+        else:
+            grads = self._all_reduce(strategy, [PerReplica([h.grads[k] for h in holders], devices)
+                                                for k in range(len(variables))], variables, options)
+        if self.gradient_accumulation_steps:
+            if not self._is_update_step(step):
+                plan.apply(0, grads, step, update=False)
+                return
+            grads = plan.accumulated_and_clipped(0, grads)
+        plan.apply(0, grads, step, packed=packed)
 
     def _is_update_step(self, step: int) -> bool:
         """With gradient accumulation, whether ``step`` applies the accumulated gradients (Keras:
@@ -692,13 +752,22 @@ class _Plan:
         # Host replicas of one process whose all-reduce sums in replica order: no pack and no all-reduce,
         # the update sums the replicas' gradients (see _Summands).
         extended = optimizer._strategy.extended if optimizer._strategy is not None else None
+        # One copy of each variable for several local replicas (CentralStorageStrategy): the step is applied
+        # once, in the merge (see Optimizer._merged_replica_step).
+        self.central = extended is not None and self.num_devices != len(extended.worker_devices)
         self.sums_replicas = (self.packable and all(self.host) and self.num_devices > 1
                               and optimizer.gradient_aggregation == "sum" and extended is not None
                               and extended._sums_host_replicas_in_order())
+        # Whether each replica packs its gradients (see Optimizer.apply_gradients); central variables: only
+        # CPU replicas of host variables, whose packed sum the host kernel reads as it is.
+        self.packs = self.packable and (not self.central or all(self.host)
+                                        and device_util.all_cpu(tuple(extended.worker_devices)))
+        pack_devices = (extended.worker_devices if self.central and self.packs
+                        else [copies[0].device for copies in self.copies])  # (a GPU update packs there itself)
         self.fusion_buffers = [[device_util.place(np.empty(sum(self.copies[0][k]._value.size for k in indices),
-                                                           dtype), self.copies[d][0].device)
+                                                           dtype), device)
                                 for dtype, indices in self.groups.items()]
-                               for d in range(self.num_devices)] if self.packable else None
+                               for device in pack_devices] if self.packable else None
         self.gpu_tables = [None] * self.num_devices  # per device: one FusedUpdateTable per dtype
         # per device: (staged dtypes, the GradientPack of its eager steps)
         self.gpu_packs = [None] * self.num_devices
@@ -766,7 +835,7 @@ class _Plan:
     def pack(self, device: int, grads: list) -> list:
         """``grads`` copied into device ``device``'s fusion buffers, one per dtype (converted to it)."""
         buffers = self.fusion_buffers[device]
-        if self.host[device]:
+        if type(buffers[0]) is np.ndarray:
             for buffer, indices in zip(buffers, self.groups.values()):
                 np.concatenate([grads[k] for k in indices], axis=None, out=buffer)
             return buffers
@@ -839,12 +908,19 @@ class _Plan:
 
         ``gate`` (a :class:`LossScaleGate`, GPU copies of a ``packable`` plan only): a loss-scaled step,
         decided on the device (md.mixed_precision.LossScaleOptimizer's, no host sync).
+
+        A gradient may be a ``_SparseRows`` (an IndexedSlices' of a squaring rule): see :meth:`_rows_before`.
         """
+        sparse = grads is not None and _SparseRows in map(type, grads)
         if self.host[device]:
             if not update:
                 self._accumulate(device, grads)
             else:
+                if sparse:
+                    grads, before = self._rows_before(device, grads)
                 self._apply_host(device, grads, packed, summands)
+                if sparse:
+                    self._rows_again(device, before)
                 self._reset_accumulators(device)
             self._finish(device)
             self.iterations[device]._writable_buffer().fill(self.next_step)
@@ -869,10 +945,15 @@ class _Plan:
                 return
             if not update:
                 self._accumulate(device, grads)
-            elif self.packable:
-                self._apply_gpu(device, grads, packed, gate)
             else:
-                self._apply_each(device, grads, self.groups)
+                if sparse:
+                    grads, before = self._rows_before(device, grads)
+                if self.packable:
+                    self._apply_gpu(device, grads, packed, gate)
+                else:
+                    self._apply_each(device, grads, self.groups)
+                if sparse:
+                    self._rows_again(device, before)
             if update:
                 self._reset_accumulators(device)
             self._finish(device)
@@ -999,6 +1080,31 @@ class _Plan:
             del buffers
             for c in written:
                 c._writable_buffer()
+
+    def _rows_before(self, device: int, grads: list) -> tuple:
+        """A step with ``_SparseRows`` gradients: ``(grads, before)``, the gradients dense for the update
+        (every row but the ones the slices name gets Keras' value from it: a zero gradient, zero squares) and,
+        for each such variable, its rows the slices name as they are now, weights and slots, for
+        :meth:`_rows_again`."""
+        dense, before = list(grads), []
+        for k, g in enumerate(grads):
+            if type(g) is _SparseRows:
+                dense[k] = g.dense
+                before.append((k, g, self.copies[device][k]._value[g.rows],
+                               [s._value[g.rows] for s in self.slots[device][k]]))
+        return dense, before
+
+    def _rows_again(self, device: int, before: list) -> None:
+        """The rows the slices name, updated again from their values before, by the rule with the rows'
+        squares (rules.SquaredGradient: Keras squares IndexedSlices row by row), and written back."""
+        for k, g, weight_rows, slot_rows in before:
+            dtype = self.dtypes[k]
+            if self.decay[k]:
+                apply_weight_decay(weight_rows, *self.decay_factors.get(dtype, (0.0, 0.0)))
+            apply_rule(self.rule, weight_rows, g.at_rows, slot_rows, self.coefficients[dtype])
+            self.copies[device][k]._value[g.rows] = weight_rows
+            for slot, rows in zip(self.slots[device][k], slot_rows):
+                slot._value[g.rows] = rows
 
     def _apply_host(self, device: int, grads, packed, summands=None) -> None:
         # (After the replicas' rendezvous: a gradient of any replica that holds one of these buffers is
@@ -1269,11 +1375,56 @@ def _check_gradient_shape(i: int, grad, var) -> None:
     """A gradient (each replica's, for PerReplica) must have its variable's shape exactly."""
     components = grad.values if isinstance(grad, DistributedValues) else (grad,)
     for g in components:
-        shape = tuple(g.shape) if hasattr(g, "shape") else np.shape(g)
+        if type(g) is IndexedSlices:
+            shape = tuple(g.shape) if g.dense_shape is not None else \
+                (tuple(var.shape)[:1] + tuple(g.values.shape)[1:])  # (no dense shape: its rows must fit)
+        else:
+            shape = tuple(g.shape) if hasattr(g, "shape") else np.shape(g)
         if shape != tuple(var.shape):
             raise ValueError(
                 f"grads_and_vars[{i}]: the gradient of variable {var.name!r} has shape {shape}, the variable "
                 f"has shape {tuple(var.shape)}; a gradient must have its variable's shape (it is never broadcast)")
+
+
+def _rows(g):
+    return g.values if type(g) is IndexedSlices else g
+
+
+class _SparseRows(NamedTuple):
+    """An IndexedSlices gradient of a squaring rule, densified: ``dense`` for the update of every row, and
+    the distinct ``rows`` it names with their gradient and their slices' squares added up (``at_rows``, a
+    rules.SquaredGradient), with which the plan updates those rows again (_Plan._rows_again)."""
+
+    dense: object
+    rows: object
+    at_rows: SquaredGradient
+
+
+def _dense(g, var, squares: bool = False):
+    """Gradient ``g`` as a dense array of its variable's shape and dtype: IndexedSlices scattered (repeated
+    indices add up), on the device of their values; with ``squares``, a _SparseRows. Others as they are."""
+    if type(g) is not IndexedSlices:
+        return g
+    xp = array_module(g.values)
+    shape = tuple(var.shape)
+    with device_util.array_device(g.values):
+        slices = g._with(values=g.values.astype(np.dtype(var.dtype), copy=False))
+        if not squares:
+            return scatter_add_rows(xp.zeros(shape, slices.dtype), slices)
+        rows, sums, square_sums = summed_rows(slices, shape, squares=True)
+        dense = xp.zeros(shape, slices.dtype)
+        dense[rows] = sums
+        return _SparseRows(dense, rows, SquaredGradient(sums, square_sums))
+
+
+def _densified(grads: list, variables: list, squares: bool = False) -> list:
+    """Every IndexedSlices gradient (or replica component of one) densified for the update (see _dense)."""
+    out = []
+    for g, var in zip(grads, variables):
+        if isinstance(g, DistributedValues) and IndexedSlices in map(type, g.values):
+            g = type(g)([_dense(c, var, squares) for c in g.values], g._devices)
+        out.append(_dense(g, var, squares))
+    return out
 
 
 def _dtype_of(g):

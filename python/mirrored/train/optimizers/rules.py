@@ -15,6 +15,7 @@ bfloat16, GPU arrays without the CUDA kernel).
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,6 +29,26 @@ SGD, SGD_MOMENTUM, SGD_NESTEROV, ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD, EM
 # centered): a captured step (md.function) keeps them as host values, fixed at capture,
 # and reads every other coefficient from device memory, refreshed before each replay.
 HOST_COEFFICIENTS = {RMSPROP: (4, 5)}
+
+
+class SquaredGradient(NamedTuple):
+    """A gradient with the squares a rule takes in place of ``g * g``: an IndexedSlices gradient densified
+    (``grad``) and its rows squared, then added up (``squares``). Keras' TF backend squares IndexedSlices row
+    by row, so a row that two slices (or two replicas) name adds their squares, not the square of their sum."""
+
+    grad: object
+    squares: object
+
+
+# The rules that square the gradient (the others take a SquaredGradient's plain ``grad``).
+SQUARING = frozenset((ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD))
+
+
+def _split(g) -> tuple:
+    """``(g, its squares)``: a SquaredGradient's, else ``g * g`` (a new array either way)."""
+    if type(g) is SquaredGradient:
+        return g.grad, g.squares.copy()
+    return g, g * g
 
 
 def weight_decay(w, wd, lr) -> None:
@@ -60,12 +81,13 @@ def sgd_nesterov(w, g, slots, c) -> None:
     w += t
 
 
-def _moments(g, m, v, one_minus_beta_1, one_minus_beta_2) -> None:
-    """Adam's and Nadam's moment updates: ``m += (g - m) * (1 - beta_1)``, ``v += (g*g - v) * (1 - beta_2)``."""
+def _moments(g, squares, m, v, one_minus_beta_1, one_minus_beta_2) -> None:
+    """Adam's and Nadam's moment updates: ``m += (g - m) * (1 - beta_1)``, ``v += (g*g - v) * (1 - beta_2)``
+    (``squares``: g*g, a new array)."""
     t = g - m
     t *= one_minus_beta_1
     m += t
-    t = g * g
+    t = squares
     t -= v
     t *= one_minus_beta_2
     v += t
@@ -83,7 +105,7 @@ def _adam_step(w, m, v, alpha, epsilon) -> None:
 def adam(w, g, slots, c) -> None:
     one_minus_beta_1, one_minus_beta_2, alpha, epsilon = c
     m, v = slots
-    _moments(g, m, v, one_minus_beta_1, one_minus_beta_2)
+    _moments(*_split(g), m, v, one_minus_beta_1, one_minus_beta_2)
     _adam_step(w, m, v, alpha, epsilon)
 
 
@@ -92,7 +114,7 @@ def adam_amsgrad(w, g, slots, c) -> None:
     propagates, as in tf.maximum), and the step divides by its square root."""
     one_minus_beta_1, one_minus_beta_2, alpha, epsilon = c
     m, v, v_hat = slots
-    _moments(g, m, v, one_minus_beta_1, one_minus_beta_2)
+    _moments(*_split(g), m, v, one_minus_beta_1, one_minus_beta_2)
     array_module(v_hat).maximum(v_hat, v, out=v_hat)
     _adam_step(w, m, v_hat, alpha, epsilon)
 
@@ -107,9 +129,11 @@ def ema(average, w, slots, c) -> None:
 def rmsprop(w, g, slots, c) -> None:
     """``slots``: velocity, then average_gradient when centered, then momentum when momentum > 0."""
     lr, rho, one_minus_rho, epsilon, momentum, centered = c
+    g, squares = _split(g)
     v = slots[0]
     v *= rho
-    v += (g * g) * one_minus_rho
+    squares *= one_minus_rho
+    v += squares
     if centered:
         a = slots[1]
         a *= rho
@@ -132,7 +156,8 @@ def rmsprop(w, g, slots, c) -> None:
 def adagrad(w, g, slots, c) -> None:
     lr, epsilon = c
     (acc,) = slots
-    acc += g * g
+    g, squares = _split(g)
+    acc += squares
     t = g * lr
     t /= _sqrt(acc + epsilon)
     w -= t
@@ -142,7 +167,8 @@ def nadam(w, g, slots, c) -> None:
     (lr, epsilon, one_minus_beta_1, one_minus_beta_2, u_t_1, one_minus_u_product_t_1, one_minus_u_t,
      one_minus_u_product_t, one_minus_beta_2_power) = c
     m, v = slots
-    _moments(g, m, v, one_minus_beta_1, one_minus_beta_2)
+    g, squares = _split(g)
+    _moments(g, squares, m, v, one_minus_beta_1, one_minus_beta_2)
     m_hat = m * u_t_1
     m_hat /= one_minus_u_product_t_1
     t = g * one_minus_u_t

@@ -1,0 +1,254 @@
+"""``md.IndexedSlices``: a sparse slice of a dense array (``tf.IndexedSlices``), the gradient of a gather.
+
+``values[i]`` is the slice of the dense array at row ``indices[i]``; rows not
+named are zero and a row named twice holds the sum of its slices, as
+``tf.convert_to_tensor`` densifies. Values may be NumPy or CuPy arrays; the
+indices and the densified array live on the values' device. docs/sparse.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import device_util
+from .tensor_shape import TensorShape
+
+__all__ = ["IndexedSlices", "convert_to_tensor", "is_indexed_slices", "map_arrays", "map_values", "summed_rows",
+           "to_dense"]
+
+
+def _array_module(x):
+    if device_util.on_gpu(x):
+        import cupy
+
+        return cupy
+    return np
+
+
+def _as_array(x, like, argument: str):
+    """``x`` as an array on ``like``'s device (host for host values)."""
+    if device_util.on_gpu(like):
+        if device_util.on_gpu(x):
+            return x
+        import cupy
+
+        with device_util.array_device(like):
+            return cupy.asarray(device_util.to_host(x))
+    if device_util.on_gpu(x):
+        raise ValueError(f"{argument}: a GPU array beside host values; put values and {argument} on one device")
+    return device_util.to_host(x)
+
+
+class IndexedSlices:
+    """``IndexedSlices(values, indices, dense_shape=None)``: ``tf.IndexedSlices``.
+
+    ``indices`` is a 1-D integer array with one entry per row of ``values``;
+    ``dense_shape`` (optional) the shape of the dense array they slice.
+    """
+
+    __slots__ = ("_values", "_indices", "_dense_shape")
+
+    def __init__(self, values, indices, dense_shape=None):
+        values = _read_value(values)
+        if not device_util.on_gpu(values):
+            values = device_util.to_host(values)
+        indices = _as_array(indices, values, "indices")
+        if np.ndim(values) == 0:
+            raise ValueError(f"values: a scalar ({values!r}); IndexedSlices take values of rank >= 1, one row "
+                             "per index, e.g. values[None] for one row")
+        if np.dtype(indices.dtype).kind not in "iu":
+            raise TypeError(f"indices: dtype {indices.dtype} is not an integer type; pass int32 or int64 row "
+                            "indices (e.g. indices.astype(np.int64))")
+        if indices.ndim != 1:
+            raise ValueError(f"indices: shape {tuple(indices.shape)} is not 1-D; pass one row index per row of "
+                             f"values (indices.ravel() for shape {tuple(values.shape)[:1]})")
+        if indices.shape[0] != values.shape[0]:
+            raise ValueError(f"indices: {indices.shape[0]} indices for {values.shape[0]} rows of values (shape "
+                             f"{tuple(values.shape)}); pass one index per row of values")
+        if dense_shape is not None:
+            dense_shape = _dense_shape(dense_shape, values)
+        self._values, self._indices, self._dense_shape = values, indices, dense_shape
+
+    @property
+    def values(self):
+        """The slices: ``values[i]`` is row ``indices[i]`` of the dense array."""
+        return self._values
+
+    @property
+    def indices(self):
+        """The 1-D integer array of row indices (repeats allowed: their slices add up)."""
+        return self._indices
+
+    @property
+    def dense_shape(self):
+        """The dense array's shape as a 1-D integer NumPy array, or None if not given."""
+        return self._dense_shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self._values.dtype)
+
+    @property
+    def shape(self) -> TensorShape:
+        """The dense shape as a ``TensorShape`` (unknown rank when ``dense_shape`` is None)."""
+        if self._dense_shape is None:
+            return TensorShape(None)
+        return TensorShape([int(d) for d in self._dense_shape])
+
+    @property
+    def device(self) -> str:
+        """The values' device, canonical (``/job:localhost/replica:0/task:0/device:CPU:0``)."""
+        if device_util.on_gpu(self._values):
+            return device_util.canonicalize(f"/gpu:{self._values.data.device_id}")
+        return device_util.canonicalize("/cpu:0")
+
+    def __neg__(self) -> "IndexedSlices":
+        return IndexedSlices(-self._values, self._indices, self._dense_shape)
+
+    def __array__(self, dtype=None, copy=None):
+        dense = device_util.to_host(to_dense(self))
+        return dense if dtype is None else dense.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        shape = "" if self._dense_shape is None else f", dense_shape={self._dense_shape!r}"
+        return f"IndexedSlices(indices={self._indices!r}, values={self._values!r}{shape})"
+
+    def _with(self, values=None, indices=None) -> "IndexedSlices":
+        """The same slices with new values (or indices) of the right form, unchecked."""
+        out = object.__new__(IndexedSlices)
+        out._values = self._values if values is None else values
+        out._indices = self._indices if indices is None else indices
+        out._dense_shape = self._dense_shape
+        return out
+
+
+def _read_value(x):
+    read = getattr(x, "read_value", None)
+    return read() if callable(read) and not hasattr(x, "__array_interface__") else x
+
+
+def _dense_shape(dense_shape, values) -> np.ndarray:
+    host = device_util.to_host(dense_shape)
+    if host.ndim != 1 or np.dtype(host.dtype).kind not in "iu":
+        raise ValueError(f"dense_shape={dense_shape!r}: expected a 1-D sequence of ints, e.g. (rows, "
+                         f"{', '.join(str(d) for d in values.shape[1:]) or '...'})")
+    if len(host) != values.ndim or any(int(a) != b for a, b in zip(host[1:], values.shape[1:])) or \
+            (len(host) and host[0] < 0):
+        raise ValueError(f"dense_shape={tuple(int(d) for d in host)} does not fit values of shape "
+                         f"{tuple(values.shape)}: a dense shape is (rows, *values.shape[1:])")
+    return host if isinstance(dense_shape, np.ndarray) else host.astype(np.int64 if host.dtype.itemsize > 4
+                                                                       else np.int32)
+
+
+def map_arrays(fn, slices: IndexedSlices) -> IndexedSlices:
+    """The slices with ``fn`` applied to their values and to their indices (to move or copy both)."""
+    return slices._with(values=fn(slices.values), indices=fn(slices.indices))
+
+
+def map_values(fn, x):
+    """``fn(x)`` for an array; for IndexedSlices, the slices with ``fn`` applied to their values (an
+    element-wise operation that keeps zero at zero applies to a sparse array's rows alone)."""
+    return x._with(values=fn(x.values)) if type(x) is IndexedSlices else fn(x)
+
+
+def is_indexed_slices(x) -> bool:
+    return type(x) is IndexedSlices
+
+
+def to_dense(slices: IndexedSlices):
+    """The dense array (on the values' device): rows not named are zero, repeated rows add up.
+
+    As TensorFlow's CPU kernel, a negative index is dropped and one past the
+    rows raises; on a GPU (no host sync) every out-of-range index is dropped,
+    as TensorFlow's GPU kernel does.
+    """
+    if slices.dense_shape is None:
+        raise ValueError(f"slices: cannot densify {slices!r} without a dense_shape; give "
+                         "IndexedSlices(values, indices, dense_shape=(rows, ...))")
+    return scatter_add_rows(None, slices, tuple(int(d) for d in slices.dense_shape))
+
+
+_MAX_REPEATS = 64  # summed_rows' loop over a row's repeats, up to this many (ufunc.at beyond)
+
+
+def scatter_add_rows(out, slices: IndexedSlices, shape=None):
+    """``out[indices[i]] += values[i]`` for every i (repeats add up), into ``out`` or a new zero array of
+    ``shape``; returns it. Host: a negative index is dropped, one past the rows raises; GPU: both dropped."""
+    values, indices = slices.values, slices.indices
+    xp = _array_module(values)
+    with device_util.array_device(values):
+        if out is None:
+            out = xp.zeros(shape, values.dtype)
+        if xp is np:
+            rows, sums, _ = summed_rows(slices, out.shape)
+            out[rows] += sums
+        else:  # (no host sync: out-of-range rows add zeros to row 0)
+            keep = (indices >= 0) & (indices < out.shape[0])
+            np_keep = keep.reshape((-1,) + (1,) * (values.ndim - 1))
+            xp.add.at(out, xp.where(keep, indices, 0), xp.where(np_keep, values, xp.zeros((), values.dtype)))
+    return out
+
+
+def summed_rows(slices: IndexedSlices, shape, squares: bool = False) -> tuple:
+    """``(rows, sums, square_sums)``: the distinct rows the slices name (sorted), each one's slices added up,
+    and, with ``squares``, their squares added up (a row named twice adds a² + b²; else None). Indices outside
+    the rows as :func:`scatter_add_rows` takes them (on a GPU, dropped: finding the distinct rows waits for the
+    device anyway)."""
+    values, indices = slices.values, slices.indices
+    xp = _array_module(values)
+    with device_util.array_device(values):
+        if xp is np:
+            if len(indices) and indices.max() >= shape[0]:
+                bad = int(np.argmax(indices >= shape[0]))
+                raise IndexError(f"indices[{bad}] = {int(indices[bad])} is out of range [0, {shape[0]}) of the "
+                                 f"dense shape {tuple(shape)}; every index must name a row")
+        keep = (indices >= 0) & (indices < shape[0])
+        if not bool(keep.all()):
+            values, indices = values[keep], indices[keep]
+        if xp is np:
+            # Sorted by row (stably: each row's slices in their order), then added a repeat at a time: the bits
+            # of ufunc.at, several times faster while rows repeat a few times (ufunc.at beyond).
+            order = np.argsort(indices, kind="stable")
+            ordered = indices[order]
+            starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1]))) if len(ordered) else \
+                np.zeros(0, np.intp)
+            rows = ordered[starts]
+            counts = np.diff(np.append(starts, len(ordered)))
+            repeats = int(counts.max()) if len(counts) else 0
+
+            def summed(x):
+                if repeats > _MAX_REPEATS:
+                    out = np.zeros((len(rows),) + tuple(x.shape[1:]), x.dtype)
+                    np.add.at(out, np.repeat(np.arange(len(rows)), counts), x[order])
+                    return out
+                x = x[order]
+                out = x[starts]
+                for j in range(1, repeats):
+                    more = counts > j
+                    out[more] += x[starts[more] + j]
+                return out
+        else:
+            rows, inverse = xp.unique(indices, return_inverse=True)
+            inverse = inverse.ravel()
+
+            def summed(x):
+                out = xp.zeros((len(rows),) + tuple(x.shape[1:]), x.dtype)
+                xp.add.at(out, inverse, x)
+                return out
+        return rows, summed(values), summed(values * values) if squares else None
+
+
+def convert_to_tensor(value, dtype=None):
+    """``tf.convert_to_tensor``: an ``IndexedSlices`` densified (on its device), a variable read, arrays as they
+    are, Python values as arrays of ``dtype`` (TF's float32 / int32 without one). An array or slices of
+    another dtype than ``dtype`` raise, as in TF (cast them with ``astype``)."""
+    if is_indexed_slices(value) or hasattr(value, "dtype"):
+        if dtype is not None and np.dtype(dtype) != np.dtype(value.dtype):
+            raise ValueError(f"dtype={np.dtype(dtype).name}: incompatible tensor conversion requested for a "
+                             f"{type(value).__name__} of dtype {np.dtype(value.dtype).name}; cast it with "
+                             f"astype first")
+        if is_indexed_slices(value):
+            return to_dense(value)
+        return value if device_util.on_gpu(value) else device_util.to_host(_read_value(value))
+    out = device_util.to_host(value)
+    return out if dtype is None else out.astype(np.dtype(dtype))

@@ -1,0 +1,380 @@
+"""md.distribute.experimental.CentralStorageStrategy against TensorFlow 2.21's answers
+(tests/central_storage_scenarios.py, recorded by tests/data/record_tf_central_storage.py), training like
+MirroredStrategy over the same replicas and like the plain loop, on the CPU and on (simulated) GPUs."""
+
+import inspect
+import json
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import mirrored as md
+import central_storage_scenarios as scenarios
+import test_one_device_strategy as one_device
+import test_tf_semantics_parity as semantics_parity
+from gpu_env import SKIP_REASON, cupy, gpu_pair
+from mirrored.distribute.function import EagerFallbackWarning
+
+with open(os.path.join(os.path.dirname(__file__), "data", "tf_central_storage_reference.json")) as _f:
+    REFERENCE = json.load(_f)
+
+CentralStorageStrategy = md.distribute.experimental.CentralStorageStrategy
+
+
+class Mirrored(one_device.Mirrored):
+    """The scenarios' adapter over mirrored: one_device_scenarios' and CentralStorageStrategy."""
+
+    @staticmethod
+    def central(compute_devices=None, parameter_device=None):
+        return CentralStorageStrategy(compute_devices, parameter_device)
+
+
+def test_every_scenario_is_recorded():
+    assert sorted(REFERENCE["scenarios"]) == sorted(scenarios.SCENARIOS)
+
+
+@pytest.mark.parametrize("name", sorted(scenarios.SCENARIOS))
+def test_strategy_matches_tensorflow(name):
+    fn, words = scenarios.SCENARIOS[name]
+    want = REFERENCE["scenarios"][name]
+    got = scenarios.run_scenario(Mirrored(), fn)
+    semantics_parity.assert_same(got, want)
+    if "raises" in want:
+        for word in words:
+            assert word.lower() in got["msg"].lower(), (word, got["msg"])
+
+
+# --- construction ---------------------------------------------------------------------------------------------
+
+CPU = "/job:localhost/replica:0/task:0/device:CPU:{}"
+
+
+@pytest.mark.parametrize("bad, error, argument", [
+    ("/cpu:0", ValueError, "compute_devices"), (3, TypeError, "compute_devices"), ([], ValueError, "compute_devices"),
+    (["/foo:0"], ValueError, "compute_devices"), (["/cpu:0/gpu:0"], ValueError, "compute_devices"),
+    (["/cpu:0", "cpu:0"], ValueError, "No duplicates"), (["/gpu:7"], ValueError, "not available")])
+def test_bad_compute_devices_say_what_to_pass(bad, error, argument):
+    with pytest.raises(error, match=argument):
+        CentralStorageStrategy(bad)
+
+
+@pytest.mark.parametrize("bad", [3, ["/cpu:0"], "/foo:0", "/gpu:7"])
+def test_bad_parameter_device_names_the_argument(bad):
+    with pytest.raises(ValueError, match="parameter_device"):
+        CentralStorageStrategy(["/cpu:0", "/cpu:1"], bad)
+
+
+def test_exported_where_tf_has_it():
+    assert "CentralStorageStrategy" in md.distribute.experimental.__all__
+    assert isinstance(CentralStorageStrategy(), md.distribute.Strategy)
+    assert str(inspect.signature(CentralStorageStrategy)) == "(compute_devices=None, parameter_device=None)"
+    v1 = md.compat.v1.distribute.experimental.CentralStorageStrategy(["/cpu:0", "/cpu:1"])
+    assert isinstance(v1, CentralStorageStrategy) and v1.num_replicas_in_sync == 2
+    rows = list(v1.experimental_distribute_dataset(v1.experimental_make_numpy_dataset(np.arange(4), session=None)
+                                                   .batch(4)))
+    assert [[c.tolist() for c in v1.experimental_local_results(r)] for r in rows] == [[[0, 1], [2, 3]]]
+
+
+# --- variables ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("aggregation", ["SUM", "MEAN", "ONLY_FIRST_REPLICA"])
+@pytest.mark.parametrize("method", ["assign", "assign_add", "assign_sub"])
+def test_updates_in_run_aggregate_then_apply_once(n, aggregation, method):
+    s = CentralStorageStrategy([f"/cpu:{i}" for i in range(n)], "/cpu:0")
+    start = np.array([[1.0, -2.0], [0.5, 4.0]], np.float64)
+    with s.scope():
+        v = md.Variable(start, aggregation=md.VariableAggregation[aggregation])
+    deltas = [np.full((2, 2), 1.5, np.float64) * (r + 1) + np.eye(2) * r for r in range(n)]
+    s.run(lambda: getattr(v, method)(deltas[md.get_replica_context().replica_id_in_sync_group]))
+    combined = {"SUM": np.sum(deltas, axis=0), "MEAN": np.mean(deltas, axis=0), "ONLY_FIRST_REPLICA": deltas[0]}
+    want = {"assign": combined[aggregation], "assign_add": start + combined[aggregation],
+            "assign_sub": start - combined[aggregation]}[method]
+    np.testing.assert_allclose(v.numpy(), want, rtol=1e-12)
+    assert type(v).__name__ == "AggregatingVariable" and v.device == CPU.format(0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 4), shape=st.lists(st.integers(0, 3), max_size=3),
+       dtype=st.sampled_from(["float32", "float64"]), aggregation=st.sampled_from(["SUM", "MEAN", "ONLY_FIRST_REPLICA"]), seed=st.integers(0, 2 ** 16))
+def test_assign_add_in_run_is_numpys_aggregate_over_shapes_dtypes_and_replicas(n, shape, dtype, aggregation, seed):
+    rng = np.random.default_rng(seed)
+    start = rng.normal(size=shape).astype(dtype)
+    deltas = [rng.normal(size=shape).astype(dtype) for _ in range(n)]
+    s = CentralStorageStrategy([f"/cpu:{i}" for i in range(n)])
+    with s.scope():
+        v = md.Variable(start, aggregation=md.VariableAggregation[aggregation])
+
+    def step():
+        before = v.read_value() + 0
+        v.assign_add(deltas[md.get_replica_context().replica_id_in_sync_group])
+        return before
+
+    reads = s.run(step)
+    combined = {"SUM": np.sum(deltas, axis=0, dtype=dtype), "MEAN": np.mean(deltas, axis=0, dtype=dtype),
+                "ONLY_FIRST_REPLICA": deltas[0]}[aggregation]
+    tol = 1e-6 if dtype == "float32" else 1e-12
+    np.testing.assert_allclose(v.numpy(), start + combined, rtol=tol, atol=tol)
+    assert v.dtype == dtype and v.shape == tuple(shape)
+    for r in s.experimental_local_results(reads):
+        np.testing.assert_array_equal(r, start)  # each replica read the value before the update
+
+
+def test_replicas_read_the_value_itself_on_cpus_and_arrays_read_earlier_keep_theirs():
+    s = CentralStorageStrategy(["/cpu:1", "/cpu:2"], "/cpu:0")
+    with s.scope():
+        v = md.Variable(np.arange(3, dtype=np.float32), aggregation=md.VariableAggregation.SUM)
+    reads = s.experimental_local_results(s.run(lambda: v.read_value()))
+    assert all(r is v.read_value() for r in reads)
+    before = v.read_value()
+    s.run(lambda: v.assign_add(np.ones(3, np.float32)))
+    assert before.tolist() == [0, 1, 2] and v.numpy().tolist() == [2, 3, 4]
+
+
+def test_checkpoint_restores_into_mirrored_variables_and_back(tmp_path):
+    central = CentralStorageStrategy(["/cpu:0", "/cpu:1"])
+    with central.scope():
+        w = md.Variable(np.arange(3, dtype=np.float32))
+    path = md.train.Checkpoint(w=w).save(str(tmp_path / "central"))
+    mirrored = md.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with mirrored.scope():
+        m = md.Variable(np.zeros(3, np.float32))
+    md.train.Checkpoint(w=m).restore(path)
+    assert [c.numpy().tolist() for c in m.values] == [[0, 1, 2]] * 2
+    m.assign(np.full(3, 7, np.float32))
+    md.train.Checkpoint(w=w).restore(md.train.Checkpoint(w=m).save(str(tmp_path / "mirrored")))
+    assert w.numpy().tolist() == [7, 7, 7]
+
+
+# --- training -------------------------------------------------------------------------------------------------
+
+OPTIMIZERS = {"sgd": lambda: md.optimizers.SGD(0.1, momentum=0.9), "adam": lambda: md.optimizers.Adam(0.05)}
+
+
+def _train(strategy, optimizer, xp=np, steps=4, loss_scale=False, cross_replica=False):
+    """Weights after ``steps`` steps of a least-squares fit over a global batch of 8 rows split over the replicas
+    (``strategy`` None: the whole batch in one plain loop)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=(8, 1)).astype(np.float32)
+    scale = 128.0 if loss_scale else 1.0
+
+    def build():
+        w = md.Variable(np.linspace(-1, 1, 3, dtype=np.float32).reshape(3, 1), name="w")
+        b = md.Variable(np.zeros(1, np.float32), name="b")
+        opt = optimizer()
+        if loss_scale:
+            opt = md.mixed_precision.LossScaleOptimizer(opt, dynamic=False, initial_scale=scale)
+        return w, b, opt
+
+    def grads(xb, yb):
+        xb, yb = xp.asarray(xb), xp.asarray(yb)
+        err = xb @ w.read_value() + b.read_value() - yb
+        g = [(xb.T @ err) * (2 * scale / len(x)), err.sum(axis=0) * (2 * scale / len(x))]
+        return opt.get_unscaled_gradients(g) if loss_scale else g
+
+    def step(xb, yb):
+        opt.apply_gradients(zip(grads(xb, yb), [w, b]))
+
+    if strategy is None:
+        w, b, opt = build()
+        for _ in range(steps):
+            step(x, y)
+    else:
+        with strategy.scope():
+            w, b, opt = build()
+        batch = next(iter(strategy.experimental_distribute_dataset(md.data.Dataset.from_tensors((x, y)))))
+        for _ in range(steps):
+            if cross_replica:
+                with strategy.scope():
+                    opt.apply_gradients(zip(strategy.run(grads, args=batch), [w, b]))
+            else:
+                strategy.run(step, args=batch)
+    return [np.asarray(md.device_util.to_host(v.read_value())) for v in (w, b)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("loss_scale", [False, True], ids=["plain", "loss_scale"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_trains_as_mirrored_on_the_same_replicas_and_as_the_plain_loop(name, loss_scale, n):
+    devices = [f"/cpu:{i}" for i in range(n)]
+    optimizer = OPTIMIZERS[name]
+    central = _train(CentralStorageStrategy(devices), optimizer, loss_scale=loss_scale)
+    mirrored = _train(md.MirroredStrategy(devices), optimizer, loss_scale=loss_scale)
+    plain = _train(None, optimizer, loss_scale=loss_scale)
+    for c, m, p in zip(central, mirrored, plain):
+        np.testing.assert_array_equal(c, m)
+        np.testing.assert_allclose(c, p, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_apply_gradients_in_cross_replica_context_takes_per_replica_gradients(name):
+    devices = ["/cpu:0", "/cpu:1", "/cpu:2"]
+    central = _train(CentralStorageStrategy(devices), OPTIMIZERS[name], cross_replica=True)
+    mirrored = _train(md.MirroredStrategy(devices), OPTIMIZERS[name], cross_replica=True)
+    for c, m in zip(central, mirrored):
+        np.testing.assert_array_equal(c, m)
+
+
+@pytest.mark.parametrize("cross_replica", [False, True], ids=["in_run", "cross_replica"])
+def test_gradient_accumulation_applies_the_sum_over_replicas_every_nth_step(cross_replica):
+    devices = ["/cpu:0", "/cpu:1"]
+    sgd = lambda: md.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2)  # noqa: E731
+    central = _train(CentralStorageStrategy(devices), sgd, steps=5, cross_replica=cross_replica)
+    mirrored = _train(md.MirroredStrategy(devices), sgd, steps=5, cross_replica=cross_replica)
+    for c, m in zip(central, mirrored):
+        np.testing.assert_allclose(c, m, rtol=1e-6)
+
+
+def _dynamic_loss_scale_steps(devices, parameter_device, xp):
+    s = CentralStorageStrategy(devices, parameter_device)
+    with s.scope():
+        w = md.Variable(np.ones(2, np.float32))
+        opt = md.mixed_precision.LossScaleOptimizer(md.optimizers.SGD(0.5), initial_scale=4.0)
+
+    def step(bad):
+        rid = md.get_replica_context().replica_id_in_sync_group
+        g = np.full(2, 4.0 * (rid + 1), np.float32)
+        if bad and rid == 1:
+            g[0] = np.inf
+        opt.apply_gradients([(xp.asarray(g), w)])
+
+    s.run(step, args=(True,))
+    assert w.numpy().tolist() == [1, 1] and float(opt.loss_scale) == 2.0 and int(opt.iterations.numpy()) == 0
+    s.run(step, args=(False,))  # (4 + 8) / 2 = 6, times the learning rate
+    assert w.numpy().tolist() == [-2, -2] and int(opt.iterations.numpy()) == 1
+
+
+def test_dynamic_loss_scale_skips_a_step_whose_gradients_are_not_finite_on_any_replica():
+    _dynamic_loss_scale_steps(["/cpu:0", "/cpu:1"], None, np)
+
+
+def test_one_fused_update_on_the_parameter_device_per_step(monkeypatch):
+    """The replicas' gradients of every variable are all-reduced in one call (from the second step on, one packed
+    buffer per dtype, as MirroredStrategy's), and the update runs once."""
+    s = CentralStorageStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+    with s.scope():
+        ws = [md.Variable(np.full(4, k, np.float32)) for k in range(10)]
+        opt = md.optimizers.SGD(0.5)
+    from mirrored.train.optimizers import base
+
+    applied, reduced = [], []
+    apply, batch_reduce = base._Plan.apply, type(s.extended._cross_device_ops).batch_reduce
+
+    def counted_apply(plan, device, *args, **kwargs):
+        applied.append(device)
+        return apply(plan, device, *args, **kwargs)
+
+    def counted_batch_reduce(cdo, op, pairs, options=None):
+        reduced.append(len(pairs))
+        return batch_reduce(cdo, op, pairs, options)
+
+    monkeypatch.setattr(base._Plan, "apply", counted_apply)
+    monkeypatch.setattr(type(s.extended._cross_device_ops), "batch_reduce", counted_batch_reduce)
+    for _ in range(3):
+        s.run(lambda: opt.apply_gradients([(np.ones(4, np.float32), w) for w in ws]))
+    assert applied == [0, 0, 0] and reduced == [10, 1, 1]
+    assert [w.numpy()[0] for w in ws] == [k - 4.5 for k in range(10)]
+
+
+# --- GPUs (simulated without one) -----------------------------------------------------------------------------
+
+GPUS = ["/gpu:0", "/gpu:1"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@pytest.mark.parametrize("parameter_device", ["/cpu:0", "/gpu:1"])
+def test_gpu_replicas_read_copies_on_their_own_gpu(parameter_device):
+    s = CentralStorageStrategy(GPUS, parameter_device)
+    with s.scope():
+        v = md.Variable(np.arange(3, dtype=np.float32), aggregation=md.VariableAggregation.MEAN)
+    assert v.device == md.device_util.canonicalize(parameter_device)
+
+    def step():
+        value = v.read_value()
+        rid = md.get_replica_context().replica_id_in_sync_group
+        v.assign_add(value * 0 + float(rid + 1))
+        return value, value.device.id
+
+    values, ordinals = step_results = s.run(step)
+    assert [type(r) for r in s.experimental_local_results(values)] == [cupy.ndarray] * 2
+    assert list(s.experimental_local_results(ordinals)) == [0, 1]
+    assert [np.asarray(md.device_util.to_host(r)).tolist() for r in s.experimental_local_results(values)] == \
+        [[0, 1, 2]] * 2
+    assert v.numpy().tolist() == [1.5, 2.5, 3.5] and step_results
+    rows = s.experimental_local_results(s.run(lambda: v.sparse_read(np.array([2, 0]))))
+    assert [(type(r), r.device.id, md.device_util.to_host(r).tolist()) for r in rows] == \
+        [(cupy.ndarray, 0, [3.5, 1.5]), (cupy.ndarray, 1, [3.5, 1.5])]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@pytest.mark.parametrize("parameter_device", ["/cpu:0", "/gpu:0"])
+@pytest.mark.parametrize("loss_scale", [False, True], ids=["plain", "loss_scale"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_gpu_compute_devices_train_as_mirrored_on_them(name, loss_scale, parameter_device):
+    central = _train(CentralStorageStrategy(GPUS, parameter_device), OPTIMIZERS[name], cupy, loss_scale=loss_scale)
+    mirrored = _train(md.MirroredStrategy(GPUS), OPTIMIZERS[name], cupy, loss_scale=loss_scale)
+    for c, m in zip(central, mirrored):
+        np.testing.assert_allclose(c, m, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@pytest.mark.parametrize("parameter_device", ["/cpu:0", "/gpu:0"])
+def test_gpu_dynamic_loss_scale_skips_a_step_whose_gradients_are_not_finite(parameter_device):
+    _dynamic_loss_scale_steps(GPUS, parameter_device, cupy)
+
+
+def _function_steps(strategy, compiled, xp):
+    with strategy.scope():
+        w = md.Variable(np.ones(3, np.float32))
+        opt = md.optimizers.SGD(0.1)
+
+    def step(x):
+        opt.apply_gradients([(w.read_value() * x, w)])
+        return md.get_replica_context().all_reduce("SUM", (w.read_value() ** 2).sum())
+
+    fn = md.function(step) if compiled else step
+    losses = [float(strategy.reduce("SUM", strategy.run(fn, args=(xp.float32(i + 1),)), axis=None))
+              for i in range(4)]
+    return np.asarray(md.device_util.to_host(w.read_value())), losses
+
+
+def test_md_function_with_variables_on_the_cpu_runs_eagerly_and_says_why():
+    eager = _function_steps(CentralStorageStrategy(["/cpu:0", "/cpu:1"]), False, np)
+    with pytest.warns(EagerFallbackWarning, match="not on GPUs"):
+        compiled = _function_steps(CentralStorageStrategy(["/cpu:0", "/cpu:1"]), True, np)
+    np.testing.assert_array_equal(eager[0], compiled[0])
+    assert eager[1] == compiled[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+def test_md_function_with_gpu_compute_devices_and_a_cpu_parameter_device_runs_eagerly():
+    eager = _function_steps(CentralStorageStrategy(GPUS, "/cpu:0"), False, np)
+    with pytest.warns(EagerFallbackWarning, match="variables"):
+        compiled = _function_steps(CentralStorageStrategy(GPUS, "/cpu:0"), True, np)
+    np.testing.assert_allclose(eager[0], compiled[0], rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+def test_md_function_with_replicas_on_other_gpus_than_the_variables_runs_eagerly():
+    with pytest.warns(EagerFallbackWarning, match="from another GPU"):
+        compiled = _function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), True, np)
+    eager = _function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), False, np)
+    np.testing.assert_allclose(eager[0], compiled[0], rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+def test_md_function_captures_replicas_on_the_parameter_devices_gpu():
+    """Two logical GPUs on GPU 0 holding the variables: the step is captured, and replays the eager results."""
+    with gpu_pair("logical"):
+        eager = _function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), False, np)
+        compiled = _function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), True, np)
+    np.testing.assert_allclose(eager[0], compiled[0], rtol=1e-6)
+    np.testing.assert_allclose(eager[1], compiled[1], rtol=1e-6)
