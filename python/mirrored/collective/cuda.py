@@ -186,7 +186,8 @@ def reduce(buffers, op="sum", root=0, *, out=None, algorithm="auto"):
     else:
         outs, finish = _outputs(out, arrays, devices, "out", written=root)
         target = outs[root]
-    with span("reduce", arrays[0].nbytes, engine.backend if engine.backend.startswith("nccl") else "direct", len(arrays)):
+    how = engine.backend if engine.backend.startswith("nccl") else "direct"
+    with span("reduce", arrays[0].nbytes, how, len(arrays)):
         engine.reduce(_ptrs(arrays), [target.data.ptr] * len(arrays), arrays[0].size, code, opc, root,
                       _streams(devices))
     return target if finish is None else finish()[root]
