@@ -237,6 +237,20 @@ def test_a_repeated_all_reduce_is_one_fold_one_nccl_call_and_one_copy_per_gpu_an
             np.testing.assert_array_equal(o, np.full(1000, sum(range(len(devices))), np.float32))
 
 
+def test_a_repeated_call_on_a_mix_costs_no_more_python_steps_than_one_gpu_per_replica():
+    """The plan cache serves the hierarchical engine as any other: a repeated all_reduce on 2 GPUs x 2
+    replicas makes no more Python calls than one on 4 GPUs with NCCL (one binding call, the streams looked
+    up once per GPU: two lookups fewer here)."""
+    with gpus_for((1, 1, 1, 1)):
+        counts = {}
+        for devices in ((0, 0, 1, 1), (0, 1, 2, 3)):
+            xs = upload([np.ones(16, np.float32)] * 4, devices)
+            outs = upload([np.zeros(16, np.float32)] * 4, devices)
+            counts[devices] = gpu_env.python_calls(
+                lambda: collectives.all_reduce(xs, "sum", out=outs, algorithm="nccl"), repeat=20)["mirrored"]
+        assert counts[(0, 0, 1, 1)] <= counts[(0, 1, 2, 3)]
+
+
 @pytest.mark.skipif(not SIMULATED, reason="counts the simulated runtime's launches")
 def test_a_batch_costs_the_same_launches_whatever_its_tensor_count():
     with gpus_for((2, 2)) as devices:
