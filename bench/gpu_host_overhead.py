@@ -8,6 +8,7 @@ kernels (they are drained after each call, outside the clock).
     python bench/gpu_host_overhead.py --no-optimizer --clock cpu     # the collectives' table only
     python bench/gpu_host_overhead.py --driver --replicas 2 8        # driver work per call instead of time
     python bench/gpu_host_overhead.py --calls --replicas 2 4 8       # Python function calls per call instead
+    python bench/gpu_host_overhead.py --gpus 2 --logical 2           # a mix: hierarchical engine vs native ring
 
 Reports µs per call for a 4-byte all_reduce (out= preallocated and not), a
 200-tensor batch_all_reduce and strategy.run(replica-context all_reduce) on
@@ -75,11 +76,17 @@ def main():
                    help="the simulated driver's work per repeated call (launches, stream operations, host waits)")
     p.add_argument("--calls", action="store_true",
                    help="Python function calls per call (sys.setprofile), mirrored's own and the CuPy stand-in's")
+    p.add_argument("--gpus", type=int, default=0,
+                   help="a mix instead: this many simulated GPUs x --logical replicas each, the hierarchical "
+                        "engine (algorithm='auto') against the native ring (algorithm='ring'), same run")
+    p.add_argument("--logical", type=int, default=2, help="replicas per GPU with --gpus")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: the process's CPU time (all threads), steadier than wall time on a loaded machine")
     args = p.parse_args()
     global clock
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.gpus:
+        return mix(args)
     if args.run_only:
         return run_only(args)
     if args.driver:
@@ -138,6 +145,42 @@ def driver(args):
             how = "the GPU selects the step's scalars" if mode == "selects" else "the step read back first"
             print(f"| {n} | run(Adam + LossScaleOptimizer apply_gradients, 200 variables), {how} | "
                   f"{sum(c['launches'].values())} | {c['stream_ops']} | {c['host_waits']} |")
+
+
+def mix(args):
+    """A repeated call on --gpus GPUs x --logical replicas each: the hierarchical engine (one fold kernel per
+    GPU, NCCL with one rank per GPU, one copy kernel per GPU) against the native ring over the same replicas
+    (events between GPUs), same run: kernel launches, NCCL calls, stream operations (event records and waits,
+    copies), host waits, and µs per call on the host (the simulated kernels drained outside the clock)."""
+    devices = [g for g in range(args.gpus) for _ in range(args.logical)]
+    cupy.configure(args.gpus, [(a, b) for a in range(args.gpus) for b in range(args.gpus) if a != b], 0)
+    md.config.set_logical_device_configuration("GPU:0", None)
+
+    def on(d, make):
+        with cupy.cuda.Device(d):
+            return make()
+
+    sizes = np.random.default_rng(0).integers(1, 3000, 200)
+    calls = []
+    for nbytes in (4, 1 << 16):
+        xs = [on(d, lambda: cupy.ones(nbytes // 4, cupy.float32)) for d in devices]
+        outs = [on(d, lambda: cupy.empty(nbytes // 4, cupy.float32)) for d in devices]
+        calls.append((f"all_reduce {nbytes} B, out=",
+                      lambda algo, xs=xs, outs=outs: collectives.all_reduce(xs, "sum", out=outs, algorithm=algo)))
+    lists = [on(d, lambda: [cupy.ones(int(n), cupy.float32) for n in sizes]) for d in devices]
+    calls.append(("batch 200 tensors", lambda algo: collectives.batch_all_reduce(lists, "sum", algorithm=algo)))
+    print(f"{args.gpus} GPUs x {args.logical} replicas; ratio: ring / hierarchical")
+    print("| call | engine | launches | NCCL calls | stream ops | host waits | µs per call | ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for name, call in calls:
+        times = {}
+        for algo, engine in (("ring", "native ring"), ("auto", "hierarchical")):
+            c = repeated_call_counters(lambda: call(algo))
+            nccl = sum(v for k, v in c["calls"].items() if k.startswith("nccl"))
+            times[algo] = per_call_us(lambda: call(algo), args.repeat // 10)
+            ratio = f"{times['ring'] / times['auto']:.2f}" if algo == "auto" else ""
+            print(f"| {name} | {engine} | {sum(c['launches'].values())} | {nccl} | {c['stream_ops']} | "
+                  f"{c['host_waits']} | {times[algo]:.1f} | {ratio} |")
 
 
 def calls(args):

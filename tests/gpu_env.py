@@ -21,6 +21,7 @@ import pytest
 
 import mirrored
 from collective_reference import batch_reference
+from mirrored.collective import plan as collective_plans
 from mirrored.device import config, device_util, engine
 
 SIM_DEVICES = 2
@@ -107,6 +108,7 @@ def physical_gpus(count: int, seed: int = 0):
     finally:
         cupy.configure(SIM_DEVICES, SIM_PEERS, seed)
         config.set_logical_device_configuration("GPU:0", None)
+        collective_plans.clear()  # (plans naming GPUs the machine no longer has)
 
 
 @contextlib.contextmanager

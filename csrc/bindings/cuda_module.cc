@@ -29,6 +29,7 @@
 #include "cuda/step_readback.h"
 #include "cuda/check.h"
 #include "cuda/stream_scope.h"
+#include "nccl/hierarchical.h"
 #include "nccl/nccl_communicator.h"
 
 #ifdef MIRRORED_CUDA_SIM
@@ -899,6 +900,13 @@ PYBIND11_MODULE(MIRRORED_CUDA_MODULE, m) {
     py::gil_scoped_release nogil;  // ncclCommInitAll may take seconds
     return std::make_unique<Engine>(devices, std::make_unique<nccl::NcclCommunicator>(devices));
   }, py::arg("devices"), "NCCL over local GPUs (call nccl_load first).");
+  m.def("hierarchical", [](const std::vector<int>& devices) {
+    py::gil_scoped_release nogil;  // ncclCommInitAll may take seconds
+    return std::make_unique<Engine>(devices, std::make_unique<nccl::HierarchicalCommunicator>(devices));
+  }, py::arg("devices"),
+     "The hierarchical engine over the GPUs `devices` (repeats are logical GPUs): one kernel per GPU folds its\n"
+     "replicas, NCCL (one rank per GPU) combines the GPUs, one kernel per GPU writes its replicas' outputs\n"
+     "(call nccl_load first).");
   m.def("nccl_rank", [](const py::bytes& unique_id, int rank, int nranks, const std::vector<int>& devices) {
     std::string id = unique_id;
     py::gil_scoped_release nogil;  // waits for the other processes

@@ -39,6 +39,10 @@ class Communicator {
     (void)n, (void)in, (void)out, (void)count, (void)dtype, (void)root;
     unsupported("broadcast");
   }
+  // Whether all_reduce takes one output per GPU: every local replica of a GPU
+  // passing the same out pointer, which receives the result once (callers
+  // that read the result where it lies, as fused batches do, save the copies).
+  virtual bool one_output_per_gpu() const { return false; }
   // out[root] = op over all in[*]; other outputs untouched.
   virtual void reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
                       int root) {

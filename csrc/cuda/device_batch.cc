@@ -16,12 +16,6 @@ namespace {
 
 constexpr std::size_t round16(std::size_t x) { return (x + 15) / 16 * 16; }
 
-bool capturing(cudaStream_t s) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  MIRRORED_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
-  return status != cudaStreamCaptureStatusNone;
-}
-
 }  // namespace
 
 DeviceBatch::Layout DeviceBatch::plan(std::vector<std::size_t> counts, std::vector<DType> dtypes,
@@ -253,6 +247,14 @@ void DeviceBatch::packed(Communicator& comm, const std::vector<std::vector<const
     const std::size_t result_at = one_gpu_ ? 0 : total;
     std::vector<char*> f(n);
     for (int r = 0; r < n; ++r) f[r] = static_cast<char*>(fusion(r, total + result_at));
+    // Whose result buffer replica r's unpack reads: its own, or (an engine that writes one output per
+    // GPU) that of the first replica on its GPU, which the replicas of that GPU then all name as output.
+    std::vector<int> reader(n);
+    for (int r = 0; r < n; ++r) {
+      reader[r] = r;
+      for (int q = 0; q < r && comm.one_output_per_gpu() && reader[r] == r; ++q)
+        if (ranks_[q].device == ranks_[r].device) reader[r] = q;
+    }
     // Lanes: the ranks of one GPU that queue on one stream share a table and launches.
     std::vector<int> lane_of(n);
     for (int r = 0; r < n; ++r) {
@@ -283,7 +285,7 @@ void DeviceBatch::packed(Communicator& comm, const std::vector<std::vector<const
             for (std::size_t i = 0; i < packed.entries.size(); ++i) {
               const PackEntry& e = packed.entries[i];
               if (e.bytes == 0) continue;
-              char* slot = f[r] + (pack ? 0 : result_at) + p.offset + p.entry_offset[i];
+              char* slot = (pack ? f[r] : f[reader[r]] + result_at) + p.offset + p.entry_offset[i];
               CopyEntry& c = host[at + entries++];
               c = pack ? CopyEntry{in[r][e.tensor], slot, e.bytes, slots}
                        : CopyEntry{slot, out[r][e.tensor], e.bytes, slots};
@@ -304,7 +306,7 @@ void DeviceBatch::packed(Communicator& comm, const std::vector<std::vector<const
     }
     // Each pack is reduced in place, ordered after the packing on the same streams.
     for (const Layout::Placed& p : layout.placed) {
-      for (int r = 0; r < n; ++r) pin[r] = f[r] + p.offset, pout[r] = f[r] + result_at + p.offset;
+      for (int r = 0; r < n; ++r) pin[r] = f[r] + p.offset, pout[r] = f[reader[r]] + result_at + p.offset;
       comm.all_reduce(n, pin.data(), pout.data(), p.count, layout.packs[p.pack].dtype, op, algorithm);
     }
     for (Lane& lane : lanes) {

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "cuda/check.h"
+
 namespace mirrored::cuda {
 
 inline thread_local const std::vector<cudaStream_t>* current_streams_ = nullptr;
@@ -35,6 +37,13 @@ inline cudaStream_t current_stream(int rank, int nranks) {
     throw std::invalid_argument("streams: got " + std::to_string(current_streams_->size()) + " streams for " +
                                 std::to_string(nranks) + " ranks; pass one stream per buffer");
   return (*current_streams_)[rank];
+}
+
+// Whether `stream` is being captured into a CUDA graph, which replays its work long after the call.
+inline bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  MIRRORED_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
 }
 
 }  // namespace mirrored::cuda

@@ -1,6 +1,6 @@
 // A stand-in libnccl for the simulated runtime: the entry points
-// NcclCommunicator loads, with NCCL's semantics for one process (int32 and
-// float32 only). A group's calls run as one collective: a device-side
+// NcclCommunicator loads, with NCCL's semantics for one process (the dtypes
+// mirrored passes). A group's calls run as one collective: a device-side
 // rendezvous of the ranks' streams (no event between GPUs, as NCCL's kernels
 // meet), which stream capture records per GPU and graph launches replay.
 #include <cuda_runtime_api.h>
@@ -144,9 +144,22 @@ int ncclGroupEnd() {
   calls.swap(pending);
   return launch(calls);
 }
-int ncclAllReduce(const void* s, void* r, std::size_t n, int dt, int op, Comm* c, cudaStream_t st) { return enqueue({kAllReduce, s, r, n, dt, op, 0, c, st}); }
-int ncclBroadcast(const void* s, void* r, std::size_t n, int dt, int root, Comm* c, cudaStream_t st) { return enqueue({kBroadcast, s, r, n, dt, 0, root, c, st}); }
-int ncclReduce(const void* s, void* r, std::size_t n, int dt, int op, int root, Comm* c, cudaStream_t st) { return enqueue({kReduce, s, r, n, dt, op, root, c, st}); }
-int ncclAllGather(const void* s, void* r, std::size_t n, int dt, Comm* c, cudaStream_t st) { return enqueue({kAllGather, s, r, n, dt, 0, 0, c, st}); }
+// Each rank's collective call is counted by name in the runtime's Counters::calls.
+int ncclAllReduce(const void* s, void* r, std::size_t n, int dt, int op, Comm* c, cudaStream_t st) {
+  mirrored::cuda::sim::Call call("ncclAllReduce");
+  return enqueue({kAllReduce, s, r, n, dt, op, 0, c, st});
+}
+int ncclBroadcast(const void* s, void* r, std::size_t n, int dt, int root, Comm* c, cudaStream_t st) {
+  mirrored::cuda::sim::Call call("ncclBroadcast");
+  return enqueue({kBroadcast, s, r, n, dt, 0, root, c, st});
+}
+int ncclReduce(const void* s, void* r, std::size_t n, int dt, int op, int root, Comm* c, cudaStream_t st) {
+  mirrored::cuda::sim::Call call("ncclReduce");
+  return enqueue({kReduce, s, r, n, dt, op, root, c, st});
+}
+int ncclAllGather(const void* s, void* r, std::size_t n, int dt, Comm* c, cudaStream_t st) {
+  mirrored::cuda::sim::Call call("ncclAllGather");
+  return enqueue({kAllGather, s, r, n, dt, 0, 0, c, st});
+}
 }
 #pragma GCC visibility pop

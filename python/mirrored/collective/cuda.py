@@ -5,9 +5,14 @@ the same signatures, for CuPy arrays or anything exposing
 ``algorithm`` is ``"auto"`` (the engine's measured choice, see
 ``csrc/cuda/cuda_ring.cc``), ``"direct"`` (one kernel per GPU reads every
 replica's input and writes every output in one pass: replicas on one GPU,
-or GPUs with peer access), ``"ring"``, ``"tree"`` (also ``"hierarchical"``)
-or ``"nccl"``. The native engine accepts several buffers on one GPU
-(logical GPUs); NCCL needs a GPU per replica.
+or GPUs with peer access), ``"ring"``, ``"tree"`` (also ``"hierarchical"``,
+TF's name for its reduce-to-few-devices tree) or ``"nccl"``. The native
+engine accepts several buffers on one GPU (logical GPUs); NCCL takes one
+rank per GPU. Replicas on several GPUs where some GPUs host several of them
+(a mix, e.g. 2 GPUs x 2 logical GPUs) take the hierarchical engine with
+``"nccl"``, and with ``"auto"`` when NCCL loads: one kernel per GPU folds
+its replicas, NCCL combines the GPUs, one kernel per GPU writes the outputs
+(docs/hierarchical.md); a CUDA graph per GPU can hold it.
 
 Calls are asynchronous like any CuPy operation: ordered after the work
 already queued on each buffer's device (see ``_gpu.collective_stream``),
@@ -34,6 +39,9 @@ ALGORITHMS = {"auto": 0, "ring": 1, "direct": 2, "tree": 3, "hierarchical": 3, "
 # The ring moves this many bytes per rank and step; 2 slices in flight per rank.
 CHUNK_BYTES = 1 << 20
 CHANNELS = 2
+
+# Replicas one kernel folds (csrc/cuda/fused.h kMaxFused): the hierarchical engine's most per GPU.
+MAX_FOLD = 32
 
 _engines: dict = {}
 # Communicators go while CUDA (and NCCL) are still up, not in the interpreter's teardown.
@@ -163,7 +171,10 @@ def reduce(buffers, op="sum", root=0, *, out=None, algorithm="auto"):
     """The reduction of all replicas' buffers, written to ``out[root]`` (or a new array on the root's GPU) and returned.
 
     ``algorithm="nccl"``: NCCL's reduce (one GPU per replica), which a CUDA
-    graph of each GPU can hold; any other: the native engine's direct reduce.
+    graph of each GPU can hold; on a mix of GPUs hosting several replicas,
+    ``"nccl"`` or ``"auto"`` (NCCL loaded): the hierarchical reduce, which
+    graphs hold too (docs/hierarchical.md); any other: the native engine's
+    direct reduce.
     """
     arrays, code, devices = _inputs(buffers, "buffers")
     opc = op_code(op)
@@ -175,7 +186,8 @@ def reduce(buffers, op="sum", root=0, *, out=None, algorithm="auto"):
     else:
         outs, finish = _outputs(out, arrays, devices, "out", written=root)
         target = outs[root]
-    with span("reduce", arrays[0].nbytes, engine.backend if engine.backend == "nccl" else "direct", len(arrays)):
+    how = engine.backend if engine.backend.startswith("nccl") else "direct"
+    with span("reduce", arrays[0].nbytes, how, len(arrays)):
         engine.reduce(_ptrs(arrays), [target.data.ptr] * len(arrays), arrays[0].size, code, opc, root,
                       _streams(devices))
     return target if finish is None else finish()[root]
@@ -351,22 +363,38 @@ def _engine(devices, algorithm, chunk_bytes=0):
     if name not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is not a GPU algorithm; use one of "
                          f"{', '.join(repr(a) for a in ALGORITHMS)}")
-    kind = "nccl" if name == "nccl" else "ring"
+    kind = _engine_kind(tuple(devices), name)
     chunk_bytes = chunk_bytes or CHUNK_BYTES
     key = (kind, tuple(devices), chunk_bytes if kind == "ring" else 0)
     engine = _engines.get(key)
     if engine is None:
         cuda = _gpu.cuda_module()
-        if kind == "nccl":
-            if len(set(devices)) != len(devices):
-                raise ValueError(f"algorithm='nccl': replicas share a GPU (devices {list(devices)}); NCCL needs one "
-                                 "GPU per replica, use algorithm='ring' for logical GPUs")
-            _gpu.load_nccl()
-            engine = cuda.nccl(list(devices))
-        else:
+        if kind == "ring":
             engine = cuda.ring(list(devices), chunk_bytes, CHANNELS)
+        else:
+            _gpu.load_nccl()
+            engine = (cuda.nccl if kind == "nccl" else cuda.hierarchical)(list(devices))
         engine = _engines.setdefault(key, engine)
     return engine, ALGORITHMS[name]
+
+
+
+def _engine_kind(devices: tuple, name: str) -> str:
+    """``"nccl"`` (one GPU per replica), ``"hierarchical"`` (several GPUs, some hosting several replicas:
+    one kernel per GPU, NCCL across GPUs) or ``"ring"`` (the native engine) for ``algorithm=name``.
+
+    ``"nccl"`` takes NCCL's way on either layout; ``"auto"`` takes the hierarchical engine on a mix
+    when NCCL loads (per-GPU CUDA graphs can hold it, not the native engine's events between GPUs);
+    every other name is the native engine's."""
+    gpus = len(set(devices))
+    # (One fold kernel per GPU takes at most MAX_FOLD of its replicas: beyond, only the native engine.)
+    mix = 1 < gpus < len(devices) and max(devices.count(d) for d in set(devices)) <= MAX_FOLD
+    if name == "nccl":
+        if gpus == 1 and len(devices) > 1:
+            raise ValueError(f"algorithm='nccl': every replica shares GPU {devices[0]} (logical GPUs); NCCL needs "
+                             "several GPUs, use algorithm='ring' for logical GPUs (or 'auto')")
+        return "hierarchical" if mix else "nccl"
+    return "hierarchical" if mix and name == "auto" and _gpu.nccl_available() else "ring"
 
 
 def _ptrs(arrays):

@@ -31,8 +31,8 @@ from .rules import (MEAN, algorithm_code, any_integer_mean, check_batch, check_c
                     gather_layout, inputs as _inputs, integer_mean, means_of_sums, on_gpu, outputs as _outputs,
                     recycler, result, result_like, root_index, true_divide)
 
-__all__ = ["lookup", "all_reduce_plan", "lookup_batch", "remember", "remember_batch", "all_reduce", "broadcast",
-           "reduce", "all_gather", "batch_all_reduce", "MAX_PLANS"]
+__all__ = ["lookup", "all_reduce_plan", "lookup_batch", "remember", "remember_batch", "clear", "all_reduce",
+           "broadcast", "reduce", "all_gather", "batch_all_reduce", "MAX_PLANS"]
 
 # Plans kept; the cache starts over when full (a program has a handful of signatures).
 MAX_PLANS = 4096
@@ -66,6 +66,12 @@ def _batch_key(params: tuple, per_replica_lists) -> tuple:
     tensors = per_replica_lists[0]
     first = tensors[0]
     return "batch_all_reduce", params, len(per_replica_lists), len(tensors), type(first), first.shape, first.dtype
+
+
+def clear() -> None:
+    """Forgets every plan. A GPU plan looks up its GPUs' streams before the binding checks the arrays, so
+    the plans of a machine that is gone must go with it (the tests' simulated machine changes its GPUs)."""
+    _plans.clear()
 
 
 def _remember(key: tuple, plan) -> None:

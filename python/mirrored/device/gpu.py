@@ -668,13 +668,15 @@ _warned: set = set()
 def default_gpu_algorithm(ordinals) -> str:
     """The all-reduce algorithm for GPU replicas on CUDA ``ordinals`` by default.
 
-    ``"nccl"`` when NCCL loads and every replica has a GPU of its own; else
-    ``"auto"`` (the native engine: one-pass kernels where every replica's GPU
-    reads the others', else the ring or tree), with a one-line warning saying why
+    ``"nccl"`` when NCCL loads and the replicas span several GPUs (one GPU
+    per replica: NCCL itself; GPUs hosting several replicas: the
+    hierarchical engine, docs/hierarchical.md); else ``"auto"`` (the native
+    engine: one-pass kernels where every replica's GPU reads the others',
+    else the ring or tree), with a one-line warning saying why
     (logged once per reason on the ``mirrored`` logger, as TensorFlow logs it).
     """
     ordinals = [int(o) for o in ordinals]
-    if len(set(ordinals)) != len(ordinals):
+    if len(set(ordinals)) == 1 < len(ordinals):
         reason = "several replicas share a GPU (logical GPUs), which NCCL refuses"
     elif not nccl_available():
         reason = f"NCCL is not installed ({NCCL_FIX})"

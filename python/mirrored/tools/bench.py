@@ -635,9 +635,9 @@ def parse_args(argv=None):
         device = Device(args.device, args.replicas)
     except ValueError as e:
         p.error(str(e))
-    if "nccl" in args.algo and len(set(device.ordinals)) < len(device.ordinals):
-        p.error(f"--algo nccl needs one GPU per replica; {args.replicas} replicas share "
-                f"{len(set(device.ordinals))} GPU(s) (use --algo ring)")
+    if "nccl" in args.algo and len(set(device.ordinals)) == 1 < len(device.ordinals):
+        p.error(f"--algo nccl needs several GPUs (several replicas per GPU take the hierarchical engine); "
+                f"{args.replicas} replicas share one GPU (use --algo ring)")
     return args, device, job[0] if job else None
 
 
