@@ -164,12 +164,16 @@ class Dataset:
     def _compute_spec(self):
         return self._input.element_spec
 
-    def cardinality(self) -> int:
-        """The number of elements: ``md.data.INFINITE_CARDINALITY`` (-1) or ``UNKNOWN_CARDINALITY`` (-2)."""
+    def cardinality(self) -> np.int64:
+        """The number of elements, an int64 scalar (TF's is an int64 tensor; this is what its ``.numpy()`` gives):
+        ``md.data.INFINITE_CARDINALITY`` (-1) or ``UNKNOWN_CARDINALITY`` (-2) where it is not a count."""
+        return np.int64(self._cardinality())
+
+    def _cardinality(self) -> int:
         return UNKNOWN
 
     def __len__(self):
-        n = self.cardinality()
+        n = self._cardinality()
         if n == INFINITE_CARDINALITY:
             raise TypeError("The dataset is infinite.")
         if n == UNKNOWN:
@@ -427,7 +431,7 @@ class Dataset:
             return window.padded_batch(size, shapes, padding_values, drop_remainder=drop_remainder)
 
         def batched(s, shape):
-            return TensorSpec(None if s.shape is None else (None,) + tuple(shape), s.dtype)
+            return TensorSpec(None if s.shape.rank is None else (None,) + tuple(shape), s.dtype)
 
         # The spec of every bucket's batches (TF's): batch and padded dimensions unknown unless padded_shapes fixes
         # them.
@@ -541,7 +545,7 @@ class _TensorSlices(Dataset):
         return pack_sequence_as(self._structure, [TensorSpec(leaf.shape[1:], leaf.dtype)
                                                          for leaf in self._leaves])
 
-    def cardinality(self):
+    def _cardinality(self):
         return self._rows
 
     def _make_iterator(self, state=None):
@@ -605,7 +609,7 @@ class _Tensors(Dataset):
     def _compute_spec(self):
         return spec_of(self._element)
 
-    def cardinality(self):
+    def _cardinality(self):
         return 1
 
     def _make_iterator(self, state=None):
@@ -641,7 +645,7 @@ class _Range(Dataset):
     def _compute_spec(self):
         return TensorSpec((), self._dtype)
 
-    def cardinality(self):
+    def _cardinality(self):
         return len(self._range)
 
     def _make_iterator(self, state=None):
@@ -716,7 +720,7 @@ def _conform(value, signature):
                                 f"({e})") from None
             if leaf.ndim == 0:
                 leaf = leaf[()]
-        if signature.shape is not None and not signature.is_compatible_with(leaf):
+        if not signature.is_compatible_with(leaf):
             raise TypeError(f"`generator` yielded an element of shape {tuple(np.shape(leaf))} where an element of "
                              f"shape {signature.shape} was expected")
         return leaf
@@ -786,7 +790,7 @@ class IterableDataset(Dataset):
             raise ValueError("element_spec: the dataset is empty, so its elements' structure is unknown")
         return spec_of(normalize_output(first, "dataset element"))
 
-    def cardinality(self):
+    def _cardinality(self):
         return len(self._iterable) if isinstance(self._iterable, (list, tuple)) else UNKNOWN
 
     def _make_iterator(self, state=None):
@@ -834,11 +838,11 @@ class _Batch(Dataset):
 
     def _compute_spec(self):
         first = self._batch_size if self._drop else None
-        return map_structure(lambda s: TensorSpec(None if s.shape is None else (first,) + s.shape, s.dtype),
+        return map_structure(lambda s: TensorSpec(None if s.shape.rank is None else (first,) + s.shape, s.dtype),
                              self._input.element_spec)
 
-    def cardinality(self):
-        n = self._input.cardinality()
+    def _cardinality(self):
+        n = self._input._cardinality()
         if n < 0:
             return n
         return n // self._batch_size if self._drop else math.ceil(n / self._batch_size)
@@ -1005,19 +1009,19 @@ def _pad(column: list, component: int, target: list, value) -> list:
 
 
 class _Unbatch(Dataset):
-    def cardinality(self):
+    def _cardinality(self):
         """Known when the input's batch dimension is (one size for every component), as in tf.data."""
-        n = self._input.cardinality()
-        rows = {s.shape[0] if s.shape else None for s in flatten(self._input.element_spec)}
+        n = self._input._cardinality()
+        rows = {s.shape[0] if s.shape.rank else None for s in flatten(self._input.element_spec)}
         if n < 0 or len(rows) != 1 or None in rows or 0 in rows:
             return n if n == INFINITE_CARDINALITY else (0 if n == 0 else UNKNOWN)
         return n * rows.pop()
 
     def _compute_spec(self):
         def row(s):
-            if s.shape is None:
+            if s.shape.rank is None:
                 return s
-            if not s.shape:
+            if s.shape.rank == 0:
                 raise ValueError("Cannot unbatch an input with scalar components; unbatch needs every component "
                                  "to have rank >= 1 (batch the dataset first)")
             return TensorSpec(s.shape[1:], s.dtype)
@@ -1069,12 +1073,12 @@ class _Map(Dataset):
             raise ValueError("element_spec of map: the input is empty, so map_func's output is unknown")
         element = first[0]
         unknown = {leaf.shape[d] for leaf, s in zip(flatten(element), flatten(self._input.element_spec))
-                   if s.shape is not None for d in range(len(s.shape)) if s.shape[d] is None}
+                   if s.shape.rank is not None for d in range(len(s.shape)) if s.shape[d] is None}
         out = spec_of(normalize_output(_call(self._fn, element), "map_func"))
         return map_structure(lambda s: TensorSpec([None if d in unknown else d for d in s.shape], s.dtype), out)
 
-    def cardinality(self):
-        return self._input.cardinality()
+    def _cardinality(self):
+        return self._input._cardinality()
 
     def _make_iterator(self, state=None):
         if self._parallel is None:
@@ -1292,8 +1296,8 @@ class _Shuffle(Dataset):
         self._seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
         self._epochs = 0  # iterations started so far: each reshuffles with its own stream
 
-    def cardinality(self):
-        return self._input.cardinality()
+    def _cardinality(self):
+        return self._input._cardinality()
 
     def _clone(self, inputs):
         clone = super()._clone(inputs)
@@ -1352,8 +1356,8 @@ class _Repeat(Dataset):
         super().__init__(input_ds)
         self._times = count
 
-    def cardinality(self):
-        n = self._input.cardinality()
+    def _cardinality(self):
+        n = self._input._cardinality()
         if self._times == 0:
             return 0
         if self._times == -1:
@@ -1398,8 +1402,8 @@ class _Take(Dataset):
         super().__init__(input_ds)
         self._n = count
 
-    def cardinality(self):
-        n = self._input.cardinality()
+    def _cardinality(self):
+        n = self._input._cardinality()
         if self._n == -1:
             return n
         return self._n if n in (INFINITE_CARDINALITY,) or n >= self._n else (n if n >= 0 else UNKNOWN)
@@ -1426,8 +1430,8 @@ class _TakeIterator(_Iterator):
 
 
 class _Skip(_Take):
-    def cardinality(self):
-        n = self._input.cardinality()
+    def _cardinality(self):
+        n = self._input._cardinality()
         if n < 0:
             return n
         return 0 if self._n == -1 else max(n - self._n, 0)
@@ -1453,8 +1457,8 @@ class _Cache(Dataset):
         self._filename = filename
         self._elements = None  # the complete first pass, once one finished
 
-    def cardinality(self):
-        return self._input.cardinality()
+    def _cardinality(self):
+        return self._input._cardinality()
 
     def _clone(self, inputs):
         clone = super()._clone(inputs)
@@ -1528,8 +1532,8 @@ class _Prefetch(Dataset):
         super().__init__(input_ds)
         self._buffer_size = buffer_size
 
-    def cardinality(self):
-        return self._input.cardinality()
+    def _cardinality(self):
+        return self._input._cardinality()
 
     def _make_iterator(self, state=None):
         if self._buffer_size == 0:
@@ -1627,8 +1631,8 @@ class _Shard(Dataset):
         super().__init__(input_ds)
         self._n, self._index = num_shards, index
 
-    def cardinality(self):
-        n = self._input.cardinality()
+    def _cardinality(self):
+        n = self._input._cardinality()
         return n if n < 0 else len(range(self._index, n, self._n))
 
     def _make_iterator(self, state=None):
@@ -1680,8 +1684,8 @@ class _Concatenate(Dataset):
         # Shapes may differ: dimensions that differ become None, and the whole shape where the ranks differ.
         return pack_sequence_as(a, [x.most_specific_compatible(y) for x, y in zip(flatten(a), flatten(b))])
 
-    def cardinality(self):
-        a, b = (d.cardinality() for d in self._inputs)
+    def _cardinality(self):
+        a, b = (d._cardinality() for d in self._inputs)
         if INFINITE_CARDINALITY in (a, b):
             return INFINITE_CARDINALITY
         return UNKNOWN if UNKNOWN in (a, b) else a + b
@@ -1726,8 +1730,8 @@ class _Zip(Dataset):
     def _compute_spec(self):
         return pack_sequence_as(self._structure, [d.element_spec for d in self._inputs])
 
-    def cardinality(self):
-        counts = [d.cardinality() for d in self._inputs]
+    def _cardinality(self):
+        counts = [d._cardinality() for d in self._inputs]
         known = [c for c in counts if c >= 0]
         if known:
             return min(known) if UNKNOWN not in counts else UNKNOWN
@@ -1758,8 +1762,8 @@ class _Enumerate(Dataset):
     def _compute_spec(self):
         return (TensorSpec((), np.int64), self._input.element_spec)
 
-    def cardinality(self):
-        return self._input.cardinality()
+    def _cardinality(self):
+        return self._input._cardinality()
 
     def _make_iterator(self, state=None):
         return _EnumerateIterator(self, state)
@@ -1827,7 +1831,7 @@ class ListFilesDataset(Dataset):
     def _compute_spec(self):
         return TensorSpec((), np.dtype("S"))
 
-    def cardinality(self):
+    def _cardinality(self):
         return len(self._files)
 
     def _make_iterator(self, state=None):
@@ -1845,7 +1849,7 @@ class ListFilesDataset(Dataset):
 # --- take_while, scan, unique, rebatch, ignore_errors, counter, choose/sample_from_datasets ---------------
 
 class _TakeWhile(_Filter):
-    def cardinality(self):
+    def _cardinality(self):
         return UNKNOWN  # as tf.data, even for an endless input
 
     def _make_iterator(self, state=None):
@@ -1893,8 +1897,8 @@ class _Scan(Dataset):
             raise ValueError("element_spec of scan: the input is empty, so scan_func's output is unknown")
         return spec_of(_scan_step(self._fn, self._initial, first[0])[1])
 
-    def cardinality(self):
-        return self._input.cardinality()
+    def _cardinality(self):
+        return self._input._cardinality()
 
     def _make_iterator(self, state=None):
         return _ScanIterator(self, state)
@@ -1964,20 +1968,20 @@ class _Rebatch(Dataset):
     def __init__(self, input_ds, batch_size, drop_remainder):
         super().__init__(input_ds)
         self._sizes, self._drop = _batch_sizes(batch_size), drop_remainder
-        if any(s.shape is not None and not s.shape for s in flatten(input_ds.element_spec)):
+        if any(s.shape.rank == 0 for s in flatten(input_ds.element_spec)):
             raise ValueError("Invalid `batch_sizes`. Expected dataset with rank of >= 1 but found a dataset with "
                              "scalar elements. Fix the issue by adding the `batch` transformation to the dataset.")
 
     def _compute_spec(self):
         # Every batch has the one size when the remainder is dropped, or when each input batch splits evenly.
-        inputs = {s.shape[0] if s.shape else None for s in flatten(self._input.element_spec)}
+        inputs = {s.shape[0] if s.shape.rank else None for s in flatten(self._input.element_spec)}
         size = self._sizes[0] if len(set(self._sizes)) == 1 else None
         even = len(inputs) == 1 and None not in inputs and size is not None and inputs.pop() % size == 0
         first = size if self._drop or even else None
-        return map_structure(lambda s: TensorSpec(None if s.shape is None else (first,) + s.shape[1:], s.dtype),
+        return map_structure(lambda s: TensorSpec(None if s.shape.rank is None else (first,) + s.shape[1:], s.dtype),
                              self._input.element_spec)
 
-    def cardinality(self):
+    def _cardinality(self):
         return UNKNOWN  # as tf.data
 
     def _make_iterator(self, state=None):
@@ -2026,7 +2030,7 @@ class _IgnoreErrors(Dataset):
         super().__init__(input_ds)
         self._log = log_warning
 
-    def cardinality(self):
+    def _cardinality(self):
         return UNKNOWN  # as tf.data: any element may be dropped
 
     def _make_iterator(self, state=None):
@@ -2061,7 +2065,7 @@ class _Counter(Dataset):
     def _compute_spec(self):
         return TensorSpec((), self._dtype)
 
-    def cardinality(self):
+    def _cardinality(self):
         return INFINITE_CARDINALITY
 
     def _make_iterator(self, state=None):
@@ -2139,7 +2143,7 @@ class _ChooseFromDatasets(_Selecting):
                             f"but are {choice_dataset.element_spec}")
         super().__init__(datasets, [choice_dataset], stop_on_empty)
 
-    def cardinality(self):
+    def _cardinality(self):
         return UNKNOWN
 
     def _make_iterator(self, state=None):
@@ -2170,8 +2174,8 @@ class _SampleFromDatasets(_Selecting):
         self._seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
         self._epochs = 0
 
-    def cardinality(self):
-        endless = [d.cardinality() == INFINITE_CARDINALITY for d in self._inputs]
+    def _cardinality(self):
+        endless = [d._cardinality() == INFINITE_CARDINALITY for d in self._inputs]
         return INFINITE_CARDINALITY if (all(endless) if self._stop else any(endless)) else UNKNOWN
 
     def _make_iterator(self, state=None):
@@ -2207,8 +2211,8 @@ class _Window(Dataset):
     def _compute_spec(self):
         return map_structure(DatasetSpec, self._input.element_spec)
 
-    def cardinality(self):
-        n = self._input.cardinality()
+    def _cardinality(self):
+        n = self._input._cardinality()
         if n < 0:
             return n
         if self._drop:
@@ -2269,7 +2273,7 @@ class _WindowComponent(Dataset):
     def _compute_spec(self):
         return self._component_spec
 
-    def cardinality(self):
+    def _cardinality(self):
         return len(self._values)
 
     def _make_iterator(self, state=None):
@@ -2286,8 +2290,8 @@ class _GroupByWindow(Dataset):
                 raise ValueError(f"{argument}={fn!r} is not callable")
         self._key_func, self._reduce_func, self._size_func = key_func, reduce_func, window_size_func
 
-    def cardinality(self):
-        n = self._input.cardinality()
+    def _cardinality(self):
+        n = self._input._cardinality()
         return INFINITE_CARDINALITY if n == INFINITE_CARDINALITY else UNKNOWN
 
     def _key(self, element) -> int:
@@ -2389,7 +2393,7 @@ class _Random(Dataset):
     def _compute_spec(self):
         return TensorSpec((), np.int64)
 
-    def cardinality(self):
+    def _cardinality(self):
         return INFINITE_CARDINALITY
 
     def _make_iterator(self, state=None):

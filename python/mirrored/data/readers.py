@@ -36,7 +36,7 @@ class TextLineDataset(Dataset):
     def _compute_spec(self):
         return TensorSpec((), np.dtype("S"))
 
-    def cardinality(self):
+    def _cardinality(self):
         return UNKNOWN
 
     def _make_iterator(self, state=None):
@@ -50,7 +50,7 @@ class TextLineDataset(Dataset):
         inner = self._input._file_count()
         if inner is not None:
             return inner
-        n = self._input.cardinality()
+        n = self._input._cardinality()
         return n if n >= 0 else None
 
     def _open(self, name: str):
