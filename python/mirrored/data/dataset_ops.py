@@ -142,8 +142,11 @@ class Dataset:
 
     def options(self) -> Options:
         """The options of this pipeline: every ``with_options`` upstream merged, a later one winning where both
-        set an option (tf.data's rule); the one ``with_options`` object itself when there is one."""
-        return merge_options(self._options_chain())
+        set an option (tf.data's rule). A read-only copy, as TF's: change options with ``with_options``."""
+        chain = self._options_chain()
+        options = copy.deepcopy(merge_options(*chain)) if chain else Options()
+        options._set_mutable(False)
+        return options
 
     def _options_chain(self) -> list:
         """The ``with_options`` objects of the pipeline, upstream (and the inputs in order) first."""
@@ -359,9 +362,11 @@ class Dataset:
         """This dataset carrying ``options`` (``md.data.Options``)."""
         if not isinstance(options, Options):
             raise TypeError(f"options={options!r}: expected md.data.Options()")
+        options = copy.deepcopy(options)  # as TF's, later changes to the caller's object do not reach the pipeline
+        options._set_mutable(True)
         clone = self._under(options)
         # Options set on this very dataset before are merged with these (a later one wins where both set one).
-        clone._options = options if self._options is None else merge_options([self._options, options])
+        clone._options = options if self._options is None else merge_options(self._options, options)
         return clone
 
     def _under(self, options: Options) -> "Dataset":
