@@ -94,6 +94,24 @@ def _parallelism_cap() -> int:
     return max(8, 4 * (os.cpu_count() or 1))
 
 
+def _pipeline_options(ds) -> Options:
+    return ds._pipeline_options or ds.options()
+
+
+def _ordered(ds, deterministic) -> bool:
+    """Whether a parallel transformation keeps its input order: its own ``deterministic``, else the
+    pipeline's ``Options.deterministic`` (default: ordered)."""
+    if deterministic is None:
+        deterministic = _pipeline_options(ds).deterministic
+    return deterministic is not False
+
+
+def _thread_limit(ds, wanted: int) -> int:
+    """``wanted`` threads, at most ``Options.threading.private_threadpool_size`` when the pipeline sets it."""
+    size = _pipeline_options(ds).threading.private_threadpool_size
+    return max(1, min(wanted, size)) if size else wanted
+
+
 class _Iterator:
     """One transformation's iterator: ``next()``, ``save()`` and ``close()`` (the inputs' too)."""
 
@@ -308,11 +326,17 @@ class Dataset:
 
     def interleave(self, map_func, cycle_length=None, block_length=None, num_parallel_calls=None,
                    deterministic=None, name=None) -> "Dataset":
-        """Elements of ``cycle_length`` datasets ``map_func`` makes, ``block_length`` from each in turn."""
+        """Elements of ``cycle_length`` datasets ``map_func`` makes, ``block_length`` from each in turn. With
+        ``num_parallel_calls`` each open dataset is read ahead in a thread of its own, at most
+        ``num_parallel_calls`` reading at once; ``deterministic=False`` then lets a dataset whose element is
+        ready go before one that is still reading."""
         if cycle_length is None or cycle_length == AUTOTUNE:
             cycle_length = os.cpu_count() or 1
+        if num_parallel_calls is not None:
+            num_parallel_calls = _positive_int(num_parallel_calls, "num_parallel_calls", allow=(AUTOTUNE,))
         return _Interleave(self, map_func, _positive_int(cycle_length, "cycle_length"),
-                           _positive_int(1 if block_length is None else block_length, "block_length"))
+                           _positive_int(1 if block_length is None else block_length, "block_length"),
+                           num_parallel_calls, deterministic)
 
     def filter(self, predicate, name=None) -> "Dataset":
         """The elements for which ``predicate(element)`` is True."""
@@ -1120,12 +1144,12 @@ class _ParallelMapIterator(_Iterator):
         self._fn = ds._fn
         self._autotune = ds._parallel == AUTOTUNE
         cap = _parallelism_cap()
-        self._cap = cap if self._autotune else ds._parallel
         self._target = min(os.cpu_count() or 1, cap) if self._autotune else ds._parallel
-        deterministic = ds._deterministic
-        if deterministic is None:
-            deterministic = (ds._pipeline_options or ds.options()).deterministic
-        self._ordered = deterministic is not False
+        # autotune.enabled=False: AUTOTUNE stays at its first value, as TF's fixed default parallelism.
+        self._cap = (cap if _pipeline_options(ds).autotune.enabled is not False else self._target) \
+            if self._autotune else ds._parallel
+        self._workers = _thread_limit(ds, self._cap)
+        self._ordered = _ordered(ds, ds._deterministic)
         self._ready = deque(() if state is None else state["ready"])
         self._input_done = False if state is None else state["input_done"]
         self._pending = deque()
@@ -1139,7 +1163,7 @@ class _ParallelMapIterator(_Iterator):
                 self._input_done = True
                 return
             if self._pool is None:
-                self._pool = futures.ThreadPoolExecutor(self._cap, thread_name_prefix=self._POOL_NAME)
+                self._pool = futures.ThreadPoolExecutor(self._workers, thread_name_prefix=self._POOL_NAME)
             self._pending.append(self._pool.submit(_apply, self._fn, element))
 
     def next(self):
@@ -1175,11 +1199,12 @@ class _ParallelMapIterator(_Iterator):
 
 
 class _Interleave(Dataset):
-    def __init__(self, input_ds, fn, cycle_length, block_length):
+    def __init__(self, input_ds, fn, cycle_length, block_length, num_parallel_calls=None, deterministic=None):
         super().__init__(input_ds)
         if not callable(fn):
             raise ValueError(f"map_func={fn!r} is not callable; pass a function of the element")
         self._fn, self._cycle, self._block = fn, cycle_length, block_length
+        self._parallel, self._deterministic = num_parallel_calls, deterministic
 
     def _inner(self, element) -> Dataset:
         ds = _call(self._fn, element)
@@ -1194,7 +1219,9 @@ class _Interleave(Dataset):
         return self._inner(first[0]).element_spec
 
     def _make_iterator(self, state=None):
-        return _InterleaveIterator(self, state)
+        if self._parallel is None:
+            return _InterleaveIterator(self, state)
+        return _ParallelInterleaveIterator(self, state)
 
 
 class _InterleaveIterator(_Iterator):
@@ -1211,7 +1238,10 @@ class _InterleaveIterator(_Iterator):
             for i, slot in enumerate(state["slots"]):
                 if slot is not None:
                     element = _element_from_state(slot[0], ds._input.element_spec)
-                    self._slots[i] = (element, ds._inner(element)._make_iterator(slot[1]))
+                    self._slots[i] = (element, self._open_inner(element, slot[1]))
+
+    def _open_inner(self, element, state=None) -> _Iterator:
+        return self._ds._inner(element)._make_iterator(state)
 
     def _open(self, i) -> bool:
         if self._input_done:
@@ -1221,7 +1251,7 @@ class _InterleaveIterator(_Iterator):
         except StopIteration:
             self._input_done = True
             return False
-        self._slots[i] = (element, self._ds._inner(element)._make_iterator())
+        self._slots[i] = (element, self._open_inner(element))
         return True
 
     def next(self):
@@ -1233,16 +1263,23 @@ class _InterleaveIterator(_Iterator):
                 self._advance()
                 continue
             try:
-                value = self._slots[i][1].next()
+                value = self._take(i)
             except StopIteration:
-                self._slots[i][1].close()
-                self._slots[i] = None
                 self._advance()
                 continue
             self._taken += 1
             if self._taken >= self._ds._block:
                 self._advance()
             return value
+
+    def _take(self, i):
+        """The next element of slot ``i``; at its end the slot is closed and emptied (StopIteration)."""
+        try:
+            return self._slots[i][1].next()
+        except StopIteration:
+            self._slots[i][1].close()
+            self._slots[i] = None
+            raise
 
     def _advance(self):
         self._index, self._taken = (self._index + 1) % len(self._slots), 0
@@ -1257,6 +1294,71 @@ class _InterleaveIterator(_Iterator):
             if slot is not None:
                 slot[1].close()
         super().close()
+
+
+class _Throttled(_Iterator):
+    """An iterator whose ``next()`` waits for one of the interleave's ``num_parallel_calls`` permits."""
+
+    def __init__(self, source, permits: threading.Semaphore):
+        super().__init__(source)
+        self._permits = permits
+
+    def next(self):
+        with self._permits:
+            return self._inputs[0].next()
+
+    def save(self):
+        return self._inputs[0].save()
+
+
+class _ParallelInterleaveIterator(_InterleaveIterator):
+    """``interleave(num_parallel_calls=...)``: every open dataset is read ahead (``block_length`` elements) by
+    a thread of its own, at most ``num_parallel_calls`` reading at a time. In order (tf.data's), unless
+    ``deterministic=False``: then, when the dataset whose turn it is has nothing ready, the first other open
+    dataset with an element ready gives it."""
+
+    def __init__(self, ds, state):
+        calls = ds._cycle if ds._parallel == AUTOTUNE else ds._parallel
+        self._permits = threading.Semaphore(_thread_limit(ds, calls))
+        self._ready = threading.Condition()  # notified whenever a slot's reader has an element (or its end)
+        self._ordered = _ordered(ds, ds._deterministic)
+        super().__init__(ds, state)
+
+    def _open_inner(self, element, state=None) -> _Iterator:
+        inner = self._ds._inner(element)._make_iterator(None if state is None else state["input"])
+        return PrefetchIterator(_Throttled(inner, self._permits), self._ds._block,
+                                () if state is None else state["buffer"], name="md.data-interleave",
+                                on_ready=self._notify)
+
+    def _notify(self) -> None:
+        with self._ready:
+            self._ready.notify_all()
+
+    def next(self):
+        if self._ordered:
+            return super().next()
+        while True:
+            while not self._input_done and any(s is None for s in self._slots):
+                self._open(self._slots.index(None))  # every place of the cycle reading
+            if self._input_done and all(s is None for s in self._slots):
+                raise StopIteration
+            i = self._index
+            if self._slots[i] is None or not self._slots[i][1].ready():
+                with self._ready:
+                    while not any(s is not None and s[1].ready() for s in self._slots):
+                        self._ready.wait()
+                i = next(j for j, s in enumerate(self._slots) if s is not None and s[1].ready())
+            try:
+                value = self._take(i)
+            except StopIteration:
+                if i == self._index:
+                    self._advance()
+                continue
+            if i == self._index:
+                self._taken += 1
+                if self._taken >= self._ds._block:
+                    self._advance()
+            return value
 
 
 def _element_state(element) -> list:
@@ -1555,9 +1657,9 @@ class PrefetchIterator(_Iterator):
 
     _AUTOTUNE_CAP = 16
 
-    def __init__(self, source, buffer_size, buffered=(), transform=None, name="md.data-prefetch"):
+    def __init__(self, source, buffer_size, buffered=(), transform=None, name="md.data-prefetch", on_ready=None):
         super().__init__(source)
-        self._transform = transform
+        self._transform, self._on_ready = transform, on_ready
         self._size = 1 if buffer_size == AUTOTUNE else buffer_size
         self._autotune = buffer_size == AUTOTUNE
         self._cond = threading.Condition()
@@ -1592,8 +1694,10 @@ class PrefetchIterator(_Iterator):
                 if item is not None:
                     self._buffer.append(item)
                 cond.notify_all()
-                if self._end:
-                    return
+            if self._on_ready is not None:
+                self._on_ready()
+            if self._end:
+                return
 
     def next(self):
         with self._cond:
@@ -1609,6 +1713,11 @@ class PrefetchIterator(_Iterator):
         if error is not None:
             raise error
         return element
+
+    def ready(self) -> bool:
+        """Whether ``next()`` would return (an element, an error or the end) without waiting."""
+        with self._cond:
+            return bool(self._buffer) or self._end
 
     def save(self):
         with self._cond:
