@@ -17,6 +17,7 @@ import inspect
 import logging
 import math
 import os
+import shutil
 import threading
 from collections import deque
 
@@ -25,6 +26,7 @@ import numpy as np
 from .._nest import flatten, map_structure, pack_sequence_as
 from ..device import device_util
 from .iterator_ops import OwnedIterator
+from . import saved_dataset
 from .options import Options, merge_options
 from .structure import (DatasetSpec, TensorSpec, array_module, map_container, normalize_input, normalize_output,
                         spec_of, stack, to_leaf)
@@ -507,6 +509,53 @@ class Dataset:
             raise ValueError("Dataset had more than one element; take(1) or batch the dataset first")
         finally:
             it.close()
+
+    def save(self, path, compression=None, shard_func=None, checkpoint_args=None) -> None:
+        """Every element written under the directory ``path`` (replacing it), for ``Dataset.load``. md.data's
+        own format (docs/data.md): TF's ``load`` does not read it. ``shard_func(element)`` (an int64 scalar)
+        spreads the elements over shards, which ``load`` reads in shard order."""
+        path = saved_dataset.check_path(path)
+        compress = saved_dataset.check_compression(compression)
+        if shard_func is not None and not callable(shard_func):
+            raise TypeError(f"shard_func={shard_func!r} is not callable; pass a function of the element returning "
+                            "an int64 shard index")
+        if checkpoint_args is not None:
+            raise TypeError("checkpoint_args: md.data's save does not checkpoint its progress (a save runs to the "
+                            "end in one call); leave it None")
+        spec = self.element_spec
+        saved_dataset.encode_spec(spec)  # (refuses datasets of datasets before writing anything)
+        saved_dataset.fresh_directory(path)
+        writer = saved_dataset.Writer(path, compress)
+        for element in self:
+            writer.add(0 if shard_func is None else saved_dataset.shard_of(shard_func, element), element)
+        writer.finish(spec)
+
+    @staticmethod
+    def load(path, element_spec=None, compression=None, reader_func=None, wait=False) -> "Dataset":
+        """The dataset ``save`` wrote in ``path``, with its element_spec and cardinality. ``reader_func(datasets)``
+        gets the shards as a dataset of datasets and returns the dataset to read (default: the shards in
+        order). The compression is read from the files themselves."""
+        path = saved_dataset.check_path(path)
+        saved_dataset.check_compression(compression)
+        loaded = _Loaded(path)
+        if element_spec is not None and flatten(element_spec) != flatten(loaded.element_spec):
+            raise ValueError(f"element_spec={element_spec!r} does not match the saved dataset's "
+                             f"{loaded.element_spec!r}; pass None to use the saved one")
+        if reader_func is None:
+            return loaded
+        if not callable(reader_func):
+            raise TypeError(f"reader_func={reader_func!r} is not callable; pass a function of the dataset of shards")
+        return reader_func(_Shards(loaded._shards))
+
+    def snapshot(self, path, compression="AUTO", reader_func=None, shard_func=None, name=None) -> "Dataset":
+        """The first complete pass is written under ``path`` (a directory per pipeline fingerprint); every later
+        iteration, in this process or another running the same pipeline, reads the snapshot instead."""
+        return _Snapshot(self, path, compression, reader_func, shard_func)
+
+    def fingerprint(self) -> np.uint64:
+        """A uint64 naming this pipeline: its transformations, their arguments, functions' code and sources'
+        values (equal pipelines, equal fingerprints; not TF's numbers)."""
+        return np.uint64(int(saved_dataset.fingerprint(self)[:16], 16))
 
     @staticmethod
     def counter(start=0, step=1, dtype=np.int64, name=None) -> "Dataset":
@@ -2527,3 +2576,183 @@ class _RandomIterator(_Iterator):
 
     def save(self):
         return {"rng": self._rng.bit_generator.state}
+
+
+# --- saved datasets and snapshots (the files: saved_dataset.py) --------------------------------------------
+
+class _SavedShard(Dataset):
+    """One shard of a saved dataset: its chunks' elements in order."""
+
+    def __init__(self, path: str, shard: int, chunks: int, spec):
+        super().__init__()
+        self._path, self._shard, self._chunks, self._saved_spec = path, shard, chunks, spec
+
+    def _compute_spec(self):
+        return self._saved_spec
+
+    def _make_iterator(self, state=None):
+        return _SavedShardIterator(self, (0, 0) if state is None else tuple(state))
+
+
+class _SavedShardIterator(_Iterator):
+    def __init__(self, ds, position):
+        super().__init__()
+        self._ds = ds
+        self._chunk, self._i = position
+        self._elements = None
+
+    def next(self):
+        while self._chunk < self._ds._chunks:
+            if self._elements is None:
+                self._elements = saved_dataset.read_chunk(
+                    os.path.join(self._ds._path, f"shard_{self._ds._shard}", f"{self._chunk}.npz"),
+                    self._ds._saved_spec)
+            if self._i < len(self._elements):
+                self._i += 1
+                return self._elements[self._i - 1]
+            self._chunk, self._i, self._elements = self._chunk + 1, 0, None
+        raise StopIteration
+
+    def save(self):
+        return [self._chunk, self._i]
+
+
+class _Shards(Dataset):
+    """The shards of a saved dataset as a dataset of datasets (what ``load``'s ``reader_func`` receives)."""
+
+    def __init__(self, shards: list):
+        super().__init__()
+        self._shards = shards
+
+    def _compute_spec(self):
+        return DatasetSpec(self._shards[0].element_spec if self._shards else None)
+
+    def _cardinality(self):
+        return len(self._shards)
+
+    def _make_iterator(self, state=None):
+        return _ListIterator(self._shards, 0 if state is None else state["i"])
+
+
+class _Loaded(Dataset):
+    """A saved dataset: its shards one after the other, with the saved element_spec and cardinality (``spec``
+    gives the structure to rebuild instead of the saved one: a snapshot's elements keep their pipeline's
+    namedtuple classes)."""
+
+    def __init__(self, path: str, spec=None):
+        super().__init__()
+        description = saved_dataset.read_description(path)
+        self._saved_spec = saved_dataset.decode_spec(description["element_spec"]) if spec is None else spec
+        self._count = description["cardinality"]
+        self._shards = [_SavedShard(path, int(k), n, self._saved_spec) for k, n in description["shards"].items()]
+
+    def _compute_spec(self):
+        return self._saved_spec
+
+    def _cardinality(self):
+        return self._count
+
+    def _make_iterator(self, state=None):
+        return _LoadedIterator(self, (0, None) if state is None else (state["shard"], state["inner"]))
+
+
+class _LoadedIterator(_Iterator):
+    def __init__(self, ds, position):
+        super().__init__()
+        self._ds = ds
+        self._shard, inner = position
+        self._inner = self._ds._shards[self._shard]._make_iterator(inner) if self._shard < len(ds._shards) else None
+
+    def next(self):
+        while self._inner is not None:
+            try:
+                return self._inner.next()
+            except StopIteration:
+                self._shard += 1
+                self._inner = (self._ds._shards[self._shard]._make_iterator()
+                               if self._shard < len(self._ds._shards) else None)
+        raise StopIteration
+
+    def save(self):
+        return {"shard": self._shard, "inner": None if self._inner is None else self._inner.save()}
+
+
+class _Snapshot(Dataset):
+    def __init__(self, input_ds, path, compression, reader_func, shard_func):
+        super().__init__(input_ds)
+        self._path = saved_dataset.check_path(path)
+        self._compress = saved_dataset.check_compression(compression)
+        for argument, fn in (("reader_func", reader_func), ("shard_func", shard_func)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{argument}={fn!r} is not callable")
+        self._reader_func, self._shard_func = reader_func, shard_func
+
+    def _cardinality(self):
+        return self._input._cardinality()
+
+    def _directory(self) -> str:
+        return os.path.join(self._path, saved_dataset.fingerprint(self._input))
+
+    def _written(self):
+        """The finished snapshot of this pipeline, as the dataset to read (None: not written yet)."""
+        directory = self._directory()
+        if not os.path.exists(os.path.join(directory, saved_dataset.SPEC_FILE)):
+            return None
+        loaded = _Loaded(directory, self._input.element_spec)
+        return loaded if self._reader_func is None else self._reader_func(_Shards(loaded._shards))
+
+    def _make_iterator(self, state=None):
+        written = self._written()
+        if written is not None:
+            return _SnapshotReadIterator(written, None if state is None else state["written"])
+        if state is not None:
+            raise ValueError(f"the snapshot under {self._path!r} that this iterator was reading is gone; restore "
+                             "where the snapshot's files are")
+        return _SnapshotWriteIterator(self)
+
+
+class _SnapshotReadIterator(_Iterator):
+    def __init__(self, written, state):
+        super().__init__(written._make_iterator(state))
+
+    def next(self):
+        return self._inputs[0].next()
+
+    def save(self):
+        return {"written": self._inputs[0].save()}
+
+
+class _SnapshotWriteIterator(_Iterator):
+    """The input's elements, written as they pass into a directory of this iterator's that becomes the
+    snapshot when the pass completes (a pass stopped early leaves no snapshot)."""
+
+    def __init__(self, ds):
+        super().__init__(ds._input._make_iterator())
+        self._ds = ds
+        self._target = ds._directory()
+        self._tmp = f"{self._target}.tmp-{os.getpid()}-{id(self)}"
+        saved_dataset.fresh_directory(self._tmp)
+        self._writer = saved_dataset.Writer(self._tmp, ds._compress)
+
+    def next(self):
+        try:
+            element = self._inputs[0].next()
+        except StopIteration:
+            if self._writer is not None:
+                self._writer.finish(self._ds._input.element_spec)
+                self._writer = None
+                saved_dataset.publish(self._tmp, self._target)
+            raise
+        shard_func = self._ds._shard_func
+        self._writer.add(0 if shard_func is None else saved_dataset.shard_of(shard_func, element), element)
+        return element
+
+    def save(self):
+        raise ValueError("an iterator of a snapshot that is still being written cannot be checkpointed; finish "
+                         "one pass first (later iterations read the snapshot, and checkpoint)")
+
+    def close(self):
+        if self._writer is not None:  # an unfinished pass leaves no snapshot
+            self._writer = None
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        super().close()
