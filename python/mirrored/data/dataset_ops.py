@@ -25,7 +25,7 @@ import numpy as np
 
 from .._nest import flatten, map_structure, pack_sequence_as
 from ..device import device_util
-from .iterator_ops import OwnedIterator
+from .iterator_ops import NumpyIterator, OwnedIterator
 from . import saved_dataset
 from .options import Options, merge_options
 from .structure import (DatasetSpec, TensorSpec, array_module, map_container, normalize_input, normalize_output,
@@ -34,6 +34,7 @@ from .structure import (DatasetSpec, TensorSpec, array_module, map_container, no
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset"]
 
 AUTOTUNE = -1
+DEBUG_MODE = False  # md.data.experimental.enable_debug_mode(): no threads, input order everywhere
 INFINITE_CARDINALITY = -1
 UNKNOWN = UNKNOWN_CARDINALITY = -2
 
@@ -62,13 +63,6 @@ def _call(fn, element):
     """tf.data passes a tuple element's components as separate arguments (a namedtuple, dict or list is one
     argument)."""
     return fn(*element) if type(element) is tuple else fn(element)
-
-
-def _numpy_value(x):
-    """A leaf as as_numpy_iterator gives it: device arrays copied to the host, a scalar string as bytes."""
-    if device_util.on_gpu(x):
-        return device_util.to_host(x)
-    return bytes(x) if isinstance(x, np.bytes_) else x
 
 
 def _same_state(old, new, argument: str):
@@ -209,8 +203,7 @@ class Dataset:
             if isinstance(spec, DatasetSpec):
                 raise TypeError("`Dataset.as_numpy_iterator()` is not supported for datasets that produce datasets "
                                 "(window); iterate it, or flat_map(lambda w: w.batch(size)) first")
-        for element in self:
-            yield map_structure(_numpy_value, element)
+        return NumpyIterator(self)
 
     def reduce(self, initial_state, reduce_func):
         """``reduce_func(state, element)`` folded over every element, from ``initial_state``; the state keeps
@@ -1159,7 +1152,7 @@ class _Map(Dataset):
         return self._input._cardinality()
 
     def _make_iterator(self, state=None):
-        if self._parallel is None:
+        if self._parallel is None or DEBUG_MODE:
             return _MapIterator(self, state)
         return _ParallelMapIterator(self, state)
 
@@ -1268,7 +1261,7 @@ class _Interleave(Dataset):
         return self._inner(first[0]).element_spec
 
     def _make_iterator(self, state=None):
-        if self._parallel is None:
+        if self._parallel is None or DEBUG_MODE:
             return _InterleaveIterator(self, state)
         return _ParallelInterleaveIterator(self, state)
 
@@ -1692,7 +1685,7 @@ class _Prefetch(Dataset):
         return self._input._cardinality()
 
     def _make_iterator(self, state=None):
-        if self._buffer_size == 0:
+        if self._buffer_size == 0 or DEBUG_MODE:
             return self._input._make_iterator(state)
         return PrefetchIterator(self._input._make_iterator(None if state is None else state["input"]),
                                 self._buffer_size, () if state is None else state["buffer"])

@@ -147,6 +147,13 @@ def to_leaf(value, argument: str):
                     "NumPy/CuPy arrays, Python numbers, strings or bytes, nested in tuples or dicts")
 
 
+def numpy_value(x):
+    """A leaf as ``as_numpy_iterator`` gives it: device arrays copied to the host, a scalar string as bytes."""
+    if _is_gpu_array(x):
+        return device_util.to_host(x)
+    return bytes(x) if isinstance(x, np.bytes_) else x
+
+
 def _unicode_to_bytes(value):
     arr = np.asarray(value)
     out = np.array([s.encode("utf-8") for s in arr.reshape(-1).tolist()], dtype=np.bytes_).reshape(arr.shape)

@@ -1,0 +1,414 @@
+"""``md.data.experimental``: ``tf.data.experimental``'s names for NumPy/CuPy pipelines.
+
+Most are TF 1.x spellings of ``Dataset`` methods, kept by TF as functions
+returning a transformation for ``dataset.apply(...)``
+(``dataset.apply(md.data.experimental.unique())``); they do what the method
+does. New here: ``assert_cardinality``, ``at``, ``from_list``,
+``pad_to_cardinality``, ``group_by_reducer``/``Reducer``, ``get_structure``
+and the debug switch ``enable_debug_mode``. What TF has and md.data does not
+is listed, with the reason, in docs/data.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._nest import flatten, map_structure, pack_sequence_as
+from ..errors import OutOfRangeError
+from . import dataset_ops
+from .dataset_ops import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset, _Iterator, _ListIterator,
+                          _call, _int, _not_empty)
+from .iterator_ops import IteratorProtocol, Optional
+from .options import (AutoShardPolicy, AutotuneAlgorithm, AutotuneOptions, DistributeOptions, ExternalStatePolicy,
+                      OptimizationOptions, ServiceOptions, ThreadingOptions)
+from .readers import TFRecordWriter
+from .structure import normalize_input, spec_of
+
+__all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "SHARD_HINT", "AutoShardPolicy",
+           "AutotuneAlgorithm", "AutotuneOptions", "DistributeOptions", "ExternalStatePolicy", "OptimizationOptions",
+           "ServiceOptions", "ThreadingOptions", "Optional", "TFRecordWriter", "Counter", "RandomDataset", "Reducer",
+           "assert_cardinality", "at", "bucket_by_sequence_length", "cardinality", "choose_from_datasets",
+           "copy_to_device", "enable_debug_mode", "enumerate_dataset", "from_list", "get_next_as_optional",
+           "get_single_element", "get_structure", "group_by_reducer", "group_by_window", "ignore_errors", "load",
+           "map_and_batch", "pad_to_cardinality", "parallel_interleave", "prefetch_to_device", "rejection_resample",
+           "sample_from_datasets", "save", "scan", "shuffle_and_repeat", "snapshot", "take_while", "unbatch",
+           "unique"]
+
+SHARD_HINT = -1  # shard(SHARD_HINT, SHARD_HINT) under AutoShardPolicy.HINT (TF's placeholder value)
+
+
+# --- functions of a dataset --------------------------------------------------------------------------------
+
+def cardinality(dataset: Dataset) -> np.int64:
+    """``dataset.cardinality()``."""
+    return dataset.cardinality()
+
+
+def get_single_element(dataset: Dataset):
+    """``dataset.get_single_element()``."""
+    return dataset.get_single_element()
+
+
+def get_structure(dataset_or_iterator):
+    """The ``element_spec`` of a dataset or of an iterator (``TensorSpec``s in the elements' structure)."""
+    if not isinstance(dataset_or_iterator, (Dataset, IteratorProtocol)):
+        raise TypeError(f"Invalid `dataset_or_iterator`. `dataset_or_iterator` must be a `tf.data.Dataset` or "
+                        f"tf.data.Iterator object, but got {type(dataset_or_iterator)}.")
+    return dataset_or_iterator.element_spec
+
+
+def get_next_as_optional(iterator) -> Optional:
+    """``iterator.get_next_as_optional()``."""
+    return iterator.get_next_as_optional()
+
+
+def at(dataset: Dataset, index):
+    """The element at ``index`` (from 0); ``md.errors.OutOfRangeError`` outside ``[0, cardinality)``."""
+    index = _int(index, "index", "an int")
+    n = dataset._cardinality()
+    if index < 0 or 0 <= n <= index:
+        raise OutOfRangeError(f"Index out of range [0, {n if n >= 0 else '?'}):{index}")
+    it = dataset.skip(index)._make_iterator()
+    try:
+        return it.next()
+    except StopIteration:
+        raise OutOfRangeError(f"Index out of range [0, {index}):{index}") from None
+    finally:
+        it.close()
+
+
+def save(dataset: Dataset, path, compression=None, shard_func=None, checkpoint_args=None) -> None:
+    """``dataset.save(path, ...)``."""
+    dataset.save(path, compression, shard_func, checkpoint_args)
+
+
+def load(path, element_spec=None, compression=None, reader_func=None) -> Dataset:
+    """``md.data.Dataset.load(path, ...)``."""
+    return Dataset.load(path, element_spec, compression, reader_func)
+
+
+# --- sources ---------------------------------------------------------------------------------------------
+
+def Counter(start=0, step=1, dtype=np.int64) -> Dataset:  # noqa: N802  (TF's name)
+    """``md.data.Dataset.counter(start, step, dtype)``."""
+    return Dataset.counter(start, step, dtype)
+
+
+def RandomDataset(seed=None, rerandomize_each_iteration=None, name=None) -> Dataset:  # noqa: N802  (TF's name)
+    """``md.data.Dataset.random(seed, rerandomize_each_iteration)``."""
+    return Dataset.random(seed, rerandomize_each_iteration)
+
+
+def choose_from_datasets(datasets, choice_dataset, stop_on_empty_dataset=False) -> Dataset:
+    """``Dataset.choose_from_datasets``, with this spelling's default ``stop_on_empty_dataset=False`` (TF's)."""
+    return Dataset.choose_from_datasets(datasets, choice_dataset, stop_on_empty_dataset)
+
+
+def sample_from_datasets(datasets, weights=None, seed=None, stop_on_empty_dataset=False) -> Dataset:
+    """``Dataset.sample_from_datasets``."""
+    return Dataset.sample_from_datasets(datasets, weights, seed, stop_on_empty_dataset)
+
+
+class _FromList(Dataset):
+    """``from_list(elements)``: one element per item, each converted as ``from_tensors`` converts; all of one
+    structure and dtypes (shapes may differ: the spec has ``None`` where they do)."""
+
+    def __init__(self, elements):
+        super().__init__()
+        if not isinstance(elements, (list, tuple)) or not len(elements):
+            raise ValueError("Invalid `elements`. `elements` should not be empty. If you want an empty dataset, use "
+                             "`tf.data.Dataset.range(0)`.")
+        for e in elements:
+            _not_empty(e, "from_list")
+        self._elements = [normalize_input(e, "from_list(elements)") for e in elements]
+        spec = spec_of(self._elements[0])
+        for i, e in enumerate(self._elements[1:], 1):
+            other = spec_of(e)
+            if not dataset_ops._same_structure(spec, other) or any(
+                    a.dtype != b.dtype for a, b in zip(flatten(spec), flatten(other))):
+                raise TypeError(f"from_list: element {i} ({other}) does not match the structure and dtypes of "
+                                f"element 0 ({spec}); give every element the same structure and dtypes")
+            spec = pack_sequence_as(spec, [a.most_specific_compatible(b) for a, b in zip(flatten(spec),
+                                                                                        flatten(other))])
+        self._list_spec = spec
+
+    def _compute_spec(self):
+        return self._list_spec
+
+    def _cardinality(self):
+        return len(self._elements)
+
+    def _make_iterator(self, state=None):
+        return _ListIterator(self._elements, 0 if state is None else state["i"])
+
+
+def from_list(elements, name=None) -> Dataset:
+    """A dataset of the items of ``elements`` (a non-empty list), in order."""
+    return _FromList(elements)
+
+
+# --- transformations (for dataset.apply) ------------------------------------------------------------------
+
+class _AssertCardinality(Dataset):
+    """The input, whose cardinality is stated to be ``expected``; checked as it is read."""
+
+    def __init__(self, input_ds, expected: int):
+        super().__init__(input_ds)
+        self._expected = expected
+
+    def _cardinality(self):
+        return self._expected
+
+    def _make_iterator(self, state=None):
+        return _AssertCardinalityIterator(self, state)
+
+
+def _expected_words(n: int) -> str:
+    return "an infinite number of elements" if n == INFINITE_CARDINALITY else f"{n} element{'s' * (n != 1)}"
+
+
+class _AssertCardinalityIterator(_Iterator):
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._expected = ds._expected
+        self._count = 0 if state is None else state["count"]
+
+    def next(self):
+        try:
+            element = self._inputs[0].next()
+        except StopIteration:
+            if self._expected != self._count:
+                raise ValueError(f"Input dataset was expected to contain {_expected_words(self._expected)} but "
+                                 f"contained only {self._count} element{'s' * (self._count != 1)}.") from None
+            raise
+        self._count += 1
+        if self._expected != INFINITE_CARDINALITY and self._count > self._expected:
+            raise ValueError(f"Input dataset was expected to contain {_expected_words(self._expected)} but "
+                             f"contained at least {self._count} element{'s' * (self._count != 1)}.")
+        return element
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "count": self._count}
+
+
+def assert_cardinality(expected_cardinality):
+    """A transformation stating the input's cardinality: ``cardinality()`` is ``expected_cardinality``, and
+    reading raises ``ValueError`` (TF's FailedPreconditionError) as soon as the count proves it wrong."""
+    expected = _int(expected_cardinality, "expected_cardinality", "an int (or INFINITE_CARDINALITY)")
+    if expected < 0 and expected != INFINITE_CARDINALITY:
+        raise ValueError(f"expected_cardinality={expected}: must be >= 0 or md.data.INFINITE_CARDINALITY")
+    return lambda dataset: _AssertCardinality(dataset, expected)
+
+
+def pad_to_cardinality(cardinality, mask_key="valid"):
+    """A transformation padding a dataset of dicts to ``cardinality`` elements: the elements, each with
+    ``mask_key: True``, then elements of zeros (and empty strings) with ``mask_key: False``."""
+    target = _int(cardinality, "cardinality", "an int")
+
+    def apply(dataset):
+        spec = dataset.element_spec
+        if not isinstance(spec, dict):
+            raise ValueError("`pad_to_cardinality` requires its input dataset to be a dictionary.")
+        n = dataset._cardinality()
+        if n > target:
+            raise ValueError(f"The dataset passed into `pad_to_cardinality` must have a cardinalty less than the "
+                             f"target cardinality ({target}), but has cardinality {n}")
+        if n < 0:
+            raise ValueError(f"The dataset passed into `pad_to_cardinality` must have a known and finite "
+                             f"cardinality, but has cardinality {n}")
+        if any(s.shape.rank is None or None in s.shape for s in flatten(spec)):
+            raise ValueError(f"pad_to_cardinality: every component needs a fully known shape to pad with, got {spec}")
+
+        def zeros(s):
+            return np.zeros(tuple(s.shape), s.dtype)[()] if s.shape.rank else np.zeros((), s.dtype)[()]
+
+        padding = {**{k: map_structure(zeros, v) for k, v in spec.items()}, mask_key: np.False_}
+        valid = dataset.map(lambda element: {**element, mask_key: np.True_})
+        return valid.concatenate(Dataset.from_tensors(padding).repeat(target - n))
+    return apply
+
+
+class Reducer:
+    """``group_by_reducer``'s reduction: ``init_func(key)`` makes a group's state, ``reduce_func(state, element)``
+    the next state, ``finalize_func(state)`` the group's output element."""
+
+    def __init__(self, init_func, reduce_func, finalize_func):
+        for argument, fn in (("init_func", init_func), ("reduce_func", reduce_func),
+                             ("finalize_func", finalize_func)):
+            if not callable(fn):
+                raise TypeError(f"{argument}={fn!r} is not callable")
+        self.init_func, self.reduce_func, self.finalize_func = init_func, reduce_func, finalize_func
+
+
+class _GroupByReducer(Dataset):
+    def __init__(self, input_ds, key_func, reducer: Reducer):
+        super().__init__(input_ds)
+        if not callable(key_func):
+            raise TypeError(f"key_func={key_func!r} is not callable")
+        self._key_func, self._reducer = key_func, reducer
+
+    def _key(self, element) -> np.int64:
+        key = _call(self._key_func, element)
+        if isinstance(key, np.ndarray) and key.shape == ():
+            key = key[()]
+        if not isinstance(key, np.int64):
+            raise ValueError(f"Invalid `key_func`. Expected `key_func` to return a scalar tf.int64 tensor, but "
+                             f"instead `key_func` returned {key!r:.80} ({type(key).__name__}); return e.g. x % 3 "
+                             "of an int64 element, or np.int64(...)")
+        return key
+
+    def _compute_spec(self):
+        first = self._input._peek()
+        if not first:
+            raise ValueError("element_spec of group_by_reducer: the input is empty, so finalize_func's output is "
+                             "unknown")
+        reducer = self._reducer
+        state = normalize_input(reducer.init_func(self._key(first[0])), "init_func")
+        state = dataset_ops._same_state(state, reducer.reduce_func(state, first[0]), "reduce_func")
+        return spec_of(dataset_ops.normalize_output(_call(reducer.finalize_func, state), "finalize_func"))
+
+    def _make_iterator(self, state=None):
+        return _GroupByReducerIterator(self, state)
+
+
+class _GroupByReducerIterator(_Iterator):
+    """Reads the whole input, one state per key; then each key's finalized state, keys in order of first
+    appearance (TF's)."""
+
+    def __init__(self, ds, state):
+        super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
+        self._ds = ds
+        self._states: dict = {}
+        self._done, self._out = False, 0
+        if state is not None:
+            self._done, self._out = state["done"], state["out"]
+            self._states = {int(k): s for k, s in state["states"]}
+
+    def next(self):
+        reducer = self._ds._reducer
+        while not self._done:
+            try:
+                element = self._inputs[0].next()
+            except StopIteration:
+                self._done = True
+                break
+            key = self._ds._key(element)
+            old = self._states.get(int(key))
+            if old is None:
+                old = normalize_input(reducer.init_func(key), "init_func")
+            self._states[int(key)] = dataset_ops._same_state(old, reducer.reduce_func(old, element), "reduce_func")
+        if self._out >= len(self._states):
+            raise StopIteration
+        state = list(self._states.values())[self._out]
+        self._out += 1
+        return dataset_ops.normalize_output(_call(reducer.finalize_func, state), "finalize_func")
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "done": self._done, "out": self._out,
+                "states": [[k, s] for k, s in self._states.items()]}
+
+
+def group_by_reducer(key_func, reducer: Reducer):
+    """A transformation grouping elements by ``key_func(element)`` (an int64 scalar) and reducing each group
+    with ``reducer``: one output element per key."""
+    if not isinstance(reducer, Reducer):
+        raise TypeError(f"reducer={reducer!r}: expected md.data.experimental.Reducer(init_func, reduce_func, "
+                        "finalize_func)")
+    return lambda dataset: _GroupByReducer(dataset, key_func, reducer)
+
+
+def group_by_window(key_func, reduce_func, window_size=None, window_size_func=None):
+    return lambda dataset: dataset.group_by_window(key_func, reduce_func, window_size, window_size_func)
+
+
+def bucket_by_sequence_length(element_length_func, bucket_boundaries, bucket_batch_sizes, padded_shapes=None,
+                              padding_values=None, pad_to_bucket_boundary=False, no_padding=False,
+                              drop_remainder=False):
+    return lambda dataset: dataset.bucket_by_sequence_length(
+        element_length_func, bucket_boundaries, bucket_batch_sizes, padded_shapes, padding_values,
+        pad_to_bucket_boundary, no_padding, drop_remainder)
+
+
+def ignore_errors(log_warning=False):
+    return lambda dataset: dataset.ignore_errors(log_warning)
+
+
+def scan(initial_state, scan_func):
+    return lambda dataset: dataset.scan(initial_state, scan_func)
+
+
+def take_while(predicate):
+    return lambda dataset: dataset.take_while(predicate)
+
+
+def unbatch():
+    return lambda dataset: dataset.unbatch()
+
+
+def unique():
+    return lambda dataset: dataset.unique()
+
+
+def enumerate_dataset(start=0):
+    return lambda dataset: dataset.enumerate(start)
+
+
+def snapshot(path, compression="AUTO", reader_func=None, shard_func=None):
+    return lambda dataset: dataset.snapshot(path, compression, reader_func, shard_func)
+
+
+def rejection_resample(class_func, target_dist, initial_dist=None, seed=None):
+    return lambda dataset: dataset.rejection_resample(class_func, target_dist, initial_dist, seed)
+
+
+def shuffle_and_repeat(buffer_size, count=None, seed=None):
+    """``shuffle(buffer_size, seed)`` then ``repeat(count)`` (each epoch its own order)."""
+    return lambda dataset: dataset.shuffle(buffer_size, seed).repeat(count)
+
+
+def map_and_batch(map_func, batch_size, num_parallel_batches=None, drop_remainder=False, num_parallel_calls=None):
+    """``map(map_func, num_parallel_calls)`` then ``batch(batch_size, drop_remainder)``; ``num_parallel_batches``
+    ``n`` means ``n * batch_size`` calls in flight, as TF's."""
+    if num_parallel_batches is not None and num_parallel_calls is not None:
+        raise ValueError("`map_and_batch` allows only one of `num_parallel_batches` and `num_parallel_calls` to be "
+                         "set.")
+    if num_parallel_batches is not None:
+        num_parallel_calls = _int(num_parallel_batches, "num_parallel_batches", "a positive int") * \
+            _int(batch_size, "batch_size", "a positive int")
+    return lambda dataset: dataset.map(map_func, num_parallel_calls).batch(batch_size, drop_remainder)
+
+
+def parallel_interleave(map_func, cycle_length, block_length=1, sloppy=False, buffer_output_elements=None,
+                        prefetch_input_elements=None):
+    """``interleave(map_func, cycle_length, block_length, num_parallel_calls=cycle_length,
+    deterministic=not sloppy)`` (the buffer sizes are TF's tuning and change nothing here)."""
+    return lambda dataset: dataset.interleave(map_func, cycle_length, block_length, num_parallel_calls=cycle_length,
+                                              deterministic=None if not sloppy else False)
+
+
+def copy_to_device(target_device, source_device="/cpu:0"):
+    """The dataset as it is: md.data elements are copied to a replica's device by distributed input
+    (``experimental_distribute_dataset`` with ``InputOptions(experimental_fetch_to_device=True)``)."""
+    _check_device(target_device, "target_device")
+    return lambda dataset: dataset
+
+
+def prefetch_to_device(device, buffer_size=None):
+    """``prefetch(buffer_size or AUTOTUNE)``: the device copy is distributed input's (see ``copy_to_device``)."""
+    _check_device(device, "device")
+    return lambda dataset: dataset.prefetch(AUTOTUNE if buffer_size is None else buffer_size)
+
+
+def _check_device(device, argument: str) -> None:
+    if not isinstance(device, str):
+        raise TypeError(f"{argument}={device!r}: expected a device string such as '/gpu:0'")
+
+
+# --- debugging ---------------------------------------------------------------------------------------------
+
+def enable_debug_mode() -> None:
+    """tf.data's debug mode: every ``map``/``interleave``/``batch`` runs sequentially in the caller's thread (a
+    breakpoint or print in a map function sees elements in order, one at a time). For the whole process, as
+    TF's; call it before building the pipelines."""
+    dataset_ops.DEBUG_MODE = True
+
