@@ -28,8 +28,8 @@ from ..device import device_util
 from .iterator_ops import NumpyIterator, OwnedIterator
 from . import saved_dataset
 from .options import Options, merge_options
-from .structure import (DatasetSpec, TensorSpec, array_module, map_container, normalize_input, normalize_output,
-                        spec_of, stack, to_leaf)
+from .structure import (DatasetSpec, TensorSpec, array_module, leaf_spec, map_container, normalize_input,
+                        normalize_output, spec_of, stack, to_leaf)
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset"]
 
@@ -295,7 +295,11 @@ class Dataset:
     # --- transformations -------------------------------------------------------------------------
     def batch(self, batch_size, drop_remainder=False, num_parallel_calls=None, deterministic=None,
               name=None) -> "Dataset":
-        """Consecutive elements stacked into batches; a short last batch unless ``drop_remainder``."""
+        """Consecutive elements stacked into batches; a short last batch unless ``drop_remainder``.
+        ``num_parallel_calls`` is checked and the batches are stacked in order in the reading thread (one NumPy
+        stack per component: put a ``prefetch`` after it to overlap)."""
+        if num_parallel_calls is not None:
+            _positive_int(num_parallel_calls, "num_parallel_calls", allow=(AUTOTUNE,))
         return _Batch(self, _positive_int(batch_size, "batch_size"), bool(drop_remainder))
 
     def padded_batch(self, batch_size, padded_shapes=None, padding_values=None, drop_remainder=False,
@@ -503,6 +507,19 @@ class Dataset:
         finally:
             it.close()
 
+    def rejection_resample(self, class_func, target_dist, initial_dist=None, seed=None, name=None) -> "Dataset":
+        """``(class, element)`` pairs whose classes (``class_func(element)``, an int in ``[0, num_classes)``) follow
+        ``target_dist``: TF's resampler, which takes an element of the input as it is with probability ``m`` and
+        otherwise the next element a rejection sampler accepts (class ``i`` with probability ``a_i``), ``m`` and
+        ``a`` computed from ``initial_dist`` or, without it, from the class counts seen so far (32 at a time,
+        each class starting at 10). The two streams read the input separately, as TF's do, so an element may
+        come twice. NumPy's random numbers, not TF's."""
+        if not callable(class_func):
+            raise TypeError(f"class_func={class_func!r} is not callable; pass a function of the element returning "
+                            "its class")
+        return _RejectionResample(self, class_func, _distribution(target_dist, "target_dist"),
+                                  None if initial_dist is None else _distribution(initial_dist, "initial_dist"), seed)
+
     def save(self, path, compression=None, shard_func=None, checkpoint_args=None) -> None:
         """Every element written under the directory ``path`` (replacing it), for ``Dataset.load``. md.data's
         own format (docs/data.md): TF's ``load`` does not read it. ``shard_func(element)`` (an int64 scalar)
@@ -538,7 +555,7 @@ class Dataset:
             return loaded
         if not callable(reader_func):
             raise TypeError(f"reader_func={reader_func!r} is not callable; pass a function of the dataset of shards")
-        return reader_func(_Shards(loaded._shards))
+        return _Counted(reader_func(_Shards(loaded._shards)), loaded._count)
 
     def snapshot(self, path, compression="AUTO", reader_func=None, shard_func=None, name=None) -> "Dataset":
         """The first complete pass is written under ``path`` (a directory per pipeline fingerprint); every later
@@ -572,6 +589,8 @@ class Dataset:
         """Elements drawn from ``datasets`` at random, dataset ``i`` with probability ``weights[i]`` (uniform by
         default); an exhausted dataset drops out unless ``stop_on_empty_dataset``."""
         datasets = _datasets_argument(datasets)
+        if len(datasets) == 1 and weights is None:  # as tf.data: one dataset is returned as it is
+            return datasets[0]
         if weights is not None:
             weights = [float(w) for w in np.asarray(weights, np.float64).reshape(-1)]
             if len(weights) != len(datasets):
@@ -1255,10 +1274,15 @@ class _Interleave(Dataset):
         return ds
 
     def _compute_spec(self):
-        first = self._input._peek()
-        if not first:
-            raise ValueError("element_spec: the input is empty, so map_func's datasets are unknown")
-        return self._inner(first[0]).element_spec
+        # The first of map_func's datasets whose spec is known (an empty one may not know it: its own map never
+        # ran).
+        error = ValueError("element_spec: the input is empty, so map_func's datasets are unknown")
+        for element in self._input._peek(16):
+            try:
+                return self._inner(element).element_spec
+            except ValueError as e:
+                error = e
+        raise error
 
     def _make_iterator(self, state=None):
         if self._parallel is None or DEBUG_MODE:
@@ -2646,28 +2670,59 @@ class _Loaded(Dataset):
         return self._count
 
     def _make_iterator(self, state=None):
-        return _LoadedIterator(self, (0, None) if state is None else (state["shard"], state["inner"]))
+        return _LoadedIterator(self, state)
 
 
 class _LoadedIterator(_Iterator):
-    def __init__(self, ds, position):
+    """TF's default reader: the shards interleaved, one element from each of ``cycle`` open shards in turn (the
+    CPU count, as TF's), a finished shard replaced by the next one. One shard (no ``shard_func``): in order."""
+
+    def __init__(self, ds, state):
         super().__init__()
         self._ds = ds
-        self._shard, inner = position
-        self._inner = self._ds._shards[self._shard]._make_iterator(inner) if self._shard < len(ds._shards) else None
+        cycle = min(os.cpu_count() or 1, max(1, len(ds._shards)))
+        if state is None:
+            self._slots, self._next_shard, self._index = [None] * cycle, 0, 0
+        else:
+            self._next_shard, self._index = state["next_shard"], state["index"]
+            self._slots = [None if s is None else (s[0], ds._shards[s[0]]._make_iterator(s[1]))
+                           for s in state["slots"]]
 
     def next(self):
-        while self._inner is not None:
+        while True:
+            if self._next_shard >= len(self._ds._shards) and all(s is None for s in self._slots):
+                raise StopIteration
+            i = self._index
+            if self._slots[i] is None and self._next_shard < len(self._ds._shards):
+                shard = self._next_shard
+                self._slots[i] = (shard, self._ds._shards[shard]._make_iterator())
+                self._next_shard += 1
+            self._index = (i + 1) % len(self._slots)
+            if self._slots[i] is None:
+                continue
             try:
-                return self._inner.next()
+                return self._slots[i][1].next()
             except StopIteration:
-                self._shard += 1
-                self._inner = (self._ds._shards[self._shard]._make_iterator()
-                               if self._shard < len(self._ds._shards) else None)
-        raise StopIteration
+                self._slots[i] = None
+                self._index = i  # the next shard takes this place of the cycle at once
 
     def save(self):
-        return {"shard": self._shard, "inner": None if self._inner is None else self._inner.save()}
+        return {"next_shard": self._next_shard, "index": self._index,
+                "slots": [None if s is None else [s[0], s[1].save()] for s in self._slots]}
+
+
+class _Counted(Dataset):
+    """A dataset whose element count is known from elsewhere (a loaded dataset read by a ``reader_func``)."""
+
+    def __init__(self, input_ds, count: int):
+        super().__init__(input_ds)
+        self._count = count
+
+    def _cardinality(self):
+        return self._count
+
+    def _make_iterator(self, state=None):
+        return self._input._make_iterator(state)
 
 
 class _Snapshot(Dataset):
@@ -2748,4 +2803,143 @@ class _SnapshotWriteIterator(_Iterator):
         if self._writer is not None:  # an unfinished pass leaves no snapshot
             self._writer = None
             shutil.rmtree(self._tmp, ignore_errors=True)
+        super().close()
+
+
+# --- rejection_resample ---------------------------------------------------------------------------------
+
+def _distribution(value, argument: str) -> np.ndarray:
+    dist = np.asarray(value, np.float32)
+    if dist.ndim != 1 or not len(dist) or (dist < 0).any():
+        raise ValueError(f"{argument}={value!r}: expected a 1-D list of class probabilities (>= 0), one per class")
+    return dist
+
+
+def _acceptance_and_mixing(initial: np.ndarray, target: np.ndarray):
+    """TF's ``_calculate_acceptance_probs_with_mixing``: per-class acceptance ``a`` and the probability ``m`` of
+    taking an input element as it is (the least rejection that reaches ``target``)."""
+    ratio = target / (initial + np.finfo(np.float32).tiny)
+    m = ratio.min()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        accept = (ratio - m) / (ratio.max() - m)
+    return accept, float(m)
+
+
+class _ClassEstimate:
+    """The class distribution as TF estimates it along the input: counts starting at 10 per class, updated 32
+    class values at a time; ``next()`` is the estimate for the next element."""
+
+    _BATCH, _SMOOTHING = 32, 10
+
+    def __init__(self, ds, state):
+        self._ds = ds
+        self._classes = ds._input._make_iterator(None if state is None else state["input"])
+        self._counts = (np.full(len(ds._target), self._SMOOTHING, np.int64) if state is None
+                        else np.asarray(state["counts"], np.int64))
+        self._left = 0 if state is None else state["left"]
+        self._estimate = None if state is None else np.asarray(state["estimate"], np.float32)
+
+    def next(self) -> np.ndarray:
+        if self._left == 0:
+            values = []
+            for _ in range(self._BATCH):
+                try:
+                    values.append(self._ds._class_of(self._classes.next()))
+                except StopIteration:
+                    break
+            if not values:
+                raise StopIteration
+            self._counts = self._counts + np.bincount(values, minlength=len(self._counts))[:len(self._counts)]
+            self._estimate = (self._counts / self._counts.sum()).astype(np.float32)
+            self._left = len(values)
+        self._left -= 1
+        return self._estimate
+
+    def save(self):
+        return {"input": self._classes.save(), "counts": self._counts, "left": self._left,
+                "estimate": self._estimate}
+
+    def close(self) -> None:
+        self._classes.close()
+
+
+class _RejectionResample(Dataset):
+    def __init__(self, input_ds, class_func, target, initial, seed):
+        super().__init__(input_ds)
+        if initial is not None and len(initial) != len(target):
+            raise ValueError(f"initial_dist has {len(initial)} classes, target_dist {len(target)}; give both one "
+                             "probability per class")
+        self._class_func, self._target, self._initial = class_func, target, initial
+        self._seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        # As TF: with initial_dist known and equal to the target, the input as it is; none mixed in when m is 0.
+        self._static = None if initial is None else float(np.min(target / initial))
+
+    def _class_of(self, element) -> int:
+        value = normalize_output(_call(self._class_func, element), "class_func")
+        if np.ndim(value) or not np.issubdtype(np.result_type(value), np.integer) or \
+                not 0 <= int(value) < len(self._target):
+            raise ValueError(f"class_func must return a scalar int class in [0, {len(self._target)}), got "
+                             f"{value!r:.80}")
+        return int(value)
+
+    def _with_class(self, element):
+        return (normalize_output(_call(self._class_func, element), "class_func"), element)
+
+    def _compute_spec(self):
+        first = self._input._peek()
+        if not first:
+            raise ValueError("element_spec of rejection_resample: the input is empty, so class_func's output is "
+                             "unknown")
+        return (leaf_spec(self._with_class(first[0])[0]), self._input.element_spec)
+
+    def _cardinality(self):
+        return self._input._cardinality() if self._static == 1 else UNKNOWN
+
+    def _make_iterator(self, state=None):
+        return _RejectionResampleIterator(self, state)
+
+
+class _RejectionResampleIterator(_Iterator):
+    def __init__(self, ds, state):
+        sub = (lambda key: None) if state is None else state.get
+        super().__init__(ds._input._make_iterator(sub("original")), ds._input._make_iterator(sub("filtered")))
+        self._ds = ds
+        dynamic = ds._initial is None
+        self._filter_estimate = _ClassEstimate(ds, sub("filter_estimate")) if dynamic else None
+        self._mix_estimate = _ClassEstimate(ds, sub("mix_estimate")) if dynamic else None
+        self._rngs = []
+        for i, key in enumerate(("filter_rng", "mix_rng")):
+            rng = np.random.Generator(np.random.PCG64([ds._seed, i]))
+            if state is not None:
+                rng.bit_generator.state = state[key]
+            self._rngs.append(rng)
+
+    def _mixing(self):
+        if self._mix_estimate is None:
+            return _acceptance_and_mixing(self._ds._initial, self._ds._target)[1]
+        return _acceptance_and_mixing(self._mix_estimate.next(), self._ds._target)[1]
+
+    def next(self):
+        ds = self._ds
+        if ds._static == 1 or (ds._static != 0 and self._rngs[1].random() < self._mixing()):
+            return ds._with_class(self._inputs[0].next())
+        while True:  # the rejection sampler's next accepted element
+            element = self._inputs[1].next()
+            initial = ds._initial if self._filter_estimate is None else self._filter_estimate.next()
+            accept, _ = _acceptance_and_mixing(initial, ds._target)
+            cls = ds._class_of(element)
+            if self._rngs[0].random() < accept[cls]:
+                return ds._with_class(element)
+
+    def save(self):
+        state = {"original": self._inputs[0].save(), "filtered": self._inputs[1].save(),
+                 "filter_rng": self._rngs[0].bit_generator.state, "mix_rng": self._rngs[1].bit_generator.state}
+        if self._filter_estimate is not None:
+            state.update(filter_estimate=self._filter_estimate.save(), mix_estimate=self._mix_estimate.save())
+        return state
+
+    def close(self):
+        for estimate in (self._filter_estimate, self._mix_estimate):
+            if estimate is not None:
+                estimate.close()
         super().close()

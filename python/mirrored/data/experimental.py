@@ -272,8 +272,7 @@ class _GroupByReducer(Dataset):
 
 
 class _GroupByReducerIterator(_Iterator):
-    """Reads the whole input, one state per key; then each key's finalized state, keys in order of first
-    appearance (TF's)."""
+    """Reads the whole input, one state per key; then each key's finalized state, by increasing key."""
 
     def __init__(self, ds, state):
         super().__init__(ds._input._make_iterator(None if state is None else state["input"]))
@@ -299,7 +298,7 @@ class _GroupByReducerIterator(_Iterator):
             self._states[int(key)] = dataset_ops._same_state(old, reducer.reduce_func(old, element), "reduce_func")
         if self._out >= len(self._states):
             raise StopIteration
-        state = list(self._states.values())[self._out]
+        state = self._states[sorted(self._states)[self._out]]  # by increasing key (TF's order)
         self._out += 1
         return dataset_ops.normalize_output(_call(reducer.finalize_func, state), "finalize_func")
 
@@ -386,17 +385,27 @@ def parallel_interleave(map_func, cycle_length, block_length=1, sloppy=False, bu
                                               deterministic=None if not sloppy else False)
 
 
+class _CopyToDevice(Dataset):
+    """The input's elements as they are, its cardinality unknown (as TF's copy to a device states it)."""
+
+    def _cardinality(self):
+        return UNKNOWN_CARDINALITY
+
+    def _make_iterator(self, state=None):
+        return self._input._make_iterator(state)
+
+
 def copy_to_device(target_device, source_device="/cpu:0"):
-    """The dataset as it is: md.data elements are copied to a replica's device by distributed input
+    """The elements as they are: md.data elements are copied to a replica's device by distributed input
     (``experimental_distribute_dataset`` with ``InputOptions(experimental_fetch_to_device=True)``)."""
     _check_device(target_device, "target_device")
-    return lambda dataset: dataset
+    return _CopyToDevice
 
 
 def prefetch_to_device(device, buffer_size=None):
-    """``prefetch(buffer_size or AUTOTUNE)``: the device copy is distributed input's (see ``copy_to_device``)."""
+    """``copy_to_device`` then ``prefetch(buffer_size or AUTOTUNE)``."""
     _check_device(device, "device")
-    return lambda dataset: dataset.prefetch(AUTOTUNE if buffer_size is None else buffer_size)
+    return lambda dataset: _CopyToDevice(dataset).prefetch(AUTOTUNE if buffer_size is None else buffer_size)
 
 
 def _check_device(device, argument: str) -> None:

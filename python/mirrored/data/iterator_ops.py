@@ -31,8 +31,9 @@ class Optional:
             self._element_spec = self._element_spec()
         return self._element_spec
 
-    def has_value(self) -> bool:
-        return self._has_value
+    def has_value(self) -> np.bool_:
+        """Whether there is a value (a NumPy bool: TF's is a bool tensor)."""
+        return np.bool_(self._has_value)
 
     def get_value(self):
         if not self._has_value:

@@ -100,8 +100,8 @@ class _FileReader(Dataset):
         if self._parallel_reads is None or self._parallel_reads == 1:
             return self._iterator(state)
         # TF: num_parallel_reads files at a time, a record from each in turn (parallel, in order unless the
-        # pipeline's options say deterministic=False).
-        reads = (os.cpu_count() or 1) if self._parallel_reads == AUTOTUNE else self._parallel_reads
+        # pipeline's options say deterministic=False); AUTOTUNE reads the files in order, one read ahead.
+        reads = 1 if self._parallel_reads == AUTOTUNE else self._parallel_reads
         interleaved = _Interleave(self._input, self._one_file, reads, 1, reads)
         interleaved._pipeline_options = self._pipeline_options
         return interleaved._make_iterator(state)
@@ -151,7 +151,11 @@ class _FileRecordsIterator(_Iterator):
         while True:
             if self._file is None:
                 self._start(self._inputs[0].next())
-            record = self._record()
+            try:
+                record = self._record()
+            except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # a damaged or mislabelled compressed file
+                raise ValueError(f"{os.fsdecode(self._name)}: cannot decompress it as "
+                                 f"{self._ds._compression} ({e}); check compression_type") from None
             if record is not None:
                 return np.bytes_(record)
             self._file.close()
@@ -213,7 +217,11 @@ class _FixedLengthIterator(_FileRecordsIterator):
         ds = self._ds
         if self._ds._compression == "GZIP":  # (a gzip stream cannot seek from its end)
             with self._file:
-                self._file = io.BytesIO(self._file.read())
+                try:
+                    self._file = io.BytesIO(self._file.read())
+                except (EOFError, gzip.BadGzipFile) as e:
+                    raise ValueError(f"{os.fsdecode(self._name)}: cannot decompress it as GZIP ({e}); check "
+                                     "compression_type") from None
         self._file.seek(0, io.SEEK_END)
         size = self._file.tell()
         body = size - ds._header - ds._footer
