@@ -2875,7 +2875,9 @@ class _RejectionResample(Dataset):
         self._static = None if initial is None else float(np.min(target / initial))
 
     def _class_of(self, element) -> int:
-        value = normalize_output(_call(self._class_func, element), "class_func")
+        return self._check_class(normalize_output(_call(self._class_func, element), "class_func"))
+
+    def _check_class(self, value) -> int:
         if np.ndim(value) or not np.issubdtype(np.result_type(value), np.integer) or \
                 not 0 <= int(value) < len(self._target):
             raise ValueError(f"class_func must return a scalar int class in [0, {len(self._target)}), got "
@@ -2883,7 +2885,9 @@ class _RejectionResample(Dataset):
         return int(value)
 
     def _with_class(self, element):
-        return (normalize_output(_call(self._class_func, element), "class_func"), element)
+        value = normalize_output(_call(self._class_func, element), "class_func")
+        self._check_class(value)
+        return (value, element)
 
     def _compute_spec(self):
         first = self._input._peek()

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import types
 
 import numpy as np
 
@@ -173,7 +174,9 @@ def read_description(path: str) -> dict:
 # --- snapshot ------------------------------------------------------------------------------------------
 
 def _describe(value, out: list) -> None:
-    """A stable description of one attribute of a pipeline's dataset, for its fingerprint."""
+    """A stable description of one attribute of a pipeline's dataset, for its fingerprint: the same in every
+    process for the same pipeline (no addresses), blind to the contents of mutable objects a function captures
+    (a list it appends to is state, not configuration)."""
     if isinstance(value, (str, bytes, int, float, bool, type(None), np.generic, range, enum.Enum)):
         out.append(repr(value))
     elif isinstance(value, np.ndarray):
@@ -185,10 +188,16 @@ def _describe(value, out: list) -> None:
         for k in sorted(value, key=repr):
             out.append(repr(k))
             _describe(value[k], out)
-    elif hasattr(value, "__code__"):  # a function: its code and constants (the same source, the same print)
-        out.append(value.__code__.co_code.hex() + repr(value.__code__.co_consts))
+    elif isinstance(value, types.CodeType):
+        out.append(value.co_code.hex())
+        for const in value.co_consts:
+            _describe(const, out)
+    elif hasattr(value, "__code__"):  # a function: its code, and the immutable values it captures
+        _describe(value.__code__, out)
         for cell in value.__closure__ or ():
-            _describe(cell.cell_contents, out)
+            captured = cell.cell_contents
+            _describe(captured if isinstance(captured, (str, bytes, int, float, tuple, np.generic, np.ndarray))
+                      or hasattr(captured, "__code__") else type(captured).__qualname__, out)
     elif isinstance(value, (TensorSpec, DatasetSpec, np.dtype)):
         out.append(repr(value))
     else:
