@@ -26,7 +26,8 @@ import numpy as np
 from .._nest import flatten, map_structure, pack_sequence_as
 from ..device import device_util
 from .iterator_ops import NumpyIterator, OwnedIterator
-from . import saved_dataset
+from .saved_dataset import (SPEC_FILE, Writer, check_compression, check_path, decode_spec, encode_spec,
+                            fingerprint, fresh_directory, publish, read_chunk, read_description, shard_of)
 from .options import Options, merge_options
 from .structure import (DatasetSpec, TensorSpec, array_module, leaf_spec, map_container, normalize_input,
                         normalize_output, spec_of, stack, to_leaf)
@@ -34,9 +35,16 @@ from .structure import (DatasetSpec, TensorSpec, array_module, leaf_spec, map_co
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset"]
 
 AUTOTUNE = -1
-DEBUG_MODE = False  # md.data.experimental.enable_debug_mode(): no threads, input order everywhere
+DEBUG_MODE = False  # enable_debug_mode(): no threads, input order everywhere
 INFINITE_CARDINALITY = -1
 UNKNOWN = UNKNOWN_CARDINALITY = -2
+
+
+def enable_debug_mode() -> None:
+    """``md.data.experimental.enable_debug_mode()``: from now on (the whole process, as TF's) parallel ``map``,
+    ``interleave`` and ``prefetch`` run in the caller's thread, in order."""
+    global DEBUG_MODE
+    DEBUG_MODE = True
 
 
 def _int(value, argument: str, what: str) -> int:
@@ -524,8 +532,8 @@ class Dataset:
         """Every element written under the directory ``path`` (replacing it), for ``Dataset.load``. md.data's
         own format (docs/data.md): TF's ``load`` does not read it. ``shard_func(element)`` (an int64 scalar)
         spreads the elements over shards, which ``load`` reads in shard order."""
-        path = saved_dataset.check_path(path)
-        compress = saved_dataset.check_compression(compression)
+        path = check_path(path)
+        compress = check_compression(compression)
         if shard_func is not None and not callable(shard_func):
             raise TypeError(f"shard_func={shard_func!r} is not callable; pass a function of the element returning "
                             "an int64 shard index")
@@ -533,11 +541,11 @@ class Dataset:
             raise TypeError("checkpoint_args: md.data's save does not checkpoint its progress (a save runs to the "
                             "end in one call); leave it None")
         spec = self.element_spec
-        saved_dataset.encode_spec(spec)  # (refuses datasets of datasets before writing anything)
-        saved_dataset.fresh_directory(path)
-        writer = saved_dataset.Writer(path, compress)
+        encode_spec(spec)  # (refuses datasets of datasets before writing anything)
+        fresh_directory(path)
+        writer = Writer(path, compress)
         for element in self:
-            writer.add(0 if shard_func is None else saved_dataset.shard_of(shard_func, element), element)
+            writer.add(0 if shard_func is None else shard_of(shard_func, element), element)
         writer.finish(spec)
 
     @staticmethod
@@ -545,8 +553,8 @@ class Dataset:
         """The dataset ``save`` wrote in ``path``, with its element_spec and cardinality. ``reader_func(datasets)``
         gets the shards as a dataset of datasets and returns the dataset to read (default: the shards in
         order). The compression is read from the files themselves."""
-        path = saved_dataset.check_path(path)
-        saved_dataset.check_compression(compression)
+        path = check_path(path)
+        check_compression(compression)
         loaded = _Loaded(path)
         if element_spec is not None and flatten(element_spec) != flatten(loaded.element_spec):
             raise ValueError(f"element_spec={element_spec!r} does not match the saved dataset's "
@@ -565,7 +573,7 @@ class Dataset:
     def fingerprint(self) -> np.uint64:
         """A uint64 naming this pipeline: its transformations, their arguments, functions' code and sources'
         values (equal pipelines, equal fingerprints; not TF's numbers)."""
-        return np.uint64(int(saved_dataset.fingerprint(self)[:16], 16))
+        return np.uint64(int(fingerprint(self)[:16], 16))
 
     @staticmethod
     def counter(start=0, step=1, dtype=np.int64, name=None) -> "Dataset":
@@ -2621,7 +2629,7 @@ class _SavedShardIterator(_Iterator):
     def next(self):
         while self._chunk < self._ds._chunks:
             if self._elements is None:
-                self._elements = saved_dataset.read_chunk(
+                self._elements = read_chunk(
                     os.path.join(self._ds._path, f"shard_{self._ds._shard}", f"{self._chunk}.npz"),
                     self._ds._saved_spec)
             if self._i < len(self._elements):
@@ -2658,8 +2666,8 @@ class _Loaded(Dataset):
 
     def __init__(self, path: str, spec=None):
         super().__init__()
-        description = saved_dataset.read_description(path)
-        self._saved_spec = saved_dataset.decode_spec(description["element_spec"]) if spec is None else spec
+        description = read_description(path)
+        self._saved_spec = decode_spec(description["element_spec"]) if spec is None else spec
         self._count = description["cardinality"]
         self._shards = [_SavedShard(path, int(k), n, self._saved_spec) for k, n in description["shards"].items()]
 
@@ -2728,8 +2736,8 @@ class _Counted(Dataset):
 class _Snapshot(Dataset):
     def __init__(self, input_ds, path, compression, reader_func, shard_func):
         super().__init__(input_ds)
-        self._path = saved_dataset.check_path(path)
-        self._compress = saved_dataset.check_compression(compression)
+        self._path = check_path(path)
+        self._compress = check_compression(compression)
         for argument, fn in (("reader_func", reader_func), ("shard_func", shard_func)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{argument}={fn!r} is not callable")
@@ -2739,12 +2747,12 @@ class _Snapshot(Dataset):
         return self._input._cardinality()
 
     def _directory(self) -> str:
-        return os.path.join(self._path, saved_dataset.fingerprint(self._input))
+        return os.path.join(self._path, fingerprint(self._input))
 
     def _written(self):
         """The finished snapshot of this pipeline, as the dataset to read (None: not written yet)."""
         directory = self._directory()
-        if not os.path.exists(os.path.join(directory, saved_dataset.SPEC_FILE)):
+        if not os.path.exists(os.path.join(directory, SPEC_FILE)):
             return None
         loaded = _Loaded(directory, self._input.element_spec)
         return loaded if self._reader_func is None else self._reader_func(_Shards(loaded._shards))
@@ -2779,8 +2787,8 @@ class _SnapshotWriteIterator(_Iterator):
         self._ds = ds
         self._target = ds._directory()
         self._tmp = f"{self._target}.tmp-{os.getpid()}-{id(self)}"
-        saved_dataset.fresh_directory(self._tmp)
-        self._writer = saved_dataset.Writer(self._tmp, ds._compress)
+        fresh_directory(self._tmp)
+        self._writer = Writer(self._tmp, ds._compress)
 
     def next(self):
         try:
@@ -2789,10 +2797,10 @@ class _SnapshotWriteIterator(_Iterator):
             if self._writer is not None:
                 self._writer.finish(self._ds._input.element_spec)
                 self._writer = None
-                saved_dataset.publish(self._tmp, self._target)
+                publish(self._tmp, self._target)
             raise
         shard_func = self._ds._shard_func
-        self._writer.add(0 if shard_func is None else saved_dataset.shard_of(shard_func, element), element)
+        self._writer.add(0 if shard_func is None else shard_of(shard_func, element), element)
         return element
 
     def save(self):

@@ -15,14 +15,13 @@ import numpy as np
 
 from .._nest import flatten, map_structure, pack_sequence_as
 from ..errors import OutOfRangeError
-from . import dataset_ops
-from .dataset_ops import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset, _Iterator, _ListIterator,
-                          _call, _int, _not_empty)
+from .dataset_ops import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset, _call, _int, _Iterator,
+                          _ListIterator, _not_empty, _same_state, _same_structure, enable_debug_mode)
 from .iterator_ops import IteratorProtocol, Optional
 from .options import (AutoShardPolicy, AutotuneAlgorithm, AutotuneOptions, DistributeOptions, ExternalStatePolicy,
                       OptimizationOptions, ServiceOptions, ThreadingOptions)
 from .readers import TFRecordWriter
-from .structure import normalize_input, spec_of
+from .structure import normalize_input, normalize_output, spec_of
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "SHARD_HINT", "AutoShardPolicy",
            "AutotuneAlgorithm", "AutotuneOptions", "DistributeOptions", "ExternalStatePolicy", "OptimizationOptions",
@@ -124,7 +123,7 @@ class _FromList(Dataset):
         spec = spec_of(self._elements[0])
         for i, e in enumerate(self._elements[1:], 1):
             other = spec_of(e)
-            if not dataset_ops._same_structure(spec, other) or any(
+            if not _same_structure(spec, other) or any(
                     a.dtype != b.dtype for a, b in zip(flatten(spec), flatten(other))):
                 raise TypeError(f"from_list: element {i} ({other}) does not match the structure and dtypes of "
                                 f"element 0 ({spec}); give every element the same structure and dtypes")
@@ -264,8 +263,8 @@ class _GroupByReducer(Dataset):
                              "unknown")
         reducer = self._reducer
         state = normalize_input(reducer.init_func(self._key(first[0])), "init_func")
-        state = dataset_ops._same_state(state, reducer.reduce_func(state, first[0]), "reduce_func")
-        return spec_of(dataset_ops.normalize_output(_call(reducer.finalize_func, state), "finalize_func"))
+        state = _same_state(state, reducer.reduce_func(state, first[0]), "reduce_func")
+        return spec_of(normalize_output(_call(reducer.finalize_func, state), "finalize_func"))
 
     def _make_iterator(self, state=None):
         return _GroupByReducerIterator(self, state)
@@ -295,12 +294,12 @@ class _GroupByReducerIterator(_Iterator):
             old = self._states.get(int(key))
             if old is None:
                 old = normalize_input(reducer.init_func(key), "init_func")
-            self._states[int(key)] = dataset_ops._same_state(old, reducer.reduce_func(old, element), "reduce_func")
+            self._states[int(key)] = _same_state(old, reducer.reduce_func(old, element), "reduce_func")
         if self._out >= len(self._states):
             raise StopIteration
         state = self._states[sorted(self._states)[self._out]]  # by increasing key (TF's order)
         self._out += 1
-        return dataset_ops.normalize_output(_call(reducer.finalize_func, state), "finalize_func")
+        return normalize_output(_call(reducer.finalize_func, state), "finalize_func")
 
     def save(self):
         return {"input": self._inputs[0].save(), "done": self._done, "out": self._out,
@@ -411,13 +410,3 @@ def prefetch_to_device(device, buffer_size=None):
 def _check_device(device, argument: str) -> None:
     if not isinstance(device, str):
         raise TypeError(f"{argument}={device!r}: expected a device string such as '/gpu:0'")
-
-
-# --- debugging ---------------------------------------------------------------------------------------------
-
-def enable_debug_mode() -> None:
-    """tf.data's debug mode: every ``map``/``interleave``/``batch`` runs sequentially in the caller's thread (a
-    breakpoint or print in a map function sees elements in order, one at a time). For the whole process, as
-    TF's; call it before building the pipelines."""
-    dataset_ops.DEBUG_MODE = True
-

@@ -19,7 +19,7 @@ import zlib
 
 import numpy as np
 
-from ..train.tensorbundle import crc32c, mask, unmask
+from .crc32c import crc32c, mask, unmask
 from .dataset_ops import AUTOTUNE, UNKNOWN, Dataset, ListFilesDataset, _Interleave, _Iterator, _int
 from .structure import TensorSpec
 
