@@ -178,6 +178,21 @@ CASES = [
     "WRITE(D.from_tensor_slices([b'a', b'bc', b'']), 'w1.tfrecord')",
     "WRITE(D.from_tensor_slices([b'g', b'zz']), 'w2.tfrecord', 'GZIP')",
     "WRITE(D.range(3), 'w3.tfrecord')",
+    # --- CSV ---------------------------------------------------------------------------------------------
+    "E.CsvDataset(F('c1.csv'), [0, 0.0, 'd'], header=True)",
+    "E.CsvDataset(F('c1.csv'), [np.array([], np.int32), 0.0, 'd'], header=True)",
+    "E.CsvDataset(F('c1.csv'), [0, 0.0, ''], header=True, na_value='3')",
+    "E.CsvDataset(F('c1.csv'), [0, 0.0, ''], header=True, use_quote_delim=False)",
+    "E.CsvDataset(F('c1.csv'), [np.int64(0), np.array([], np.float64), ''], header=True, select_cols=[0, 1, 2])",
+    "E.CsvDataset(F('c2.csv'), [0, 0.0, ''])", "E.CsvDataset(F('c2.csv'), [0], select_cols=[0])",
+    "E.CsvDataset(F('c2.csv'), [0.0, ''], select_cols=[1, 2])", "E.CsvDataset(F('c2.csv'), [0, 0.0, ''], select_cols=[2, 0])",
+    "E.CsvDataset(F('c2.csv'), [0, 0.0, ''], field_delim=',,')", "E.CsvDataset(F('c3.csv'), [0, 0])",
+    "E.CsvDataset(F('c4.csv'), [0, 0.0, ''])", "E.CsvDataset(F('c4.csv'), [0, 0, ''])",
+    "E.CsvDataset(F('c5.csv'), [np.array([], np.int64), 0.0, 'n/a'], na_value='NA')",
+    "E.CsvDataset([F('c5.csv'), F('c5.csv')], ['', '', ''], field_delim=',').batch(2)",
+    "E.CsvDataset(F('c6.csv'), [0, ''], field_delim='|')", "E.CsvDataset(F('c5.csv'), [0, 0.0, ''], compression_type='ZLIB')",
+    "E.CsvDataset(F('c5.csv.gz'), [0, 0.0, ''], compression_type='GZIP').cardinality()",
+    "E.CsvDataset(F('c5.csv.gz'), [0, 0.0, ''], compression_type='GZIP')",
     # --- iterators ---------------------------------------------------------------------------------------
     "[str(t) for t in iter(D.range(3).map(lambda x: (x, {'a': np.float32(1)}))).output_shapes[:1]]",
     "SHAPE(iter(D.from_tensor_slices(np.zeros((3, 2)))).output_shapes)",
@@ -252,6 +267,16 @@ def write_files(tf):
     def path(name):
         return os.path.join(FILES, name)
 
+    csvs = {"c1.csv": 'a,b,c\n1,2.5,x\n3,,"y,z"\n,4.5,\n"5",6,"he said ""hi"""\n', "c2.csv": "7,8.5,w\n\n9,1,v",
+            "c3.csv": "1,2\n3\n", "c4.csv": "1,abc,x\n", "c5.csv": '10,NA,"two\nlines"\r\n11,1e3,NA\n-3,-0.5,\n',
+            "c6.csv": "1|a b\n2|c\n"}
+    for name, text in csvs.items():
+        if not os.path.exists(path(name)):
+            with open(path(name), "w", newline="") as f:
+                f.write(text)
+    if not os.path.exists(path("c5.csv.gz")):
+        with gzip.open(path("c5.csv.gz"), "wt", newline="") as f:
+            f.write(csvs["c5.csv"])
     if os.path.exists(path("r1.tfrecord")):
         return
     for name, compression, records in [("r1.tfrecord", None, [b"rec0", b"rec1", b"rec2"]),

@@ -20,12 +20,12 @@ from .dataset_ops import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, D
 from .iterator_ops import IteratorProtocol, Optional
 from .options import (AutoShardPolicy, AutotuneAlgorithm, AutotuneOptions, DistributeOptions, ExternalStatePolicy,
                       OptimizationOptions, ServiceOptions, ThreadingOptions)
-from .readers import TFRecordWriter
+from .readers import CsvDataset, TFRecordWriter
 from .structure import normalize_input, normalize_output, spec_of
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "SHARD_HINT", "AutoShardPolicy",
            "AutotuneAlgorithm", "AutotuneOptions", "DistributeOptions", "ExternalStatePolicy", "OptimizationOptions",
-           "ServiceOptions", "ThreadingOptions", "Optional", "TFRecordWriter", "Counter", "RandomDataset", "Reducer",
+           "ServiceOptions", "ThreadingOptions", "Optional", "TFRecordWriter", "CsvDataset", "Counter", "RandomDataset", "Reducer",
            "assert_cardinality", "at", "bucket_by_sequence_length", "cardinality", "choose_from_datasets",
            "copy_to_device", "enable_debug_mode", "enumerate_dataset", "from_list", "get_next_as_optional",
            "get_single_element", "get_structure", "group_by_reducer", "group_by_window", "ignore_errors", "load",

@@ -11,6 +11,7 @@ by TensorFlow read here and the other way round.
 
 from __future__ import annotations
 
+import csv
 import gzip
 import io
 import os
@@ -21,9 +22,10 @@ import numpy as np
 
 from .crc32c import crc32c, mask, unmask
 from .dataset_ops import AUTOTUNE, UNKNOWN, Dataset, ListFilesDataset, _Interleave, _Iterator, _int
-from .structure import TensorSpec
+from .structure import TensorSpec, to_leaf
 
-__all__ = ["ListFilesDataset", "TextLineDataset", "FixedLengthRecordDataset", "TFRecordDataset", "TFRecordWriter"]
+__all__ = ["ListFilesDataset", "TextLineDataset", "FixedLengthRecordDataset", "TFRecordDataset", "TFRecordWriter",
+           "CsvDataset"]
 
 
 def _check_compression(compression_type) -> str:
@@ -40,7 +42,10 @@ def _open(path: str, compression: str, mode: str = "rb"):
         if "w" in mode:
             return _ZlibWriter(path)
         with open(path, "rb") as f:
-            return io.BytesIO(zlib.decompress(f.read()))
+            try:
+                return io.BytesIO(zlib.decompress(f.read()))
+            except zlib.error as e:
+                raise ValueError(f"{path}: cannot decompress it as ZLIB ({e}); check compression_type") from None
     return open(path, mode)
 
 
@@ -147,6 +152,9 @@ class _FileRecordsIterator(_Iterator):
     def _record(self):
         raise NotImplementedError
 
+    def _element(self, record):
+        return np.bytes_(record)
+
     def next(self):
         while True:
             if self._file is None:
@@ -157,7 +165,7 @@ class _FileRecordsIterator(_Iterator):
                 raise ValueError(f"{os.fsdecode(self._name)}: cannot decompress it as "
                                  f"{self._ds._compression} ({e}); check compression_type") from None
             if record is not None:
-                return np.bytes_(record)
+                return self._element(record)
             self._file.close()
             self._file = self._name = None
 
@@ -298,3 +306,119 @@ class TFRecordWriter:
         with _open(self._filename, self._compression, "wb") as f:
             for record in dataset:
                 f.write(tfrecord_bytes(bytes(record)))
+
+
+# --- CSV -------------------------------------------------------------------------------------------------
+
+_CSV_TYPES = {np.dtype(np.int32): "int32", np.dtype(np.int64): "int64", np.dtype(np.float32): "float",
+              np.dtype(np.float64): "double", np.dtype("S"): "string"}
+
+
+def _column(default, i: int):
+    """(dtype, default value or None for a required column) of ``record_defaults[i]``: a scalar default (its
+    type, converted as tf.constant: 0 is int32, 0.0 float32, "" a string), or a dtype / empty array (a
+    required column of that dtype)."""
+    if isinstance(default, (type, np.dtype)):
+        dtype, value = np.dtype(default), None
+    elif isinstance(default, np.ndarray) and default.size == 0:
+        dtype, value = default.dtype, None
+    else:
+        value = to_leaf(default, f"record_defaults[{i}]")
+        if np.ndim(value):
+            raise ValueError(f"record_defaults[{i}]={default!r}: a default must be a scalar (or an empty array / a "
+                             "dtype for a required column)")
+        dtype = np.asarray(value).dtype
+    dtype = np.dtype("S") if dtype.kind in "SU" else dtype
+    if dtype not in _CSV_TYPES:
+        raise TypeError(f"record_defaults[{i}]: type {dtype} is not supported; use int32, int64, float32, float64 "
+                        "or string")
+    return dtype, value
+
+
+class CsvDataset(_FileReader):
+    """``md.data.experimental.CsvDataset(filenames, record_defaults, compression_type=None, buffer_size=None,
+    header=False, field_delim=",", use_quote_delim=True, na_value="", select_cols=None, exclude_cols=None)``:
+    one tuple of scalars per CSV record. ``record_defaults[i]`` gives column ``i``'s type and the value of an
+    empty (or ``na_value``) field, or, as a dtype or an empty array, a required column of that type. Quoted
+    fields (``use_quote_delim``) may hold the delimiter, ``""`` for a quote, and line breaks; an empty line is a
+    record of one empty field, as in TF."""
+
+    def __init__(self, filenames, record_defaults, compression_type=None, buffer_size=None, header=False,
+                 field_delim=",", use_quote_delim=True, na_value="", select_cols=None, exclude_cols=None):
+        super().__init__(filenames, compression_type)
+        if not isinstance(record_defaults, (list, tuple)) or not record_defaults:
+            raise ValueError("record_defaults: pass one default (or dtype) per output column")
+        self._columns = [_column(d, i) for i, d in enumerate(record_defaults)]
+        if not isinstance(field_delim, str) or len(field_delim) != 1:
+            raise ValueError(f"field_delim={field_delim!r}: field_delim should be only 1 char")
+        if select_cols is not None and exclude_cols is not None:
+            raise ValueError("Either select_cols or exclude_cols should be empty, not both")
+        if select_cols is not None:
+            select_cols = [_int(c, "select_cols", "a list of ints") for c in select_cols]
+            if any(b <= a for a, b in zip(select_cols, select_cols[1:])) or min(select_cols, default=0) < 0:
+                raise ValueError(f"select_cols={select_cols}: select_cols is not monotonically increasing (or "
+                                 "negative)")
+            if len(select_cols) != len(self._columns):
+                raise ValueError(f"select_cols should match output size: {len(select_cols)} columns selected, "
+                                 f"{len(self._columns)} record_defaults")
+        self._select = select_cols
+        self._exclude = None if exclude_cols is None else {_int(c, "exclude_cols", "a list of ints")
+                                                           for c in exclude_cols}
+        self._header, self._delim, self._quotes = bool(header), field_delim, bool(use_quote_delim)
+        self._na_value = na_value
+
+    def _compute_spec(self):
+        return tuple(TensorSpec((), dtype) for dtype, _ in self._columns)
+
+    def _iterator(self, state):
+        return _CsvIterator(self, state)
+
+
+class _CsvIterator(_FileRecordsIterator):
+    def _opened(self) -> None:
+        if self._ds._header:
+            self._record()
+
+    def _record(self):
+        """The next record's text (latin-1, so every byte survives): lines joined while a quote is open."""
+        line = self._file.readline()
+        if not line:
+            return None
+        text = line.decode("latin-1")
+        while self._ds._quotes and text.count('"') % 2:
+            more = self._file.readline()
+            if not more:
+                break
+            text += more.decode("latin-1")
+        return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
+
+    def _element(self, text):
+        ds = self._ds
+        reader = csv.reader([text], delimiter=ds._delim, quotechar='"', doublequote=True,
+                            quoting=csv.QUOTE_MINIMAL if ds._quotes else csv.QUOTE_NONE, strict=False)
+        fields = next(reader, None) or [""]  # an empty line: one empty field
+        if ds._select is not None:
+            fields = [fields[c] for c in ds._select if c < len(fields)]
+        elif ds._exclude is not None:
+            fields = [f for c, f in enumerate(fields) if c not in ds._exclude]
+        n = len(ds._columns)
+        if len(fields) != n:
+            have = "more" if len(fields) > n else len(fields)
+            raise ValueError(f"Expect {n} fields but have {have} in record")
+        return tuple(_parse(field, i, dtype, default, ds._na_value)
+                     for i, (field, (dtype, default)) in enumerate(zip(fields, ds._columns)))
+
+
+def _parse(field: str, i: int, dtype: np.dtype, default, na_value: str):
+    if field == "" or field == na_value:
+        if default is None:
+            raise ValueError(f"Field {i} is required but missing in record!")
+        return np.asarray(default, dtype)[()]
+    if dtype.kind == "S":
+        return np.bytes_(field.encode("latin-1"))
+    try:
+        value = int(field) if dtype.kind == "i" else float(field)
+        out = np.asarray(value).astype(dtype)[()] if dtype.kind == "f" else np.array(value, dtype)[()]
+    except (ValueError, OverflowError):
+        raise ValueError(f"Field {i} in record is not a valid {_CSV_TYPES[dtype]}: {field}") from None
+    return out
