@@ -357,3 +357,20 @@ def test_numpy_iterator_and_iterator_spec():
     spec = md.data.IteratorSpec.from_value(iter(D.range(2)))
     assert spec == md.data.IteratorSpec(md.data.TensorSpec([], np.int64))
     assert iter(D.range(2).batch(2)).output_shapes == md.TensorShape([None])
+
+
+def test_csv_dataset_checkpoints_inside_a_file_and_refuses_bad_arguments(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text('id,text\n1,"a\nb"\n2,"c,d"\n3,\n', newline="")
+    make = lambda: E.CsvDataset([str(path), str(path)], [np.int64(0), "-"], header=True)  # noqa: E731
+    first, rest, restored = checkpoint_roundtrip(make, 2)
+    assert [int(r[0]) for r in first + rest] == [1, 2, 3, 1, 2, 3] and restored == rest
+    assert rest[0] == (3, b"-") and first[0][1] == b"a\nb"
+    with pytest.raises(ValueError, match="field_delim"):
+        E.CsvDataset(str(path), [0], field_delim="ab")
+    with pytest.raises(ValueError, match="select_cols or exclude_cols"):
+        E.CsvDataset(str(path), [0], select_cols=[0], exclude_cols=[1])
+    with pytest.raises(TypeError, match="record_defaults"):
+        E.CsvDataset(str(path), [np.complex64(0)])
+    with pytest.raises(ValueError, match="monotonically"):
+        E.CsvDataset(str(path), [0, 0], select_cols=[1, 0])
