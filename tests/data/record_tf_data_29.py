@@ -193,6 +193,19 @@ CASES = [
     "E.CsvDataset(F('c6.csv'), [0, ''], field_delim='|')", "E.CsvDataset(F('c5.csv'), [0, 0.0, ''], compression_type='ZLIB')",
     "E.CsvDataset(F('c5.csv.gz'), [0, 0.0, ''], compression_type='GZIP').cardinality()",
     "E.CsvDataset(F('c5.csv.gz'), [0, 0.0, ''], compression_type='GZIP')",
+    "E.make_csv_dataset(F('c1.csv'), 2, shuffle=False, num_epochs=1)",
+    "E.make_csv_dataset(F('c1.csv'), 3, shuffle=False, num_epochs=2, label_name='a')",
+    "E.make_csv_dataset(F('c1.csv'), 2, shuffle=False, num_epochs=1, select_columns=['c', 'a'])",
+    "E.make_csv_dataset(F('c1.csv'), 2, shuffle=False, num_epochs=1, select_columns=[1])",
+    "E.make_csv_dataset(F('c1.csv'), 2, shuffle=False, num_epochs=1, column_defaults=[0, 0.0, ''])",
+    "E.make_csv_dataset(F('c1.csv'), 2, shuffle=False).take(3)",
+    "E.make_csv_dataset([F('c7.csv'), F('c8.csv')], 4, shuffle=False, num_epochs=1, num_parallel_reads=2)",
+    "E.make_csv_dataset([F('c7.csv'), F('c8.csv')], 4, shuffle=False, num_epochs=1, na_value='?')",
+    "E.make_csv_dataset([F('c7.csv'), F('c8.csv')], 3, shuffle=False, num_epochs=1, num_rows_for_inference=1)",
+    "E.make_csv_dataset(F('c1.csv'), 2, label_name='zz')", "E.make_csv_dataset(F('c2.csv'), 2, header=False)",
+    "E.make_csv_dataset(F('c1.csv'), 2, select_columns=['a', 'q'])",
+    "E.make_csv_dataset(F('c1.csv'), 2, column_names=['x', 'x', 'y'], header=False)",
+    "E.make_csv_dataset(F('c1.csv'), 2, select_columns=[0, 1], column_defaults=[0])",
     # --- iterators ---------------------------------------------------------------------------------------
     "[str(t) for t in iter(D.range(3).map(lambda x: (x, {'a': np.float32(1)}))).output_shapes[:1]]",
     "SHAPE(iter(D.from_tensor_slices(np.zeros((3, 2)))).output_shapes)",
@@ -269,7 +282,8 @@ def write_files(tf):
 
     csvs = {"c1.csv": 'a,b,c\n1,2.5,x\n3,,"y,z"\n,4.5,\n"5",6,"he said ""hi"""\n', "c2.csv": "7,8.5,w\n\n9,1,v",
             "c3.csv": "1,2\n3\n", "c4.csv": "1,abc,x\n", "c5.csv": '10,NA,"two\nlines"\r\n11,1e3,NA\n-3,-0.5,\n',
-            "c6.csv": "1|a b\n2|c\n"}
+            "c6.csv": "1|a b\n2|c\n", "c7.csv": "n,big,f,s\n1,5000000000,1.5,x\n2,3,2,?\n",
+            "c8.csv": "n,big,f,s\n3,4,1e40,y\n?,5,?,z\n"}
     for name, text in csvs.items():
         if not os.path.exists(path(name)):
             with open(path(name), "w", newline="") as f:

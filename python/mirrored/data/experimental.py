@@ -11,12 +11,16 @@ is listed, with the reason, in docs/data.md.
 
 from __future__ import annotations
 
+import collections
+import csv
+import gzip
+
 import numpy as np
 
 from .._nest import flatten, map_structure, pack_sequence_as
 from ..errors import OutOfRangeError
-from .dataset_ops import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset, _call, _int, _Iterator,
-                          _ListIterator, _not_empty, _same_state, _same_structure, enable_debug_mode)
+from .dataset_ops import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset, ListFilesDataset, _call,
+                          _int, _Iterator, _ListIterator, _not_empty, _same_state, _same_structure, enable_debug_mode)
 from .iterator_ops import IteratorProtocol, Optional
 from .options import (AutoShardPolicy, AutotuneAlgorithm, AutotuneOptions, DistributeOptions, ExternalStatePolicy,
                       OptimizationOptions, ServiceOptions, ThreadingOptions)
@@ -25,7 +29,7 @@ from .structure import normalize_input, normalize_output, spec_of
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "SHARD_HINT", "AutoShardPolicy",
            "AutotuneAlgorithm", "AutotuneOptions", "DistributeOptions", "ExternalStatePolicy", "OptimizationOptions",
-           "ServiceOptions", "ThreadingOptions", "Optional", "TFRecordWriter", "CsvDataset", "Counter", "RandomDataset", "Reducer",
+           "ServiceOptions", "ThreadingOptions", "Optional", "TFRecordWriter", "CsvDataset", "make_csv_dataset", "Counter", "RandomDataset", "Reducer",
            "assert_cardinality", "at", "bucket_by_sequence_length", "cardinality", "choose_from_datasets",
            "copy_to_device", "enable_debug_mode", "enumerate_dataset", "from_list", "get_next_as_optional",
            "get_single_element", "get_structure", "group_by_reducer", "group_by_window", "ignore_errors", "load",
@@ -410,3 +414,127 @@ def prefetch_to_device(device, buffer_size=None):
 def _check_device(device, argument: str) -> None:
     if not isinstance(device, str):
         raise TypeError(f"{argument}={device!r}: expected a device string such as '/gpu:0'")
+
+
+# --- make_csv_dataset ------------------------------------------------------------------------------------
+
+def _csv_rows(filenames, field_delim, use_quote_delim, compression_type):
+    """Each file's rows as Python's csv reads them (header included), for the column names and types."""
+    for name in filenames:
+        if compression_type == "ZLIB":
+            raise ValueError(f"`compression_type` {compression_type} is not supported for probing columns.")
+        opener = gzip.open if compression_type == "GZIP" else open
+        with opener(name, "rt", newline="") as f:
+            yield csv.reader(f, delimiter=field_delim,
+                             quoting=csv.QUOTE_MINIMAL if use_quote_delim else csv.QUOTE_NONE)
+
+
+def _inferred_type(value: str, na_value: str, previous):
+    """TF's inference: the narrowest of int32, int64, float32, float64, string that holds every value seen."""
+    if value in ("", na_value):
+        return previous
+    order = [np.int32, np.int64, np.float32, np.float64, np.bytes_]
+    for i, dtype in enumerate(order):
+        if previous is not None and previous not in order[:i + 1]:
+            continue
+        try:
+            if dtype is np.int32 and np.int64(value) != np.int32(int(value)):
+                continue
+            if dtype in (np.int32, np.int64):
+                np.int64(value)
+            elif dtype is not np.bytes_:
+                with np.errstate(over="ignore"):
+                    if not float(np.dtype(dtype).type(value)) < np.inf:  # (TF's check: too large for the type)
+                        continue
+        except (ValueError, OverflowError):
+            continue
+        return dtype
+
+
+def make_csv_dataset(file_pattern, batch_size, column_names=None, column_defaults=None, label_name=None,
+                     select_columns=None, field_delim=",", use_quote_delim=True, na_value="", header=True,
+                     num_epochs=None, shuffle=True, shuffle_buffer_size=10000, shuffle_seed=None,
+                     prefetch_buffer_size=None, num_parallel_reads=None, sloppy=False, num_rows_for_inference=100,
+                     compression_type=None, ignore_errors=False, encoding="utf-8"):
+    """Batches of CSV records as ``{column name: batch}`` dicts (``(features, label)`` with ``label_name``), as
+    TF's: column names from the header, types inferred from the first ``num_rows_for_inference`` rows unless
+    ``column_defaults`` gives them, files read ``num_parallel_reads`` at a time, shuffled and repeated
+    ``num_epochs`` times (forever: ``None``, the last short batch then dropped)."""
+    files = ListFilesDataset(file_pattern, False, None)._files
+    names = [f.decode() for f in map(bytes, files)]
+    if column_names is None:
+        if not header:
+            raise ValueError("Expected `column_names` or `header` arguments. Neither is provided.")
+        headers = [next(rows, None) for rows in _csv_rows(names, field_delim, use_quote_delim, compression_type)]
+        if any(h is None for h in headers):
+            raise ValueError(f"Failed when reading the header line of {names[headers.index(None)]}. Is it an "
+                             "empty file?")
+        if any(h != headers[0] for h in headers):
+            raise ValueError("All input CSV files should have the same column names in the header row.")
+        column_names = headers[0]
+    column_names = list(column_names)
+    if len(set(column_names)) != len(column_names):
+        raise ValueError("Either `column_names` argument or CSV header row contains duplicate column names: "
+                         f"{sorted({n for n in column_names if column_names.count(n) > 1})}.")
+    if select_columns is not None:
+        indices = []
+        for v in select_columns:
+            if isinstance(v, int) and not isinstance(v, bool):
+                if not 0 <= v < len(column_names):
+                    raise ValueError(f"Column index {v} specified in `select_columns` should be > 0  and <= "
+                                     f"{len(column_names)}, which is the number of columns.")
+                indices.append(v)
+            elif v in column_names:
+                indices.append(column_names.index(v))
+            else:
+                raise ValueError(f"Column {v} specified in `select_columns` must be of one of the columns: "
+                                 f"{column_names}.")
+        if len(set(indices)) != len(indices):
+            raise ValueError("The `select_columns` argument contains duplicate columns.")
+        select_columns = sorted(indices)
+    if column_defaults is None:
+        selected = select_columns if select_columns is not None else range(len(column_names))
+        types = [None] * len(selected)
+        seen = 0
+        for rows in _csv_rows(names, field_delim, use_quote_delim, compression_type):
+            if header:
+                next(rows, None)
+            for row in rows:
+                if num_rows_for_inference is not None and seen >= num_rows_for_inference:
+                    break
+                if len(row) != len(column_names):
+                    raise ValueError(f"Problem inferring types: CSV row has {len(row)} number of fields. Expected: "
+                                     f"{len(column_names)}.")
+                types = [_inferred_type(row[c], na_value, t) for c, t in zip(selected, types)]
+                seen += 1
+        column_defaults = [b"" if t in (None, np.bytes_) else np.zeros((), t)[()] for t in types]
+    if select_columns is not None and len(column_defaults) != len(select_columns):
+        raise ValueError(f"If specified, `column_defaults` and `select_columns` must have the same length: "
+                         f"`column_defaults` has length {len(column_defaults)}, `select_columns` has length "
+                         f"{len(select_columns)}.")
+    if select_columns is not None and len(column_names) > len(select_columns):
+        column_names = [column_names[i] for i in select_columns]
+    if label_name is not None and label_name not in column_names:
+        raise ValueError(f"`label_name` provided must be one of the columns: {column_names}. Received: {label_name}.")
+
+    def read(filename):
+        ds = CsvDataset(filename, column_defaults, compression_type, header=header, field_delim=field_delim,
+                        use_quote_delim=use_quote_delim, na_value=na_value, select_cols=select_columns)
+        return ds.ignore_errors() if ignore_errors else ds
+
+    def features(*columns):
+        out = collections.OrderedDict(zip(column_names, columns))
+        return (out, out.pop(label_name)) if label_name is not None else out
+
+    dataset = Dataset.from_tensor_slices(np.array(files))
+    if shuffle:
+        dataset = dataset.shuffle(len(files), shuffle_seed)
+    reads = 1 if num_parallel_reads is None else num_parallel_reads
+    dataset = dataset.interleave(read, cycle_length=None if reads == AUTOTUNE else reads, block_length=1,
+                                 num_parallel_calls=reads, deterministic=False if sloppy else None)
+    if shuffle:
+        dataset = dataset.shuffle(shuffle_buffer_size, shuffle_seed)
+    if num_epochs != 1:
+        dataset = dataset.repeat(num_epochs)
+    dataset = dataset.batch(batch_size, drop_remainder=num_epochs is None).map(features)
+    return dataset.prefetch(AUTOTUNE if prefetch_buffer_size is None else prefetch_buffer_size)

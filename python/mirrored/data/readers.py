@@ -418,7 +418,10 @@ def _parse(field: str, i: int, dtype: np.dtype, default, na_value: str):
         return np.bytes_(field.encode("latin-1"))
     try:
         value = int(field) if dtype.kind == "i" else float(field)
-        out = np.asarray(value).astype(dtype)[()] if dtype.kind == "f" else np.array(value, dtype)[()]
+        with np.errstate(over="ignore"):
+            out = np.asarray(value).astype(dtype)[()] if dtype.kind == "f" else np.array(value, dtype)[()]
+        if dtype.kind == "f" and np.isinf(out) and not np.isinf(value):
+            raise OverflowError(field)  # too large for the type (TF's strtof/strtod refuse it)
     except (ValueError, OverflowError):
         raise ValueError(f"Field {i} in record is not a valid {_CSV_TYPES[dtype]}: {field}") from None
     return out
