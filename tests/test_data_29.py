@@ -374,3 +374,15 @@ def test_csv_dataset_checkpoints_inside_a_file_and_refuses_bad_arguments(tmp_pat
         E.CsvDataset(str(path), [np.complex64(0)])
     with pytest.raises(ValueError, match="monotonically"):
         E.CsvDataset(str(path), [0, 0], select_cols=[1, 0])
+
+
+def test_make_csv_dataset_shuffles_every_row_once_per_epoch(tmp_path):
+    for k in range(3):
+        (tmp_path / f"{k}.csv").write_text("id,x\n" + "".join(f"{k * 100 + i},{i / 2}\n" for i in range(20)))
+    ds = E.make_csv_dataset(str(tmp_path / "*.csv"), 7, label_name="x", num_epochs=2, shuffle_seed=3,
+                            num_parallel_reads=2)
+    ids = [int(i) for features, label in ds for i in features["id"]]
+    assert sorted(ids) == sorted(2 * [k * 100 + i for k in range(3) for i in range(20)])
+    assert ids[:60] != sorted(ids[:60])  # shuffled
+    features, label = next(iter(ds))
+    assert list(features) == ["id"] and features["id"].dtype == np.int32 and label.dtype == np.float32

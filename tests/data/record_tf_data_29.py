@@ -42,7 +42,8 @@ CASES = [
     "TensorSpec(None).is_compatible_with(TensorSpec([3, 5]))",
     "TensorSpec([2, 3]).is_compatible_with(np.zeros((2, 3), np.float32))",
     "TensorSpec([2, 3], np.int64).is_compatible_with(np.zeros((2, 3), np.float32))",
-    "TensorSpec([2, 5]).is_subtype_of(TensorSpec([2, None]))", "TensorSpec([2, None]).is_subtype_of(TensorSpec([2, 5]))",
+    "TensorSpec([2, 5]).is_subtype_of(TensorSpec([2, None]))",
+    "TensorSpec([2, None]).is_subtype_of(TensorSpec([2, 5]))",
     "TensorSpec([2, 5]).is_subtype_of(TensorSpec(None))",
     "SHAPE(TensorSpec([2, 5]).most_specific_common_supertype([TensorSpec([3, 5])]))",
     "SHAPE(TensorSpec([2, 5]).most_specific_common_supertype([TensorSpec([3, 5, 1])]))",
@@ -75,7 +76,8 @@ CASES = [
     "OPT(D.range(2).with_options(SET(DATA.Options(), 'experimental_deterministic', False)), 'deterministic')",
     "OPT(D.range(2).with_options(SET(DATA.Options(), 'deterministic', False)), 'experimental_deterministic')",
     "OPT(D.range(2), 'threading.private_threadpool_size')",
-    "OPT(D.range(2).with_options(SET(SET(DATA.Options(), 'deterministic', True), 'dataset_name', 'n')), 'dataset_name')",
+    "OPT(D.range(2).with_options(SET(SET(DATA.Options(), 'deterministic', True), 'dataset_name', 'n')), "
+    "'dataset_name')",
     "SET(DATA.Options(), 'deterministic', 1)", "SET(DATA.Options(), 'no_such_option', 1)",
     "SET(DATA.Options(), 'dataset_name', 5)", "SET(DATA.Options(), 'experimental_slack', True).experimental_slack",
     "SET(DATA.Options().threading, 'private_threadpool_size', 2.5)",
@@ -114,7 +116,8 @@ CASES = [
     "D.range(2).map(lambda x: {'a': x, 'b': (np.float32(1.5), 'w')}).apply(E.pad_to_cardinality(3, mask_key='m'))",
     "D.range(3).map(lambda x: {'a': x}).apply(E.pad_to_cardinality(3))",
     "D.range(3).apply(E.pad_to_cardinality(5))", "D.range(3).map(lambda x: {'a': x}).apply(E.pad_to_cardinality(2))",
-    "E.get_structure(D.range(3)) == TensorSpec([], np.int64)", "E.get_structure(iter(D.range(3))) == TensorSpec([], np.int64)",
+    "E.get_structure(D.range(3)) == TensorSpec([], np.int64)",
+    "E.get_structure(iter(D.range(3))) == TensorSpec([], np.int64)",
     "E.get_structure(5)", "E.get_single_element(D.range(1))", "E.get_next_as_optional(iter(D.range(2))).get_value()",
     "E.get_next_as_optional(iter(D.range(0))).has_value()",
     "D.from_tensor_slices(np.array([5, 1, 5, 2, 1, 7], np.int64)).apply(E.group_by_reducer(lambda x: x % 3, "
@@ -185,12 +188,14 @@ CASES = [
     "E.CsvDataset(F('c1.csv'), [0, 0.0, ''], header=True, use_quote_delim=False)",
     "E.CsvDataset(F('c1.csv'), [np.int64(0), np.array([], np.float64), ''], header=True, select_cols=[0, 1, 2])",
     "E.CsvDataset(F('c2.csv'), [0, 0.0, ''])", "E.CsvDataset(F('c2.csv'), [0], select_cols=[0])",
-    "E.CsvDataset(F('c2.csv'), [0.0, ''], select_cols=[1, 2])", "E.CsvDataset(F('c2.csv'), [0, 0.0, ''], select_cols=[2, 0])",
+    "E.CsvDataset(F('c2.csv'), [0.0, ''], select_cols=[1, 2])",
+    "E.CsvDataset(F('c2.csv'), [0, 0.0, ''], select_cols=[2, 0])",
     "E.CsvDataset(F('c2.csv'), [0, 0.0, ''], field_delim=',,')", "E.CsvDataset(F('c3.csv'), [0, 0])",
     "E.CsvDataset(F('c4.csv'), [0, 0.0, ''])", "E.CsvDataset(F('c4.csv'), [0, 0, ''])",
     "E.CsvDataset(F('c5.csv'), [np.array([], np.int64), 0.0, 'n/a'], na_value='NA')",
     "E.CsvDataset([F('c5.csv'), F('c5.csv')], ['', '', ''], field_delim=',').batch(2)",
-    "E.CsvDataset(F('c6.csv'), [0, ''], field_delim='|')", "E.CsvDataset(F('c5.csv'), [0, 0.0, ''], compression_type='ZLIB')",
+    "E.CsvDataset(F('c6.csv'), [0, ''], field_delim='|')",
+    "E.CsvDataset(F('c5.csv'), [0, 0.0, ''], compression_type='ZLIB')",
     "E.CsvDataset(F('c5.csv.gz'), [0, 0.0, ''], compression_type='GZIP').cardinality()",
     "E.CsvDataset(F('c5.csv.gz'), [0, 0.0, ''], compression_type='GZIP')",
     "E.make_csv_dataset(F('c1.csv'), 2, shuffle=False, num_epochs=1)",
@@ -298,7 +303,8 @@ def write_files(tf):
                                        ("r2.tfrecord", "GZIP", [b"g0", b"g1"]), ("r3.tfrecord", "ZLIB", [b"z0", b"z1"]),
                                        ("empty.tfrecord", None, []),
                                        ("big.tfrecord", None, [bytes(range(256)) * 1024, b"y" * 70000]),
-                                       ("w1.tfrecord", None, [b"a", b"bc", b""]), ("w2.tfrecord", "GZIP", [b"g", b"zz"])]:
+                                       ("w1.tfrecord", None, [b"a", b"bc", b""]),
+                                       ("w2.tfrecord", "GZIP", [b"g", b"zz"])]:
         with tf.io.TFRecordWriter(path(name), compression) as w:
             for r in records:
                 w.write(r)

@@ -29,7 +29,8 @@ from .structure import normalize_input, normalize_output, spec_of
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "SHARD_HINT", "AutoShardPolicy",
            "AutotuneAlgorithm", "AutotuneOptions", "DistributeOptions", "ExternalStatePolicy", "OptimizationOptions",
-           "ServiceOptions", "ThreadingOptions", "Optional", "TFRecordWriter", "CsvDataset", "make_csv_dataset", "Counter", "RandomDataset", "Reducer",
+           "ServiceOptions", "ThreadingOptions", "Optional", "TFRecordWriter", "CsvDataset", "make_csv_dataset",
+           "Counter", "RandomDataset", "Reducer",
            "assert_cardinality", "at", "bucket_by_sequence_length", "cardinality", "choose_from_datasets",
            "copy_to_device", "enable_debug_mode", "enumerate_dataset", "from_list", "get_next_as_optional",
            "get_single_element", "get_structure", "group_by_reducer", "group_by_window", "ignore_errors", "load",
@@ -418,13 +419,13 @@ def _check_device(device, argument: str) -> None:
 
 # --- make_csv_dataset ------------------------------------------------------------------------------------
 
-def _csv_rows(filenames, field_delim, use_quote_delim, compression_type):
+def _csv_rows(filenames, field_delim, use_quote_delim, compression_type, encoding):
     """Each file's rows as Python's csv reads them (header included), for the column names and types."""
     for name in filenames:
         if compression_type == "ZLIB":
             raise ValueError(f"`compression_type` {compression_type} is not supported for probing columns.")
         opener = gzip.open if compression_type == "GZIP" else open
-        with opener(name, "rt", newline="") as f:
+        with opener(name, "rt", newline="", encoding=encoding) as f:
             yield csv.reader(f, delimiter=field_delim,
                              quoting=csv.QUOTE_MINIMAL if use_quote_delim else csv.QUOTE_NONE)
 
@@ -465,7 +466,8 @@ def make_csv_dataset(file_pattern, batch_size, column_names=None, column_default
     if column_names is None:
         if not header:
             raise ValueError("Expected `column_names` or `header` arguments. Neither is provided.")
-        headers = [next(rows, None) for rows in _csv_rows(names, field_delim, use_quote_delim, compression_type)]
+        headers = [next(rows, None)
+                   for rows in _csv_rows(names, field_delim, use_quote_delim, compression_type, encoding)]
         if any(h is None for h in headers):
             raise ValueError(f"Failed when reading the header line of {names[headers.index(None)]}. Is it an "
                              "empty file?")
@@ -496,7 +498,7 @@ def make_csv_dataset(file_pattern, batch_size, column_names=None, column_default
         selected = select_columns if select_columns is not None else range(len(column_names))
         types = [None] * len(selected)
         seen = 0
-        for rows in _csv_rows(names, field_delim, use_quote_delim, compression_type):
+        for rows in _csv_rows(names, field_delim, use_quote_delim, compression_type, encoding):
             if header:
                 next(rows, None)
             for row in rows:
