@@ -6,7 +6,8 @@
 
 Workloads of 40 elements, each ~10 ms: ``sleep`` (I/O-like: releases the GIL), ``numpy`` (sorting an array:
 releases the GIL), ``python`` (a pure-Python loop: holds the GIL). Prefetch: a 5 ms producer and a 5 ms
-consumer.
+consumer. Interleave: 8 datasets of 5 reads of ~5 ms (files being read), sequential against
+``num_parallel_calls``.
 """
 
 import argparse
@@ -146,6 +147,24 @@ def main():
     for size in (1, md.data.AUTOTUNE):
         t = best(lambda: pipeline(size), args.repeats)
         print(f"| prefetch({'AUTOTUNE' if size == md.data.AUTOTUNE else size}) | {t:.3f} | {t / base:.2f} |")
+
+
+    def read(x):
+        time.sleep(0.005)  # one read of a file: waits, releases the GIL
+        return x
+
+    def interleaved(**kwargs):
+        consume(D.range(8).interleave(lambda f: D.range(5).map(read), cycle_length=4, **kwargs))
+
+    base = best(lambda: interleaved(), args.repeats)
+    print("\n# interleave: 8 datasets x 5 reads of 5 ms, cycle_length=4; ratio = time / sequential")
+    print("| interleave | seconds | ratio |\n|---|---|---|")
+    print(f"| sequential | {base:.3f} | 1.00 |")
+    for calls, deterministic in ((2, None), (4, None), (md.data.AUTOTUNE, None), (4, False)):
+        t = best(lambda: interleaved(num_parallel_calls=calls, deterministic=deterministic), args.repeats)
+        name = "AUTOTUNE" if calls == md.data.AUTOTUNE else calls
+        print(f"| num_parallel_calls={name}{', deterministic=False' if deterministic is False else ''} | {t:.3f} | "
+              f"{t / base:.2f} |")
 
 
 if __name__ == "__main__":

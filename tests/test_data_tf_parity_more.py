@@ -57,7 +57,7 @@ def expected_error_class(case, tf_class, tf_message):
 ENV = {"D": md.data.Dataset, "np": np, "AUTOTUNE": md.data.AUTOTUNE, "TensorSpec": md.data.TensorSpec,
        "P": record.P, "collections": collections, "LEN": len, "OPTS": record.options_seen,
        "O": record.options_maker(md.data.Options, md.data.AutoShardPolicy),
-       "shape_of": lambda s: None if s.shape is None else list(s.shape),
+       "shape_of": lambda s: s.shape.as_list() if s.shape.rank is not None else None,
        "dtype_of": lambda s: "string" if s.dtype.kind == "S" else s.dtype.name}
 
 

@@ -38,21 +38,15 @@ With one worker every policy gives the same split.
 
 from __future__ import annotations
 
-import types
-
+from . import experimental
 from .dataset_ops import (AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset, NumpyDataset,
                           make_numpy_dataset)
-from .iterator_ops import Optional, OwnedIterator as Iterator
-from .options import AutoShardPolicy, DistributeOptions, Options
-from .readers import TextLineDataset
+from .iterator_ops import IteratorSpec, NumpyIterator, Optional, OwnedIterator as Iterator
+from .options import AutoShardPolicy, DistributeOptions, Options, ThreadingOptions
+from .readers import FixedLengthRecordDataset, TextLineDataset, TFRecordDataset
 from .structure import DatasetSpec, TensorSpec
 
-__all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "Iterator", "Options",
-           "DistributeOptions", "AutoShardPolicy", "TensorSpec", "DatasetSpec", "TextLineDataset", "NumpyDataset",
+__all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "Iterator", "IteratorSpec",
+           "NumpyIterator", "Options", "ThreadingOptions", "DistributeOptions", "AutoShardPolicy", "TensorSpec",
+           "DatasetSpec", "TextLineDataset", "FixedLengthRecordDataset", "TFRecordDataset", "NumpyDataset",
            "experimental"]
-
-
-experimental = types.SimpleNamespace(AutoShardPolicy=AutoShardPolicy, DistributeOptions=DistributeOptions, Optional=Optional,
-                                     AUTOTUNE=AUTOTUNE, INFINITE_CARDINALITY=INFINITE_CARDINALITY,
-                                     UNKNOWN_CARDINALITY=UNKNOWN_CARDINALITY,
-                                     cardinality=lambda dataset: dataset.cardinality())

@@ -17,6 +17,7 @@ import inspect
 import logging
 import math
 import os
+import shutil
 import threading
 from collections import deque
 
@@ -24,16 +25,26 @@ import numpy as np
 
 from .._nest import flatten, map_structure, pack_sequence_as
 from ..device import device_util
-from .iterator_ops import OwnedIterator
+from .iterator_ops import NumpyIterator, OwnedIterator
+from .saved_dataset import (SPEC_FILE, Writer, check_compression, check_path, decode_spec, encode_spec,
+                            fingerprint, fresh_directory, publish, read_chunk, read_description, shard_of)
 from .options import Options, merge_options
-from .structure import (DatasetSpec, TensorSpec, array_module, map_container, normalize_input, normalize_output,
-                        spec_of, stack, to_leaf)
+from .structure import (DatasetSpec, TensorSpec, array_module, leaf_spec, map_container, normalize_input,
+                        normalize_output, spec_of, stack, to_leaf)
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset"]
 
 AUTOTUNE = -1
+DEBUG_MODE = False  # enable_debug_mode(): no threads, input order everywhere
 INFINITE_CARDINALITY = -1
 UNKNOWN = UNKNOWN_CARDINALITY = -2
+
+
+def enable_debug_mode() -> None:
+    """``md.data.experimental.enable_debug_mode()``: from now on (the whole process, as TF's) parallel ``map``,
+    ``interleave`` and ``prefetch`` run in the caller's thread, in order."""
+    global DEBUG_MODE
+    DEBUG_MODE = True
 
 
 def _int(value, argument: str, what: str) -> int:
@@ -62,13 +73,6 @@ def _call(fn, element):
     return fn(*element) if type(element) is tuple else fn(element)
 
 
-def _numpy_value(x):
-    """A leaf as as_numpy_iterator gives it: device arrays copied to the host, a scalar string as bytes."""
-    if device_util.on_gpu(x):
-        return device_util.to_host(x)
-    return bytes(x) if isinstance(x, np.bytes_) else x
-
-
 def _same_state(old, new, argument: str):
     """``new`` (a function's new state) as a structure of arrays; its structure and dtypes must be ``old``'s."""
     new = normalize_output(new, argument)
@@ -92,6 +96,24 @@ def _scalar_bool(keep) -> bool:
 
 def _parallelism_cap() -> int:
     return max(8, 4 * (os.cpu_count() or 1))
+
+
+def _pipeline_options(ds) -> Options:
+    return ds._pipeline_options or ds.options()
+
+
+def _ordered(ds, deterministic) -> bool:
+    """Whether a parallel transformation keeps its input order: its own ``deterministic``, else the
+    pipeline's ``Options.deterministic`` (default: ordered)."""
+    if deterministic is None:
+        deterministic = _pipeline_options(ds).deterministic
+    return deterministic is not False
+
+
+def _thread_limit(ds, wanted: int) -> int:
+    """``wanted`` threads, at most ``Options.threading.private_threadpool_size`` when the pipeline sets it."""
+    size = _pipeline_options(ds).threading.private_threadpool_size
+    return max(1, min(wanted, size)) if size else wanted
 
 
 class _Iterator:
@@ -142,8 +164,11 @@ class Dataset:
 
     def options(self) -> Options:
         """The options of this pipeline: every ``with_options`` upstream merged, a later one winning where both
-        set an option (tf.data's rule); the one ``with_options`` object itself when there is one."""
-        return merge_options(self._options_chain())
+        set an option (tf.data's rule). A read-only copy, as TF's: change options with ``with_options``."""
+        chain = self._options_chain()
+        options = copy.deepcopy(merge_options(*chain)) if chain else Options()
+        options._set_mutable(False)
+        return options
 
     def _options_chain(self) -> list:
         """The ``with_options`` objects of the pipeline, upstream (and the inputs in order) first."""
@@ -164,12 +189,16 @@ class Dataset:
     def _compute_spec(self):
         return self._input.element_spec
 
-    def cardinality(self) -> int:
-        """The number of elements: ``md.data.INFINITE_CARDINALITY`` (-1) or ``UNKNOWN_CARDINALITY`` (-2)."""
+    def cardinality(self) -> np.int64:
+        """The number of elements, an int64 scalar (TF's is an int64 tensor; this is what its ``.numpy()`` gives):
+        ``md.data.INFINITE_CARDINALITY`` (-1) or ``UNKNOWN_CARDINALITY`` (-2) where it is not a count."""
+        return np.int64(self._cardinality())
+
+    def _cardinality(self) -> int:
         return UNKNOWN
 
     def __len__(self):
-        n = self.cardinality()
+        n = self._cardinality()
         if n == INFINITE_CARDINALITY:
             raise TypeError("The dataset is infinite.")
         if n == UNKNOWN:
@@ -182,8 +211,7 @@ class Dataset:
             if isinstance(spec, DatasetSpec):
                 raise TypeError("`Dataset.as_numpy_iterator()` is not supported for datasets that produce datasets "
                                 "(window); iterate it, or flat_map(lambda w: w.batch(size)) first")
-        for element in self:
-            yield map_structure(_numpy_value, element)
+        return NumpyIterator(self)
 
     def reduce(self, initial_state, reduce_func):
         """``reduce_func(state, element)`` folded over every element, from ``initial_state``; the state keeps
@@ -275,7 +303,11 @@ class Dataset:
     # --- transformations -------------------------------------------------------------------------
     def batch(self, batch_size, drop_remainder=False, num_parallel_calls=None, deterministic=None,
               name=None) -> "Dataset":
-        """Consecutive elements stacked into batches; a short last batch unless ``drop_remainder``."""
+        """Consecutive elements stacked into batches; a short last batch unless ``drop_remainder``.
+        ``num_parallel_calls`` is checked and the batches are stacked in order in the reading thread (one NumPy
+        stack per component: put a ``prefetch`` after it to overlap)."""
+        if num_parallel_calls is not None:
+            _positive_int(num_parallel_calls, "num_parallel_calls", allow=(AUTOTUNE,))
         return _Batch(self, _positive_int(batch_size, "batch_size"), bool(drop_remainder))
 
     def padded_batch(self, batch_size, padded_shapes=None, padding_values=None, drop_remainder=False,
@@ -301,11 +333,17 @@ class Dataset:
 
     def interleave(self, map_func, cycle_length=None, block_length=None, num_parallel_calls=None,
                    deterministic=None, name=None) -> "Dataset":
-        """Elements of ``cycle_length`` datasets ``map_func`` makes, ``block_length`` from each in turn."""
+        """Elements of ``cycle_length`` datasets ``map_func`` makes, ``block_length`` from each in turn. With
+        ``num_parallel_calls`` each open dataset is read ahead in a thread of its own, at most
+        ``num_parallel_calls`` reading at once; ``deterministic=False`` then lets a dataset whose element is
+        ready go before one that is still reading."""
         if cycle_length is None or cycle_length == AUTOTUNE:
             cycle_length = os.cpu_count() or 1
+        if num_parallel_calls is not None:
+            num_parallel_calls = _positive_int(num_parallel_calls, "num_parallel_calls", allow=(AUTOTUNE,))
         return _Interleave(self, map_func, _positive_int(cycle_length, "cycle_length"),
-                           _positive_int(1 if block_length is None else block_length, "block_length"))
+                           _positive_int(1 if block_length is None else block_length, "block_length"),
+                           num_parallel_calls, deterministic)
 
     def filter(self, predicate, name=None) -> "Dataset":
         """The elements for which ``predicate(element)`` is True."""
@@ -355,9 +393,11 @@ class Dataset:
         """This dataset carrying ``options`` (``md.data.Options``)."""
         if not isinstance(options, Options):
             raise TypeError(f"options={options!r}: expected md.data.Options()")
+        options = copy.deepcopy(options)  # as TF's, later changes to the caller's object do not reach the pipeline
+        options._set_mutable(True)
         clone = self._under(options)
         # Options set on this very dataset before are merged with these (a later one wins where both set one).
-        clone._options = options if self._options is None else merge_options([self._options, options])
+        clone._options = options if self._options is None else merge_options(self._options, options)
         return clone
 
     def _under(self, options: Options) -> "Dataset":
@@ -427,7 +467,7 @@ class Dataset:
             return window.padded_batch(size, shapes, padding_values, drop_remainder=drop_remainder)
 
         def batched(s, shape):
-            return TensorSpec(None if s.shape is None else (None,) + tuple(shape), s.dtype)
+            return TensorSpec(None if s.shape.rank is None else (None,) + tuple(shape), s.dtype)
 
         # The spec of every bucket's batches (TF's): batch and padded dimensions unknown unless padded_shapes fixes
         # them.
@@ -475,6 +515,66 @@ class Dataset:
         finally:
             it.close()
 
+    def rejection_resample(self, class_func, target_dist, initial_dist=None, seed=None, name=None) -> "Dataset":
+        """``(class, element)`` pairs whose classes (``class_func(element)``, an int in ``[0, num_classes)``) follow
+        ``target_dist``: TF's resampler, which takes an element of the input as it is with probability ``m`` and
+        otherwise the next element a rejection sampler accepts (class ``i`` with probability ``a_i``), ``m`` and
+        ``a`` computed from ``initial_dist`` or, without it, from the class counts seen so far (32 at a time,
+        each class starting at 10). The two streams read the input separately, as TF's do, so an element may
+        come twice. NumPy's random numbers, not TF's."""
+        if not callable(class_func):
+            raise TypeError(f"class_func={class_func!r} is not callable; pass a function of the element returning "
+                            "its class")
+        return _RejectionResample(self, class_func, _distribution(target_dist, "target_dist"),
+                                  None if initial_dist is None else _distribution(initial_dist, "initial_dist"), seed)
+
+    def save(self, path, compression=None, shard_func=None, checkpoint_args=None) -> None:
+        """Every element written under the directory ``path`` (replacing it), for ``Dataset.load``. md.data's
+        own format (docs/data.md): TF's ``load`` does not read it. ``shard_func(element)`` (an int64 scalar)
+        spreads the elements over shards, which ``load`` reads in shard order."""
+        path = check_path(path)
+        compress = check_compression(compression)
+        if shard_func is not None and not callable(shard_func):
+            raise TypeError(f"shard_func={shard_func!r} is not callable; pass a function of the element returning "
+                            "an int64 shard index")
+        if checkpoint_args is not None:
+            raise TypeError("checkpoint_args: md.data's save does not checkpoint its progress (a save runs to the "
+                            "end in one call); leave it None")
+        spec = self.element_spec
+        encode_spec(spec)  # (refuses datasets of datasets before writing anything)
+        fresh_directory(path)
+        writer = Writer(path, compress)
+        for element in self:
+            writer.add(0 if shard_func is None else shard_of(shard_func, element), element)
+        writer.finish(spec)
+
+    @staticmethod
+    def load(path, element_spec=None, compression=None, reader_func=None, wait=False) -> "Dataset":
+        """The dataset ``save`` wrote in ``path``, with its element_spec and cardinality. ``reader_func(datasets)``
+        gets the shards as a dataset of datasets and returns the dataset to read (default: the shards in
+        order). The compression is read from the files themselves."""
+        path = check_path(path)
+        check_compression(compression)
+        loaded = _Loaded(path)
+        if element_spec is not None and flatten(element_spec) != flatten(loaded.element_spec):
+            raise ValueError(f"element_spec={element_spec!r} does not match the saved dataset's "
+                             f"{loaded.element_spec!r}; pass None to use the saved one")
+        if reader_func is None:
+            return loaded
+        if not callable(reader_func):
+            raise TypeError(f"reader_func={reader_func!r} is not callable; pass a function of the dataset of shards")
+        return _Counted(reader_func(_Shards(loaded._shards)), loaded._count)
+
+    def snapshot(self, path, compression="AUTO", reader_func=None, shard_func=None, name=None) -> "Dataset":
+        """The first complete pass is written under ``path`` (a directory per pipeline fingerprint); every later
+        iteration, in this process or another running the same pipeline, reads the snapshot instead."""
+        return _Snapshot(self, path, compression, reader_func, shard_func)
+
+    def fingerprint(self) -> np.uint64:
+        """A uint64 naming this pipeline: its transformations, their arguments, functions' code and sources'
+        values (equal pipelines, equal fingerprints; not TF's numbers)."""
+        return np.uint64(int(fingerprint(self)[:16], 16))
+
     @staticmethod
     def counter(start=0, step=1, dtype=np.int64, name=None) -> "Dataset":
         """``start, start + step, ...`` forever, as ``dtype`` scalars."""
@@ -497,6 +597,8 @@ class Dataset:
         """Elements drawn from ``datasets`` at random, dataset ``i`` with probability ``weights[i]`` (uniform by
         default); an exhausted dataset drops out unless ``stop_on_empty_dataset``."""
         datasets = _datasets_argument(datasets)
+        if len(datasets) == 1 and weights is None:  # as tf.data: one dataset is returned as it is
+            return datasets[0]
         if weights is not None:
             weights = [float(w) for w in np.asarray(weights, np.float64).reshape(-1)]
             if len(weights) != len(datasets):
@@ -541,7 +643,7 @@ class _TensorSlices(Dataset):
         return pack_sequence_as(self._structure, [TensorSpec(leaf.shape[1:], leaf.dtype)
                                                          for leaf in self._leaves])
 
-    def cardinality(self):
+    def _cardinality(self):
         return self._rows
 
     def _make_iterator(self, state=None):
@@ -605,7 +707,7 @@ class _Tensors(Dataset):
     def _compute_spec(self):
         return spec_of(self._element)
 
-    def cardinality(self):
+    def _cardinality(self):
         return 1
 
     def _make_iterator(self, state=None):
@@ -641,7 +743,7 @@ class _Range(Dataset):
     def _compute_spec(self):
         return TensorSpec((), self._dtype)
 
-    def cardinality(self):
+    def _cardinality(self):
         return len(self._range)
 
     def _make_iterator(self, state=None):
@@ -716,7 +818,7 @@ def _conform(value, signature):
                                 f"({e})") from None
             if leaf.ndim == 0:
                 leaf = leaf[()]
-        if signature.shape is not None and not signature.is_compatible_with(leaf):
+        if not signature.is_compatible_with(leaf):
             raise TypeError(f"`generator` yielded an element of shape {tuple(np.shape(leaf))} where an element of "
                              f"shape {signature.shape} was expected")
         return leaf
@@ -786,7 +888,7 @@ class IterableDataset(Dataset):
             raise ValueError("element_spec: the dataset is empty, so its elements' structure is unknown")
         return spec_of(normalize_output(first, "dataset element"))
 
-    def cardinality(self):
+    def _cardinality(self):
         return len(self._iterable) if isinstance(self._iterable, (list, tuple)) else UNKNOWN
 
     def _make_iterator(self, state=None):
@@ -834,11 +936,11 @@ class _Batch(Dataset):
 
     def _compute_spec(self):
         first = self._batch_size if self._drop else None
-        return map_structure(lambda s: TensorSpec(None if s.shape is None else (first,) + s.shape, s.dtype),
+        return map_structure(lambda s: TensorSpec(None if s.shape.rank is None else (first,) + s.shape, s.dtype),
                              self._input.element_spec)
 
-    def cardinality(self):
-        n = self._input.cardinality()
+    def _cardinality(self):
+        n = self._input._cardinality()
         if n < 0:
             return n
         return n // self._batch_size if self._drop else math.ceil(n / self._batch_size)
@@ -1005,19 +1107,19 @@ def _pad(column: list, component: int, target: list, value) -> list:
 
 
 class _Unbatch(Dataset):
-    def cardinality(self):
+    def _cardinality(self):
         """Known when the input's batch dimension is (one size for every component), as in tf.data."""
-        n = self._input.cardinality()
-        rows = {s.shape[0] if s.shape else None for s in flatten(self._input.element_spec)}
+        n = self._input._cardinality()
+        rows = {s.shape[0] if s.shape.rank else None for s in flatten(self._input.element_spec)}
         if n < 0 or len(rows) != 1 or None in rows or 0 in rows:
             return n if n == INFINITE_CARDINALITY else (0 if n == 0 else UNKNOWN)
         return n * rows.pop()
 
     def _compute_spec(self):
         def row(s):
-            if s.shape is None:
+            if s.shape.rank is None:
                 return s
-            if not s.shape:
+            if s.shape.rank == 0:
                 raise ValueError("Cannot unbatch an input with scalar components; unbatch needs every component "
                                  "to have rank >= 1 (batch the dataset first)")
             return TensorSpec(s.shape[1:], s.dtype)
@@ -1069,15 +1171,15 @@ class _Map(Dataset):
             raise ValueError("element_spec of map: the input is empty, so map_func's output is unknown")
         element = first[0]
         unknown = {leaf.shape[d] for leaf, s in zip(flatten(element), flatten(self._input.element_spec))
-                   if s.shape is not None for d in range(len(s.shape)) if s.shape[d] is None}
+                   if s.shape.rank is not None for d in range(len(s.shape)) if s.shape[d] is None}
         out = spec_of(normalize_output(_call(self._fn, element), "map_func"))
         return map_structure(lambda s: TensorSpec([None if d in unknown else d for d in s.shape], s.dtype), out)
 
-    def cardinality(self):
-        return self._input.cardinality()
+    def _cardinality(self):
+        return self._input._cardinality()
 
     def _make_iterator(self, state=None):
-        if self._parallel is None:
+        if self._parallel is None or DEBUG_MODE:
             return _MapIterator(self, state)
         return _ParallelMapIterator(self, state)
 
@@ -1111,12 +1213,12 @@ class _ParallelMapIterator(_Iterator):
         self._fn = ds._fn
         self._autotune = ds._parallel == AUTOTUNE
         cap = _parallelism_cap()
-        self._cap = cap if self._autotune else ds._parallel
         self._target = min(os.cpu_count() or 1, cap) if self._autotune else ds._parallel
-        deterministic = ds._deterministic
-        if deterministic is None:
-            deterministic = (ds._pipeline_options or ds.options()).deterministic
-        self._ordered = deterministic is not False
+        # autotune.enabled=False: AUTOTUNE stays at its first value, as TF's fixed default parallelism.
+        self._cap = (cap if _pipeline_options(ds).autotune.enabled is not False else self._target) \
+            if self._autotune else ds._parallel
+        self._workers = _thread_limit(ds, self._cap)
+        self._ordered = _ordered(ds, ds._deterministic)
         self._ready = deque(() if state is None else state["ready"])
         self._input_done = False if state is None else state["input_done"]
         self._pending = deque()
@@ -1130,7 +1232,7 @@ class _ParallelMapIterator(_Iterator):
                 self._input_done = True
                 return
             if self._pool is None:
-                self._pool = futures.ThreadPoolExecutor(self._cap, thread_name_prefix=self._POOL_NAME)
+                self._pool = futures.ThreadPoolExecutor(self._workers, thread_name_prefix=self._POOL_NAME)
             self._pending.append(self._pool.submit(_apply, self._fn, element))
 
     def next(self):
@@ -1166,11 +1268,12 @@ class _ParallelMapIterator(_Iterator):
 
 
 class _Interleave(Dataset):
-    def __init__(self, input_ds, fn, cycle_length, block_length):
+    def __init__(self, input_ds, fn, cycle_length, block_length, num_parallel_calls=None, deterministic=None):
         super().__init__(input_ds)
         if not callable(fn):
             raise ValueError(f"map_func={fn!r} is not callable; pass a function of the element")
         self._fn, self._cycle, self._block = fn, cycle_length, block_length
+        self._parallel, self._deterministic = num_parallel_calls, deterministic
 
     def _inner(self, element) -> Dataset:
         ds = _call(self._fn, element)
@@ -1179,13 +1282,20 @@ class _Interleave(Dataset):
         return ds
 
     def _compute_spec(self):
-        first = self._input._peek()
-        if not first:
-            raise ValueError("element_spec: the input is empty, so map_func's datasets are unknown")
-        return self._inner(first[0]).element_spec
+        # The first of map_func's datasets whose spec is known (an empty one may not know it: its own map never
+        # ran).
+        error = ValueError("element_spec: the input is empty, so map_func's datasets are unknown")
+        for element in self._input._peek(16):
+            try:
+                return self._inner(element).element_spec
+            except ValueError as e:
+                error = e
+        raise error
 
     def _make_iterator(self, state=None):
-        return _InterleaveIterator(self, state)
+        if self._parallel is None or DEBUG_MODE:
+            return _InterleaveIterator(self, state)
+        return _ParallelInterleaveIterator(self, state)
 
 
 class _InterleaveIterator(_Iterator):
@@ -1202,7 +1312,10 @@ class _InterleaveIterator(_Iterator):
             for i, slot in enumerate(state["slots"]):
                 if slot is not None:
                     element = _element_from_state(slot[0], ds._input.element_spec)
-                    self._slots[i] = (element, ds._inner(element)._make_iterator(slot[1]))
+                    self._slots[i] = (element, self._open_inner(element, slot[1]))
+
+    def _open_inner(self, element, state=None) -> _Iterator:
+        return self._ds._inner(element)._make_iterator(state)
 
     def _open(self, i) -> bool:
         if self._input_done:
@@ -1212,7 +1325,7 @@ class _InterleaveIterator(_Iterator):
         except StopIteration:
             self._input_done = True
             return False
-        self._slots[i] = (element, self._ds._inner(element)._make_iterator())
+        self._slots[i] = (element, self._open_inner(element))
         return True
 
     def next(self):
@@ -1224,16 +1337,23 @@ class _InterleaveIterator(_Iterator):
                 self._advance()
                 continue
             try:
-                value = self._slots[i][1].next()
+                value = self._take(i)
             except StopIteration:
-                self._slots[i][1].close()
-                self._slots[i] = None
                 self._advance()
                 continue
             self._taken += 1
             if self._taken >= self._ds._block:
                 self._advance()
             return value
+
+    def _take(self, i):
+        """The next element of slot ``i``; at its end the slot is closed and emptied (StopIteration)."""
+        try:
+            return self._slots[i][1].next()
+        except StopIteration:
+            self._slots[i][1].close()
+            self._slots[i] = None
+            raise
 
     def _advance(self):
         self._index, self._taken = (self._index + 1) % len(self._slots), 0
@@ -1248,6 +1368,71 @@ class _InterleaveIterator(_Iterator):
             if slot is not None:
                 slot[1].close()
         super().close()
+
+
+class _Throttled(_Iterator):
+    """An iterator whose ``next()`` waits for one of the interleave's ``num_parallel_calls`` permits."""
+
+    def __init__(self, source, permits: threading.Semaphore):
+        super().__init__(source)
+        self._permits = permits
+
+    def next(self):
+        with self._permits:
+            return self._inputs[0].next()
+
+    def save(self):
+        return self._inputs[0].save()
+
+
+class _ParallelInterleaveIterator(_InterleaveIterator):
+    """``interleave(num_parallel_calls=...)``: every open dataset is read ahead (``block_length`` elements) by
+    a thread of its own, at most ``num_parallel_calls`` reading at a time. In order (tf.data's), unless
+    ``deterministic=False``: then, when the dataset whose turn it is has nothing ready, the first other open
+    dataset with an element ready gives it."""
+
+    def __init__(self, ds, state):
+        calls = ds._cycle if ds._parallel == AUTOTUNE else ds._parallel
+        self._permits = threading.Semaphore(_thread_limit(ds, calls))
+        self._ready = threading.Condition()  # notified whenever a slot's reader has an element (or its end)
+        self._ordered = _ordered(ds, ds._deterministic)
+        super().__init__(ds, state)
+
+    def _open_inner(self, element, state=None) -> _Iterator:
+        inner = self._ds._inner(element)._make_iterator(None if state is None else state["input"])
+        return PrefetchIterator(_Throttled(inner, self._permits), self._ds._block,
+                                () if state is None else state["buffer"], name="md.data-interleave",
+                                on_ready=self._notify)
+
+    def _notify(self) -> None:
+        with self._ready:
+            self._ready.notify_all()
+
+    def next(self):
+        if self._ordered:
+            return super().next()
+        while True:
+            while not self._input_done and any(s is None for s in self._slots):
+                self._open(self._slots.index(None))  # every place of the cycle reading
+            if self._input_done and all(s is None for s in self._slots):
+                raise StopIteration
+            i = self._index
+            if self._slots[i] is None or not self._slots[i][1].ready():
+                with self._ready:
+                    while not any(s is not None and s[1].ready() for s in self._slots):
+                        self._ready.wait()
+                i = next(j for j, s in enumerate(self._slots) if s is not None and s[1].ready())
+            try:
+                value = self._take(i)
+            except StopIteration:
+                if i == self._index:
+                    self._advance()
+                continue
+            if i == self._index:
+                self._taken += 1
+                if self._taken >= self._ds._block:
+                    self._advance()
+            return value
 
 
 def _element_state(element) -> list:
@@ -1292,8 +1477,8 @@ class _Shuffle(Dataset):
         self._seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
         self._epochs = 0  # iterations started so far: each reshuffles with its own stream
 
-    def cardinality(self):
-        return self._input.cardinality()
+    def _cardinality(self):
+        return self._input._cardinality()
 
     def _clone(self, inputs):
         clone = super()._clone(inputs)
@@ -1352,8 +1537,8 @@ class _Repeat(Dataset):
         super().__init__(input_ds)
         self._times = count
 
-    def cardinality(self):
-        n = self._input.cardinality()
+    def _cardinality(self):
+        n = self._input._cardinality()
         if self._times == 0:
             return 0
         if self._times == -1:
@@ -1398,8 +1583,8 @@ class _Take(Dataset):
         super().__init__(input_ds)
         self._n = count
 
-    def cardinality(self):
-        n = self._input.cardinality()
+    def _cardinality(self):
+        n = self._input._cardinality()
         if self._n == -1:
             return n
         return self._n if n in (INFINITE_CARDINALITY,) or n >= self._n else (n if n >= 0 else UNKNOWN)
@@ -1426,8 +1611,8 @@ class _TakeIterator(_Iterator):
 
 
 class _Skip(_Take):
-    def cardinality(self):
-        n = self._input.cardinality()
+    def _cardinality(self):
+        n = self._input._cardinality()
         if n < 0:
             return n
         return 0 if self._n == -1 else max(n - self._n, 0)
@@ -1453,8 +1638,8 @@ class _Cache(Dataset):
         self._filename = filename
         self._elements = None  # the complete first pass, once one finished
 
-    def cardinality(self):
-        return self._input.cardinality()
+    def _cardinality(self):
+        return self._input._cardinality()
 
     def _clone(self, inputs):
         clone = super()._clone(inputs)
@@ -1528,11 +1713,11 @@ class _Prefetch(Dataset):
         super().__init__(input_ds)
         self._buffer_size = buffer_size
 
-    def cardinality(self):
-        return self._input.cardinality()
+    def _cardinality(self):
+        return self._input._cardinality()
 
     def _make_iterator(self, state=None):
-        if self._buffer_size == 0:
+        if self._buffer_size == 0 or DEBUG_MODE:
             return self._input._make_iterator(state)
         return PrefetchIterator(self._input._make_iterator(None if state is None else state["input"]),
                                 self._buffer_size, () if state is None else state["buffer"])
@@ -1546,9 +1731,9 @@ class PrefetchIterator(_Iterator):
 
     _AUTOTUNE_CAP = 16
 
-    def __init__(self, source, buffer_size, buffered=(), transform=None, name="md.data-prefetch"):
+    def __init__(self, source, buffer_size, buffered=(), transform=None, name="md.data-prefetch", on_ready=None):
         super().__init__(source)
-        self._transform = transform
+        self._transform, self._on_ready = transform, on_ready
         self._size = 1 if buffer_size == AUTOTUNE else buffer_size
         self._autotune = buffer_size == AUTOTUNE
         self._cond = threading.Condition()
@@ -1583,8 +1768,10 @@ class PrefetchIterator(_Iterator):
                 if item is not None:
                     self._buffer.append(item)
                 cond.notify_all()
-                if self._end:
-                    return
+            if self._on_ready is not None:
+                self._on_ready()
+            if self._end:
+                return
 
     def next(self):
         with self._cond:
@@ -1600,6 +1787,11 @@ class PrefetchIterator(_Iterator):
         if error is not None:
             raise error
         return element
+
+    def ready(self) -> bool:
+        """Whether ``next()`` would return (an element, an error or the end) without waiting."""
+        with self._cond:
+            return bool(self._buffer) or self._end
 
     def save(self):
         with self._cond:
@@ -1627,8 +1819,8 @@ class _Shard(Dataset):
         super().__init__(input_ds)
         self._n, self._index = num_shards, index
 
-    def cardinality(self):
-        n = self._input.cardinality()
+    def _cardinality(self):
+        n = self._input._cardinality()
         return n if n < 0 else len(range(self._index, n, self._n))
 
     def _make_iterator(self, state=None):
@@ -1680,8 +1872,8 @@ class _Concatenate(Dataset):
         # Shapes may differ: dimensions that differ become None, and the whole shape where the ranks differ.
         return pack_sequence_as(a, [x.most_specific_compatible(y) for x, y in zip(flatten(a), flatten(b))])
 
-    def cardinality(self):
-        a, b = (d.cardinality() for d in self._inputs)
+    def _cardinality(self):
+        a, b = (d._cardinality() for d in self._inputs)
         if INFINITE_CARDINALITY in (a, b):
             return INFINITE_CARDINALITY
         return UNKNOWN if UNKNOWN in (a, b) else a + b
@@ -1726,8 +1918,8 @@ class _Zip(Dataset):
     def _compute_spec(self):
         return pack_sequence_as(self._structure, [d.element_spec for d in self._inputs])
 
-    def cardinality(self):
-        counts = [d.cardinality() for d in self._inputs]
+    def _cardinality(self):
+        counts = [d._cardinality() for d in self._inputs]
         known = [c for c in counts if c >= 0]
         if known:
             return min(known) if UNKNOWN not in counts else UNKNOWN
@@ -1758,8 +1950,8 @@ class _Enumerate(Dataset):
     def _compute_spec(self):
         return (TensorSpec((), np.int64), self._input.element_spec)
 
-    def cardinality(self):
-        return self._input.cardinality()
+    def _cardinality(self):
+        return self._input._cardinality()
 
     def _make_iterator(self, state=None):
         return _EnumerateIterator(self, state)
@@ -1827,7 +2019,7 @@ class ListFilesDataset(Dataset):
     def _compute_spec(self):
         return TensorSpec((), np.dtype("S"))
 
-    def cardinality(self):
+    def _cardinality(self):
         return len(self._files)
 
     def _make_iterator(self, state=None):
@@ -1845,7 +2037,7 @@ class ListFilesDataset(Dataset):
 # --- take_while, scan, unique, rebatch, ignore_errors, counter, choose/sample_from_datasets ---------------
 
 class _TakeWhile(_Filter):
-    def cardinality(self):
+    def _cardinality(self):
         return UNKNOWN  # as tf.data, even for an endless input
 
     def _make_iterator(self, state=None):
@@ -1893,8 +2085,8 @@ class _Scan(Dataset):
             raise ValueError("element_spec of scan: the input is empty, so scan_func's output is unknown")
         return spec_of(_scan_step(self._fn, self._initial, first[0])[1])
 
-    def cardinality(self):
-        return self._input.cardinality()
+    def _cardinality(self):
+        return self._input._cardinality()
 
     def _make_iterator(self, state=None):
         return _ScanIterator(self, state)
@@ -1964,20 +2156,20 @@ class _Rebatch(Dataset):
     def __init__(self, input_ds, batch_size, drop_remainder):
         super().__init__(input_ds)
         self._sizes, self._drop = _batch_sizes(batch_size), drop_remainder
-        if any(s.shape is not None and not s.shape for s in flatten(input_ds.element_spec)):
+        if any(s.shape.rank == 0 for s in flatten(input_ds.element_spec)):
             raise ValueError("Invalid `batch_sizes`. Expected dataset with rank of >= 1 but found a dataset with "
                              "scalar elements. Fix the issue by adding the `batch` transformation to the dataset.")
 
     def _compute_spec(self):
         # Every batch has the one size when the remainder is dropped, or when each input batch splits evenly.
-        inputs = {s.shape[0] if s.shape else None for s in flatten(self._input.element_spec)}
+        inputs = {s.shape[0] if s.shape.rank else None for s in flatten(self._input.element_spec)}
         size = self._sizes[0] if len(set(self._sizes)) == 1 else None
         even = len(inputs) == 1 and None not in inputs and size is not None and inputs.pop() % size == 0
         first = size if self._drop or even else None
-        return map_structure(lambda s: TensorSpec(None if s.shape is None else (first,) + s.shape[1:], s.dtype),
+        return map_structure(lambda s: TensorSpec(None if s.shape.rank is None else (first,) + s.shape[1:], s.dtype),
                              self._input.element_spec)
 
-    def cardinality(self):
+    def _cardinality(self):
         return UNKNOWN  # as tf.data
 
     def _make_iterator(self, state=None):
@@ -2026,7 +2218,7 @@ class _IgnoreErrors(Dataset):
         super().__init__(input_ds)
         self._log = log_warning
 
-    def cardinality(self):
+    def _cardinality(self):
         return UNKNOWN  # as tf.data: any element may be dropped
 
     def _make_iterator(self, state=None):
@@ -2061,7 +2253,7 @@ class _Counter(Dataset):
     def _compute_spec(self):
         return TensorSpec((), self._dtype)
 
-    def cardinality(self):
+    def _cardinality(self):
         return INFINITE_CARDINALITY
 
     def _make_iterator(self, state=None):
@@ -2139,7 +2331,7 @@ class _ChooseFromDatasets(_Selecting):
                             f"but are {choice_dataset.element_spec}")
         super().__init__(datasets, [choice_dataset], stop_on_empty)
 
-    def cardinality(self):
+    def _cardinality(self):
         return UNKNOWN
 
     def _make_iterator(self, state=None):
@@ -2170,8 +2362,8 @@ class _SampleFromDatasets(_Selecting):
         self._seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
         self._epochs = 0
 
-    def cardinality(self):
-        endless = [d.cardinality() == INFINITE_CARDINALITY for d in self._inputs]
+    def _cardinality(self):
+        endless = [d._cardinality() == INFINITE_CARDINALITY for d in self._inputs]
         return INFINITE_CARDINALITY if (all(endless) if self._stop else any(endless)) else UNKNOWN
 
     def _make_iterator(self, state=None):
@@ -2207,8 +2399,8 @@ class _Window(Dataset):
     def _compute_spec(self):
         return map_structure(DatasetSpec, self._input.element_spec)
 
-    def cardinality(self):
-        n = self._input.cardinality()
+    def _cardinality(self):
+        n = self._input._cardinality()
         if n < 0:
             return n
         if self._drop:
@@ -2269,7 +2461,7 @@ class _WindowComponent(Dataset):
     def _compute_spec(self):
         return self._component_spec
 
-    def cardinality(self):
+    def _cardinality(self):
         return len(self._values)
 
     def _make_iterator(self, state=None):
@@ -2286,8 +2478,8 @@ class _GroupByWindow(Dataset):
                 raise ValueError(f"{argument}={fn!r} is not callable")
         self._key_func, self._reduce_func, self._size_func = key_func, reduce_func, window_size_func
 
-    def cardinality(self):
-        n = self._input.cardinality()
+    def _cardinality(self):
+        n = self._input._cardinality()
         return INFINITE_CARDINALITY if n == INFINITE_CARDINALITY else UNKNOWN
 
     def _key(self, element) -> int:
@@ -2389,7 +2581,7 @@ class _Random(Dataset):
     def _compute_spec(self):
         return TensorSpec((), np.int64)
 
-    def cardinality(self):
+    def _cardinality(self):
         return INFINITE_CARDINALITY
 
     def _make_iterator(self, state=None):
@@ -2409,3 +2601,357 @@ class _RandomIterator(_Iterator):
 
     def save(self):
         return {"rng": self._rng.bit_generator.state}
+
+
+# --- saved datasets and snapshots (the files: saved_dataset.py) --------------------------------------------
+
+class _SavedShard(Dataset):
+    """One shard of a saved dataset: its chunks' elements in order."""
+
+    def __init__(self, path: str, shard: int, chunks: int, spec):
+        super().__init__()
+        self._path, self._shard, self._chunks, self._saved_spec = path, shard, chunks, spec
+
+    def _compute_spec(self):
+        return self._saved_spec
+
+    def _make_iterator(self, state=None):
+        return _SavedShardIterator(self, (0, 0) if state is None else tuple(state))
+
+
+class _SavedShardIterator(_Iterator):
+    def __init__(self, ds, position):
+        super().__init__()
+        self._ds = ds
+        self._chunk, self._i = position
+        self._elements = None
+
+    def next(self):
+        while self._chunk < self._ds._chunks:
+            if self._elements is None:
+                self._elements = read_chunk(
+                    os.path.join(self._ds._path, f"shard_{self._ds._shard}", f"{self._chunk}.npz"),
+                    self._ds._saved_spec)
+            if self._i < len(self._elements):
+                self._i += 1
+                return self._elements[self._i - 1]
+            self._chunk, self._i, self._elements = self._chunk + 1, 0, None
+        raise StopIteration
+
+    def save(self):
+        return [self._chunk, self._i]
+
+
+class _Shards(Dataset):
+    """The shards of a saved dataset as a dataset of datasets (what ``load``'s ``reader_func`` receives)."""
+
+    def __init__(self, shards: list):
+        super().__init__()
+        self._shards = shards
+
+    def _compute_spec(self):
+        return DatasetSpec(self._shards[0].element_spec if self._shards else None)
+
+    def _cardinality(self):
+        return len(self._shards)
+
+    def _make_iterator(self, state=None):
+        return _ListIterator(self._shards, 0 if state is None else state["i"])
+
+
+class _Loaded(Dataset):
+    """A saved dataset: its shards one after the other, with the saved element_spec and cardinality (``spec``
+    gives the structure to rebuild instead of the saved one: a snapshot's elements keep their pipeline's
+    namedtuple classes)."""
+
+    def __init__(self, path: str, spec=None):
+        super().__init__()
+        description = read_description(path)
+        self._saved_spec = decode_spec(description["element_spec"]) if spec is None else spec
+        self._count = description["cardinality"]
+        self._shards = [_SavedShard(path, int(k), n, self._saved_spec) for k, n in description["shards"].items()]
+
+    def _compute_spec(self):
+        return self._saved_spec
+
+    def _cardinality(self):
+        return self._count
+
+    def _make_iterator(self, state=None):
+        return _LoadedIterator(self, state)
+
+
+class _LoadedIterator(_Iterator):
+    """TF's default reader: the shards interleaved, one element from each of ``cycle`` open shards in turn (the
+    CPU count, as TF's), a finished shard replaced by the next one. One shard (no ``shard_func``): in order."""
+
+    def __init__(self, ds, state):
+        super().__init__()
+        self._ds = ds
+        cycle = min(os.cpu_count() or 1, max(1, len(ds._shards)))
+        if state is None:
+            self._slots, self._next_shard, self._index = [None] * cycle, 0, 0
+        else:
+            self._next_shard, self._index = state["next_shard"], state["index"]
+            self._slots = [None if s is None else (s[0], ds._shards[s[0]]._make_iterator(s[1]))
+                           for s in state["slots"]]
+
+    def next(self):
+        while True:
+            if self._next_shard >= len(self._ds._shards) and all(s is None for s in self._slots):
+                raise StopIteration
+            i = self._index
+            if self._slots[i] is None and self._next_shard < len(self._ds._shards):
+                shard = self._next_shard
+                self._slots[i] = (shard, self._ds._shards[shard]._make_iterator())
+                self._next_shard += 1
+            self._index = (i + 1) % len(self._slots)
+            if self._slots[i] is None:
+                continue
+            try:
+                return self._slots[i][1].next()
+            except StopIteration:
+                self._slots[i] = None
+                self._index = i  # the next shard takes this place of the cycle at once
+
+    def save(self):
+        return {"next_shard": self._next_shard, "index": self._index,
+                "slots": [None if s is None else [s[0], s[1].save()] for s in self._slots]}
+
+
+class _Counted(Dataset):
+    """A dataset whose element count is known from elsewhere (a loaded dataset read by a ``reader_func``)."""
+
+    def __init__(self, input_ds, count: int):
+        super().__init__(input_ds)
+        self._count = count
+
+    def _cardinality(self):
+        return self._count
+
+    def _make_iterator(self, state=None):
+        return self._input._make_iterator(state)
+
+
+class _Snapshot(Dataset):
+    def __init__(self, input_ds, path, compression, reader_func, shard_func):
+        super().__init__(input_ds)
+        self._path = check_path(path)
+        self._compress = check_compression(compression)
+        for argument, fn in (("reader_func", reader_func), ("shard_func", shard_func)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{argument}={fn!r} is not callable")
+        self._reader_func, self._shard_func = reader_func, shard_func
+
+    def _cardinality(self):
+        return self._input._cardinality()
+
+    def _directory(self) -> str:
+        return os.path.join(self._path, fingerprint(self._input))
+
+    def _written(self):
+        """The finished snapshot of this pipeline, as the dataset to read (None: not written yet)."""
+        directory = self._directory()
+        if not os.path.exists(os.path.join(directory, SPEC_FILE)):
+            return None
+        loaded = _Loaded(directory, self._input.element_spec)
+        return loaded if self._reader_func is None else self._reader_func(_Shards(loaded._shards))
+
+    def _make_iterator(self, state=None):
+        written = self._written()
+        if written is not None:
+            return _SnapshotReadIterator(written, None if state is None else state["written"])
+        if state is not None:
+            raise ValueError(f"the snapshot under {self._path!r} that this iterator was reading is gone; restore "
+                             "where the snapshot's files are")
+        return _SnapshotWriteIterator(self)
+
+
+class _SnapshotReadIterator(_Iterator):
+    def __init__(self, written, state):
+        super().__init__(written._make_iterator(state))
+
+    def next(self):
+        return self._inputs[0].next()
+
+    def save(self):
+        return {"written": self._inputs[0].save()}
+
+
+class _SnapshotWriteIterator(_Iterator):
+    """The input's elements, written as they pass into a directory of this iterator's that becomes the
+    snapshot when the pass completes (a pass stopped early leaves no snapshot)."""
+
+    def __init__(self, ds):
+        super().__init__(ds._input._make_iterator())
+        self._ds = ds
+        self._target = ds._directory()
+        self._tmp = f"{self._target}.tmp-{os.getpid()}-{id(self)}"
+        fresh_directory(self._tmp)
+        self._writer = Writer(self._tmp, ds._compress)
+
+    def next(self):
+        try:
+            element = self._inputs[0].next()
+        except StopIteration:
+            if self._writer is not None:
+                self._writer.finish(self._ds._input.element_spec)
+                self._writer = None
+                publish(self._tmp, self._target)
+            raise
+        shard_func = self._ds._shard_func
+        self._writer.add(0 if shard_func is None else shard_of(shard_func, element), element)
+        return element
+
+    def save(self):
+        raise ValueError("an iterator of a snapshot that is still being written cannot be checkpointed; finish "
+                         "one pass first (later iterations read the snapshot, and checkpoint)")
+
+    def close(self):
+        if self._writer is not None:  # an unfinished pass leaves no snapshot
+            self._writer = None
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        super().close()
+
+
+# --- rejection_resample ---------------------------------------------------------------------------------
+
+def _distribution(value, argument: str) -> np.ndarray:
+    dist = np.asarray(value, np.float32)
+    if dist.ndim != 1 or not len(dist) or (dist < 0).any():
+        raise ValueError(f"{argument}={value!r}: expected a 1-D list of class probabilities (>= 0), one per class")
+    return dist
+
+
+def _acceptance_and_mixing(initial: np.ndarray, target: np.ndarray):
+    """TF's ``_calculate_acceptance_probs_with_mixing``: per-class acceptance ``a`` and the probability ``m`` of
+    taking an input element as it is (the least rejection that reaches ``target``)."""
+    ratio = target / (initial + np.finfo(np.float32).tiny)
+    m = ratio.min()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        accept = (ratio - m) / (ratio.max() - m)
+    return accept, float(m)
+
+
+class _ClassEstimate:
+    """The class distribution as TF estimates it along the input: counts starting at 10 per class, updated 32
+    class values at a time; ``next()`` is the estimate for the next element."""
+
+    _BATCH, _SMOOTHING = 32, 10
+
+    def __init__(self, ds, state):
+        self._ds = ds
+        self._classes = ds._input._make_iterator(None if state is None else state["input"])
+        self._counts = (np.full(len(ds._target), self._SMOOTHING, np.int64) if state is None
+                        else np.asarray(state["counts"], np.int64))
+        self._left = 0 if state is None else state["left"]
+        self._estimate = None if state is None else np.asarray(state["estimate"], np.float32)
+
+    def next(self) -> np.ndarray:
+        if self._left == 0:
+            values = []
+            for _ in range(self._BATCH):
+                try:
+                    values.append(self._ds._class_of(self._classes.next()))
+                except StopIteration:
+                    break
+            if not values:
+                raise StopIteration
+            self._counts = self._counts + np.bincount(values, minlength=len(self._counts))[:len(self._counts)]
+            self._estimate = (self._counts / self._counts.sum()).astype(np.float32)
+            self._left = len(values)
+        self._left -= 1
+        return self._estimate
+
+    def save(self):
+        return {"input": self._classes.save(), "counts": self._counts, "left": self._left,
+                "estimate": self._estimate}
+
+    def close(self) -> None:
+        self._classes.close()
+
+
+class _RejectionResample(Dataset):
+    def __init__(self, input_ds, class_func, target, initial, seed):
+        super().__init__(input_ds)
+        if initial is not None and len(initial) != len(target):
+            raise ValueError(f"initial_dist has {len(initial)} classes, target_dist {len(target)}; give both one "
+                             "probability per class")
+        self._class_func, self._target, self._initial = class_func, target, initial
+        self._seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        # As TF: with initial_dist known and equal to the target, the input as it is; none mixed in when m is 0.
+        self._static = None if initial is None else float(np.min(target / initial))
+
+    def _class_of(self, element) -> int:
+        return self._check_class(normalize_output(_call(self._class_func, element), "class_func"))
+
+    def _check_class(self, value) -> int:
+        if np.ndim(value) or not np.issubdtype(np.result_type(value), np.integer) or \
+                not 0 <= int(value) < len(self._target):
+            raise ValueError(f"class_func must return a scalar int class in [0, {len(self._target)}), got "
+                             f"{value!r:.80}")
+        return int(value)
+
+    def _with_class(self, element):
+        value = normalize_output(_call(self._class_func, element), "class_func")
+        self._check_class(value)
+        return (value, element)
+
+    def _compute_spec(self):
+        first = self._input._peek()
+        if not first:
+            raise ValueError("element_spec of rejection_resample: the input is empty, so class_func's output is "
+                             "unknown")
+        return (leaf_spec(self._with_class(first[0])[0]), self._input.element_spec)
+
+    def _cardinality(self):
+        return self._input._cardinality() if self._static == 1 else UNKNOWN
+
+    def _make_iterator(self, state=None):
+        return _RejectionResampleIterator(self, state)
+
+
+class _RejectionResampleIterator(_Iterator):
+    def __init__(self, ds, state):
+        sub = (lambda key: None) if state is None else state.get
+        super().__init__(ds._input._make_iterator(sub("original")), ds._input._make_iterator(sub("filtered")))
+        self._ds = ds
+        dynamic = ds._initial is None
+        self._filter_estimate = _ClassEstimate(ds, sub("filter_estimate")) if dynamic else None
+        self._mix_estimate = _ClassEstimate(ds, sub("mix_estimate")) if dynamic else None
+        self._rngs = []
+        for i, key in enumerate(("filter_rng", "mix_rng")):
+            rng = np.random.Generator(np.random.PCG64([ds._seed, i]))
+            if state is not None:
+                rng.bit_generator.state = state[key]
+            self._rngs.append(rng)
+
+    def _mixing(self):
+        if self._mix_estimate is None:
+            return _acceptance_and_mixing(self._ds._initial, self._ds._target)[1]
+        return _acceptance_and_mixing(self._mix_estimate.next(), self._ds._target)[1]
+
+    def next(self):
+        ds = self._ds
+        if ds._static == 1 or (ds._static != 0 and self._rngs[1].random() < self._mixing()):
+            return ds._with_class(self._inputs[0].next())
+        while True:  # the rejection sampler's next accepted element
+            element = self._inputs[1].next()
+            initial = ds._initial if self._filter_estimate is None else self._filter_estimate.next()
+            accept, _ = _acceptance_and_mixing(initial, ds._target)
+            cls = ds._class_of(element)
+            if self._rngs[0].random() < accept[cls]:
+                return ds._with_class(element)
+
+    def save(self):
+        state = {"original": self._inputs[0].save(), "filtered": self._inputs[1].save(),
+                 "filter_rng": self._rngs[0].bit_generator.state, "mix_rng": self._rngs[1].bit_generator.state}
+        if self._filter_estimate is not None:
+            state.update(filter_estimate=self._filter_estimate.save(), mix_estimate=self._mix_estimate.save())
+        return state
+
+    def close(self):
+        for estimate in (self._filter_estimate, self._mix_estimate):
+            if estimate is not None:
+                estimate.close()
+        super().close()

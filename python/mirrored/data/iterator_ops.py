@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
+
+from .._nest import map_structure
 from ..errors import OutOfRangeError
-from .structure import decode_state, encode_state, spec_of
+from .structure import decode_state, encode_state, numpy_value, spec_of
 
 
 class Optional:
@@ -28,8 +31,9 @@ class Optional:
             self._element_spec = self._element_spec()
         return self._element_spec
 
-    def has_value(self) -> bool:
-        return self._has_value
+    def has_value(self) -> np.bool_:
+        """Whether there is a value (a NumPy bool: TF's is a bool tensor)."""
+        return np.bool_(self._has_value)
 
     def get_value(self):
         if not self._has_value:
@@ -53,6 +57,19 @@ class IteratorProtocol:
     @property
     def element_spec(self):
         return self._dataset.element_spec
+
+    # TF 1.x's names of the element spec's parts (tf.compat.v1.data.get_output_types/shapes/classes)
+    @property
+    def output_types(self):
+        return map_structure(lambda s: s.dtype, self.element_spec)
+
+    @property
+    def output_shapes(self):
+        return map_structure(lambda s: s.shape, self.element_spec)
+
+    @property
+    def output_classes(self):
+        return map_structure(lambda s: np.ndarray, self.element_spec)
 
     def __iter__(self):
         return self
@@ -132,3 +149,56 @@ class OwnedIterator(IteratorProtocol):
 
     def _restore_from_tensors(self, tensors: dict) -> None:
         self._restore(decode_state(tensors))
+
+
+class NumpyIterator:
+    """``dataset.as_numpy_iterator()``: the elements with device arrays copied to the host and scalar strings as
+    ``bytes`` (``tf.data.NumpyIterator``); checkpointable as the iterator it reads."""
+
+    def __init__(self, dataset):
+        self._iterator = iter(dataset)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return map_structure(numpy_value, next(self._iterator))
+
+    next = __next__
+
+    def __repr__(self) -> str:
+        return f"NumpyIterator(iterator={self._iterator!r})"
+
+    def _serialize_to_tensors(self) -> dict:
+        return self._iterator._serialize_to_tensors()
+
+    def _restore_from_tensors(self, tensors: dict) -> None:
+        self._iterator._restore_from_tensors(tensors)
+
+
+class IteratorSpec:
+    """The spec of an iterator (``tf.data.IteratorSpec``): the ``element_spec`` of its elements."""
+
+    def __init__(self, element_spec):
+        self._element_spec = element_spec
+
+    @staticmethod
+    def from_value(value) -> "IteratorSpec":
+        return IteratorSpec(value.element_spec)
+
+    @property
+    def value_type(self):
+        return IteratorProtocol
+
+    def __eq__(self, other):
+        return isinstance(other, IteratorSpec) and self._element_spec == other._element_spec
+
+    def __hash__(self):
+        return hash(repr(self._element_spec))
+
+    def is_compatible_with(self, spec_or_value) -> bool:
+        other = spec_or_value if isinstance(spec_or_value, IteratorSpec) else IteratorSpec.from_value(spec_or_value)
+        return self == other
+
+    def __repr__(self) -> str:
+        return f"IteratorSpec({self._element_spec!r})"

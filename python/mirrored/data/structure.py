@@ -16,18 +16,29 @@ import numpy as np
 
 from .._nest import flatten, map_structure
 from ..device import device_util
+from ..device.tensor_shape import TensorShape
 
 
 class TensorSpec:
-    """Shape (``None`` for a dimension that varies, or for the whole shape when even the rank is unknown) and
-    dtype of one element leaf (``tf.TensorSpec``)."""
+    """Shape and dtype of one element leaf (``tf.TensorSpec``). ``shape`` is an ``md.TensorShape`` (``None`` for
+    a dimension that varies; ``TensorShape(None)``, unknown rank, when even the rank varies)."""
 
-    def __init__(self, shape, dtype, name=None):
-        self.shape = None if shape is None else tuple(None if d is None else int(d) for d in shape)
+    def __init__(self, shape, dtype=np.float32, name=None):
+        self.shape = TensorShape(shape)
         self.dtype = np.dtype(dtype)
         if self.dtype.kind in "SU":
             self.dtype = np.dtype("S")  # a string tensor: bytes of any length (tf.string)
         self.name = name
+
+    @classmethod
+    def from_tensor(cls, tensor, name=None) -> "TensorSpec":
+        """The spec of an array (or number, string) as tf.data would hold it."""
+        leaf = to_leaf(tensor, "tensor")
+        return cls(tuple(leaf.shape), leaf.dtype, name)
+
+    @classmethod
+    def from_spec(cls, spec, name=None) -> "TensorSpec":
+        return cls(spec.shape, spec.dtype, spec.name if name is None else name)
 
     def __eq__(self, other):
         return isinstance(other, TensorSpec) and (self.shape, self.dtype) == (other.shape, other.dtype)
@@ -36,29 +47,48 @@ class TensorSpec:
         return hash((self.shape, self.dtype))
 
     def is_compatible_with(self, other) -> bool:
-        """Same dtype and rank, and every known dimension agrees (``None`` matches anything)."""
+        """Same dtype, and shapes that could agree (``None`` matches anything; an unknown rank, any shape)."""
         if isinstance(other, TensorSpec):
             other_shape, other_dtype = other.shape, other.dtype
         else:
-            other_shape, other_dtype = tuple(np.shape(other)), TensorSpec((), other.dtype).dtype
-        if self.dtype != other_dtype:
+            leaf = to_leaf(other, "spec_or_value")
+            other_shape, other_dtype = tuple(np.shape(leaf)), TensorSpec((), leaf.dtype).dtype
+        return self.dtype == other_dtype and self.shape.is_compatible_with(other_shape)
+
+    def is_subtype_of(self, other) -> bool:
+        """Whether every value of this spec fits ``other`` (same dtype; ``other`` as general or more)."""
+        if not isinstance(other, TensorSpec) or self.dtype != other.dtype:
             return False
-        if self.shape is None or other_shape is None:
+        if other.shape.rank is None:
             return True
-        return len(self.shape) == len(other_shape) and all(a is None or b is None or a == b
-                                                           for a, b in zip(self.shape, other_shape))
+        return self.shape.rank == other.shape.rank and all(b is None or a == b
+                                                           for a, b in zip(self.shape, other.shape))
+
+    def most_specific_common_supertype(self, others):
+        """The most specific spec every one of ``[self] + others`` fits; None when the dtypes differ."""
+        spec = self
+        for other in others:
+            if not isinstance(other, TensorSpec) or other.dtype != self.dtype:
+                return None
+            spec = spec.most_specific_compatible(other)
+        return spec
 
     def most_specific_compatible(self, other: "TensorSpec") -> "TensorSpec":
         """The spec both fit: dimensions that differ become ``None``, and the shape when the ranks differ
         (the dtypes must agree)."""
-        if self.shape is None or other.shape is None or len(self.shape) != len(other.shape):
+        if self.shape.rank is None or other.shape.rank is None or self.shape.rank != other.shape.rank:
             return TensorSpec(None, self.dtype)
         return TensorSpec([a if a == b else None for a, b in zip(self.shape, other.shape)], self.dtype)
 
+    def most_specific_compatible_type(self, other: "TensorSpec") -> "TensorSpec":
+        """TF's (deprecated) name of :meth:`most_specific_compatible`; ``ValueError`` for another dtype."""
+        if not isinstance(other, TensorSpec) or other.dtype != self.dtype:
+            raise ValueError(f"No TypeSpec is compatible with both {self} and {other}")
+        return self.most_specific_compatible(other)
+
     def __repr__(self) -> str:
         dtype = "string" if self.dtype.kind == "S" else self.dtype.name
-        shape = "<unknown>" if self.shape is None else self.shape
-        return f"TensorSpec(shape={shape}, dtype={dtype}, name={self.name!r})"
+        return f"TensorSpec(shape={self.shape}, dtype={dtype}, name={self.name!r})"
 
 
 class DatasetSpec:
@@ -115,6 +145,13 @@ def to_leaf(value, argument: str):
         return leaf[()] if isinstance(leaf, np.ndarray) and leaf.ndim == 0 else leaf
     raise TypeError(f"{argument}: a value of type {type(value).__name__} ({value!r:.80}) is not a tensor; use "
                     "NumPy/CuPy arrays, Python numbers, strings or bytes, nested in tuples or dicts")
+
+
+def numpy_value(x):
+    """A leaf as ``as_numpy_iterator`` gives it: device arrays copied to the host, a scalar string as bytes."""
+    if _is_gpu_array(x):
+        return device_util.to_host(x)
+    return bytes(x) if isinstance(x, np.bytes_) else x
 
 
 def _unicode_to_bytes(value):

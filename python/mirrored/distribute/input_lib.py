@@ -370,7 +370,7 @@ class _DistributedInput:
         """A pipeline's batch size where its element_spec fixes it (``batch(..., drop_remainder=True)``)."""
         if not _is_pipeline(dataset):
             return None
-        sizes = {spec.shape[0] if spec.shape else None for spec in flatten(dataset.element_spec)}
+        sizes = {spec.shape[0] if spec.shape.rank else None for spec in flatten(dataset.element_spec)}
         return sizes.pop() if len(sizes) == 1 else None
 
     def _spec(self, per_replica: list):
