@@ -12,12 +12,13 @@ Python numbers cannot be tracked (a restore could not write them back): pass
 What is saved: every ``md.Variable`` reachable from the keyword arguments —
 directly, in dicts/lists/tuples, or as public attributes of plain objects
 (a model class) — under its path (``model/w1``, ``model/layers/0/b``), and for
-an optimizer its step counter ``_iterations`` and its slot variables, keyed by
-the path of the variable they belong to (``optimizer/slots/model/w1/m``). The
-file names each by TensorFlow's tensor name for that path
-(``model/w1/.ATTRIBUTES/VARIABLE_VALUE``), as ``list_variables`` shows. A
-value whose variable does not exist yet at restore waits on the ``md.Module``
-or ``Checkpoint`` that will hold it (TensorFlow's deferred restoration). Values are the
+an optimizer its state under Keras 3's names: ``_iterations``,
+``_learning_rate``, and its slots numbered in Keras' build order
+(``optimizer/_variables/2``). The file names each by TensorFlow's tensor name
+for that path (``model/w1/.ATTRIBUTES/VARIABLE_VALUE``), as ``list_variables``
+shows. A value whose variable does not exist yet at restore waits on the
+``md.Module`` or ``Checkpoint`` that will hold it, an optimizer's slots on
+its build (TensorFlow's and Keras' deferred restoration). Values are the
 variables' cross-replica values, so a checkpoint written with 4 replicas
 restores into 1 or 8.
 
