@@ -666,6 +666,12 @@ def _restore_at_build(path: str, save_path: str, waiting: dict):
     return restore
 
 
+def _built_state(path: str, key: str) -> bool:
+    """Whether ``key`` names state the optimizer at ``path`` creates at its build: a slot, Nadam's u_product."""
+    rest = key[len(path) + 1:] if path and key.startswith(path + "/") else key if not path else ""
+    return rest.startswith(f"{_SLOTS}/") or rest == "_u_product"
+
+
 def _slot_of(path: str, optimizer, key: str) -> str:
     """`` (the momentum of variable 'w')`` for a slot's key, else ``""``: what an error names."""
     prefix = _join(path, f"{_SLOTS}/")
@@ -1021,7 +1027,7 @@ class Checkpoint:
                 continue
             entry = reader.entry(keys[key])
             if tuple(entry.shape) != tuple(var.shape) or entry.dtype != np.dtype(var.dtype):
-                owner = next(((p, opt) for p, opt in optimizers if key.startswith(_join(p, ""))), None)
+                owner = next(((p, opt) for p, opt in optimizers if _built_state(p, key)), None)
                 what = _slot_of(*owner, key) if owner else ""
                 problems.append(f"{key}{what}: file has {entry.dtype}{list(entry.shape)}, "
                                 f"variable is {np.dtype(var.dtype)}{list(var.shape)}")
@@ -1038,7 +1044,7 @@ class Checkpoint:
         status = CheckpointLoadStatus(path, set(keys) - set(restored), restored, unmatched)
         # As Keras 3: an optimizer's state restored before its build (slots, Nadam's u_product) waits for it.
         for opt_path, opt in optimizers:
-            mine = [key for key in status._unused if key.startswith(_join(opt_path, ""))]
+            mine = [key for key in status._unused if _built_state(opt_path, key)]
             if mine and not opt._slots:
                 waiting = {key: _Pending(path, key, status, lambda name=keys[key]: reader.read(name)) for key in mine}
                 for pending in waiting.values():
