@@ -148,7 +148,7 @@ def test_restored_learning_rate_replaces_the_constructed_one():
     assert opt.learning_rate == float(np.float32(0.1))
 
 
-def _legacy_file(path, model, opt, n):
+def _legacy_file(path, model, opt):
     """The file an earlier mirrored wrote for ``model`` and ``opt`` (built and stepped): tensors under TF's
     names, slots under ``optimizer/slots/<variable path>/<slot name>``, no learning rate."""
     arrays = {f"model/{k}/.ATTRIBUTES/VARIABLE_VALUE": replicas(v)[0] for k, v in model.items()}
@@ -164,7 +164,7 @@ def test_files_of_earlier_builds_still_restore(n, tmp_path):
     model, opt = setup("adam", n)
     train(n, model, opt, 0, STEPS)
     path = str(tmp_path / "old")
-    _legacy_file(path, model, opt, n)
+    _legacy_file(path, model, opt)
     train(n, model, opt, STEPS, STEPS)
     model2, opt2 = setup("adam", n, np.zeros((3, 2)), np.zeros(2))
     status = md.train.Checkpoint(model=model2, optimizer=opt2).read(path)
@@ -178,9 +178,10 @@ def test_files_of_earlier_builds_still_restore(n, tmp_path):
 def test_another_optimizer_kinds_file_is_refused_naming_the_slots():
     model, opt = setup("adam", 1, np.zeros((3, 2)), np.zeros(2))
     status = md.train.Checkpoint(model=model, optimizer=opt).read(tf_file("sgd_momentum", 1))
-    with pytest.raises(md.train.CheckpointError, match=r"the file holds the slot variables optimizer/_variables/2\.\.3 \(2\), "
-                                                       r"Adam 'Adam' has optimizer/_variables/2\.\.5 \(4\) \("
-                                                       r"momentum, velocity of 2 variables.*another optimizer kind"):
+    with pytest.raises(md.train.CheckpointError,
+                       match=r"the file holds the slot variables optimizer/_variables/2\.\.3 \(2\), Adam 'Adam' has "
+                             r"optimizer/_variables/2\.\.5 \(4\) \(momentum, velocity of 2 variables.*"
+                             r"another optimizer kind"):
         train(1, model, opt, STEPS, 1)
     assert not consumed(status)
 

@@ -8,8 +8,9 @@ Run with the TensorFlow side venv (never imported by the package or its tests):
 Per case (an optimizer configuration) and replica count (1: no strategy, 2: MirroredStrategy over two logical
 CPUs): a model {w: (3, 2), b: (2,)} takes STEPS steps of the recorded gradients (every replica the same), the
 checkpoint is written, and the same model and optimizer take STEPS more steps ("continued"). A fresh model and
-optimizer then read the file (Checkpoint.read: no save_counter) (status before their first step: the slots wait for the build), and take the same
-STEPS steps ("resumed"). Names, shapes and dtypes are those of tf.train.list_variables / load_checkpoint.
+optimizer then read the file (Checkpoint.read: no save_counter to report; the status before their first step
+shows the slots waiting for the build), and take the same STEPS steps ("resumed"). Names, shapes and dtypes are
+those of tf.train.list_variables / load_checkpoint.
 """
 
 import json
