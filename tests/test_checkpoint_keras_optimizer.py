@@ -211,3 +211,20 @@ def test_shape_mismatch_of_a_built_optimizer_names_the_slot():
     with pytest.raises(md.train.CheckpointError, match=r"optimizer/_variables/2 \(the momentum of variable .*\): "
                                                        r"file has float32\[3, 2\], variable is float32\[2, 3\]"):
         md.train.Checkpoint(optimizer=opt).read(tf_file("sgd_momentum", 1))
+
+
+def test_slots_are_numbered_in_build_order_not_by_name(tmp_path):
+    # Keras numbers by the build's var_list order: built over [b, w], b's momentum is _variables/2.
+    model, opt = setup("sgd_momentum", 1)
+    opt.build([model["b"], model["w"]])
+    train(1, model, opt, 0, 1)
+    path = md.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "ckpt"))
+    assert [shape for name, shape in md.train.list_variables(path) if "_variables" in name] == [[2], [3, 2]]
+    np.testing.assert_array_equal(md.train.load_variable(path, "optimizer/_variables/2/.ATTRIBUTES/VARIABLE_VALUE"),
+                                  opt.get_slot(model["b"], "momentum").numpy())
+    # TF's file was built over [w, b]: an optimizer built the other way round is told which slot does not fit.
+    model2, opt2 = setup("sgd_momentum", 1)
+    opt2.build([model2["b"], model2["w"]])
+    with pytest.raises(md.train.CheckpointError, match=r"optimizer/_variables/2 \(the momentum of variable "
+                                                       r"'.*'\): file has float32\[3, 2\], variable is float32\[2\]"):
+        md.train.Checkpoint(model=model2, optimizer=opt2).read(tf_file("sgd_momentum", 1))
