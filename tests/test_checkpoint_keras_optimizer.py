@@ -228,3 +228,20 @@ def test_slots_are_numbered_in_build_order_not_by_name(tmp_path):
     with pytest.raises(md.train.CheckpointError, match=r"optimizer/_variables/2 \(the momentum of variable "
                                                        r"'.*'\): file has float32\[3, 2\], variable is float32\[2\]"):
         md.train.Checkpoint(model=model2, optimizer=opt2).read(tf_file("sgd_momentum", 1))
+
+
+@pytest.mark.parametrize("case,order", [
+    ("adam_all", [("average", "w"), ("average", "b"), ("gradient_accumulator", "w"), ("gradient_accumulator", "b"),
+                  ("momentum", "w"), ("velocity", "w"), ("momentum", "b"), ("velocity", "b"),
+                  ("velocity_hat", "w"), ("velocity_hat", "b")]),
+    ("rmsprop_centered_momentum", [("velocity", "w"), ("velocity", "b"), ("momentum", "w"), ("momentum", "b"),
+                                   ("average_gradient", "w"), ("average_gradient", "b")])])
+def test_variables_lists_the_slots_in_keras_order(case, order):
+    # Keras' _variables less its learning rate (a number here): iterations, then the slots in build order.
+    model, opt = setup(case, 1)
+    train(1, model, opt, 0, 1)
+    assert [id(v) for v in opt.variables] == [id(opt._iterations)] + [
+        id(opt.get_slot(model[var], slot)) for slot, var in order]
+    recorded = {int(name.split("/")[2]): shape for name, shape, _ in RECORDED["cases"][case]["runs"]["1"]["names"]
+                if "/_variables/" in name}
+    assert [list(v.shape) for v in opt.variables[1:]] == [recorded[i] for i in sorted(recorded)]

@@ -229,9 +229,10 @@ class Optimizer:
 
     @property
     def variables(self) -> list:
-        """``iterations`` and every slot variable, in creation order (Keras 3's property)."""
+        """``iterations`` and every slot variable, in Keras 3's ``_variables`` order (its build order; Keras' list
+        also holds the learning rate, a variable there and a number here)."""
         state = [] if self._iterations is None else [self._iterations]
-        return state + [s for _, slots in self._slots.values() for s in slots.values()]
+        return state + [slot for _, _, slot in self._keras_variables().values()]
 
     # -- Keras 3's names for the state, as its checkpoints hold it --
     @property
