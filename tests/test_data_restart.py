@@ -35,6 +35,7 @@ iterator = iter(strategy.experimental_distribute_dataset(dataset))
 with strategy.scope():
     w = md.Variable(np.zeros((4, 1), np.float32), name="w")
     optimizer = md.optimizers.SGD(learning_rate=0.05, momentum=0.9)
+    optimizer.build([w])  # as a Keras program: the slots exist, so restore fills them at once
 checkpoint = md.train.Checkpoint(w=w, optimizer=optimizer, iterator=iterator)
 manager = md.train.CheckpointManager(checkpoint, directory, max_to_keep=3)
 if manager.latest_checkpoint:

@@ -12,12 +12,13 @@ Python numbers cannot be tracked (a restore could not write them back): pass
 What is saved: every ``md.Variable`` reachable from the keyword arguments —
 directly, in dicts/lists/tuples, or as public attributes of plain objects
 (a model class) — under its path (``model/w1``, ``model/layers/0/b``), and for
-an optimizer its step counter ``_iterations`` and its slot variables, keyed by
-the path of the variable they belong to (``optimizer/slots/model/w1/m``). The
-file names each by TensorFlow's tensor name for that path
-(``model/w1/.ATTRIBUTES/VARIABLE_VALUE``), as ``list_variables`` shows. A
-value whose variable does not exist yet at restore waits on the ``md.Module``
-or ``Checkpoint`` that will hold it (TensorFlow's deferred restoration). Values are the
+an optimizer its state under Keras 3's names: ``_iterations``,
+``_learning_rate``, and its slots numbered in Keras' build order
+(``optimizer/_variables/2``). The file names each by TensorFlow's tensor name
+for that path (``model/w1/.ATTRIBUTES/VARIABLE_VALUE``), as ``list_variables``
+shows. A value whose variable does not exist yet at restore waits on the
+``md.Module`` or ``Checkpoint`` that will hold it, an optimizer's slots on
+its build (TensorFlow's and Keras' deferred restoration). Values are the
 variables' cross-replica values, so a checkpoint written with 4 replicas
 restores into 1 or 8.
 
@@ -566,14 +567,19 @@ def _defer(obj, path: str, pending: _Pending, assign: bool = True) -> None:
             return
         obj = children[name]
     if assign and _is_variable(obj):
-        value = pending.value()
-        if tuple(value.shape) != tuple(obj.shape) or value.dtype != np.dtype(obj.dtype):
-            raise CheckpointError(
-                f"path={pending.path!r}: {pending.key} has {value.dtype}{list(value.shape)} (a shape or dtype "
-                f"mismatch), the variable attached there is {np.dtype(obj.dtype)}{list(obj.shape)}; create it "
-                "with the shape and dtype it was saved with")
-        obj.assign(value)
-        pending.status._claim(pending.key)
+        _assign_pending(obj, pending)
+
+
+def _assign_pending(var, pending: _Pending, what: str = "") -> None:
+    """Assign a waiting value to the variable created for it, its shape and dtype checked; the status claims it."""
+    value = pending.value()
+    if tuple(value.shape) != tuple(var.shape) or value.dtype != np.dtype(var.dtype):
+        raise CheckpointError(
+            f"path={pending.path!r}: {pending.key}{what} has {value.dtype}{list(value.shape)} (a shape or dtype "
+            f"mismatch), the variable created for it is {np.dtype(var.dtype)}{list(var.shape)}; create it "
+            "with the shape and dtype it was saved with")
+    var.assign(value)
+    pending.status._claim(pending.key)
 
 
 def attached(holder, name: str, value) -> None:
@@ -590,18 +596,89 @@ def _join(path: str, name) -> str:
     return f"{path}/{name}" if path else str(name)
 
 
-def _optimizer_state(path: str, optimizer, var_paths: dict) -> dict:
-    """``key -> state variable`` of ``optimizer``; slots keyed by their variable's path."""
+def _optimizer_state(path: str, optimizer) -> dict:
+    """``key -> state`` of ``optimizer`` under Keras 3's names: ``_iterations``, its scalars (``_learning_rate``,
+    Nadam's ``_u_product``) and its slots numbered as Keras' ``_variables`` (build order)."""
     state = {} if optimizer._iterations is None else {_join(path, _ITERATIONS): optimizer._iterations}
-    for var, slots in optimizer._slots.values():
-        var_path = var_paths.get(id(var))
-        if var_path is None:
-            raise CheckpointError(
-                f"{path}: the optimizer has slots for variable {var.name!r}, which is not part of this "
-                "Checkpoint; pass the model too, e.g. md.Checkpoint(model=model, optimizer=optimizer)")
-        for slot_name, slot in slots.items():
-            state[_join(path, f"slots/{var_path}/{slot_name}")] = slot
+    for name, value in optimizer._keras_scalars().items():
+        state[_join(path, name)] = _OptimizerScalar(optimizer, name, value)
+    for index, (_, _, slot) in optimizer._keras_variables().items():
+        state[_join(path, f"{_SLOTS}/{index}")] = slot
     return state
+
+
+_SLOTS = "_variables"  # Keras 3's list of an optimizer's variables, which names its slots by position
+_LEGACY_SLOTS = "slots"  # files of mirrored before Keras' names: optimizer/slots/<variable path>/<slot name>
+
+
+class _OptimizerScalar:
+    """A scalar Keras 3 keeps in a variable and mirrored's optimizer in a Python number (the learning rate,
+    Nadam's ``u_product``): saved and restored under Keras' name, as a variable would be."""
+
+    def __init__(self, optimizer, name: str, value):
+        self._optimizer, self._name, self._value = optimizer, name, np.asarray(value)
+        self.shape, self.dtype = (), self._value.dtype
+
+    def numpy(self) -> np.ndarray:
+        return self._value
+
+    def assign(self, value) -> None:
+        self._optimizer._restore_keras_scalar(self._name, np.asarray(value)[()])
+
+
+def _slot_description(optimizer, index: int) -> str:
+    var, slot_name, _ = optimizer._keras_variables()[index]
+    return f"the {slot_name} of variable {var.name!r}"
+
+
+def _layout_problem(path: str, optimizer, file_keys) -> str | None:
+    """Why the file's slots (``file_keys``: its object paths) cannot be ``optimizer``'s: their ``_variables``
+    numbers differ, as when another optimizer kind or configuration wrote them; else None."""
+    prefix = _join(path, f"{_SLOTS}/")
+    saved = sorted(int(k[len(prefix):]) for k in file_keys if k.startswith(prefix) and k[len(prefix):].isdigit())
+    ours = sorted(optimizer._keras_variables())
+    if not saved or saved == ours:
+        return None
+
+    def numbers(indices):
+        return f"{prefix}{indices[0]}..{indices[-1]} ({len(indices)})" if indices else "none"
+
+    slots = ", ".join(dict.fromkeys(name for _, name, _ in optimizer._keras_variables().values())) or "no slots"
+    return (f"{path}: the file holds the slot variables {numbers(saved)}, {type(optimizer).__name__} "
+            f"{optimizer.name!r} has {numbers(ours)} ({slots} of {len(optimizer._slots)} variables): the checkpoint "
+            "was written by another optimizer kind or configuration (amsgrad, momentum, centered, use_ema, "
+            "gradient_accumulation_steps and a learning-rate schedule change Keras' numbering); create the "
+            "optimizer it was saved with")
+
+
+def _restore_at_build(path: str, save_path: str, waiting: dict):
+    """The optimizer's ``_restore_on_build``: assign the values a restore left ``waiting`` (``key -> _Pending``)
+    to the state its build just created, as Keras' deferred restoration does."""
+
+    def restore(optimizer) -> None:
+        problem = _layout_problem(path, optimizer, waiting)
+        if problem:
+            raise CheckpointError(f"path={save_path!r}: {problem}")
+        state = _optimizer_state(path, optimizer)
+        for key in [k for k in waiting if k in state]:
+            _assign_pending(state[key], waiting.pop(key), _slot_of(path, optimizer, key))
+
+    return restore
+
+
+def _built_state(path: str, key: str) -> bool:
+    """Whether ``key`` names state the optimizer at ``path`` creates at its build: a slot, Nadam's u_product."""
+    rest = key[len(path) + 1:] if path and key.startswith(path + "/") else key if not path else ""
+    return rest.startswith(f"{_SLOTS}/") or rest == "_u_product"
+
+
+def _slot_of(path: str, optimizer, key: str) -> str:
+    """`` (the momentum of variable 'w')`` for a slot's key, else ``""``: what an error names."""
+    prefix = _join(path, f"{_SLOTS}/")
+    number = key[len(prefix):] if key.startswith(prefix) else ""
+    if number.isdigit() and int(number) in optimizer._keras_variables():
+        return f" ({_slot_description(optimizer, int(number))})"
+    return ""
 
 
 class CheckpointLoadStatus:
@@ -798,15 +875,16 @@ class Checkpoint:
         state not created yet), so a fresh optimizer can be restored.
         """
         found, optimizers, _ = self._tracked()
-        var_paths = {id(v): p for p, v in found.items()}
         for path, opt in optimizers:
             if create_for is not None:
-                prefix = _join(path, "slots/")
+                # A file of mirrored before Keras' names says whose slots it holds: they are created at once.
+                # Keras' numbered slots wait for the optimizer's build (_restore_from).
+                prefix = _join(path, f"{_LEGACY_SLOTS}/")
                 wanted = [v for p, v in found.items()
                           if any(k.startswith(f"{prefix}{p}/") for k in create_for)]
                 if wanted or _join(path, _ITERATIONS) in create_for:
-                    opt._create_state(_strategy_of(wanted or list(found.values())), wanted)
-            found.update(_optimizer_state(path, opt, var_paths))
+                    opt._create_state(opt._strategy or _strategy_of(wanted or list(found.values())), wanted)
+            found.update(_optimizer_state(path, opt))
         if create_for is not None and create_counter and self._save_counter is None:
             self._create_save_counter()
         if self._save_counter is not None:
@@ -898,12 +976,26 @@ class Checkpoint:
 
     def _own_keys(self, names) -> dict:
         """``object path -> tensor name`` of one of mirrored's files. Files of earlier versions named tensors by
-        their object path alone, and an optimizer's counter ``iterations``: those are found too."""
+        their object path alone, and an optimizer's counter ``iterations``: those are found too (their slots,
+        ``slots/<variable path>/<slot name>``, once created: ``_legacy_slot_keys``)."""
         keys = {object_path(name): name for name in names}
         for path, _ in self._tracked()[1]:
             legacy, current = _join(path, "iterations"), _join(path, _ITERATIONS)
             if current not in keys and keys.get(legacy) == legacy:
                 keys[current] = keys.pop(legacy)
+        return keys
+
+    def _legacy_slot_keys(self, keys: dict) -> dict:
+        """``keys`` with the slots of an earlier mirrored file (keyed by their variable's path) renamed to Keras'
+        numbers of the slots they fill."""
+        found, optimizers, _ = self._tracked()
+        var_paths = {id(v): p for p, v in found.items()}
+        for path, opt in optimizers:
+            for index, (var, slot_name, _) in opt._keras_variables().items():
+                legacy = _join(path, f"{_LEGACY_SLOTS}/{var_paths.get(id(var))}/{slot_name}")
+                current = _join(path, f"{_SLOTS}/{index}")
+                if current not in keys and legacy in keys:
+                    keys[current] = keys.pop(legacy)
         return keys
 
     def _restore_from(self, reader, path: str, keys: dict, counter: bool) -> CheckpointLoadStatus:
@@ -920,16 +1012,24 @@ class Checkpoint:
         _check_memory(path, max((reader.entry(k).nbytes for k in keys.values()), default=0))
         reader.verify(list(keys.values()))  # before anything is created or assigned
         variables = self._variables(create_for=keys, create_counter=counter)
-        problems, unmatched = [], []
+        keys = self._legacy_slot_keys(dict(keys))
+        optimizers = self._tracked()[1]
+        problems = [problem for p, opt in optimizers if opt._slots
+                    for problem in [_layout_problem(p, opt, keys)] if problem]
+        unmatched = []
         for key, var in variables.items():
             if key not in keys:
+                if isinstance(var, _OptimizerScalar) and isinstance(reader, CheckpointReader):
+                    continue  # mirrored's files before Keras' names: the learning rate was configuration, not state
                 # As TensorFlow: the variable keeps its value; the status's assertions report it (the
                 # save_counter too, when restore() reads a file of write(): TF's advice is read() for those).
                 unmatched.append(key)
                 continue
             entry = reader.entry(keys[key])
             if tuple(entry.shape) != tuple(var.shape) or entry.dtype != np.dtype(var.dtype):
-                problems.append(f"{key}: file has {entry.dtype}{list(entry.shape)}, "
+                owner = next(((p, opt) for p, opt in optimizers if _built_state(p, key)), None)
+                what = _slot_of(*owner, key) if owner else ""
+                problems.append(f"{key}{what}: file has {entry.dtype}{list(entry.shape)}, "
                                 f"variable is {np.dtype(var.dtype)}{list(var.shape)}")
         if problems:
             raise CheckpointError(
@@ -942,6 +1042,14 @@ class Checkpoint:
             variables[key].assign(reader.read(keys[key]))
         restored += _restore_saveables(self._objects, keys, lambda key: reader.read(keys[key]), unmatched)
         status = CheckpointLoadStatus(path, set(keys) - set(restored), restored, unmatched)
+        # As Keras 3: an optimizer's state restored before its build (slots, Nadam's u_product) waits for it.
+        for opt_path, opt in optimizers:
+            mine = [key for key in status._unused if _built_state(opt_path, key)]
+            if mine and not opt._slots:
+                waiting = {key: _Pending(path, key, status, lambda name=keys[key]: reader.read(name)) for key in mine}
+                for pending in waiting.values():
+                    pending.value()  # read now: the reader is closed once restore() returns
+                opt._restore_on_build = _restore_at_build(opt_path, path, waiting)
         # As TensorFlow: a value whose variable does not exist yet waits on the object that will hold it
         # (an md.Module, a Checkpoint) and is assigned when the variable is attached there.
         for key in status._unused:

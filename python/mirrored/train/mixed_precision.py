@@ -219,6 +219,13 @@ class LossScaleOptimizer:
         self.dynamic_scale = values.Variable(np.float32(self.initial_scale), trainable=False,
                                              name=f"{self.name}/dynamic_scale",
                                              aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
+        # Keras 3's LossScaleOptimizer is itself an optimizer built with learning_rate=0.0 whose own step count
+        # never moves (the wrapped optimizer's counts): its checkpoints hold both, so these are saved beside
+        # the scale's state and restore Keras' values.
+        self._own_iterations = values.Variable(np.int64(0), trainable=False, name=f"{self.name}/iteration",
+                                               aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
+        self._own_learning_rate = values.Variable(np.float32(0.0), trainable=False, name=f"{self.name}/learning_rate",
+                                                  aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
         self._caller_unscales = False
         self._var_list = None  # build(var_list)'s, for apply(grads)
         self._nonfinite = {}  # GPU ordinal -> the int32 flag of the device check (a CuPy array, zero between steps)
@@ -229,6 +236,13 @@ class LossScaleOptimizer:
         if inner is None or name.startswith("__"):
             raise AttributeError(name)
         return getattr(inner, name)
+
+    def _trackable_children(self) -> dict:
+        """What a checkpoint saves, under Keras 3's names: the public attributes (``inner_optimizer``,
+        ``step_counter``, ``dynamic_scale``) and the wrapper's own ``_iterations`` and ``_learning_rate``."""
+        children = {key: value for key, value in vars(self).items() if not key.startswith("_")}
+        children.update(_iterations=self._own_iterations, _learning_rate=self._own_learning_rate)
+        return children
 
     # -- the wrapped optimizer's state --
     @property

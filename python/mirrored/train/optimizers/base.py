@@ -170,6 +170,9 @@ class Optimizer:
         self._skips_on_device = False
         self._window = StepWindow()
         self._slots = {}  # id(variable) -> (variable, {slot name: slot variable})
+        # Set by a Checkpoint restored before the slots existed: called once they are created (Keras' deferred
+        # restoration of an optimizer's variables, at build).
+        self._restore_on_build = None
         self._plans = {}  # tuple of variable ids -> _Plan
         self._checked = {}  # tuple of variable ids -> (their shapes, the variables), once checked
         self._exclude_ids: set = set()
@@ -226,9 +229,44 @@ class Optimizer:
 
     @property
     def variables(self) -> list:
-        """``iterations`` and every slot variable, in creation order (Keras 3's property)."""
+        """``iterations`` and every slot variable, in Keras 3's ``_variables`` order (its build order; Keras' list
+        also holds the learning rate, a variable there and a number here)."""
         state = [] if self._iterations is None else [self._iterations]
-        return state + [s for _, slots in self._slots.values() for s in slots.values()]
+        return state + [slot for _, _, slot in self._keras_variables().values()]
+
+    # -- Keras 3's names for the state, as its checkpoints hold it --
+    @property
+    def _keras_slot_groups(self) -> tuple:
+        """The rule's slots in the order Keras 3's ``build`` creates them: group after group, each group's slots
+        interleaved variable by variable (``add_optimizer_variables(var_list, [names])``)."""
+        return (self._slot_names,) if self._slot_specs else ()
+
+    def _keras_variables(self) -> dict:
+        """Keras 3's ``_variables`` numbering of the slots: ``index -> (variable, slot name, slot variable)``.
+
+        ``_variables`` holds ``iterations`` (0), the learning rate when it is a number (1), then what ``build``
+        creates for the variables in build order: moving averages (``use_ema``), gradient accumulators, then the
+        rule's slots; a checkpoint names each slot ``_variables/<index>``.
+        """
+        groups = ((("average",),) if self.use_ema else ()) \
+            + ((("gradient_accumulator",),) if self.gradient_accumulation_steps else ()) + self._keras_slot_groups
+        index = 1 if callable(self._learning_rate) else 2
+        numbered = {}
+        for group in groups:
+            for var, slots in self._slots.values():
+                for name in group:
+                    numbered[index] = (var, name, slots[name])
+                    index += 1
+        return numbered
+
+    def _keras_scalars(self) -> dict:
+        """``name -> value`` of the scalars Keras 3 keeps in variables and this optimizer in Python numbers:
+        ``_learning_rate`` (float32) unless it is a schedule."""
+        return {} if callable(self._learning_rate) else {"_learning_rate": np.float32(self._learning_rate)}
+
+    def _restore_keras_scalar(self, name: str, value) -> None:
+        """A checkpoint's value of a ``_keras_scalars`` entry: the learning rate, as Keras restores it."""
+        self.learning_rate = float(value)
 
     @property
     def _slot_names(self) -> tuple:
@@ -292,6 +330,9 @@ class Optimizer:
                                           trainable=False)
                     for slot, initial in self._state_specs})
         self._strategy = strategy
+        restore, self._restore_on_build = self._restore_on_build, None
+        if restore is not None and missing:
+            restore(self)
 
     def scale_loss(self, loss):
         """Keras 3's ``scale_loss``: ``loss * loss_scale_factor`` (the loss itself without one); the gradients

@@ -72,6 +72,11 @@ class Adam(Optimizer):
         self.beta_2 = check_rate(beta_2, "beta_2", low=0.0, high=1.0)
         self.epsilon = check_rate(epsilon, "epsilon")
 
+    @property
+    def _keras_slot_groups(self) -> tuple:
+        # Keras builds momentum and velocity together, velocity_hat after them all.
+        return (("momentum", "velocity"),) + ((("velocity_hat",),) if self.amsgrad else ())
+
     def _coefficients(self, t, lr, step):
         local_step = t(step + 1)
         beta_1_power = _pow(_cast(t, self.beta_1), local_step)
@@ -111,6 +116,11 @@ class RMSprop(Optimizer):
         # The order rules.rmsprop reads them in: velocity, average_gradient, momentum.
         self._slot_specs = ((("velocity", 0.0),) + ((("average_gradient", 0.0),) if self.centered else ())
                             + ((("momentum", 0.0),) if self.momentum else ()))
+
+    @property
+    def _keras_slot_groups(self) -> tuple:
+        # Keras builds all velocities, then momentums, then average gradients (the rule reads them in another order).
+        return tuple((name,) for name in ("velocity", "momentum", "average_gradient") if name in self._slot_names)
 
     def _coefficients(self, t, lr, step):
         return (lr, t(self.rho), t(1 - self.rho), t(self.epsilon), t(self.momentum), t(self.centered))
@@ -177,6 +187,22 @@ class Nadam(Optimizer):
         for old in [s for s in known if s < steps - 2 * MAX_ROWS]:
             del known[old]
         return value
+
+    def _keras_scalars(self) -> dict:
+        # Keras' `_u_product` variable (created at build, in the first variable's dtype): the product after the
+        # updates so far.
+        scalars = super()._keras_scalars()
+        if self._slots and self._iterations is not None:
+            dtype = np.dtype(next(iter(self._slots.values()))[0].dtype)
+            scalars["_u_product"] = self._u_product_at(self._rule_step(int(self._iterations.numpy())), dtype)
+        return scalars
+
+    def _restore_keras_scalar(self, name: str, value) -> None:
+        if name != "_u_product":
+            super()._restore_keras_scalar(name, value)
+            return
+        # The product after the restored step count: later products continue from it, as Keras' variable does.
+        self._u_products, self._u_dtype = {self._rule_step(int(self._iterations.numpy())): value}, value.dtype
 
     def _step_state(self, step: int, dtypes) -> None:
         self._u_product_now = self._u_product_at(step + 1, dtypes[0])
