@@ -17,6 +17,7 @@ import pytest
 import mirrored as md
 import test_tf_semantics_parity as semantics_parity
 import tf_checkpoint_scenarios as scenarios
+from scenario_adapter import ScenarioAdapter
 
 with open(os.path.join(os.path.dirname(__file__), "data", "tf_checkpoint_api_reference.json")) as _f:
     REFERENCE = json.load(_f)["scenarios"]
@@ -25,9 +26,10 @@ with open(os.path.join(os.path.dirname(__file__), "data", "tf_checkpoint_api_ref
 _TF_ERRORS = {"InvalidArgumentError": "ValueError"}
 
 
-class Mirrored:
+class Mirrored(ScenarioAdapter):
     """The scenarios' adapter over mirrored."""
 
+    MirroredStrategy = md.MirroredStrategy
     Variable = md.Variable
     Module = md.Module
     Checkpoint = md.train.Checkpoint
@@ -36,14 +38,6 @@ class Mirrored:
     SGD = md.optimizers.SGD
     Adam = md.optimizers.Adam
     Dataset = md.data.Dataset
-
-    def __init__(self):
-        self._strategies = {}
-
-    def strategy(self, n):
-        if n not in self._strategies:
-            self._strategies[n] = md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
-        return self._strategies[n]
 
     @staticmethod
     def const(value, dtype):

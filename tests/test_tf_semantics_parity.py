@@ -14,6 +14,7 @@ import pytest
 
 import mirrored as md
 import tf_semantics_scenarios as scenarios
+from scenario_adapter import ScenarioAdapter
 
 with open(os.path.join(os.path.dirname(__file__), "data", "tf_semantics_reference.json")) as _f:
     REFERENCE = json.load(_f)["scenarios"]
@@ -22,9 +23,10 @@ with open(os.path.join(os.path.dirname(__file__), "data", "tf_semantics_referenc
 _TF_ERRORS = {"InvalidArgumentError": "ValueError", "NotFoundError": "FileNotFoundError"}
 
 
-class Mirrored:
+class Mirrored(ScenarioAdapter):
     """The scenarios' adapter over mirrored."""
 
+    MirroredStrategy = md.MirroredStrategy
     dist = md.distribute
     Variable = md.Variable
     VS = md.VariableSynchronization
@@ -32,18 +34,6 @@ class Mirrored:
     Dataset = md.data.Dataset
     dist_name_scope = md.name_scope
     Optional = md.data.experimental.Optional
-
-    def __init__(self):
-        self._strategies = {}
-
-    @staticmethod
-    def new_strategy(n):
-        return md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
-
-    def strategy(self, n):
-        if n not in self._strategies:
-            self._strategies[n] = self.new_strategy(n)
-        return self._strategies[n]
 
     @staticmethod
     def const(value, dtype):
