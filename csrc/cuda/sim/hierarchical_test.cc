@@ -21,6 +21,7 @@
 
 #include "cuda/device_batch.h"
 #include "cuda/sim/expect.h"
+#include "cuda/sim/sim_replicas.h"
 #include "cuda/sim/sim_runtime.h"
 #include "cuda/stream_scope.h"
 #include "nccl/hierarchical.h"
@@ -50,11 +51,9 @@ int expected(int n, std::size_t i, ReduceOp op) {
 }
 
 // Replicas on `devices`; each replica's stream: its GPU's one stream, or one of its own.
-struct Setup {
-  std::vector<int> devices;
-  std::vector<cudaStream_t> streams;
+struct Setup : sim_check::Replicas {
   std::vector<cudaStream_t> made;
-  Setup(std::vector<int> d, bool stream_each) : devices(std::move(d)) {
+  Setup(std::vector<int> d, bool stream_each) : Replicas(std::move(d)) {
     std::map<int, cudaStream_t> of_gpu;
     for (int device : devices) {
       if (!stream_each && of_gpu.count(device)) {
@@ -70,17 +69,6 @@ struct Setup {
   }
   ~Setup() {
     for (auto s : made) cudaStreamDestroy(s);
-  }
-  int n() const { return static_cast<int>(devices.size()); }
-  void* alloc(int r, std::size_t bytes) {
-    cudaSetDevice(devices[r]);
-    void* p = nullptr;
-    cudaMalloc(&p, bytes + 1);
-    return p;
-  }
-  void on(int r, std::function<void()> f) {
-    cudaSetDevice(devices[r]);
-    sim::enqueue(streams[r], std::move(f));
   }
   void write(int r, void* p, std::size_t count, int seed, ReduceOp op) {
     on(r, [=] {
