@@ -271,7 +271,8 @@ bool HierarchicalCommunicator::gathers_by_gpu(const std::size_t* row_bytes, std:
 void HierarchicalCommunicator::all_gather(int n, const void* const* in, void* const* out,
                                           const std::size_t* row_bytes, std::size_t outer) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (n != size() || !gathers_by_gpu(row_bytes, outer)) return native().all_gather(n, in, out, row_bytes, outer);
+  check_buffers(n, size(), "all_gather", "replica");  // (before the native engine is made for nothing)
+  if (!gathers_by_gpu(row_bytes, outer)) return native().all_gather(n, in, out, row_bytes, outer);
   cuda::DeviceGuard guard;
   begin(n, "all_gather");
   const std::size_t row = row_bytes[0], block = row * groups_[0].ranks.size(), total = block * groups_.size();
