@@ -253,12 +253,7 @@ def repeated_call_counters(call) -> dict:
     grown), its queued kernels drained before and after."""
     for _ in range(8):
         call()
-    cupy.sim.drain()
-    cupy.sim.reset_counters()
-    call()
-    counted = cupy.sim.counters()
-    cupy.sim.drain()
-    return counted
+    return gpu_env.sim_counters(call)
 
 
 @contextlib.contextmanager

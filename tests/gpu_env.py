@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 import mirrored
-from collective_reference import batch_reference
-from mirrored.collective import plan as collective_plans
-from mirrored.device import config, device_util, engine
+from collective_reference import BFLOAT16, batch_reference
+from mirrored import collectives
+from mirrored.collective import cuda as cuda_collectives, plan as collective_plans
+from mirrored.device import config, device_util, dtypes as _dtypes, engine
 
 SIM_DEVICES = 2
 SIM_PEERS = [(a, b) for a in range(SIM_DEVICES) for b in range(SIM_DEVICES) if a != b]
@@ -199,17 +200,67 @@ def check_batch(out, host, op, devices):
             np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float64), w.astype(np.float64), rtol=2e-3)
 
 
+def cupy_has(dtype) -> bool:
+    try:
+        cupy.zeros(1, dtype)
+        return True
+    except Exception:
+        return False
+
+
+def upload(xs, devices):
+    """Host arrays onto the replicas' GPUs (bfloat16 as its uint16 bits when CuPy lacks the dtype)."""
+    out = []
+    for x, d in zip(xs, devices):
+        with cupy.cuda.Device(d):
+            out.append(cupy.asarray(x if cupy_has(x.dtype) else x.view(np.uint16)))
+    return out
+
+
+def download(arrays, dtype):
+    """GPU arrays back on the host once their GPUs are done; bfloat16 travels as its uint16 bits when CuPy lacks
+    the dtype; every other result keeps its own dtype (the MEAN of integers is float64)."""
+    cupy.cuda.Device().synchronize()
+    for a in arrays:
+        with a.device:
+            a.device.synchronize()
+    return [x.view(dtype) if dtype == BFLOAT16 and x.dtype == np.uint16 else x
+            for x in (cupy.asnumpy(a) for a in arrays)]
+
+
+def gpu_all_reduce(xs, devices, op, algorithm="auto", inplace=False):
+    """collectives.all_reduce of GPU copies of xs: (results, inputs) back on the host."""
+    dtype = xs[0].dtype
+    arrays = upload(xs, devices)
+    if cupy_has(dtype):
+        out = collectives.all_reduce(arrays, op, out=arrays if inplace else None, algorithm=algorithm)
+        assert all(isinstance(a, cupy.ndarray) for a in out) and [a.device.id for a in out] == list(devices)
+    else:  # bfloat16 without CuPy support: the same engine, its dtype code given explicitly
+        engine_, algo = cuda_collectives._engine(devices, algorithm)
+        out = arrays if inplace else upload([np.zeros_like(x).view(np.uint16) for x in xs], devices)
+        engine_.all_reduce(cuda_collectives._ptrs(arrays), cuda_collectives._ptrs(out), arrays[0].size,
+                           _dtypes.CODES["bfloat16"], _dtypes.op_code(op), algo, cuda_collectives._streams(devices))
+    return download(out, dtype), download(arrays, dtype)
+
+
 def launches_and_ops(call):
     """(kernel launches per GPU, stream operations per GPU) of ``call`` on the simulated machine.
     Earlier tests' garbage is collected first: its device memory, freed in stream order, would
     count as the call's stream operations when a collection ran inside the call."""
     gc.collect()
+    counted = sim_counters(call)
+    return counted["launches"], counted["stream_ops"]
+
+
+def sim_counters(call) -> dict:
+    """The simulated runtime's counters for ``call()`` (launches per GPU, stream operations, and every runtime
+    entry point's calls by name), its queued kernels drained before and after."""
     cupy.sim.drain()
     cupy.sim.reset_counters()
     call()
     counted = cupy.sim.counters()
     cupy.sim.drain()
-    return counted["launches"], counted["stream_ops"]
+    return counted
 
 
 def python_calls(call, repeat: int = 100) -> dict:

@@ -13,7 +13,6 @@ from hypothesis import given, settings, strategies as st
 import mirrored as md
 import central_storage_scenarios as scenarios
 import test_one_device_strategy as one_device
-import test_tf_semantics_parity as semantics_parity
 from gpu_env import SKIP_REASON, cupy, gpu_pair
 from mirrored.distribute.function import EagerFallbackWarning
 
@@ -37,13 +36,7 @@ def test_every_scenario_is_recorded():
 
 @pytest.mark.parametrize("name", sorted(scenarios.SCENARIOS))
 def test_strategy_matches_tensorflow(name):
-    fn, words = scenarios.SCENARIOS[name]
-    want = REFERENCE["scenarios"][name]
-    got = scenarios.run_scenario(Mirrored(), fn)
-    semantics_parity.assert_same(got, want)
-    if "raises" in want:
-        for word in words:
-            assert word.lower() in got["msg"].lower(), (word, got["msg"])
+    one_device.assert_scenario_matches(scenarios, REFERENCE, Mirrored(), name)
 
 
 # --- construction ---------------------------------------------------------------------------------------------
@@ -137,15 +130,7 @@ def test_checkpoint_restores_into_mirrored_variables_and_back(tmp_path):
     central = CentralStorageStrategy(["/cpu:0", "/cpu:1"])
     with central.scope():
         w = md.Variable(np.arange(3, dtype=np.float32))
-    path = md.train.Checkpoint(w=w).save(str(tmp_path / "central"))
-    mirrored = md.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    with mirrored.scope():
-        m = md.Variable(np.zeros(3, np.float32))
-    md.train.Checkpoint(w=m).restore(path)
-    assert [c.numpy().tolist() for c in m.values] == [[0, 1, 2]] * 2
-    m.assign(np.full(3, 7, np.float32))
-    md.train.Checkpoint(w=w).restore(md.train.Checkpoint(w=m).save(str(tmp_path / "mirrored")))
-    assert w.numpy().tolist() == [7, 7, 7]
+    one_device.assert_restores_into_mirrored_and_back(w, tmp_path)
 
 
 # --- training -------------------------------------------------------------------------------------------------
@@ -328,25 +313,10 @@ def test_gpu_dynamic_loss_scale_skips_a_step_whose_gradients_are_not_finite(para
     _dynamic_loss_scale_steps(GPUS, parameter_device, cupy)
 
 
-def _function_steps(strategy, compiled, xp):
-    with strategy.scope():
-        w = md.Variable(np.ones(3, np.float32))
-        opt = md.optimizers.SGD(0.1)
-
-    def step(x):
-        opt.apply_gradients([(w.read_value() * x, w)])
-        return md.get_replica_context().all_reduce("SUM", (w.read_value() ** 2).sum())
-
-    fn = md.function(step) if compiled else step
-    losses = [float(strategy.reduce("SUM", strategy.run(fn, args=(xp.float32(i + 1),)), axis=None))
-              for i in range(4)]
-    return np.asarray(md.device_util.to_host(w.read_value())), losses
-
-
 def test_md_function_with_variables_on_the_cpu_runs_eagerly_and_says_why():
-    eager = _function_steps(CentralStorageStrategy(["/cpu:0", "/cpu:1"]), False, np)
+    eager = one_device.function_steps(CentralStorageStrategy(["/cpu:0", "/cpu:1"]), False, np)
     with pytest.warns(EagerFallbackWarning, match="not on GPUs"):
-        compiled = _function_steps(CentralStorageStrategy(["/cpu:0", "/cpu:1"]), True, np)
+        compiled = one_device.function_steps(CentralStorageStrategy(["/cpu:0", "/cpu:1"]), True, np)
     np.testing.assert_array_equal(eager[0], compiled[0])
     assert eager[1] == compiled[1]
 
@@ -354,9 +324,9 @@ def test_md_function_with_variables_on_the_cpu_runs_eagerly_and_says_why():
 @pytest.mark.gpu
 @pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
 def test_md_function_with_gpu_compute_devices_and_a_cpu_parameter_device_runs_eagerly():
-    eager = _function_steps(CentralStorageStrategy(GPUS, "/cpu:0"), False, np)
+    eager = one_device.function_steps(CentralStorageStrategy(GPUS, "/cpu:0"), False, np)
     with pytest.warns(EagerFallbackWarning, match="variables"):
-        compiled = _function_steps(CentralStorageStrategy(GPUS, "/cpu:0"), True, np)
+        compiled = one_device.function_steps(CentralStorageStrategy(GPUS, "/cpu:0"), True, np)
     np.testing.assert_allclose(eager[0], compiled[0], rtol=1e-6)
 
 
@@ -364,8 +334,8 @@ def test_md_function_with_gpu_compute_devices_and_a_cpu_parameter_device_runs_ea
 @pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
 def test_md_function_with_replicas_on_other_gpus_than_the_variables_runs_eagerly():
     with pytest.warns(EagerFallbackWarning, match="from another GPU"):
-        compiled = _function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), True, np)
-    eager = _function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), False, np)
+        compiled = one_device.function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), True, np)
+    eager = one_device.function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), False, np)
     np.testing.assert_allclose(eager[0], compiled[0], rtol=1e-6)
 
 
@@ -374,7 +344,7 @@ def test_md_function_with_replicas_on_other_gpus_than_the_variables_runs_eagerly
 def test_md_function_captures_replicas_on_the_parameter_devices_gpu():
     """Two logical GPUs on GPU 0 holding the variables: the step is captured, and replays the eager results."""
     with gpu_pair("logical"):
-        eager = _function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), False, np)
-        compiled = _function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), True, np)
+        eager = one_device.function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), False, np)
+        compiled = one_device.function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), True, np)
     np.testing.assert_allclose(eager[0], compiled[0], rtol=1e-6)
     np.testing.assert_allclose(eager[1], compiled[1], rtol=1e-6)

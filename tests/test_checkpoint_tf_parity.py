@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 import mirrored as md
+import test_tf_semantics_parity as semantics_parity
 import tf_checkpoint_scenarios as scenarios
+from scenario_adapter import ScenarioAdapter
 
 with open(os.path.join(os.path.dirname(__file__), "data", "tf_checkpoint_api_reference.json")) as _f:
     REFERENCE = json.load(_f)["scenarios"]
@@ -24,9 +26,10 @@ with open(os.path.join(os.path.dirname(__file__), "data", "tf_checkpoint_api_ref
 _TF_ERRORS = {"InvalidArgumentError": "ValueError"}
 
 
-class Mirrored:
+class Mirrored(ScenarioAdapter):
     """The scenarios' adapter over mirrored."""
 
+    MirroredStrategy = md.MirroredStrategy
     Variable = md.Variable
     Module = md.Module
     Checkpoint = md.train.Checkpoint
@@ -35,14 +38,6 @@ class Mirrored:
     SGD = md.optimizers.SGD
     Adam = md.optimizers.Adam
     Dataset = md.data.Dataset
-
-    def __init__(self):
-        self._strategies = {}
-
-    def strategy(self, n):
-        if n not in self._strategies:
-            self._strategies[n] = md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
-        return self._strategies[n]
 
     @staticmethod
     def const(value, dtype):
@@ -112,32 +107,7 @@ DELIBERATE = {
 
 
 def assert_same(got, want, path="result"):
-    """Equal as plain data; floats to the rounding of their dtype; exceptions by class (TF's or its stand-in)."""
-    if isinstance(want, dict) and "raises" in want:
-        assert isinstance(got, dict) and "raises" in got, f"{path}: TF raised {want['raises'][0]}: {want['msg']}; " \
-                                                          f"mirrored gave {got}"
-        expected = want["raises"][0]
-        assert expected in got["raises"] or _TF_ERRORS.get(expected) in got["raises"], \
-            f"{path}: TF raised {expected}, mirrored {got['raises'][0]}: {got['msg']}"
-        return
-    if isinstance(want, dict) and "dtype" in want and "v" in want:
-        assert isinstance(got, dict) and got.get("dtype") == want["dtype"] and got.get("shape") == want["shape"], \
-            f"{path}: mirrored gave {got}, TF {want}"
-        tol = {"float16": 1e-3, "float32": 1e-6}.get(want["dtype"], 1e-12)
-        np.testing.assert_allclose(np.asarray(got["v"], np.float64), np.asarray(want["v"], np.float64),
-                                   rtol=tol, atol=tol, err_msg=path)
-        return
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and sorted(got) == sorted(want), f"{path}: mirrored gave {got}, TF {want}"
-        for key in want:
-            assert_same(got[key], want[key], f"{path}.{key}")
-        return
-    if isinstance(want, list):
-        assert isinstance(got, list) and len(got) == len(want), f"{path}: mirrored gave {got}, TF {want}"
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{path}[{i}]")
-        return
-    assert got == want, f"{path}: mirrored gave {got!r}, TF {want!r}"
+    semantics_parity.assert_same(got, want, path, _TF_ERRORS, key_order=False)  # (recorded with sorted keys)
 
 
 def assert_words(got, words):

@@ -11,9 +11,9 @@ Run with ``pytest -m gpu``.
 import numpy as np
 import pytest
 
-from collective_reference import BFLOAT16, DTYPES, OPS, assert_reduced, make_inputs
+from collective_reference import DTYPES, OPS, assert_reduced, make_inputs
 
-from gpu_env import NGPU, SIMULATED, SKIP_REASON, cupy
+from gpu_env import NGPU, SIMULATED, SKIP_REASON, cupy, cupy_has, download, gpu_all_reduce, upload
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
@@ -21,7 +21,7 @@ if cupy is None:
 
 from mirrored.collective import cuda as cc  # noqa: E402
 from mirrored import collectives, config  # noqa: E402
-from mirrored.device import device_util, dtypes as _dtypes, gpu as _gpu  # noqa: E402
+from mirrored.device import device_util, gpu as _gpu  # noqa: E402
 
 REPLICAS = (1, 2, 3, 4)
 ALGOS = ("ring", "tree", "auto", "direct")
@@ -44,50 +44,6 @@ def placements(n):
 def _skip_without_nccl():
     if not _gpu.nccl_available():
         pytest.skip(f"NCCL is not installed ({_gpu.NCCL_FIX})")
-
-
-def cupy_has(dtype) -> bool:
-    try:
-        cupy.zeros(1, dtype)
-        return True
-    except Exception:
-        return False
-
-
-def upload(xs, devices):
-    """Host arrays onto the replicas' GPUs (bfloat16 as its uint16 bits when CuPy lacks the dtype)."""
-    out = []
-    for x, d in zip(xs, devices):
-        with cupy.cuda.Device(d):
-            out.append(cupy.asarray(x if cupy_has(x.dtype) else x.view(np.uint16)))
-    return out
-
-
-def download(arrays, dtype):
-    cupy.cuda.Device().synchronize()
-    for a in arrays:
-        with a.device:
-            a.device.synchronize()
-    # bfloat16 travels as its uint16 bits when CuPy lacks the dtype; every other
-    # result keeps its own dtype (the MEAN of integers is float64).
-    return [x.view(dtype) if dtype == BFLOAT16 and x.dtype == np.uint16 else x
-            for x in (cupy.asnumpy(a) for a in arrays)]
-
-
-def gpu_all_reduce(xs, devices, op, algorithm, inplace=False):
-    """collectives.all_reduce on GPU copies of xs; results back on the host."""
-    dtype = xs[0].dtype
-    arrays = upload(xs, devices)
-    if cupy_has(dtype):
-        out = collectives.all_reduce(arrays, op, out=arrays if inplace else None, algorithm=algorithm)
-        for a, d in zip(out, devices):
-            assert isinstance(a, cupy.ndarray) and a.device.id == d
-    else:  # bfloat16 without CuPy support: the same engine, dtype code given explicitly
-        engine, algo = cc._engine(devices, algorithm)
-        out = arrays if inplace else [cupy.empty_like(a) for a in arrays]
-        engine.all_reduce(cc._ptrs(arrays), cc._ptrs(out), arrays[0].size, _dtypes.CODES["bfloat16"],
-                          _dtypes.op_code(op), algo, cc._streams(devices))
-    return download(out, dtype), download(arrays, dtype)
 
 
 def sizes_for(dtype, n):

@@ -14,7 +14,7 @@ import pytest
 from collective_reference import BFLOAT16, DTYPES, OPS, assert_reduced, batch_reference, make_inputs
 
 import gpu_env
-from gpu_env import SIMULATED, cupy
+from gpu_env import SIMULATED, cupy, download, gpu_all_reduce, upload
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
@@ -23,7 +23,7 @@ if cupy is None:
 import mirrored as md  # noqa: E402
 from mirrored import collectives  # noqa: E402
 from mirrored.collective import cuda as cc  # noqa: E402
-from mirrored.device import config, dtypes as _dtypes, gpu as _gpu  # noqa: E402
+from mirrored.device import config, gpu as _gpu  # noqa: E402
 from mirrored.distribute.function import EagerFallbackWarning  # noqa: E402
 
 # Replicas per GPU: 2 GPUs x 2, 2 x 3, uneven 2 + 1 and 1 + 3, and 4 GPUs x 2.
@@ -45,46 +45,6 @@ def gpus_for(layout):
         yield ordinals(layout)
 
 
-def cupy_has(dtype) -> bool:
-    try:
-        cupy.zeros(1, dtype)
-        return True
-    except Exception:
-        return False
-
-
-def upload(xs, devices):
-    """Host arrays onto the replicas' GPUs (bfloat16 as its uint16 bits when CuPy lacks the dtype)."""
-    out = []
-    for x, d in zip(xs, devices):
-        with cupy.cuda.Device(d):
-            out.append(cupy.asarray(x if cupy_has(x.dtype) else x.view(np.uint16)))
-    return out
-
-
-def download(arrays, dtype):
-    for a in arrays:
-        with a.device:
-            a.device.synchronize()
-    return [x.view(dtype) if dtype == BFLOAT16 and x.dtype == np.uint16 else x
-            for x in (cupy.asnumpy(a) for a in arrays)]
-
-
-def all_reduce(xs, devices, op, algorithm="auto", inplace=False):
-    """collectives.all_reduce of GPU copies of xs (results and inputs back on the host)."""
-    dtype = xs[0].dtype
-    arrays = upload(xs, devices)
-    if cupy_has(dtype):
-        out = collectives.all_reduce(arrays, op, out=arrays if inplace else None, algorithm=algorithm)
-        assert [a.device.id for a in out] == list(devices)
-    else:  # bfloat16 without CuPy support: the same engine, its dtype code given explicitly
-        engine, algo = cc._engine(devices, algorithm)
-        out = arrays if inplace else upload([np.zeros_like(x).view(np.uint16) for x in xs], devices)
-        engine.all_reduce(cc._ptrs(arrays), cc._ptrs(out), arrays[0].size, _dtypes.CODES["bfloat16"],
-                          _dtypes.op_code(op), algo, cc._streams(devices))
-    return download(out, dtype), download(arrays, dtype)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_all_reduce_matches_numpy_and_is_the_same_bits_on_every_replica(layout, dtype):
@@ -94,7 +54,7 @@ def test_all_reduce_matches_numpy_and_is_the_same_bits_on_every_replica(layout, 
         for op in OPS:
             for count in SIZES:
                 xs = make_inputs(rng, len(devices), (count,), dtype, op)
-                results, after = all_reduce(xs, devices, op)
+                results, after = gpu_all_reduce(xs, devices, op)
                 for x, a in zip(xs, after):  # out of place leaves the inputs alone
                     np.testing.assert_array_equal(a, x)
                 assert_reduced(results, xs, op)
@@ -102,7 +62,7 @@ def test_all_reduce_matches_numpy_and_is_the_same_bits_on_every_replica(layout, 
                     np.testing.assert_array_equal(r, results[0])
                 if op == "mean" and np.dtype(dtype).kind in "iu":
                     continue  # the float64 mean of integers cannot be written in place
-                in_place, _ = all_reduce(xs, devices, op, inplace=True)
+                in_place, _ = gpu_all_reduce(xs, devices, op, inplace=True)
                 for r in in_place:  # in place: the same kernels, the same bits
                     np.testing.assert_array_equal(r, results[0])
 
@@ -116,7 +76,7 @@ def test_each_gpu_sums_its_replicas_in_replica_order_then_the_gpus_are_summed(dt
     with gpus_for(layout) as devices:
         rng = np.random.default_rng(5)
         xs = [(rng.standard_normal(999) * 100).astype(dtype) for _ in devices]
-        got, _ = all_reduce(xs, devices, "sum")
+        got, _ = gpu_all_reduce(xs, devices, "sum")
         parts = [np.sum([x.astype(np.float32) for x in xs[g * 3:(g + 1) * 3]], axis=0, dtype=np.float32)
                  for g in range(2)]
         want = (parts[0].astype(dtype).astype(np.float32) + parts[1].astype(dtype).astype(np.float32)).astype(dtype)
@@ -210,12 +170,7 @@ def test_batch_all_reduce_matches_numpy(layout, op, packing):
 def _counted(call):
     call()  # (the first call plans and makes what it keeps)
     gc.collect()
-    cupy.sim.drain()
-    cupy.sim.reset_counters()
-    call()
-    counted = cupy.sim.counters()
-    cupy.sim.drain()
-    return counted
+    return gpu_env.sim_counters(call)
 
 
 @pytest.mark.skipif(not SIMULATED, reason="counts the simulated runtime's launches and calls")

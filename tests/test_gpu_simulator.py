@@ -5,7 +5,7 @@ run at synchronisation in a random order. Skipped on real GPUs (the other gpu te
 import numpy as np
 import pytest
 
-from gpu_env import SIMULATED, SKIP_REASON, cupy, launches_and_ops, python_calls
+from gpu_env import SIMULATED, SKIP_REASON, cupy, launches_and_ops, python_calls, sim_counters
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
@@ -39,17 +39,6 @@ def test_one_launch_per_collective_per_gpu(devices, nbytes):
     assert launches == {d: 1 for d in set(devices)}
 
 
-def runtime_calls(call) -> dict:
-    """The simulated runtime's counters for ``call``: launches per GPU, stream operations, and every
-    runtime entry point's calls by name."""
-    cupy.sim.drain()
-    cupy.sim.reset_counters()
-    call()
-    counted = cupy.sim.counters()
-    cupy.sim.drain()
-    return counted
-
-
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 @pytest.mark.parametrize("streams", ["legacy", "one stream", "a stream each"])
 @pytest.mark.parametrize("current", [0, 1], ids=["own GPU current", "other GPU current"])
@@ -69,7 +58,7 @@ def test_a_repeated_small_all_reduce_on_logical_gpus_is_one_launch(n, streams, c
     call = lambda: engine.all_reduce(ins, outs_ptrs, 1, code, op, algo, handles)  # noqa: E731
     with cupy.cuda.Device(current):
         call()  # the first call may make what it keeps
-        counted = runtime_calls(call)
+        counted = sim_counters(call)
         assert cupy.cuda.runtime.getDevice() == current  # (switched back when it switched)
     extra = len(set(handles)) - 1  # the streams besides the launching one
     switches = 2 if current != 0 else 0
@@ -88,7 +77,7 @@ def test_a_planned_all_reduce_makes_no_runtime_call_beyond_the_engines():
     xs = [on(0, np.full(1, r + 1, np.float32)) for r in range(4)]
     outs = [on(0, np.zeros(1, np.float32)) for _ in range(4)]
     collectives.all_reduce(xs, "sum", out=outs)
-    counted = runtime_calls(lambda: collectives.all_reduce(xs, "sum", out=outs))
+    counted = sim_counters(lambda: collectives.all_reduce(xs, "sum", out=outs))
     assert counted["launches"] == {0: 1}
     assert {k: v for k, v in counted["calls"].items() if v} == {"cudaGetDevice": 1}
     assert counted["stream_ops"] == 0
@@ -104,12 +93,12 @@ def test_replicas_that_share_a_stream_have_its_capture_status_read_once(n):
         stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         collectives.all_reduce(xs, "sum")  # planned
-        counted = runtime_calls(lambda: collectives.all_reduce(xs, "sum"))
+        counted = sim_counters(lambda: collectives.all_reduce(xs, "sum"))
         got = collectives.all_reduce(xs, "sum")
     assert counted["launches"] == {0: 1}
     assert {k: v for k, v in counted["calls"].items() if v} == {"cudaGetDevice": 1, "cudaStreamIsCapturing": 1}
     collectives.all_reduce(xs, "sum")  # (results made for this stream: those of `stream` are kept for it)
-    counted = runtime_calls(lambda: collectives.all_reduce(xs, "sum"))
+    counted = sim_counters(lambda: collectives.all_reduce(xs, "sum"))
     assert {k: v for k, v in counted["calls"].items() if v} == {"cudaGetDevice": 1}
     stream.synchronize()
     for g in got:
@@ -130,7 +119,7 @@ def test_a_repeated_replica_context_all_reduce_on_logical_gpus_is_one_launch(n):
                                                                                  cupy.float32))
         step = lambda: s.run(lambda v: md.get_replica_context().all_reduce("sum", v), args=(x,))  # noqa: E731
         pointers = [v.data.ptr for v in s.experimental_local_results(step())]  # planned; results dropped
-        counted = runtime_calls(step)
+        counted = sim_counters(step)
         assert counted["launches"] == {0: 1}
         assert counted["stream_ops"] == 0 and counted["host_waits"] == 0
         assert {k: v for k, v in counted["calls"].items() if v} == {"cudaGetDevice": 1}

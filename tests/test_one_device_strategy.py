@@ -44,15 +44,21 @@ def test_every_scenario_is_recorded():
     assert sorted(REFERENCE["scenarios"]) == sorted(scenarios.SCENARIOS)
 
 
-@pytest.mark.parametrize("name", sorted(scenarios.SCENARIOS))
-def test_strategy_matches_tensorflow(name):
-    fn, words = scenarios.SCENARIOS[name]
-    want = REFERENCE["scenarios"][name]
-    got = scenarios.run_scenario(Mirrored(), fn)
+def assert_scenario_matches(scenarios_module, reference, adapter, name):
+    """Scenario ``name`` of ``scenarios_module`` over ``adapter`` gives TF's recorded result (``reference``), and
+    where TF raised, mirrored's message carries the scenario's key words."""
+    fn, words = scenarios_module.SCENARIOS[name]
+    want = reference["scenarios"][name]
+    got = scenarios_module.run_scenario(adapter, fn)
     semantics_parity.assert_same(got, want)
     if "raises" in want:
         for word in words:
             assert word.lower() in got["msg"].lower(), (word, got["msg"])
+
+
+@pytest.mark.parametrize("name", sorted(scenarios.SCENARIOS))
+def test_strategy_matches_tensorflow(name):
+    assert_scenario_matches(scenarios, REFERENCE, Mirrored(), name)
 
 
 def test_tensor_shape_matches_tensorflow():
@@ -142,7 +148,13 @@ def test_checkpoint_restores_one_device_variables_into_mirrored_ones(tmp_path):
     one = md.OneDeviceStrategy("/cpu:0")
     with one.scope():
         w = md.Variable(np.arange(3, dtype=np.float32))
-    path = md.train.Checkpoint(w=w).save(str(tmp_path / "one"))
+    assert_restores_into_mirrored_and_back(w, tmp_path)
+
+
+def assert_restores_into_mirrored_and_back(w, tmp_path):
+    """A checkpoint of ``w`` (0, 1, 2 in float32) restores into a variable of a 2-replica MirroredStrategy, and
+    a checkpoint of that one back into ``w``."""
+    path = md.train.Checkpoint(w=w).save(str(tmp_path / "original"))
     mirrored = md.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with mirrored.scope():
         m = md.Variable(np.zeros(3, np.float32))
@@ -202,8 +214,8 @@ def test_trains_as_mirrored_with_one_device_and_as_the_plain_loop(name, loss_sca
             np.testing.assert_array_equal(a, b)
 
 
-def _function_steps(device, compiled):
-    s = md.OneDeviceStrategy(device)
+def function_steps(s, compiled, xp=np):
+    """Four SGD steps of ``s`` (eager, or through md.function when ``compiled``): the weights and the losses."""
     with s.scope():
         w = md.Variable(np.ones(3, np.float32))
         opt = md.optimizers.SGD(0.1)
@@ -213,7 +225,7 @@ def _function_steps(device, compiled):
         return md.get_replica_context().all_reduce("SUM", (w.read_value() ** 2).sum())
 
     fn = md.function(step) if compiled else step
-    losses = [float(s.reduce("SUM", s.run(fn, args=(np.float32(i + 1),)), axis=None)) for i in range(4)]
+    losses = [float(s.reduce("SUM", s.run(fn, args=(xp.float32(i + 1),)), axis=None)) for i in range(4)]
     return np.asarray(md.device_util.to_host(w.read_value())), losses
 
 
@@ -221,7 +233,8 @@ def _function_steps(device, compiled):
 @pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
 def test_md_function_step_on_a_gpu_matches_the_eager_one():
     """md.function captures a OneDeviceStrategy's GPU step as it does a one-replica MirroredStrategy's."""
-    eager, compiled = _function_steps("/gpu:0", False), _function_steps("/gpu:0", True)
+    eager = function_steps(md.OneDeviceStrategy("/gpu:0"), False)
+    compiled = function_steps(md.OneDeviceStrategy("/gpu:0"), True)
     np.testing.assert_allclose(eager[0], compiled[0], rtol=1e-6)
     np.testing.assert_allclose(eager[1], compiled[1], rtol=1e-6)
 

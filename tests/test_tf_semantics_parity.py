@@ -14,6 +14,7 @@ import pytest
 
 import mirrored as md
 import tf_semantics_scenarios as scenarios
+from scenario_adapter import ScenarioAdapter
 
 with open(os.path.join(os.path.dirname(__file__), "data", "tf_semantics_reference.json")) as _f:
     REFERENCE = json.load(_f)["scenarios"]
@@ -22,9 +23,10 @@ with open(os.path.join(os.path.dirname(__file__), "data", "tf_semantics_referenc
 _TF_ERRORS = {"InvalidArgumentError": "ValueError", "NotFoundError": "FileNotFoundError"}
 
 
-class Mirrored:
+class Mirrored(ScenarioAdapter):
     """The scenarios' adapter over mirrored."""
 
+    MirroredStrategy = md.MirroredStrategy
     dist = md.distribute
     Variable = md.Variable
     VS = md.VariableSynchronization
@@ -32,18 +34,6 @@ class Mirrored:
     Dataset = md.data.Dataset
     dist_name_scope = md.name_scope
     Optional = md.data.experimental.Optional
-
-    def __init__(self):
-        self._strategies = {}
-
-    @staticmethod
-    def new_strategy(n):
-        return md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
-
-    def strategy(self, n):
-        if n not in self._strategies:
-            self._strategies[n] = self.new_strategy(n)
-        return self._strategies[n]
 
     @staticmethod
     def const(value, dtype):
@@ -63,12 +53,20 @@ class Mirrored:
 _ADAPTER = Mirrored()
 
 
-def assert_same(got, want, path="result"):
-    """Equal as encoded; floats to the rounding of their dtype (replicas may sum in another order)."""
+def _class_names(raised):
+    """An encoded exception's class names: one, or (tf_checkpoint_scenarios) its class's and its bases'."""
+    return raised if isinstance(raised, list) else [raised]
+
+
+def assert_same(got, want, path="result", errors=_TF_ERRORS, key_order=True):
+    """Equal as encoded; floats to the rounding of their dtype (replicas may sum in another order); exceptions by
+    class, TF's or the stand-in ``errors`` names for it; dicts' keys in order unless not ``key_order`` (a
+    reference recorded with sorted keys)."""
     if isinstance(want, dict) and "raises" in want:
         assert isinstance(got, dict) and "raises" in got, f"{path}: TF raised {want['raises']}: {want['msg']}; " \
                                                           f"mirrored gave {got}"
-        assert got["raises"] in (want["raises"], _TF_ERRORS.get(want["raises"])), (path, got, want)
+        expected = _class_names(want["raises"])[0]
+        assert {expected, errors.get(expected)} & set(_class_names(got["raises"])), (path, got, want)
         return
     if isinstance(want, dict) and "dtype" in want and "v" in want:
         assert isinstance(got, dict) and got.get("dtype") == want["dtype"] and got.get("shape") == want["shape"], \
@@ -78,14 +76,15 @@ def assert_same(got, want, path="result"):
                                    rtol=tol, atol=tol, err_msg=path)
         return
     if isinstance(want, dict):
-        assert isinstance(got, dict) and list(got) == list(want), f"{path}: mirrored gave {got}, TF {want}"
+        keys = list if key_order else sorted
+        assert isinstance(got, dict) and keys(got) == keys(want), f"{path}: mirrored gave {got}, TF {want}"
         for key in want:
-            assert_same(got[key], want[key], f"{path}.{key}")
+            assert_same(got[key], want[key], f"{path}.{key}", errors, key_order)
         return
     if isinstance(want, list):
         assert isinstance(got, list) and len(got) == len(want), f"{path}: mirrored gave {got}, TF {want}"
         for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{path}[{i}]")
+            assert_same(g, w, f"{path}[{i}]", errors, key_order)
         return
     if isinstance(want, float) and isinstance(got, float) and math.isnan(want):
         assert math.isnan(got), path

@@ -61,6 +61,22 @@ class Communicator {
   [[noreturn]] void unsupported(const char* what) const {
     throw std::logic_error(std::string("backend ") + backend() + " does not support " + what);
   }
+  // A call's first check: n buffers for the engine's `size` local replicas (`per` names one: "replica", "rank").
+  static void check_buffers(int n, int size, const char* what, const char* per) {
+    if (n != size)
+      throw std::invalid_argument(std::string(what) + ": got " + std::to_string(n) + " buffers for " +
+                                  std::to_string(size) + " " + per + "s; pass one buffer per " + per);
+  }
 };
+
+// The four collectives, declared in an engine that implements them all (their contracts: Communicator's).
+#define MIRRORED_COMMUNICATOR_COLLECTIVES                                                                          \
+  void all_reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,     \
+                  Algorithm algorithm) override;                                                                   \
+  void broadcast(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, int root) override; \
+  void reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,         \
+              int root) override;                                                                                  \
+  void all_gather(int n, const void* const* in, void* const* out, const std::size_t* row_bytes, std::size_t outer) \
+      override
 
 }  // namespace mirrored

@@ -16,12 +16,6 @@
 namespace mirrored::cuda {
 namespace {
 
-cudaEvent_t make_event() {
-  cudaEvent_t e = nullptr;
-  MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  return e;
-}
-
 const void* at(const void* p, std::size_t bytes) { return static_cast<const char*>(p) + bytes; }
 void* at(void* p, std::size_t bytes) { return static_cast<char*>(p) + bytes; }
 
@@ -123,11 +117,8 @@ void CudaRing::release() noexcept {
 }
 
 void CudaRing::begin(int n, const char* what) {
-  if (n != size())
-    throw std::invalid_argument(std::string(what) + ": got " + std::to_string(n) + " buffers for a communicator of " +
-                                std::to_string(size()) + " ranks; pass one buffer per rank");
-  callers_.resize(n);
-  for (int r = 0; r < n; ++r) callers_[r] = current_stream(r, n);
+  check_buffers(n, size(), what, "rank");
+  current_streams(n, callers_);
 }
 
 void CudaRing::fork(int used, bool ring) {

@@ -36,13 +36,7 @@ class CudaRing : public Communicator {
   const char* backend() const override { return "cuda-ring"; }
   int size() const { return static_cast<int>(ranks_.size()); }
 
-  void all_reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
-                  Algorithm algorithm) override;
-  void broadcast(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, int root) override;
-  void reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
-              int root) override;
-  void all_gather(int n, const void* const* in, void* const* out, const std::size_t* row_bytes,
-                  std::size_t outer) override;
+  MIRRORED_COMMUNICATOR_COLLECTIVES;
 
   // The algorithm kAuto resolves to for a message of `bytes` (kDirect: the
   // one-pass kernels of fused.h, one launch per GPU).

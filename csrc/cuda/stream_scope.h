@@ -39,6 +39,19 @@ inline cudaStream_t current_stream(int rank, int nranks) {
   return (*current_streams_)[rank];
 }
 
+// Every rank's stream for a call over n ranks, into `into` (kept by the engine: no allocation per call).
+inline void current_streams(int n, std::vector<cudaStream_t>& into) {
+  into.resize(n);
+  for (int r = 0; r < n; ++r) into[r] = current_stream(r, n);
+}
+
+// An event that orders one stream after another (no timing).
+inline cudaEvent_t make_event() {
+  cudaEvent_t e = nullptr;
+  MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return e;
+}
+
 // Whether `stream` is being captured into a CUDA graph, which replays its work long after the call.
 inline bool capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;

@@ -11,15 +11,8 @@
 #include "cuda/stream_scope.h"
 
 namespace mirrored::nccl {
-namespace {
 
-cudaEvent_t make_event() {
-  cudaEvent_t e = nullptr;
-  MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  return e;
-}
-
-}  // namespace
+using cuda::make_event;
 
 HierarchicalCommunicator::HierarchicalCommunicator(std::vector<int> devices) : devices_(std::move(devices)) {
   if (devices_.empty()) throw std::invalid_argument("devices: the hierarchical engine needs at least one GPU replica");
@@ -71,11 +64,8 @@ void HierarchicalCommunicator::release() noexcept {
 }
 
 void HierarchicalCommunicator::begin(int n, const char* what) {
-  if (n != size())
-    throw std::invalid_argument(std::string(what) + ": got " + std::to_string(n) + " buffers for " +
-                                std::to_string(size()) + " replicas; pass one buffer per replica");
-  callers_.resize(n);
-  for (int r = 0; r < n; ++r) callers_[r] = cuda::current_stream(r, n);
+  check_buffers(n, size(), what, "replica");
+  cuda::current_streams(n, callers_);
   leads_.clear();
   for (const Group& g : groups_) leads_.push_back(callers_[g.ranks[0]]);
 }
@@ -281,7 +271,8 @@ bool HierarchicalCommunicator::gathers_by_gpu(const std::size_t* row_bytes, std:
 void HierarchicalCommunicator::all_gather(int n, const void* const* in, void* const* out,
                                           const std::size_t* row_bytes, std::size_t outer) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (n != size() || !gathers_by_gpu(row_bytes, outer)) return native().all_gather(n, in, out, row_bytes, outer);
+  check_buffers(n, size(), "all_gather", "replica");  // (before the native engine is made for nothing)
+  if (!gathers_by_gpu(row_bytes, outer)) return native().all_gather(n, in, out, row_bytes, outer);
   cuda::DeviceGuard guard;
   begin(n, "all_gather");
   const std::size_t row = row_bytes[0], block = row * groups_[0].ranks.size(), total = block * groups_.size();

@@ -47,22 +47,16 @@ class HierarchicalCommunicator : public Communicator {
   int size() const { return static_cast<int>(devices_.size()); }
   int gpus() const { return static_cast<int>(groups_.size()); }
 
-  // Per GPU: fold its replicas into the first one's output, NCCL all-reduce
-  // those across GPUs, copy to the other outputs (MEAN divides there, by the
-  // replica count); outputs equal to the first one's get no copy. `algorithm`
-  // is NCCL's own choice; any value is accepted.
-  void all_reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
-                  Algorithm algorithm) override;
-  // NCCL broadcasts from the root's GPU into one output per GPU; one copy
-  // kernel per GPU writes the other outputs there.
-  void broadcast(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, int root) override;
-  // Folds each GPU's replicas, NCCL-reduces to the root's GPU into out[root]
-  // (MEAN divides there); no other output is written.
-  void reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
-              int root) override;
-  // By GPU where it can (see the file comment), else the native engine's.
-  void all_gather(int n, const void* const* in, void* const* out, const std::size_t* row_bytes,
-                  std::size_t outer) override;
+  // all_reduce: per GPU, fold its replicas into the first one's output, NCCL
+  // all-reduce those across GPUs, copy to the other outputs (MEAN divides
+  // there, by the replica count); outputs equal to the first one's get no
+  // copy. `algorithm` is NCCL's own choice; any value is accepted.
+  // broadcast: NCCL broadcasts from the root's GPU into one output per GPU;
+  // one copy kernel per GPU writes the other outputs there.
+  // reduce: folds each GPU's replicas, NCCL-reduces to the root's GPU into
+  // out[root] (MEAN divides there); no other output is written.
+  // all_gather: by GPU where it can (see the file comment), else the native engine's.
+  MIRRORED_COMMUNICATOR_COLLECTIVES;
 
  private:
   // The replicas of one GPU: `ranks[0]` leads (its output is the GPU's NCCL buffer).

@@ -73,9 +73,7 @@ NcclCommunicator::~NcclCommunicator() {
 }
 
 void NcclCommunicator::begin(int n, const char* what) const {
-  if (n != size())
-    throw std::invalid_argument(std::string(what) + ": got " + std::to_string(n) + " buffers for " +
-                                std::to_string(size()) + " local NCCL ranks; pass one buffer per rank");
+  check_buffers(n, size(), what, "local NCCL rank");
 }
 
 int NcclCommunicator::nccl_op(ReduceOp op) const {

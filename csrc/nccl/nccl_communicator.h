@@ -28,16 +28,10 @@ class NcclCommunicator : public Communicator {
   int size() const { return static_cast<int>(comms_.size()); }
   int nranks() const { return nranks_; }
 
-  // `algorithm` is NCCL's own choice; any value is accepted. MEAN is ncclAvg.
-  void all_reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
-                  Algorithm algorithm) override;
-  // `root` is a rank of the whole job (the local index when all ranks are local).
-  void broadcast(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, int root) override;
-  void reduce(int n, const void* const* in, void* const* out, std::size_t count, DType dtype, ReduceOp op,
-              int root) override;
-  // Equal row sizes and outer == 1 only (NCCL's all-gather is rank-major).
-  void all_gather(int n, const void* const* in, void* const* out, const std::size_t* row_bytes,
-                  std::size_t outer) override;
+  // all_reduce: `algorithm` is NCCL's own choice; any value is accepted. MEAN is ncclAvg.
+  // broadcast, reduce: `root` is a rank of the whole job (the local index when all ranks are local).
+  // all_gather: equal row sizes and outer == 1 only (NCCL's all-gather is rank-major).
+  MIRRORED_COMMUNICATOR_COLLECTIVES;
 
  private:
   void begin(int n, const char* what) const;

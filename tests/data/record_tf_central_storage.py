@@ -6,17 +6,11 @@ tests/central_storage_scenarios.py, with 4 logical CPUs.
         (writes tests/data/tf_central_storage_reference.json)
 """
 
-import json
-import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-import tensorflow as tf  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-import central_storage_scenarios as scenarios  # noqa: E402
-import record_tf_one_device  # noqa: E402  (this folder: the script's own)
+from recording import logical_cpus, record_each, tf, write_reference  # (this folder: the script's own)
+import central_storage_scenarios as scenarios  # (the tests folder: recording puts it on the path)
+import record_tf_one_device
 
 
 class TensorFlow(record_tf_one_device.TensorFlow):
@@ -28,20 +22,9 @@ class TensorFlow(record_tf_one_device.TensorFlow):
 
 
 def main():
-    tf.get_logger().setLevel("ERROR")
-    tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
-                                               [tf.config.LogicalDeviceConfiguration()] * 4)
-    adapter = TensorFlow()
-    out = {"tensorflow": tf.__version__,
-           "scenarios": {name: scenarios.run_scenario(adapter, fn) for name, (fn, _) in scenarios.SCENARIOS.items()}}
-    for name, (_, words) in scenarios.SCENARIOS.items():
-        result = out["scenarios"][name]
-        missing = [w for w in words if "raises" not in result or w.lower() not in result["msg"].lower()]
-        if missing:
-            print(f"{name}: TF's result lacks {missing}: {result}", file=sys.stderr)
-    with open(os.path.join(HERE, "tf_central_storage_reference.json"), "w") as f:
-        json.dump(out, f, indent=None, separators=(",", ":"))
-        f.write("\n")
+    logical_cpus(4)
+    out = {"tensorflow": tf.__version__, "scenarios": record_each(scenarios, TensorFlow())}
+    write_reference("tf_central_storage_reference.json", out, indent=None, separators=(",", ":"))
     print(f"{len(out['scenarios'])} scenarios", file=sys.stderr)
 
 

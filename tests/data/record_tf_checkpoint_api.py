@@ -10,23 +10,19 @@ With an argument N it prints the N-replica results only.
 """
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-import tf_checkpoint_scenarios as scenarios  # noqa: E402
+from recording import logical_cpus, record_by_replicas, record_scenarios, tf, write_reference  # (this folder)
+import keras
+from scenario_adapter import ScenarioAdapter  # (the tests folder: recording puts it on the path)
+import tf_checkpoint_scenarios as scenarios
 
 
-class TensorFlow:
+class TensorFlow(ScenarioAdapter):
     """The scenarios' adapter over TensorFlow."""
 
+    MirroredStrategy = tf.distribute.MirroredStrategy
     Variable = tf.Variable
     Module = tf.Module
     Checkpoint = tf.train.Checkpoint
@@ -36,52 +32,29 @@ class TensorFlow:
     Adam = keras.optimizers.Adam
     Dataset = tf.data.Dataset
 
-    def __init__(self):
-        self._strategies = {}
-
-    def strategy(self, n):
-        if n not in self._strategies:
-            self._strategies[n] = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
-        return self._strategies[n]
-
     @staticmethod
     def const(value, dtype):
         return tf.constant(value, dtype)
 
 
 def record(n):
-    """Every scenario at ``n`` replicas, in a process of its own (TF keys its collectives by a group number that a
-    strategy of another size in the same process would reuse)."""
-    tf.get_logger().setLevel("ERROR")
-    tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
-                                               [tf.config.LogicalDeviceConfiguration()] * 2)
+    """Every scenario at ``n`` replicas, each in a fresh temporary directory."""
+    logical_cpus(2)
     adapter = TensorFlow()
-    results = {}
-    for name, (fn, ns, words) in scenarios.SCENARIOS.items():
-        if n not in ns:
-            continue
+
+    def run(fn):
         with tempfile.TemporaryDirectory() as tmp:
-            result = scenarios.run_scenario(adapter, fn, n, tmp)
-        if isinstance(result, dict) and "raises" in result:
-            missing = [w for w in words if w.lower() not in result["msg"].lower()]
-            if missing:
-                print(f"{name} n={n}: TF's message lacks {missing}: {result['msg']}", file=sys.stderr)
-        results[name] = result
-    return results
+            return scenarios.run_scenario(adapter, fn, n, tmp)
+
+    return record_scenarios(scenarios, n, run)
 
 
 def main():
     if len(sys.argv) > 1:
         json.dump(record(int(sys.argv[1])), sys.stdout)
         return
-    out = {"tensorflow": tf.__version__, "keras": keras.__version__, "scenarios": {}}
-    for n in (1, 2):
-        text = subprocess.run([sys.executable, __file__, str(n)], check=True, capture_output=True, text=True).stdout
-        for name, result in json.loads(text).items():
-            out["scenarios"].setdefault(name, {})[str(n)] = result
-    with open(os.path.join(HERE, "tf_checkpoint_api_reference.json"), "w") as f:
-        json.dump(out, f, indent=1, sort_keys=True)
-        f.write("\n")
+    out = {"tensorflow": tf.__version__, "keras": keras.__version__, "scenarios": record_by_replicas(__file__, (1, 2))}
+    write_reference("tf_checkpoint_api_reference.json", out, indent=1, sort_keys=True)
 
 
 if __name__ == "__main__":

@@ -6,18 +6,13 @@ tests/one_device_scenarios.py, and its TensorShape cases.
         (writes tests/data/tf_one_device_reference.json)
 """
 
-import json
 import os
 import sys
 import tempfile
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-import tensorflow as tf  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-import one_device_scenarios as scenarios  # noqa: E402
-import record_tf_semantics  # noqa: E402  (this folder: the script's own)
+from recording import record_each, tf, write_reference  # (this folder: the script's own)
+import one_device_scenarios as scenarios  # (the tests folder: recording puts it on the path)
+import record_tf_semantics
 
 
 class TensorFlow(record_tf_semantics.TensorFlow):
@@ -46,17 +41,9 @@ class TensorFlow(record_tf_semantics.TensorFlow):
 def main():
     tf.get_logger().setLevel("ERROR")
     adapter = TensorFlow()
-    out = {"tensorflow": tf.__version__,
-           "scenarios": {name: scenarios.run_scenario(adapter, fn) for name, (fn, _) in scenarios.SCENARIOS.items()},
+    out = {"tensorflow": tf.__version__, "scenarios": record_each(scenarios, adapter),
            "tensor_shape": scenarios.tensor_shape_cases(adapter)}
-    for name, (_, words) in scenarios.SCENARIOS.items():
-        result = out["scenarios"][name]
-        missing = [w for w in words if "raises" not in result or w.lower() not in result["msg"].lower()]
-        if missing:
-            print(f"{name}: TF's result lacks {missing}: {result}", file=sys.stderr)
-    with open(os.path.join(HERE, "tf_one_device_reference.json"), "w") as f:
-        json.dump(out, f, indent=None, separators=(",", ":"))
-        f.write("\n")
+    write_reference("tf_one_device_reference.json", out, indent=None, separators=(",", ":"))
     print(f"{len(out['scenarios'])} scenarios, {len(out['tensor_shape'])} TensorShape cases", file=sys.stderr)
 
 

@@ -11,21 +11,17 @@ With an argument N it prints the N-replica results only; RECORD_VERBOSE=1 names 
 
 import contextlib
 import json
-import os
-import subprocess
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-import tensorflow as tf  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-import tf_semantics_scenarios as scenarios  # noqa: E402
+from recording import logical_cpus, record_by_replicas, record_scenarios, tf, write_reference  # (this folder)
+from scenario_adapter import ScenarioAdapter  # (the tests folder: recording puts it on the path)
+import tf_semantics_scenarios as scenarios
 
 
-class TensorFlow:
+class TensorFlow(ScenarioAdapter):
     """The scenarios' adapter over TensorFlow."""
 
+    MirroredStrategy = tf.distribute.MirroredStrategy
     dist = tf.distribute
     Variable = tf.Variable
     VS = tf.VariableSynchronization
@@ -33,18 +29,6 @@ class TensorFlow:
     Dataset = tf.data.Dataset
     dist_name_scope = tf.name_scope
     Optional = tf.experimental.Optional
-
-    def __init__(self):
-        self._strategies = {}
-
-    @staticmethod
-    def new_strategy(n):
-        return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
-
-    def strategy(self, n):
-        if n not in self._strategies:
-            self._strategies[n] = self.new_strategy(n)
-        return self._strategies[n]
 
     @staticmethod
     def const(value, dtype):
@@ -60,33 +44,14 @@ class TensorFlow:
 def record(n):
     """Every scenario at ``n`` replicas, in a process of its own: TF keys its collectives by a group number
     that a strategy of another size in the same process would reuse."""
-    tf.get_logger().setLevel("ERROR")
-    tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
-                                               [tf.config.LogicalDeviceConfiguration()] * 4)
+    logical_cpus(4)
     adapter = TensorFlow()
-    results = {}
-    for name, (fn, ns, words) in scenarios.SCENARIOS.items():
-        if n not in ns:
-            continue
-        if os.environ.get("RECORD_VERBOSE"):
-            print(name, file=sys.stderr, flush=True)
-        result = scenarios.run_scenario(adapter, fn, n)
-        if "raises" in result:
-            missing = [w for w in words if w.lower() not in result["msg"].lower()]
-            if missing:
-                print(f"{name} n={n}: TF's message lacks {missing}: {result['msg']}", file=sys.stderr)
-        results[name] = result
-    return results
+    return record_scenarios(scenarios, n, lambda fn: scenarios.run_scenario(adapter, fn, n))
 
 
 def main():
-    by_n = {n: json.loads(subprocess.run([sys.executable, __file__, str(n)], check=True, stdout=subprocess.PIPE,
-                                         text=True).stdout) for n in scenarios.ALL}
-    out = {"tensorflow": tf.__version__, "scenarios": {
-        name: {str(n): by_n[n][name] for n in ns} for name, (_, ns, _) in scenarios.SCENARIOS.items()}}
-    with open(os.path.join(HERE, "tf_semantics_reference.json"), "w") as f:
-        json.dump(out, f, indent=None, separators=(",", ":"))
-        f.write("\n")
+    out = {"tensorflow": tf.__version__, "scenarios": record_by_replicas(__file__, scenarios.ALL)}
+    write_reference("tf_semantics_reference.json", out, indent=None, separators=(",", ":"))
     print(f"{len(out['scenarios'])} scenarios, {sum(len(r) for r in out['scenarios'].values())} cases",
           file=sys.stderr)
 

@@ -17,10 +17,12 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cuda/device_batch.h"
 #include "cuda/sim/expect.h"
+#include "cuda/sim/sim_replicas.h"
 #include "cuda/sim/sim_runtime.h"
 #include "cuda/stream_scope.h"
 #include "nccl/hierarchical.h"
@@ -50,11 +52,9 @@ int expected(int n, std::size_t i, ReduceOp op) {
 }
 
 // Replicas on `devices`; each replica's stream: its GPU's one stream, or one of its own.
-struct Setup {
-  std::vector<int> devices;
-  std::vector<cudaStream_t> streams;
+struct Setup : sim_check::Replicas {
   std::vector<cudaStream_t> made;
-  Setup(std::vector<int> d, bool stream_each) : devices(std::move(d)) {
+  Setup(std::vector<int> d, bool stream_each) : Replicas(std::move(d)) {
     std::map<int, cudaStream_t> of_gpu;
     for (int device : devices) {
       if (!stream_each && of_gpu.count(device)) {
@@ -70,17 +70,6 @@ struct Setup {
   }
   ~Setup() {
     for (auto s : made) cudaStreamDestroy(s);
-  }
-  int n() const { return static_cast<int>(devices.size()); }
-  void* alloc(int r, std::size_t bytes) {
-    cudaSetDevice(devices[r]);
-    void* p = nullptr;
-    cudaMalloc(&p, bytes + 1);
-    return p;
-  }
-  void on(int r, std::function<void()> f) {
-    cudaSetDevice(devices[r]);
-    sim::enqueue(streams[r], std::move(f));
   }
   void write(int r, void* p, std::size_t count, int seed, ReduceOp op) {
     on(r, [=] {
@@ -338,16 +327,27 @@ void check_threads() {
   EXPECT(wrong == 0, "%d wrong elements with 3 threads sharing the engine", wrong.load());
 }
 
+// Two buffers for three replicas: every collective says so, naming itself.
 void check_errors() {
-  try {
-    nccl::HierarchicalCommunicator comm({0, 0, 1});
-    std::vector<void*> p(2, nullptr);
-    comm.all_reduce(2, p.data(), p.data(), 1, DType::kInt32, ReduceOp::kSum, Algorithm::kAuto);
-  } catch (const std::invalid_argument& e) {
-    EXPECT(std::string(e.what()).find("got 2 buffers for 3 replicas") != std::string::npos, "message: %s", e.what());
-    return;
+  nccl::HierarchicalCommunicator comm({0, 0, 1});
+  std::vector<void*> p(2, nullptr);
+  const std::size_t rows[2] = {4, 4};
+  const std::vector<std::pair<const char*, std::function<void()>>> calls = {
+      {"all_reduce",
+       [&] { comm.all_reduce(2, p.data(), p.data(), 1, DType::kInt32, ReduceOp::kSum, Algorithm::kAuto); }},
+      {"broadcast", [&] { comm.broadcast(2, p.data(), p.data(), 1, DType::kInt32, 0); }},
+      {"reduce", [&] { comm.reduce(2, p.data(), p.data(), 1, DType::kInt32, ReduceOp::kSum, 0); }},
+      {"all_gather", [&] { comm.all_gather(2, p.data(), p.data(), rows, 1); }}};
+  for (const auto& [what, call] : calls) {
+    std::string message;
+    try {
+      call();
+    } catch (const std::invalid_argument& e) {
+      message = e.what();
+    }
+    EXPECT(message == std::string(what) + ": got 2 buffers for 3 replicas; pass one buffer per replica",
+           "%s: message '%s'", what, message.c_str());
   }
-  EXPECT(false, "two buffers for three replicas: no error");
 }
 
 }  // namespace

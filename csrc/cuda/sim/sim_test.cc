@@ -24,6 +24,7 @@
 #include "cuda/fused.h"
 #include "cuda/reduce_ops.cuh"
 #include "cuda/sim/expect.h"
+#include "cuda/sim/sim_replicas.h"
 #include "cuda/sim/sim_runtime.h"
 #include "cuda/stream_scope.h"
 #include "nccl/nccl_communicator.h"
@@ -50,10 +51,10 @@ long long expected(int n, std::size_t i, ReduceOp op) {
   return e;
 }
 
-struct Layout {
-  std::vector<int> devices;
-  std::vector<cudaStream_t> streams;  // the callers'; null: each device's default stream
-  Layout(std::vector<int> d, bool own_streams) : devices(std::move(d)), streams(devices.size(), nullptr) {
+// Ranks on `devices`, each on a stream of its own or on its device's default stream.
+struct Layout : sim_check::Replicas {
+  Layout(std::vector<int> d, bool own_streams) : Replicas(std::move(d)) {
+    streams.assign(devices.size(), nullptr);
     for (std::size_t r = 0; r < devices.size() && own_streams; ++r) {
       cudaSetDevice(devices[r]);
       cudaStreamCreateWithFlags(&streams[r], 0);
@@ -62,18 +63,6 @@ struct Layout {
   ~Layout() {
     for (auto s : streams)
       if (s) cudaStreamDestroy(s);
-  }
-  int n() const { return static_cast<int>(devices.size()); }
-  void* alloc(int r, std::size_t bytes) {
-    cudaSetDevice(devices[r]);
-    void* p = nullptr;
-    cudaMalloc(&p, bytes + 1);
-    return p;
-  }
-  // Caller-side work on rank r's stream.
-  void on(int r, std::function<void()> f) {
-    cudaSetDevice(devices[r]);
-    sim::enqueue(streams[r], std::move(f));
   }
 };
 

@@ -14,13 +14,11 @@ replica's result is taken there, so a step gives MirroredStrategy's weights bit 
 from __future__ import annotations
 
 from ..device import config, device_util
-from .context import _local, get_replica_context
 from .distribute_lib import Strategy
 from .mirrored_strategy import MirroredExtended
 from .one_device_strategy import update_on
-from .options import VariableAggregation
-from .reduce_util import ReduceOp
-from .values import DeviceVariable, DistributedValues, Variable, _updated
+from .values import (AssignsThroughUpdate, DeviceVariable, DistributedValues, Variable, running_replica_id,
+                     update_in_replica)
 
 __all__ = ["CentralStorageStrategy", "AggregatingVariable"]
 
@@ -57,7 +55,7 @@ def _parameter_device(parameter_device) -> str:
     return device
 
 
-class AggregatingVariable(DeviceVariable):
+class AggregatingVariable(AssignsThroughUpdate, DeviceVariable):
     """A variable of a CentralStorageStrategy with several replicas (TF's ``ps_values.AggregatingVariable``): one
     copy, on the parameter device.
 
@@ -76,18 +74,9 @@ class AggregatingVariable(DeviceVariable):
         self._copy_to = tuple(None if on_host and device_util.parse(d).device_type == "CPU" else d
                               for d in strategy.extended.worker_devices)
 
-    def _replica_id(self):
-        """The running replica's local id when it is one of this variable's strategy, else None."""
-        stack = getattr(_local, "stack", None)
-        if stack:
-            top = stack[-1]
-            if top.replica_context is not None and top.strategy is self._strategy:
-                return top.replica_context._local_replica_id
-        return None
-
     def _for_replica(self, x, copy: bool):
         """``x`` (read on the parameter device) as the running replica reads it: on its own device."""
-        rid = self._replica_id()
+        rid = running_replica_id(self._strategy)
         device = None if rid is None else self._copy_to[rid]
         return x if device is None else device_util.place(x, device, copy=copy)
 
@@ -102,34 +91,14 @@ class AggregatingVariable(DeviceVariable):
 
     def _update(self, method: str, value):
         update = getattr(DeviceVariable, method)
-        if self._replica_id() is None:  # TF's: through extended.update (distributed values: the first replica's)
-            self._strategy.extended.update(self, update, args=(value,))
+
+        def apply(x):  # TF's: through extended.update (distributed values: the first replica's)
+            self._strategy.extended.update(self, update, args=(x,))
+
+        if running_replica_id(self._strategy) is None:
+            apply(value)
             return self
-        if self._aggregation == VariableAggregation.NONE:
-            raise ValueError(
-                f"You must specify an aggregation method to update a AggregatingVariable ({self.name!r}) in replica "
-                "context: create it with md.Variable(..., aggregation=md.VariableAggregation.SUM, MEAN or "
-                "ONLY_FIRST_REPLICA), or update it in cross-replica context (strategy.extended.update)")
-
-        def merge_fn(strategy, per_replica):
-            if self._aggregation == VariableAggregation.ONLY_FIRST_REPLICA:
-                reduced = strategy.experimental_local_results(per_replica)[0]
-            else:
-                reduced = strategy.extended.reduce_to(ReduceOp.from_variable_aggregation(self._aggregation),
-                                                      per_replica, destinations=self)
-            strategy.extended.update(self, update, args=(reduced,))
-
-        get_replica_context().merge_call(merge_fn, args=(value,))
-        return self
-
-    def assign(self, value, use_locking=None, name=None, read_value=True):
-        return _updated(self._update("assign", value), read_value)
-
-    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        return _updated(self._update("assign_add", delta), read_value)
-
-    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        return _updated(self._update("assign_sub", delta), read_value)
+        return update_in_replica(self, value, apply)
 
 
 class CentralStorageExtended(MirroredExtended):

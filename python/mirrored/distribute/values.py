@@ -373,6 +373,56 @@ class DeviceVariable(Variable):
         _scatter_method, _SCATTERS)
 
 
+def running_replica_id(strategy):
+    """This thread's replica id when it runs a replica of ``strategy``, else None.
+
+    On every read inside ``run``: the top of this thread's context stack, read
+    directly (a few attribute loads, no call).
+    """
+    stack = getattr(_local, "stack", None)
+    if stack:
+        top = stack[-1]
+        if top.replica_context is not None and top.strategy is strategy:
+            return top.replica_context._local_replica_id
+    return None
+
+
+def update_in_replica(variable, value, apply):
+    """``variable``'s update inside ``run``: the replicas' ``value`` combined by its aggregation (in a
+    ``merge_call``), then ``apply(combined)`` once. Returns ``variable``."""
+    aggregation = variable._aggregation
+    if aggregation == VariableAggregation.NONE:
+        raise ValueError(
+            f"You must specify an aggregation method to update {type(variable).__name__} '{variable.name}' in "
+            "replica context: create it with md.Variable(..., aggregation=md.VariableAggregation.SUM, MEAN or "
+            "ONLY_FIRST_REPLICA), or update it in cross-replica context (strategy.extended.update)")
+
+    def merge_fn(strategy, per_replica):
+        if aggregation == VariableAggregation.ONLY_FIRST_REPLICA:
+            combined = strategy.experimental_local_results(per_replica)[0]
+        else:
+            combined = strategy.extended.reduce_to(ReduceOp.from_variable_aggregation(aggregation), per_replica,
+                                                   destinations=variable)
+        apply(combined)
+
+    get_replica_context().merge_call(merge_fn, args=(value,))
+    return variable
+
+
+class AssignsThroughUpdate:
+    """``assign`` / ``assign_add`` / ``assign_sub`` of a variable whose ``_update(method, value)`` decides
+    where and how an update applies (replica or cross-replica context)."""
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        return _updated(self._update("assign", value), read_value)
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        return _updated(self._update("assign_add", delta), read_value)
+
+    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        return _updated(self._update("assign_sub", delta), read_value)
+
+
 class DistributedVariable(DistributedValues, Variable):
     """A variable with one :class:`DeviceVariable` copy per replica device."""
 
@@ -398,17 +448,7 @@ class DistributedVariable(DistributedValues, Variable):
         return self._component().device
 
     def _local_replica_id(self):
-        """This thread's replica id when it runs a replica of this variable's strategy, else None.
-
-        On every read inside ``run``: the top of this thread's context stack, read
-        directly (a few attribute loads, no call).
-        """
-        stack = getattr(_local, "stack", None)
-        if stack:
-            top = stack[-1]
-            if top.replica_context is not None and top.strategy is self._strategy:
-                return top.replica_context._local_replica_id
-        return None
+        return running_replica_id(self._strategy)
 
     def _component(self) -> DeviceVariable:
         rid = self._local_replica_id()
@@ -423,7 +463,7 @@ class DistributedVariable(DistributedValues, Variable):
     __repr__ = DistributedValues.__repr__
 
 
-class MirroredVariable(DistributedVariable, Mirrored):
+class MirroredVariable(AssignsThroughUpdate, DistributedVariable, Mirrored):
     """``ON_WRITE`` variable: every update is applied to every copy, so copies never drift."""
 
     _synchronization_mode = VariableSynchronization.ON_WRITE
@@ -446,31 +486,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
                     "strategy.reduce(...), or assign inside strategy.run with aggregation SUM or MEAN"
                 )
             return self._update_each_copy(method, value)
-        if self._aggregation == VariableAggregation.NONE:
-            raise ValueError(
-                f"You must specify an aggregation method to update MirroredVariable '{self.name}' in replica "
-                "context: create it with md.Variable(..., aggregation=md.VariableAggregation.SUM, MEAN or "
-                "ONLY_FIRST_REPLICA), or update it in cross-replica context (strategy.extended.update)"
-            )
-        def merge_fn(strategy, per_replica):
-            if self._aggregation == VariableAggregation.ONLY_FIRST_REPLICA:
-                reduced = strategy.experimental_local_results(per_replica)[0]
-            else:
-                reduced = strategy.extended.reduce_to(
-                    ReduceOp.from_variable_aggregation(self._aggregation), per_replica, destinations=self)
-            self._update_each_copy(method, reduced)
-
-        get_replica_context().merge_call(merge_fn, args=(value,))
-        return self
-
-    def assign(self, value, use_locking=None, name=None, read_value=True):
-        return _updated(self._update("assign", value), read_value)
-
-    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        return _updated(self._update("assign_add", delta), read_value)
-
-    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        return _updated(self._update("assign_sub", delta), read_value)
+        return update_in_replica(self, value, lambda reduced: self._update_each_copy(method, reduced))
 
     def _scatter(self, method: str, sparse_delta):
         _check_sparse_delta(self, sparse_delta, method)
