@@ -1170,6 +1170,7 @@ class _Plan:
         if grads is None or SquaredGradient not in map(type, grads):
             return [0] * len(self.groups)
         cupy = _gpu.cupy_module()
+        ordinal = device_util.physical_ordinal(self.copies[device][0].device)
         pointers = []
         for dtype, indices in self.groups.items():
             if not any(type(grads[k]) is SquaredGradient for k in indices):
@@ -1183,8 +1184,8 @@ class _Plan:
                 at += view.size
                 if type(g) is SquaredGradient:
                     view[...] = g.squares
-                else:
-                    g = g.astype(dtype, copy=False)
+                else:  # (as the pack takes it: on this GPU, in the variable's dtype)
+                    g = _packable(cupy, g, dtype, ordinal).reshape(view.shape)
                     cupy.multiply(g, g, out=view)
             pointers.append(buffer.data.ptr)
         return pointers
