@@ -213,6 +213,35 @@ def test_the_native_scatter_and_the_kernels_squares_refuse_bad_input_naming_it()
 
 
 
+
+@pytest.mark.parametrize("name", ["Adam", "SGD"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_sparse_step_that_failed_half_way_leaves_the_next_steps_exact(name, n):
+    # A step densifies into buffers it keeps (zeroing only the rows it wrote after the update): a step
+    # that raised after writing some rows (the second variable's index is out of range) must not leak them.
+    def train(fail: bool):
+        strategy = md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
+        with strategy.scope():
+            a, b = md.Variable(np.ones((6, 2), np.float32)), md.Variable(np.ones((5, 2), np.float32))
+            opt = getattr(md.optimizers, name)(0.1)
+
+        def step(s, bad=False):
+            values = np.arange(6, dtype=np.float32).reshape(3, 2) * (s + 1)
+            grads = [md.IndexedSlices(values, np.array([1, 3, 1]), (6, 2)),
+                     md.IndexedSlices(values, np.array([0, 9 if bad else 2, 2]), (5, 2))]
+            strategy.run(lambda: opt.apply_gradients(zip(grads, [a, b])))
+        for s in range(4):
+            if fail and s == 2:
+                with pytest.raises(IndexError, match="out of range"):
+                    step(s, bad=True)
+            step(s)
+        return [c.numpy() for v in (a, b) for c in v.values]
+
+    for got, want in zip(train(True), train(False)):
+        np.testing.assert_array_equal(got, want)
+
+
+
 # --- variables ------------------------------------------------------------------------------------------
 
 

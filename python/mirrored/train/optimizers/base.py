@@ -388,6 +388,7 @@ class Optimizer:
             plan.apply(ctx._local_replica_id, grads, step, update=False)
         elif reduced is None:
             plan.apply(ctx._local_replica_id, grads, step)
+            plan.clear_sparse(ctx._local_replica_id)  # (a sparse step's buffers: only without an all-reduce)
         elif type(reduced) is _Summands:
             plan.apply(ctx._local_replica_id, None, step, summands=reduced.grads)
             # Every replica has read the others' gradients before any returns to code that may write them.
@@ -408,7 +409,12 @@ class Optimizer:
         if aggregate and ctx.strategy.num_replicas_in_sync > 1:
             op = ReduceOp.SUM if self.gradient_aggregation == "sum" else ReduceOp.MEAN
             grads, aggregate = ctx.all_reduce(op, grads, options), False
-        return _densified(grads, variables, self._rule in SQUARING), aggregate
+        squares = self._rule in SQUARING
+        plan = self._plans.get(tuple(map(id, variables)))  # (none before the first step)
+        targets = plan.sparse_targets(ctx._local_replica_id, grads, squares) if plan is not None else None
+        if targets is None:
+            return _densified(grads, variables, squares), aggregate
+        return [_dense(g, var, squares, target) for g, var, target in zip(grads, variables, targets)], aggregate
 
     def _check_variable(self, where: str, var) -> None:
         if not isinstance(var, values.Variable):
@@ -772,7 +778,10 @@ class _Plan:
         # per device: (staged dtypes, the GradientPack of its eager steps)
         self.gpu_packs = [None] * self.num_devices
         self.staging = {}  # (device, id(fusion buffer), dtype) -> a buffer the pack fills with gradients of dtype
-        self.squares_buffers = {}  # (device, dtype) -> the buffer _pack_squares fills (sparse steps of squaring rules)
+        # (device, dtype, "gradients" | "squares") -> a buffer of a sparse step (sparse_targets, _pack_squares)
+        self.sparse_buffers = {}
+        self.sparse_clean = {}  # device -> whether its host sparse buffers are all zeros (sparse_targets)
+        self.sparse_named = {}  # device -> the views and indices its last sparse_targets wrote (clear_sparse)
         weakref.finalize(self, _retire_tables, self.gpu_tables)
         weakref.finalize(self, _retire_tables, self.gpu_packs)
         self.tables_made_at = [None] * self.num_devices  # values.buffers_replaced when they were made
@@ -1162,6 +1171,47 @@ class _Plan:
             table.apply_captured(self.rule, grad, captured.buffer.data.ptr, len(captured.coefficients), stream,
                                  *_gate_pointers(gate), squares=square)
 
+    def sparse_targets(self, device: int, grads: list, squares: bool):
+        """Where a replica step densifies its IndexedSlices on host: per gradient, None (not IndexedSlices) or
+        ``(gradient, squares or None)``, zero views of device ``device``'s sparse buffers (one per dtype for
+        the gradients, one for their squares, laid out as the fusion buffer, made once) in the variable's
+        place; None for a plan that densifies into new arrays (GPU copies, central variables, dtypes the
+        kernel does not take). After the update :meth:`clear_sparse` zeroes only the rows the slices named,
+        so a step costs O(rows named) beyond the dense one, not two new table-sized zero arrays (whose pages
+        fault in when the kernel first reads them)."""
+        if not self.packable or not self.host[device] or self.central:
+            return None
+        kinds = ("gradients", "squares") if squares else ("gradients",)  # (a plan's rule squares or never does)
+        if not self.sparse_clean.get(device, False):  # (made now, or a step that failed before clear_sparse)
+            for dtype in self.groups:
+                for kind in kinds:
+                    self._sparse_buffer(device, dtype, kind).fill(0)
+        self.sparse_clean[device] = False
+        targets, named = [None] * len(grads), []
+        for dtype, indices in self.groups.items():
+            buffers = [self._sparse_buffer(device, dtype, kind) for kind in kinds]
+            at = 0
+            for k in indices:
+                value = self.copies[device][k]._value
+                if type(grads[k]) is IndexedSlices:
+                    views = tuple(b[at:at + value.size].reshape(value.shape) for b in buffers)
+                    targets[k] = (views[0], views[1] if squares else None)
+                    named.append((views, grads[k].indices))
+                at += value.size
+        self.sparse_named[device] = named
+        return targets
+
+    def clear_sparse(self, device: int) -> None:
+        """After a step that densified into :meth:`sparse_targets`' views: the rows it wrote zeroed again."""
+        named = self.sparse_named.pop(device, None)
+        if named is None:
+            return
+        for views, indices in named:
+            rows = indices[indices >= 0]  # (an index past the rows raised before anything was written)
+            for view in views:
+                view[rows] = 0
+        self.sparse_clean[device] = True
+
     def _pack_squares(self, device: int, grads) -> list:
         """Per dtype, a pointer to the squares the kernel reads in place of ``g * g`` (0: none, it squares):
         with a rules.SquaredGradient among ``grads``, a buffer laid out as the fusion buffer (made once per
@@ -1193,12 +1243,16 @@ class _Plan:
     def _squares_buffer(self, device: int, dtype):
         """Device ``device``'s squares buffer of ``dtype`` (made once, by the first sparse step:
         an eager one precedes a capture)."""
-        key = (device, dtype)
-        buffer = self.squares_buffers.get(key)
+        return self._sparse_buffer(device, dtype, "squares")
+
+    def _sparse_buffer(self, device: int, dtype, kind: str):
+        """Device ``device``'s buffer ``kind`` of ``dtype``, laid out as its fusion buffer (made once)."""
+        key = (device, dtype, kind)
+        buffer = self.sparse_buffers.get(key)
         if buffer is None:
             size = sum(self.copies[device][k]._value.size for k in self.groups[dtype])
-            buffer = self.squares_buffers[key] = device_util.place(np.empty(size, dtype),
-                                                                   self.copies[device][0].device)
+            buffer = self.sparse_buffers[key] = device_util.place(np.empty(size, dtype),
+                                                                  self.copies[device][0].device)
         return buffer
 
     def _checked_grads(self, tables, packed, stream, gate) -> list:
@@ -1407,21 +1461,22 @@ def _plain(g):
     return g.grad if type(g) is SquaredGradient else g
 
 
-def _dense(g, var, squares: bool = False):
+def _dense(g, var, squares: bool = False, target=None):
     """Gradient ``g`` as a dense array of its variable's shape and dtype: IndexedSlices scattered (repeated
     indices add up), on the device of their values; with ``squares``, a rules.SquaredGradient whose squares
-    add up the slices' squares row by row (one pass over the slices, see scatter_add_rows). Others as they
-    are."""
+    add up the slices' squares row by row (one pass over the slices, see scatter_add_rows). ``target``:
+    ``(gradient, squares)`` zero arrays to scatter into (_Plan.sparse_targets), else new ones. Others as
+    they are."""
     if type(g) is not IndexedSlices:
         return g
     xp = array_module(g.values)
     shape = tuple(var.shape)
     with device_util.array_device(g.values):
         slices = g._with(values=g.values.astype(np.dtype(var.dtype), copy=False))
-        dense = xp.zeros(shape, slices.dtype)
+        dense = xp.zeros(shape, slices.dtype) if target is None else target[0]
         if not squares:
             return scatter_add_rows(dense, slices)
-        square_sums = xp.zeros(shape, slices.dtype)
+        square_sums = xp.zeros(shape, slices.dtype) if target is None else target[1]
         return SquaredGradient(scatter_add_rows(dense, slices, squares=square_sums), square_sums)
 
 
