@@ -1,19 +1,29 @@
 """IndexedSlices against dense gradients of the same embedding table, in one run (same-run ratios).
 
     PYTHONPATH=python python bench/sparse_gradients.py [--replicas 2] [--rows 100000] [--width 64] [--repeat 7]
+        [--compare /work/main/python]
 
 1. Reduction: ``strategy.reduce(SUM, ...)`` of every replica's k rows (an all-gather of values and of
    indices) against the all-reduce of the dense rows x width table.
-2. Training step: ``Adam.apply_gradients`` inside ``strategy.run`` with the embedding's gradient as
-   IndexedSlices (gathered, densified with its squares, the rule element-wise) against the same step
-   with the gradient densified by the caller (the fused kernel), beside a dense 64 x 64 variable.
-Prints one table per part: the median time of each and the ratio sparse / dense.
+2. Densifying one replica's gathered slices with their squares (what a sparse Adam step does): the
+   native one-pass scatter-add (md's) against ``np.add.at`` twice (the gradient, then the squares).
+3. Training step: ``Adam.apply_gradients`` inside ``strategy.run`` with the embedding's gradient as
+   IndexedSlices (gathered, densified with its squares, the fused kernel reading them) against the same
+   step with the gradient densified by the caller (the fused kernel), beside a dense 64 x 64 variable.
+   ``--compare PATH`` times the sparse step of another build's package too (e.g. main's ``python/``,
+   which recomputed the named rows after finding them with ``np.unique``), each build in a process of
+   its own, rounds interleaved.
+Prints one table per part: the median time of each and the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -42,7 +52,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--compare", default=None, help="another build's package directory (its python/)")
+    parser.add_argument("--step-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.step_child:
+        return _step_child(args)
     n, rows, width = args.replicas, args.rows, args.width
     strategy = md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
     rng = np.random.default_rng(0)
@@ -59,14 +73,65 @@ def main() -> None:
         t_dense = _median_seconds(lambda: strategy.extended.reduce_to("SUM", dense, dense), args.repeat)
         print(f"| {k} | {t_sparse * 1e3:.2f} | {t_dense * 1e3:.2f} | {t_sparse / t_dense:.2f} |")
 
-    print("\n| rows per replica | Adam step, IndexedSlices (ms) | Adam step, dense (ms) | sparse / dense |")
+    print("\n| slices | native scatter-add with squares (ms) | np.add.at twice (ms) | native / add.at |")
     print("|---:|---:|---:|---:|")
-    for k in (256, 4096):
+    from mirrored.device.indexed_slices import scatter_add_rows
+    for k in (256, 4096, 65536):
+        s = _slices(rng, k, rows, width)
+        out, squares = np.zeros((rows, width), np.float32), np.zeros((rows, width), np.float32)
+
+        def native(s=s, out=out, squares=squares):
+            scatter_add_rows(out, s, squares=squares)
+
+        def add_at(s=s, out=out, squares=squares):
+            np.add.at(out, s.indices, s.values)
+            np.add.at(squares, s.indices, s.values * s.values)
+        t_native, t_add_at = _median_seconds(native, args.repeat), _median_seconds(add_at, args.repeat)
+        print(f"| {k} | {t_native * 1e3:.3f} | {t_add_at * 1e3:.3f} | {t_native / t_add_at:.2f} |")
+
+    builds = [("this build", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))]
+    if args.compare:
+        builds.append(("compared", args.compare))
+    steps = {name: _step_times(path, args) for name, path in builds}
+    head = "| rows per replica | Adam step, dense (ms) | Adam step, IndexedSlices (ms) | sparse / dense |"
+    rule = "|---:|---:|---:|---:|"
+    if args.compare:
+        head += " compared build: IndexedSlices (ms) | compared sparse / dense | this / compared (sparse) |"
+        rule += "---:|---:|---:|"
+    print("\n" + head + "\n" + rule)
+    for k in _STEP_ROWS:
+        dense, sparse = steps["this build"][str(k)]
+        line = f"| {k} | {dense * 1e3:.2f} | {sparse * 1e3:.2f} | {sparse / dense:.2f} |"
+        if args.compare:
+            dense_c, sparse_c = steps["compared"][str(k)]
+            line += f" {sparse_c * 1e3:.2f} | {sparse_c / dense_c:.2f} | {sparse / sparse_c:.2f} |"
+        print(line)
+
+
+_STEP_ROWS = (256, 4096, 32768)
+
+
+def _step_times(package: str, args) -> dict:
+    """The step part run by ``package``'s mirrored in a process of its own: {rows: (dense s, sparse s)}."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(package))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--step-child", "--replicas",
+                           str(args.replicas), "--rows", str(args.rows), "--width", str(args.width), "--repeat",
+                           str(args.repeat)], env=env, capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout)
+
+
+def _step_child(args) -> None:
+    """Prints {rows per replica: (dense step s, sparse step s)} as JSON (medians, the two interleaved)."""
+    n, rows, width = args.replicas, args.rows, args.width
+    strategy = md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
+    rng = np.random.default_rng(1)
+    out = {}
+    for k in _STEP_ROWS:
         parts = [_slices(rng, k, rows, width) for _ in range(n)]
         denses = [md.convert_to_tensor(p) for p in parts]
         small = [rng.standard_normal((64, 64)).astype(np.float32) for _ in range(n)]
-        times = []
-        for grads in (parts, denses):
+        steps = []
+        for grads in (denses, parts):
             with strategy.scope():
                 e = md.Variable(np.zeros((rows, width), np.float32))
                 w = md.Variable(np.zeros((64, 64), np.float32))
@@ -75,8 +140,17 @@ def main() -> None:
             def step(grads=grads, e=e, w=w, opt=opt):
                 r = md.get_replica_context().replica_id_in_sync_group
                 opt.apply_gradients([(grads[r], e), (small[r], w)])
-            times.append(_median_seconds(lambda step=step: strategy.run(step), args.repeat))
-        print(f"| {k} | {times[0] * 1e3:.2f} | {times[1] * 1e3:.2f} | {times[0] / times[1]:.2f} |")
+            steps.append(lambda step=step: strategy.run(step))
+        times = [[], []]
+        for f in steps:
+            f()  # warm-up: plans, slots
+        for _ in range(args.repeat):
+            for j, f in enumerate(steps):
+                start = time.perf_counter()
+                f()
+                times[j].append(time.perf_counter() - start)
+        out[k] = [statistics.median(t) for t in times]
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

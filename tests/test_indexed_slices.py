@@ -147,6 +147,101 @@ def test_a_row_repeated_many_times_adds_up_in_order(repeats):
     np.testing.assert_array_equal(md.convert_to_tensor(md.IndexedSlices(values, indices, (5, 3))), expected)
 
 
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 9), width=st.integers(0, 4), k=st.integers(0, 30), seed=st.integers(0, 2 ** 16),
+       dtype=st.sampled_from([np.float32, np.float64, np.float16]), negative=st.booleans(),
+       index_dtype=st.sampled_from([np.int32, np.int64]))
+def test_densifying_with_squares_adds_each_slices_square_in_order(rows, width, k, seed, dtype, negative,
+                                                                    index_dtype):
+    # The squares a rule takes for a sparse step: row by row, a*a + b*b for a row named twice.
+    from mirrored.device.indexed_slices import scatter_add_rows
+
+    rng = np.random.default_rng(seed)
+    values = (rng.standard_normal((k, width)) * 10).astype(dtype)
+    indices = rng.integers(-2 if negative else 0, rows, k).astype(index_dtype)
+    kept = indices >= 0  # (a negative index is dropped on host)
+    expected, expected_squares = np.zeros((rows, width), dtype), np.zeros((rows, width), dtype)
+    np.add.at(expected, indices[kept], values[kept])
+    np.add.at(expected_squares, indices[kept], values[kept] * values[kept])
+    squares = np.zeros((rows, width), dtype)
+    got = scatter_add_rows(np.zeros((rows, width), dtype), md.IndexedSlices(values, indices, (rows, width)),
+                           squares=squares)
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(squares, expected_squares)
+
+
+def test_densifying_with_squares_refuses_an_index_past_the_rows_before_writing():
+    from mirrored.device.indexed_slices import scatter_add_rows
+
+    out, squares = np.zeros((4, 2), np.float32), np.zeros((4, 2), np.float32)
+    slices = md.IndexedSlices(np.ones((3, 2), np.float32), np.array([1, 4, 0]), (4, 2))
+    with pytest.raises(IndexError, match=r"indices\[1\] = 4 is out of range \[0, 4\)"):
+        scatter_add_rows(out, slices, squares=squares)
+    assert not out.any() and not squares.any()
+
+
+def test_the_native_scatter_and_the_kernels_squares_refuse_bad_input_naming_it():
+    from mirrored import _core
+
+    out = np.zeros((4, 2), np.float32)
+    with pytest.raises(ValueError, match="indices: expected a C-contiguous 1-D int64"):
+        _core.scatter_add_rows(out, None, np.ones((2, 2), np.float32), np.array([0, 1], np.int32))
+    with pytest.raises(ValueError, match="values: expected one row"):
+        _core.scatter_add_rows(out, None, np.ones((2, 3), np.float32), np.array([0, 1]))
+    with pytest.raises(ValueError, match="squares: dtype float64"):
+        _core.scatter_add_rows(out, np.zeros((4, 2)), np.ones((2, 2), np.float32), np.array([0, 1]))
+    assert _core.scatter_add_rows(out, None, np.ones((2, 2), np.float32), np.array([0, 9])) == 1
+    w, g, m, v = (np.full(3, x, np.float32) for x in (1.0, 0.5, 0.0, 0.0))
+    coefficients = [0.1, 0.001, 0.0031, 1e-7]
+    with pytest.raises(ValueError, match="squares: expected None or a list with one entry"):
+        _core.fused_update(3, [w], [g], [[m, v]], [False], coefficients, 0.0, 0.0, [g, g])
+    with pytest.raises(ValueError, match=r"squares\[0\]: 2 elements, the variable has 3"):
+        _core.fused_update(3, [w], [g], [[m, v]], [False], coefficients, 0.0, 0.0, [np.ones(2, np.float32)])
+    with pytest.raises(ValueError, match="squares: not with a tuple"):
+        _core.fused_update(3, [w], ([g], [g]), [[m, v]], [False], coefficients, 0.0, 0.0, [g])
+    # Squares equal to g * g: the dense update's bits; other squares: Adam's second moment takes them.
+    dense = [a.copy() for a in (w, m, v)]
+    _core.fused_update(3, [dense[0]], [g], [dense[1:]], [False], coefficients, 0.0, 0.0)
+    given = [a.copy() for a in (w, m, v)]
+    _core.fused_update(3, [given[0]], [g], [given[1:]], [False], coefficients, 0.0, 0.0, [g * g])
+    for a, b in zip(dense, given):
+        np.testing.assert_array_equal(a, b)
+    other = [a.copy() for a in (w, m, v)]
+    _core.fused_update(3, [other[0]], [g], [other[1:]], [False], coefficients, 0.0, 0.0, [np.full(3, 2.0, np.float32)])
+    np.testing.assert_array_equal(other[2], np.float32(0) + (np.float32(2.0) - np.float32(0)) * np.float32(0.001))
+
+
+
+
+@pytest.mark.parametrize("name", ["Adam", "SGD"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_sparse_step_that_failed_half_way_leaves_the_next_steps_exact(name, n):
+    # A step densifies into buffers it keeps (zeroing only the rows it wrote after the update): a step
+    # that raised after writing some rows (the second variable's index is out of range) must not leak them.
+    def train(fail: bool):
+        strategy = md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
+        with strategy.scope():
+            a, b = md.Variable(np.ones((6, 2), np.float32)), md.Variable(np.ones((5, 2), np.float32))
+            opt = getattr(md.optimizers, name)(0.1)
+
+        def step(s, bad=False):
+            values = np.arange(6, dtype=np.float32).reshape(3, 2) * (s + 1)
+            grads = [md.IndexedSlices(values, np.array([1, 3, 1]), (6, 2)),
+                     md.IndexedSlices(values, np.array([0, 9 if bad else 2, 2]), (5, 2))]
+            strategy.run(lambda: opt.apply_gradients(zip(grads, [a, b])))
+        for s in range(4):
+            if fail and s == 2:
+                with pytest.raises(IndexError, match="out of range"):
+                    step(s, bad=True)
+            step(s)
+        return [c.numpy() for v in (a, b) for c in v.values]
+
+    for got, want in zip(train(True), train(False)):
+        np.testing.assert_array_equal(got, want)
+
+
+
 # --- variables ------------------------------------------------------------------------------------------
 
 

@@ -75,26 +75,72 @@ def test_optimizers_on_gpu_replicas_match_keras(name):
         _check_optimizer(name, 2, opt, e, w)
 
 
-def test_md_function_runs_a_step_with_sparse_squares_eagerly_saying_why():
-    # Finding the rows the slices name (cupy.unique) waits for the GPU: no capture, the step runs eagerly.
+def _sparse_train(xp, devices, wrap, name="Adam", steps=6, counted_step=None):
+    """A step of Keras optimizer ``name`` on a (7, 3) embedding and a dense (3,) bias whose IndexedSlices
+    repeat a row (its squares are a*a + b*b, not (a + b)**2), ``steps`` times; returns the copies of both and
+    the simulator's counters of step ``counted_step`` (None: none counted)."""
+    import gc
+
+    from gpu_env import SIMULATED
+
+    with gpu_pair():
+        strategy = md.MirroredStrategy(devices)
+        with strategy.scope():
+            e = md.Variable(np.linspace(-1, 1, 21, dtype=np.float32).reshape(7, 3))
+            b = md.Variable(np.zeros(3, np.float32))
+            opt = {"Adam": md.optimizers.Adam, "RMSprop": md.optimizers.RMSprop,
+                   "Adagrad": md.optimizers.Adagrad, "Nadam": md.optimizers.Nadam}[name](0.01)
+
+        def step(values, indices, bias_grad):
+            opt.apply_gradients([(md.IndexedSlices(values, indices, (7, 3)), e), (bias_grad, b)])
+        step = wrap(step)
+        counted = None
+        batches = [(xp.asarray(np.arange(9, dtype=np.float32).reshape(3, 3) * (s + 1) - 4),
+                    xp.asarray(np.array([1, 4, 1]) if s % 2 else np.array([6, 6, 0])),
+                    xp.asarray(np.full(3, 0.5 - s, np.float32))) for s in range(steps)]
+        for s, batch in enumerate(batches):
+            if s == counted_step and SIMULATED:
+                cupy.sim.drain()
+                gc.collect()  # earlier arrays freed now, not inside the counted step (a free waits)
+                gc.disable()
+                cupy.sim.reset_counters()
+            try:
+                strategy.run(step, args=batch)
+            finally:
+                if s == counted_step and SIMULATED:
+                    counted = cupy.sim.counters()
+                    gc.enable()
+        state = [cupy.asnumpy(c.read_value()) if xp is cupy else c.numpy() for v in (e, b) for c in v.values]
+        return state, counted, step
+
+
+@pytest.mark.parametrize("name", ["Adam", "RMSprop", "Adagrad", "Nadam"])
+def test_md_function_captures_a_sparse_step_of_a_squaring_rule(name):
+    # The squares are scattered beside the gradient (no cupy.unique, no host wait): the step captures, and
+    # every replay gives the eager step's bits (and the CPU replicas').
+    import warnings
+
     from mirrored.distribute.function import EagerFallbackWarning
 
-    def train(xp, devices, wrap):
-        with gpu_pair():
-            strategy = md.MirroredStrategy(devices)
-            with strategy.scope():
-                e = md.Variable(np.zeros((7, 3), np.float32))
-                opt = md.optimizers.Adam(0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EagerFallbackWarning)
+        captured, _, run = _sparse_train(cupy, ["/gpu:0", "/gpu:1"], md.function, name)
+    assert run.experimental_get_tracing_count() == 1
+    eager, _, _ = _sparse_train(cupy, ["/gpu:0", "/gpu:1"], lambda f: f, name)
+    on_cpus, _, _ = _sparse_train(np, ["/cpu:0", "/cpu:1"], lambda f: f, name)
+    for got, gpu, cpu in zip(captured, eager, on_cpus):
+        np.testing.assert_array_equal(got, gpu)
+        np.testing.assert_array_equal(got, cpu)
 
-            def step(values, indices):
-                opt.apply_gradients([(md.IndexedSlices(values, indices, (7, 3)), e)])
-            step = wrap(step)
-            for s in range(3):
-                strategy.run(step, args=(xp.asarray(np.full((2, 3), s + 1, np.float32)),
-                                         xp.asarray(np.array([1, 1]))))
-            return [cupy.asnumpy(c.read_value()) if xp is cupy else c.numpy() for c in e.values]
 
-    with pytest.warns(EagerFallbackWarning, match="summed_rows"):
-        on_gpu = train(cupy, ["/gpu:0", "/gpu:1"], md.function)
-    for got, expected in zip(on_gpu, train(np, ["/cpu:0", "/cpu:1"], lambda f: f)):
-        np.testing.assert_array_equal(got, expected)
+@pytest.mark.parametrize("captured", [False, True])
+def test_a_sparse_adam_step_on_gpus_makes_no_host_wait(captured):
+    from gpu_env import SIMULATED
+
+    if not SIMULATED:
+        pytest.skip("host waits are counted by the simulated CUDA runtime")
+    wrap = md.function if captured else (lambda f: f)
+    _, counted, _ = _sparse_train(cupy, ["/gpu:0", "/gpu:1"], wrap, counted_step=4)
+    assert counted["host_waits"] == 0
+    if captured:
+        assert counted["graph_launches"] == {0: 1}

@@ -423,40 +423,43 @@ void def_fused_update(py::module_& m) {
                              "Elements of the packed gradients apply() reads.")
       .def("apply", [](cuda::FusedUpdateTable& t, int rule, std::uintptr_t grads,
                        const std::vector<double>& coefficients, double weight_decay, double lr, std::uintptr_t stream,
-                       std::uintptr_t nonfinite, std::uintptr_t scale) {
+                       std::uintptr_t nonfinite, std::uintptr_t scale, std::uintptr_t squares) {
              const std::string error = rules::coefficients_error(rule, coefficients.size());
              if (!error.empty()) throw py::value_error(error);
              py::gil_scoped_release nogil;
              on_device(t.device(), [&] {
                t.apply(static_cast<rules::Rule>(rule), reinterpret_cast<const void*>(grads), coefficients,
-                       weight_decay, lr, reinterpret_cast<cudaStream_t>(stream), gate_of(nonfinite, scale));
+                       weight_decay, lr, reinterpret_cast<cudaStream_t>(stream), gate_of(nonfinite, scale),
+                       reinterpret_cast<const void*>(squares));
              });
            },
            py::arg("rule"), py::arg("grads"), py::arg("coefficients"), py::arg("weight_decay"), py::arg("lr"),
-           py::arg("stream"), py::arg("nonfinite") = 0, py::arg("scale") = 0,
+           py::arg("stream"), py::arg("nonfinite") = 0, py::arg("scale") = 0, py::arg("squares") = 0,
            "Weight decay (where decay[k]) and the rule on every variable, in place, in one launch on `stream`;\n"
            "`grads`: the packed gradients (total_count elements, the variables' back to back). A loss-scaled\n"
            "step passes `nonfinite` (a device int32: nonzero skips every write) and `scale` (a device float32\n"
-           "each gradient is divided by), both read when the kernel runs.")
+           "each gradient is divided by), both read when the kernel runs. `squares` (optional, packed like\n"
+           "`grads`, no `scale` with it): what a squaring rule reads in place of grad * grad.")
       .def("apply_from_device", [](cuda::FusedUpdateTable& t, int rule, std::uintptr_t grads, std::uintptr_t scalars,
                                    int coefficients, std::uintptr_t stream, std::uintptr_t nonfinite,
-                                   std::uintptr_t scale) {
+                                   std::uintptr_t scale, std::uintptr_t squares) {
              const std::string error = rules::coefficients_error(rule, static_cast<std::size_t>(coefficients));
              if (!error.empty()) throw py::value_error(error);
              py::gil_scoped_release nogil;
              on_device(t.device(), [&] {
                t.apply_from_device(static_cast<rules::Rule>(rule), reinterpret_cast<const void*>(grads),
                                    reinterpret_cast<const void*>(scalars), coefficients,
-                                   reinterpret_cast<cudaStream_t>(stream), gate_of(nonfinite, scale));
+                                   reinterpret_cast<cudaStream_t>(stream), gate_of(nonfinite, scale),
+                                   reinterpret_cast<const void*>(squares));
              });
            },
            py::arg("rule"), py::arg("grads"), py::arg("scalars"), py::arg("coefficients"), py::arg("stream"),
-           py::arg("nonfinite") = 0, py::arg("scale") = 0,
+           py::arg("nonfinite") = 0, py::arg("scale") = 0, py::arg("squares") = 0,
            "apply() with the scalars read when the kernel runs from `scalars`, a device buffer of the table's\n"
            "dtype (the rule's `coefficients` values, then weight decay's rate and lr), e.g. select_step_row's.")
       .def("apply_captured", [](cuda::FusedUpdateTable& t, int rule, std::uintptr_t grads, std::uintptr_t scalars,
                                 int coefficients, std::uintptr_t stream, std::uintptr_t nonfinite,
-                                std::uintptr_t scale) {
+                                std::uintptr_t scale, std::uintptr_t squares) {
              const std::string error = rules::coefficients_error(rule, static_cast<std::size_t>(coefficients));
              if (!error.empty()) throw py::value_error(error);
              // The GIL held: this records (no wait), and the replica threads' captured work must enter
@@ -464,11 +467,12 @@ void def_fused_update(py::module_& m) {
              on_device(t.device(), [&] {
                t.apply_captured(static_cast<rules::Rule>(rule), reinterpret_cast<const void*>(grads),
                                 reinterpret_cast<const void*>(scalars), coefficients,
-                                reinterpret_cast<cudaStream_t>(stream), gate_of(nonfinite, scale));
+                                reinterpret_cast<cudaStream_t>(stream), gate_of(nonfinite, scale),
+                                reinterpret_cast<const void*>(squares));
              });
            },
            py::arg("rule"), py::arg("grads"), py::arg("scalars"), py::arg("coefficients"), py::arg("stream"),
-           py::arg("nonfinite") = 0, py::arg("scale") = 0,
+           py::arg("nonfinite") = 0, py::arg("scale") = 0, py::arg("squares") = 0,
            "apply() for a step being captured on `stream` (md.function): the upload and the launch are recorded,\n"
            "the scalars read at each replay from `scalars`, a device buffer of the table's dtype holding the\n"
            "rule's `coefficients` values, then weight decay's rate and lr. The table then serves that graph only.")

@@ -34,10 +34,11 @@ T* buffer_of(py::handle h, std::size_t count, bool writable, const std::string& 
 
 // `grads` is a list with one array per variable, one packed array holding them back to back, or a
 // tuple of such lists, one per replica, whose sum (in their order) is each variable's gradient.
+// `squares`: None, or one entry per variable, None or its squared gradient (FusedEntry::squares).
 template <typename T>
 void apply_typed(int rule, const py::list& weights, const py::object& grads, const py::list& slots,
                  const std::vector<bool>& decay, const std::vector<double>& coefficients, double weight_decay,
-                 double lr) {
+                 double lr, const py::object& squares) {
   const int num_slots = rule_slots(rule, coefficients.data());
   std::vector<FusedEntry<T>> table(weights.size());
   const bool packed = py::isinstance<py::array>(grads);
@@ -72,6 +73,8 @@ void apply_typed(int rule, const py::list& weights, const py::object& grads, con
                                                 std::to_string(j) + "]")
                                  : nullptr;
     e.decay = decay[k];
+    if (!squares.is_none() && !py::reinterpret_borrow<py::list>(squares)[k].is_none())
+      e.squares = buffer_of<T>(py::reinterpret_borrow<py::list>(squares)[k], e.count, false, "squares" + at);
   }
   if (packed && static_cast<std::size_t>(py::reinterpret_borrow<py::array>(grads).size()) != packed_total)
     throw py::value_error("grads: a packed array of " +
@@ -98,7 +101,8 @@ void def_host_fused_update(py::module_& m) {
   m.def(
       "fused_update",
       [](int rule, const py::list& weights, const py::object& grads, const py::list& slots,
-         const std::vector<bool>& decay, const std::vector<double>& coefficients, double weight_decay, double lr) {
+         const std::vector<bool>& decay, const std::vector<double>& coefficients, double weight_decay, double lr,
+         const py::object& squares) {
         const std::string error = rules::coefficients_error(rule, coefficients.size());
         if (!error.empty()) throw py::value_error(error);
         const std::size_t n = weights.size();
@@ -117,22 +121,67 @@ void def_host_fused_update(py::module_& m) {
         }
         if ((!packed && !summed && py::len(grads) != n) || slots.size() != n || decay.size() != n)
           throw py::value_error("weights, grads, slots and decay must have one entry per variable");
+        if (!squares.is_none()) {
+          if (!py::isinstance<py::list>(squares) || py::len(squares) != n)
+            throw py::value_error("squares: expected None or a list with one entry (an array or None) per "
+                                  "variable");
+          if (summed)
+            throw py::value_error("squares: not with a tuple of replicas' gradients; pass their sum as one list");
+        }
         if (n == 0) return;
         const py::dtype dtype = py::reinterpret_borrow<py::array>(weights[0]).dtype();
         if (dtype.is(py::dtype::of<float>())) {
-          apply_typed<float>(rule, weights, grads, slots, decay, coefficients, weight_decay, lr);
+          apply_typed<float>(rule, weights, grads, slots, decay, coefficients, weight_decay, lr, squares);
         } else if (dtype.is(py::dtype::of<double>())) {
-          apply_typed<double>(rule, weights, grads, slots, decay, coefficients, weight_decay, lr);
+          apply_typed<double>(rule, weights, grads, slots, decay, coefficients, weight_decay, lr, squares);
         } else {
           throw py::value_error("weights[0]: dtype " + std::string(py::str(dtype)) +
                                 ", the fused host kernel takes float32 and float64");
         }
       },
       py::arg("rule"), py::arg("weights"), py::arg("grads"), py::arg("slots"), py::arg("decay"),
-      py::arg("coefficients"), py::arg("weight_decay"), py::arg("lr"),
+      py::arg("coefficients"), py::arg("weight_decay"), py::arg("lr"), py::arg("squares") = py::none(),
       "Weight decay (where decay[k]) and the rule on every (weight, grad, slots) entry, in place. `grads`: one\n"
       "array per variable, one array holding them back to back (a packed, all-reduced fusion buffer), or a\n"
-      "tuple of such lists, one per replica, summed in their order first (as the host all-reduce sums).");
+      "tuple of such lists, one per replica, summed in their order first (as the host all-reduce sums).\n"
+      "`squares`: None, or per variable None or the array a squaring rule reads in place of grad * grad\n"
+      "(an IndexedSlices gradient's rows squared, then added up; see scatter_add_rows).");
+  m.def(
+      "scatter_add_rows",
+      [](py::array out, py::object squares, py::array values, py::array indices) {
+        if (out.ndim() < 1) throw py::value_error("out: expected an array of one or more dimensions");
+        const std::size_t rows = static_cast<std::size_t>(out.shape(0));
+        const std::size_t width = rows == 0 ? 0 : static_cast<std::size_t>(out.size()) / rows;
+        if (!py::isinstance<py::array_t<std::int64_t>>(indices) || indices.ndim() != 1 ||
+            !(indices.flags() & py::array::c_style))
+          throw py::value_error("indices: expected a C-contiguous 1-D int64 array");
+        const std::size_t n = static_cast<std::size_t>(indices.size());
+        if (values.ndim() < 1 || static_cast<std::size_t>(values.shape(0)) != n ||
+            static_cast<std::size_t>(values.size()) != n * width)
+          throw py::value_error("values: expected one row of out's row shape per index");
+        const std::int64_t* at = static_cast<const std::int64_t*>(indices.data());
+        std::ptrdiff_t bad = -1;
+        auto run = [&](auto zero) {
+          using T = decltype(zero);
+          T* o = buffer_of<T>(out, 0, true, "out");
+          T* sq = squares.is_none() ? nullptr : buffer_of<T>(squares, out.size(), true, "squares");
+          const T* v = buffer_of<T>(values, 0, false, "values");
+          py::gil_scoped_release release;
+          bad = scatter_add_rows<T>(o, sq, rows, width, v, at, n);
+        };
+        if (out.dtype().is(py::dtype::of<float>())) {
+          run(0.0f);
+        } else if (out.dtype().is(py::dtype::of<double>())) {
+          run(0.0);
+        } else {
+          throw py::value_error("out: dtype " + std::string(py::str(out.dtype())) + ", expected float32 or float64");
+        }
+        return bad;
+      },
+      py::arg("out"), py::arg("squares"), py::arg("values"), py::arg("indices"),
+      "out[indices[i]] += values[i] for every i in order (and squares[indices[i]] += values[i]**2 unless\n"
+      "`squares` is None), in place, the GIL released. A negative index is skipped. Returns -1, or the first\n"
+      "i whose index is past out's rows (then nothing was written).");
 }
 
 }  // namespace mirrored::bindings

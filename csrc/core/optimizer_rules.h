@@ -63,7 +63,11 @@ inline int rule_slots(int rule, const double* c) {
 
 // One variable of a fused update (one entry of its table): `count` elements of
 // the variable, its gradient and each of its slots (in the rule's order), all
-// of one dtype, on one device.
+// of one dtype, on one device. `squares`, when not null, holds what a squaring
+// rule takes in place of grad[i] * grad[i]: an IndexedSlices gradient's rows
+// squared one by one and added up (Keras' TF backend squares the slices, so a
+// row named twice takes a*a + b*b, not (a + b)^2); rows no slice names hold
+// 0 = 0 * 0, as the dense step's.
 template <typename T>
 struct FusedEntry {
   T* weight;
@@ -71,6 +75,7 @@ struct FusedEntry {
   T* slots[kMaxSlots];
   std::size_t count;
   bool decay;  // Keras' decoupled weight decay, w -= w * weight_decay * lr, first
+  const T* squares = nullptr;
 };
 
 // The rule's scalars, already in T (rules.py's order for the rule), and the weight decay's.
@@ -175,17 +180,17 @@ MIRRORED_HD inline T sgd_momentum(T w, T g, T& m, const T* c) {
 }
 
 template <typename T>
-MIRRORED_HD inline T adam(T w, T g, T& m, T& v, const T* c) {
+MIRRORED_HD inline T adam(T w, T g, T gg, T& m, T& v, const T* c) {
   m = m + (g - m) * c[0];
-  v = v + (g * g - v) * c[1];
+  v = v + (gg - v) * c[1];
   return w - (m * c[2]) / (sqrt(v) + c[3]);
 }
 
 // slots: velocity, then the average gradient (Centered), then the momentum (Momentum).
 template <typename T, bool Centered, bool Momentum>
-MIRRORED_HD inline T rmsprop(T w, T g, T& v, T& a, T& mom, const T* c) {
+MIRRORED_HD inline T rmsprop(T w, T g, T gg, T& v, T& a, T& mom, const T* c) {
   const T lr = c[0], rho = c[1], one_minus_rho = c[2], epsilon = c[3], mu = c[4];
-  v = v * rho + (g * g) * one_minus_rho;
+  v = v * rho + gg * one_minus_rho;
   T denominator;
   if (Centered) {
     a = a * rho + g * one_minus_rho;
@@ -202,16 +207,16 @@ MIRRORED_HD inline T rmsprop(T w, T g, T& v, T& a, T& mom, const T* c) {
 }
 
 template <typename T>
-MIRRORED_HD inline T adagrad(T w, T g, T& acc, const T* c) {
-  acc = acc + g * g;
+MIRRORED_HD inline T adagrad(T w, T g, T gg, T& acc, const T* c) {
+  acc = acc + gg;
   return w - (g * c[0]) / sqrt(acc + c[1]);
 }
 
 // c: lr, epsilon, 1-beta_1, 1-beta_2, u_t_1, 1-u_product_t_1, 1-u_t, 1-u_product_t, 1-beta_2^t
 template <typename T>
-MIRRORED_HD inline T nadam(T w, T g, T& m, T& v, const T* c) {
+MIRRORED_HD inline T nadam(T w, T g, T gg, T& m, T& v, const T* c) {
   m = m + (g - m) * c[2];
-  v = v + (g * g - v) * c[3];
+  v = v + (gg - v) * c[3];
   const T m_hat = (m * c[4]) / c[5] + (g * c[6]) / c[7];
   return w - (m_hat * c[0]) / (sqrt(v / c[8]) + c[1]);
 }
@@ -220,9 +225,9 @@ MIRRORED_HD inline T nadam(T w, T g, T& m, T& v, const T* c) {
 // the step divides by sqrt(velocity_hat)). The maximum propagates a NaN from
 // either side, as tf.maximum and np.maximum do.
 template <typename T>
-MIRRORED_HD inline T adam_amsgrad(T w, T g, T& m, T& v, T& v_hat, const T* c) {
+MIRRORED_HD inline T adam_amsgrad(T w, T g, T gg, T& m, T& v, T& v_hat, const T* c) {
   m = m + (g - m) * c[0];
-  v = v + (g * g - v) * c[1];
+  v = v + (gg - v) * c[1];
   v_hat = (v > v_hat || v != v) ? v : v_hat;
   return w - (m * c[2]) / (sqrt(v_hat) + c[3]);
 }
@@ -235,44 +240,47 @@ MIRRORED_HD inline T ema(T average, T w, const T* c) {
 }
 
 // Each rule as a functor over one element: `kSlots` slot values in `st` (the
-// rule's order), read and written back by the caller. The host loop
+// rule's order), read and written back by the caller; `gg` is the gradient's
+// square (g * g, or FusedEntry::squares'), read by the squaring rules only. The host loop
 // (csrc/host/fused_update.cc) and the GPU walk below share them.
 template <typename T>
 struct Sgd {
   static constexpr int kSlots = 0;
-  MIRRORED_HD T operator()(T w, T g, T*, const T* c) const { return sgd(w, g, c); }
+  MIRRORED_HD T operator()(T w, T g, T, T*, const T* c) const { return sgd(w, g, c); }
 };
 
 template <typename T, bool Nesterov>
 struct SgdMomentum {
   static constexpr int kSlots = 1;
-  MIRRORED_HD T operator()(T w, T g, T* st, const T* c) const { return sgd_momentum<T, Nesterov>(w, g, st[0], c); }
+  MIRRORED_HD T operator()(T w, T g, T, T* st, const T* c) const {
+    return sgd_momentum<T, Nesterov>(w, g, st[0], c);
+  }
 };
 
 template <typename T>
 struct Adam {
   static constexpr int kSlots = 2;
-  MIRRORED_HD T operator()(T w, T g, T* st, const T* c) const { return adam(w, g, st[0], st[1], c); }
+  MIRRORED_HD T operator()(T w, T g, T gg, T* st, const T* c) const { return adam(w, g, gg, st[0], st[1], c); }
 };
 
 template <typename T>
 struct AdamAmsgrad {
   static constexpr int kSlots = 3;
-  MIRRORED_HD T operator()(T w, T g, T* st, const T* c) const {
-    return adam_amsgrad(w, g, st[0], st[1], st[2], c);
+  MIRRORED_HD T operator()(T w, T g, T gg, T* st, const T* c) const {
+    return adam_amsgrad(w, g, gg, st[0], st[1], st[2], c);
   }
 };
 
 template <typename T, bool Centered, bool Momentum>
 struct Rmsprop {
   static constexpr int kSlots = 1 + Centered + Momentum;
-  MIRRORED_HD T operator()(T w, T g, T* st, const T* c) const {
+  MIRRORED_HD T operator()(T w, T g, T gg, T* st, const T* c) const {
     // Locals for the slots this variant lacks (no pointer into `st` chosen at run time: the host
     // loop keeps `st` in registers and vectorises).
     T a = T(0), mom = T(0);
     if constexpr (Centered) a = st[1];
     if constexpr (Momentum) mom = st[Centered ? 2 : 1];
-    const T result = rmsprop<T, Centered, Momentum>(w, g, st[0], a, mom, c);
+    const T result = rmsprop<T, Centered, Momentum>(w, g, gg, st[0], a, mom, c);
     if constexpr (Centered) st[1] = a;
     if constexpr (Momentum) st[Centered ? 2 : 1] = mom;
     return result;
@@ -282,19 +290,19 @@ struct Rmsprop {
 template <typename T>
 struct Adagrad {
   static constexpr int kSlots = 1;
-  MIRRORED_HD T operator()(T w, T g, T* st, const T* c) const { return adagrad(w, g, st[0], c); }
+  MIRRORED_HD T operator()(T w, T g, T gg, T* st, const T* c) const { return adagrad(w, g, gg, st[0], c); }
 };
 
 template <typename T>
 struct Nadam {
   static constexpr int kSlots = 2;
-  MIRRORED_HD T operator()(T w, T g, T* st, const T* c) const { return nadam(w, g, st[0], st[1], c); }
+  MIRRORED_HD T operator()(T w, T g, T gg, T* st, const T* c) const { return nadam(w, g, gg, st[0], st[1], c); }
 };
 
 template <typename T>
 struct Ema {
   static constexpr int kSlots = 0;
-  MIRRORED_HD T operator()(T average, T w, T*, const T* c) const { return ema(average, w, c); }
+  MIRRORED_HD T operator()(T average, T w, T, T*, const T* c) const { return ema(average, w, c); }
 };
 
 // Calls visit(F{}) with the functor F of `rule` (RMSprop's variant read from its coefficients `c`).
@@ -323,7 +331,9 @@ MIRRORED_HD inline void update_element(F rule, const FusedEntry<T>& e, const Fus
   T st[F::kSlots > 0 ? F::kSlots : 1];
   for (int j = 0; j < F::kSlots; ++j) st[j] = e.slots[j][i];
   const T w = e.decay ? decayed(e.weight[i], s.weight_decay, s.lr) : e.weight[i];
-  e.weight[i] = rule(w, s.unscale ? e.grad[i] / s.loss_scale : e.grad[i], st, s.c);
+  const T g = s.unscale ? e.grad[i] / s.loss_scale : e.grad[i];
+  // (A loss-scaled step has no squares: the gate takes dense gradients only.)
+  e.weight[i] = rule(w, g, e.squares != nullptr ? e.squares[i] : g * g, st, s.c);
   for (int j = 0; j < F::kSlots; ++j) e.slots[j][i] = st[j];
 }
 

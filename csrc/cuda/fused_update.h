@@ -88,13 +88,15 @@ class FusedUpdateTable {
   // The rule (coefficients: rules.py's for it, weight decay's factors) on
   // every variable, with `grads` the packed gradients in device memory; one
   // launch on `stream`, which must be of the table's device (current).
+  // `squares` (optional): packed like `grads`, what a squaring rule reads in
+  // place of grad * grad (rules::FusedEntry::squares); not with a gate's scale.
   void apply(rules::Rule rule, const void* grads, const std::vector<double>& coefficients, double weight_decay,
-             double lr, cudaStream_t stream, LossScaleGate gate = {});
+             double lr, cudaStream_t stream, LossScaleGate gate = {}, const void* squares = nullptr);
 
   // The same with the scalars read from `device_scalars` when the kernel runs
   // (fused_update_from_device): a step whose scalars the device selects.
   void apply_from_device(rules::Rule rule, const void* grads, const void* device_scalars, int coefficients,
-                         cudaStream_t stream, LossScaleGate gate = {});
+                         cudaStream_t stream, LossScaleGate gate = {}, const void* squares = nullptr);
 
   // The same for a step being captured into a CUDA graph on `stream`: the
   // table's upload (from its pinned host copy, which a capture's table never
@@ -102,7 +104,7 @@ class FusedUpdateTable {
   // `device_scalars` (fused_update_from_device) at each replay. No events: a
   // table captured once serves only that capture's graph.
   void apply_captured(rules::Rule rule, const void* grads, const void* device_scalars, int coefficients,
-                      cudaStream_t stream, LossScaleGate gate = {});
+                      cudaStream_t stream, LossScaleGate gate = {}, const void* squares = nullptr);
 
   // count_nonfinite over packed gradients `grads` (total_count elements of
   // the table's dtype): a loss-scaled step's check, before its gated apply.
@@ -110,8 +112,8 @@ class FusedUpdateTable {
 
  private:
   template <typename T>
-  void point_grads_at(const void* grads);
-  void point_and_upload(const void* grads, cudaStream_t stream);
+  void point_grads_at(const void* grads, const void* squares);
+  void point_and_upload(const void* grads, const void* squares, cudaStream_t stream, LossScaleGate gate);
   template <typename T>
   void launch(rules::Rule rule, const std::vector<double>& coefficients, double weight_decay, double lr,
               cudaStream_t stream, LossScaleGate gate);
@@ -126,6 +128,7 @@ class FusedUpdateTable {
   std::vector<std::size_t> offsets_;  // each variable's first element in the packed gradients
   std::optional<UploadedTable> table_;  // entries_ FusedEntry<dtype_>; made once the device is current
   const void* grads_ = nullptr;         // the packed gradients the device table points at
+  const void* squares_ = nullptr;       // and their squares (null: the kernel squares the gradients)
   bool captured_ = false;               // apply_captured was called: the table belongs to a graph
 };
 

@@ -61,11 +61,25 @@ FusedUpdateTable::FusedUpdateTable(int device, DType dtype, const std::vector<Fu
 }
 
 template <typename T>
-void FusedUpdateTable::point_grads_at(const void* grads) {
+void FusedUpdateTable::point_grads_at(const void* grads, const void* squares) {
   auto* table = static_cast<rules::FusedEntry<T>*>(table_->host());
   const T* base = static_cast<const T*>(grads);
-  for (int k = 0; k < entries_; ++k) table[k].grad = base + offsets_[k];
+  const T* squared = static_cast<const T*>(squares);
+  for (int k = 0; k < entries_; ++k) {
+    table[k].grad = base + offsets_[k];
+    table[k].squares = squared != nullptr ? squared + offsets_[k] : nullptr;
+  }
 }
+
+namespace {
+
+void check_squares(const void* squares, LossScaleGate gate) {
+  // The kernel would divide the gradients by the scale, not their squares by its square.
+  if (squares != nullptr && gate.scale != nullptr)
+    throw std::invalid_argument("fused_update: squares with a loss scale (the gate takes dense gradients only)");
+}
+
+}  // namespace
 
 template <typename T>
 void FusedUpdateTable::launch(rules::Rule rule, const std::vector<double>& coefficients, double weight_decay,
@@ -78,17 +92,20 @@ void FusedUpdateTable::launch(rules::Rule rule, const std::vector<double>& coeff
 }
 
 void FusedUpdateTable::apply_captured(rules::Rule rule, const void* grads, const void* device_scalars,
-                                      int coefficients, cudaStream_t stream, LossScaleGate gate) {
+                                      int coefficients, cudaStream_t stream, LossScaleGate gate,
+                                      const void* squares) {
   if (coefficients > rules::kMaxCoefficients) throw std::invalid_argument("fused_update: too many coefficients");
-  if (table_->pending() || (captured_ && grads != grads_))
+  check_squares(squares, gate);
+  if (table_->pending() || (captured_ && (grads != grads_ || squares != squares_)))
     throw std::logic_error("fused_update: a captured table serves one capture (make a new table for another)");
   if (entries_ == 0 || max_count_ == 0) return;
   if (dtype_ == DType::kFloat32) {
-    point_grads_at<float>(grads);
+    point_grads_at<float>(grads, squares);
   } else {
-    point_grads_at<double>(grads);
+    point_grads_at<double>(grads, squares);
   }
   grads_ = grads;
+  squares_ = squares;
   captured_ = true;
   table_->upload_captured(entries_ * entry_bytes_, stream);
   fused_update_from_device(rule, dtype_, table_->device(), entries_, max_count_, device_scalars, coefficients, sms_,
@@ -99,36 +116,41 @@ void FusedUpdateTable::check_finite(const void* grads, int* nonfinite, cudaStrea
   count_nonfinite(dtype_, grads, total_count_, nonfinite, sms_, stream);
 }
 
-void FusedUpdateTable::point_and_upload(const void* grads, cudaStream_t stream) {
-  if (grads == grads_) return;
+void FusedUpdateTable::point_and_upload(const void* grads, const void* squares, cudaStream_t stream,
+                                        LossScaleGate gate) {
+  check_squares(squares, gate);
+  if (grads == grads_ && squares == squares_) return;
   table_->rewrite();
   if (dtype_ == DType::kFloat32) {
-    point_grads_at<float>(grads);
+    point_grads_at<float>(grads, squares);
   } else {
-    point_grads_at<double>(grads);
+    point_grads_at<double>(grads, squares);
   }
   table_->upload(entries_ * entry_bytes_, stream);
   grads_ = grads;
+  squares_ = squares;
 }
 
 void FusedUpdateTable::apply_from_device(rules::Rule rule, const void* grads, const void* device_scalars,
-                                         int coefficients, cudaStream_t stream, LossScaleGate gate) {
+                                         int coefficients, cudaStream_t stream, LossScaleGate gate,
+                                         const void* squares) {
   if (captured_) throw std::logic_error("fused_update: this table belongs to a captured graph");
   if (coefficients > rules::kMaxCoefficients) throw std::invalid_argument("fused_update: too many coefficients");
   if (entries_ == 0 || max_count_ == 0) return;
-  point_and_upload(grads, stream);
+  point_and_upload(grads, squares, stream, gate);
   fused_update_from_device(rule, dtype_, table_->device(), entries_, max_count_, device_scalars, coefficients, sms_,
                            stream, gate);
   table_->used_by(stream);
 }
 
 void FusedUpdateTable::apply(rules::Rule rule, const void* grads, const std::vector<double>& coefficients,
-                             double weight_decay, double lr, cudaStream_t stream, LossScaleGate gate) {
+                             double weight_decay, double lr, cudaStream_t stream, LossScaleGate gate,
+                             const void* squares) {
   if (captured_) throw std::logic_error("fused_update: this table belongs to a captured graph");
   if (coefficients.size() > static_cast<std::size_t>(rules::kMaxCoefficients))
     throw std::invalid_argument("fused_update: too many coefficients");
   if (entries_ == 0 || max_count_ == 0) return;
-  point_and_upload(grads, stream);
+  point_and_upload(grads, squares, stream, gate);
   if (dtype_ == DType::kFloat32) {
     launch<float>(rule, coefficients, weight_decay, lr, stream, gate);
   } else {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "core/optimizer_rules.h"
 
@@ -37,5 +38,20 @@ extern template void fused_update_summed<float>(Rule, const FusedEntry<float>*, 
                                                 int, const FusedScalars<float>&);
 extern template void fused_update_summed<double>(Rule, const FusedEntry<double>*, std::size_t, const double* const*,
                                                  int, const FusedScalars<double>&);
+
+// An IndexedSlices gradient densified for the fused update, one pass, no sort:
+// out[indices[i]] += values[i] (rows of `width` elements, `rows` of them) for
+// each i in order, so a repeated row adds its slices in their order; with
+// `squares` (else null), squares[indices[i]] += values[i] * values[i] as well
+// (FusedEntry::squares). A negative index is skipped; returns -1, or the first
+// i whose index is `rows` or more (then nothing is written).
+template <typename T>
+std::ptrdiff_t scatter_add_rows(T* out, T* squares, std::size_t rows, std::size_t width, const T* values,
+                                const std::int64_t* indices, std::size_t n);
+
+extern template std::ptrdiff_t scatter_add_rows<float>(float*, float*, std::size_t, std::size_t, const float*,
+                                                       const std::int64_t*, std::size_t);
+extern template std::ptrdiff_t scatter_add_rows<double>(double*, double*, std::size_t, std::size_t, const double*,
+                                                        const std::int64_t*, std::size_t);
 
 }  // namespace mirrored::host

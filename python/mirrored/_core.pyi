@@ -21,10 +21,16 @@ def batch_all_reduce(n: int, inputs: list[np.ndarray], outputs: list[np.ndarray]
 def fused_update(rule: int, weights: list[np.ndarray],
                  grads: list[np.ndarray] | np.ndarray | tuple[list[np.ndarray], ...],
                  slots: list[list[np.ndarray]], decay: list[bool], coefficients: list[float], weight_decay: float,
-                 lr: float) -> None:
+                 lr: float, squares: list[np.ndarray | None] | None = None) -> None:
     """The optimizer rule (mirrored.train.optimizers.rules' codes) on every variable, in place; grads: one
     array per variable, one packed buffer holding them back to back, or a tuple of per-variable lists, one
-    per replica, summed in that order (the host all-reduce's) before the rule."""
+    per replica, summed in that order (the host all-reduce's) before the rule. squares: per variable, what
+    a squaring rule reads in place of grad * grad (None: it squares)."""
+
+def scatter_add_rows(out: np.ndarray, squares: np.ndarray | None, values: np.ndarray,
+                     indices: np.ndarray) -> int:
+    """out[indices[i]] += values[i] in order (and squares[indices[i]] += values[i] ** 2), in place; a negative
+    index skipped. Returns -1, or the first i whose index is past out's rows (nothing written then)."""
 
 class CallPlan:
     """A validated all_reduce / broadcast (kind) of n arrays of one dtype and shape."""

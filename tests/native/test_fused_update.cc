@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 #include <cstddef>
+#include <cstdint>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -331,4 +332,119 @@ TEST(loss_scale_step_follows_keras_dynamic_scaling) {
   for (int step = 0; step < 4; ++step)
     mirrored::rules::loss_scale_step(&nonfinite, &scale, &counter, &iterations, 1, false);
   CHECK(scale == 8.0f && counter == 0 && iterations == 4);
+}
+
+// Squares (FusedEntry::squares, an IndexedSlices gradient's rows squared one
+// by one): exact-size buffers, each entry's squares `extra` above g * g.
+template <typename T>
+std::vector<std::vector<T>> squares_of(std::vector<Buffers<T>>& bufs, T extra) {
+  std::vector<std::vector<T>> out;
+  for (Buffers<T>& b : bufs) {
+    out.emplace_back(b.g.size());
+    for (std::size_t i = 0; i < b.g.size(); ++i) out.back()[i] = b.g[i] * b.g[i] + extra;
+  }
+  return out;
+}
+
+// With squares equal to g * g every rule gives the dense update's bits; with
+// other squares the squaring rules change and the others do not; the GPU walk
+// in a random thread order reads the squares as the host kernel does.
+template <typename T>
+bool squares_are_read_as_the_squared_gradient(const Case& k, std::size_t threads) {
+  const std::vector<std::size_t> sizes = {0, 1, 3, 7, 8, 9, 17, 513, 1000};
+  std::vector<Buffers<T>> dense, same, other, walked;
+  for (std::size_t v = 0; v < sizes.size(); ++v)
+    for (auto* bufs : {&dense, &same, &other, &walked}) bufs->emplace_back(sizes[v], k.slots, static_cast<int>(v));
+  const auto exact = squares_of(same, T(0)), more = squares_of(other, T(0.75)), walk = squares_of(walked, T(0.75));
+  std::vector<FusedEntry<T>> dense_table, same_table, other_table, walk_table;
+  for (std::size_t v = 0; v < sizes.size(); ++v) {
+    dense_table.push_back(dense[v].entry(v % 2 == 0));
+    same_table.push_back(same[v].entry(v % 2 == 0));
+    same_table.back().squares = exact[v].data();
+    other_table.push_back(other[v].entry(v % 2 == 0));
+    other_table.back().squares = more[v].data();
+    walk_table.push_back(walked[v].entry(v % 2 == 0));
+    walk_table.back().squares = walk[v].data();
+  }
+  const FusedScalars<T> s = scalars<T>(k);
+  fused_update<T>(k.rule, dense_table.data(), dense_table.size(), s);
+  fused_update<T>(k.rule, same_table.data(), same_table.size(), s);
+  fused_update<T>(k.rule, other_table.data(), other_table.size(), s);
+  std::vector<std::size_t> order(threads);
+  std::iota(order.begin(), order.end(), std::size_t(0));
+  std::shuffle(order.begin(), order.end(), std::mt19937(7u));
+  for (std::size_t tid : order)
+    mirrored::rules::update_table(k.rule, walk_table.data(), static_cast<int>(walk_table.size()), s, tid, threads);
+  const bool squaring = k.rule == Rule::kAdam || k.rule == Rule::kRmsprop || k.rule == Rule::kAdagrad ||
+                        k.rule == Rule::kNadam || k.rule == Rule::kAdamAmsgrad;
+  bool ok = true, differs = false;
+  for (std::size_t v = 0; v < sizes.size(); ++v) {
+    ok = ok && dense[v] == same[v] && other[v] == walked[v];
+    differs = differs || !(dense[v] == other[v]);
+  }
+  return ok && differs == squaring;
+}
+
+TEST(every_rule_reads_the_squares_in_place_of_g_times_g_on_host_and_in_the_gpu_walk) {
+  for (const Case& k : cases())
+    for (std::size_t threads : {1, 5, 256}) {
+      CHECK(squares_are_read_as_the_squared_gradient<float>(k, threads));
+      CHECK(squares_are_read_as_the_squared_gradient<double>(k, threads));
+    }
+}
+
+TEST(adagrad_exact_values_with_squares) {
+  // acc += squares (not g * g); w -= g * lr / sqrt(acc + epsilon): powers of two, exact.
+  std::vector<float> w = {1.0f, 1.0f}, g = {1.0f, 0.0f}, acc = {1.0f, 4.0f}, sq = {3.0f, 12.0f};
+  FusedEntry<float> e{w.data(), g.data(), {acc.data(), nullptr, nullptr}, 2, false};
+  e.squares = sq.data();
+  FusedScalars<float> s{};
+  s.c[0] = 0.5f;  // lr
+  s.c[1] = 0.0f;  // epsilon
+  fused_update<float>(Rule::kAdagrad, &e, 1, s);
+  CHECK(acc[0] == 4.0f && acc[1] == 16.0f);
+  CHECK(w[0] == 1.0f - 0.25f && w[1] == 1.0f);
+}
+
+TEST(scatter_add_rows_adds_repeats_in_order_with_their_squares_and_skips_negative_rows) {
+  // 4 rows of width 3 (exact-size buffers); row 2 named twice, row 0 once, -1 skipped.
+  const std::vector<std::int64_t> indices = {2, 0, -1, 2};
+  std::vector<double> values(indices.size() * 3);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = 0.1 * static_cast<double>(i + 1);
+  std::vector<double> out(12, 0.0), squares(12, 0.0);
+  CHECK(scatter_add_rows<double>(out.data(), squares.data(), 4, 3, values.data(), indices.data(), 4) == -1);
+  for (std::size_t j = 0; j < 3; ++j) {
+    const double a = values[j], b = values[9 + j], c = values[3 + j];
+    CHECK(out[6 + j] == (0.0 + a) + b && squares[6 + j] == (0.0 + a * a) + b * b);
+    CHECK(out[j] == c && squares[j] == c * c);
+    CHECK(out[3 + j] == 0.0 && out[9 + j] == 0.0 && squares[3 + j] == 0.0 && squares[9 + j] == 0.0);
+  }
+  // Without squares, the gradient alone.
+  std::vector<double> plain(12, 0.0);
+  CHECK(scatter_add_rows<double>(plain.data(), nullptr, 4, 3, values.data(), indices.data(), 4) == -1);
+  CHECK(plain == out);
+}
+
+TEST(scatter_add_rows_reports_an_index_past_the_rows_and_writes_nothing) {
+  const std::vector<std::int64_t> indices = {1, 4, 0};
+  const std::vector<float> values = {1.0f, 2.0f, 3.0f};
+  std::vector<float> out(4, 0.0f), squares(4, 0.0f);
+  CHECK(scatter_add_rows<float>(out.data(), squares.data(), 4, 1, values.data(), indices.data(), 3) == 1);
+  CHECK(out == std::vector<float>(4, 0.0f) && squares == std::vector<float>(4, 0.0f));
+}
+
+TEST(concurrent_scatter_adds_into_disjoint_buffers) {
+  // Replica threads densify their own gradients at once (ThreadSanitizer checks no shared state).
+  const std::vector<std::int64_t> indices = {3, 1, 3, 0, 7, 3};
+  std::vector<float> values(indices.size() * 5);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i % 7) - 3.0f;
+  std::vector<std::vector<float>> outs(4, std::vector<float>(8 * 5, 0.0f)), squares = outs;
+  std::vector<std::thread> threads;
+  for (std::size_t t = 0; t < outs.size(); ++t)
+    threads.emplace_back([&, t] {
+      scatter_add_rows<float>(outs[t].data(), squares[t].data(), 8, 5, values.data(), indices.data(), indices.size());
+    });
+  for (std::thread& t : threads) t.join();
+  for (std::size_t t = 1; t < outs.size(); ++t) CHECK(outs[t] == outs[0] && squares[t] == squares[0]);
+  CHECK(outs[0][3 * 5] == (0.0f + values[0]) + values[10] + values[25]);
 }

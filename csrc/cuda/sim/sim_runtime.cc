@@ -855,6 +855,7 @@ void fused_update_grid(rules::Rule rule, const void* table, int entries, std::si
     largest = std::max(largest, t[e].count);
     if (!t[e].count) continue;
     reachable(t[e].weight), reachable(t[e].grad);
+    if (t[e].squares) reachable(t[e].squares);
     for (int j = 0; j < rules::kMaxSlots; ++j)
       if (t[e].slots[j]) reachable(t[e].slots[j]);
   }

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._core import scatter_add_rows as _native_scatter_add_rows
 from . import device_util
 from .tensor_shape import TensorShape
 
-__all__ = ["IndexedSlices", "convert_to_tensor", "is_indexed_slices", "map_arrays", "map_values", "summed_rows",
+__all__ = ["IndexedSlices", "convert_to_tensor", "is_indexed_slices", "map_arrays", "map_values", "scatter_add_rows",
            "to_dense"]
 
 
@@ -168,74 +169,51 @@ def to_dense(slices: IndexedSlices):
     return scatter_add_rows(None, slices, tuple(int(d) for d in slices.dense_shape))
 
 
-_MAX_REPEATS = 64  # summed_rows' loop over a row's repeats, up to this many (ufunc.at beyond)
-
-
-def scatter_add_rows(out, slices: IndexedSlices, shape=None):
-    """``out[indices[i]] += values[i]`` for every i (repeats add up), into ``out`` or a new zero array of
-    ``shape``; returns it. Host: a negative index is dropped, one past the rows raises; GPU: both dropped."""
+def scatter_add_rows(out, slices: IndexedSlices, shape=None, squares=None):
+    """``out[indices[i]] += values[i]`` for every i in order (repeats add up), into ``out`` or a new zero array
+    of ``shape``; returns it. With ``squares`` (an array like ``out``), ``squares[indices[i]] += values[i] ** 2``
+    as well: the squares a rule takes for an IndexedSlices gradient (rules.SquaredGradient). One pass, no
+    sort, no wait for a GPU. Host: a negative index is dropped, one past the rows raises (before anything is
+    written); GPU: both dropped."""
     values, indices = slices.values, slices.indices
     xp = _array_module(values)
     with device_util.array_device(values):
         if out is None:
             out = xp.zeros(shape, values.dtype)
         if xp is np:
-            rows, sums, _ = summed_rows(slices, out.shape)
-            out[rows] += sums
+            _host_scatter_add(out, squares, values, indices)
         else:  # (no host sync: out-of-range rows add zeros to row 0)
             keep = (indices >= 0) & (indices < out.shape[0])
-            np_keep = keep.reshape((-1,) + (1,) * (values.ndim - 1))
-            xp.add.at(out, xp.where(keep, indices, 0), xp.where(np_keep, values, xp.zeros((), values.dtype)))
+            rows = xp.where(keep, indices, 0)
+            kept = xp.where(keep.reshape((-1,) + (1,) * (values.ndim - 1)), values, xp.zeros((), values.dtype))
+            xp.add.at(out, rows, kept)
+            if squares is not None:
+                xp.add.at(squares, rows, kept * kept)
     return out
 
 
-def summed_rows(slices: IndexedSlices, shape, squares: bool = False) -> tuple:
-    """``(rows, sums, square_sums)``: the distinct rows the slices name (sorted), each one's slices added up,
-    and, with ``squares``, their squares added up (a row named twice adds a² + b²; else None). Indices outside
-    the rows as :func:`scatter_add_rows` takes them (on a GPU, dropped: finding the distinct rows waits for the
-    device anyway)."""
-    values, indices = slices.values, slices.indices
-    xp = _array_module(values)
-    with device_util.array_device(values):
-        if xp is np:
-            if len(indices) and indices.max() >= shape[0]:
-                bad = int(np.argmax(indices >= shape[0]))
-                raise IndexError(f"indices[{bad}] = {int(indices[bad])} is out of range [0, {shape[0]}) of the "
-                                 f"dense shape {tuple(shape)}; every index must name a row")
-        keep = (indices >= 0) & (indices < shape[0])
-        if not bool(keep.all()):
-            values, indices = values[keep], indices[keep]
-        if xp is np:
-            # Sorted by row (stably: each row's slices in their order), then added a repeat at a time: the bits
-            # of ufunc.at, several times faster while rows repeat a few times (ufunc.at beyond).
-            order = np.argsort(indices, kind="stable")
-            ordered = indices[order]
-            starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1]))) if len(ordered) else \
-                np.zeros(0, np.intp)
-            rows = ordered[starts]
-            counts = np.diff(np.append(starts, len(ordered)))
-            repeats = int(counts.max()) if len(counts) else 0
+def _host_scatter_add(out, squares, values, indices) -> None:
+    """scatter_add_rows on host arrays: the native loop (float32/float64, C-contiguous), else ufunc.at (the
+    same order of additions)."""
+    if len(indices) and indices.max() >= out.shape[0]:
+        bad = int(np.argmax(indices >= out.shape[0]))
+        raise IndexError(f"indices[{bad}] = {int(indices[bad])} is out of range [0, {out.shape[0]}) of the "
+                         f"dense shape {tuple(out.shape)}; every index must name a row")
+    native = (out.dtype in _NATIVE_DTYPES and values.dtype == out.dtype and out.flags.c_contiguous
+              and (squares is None or squares.dtype == out.dtype and squares.flags.c_contiguous))
+    if native:
+        _native_scatter_add_rows(out, squares, np.ascontiguousarray(values),
+                                 np.ascontiguousarray(indices, np.int64))
+        return
+    keep = indices >= 0
+    if not keep.all():
+        values, indices = values[keep], indices[keep]
+    np.add.at(out, indices, values)
+    if squares is not None:
+        np.add.at(squares, indices, values * values)
 
-            def summed(x):
-                if repeats > _MAX_REPEATS:
-                    out = np.zeros((len(rows),) + tuple(x.shape[1:]), x.dtype)
-                    np.add.at(out, np.repeat(np.arange(len(rows)), counts), x[order])
-                    return out
-                x = x[order]
-                out = x[starts]
-                for j in range(1, repeats):
-                    more = counts > j
-                    out[more] += x[starts[more] + j]
-                return out
-        else:
-            rows, inverse = xp.unique(indices, return_inverse=True)
-            inverse = inverse.ravel()
 
-            def summed(x):
-                out = xp.zeros((len(rows),) + tuple(x.shape[1:]), x.dtype)
-                xp.add.at(out, inverse, x)
-                return out
-        return rows, summed(values), summed(values * values) if squares else None
+_NATIVE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def convert_to_tensor(value, dtype=None):

@@ -53,7 +53,7 @@ import numpy as np
 from ..._core import fused_update as _fused_update
 from ...device import device_util, gpu as _gpu
 from ...device.dtypes import dtype_code
-from ...device.indexed_slices import IndexedSlices, map_values, scatter_add_rows, summed_rows
+from ...device.indexed_slices import IndexedSlices, map_values, scatter_add_rows
 from ...distribute import distribute_lib, values
 from ...distribute.options import VariableAggregation
 from ...distribute.reduce_util import ReduceOp
@@ -429,6 +429,7 @@ class Optimizer:
             plan.apply(ctx._local_replica_id, grads, step, update=False)
         elif reduced is None:
             plan.apply(ctx._local_replica_id, grads, step)
+            plan.clear_sparse(ctx._local_replica_id)  # (a sparse step's buffers: only without an all-reduce)
         elif type(reduced) is _Summands:
             plan.apply(ctx._local_replica_id, None, step, summands=reduced.grads)
             # Every replica has read the others' gradients before any returns to code that may write them.
@@ -449,7 +450,12 @@ class Optimizer:
         if aggregate and ctx.strategy.num_replicas_in_sync > 1:
             op = ReduceOp.SUM if self.gradient_aggregation == "sum" else ReduceOp.MEAN
             grads, aggregate = ctx.all_reduce(op, grads, options), False
-        return _densified(grads, variables, self._rule in SQUARING), aggregate
+        squares = self._rule in SQUARING
+        plan = self._plans.get(tuple(map(id, variables)))  # (none before the first step)
+        targets = plan.sparse_targets(ctx._local_replica_id, grads, squares) if plan is not None else None
+        if targets is None:
+            return _densified(grads, variables, squares), aggregate
+        return [_dense(g, var, squares, target) for g, var, target in zip(grads, variables, targets)], aggregate
 
     def _check_variable(self, where: str, var) -> None:
         if not isinstance(var, values.Variable):
@@ -813,6 +819,10 @@ class _Plan:
         # per device: (staged dtypes, the GradientPack of its eager steps)
         self.gpu_packs = [None] * self.num_devices
         self.staging = {}  # (device, id(fusion buffer), dtype) -> a buffer the pack fills with gradients of dtype
+        # (device, dtype, "gradients" | "squares") -> a buffer of a sparse step (sparse_targets, _pack_squares)
+        self.sparse_buffers = {}
+        self.sparse_clean = {}  # device -> whether its host sparse buffers are all zeros (sparse_targets)
+        self.sparse_named = {}  # device -> the views and indices its last sparse_targets wrote (clear_sparse)
         weakref.finalize(self, _retire_tables, self.gpu_tables)
         weakref.finalize(self, _retire_tables, self.gpu_packs)
         self.tables_made_at = [None] * self.num_devices  # values.buffers_replaced when they were made
@@ -950,18 +960,14 @@ class _Plan:
         ``gate`` (a :class:`LossScaleGate`, GPU copies of a ``packable`` plan only): a loss-scaled step,
         decided on the device (md.mixed_precision.LossScaleOptimizer's, no host sync).
 
-        A gradient may be a ``_SparseRows`` (an IndexedSlices' of a squaring rule): see :meth:`_rows_before`.
+        A gradient may be a rules.SquaredGradient (an IndexedSlices' of a squaring rule, densified with its
+        rows' squares): the kernel reads those squares in place of ``g * g``.
         """
-        sparse = grads is not None and _SparseRows in map(type, grads)
         if self.host[device]:
             if not update:
                 self._accumulate(device, grads)
             else:
-                if sparse:
-                    grads, before = self._rows_before(device, grads)
                 self._apply_host(device, grads, packed, summands)
-                if sparse:
-                    self._rows_again(device, before)
                 self._reset_accumulators(device)
             self._finish(device)
             self.iterations[device]._writable_buffer().fill(self.next_step)
@@ -986,15 +992,10 @@ class _Plan:
                 return
             if not update:
                 self._accumulate(device, grads)
+            elif self.packable:
+                self._apply_gpu(device, grads, packed, gate)
             else:
-                if sparse:
-                    grads, before = self._rows_before(device, grads)
-                if self.packable:
-                    self._apply_gpu(device, grads, packed, gate)
-                else:
-                    self._apply_each(device, grads, self.groups)
-                if sparse:
-                    self._rows_again(device, before)
+                self._apply_each(device, grads, self.groups)
             if update:
                 self._reset_accumulators(device)
             self._finish(device)
@@ -1122,31 +1123,6 @@ class _Plan:
             for c in written:
                 c._writable_buffer()
 
-    def _rows_before(self, device: int, grads: list) -> tuple:
-        """A step with ``_SparseRows`` gradients: ``(grads, before)``, the gradients dense for the update
-        (every row but the ones the slices name gets Keras' value from it: a zero gradient, zero squares) and,
-        for each such variable, its rows the slices name as they are now, weights and slots, for
-        :meth:`_rows_again`."""
-        dense, before = list(grads), []
-        for k, g in enumerate(grads):
-            if type(g) is _SparseRows:
-                dense[k] = g.dense
-                before.append((k, g, self.copies[device][k]._value[g.rows],
-                               [s._value[g.rows] for s in self.slots[device][k]]))
-        return dense, before
-
-    def _rows_again(self, device: int, before: list) -> None:
-        """The rows the slices name, updated again from their values before, by the rule with the rows'
-        squares (rules.SquaredGradient: Keras squares IndexedSlices row by row), and written back."""
-        for k, g, weight_rows, slot_rows in before:
-            dtype = self.dtypes[k]
-            if self.decay[k]:
-                apply_weight_decay(weight_rows, *self.decay_factors.get(dtype, (0.0, 0.0)))
-            apply_rule(self.rule, weight_rows, g.at_rows, slot_rows, self.coefficients[dtype])
-            self.copies[device][k]._value[g.rows] = weight_rows
-            for slot, rows in zip(self.slots[device][k], slot_rows):
-                slot._value[g.rows] = rows
-
     def _apply_host(self, device: int, grads, packed, summands=None) -> None:
         # (After the replicas' rendezvous: a gradient of any replica that holds one of these buffers is
         # counted here, and the buffer is replaced before it is written.)
@@ -1164,11 +1140,15 @@ class _Plan:
             elif summands is not None:
                 group_grads = summands if whole else tuple([replica[k] for k in indices] for replica in summands)
             else:
-                group_grads = [_host_grad(grads[k], dtype) for k in indices]
+                group_grads = [_host_grad(_plain(grads[k]), dtype) for k in indices]
+            # (Squares only where IndexedSlices gave them: a dense step's call is as it always was.)
+            squares = () if grads is None or SquaredGradient not in map(type, grads) else \
+                ([_host_grad(grads[k].squares, dtype) if type(grads[k]) is SquaredGradient else None
+                  for k in indices],)
             _host_kernel(self.rule, [weights[k] for k in indices], group_grads,
                          [list(map(_VALUE, self.slots[device][k])) for k in indices],
                          [self.decay[k] for k in indices], [float(c) for c in self.coefficients[dtype]],
-                         float(weight_decay), float(lr))
+                         float(weight_decay), float(lr), *squares)
         if rest:
             self._apply_each(device, grads, rest)
 
@@ -1179,12 +1159,13 @@ class _Plan:
         if self.tables_made_at[device] != values.buffers_replaced:
             self.gpu_tables[device] = self._make_tables(device)
             self.tables_made_at[device] = values.buffers_replaced
+        squares = self._pack_squares(device, grads)
         if packed is None:
-            packed = self.pack(device, grads)
+            packed = self.pack(device, list(map(_plain, grads)))
         cupy = array_module(packed[0])
         stream = cupy.cuda.get_current_stream().ptr
         grads = self._checked_grads(self.gpu_tables[device], packed, stream, gate)
-        for table, grad, dtype in zip(self.gpu_tables[device], grads, self.groups):
+        for table, grad, dtype, square in zip(self.gpu_tables[device], grads, self.groups, squares):
             if self.rows is not None:
                 # The device picks the row of its own count into a buffer of this stream (its pool
                 # reuses the block only for this stream's later work, after the update read it).
@@ -1195,11 +1176,11 @@ class _Plan:
                                               lower, width, rows[dtype], scalars.data.ptr,
                                               self._status_pointer(device), stream)
                 table.apply_from_device(self.rule, grad, scalars.data.ptr, len(self.coefficients[dtype]), stream,
-                                        *_gate_pointers(gate))
+                                        *_gate_pointers(gate), squares=square)
                 continue
             weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))
             table.apply(self.rule, grad, [float(c) for c in self.coefficients[dtype]], float(weight_decay), float(lr),
-                        stream, *_gate_pointers(gate))
+                        stream, *_gate_pointers(gate), squares=square)
         if self.rows is not None and device == 0:
             self.optimizer._window.record(table.device, stream)
 
@@ -1214,21 +1195,106 @@ class _Plan:
         long as the graph), each launch reading its scalars from the capture's buffer of its dtype."""
         for c in self.written[device]:
             c._writable_buffer()  # the graph writes these buffers: md.function checks they stay
+        squares = self._pack_squares(device, grads)
         if packed is None:
-            packed = self.pack(device, grads)
+            packed = self.pack(device, list(map(_plain, grads)))
         tables = self._make_tables(device)
         scope.captured.setdefault("fused update tables", []).append(tables)
         weakref.finalize(scope, _retire_tables, tables)
         stream = array_module(packed[0]).cuda.get_current_stream().ptr
         grads = self._checked_grads(tables, packed, stream, gate)
-        for table, grad, dtype in zip(tables, grads, self.groups):
+        for table, grad, dtype, square in zip(tables, grads, self.groups, squares):
             captured = scope.captured[self][device][dtype]
             if captured.rows is not None:  # the graph's kernel picks the row of the device's count
                 _gpu_kernel().select_step_row_from_device(
                     table.device, dtype_code(dtype), self._iterations_pointer(device), captured.rows.data.ptr,
                     captured.buffer.data.ptr, self._status_pointer(device), stream)
             table.apply_captured(self.rule, grad, captured.buffer.data.ptr, len(captured.coefficients), stream,
-                                 *_gate_pointers(gate))
+                                 *_gate_pointers(gate), squares=square)
+
+    def sparse_targets(self, device: int, grads: list, squares: bool):
+        """Where a replica step densifies its IndexedSlices on host: per gradient, None (not IndexedSlices) or
+        ``(gradient, squares or None)``, zero views of device ``device``'s sparse buffers (one per dtype for
+        the gradients, one for their squares, laid out as the fusion buffer, made once) in the variable's
+        place; None for a plan that densifies into new arrays (GPU copies, central variables, dtypes the
+        kernel does not take). After the update :meth:`clear_sparse` zeroes only the rows the slices named,
+        so a step costs O(rows named) beyond the dense one, not two new table-sized zero arrays (whose pages
+        fault in when the kernel first reads them)."""
+        if not self.packable or not self.host[device] or self.central:
+            return None
+        kinds = ("gradients", "squares") if squares else ("gradients",)  # (a plan's rule squares or never does)
+        if not self.sparse_clean.get(device, False):  # (made now, or a step that failed before clear_sparse)
+            for dtype in self.groups:
+                for kind in kinds:
+                    self._sparse_buffer(device, dtype, kind).fill(0)
+        self.sparse_clean[device] = False
+        targets, named = [None] * len(grads), []
+        for dtype, indices in self.groups.items():
+            buffers = [self._sparse_buffer(device, dtype, kind) for kind in kinds]
+            at = 0
+            for k in indices:
+                value = self.copies[device][k]._value
+                if type(grads[k]) is IndexedSlices:
+                    views = tuple(b[at:at + value.size].reshape(value.shape) for b in buffers)
+                    targets[k] = (views[0], views[1] if squares else None)
+                    named.append((views, grads[k].indices))
+                at += value.size
+        self.sparse_named[device] = named
+        return targets
+
+    def clear_sparse(self, device: int) -> None:
+        """After a step that densified into :meth:`sparse_targets`' views: the rows it wrote zeroed again."""
+        named = self.sparse_named.pop(device, None)
+        if named is None:
+            return
+        for views, indices in named:
+            rows = indices[indices >= 0]  # (an index past the rows raised before anything was written)
+            for view in views:
+                view[rows] = 0
+        self.sparse_clean[device] = True
+
+    def _pack_squares(self, device: int, grads) -> list:
+        """Per dtype, a pointer to the squares the kernel reads in place of ``g * g`` (0: none, it squares):
+        with a rules.SquaredGradient among ``grads``, a buffer laid out as the fusion buffer (made once per
+        device and dtype), holding each SquaredGradient's squares and each dense gradient's ``g * g`` (in the
+        variable's dtype, the kernel's product) in its variable's place."""
+        if grads is None or SquaredGradient not in map(type, grads):
+            return [0] * len(self.groups)
+        cupy = _gpu.cupy_module()
+        ordinal = device_util.physical_ordinal(self.copies[device][0].device)
+        pointers = []
+        for dtype, indices in self.groups.items():
+            if not any(type(grads[k]) is SquaredGradient for k in indices):
+                pointers.append(0)
+                continue
+            buffer = self._squares_buffer(device, dtype)
+            at = 0
+            for k in indices:
+                g = grads[k]
+                view = buffer[at:at + self.copies[device][k]._value.size].reshape(self.copies[device][k]._value.shape)
+                at += view.size
+                if type(g) is SquaredGradient:
+                    view[...] = g.squares
+                else:  # (as the pack takes it: on this GPU, in the variable's dtype)
+                    g = _packable(cupy, g, dtype, ordinal).reshape(view.shape)
+                    cupy.multiply(g, g, out=view)
+            pointers.append(buffer.data.ptr)
+        return pointers
+
+    def _squares_buffer(self, device: int, dtype):
+        """Device ``device``'s squares buffer of ``dtype`` (made once, by the first sparse step:
+        an eager one precedes a capture)."""
+        return self._sparse_buffer(device, dtype, "squares")
+
+    def _sparse_buffer(self, device: int, dtype, kind: str):
+        """Device ``device``'s buffer ``kind`` of ``dtype``, laid out as its fusion buffer (made once)."""
+        key = (device, dtype, kind)
+        buffer = self.sparse_buffers.get(key)
+        if buffer is None:
+            size = sum(self.copies[device][k]._value.size for k in self.groups[dtype])
+            buffer = self.sparse_buffers[key] = device_util.place(np.empty(size, dtype),
+                                                                  self.copies[device][0].device)
+        return buffer
 
     def _checked_grads(self, tables, packed, stream, gate) -> list:
         """The packed gradients' pointers; for a dynamic loss-scaled step, each first checked for inf and nan
@@ -1276,7 +1342,7 @@ class _Plan:
                 coefficients, (weight_decay, lr) = captured[dtype].coefficients, captured[dtype].decay
             for k in indices:
                 g = grads[k]
-                if g.dtype != dtype:
+                if type(g) is not SquaredGradient and g.dtype != dtype:  # (a SquaredGradient has the variable's)
                     g = g.astype(dtype)
                 if self.decay[k]:
                     apply_weight_decay(weights[k], weight_decay, lr)
@@ -1431,31 +1497,28 @@ def _rows(g):
     return g.values if type(g) is IndexedSlices else g
 
 
-class _SparseRows(NamedTuple):
-    """An IndexedSlices gradient of a squaring rule, densified: ``dense`` for the update of every row, and
-    the distinct ``rows`` it names with their gradient and their slices' squares added up (``at_rows``, a
-    rules.SquaredGradient), with which the plan updates those rows again (_Plan._rows_again)."""
-
-    dense: object
-    rows: object
-    at_rows: SquaredGradient
+def _plain(g):
+    """A gradient as the kernel's ``grads`` take it (a SquaredGradient's dense gradient)."""
+    return g.grad if type(g) is SquaredGradient else g
 
 
-def _dense(g, var, squares: bool = False):
+def _dense(g, var, squares: bool = False, target=None):
     """Gradient ``g`` as a dense array of its variable's shape and dtype: IndexedSlices scattered (repeated
-    indices add up), on the device of their values; with ``squares``, a _SparseRows. Others as they are."""
+    indices add up), on the device of their values; with ``squares``, a rules.SquaredGradient whose squares
+    add up the slices' squares row by row (one pass over the slices, see scatter_add_rows). ``target``:
+    ``(gradient, squares)`` zero arrays to scatter into (_Plan.sparse_targets), else new ones. Others as
+    they are."""
     if type(g) is not IndexedSlices:
         return g
     xp = array_module(g.values)
     shape = tuple(var.shape)
     with device_util.array_device(g.values):
         slices = g._with(values=g.values.astype(np.dtype(var.dtype), copy=False))
+        dense = xp.zeros(shape, slices.dtype) if target is None else target[0]
         if not squares:
-            return scatter_add_rows(xp.zeros(shape, slices.dtype), slices)
-        rows, sums, square_sums = summed_rows(slices, shape, squares=True)
-        dense = xp.zeros(shape, slices.dtype)
-        dense[rows] = sums
-        return _SparseRows(dense, rows, SquaredGradient(sums, square_sums))
+            return scatter_add_rows(dense, slices)
+        square_sums = xp.zeros(shape, slices.dtype) if target is None else target[1]
+        return SquaredGradient(scatter_add_rows(dense, slices, squares=square_sums), square_sums)
 
 
 def _densified(grads: list, variables: list, squares: bool = False) -> list:
