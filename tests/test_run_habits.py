@@ -366,6 +366,19 @@ def test_a_shell_wrapped_job_dies_with_its_sigkilled_launcher(tmp_path):
                                "{python} {task} {pids}; wait", "", 6)
 
 
+def test_a_task_is_listed_with_the_reaper_before_its_launcher_learns_its_pid():
+    # A launcher killed right after a task's Popen returned (a busy machine can stall it there) has told the
+    # reaper nothing: the task listed its own group, between fork and exec, so the reaper still ends it.
+    lifeline = mrun._Lifeline()
+    task = subprocess.Popen(["sleep", "300"], start_new_session=True, preexec_fn=lifeline.in_new_task)
+    try:
+        lifeline.close()  # the launcher's end of the reaper's pipe closes: the reaper ends the groups it knows
+        assert task.wait(timeout=120) in (-signal.SIGTERM, -signal.SIGKILL)
+    finally:
+        task.kill()
+        task.wait()
+
+
 def test_a_task_that_leaves_the_launchers_session_ends_through_the_pipe(tmp_path):
     # setsid: a session (and group) the reaper does not know; the task's `import mirrored` watches the pipe.
     _killed_launcher(tmp_path, "setsid {python} {task} {pids}; sleep 300", "import mirrored", 2)

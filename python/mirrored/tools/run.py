@@ -322,12 +322,6 @@ def _find_prctl():
 _prctl = _find_prctl()
 
 
-def _die_with_launcher() -> None:
-    """In a new task: SIGKILL when the launcher dies, even by SIGKILL (the direct child; the reaper does the rest)."""
-    if _prctl is not None:
-        _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 # The reaper: a process of its own that outlives a killed launcher. It reads
 # "+PGID" / "-PGID" lines (a task's group started / ended) until the
 # launcher's end of the pipe closes, then ends every group still listed:
@@ -372,8 +366,16 @@ class _Lifeline:
         except (OSError, ValueError):
             pass
 
-    def adopt(self, pid: int) -> None:
-        self._tell(f"+{pid}\n")
+    def in_new_task(self) -> None:
+        """Run by a new task between fork and exec, in its own session (pid == pgid): SIGKILL when the launcher
+        dies, even by SIGKILL (the direct child), and its group listed with the reaper (the rest). The task
+        lists itself before it can start anything: had the launcher listed it after Popen returned, a launcher
+        killed in between (a busy machine can stall it that long) left the task's children to nobody."""
+        if _prctl is not None:
+            _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        # One write of a few bytes to a pipe is atomic: it never splits a line of the launcher's, whose
+        # buffered writer is flushed after each line (empty at the fork).
+        os.write(self._reaper.stdin.fileno(), b"+%d\n" % os.getpid())
 
     def release(self, pid: int) -> None:
         self._tell(f"-{pid}\n")
@@ -470,14 +472,12 @@ class _Job:
                 env[LAUNCHER_FD_VARIABLE] = s.lifeline.value
                 t.proc = subprocess.Popen(s.command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, start_new_session=True,
-                                          pass_fds=(s.lifeline.read_fd,), preexec_fn=_die_with_launcher)
-                s.lifeline.adopt(t.proc.pid)  # its session's group: pid == pgid
+                                          pass_fds=(s.lifeline.read_fd,), preexec_fn=s.lifeline.in_new_task)
             else:
                 forwarded = {k: v for k, v in env.items() if _ENV_NAME.match(k) and not _NOT_FORWARDED.match(k)}
                 t.proc = subprocess.Popen(["ssh", *s.ssh_options, t.host, _remote_command(cwd, forwarded, s.command)],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          start_new_session=True, preexec_fn=_die_with_launcher)
-                s.lifeline.adopt(t.proc.pid)
+                                          start_new_session=True, preexec_fn=s.lifeline.in_new_task)
             prefix = f"[{t.name}] ".encode()
             t.pumps = [self.output.pump(t.proc.stdout, sys.stdout.buffer, prefix, t.log),
                        self.output.pump(t.proc.stderr, sys.stderr.buffer, prefix, t.log)]
