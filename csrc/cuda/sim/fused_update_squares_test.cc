@@ -9,11 +9,11 @@
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
-#include <thread>
 #include <vector>
 
 #include "cuda/fused_update.h"
 #include "cuda/sim/expect.h"
+#include "cuda/sim/sim_replicas.h"
 #include "cuda/sim/sim_runtime.h"
 #include "host/fused_update.h"
 
@@ -100,13 +100,9 @@ bool run(int device) {
 }
 
 void check(unsigned seed) {
-  sim::reset(2, {}, seed);
-  bool ok[2] = {false, false};
-  std::thread other([&] { ok[1] = run(1); });
-  ok[0] = run(0);
-  other.join();
-  EXPECT(ok[0] && ok[1], "seed %u: device 0 %s, device 1 %s", seed, ok[0] ? "right" : "wrong",
-         ok[1] ? "right" : "wrong");
+  bool ok[2];
+  EXPECT(sim_check::right_on_two_devices(seed, run, ok), "seed %u: device 0 %s, device 1 %s", seed,
+         ok[0] ? "right" : "wrong", ok[1] ? "right" : "wrong");
 }
 
 }  // namespace

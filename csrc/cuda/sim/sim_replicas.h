@@ -8,12 +8,24 @@
 
 #include <cstddef>
 #include <functional>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "cuda/sim/sim_runtime.h"
 
 namespace mirrored::cuda::sim_check {
+
+// run(0) on this thread and run(1) on another, at once, on a fresh simulated machine of two GPUs whose
+// kernels run in seed's order; whether both devices' runs were right.
+inline bool right_on_two_devices(unsigned seed, const std::function<bool(int)>& run, bool right[2]) {
+  sim::reset(2, {}, seed);
+  right[0] = right[1] = false;
+  std::thread other([&] { right[1] = run(1); });
+  right[0] = run(0);
+  other.join();
+  return right[0] && right[1];
+}
 
 struct Replicas {
   std::vector<int> devices;
