@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 import mirrored as md
 import central_storage_scenarios as scenarios
 import test_one_device_strategy as one_device
-from gpu_env import SKIP_REASON, cupy, gpu_pair
+from gpu_env import SIMULATED, SKIP_REASON, cupy, gpu_pair, sim_counters
 from mirrored.distribute.function import EagerFallbackWarning
 
 with open(os.path.join(os.path.dirname(__file__), "data", "tf_central_storage_reference.json")) as _f:
@@ -303,7 +303,60 @@ def test_gpu_compute_devices_train_as_mirrored_on_them(name, loss_scale, paramet
     central = _train(CentralStorageStrategy(GPUS, parameter_device), OPTIMIZERS[name], cupy, loss_scale=loss_scale)
     mirrored = _train(md.MirroredStrategy(GPUS), OPTIMIZERS[name], cupy, loss_scale=loss_scale)
     for c, m in zip(central, mirrored):
-        np.testing.assert_allclose(c, m, rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(c, m)
+
+
+def _counted_adam_steps(parameter_device, n: int, steps: int = 3):
+    """``steps`` Adam steps of ``n`` variables on the GPUs; returns the simulated runtime's counters of the last
+    (the plan, slots and tables are made by the first two) and the variables."""
+    s = CentralStorageStrategy(GPUS, parameter_device)
+    shapes = [(16, 8) if k % 2 else (8,) for k in range(n)]
+    with s.scope():
+        variables = [md.Variable(np.full(shape, 0.5, np.float32)) for shape in shapes]
+        opt = md.optimizers.Adam(0.01)
+    grads = s.run(lambda: [cupy.full(shape, 0.25 * (md.get_replica_context().replica_id_in_sync_group + 1),
+                                     np.float32) for shape in shapes])
+
+    def step(replica_grads):
+        opt.apply_gradients(zip(replica_grads, variables))
+
+    for _ in range(steps - 1):
+        s.run(step, args=(grads,))
+    return sim_counters(lambda: s.run(step, args=(grads,))), shapes, variables
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SIMULATED, reason="counts the simulated runtime's launches and copies")
+@pytest.mark.parametrize("layout", ["logical", "physical"])
+@pytest.mark.parametrize("parameter_device", ["/cpu:0", "/gpu:0", "/gpu:1"])
+def test_gpu_apply_gradients_costs_the_same_launches_and_copies_for_10_and_200_variables(layout, parameter_device):
+    """Each replica packs its gradients (one launch), one all-reduce sums the packed buffers, one copy per dtype
+    takes the sum to the variables' device (none when a replica shares its GPU), one fused update runs there:
+    the same launches, stream operations (copies, event waits) and host waits for 10 as for 200 variables."""
+    counted = {}
+    with gpu_pair(layout):
+        update_gpu = None if parameter_device == "/cpu:0" else md.device_util.physical_ordinal(parameter_device)
+        for n in (10, 200):
+            c, shapes, variables = _counted_adam_steps(parameter_device, n)
+            counted[n] = {key: c[key] for key in ("launches", "stream_ops", "host_waits", "graph_launches")}
+            counted[n]["copies"] = c["calls"].get("cudaMemcpyAsync", 0)
+            # The update is Adam's on the summed gradients (0.25 + 0.5), bit for bit the host kernel's.
+            host = [md.Variable(np.full(shape, 0.5, np.float32)) for shape in shapes]
+            host_opt = md.optimizers.Adam(0.01)
+            for _ in range(3):
+                host_opt.apply_gradients([(np.full(shape, 0.75, np.float32), v) for shape, v in zip(shapes, host)])
+            for k in (0, 1, n - 1):
+                np.testing.assert_array_equal(variables[k].numpy(), host[k].numpy())
+    assert counted[10] == counted[200]
+    assert counted[200]["host_waits"] == (update_gpu is None)  # (the sum's copy to the host, read by its kernel)
+    launches = dict(counted[200]["launches"])
+    # Per GPU: its replicas' packs (two logical replicas share GPU 0), the all-reduce's kernel on logical GPUs
+    # (NCCL's are not counted as launches), the fused update on the variables' GPU.
+    replicas = {0: 2} if layout == "logical" else {0: 1, 1: 1}
+    update = {} if update_gpu is None else {update_gpu: 1}
+    expected = {gpu: replicas.get(gpu, 0) + (layout == "logical") + update.get(gpu, 0)
+                for gpu in set(replicas) | set(update)}
+    assert launches == expected
 
 
 @pytest.mark.gpu
