@@ -212,6 +212,22 @@ def test_gradient_accumulation_applies_the_sum_over_replicas_every_nth_step(cros
         np.testing.assert_allclose(c, m, rtol=1e-6)
 
 
+@pytest.mark.parametrize("clip", [{"clipnorm": 0.5}, {"global_clipnorm": 0.5}, {"clipvalue": 0.1}],
+                         ids=["clipnorm", "global_clipnorm", "clipvalue"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_gradient_accumulation_with_clipping_clips_the_accumulated_average_as_the_plain_loop(n, clip):
+    """Keras 3 clips ``(g + accumulator) / steps`` on the update step (recorded on one compute device:
+    gradient_accumulation_clips_the_accumulated_average; with several TF's Keras fails). Several replicas: their
+    sum is the step's gradient, accumulated once, so the weights are the plain loop's over the global batch."""
+    sgd = lambda: md.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2, **clip)  # noqa: E731
+    plain = _train(None, sgd, steps=5)
+    for cross_replica in (False, True):
+        central = _train(CentralStorageStrategy([f"/cpu:{i}" for i in range(n)]), sgd, steps=5,
+                         cross_replica=cross_replica)
+        for c, p in zip(central, plain):
+            np.testing.assert_allclose(c, p, rtol=1e-6, atol=1e-7)
+
+
 def _dynamic_loss_scale_steps(devices, parameter_device, xp):
     s = CentralStorageStrategy(devices, parameter_device)
     with s.scope():
