@@ -242,13 +242,13 @@ class DeviceVariable(Variable):
     # tf.Variable's older readers, which TF keeps on its plain variables (not on distributed ones)
 
     def sparse_read(self, indices):
-        """The rows of the value at ``indices`` (``tf.gather`` along axis 0)."""
-        return self._value[_indices(indices)]
+        """The rows of the value at ``indices`` (``tf.gather`` along axis 0), from what ``read_value`` reads."""
+        return self.read_value()[_indices(indices)]
 
     def gather_nd(self, indices):
         """``tf.gather_nd``: each row of ``indices`` indexes the leading dimensions of the value."""
         indices = _indices(indices)
-        return self._value[tuple(np.moveaxis(indices, -1, 0))]
+        return self.read_value()[tuple(np.moveaxis(indices, -1, 0))]
 
     def is_initialized(self) -> np.bool_:
         return np.bool_(True)  # (a variable here holds its value from creation on)

@@ -969,6 +969,14 @@ class _Plan:
 
     def apply(self, device: int, grads, step: int, packed=None, update: bool = True, gate=None,
               summands=None) -> None:
+        """:meth:`_apply_on` device ``device``; for variables kept once for all replicas (CentralStorageStrategy),
+        the strategy then refreshes what its replicas read of them."""
+        self._apply_on(device, grads, step, packed, update, gate, summands)
+        if self.central:
+            self.optimizer._strategy.extended._variables_updated(self, update)
+
+    def _apply_on(self, device: int, grads, step: int, packed=None, update: bool = True, gate=None,
+                  summands=None) -> None:
         """Weight decay and the rule on every variable and slot of local device ``device``, in place;
         then Keras' moving average (``use_ema``), the constraints and the step count.
         ``update=False`` (gradient accumulation, a step that only accumulates): ``grads`` are added
