@@ -335,6 +335,8 @@ def _counted_adam_steps(parameter_device, n: int, steps: int = 3):
                                      np.float32) for shape in shapes])
 
     def step(replica_grads):
+        for v in variables:  # (each replica reads every variable on its GPU, as a forward pass does)
+            v.read_value()
         opt.apply_gradients(zip(replica_grads, variables))
 
     for _ in range(steps - 1):
@@ -347,10 +349,11 @@ def _counted_adam_steps(parameter_device, n: int, steps: int = 3):
 @pytest.mark.parametrize("layout", ["logical", "physical"])
 @pytest.mark.parametrize("parameter_device", ["/cpu:0", "/gpu:0", "/gpu:1"])
 def test_gpu_apply_gradients_costs_the_same_launches_and_copies_for_10_and_200_variables(layout, parameter_device):
-    """Each replica packs its gradients (one launch), one all-reduce sums the packed buffers, one copy per dtype
-    takes the sum to the variables' device (none when a replica shares its GPU), one fused update runs there,
-    and the replicas on other GPUs get the new values in one transfer per GPU: the same launches, stream
-    operations (copies, event waits) and host waits for 10 as for 200 variables."""
+    """Each replica reads every variable and packs its gradients (one launch), one all-reduce sums the packed
+    buffers, one copy per dtype takes the sum to the variables' device (none when a replica shares its GPU), one
+    fused update runs there, and the replicas on other GPUs get the new values in one transfer per GPU (their
+    reads copy nothing): the same launches, stream operations (copies, event waits) and host waits for 10 as for
+    200 variables."""
     counted = {}
     with gpu_pair(layout):
         update_gpu = None if parameter_device == "/cpu:0" else md.device_util.physical_ordinal(parameter_device)
@@ -380,6 +383,44 @@ def test_gpu_apply_gradients_costs_the_same_launches_and_copies_for_10_and_200_v
 @pytest.mark.parametrize("parameter_device", ["/cpu:0", "/gpu:0"])
 def test_gpu_dynamic_loss_scale_skips_a_step_whose_gradients_are_not_finite(parameter_device):
     _dynamic_loss_scale_steps(GPUS, parameter_device, cupy)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@pytest.mark.parametrize("layout, parameter_device", [("physical", "/cpu:0"), ("physical", "/gpu:0"),
+                                                      ("logical", "/cpu:0"), ("logical", "/gpu:1")])
+def test_gpu_replicas_read_the_current_value_and_arrays_read_earlier_keep_theirs(layout, parameter_device):
+    """What a replica read stays as it was after the update (copy-on-write), the next read sees the update, an
+    assign (in run, or in cross-replica context) and the optimizer's slots are read as written."""
+    with gpu_pair(layout):
+        s = CentralStorageStrategy(GPUS, parameter_device)
+        with s.scope():
+            w = md.Variable(np.arange(4, dtype=np.float32), aggregation=md.VariableAggregation.MEAN)
+            opt = md.optimizers.SGD(0.5, momentum=0.5)
+        held = {}
+
+        def step():
+            rid = md.get_replica_context().replica_id_in_sync_group
+            before = w.read_value()
+            opt.apply_gradients([(before * 0 + 1, w)])
+            held.setdefault(rid, []).append(before)
+            return md.device_util.to_host(w.read_value()), md.device_util.to_host(
+                opt.get_slot(w, "momentum").read_value())
+
+        # (the gradients' sum is 2: momentum = 0.5 * momentum - 0.5 * 2, w += momentum)
+        for expected, momentum in (([-1, 0, 1, 2], -1), ([-2.5, -1.5, -0.5, 0.5], -1.5)):
+            results = s.experimental_local_results(s.run(step))
+            for value, slot in results:
+                assert np.asarray(value).tolist() == expected and np.asarray(slot).tolist() == [momentum] * 4
+        for rid in (0, 1):
+            assert [np.asarray(md.device_util.to_host(a)).tolist() for a in held[rid]] == \
+                [[0, 1, 2, 3], [-1, 0, 1, 2]]
+        s.run(lambda: w.assign(w.read_value() * 0 + 7))  # (MEAN of the replicas' 7s, on their GPUs)
+        reads = s.experimental_local_results(s.run(lambda: md.device_util.to_host(w.read_value())))
+        assert [np.asarray(r).tolist() for r in reads] == [[7] * 4] * 2
+        w.assign(np.full(4, 9, np.float32))
+        reads = s.experimental_local_results(s.run(lambda: md.device_util.to_host(w.sparse_read([3, 0]))))
+        assert [np.asarray(r).tolist() for r in reads] == [[9, 9]] * 2
 
 
 def test_md_function_with_variables_on_the_cpu_runs_eagerly_and_says_why():
