@@ -228,9 +228,10 @@ class CentralStorageExtended(MirroredExtended):
         return update_on(self, var.device, var, fn, args, kwargs, group)
 
     def _batch_reduce_to(self, op, pairs, options):
-        # Values bound for the parameter device (its variables: an optimizer's gradients) are all-reduced over
-        # the replicas in one fused call, the sum MirroredStrategy's step takes, and the first replica's
-        # result is moved there: one collective, not one reduce per value.
+        # Values bound for the parameter device (its variables: an optimizer's gradients, or their fusion
+        # buffers) are all-reduced over the replicas in one fused call, the sum MirroredStrategy's step takes,
+        # and one replica's result is moved there (none moves from a replica on its memory): one collective,
+        # not one reduce per value.
         strategy, devices = self._container_strategy, self._local_devices
         if pairs and all(type(d) is AggregatingVariable and d._strategy is strategy and d is not v
                          and isinstance(v, DistributedValues) and v._devices == devices for v, d in pairs):

@@ -620,8 +620,8 @@ class Optimizer:
             grads = holders[0].grads
         elif all(h.packed is not None for h in holders):
             columns = [PerReplica([h.packed[j] for h in holders], devices) for j in range(len(plan.groups))]
-            reduced = self._all_reduce(strategy, columns, columns, options)
-            grads, packed = None, plan.placed_for_update([_component(g, plan.nearest_replica) for g in reduced])
+            # (reduced onto the variables: the strategy takes the sum of a replica on their memory if one is)
+            grads, packed = None, self._all_reduce(strategy, columns, [variables[0]] * len(columns), options)
         else:
             grads = self._all_reduce(strategy, [PerReplica([h.grads[k] for h in holders], devices)
                                                 for k in range(len(variables))], variables, options)
@@ -821,12 +821,6 @@ class _Plan:
             self.pack_devices, self.own_pack = list(replicas), [len(replicas)]
             if not self.host[0]:
                 self.pack_devices.append(self.copies[0][0].device)
-        # The replica whose all-reduced sums (the same bits on every replica) the central update takes: one on
-        # the variables' GPU where there is one (no copy between GPUs), else the first.
-        self.nearest_replica = next((r for r, d in enumerate(replicas) if self.central and not self.host[0]
-                                     and device_util.parse(d).device_type == "GPU"
-                                     and device_util.physical_ordinal(d) == device_util.physical_ordinal(
-                                         self.copies[0][0].device)), 0)
         self.fusion_buffers = [[device_util.place(np.empty(sum(self.copies[0][k]._value.size for k in indices),
                                                            dtype), device)
                                 for dtype, indices in self.groups.items()]
@@ -898,13 +892,6 @@ class _Plan:
     def host_grads(self, grads: list) -> list:
         """``grads`` as the host kernel reads them: C-contiguous NumPy arrays of their variables' dtypes."""
         return list(map(_host_grad, grads, self.dtypes))
-
-    def placed_for_update(self, buffers: list) -> list:
-        """Reduced fusion buffers (one replica's) on the variables' device, ready for the update: one copy per
-        dtype (to the host, or between GPUs), none where they are there already."""
-        device = self.copies[0][0].device
-        with device_util.cross_replica_gpu_scope(device):
-            return [device_util.place(b, device) for b in buffers]
 
     def pack(self, slot: int, grads: list) -> list:
         """``grads`` copied into pack slot ``slot``'s fusion buffers (``pack_devices[slot]``), one per dtype
