@@ -229,6 +229,31 @@ def test_gradient_accumulation_with_clipping_clips_the_accumulated_average_as_th
             np.testing.assert_allclose(c, p, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("parameter_device", ["/cpu:0", "/gpu:0", "/gpu:1"])
+def test_gpu_apply_gradients_not_aggregated_applies_the_first_replicas_gradients(parameter_device, dtype):
+    """``experimental_aggregate_gradients=False``: the caller's all-reduced gradients of the first replica update
+    the variables wherever they are (packed from the second step on for the kernel's dtypes), alternating with
+    aggregated steps."""
+    s = CentralStorageStrategy(GPUS, parameter_device)
+    with s.scope():
+        w = md.Variable(np.ones(4, dtype))
+        opt = md.optimizers.SGD(0.5)
+
+    def step(aggregate):
+        g = w.read_value() * 0 + (md.get_replica_context().replica_id_in_sync_group + 1)
+        if not aggregate:
+            g = md.get_replica_context().all_reduce("SUM", g)
+        opt.apply_gradients([(g, w)], experimental_aggregate_gradients=aggregate)
+        return md.device_util.to_host(w.read_value())
+
+    for k, aggregate in enumerate((True, True, False, False, True)):  # each step: w -= 0.5 * (1 + 2)
+        reads = s.experimental_local_results(s.run(step, args=(aggregate,)))
+        assert [np.asarray(r).tolist() for r in reads] == [[1 - 1.5 * (k + 1)] * 4] * 2
+
+
 def _dynamic_loss_scale_steps(devices, parameter_device, xp):
     s = CentralStorageStrategy(devices, parameter_device)
     with s.scope():

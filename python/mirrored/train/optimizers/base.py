@@ -414,8 +414,10 @@ class Optimizer:
         if not self.gradient_accumulation_steps:
             # From the second step on, this replica packs its gradients into its fusion buffer
             # (in parallel with the other replicas): the all-reduce then moves one buffer per dtype.
+            # (Variables kept once, not aggregated: the first replica's gradients go to them, packed.)
             plan = self._plans.get(tuple(map(id, variables)))
-            if plan is not None and plan.packs and not plan.sums_replicas and aggregate and \
+            if plan is not None and plan.packs and not plan.sums_replicas and \
+                    (aggregate or plan.central and ctx._local_replica_id == 0) and \
                     ctx.strategy.num_replicas_in_sync > 1:
                 packed = plan.pack(ctx._local_replica_id, grads)
         # options stay out of the merged arguments: each replica may pass its own (equal)
@@ -616,8 +618,11 @@ class Optimizer:
         (``gradient_accumulation_steps``) and applied there once, by the fused update."""
         devices = strategy.extended.worker_devices
         packed = None
-        if not aggregate or len(holders) == 1:
+        if len(holders) == 1:
             grads = holders[0].grads
+        elif not aggregate:  # the first replica's gradients (aggregated by the caller), packed where it packs
+            packed = plan.on_variables_device(holders[0].packed) if holders[0].packed is not None else None
+            grads = plan.on_variables_device(holders[0].grads) if packed is None else None
         elif all(h.packed is not None for h in holders):
             columns = [PerReplica([h.packed[j] for h in holders], devices) for j in range(len(plan.groups))]
             # (reduced onto the variables: the strategy takes the sum of a replica on their memory if one is)
@@ -892,6 +897,14 @@ class _Plan:
     def host_grads(self, grads: list) -> list:
         """``grads`` as the host kernel reads them: C-contiguous NumPy arrays of their variables' dtypes."""
         return list(map(_host_grad, grads, self.dtypes))
+
+    def on_variables_device(self, arrays: list) -> list:
+        """A replica's gradients, or its fusion buffers (one per dtype), on the variables' device for the update
+        of variables kept once: a copy each (to the host, or between GPUs), none where they are there already."""
+        device = self.copies[0][0].device
+        with device_util.cross_replica_gpu_scope(device):
+            return [SquaredGradient(*(device_util.place(x, device) for x in a)) if type(a) is SquaredGradient
+                    else device_util.place(a, device) for a in arrays]
 
     def pack(self, slot: int, grads: list) -> list:
         """``grads`` copied into pack slot ``slot``'s fusion buffers (``pack_devices[slot]``), one per dtype
