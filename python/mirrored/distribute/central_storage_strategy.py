@@ -198,18 +198,17 @@ class CentralStorageExtended(MirroredExtended):
         for variable in self._read_copies.values():
             variable._reads = None
         self._read_copies.clear()
-        copy_to = plan.variables[0]._copy_to
-        if not updated or all(d is None for d in copy_to):
-            return
-        if not _ReplicaReads.serves(plan):  # (copied again by each variable's next read)
-            for variable in plan.variables:
-                variable._reads = None
+        if not updated:
             return
         key = tuple(map(id, plan.variables))
-        reads = self._replica_reads.get(key)
-        if reads is None:
-            reads = self._replica_reads[key] = _ReplicaReads(plan)
-        reads.refresh(plan)
+        reads = self._replica_reads.get(key, False)
+        if reads is False:  # (decided once per variable list)
+            reads = self._replica_reads[key] = _ReplicaReads.for_plan(plan)
+        if type(reads) is _ReplicaReads:
+            reads.refresh(plan)
+        elif reads:  # (copied again by each variable's next read)
+            for variable in reads:
+                variable._reads = None
 
     def _make_variable(self, value, name, trainable, synchronization, aggregation):
         # TF keeps ``synchronization`` and ``aggregation`` as given, unchecked (NONE, MEAN of integers).
@@ -277,14 +276,19 @@ class _ReplicaReads:
         self._link()
 
     @staticmethod
-    def serves(plan) -> bool:
-        """Whether the replicas' copies of ``plan``'s variables can be refreshed this way: read on GPUs, from host
-        variables or from GPU variables that the plan packs on their GPU."""
+    def for_plan(plan):
+        """How the replicas' reads of ``plan``'s variables follow its updates: a ``_ReplicaReads`` where the copies
+        are on GPUs and can be refreshed this way (host variables, or GPU variables the plan packs on their GPU),
+        else the variables whose copies an update drops (none: every replica reads the variables' memory)."""
         variables = plan.variables
-        if not all(device_util.parse(d).device_type == "GPU" for d in variables[0]._copy_to if d is not None):
-            return False
-        return device_util.parse(variables[0].device).device_type == "CPU" or (
-            plan.packs and len(plan.pack_devices) > plan.own_pack[0])
+        copied = [v for v in variables if type(v) is AggregatingVariable and any(d is not None for d in v._copy_to)]
+        if len(copied) < len(variables) or not all(
+                device_util.parse(d).device_type == "GPU" for d in variables[0]._copy_to if d is not None):
+            return copied
+        if device_util.parse(variables[0].device).device_type == "CPU" or (
+                plan.packs and len(plan.pack_devices) > plan.own_pack[0]):
+            return _ReplicaReads(plan)
+        return copied
 
     def _allocate(self, i: int) -> None:
         """New buffers (and views) for GPU ``i``."""
