@@ -539,3 +539,27 @@ def test_md_function_step_on_other_gpus_matches_the_one_device_step():
         compiled = one_device.function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), True, np)
     np.testing.assert_array_equal(eager[0], compiled[0])
     assert eager[1] == compiled[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+def test_md_function_refuses_a_read_on_another_gpu_of_a_variable_assigned_in_the_step_and_runs_it_eagerly():
+    """The copy of a value written in the step outside the optimizer's update is a transfer between GPUs that the
+    capture cannot order: md.function says so and runs the step eagerly, with the eager results."""
+    def steps(compiled):
+        s = CentralStorageStrategy(GPUS, "/gpu:0")
+        with s.scope():
+            c = md.Variable(np.zeros(2, np.float32), aggregation=md.VariableAggregation.MEAN)
+
+        def step():
+            c.assign_add(c.read_value() * 0 + 1)
+            return c.read_value() * 1  # (not the variable's own buffer, which the next step's assign writes)
+
+        fn = md.function(step) if compiled else step
+        return [[md.device_util.to_host(r).tolist() for r in s.experimental_local_results(s.run(fn))]
+                for _ in range(3)]
+
+    eager = steps(False)
+    with pytest.warns(EagerFallbackWarning, match="written in this step outside the optimizer's update"):
+        compiled = steps(True)
+    assert compiled == eager == [[[k, k]] * 2 for k in (1, 2, 3)]
