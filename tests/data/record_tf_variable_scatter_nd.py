@@ -37,6 +37,11 @@ def arr(x):
     return {"dtype": x.dtype.name, "shape": list(x.shape), "v": x.tolist()}
 
 
+def unarr(encoded):
+    """An encoded array back (its shape too: an empty one's list does not tell it)."""
+    return np.array(encoded["v"], tf_dtype(encoded["dtype"])).reshape(encoded["shape"])
+
+
 def numpy_of(x):
     return np.asarray(tf.convert_to_tensor(x).numpy())
 
@@ -82,9 +87,7 @@ def scatter_nd_cases():
                       "indices": arr(np.array([[0], [1], [2], [3], [2]], np.int32)),
                       "updates": arr(np.array([True, False, True, False, True]))})
     for case in cases:
-        v = tf.Variable(np.array(case["var"]["v"], tf_dtype(case["var"]["dtype"])))
-        updates = np.array(case["updates"]["v"], tf_dtype(case["updates"]["dtype"]))
-        indices = np.array(case["indices"]["v"], case["indices"]["dtype"])
+        v, indices, updates = tf.Variable(unarr(case["var"])), unarr(case["indices"]), unarr(case["updates"])
 
         def run(v=v, case=case, indices=indices, updates=updates):
             returned = getattr(v, case["method"])(indices, updates)

@@ -1,5 +1,5 @@
 """``md.compat.v1``: the TF 1.x ``tf.compat.v1.distribute`` spellings of MirroredStrategy, OneDeviceStrategy and
-``experimental.CentralStorageStrategy``."""
+``experimental.CentralStorageStrategy``, and ``tf.compat.v1.IndexedSlices``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import types
 
 from ..distribute.distribute_lib import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy, in_cross_replica_context)
 from ..data import NumpyDataset, make_numpy_dataset
+from ..device.indexed_slices import IndexedSlices
 from ..distribute.central_storage_strategy import CentralStorageStrategy as _CentralStorageStrategyV2
 from ..distribute.input_lib import DatasetIterator
 from ..distribute.mirrored_strategy import MirroredStrategy as _MirroredStrategyV2
@@ -45,7 +46,7 @@ experimental = types.SimpleNamespace(CentralStorageStrategy=CentralStorageStrate
 
 __all__ = ["MirroredStrategy", "OneDeviceStrategy", "experimental", "get_strategy", "has_strategy",
            "in_cross_replica_context", "get_replica_context", "get_cross_replica_context", "NumpyDataset",
-           "DatasetIterator"]
+           "DatasetIterator", "IndexedSlices"]
 
 # ``tf.compat.v1.distribute.MirroredStrategy`` ported verbatim reads ``md.compat.v1.distribute.MirroredStrategy``:
 # this module is that namespace too.

@@ -144,22 +144,22 @@ def scatter_nd_plan(value, method: str, op: str, indices, updates, name: str, ar
     _check_kernel(method, op, value.dtype)
     indices = index_array(indices, value, indices_argument)
     if indices.ndim == 0:
-        raise ValueError(f"{indices_argument}: a scalar ({int(device_util.to_host(indices))}); {method} takes indices of "
-                         "shape [..., K], e.g. [[i]] for row i")
+        raise ValueError(f"{indices_argument}: a scalar ({int(device_util.to_host(indices))}); {method} takes "
+                         "indices of shape [..., K], e.g. [[i]] for row i")
     given = tuple(indices.shape)
     if indices.ndim == 1:  # TF's kernel reads rank-1 indices as one-entry indices
         indices = indices[:, None]
     depth = indices.shape[-1]
     if not 1 <= depth <= len(shape):
-        raise ValueError(f"{indices_argument}: the last dimension of indices (shape {given}) is {depth}; {method} needs it in "
-                         f"[1, {len(shape)}] for variable '{name}' of shape {shape} (each index addresses its "
-                         "first K dimensions)")
+        raise ValueError(f"{indices_argument}: the last dimension of indices (shape {given}) is {depth}; {method} "
+                         f"needs it in [1, {len(shape)}] for variable '{name}' of shape {shape} (each index "
+                         "addresses its first K dimensions)")
     slices = _operand(updates, value, updates_argument)
     expected = indices.shape[:-1] + shape[depth:]
     if tuple(slices.shape) != expected:
-        raise ValueError(f"{updates_argument}: shape {tuple(slices.shape)} does not fit indices of shape {given} into variable "
-                         f"'{name}' of shape {shape}: expected {expected} (indices.shape[:-1] + shape[K:], no "
-                         "broadcasting)")
+        raise ValueError(f"{updates_argument}: shape {tuple(slices.shape)} does not fit indices of shape {given} "
+                         f"into variable '{name}' of shape {shape}: expected {expected} (indices.shape[:-1] + "
+                         "shape[K:], no broadcasting)")
     pos = _first_out_of_range(indices, shape[:depth])
     if pos is not None:
         raise IndexError(f"{indices_argument}: {_entry(pos)} = {device_util.to_host(indices[pos]).tolist()} does "

@@ -9,6 +9,7 @@ replicas past the end get empty slices that keep the trailing shape.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import math
@@ -173,6 +174,43 @@ class _FileRounds(_Iterator):
         return {"source": self._inputs[0].save(), "done": self._done}
 
 
+class _ShardedSteps(_Iterator):
+    """``auto_shard``: the replicas' batches in the order the replicas take them (step by step, replica by
+    replica), the ``shard_ix``-th of every ``num_shards`` kept (each pair of ``shards`` in turn), dealt to the
+    local replicas again; a short last step gets empty batches (or ends the input where ``partial`` is False)."""
+
+    def __init__(self, steps: _StepIterator, split, local: int, shards: tuple, partial: bool, state=None):
+        super().__init__(steps)
+        self._split, self._local, self._shards, self._partial = split, local, shards, partial
+        self._pending, self._count = ([], 0) if state is None else (list(state["pending"]), state["count"])
+
+    def _kept(self, position: int) -> bool:
+        for num_shards, shard_ix in self._shards:
+            if position % num_shards != shard_ix:
+                return False
+            position //= num_shards
+        return True
+
+    def next(self):
+        step = []
+        while len(step) < self._local:
+            if not self._pending:
+                try:
+                    self._pending = list(self._split(self._inputs[0].next()))
+                except StopIteration:
+                    break
+            batch, self._count = self._pending.pop(0), self._count + 1
+            if self._kept(self._count - 1):
+                step.append(batch)
+        if not step or (len(step) < self._local and not self._partial):
+            raise StopIteration
+        empty = map_structure(lambda x: device_util.to_host(x)[:0], step[-1])
+        return step + [empty] * (self._local - len(step))
+
+    def save(self):
+        return {"source": self._inputs[0].save(), "pending": self._pending, "count": self._count}
+
+
 class _DeviceFetcher:
     """Copies each replica's batch onto its device; runs in the prefetch thread, one step ahead of training.
 
@@ -276,6 +314,9 @@ class DistributedIterator(IteratorProtocol):
 class _DistributedInput:
     """Common to both dataset kinds: prefetching iterators and the element spec."""
 
+    # (num_shards, shard_ix) of each auto_shard that made this input, the first first
+    _shards = ()
+
     def __init__(self, extended, options):
         if options is not None and not isinstance(options, InputOptions):
             raise ValueError(f"options={options!r}: expected md.InputOptions or None")
@@ -283,6 +324,30 @@ class _DistributedInput:
         self._options = options or InputOptions()
         self._first = None
         self._fetcher = None
+
+    def _refuse_build(self):
+        # TF's `assert not self._built`: its MirroredStrategy-family strategies build the input when they make
+        # it; only ParameterServerStrategy makes one unbuilt, for ClusterCoordinator.create_per_worker_dataset.
+        raise AssertionError(f"{type(self).__name__}.build(): the input is already built (the strategy builds it "
+                             "when it distributes the dataset); iterate it as it is")
+
+    def auto_shard(self, num_shards, shard_ix):
+        """TF's ``auto_shard``: the same input keeping every ``num_shards``-th replica batch from the
+        ``shard_ix``-th on, in the order the replicas take them, dealt to the replicas again (a short last
+        step gets empty batches). The element spec stays the parent's."""
+        for argument, value in (("num_shards", num_shards), ("shard_ix", shard_ix)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{argument}={value!r}: expected an int")
+        if num_shards < 1:
+            raise ValueError(f"num_shards={num_shards}: num_workers must be greater than zero (TF's words); pass "
+                             "the number of shards, >= 1")
+        if not 0 <= shard_ix < num_shards:
+            raise ValueError(f"shard_ix={shard_ix}: index must be between 0 and {num_shards - 1} (TF's words), the "
+                             f"shards of num_shards={num_shards}")
+        sharded = copy.copy(self)
+        sharded._shards = self._shards + ((int(num_shards), int(shard_ix)),)
+        sharded._first = sharded._fetcher = None
+        return sharded
 
     @property
     def _devices(self):
@@ -310,11 +375,22 @@ class _DistributedInput:
 
     def _build(self, state=None) -> PrefetchIterator:
         depth = len(self._devices) * self._options.experimental_per_replica_buffer_size
-        steps = _StepIterator(self._source(None if state is None else state["input"]["source"]),
-                              self._steps_per_item(), None if state is None else state["input"])
+        saved = sharded = None if state is None else state["input"]
+        if self._shards and saved is not None:
+            saved = sharded["source"]  # (the step iterator's state, inside the sharding one's)
+        steps = _StepIterator(self._source(None if saved is None else saved["source"]), self._steps_per_item(),
+                              saved)
+        split = self._split_step
+        if self._shards:
+            steps = _ShardedSteps(steps, split, len(self._devices), self._shards,
+                                  self._extended.experimental_enable_get_next_as_optional, sharded)
+            split = list  # (already split)
         return PrefetchIterator(steps, depth, () if state is None else state["buffer"],
-                                transform=lambda step: self._to_step(self._steps_of(step[0])[step[1]]),
-                                name="mirrored-prefetch")
+                                transform=lambda step: self._to_step(split(step)), name="mirrored-prefetch")
+
+    def _split_step(self, step) -> list:
+        """``(item, k)`` of _StepIterator: the local replicas' batches of step ``k`` of the item."""
+        return self._steps_of(step[0])[step[1]]
 
     def _check_checkpointable(self, state):
         """The chief writes the checkpoint and every worker restores it: the workers' states must agree."""
@@ -358,8 +434,18 @@ class _DistributedInput:
         if isinstance(items, _Reiterable):
             items = items._dataset
         if isinstance(items, Dataset):
-            return np.int64(items.cardinality())
-        return np.int64(len(items) if isinstance(items, (list, tuple)) else dataset_ops.UNKNOWN_CARDINALITY)
+            count = int(items.cardinality())
+        else:
+            count = len(items) if isinstance(items, (list, tuple)) else dataset_ops.UNKNOWN_CARDINALITY
+        if self._shards and count >= 0:
+            count = self._sharded_count(count)
+        return np.int64(count)
+
+    def _sharded_count(self, count: int) -> int:
+        """How many of ``count`` counted elements auto_shard keeps (TF counts those it knows)."""
+        for num_shards, shard_ix in self._shards:
+            count = len(range(shard_ix, count, num_shards))
+        return count
 
     def _counted_input(self):
         """The input whose elements :attr:`cardinality` counts."""
@@ -517,6 +603,17 @@ class DistributedDataset(_DistributedInput):
         parts = split_batch(batch, total, 0, total)
         return [parts[first:first + local] for first in range(0, total, local)]
 
+    def build(self, dataset_to_replace=None):
+        """TF's: built already (AssertionError)."""
+        self._refuse_build()
+
+    def _sharded_count(self, count: int) -> int:
+        # Sharded replica batches are global batches with one replica; with more, TF rebatches the input
+        # first and no longer knows the count.
+        if self._extended._num_replicas_in_sync > 1:
+            return dataset_ops.UNKNOWN_CARDINALITY
+        return super()._sharded_count(count)
+
     def _counted_input(self):
         return self._items
 
@@ -601,6 +698,10 @@ class DistributedDatasetsFromFunction(_DistributedInput):
     def _source(self, state=None):
         return _Pipelines(self._pipelines, len(self._devices), state,
                           self._extended.experimental_enable_get_next_as_optional)
+
+    def build(self):
+        """TF's: built already (AssertionError)."""
+        self._refuse_build()
 
     def _counted_input(self):
         return self._pipelines[0]
