@@ -3,9 +3,10 @@
 
 - indices are int32 or int64 (TF's index types); every index is checked against the shape on every device
   before anything is written (TF's CPU kernels raise; on a GPU that costs one wait for the check's result);
-- ``scatter_nd_*`` indices have shape ``[..., K]`` and address the first ``K`` dimensions; rank-1 indices are
-  ``K = 1`` indices, one per entry (TF's kernel reads them so); updates have shape
-  ``indices.shape[:-1] + shape[K:]`` exactly (no broadcasting);
+- ``scatter_nd_*`` indices have shape ``[..., K]`` (rank >= 2) and address the first ``K`` dimensions;
+  updates have shape ``indices.shape[:-1] + shape[K:]`` exactly (no broadcasting). Rank-1 indices are refused:
+  TF 2.21's variable kernels take ``[i0, i1, ...]`` with one update per entry and then apply the first only;
+  its docs read them as one index of depth ``K`` (and ``tf.tensor_scatter_nd_*`` so);
 - repeated indices apply in turn: additions add up, an update keeps the last value (TF's CPU order);
 - max and min keep a NaN already held and ignore a NaN update (TF's ``a < b ? b : a``);
 - bool arrays add by OR and subtract by XOR (C++'s ``bool`` arithmetic, which TF's kernels use), and have no
@@ -50,15 +51,16 @@ def index_array(indices, like, argument: str = "indices"):
     return indices
 
 
-def _first_out_of_range(columns, bounds):
-    """The position (a tuple) of the first index whose entry k is outside ``[0, bounds[k])``, else None."""
+def _out_of_range(columns, bounds, last: bool = False):
+    """The position (a tuple) of an index whose entry k is outside ``[0, bounds[k])``, else None: the first
+    one, or the ``last`` (TF's gathers stop at the first; its scatter kernels run on and name the last)."""
     with device_util.array_device(columns):
         bad = _module(columns).zeros(columns.shape[:-1], bool)
         for k, bound in enumerate(bounds):
             bad |= (columns[..., k] < 0) | (columns[..., k] >= bound)
         if not bool(bad.any()):  # (on a GPU: the one wait for the check)
             return None
-    return tuple(int(i) for i in np.argwhere(device_util.to_host(bad))[0])
+    return tuple(int(i) for i in np.argwhere(device_util.to_host(bad))[-1 if last else 0])
 
 
 def _entry(pos) -> str:
@@ -68,7 +70,7 @@ def _entry(pos) -> str:
 
 def _check_rows(indices, rows: int, argument: str, name: str) -> None:
     """Every entry of ``indices`` in ``[0, rows)`` (TF's words on failure)."""
-    pos = _first_out_of_range(indices[..., None], (rows,))
+    pos = _out_of_range(indices[..., None], (rows,))
     if pos is not None:
         raise IndexError(f"{argument}: {_entry(pos)} = {int(device_util.to_host(indices[pos]))} is not in "
                          f"[0, {rows}), the rows of variable '{name}'")
@@ -95,7 +97,7 @@ def gather_nd(value, indices, name: str):
         raise ValueError(f"indices: the last dimension of indices (shape {tuple(indices.shape)}) is {depth}, more "
                          f"than the rank {len(shape)} of variable '{name}' of shape {shape}; an index addresses at "
                          "most every dimension")
-    pos = _first_out_of_range(indices, shape[:depth])
+    pos = _out_of_range(indices, shape[:depth])
     if pos is not None:
         raise IndexError(f"indices: {_entry(pos)} = {device_util.to_host(indices[pos]).tolist()} does "
                          f"not index into shape {list(shape)} (variable '{name}')")
@@ -147,8 +149,10 @@ def scatter_nd_plan(value, method: str, op: str, indices, updates, name: str, ar
         raise ValueError(f"{indices_argument}: a scalar ({int(device_util.to_host(indices))}); {method} takes "
                          "indices of shape [..., K], e.g. [[i]] for row i")
     given = tuple(indices.shape)
-    if indices.ndim == 1:  # TF's kernel reads rank-1 indices as one-entry indices
-        indices = indices[:, None]
+    if indices.ndim == 1:
+        raise ValueError(f"{indices_argument}: shape {given} is rank 1, which TensorFlow 2.21's {method} reads as "
+                         f"{given[0]} indices and then applies the first only; pass shape ({given[0]}, 1) for "
+                         f"{given[0]} rows (np.asarray(indices)[:, None]), or [[i0, ..., iK-1]] for one index")
     depth = indices.shape[-1]
     if not 1 <= depth <= len(shape):
         raise ValueError(f"{indices_argument}: the last dimension of indices (shape {given}) is {depth}; {method} "
@@ -160,7 +164,7 @@ def scatter_nd_plan(value, method: str, op: str, indices, updates, name: str, ar
         raise ValueError(f"{updates_argument}: shape {tuple(slices.shape)} does not fit indices of shape {given} "
                          f"into variable '{name}' of shape {shape}: expected {expected} (indices.shape[:-1] + "
                          "shape[K:], no broadcasting)")
-    pos = _first_out_of_range(indices, shape[:depth])
+    pos = _out_of_range(indices, shape[:depth], last=True)
     if pos is not None:
         raise IndexError(f"{indices_argument}: {_entry(pos)} = {device_util.to_host(indices[pos]).tolist()} does "
                          f"not index into shape {list(shape)} (variable '{name}')")

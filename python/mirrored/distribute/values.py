@@ -580,25 +580,32 @@ class MirroredVariable(AssignsThroughUpdate, DistributedVariable, Mirrored):
 
     def _scatter(self, method: str, sparse_delta):
         _check_sparse_delta(self, sparse_delta, method)
-        if self._aggregation not in (VariableAggregation.NONE, VariableAggregation.ONLY_FIRST_REPLICA):
-            # (TF's words)
-            raise NotImplementedError(
+        summed = self._aggregation in (VariableAggregation.SUM, VariableAggregation.MEAN)
+        if summed and method in ("scatter_min", "scatter_max", "scatter_update"):
+            raise NotImplementedError(  # (TF's words; its other row scatters take any aggregation)
                 f"{method} is only supported for mirrored variable (variable created within certain "
                 f"`tf.distribute.Strategy` scope) with NONE or `ONLY_FIRST_REPLICA` aggregation, got: "
                 f"{self._aggregation}; variable '{self.name}': update it with assign_add, or create it with "
                 "aggregation NONE")
+        self._refuse_summed_in_replica(method)
         return self._update(method, sparse_delta)
+
+    def _refuse_summed_in_replica(self, method: str) -> None:
+        """Index updates inside ``run`` cannot be summed or averaged over the replicas (TF fails on them with an
+        AssertionError, or runs each on its replica's copy: the copies drift apart)."""
+        if self._aggregation in (VariableAggregation.SUM, VariableAggregation.MEAN) and \
+                self._local_replica_id() is not None:
+            raise NotImplementedError(
+                f"{method}: MirroredVariable '{self.name}' has aggregation {self._aggregation}, and the replicas' "
+                f"index updates cannot be summed or averaged; call {method} in cross-replica context (it updates "
+                "every copy), or create the variable with aggregation ONLY_FIRST_REPLICA")
 
     def _scatter_nd(self, method: str, indices, updates):
         # TF 2.21 runs these on one copy (the first in cross-replica context: the copies drift apart); here they
         # update every copy, as the row scatters do (docs/variables.md).
         if self._local_replica_id() is None:
             return self._update_each_copy(method, indices, updates)
-        if self._aggregation in (VariableAggregation.SUM, VariableAggregation.MEAN):
-            raise NotImplementedError(
-                f"{method}: MirroredVariable '{self.name}' has aggregation {self._aggregation}, and the replicas' "
-                f"index updates cannot be summed or averaged; call {method} in cross-replica context (it updates "
-                "every copy), or create the variable with aggregation ONLY_FIRST_REPLICA")
+        self._refuse_summed_in_replica(method)
         return update_in_replica(self, _NdUpdate(indices, updates),
                                  lambda first: self._update_each_copy(method, first.indices, first.updates))
 
