@@ -234,9 +234,9 @@ NOT_PROVIDED = {
     "api_variable": _GRAPH_VARIABLE,
     "api_distribute_module": {"ParameterServerStrategy", "Server", "TPUStrategy",
                               "coordinator"},
-    # PreemptionWatcher: TF's watches the preemption notices of Borg and Google Cloud TPU VMs
-    # (tensorflow/python/distribute/failure_handling), a service this package has nothing to read from; on
-    # other machines SIGTERM is the notice, which PreemptionCheckpointHandler already handles.
+    # PreemptionWatcher: TF's reads a key that Google's internal (Borg) TPU workers publish through its
+    # coordination service, and elsewhere logs that the platform is unsupported and watches nothing; on other
+    # machines SIGTERM is the notice, which PreemptionCheckpointHandler handles (docs/variables.md).
     "api_distribute_experimental_module": {"ParameterServerStrategy", "PreemptionWatcher", "TPUStrategy",
                                            "coordinator", "partitioners", "rpc"},
 }

@@ -113,6 +113,14 @@ def test_scatter_nd_matches_one_index_at_a_time(inputs):
     np.testing.assert_array_equal(v.numpy(), _reference(initial, method, indices, values))
 
 
+@pytest.mark.parametrize("method", ["scatter_max", "scatter_min"])
+def test_row_scatters_keep_a_nan_held_and_ignore_a_nan_given_as_tf(method):
+    v = md.Variable(np.array([[1.0, np.nan], [2.0, 3.0]], np.float32))
+    getattr(v, method)(md.IndexedSlices(np.array([[np.nan, 5.0], [np.nan, np.nan], [-7.0, 9.0]], np.float32),
+                                        np.array([0, 1, 1])))
+    _assert_equal(v.numpy(), REF["row_scatters"]["0"][method]["result"])
+
+
 def test_an_array_read_before_a_scatter_keeps_its_value():
     v = md.Variable(np.zeros((3, 2), np.float32))
     before = v.read_value()

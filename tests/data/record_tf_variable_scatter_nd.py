@@ -8,7 +8,7 @@ suite never imports TensorFlow). Sections, each keyed by replica count ("0": a p
   K, index batch shapes, index dtypes and duplicate patterns (inputs drawn from a seeded RandomState and
   stored beside the results);
 - "batch_scatter_update", "readers" (sparse_read, gather_nd, read_value_no_copy, is_initialized, create) and
-  "errors": what TF returns or raises, with its message;
+  "errors": what TF returns or raises, with its message; "row_scatters": scatter_max/min meeting NaN;
 - "distributed": every one of those methods (and the row scatters) on MirroredVariable and
   SyncOnReadVariable, in cross-replica and in replica context: what it raises, or what it returns and what
   each copy holds after;
@@ -199,11 +199,22 @@ def error_cases():
     return out
 
 
+def row_scatter_cases():
+    """The row scatters' NaN rule (TF's max and min keep a NaN held and ignore a NaN given)."""
+    out = {}
+    for method in ("scatter_max", "scatter_min"):
+        v = tf.Variable(np.array([[1.0, np.nan], [2.0, 3.0]], np.float32))
+        getattr(v, method)(slices([[np.nan, 5.0], [np.nan, np.nan], [-7.0, 9.0]], [0, 1, 1]))
+        out[method] = {"result": arr(v.numpy())}
+    return out
+
+
 def record_plain():
     tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
                                                [tf.config.LogicalDeviceConfiguration()])
     return {"scatter_nd": scatter_nd_cases(), "batch_scatter_update": batch_scatter_update_cases(),
-            "readers": reader_cases(), "errors": error_cases(), "names": names()}
+            "readers": reader_cases(), "errors": error_cases(), "row_scatters": row_scatter_cases(),
+            "names": names()}
 
 
 # --- distributed variables ------------------------------------------------------------------------------
