@@ -434,10 +434,17 @@ def test_distributed_datasets_build_and_auto_shard_as_tf(n):
         "elements"]
     assert _elements(strategy, strategy.experimental_distribute_dataset(md.data.Dataset.range(14).batch(7))
                      .auto_shard(2, 1)) == record["dataset|auto_shard_uneven"]["elements"]
-    options = md.data.Options()
-    options.experimental_distribute.auto_shard_policy = md.data.experimental.AutoShardPolicy.DATA
-    assert _elements(strategy, strategy.experimental_distribute_dataset(batches.with_options(options))
-                     .auto_shard(2, 1)) == record["dataset|auto_shard_policy_DATA"]["elements"]
+    for policy in ("DATA", "OFF"):
+        options = md.data.Options()
+        options.experimental_distribute.auto_shard_policy = getattr(md.data.experimental.AutoShardPolicy, policy)
+        distributed = strategy.experimental_distribute_dataset(batches.with_options(options))
+        if policy == "OFF" and n == 4:
+            # (TF splits an OFF dataset's batch of 6 over 4 replicas as 2+2+1+1, its others as 2+2+2+0, and
+            # mirrored all as 2+2+2+0, SPEC §3: compared with the unsharded input instead)
+            assert _elements(strategy, distributed.auto_shard(2, 1)) == _elements(strategy, distributed)
+            continue
+        assert _elements(strategy, distributed.auto_shard(2, 1)) == \
+            record[f"dataset|auto_shard_policy_{policy}"]["elements"], policy
     for (shards, index), words in (((2, 2), "index must be between 0 and 1"), ((2, -1), "between 0 and 1"),
                                    ((0, 0), "num_workers must be greater than zero")):
         assert record[f"dataset|auto_shard_bad|{shards}|{index}"]["raised"] == "InvalidArgumentError"
@@ -445,6 +452,33 @@ def test_distributed_datasets_build_and_auto_shard_as_tf(n):
             dist.auto_shard(shards, index)
     with pytest.raises(TypeError, match="num_shards=2.0: expected an int"):
         dist.auto_shard(2.0, 0)
+
+
+@pytest.mark.parametrize("n", REPLICAS)
+@pytest.mark.parametrize("policy", ["FILE", "AUTO", "OFF"])
+def test_auto_shard_reads_files_by_the_policy_as_tf(n, policy, tmp_path):
+    record = REF["datasets"][str(n)]
+    strategy = _strategy(n)
+    for i in range(4):  # the recorder's files
+        (tmp_path / f"f{i}.txt").write_text("".join(f"f{i}-{j}\n" for j in range(3)))
+
+    def lines():
+        options = md.data.Options()
+        options.experimental_distribute.auto_shard_policy = getattr(md.data.experimental.AutoShardPolicy, policy)
+        files = md.data.Dataset.list_files(str(tmp_path / "f*.txt"), shuffle=False)
+        return md.data.TextLineDataset(files).batch(2).with_options(options)
+
+    def decoded(dataset):
+        return [[[line.decode() for line in np.asarray(c).tolist()] for c in strategy.experimental_local_results(e)]
+                for e in dataset]
+    for shards, index in ((2, 0), (2, 1), (3, 2)):
+        got = decoded(strategy.experimental_distribute_dataset(lines()).auto_shard(shards, index))
+        assert got == record[f"files|{policy}|dataset|{shards}|{index}"]["elements"], (shards, index)
+        got = decoded(strategy.distribute_datasets_from_function(lambda ctx: lines()).auto_shard(shards, index))
+        assert got == record[f"files|{policy}|from_function|{shards}|{index}"]["elements"], (shards, index)
+    if policy == "FILE":
+        with pytest.raises(ValueError, match="not enough for the required 5 shards"):
+            strategy.experimental_distribute_dataset(lines()).auto_shard(5, 0)
 
 
 def test_an_auto_sharded_iterator_restores_its_position(tmp_path):

@@ -12,12 +12,15 @@ suite never imports TensorFlow). Sections, each keyed by replica count ("0": a p
 - "distributed": every one of those methods (and the row scatters) on MirroredVariable and
   SyncOnReadVariable, in cross-replica and in replica context: what it raises, or what it returns and what
   each copy holds after;
-- "datasets": DistributedDataset / DistributedDatasetsFromFunction build() and auto_shard();
+- "datasets": DistributedDataset / DistributedDatasetsFromFunction build() and auto_shard(), over batches
+  and over text files by each AutoShardPolicy;
 - "names": CollectiveHints and tf.compat.v1's IndexedSlices.
 """
 
 import json
+import os
 import sys
+import tempfile
 
 import numpy as np
 
@@ -266,6 +269,17 @@ def record_distributed(strategy):
     return out
 
 
+FILES = 4  # text files of 3 lines each, "f<file>-<line>", for the FILE policy
+
+
+def write_text_files(folder):
+    """FILES text files in ``folder`` (the test writes the same); their glob pattern."""
+    for i in range(FILES):
+        with open(os.path.join(folder, f"f{i}.txt"), "w") as f:
+            f.write("".join(f"f{i}-{j}\n" for j in range(3)))
+    return os.path.join(folder, "f*.txt")
+
+
 def record_datasets(strategy):
     def elements(dataset):
         return [[np.asarray(c).tolist() for c in strategy.experimental_local_results(e)] for e in dataset]
@@ -291,6 +305,24 @@ def record_datasets(strategy):
     for shards, index in ((2, 2), (2, -1), (0, 0)):
         out[f"dataset|auto_shard_bad|{shards}|{index}"] = attempt(
             lambda shards=shards, index=index: {"elements": elements(dist.auto_shard(shards, index))})
+    with tempfile.TemporaryDirectory() as folder:
+        pattern = write_text_files(folder)
+        for policy in ("FILE", "AUTO", "OFF"):
+            def lines(policy=policy):
+                options = tf.data.Options()
+                options.experimental_distribute.auto_shard_policy = getattr(tf.data.experimental.AutoShardPolicy,
+                                                                            policy)
+                files = tf.data.Dataset.list_files(pattern, shuffle=False)
+                return tf.data.TextLineDataset(files).batch(2).with_options(options)
+
+            def decoded(dataset):
+                return [[[line.decode() for line in c] for c in e] for e in elements(dataset)]
+            for shards, index in ((2, 0), (2, 1), (3, 2)):
+                out[f"files|{policy}|dataset|{shards}|{index}"] = attempt(lambda shards=shards, index=index: {
+                    "elements": decoded(strategy.experimental_distribute_dataset(lines()).auto_shard(shards, index))})
+                out[f"files|{policy}|from_function|{shards}|{index}"] = attempt(
+                    lambda shards=shards, index=index: {"elements": decoded(
+                        strategy.distribute_datasets_from_function(lambda ctx: lines()).auto_shard(shards, index))})
     from_fn = strategy.distribute_datasets_from_function(lambda ctx: tf.data.Dataset.range(12).batch(2))
     out["from_function|build"] = attempt(lambda: from_fn.build() and {})
     for shards, index in ((2, 0), (2, 1), (3, 2)):

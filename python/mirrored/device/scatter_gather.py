@@ -174,6 +174,20 @@ def scatter_nd_plan(value, method: str, op: str, indices, updates, name: str, ar
     return rows.reshape(-1), slices.reshape((-1,) + shape[depth:])
 
 
+def batch_plan(value, indices, slices, name: str):
+    """:func:`scatter_nd_plan` for ``batch_scatter_update``: indices of shape ``[d0, ..., dn]`` update along
+    dimension ``n``, so entry ``(i0, ..., in)`` addresses ``(i0, ..., in-1, indices[i0, ..., in])``."""
+    indices = index_array(indices, value, "sparse_delta.indices")
+    xp = _module(indices)
+    with device_util.array_device(indices):
+        leading = [xp.broadcast_to(xp.arange(size, dtype=indices.dtype).reshape(
+            [size if j == k else 1 for j in range(indices.ndim)]), indices.shape)
+            for k, size in enumerate(indices.shape[:-1])]
+        positions = xp.stack(leading + [indices], axis=-1)
+    return scatter_nd_plan(value, "batch_scatter_update", "update", positions, slices, name,
+                           ("sparse_delta.indices", "sparse_delta.values"))
+
+
 def row_plan(value, indices, slices, name: str):
     """:func:`scatter_nd_plan` for the row scatters (``scatter_add(IndexedSlices)``): 1-D indices of rows."""
     indices = index_array(indices, value, "sparse_delta.indices")

@@ -332,9 +332,9 @@ class _DistributedInput:
                              "when it distributes the dataset); iterate it as it is")
 
     def auto_shard(self, num_shards, shard_ix):
-        """TF's ``auto_shard``: the same input keeping every ``num_shards``-th replica batch from the
-        ``shard_ix``-th on, in the order the replicas take them, dealt to the replicas again (a short last
-        step gets empty batches). The element spec stays the parent's."""
+        """TF's ``auto_shard``: an input of the same class reading shard ``shard_ix`` of ``num_shards``, by the
+        dataset's AutoShardPolicy as tf.data's auto-sharding reads it: its files (FILE, or AUTO over enough
+        files), its batches (DATA, or AUTO otherwise), or all of it (OFF). The element spec stays the parent's."""
         for argument, value in (("num_shards", num_shards), ("shard_ix", shard_ix)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"{argument}={value!r}: expected an int")
@@ -345,9 +345,13 @@ class _DistributedInput:
             raise ValueError(f"shard_ix={shard_ix}: index must be between 0 and {num_shards - 1} (TF's words), the "
                              f"shards of num_shards={num_shards}")
         sharded = copy.copy(self)
-        sharded._shards = self._shards + ((int(num_shards), int(shard_ix)),)
         sharded._first = sharded._fetcher = None
+        sharded._shard(int(num_shards), int(shard_ix))
         return sharded
+
+    def _shard(self, num_shards: int, shard_ix: int) -> None:
+        """Makes this (new) copy read its shard (see auto_shard)."""
+        raise NotImplementedError
 
     @property
     def _devices(self):
@@ -437,15 +441,7 @@ class _DistributedInput:
             count = int(items.cardinality())
         else:
             count = len(items) if isinstance(items, (list, tuple)) else dataset_ops.UNKNOWN_CARDINALITY
-        if self._shards and count >= 0:
-            count = self._sharded_count(count)
-        return np.int64(count)
-
-    def _sharded_count(self, count: int) -> int:
-        """How many of ``count`` counted elements auto_shard keeps (TF counts those it knows)."""
-        for num_shards, shard_ix in self._shards:
-            count = len(range(shard_ix, count, num_shards))
-        return count
+        return np.int64(self._sharded_count(count) if self._shards and count >= 0 else count)
 
     def _counted_input(self):
         """The input whose elements :attr:`cardinality` counts."""
@@ -543,7 +539,7 @@ class DistributedDataset(_DistributedInput):
         if workers == 1:
             return AutoShardPolicy.DATA  # one worker: every policy splits each batch over its replicas
         if _is_pipeline(dataset):
-            return self._pipeline_policy(dataset, policy, workers)
+            return _pipeline_policy(dataset, policy, workers)
         files = getattr(dataset, "files", None)
         if policy == AutoShardPolicy.AUTO:
             if files:
@@ -558,26 +554,6 @@ class DistributedDataset(_DistributedInput):
         if policy == AutoShardPolicy.HINT:
             return AutoShardPolicy.DATA
         return policy
-
-    @staticmethod
-    def _pipeline_policy(dataset, policy, workers):
-        """tf.data's rules for a pipeline: FILE shards its list_files/TextLineDataset sources by file."""
-        if policy in (AutoShardPolicy.AUTO, AutoShardPolicy.FILE):
-            count = dataset._file_count()
-            if count is None:
-                if policy == AutoShardPolicy.FILE:
-                    raise ValueError("dataset: AutoShardPolicy.FILE found no file source (Dataset.list_files or "
-                                     "TextLineDataset) in the pipeline to shard; use AutoShardPolicy.DATA or OFF")
-                _warn_data_fallback("Did not find a shardable source, walked to a node which is not a dataset")
-                return AutoShardPolicy.DATA
-            if count < workers:
-                if policy == AutoShardPolicy.FILE:
-                    raise ValueError(_too_few_files(count, workers))
-                _warn_data_fallback(f"Could not apply FILE based sharding: the dataset only has {count} file(s), "
-                                    f"which is not enough for the required {workers} shards/workers.")
-                return AutoShardPolicy.DATA
-            return AutoShardPolicy.FILE
-        return AutoShardPolicy.DATA if policy == AutoShardPolicy.HINT else policy
 
     def _per_worker_input(self) -> bool:
         return self._policy == AutoShardPolicy.FILE
@@ -607,12 +583,22 @@ class DistributedDataset(_DistributedInput):
         """TF's: built already (AssertionError)."""
         self._refuse_build()
 
+    def _shard(self, num_shards: int, shard_ix: int) -> None:
+        items = self._items._dataset if isinstance(self._items, _Reiterable) else self._items
+        policy = _auto_shard_policy(items, num_shards)
+        if policy == AutoShardPolicy.FILE:
+            self._items = self._items._file_sharded(num_shards, shard_ix)
+        elif policy != AutoShardPolicy.OFF:  # the replicas' batches, in the order they take them
+            self._shards = self._shards + ((num_shards, shard_ix),)
+
     def _sharded_count(self, count: int) -> int:
-        # Sharded replica batches are global batches with one replica; with more, TF rebatches the input
-        # first and no longer knows the count.
+        """How many of ``count`` global batches the batch sharding keeps: known with one replica (a replica's
+        batch is a global batch); with more, TF rebatches first and no longer knows the count."""
         if self._extended._num_replicas_in_sync > 1:
             return dataset_ops.UNKNOWN_CARDINALITY
-        return super()._sharded_count(count)
+        for num_shards, shard_ix in self._shards:
+            count = len(range(shard_ix, count, num_shards))
+        return count
 
     def _counted_input(self):
         return self._items
@@ -627,6 +613,37 @@ class DistributedDataset(_DistributedInput):
         if not first:
             raise ValueError("dataset is empty: element_spec needs at least one batch")
         return self._steps_of(first[0])[0]
+
+
+def _pipeline_policy(dataset, policy, workers: int) -> AutoShardPolicy:
+    """tf.data's rules for a pipeline read by ``workers``: FILE shards its list_files/TextLineDataset sources by
+    file; AUTO does where there are as many files as workers, else falls back to DATA (and says so)."""
+    if policy in (AutoShardPolicy.AUTO, AutoShardPolicy.FILE):
+        count = dataset._file_count()
+        if count is None:
+            if policy == AutoShardPolicy.FILE:
+                raise ValueError("dataset: AutoShardPolicy.FILE found no file source (Dataset.list_files or "
+                                 "TextLineDataset) in the pipeline to shard; use AutoShardPolicy.DATA or OFF")
+            _warn_data_fallback("Did not find a shardable source, walked to a node which is not a dataset")
+            return AutoShardPolicy.DATA
+        if count < workers:
+            if policy == AutoShardPolicy.FILE:
+                raise ValueError(_too_few_files(count, workers))
+            _warn_data_fallback(f"Could not apply FILE based sharding: the dataset only has {count} file(s), "
+                                f"which is not enough for the required {workers} shards/workers.")
+            return AutoShardPolicy.DATA
+        return AutoShardPolicy.FILE
+    return AutoShardPolicy.DATA if policy == AutoShardPolicy.HINT else policy
+
+
+def _auto_shard_policy(dataset, num_shards: int) -> AutoShardPolicy:
+    """How auto_shard reads its shard of ``dataset`` (a pipeline or a plain iterable): FILE, DATA or OFF."""
+    policy = policy_of(dataset)
+    if policy == AutoShardPolicy.OFF:
+        return policy
+    if _is_pipeline(dataset):
+        return _pipeline_policy(dataset, policy, num_shards)
+    return AutoShardPolicy.DATA
 
 
 def _is_pipeline(dataset) -> bool:
@@ -674,6 +691,16 @@ class _Pipelines(_Iterator):
         return [it.save() for it in self._inputs]
 
 
+def _sharded_pipeline(dataset, num_shards: int, shard_ix: int):
+    """Shard ``shard_ix`` of one pipeline (each pipeline is sharded on its own, as TF shards each)."""
+    policy = _auto_shard_policy(dataset, num_shards)
+    if policy == AutoShardPolicy.OFF:
+        return dataset
+    if policy == AutoShardPolicy.FILE:
+        return dataset._file_sharded(num_shards, shard_ix)
+    return (dataset if isinstance(dataset, Dataset) else Dataset(dataset)).shard(num_shards, shard_ix)
+
+
 class DistributedDatasetsFromFunction(_DistributedInput):
     """``strategy.distribute_datasets_from_function(dataset_fn)``: each replica takes one batch per step."""
 
@@ -702,6 +729,10 @@ class DistributedDatasetsFromFunction(_DistributedInput):
     def build(self):
         """TF's: built already (AssertionError)."""
         self._refuse_build()
+
+    def _shard(self, num_shards: int, shard_ix: int) -> None:
+        self._pipelines = [self._pipeline(_sharded_pipeline(p._dataset if isinstance(p, _Reiterable) else p,
+                                                            num_shards, shard_ix)) for p in self._pipelines]
 
     def _counted_input(self):
         return self._pipelines[0]

@@ -125,6 +125,10 @@ class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
     def value(self):
         return self.read_value()
 
+    def is_initialized(self, name=None) -> np.bool_:
+        """Whether the variable (every copy of it) holds a value: always, from its creation on."""
+        return np.bool_(True)
+
     def read_value_no_copy(self):
         """TF's read that never copies: here every read is one (``read_value`` returns the buffer itself, which
         an update leaves alone while a reader holds it)."""
@@ -274,8 +278,6 @@ class DeviceVariable(Variable):
         value; the result has shape ``indices.shape[:-1] + shape[K:]``, a copy."""
         return scatter_gather.gather_nd(self._value, indices, self._name)
 
-    def is_initialized(self, name=None) -> np.bool_:
-        return np.bool_(True)  # (a variable here holds its value from creation on)
 
     def _converted(self, value, argument: str = "value"):
         """``value`` on this variable's device, checked as TF's assign checks it: the same shape; a
@@ -397,17 +399,8 @@ class DeviceVariable(Variable):
         if type(sparse_delta) is not IndexedSlices:
             raise TypeError(f"sparse_delta: Argument `sparse_delta` must be a `tf.IndexedSlices` (an "
                             f"md.IndexedSlices(values, indices)), not a {type(sparse_delta).__name__}")
-        indices = scatter_gather.index_array(sparse_delta.indices, self._value, "sparse_delta.indices")
-        xp = sys.modules[type(indices).__module__.partition(".")[0]]
-        with device_util.array_device(indices):
-            # TF's: the positions along the leading dimensions, then the index itself
-            prefix = [xp.broadcast_to(xp.arange(size, dtype=indices.dtype).reshape(
-                [size if j == k else 1 for j in range(indices.ndim)]), indices.shape)
-                for k, size in enumerate(indices.shape[:-1])]
-            positions = xp.stack(prefix + [indices], axis=-1)
-        self._apply("update", scatter_gather.scatter_nd_plan(self._value, "batch_scatter_update", "update",
-                                                             positions, sparse_delta.values, self._name,
-                                                             ("sparse_delta.indices", "sparse_delta.values")))
+        self._apply("update", scatter_gather.batch_plan(self._value, sparse_delta.indices, sparse_delta.values,
+                                                        self._name))
         return self
 
     scatter_add, scatter_sub, scatter_mul, scatter_div, scatter_max, scatter_min, scatter_update = map(
@@ -507,15 +500,11 @@ class DistributedVariable(DistributedValues, Variable):
 
     is_distributed_variable = True
 
-    def is_initialized(self, name=None) -> np.bool_:
-        """Whether every copy is initialised: always (a copy holds its value from creation on)."""
-        return np.bool_(True)
-
     # TF 2.21's distributed variables have these tf.Variable methods but not their implementations: tf.Variable's
     # base class raises NotImplementedError (the updates) or AttributeError (the readers), and so do we, naming
     # how to do it instead.
 
-    def _not_implemented(self, method: str, *args):
+    def _not_implemented(self, method: str):
         raise NotImplementedError(
             f"{method}: TensorFlow's {type(self).__name__} does not implement it ('{self.name}'); apply it to each "
             f"copy: strategy.extended.update(v, lambda copy: copy.{method}(...)) in cross-replica context")
