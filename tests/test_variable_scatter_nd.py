@@ -379,6 +379,13 @@ def test_the_fix_the_refusals_name_works():
         np.full((1, 2), 5, np.float32), np.array([2]))))
     for copy in v.values:
         np.testing.assert_array_equal(np.asarray(copy), [[0, 0], [1, 1], [5, 5]])
+    with strategy.scope():
+        on_read = md.Variable(np.zeros(2, np.float32), synchronization=md.VariableSynchronization.ON_READ,
+                              aggregation=md.VariableAggregation.SUM)
+    with pytest.raises(NotImplementedError, match=r"a dense delta inside strategy.run: v.assign_add\(delta\)"):
+        on_read.scatter_nd_add([[1]], [1.0])
+    strategy.run(lambda: on_read.assign_add(np.array([0.0, 1.0], np.float32)))
+    np.testing.assert_array_equal(np.asarray(on_read), [0, 2])
 
 
 def test_a_first_replica_variable_scatters_replica_zeros_update_to_every_copy():

@@ -506,8 +506,13 @@ class DistributedVariable(DistributedValues, Variable):
 
     def _not_implemented(self, method: str):
         raise NotImplementedError(
-            f"{method}: TensorFlow's {type(self).__name__} does not implement it ('{self.name}'); apply it to each "
-            f"copy: strategy.extended.update(v, lambda copy: copy.{method}(...)) in cross-replica context")
+            f"{method}: TensorFlow's {type(self).__name__} does not implement it ('{self.name}'); "
+            + self._instead(method))
+
+    def _instead(self, method: str) -> str:
+        """What to do instead of ``method`` (an update TF's distributed variable does not implement)."""
+        return (f"apply it to each copy: strategy.extended.update(v, lambda copy: copy.{method}(...)) in "
+                "cross-replica context")
 
     def scatter_nd_add(self, indices, updates, name=None):
         self._not_implemented("scatter_nd_add")
@@ -656,6 +661,9 @@ class SyncOnReadVariable(DistributedVariable):
 
     def read_value_no_copy(self):
         return self._replica_copy("read_value_no_copy").read_value()
+
+    def _instead(self, method: str) -> str:
+        return "update the replicas' copies with a dense delta inside strategy.run: v.assign_add(delta)"
 
     def _scatter_nd(self, method: str, indices, updates):
         self._replica_copy(method)._scatter_nd(method, indices, updates)
