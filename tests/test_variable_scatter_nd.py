@@ -528,6 +528,20 @@ def test_collective_hints_make_communication_options_as_tf():
     assert names["compat_v1_indexed_slices"] and md.compat.v1.IndexedSlices is md.IndexedSlices
 
 
+def test_convert_to_tensor_or_indexed_slices_as_tf():
+    names = REF["names"]["0"]
+    convert = md.compat.v1.convert_to_tensor_or_indexed_slices
+    indexed = md.IndexedSlices(np.array([[1.0, 2.0]], np.float32), np.array([3]))
+    assert names["or_slices_returns_slices"] and convert(indexed) is indexed
+    assert names["or_slices_same_dtype"] and convert(indexed, np.float32) is indexed
+    assert names["or_slices_other_dtype"]["raised"] == "ValueError"
+    with pytest.raises(ValueError, match="dtype=float64: Incompatible tensor conversion requested for "
+                                         "IndexedSlices of dtype float32"):
+        convert(indexed, np.float64)
+    _assert_equal(convert([1.0, 2.0]), names["or_slices_list"])
+    _assert_equal(convert([1, 2], np.int64), names["or_slices_list_dtype"])
+
+
 @pytest.mark.parametrize("n", REPLICAS)
 def test_every_options_argument_takes_collective_hints(n):
     record = REF["hints_accepted"][str(n)]

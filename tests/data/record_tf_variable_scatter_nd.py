@@ -14,7 +14,7 @@ suite never imports TensorFlow). Sections, each keyed by replica count ("0": a p
   each copy holds after;
 - "datasets": DistributedDataset / DistributedDatasetsFromFunction build() and auto_shard(), over batches
   and over text files by each AutoShardPolicy;
-- "names": CollectiveHints and tf.compat.v1's IndexedSlices.
+- "names": CollectiveHints, tf.compat.v1's IndexedSlices and convert_to_tensor_or_indexed_slices.
 """
 
 import json
@@ -340,6 +340,8 @@ def names():
         return {"type": type(options).__name__, "bytes_per_pack": options.bytes_per_pack,
                 "timeout_seconds": options.timeout_seconds, "implementation": options.implementation.name}
     options_type = type(tf.distribute.experimental.CommunicationOptions())
+    convert = tf.compat.v1.convert_to_tensor_or_indexed_slices
+    indexed = slices([[1.0, 2.0]], [3])
     return {
         "hints_default": fields(hints()),
         "hints_keywords": fields(hints(bytes_per_pack=1024, timeout_seconds=5.0)),
@@ -351,6 +353,11 @@ def names():
         "options_merge_hints": fields(tf.distribute.experimental.CommunicationOptions(bytes_per_pack=5).merge(
             hints(bytes_per_pack=1024, timeout_seconds=5.0))),
         "compat_v1_indexed_slices": tf.compat.v1.IndexedSlices is tf.IndexedSlices,
+        "or_slices_returns_slices": convert(indexed, None) is indexed,
+        "or_slices_same_dtype": convert(indexed, tf.float32) is indexed,
+        "or_slices_other_dtype": attempt(lambda: convert(indexed, tf.float64)),
+        "or_slices_list": arr(convert([1.0, 2.0], None)),
+        "or_slices_list_dtype": arr(convert([1, 2], tf.int64)),
         "compat_v1_indexed_names": sorted(x for x in dir(tf.compat.v1) if "ndexed" in x),
     }
 
