@@ -83,10 +83,10 @@ class AggregatingVariable(AssignsThroughUpdate, DeviceVariable):
     def read_value(self):
         return self._for_replica(self._value, copy=True)
 
-    def sparse_read(self, indices):
+    def sparse_read(self, indices, name=None):
         return self._for_replica(super().sparse_read(indices), copy=False)
 
-    def gather_nd(self, indices):
+    def gather_nd(self, indices, name=None):
         return self._for_replica(super().gather_nd(indices), copy=False)
 
     def _update(self, method: str, value):
