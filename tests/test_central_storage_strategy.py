@@ -448,6 +448,32 @@ def test_gpu_replicas_read_the_current_value_and_arrays_read_earlier_keep_theirs
         assert [np.asarray(r).tolist() for r in reads] == [[9, 9]] * 2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@pytest.mark.parametrize("parameter_device", ["/cpu:0", "/gpu:0"])
+def test_gpu_replicas_read_every_dtype_as_the_update_left_it(parameter_device):
+    """Variables of several dtypes in one update (one buffer per dtype on each GPU; float16, which the fused kernel
+    does not take, updated variable by variable): every replica reads each value as the update left it."""
+    s = CentralStorageStrategy(GPUS, parameter_device)
+    dtypes = [np.float32, np.float64, np.float16, np.float32]
+    with s.scope():
+        variables = [md.Variable(np.linspace(-1, 1, 5 + k).astype(dtype)) for k, dtype in enumerate(dtypes)]
+        opt = md.optimizers.Adam(0.1)
+
+    def step():
+        reads = [v.read_value() for v in variables]
+        opt.apply_gradients([(r * r - 0.5, v) for r, v in zip(reads, variables)])
+        return [md.device_util.to_host(v.read_value()) for v in variables]
+
+    for _ in range(3):
+        per_replica = s.experimental_local_results(s.run(step))
+        assert [len(reads) for reads in per_replica] == [len(variables)] * 2
+        for reads in per_replica:
+            for read, v in zip(reads, variables):
+                assert read.dtype == v.dtype
+                np.testing.assert_array_equal(read, v.numpy())
+
+
 def test_md_function_with_variables_on_the_cpu_runs_eagerly_and_says_why():
     eager = one_device.function_steps(CentralStorageStrategy(["/cpu:0", "/cpu:1"]), False, np)
     with pytest.warns(EagerFallbackWarning, match="not on GPUs"):
