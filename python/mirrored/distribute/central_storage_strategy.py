@@ -7,8 +7,10 @@ input pipeline, GPU streams. What differs is TF's: a variable created in its sco
 parameter device (an :class:`AggregatingVariable` when there are several replicas, else a plain variable); a
 replica reads the current value on its own device; an update inside ``run`` goes through the variable's
 aggregation (a ``merge_call``) and is applied once. Values bound for the parameter device (an optimizer's
-gradients) are all-reduced over the replicas in one fused call, as MirroredStrategy's step does, and the first
-replica's result is taken there, so a step gives MirroredStrategy's weights bit for bit.
+gradients, packed one buffer per dtype) are all-reduced over the replicas in one fused call, as
+MirroredStrategy's step does, and one replica's result is taken there, so a step gives MirroredStrategy's weights
+bit for bit; after the update the replicas on other GPUs get the new values in one transfer per GPU and dtype
+(docs/central_storage.md).
 """
 
 from __future__ import annotations
