@@ -270,13 +270,14 @@ class DeviceVariable(Variable):
     # tf.Variable's older readers, which TF keeps on its plain variables (not on distributed ones)
 
     def sparse_read(self, indices, name=None):
-        """The rows of the value at ``indices`` (``tf.gather`` along axis 0), a copy; indices out of range raise."""
-        return scatter_gather.gather(self._value, indices, self._name)
+        """The rows of the value at ``indices`` (``tf.gather`` along axis 0), a copy, of what ``read_value``
+        reads; indices out of range raise."""
+        return scatter_gather.gather(self.read_value(), indices, self._name)
 
     def gather_nd(self, indices, name=None):
         """``tf.gather_nd``: entry ``indices[i]`` (``K`` numbers) addresses the first ``K`` dimensions of the
-        value; the result has shape ``indices.shape[:-1] + shape[K:]``, a copy."""
-        return scatter_gather.gather_nd(self._value, indices, self._name)
+        value; the result has shape ``indices.shape[:-1] + shape[K:]``, a copy, of what ``read_value`` reads."""
+        return scatter_gather.gather_nd(self.read_value(), indices, self._name)
 
 
     def _converted(self, value, argument: str = "value"):
