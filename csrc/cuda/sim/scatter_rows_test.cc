@@ -82,9 +82,15 @@ void reference(const Case& c, const std::vector<T>& values, const std::vector<lo
   }
 }
 
+// (memcpy of an empty vector: its data() may be null, which memcpy must not get)
+template <typename T>
+void copy_in(void* device, const std::vector<T>& host) {
+  if (!host.empty()) std::memcpy(device, host.data(), host.size() * sizeof(T));
+}
+
 template <typename T>
 bool same_bits(const T* a, const std::vector<T>& b) {
-  return std::memcmp(a, b.data(), b.size() * sizeof(T)) == 0;
+  return b.empty() || std::memcmp(a, b.data(), b.size() * sizeof(T)) == 0;
 }
 
 // One case of dtype T on the current device; true when right.
@@ -106,13 +112,13 @@ bool run_case(DType dtype, const Case& c, std::mt19937& rng, cudaStream_t s, int
   void* workspace = sim::allocate(scatter_rows_workspace_bytes(c.slices, c.rows), device);
   std::vector<std::int32_t> narrow(rows.begin(), rows.end());
   sim::enqueue(s, [=] {
-    std::memcpy(d_values, values.data(), values.size() * sizeof(T));
-    std::memcpy(d_out, out.data(), cells * sizeof(T));
-    std::memcpy(d_squares, squares.data(), cells * sizeof(T));
+    copy_in(d_values, values);
+    copy_in(d_out, out);
+    copy_in(d_squares, squares);
     if (c.wide)
-      std::memcpy(d_indices, rows.data(), rows.size() * 8);
+      copy_in(d_indices, rows);
     else
-      std::memcpy(d_indices, narrow.data(), narrow.size() * 4);
+      copy_in(d_indices, narrow);
   });
   ScatterRows a;
   a.dtype = dtype;
