@@ -26,8 +26,8 @@ __global__ void __launch_bounds__(kFusedThreads) reserve_kernel(ScatterRows a, S
 __global__ void __launch_bounds__(kFusedThreads) fill_kernel(ScatterRows a, ScatterWork w) {
   scatter_fill_body(a, w, thread_index(), grid_threads());
 }
-__global__ void __launch_bounds__(kFusedThreads) sort_kernel(ScatterRows a, ScatterWork w) {
-  scatter_sort_body(a, w, thread_index(), grid_threads());
+__global__ void __launch_bounds__(kFusedThreads) rank_kernel(ScatterRows a, ScatterWork w) {
+  scatter_rank_body(a, w, thread_index(), grid_threads());
 }
 template <typename T>
 __global__ void __launch_bounds__(kFusedThreads) sum_kernel(ScatterRows a, ScatterWork w) {
@@ -43,7 +43,7 @@ void launch(const ScatterRows& a, ScatterWork w, int sms, cudaStream_t stream) {
   count_kernel<<<per_slice, kFusedThreads, 0, stream>>>(a, w);
   reserve_kernel<<<per_slice, kFusedThreads, 0, stream>>>(a, w);
   fill_kernel<<<per_slice, kFusedThreads, 0, stream>>>(a, w);
-  sort_kernel<<<per_slice, kFusedThreads, 0, stream>>>(a, w);
+  rank_kernel<<<per_slice, kFusedThreads, 0, stream>>>(a, w);
   sum_kernel<T><<<fused_blocks(a.slices * a.width, sms), kFusedThreads, 0, stream>>>(a, w);
   MIRRORED_CUDA_CHECK(cudaGetLastError());
 }

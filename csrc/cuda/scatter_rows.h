@@ -7,13 +7,14 @@
 //   clear    the row counts (and, to overwrite, `out` and `squares`)
 //   count    counts[row] += 1 per slice; the ticket it gets is the slice's
 //            place in its row's segment (an atomic's order: not deterministic)
-//   reserve  the slice holding ticket 0 reserves its row's segment of `order`
-//   fill     order[segment + ticket] = slice
-//   sort     each segment sorted ascending (that makes the order the host's)
+//   reserve  the slice holding ticket 0 reserves its row's segment
+//   fill     grouped[segment + ticket] = slice
+//   rank     ordered[segment + (the row's slices before it)] = slice: the
+//            host's order, whatever order the atomics picked
 //   sum      per (row, column), the row's slices added in that order
-// Work: O(slices x width) plus each segment's sort, O(k log k) for k slices
-// of one row; the clear touches `rows` counts (and `out`'s elements to
-// overwrite it).
+// Work: O(slices x width), plus O(k^2) compares for a row named k times,
+// spread over its k slices' threads; the clear touches the `rows` counts (and
+// `out`'s elements to overwrite it).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -2,7 +2,7 @@
 // __host__ __device__ code: scatter_rows.cu wraps each in a kernel, and the
 // simulated runtime runs the same body for every thread of the same grid, one
 // thread at a time in a random order (so the count phase hands out its tickets
-// in a random order there too, and the sort is what makes the result right).
+// in a random order there too, and the rank is what makes the result right).
 // A body is called once per thread with (tid, stride) and walks its share
 // grid-stride.
 #pragma once
@@ -21,24 +21,27 @@
 namespace mirrored::cuda {
 
 // The workspace, int32 throughout: per row its slice count and its segment's
-// start in `order`; the next free place of `order`; per slice its ticket (its
-// place in its row's segment, -1 when its index is dropped); the slices
-// grouped by row.
+// start; the next free place of the segments; per slice its ticket (its place
+// in its row's segment in the fill, -1 when its index is dropped); the slices
+// grouped by row (the fill: in the atomics' order), and grouped by row in
+// ascending order (the rank).
 struct ScatterWork {
   int* counts;
   int* base;
   int* cursor;
   int* ticket;
-  int* order;
+  int* grouped;
+  int* ordered;
 };
 
 __host__ __device__ inline ScatterWork scatter_work(void* workspace, std::size_t slices, std::size_t rows) {
   int* p = static_cast<int*>(workspace);
-  return {p, p + rows, p + 2 * rows, p + 2 * rows + 1, p + 2 * rows + 1 + slices};
+  int* per_slice = p + 2 * rows + 1;
+  return {p, p + rows, p + 2 * rows, per_slice, per_slice + slices, per_slice + 2 * slices};
 }
 
 __host__ __device__ inline std::size_t scatter_work_ints(std::size_t slices, std::size_t rows) {
-  return 2 * rows + 1 + 2 * slices;
+  return 2 * rows + 1 + 3 * slices;
 }
 
 // The old value of *p, then *p += v: an atomic on the GPU; the simulator runs
@@ -97,47 +100,24 @@ __host__ __device__ inline void scatter_reserve_body(const ScatterRows& a, Scatt
 __host__ __device__ inline void scatter_fill_body(const ScatterRows& a, ScatterWork w, std::size_t tid,
                                                   std::size_t stride) {
   for (std::size_t i = tid; i < a.slices; i += stride)
-    if (w.ticket[i] >= 0) w.order[w.base[scatter_row(a, i)] + w.ticket[i]] = static_cast<int>(i);
+    if (w.ticket[i] >= 0) w.grouped[w.base[scatter_row(a, i)] + w.ticket[i]] = static_cast<int>(i);
 }
 
-// s[0..k) ascending: insertion for the short segments of typical duplicates,
-// heapsort (in place, O(k log k)) for a row named many times.
-__host__ __device__ inline void sort_slices(int* s, int k) {
-  if (k <= 16) {
-    for (int j = 1; j < k; ++j) {
-      const int x = s[j];
-      int at = j;
-      for (; at > 0 && s[at - 1] > x; --at) s[at] = s[at - 1];
-      s[at] = x;
-    }
-    return;
-  }
-  // Sift s[root] down within s[0..end): a max-heap.
-  auto sift = [s](int root, int end) {
-    for (int child = 2 * root + 1; child < end; root = child, child = 2 * root + 1) {
-      if (child + 1 < end && s[child + 1] > s[child]) ++child;
-      if (s[root] >= s[child]) return;
-      const int t = s[root];
-      s[root] = s[child];
-      s[child] = t;
-    }
-  };
-  for (int root = k / 2 - 1; root >= 0; --root) sift(root, k);
-  for (int end = k - 1; end > 0; --end) {
-    const int t = s[0];
-    s[0] = s[end];
-    s[end] = t;
-    sift(0, end);
-  }
-}
-
-__host__ __device__ inline void scatter_sort_body(const ScatterRows& a, ScatterWork w, std::size_t tid,
+// Each slice's place in its row's ascending order is the number of its row's
+// slices before it: O(k) per slice of a row named k times, every slice at once
+// (a warp's slices of one row read the same entries together), where one
+// thread sorting a segment would take O(k log k) steps one after another.
+__host__ __device__ inline void scatter_rank_body(const ScatterRows& a, ScatterWork w, std::size_t tid,
                                                   std::size_t stride) {
-  for (std::size_t i = tid; i < a.slices; i += stride)
-    if (w.ticket[i] == 0) {
-      const long long r = scatter_row(a, i);
-      sort_slices(w.order + w.base[r], w.counts[r]);
-    }
+  for (std::size_t i = tid; i < a.slices; i += stride) {
+    if (w.ticket[i] < 0) continue;
+    const long long r = scatter_row(a, i);
+    const int* segment = w.grouped + w.base[r];
+    const int k = w.counts[r];
+    int before = 0;
+    for (int j = 0; j < k; ++j) before += segment[j] < static_cast<int>(i);
+    w.ordered[w.base[r] + before] = static_cast<int>(i);
+  }
 }
 
 // Per (slice holding ticket 0, column): its row's slices added in ascending
@@ -158,7 +138,7 @@ __host__ __device__ inline void scatter_sum_body(const ScatterRows& a, ScatterWo
     const std::size_t i = p / a.width, column = p % a.width;
     if (w.ticket[i] != 0) continue;
     const std::size_t r = static_cast<std::size_t>(scatter_row(a, i));
-    const int* segment = w.order + w.base[r];
+    const int* segment = w.ordered + w.base[r];
     const int k = w.counts[r];
     const std::size_t at = r * a.width + column;
     T sum = a.accumulate ? out[at] : E::store(Acc(0));

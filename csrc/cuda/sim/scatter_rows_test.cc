@@ -1,7 +1,7 @@
 // scatter_add_rows (cuda/scatter_rows.h) on the simulated runtime, whose
 // threads run in a random order (so the count phase's tickets come out in a
 // random order): every dtype, int32 and int64 indices, rows named once, a few
-// times and hundreds of times (the heapsort), dropped indices, no slices, with
+// times and hundreds of times, dropped indices, no slices, with
 // and without squares, adding into `out` and overwriting it; against the
 // slice-order reference bit for bit, and for float32 and float64 against the
 // host loop (host/fused_update.h). The values are chosen so that another
@@ -188,7 +188,7 @@ void check_launches_and_limits() {
   sim::reset(1, {}, 3);
   cudaSetDevice(0);
   std::vector<void*> buffers;
-  for (std::size_t bytes : {4 * 2 * 4, 4 * 8, 8 * 2 * 4, 25 * 4}) {
+  for (std::size_t bytes : std::vector<std::size_t>{32, 32, 64, scatter_rows_workspace_bytes(4, 8)}) {
     buffers.push_back(sim::allocate(bytes, 0));
     std::memset(buffers.back(), 0, bytes);
   }

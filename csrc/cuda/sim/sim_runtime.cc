@@ -1034,7 +1034,7 @@ void loss_scale_step(int* nonfinite, float* scale, long long* counter, long long
 // scatter_add_rows (cuda/scatter_rows.h): the .cu's six kernels, each the same
 // body per thread of the same grid. Threads run one at a time in a random
 // order, so the count phase's tickets come out in a random order, as a GPU's
-// atomics may hand them out: only the sort makes the sums come out right.
+// atomics may hand them out: only the rank makes the sums come out right.
 namespace mirrored::cuda {
 
 std::size_t scatter_rows_workspace_bytes(std::size_t slices, std::size_t rows) {
@@ -1060,7 +1060,7 @@ void scatter_add_rows(const ScatterRows& a, void* workspace, int sms, cudaStream
     phase(a.slices, scatter_count_body);
     phase(a.slices, scatter_reserve_body);
     phase(a.slices, scatter_fill_body);
-    phase(a.slices, scatter_sort_body);
+    phase(a.slices, scatter_rank_body);
     phase(a.slices * a.width, scatter_sum_body<T>);
   });
 }
