@@ -265,12 +265,13 @@ def test_the_gpu_densify_refuses_an_out_it_cannot_write():
             scatter_add_rows(cupy.zeros((3, 3), np.float32), s, squares=cupy.zeros((4, 3), np.float32))
 
 
-def _two_replicas_train(xp, devices, steps=4):
-    """Adam on two replicas, each passing its own heavily repeated order-sensitive IndexedSlices (gathered:
-    every replica densifies the same 240 slices of 3 rows); returns both replicas' copies of the embedding."""
+def _two_replicas_train(xp, devices, kind="logical", steps=4):
+    """Adam on two replicas (GPUs of gpu_pair's ``kind``), each passing its own heavily repeated
+    order-sensitive IndexedSlices (gathered: every replica densifies the same 240 slices of 3 rows); returns
+    both replicas' copies of the embedding."""
     rng = np.random.default_rng(11)
     batches = [[(_order_sensitive(rng, (120, 3)), rng.integers(0, 3, 120)) for _ in range(2)] for _ in range(steps)]
-    with gpu_pair():
+    with gpu_pair(kind):
         strategy = md.MirroredStrategy(devices)
         with strategy.scope():
             e = md.Variable(np.linspace(-1, 1, 21, dtype=np.float32).reshape(7, 3))
@@ -284,8 +285,9 @@ def _two_replicas_train(xp, devices, steps=4):
         return [cupy.asnumpy(c.read_value()) if xp is cupy else c.numpy() for c in e.values]
 
 
-def test_gpu_replicas_stay_bit_identical_when_rows_are_named_many_times():
-    first, second = _two_replicas_train(cupy, ["/gpu:0", "/gpu:1"])
+@pytest.mark.parametrize("kind", ["logical", "physical"])
+def test_gpu_replicas_stay_bit_identical_when_rows_are_named_many_times(kind):
+    first, second = _two_replicas_train(cupy, ["/gpu:0", "/gpu:1"], kind)
     np.testing.assert_array_equal(first, second)
     on_cpus = _two_replicas_train(np, ["/cpu:0", "/cpu:1"])
     np.testing.assert_array_equal(first, on_cpus[0])  # the host densify's bits: the same order
