@@ -18,6 +18,8 @@
    CuPy's kernels), the host waits and the host time to issue it (the GPU's work runs after, untimed),
    of this build and of ``--compare``'s, each in a process of its own. The simulator counts, it does not
    time a GPU: a GPU's time is measured on one.
+5. ``--gpu`` (CuPy and a GPU): the densify with squares on the GPU, mirrored's ordered kernel against
+   ``cupy.add.at`` twice after zeroing (the atomics it replaced), GPU time by CUDA events.
 Prints one table per part: the median time of each and the ratios.
 """
 
@@ -59,6 +61,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--compare", default=None, help="another build's package directory (its python/)")
     parser.add_argument("--sim", action="store_true", help="only part 4: the GPU step on the simulated runtime")
+    parser.add_argument("--gpu", action="store_true", help="only part 5: the densify on a real GPU (CuPy)")
     parser.add_argument("--step-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--sim-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -68,6 +71,8 @@ def main() -> None:
         return _sim_child(args)
     if args.sim:
         return _sim_table(args)
+    if args.gpu:
+        return _gpu_table(args)
     n, rows, width = args.replicas, args.rows, args.width
     strategy = md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
     rng = np.random.default_rng(0)
@@ -129,6 +134,50 @@ def _step_times(package: str, args, child: str = "--step-child") -> dict:
                            str(args.replicas), "--rows", str(args.rows), "--width", str(args.width), "--repeat",
                            str(args.repeat)], env=env, capture_output=True, text=True, check=True)
     return json.loads(proc.stdout)
+
+
+def _gpu_table(args) -> None:
+    import cupy
+
+    from mirrored.device.indexed_slices import scatter_add_rows
+
+    rows, width = args.rows, args.width
+    rng = np.random.default_rng(3)
+    print(f"GPU {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, table {rows} x {width} float32\n")
+    print("| slices | rows they name | ordered kernel (ms) | cupy.add.at twice (ms) | ordered / add.at |")
+    print("|---:|---:|---:|---:|---:|")
+    for k, named in ((4096, rows), (65536, rows), (65536, 1024), (65536, 8)):
+        values = cupy.asarray(rng.standard_normal((k, width)).astype(np.float32))
+        indices = cupy.asarray(rng.integers(0, named, k))
+        s = md.IndexedSlices(values, indices, (rows, width))
+        out, squares = cupy.empty((rows, width), np.float32), cupy.empty((rows, width), np.float32)
+
+        def ordered(s=s, out=out, squares=squares):
+            scatter_add_rows(out, s, squares=squares, overwrite=True)
+
+        def atomics(values=values, indices=indices, out=out, squares=squares):
+            out.fill(0)
+            squares.fill(0)
+            cupy.add.at(out, indices, values)
+            cupy.add.at(squares, indices, values * values)
+        t_ordered, t_atomics = _gpu_median_seconds(ordered, args.repeat), _gpu_median_seconds(atomics, args.repeat)
+        print(f"| {k} | {named} | {t_ordered * 1e3:.3f} | {t_atomics * 1e3:.3f} | {t_ordered / t_atomics:.2f} |")
+
+
+def _gpu_median_seconds(fn, repeat: int) -> float:
+    """The median GPU time of fn's work on the current stream (CUDA events around it)."""
+    import cupy
+
+    fn()  # warm-up: kernels loaded, pool blocks made
+    times = []
+    for _ in range(repeat):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    return statistics.median(times)
 
 
 _SIM_SLICES = (256, 4096)

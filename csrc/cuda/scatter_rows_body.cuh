@@ -146,7 +146,10 @@ __host__ __device__ inline void scatter_sum_body(const ScatterRows& a, ScatterWo
     for (int j = 0; j < k; ++j) {
       const Acc v = E::load(values[static_cast<std::size_t>(segment[j]) * a.width + column]);
       sum = E::store(add(E::load(sum), v));
-      if (squares != nullptr) sum_of_squares = E::store(add(E::load(sum_of_squares), E::load(E::store(multiply(v, v)))));
+      if (squares != nullptr) {
+        const Acc square = E::load(E::store(multiply(v, v)));  // rounded to T first, as the host's
+        sum_of_squares = E::store(add(E::load(sum_of_squares), square));
+      }
     }
     out[at] = sum;
     if (squares != nullptr) squares[at] = sum_of_squares;

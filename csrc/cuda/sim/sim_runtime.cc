@@ -1051,7 +1051,9 @@ void scatter_add_rows(const ScatterRows& a, void* workspace, int sms, cudaStream
   const auto phase = [&](std::size_t work, Body body) {
     launched(stream);
     const unsigned blocks = fused_blocks(work, sms);
-    sim::enqueue(stream, [=] { run_grid(blocks, [&](std::size_t tid, std::size_t stride) { body(a, w, tid, stride); }); });
+    sim::enqueue(stream, [=] {
+      run_grid(blocks, [&](std::size_t tid, std::size_t stride) { body(a, w, tid, stride); });
+    });
   };
   with_scatter_type(a.dtype, [&](auto zero) {
     using T = decltype(zero);
