@@ -1520,10 +1520,12 @@ def _dense(g, var, squares: bool = False, target=None):
     shape = tuple(var.shape)
     with device_util.array_device(g.values):
         slices = g._with(values=g.values.astype(np.dtype(var.dtype), copy=False))
-        # New arrays and a GPU's targets are written whole; a host's targets are kept zero (clear_sparse).
-        overwrite = target is None or device_util.on_gpu(target[0])
+        # A GPU's arrays are written whole by the densify; a host's start as zeros (new ones, whose pages fault
+        # in lazily, or the plan's, kept zero by clear_sparse).
+        overwrite = xp is not np
         if target is None:
-            target = (xp.empty(shape, slices.dtype), xp.empty(shape, slices.dtype) if squares else None)
+            new = xp.empty if overwrite else xp.zeros
+            target = (new(shape, slices.dtype), new(shape, slices.dtype) if squares else None)
         dense = scatter_add_rows(target[0], slices, squares=target[1], overwrite=overwrite)
         return SquaredGradient(dense, target[1]) if squares else dense
 
