@@ -246,12 +246,13 @@ def test_the_gpu_densify_is_one_kernel_sequence_without_a_wait():
 
 
 def test_dtypes_the_kernel_lacks_still_densify_on_the_gpu():
-    # complex64: CuPy's add.at (not ordered; complex sums of distinct rows are exact here).
-    values = np.array([[1 + 2j], [3 - 1j], [0.5j]], np.complex64)
+    # uint32: CuPy's add.at (atomics; integer sums do not depend on their order).
+    values = np.array([[7], [2 ** 31], [5], [2 ** 31 + 1]], np.uint32)
     with cupy.cuda.Device(0):
-        dense = md.convert_to_tensor(md.IndexedSlices(cupy.asarray(values), cupy.asarray(np.array([2, -1, 0])),
+        dense = md.convert_to_tensor(md.IndexedSlices(cupy.asarray(values), cupy.asarray(np.array([2, -1, 2, 0])),
                                                       (4, 1)))
-    np.testing.assert_array_equal(cupy.asnumpy(dense), np.array([[0.5j], [0], [1 + 2j], [0]], np.complex64))
+    np.testing.assert_array_equal(cupy.asnumpy(dense), np.array([[2 ** 31 + 1], [0], [12], [0]], np.uint32),
+                                  strict=True)
 
 
 def test_the_gpu_densify_refuses_an_out_it_cannot_write():
