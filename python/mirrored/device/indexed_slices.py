@@ -185,9 +185,7 @@ def scatter_add_rows(out, slices: IndexedSlices, shape=None, squares=None, overw
         if out is None:
             out = np.zeros(shape, values.dtype)
         elif overwrite:
-            for target in (out, squares):
-                if target is not None:
-                    target.fill(0)
+            _zero(out, squares)
         _host_scatter_add(out, squares, values, indices)
     return out
 
@@ -206,9 +204,7 @@ def _gpu_scatter_add(out, squares, values, indices, shape, overwrite: bool):
     kernel = _scatter_kernel()
     if kernel is None or code is None:
         if overwrite:
-            for target in (out, squares):
-                if target is not None:
-                    target.fill(0)
+            _zero(out, squares)
         keep = (indices >= 0) & (indices < out.shape[0])  # (no host sync: out-of-range rows add zeros to row 0)
         rows = cupy.where(keep, indices, 0)
         kept = cupy.where(keep.reshape((-1,) + (1,) * (values.ndim - 1)), values, cupy.zeros((), values.dtype))
@@ -234,6 +230,12 @@ def _gpu_scatter_add(out, squares, values, indices, shape, overwrite: bool):
                             0 if squares is None else squares.data.ptr, not overwrite, workspace.data.ptr,
                             cupy.cuda.get_current_stream().ptr)
     return out
+
+
+def _zero(*arrays) -> None:
+    for a in arrays:
+        if a is not None:
+            a.fill(0)
 
 
 def _scatter_kernel():
