@@ -50,10 +50,6 @@ void launch(const ScatterRows& a, ScatterWork w, int sms, cudaStream_t stream) {
 
 }  // namespace
 
-std::size_t scatter_rows_workspace_bytes(std::size_t slices, std::size_t rows) {
-  return scatter_work_ints(slices, rows) * sizeof(int);
-}
-
 void scatter_add_rows(const ScatterRows& a, void* workspace, int sms, cudaStream_t stream) {
   check_scatter_rows(a);
   const ScatterWork w = scatter_work(workspace, a.slices, a.rows);

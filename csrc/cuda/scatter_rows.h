@@ -20,6 +20,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdint>
 
 #include "core/dtype.h"
 
@@ -36,8 +37,11 @@ struct ScatterRows {
   bool accumulate = true;   // add into out (and squares); false: overwrite them (rows not named become 0)
 };
 
-// Bytes of device memory scatter_add_rows needs as its workspace.
-std::size_t scatter_rows_workspace_bytes(std::size_t slices, std::size_t rows);
+// Bytes of device memory scatter_add_rows needs as its workspace: int32s, two
+// per row, one, and three per slice (scatter_rows_body.cuh ScatterWork).
+inline std::size_t scatter_rows_workspace_bytes(std::size_t slices, std::size_t rows) {
+  return (2 * rows + 1 + 3 * slices) * sizeof(std::int32_t);
+}
 
 // out[indices[i]] += values[i] for every i in ascending order (an index < 0
 // or >= rows is dropped, as TensorFlow's GPU kernel drops it), six launches

@@ -40,10 +40,6 @@ __host__ __device__ inline ScatterWork scatter_work(void* workspace, std::size_t
   return {p, p + rows, p + 2 * rows, per_slice, per_slice + slices, per_slice + 2 * slices};
 }
 
-__host__ __device__ inline std::size_t scatter_work_ints(std::size_t slices, std::size_t rows) {
-  return 2 * rows + 1 + 3 * slices;
-}
-
 // The old value of *p, then *p += v: an atomic on the GPU; the simulator runs
 // one thread at a time, so a plain read and write is the same there.
 __host__ __device__ inline int fetch_add(int* p, int v) {

@@ -1037,10 +1037,6 @@ void loss_scale_step(int* nonfinite, float* scale, long long* counter, long long
 // atomics may hand them out: only the rank makes the sums come out right.
 namespace mirrored::cuda {
 
-std::size_t scatter_rows_workspace_bytes(std::size_t slices, std::size_t rows) {
-  return scatter_work_ints(slices, rows) * sizeof(int);
-}
-
 void scatter_add_rows(const ScatterRows& a, void* workspace, int sms, cudaStream_t stream) {
   sim::Lock lock;
   check_scatter_rows(a);
