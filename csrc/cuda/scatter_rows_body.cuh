@@ -40,11 +40,26 @@ __host__ __device__ inline ScatterWork scatter_work(void* workspace, std::size_t
   return {p, p + rows, p + 2 * rows, per_slice, per_slice + slices, per_slice + 2 * slices};
 }
 
-// The old value of *p, then *p += v: an atomic on the GPU; the simulator runs
-// one thread at a time, so a plain read and write is the same there.
+// The old value of *p, then *p += v. On a GPU the lanes of a warp that add to
+// the same p (the slices of a row named many times, every row's reservation
+// on the one cursor) make one atomic together, each lane getting the old value
+// plus what the lanes below it in its group add: same-address atomics are
+// serialised, and these would be one per slice. The simulator runs one thread
+// at a time, so a plain read and write is the same there.
 __host__ __device__ inline int fetch_add(int* p, int v) {
 #ifdef __CUDA_ARCH__
-  return atomicAdd(p, v);
+  const unsigned group = __match_any_sync(__activemask(), reinterpret_cast<unsigned long long>(p));
+  const int lane = static_cast<int>(threadIdx.x % 32), leader = __ffs(group) - 1;
+  int below = 0, total = 0;
+  for (unsigned rest = group; rest != 0; rest &= rest - 1) {
+    const int from = __ffs(rest) - 1;
+    const int x = __shfl_sync(group, v, from);
+    below += from < lane ? x : 0;
+    total += x;
+  }
+  int old = 0;
+  if (lane == leader) old = atomicAdd(p, total);
+  return __shfl_sync(group, old, leader) + below;
 #else
   const int old = *p;
   *p = old + v;
