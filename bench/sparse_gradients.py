@@ -13,6 +13,13 @@
    ``--compare PATH`` times the sparse step of another build's package too (e.g. main's ``python/``,
    which recomputed the named rows after finding them with ``np.unique``), each build in a process of
    its own, rounds interleaved.
+4. ``--sim``: the sparse Adam step (IndexedSlices with their squares, rows named many times) on two
+   simulated GPUs (the tests' CuPy stand-in over mirrored._cuda_sim), per step: the launches (ours and
+   CuPy's kernels), the host waits and the host time to issue it (the GPU's work runs after, untimed),
+   of this build and of ``--compare``'s, each in a process of its own. The simulator counts, it does not
+   time a GPU: a GPU's time is measured on one.
+5. ``--gpu`` (CuPy and a GPU): the densify with squares on the GPU, mirrored's ordered kernel against
+   ``cupy.add.at`` twice after zeroing (the atomics it replaced), GPU time by CUDA events.
 Prints one table per part: the median time of each and the ratios.
 """
 
@@ -53,10 +60,19 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--compare", default=None, help="another build's package directory (its python/)")
+    parser.add_argument("--sim", action="store_true", help="only part 4: the GPU step on the simulated runtime")
+    parser.add_argument("--gpu", action="store_true", help="only part 5: the densify on a real GPU (CuPy)")
     parser.add_argument("--step-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--sim-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.step_child:
         return _step_child(args)
+    if args.sim_child:
+        return _sim_child(args)
+    if args.sim:
+        return _sim_table(args)
+    if args.gpu:
+        return _gpu_table(args)
     n, rows, width = args.replicas, args.rows, args.width
     strategy = md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
     rng = np.random.default_rng(0)
@@ -111,13 +127,118 @@ def main() -> None:
 _STEP_ROWS = (256, 4096, 32768)
 
 
-def _step_times(package: str, args) -> dict:
-    """The step part run by ``package``'s mirrored in a process of its own: {rows: (dense s, sparse s)}."""
+def _step_times(package: str, args, child: str = "--step-child") -> dict:
+    """A part run by ``package``'s mirrored in a process of its own (``child``: which), its JSON result."""
     env = dict(os.environ, PYTHONPATH=os.path.abspath(package))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--step-child", "--replicas",
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), child, "--replicas",
                            str(args.replicas), "--rows", str(args.rows), "--width", str(args.width), "--repeat",
                            str(args.repeat)], env=env, capture_output=True, text=True, check=True)
     return json.loads(proc.stdout)
+
+
+def _gpu_table(args) -> None:
+    import cupy
+
+    from mirrored.device.indexed_slices import scatter_add_rows
+
+    rows, width = args.rows, args.width
+    rng = np.random.default_rng(3)
+    print(f"GPU {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, table {rows} x {width} float32\n")
+    print("| slices | rows they name | ordered kernel (ms) | cupy.add.at twice (ms) | ordered / add.at |")
+    print("|---:|---:|---:|---:|---:|")
+    for k, named in ((4096, rows), (65536, rows), (65536, 1024), (65536, 8)):
+        values = cupy.asarray(rng.standard_normal((k, width)).astype(np.float32))
+        indices = cupy.asarray(rng.integers(0, named, k))
+        s = md.IndexedSlices(values, indices, (rows, width))
+        out, squares = cupy.empty((rows, width), np.float32), cupy.empty((rows, width), np.float32)
+
+        def ordered(s=s, out=out, squares=squares):
+            scatter_add_rows(out, s, squares=squares, overwrite=True)
+
+        def atomics(values=values, indices=indices, out=out, squares=squares):
+            out.fill(0)
+            squares.fill(0)
+            cupy.add.at(out, indices, values)
+            cupy.add.at(squares, indices, values * values)
+        t_ordered, t_atomics = _gpu_median_seconds(ordered, args.repeat), _gpu_median_seconds(atomics, args.repeat)
+        print(f"| {k} | {named} | {t_ordered * 1e3:.3f} | {t_atomics * 1e3:.3f} | {t_ordered / t_atomics:.2f} |")
+
+
+def _gpu_median_seconds(fn, repeat: int) -> float:
+    """The median GPU time of fn's work on the current stream (CUDA events around it)."""
+    import cupy
+
+    fn()  # warm-up: kernels loaded, pool blocks made
+    times = []
+    for _ in range(repeat):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    return statistics.median(times)
+
+
+_SIM_SLICES = (256, 4096)
+
+
+def _sim_table(args) -> None:
+    builds = [("this build", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))]
+    if args.compare:
+        builds.append(("compared", args.compare))
+    counts = {name: _step_times(path, args, "--sim-child") for name, path in builds}
+    print(f"2 simulated GPUs, table {args.rows} x {args.width} float32, Adam, IndexedSlices of k slices per "
+          "replica naming 64 rows (gathered: 2k slices densified per replica)\n")
+    print("| build | k | our launches per step | CuPy kernels per step | host waits | host time per step (ms) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, _ in builds:
+        for k in _SIM_SLICES:
+            launches, kernels, waits, seconds = counts[name][str(k)]
+            print(f"| {name} | {k} | {launches} | {kernels} | {waits} | {seconds * 1e3:.2f} |")
+
+
+def _sim_child(args) -> None:
+    """Prints {k: (our launches, CuPy kernels, host waits, host seconds)} of one sparse Adam step on two
+    simulated GPUs (medians over --repeat steps; the GPU's work drained after each, untimed)."""
+    import gc
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import gpu_env
+
+    gpu_env.install(0)
+    cupy = gpu_env.cupy
+    rng = np.random.default_rng(2)
+    out = {}
+    for k in _SIM_SLICES:
+        strategy = md.MirroredStrategy(["/gpu:0", "/gpu:1"])
+        with strategy.scope():
+            e = md.Variable(np.zeros((args.rows, args.width), np.float32))
+            opt = md.optimizers.Adam(1e-3)
+        parts = [(rng.standard_normal((k, args.width)).astype(np.float32), rng.integers(0, 64, k)) for _ in range(2)]
+
+        def step():
+            r = md.get_replica_context().replica_id_in_sync_group
+            with cupy.cuda.Device(r):
+                values, indices = (cupy.asarray(a) for a in parts[r])
+            opt.apply_gradients([(md.IndexedSlices(values, indices, (args.rows, args.width)), e)])
+        samples = []
+        for s in range(args.repeat + 1):
+            cupy.sim.drain()
+            gc.collect()
+            gc.disable()  # (a collection inside the step would free, and wait, there)
+            cupy.sim.reset_counters()
+            start = time.perf_counter()
+            strategy.run(step)
+            seconds = time.perf_counter() - start
+            counted = cupy.sim.counters()
+            gc.enable()
+            if s:  # (the first builds the plan)
+                samples.append((sum(counted["launches"].values()), sum(counted["kernels"].values()),
+                                counted["host_waits"], seconds))
+        out[k] = [int(statistics.median(c[i] for c in samples)) for i in range(3)] + \
+            [statistics.median(c[3] for c in samples)]
+    print(json.dumps(out))
 
 
 def _step_child(args) -> None:

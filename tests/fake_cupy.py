@@ -524,11 +524,15 @@ def _launch(work, *arrays):
 _peers: set = set()
 
 
+_atomic_order = np.random.default_rng(0)  # the order add.at's "atomics" add in (_ufunc_at), seeded by configure
+
+
 def configure(devices: int, peers, seed: int):
     """The simulated machine: ``devices`` GPUs, peer access for the (a, b) pairs in peers, and a drain seed."""
     sim.drain()
     sim.reset(devices, list(peers), seed)
     _machine["devices"] = devices
+    _atomic_order.bit_generator.state = np.random.default_rng(seed).bit_generator.state
     _peers.clear()
     _peers.update(peers)
 
@@ -1059,10 +1063,15 @@ def unique(ar, return_index=False, return_inverse=False, return_counts=False, ax
 
 
 def _ufunc_at(ufunc):
-    """``cupy.<ufunc>.at(a, indices, b)`` (CuPy 13): in place, one kernel; repeated indices apply in turn."""
+    """``cupy.<ufunc>.at(a, indices, b)`` (CuPy 13): in place, one kernel; repeated indices apply in turn, in
+    an order drawn anew for each run of the kernel where CuPy's atomics would pick one (``add.at``: a
+    float sum of a repeated index differs in its last bits from order to order)."""
     def at(a, indices, b=None):
         def combined(a, indices, b):
             out = np.array(a)
+            if ufunc is np.add and isinstance(indices, np.ndarray) and indices.ndim == 1:
+                order = _atomic_order.permutation(len(indices))
+                indices, b = indices[order], np.broadcast_to(b, (len(order),) + out.shape[1:])[order]
             ufunc.at(out, indices, b)
             return out
         _apply(combined, (a, indices, b), {}, out=a)

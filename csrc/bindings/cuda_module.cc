@@ -26,6 +26,7 @@
 #include "cuda/device_batch.h"
 #include "cuda/fused_update.h"
 #include "cuda/gradient_pack.h"
+#include "cuda/scatter_rows.h"
 #include "cuda/step_readback.h"
 #include "cuda/check.h"
 #include "cuda/stream_scope.h"
@@ -527,6 +528,44 @@ void def_fused_update(py::module_& m) {
            "pinned table and the launch. The pack then serves that graph only and must live as long.");
 }
 
+// An IndexedSlices densified on a GPU, each row's slices added in slice order
+// (cuda/scatter_rows.h). Pointers arrive as integers, checked by
+// mirrored.device.indexed_slices.
+void def_scatter_rows(py::module_& m) {
+  m.def("scatter_rows_workspace_bytes", &cuda::scatter_rows_workspace_bytes, py::arg("slices"), py::arg("rows"),
+        "Bytes of device memory scatter_add_rows takes as its workspace.");
+  m.def("scatter_add_rows", [](int device, int dtype, std::uintptr_t values, std::uintptr_t indices,
+                               bool wide_indices, std::size_t slices, std::size_t width, std::size_t rows,
+                               std::uintptr_t out, std::uintptr_t squares, bool accumulate, std::uintptr_t workspace,
+                               std::uintptr_t stream) {
+          cuda::ScatterRows a;
+          a.dtype = dtype_from_code(dtype);
+          a.values = reinterpret_cast<const void*>(values);
+          a.indices = reinterpret_cast<const void*>(indices);
+          a.wide_indices = wide_indices;
+          a.slices = slices, a.width = width, a.rows = rows;
+          a.out = reinterpret_cast<void*>(out);
+          a.squares = reinterpret_cast<void*>(squares);
+          a.accumulate = accumulate;
+          // The GIL held, as apply_captured: launches only (no wait), which may be recorded into a graph
+          // in the order the Python step issues them.
+          on_device(device, [&] {
+            int sms = 1;
+            MIRRORED_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+            cuda::scatter_add_rows(a, reinterpret_cast<void*>(workspace), sms,
+                                   reinterpret_cast<cudaStream_t>(stream));
+          });
+        },
+        py::arg("device"), py::arg("dtype"), py::arg("values"), py::arg("indices"), py::arg("wide_indices"),
+        py::arg("slices"), py::arg("width"), py::arg("rows"), py::arg("out"), py::arg("squares"),
+        py::arg("accumulate"), py::arg("workspace"), py::arg("stream"),
+        "out[indices[i]] += values[i] (and squares[indices[i]] += values[i] ** 2 unless squares is 0) on\n"
+        "`stream`, each row's slices added in ascending i; indices outside [0, rows) dropped; with\n"
+        "accumulate False, out and squares are overwritten (rows not named become 0). `values`: slices x width,\n"
+        "`out`: rows x width, C order; indices int64 (wide_indices) or int32; `workspace`:\n"
+        "scatter_rows_workspace_bytes(slices, rows) bytes of the device's memory. Six launches, no wait.");
+}
+
 #ifdef MIRRORED_CUDA_SIM
 namespace sim = cuda::sim;
 
@@ -919,6 +958,7 @@ PYBIND11_MODULE(MIRRORED_CUDA_MODULE, m) {
      "This process's ranks rank.. rank+len(devices)-1 of an NCCL job of nranks sharing unique_id.");
   def_fused_update(m);
   def_step_window(m);
+  def_scatter_rows(m);
 #ifdef MIRRORED_CUDA_SIM
   def_sim(m);
 #endif

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -28,6 +29,8 @@
 #include "cuda/fused_update.h"
 #include "cuda/reduce_kernels.h"
 #include "cuda/reduce_ops.cuh"
+#include "cuda/scatter_rows.h"
+#include "cuda/scatter_rows_body.cuh"
 
 namespace {
 struct Capture;
@@ -1024,6 +1027,40 @@ void loss_scale_step(int* nonfinite, float* scale, long long* counter, long long
                         static_cast<const void*>(counter), static_cast<const void*>(iterations)})
     reachable(p);
   sim::enqueue(stream, [=] { rules::loss_scale_step(nonfinite, scale, counter, iterations, growth_steps, dynamic); });
+}
+
+}  // namespace mirrored::cuda
+
+// scatter_add_rows (cuda/scatter_rows.h): the .cu's six kernels, each the same
+// body per thread of the same grid. Threads run one at a time in a random
+// order, so the count phase's tickets come out in a random order, as a GPU's
+// atomics may hand them out: only the rank makes the sums come out right.
+namespace mirrored::cuda {
+
+void scatter_add_rows(const ScatterRows& a, void* workspace, int sms, cudaStream_t stream) {
+  sim::Lock lock;
+  check_scatter_rows(a);
+  for (const void* p : std::initializer_list<const void*>{a.values, a.indices, a.out, a.squares, workspace})
+    if (p != nullptr) reachable(p);
+  const ScatterWork w = scatter_work(workspace, a.slices, a.rows);
+  using Body = void (*)(const ScatterRows&, ScatterWork, std::size_t, std::size_t);
+  const auto phase = [&](std::size_t work, Body body) {
+    launched(stream);
+    const unsigned blocks = fused_blocks(work, sms);
+    sim::enqueue(stream, [=] {
+      run_grid(blocks, [&](std::size_t tid, std::size_t stride) { body(a, w, tid, stride); });
+    });
+  };
+  with_scatter_type(a.dtype, [&](auto zero) {
+    using T = decltype(zero);
+    phase(scatter_clear_work(a), scatter_clear_body<T>);
+    if (a.slices == 0) return;
+    phase(a.slices, scatter_count_body);
+    phase(a.slices, scatter_reserve_body);
+    phase(a.slices, scatter_fill_body);
+    phase(a.slices, scatter_rank_body);
+    phase(a.slices * a.width, scatter_sum_body<T>);
+  });
 }
 
 }  // namespace mirrored::cuda

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._core import scatter_add_rows as _native_scatter_add_rows
-from . import device_util
+from . import device_util, gpu as _gpu
+from .dtypes import CODES
 from .tensor_shape import TensorShape
 
 __all__ = ["IndexedSlices", "convert_to_tensor", "is_indexed_slices", "map_arrays", "map_values", "scatter_add_rows",
@@ -169,27 +170,81 @@ def to_dense(slices: IndexedSlices):
     return scatter_add_rows(None, slices, tuple(int(d) for d in slices.dense_shape))
 
 
-def scatter_add_rows(out, slices: IndexedSlices, shape=None, squares=None):
+def scatter_add_rows(out, slices: IndexedSlices, shape=None, squares=None, overwrite: bool = False):
     """``out[indices[i]] += values[i]`` for every i in order (repeats add up), into ``out`` or a new zero array
     of ``shape``; returns it. With ``squares`` (an array like ``out``), ``squares[indices[i]] += values[i] ** 2``
-    as well: the squares a rule takes for an IndexedSlices gradient (rules.SquaredGradient). One pass, no
-    sort, no wait for a GPU. Host: a negative index is dropped, one past the rows raises (before anything is
+    as well: the squares a rule takes for an IndexedSlices gradient (rules.SquaredGradient). ``overwrite``:
+    ``out`` and ``squares`` start from zeros (their contents ignored). A repeated row adds its slices in
+    ascending order, on host and on GPU alike, so every replica gets the same bits. No sort on the host, no
+    wait for a GPU. Host: a negative index is dropped, one past the rows raises (before anything is
     written); GPU: both dropped."""
     values, indices = slices.values, slices.indices
-    xp = _array_module(values)
     with device_util.array_device(values):
+        if device_util.on_gpu(values):
+            return _gpu_scatter_add(out, squares, values, indices, shape, overwrite)
         if out is None:
-            out = xp.zeros(shape, values.dtype)
-        if xp is np:
-            _host_scatter_add(out, squares, values, indices)
-        else:  # (no host sync: out-of-range rows add zeros to row 0)
-            keep = (indices >= 0) & (indices < out.shape[0])
-            rows = xp.where(keep, indices, 0)
-            kept = xp.where(keep.reshape((-1,) + (1,) * (values.ndim - 1)), values, xp.zeros((), values.dtype))
-            xp.add.at(out, rows, kept)
-            if squares is not None:
-                xp.add.at(squares, rows, kept * kept)
+            out = np.zeros(shape, values.dtype)
+        elif overwrite:
+            _zero(out, squares)
+        _host_scatter_add(out, squares, values, indices)
     return out
+
+
+def _gpu_scatter_add(out, squares, values, indices, shape, overwrite: bool):
+    """scatter_add_rows on a GPU: our kernel (csrc/cuda/scatter_rows.h), each row's slices added in ascending
+    order (the host's bits), six launches, no wait, capturable. CuPy's ``add.at``, whose atomics add a
+    repeated row's slices in any order, serves only the dtypes the kernel lacks (and builds without the CUDA
+    extension)."""
+    import cupy
+
+    overwrite = overwrite or (out is None and squares is None)  # (a new out alone: written whole, not zeroed)
+    if out is None:
+        out = (cupy.empty if overwrite else cupy.zeros)(shape, values.dtype)
+    code = CODES.get(np.dtype(out.dtype).name)
+    kernel = _scatter_kernel()
+    if kernel is None or code is None:
+        if overwrite:
+            _zero(out, squares)
+        keep = (indices >= 0) & (indices < out.shape[0])  # (no host sync: out-of-range rows add zeros to row 0)
+        rows = cupy.where(keep, indices, 0)
+        kept = cupy.where(keep.reshape((-1,) + (1,) * (values.ndim - 1)), values, cupy.zeros((), values.dtype))
+        cupy.add.at(out, rows, kept)
+        if squares is not None:
+            cupy.add.at(squares, rows, kept * kept)
+        return out
+    for name, target in (("out", out), ("squares", squares)):
+        if target is not None and not (target.flags.c_contiguous and target.dtype == out.dtype
+                                       and target.shape == out.shape):
+            raise ValueError(f"{name}: a {target.dtype} array of shape {tuple(target.shape)}; the GPU densify "
+                             f"writes C-contiguous arrays of the dense shape {tuple(out.shape)} and dtype "
+                             f"{out.dtype}")
+    values = cupy.ascontiguousarray(values.astype(out.dtype, copy=False))
+    wide = indices.dtype != np.int32
+    if wide and indices.dtype != np.int64:
+        indices = indices.astype(np.int64)
+    indices = cupy.ascontiguousarray(indices)
+    slices, rows = len(indices), out.shape[0]
+    workspace = cupy.empty(kernel.scatter_rows_workspace_bytes(slices, rows), np.uint8)
+    kernel.scatter_add_rows(out.data.device_id, code, values.data.ptr, indices.data.ptr, wide, slices,
+                            out.size // rows if rows else 0, rows, out.data.ptr,
+                            0 if squares is None else squares.data.ptr, not overwrite, workspace.data.ptr,
+                            cupy.cuda.get_current_stream().ptr)
+    return out
+
+
+def _zero(*arrays) -> None:
+    for a in arrays:
+        if a is not None:
+            a.fill(0)
+
+
+def _scatter_kernel():
+    """The CUDA engine's extension when it has the ordered densify, else None."""
+    try:
+        module = _gpu.cuda_module()
+    except RuntimeError:
+        return None
+    return module if hasattr(module, "scatter_add_rows") else None
 
 
 def _host_scatter_add(out, squares, values, indices) -> None:

@@ -1245,24 +1245,27 @@ class _Plan:
                                  *_gate_pointers(gate), squares=square)
 
     def sparse_targets(self, device: int, grads: list, squares: bool):
-        """Where a replica step densifies its IndexedSlices on host: per gradient, None (not IndexedSlices) or
-        ``(gradient, squares or None)``, zero views of device ``device``'s sparse buffers (one per dtype for
-        the gradients, one for their squares, laid out as the fusion buffer, made once) in the variable's
-        place; None for a plan that densifies into new arrays (GPU copies, central variables, dtypes the
-        kernel does not take). After the update :meth:`clear_sparse` zeroes only the rows the slices named,
+        """Where a replica step densifies its IndexedSlices: per gradient, None (not IndexedSlices) or
+        ``(gradient, squares or None)``, views in the variable's place of device ``device``'s buffers laid out
+        as the fusion buffer (made once); None for a plan that densifies into new arrays (central variables,
+        dtypes the kernel does not take). On host, sparse buffers kept zero (one per dtype for the gradients,
+        one for their squares): after the update :meth:`clear_sparse` zeroes only the rows the slices named,
         so a step costs O(rows named) beyond the dense one, not two new table-sized zero arrays (whose pages
-        fault in when the kernel first reads them)."""
-        if not self.packable or not self.host[device] or self.central:
+        fault in when the kernel first reads them). On a GPU, the fusion buffer itself (the pack then copies
+        the gradient onto itself) and the squares buffer :meth:`_pack_squares` hands the kernel: the GPU
+        densify writes them whole, so nothing is allocated, zeroed after or copied again."""
+        if not self.packable or self.central:
             return None
+        host = self.host[device]
         kinds = ("gradients", "squares") if squares else ("gradients",)  # (a plan's rule squares or never does)
-        if not self.sparse_clean.get(device, False):  # (made now, or a step that failed before clear_sparse)
+        if host and not self.sparse_clean.get(device, False):  # (made now, or a step that failed before clear_sparse)
             for dtype in self.groups:
                 for kind in kinds:
                     self._sparse_buffer(device, dtype, kind).fill(0)
-        self.sparse_clean[device] = False
         targets, named = [None] * len(grads), []
-        for dtype, indices in self.groups.items():
-            buffers = [self._sparse_buffer(device, dtype, kind) for kind in kinds]
+        for (dtype, indices), fusion in zip(self.groups.items(), self.fusion_buffers[device]):
+            buffers = [self._sparse_buffer(device, dtype, kind) if host or kind == "squares" else fusion
+                       for kind in kinds]
             at = 0
             for k in indices:
                 value = self.copies[device][k]._value
@@ -1271,7 +1274,9 @@ class _Plan:
                     targets[k] = (views[0], views[1] if squares else None)
                     named.append((views, grads[k].indices))
                 at += value.size
-        self.sparse_named[device] = named
+        if host:
+            self.sparse_clean[device] = False
+            self.sparse_named[device] = named
         return targets
 
     def clear_sparse(self, device: int) -> None:
@@ -1306,7 +1311,8 @@ class _Plan:
                 view = buffer[at:at + self.copies[device][k]._value.size].reshape(self.copies[device][k]._value.shape)
                 at += view.size
                 if type(g) is SquaredGradient:
-                    view[...] = g.squares
+                    if g.squares.data.ptr != view.data.ptr:  # (else densified in place: sparse_targets)
+                        view[...] = g.squares
                 else:  # (as the pack takes it: on this GPU, in the variable's dtype)
                     g = _packable(cupy, g, dtype, ordinal).reshape(view.shape)
                     cupy.multiply(g, g, out=view)
@@ -1536,21 +1542,24 @@ def _plain(g):
 
 def _dense(g, var, squares: bool = False, target=None):
     """Gradient ``g`` as a dense array of its variable's shape and dtype: IndexedSlices scattered (repeated
-    indices add up), on the device of their values; with ``squares``, a rules.SquaredGradient whose squares
-    add up the slices' squares row by row (one pass over the slices, see scatter_add_rows). ``target``:
-    ``(gradient, squares)`` zero arrays to scatter into (_Plan.sparse_targets), else new ones. Others as
-    they are."""
+    indices add up, in their order), on the device of their values; with ``squares``, a
+    rules.SquaredGradient whose squares add up the slices' squares row by row (one pass over the slices, see
+    scatter_add_rows). ``target``: ``(gradient, squares)`` arrays to scatter into (_Plan.sparse_targets),
+    else new ones. Others as they are."""
     if type(g) is not IndexedSlices:
         return g
     xp = array_module(g.values)
     shape = tuple(var.shape)
     with device_util.array_device(g.values):
         slices = g._with(values=g.values.astype(np.dtype(var.dtype), copy=False))
-        dense = xp.zeros(shape, slices.dtype) if target is None else target[0]
-        if not squares:
-            return scatter_add_rows(dense, slices)
-        square_sums = xp.zeros(shape, slices.dtype) if target is None else target[1]
-        return SquaredGradient(scatter_add_rows(dense, slices, squares=square_sums), square_sums)
+        # A GPU's arrays are written whole by the densify; a host's start as zeros (new ones, whose pages fault
+        # in lazily, or the plan's, kept zero by clear_sparse).
+        overwrite = xp is not np
+        if target is None:
+            new = xp.empty if overwrite else xp.zeros
+            target = (new(shape, slices.dtype), new(shape, slices.dtype) if squares else None)
+        dense = scatter_add_rows(target[0], slices, squares=target[1], overwrite=overwrite)
+        return SquaredGradient(dense, target[1]) if squares else dense
 
 
 def _densified(grads: list, variables: list, squares: bool = False) -> list:
