@@ -32,3 +32,14 @@ timeout 60 $PY bench/train_step.py --device gpu --function --replicas 1 2 --step
 timeout 60 $PY bench/linalg_overhead.py --repeat 2000 --dtypes float32 2>&1 | tee "$OUT/linalg_overhead.txt"
 timeout 90 $PY bench/train_step.py --device gpu --model mlp --function --replicas 1 2 4 --steps 10 --optimizer sgd \
   2>&1 | tee -a "$OUT/train_step.txt"
+timeout 60 $PY bench/sparse_gradients.py --gpu --repeat 5 2>&1 | tee "$OUT/sparse_gpu.txt"
+# The native tests that only a GPU runs (the fused update and the ordered scatter against the host loops).
+if [ "${NATIVE_GPU_TESTS:-1}" = 1 ]; then
+  cmake -S . -B /tmp/mirrored-native-gpu -G Ninja -DMIRRORED_PYTHON=OFF -DMIRRORED_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHITECTURES:-native}" > "$OUT/native_gpu_build.log" 2>&1 \
+    && timeout 240 cmake --build /tmp/mirrored-native-gpu -j"$(nproc)" --target test_cuda_fused_update test_cuda_scatter_rows \
+      >> "$OUT/native_gpu_build.log" 2>&1 \
+    && for t in test_cuda_fused_update test_cuda_scatter_rows; do
+         timeout 120 /tmp/mirrored-native-gpu/tests/native/$t > "$OUT/$t.txt" 2>&1; echo "$t: rc=$?"; done \
+    || tail -20 "$OUT/native_gpu_build.log"
+fi
