@@ -231,7 +231,8 @@ class _ClosureQueue:
     def get(self, tag):
         """The next closure for worker ``tag`` (its own first); None once stopped."""
         with self._lock:
-            while not self._stopped and not self._queue and not self._tagged[tag]:
+            # After an error the queued closures wait to be cancelled (when it is raised): none starts.
+            while not self._stopped and not self._tagged[tag] and (not self._queue or self._error is not None):
                 self._changed.wait()
             if self._stopped:
                 return None
