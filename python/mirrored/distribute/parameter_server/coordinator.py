@@ -309,9 +309,8 @@ class _Worker:
         self._thread.start()
 
     def call(self, method: str, *args):
-        if self._connection is None:
-            self._connection = rpc.Connection(self.address, self._token, timeout=RECONNECT_SECONDS,
-                                              cancel=self._cluster.stopping)
+        if self._connection is None:  # one attempt: a worker not there yet leaves its closure to the others
+            self._connection = rpc.Connection(self.address, self._token, timeout=0, cancel=self._cluster.stopping)
         return self._connection.call(method, *args)
 
     def _process(self) -> None:
