@@ -243,11 +243,8 @@ NOT_PROVIDED = {
     "api_distributed_dataset_and_iterator": {"dataset": {"auto_shard", "build"}, "iterator": set(),
                                              "optional": set()},
     "api_datasets_from_function": {"auto_shard", "build"},
-    "api_distribute_module": {"ParameterServerStrategy", "Server", "TPUStrategy",
-                              "coordinator"},
-    "api_distribute_experimental_module": {"CollectiveHints", "ParameterServerStrategy",
-                                           "PreemptionWatcher", "TPUStrategy", "coordinator", "partitioners",
-                                           "rpc"},
+    "api_distribute_module": {"TPUStrategy"},
+    "api_distribute_experimental_module": {"CollectiveHints", "PreemptionWatcher", "TPUStrategy", "rpc"},
 }
 
 
