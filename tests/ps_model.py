@@ -107,6 +107,11 @@ def identity(x):
     return x
 
 
+@md.function
+def step_function(x):
+    return x * 2
+
+
 def read_and_add(v, delta):
     v.assign_add(delta)
     return v.read_value()

@@ -235,6 +235,9 @@ def test_fetch_over_nests_and_values_passed_through():
         assert got["y"][0]["b"] == [1.5, "text"] and got["y"][1] == 3
         assert remote.get()["b"] == remote.fetch()["b"]
         assert coordinator.schedule(ps_model.identity, kwargs={"x": np.float32(2)}).fetch() == 2
+        # md.function steps: by reference, or (not reachable by name) their Python function; run eagerly there
+        assert coordinator.schedule(ps_model.step_function, args=(np.float32(3),)).fetch() == 6
+        assert coordinator.schedule(md.function(ps_model.identity), args=(4,)).fetch() == 4
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
@@ -360,6 +363,7 @@ def test_without_cloudpickle_functions_travel_by_reference(monkeypatch):
         assert coordinator.schedule(ps_model.identity, args=(5,)).fetch() == 5
         with pytest.raises(TypeError, match="module level of a module every task imports.*cloudpickle"):
             coordinator.schedule(lambda: 1)
+        assert coordinator.schedule(ps_model.step_function, args=(1,)).fetch() == 2
 
 
 # --- sharded variables ---------------------------------------------------------------------------------------

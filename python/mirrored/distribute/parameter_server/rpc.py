@@ -21,9 +21,12 @@ import io
 import pickle
 import socket
 import struct
+import sys
 import threading
 import time
 import traceback
+
+from ..function import Function
 
 try:  # optional: functions by value (lambdas, closures); never required
     import cloudpickle
@@ -53,12 +56,42 @@ class Unpicklable(TypeError):
     """What was to be sent cannot be pickled; the message names it and the fix."""
 
 
+def _unwrapped(python_function):
+    """An ``md.function`` that was not reachable by name: its Python function (which a worker runs anyway)."""
+    return python_function
+
+
+def _reduce_step_function(step: Function):
+    module = sys.modules.get(step.__module__)
+    if module is not None and getattr(module, step.__qualname__, None) is step:
+        return step.__qualname__  # by reference: the module's own md.function
+    return _unwrapped, (step.python_function,)
+
+
+_picklers: dict = {}
+
+
+def _pickler_class():
+    """pickle's Pickler (or cloudpickle's) that also sends ``md.function`` steps."""
+    base = cloudpickle.Pickler if cloudpickle is not None else pickle.Pickler
+    found = _picklers.get(base)
+    if found is None:
+        parent = getattr(base, "reducer_override", None)
+
+        def reducer_override(self, obj):
+            if isinstance(obj, Function):
+                return _reduce_step_function(obj)
+            return parent(self, obj) if parent is not None else NotImplemented
+
+        found = _picklers[base] = type("TaskPickler", (base,), {"reducer_override": reducer_override})
+    return found
+
+
 def dumps(obj, what: str) -> tuple:
     """``obj`` as ``(pickle bytes, [raw buffers])``; ``what`` names it in the error when it cannot be pickled."""
     buffers = []
     stream = io.BytesIO()
-    pickler = (cloudpickle.Pickler if cloudpickle is not None else pickle.Pickler)(
-        stream, protocol=5, buffer_callback=buffers.append)
+    pickler = _pickler_class()(stream, protocol=5, buffer_callback=buffers.append)
     try:
         pickler.dump(obj)
     except Exception as e:  # pickle raises PicklingError, TypeError or AttributeError, as the object decides
@@ -95,14 +128,15 @@ def _read_exactly(sock: socket.socket, n: int) -> bytearray:
     return buffer
 
 
-def receive(sock: socket.socket):
-    """One frame's object (its arrays built on the received buffers)."""
+def receive(sock: socket.socket) -> tuple:
+    """One frame's object (its arrays built on the received buffers), and the frame's size in bytes."""
     magic, count, length = _HEADER.unpack(_read_exactly(sock, _HEADER.size))
     if magic != MAGIC:
         raise ConnectionError(f"the peer sent {bytes(magic)!r} where a frame starts; it is not a task of this job")
     data = _read_exactly(sock, length)
     buffers = [_read_exactly(sock, _LENGTH.unpack(_read_exactly(sock, _LENGTH.size))[0]) for _ in range(count)]
-    return pickle.loads(data, buffers=buffers)
+    size = _HEADER.size + length + sum(_LENGTH.size + len(b) for b in buffers)
+    return pickle.loads(data, buffers=buffers), size
 
 
 class Connection:
@@ -142,7 +176,7 @@ class Connection:
         with self._lock:
             try:
                 self.bytes_sent += send(self._sock, (method, args), f"the arguments of {method}")
-                reply = receive(self._sock)
+                reply, _ = receive(self._sock)
             except Unpicklable:
                 raise
             except (OSError, EOFError, pickle.UnpicklingError, struct.error) as e:
@@ -220,6 +254,7 @@ class Listener:
         self._clients: set = set()
         self._lock = threading.Lock()
         self._closed = False
+        self.requests = self.bytes_received = self.bytes_sent = 0  # (served so far: the benchmark reads them)
         self._thread = threading.Thread(target=self._accept, name=f"mirrored-{name}-accept", daemon=True)
         self._thread.start()
 
@@ -254,16 +289,20 @@ class Listener:
             if self._on_thread is not None:
                 self._on_thread()
             while True:
-                method, args = receive(client)
+                (method, args), received = receive(client)
                 try:
                     reply = (True, self._handle(method, args))
                 except BaseException as e:  # the caller's error: sent back, the server goes on
                     reply = (False, e, traceback.format_exc())
                 try:
-                    send(client, reply, f"the result of {method}")
+                    sent = send(client, reply, f"the result of {method}")
                 except Unpicklable as e:  # (an exception that cannot be pickled arrives as a RuntimeError)
                     error = e if reply[0] else RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}")
-                    send(client, (False, error, traceback.format_exc() if reply[0] else reply[2]))
+                    sent = send(client, (False, error, traceback.format_exc() if reply[0] else reply[2]))
+                with self._lock:
+                    self.requests += 1
+                    self.bytes_received += received
+                    self.bytes_sent += sent
         except (OSError, EOFError, ConnectionError, pickle.UnpicklingError, struct.error):
             pass  # the peer went away (or was not one of ours): its connection ends, the server goes on
         finally:

@@ -231,4 +231,8 @@ class Server:
             return self._store.create(*args)
         if method == "ping":
             return self._where
+        if method == "stats":  # (what this task served: bench/parameter_server.py counts bytes per step)
+            listener = self._listener
+            return {"requests": listener.requests, "bytes_received": listener.bytes_received,
+                    "bytes_sent": listener.bytes_sent}
         raise ValueError(f"{self._where} has no request {method!r}")
