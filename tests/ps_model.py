@@ -6,6 +6,9 @@ the multi-process tests have tests/ on their path. ``plain_loop`` trains the sam
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 
 import mirrored as md
@@ -115,3 +118,16 @@ def step_function(x):
 def read_and_add(v, delta):
     v.assign_add(delta)
     return v.read_value()
+
+
+def wait_for_release(directory: str):
+    """Says which worker started it (a file), then waits for the test's ``release`` file; returns the worker."""
+    index = md.distribute.coordinator.experimental_get_current_worker_index()
+    open(os.path.join(directory, f"started.{index}"), "w").close()
+    release = os.path.join(directory, "release")
+    deadline = time.monotonic() + 300
+    while not os.path.exists(release):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{release} did not appear")
+        time.sleep(0.01)  # (polls a file another process creates)
+    return index

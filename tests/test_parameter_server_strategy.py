@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -511,3 +512,57 @@ def test_processes_two_workers_and_one_killed():
         coordinator.join()
         assert coordinator.fetch(later) == [0] * 8  # every function ran (on the worker that is left)
         np.testing.assert_array_equal(w.numpy(), np.full(3, 4.0, np.float32))
+
+
+@pytest.mark.multiworker
+def test_processes_a_worker_killed_mid_function_hands_it_to_another(tmp_path):
+    with process_cluster(num_workers=2, num_ps=1) as strategy:
+        coordinator = Coordinator(strategy)
+        held = coordinator.schedule(ps_model.wait_for_release, args=(str(tmp_path),))
+        deadline = time.monotonic() + 300
+        while not list(tmp_path.glob("started.*")):  # (the worker's process creates it)
+            assert time.monotonic() < deadline, "the scheduled function never started"
+            time.sleep(0.01)
+        started = int(list(tmp_path.glob("started.*"))[0].suffix[1:])
+        victim = strategy.test_processes[1 + started]  # (ps first, then the workers)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        (tmp_path / "release").touch()
+        assert held.fetch() == 1 - started  # run again, on the other worker
+        coordinator.join()
+
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64"]
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        return np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    return np.dtype(name)
+
+
+def test_every_dtype_and_layout_travels_exactly():
+    with in_process_cluster(num_workers=1, num_ps=2) as strategy:
+        coordinator = Coordinator(strategy)
+        rng = np.random.default_rng(3)
+        for name in DTYPES:
+            dtype = _dtype(name)
+            for shape in [(), (0,), (3, 0), (5,), (4, 3), (2, 3, 4)]:
+                value = (rng.standard_normal(shape) * 10).astype(dtype)
+                with strategy.scope():
+                    v = md.Variable(value, name=f"v_{name}")
+                got = v.numpy()
+                assert got.dtype == dtype and got.shape == shape
+                np.testing.assert_array_equal(got, value)
+                # a worker reads and updates it: the same bits
+                new = coordinator.schedule(ps_model.read_and_add, args=(v, np.ones(shape, dtype))).fetch()
+                np.testing.assert_array_equal(new, (value.astype(np.float64) + 1).astype(dtype))
+        with strategy.scope():
+            v = md.Variable(np.zeros((3, 4), np.float32), name="layouts")
+        fortran = np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4))
+        v.assign(fortran)
+        np.testing.assert_array_equal(v.numpy(), fortran)
+        strided = np.arange(24, dtype=np.float32).reshape(3, 8)[:, ::2]
+        v.assign(strided)
+        np.testing.assert_array_equal(v.numpy(), strided)
+        assert coordinator.schedule(ps_model.identity, args=(strided,)).fetch().tolist() == strided.tolist()
