@@ -6,6 +6,7 @@ processes. The scheduled functions live in tests/ps_model.py (functions travel b
 """
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -293,6 +294,21 @@ def test_per_worker_iterators_run_out_as_tf():
         for got in seen.values():  # each worker iterates its own copy of the dataset, in order
             assert got == batches[:len(got)]
         assert len(seen[0]) == 5 or len(seen[1]) == 5  # (one ran out: five batches, then OutOfRangeError)
+
+
+def test_iterators_of_past_epochs_are_let_go_on_the_workers():
+    with in_process_cluster(num_workers=1) as strategy:
+        coordinator = Coordinator(strategy)
+        per_worker = coordinator.create_per_worker_dataset(ps_model.small_dataset)
+        held = strategy.test_servers[("worker", 0)]._resources
+        for epoch in range(3):
+            iterator = iter(per_worker)
+            batches = [coordinator.schedule(ps_model.next_batch, args=(iterator,)) for _ in range(5)]
+            coordinator.join()
+            assert [b.fetch()[1].tolist() for b in batches] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+            del iterator, batches
+            gc.collect()
+            assert len(held) == 1  # this epoch's (let go of when the next function runs): the earlier ones are gone
 
 
 def test_a_dataset_fn_shards_by_worker_index():

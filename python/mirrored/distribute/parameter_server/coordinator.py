@@ -16,6 +16,7 @@ import collections
 import logging
 import threading
 import uuid
+import weakref
 
 from ..._nest import map_structure
 from ...errors import CancelledError
@@ -303,7 +304,8 @@ class _Worker:
         self.where = f"/job:worker/replica:0/task:{index}"
         self._cluster = cluster
         self._connection = None
-        self._resource_closures: list = []  # made again when the worker comes back
+        self._resources: dict = {}  # resource id -> (fn, args) of what lives there: made again when it comes back
+        self.drops: collections.deque = collections.deque()  # ids of resources the coordinator let go of
         self._thread = threading.Thread(target=self._process, name=f"mirrored-coordinator-worker{index}",
                                         daemon=True)
         self._thread.start()
@@ -319,8 +321,9 @@ class _Worker:
             closure = queue.get(self.index)
             if closure is None:
                 return
+            self._drop_released()
             if closure._method == "make_resource":
-                self._resource_closures.append(closure)
+                self._resources[closure.output._id] = (closure._fn, closure._args)
             try:
                 closure.output._set_values(closure.run_on(self))
             except rpc.TaskUnavailable as e:
@@ -332,6 +335,17 @@ class _Worker:
                 self._failed(closure, _worker_error(e, self.where))
             else:
                 queue.finished()
+            closure = None  # (its arguments, e.g. an iterator of a past epoch, may go now)
+
+    def _drop_released(self) -> None:
+        """Tell the worker to let go of the resources (iterators of past epochs) nobody here holds any more."""
+        while self.drops:
+            resource_id = self.drops.popleft()
+            if self._resources.pop(resource_id, None) is not None and self._connection is not None:
+                try:
+                    self._connection.call("drop_resource", resource_id)
+                except rpc.TaskUnavailable:
+                    pass  # (gone with the worker anyway)
 
     def _failed(self, closure: _Closure, error) -> None:
         closure.output._set_error(error)
@@ -352,8 +366,8 @@ class _Worker:
         try:
             self._connection = rpc.Connection(self.address, self._token, timeout=RECONNECT_SECONDS,
                                               cancel=self._cluster.stopping)
-            for made in self._resource_closures:
-                made.run_on(self)
+            for resource_id, (fn, args) in self._resources.items():
+                self.call("make_resource", resource_id, fn, args)
         except BaseException as e:  # (gone for good, or its resources cannot be made again)
             _logger.error("worker %s did not come back: %s", self.where, e)
             self._cluster.lost_worker(self, e)
@@ -459,6 +473,8 @@ class ClusterCoordinator:
         values = []
         for worker in self._cluster.workers:
             resource = _PerWorkerResource(worker.index)
+            # (a finalizer may run on any thread, inside any lock: it only appends, the worker's thread drops)
+            weakref.finalize(resource, worker.drops.append, resource._id)
             self._cluster.queue.put(_Closure(fn, tuple(args or ()), {}, resource, method="make_resource"),
                                     tag=worker.index)
             values.append(resource)

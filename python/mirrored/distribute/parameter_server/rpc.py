@@ -95,12 +95,14 @@ def dumps(obj, what: str) -> tuple:
     try:
         pickler.dump(obj)
     except Exception as e:  # pickle raises PicklingError, TypeError or AttributeError, as the object decides
-        fix = ("define it at module level of a module every task imports (the same program runs on every task), "
-               "and pass what it uses as arguments" if cloudpickle is None else
-               "pass only picklable objects (arrays, numbers, md variables, iterators of create_per_worker_dataset)"
-               ", and keep locks, sockets and open files out of what it refers to")
-        raise Unpicklable(f"{what} cannot be sent to another task: {type(e).__name__}: {e}; {fix}"
-                          f"{'' if cloudpickle is not None else ' (or install cloudpickle, which sends lambdas and closures by value)'}") from e
+        if cloudpickle is None:
+            fix = ("define it at module level of a module every task imports (the same program runs on every "
+                   "task), and pass what it uses as arguments (or install cloudpickle, which sends lambdas and "
+                   "closures by value)")
+        else:
+            fix = ("pass only picklable objects (arrays, numbers, md variables, iterators of "
+                   "create_per_worker_dataset), and keep locks, sockets and open files out of what it refers to")
+        raise Unpicklable(f"{what} cannot be sent to another task: {type(e).__name__}: {e}; {fix}") from e
     return stream.getbuffer(), [b.raw() for b in buffers]
 
 

@@ -227,6 +227,10 @@ class Server:
             with self._resources_lock:
                 self._resources[resource_id] = value
             return None
+        if method == "drop_resource":
+            with self._resources_lock:
+                self._resources.pop(args[0], None)
+            return None
         if method == "create":
             return self._store.create(*args)
         if method == "ping":

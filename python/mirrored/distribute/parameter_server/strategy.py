@@ -96,9 +96,9 @@ class ParameterServerExtended(OneDeviceExtended):
         """A variable on the next ps task, round-robin in creation order (TF's placement)."""
         task = self._variable_count % len(self._ps_addresses)
         self._variable_count += 1
+        dtype = value.dtype.name if value.dtype.kind == "V" else value.dtype.str  # (bfloat16: by name)
         handle = Handle(self._ps_addresses[task], self._token, task, f"{self._variable_prefix}/{self._variable_count}",
-                        f"{name}:0", tuple(value.shape), value.dtype.str if value.dtype.kind != "V" else value.dtype.name,
-                        trainable, synchronization, aggregation)
+                        f"{name}:0", tuple(value.shape), dtype, trainable, synchronization, aggregation)
         variable = RemoteVariable(handle, self._container_strategy)
         variable._pool.call("create", handle.var_id, value, handle.name, trainable, synchronization, aggregation)
         return variable
