@@ -18,11 +18,11 @@ import threading
 import uuid
 import weakref
 
-from ..._nest import map_structure
+from ..._nest import flatten, map_structure
 from ...errors import CancelledError
 from . import rpc
 from .strategy import ParameterServerStrategy, PerWorkerInput
-from .values import resource_here, serving
+from .values import per_worker_here, resource_here, serving
 
 __all__ = ["ClusterCoordinator", "RemoteValue", "PerWorkerValues", "PerWorkerValue",
            "experimental_get_current_worker_index"]
@@ -104,6 +104,12 @@ class PerWorkerValues:
                 raise AssertionError("`PerWorkerValues` should only take `RemoteValue`s.")
         self._values = values
 
+    def __reduce__(self):  # (a scheduled function's argument: on each worker, its own)
+        if not all(isinstance(v, _PerWorkerResource) for v in self._values):
+            raise ValueError("a PerWorkerValues of scheduled functions' RemoteValues cannot be an input to a "
+                             "scheduled function: fetch() them and pass the values")
+        return per_worker_here, (tuple(v._id for v in self._values),)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self._values)} workers)"
 
@@ -159,10 +165,6 @@ def experimental_get_current_worker_index() -> int:
     return serving.server.task_index
 
 
-def _select_worker_slice(worker_index: int, structure):
-    return map_structure(lambda x: x._values[worker_index] if isinstance(x, PerWorkerValues) else x, structure)
-
-
 def _worker_error(error: BaseException, where: str) -> BaseException:
     """``error`` of a function run on ``where``, its message naming the worker (same type, same traceback)."""
     if len(error.args) == 1 and isinstance(error.args[0], str) and where not in error.args[0]:
@@ -173,38 +175,37 @@ def _worker_error(error: BaseException, where: str) -> BaseException:
 
 
 class _Closure:
-    """A function to run on a worker, its arguments, and the value that receives its result."""
+    """A function to run on a worker, its arguments (pickled once, here: what cannot be sent raises in
+    ``schedule``), and the value that receives its result."""
 
     def __init__(self, fn, args, kwargs, output: _RemoteValueImpl, method: str = "run"):
-        self._fn, self._args, self._kwargs, self.output, self._method = fn, args, kwargs, output, method
-
-    def check_sendable(self) -> None:
-        """Raise now (in ``schedule``) what sending would raise later on the worker's thread."""
-        fn_name = getattr(self._fn, "__qualname__", repr(self._fn))
-        rpc.dumps(self._fn, f"fn={fn_name}")
-        rpc.dumps((_select_worker_slice(0, self._args), _select_worker_slice(0, self._kwargs)),
-                  f"the arguments of {fn_name}")
+        self.output, self._method = output, method
+        leaves = flatten((args, kwargs))
+        for leaf in leaves:
+            _refuse_remote_value(leaf)
+        # what lives on the workers: this worker's must have been made (its errors are the function's)
+        self._per_worker = [x for x in leaves if isinstance(x, PerWorkerValues)]
+        self._resources = [x for x in leaves if isinstance(x, _PerWorkerResource)]
+        name = getattr(fn, "__qualname__", repr(fn))
+        try:
+            self.payload = rpc.Pickled((fn, args, kwargs) if method == "run" else (fn, args),
+                                       f"the arguments of {name}")
+        except rpc.Unpicklable:
+            rpc.dumps(fn, f"fn={name}")  # (the function itself, when it is what cannot be sent)
+            raise
 
     def run_on(self, worker: "_Worker"):
-        args = _select_worker_slice(worker.index, self._args)
-        kwargs = _select_worker_slice(worker.index, self._kwargs)
-        for value in _resources_in((args, kwargs)):
+        for value in self._resources + [v._values[worker.index] for v in self._per_worker]:
             error = value._get_error()  # (made on this worker before: its tagged closures go first)
             if error is not None:
                 raise error
         if self._method == "run":
-            return worker.call("run", self._fn, args, kwargs)
-        return worker.call("make_resource", self.output._id, self._fn, args)
+            return worker.call("run", self.payload)
+        return worker.call("make_resource", self.output._id, self.payload)
 
     def cancel(self) -> None:
         self.output._set_error(CancelledError("The corresponding function is cancelled (another scheduled function "
                                               "failed first). Please reschedule the function."))
-
-
-def _resources_in(structure) -> list:
-    found = []
-    map_structure(lambda x: found.append(x) if isinstance(x, _PerWorkerResource) else None, structure)
-    return found
 
 
 class _ClosureQueue:
@@ -304,7 +305,7 @@ class _Worker:
         self.where = f"/job:worker/replica:0/task:{index}"
         self._cluster = cluster
         self._connection = None
-        self._resources: dict = {}  # resource id -> (fn, args) of what lives there: made again when it comes back
+        self._resources: dict = {}  # resource id -> its (fn, args), pickled: made again when the worker comes back
         self.drops: collections.deque = collections.deque()  # ids of resources the coordinator let go of
         self._thread = threading.Thread(target=self._process, name=f"mirrored-coordinator-worker{index}",
                                         daemon=True)
@@ -323,7 +324,7 @@ class _Worker:
                 return
             self._drop_released()
             if closure._method == "make_resource":
-                self._resources[closure.output._id] = (closure._fn, closure._args)
+                self._resources[closure.output._id] = closure.payload
             try:
                 closure.output._set_values(closure.run_on(self))
             except rpc.TaskUnavailable as e:
@@ -366,8 +367,8 @@ class _Worker:
         try:
             self._connection = rpc.Connection(self.address, self._token, timeout=RECONNECT_SECONDS,
                                               cancel=self._cluster.stopping)
-            for resource_id, (fn, args) in self._resources.items():
-                self.call("make_resource", resource_id, fn, args)
+            for resource_id, payload in self._resources.items():
+                self.call("make_resource", resource_id, payload)
         except BaseException as e:  # (gone for good, or its resources cannot be made again)
             _logger.error("worker %s did not come back: %s", self.where, e)
             self._cluster.lost_worker(self, e)
@@ -439,9 +440,7 @@ class ClusterCoordinator:
             raise TypeError(f"fn={fn!r}: `ClusterCoordinator.schedule` only accepts a callable (a function, or an "
                             "md.function)")
         args, kwargs = tuple(args or ()), dict(kwargs or {})
-        map_structure(_refuse_remote_value, (args, kwargs))
         closure = _Closure(fn, args, kwargs, _RemoteValueImpl())
-        closure.check_sendable()
         self._cluster.queue.put(closure)
         return closure.output
 

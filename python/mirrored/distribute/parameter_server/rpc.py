@@ -106,6 +106,21 @@ def dumps(obj, what: str) -> tuple:
     return stream.getbuffer(), [b.raw() for b in buffers]
 
 
+def _loads(data, *buffers):
+    return pickle.loads(data, buffers=buffers)
+
+
+class Pickled:
+    """An object pickled once and sent as it is, to any number of tasks (a scheduled closure): its arrays stay
+    out of band. It arrives unpickled, on the receiving task's request thread."""
+
+    def __init__(self, obj, what: str):
+        self._data, self._buffers = dumps(obj, what)
+
+    def __reduce__(self):
+        return _loads, (bytes(self._data), *map(pickle.PickleBuffer, self._buffers))
+
+
 def send(sock: socket.socket, obj, what: str = "the request") -> int:
     """Write ``obj`` as one frame; returns the bytes written."""
     data, buffers = dumps(obj, what)

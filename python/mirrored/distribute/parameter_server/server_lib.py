@@ -219,10 +219,10 @@ class Server:
             return self._store.update(*args)
         if method == "apply":
             return self._store.apply(*args)
-        if method == "run":
-            return self._run(*args)
+        if method == "run":  # (fn, args, kwargs), sent pickled once by the coordinator
+            return self._run(*args[0])
         if method == "make_resource":
-            resource_id, fn, fn_args = args
+            resource_id, (fn, fn_args) = args
             value = self._run(fn, fn_args, {})
             with self._resources_lock:
                 self._resources[resource_id] = value

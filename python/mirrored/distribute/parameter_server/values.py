@@ -60,6 +60,12 @@ def resource_here(resource_id: str):
     return _server("a per-worker value")._resource(resource_id)
 
 
+def per_worker_here(resource_ids: tuple):
+    """This worker's own of a ``PerWorkerValues`` (the ids of every worker's object, by worker index)."""
+    server = _server("a PerWorkerValues")
+    return server._resource(resource_ids[server.task_index])
+
+
 def variable_here(handle: Handle) -> "RemoteVariable":
     """The variable of ``handle`` as this task sees it (a worker's: in its strategy)."""
     server = getattr(serving, "server", None)
