@@ -548,6 +548,19 @@ def test_processes_a_worker_killed_mid_function_hands_it_to_another(tmp_path):
         coordinator.join()
 
 
+@pytest.mark.multiworker
+def test_the_example_trains():
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                           "train_parameter_server.py")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(md.__file__)))
+    env.pop("TF_CONFIG", None)
+    done = subprocess.run([sys.executable, example, "--steps", "200"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    last = float(done.stdout.split("last 10 steps")[1].split()[0])
+    assert last < 0.01, done.stdout
+
+
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64"]
 
 

@@ -305,6 +305,7 @@ class _Worker:
         self.where = f"/job:worker/replica:0/task:{index}"
         self._cluster = cluster
         self._connection = None
+        self._reached = False  # whether it answered once
         self._resources: dict = {}  # resource id -> its (fn, args), pickled: made again when the worker comes back
         self.drops: collections.deque = collections.deque()  # ids of resources the coordinator let go of
         self._thread = threading.Thread(target=self._process, name=f"mirrored-coordinator-worker{index}",
@@ -314,6 +315,7 @@ class _Worker:
     def call(self, method: str, *args):
         if self._connection is None:  # one attempt: a worker not there yet leaves its closure to the others
             self._connection = rpc.Connection(self.address, self._token, timeout=0, cancel=self._cluster.stopping)
+            self._reached = True
         return self._connection.call(method, *args)
 
     def _process(self) -> None:
@@ -356,7 +358,8 @@ class _Worker:
     def _recovered(self, closure: _Closure, error) -> bool:
         """The worker is unreachable: its closure goes to another worker, and this one waits for it to come
         back, then makes its per-worker resources again (a restarted worker has none). False: it did not."""
-        _logger.warning("worker %s is unavailable (%s); its function is rescheduled", self.where, error)
+        if self._reached:  # (not a worker that has not started yet)
+            _logger.warning("worker %s is unavailable (%s); its function is rescheduled", self.where, error)
         if self._connection is not None:
             self._connection.close()
             self._connection = None
