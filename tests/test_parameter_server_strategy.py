@@ -425,6 +425,23 @@ def test_sharded_variables_train_as_the_plain_loop():
         np.testing.assert_array_equal(model.b.numpy(), b)
 
 
+def test_checkpoints_save_and_restore_ps_variables_sharded_ones_whole(tmp_path):
+    with in_process_cluster(num_workers=1, num_ps=2,
+                            variable_partitioner=partitioners.FixedShardsPartitioner(2)) as strategy:
+        with strategy.scope():
+            w = md.Variable(np.arange(6, dtype=np.float32).reshape(3, 2), name="w")
+            b = md.Variable(np.float32(3), name="b")
+        checkpoint = md.train.Checkpoint(w=w, b=b)
+        path = checkpoint.save(str(tmp_path / "ckpt"))
+        w.assign(np.zeros((3, 2), np.float32))
+        b.assign(0)
+        checkpoint.restore(path).assert_consumed()
+        np.testing.assert_array_equal(w.numpy(), np.arange(6, dtype=np.float32).reshape(3, 2))
+        assert b.numpy() == 3
+        # a sharded variable is saved as one variable, as TF saves it
+        assert ("w/.ATTRIBUTES/VARIABLE_VALUE", [3, 2]) in md.train.list_variables(str(tmp_path))
+
+
 def test_a_partitioner_that_returns_nonsense():
     with in_process_cluster(num_workers=1, variable_partitioner=lambda shape, dtype: [2, 2]) as strategy:
         with pytest.raises(ValueError, match="elements are 1 besides the first"), strategy.scope():
