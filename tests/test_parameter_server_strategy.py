@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import mirrored as md
 from mirrored.distribute.collective_all_reduce import job_token
@@ -612,3 +613,30 @@ def test_every_dtype_and_layout_travels_exactly():
         v.assign(strided)
         np.testing.assert_array_equal(v.numpy(), strided)
         assert coordinator.schedule(ps_model.identity, args=(strided,)).fetch().tolist() == strided.tolist()
+
+
+@pytest.fixture(scope="module")
+def two_ps_spec():
+    spec = spec_of(1, 2)
+    servers = [md.distribute.Server(spec, "ps", i) for i in range(2)]
+    yield spec
+    for server in servers:
+        server._stop()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 40), cols=st.integers(0, 3), shards=st.integers(1, 9), data=st.data())
+def test_shards_split_rows_as_tf_and_look_up_as_numpy(two_ps_spec, rows, cols, shards, data):
+    strategy = md.distribute.ParameterServerStrategy(
+        Resolver(two_ps_spec), variable_partitioner=partitioners.FixedShardsPartitioner(shards))
+    value = np.arange(rows * cols, dtype=np.float64).reshape(rows, cols) - 7.5
+    with strategy.scope():
+        v = md.Variable(value, name="table")
+    pieces = np.array_split(value, min(shards, rows))  # TF's div split: the first (rows % n) one row longer
+    if len(pieces) == 1:
+        assert not isinstance(v, ShardedVariable)
+    else:
+        assert [tuple(s.shape) for s in v.variables] == [p.shape for p in pieces]
+        ids = np.array(data.draw(st.lists(st.integers(0, rows - 1), max_size=12)), np.int64)
+        np.testing.assert_array_equal(v.embedding_lookup(ids), value[ids])
+    np.testing.assert_array_equal(v.numpy(), value)
