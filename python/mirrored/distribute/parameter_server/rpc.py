@@ -26,7 +26,9 @@ import threading
 import time
 import traceback
 
-from ..function import Function
+# md.function's class, known by name: importing distribute.function here would close an import circle
+# (it imports the distribute package, which exports the coordinator, which imports this module).
+_STEP_FUNCTION = ("mirrored.distribute.function", "Function")
 
 try:  # optional: functions by value (lambdas, closures); never required
     import cloudpickle
@@ -61,7 +63,7 @@ def _unwrapped(python_function):
     return python_function
 
 
-def _reduce_step_function(step: Function):
+def _reduce_step_function(step):
     module = sys.modules.get(step.__module__)
     if module is not None and getattr(module, step.__qualname__, None) is step:
         return step.__qualname__  # by reference: the module's own md.function
@@ -79,7 +81,8 @@ def _pickler_class():
         parent = getattr(base, "reducer_override", None)
 
         def reducer_override(self, obj):
-            if isinstance(obj, Function):
+            kind = type(obj)
+            if (kind.__module__, kind.__qualname__) == _STEP_FUNCTION:
                 return _reduce_step_function(obj)
             return parent(self, obj) if parent is not None else NotImplemented
 
