@@ -167,6 +167,21 @@ def test_variables_live_on_the_ps_tasks_round_robin():
         np.testing.assert_array_equal(a.numpy(), [0, 0, 0, 0])
 
 
+def test_colocated_variables_share_a_ps_task_and_are_not_partitioned():
+    with in_process_cluster(num_workers=1, num_ps=3,
+                            variable_partitioner=partitioners.FixedShardsPartitioner(2)) as strategy:
+        with strategy.scope():
+            a = md.Variable(np.float32(1), name="a")  # task 0
+            b = md.Variable(np.float32(2), name="b")  # task 1
+            with strategy.extended.colocate_vars_with(b):
+                slot = md.Variable(np.ones((4, 2), np.float32), name="slot")
+            c = md.Variable(np.float32(3), name="c")  # task 2: colocated ones do not take a turn
+        assert not isinstance(slot, ShardedVariable)
+        assert [v.device[-14:-13] for v in (a, b, slot, c)] == ["0", "1", "1", "2"]
+        with pytest.raises(ValueError, match="colocate_vars_with"), strategy.extended.colocate_vars_with(np.zeros(1)):
+            pass
+
+
 def test_datasets_are_built_per_worker_as_tf():
     with in_process_cluster(num_workers=1) as strategy:
         distributed = strategy.experimental_distribute_dataset(ps_model.range_dataset())

@@ -10,6 +10,7 @@ updates are the ps tasks'. docs/parameter_server.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 
@@ -56,10 +57,25 @@ class ParameterServerExtended(OneDeviceExtended):
         self._token = job_token(spec.as_dict())
         self._ps_addresses = [spec.task_address("ps", i) for i in spec.task_indices("ps")]
         self._variable_partitioner = variable_partitioner
-        self._variable_count = 0
+        self._variable_count = 0  # placed round-robin so far
+        self._variable_ids = 0
         self._variable_prefix = uuid.uuid4().hex  # ids unique across strategies and workers that make variables
         self._on_worker = on_worker
         self._warned_unscheduled = False
+        self._colocate_task = None  # inside colocate_vars_with: the ps task new variables go to
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable):
+        """New variables go to ``colocate_with_variable``'s ps task, unpartitioned (TF's)."""
+        super().colocate_vars_with(colocate_with_variable)  # (checks it is this strategy's)
+        target = colocate_with_variable
+        if isinstance(target, ShardedVariable):
+            target = target.variables[0]
+        previous, self._colocate_task = self._colocate_task, target._handle.task
+        try:
+            yield
+        finally:
+            self._colocate_task = previous
 
     # TF's devices, as it spells them
     worker_devices = property(lambda self: ("/device:CPU:0",))
@@ -74,6 +90,8 @@ class ParameterServerExtended(OneDeviceExtended):
         return super()._call_for_each_replica(fn, args, kwargs)
 
     def _make_variable(self, value, name, trainable, synchronization, aggregation):
+        if self._colocate_task is not None:
+            return self._on_ps(self._colocate_task, value, name, trainable, synchronization, aggregation)
         partitions = None
         if self._variable_partitioner is not None and value.ndim > 0:
             partitions = self._variable_partitioner(shape=TensorShape(value.shape), dtype=value.dtype)
@@ -96,8 +114,12 @@ class ParameterServerExtended(OneDeviceExtended):
         """A variable on the next ps task, round-robin in creation order (TF's placement)."""
         task = self._variable_count % len(self._ps_addresses)
         self._variable_count += 1
+        return self._on_ps(task, value, name, trainable, synchronization, aggregation)
+
+    def _on_ps(self, task: int, value, name, trainable, synchronization, aggregation) -> RemoteVariable:
+        self._variable_ids += 1
         dtype = value.dtype.name if value.dtype.kind == "V" else value.dtype.str  # (bfloat16: by name)
-        handle = Handle(self._ps_addresses[task], self._token, task, f"{self._variable_prefix}/{self._variable_count}",
+        handle = Handle(self._ps_addresses[task], self._token, task, f"{self._variable_prefix}/{self._variable_ids}",
                         f"{name}:0", tuple(value.shape), dtype, trainable, synchronization, aggregation)
         variable = RemoteVariable(handle, self._container_strategy)
         variable._pool.call("create", handle.var_id, value, handle.name, trainable, synchronization, aggregation)
