@@ -275,6 +275,22 @@ def test_one_worker_trains_to_the_plain_loops_weights(optimizer, num_ps):
         np.testing.assert_array_equal(model.b.numpy(), b)
 
 
+def test_an_update_is_one_request_per_ps_task():
+    with in_process_cluster(num_workers=1, num_ps=1) as strategy:
+        coordinator = Coordinator(strategy)
+        with strategy.scope():
+            model = ps_model.Model("adam")
+        ps = rpc.pool(strategy.extended._ps_addresses[0], strategy.extended._token)
+        batches = ps_model.data(4)
+        coordinator.schedule(model.train_step, args=batches[0]).fetch()
+        before = ps.call("stats")["requests"]
+        for batch in batches[1:]:
+            coordinator.schedule(model.train_step, args=batch)
+        coordinator.join()
+        # per step: w and b read (one request each), one update of both; (+1: the first stats request)
+        assert ps.call("stats")["requests"] - before == 3 * 3 + 1
+
+
 def test_updates_of_several_workers_all_land():
     with in_process_cluster(num_workers=3, num_ps=2) as strategy:
         coordinator = Coordinator(strategy)
