@@ -514,6 +514,26 @@ def test_run_and_reduce_on_the_coordinator_itself():
         assert strategy.experimental_local_results(out) == (6,)
 
 
+def test_workers_that_start_after_the_coordinator():
+    spec = spec_of(2, 1)
+    servers = [md.distribute.Server(spec, "ps", 0)] + [md.distribute.Server(spec, "worker", i, start=False)
+                                                       for i in range(2)]
+    strategy = md.distribute.ParameterServerStrategy(Resolver(spec, task_type="chief", task_id=0))
+    coordinator = Coordinator(strategy)
+    try:
+        iterator = iter(coordinator.create_per_worker_dataset(ps_model.small_dataset))
+        values = [coordinator.schedule(ps_model.next_batch, args=(iterator,)) for _ in range(4)]
+        for server in servers[1:]:  # (the closures went back to the queue meanwhile, the resources wait)
+            server.start()
+        coordinator.join()
+        for worker, batch in coordinator.fetch(values):
+            assert batch.tolist() in ([0, 1], [2, 3], [4, 5], [6, 7])
+    finally:
+        coordinator._cluster.stop()
+        for server in servers:
+            server._stop()
+
+
 # --- processes -----------------------------------------------------------------------------------------------
 
 def _start_tasks(spec: dict, jobs) -> list:

@@ -363,19 +363,24 @@ class _Worker:
         if self._connection is not None:
             self._connection.close()
             self._connection = None
-        if closure._method == "make_resource":
-            self._cluster.queue.finished()
-        else:
+        making = closure._method == "make_resource"  # (this worker's own: it waits for the worker, in flight)
+        if not making:
             self._cluster.queue.put_back(closure)
         try:
             self._connection = rpc.Connection(self.address, self._token, timeout=RECONNECT_SECONDS,
                                               cancel=self._cluster.stopping)
-            for resource_id, payload in self._resources.items():
+            self._reached = True
+            for resource_id, payload in self._resources.items():  # (the one being made among them)
                 self.call("make_resource", resource_id, payload)
         except BaseException as e:  # (gone for good, or its resources cannot be made again)
             _logger.error("worker %s did not come back: %s", self.where, e)
+            if making:
+                self._failed(closure, _worker_error(e, self.where))
             self._cluster.lost_worker(self, e)
             return False
+        if making:
+            closure.output._set_values(None)
+            self._cluster.queue.finished()
         return True
 
 
