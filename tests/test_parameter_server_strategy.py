@@ -9,6 +9,7 @@ import contextlib
 import gc
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -103,6 +104,27 @@ def test_server_start_false_then_start_and_a_busy_port():
         with pytest.raises(OSError, match="cannot listen"):
             md.distribute.Server({"localhost": [address]})
     finally:
+        server._stop()
+
+
+def test_a_flood_of_silent_connections_does_not_keep_out_the_job():
+    spec = spec_of(1, 1)
+    server = md.distribute.Server(spec, "ps", 0)
+    host, _, port = spec["ps"][0].rpartition(":")
+    flood = [socket.create_connection((host, int(port))) for _ in range(rpc.MAX_UNADMITTED + 20)]
+    try:
+        member = rpc.Connection(spec["ps"][0], job_token(spec), timeout=300)
+        for _ in range(300):  # (refused while the flood holds every slot: retried as a reconnect is)
+            try:
+                assert member.call("ping") == "/job:ps/replica:0/task:0"
+                break
+            except ConnectionError:
+                member = rpc.Connection(spec["ps"][0], job_token(spec), timeout=300)
+                flood.pop().close()
+        member.close()
+    finally:
+        for s in flood:
+            s.close()
         server._stop()
 
 

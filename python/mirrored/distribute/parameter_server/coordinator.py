@@ -432,6 +432,7 @@ class ClusterCoordinator:
                              "ParameterServerStrategy(cluster_resolver) and pass it")
         self._strategy = strategy
         self._cluster = _Cluster(strategy)
+        weakref.finalize(self, self._cluster.stop)  # (TF's: the workers' threads end with the coordinator)
         self._has_initialized = True
 
     @property

@@ -40,6 +40,7 @@ _HELLO = struct.Struct("<4sI")
 _HEADER = struct.Struct("<4sIQ")
 _LENGTH = struct.Struct("<Q")
 MAX_TOKEN_BYTES = 1024
+MAX_UNADMITTED = 64  # connections that have not shown the token yet: more are closed at once (a flood)
 CONNECT_TIMEOUT_SECONDS = 120.0  # a task may start well after the others (a busy machine, a slow scheduler)
 
 
@@ -274,6 +275,7 @@ class Listener:
         self._clients: set = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._unadmitted = 0
         self.requests = self.bytes_received = self.bytes_sent = 0  # (served so far: the benchmark reads them)
         self._thread = threading.Thread(target=self._accept, name=f"mirrored-{name}-accept", daemon=True)
         self._thread.start()
@@ -288,6 +290,10 @@ class Listener:
                 if self._closed:
                     client.close()
                     return
+                if self._unadmitted >= MAX_UNADMITTED:
+                    client.close()
+                    continue
+                self._unadmitted += 1
                 self._clients.add(client)
             threading.Thread(target=self._serve, args=(client,), name=f"mirrored-{self._name}-conn",
                              daemon=True).start()
@@ -304,7 +310,12 @@ class Listener:
 
     def _serve(self, client: socket.socket) -> None:
         try:
-            if not self._admitted(client):
+            try:
+                admitted = self._admitted(client)
+            finally:
+                with self._lock:
+                    self._unadmitted -= 1
+            if not admitted:
                 return
             if self._on_thread is not None:
                 self._on_thread()
