@@ -14,7 +14,8 @@ forward/backward pass plus ``optimizer.apply_gradients``:
   them (one request per ps task). Steps/s counts from the first schedule to ``join``, after a warm-up.
 
 Bytes per step: what the ps tasks received and sent (weights out, gradients in) and what the coordinator and
-workers exchanged (the scheduled closures and their results), counted by the servers.
+workers exchanged (the scheduled closures and their results), counted by the servers. Every process runs
+one BLAS thread (``OPENBLAS_NUM_THREADS=1`` unless set), the plain loop too.
 """
 
 from __future__ import annotations
@@ -26,10 +27,15 @@ import subprocess
 import sys
 import time
 
-import numpy as np
+# One BLAS thread per process (this one and the tasks, which inherit it), unless set: several processes on a
+# few cores otherwise spend the step in OpenBLAS threads spinning against each other (tens of ms per matmul).
+for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
 
-import mirrored as md
-from mirrored.tools.run import free_ports
+import numpy as np  # noqa: E402  (after the thread counts)
+
+import mirrored as md  # noqa: E402
+from mirrored.tools.run import free_ports  # noqa: E402
 
 if __name__ == "__main__":  # the tasks import this file as a module: the scheduled functions live there
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
