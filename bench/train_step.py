@@ -25,7 +25,8 @@ forward/backward pass plus the update, SGD with momentum 0.9 unless
   ``optimizer.apply_gradients`` (gradients summed across replicas, one fused
   update per device);
 * with ``--central``: the same step under CentralStorageStrategy over the same devices (the variables
-  once, on the CPU, or on GPU 0 with ``--device gpu``; gradients all-reduced, one update there);
+  once, on the CPU; with ``--device gpu`` on GPU 0, and again on the CPU, TF's default for several GPUs;
+  gradients all-reduced, one update there, the replicas on other GPUs reading refreshed copies);
 * PyTorch DDP (gloo, one process per replica, CPU only) for the same model,
   when torch is importable (``--torch-python`` runs it in another venv);
 * with ``--function``: ``strategy.run(md.function(step))``, the same step
@@ -297,8 +298,9 @@ def main(argv=None):
     for n in args.replicas:
         columns.append(("mirrored MirroredStrategy", n, mirrored_step(args, xp, x, y, n, gpu, fixed_grads)))
         if args.central:
-            columns.append(("mirrored CentralStorageStrategy", n,
-                            mirrored_step(args, xp, x, y, n, gpu, fixed_grads, central=True)))
+            for parameter_device in ("/gpu:0", "/cpu:0") if gpu else ("/cpu:0",):
+                columns.append((f"mirrored CentralStorageStrategy, variables on {parameter_device}", n,
+                                mirrored_step(args, xp, x, y, n, gpu, fixed_grads, central=parameter_device)))
         if args.numpy_allocator and not gpu:
             columns.append(("mirrored, NumPy's allocator in the replicas", n,
                             mirrored_step(args, xp, x, y, n, gpu, fixed_grads, numpy_allocator=True)))
@@ -370,13 +372,13 @@ def torch_gpu_columns(args) -> list:
 
 
 def mirrored_step(args, xp, x, y, n: int, gpu: bool, fixed_grads=None, captured=False, numpy_allocator=False,
-                  central=False):
+                  central=None):
     """``strategy.run(step)`` on ``n`` replicas: forward/backward on each replica's share, apply_gradients
     (only apply_gradients of ``fixed_grads`` when given); ``captured``: the step wrapped in md.function;
     ``numpy_allocator``: each replica's arrays from NumPy's own allocator, not the replica array pool;
-    ``central``: CentralStorageStrategy (variables on the CPU, or on GPU 0), not MirroredStrategy."""
+    ``central``: CentralStorageStrategy with its variables on that device, not MirroredStrategy."""
     devices = [f"/gpu:{i}" if gpu else f"/cpu:{i}" for i in range(n)]
-    strategy = (md.distribute.experimental.CentralStorageStrategy(devices, devices[0] if gpu else "/cpu:0")
+    strategy = (md.distribute.experimental.CentralStorageStrategy(devices, central)
                 if central else md.MirroredStrategy(devices))
     with strategy.scope():
         variables = [md.Variable(a) for a in init_params(layer_sizes(vars(args)))]

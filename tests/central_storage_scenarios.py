@@ -327,3 +327,12 @@ def sgd_momentum_steps(X):
 def adam_steps(X):
     return [_train(X, lambda: X.optimizers.Adam(0.05), compute)
             for compute in (["/cpu:0"], TWO, ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"])]
+
+
+@scenario()
+def gradient_accumulation_clips_the_accumulated_average(X):
+    """Keras 3 clips ``(g + accumulator) / steps`` on the update step, after accumulating (base_optimizer.apply),
+    with ``clipnorm`` and ``global_clipnorm``. One compute device: with several, TF's Keras fails (its
+    accumulators are AggregatingVariables updated in replica context without an aggregation)."""
+    return [_train(X, lambda: X.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2, **clip),
+                   ["/cpu:0"], steps=5) for clip in ({"clipnorm": 1.0}, {"global_clipnorm": 1.0})]

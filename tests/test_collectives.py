@@ -322,3 +322,13 @@ def test_recycler_holds_bounded_memory():
     assert sum(b.nbytes for b in r._buffers) <= _Recycler.MAX_FREE_BYTES + (40 << 20)
     kept = r.empty(2 << 20)
     assert r.empty(2 << 20) is not kept  # in use: never handed out twice
+
+
+def test_broadcast_names_a_bad_algorithm_and_nccl_on_host_buffers():
+    xs = [np.arange(3, dtype=np.float32), np.zeros(3, np.float32)]
+    for got in collectives.broadcast(xs, 0, algorithm="direct"):
+        np.testing.assert_array_equal(got, xs[0])
+    with pytest.raises(ValueError, match="algorithm='nccl' needs GPU"):
+        collectives.broadcast(xs, 0, algorithm="nccl")
+    with pytest.raises(ValueError, match="algorithm='bogus' is unknown"):
+        collectives.broadcast(xs, 0, algorithm="bogus")

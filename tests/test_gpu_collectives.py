@@ -357,3 +357,23 @@ def test_strided_batch_inputs_outlive_nothing(where):
     for row in got:
         for t, g in enumerate(row):
             np.testing.assert_array_equal(g, host[0][t] + host[1][t])
+
+
+def test_broadcast_takes_nccl_or_the_native_engine_and_refuses_other_names():
+    """``algorithm="nccl"`` (one GPU per replica: what a CUDA graph of each GPU holds) and the native engine give
+    the root's bits to every replica, in place with ``out``; a name that is no algorithm is refused, naming it."""
+    n = min(NGPU, 3)
+    if n < 2:
+        pytest.skip("needs two GPUs")
+    xs = [np.random.default_rng(r).standard_normal(1001).astype(np.float32) for r in range(n)]
+    for algorithm in ("nccl", "auto", "direct"):
+        if algorithm == "nccl":
+            _skip_without_nccl()
+        for root in range(n):
+            arrays = upload(xs, tuple(range(n)))
+            got = collectives.broadcast(arrays, root, out=arrays, algorithm=algorithm)
+            assert [g is a for g, a in zip(got, arrays)] == [True] * n
+            for g in download(got, np.float32):
+                np.testing.assert_array_equal(g, xs[root])
+    with pytest.raises(ValueError, match="algorithm='rings'"):
+        collectives.broadcast(upload(xs, tuple(range(n))), 0, algorithm="rings")

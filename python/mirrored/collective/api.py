@@ -47,14 +47,18 @@ def all_reduce(buffers, op="sum", *, out=None, algorithm="auto", chunk_bytes=0):
     return plan_all_reduce(buffers, op, out, algorithm, chunk_bytes)
 
 
-def broadcast(buffers, root=0, *, out=None):
-    """``out[i] = buffers[root]`` for every replica ``i``."""
-    plan = lookup("broadcast", (root,), buffers)
+def broadcast(buffers, root=0, *, out=None, algorithm="auto"):
+    """``out[i] = buffers[root]`` for every replica ``i``.
+
+    ``algorithm``: ``"nccl"`` broadcasts GPU buffers with NCCL (one GPU per replica), which each GPU's CUDA graph
+    can hold (md.function); any other name of ``ALGORITHMS``: the engine's direct copy.
+    """
+    plan = lookup("broadcast", (root, algorithm), buffers)
     if plan is not None and not tracing():
         done = plan.run(buffers, out)
         if done is not None:
             return done
-    return plan_broadcast(buffers, root, out)
+    return plan_broadcast(buffers, root, out, algorithm)
 
 
 def reduce(buffers, op="sum", root=0, *, out=None, algorithm="auto"):

@@ -63,11 +63,11 @@ def all_reduce(buffers, op="sum", *, out=None, algorithm="auto", chunk_bytes=0):
     return finish()
 
 
-def broadcast(buffers, root=0, *, out=None):
-    """``out[i] = buffers[root]`` for every replica ``i``."""
+def broadcast(buffers, root=0, *, out=None, algorithm="auto"):
+    """``out[i] = buffers[root]`` for every replica ``i`` (``algorithm="nccl"``: NCCL's, which CUDA graphs hold)."""
     arrays, code, devices = _inputs(buffers, "buffers")
     root = root_index(root, len(arrays))
-    engine, _ = _engine(devices, "auto")
+    engine, _ = _engine(devices, algorithm)
     outs, finish = _outputs(out, arrays, devices, "out")
     with span("broadcast", arrays[0].nbytes, "direct", len(arrays)):
         engine.broadcast(_ptrs(arrays), _ptrs(outs), arrays[0].size, code, root, _streams(devices))
@@ -79,7 +79,7 @@ def call_plan(kind: str, buffers, op, root, algorithm, chunk_bytes) -> "CallPlan
     arrays, code, devices = _inputs(buffers, "buffers")
     first = arrays[0]
     if kind == "broadcast":
-        engine, algo = _engine(devices, "auto")
+        engine, algo = _engine(devices, algorithm)
         return CallPlan(False, engine, algo, code, 0, root_index(root, len(arrays)), devices, first)
     _, _, chunk = check_packing(0, None, chunk_bytes)
     engine, algo = _engine(devices, algorithm, chunk)

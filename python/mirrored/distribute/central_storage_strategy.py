@@ -7,13 +7,20 @@ input pipeline, GPU streams. What differs is TF's: a variable created in its sco
 parameter device (an :class:`AggregatingVariable` when there are several replicas, else a plain variable); a
 replica reads the current value on its own device; an update inside ``run`` goes through the variable's
 aggregation (a ``merge_call``) and is applied once. Values bound for the parameter device (an optimizer's
-gradients) are all-reduced over the replicas in one fused call, as MirroredStrategy's step does, and the first
-replica's result is taken there, so a step gives MirroredStrategy's weights bit for bit.
+gradients, packed one buffer per dtype) are all-reduced over the replicas in one fused call, as
+MirroredStrategy's step does, and one replica's result is taken there, so a step gives MirroredStrategy's weights
+bit for bit; after the update the replicas on other GPUs get the new values in one transfer per GPU and dtype
+(docs/central_storage.md).
 """
 
 from __future__ import annotations
 
-from ..device import config, device_util
+import sys
+
+import numpy as np
+
+from ..collective import api as collectives
+from ..device import config, device_util, gpu as _gpu
 from .distribute_lib import Strategy
 from .mirrored_strategy import MirroredExtended
 from .one_device_strategy import update_on
@@ -55,39 +62,50 @@ def _parameter_device(parameter_device) -> str:
     return device
 
 
+def _same_memory(a: str, b: str) -> bool:
+    """Whether devices ``a`` and ``b`` address the same memory: the host's, or one physical GPU's."""
+    spec_a, spec_b = device_util.parse(a), device_util.parse(b)
+    if spec_a.device_type != spec_b.device_type:
+        return False
+    return spec_a.device_type == "CPU" or device_util.physical_ordinal(a) == device_util.physical_ordinal(b)
+
+
 class AggregatingVariable(AssignsThroughUpdate, DeviceVariable):
     """A variable of a CentralStorageStrategy with several replicas (TF's ``ps_values.AggregatingVariable``): one
     copy, on the parameter device.
 
-    Inside ``run`` a replica reads the current value on its own device (a CPU replica the array itself, a GPU
-    replica a copy on its GPU). ``assign`` / ``assign_add`` / ``assign_sub`` inside ``run`` combine the
-    replicas' values with the variable's ``aggregation`` (``SUM``, ``MEAN``, ``ONLY_FIRST_REPLICA``; ``NONE``
-    refuses) and update it once; in cross-replica context they update it directly.
+    Inside ``run`` a replica reads the current value on its own device: a replica on the parameter device's
+    own memory (a CPU replica of a variable in host memory, a replica on the variable's GPU) the array itself,
+    any other a copy on its GPU, made once per value: by the optimizer's update for every variable it updates
+    (:class:`_ReplicaReads`), else by the first read after a write. ``assign`` / ``assign_add`` / ``assign_sub``
+    inside ``run`` combine the replicas' values with the variable's ``aggregation`` (``SUM``, ``MEAN``,
+    ``ONLY_FIRST_REPLICA``; ``NONE`` refuses) and update it once; in cross-replica context they update it
+    directly.
     """
+
+    # Per replica, what its reads return while the value stays as it is (None entries: the value itself);
+    # None: to be copied at the next read. Every write drops it (_writable_buffer).
+    _reads = None
 
     def __init__(self, strategy, value, name, device, trainable, synchronization, aggregation):
         super().__init__(value, name, device, trainable, synchronization, aggregation)
         self._strategy = strategy
-        # Per replica: the device a read is copied to, or None where the replica reads the value itself (a CPU
-        # replica of a variable in host memory)
-        on_host = device_util.parse(device).device_type == "CPU"
-        self._copy_to = tuple(None if on_host and device_util.parse(d).device_type == "CPU" else d
+        # Per replica: the device a read is copied to, or None where the replica reads the value itself
+        self._copy_to = tuple(None if _same_memory(d, device) else d
                               for d in strategy.extended.worker_devices)
 
-    def _for_replica(self, x, copy: bool):
-        """``x`` (read on the parameter device) as the running replica reads it: on its own device."""
-        rid = running_replica_id(self._strategy)
-        device = None if rid is None else self._copy_to[rid]
-        return x if device is None else device_util.place(x, device, copy=copy)
-
     def read_value(self):
-        return self._for_replica(self._value, copy=True)
+        rid = running_replica_id(self._strategy)
+        if rid is None or self._copy_to[rid] is None:
+            return self._value
+        reads = self._reads
+        if reads is None:
+            reads = self._strategy.extended._copied_for_replicas(self)
+        return reads[rid]
 
-    def sparse_read(self, indices):
-        return self._for_replica(super().sparse_read(indices), copy=False)
-
-    def gather_nd(self, indices):
-        return self._for_replica(super().gather_nd(indices), copy=False)
+    def _writable_buffer(self):
+        self._reads = None  # (the replicas' copies are of the value before this write)
+        return super()._writable_buffer()
 
     def _update(self, method: str, value):
         update = getattr(DeviceVariable, method)
@@ -112,6 +130,15 @@ class CentralStorageExtended(MirroredExtended):
         self._parameter_devices = (parameter_device,)  # as given, as TF reports it
         # One compute device that holds the variables too: TF keeps plain variables there.
         self._plain_variables = self._local_devices == (self._parameter_device,)
+        # The replicas' copies of the variables an optimizer updates, per variable list (their ids), refreshed
+        # by each update; and the variables whose copies a read made (dropped by the next update, which may
+        # have written them: slots, accumulators).
+        self._replica_reads = {}
+        self._read_copies = {}  # id -> variable
+        # The replica whose all-reduced values (the same bits on every replica) go to the variables: one on the
+        # parameter device's memory where there is one (no copy between GPUs), else the first.
+        self._nearest_replica = next((r for r, d in enumerate(self._local_devices)
+                                      if _same_memory(d, self._parameter_device)), 0)
 
     # TF's: a step of distribute_datasets_from_function that some replica has no batch for ends the input
     experimental_enable_get_next_as_optional = False
@@ -133,16 +160,57 @@ class CentralStorageExtended(MirroredExtended):
         return super().update_non_slot((self._parameter_device,), fn, args, kwargs, group)
 
     def _capture_refusal(self):
-        """Why md.function cannot capture this strategy's step as CUDA graphs (None: it can): the variables'
-        update and the replicas' reads must all run on the parameter device's GPU."""
+        """Why md.function cannot capture this strategy's step as CUDA graphs (None: it can). The step's graphs
+        are one per replica GPU, and everything between GPUs in them goes through collectives, which order
+        themselves: the gradients' all-reduce, whose sum the update takes from a replica on the parameter
+        device's GPU, and the broadcast of the updated variables to the replicas on other GPUs."""
         if device_util.parse(self._parameter_device).device_type != "GPU":
-            return (f"its variables live on {self._parameter_device}, not on a GPU (their update runs on the "
-                    "host); pass parameter_device='/gpu:0'")
-        ordinal = device_util.physical_ordinal(self._parameter_device)
-        if any(device_util.physical_ordinal(d) != ordinal for d in self._local_devices):
-            return (f"its replicas read the variables on {self._parameter_device} from another GPU, a copy between "
-                    "GPUs that a captured step cannot order")
+            return (f"its variables live in host memory ({self._parameter_device}): their update runs on the host, "
+                    "and the replicas' reads and gradients are copies between host and GPU memory, which a CUDA "
+                    "graph of GPU work cannot hold; pass parameter_device='/gpu:0'")
+        if not any(_same_memory(d, self._parameter_device) for d in self._local_devices):
+            return (f"no replica runs on the GPU of its variables ({self._parameter_device}), so the gradients' sum "
+                    "and the variables' values are copied between GPUs outside any collective, which a captured "
+                    "step cannot order; make that GPU a compute device too")
         return None
+
+    def _copied_for_replicas(self, variable) -> tuple:
+        """``variable``'s reads on every replica, copied now (a read after a write, or of a variable no update
+        refreshes): one copy per GPU, which its replicas share until the next write or update."""
+        scope = _gpu.step_scope()
+        if scope is not None and scope.capturing:
+            raise RuntimeError(
+                f"variable {variable.name!r} was written in this step outside the optimizer's update (or is "
+                f"not one it updates), so a replica's read would copy it from {variable.device} to another GPU, "
+                "which md.function cannot capture; assign it outside the step")
+        copies = {}  # GPU ordinal -> the copy its replicas read
+        for d in variable._copy_to:
+            if d is not None and device_util.physical_ordinal(d) not in copies:
+                copies[device_util.physical_ordinal(d)] = device_util.place(variable._value, d, copy=True)
+        reads = variable._reads = tuple(None if d is None else copies[device_util.physical_ordinal(d)]
+                                        for d in variable._copy_to)
+        self._read_copies[id(variable)] = variable
+        return reads
+
+    def _variables_updated(self, plan, updated: bool) -> None:
+        """After an optimizer's update on the parameter device (``plan``: the optimizer's, see
+        train/optimizers/base.py): copies that reads made are dropped (the update may have written those
+        variables: slots, accumulators), and, when the variables changed (``updated``), their copies on the
+        replicas' GPUs refreshed at once (:class:`_ReplicaReads`)."""
+        for variable in self._read_copies.values():
+            variable._reads = None
+        self._read_copies.clear()
+        if not updated:
+            return
+        key = tuple(map(id, plan.variables))
+        reads = self._replica_reads.get(key, False)
+        if reads is False:  # (decided once per variable list)
+            reads = self._replica_reads[key] = _ReplicaReads.for_plan(plan)
+        if type(reads) is _ReplicaReads:
+            reads.refresh(plan)
+        elif reads:  # (copied again by each variable's next read)
+            for variable in reads:
+                variable._reads = None
 
     def _make_variable(self, value, name, trainable, synchronization, aggregation):
         # TF keeps ``synchronization`` and ``aggregation`` as given, unchecked (NONE, MEAN of integers).
@@ -161,16 +229,117 @@ class CentralStorageExtended(MirroredExtended):
         return update_on(self, var.device, var, fn, args, kwargs, group)
 
     def _batch_reduce_to(self, op, pairs, options):
-        # Values bound for the parameter device (its variables: an optimizer's gradients) are all-reduced over
-        # the replicas in one fused call, the sum MirroredStrategy's step takes, and the first replica's
-        # result is moved there: one collective, not one reduce per value.
+        # Values bound for the parameter device (its variables: an optimizer's gradients, or their fusion
+        # buffers) are all-reduced over the replicas in one fused call, the sum MirroredStrategy's step takes,
+        # and one replica's result is moved there (none moves from a replica on its memory): one collective,
+        # not one reduce per value.
         strategy, devices = self._container_strategy, self._local_devices
         if pairs and all(type(d) is AggregatingVariable and d._strategy is strategy and d is not v
                          and isinstance(v, DistributedValues) and v._devices == devices for v, d in pairs):
             reduced = super()._batch_reduce_to(op, [(v, v) for v, _ in pairs], options)
             with device_util.cross_replica_gpu_scope(self._parameter_device):
-                return [device_util.place(self._local_results(r)[0], self._parameter_device) for r in reduced]
+                return [device_util.place(self._local_results(r)[self._nearest_replica], self._parameter_device)
+                        for r in reduced]
         return super()._batch_reduce_to(op, pairs, options)
+
+
+class _ReplicaReads:
+    """The copies that replicas on other GPUs than the parameter device's memory read of the variables one
+    optimizer updates: per such GPU one buffer per dtype, holding the variables back to back (the optimizer's
+    fusion layout), and a view of it per variable, which the variable's reads return.
+
+    After each update :meth:`refresh` fills them with nothing per variable: from a GPU parameter device the
+    variables packed into the optimizer's fusion buffers on it (one launch) and broadcast to the other GPUs
+    (one collective per dtype, which md.function captures as the all-reduce); from the host, packed by one
+    copy per dtype and copied to each GPU (one copy per GPU and dtype). A view that a reader still holds keeps
+    its values: its GPU gets new buffers first (copy-on-write, as variables do).
+    """
+
+    def __init__(self, plan):
+        self.variables = plan.variables
+        self.groups = list(plan.groups.values())
+        self.source = self.variables[0].device
+        copy_to = self.variables[0]._copy_to
+        # One device per GPU that reads copies (logical replicas of one GPU share them), and each replica's
+        self.devices = list({device_util.physical_ordinal(d): d for d in copy_to if d is not None}.values())
+        ordinals = [device_util.physical_ordinal(d) for d in self.devices]
+        self.slot = tuple(None if d is None else ordinals.index(device_util.physical_ordinal(d)) for d in copy_to)
+        # A view's references when no reader holds it: the views list, each replica's reads tuple, the count's
+        self.unheld = [2 + self.slot.count(i) for i in range(len(self.devices))]
+        values = [v._value for v in self.variables]
+        self.staging = ([np.empty(sum(values[k].size for k in indices), values[indices[0]].dtype)
+                         for indices in self.groups] if device_util.parse(self.source).device_type == "CPU" else None)
+        # NCCL's broadcast where it loads: each GPU's CUDA graph holds it (md.function); the native one orders
+        # the GPUs with events, which a capture cannot record
+        self.algorithm = "nccl" if _gpu.nccl_available() else "auto"
+        self.buffers, self.views = [None] * len(self.devices), [None] * len(self.devices)
+        for i in range(len(self.devices)):
+            self._allocate(i)
+        self._link()
+
+    @staticmethod
+    def for_plan(plan):
+        """How the replicas' reads of ``plan``'s variables follow its updates: a ``_ReplicaReads`` where the copies
+        are on GPUs and can be refreshed this way (host variables, or GPU variables the plan packs on their GPU),
+        else the variables whose copies an update drops (none: every replica reads the variables' memory)."""
+        variables = plan.variables
+        copied = [v for v in variables if type(v) is AggregatingVariable and any(d is not None for d in v._copy_to)]
+        if len(copied) < len(variables) or not all(
+                device_util.parse(d).device_type == "GPU" for d in variables[0]._copy_to if d is not None):
+            return copied
+        if device_util.parse(variables[0].device).device_type == "CPU" or (
+                plan.packs and len(plan.pack_devices) > plan.own_pack[0]):
+            return _ReplicaReads(plan)
+        return copied
+
+    def _allocate(self, i: int) -> None:
+        """New buffers (and views) for GPU ``i``."""
+        shapes = [v._value.shape for v in self.variables]
+        views = [None] * len(self.variables)
+        buffers = []
+        for indices in self.groups:
+            dtype = self.variables[indices[0]]._value.dtype
+            sizes = [int(np.prod(shapes[k], dtype=np.int64)) for k in indices]
+            buffer = device_util.place(np.empty(sum(sizes), dtype), self.devices[i])
+            at = 0
+            for k, size in zip(indices, sizes):
+                views[k] = buffer[at:at + size].reshape(shapes[k])
+                at += size
+            buffers.append(buffer)
+        self.buffers[i], self.views[i] = buffers, views
+
+    def _link(self) -> None:
+        """Each variable's reads: per replica, the view on its GPU."""
+        self.reads = [tuple(None if i is None else self.views[i][k] for i in self.slot)
+                      for k in range(len(self.variables))]
+
+    def refresh(self, plan) -> None:
+        for i, views in enumerate(self.views):
+            if max(map(sys.getrefcount, views)) > self.unheld[i]:
+                scope = _gpu.step_scope()
+                if scope is not None and scope.capturing:
+                    raise RuntimeError(
+                        f"an array a replica on {self.devices[i]} read of a variable is still referenced when the "
+                        "optimizer updates the variables, so the replica's copies would move to new buffers, which "
+                        "a captured step cannot replay; inside md.function drop such references before the update")
+                self._allocate(i)
+                self._link()
+        values = [v._value for v in self.variables]
+        if self.staging is not None:  # host variables: packed on the host, one copy to each GPU per dtype
+            for staging, indices in zip(self.staging, self.groups):
+                np.concatenate([values[k] for k in indices], axis=None, out=staging)
+            for device, buffers in zip(self.devices, self.buffers):
+                with device_util.cross_replica_gpu_scope(device):
+                    for buffer, staging in zip(buffers, self.staging):
+                        buffer.set(staging)
+        else:  # on the update's stream: the variables packed, then broadcast to the other GPUs
+            with device_util.cross_replica_gpu_scope(self.source):
+                packed = plan.pack(plan.own_pack[0], values)
+                for j, source in enumerate(packed):
+                    targets = [source] + [buffers[j] for buffers in self.buffers]
+                    collectives.broadcast(targets, 0, out=targets, algorithm=self.algorithm)
+        for variable, reads in zip(self.variables, self.reads):
+            variable._reads = reads
 
 
 class CentralStorageStrategy(Strategy):

@@ -9,6 +9,7 @@ replicas past the end get empty slices that keep the trailing shape.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import math
@@ -173,6 +174,43 @@ class _FileRounds(_Iterator):
         return {"source": self._inputs[0].save(), "done": self._done}
 
 
+class _ShardedSteps(_Iterator):
+    """``auto_shard``: the replicas' batches in the order the replicas take them (step by step, replica by
+    replica), the ``shard_ix``-th of every ``num_shards`` kept (each pair of ``shards`` in turn), dealt to the
+    local replicas again; a short last step gets empty batches (or ends the input where ``partial`` is False)."""
+
+    def __init__(self, steps: _StepIterator, split, local: int, shards: tuple, partial: bool, state=None):
+        super().__init__(steps)
+        self._split, self._local, self._shards, self._partial = split, local, shards, partial
+        self._pending, self._count = ([], 0) if state is None else (list(state["pending"]), state["count"])
+
+    def _kept(self, position: int) -> bool:
+        for num_shards, shard_ix in self._shards:
+            if position % num_shards != shard_ix:
+                return False
+            position //= num_shards
+        return True
+
+    def next(self):
+        step = []
+        while len(step) < self._local:
+            if not self._pending:
+                try:
+                    self._pending = list(self._split(self._inputs[0].next()))
+                except StopIteration:
+                    break
+            batch, self._count = self._pending.pop(0), self._count + 1
+            if self._kept(self._count - 1):
+                step.append(batch)
+        if not step or (len(step) < self._local and not self._partial):
+            raise StopIteration
+        empty = map_structure(lambda x: device_util.to_host(x)[:0], step[-1])
+        return step + [empty] * (self._local - len(step))
+
+    def save(self):
+        return {"source": self._inputs[0].save(), "pending": self._pending, "count": self._count}
+
+
 class _DeviceFetcher:
     """Copies each replica's batch onto its device; runs in the prefetch thread, one step ahead of training.
 
@@ -276,6 +314,9 @@ class DistributedIterator(IteratorProtocol):
 class _DistributedInput:
     """Common to both dataset kinds: prefetching iterators and the element spec."""
 
+    # (num_shards, shard_ix) of each auto_shard that made this input, the first first
+    _shards = ()
+
     def __init__(self, extended, options):
         if options is not None and not isinstance(options, InputOptions):
             raise ValueError(f"options={options!r}: expected md.InputOptions or None")
@@ -283,6 +324,34 @@ class _DistributedInput:
         self._options = options or InputOptions()
         self._first = None
         self._fetcher = None
+
+    def _refuse_build(self):
+        # TF's `assert not self._built`: its MirroredStrategy-family strategies build the input when they make
+        # it; only ParameterServerStrategy makes one unbuilt, for ClusterCoordinator.create_per_worker_dataset.
+        raise AssertionError(f"{type(self).__name__}.build(): the input is already built (the strategy builds it "
+                             "when it distributes the dataset); iterate it as it is")
+
+    def auto_shard(self, num_shards, shard_ix):
+        """TF's ``auto_shard``: an input of the same class reading shard ``shard_ix`` of ``num_shards``, by the
+        dataset's AutoShardPolicy as tf.data's auto-sharding reads it: its files (FILE, or AUTO over enough
+        files), its batches (DATA, or AUTO otherwise), or all of it (OFF). The element spec stays the parent's."""
+        for argument, value in (("num_shards", num_shards), ("shard_ix", shard_ix)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{argument}={value!r}: expected an int")
+        if num_shards < 1:
+            raise ValueError(f"num_shards={num_shards}: num_workers must be greater than zero (TF's words); pass "
+                             "the number of shards, >= 1")
+        if not 0 <= shard_ix < num_shards:
+            raise ValueError(f"shard_ix={shard_ix}: index must be between 0 and {num_shards - 1} (TF's words), the "
+                             f"shards of num_shards={num_shards}")
+        sharded = copy.copy(self)
+        sharded._first = sharded._fetcher = None
+        sharded._shard(int(num_shards), int(shard_ix))
+        return sharded
+
+    def _shard(self, num_shards: int, shard_ix: int) -> None:
+        """Makes this (new) copy read its shard (see auto_shard)."""
+        raise NotImplementedError
 
     @property
     def _devices(self):
@@ -310,11 +379,22 @@ class _DistributedInput:
 
     def _build(self, state=None) -> PrefetchIterator:
         depth = len(self._devices) * self._options.experimental_per_replica_buffer_size
-        steps = _StepIterator(self._source(None if state is None else state["input"]["source"]),
-                              self._steps_per_item(), None if state is None else state["input"])
+        saved = sharded = None if state is None else state["input"]
+        if self._shards and saved is not None:
+            saved = sharded["source"]  # (the step iterator's state, inside the sharding one's)
+        steps = _StepIterator(self._source(None if saved is None else saved["source"]), self._steps_per_item(),
+                              saved)
+        split = self._split_step
+        if self._shards:
+            steps = _ShardedSteps(steps, split, len(self._devices), self._shards,
+                                  self._extended.experimental_enable_get_next_as_optional, sharded)
+            split = list  # (already split)
         return PrefetchIterator(steps, depth, () if state is None else state["buffer"],
-                                transform=lambda step: self._to_step(self._steps_of(step[0])[step[1]]),
-                                name="mirrored-prefetch")
+                                transform=lambda step: self._to_step(split(step)), name="mirrored-prefetch")
+
+    def _split_step(self, step) -> list:
+        """``(item, k)`` of _StepIterator: the local replicas' batches of step ``k`` of the item."""
+        return self._steps_of(step[0])[step[1]]
 
     def _check_checkpointable(self, state):
         """The chief writes the checkpoint and every worker restores it: the workers' states must agree."""
@@ -358,8 +438,10 @@ class _DistributedInput:
         if isinstance(items, _Reiterable):
             items = items._dataset
         if isinstance(items, Dataset):
-            return np.int64(items.cardinality())
-        return np.int64(len(items) if isinstance(items, (list, tuple)) else dataset_ops.UNKNOWN_CARDINALITY)
+            count = int(items.cardinality())
+        else:
+            count = len(items) if isinstance(items, (list, tuple)) else dataset_ops.UNKNOWN_CARDINALITY
+        return np.int64(self._sharded_count(count) if self._shards and count >= 0 else count)
 
     def _counted_input(self):
         """The input whose elements :attr:`cardinality` counts."""
@@ -457,7 +539,7 @@ class DistributedDataset(_DistributedInput):
         if workers == 1:
             return AutoShardPolicy.DATA  # one worker: every policy splits each batch over its replicas
         if _is_pipeline(dataset):
-            return self._pipeline_policy(dataset, policy, workers)
+            return _pipeline_policy(dataset, policy, workers)
         files = getattr(dataset, "files", None)
         if policy == AutoShardPolicy.AUTO:
             if files:
@@ -472,26 +554,6 @@ class DistributedDataset(_DistributedInput):
         if policy == AutoShardPolicy.HINT:
             return AutoShardPolicy.DATA
         return policy
-
-    @staticmethod
-    def _pipeline_policy(dataset, policy, workers):
-        """tf.data's rules for a pipeline: FILE shards its list_files/TextLineDataset sources by file."""
-        if policy in (AutoShardPolicy.AUTO, AutoShardPolicy.FILE):
-            count = dataset._file_count()
-            if count is None:
-                if policy == AutoShardPolicy.FILE:
-                    raise ValueError("dataset: AutoShardPolicy.FILE found no file source (Dataset.list_files or "
-                                     "TextLineDataset) in the pipeline to shard; use AutoShardPolicy.DATA or OFF")
-                _warn_data_fallback("Did not find a shardable source, walked to a node which is not a dataset")
-                return AutoShardPolicy.DATA
-            if count < workers:
-                if policy == AutoShardPolicy.FILE:
-                    raise ValueError(_too_few_files(count, workers))
-                _warn_data_fallback(f"Could not apply FILE based sharding: the dataset only has {count} file(s), "
-                                    f"which is not enough for the required {workers} shards/workers.")
-                return AutoShardPolicy.DATA
-            return AutoShardPolicy.FILE
-        return AutoShardPolicy.DATA if policy == AutoShardPolicy.HINT else policy
 
     def _per_worker_input(self) -> bool:
         return self._policy == AutoShardPolicy.FILE
@@ -517,6 +579,27 @@ class DistributedDataset(_DistributedInput):
         parts = split_batch(batch, total, 0, total)
         return [parts[first:first + local] for first in range(0, total, local)]
 
+    def build(self, dataset_to_replace=None):
+        """TF's: built already (AssertionError)."""
+        self._refuse_build()
+
+    def _shard(self, num_shards: int, shard_ix: int) -> None:
+        items = self._items._dataset if isinstance(self._items, _Reiterable) else self._items
+        policy = _auto_shard_policy(items, num_shards)
+        if policy == AutoShardPolicy.FILE:
+            self._items = self._items._file_sharded(num_shards, shard_ix)
+        elif policy != AutoShardPolicy.OFF:  # the replicas' batches, in the order they take them
+            self._shards = self._shards + ((num_shards, shard_ix),)
+
+    def _sharded_count(self, count: int) -> int:
+        """How many of ``count`` global batches the batch sharding keeps: known with one replica (a replica's
+        batch is a global batch); with more, TF rebatches first and no longer knows the count."""
+        if self._extended._num_replicas_in_sync > 1:
+            return dataset_ops.UNKNOWN_CARDINALITY
+        for num_shards, shard_ix in self._shards:
+            count = len(range(shard_ix, count, num_shards))
+        return count
+
     def _counted_input(self):
         return self._items
 
@@ -530,6 +613,37 @@ class DistributedDataset(_DistributedInput):
         if not first:
             raise ValueError("dataset is empty: element_spec needs at least one batch")
         return self._steps_of(first[0])[0]
+
+
+def _pipeline_policy(dataset, policy, workers: int) -> AutoShardPolicy:
+    """tf.data's rules for a pipeline read by ``workers``: FILE shards its list_files/TextLineDataset sources by
+    file; AUTO does where there are as many files as workers, else falls back to DATA (and says so)."""
+    if policy in (AutoShardPolicy.AUTO, AutoShardPolicy.FILE):
+        count = dataset._file_count()
+        if count is None:
+            if policy == AutoShardPolicy.FILE:
+                raise ValueError("dataset: AutoShardPolicy.FILE found no file source (Dataset.list_files or "
+                                 "TextLineDataset) in the pipeline to shard; use AutoShardPolicy.DATA or OFF")
+            _warn_data_fallback("Did not find a shardable source, walked to a node which is not a dataset")
+            return AutoShardPolicy.DATA
+        if count < workers:
+            if policy == AutoShardPolicy.FILE:
+                raise ValueError(_too_few_files(count, workers))
+            _warn_data_fallback(f"Could not apply FILE based sharding: the dataset only has {count} file(s), "
+                                f"which is not enough for the required {workers} shards/workers.")
+            return AutoShardPolicy.DATA
+        return AutoShardPolicy.FILE
+    return AutoShardPolicy.DATA if policy == AutoShardPolicy.HINT else policy
+
+
+def _auto_shard_policy(dataset, num_shards: int) -> AutoShardPolicy:
+    """How auto_shard reads its shard of ``dataset`` (a pipeline or a plain iterable): FILE, DATA or OFF."""
+    policy = policy_of(dataset)
+    if policy == AutoShardPolicy.OFF:
+        return policy
+    if _is_pipeline(dataset):
+        return _pipeline_policy(dataset, policy, num_shards)
+    return AutoShardPolicy.DATA
 
 
 def _is_pipeline(dataset) -> bool:
@@ -577,6 +691,16 @@ class _Pipelines(_Iterator):
         return [it.save() for it in self._inputs]
 
 
+def _sharded_pipeline(dataset, num_shards: int, shard_ix: int):
+    """Shard ``shard_ix`` of one pipeline (each pipeline is sharded on its own, as TF shards each)."""
+    policy = _auto_shard_policy(dataset, num_shards)
+    if policy == AutoShardPolicy.OFF:
+        return dataset
+    if policy == AutoShardPolicy.FILE:
+        return dataset._file_sharded(num_shards, shard_ix)
+    return (dataset if isinstance(dataset, Dataset) else Dataset(dataset)).shard(num_shards, shard_ix)
+
+
 class DistributedDatasetsFromFunction(_DistributedInput):
     """``strategy.distribute_datasets_from_function(dataset_fn)``: each replica takes one batch per step."""
 
@@ -601,6 +725,14 @@ class DistributedDatasetsFromFunction(_DistributedInput):
     def _source(self, state=None):
         return _Pipelines(self._pipelines, len(self._devices), state,
                           self._extended.experimental_enable_get_next_as_optional)
+
+    def build(self):
+        """TF's: built already (AssertionError)."""
+        self._refuse_build()
+
+    def _shard(self, num_shards: int, shard_ix: int) -> None:
+        self._pipelines = [self._pipeline(_sharded_pipeline(p._dataset if isinstance(p, _Reiterable) else p,
+                                                            num_shards, shard_ix)) for p in self._pipelines]
 
     def _counted_input(self):
         return self._pipelines[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import logging
 import math
 import numbers
 
@@ -89,6 +90,22 @@ class CommunicationOptions:
     def __repr__(self) -> str:
         return (f"CommunicationOptions(bytes_per_pack={self.bytes_per_pack}, "
                 f"timeout_seconds={self.timeout_seconds}, implementation={self.implementation})")
+
+
+class CollectiveHints:
+    """``tf.distribute.experimental.CollectiveHints(bytes_per_pack=0, timeout_seconds=None)``: TF 2.2's name of
+    the collective options, deprecated since for ``CommunicationOptions``. As TensorFlow's, it makes a
+    ``CommunicationOptions`` (without ``implementation``), so every ``options=`` argument takes it, and nothing is
+    an instance of it."""
+
+    _warned = False
+
+    def __new__(cls, bytes_per_pack=0, timeout_seconds=None):
+        if not CollectiveHints._warned:  # (TF logs its deprecation once too)
+            CollectiveHints._warned = True
+            logging.getLogger("mirrored").warning(
+                "CollectiveHints is deprecated: use md.distribute.experimental.CommunicationOptions instead")
+        return CommunicationOptions(bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds)
 
 
 def _check_timeout(value, limit):

@@ -26,6 +26,7 @@ import numpy as np
 
 from .._nest import is_nested, map_structure
 from ..device import device_util, gpu as _gpu
+from ..device import scatter_gather
 from ..device.indexed_slices import IndexedSlices
 from ..device.tensor_shape import TensorShape
 from .context import _local, get_replica_context, get_strategy
@@ -124,6 +125,15 @@ class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
     def value(self):
         return self.read_value()
 
+    def is_initialized(self, name=None) -> np.bool_:
+        """Whether the variable (every copy of it) holds a value: always, from its creation on."""
+        return np.bool_(True)
+
+    def read_value_no_copy(self):
+        """TF's read that never copies: here every read is one (``read_value`` returns the buffer itself, which
+        an update leaves alone while a reader holds it)."""
+        return self.read_value()
+
     def get_shape(self) -> TensorShape:
         """TF's alias of ``shape`` (an ``md.TensorShape``: a tuple with ``as_list()``, ``rank``, ...)."""
         return self.shape
@@ -182,22 +192,40 @@ class _Ref:
         return isinstance(other, _Ref) and other._var is self._var
 
 
-# tf.Variable's scatter methods: the NumPy/CuPy ufunc whose ``at`` applies each row (None: assignment).
-_SCATTERS = {"scatter_add": "add", "scatter_sub": "subtract", "scatter_mul": "multiply",
-             "scatter_div": "true_divide", "scatter_max": "maximum", "scatter_min": "minimum",
-             "scatter_update": None}
+# tf.Variable's scatter methods taking an IndexedSlices: the update each applies (scatter_gather.apply's ops).
+_SCATTERS = {"scatter_add": "add", "scatter_sub": "sub", "scatter_mul": "mul", "scatter_div": "div",
+             "scatter_max": "max", "scatter_min": "min", "scatter_update": "update"}
+# ... and those taking indices of shape [..., K] and updates (no use_locking: TF's have none)
+_ND_SCATTERS = {"scatter_nd_add": "add", "scatter_nd_sub": "sub", "scatter_nd_update": "update",
+                "scatter_nd_max": "max", "scatter_nd_min": "min"}
+_OP_WORDS = {"add": "adds", "sub": "subtracts", "mul": "multiplies by", "div": "divides by",
+             "max": "takes the maximum with", "min": "takes the minimum with"}
 
 
 def _scatter_method(method: str):
     def scatter(self, sparse_delta, use_locking=False, name=None):
         return self._scatter(method, sparse_delta)
+    op = _SCATTERS[method]
     scatter.__name__ = scatter.__qualname__ = method
-    ufunc = _SCATTERS[method]
     scatter.__doc__ = (f"``tf.Variable.{method}``: row ``sparse_delta.indices[i]`` of the value "
-                       + (f"becomes ``sparse_delta.values[i]``" if ufunc is None else
-                          f"combined with ``sparse_delta.values[i]`` by ``{ufunc}`` (repeated rows, each in turn)")
+                       + ("becomes ``sparse_delta.values[i]``" if op == "update" else
+                          f"{_OP_WORDS[op]} ``sparse_delta.values[i]`` (repeated rows, each in turn)")
                        + "; returns the variable.")
     return scatter
+
+
+def _scatter_nd_method(method: str):
+    def scatter_nd(self, indices, updates, name=None):
+        return self._scatter_nd(method, indices, updates)
+    op = _ND_SCATTERS[method]
+    scatter_nd.__name__ = scatter_nd.__qualname__ = method
+    scatter_nd.__doc__ = (f"``tf.Variable.{method}``: ``indices`` of shape ``[..., K]`` address the first ``K`` "
+                          "dimensions; the entry (or slice) at ``indices[i]`` "
+                          + ("becomes ``updates[i]`` (a repeated index: the last one)" if op == "update" else
+                             f"{_OP_WORDS[op]} ``updates[i]`` (repeated indices, each in turn)")
+                          + "; ``updates`` has shape ``indices.shape[:-1] + shape[K:]``. Returns the variable. "
+                          "docs/variables.md.")
+    return scatter_nd
 
 
 def _check_sparse_delta(variable, sparse_delta, method: str) -> None:
@@ -241,17 +269,16 @@ class DeviceVariable(Variable):
 
     # tf.Variable's older readers, which TF keeps on its plain variables (not on distributed ones)
 
-    def sparse_read(self, indices):
-        """The rows of the value at ``indices`` (``tf.gather`` along axis 0)."""
-        return self._value[_indices(indices)]
+    def sparse_read(self, indices, name=None):
+        """The rows of the value at ``indices`` (``tf.gather`` along axis 0), a copy, of what ``read_value``
+        reads; indices out of range raise."""
+        return scatter_gather.gather(self.read_value(), indices, self._name)
 
-    def gather_nd(self, indices):
-        """``tf.gather_nd``: each row of ``indices`` indexes the leading dimensions of the value."""
-        indices = _indices(indices)
-        return self._value[tuple(np.moveaxis(indices, -1, 0))]
+    def gather_nd(self, indices, name=None):
+        """``tf.gather_nd``: entry ``indices[i]`` (``K`` numbers) addresses the first ``K`` dimensions of the
+        value; the result has shape ``indices.shape[:-1] + shape[K:]``, a copy, of what ``read_value`` reads."""
+        return scatter_gather.gather_nd(self.read_value(), indices, self._name)
 
-    def is_initialized(self) -> np.bool_:
-        return np.bool_(True)  # (a variable here holds its value from creation on)
 
     def _converted(self, value, argument: str = "value"):
         """``value`` on this variable's device, checked as TF's assign checks it: the same shape; a
@@ -352,25 +379,35 @@ class DeviceVariable(Variable):
 
     def _scatter(self, method: str, sparse_delta):
         _check_sparse_delta(self, sparse_delta, method)
-        values = device_util.place(sparse_delta.values, self._device).astype(self.dtype, copy=False)
-        indices = device_util.place(sparse_delta.indices, self._device)
-        rows = self.shape[0]
-        if not device_util.on_gpu(indices) and len(indices) and (indices.min() < 0 or indices.max() >= rows):
-            bad = int(np.argmax((indices < 0) | (indices >= rows)))
-            raise IndexError(f"sparse_delta: indices[{bad}] = {int(indices[bad])} is not in [0, {rows}), the rows "
-                             f"of variable '{self._name}'")
-        buffer = self._writable_buffer()
-        with device_util.array_device(buffer):
-            ufunc = _SCATTERS[method]
-            if ufunc is None:
-                buffer[indices] = values
-            else:
-                getattr(sys.modules[type(buffer).__module__.partition(".")[0]], ufunc).at(buffer, indices, values)
+        self._apply(_SCATTERS[method], scatter_gather.row_plan(self._value, sparse_delta.indices,
+                                                               sparse_delta.values, self._name))
+        return self
+
+    def _scatter_nd(self, method: str, indices, updates):
+        op = _ND_SCATTERS[method]
+        self._apply(op, scatter_gather.scatter_nd_plan(self._value, method, op, indices, updates, self._name))
+        return self
+
+    def _apply(self, op: str, plan) -> None:
+        """A checked update (``plan``: rows and slices) written into this copy's buffer."""
+        scatter_gather.apply(self._writable_buffer(), op, *plan)
         self._stores += 1
+
+    def batch_scatter_update(self, sparse_delta, use_locking=False, name=None):
+        """``tf.Variable.batch_scatter_update``: ``sparse_delta.indices`` of shape ``[d0, ..., dn]`` update along
+        dimension ``n``: ``v[i0, ..., in-1, indices[i0, ..., in]] = values[i0, ..., in]`` (1-D indices: rows, as
+        ``scatter_update``). Returns the variable."""
+        if type(sparse_delta) is not IndexedSlices:
+            raise TypeError(f"sparse_delta: Argument `sparse_delta` must be a `tf.IndexedSlices` (an "
+                            f"md.IndexedSlices(values, indices)), not a {type(sparse_delta).__name__}")
+        self._apply("update", scatter_gather.batch_plan(self._value, sparse_delta.indices, sparse_delta.values,
+                                                        self._name))
         return self
 
     scatter_add, scatter_sub, scatter_mul, scatter_div, scatter_max, scatter_min, scatter_update = map(
         _scatter_method, _SCATTERS)
+    scatter_nd_add, scatter_nd_sub, scatter_nd_update, scatter_nd_max, scatter_nd_min = map(
+        _scatter_nd_method, _ND_SCATTERS)
 
 
 def running_replica_id(strategy):
@@ -454,13 +491,61 @@ class DistributedVariable(DistributedValues, Variable):
         rid = self._local_replica_id()
         return self._values[rid if rid is not None else 0]
 
-    def _update_each_copy(self, method: str, value):
-        """Cross-replica update: ``method`` applied to every copy (through ``extended.update``)."""
-        self._strategy.extended.update(self, lambda v, x: getattr(v, method)(x), args=(value,))
+    def _update_each_copy(self, method: str, *args):
+        """Cross-replica update: ``method(*args)`` applied to every copy (through ``extended.update``)."""
+        self._strategy.extended.update(self, lambda v, *a: getattr(v, method)(*a), args=args)
         return self
 
     __str__ = DistributedValues.__str__
     __repr__ = DistributedValues.__repr__
+
+    is_distributed_variable = True
+
+    # TF 2.21's distributed variables have these tf.Variable methods but not their implementations: tf.Variable's
+    # base class raises NotImplementedError (the updates) or AttributeError (the readers), and so do we, naming
+    # how to do it instead.
+
+    def _not_implemented(self, method: str):
+        raise NotImplementedError(
+            f"{method}: TensorFlow's {type(self).__name__} does not implement it ('{self.name}'); "
+            + self._instead(method))
+
+    def _instead(self, method: str) -> str:
+        """What to do instead of ``method`` (an update TF's distributed variable does not implement)."""
+        return (f"apply it to each copy: strategy.extended.update(v, lambda copy: copy.{method}(...)) in "
+                "cross-replica context")
+
+    def scatter_nd_add(self, indices, updates, name=None):
+        self._not_implemented("scatter_nd_add")
+
+    def scatter_nd_sub(self, indices, updates, name=None):
+        self._not_implemented("scatter_nd_sub")
+
+    def scatter_nd_update(self, indices, updates, name=None):
+        self._not_implemented("scatter_nd_update")
+
+    def batch_scatter_update(self, sparse_delta, use_locking=False, name=None):
+        self._not_implemented("batch_scatter_update")
+
+    def _no_reader(self, method: str):
+        raise AttributeError(
+            f"{method}: TensorFlow's {type(self).__name__} has no {method} ('{self.name}'); index its value: "
+            f"np.asarray(v)[...] in cross-replica context, or v.read_value()[...] inside strategy.run")
+
+    def sparse_read(self, indices, name=None):
+        self._no_reader("sparse_read")
+
+    def gather_nd(self, indices, name=None):
+        self._no_reader("gather_nd")
+
+
+class _NdUpdate:
+    """One replica's ``scatter_nd_*`` arguments, merged as one value by ``merge_call``."""
+
+    __slots__ = ("indices", "updates")
+
+    def __init__(self, indices, updates):
+        self.indices, self.updates = indices, updates
 
 
 class MirroredVariable(AssignsThroughUpdate, DistributedVariable, Mirrored):
@@ -490,17 +575,38 @@ class MirroredVariable(AssignsThroughUpdate, DistributedVariable, Mirrored):
 
     def _scatter(self, method: str, sparse_delta):
         _check_sparse_delta(self, sparse_delta, method)
-        if self._aggregation not in (VariableAggregation.NONE, VariableAggregation.ONLY_FIRST_REPLICA):
-            # (TF's words)
-            raise NotImplementedError(
+        summed = self._aggregation in (VariableAggregation.SUM, VariableAggregation.MEAN)
+        if summed and method in ("scatter_min", "scatter_max", "scatter_update"):
+            raise NotImplementedError(  # (TF's words; its other row scatters take any aggregation)
                 f"{method} is only supported for mirrored variable (variable created within certain "
                 f"`tf.distribute.Strategy` scope) with NONE or `ONLY_FIRST_REPLICA` aggregation, got: "
                 f"{self._aggregation}; variable '{self.name}': update it with assign_add, or create it with "
                 "aggregation NONE")
+        self._refuse_summed_in_replica(method)
         return self._update(method, sparse_delta)
+
+    def _refuse_summed_in_replica(self, method: str) -> None:
+        """Index updates inside ``run`` cannot be summed or averaged over the replicas (TF fails on them with an
+        AssertionError, or runs each on its replica's copy: the copies drift apart)."""
+        if self._aggregation in (VariableAggregation.SUM, VariableAggregation.MEAN) and \
+                self._local_replica_id() is not None:
+            raise NotImplementedError(
+                f"{method}: MirroredVariable '{self.name}' has aggregation {self._aggregation}, and the replicas' "
+                f"index updates cannot be summed or averaged; call {method} in cross-replica context (it updates "
+                "every copy), or create the variable with aggregation ONLY_FIRST_REPLICA")
+
+    def _scatter_nd(self, method: str, indices, updates):
+        # TF 2.21 runs these on one copy (the first in cross-replica context: the copies drift apart); here they
+        # update every copy, as the row scatters do (docs/variables.md).
+        if self._local_replica_id() is None:
+            return self._update_each_copy(method, indices, updates)
+        self._refuse_summed_in_replica(method)
+        return update_in_replica(self, _NdUpdate(indices, updates),
+                                 lambda first: self._update_each_copy(method, first.indices, first.updates))
 
     scatter_add, scatter_sub, scatter_mul, scatter_div, scatter_max, scatter_min, scatter_update = map(
         _scatter_method, _SCATTERS)
+    scatter_nd_max, scatter_nd_min = map(_scatter_nd_method, ("scatter_nd_max", "scatter_nd_min"))
 
 
 class SyncOnReadVariable(DistributedVariable):
@@ -544,10 +650,35 @@ class SyncOnReadVariable(DistributedVariable):
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
         return _updated(self._add("assign_sub", delta), read_value)
 
+    def _replica_copy(self, method: str) -> DeviceVariable:
+        """This replica's copy, for a method TF runs on it; in cross-replica context TF's read is an aggregate,
+        a tensor without the method (AttributeError)."""
+        if self._local_replica_id() is None:
+            raise AttributeError(
+                f"{method}: SyncOnReadVariable '{self.name}' reads as the aggregate of its copies in cross-replica "
+                f"context, which has no {method} (as in TensorFlow); call it inside strategy.run, on the "
+                "replica's own copy")
+        return self._component()
 
-def _indices(indices):
-    """Index arrays given as lists or arrays (host or device), as NumPy/CuPy indexing takes them."""
-    return indices if device_util.on_gpu(indices) else np.asarray(device_util.to_host(indices))
+    def read_value_no_copy(self):
+        return self._replica_copy("read_value_no_copy").read_value()
+
+    def _instead(self, method: str) -> str:
+        return "update the replicas' copies with a dense delta inside strategy.run: v.assign_add(delta)"
+
+    def _scatter_nd(self, method: str, indices, updates):
+        self._replica_copy(method)._scatter_nd(method, indices, updates)
+        return self
+
+    scatter_nd_max, scatter_nd_min = map(_scatter_nd_method, ("scatter_nd_max", "scatter_nd_min"))
+
+    def _scatter(self, method: str, sparse_delta):
+        raise NotImplementedError(  # (TF's words)
+            f"Variables with `synchronization=ON_READ` doesn't support `{method}` (variable '{self.name}'); update "
+            "the replica's copy with assign_add / assign inside strategy.run")
+
+    scatter_add, scatter_sub, scatter_mul, scatter_div, scatter_max, scatter_min, scatter_update = map(
+        _scatter_method, _SCATTERS)
 
 
 def _updated(variable, read_value):

@@ -434,8 +434,10 @@ class Optimizer:
         if not self.gradient_accumulation_steps:
             # From the second step on, this replica packs its gradients into its fusion buffer
             # (in parallel with the other replicas): the all-reduce then moves one buffer per dtype.
+            # (Variables kept once, not aggregated: the first replica's gradients go to them, packed.)
             plan = self._plans.get(tuple(map(id, variables)))
-            if plan is not None and plan.packs and not plan.sums_replicas and aggregate and \
+            if plan is not None and plan.packs and not plan.sums_replicas and \
+                    (aggregate or plan.central and ctx._local_replica_id == 0) and \
                     ctx.strategy.num_replicas_in_sync > 1:
                 packed = plan.pack(ctx._local_replica_id, grads)
         # options stay out of the merged arguments: each replica may pass its own (equal)
@@ -629,17 +631,22 @@ class Optimizer:
 
     def _central_step(self, strategy, plan, holders: list, variables, step: int, options, aggregate) -> None:
         """The step of variables kept once for all replicas (CentralStorageStrategy), in the merge: every replica's
-        gradients summed in one fused collective (from the second step on, CPU replicas' packed buffers, as
-        MirroredStrategy's), the first replica's sum taken to the variables' device (without ``aggregate``: the
-        first replica's gradients, aggregated by the caller), accumulated (``gradient_accumulation_steps``) and
-        applied there once."""
+        gradients summed in one fused collective (from the second step on, the replicas' packed buffers, one per
+        dtype, as MirroredStrategy's: the same sums), one replica's sum taken to the variables' device (a copy
+        per dtype: to the host, or between GPUs; none from a replica on the variables' GPU; without
+        ``aggregate``: the first replica's gradients, aggregated by the caller), accumulated
+        (``gradient_accumulation_steps``) and applied there once, by the fused update."""
         devices = strategy.extended.worker_devices
         packed = None
-        if not aggregate or len(holders) == 1:
+        if len(holders) == 1:
             grads = holders[0].grads
+        elif not aggregate:  # the first replica's gradients (aggregated by the caller), packed where it packs
+            packed = plan.on_variables_device(holders[0].packed) if holders[0].packed is not None else None
+            grads = plan.on_variables_device(holders[0].grads) if packed is None else None
         elif all(h.packed is not None for h in holders):
             columns = [PerReplica([h.packed[j] for h in holders], devices) for j in range(len(plan.groups))]
-            grads, packed = None, [_component(g, 0) for g in self._all_reduce(strategy, columns, columns, options)]
+            # (reduced onto the variables: the strategy takes the sum of a replica on their memory if one is)
+            grads, packed = None, self._all_reduce(strategy, columns, [variables[0]] * len(columns), options)
         else:
             grads = self._all_reduce(strategy, [PerReplica([h.grads[k] for h in holders], devices)
                                                 for k in range(len(variables))], variables, options)
@@ -825,20 +832,28 @@ class _Plan:
         self.sums_replicas = (self.packable and all(self.host) and self.num_devices > 1
                               and optimizer.gradient_aggregation == "sum" and extended is not None
                               and extended._sums_host_replicas_in_order())
-        # Whether each replica packs its gradients (see Optimizer.apply_gradients); central variables: only
-        # CPU replicas of host variables, whose packed sum the host kernel reads as it is.
-        self.packs = self.packable and (not self.central or all(self.host)
-                                        and device_util.all_cpu(tuple(extended.worker_devices)))
-        pack_devices = (extended.worker_devices if self.central and self.packs
-                        else [copies[0].device for copies in self.copies])  # (a GPU update packs there itself)
+        # Whether each replica packs its gradients (see Optimizer.apply_gradients). Central variables: CPU
+        # replicas of host variables, or GPU replicas (the native pack on each; one reduced buffer per dtype
+        # then goes to the variables' device, see Optimizer._central_step).
+        replicas = tuple(extended.worker_devices) if extended is not None else ()
+        self.packs = self.packable and (not self.central or all(self.host) and device_util.all_cpu(replicas)
+                                        or device_util.all_gpu(replicas) and _gpu_kernel() is not None)
+        # The devices of the fusion buffers, by pack slot: the replicas' where they pack for central variables,
+        # then the variables' GPU (its update packs gradients that come unpacked); else each copy's device.
+        self.pack_devices = [copies[0].device for copies in self.copies]
+        self.own_pack = list(range(self.num_devices))  # per copy device: its pack slot
+        if self.central and self.packs:
+            self.pack_devices, self.own_pack = list(replicas), [len(replicas)]
+            if not self.host[0]:
+                self.pack_devices.append(self.copies[0][0].device)
         self.fusion_buffers = [[device_util.place(np.empty(sum(self.copies[0][k]._value.size for k in indices),
                                                            dtype), device)
                                 for dtype, indices in self.groups.items()]
-                               for device in pack_devices] if self.packable else None
+                               for device in self.pack_devices] if self.packable else None
         self.gpu_tables = [None] * self.num_devices  # per device: one FusedUpdateTable per dtype
-        # per device: (staged dtypes, the GradientPack of its eager steps)
-        self.gpu_packs = [None] * self.num_devices
-        self.staging = {}  # (device, id(fusion buffer), dtype) -> a buffer the pack fills with gradients of dtype
+        # per pack slot: (staged dtypes, the GradientPack of its eager steps)
+        self.gpu_packs = [None] * len(self.pack_devices)
+        self.staging = {}  # (pack slot, id(fusion buffer), dtype) -> a buffer the pack fills with gradients of dtype
         # (device, dtype, "gradients" | "squares") -> a buffer of a sparse step (sparse_targets, _pack_squares)
         self.sparse_buffers = {}
         self.sparse_clean = {}  # device -> whether its host sparse buffers are all zeros (sparse_targets)
@@ -903,9 +918,18 @@ class _Plan:
         """``grads`` as the host kernel reads them: C-contiguous NumPy arrays of their variables' dtypes."""
         return list(map(_host_grad, grads, self.dtypes))
 
-    def pack(self, device: int, grads: list) -> list:
-        """``grads`` copied into device ``device``'s fusion buffers, one per dtype (converted to it)."""
-        buffers = self.fusion_buffers[device]
+    def on_variables_device(self, arrays: list) -> list:
+        """A replica's gradients, or its fusion buffers (one per dtype), on the variables' device for the update
+        of variables kept once: a copy each (to the host, or between GPUs), none where they are there already."""
+        device = self.copies[0][0].device
+        with device_util.cross_replica_gpu_scope(device):
+            return [SquaredGradient(*(device_util.place(x, device) for x in a)) if type(a) is SquaredGradient
+                    else device_util.place(a, device) for a in arrays]
+
+    def pack(self, slot: int, grads: list) -> list:
+        """``grads`` copied into pack slot ``slot``'s fusion buffers (``pack_devices[slot]``), one per dtype
+        (converted to it)."""
+        buffers = self.fusion_buffers[slot]
         if type(buffers[0]) is np.ndarray:
             for buffer, indices in zip(buffers, self.groups.values()):
                 np.concatenate([grads[k] for k in indices], axis=None, out=buffer)
@@ -914,7 +938,7 @@ class _Plan:
         # concatenate of many arrays uploads a pointer table from pageable memory on every call, which
         # CuPy refuses while a stream is capturing (md.function).
         cupy = _gpu.cupy_module()
-        ordinal = device_util.physical_ordinal(self.copies[device][0].device)
+        ordinal = device_util.physical_ordinal(self.pack_devices[slot])
         # A group whose gradients all have another dtype (mixed precision: float16 gradients of float32
         # variables) is copied as such into a staging buffer and converted by one kernel over the whole
         # buffer, not one per gradient.
@@ -926,38 +950,38 @@ class _Plan:
         stream = cupy.cuda.get_current_stream().ptr
         scope = _gpu.step_scope()
         if scope is not None and scope.capturing:
-            pack = self._make_pack(device, ordinal, staged)  # the graph's own: its table is never rewritten
+            pack = self._make_pack(slot, ordinal, staged)  # the graph's own: its table is never rewritten
             scope.captured.setdefault("gradient packs", []).append([pack])
             weakref.finalize(scope, _retire_tables, [pack])
             pack.copy_captured(src, stream)
         else:
-            if self.gpu_packs[device] is None or self.gpu_packs[device][0] != staged:
-                self.gpu_packs[device] = (staged, self._make_pack(device, ordinal, staged))
-            self.gpu_packs[device][1].copy(src, stream)
+            if self.gpu_packs[slot] is None or self.gpu_packs[slot][0] != staged:
+                self.gpu_packs[slot] = (staged, self._make_pack(slot, ordinal, staged))
+            self.gpu_packs[slot][1].copy(src, stream)
         for buffer, staged_dtype in zip(buffers, staged):
             if staged_dtype is not None:
-                buffer[...] = self._staging(device, buffer, staged_dtype)
+                buffer[...] = self._staging(slot, buffer, staged_dtype)
         return buffers
 
-    def _staging(self, device: int, buffer, dtype):
-        """Device ``device``'s staging buffer of ``dtype`` for fusion buffer ``buffer`` (made once, by the eager
+    def _staging(self, slot: int, buffer, dtype):
+        """Pack slot ``slot``'s staging buffer of ``dtype`` for fusion buffer ``buffer`` (made once, by the eager
         step that precedes a capture)."""
-        key = (device, id(buffer), np.dtype(dtype))
+        key = (slot, id(buffer), np.dtype(dtype))
         stage = self.staging.get(key)
         if stage is None:
-            stage = self.staging[key] = device_util.place(np.empty(buffer.size, dtype), self.copies[device][0].device)
+            stage = self.staging[key] = device_util.place(np.empty(buffer.size, dtype), self.pack_devices[slot])
         return stage
 
-    def _make_pack(self, device: int, ordinal: int, staged: tuple):
-        """The native multi-tensor copy of device ``device``'s gradients into its fusion buffers, or for a
+    def _make_pack(self, slot: int, ordinal: int, staged: tuple):
+        """The native multi-tensor copy of pack slot ``slot``'s gradients into its fusion buffers, or for a
         group with a ``staged`` dtype into its staging buffer (table order: the groups', each group's
         variables back to back)."""
         dst, nbytes = [], []
-        for buffer, indices, staged_dtype in zip(self.fusion_buffers[device], self.groups.values(), staged):
-            target = buffer if staged_dtype is None else self._staging(device, buffer, staged_dtype)
+        for buffer, indices, staged_dtype in zip(self.fusion_buffers[slot], self.groups.values(), staged):
+            target = buffer if staged_dtype is None else self._staging(slot, buffer, staged_dtype)
             at = target.data.ptr
             for k in indices:
-                size = self.copies[device][k]._value.size * target.itemsize
+                size = self.copies[0][k]._value.size * target.itemsize
                 dst.append(at)
                 nbytes.append(size)
                 at += size
@@ -965,6 +989,14 @@ class _Plan:
 
     def apply(self, device: int, grads, step: int, packed=None, update: bool = True, gate=None,
               summands=None) -> None:
+        """:meth:`_apply_on` device ``device``; for variables kept once for all replicas (CentralStorageStrategy),
+        the strategy then refreshes what its replicas read of them."""
+        self._apply_on(device, grads, step, packed, update, gate, summands)
+        if self.central:
+            self.optimizer._strategy.extended._variables_updated(self, update)
+
+    def _apply_on(self, device: int, grads, step: int, packed=None, update: bool = True, gate=None,
+                  summands=None) -> None:
         """Weight decay and the rule on every variable and slot of local device ``device``, in place;
         then Keras' moving average (``use_ema``), the constraints and the step count.
         ``update=False`` (gradient accumulation, a step that only accumulates): ``grads`` are added
@@ -1181,7 +1213,7 @@ class _Plan:
             self.tables_made_at[device] = values.buffers_replaced
         squares = self._pack_squares(device, grads)
         if packed is None:
-            packed = self.pack(device, list(map(_plain, grads)))
+            packed = self.pack(self.own_pack[device], list(map(_plain, grads)))
         cupy = array_module(packed[0])
         stream = cupy.cuda.get_current_stream().ptr
         grads = self._checked_grads(self.gpu_tables[device], packed, stream, gate)
@@ -1217,7 +1249,7 @@ class _Plan:
             c._writable_buffer()  # the graph writes these buffers: md.function checks they stay
         squares = self._pack_squares(device, grads)
         if packed is None:
-            packed = self.pack(device, list(map(_plain, grads)))
+            packed = self.pack(self.own_pack[device], list(map(_plain, grads)))
         tables = self._make_tables(device)
         scope.captured.setdefault("fused update tables", []).append(tables)
         weakref.finalize(scope, _retire_tables, tables)
