@@ -115,6 +115,10 @@ def step_function(x):
     return x * 2
 
 
+def scatter(v, rows):
+    return v.scatter_sub(rows) is v
+
+
 def read_and_add(v, delta):
     v.assign_add(delta)
     return v.read_value()

@@ -204,6 +204,51 @@ def test_colocated_variables_share_a_ps_task_and_are_not_partitioned():
             pass
 
 
+def test_scatters_and_gathers_run_on_the_ps_task_as_on_a_plain_variable():
+    value = np.arange(20, dtype=np.float32).reshape(5, 4)
+    rows = md.IndexedSlices(np.full((3, 4), 2, np.float32), np.array([4, 0, 4]))
+    with in_process_cluster(num_workers=1, num_ps=2) as strategy:
+        coordinator = Coordinator(strategy)
+        plain = md.Variable(value, name="plain")
+        with strategy.scope():
+            remote = md.Variable(value, name="remote")
+        for method, args in [("scatter_add", (rows,)), ("scatter_mul", (rows,)), ("scatter_update", (rows,)),
+                             ("scatter_max", (md.IndexedSlices(np.full((1, 4), 50, np.float32), [2]),)),
+                             ("scatter_nd_add", (np.array([[1, 2], [3, 3]]), np.array([5, 6], np.float32))),
+                             ("scatter_nd_update", (np.array([[0]]), np.ones((1, 4), np.float32))),
+                             ("batch_scatter_update", (md.IndexedSlices(np.zeros((2, 4), np.float32), [1, 3]),))]:
+            assert getattr(remote, method)(*args) is remote
+            getattr(plain, method)(*args)
+            np.testing.assert_array_equal(remote.numpy(), plain.numpy(), err_msg=method)
+        np.testing.assert_array_equal(remote.sparse_read([3, 1, 3]), plain.sparse_read([3, 1, 3]))
+        np.testing.assert_array_equal(remote.gather_nd([[1, 2], [4, 0]]), plain.gather_nd([[1, 2], [4, 0]]))
+        with pytest.raises(IndexError):  # (the ps task's variable checks the rows, as a plain one)
+            remote.scatter_add(md.IndexedSlices(np.ones((1, 4), np.float32), [5]))
+        # from a worker too
+        coordinator.schedule(ps_model.scatter, args=(remote, rows)).fetch()
+        plain.scatter_sub(rows)
+        np.testing.assert_array_equal(remote.numpy(), plain.numpy())
+
+
+def test_sharded_row_scatters_go_to_the_shards_that_hold_the_rows():
+    value = np.arange(26, dtype=np.float64).reshape(13, 2)
+    with in_process_cluster(num_workers=1, num_ps=2,
+                            variable_partitioner=partitioners.FixedShardsPartitioner(5)) as strategy:
+        with strategy.scope():
+            table = md.Variable(value, name="table")
+        plain = md.Variable(value, name="plain")
+        rows = md.IndexedSlices(np.full((4, 2), 3.0), np.array([12, 0, 5, 12]))
+        for method in ("scatter_add", "scatter_max", "scatter_update", "scatter_div"):
+            assert getattr(table, method)(rows) is table
+            getattr(plain, method)(rows)
+            np.testing.assert_array_equal(table.numpy(), plain.numpy(), err_msg=method)
+        np.testing.assert_array_equal(table.sparse_read([[12, 3]]), plain.sparse_read([[12, 3]]))
+        with pytest.raises(IndexError, match="sparse_delta.indices: 13"):
+            table.scatter_add(md.IndexedSlices(np.ones((1, 2)), [13]))
+        with pytest.raises(TypeError, match="IndexedSlices"):
+            table.scatter_add(np.ones((13, 2)))
+
+
 def test_datasets_are_built_per_worker_as_tf():
     with in_process_cluster(num_workers=1) as strategy:
         distributed = strategy.experimental_distribute_dataset(ps_model.range_dataset())

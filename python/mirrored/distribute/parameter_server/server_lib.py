@@ -16,7 +16,8 @@ from ...errors import OutOfRangeError
 from ..cluster_resolver import ClusterSpec
 from ..collective_all_reduce import job_token
 from ..distribute_lib import HOST
-from ..values import DeviceVariable
+from ...device.indexed_slices import IndexedSlices, map_arrays
+from ..values import _ND_SCATTERS, _SCATTERS, DeviceVariable
 from . import rpc
 from .strategy import ParameterServerStrategy
 from .values import UnknownOptimizer, serving
@@ -52,9 +53,17 @@ def _task(spec: ClusterSpec, job_name, task_index) -> tuple:
     return job_name, task_index
 
 
+# What a variable's "update" and "gather" requests may call on it
+_UPDATES = frozenset({"assign", "assign_add", "assign_sub", "batch_scatter_update"} | set(_SCATTERS)
+                     | set(_ND_SCATTERS))
+_GATHERS = frozenset({"sparse_read", "gather_nd"})
+
+
 def _canonical(x):
     """An unpickled array viewed with NumPy's own instance of its dtype (pickle makes a new, equal one, which
-    native code that compares dtypes by identity refuses)."""
+    native code that compares dtypes by identity refuses); IndexedSlices' arrays likewise."""
+    if type(x) is IndexedSlices:
+        return map_arrays(_canonical, x)
     if isinstance(x, np.ndarray):
         dtype = np.dtype(x.dtype.type)
         if x.dtype is not dtype and x.dtype == dtype:
@@ -88,9 +97,17 @@ class _ParameterStore:
         with self._lock:
             return [self._variable(i).read_value() for i in var_ids]
 
-    def update(self, var_id, method: str, value) -> None:
+    def update(self, var_id, method: str, args) -> None:
+        if method not in _UPDATES:
+            raise ValueError(f"{method!r} is not an update of a variable")
         with self._lock:
-            getattr(self._variable(var_id), method)(_canonical(value), read_value=False)
+            getattr(self._variable(var_id), method)(*map(_canonical, args))
+
+    def gather(self, var_id, method: str, indices):
+        if method not in _GATHERS:
+            raise ValueError(f"{method!r} is not a read of a variable")
+        with self._lock:
+            return getattr(self._variable(var_id), method)(_canonical(indices))
 
     def apply(self, key: str, rule, var_ids, grads) -> int:
         with self._lock:
@@ -217,6 +234,8 @@ class Server:
             return self._store.read(*args)
         if method == "update":
             return self._store.update(*args)
+        if method == "gather":
+            return self._store.gather(*args)
         if method == "apply":
             return self._store.apply(*args)
         if method == "run":  # (fn, args, kwargs), sent pickled once by the coordinator

@@ -14,9 +14,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ...device.indexed_slices import IndexedSlices
 from ...device.tensor_shape import TensorShape
 from ..options import VariableAggregation, VariableSynchronization
-from ..values import Variable, _updated
+from ..values import _ND_SCATTERS, _SCATTERS, Variable, _scatter_method, _scatter_nd_method, _updated
 from . import rpc
 
 __all__ = ["RemoteVariable", "ShardedVariable", "apply_gradients"]
@@ -101,10 +102,14 @@ class RemoteVariable(Variable):
     def read_value(self):
         return self._pool.call("read", [self._handle.var_id])[0]
 
+    # Updates run on the ps task, by the variable there (which checks them as any md.Variable does).
+    def _update(self, method: str, *args) -> None:
+        self._pool.call("update", self._handle.var_id, method, args)
+
     def _send(self, method: str, value, read_value: bool):
         if isinstance(value, Variable):
             value = value.read_value()
-        self._pool.call("update", self._handle.var_id, method, np.asarray(value))
+        self._update(method, np.asarray(value))
         return _updated(self, read_value)
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
@@ -115,6 +120,31 @@ class RemoteVariable(Variable):
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
         return self._send("assign_sub", delta, read_value)
+
+    def _scatter(self, method: str, sparse_delta):
+        self._update(method, sparse_delta)
+        return self
+
+    def _scatter_nd(self, method: str, indices, updates):
+        self._update(method, np.asarray(indices), np.asarray(updates))
+        return self
+
+    def batch_scatter_update(self, sparse_delta, use_locking=False, name=None):
+        """``tf.Variable.batch_scatter_update``, on the ps task; returns the variable."""
+        return self._scatter("batch_scatter_update", sparse_delta)
+
+    scatter_add, scatter_sub, scatter_mul, scatter_div, scatter_max, scatter_min, scatter_update = map(
+        _scatter_method, _SCATTERS)
+    scatter_nd_add, scatter_nd_sub, scatter_nd_update, scatter_nd_max, scatter_nd_min = map(
+        _scatter_nd_method, _ND_SCATTERS)
+
+    def sparse_read(self, indices, name=None):
+        """The rows at ``indices`` (``tf.gather`` along axis 0), gathered on the ps task."""
+        return self._pool.call("gather", self._handle.var_id, "sparse_read", np.asarray(indices))
+
+    def gather_nd(self, indices, name=None):
+        """``tf.gather_nd`` of the value, on the ps task."""
+        return self._pool.call("gather", self._handle.var_id, "gather_nd", np.asarray(indices))
 
     def is_initialized(self) -> np.bool_:
         return np.bool_(True)
@@ -176,13 +206,38 @@ class ShardedVariable(Variable):
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
         return self._each("assign_sub", delta, "delta", read_value)
 
+    def _scatter(self, method: str, sparse_delta):
+        """A row scatter split over the shards: each gets the rows it holds (renumbered from its first)."""
+        if type(sparse_delta) is not IndexedSlices:
+            raise TypeError(f"sparse_delta: {method} takes an md.IndexedSlices (values, indices), not a "
+                            f"{type(sparse_delta).__name__}")
+        indices = np.asarray(sparse_delta.indices).astype(np.int64, copy=False)
+        values = np.asarray(sparse_delta.values)
+        self._check_rows(indices, "sparse_delta.indices")
+        shard = np.searchsorted(self._offsets, indices, side="right") - 1
+        for s in np.unique(shard):
+            where = shard == s
+            self._variables[s]._scatter(method, IndexedSlices(values[where], indices[where] - self._offsets[s]))
+        return self
+
+    scatter_add, scatter_sub, scatter_mul, scatter_div, scatter_max, scatter_min, scatter_update = map(
+        _scatter_method, _SCATTERS)
+
+    def _check_rows(self, flat, argument: str) -> None:
+        rows = self._shape[0]
+        if flat.size and (flat.min() < 0 or flat.max() >= rows):
+            bad = int(flat[(flat < 0) | (flat >= rows)][0])
+            raise IndexError(f"{argument}: {bad} is not in [0, {rows}), the rows of '{self._name}'")
+
+    def sparse_read(self, indices, name=None):
+        """The rows at ``indices``, from the shards that hold them (``embedding_lookup``)."""
+        return self.embedding_lookup(indices)
+
     def embedding_lookup(self, ids):
         """The rows ``ids`` (``tf.nn.embedding_lookup`` of the sharded table, TF's "div" partitioning)."""
         ids = np.asarray(ids)
         flat = ids.reshape(-1).astype(np.int64, copy=False)
-        if flat.size and (flat.min() < 0 or flat.max() >= self._shape[0]):
-            bad = int(flat[(flat < 0) | (flat >= self._shape[0])][0])
-            raise IndexError(f"ids: {bad} is not in [0, {self._shape[0]}), the rows of '{self._name}'")
+        self._check_rows(flat, "ids")
         shard = np.searchsorted(self._offsets, flat, side="right") - 1
         rows = np.empty((flat.size,) + tuple(self._shape)[1:], self.dtype)
         for s in np.unique(shard):
