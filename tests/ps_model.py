@@ -115,6 +115,10 @@ def step_function(x):
     return x * 2
 
 
+def apply_one(optimizer, gradient, variable):
+    return md.distribute.get_strategy().run(lambda: optimizer.apply_gradients([(gradient, variable)]))
+
+
 def scatter(v, rows):
     return v.scatter_sub(rows) is v
 

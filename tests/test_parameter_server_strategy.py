@@ -541,6 +541,26 @@ def test_checkpoints_save_and_restore_ps_variables_sharded_ones_whole(tmp_path):
         assert ("w/.ATTRIBUTES/VARIABLE_VALUE", [3, 2]) in md.train.list_variables(str(tmp_path))
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_sparse_gradients_of_a_sharded_table_train_as_the_plain_loop(optimizer):
+    value = np.random.default_rng(5).standard_normal((11, 3)).astype(np.float32)
+    steps = [md.IndexedSlices(np.full((3, 3), 0.5 * k, np.float32), np.array([10, k, 10])) for k in range(4)]
+    plain = md.Variable(value, name="table")
+    reference = ps_model.make_optimizer(optimizer)
+    for g in steps:
+        reference.apply_gradients([(g, plain)])
+    with in_process_cluster(num_workers=1, num_ps=2,
+                            variable_partitioner=partitioners.FixedShardsPartitioner(3)) as strategy:
+        coordinator = Coordinator(strategy)
+        with strategy.scope():
+            table = md.Variable(value, name="table")
+            trained = ps_model.make_optimizer(optimizer)
+        for g in steps:
+            coordinator.schedule(ps_model.apply_one, args=(trained, g, table))
+        coordinator.join()
+        np.testing.assert_array_equal(table.numpy(), plain.numpy())
+
+
 def test_a_partitioner_that_returns_nonsense():
     with in_process_cluster(num_workers=1, variable_partitioner=lambda shape, dtype: [2, 2]) as strategy:
         with pytest.raises(ValueError, match="elements are 1 besides the first"), strategy.scope():

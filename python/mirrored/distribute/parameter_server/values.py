@@ -254,7 +254,14 @@ def _shards(grads, variables) -> tuple:
     """Gradients and variables with each ShardedVariable replaced by its shards (its gradient split to fit)."""
     out_grads, out_vars = [], []
     for g, v in zip(grads, variables):
-        if isinstance(v, ShardedVariable):
+        if isinstance(v, ShardedVariable) and type(g) is IndexedSlices:  # each shard its rows, renumbered
+            indices = np.asarray(g.indices).astype(np.int64, copy=False)
+            shard = np.searchsorted(v._offsets, indices, side="right") - 1
+            for s, part in enumerate(v.variables):
+                where = shard == s
+                out_grads.append(IndexedSlices(np.asarray(g.values)[where], indices[where] - v._offsets[s]))
+                out_vars.append(part)
+        elif isinstance(v, ShardedVariable):
             out_grads += np.split(np.asarray(g), v._offsets[1:-1], axis=0)
             out_vars += v.variables
         else:
