@@ -223,6 +223,7 @@ class Pool:
 
     def __init__(self, address: str, token: str):
         self.address, self._token = address, token
+        self._reached = False
         self._idle: list = []
         self._lock = threading.Lock()
 
@@ -230,7 +231,9 @@ class Pool:
         with self._lock:
             connection = self._idle.pop() if self._idle else None
         if connection is None:
-            connection = Connection(self.address, self._token)
+            # Waits for a task that has not started yet; one that answered before and is gone fails at once.
+            connection = Connection(self.address, self._token, timeout=0 if self._reached else CONNECT_TIMEOUT_SECONDS)
+            self._reached = True
         try:
             result = connection.call(method, *args)
         except TaskUnavailable:
