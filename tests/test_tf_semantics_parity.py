@@ -232,13 +232,11 @@ NOT_PROVIDED = {
     "api_mirrored_variable": _GRAPH_VARIABLE - {"create"},
     "api_sync_on_read_variable": _GRAPH_VARIABLE - {"create"},
     "api_variable": _GRAPH_VARIABLE,
-    "api_distribute_module": {"ParameterServerStrategy", "Server", "TPUStrategy",
-                              "coordinator"},
+    "api_distribute_module": {"TPUStrategy"},
     # PreemptionWatcher: TF's reads a key that Google's internal (Borg) TPU workers publish through its
     # coordination service, and elsewhere logs that the platform is unsupported and watches nothing; on other
     # machines SIGTERM is the notice, which PreemptionCheckpointHandler handles (docs/variables.md).
-    "api_distribute_experimental_module": {"ParameterServerStrategy", "PreemptionWatcher", "TPUStrategy",
-                                           "coordinator", "partitioners", "rpc"},
+    "api_distribute_experimental_module": {"PreemptionWatcher", "TPUStrategy", "rpc"},
 }
 
 

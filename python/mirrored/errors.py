@@ -8,7 +8,7 @@ rendezvous store refused this task).
 
 from __future__ import annotations
 
-__all__ = ["CollectiveMismatchError", "OutOfRangeError"]
+__all__ = ["CancelledError", "CollectiveMismatchError", "OutOfRangeError"]
 
 
 class OutOfRangeError(StopIteration):
@@ -16,6 +16,11 @@ class OutOfRangeError(StopIteration):
 
     A ``StopIteration`` too, so loops written for Python's iterator protocol end on it as well.
     """
+
+
+class CancelledError(RuntimeError):
+    """An operation was cancelled (``tf.errors.CancelledError``): e.g. a function scheduled with
+    ``ClusterCoordinator.schedule`` that did not run because another one failed first; reschedule it."""
 
 
 class CollectiveMismatchError(ValueError):

@@ -14,6 +14,9 @@ from .distribute_lib import (ReplicaContext, Strategy, StrategyExtended, experim
 from .input_lib import DistributedDataset, DistributedIterator, InputContext, ValueContext
 from .mirrored_strategy import MirroredStrategy
 from .one_device_strategy import OneDeviceStrategy
+from .parameter_server import coordinator
+from .parameter_server.server_lib import Server
+from .parameter_server.strategy import ParameterServerStrategy
 from .name_scope import name_scope
 from .multi_worker_strategy import MultiWorkerMirroredStrategy
 from .options import (CollectiveCommunication, CommunicationImplementation, CommunicationOptions, InputOptions,
@@ -28,4 +31,4 @@ __all__ = ["MirroredStrategy", "OneDeviceStrategy", "MultiWorkerMirroredStrategy
            "InputReplicationMode", "RunOptions",
            "DistributedDataset", "DistributedIterator", "DistributedValues", "CrossDeviceOps", "NcclAllReduce",
            "HierarchicalCopyAllReduce", "ReductionToOneDevice", "RingAllReduce", "experimental",
-           "cluster_resolver"]
+           "cluster_resolver", "ParameterServerStrategy", "Server", "coordinator"]

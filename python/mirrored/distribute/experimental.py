@@ -8,6 +8,9 @@ from .central_storage_strategy import CentralStorageStrategy
 from .input_lib import ValueContext
 from .multi_worker_strategy import ExperimentalMultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from .options import CollectiveCommunication, CollectiveHints, CommunicationImplementation, CommunicationOptions
+from .parameter_server import coordinator, partitioners
+from .parameter_server.strategy import ParameterServerStrategy
 
 __all__ = ["CentralStorageStrategy", "MultiWorkerMirroredStrategy", "CollectiveCommunication", "CollectiveHints",
-           "CommunicationImplementation", "CommunicationOptions", "ValueContext"]
+           "CommunicationImplementation", "CommunicationOptions", "ValueContext", "ParameterServerStrategy",
+           "coordinator", "partitioners"]

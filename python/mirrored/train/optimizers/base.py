@@ -41,10 +41,12 @@ new buffer first (copy-on-write, as TensorFlow's runtime does). docs/training.md
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import operator
 import sys
+import uuid
 import weakref
 from typing import NamedTuple
 
@@ -181,6 +183,21 @@ class Optimizer:
         # The strategy whose variables this optimizer updates: the one in scope when it
         # is created (as Keras does), else that of the first variables it updates.
         self._strategy = distribute_lib.get_strategy() if distribute_lib.has_strategy() else None
+        # Names this optimizer's state on parameter servers, which keep a copy of it beside their variables
+        # (ParameterServerStrategy: distribute/parameter_server/values.py).
+        self._ps_key = uuid.uuid4().hex
+
+    def _without_state(self, **arguments):
+        """A copy with this optimizer's arguments (``arguments`` replaced) and no state: no slots, plans or
+        steps yet. A ps task applies the updates of its variables with one (ParameterServerStrategy)."""
+        fresh = copy.copy(self)
+        fresh._iterations = fresh._known_step = fresh._restore_on_build = fresh._strategy = None
+        fresh._skips_on_device = fresh.built = False
+        fresh._window = StepWindow()
+        fresh._slots, fresh._plans, fresh._checked, fresh._exclude_ids = {}, {}, {}, set()
+        for name, value in arguments.items():
+            setattr(fresh, name, value)
+        return fresh
 
     # -- arguments --
     @property
@@ -392,6 +409,9 @@ class Optimizer:
         the copies drift apart. Returns the new value of ``iterations`` (a Python int).
         """
         grads, variables = self._check_pairs(grads_and_vars)
+        on_parameter_servers = getattr(type(variables[0]), "_apply_gradients", None)
+        if on_parameter_servers is not None:  # variables on ps tasks: updated there (ParameterServerStrategy)
+            return on_parameter_servers(self, grads, variables)
         aggregate = bool(experimental_aggregate_gradients)
         if distribute_lib.in_cross_replica_context():
             return self._cross_replica_step(distribute_lib.get_strategy(), grads, variables, options, aggregate)

@@ -1,0 +1,495 @@
+"""``md.distribute.coordinator``: the ClusterCoordinator, which schedules functions on the workers of a
+ParameterServerStrategy (``tf.distribute.coordinator`` / ``tf.distribute.experimental.coordinator``).
+
+``schedule(fn, args, kwargs)`` queues a closure and returns a :class:`RemoteValue` at once. One thread per
+worker takes the next closure from the queue when its worker is free and runs it there (one request: the
+function, by reference, and its arguments, with that worker's part of each :class:`PerWorkerValues`); the
+result comes back into the RemoteValue. As TF's: the first error of a scheduled function is raised by the next
+``schedule``, ``join`` or ``done``, and the closures still queued then are cancelled (their values raise
+``md.errors.CancelledError``). When a worker becomes unreachable, its closure goes back to the queue for another
+worker, and the worker's per-worker resources are made again when it comes back (TF's fault tolerance).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import uuid
+import weakref
+
+from ..._nest import flatten, map_structure
+from ...errors import CancelledError
+from . import rpc
+from .strategy import ParameterServerStrategy, PerWorkerInput
+from .values import per_worker_here, resource_here, serving
+
+__all__ = ["ClusterCoordinator", "RemoteValue", "PerWorkerValues", "PerWorkerValue",
+           "experimental_get_current_worker_index"]
+
+_logger = logging.getLogger("mirrored")
+RECONNECT_SECONDS = 600.0  # how long a worker that became unreachable may take to come back (TF waits an hour)
+
+
+class RemoteValue:
+    """The value of a scheduled function, which a worker computes (``tf.distribute.coordinator.RemoteValue``)."""
+
+    def fetch(self):
+        """Wait for the value and return it (NumPy arrays and Python values); raise the function's error."""
+        raise NotImplementedError("Must be implemented in subclasses.")
+
+    def get(self):
+        """The same as ``fetch`` here: values come back to the coordinator as host arrays."""
+        raise NotImplementedError("Must be implemented in subclasses.")
+
+
+class _RemoteValueImpl(RemoteValue):
+    def __init__(self):
+        self._ready = threading.Event()
+        self._values = None
+        self._error = None
+
+    def _set_values(self, values) -> None:
+        self._values, self._error = values, None
+        self._ready.set()
+
+    def _set_error(self, error) -> None:
+        self._values, self._error = None, error
+        self._ready.set()
+
+    def _get_error(self):
+        self._ready.wait()
+        return self._error
+
+    def fetch(self):
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self._values
+
+    get = fetch
+
+    def __reduce__(self):
+        raise ValueError("`md.distribute.coordinator.RemoteValue` used as an input to scheduled function is not "
+                         "yet supported: fetch() it and pass the value")
+
+
+class _PerWorkerResource(_RemoteValueImpl):
+    """A worker's object made by a per-worker function (a dataset or iterator); it stays on the worker, and a
+    scheduled function's argument that holds it is that object there."""
+
+    def __init__(self, worker_index: int):
+        super().__init__()
+        self._id = uuid.uuid4().hex
+        self._worker_index = worker_index
+
+    def __reduce__(self):
+        return resource_here, (self._id,)
+
+    def fetch(self):
+        raise ValueError("a per-worker resource (a dataset or iterator of create_per_worker_dataset) stays on its "
+                         "worker; pass it to a scheduled function instead of fetching it")
+
+    get = fetch
+
+
+class PerWorkerValues:
+    """One value per worker (``tf.distribute.coordinator.PerWorkerValue``): passed to ``schedule``, each
+    worker's function gets its own."""
+
+    def __init__(self, values):
+        values = tuple(values)
+        for v in values:
+            if not isinstance(v, RemoteValue):
+                raise AssertionError("`PerWorkerValues` should only take `RemoteValue`s.")
+        self._values = values
+
+    def __reduce__(self):  # (a scheduled function's argument: on each worker, its own)
+        if not all(isinstance(v, _PerWorkerResource) for v in self._values):
+            raise ValueError("a PerWorkerValues of scheduled functions' RemoteValues cannot be an input to a "
+                             "scheduled function: fetch() them and pass the values")
+        return per_worker_here, (tuple(v._id for v in self._values),)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self._values)} workers)"
+
+
+PerWorkerValue = PerWorkerValues  # (tf.distribute.coordinator's name)
+
+
+class PerWorkerDistributedIterator(PerWorkerValues):
+    """The iterators of a per-worker dataset, one on each worker; a scheduled function calls ``next`` on its
+    worker's."""
+
+    def __next__(self):
+        return self.get_next()
+
+    def get_next(self, name=None):
+        raise NotImplementedError("Iterating over an `AsyncDistributedIterator` is not supported right now: pass "
+                                  "it to a scheduled function, which calls next() on its worker's iterator")
+
+
+class PerWorkerDataset:
+    """``ClusterCoordinator.create_per_worker_dataset``'s value: a dataset made on every worker."""
+
+    def __init__(self, source, coordinator):
+        self._source = source
+        self._coordinator = coordinator
+
+    def __iter__(self) -> PerWorkerDistributedIterator:
+        return PerWorkerDistributedIterator(
+            self._coordinator._create_per_worker_resources(_make_iterator, (self._source,))._values)
+
+    def build(self) -> PerWorkerValues:
+        return self._coordinator._create_per_worker_resources(_make_dataset, (self._source,))
+
+
+def _make_dataset(source):
+    """On a worker: the dataset of ``create_per_worker_dataset``'s argument."""
+    return source.build() if isinstance(source, PerWorkerInput) else source()
+
+
+def _make_iterator(source):
+    return iter(_make_dataset(source))
+
+
+def experimental_get_current_worker_index() -> int:
+    """The index of the worker running the calling function (a scheduled function, or a ``dataset_fn`` of
+    ``create_per_worker_dataset``); e.g. to shard the input by worker."""
+    if not getattr(serving, "dispatching", False):
+        raise RuntimeError("Cannot retrieve the worker index. `get_worker_idx_and_num_workers` should be called "
+                           "from within a tf.function being executed on a worker. This method should only be "
+                           "called from either a dataset_fn that is passed into "
+                           "`ClusterCoordinator.create_per_worker_dataset`, or a tf.function that is passed into "
+                           "`ClusterCoordinator.schedule`.")
+    return serving.server.task_index
+
+
+def _worker_error(error: BaseException, where: str) -> BaseException:
+    """``error`` of a function run on ``where``, its message naming the worker (same type, same traceback)."""
+    if len(error.args) == 1 and isinstance(error.args[0], str) and where not in error.args[0]:
+        error.args = (f"{error.args[0]} (in the function scheduled on {where})",)
+    else:
+        error.add_note(f"(in the function scheduled on {where})")
+    return error
+
+
+class _Closure:
+    """A function to run on a worker, its arguments (pickled once, here: what cannot be sent raises in
+    ``schedule``), and the value that receives its result."""
+
+    def __init__(self, fn, args, kwargs, output: _RemoteValueImpl, method: str = "run"):
+        self.output, self._method = output, method
+        leaves = flatten((args, kwargs))
+        for leaf in leaves:
+            _refuse_remote_value(leaf)
+        # what lives on the workers: this worker's must have been made (its errors are the function's)
+        self._per_worker = [x for x in leaves if isinstance(x, PerWorkerValues)]
+        self._resources = [x for x in leaves if isinstance(x, _PerWorkerResource)]
+        name = getattr(fn, "__qualname__", repr(fn))
+        try:
+            self.payload = rpc.Pickled((fn, args, kwargs) if method == "run" else (fn, args),
+                                       f"the arguments of {name}")
+        except rpc.Unpicklable:
+            rpc.dumps(fn, f"fn={name}")  # (the function itself, when it is what cannot be sent)
+            raise
+
+    def run_on(self, worker: "_Worker"):
+        for value in self._resources + [v._values[worker.index] for v in self._per_worker]:
+            error = value._get_error()  # (made on this worker before: its tagged closures go first)
+            if error is not None:
+                raise error
+        if self._method == "run":
+            return worker.call("run", self.payload)
+        return worker.call("make_resource", self.output._id, self.payload)
+
+    def cancel(self) -> None:
+        self.output._set_error(CancelledError("The corresponding function is cancelled (another scheduled function "
+                                              "failed first). Please reschedule the function."))
+
+
+class _ClosureQueue:
+    """The closures waiting for a worker, and the first error of those that ran (TF's semantics)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._queue: collections.deque = collections.deque()
+        self._tagged: dict = collections.defaultdict(collections.deque)  # worker index -> its own closures
+        self._inflight = 0
+        self._error = None
+        self._stopped = False
+
+    def put(self, closure: _Closure, tag=None) -> None:
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the ClusterCoordinator was stopped: it schedules nothing more; create the "
+                                   "strategy and its coordinator again")
+            (self._queue if tag is None else self._tagged[tag]).append(closure)
+            self._changed.notify_all()
+            if tag is None:
+                self._raise_if_error()
+
+    def get(self, tag):
+        """The next closure for worker ``tag`` (its own first); None once stopped."""
+        with self._lock:
+            # After an error the queued closures wait to be cancelled (when it is raised): none starts.
+            while not self._stopped and not self._tagged[tag] and (not self._queue or self._error is not None):
+                self._changed.wait()
+            if self._stopped:
+                return None
+            closure = self._tagged[tag].popleft() if self._tagged[tag] else self._queue.popleft()
+            self._inflight += 1
+            return closure
+
+    def finished(self, error=None) -> None:
+        with self._lock:
+            self._inflight -= 1
+            if error is not None and self._error is None:
+                self._error = error
+            self._changed.notify_all()
+
+    def put_back(self, closure: _Closure) -> None:
+        """A closure whose worker became unavailable: for another worker (or cancelled after an error)."""
+        with self._lock:
+            self._inflight -= 1
+            if self._error is not None:
+                closure.cancel()
+            else:
+                self._queue.appendleft(closure)
+            self._changed.notify_all()
+
+    def fail(self, error) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            self._changed.notify_all()
+
+    def _raise_if_error(self) -> None:
+        if self._error is None:
+            return
+        while self._inflight > 0:  # TF's: the in-flight closures finish, the queued ones are cancelled
+            self._changed.wait()
+        for closure in self._queue:
+            closure.cancel()
+        self._queue.clear()
+        error, self._error = self._error, None
+        raise error
+
+    def wait(self) -> None:
+        with self._lock:
+            while self._error is None and (self._queue or self._inflight):
+                self._changed.wait()
+            self._raise_if_error()
+
+    def done(self) -> bool:
+        with self._lock:
+            self._raise_if_error()
+            return not self._queue and not self._inflight
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            for closure in list(self._queue) + [c for q in self._tagged.values() for c in q]:
+                closure.cancel()
+            self._queue.clear()
+            self._tagged.clear()
+            self._changed.notify_all()
+
+
+class _Worker:
+    """The coordinator's side of one worker: a thread that runs closures there, one at a time."""
+
+    def __init__(self, cluster: "_Cluster", index: int, address: str, token: str):
+        self.index, self.address, self._token = index, address, token
+        self.where = f"/job:worker/replica:0/task:{index}"
+        self._cluster = cluster
+        self._connection = None
+        self._reached = False  # whether it answered once
+        self._resources: dict = {}  # resource id -> its (fn, args), pickled: made again when the worker comes back
+        self.drops: collections.deque = collections.deque()  # ids of resources the coordinator let go of
+        self._thread = threading.Thread(target=self._process, name=f"mirrored-coordinator-worker{index}",
+                                        daemon=True)
+        self._thread.start()
+
+    def call(self, method: str, *args):
+        if self._connection is None:  # one attempt: a worker not there yet leaves its closure to the others
+            self._connection = rpc.Connection(self.address, self._token, timeout=0, cancel=self._cluster.stopping)
+            self._reached = True
+        return self._connection.call(method, *args)
+
+    def _process(self) -> None:
+        queue = self._cluster.queue
+        while True:
+            closure = queue.get(self.index)
+            if closure is None:
+                return
+            self._drop_released()
+            if closure._method == "make_resource":
+                self._resources[closure.output._id] = closure.payload
+            try:
+                closure.output._set_values(closure.run_on(self))
+            except rpc.TaskUnavailable as e:
+                if e.address != self.address or self._cluster.stopping.is_set():
+                    self._failed(closure, _worker_error(e, self.where))
+                elif not self._recovered(closure, e):
+                    return
+            except BaseException as e:  # the function's error: for its value, and for join()
+                self._failed(closure, _worker_error(e, self.where))
+            else:
+                queue.finished()
+            closure = None  # (its arguments, e.g. an iterator of a past epoch, may go now)
+
+    def _drop_released(self) -> None:
+        """Tell the worker to let go of the resources (iterators of past epochs) nobody here holds any more."""
+        while self.drops:
+            resource_id = self.drops.popleft()
+            if self._resources.pop(resource_id, None) is not None and self._connection is not None:
+                try:
+                    self._connection.call("drop_resource", resource_id)
+                except rpc.TaskUnavailable:
+                    pass  # (gone with the worker anyway)
+
+    def _failed(self, closure: _Closure, error) -> None:
+        closure.output._set_error(error)
+        # A per-worker resource's error reaches the closures that use it (and join through them).
+        self._cluster.queue.finished(None if closure._method == "make_resource" else error)
+
+    def _recovered(self, closure: _Closure, error) -> bool:
+        """The worker is unreachable: its closure goes to another worker, and this one waits for it to come
+        back, then makes its per-worker resources again (a restarted worker has none). False: it did not."""
+        if self._reached:  # (not a worker that has not started yet)
+            _logger.warning("worker %s is unavailable (%s); its function is rescheduled", self.where, error)
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+        making = closure._method == "make_resource"  # (this worker's own: it waits for the worker, in flight)
+        if not making:
+            self._cluster.queue.put_back(closure)
+        try:
+            self._connection = rpc.Connection(self.address, self._token, timeout=RECONNECT_SECONDS,
+                                              cancel=self._cluster.stopping)
+            self._reached = True
+            for resource_id, payload in self._resources.items():  # (the one being made among them)
+                self.call("make_resource", resource_id, payload)
+        except BaseException as e:  # (gone for good, or its resources cannot be made again)
+            _logger.error("worker %s did not come back: %s", self.where, e)
+            if making:
+                self._failed(closure, _worker_error(e, self.where))
+            self._cluster.lost_worker(self, e)
+            return False
+        if making:
+            closure.output._set_values(None)
+            self._cluster.queue.finished()
+        return True
+
+
+class _Cluster:
+    """The workers of a strategy's cluster and the queue they take closures from."""
+
+    def __init__(self, strategy: ParameterServerStrategy):
+        spec = strategy.extended._spec
+        self.queue = _ClosureQueue()
+        self.stopping = threading.Event()
+        self.workers = [_Worker(self, i, spec.task_address("worker", i), strategy.extended._token)
+                        for i in spec.task_indices("worker")]
+
+    def lost_worker(self, worker: _Worker, error) -> None:
+        """A worker that did not come back: join() and the next schedule raise it."""
+        self.queue.fail(_worker_error(error, worker.where))
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.queue.stop()
+        for worker in self.workers:
+            if worker._connection is not None:
+                worker._connection.close()
+
+
+class ClusterCoordinator:
+    """Schedules functions on the workers of a ``ParameterServerStrategy`` (``tf.distribute.coordinator.
+    ClusterCoordinator``); one per strategy (creating it again returns the same).
+
+    A scheduled function travels to the worker by reference (module and name: define it at module level of a
+    module every task imports) with its arguments by value, variables as handles to the ps tasks; with
+    ``cloudpickle`` installed, lambdas and closures travel too. docs/parameter_server.md.
+    """
+
+    def __new__(cls, strategy):
+        if getattr(strategy, "_cluster_coordinator", None) is None:
+            coordinator = super().__new__(cls)
+            if isinstance(strategy, ParameterServerStrategy):
+                strategy._cluster_coordinator = coordinator
+            return coordinator
+        return strategy._cluster_coordinator
+
+    def __init__(self, strategy):
+        if getattr(self, "_has_initialized", False):
+            return
+        if not isinstance(strategy, ParameterServerStrategy):
+            raise ValueError(f"strategy={strategy!r}: Only `md.distribute.experimental.ParameterServerStrategy` is "
+                             "supported to work with `ClusterCoordinator` currently; create "
+                             "ParameterServerStrategy(cluster_resolver) and pass it")
+        self._strategy = strategy
+        self._cluster = _Cluster(strategy)
+        weakref.finalize(self, self._cluster.stop)  # (TF's: the workers' threads end with the coordinator)
+        self._has_initialized = True
+
+    @property
+    def strategy(self) -> ParameterServerStrategy:
+        return self._strategy
+
+    def schedule(self, fn, args=None, kwargs=None) -> RemoteValue:
+        """Queue ``fn(*args, **kwargs)`` for the next free worker; returns its RemoteValue at once.
+
+        ``PerWorkerValues`` arguments (e.g. ``iter(per_worker_dataset)``) become that worker's value. Raises the
+        error of an earlier scheduled function, if one failed since the last ``join``/``done``.
+        """
+        if not callable(fn):
+            raise TypeError(f"fn={fn!r}: `ClusterCoordinator.schedule` only accepts a callable (a function, or an "
+                            "md.function)")
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        closure = _Closure(fn, args, kwargs, _RemoteValueImpl())
+        self._cluster.queue.put(closure)
+        return closure.output
+
+    def join(self) -> None:
+        """Wait until every scheduled function has run; raise the first error among them (and cancel the
+        functions still queued then)."""
+        self._cluster.queue.wait()
+
+    def done(self) -> bool:
+        """Whether every scheduled function has run (raises the first error, as ``join``)."""
+        return self._cluster.queue.done()
+
+    def fetch(self, val):
+        """``val`` with every RemoteValue in it replaced by its fetched value (any nest)."""
+        return map_structure(lambda x: x.fetch() if isinstance(x, RemoteValue) else x, val)
+
+    def create_per_worker_dataset(self, dataset_fn) -> PerWorkerDataset:
+        """A dataset made on every worker by ``dataset_fn()`` (or a dataset of ``strategy.
+        experimental_distribute_dataset`` / ``distribute_datasets_from_function``); ``iter()`` of it gives the
+        per-worker iterators to pass to ``schedule``."""
+        if not isinstance(dataset_fn, PerWorkerInput) and not callable(dataset_fn):
+            raise ValueError(f"dataset_fn={dataset_fn!r}: expected a function that returns a dataset (called on "
+                             "each worker), or strategy.experimental_distribute_dataset(dataset)")
+        rpc.dumps(dataset_fn, "dataset_fn")
+        return PerWorkerDataset(dataset_fn, self)
+
+    def _create_per_worker_resources(self, fn, args=None, kwargs=None) -> PerWorkerValues:
+        """``fn(*args)`` on every worker, kept there; its PerWorkerValues of handles."""
+        values = []
+        for worker in self._cluster.workers:
+            resource = _PerWorkerResource(worker.index)
+            # (a finalizer may run on any thread, inside any lock: it only appends, the worker's thread drops)
+            weakref.finalize(resource, worker.drops.append, resource._id)
+            self._cluster.queue.put(_Closure(fn, tuple(args or ()), {}, resource, method="make_resource"),
+                                    tag=worker.index)
+            values.append(resource)
+        return PerWorkerValues(values)
+
+
+def _refuse_remote_value(x) -> None:
+    if isinstance(x, RemoteValue) and not isinstance(x, _PerWorkerResource):
+        raise ValueError("`md.distribute.coordinator.RemoteValue` used as an input to scheduled function is not "
+                         "yet supported: fetch() it first and pass the value")

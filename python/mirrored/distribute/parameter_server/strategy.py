@@ -1,0 +1,211 @@
+"""``md.distribute.ParameterServerStrategy``: variables on ps tasks, steps scheduled on workers by a
+``ClusterCoordinator`` (``tf.distribute.experimental.ParameterServerStrategy``, TF 2's).
+
+The program runs on the coordinator (the chief); ps and worker tasks run ``md.distribute.Server(...).join()``.
+Variables created in ``scope()`` live on the ps tasks, placed round-robin in creation order, or split into a
+``ShardedVariable`` by ``variable_partitioner``. A function scheduled on a worker sees this strategy with one
+replica (TF's with CPU workers): ``strategy.run`` there is a one-replica step, and the variables it reads and
+updates are the ps tasks'. docs/parameter_server.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+
+from ...device.tensor_shape import TensorShape
+from ..cluster_resolver import ClusterResolver, SimpleClusterResolver, _validate
+from ..collective_all_reduce import job_token
+from ..distribute_lib import Strategy
+from ..input_lib import InputContext
+from ..one_device_strategy import OneDeviceExtended
+from .values import Handle, RemoteVariable, ShardedVariable, strategy_here
+
+__all__ = ["ParameterServerStrategy"]
+
+_logger = logging.getLogger("mirrored")
+_EXAMPLE = ("md.distribute.cluster_resolver.SimpleClusterResolver({'chief': ['host0:2222'], 'worker': "
+            "['host1:2222', 'host2:2222'], 'ps': ['host3:2222']}, task_type='chief', task_id=0)")
+
+
+def _cluster(cluster_resolver):
+    """The resolver's cluster, checked as TF checks it for this strategy."""
+    if not isinstance(cluster_resolver, ClusterResolver):
+        raise ValueError(f"cluster_resolver={cluster_resolver!r}: expected a cluster resolver, e.g. "
+                         f"md.distribute.cluster_resolver.TFConfigClusterResolver() or {_EXAMPLE}")
+    spec = cluster_resolver.cluster_spec()
+    if not spec:
+        raise ValueError("Cluster spec must be non-empty in `cluster_resolver`: name the ps and worker tasks, e.g. "
+                         + _EXAMPLE)
+    _validate(spec, cluster_resolver.task_type, cluster_resolver.task_id, "cluster_resolver")
+    if "ps" not in spec.jobs or spec.num_tasks("ps") < 1:
+        raise ValueError(f"There must be at least one ps: cluster {spec.as_dict()} has no 'ps' tasks; add the "
+                         "parameter server tasks that hold the variables, e.g. 'ps': ['host3:2222']")
+    if "worker" not in spec.jobs or spec.num_tasks("worker") < 1:
+        raise ValueError(f"There must be at least one worker: cluster {spec.as_dict()} has no 'worker' tasks; add "
+                         "the tasks that run the scheduled functions, e.g. 'worker': ['host1:2222']")
+    return spec
+
+
+class ParameterServerExtended(OneDeviceExtended):
+    """``ParameterServerStrategy.extended``: one CPU replica (per worker); variables on the ps tasks."""
+
+    def __init__(self, container_strategy, spec, variable_partitioner, on_worker: bool):
+        super().__init__(container_strategy, "/cpu:0")
+        self._spec = spec
+        self._token = job_token(spec.as_dict())
+        self._ps_addresses = [spec.task_address("ps", i) for i in spec.task_indices("ps")]
+        self._variable_partitioner = variable_partitioner
+        self._variable_count = 0  # placed round-robin so far
+        self._variable_ids = 0
+        self._variable_prefix = uuid.uuid4().hex  # ids unique across strategies and workers that make variables
+        self._on_worker = on_worker
+        self._warned_unscheduled = False
+        self._colocate_task = None  # inside colocate_vars_with: the ps task new variables go to
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable):
+        """New variables go to ``colocate_with_variable``'s ps task, unpartitioned (TF's)."""
+        super().colocate_vars_with(colocate_with_variable)  # (checks it is this strategy's)
+        target = colocate_with_variable
+        if isinstance(target, ShardedVariable):
+            target = target.variables[0]
+        previous, self._colocate_task = self._colocate_task, target._handle.task
+        try:
+            yield
+        finally:
+            self._colocate_task = previous
+
+    # TF's devices, as it spells them
+    worker_devices = property(lambda self: ("/device:CPU:0",))
+    parameter_devices = property(lambda self: tuple(f"/job:ps/task:{i}/device:CPU:0"
+                                                    for i in range(len(self._ps_addresses))))
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        if not self._on_worker and not self._warned_unscheduled:
+            self._warned_unscheduled = True
+            _logger.warning("A ParameterServerStrategy method is invoked without ClusterCoordinator.schedule: it "
+                            "runs on the coordinator; schedule the function to run it on a worker")
+        return super()._call_for_each_replica(fn, args, kwargs)
+
+    def _make_variable(self, value, name, trainable, synchronization, aggregation):
+        if self._colocate_task is not None:
+            return self._on_ps(self._colocate_task, value, name, trainable, synchronization, aggregation)
+        partitions = None
+        if self._variable_partitioner is not None and value.ndim > 0:
+            partitions = self._variable_partitioner(shape=TensorShape(value.shape), dtype=value.dtype)
+            if not partitions or partitions[0] == 0 or any(p != 1 for p in partitions[1:]):
+                raise ValueError("variable_partitioner must return a list/tuple whose elements are 1 besides the "
+                                 f"first element (non-zero), got: {partitions!r} for variable {name!r} of shape "
+                                 f"{tuple(value.shape)}")
+        if partitions is None or partitions[0] == 1:
+            return self._on_next_ps(value, name, trainable, synchronization, aggregation)
+        # TF's "div" partitioning: consecutive rows, the first (rows % shards) shards one row longer
+        shards = min(int(partitions[0]), value.shape[0])
+        base, extra = divmod(value.shape[0], shards)
+        offsets = [0]
+        for i in range(shards):
+            offsets.append(offsets[-1] + base + (i < extra))
+        return ShardedVariable([self._on_next_ps(value[offsets[i]:offsets[i + 1]], f"{name}/part_{i}", trainable,
+                                                 synchronization, aggregation) for i in range(shards)])
+
+    def _on_next_ps(self, value, name, trainable, synchronization, aggregation) -> RemoteVariable:
+        """A variable on the next ps task, round-robin in creation order (TF's placement)."""
+        task = self._variable_count % len(self._ps_addresses)
+        self._variable_count += 1
+        return self._on_ps(task, value, name, trainable, synchronization, aggregation)
+
+    def _on_ps(self, task: int, value, name, trainable, synchronization, aggregation) -> RemoteVariable:
+        self._variable_ids += 1
+        dtype = value.dtype.name if value.dtype.kind == "V" else value.dtype.str  # (bfloat16: by name)
+        handle = Handle(self._ps_addresses[task], self._token, task, f"{self._variable_prefix}/{self._variable_ids}",
+                        f"{name}:0", tuple(value.shape), dtype, trainable, synchronization, aggregation)
+        variable = RemoteVariable(handle, self._container_strategy)
+        variable._pool.call("create", handle.var_id, value, handle.name, trainable, synchronization, aggregation)
+        return variable
+
+
+class ParameterServerStrategy(Strategy):
+    """Variables on parameter servers, steps on workers (``tf.distribute.experimental.ParameterServerStrategy``).
+
+    ``cluster_resolver`` names the ``ps`` and ``worker`` tasks (and the ``chief``, this program); each ps and
+    worker task runs ``md.distribute.Server(cluster_spec, job_name, task_index).join()``. Use it with
+    ``md.distribute.coordinator.ClusterCoordinator(strategy)``, whose ``schedule`` runs a function on a free
+    worker. ``variable_partitioner`` (``md.distribute.experimental.partitioners``) splits each variable along
+    its first axis into a ``ShardedVariable`` when it asks for more than one shard.
+    """
+
+    def __init__(self, cluster_resolver, variable_partitioner=None):
+        spec = _cluster(cluster_resolver)
+        if cluster_resolver.task_type in ("worker", "ps"):
+            raise ValueError(f"cluster_resolver.task_type={cluster_resolver.task_type!r}: ParameterServerStrategy is "
+                             "created by the coordinator (the chief); a worker or ps task runs "
+                             "md.distribute.Server(cluster_resolver.cluster_spec(), job_name=task_type, "
+                             "task_index=task_id).join() instead")
+        if variable_partitioner is not None and not callable(variable_partitioner):
+            raise ValueError(f"variable_partitioner={variable_partitioner!r}: expected a partitioner, e.g. "
+                             "md.distribute.experimental.partitioners.MinSizePartitioner(max_shards=num_ps), or None")
+        self._cluster_resolver = cluster_resolver
+        self._cluster_coordinator = None
+        self._should_use_with_coordinator = True
+        super().__init__(ParameterServerExtended(self, spec, variable_partitioner, on_worker=False))
+
+    @classmethod
+    def _on_worker(cls, spec, task_index: int) -> "ParameterServerStrategy":
+        """The strategy as a worker task sees it, in the functions scheduled there."""
+        strategy = cls.__new__(cls)
+        strategy._cluster_resolver = SimpleClusterResolver(spec, task_type="worker", task_id=task_index)
+        strategy._cluster_coordinator = None
+        strategy._should_use_with_coordinator = True
+        Strategy.__init__(strategy, ParameterServerExtended(strategy, spec, None, on_worker=True))
+        return strategy
+
+    # A scheduled function's strategy is, on the worker, the worker's own (values.strategy_here).
+    def __reduce__(self):
+        return strategy_here, ()
+
+    @property
+    def cluster_resolver(self):
+        return self._cluster_resolver
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """A dataset for ``ClusterCoordinator.create_per_worker_dataset`` (each worker iterates its own copy)."""
+        return PerWorkerInput(self, dataset=dataset)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """``dataset_fn(InputContext)`` for ``ClusterCoordinator.create_per_worker_dataset`` (called on each
+        worker with one input pipeline, as TF's)."""
+        if not callable(dataset_fn):
+            raise ValueError(f"dataset_fn={dataset_fn!r}: expected a function of an md.distribute.InputContext "
+                             "that returns a dataset")
+        return PerWorkerInput(self, dataset_fn=dataset_fn)
+
+    experimental_distribute_datasets_from_function = distribute_datasets_from_function
+
+    def __repr__(self) -> str:
+        return f"<ParameterServerStrategy cluster={self.extended._spec.as_dict()}>"
+
+
+class PerWorkerInput:
+    """A dataset of ParameterServerStrategy, built on each worker by ``create_per_worker_dataset`` (TF's
+    unbuilt distributed dataset: iterating it on the coordinator refuses, as TF's does)."""
+
+    def __init__(self, strategy, dataset=None, dataset_fn=None):
+        self._strategy, self._dataset, self._dataset_fn = strategy, dataset, dataset_fn
+
+    def build(self):
+        """The worker's dataset (run on the worker)."""
+        if self._dataset_fn is None:
+            return self._dataset
+        return self._dataset_fn(InputContext(1, 0, 1))
+
+    def __iter__(self):
+        if self._dataset_fn is None:
+            raise ValueError("To use this dataset, you need to pass this dataset to "
+                             "ClusterCoordinator.create_per_worker_dataset.")
+        raise ValueError("You need to use this dataset in ClusterCoordinator.create_per_worker_dataset.")
+
+    def __reduce__(self):
+        return PerWorkerInput, (None, self._dataset, self._dataset_fn)
+

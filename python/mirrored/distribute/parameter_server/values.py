@@ -1,0 +1,307 @@
+"""What a ParameterServerStrategy's programs hold: variables that live on ps tasks, and sharded ones.
+
+A :class:`RemoteVariable` is a handle (the ps task's address, the variable's id, name, shape, dtype): reading it
+asks its ps task for the value, ``assign*`` sends the value there, and ``optimizer.apply_gradients`` sends each ps
+task one request with its variables' gradients, which it applies with the optimizer's fused update
+(:func:`apply_gradients`). A handle pickles as itself, so a scheduled function's arguments carry variables to the
+workers, where they read and update the same ps tasks.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import NamedTuple
+
+import numpy as np
+
+from ...device.indexed_slices import IndexedSlices
+from ...device.tensor_shape import TensorShape
+from ..options import VariableAggregation, VariableSynchronization
+from ..values import _ND_SCATTERS, _SCATTERS, Variable, _scatter_method, _scatter_nd_method, _updated
+from . import rpc
+
+__all__ = ["RemoteVariable", "ShardedVariable", "apply_gradients"]
+
+
+class Handle(NamedTuple):
+    """Where a variable lives and what it is; all a task needs to reach it."""
+
+    address: str        # the ps task's host:port
+    token: str          # the job's token (the ps admits only the job's tasks)
+    task: int           # the ps task's index
+    var_id: str
+    name: str           # with ":0", as TF names it
+    shape: tuple
+    dtype: str
+    trainable: bool
+    synchronization: VariableSynchronization
+    aggregation: VariableAggregation
+
+
+# On the threads that serve a task's requests: .server, the md.distribute.Server (server_lib sets it), and
+# .dispatching, True while a scheduled function (or a per-worker resource's function) runs.
+serving = threading.local()
+
+
+def _server(what: str):
+    server = getattr(serving, "server", None)
+    if server is None:
+        raise RuntimeError(f"{what} was unpickled outside the tasks of its cluster; it travels only inside "
+                           "functions scheduled with ClusterCoordinator.schedule")
+    return server
+
+
+def strategy_here():
+    """The ParameterServerStrategy of the worker task this thread serves (what a pickled strategy becomes)."""
+    return _server("a ParameterServerStrategy")._worker_strategy()
+
+
+def resource_here(resource_id: str):
+    """This worker's object made by ``create_per_worker_dataset`` (what a per-worker value becomes there)."""
+    return _server("a per-worker value")._resource(resource_id)
+
+
+def per_worker_here(resource_ids: tuple):
+    """This worker's own of a ``PerWorkerValues`` (the ids of every worker's object, by worker index)."""
+    server = _server("a PerWorkerValues")
+    return server._resource(resource_ids[server.task_index])
+
+
+def variable_here(handle: Handle) -> "RemoteVariable":
+    """The variable of ``handle`` as this task sees it (a worker's: in its strategy)."""
+    server = getattr(serving, "server", None)
+    worker = server is not None and server.job_name == "worker"
+    return RemoteVariable(handle, server._worker_strategy() if worker else None)
+
+
+class RemoteVariable(Variable):
+    """A variable on a ps task (``/job:ps/replica:0/task:i/device:CPU:0``); reads and updates go there."""
+
+    def __init__(self, handle: Handle, strategy=None):
+        self._handle = handle
+        self._shape = TensorShape(handle.shape)
+        self._dtype = np.dtype(handle.dtype)
+        self._strategy = strategy
+        self._pool = rpc.pool(handle.address, handle.token)
+
+    def __reduce__(self):
+        return variable_here, (self._handle,)
+
+    name = property(lambda self: self._handle.name)
+    shape = property(lambda self: self._shape)
+    dtype = property(lambda self: self._dtype)
+    trainable = property(lambda self: self._handle.trainable)
+    synchronization = property(lambda self: self._handle.synchronization)
+    aggregation = property(lambda self: self._handle.aggregation)
+    distribute_strategy = property(lambda self: self._strategy)
+
+    @property
+    def device(self) -> str:
+        return f"/job:ps/replica:0/task:{self._handle.task}/device:CPU:0"
+
+    def read_value(self):
+        return self._pool.call("read", [self._handle.var_id])[0]
+
+    # Updates run on the ps task, by the variable there (which checks them as any md.Variable does).
+    def _update(self, method: str, *args) -> None:
+        self._pool.call("update", self._handle.var_id, method, args)
+
+    def _send(self, method: str, value, read_value: bool):
+        if isinstance(value, Variable):
+            value = value.read_value()
+        self._update(method, np.asarray(value))
+        return _updated(self, read_value)
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        return self._send("assign", value, read_value)
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        return self._send("assign_add", delta, read_value)
+
+    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        return self._send("assign_sub", delta, read_value)
+
+    def _scatter(self, method: str, sparse_delta):
+        self._update(method, sparse_delta)
+        return self
+
+    def _scatter_nd(self, method: str, indices, updates):
+        self._update(method, np.asarray(indices), np.asarray(updates))
+        return self
+
+    def batch_scatter_update(self, sparse_delta, use_locking=False, name=None):
+        """``tf.Variable.batch_scatter_update``, on the ps task; returns the variable."""
+        return self._scatter("batch_scatter_update", sparse_delta)
+
+    scatter_add, scatter_sub, scatter_mul, scatter_div, scatter_max, scatter_min, scatter_update = map(
+        _scatter_method, _SCATTERS)
+    scatter_nd_add, scatter_nd_sub, scatter_nd_update, scatter_nd_max, scatter_nd_min = map(
+        _scatter_nd_method, _ND_SCATTERS)
+
+    def sparse_read(self, indices, name=None):
+        """The rows at ``indices`` (``tf.gather`` along axis 0), gathered on the ps task."""
+        return self._pool.call("gather", self._handle.var_id, "sparse_read", np.asarray(indices))
+
+    def gather_nd(self, indices, name=None):
+        """``tf.gather_nd`` of the value, on the ps task."""
+        return self._pool.call("gather", self._handle.var_id, "gather_nd", np.asarray(indices))
+
+    def is_initialized(self) -> np.bool_:
+        return np.bool_(True)
+
+
+
+class ShardedVariable(Variable):
+    """A variable split along its first axis into shards on the ps tasks (``tf.distribute.ShardedVariable``'s
+    semantics): ``variables`` are the shards in order; reads concatenate them, ``assign*`` splits the value."""
+
+    def __init__(self, variables):
+        variables = list(variables)
+        if not variables:
+            raise ValueError("variables=[]: a ShardedVariable needs at least one shard")
+        first = variables[0]
+        for v in variables[1:]:
+            if v.dtype != first.dtype or tuple(v.shape)[1:] != tuple(first.shape)[1:]:
+                raise ValueError(f"variables: shard {v.name!r} of shape {tuple(v.shape)} and dtype {v.dtype} does "
+                                 f"not match {first.name!r} ({tuple(first.shape)}, {first.dtype}); shards differ in "
+                                 "their first dimension only")
+        self._variables = variables
+        rows = [v.shape[0] for v in variables]
+        self._offsets = np.cumsum([0] + rows)
+        self._shape = TensorShape((int(self._offsets[-1]),) + tuple(first.shape)[1:])
+        self._name = first.name.rsplit("/part_", 1)[0] if "/part_" in first.name else first.name
+
+    variables = property(lambda self: list(self._variables))
+    name = property(lambda self: self._name)
+    shape = property(lambda self: self._shape)
+    dtype = property(lambda self: self._variables[0].dtype)
+    trainable = property(lambda self: self._variables[0].trainable)
+    synchronization = property(lambda self: self._variables[0].synchronization)
+    aggregation = property(lambda self: self._variables[0].aggregation)
+    distribute_strategy = property(lambda self: self._variables[0].distribute_strategy)
+
+    def read_value(self):
+        return np.concatenate([np.asarray(v.read_value()) for v in self._variables], axis=0)
+
+    def _split(self, value, argument: str) -> list:
+        if isinstance(value, Variable):
+            value = value.read_value()
+        value = np.asarray(value)
+        if tuple(value.shape) != tuple(self._shape):
+            raise ValueError(f"{argument}: cannot assign a value of shape {tuple(value.shape)} to sharded variable "
+                             f"'{self._name}' of shape {tuple(self._shape)}; the shapes must be equal")
+        return np.split(value, self._offsets[1:-1], axis=0)
+
+    def _each(self, method: str, value, argument: str, read_value: bool):
+        for v, part in zip(self._variables, self._split(value, argument)):
+            getattr(v, method)(part, read_value=False)
+        return _updated(self, read_value)
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        return self._each("assign", value, "value", read_value)
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        return self._each("assign_add", delta, "delta", read_value)
+
+    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        return self._each("assign_sub", delta, "delta", read_value)
+
+    def _scatter(self, method: str, sparse_delta):
+        """A row scatter split over the shards: each gets the rows it holds (renumbered from its first)."""
+        if type(sparse_delta) is not IndexedSlices:
+            raise TypeError(f"sparse_delta: {method} takes an md.IndexedSlices (values, indices), not a "
+                            f"{type(sparse_delta).__name__}")
+        indices = np.asarray(sparse_delta.indices).astype(np.int64, copy=False)
+        values = np.asarray(sparse_delta.values)
+        self._check_rows(indices, "sparse_delta.indices")
+        shard = np.searchsorted(self._offsets, indices, side="right") - 1
+        for s in np.unique(shard):
+            where = shard == s
+            self._variables[s]._scatter(method, IndexedSlices(values[where], indices[where] - self._offsets[s]))
+        return self
+
+    scatter_add, scatter_sub, scatter_mul, scatter_div, scatter_max, scatter_min, scatter_update = map(
+        _scatter_method, _SCATTERS)
+
+    def _check_rows(self, flat, argument: str) -> None:
+        rows = self._shape[0]
+        if flat.size and (flat.min() < 0 or flat.max() >= rows):
+            bad = int(flat[(flat < 0) | (flat >= rows)][0])
+            raise IndexError(f"{argument}: {bad} is not in [0, {rows}), the rows of '{self._name}'")
+
+    def sparse_read(self, indices, name=None):
+        """The rows at ``indices``, from the shards that hold them (``embedding_lookup``)."""
+        return self.embedding_lookup(indices)
+
+    def embedding_lookup(self, ids):
+        """The rows ``ids`` (``tf.nn.embedding_lookup`` of the sharded table, TF's "div" partitioning)."""
+        ids = np.asarray(ids)
+        flat = ids.reshape(-1).astype(np.int64, copy=False)
+        self._check_rows(flat, "ids")
+        shard = np.searchsorted(self._offsets, flat, side="right") - 1
+        rows = np.empty((flat.size,) + tuple(self._shape)[1:], self.dtype)
+        for s in np.unique(shard):
+            where = shard == s
+            rows[where] = np.asarray(self._variables[s].read_value())[flat[where] - self._offsets[s]]
+        return rows.reshape(ids.shape + tuple(self._shape)[1:])
+
+    def __repr__(self) -> str:
+        return f"<mirrored.ShardedVariable '{self._name}' shape={self._shape} dtype={self.dtype.name}, " \
+               f"{len(self._variables)} shards>"
+
+
+def _shards(grads, variables) -> tuple:
+    """Gradients and variables with each ShardedVariable replaced by its shards (its gradient split to fit)."""
+    out_grads, out_vars = [], []
+    for g, v in zip(grads, variables):
+        if isinstance(v, ShardedVariable) and type(g) is IndexedSlices:  # each shard its rows, renumbered
+            indices = np.asarray(g.indices).astype(np.int64, copy=False)
+            shard = np.searchsorted(v._offsets, indices, side="right") - 1
+            for s, part in enumerate(v.variables):
+                where = shard == s
+                out_grads.append(IndexedSlices(np.asarray(g.values)[where], indices[where] - v._offsets[s]))
+                out_vars.append(part)
+        elif isinstance(v, ShardedVariable):
+            out_grads += np.split(np.asarray(g), v._offsets[1:-1], axis=0)
+            out_vars += v.variables
+        else:
+            out_grads.append(g)
+            out_vars.append(v)
+    return out_grads, out_vars
+
+
+class UnknownOptimizer(LookupError):
+    """A ps task has not seen the optimizer yet (the first update there, or the task restarted)."""
+
+
+def apply_gradients(optimizer, grads, variables) -> int:
+    """``optimizer.apply_gradients`` of variables on ps tasks: clipped here (over all of them, as Keras clips),
+    then one request per ps task with its variables' gradients, applied there by a copy of the optimizer that
+    keeps the slots beside the variables. Returns the step count of the first ps task's copy after the update."""
+    if getattr(optimizer, "_exclude_ids", None):
+        raise ValueError(f"{type(optimizer).__name__}.exclude_from_weight_decay(var_list=...) names variables by "
+                         "identity, which does not reach the ps tasks; use exclude_from_weight_decay(var_names=[...])")
+    for v in variables:
+        if not isinstance(v, (RemoteVariable, ShardedVariable)):
+            raise TypeError(f"variable {v.name!r} is not on a ps task, while others of this apply_gradients are; "
+                            "create every variable inside ParameterServerStrategy.scope()")
+    grads = optimizer._clip(optimizer._unscale(list(grads)))
+    grads, variables = _shards(grads, variables)
+    by_task: dict = {}
+    for g, v in zip(grads, variables):
+        pool, ids, task_grads = by_task.setdefault(v._handle.address, (v._pool, [], []))
+        ids.append(v._handle.var_id)
+        task_grads.append(g)
+    steps = []
+    for pool, ids, task_grads in by_task.values():
+        try:  # the optimizer's arguments go once per ps task: when it asks for them
+            steps.append(pool.call("apply", optimizer._ps_key, None, ids, task_grads))
+        except UnknownOptimizer:
+            rule = optimizer._without_state(clipnorm=None, clipvalue=None, global_clipnorm=None,
+                                            loss_scale_factor=None)
+            steps.append(pool.call("apply", optimizer._ps_key, rule, ids, task_grads))
+    return steps[0]
+
+
+# optimizer.apply_gradients hands variables of this kind to this function (train/optimizers/base.py)
+RemoteVariable._apply_gradients = ShardedVariable._apply_gradients = staticmethod(apply_gradients)

@@ -1,0 +1,141 @@
+"""A small linear model and the functions a ParameterServerStrategy test schedules on its workers.
+
+Scheduled functions travel by reference, so they live in a module every task imports: the worker processes of
+the multi-process tests have tests/ on their path. ``plain_loop`` trains the same model without a strategy.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+import mirrored as md
+
+FEATURES, OUTPUTS = 6, 3
+
+
+def data(steps: int, batch: int = 8, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((batch, FEATURES)).astype(np.float32),
+             rng.standard_normal((batch, OUTPUTS)).astype(np.float32)) for _ in range(steps)]
+
+
+def initial():
+    rng = np.random.default_rng(42)
+    return rng.standard_normal((FEATURES, OUTPUTS)).astype(np.float32), np.zeros(OUTPUTS, np.float32)
+
+
+def gradients(w, b, x, y):
+    """Mean squared error of ``x @ w + b``: its gradients by w and b."""
+    err = x @ np.asarray(w) + np.asarray(b) - y
+    scale = np.float32(2.0 / err.size)
+    return (x.T @ err) * scale, err.sum(axis=0) * scale
+
+
+def make_optimizer(name: str):
+    return md.optimizers.SGD(0.1, momentum=0.5) if name == "sgd" else md.optimizers.Adam(0.01)
+
+
+class Model:
+    """The weights and the optimizer; ``train_step`` is what a worker runs (``strategy.run`` of one replica)."""
+
+    def __init__(self, optimizer: str):
+        w, b = initial()
+        self.w = md.Variable(w, name="w")
+        self.b = md.Variable(b, name="b")
+        self.optimizer = make_optimizer(optimizer)
+
+    def train_step(self, x, y):
+        def replica(x, y):
+            gw, gb = gradients(self.w, self.b, x, y)
+            return self.optimizer.apply_gradients([(gw, self.w), (gb, self.b)])
+        return md.distribute.get_strategy().run(replica, args=(x, y))
+
+
+def plain_loop(optimizer: str, batches) -> tuple:
+    """The same training without a strategy: the reference weights."""
+    model = Model(optimizer)
+    for x, y in batches:
+        gw, gb = gradients(model.w, model.b, x, y)
+        model.optimizer.apply_gradients([(gw, model.w), (gb, model.b)])
+    return model.w.numpy(), model.b.numpy()
+
+
+def constant_step(w, optimizer, c):
+    """SGD on ``sum(w * c)``: the gradient is ``c`` whatever ``w`` is, so asynchronous steps add up exactly;
+    returns the index of the worker that ran it."""
+    md.distribute.get_strategy().run(lambda: optimizer.apply_gradients([(c, w)]))
+    return md.distribute.coordinator.experimental_get_current_worker_index()
+
+
+def next_batch(iterator):
+    return md.distribute.coordinator.experimental_get_current_worker_index(), next(iterator)
+
+
+def range_dataset(n: int = 10, batch: int = 2):
+    return md.data.Dataset.range(n).batch(batch)
+
+
+def small_dataset():
+    return range_dataset()
+
+
+def sharded_by_worker():
+    index = md.distribute.coordinator.experimental_get_current_worker_index()
+    return md.data.Dataset.range(8).shard(2, index).batch(2)
+
+
+def context_dataset(input_context):
+    return md.data.Dataset.from_tensors(np.array([input_context.num_input_pipelines,
+                                                  input_context.input_pipeline_id,
+                                                  input_context.num_replicas_in_sync]))
+
+
+def where_am_i():
+    ctx = md.distribute.get_replica_context()
+    strategy = md.distribute.get_strategy()
+    inside = strategy.run(lambda: (md.distribute.get_replica_context().replica_id_in_sync_group,
+                                   md.distribute.get_replica_context().num_replicas_in_sync))
+    return (type(strategy).__name__, ctx is None, strategy.num_replicas_in_sync, inside,
+            md.distribute.coordinator.experimental_get_current_worker_index())
+
+
+def fail(message: str):
+    raise ValueError(message)
+
+
+def identity(x):
+    return x
+
+
+@md.function
+def step_function(x):
+    return x * 2
+
+
+def apply_one(optimizer, gradient, variable):
+    return md.distribute.get_strategy().run(lambda: optimizer.apply_gradients([(gradient, variable)]))
+
+
+def scatter(v, rows):
+    return v.scatter_sub(rows) is v
+
+
+def read_and_add(v, delta):
+    v.assign_add(delta)
+    return v.read_value()
+
+
+def wait_for_release(directory: str):
+    """Says which worker started it (a file), then waits for the test's ``release`` file; returns the worker."""
+    index = md.distribute.coordinator.experimental_get_current_worker_index()
+    open(os.path.join(directory, f"started.{index}"), "w").close()
+    release = os.path.join(directory, "release")
+    deadline = time.monotonic() + 300
+    while not os.path.exists(release):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{release} did not appear")
+        time.sleep(0.01)  # (polls a file another process creates)
+    return index
