@@ -121,3 +121,18 @@ def test_amsgrad_keeps_the_largest_velocity_and_propagates_nan_as_tf_maximum(dty
     np.testing.assert_array_equal(v_hat, [16.0, 2.0, np.nan, np.nan, 1.0])
     np.testing.assert_array_equal(m, [0.0, 1.0, 0.0, np.nan, 0.5])
     np.testing.assert_array_equal(w, [1.0, t(1) - t(1) / np.sqrt(t(2)), np.nan, np.nan, 0.5])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_arrays_with_an_equal_dtype_of_their_own_are_taken(dtype):
+    """An unpickled array (a parameter server's, multiprocessing's) has a dtype object equal to, not the same
+    as, NumPy's own; the kernel takes it. A non-native byte order is refused with the argument named."""
+    import pickle
+    w, g = pickle.loads(pickle.dumps(np.zeros(4, dtype))), pickle.loads(pickle.dumps(np.ones(4, dtype)))
+    assert w.dtype is not np.dtype(dtype) and w.dtype == np.dtype(dtype)
+    fused_update(rules.SGD, [w], [g], [[]], [False], [0.5], 0.0, 0.0)
+    np.testing.assert_array_equal(w, -0.5)
+    swapped = np.ones(4, np.dtype(dtype).newbyteorder())
+    with pytest.raises(ValueError, match=r"grads\[0\]: dtype"):
+        fused_update(rules.SGD, [w], [swapped], [[]], [False], [0.5], 0.0, 0.0)
+    np.testing.assert_array_equal(w, -0.5)

@@ -15,12 +15,19 @@ using namespace mirrored::host;
 
 namespace {
 
+// Whether `dtype` is T's, in the machine's byte order. Not by identity: an unpickled array (a
+// parameter server's, multiprocessing's) carries an equal dtype object of its own.
+template <typename T>
+bool is_dtype(const py::dtype& dtype) {
+  return py::detail::npy_api::get().PyArray_EquivTypes_(dtype.ptr(), py::dtype::of<T>().ptr());
+}
+
 // The array `h` as a contiguous T buffer of `count` elements (count 0: any), or a ValueError naming it.
 template <typename T>
 T* buffer_of(py::handle h, std::size_t count, bool writable, const std::string& where) {
   if (!py::isinstance<py::array>(h)) throw py::type_error(where + ": expected a NumPy array");
   auto a = py::reinterpret_borrow<py::array>(h);
-  if (!a.dtype().is(py::dtype::of<T>()))
+  if (!is_dtype<T>(a.dtype()))
     throw py::value_error(where + ": dtype " + std::string(py::str(a.dtype())) + ", expected " +
                           std::string(py::str(py::dtype::of<T>())) + " like the variable's");
   if (!(a.flags() & py::array::c_style)) throw py::value_error(where + ": expected a C-contiguous array");
@@ -130,9 +137,9 @@ void def_host_fused_update(py::module_& m) {
         }
         if (n == 0) return;
         const py::dtype dtype = py::reinterpret_borrow<py::array>(weights[0]).dtype();
-        if (dtype.is(py::dtype::of<float>())) {
+        if (is_dtype<float>(dtype)) {
           apply_typed<float>(rule, weights, grads, slots, decay, coefficients, weight_decay, lr, squares);
-        } else if (dtype.is(py::dtype::of<double>())) {
+        } else if (is_dtype<double>(dtype)) {
           apply_typed<double>(rule, weights, grads, slots, decay, coefficients, weight_decay, lr, squares);
         } else {
           throw py::value_error("weights[0]: dtype " + std::string(py::str(dtype)) +
@@ -169,9 +176,9 @@ void def_host_fused_update(py::module_& m) {
           py::gil_scoped_release release;
           bad = scatter_add_rows<T>(o, sq, rows, width, v, at, n);
         };
-        if (out.dtype().is(py::dtype::of<float>())) {
+        if (is_dtype<float>(out.dtype())) {
           run(0.0f);
-        } else if (out.dtype().is(py::dtype::of<double>())) {
+        } else if (is_dtype<double>(out.dtype())) {
           run(0.0);
         } else {
           throw py::value_error("out: dtype " + std::string(py::str(out.dtype())) + ", expected float32 or float64");
