@@ -56,6 +56,10 @@ class TaskUnavailable(ConnectionError):
         return TaskUnavailable, (self.args[0], self.address)
 
 
+class ReplyTimeout(TimeoutError):
+    """The task did not answer within the call's timeout (not a ``TimeoutError`` the remote function raised)."""
+
+
 class Unpicklable(TypeError):
     """What was to be sent cannot be pickled; the message names it and the fix."""
 
@@ -193,14 +197,21 @@ class Connection:
         self._lock = threading.Lock()
         self.bytes_sent = 0
 
-    def call(self, method: str, *args):
-        """``method(*args)`` on the task; its exception is raised here, with the remote traceback as a note."""
+    def call(self, method: str, *args, timeout: float | None = None):
+        """``method(*args)`` on the task; its exception is raised here, with the remote traceback as a note.
+        ``timeout`` (seconds) bounds the reply: past it the connection closes (a late reply would be read as
+        the next call's) and ``ReplyTimeout`` is raised."""
         with self._lock:
             try:
+                self._sock.settimeout(timeout)
                 self.bytes_sent += send(self._sock, (method, args), f"the arguments of {method}")
                 reply, _ = receive(self._sock)
             except Unpicklable:
                 raise
+            except TimeoutError as e:  # (socket.timeout: before OSError, of which it is one)
+                self.close()
+                raise ReplyTimeout(f"the task at {self.address} did not answer {method} within {timeout:g} s") \
+                    from e
             except (OSError, EOFError, pickle.UnpicklingError, struct.error) as e:
                 self.close()
                 raise TaskUnavailable(f"the task at {self.address} is unavailable ({method}): {e}",
@@ -227,16 +238,26 @@ class Pool:
         self._idle: list = []
         self._lock = threading.Lock()
 
-    def call(self, method: str, *args):
+    @property
+    def reached(self) -> bool:
+        """Whether a connection to the task ever opened (it has started, at least)."""
+        return self._reached
+
+    def call(self, method: str, *args, timeout: float | None = None):
+        """``method(*args)`` on an idle connection; ``timeout`` (seconds) bounds connecting and the reply."""
         with self._lock:
             connection = self._idle.pop() if self._idle else None
         if connection is None:
             # Waits for a task that has not started yet; one that answered before and is gone fails at once.
-            connection = Connection(self.address, self._token, timeout=0 if self._reached else CONNECT_TIMEOUT_SECONDS)
+            wait = 0 if self._reached else CONNECT_TIMEOUT_SECONDS
+            start = time.monotonic()
+            connection = Connection(self.address, self._token, timeout=wait if timeout is None else min(wait, timeout))
             self._reached = True
+            if timeout is not None:
+                timeout = max(timeout - (time.monotonic() - start), 1e-3)
         try:
-            result = connection.call(method, *args)
-        except TaskUnavailable:
+            result = connection.call(method, *args, timeout=timeout)
+        except (TaskUnavailable, ReplyTimeout):
             raise  # (the connection closed itself)
         except BaseException:
             self._release(connection)
