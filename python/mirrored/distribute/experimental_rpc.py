@@ -91,7 +91,9 @@ class _Method:
     """A registered function and the input signature its arguments are checked against (None: any)."""
 
     def __init__(self, name: str, func, input_signature):
-        self.name, self._func, self.input_signature = name, func, input_signature
+        # An md.function runs its Python function: the arguments are host arrays, which it would not capture
+        self.name, self._func = name, getattr(func, "python_function", func)
+        self.input_signature = input_signature
 
     def __call__(self, flat_args):
         if self.input_signature is None:
@@ -140,15 +142,44 @@ class Server:
         raise NotImplementedError("Please use create_server method to create a concrete subclass of Server.")
 
 
+class _Methods:
+    """A server's registered methods, and the requests it answers (the listener holds this, not the server,
+    so that the server's deletion stops it)."""
+
+    def __init__(self):
+        self.address = ""
+        self._methods: dict = {}
+        self._lock = threading.Lock()
+
+    def add(self, method: _Method) -> None:
+        with self._lock:
+            self._methods[method.name] = method
+
+    def __call__(self, request: str, args):
+        if request == "call":
+            method_name, flat_args = args
+            with self._lock:
+                method = self._methods.get(method_name)
+                registered = sorted(self._methods)
+            if method is None:
+                raise errors.InvalidArgumentError(
+                    None, None, f"{method_name} is not registered. The server at {self.address} has "
+                    f"{registered}; register it with server.register({method_name!r}, func)")
+            return method(flat_args)
+        if request == "list":
+            with self._lock:
+                return [(name, method.input_signature) for name, method in self._methods.items()]
+        raise errors.InvalidArgumentError(None, None, f"the RPC server has no request {request!r}")
+
+
 class GrpcServer(Server):
     """The server ``Server.create('grpc', address)`` makes: it serves until ``stop()``, or until it is garbage
     collected (TF's server is a resource, deleted with its object)."""
 
     def __init__(self, address: str):
         self._host, self._port = _check_address(address)
-        self._address = address
-        self._methods: dict = {}
-        self._lock = threading.Lock()
+        self._methods = _Methods()
+        self._methods.address = address
         self._listener = None
         self._finalizer = None
 
@@ -160,20 +191,18 @@ class GrpcServer(Server):
         if not callable(func):
             raise ValueError(f"func={func!r}: Only functions are supported with Register method: pass a Python "
                              "callable or an md.function taking and returning NumPy arrays")
-        method = _Method(method_name, func, _input_signature(func))
-        with self._lock:
-            self._methods[method_name] = method
+        self._methods.add(_Method(method_name, func, _input_signature(func)))
 
     def start(self) -> None:
         """Listen on the address; calls are served from then on (a second ``start`` does nothing)."""
         if self._listener is not None:
             return
         try:
-            self._listener = rpc.Listener(self._host, self._port, _token(), self._handle, "rpc-server")
+            self._listener = rpc.Listener(self._host, self._port, _token(), self._methods, "rpc-server")
         except OSError as e:
-            raise OSError(e.errno, f"the RPC server cannot listen on {self._address}: {e.strerror}; another "
-                                   "process may hold the port (pick a free one)") from e
-        self._address = f"{self._host}:{self._listener.port}"
+            raise OSError(e.errno, f"the RPC server cannot listen on {self._methods.address}: {e.strerror}; "
+                                   "another process may hold the port (pick a free one)") from e
+        self._methods.address = f"{self._host}:{self._listener.port}"
         self._finalizer = weakref.finalize(self, self._listener.close)
 
     @property
@@ -185,22 +214,6 @@ class GrpcServer(Server):
         """Stop listening and drop the clients' connections (mirrored's; TF's server stops when deleted)."""
         if self._finalizer is not None:
             self._finalizer()
-
-    def _handle(self, request: str, args):
-        if request == "call":
-            method_name, flat_args = args
-            with self._lock:
-                method = self._methods.get(method_name)
-                registered = sorted(self._methods)
-            if method is None:
-                raise errors.InvalidArgumentError(
-                    None, None, f"{method_name} is not registered. The server at {self._address} has "
-                    f"{registered}; register it with server.register({method_name!r}, func)")
-            return method(flat_args)
-        if request == "list":
-            with self._lock:
-                return [(name, method.input_signature) for name, method in self._methods.items()]
-        raise errors.InvalidArgumentError(None, None, f"the RPC server has no request {request!r}")
 
 
 def _status(error: BaseException) -> tuple:
