@@ -321,7 +321,7 @@ class GrpcClient(Client):
         self._executor = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_CALLS, "mirrored-rpc-client")
         self._finalizer = weakref.finalize(self, _close_client, self._executor, self._pool)
         if list_registered_methods:
-            listing = self._submit("list", (), _AS_RETURNED, "list", 0)
+            listing = self._submit("list", (), _AS_RETURNED, "list", 0, wait=True)
             for method_name, input_signature in listing.get_value():
                 self._add_method(method_name, input_signature)
 
@@ -331,13 +331,16 @@ class GrpcClient(Client):
         signature = None if input_signature is None else tuple(input_signature)
         doc = f"RPC Call for {method_name} method to server {self._address}"
 
-        def call(*args, timeout_in_ms=0):
+        def issue(args, timeout_in_ms, wait):
             if signature is not None:
                 _check_structure(args, signature, method_name)
-            return client()._call(method_name, args, _AS_RETURNED, timeout_in_ms)
+            return client()._call(method_name, args, _AS_RETURNED, timeout_in_ms, wait)
+
+        def call(*args, timeout_in_ms=0):
+            return issue(args, timeout_in_ms, wait=False)
 
         def call_blocking(*args, timeout_in_ms=0):
-            return call(*args, timeout_in_ms=timeout_in_ms).get_value()
+            return issue(args, timeout_in_ms, wait=True).get_value()
 
         call.__doc__ = call_blocking.__doc__ = doc
         setattr(self, method_name, call)
@@ -349,19 +352,25 @@ class GrpcClient(Client):
         returns nothing). ``timeout_in_ms``: 0 uses the client's."""
         return self._call(_check_method_name(method_name), args, output_specs, timeout_in_ms)
 
-    def _call(self, method_name, args, output_specs, timeout_in_ms) -> StatusOrResult:
+    def _call(self, method_name, args, output_specs, timeout_in_ms, wait=False) -> StatusOrResult:
         flat = [_host_leaf(x, f"args[{i}] of {method_name}") for i, x in enumerate(flatten(args or []))]
-        return self._submit("call", (method_name, flat), output_specs, method_name, timeout_in_ms)
+        return self._submit("call", (method_name, flat), output_specs, method_name, timeout_in_ms, wait)
 
-    def _submit(self, request, args, output_specs, method_name, timeout_in_ms) -> StatusOrResult:
+    def _submit(self, request, args, output_specs, method_name, timeout_in_ms, wait=False) -> StatusOrResult:
+        """The request on the client's threads; with ``wait`` on this one (a blocking call: no hand-over)."""
         timeout_in_ms = _check_timeout(timeout_in_ms, "timeout_in_ms") or self._timeout_in_ms
         deadline = time.monotonic() + timeout_in_ms / 1000 if timeout_in_ms else None
-        if self._finalizer.alive:
+        if self._finalizer.alive and not wait:
             future = self._executor.submit(_request, self._pool, request, args, deadline, timeout_in_ms)
         else:
             future = concurrent.futures.Future()
-            future.set_exception(errors.UnavailableError(None, None, f"the client of {self._address} is closed; "
-                                                         "create another with Client.create"))
+            try:
+                if not self._finalizer.alive:
+                    raise errors.UnavailableError(None, None, f"the client of {self._address} is closed; create "
+                                                  "another with Client.create")
+                future.set_result(_request(self._pool, request, args, deadline, timeout_in_ms))
+            except Exception as e:  # the call's failure: reported by the StatusOrResult, as from a thread
+                future.set_exception(e)
         return StatusOrResult(future, output_specs, method_name)
 
     def close(self) -> None:
