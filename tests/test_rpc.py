@@ -380,7 +380,7 @@ def test_bad_arguments_name_the_argument_and_the_fix(served):
     with pytest.raises(ValueError, match="Only functions are supported with Register method"):
         served.server.register("not_callable", 3)
     assert REFERENCE["register_plain_callable"]["raises"] == "ValueError"
-    with pytest.raises(TypeError, match=r"func.input_signature=.*a list of md.TensorSpec"):
+    with pytest.raises(TypeError, match=r"func.input_signature=.*a list of md.data.TensorSpec"):
         served.server.register("bad_signature", with_signature("int32")(lambda x: x))
     with pytest.raises(TypeError, match=r"args\[0\] of addition: a value of type object"):
         served.client.call("addition", [object(), 1])

@@ -120,7 +120,7 @@ def _input_signature(func):
     if signature is None:
         return None
     if not isinstance(signature, (list, tuple)) or not all(isinstance(s, TensorSpec) for s in flatten(signature)):
-        raise TypeError(f"func.input_signature={signature!r}: a list of md.TensorSpec (nested in tuples, lists or "
+        raise TypeError(f"func.input_signature={signature!r}: a list of md.data.TensorSpec (nested in tuples, lists or "
                         "dicts), one per argument")
     return list(signature)
 
@@ -186,7 +186,7 @@ class GrpcServer(Server):
     def register(self, method_name: str, func) -> None:
         """Serve ``func`` as ``method_name``: a Python callable or ``md.function`` taking and returning NumPy
         arrays (nested in tuples, lists, dicts). With an ``input_signature`` (``md.function(fn,
-        input_signature=[md.TensorSpec(...), ...])``) each call's arguments are checked against it."""
+        input_signature=[md.data.TensorSpec(...), ...])``) each call's arguments are checked against it."""
         method_name = _check_method_name(method_name)
         if not callable(func):
             raise ValueError(f"func={func!r}: Only functions are supported with Register method: pass a Python "
@@ -242,7 +242,7 @@ def _structured(value, output_specs, method_name: str):
         if flat:
             raise errors.InvalidArgumentError(
                 None, None, f"{method_name} returned {len(flat)} tensor(s) and output_specs=None expects none: "
-                "pass output_specs (e.g. md.TensorSpec([], np.int32)) to call(), or call "
+                "pass output_specs (e.g. md.data.TensorSpec([], np.int32)) to call(), or call "
                 f"client.{method_name}(...), which returns the result as the method does")
         return None
     specs = flatten(output_specs)
