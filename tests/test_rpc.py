@@ -490,3 +490,19 @@ def test_a_server_in_another_process():
         process.stdout.close()
         if not process.stdin.closed:
             process.stdin.close()
+
+
+# --- md.errors' coded types -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, code, python_type", [
+    (errors.UnknownError, errors.UNKNOWN, RuntimeError), (errors.InvalidArgumentError, 3, ValueError),
+    (errors.DeadlineExceededError, 4, TimeoutError), (errors.UnimplementedError, 12, NotImplementedError),
+    (errors.UnavailableError, 14, ConnectionError)])
+def test_coded_errors_are_tfs_and_pythons(kind, code, python_type):
+    import pickle
+    error = kind(None, None, "the words")  # TF's constructor: (node_def, op, message)
+    assert isinstance(error, errors.OpError) and isinstance(error, python_type)
+    assert (error.error_code, error.message, str(error), error.node_def, error.op) == (code, "the words",
+                                                                                       "the words", None, None)
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is kind and again.message == "the words"

@@ -114,12 +114,17 @@ class _Method:
             result, [_host_leaf(x, f"the result of {self.name}") for x in flatten(result)])
 
 
+def _is_spec(spec) -> bool:
+    """A TensorSpec (md.data.TensorSpec, or any spec with its dtype, shape and is_compatible_with)."""
+    return isinstance(spec, TensorSpec) or all(hasattr(spec, a) for a in ("dtype", "shape", "is_compatible_with"))
+
+
 def _input_signature(func):
     """``func.input_signature`` (an md.function's or any callable's), checked: a list or tuple of TensorSpecs."""
     signature = getattr(func, "input_signature", None)
     if signature is None:
         return None
-    if not isinstance(signature, (list, tuple)) or not all(isinstance(s, TensorSpec) for s in flatten(signature)):
+    if not isinstance(signature, (list, tuple)) or not all(_is_spec(s) for s in flatten(signature)):
         raise TypeError(f"func.input_signature={signature!r}: a list of md.data.TensorSpec (nested in tuples, lists or "
                         "dicts), one per argument")
     return list(signature)
