@@ -393,19 +393,23 @@ def _check_structure(args, signature, method_name: str) -> None:
                          f"{signature}, the arguments are {args!r:.200}; pass one array per TensorSpec")
 
 
-def _request(pool: rpc.Pool, request: str, args, deadline, timeout_in_ms: int):
-    """One request on the client's thread: TF's error codes for a deadline and for a server that is down."""
-    late = errors.DeadlineExceededError(None, None, f"Deadline Exceeded: the RPC server at {pool.address} did not "
+def _late(address: str, timeout_in_ms: int) -> errors.DeadlineExceededError:
+    return errors.DeadlineExceededError(None, None, f"Deadline Exceeded: the RPC server at {address} did not "
                                         f"answer within {timeout_in_ms} ms; raise timeout_in_ms")
+
+
+def _request(pool: rpc.Pool, request: str, args, deadline, timeout_in_ms: int):
+    """One request: TF's error codes for a deadline and for a server that is down."""
     timeout = None if deadline is None else deadline - time.monotonic()
     if timeout is not None and timeout <= 0:
-        raise late
+        raise _late(pool.address, timeout_in_ms)  # (it waited in the client's queue past its deadline)
     try:
         return pool.call(request, *args, timeout=timeout)
     except rpc.ReplyTimeout as e:
-        raise late from e
+        raise _late(pool.address, timeout_in_ms) from e
     except rpc.TaskUnavailable as e:
         if deadline is not None and not pool.reached:
-            raise late from e  # (TF's client waits for a server that has not started until the deadline)
+            # (TF's client waits for a server that has not started until the deadline)
+            raise _late(pool.address, timeout_in_ms) from e
         raise errors.UnavailableError(None, None, f"the RPC server at {pool.address} is unavailable "
                                       f"({e.__cause__ or e}); start it (server.start()) or check the address") from e
