@@ -42,6 +42,7 @@ _HEADER = struct.Struct("<4sIQ")
 _LENGTH = struct.Struct("<Q")
 MAX_TOKEN_BYTES = 1024
 MAX_UNADMITTED = 64  # connections that have not shown the token yet: more are closed at once (a flood)
+COALESCE_BYTES = 64 << 10  # a frame up to this size is written at once (copied together); larger ones in parts
 CONNECT_TIMEOUT_SECONDS = 120.0  # a task may start well after the others (a busy machine, a slow scheduler)
 
 
@@ -133,7 +134,12 @@ class Pickled:
 def send(sock: socket.socket, obj, what: str = "the request") -> int:
     """Write ``obj`` as one frame; returns the bytes written."""
     data, buffers = dumps(obj, what)
-    sock.sendall(_HEADER.pack(MAGIC, len(buffers), len(data)) + bytes(data))
+    header = _HEADER.pack(MAGIC, len(buffers), len(data))
+    size = _HEADER.size + len(data) + sum(_LENGTH.size + b.nbytes for b in buffers)
+    if size <= COALESCE_BYTES:  # one write: one packet, and one wake-up of the reader (not one per buffer)
+        sock.sendall(b"".join([header, data, *(part for b in buffers for part in (_LENGTH.pack(b.nbytes), b))]))
+        return size
+    sock.sendall(header + bytes(data))
     sent = _HEADER.size + len(data)
     for buffer in buffers:
         sock.sendall(_LENGTH.pack(buffer.nbytes))
