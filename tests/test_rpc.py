@@ -429,7 +429,9 @@ def test_stop_and_close_leave_no_threads_or_sockets():
     results = [s.client.addition(np.int32(i), np.int32(i)) for i in range(8)]
     assert [int(r.get_value()) for r in results] == [2 * i for i in range(8)]
     assert threads_named("mirrored-rpc-client") and threads_named("mirrored-rpc-server")
+    in_flight = s.client.wait(np.float32(1))  # (its connection is closed when it ends, after close())
     s.close()
+    in_flight.get_error()
     with pytest.raises(errors.UnavailableError, match="the client of .* is closed"):
         s.client.addition_blocking(np.int32(1), np.int32(1))
     wait_until(lambda: not threads_named("mirrored-rpc"), "threads after stop() and close()")

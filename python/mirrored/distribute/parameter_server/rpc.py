@@ -241,6 +241,7 @@ class Pool:
     def __init__(self, address: str, token: str):
         self.address, self._token = address, token
         self._reached = False
+        self._closed = False
         self._idle: list = []
         self._lock = threading.Lock()
 
@@ -273,10 +274,14 @@ class Pool:
 
     def _release(self, connection: Connection) -> None:
         with self._lock:
-            self._idle.append(connection)
+            if not self._closed:
+                self._idle.append(connection)
+                return
+        connection.close()  # (a call that was in flight when the pool closed)
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
         for connection in idle:
             connection.close()
