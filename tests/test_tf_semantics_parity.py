@@ -236,7 +236,7 @@ NOT_PROVIDED = {
     # PreemptionWatcher: TF's reads a key that Google's internal (Borg) TPU workers publish through its
     # coordination service, and elsewhere logs that the platform is unsupported and watches nothing; on other
     # machines SIGTERM is the notice, which PreemptionCheckpointHandler handles (docs/variables.md).
-    "api_distribute_experimental_module": {"PreemptionWatcher", "TPUStrategy", "rpc"},
+    "api_distribute_experimental_module": {"PreemptionWatcher", "TPUStrategy"},
 }
 
 

@@ -8,7 +8,12 @@ rendezvous store refused this task).
 
 from __future__ import annotations
 
-__all__ = ["CancelledError", "CollectiveMismatchError", "OutOfRangeError"]
+__all__ = ["CancelledError", "CollectiveMismatchError", "OutOfRangeError", "OpError", "UnknownError",
+           "InvalidArgumentError", "DeadlineExceededError", "UnimplementedError", "UnavailableError", "OK",
+           "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "OUT_OF_RANGE", "UNIMPLEMENTED", "UNAVAILABLE"]
+
+# TF's error codes (tf.errors.*: gRPC's status codes), as a remote call reports them
+OK, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, OUT_OF_RANGE, UNIMPLEMENTED, UNAVAILABLE = 0, 2, 3, 4, 11, 12, 14
 
 
 class OutOfRangeError(StopIteration):
@@ -32,3 +37,54 @@ class CollectiveMismatchError(ValueError):
     reduction op, the root or a gather's shapes differ. The job's collectives
     keep working afterwards: the next collective is matched afresh.
     """
+
+
+class OpError(Exception):
+    """An error with TF's error code (``tf.errors.OpError``): ``message`` and ``error_code``.
+
+    Built as TF builds them, ``InvalidArgumentError(node_def, op, message)`` (``node_def`` and ``op`` are None
+    here: there is no graph). Each subclass is also the Python error a Python caller would catch.
+    """
+
+    error_code = UNKNOWN
+
+    def __init__(self, node_def, op, message, *args):
+        super().__init__(message)
+        self.node_def, self.op, self.message = node_def, op, message
+
+    def __reduce__(self):
+        return type(self), (self.node_def, self.op, self.message)
+
+    def __str__(self) -> str:
+        return str(self.message)
+
+
+class UnknownError(OpError, RuntimeError):
+    """An error of no other kind (``tf.errors.UnknownError``): e.g. a remote function raised ``KeyError``."""
+
+    error_code = UNKNOWN
+
+
+class InvalidArgumentError(OpError, ValueError):
+    """An argument was refused (``tf.errors.InvalidArgumentError``): e.g. an RPC to a method that is not
+    registered, or a remote function that raised ``ValueError`` or ``TypeError``."""
+
+    error_code = INVALID_ARGUMENT
+
+
+class DeadlineExceededError(OpError, TimeoutError):
+    """A deadline passed before the operation completed (``tf.errors.DeadlineExceededError``)."""
+
+    error_code = DEADLINE_EXCEEDED
+
+
+class UnimplementedError(OpError, NotImplementedError):
+    """The operation is not implemented (``tf.errors.UnimplementedError``)."""
+
+    error_code = UNIMPLEMENTED
+
+
+class UnavailableError(OpError, ConnectionError):
+    """The service is unavailable (``tf.errors.UnavailableError``): e.g. an RPC server that is down."""
+
+    error_code = UNAVAILABLE

@@ -4,6 +4,7 @@
         communication=md.experimental.CollectiveCommunication.RING)
 """
 
+from . import experimental_rpc as rpc
 from .central_storage_strategy import CentralStorageStrategy
 from .input_lib import ValueContext
 from .multi_worker_strategy import ExperimentalMultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
@@ -13,4 +14,4 @@ from .parameter_server.strategy import ParameterServerStrategy
 
 __all__ = ["CentralStorageStrategy", "MultiWorkerMirroredStrategy", "CollectiveCommunication", "CollectiveHints",
            "CommunicationImplementation", "CommunicationOptions", "ValueContext", "ParameterServerStrategy",
-           "coordinator", "partitioners"]
+           "coordinator", "partitioners", "rpc"]

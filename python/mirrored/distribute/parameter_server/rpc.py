@@ -42,6 +42,7 @@ _HEADER = struct.Struct("<4sIQ")
 _LENGTH = struct.Struct("<Q")
 MAX_TOKEN_BYTES = 1024
 MAX_UNADMITTED = 64  # connections that have not shown the token yet: more are closed at once (a flood)
+COALESCE_BYTES = 64 << 10  # a frame up to this size is written at once (copied together); larger ones in parts
 CONNECT_TIMEOUT_SECONDS = 120.0  # a task may start well after the others (a busy machine, a slow scheduler)
 
 
@@ -54,6 +55,10 @@ class TaskUnavailable(ConnectionError):
 
     def __reduce__(self):
         return TaskUnavailable, (self.args[0], self.address)
+
+
+class ReplyTimeout(TimeoutError):
+    """The task did not answer within the call's timeout (not a ``TimeoutError`` the remote function raised)."""
 
 
 class Unpicklable(TypeError):
@@ -129,7 +134,12 @@ class Pickled:
 def send(sock: socket.socket, obj, what: str = "the request") -> int:
     """Write ``obj`` as one frame; returns the bytes written."""
     data, buffers = dumps(obj, what)
-    sock.sendall(_HEADER.pack(MAGIC, len(buffers), len(data)) + bytes(data))
+    header = _HEADER.pack(MAGIC, len(buffers), len(data))
+    size = _HEADER.size + len(data) + sum(_LENGTH.size + b.nbytes for b in buffers)
+    if size <= COALESCE_BYTES:  # one write: one packet, and one wake-up of the reader (not one per buffer)
+        sock.sendall(b"".join([header, data, *(part for b in buffers for part in (_LENGTH.pack(b.nbytes), b))]))
+        return size
+    sock.sendall(header + bytes(data))
     sent = _HEADER.size + len(data)
     for buffer in buffers:
         sock.sendall(_LENGTH.pack(buffer.nbytes))
@@ -193,14 +203,21 @@ class Connection:
         self._lock = threading.Lock()
         self.bytes_sent = 0
 
-    def call(self, method: str, *args):
-        """``method(*args)`` on the task; its exception is raised here, with the remote traceback as a note."""
+    def call(self, method: str, *args, timeout: float | None = None):
+        """``method(*args)`` on the task; its exception is raised here, with the remote traceback as a note.
+        ``timeout`` (seconds) bounds the reply: past it the connection closes (a late reply would be read as
+        the next call's) and ``ReplyTimeout`` is raised."""
         with self._lock:
             try:
+                self._sock.settimeout(timeout)
                 self.bytes_sent += send(self._sock, (method, args), f"the arguments of {method}")
                 reply, _ = receive(self._sock)
             except Unpicklable:
                 raise
+            except TimeoutError as e:  # (socket.timeout: before OSError, of which it is one)
+                self.close()
+                raise ReplyTimeout(f"the task at {self.address} did not answer {method} within {timeout:g} s") \
+                    from e
             except (OSError, EOFError, pickle.UnpicklingError, struct.error) as e:
                 self.close()
                 raise TaskUnavailable(f"the task at {self.address} is unavailable ({method}): {e}",
@@ -224,19 +241,30 @@ class Pool:
     def __init__(self, address: str, token: str):
         self.address, self._token = address, token
         self._reached = False
+        self._closed = False
         self._idle: list = []
         self._lock = threading.Lock()
 
-    def call(self, method: str, *args):
+    @property
+    def reached(self) -> bool:
+        """Whether a connection to the task ever opened (it has started, at least)."""
+        return self._reached
+
+    def call(self, method: str, *args, timeout: float | None = None):
+        """``method(*args)`` on an idle connection; ``timeout`` (seconds) bounds connecting and the reply."""
         with self._lock:
             connection = self._idle.pop() if self._idle else None
         if connection is None:
             # Waits for a task that has not started yet; one that answered before and is gone fails at once.
-            connection = Connection(self.address, self._token, timeout=0 if self._reached else CONNECT_TIMEOUT_SECONDS)
+            wait = 0 if self._reached else CONNECT_TIMEOUT_SECONDS
+            start = time.monotonic()
+            connection = Connection(self.address, self._token, timeout=wait if timeout is None else min(wait, timeout))
             self._reached = True
+            if timeout is not None:
+                timeout = max(timeout - (time.monotonic() - start), 1e-3)
         try:
-            result = connection.call(method, *args)
-        except TaskUnavailable:
+            result = connection.call(method, *args, timeout=timeout)
+        except (TaskUnavailable, ReplyTimeout):
             raise  # (the connection closed itself)
         except BaseException:
             self._release(connection)
@@ -246,10 +274,14 @@ class Pool:
 
     def _release(self, connection: Connection) -> None:
         with self._lock:
-            self._idle.append(connection)
+            if not self._closed:
+                self._idle.append(connection)
+                return
+        connection.close()  # (a call that was in flight when the pool closed)
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
         for connection in idle:
             connection.close()
