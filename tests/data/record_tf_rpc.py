@@ -9,6 +9,7 @@ Run with the TensorFlow side venv (never imported by the package or its tests):
 import json
 import os
 import pathlib
+import re
 import socket
 import time
 
@@ -154,7 +155,10 @@ def main():
         rpc_ops.GrpcClient(down, list_registered_methods=False, timeout_in_ms=500).call(
             "addition", [a, b], output_specs=tf.TensorSpec((), tf.int32))))
     path = pathlib.Path(__file__).with_name("tf_rpc_reference.json")
-    path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    text = json.dumps(out, indent=1, sort_keys=True)
+    # TF's tracebacks inside its messages name this machine's files: keep only their base names.
+    text = re.sub(r"/(?:[\w.+-]+/)+([\w.+-]+\.py)", r"\1", text)
+    path.write_text(text + "\n")
 
 
 if __name__ == "__main__":
