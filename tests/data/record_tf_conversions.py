@@ -52,10 +52,10 @@ def convert_cases():
     for value in CONVERT_VALUES:
         for dtype in DTYPES:
             out.append({"value": value, "dtype": dtype,
-                        "result": result(lambda: tf.convert_to_tensor(eval(value), dtype=dtype))})
+                        "result": result(lambda: tf.convert_to_tensor(_eval(value), dtype=dtype))})
         for hint in HINTS:
             out.append({"value": value, "dtype_hint": hint,
-                        "result": result(lambda: tf.convert_to_tensor(eval(value), dtype_hint=hint))})
+                        "result": result(lambda: tf.convert_to_tensor(_eval(value), dtype_hint=hint))})
     out.append({"value": "1", "dtype": "foo", "result": result(lambda: tf.convert_to_tensor(1, dtype="foo"))})
     out.append({"value": "1.5", "dtype": "float32", "name": "x",
                 "result": result(lambda: tf.convert_to_tensor(1.5, dtype="float32", name="x"))})
@@ -117,44 +117,41 @@ TRACING = [
 ]
 
 
+def _eval(expression):
+    return eval(expression, {"np": np, "TensorSpec": tf.TensorSpec})
+
+
+def _identity(signature):
+    """The function of a signature's calls: it returns its arguments (two for two specs, else one)."""
+    return (lambda a, b: (a, b)) if signature.count("TensorSpec") == 2 and signature.startswith("[T") else (
+        lambda x: x)
+
+
 def signature_cases():
-    TensorSpec = tf.TensorSpec  # noqa: N806 - the name the expressions use
-    out = {"calls": [], "keywords": [], "bad": [], "tracing": []}
+    out = {"calls": [], "keywords": [], "bad": [], "tracing": [], "concrete": []}
     for signature, calls in SIGNATURES:
-        fn = tf.function(lambda *a: a, input_signature=eval(signature))
-        if "None, 3" in signature:
-            fn = tf.function(lambda x: x, input_signature=eval(signature))
-        elif "int32'), TensorSpec([2]" in signature:
-            fn = tf.function(lambda a, b: (a, b), input_signature=eval(signature))
-        else:
-            fn = tf.function(lambda x: x, input_signature=eval(signature))
+        fn = tf.function(_identity(signature), input_signature=_eval(signature))
         for call in calls:
-            out["calls"].append({"signature": signature, "args": call, "result": result(lambda: fn(*eval(call)))})
-        out["concrete"] = out.get("concrete", []) + [
-            {"signature": signature, "inputs": [repr(s) for s in tf.nest.flatten(
-                fn.get_concrete_function().structured_input_signature)]}]
-    fn = tf.function(lambda x: x, input_signature=eval(SIGNATURES[0][0]))
+            out["calls"].append({"signature": signature, "args": call, "result": result(lambda: fn(*_eval(call)))})
+        out["concrete"].append({"signature": signature, "inputs": [repr(s) for s in tf.nest.flatten(
+            fn.get_concrete_function().structured_input_signature)]})
+    fn = tf.function(lambda x: x, input_signature=_eval(SIGNATURES[0][0]))
     for args, kwargs in KEYWORD_CALLS:
         out["keywords"].append({"args": args, "kwargs": kwargs,
-                                "result": result(lambda: fn(*eval(args), **eval(kwargs)))})
+                                "result": result(lambda: fn(*_eval(args), **_eval(kwargs)))})
     for source, signature in BAD_SIGNATURES:
-        def make():
-            f = tf.function(eval(source), input_signature=eval(signature))
-            return f.input_signature
         try:
-            made = make()
-            r = {"input_signature": None if made is None else repr(made)}
-        except Exception as e:  # noqa: BLE001
+            made = tf.function(_eval(source), input_signature=_eval(signature)).input_signature
+            r = {"input_signature": None if made is None else [repr(s) for s in tf.nest.flatten(made)]}
+        except Exception as e:  # noqa: BLE001 - TF's error is the recorded result
             r = {"raises": type(e).__name__, "msg": str(e)}
         out["bad"].append({"fn": source, "signature": signature, "result": r})
     for reduce_retracing, signature, calls in TRACING:
-        fn = tf.function(lambda *a: a, reduce_retracing=reduce_retracing,
-                         input_signature=None if signature is None else eval(signature))
-        if signature is not None:
-            fn = tf.function(lambda x: x, reduce_retracing=reduce_retracing, input_signature=eval(signature))
+        fn = tf.function((lambda *a: a) if signature is None else (lambda x: x), reduce_retracing=reduce_retracing,
+                         input_signature=None if signature is None else _eval(signature))
         counts = []
         for call in calls:
-            fn(*eval(call))
+            fn(*_eval(call))
             counts.append(fn.experimental_get_tracing_count())
         out["tracing"].append({"reduce_retracing": reduce_retracing, "signature": signature, "calls": calls,
                                "counts": counts})
