@@ -1,7 +1,7 @@
 """Records TensorFlow 2.21's conversions for tests/test_convert_to_tensor.py and tests/test_function_signature.py
 (never imported by the tests): tf.convert_to_tensor over values x dtypes x dtype hints, tf.function with an
-input_signature (what it accepts, converts and refuses, and how often it traces), and Variable.is_initialized
-inside strategy.run at 1, 2 and 4 replicas.
+input_signature (what it accepts, converts and refuses, and how often it traces), Variable.is_initialized
+inside strategy.run at 1, 2 and 4 replicas, and tf.Variable's constructor arguments.
 
     /path/to/venv-with-tensorflow/bin/python tests/data/record_tf_conversions.py
         (writes tests/data/tf_conversions_reference.json)
@@ -176,11 +176,35 @@ def is_initialized_cases():
     return out
 
 
+# md.Variable's constructor arguments: (initial value, keyword arguments), both expressions.
+VARIABLE_ARGS = [
+    ("[1.0, 2.0]", "{'validate_shape': False}"), ("[1.0, 2.0]", "{'shape': [2]}"), ("[1.0, 2.0]", "{'shape': [3]}"),
+    ("[1.0, 2.0]", "{'shape': [2, 1]}"), ("[1.0, 2.0]", "{'shape': [3], 'validate_shape': False}"),
+    ("1.0", "{'caching_device': '/cpu:0'}"), ("1.0", "{'import_scope': 's'}"),
+    ("1.0", "{'experimental_enable_variable_lifting': False}"), ("1.0", "{'variable_def': 3}"),
+    ("None", "{'variable_def': {'a': 1}}"), ("None", "{}"), ("lambda: [1.0, 2.0]", "{}"),
+    ("lambda: [1, 2]", "{'dtype': 'float32'}"), ("1.5", "{'dtype': 'int32'}"), ("np.ones(2)", "{'dtype': 'float32'}"),
+    ("np.float64(2.5)", "{'dtype': 'int32'}"), ("[1, 2]", "{}"), ("2**40", "{}"), ("True", "{}"), ("1.5", "{}"),
+    ("1.0", "{'constraint': 3}"),
+]
+
+
+def variable_cases():
+    out = []
+    for initial, kwargs in VARIABLE_ARGS:
+        out.append({"initial_value": initial, "kwargs": kwargs,
+                    "result": result(lambda: tf.Variable(_eval(initial), **_eval(kwargs)).read_value())})
+    v = tf.Variable([1.0, 2.0], validate_shape=False)
+    out.append({"initial_value": "[1.0, 2.0]", "kwargs": "{'validate_shape': False}", "assign": "[1.0, 2.0, 3.0]",
+                "result": result(lambda: v.assign([1.0, 2.0, 3.0]))})
+    return out
+
+
 def main():
     logical_cpus(4)
     write_reference("tf_conversions_reference.json", {
         "convert_to_tensor": convert_cases(), "function_signature": signature_cases(),
-        "is_initialized": is_initialized_cases()}, indent=1)
+        "is_initialized": is_initialized_cases(), "variable_args": variable_cases()}, indent=1)
 
 
 if __name__ == "__main__":

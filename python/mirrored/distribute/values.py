@@ -105,9 +105,9 @@ class _VariableMeta(type):
 
 
 class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
-    """``md.Variable(initial_value, trainable=None, validate_shape=True, caching_device=None, name=None,
+    """``md.Variable(initial_value=None, trainable=None, validate_shape=True, caching_device=None, name=None,
     variable_def=None, dtype=None, import_scope=None, constraint=None, synchronization=AUTO, aggregation=NONE,
-    shape=None)``: ``tf.Variable``'s arguments in its order.
+    shape=None, experimental_enable_variable_lifting=True)``: ``tf.Variable``'s arguments in its order.
 
     Arithmetic and NumPy functions apply to the current value. As in
     TensorFlow, ``==`` is element-wise, so variables are not hashable: key
