@@ -40,6 +40,7 @@ from .input_lib import DistributedIterator
 from .values import DistributedValues, Variable
 
 MAX_SIGNATURES = 16  # captured signatures kept per function; the least recently used goes first
+MAX_TRACE_TYPES = 256  # trace types remembered per function, for experimental_get_tracing_count
 RETRACING_CALLS = 5  # TF's threshold: warn when this many calls in a row each captured anew
 _capturing = threading.Lock()  # one capture at a time: the running step (device/gpu.py) is process-wide
 
@@ -81,7 +82,9 @@ class Function:
         self._binder = None if self._input_signature is None else function_signature.Binder(
             python_function, self._input_signature)
         self._reduce_retracing = reduce_retracing
-        self._traced: list = []  # the trace types of the calls so far (TF's, for the count of traces)
+        # The trace types of the calls so far (TF's, for the count of traces); bounded, as the captures are: a
+        # step given a new Python value at every call would otherwise keep them all.
+        self._traced = collections.deque(maxlen=MAX_TRACE_TYPES)
         self._steps: collections.OrderedDict = collections.OrderedDict()  # signature -> _Captured or reason
         self._lock = threading.RLock()
         self._recent = collections.deque(maxlen=RETRACING_CALLS)  # whether each recent call captured
@@ -265,8 +268,8 @@ def _spec_of(value):
         return map_structure(_spec_of, value)
     if isinstance(value, TensorSpec):
         return value
-    return TensorSpec(tuple(np.shape(value)), getattr(value, "dtype", None) or
-                      convert_to_tensor(value).dtype)
+    array = value if hasattr(value, "dtype") and hasattr(value, "shape") else convert_to_tensor(value)
+    return TensorSpec(tuple(array.shape), array.dtype)
 
 
 # --- which GPUs a step uses ---------------------------------------------------------

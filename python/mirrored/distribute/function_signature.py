@@ -157,6 +157,8 @@ def _structure_key(x):
 
 
 def _leaf_type(leaf):
+    if isinstance(leaf, TensorSpec):  # (get_concrete_function's example of an argument)
+        return TensorSpec(leaf.shape, leaf.dtype)
     if isinstance(leaf, Variable):
         return ("variable", id(leaf))
     if isinstance(leaf, DistributedValues):
