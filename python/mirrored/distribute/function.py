@@ -161,11 +161,12 @@ class Function:
         if _gpu.step_scope() is not None:  # inside another md.function's step: part of that step
             return self._eager(strategy, args, kwargs)
         with self._lock:
-            self._count_trace(args, kwargs)
             inputs = _Inputs(args, kwargs)
             key = (id(strategy), inputs.signature)
             step = self._steps.get(key)
             if step is None:
+                # (A call of a kept signature was counted at its first call: its inputs' type was the same.)
+                self._count_trace(args, kwargs)
                 return self._first_call(key, strategy, inputs)
             self._steps.move_to_end(key)
             self._recent.append(False)

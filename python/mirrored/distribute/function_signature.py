@@ -141,9 +141,12 @@ def _fit_leaf(value, spec: TensorSpec):
 
 
 # --- trace types ------------------------------------------------------------------------
+# A call's trace type is (its structure, a type per leaf), hashable: an array is ("tensor", shape, dtype) with
+# None for a dimension of any size (the shape None for any rank), any other leaf a literal. Plain tuples, not
+# TensorSpecs, so that a call's type costs little: every call of an md.function computes it.
 
 def trace_type(args, kwargs):
-    """A call's TF trace type: its structure, arrays as TensorSpec (shape and dtype), other leaves as they are."""
+    """A call's TF trace type: its structure, arrays by shape and dtype, other leaves as they are."""
     structure = (tuple(args), dict(kwargs or {}))
     return _structure_key(structure), tuple(_leaf_type(leaf) for leaf in flatten(structure))
 
@@ -158,13 +161,13 @@ def _structure_key(x):
 
 def _leaf_type(leaf):
     if isinstance(leaf, TensorSpec):  # (get_concrete_function's example of an argument)
-        return TensorSpec(leaf.shape, leaf.dtype)
+        return ("tensor", None if leaf.shape.rank is None else tuple(leaf.shape), leaf.dtype)
     if isinstance(leaf, Variable):
         return ("variable", id(leaf))
     if isinstance(leaf, DistributedValues):
         return (type(leaf).__name__, tuple(_leaf_type(c) for c in leaf.values))
     if isinstance(leaf, np.ndarray) or device_util.on_gpu(leaf):
-        return TensorSpec(tuple(leaf.shape), leaf.dtype)
+        return ("tensor", tuple(leaf.shape), leaf.dtype)
     try:
         hash(leaf)
     except TypeError:
@@ -172,11 +175,22 @@ def _leaf_type(leaf):
     return ("value", type(leaf), leaf)
 
 
+def _is_tensor(t) -> bool:
+    return type(t) is tuple and len(t) == 3 and t[0] == "tensor"
+
+
+def _shape_covers(general, specific) -> bool:
+    if general is None:
+        return True
+    return specific is not None and len(general) == len(specific) and all(
+        g is None or g == s for g, s in zip(general, specific))
+
+
 def covers(general, specific) -> bool:
     """Whether every call of trace type ``specific`` fits the trace of type ``general``."""
     return general[0] == specific[0] and all(
-        s.is_subtype_of(g) if isinstance(g, TensorSpec) and isinstance(s, TensorSpec)
-        else g == s for g, s in zip(general[1], specific[1]))
+        g[2] == s[2] and _shape_covers(g[1], s[1]) if _is_tensor(g) and _is_tensor(s) else g == s
+        for g, s in zip(general[1], specific[1]))
 
 
 def relaxed(target, traced) -> tuple:
@@ -190,14 +204,18 @@ def relaxed(target, traced) -> tuple:
 
 
 def _common(a, b):
+    """The most specific type both fit (dimensions that differ: None; ranks that differ: any rank), or None."""
     if a[0] != b[0]:
         return None
     leaves = []
     for x, y in zip(a[1], b[1]):
-        if isinstance(x, TensorSpec) and isinstance(y, TensorSpec):
-            if x.dtype != y.dtype:
+        if _is_tensor(x) and _is_tensor(y):
+            if x[2] != y[2]:
                 return None
-            leaves.append(x.most_specific_compatible(y))
+            if x[1] is None or y[1] is None or len(x[1]) != len(y[1]):
+                leaves.append(("tensor", None, x[2]))
+            else:
+                leaves.append(("tensor", tuple(p if p == q else None for p, q in zip(x[1], y[1])), x[2]))
         elif x == y:
             leaves.append(x)
         else:
