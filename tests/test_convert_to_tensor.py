@@ -71,7 +71,7 @@ def test_a_variable_is_read_and_keeps_its_dtype(case):
 
 
 def test_errors_name_the_argument_and_the_fix():
-    with pytest.raises(TypeError, match=r"Cannot convert 1.5 to EagerTensor of dtype int32 \(dtype=int32: .*np.asarray"):
+    with pytest.raises(TypeError, match=r"Cannot convert 1.5 to EagerTensor of dtype int32 \(dtype=int32: .*asarray"):
         md.convert_to_tensor(1.5, dtype="int32")
     with pytest.raises(TypeError, match=r"'foo' to a TensorFlow DType. \(dtype: pass a NumPy dtype"):
         md.convert_to_tensor(1, dtype="foo")
@@ -84,7 +84,8 @@ def test_errors_name_the_argument_and_the_fix():
 def test_indexed_slices_densify_and_keep_their_dtype():
     slices = md.IndexedSlices(np.ones((2, 3), np.float32), np.array([0, 2]), (4, 3))
     np.testing.assert_array_equal(md.convert_to_tensor(slices), [[1] * 3, [0] * 3, [1] * 3, [0] * 3])
-    with pytest.raises(ValueError, match="Incompatible tensor conversion requested to `dtype` float64 for IndexedSlices with dtype float32"):
+    with pytest.raises(ValueError, match="Incompatible tensor conversion requested to `dtype` float64 for "
+                                         "IndexedSlices with dtype float32"):
         md.convert_to_tensor(slices, dtype=np.float64)
 
 

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import mirrored as md
+from mirrored._nest import flatten
 from mirrored.distribute.function import EagerFallbackWarning
 
 with open(os.path.join(os.path.dirname(__file__), "data", "tf_conversions_reference.json")) as _f:
@@ -30,9 +31,8 @@ def _identity(signature):
 
 
 def _leaves(out):
-    flat = md._nest.flatten(out) if hasattr(md, "_nest") else out
     return [{"dtype": np.asarray(x).dtype.name, "shape": list(np.shape(x)),
-             "value": np.asarray(x).reshape(-1).astype(np.float64).tolist()} for x in flat]
+             "value": np.asarray(x).reshape(-1).astype(np.float64).tolist()} for x in flatten(out)]
 
 
 def _check(call, want):
@@ -77,7 +77,7 @@ def test_bad_signatures_raise_when_wrapped(case):
         assert want["msg"].split(", got <class")[0].split(" with types")[0].rstrip(".") in str(caught.value)
     else:
         got = make().input_signature
-        assert (None if got is None else [repr(s).replace("dtype=", "dtype=tf.") for s in md._nest.flatten(
+        assert (None if got is None else [repr(s).replace("dtype=", "dtype=tf.") for s in flatten(
             list(got))]) == want["input_signature"]
 
 

@@ -94,8 +94,9 @@ KEYWORD_CALLS = [("()", "{'x': np.ones((2, 3), np.float32)}"), ("()", "{'y': np.
                  ("(np.ones((2, 3), np.float32),)", "{'x': np.ones((2, 3), np.float32)}")]
 # Python functions of the signature checks made when md.function wraps them: (source, signature).
 BAD_SIGNATURES = [
-    ("lambda x: x", "[1]"), ("lambda x: x", "TensorSpec([], 'float32')"), ("lambda x: x", "[TensorSpec([]), TensorSpec([])]"),
-    ("lambda x, y: x", "[TensorSpec([])]"), ("lambda x, y=2: x", "[TensorSpec([])]"), ("lambda *x: x", "[TensorSpec([])]"),
+    ("lambda x: x", "[1]"), ("lambda x: x", "TensorSpec([], 'float32')"),
+    ("lambda x: x", "[TensorSpec([]), TensorSpec([])]"), ("lambda x, y: x", "[TensorSpec([])]"),
+    ("lambda x, y=2: x", "[TensorSpec([])]"), ("lambda *x: x", "[TensorSpec([])]"),
     ("lambda x, **k: x", "[TensorSpec([])]"), ("lambda x: x", "[]"), ("lambda x: x", "([TensorSpec([])], 1)"),
     ("lambda x: x", "[np.float32]"), ("lambda: 1", "[]"), ("lambda x, *, y: x", "[TensorSpec([])]"),
     ("lambda x: x", "None"), ("lambda x: x", "[(TensorSpec([]), None)]"),
