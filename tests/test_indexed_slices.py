@@ -117,7 +117,7 @@ def test_bad_input_raises_naming_the_argument():
     assert errors["negative_index"]["raised"] is None
     dropped = md.convert_to_tensor(md.IndexedSlices(values, np.array([0, -1, 0]), (4, 2)))
     np.testing.assert_array_equal(dropped, [[6., 8.], [0., 0.], [0., 0.], [0., 0.]])
-    with pytest.raises(ValueError, match="incompatible tensor conversion"):
+    with pytest.raises(ValueError, match="Incompatible tensor conversion requested to `dtype` float64"):
         md.convert_to_tensor(md.IndexedSlices(values, np.array([0, 1, 2]), (4, 2)), dtype=np.float64)
 
 

@@ -51,12 +51,12 @@ def test_signature_shows_the_parameters(name, obj):
 
 def test_variable_signature_is_the_one_it_takes():
     signature = inspect.signature(md.Variable)
-    # tf.Variable's parameters in its order (TensorFlow 2.21, less experimental_enable_variable_lifting)
+    # tf.Variable's parameters in its order (TensorFlow 2.21)
     assert list(signature.parameters) == ["initial_value", "trainable", "validate_shape", "caching_device", "name",
                                           "variable_def", "dtype", "import_scope", "constraint", "synchronization",
-                                          "aggregation", "shape"]
+                                          "aggregation", "shape", "experimental_enable_variable_lifting"]
     assert signature.parameters["synchronization"].default is md.VariableSynchronization.AUTO
-    assert "Variable(initial_value, trainable=None" in pydoc.render_doc(md.Variable, renderer=pydoc.plaintext)
+    assert "Variable(initial_value=None, trainable=None" in pydoc.render_doc(md.Variable, renderer=pydoc.plaintext)
     # and md.Variable still takes exactly those arguments, positionally
     v = md.Variable(1.0, False, True, None, "w", None, "float64", None, None, md.VariableSynchronization.AUTO,
                     md.VariableAggregation.MEAN, ())

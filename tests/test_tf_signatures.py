@@ -51,11 +51,11 @@ def test_constraint_is_kept_and_assign_ignores_it_as_in_tensorflow(replicas):
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"constraint": 3}, "constraint=3: Argument `constraint` must be None or a callable"),
-    ({"variable_def": object()}, "variable_def=.*pass initial_value"),
-    ({"import_scope": "scope"}, "import_scope='scope'"),
-    ({"validate_shape": False}, "validate_shape=False: md.Variable keeps its initial shape"),
+    ({"variable_def": object()}, "variable_def and initial_value args to `tf.Variable` are mutually exclusive.*"
+                                 "pass initial_value only"),
     ({"caching_device": 0}, "caching_device=0: expected a device string"),
-    ({"shape": (3,)}, r"shape=\(3,\) for variable 'Variable': the initial value has shape \(2,\)"),
+    ({"shape": (3,)}, r"the initial value's shape \(\(2,\)\) is not compatible with the explicitly supplied "
+                      r"`shape` argument \(\[3\]\). \(variable 'Variable': pass shape=\(2,\)"),
     ({"shape": (None,)}, r"shape=\(None,\).*unknown dimensions are not supported"),
     ({"shape": "ab"}, "shape='ab'"),
     ({"trainable": "w"}, r"trainable='w': expected True, False or None.*md.Variable\(x, name='w'\)"),
@@ -69,6 +69,24 @@ def test_arguments_without_meaning_here_are_refused_by_name(kwargs, words):
 def test_the_earlier_positional_order_is_refused_not_misread():
     with pytest.raises(ValueError, match="trainable='w'"):
         md.Variable(1.0, "w", True, "float64")  # (initial_value, name, trainable, dtype) before TF's order
+
+
+def test_arguments_eager_tensorflow_ignores_are_accepted_and_change_nothing():
+    """TF 2.21 eager: validate_shape=False keeps the shape (an assign of another shape is still refused),
+    import_scope without variable_def and experimental_enable_variable_lifting are ignored."""
+    v = md.Variable(np.zeros(2, np.float32), validate_shape=False, import_scope="scope",
+                    experimental_enable_variable_lifting=False)
+    assert v.shape == (2,) and v.name == "Variable:0"
+    with pytest.raises(ValueError):
+        v.assign(np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="Creating a `tf.Variable` with a `variable_def` arg is not supported"):
+        md.Variable(variable_def=object())
+    with pytest.raises(ValueError, match="The `initial_value` arg to `tf.Variable` must be specified"):
+        md.Variable()
+    with pytest.raises(TypeError, match="Cannot convert 1.5 to EagerTensor of dtype int32"):
+        md.Variable(1.5, dtype="int32")  # (a NumPy value casts, as in TF)
+    assert md.Variable(np.float64(1.5), dtype="int32").numpy() == 1
+    assert md.Variable([1, 2], dtype="float64").dtype == np.float64
 
 
 def test_shape_equal_to_the_initial_values_and_a_caching_device_are_accepted():

@@ -51,6 +51,7 @@ from .distribute.values import (DistributedValues, DistributedVariable, Mirrored
 from .distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
                                           ReductionToOneDevice, RingAllReduce)
 from . import data, train
+from .data.structure import TensorSpec
 from .train import checkpoint, mixed_precision, nn, optimizers
 from .train.checkpoint_management import Checkpoint
 from .train.module import Module

@@ -8,6 +8,8 @@ indices and the densified array live on the values' device. docs/sparse.md.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from .._core import scatter_add_rows as _native_scatter_add_rows
@@ -271,17 +273,151 @@ def _host_scatter_add(out, squares, values, indices) -> None:
 _NATIVE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def convert_to_tensor(value, dtype=None):
-    """``tf.convert_to_tensor``: an ``IndexedSlices`` densified (on its device), a variable read, arrays as they
-    are, Python values as arrays of ``dtype`` (TF's float32 / int32 without one). An array or slices of
-    another dtype than ``dtype`` raise, as in TF (cast them with ``astype``)."""
-    if is_indexed_slices(value) or hasattr(value, "dtype"):
-        if dtype is not None and np.dtype(dtype) != np.dtype(value.dtype):
-            raise ValueError(f"dtype={np.dtype(dtype).name}: incompatible tensor conversion requested for a "
-                             f"{type(value).__name__} of dtype {np.dtype(value.dtype).name}; cast it with "
-                             f"astype first")
+def convert_to_tensor(value, dtype=None, dtype_hint=None, name=None):
+    """``tf.convert_to_tensor`` (``name`` is accepted and unused: arrays have no names).
+
+    Tensors here are device (CuPy) arrays, variables and ``IndexedSlices`` (densified on their device): they keep
+    their dtype, and another ``dtype`` raises ``ValueError`` as in TF (``dtype_hint`` is ignored). A NumPy array
+    or scalar is TF's NumPy input: cast to ``dtype`` (else ``dtype_hint``) whatever the two dtypes, as TF casts
+    it. Python values (numbers, strings, nested lists and tuples of them) convert by TF's rules: the dtype they
+    infer (int32, int64 beyond its range, float32, bool, complex128, bytes) unless ``dtype`` is given, when
+    only the conversions TF makes are made (``TypeError`` otherwise, e.g. a float to an int dtype);
+    ``dtype_hint`` is used where that conversion exists, else the inferred dtype.
+    """
+    dtype, hint = _as_dtype(dtype, "dtype"), _as_dtype(dtype_hint, "dtype_hint")
+    if is_indexed_slices(value) or device_util.on_gpu(value) or callable(getattr(value, "read_value", None)):
+        if dtype is not None and dtype != np.dtype(value.dtype):
+            fix = f"(dtype={_name(dtype)}: a tensor keeps its dtype; cast it with astype({_name(dtype)}) first)"
+            if callable(getattr(value, "read_value", None)):
+                raise ValueError(f"Incompatible type conversion requested to type {_name(dtype)} for md.Variable "
+                                 f"of type {_name(value.dtype)}. {fix}")
+            if is_indexed_slices(value):
+                raise ValueError(f"Incompatible tensor conversion requested to `dtype` {_name(dtype)} for "
+                                 f"IndexedSlices with dtype {_name(value.dtype)} {fix}")
+            raise ValueError(f"Tensor conversion requested dtype {_name(dtype)} for Tensor with dtype "
+                             f"{_name(value.dtype)}: a {type(value).__name__} {fix}")
         if is_indexed_slices(value):
             return to_dense(value)
         return value if device_util.on_gpu(value) else device_util.to_host(_read_value(value))
-    out = device_util.to_host(value)
-    return out if dtype is None else out.astype(np.dtype(dtype))
+    if isinstance(value, (np.ndarray, np.generic)):
+        return _cast_numpy(np.asarray(value), dtype or hint)
+    return _from_python(value, dtype, hint)
+
+
+def _as_dtype(dtype, argument: str):
+    if dtype is None:
+        return None
+    dtype = getattr(dtype, "as_numpy_dtype", dtype)  # a tf.DType
+    if isinstance(dtype, str) and dtype == "string":
+        return np.dtype("S")
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"Cannot convert the argument `type_value`: {dtype!r} to a TensorFlow DType. ({argument}: "
+                        "pass a NumPy dtype or its name, e.g. 'float32')") from None
+
+
+def _name(dtype) -> str:
+    dtype = np.dtype(dtype)
+    return "string" if dtype.kind == "S" else dtype.name
+
+
+def _cast_numpy(array, dtype):
+    """TF casts a NumPy input to any numeric dtype (NumPy's casts: floats truncate, ints wrap, a complex keeps
+    its real part); to strings it refuses numbers."""
+    if dtype is None or dtype == array.dtype:
+        return array
+    if dtype.kind == "S" and array.dtype.kind not in "SU":
+        kind = {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}.get(array.dtype.kind, "object")
+        raise ValueError(f"Failed to convert a NumPy array to a Tensor (Unsupported object type {kind}). "
+                         f"(dtype=string: a numeric array does not become strings; format them first)")
+    with warnings.catch_warnings():
+        # TF drops the imaginary part and overflows to inf too: NumPy's warnings of both are not errors here.
+        warnings.simplefilter("ignore", np.exceptions.ComplexWarning)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return array.astype(dtype)
+
+
+# The dtypes TF converts a Python value of each kind to (bool, int, float, complex, bytes).
+_NUMBERS = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+            "uint64", "complex64", "complex128")
+_PYTHON_TARGETS = {
+    "b": {"bool", "float16", "float32", "float64", "int32", "int64", "uint64", "complex128"},
+    "i": set(_NUMBERS), "f": {"float16", "float32", "float64", "complex64", "complex128"},
+    "c": {"complex64", "complex128"}, "S": {"string"}}
+# TF's names of dtypes in its conversion errors.
+_TF_NAMES = {"float32": "float", "float64": "double", "float16": "half"}
+
+
+def _python_kind(value, dtype):
+    """The kind of a Python value's leaves ("b", "i", "f", "c", "S"; None for no leaves), or TF's error for
+    mixed ones (numbers with strings; complex with other numbers, but for complex128, which takes them all)."""
+    leaves = []
+    _python_leaves(value, value, leaves)
+    kinds = {"b" if isinstance(x, bool) else "i" if isinstance(x, int) else "f" if isinstance(x, float)
+             else "c" if isinstance(x, complex) else "S" for x in leaves}
+    if len(kinds) > 1 and ("S" in kinds or "c" in kinds):
+        if "S" in kinds or dtype is None or dtype.name != "complex128":
+            raise ValueError(f"Can't convert Python sequence with mixed types to Tensor. ({value!r:.80}: give "
+                             "every element one type, e.g. all numbers)")
+        return "c"
+    return "f" if "f" in kinds else "i" if "i" in kinds else kinds.pop() if kinds else None
+
+
+def _python_leaves(value, whole, out) -> None:
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            _python_leaves(v, whole, out)
+    elif isinstance(value, (bool, int, float, complex, str, bytes)):
+        out.append(value)
+    else:
+        raise ValueError(f"Attempt to convert a value ({whole!r}) with an unsupported type ({type(whole)}) to a "
+                         "Tensor. (pass a NumPy or CuPy array, a number, a string, or nested lists of them)")
+
+
+def _from_python(value, dtype, hint):
+    kind = _python_kind(value, dtype)
+    try:
+        array = np.array(_utf8(value) if kind == "S" else value, dtype=np.complex128 if kind == "c" else None)
+    except ValueError as e:
+        if "inhomogeneous" not in str(e):
+            raise
+        raise ValueError(f"Can't convert non-rectangular Python sequence to Tensor. ({value!r:.80}: give every row "
+                         "the same length, or pad them)") from None
+    if kind is None:  # an empty list: float32 unless told
+        return array.astype(dtype or hint or np.float32)
+    target = dtype
+    if target is None and hint is not None and _name(hint) in _PYTHON_TARGETS.get(kind, ()):
+        target = hint
+    if target is None:
+        return _default(array, kind, value)
+    if kind == "i" and array.dtype == object and target.kind in "iubcS" and target.name != "complex128":
+        raise ValueError("Can't convert Python sequence with out-of-range integer to Tensor. "
+                         f"(dtype={_name(target)}: the value does not fit in 64 bits; pass a float dtype)")
+    if _name(target) not in _PYTHON_TARGETS[kind]:
+        tf_name = _TF_NAMES.get(target.name, _name(target))
+        raise TypeError(f"Cannot convert {value!r:.80} to EagerTensor of dtype {tf_name} (dtype={_name(target)}: "
+                        f"convert it to a NumPy array of its own dtype first, e.g. np.asarray(value), to cast it)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (an int too large for float16 becomes inf, as in TF)
+        return array.astype(target)
+
+
+def _utf8(value):
+    """Strings as UTF-8 bytes (tf.string holds bytes), in the value's nesting."""
+    if isinstance(value, (list, tuple)):
+        return [_utf8(v) for v in value]
+    return value.encode("utf-8") if isinstance(value, str) else value
+
+
+def _default(array, kind, value):
+    """TF's dtype of Python values: int32 (int64 beyond it), float32, bool, complex128, bytes."""
+    if kind == "f":
+        return array.astype(np.float32)
+    if kind == "i":
+        if array.dtype == object:
+            raise ValueError("Can't convert Python sequence with out-of-range integer to Tensor. "
+                             f"({value!r:.80} does not fit in 64 bits; pass dtype=float64)")
+        fits = array.size == 0 or (array.min() >= np.iinfo(np.int32).min and array.max() <= np.iinfo(np.int32).max)
+        return array.astype(np.int32 if fits else np.int64)
+    return array

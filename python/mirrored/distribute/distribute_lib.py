@@ -18,7 +18,7 @@ from .._core import Rendezvous as _Rendezvous  # (private: a native type, not AP
 from .._nest import flatten, is_nested, map_structure, pack_sequence_as
 from ..timeline import HOST_ROW, enabled_native as tracing, replica_wait, set_row_source
 from ..device import device_util, gpu as _gpu
-from ..device.indexed_slices import IndexedSlices, map_arrays
+from ..device.indexed_slices import IndexedSlices, convert_to_tensor, map_arrays
 from .name_scope import scoped_name
 from .options import InputReplicationMode, VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp, as_reduce_op
@@ -745,23 +745,26 @@ class StrategyExtended:
         """Hook: make every worker start from the same initial value (one worker: nothing to do)."""
         return value
 
-    def _create_variable(self, initial_value, trainable=None, validate_shape=True, caching_device=None, name=None,
-                         variable_def=None, dtype=None, import_scope=None, constraint=None,
+    def _create_variable(self, initial_value=None, trainable=None, validate_shape=True, caching_device=None,
+                         name=None, variable_def=None, dtype=None, import_scope=None, constraint=None,
                          synchronization=VariableSynchronization.AUTO, aggregation=VariableAggregation.NONE,
-                         shape=None):
+                         shape=None, experimental_enable_variable_lifting=True):
         """``md.Variable(...)``: ``tf.Variable``'s arguments in its positional order.
 
         ``name`` gets the current ``md.name_scope`` as prefix. ``trainable=None``
-        means True unless ``synchronization`` is ON_READ. ``constraint`` (a
-        callable of the variable's value) is kept as ``variable.constraint``
-        for optimizers, which apply it after their update in Keras;
-        ``assign`` ignores it, as TensorFlow's does. ``caching_device`` has no effect
-        (every replica reads its own copy already). ``shape`` must match the
-        initial value's; variables here keep their shape, so
-        ``validate_shape=False`` and shapes with unknown dimensions are refused,
-        as are ``variable_def`` and ``import_scope`` (graph-mode protocol buffers).
+        means True unless ``synchronization`` is ON_READ. ``dtype`` converts the
+        initial value as ``md.convert_to_tensor`` does (a Python float is no int).
+        ``constraint`` (a callable of the variable's value) is kept as
+        ``variable.constraint`` for optimizers, which apply it after their update
+        in Keras; ``assign`` ignores it, as TensorFlow's does. ``caching_device``,
+        ``import_scope`` (without ``variable_def``) and
+        ``experimental_enable_variable_lifting`` have no effect, and neither has
+        ``validate_shape=False``, as in eager TensorFlow (the variable keeps its
+        initial shape). ``shape`` must be compatible with the initial value's;
+        shapes with unknown dimensions are refused (variables here keep their
+        shape), and so is ``variable_def`` (graph-mode protocol buffers).
         """
-        _check_arguments(trainable, variable_def, import_scope, validate_shape, caching_device, constraint)
+        _check_arguments(initial_value, trainable, variable_def, caching_device, constraint)
         name = scoped_name(name or "Variable")
         ctx = get_replica_context()
         if ctx is not None and ctx.strategy is self._container_strategy and ctx is not default_replica_context():
@@ -777,6 +780,8 @@ class StrategyExtended:
                                                                       aggregation)
         if callable(initial_value):
             initial_value = initial_value()
+        if dtype is not None and not hasattr(initial_value, "dtype"):  # Python values: TF's conversions only
+            initial_value = convert_to_tensor(initial_value, dtype=dtype)
         value = device_util.to_host(_read(initial_value))
         if dtype is not None:
             value = value.astype(np.dtype(dtype), copy=False)
@@ -829,20 +834,25 @@ def _reduce_along(v, op: ReduceOp, axis: int):
     return np.full(shape, identity, dtype)
 
 
-def _check_arguments(trainable, variable_def, import_scope, validate_shape, caching_device, constraint) -> None:
-    """Refuses the ``tf.Variable`` arguments that have no meaning here, naming each."""
+def _check_arguments(initial_value, trainable, variable_def, caching_device, constraint) -> None:
+    """Refuses the ``tf.Variable`` arguments that have no meaning here, naming each (TF's words first)."""
     if trainable is not None and not isinstance(trainable, (bool, np.bool_)):
         # Most likely a name given second, in the order md.Variable had before it took tf.Variable's.
         raise ValueError(f"trainable={trainable!r}: expected True, False or None; md.Variable takes tf.Variable's "
                          "order (initial_value, trainable, validate_shape, caching_device, name, ...): pass the "
                          "other arguments by keyword, e.g. md.Variable(x, name='w')")
-    for argument, value in (("variable_def", variable_def), ("import_scope", import_scope)):
-        if value is not None:
-            raise ValueError(f"{argument}={value!r}: md.Variable has no graph protocol buffers to build a variable "
-                             f"from; pass initial_value (and leave {argument} None)")
-    if validate_shape is not True:
-        raise ValueError(f"validate_shape={validate_shape!r}: md.Variable keeps its initial shape (a mirrored "
-                         "variable's copies are allocated once); create a new variable to change the shape")
+    if variable_def is not None and initial_value is not None:
+        raise ValueError(f"The variable_def and initial_value args to `tf.Variable` are mutually exclusive, but got "
+                         f"both: variable_def={variable_def!r}, initial_value={initial_value!r:.80} (pass "
+                         "initial_value only)")
+    if variable_def is not None:
+        raise ValueError(f"Creating a `tf.Variable` with a `variable_def` arg is not supported when eager execution "
+                         f"is enabled. Got: variable_def={variable_def!r} (md.Variable has no graph protocol "
+                         "buffers: pass initial_value)")
+    if initial_value is None:
+        raise ValueError("The `initial_value` arg to `tf.Variable` must be specified except when you are not "
+                         "providing a `variable_def`. You provided neither. (pass the initial value: an array, a "
+                         "number, or a callable that returns one)")
     if caching_device is not None and not isinstance(caching_device, str):
         raise ValueError(f"caching_device={caching_device!r}: expected a device string or None")
     if constraint is not None and not callable(constraint):
@@ -857,13 +867,17 @@ def _check_shape(name, shape, actual) -> None:
     try:
         dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     except TypeError:
-        raise ValueError(f"shape={shape!r} for variable {name!r}: expected a tuple of ints") from None
+        dims = None
+    if dims is None or isinstance(shape, str) or not all(d is None or isinstance(d, (int, np.integer))
+                                                         for d in dims):
+        raise ValueError(f"shape={shape!r} for variable {name!r}: expected a tuple of ints")
     if None in dims or any(isinstance(d, (int, np.integer)) and d < 0 for d in dims):
         raise ValueError(f"shape={shape!r} for variable {name!r}: unknown dimensions are not supported (a "
                          f"variable keeps its initial shape {tuple(actual)}); pass the full shape or shape=None")
     if dims != tuple(actual):
-        raise ValueError(f"shape={shape!r} for variable {name!r}: the initial value has shape {tuple(actual)}; "
-                         "they must be equal")
+        raise ValueError(f"In this `tf.Variable` creation, the initial value's shape ({tuple(actual)}) is not "
+                         f"compatible with the explicitly supplied `shape` argument ({list(dims)}). (variable "
+                         f"{name!r}: pass shape={tuple(actual)} or leave shape None)")
 
 
 def _check_variable_args(name, trainable, synchronization, aggregation):

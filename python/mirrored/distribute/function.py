@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import inspect
 import logging
 import sys
 import threading
@@ -32,11 +33,14 @@ import numpy as np
 
 from .._nest import flatten, map_structure, pack_sequence_as
 from ..device import device_util, gpu as _gpu
-from . import distribute_lib
+from ..data.structure import TensorSpec
+from ..device.indexed_slices import convert_to_tensor
+from . import distribute_lib, function_signature
 from .input_lib import DistributedIterator
 from .values import DistributedValues, Variable
 
 MAX_SIGNATURES = 16  # captured signatures kept per function; the least recently used goes first
+MAX_TRACE_TYPES = 256  # trace types remembered per function, for experimental_get_tracing_count
 RETRACING_CALLS = 5  # TF's threshold: warn when this many calls in a row each captured anew
 _capturing = threading.Lock()  # one capture at a time: the running step (device/gpu.py) is process-wide
 
@@ -50,44 +54,105 @@ def function(func=None, input_signature=None, autograph=True, jit_compile=None, 
              experimental_relax_shapes=None, experimental_compile=None, experimental_follow_type_hints=None):
     """``tf.function``'s signature: ``md.function(fn)`` or ``@md.function`` / ``@md.function(...)``.
 
-    The TensorFlow-only arguments are accepted and have no effect (there is no graph to
-    compile or relax: a new shape captures again).
+    ``input_signature`` and ``reduce_retracing`` (``experimental_relax_shapes``, its old name) act as in TF
+    (function_signature.py). The other TensorFlow-only arguments are accepted and have no effect (there is no
+    graph to compile: the step is Python, captured as CUDA graphs).
     """
     if func is None:
-        return functools.partial(function, input_signature=input_signature, reduce_retracing=reduce_retracing)
+        return functools.partial(function, input_signature=input_signature, autograph=autograph,
+                                 jit_compile=jit_compile, reduce_retracing=reduce_retracing,
+                                 experimental_implements=experimental_implements,
+                                 experimental_autograph_options=experimental_autograph_options,
+                                 experimental_attributes=experimental_attributes,
+                                 experimental_relax_shapes=experimental_relax_shapes,
+                                 experimental_compile=experimental_compile,
+                                 experimental_follow_type_hints=experimental_follow_type_hints)
     if not callable(func):
         raise TypeError(f"func={func!r}: md.function wraps a callable (the step), e.g. md.function(train_step)")
-    return Function(func)
+    return Function(func, input_signature, bool(reduce_retracing or experimental_relax_shapes))
 
 
 class Function:
     """A step that runs eagerly once per input signature, then as captured CUDA graphs."""
 
-    def __init__(self, python_function):
+    def __init__(self, python_function, input_signature=None, reduce_retracing=False):
         functools.update_wrapper(self, python_function)
         self._python_function = python_function
+        self._input_signature = function_signature.validate(python_function, input_signature)
+        self._binder = None if self._input_signature is None else function_signature.Binder(
+            python_function, self._input_signature)
+        self._reduce_retracing = reduce_retracing
+        # The trace types of the calls so far (TF's, for the count of traces); bounded, as the captures are: a
+        # step given a new Python value at every call would otherwise keep them all.
+        self._traced = collections.deque(maxlen=MAX_TRACE_TYPES)
         self._steps: collections.OrderedDict = collections.OrderedDict()  # signature -> _Captured or reason
         self._lock = threading.RLock()
         self._recent = collections.deque(maxlen=RETRACING_CALLS)  # whether each recent call captured
         self._tracing_count = 0
+        self._captures = 0  # signatures captured (or tried): a shape, or a stale step, captures anew
         self._warned: set = set()
 
     @property
     def python_function(self):
         return self._python_function
 
+    @property
+    def input_signature(self):
+        """The ``input_signature`` given (a tuple of ``md.TensorSpec`` structures), or None."""
+        return self._input_signature
+
+    @property
+    def name(self) -> str:
+        return self._python_function.__name__
+
     def experimental_get_tracing_count(self) -> int:
-        """How many signatures were captured (or tried): TF's count of traces."""
+        """How many times the function was traced, as TF counts: once with an input_signature, else once per
+        call whose trace type no earlier trace covers (see function_signature.py)."""
         return self._tracing_count
+
+    def get_concrete_function(self, *args, **kwargs) -> "ConcreteFunction":
+        """TF's ``get_concrete_function``: with an input_signature, of the signature (no arguments needed);
+        else of these arguments' shapes and dtypes (a trace of their type, as TF's)."""
+        if self._binder is not None:
+            if args or kwargs:
+                self._binder.bind(args, kwargs)
+            self._count_trace(args, kwargs)
+            return ConcreteFunction(self, self._binder)
+        if not args and not kwargs and _takes_arguments(self._python_function):
+            raise TypeError(f"md.function({self._describe()}).get_concrete_function(): pass example arguments "
+                            "(arrays or md.TensorSpec), or give md.function an input_signature")
+        specs = [_spec_of(a) for a in args]
+        keyword = {k: _spec_of(v) for k, v in kwargs.items()}
+        self._count_trace(args, kwargs)
+        return ConcreteFunction(self, function_signature.Binder(
+            functools.partial(self._python_function, **keyword) if keyword else self._python_function, specs))
+
+    def _count_trace(self, args, kwargs) -> None:
+        """TF's count of traces: one per signature, or per call of a trace type no earlier trace covers."""
+        if self._binder is not None:
+            kind = ("input_signature", ())
+        else:
+            kind = function_signature.trace_type(args, kwargs)
+        if any(function_signature.covers(traced, kind) for traced in self._traced):
+            return
+        if self._reduce_retracing:
+            kind = function_signature.relaxed(kind, self._traced)
+        self._traced.append(kind)
+        self._tracing_count += 1
 
     def __get__(self, instance, owner):  # a decorated method: bound per instance, as tf.function's
         return self if instance is None else functools.partial(self.__call__, instance)
 
     def __call__(self, *args, **kwargs):
+        if self._binder is not None:
+            args, kwargs = self._binder.bind(args, kwargs)
         return self._call(None, args, kwargs)
 
     def _run_in_strategy(self, strategy, args, kwargs):
-        """``strategy.run(md.function(fn), args, kwargs)``: the whole replica step is the captured step."""
+        """``strategy.run(md.function(fn), args, kwargs)``: the whole replica step is the captured step (each
+        replica's arguments bound to the input_signature, as TF's function called per replica binds them)."""
+        if self._binder is not None:
+            args, kwargs = self._binder.bind(tuple(args), kwargs or {})
         return self._call(strategy, tuple(args), kwargs)
 
     # --- calls -----------------------------------------------------------------------
@@ -100,6 +165,8 @@ class Function:
             key = (id(strategy), inputs.signature)
             step = self._steps.get(key)
             if step is None:
+                # (A call of a kept signature was counted at its first call: its inputs' type was the same.)
+                self._count_trace(args, kwargs)
                 return self._first_call(key, strategy, inputs)
             self._steps.move_to_end(key)
             self._recent.append(False)
@@ -117,7 +184,7 @@ class Function:
 
     def _first_call(self, key, strategy, inputs):
         """Warm-up (the eager step) then capture; or, where capture is impossible, eager from now on."""
-        self._tracing_count += 1
+        self._captures += 1
         self._recent.append(True)
         if len(self._recent) == RETRACING_CALLS and all(self._recent) and "retracing" not in self._warned:
             self._warned.add("retracing")
@@ -160,6 +227,50 @@ class Function:
 
     def __repr__(self):
         return f"<md.function {self._describe()}>"
+
+
+class ConcreteFunction:
+    """TF's ``ConcreteFunction`` of an ``md.function``: calls of its one trace type (arguments bound to its
+    specs, as the function with that input_signature binds them)."""
+
+    def __init__(self, function: Function, binder):
+        self._function, self._binder = function, binder
+
+    @property
+    def structured_input_signature(self):
+        """``(args, kwargs)`` of ``md.TensorSpec``, each named after its parameter (x, x_0, x_1_a), as TF's."""
+        return tuple(self._binder.concrete_inputs()), {}
+
+    @property
+    def inputs(self) -> list:
+        return list(self._binder.concrete_inputs())
+
+    @property
+    def name(self) -> str:
+        return self._function.name
+
+    def __call__(self, *args, **kwargs):
+        args, kwargs = self._binder.bind(args, kwargs)
+        return self._function._call(None, args, kwargs)
+
+    def __repr__(self):
+        return f"<md.ConcreteFunction {self._function._describe()}{self._binder.description}>"
+
+
+def _takes_arguments(fn) -> bool:
+    return any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+               for p in inspect.signature(fn).parameters.values())
+
+
+def _spec_of(value):
+    """An argument of get_concrete_function as a spec: a TensorSpec as it is, an array's shape and dtype,
+    a structure of them as a structure of specs."""
+    if isinstance(value, (tuple, list, dict)) and not hasattr(value, "_fields"):
+        return map_structure(_spec_of, value)
+    if isinstance(value, TensorSpec):
+        return value
+    array = value if hasattr(value, "dtype") and hasattr(value, "shape") else convert_to_tensor(value)
+    return TensorSpec(tuple(array.shape), array.dtype)
 
 
 # --- which GPUs a step uses ---------------------------------------------------------

@@ -105,9 +105,9 @@ class _VariableMeta(type):
 
 
 class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
-    """``md.Variable(initial_value, trainable=None, validate_shape=True, caching_device=None, name=None,
+    """``md.Variable(initial_value=None, trainable=None, validate_shape=True, caching_device=None, name=None,
     variable_def=None, dtype=None, import_scope=None, constraint=None, synchronization=AUTO, aggregation=NONE,
-    shape=None)``: ``tf.Variable``'s arguments in its order.
+    shape=None, experimental_enable_variable_lifting=True)``: ``tf.Variable``'s arguments in its order.
 
     Arithmetic and NumPy functions apply to the current value. As in
     TensorFlow, ``==`` is element-wise, so variables are not hashable: key
@@ -125,9 +125,11 @@ class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
     def value(self):
         return self.read_value()
 
-    def is_initialized(self, name=None) -> np.bool_:
-        """Whether the variable (every copy of it) holds a value: always, from its creation on."""
-        return np.bool_(True)
+    def is_initialized(self, name=None) -> np.ndarray:
+        """Whether the variable (every copy of it) holds a value: always, from its creation on. A new 0-d bool
+        array per call, TF's scalar tensor: inside ``strategy.run`` each replica's is its own, so the result is
+        PerReplica as in TF (one shared ``np.bool_`` would make ``run`` return it alone)."""
+        return np.array(True)
 
     def read_value_no_copy(self):
         """TF's read that never copies: here every read is one (``read_value`` returns the buffer itself, which
