@@ -597,3 +597,27 @@ def test_a_keras2_loss_scaled_step_runs_eagerly_and_the_warning_names_the_loss_s
 
         _runs_eagerly_warning(strategy, step, opt,
                               r"get_unscaled_gradients\(.*LossScaleOptimizer read its loss scale on the host")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_calls_whose_arguments_nest_differently_are_captured_apart(replicas):
+    """f(a, b), f(a, y=b) and f((a, b)) flatten to the same arrays; each is its own signature (a replay of
+    another's graph would return another computation's result)."""
+    with gpu_env.mirrored_strategy(replicas) as strategy:
+        def step(*args, **kwargs):
+            if kwargs:
+                return args[0] - kwargs["y"]
+            if isinstance(args[0], tuple):
+                return args[0][0] * args[0][1]
+            return args[0] + args[1]
+        run = md.function(step)
+        a, b = cupy.full(4, 3.0, np.float32), cupy.full(4, 2.0, np.float32)
+        want = {"positional": 5.0, "keyword": 1.0, "tuple": 6.0}
+        calls = {"positional": lambda: strategy.run(run, args=(a, b)),
+                 "keyword": lambda: strategy.run(run, args=(a,), kwargs={"y": b}),
+                 "tuple": lambda: strategy.run(run, args=((a, b),))}
+        for _ in range(3):  # warm-up, capture, replay of each
+            for name, call in calls.items():
+                for value in strategy.experimental_local_results(call()):
+                    np.testing.assert_array_equal(cupy.asnumpy(value), want[name], err_msg=name)

@@ -41,6 +41,17 @@ def flatten(structure) -> list:
     return [leaf for item in structure for leaf in flatten(item)]
 
 
+def structure_key(structure):
+    """A hashable description of how ``structure`` nests (types, lengths, mapping keys), its leaves left out:
+    two structures with equal keys flatten and pack alike."""
+    kind = _kind(structure)
+    if kind == _LEAF:
+        return None
+    if kind == _MAPPING:
+        return type(structure), tuple((k, structure_key(structure[k])) for k in sorted(structure))
+    return type(structure), tuple(structure_key(item) for item in structure)
+
+
 def pack_sequence_as(structure, leaves):
     """``structure`` with its leaves replaced, in :func:`flatten` order, by ``leaves``."""
     if _kind(structure) == _LEAF:

@@ -31,7 +31,7 @@ import warnings
 
 import numpy as np
 
-from .._nest import flatten, map_structure, pack_sequence_as
+from .._nest import flatten, map_structure, pack_sequence_as, structure_key
 from ..device import device_util, gpu as _gpu
 from ..data.structure import TensorSpec
 from ..device.indexed_slices import convert_to_tensor
@@ -336,7 +336,8 @@ class _Inputs:
         self.leaves = leaves
         self.uncapturable = None
         self.ordinals = set()
-        self.signature = tuple(
+        # How the arguments nest is part of the signature: f(a, b), f(a, y=b) and f((a, b)) flatten alike.
+        self.signature = (structure_key(self.structure),) + tuple(
             ("iterator", tuple(map(self._spec, flatten(leaf))), repr(_structure(leaf)))
             if i in self.iterators else self._spec(leaf) for i, leaf in enumerate(leaves))
 
