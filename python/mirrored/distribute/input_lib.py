@@ -581,7 +581,7 @@ class DistributedDataset(_DistributedInput):
                          "shuffle(..., seed=...)")
         self._sizes = None  # this worker's per-replica batch sizes where TF's rebatch cuts by size
         if _is_pipeline(dataset):
-            if self._policy == AutoShardPolicy.FILE:
+            if self._policy == AutoShardPolicy.FILE and extended._num_workers > 1:
                 dataset = dataset._file_sharded(extended._num_workers, extended._worker_index)
             self._items = dataset
             self._cut_by_size(dataset)
@@ -617,8 +617,8 @@ class DistributedDataset(_DistributedInput):
         """DATA, FILE or OFF: how this worker takes its share of ``dataset`` (see md.data)."""
         policy = policy_of(dataset)
         workers = self._extended._num_workers
-        if workers == 1:  # one worker reads everything: OFF, or the DATA sharding that keeps it all
-            return AutoShardPolicy.OFF if policy == AutoShardPolicy.OFF else AutoShardPolicy.DATA
+        if workers == 1:  # one worker reads everything: as OFF and FILE have it, or by the DATA sharding's rules
+            return policy if policy in (AutoShardPolicy.OFF, AutoShardPolicy.FILE) else AutoShardPolicy.DATA
         if _is_pipeline(dataset):
             return _pipeline_policy(dataset, policy, workers)
         files = getattr(dataset, "files", None)
@@ -646,6 +646,11 @@ class DistributedDataset(_DistributedInput):
         if self._sizes is not None:
             # The stream of per-replica batches, a global batch's rows at a time: the same on every worker.
             return _source_iterator(self._items.rebatch(self._global_batch), state)
+        if isinstance(self._items, dataset_ops._Rebatch) and self._extended._num_replicas_in_sync == 1 \
+                and self._policy == AutoShardPolicy.DATA:
+            # TF's DATA sharding turns the last rebatch it finds into a legacy rebatch over the replicas; with one
+            # replica, and no rebatch of the strategy's own, that is the dataset's: its input batches, unsplit.
+            return _source_iterator(self._items._input, state)
         return _source_iterator(self._items, state)
 
     def _step_count(self, item) -> int:
