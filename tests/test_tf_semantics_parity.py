@@ -151,11 +151,6 @@ DELIBERATE = {
                                       ["n", _tensor(6 * n, np.int32)]]},
                             {"dict": [["loss", _tensor((n + n * (n - 1) / 2) / (2 * n), np.float32)],
                                       ["n", _tensor(2.0, np.float64)]]}]}),
-    # TF: IndexError from its input code when unbatched (rank-0) elements meet several replicas. Ours: a
-    # ValueError naming the missing batch dimension. (With one replica both pass elements through.)
-    "dataset_unbatched_scalars": (
-        lambda n: {"raises": "IndexError"} if n > 1 else {"list": [{"tuple": [_tensor(0, np.int64)]}]},
-        lambda n: {"raises": "ValueError"} if n > 1 else {"list": [{"tuple": [_tensor(0, np.int64)]}]}),
     # TF iterates a string given as `devices` character by character (and fails on "c"). Ours takes it as one
     # device.
     "strategy_device_spelling_2": (
