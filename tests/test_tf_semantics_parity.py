@@ -158,10 +158,6 @@ DELIBERATE = {
         lambda n: {"list": [_py(1), {"tuple": [_py("/job:localhost/replica:0/task:0/device:CPU:1")]}]}),
     # TF: an `assert` (AssertionError) on duplicate devices. Ours: ValueError with TF's words.
     "strategy_duplicate_devices": (lambda n: {"raises": "AssertionError"}, lambda n: {"raises": "ValueError"}),
-    # TF builds InputOptions(experimental_place_dataset_on_device=True, experimental_fetch_to_device=True) and
-    # refuses it when a dataset is distributed with it. Ours refuses the contradiction where it is written.
-    "input_options_rules": (lambda n: {"list": [_py("NoneType"), _py("NoneType"), _py("PER_REPLICA")]},
-                            lambda n: {"list": [_py("ValueError"), _py("NoneType"), _py("PER_REPLICA")]}),
     # TF runs a strategy.run called from inside a merge_fn. Ours: RuntimeError (the strategy's replicas are the
     # ones waiting in merge_call; run the work in merge_fn itself, in cross-replica context).
     "run_inside_merge_fn": (lambda n: _py("NoneType"), lambda n: _py("RuntimeError")),

@@ -267,6 +267,21 @@ class _ShardedSteps(_Iterator):
         return {"source": self._inputs[0].save(), "pending": self._pending, "count": self._count}
 
 
+class _UnbufferedSteps(_Iterator):
+    """``experimental_per_replica_buffer_size=0``: no prefetching, each step is prepared when it is asked for.
+    Saves as the prefetching iterator does, with nothing buffered."""
+
+    def __init__(self, steps: _Iterator, transform):
+        super().__init__(steps)
+        self._transform = transform
+
+    def next(self):
+        return self._transform(self._inputs[0].next())
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "buffer": []}
+
+
 class _DeviceFetcher:
     """Copies each replica's batch onto its device; runs in the prefetch thread, one step ahead of training.
 
@@ -445,8 +460,13 @@ class _DistributedInput:
             steps = _ShardedSteps(steps, split, len(self._devices), self._shards,
                                   self._extended.experimental_enable_get_next_as_optional, sharded)
             split = list  # (already split)
-        return PrefetchIterator(steps, depth, () if state is None else state["buffer"],
-                                transform=lambda step: self._to_step(split(step)), name="mirrored-prefetch")
+        def transform(step):
+            return self._to_step(split(step))
+
+        if depth == 0:
+            return _UnbufferedSteps(steps, transform)
+        return PrefetchIterator(steps, depth, () if state is None else state["buffer"], transform=transform,
+                                name="mirrored-prefetch")
 
     def _split_step(self, step) -> list:
         """``(item, k)`` of _StepIterator: the local replicas' batches of step ``k`` of the item."""
@@ -617,8 +637,11 @@ class DistributedDataset(_DistributedInput):
         """DATA, FILE or OFF: how this worker takes its share of ``dataset`` (see md.data)."""
         policy = policy_of(dataset)
         workers = self._extended._num_workers
-        if workers == 1:  # one worker reads everything: as OFF and FILE have it, or by the DATA sharding's rules
-            return policy if policy in (AutoShardPolicy.OFF, AutoShardPolicy.FILE) else AutoShardPolicy.DATA
+        if workers == 1:
+            # One worker reads everything. TF's DATA sharding (AUTO's too, over data without files) still rewrites
+            # the strategy's rebatch into the legacy split; FILE, OFF and HINT leave it as it is (read as OFF).
+            return AutoShardPolicy.DATA if policy in (AutoShardPolicy.AUTO, AutoShardPolicy.DATA) else \
+                (policy if policy == AutoShardPolicy.FILE else AutoShardPolicy.OFF)
         if _is_pipeline(dataset):
             return _pipeline_policy(dataset, policy, workers)
         files = getattr(dataset, "files", None)
@@ -837,7 +860,15 @@ class DistributedDatasetsFromFunction(_DistributedInput):
                             "that returns an iterable of per-replica batches")
         local = len(extended.worker_devices)
         total = extended._num_replicas_in_sync
-        if self._options.experimental_replication_mode == InputReplicationMode.PER_REPLICA:
+        per_replica = self._options.experimental_replication_mode == InputReplicationMode.PER_REPLICA
+        if self._options.experimental_place_dataset_on_device and not per_replica:
+            raise ValueError("When `experimental_place_dataset_on_device` is set for dataset placement, you must "
+                             "also specify `PER_REPLICA` for the replication mode")
+        if self._options.experimental_place_dataset_on_device and self._options.experimental_fetch_to_device:
+            raise ValueError("`experimental_place_dataset_on_device` can not be set to True when "
+                             "experimental_fetch_to_device is True and replication mode is set to `PER_REPLICA`; "
+                             "pass experimental_fetch_to_device=False")
+        if per_replica:
             first = extended._worker_index * local
             contexts = [InputContext(total, first + i, total) for i in range(local)]
         else:
