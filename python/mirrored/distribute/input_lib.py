@@ -638,10 +638,12 @@ class DistributedDataset(_DistributedInput):
         policy = policy_of(dataset)
         workers = self._extended._num_workers
         if workers == 1:
-            # One worker reads everything. TF's DATA sharding (AUTO's too, over data without files) still rewrites
-            # the strategy's rebatch into the legacy split; FILE, OFF and HINT leave it as it is (read as OFF).
-            return AutoShardPolicy.DATA if policy in (AutoShardPolicy.AUTO, AutoShardPolicy.DATA) else \
-                (policy if policy == AutoShardPolicy.FILE else AutoShardPolicy.OFF)
+            # One worker reads everything. TF's DATA sharding (AUTO's too, over a pipeline without files) still
+            # rewrites the strategy's rebatch into the legacy split; FILE, OFF and HINT leave it as it is.
+            if policy == AutoShardPolicy.AUTO:
+                has_files = _is_pipeline(dataset) and dataset._file_count() is not None
+                return AutoShardPolicy.FILE if has_files else AutoShardPolicy.DATA
+            return policy if policy in (AutoShardPolicy.DATA, AutoShardPolicy.FILE) else AutoShardPolicy.OFF
         if _is_pipeline(dataset):
             return _pipeline_policy(dataset, policy, workers)
         files = getattr(dataset, "files", None)
@@ -669,11 +671,15 @@ class DistributedDataset(_DistributedInput):
         if self._sizes is not None:
             # The stream of per-replica batches, a global batch's rows at a time: the same on every worker.
             return _source_iterator(self._items.rebatch(self._global_batch), state)
-        if isinstance(self._items, dataset_ops._Rebatch) and self._extended._num_replicas_in_sync == 1 \
+        last = self._items
+        while isinstance(last, dataset_ops._Prefetch):
+            last = last._input
+        if isinstance(last, dataset_ops._Rebatch) and self._extended._num_replicas_in_sync == 1 \
                 and self._policy == AutoShardPolicy.DATA:
-            # TF's DATA sharding turns the last rebatch it finds into a legacy rebatch over the replicas; with one
-            # replica, and no rebatch of the strategy's own, that is the dataset's: its input batches, unsplit.
-            return _source_iterator(self._items._input, state)
+            # TF's DATA sharding turns the rebatch at the end of the pipeline (prefetches aside) into a legacy
+            # rebatch over the replicas; with one replica, and no rebatch of the strategy's own, that is the
+            # dataset's: its input batches come unsplit.
+            return _source_iterator(last._input, state)
         return _source_iterator(self._items, state)
 
     def _step_count(self, item) -> int:
@@ -695,7 +701,8 @@ class DistributedDataset(_DistributedInput):
         if self._sizes is not None:
             return self._cut(batch)
         if self._policy == AutoShardPolicy.DATA:
-            return [split_batch(batch, total, ext._worker_index * local, local)]
+            # TF's DATA sharding keeps every W-th of the N per-replica batches, from the worker's index on.
+            return [split_batch(batch, total, 0, total)[ext._worker_index::ext._num_workers]]
         # FILE and OFF: this worker splits each batch it reads over all N replicas and runs the
         # N per-replica batches L at a time, so every worker takes the same number of steps.
         parts = split_batch(batch, total, 0, total)
