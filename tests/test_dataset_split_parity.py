@@ -30,7 +30,7 @@ class Mirrored:
     flatten = staticmethod(flatten)
 
     @staticmethod
-    def strategy(n):
+    def strategy(n, fresh):
         return md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
 
     @staticmethod

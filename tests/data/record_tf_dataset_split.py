@@ -144,7 +144,9 @@ def run_case(lib, n, case):
         options.experimental_distribute.auto_shard_policy = getattr(lib.AutoShardPolicy, policy)
         return options
 
-    strategy = lib.strategy(n)
+    # (A fresh strategy where options are given: TF's MirroredStrategy keeps PER_REPLICA's input workers for the
+    # datasets it distributes later.)
+    strategy = lib.strategy(n, fresh=case.get("fn", False) or "input_options" in case)
     try:
         options = None
         if "input_options" in case:
@@ -218,8 +220,8 @@ def _tensorflow():
         flatten = staticmethod(tf.nest.flatten)
 
         @staticmethod
-        def strategy(n):
-            if n not in strategies:  # (one per replica count: TF's strategies are slow to make)
+        def strategy(n, fresh):
+            if fresh or n not in strategies:  # (else one per replica count: TF's strategies are slow to make)
                 strategies[n] = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
             return strategies[n]
 
