@@ -5,12 +5,14 @@ element specs, the steps a loop takes, get_next_as_optional at the end, or the s
 Recorded by tests/data/record_tf_dataset_split.py."""
 
 import contextlib
+import types
 
 import numpy as np
 import pytest
 
 import mirrored as md
 from mirrored._nest import flatten
+from mirrored.distribute.input_lib import DistributedDataset, batch_sizes_for_worker, emitted_batches
 from data_parity import load_recorder
 
 RECORDER, REFERENCE = load_recorder("record_tf_dataset_split", "tf_dataset_split.json")
@@ -85,3 +87,49 @@ def test_matches_tensorflow(name, n):
         assert key in got, f"{name} n={n}: TF answered {key}={want[key]}, mirrored did not ({got})"
         _same(got[key], want[key], f"{name} n={n} {key}")
     assert set(got) == set(want), f"{name} n={n}: mirrored answered more than TF: {got}"
+
+
+# --- Several workers: TF's sources (not recordable in one process), checked on each worker's own view --------
+
+def _worker(index, workers=2, local=2):
+    """What a DistributedDataset reads of the strategy: worker ``index`` of ``workers``, ``local`` CPU replicas."""
+    return types.SimpleNamespace(_num_workers=workers, _worker_index=index, _num_replicas_in_sync=workers * local,
+                                 worker_devices=tuple(f"/cpu:{i}" for i in range(local)),
+                                 experimental_enable_get_next_as_optional=True)
+
+
+def _steps(dataset, policy, index, workers=2, local=2):
+    options = md.data.Options()
+    options.experimental_distribute.auto_shard_policy = getattr(md.data.AutoShardPolicy, policy)
+    with _logical_cpus(4):
+        distributed = DistributedDataset(dataset.with_options(options), _worker(index, workers, local))
+        return [[v.tolist() for v in step.values] for step in distributed]
+
+
+def test_batch_sizes_for_worker_as_tf_documents_them():
+    assert batch_sizes_for_worker(7, 2, 2, 0) == [2, 2, 2, 1]
+    assert batch_sizes_for_worker(7, 2, 2, 1) == [2, 1, 2, 2]
+    assert batch_sizes_for_worker(6, 1, 4, 0) == [2, 2, 1, 1]
+    assert batch_sizes_for_worker(2, 1, 4, 0) == [1, 1, 0, 0]
+    assert emitted_batches(3, [2, 1, 1, 1]) == 2 and emitted_batches(3, [1, 1, 2, 1]) == 3
+    assert emitted_batches(2, [1, 1, 0, 0]) == 4 and emitted_batches(1, [1, 1, 0, 0]) == 1
+
+
+def test_off_across_workers_cuts_tf_documented_sizes():
+    # TF's batch_sizes_for_worker example: 7 rows, 2 workers of 2 replicas; every step adds up to 7 rows.
+    ds = md.data.Dataset.range(14).batch(7)
+    assert _steps(ds, "OFF", 0) == [[[0, 1], [2, 3]], [[4, 5], [6]], [[7, 8], [9, 10]], [[11, 12], [13]]]
+    assert _steps(ds, "OFF", 1) == [[[0, 1], [2]], [[3, 4], [5, 6]], [[7, 8], [9]], [[10, 11], [12, 13]]]
+
+
+def test_every_worker_takes_a_step_while_one_has_rows():
+    # The last 3 rows of batches of 5: worker 0 (2+1+1+1) has rows for one step, worker 1 (1+1+2+1) for two.
+    ds = md.data.Dataset.range(8).batch(5)
+    assert _steps(ds, "OFF", 0) == [[[0, 1], [2]], [[3], [4]], [[5, 6], [7]], [[], []]]
+    assert _steps(ds, "OFF", 1) == [[[0], [1]], [[2, 3], [4]], [[5], [6]], [[7], []]]
+
+
+def test_data_across_workers_keeps_every_other_per_replica_batch():
+    ds = md.data.Dataset.range(14).batch(7)  # ceil(7/4) = 2 rows: [0,1] [2,3] [4,5] [6] per batch
+    assert _steps(ds, "DATA", 0) == [[[0, 1], [4, 5]], [[7, 8], [11, 12]]]
+    assert _steps(ds, "DATA", 1) == [[[2, 3], [6]], [[9, 10], [13]]]
