@@ -66,6 +66,16 @@ def _cases():
             f"D.from_tensor_slices(np.arange(24).reshape(4, 6)).with_options(O('{policy}'))")
         add(f"repeat_take.{policy}", f"D.range(5).batch(4).repeat(3).take(5).with_options(O('{policy}'))")
         add(f"empty.{policy}", f"D.range(0).batch(4).with_options(O('{policy}'))")
+    # Where the batch size hides from the strategy or shows through other transformations.
+    for policy in ("AUTO", "OFF"):
+        more = {"parallel_batch": "D.range(13).batch(6, num_parallel_calls=2)",
+                "rebatch_prefetch": "D.range(14).batch(7).rebatch(3).prefetch(2)",
+                "zip": "D.zip((D.range(13).batch(6), D.range(13).map(lambda x: x * 1.5).batch(6)))",
+                "concatenate": "D.range(7).batch(6).concatenate(D.range(20, 26).batch(6))",
+                "skip_take": "D.range(19).batch(6).skip(1).take(3)",
+                "padded": "D.range(9).map(lambda x: x % 3).padded_batch(6)"}
+        for label, expr in more.items():
+            add(f"{label}.{policy}", f"{expr}.with_options(O('{policy}'))")
     # The default options (AUTO, unset).
     for batch in (1, 4, 5, 6, 8):
         add(f"default_options.batch{batch}", f"D.range(13).batch({batch})")

@@ -132,7 +132,7 @@ def compute_batch_size(dataset) -> int:
 
 def _batch_size_upstream(dataset) -> int:
     if isinstance(dataset, dataset_ops._Batch):
-        return dataset._batch_size
+        return -1 if dataset._parallel else dataset._batch_size
     if isinstance(dataset, (dataset_ops._Zip, dataset_ops._Concatenate)):
         sizes = {_batch_size_upstream(d) for d in dataset._inputs}
         return sizes.pop() if len(sizes) == 1 else -1
