@@ -607,10 +607,7 @@ class DistributedDataset(_DistributedInput):
             self._cut_by_size(dataset)
         else:
             self._items = _Reiterable(dataset, "dataset")
-        # TF's get_next_as_optional (short steps padded with empty batches): off for an input of fixed shapes
-        # read by one worker, whose steps are never short.
-        self._partial = extended.experimental_enable_get_next_as_optional and (
-            extended._num_workers > 1 or not _is_pipeline(dataset) or not _static_shapes(dataset.element_spec))
+        self._partial = _pads_short_steps(extended, dataset)
 
     def _cut_by_size(self, dataset) -> None:
         """TF rebatches a pipeline whose batch size it finds into the sizes of ``batch_sizes_for_worker``,
@@ -767,8 +764,14 @@ class DistributedDataset(_DistributedInput):
         return self._steps_of(first[0])[0]
 
 
-def _static_shapes(spec) -> bool:
-    return all(s.shape.rank is not None and None not in s.shape.as_list() for s in flatten(spec))
+def _pads_short_steps(extended, dataset) -> bool:
+    """TF's get_next_as_optional handling (a short last step padded with empty batches): on, but off for a
+    pipeline of fixed shapes read by one worker (such a step then ends the input)."""
+    if not extended.experimental_enable_get_next_as_optional:
+        return False
+    if extended._num_workers > 1 or not _is_pipeline(dataset):
+        return True
+    return not all(s.shape.rank is not None and None not in s.shape.as_list() for s in flatten(dataset.element_spec))
 
 
 def _pipeline_policy(dataset, policy, workers: int) -> AutoShardPolicy:
@@ -888,7 +891,7 @@ class DistributedDatasetsFromFunction(_DistributedInput):
 
     def _source(self, state=None):
         return _Pipelines(self._pipelines, len(self._devices), state,
-                          self._extended.experimental_enable_get_next_as_optional)
+                          _pads_short_steps(self._extended, self._pipelines[0]))
 
     def build(self):
         """TF's: built already (AssertionError)."""
