@@ -1,10 +1,10 @@
 """Distributed datasets: batches split over the replicas and prefetched onto their devices.
 
-A dataset is any iterable of batches: arrays, or nested tuples/lists/dicts of
-arrays whose leading dimension is the global batch. A batch of ``b`` rows over
-``N`` replicas (of all workers) gives replica ``i`` the rows
-``[i*c, min((i+1)*c, b))`` with ``c = ceil(b / N)``, as TensorFlow 2.x does;
-replicas past the end get empty slices that keep the trailing shape.
+A dataset is any iterable of batches: arrays, or nested tuples/lists/dicts of arrays whose leading dimension is
+the global batch. TensorFlow 2.21 splits a batch over the ``N`` replicas (of all workers) in one of two ways,
+and so do we (docs/datasets_split.md): into ``batch_sizes_for_worker``'s even sizes, over the stream of rows,
+where it finds the pipeline's batch size and no DATA sharding rewrites that; else ``c = ceil(b / N)`` rows per
+replica from the first on (``split_batch``). Replicas past the end get empty slices that keep the trailing shape.
 """
 
 from __future__ import annotations
@@ -542,6 +542,7 @@ class _DistributedInput:
             return None
         sizes = {spec.shape[0] if spec.shape.rank else None for spec in flatten(dataset.element_spec)}
         return sizes.pop() if len(sizes) == 1 else None
+
 
 class _Reiterable:
     """A dataset's items; a one-shot iterator is consumed once, with peeked items kept for later."""
