@@ -70,7 +70,7 @@ def _cases():
     for policy in ("AUTO", "OFF"):
         more = {"parallel_batch": "D.range(13).batch(6, num_parallel_calls=2)",
                 "rebatch_prefetch": "D.range(14).batch(7).rebatch(3).prefetch(2)",
-                "zip": "D.zip((D.range(13).batch(6), D.range(13).map(lambda x: x * 1.5).batch(6)))",
+                "zip_pair": "D.zip((D.range(13).batch(6), D.range(13).map(lambda x: x * 2).batch(6)))",
                 "concatenate": "D.range(7).batch(6).concatenate(D.range(20, 26).batch(6))",
                 "skip_take": "D.range(19).batch(6).skip(1).take(3)",
                 "padded": "D.range(9).map(lambda x: x % 3).padded_batch(6)"}

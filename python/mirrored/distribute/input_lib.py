@@ -19,7 +19,7 @@ import numpy as np
 from .._nest import flatten, map_structure, pack_sequence_as
 from ..data import dataset_ops
 from ..data.dataset_ops import CountingIterator, Dataset, PrefetchIterator, _Iterator
-from ..data.iterator_ops import IteratorProtocol
+from ..data.iterator_ops import IteratorProtocol, Optional
 from ..data.options import AutoShardPolicy, policy_of
 from ..data.structure import TensorSpec, decode_state, encode_state, leaf_spec
 from ..device import device_util
@@ -267,6 +267,16 @@ class _ShardedSteps(_Iterator):
         return {"source": self._inputs[0].save(), "pending": self._pending, "count": self._count}
 
 
+class _ShortRound(list):
+    """A step's items from the pipelines, fewer than the replicas, where padding them is off (see
+    _pads_short_steps): ``next()`` ends there, ``get_next_as_optional()`` still gives it, padded."""
+
+
+class _ShortStep:
+    def __init__(self, value):
+        self.value = value
+
+
 class _UnbufferedSteps(_Iterator):
     """``experimental_per_replica_buffer_size=0``: no prefetching, each step is prepared when it is asked for.
     Saves as the prefetching iterator does, with nothing buffered."""
@@ -368,6 +378,32 @@ class DistributedIterator(IteratorProtocol):
     def __init__(self, distributed, state=None):
         super().__init__(distributed, distributed._build(state))
 
+    def __next__(self):
+        step = IteratorProtocol.__next__(self)
+        if isinstance(step, _ShortStep):  # (see get_next_as_optional)
+            self._end()
+            raise StopIteration
+        return step
+
+    next = __next__
+
+    def get_next_as_optional(self) -> Optional:
+        """The next step wrapped in an :class:`Optional`, empty at the end. Where a short last step ends
+        ``next()`` (TF turns its padding off for inputs of fixed shapes), this still gives that step, the
+        missing replicas' batches empty, as TF's does."""
+        try:
+            step = IteratorProtocol.__next__(self)
+        except StopIteration:
+            return Optional(None, False, lambda: self.element_spec)
+        if isinstance(step, _ShortStep):
+            self._end()
+            step = step.value
+        return Optional(step, True, lambda: self._spec_of(step))
+
+    def _end(self):
+        self._done = True
+        self._source.close()
+
     @staticmethod
     def _spec_of(element):
         return map_structure(lambda x: PerReplicaSpec(*(leaf_spec(c) for c in x.values))
@@ -461,7 +497,8 @@ class _DistributedInput:
                                   self._extended.experimental_enable_get_next_as_optional, sharded)
             split = list  # (already split)
         def transform(step):
-            return self._to_step(split(step))
+            value = self._to_step(split(step))
+            return _ShortStep(value) if isinstance(step[0], _ShortRound) else value
 
         if depth == 0:
             return _UnbufferedSteps(steps, transform)
@@ -843,8 +880,12 @@ class _Pipelines(_Iterator):
                 step.append(self._inputs[0].next())
             except StopIteration:
                 break
-        if not step or len(step) < self._local and not self._partial:
+        if not step:
             raise StopIteration
+        if len(step) < self._local and not self._partial:
+            if any(np.ndim(leaf) == 0 for leaf in flatten(step[-1])):
+                raise StopIteration  # (scalars have no empty batch to pad with)
+            return _ShortRound(step)
         return step
 
     def save(self):
