@@ -722,6 +722,8 @@ class DistributedDataset(_DistributedInput):
         local, workers = len(ext.worker_devices), ext._num_workers
         if self._sizes is not None:
             rows = _batch_rows(_host_leaves(item), "dataset")
+            if rows == self._global_batch:  # (all but the last: every worker's N batches, L a step)
+                return workers
             if not self._partial:  # a step short of a batch ends the input
                 return emitted_batches(rows, self._sizes) // local
             # Every worker takes a step while any of them has a batch for it.
