@@ -29,6 +29,7 @@ class Mirrored:
     AutoShardPolicy = md.data.experimental.AutoShardPolicy
     InputOptions = md.distribute.InputOptions
     InputReplicationMode = md.distribute.InputReplicationMode
+    TextLineDataset = md.data.TextLineDataset
     flatten = staticmethod(flatten)
 
     @staticmethod
@@ -45,7 +46,7 @@ class Mirrored:
 
     @staticmethod
     def dtype_name(dtype):
-        return np.dtype(dtype).name
+        return "string" if np.dtype(dtype).kind in "OSU" else np.dtype(dtype).name  # (TF's name of its strings)
 
     @staticmethod
     def numpy(value):

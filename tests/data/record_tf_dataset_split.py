@@ -76,6 +76,11 @@ def _cases():
                 "padded": "D.range(9).map(lambda x: x % 3).padded_batch(6)"}
         for label, expr in more.items():
             add(f"{label}.{policy}", f"{expr}.with_options(O('{policy}'))")
+    # Text files (AUTO finds files to shard: on one worker that keeps the even-size cut).
+    for policy in POLICIES:
+        add(f"text_lines.{policy}", f"T(FILES).batch(6).with_options(O('{policy}'))")
+        add(f"text_lines_listed.{policy}",
+            f"D.list_files(FILES, shuffle=False).interleave(T, cycle_length=1).batch(4).with_options(O('{policy}'))")
     # The default options (AUTO, unset).
     for batch in (1, 4, 5, 6, 8):
         add(f"default_options.batch{batch}", f"D.range(13).batch({batch})")
@@ -133,12 +138,35 @@ def _encode_spec(lib, spec, n):
 
 
 def _encode_step(lib, strategy, element):
-    """Per leaf: each replica's [values, dtype, shape]."""
+    """Per leaf: each replica's [values, dtype, shape] (strings as text, of dtype "string")."""
     out = []
     for leaf in lib.flatten(element):
         arrays = [lib.numpy(v) for v in strategy.experimental_local_results(leaf)]
-        out.append([[a.tolist(), a.dtype.name, list(a.shape)] for a in arrays])
+        out.append([[_text(a.tolist()), "string", list(a.shape)] if a.dtype.kind in "OSU" else
+                    [a.tolist(), a.dtype.name, list(a.shape)] for a in arrays])
     return out
+
+
+def _text(values):
+    if isinstance(values, list):
+        return [_text(v) for v in values]
+    return values.decode() if isinstance(values, bytes) else values
+
+
+def _text_files():
+    """Three small text files (the same lines in every process), for the reader cases."""
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="dataset_split_")
+    paths = []
+    for i in range(3):
+        paths.append(os.path.join(directory, f"part{i}.txt"))
+        with open(paths[-1], "w") as f:
+            f.write("".join(f"{10 * i + j}\n" for j in range(5)))
+    return paths
+
+
+FILES = []
 
 
 def _raised(e):
@@ -148,6 +176,9 @@ def _raised(e):
 def run_case(lib, n, case):
     """``case``'s answer on ``lib`` (the adapter of TF or mirrored) over ``n`` replicas."""
     D = lib.Dataset
+
+    if not FILES and "FILES" in case["ds"]:
+        FILES.extend(_text_files())
 
     def O(policy):  # noqa: N802  (a short name for the case expressions)
         options = lib.Options()
@@ -170,7 +201,8 @@ def run_case(lib, n, case):
                 return eval(case["ds"], {"D": D, "np": np, "O": O, "ctx": ctx})  # noqa: S307  (the cases above)
             dist = strategy.distribute_datasets_from_function(dataset_fn, options)
         else:
-            dataset = eval(case["ds"], {"D": D, "np": np, "O": O})  # noqa: S307  (the cases above)
+            dataset = eval(case["ds"], {"D": D, "np": np, "O": O, "T": lib.TextLineDataset,  # noqa: S307
+                                        "FILES": FILES})
             dist = strategy.experimental_distribute_dataset(dataset, options)
     except Exception as e:  # noqa: BLE001  (TF's refusal is the answer)
         return {"build": _raised(e)}
@@ -227,6 +259,7 @@ def _tensorflow():
         AutoShardPolicy = tf.data.experimental.AutoShardPolicy
         InputOptions = tf.distribute.InputOptions
         InputReplicationMode = tf.distribute.InputReplicationMode
+        TextLineDataset = tf.data.TextLineDataset
         flatten = staticmethod(tf.nest.flatten)
 
         @staticmethod
