@@ -155,9 +155,12 @@ def _text(values):
 
 def _text_files():
     """Three small text files (the same lines in every process), for the reader cases."""
+    import atexit
+    import shutil
     import tempfile
 
     directory = tempfile.mkdtemp(prefix="dataset_split_")
+    atexit.register(shutil.rmtree, directory, True)
     paths = []
     for i in range(3):
         paths.append(os.path.join(directory, f"part{i}.txt"))
