@@ -175,7 +175,7 @@ def test_options_are_named_tuples_like_tf():
         "experimental_per_replica_buffer_size=1)")
     assert md.RunOptions() == (True, False, None)
     with pytest.raises(ValueError, match="buffer_size"):
-        md.InputOptions(experimental_per_replica_buffer_size=0)
+        md.InputOptions(experimental_per_replica_buffer_size=-1)
 
 
 def test_get_next_as_optional_and_reduce(two):

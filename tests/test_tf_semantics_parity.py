@@ -151,11 +151,6 @@ DELIBERATE = {
                                       ["n", _tensor(6 * n, np.int32)]]},
                             {"dict": [["loss", _tensor((n + n * (n - 1) / 2) / (2 * n), np.float32)],
                                       ["n", _tensor(2.0, np.float64)]]}]}),
-    # TF: IndexError from its input code when unbatched (rank-0) elements meet several replicas. Ours: a
-    # ValueError naming the missing batch dimension. (With one replica both pass elements through.)
-    "dataset_unbatched_scalars": (
-        lambda n: {"raises": "IndexError"} if n > 1 else {"list": [{"tuple": [_tensor(0, np.int64)]}]},
-        lambda n: {"raises": "ValueError"} if n > 1 else {"list": [{"tuple": [_tensor(0, np.int64)]}]}),
     # TF iterates a string given as `devices` character by character (and fails on "c"). Ours takes it as one
     # device.
     "strategy_device_spelling_2": (
@@ -163,10 +158,6 @@ DELIBERATE = {
         lambda n: {"list": [_py(1), {"tuple": [_py("/job:localhost/replica:0/task:0/device:CPU:1")]}]}),
     # TF: an `assert` (AssertionError) on duplicate devices. Ours: ValueError with TF's words.
     "strategy_duplicate_devices": (lambda n: {"raises": "AssertionError"}, lambda n: {"raises": "ValueError"}),
-    # TF builds InputOptions(experimental_place_dataset_on_device=True, experimental_fetch_to_device=True) and
-    # refuses it when a dataset is distributed with it. Ours refuses the contradiction where it is written.
-    "input_options_rules": (lambda n: {"list": [_py("NoneType"), _py("NoneType"), _py("PER_REPLICA")]},
-                            lambda n: {"list": [_py("ValueError"), _py("NoneType"), _py("PER_REPLICA")]}),
     # TF runs a strategy.run called from inside a merge_fn. Ours: RuntimeError (the strategy's replicas are the
     # ones waiting in merge_call; run the work in merge_fn itself, in cross-replica context).
     "run_inside_merge_fn": (lambda n: _py("NoneType"), lambda n: _py("RuntimeError")),

@@ -308,7 +308,9 @@ class Dataset:
         stack per component: put a ``prefetch`` after it to overlap)."""
         if num_parallel_calls is not None:
             _positive_int(num_parallel_calls, "num_parallel_calls", allow=(AUTOTUNE,))
-        return _Batch(self, _positive_int(batch_size, "batch_size"), bool(drop_remainder))
+        batched = _Batch(self, _positive_int(batch_size, "batch_size"), bool(drop_remainder))
+        batched._parallel = num_parallel_calls is not None
+        return batched
 
     def padded_batch(self, batch_size, padded_shapes=None, padding_values=None, drop_remainder=False,
                      name=None) -> "Dataset":
@@ -930,6 +932,9 @@ class _IterableIterator(CountingIterator):
 # --- transformations -----------------------------------------------------------------------------------
 
 class _Batch(Dataset):
+    # tf.data's parallel batch is another transformation (distributed datasets cannot see its batch size)
+    _parallel = False
+
     def __init__(self, input_ds, batch_size, drop_remainder):
         super().__init__(input_ds)
         self._batch_size, self._drop = batch_size, drop_remainder

@@ -1,10 +1,10 @@
 """Distributed datasets: batches split over the replicas and prefetched onto their devices.
 
-A dataset is any iterable of batches: arrays, or nested tuples/lists/dicts of
-arrays whose leading dimension is the global batch. A batch of ``b`` rows over
-``N`` replicas (of all workers) gives replica ``i`` the rows
-``[i*c, min((i+1)*c, b))`` with ``c = ceil(b / N)``, as TensorFlow 2.x does;
-replicas past the end get empty slices that keep the trailing shape.
+A dataset is any iterable of batches: arrays, or nested tuples/lists/dicts of arrays whose leading dimension is
+the global batch. TensorFlow 2.21 splits a batch over the ``N`` replicas (of all workers) in one of two ways,
+and so do we (docs/datasets_split.md): into ``batch_sizes_for_worker``'s even sizes, over the stream of rows,
+where it finds the pipeline's batch size and no DATA sharding rewrites that; else ``c = ceil(b / N)`` rows per
+replica from the first on (``split_batch``). Replicas past the end get empty slices that keep the trailing shape.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 from .._nest import flatten, map_structure, pack_sequence_as
 from ..data import dataset_ops
 from ..data.dataset_ops import CountingIterator, Dataset, PrefetchIterator, _Iterator
-from ..data.iterator_ops import IteratorProtocol
+from ..data.iterator_ops import IteratorProtocol, Optional
 from ..data.options import AutoShardPolicy, policy_of
 from ..data.structure import TensorSpec, decode_state, encode_state, leaf_spec
 from ..device import device_util
@@ -69,21 +69,76 @@ class ValueContext:
 
 
 def split_batch(batch, num_global: int, first: int, count: int, argument: str = "dataset"):
-    """Replicas ``first .. first+count-1`` of ``num_global``: each one's slice of every leaf of ``batch``."""
-    leaves = [device_util.to_host(x) if not device_util.on_gpu(x) else x for x in flatten(batch)]
+    """Replicas ``first .. first+count-1`` of ``num_global``: each one's slice of every leaf of ``batch``, by the
+    rule of TF's legacy rebatch (``c = ceil(b / num_global)`` rows each, from the first replica on)."""
+    leaves = _host_leaves(batch)
     if num_global == 1:  # one replica takes each element as it is, batched or not (TF's rule)
         return [pack_sequence_as(batch, leaves)]
+    b = _batch_rows(leaves, argument)
+    c = math.ceil(b / num_global)
+    return [pack_sequence_as(batch, [leaf[min(g * c, b):min((g + 1) * c, b)] for leaf in leaves])
+            for g in range(first, first + count)]
+
+
+def _host_leaves(batch) -> list:
+    return [device_util.to_host(x) if not device_util.on_gpu(x) else x for x in flatten(batch)]
+
+
+def _batch_rows(leaves, argument: str) -> int:
     sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
     if None in sizes or len(sizes) != 1:
         raise ValueError(f"{argument}: every array of a batch needs the same leading (batch) dimension; got "
                          f"shapes {[tuple(leaf.shape) for leaf in leaves]}")
-    b = sizes.pop()
-    c = math.ceil(b / num_global)
-    out = []
-    for g in range(first, first + count):
-        lo, hi = min(g * c, b), min((g + 1) * c, b)
-        out.append(pack_sequence_as(batch, [leaf[lo:hi] for leaf in leaves]))
-    return out
+    return sizes.pop()
+
+
+def batch_sizes_for_worker(global_batch_size: int, num_workers: int, num_replicas_per_worker: int,
+                           worker_index: int) -> list:
+    """TF's rebatch sizes for worker ``worker_index``: the N = W*L per-replica batches of a global batch of
+    ``global_batch_size`` differ by at most one row, the larger first, and worker ``w`` starts ``w*L`` batches
+    into that list, so each step's L batches of all workers add up to the global batch."""
+    total = num_workers * num_replicas_per_worker
+    floor, larger = divmod(global_batch_size, total)
+    sizes = [floor + 1] * larger + [floor] * (total - larger)
+    offset = worker_index * num_replicas_per_worker
+    return sizes[offset:] + sizes[:offset]
+
+
+def emitted_batches(rows: int, sizes) -> int:
+    """How many of the per-replica batches of ``sizes`` a stream of ``rows`` rows gives (TF's rebatch stops at
+    the first batch that needs a row past the end; a batch of 0 rows is given while the end is not reached)."""
+    offset = 0
+    for j, size in enumerate(sizes):
+        if offset > rows or (offset == rows and size > 0):
+            return j
+        offset += size
+    return len(sizes)
+
+
+# tf.data's compute_batch_size walks up through these transformations: they keep their input's batches.
+_BATCH_KEEPING = (dataset_ops._Filter, dataset_ops._Shuffle, dataset_ops._Repeat, dataset_ops._Take,
+                  dataset_ops._Skip, dataset_ops._Cache, dataset_ops._Prefetch, dataset_ops._Shard)
+
+
+def compute_batch_size(dataset) -> int:
+    """tf.data's ``compute_batch_size``: the batch size of a pipeline's batches, a short last batch aside, or -1
+    where it cannot tell (no ``batch`` found walking up through transformations that keep batches, or inputs of
+    ``zip``/``concatenate`` batched differently). A fixed batch dimension shared by every component wins."""
+    dims = {spec.shape[0] if spec.shape.rank else None for spec in flatten(dataset.element_spec)}
+    if None not in dims:
+        return dims.pop() if len(dims) == 1 else -1
+    return _batch_size_upstream(dataset)
+
+
+def _batch_size_upstream(dataset) -> int:
+    if isinstance(dataset, dataset_ops._Batch):
+        return -1 if dataset._parallel else dataset._batch_size
+    if isinstance(dataset, (dataset_ops._Zip, dataset_ops._Concatenate)):
+        sizes = {_batch_size_upstream(d) for d in dataset._inputs}
+        return sizes.pop() if len(sizes) == 1 else -1
+    if type(dataset) in _BATCH_KEEPING:
+        return _batch_size_upstream(dataset._input)
+    return -1
 
 
 class PerReplicaSpec:
@@ -103,22 +158,23 @@ class PerReplicaSpec:
 
 
 class _StepIterator(_Iterator):
-    """Source items -> steps, as ``(item, k)``: step ``k`` of the steps the item makes (FILE and OFF sharding
-    make several of one batch). The split itself happens later, in the prefetch thread, so what is buffered
-    and saved is the same on every worker (the source's items), whichever worker's checkpoint is restored.
+    """Source items -> steps, as ``(item, k)``: step ``k`` of the ``count(item)`` steps the item makes (FILE and
+    OFF sharding make several of one batch). The split itself happens later, in the prefetch thread, so what is
+    buffered and saved is the same on every worker (the source's items), whichever worker's checkpoint is
+    restored.
 
     The state is the source's, the item being split and how many of its steps were taken, so a restored
     iterator continues with the step that followed the save.
     """
 
-    def __init__(self, source: _Iterator, steps_per_item: int, state=None):
+    def __init__(self, source: _Iterator, count, state=None):
         super().__init__(source)
-        self._steps_per_item = steps_per_item
-        self._item, self._taken = (None, steps_per_item) if state is None or state["item"] is None else \
+        self._count = count
+        self._item, self._taken = (None, None) if state is None or state["item"] is None else \
             (state["item"], state["taken"])
 
     def next(self):
-        if self._taken >= self._steps_per_item:
+        while self._item is None or self._taken >= self._count(self._item):
             self._item, self._taken = self._inputs[0].next(), 0
         self._taken += 1
         return (self._item, self._taken - 1)
@@ -211,6 +267,31 @@ class _ShardedSteps(_Iterator):
         return {"source": self._inputs[0].save(), "pending": self._pending, "count": self._count}
 
 
+class _ShortRound(list):
+    """A step's items from the pipelines, fewer than the replicas, where padding them is off (see
+    _pads_short_steps): ``next()`` ends there, ``get_next_as_optional()`` still gives it, padded."""
+
+
+class _ShortStep:
+    def __init__(self, value):
+        self.value = value
+
+
+class _UnbufferedSteps(_Iterator):
+    """``experimental_per_replica_buffer_size=0``: no prefetching, each step is prepared when it is asked for.
+    Saves as the prefetching iterator does, with nothing buffered."""
+
+    def __init__(self, steps: _Iterator, transform):
+        super().__init__(steps)
+        self._transform = transform
+
+    def next(self):
+        return self._transform(self._inputs[0].next())
+
+    def save(self):
+        return {"input": self._inputs[0].save(), "buffer": []}
+
+
 class _DeviceFetcher:
     """Copies each replica's batch onto its device; runs in the prefetch thread, one step ahead of training.
 
@@ -297,6 +378,32 @@ class DistributedIterator(IteratorProtocol):
     def __init__(self, distributed, state=None):
         super().__init__(distributed, distributed._build(state))
 
+    def __next__(self):
+        step = IteratorProtocol.__next__(self)
+        if isinstance(step, _ShortStep):  # (see get_next_as_optional)
+            self._end()
+            raise StopIteration
+        return step
+
+    next = __next__
+
+    def get_next_as_optional(self) -> Optional:
+        """The next step wrapped in an :class:`Optional`, empty at the end. Where a short last step ends
+        ``next()`` (TF turns its padding off for inputs of fixed shapes), this still gives that step, the
+        missing replicas' batches empty, as TF's does."""
+        try:
+            step = IteratorProtocol.__next__(self)
+        except StopIteration:
+            return Optional(None, False, lambda: self.element_spec)
+        if isinstance(step, _ShortStep):
+            self._end()
+            step = step.value
+        return Optional(step, True, lambda: self._spec_of(step))
+
+    def _end(self):
+        self._done = True
+        self._source.close()
+
     @staticmethod
     def _spec_of(element):
         return map_structure(lambda x: PerReplicaSpec(*(leaf_spec(c) for c in x.values))
@@ -365,7 +472,8 @@ class _DistributedInput:
         """The steps (lists of per-replica structures, one per local replica) one source item makes."""
         raise NotImplementedError
 
-    def _steps_per_item(self) -> int:
+    def _step_count(self, item) -> int:
+        """How many steps ``item`` makes (see _steps_of)."""
         return 1
 
     def _to_step(self, per_replica: list):
@@ -382,15 +490,20 @@ class _DistributedInput:
         saved = sharded = None if state is None else state["input"]
         if self._shards and saved is not None:
             saved = sharded["source"]  # (the step iterator's state, inside the sharding one's)
-        steps = _StepIterator(self._source(None if saved is None else saved["source"]), self._steps_per_item(),
-                              saved)
+        steps = _StepIterator(self._source(None if saved is None else saved["source"]), self._step_count, saved)
         split = self._split_step
         if self._shards:
             steps = _ShardedSteps(steps, split, len(self._devices), self._shards,
                                   self._extended.experimental_enable_get_next_as_optional, sharded)
             split = list  # (already split)
-        return PrefetchIterator(steps, depth, () if state is None else state["buffer"],
-                                transform=lambda step: self._to_step(split(step)), name="mirrored-prefetch")
+        def transform(step):
+            value = self._to_step(split(step))
+            return _ShortStep(value) if isinstance(step[0], _ShortRound) else value
+
+        if depth == 0:
+            return _UnbufferedSteps(steps, transform)
+        return PrefetchIterator(steps, depth, () if state is None else state["buffer"], transform=transform,
+                                name="mirrored-prefetch")
 
     def _split_step(self, step) -> list:
         """``(item, k)`` of _StepIterator: the local replicas' batches of step ``k`` of the item."""
@@ -421,10 +534,22 @@ class _DistributedInput:
     @property
     def element_spec(self):
         """Structure of ``TensorSpec`` (one replica) or ``PerReplicaSpec`` leaves; the batch dimension is
-        ``None`` unless every replica's batch has a known, fixed size (see :meth:`_static_batch`)."""
-        if self._first is None:
-            self._first = self._peek()
-        return self._spec(self._first)
+        ``None`` unless every replica's batch has a known, fixed size (see :meth:`_static_batch`). A pipeline's
+        spec is known without reading it; a plain iterable's is read from its first step."""
+        specs = self._static_specs()
+        if specs is None:
+            if self._first is None:
+                self._first = self._peek()
+            batch = self._static_batch()
+            specs = [map_structure(lambda x: TensorSpec((batch,) + tuple(_host_leaves(x)[0].shape[1:]), x.dtype), s)
+                     for s in self._first]
+        if len(specs) == 1:
+            return specs[0]
+        return pack_sequence_as(specs[0], [PerReplicaSpec(*leaves) for leaves in zip(*(flatten(s) for s in specs))])
+
+    def _static_specs(self):
+        """Each local replica's element spec where the input's element_spec gives it, else None."""
+        return None
 
     def _static_batch(self):
         """The size of every replica's batch where it is fixed and known before reading, else None."""
@@ -454,19 +579,6 @@ class _DistributedInput:
             return None
         sizes = {spec.shape[0] if spec.shape.rank else None for spec in flatten(dataset.element_spec)}
         return sizes.pop() if len(sizes) == 1 else None
-
-    def _spec(self, per_replica: list):
-        batch = self._static_batch()
-
-        def leaf_spec(x):
-            x = device_util.to_host(x) if not device_util.on_gpu(x) else x
-            return TensorSpec((batch,) + tuple(x.shape[1:]), x.dtype)
-
-        specs = [map_structure(leaf_spec, s) for s in per_replica]
-        if len(specs) == 1:
-            return specs[0]
-        return pack_sequence_as(specs[0], [PerReplicaSpec(*leaves)
-                                           for leaves in zip(*(flatten(s) for s in specs))])
 
 
 class _Reiterable:
@@ -525,19 +637,48 @@ class DistributedDataset(_DistributedInput):
                          "its shuffle has no seed, so the workers shuffle differently (examples are repeated or "
                          "missed, and a checkpointed iterator cannot be restored on every worker); pass "
                          "shuffle(..., seed=...)")
+        self._sizes = None  # this worker's per-replica batch sizes where TF's rebatch cuts by size
         if _is_pipeline(dataset):
-            if self._policy == AutoShardPolicy.FILE:
+            if self._policy == AutoShardPolicy.FILE and extended._num_workers > 1:
                 dataset = dataset._file_sharded(extended._num_workers, extended._worker_index)
             self._items = dataset
+            self._cut_by_size(dataset)
         else:
             self._items = _Reiterable(dataset, "dataset")
+        self._partial = _pads_short_steps(extended, dataset)
+
+    def _cut_by_size(self, dataset) -> None:
+        """TF rebatches a pipeline whose batch size it finds into the sizes of ``batch_sizes_for_worker``,
+        a stream of per-replica batches that runs across the global batches; its DATA sharding (AUTO's
+        fallback, and one worker's DATA and AUTO) rewrites that to the legacy split (see split_batch),
+        which is also the split of a batch size it cannot find."""
+        ext = self._extended
+        local, total = len(ext.worker_devices), ext._num_replicas_in_sync
+        if total == 1:
+            return
+        if any(spec.shape.rank == 0 for spec in flatten(dataset.element_spec)):
+            # (TF fails here with the IndexError of reading a scalar's batch dimension)
+            raise IndexError(f"dataset: its elements have scalar components ({dataset.element_spec}), which have no "
+                             f"batch dimension to split over {total} replicas; batch the dataset first "
+                             "(dataset.batch(global_batch_size))")
+        if self._policy == AutoShardPolicy.DATA:
+            return
+        size = compute_batch_size(dataset)
+        if size >= 0:
+            self._global_batch = size
+            self._sizes = batch_sizes_for_worker(size, ext._num_workers, local, ext._worker_index)
 
     def _shard_policy(self, dataset):
         """DATA, FILE or OFF: how this worker takes its share of ``dataset`` (see md.data)."""
         policy = policy_of(dataset)
         workers = self._extended._num_workers
         if workers == 1:
-            return AutoShardPolicy.DATA  # one worker: every policy splits each batch over its replicas
+            # One worker reads everything. TF's DATA sharding (AUTO's too, over a pipeline without files) still
+            # rewrites the strategy's rebatch into the legacy split; FILE, OFF and HINT leave it as it is.
+            if policy == AutoShardPolicy.AUTO:
+                has_files = _is_pipeline(dataset) and dataset._file_count() is not None
+                return AutoShardPolicy.FILE if has_files else AutoShardPolicy.DATA
+            return policy if policy in (AutoShardPolicy.DATA, AutoShardPolicy.FILE) else AutoShardPolicy.OFF
         if _is_pipeline(dataset):
             return _pipeline_policy(dataset, policy, workers)
         files = getattr(dataset, "files", None)
@@ -562,22 +703,60 @@ class DistributedDataset(_DistributedInput):
         if self._policy == AutoShardPolicy.FILE and not isinstance(self._items, Dataset):
             source = _source_iterator(self._items, None if state is None else state["source"])
             return _FileRounds(source, self._extended._num_workers, self._extended._worker_index, state)
+        if self._sizes is not None:
+            # The stream of per-replica batches, a global batch's rows at a time: the same on every worker.
+            return _source_iterator(self._items.rebatch(self._global_batch), state)
+        last = self._items
+        while isinstance(last, dataset_ops._Prefetch):
+            last = last._input
+        if isinstance(last, dataset_ops._Rebatch) and self._extended._num_replicas_in_sync == 1 \
+                and self._policy == AutoShardPolicy.DATA:
+            # TF's DATA sharding turns the rebatch at the end of the pipeline (prefetches aside) into a legacy
+            # rebatch over the replicas; with one replica, and no rebatch of the strategy's own, that is the
+            # dataset's: its input batches come unsplit.
+            return _source_iterator(last._input, state)
         return _source_iterator(self._items, state)
 
-    def _steps_per_item(self) -> int:
-        if self._policy == AutoShardPolicy.DATA:
-            return 1
-        return len(range(0, self._extended._num_replicas_in_sync, len(self._extended.worker_devices)))
+    def _step_count(self, item) -> int:
+        ext = self._extended
+        local, workers = len(ext.worker_devices), ext._num_workers
+        if self._sizes is not None:
+            rows = _batch_rows(_host_leaves(item), "dataset")
+            if rows == self._global_batch:  # (all but the last: every worker's N batches, L a step)
+                return workers
+            if not self._partial:  # a step short of a batch ends the input
+                return emitted_batches(rows, self._sizes) // local
+            # Every worker takes a step while any of them has a batch for it.
+            return max(math.ceil(emitted_batches(rows, batch_sizes_for_worker(self._global_batch, workers, local,
+                                                                              w)) / local)
+                       for w in range(workers))
+        return 1 if self._policy == AutoShardPolicy.DATA else workers
 
     def _steps_of(self, batch):
         ext = self._extended
         local, total = len(ext.worker_devices), ext._num_replicas_in_sync
+        if self._sizes is not None:
+            return self._cut(batch)
         if self._policy == AutoShardPolicy.DATA:
-            return [split_batch(batch, total, ext._worker_index * local, local)]
+            # TF's DATA sharding keeps every W-th of the N per-replica batches, from the worker's index on.
+            return [split_batch(batch, total, 0, total)[ext._worker_index::ext._num_workers]]
         # FILE and OFF: this worker splits each batch it reads over all N replicas and runs the
         # N per-replica batches L at a time, so every worker takes the same number of steps.
         parts = split_batch(batch, total, 0, total)
         return [parts[first:first + local] for first in range(0, total, local)]
+
+    def _cut(self, rows_of_batch):
+        """A global batch's rows (or the last, fewer) cut in this worker's sizes, L per-replica batches a step;
+        the batches past the end of the rows are empty, of the same trailing shape."""
+        local = len(self._extended.worker_devices)
+        leaves = _host_leaves(rows_of_batch)
+        rows = _batch_rows(leaves, "dataset")
+        given = emitted_batches(rows, self._sizes)
+        bounds = np.cumsum([0] + self._sizes)
+        parts = [pack_sequence_as(rows_of_batch, [leaf[min(bounds[j], rows):min(bounds[j + 1], rows)] if j < given
+                                                  else leaf[:0] for leaf in leaves])
+                 for j in range(len(self._sizes))]
+        return [parts[first:first + local] for first in range(0, len(parts), local)][:self._step_count(rows_of_batch)]
 
     def build(self, dataset_to_replace=None):
         """TF's: built already (AssertionError)."""
@@ -603,6 +782,16 @@ class DistributedDataset(_DistributedInput):
     def _counted_input(self):
         return self._items
 
+    def _static_specs(self):
+        if not _is_pipeline(self._items):
+            return None
+        spec, local = self._items.element_spec, len(self._devices)
+        if self._extended._num_replicas_in_sync == 1:  # (no rebatch: the elements as they are)
+            return [spec] * local
+        batch = self._static_batch()
+        return [map_structure(lambda s: s if s.shape.rank is None else TensorSpec((batch,) + tuple(s.shape)[1:],
+                                                                                  s.dtype), spec)] * local
+
     def _static_batch(self):
         # TF's rule: a fixed global batch that the replicas (of all workers) share evenly.
         size, total = self._batch_of(self._items), self._extended._num_replicas_in_sync
@@ -613,6 +802,16 @@ class DistributedDataset(_DistributedInput):
         if not first:
             raise ValueError("dataset is empty: element_spec needs at least one batch")
         return self._steps_of(first[0])[0]
+
+
+def _pads_short_steps(extended, dataset) -> bool:
+    """TF's get_next_as_optional handling (a short last step padded with empty batches): on, but off for a
+    pipeline of fixed shapes read by one worker (such a step then ends the input)."""
+    if not extended.experimental_enable_get_next_as_optional:
+        return False
+    if extended._num_workers > 1 or not _is_pipeline(dataset):
+        return True
+    return not all(s.shape.rank is not None and None not in s.shape.as_list() for s in flatten(dataset.element_spec))
 
 
 def _pipeline_policy(dataset, policy, workers: int) -> AutoShardPolicy:
@@ -683,8 +882,12 @@ class _Pipelines(_Iterator):
                 step.append(self._inputs[0].next())
             except StopIteration:
                 break
-        if not step or len(step) < self._local and not self._partial:
+        if not step:
             raise StopIteration
+        if len(step) < self._local and not self._partial:
+            if any(np.ndim(leaf) == 0 for leaf in flatten(step[-1])):
+                raise StopIteration  # (scalars have no empty batch to pad with)
+            return _ShortRound(step)
         return step
 
     def save(self):
@@ -711,7 +914,15 @@ class DistributedDatasetsFromFunction(_DistributedInput):
                             "that returns an iterable of per-replica batches")
         local = len(extended.worker_devices)
         total = extended._num_replicas_in_sync
-        if self._options.experimental_replication_mode == InputReplicationMode.PER_REPLICA:
+        per_replica = self._options.experimental_replication_mode == InputReplicationMode.PER_REPLICA
+        if self._options.experimental_place_dataset_on_device and not per_replica:
+            raise ValueError("When `experimental_place_dataset_on_device` is set for dataset placement, you must "
+                             "also specify `PER_REPLICA` for the replication mode")
+        if self._options.experimental_place_dataset_on_device and self._options.experimental_fetch_to_device:
+            raise ValueError("`experimental_place_dataset_on_device` can not be set to True when "
+                             "experimental_fetch_to_device is True and replication mode is set to `PER_REPLICA`; "
+                             "pass experimental_fetch_to_device=False")
+        if per_replica:
             first = extended._worker_index * local
             contexts = [InputContext(total, first + i, total) for i in range(local)]
         else:
@@ -724,7 +935,7 @@ class DistributedDatasetsFromFunction(_DistributedInput):
 
     def _source(self, state=None):
         return _Pipelines(self._pipelines, len(self._devices), state,
-                          self._extended.experimental_enable_get_next_as_optional)
+                          _pads_short_steps(self._extended, self._pipelines[0]))
 
     def build(self):
         """TF's: built already (AssertionError)."""
@@ -736,6 +947,12 @@ class DistributedDatasetsFromFunction(_DistributedInput):
 
     def _counted_input(self):
         return self._pipelines[0]
+
+    def _static_specs(self):
+        if not all(_is_pipeline(p) for p in self._pipelines):
+            return None
+        specs = [p.element_spec for p in self._pipelines]
+        return specs * len(self._devices) if len(specs) == 1 else specs
 
     def _static_batch(self):
         sizes = {self._batch_of(p) for p in self._pipelines}

@@ -136,10 +136,11 @@ class InputOptions(collections.namedtuple("InputOptions", [
         "experimental_place_dataset_on_device", "experimental_per_replica_buffer_size"])):
     """Options for distributing datasets (``tf.distribute.InputOptions``, a named tuple as in TF).
 
-    ``experimental_fetch_to_device`` (default True) places each replica's slice
-    on its device in the background prefetcher; False leaves it on the host.
-    ``experimental_per_replica_buffer_size`` is how many batches per replica
-    the prefetcher keeps ready.
+    ``experimental_fetch_to_device`` (default True, as TF's) places each replica's slice on its device in the
+    background prefetcher; False leaves it on the host. ``experimental_per_replica_buffer_size`` is how many
+    batches per replica the prefetcher keeps ready (0: none, each step is prepared when it is asked for).
+    ``experimental_place_dataset_on_device`` needs ``PER_REPLICA`` replication and no fetch to the device:
+    ``distribute_datasets_from_function`` checks that, as TF's does.
     """
 
     __slots__ = ()
@@ -147,19 +148,16 @@ class InputOptions(collections.namedtuple("InputOptions", [
     def __new__(cls, experimental_fetch_to_device=None,
                 experimental_replication_mode=InputReplicationMode.PER_WORKER,
                 experimental_place_dataset_on_device=False, experimental_per_replica_buffer_size=1):
-        if not isinstance(experimental_per_replica_buffer_size, int) or experimental_per_replica_buffer_size < 1:
+        if isinstance(experimental_per_replica_buffer_size, bool) or \
+                not isinstance(experimental_per_replica_buffer_size, numbers.Integral) or \
+                experimental_per_replica_buffer_size < 0:
             raise ValueError(
-                f"experimental_per_replica_buffer_size={experimental_per_replica_buffer_size!r}: expected an int >= 1"
-            )
-        if experimental_place_dataset_on_device and experimental_fetch_to_device:
-            raise ValueError(
-                "experimental_place_dataset_on_device=True and experimental_fetch_to_device=True conflict: "
-                "set experimental_fetch_to_device=False"
-            )
-        if experimental_fetch_to_device is None:  # TF's default: fetch unless the dataset sits on the device
-            experimental_fetch_to_device = not experimental_place_dataset_on_device
+                f"experimental_per_replica_buffer_size={experimental_per_replica_buffer_size!r}: expected an int >= 0 "
+                "(0 turns prefetching off)")
+        if experimental_fetch_to_device is None:  # TF's default
+            experimental_fetch_to_device = True
         return super().__new__(cls, experimental_fetch_to_device, experimental_replication_mode,
-                               experimental_place_dataset_on_device, experimental_per_replica_buffer_size)
+                               experimental_place_dataset_on_device, int(experimental_per_replica_buffer_size))
 
 
 class RunOptions(collections.namedtuple("RunOptions", [
