@@ -169,6 +169,33 @@ def test_a_repeated_all_reduce_makes_few_python_calls():
     assert counted["mirrored"] + counted["cupy_by_mirrored"] <= 10, counted
 
 
+@pytest.mark.parametrize("before, after", [((0, 1, 2, 3), (0, 1, 0, 1)), ((2, 3), (0, 1)), ((0, 3, 1, 2), (1, 0, 1, 0))],
+                         ids=str)
+def test_a_plan_kept_from_a_machine_with_more_gpus_runs_the_same_call_right_on_fewer(before, after):
+    """Plans are kept by signature (kind, parameters, replicas, the first array's type, shape and dtype),
+    which does not name the GPUs: the same call on a machine that has lost GPUs finds the old plan. Its
+    arrays cannot fit it (they lie on other GPUs), which the plan checks before it looks up a stream:
+    the call is planned afresh and right (it raised IndexError, the old GPUs' streams looked up first)."""
+    from gpu_env import physical_gpus
+
+    def calls(devices):
+        xs = [on(d, np.full(3, r + 1, np.float32)) for r, d in enumerate(devices)]
+        total = np.full(3, len(devices) * (len(devices) + 1) / 2, np.float32)
+        for got in (collectives.all_reduce(xs, "sum"), collectives.broadcast(xs, 1),
+                    [row[0] for row in collectives.batch_all_reduce([[x] for x in xs], "sum")]):
+            assert [g.data.device_id for g in got] == list(devices)
+        for g in collectives.all_reduce(xs, "sum"):
+            np.testing.assert_array_equal(cupy.asnumpy(g), total)
+        for g in collectives.broadcast(xs, 1):
+            np.testing.assert_array_equal(cupy.asnumpy(g), np.full(3, 2, np.float32))
+        for row in collectives.batch_all_reduce([[x] for x in xs], "sum"):
+            np.testing.assert_array_equal(cupy.asnumpy(row[0]), total)
+
+    with physical_gpus(4):
+        calls(before)  # planned for these GPUs
+    calls(after)  # the same signatures, on the 2 GPUs left
+
+
 @pytest.mark.parametrize("devices", [(0, 0), (0, 1)], ids=str)
 def test_batch_all_reduce_takes_the_same_driver_calls_for_10_and_200_tensors(devices):
     rng = np.random.default_rng(3)
