@@ -234,11 +234,12 @@ class MergeOrder:
     """
 
     __slots__ = ("_ordinals", "_gpus", "_arrived", "_foreign", "_any_foreign", "_held", "_cuda", "_ndarray", "_null",
-                 "_shared", "_forks", "_kept", "_finished", "pending")
+                 "_shared", "_forks", "_kept", "_finished", "pending", "_one_gpu")
 
     def __init__(self, ordinals):
         self._ordinals = tuple(ordinals)
         self._gpus = tuple(sorted({o for o in self._ordinals if o is not None}))
+        self._one_gpu = len(self._gpus) == 1
         n = len(self._ordinals)
         self._arrived = [None] * n  # replica -> its current stream at its latest arrival (eager steps)
         self._foreign = [None] * n  # replica -> its current stream at arrival, when not ordered by the legacy one
@@ -256,21 +257,31 @@ class MergeOrder:
         # threads may finish at once)
         self.pending = False  # whether finish() has work: something held or kept (else replicas skip the call)
 
-    def arrive(self, replica: int) -> None:
-        """Notes the stream replica ``replica`` (the calling one) has queued its inputs on."""
+    def arrive(self, replica: int):
+        """Notes the stream replica ``replica`` (the calling one) has queued its inputs on. Returns it when
+        that is the current device's current stream, else None: the rendezvous, about to park the replica,
+        then knows its current device and stream without asking CuPy again (rendezvous_binding.cc save_gpu)."""
         ordinal = self._ordinals[replica]
         if ordinal is None or _step is not None:
-            return
-        stream = self._arrived[replica] = self._cuda.get_current_stream(ordinal)
+            return None
+        # The current device's current stream: one of that device's streams (CuPy keeps a stream current only
+        # in its own device's slot), so when its device is the replica's, the replica's GPU is current too.
+        stream = self._cuda.get_current_stream()
+        here = stream.device_id == ordinal
+        if not here:  # (another device current, or the legacy stream, whose device_id is -1: asked by ordinal)
+            stream = self._cuda.get_current_stream(ordinal)
+        self._arrived[replica] = stream
         if stream.ptr != 0 and stream.ptr not in _replica_stream_ptrs:
             self._foreign[replica] = stream
             self._any_foreign = True
+        return stream if here else None
 
     def _merge_stream(self, ordinal: int):
         return self._null if _step is None else _step.streams[ordinal]
 
-    def combine(self, combine, slots):
-        """``combine(slots)`` (a list of per-replica results) on the merge streams, ordered with every replica."""
+    def combine(self, combine, slots, arrival=None):
+        """``combine(slots)`` (a list of per-replica results) on the merge streams, ordered with every replica.
+        ``arrival``: what :meth:`arrive` returned to the combining replica (the last to arrive, just before)."""
         cuda = self._cuda
         runtime = cuda.runtime
         foreign = ()
@@ -285,11 +296,17 @@ class MergeOrder:
             forks = self._fork_streams()
             self._join(forks)
             self._keep(slots)
-        device = runtime.getDevice()
-        entered = []  # (a stream is entered with its device current, and left so; entered as `with` does)
+        entered = ()  # (a stream is entered with its device current, and left so; entered as `with` does)
         # Leaving a `with` block makes the top of CuPy's per-thread stack current again, not a stream the
-        # combining replica chose with use(): that one is made current again after the combine.
-        current = tuple(map(cuda.get_current_stream, self._gpus))
+        # combining replica chose with use(): that one (`current`, per GPU) is made current again after the
+        # combine. On one GPU the combining replica's arrival says the current device and stream; when that
+        # stream is a replica's, its scope pushed it on top of the stack (scopes push their replica's own), so
+        # leaving makes it current again by itself.
+        if arrival is not None and self._one_gpu:
+            device, current = self._gpus[0], None if arrival.ptr in _replica_stream_ptrs else (arrival,)
+        else:
+            device = runtime.getDevice()
+            current = tuple(map(cuda.get_current_stream, self._gpus))
         on = device  # the current device: switched only to another one (logical GPUs share one: no switch)
         results = None
         try:
@@ -299,7 +316,7 @@ class MergeOrder:
                     on = ordinal
                 stream = self._null if _step is None else _step.streams[ordinal]  # (_merge_stream(), inlined)
                 stream.__enter__()
-                entered.append((ordinal, stream))
+                entered += ((ordinal, stream),)
             if on != device:
                 runtime.setDevice(device)
             if _step is None:
@@ -315,7 +332,7 @@ class MergeOrder:
                     runtime.setDevice(ordinal)
                     on = ordinal
                 stream.__exit__(None, None, None)
-            for ordinal, stream in zip(self._gpus, current):
+            for ordinal, stream in zip(self._gpus, current or ()):
                 now = cuda.get_current_stream(ordinal)
                 if now is not stream and now != stream:
                     if on != ordinal:
