@@ -42,6 +42,9 @@ struct State {
   PyObject* results = nullptr;       // the latest combine's results, or the exception it raised
   PyObject* broken = nullptr;        // the exception every waiting replica raises, once the group broke
   PyObject* order = nullptr;         // GPU replicas' MergeOrder (device/gpu.py), else null
+  // order.arrival_parts(): (each replica's CUDA ordinal or None, cupy.cuda.get_current_stream, the replica
+  // streams' handles, device/gpu.py), what note_arrival() reads; null without an order.
+  PyObject* arrival_parts = nullptr;
   PyObject* aborted_type = nullptr;  // distribute_lib._Aborted
   PyObject* tracing = nullptr;       // () -> whether the timeline records (mirrored.timeline.enabled)
   PyObject* traced = nullptr;        // (group, rid, kind, payload, combine) -> exchange inside a timeline span
@@ -102,8 +105,14 @@ struct Rendezvous {
   State* s;
 };
 
-PyObject* str_arrive;  // interned "arrive", "combine", "parent", ...
-PyObject* str_combine;
+PyObject* str_combine;  // interned "combine", "parent", ...
+PyObject* str_step;
+PyObject* str_device_id;
+PyObject* str_ptr;
+PyObject* str_arrived;
+PyObject* str_foreign;
+PyObject* str_any_foreign;
+PyObject* str_arrival_parts;
 PyObject* str_parent;
 PyObject* str_scope;
 PyObject* str_entry;
@@ -684,6 +693,54 @@ PyObject* raise_broken(State* s) {
   return nullptr;
 }
 
+// GPU replica `rid` arrives at a collective (MergeOrder's part, done here: no Python frame a replica): the
+// stream it queued its inputs on is noted (order._arrived[rid]; also order._foreign[rid] when that is not
+// a replica stream nor the legacy one, which the combine orders with events). Returns a new reference to
+// that stream when it is the current device's current stream (see save_gpu), else to None; null with an
+// error. Replicas of no GPU, and every replica inside md.function (device/gpu.py `_step`), note nothing.
+PyObject* note_arrival(State* s, long rid) {
+  PyObject *ordinals = PyTuple_GET_ITEM(s->arrival_parts, 0), *current = PyTuple_GET_ITEM(s->arrival_parts, 1),
+           *ours = PyTuple_GET_ITEM(s->arrival_parts, 2), *module = PyTuple_GET_ITEM(s->arrival_parts, 3);
+  PyObject* ordinal = rid < PyTuple_GET_SIZE(ordinals) ? PyTuple_GET_ITEM(ordinals, rid) : Py_None;
+  if (ordinal == Py_None) Py_RETURN_NONE;
+  PyObject* step = PyObject_GetAttr(module, str_step);
+  if (!step) return nullptr;
+  Py_DECREF(step);  // (compared by identity only)
+  if (step != Py_None) Py_RETURN_NONE;
+  // The current device's current stream: CuPy files a stream only under its own device, so when that is the
+  // replica's GPU, the replica's GPU is current too; else (another device current, or the legacy stream,
+  // whose device_id is -1) asked by ordinal.
+  PyObject* stream = PyObject_CallNoArgs(current);
+  PyObject* device = stream ? PyObject_GetAttr(stream, str_device_id) : nullptr;
+  const int here = device ? PyObject_RichCompareBool(device, ordinal, Py_EQ) : -1;
+  Py_XDECREF(device);
+  if (here == 0) Py_SETREF(stream, PyObject_CallOneArg(current, ordinal));
+  if (here < 0 || !stream) {
+    Py_XDECREF(stream);
+    return nullptr;
+  }
+  PyObject* arrived = PyObject_GetAttr(s->order, str_arrived);
+  int rc = arrived ? PySequence_SetItem(arrived, rid, stream) : -1;
+  Py_XDECREF(arrived);
+  PyObject* ptr = rc == 0 ? PyObject_GetAttr(stream, str_ptr) : nullptr;
+  int foreign = ptr ? PyObject_IsTrue(ptr) : -1;
+  if (foreign == 1) foreign = PySet_Contains(ours, ptr) == 0 ? 1 : PyErr_Occurred() ? -1 : 0;
+  Py_XDECREF(ptr);
+  if (foreign == 1) {
+    PyObject* slots = PyObject_GetAttr(s->order, str_foreign);
+    foreign = slots && PySequence_SetItem(slots, rid, stream) == 0 &&
+                      PyObject_SetAttr(s->order, str_any_foreign, Py_True) == 0 ? 0 : -1;
+    Py_XDECREF(slots);
+  }
+  if (foreign < 0) {
+    Py_DECREF(stream);
+    return nullptr;
+  }
+  if (here) return stream;
+  Py_DECREF(stream);
+  Py_RETURN_NONE;
+}
+
 PyObject* exchange_arrived(Rendezvous* self, State* s, long rid, PyObject* kind, PyObject* payload,
                            PyObject* combine, PyObject* arrival);
 
@@ -701,9 +758,9 @@ PyObject* exchange(Rendezvous* self, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   PyObject *kind = args[1], *payload = args[2], *combine = args[3];
-  PyObject* arrival = nullptr;  // what the order's arrive() returned (see save_gpu)
+  PyObject* arrival = nullptr;  // what note_arrival() returned (see save_gpu)
   if (s->order) {
-    arrival = PyObject_CallMethodObjArgs(s->order, str_arrive, args[0], nullptr);
+    arrival = note_arrival(s, rid);
     if (!arrival) return nullptr;
   }
   PyObject* results = exchange_arrived(self, s, rid, kind, payload, combine, arrival);
@@ -1178,7 +1235,7 @@ void each_reference(State* s, F&& visit) {
   for (PyObject* o : s->parked) visit(o);
   for (PyObject* o : s->ready) visit(o);
   for (PyObject* o : s->stacked) visit(o);
-  for (PyObject* o : {s->results, s->broken, s->order, s->aborted_type, s->tracing, s->traced, s->fn, s->outputs,
+  for (PyObject* o : {s->results, s->broken, s->order, s->arrival_parts, s->aborted_type, s->tracing, s->traced, s->fn, s->outputs,
                       s->errors,
                       s->complete, s->wake, s->claims, s->mine, s->arrived_flags, s->running, s->get_device,
                       s->set_device, s->current_stream, s->ordinals, s->body, s->greenlet_type, s->getcurrent,
@@ -1206,7 +1263,7 @@ int rv_clear(PyObject* self) {
   s->parked.clear();
   s->ready.clear();
   s->stacked.clear();
-  for (PyObject** o : {&s->results, &s->broken, &s->order, &s->aborted_type, &s->tracing, &s->traced,
+  for (PyObject** o : {&s->results, &s->broken, &s->order, &s->arrival_parts, &s->aborted_type, &s->tracing, &s->traced,
                        &s->fn, &s->outputs, &s->errors, &s->complete, &s->wake, &s->claims, &s->mine, &s->arrived_flags, &s->running,
                        &s->get_device, &s->set_device, &s->current_stream, &s->ordinals, &s->body,
                        &s->greenlet_type, &s->getcurrent,
@@ -1248,6 +1305,19 @@ PyObject* rv_get_order(PyObject* self, void*) {
 
 int rv_set_order(PyObject* self, PyObject* value, void*) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
+  PyObject* parts = nullptr;
+  if (value && value != Py_None) {
+    parts = PyObject_CallMethodNoArgs(value, str_arrival_parts);
+    if (!parts) return -1;
+    if (!PyTuple_Check(parts) || PyTuple_GET_SIZE(parts) != 4 || !PyTuple_Check(PyTuple_GET_ITEM(parts, 0)) ||
+        !PyAnySet_Check(PyTuple_GET_ITEM(parts, 2))) {
+      Py_DECREF(parts);
+      PyErr_SetString(PyExc_TypeError, "order.arrival_parts(): expected (ordinals tuple, get_current_stream, set of "
+                                       "replica stream handles, module with _step)");
+      return -1;
+    }
+  }
+  Py_XSETREF(s->arrival_parts, parts);
   Py_XSETREF(s->order, value && value != Py_None ? Py_NewRef(value) : nullptr);
   return 0;
 }
@@ -1294,7 +1364,8 @@ PyGetSetDef rv_getset[] = {
     {"completed", rv_get_completed, nullptr,
      "Whether the last of replicas 1..n-1 arrived on the caller's thread this run (arrive(i, True)).", nullptr},
     {"unfinished", rv_get_unfinished, nullptr, "Greenlet replicas started and not returned.", nullptr},
-    {"order", rv_get_order, rv_set_order, "GPU replicas' MergeOrder, or None.", nullptr},
+    {"order", rv_get_order, rv_set_order,
+     "GPU replicas' MergeOrder, or None (set: the rendezvous notes each arrival, see order.arrival_parts()).", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 PyType_Slot rv_slots[] = {
@@ -1315,7 +1386,9 @@ PyType_Spec rv_spec = {"mirrored._core.Rendezvous", sizeof(Rendezvous), 0,
 }  // namespace
 
 int add_rendezvous(PyObject* module) {
-  for (auto [target, text] : {std::pair{&str_arrive, "arrive"}, {&str_combine, "combine"},
+  for (auto [target, text] : {std::pair{&str_combine, "combine"}, {&str_step, "_step"}, {&str_device_id, "device_id"},
+                              {&str_ptr, "ptr"}, {&str_arrived, "_arrived"}, {&str_foreign, "_foreign"},
+                              {&str_any_foreign, "_any_foreign"}, {&str_arrival_parts, "arrival_parts"},
                               {&str_parent, "parent"}, {&str_scope, "scope"}, {&str_entry, "_entry"},
                               {&str_ordinal, "_ordinal"}, {&str_enter, "__enter__"}, {&str_exit, "__exit__"},
                               {&str_use, "use"}}) {

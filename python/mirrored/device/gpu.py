@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import sys
 import threading
 
 import numpy as np
@@ -257,31 +258,22 @@ class MergeOrder:
         # threads may finish at once)
         self.pending = False  # whether finish() has work: something held or kept (else replicas skip the call)
 
-    def arrive(self, replica: int):
-        """Notes the stream replica ``replica`` (the calling one) has queued its inputs on. Returns it when
-        that is the current device's current stream, else None: the rendezvous, about to park the replica,
-        then knows its current device and stream without asking CuPy again (rendezvous_binding.cc save_gpu)."""
-        ordinal = self._ordinals[replica]
-        if ordinal is None or _step is not None:
-            return None
-        # The current device's current stream: one of that device's streams (CuPy keeps a stream current only
-        # in its own device's slot), so when its device is the replica's, the replica's GPU is current too.
-        stream = self._cuda.get_current_stream()
-        here = stream.device_id == ordinal
-        if not here:  # (another device current, or the legacy stream, whose device_id is -1: asked by ordinal)
-            stream = self._cuda.get_current_stream(ordinal)
-        self._arrived[replica] = stream
-        if stream.ptr != 0 and stream.ptr not in _replica_stream_ptrs:
-            self._foreign[replica] = stream
-            self._any_foreign = True
-        return stream if here else None
+    def arrival_parts(self) -> tuple:
+        """What the rendezvous reads to note each replica's arrival natively (``rendezvous_binding.cc``
+        ``note_arrival``, no Python frame a replica): each replica's ordinal, ``get_current_stream``, the
+        replica streams' handles and this module (its ``_step``). An arrival notes the stream the replica
+        queued its inputs on in ``_arrived`` (and in ``_foreign`` when not ordered by the legacy stream), and
+        hands the current device's current stream, when that is on the replica's GPU, to the park and to
+        :meth:`combine` (it says the current device and that GPU's current stream: CuPy files a stream only
+        under its own device)."""
+        return self._ordinals, self._cuda.get_current_stream, _replica_stream_ptrs, sys.modules[__name__]
 
     def _merge_stream(self, ordinal: int):
         return self._null if _step is None else _step.streams[ordinal]
 
     def combine(self, combine, slots, arrival=None):
         """``combine(slots)`` (a list of per-replica results) on the merge streams, ordered with every replica.
-        ``arrival``: what :meth:`arrive` returned to the combining replica (the last to arrive, just before)."""
+        ``arrival``: the combining replica's arrival (the last, just before: see :meth:`arrival_parts`), or None."""
         cuda = self._cuda
         runtime = cuda.runtime
         foreign = ()
