@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import weakref
+from itertools import repeat
 
 import numpy as np
 
@@ -534,8 +535,8 @@ class MirroredExtended(StrategyExtended):
         # Each replica's arguments: `column[i]` alone (the commonest case: one distributed batch), else
         # `arguments[i]`, (args, kwargs) as replica i sees them, else none.
         column = arguments = None
-        if len(args) == 1 and not kwargs and type(args[0]) in (PerReplica, Mirrored) and \
-                len(args[0]._values) == self._pool.n:
+        if args and not args[1:] and not kwargs and type(args[0]) in (PerReplica, Mirrored) and \
+                len(args[0]._values) == self._pool.n:  # (args[1:], not len(args): a call less every step)
             column = args[0]._values
         elif args or kwargs:
             arguments = self._replica_arguments(args, kwargs)
@@ -545,14 +546,20 @@ class MirroredExtended(StrategyExtended):
         order = self._pool.group.order
         # Every replica starts in the caller's md.name_scope, as TF's replica threads do, and keeps its
         # own: a thread that runs another replica while this one waits in a merge_call must not see it.
-        name_scope = getattr(_scope_local, "scope", "")  # (current_scope(), inlined)
+        try:  # (current_scope(), inlined)
+            name_scope = _scope_local.scope
+        except AttributeError:
+            name_scope = ""
         local_devices = self._local_devices
+        # Each replica's context entry, made here by C code (tuple.__new__ called by map, not a call of the
+        # replica's frame each): (the strategy, its replica context).
+        entries = list(map(_new_tuple, repeat(_Context), zip(repeat(strategy), contexts)))
 
         def replica(i):
             # (The thread's context stack, name scope and CPU device are not put back here: the pool
             # restores the caller's once the run ends, and a replica thread's are set afresh by its next
             # replica.)
-            _local.stack = [_new_tuple(_Context, (strategy, contexts[i]))]
+            _local.stack = [entries[i]]
             _scope_local.scope = name_scope
             if column is not None:
                 args_i, kwargs_i = (column[i],), None
