@@ -24,7 +24,6 @@ each replica's own device; dtype and MEAN rules are those of
 from __future__ import annotations
 
 import atexit
-import functools
 
 from ..device import gpu as _gpu
 from ..timeline import span
@@ -149,11 +148,6 @@ class CallPlan:
     def run(self, buffers, out):
         done = self._plan.run(buffers, out, self._streams, self._new_outputs)
         return done if done is None or out is None else list(out)
-
-    def runner(self):
-        """``run(buffers, None)`` as a C partial of the binding's run (no Python frame of this plan's a call):
-        for a caller that repeats this plan's call, as a replica context's all_reduce does."""
-        return functools.partial(self._plan.run, out=None, streams=self._streams, alloc=self._new_outputs)
 
     def _new_outputs(self) -> list:
         """A new output per replica on its GPU (TF's all-reduce returns new tensors)."""

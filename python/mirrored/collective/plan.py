@@ -22,8 +22,6 @@ one packer (csrc/core/packer.cc) for host, CUDA, NCCL and Gloo batches alike.
 
 from __future__ import annotations
 
-import functools
-
 from .._core import (BatchPlan as _BatchPlan, CallPlan as _CallPlan, all_gather as _host_all_gather,
                      all_reduce as _host_all_reduce, batch_all_reduce as _host_batch_all_reduce,
                      broadcast as _host_broadcast, reduce as _host_reduce)
@@ -33,7 +31,7 @@ from .rules import (MEAN, algorithm_code, any_integer_mean, check_batch, check_c
                     gather_layout, inputs as _inputs, integer_mean, means_of_sums, on_gpu, outputs as _outputs,
                     recycler, result, result_like, root_index, true_divide)
 
-__all__ = ["lookup", "all_reduce_plan", "runner", "lookup_batch", "remember", "remember_batch", "clear", "all_reduce",
+__all__ = ["lookup", "all_reduce_plan", "lookup_batch", "remember", "remember_batch", "clear", "all_reduce",
            "broadcast", "reduce", "all_gather", "batch_all_reduce", "MAX_PLANS"]
 
 # Plans kept; the cache starts over when full (a program has a handful of signatures).
@@ -54,13 +52,6 @@ def all_reduce_plan(buffers, op, algorithm, chunk_bytes):
     """The plan of ``collectives.all_reduce(buffers, op, algorithm=, chunk_bytes=)``'s signature, or None;
     ``plan.run(buffers, out)`` makes such a call again (None, with nothing done, when an array does not fit)."""
     return lookup("all_reduce", (op, algorithm, chunk_bytes), buffers)
-
-
-def runner(plan):
-    """``plan.run(buffers, None)`` of a plan :func:`all_reduce_plan` returned, as a C partial (no Python frame
-    of the plan's a call): for a caller that repeats the plan's call."""
-    gpu = getattr(plan, "runner", None)  # (a GPU plan's; a host plan is the native _core.CallPlan)
-    return gpu() if gpu is not None else functools.partial(plan.run, outputs=None)
 
 
 def lookup_batch(params: tuple, per_replica_lists):
@@ -115,9 +106,9 @@ def _gpu_call(kind, buffers, out, op, root, algorithm, chunk_bytes):
         done = plan.run(buffers, out)
     if done is None:
         if kind == "broadcast":
-            return gpu_broadcast(buffers, root, out=out)
+            return gpu_broadcast(buffers, root, out=out, algorithm=algorithm)
         return gpu_all_reduce(buffers, op, out=out, algorithm=algorithm, chunk_bytes=chunk_bytes)
-    params = (root,) if kind == "broadcast" else (op, algorithm, chunk_bytes)
+    params = (root, algorithm) if kind == "broadcast" else (op, algorithm, chunk_bytes)
     _remember(_key(kind, params, buffers), plan)
     return done
 
@@ -146,9 +137,10 @@ def all_reduce(buffers, op, out, algorithm, chunk_bytes):
     return done
 
 
-def broadcast(buffers, root, out):
+def broadcast(buffers, root, out, algorithm="auto"):
     if on_gpu(buffers):
-        return _gpu_call("broadcast", buffers, out, "sum", root, "auto", 0)
+        return _gpu_call("broadcast", buffers, out, "sum", root, algorithm, 0)
+    algorithm_code(algorithm)  # (named, so 'nccl' on host buffers says why; the host broadcast is one direct pass)
     arrays, code = _inputs(buffers, "buffers")
     root = root_index(root, len(arrays))
     outs, finish = _outputs(out, arrays, "out")
@@ -161,7 +153,7 @@ def broadcast(buffers, root, out):
             _host_broadcast(arrays, outs, first.size, code, root)
     if done is None:
         return finish()
-    _remember(_key("broadcast", (root,), buffers), plan)
+    _remember(_key("broadcast", (root, algorithm), buffers), plan)
     return done
 
 

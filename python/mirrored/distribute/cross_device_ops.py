@@ -15,7 +15,7 @@ import numpy as np
 from ..device import dtypes as _dtypes, device_util
 from ..device.indexed_slices import IndexedSlices, map_arrays
 from ..collective import api as collectives
-from ..collective.plan import all_reduce_plan, runner
+from ..collective.plan import all_reduce_plan
 from ..timeline import enabled_native as tracing
 from .options import CommunicationOptions
 from .reduce_util import ReduceOp, as_reduce_op
@@ -386,7 +386,7 @@ class _ReplicaAllReduce:
     records: its spans come from that way).
     """
 
-    __slots__ = ("bound", "_ordinals", "_params", "_run")
+    __slots__ = ("bound", "_ordinals", "_params", "_plan")
 
     def __init__(self, ops: "_NativeAllReduce", reduce_op: ReduceOp, options, ordinals, array_type):
         self.bound = functools.partial(ops._replica_all_reduce, reduce_op, options, ordinals, array_type)
@@ -394,11 +394,12 @@ class _ReplicaAllReduce:
         # (op, algorithm, chunk_bytes) of the collectives.all_reduce the ops make, or None: another engine's
         self._params = (reduce_op._value_, ops._algorithm, ops._ring_kwargs.get("chunk_bytes", 0)) \
             if ops._collectives is collectives else None
-        self._run = None  # the latest call's plan's run(arrays, None) (collective.plan.runner: no Python frame)
+        self._plan = None
 
     def __call__(self, per_replica):
-        if self._run is not None and type(per_replica[0]) is not list and not tracing():
-            done = self._run(per_replica)
+        plan = self._plan
+        if plan is not None and type(per_replica[0]) is not list and not tracing():
+            done = plan.run(per_replica, None)
             if done is not None:
                 return done
         results = self.bound(per_replica)
@@ -406,7 +407,7 @@ class _ReplicaAllReduce:
             plan = all_reduce_plan(per_replica, *self._params)
             # (A plan of the same signature made for other GPUs would run these arrays there: not kept.)
             if plan is not None and (self._ordinals is None or plan.devices == self._ordinals):
-                self._run = runner(plan)
+                self._plan = plan
         return results
 
 

@@ -12,7 +12,6 @@ import os
 import threading
 import time
 import weakref
-from itertools import repeat
 
 import numpy as np
 
@@ -551,15 +550,12 @@ class MirroredExtended(StrategyExtended):
         except AttributeError:
             name_scope = ""
         local_devices = self._local_devices
-        # Each replica's context entry, made here by C code (tuple.__new__ called by map, not a call of the
-        # replica's frame each): (the strategy, its replica context).
-        entries = list(map(_new_tuple, repeat(_Context), zip(repeat(strategy), contexts)))
 
         def replica(i):
             # (The thread's context stack, name scope and CPU device are not put back here: the pool
             # restores the caller's once the run ends, and a replica thread's are set afresh by its next
             # replica.)
-            _local.stack = [entries[i]]
+            _local.stack = [_new_tuple(_Context, (strategy, contexts[i]))]
             _scope_local.scope = name_scope
             if column is not None:
                 args_i, kwargs_i = (column[i],), None
