@@ -106,9 +106,9 @@ def _gpu_call(kind, buffers, out, op, root, algorithm, chunk_bytes):
         done = plan.run(buffers, out)
     if done is None:
         if kind == "broadcast":
-            return gpu_broadcast(buffers, root, out=out, algorithm=algorithm)
+            return gpu_broadcast(buffers, root, out=out)
         return gpu_all_reduce(buffers, op, out=out, algorithm=algorithm, chunk_bytes=chunk_bytes)
-    params = (root, algorithm) if kind == "broadcast" else (op, algorithm, chunk_bytes)
+    params = (root,) if kind == "broadcast" else (op, algorithm, chunk_bytes)
     _remember(_key(kind, params, buffers), plan)
     return done
 
@@ -137,10 +137,9 @@ def all_reduce(buffers, op, out, algorithm, chunk_bytes):
     return done
 
 
-def broadcast(buffers, root, out, algorithm="auto"):
+def broadcast(buffers, root, out):
     if on_gpu(buffers):
-        return _gpu_call("broadcast", buffers, out, "sum", root, algorithm, 0)
-    algorithm_code(algorithm)  # (named, so 'nccl' on host buffers says why; the host broadcast is one direct pass)
+        return _gpu_call("broadcast", buffers, out, "sum", root, "auto", 0)
     arrays, code = _inputs(buffers, "buffers")
     root = root_index(root, len(arrays))
     outs, finish = _outputs(out, arrays, "out")
@@ -153,7 +152,7 @@ def broadcast(buffers, root, out, algorithm="auto"):
             _host_broadcast(arrays, outs, first.size, code, root)
     if done is None:
         return finish()
-    _remember(_key("broadcast", (root, algorithm), buffers), plan)
+    _remember(_key("broadcast", (root,), buffers), plan)
     return done
 
 
