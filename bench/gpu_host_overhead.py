@@ -270,7 +270,8 @@ def run_only(args):
     of a 4 B array whose merge_fn returns a number (no array handed over), and of one whose merge_fn
     hands replica 0's array to every replica (ordered and kept across the replicas' streams)."""
     show = print if not args.json else (lambda *a, **k: None)
-    names = ("run(trivial)", "run(all_reduce 4 B)", "run(merge_call 4 B)", "run(merge_call handing replica 0's 4 B to all)")
+    names = ("run(trivial)", "run(all_reduce 4 B)", "run(merge_call 4 B)",
+             "run(merge_call handing replica 0's 4 B to all)")
     show("| replicas | " + " | ".join(f"{name} (µs)" for name in names) + " |")
     show("|---:|---:|---:|---:|---:|")
     rows = []

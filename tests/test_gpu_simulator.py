@@ -174,8 +174,8 @@ def test_a_repeated_all_reduce_makes_few_python_calls():
     assert counted["mirrored"] + counted["cupy_by_mirrored"] <= 10, counted
 
 
-@pytest.mark.parametrize("before, after", [((0, 1, 2, 3), (0, 1, 0, 1)), ((2, 3), (0, 1)), ((0, 3, 1, 2), (1, 0, 1, 0))],
-                         ids=str)
+@pytest.mark.parametrize("before, after",
+                         [((0, 1, 2, 3), (0, 1, 0, 1)), ((2, 3), (0, 1)), ((0, 3, 1, 2), (1, 0, 1, 0))], ids=str)
 def test_a_plan_kept_from_a_machine_with_more_gpus_runs_the_same_call_right_on_fewer(before, after):
     """Plans are kept by signature (kind, parameters, replicas, the first array's type, shape and dtype),
     which does not name the GPUs: the same call on a machine that has lost GPUs finds the old plan. Its

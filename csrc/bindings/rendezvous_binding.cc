@@ -1235,8 +1235,8 @@ void each_reference(State* s, F&& visit) {
   for (PyObject* o : s->parked) visit(o);
   for (PyObject* o : s->ready) visit(o);
   for (PyObject* o : s->stacked) visit(o);
-  for (PyObject* o : {s->results, s->broken, s->order, s->arrival_parts, s->aborted_type, s->tracing, s->traced, s->fn, s->outputs,
-                      s->errors,
+  for (PyObject* o : {s->results, s->broken, s->order, s->arrival_parts, s->aborted_type, s->tracing, s->traced,
+                      s->fn, s->outputs, s->errors,
                       s->complete, s->wake, s->claims, s->mine, s->arrived_flags, s->running, s->get_device,
                       s->set_device, s->current_stream, s->ordinals, s->body, s->greenlet_type, s->getcurrent,
                       s->switch_fn, s->hub, s->idle, s->replicas})

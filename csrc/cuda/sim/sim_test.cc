@@ -366,8 +366,8 @@ void check_nccl_errors() {
   };
   expect_error<std::runtime_error>("all_reduce into its input shifted", "rank 1's sendbuff overlaps its recvbuff",
                                    [&] { all_reduce({out[0], static_cast<char*>(in[1]) + 4}, 4); });
-  expect_error<std::runtime_error>("all_reduce into another rank's input", "rank 0's recvbuff overlaps rank 1's sendbuff",
-                                   [&] { all_reduce({in[1], out[1]}, 4); });
+  expect_error<std::runtime_error>("all_reduce into another rank's input",
+                                   "rank 0's recvbuff overlaps rank 1's sendbuff", [&] { all_reduce({in[1], out[1]}, 4); });
   expect_error<std::runtime_error>("two ranks' outputs overlapping", "rank 0's recvbuff overlaps rank 1's recvbuff",
                                    [&] { all_reduce({out[1], static_cast<char*>(out[1]) + 8}, 4); });
   std::vector<std::size_t> parts = {16, 16};
