@@ -9,6 +9,12 @@ kernels (they are drained after each call, outside the clock).
     python bench/gpu_host_overhead.py --driver --replicas 2 8        # driver work per call instead of time
     python bench/gpu_host_overhead.py --calls --replicas 2 4 8       # Python function calls per call instead
     python bench/gpu_host_overhead.py --gpus 2 --logical 2           # a mix: hierarchical engine vs native ring
+    python bench/gpu_host_overhead.py --calls --replicas 2 4 8 --compare /tmp/base/python    # two builds
+    python bench/gpu_host_overhead.py --run-only --clock cpu --compare /tmp/base/python --rounds 5
+
+``--compare PATH`` (with ``--calls`` or ``--run-only``): the same table for the package under PATH (another
+build's ``python/``, e.g. main's) beside this one's, each build in processes of its own, alternating for
+``--rounds`` rounds; each cell is the median of the rounds, with this build's / the other's ratio.
 
 Reports µs per call for a 4-byte all_reduce (out= preallocated and not), a
 200-tensor batch_all_reduce and strategy.run(replica-context all_reduce) on
@@ -28,8 +34,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -82,9 +90,16 @@ def main():
     p.add_argument("--logical", type=int, default=2, help="replicas per GPU with --gpus")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: the process's CPU time (all threads), steadier than wall time on a loaded machine")
+    p.add_argument("--compare", metavar="PATH", default=None,
+                   help="with --calls or --run-only: also the package under PATH (another build's python/), "
+                        "alternating, in processes of their own")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds per build with --compare")
+    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # (a --compare child's output)
     args = p.parse_args()
     global clock
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.compare:
+        return compare(args)
     if args.gpus:
         return mix(args)
     if args.run_only:
@@ -112,7 +127,9 @@ def main():
                    per_call_us(run, args.repeat // 4)]
         finally:
             md.config.set_logical_device_configuration("GPU:0", None)
-        print(f"| {n} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
+        rows += [(n, name, v) for name, v in zip(names, row)]
+        show(f"| {n} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
+    report(args, rows)
     if args.no_optimizer:
         return
     print()
@@ -183,15 +200,51 @@ def mix(args):
                   f"{c['host_waits']} | {times[algo]:.1f} | {ratio} |")
 
 
+def compare(args):
+    """--calls or --run-only for this build and the one under --compare, alternating --rounds times."""
+    if not (args.calls or args.run_only):
+        raise SystemExit("--compare goes with --calls or --run-only")
+    argv = [a for a in sys.argv[1:]]
+    at = argv.index("--compare")
+    del argv[at:at + 2]
+    builds = {"this": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"),
+              "compared": os.path.abspath(args.compare)}
+    cells = {name: {} for name in builds}  # build -> (replicas, call) -> [value per round]
+    for _ in range(args.rounds):
+        for name, path in builds.items():
+            env = dict(os.environ, PYTHONPATH=path + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--json"], env=env,
+                                  capture_output=True, text=True, timeout=1800)
+            if done.returncode:
+                raise SystemExit(f"{name} ({path}): {done.stderr}")
+            for n, call, value in json.loads(done.stdout.splitlines()[-1]):
+                cells[name].setdefault((n, call), []).append(value)
+    unit = "calls" if args.calls else "µs"
+    print(f"this build: {builds['this']}; compared: {builds['compared']}; median of {args.rounds} alternating rounds")
+    print(f"| replicas | call | this build ({unit}) | compared ({unit}) | this / compared |")
+    print("|---:|---|---:|---:|---:|")
+    for (n, call), values in cells["this"].items():
+        mine, theirs = statistics.median(values), statistics.median(cells["compared"][(n, call)])
+        print(f"| {n} | {call} | {mine:.1f} | {theirs:.1f} | {mine / theirs:.2f} |")
+
+
+def report(args, rows):
+    """``rows``: [(replicas, call, value)], printed as one JSON line for a --compare parent."""
+    if args.json:
+        print(json.dumps(rows))
+
+
 def calls(args):
     """Python function calls of one call (gpu_env.python_calls: 'call' and 'c_call' events, the median of the
     calls) of strategy.run of a trivial step, of strategy.run(replica-context all_reduce of 4 B) and of
     collectives.all_reduce of 4 B on n logical GPUs. `mirrored`: events in mirrored's files; `CuPy calls`:
     the CuPy functions mirrored calls (CuPy charges them too); `stand-in`: all events in tests/fake_cupy.py
     (CuPy does its part in Cython). Deterministic: unlike time, a loaded machine does not move them."""
-    print("| replicas | call | mirrored | CuPy calls by mirrored | mirrored + CuPy calls | stand-in, all | all |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    show = print if not args.json else (lambda *a, **k: None)
+    show("| replicas | call | mirrored | CuPy calls by mirrored | mirrored + CuPy calls | stand-in, all | all |")
+    show("|---:|---|---:|---:|---:|---:|---:|")
     repeat = max(10, args.repeat // 20)
+    rows = []
     for n in args.replicas:
         xs = [cupy.ones(1, cupy.float32) for _ in range(n)]
         md.config.set_logical_device_configuration("GPU", 0, count=n)
@@ -204,19 +257,24 @@ def calls(args):
                                ("all_reduce 4 B", lambda: collectives.all_reduce(xs, "sum"))):
                 c = gpu_env.python_calls(call, repeat)
                 own = c["mirrored"] + c["cupy_by_mirrored"]
-                print(f"| {n} | {name} | {c['mirrored']:.0f} | {c['cupy_by_mirrored']:.0f} | {own:.0f} | "
-                      f"{c['stand_in']:.0f} | {c['total']:.0f} |")
+                rows += [(n, f"{name}: mirrored", c["mirrored"]), (n, f"{name}: mirrored + CuPy calls", own)]
+                show(f"| {n} | {name} | {c['mirrored']:.0f} | {c['cupy_by_mirrored']:.0f} | {own:.0f} | "
+                     f"{c['stand_in']:.0f} | {c['total']:.0f} |")
         finally:
             md.config.set_logical_device_configuration("GPU:0", None)
+    report(args, rows)
 
 
 def run_only(args):
     """µs per strategy.run of a trivial step, of one replica-context all_reduce of 4 B, of one merge_call
     of a 4 B array whose merge_fn returns a number (no array handed over), and of one whose merge_fn
     hands replica 0's array to every replica (ordered and kept across the replicas' streams)."""
-    print("| replicas | run(trivial) (µs) | run(all_reduce 4 B) (µs) | run(merge_call 4 B) (µs) | "
-          "run(merge_call handing replica 0's 4 B to all) (µs) |")
-    print("|---:|---:|---:|---:|---:|")
+    show = print if not args.json else (lambda *a, **k: None)
+    names = ("run(trivial)", "run(all_reduce 4 B)", "run(merge_call 4 B)",
+             "run(merge_call handing replica 0's 4 B to all)")
+    show("| replicas | " + " | ".join(f"{name} (µs)" for name in names) + " |")
+    show("|---:|---:|---:|---:|---:|")
+    rows = []
     steps = (lambda: None,
              lambda x: md.get_replica_context().all_reduce("sum", x),
              lambda x: md.get_replica_context().merge_call(lambda s, v: len(v.values), args=(x,)),
@@ -230,7 +288,9 @@ def run_only(args):
                    for k, step in enumerate(steps)]
         finally:
             md.config.set_logical_device_configuration("GPU:0", None)
-        print(f"| {n} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
+        rows += [(n, name, v) for name, v in zip(names, row)]
+        show(f"| {n} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
+    report(args, rows)
 
 
 def optimizer_step_us(n: int, kernel: bool, repeat: int, loss_scale=None) -> float:

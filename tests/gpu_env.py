@@ -22,7 +22,7 @@ import pytest
 import mirrored
 from collective_reference import BFLOAT16, batch_reference
 from mirrored import collectives
-from mirrored.collective import cuda as cuda_collectives, plan as collective_plans
+from mirrored.collective import cuda as cuda_collectives
 from mirrored.device import config, device_util, dtypes as _dtypes, engine
 
 SIM_DEVICES = 2
@@ -109,7 +109,6 @@ def physical_gpus(count: int, seed: int = 0):
     finally:
         cupy.configure(SIM_DEVICES, SIM_PEERS, seed)
         config.set_logical_device_configuration("GPU:0", None)
-        collective_plans.clear()  # (plans naming GPUs the machine no longer has)
 
 
 @contextlib.contextmanager

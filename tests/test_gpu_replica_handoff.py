@@ -141,12 +141,18 @@ def test_state_of_a_replica_on_a_thread_of_its_own_is_put_back(logical):
     current stream is what it was (its device stays the replica's: only replicas run on that thread)."""
     s = logical
     n = s.num_replicas_in_sync
-    scopes = s.extended._replica_scopes()
+    pool = s.extended._pool
+    made = []  # the run's replica function (what the pool runs for replica i), taken instead of running it
+    pool.run = lambda replica: made.append(replica) or [None] * n
+    try:
+        s.run(_cuda_state)
+    finally:
+        del pool.run
     results = {}
 
     def on_thread(i):
         before = _cuda_state()
-        results[i] = scopes[i].call(_cuda_state)
+        results[i] = made[0](i)
         results[(i, "after")] = _cuda_state() == before
 
     threads = [threading.Thread(target=on_thread, args=(i,)) for i in range(n)]
@@ -216,6 +222,50 @@ def test_with_blocks_inside_a_replica_unwind_to_its_own_stream(logical):
     for v in s.experimental_local_results(out):
         np.testing.assert_array_equal(cupy.asnumpy(v), np.full(2, 2.0 * n, np.float32))
     assert _cuda_state() == (0, cupy.cuda.Stream.null.ptr)
+
+
+@pytest.mark.skipif(mirrored_strategy._greenlet is None, reason="replicas share the thread only with greenlet")
+@pytest.mark.parametrize("collectives", [1, 3])
+@pytest.mark.parametrize("chooser", [None, 1], ids=["own streams", "replica 1 chooses one"])
+def test_parked_replicas_find_their_own_stream_whatever_order_they_resume_in(logical, collectives, chooser):
+    """A replica that parks on its own stream leaves it on the thread's CuPy ``with`` stack; the others push
+    above it and pop back to it. One resumed while replicas parked after it still wait (the last to arrive
+    runs on to the next collective and parks there first) takes their entries off, and each puts its own
+    back when resumed. A replica that parks on a stream it chose with use() takes its entry off as before.
+    Either way each resumes on its stream, a ``with`` block after the hand-off unwinds to its own, and the
+    caller's stack is as it was."""
+    s = logical
+    n = s.num_replicas_in_sync
+    other, choice, callers = cupy.cuda.Stream(), cupy.cuda.Stream(), cupy.cuda.Stream()
+    seen = {}
+
+    def step():
+        ctx = md.get_replica_context()
+        i = ctx.replica_id_in_sync_group
+        x = cupy.full(2, i + 1.0, cupy.float32)
+        for k in range(collectives):
+            if i == chooser:
+                choice.use()
+            x = ctx.all_reduce("sum", x)
+            seen[(i, k, "after")] = _cuda_state()
+            with other:
+                pass
+            seen[(i, k, "with")] = _cuda_state()
+        return x
+
+    for _ in range(2):  # (the second run with every plan and result kept)
+        with callers:
+            out = s.run(step)
+            assert _cuda_state() == (0, callers.ptr)
+        assert _cuda_state() == (0, cupy.cuda.Stream.null.ptr)
+        for i in range(n):
+            own = (0, _gpu.replica_stream(i, 0).ptr)
+            for k in range(collectives):
+                assert seen[(i, k, "after")] == ((0, choice.ptr) if i == chooser else own), (i, k)
+                assert seen[(i, k, "with")] == own, (i, k)
+        total = np.full(2, n * (n + 1) / 2 * n ** (collectives - 1), np.float32)
+        for v in s.experimental_local_results(out):
+            np.testing.assert_array_equal(cupy.asnumpy(v), total)
 
 
 @pytest.mark.skipif(mirrored_strategy._greenlet is None, reason="replicas share the thread only with greenlet")

@@ -144,11 +144,13 @@ class DeviceCallPlan {
 
   // Checks that the arrays fit, takes `out` (or when it is None a kept set of outputs nobody else
   // holds, else what alloc() returns: a list of arrays that fit), enqueues the collective on
-  // `streams` with the GIL released and returns the outputs; None, with nothing queued or
-  // allocated, when an array does not fit.
-  py::object run(py::handle buffers, py::handle out, const Ptrs& streams, const py::function& alloc) {
+  // streams() with the GIL released and returns the outputs; None, with nothing queued or
+  // allocated, when an array does not fit. streams() is asked only once the arrays fit, so only
+  // for GPUs that hold them: a plan kept from a machine with more GPUs is never asked for a gone one.
+  py::object run(py::handle buffers, py::handle out, const py::function& stream_lookup, const py::function& alloc) {
     std::vector<std::uintptr_t> in, outs;
     if (!fit_.pointers(buffers, in)) return py::none();
+    const Ptrs streams = stream_lookup().cast<Ptrs>();
     py::object result = py::reinterpret_borrow<py::object>(out);
     if (out.is(buffers)) {
       outs = in;  // in place: the same arrays, checked once
@@ -210,12 +212,14 @@ class DeviceBatchPlan {
   }
 
   // Checks that every tensor fits, takes a kept set of results nobody else holds or calls alloc()
-  // for (results, each replica's result buffer address), enqueues the batch on `streams` with the
-  // GIL released (tensor t of replica r lands at base[r] + offsets[t]) and returns the results;
-  // None, with nothing queued or allocated, when a tensor does not fit.
-  py::object run(py::handle lists, const Ptrs& streams, const py::function& alloc) {
+  // for (results, each replica's result buffer address), enqueues the batch on streams() (asked
+  // once the tensors fit, as DeviceCallPlan::run says) with the GIL released (tensor t of replica r
+  // lands at base[r] + offsets[t]) and returns the results; None, with nothing queued or
+  // allocated, when a tensor does not fit.
+  py::object run(py::handle lists, const py::function& stream_lookup, const py::function& alloc) {
     std::vector<std::uintptr_t> in;
     if (!fit_.batch_pointers(lists, in)) return py::none();
+    const Ptrs streams = stream_lookup().cast<Ptrs>();
     const int n = fit_.replicas(), T = fit_.tensors();
     Ptrs bases;
     py::object results = recycled(results_, streams, static_cast<std::size_t>(T), bases, [&] {
@@ -916,8 +920,9 @@ PYBIND11_MODULE(MIRRORED_CUDA_MODULE, m) {
            py::arg("root"), py::arg("count"), py::arg("array_type"), py::arg("devices"), py::arg("specs"))
       .def("run", &DeviceCallPlan::run, py::arg("buffers"), py::arg("out"), py::arg("streams"), py::arg("alloc"),
            "The all_reduce (reduce) or broadcast of `buffers` into `out` (None: alloc()'s arrays; `buffers`: in\n"
-           "place) on `streams`; returns the outputs, or None when an array is not exactly `array_type` with\n"
-           "specs[0]'s (shape, strides, dtype) on its replica's device.");
+           "place) on streams() (each replica's stream handle, asked once the arrays fit); returns the outputs,\n"
+           "or None when an array is not exactly `array_type` with specs[0]'s (shape, strides, dtype) on its\n"
+           "replica's device.");
   py::class_<DeviceBatchPlan>(m, "BatchPlan")
       .def(py::init([](py::object engine, int algorithm, int op, std::size_t bytes_per_pack, int num_packs,
                        const std::vector<int>& dtypes, std::vector<std::size_t> counts,
@@ -932,8 +937,9 @@ PYBIND11_MODULE(MIRRORED_CUDA_MODULE, m) {
            py::arg("specs"))
       .def("run", &DeviceBatchPlan::run, py::arg("per_replica_lists"), py::arg("streams"), py::arg("alloc"),
            "The batch all-reduce of per_replica_lists[r][t] into alloc()'s (results, base addresses) (tensor t of\n"
-           "replica r at base[r] + offsets[t]) on `streams`; returns the results, or None when a tensor does not\n"
-           "fit its spec (exactly `array_type`, (shape, strides, dtype), on its replica's device).");
+           "replica r at base[r] + offsets[t]) on streams() (asked once the tensors fit); returns the results, or\n"
+           "None when a tensor does not fit its spec (exactly `array_type`, (shape, strides, dtype), on its\n"
+           "replica's device).");
 
   m.def("ring", [](const std::vector<int>& devices, std::size_t chunk_bytes, int channels) {
     return std::make_unique<Engine>(devices, std::make_unique<cuda::CudaRing>(devices, chunk_bytes, channels));

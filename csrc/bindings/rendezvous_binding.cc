@@ -20,6 +20,7 @@
 // after them.
 #include "bindings/rendezvous_binding.h"
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -41,6 +42,9 @@ struct State {
   PyObject* results = nullptr;       // the latest combine's results, or the exception it raised
   PyObject* broken = nullptr;        // the exception every waiting replica raises, once the group broke
   PyObject* order = nullptr;         // GPU replicas' MergeOrder (device/gpu.py), else null
+  // order.arrival_parts(): (each replica's CUDA ordinal or None, cupy.cuda.get_current_stream, the replica
+  // streams' handles, device/gpu.py), what note_arrival() reads; null without an order.
+  PyObject* arrival_parts = nullptr;
   PyObject* aborted_type = nullptr;  // distribute_lib._Aborted
   PyObject* tracing = nullptr;       // () -> whether the timeline records (mirrored.timeline.enabled)
   PyObject* traced = nullptr;        // (group, rid, kind, payload, combine) -> exchange inside a timeline span
@@ -82,7 +86,12 @@ struct State {
   PyObject* idle = nullptr;           // the hub's thread's idle greenlets (a list)
   PyObject* replicas = nullptr;       // the run's greenlet replicas (a set)
   std::vector<PyObject*> parked;      // greenlet replicas waiting in the collective under way
-  std::deque<PyObject*> ready;        // greenlet replicas a combine (or an abort) released
+  std::deque<PyObject*> ready;        // greenlet replicas a combine (or an abort) released, resumed last first
+  // The _GpuReplicaScopes of the replicas parked on the hub's thread whose stream stayed on the thread's
+  // CuPy `with` stack (save_gpu), in the stack's order (owned). Resumed last first, each finds its stream
+  // on top again, as nested `with` blocks unwind; one resumed out of that order takes the entries above
+  // its own off first (restore_gpu).
+  std::vector<PyObject*> stacked;
   int unfinished = 0;                 // greenlet replicas started and not returned
 
   int sleepers = 0;  // replicas on threads of their own waiting in sleep()
@@ -96,8 +105,14 @@ struct Rendezvous {
   State* s;
 };
 
-PyObject* str_arrive;  // interned "arrive", "combine", "parent", ...
-PyObject* str_combine;
+PyObject* str_combine;  // interned "combine", "parent", ...
+PyObject* str_step;
+PyObject* str_device_id;
+PyObject* str_ptr;
+PyObject* str_arrived;
+PyObject* str_foreign;
+PyObject* str_any_foreign;
+PyObject* str_arrival_parts;
 PyObject* str_parent;
 PyObject* str_scope;
 PyObject* str_entry;
@@ -207,14 +222,17 @@ PyObject* take_error() {
   return value;
 }
 
-PyObject* run_combine(State* s, PyObject* combine, PyObject* slots) {
-  if (s->order) return PyObject_CallMethodObjArgs(s->order, str_combine, combine, slots, nullptr);
+// combine(slots), through the GPU replicas' order when there is one (`arrival`: what the order's arrive()
+// returned to the combining replica, or null).
+PyObject* run_combine(State* s, PyObject* combine, PyObject* slots, PyObject* arrival) {
+  if (s->order)
+    return PyObject_CallMethodObjArgs(s->order, str_combine, combine, slots, arrival ? arrival : Py_None, nullptr);
   return PyObject_CallOneArg(combine, slots);
 }
 
 // The last replica to arrive: one combine for all. Returns a new reference to its results, or to the
 // exception it raised (every replica raises it; the run reports it once).
-PyObject* combine_all(State* s, PyObject* combine) {
+PyObject* combine_all(State* s, PyObject* combine, PyObject* arrival) {
   PyObject* results = nullptr;
   bool same = true;
   for (int i = 1; i < s->n && same; ++i) {
@@ -244,7 +262,7 @@ PyObject* combine_all(State* s, PyObject* combine) {
         Py_INCREF(s->slots[i]);
         PyList_SET_ITEM(slots, i, s->slots[i]);
       }
-      results = run_combine(s, combine, slots);
+      results = run_combine(s, combine, slots, arrival);
       Py_DECREF(slots);
     }
     if (!results) results = take_error();
@@ -339,9 +357,9 @@ int start(State* s, PyObject* self, PyObject* index) {
   return r ? 0 : -1;
 }
 
-int switch_ready(State* s) {  // resumes the first ready replica
-  PyObject* g = s->ready.front();
-  s->ready.pop_front();
+int switch_ready(State* s) {  // resumes the latest ready replica (see `stacked`)
+  PyObject* g = s->ready.back();
+  s->ready.pop_back();
   PyObject* r = switch_to(s, g);
   Py_DECREF(g);
   Py_XDECREF(r);
@@ -373,31 +391,56 @@ int serve(State* s, PyObject* self, long generation) {
 // GPU replicas' CUDA state (_GpuThreadState): the current CUDA device, the current stream of each of the
 // strategy's GPUs and the running replica's _GpuReplicaScope, whose stream comes off the thread's `with`
 // stack (CuPy's, per thread) while another replica runs.
-PyObject* save_gpu(State* s) {
+//
+// `arrival`: what MergeOrder.arrive returned for this replica just before it parks (nothing has run since):
+// the current device's current stream, or None. When that is the scope's own stream and the strategy has
+// one GPU, it says all there is to save without asking CuPy: the current device is that stream's (CuPy
+// keeps a stream current only in its own device's slot: cupy/cuda/stream.pyx _ThreadLocal.current_stream),
+// and the GPU's current stream is that stream. The stream then stays on the `with` stack (see `stacked`):
+// what runs before the replica resumes pushes above it and pops back to it.
+//
+// Returns (device, streams, scope, whether the stream stayed on the stack).
+PyObject* save_gpu(State* s, PyObject* arrival) {
   PyObject* scope = PyObject_GetAttr(s->running, str_scope);
   if (!scope) {  // (no GPU replica has run on this thread yet)
     if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return nullptr;
     PyErr_Clear();
     scope = Py_NewRef(Py_None);
   }
-  PyObject* device = PyObject_CallNoArgs(s->get_device);
-  const Py_ssize_t count = PyTuple_GET_SIZE(s->ordinals);
-  PyObject* streams = device ? PyTuple_New(count) : nullptr;
-  for (Py_ssize_t k = 0; streams && k < count; ++k) {
-    PyObject* stream = PyObject_CallOneArg(s->current_stream, PyTuple_GET_ITEM(s->ordinals, k));
-    if (!stream) Py_CLEAR(streams);
-    else PyTuple_SET_ITEM(streams, k, stream);
-  }
-  PyObject* saved = streams ? PyTuple_Pack(3, device, streams, scope) : nullptr;
-  if (saved && scope != Py_None) {  // its stream off the thread's `with` stack
+  PyObject* stream = nullptr;  // the scope's stream (a new reference), or null: no scope
+  if (scope != Py_None) {
     PyObject* entry = PyObject_GetAttr(scope, str_entry);
-    PyObject* stream = entry ? PySequence_GetItem(entry, 0) : nullptr;
-    PyObject* r = stream ? PyObject_CallMethodObjArgs(stream, str_exit, Py_None, Py_None, Py_None, nullptr) : nullptr;
+    stream = entry ? PySequence_GetItem(entry, 0) : nullptr;
+    Py_XDECREF(entry);
+    if (!stream) {
+      Py_DECREF(scope);
+      return nullptr;
+    }
+  }
+  const Py_ssize_t count = PyTuple_GET_SIZE(s->ordinals);
+  PyObject *device = nullptr, *streams = nullptr;
+  const bool kept = stream && arrival == stream && count == 1;
+  if (kept) {
+    device = PyObject_GetAttr(scope, str_ordinal);
+    streams = device ? PyTuple_Pack(1, stream) : nullptr;
+  } else {
+    device = PyObject_CallNoArgs(s->get_device);
+    streams = device ? PyTuple_New(count) : nullptr;
+    for (Py_ssize_t k = 0; streams && k < count; ++k) {
+      PyObject* current = PyObject_CallOneArg(s->current_stream, PyTuple_GET_ITEM(s->ordinals, k));
+      if (!current) Py_CLEAR(streams);
+      else PyTuple_SET_ITEM(streams, k, current);
+    }
+  }
+  PyObject* saved = streams ? PyTuple_Pack(4, device, streams, scope, kept ? Py_True : Py_False) : nullptr;
+  if (saved && kept) {
+    s->stacked.push_back(Py_NewRef(scope));
+  } else if (saved && stream) {  // its stream off the thread's `with` stack
+    PyObject* r = PyObject_CallMethodObjArgs(stream, str_exit, Py_None, Py_None, Py_None, nullptr);
     if (!r) Py_CLEAR(saved);
     Py_XDECREF(r);
-    Py_XDECREF(stream);
-    Py_XDECREF(entry);
   }
+  Py_XDECREF(stream);
   Py_XDECREF(streams);
   Py_XDECREF(device);
   Py_DECREF(scope);
@@ -419,11 +462,55 @@ long current_device(State* s) {
   return on;
 }
 
+// The stream of a _GpuReplicaScope that is entered (its `_entry[0]`), a new reference; null with an error.
+PyObject* scope_stream(PyObject* scope) {
+  PyObject* entry = PyObject_GetAttr(scope, str_entry);
+  PyObject* stream = entry ? PySequence_GetItem(entry, 0) : nullptr;
+  Py_XDECREF(entry);
+  return stream;
+}
+
+// A replica whose stream save_gpu() left on the `with` stack resumes: its GPU current again, and its stream
+// on top: so it is unless replicas parked after it are still parked (it resumes out of the stack's order),
+// whose entries then come off (they go back on when those resume); an entry taken off so earlier goes back
+// on. Popped with the GPU current: a pop makes the entry below current on its stream's device, or, for the
+// legacy stream below everything, on the current device (cupy/cuda/stream.pyx _ThreadLocal.pop_stream).
+int restore_kept(State* s, PyObject* scope) {
+  PyObject* ordinal = PyObject_GetAttr(scope, str_ordinal);
+  if (!ordinal) return -1;
+  const long on = PyLong_AsLong(ordinal);
+  const long now = on == -1 && PyErr_Occurred() ? -1 : current_device(s);
+  int rc = now == -1 && PyErr_Occurred() ? -1 : now != on ? set_device(s, ordinal) : 0;
+  Py_DECREF(ordinal);
+  if (rc < 0) return -1;
+  auto it = std::find(s->stacked.begin(), s->stacked.end(), scope);
+  if (it == s->stacked.end()) {  // taken off by a resume out of order: back on top
+    PyObject* stream = scope_stream(scope);
+    PyObject* r = stream ? PyObject_CallMethodNoArgs(stream, str_enter) : nullptr;
+    Py_XDECREF(stream);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+  }
+  while (s->stacked.back() != scope) {  // (moved out before the call: it may reach this state again)
+    PyObject* above = s->stacked.back();
+    s->stacked.pop_back();
+    PyObject* stream = scope_stream(above);
+    PyObject* r = stream ? PyObject_CallMethodObjArgs(stream, str_exit, Py_None, Py_None, Py_None, nullptr) : nullptr;
+    Py_XDECREF(stream);
+    Py_DECREF(above);
+    if (!r) return -1;
+    Py_DECREF(r);
+  }
+  s->stacked.pop_back();
+  Py_DECREF(scope);  // (the reference `stacked` held; the saved state holds another)
+  return 0;
+}
+
 // Puts back what save_gpu() read: the scope's GPU current and its stream on top of the `with` stack again,
 // then each GPU's current stream and the current device. Only what differs is set: replicas mostly share
 // a GPU and keep their stream.
 int restore_gpu(State* s, PyObject* saved) {
-  if (!PyTuple_Check(saved) || PyTuple_GET_SIZE(saved) != 3 || !PyTuple_Check(PyTuple_GET_ITEM(saved, 1)) ||
+  if (!PyTuple_Check(saved) || PyTuple_GET_SIZE(saved) != 4 || !PyTuple_Check(PyTuple_GET_ITEM(saved, 1)) ||
       PyTuple_GET_SIZE(PyTuple_GET_ITEM(saved, 1)) != PyTuple_GET_SIZE(s->ordinals)) {
     PyErr_SetString(PyExc_TypeError, "restore_state(saved): expected what save_state() returned");
     return -1;
@@ -431,6 +518,7 @@ int restore_gpu(State* s, PyObject* saved) {
   PyObject *device = PyTuple_GET_ITEM(saved, 0), *streams = PyTuple_GET_ITEM(saved, 1),
            *scope = PyTuple_GET_ITEM(saved, 2);
   if (PyObject_SetAttr(s->running, str_scope, scope) < 0) return -1;
+  if (PyTuple_GET_ITEM(saved, 3) == Py_True) return restore_kept(s, scope);  // (all it saved is that stream's)
   PyObject* entered = nullptr;  // (the stream just made current on GPU `on`: its current stream needs no lookup)
   long on;
   if (scope != Py_None) {
@@ -488,8 +576,9 @@ int restore_gpu(State* s, PyObject* saved) {
   return on != want ? set_device(s, device) : 0;
 }
 
-// The thread's state (the thread-locals, and GPU replicas' CUDA state last) as a tuple.
-PyObject* save_state(State* s) {
+// The thread's state (the thread-locals, and GPU replicas' CUDA state last) as a tuple; `arrival`: see
+// save_gpu (null: none).
+PyObject* save_state(State* s, PyObject* arrival = nullptr) {
   const Py_ssize_t count = static_cast<Py_ssize_t>(s->state_locals.size() / 3);
   PyObject* saved = PyTuple_New(count + (s->running ? 1 : 0));
   for (Py_ssize_t i = 0; saved && i < count; ++i) {
@@ -502,7 +591,7 @@ PyObject* save_state(State* s) {
     else PyTuple_SET_ITEM(saved, i, value);
   }
   if (saved && s->running) {
-    PyObject* gpu = save_gpu(s);
+    PyObject* gpu = save_gpu(s, arrival);
     if (!gpu) Py_CLEAR(saved);
     else PyTuple_SET_ITEM(saved, count, gpu);
   }
@@ -546,9 +635,10 @@ void unpark(State* s, PyObject* me) {
 // The results of the collective of `generation` for the running replica, the hub or a greenlet (parked
 // already): the hub serves the others; a greenlet hands the thread on, to the next replica not started yet
 // (started from here: a round trip through the hub saved), else to the hub, until a combine (or an abort)
-// makes it ready and someone resumes it. Its thread-local state goes and comes back with it.
-PyObject* wait(State* s, PyObject* self, long generation, PyObject* me, Waiter waiter) {
-  PyObject* saved = save_state(s);
+// makes it ready and someone resumes it. Its thread-local state goes and comes back with it (`arrival`: see
+// save_gpu).
+PyObject* wait(State* s, PyObject* self, long generation, PyObject* me, Waiter waiter, PyObject* arrival) {
+  PyObject* saved = save_state(s, arrival);
   if (!saved) return nullptr;
   PyObject* results = nullptr;
   for (;;) {
@@ -560,6 +650,8 @@ PyObject* wait(State* s, PyObject* self, long generation, PyObject* me, Waiter w
       int rc;
       if (index != Py_None) {
         rc = start(s, self, index);
+      } else if (!s->ready.empty()) {  // (as retire() does: the hub would only pass the thread on to it)
+        rc = switch_ready(s);
       } else {
         PyObject* r = switch_to(s, s->hub);
         Py_XDECREF(r);
@@ -601,6 +693,57 @@ PyObject* raise_broken(State* s) {
   return nullptr;
 }
 
+// GPU replica `rid` arrives at a collective (MergeOrder's part, done here: no Python frame a replica): the
+// stream it queued its inputs on is noted (order._arrived[rid]; also order._foreign[rid] when that is not
+// a replica stream nor the legacy one, which the combine orders with events). Returns a new reference to
+// that stream when it is the current device's current stream (see save_gpu), else to None; null with an
+// error. Replicas of no GPU, and every replica inside md.function (device/gpu.py `_step`), note nothing.
+PyObject* note_arrival(State* s, long rid) {
+  PyObject *ordinals = PyTuple_GET_ITEM(s->arrival_parts, 0), *current = PyTuple_GET_ITEM(s->arrival_parts, 1),
+           *ours = PyTuple_GET_ITEM(s->arrival_parts, 2), *module = PyTuple_GET_ITEM(s->arrival_parts, 3);
+  PyObject* ordinal = rid < PyTuple_GET_SIZE(ordinals) ? PyTuple_GET_ITEM(ordinals, rid) : Py_None;
+  if (ordinal == Py_None) Py_RETURN_NONE;
+  PyObject* step = PyObject_GetAttr(module, str_step);
+  if (!step) return nullptr;
+  Py_DECREF(step);  // (compared by identity only)
+  if (step != Py_None) Py_RETURN_NONE;
+  // The current device's current stream: CuPy files a stream only under its own device, so when that is the
+  // replica's GPU, the replica's GPU is current too; else (another device current, or the legacy stream,
+  // whose device_id is -1) asked by ordinal.
+  PyObject* stream = PyObject_CallNoArgs(current);
+  PyObject* device = stream ? PyObject_GetAttr(stream, str_device_id) : nullptr;
+  const int here = device ? PyObject_RichCompareBool(device, ordinal, Py_EQ) : -1;
+  Py_XDECREF(device);
+  if (here == 0) Py_SETREF(stream, PyObject_CallOneArg(current, ordinal));
+  if (here < 0 || !stream) {
+    Py_XDECREF(stream);
+    return nullptr;
+  }
+  PyObject* arrived = PyObject_GetAttr(s->order, str_arrived);
+  int rc = arrived ? PySequence_SetItem(arrived, rid, stream) : -1;
+  Py_XDECREF(arrived);
+  PyObject* ptr = rc == 0 ? PyObject_GetAttr(stream, str_ptr) : nullptr;
+  int foreign = ptr ? PyObject_IsTrue(ptr) : -1;
+  if (foreign == 1) foreign = PySet_Contains(ours, ptr) == 0 ? 1 : PyErr_Occurred() ? -1 : 0;
+  Py_XDECREF(ptr);
+  if (foreign == 1) {
+    PyObject* slots = PyObject_GetAttr(s->order, str_foreign);
+    foreign = slots && PySequence_SetItem(slots, rid, stream) == 0 &&
+                      PyObject_SetAttr(s->order, str_any_foreign, Py_True) == 0 ? 0 : -1;
+    Py_XDECREF(slots);
+  }
+  if (foreign < 0) {
+    Py_DECREF(stream);
+    return nullptr;
+  }
+  if (here) return stream;
+  Py_DECREF(stream);
+  Py_RETURN_NONE;
+}
+
+PyObject* exchange_arrived(Rendezvous* self, State* s, long rid, PyObject* kind, PyObject* payload,
+                           PyObject* combine, PyObject* arrival);
+
 // Replica `rid` hands in `payload` for the collective `kind`; returns its part of combine's results.
 PyObject* exchange(Rendezvous* self, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 4) {
@@ -615,18 +758,26 @@ PyObject* exchange(Rendezvous* self, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   PyObject *kind = args[1], *payload = args[2], *combine = args[3];
+  PyObject* arrival = nullptr;  // what note_arrival() returned (see save_gpu)
   if (s->order) {
-    PyObject* r = PyObject_CallMethodObjArgs(s->order, str_arrive, args[0], nullptr);
-    if (!r) return nullptr;
-    Py_DECREF(r);
+    arrival = note_arrival(s, rid);
+    if (!arrival) return nullptr;
   }
+  PyObject* results = exchange_arrived(self, s, rid, kind, payload, combine, arrival);
+  Py_XDECREF(arrival);
+  return results;
+}
+
+// exchange() once the replica has arrived at the order (`arrival`: what that returned, borrowed).
+PyObject* exchange_arrived(Rendezvous* self, State* s, long rid, PyObject* kind, PyObject* payload,
+                           PyObject* combine, PyObject* arrival) {
   PyObject* results = nullptr;
   if (s->n == 1) {
     PyObject* slots = PyList_New(1);
     if (!slots) return nullptr;
     Py_INCREF(payload);
     PyList_SET_ITEM(slots, 0, payload);
-    results = run_combine(s, combine, slots);
+    results = run_combine(s, combine, slots, arrival);
     Py_DECREF(slots);
     if (!results) return nullptr;
   } else {
@@ -653,7 +804,7 @@ PyObject* exchange(Rendezvous* self, PyObject* const* args, Py_ssize_t nargs) {
     Py_INCREF(kind);
     Py_XSETREF(s->kinds[rid], kind);
     if (++s->arrived == s->n) {
-      results = combine_all(s, combine);
+      results = combine_all(s, combine, arrival);
     } else if ((s->finished && check_stranded(s) < 0) || (waiter != kThread && s->broken)) {
       results = nullptr;  // (stranded: this replica is the one left waiting)
       if (!PyErr_Occurred()) raise_broken(s);
@@ -666,7 +817,7 @@ PyObject* exchange(Rendezvous* self, PyObject* const* args, Py_ssize_t nargs) {
       else results = Py_NewRef(s->results);
     } else {
       if (waiter == kGreenlet) s->parked.push_back(Py_NewRef(me));
-      results = wait(s, reinterpret_cast<PyObject*>(self), generation, me, waiter);
+      results = wait(s, reinterpret_cast<PyObject*>(self), generation, me, waiter, arrival);
     }
     Py_XDECREF(me);
     if (!results) return nullptr;
@@ -773,6 +924,11 @@ PyObject* rv_reset(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   // lands on that run's state, cleared next, not on this run's.
   if (s->unfinished || !s->parked.empty() || !s->ready.empty() || (s->replicas && PySet_GET_SIZE(s->replicas)))
     clear_cooperative(s);
+  // (Each parked replica takes its scope out of `stacked` as it resumes or is dropped; an interrupted run's
+  // replica that is neither leaves its entry to no one.)
+  std::vector<PyObject*> stale;
+  stale.swap(s->stacked);
+  for (PyObject* o : stale) Py_DECREF(o);
   clear_run(s);
   clear_pool_run(s);
   Py_CLEAR(s->hub);
@@ -984,8 +1140,8 @@ PyObject* retire(State* s) {
   if (rc < 0) return nullptr;
   PyObject* target;
   if (!s->ready.empty()) {
-    target = s->ready.front();
-    s->ready.pop_front();
+    target = s->ready.back();
+    s->ready.pop_back();
   } else {
     target = Py_NewRef(s->hub);
   }
@@ -1078,8 +1234,9 @@ void each_reference(State* s, F&& visit) {
   for (PyObject* o : s->state_locals) visit(o);
   for (PyObject* o : s->parked) visit(o);
   for (PyObject* o : s->ready) visit(o);
-  for (PyObject* o : {s->results, s->broken, s->order, s->aborted_type, s->tracing, s->traced, s->fn, s->outputs,
-                      s->errors,
+  for (PyObject* o : s->stacked) visit(o);
+  for (PyObject* o : {s->results, s->broken, s->order, s->arrival_parts, s->aborted_type, s->tracing, s->traced,
+                      s->fn, s->outputs, s->errors,
                       s->complete, s->wake, s->claims, s->mine, s->arrived_flags, s->running, s->get_device,
                       s->set_device, s->current_stream, s->ordinals, s->body, s->greenlet_type, s->getcurrent,
                       s->switch_fn, s->hub, s->idle, s->replicas})
@@ -1105,7 +1262,8 @@ int rv_clear(PyObject* self) {
   s->state_locals.clear();
   s->parked.clear();
   s->ready.clear();
-  for (PyObject** o : {&s->results, &s->broken, &s->order, &s->aborted_type, &s->tracing, &s->traced,
+  s->stacked.clear();
+  for (PyObject** o : {&s->results, &s->broken, &s->order, &s->arrival_parts, &s->aborted_type, &s->tracing, &s->traced,
                        &s->fn, &s->outputs, &s->errors, &s->complete, &s->wake, &s->claims, &s->mine, &s->arrived_flags, &s->running,
                        &s->get_device, &s->set_device, &s->current_stream, &s->ordinals, &s->body,
                        &s->greenlet_type, &s->getcurrent,
@@ -1147,6 +1305,19 @@ PyObject* rv_get_order(PyObject* self, void*) {
 
 int rv_set_order(PyObject* self, PyObject* value, void*) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
+  PyObject* parts = nullptr;
+  if (value && value != Py_None) {
+    parts = PyObject_CallMethodNoArgs(value, str_arrival_parts);
+    if (!parts) return -1;
+    if (!PyTuple_Check(parts) || PyTuple_GET_SIZE(parts) != 4 || !PyTuple_Check(PyTuple_GET_ITEM(parts, 0)) ||
+        !PyAnySet_Check(PyTuple_GET_ITEM(parts, 2))) {
+      Py_DECREF(parts);
+      PyErr_SetString(PyExc_TypeError, "order.arrival_parts(): expected (ordinals tuple, get_current_stream, set of "
+                                       "replica stream handles, module with _step)");
+      return -1;
+    }
+  }
+  Py_XSETREF(s->arrival_parts, parts);
   Py_XSETREF(s->order, value && value != Py_None ? Py_NewRef(value) : nullptr);
   return 0;
 }
@@ -1193,7 +1364,8 @@ PyGetSetDef rv_getset[] = {
     {"completed", rv_get_completed, nullptr,
      "Whether the last of replicas 1..n-1 arrived on the caller's thread this run (arrive(i, True)).", nullptr},
     {"unfinished", rv_get_unfinished, nullptr, "Greenlet replicas started and not returned.", nullptr},
-    {"order", rv_get_order, rv_set_order, "GPU replicas' MergeOrder, or None.", nullptr},
+    {"order", rv_get_order, rv_set_order,
+     "GPU replicas' MergeOrder, or None (set: the rendezvous notes each arrival, see order.arrival_parts()).", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 PyType_Slot rv_slots[] = {
@@ -1214,7 +1386,9 @@ PyType_Spec rv_spec = {"mirrored._core.Rendezvous", sizeof(Rendezvous), 0,
 }  // namespace
 
 int add_rendezvous(PyObject* module) {
-  for (auto [target, text] : {std::pair{&str_arrive, "arrive"}, {&str_combine, "combine"},
+  for (auto [target, text] : {std::pair{&str_combine, "combine"}, {&str_step, "_step"}, {&str_device_id, "device_id"},
+                              {&str_ptr, "ptr"}, {&str_arrived, "_arrived"}, {&str_foreign, "_foreign"},
+                              {&str_any_foreign, "_any_foreign"}, {&str_arrival_parts, "arrival_parts"},
                               {&str_parent, "parent"}, {&str_scope, "scope"}, {&str_entry, "_entry"},
                               {&str_ordinal, "_ordinal"}, {&str_enter, "__enter__"}, {&str_exit, "__exit__"},
                               {&str_use, "use"}}) {

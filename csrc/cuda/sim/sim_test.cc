@@ -300,15 +300,17 @@ void check_nccl(Layout& l, std::size_t count, bool in_place, bool by_unique_id) 
       for (std::size_t i = 0; i < count; ++i)
         EXPECT(got[r][i] == value(root, i, s), "nccl broadcast n=%d root=%d: rank %d element %zu", n, root, r, i);
   }
-  std::vector<void*> gout(n);
+  // In place, NCCL's way: each rank's input is its own part of its output (sendbuff == recvbuff + rank * count).
+  std::vector<void*> gin(n), gout(n);
   std::vector<std::size_t> rows(n, count * 4);
   for (int r = 0; r < n; ++r) {
-    write<int>(l, r, in[r], count, s, r);
     gout[r] = l.alloc(r, count * 4 * n);
+    gin[r] = in_place ? static_cast<char*>(gout[r]) + r * count * 4 : in[r];
+    write<int>(l, r, gin[r], count, s, r);
   }
   {
     StreamScope scope(l.streams);
-    comm.all_gather(n, in.data(), gout.data(), rows.data(), 1);
+    comm.all_gather(n, gin.data(), gout.data(), rows.data(), 1);
   }
   for (int r = 0; r < n; ++r) read<int>(l, r, gout[r], count * n, got[r]);
   sim::drain();
@@ -356,6 +358,23 @@ void check_nccl_errors() {
   std::vector<void*> p = {l.alloc(0, 8), l.alloc(1, 8)};
   expect_error<std::invalid_argument>("unequal all_gather", "equal-sized",
                                       [&] { comm.all_gather(2, p.data(), p.data(), rows.data(), 1); });
+  // Buffers that overlap other than as NCCL's in-place pairs: refused, naming them (NCCL would corrupt).
+  std::vector<void*> in = {l.alloc(0, 64), l.alloc(1, 64)}, out = {l.alloc(0, 64), l.alloc(1, 64)};
+  StreamScope scope(l.streams);
+  auto all_reduce = [&](std::vector<void*> o, std::size_t count) {
+    comm.all_reduce(2, in.data(), o.data(), count, DType::kInt32, ReduceOp::kSum, Algorithm::kAuto);
+  };
+  expect_error<std::runtime_error>("all_reduce into its input shifted", "rank 1's sendbuff overlaps its recvbuff",
+                                   [&] { all_reduce({out[0], static_cast<char*>(in[1]) + 4}, 4); });
+  expect_error<std::runtime_error>("all_reduce into another rank's input",
+                                   "rank 0's recvbuff overlaps rank 1's sendbuff", [&] { all_reduce({in[1], out[1]}, 4); });
+  expect_error<std::runtime_error>("two ranks' outputs overlapping", "rank 0's recvbuff overlaps rank 1's recvbuff",
+                                   [&] { all_reduce({out[1], static_cast<char*>(out[1]) + 8}, 4); });
+  std::vector<std::size_t> parts = {16, 16};
+  std::vector<void*> wrong = {static_cast<char*>(out[0]) + 16, static_cast<char*>(out[1]) + 16};
+  expect_error<std::runtime_error>("all_gather from the wrong part of its output",
+                                   "rank 0's sendbuff overlaps its recvbuff",
+                                   [&] { comm.all_gather(2, wrong.data(), out.data(), parts.data(), 1); });
 }
 
 // What op over n ranks' value()s gives in T: integers wrap at every step

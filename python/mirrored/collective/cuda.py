@@ -86,13 +86,25 @@ def call_plan(kind: str, buffers, op, root, algorithm, chunk_bytes) -> "CallPlan
     return CallPlan(True, engine, algo, code, op_code(op), 0, devices, first)
 
 
+def _plan_streams(plan) -> list:
+    """Each replica's stream for a planned call (a CallPlan or BatchPlan, whose ``_streams`` it is: the
+    binding asks once the arrays fit): one lookup per GPU."""
+    if plan._one_gpu is not None:  # (every replica on one GPU: logical GPUs)
+        return [_gpu.collective_stream(plan._one_gpu)] * plan._replicas
+    stream = {d: _gpu.collective_stream(d) for d in plan._ordinals}
+    return [stream[d] for d in plan._devices]
+
+
+
 class CallPlan:
     """A validated all_reduce or broadcast of GPU buffers: the native ``_cuda.CallPlan`` (engine,
     algorithm, dtype code, op or root, and what the arrays must be), the devices and the outputs' layout.
 
-    ``run`` looks up each GPU's stream and makes one binding call, which checks
-    in C++ that the call's arrays still fit (CuPy arrays of the planned type,
-    shape, dtype and strides, each on its replica's GPU; outputs alike), takes
+    ``run`` makes one binding call, which checks in C++ that the call's arrays
+    still fit (CuPy arrays of the planned type, shape, dtype and strides, each
+    on its replica's GPU; outputs alike), then looks up each GPU's stream
+    (only GPUs that hold the arrays: a plan whose GPUs the machine no longer
+    has is a plan whose arrays cannot fit), takes
     the outputs where ``out`` is None (a kept set nobody references, else
     ``_new_outputs``; docs/collectives_results.md) and enqueues the collective
     with the GIL released. Anything else returns None: the face validates that call afresh.
@@ -100,6 +112,7 @@ class CallPlan:
 
     __slots__ = ("_plan", "_devices", "_ordinals", "_replicas", "_one_gpu", "_shape", "_dtype", "_count", "_slots",
                  "_gpu_bytes", "_cupy")
+    _streams = _plan_streams
 
     def __init__(self, reduce: bool, engine, algo: int, code: int, op: int, root: int, devices, first):
         _layout(self, devices)
@@ -133,7 +146,7 @@ class CallPlan:
         return self._devices
 
     def run(self, buffers, out):
-        done = self._plan.run(buffers, out, _plan_streams(self), self._new_outputs)
+        done = self._plan.run(buffers, out, self._streams, self._new_outputs)
         return done if done is None or out is None else list(out)
 
     def _new_outputs(self) -> list:
@@ -246,14 +259,15 @@ class BatchPlan:
     packing, dtype codes, the results' offsets in one buffer per replica, and what each tensor must be),
     kept so a repeated batch does no planning.
 
-    ``run`` looks up each GPU's stream and makes one binding call, which checks
-    in C++ that each tensor still fits (a CuPy array of the planned shape, dtype
-    and strides on its replica's GPU), takes a kept set of results nobody
+    ``run`` makes one binding call, which checks in C++ that each tensor still
+    fits (a CuPy array of the planned shape, dtype and strides on its
+    replica's GPU), then looks up each GPU's stream, takes a kept set of results nobody
     references or has ``_new_results`` make one, and enqueues the whole batch. Anything else returns None: the face
     validates that call afresh.
     """
 
     __slots__ = ("_plan", "_devices", "_ordinals", "_replicas", "_one_gpu", "_views", "_total", "_cupy")
+    _streams = _plan_streams
 
     def __init__(self, engine, algo: int, op: int, bytes_per_pack: int, num_packs: int, layout, first_tensors):
         devices, shapes, dtypes, codes, counts, offsets, self._total = layout
@@ -271,7 +285,7 @@ class BatchPlan:
         return self._total
 
     def run(self, per_replica_lists):
-        return self._plan.run(per_replica_lists, _plan_streams(self), self._new_results)
+        return self._plan.run(per_replica_lists, self._streams, self._new_results)
 
     def _new_results(self):
         """(each replica's results: views of one new buffer on its GPU, each buffer's address)."""
@@ -282,12 +296,6 @@ class BatchPlan:
         return results, [base.ptr for base in bases]
 
 
-def _plan_streams(plan) -> list:
-    """Each replica's stream for a planned call (a CallPlan or BatchPlan): one lookup per GPU."""
-    if plan._one_gpu is not None:  # (every replica on one GPU: logical GPUs)
-        return [_gpu.collective_stream(plan._one_gpu)] * plan._replicas
-    stream = {d: _gpu.collective_stream(d) for d in plan._ordinals}
-    return [stream[d] for d in plan._devices]
 
 
 def _layout(plan, devices) -> None:

@@ -69,8 +69,8 @@ def _batch_key(params: tuple, per_replica_lists) -> tuple:
 
 
 def clear() -> None:
-    """Forgets every plan. A GPU plan looks up its GPUs' streams before the binding checks the arrays, so
-    the plans of a machine that is gone must go with it (the tests' simulated machine changes its GPUs)."""
+    """Forgets every plan. (Not needed when the machine's GPUs change: a GPU plan runs only arrays on the
+    GPUs it was made for, checked before it looks up a stream; any other call is planned afresh.)"""
     _plans.clear()
 
 

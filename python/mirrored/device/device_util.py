@@ -138,11 +138,6 @@ class device_scope:
     def __exit__(self, *exc):
         _current.device = self._saved
 
-    def call(self, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)`` inside the scope (how a strategy runs a CPU replica beside GPU ones)."""
-        with self:
-            return fn(*args, **kwargs)
-
 
 @contextlib.contextmanager
 def cross_replica_gpu_scope(device):

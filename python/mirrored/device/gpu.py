@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import sys
 import threading
 
 import numpy as np
@@ -234,11 +235,12 @@ class MergeOrder:
     """
 
     __slots__ = ("_ordinals", "_gpus", "_arrived", "_foreign", "_any_foreign", "_held", "_cuda", "_ndarray", "_null",
-                 "_shared", "_forks", "_kept", "_finished", "pending")
+                 "_shared", "_forks", "_kept", "_finished", "pending", "_one_gpu")
 
     def __init__(self, ordinals):
         self._ordinals = tuple(ordinals)
         self._gpus = tuple(sorted({o for o in self._ordinals if o is not None}))
+        self._one_gpu = len(self._gpus) == 1
         n = len(self._ordinals)
         self._arrived = [None] * n  # replica -> its current stream at its latest arrival (eager steps)
         self._foreign = [None] * n  # replica -> its current stream at arrival, when not ordered by the legacy one
@@ -256,21 +258,22 @@ class MergeOrder:
         # threads may finish at once)
         self.pending = False  # whether finish() has work: something held or kept (else replicas skip the call)
 
-    def arrive(self, replica: int) -> None:
-        """Notes the stream replica ``replica`` (the calling one) has queued its inputs on."""
-        ordinal = self._ordinals[replica]
-        if ordinal is None or _step is not None:
-            return
-        stream = self._arrived[replica] = self._cuda.get_current_stream(ordinal)
-        if stream.ptr != 0 and stream.ptr not in _replica_stream_ptrs:
-            self._foreign[replica] = stream
-            self._any_foreign = True
+    def arrival_parts(self) -> tuple:
+        """What the rendezvous reads to note each replica's arrival natively (``rendezvous_binding.cc``
+        ``note_arrival``, no Python frame a replica): each replica's ordinal, ``get_current_stream``, the
+        replica streams' handles and this module (its ``_step``). An arrival notes the stream the replica
+        queued its inputs on in ``_arrived`` (and in ``_foreign`` when not ordered by the legacy stream), and
+        hands the current device's current stream, when that is on the replica's GPU, to the park and to
+        :meth:`combine` (it says the current device and that GPU's current stream: CuPy files a stream only
+        under its own device)."""
+        return self._ordinals, self._cuda.get_current_stream, _replica_stream_ptrs, sys.modules[__name__]
 
     def _merge_stream(self, ordinal: int):
         return self._null if _step is None else _step.streams[ordinal]
 
-    def combine(self, combine, slots):
-        """``combine(slots)`` (a list of per-replica results) on the merge streams, ordered with every replica."""
+    def combine(self, combine, slots, arrival=None):
+        """``combine(slots)`` (a list of per-replica results) on the merge streams, ordered with every replica.
+        ``arrival``: the combining replica's arrival (the last, just before: see :meth:`arrival_parts`), or None."""
         cuda = self._cuda
         runtime = cuda.runtime
         foreign = ()
@@ -285,11 +288,17 @@ class MergeOrder:
             forks = self._fork_streams()
             self._join(forks)
             self._keep(slots)
-        device = runtime.getDevice()
-        entered = []  # (a stream is entered with its device current, and left so; entered as `with` does)
+        entered = ()  # (a stream is entered with its device current, and left so; entered as `with` does)
         # Leaving a `with` block makes the top of CuPy's per-thread stack current again, not a stream the
-        # combining replica chose with use(): that one is made current again after the combine.
-        current = tuple(map(cuda.get_current_stream, self._gpus))
+        # combining replica chose with use(): that one (`current`, per GPU) is made current again after the
+        # combine. On one GPU the combining replica's arrival says the current device and stream; when that
+        # stream is a replica's, its scope pushed it on top of the stack (scopes push their replica's own), so
+        # leaving makes it current again by itself.
+        if arrival is not None and self._one_gpu:
+            device, current = self._gpus[0], None if arrival.ptr in _replica_stream_ptrs else (arrival,)
+        else:
+            device = runtime.getDevice()
+            current = tuple(map(cuda.get_current_stream, self._gpus))
         on = device  # the current device: switched only to another one (logical GPUs share one: no switch)
         results = None
         try:
@@ -299,7 +308,7 @@ class MergeOrder:
                     on = ordinal
                 stream = self._null if _step is None else _step.streams[ordinal]  # (_merge_stream(), inlined)
                 stream.__enter__()
-                entered.append((ordinal, stream))
+                entered += ((ordinal, stream),)
             if on != device:
                 runtime.setDevice(device)
             if _step is None:
@@ -315,7 +324,7 @@ class MergeOrder:
                     runtime.setDevice(ordinal)
                     on = ordinal
                 stream.__exit__(None, None, None)
-            for ordinal, stream in zip(self._gpus, current):
+            for ordinal, stream in zip(self._gpus, current or ()):
                 now = cuda.get_current_stream(ordinal)
                 if now is not stream and now != stream:
                     if on != ordinal:

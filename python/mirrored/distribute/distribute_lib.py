@@ -323,7 +323,10 @@ class Strategy:
         component; the results come back as one structure with ``PerReplica``
         leaves (plain values with one replica).
         """
-        stack = getattr(_local, "stack", None)  # (_top() and _stack() inlined: every step calls run)
+        try:  # (_top() and _stack() inlined, and no getattr call: every step calls run)
+            stack = _local.stack
+        except AttributeError:  # (this thread's first)
+            stack = None
         top = stack[-1] if stack else _DEFAULT
         if top is not _DEFAULT and (top.strategy is not self or top.replica_context is not None):
             _require_cross_replica_or_default(self, "run")
@@ -341,11 +344,12 @@ class Strategy:
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
         if stack is None:
             stack = _stack()
-        stack.append(_new_tuple(_Context, (self, None)))  # (what scope() does, once the check above has passed)
+        # What scope() does, once the check above has passed (`+=` and `del`: no list method calls).
+        stack += (_new_tuple(_Context, (self, None)),)
         try:
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
         finally:
-            stack.pop()
+            del stack[-1]
 
     experimental_run_v2 = run
 

@@ -431,7 +431,8 @@ def _blas_controllers() -> list:
 
 class _GpuReplicaScope:
     """A GPU replica's device and CUDA device and stream, made once (entered by one replica at a time,
-    and only by the replica pool's runs): ``call`` runs the replica's function inside it.
+    and only by the replica pool's runs: ``MirroredExtended._call_for_each_replica`` enters it, runs the
+    replica's function and leaves it, in the replica's one Python frame).
 
     Its stream is entered as CuPy's ``with stream`` does (pushed on the
     thread's stack), so that ``with`` blocks inside the replica unwind to it.
@@ -441,56 +442,24 @@ class _GpuReplicaScope:
     Leaving takes the stream off the stack and nothing else: the thread's CUDA device and md device
     stay as the replica left them, like a CPU replica's device (the pool puts the caller's back once
     the run ends, and the next replica on the thread sets its own), which saves a device read a replica.
+
+    Inside md.function the replica runs on the step's memory, and on its GPU's step stream, or, when
+    replicas share the GPU, on a stream forked from it (device/gpu.py StepScope). The step's allocator
+    is the same for every replica and the md.function caller's own, so interleaved enters and exits of
+    its (per-thread) scope leave it as it was.
     """
 
+    __slots__ = ("_ordinal", "_device", "_runtime", "_stream", "_replica_id", "_shares_gpu", "_entry")
+
     def __init__(self, device, replica_id: int, shares_gpu: bool):
-        self._ordinal = ordinal = device_util.physical_ordinal(device)
+        self._ordinal = device_util.physical_ordinal(device)
         self._device = device
         self._runtime = _gpu.cupy_module().cuda.runtime
-        self._stream = _gpu.replica_stream(replica_id, ordinal)
+        self._stream = _gpu.replica_stream(replica_id, self._ordinal)
         self._replica_id, self._shares_gpu = replica_id, shares_gpu
         # While entered: (stream entered, memory scope or None, the step stream it forked from or None).
         # One slot: a run enters each replica's scope once, and runs do not overlap.
         self._entry = None
-
-    def call(self, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)`` inside the scope: entering and leaving in this one Python call (the
-        replica pool's way in, for every replica of every step)."""
-        # Inside md.function the replica runs on the step's memory, and on its GPU's step stream, or, when
-        # replicas share the GPU, on a stream forked from it (device/gpu.py StepScope). The step's allocator
-        # is the same for every replica and the md.function caller's own, so interleaved enters and exits of
-        # its (per-thread) scope leave it as it was.
-        step = _gpu._step  # (step_scope(), inlined)
-        origin = memory = None
-        if step is None:
-            stream = self._stream
-        elif self._shares_gpu:
-            origin, memory = step.streams[self._ordinal], _gpu.step_memory()
-            stream = _gpu.fork_stream(self._replica_id, self._ordinal)
-        else:
-            stream, memory = step.streams[self._ordinal], _gpu.step_memory()
-        _device_local.device = self._device
-        if self._runtime.getDevice() != self._ordinal:
-            self._runtime.setDevice(self._ordinal)
-        if origin is not None:  # the fork
-            stream.wait_event(origin.record())
-        stream.__enter__()
-        if memory is not None:
-            memory.__enter__()
-        self._entry = stream, memory, origin
-        _running.scope = self
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self._entry = None
-            if memory is not None:
-                memory.__exit__(None, None, None)
-            stream.__exit__(None, None, None)  # (on top: anything entered after it inside the replica has been left)
-            _running.scope = None
-            if origin is not None:  # the join, with the stream's device current (the replica may have left it)
-                if self._runtime.getDevice() != self._ordinal:
-                    self._runtime.setDevice(self._ordinal)
-                origin.wait_event(stream.record())
 
 
 class _MirroredReplicaContext(ReplicaContext):
@@ -539,8 +508,6 @@ class MirroredExtended(StrategyExtended):
         weakref.finalize(container_strategy, self._pool.close)
         self._replica_contexts = None
         self._scopes = None
-        # CPU replicas (every device a CPU): their devices, which is all their scopes set; else None.
-        self._cpu_devices = self._local_devices if device_util.all_cpu(self._local_devices) else None
         self._native_all_reduces = {}  # id(ReduceOp) -> _native_replica_all_reduce's answer (False: none)
 
     def _contexts(self) -> list:
@@ -556,18 +523,19 @@ class MirroredExtended(StrategyExtended):
         return self._replica_contexts
 
     def _replica_scopes(self) -> list:
+        """Each replica's _GpuReplicaScope (None: a CPU replica, whose device is all it enters)."""
         if self._scopes is None:
             ordinals = self._ordinals
-            self._scopes = [_GpuReplicaScope(d, i, ordinals.count(o) > 1) if o is not None
-                            else device_util.device_scope(d) for i, (d, o) in enumerate(zip(self._local_devices, ordinals))]
+            self._scopes = [_GpuReplicaScope(d, i, ordinals.count(o) > 1) if o is not None else None
+                            for i, (d, o) in enumerate(zip(self._local_devices, ordinals))]
         return self._scopes
 
     def _call_for_each_replica(self, fn, args, kwargs):
         # Each replica's arguments: `column[i]` alone (the commonest case: one distributed batch), else
         # `arguments[i]`, (args, kwargs) as replica i sees them, else none.
         column = arguments = None
-        if len(args) == 1 and not kwargs and type(args[0]) in (PerReplica, Mirrored) and \
-                len(args[0]._values) == self._pool.n:
+        if args and not args[1:] and not kwargs and type(args[0]) in (PerReplica, Mirrored) and \
+                len(args[0]._values) == self._pool.n:  # (args[1:], not len(args): a call less every step)
             column = args[0]._values
         elif args or kwargs:
             arguments = self._replica_arguments(args, kwargs)
@@ -577,8 +545,11 @@ class MirroredExtended(StrategyExtended):
         order = self._pool.group.order
         # Every replica starts in the caller's md.name_scope, as TF's replica threads do, and keeps its
         # own: a thread that runs another replica while this one waits in a merge_call must not see it.
-        name_scope = getattr(_scope_local, "scope", "")  # (current_scope(), inlined)
-        devices = self._cpu_devices
+        try:  # (current_scope(), inlined)
+            name_scope = _scope_local.scope
+        except AttributeError:
+            name_scope = ""
+        local_devices = self._local_devices
 
         def replica(i):
             # (The thread's context stack, name scope and CPU device are not put back here: the pool
@@ -586,23 +557,60 @@ class MirroredExtended(StrategyExtended):
             # replica.)
             _local.stack = [_new_tuple(_Context, (strategy, contexts[i]))]
             _scope_local.scope = name_scope
-            if devices is not None:  # CPU replicas: their device is all there is to enter
-                _device_local.device = devices[i]
-                if column is not None:
-                    return fn(column[i])
-                if arguments is None:
-                    return fn()
+            if column is not None:
+                args_i, kwargs_i = (column[i],), None
+            elif arguments is None:
+                args_i, kwargs_i = (), None
+            else:
                 args_i, kwargs_i = arguments[i]
-                return fn(*args_i, **kwargs_i) if kwargs_i else fn(*args_i)
+            scope = scopes[i]
+            if scope is None:  # a CPU replica: its device is all it enters
+                _device_local.device = local_devices[i]
+                try:
+                    return fn(*args_i, **kwargs_i) if kwargs_i else fn(*args_i)
+                finally:
+                    if order is not None and order.pending:  # (beside GPU replicas: see below)
+                        order.finish(i)
+            # A GPU replica: its _GpuReplicaScope entered, the function run and the scope left, in this one
+            # frame (a method of the scope's would be a second Python call every replica).
             try:
-                if column is not None:
-                    return scopes[i].call(fn, column[i])
-                if arguments is None:
-                    return scopes[i].call(fn)
-                args_i, kwargs_i = arguments[i]
-                return scopes[i].call(fn, *args_i, **kwargs_i)
+                step, ordinal, runtime = _gpu._step, scope._ordinal, scope._runtime  # (step_scope(), inlined)
+                origin = memory = None
+                if step is None:
+                    stream = scope._stream
+                elif scope._shares_gpu:
+                    origin, memory = step.streams[ordinal], _gpu.step_memory()
+                    stream = _gpu.fork_stream(scope._replica_id, ordinal)
+                else:
+                    stream, memory = step.streams[ordinal], _gpu.step_memory()
+                _device_local.device = scope._device
+                if origin is not None:  # the fork, with the stream's device current
+                    if runtime.getDevice() != ordinal:
+                        runtime.setDevice(ordinal)
+                    stream.wait_event(origin.record())
+                try:
+                    stream.__enter__()
+                except RuntimeError:  # another device is current: CuPy checks that before it pushes anything
+                    runtime.setDevice(ordinal)
+                    stream.__enter__()
+                if memory is not None:
+                    memory.__enter__()
+                scope._entry = stream, memory, origin
+                _running.scope = scope
+                try:
+                    return fn(*args_i, **kwargs_i) if kwargs_i else fn(*args_i)
+                finally:
+                    scope._entry = None
+                    if memory is not None:
+                        memory.__exit__(None, None, None)
+                    stream.__exit__(None, None, None)  # (on top: what the replica entered after it has been left)
+                    _running.scope = None
+                    if origin is not None:  # the join, with the stream's device current (the replica may have left it)
+                        if runtime.getDevice() != ordinal:
+                            runtime.setDevice(ordinal)
+                        origin.wait_event(stream.record())
             finally:
-                if order is not None and order.pending:  # (work handed to it to let go: rare)
+                if order.pending:  # (work handed to it to let go: rare)
                     order.finish(i)
 
         across = self._across_gpus
