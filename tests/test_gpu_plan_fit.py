@@ -98,7 +98,7 @@ def test_repeated_calls_run_the_plan_and_match_numpy(n, shape, dtype):
         for got, d in zip(out, devices):
             assert got.data.device_id == d
             np.testing.assert_array_equal(cupy.asnumpy(got), host[n - 1])
-    planned("broadcast", (n - 1,), xs)
+    planned("broadcast", (n - 1, "auto"), xs)
 
 
 @pytest.mark.parametrize("n", REPLICAS)
