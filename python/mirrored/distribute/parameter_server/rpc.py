@@ -77,6 +77,19 @@ def _reduce_step_function(step):
     return _unwrapped, (step.python_function,)
 
 
+def _stateless_optimizer(kind, state):
+    optimizer = kind.__new__(kind)
+    optimizer.__dict__.update(state)
+    return optimizer
+
+
+def _reduce_optimizer(optimizer):
+    """An optimizer travels with its arguments, not its state: that lives on the ps tasks
+    (optimizer_state.py), which every task reaches through handles, so a step's request does not grow with it."""
+    fresh = optimizer._without_state(_strategy=optimizer._strategy, _exclude_ids=optimizer._exclude_ids)
+    return _stateless_optimizer, (type(optimizer), vars(fresh))
+
+
 _picklers: dict = {}
 
 
@@ -91,6 +104,8 @@ def _pickler_class():
             kind = type(obj)
             if (kind.__module__, kind.__qualname__) == _STEP_FUNCTION:
                 return _reduce_step_function(obj)
+            if callable(getattr(kind, "_without_state", None)):  # (an md optimizer, known by its method)
+                return _reduce_optimizer(obj)
             return parent(self, obj) if parent is not None else NotImplemented
 
         found = _picklers[base] = type("TaskPickler", (base,), {"reducer_override": reducer_override})
