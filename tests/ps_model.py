@@ -139,3 +139,35 @@ def wait_for_release(directory: str):
             raise TimeoutError(f"{release} did not appear")
         time.sleep(0.01)  # (polls a file another process creates)
     return index
+
+
+class ScaledModel(Model):
+    """The model trained through a dynamic ``LossScaleOptimizer``: the gradients are the scaled loss's (times the
+    scale), and ``blow_up`` makes one of them inf (a step the scale halves on and skips)."""
+
+    def __init__(self, optimizer: str, growth_steps: int = 2):
+        super().__init__(optimizer)
+        self.optimizer = md.mixed_precision.LossScaleOptimizer(self.optimizer, initial_scale=2.0 ** 4,
+                                                               dynamic_growth_steps=growth_steps)
+
+    def train_step(self, x, y, blow_up=False):
+        def replica(x, y):
+            return self.optimizer.apply_gradients(list(zip(scaled_gradients(self, x, y, blow_up),
+                                                           [self.w, self.b])))
+        return md.distribute.get_strategy().run(replica, args=(x, y))
+
+
+def scaled_gradients(model, x, y, blow_up: bool) -> list:
+    scale = np.float32(model.optimizer.loss_scale)
+    gw, gb = gradients(model.w, model.b, x, y)
+    gw, gb = gw * scale, gb * scale
+    if blow_up:
+        gw[0, 0] = np.inf
+    return [gw, gb]
+
+
+def scaled_plain_loop(optimizer: str, batches, blow_ups, growth_steps: int = 2) -> "ScaledModel":
+    model = ScaledModel(optimizer, growth_steps)
+    for (x, y), blow_up in zip(batches, blow_ups):
+        model.optimizer.apply_gradients(list(zip(scaled_gradients(model, x, y, blow_up), [model.w, model.b])))
+    return model

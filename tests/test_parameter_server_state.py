@@ -203,3 +203,48 @@ def test_a_step_request_does_not_carry_the_optimizers_state():
         train_ps(strategy, model, ps_model.data(2))
         assert len(model.optimizer.variables) == 5 and model.optimizer.built  # (handles now)
         assert len(rpc.dumps(model.optimizer, "optimizer")[0]) == sent
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_dynamic_loss_scale_grows_and_halves_as_the_plain_loops(optimizer):
+    batches = ps_model.data(9)
+    blow_ups = [False, False, False, True, False, True, True, False, False]
+    with in_process_cluster(num_workers=1, num_ps=2) as strategy:
+        with strategy.scope():
+            model = ps_model.ScaledModel(optimizer)
+        coordinator = Coordinator(strategy)
+        steps = [coordinator.schedule(model.train_step, args=batch + (blow_up,))
+                 for batch, blow_up in zip(batches, blow_ups)]
+        coordinator.join()
+        reference = ps_model.scaled_plain_loop(optimizer, batches, blow_ups)
+        assert [s.fetch() for s in steps] == [1, 2, 3, 3, 4, 4, 4, 5, 6]  # (skipped steps do not count)
+        assert model.optimizer.loss_scale == reference.optimizer.loss_scale
+        assert model.optimizer.dynamic_counter == reference.optimizer.dynamic_counter
+        assert_same_state(model, reference, optimizer)
+
+
+def test_a_loss_scaled_step_adds_one_request_for_the_scale():
+    batches = ps_model.data(4)
+    with in_process_cluster(num_workers=1, num_ps=1) as strategy:
+        with strategy.scope():
+            model = ps_model.ScaledModel("adam")
+        coordinator = Coordinator(strategy)
+        ps = rpc.pool(strategy.extended._ps_addresses[0], strategy.extended._token)
+        coordinator.schedule(model.train_step, args=batches[0]).fetch()
+        before = ps.call("stats")["requests"]
+        for batch in batches[1:]:
+            coordinator.schedule(model.train_step, args=batch)
+        coordinator.join()
+        # per step: the scale, w and b read by the step (one request each), the scale's update, one update of
+        # both variables; (+1: the first stats request)
+        assert ps.call("stats")["requests"] - before == 3 * 5 + 1
+
+
+def test_a_loss_scale_optimizer_made_outside_the_scope_is_refused_naming_the_fix():
+    with in_process_cluster(num_workers=1) as strategy:
+        with strategy.scope():
+            model = ps_model.Model("sgd")
+        model.optimizer = md.mixed_precision.LossScaleOptimizer(model.optimizer)
+        with pytest.raises(ValueError, match="create it there"):
+            Coordinator(strategy).schedule(ps_model.apply_one, args=(model.optimizer, np.ones(3, np.float32),
+                                                                     model.b)).fetch()

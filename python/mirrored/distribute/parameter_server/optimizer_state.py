@@ -132,5 +132,29 @@ def apply_gradients(optimizer, grads, variables) -> int:
     return step
 
 
+def _finite(grad) -> bool:
+    return bool(np.isfinite(np.asarray(getattr(grad, "values", grad))).all())  # (an IndexedSlices': its rows)
+
+
+def loss_scale_step(optimizer, pairs) -> int:
+    """A ``LossScaleOptimizer``'s step on ps variables: its scale and good-step counter (ps variables on one
+    task) read and updated there by one request (the scale doubles after ``dynamic_growth_steps`` finite steps
+    and halves on a step whose gradients are not all finite, which is skipped), then the gradients unscaled by
+    the scale they were scaled with and applied by the wrapped optimizer. Returns its step count after it."""
+    counter, scale = optimizer.step_counter, optimizer.dynamic_scale
+    if not (isinstance(counter, RemoteVariable) and isinstance(scale, RemoteVariable)
+            and counter._handle.address == scale._handle.address):
+        raise ValueError(f"optimizer: LossScaleOptimizer {optimizer.name!r} was not created inside "
+                         "ParameterServerStrategy.scope() (its scale's state must live on a ps task); create it "
+                         "there, with the model")
+    finite = not optimizer.dynamic or all(_finite(g) for g, _ in pairs)
+    used = counter._pool.call("loss_scale", counter._handle.var_id, scale._handle.var_id, finite,
+                              optimizer.dynamic_growth_steps if optimizer.dynamic else None)
+    if not finite:
+        return int(optimizer.iterations.numpy())
+    grads = [g if optimizer._caller_unscales else optimizer._unscaled(g, used) for g, _ in pairs]
+    return optimizer.inner_optimizer.apply_gradients(list(zip(grads, [v for _, v in pairs])))
+
+
 # optimizer.apply_gradients hands variables of these kinds to this function (train/optimizers/base.py)
 RemoteVariable._apply_gradients = ShardedVariable._apply_gradients = staticmethod(apply_gradients)

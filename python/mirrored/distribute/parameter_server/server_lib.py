@@ -162,6 +162,24 @@ class _ParameterStore:
             units = self._layouts.get(key)
             return None if units is None else list(units)
 
+    def loss_scale(self, counter_id: str, scale_id: str, finite: bool, growth_steps) -> np.float32:
+        """A LossScaleOptimizer's step of its scale: returns the scale before it; with ``growth_steps`` (dynamic)
+        the counter and scale move as Keras' (halved on a step not ``finite``, doubled after that many)."""
+        with self._lock:
+            counter, scale = self._variable(counter_id), self._variable(scale_id)
+            used = np.float32(scale.numpy())
+            if growth_steps is None:
+                return used
+            if not finite:
+                counter.assign(np.int64(0))
+                scale.assign(used * np.float32(0.5))
+            elif int(counter.numpy()) == growth_steps - 1:
+                counter.assign(np.int64(0))
+                scale.assign(used * np.float32(2.0))
+            else:
+                counter.assign_add(np.int64(1))
+            return used
+
     def apply(self, key: str, step, var_ids, grads) -> int:
         """Apply ``grads`` to ``var_ids`` with optimizer ``key``'s copy; ``step``: the step count to apply at
         (the home task's, None on the home task itself, which counts it). Returns the count after it."""
@@ -296,7 +314,7 @@ class Server:
             return self._store.update(*args)
         if method == "gather":
             return self._store.gather(*args)
-        if method in ("apply", "build", "build_local", "stash", "layout"):
+        if method in ("apply", "build", "build_local", "stash", "layout", "loss_scale"):
             return getattr(self._store, method)(*args)
         if method == "run":  # (fn, args, kwargs), sent pickled once by the coordinator
             return self._run(*args[0])

@@ -153,6 +153,10 @@ class ParameterServerExtended(OneDeviceExtended):
                                optimizer_state.home_handle(optimizer, self._home(), self._token),
                                self._container_strategy)
 
+    def _loss_scale_step(self, optimizer, pairs) -> int:
+        """A LossScaleOptimizer's step: its scale's state updated on its ps task in one request."""
+        return optimizer_state.loss_scale_step(optimizer, pairs)
+
     def _stash_optimizer_restore(self, optimizer, restore) -> None:
         """A checkpoint's values of ``optimizer``'s state not built yet: the home task assigns them at build."""
         rpc.pool(self._home(), self._token).call("stash", optimizer._ps_key, restore)
