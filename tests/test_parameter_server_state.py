@@ -14,7 +14,7 @@ from mirrored.distribute.parameter_server import rpc
 from mirrored.train.checkpoint import CheckpointError
 
 import ps_model
-from test_parameter_server_strategy import Coordinator, in_process_cluster, partitioners
+from test_parameter_server_strategy import Coordinator, in_process_cluster, partitioners, process_cluster
 
 SLOTS = {"sgd": ["momentum"], "adam": ["momentum", "velocity"]}
 
@@ -248,3 +248,19 @@ def test_a_loss_scale_optimizer_made_outside_the_scope_is_refused_naming_the_fix
         with pytest.raises(ValueError, match="create it there"):
             Coordinator(strategy).schedule(ps_model.apply_one, args=(model.optimizer, np.ones(3, np.float32),
                                                                      model.b)).fetch()
+
+
+@pytest.mark.multiworker
+def test_processes_checkpoint_then_a_new_cluster_continues_the_uninterrupted_run(tmp_path):
+    batches = ps_model.data(6)
+    with process_cluster(num_workers=1, num_ps=2) as strategy:
+        with strategy.scope():
+            model = ps_model.Model("adam")
+        train_ps(strategy, model, batches[:3])
+        path = md.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+    with process_cluster(num_workers=1, num_ps=2) as strategy:
+        with strategy.scope():
+            model = ps_model.Model("adam")
+        md.train.Checkpoint(model=model).restore(path)  # (before the first step: restored at the ps build)
+        train_ps(strategy, model, batches[3:])
+        assert_same_state(model, plain_model("adam", batches), "adam")

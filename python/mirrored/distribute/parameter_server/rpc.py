@@ -17,6 +17,7 @@ same program runs on every task. With ``cloudpickle`` installed (optional) funct
 from __future__ import annotations
 
 import atexit
+import copyreg
 import hmac
 import io
 import pickle
@@ -77,17 +78,12 @@ def _reduce_step_function(step):
     return _unwrapped, (step.python_function,)
 
 
-def _stateless_optimizer(kind, state):
-    optimizer = kind.__new__(kind)
-    optimizer.__dict__.update(state)
-    return optimizer
-
-
 def _reduce_optimizer(optimizer):
     """An optimizer travels with its arguments, not its state: that lives on the ps tasks
-    (optimizer_state.py), which every task reaches through handles, so a step's request does not grow with it."""
+    (optimizer_state.py), which every task reaches through handles, so a step's request does not grow with it.
+    (Pickled as pickle pickles any object: its class, then its attributes.)"""
     fresh = optimizer._without_state(_strategy=optimizer._strategy, _exclude_ids=optimizer._exclude_ids)
-    return _stateless_optimizer, (type(optimizer), vars(fresh))
+    return copyreg.__newobj__, (type(optimizer),), vars(fresh)
 
 
 _picklers: dict = {}
