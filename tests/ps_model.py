@@ -7,6 +7,7 @@ the multi-process tests have tests/ on their path. ``plain_loop`` trains the sam
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -171,3 +172,25 @@ def scaled_plain_loop(optimizer: str, batches, blow_ups, growth_steps: int = 2) 
     for (x, y), blow_up in zip(batches, blow_ups):
         model.optimizer.apply_gradients(list(zip(scaled_gradients(model, x, y, blow_up), [model.w, model.b])))
     return model
+
+
+RELEASE_HUNG = threading.Event()  # (in-process clusters: the test and its workers share this module)
+
+
+def hang_worker(index: int):
+    """On worker ``index``: the worker stops answering any request (a hung process: alive, its connections
+    open) until ``RELEASE_HUNG`` is set. Returns the index of the worker that ran it."""
+    from mirrored.distribute.parameter_server.values import serving
+
+    here = md.distribute.coordinator.experimental_get_current_worker_index()
+    if here == index:
+        listener = serving.server._listener
+        answer = listener._handle
+
+        def hung(method, args):
+            RELEASE_HUNG.wait()
+            return answer(method, args)
+
+        listener._handle = hung
+        RELEASE_HUNG.wait()
+    return here

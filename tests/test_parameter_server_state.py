@@ -264,3 +264,24 @@ def test_processes_checkpoint_then_a_new_cluster_continues_the_uninterrupted_run
         md.train.Checkpoint(model=model).restore(path)  # (before the first step: restored at the ps build)
         train_ps(strategy, model, batches[3:])
         assert_same_state(model, plain_model("adam", batches), "adam")
+
+
+def test_a_hung_worker_misses_its_heartbeat_and_its_function_runs_on_another(monkeypatch):
+    from mirrored.distribute.parameter_server import coordinator as coordinator_lib
+
+    # (the deadline only says how soon the hang is found: a healthy worker that misses it by a busy machine
+    # gets its function rescheduled too, which still gives these results)
+    monkeypatch.setattr(coordinator_lib, "HEARTBEAT_SECONDS", 1.0)
+    ps_model.RELEASE_HUNG.clear()
+    with in_process_cluster(num_workers=2) as strategy:
+        coordinator = Coordinator(strategy)
+        try:
+            held = coordinator_lib._Closure(ps_model.hang_worker, (1,), {}, coordinator_lib._RemoteValueImpl())
+            coordinator._cluster.queue.put(held, tag=1)  # (worker 1's own: it takes it, and hangs)
+            assert held.output.fetch() == 0  # rescheduled on worker 0 once worker 1 missed its heartbeat
+            others = [coordinator.schedule(ps_model.identity, args=(i,)) for i in range(4)]
+            coordinator.join()
+            assert coordinator.fetch(others) == list(range(4))
+        finally:
+            ps_model.RELEASE_HUNG.set()
+

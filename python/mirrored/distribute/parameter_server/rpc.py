@@ -240,6 +240,12 @@ class Connection:
         raise error
 
     def close(self) -> None:
+        """Close the connection; a call blocked on it in another thread fails at once (the heartbeat's way to
+        let go of a hung worker: a plain close would leave that thread waiting)."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # (not connected any more)
         try:
             self._sock.close()
         except OSError:
