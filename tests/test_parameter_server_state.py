@@ -285,3 +285,11 @@ def test_a_hung_worker_misses_its_heartbeat_and_its_function_runs_on_another(mon
         finally:
             ps_model.RELEASE_HUNG.set()
 
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "inf"])
+def test_a_bad_heartbeat_deadline_is_refused_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("MIRRORED_PS_HEARTBEAT_SECONDS", value)
+    with in_process_cluster(num_workers=1) as strategy:
+        with pytest.raises(ValueError, match="MIRRORED_PS_HEARTBEAT_SECONDS=.*a number >= 0"):
+            Coordinator(strategy)

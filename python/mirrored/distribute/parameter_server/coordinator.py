@@ -33,8 +33,23 @@ _logger = logging.getLogger("mirrored")
 RECONNECT_SECONDS = 600.0  # how long a worker that became unreachable may take to come back (TF waits an hour)
 # A worker that does not answer a heartbeat (a ping, on a connection of its own) within this many seconds is taken
 # as hung: its closure goes to another worker. Generous, as a busy machine may be slow to answer; 0 turns the
-# heartbeat off. MIRRORED_PS_HEARTBEAT_SECONDS sets it; read when a ClusterCoordinator is created.
-HEARTBEAT_SECONDS = float(os.environ.get("MIRRORED_PS_HEARTBEAT_SECONDS", "120"))
+# heartbeat off. The environment's MIRRORED_PS_HEARTBEAT_SECONDS wins; read when a ClusterCoordinator is created.
+HEARTBEAT_SECONDS = 120.0
+
+
+def _heartbeat_seconds() -> float:
+    found = os.environ.get("MIRRORED_PS_HEARTBEAT_SECONDS")
+    value = HEARTBEAT_SECONDS if found is None else found
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        where = "MIRRORED_PS_HEARTBEAT_SECONDS" if found is not None else \
+            "md.distribute.coordinator.HEARTBEAT_SECONDS"
+        raise ValueError(f"{where}={value!r}: expected the heartbeat's deadline in seconds, a number >= 0 (0 "
+                         "turns the heartbeat off), e.g. 120")
+    return seconds
 
 
 class RemoteValue:
@@ -438,7 +453,7 @@ class _Cluster:
         spec = strategy.extended._spec
         self.queue = _ClosureQueue()
         self.stopping = threading.Event()
-        self.heartbeat_seconds = HEARTBEAT_SECONDS
+        self.heartbeat_seconds = _heartbeat_seconds()
         self.workers = [_Worker(self, i, spec.task_address("worker", i), strategy.extended._token)
                         for i in spec.task_indices("worker")]
 
@@ -479,7 +494,11 @@ class ClusterCoordinator:
                              "supported to work with `ClusterCoordinator` currently; create "
                              "ParameterServerStrategy(cluster_resolver) and pass it")
         self._strategy = strategy
-        self._cluster = _Cluster(strategy)
+        try:
+            self._cluster = _Cluster(strategy)
+        except BaseException:
+            strategy._cluster_coordinator = None  # (not made: a later ClusterCoordinator(strategy) tries again)
+            raise
         weakref.finalize(self, self._cluster.stop)  # (TF's: the workers' threads end with the coordinator)
         self._has_initialized = True
 
