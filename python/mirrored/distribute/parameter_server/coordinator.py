@@ -371,8 +371,8 @@ class _Worker:
             try:
                 connection.call("ping", timeout=self._cluster.heartbeat_seconds or None)
                 return connection
-            except rpc.ReplyTimeout:
-                if stopping.is_set() or time.monotonic() > give_up:
+            except (rpc.ReplyTimeout, rpc.TaskUnavailable):  # (hung, or a dying process that still accepted)
+                if stopping.wait(0.1) or time.monotonic() > give_up:
                     raise
 
     def call(self, method: str, *args):
