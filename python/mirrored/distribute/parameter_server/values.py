@@ -3,8 +3,8 @@
 A :class:`RemoteVariable` is a handle (the ps task's address, the variable's id, name, shape, dtype): reading it
 asks its ps task for the value, ``assign*`` sends the value there, and ``optimizer.apply_gradients`` sends each ps
 task one request with its variables' gradients, which it applies with the optimizer's fused update
-(``optimizer_state.apply_gradients``). A handle pickles as itself, so a scheduled function's arguments carry variables to the
-workers, where they read and update the same ps tasks.
+(``optimizer_state.apply_gradients``). A handle pickles as itself, so a scheduled function's arguments carry
+variables to the workers, where they read and update the same ps tasks.
 """
 
 from __future__ import annotations
