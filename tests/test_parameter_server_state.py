@@ -293,3 +293,16 @@ def test_a_bad_heartbeat_deadline_is_refused_naming_the_variable(monkeypatch, va
     with in_process_cluster(num_workers=1) as strategy:
         with pytest.raises(ValueError, match="MIRRORED_PS_HEARTBEAT_SECONDS=.*a number >= 0"):
             Coordinator(strategy)
+
+
+def test_steps_on_the_coordinator_and_on_a_worker_share_the_state():
+    batches = ps_model.data(4)
+    with in_process_cluster(num_workers=1, num_ps=2) as strategy:
+        with strategy.scope():
+            model = ps_model.Model("adam")
+            for x, y in batches[:2]:  # on the coordinator itself, in the strategy's scope
+                gw, gb = ps_model.gradients(model.w, model.b, x, y)
+                model.optimizer.apply_gradients([(gw, model.w), (gb, model.b)])
+        assert int(model.optimizer.iterations.numpy()) == 2
+        train_ps(strategy, model, batches[2:])
+        assert_same_state(model, plain_model("adam", batches), "adam")
