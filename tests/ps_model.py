@@ -7,6 +7,7 @@ the multi-process tests have tests/ on their path. ``plain_loop`` trains the sam
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -139,3 +140,57 @@ def wait_for_release(directory: str):
             raise TimeoutError(f"{release} did not appear")
         time.sleep(0.01)  # (polls a file another process creates)
     return index
+
+
+class ScaledModel(Model):
+    """The model trained through a dynamic ``LossScaleOptimizer``: the gradients are the scaled loss's (times the
+    scale), and ``blow_up`` makes one of them inf (a step the scale halves on and skips)."""
+
+    def __init__(self, optimizer: str, growth_steps: int = 2):
+        super().__init__(optimizer)
+        self.optimizer = md.mixed_precision.LossScaleOptimizer(self.optimizer, initial_scale=2.0 ** 4,
+                                                               dynamic_growth_steps=growth_steps)
+
+    def train_step(self, x, y, blow_up=False):
+        def replica(x, y):
+            return self.optimizer.apply_gradients(list(zip(scaled_gradients(self, x, y, blow_up),
+                                                           [self.w, self.b])))
+        return md.distribute.get_strategy().run(replica, args=(x, y))
+
+
+def scaled_gradients(model, x, y, blow_up: bool) -> list:
+    scale = np.float32(model.optimizer.loss_scale)
+    gw, gb = gradients(model.w, model.b, x, y)
+    gw, gb = gw * scale, gb * scale
+    if blow_up:
+        gw[0, 0] = np.inf
+    return [gw, gb]
+
+
+def scaled_plain_loop(optimizer: str, batches, blow_ups, growth_steps: int = 2) -> "ScaledModel":
+    model = ScaledModel(optimizer, growth_steps)
+    for (x, y), blow_up in zip(batches, blow_ups):
+        model.optimizer.apply_gradients(list(zip(scaled_gradients(model, x, y, blow_up), [model.w, model.b])))
+    return model
+
+
+RELEASE_HUNG = threading.Event()  # (in-process clusters: the test and its workers share this module)
+
+
+def hang_worker(index: int):
+    """On worker ``index``: the worker stops answering any request (a hung process: alive, its connections
+    open) until ``RELEASE_HUNG`` is set. Returns the index of the worker that ran it."""
+    from mirrored.distribute.parameter_server.values import serving
+
+    here = md.distribute.coordinator.experimental_get_current_worker_index()
+    if here == index:
+        listener = serving.server._listener
+        answer = listener._handle
+
+        def hung(method, args):
+            RELEASE_HUNG.wait()
+            return answer(method, args)
+
+        listener._handle = hung
+        RELEASE_HUNG.wait()
+    return here

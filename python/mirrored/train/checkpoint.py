@@ -651,19 +651,22 @@ def _layout_problem(path: str, optimizer, file_keys) -> str | None:
             "optimizer it was saved with")
 
 
-def _restore_at_build(path: str, save_path: str, waiting: dict):
+class _RestoreAtBuild:
     """The optimizer's ``_restore_on_build``: assign the values a restore left ``waiting`` (``key -> _Pending``)
-    to the state its build just created, as Keras' deferred restoration does."""
+    to the state its build just created, as Keras' deferred restoration does. Picklable (its values read
+    already): ParameterServerStrategy sends it to the ps task that builds the state."""
 
-    def restore(optimizer) -> None:
+    def __init__(self, path: str, save_path: str, waiting: dict):
+        self._path, self._save_path, self._waiting = path, save_path, waiting
+
+    def __call__(self, optimizer) -> None:
+        path, waiting = self._path, self._waiting
         problem = _layout_problem(path, optimizer, waiting)
         if problem:
-            raise CheckpointError(f"path={save_path!r}: {problem}")
+            raise CheckpointError(f"path={self._save_path!r}: {problem}")
         state = _optimizer_state(path, optimizer)
         for key in [k for k in waiting if k in state]:
             _assign_pending(state[key], waiting.pop(key), _slot_of(path, optimizer, key))
-
-    return restore
 
 
 def _built_state(path: str, key: str) -> bool:
@@ -865,6 +868,8 @@ class Checkpoint:
             _walk(self._root, "", found, optimizers, seen)
         for name, obj in self._objects.items():
             _walk(obj, name, found, optimizers, seen)
+        for _, opt in optimizers:
+            opt._refresh_state()  # (state kept on other tasks: ParameterServerStrategy's ps copies)
         return found, optimizers, seen
 
     def _variables(self, create_for=None, create_counter=True) -> dict:
@@ -1049,7 +1054,7 @@ class Checkpoint:
                 waiting = {key: _Pending(path, key, status, lambda name=keys[key]: reader.read(name)) for key in mine}
                 for pending in waiting.values():
                     pending.value()  # read now: the reader is closed once restore() returns
-                opt._restore_on_build = _restore_at_build(opt_path, path, waiting)
+                opt._defer_restore(_RestoreAtBuild(opt_path, path, waiting))
         # As TensorFlow: a value whose variable does not exist yet waits on the object that will hold it
         # (an md.Module, a Checkpoint) and is assigned when the variable is attached there.
         for key in status._unused:

@@ -205,7 +205,7 @@ class LossScaleOptimizer:
                 or dynamic_growth_steps < 1:
             raise ValueError(f"dynamic_growth_steps={dynamic_growth_steps!r}: expected an integer >= 1 (the number of "
                              "finite steps in a row after which the scale doubles)")
-        from ..distribute import values
+        from ..distribute import distribute_lib, values
         from ..distribute.options import VariableAggregation
 
         self.inner_optimizer = inner_optimizer
@@ -216,9 +216,11 @@ class LossScaleOptimizer:
         # Updated in cross-replica context only, so every copy holds the same value.
         self.step_counter = values.Variable(np.int64(0), trainable=False, name=f"{self.name}/step_counter",
                                             aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
-        self.dynamic_scale = values.Variable(np.float32(self.initial_scale), trainable=False,
-                                             name=f"{self.name}/dynamic_scale",
-                                             aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
+        # (beside the counter: a ParameterServerStrategy's ps task updates both in one request)
+        with distribute_lib.get_strategy().extended.colocate_vars_with(self.step_counter):
+            self.dynamic_scale = values.Variable(np.float32(self.initial_scale), trainable=False,
+                                                 name=f"{self.name}/dynamic_scale",
+                                                 aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
         # Keras 3's LossScaleOptimizer is itself an optimizer built with learning_rate=0.0 whose own step count
         # never moves (the wrapped optimizer's counts): its checkpoints hold both, so these are saved beside
         # the scale's state and restore Keras' values.
@@ -373,6 +375,9 @@ class LossScaleOptimizer:
 
         if not pairs:
             raise ValueError("grads_and_vars: no gradient was given (all were None or the list is empty)")
+        elsewhere = getattr(strategy.extended, "_loss_scale_step", None)
+        if elsewhere is not None:  # the scale's state on another task (ParameterServerStrategy): one request
+            return elsewhere(self, pairs)
         devices = strategy.extended.worker_devices
         if from_replicas and not isinstance(strategy, distribute_lib._DefaultStrategy):
             # merge_call leaves a gradient unwrapped when every replica passed the same object
@@ -490,11 +495,12 @@ class LossScaleOptimizer:
         flags = PerReplica([np.full((), finite, np.float32) for _ in devices], devices)
         return bool(strategy.reduce(ReduceOp.MIN, flags, axis=None))
 
-    def _unscaled(self, grad):
-        """``grad / scale`` per component: float16 and bfloat16 become float32, as Keras' division promotes."""
+    def _unscaled(self, grad, scale=None):
+        """``grad / scale`` per component: float16 and bfloat16 become float32, as Keras' division promotes.
+        ``scale``: the scale already read (else ``dynamic_scale``'s value)."""
         from ..distribute.values import DistributedValues
 
-        scale = np.float32(self.dynamic_scale.numpy())
+        scale = np.float32(self.dynamic_scale.numpy() if scale is None else scale)
         if not isinstance(grad, DistributedValues):
             return map_values(lambda a: a / scale, grad)
         devices = grad._devices_or((None,) * len(grad.values))

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
+import time
 import uuid
 import weakref
 
@@ -29,6 +31,25 @@ __all__ = ["ClusterCoordinator", "RemoteValue", "PerWorkerValues", "PerWorkerVal
 
 _logger = logging.getLogger("mirrored")
 RECONNECT_SECONDS = 600.0  # how long a worker that became unreachable may take to come back (TF waits an hour)
+# A worker that does not answer a heartbeat (a ping, on a connection of its own) within this many seconds is taken
+# as hung: its closure goes to another worker. Generous, as a busy machine may be slow to answer; 0 turns the
+# heartbeat off. The environment's MIRRORED_PS_HEARTBEAT_SECONDS wins; read when a ClusterCoordinator is created.
+HEARTBEAT_SECONDS = 120.0
+
+
+def _heartbeat_seconds() -> float:
+    found = os.environ.get("MIRRORED_PS_HEARTBEAT_SECONDS")
+    value = HEARTBEAT_SECONDS if found is None else found
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        where = "MIRRORED_PS_HEARTBEAT_SECONDS" if found is not None else \
+            "md.distribute.coordinator.HEARTBEAT_SECONDS"
+        raise ValueError(f"{where}={value!r}: expected the heartbeat's deadline in seconds, a number >= 0 (0 "
+                         "turns the heartbeat off), e.g. 120")
+    return seconds
 
 
 class RemoteValue:
@@ -311,6 +332,48 @@ class _Worker:
         self._thread = threading.Thread(target=self._process, name=f"mirrored-coordinator-worker{index}",
                                         daemon=True)
         self._thread.start()
+        if cluster.heartbeat_seconds:
+            threading.Thread(target=self._watch, name=f"mirrored-coordinator-heartbeat{index}", daemon=True).start()
+
+    def _watch(self) -> None:
+        """The heartbeat: ping the worker (every quarter of the deadline, on a connection of its own, served on
+        its own thread there) while a connection to it is open. A worker that does not answer within the
+        deadline is hung (alive, its connections open, answering nothing): its connection is closed, which
+        fails the closure it holds, rescheduled as when a worker's connection breaks."""
+        deadline, stopping = self._cluster.heartbeat_seconds, self._cluster.stopping
+        connection = None
+        while not stopping.wait(deadline / 4):
+            watched = self._connection
+            if watched is None:
+                continue
+            try:
+                if connection is None:
+                    connection = rpc.Connection(self.address, self._token, timeout=0, cancel=stopping)
+                connection.call("ping", timeout=deadline)
+            except rpc.ReplyTimeout:
+                connection = None  # (closed by the call)
+                _logger.warning("worker %s did not answer a heartbeat within %g s: taken as hung", self.where,
+                                deadline)
+                watched.close()
+            except rpc.TaskUnavailable:
+                connection = None  # (gone: the closure's own request notices)
+        if connection is not None:
+            connection.close()
+
+    def _connect(self) -> rpc.Connection:
+        """A connection to the worker once it answers (restarted, or no longer hung: a hung worker accepts
+        connections but answers nothing), trying for up to RECONNECT_SECONDS."""
+        stopping = self._cluster.stopping
+        give_up = time.monotonic() + RECONNECT_SECONDS
+        while True:
+            connection = rpc.Connection(self.address, self._token, timeout=max(give_up - time.monotonic(), 0.0),
+                                        cancel=stopping)
+            try:
+                connection.call("ping", timeout=self._cluster.heartbeat_seconds or None)
+                return connection
+            except (rpc.ReplyTimeout, rpc.TaskUnavailable):  # (hung, or a dying process that still accepted)
+                if stopping.wait(0.1) or time.monotonic() > give_up:
+                    raise
 
     def call(self, method: str, *args):
         if self._connection is None:  # one attempt: a worker not there yet leaves its closure to the others
@@ -367,8 +430,7 @@ class _Worker:
         if not making:
             self._cluster.queue.put_back(closure)
         try:
-            self._connection = rpc.Connection(self.address, self._token, timeout=RECONNECT_SECONDS,
-                                              cancel=self._cluster.stopping)
+            self._connection = self._connect()
             self._reached = True
             for resource_id, payload in self._resources.items():  # (the one being made among them)
                 self.call("make_resource", resource_id, payload)
@@ -391,6 +453,7 @@ class _Cluster:
         spec = strategy.extended._spec
         self.queue = _ClosureQueue()
         self.stopping = threading.Event()
+        self.heartbeat_seconds = _heartbeat_seconds()
         self.workers = [_Worker(self, i, spec.task_address("worker", i), strategy.extended._token)
                         for i in spec.task_indices("worker")]
 
@@ -431,7 +494,11 @@ class ClusterCoordinator:
                              "supported to work with `ClusterCoordinator` currently; create "
                              "ParameterServerStrategy(cluster_resolver) and pass it")
         self._strategy = strategy
-        self._cluster = _Cluster(strategy)
+        try:
+            self._cluster = _Cluster(strategy)
+        except BaseException:
+            strategy._cluster_coordinator = None  # (not made: a later ClusterCoordinator(strategy) tries again)
+            raise
         weakref.finalize(self, self._cluster.stop)  # (TF's: the workers' threads end with the coordinator)
         self._has_initialized = True
 

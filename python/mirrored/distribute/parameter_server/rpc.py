@@ -17,6 +17,7 @@ same program runs on every task. With ``cloudpickle`` installed (optional) funct
 from __future__ import annotations
 
 import atexit
+import copyreg
 import hmac
 import io
 import pickle
@@ -77,6 +78,14 @@ def _reduce_step_function(step):
     return _unwrapped, (step.python_function,)
 
 
+def _reduce_optimizer(optimizer):
+    """An optimizer travels with its arguments, not its state: that lives on the ps tasks
+    (optimizer_state.py), which every task reaches through handles, so a step's request does not grow with it.
+    (Pickled as pickle pickles any object: its class, then its attributes.)"""
+    fresh = optimizer._without_state(_strategy=optimizer._strategy, _exclude_ids=optimizer._exclude_ids)
+    return copyreg.__newobj__, (type(optimizer),), vars(fresh)
+
+
 _picklers: dict = {}
 
 
@@ -91,6 +100,8 @@ def _pickler_class():
             kind = type(obj)
             if (kind.__module__, kind.__qualname__) == _STEP_FUNCTION:
                 return _reduce_step_function(obj)
+            if callable(getattr(kind, "_without_state", None)):  # (an md optimizer, known by its method)
+                return _reduce_optimizer(obj)
             return parent(self, obj) if parent is not None else NotImplemented
 
         found = _picklers[base] = type("TaskPickler", (base,), {"reducer_override": reducer_override})
@@ -229,6 +240,12 @@ class Connection:
         raise error
 
     def close(self) -> None:
+        """Close the connection; a call blocked on it in another thread fails at once (the heartbeat's way to
+        let go of a hung worker: a plain close would leave that thread waiting)."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # (not connected any more)
         try:
             self._sock.close()
         except OSError:

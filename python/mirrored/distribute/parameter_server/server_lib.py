@@ -20,7 +20,8 @@ from ...device.indexed_slices import IndexedSlices, map_arrays
 from ..values import _ND_SCATTERS, _SCATTERS, DeviceVariable
 from . import rpc
 from .strategy import ParameterServerStrategy
-from .values import UnknownOptimizer, serving
+from .optimizer_state import attach, home_handle, iterations_id, slot_id
+from .values import serving
 
 __all__ = ["Server"]
 
@@ -74,11 +75,14 @@ def _canonical(x):
 class _ParameterStore:
     """A ps task's variables and the optimizers that update them (one copy per coordinator optimizer)."""
 
-    def __init__(self, where: str):
-        self._where = where
+    def __init__(self, where: str, address: str, token: str):
+        self._where, self._address, self._token = where, address, token
         self._variables: dict = {}
         self._optimizers: dict = {}
         self._lock = threading.Lock()  # one request at a time changes the variables: updates are atomic
+        self._building = threading.Lock()  # (home task) builds, restores waiting for them, layouts
+        self._layouts: dict = {}  # optimizer key -> its build units, in order
+        self._stashed: dict = {}  # optimizer key -> a checkpoint's restore waiting for the build
 
     def _variable(self, var_id: str):
         try:
@@ -109,13 +113,87 @@ class _ParameterStore:
         with self._lock:
             return getattr(self._variable(var_id), method)(_canonical(indices))
 
-    def apply(self, key: str, rule, var_ids, grads) -> int:
+    # -- an optimizer's state (optimizer_state.py): its copy here, slots beside the variables, registered as
+    # variables themselves so that every task reads and assigns them through handles --
+    def build_local(self, key: str, rule, var_ids) -> None:
+        """Optimizer ``key``'s copy here (``rule`` when there is none yet) with the slots of ``var_ids``."""
         with self._lock:
             optimizer = self._optimizers.get(key)
             if optimizer is None:
-                if rule is None:
-                    raise UnknownOptimizer(key)
-                optimizer = self._optimizers[key] = rule
+                optimizer = self._optimizers[key] = rule._without_state()  # (rule itself may go on to others)
+            variables = [self._variable(i) for i in var_ids]
+            optimizer.build(variables)
+            self._variables[iterations_id(key)] = optimizer._iterations
+            for var_id, var in zip(var_ids, variables):
+                for slot, value in optimizer._slots[id(var)][1].items():
+                    self._variables[slot_id(key, var_id, slot)] = value
+
+    def build(self, key: str, rule, units, name: str) -> None:
+        """On the optimizer's home task: the state of ``units`` (build order) on their ps tasks, then what a
+        restore left waiting for it (``stash``). One build at a time; the store's lock is not held meanwhile,
+        since the restore assigns through requests (to this task too)."""
+        with self._building:
+            known = self._layouts.setdefault(key, [])
+            new = [unit for unit in units if unit not in known]
+            by_task: dict = {self._address: []}
+            for handle in (h for unit in new for h in unit):
+                by_task.setdefault(handle.address, []).append(handle.var_id)
+            for address, var_ids in by_task.items():
+                if address == self._address:
+                    self.build_local(key, rule, var_ids)
+                else:
+                    rpc.pool(address, self._token).call("build_local", key, rule, var_ids)
+            known += new
+            restore = self._stashed.pop(key, None)
+            if restore is not None and new:
+                view = rule._without_state()
+                view.name = name
+                attach(view, known, [None] * len(known), home_handle(view, self._address, self._token), None)
+                restore(view)
+
+    def stash(self, key: str, restore) -> None:
+        """A checkpoint's values for optimizer ``key``'s state not built yet: assigned at its build."""
+        with self._building:
+            self._stashed[key] = restore
+
+    def layout(self, key: str):
+        """The build units of optimizer ``key`` (build order), or None when it has no state here."""
+        with self._building:
+            units = self._layouts.get(key)
+            return None if units is None else list(units)
+
+    def loss_scale(self, counter_id: str, scale_id: str, finite: bool, growth_steps) -> np.float32:
+        """A LossScaleOptimizer's step of its scale: returns the scale before it; with ``growth_steps`` (dynamic)
+        the counter and scale move as Keras' (halved on a step not ``finite``, doubled after that many)."""
+        with self._lock:
+            counter, scale = self._variable(counter_id), self._variable(scale_id)
+            used = np.float32(scale.numpy())
+            if growth_steps is None:
+                return used
+            if not finite:
+                counter.assign(np.int64(0))
+                scale.assign(used * np.float32(0.5))
+            elif int(counter.numpy()) == growth_steps - 1:
+                counter.assign(np.int64(0))
+                scale.assign(used * np.float32(2.0))
+            else:
+                counter.assign_add(np.int64(1))
+            return used
+
+    def apply(self, key: str, step, var_ids, grads) -> int:
+        """Apply ``grads`` to ``var_ids`` with optimizer ``key``'s copy; ``step``: the step count to apply at
+        (the home task's, None on the home task itself, which counts it). Returns the count after it."""
+        with self._lock:
+            optimizer = self._optimizers.get(key)
+            if optimizer is None:
+                raise LookupError(f"the optimizer's state is not on {self._where} (did the task restart? its "
+                                  "variables and slots are lost then; restore them from a checkpoint)")
+            iterations = optimizer._iterations
+            if step is not None and int(iterations.numpy()) != step:
+                iterations.assign(np.int64(step))
+            if not var_ids:  # (the home task holds none of this update's variables: it counts the step only)
+                iterations.assign_add(np.int64(1))
+                return int(iterations.numpy())
             return optimizer.apply_gradients(zip(map(_canonical, grads), [self._variable(i) for i in var_ids]))
 
 
@@ -137,7 +215,7 @@ class Server:
         self._address = self._spec.task_address(self.job_name, self.task_index)
         self._token = job_token(self._spec.as_dict())
         self._where = f"/job:{self.job_name}/replica:0/task:{self.task_index}"
-        self._store = _ParameterStore(self._where)
+        self._store = _ParameterStore(self._where, self._address, self._token)
         self._resources: dict = {}
         self._resources_lock = threading.Lock()
         self._strategy = None
@@ -236,8 +314,8 @@ class Server:
             return self._store.update(*args)
         if method == "gather":
             return self._store.gather(*args)
-        if method == "apply":
-            return self._store.apply(*args)
+        if method in ("apply", "build", "build_local", "stash", "layout", "loss_scale"):
+            return getattr(self._store, method)(*args)
         if method == "run":  # (fn, args, kwargs), sent pickled once by the coordinator
             return self._run(*args[0])
         if method == "make_resource":

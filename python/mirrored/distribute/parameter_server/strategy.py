@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
+import weakref
 
 from ...device.tensor_shape import TensorShape
 from ..cluster_resolver import ClusterResolver, SimpleClusterResolver, _validate
@@ -20,6 +21,7 @@ from ..collective_all_reduce import job_token
 from ..distribute_lib import Strategy
 from ..input_lib import InputContext
 from ..one_device_strategy import OneDeviceExtended
+from . import optimizer_state, rpc
 from .values import Handle, RemoteVariable, ShardedVariable, strategy_here
 
 __all__ = ["ParameterServerStrategy"]
@@ -63,6 +65,9 @@ class ParameterServerExtended(OneDeviceExtended):
         self._on_worker = on_worker
         self._warned_unscheduled = False
         self._colocate_task = None  # inside colocate_vars_with: the ps task new variables go to
+        # This task's variables by id (a ShardedVariable by ("sharded", its first shard's id)): what an
+        # optimizer's slots are keyed by when they come into view (optimizer_state.attach)
+        self._created = weakref.WeakValueDictionary()
 
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with_variable):
@@ -107,8 +112,10 @@ class ParameterServerExtended(OneDeviceExtended):
         offsets = [0]
         for i in range(shards):
             offsets.append(offsets[-1] + base + (i < extra))
-        return ShardedVariable([self._on_next_ps(value[offsets[i]:offsets[i + 1]], f"{name}/part_{i}", trainable,
-                                                 synchronization, aggregation) for i in range(shards)])
+        sharded = ShardedVariable([self._on_next_ps(value[offsets[i]:offsets[i + 1]], f"{name}/part_{i}", trainable,
+                                                    synchronization, aggregation) for i in range(shards)])
+        self._created[("sharded", sharded.variables[0]._handle.var_id)] = sharded
+        return sharded
 
     def _on_next_ps(self, value, name, trainable, synchronization, aggregation) -> RemoteVariable:
         """A variable on the next ps task, round-robin in creation order (TF's placement)."""
@@ -123,7 +130,36 @@ class ParameterServerExtended(OneDeviceExtended):
                         f"{name}:0", tuple(value.shape), dtype, trainable, synchronization, aggregation)
         variable = RemoteVariable(handle, self._container_strategy)
         variable._pool.call("create", handle.var_id, value, handle.name, trainable, synchronization, aggregation)
+        self._created[handle.var_id] = variable
         return variable
+
+    # -- an optimizer's state lives on the ps tasks (optimizer_state.py); train/optimizers/base.py asks here --
+    def _home(self) -> str:
+        return self._ps_addresses[0]
+
+    def _create_optimizer_state(self, optimizer, var_list) -> None:
+        """``optimizer.build(var_list)``: the state built on the ps tasks, then seen here."""
+        optimizer_state.build(optimizer, optimizer_state.layout(var_list), self._home(), self._token)
+        self._refresh_optimizer_state(optimizer)
+
+    def _refresh_optimizer_state(self, optimizer) -> None:
+        """Handles to ``optimizer``'s state as the ps tasks hold it now (steps elsewhere build it)."""
+        units = rpc.pool(self._home(), self._token).call("layout", optimizer._ps_key)
+        if units is None:
+            return
+        objects = [self._created.get(unit[0].var_id if len(unit) == 1 else ("sharded", unit[0].var_id))
+                   for unit in units]
+        optimizer_state.attach(optimizer, units, objects,
+                               optimizer_state.home_handle(optimizer, self._home(), self._token),
+                               self._container_strategy)
+
+    def _loss_scale_step(self, optimizer, pairs) -> int:
+        """A LossScaleOptimizer's step: its scale's state updated on its ps task in one request."""
+        return optimizer_state.loss_scale_step(optimizer, pairs)
+
+    def _stash_optimizer_restore(self, optimizer, restore) -> None:
+        """A checkpoint's values of ``optimizer``'s state not built yet: the home task assigns them at build."""
+        rpc.pool(self._home(), self._token).call("stash", optimizer._ps_key, restore)
 
 
 class ParameterServerStrategy(Strategy):

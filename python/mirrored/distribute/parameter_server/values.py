@@ -3,8 +3,8 @@
 A :class:`RemoteVariable` is a handle (the ps task's address, the variable's id, name, shape, dtype): reading it
 asks its ps task for the value, ``assign*`` sends the value there, and ``optimizer.apply_gradients`` sends each ps
 task one request with its variables' gradients, which it applies with the optimizer's fused update
-(:func:`apply_gradients`). A handle pickles as itself, so a scheduled function's arguments carry variables to the
-workers, where they read and update the same ps tasks.
+(``optimizer_state.apply_gradients``). A handle pickles as itself, so a scheduled function's arguments carry
+variables to the workers, where they read and update the same ps tasks.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..options import VariableAggregation, VariableSynchronization
 from ..values import _ND_SCATTERS, _SCATTERS, Variable, _scatter_method, _scatter_nd_method, _updated
 from . import rpc
 
-__all__ = ["RemoteVariable", "ShardedVariable", "apply_gradients"]
+__all__ = ["RemoteVariable", "ShardedVariable"]
 
 
 class Handle(NamedTuple):
@@ -268,40 +268,3 @@ def _shards(grads, variables) -> tuple:
             out_grads.append(g)
             out_vars.append(v)
     return out_grads, out_vars
-
-
-class UnknownOptimizer(LookupError):
-    """A ps task has not seen the optimizer yet (the first update there, or the task restarted)."""
-
-
-def apply_gradients(optimizer, grads, variables) -> int:
-    """``optimizer.apply_gradients`` of variables on ps tasks: clipped here (over all of them, as Keras clips),
-    then one request per ps task with its variables' gradients, applied there by a copy of the optimizer that
-    keeps the slots beside the variables. Returns the step count of the first ps task's copy after the update."""
-    if getattr(optimizer, "_exclude_ids", None):
-        raise ValueError(f"{type(optimizer).__name__}.exclude_from_weight_decay(var_list=...) names variables by "
-                         "identity, which does not reach the ps tasks; use exclude_from_weight_decay(var_names=[...])")
-    for v in variables:
-        if not isinstance(v, (RemoteVariable, ShardedVariable)):
-            raise TypeError(f"variable {v.name!r} is not on a ps task, while others of this apply_gradients are; "
-                            "create every variable inside ParameterServerStrategy.scope()")
-    grads = optimizer._clip(optimizer._unscale(list(grads)))
-    grads, variables = _shards(grads, variables)
-    by_task: dict = {}
-    for g, v in zip(grads, variables):
-        pool, ids, task_grads = by_task.setdefault(v._handle.address, (v._pool, [], []))
-        ids.append(v._handle.var_id)
-        task_grads.append(g)
-    steps = []
-    for pool, ids, task_grads in by_task.values():
-        try:  # the optimizer's arguments go once per ps task: when it asks for them
-            steps.append(pool.call("apply", optimizer._ps_key, None, ids, task_grads))
-        except UnknownOptimizer:
-            rule = optimizer._without_state(clipnorm=None, clipvalue=None, global_clipnorm=None,
-                                            loss_scale_factor=None)
-            steps.append(pool.call("apply", optimizer._ps_key, rule, ids, task_grads))
-    return steps[0]
-
-
-# optimizer.apply_gradients hands variables of this kind to this function (train/optimizers/base.py)
-RemoteVariable._apply_gradients = ShardedVariable._apply_gradients = staticmethod(apply_gradients)

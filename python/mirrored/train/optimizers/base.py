@@ -234,6 +234,7 @@ class Optimizer:
     def iterations(self):
         """The number of ``apply_gradients`` calls so far: a mirrored int64 variable. With
         ``gradient_accumulation_steps``, the number of updates (Keras: calls // steps) as a read-only count."""
+        self._refresh_state()
         if self._iterations is None:
             self._create_state(self._strategy or distribute_lib.get_strategy(), ())
         if self.gradient_accumulation_steps:
@@ -248,6 +249,7 @@ class Optimizer:
     def variables(self) -> list:
         """``iterations`` and every slot variable, in Keras 3's ``_variables`` order (its build order; Keras' list
         also holds the learning rate, a variable there and a number here)."""
+        self._refresh_state()
         state = [] if self._iterations is None else [self._iterations]
         return state + [slot for _, _, slot in self._keras_variables().values()]
 
@@ -302,6 +304,7 @@ class Optimizer:
         names = [n for n, _ in self._state_specs]
         if name not in names:
             raise KeyError(f"slot_name={slot_name!r}: {type(self).__name__} has slots {names}")
+        self._refresh_state()
         entry = self._slots.get(id(var))
         if entry is None:
             raise KeyError(f"var={getattr(var, 'name', var)!r} has no slots yet: call build([var]) or "
@@ -333,6 +336,11 @@ class Optimizer:
         missing = [v for v in var_list if id(v) not in self._slots]
         if self._iterations is not None and not missing:
             return
+        elsewhere = getattr(strategy.extended, "_create_optimizer_state", None)
+        if elsewhere is not None:  # the state lives on other tasks (ParameterServerStrategy's ps): handles here
+            self._strategy = strategy
+            elsewhere(self, var_list)
+            return
         with strategy.scope():
             if self._iterations is None:
                 self._iterations = values.Variable(
@@ -350,6 +358,22 @@ class Optimizer:
         restore, self._restore_on_build = self._restore_on_build, None
         if restore is not None and missing:
             restore(self)
+
+    def _refresh_state(self) -> None:
+        """Bring into view state that lives on other tasks and that steps run elsewhere create or change
+        (ParameterServerStrategy: the ps copies' slots and step count); nothing to do for other strategies."""
+        refresh = getattr(getattr(self._strategy, "extended", None), "_refresh_optimizer_state", None)
+        if refresh is not None:
+            refresh(self)
+
+    def _defer_restore(self, restore) -> None:
+        """Keep a checkpoint's ``restore`` of the state not built yet for the build (Keras' deferred
+        restoration); under ParameterServerStrategy the ps task that builds the state keeps it."""
+        stash = getattr(getattr(self._strategy, "extended", None), "_stash_optimizer_restore", None)
+        if stash is not None:
+            stash(self, restore)
+        else:
+            self._restore_on_build = restore
 
     def scale_loss(self, loss):
         """Keras 3's ``scale_loss``: ``loss * loss_scale_factor`` (the loss itself without one); the gradients
