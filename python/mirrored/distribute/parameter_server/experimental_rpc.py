@@ -24,11 +24,13 @@ import weakref
 
 import numpy as np
 
-from .. import errors
-from .._nest import flatten, is_nested, pack_sequence_as
-from ..data.structure import TensorSpec, to_leaf
-from ..device import device_util
-from .parameter_server import rpc
+from ...errors import (DEADLINE_EXCEEDED, INVALID_ARGUMENT, OK, OUT_OF_RANGE, UNAVAILABLE, UNIMPLEMENTED, UNKNOWN,
+                        DeadlineExceededError, InvalidArgumentError, OutOfRangeError, UnavailableError,
+                        UnimplementedError, UnknownError)
+from ..._nest import flatten, is_nested, pack_sequence_as
+from ...data.structure import TensorSpec, to_leaf
+from ...device import device_util
+from . import rpc
 
 __all__ = ["Server", "Client", "GrpcServer", "GrpcClient", "StatusOrResult"]
 
@@ -37,11 +39,11 @@ MAX_CONCURRENT_CALLS = 64  # a client's calls in flight at once (each on a conne
 _AS_RETURNED = object()  # the output_specs of a client's per-method attributes: the value as the method returned it
 
 # TF's codes for the exceptions a Python function raises (tf.numpy_function's rule); others are UNKNOWN
-_PYTHON_CODES = (((ValueError, TypeError), errors.INVALID_ARGUMENT), (StopIteration, errors.OUT_OF_RANGE),
-                 (NotImplementedError, errors.UNIMPLEMENTED))
-_ERROR_TYPES = {errors.UNKNOWN: errors.UnknownError, errors.INVALID_ARGUMENT: errors.InvalidArgumentError,
-                errors.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
-                errors.UNIMPLEMENTED: errors.UnimplementedError, errors.UNAVAILABLE: errors.UnavailableError}
+_PYTHON_CODES = (((ValueError, TypeError), INVALID_ARGUMENT), (StopIteration, OUT_OF_RANGE),
+                 (NotImplementedError, UNIMPLEMENTED))
+_ERROR_TYPES = {UNKNOWN: UnknownError, INVALID_ARGUMENT: InvalidArgumentError,
+                DEADLINE_EXCEEDED: DeadlineExceededError,
+                UNIMPLEMENTED: UnimplementedError, UNAVAILABLE: UnavailableError}
 
 
 def _token() -> str:
@@ -101,12 +103,12 @@ class _Method:
         else:
             specs = flatten(self.input_signature)
             if len(flat_args) != len(specs):
-                raise errors.InvalidArgumentError(
+                raise InvalidArgumentError(
                     None, None, f"{self.name} takes {len(specs)} tensor(s) (its input_signature "
                     f"{self.input_signature}), {len(flat_args)} given")
             for i, (spec, arg) in enumerate(zip(specs, flat_args)):
                 if not spec.is_compatible_with(arg):
-                    raise errors.InvalidArgumentError(
+                    raise InvalidArgumentError(
                         None, None, f"{self.name}: Expects arg[{i}] to be {_describe(spec)} but {_describe(arg)} is "
                         "provided")
             result = self._func(*pack_sequence_as(list(self.input_signature), flat_args))
@@ -167,14 +169,14 @@ class _Methods:
                 method = self._methods.get(method_name)
                 registered = sorted(self._methods)
             if method is None:
-                raise errors.InvalidArgumentError(
+                raise InvalidArgumentError(
                     None, None, f"{method_name} is not registered. The server at {self.address} has "
                     f"{registered}; register it with server.register({method_name!r}, func)")
             return method(flat_args)
         if request == "list":
             with self._lock:
                 return [(name, method.input_signature) for name, method in self._methods.items()]
-        raise errors.InvalidArgumentError(None, None, f"the RPC server has no request {request!r}")
+        raise InvalidArgumentError(None, None, f"the RPC server has no request {request!r}")
 
 
 class GrpcServer(Server):
@@ -227,15 +229,15 @@ def _status(error: BaseException) -> tuple:
     if code is not None:
         message = str(error)
     else:
-        code = next((c for kinds, c in _PYTHON_CODES if isinstance(error, kinds)), errors.UNKNOWN)
+        code = next((c for kinds, c in _PYTHON_CODES if isinstance(error, kinds)), UNKNOWN)
         message = f"{type(error).__name__}: {error}"
     return code, "\n".join([message, *getattr(error, "__notes__", ())])
 
 
 def _raise(code: int, message: str, cause: BaseException):
-    if code == errors.OUT_OF_RANGE:
-        raise errors.OutOfRangeError(message) from cause
-    raise _ERROR_TYPES.get(code, errors.UnknownError)(None, None, message) from cause
+    if code == OUT_OF_RANGE:
+        raise OutOfRangeError(message) from cause
+    raise _ERROR_TYPES.get(code, UnknownError)(None, None, message) from cause
 
 
 def _structured(value, output_specs, method_name: str):
@@ -245,14 +247,14 @@ def _structured(value, output_specs, method_name: str):
     flat = [] if value is None else flatten(value)
     if output_specs is None:
         if flat:
-            raise errors.InvalidArgumentError(
+            raise InvalidArgumentError(
                 None, None, f"{method_name} returned {len(flat)} tensor(s) and output_specs=None expects none: "
                 "pass output_specs (e.g. md.data.TensorSpec([], np.int32)) to call(), or call "
                 f"client.{method_name}(...), which returns the result as the method does")
         return None
     specs = flatten(output_specs)
     if len(specs) != len(flat) or not all(spec.is_compatible_with(x) for spec, x in zip(specs, flat)):
-        raise errors.InvalidArgumentError(
+        raise InvalidArgumentError(
             None, None, f"{method_name} returned {[_describe(x) for x in flat]}, which output_specs={output_specs} "
             "do not describe: pass the specs of what the method returns")
     return pack_sequence_as(output_specs, flat)
@@ -269,7 +271,7 @@ class StatusOrResult:
         if self._code is None:
             try:
                 self._value, self._error = self._future.result(), None
-                self._code, self._message = errors.OK, ""
+                self._code, self._message = OK, ""
             except Exception as e:  # the call's failure, reported by code as TF's
                 self._value, self._error = None, e
                 self._code, self._message = _status(e)
@@ -277,18 +279,18 @@ class StatusOrResult:
     def is_ok(self) -> np.ndarray:
         """Whether the call succeeded (a bool scalar, as TF's tensor); waits for it."""
         self._wait()
-        return np.asarray(self._code == errors.OK)
+        return np.asarray(self._code == OK)
 
     def get_error(self) -> tuple:
-        """``(error code, message)``: an int64 scalar (``md.errors.OK``, 0, on success) and bytes; waits."""
+        """``(error code, message)``: an int64 scalar (``md.OK``, 0, on success) and bytes; waits."""
         self._wait()
         return np.asarray(self._code, np.int64), np.asarray(self._message.encode())
 
     def get_value(self):
         """The method's result (in ``output_specs``' structure when the call gave them); waits. A failed call
-        raises its error as TF's type (``md.errors.InvalidArgumentError``, ``DeadlineExceededError``, ...)."""
+        raises its error as TF's type (``md.InvalidArgumentError``, ``DeadlineExceededError``, ...)."""
         self._wait()
-        if self._code != errors.OK:
+        if self._code != OK:
             _raise(self._code, self._message, self._error)
         return _structured(self._value, self._output_specs, self._method_name)
 
@@ -371,7 +373,7 @@ class GrpcClient(Client):
             future = concurrent.futures.Future()
             try:
                 if not self._finalizer.alive:
-                    raise errors.UnavailableError(None, None, f"the client of {self._address} is closed; create "
+                    raise UnavailableError(None, None, f"the client of {self._address} is closed; create "
                                                   "another with Client.create")
                 future.set_result(_request(self._pool, request, args, deadline, timeout_in_ms))
             except Exception as e:  # the call's failure: reported by the StatusOrResult, as from a thread
@@ -393,8 +395,8 @@ def _check_structure(args, signature, method_name: str) -> None:
                          f"{signature}, the arguments are {args!r:.200}; pass one array per TensorSpec")
 
 
-def _late(address: str, timeout_in_ms: int) -> errors.DeadlineExceededError:
-    return errors.DeadlineExceededError(None, None, f"Deadline Exceeded: the RPC server at {address} did not "
+def _late(address: str, timeout_in_ms: int) -> DeadlineExceededError:
+    return DeadlineExceededError(None, None, f"Deadline Exceeded: the RPC server at {address} did not "
                                         f"answer within {timeout_in_ms} ms; raise timeout_in_ms")
 
 
@@ -411,5 +413,5 @@ def _request(pool: rpc.Pool, request: str, args, deadline, timeout_in_ms: int):
         if deadline is not None and not pool.reached:
             # (TF's client waits for a server that has not started until the deadline)
             raise _late(pool.address, timeout_in_ms) from e
-        raise errors.UnavailableError(None, None, f"the RPC server at {pool.address} is unavailable "
+        raise UnavailableError(None, None, f"the RPC server at {pool.address} is unavailable "
                                       f"({e.__cause__ or e}); start it (server.start()) or check the address") from e
