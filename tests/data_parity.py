@@ -1,11 +1,26 @@
 """What the md.data parity suites (test_data_tf_parity*.py) share: a recorder of tests/data loaded as a module
-(never run: it imports TensorFlow only when it records), its reference, and the check of one recorded case."""
+(never run: it imports TensorFlow only when it records), its reference, the check of one recorded case, and
+mirrored's CPU made into logical CPUs for a strategy of several CPU replicas."""
 
+import contextlib
 import importlib.util
 import json
 import os
 
+import mirrored as md
+
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+@contextlib.contextmanager
+def logical_cpus(count):
+    """mirrored's CPU as ``count`` logical CPUs while the block runs (a strategy over /cpu:0 ... /cpu:count-1)."""
+    cpu = md.config.list_physical_devices("CPU")[0]
+    md.config.set_logical_device_configuration(cpu, [md.config.LogicalDeviceConfiguration()] * count)
+    try:
+        yield
+    finally:
+        md.config.set_logical_device_configuration(cpu, None)
 
 
 def load_recorder(recorder: str, reference: str):

@@ -4,7 +4,6 @@ filtered datasets, distribute_datasets_from_function and InputOptions; per repli
 element specs, the steps a loop takes, get_next_as_optional at the end, or the same exception as TF.
 Recorded by tests/data/record_tf_dataset_split.py."""
 
-import contextlib
 import types
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 import mirrored as md
 from mirrored._nest import flatten
 from mirrored.distribute.input_lib import DistributedDataset, batch_sizes_for_worker, emitted_batches
-from data_parity import load_recorder
+from data_parity import load_recorder, logical_cpus
 
 RECORDER, REFERENCE = load_recorder("record_tf_dataset_split", "tf_dataset_split.json")
 
@@ -53,16 +52,6 @@ class Mirrored:
         return np.asarray(md.device_util.to_host(value))
 
 
-@contextlib.contextmanager
-def _logical_cpus(count):
-    cpu = md.config.list_physical_devices("CPU")[0]
-    md.config.set_logical_device_configuration(cpu, [md.config.LogicalDeviceConfiguration()] * count)
-    try:
-        yield
-    finally:
-        md.config.set_logical_device_configuration(cpu, None)
-
-
 def _same(got, want, path):
     if isinstance(want, dict) and "raises" in want:
         assert isinstance(got, dict) and "raises" in got, f"{path}: TF raised {want}; mirrored gave {got}"
@@ -82,7 +71,7 @@ CASES = [(name, n) for name, case in sorted(RECORDER.CASES.items()) for n in cas
 @pytest.mark.parametrize("name,n", CASES, ids=[f"{name}-{n}" for name, n in CASES])
 def test_matches_tensorflow(name, n):
     want = REFERENCE["cases"][name][str(n)]
-    with _logical_cpus(4):
+    with logical_cpus(4):
         got = RECORDER.run_case(Mirrored, n, RECORDER.CASES[name])
     for key in want:
         assert key in got, f"{name} n={n}: TF answered {key}={want[key]}, mirrored did not ({got})"
@@ -102,7 +91,7 @@ def _worker(index, workers=2, local=2):
 def _steps(dataset, policy, index, workers=2, local=2):
     options = md.data.Options()
     options.experimental_distribute.auto_shard_policy = getattr(md.data.AutoShardPolicy, policy)
-    with _logical_cpus(4):
+    with logical_cpus(4):
         distributed = DistributedDataset(dataset.with_options(options), _worker(index, workers, local))
         return [[v.tolist() for v in step.values] for step in distributed]
 
@@ -144,7 +133,7 @@ def test_checkpointed_iterator_resumes_mid_stream(tmp_path, policy, buffer):
     options = md.data.Options()
     options.experimental_distribute.auto_shard_policy = getattr(md.data.AutoShardPolicy, policy)
     dataset = md.data.Dataset.range(23).batch(6).repeat(2).with_options(options)
-    with _logical_cpus(4):
+    with logical_cpus(4):
         strategy = md.MirroredStrategy([f"/cpu:{i}" for i in range(4)])
         distributed = strategy.experimental_distribute_dataset(
             dataset, md.distribute.InputOptions(experimental_per_replica_buffer_size=buffer))

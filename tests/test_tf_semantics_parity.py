@@ -4,7 +4,6 @@ MirroredStrategy with 1, 2 and 4 logical CPU devices), asserted against mirrored
 run over mirrored's names, must give the same types, structures, dtypes, shapes, values and exception
 types (with the scenario's key words). The suite never imports TensorFlow."""
 
-import contextlib
 import json
 import math
 import os
@@ -14,6 +13,7 @@ import pytest
 
 import mirrored as md
 import tf_semantics_scenarios as scenarios
+from data_parity import logical_cpus
 from scenario_adapter import ScenarioAdapter
 
 with open(os.path.join(os.path.dirname(__file__), "data", "tf_semantics_reference.json")) as _f:
@@ -39,15 +39,7 @@ class Mirrored(ScenarioAdapter):
     def const(value, dtype):
         return np.asarray(value, dtype)
 
-    @staticmethod
-    @contextlib.contextmanager
-    def logical_cpus(count):
-        cpu = md.config.list_physical_devices("CPU")[0]
-        md.config.set_logical_device_configuration(cpu, [md.config.LogicalDeviceConfiguration()] * count)
-        try:
-            yield
-        finally:
-            md.config.set_logical_device_configuration(cpu, None)
+    logical_cpus = staticmethod(logical_cpus)
 
 
 _ADAPTER = Mirrored()
