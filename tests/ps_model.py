@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 import mirrored as md
+from mirrored.distribute.parameter_server import rpc
 
 FEATURES, OUTPUTS = 6, 3
 
@@ -21,6 +22,18 @@ def data(steps: int, batch: int = 8, seed: int = 0) -> list:
     rng = np.random.default_rng(seed)
     return [(rng.standard_normal((batch, FEATURES)).astype(np.float32),
              rng.standard_normal((batch, OUTPUTS)).astype(np.float32)) for _ in range(steps)]
+
+
+def requests_of_later_steps(strategy, coordinator, model, batches) -> int:
+    """The requests ps task 0 serves while ``model`` trains on ``batches[1:]`` (the first step, which builds
+    the optimizer's state, is not counted), plus 1: the stats request that reads the count."""
+    ps = rpc.pool(strategy.extended._ps_addresses[0], strategy.extended._token)
+    coordinator.schedule(model.train_step, args=batches[0]).fetch()
+    before = ps.call("stats")["requests"]
+    for batch in batches[1:]:
+        coordinator.schedule(model.train_step, args=batch)
+    coordinator.join()
+    return ps.call("stats")["requests"] - before
 
 
 def initial():

@@ -228,16 +228,9 @@ def test_a_loss_scaled_step_adds_one_request_for_the_scale():
     with in_process_cluster(num_workers=1, num_ps=1) as strategy:
         with strategy.scope():
             model = ps_model.ScaledModel("adam")
-        coordinator = Coordinator(strategy)
-        ps = rpc.pool(strategy.extended._ps_addresses[0], strategy.extended._token)
-        coordinator.schedule(model.train_step, args=batches[0]).fetch()
-        before = ps.call("stats")["requests"]
-        for batch in batches[1:]:
-            coordinator.schedule(model.train_step, args=batch)
-        coordinator.join()
         # per step: the scale, w and b read by the step (one request each), the scale's update, one update of
         # both variables; (+1: the first stats request)
-        assert ps.call("stats")["requests"] - before == 3 * 5 + 1
+        assert ps_model.requests_of_later_steps(strategy, Coordinator(strategy), model, batches) == 3 * 5 + 1
 
 
 def test_a_loss_scale_optimizer_made_outside_the_scope_is_refused_naming_the_fix():
