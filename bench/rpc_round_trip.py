@@ -30,19 +30,9 @@ import time
 import numpy as np
 
 import mirrored as md
+from mirrored.distribute.parameter_server.rpc import read_exactly
 
 _LENGTH = struct.Struct("<Q")
-
-
-def _read_exactly(sock, n: int) -> bytearray:
-    buffer = bytearray(n)
-    view, got = memoryview(buffer), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("closed")
-        got += k
-    return buffer
 
 
 def _echo(client: socket.socket) -> None:
@@ -50,8 +40,8 @@ def _echo(client: socket.socket) -> None:
         client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             while True:
-                (n,) = _LENGTH.unpack(_read_exactly(client, _LENGTH.size))
-                payload = _read_exactly(client, n)
+                (n,) = _LENGTH.unpack(read_exactly(client, _LENGTH.size))
+                payload = read_exactly(client, n)
                 client.sendall(_LENGTH.pack(n))
                 client.sendall(payload)
         except ConnectionError:
@@ -100,8 +90,8 @@ def measure(echo_port: int, rpc_port: int, size: int, iters: int) -> dict:
     def socket_echo():
         sock.sendall(_LENGTH.pack(x.nbytes))
         sock.sendall(memoryview(x).cast("B"))
-        (n,) = _LENGTH.unpack(_read_exactly(sock, _LENGTH.size))
-        return np.frombuffer(_read_exactly(sock, n), np.float32)
+        (n,) = _LENGTH.unpack(read_exactly(sock, _LENGTH.size))
+        return np.frombuffer(read_exactly(sock, n), np.float32)
 
     client = md.distribute.experimental.rpc.Client.create("grpc", f"127.0.0.1:{rpc_port}")
 

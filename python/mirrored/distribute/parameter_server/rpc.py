@@ -159,7 +159,7 @@ def send(sock: socket.socket, obj, what: str = "the request") -> int:
     return sent
 
 
-def _read_exactly(sock: socket.socket, n: int) -> bytearray:
+def read_exactly(sock: socket.socket, n: int) -> bytearray:
     buffer = bytearray(n)
     view = memoryview(buffer)
     got = 0
@@ -173,11 +173,11 @@ def _read_exactly(sock: socket.socket, n: int) -> bytearray:
 
 def receive(sock: socket.socket) -> tuple:
     """One frame's object (its arrays built on the received buffers), and the frame's size in bytes."""
-    magic, count, length = _HEADER.unpack(_read_exactly(sock, _HEADER.size))
+    magic, count, length = _HEADER.unpack(read_exactly(sock, _HEADER.size))
     if magic != MAGIC:
         raise ConnectionError(f"the peer sent {bytes(magic)!r} where a frame starts; it is not a task of this job")
-    data = _read_exactly(sock, length)
-    buffers = [_read_exactly(sock, _LENGTH.unpack(_read_exactly(sock, _LENGTH.size))[0]) for _ in range(count)]
+    data = read_exactly(sock, length)
+    buffers = [read_exactly(sock, _LENGTH.unpack(read_exactly(sock, _LENGTH.size))[0]) for _ in range(count)]
     size = _HEADER.size + length + sum(_LENGTH.size + len(b) for b in buffers)
     return pickle.loads(data, buffers=buffers), size
 
@@ -362,10 +362,10 @@ class Listener:
 
     def _admitted(self, client: socket.socket) -> bool:
         client.settimeout(30.0)  # a hello is a few bytes: a peer that sends none is not a task of the job
-        magic, length = _HELLO.unpack(_read_exactly(client, _HELLO.size))
+        magic, length = _HELLO.unpack(read_exactly(client, _HELLO.size))
         if magic != MAGIC or length > MAX_TOKEN_BYTES:
             return False
-        admitted = hmac.compare_digest(bytes(_read_exactly(client, length)), self._token)
+        admitted = hmac.compare_digest(bytes(read_exactly(client, length)), self._token)
         client.settimeout(None)
         client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return admitted
