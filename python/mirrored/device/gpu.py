@@ -41,6 +41,16 @@ def cuda_module():
         ) from None
 
 
+def cuda_module_having(name: str):
+    """The CUDA extension when it has ``name`` (a kernel of a newer build than the one loaded), else None; also
+    None where there is no CUDA extension at all."""
+    try:
+        module = cuda_module()
+    except RuntimeError:
+        return None
+    return module if hasattr(module, name) else None
+
+
 def cupy_module():
     try:
         import cupy

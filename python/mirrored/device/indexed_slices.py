@@ -242,11 +242,7 @@ def _zero(*arrays) -> None:
 
 def _scatter_kernel():
     """The CUDA engine's extension when it has the ordered densify, else None."""
-    try:
-        module = _gpu.cuda_module()
-    except RuntimeError:
-        return None
-    return module if hasattr(module, "scatter_add_rows") else None
+    return _gpu.cuda_module_having("scatter_add_rows")
 
 
 def _host_scatter_add(out, squares, values, indices) -> None:

@@ -1490,11 +1490,7 @@ def _retire_tables(tables: list) -> None:
 
 def _gpu_kernel():
     """The CUDA engine's extension when it has the fused update kernel, else None."""
-    try:
-        module = _gpu.cuda_module()
-    except RuntimeError:
-        return None
-    return module if hasattr(module, "FusedUpdateTable") else None
+    return _gpu.cuda_module_having("FusedUpdateTable")
 
 
 def _host_grad(g, dtype):
