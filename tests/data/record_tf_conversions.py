@@ -20,6 +20,9 @@ CONVERT_VALUES = [
     "1", "-1", "1.5", "True", "False", "2**40", "2**70", "1+2j", "'abc'", "b'abc'", "['a', 'b']",
     "[1, 2]", "[1.5, 2]", "[[1, 2], [3, 4]]", "(1, 2.5)", "[True, False]", "[1, True]", "[1.5, True]",
     "[1, 2j]", "[1, 'a']", "[[1], [1, 2]]", "[]", "[[]]", "None", "object()", "{'a': 1}",
+    # (the first leaf's kind decides, unless the dtype takes every leaf as it is)
+    "[True, 1]", "[True, 1.5]", "[True, 2j]", "[2j, 1]", "[2j, 1.5, True]", "[1, 1.5, True]", "[[1, 2], [True, 3]]",
+    "[[True, 1], [2, 3]]", "[1, 2**40]", "[True, 2**40]", "[1.5, 2**70]", "[1, [2]]", "[[1], 2]", "[(1, 2), [3, 4]]",
 ]
 DTYPES = [None, "float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "uint16",
           "uint32", "uint64", "bool", "complex64", "complex128", "string"]

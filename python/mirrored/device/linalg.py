@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from . import gpu
+from .indexed_slices import convert_to_tensor
 
 __all__ = ["matmul"]
 
@@ -100,27 +101,16 @@ def _is_cupy(x) -> bool:
 
 
 def _host_operand(x, hint=None):
-    """``x`` as a NumPy array; Python values (numbers, or lists and tuples of them) as
-    ``tf.convert_to_tensor`` converts them: to ``hint`` where they fit it exactly (see _CONVERTS_TO),
-    else floats to float32 and ints to int32 (int64 beyond its range)."""
+    """``x`` as a NumPy array. Python values (numbers, or lists and tuples of them) convert as
+    ``tf.convert_to_tensor(x, dtype_hint=hint)`` converts them, except that ints that do not fit an
+    integer hint keep their own dtype: TF would wrap them, a silently wrong product."""
     if not _python_values(x):
         return np.asarray(x)
-    value = np.asarray(x)
-    kind = value.dtype.kind
-    if hint is not None and hint.kind in _CONVERTS_TO.get(kind, ""):
-        converted = value.astype(hint)
-        if hint.kind not in "iu" or np.array_equal(converted, value):  # (TF would wrap an int that overflows)
-            return converted
-    if kind == "f":
-        return value.astype(np.float32)
-    if kind == "i" and np.iinfo(np.int32).min <= value.min() and value.max() <= np.iinfo(np.int32).max:
-        return value.astype(np.int32)
-    return value
-
-
-# The dtype kinds Python values of a kind convert to under a hint: ints to any number, floats to
-# floats and complex, complex to complex (TF falls back to the default dtype otherwise).
-_CONVERTS_TO = {"i": "iufc", "f": "fc", "c": "c"}
+    converted = convert_to_tensor(x, dtype_hint=hint)
+    if hint is not None and hint.kind in "iu" and converted.dtype == hint \
+            and not np.array_equal(converted, np.asarray(x)):
+        return convert_to_tensor(x)
+    return converted
 
 
 def _python_values(x) -> bool:

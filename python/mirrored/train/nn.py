@@ -23,6 +23,8 @@ import numbers
 
 import numpy as np
 
+from ..device.indexed_slices import convert_to_tensor
+
 __all__ = ["compute_average_loss", "scale_regularization_loss"]
 
 
@@ -37,25 +39,15 @@ def _xp(a):
 
 
 def _as_array(value, argument: str):
-    """``value`` as an array; Python numbers and lists convert as ``tf.convert_to_tensor`` does.
-
-    NumPy and CuPy arrays keep their dtype; Python floats become float32 and
-    Python ints int32 (TensorFlow's defaults), so a loss given as a list gives
-    the float32 result TensorFlow gives.
-    """
+    """``value`` as an array, as ``tf.convert_to_tensor`` converts it: NumPy and CuPy arrays keep their
+    dtype; Python floats become float32 and Python ints int32 (int64 beyond it), TensorFlow's defaults, so
+    a loss given as a list gives the float32 result TensorFlow gives."""
     if type(value).__module__.split(".")[0] == "cupy" or isinstance(value, np.ndarray):
         return value
-    if isinstance(value, np.generic):
-        return np.asarray(value)
     try:
-        arr = np.asarray(value)
-    except Exception as e:  # noqa: BLE001 - any conversion failure is the caller's argument
-        raise TypeError(f"{argument}={value!r}: expected an array of losses ({e})") from None
-    if arr.dtype == np.float64:
-        return arr.astype(np.float32)
-    if arr.dtype == np.int64:
-        return arr.astype(np.int32)
-    return arr
+        return convert_to_tensor(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{argument}={value!r:.80}: expected an array of losses ({e})") from None
 
 
 def _check_loss_dtype(arr, argument: str) -> None:
