@@ -41,15 +41,22 @@ def flatten(structure) -> list:
     return [leaf for item in structure for leaf in flatten(item)]
 
 
-def structure_key(structure):
-    """A hashable description of how ``structure`` nests (types, lengths, mapping keys), its leaves left out:
-    two structures with equal keys flatten and pack alike."""
+def flatten_with_structure_key(structure):
+    """``(flatten(structure), key)`` in one walk, the key a hashable description of how ``structure`` nests
+    (types, lengths, mapping keys), its leaves left out: two structures with equal keys flatten and pack alike.
+    (Every call of an md.function describes its arguments so.)"""
+    leaves = []
+    return leaves, _describe(structure, leaves.append)
+
+
+def _describe(structure, add):
     kind = _kind(structure)
     if kind == _LEAF:
+        add(structure)
         return None
     if kind == _MAPPING:
-        return type(structure), tuple((k, structure_key(structure[k])) for k in sorted(structure))
-    return type(structure), tuple(structure_key(item) for item in structure)
+        return type(structure), tuple((k, _describe(structure[k], add)) for k in sorted(structure))
+    return type(structure), tuple(_describe(item, add) for item in structure)
 
 
 def pack_sequence_as(structure, leaves):

@@ -31,7 +31,7 @@ import warnings
 
 import numpy as np
 
-from .._nest import flatten, map_structure, pack_sequence_as, structure_key
+from .._nest import flatten, flatten_with_structure_key, map_structure, pack_sequence_as
 from ..device import device_util, gpu as _gpu
 from ..data.structure import TensorSpec
 from ..device.indexed_slices import convert_to_tensor
@@ -329,7 +329,7 @@ class _Inputs:
 
     def __init__(self, args, kwargs):
         self.structure = (tuple(args), dict(kwargs or {}))
-        leaves = flatten(self.structure)
+        leaves, nesting = flatten_with_structure_key(self.structure)
         self.iterators = [i for i, leaf in enumerate(leaves) if isinstance(leaf, DistributedIterator)]
         for i in self.iterators:
             leaves[i] = next(leaves[i])  # (StopIteration ends the caller's loop, as in eager code)
@@ -337,7 +337,7 @@ class _Inputs:
         self.uncapturable = None
         self.ordinals = set()
         # How the arguments nest is part of the signature: f(a, b), f(a, y=b) and f((a, b)) flatten alike.
-        self.signature = (structure_key(self.structure),) + tuple(
+        self.signature = (nesting,) + tuple(
             ("iterator", tuple(map(self._spec, flatten(leaf))), repr(_structure(leaf)))
             if i in self.iterators else self._spec(leaf) for i, leaf in enumerate(leaves))
 

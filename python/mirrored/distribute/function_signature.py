@@ -17,7 +17,7 @@ import inspect
 
 import numpy as np
 
-from .._nest import flatten
+from .._nest import flatten, flatten_with_structure_key
 from ..data.structure import TensorSpec
 from ..device import device_util
 from ..device.indexed_slices import convert_to_tensor, is_indexed_slices
@@ -147,16 +147,8 @@ def _fit_leaf(value, spec: TensorSpec):
 
 def trace_type(args, kwargs):
     """A call's TF trace type: its structure, arrays by shape and dtype, other leaves as they are."""
-    structure = (tuple(args), dict(kwargs or {}))
-    return _structure_key(structure), tuple(_leaf_type(leaf) for leaf in flatten(structure))
-
-
-def _structure_key(x):
-    if isinstance(x, dict):
-        return ("dict", tuple((k, _structure_key(x[k])) for k in sorted(x)))
-    if isinstance(x, (list, tuple)):
-        return (type(x).__name__, tuple(_structure_key(v) for v in x))
-    return None
+    leaves, key = flatten_with_structure_key((tuple(args), dict(kwargs or {})))
+    return key, tuple(map(_leaf_type, leaves))
 
 
 def _leaf_type(leaf):
