@@ -11,20 +11,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import mirrored as md
+from recorded_results import flat_values
 
 with open(os.path.join(os.path.dirname(__file__), "data", "tf_conversions_reference.json")) as _f:
     REFERENCE = json.load(_f)
 CASES = [c for c in REFERENCE["convert_to_tensor"] if not c["value"].startswith("Variable")]
 VARIABLE_CASES = [c for c in REFERENCE["convert_to_tensor"] if c["value"].startswith("Variable")]
-
-
-def _encode(x):
-    x = np.asarray(x)
-    if x.dtype.kind == "c":
-        return [[float(v.real), float(v.imag)] for v in x.reshape(-1)]
-    if x.dtype.kind in "SO":
-        return [v.decode() if isinstance(v, bytes) else str(v) for v in x.reshape(-1)]
-    return [v if np.isfinite(v) else repr(v) for v in x.reshape(-1).astype(np.float64).tolist()]
 
 
 def _dtype_name(x) -> str:
@@ -41,7 +33,7 @@ def _check(got_fn, want, words=True):
         return
     got = got_fn()
     assert isinstance(got, np.ndarray)
-    assert {"dtype": _dtype_name(got), "shape": list(got.shape), "value": _encode(got)} == want[0]
+    assert {"dtype": _dtype_name(got), "shape": list(got.shape), "value": flat_values(got)} == want[0]
 
 
 def _label(c):

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import mirrored as md
 from mirrored import errors
 from mirrored.tools.run import free_ports
+from recorded_results import PYTHON_ERRORS, nest
 
 rpc = md.distribute.experimental.rpc
 TensorSpec = md.data.TensorSpec
@@ -57,12 +58,6 @@ def check_positive(x):
     if not x > 0:
         raise errors.InvalidArgumentError(None, None, "assertion failed: [x must be positive.  ]")
     return x
-
-
-PYTHON_ERRORS = {"value_error": ValueError("bad value"), "type_error": TypeError("bad type"),
-                 "zero_division": ZeroDivisionError("division by zero"), "key_error": KeyError("k"),
-                 "stop_iteration": StopIteration(), "runtime_error": RuntimeError("boom"),
-                 "not_implemented": NotImplementedError("later"), "index_error": IndexError("index")}
 
 
 def raiser(error):
@@ -111,18 +106,6 @@ def status(result) -> dict:
     return {"is_ok": bool(result.is_ok()), "code": int(code), "message": message.item().decode()}
 
 
-def encode(value):
-    """As the recorder encodes TF's results."""
-    if isinstance(value, dict):
-        return {"dict": {k: encode(v) for k, v in sorted(value.items())}}
-    if isinstance(value, (list, tuple)):
-        return {type(value).__name__: [encode(v) for v in value]}
-    if value is None:
-        return None
-    array = np.asarray(value)
-    return {"dtype": array.dtype.name, "shape": list(array.shape), "v": array.tolist()}
-
-
 def threads_named(prefix: str) -> list:
     return [t for t in threading.enumerate() if t.name.startswith(prefix)]
 
@@ -158,8 +141,8 @@ def test_values_as_tf_returns_them(served):
     for name, result in got.items():
         want = REFERENCE[name]
         assert status(result) == {k: want[k] for k in ("is_ok", "code", "message")}, name
-        assert encode(result.get_value()) == want["get_value"]["value"], name
-    assert encode(client.addition_blocking(a, b)) == REFERENCE["method_blocking"]["value"]
+        assert nest(result.get_value()) == want["get_value"]["value"], name
+    assert nest(client.addition_blocking(a, b)) == REFERENCE["method_blocking"]["value"]
 
 
 def test_client_has_an_attribute_and_a_blocking_one_per_registered_method(served):

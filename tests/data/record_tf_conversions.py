@@ -12,6 +12,7 @@ Values and signatures are Python expressions (over ``np`` and ``TensorSpec``) th
 import numpy as np
 
 from recording import logical_cpus, tf, write_reference  # (this folder)
+from recorded_results import flat_values  # (the tests folder: recording puts it on the path)
 
 CONVERT_VALUES = [
     "np.ones(2, np.float64)", "np.array([1.5, -2.5])", "np.array([1, -2], np.int64)", "np.ones(2, np.int32)",
@@ -36,18 +37,9 @@ def result(fn):
         return {"raises": type(e).__name__, "msg": str(e)}
 
 
-def encode(x):
-    x = np.asarray(x)
-    if x.dtype.kind == "c":
-        return [[float(v.real), float(v.imag)] for v in x.reshape(-1)]
-    if x.dtype.kind in "SO":
-        return [v.decode() if isinstance(v, bytes) else str(v) for v in x.reshape(-1)]
-    return [v if np.isfinite(v) else repr(v) for v in x.reshape(-1).astype(np.float64).tolist()]
-
-
 def leaves(out):
     flat = tf.nest.flatten(out)
-    return [{"dtype": t.dtype.name, "shape": list(t.shape), "value": encode(t.numpy())} for t in flat]
+    return [{"dtype": t.dtype.name, "shape": list(t.shape), "value": flat_values(t.numpy())} for t in flat]
 
 
 def convert_cases():

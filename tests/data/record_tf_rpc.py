@@ -11,11 +11,14 @@ import os
 import pathlib
 import re
 import socket
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # (the tests folder)
+from recorded_results import PYTHON_ERRORS, nest  # noqa: E402
 
 rpc = tf.distribute.experimental.rpc
 
@@ -26,23 +29,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def encode(value):
-    """A result as JSON: arrays by dtype, shape and values; nests kept."""
-    if isinstance(value, dict):
-        return {"dict": {k: encode(v) for k, v in sorted(value.items())}}
-    if isinstance(value, (list, tuple)):
-        return {type(value).__name__: [encode(v) for v in value]}
-    if value is None:
-        return None
-    array = np.asarray(value)
-    if array.dtype == object or array.dtype.kind == "S":
-        return {"bytes": array.item().decode() if array.ndim == 0 else [b.decode() for b in array.ravel()]}
-    return {"dtype": array.dtype.name, "shape": list(array.shape), "v": array.tolist()}
-
-
 def attempt(fn):
     try:
-        return {"value": encode(fn())}
+        return {"value": nest(fn())}
     except Exception as e:  # TF's refusal: type and words
         message = getattr(e, "message", None) or e.args[0] if e.args else ""
         # (TF's blocking wrapper builds its error with the message as bytes: str(e) itself fails then)
@@ -85,12 +74,6 @@ def slow(seconds):
 @tf.function(input_signature=[])
 def returns_nothing():
     return None
-
-
-PYTHON_ERRORS = {"value_error": ValueError("bad value"), "type_error": TypeError("bad type"),
-                 "zero_division": ZeroDivisionError("division by zero"), "key_error": KeyError("k"),
-                 "stop_iteration": StopIteration(), "runtime_error": RuntimeError("boom"),
-                 "not_implemented": NotImplementedError("later"), "index_error": IndexError("index")}
 
 
 def raiser(error):
