@@ -15,11 +15,11 @@ info); ``data`` is the input pipeline.
 """
 
 import sys as _sys
-from importlib.metadata import PackageNotFoundError, version as _version
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError, version as _version
 
 try:
     __version__ = _version("mirrored")
-except PackageNotFoundError:  # imported from a source tree that was never installed
+except _PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "0+unknown"
 
 from . import _logging  # noqa: F401  (before the rest: configures the "mirrored" logger from MIRRORED_LOG_LEVEL)

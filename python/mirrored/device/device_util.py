@@ -21,6 +21,7 @@ import numpy as np
 
 from .config import physical_gpu_index as _physical_gpu_index
 from .gpu import merge_stream, step_memory
+from .python_values import from_python
 
 
 class DeviceSpec(NamedTuple):
@@ -189,8 +190,9 @@ def array_device(x):
 def to_host(x):
     """A NumPy view or copy of any accepted array-like (see :func:`place`).
 
-    Python numbers and lists convert as TensorFlow converts them: floats to
-    float32, ints to int32 (int64 when they do not fit).
+    Python numbers, strings and (nested) lists convert as ``tf.convert_to_tensor``
+    converts them (device/python_values.py): floats to float32, ints to int32 (int64
+    when they do not fit), TF's errors for mixed and ragged lists.
     """
     if isinstance(x, np.ndarray):
         return x
@@ -212,19 +214,11 @@ def to_host(x):
 
 
 def _python_to_array(x) -> np.ndarray:
-    try:
-        a = np.asarray(x)
-    except ValueError as e:  # ragged lists
-        raise ValueError(f"value {x!r} is not an array: {e}") from None
-    if a.dtype == np.float64:
-        return a.astype(np.float32)
-    if a.dtype == np.int64 and (a.size == 0 or (a.min() >= -2**31 and a.max() < 2**31)):
-        return a.astype(np.int32)
-    if a.dtype == object:
-        raise TypeError(f"value of type {type(x).__name__} cannot be converted to an array; pass a NumPy/CuPy "
-                        "array, a Python number or anything with __array_interface__, __cuda_array_interface__, "
-                        "__dlpack__ or the buffer protocol")
-    return a
+    if isinstance(x, (bool, int, float, complex, str, list, tuple)):
+        return from_python(x)
+    raise TypeError(f"value of type {type(x).__name__} cannot be converted to an array; pass a NumPy/CuPy "
+                    "array, a Python number or anything with __array_interface__, __cuda_array_interface__, "
+                    "__dlpack__ or the buffer protocol")
 
 
 def written_event(cupy, x):
