@@ -96,3 +96,23 @@ def test_numpy_inputs_cast_to_any_numeric_dtype_as_numpy_does(source, target, sh
         want = array if target is None else array.astype(target)
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(got, want)
+
+
+# Python values reach arrays by the same rules everywhere: an md.Variable's initial value and a collective's input
+# convert as md.convert_to_tensor does (TF's md.Variable fails on strings with an AttributeError of its own).
+NUMERIC_PYTHON_CASES = [c for c in CASES if c.get("dtype", 0) is None and not c["value"].startswith(("np.", "object"))
+                        and "'" not in c["value"] and c["value"] not in ("None", "[]", "[[]]")]
+
+
+@pytest.mark.parametrize("case", NUMERIC_PYTHON_CASES, ids=_label)
+def test_variables_and_collectives_convert_python_values_as_tensorflow(case):
+    value = eval(case["value"])
+    _check(lambda: np.asarray(md.Variable(value).numpy()), case["result"])
+    strategy = md.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    _check(lambda: md.device_util.to_host(value), case["result"])
+    if not isinstance(case["result"], dict) and not isinstance(value, (list, tuple)) \
+            and case["result"][0]["dtype"] not in ("bool", "complex128"):  # (lists are nests to a collective)
+        summed = strategy.run(lambda: md.get_replica_context().all_reduce("sum", value))
+        for got in strategy.experimental_local_results(summed):
+            assert {"dtype": _dtype_name(got), "shape": list(np.shape(got))} == \
+                {k: case["result"][0][k] for k in ("dtype", "shape")}
