@@ -4,7 +4,7 @@ TF ports call ``v.shape.as_list()``, ``x.shape.rank``, ``shape.num_elements()``;
 code written for NumPy compares shapes with tuples and unpacks them. A
 ``TensorShape`` here is a tuple of ints (``None`` for an unknown dimension),
 so it is both: equal to, hashing like and unpacking like the tuple, with
-TensorFlow's methods and answers (tests/data/tf_tensor_shape_reference.json).
+TensorFlow's methods and answers (tests/data/tf_tensor_shape_reference.json, recorded from TF).
 A shape of unknown rank (``TensorShape(None)``) is the empty tuple marked
 unknown: it equals only another unknown shape, as in TF.
 
@@ -112,7 +112,73 @@ class TensorShape(tuple):
             return TensorShape(None)
         return TensorShape(tuple(self) + tuple(other))
 
+    def assert_is_fully_defined(self) -> None:
+        if not self.is_fully_defined():
+            raise ValueError(f"Shape {self} is not fully defined")
+
+    def assert_has_rank(self, rank) -> None:
+        """Raises unless the rank is ``rank`` (an unknown rank may be any)."""
+        if self.rank not in (None, rank):
+            raise ValueError(f"Shape {self} must have rank {rank}")
+
+    def assert_same_rank(self, other) -> None:
+        other = as_shape(other)
+        if None not in (self.rank, other.rank) and self.rank != other.rank:
+            raise ValueError(f"Shapes {self} and {other} must have the same rank")
+
+    def with_rank(self, rank) -> "TensorShape":
+        """This shape, known to have rank ``rank`` (an unknown rank becomes ``rank`` unknown dimensions)."""
+        try:
+            return self.merge_with(TensorShape([None] * rank))
+        except ValueError:
+            raise ValueError(f"Shape {self} must have rank {rank}") from None
+
+    def with_rank_at_least(self, rank) -> "TensorShape":
+        if self.rank is not None and self.rank < rank:
+            raise ValueError(f"Shape {self} must have rank at least {rank}")
+        return self
+
+    def with_rank_at_most(self, rank) -> "TensorShape":
+        if self.rank is not None and self.rank > rank:
+            raise ValueError(f"Shape {self} must have rank at most {rank}")
+        return self
+
+    def most_specific_compatible_shape(self, other) -> "TensorShape":
+        """The most specific shape both shapes are: unknown rank where the ranks differ, else each dimension
+        kept where both agree on it."""
+        other = as_shape(other)
+        if None in (self.rank, other.rank) or self.rank != other.rank:
+            return TensorShape(None)
+        return TensorShape([a if a == b else None for a, b in zip(self, other)])
+
+    def is_subtype_of(self, other) -> bool:
+        """Whether every shape this one describes is one ``other`` describes (TF's trace-type order)."""
+        other = as_shape(other)
+        if other._unknown_rank:
+            return True
+        if self._unknown_rank or self.rank != other.rank:
+            return False
+        return all(b is None or a == b for a, b in zip(self, other))
+
+    def most_specific_common_supertype(self, others) -> "TensorShape":
+        """The most specific shape this one and each of ``others`` are subtypes of."""
+        shape = self
+        for other in others:
+            shape = shape.most_specific_compatible_shape(other)
+        return shape
+
     # the tuple, where TF's answer differs
+
+    def __add__(self, other):
+        return self.concatenate(other)
+
+    def __radd__(self, other):
+        return as_shape(other).concatenate(self)
+
+    def __iter__(self):
+        if self._unknown_rank:
+            raise ValueError("Cannot iterate over a shape with unknown rank.")
+        return tuple.__iter__(self)
 
     def __getitem__(self, key):
         if self._unknown_rank:
