@@ -58,7 +58,7 @@ def attach(optimizer, units: list, objects: list, home: Handle, strategy) -> Non
         if var is None:
             var = RemoteVariable(unit[0], strategy) if len(unit) == 1 else \
                 ShardedVariable([RemoteVariable(h, strategy) for h in unit])
-        base = var.name.split(":")[0]
+        base = var._base_name if isinstance(var, ShardedVariable) else var.name.split(":")[0]
         slots[id(var)] = (var, {name: _slot(unit, optimizer._ps_key, name, base, strategy)
                                 for name, _ in optimizer._state_specs})
     optimizer._slots = slots

@@ -65,6 +65,7 @@ class ParameterServerExtended(OneDeviceExtended):
         self._on_worker = on_worker
         self._warned_unscheduled = False
         self._colocate_task = None  # inside colocate_vars_with: the ps task new variables go to
+        self._unnamed = False  # while md.Variable(name=None) is made: its shards are named as it is (TF's)
         # This task's variables by id (a ShardedVariable by ("sharded", its first shard's id)): what an
         # optimizer's slots are keyed by when they come into view (optimizer_state.attach)
         self._created = weakref.WeakValueDictionary()
@@ -94,6 +95,16 @@ class ParameterServerExtended(OneDeviceExtended):
                             "runs on the coordinator; schedule the function to run it on a worker")
         return super()._call_for_each_replica(fn, args, kwargs)
 
+    def _create_variable(self, *args, **kwargs):
+        # TF names the shards of a variable made without a name as the variable ("Variable:0" each), and those
+        # of a named one "name/part_i:0": remember which, for _make_variable (which gets the scoped name).
+        named = kwargs.get("name", args[4] if len(args) > 4 else None) is not None
+        previous, self._unnamed = self._unnamed, not named
+        try:
+            return super()._create_variable(*args, **kwargs)
+        finally:
+            self._unnamed = previous
+
     def _make_variable(self, value, name, trainable, synchronization, aggregation):
         if self._colocate_task is not None:
             return self._on_ps(self._colocate_task, value, name, trainable, synchronization, aggregation)
@@ -104,15 +115,16 @@ class ParameterServerExtended(OneDeviceExtended):
                 raise ValueError("variable_partitioner must return a list/tuple whose elements are 1 besides the "
                                  f"first element (non-zero), got: {partitions!r} for variable {name!r} of shape "
                                  f"{tuple(value.shape)}")
-        if partitions is None or partitions[0] == 1:
+        shards = 1 if partitions is None else min(int(partitions[0]), value.shape[0])
+        if shards == 1:  # (one row: whole, as TF keeps it)
             return self._on_next_ps(value, name, trainable, synchronization, aggregation)
         # TF's "div" partitioning: consecutive rows, the first (rows % shards) shards one row longer
-        shards = min(int(partitions[0]), value.shape[0])
         base, extra = divmod(value.shape[0], shards)
         offsets = [0]
         for i in range(shards):
             offsets.append(offsets[-1] + base + (i < extra))
-        sharded = ShardedVariable([self._on_next_ps(value[offsets[i]:offsets[i + 1]], f"{name}/part_{i}", trainable,
+        sharded = ShardedVariable([self._on_next_ps(value[offsets[i]:offsets[i + 1]],
+                                                    name if self._unnamed else f"{name}/part_{i}", trainable,
                                                     synchronization, aggregation) for i in range(shards)])
         self._created[("sharded", sharded.variables[0]._handle.var_id)] = sharded
         return sharded

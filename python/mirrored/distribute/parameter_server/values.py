@@ -153,9 +153,11 @@ class RemoteVariable(Variable):
 
 class ShardedVariable(Variable):
     """A variable split along its first axis into shards on the ps tasks (``tf.distribute.ShardedVariable``'s
-    semantics): ``variables`` are the shards in order; reads concatenate them, ``assign*`` splits the value."""
+    semantics): ``variables`` are the shards in order; reads concatenate them, ``assign*`` splits the value.
+    ``name`` is the container's, ``'ShardedVariable'`` unless given (TF's); the shards carry the variable's name
+    (``'table/part_0:0'``, ...)."""
 
-    def __init__(self, variables):
+    def __init__(self, variables, name="ShardedVariable"):
         variables = list(variables)
         if not variables:
             raise ValueError("variables=[]: a ShardedVariable needs at least one shard")
@@ -169,7 +171,7 @@ class ShardedVariable(Variable):
         rows = [v.shape[0] for v in variables]
         self._offsets = np.cumsum([0] + rows)
         self._shape = TensorShape((int(self._offsets[-1]),) + tuple(first.shape)[1:])
-        self._name = first.name.rsplit("/part_", 1)[0] if "/part_" in first.name else first.name
+        self._name = name
 
     variables = property(lambda self: list(self._variables))
     name = property(lambda self: self._name)
@@ -189,7 +191,7 @@ class ShardedVariable(Variable):
         value = np.asarray(value)
         if tuple(value.shape) != tuple(self._shape):
             raise ValueError(f"{argument}: cannot assign a value of shape {tuple(value.shape)} to sharded variable "
-                             f"'{self._name}' of shape {tuple(self._shape)}; the shapes must be equal")
+                             f"{self._what()} of shape {tuple(self._shape)}; the shapes must be equal")
         return np.split(value, self._offsets[1:-1], axis=0)
 
     def _each(self, method: str, value, argument: str, read_value: bool):
@@ -227,7 +229,7 @@ class ShardedVariable(Variable):
         rows = self._shape[0]
         if flat.size and (flat.min() < 0 or flat.max() >= rows):
             bad = int(flat[(flat < 0) | (flat >= rows)][0])
-            raise IndexError(f"{argument}: {bad} is not in [0, {rows}), the rows of '{self._name}'")
+            raise IndexError(f"{argument}: {bad} is not in [0, {rows}), the rows of {self._what()}")
 
     def sparse_read(self, indices, name=None):
         """The rows at ``indices``, from the shards that hold them (``embedding_lookup``)."""
@@ -245,8 +247,16 @@ class ShardedVariable(Variable):
             rows[where] = np.asarray(self._variables[s].read_value())[flat[where] - self._offsets[s]]
         return rows.reshape(ids.shape + tuple(self._shape)[1:])
 
+    @property
+    def _base_name(self) -> str:
+        """The variable's own name, its shards' without ``/part_i:0`` (the container's is 'ShardedVariable')."""
+        return self._variables[0].name.rsplit("/part_", 1)[0].removesuffix(":0")
+
+    def _what(self) -> str:
+        return f"'{self._base_name}'"
+
     def __repr__(self) -> str:
-        return f"<mirrored.ShardedVariable '{self._name}' shape={self._shape} dtype={self.dtype.name}, " \
+        return f"<mirrored.ShardedVariable {self._what()} shape={self._shape} dtype={self.dtype.name}, " \
                f"{len(self._variables)} shards>"
 
 
