@@ -602,20 +602,6 @@ def test_a_function_of_a_worker_that_goes_away_runs_on_another():
         assert coordinator.fetch(values) == [0] * 8
 
 
-def test_a_ps_task_that_goes_away_fails_the_function_naming_it():
-    with in_process_cluster(num_workers=1) as strategy:
-        coordinator = Coordinator(strategy)
-        with strategy.scope():
-            v = md.Variable(np.zeros(2, np.float32), name="v")
-        strategy.test_servers[("ps", 0)]._stop()
-        coordinator.schedule(ps_model.read_and_add, args=(v, np.ones(2, np.float32)))
-        with pytest.raises(ConnectionError, match=rf"{strategy.extended._ps_addresses[0]}"):
-            coordinator.join()
-        rpc.pool(strategy.extended._ps_addresses[0], strategy.extended._token).close()  # (no idle connection)
-        with pytest.raises(ConnectionError, match="cannot reach"):  # at once: it answered before
-            v.read_value()
-
-
 def test_run_and_reduce_on_the_coordinator_itself():
     with in_process_cluster(num_workers=1) as strategy:
         with strategy.scope():
