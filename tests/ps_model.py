@@ -263,3 +263,37 @@ def replicas_assign(v, delta):
         v.assign_add(delta * np.float32(r + 1))
         return hasattr(v.read_value(), "__cuda_array_interface__")
     return md.distribute.get_strategy().run(replica)
+
+
+class ReplicatedScaledModel(ScaledModel):
+    """``ReplicatedModel``'s step through a dynamic ``LossScaleOptimizer``: each replica scales its share of the
+    gradients; ``blow_up`` makes replica 0's first one inf (the step the scale halves on and skips)."""
+
+    def train_step(self, iterator, global_rows: int, blow_up: bool = False):
+        def replica(x, y):
+            scale = np.float32(self.optimizer.loss_scale)
+            gw, gb = replica_gradients(self.w.read_value(), self.b.read_value(), x, y, global_rows)
+            gw, gb = gw * scale, gb * scale
+            if blow_up and md.distribute.get_replica_context().replica_id_in_sync_group == 0:
+                gw[0, 0] = np.inf
+            return self.optimizer.apply_gradients([(gw, self.w), (gb, self.b)])
+
+        return md.distribute.get_strategy().run(replica, args=next(iterator))
+
+
+def replicated_scaled_plain_loop(optimizer: str, batches, blow_ups, replicas: int) -> "ScaledModel":
+    """``ReplicatedScaledModel``'s reference without a strategy: the replicas' scaled shares summed in order."""
+    model = ScaledModel(optimizer)
+    for (x, y), blow_up in zip(batches, blow_ups):
+        scale = np.float32(model.optimizer.loss_scale)
+        rows = len(x) // replicas
+        shares = [[g * scale for g in replica_gradients(model.w.numpy(), model.b.numpy(), x[r * rows:(r + 1) * rows],
+                                                         y[r * rows:(r + 1) * rows], len(x))]
+                  for r in range(replicas)]
+        if blow_up:
+            shares[0][0][0, 0] = np.inf
+        gw, gb = shares[0]
+        for sw, sb in shares[1:]:
+            gw, gb = gw + sw, gb + sb
+        model.optimizer.apply_gradients([(gw, model.w), (gb, model.b)])
+    return model

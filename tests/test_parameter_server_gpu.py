@@ -127,3 +127,23 @@ def test_an_assign_in_the_replicas_is_aggregated_and_sent_once(aggregation, expe
         np.testing.assert_array_equal(v.numpy(), np.full(2, expected, np.float32))
         with pytest.raises(ValueError, match="aggregation"):  # (NONE: TF's refusal in replica context)
             coordinator.schedule(ps_model.replicas_assign, args=(plain, np.ones(2, np.float32))).fetch()
+
+
+@pytest.mark.gpu
+def test_a_loss_scaled_step_sums_the_replicas_then_scales_on_the_ps_as_the_reference():
+    batches = ps_model.data(6, batch=8)
+    blow_ups = [False, False, True, False, False, False]
+    with worker_gpus("two-logical-gpus") as replicas, in_process_cluster(num_workers=1, num_ps=2) as strategy:
+        with strategy.scope():
+            model = ps_model.ReplicatedScaledModel("adam")
+        coordinator = Coordinator(strategy)
+        iterator = iter(coordinator.create_per_worker_dataset(
+            strategy.experimental_distribute_dataset(ps_model.batch_dataset(batches))))
+        for blow_up in blow_ups:
+            coordinator.schedule(model.train_step, args=(iterator, len(batches[0][0]), blow_up))
+        coordinator.join()
+        reference = ps_model.replicated_scaled_plain_loop("adam", batches, blow_ups, replicas)
+        np.testing.assert_allclose(model.w.numpy(), reference.w.numpy(), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(model.b.numpy(), reference.b.numpy(), rtol=1e-6, atol=1e-7)
+        assert float(model.optimizer.loss_scale) == float(reference.optimizer.loss_scale)
+        assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 5
