@@ -15,7 +15,7 @@ import mirrored as md
 from mirrored.distribute.values import PerReplica
 
 import ps_model
-from test_parameter_server_strategy import Coordinator, in_process_cluster
+from test_parameter_server_strategy import Coordinator, in_process_cluster, partitioners
 
 LAYOUTS = {"one-gpu": (1, 1), "two-logical-gpus": (1, 2), "two-gpus": (2, 1)}  # GPUs, logical GPUs on each
 
@@ -44,11 +44,14 @@ def train(strategy, model, batches) -> list:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sharded", [False, True])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_replicas_on_the_workers_gpus_train_as_the_numpy_reference(layout, optimizer):
+def test_replicas_on_the_workers_gpus_train_as_the_numpy_reference(layout, optimizer, sharded):
     batches = ps_model.data(4, batch=8)
-    with worker_gpus(layout) as replicas, in_process_cluster(num_workers=1, num_ps=2) as strategy:
+    partitioner = partitioners.FixedShardsPartitioner(2) if sharded else None
+    with worker_gpus(layout) as replicas, \
+            in_process_cluster(num_workers=1, num_ps=2, variable_partitioner=partitioner) as strategy:
         with strategy.scope():
             model = ps_model.ReplicatedModel(optimizer)
         assert strategy.num_replicas_in_sync == replicas  # (TF's: the GPUs of a worker, asked of the workers)
@@ -147,3 +150,26 @@ def test_a_loss_scaled_step_sums_the_replicas_then_scales_on_the_ps_as_the_refer
         np.testing.assert_allclose(model.b.numpy(), reference.b.numpy(), rtol=1e-6, atol=1e-7)
         assert float(model.optimizer.loss_scale) == float(reference.optimizer.loss_scale)
         assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_sparse_gradients_of_the_replicas_are_summed_by_their_rows(optimizer):
+    value = np.random.default_rng(5).standard_normal((11, 3)).astype(np.float32)
+    steps = [md.IndexedSlices(np.full((3, 3), 0.5 * k, np.float32), np.array([10, k, 10])) for k in range(4)]
+    plain = md.Variable(value, name="table")
+    reference = ps_model.make_optimizer(optimizer)
+    for g in steps:  # (both replicas pass g: their sum is g's rows twice)
+        twice = md.IndexedSlices(np.concatenate([g.values, g.values]), np.concatenate([g.indices, g.indices]))
+        reference.apply_gradients([(twice, plain)])
+    with worker_gpus("two-logical-gpus"), in_process_cluster(
+            num_workers=1, num_ps=2, variable_partitioner=partitioners.FixedShardsPartitioner(3)) as strategy:
+        coordinator = Coordinator(strategy)
+        with strategy.scope():
+            table = md.Variable(value, name="table")
+            trained = ps_model.make_optimizer(optimizer)
+        for g in steps:
+            coordinator.schedule(ps_model.apply_one, args=(trained, g, table))
+        coordinator.join()
+        np.testing.assert_array_equal(table.numpy(), plain.numpy())
+        assert int(trained.iterations.numpy()) == len(steps)
