@@ -297,3 +297,13 @@ def replicated_scaled_plain_loop(optimizer: str, batches, blow_ups, replicas: in
             gw, gb = gw + sw, gb + sb
         model.optimizer.apply_gradients([(gw, model.w), (gb, model.b)])
     return model
+
+
+def replicas_scatter_and_gather(v):
+    """Each replica sets row 0 of ``v`` to 5 from an array on its device (a scatter) and gathers rows back;
+    returns whether the gathered rows were on the replica's GPU."""
+    def replica():
+        row = v.sparse_read(np.array([1])) * 0 + 5  # (on the replica's device)
+        v.scatter_update(md.IndexedSlices(row, np.array([0])))
+        return hasattr(v.sparse_read(np.array([0, 1])), "__cuda_array_interface__")
+    return md.distribute.get_strategy().run(replica)

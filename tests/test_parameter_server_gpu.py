@@ -173,3 +173,19 @@ def test_sparse_gradients_of_the_replicas_are_summed_by_their_rows(optimizer):
         coordinator.join()
         np.testing.assert_array_equal(table.numpy(), plain.numpy())
         assert int(trained.iterations.numpy()) == len(steps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sharded", [False, True])
+def test_gpu_replicas_scatter_and_gather_rows_of_the_ps_variables(sharded):
+    value = np.arange(12, dtype=np.float32).reshape(4, 3)
+    partitioner = partitioners.FixedShardsPartitioner(2) if sharded else None
+    with worker_gpus("two-logical-gpus"), in_process_cluster(num_workers=1, num_ps=2,
+                                                             variable_partitioner=partitioner) as strategy:
+        with strategy.scope():
+            v = md.Variable(value, name="rows")
+        on_gpu = Coordinator(strategy).schedule(ps_model.replicas_scatter_and_gather, args=(v,)).fetch()
+        assert on_gpu is True
+        expected = value.copy()
+        expected[0] = 5
+        np.testing.assert_array_equal(v.numpy(), expected)

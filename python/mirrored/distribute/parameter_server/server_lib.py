@@ -80,6 +80,8 @@ def _on_host(result):
     def leaf(x):
         if isinstance(x, DistributedValues):
             return type(x)([_on_host(v) for v in x.values])
+        if type(x) is IndexedSlices:
+            return map_arrays(device_util.to_host, x)
         return device_util.to_host(x) if device_util.on_gpu(x) else x
     return map_structure(leaf, result)
 

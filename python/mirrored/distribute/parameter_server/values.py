@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...device import device_util
-from ...device.indexed_slices import IndexedSlices
+from ...device.indexed_slices import IndexedSlices, map_arrays
 from ...device.tensor_shape import TensorShape
 from ..options import VariableAggregation, VariableSynchronization
 from ..context import get_replica_context
@@ -182,11 +182,13 @@ class RemoteVariable(Variable):
         return self._send("assign_sub", delta, read_value)
 
     def _scatter(self, method: str, sparse_delta):
+        if type(sparse_delta) is IndexedSlices:  # (a GPU replica's rows travel from the host)
+            sparse_delta = map_arrays(device_util.to_host, sparse_delta)
         self._update(method, sparse_delta)
         return self
 
     def _scatter_nd(self, method: str, indices, updates):
-        self._update(method, np.asarray(indices), np.asarray(updates))
+        self._update(method, device_util.to_host(indices), device_util.to_host(updates))
         return self
 
     def batch_scatter_update(self, sparse_delta, use_locking=False, name=None):
@@ -277,8 +279,8 @@ class ShardedVariable(Variable):
         if type(sparse_delta) is not IndexedSlices:
             raise TypeError(f"sparse_delta: {method} takes an md.IndexedSlices (values, indices), not a "
                             f"{type(sparse_delta).__name__}")
-        indices = np.asarray(sparse_delta.indices).astype(np.int64, copy=False)
-        values = np.asarray(sparse_delta.values)
+        indices = device_util.to_host(sparse_delta.indices).astype(np.int64, copy=False)
+        values = device_util.to_host(sparse_delta.values)
         self._check_rows(indices, "sparse_delta.indices")
         shard = np.searchsorted(self._offsets, indices, side="right") - 1
         for s in np.unique(shard):
