@@ -189,3 +189,14 @@ def test_gpu_replicas_scatter_and_gather_rows_of_the_ps_variables(sharded):
         expected = value.copy()
         expected[0] = 5
         np.testing.assert_array_equal(v.numpy(), expected)
+
+
+def test_workers_with_different_gpu_counts_are_refused_as_tf():
+    with in_process_cluster(num_workers=2) as strategy:
+        listener = strategy.test_servers[("worker", 1)]._listener
+        answer = listener._handle
+        listener._handle = lambda method, args: 2 if method == "num_gpus" else answer(method, args)
+        with pytest.raises(ValueError, match="Mismatched number of GPUs per worker.*same number of GPUs"):
+            strategy.num_replicas_in_sync
+        with pytest.raises(ValueError, match="Mismatched number of GPUs per worker"):
+            strategy.extended.worker_devices

@@ -25,8 +25,8 @@ from ..distribute_lib import Strategy
 from ..input_lib import InputContext
 from ..mirrored_strategy import MirroredExtended
 from ..one_device_strategy import OneDeviceExtended
-from . import optimizer_state, rpc
 from ..values import running_replica_id
+from . import optimizer_state, rpc
 from .values import Handle, RemoteVariable, ShardedVariable, strategy_here
 
 __all__ = ["ParameterServerStrategy"]
@@ -123,7 +123,8 @@ class ParameterServerExtended(OneDeviceExtended):
                       for address in (self._spec.task_address("worker", i) for i in self._spec.task_indices("worker"))}
             if len(set(counts.values())) > 1:
                 raise ValueError(f"Mismatched number of GPUs per worker: {counts}; give every worker the same number "
-                                 "of GPUs (md.config.set_visible_devices / set_logical_device_configuration there)")
+                                 "of GPUs (CUDA_VISIBLE_DEVICES of its process, md.config.set_logical_device_configuration "
+                                 "in the program it runs before its md.distribute.Server)")
             self._gpus_per_worker = next(iter(counts.values()))
         return self._gpus_per_worker
 
