@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import uuid
 import weakref
 
@@ -75,6 +76,7 @@ class ParameterServerExtended(OneDeviceExtended):
         MirroredExtended.__init__(self, container_strategy,
                                   list(_replica_devices(_local_gpus())) if on_worker else ["/cpu:0"])
         self._run_reads = None  # during a run on a worker: var_id -> the value its replicas share (one read)
+        self._reads_lock = threading.Lock()
         self._gpus_per_worker = None  # on the coordinator: the workers' GPUs, asked once
         self._spec = spec
         self._token = job_token(spec.as_dict())
@@ -149,9 +151,10 @@ class ParameterServerExtended(OneDeviceExtended):
         if reads is None or running_replica_id(self._container_strategy) is None:
             return None
         key = variable._handle.var_id
-        value = reads.get(key)
-        if value is None:
-            value = reads[key] = variable._read_host()
+        with self._reads_lock:  # (replicas may run on threads of their own: the first reads, the others wait)
+            value = reads.get(key)
+            if value is None:
+                value = reads[key] = variable._read_host()
         return value
 
     def _on_replica_device(self, value):
