@@ -207,3 +207,103 @@ def hang_worker(index: int):
         listener._handle = hung
         RELEASE_HUNG.wait()
     return here
+
+
+# --- a worker's replicas (one per GPU): each computes its share of the batch's gradients on its device ---
+
+def batch_dataset(batches):
+    """The batches as one dataset of (x, y), in order (a worker's replicas split each batch, TF's rule)."""
+    x = np.concatenate([b[0] for b in batches])
+    return md.data.Dataset.from_tensor_slices((x, np.concatenate([b[1] for b in batches]))).batch(len(batches[0][0]))
+
+
+def replica_gradients(w, b, x, y, global_rows: int):
+    """A replica's share of the mean squared error's gradients over the whole batch (``global_rows`` rows): the
+    replicas' shares sum to ``gradients``' result. Operators only, so that x, y, w and b may be NumPy arrays or
+    one GPU's CuPy arrays (a GPU replica reads the variables into its GPU, its batch is there)."""
+    err = x @ w + b - y
+    scale = np.float32(2.0 / (global_rows * OUTPUTS))
+    return (x.T @ err) * scale, err.sum(axis=0) * scale
+
+
+class ReplicatedModel(Model):
+    """``train_step`` of a worker's replicas: each reads the weights (onto its device) and computes its share of
+    the gradients; ``apply_gradients`` sums the shares on the worker and updates the ps tasks once."""
+
+    def train_step(self, iterator, global_rows: int):
+        def replica(x, y):
+            gw, gb = replica_gradients(self.w.read_value(), self.b.read_value(), x, y, global_rows)
+            step = self.optimizer.apply_gradients([(gw, self.w), (gb, self.b)])
+            on_gpu = hasattr(gw, "__cuda_array_interface__")
+            return step, on_gpu, md.distribute.get_replica_context().num_replicas_in_sync
+
+        strategy = md.distribute.get_strategy()
+        return strategy.run(replica, args=next(iterator))
+
+
+def replicated_plain_loop(optimizer: str, batches, replicas: int) -> tuple:
+    """The reference of ``ReplicatedModel`` without a strategy: each batch split into ``replicas`` equal parts,
+    their gradients summed in replica order, applied by the plain optimizer."""
+    model = Model(optimizer)
+    for x, y in batches:
+        rows = len(x) // replicas
+        shares = [replica_gradients(model.w.numpy(), model.b.numpy(), x[r * rows:(r + 1) * rows],
+                                    y[r * rows:(r + 1) * rows], len(x)) for r in range(replicas)]
+        gw, gb = shares[0]
+        for sw, sb in shares[1:]:
+            gw, gb = gw + sw, gb + sb
+        model.optimizer.apply_gradients([(gw, model.w), (gb, model.b)])
+    return model.w.numpy(), model.b.numpy()
+
+
+def replicas_assign(v, delta):
+    """Each replica adds ``delta * (its id + 1)`` to ``v`` (an aggregating update) and reads it back."""
+    def replica():
+        r = md.distribute.get_replica_context().replica_id_in_sync_group
+        v.assign_add(delta * np.float32(r + 1))
+        return hasattr(v.read_value(), "__cuda_array_interface__")
+    return md.distribute.get_strategy().run(replica)
+
+
+class ReplicatedScaledModel(ScaledModel):
+    """``ReplicatedModel``'s step through a dynamic ``LossScaleOptimizer``: each replica scales its share of the
+    gradients; ``blow_up`` makes replica 0's first one inf (the step the scale halves on and skips)."""
+
+    def train_step(self, iterator, global_rows: int, blow_up: bool = False):
+        def replica(x, y):
+            scale = np.float32(self.optimizer.loss_scale)
+            gw, gb = replica_gradients(self.w.read_value(), self.b.read_value(), x, y, global_rows)
+            gw, gb = gw * scale, gb * scale
+            if blow_up and md.distribute.get_replica_context().replica_id_in_sync_group == 0:
+                gw[0, 0] = np.inf
+            return self.optimizer.apply_gradients([(gw, self.w), (gb, self.b)])
+
+        return md.distribute.get_strategy().run(replica, args=next(iterator))
+
+
+def replicated_scaled_plain_loop(optimizer: str, batches, blow_ups, replicas: int) -> "ScaledModel":
+    """``ReplicatedScaledModel``'s reference without a strategy: the replicas' scaled shares summed in order."""
+    model = ScaledModel(optimizer)
+    for (x, y), blow_up in zip(batches, blow_ups):
+        scale = np.float32(model.optimizer.loss_scale)
+        rows = len(x) // replicas
+        shares = [[g * scale for g in replica_gradients(model.w.numpy(), model.b.numpy(), x[r * rows:(r + 1) * rows],
+                                                         y[r * rows:(r + 1) * rows], len(x))]
+                  for r in range(replicas)]
+        if blow_up:
+            shares[0][0][0, 0] = np.inf
+        gw, gb = shares[0]
+        for sw, sb in shares[1:]:
+            gw, gb = gw + sw, gb + sb
+        model.optimizer.apply_gradients([(gw, model.w), (gb, model.b)])
+    return model
+
+
+def replicas_scatter_and_gather(v):
+    """Each replica sets row 0 of ``v`` to 5 from an array on its device (a scatter) and gathers rows back;
+    returns whether the gathered rows were on the replica's GPU."""
+    def replica():
+        row = v.sparse_read(np.array([1])) * 0 + 5  # (on the replica's device)
+        v.scatter_update(md.IndexedSlices(row, np.array([0])))
+        return hasattr(v.sparse_read(np.array([0, 1])), "__cuda_array_interface__")
+    return md.distribute.get_strategy().run(replica)

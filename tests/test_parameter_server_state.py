@@ -11,6 +11,7 @@ import pytest
 
 import mirrored as md
 from mirrored.distribute.parameter_server import rpc
+from mirrored.distribute.parameter_server.values import ShardedVariable
 from mirrored.train.checkpoint import CheckpointError
 
 import ps_model
@@ -66,8 +67,10 @@ def test_the_coordinator_sees_the_ps_copies_slots_and_step_count(optimizer, num_
         opt = model.optimizer
         assert opt.built and opt.iterations.device == "/job:ps/replica:0/task:0/device:CPU:0"
         # Keras 3's order: iterations, then the slots variable by variable; each slot beside its variable
-        # (a ShardedVariable's name has no ":0", as the sharded model variable's)
-        names = [v.name.split(":")[0] for v in opt.variables]
+        # (a sharded slot is a ShardedVariable, named 'ShardedVariable' as TF names every one; its shards carry
+        # the slot's name: 'w/momentum/part_0:0', ...)
+        names = [v.variables[0].name.split("/part_")[0] if isinstance(v, ShardedVariable) else v.name.split(":")[0]
+                 for v in opt.variables]
         assert names == [v.name.split(":")[0] for v in reference.optimizer.variables]
         if partitioner is None:
             assert opt.get_slot(model.w, "momentum").device == model.w.device

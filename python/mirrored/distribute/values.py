@@ -426,15 +426,22 @@ def running_replica_id(strategy):
     return None
 
 
-def update_in_replica(variable, value, apply):
-    """``variable``'s update inside ``run``: the replicas' ``value`` combined by its aggregation (in a
-    ``merge_call``), then ``apply(combined)`` once. Returns ``variable``."""
-    aggregation = variable._aggregation
+def aggregation_in_replicas(variable) -> VariableAggregation:
+    """``variable``'s aggregation, which an update inside ``run`` combines the replicas' values by (TF's error
+    for NONE)."""
+    aggregation = variable.aggregation
     if aggregation == VariableAggregation.NONE:
         raise ValueError(
             f"You must specify an aggregation method to update {type(variable).__name__} '{variable.name}' in "
             "replica context: create it with md.Variable(..., aggregation=md.VariableAggregation.SUM, MEAN or "
             "ONLY_FIRST_REPLICA), or update it in cross-replica context (strategy.extended.update)")
+    return aggregation
+
+
+def update_in_replica(variable, value, apply):
+    """``variable``'s update inside ``run``: the replicas' ``value`` combined by its aggregation (in a
+    ``merge_call``), then ``apply(combined)`` once. Returns ``variable``."""
+    aggregation = aggregation_in_replicas(variable)
 
     def merge_fn(strategy, per_replica):
         if aggregation == VariableAggregation.ONLY_FIRST_REPLICA:

@@ -7,7 +7,11 @@ function, by reference, and its arguments, with that worker's part of each :clas
 result comes back into the RemoteValue. As TF's: the first error of a scheduled function is raised by the next
 ``schedule``, ``join`` or ``done``, and the closures still queued then are cancelled (their values raise
 ``md.errors.CancelledError``). When a worker becomes unreachable, its closure goes back to the queue for another
-worker, and the worker's per-worker resources are made again when it comes back (TF's fault tolerance).
+worker, and the worker's per-worker resources are made again when it comes back (TF's fault tolerance). A ps
+task that becomes unreachable (a function's request to it fails, or it misses the heartbeat) fails the job for
+good, as TF's: its variables are gone, so every ``schedule``/``join``/``done`` from then on and the values of the
+functions in flight raise :class:`PSUnavailableError` (TF's ``UnavailableError``), which says to restart the tasks
+and restore a checkpoint; the queued functions are cancelled.
 """
 
 from __future__ import annotations
@@ -21,13 +25,13 @@ import uuid
 import weakref
 
 from ..._nest import flatten, map_structure
-from ...errors import CancelledError
+from ...errors import CancelledError, UnavailableError
 from . import rpc
 from .strategy import ParameterServerStrategy, PerWorkerInput
 from .values import per_worker_here, resource_here, serving
 
 __all__ = ["ClusterCoordinator", "RemoteValue", "PerWorkerValues", "PerWorkerValue",
-           "experimental_get_current_worker_index"]
+           "experimental_get_current_worker_index", "PSUnavailableError"]
 
 _logger = logging.getLogger("mirrored")
 RECONNECT_SECONDS = 600.0  # how long a worker that became unreachable may take to come back (TF waits an hour)
@@ -52,6 +56,28 @@ def _heartbeat_seconds() -> float:
     return seconds
 
 
+class PSUnavailableError(UnavailableError):
+    """A ps task is unavailable (TF's coordinator error of this name, an ``md.errors.UnavailableError``): its
+    process died, its connection broke, or it missed the heartbeat. Its variables are lost, so the job cannot
+    go on: restart the cluster's tasks and restore the variables from the last checkpoint."""
+
+    def __init__(self, node_def, op, message, address: str = ""):
+        super().__init__(node_def, op, message)
+        self.address = address
+
+    def __reduce__(self):
+        return PSUnavailableError, (self.node_def, self.op, self.message, self.address)
+
+
+def _ps_unavailable(task: int, address: str, cause) -> PSUnavailableError:
+    return PSUnavailableError(
+        None, None, f"/job:ps/replica:0/task:{task} (the ps task at {address}) is unavailable: {cause}. A parameter "
+        "server that fails loses its variables, so this training cannot go on: restart the cluster's tasks (the ps "
+        "tasks, the workers and this coordinator), restore the variables from the last checkpoint "
+        "(md.train.Checkpoint(...).restore(md.train.latest_checkpoint(directory))) and schedule the steps again",
+        address)
+
+
 class RemoteValue:
     """The value of a scheduled function, which a worker computes (``tf.distribute.coordinator.RemoteValue``)."""
 
@@ -70,13 +96,16 @@ class _RemoteValueImpl(RemoteValue):
         self._values = None
         self._error = None
 
+    # The first result stays: a value a ps failure failed while its function was in flight keeps that error.
     def _set_values(self, values) -> None:
-        self._values, self._error = values, None
-        self._ready.set()
+        if not self._ready.is_set():
+            self._values, self._error = values, None
+            self._ready.set()
 
     def _set_error(self, error) -> None:
-        self._values, self._error = None, error
-        self._ready.set()
+        if not self._ready.is_set():
+            self._values, self._error = None, error
+            self._ready.set()
 
     def _get_error(self):
         self._ready.wait()
@@ -239,6 +268,7 @@ class _ClosureQueue:
         self._tagged: dict = collections.defaultdict(collections.deque)  # worker index -> its own closures
         self._inflight = 0
         self._error = None
+        self._lost = None  # a ps task's failure: raised by every schedule, join and done from then on
         self._stopped = False
 
     def put(self, closure: _Closure, tag=None) -> None:
@@ -246,6 +276,8 @@ class _ClosureQueue:
             if self._stopped:
                 raise RuntimeError("the ClusterCoordinator was stopped: it schedules nothing more; create the "
                                    "strategy and its coordinator again")
+            if self._lost is not None:
+                self._raise_if_error()
             (self._queue if tag is None else self._tagged[tag]).append(closure)
             self._changed.notify_all()
             if tag is None:
@@ -286,7 +318,19 @@ class _ClosureQueue:
                 self._error = error
             self._changed.notify_all()
 
+    def lose(self, error) -> None:
+        """A ps task failed: nothing more runs, and every call raises ``error`` (the job must restart)."""
+        with self._lock:
+            if self._lost is None:
+                self._lost = self._error = error
+            self._changed.notify_all()
+
     def _raise_if_error(self) -> None:
+        if self._lost is not None:  # (the in-flight closures are not waited for: they may hang on that task)
+            for closure in self._queue:  # (TF's: cancelled, as after any error)
+                closure.cancel()
+            self._queue.clear()
+            raise self._lost
         if self._error is None:
             return
         while self._inflight > 0:  # TF's: the in-flight closures finish, the queued ones are cancelled
@@ -327,6 +371,7 @@ class _Worker:
         self._cluster = cluster
         self._connection = None
         self._reached = False  # whether it answered once
+        self.running = None  # the closure it runs now (a ps failure fails its value at once)
         self._resources: dict = {}  # resource id -> its (fn, args), pickled: made again when the worker comes back
         self.drops: collections.deque = collections.deque()  # ids of resources the coordinator let go of
         self._thread = threading.Thread(target=self._process, name=f"mirrored-coordinator-worker{index}",
@@ -390,10 +435,13 @@ class _Worker:
             self._drop_released()
             if closure._method == "make_resource":
                 self._resources[closure.output._id] = closure.payload
+            self.running = closure
             try:
                 closure.output._set_values(closure.run_on(self))
             except rpc.TaskUnavailable as e:
-                if e.address != self.address or self._cluster.stopping.is_set():
+                if e.address in self._cluster.ps_addresses:  # (the function's request to a ps task failed)
+                    self._failed(closure, self._cluster.lost_ps(e.address, e))
+                elif e.address != self.address or self._cluster.stopping.is_set():
                     self._failed(closure, _worker_error(e, self.where))
                 elif not self._recovered(closure, e):
                     return
@@ -401,7 +449,7 @@ class _Worker:
                 self._failed(closure, _worker_error(e, self.where))
             else:
                 queue.finished()
-            closure = None  # (its arguments, e.g. an iterator of a past epoch, may go now)
+            self.running = closure = None  # (its arguments, e.g. an iterator of a past epoch, may go now)
 
     def _drop_released(self) -> None:
         """Tell the worker to let go of the resources (iterators of past epochs) nobody here holds any more."""
@@ -454,8 +502,48 @@ class _Cluster:
         self.queue = _ClosureQueue()
         self.stopping = threading.Event()
         self.heartbeat_seconds = _heartbeat_seconds()
-        self.workers = [_Worker(self, i, spec.task_address("worker", i), strategy.extended._token)
+        self.ps_addresses = list(strategy.extended._ps_addresses)
+        self._token = strategy.extended._token
+        self.workers = [_Worker(self, i, spec.task_address("worker", i), self._token)
                         for i in spec.task_indices("worker")]
+        if self.heartbeat_seconds:
+            threading.Thread(target=self._watch_ps, name="mirrored-coordinator-ps-heartbeat", daemon=True).start()
+
+    def _watch_ps(self) -> None:
+        """The ps tasks' heartbeat: each ps task this process has reached (it holds variables) is pinged every
+        quarter of the deadline, on a connection of its own; one that refuses, breaks the connection or does not
+        answer within the deadline (a hung process) has failed (``lost_ps``). A dead task's connection breaks
+        at once, and a function's request to it fails at once: the heartbeat is for the task that hangs."""
+        deadline = self.heartbeat_seconds
+        connections: dict = {}
+        while not self.stopping.wait(deadline / 4) and self.queue._lost is None:
+            for task, address in enumerate(self.ps_addresses):
+                if not rpc.pool(address, self._token).reached:
+                    continue  # (no variable there yet: the task may not have started)
+                try:
+                    if address not in connections:
+                        connections[address] = rpc.Connection(address, self._token, timeout=0, cancel=self.stopping)
+                    connections[address].call("ping", timeout=deadline)
+                except rpc.ReplyTimeout:
+                    connections.pop(address, None)
+                    self.lost_ps(address, f"it did not answer a heartbeat within {deadline:g} s")
+                except rpc.TaskUnavailable as e:
+                    connections.pop(address, None)
+                    if not self.stopping.is_set():
+                        self.lost_ps(address, e)
+        for connection in connections.values():
+            connection.close()
+
+    def lost_ps(self, address: str, cause) -> PSUnavailableError:
+        """A ps task failed: the job fails for good (TF's), with the values of the functions still running."""
+        error = _ps_unavailable(self.ps_addresses.index(address), address, cause)
+        _logger.error("%s", error)
+        self.queue.lose(error)
+        for worker in self.workers:
+            running = worker.running
+            if running is not None:
+                running.output._set_error(self.queue._lost)
+        return self.queue._lost
 
     def lost_worker(self, worker: _Worker, error) -> None:
         """A worker that did not come back: join() and the next schedule raise it."""

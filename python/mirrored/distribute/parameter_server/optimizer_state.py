@@ -16,9 +16,14 @@ import threading
 
 import numpy as np
 
+from ...device import device_util
+from ...device.indexed_slices import IndexedSlices, map_arrays
+from ..context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from ..options import VariableAggregation, VariableSynchronization
+from ..reduce_util import ReduceOp
+from ..values import DistributedValues, PerReplica
 from . import rpc
-from .values import Handle, RemoteVariable, ShardedVariable, _shards
+from .values import Handle, RemoteVariable, ShardedVariable, _shards, forget_reads
 
 __all__ = ["apply_gradients", "attach", "build", "layout"]
 
@@ -58,7 +63,7 @@ def attach(optimizer, units: list, objects: list, home: Handle, strategy) -> Non
         if var is None:
             var = RemoteVariable(unit[0], strategy) if len(unit) == 1 else \
                 ShardedVariable([RemoteVariable(h, strategy) for h in unit])
-        base = var.name.split(":")[0]
+        base = var._base_name if isinstance(var, ShardedVariable) else var.name.split(":")[0]
         slots[id(var)] = (var, {name: _slot(unit, optimizer._ps_key, name, base, strategy)
                                 for name, _ in optimizer._state_specs})
     optimizer._slots = slots
@@ -94,6 +99,11 @@ def build(optimizer, units: list, home: str, token: str) -> None:
         _built.add(marker)
 
 
+def _strategy_of(variables):
+    first = variables[0].variables[0] if isinstance(variables[0], ShardedVariable) else variables[0]
+    return first.distribute_strategy
+
+
 def _home(variables) -> tuple:
     """(address, token) of the home task of updates to ``variables``: their strategy's ps task 0."""
     first = variables[0].variables[0] if isinstance(variables[0], ShardedVariable) else variables[0]
@@ -104,11 +114,52 @@ def _home(variables) -> tuple:
     return strategy.extended._ps_addresses[0], first._handle.token
 
 
+def _local_replicas() -> int:
+    """How many replicas the running ``strategy.run`` has on this task (1 outside one)."""
+    if in_cross_replica_context() or not has_strategy():
+        return 1
+    return len(get_strategy().extended._local_devices)
+
+
+def summed_over_replicas(strategy, grads) -> list:
+    """The gradients of a worker's replicas (``PerReplica``, or one object every replica passed), summed into
+    host arrays as TF sums them before the update: the dense ones by one batched all-reduce over the replicas'
+    devices (the strategy's fused collective), an ``IndexedSlices``' rows by concatenation (a sum, applied)."""
+    extended = strategy.extended
+    devices, n = extended._local_devices, len(extended._local_devices)
+    parts = [g.values if isinstance(g, DistributedValues) else (g,) * n for g in grads]
+    out = [None] * len(grads)
+    dense = [k for k, p in enumerate(parts) if type(p[0]) is not IndexedSlices]
+    if dense:
+        on_devices = [PerReplica([device_util.place(x, d) for x, d in zip(parts[k], devices)], devices)
+                      for k in dense]
+        for k, reduced in zip(dense, extended.batch_reduce_to(ReduceOp.SUM, [(v, v) for v in on_devices])):
+            out[k] = device_util.to_host(extended._local_results(reduced)[0])
+    for k, p in enumerate(parts):
+        if type(p[0]) is IndexedSlices:
+            rows = [map_arrays(device_util.to_host, x) for x in p]
+            out[k] = IndexedSlices(np.concatenate([r.values for r in rows]), np.concatenate([r.indices for r in rows]),
+                                   p[0].dense_shape)
+    return out
+
+
 def apply_gradients(optimizer, grads, variables) -> int:
     """``optimizer.apply_gradients`` of variables on ps tasks: clipped here (over all of them, as Keras clips),
     then one request per ps task with its variables' gradients, applied there by its copy of the optimizer (the
     slots beside the variables): the home task's first, which counts the step, then the others at that step.
-    Returns the step count after the update."""
+    A worker with several replicas (GPUs) clips each replica's gradients, sums them (``summed_over_replicas``,
+    in a ``merge_call``) and updates once. Returns the step count after the update."""
+    if _local_replicas() > 1:
+        grads = optimizer._clip(optimizer._unscale(list(grads)))
+        return get_replica_context().merge_call(
+            lambda strategy, merged: _apply_once(optimizer, summed_over_replicas(strategy, merged), variables),
+            args=(grads,))
+    if any(isinstance(g, DistributedValues) for g in grads):  # (the replicas' gradients, merged by the caller)
+        grads = summed_over_replicas(get_strategy(), grads)
+    return _apply_once(optimizer, optimizer._clip(optimizer._unscale(list(grads))), variables)
+
+
+def _apply_once(optimizer, grads, variables) -> int:
     if getattr(optimizer, "_exclude_ids", None):
         raise ValueError(f"{type(optimizer).__name__}.exclude_from_weight_decay(var_list=...) names variables by "
                          "identity, which does not reach the ps tasks; use exclude_from_weight_decay(var_names=[...])")
@@ -118,7 +169,9 @@ def apply_gradients(optimizer, grads, variables) -> int:
                             "create every variable inside ParameterServerStrategy.scope()")
     home, token = _home(variables)
     build(optimizer, layout(variables), home, token)
-    grads = optimizer._clip(optimizer._unscale(list(grads)))
+    forget_reads(_strategy_of(variables))
+    grads = [device_util.to_host(g) if type(g) is not IndexedSlices else map_arrays(device_util.to_host, g)
+             for g in grads]
     grads, variables = _shards(grads, variables)
     by_task: dict = {home: (rpc.pool(home, token), [], [])}  # (the home task first: it counts the step)
     for g, v in zip(grads, variables):
@@ -147,6 +200,8 @@ def loss_scale_step(optimizer, pairs) -> int:
         raise ValueError(f"optimizer: LossScaleOptimizer {optimizer.name!r} was not created inside "
                          "ParameterServerStrategy.scope() (its scale's state must live on a ps task); create it "
                          "there, with the model")
+    if any(isinstance(g, DistributedValues) for g, _ in pairs):  # (a worker's replicas': summed, as TF updates)
+        pairs = list(zip(summed_over_replicas(get_strategy(), [g for g, _ in pairs]), [v for _, v in pairs]))
     finite = not optimizer.dynamic or all(_finite(g) for g, _ in pairs)
     used = counter._pool.call("loss_scale", counter._handle.var_id, scale._handle.var_id, finite,
                               optimizer.dynamic_growth_steps if optimizer.dynamic else None)

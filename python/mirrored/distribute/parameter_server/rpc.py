@@ -28,6 +28,8 @@ import threading
 import time
 import traceback
 
+from ...errors import UnavailableError
+
 # md.function's class, known by name: importing distribute.function here would close an import circle
 # (it imports the distribute package, which exports the coordinator, which imports this module).
 _STEP_FUNCTION = ("mirrored.distribute.function", "Function")
@@ -47,11 +49,12 @@ COALESCE_BYTES = 64 << 10  # a frame up to this size is written at once (copied 
 CONNECT_TIMEOUT_SECONDS = 120.0  # a task may start well after the others (a busy machine, a slow scheduler)
 
 
-class TaskUnavailable(ConnectionError):
-    """The task at ``address`` cannot be reached (not started yet, gone, or its connection broke)."""
+class TaskUnavailable(UnavailableError):
+    """The task at ``address`` cannot be reached (not started yet, gone, or its connection broke): TF's
+    ``UnavailableError`` (a ``ConnectionError`` too)."""
 
     def __init__(self, message: str, address: str):
-        super().__init__(message)
+        super().__init__(None, None, message)
         self.address = address
 
     def __reduce__(self):

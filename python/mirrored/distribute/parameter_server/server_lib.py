@@ -16,8 +16,10 @@ from ...errors import OutOfRangeError
 from ..cluster_resolver import ClusterSpec
 from ..collective_all_reduce import job_token
 from ..distribute_lib import HOST
+from ..._nest import map_structure
+from ...device import device_util
 from ...device.indexed_slices import IndexedSlices, map_arrays
-from ..values import _ND_SCATTERS, _SCATTERS, DeviceVariable
+from ..values import _ND_SCATTERS, _SCATTERS, DeviceVariable, DistributedValues
 from . import rpc
 from .strategy import ParameterServerStrategy
 from .optimizer_state import attach, home_handle, iterations_id, slot_id
@@ -70,6 +72,18 @@ def _canonical(x):
         if x.dtype is not dtype and x.dtype == dtype:
             return x.view(dtype)
     return x
+
+
+def _on_host(result):
+    """A scheduled function's result as it travels back: GPU arrays copied to the host, the replicas' values of
+    a ``PerReplica``/``Mirrored`` each (the coordinator gets the same kind, of host values)."""
+    def leaf(x):
+        if isinstance(x, DistributedValues):
+            return type(x)([_on_host(v) for v in x.values])
+        if type(x) is IndexedSlices:
+            return map_arrays(device_util.to_host, x)
+        return device_util.to_host(x) if device_util.on_gpu(x) else x
+    return map_structure(leaf, result)
 
 
 class _ParameterStore:
@@ -301,7 +315,7 @@ class Server:
         serving.dispatching = True
         try:
             with self._worker_strategy().scope():
-                return fn(*args, **kwargs)
+                return _on_host(fn(*args, **kwargs))
         except StopIteration as e:  # an iterator ran out: TF's OutOfRangeError, which join() re-raises
             raise OutOfRangeError(f"End of sequence{f': {e}' if str(e) else ''}") from None
         finally:
@@ -332,6 +346,8 @@ class Server:
             return self._store.create(*args)
         if method == "ping":
             return self._where
+        if method == "num_gpus":  # (a worker's replicas: the coordinator's num_replicas_in_sync)
+            return self._worker_strategy().extended._gpus
         if method == "stats":  # (what this task served: bench/parameter_server.py counts bytes per step)
             listener = self._listener
             return {"requests": listener.requests, "bytes_received": listener.bytes_received,

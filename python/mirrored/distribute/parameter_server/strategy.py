@@ -4,23 +4,29 @@
 The program runs on the coordinator (the chief); ps and worker tasks run ``md.distribute.Server(...).join()``.
 Variables created in ``scope()`` live on the ps tasks, placed round-robin in creation order, or split into a
 ``ShardedVariable`` by ``variable_partitioner``. A function scheduled on a worker sees this strategy with one
-replica (TF's with CPU workers): ``strategy.run`` there is a one-replica step, and the variables it reads and
-updates are the ps tasks'. docs/parameter_server.md.
+replica per logical GPU of the worker (TF's in-graph replication), else one CPU replica: ``strategy.run`` there
+runs the replicas as MirroredStrategy does, they share one read of each variable per run, and an optimizer's
+update sums their gradients on the worker (one batched all-reduce) and sends it to the ps tasks once.
+docs/parameter_server.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import uuid
 import weakref
 
+from ...device import config, device_util
 from ...device.tensor_shape import TensorShape
 from ..cluster_resolver import ClusterResolver, SimpleClusterResolver, _validate
 from ..collective_all_reduce import job_token
 from ..distribute_lib import Strategy
 from ..input_lib import InputContext
+from ..mirrored_strategy import MirroredExtended
 from ..one_device_strategy import OneDeviceExtended
+from ..values import running_replica_id
 from . import optimizer_state, rpc
 from .values import Handle, RemoteVariable, ShardedVariable, strategy_here
 
@@ -50,11 +56,28 @@ def _cluster(cluster_resolver):
     return spec
 
 
+def _local_gpus() -> int:
+    """The logical GPUs of this machine (``md.config``): a worker's replicas, one each (none: one CPU replica)."""
+    return len(config.list_logical_devices("GPU"))
+
+
+def _replica_devices(gpus: int) -> tuple:
+    """TF's ``worker_devices`` of a worker with ``gpus`` GPUs."""
+    return tuple(f"/device:GPU:{i}" for i in range(gpus)) or ("/device:CPU:0",)
+
+
 class ParameterServerExtended(OneDeviceExtended):
-    """``ParameterServerStrategy.extended``: one CPU replica (per worker); variables on the ps tasks."""
+    """``ParameterServerStrategy.extended``: on a worker, one replica per local logical GPU (else one CPU
+    replica), run as MirroredStrategy runs them; variables on the ps tasks. On the coordinator a ``run`` (not
+    scheduled) runs one CPU replica there."""
 
     def __init__(self, container_strategy, spec, variable_partitioner, on_worker: bool):
-        super().__init__(container_strategy, "/cpu:0")
+        # (OneDeviceExtended's behaviour, update once on the first replica's device, over the replica devices)
+        MirroredExtended.__init__(self, container_strategy,
+                                  list(_replica_devices(_local_gpus())) if on_worker else ["/cpu:0"])
+        self._run_reads = None  # during a run on a worker: var_id -> the value its replicas share (one read)
+        self._reads_lock = threading.Lock()
+        self._gpus_per_worker = None  # on the coordinator: the workers' GPUs, asked once
         self._spec = spec
         self._token = job_token(spec.as_dict())
         self._ps_addresses = [spec.task_address("ps", i) for i in spec.task_indices("ps")]
@@ -65,6 +88,7 @@ class ParameterServerExtended(OneDeviceExtended):
         self._on_worker = on_worker
         self._warned_unscheduled = False
         self._colocate_task = None  # inside colocate_vars_with: the ps task new variables go to
+        self._unnamed = False  # while md.Variable(name=None) is made: its shards are named as it is (TF's)
         # This task's variables by id (a ShardedVariable by ("sharded", its first shard's id)): what an
         # optimizer's slots are keyed by when they come into view (optimizer_state.attach)
         self._created = weakref.WeakValueDictionary()
@@ -82,8 +106,30 @@ class ParameterServerExtended(OneDeviceExtended):
         finally:
             self._colocate_task = previous
 
-    # TF's devices, as it spells them
-    worker_devices = property(lambda self: ("/device:CPU:0",))
+    @property
+    def worker_devices(self) -> tuple:
+        """TF's: ``/device:GPU:i`` for each GPU of a worker, else ``/device:CPU:0`` (on the coordinator too)."""
+        if self._on_worker:
+            return _replica_devices(self._gpus)
+        return _replica_devices(self._workers_gpus())
+
+    @property
+    def _gpus(self) -> int:
+        """This task's GPU replicas."""
+        return sum(o is not None for o in self._ordinals)
+
+    def _workers_gpus(self) -> int:
+        """How many GPUs each worker has (asked once; TF's error when they differ)."""
+        if self._gpus_per_worker is None:
+            counts = {address: rpc.pool(address, self._token).call("num_gpus")
+                      for address in (self._spec.task_address("worker", i) for i in self._spec.task_indices("worker"))}
+            if len(set(counts.values())) > 1:
+                raise ValueError(f"Mismatched number of GPUs per worker: {counts}; give every worker the same number "
+                                 "of GPUs (CUDA_VISIBLE_DEVICES of its process, md.config.set_logical_device_configuration "
+                                 "in the program it runs before its md.distribute.Server)")
+            self._gpus_per_worker = next(iter(counts.values()))
+        return self._gpus_per_worker
+
     parameter_devices = property(lambda self: tuple(f"/job:ps/task:{i}/device:CPU:0"
                                                     for i in range(len(self._ps_addresses))))
 
@@ -92,7 +138,46 @@ class ParameterServerExtended(OneDeviceExtended):
             self._warned_unscheduled = True
             _logger.warning("A ParameterServerStrategy method is invoked without ClusterCoordinator.schedule: it "
                             "runs on the coordinator; schedule the function to run it on a worker")
-        return super()._call_for_each_replica(fn, args, kwargs)
+        outer, self._run_reads = self._run_reads, {}  # (the replicas of this run share a read of each variable)
+        try:
+            return super()._call_for_each_replica(fn, args, kwargs)
+        finally:
+            self._run_reads = outer
+
+    def _shared_read(self, variable):
+        """``variable``'s host value inside a replica of a run on this worker (its ps task asked once per run
+        and variable, until this worker updates a variable: the replicas share it); None outside one."""
+        reads = self._run_reads
+        if reads is None or running_replica_id(self._container_strategy) is None:
+            return None
+        key = variable._handle.var_id
+        with self._reads_lock:  # (replicas may run on threads of their own: the first reads, the others wait)
+            value = reads.get(key)
+            if value is None:
+                value = reads[key] = variable._read_host()
+        return value
+
+    def _on_replica_device(self, value):
+        """``value`` on the running replica's device (a GPU replica's: a copy there); as is outside a replica."""
+        rid = running_replica_id(self._container_strategy)
+        if rid is None or self._ordinals[rid] is None:
+            return value
+        return device_util.place(value, self._local_devices[rid])
+
+    def _forget_reads(self) -> None:
+        """This worker updated a variable: the replicas read again."""
+        if self._run_reads:
+            self._run_reads.clear()
+
+    def _create_variable(self, *args, **kwargs):
+        # TF names the shards of a variable made without a name as the variable ("Variable:0" each), and those
+        # of a named one "name/part_i:0": remember which, for _make_variable (which gets the scoped name).
+        named = kwargs.get("name", args[4] if len(args) > 4 else None) is not None
+        previous, self._unnamed = self._unnamed, not named
+        try:
+            return super()._create_variable(*args, **kwargs)
+        finally:
+            self._unnamed = previous
 
     def _make_variable(self, value, name, trainable, synchronization, aggregation):
         if self._colocate_task is not None:
@@ -104,15 +189,16 @@ class ParameterServerExtended(OneDeviceExtended):
                 raise ValueError("variable_partitioner must return a list/tuple whose elements are 1 besides the "
                                  f"first element (non-zero), got: {partitions!r} for variable {name!r} of shape "
                                  f"{tuple(value.shape)}")
-        if partitions is None or partitions[0] == 1:
+        shards = 1 if partitions is None else min(int(partitions[0]), value.shape[0])
+        if shards == 1:  # (one row: whole, as TF keeps it)
             return self._on_next_ps(value, name, trainable, synchronization, aggregation)
         # TF's "div" partitioning: consecutive rows, the first (rows % shards) shards one row longer
-        shards = min(int(partitions[0]), value.shape[0])
         base, extra = divmod(value.shape[0], shards)
         offsets = [0]
         for i in range(shards):
             offsets.append(offsets[-1] + base + (i < extra))
-        sharded = ShardedVariable([self._on_next_ps(value[offsets[i]:offsets[i + 1]], f"{name}/part_{i}", trainable,
+        sharded = ShardedVariable([self._on_next_ps(value[offsets[i]:offsets[i + 1]],
+                                                    name if self._unnamed else f"{name}/part_{i}", trainable,
                                                     synchronization, aggregation) for i in range(shards)])
         self._created[("sharded", sharded.variables[0]._handle.var_id)] = sharded
         return sharded
@@ -205,6 +291,12 @@ class ParameterServerStrategy(Strategy):
     def cluster_resolver(self):
         return self._cluster_resolver
 
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The replicas of one worker (TF's): its GPUs, else 1; on the coordinator, asked of the workers."""
+        extended = self.extended
+        return extended._num_replicas_in_sync if extended._on_worker else max(extended._workers_gpus(), 1)
+
     def experimental_distribute_dataset(self, dataset, options=None):
         """A dataset for ``ClusterCoordinator.create_per_worker_dataset`` (each worker iterates its own copy)."""
         return PerWorkerInput(self, dataset=dataset)
@@ -231,10 +323,14 @@ class PerWorkerInput:
         self._strategy, self._dataset, self._dataset_fn = strategy, dataset, dataset_fn
 
     def build(self):
-        """The worker's dataset (run on the worker)."""
+        """The worker's dataset (run on the worker): with GPU replicas, distributed over them as
+        MirroredStrategy distributes (each element a PerReplica of batches on the replicas' GPUs)."""
+        strategy = strategy_here()
+        if strategy.extended._ordinals[0] is None and strategy.num_replicas_in_sync == 1:
+            return self._dataset if self._dataset_fn is None else self._dataset_fn(InputContext(1, 0, 1))
         if self._dataset_fn is None:
-            return self._dataset
-        return self._dataset_fn(InputContext(1, 0, 1))
+            return Strategy.experimental_distribute_dataset(strategy, self._dataset)
+        return Strategy.distribute_datasets_from_function(strategy, self._dataset_fn)
 
     def __iter__(self):
         if self._dataset_fn is None:
