@@ -265,3 +265,77 @@ def test_a_calls_own_timeout_ends_it_in_bounded_time(shm, tmp_path):
     assert "ConnectionError" in bases and "broken since all_reduce" in message, (bases, message)
     assert seconds < 10
     assert time.monotonic() - started < 150
+
+
+# --- a call's implementation picks the engine of GPU replicas across workers ----------------
+
+
+@pytest.mark.parametrize("strategy_impl, nccl_installed, calls, engines", [
+    # (the strategy's implementation, whether NCCL is installed, the calls' implementations,
+    #  the engine each call runs on, and so the engines made: at most one of each kind)
+    ("AUTO", True, [None, "RING", "NCCL", "RING", None], ["nccl", "host", "nccl", "host", "nccl"]),
+    ("AUTO", False, [None, "NCCL", "RING"], ["host", "nccl", "host"]),
+    ("RING", True, ["NCCL", None, "RING", "NCCL"], ["nccl", "host", "host", "nccl"]),
+    ("NCCL", True, ["RING", "NCCL", None], ["host", "nccl", "nccl"]),
+])
+def test_a_calls_implementation_picks_the_engine_of_gpu_replicas(strategy_impl, nccl_installed, calls, engines,
+                                                                  monkeypatch):
+    from mirrored.collective import multi_worker
+    from mirrored.device import gpu
+
+    made = []
+
+    class Nccl:
+        def __init__(self, group):
+            made.append("nccl")
+
+    class Host:
+        def __init__(self, group):
+            made.append("host")
+
+    monkeypatch.setattr(multi_worker, "_NcclJob", Nccl)
+    monkeypatch.setattr(multi_worker, "_HostStaged", Host)
+    monkeypatch.setattr(gpu, "nccl_available", lambda: nccl_installed)
+    group = multi_worker.WorkerCollectives.__new__(multi_worker.WorkerCollectives)
+    group._implementation, group._device_engine, group._call_engine = strategy_impl, None, None
+    picked = [group._device(implementation) for implementation in calls]
+    assert ["nccl" if isinstance(e, Nccl) else "host" for e in picked] == engines
+    assert sorted(made) == sorted(set(engines))  # each kind made once, on its first call
+
+
+def test_host_staged_gpu_calls_pass_the_calls_timeout_on():
+    """GPU replicas staged through host memory run the Gloo collectives with the call's own timeout."""
+    from mirrored.collective import multi_worker
+
+    seen = []
+
+    class Group:
+        devices, local_replicas = ["/cpu:0"], 1
+
+        def _record(self, name, result):
+            def call(*args, timeout=None, **kwargs):
+                seen.append((name, timeout))
+                return result
+            return call
+
+        def __getattr__(self, name):
+            if name == "batch_all_reduce":
+                return self._record(name, [[np.ones(2)]])
+            return self._record(name, np.ones(2) if name == "reduce" else [np.ones(2)])
+
+    staged = multi_worker._HostStaged(Group())
+    x = [np.ones(2)]
+    staged.all_reduce(x, timeout=2.5)
+    staged.broadcast(x, timeout=3)
+    staged.reduce(x, timeout=0)
+    staged.all_gather(x, 0, timeout=4.0)
+    staged.batch_all_reduce([x], timeout=None)
+    assert seen == [("all_reduce", 2.5), ("broadcast", 3), ("reduce", 0), ("all_gather", 4.0),
+                    ("batch_all_reduce", None)]
+
+
+@pytest.mark.parametrize("timeout, native", [(None, -1.0), (0, 0.0), (float("inf"), 0.0), (2, 2.0), (0.25, 0.25)])
+def test_native_timeout_of_a_call(timeout, native):
+    from mirrored.collective.multi_worker import native_timeout
+
+    assert native_timeout(timeout) == native

@@ -292,16 +292,22 @@ class WorkerCollectives:
 
     def _device(self, implementation=None):
         """The engine for GPU replicas: NCCL across the job, or Gloo through host memory; a call's own
-        ``implementation`` ("RING", "NCCL") over the strategy's. (At most one NCCL communicator per group: a
-        call's NCCL is made only where the strategy's engine stages through host memory.)"""
+        ``implementation`` ("RING", "NCCL") over the strategy's. Each engine is made on its first call (on
+        every worker alike: they run the same calls), so at most one NCCL communicator per group."""
         if self._device_engine is None:
             use_nccl = self._implementation != "RING" and (self._implementation == "NCCL" or _gpu.nccl_available())
+            if implementation is not None and (implementation == "NCCL") != use_nccl:
+                return self._call_device(implementation)  # (the strategy's engine is not needed yet)
             self._device_engine = _NcclJob(self) if use_nccl else _HostStaged(self)
             why = "implementation=RING" if self._implementation == "RING" else f"NCCL not installed: {_gpu.NCCL_FIX}"
             logging.getLogger("mirrored").info("GPU replicas across workers: %s",
                                                "NCCL" if use_nccl else f"host memory and Gloo ({why})")
         if implementation is None or (implementation == "NCCL") == isinstance(self._device_engine, _NcclJob):
             return self._device_engine
+        return self._call_device(implementation)
+
+    def _call_device(self, implementation):
+        """The engine of calls whose implementation is not the strategy's (the other kind)."""
         if self._call_engine is None:
             self._call_engine = _NcclJob(self) if implementation == "NCCL" else _HostStaged(self)
         return self._call_engine
