@@ -346,8 +346,7 @@ class _NativeAllReduce(CrossDeviceOps):
         op = reduce_op._value_  # (.value is a Python-level property)
         # The call's options over the ops' own (CommunicationOptions.merge): a bytes_per_pack of 0 keeps the ops'.
         bytes_per_pack = (options.bytes_per_pack if options is not None else 0) or self._bytes_per_pack
-        kwargs = self._ring_kwargs if options is None or options is _DEFAULT_OPTIONS else \
-            {**self._ring_kwargs, **self._options_kwargs(options)}
+        kwargs = self._call_kwargs(options)
         if len(per_replica_lists[0]) == 1:  # one tensor: whatever the packing, one all-reduce (the cheaper call)
             return [[out] for out in self._collectives.all_reduce([lst[0] for lst in per_replica_lists], op,
                                                                   algorithm=self._algorithm, **kwargs)]
@@ -361,6 +360,13 @@ class _NativeAllReduce(CrossDeviceOps):
             return [[by_tensor[t][r] for t in range(len(by_tensor))] for r in range(len(per_replica_lists))]
         return self._collectives.batch_all_reduce(per_replica_lists, op, num_packs=self._num_packs,
                                                   algorithm=self._algorithm, **kwargs)
+
+    def _call_kwargs(self, options) -> dict:
+        """The engine's arguments of a call with ``options``: the ops' own (chunk_bytes) and what the options
+        add (none where they are the defaults: the call is what it is without options)."""
+        if options is None or options is _DEFAULT_OPTIONS:
+            return self._ring_kwargs
+        return {**self._ring_kwargs, **self._options_kwargs(options)}
 
     def _native_batch_reduce(self, devices) -> bool:
         """Whether a batch_reduce of these ops over ``devices`` ends in :meth:`_all_reduce_lists` (no subclass
@@ -385,8 +391,8 @@ class _NativeAllReduce(CrossDeviceOps):
         if type(per_replica[0]) is not list:  # one array each: one all-reduce
             if not _placed(per_replica, ordinals, array_type):
                 return None
-            kwargs = self._ring_kwargs if options is None else {**self._ring_kwargs, **self._options_kwargs(options)}
-            return self._collectives.all_reduce(per_replica, reduce_op._value_, algorithm=self._algorithm, **kwargs)
+            return self._collectives.all_reduce(per_replica, reduce_op._value_, algorithm=self._algorithm,
+                                                **self._call_kwargs(options))
         for leaves in zip(*per_replica):
             if not _placed(leaves, ordinals, array_type):
                 return None
