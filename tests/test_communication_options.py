@@ -195,7 +195,7 @@ def test_a_bad_timeout_names_timeout_seconds(timeout):
 # --- a two-worker job: one call's own timeout -------------------------------------------------
 
 
-def one_call_times_out(folder, deadline):
+def one_call_times_out(folder, deadline, call):
     """Both workers: batch_reduce_to with and without a per-call bytes_per_pack, and a per-call NCCL (refused on
     CPU replicas before anything is sent). Then worker 0 all-reduces with options=CommunicationOptions(
     timeout_seconds=2) while worker 1 does not arrive (it waits for worker 0's file), and once more without
@@ -224,10 +224,18 @@ def one_call_times_out(folder, deadline):
             time.sleep(0.05)
         return out
 
+    calls = {
+        "ctx.all_reduce": lambda o: strategy.run(
+            lambda: md.distribute.get_replica_context().all_reduce("sum", np.ones(2), options=o)),
+        "ctx.all_gather": lambda o: strategy.run(
+            lambda: md.distribute.get_replica_context().all_gather(np.ones(2), 0, options=o)),
+        "reduce_to": lambda o: strategy.extended.reduce_to(SUM, pr, pr, options=o),
+    }
+
     def all_reduce(options):
         started = time.monotonic()
         try:
-            strategy.run(lambda: md.distribute.get_replica_context().all_reduce("sum", np.ones(2), options=options))
+            calls[call](options)
             return ("returned", None, time.monotonic() - started)
         except Exception as e:
             return (type(e).__mro__[1:], str(e), time.monotonic() - started)
@@ -242,12 +250,14 @@ def one_call_times_out(folder, deadline):
     return out
 
 
-@pytest.mark.parametrize("shm", ["1", "0"])
+@pytest.mark.parametrize("call, shm", [("ctx.all_reduce", "1"), ("ctx.all_reduce", "0"), ("reduce_to", "1"),
+                                       ("ctx.all_gather", "0")])
 @MULTIWORKER[0]
 @MULTIWORKER[1]
-def test_a_calls_own_timeout_ends_it_in_bounded_time(shm, tmp_path):
+def test_a_calls_own_timeout_ends_it_in_bounded_time(call, shm, tmp_path):
     started = time.monotonic()
-    results = launch(one_call_times_out, 2, kwargs={"folder": str(tmp_path), "deadline": time.monotonic() + 120},
+    results = launch(one_call_times_out, 2, kwargs={"folder": str(tmp_path), "deadline": time.monotonic() + 120,
+                                                    "call": call},
                      env={"MIRRORED_SHM": shm}, timeout=150)
     for r in results:
         assert r.ok, (r.task, r.error, r.message, r.stderr[-2000:])
@@ -259,10 +269,11 @@ def test_a_calls_own_timeout_ends_it_in_bounded_time(shm, tmp_path):
     # TF's error type (tf.errors.DeadlineExceededError), naming the late task and the call's timeout.
     assert "DeadlineExceededError" in bases and "TimeoutError" in bases, bases
     assert "worker:1 did not reach this collective within its timeout of 2" in message, message
+    assert f"since {'all_gather' if call == 'ctx.all_gather' else 'all_reduce'} #" in message, message
     assert 1.5 < seconds < 2 + 20, seconds  # 2 s, scaled generously for a loaded machine
     # The job's collectives are broken from then on (docs/multi_worker.md): the next call raises at once.
     bases, message, seconds = results[0].value["after"]
-    assert "ConnectionError" in bases and "broken since all_reduce" in message, (bases, message)
+    assert "ConnectionError" in bases and "broken since" in message, (bases, message)
     assert seconds < 10
     assert time.monotonic() - started < 150
 
