@@ -32,6 +32,13 @@ std::chrono::milliseconds millis(double seconds) {
   return std::chrono::milliseconds(static_cast<long long>(std::min(seconds, 1e9) * 1000.0));
 }
 
+// A call's own timeout (CommunicationOptions.timeout_seconds of that call) for
+// GlooCommunicator::CallTimeout: negative (None from Python) keeps the
+// communicator's; 0 is none; else as millis().
+std::chrono::milliseconds call_timeout(double seconds) {
+  return seconds < 0 ? std::chrono::milliseconds(-1) : millis(seconds);
+}
+
 // The op the workers compare: agreed_op when given (>= 0), else the op itself.
 ReduceOp agreed_op_or(int agreed_op, ReduceOp op) { return agreed_op < 0 ? op : reduce_op_from_code(agreed_op); }
 
@@ -81,8 +88,9 @@ GlooCommunicator& communicator_of(const py::object& comm) { return comm.cast<Glo
 class WorkerPlan {
  public:
   WorkerPlan(py::object comm, const std::string& kind, int n, py::dtype dtype, std::vector<py::ssize_t> shape,
-             int dtype_code, int op, int algorithm, int root, int agreed_op, py::function alloc)
-      : comm_(std::move(comm)), c_(communicator_of(comm_)), n_(n), dtype_(std::move(dtype)),
+             int dtype_code, int op, int algorithm, int root, int agreed_op, py::function alloc, double timeout)
+      : comm_(std::move(comm)), c_(communicator_of(comm_)), timeout_(call_timeout(timeout)), n_(n),
+        dtype_(std::move(dtype)),
         shape_(std::move(shape)), type_(dtype_from_code(dtype_code)), op_(reduce_op_from_code(op)),
         agreed_(agreed_op < 0 ? op_ : reduce_op_from_code(agreed_op)), algorithm_(static_cast<Algorithm>(algorithm)),
         root_(root), alloc_(std::move(alloc)) {
@@ -130,6 +138,7 @@ class WorkerPlan {
     }
     {
       py::gil_scoped_release nogil;
+      GlooCommunicator::CallTimeout bound(timeout_);
       if (kind_ == CollectiveHeader::kAllReduce)
         c_.all_reduce_as(n_, in.data(), out.data(), count_, type_, op_, algorithm_, agreed_);
       else if (kind_ == CollectiveHeader::kBroadcast)
@@ -143,6 +152,7 @@ class WorkerPlan {
  private:
   py::object comm_;
   GlooCommunicator& c_;
+  std::chrono::milliseconds timeout_;  // the call's own (negative: the communicator's)
   CollectiveHeader::Kind kind_;
   int n_;
   py::dtype dtype_;
@@ -162,8 +172,8 @@ class WorkerBatchPlan {
  public:
   WorkerBatchPlan(py::object comm, int n, std::vector<py::dtype> dtypes, std::vector<std::vector<py::ssize_t>> shapes,
                   const std::vector<int>& codes, int op, std::size_t bytes_per_pack, int num_packs, int algorithm,
-                  int agreed_op, py::function alloc)
-      : comm_(std::move(comm)), c_(communicator_of(comm_)), n_(n),
+                  int agreed_op, py::function alloc, double timeout)
+      : comm_(std::move(comm)), c_(communicator_of(comm_)), timeout_(call_timeout(timeout)), n_(n),
         layout_(std::move(dtypes), std::move(shapes), codes, "WorkerBatchPlan"), op_(reduce_op_from_code(op)),
         agreed_(agreed_op < 0 ? op_ : reduce_op_from_code(agreed_op)), bytes_per_pack_(bytes_per_pack),
         num_packs_(num_packs), algorithm_(static_cast<Algorithm>(algorithm)), alloc_(std::move(alloc)) {
@@ -178,6 +188,7 @@ class WorkerBatchPlan {
     py::list result = layout_.outputs(n_, alloc_, out);
     {
       py::gil_scoped_release nogil;
+      GlooCommunicator::CallTimeout bound(timeout_);
       c_.batch_all_reduce(n_, layout_.tensors(), in.data(), out.data(), layout_.counts(), layout_.types(), op_,
                           bytes_per_pack_, num_packs_, algorithm_, agreed_);
     }
@@ -187,6 +198,7 @@ class WorkerBatchPlan {
  private:
   py::object comm_;
   GlooCommunicator& c_;
+  std::chrono::milliseconds timeout_;
   int n_;
   bindings::BatchLayout layout_;
   ReduceOp op_, agreed_;
@@ -203,8 +215,8 @@ class WorkerBatchPlan {
 class WorkerGatherPlan {
  public:
   WorkerGatherPlan(py::object comm, py::dtype dtype, int dtype_code, std::vector<std::vector<py::ssize_t>> shapes,
-                   int axis, py::function alloc)
-      : comm_(std::move(comm)), c_(communicator_of(comm_)), dtype_(std::move(dtype)), shapes_(std::move(shapes)),
+                   int axis, py::function alloc, double timeout)
+      : comm_(std::move(comm)), c_(communicator_of(comm_)), timeout_(call_timeout(timeout)), dtype_(std::move(dtype)), shapes_(std::move(shapes)),
         type_(dtype_from_code(dtype_code)), axis_(axis), alloc_(std::move(alloc)) {
     n_ = static_cast<int>(shapes_.size());
     if (n_ != c_.local_replicas()) throw py::value_error("WorkerGatherPlan: one shape per local replica");
@@ -230,6 +242,7 @@ class WorkerGatherPlan {
     std::vector<std::uint64_t> extents;
     {
       py::gil_scoped_release nogil;
+      GlooCommunicator::CallTimeout bound(timeout_);
       extents = c_.agree_gather(n_, type_, axis_, record_);
     }
     std::vector<py::ssize_t> shape = shapes_[0];
@@ -248,6 +261,7 @@ class WorkerGatherPlan {
     }
     {
       py::gil_scoped_release nogil;
+      GlooCommunicator::CallTimeout bound(timeout_);
       c_.all_gather_planned(n_, in.data(), out.data(), row_bytes.data(), outer_);
     }
     return std::move(result);
@@ -256,6 +270,7 @@ class WorkerGatherPlan {
  private:
   py::object comm_;
   GlooCommunicator& c_;
+  std::chrono::milliseconds timeout_;
   py::dtype dtype_;
   std::vector<std::vector<py::ssize_t>> shapes_;
   std::vector<std::vector<std::uint64_t>> record_;
@@ -280,7 +295,13 @@ struct Server {
 PYBIND11_MODULE(_net, m) {
   m.doc() = "Multi-worker rendezvous store and Gloo collectives of mirrored.";
 
-  py::register_exception<PeerTimeout>(m, "PeerTimeoutError", PyExc_TimeoutError);
+  // A peer that did not arrive in time: TF's DeadlineExceededError (md.errors), a TimeoutError through it.
+  py::object timeout_base = py::reinterpret_borrow<py::object>(PyExc_TimeoutError);
+  try {
+    timeout_base = py::module_::import("mirrored.errors").attr("PeerDeadlineExceededError");
+  } catch (py::error_already_set&) {
+  }
+  py::register_exception<PeerTimeout>(m, "PeerTimeoutError", timeout_base);
   py::register_exception<PeerLost>(m, "PeerLostError", PyExc_ConnectionError);
   py::register_exception<Refused>(m, "RefusedError", PyExc_PermissionError);
   // md.errors owns the classes users catch; a signal's exception is already set.
@@ -398,25 +419,30 @@ PYBIND11_MODULE(_net, m) {
            "Log a warning when a collective has waited this long for peers, and again every period (0: never).")
       .def("all_reduce",
            [](GlooCommunicator& c, const py::list& inputs, const py::list& outputs, std::size_t count, int dtype,
-              int op, int algorithm, int agreed_op) {
+              int op, int algorithm, int agreed_op, double timeout) {
              auto [in, out, n] = bindings::buffers_of(inputs, "inputs", outputs);
              const ReduceOp rop = reduce_op_from_code(op);
              const ReduceOp agreed = agreed_op_or(agreed_op, rop);
              py::gil_scoped_release nogil;
+             GlooCommunicator::CallTimeout bound(call_timeout(timeout));
              c.all_reduce_as(n, in.data(), out.data(), count, dtype_from_code(dtype), rop,
                              static_cast<Algorithm>(algorithm), agreed);
            },
            py::arg("inputs"), py::arg("outputs"), py::arg("count"), py::arg("dtype"), py::arg("op"),
-           py::arg("algorithm"), py::arg("agreed_op") = -1,
+           py::arg("algorithm"), py::arg("agreed_op") = -1, py::arg("timeout") = -1.0,
            "agreed_op: the op the workers compare (default: op); an integer MEAN runs as a SUM but must "
-           "still match the other workers' MEAN.")
+           "still match the other workers' MEAN. timeout: this call's (seconds, 0: none; negative: the "
+           "communicator's).")
       .def("broadcast",
            [](GlooCommunicator& c, const py::list& inputs, const py::list& outputs, std::size_t count, int dtype,
-              int root) {
+              int root, double timeout) {
              auto [in, out, n] = bindings::buffers_of(inputs, "inputs", outputs);
              py::gil_scoped_release nogil;
+             GlooCommunicator::CallTimeout bound(call_timeout(timeout));
              c.broadcast(n, in.data(), out.data(), count, dtype_from_code(dtype), root);
-           })
+           },
+           py::arg("inputs"), py::arg("outputs"), py::arg("count"), py::arg("dtype"), py::arg("root"),
+           py::arg("timeout") = -1.0)
       .def_property_readonly("shared_memory_off",
                              [](const GlooCommunicator& c) {
                                py::gil_scoped_release nogil;  // asks the store
@@ -425,15 +451,16 @@ PYBIND11_MODULE(_net, m) {
                              "Why all-reduces do not use shared memory ('' when they do).")
       .def("reduce",
            [](GlooCommunicator& c, const py::list& inputs, const py::list& outputs, std::size_t count, int dtype,
-              int op, int root, int agreed_op) {
+              int op, int root, int agreed_op, double timeout) {
              auto [in, out, n] = bindings::buffers_of(inputs, "inputs", outputs);
              const ReduceOp rop = reduce_op_from_code(op);
              const ReduceOp agreed = agreed_op_or(agreed_op, rop);
              py::gil_scoped_release nogil;
+             GlooCommunicator::CallTimeout bound(call_timeout(timeout));
              c.reduce_as(n, in.data(), out.data(), count, dtype_from_code(dtype), rop, root, agreed);
            },
            py::arg("inputs"), py::arg("outputs"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("root"),
-           py::arg("agreed_op") = -1, "agreed_op: as for all_reduce.")
+           py::arg("agreed_op") = -1, py::arg("timeout") = -1.0, "agreed_op, timeout: as for all_reduce.")
       .def("all_gather",
            [](GlooCommunicator& c, const py::list& inputs, const py::list& outputs,
               const std::vector<std::size_t>& row_bytes, std::size_t outer) {
@@ -466,7 +493,7 @@ PYBIND11_MODULE(_net, m) {
       .def("batch_all_reduce",
            [](GlooCommunicator& c, int n, const py::list& inputs, const py::list& outputs,
               const std::vector<std::size_t>& counts, const std::vector<int>& dtypes, int op, std::size_t bytes_per_pack,
-              int num_packs, int algorithm, int agreed_op) {
+              int num_packs, int algorithm, int agreed_op, double timeout) {
              [[maybe_unused]] auto [in, out, replicas] = bindings::buffers_of(inputs, "inputs", outputs);  // (n counts the replicas here)
              const int ntensors = static_cast<int>(counts.size());
              if (dtypes.size() != counts.size() || in.size() != static_cast<std::size_t>(n) * ntensors)
@@ -476,11 +503,13 @@ PYBIND11_MODULE(_net, m) {
              const ReduceOp rop = reduce_op_from_code(op);
              const ReduceOp agreed = agreed_op_or(agreed_op, rop);
              py::gil_scoped_release nogil;
+             GlooCommunicator::CallTimeout bound(call_timeout(timeout));
              c.batch_all_reduce(n, ntensors, in.data(), out.data(), counts.data(), types.data(), rop, bytes_per_pack,
                                 num_packs, static_cast<Algorithm>(algorithm), agreed);
            },
            py::arg("n"), py::arg("inputs"), py::arg("outputs"), py::arg("counts"), py::arg("dtypes"), py::arg("op"),
            py::arg("bytes_per_pack"), py::arg("num_packs"), py::arg("algorithm"), py::arg("agreed_op") = -1,
+           py::arg("timeout") = -1.0,
            "Tensors fused by the engines' packer; inputs and outputs replica-major (n * len(counts) arrays).")
       .def("close", [](GlooCommunicator& c) {
         py::gil_scoped_release nogil;
@@ -489,22 +518,23 @@ PYBIND11_MODULE(_net, m) {
 
   py::class_<WorkerPlan>(m, "WorkerPlan")
       .def(py::init<py::object, const std::string&, int, py::dtype, std::vector<py::ssize_t>, int, int, int, int, int,
-                    py::function>(),
+                    py::function, double>(),
            py::arg("comm"), py::arg("kind"), py::arg("n"), py::arg("dtype"), py::arg("shape"), py::arg("dtype_code"),
-           py::arg("op"), py::arg("algorithm"), py::arg("root"), py::arg("agreed_op"), py::arg("alloc"))
+           py::arg("op"), py::arg("algorithm"), py::arg("root"), py::arg("agreed_op"), py::arg("alloc"),
+           py::arg("timeout") = -1.0)
       .def("run", &WorkerPlan::run, py::arg("inputs"), py::arg("outputs"));
 
   py::class_<WorkerBatchPlan>(m, "WorkerBatchPlan")
       .def(py::init<py::object, int, std::vector<py::dtype>, std::vector<std::vector<py::ssize_t>>,
-                    const std::vector<int>&, int, std::size_t, int, int, int, py::function>(),
+                    const std::vector<int>&, int, std::size_t, int, int, int, py::function, double>(),
            py::arg("comm"), py::arg("n"), py::arg("dtypes"), py::arg("shapes"), py::arg("dtype_codes"), py::arg("op"),
            py::arg("bytes_per_pack"), py::arg("num_packs"), py::arg("algorithm"), py::arg("agreed_op"),
-           py::arg("alloc"))
+           py::arg("alloc"), py::arg("timeout") = -1.0)
       .def("run", &WorkerBatchPlan::run, py::arg("per_replica_lists"));
 
   py::class_<WorkerGatherPlan>(m, "WorkerGatherPlan")
-      .def(py::init<py::object, py::dtype, int, std::vector<std::vector<py::ssize_t>>, int, py::function>(),
+      .def(py::init<py::object, py::dtype, int, std::vector<std::vector<py::ssize_t>>, int, py::function, double>(),
            py::arg("comm"), py::arg("dtype"), py::arg("dtype_code"), py::arg("shapes"), py::arg("axis"),
-           py::arg("alloc"))
+           py::arg("alloc"), py::arg("timeout") = -1.0)
       .def("run", &WorkerGatherPlan::run, py::arg("inputs"));
 }

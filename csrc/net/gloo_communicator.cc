@@ -305,15 +305,31 @@ const char* GlooCommunicator::payload(int rank) const {
   return rank == rank_ ? payload_ : in_messages_.data() + rank * kGlooMessageBytes + sizeof(CollectiveHeader);
 }
 
+namespace {
+// The CallTimeout in force on this thread; negative: none (the communicator's own timeout applies).
+thread_local std::chrono::milliseconds this_call_timeout{-1};
+}  // namespace
+
+GlooCommunicator::CallTimeout::CallTimeout(std::chrono::milliseconds timeout) : saved_(this_call_timeout) {
+  this_call_timeout = timeout;
+}
+
+GlooCommunicator::CallTimeout::~CallTimeout() { this_call_timeout = saved_; }
+
+std::chrono::milliseconds GlooCommunicator::begin_call_timeout() {
+  call_timeout_ = this_call_timeout.count() >= 0 ? this_call_timeout : timeout_;
+  // "No timeout" still needs a finite wait for Gloo; a dead peer is detected
+  // through its socket long before this.
+  return call_timeout_.count() > 0 ? call_timeout_ : std::chrono::hours(24 * 30);
+}
+
 template <typename Fn>
 void GlooCommunicator::collective(CollectiveHeader& mine, Fn&& fn) {
   const char* what = kind_name(mine.kind);
   if (!broken_.empty()) throw PeerLost(std::string(what) + ": " + broken_);
   mine.seq = static_cast<std::uint64_t>(++seq_);
   running_.store(seq_, std::memory_order_relaxed);
-  // "No timeout" still needs a finite wait for Gloo; a dead peer is detected
-  // through its socket long before this.
-  const auto timeout = timeout_.count() > 0 ? timeout_ : std::chrono::hours(24 * 30);
+  const auto timeout = begin_call_timeout();
   guarded(what, [&] { agree(mine, after(timeout)); });
   continue_collective(what, [&](std::uint32_t tag, std::chrono::milliseconds t) { fn(tag, t); });
 }
@@ -323,7 +339,7 @@ void GlooCommunicator::continue_collective(const char* what, Fn&& fn) {
   if (!broken_.empty()) throw PeerLost(std::string(what) + ": " + broken_);
   running_.store(seq_, std::memory_order_relaxed);
   guarded(what, [&] {
-    const auto timeout = timeout_.count() > 0 ? timeout_ : std::chrono::hours(24 * 30);
+    const auto timeout = begin_call_timeout();
     data_buffers_.clear();  // the last data stage's: Gloo's I/O thread is long done with them
     fn(static_cast<std::uint32_t>(seq_), timeout);
   });
@@ -584,10 +600,10 @@ std::string GlooCommunicator::diagnose(std::int64_t seq, bool timed_out, Verdict
     // Frozen ourselves for about the timeout (our store's loop saw it): the
     // peers gave up on us, so whoever left did nothing wrong.
     const auto pause = recent_pause(std::chrono::seconds(10));  // we fail right after resuming
-    if (timeout_.count() > 0 && pause * 2 >= timeout_ && pause.count() > 0) {
+    if (call_timeout_.count() > 0 && pause * 2 >= call_timeout_ && pause.count() > 0) {
       *verdict = Verdict::kBehind;
       return "this task (" + tasks_[rank_] + ") was frozen for " + seconds(pause) +
-             " (SIGSTOP, or a stalled machine), about the job's timeout of " + seconds(timeout_) +
+             " (SIGSTOP, or a stalled machine), about the collective's timeout of " + seconds(call_timeout_) +
              " or longer, so its peers gave up waiting for it";
     }
     std::vector<std::string> gone, behind;
@@ -604,7 +620,8 @@ std::string GlooCommunicator::diagnose(std::int64_t seq, bool timed_out, Verdict
     if (timed_out || attempt >= 10) {
       if (!behind.empty()) {
         *verdict = Verdict::kBehind;
-        return "task(s) " + join(behind) + " did not reach this collective";
+        return "task(s) " + join(behind) + " did not reach this collective" +
+               (timed_out && call_timeout_.count() > 0 ? " within its timeout of " + seconds(call_timeout_) : "");
       }
       *verdict = Verdict::kUnknown;
       return "every task reached this collective; a peer aborted it after a failure of its own";

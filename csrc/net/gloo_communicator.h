@@ -74,10 +74,26 @@ class GlooCommunicator : public Communicator {
   // this communicator) and the same local_replicas. The mesh is set up over
   // connections authenticated with the job token (mesh.h); this task listens
   // on `host` (its TF_CONFIG host). `timeout` bounds every collective (zero:
-  // none; a dead peer is still detected through its socket).
+  // none; a dead peer is still detected through its socket) that no
+  // CallTimeout overrides.
   GlooCommunicator(std::shared_ptr<StoreClient> store, std::vector<std::string> task_names, int local_replicas,
                    const std::string& host, std::chrono::milliseconds timeout, const std::string& scope);
   ~GlooCommunicator() override;
+
+  // The timeout of one call (CommunicationOptions.timeout_seconds passed to
+  // that call): while it lives, the collectives this thread runs are bounded
+  // by `timeout` (zero: none) instead of the communicator's own. Thread-local,
+  // so concurrent callers on other threads keep theirs.
+  class CallTimeout {
+   public:
+    explicit CallTimeout(std::chrono::milliseconds timeout);
+    ~CallTimeout();
+    CallTimeout(const CallTimeout&) = delete;
+    CallTimeout& operator=(const CallTimeout&) = delete;
+
+   private:
+    std::chrono::milliseconds saved_;
+  };
 
   const char* backend() const override { return "gloo"; }
   int rank() const { return rank_; }
@@ -211,6 +227,9 @@ class GlooCommunicator : public Communicator {
   const int rank_;
   const int local_;
   const std::chrono::milliseconds timeout_;
+  std::chrono::milliseconds call_timeout_{0};  // the running collective's (timeout_ or a CallTimeout's), mu_ held
+  // The running collective's timeout, and the wait it allows (a month where there is none).
+  std::chrono::milliseconds begin_call_timeout();
   const std::string prefix_;  // of this communicator's store keys
   std::shared_ptr<gloo::Context> context_;
   std::mutex mu_;

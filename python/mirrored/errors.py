@@ -1,7 +1,8 @@
 """Errors that users catch by name (``md.errors``, ``tf.errors``' names where TF has one).
 
 Failures of a peer surface as Python's own classes: ``TimeoutError`` (a peer
-did not arrive in time), ``ConnectionError`` (a peer is gone, or the job's
+did not arrive in time; a ``DeadlineExceededError`` too, as TensorFlow raises
+for a collective's timeout), ``ConnectionError`` (a peer is gone, or the job's
 collectives are broken after an earlier failure) and ``PermissionError`` (the
 rendezvous store refused this task).
 """
@@ -76,6 +77,18 @@ class DeadlineExceededError(OpError, TimeoutError):
     """A deadline passed before the operation completed (``tf.errors.DeadlineExceededError``)."""
 
     error_code = DEADLINE_EXCEEDED
+
+
+class PeerDeadlineExceededError(DeadlineExceededError):
+    """The base of ``mirrored._net.PeerTimeoutError``: a peer of a multi-worker job did not arrive within the
+    timeout (of a collective, as TensorFlow's ``DeadlineExceededError``, or of the start-up). Built from its
+    message alone, as the native engine raises it."""
+
+    def __init__(self, message="", *args):
+        super().__init__(None, None, message)
+
+    def __reduce__(self):
+        return type(self), (self.message,)
 
 
 class UnimplementedError(OpError, NotImplementedError):

@@ -152,6 +152,46 @@ TEST(a_late_peer_is_named_at_the_timeout) {
   });
 }
 
+TEST(a_call_timeout_bounds_that_call_alone) {
+  // The communicator has no timeout; one call's CallTimeout ends it while
+  // worker:0 stays away (it waits for the others' failure, not a fixed time).
+  std::atomic<int> failed{0};
+  job(1, milliseconds(0), "call-timeout", [&failed](int rank, GlooCommunicator& comm) {
+    float x = 1;
+    const void* in[1] = {&x};
+    void* out[1] = {&x};
+    comm.all_reduce(1, in, out, 1, DType::kFloat32, ReduceOp::kSum, Algorithm::kAuto);
+    if (rank == 1) {
+      const Deadline give_up = after(milliseconds(60000));
+      while (failed.load() < 2 && Clock::now() < give_up) std::this_thread::sleep_for(milliseconds(10));
+      CHECK(failed.load() == 2);
+      return;
+    }
+    const auto started = Clock::now();
+    bool named = false;
+    try {
+      GlooCommunicator::CallTimeout bound(milliseconds(300));
+      comm.all_reduce(1, in, out, 1, DType::kFloat32, ReduceOp::kSum, Algorithm::kAuto);
+    } catch (const PeerTimeout& e) {
+      named = std::strstr(e.what(), "worker:0 did not reach this collective") != nullptr;
+    } catch (const PeerLost& e) {
+      // Woken by the other waiter's abort: it has named the late task already.
+      named = std::strstr(e.what(), "worker:0") != nullptr;
+    }
+    CHECK(named);
+    CHECK(Clock::now() - started < std::chrono::seconds(30));
+    failed.fetch_add(1);
+    // The job's collectives are broken from then on: a call without a CallTimeout raises at once.
+    bool broken = false;
+    try {
+      comm.all_reduce(1, in, out, 1, DType::kFloat32, ReduceOp::kSum, Algorithm::kAuto);
+    } catch (const PeerLost& e) {
+      broken = std::strstr(e.what(), "broken since") != nullptr;
+    }
+    CHECK(broken);
+  });
+}
+
 // --- the store under hostile local peers -----------------------------------------------------
 
 namespace {

@@ -13,6 +13,7 @@ with job-wide meaning; the job's set-up (store, rendezvous, Gloo mesh) is
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 
@@ -35,7 +36,7 @@ _MAX_DIMS = 32
 class WorkerCollectives:
     """The collectives of a joined job; the subclass that joins it sets ``tasks``, ``rank``,
     ``num_workers``, ``local_replicas``, ``num_replicas``, ``devices``, ``store``, ``_gloo``,
-    ``_timeout``, ``_scope``, ``_implementation`` and ``_device_engine``."""
+    ``_timeout``, ``_scope``, ``_implementation``, ``_device_engine`` and ``_call_engine``."""
 
     # Every call goes through the one collective face (mirrored.collective.plan):
     # its first call of a signature (which names this job's communicator) is
@@ -43,36 +44,44 @@ class WorkerCollectives:
     # call finds the plan and runs it (pointer extraction and one native call
     # with the GIL released). The workers agree on every call natively: each
     # collective's header carries its signature (see GlooCommunicator).
+    #
+    # Every collective takes a call's own CommunicationOptions fields (None:
+    # the strategy's, as CommunicationOptions.merge has it): ``timeout``
+    # (seconds; 0 or inf: none) bounds that call alone, natively
+    # (GlooCommunicator::CallTimeout); ``implementation`` ("RING", "NCCL")
+    # picks the engine of GPU replicas for that call. Both are part of the
+    # plan's signature.
 
-    def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto", _agreed=None):
+    def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto", timeout=None, implementation=None,
+                   _agreed=None):
         # _agreed: the op the workers compare, when it differs from `op` (an
         # integer MEAN runs as a SUM here, but another worker's SUM is still a mismatch).
-        plan = lookup("all_reduce[workers]", (self._gloo, op, algorithm, _agreed), buffers)
+        plan = lookup("all_reduce[workers]", (self._gloo, op, algorithm, _agreed, timeout, implementation), buffers)
         if plan is not None and not tracing():
             done = plan.run(buffers, out)
             if done is not None:
                 return done
-        return self._all_reduce(buffers, op, out, algorithm, _agreed)
+        return self._all_reduce(buffers, op, out, algorithm, _agreed, timeout, implementation)
 
-    def broadcast(self, buffers, root=0, *, out=None):
-        plan = lookup("broadcast[workers]", (self._gloo, root), buffers)
+    def broadcast(self, buffers, root=0, *, out=None, timeout=None, implementation=None):
+        plan = lookup("broadcast[workers]", (self._gloo, root, timeout, implementation), buffers)
         if plan is not None and not tracing():
             done = plan.run(buffers, out)
             if done is not None:
                 return done
-        return self._broadcast(buffers, root, out)
+        return self._broadcast(buffers, root, out, timeout, implementation)
 
-    def reduce(self, buffers, op="sum", root=0, *, out=None, _agreed=None):
+    def reduce(self, buffers, op="sum", root=0, *, out=None, timeout=None, implementation=None, _agreed=None):
         """The job-wide reduction, returned on the worker that holds replica ``root`` (None elsewhere)."""
-        plan = lookup("reduce[workers]", (self._gloo, op, root, _agreed), buffers)
+        plan = lookup("reduce[workers]", (self._gloo, op, root, _agreed, timeout, implementation), buffers)
         if plan is not None and not tracing():
             done = plan.run(buffers, out)
             if done is not None:
                 return done[0]
-        return self._reduce(buffers, op, root, out, _agreed)
+        return self._reduce(buffers, op, root, out, _agreed, timeout, implementation)
 
     def batch_all_reduce(self, per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None,
-                         algorithm="auto", _agreed=None):
+                         algorithm="auto", timeout=None, implementation=None, _agreed=None):
         """All-reduce many tensors per replica, fused: one network all-reduce per pack.
 
         Tensors of one dtype are packed (by the engines' one packer,
@@ -81,66 +90,70 @@ class WorkerCollectives:
         step's gradients cross the network in a few large messages instead of
         many small ones.
         """
-        params = (self._gloo, op, bytes_per_pack, num_packs, algorithm, _agreed)
+        params = (self._gloo, op, bytes_per_pack, num_packs, algorithm, _agreed, timeout, implementation)
         plan = lookup_batch(params, per_replica_lists)
         if plan is not None and not tracing():
             done = plan.run(per_replica_lists)
             if done is not None:
                 return done
-        return self._batch_all_reduce(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, _agreed)
+        return self._batch_all_reduce(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, _agreed, timeout,
+                                      implementation)
 
     # -- the validating path: first calls of a signature, and anything unusual --
 
-    def _all_reduce(self, buffers, op, out, algorithm, agreed):
+    def _all_reduce(self, buffers, op, out, algorithm, agreed, timeout, implementation):
         if integer_mean(buffers, op):  # float64, as in one process (see mirrored.collectives)
-            return true_divide(self.all_reduce(buffers, "sum", algorithm=algorithm, _agreed=op),
-                               self.num_replicas, out)
+            return true_divide(self.all_reduce(buffers, "sum", algorithm=algorithm, timeout=timeout,
+                                               implementation=implementation, _agreed=op), self.num_replicas, out)
         if on_gpu(buffers):
-            return self._device().all_reduce(buffers, op, out=out)
-        comm = self._comm()
+            return self._device(implementation).all_reduce(buffers, op, out=out, timeout=timeout)
+        comm = self._host_comm(implementation)
+        seconds = native_timeout(timeout)
         arrays, code = _inputs(buffers, "buffers")
         opc, algo = op_code(op), algorithm_code(algorithm)
         agreed_code = -1 if agreed is None else op_code(agreed)
         outs, finish = _outputs(out, arrays, "out")
         first = arrays[0]
-        plan = self._plan("all_reduce", arrays, code, opc, algo, 0, agreed_code)
+        plan = self._plan("all_reduce", arrays, code, opc, algo, 0, agreed_code, seconds)
         with span("all_reduce[workers]", first.nbytes, algorithm, len(arrays), self.num_replicas):
             done = plan.run(buffers, out) if plan is not None else None
             if done is None:  # converted inputs or outputs (or a wrong replica count): this call alone
-                comm.all_reduce(arrays, outs, first.size, code, opc, algo, agreed_code)
+                comm.all_reduce(arrays, outs, first.size, code, opc, algo, agreed_code, seconds)
         if done is None:
             return finish()
-        remember("all_reduce[workers]", (comm, op, algorithm, agreed), buffers, plan)
+        remember("all_reduce[workers]", (comm, op, algorithm, agreed, timeout, implementation), buffers, plan)
         return done
 
-    def _broadcast(self, buffers, root, out):
+    def _broadcast(self, buffers, root, out, timeout, implementation):
         if on_gpu(buffers):
-            return self._device().broadcast(buffers, root, out=out)
-        comm = self._comm()
+            return self._device(implementation).broadcast(buffers, root, out=out, timeout=timeout)
+        comm = self._host_comm(implementation)
+        seconds = native_timeout(timeout)
         arrays, code = _inputs(buffers, "buffers")
         index = root_index(root, self.num_replicas)
         outs, finish = _outputs(out, arrays, "out")
         first = arrays[0]
-        plan = self._plan("broadcast", arrays, code, 0, 0, index, -1)
+        plan = self._plan("broadcast", arrays, code, 0, 0, index, -1, seconds)
         with span("broadcast[workers]", first.nbytes, "gloo", len(arrays), self.num_replicas):
             done = plan.run(buffers, out) if plan is not None else None
             if done is None:
-                comm.broadcast(arrays, outs, first.size, code, index)
+                comm.broadcast(arrays, outs, first.size, code, index, seconds)
         if done is None:
             return finish()
-        remember("broadcast[workers]", (comm, root), buffers, plan)
+        remember("broadcast[workers]", (comm, root, timeout, implementation), buffers, plan)
         return done
 
-    def _reduce(self, buffers, op, root, out, agreed):
+    def _reduce(self, buffers, op, root, out, agreed, timeout, implementation):
         if integer_mean(buffers, op):
-            total = self.reduce(buffers, "sum", root, _agreed=op)
+            total = self.reduce(buffers, "sum", root, timeout=timeout, implementation=implementation, _agreed=op)
             if total is None:
                 return None
             local_root = root_index(root, self.num_replicas) % self.local_replicas
             return true_divide([total], self.num_replicas, None if out is None else [out[local_root]])[0]
         if on_gpu(buffers):
-            return self._device().reduce(buffers, op, root, out=out)
-        comm = self._comm()
+            return self._device(implementation).reduce(buffers, op, root, out=out, timeout=timeout)
+        comm = self._host_comm(implementation)
+        seconds = native_timeout(timeout)
         arrays, code = _inputs(buffers, "buffers")
         opc = op_code(op)
         agreed_code = -1 if agreed is None else op_code(agreed)
@@ -155,19 +168,20 @@ class WorkerCollectives:
             holds_root = index // self.local_replicas == self.rank
             targets, finish = _outputs(out, arrays, "out", written=local_root if holds_root else -1)
             target = targets[local_root]
-        plan = self._plan("reduce", arrays, code, opc, 0, index, agreed_code)
+        plan = self._plan("reduce", arrays, code, opc, 0, index, agreed_code, seconds)
         with span("reduce[workers]", arrays[0].nbytes, "gloo", len(arrays), self.num_replicas):
             done = plan.run(buffers, out) if plan is not None else None
             if done is None:
-                comm.reduce(arrays, targets, arrays[0].size, code, opc, index, agreed_code)
+                comm.reduce(arrays, targets, arrays[0].size, code, opc, index, agreed_code, seconds)
         if done is not None:
-            remember("reduce[workers]", (comm, op, root, agreed), buffers, plan)
+            remember("reduce[workers]", (comm, op, root, agreed, timeout, implementation), buffers, plan)
             return done[0]
         if index // self.local_replicas != self.rank:
             return None
         return target if finish is None else finish()[local_root]
 
-    def _batch_all_reduce(self, per_replica_lists, op, bytes_per_pack, num_packs, algorithm, agreed):
+    def _batch_all_reduce(self, per_replica_lists, op, bytes_per_pack, num_packs, algorithm, agreed, timeout,
+                          implementation):
         n = check_batch(per_replica_lists)
         tensors0 = per_replica_lists[0]
         if not tensors0:
@@ -175,11 +189,13 @@ class WorkerCollectives:
         if any_integer_mean(tensors0, op):
             return means_of_sums(
                 self.batch_all_reduce(per_replica_lists, "sum", bytes_per_pack=bytes_per_pack, num_packs=num_packs,
-                                      algorithm=algorithm, _agreed=op), self.num_replicas)
+                                      algorithm=algorithm, timeout=timeout, implementation=implementation,
+                                      _agreed=op), self.num_replicas)
         if on_gpu([tensors0[0]]):
-            return self._device().batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
-                                                   num_packs=num_packs)
-        comm = self._comm()
+            return self._device(implementation).batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
+                                                                 num_packs=num_packs, timeout=timeout)
+        comm = self._host_comm(implementation)
+        seconds = native_timeout(timeout)
         packing = check_packing(bytes_per_pack, num_packs)
         opc, algo = op_code(op), algorithm_code(algorithm)
         agreed_code = -1 if agreed is None else op_code(agreed)
@@ -192,7 +208,7 @@ class WorkerCollectives:
         if n == self.local_replicas:
             plan = config.net_module().WorkerBatchPlan(
                 comm, n, [a.dtype for a in firsts], [a.shape for a in firsts], codes, opc, packing[0], packing[1],
-                algo, agreed_code, recycler.empty)
+                algo, agreed_code, recycler.empty, seconds)
         with span("batch_all_reduce[workers]", sum(a.nbytes for a in firsts), algorithm, n,
                   self.num_replicas):
             done = plan.run(per_replica_lists) if plan is not None else None
@@ -200,16 +216,17 @@ class WorkerCollectives:
                 inputs = [column[r] for r in range(n) for column, _ in columns]
                 outputs = [result_like(a) for a in inputs]
                 comm.batch_all_reduce(n, inputs, outputs, [a.size for a in firsts], codes, opc, packing[0],
-                                      packing[1], algo, agreed_code)
+                                      packing[1], algo, agreed_code, seconds)
                 T = len(columns)
                 return [outputs[r * T:(r + 1) * T] for r in range(n)]
-        remember_batch((comm, op, bytes_per_pack, num_packs, algorithm, agreed), per_replica_lists, plan)
+        remember_batch((comm, op, bytes_per_pack, num_packs, algorithm, agreed, timeout, implementation),
+                       per_replica_lists, plan)
         return done
 
-    def _all_gather(self, buffers, axis):
+    def _all_gather(self, buffers, axis, timeout, implementation):
         if on_gpu(buffers):
-            return self._device().all_gather(buffers, axis)
-        comm = self._comm()
+            return self._device(implementation).all_gather(buffers, axis, timeout=timeout)
+        comm = self._host_comm(implementation)
         arrays, code = _inputs(buffers, "buffers", same_shape=False)
         first = arrays[0]
         if first.ndim == 0 or first.ndim > _MAX_DIMS:
@@ -225,11 +242,11 @@ class WorkerCollectives:
         # included, which every worker checks alike (so every worker raises
         # the same error).
         plan = config.net_module().WorkerGatherPlan(comm, first.dtype, code, [a.shape for a in arrays],
-                                                    int(axis) % first.ndim, recycler.empty)
+                                                    int(axis) % first.ndim, recycler.empty, native_timeout(timeout))
         with span("all_gather[workers]", first.nbytes, "gloo", len(arrays), self.num_replicas):
             done = plan.run(buffers)
             if done is not None:
-                remember("all_gather[workers]", (comm, axis), buffers, plan)
+                remember("all_gather[workers]", (comm, axis, timeout, implementation), buffers, plan)
                 return done
             done = plan.run(arrays)  # converted inputs: this call alone
         if done is None:
@@ -237,22 +254,22 @@ class WorkerCollectives:
                             f"plain NumPy dtype ({', '.join(CODES)})")
         return done
 
-    def _plan(self, kind, arrays, code, opc, algo, root, agreed_code):
+    def _plan(self, kind, arrays, code, opc, algo, root, agreed_code, seconds):
         """A native plan of this call; None where the replica count is wrong (the engine's error explains)."""
         if len(arrays) != self.local_replicas:
             return None
         first = arrays[0]
         return config.net_module().WorkerPlan(self._gloo, kind, len(arrays), first.dtype, first.shape, code, opc,
-                                              algo, root, agreed_code, recycler.empty)
+                                              algo, root, agreed_code, recycler.empty, seconds)
 
-    def all_gather(self, buffers, axis=0):
+    def all_gather(self, buffers, axis=0, *, timeout=None, implementation=None):
         """Every local replica gets the concatenation along ``axis`` of all replicas of the job."""
-        plan = lookup("all_gather[workers]", (self._gloo, axis), buffers)
+        plan = lookup("all_gather[workers]", (self._gloo, axis, timeout, implementation), buffers)
         if plan is not None and not tracing():
             done = plan.run(buffers)
             if done is not None:
                 return done
-        return self._all_gather(buffers, axis)
+        return self._all_gather(buffers, axis, timeout, implementation)
 
     def barrier(self) -> None:
         self._comm().barrier()
@@ -264,15 +281,36 @@ class WorkerCollectives:
             raise RuntimeError("this multi-worker group was closed; create a new strategy")
         return self._gloo
 
-    def _device(self):
-        """The engine for GPU replicas: NCCL across the job, or Gloo through host memory."""
+    def _host_comm(self, implementation):
+        """The Gloo communicator for host buffers; a call's implementation NCCL is refused (NCCL needs GPU
+        replicas), as the strategy's is."""
+        if implementation == "NCCL":
+            raise ValueError(f"options: implementation NCCL needs GPU replicas but this worker has "
+                             f"{list(self.devices or ['/cpu:0'])}; use CommunicationImplementation.AUTO or RING for "
+                             "CPU replicas")
+        return self._comm()
+
+    def _device(self, implementation=None):
+        """The engine for GPU replicas: NCCL across the job, or Gloo through host memory; a call's own
+        ``implementation`` ("RING", "NCCL") over the strategy's. Each engine is made on its first call (on
+        every worker alike: they run the same calls), so at most one NCCL communicator per group."""
         if self._device_engine is None:
             use_nccl = self._implementation != "RING" and (self._implementation == "NCCL" or _gpu.nccl_available())
+            if implementation is not None and (implementation == "NCCL") != use_nccl:
+                return self._call_device(implementation)  # (the strategy's engine is not needed yet)
             self._device_engine = _NcclJob(self) if use_nccl else _HostStaged(self)
             why = "implementation=RING" if self._implementation == "RING" else f"NCCL not installed: {_gpu.NCCL_FIX}"
             logging.getLogger("mirrored").info("GPU replicas across workers: %s",
                                                "NCCL" if use_nccl else f"host memory and Gloo ({why})")
-        return self._device_engine
+        if implementation is None or (implementation == "NCCL") == isinstance(self._device_engine, _NcclJob):
+            return self._device_engine
+        return self._call_device(implementation)
+
+    def _call_device(self, implementation):
+        """The engine of calls whose implementation is not the strategy's (the other kind)."""
+        if self._call_engine is None:
+            self._call_engine = _NcclJob(self) if implementation == "NCCL" else _HostStaged(self)
+        return self._call_engine
 
 
 class _NcclJob:
@@ -280,6 +318,8 @@ class _NcclJob:
 
     Task 0 draws NCCL's unique id and publishes it through the store. all_gather
     (sizes may differ per replica) and reduce go through host memory and Gloo.
+    A call's ``timeout`` bounds those; NCCL's own calls have none (as the
+    strategy's timeout: a dead peer is found by the Gloo mesh).
     """
 
     def __init__(self, group):
@@ -301,14 +341,14 @@ class _NcclJob:
                                                     group.num_replicas, ordinals)
         self._replicas = group.num_replicas
 
-    def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto"):
+    def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto", timeout=None):
         arrays, code, devices = gpu_inputs(buffers, "buffers")
         outs, finish = gpu_outputs(out, arrays, devices, "out")
         self._engine.all_reduce(self._ptrs(arrays), self._ptrs(outs), arrays[0].size, code, op_code(op), 0,
                                 self._streams(devices))
         return finish()
 
-    def broadcast(self, buffers, root=0, *, out=None):
+    def broadcast(self, buffers, root=0, *, out=None, timeout=None):
         arrays, code, devices = gpu_inputs(buffers, "buffers")
         root = root_index(root, self._replicas)
         outs, finish = gpu_outputs(out, arrays, devices, "out")
@@ -316,7 +356,8 @@ class _NcclJob:
                                self._streams(devices))
         return finish()
 
-    def batch_all_reduce(self, per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto"):
+    def batch_all_reduce(self, per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto",
+                         timeout=None):
         columns = [gpu_inputs([lst[t] for lst in per_replica_lists], f"per_replica_lists[*][{t}]")
                    for t in range(len(per_replica_lists[0]))]
         devices = columns[0][2]
@@ -331,11 +372,11 @@ class _NcclJob:
                                       int(bytes_per_pack), int(num_packs or 0), 0, self._streams(devices))
         return outputs
 
-    def reduce(self, buffers, op="sum", root=0, *, out=None):
-        return self._staged.reduce(buffers, op, root, out=out)
+    def reduce(self, buffers, op="sum", root=0, *, out=None, timeout=None):
+        return self._staged.reduce(buffers, op, root, out=out, timeout=timeout)
 
-    def all_gather(self, buffers, axis=0):
-        return self._staged.all_gather(buffers, axis)
+    def all_gather(self, buffers, axis=0, *, timeout=None):
+        return self._staged.all_gather(buffers, axis, timeout=timeout)
 
 
 class _HostStaged:
@@ -351,14 +392,14 @@ class _HostStaged:
             return None if result is None else device_util.place(result, devices[0])
         return [device_util.place(r, d) for r, d in zip(result, devices)]
 
-    def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto"):
-        return _into(out, self._run("all_reduce", buffers, op))
+    def all_reduce(self, buffers, op="sum", *, out=None, algorithm="auto", timeout=None):
+        return _into(out, self._run("all_reduce", buffers, op, timeout=timeout))
 
-    def broadcast(self, buffers, root=0, *, out=None):
-        return _into(out, self._run("broadcast", buffers, root))
+    def broadcast(self, buffers, root=0, *, out=None, timeout=None):
+        return _into(out, self._run("broadcast", buffers, root, timeout=timeout))
 
-    def reduce(self, buffers, op="sum", root=0, *, out=None):
-        result = self._group.reduce([device_util.to_host(b) for b in buffers], op, root)
+    def reduce(self, buffers, op="sum", root=0, *, out=None, timeout=None):
+        result = self._group.reduce([device_util.to_host(b) for b in buffers], op, root, timeout=timeout)
         if result is None:
             return None
         local = root % self._group.local_replicas
@@ -368,13 +409,23 @@ class _HostStaged:
             return out[local]
         return placed
 
-    def all_gather(self, buffers, axis=0):
-        return self._run("all_gather", buffers, axis)
+    def all_gather(self, buffers, axis=0, *, timeout=None):
+        return self._run("all_gather", buffers, axis, timeout=timeout)
 
-    def batch_all_reduce(self, per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto"):
+    def batch_all_reduce(self, per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs=None, algorithm="auto",
+                         timeout=None):
         host = [[device_util.to_host(t) for t in lst] for lst in per_replica_lists]
-        reduced = self._group.batch_all_reduce(host, op, bytes_per_pack=bytes_per_pack, num_packs=num_packs)
+        reduced = self._group.batch_all_reduce(host, op, bytes_per_pack=bytes_per_pack, num_packs=num_packs,
+                                               timeout=timeout)
         return [[device_util.place(r, d) for r in rs] for rs, d in zip(reduced, self._group.devices)]
+
+
+def native_timeout(timeout) -> float:
+    """A call's ``timeout_seconds`` as the native plans take it: -1 for None (the strategy's timeout), 0 for
+    none (0 or inf), else the seconds (validated by CommunicationOptions)."""
+    if timeout is None:
+        return -1.0
+    return 0.0 if timeout == 0 or math.isinf(timeout) else float(timeout)
 
 
 def _into(out, results):

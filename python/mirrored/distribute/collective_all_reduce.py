@@ -81,7 +81,7 @@ class CollectiveGroup(WorkerCollectives):
         timeout = None if no_timeout(timeout) else float(timeout)
         self._timeout = timeout
         self._scope = scope
-        self._device_engine = None
+        self._device_engine = self._call_engine = None  # GPU replicas' engines, made on first use
         self._implementation = getattr(implementation, "value", implementation)
         store_host, store_port = _host_port(addresses[0])
         my_host, _ = _host_port(addresses[rank])
@@ -144,7 +144,7 @@ class CollectiveGroup(WorkerCollectives):
 
     def close(self) -> None:
         """Tears down NCCL and the Gloo mesh; the process's store connection stays for later groups."""
-        self._device_engine = None
+        self._device_engine = self._call_engine = None
         if self._gloo is not None:
             self._gloo.close()
             self._gloo = None

@@ -17,7 +17,7 @@ from ..device.indexed_slices import IndexedSlices, map_arrays
 from ..collective import api as collectives
 from ..collective.plan import all_reduce_plan
 from ..timeline import enabled_native as tracing
-from .options import CommunicationOptions
+from .options import CommunicationImplementation, CommunicationOptions, check_options
 from .reduce_util import ReduceOp, as_reduce_op
 from .values import DistributedValues, Mirrored, PerReplica, Variable, _read
 
@@ -126,20 +126,27 @@ class CrossDeviceOps:
     _sees_all_replicas = True
 
     def reduce(self, reduce_op, per_replica_value, destinations, options=None):
-        """Reduce ``per_replica_value`` and place the result on ``destinations``."""
+        """Reduce ``per_replica_value`` and place the result on ``destinations``.
+
+        ``options``: this call's ``CommunicationOptions``, merged over the strategy's (``bytes_per_pack`` fuses
+        a batch; ``timeout_seconds`` and ``implementation`` act across workers, in CollectiveAllReduce).
+        """
         op = as_reduce_op(reduce_op)
+        options = check_options(options)
         per_replica_value = _as_per_replica(per_replica_value)
         dest_devices = get_devices_from(destinations)
         if self._sees_all_replicas and len(per_replica_value.values) == 1 and \
                 dest_devices == get_devices_from(per_replica_value):
             return per_replica_value.values[0]
         if _sparse(per_replica_value):
-            return self._reduce_indexed_slices(op, per_replica_value, destinations)
+            return self._reduce_indexed_slices(op, per_replica_value, destinations, options)
         return self.reduce_implementation(op, per_replica_value, destinations, options or _DEFAULT_OPTIONS)
 
     def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
-        """Reduce several ``(per_replica_value, destinations)`` pairs; one result per pair."""
+        """Reduce several ``(per_replica_value, destinations)`` pairs; one result per pair (``options``: as
+        :meth:`reduce`'s)."""
         op = as_reduce_op(reduce_op)
+        options = check_options(options)
         pairs = []
         local = self._sees_all_replicas  # stays True while every value is one replica's, already where it goes
         for v, d in value_destination_pairs:
@@ -159,9 +166,15 @@ class CrossDeviceOps:
         # IndexedSlices are gathered one by one, the dense values still fused together (TF splits them so).
         dense = iter(self.batch_reduce_implementation(op, [p for p, s in zip(pairs, sparse) if not s],
                                                       options or _DEFAULT_OPTIONS) if not all(sparse) else ())
-        return [self._reduce_indexed_slices(op, v, d) if s else next(dense) for (v, d), s in zip(pairs, sparse)]
+        return [self._reduce_indexed_slices(op, v, d, options) if s else next(dense)
+                for (v, d), s in zip(pairs, sparse)]
 
-    def _reduce_indexed_slices(self, op, per_replica_value, destinations):
+    def _options_kwargs(self, options) -> dict:
+        """What a call's ``options`` add to the arguments of this engine's collectives: nothing here (one
+        process's collectives have no timeout, and their engine is the ops' own); see CollectiveAllReduce."""
+        return {}
+
+    def _reduce_indexed_slices(self, op, per_replica_value, destinations, options=None):
         """TF's reduction of ``IndexedSlices``: not a sum of dense arrays but every replica's rows, concatenated
         in replica order (an all-gather of the values and one of the indices, whatever the ops' algorithm);
         MEAN scales the values by 1 / replicas. Repeated indices stay repeated: densifying adds them up."""
@@ -177,9 +190,11 @@ class CrossDeviceOps:
                                  f"{tuple(first.values.shape)}; every replica's rows must have one dtype and shape")
         devices = get_devices_from(per_replica_value)
         index_dtype = np.result_type(*[s.indices.dtype for s in slices])  # int32 beside int64: int64, as TF
-        values = self._collectives.all_gather([device_util.place(s.values, d) for s, d in zip(slices, devices)])
+        job = self._options_kwargs(options)
+        values = self._collectives.all_gather([device_util.place(s.values, d) for s, d in zip(slices, devices)],
+                                              **job)
         indices = self._collectives.all_gather([device_util.place(s.indices.astype(index_dtype, copy=False), d)
-                                                for s, d in zip(slices, devices)])
+                                                for s, d in zip(slices, devices)], **job)
         if op is ReduceOp.MEAN:
             replicas = getattr(self._collectives, "num_replicas", len(slices))  # every worker's replicas
             values = [_divided(v, replicas) for v in values]
@@ -217,6 +232,7 @@ class CrossDeviceOps:
 
     def _gather(self, per_replica_value, destinations, axis, options=None):
         """Concatenate the components along ``axis`` and place the result on ``destinations``."""
+        options = check_options(options)
         per_replica_value = _as_per_replica(per_replica_value)
         src = get_devices_from(per_replica_value)
         dest = get_devices_from(destinations)
@@ -224,7 +240,7 @@ class CrossDeviceOps:
             return per_replica_value.values[0]
         arrays = [device_util.place(_read(v), d) for v, d in zip(per_replica_value.values, src)]
         _check_gather(arrays, axis)
-        gathered = self._collectives.all_gather(arrays, axis=axis)
+        gathered = self._collectives.all_gather(arrays, axis=axis, **self._options_kwargs(options))
         if dest == src:
             return Mirrored(gathered, dest)
         return self.broadcast(gathered[0], destinations)
@@ -301,7 +317,7 @@ class _NativeAllReduce(CrossDeviceOps):
         # CUDA graph can hold (md.function); the native engine orders the GPUs with events.
         root = devices.index(dest[0]) if dest[0] in devices else 0
         reduced = self._collectives.reduce(_buffers(per_replica_value), reduce_op.value, root=root,
-                                           algorithm=self._algorithm)
+                                           algorithm=self._algorithm, **self._options_kwargs(options))
         return _fresh_to(reduced, destinations)
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
@@ -328,20 +344,29 @@ class _NativeAllReduce(CrossDeviceOps):
 
     def _all_reduce_lists(self, reduce_op, per_replica_lists, options):
         op = reduce_op._value_  # (.value is a Python-level property)
+        # The call's options over the ops' own (CommunicationOptions.merge): a bytes_per_pack of 0 keeps the ops'.
         bytes_per_pack = (options.bytes_per_pack if options is not None else 0) or self._bytes_per_pack
+        kwargs = self._call_kwargs(options)
         if len(per_replica_lists[0]) == 1:  # one tensor: whatever the packing, one all-reduce (the cheaper call)
             return [[out] for out in self._collectives.all_reduce([lst[0] for lst in per_replica_lists], op,
-                                                                  algorithm=self._algorithm, **self._ring_kwargs)]
+                                                                  algorithm=self._algorithm, **kwargs)]
         if bytes_per_pack:
             return self._collectives.batch_all_reduce(per_replica_lists, op, bytes_per_pack=bytes_per_pack,
-                                                      algorithm=self._algorithm, **self._ring_kwargs)
+                                                      algorithm=self._algorithm, **kwargs)
         if self._num_packs == 0:  # no packing: one all-reduce per tensor
             by_tensor = [self._collectives.all_reduce([lst[t] for lst in per_replica_lists], op,
-                                                      algorithm=self._algorithm, **self._ring_kwargs)
+                                                      algorithm=self._algorithm, **kwargs)
                          for t in range(len(per_replica_lists[0]))]
             return [[by_tensor[t][r] for t in range(len(by_tensor))] for r in range(len(per_replica_lists))]
         return self._collectives.batch_all_reduce(per_replica_lists, op, num_packs=self._num_packs,
-                                                  algorithm=self._algorithm, **self._ring_kwargs)
+                                                  algorithm=self._algorithm, **kwargs)
+
+    def _call_kwargs(self, options) -> dict:
+        """The engine's arguments of a call with ``options``: the ops' own (chunk_bytes) and what the options
+        add (none where they are the defaults: the call is what it is without options)."""
+        if options is None or options is _DEFAULT_OPTIONS:
+            return self._ring_kwargs
+        return {**self._ring_kwargs, **self._options_kwargs(options)}
 
     def _native_batch_reduce(self, devices) -> bool:
         """Whether a batch_reduce of these ops over ``devices`` ends in :meth:`_all_reduce_lists` (no subclass
@@ -367,7 +392,7 @@ class _NativeAllReduce(CrossDeviceOps):
             if not _placed(per_replica, ordinals, array_type):
                 return None
             return self._collectives.all_reduce(per_replica, reduce_op._value_, algorithm=self._algorithm,
-                                                **self._ring_kwargs)
+                                                **self._call_kwargs(options))
         for leaves in zip(*per_replica):
             if not _placed(leaves, ordinals, array_type):
                 return None
@@ -483,12 +508,25 @@ class CollectiveAllReduce(_NativeAllReduce):
             self._sees_all_replicas = group.num_workers == 1
         self.group = group
 
+    def _options_kwargs(self, options) -> dict:
+        """A call's ``timeout_seconds`` and ``implementation``, where they are not the defaults, for the job's
+        collectives (which merge them over the strategy's, as CommunicationOptions.merge does)."""
+        if self.group is None or options is None:
+            return {}
+        kwargs = {}
+        if options.timeout_seconds is not None:
+            kwargs["timeout"] = options.timeout_seconds
+        if options.implementation is not CommunicationImplementation.AUTO:
+            kwargs["implementation"] = options.implementation._value_
+        return kwargs
+
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         devices = get_devices_from(per_replica_value)
         if get_devices_from(destinations) == devices:
             return self.batch_reduce_implementation(reduce_op, [(per_replica_value, destinations)], options)[0]
         # An all-reduce, not a reduce to one root: every worker needs the value.
-        reduced = self._collectives.all_reduce(_buffers(per_replica_value), reduce_op.value)[0]
+        reduced = self._collectives.all_reduce(_buffers(per_replica_value), reduce_op.value,
+                                               **self._options_kwargs(options))[0]
         return self.broadcast(reduced, destinations)
 
 

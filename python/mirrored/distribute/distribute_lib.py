@@ -20,7 +20,7 @@ from ..timeline import HOST_ROW, enabled_native as tracing, replica_wait, set_ro
 from ..device import device_util, gpu as _gpu
 from ..device.indexed_slices import IndexedSlices, convert_to_tensor, map_arrays
 from .name_scope import scoped_name
-from .options import InputReplicationMode, VariableAggregation, VariableSynchronization
+from .options import InputReplicationMode, VariableAggregation, VariableSynchronization, check_options
 from .reduce_util import ReduceOp, as_reduce_op
 from .values import (DeviceVariable, DistributedValues, Mirrored, PerReplica, _read, regroup, select_replica,
                      value_container)
@@ -220,7 +220,8 @@ class ReplicaContext:
     def all_reduce(self, reduce_op, value, options=None):
         """Reduce ``value`` (an array or a nested structure of arrays) across replicas; all get the result.
 
-        All leaves go through one fused batch all-reduce of the strategy's cross-device ops.
+        All leaves go through one fused batch all-reduce of the strategy's cross-device ops. ``options``: this
+        call's ``CommunicationOptions``, merged over the strategy's (docs/multi_worker.md).
         """
         # A repeated call first: its combine is kept by the op's name as given (a ReduceOp by its value; not
         # by the ReduceOp: its hash is Python code).
@@ -242,6 +243,7 @@ class ReplicaContext:
                     return self._group.exchange(self._local_replica_id, "all_reduce", value, combine)
                 return self._collective("all_reduce", value, combine)
         op = as_reduce_op(reduce_op)
+        check_options(options)
         # Made once per op: the built-in native ops take the replicas' arrays straight, as batch_reduce_to
         # would hand them over (none: through batch_reduce_to).
         native = self._strategy.extended._native_replica_all_reduce(op, options)
@@ -253,6 +255,7 @@ class ReplicaContext:
 
     def all_gather(self, value, axis: int, options=None):
         """Concatenate every replica's ``value`` along ``axis`` (sizes may differ along ``axis`` only)."""
+        check_options(options)
         if IndexedSlices in map(type, flatten(value)):  # (TF's words)
             raise NotImplementedError("all_gather does not support IndexedSlices; gather their values and "
                                       "indices (two arrays) instead, or all_reduce them (their rows concatenate)")
@@ -615,16 +618,21 @@ class StrategyExtended:
     # public API: checks, then the subclass's implementation
 
     def reduce_to(self, reduce_op, value, destinations, options=None):
-        """Reduce ``value`` (distributed, or a nested structure of them) to ``destinations``."""
+        """Reduce ``value`` (distributed, or a nested structure of them) to ``destinations``; ``options``: this
+        call's ``CommunicationOptions`` (merged over the strategy's)."""
         op = as_reduce_op(reduce_op)
+        check_options(options)
         _require_cross_replica_or_default(self._container_strategy, "reduce_to")
         destinations = self._with_devices(destinations, "destinations")
         return map_structure(
             lambda v: self._reduce_to(op, self._with_devices(v, "value"), destinations, options), value)
 
     def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
-        """Reduce several ``(value, destinations)`` pairs in one fused call; one result per pair."""
+        """Reduce several ``(value, destinations)`` pairs in one fused call; one result per pair (``options``: as
+        :meth:`reduce_to`'s)."""
         op = as_reduce_op(reduce_op)
+        if options is not None:
+            check_options(options)
         strategy = self._container_strategy
         top = _top()  # (the common cases, outside any scope or in this strategy's, checked without a call)
         if top is not _DEFAULT and (top.strategy is not strategy or top.replica_context is not None):

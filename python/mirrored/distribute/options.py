@@ -76,9 +76,12 @@ class CommunicationOptions:
         self.implementation = implementation
 
     def merge(self, options: "CommunicationOptions | None") -> "CommunicationOptions":
-        """These options with the non-default fields of ``options`` taking precedence."""
+        """A new ``CommunicationOptions``: these, with the fields of ``options`` that are not their defaults
+        (``bytes_per_pack`` != 0, ``timeout_seconds`` not None, ``implementation`` not AUTO) taking precedence;
+        a copy of these where ``options`` is None (as TensorFlow's)."""
         if options is None:
-            return self
+            return CommunicationOptions(self.bytes_per_pack, self.timeout_seconds, self.implementation)
+        options = check_options(options)
         return CommunicationOptions(
             bytes_per_pack=options.bytes_per_pack or self.bytes_per_pack,
             timeout_seconds=options.timeout_seconds if options.timeout_seconds is not None else self.timeout_seconds,
@@ -106,6 +109,22 @@ class CollectiveHints:
             logging.getLogger("mirrored").warning(
                 "CollectiveHints is deprecated: use md.distribute.experimental.CommunicationOptions instead")
         return CommunicationOptions(bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds)
+
+
+class CommunicationOptionsTypeError(TypeError, AttributeError):
+    """``options=`` of a collective call that is not a ``CommunicationOptions``. An ``AttributeError`` too:
+    TensorFlow fails reading the missing field (``'str' object has no attribute 'bytes_per_pack'``)."""
+
+
+def check_options(options, argument: str = "options"):
+    """``options`` when it is None or a ``CommunicationOptions``; else a CommunicationOptionsTypeError naming
+    ``argument`` and the fix."""
+    if options is None or type(options) is CommunicationOptions or isinstance(options, CommunicationOptions):
+        return options
+    raise CommunicationOptionsTypeError(
+        f"{argument}={options!r}: expected md.distribute.experimental.CommunicationOptions(bytes_per_pack=..., "
+        f"timeout_seconds=..., implementation=...) or None ('{type(options).__name__}' object has no attribute "
+        "'bytes_per_pack')")
 
 
 def _check_timeout(value, limit):
