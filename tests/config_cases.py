@@ -34,7 +34,8 @@ SCENARIOS = {
     ],
     "memory_growth": [
         "config.experimental.get_memory_growth(cpu())", "config.experimental.set_memory_growth(cpu(), True)",
-        "config.experimental.get_memory_growth(phantom_gpu)", "config.experimental.set_memory_growth(phantom_gpu, True)",
+        "config.experimental.get_memory_growth(phantom_gpu)",
+        "config.experimental.set_memory_growth(phantom_gpu, True)",
         "config.experimental.get_memory_growth('GPU:0')", "config.experimental.set_memory_growth('CPU:0', True)",
     ],
     "memory_growth_of_split_cpu": [
@@ -44,7 +45,8 @@ SCENARIOS = {
         "config.list_logical_devices('CPU')",
     ],
     "virtual_device_aliases": [
-        "config.experimental.set_virtual_device_configuration(cpu(), [config.experimental.VirtualDeviceConfiguration()] * 3)",
+        "config.experimental.set_virtual_device_configuration("
+        "cpu(), [config.experimental.VirtualDeviceConfiguration()] * 3)",
         "config.get_logical_device_configuration(cpu())", "len(config.list_logical_devices('CPU'))",
         "config.experimental.VirtualDeviceConfiguration is config.LogicalDeviceConfiguration",
     ],
@@ -68,7 +70,8 @@ SCENARIOS = {
     ],
     "soft_placement": [
         "config.get_soft_device_placement()", "config.set_soft_device_placement(False)",
-        "config.get_soft_device_placement()", "config.set_soft_device_placement(1)", "config.get_soft_device_placement()",
+        "config.get_soft_device_placement()", "config.set_soft_device_placement(1)",
+        "config.get_soft_device_placement()",
     ],
     "threads": [
         "config.threading.get_inter_op_parallelism_threads()", "config.threading.get_intra_op_parallelism_threads()",
@@ -78,7 +81,8 @@ SCENARIOS = {
     ],
     "threads_bad": [
         "config.threading.set_intra_op_parallelism_threads(-1)", "config.threading.get_intra_op_parallelism_threads()",
-        "config.threading.set_inter_op_parallelism_threads('a')", "config.threading.set_intra_op_parallelism_threads(2.5)",
+        "config.threading.set_inter_op_parallelism_threads('a')",
+        "config.threading.set_intra_op_parallelism_threads(2.5)",
     ],
     "after_initialization": [
         "len(config.list_logical_devices())", "config.set_visible_devices([], 'GPU')",

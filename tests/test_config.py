@@ -115,7 +115,8 @@ def test_the_intra_op_count_is_the_host_pools_thread_count_in_a_new_process():
 TF_NAMES = {"LogicalDevice", "LogicalDeviceConfiguration", "PhysicalDevice", "experimental",
             "experimental_functions_run_eagerly", "experimental_run_functions_eagerly", "functions_run_eagerly",
             "get_logical_device_configuration", "get_soft_device_placement", "get_visible_devices",
-            "list_logical_devices", "list_physical_devices", "run_functions_eagerly", "set_logical_device_configuration",
+            "list_logical_devices", "list_physical_devices", "run_functions_eagerly",
+            "set_logical_device_configuration",
             "set_soft_device_placement", "set_visible_devices", "threading"}
 OURS = {"VirtualDeviceConfiguration", "engine_name", "is_cuda_available", "is_gloo_available", "is_nccl_available",
         "num_gpus", "physical_gpu_index", "hidden_note", "net_module", "net_load_error", "GLOO_NOT_BUILT"}
@@ -132,8 +133,8 @@ def _public(namespace) -> set:
 
 
 def test_the_namespaces_are_tfs_names_and_our_documented_extras():
-    assert _public(md.config) == TF_NAMES | OURS
-    assert _public(md.config.experimental) == TF_EXPERIMENTAL
+    assert _public(md.config) == set(md.config.__all__) == TF_NAMES | OURS
+    assert _public(md.config.experimental) == set(md.config.experimental.__all__) == TF_EXPERIMENTAL
     assert _public(md.config.threading) == TF_THREADING
 
 
@@ -174,7 +175,8 @@ def test_run_functions_eagerly_skips_the_capture_and_gives_the_captured_results(
             fn = md.function(step)
             for s in range(3):
                 out = strategy.run(fn, args=gpu_env.replica_batches(strategy, s, data))
-                results.setdefault(s, []).append([gpu_env.cupy.asnumpy(v) for v in strategy.experimental_local_results(out)])
+                local = strategy.experimental_local_results(out)
+                results.setdefault(s, []).append([gpu_env.cupy.asnumpy(v) for v in local])
         # captured: the warm-up and the capture run the Python (twice per replica), the replay none; eager: every call
         assert len(traced) == (4 if not eagerly else 6)
         assert fn.experimental_get_tracing_count() == (0 if eagerly else 1)

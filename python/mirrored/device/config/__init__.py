@@ -13,14 +13,24 @@ Unlike TensorFlow, devices may be hidden or split at any time; a change applies 
 ``memory_limit`` is recorded, not enforced (cap CuPy with ``cupy.get_default_memory_pool().set_limit``).
 """
 
-from ..engine import name as engine_name  # noqa: F401
-from . import experimental, threading  # noqa: F401
-from ._devices import (LogicalDevice, LogicalDeviceConfiguration, PhysicalDevice,  # noqa: F401
+from ..engine import name as engine_name
+from . import experimental, threading
+from ._devices import (LogicalDevice, LogicalDeviceConfiguration, PhysicalDevice,
                        LogicalDeviceConfiguration as VirtualDeviceConfiguration, get_logical_device_configuration,
                        get_visible_devices, hidden_note, list_logical_devices, list_physical_devices, num_gpus,
                        physical_gpu_index, set_logical_device_configuration, set_visible_devices)
-from ._execution import (experimental_functions_run_eagerly, experimental_run_functions_eagerly,  # noqa: F401
+from ._execution import (experimental_functions_run_eagerly, experimental_run_functions_eagerly,
                          functions_run_eagerly, get_soft_device_placement, run_functions_eagerly,
                          set_soft_device_placement)
-from ._installation import (GLOO_NOT_BUILT, is_cuda_available, is_gloo_available, is_nccl_available,  # noqa: F401
+from ._installation import (GLOO_NOT_BUILT, is_cuda_available, is_gloo_available, is_nccl_available,
                             net_load_error, net_module)
+
+__all__ = [  # TF's tf.config names, then ours (docs/config.md)
+    "LogicalDevice", "LogicalDeviceConfiguration", "PhysicalDevice", "experimental",
+    "experimental_functions_run_eagerly", "experimental_run_functions_eagerly", "functions_run_eagerly",
+    "get_logical_device_configuration", "get_soft_device_placement", "get_visible_devices", "list_logical_devices",
+    "list_physical_devices", "run_functions_eagerly", "set_logical_device_configuration", "set_soft_device_placement",
+    "set_visible_devices", "threading",
+    "VirtualDeviceConfiguration", "engine_name", "is_cuda_available", "is_gloo_available", "is_nccl_available",
+    "num_gpus", "physical_gpu_index", "hidden_note", "net_module", "net_load_error", "GLOO_NOT_BUILT",
+]

@@ -10,12 +10,16 @@ GPU's memory with ``cupy.get_default_memory_pool().set_limit``.
 import contextlib as _contextlib
 import logging as _logging
 
-from ._devices import PhysicalDevice as _PhysicalDevice, physical_gpu_index as _physical_gpu_index, \
-    physical_key as _physical_key
-from ._devices import (LogicalDeviceConfiguration as VirtualDeviceConfiguration,  # noqa: F401 (TF's names here)
+from ._devices import (LogicalDeviceConfiguration as VirtualDeviceConfiguration, PhysicalDevice as _PhysicalDevice,
                        get_logical_device_configuration as get_virtual_device_configuration, get_visible_devices,
-                       list_logical_devices, list_physical_devices,
+                       list_logical_devices, list_physical_devices, physical_gpu_index as _physical_gpu_index,
+                       physical_key as _physical_key,
                        set_logical_device_configuration as set_virtual_device_configuration, set_visible_devices)
+
+__all__ = ["VirtualDeviceConfiguration", "get_device_details", "get_memory_growth", "get_memory_info",
+           "get_memory_usage", "get_virtual_device_configuration", "get_visible_devices", "list_logical_devices",
+           "list_physical_devices", "reset_memory_stats", "set_memory_growth", "set_virtual_device_configuration",
+           "set_visible_devices"]
 
 # physical GPU index -> memory growth, as set; absent: TF's default, off
 _memory_growth: dict[int, bool] = {}
