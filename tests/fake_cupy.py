@@ -34,6 +34,7 @@ when the kernel runs). dtypes are CuPy's (no bfloat16).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import functools
@@ -309,7 +310,13 @@ class Memory:
                                f"capture of a stream of device {self.device_id} (allocate from a graph-private "
                                "MemoryPool)")
         self.ptr = sim.malloc(size, self.device_id)
-        weakref.finalize(self, _free, self.ptr, get_current_stream(self.device_id).ptr)
+        _pool.taken(self.device_id, size)
+        weakref.finalize(self, _free_default, self.ptr, get_current_stream(self.device_id).ptr, self.device_id, size)
+
+
+def _free_default(ptr, stream, device, size):
+    _free(ptr, stream)
+    _pool.given_back(device, size)
 
 
 class PooledMemory:
@@ -466,14 +473,37 @@ def alloc_pinned_memory(nbytes: int):
 
 
 class _Pool:
+    """The default pool's counts, per device (CuPy's answer for the current device): ``used_bytes``, the bytes of
+    live default allocations; ``total_bytes``, the bytes CuPy's cache would hold: the most in use since
+    ``free_all_blocks`` (the allocations themselves are unpooled here)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._used = collections.Counter()
+        self._held = collections.Counter()
+
+    def taken(self, device, size):
+        with self._lock:
+            self._used[device] += size
+            self._held[device] = max(self._held[device], self._used[device])
+
+    def given_back(self, device, size):
+        with self._lock:
+            self._used[device] -= size
+
     def set_limit(self, size=None, fraction=None):
         pass
 
     def free_all_blocks(self):
-        pass
+        device = _device_id()
+        with self._lock:
+            self._held[device] = self._used[device]
 
     def used_bytes(self):
-        return 0
+        return self._used[_device_id()]
+
+    def total_bytes(self):
+        return self._held[_device_id()]
 
 
 _pool = _Pool()

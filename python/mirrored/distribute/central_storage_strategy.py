@@ -58,7 +58,8 @@ def _parameter_device(parameter_device) -> str:
     num_gpus = len(config.list_logical_devices("GPU"))
     if spec.device_type == "GPU" and spec.device_index >= num_gpus:
         raise ValueError(f"parameter_device={parameter_device!r} is not available; this machine has {num_gpus} "
-                         "GPU(s) (md.config.list_logical_devices('GPU')); use '/cpu:0' instead")
+                         f"GPU(s) (md.config.list_logical_devices('GPU'){config.hidden_note('GPU')}); use '/cpu:0' "
+                         "instead")
     return device
 
 

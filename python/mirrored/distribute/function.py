@@ -32,7 +32,7 @@ import warnings
 import numpy as np
 
 from .._nest import flatten, flatten_with_structure_key, map_structure, pack_sequence_as
-from ..device import device_util, gpu as _gpu
+from ..device import config, device_util, gpu as _gpu
 from ..data.structure import TensorSpec
 from ..device.indexed_slices import convert_to_tensor
 from . import distribute_lib, function_signature
@@ -158,7 +158,9 @@ class Function:
     # --- calls -----------------------------------------------------------------------
 
     def _call(self, strategy, args, kwargs):
-        if _gpu.step_scope() is not None:  # inside another md.function's step: part of that step
+        if _gpu.step_scope() is not None or config.functions_run_eagerly():
+            # inside another md.function's step: part of that step; or md.config.run_functions_eagerly(True): the
+            # Python function at every call, neither traced nor captured (TF's debugging mode)
             return self._eager(strategy, args, kwargs)
         with self._lock:
             inputs = _Inputs(args, kwargs)

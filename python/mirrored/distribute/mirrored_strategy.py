@@ -363,7 +363,8 @@ def _resolve_devices(devices) -> tuple:
         spec = device_util.parse(d)
         if spec.device_type == "GPU" and spec.device_index >= num_gpus:
             raise ValueError(f"devices: {given!r} is not available; this machine has {num_gpus} GPU(s) "
-                             "(md.config.list_logical_devices('GPU')); use CPU devices like '/cpu:0' instead")
+                             f"(md.config.list_logical_devices('GPU'){config.hidden_note('GPU')}); use CPU devices "
+                             "like '/cpu:0' instead")
     return canonical
 
 

@@ -46,7 +46,7 @@ def _cuda() -> dict:
         from .._cuda import device_properties  # type: ignore[import-not-found]
     except ImportError as e:
         return {"built": False, "devices": 0, "reason": f"CUDA extension not built ({e}); rebuild with nvcc on PATH"}
-    count = config._num_gpus()
+    count = config.num_gpus()
     out = {"built": True, "devices": count, "available": config.is_cuda_available()}
     if count:
         props = [device_properties(i) for i in range(count)]
