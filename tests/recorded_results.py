@@ -35,3 +35,14 @@ def nest(value):
     if array.dtype == object or array.dtype.kind == "S":
         return {"bytes": array.item().decode() if array.ndim == 0 else [b.decode() for b in array.ravel()]}
     return {"dtype": array.dtype.name, "shape": list(array.shape), "v": array.tolist()}
+
+
+def replica_values(value, distributed_type):
+    """A collective's result: a ``distributed_type`` (TF's or mirrored's DistributedValues) by its replicas'
+    values, lists and tuples as lists, arrays by dtype, shape and values."""
+    if isinstance(value, distributed_type):
+        return {"per_replica": [replica_values(v, distributed_type) for v in value.values]}
+    if isinstance(value, (list, tuple)):
+        return [replica_values(v, distributed_type) for v in value]
+    a = np.asarray(value)
+    return {"dtype": a.dtype.name, "shape": list(a.shape), "v": a.tolist()}

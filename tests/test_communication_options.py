@@ -14,6 +14,7 @@ import mirrored as md
 from data_parity import DATA, logical_cpus
 from multiworker_launch import launch
 from multiworker_marks import MULTIWORKER
+from recorded_results import replica_values
 
 with open(os.path.join(DATA, "tf_communication_options_reference.json")) as f:
     REF = json.load(f)
@@ -68,18 +69,9 @@ def test_which_calls_take_options_matches_tensorflow(name):
     assert params[:len(expected)] == expected, (name, params)
 
 
-def _as_json(value):
-    if isinstance(value, md.distribute.DistributedValues):
-        return {"per_replica": [_as_json(v) for v in value.values]}
-    if isinstance(value, (list, tuple)):
-        return [_as_json(v) for v in value]
-    a = np.asarray(value)
-    return {"dtype": a.dtype.name, "shape": list(a.shape), "v": a.tolist()}
-
-
 def _outcome(thunk):
     try:
-        return {"value": _as_json(thunk())}
+        return {"value": replica_values(thunk(), md.distribute.DistributedValues)}
     except Exception as e:  # (compared with what TF raised)
         return {"raises": e, "msg": str(e)}
 

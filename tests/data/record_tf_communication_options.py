@@ -18,9 +18,9 @@ import tempfile
 import threading
 import time
 
-import numpy as np
 
 from recording import logical_cpus, record_by_replicas, tf, write_reference  # (this folder: the script's own)
+from recorded_results import replica_values  # (the tests folder: recording puts it on the path)
 
 CO = tf.distribute.experimental.CommunicationOptions
 IMPL = tf.distribute.experimental.CommunicationImplementation
@@ -82,18 +82,9 @@ def signatures() -> dict:
             for name, fn in entries.items()}
 
 
-def as_json(value):
-    if isinstance(value, tf.distribute.DistributedValues):
-        return {"per_replica": [as_json(v) for v in value.values]}
-    if isinstance(value, (list, tuple)):
-        return [as_json(v) for v in value]
-    a = np.asarray(value)
-    return {"dtype": a.dtype.name, "shape": list(a.shape), "v": a.tolist()}
-
-
 def outcome(thunk):
     try:
-        return {"value": as_json(thunk())}
+        return {"value": replica_values(thunk(), tf.distribute.DistributedValues)}
     except Exception as e:  # what TF raises is the recorded result
         return {"raises": type(e).__name__, "msg": str(e)[:400]}
 
