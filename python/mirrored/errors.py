@@ -31,6 +31,17 @@ RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ABORTED, OUT_OF_RANGE, UNIMPLEMENTED, I
 DATA_LOSS, UNAUTHENTICATED = 15, 16
 
 
+class _ErrorCode:
+    """``error_code``: read-only on an error, as TF's; on a class, the code of its errors (``NotFoundError.error_code
+    == NOT_FOUND``), which code written against mirrored's earlier classes reads."""
+
+    def __get__(self, error, cls):
+        return cls._class_code if error is None else error._error_code
+
+    def __set__(self, error, value):
+        raise AttributeError("error_code is read-only, as TF's; raise an error of the class of the code instead")
+
+
 class OpError(Exception):
     """An error with TF's error code (``tf.errors.OpError``): ``message``, ``error_code``, ``op``, ``node_def``
     and ``experimental_payloads``.
@@ -48,7 +59,8 @@ class OpError(Exception):
     message = property(lambda self: self._message, doc="The error message, as TF's.")
     op = property(lambda self: self._op, doc="The operation that failed: None (mirrored runs no graph).")
     node_def = property(lambda self: self._node_def, doc="The failed op's NodeDef: None (no graph).")
-    error_code = property(lambda self: self._error_code, doc="TF's integer error code (``md.errors.NOT_FOUND``...).")
+    _class_code = UNKNOWN  # (OpError itself takes the code as an argument)
+    error_code = _ErrorCode()
     experimental_payloads = property(lambda self: self._experimental_payloads,
                                      doc="Extra details as a dict of bytes (TF's status payloads); {} by default.")
 
@@ -69,7 +81,8 @@ def _op_error(name: str, code: int, builtin: type, doc: str) -> type:
         OpError.__init__(self, node_def, op, message, code, *args)
 
     __init__.__qualname__ = f"{name}.__init__"
-    return type(name, (OpError, builtin), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
+    return type(name, (OpError, builtin), {"__init__": __init__, "__doc__": doc, "__module__": __name__,
+                                           "_class_code": code})
 
 
 CancelledError = _op_error("CancelledError", CANCELLED, RuntimeError, """An operation was cancelled
@@ -130,7 +143,7 @@ class CollectiveMismatchError(ValueError):
     """
 
 
-_CLASS_OF_CODE = {cls(None, None, "").error_code: cls for cls in (
+_CLASS_OF_CODE = {cls.error_code: cls for cls in (
     CancelledError, UnknownError, InvalidArgumentError, DeadlineExceededError, NotFoundError, AlreadyExistsError,
     PermissionDeniedError, UnauthenticatedError, ResourceExhaustedError, FailedPreconditionError, AbortedError,
     OutOfRangeError, UnimplementedError, InternalError, UnavailableError, DataLossError)}
