@@ -1,4 +1,10 @@
-"""Errors that users catch by name (``md.errors``, ``tf.errors``' names where TF has one).
+"""Errors that users catch by name (``md.errors``: all of ``tf.errors``' classes and codes, and mirrored's own).
+
+Each ``OpError`` subclass is also the Python error a Python caller would catch
+(``NotFoundError`` a ``FileNotFoundError``, ``DataLossError`` a ``ValueError``,
+``OutOfRangeError`` a ``StopIteration``...: the table in docs/tf_semantics.md),
+so ``except tf.errors.NotFoundError`` ported as ``except md.errors.NotFoundError``
+and a plain ``except FileNotFoundError`` both catch it.
 
 Failures of a peer surface as Python's own classes: ``TimeoutError`` (a peer
 did not arrive in time; a ``DeadlineExceededError`` too, as TensorFlow raises
@@ -9,74 +15,116 @@ rendezvous store refused this task).
 
 from __future__ import annotations
 
-__all__ = ["CancelledError", "CollectiveMismatchError", "OutOfRangeError", "OpError", "UnknownError",
-           "InvalidArgumentError", "DeadlineExceededError", "UnimplementedError", "UnavailableError", "OK",
-           "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "OUT_OF_RANGE", "UNIMPLEMENTED", "UNAVAILABLE"]
+import errno as _errno
+
+__all__ = ["OpError", "CancelledError", "UnknownError", "InvalidArgumentError", "DeadlineExceededError",
+           "NotFoundError", "AlreadyExistsError", "PermissionDeniedError", "UnauthenticatedError",
+           "ResourceExhaustedError", "FailedPreconditionError", "AbortedError", "OutOfRangeError",
+           "UnimplementedError", "InternalError", "UnavailableError", "DataLossError",
+           "OperatorNotAllowedInGraphError", "CollectiveMismatchError", "exception_type_from_error_code",
+           "error_code_from_exception_type", "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
+           "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED",
+           "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"]
 
 # TF's error codes (tf.errors.*: gRPC's status codes), as a remote call reports them
-OK, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, OUT_OF_RANGE, UNIMPLEMENTED, UNAVAILABLE = 0, 2, 3, 4, 11, 12, 14
+OK, CANCELLED, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED = range(8)
+RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ABORTED, OUT_OF_RANGE, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = range(8, 15)
+DATA_LOSS, UNAUTHENTICATED = 15, 16
 
 
-class OutOfRangeError(StopIteration):
-    """``iterator.get_next()`` past the end of the data (``tf.errors.OutOfRangeError``).
+class _ErrorCode:
+    """``error_code``: read-only on an error, as TF's; on a class, the code of its errors (``NotFoundError.error_code
+    == NOT_FOUND``), which code written against mirrored's earlier classes reads."""
 
-    A ``StopIteration`` too, so loops written for Python's iterator protocol end on it as well.
-    """
+    def __get__(self, error, cls):
+        return cls._class_code if error is None else error._error_code
 
-
-class CancelledError(RuntimeError):
-    """An operation was cancelled (``tf.errors.CancelledError``): e.g. a function scheduled with
-    ``ClusterCoordinator.schedule`` that did not run because another one failed first; reschedule it."""
-
-
-class CollectiveMismatchError(ValueError):
-    """The workers of a job called one collective differently.
-
-    Raised on every worker alike, before any data moved, e.g. ``all_reduce #12:
-    worker:0 passes 10 float32 elements (sum), worker:1 passes 20 float32
-    elements (sum)``: the kind of collective, the element count, the dtype, the
-    reduction op, the root or a gather's shapes differ. The job's collectives
-    keep working afterwards: the next collective is matched afresh.
-    """
+    def __set__(self, error, value):
+        raise AttributeError("error_code is read-only, as TF's; raise an error of the class of the code instead")
 
 
 class OpError(Exception):
-    """An error with TF's error code (``tf.errors.OpError``): ``message`` and ``error_code``.
+    """An error with TF's error code (``tf.errors.OpError``): ``message``, ``error_code``, ``op``, ``node_def``
+    and ``experimental_payloads``.
 
-    Built as TF builds them, ``InvalidArgumentError(node_def, op, message)`` (``node_def`` and ``op`` are None
-    here: there is no graph). Each subclass is also the Python error a Python caller would catch.
+    Built as TF builds them: ``OpError(node_def, op, message, error_code)``, a subclass
+    ``NotFoundError(node_def, op, message)``; an optional next argument is the payloads dict. ``node_def`` and
+    ``op`` are None here: there is no graph.
     """
 
-    error_code = UNKNOWN
-
-    def __init__(self, node_def, op, message, *args):
+    def __init__(self, node_def, op, message, error_code, *args):
         super().__init__(message)
-        self.node_def, self.op, self.message = node_def, op, message
+        self._node_def, self._op, self._message, self._error_code = node_def, op, message, error_code
+        self._experimental_payloads = args[0] if args else {}
+
+    message = property(lambda self: self._message, doc="The error message, as TF's.")
+    op = property(lambda self: self._op, doc="The operation that failed: None (mirrored runs no graph).")
+    node_def = property(lambda self: self._node_def, doc="The failed op's NodeDef: None (no graph).")
+    _class_code = UNKNOWN  # (OpError itself takes the code as an argument)
+    error_code = _ErrorCode()
+    experimental_payloads = property(lambda self: self._experimental_payloads,
+                                     doc="Extra details as a dict of bytes (TF's status payloads); {} by default.")
 
     def __reduce__(self):
-        return type(self), (self.node_def, self.op, self.message)
+        payloads = (self._experimental_payloads,) if self._experimental_payloads else ()
+        if type(self) is OpError:
+            return OpError, (self._node_def, self._op, self._message, self._error_code, *payloads)
+        return type(self), (self._node_def, self._op, self._message, *payloads)
 
     def __str__(self) -> str:
-        return str(self.message)
+        return str(self._message)
 
 
-class UnknownError(OpError, RuntimeError):
-    """An error of no other kind (``tf.errors.UnknownError``): e.g. a remote function raised ``KeyError``."""
+def _op_error(name: str, code: int, builtin: type, doc: str) -> type:
+    """The ``tf.errors`` class ``name``: an ``OpError`` of ``code`` that is also the Python ``builtin``."""
 
-    error_code = UNKNOWN
+    def __init__(self, node_def, op, message, *args):
+        OpError.__init__(self, node_def, op, message, code, *args)
 
-
-class InvalidArgumentError(OpError, ValueError):
-    """An argument was refused (``tf.errors.InvalidArgumentError``): e.g. an RPC to a method that is not
-    registered, or a remote function that raised ``ValueError`` or ``TypeError``."""
-
-    error_code = INVALID_ARGUMENT
+    __init__.__qualname__ = f"{name}.__init__"
+    return type(name, (OpError, builtin), {"__init__": __init__, "__doc__": doc, "__module__": __name__,
+                                           "_class_code": code})
 
 
-class DeadlineExceededError(OpError, TimeoutError):
-    """A deadline passed before the operation completed (``tf.errors.DeadlineExceededError``)."""
-
-    error_code = DEADLINE_EXCEEDED
+CancelledError = _op_error("CancelledError", CANCELLED, RuntimeError, """An operation was cancelled
+    (``tf.errors.CancelledError``), a ``RuntimeError``: e.g. a function scheduled with
+    ``ClusterCoordinator.schedule`` that did not run because another one failed first; reschedule it.""")
+UnknownError = _op_error("UnknownError", UNKNOWN, RuntimeError, """An error of no other kind
+    (``tf.errors.UnknownError``), a ``RuntimeError``: e.g. a remote function raised ``KeyError``.""")
+InvalidArgumentError = _op_error("InvalidArgumentError", INVALID_ARGUMENT, ValueError, """An argument was refused
+    (``tf.errors.InvalidArgumentError``), a ``ValueError``: e.g. an RPC to a method that is not registered, or a
+    remote function that raised ``ValueError`` or ``TypeError``.""")
+DeadlineExceededError = _op_error("DeadlineExceededError", DEADLINE_EXCEEDED, TimeoutError, """A deadline passed
+    before the operation completed (``tf.errors.DeadlineExceededError``), a ``TimeoutError``.""")
+NotFoundError = _op_error("NotFoundError", NOT_FOUND, FileNotFoundError, """A file or an entry does not exist
+    (``tf.errors.NotFoundError``), a ``FileNotFoundError``: a missing input file of a ``TFRecordDataset``, a
+    ``Checkpoint.restore`` of a missing prefix, a ``Dataset.load`` of a missing directory. ``load_variable`` of a
+    name the checkpoint lacks raises one that is also a ``KeyError``.""")
+AlreadyExistsError = _op_error("AlreadyExistsError", ALREADY_EXISTS, FileExistsError, """What an operation would
+    create already exists (``tf.errors.AlreadyExistsError``), a ``FileExistsError``.""")
+PermissionDeniedError = _op_error("PermissionDeniedError", PERMISSION_DENIED, PermissionError, """The operating
+    system refused the operation (``tf.errors.PermissionDeniedError``), a ``PermissionError``: e.g. a
+    ``CheckpointManager`` saving into a directory this process may not write.""")
+UnauthenticatedError = _op_error("UnauthenticatedError", UNAUTHENTICATED, PermissionError, """The caller has no
+    valid credentials (``tf.errors.UnauthenticatedError``), a ``PermissionError``.""")
+ResourceExhaustedError = _op_error("ResourceExhaustedError", RESOURCE_EXHAUSTED, MemoryError, """A resource ran
+    out (``tf.errors.ResourceExhaustedError``), a ``MemoryError``: e.g. a checkpoint larger than the memory left.""")
+FailedPreconditionError = _op_error("FailedPreconditionError", FAILED_PRECONDITION, RuntimeError, """The system
+    is not in the state the operation needs (``tf.errors.FailedPreconditionError``), a ``RuntimeError``.""")
+AbortedError = _op_error("AbortedError", ABORTED, RuntimeError, """The operation was aborted, typically by a
+    concurrent action (``tf.errors.AbortedError``), a ``RuntimeError``: retry it.""")
+OutOfRangeError = _op_error("OutOfRangeError", OUT_OF_RANGE, StopIteration, """``iterator.get_next()`` past the
+    end of the data, an index past the end (``tf.errors.OutOfRangeError``). A ``StopIteration`` too, so loops
+    written for Python's iterator protocol end on it as well.""")
+UnimplementedError = _op_error("UnimplementedError", UNIMPLEMENTED, NotImplementedError, """The operation is not
+    implemented (``tf.errors.UnimplementedError``), a ``NotImplementedError``.""")
+InternalError = _op_error("InternalError", INTERNAL, RuntimeError, """An invariant of the system broke
+    (``tf.errors.InternalError``), a ``RuntimeError``.""")
+UnavailableError = _op_error("UnavailableError", UNAVAILABLE, ConnectionError, """The service is unavailable
+    (``tf.errors.UnavailableError``), a ``ConnectionError``: e.g. an RPC server that is down.""")
+DataLossError = _op_error("DataLossError", DATA_LOSS, ValueError, """Data is corrupt or lost
+    (``tf.errors.DataLossError``), a ``ValueError``: a TFRecord whose CRC does not match or whose last record is
+    cut short, a damaged checkpoint file.""")
 
 
 class PeerDeadlineExceededError(DeadlineExceededError):
@@ -91,13 +139,57 @@ class PeerDeadlineExceededError(DeadlineExceededError):
         return type(self), (self.message,)
 
 
-class UnimplementedError(OpError, NotImplementedError):
-    """The operation is not implemented (``tf.errors.UnimplementedError``)."""
+class OperatorNotAllowedInGraphError(TypeError):
+    """An operation a ``tf.function`` graph cannot run (``tf.errors.OperatorNotAllowedInGraphError``: a
+    ``TypeError``, not an ``OpError``, as TF's). mirrored traces no graphs; the name is here for ported
+    ``except`` clauses."""
 
-    error_code = UNIMPLEMENTED
+
+class CollectiveMismatchError(ValueError):
+    """The workers of a job called one collective differently.
+
+    Raised on every worker alike, before any data moved, e.g. ``all_reduce #12:
+    worker:0 passes 10 float32 elements (sum), worker:1 passes 20 float32
+    elements (sum)``: the kind of collective, the element count, the dtype, the
+    reduction op, the root or a gather's shapes differ. The job's collectives
+    keep working afterwards: the next collective is matched afresh.
+    """
 
 
-class UnavailableError(OpError, ConnectionError):
-    """The service is unavailable (``tf.errors.UnavailableError``): e.g. an RPC server that is down."""
+_CLASS_OF_CODE = {cls.error_code: cls for cls in (
+    CancelledError, UnknownError, InvalidArgumentError, DeadlineExceededError, NotFoundError, AlreadyExistsError,
+    PermissionDeniedError, UnauthenticatedError, ResourceExhaustedError, FailedPreconditionError, AbortedError,
+    OutOfRangeError, UnimplementedError, InternalError, UnavailableError, DataLossError)}
+_CODE_OF_CLASS = {cls: code for code, cls in _CLASS_OF_CODE.items()}
 
-    error_code = UNAVAILABLE
+
+def exception_type_from_error_code(error_code: int) -> type:
+    """The ``OpError`` subclass of TF's ``error_code`` (``tf.compat.v1.errors.exception_type_from_error_code``);
+    ``KeyError`` for a code that has none (``OK``, an unknown number), as TF's."""
+    return _CLASS_OF_CODE[error_code]
+
+
+def error_code_from_exception_type(cls: type) -> int:
+    """TF's error code of an ``OpError`` subclass (``tf.compat.v1.errors.error_code_from_exception_type``);
+    ``KeyError`` for any other class."""
+    return _CODE_OF_CLASS[cls]
+
+
+# errno values the operating system reports -> the TF class of the same meaning (TF's file system's mapping),
+# each a subclass of the OSError the errno gives in Python, so a caller's ``except OSError`` keeps catching it.
+_ERRNO_CLASSES = {_errno.ENOENT: NotFoundError, _errno.EEXIST: AlreadyExistsError, _errno.EACCES:
+                  PermissionDeniedError, _errno.EPERM: PermissionDeniedError, _errno.EROFS: PermissionDeniedError}
+
+
+def from_os_error(error: OSError, message: str | None = None) -> OSError:
+    """``error`` as TF reports it (``NotFoundError`` for ENOENT, ``AlreadyExistsError`` for EEXIST,
+    ``PermissionDeniedError`` for EACCES / EPERM / EROFS), saying ``message`` or TF's ``"<path>; <reason>"``;
+    an OSError of another errno keeps its class (with ``message`` where given). Raise the result."""
+    cls = type(error) if isinstance(error, OpError) else _ERRNO_CLASSES.get(error.errno)
+    if cls is None:
+        return error if message is None else type(error)(error.errno, message)
+    if message is None:
+        message = f"{error.filename}; {error.strerror}" if error.filename is not None else str(error)
+    converted = cls(None, None, message)
+    converted.errno, converted.strerror, converted.filename = error.errno, error.strerror, error.filename
+    return converted

@@ -25,6 +25,7 @@ import numpy as np
 
 from .._nest import flatten, map_structure, pack_sequence_as
 from ..device import device_util
+from ..errors import InvalidArgumentError
 from .iterator_ops import NumpyIterator, OwnedIterator
 from .saved_dataset import (SPEC_FILE, Writer, check_compression, check_path, decode_spec, encode_spec,
                             fingerprint, fresh_directory, publish, read_chunk, read_description, shard_of)
@@ -1992,6 +1993,11 @@ def _patterns(file_pattern) -> list:
     return out
 
 
+class NoMatchingFilesError(InvalidArgumentError, FileNotFoundError):
+    """``Dataset.list_files`` of patterns that match no file: TF's ``InvalidArgumentError`` ("No files matched
+    pattern"), and the ``FileNotFoundError`` mirrored raised before, so either ``except`` catches it."""
+
+
 class ListFilesDataset(Dataset):
     """``Dataset.list_files``: the names matching the patterns, sorted, then shuffled (seeded) per iteration.
 
@@ -2005,8 +2011,8 @@ class ListFilesDataset(Dataset):
         patterns = _patterns(file_pattern)
         files = sorted({f for p in patterns for f in glob.glob(p)})
         if not files:
-            raise FileNotFoundError(f"file_pattern={file_pattern!r}: No files matched pattern: "
-                                    f"{', '.join(patterns)}; check the path (glob syntax: *, ?, [...])")
+            raise NoMatchingFilesError(None, None, f"file_pattern={file_pattern!r}: No files matched pattern: "
+                                       f"{', '.join(patterns)}; check the path (glob syntax: *, ?, [...])")
         self._shuffle = True if shuffle is None else bool(shuffle)
         self._seed = seed
         self._set_files([np.bytes_(os.fsencode(f)) for f in files])

@@ -71,12 +71,12 @@ def at(dataset: Dataset, index):
     index = _int(index, "index", "an int")
     n = dataset._cardinality()
     if index < 0 or 0 <= n <= index:
-        raise OutOfRangeError(f"Index out of range [0, {n if n >= 0 else '?'}):{index}")
+        raise OutOfRangeError(None, None, f"Index out of range [0, {n if n >= 0 else '?'}):{index}")
     it = dataset.skip(index)._make_iterator()
     try:
         return it.next()
     except StopIteration:
-        raise OutOfRangeError(f"Index out of range [0, {index}):{index}") from None
+        raise OutOfRangeError(None, None, f"Index out of range [0, {index}):{index}") from None
     finally:
         it.close()
 

@@ -92,7 +92,7 @@ class IteratorProtocol:
         try:
             return next(self)
         except StopIteration:
-            raise OutOfRangeError("End of sequence") from None
+            raise OutOfRangeError(None, None, "End of sequence") from None
 
     next = __next__  # (TF's iterators have the Python 2 name too; it raises StopIteration, as there)
 

@@ -20,6 +20,7 @@ import zlib
 
 import numpy as np
 
+from ..errors import DataLossError, from_os_error
 from .crc32c import crc32c, mask, unmask
 from .dataset_ops import AUTOTUNE, UNKNOWN, Dataset, ListFilesDataset, _Interleave, _Iterator, _int
 from .structure import TensorSpec, to_leaf
@@ -45,7 +46,8 @@ def _open(path: str, compression: str, mode: str = "rb"):
             try:
                 return io.BytesIO(zlib.decompress(f.read()))
             except zlib.error as e:
-                raise ValueError(f"{path}: cannot decompress it as ZLIB ({e}); check compression_type") from None
+                raise DataLossError(None, None, f"{path}: cannot decompress it as ZLIB ({e}); check "
+                                    "compression_type") from None
     return open(path, mode)
 
 
@@ -126,8 +128,8 @@ class _FileReader(Dataset):
         path = os.fsdecode(bytes(name))
         try:
             return _open(path, self._compression)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{type(self).__name__}: {path}; No such file or directory") from None
+        except OSError as e:  # TF's classes: a missing file is a NotFoundError (and still a FileNotFoundError)
+            raise from_os_error(e, f"{type(self).__name__}: {path}; {e.strerror}") from None
 
 
 class _FileRecordsIterator(_Iterator):
@@ -162,8 +164,8 @@ class _FileRecordsIterator(_Iterator):
             try:
                 record = self._record()
             except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # a damaged or mislabelled compressed file
-                raise ValueError(f"{os.fsdecode(self._name)}: cannot decompress it as "
-                                 f"{self._ds._compression} ({e}); check compression_type") from None
+                raise DataLossError(None, None, f"{os.fsdecode(self._name)}: cannot decompress it as "
+                                    f"{self._ds._compression} ({e}); check compression_type") from None
             if record is not None:
                 return self._element(record)
             self._file.close()
@@ -228,8 +230,8 @@ class _FixedLengthIterator(_FileRecordsIterator):
                 try:
                     self._file = io.BytesIO(self._file.read())
                 except (EOFError, gzip.BadGzipFile) as e:
-                    raise ValueError(f"{os.fsdecode(self._name)}: cannot decompress it as GZIP ({e}); check "
-                                     "compression_type") from None
+                    raise DataLossError(None, None, f"{os.fsdecode(self._name)}: cannot decompress it as GZIP "
+                                        f"({e}); check compression_type") from None
         self._file.seek(0, io.SEEK_END)
         size = self._file.tell()
         body = size - ds._header - ds._footer
@@ -249,7 +251,8 @@ class _FixedLengthIterator(_FileRecordsIterator):
 class TFRecordDataset(_FileReader):
     """``md.data.TFRecordDataset(filenames, compression_type=None, buffer_size=None, num_parallel_reads=None)``:
     the records of TFRecord files as bytes, each checked against its CRC32C (a damaged file raises
-    ``ValueError``, TF's DataLossError). Parse them with your own decoder (``tf.train.Example`` protos need
+    ``md.errors.DataLossError``, a ``ValueError``, as TF's; so does a file that ends inside a record, which TF
+    drops without a word where the cut falls in a record's header). Parse them with your own decoder (``tf.train.Example`` protos need
     protobuf, which md.data does not carry)."""
 
     def __init__(self, filenames, compression_type=None, buffer_size=None, num_parallel_reads=None, name=None):
@@ -266,17 +269,17 @@ class _TFRecordIterator(_FileRecordsIterator):
         if not header:
             return None
         if len(header) < 12:
-            raise ValueError(f"truncated record at {start} of {os.fsdecode(self._name)}")
+            raise DataLossError(None, None, f"truncated record at {start} of {os.fsdecode(self._name)}")
         length, length_crc = struct.unpack("<QI", header)
         if unmask(length_crc) != crc32c(header[:8]):
-            raise ValueError(f"corrupted record at {start} of {os.fsdecode(self._name)}"
-                             + (" (Is this even a TFRecord file?)" if start == 0 else ""))
+            raise DataLossError(None, None, f"corrupted record at {start} of {os.fsdecode(self._name)}"
+                                + (" (Is this even a TFRecord file?)" if start == 0 else ""))
         data = self._file.read(length)
         footer = self._file.read(4)
         if len(data) < length or len(footer) < 4:
-            raise ValueError(f"truncated record at {start} of {os.fsdecode(self._name)}")
+            raise DataLossError(None, None, f"truncated record at {start} of {os.fsdecode(self._name)}")
         if unmask(struct.unpack("<I", footer)[0]) != crc32c(data):
-            raise ValueError(f"corrupted record at {start + 12} of {os.fsdecode(self._name)}")
+            raise DataLossError(None, None, f"corrupted record at {start + 12} of {os.fsdecode(self._name)}")
         return data
 
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from .._nest import flatten, pack_sequence_as
 from ..device import device_util
+from ..errors import NotFoundError
 from .structure import DatasetSpec, TensorSpec, decode_state, encode_state, stack
 
 SPEC_FILE = "dataset_spec.json"
@@ -166,9 +167,9 @@ def read_description(path: str) -> dict:
         with open(os.path.join(path, SPEC_FILE)) as f:
             return json.load(f)
     except FileNotFoundError:
-        raise FileNotFoundError(f"md.data saved dataset element_spec file not found: "
-                                f"{os.path.join(path, SPEC_FILE)}; save the dataset with Dataset.save(path) "
-                                "first (TensorFlow's saved datasets are not read)") from None
+        raise NotFoundError(None, None, f"md.data saved dataset element_spec file not found: "
+                            f"{os.path.join(path, SPEC_FILE)}; save the dataset with Dataset.save(path) first "
+                            "(TensorFlow's saved datasets are not read)") from None
 
 
 # --- snapshot ------------------------------------------------------------------------------------------

@@ -40,7 +40,6 @@ the digest verified in chunks, then one variable read and assigned at a time.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import math
@@ -57,8 +56,9 @@ import weakref
 
 import numpy as np
 
-from .checkpoint_io import (_MAGIC, _MAX_INDEX, CheckpointError, NotFoundError, open_regular_file,
-                            read_into)
+from ..errors import ResourceExhaustedError, from_os_error
+from .checkpoint_io import (_MAGIC, _MAX_INDEX, CheckpointError, DamagedCheckpointError, NotFoundError, damaged,
+                            open_regular_file, read_into)
 
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "load_checkpoint", "CheckpointError", "NotFoundError"]
 
@@ -243,8 +243,8 @@ def _write_atomic(path: str, arrays: dict) -> None:
         try:
             f = open(tmp, "wb")
         except OSError as e:
-            raise type(e)(e.errno, f"cannot write checkpoint {path!r}: directory {directory!r} is not "
-                                   f"writable ({e.strerror}); pick a directory this process may write") from None
+            raise from_os_error(e, f"cannot write checkpoint {path!r}: directory {directory!r} is not writable "
+                                   f"({e.strerror}); pick a directory this process may write") from None
         with f:
             for chunk in (_MAGIC + bytes([_VERSION]), struct.pack("<Q", len(index)), index,
                           *(a.reshape(-1).view(np.uint8) for a in arrays.values())):  # bytes of any dtype
@@ -272,12 +272,13 @@ def _make_directory(directory: str, path: str) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
-        raise type(e)(e.errno, f"cannot write checkpoint {path!r}: cannot create directory {directory!r} "
+        raise from_os_error(e, f"cannot write checkpoint {path!r}: cannot create directory {directory!r} "
                                f"({e.strerror}); pick a directory this process may write") from None
 
 
 def _check_memory(path: str, nbytes: int) -> None:
-    """MemoryError, naming the file, for a checkpoint larger than the memory this machine has left.
+    """ResourceExhaustedError (a MemoryError), naming the file, for a checkpoint larger than the memory this
+    machine has left.
 
     Linux overcommits: allocating too much succeeds and the process is then
     killed when the pages are touched, so ask first.
@@ -289,8 +290,9 @@ def _check_memory(path: str, nbytes: int) -> None:
     except (OSError, KeyError, ValueError):
         return  # not Linux: the allocator will raise MemoryError itself
     if nbytes > available:
-        raise MemoryError(f"path={path!r} holds {nbytes} bytes of variables, more than the {available} bytes of "
-                          "memory available; restore it on a machine with more memory")
+        raise ResourceExhaustedError(None, None, f"path={path!r} holds {nbytes} bytes of variables, more than the "
+                                     f"{available} bytes of memory available; restore it on a machine with more "
+                                     "memory")
 
 
 _ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3b11fnuz", "float8_e4m3fnuz",
@@ -300,7 +302,7 @@ _ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3b11fnuz", 
 def _entry_dtype(path: str, key: str, name) -> np.dtype:
     """The dtype of an index entry: numeric or bool only (an ``object`` dtype would unpickle, a str has no size)."""
     if not isinstance(name, str):
-        raise CheckpointError(f"path={path!r}: entry {key!r} has dtype {name!r}, not a dtype name; the file is damaged")
+        raise damaged(f"path={path!r}: entry {key!r} has dtype {name!r}, not a dtype name; the file is damaged")
     if name in _ML_DTYPES:
         import ml_dtypes  # noqa: F401  registers them with NumPy
 
@@ -362,8 +364,8 @@ class CheckpointReader:
     def entry(self, key: str) -> _Entry:
         return self._entries[key]
 
-    def _damaged(self, what: str) -> CheckpointError:
-        return CheckpointError(f"path={self.path!r} is damaged: {what}; restore an earlier checkpoint")
+    def _damaged(self, what: str) -> DamagedCheckpointError:
+        return damaged(f"path={self.path!r} is damaged: {what}; restore an earlier checkpoint")
 
     def _read_exact(self, offset: int, n: int) -> bytearray:
         out = bytearray(n)
@@ -376,14 +378,14 @@ class CheckpointReader:
         path, head = self.path, len(_MAGIC) + 1 + 8
         start = self._read_exact(0, head) if self._size >= head else b""
         if not start.startswith(_MAGIC):
-            raise CheckpointError(f"path={path!r} is not a mirrored checkpoint (no {_MAGIC!r} header); "
+            raise damaged(f"path={path!r} is not a mirrored checkpoint (no {_MAGIC!r} header); "
                                   "pass a file written by md.Checkpoint.save" + _tensorflow_hint(path))
         if start[len(_MAGIC)] != _VERSION:
             raise CheckpointError(f"path={path!r} has checkpoint format version {start[len(_MAGIC)]}, this "
                                   f"mirrored reads version {_VERSION}; upgrade mirrored to read it")
         (index_len,) = struct.unpack_from("<Q", start, len(_MAGIC) + 1)
         if head + index_len + _DIGEST > self._size:
-            raise CheckpointError(f"path={path!r} is truncated or damaged ({self._size} bytes, but its header "
+            raise damaged(f"path={path!r} is truncated or damaged ({self._size} bytes, but its header "
                                   f"announces an index of {index_len} bytes); restore an earlier checkpoint")
         if index_len > _MAX_INDEX:
             raise self._damaged(f"its header announces an index of {index_len} bytes, more than the {_MAX_INDEX} "
@@ -400,7 +402,7 @@ class CheckpointReader:
         data_bytes = index["data_bytes"]
         expected = self._data_start + data_bytes + _DIGEST
         if self._size != expected:
-            raise CheckpointError(f"path={path!r} is truncated or damaged ({self._size} bytes; a complete file of "
+            raise damaged(f"path={path!r} is truncated or damaged ({self._size} bytes; a complete file of "
                                   f"this header has {expected}); restore an earlier checkpoint")
         self._entries, offset = {}, 0
         for e in index["entries"]:
@@ -445,7 +447,7 @@ class CheckpointReader:
             digest.update(view[:got])
             position += got
         if digest.digest() != self._read_exact(end, _DIGEST):
-            raise CheckpointError(f"path={self.path!r} is corrupted (checksum mismatch); restore an earlier "
+            raise damaged(f"path={self.path!r} is corrupted (checksum mismatch); restore an earlier "
                                   "checkpoint")
 
     def read(self, key: str) -> np.ndarray:
@@ -974,8 +976,8 @@ class Checkpoint:
                 "md.train.latest_checkpoint(directory)")
         if not os.path.lexists(path):
             raise NotFoundError(
-                errno.ENOENT, f"Failed to find any matching files for save_path={path!r}; pass a path that "
-                "save() or write() returned, e.g. md.train.latest_checkpoint(directory)", path)
+                None, None, f"Failed to find any matching files for save_path={path!r}; pass a path that "
+                "save() or write() returned, e.g. md.train.latest_checkpoint(directory)")
         with CheckpointReader(path) as reader:
             return self._restore_from(reader, path, self._own_keys(reader.keys), counter)
 

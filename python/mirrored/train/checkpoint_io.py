@@ -5,11 +5,13 @@ A module of its own so that neither reader imports the other to open a file.
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 
-__all__ = ["CheckpointError", "NotFoundError", "KeyNotFoundError", "open_regular_file", "read_into"]
+from ..errors import DataLossError, NotFoundError
+
+__all__ = ["CheckpointError", "DamagedCheckpointError", "NotFoundError", "KeyNotFoundError", "damaged",
+           "open_regular_file", "read_into"]
 
 _MAGIC = b"MDCKPT\x00"  # a mirrored checkpoint's first bytes (then the format version byte)
 _MAX_INDEX = 256 << 20  # bytes: an index of 2 million variables; a larger one is a crafted header
@@ -19,12 +21,18 @@ class CheckpointError(ValueError):
     """The file is not a complete ``mirrored`` checkpoint, or does not fit the objects."""
 
 
-class NotFoundError(FileNotFoundError):
-    """No checkpoint at the path given to ``restore`` / ``read`` (TensorFlow raises ``NotFoundError`` too)."""
+class DamagedCheckpointError(CheckpointError, DataLossError):
+    """A checkpoint file that is truncated, corrupted (a checksum mismatch) or in no format mirrored reads: TF's
+    ``DataLossError`` for the same files, and the ``CheckpointError`` mirrored raised before."""
+
+
+def damaged(message: str) -> DamagedCheckpointError:
+    return DamagedCheckpointError(None, None, message)
 
 
 class KeyNotFoundError(NotFoundError, KeyError):
-    """``load_variable`` of a name the checkpoint lacks: TensorFlow's ``NotFoundError``, and a ``KeyError``."""
+    """``load_variable`` of a name the checkpoint lacks: TensorFlow's ``NotFoundError`` (``md.errors``' one, as
+    every missing checkpoint), and a ``KeyError``."""
 
 
 def open_regular_file(path: str, what: str = "path"):
@@ -38,8 +46,8 @@ def open_regular_file(path: str, what: str = "path"):
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        raise NotFoundError(errno.ENOENT, f"{label} does not exist; pass a path that save() or write() "
-                                          "returned, e.g. md.train.latest_checkpoint(directory)", path) from None
+        raise NotFoundError(None, None, f"{label} does not exist; pass a path that save() or write() returned, "
+                            "e.g. md.train.latest_checkpoint(directory)") from None
     if not stat.S_ISREG(mode):
         raise CheckpointError(f"{label} is {_kind(mode)}, not a regular file (mirrored reads no FIFO or device); use a regular file")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))

@@ -204,8 +204,8 @@ def load_variable(ckpt_dir_or_file, name: str):
     with _open(ckpt_dir_or_file) as reader:
         if name not in reader.keys:
             hint = f"; did you mean {tensor_name(name)!r}?" if tensor_name(name) in reader.keys else ""
-            raise KeyNotFoundError(f"Key {name} not found in checkpoint {reader.path!r}{hint} It holds "
-                                   f"{sorted(reader.keys)}")
+            raise KeyNotFoundError(None, None, f"Key {name} not found in checkpoint {reader.path!r}{hint} It "
+                                   f"holds {sorted(reader.keys)}")
         _check_memory(reader.path, reader.entry(name).nbytes)  # before hashing a (possibly sparse) huge file
         reader.verify([name])
         return reader.read(name)

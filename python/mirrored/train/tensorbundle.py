@@ -30,7 +30,7 @@ import struct
 import numpy as np
 
 from ..data.crc32c import crc32c, unmask
-from .checkpoint_io import _MAGIC, _MAX_INDEX, CheckpointError, open_regular_file, read_into
+from .checkpoint_io import _MAGIC, _MAX_INDEX, CheckpointError, damaged, open_regular_file, read_into
 
 __all__ = ["BundleReader", "is_tensorflow_checkpoint", "object_keys", "hint"]
 
@@ -162,7 +162,7 @@ def _block(index: bytes, handle: bytes, path: str) -> list:
     data, kind = index[offset:offset + size], index[offset + size]
     (stored,) = struct.unpack_from("<I", index, offset + size + 1)
     if unmask(stored) != crc32c(index[offset:offset + size + 1]):
-        raise CheckpointError(f"path={path!r} is corrupted (a block's CRC32C does not match); restore an "
+        raise damaged(f"path={path!r} is corrupted (a block's CRC32C does not match); restore an "
                               "earlier checkpoint")
     if kind != 0:
         raise CheckpointError(f"path={path!r}: its blocks are compressed (type {kind}); TensorFlow writes "
@@ -189,7 +189,7 @@ def _block(index: bytes, handle: bytes, path: str) -> list:
 
 def _table(path: str, index: bytes) -> list:
     if len(index) < _FOOTER or struct.unpack_from("<Q", index, len(index) - 8)[0] != _TABLE_MAGIC:
-        raise CheckpointError(f"path={path!r} is not a TensorFlow checkpoint index (no table footer); pass the "
+        raise damaged(f"path={path!r} is not a TensorFlow checkpoint index (no table footer); pass the "
                               "prefix of a checkpoint written by tf.train.Checkpoint")
     footer = index[len(index) - _FOOTER:]
     _, pos = _varint(footer, 0)
@@ -257,13 +257,13 @@ class BundleReader:
                 else:
                     self._entries[key] = BundleEntry(key, value, index_path)
         except _Malformed as e:
-            raise CheckpointError(f"path={index_path!r} is damaged: {e}; restore an earlier checkpoint") from None
+            raise damaged(f"path={index_path!r} is damaged: {e}; restore an earlier checkpoint") from None
         if header is None:
-            raise CheckpointError(f"path={index_path!r} has no BundleHeaderProto (the empty key); it is damaged")
+            raise damaged(f"path={index_path!r} has no BundleHeaderProto (the empty key); it is damaged")
         self._shards = header.get(1, 1)
         self._big_endian = header.get(2, 0) == 1
         if not 1 <= self._shards <= 1 << 16 or any(e.shard >= self._shards for e in self._entries.values()):
-            raise CheckpointError(f"path={index_path!r} is damaged: a tensor names a shard beyond the "
+            raise damaged(f"path={index_path!r} is damaged: a tensor names a shard beyond the "
                                   f"{self._shards} the header declares")
         self._files = {}
 
@@ -297,13 +297,13 @@ class BundleReader:
         f = self._shard(e.shard)
         out = bytearray(e.size)
         if read_into(f, e.offset, memoryview(out)) < e.size:
-            raise CheckpointError(f"path={f.name!r} is truncated: tensor {e.key!r} ends at byte "
+            raise damaged(f"path={f.name!r} is truncated: tensor {e.key!r} ends at byte "
                                   f"{e.offset + e.size}, past the end of the file")
         return out
 
     def _check(self, e: BundleEntry, crc: int) -> None:
         if e.crc32c is not None and unmask(e.crc32c) != crc:
-            raise CheckpointError(f"path={self.prefix!r}: tensor {e.key!r} is corrupted (CRC32C mismatch in "
+            raise damaged(f"path={self.prefix!r}: tensor {e.key!r} is corrupted (CRC32C mismatch in "
                                   f"shard {e.shard}); restore an earlier checkpoint")
 
     def verify(self, keys) -> None:
@@ -345,7 +345,7 @@ class BundleReader:
             if pos + 4 + sum(lengths) != len(raw):
                 raise _Malformed("its lengths do not add up to its size")
         except _Malformed as err:
-            raise CheckpointError(f"path={self.prefix!r}: string tensor {e.key!r} is damaged: {err}") from None
+            raise damaged(f"path={self.prefix!r}: string tensor {e.key!r} is damaged: {err}") from None
         crc = crc32c(raw[pos:pos + 4], crc)
         pos += 4
         items = []
@@ -386,7 +386,7 @@ def object_keys(bundle: BundleReader) -> dict:
                         paths[target] = paths[node] + (name,)
                         queue.append(target)
     except _Malformed as e:
-        raise CheckpointError(f"path={bundle.prefix!r}: its object graph is damaged: {e}") from None
+        raise damaged(f"path={bundle.prefix!r}: its object graph is damaged: {e}") from None
     keys = {}
     for node, path in paths.items():
         for number, attribute in nodes[node]:

@@ -254,8 +254,8 @@ class _Closure:
         return worker.call("make_resource", self.output._id, self.payload)
 
     def cancel(self) -> None:
-        self.output._set_error(CancelledError("The corresponding function is cancelled (another scheduled function "
-                                              "failed first). Please reschedule the function."))
+        self.output._set_error(CancelledError(None, None, "The corresponding function is cancelled (another "
+                                              "scheduled function failed first). Please reschedule the function."))
 
 
 class _ClosureQueue:

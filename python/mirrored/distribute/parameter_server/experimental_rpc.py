@@ -24,9 +24,8 @@ import weakref
 
 import numpy as np
 
-from ...errors import (DEADLINE_EXCEEDED, INVALID_ARGUMENT, OK, OUT_OF_RANGE, UNAVAILABLE, UNIMPLEMENTED, UNKNOWN,
-                        DeadlineExceededError, InvalidArgumentError, OutOfRangeError, UnavailableError,
-                        UnimplementedError, UnknownError)
+from ...errors import (INVALID_ARGUMENT, OK, OUT_OF_RANGE, UNIMPLEMENTED, UNKNOWN, DeadlineExceededError,
+                        InvalidArgumentError, UnavailableError, UnknownError, exception_type_from_error_code)
 from ..._nest import flatten, is_nested, pack_sequence_as
 from ...data.structure import TensorSpec, to_leaf
 from ...device import device_util
@@ -41,9 +40,6 @@ _AS_RETURNED = object()  # the output_specs of a client's per-method attributes:
 # TF's codes for the exceptions a Python function raises (tf.numpy_function's rule); others are UNKNOWN
 _PYTHON_CODES = (((ValueError, TypeError), INVALID_ARGUMENT), (StopIteration, OUT_OF_RANGE),
                  (NotImplementedError, UNIMPLEMENTED))
-_ERROR_TYPES = {UNKNOWN: UnknownError, INVALID_ARGUMENT: InvalidArgumentError,
-                DEADLINE_EXCEEDED: DeadlineExceededError,
-                UNIMPLEMENTED: UnimplementedError, UNAVAILABLE: UnavailableError}
 
 
 def _token() -> str:
@@ -235,9 +231,11 @@ def _status(error: BaseException) -> tuple:
 
 
 def _raise(code: int, message: str, cause: BaseException):
-    if code == OUT_OF_RANGE:
-        raise OutOfRangeError(message) from cause
-    raise _ERROR_TYPES.get(code, UnknownError)(None, None, message) from cause
+    try:
+        kind = exception_type_from_error_code(code)
+    except KeyError:  # a code this version does not know (a newer peer's): TF's UnknownError
+        kind = UnknownError
+    raise kind(None, None, message) from cause
 
 
 def _structured(value, output_specs, method_name: str):

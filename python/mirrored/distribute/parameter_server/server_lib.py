@@ -317,7 +317,7 @@ class Server:
             with self._worker_strategy().scope():
                 return _on_host(fn(*args, **kwargs))
         except StopIteration as e:  # an iterator ran out: TF's OutOfRangeError, which join() re-raises
-            raise OutOfRangeError(f"End of sequence{f': {e}' if str(e) else ''}") from None
+            raise OutOfRangeError(None, None, f"End of sequence{f': {e}' if str(e) else ''}") from None
         finally:
             serving.dispatching = False
 
