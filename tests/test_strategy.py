@@ -198,6 +198,15 @@ def test_local_results_and_values_from_function_doc_example(two):
     assert two.experimental_local_results(5) == (5,)
 
 
+def test_local_results_of_a_plain_structure_repeat_it_per_replica(two, four):
+    # TF 2.21: a structure (list, tuple, dict) of plain values comes back once per replica, a single plain value
+    # once (tests/test_tf_differential.py found the structure returned once).
+    a = np.array([1.0, 2.0], np.float32)
+    assert two.experimental_local_results([a, 3]) == ([a, 3], [a, 3])
+    assert four.experimental_local_results({"k": (a,)}) == ({"k": (a,)},) * 4
+    assert two.experimental_local_results(a)[0] is a and len(two.experimental_local_results(a)) == 1
+
+
 # --- extended ------------------------------------------------------------------------------------
 
 def test_reduce_to_and_batch_reduce_to_doc_examples(two):

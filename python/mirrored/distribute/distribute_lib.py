@@ -695,8 +695,9 @@ class StrategyExtended:
     def _local_results(self, value) -> tuple:
         if isinstance(value, DistributedValues):
             return value.values
-        if is_nested(value) and any(isinstance(v, DistributedValues) for v in flatten(value)):
-            # A structure of distributed values: one structure per replica, as TF returns it.
+        if is_nested(value):
+            # A structure: one per replica, as TF returns it (its plain leaves repeated on each), even where
+            # none of its leaves is distributed; only a single plain value comes back once.
             return tuple(select_replica(i, value) for i in range(len(self._local_devices)))
         return (value,)
 
