@@ -45,7 +45,7 @@ def _leaves(case):
 
 
 def _encoded(a):
-    return {"dtype": a.dtype.name, "shape": list(a.shape), "v": a.tolist()}
+    return cases.as_json({"dtype": a.dtype.name, "shape": list(a.shape), "v": a.tolist()})
 
 
 def _replicas(leaf, n):
@@ -122,11 +122,13 @@ def _replica_update_without_aggregation(case, got, want):
     return True
 
 
-def _int32_beside_other_dtypes(case, got, want):
-    """TF keeps int32 tensors in host memory, and its batch_reduce_to (all_reduce of a structure) refuses int32
-    values beside others ("all on the host or all on the compute devices"); mirrored reduces every leaf."""
-    dtypes = {leaf["dtype"] for leaf in _leaves(case)}
-    if case["kind"] not in ("all_reduce", "batch_reduce_to") or "int32" not in dtypes or len(dtypes) == 1:
+def _int32_in_a_batch(case, got, want):
+    """TF keeps int32 tensors in host memory and reduces them with a cross-device op of their own, a new one for
+    each value: its batch_reduce_to (and all_reduce of a structure) of two or more values, one of them int32,
+    finds two ops and refuses ("all on the host or all on the compute devices"); mirrored reduces every leaf."""
+    leaves = _leaves(case)
+    dtypes = {leaf["dtype"] for leaf in leaves}
+    if case["kind"] not in ("all_reduce", "batch_reduce_to") or "int32" not in dtypes or len(leaves) < 2:
         return False
     if dtypes & set(cases.RARE) and case["n"] > 1:  # (refused: _unsupported_dtype)
         return False
@@ -159,7 +161,7 @@ def _negative_gather_axis(case, got, want):
     return True
 
 
-DELIBERATE = (_unsupported_dtype, _replica_update_without_aggregation, _int32_beside_other_dtypes,
+DELIBERATE = (_unsupported_dtype, _replica_update_without_aggregation, _int32_in_a_batch,
               _sum_of_plain_zeros, _negative_gather_axis)
 
 

@@ -274,21 +274,21 @@ _RUNNERS = {"reduce": _reduce, "all_reduce": _all_reduce, "all_gather": _all_gat
             "reduce_to": _reduce_to, "batch_reduce_to": _batch_reduce_to, "local_results": _local_results}
 
 
-def _plain(encoded):
+def as_json(encoded):
     """``encoded`` with complex numbers as [real, imaginary] (JSON has no complex numbers)."""
     if isinstance(encoded, complex):
         return [encoded.real, encoded.imag]
     if isinstance(encoded, dict):
-        return {key: _plain(value) for key, value in encoded.items()}
+        return {key: as_json(value) for key, value in encoded.items()}
     if isinstance(encoded, list):
-        return [_plain(value) for value in encoded]
+        return [as_json(value) for value in encoded]
     return encoded
 
 
 def _attempt(fn):
     """``fn()`` encoded, or ``{"raises": class name, "msg": text}``."""
     try:
-        return _plain(encode(fn()))
+        return as_json(encode(fn()))
     except Exception as e:  # noqa: BLE001  (the exception is the result)
         return {"raises": type(e).__name__, "msg": str(e)}
 
