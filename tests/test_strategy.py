@@ -159,6 +159,20 @@ def test_reduce_min_max_prod(four):
     np.testing.assert_array_equal(four.reduce("prod", x, axis=None), [24, 0])
 
 
+@pytest.mark.parametrize("axis", [0, 3])
+def test_reduce_along_an_axis_checks_the_dtype_before_the_axis(two, one, axis):
+    # TF 2.21's reduction kernels refuse the dtype (TypeError) before they look at the axis; ours named an axis
+    # out of range first (ValueError) (found by tests/test_tf_differential.py).
+    v = np.ones((2, 3), bool)
+    for strategy in (two, one):
+        per_replica = strategy.experimental_distribute_values_from_function(lambda ctx: v)
+        for value in (v, per_replica):
+            with pytest.raises(TypeError, match="dtype bool is not supported"):
+                strategy.reduce("SUM", value, axis=axis)
+    with pytest.raises(ValueError, match="axis=3 is out of range"):
+        two.reduce("SUM", np.ones((2, 3), np.float32), axis=3)
+
+
 def test_reduce_non_distributed_value_rules(two, one):
     v = np.array([1.0, 2.0], np.float32)
     np.testing.assert_array_equal(two.reduce("MEAN", v, axis=None), v)
@@ -196,6 +210,15 @@ def test_local_results_and_values_from_function_doc_example(two):
         lambda ctx: ctx.replica_id_in_sync_group / ctx.num_replicas_in_sync)
     assert two.experimental_local_results(values) == (0.0, 0.5)
     assert two.experimental_local_results(5) == (5,)
+
+
+def test_local_results_of_a_plain_structure_repeat_it_per_replica(two, four):
+    # TF 2.21: a structure (list, tuple, dict) of plain values comes back once per replica, a single plain value
+    # once (tests/test_tf_differential.py found the structure returned once).
+    a = np.array([1.0, 2.0], np.float32)
+    assert two.experimental_local_results([a, 3]) == ([a, 3], [a, 3])
+    assert four.experimental_local_results({"k": (a,)}) == ({"k": (a,)},) * 4
+    assert two.experimental_local_results(a)[0] is a and len(two.experimental_local_results(a)) == 1
 
 
 # --- extended ------------------------------------------------------------------------------------

@@ -135,6 +135,25 @@ def test_sync_on_read_with_none_aggregation_cannot_be_read_cross_replica(two):
         v.read_value()
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_sync_on_read_none_aggregation_cross_replica_update_updates_then_raises(n):
+    # TF 2.21: the copies are updated, then the update's result (their aggregate read) raises; with
+    # read_value=False nothing is read (found by tests/test_tf_differential.py: ours returned quietly).
+    strategy = md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
+    with strategy.scope():
+        v = md.Variable(np.array([1.0, 2.0], np.float32), synchronization=md.VariableSynchronization.ON_READ)
+    ones = np.ones(2, np.float32)
+    with pytest.raises(ValueError, match="Could not convert"):
+        v.assign(ones)
+    assert [c.numpy().tolist() for c in strategy.experimental_local_results(v)] == [[1.0, 1.0]] * n
+    with pytest.raises(ValueError, match="Could not convert"):
+        v.assign_add(ones)
+    assert v.assign_sub(ones, read_value=False) is None
+    assert [c.numpy().tolist() for c in strategy.experimental_local_results(v)] == [[1.0, 1.0]] * n
+    strategy.run(lambda: v.assign_add(ones))  # in replica context: the replica's own copy, no read
+    assert [c.numpy().tolist() for c in strategy.experimental_local_results(v)] == [[2.0, 2.0]] * n
+
+
 def test_variable_creation_rules(two):
     with two.scope():
         with pytest.raises(ValueError, match="MEAN"):

@@ -18,6 +18,7 @@ from .._core import Rendezvous as _Rendezvous  # (private: a native type, not AP
 from .._nest import flatten, is_nested, map_structure, pack_sequence_as
 from ..timeline import HOST_ROW, enabled_native as tracing, replica_wait, set_row_source
 from ..device import device_util, gpu as _gpu
+from ..device.dtypes import dtype_code
 from ..device.indexed_slices import IndexedSlices, convert_to_tensor, map_arrays
 from .name_scope import scoped_name
 from .options import InputReplicationMode, VariableAggregation, VariableSynchronization, check_options
@@ -703,8 +704,9 @@ class StrategyExtended:
     def _local_results(self, value) -> tuple:
         if isinstance(value, DistributedValues):
             return value.values
-        if is_nested(value) and any(isinstance(v, DistributedValues) for v in flatten(value)):
-            # A structure of distributed values: one structure per replica, as TF returns it.
+        if is_nested(value):
+            # A structure: one per replica, as TF returns it (its plain leaves repeated on each), even where
+            # none of its leaves is distributed; only a single plain value comes back once.
             return tuple(select_replica(i, value) for i in range(len(self._local_devices)))
         return (value,)
 
@@ -812,9 +814,12 @@ def _to_host(x):
 
 
 def _check_axis(axis, components) -> None:
-    """A ValueError naming ``axis`` and the rank when some component has no such axis (as TF refuses it)."""
+    """A ValueError naming ``axis`` and the rank when some component has no such axis (as TF refuses it); first
+    bool, which TF's reduction kernels refuse before they look at the axis (the collectives' TypeError)."""
     for cs in components:
         for c in cs:
+            if getattr(c, "dtype", None) == np.bool_:
+                dtype_code(c.dtype, "value")
             ndim = len(np.shape(c))
             if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
                 valid = f"use {-ndim}..{ndim - 1}, or" if ndim else "a scalar has no axis: use"

@@ -629,7 +629,14 @@ class SyncOnReadVariable(DistributedVariable):
         return self._strategy.reduce(ReduceOp.from_variable_aggregation(self._aggregation), self, axis=None)
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
-        return _updated(self._assign(value), read_value)
+        return self._updated(self._assign(value), read_value)
+
+    def _updated(self, variable, read_value):
+        """As ``_updated``; TF returns a cross-replica update's aggregate read of the new copies, which a variable
+        of aggregation NONE cannot give: the copies are updated, then that read raises (ValueError), as in TF."""
+        if read_value and self._local_replica_id() is None and self._aggregation == VariableAggregation.NONE:
+            self.read_value()  # (raises: NONE has no ReduceOp)
+        return _updated(variable, read_value)
 
     def _assign(self, value):
         if self._local_replica_id() is not None:
@@ -654,10 +661,10 @@ class SyncOnReadVariable(DistributedVariable):
         return self._update_each_copy(method, delta)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        return _updated(self._add("assign_add", delta), read_value)
+        return self._updated(self._add("assign_add", delta), read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        return _updated(self._add("assign_sub", delta), read_value)
+        return self._updated(self._add("assign_sub", delta), read_value)
 
     def _replica_copy(self, method: str) -> DeviceVariable:
         """This replica's copy, for a method TF runs on it; in cross-replica context TF's read is an aggregate,
