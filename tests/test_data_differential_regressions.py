@@ -1,0 +1,20 @@
+"""The mismatches between md.data and tf.data that the generated pipelines of tests/test_data_differential.py
+found, one focused test each (TF 2.21's answer written out)."""
+
+import numpy as np
+import pytest
+
+import mirrored as md
+
+D = md.data.Dataset
+
+
+def test_a_rank_0_array_is_yielded_as_a_numpy_scalar():
+    # TF yields every rank-0 tensor as a NumPy scalar: from_tensors/zip of 0-d arrays, and a map returning one.
+    for ds in (D.from_tensors(np.array(2.5)), D.zip(D.from_tensors(np.array(1, np.int32)), D.range(1)).map(
+            lambda a, b: a), D.range(1).map(lambda x: np.array(x, np.float32)),
+               D.from_tensors({"s": np.array(b"ab")}).map(lambda d: d["s"])):
+        (element,) = list(ds.as_numpy_iterator())
+        assert not isinstance(element, np.ndarray) and np.ndim(element) == 0, type(element)
+    assert list(D.from_tensors(np.array(7, np.uint8))) == [np.uint8(7)]
+    assert type(list(D.from_tensors(np.array(7, np.uint8)))[0]) is np.uint8
