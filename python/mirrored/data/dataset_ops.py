@@ -339,13 +339,16 @@ class Dataset:
         ``num_parallel_calls`` each open dataset is read ahead in a thread of its own, at most
         ``num_parallel_calls`` reading at once; ``deterministic=False`` then lets a dataset whose element is
         ready go before one that is still reading."""
-        if cycle_length is None or cycle_length == AUTOTUNE:
-            cycle_length = os.cpu_count() or 1
+        fixed_cycle = not (cycle_length is None or cycle_length == AUTOTUNE)
+        cycle_length = _positive_int(cycle_length, "cycle_length") if fixed_cycle else os.cpu_count() or 1
         if num_parallel_calls is not None:
             num_parallel_calls = _positive_int(num_parallel_calls, "num_parallel_calls", allow=(AUTOTUNE,))
-        return _Interleave(self, map_func, _positive_int(cycle_length, "cycle_length"),
-                           _positive_int(1 if block_length is None else block_length, "block_length"),
-                           num_parallel_calls, deterministic)
+        interleaved = _Interleave(self, map_func, cycle_length,
+                                  _positive_int(1 if block_length is None else block_length, "block_length"),
+                                  num_parallel_calls, deterministic)
+        if fixed_cycle:  # TF checks a fixed cycle_length at once, the CPU count when the iterator starts
+            interleaved._check_parallel_calls()
+        return interleaved
 
     def filter(self, predicate, name=None) -> "Dataset":
         """The elements for which ``predicate(element)`` is True."""
@@ -1280,6 +1283,12 @@ class _Interleave(Dataset):
         self._fn, self._cycle, self._block = fn, cycle_length, block_length
         self._parallel, self._deterministic = num_parallel_calls, deterministic
 
+    def _check_parallel_calls(self) -> None:
+        if self._parallel is not None and self._parallel != AUTOTUNE and self._parallel > self._cycle:
+            raise ValueError("If `cycle_length` is set to a fixed value, `num_parallel_calls` must be either "
+                             "`tf.data.AUTOTUNE` or a value less than or equal to `cycle_length`. However, "
+                             f"`num_parallel_calls` is {self._parallel} and `cycle_length` is {self._cycle}")
+
     def _inner(self, element) -> Dataset:
         ds = _call(self._fn, element)
         if not isinstance(ds, Dataset):
@@ -1298,6 +1307,7 @@ class _Interleave(Dataset):
         raise error
 
     def _make_iterator(self, state=None):
+        self._check_parallel_calls()
         if self._parallel is None or DEBUG_MODE:
             return _InterleaveIterator(self, state)
         return _ParallelInterleaveIterator(self, state)
