@@ -31,3 +31,43 @@ def test_interleave_refuses_more_parallel_calls_than_its_cycle():
     for parallel in (2, md.data.AUTOTUNE):
         assert list(D.range(3).interleave(lambda x: D.range(x), cycle_length=2, num_parallel_calls=parallel)) == \
             [0, 0, 1]
+
+
+def spec(shape, dtype):
+    return md.data.TensorSpec(shape, dtype)
+
+
+@pytest.mark.parametrize("make, expected", [
+    # TF 2.21's element_spec of each (recorded by hand with /work/venvs/tf/bin/python); every input is empty.
+    (lambda: D.range(5, 0).map(lambda x: (x, np.float32(x) * 2)),
+     (spec((), np.int64), spec((), np.float32))),
+    (lambda: D.from_tensor_slices(np.zeros((0, 3), np.float32)).batch(2).map(lambda x: x[0]), spec((3,), np.float32)),
+    (lambda: D.range(0).batch(2).flat_map(lambda x: D.from_tensor_slices(x)), spec((), np.int64)),
+    (lambda: D.range(0).scan(np.int64(0), lambda s, x: (s + x, (s, np.float32(x)))),
+     (spec((), np.int64), spec((), np.float32))),
+    (lambda: D.range(0).batch(3).group_by_window(lambda x: np.int64(x.size), lambda k, w: w.batch(2), 2),
+     spec((None, None), np.int64)),
+    (lambda: D.range(0).window(2).flat_map(lambda w: w.batch(2, drop_remainder=True)), spec((2,), np.int64)),
+])
+def test_a_function_over_an_empty_input_still_has_tfs_element_spec(make, expected):
+    ds = make()
+    assert ds.element_spec == expected
+    assert list(ds) == []
+
+
+def test_a_spec_learnt_from_the_first_element_is_the_traced_one():
+    # A component passed through a map keeps its spec (a static 1 is not taken for the batch size 1), and an
+    # interleave's datasets have unknown where the input has.
+    padded = D.from_tensor_slices(np.zeros((3, 1))).padded_batch(1).map(lambda x: (x, x))
+    assert padded.element_spec == (spec((None, 1), np.float64),) * 2
+    interleaved = D.from_tensor_slices(np.zeros((5, 3))).batch(2).interleave(lambda x: D.from_tensors(x),
+                                                                             cycle_length=1)
+    assert interleaved.element_spec == spec((None, 3), np.float64)
+    assert [x.shape for x in interleaved] == [(2, 3), (2, 3), (1, 3)]
+
+
+def test_a_function_that_fails_on_the_stand_in_element_of_an_empty_input_says_so():
+    ds = D.range(0).map(lambda x: {"a": 1}[x])
+    with pytest.raises(ValueError, match="the input is empty, and map_func failed on a stand-in element"):
+        ds.element_spec
+    assert list(ds) == []

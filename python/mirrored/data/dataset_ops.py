@@ -1162,6 +1162,46 @@ class _UnbatchIterator(_Iterator):
         return {"input": self._inputs[0].save(), "current": self._current, "row": self._row}
 
 
+STAND_IN_SIZE = 7  # an unknown dimension's size in a stand-in element (a size few static dimensions have)
+
+
+def _stand_in(spec):
+    """An element of ``spec`` for a function to run on when the input has none (tf.data traces the function over
+    the spec instead): zeros and empty strings, each unknown dimension of ``STAND_IN_SIZE`` (an unknown rank: a
+    scalar), an empty dataset for a dataset component."""
+    def leaf(s):
+        if isinstance(s, DatasetSpec):
+            return _WindowComponent([], s.element_spec)
+        shape = () if s.shape.rank is None else tuple(STAND_IN_SIZE if d is None else d for d in s.shape)
+        return np.zeros(shape, s.dtype)[()]
+    return map_structure(leaf, spec)
+
+
+def _first_or_stand_in(input_ds, count: int = 1):
+    """The first ``count`` elements of ``input_ds`` with a function's spec to learn from them, or, when it has
+    none, [a stand-in element of its spec] and True."""
+    first = input_ds._peek(count)
+    return (first, False) if first else ([_stand_in(input_ds.element_spec)], True)
+
+
+def _traced_spec(out_spec, element, input_spec, out=None):
+    """``out_spec``, the spec of what a function gave for ``element``, as tf.data's tracing over ``input_spec``
+    has it: a dimension equal to a size the input spec leaves unknown (a batch dimension) is unknown, and a leaf of
+    the result ``out`` that is a leaf of the element passed unchanged keeps the element's spec of it."""
+    inputs = [(leaf, s) for leaf, s in zip(flatten(element), flatten(input_spec)) if isinstance(s, TensorSpec)]
+    passed = {id(leaf): s for leaf, s in inputs}
+    unknown = {leaf.shape[d] for leaf, s in inputs if s.shape.rank is not None
+               for d in range(len(s.shape)) if s.shape[d] is None}
+
+    def general(s):
+        return TensorSpec([None if d in unknown else d for d in s.shape], s.dtype) \
+            if isinstance(s, TensorSpec) and s.shape.rank is not None else s
+    if out is None:
+        return map_structure(general, out_spec)
+    return pack_sequence_as(out_spec, [passed.get(id(leaf)) or general(s)
+                                       for leaf, s in zip(flatten(out), flatten(out_spec))])
+
+
 class _Map(Dataset):
     def __init__(self, input_ds, fn, num_parallel_calls, deterministic):
         super().__init__(input_ds)
@@ -1172,16 +1212,17 @@ class _Map(Dataset):
         self._fn, self._parallel, self._deterministic = fn, num_parallel_calls, deterministic
 
     def _compute_spec(self):
-        # tf.data traces map_func over the input's spec; here it runs once on the first input element, and an
-        # output dimension equal to a size the input spec leaves unknown (a batch dimension) is unknown too.
-        first = self._input._peek()
-        if not first:
-            raise ValueError("element_spec of map: the input is empty, so map_func's output is unknown")
-        element = first[0]
-        unknown = {leaf.shape[d] for leaf, s in zip(flatten(element), flatten(self._input.element_spec))
-                   if s.shape.rank is not None for d in range(len(s.shape)) if s.shape[d] is None}
-        out = spec_of(normalize_output(_call(self._fn, element), "map_func"))
-        return map_structure(lambda s: TensorSpec([None if d in unknown else d for d in s.shape], s.dtype), out)
+        # tf.data traces map_func over the input's spec; here it runs once on the first input element (a stand-in
+        # when there is none).
+        (element,), stand_in = _first_or_stand_in(self._input)
+        try:
+            out = normalize_output(_call(self._fn, element), "map_func")
+        except Exception as e:
+            if not stand_in:
+                raise
+            raise ValueError(f"element_spec of map: the input is empty, and map_func failed on a stand-in element "
+                             f"of its spec ({type(e).__name__}: {e})") from e
+        return _traced_spec(spec_of(out), element, self._input.element_spec, out)
 
     def _cardinality(self):
         return self._input._cardinality()
@@ -1297,13 +1338,21 @@ class _Interleave(Dataset):
 
     def _compute_spec(self):
         # The first of map_func's datasets whose spec is known (an empty one may not know it: its own map never
-        # ran).
-        error = ValueError("element_spec: the input is empty, so map_func's datasets are unknown")
-        for element in self._input._peek(16):
+        # ran), as tracing over the input's spec gives it; over a stand-in element when the input is empty.
+        elements, stand_in = _first_or_stand_in(self._input, 16)
+        error = None
+        for element in elements:
             try:
-                return self._inner(element).element_spec
+                return _traced_spec(self._inner(element).element_spec, element, self._input.element_spec)
             except ValueError as e:
                 error = e
+            except Exception as e:
+                if not stand_in:
+                    raise
+                error = e
+        if stand_in:
+            raise ValueError(f"element_spec: the input is empty, and map_func failed on a stand-in element of its "
+                             f"spec ({type(error).__name__}: {error})") from error
         raise error
 
     def _make_iterator(self, state=None):
@@ -2095,10 +2144,15 @@ class _Scan(Dataset):
         self._initial, self._fn = normalize_input(initial_state, "initial_state"), fn
 
     def _compute_spec(self):
-        first = self._input._peek()
-        if not first:
-            raise ValueError("element_spec of scan: the input is empty, so scan_func's output is unknown")
-        return spec_of(_scan_step(self._fn, self._initial, first[0])[1])
+        (element,), stand_in = _first_or_stand_in(self._input)
+        try:
+            out = _scan_step(self._fn, self._initial, element)[1]
+        except Exception as e:
+            if not stand_in:
+                raise
+            raise ValueError(f"element_spec of scan: the input is empty, and scan_func failed on a stand-in "
+                             f"element of its spec ({type(e).__name__}: {e})") from e
+        return _traced_spec(spec_of(out), element, self._input.element_spec, out)
 
     def _cardinality(self):
         return self._input._cardinality()
@@ -2523,11 +2577,10 @@ class _GroupByWindow(Dataset):
     def _compute_spec(self):
         if self._given_spec is not None:
             return self._given_spec
+        # reduce_func's window is a dataset of the input's spec, so its result's spec is tracing's; an empty
+        # input's: reduce_func(0, an empty window).
         first = self._input._peek()
-        if not first:
-            raise ValueError("element_spec of group_by_window: the input is empty, so reduce_func's datasets are "
-                             "unknown")
-        return self._reduced(self._key(first[0]), first).element_spec
+        return self._reduced(self._key(first[0]) if first else 0, first).element_spec
 
     def _make_iterator(self, state=None):
         return _GroupByWindowIterator(self, state)
