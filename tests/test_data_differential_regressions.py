@@ -71,3 +71,17 @@ def test_a_function_that_fails_on_the_stand_in_element_of_an_empty_input_says_so
     with pytest.raises(ValueError, match="the input is empty, and map_func failed on a stand-in element"):
         ds.element_spec
     assert list(ds) == []
+
+
+def test_rebatch_checks_that_the_components_share_their_batch_size():
+    # TF 2.21: static batch dimensions that differ are refused at once (when partial batches may form), an
+    # element whose components differ when it is read.
+    with pytest.raises(ValueError, match=r"The batch dimension of component 0 is 2, while the batch dimension of "
+                                         r"component i is \[2 3\]"):
+        D.zip(D.range(4).batch(2, True), D.range(6).batch(3, True)).rebatch(2)
+    for ds in (D.zip(D.range(4).batch(2, True), D.range(6).batch(3, True)).rebatch(2, drop_remainder=True),
+               D.zip(D.range(4).batch(2), D.range(6).batch(3)).rebatch(2)):
+        with pytest.raises(ValueError, match="Component 0 had size 2 but component 1 had size, 3"):
+            list(ds)
+    got = list(D.zip(D.range(4).batch(2), D.range(4).batch(2)).rebatch(3))
+    assert [(a.tolist(), b.tolist()) for a, b in got] == [([0, 1, 2], [0, 1, 2]), ([3], [3])]

@@ -2228,6 +2228,11 @@ class _Rebatch(Dataset):
         if any(s.shape.rank == 0 for s in flatten(input_ds.element_spec)):
             raise ValueError("Invalid `batch_sizes`. Expected dataset with rank of >= 1 but found a dataset with "
                              "scalar elements. Fix the issue by adding the `batch` transformation to the dataset.")
+        # TF compares the components' static batch dimensions when it may form partial batches.
+        known = [s.shape[0] for s in flatten(input_ds.element_spec) if s.shape.rank and s.shape[0] is not None]
+        if not drop_remainder and len(set(self._sizes)) == 1 and len(set(known)) > 1:
+            raise ValueError(f"Invalid `input_dataset.` The batch dimension of component 0 is {known[0]}, while the "
+                             f"batch dimension of component i is {np.asarray(known)}.")
 
     def _compute_spec(self):
         # Every batch has the one size when the remainder is dropped, or when each input batch splits evenly.
@@ -2267,6 +2272,11 @@ class _RebatchIterator(_Iterator):
                 except StopIteration:
                     self._current = None
                     break
+                sizes = [leaf.shape[0] for leaf in flatten(self._current)]
+                for c, n in enumerate(sizes):
+                    if n != sizes[0]:
+                        raise ValueError(f"Input element must have the same batch size in each component. Component "
+                                         f"0 had size {sizes[0]} but component {c} had size, {n}.")
                 continue
             take = min(size - rows, self._rows_left())
             parts.append([leaf[self._row:self._row + take] for leaf in flatten(self._current)])
