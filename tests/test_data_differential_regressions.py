@@ -85,3 +85,13 @@ def test_rebatch_checks_that_the_components_share_their_batch_size():
             list(ds)
     got = list(D.zip(D.range(4).batch(2), D.range(4).batch(2)).rebatch(3))
     assert [(a.tolist(), b.tolist()) for a, b in got] == [([0, 1, 2], [0, 1, 2]), ([3], [3])]
+
+
+@pytest.mark.parametrize("padded_shapes, expected", [(None, (None, 1)), ([None], (None, None)), ([-1], (None, None)),
+                                                     ([3], (None, 3))])
+def test_padded_batch_spec_is_the_padded_shape(padded_shapes, expected):
+    # TF 2.21: an explicit padded_shapes dimension of None/-1 is unknown in the spec, even over a static input
+    # dimension; without padded_shapes the input's shape is kept.
+    ds = D.from_tensor_slices(np.zeros((4, 1), np.int32)).padded_batch(2, padded_shapes=padded_shapes)
+    assert ds.element_spec == spec(expected, np.int32)
+    assert [x.shape for x in ds] == [(2, expected[1] or 1)] * 2

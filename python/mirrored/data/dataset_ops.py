@@ -1051,10 +1051,12 @@ class _PaddedBatch(_Batch):
         return values
 
     def _compute_spec(self):
+        # TF's spec is the padded shape: without padded_shapes the input's, with them exactly those (a None or
+        # -1 dimension unknown, even where the input's is static).
         spec = self._input.element_spec
         first = self._batch_size if self._drop else None
         return pack_sequence_as(spec, [
-            TensorSpec((first,) + tuple(d if t is None else t for d, t in zip(s.shape, target)), s.dtype)
+            TensorSpec((first,) + (tuple(s.shape) if self._padded_shapes is None else tuple(target)), s.dtype)
             for s, target in zip(flatten(spec), self._targets(spec))])
 
     def _make_iterator(self, state=None):
