@@ -95,3 +95,18 @@ def test_padded_batch_spec_is_the_padded_shape(padded_shapes, expected):
     ds = D.from_tensor_slices(np.zeros((4, 1), np.int32)).padded_batch(2, padded_shapes=padded_shapes)
     assert ds.element_spec == spec(expected, np.int32)
     assert [x.shape for x in ds] == [(2, expected[1] or 1)] * 2
+
+
+def test_unbatch_checks_batch_sizes_as_tf():
+    # TF 2.21: static leading dimensions that differ are refused at once; an element's when it is read, in TF's
+    # words (rebatch's too); the cardinality is unknown whenever the batch dimension is, even of an empty input.
+    with pytest.raises(ValueError, match="matching leading dimension. Encountered both 1 and 2"):
+        D.zip(D.from_tensors(np.zeros((1, 3))), D.from_tensors(np.zeros((2,)))).unbatch()
+    ragged = D.from_generator(lambda: iter([(np.zeros((2, 3)), np.zeros((1,)))]),
+                              output_signature=(spec((None, 3), np.float64), spec((1,), np.float64)))
+    with pytest.raises(ValueError, match="Component 0 had size 2 but component 1 had size, 1"):
+        list(ragged.unbatch())
+    assert D.range(0).batch(2).unbatch().cardinality() == md.data.UNKNOWN_CARDINALITY
+    assert D.from_tensor_slices(np.zeros((3, 0))).unbatch().cardinality() == md.data.UNKNOWN_CARDINALITY
+    assert D.from_tensor_slices(np.zeros((0, 2))).unbatch().cardinality() == 0
+    assert D.range(3).batch(4).repeat().unbatch().cardinality() == md.data.INFINITE_CARDINALITY

@@ -1116,13 +1116,34 @@ def _pad(column: list, component: int, target: list, value) -> list:
     return out
 
 
+def _check_batch_sizes(leaves) -> None:
+    """TF's check of an element that unbatch or rebatch splits: every component has the same first dimension."""
+    for c, leaf in enumerate(leaves):
+        if leaf.ndim == 0:
+            raise ValueError(f"Cannot unbatch an input with scalar components (component {c} is a scalar)")
+        if leaf.shape[0] != leaves[0].shape[0]:
+            raise ValueError(f"Input element must have the same batch size in each component. Component 0 had size "
+                             f"{leaves[0].shape[0]} but component {c} had size, {leaf.shape[0]}.")
+
+
 class _Unbatch(Dataset):
+    def __init__(self, input_ds):
+        super().__init__(input_ds)
+        known = [s.shape[0] for s in flatten(input_ds.element_spec) if s.shape.rank and s.shape[0] is not None]
+        if len(set(known)) > 1:
+            raise ValueError("`unbatch()` is only supported for datasets of elements whose components have a "
+                             f"matching leading dimension. Encountered both {known[0]} and "
+                             f"{next(k for k in known if k != known[0])}.")
+
     def _cardinality(self):
-        """Known when the input's batch dimension is (one size for every component), as in tf.data."""
+        """Known when the input's is and its batch dimension is (one size above 0 for every component), as in
+        tf.data: an unknown batch dimension makes even an empty input's unknown."""
         n = self._input._cardinality()
         rows = {s.shape[0] if s.shape.rank else None for s in flatten(self._input.element_spec)}
-        if n < 0 or len(rows) != 1 or None in rows or 0 in rows:
-            return n if n == INFINITE_CARDINALITY else (0 if n == 0 else UNKNOWN)
+        if n < 0:
+            return n
+        if len(rows) != 1 or None in rows or 0 in rows:
+            return UNKNOWN
         return n * rows.pop()
 
     def _compute_spec(self):
@@ -1153,11 +1174,7 @@ class _UnbatchIterator(_Iterator):
                     self._row += 1
                     return pack_sequence_as(self._current, [leaf[self._row - 1] for leaf in leaves])
             element = self._inputs[0].next()
-            leaves = flatten(element)
-            sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
-            if None in sizes or len(sizes) != 1:
-                raise ValueError(f"unbatch: every component needs the same first dimension; got shapes "
-                                 f"{[tuple(leaf.shape) for leaf in leaves]}")
+            _check_batch_sizes(flatten(element))
             self._current, self._row = element, 0
 
     def save(self):
@@ -2274,11 +2291,7 @@ class _RebatchIterator(_Iterator):
                 except StopIteration:
                     self._current = None
                     break
-                sizes = [leaf.shape[0] for leaf in flatten(self._current)]
-                for c, n in enumerate(sizes):
-                    if n != sizes[0]:
-                        raise ValueError(f"Input element must have the same batch size in each component. Component "
-                                         f"0 had size {sizes[0]} but component {c} had size, {n}.")
+                _check_batch_sizes(flatten(self._current))
                 continue
             take = min(size - rows, self._rows_left())
             parts.append([leaf[self._row:self._row + take] for leaf in flatten(self._current)])
