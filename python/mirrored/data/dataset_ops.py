@@ -1185,22 +1185,39 @@ STAND_IN_SIZE = 7  # an unknown dimension's size in a stand-in element (a size f
 
 
 def _stand_in(spec):
-    """An element of ``spec`` for a function to run on when the input has none (tf.data traces the function over
-    the spec instead): zeros and empty strings, each unknown dimension of ``STAND_IN_SIZE`` (an unknown rank: a
-    scalar), an empty dataset for a dataset component."""
+    """An element of ``spec`` for a function to run on when the input gives none (tf.data traces the function
+    over the spec instead): ones (less likely than zeros to be what a function fails on) and empty strings, each
+    unknown dimension of ``STAND_IN_SIZE`` (an unknown rank: a scalar), an empty dataset for a dataset component."""
     def leaf(s):
         if isinstance(s, DatasetSpec):
             return _WindowComponent([], s.element_spec)
         shape = () if s.shape.rank is None else tuple(STAND_IN_SIZE if d is None else d for d in s.shape)
-        return np.zeros(shape, s.dtype)[()]
+        return (np.zeros if s.dtype.kind in "SU" else np.ones)(shape, s.dtype)[()]
     return map_structure(leaf, spec)
 
 
-def _first_or_stand_in(input_ds, count: int = 1):
-    """The first ``count`` elements of ``input_ds`` with a function's spec to learn from them, or, when it has
-    none, [a stand-in element of its spec] and True."""
-    first = input_ds._peek(count)
-    return (first, False) if first else ([_stand_in(input_ds.element_spec)], True)
+def _run_for_spec(input_ds, run, what: str, count: int = 1):
+    """(``run(element)``, element) for the first of the input's first ``count`` elements that ``run`` accepts,
+    else for a stand-in element of the input's spec: tf.data traces the function over the spec, so neither an
+    empty input nor data the function (or the input) fails on leaves the spec unknown."""
+    error = None
+    try:
+        elements = input_ds._peek(count)
+    except Exception as e:  # noqa: BLE001  (the input's error comes at its place when iterating)
+        elements, error = [], e
+    for element in elements:
+        try:
+            return run(element), element
+        except Exception as e:  # noqa: BLE001  (so may the function's)
+            error = error or e
+    element = _stand_in(input_ds.element_spec)
+    try:
+        return run(element), element
+    except Exception as e:
+        if error is not None:
+            raise error from None  # the data's own error says more than the stand-in's
+        raise ValueError(f"element_spec of {what}: the input is empty, and the function failed on a stand-in "
+                         f"element of its spec ({type(e).__name__}: {e})") from e
 
 
 def _traced_spec(out_spec, element, input_spec, out=None):
@@ -1231,16 +1248,8 @@ class _Map(Dataset):
         self._fn, self._parallel, self._deterministic = fn, num_parallel_calls, deterministic
 
     def _compute_spec(self):
-        # tf.data traces map_func over the input's spec; here it runs once on the first input element (a stand-in
-        # when there is none).
-        (element,), stand_in = _first_or_stand_in(self._input)
-        try:
-            out = normalize_output(_call(self._fn, element), "map_func")
-        except Exception as e:
-            if not stand_in:
-                raise
-            raise ValueError(f"element_spec of map: the input is empty, and map_func failed on a stand-in element "
-                             f"of its spec ({type(e).__name__}: {e})") from e
+        # tf.data traces map_func over the input's spec; here it runs once on the first input element.
+        out, element = _run_for_spec(self._input, lambda e: normalize_output(_call(self._fn, e), "map_func"), "map")
         return _traced_spec(spec_of(out), element, self._input.element_spec, out)
 
     def _cardinality(self):
@@ -1357,22 +1366,9 @@ class _Interleave(Dataset):
 
     def _compute_spec(self):
         # The first of map_func's datasets whose spec is known (an empty one may not know it: its own map never
-        # ran), as tracing over the input's spec gives it; over a stand-in element when the input is empty.
-        elements, stand_in = _first_or_stand_in(self._input, 16)
-        error = None
-        for element in elements:
-            try:
-                return _traced_spec(self._inner(element).element_spec, element, self._input.element_spec)
-            except ValueError as e:
-                error = e
-            except Exception as e:
-                if not stand_in:
-                    raise
-                error = e
-        if stand_in:
-            raise ValueError(f"element_spec: the input is empty, and map_func failed on a stand-in element of its "
-                             f"spec ({type(error).__name__}: {error})") from error
-        raise error
+        # ran), as tracing over the input's spec gives it.
+        out, element = _run_for_spec(self._input, lambda e: self._inner(e).element_spec, "interleave", 16)
+        return _traced_spec(out, element, self._input.element_spec)
 
     def _make_iterator(self, state=None):
         self._check_parallel_calls()
@@ -2163,14 +2159,7 @@ class _Scan(Dataset):
         self._initial, self._fn = normalize_input(initial_state, "initial_state"), fn
 
     def _compute_spec(self):
-        (element,), stand_in = _first_or_stand_in(self._input)
-        try:
-            out = _scan_step(self._fn, self._initial, element)[1]
-        except Exception as e:
-            if not stand_in:
-                raise
-            raise ValueError(f"element_spec of scan: the input is empty, and scan_func failed on a stand-in "
-                             f"element of its spec ({type(e).__name__}: {e})") from e
+        out, element = _run_for_spec(self._input, lambda e: _scan_step(self._fn, self._initial, e)[1], "scan")
         return _traced_spec(spec_of(out), element, self._input.element_spec, out)
 
     def _cardinality(self):
