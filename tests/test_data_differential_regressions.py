@@ -130,3 +130,17 @@ def test_a_function_that_fails_on_the_first_element_still_has_a_spec():
         list(interleaved)
     with pytest.raises(TypeError, match="map_func returned None"):  # failing on the stand-in too: the data's error
         D.range(3).map(lambda x: None).element_spec
+
+
+def test_a_static_dimension_equal_to_the_batch_size_stays_static():
+    # 32x32 images in batches of 32: TF 2.21 traces (None, 32, 32, 3); a size that follows the batch is unknown,
+    # and so is a slice of an unknown length (x[:, :1] is (None, 1, 32, 3), x[:1] of a (None,) vector (None,)).
+    images = D.from_tensor_slices(np.zeros((64, 32, 32, 3), np.float32)).batch(32)
+    assert images.map(lambda x: x * 2).element_spec == spec((None, 32, 32, 3), np.float32)
+    assert images.map(lambda x: (x[:, :1], x.mean(0))).element_spec == (spec((None, 1, 32, 3), np.float32),
+                                                                        spec((32, 32, 3), np.float32))
+    assert images.interleave(lambda x: D.from_tensors(x), cycle_length=1).element_spec == \
+        spec((None, 32, 32, 3), np.float32)
+    assert images.scan(np.float32(0), lambda s, x: (s, x[0])).element_spec == spec((32, 32, 3), np.float32)
+    ragged = D.from_generator(lambda: (np.arange(n) for n in [1, 2]), output_signature=spec((None,), np.int64))
+    assert ragged.map(lambda x: x[:1]).element_spec == spec((None,), np.int64)

@@ -1220,22 +1220,60 @@ def _run_for_spec(input_ds, run, what: str, count: int = 1):
                          f"element of its spec ({type(e).__name__}: {e})") from e
 
 
-def _traced_spec(out_spec, element, input_spec, out=None):
-    """``out_spec``, the spec of what a function gave for ``element``, as tf.data's tracing over ``input_spec``
-    has it: a dimension equal to a size the input spec leaves unknown (a batch dimension) is unknown, and a leaf of
-    the result ``out`` that is a leaf of the element passed unchanged keeps the element's spec of it."""
+def _resized(element, input_spec, size):
+    """``element`` with each dimension its spec leaves unknown of ``size(n)`` for its size ``n`` (those leaves ones
+    or empty strings), or None for device arrays: a function's result for it shows which output dimensions
+    follow those sizes."""
+    def leaf(x, s):
+        if not isinstance(x, (np.ndarray, np.generic)):
+            raise TypeError
+        if not isinstance(s, TensorSpec) or s.shape.rank is None or None not in tuple(s.shape):
+            return x
+        shape = tuple(size(n) if d is None else n for n, d in zip(np.shape(x), s.shape))
+        return (np.zeros if s.dtype.kind in "SU" else np.ones)(shape, s.dtype)[()]
+    try:
+        return pack_sequence_as(element, [leaf(x, s) for x, s in zip(flatten(element), flatten(input_spec))])
+    except TypeError:
+        return None
+
+
+def _traced_spec(out_spec, element, input_spec, respec, out=None):
+    """``out_spec``, the spec ``respec(element)`` gave, as tf.data's tracing over ``input_spec`` has it. A leaf of
+    the result ``out`` that is a leaf of the element passed unchanged keeps the element's spec of it. Where the
+    input spec leaves dimensions unknown, ``respec`` runs again on the element with them one longer and empty:
+    an output dimension that changes with them is unknown (as TF's shape inference has ``x[:1]`` of an unknown
+    length); when the longer run fails, a dimension equal to one of their sizes is."""
     inputs = [(leaf, s) for leaf, s in zip(flatten(element), flatten(input_spec)) if isinstance(s, TensorSpec)]
     passed = {id(leaf): s for leaf, s in inputs}
     unknown = {leaf.shape[d] for leaf, s in inputs if s.shape.rank is not None
                for d in range(len(s.shape)) if s.shape[d] is None}
+    count = len(flatten(out_spec))
+    probes = []
+    for size in ((lambda n: n + 1), (lambda n: 0)) if unknown else ():
+        resized = _resized(element, input_spec, size)
+        try:
+            probe = flatten(respec(resized)) if resized is not None else []
+        except Exception:  # noqa: BLE001  (a function may not take made-up values)
+            probe = []
+        if len(probe) != count:
+            break  # the longer run decides alone; without it, the sizes do
+        probes.append(probe)
 
-    def general(s):
-        return TensorSpec([None if d in unknown else d for d in s.shape], s.dtype) \
-            if isinstance(s, TensorSpec) and s.shape.rank is not None else s
-    if out is None:
-        return map_structure(general, out_spec)
-    return pack_sequence_as(out_spec, [passed.get(id(leaf)) or general(s)
-                                       for leaf, s in zip(flatten(out), flatten(out_spec))])
+    def general(i, s):
+        if not isinstance(s, TensorSpec) or s.shape.rank is None:
+            return s
+        if probes:
+            dims = list(s.shape)
+            for probe in probes:
+                p = probe[i]
+                if not isinstance(p, TensorSpec) or p.shape.rank != s.shape.rank:
+                    return TensorSpec(None, s.dtype)
+                dims = [d if d == q else None for d, q in zip(dims, p.shape)]
+            return TensorSpec(dims, s.dtype)
+        return TensorSpec([None if d in unknown else d for d in s.shape], s.dtype)
+    leaves = flatten(out) if out is not None else [None] * count
+    return pack_sequence_as(out_spec, [passed[id(leaf)] if leaf is not None and id(leaf) in passed else general(i, s)
+                                       for i, (leaf, s) in enumerate(zip(leaves, flatten(out_spec)))])
 
 
 class _Map(Dataset):
@@ -1249,8 +1287,9 @@ class _Map(Dataset):
 
     def _compute_spec(self):
         # tf.data traces map_func over the input's spec; here it runs once on the first input element.
-        out, element = _run_for_spec(self._input, lambda e: normalize_output(_call(self._fn, e), "map_func"), "map")
-        return _traced_spec(spec_of(out), element, self._input.element_spec, out)
+        run = lambda e: normalize_output(_call(self._fn, e), "map_func")  # noqa: E731
+        out, element = _run_for_spec(self._input, run, "map")
+        return _traced_spec(spec_of(out), element, self._input.element_spec, lambda e: spec_of(run(e)), out)
 
     def _cardinality(self):
         return self._input._cardinality()
@@ -1367,8 +1406,9 @@ class _Interleave(Dataset):
     def _compute_spec(self):
         # The first of map_func's datasets whose spec is known (an empty one may not know it: its own map never
         # ran), as tracing over the input's spec gives it.
-        out, element = _run_for_spec(self._input, lambda e: self._inner(e).element_spec, "interleave", 16)
-        return _traced_spec(out, element, self._input.element_spec)
+        respec = lambda e: self._inner(e).element_spec  # noqa: E731
+        out, element = _run_for_spec(self._input, respec, "interleave", 16)
+        return _traced_spec(out, element, self._input.element_spec, respec)
 
     def _make_iterator(self, state=None):
         self._check_parallel_calls()
@@ -2159,8 +2199,9 @@ class _Scan(Dataset):
         self._initial, self._fn = normalize_input(initial_state, "initial_state"), fn
 
     def _compute_spec(self):
-        out, element = _run_for_spec(self._input, lambda e: _scan_step(self._fn, self._initial, e)[1], "scan")
-        return _traced_spec(spec_of(out), element, self._input.element_spec, out)
+        run = lambda e: _scan_step(self._fn, self._initial, e)[1]  # noqa: E731
+        out, element = _run_for_spec(self._input, run, "scan")
+        return _traced_spec(spec_of(out), element, self._input.element_spec, lambda e: spec_of(run(e)), out)
 
     def _cardinality(self):
         return self._input._cardinality()
