@@ -340,13 +340,16 @@ class Dataset:
         ``num_parallel_calls`` each open dataset is read ahead in a thread of its own, at most
         ``num_parallel_calls`` reading at once; ``deterministic=False`` then lets a dataset whose element is
         ready go before one that is still reading."""
-        if cycle_length is None or cycle_length == AUTOTUNE:
-            cycle_length = os.cpu_count() or 1
+        fixed_cycle = not (cycle_length is None or cycle_length == AUTOTUNE)
+        cycle_length = _positive_int(cycle_length, "cycle_length") if fixed_cycle else os.cpu_count() or 1
         if num_parallel_calls is not None:
             num_parallel_calls = _positive_int(num_parallel_calls, "num_parallel_calls", allow=(AUTOTUNE,))
-        return _Interleave(self, map_func, _positive_int(cycle_length, "cycle_length"),
-                           _positive_int(1 if block_length is None else block_length, "block_length"),
-                           num_parallel_calls, deterministic)
+        interleaved = _Interleave(self, map_func, cycle_length,
+                                  _positive_int(1 if block_length is None else block_length, "block_length"),
+                                  num_parallel_calls, deterministic)
+        if fixed_cycle:  # TF checks a fixed cycle_length at once, the CPU count when the iterator starts
+            interleaved._check_parallel_calls()
+        return interleaved
 
     def filter(self, predicate, name=None) -> "Dataset":
         """The elements for which ``predicate(element)`` is True."""
@@ -1049,10 +1052,12 @@ class _PaddedBatch(_Batch):
         return values
 
     def _compute_spec(self):
+        # TF's spec is the padded shape: without padded_shapes the input's, with them exactly those (a None or
+        # -1 dimension unknown, even where the input's is static).
         spec = self._input.element_spec
         first = self._batch_size if self._drop else None
         return pack_sequence_as(spec, [
-            TensorSpec((first,) + tuple(d if t is None else t for d, t in zip(s.shape, target)), s.dtype)
+            TensorSpec((first,) + (tuple(s.shape) if self._padded_shapes is None else tuple(target)), s.dtype)
             for s, target in zip(flatten(spec), self._targets(spec))])
 
     def _make_iterator(self, state=None):
@@ -1112,13 +1117,34 @@ def _pad(column: list, component: int, target: list, value) -> list:
     return out
 
 
+def _check_batch_sizes(leaves) -> None:
+    """TF's check of an element that unbatch or rebatch splits: every component has the same first dimension."""
+    for c, leaf in enumerate(leaves):
+        if leaf.ndim == 0:
+            raise ValueError(f"Cannot unbatch an input with scalar components (component {c} is a scalar)")
+        if leaf.shape[0] != leaves[0].shape[0]:
+            raise ValueError(f"Input element must have the same batch size in each component. Component 0 had size "
+                             f"{leaves[0].shape[0]} but component {c} had size, {leaf.shape[0]}.")
+
+
 class _Unbatch(Dataset):
+    def __init__(self, input_ds):
+        super().__init__(input_ds)
+        known = [s.shape[0] for s in flatten(input_ds.element_spec) if s.shape.rank and s.shape[0] is not None]
+        if len(set(known)) > 1:
+            raise ValueError("`unbatch()` is only supported for datasets of elements whose components have a "
+                             f"matching leading dimension. Encountered both {known[0]} and "
+                             f"{next(k for k in known if k != known[0])}.")
+
     def _cardinality(self):
-        """Known when the input's batch dimension is (one size for every component), as in tf.data."""
+        """Known when the input's is and its batch dimension is (one size above 0 for every component), as in
+        tf.data: an unknown batch dimension makes even an empty input's unknown."""
         n = self._input._cardinality()
         rows = {s.shape[0] if s.shape.rank else None for s in flatten(self._input.element_spec)}
-        if n < 0 or len(rows) != 1 or None in rows or 0 in rows:
-            return n if n == INFINITE_CARDINALITY else (0 if n == 0 else UNKNOWN)
+        if n < 0:
+            return n
+        if len(rows) != 1 or None in rows or 0 in rows:
+            return UNKNOWN
         return n * rows.pop()
 
     def _compute_spec(self):
@@ -1149,15 +1175,106 @@ class _UnbatchIterator(_Iterator):
                     self._row += 1
                     return pack_sequence_as(self._current, [leaf[self._row - 1] for leaf in leaves])
             element = self._inputs[0].next()
-            leaves = flatten(element)
-            sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
-            if None in sizes or len(sizes) != 1:
-                raise ValueError(f"unbatch: every component needs the same first dimension; got shapes "
-                                 f"{[tuple(leaf.shape) for leaf in leaves]}")
+            _check_batch_sizes(flatten(element))
             self._current, self._row = element, 0
 
     def save(self):
         return {"input": self._inputs[0].save(), "current": self._current, "row": self._row}
+
+
+STAND_IN_SIZE = 7  # an unknown dimension's size in a stand-in element (a size few static dimensions have)
+
+
+def _stand_in(spec):
+    """An element of ``spec`` for a function to run on when the input gives none (tf.data traces the function
+    over the spec instead): ones (less likely than zeros to be what a function fails on) and empty strings, each
+    unknown dimension of ``STAND_IN_SIZE`` (an unknown rank: a scalar), an empty dataset for a dataset component."""
+    def leaf(s):
+        if isinstance(s, DatasetSpec):
+            return _WindowComponent([], s.element_spec)
+        shape = () if s.shape.rank is None else tuple(STAND_IN_SIZE if d is None else d for d in s.shape)
+        return (np.zeros if s.dtype.kind in "SU" else np.ones)(shape, s.dtype)[()]
+    return map_structure(leaf, spec)
+
+
+def _run_for_spec(input_ds, run, what: str, count: int = 1):
+    """(``run(element)``, element) for the first of the input's first ``count`` elements that ``run`` accepts,
+    else for a stand-in element of the input's spec: tf.data traces the function over the spec, so neither an
+    empty input nor data the function (or the input) fails on leaves the spec unknown."""
+    error = None
+    try:
+        elements = input_ds._peek(count)
+    except Exception as e:  # noqa: BLE001  (the input's error comes at its place when iterating)
+        elements, error = [], e
+    for element in elements:
+        try:
+            return run(element), element
+        except Exception as e:  # noqa: BLE001  (so may the function's)
+            error = error or e
+    element = _stand_in(input_ds.element_spec)
+    try:
+        return run(element), element
+    except Exception as e:
+        if error is not None:
+            raise error from None  # the data's own error says more than the stand-in's
+        raise ValueError(f"element_spec of {what}: the input is empty, and the function failed on a stand-in "
+                         f"element of its spec ({type(e).__name__}: {e})") from e
+
+
+def _resized(element, input_spec, size):
+    """``element`` with each dimension its spec leaves unknown of ``size(n)`` for its size ``n`` (those leaves ones
+    or empty strings), or None for device arrays: a function's result for it shows which output dimensions
+    follow those sizes."""
+    def leaf(x, s):
+        if not isinstance(x, (np.ndarray, np.generic)):
+            raise TypeError
+        if not isinstance(s, TensorSpec) or s.shape.rank is None or None not in tuple(s.shape):
+            return x
+        shape = tuple(size(n) if d is None else n for n, d in zip(np.shape(x), s.shape))
+        return (np.zeros if s.dtype.kind in "SU" else np.ones)(shape, s.dtype)[()]
+    try:
+        return pack_sequence_as(element, [leaf(x, s) for x, s in zip(flatten(element), flatten(input_spec))])
+    except TypeError:
+        return None
+
+
+def _traced_spec(out_spec, element, input_spec, respec, out=None):
+    """``out_spec``, the spec ``respec(element)`` gave, as tf.data's tracing over ``input_spec`` has it. A leaf of
+    the result ``out`` that is a leaf of the element passed unchanged keeps the element's spec of it. Where the
+    input spec leaves dimensions unknown, ``respec`` runs again on the element with them one longer and empty:
+    an output dimension that changes with them is unknown (as TF's shape inference has ``x[:1]`` of an unknown
+    length); when the longer run fails, a dimension equal to one of their sizes is."""
+    inputs = [(leaf, s) for leaf, s in zip(flatten(element), flatten(input_spec)) if isinstance(s, TensorSpec)]
+    passed = {id(leaf): s for leaf, s in inputs}
+    unknown = {leaf.shape[d] for leaf, s in inputs if s.shape.rank is not None
+               for d in range(len(s.shape)) if s.shape[d] is None}
+    count = len(flatten(out_spec))
+    probes = []
+    for size in ((lambda n: n + 1), (lambda n: 0)) if unknown else ():
+        resized = _resized(element, input_spec, size)
+        try:
+            probe = flatten(respec(resized)) if resized is not None else []
+        except Exception:  # noqa: BLE001  (a function may not take made-up values)
+            probe = []
+        if len(probe) != count:
+            break  # the longer run decides alone; without it, the sizes do
+        probes.append(probe)
+
+    def general(i, s):
+        if not isinstance(s, TensorSpec) or s.shape.rank is None:
+            return s
+        if probes:
+            dims = list(s.shape)
+            for probe in probes:
+                p = probe[i]
+                if not isinstance(p, TensorSpec) or p.shape.rank != s.shape.rank:
+                    return TensorSpec(None, s.dtype)
+                dims = [d if d == q else None for d, q in zip(dims, p.shape)]
+            return TensorSpec(dims, s.dtype)
+        return TensorSpec([None if d in unknown else d for d in s.shape], s.dtype)
+    leaves = flatten(out) if out is not None else [None] * count
+    return pack_sequence_as(out_spec, [passed[id(leaf)] if leaf is not None and id(leaf) in passed else general(i, s)
+                                       for i, (leaf, s) in enumerate(zip(leaves, flatten(out_spec)))])
 
 
 class _Map(Dataset):
@@ -1170,16 +1287,10 @@ class _Map(Dataset):
         self._fn, self._parallel, self._deterministic = fn, num_parallel_calls, deterministic
 
     def _compute_spec(self):
-        # tf.data traces map_func over the input's spec; here it runs once on the first input element, and an
-        # output dimension equal to a size the input spec leaves unknown (a batch dimension) is unknown too.
-        first = self._input._peek()
-        if not first:
-            raise ValueError("element_spec of map: the input is empty, so map_func's output is unknown")
-        element = first[0]
-        unknown = {leaf.shape[d] for leaf, s in zip(flatten(element), flatten(self._input.element_spec))
-                   if s.shape.rank is not None for d in range(len(s.shape)) if s.shape[d] is None}
-        out = spec_of(normalize_output(_call(self._fn, element), "map_func"))
-        return map_structure(lambda s: TensorSpec([None if d in unknown else d for d in s.shape], s.dtype), out)
+        # tf.data traces map_func over the input's spec; here it runs once on the first input element.
+        run = lambda e: normalize_output(_call(self._fn, e), "map_func")  # noqa: E731
+        out, element = _run_for_spec(self._input, run, "map")
+        return _traced_spec(spec_of(out), element, self._input.element_spec, lambda e: spec_of(run(e)), out)
 
     def _cardinality(self):
         return self._input._cardinality()
@@ -1281,6 +1392,12 @@ class _Interleave(Dataset):
         self._fn, self._cycle, self._block = fn, cycle_length, block_length
         self._parallel, self._deterministic = num_parallel_calls, deterministic
 
+    def _check_parallel_calls(self) -> None:
+        if self._parallel is not None and self._parallel != AUTOTUNE and self._parallel > self._cycle:
+            raise ValueError("If `cycle_length` is set to a fixed value, `num_parallel_calls` must be either "
+                             "`tf.data.AUTOTUNE` or a value less than or equal to `cycle_length`. However, "
+                             f"`num_parallel_calls` is {self._parallel} and `cycle_length` is {self._cycle}")
+
     def _inner(self, element) -> Dataset:
         ds = _call(self._fn, element)
         if not isinstance(ds, Dataset):
@@ -1289,16 +1406,13 @@ class _Interleave(Dataset):
 
     def _compute_spec(self):
         # The first of map_func's datasets whose spec is known (an empty one may not know it: its own map never
-        # ran).
-        error = ValueError("element_spec: the input is empty, so map_func's datasets are unknown")
-        for element in self._input._peek(16):
-            try:
-                return self._inner(element).element_spec
-            except ValueError as e:
-                error = e
-        raise error
+        # ran), as tracing over the input's spec gives it.
+        respec = lambda e: self._inner(e).element_spec  # noqa: E731
+        out, element = _run_for_spec(self._input, respec, "interleave", 16)
+        return _traced_spec(out, element, self._input.element_spec, respec)
 
     def _make_iterator(self, state=None):
+        self._check_parallel_calls()
         if self._parallel is None or DEBUG_MODE:
             return _InterleaveIterator(self, state)
         return _ParallelInterleaveIterator(self, state)
@@ -2091,10 +2205,9 @@ class _Scan(Dataset):
         self._initial, self._fn = normalize_input(initial_state, "initial_state"), fn
 
     def _compute_spec(self):
-        first = self._input._peek()
-        if not first:
-            raise ValueError("element_spec of scan: the input is empty, so scan_func's output is unknown")
-        return spec_of(_scan_step(self._fn, self._initial, first[0])[1])
+        run = lambda e: _scan_step(self._fn, self._initial, e)[1]  # noqa: E731
+        out, element = _run_for_spec(self._input, run, "scan")
+        return _traced_spec(spec_of(out), element, self._input.element_spec, lambda e: spec_of(run(e)), out)
 
     def _cardinality(self):
         return self._input._cardinality()
@@ -2170,6 +2283,11 @@ class _Rebatch(Dataset):
         if any(s.shape.rank == 0 for s in flatten(input_ds.element_spec)):
             raise ValueError("Invalid `batch_sizes`. Expected dataset with rank of >= 1 but found a dataset with "
                              "scalar elements. Fix the issue by adding the `batch` transformation to the dataset.")
+        # TF compares the components' static batch dimensions when it may form partial batches.
+        known = [s.shape[0] for s in flatten(input_ds.element_spec) if s.shape.rank and s.shape[0] is not None]
+        if not drop_remainder and len(set(self._sizes)) == 1 and len(set(known)) > 1:
+            raise ValueError(f"Invalid `input_dataset.` The batch dimension of component 0 is {known[0]}, while the "
+                             f"batch dimension of component i is {np.asarray(known)}.")
 
     def _compute_spec(self):
         # Every batch has the one size when the remainder is dropped, or when each input batch splits evenly.
@@ -2209,6 +2327,7 @@ class _RebatchIterator(_Iterator):
                 except StopIteration:
                     self._current = None
                     break
+                _check_batch_sizes(flatten(self._current))
                 continue
             take = min(size - rows, self._rows_left())
             parts.append([leaf[self._row:self._row + take] for leaf in flatten(self._current)])
@@ -2519,11 +2638,10 @@ class _GroupByWindow(Dataset):
     def _compute_spec(self):
         if self._given_spec is not None:
             return self._given_spec
+        # reduce_func's window is a dataset of the input's spec, so its result's spec is tracing's; an empty
+        # input's: reduce_func(0, an empty window).
         first = self._input._peek()
-        if not first:
-            raise ValueError("element_spec of group_by_window: the input is empty, so reduce_func's datasets are "
-                             "unknown")
-        return self._reduced(self._key(first[0]), first).element_spec
+        return self._reduced(self._key(first[0]) if first else 0, first).element_spec
 
     def _make_iterator(self, state=None):
         return _GroupByWindowIterator(self, state)

@@ -40,15 +40,74 @@ def _open(path: str, compression: str, mode: str = "rb"):
     if compression == "GZIP":
         return gzip.open(path, mode)
     if compression == "ZLIB":
-        if "w" in mode:
-            return _ZlibWriter(path)
-        with open(path, "rb") as f:
-            try:
-                return io.BytesIO(zlib.decompress(f.read()))
-            except zlib.error as e:
-                raise DataLossError(None, None, f"{path}: cannot decompress it as ZLIB ({e}); check "
-                                    "compression_type") from None
+        return _ZlibWriter(path) if "w" in mode else io.BufferedReader(_ZlibReader(path), ZLIB_CHUNK)
     return open(path, mode)
+
+
+def _decompress_error(path: str, compression: str, error: Exception) -> DataLossError:
+    return DataLossError(None, None, f"{path}: cannot decompress it as {compression} ({error}); check "
+                         "compression_type")
+
+
+ZLIB_CHUNK = 1 << 16  # compressed bytes read at a time, and the most decompressed bytes one read produces
+
+
+class _ZlibReader(io.RawIOBase):
+    """A ZLIB-compressed file (one zlib stream, TF's ZLIB compression) read as a stream: memory holds one
+    chunk of the file and what it decompresses to, however large the file. Seeking forward decompresses up to
+    the offset; seeking back starts the stream again (a checkpoint's restore seeks forward from the start)."""
+
+    def __init__(self, path: str):
+        self._path = path
+        self._file = open(path, "rb")
+        self._rewind()
+
+    def _rewind(self) -> None:
+        self._file.seek(0)
+        self._decompressor, self._position = zlib.decompressobj(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = b""
+        try:
+            while not data and len(buffer):
+                if self._decompressor.eof:
+                    return 0
+                pending = self._decompressor.unconsumed_tail or self._file.read(ZLIB_CHUNK)
+                data = self._decompressor.decompress(pending, min(len(buffer), ZLIB_CHUNK))
+                if not data and not pending and not self._decompressor.eof:
+                    raise EOFError("the file ends inside the compressed stream")
+        except (zlib.error, EOFError) as e:
+            raise _decompress_error(self._path, "ZLIB", e) from None
+        buffer[:len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_CUR:
+            offset += self._position
+        elif whence == io.SEEK_END:
+            while self.read(ZLIB_CHUNK):
+                pass
+            offset += self._position
+        if offset < self._position:
+            self._rewind()
+        while self._position < offset and self.read(min(ZLIB_CHUNK, offset - self._position)):
+            pass
+        return self._position
+
+    def close(self) -> None:
+        if not self.closed:
+            self._file.close()
+        super().close()
 
 
 class _ZlibWriter(io.RawIOBase):
@@ -164,8 +223,7 @@ class _FileRecordsIterator(_Iterator):
             try:
                 record = self._record()
             except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # a damaged or mislabelled compressed file
-                raise DataLossError(None, None, f"{os.fsdecode(self._name)}: cannot decompress it as "
-                                    f"{self._ds._compression} ({e}); check compression_type") from None
+                raise _decompress_error(os.fsdecode(self._name), self._ds._compression, e) from None
             if record is not None:
                 return self._element(record)
             self._file.close()
@@ -225,14 +283,10 @@ class FixedLengthRecordDataset(_FileReader):
 class _FixedLengthIterator(_FileRecordsIterator):
     def _opened(self) -> None:
         ds = self._ds
-        if self._ds._compression == "GZIP":  # (a gzip stream cannot seek from its end)
-            with self._file:
-                try:
-                    self._file = io.BytesIO(self._file.read())
-                except (EOFError, gzip.BadGzipFile) as e:
-                    raise DataLossError(None, None, f"{os.fsdecode(self._name)}: cannot decompress it as GZIP "
-                                        f"({e}); check compression_type") from None
-        self._file.seek(0, io.SEEK_END)
+        try:  # a compressed file decompresses to its end (bounded memory) to learn its size
+            self._file.seek(0, io.SEEK_END)
+        except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+            raise _decompress_error(os.fsdecode(self._name), self._ds._compression, e) from None
         size = self._file.tell()
         body = size - ds._header - ds._footer
         if body < 0 or body % ds._record_bytes:
@@ -252,8 +306,8 @@ class TFRecordDataset(_FileReader):
     """``md.data.TFRecordDataset(filenames, compression_type=None, buffer_size=None, num_parallel_reads=None)``:
     the records of TFRecord files as bytes, each checked against its CRC32C (a damaged file raises
     ``md.errors.DataLossError``, a ``ValueError``, as TF's; so does a file that ends inside a record, which TF
-    drops without a word where the cut falls in a record's header). Parse them with your own decoder (``tf.train.Example`` protos need
-    protobuf, which md.data does not carry)."""
+    drops without a word where the cut falls in a record's header). Parse them with your own decoder
+    (``tf.train.Example`` protos need protobuf, which md.data does not carry)."""
 
     def __init__(self, filenames, compression_type=None, buffer_size=None, num_parallel_reads=None, name=None):
         super().__init__(filenames, compression_type, num_parallel_reads)

@@ -122,6 +122,8 @@ def to_leaf(value, argument: str):
     """One leaf as an array (NumPy, or a device array kept where it is), TF's conversion rules."""
     if isinstance(value, (np.str_, np.ndarray)) and np.asarray(value).dtype.kind == "U":
         return _unicode_to_bytes(value)  # tf.string holds bytes (UTF-8)
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        return value[()]  # a rank-0 tensor is a NumPy scalar in as_numpy_iterator, as a Python number is
     if isinstance(value, (np.ndarray, np.generic)) or _is_gpu_array(value):
         return value
     if isinstance(value, str):
