@@ -135,6 +135,7 @@ class CentralStorageExtended(MirroredExtended):
         # have written them: slots, accumulators).
         self._replica_reads = {}
         self._read_copies = {}  # id -> variable
+        self._plan_variables = {}  # per variable list (their ids): the set of those ids
         # The replica whose all-reduced values (the same bits on every replica) go to the variables: one on the
         # parameter device's memory where there is one (no copy between GPUs), else the first.
         self._nearest_replica = next((r for r, d in enumerate(self._local_devices)
@@ -196,13 +197,21 @@ class CentralStorageExtended(MirroredExtended):
         """After an optimizer's update on the parameter device (``plan``: the optimizer's, see
         train/optimizers/base.py): copies that reads made are dropped (the update may have written those
         variables: slots, accumulators), and, when the variables changed (``updated``), their copies on the
-        replicas' GPUs refreshed at once (:class:`_ReplicaReads`)."""
-        for variable in self._read_copies.values():
-            variable._reads = None
-        self._read_copies.clear()
-        if not updated:
-            return
+        replicas' GPUs refreshed at once (:class:`_ReplicaReads`). A step that only accumulated
+        (``updated`` False) wrote no variable of the plan (unless it overwrote them with their moving
+        averages): their copies stay, and the next step's reads copy nothing."""
         key = tuple(map(id, plan.variables))
+        if updated or plan.ema_overwrite:
+            for variable in self._read_copies.values():
+                variable._reads = None
+            self._read_copies.clear()
+        else:
+            kept = self._plan_variables.get(key)
+            if kept is None:
+                kept = self._plan_variables[key] = frozenset(key)
+            for k in [k for k in self._read_copies if k not in kept]:
+                self._read_copies.pop(k)._reads = None
+            return
         reads = self._replica_reads.get(key, False)
         if reads is False:  # (decided once per variable list)
             reads = self._replica_reads[key] = _ReplicaReads.for_plan(plan)
