@@ -9,6 +9,7 @@ import gc
 import itertools
 import os
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -329,3 +330,59 @@ def test_loss_scaled_and_accumulate_only_steps_cost_the_same_for_20_and_200_vari
     for kind, extra in (("dynamic", 3), ("fixed", 2), ("accumulate", 0)):
         for gpu, launches in counted[kind][200][0]["launches"].items():
             assert launches <= counted["plain"][200][0]["launches"][gpu] + extra, (kind, counted)
+
+
+def _function_loss_scaled_steps(parameter_device: str, compiled: bool, dynamic: bool):
+    """Six Adam steps under a LossScaleOptimizer of float16 gradients, eagerly or through md.function (the fourth
+    one's gradients infinite): the weights, the losses, the scale and ``iterations``, and the last call's
+    simulated runtime counters."""
+    from mirrored.distribute.function import EagerFallbackWarning
+
+    s = CentralStorageStrategy(GPUS, parameter_device)
+    with s.scope():
+        w = md.Variable(np.linspace(-1, 1, 6, dtype=np.float32))
+        b = md.Variable(np.ones(3, np.float32))
+        opt = md.mixed_precision.LossScaleOptimizer(md.optimizers.Adam(0.1), dynamic=dynamic, initial_scale=8.0,
+                                                    dynamic_growth_steps=2)
+
+    def step(x):
+        opt.apply_gradients([((w.read_value() * x).astype(np.float16), w), ((b.read_value() * x).astype(np.float16),
+                                                                              b)])
+        return md.get_replica_context().all_reduce("SUM", (w.read_value() ** 2).sum())
+
+    fn = md.function(step) if compiled else step
+    losses, counted = [], None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EagerFallbackWarning)
+        for k in range(6):
+            x = s.experimental_distribute_values_from_function(
+                lambda ctx: cupy.full((), np.inf if k == 3 else k + 1, np.float32))
+            if k == 5 and SIMULATED:
+                counted = sim_counters(lambda: losses.append(s.run(fn, args=(x,))))
+            else:
+                losses.append(s.run(fn, args=(x,)))
+            losses[-1] = float(md.device_util.to_host(s.experimental_local_results(losses[-1])[0]))
+    return (np.asarray(md.device_util.to_host(w.read_value())), losses, float(opt.loss_scale),
+            int(opt.iterations.numpy()), counted)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "fixed"])
+@pytest.mark.parametrize("layout, parameter_device", [("logical", "/gpu:0"), ("physical", "/gpu:0"),
+                                                      ("physical", "/gpu:1")])
+def test_md_function_captures_the_packed_loss_scaled_step_and_replays_the_eager_bits(layout, parameter_device,
+                                                                                    dynamic):
+    """The packed step's first run is the general one (it makes the plan), and md.function captures the second:
+    the buffers its packs need were made before (a capture cannot upload). Replays give the eager weights,
+    losses, scale and ``iterations`` (a skipped step included), one graph launch per GPU and nothing else."""
+    with gpu_pair(layout):
+        eager = _function_loss_scaled_steps(parameter_device, False, dynamic)
+        compiled = _function_loss_scaled_steps(parameter_device, True, dynamic)
+    np.testing.assert_array_equal(eager[0], compiled[0])
+    np.testing.assert_array_equal(eager[1], compiled[1])  # (NaN where the fixed scale applied the inf)
+    assert eager[2:4] == compiled[2:4]
+    if SIMULATED:
+        counted = compiled[4]
+        assert counted["graph_launches"] == ({0: 1} if layout == "logical" else {0: 1, 1: 1})
+        assert sum(counted["launches"].values()) == 0 and sum(counted["kernels"].values()) == 0

@@ -283,7 +283,7 @@ class _ReplicaReads:
         self.algorithm = "nccl" if _gpu.nccl_available() else "auto"
         self.buffers, self.views = [None] * len(self.devices), [None] * len(self.devices)
         for i in range(len(self.devices)):
-            self._allocate(i)
+            self._allocate(i, plan)
         self._link()
 
     @staticmethod
@@ -301,21 +301,12 @@ class _ReplicaReads:
             return _ReplicaReads(plan)
         return copied
 
-    def _allocate(self, i: int) -> None:
-        """New buffers (and views) for GPU ``i``."""
-        shapes = [v._value.shape for v in self.variables]
-        views = [None] * len(self.variables)
-        buffers = []
-        for indices in self.groups:
-            dtype = self.variables[indices[0]]._value.dtype
-            sizes = [int(np.prod(shapes[k], dtype=np.int64)) for k in indices]
-            buffer = device_util.place(np.empty(sum(sizes), dtype), self.devices[i])
-            at = 0
-            for k, size in zip(indices, sizes):
-                views[k] = buffer[at:at + size].reshape(shapes[k])
-                at += size
-            buffers.append(buffer)
-        self.buffers[i], self.views[i] = buffers, views
+    def _allocate(self, i: int, plan) -> None:
+        """New buffers for GPU ``i``, one per dtype in ``plan``'s fusion layout, and their views per variable."""
+        buffers = [device_util.place(np.empty(sum(self.variables[k]._value.size for k in indices),
+                                              self.variables[indices[0]]._value.dtype), self.devices[i])
+                   for indices in self.groups]
+        self.buffers[i], self.views[i] = buffers, plan.unpacked(buffers)
 
     def _link(self) -> None:
         """Each variable's reads: per replica, the view on its GPU."""
@@ -331,7 +322,7 @@ class _ReplicaReads:
                         f"an array a replica on {self.devices[i]} read of a variable is still referenced when the "
                         "optimizer updates the variables, so the replica's copies would move to new buffers, which "
                         "a captured step cannot replay; inside md.function drop such references before the update")
-                self._allocate(i)
+                self._allocate(i, plan)
                 self._link()
         values = [v._value for v in self.variables]
         if self.staging is not None:  # host variables: packed on the host, one copy to each GPU per dtype

@@ -1015,12 +1015,19 @@ class _Plan:
                 for j, (buffer, dtype) in enumerate(zip(packed, self.groups))]
 
     def _staging(self, slot: int, buffer, dtype):
-        """Pack slot ``slot``'s staging buffer of ``dtype`` for fusion buffer ``buffer`` (made once, by the eager
-        step that precedes a capture)."""
+        """Pack slot ``slot``'s staging buffer of ``dtype`` for fusion buffer ``buffer``. Made once, for every
+        slot at once (the group's buffer of each), by the eager step that precedes a capture: that step may pack
+        on one slot only (variables kept once: the variables' own, before the replicas pack from the next step
+        on, which may be the captured one), and a capture cannot make them (an upload)."""
         key = (slot, id(buffer), np.dtype(dtype))
         stage = self.staging.get(key)
         if stage is None:
-            stage = self.staging[key] = device_util.place(np.empty(buffer.size, dtype), self.pack_devices[slot])
+            group = next(j for j, b in enumerate(self.fusion_buffers[slot]) if b is buffer)
+            for other, (buffers, device) in enumerate(zip(self.fusion_buffers, self.pack_devices)):
+                other_key = (other, id(buffers[group]), np.dtype(dtype))
+                if other_key not in self.staging:
+                    self.staging[other_key] = device_util.place(np.empty(buffer.size, dtype), device)
+            stage = self.staging[key]
         return stage
 
     def _make_pack(self, slot: int, ordinal: int, staged: tuple):
@@ -1155,16 +1162,15 @@ class _Plan:
             table.apply(SGD, _gpu_grad(buffer, dtype, table.total_count).data.ptr, [-1.0], 0.0, 0.0, stream)
 
     def unpacked(self, packed) -> list:
-        """Per variable, a view of its gradient in the packed buffers (one per dtype, the fusion layout)."""
-        grads = [None] * len(self.variables)
+        """Per variable, a view of its part of ``packed`` (one buffer per dtype, the fusion layout)."""
+        views = [None] * len(self.variables)
         for buffer, indices in zip(packed, self.groups.values()):
             at = 0
             for k in indices:
-                shape = self.copies[0][k]._value.shape
-                size = self.copies[0][k]._value.size
-                grads[k] = buffer[at:at + size].reshape(shape)
-                at += size
-        return grads
+                value = self.copies[0][k]._value
+                views[k] = buffer[at:at + value.size].reshape(value.shape)
+                at += value.size
+        return views
 
     def _reset_accumulators(self, device: int) -> None:
         if self.accumulators is not None:
