@@ -136,6 +136,7 @@ class CentralStorageExtended(MirroredExtended):
         # have written them: slots, accumulators).
         self._replica_reads = {}
         self._read_copies = {}  # id -> variable
+        self._plan_variables = {}  # per variable list (their ids): the set of those ids
         # The replica whose all-reduced values (the same bits on every replica) go to the variables: one on the
         # parameter device's memory where there is one (no copy between GPUs), else the first.
         self._nearest_replica = next((r for r, d in enumerate(self._local_devices)
@@ -197,13 +198,21 @@ class CentralStorageExtended(MirroredExtended):
         """After an optimizer's update on the parameter device (``plan``: the optimizer's, see
         train/optimizers/base.py): copies that reads made are dropped (the update may have written those
         variables: slots, accumulators), and, when the variables changed (``updated``), their copies on the
-        replicas' GPUs refreshed at once (:class:`_ReplicaReads`)."""
-        for variable in self._read_copies.values():
-            variable._reads = None
-        self._read_copies.clear()
-        if not updated:
-            return
+        replicas' GPUs refreshed at once (:class:`_ReplicaReads`). A step that only accumulated
+        (``updated`` False) wrote no variable of the plan (unless it overwrote them with their moving
+        averages): their copies stay, and the next step's reads copy nothing."""
         key = tuple(map(id, plan.variables))
+        if updated or plan.ema_overwrite:
+            for variable in self._read_copies.values():
+                variable._reads = None
+            self._read_copies.clear()
+        else:
+            kept = self._plan_variables.get(key)
+            if kept is None:
+                kept = self._plan_variables[key] = frozenset(key)
+            for k in [k for k in self._read_copies if k not in kept]:
+                self._read_copies.pop(k)._reads = None
+            return
         reads = self._replica_reads.get(key, False)
         if reads is False:  # (decided once per variable list)
             reads = self._replica_reads[key] = _ReplicaReads.for_plan(plan)
@@ -275,7 +284,7 @@ class _ReplicaReads:
         self.algorithm = "nccl" if _gpu.nccl_available() else "auto"
         self.buffers, self.views = [None] * len(self.devices), [None] * len(self.devices)
         for i in range(len(self.devices)):
-            self._allocate(i)
+            self._allocate(i, plan)
         self._link()
 
     @staticmethod
@@ -293,21 +302,12 @@ class _ReplicaReads:
             return _ReplicaReads(plan)
         return copied
 
-    def _allocate(self, i: int) -> None:
-        """New buffers (and views) for GPU ``i``."""
-        shapes = [v._value.shape for v in self.variables]
-        views = [None] * len(self.variables)
-        buffers = []
-        for indices in self.groups:
-            dtype = self.variables[indices[0]]._value.dtype
-            sizes = [int(np.prod(shapes[k], dtype=np.int64)) for k in indices]
-            buffer = device_util.place(np.empty(sum(sizes), dtype), self.devices[i])
-            at = 0
-            for k, size in zip(indices, sizes):
-                views[k] = buffer[at:at + size].reshape(shapes[k])
-                at += size
-            buffers.append(buffer)
-        self.buffers[i], self.views[i] = buffers, views
+    def _allocate(self, i: int, plan) -> None:
+        """New buffers for GPU ``i``, one per dtype in ``plan``'s fusion layout, and their views per variable."""
+        buffers = [device_util.place(np.empty(sum(self.variables[k]._value.size for k in indices),
+                                              self.variables[indices[0]]._value.dtype), self.devices[i])
+                   for indices in self.groups]
+        self.buffers[i], self.views[i] = buffers, plan.unpacked(buffers)
 
     def _link(self) -> None:
         """Each variable's reads: per replica, the view on its GPU."""
@@ -323,7 +323,7 @@ class _ReplicaReads:
                         f"an array a replica on {self.devices[i]} read of a variable is still referenced when the "
                         "optimizer updates the variables, so the replica's copies would move to new buffers, which "
                         "a captured step cannot replay; inside md.function drop such references before the update")
-                self._allocate(i)
+                self._allocate(i, plan)
                 self._link()
         values = [v._value for v in self.variables]
         if self.staging is not None:  # host variables: packed on the host, one copy to each GPU per dtype

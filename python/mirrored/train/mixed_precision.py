@@ -353,6 +353,12 @@ class LossScaleOptimizer:
         """
         from ..distribute import distribute_lib
 
+        aggregate = bool(experimental_aggregate_gradients)
+        if not distribute_lib.in_cross_replica_context():
+            grads_and_vars = grads_and_vars if isinstance(grads_and_vars, list) else list(grads_and_vars)
+            central = self._central_plan(grads_and_vars, aggregate)
+            if central is not None:
+                return self._central_replica_step(*central, options)
         pairs = []
         for i, pair in enumerate(grads_and_vars):
             try:
@@ -362,7 +368,6 @@ class LossScaleOptimizer:
                                  "zip(grads, variables)") from None
             if grad is not None:
                 pairs.append((grad, var))
-        aggregate = bool(experimental_aggregate_gradients)
         if distribute_lib.in_cross_replica_context():
             return self._apply(distribute_lib.get_strategy(), pairs, options, aggregate, False)
         return distribute_lib.get_replica_context().merge_call(
@@ -403,21 +408,97 @@ class LossScaleOptimizer:
         arrays = [c for k, g in enumerate(grads)
                   for c in (_placed_components(g)[:1] if k in reduced else _placed_components(g))]
         if self.dynamic and not self._agreed_finite(strategy, arrays, devices):
-            self.step_counter.assign(np.int64(0))
-            self.dynamic_scale.assign(self.dynamic_scale.numpy() * np.float32(0.5))
-            return int(self.iterations.numpy())
+            return self._skipped()
         if not self._caller_unscales:
             grads = [self._unscaled(g) for g in grads]
         step = self.inner_optimizer.apply_gradients(
             [(g, v) for g, (_, v) in zip(grads, pairs)], options,
             experimental_aggregate_gradients=aggregate and not reduce_here)
+        self._counted_finite()
+        return step
+
+    def _skipped(self) -> int:
+        """A dynamic step whose gradients were not all finite, decided on the host: nothing applied, the scale
+        halved and the count of good steps restarted (Keras); returns ``iterations``, unchanged."""
+        self.step_counter.assign(np.int64(0))
+        self.dynamic_scale.assign(self.dynamic_scale.numpy() * np.float32(0.5))
+        return int(self.iterations.numpy())
+
+    def _counted_finite(self) -> None:
+        """After a step applied on the host's decision: one more good step, and the scale doubled once
+        ``dynamic_growth_steps`` steps in a row were (Keras)."""
         if self.dynamic:
             if int(self.step_counter.numpy()) == self.dynamic_growth_steps - 1:
                 self.step_counter.assign(np.int64(0))
                 self.dynamic_scale.assign(self.dynamic_scale.numpy() * np.float32(2.0))
             else:
                 self.step_counter.assign_add(np.int64(1))
-        return step
+
+    def _central_plan(self, grads_and_vars: list, aggregate: bool):
+        """For a replica's step under CentralStorageStrategy, packed (:meth:`_central_replica_step`): the
+        wrapped optimizer's plan (made by an earlier step), its gradients and variables; None where the step
+        takes the general path: the first step, gradients the caller unscaled or aggregated, an optimizer that
+        clips (Keras clips each replica's unscaled gradients before the sum), accumulates or has a
+        ``loss_scale_factor``, or variables the plan does not pack."""
+        from .optimizers import base
+
+        inner = self.inner_optimizer
+        if (not aggregate or self._caller_unscales or not isinstance(inner, base.Optimizer) or _clips(inner)
+                or inner.gradient_accumulation_steps or inner.loss_scale_factor is not None
+                or not any(plan.central for plan in inner._plans.values())):
+            return None
+        grads, variables = inner._check_pairs(grads_and_vars)
+        plan = inner._plans.get(tuple(map(id, variables)))
+        if plan is None or not plan.central or not plan.packs:
+            return None
+        if not plan.host[0] and (inner.use_ema or plan.constraints  # (decided on the GPU, as _device_plan says)
+                                 or not hasattr(base._gpu_kernel(), "loss_scale_step")):
+            return None
+        return plan, grads, variables
+
+    def _central_replica_step(self, plan, grads, variables, options):
+        """A replica's loss-scaled step for variables kept once (CentralStorageStrategy), packed as the wrapped
+        optimizer's step is: this replica packs its gradients in their own dtype (one buffer per dtype, in
+        parallel with the other replicas) and merge_call hands the packs over as one object; there
+        (:meth:`_central_merged_step`) one fused all-reduce sums them, one replica's sum goes to the variables'
+        device, one finiteness decision covers the step, and one fused update applies it, or nothing does."""
+        from ..distribute import distribute_lib
+        from .optimizers.base import _ReplicaGrads
+
+        ctx = distribute_lib.get_replica_context()
+        given = plan.given_dtypes(grads)
+        if given is not None and any(np.result_type(g, np.float32) != dtype for g, dtype in zip(given, plan.groups)):
+            given = None  # (the quotient by the float32 scale would not have the variables' dtype)
+        packed = None if given is None else plan.pack(ctx._local_replica_id, grads, given)
+        return ctx.merge_call(lambda strategy, merged: self._central_merged_step(strategy, plan, merged, variables,
+                                                                                  options),
+                              args=(_ReplicaGrads(grads, packed),))
+
+    def _central_merged_step(self, strategy, plan, merged, variables, options):
+        """The merge of :meth:`_central_replica_step`. With variables on a GPU the step is decided there, as
+        MirroredStrategy's (:meth:`_apply_on_device`); in host memory the host checks the summed buffers (one
+        look per dtype), then skips the step or applies the buffers divided by the scale. A replica whose
+        gradients did not pack (their dtypes differ) sends the step down the general path."""
+        from ..distribute.values import DistributedValues, PerReplica
+
+        devices = strategy.extended.worker_devices
+        holders = merged.values if isinstance(merged, DistributedValues) else (merged,) * len(devices)
+        if any(h.packed is None for h in holders):
+            return self._apply(strategy, [(PerReplica([h.grads[k] for h in holders], devices), v)
+                                          for k, v in enumerate(variables)], options, True, False)
+        inner = self.inner_optimizer
+        columns = [PerReplica([h.packed[j] for h in holders], devices) for j in range(len(plan.groups))]
+        # (reduced onto the variables: the strategy takes the sum of a replica on their memory if one is)
+        reduced = inner._all_reduce(strategy, columns, [variables[0]] * len(columns), options)
+        if not plan.host[0]:
+            return self._apply_on_device(plan, None, reduced)
+        if self.dynamic and not self._agreed_finite(strategy, [(b, None) for b in reduced], devices):
+            return self._skipped()
+        scale = np.float32(self.dynamic_scale.numpy())
+        step = inner._advance(plan)
+        plan.apply(0, None, step, packed=[b / scale for b in reduced])  # (float16 sums become float32, as Keras')
+        self._counted_finite()
+        return step + 1
 
     def _device_plan(self, strategy, grads, variables, reduced):
         """The wrapped optimizer's plan when this step can be decided on the GPUs, else None.
@@ -449,8 +530,9 @@ class LossScaleOptimizer:
             return None
         return plan
 
-    def _apply_on_device(self, plan, grads):
-        """The step decided on each GPU (no host sync): each device's reduced gradients packed, checked
+    def _apply_on_device(self, plan, grads, packed=None):
+        """The step decided on each GPU (no host sync): each device's reduced gradients packed (or ``packed``
+        already: the reduced buffers of variables kept once, converted to their dtype), checked
         for inf and nan into one flag, applied divided by the scale unless the flag is set, then the scale,
         its counter and ``iterations`` updated there (csrc/cuda/fused_update.h). Returns ``iterations``
         (the variable: reading it waits for the step)."""
@@ -467,7 +549,9 @@ class LossScaleOptimizer:
                 nonfinite=self._nonfinite_flag(device), scale=scales[d]._writable_buffer().data.ptr,
                 counter=counters[d]._writable_buffer().data.ptr, growth_steps=self.dynamic_growth_steps,
                 dynamic=self.dynamic)
-            plan.apply(d, [g.values[d] if isinstance(g, DistributedValues) else g for g in grads], step, gate=gate)
+            device_grads = None if grads is None else [g.values[d] if isinstance(g, DistributedValues) else g
+                                                         for g in grads]
+            plan.apply(d, device_grads, step, packed=packed, gate=gate)
         return self.iterations
 
     def _nonfinite_flag(self, device) -> int:

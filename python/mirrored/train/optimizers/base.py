@@ -455,15 +455,16 @@ class Optimizer:
         if IndexedSlices in map(type, grads):
             grads, aggregate = self._sparse_step(ctx, grads, variables, options, aggregate)
         packed = None
-        if not self.gradient_accumulation_steps:
-            # From the second step on, this replica packs its gradients into its fusion buffer
-            # (in parallel with the other replicas): the all-reduce then moves one buffer per dtype.
-            # (Variables kept once, not aggregated: the first replica's gradients go to them, packed.)
-            plan = self._plans.get(tuple(map(id, variables)))
-            if plan is not None and plan.packs and not plan.sums_replicas and \
-                    (aggregate or plan.central and ctx._local_replica_id == 0) and \
-                    ctx.strategy.num_replicas_in_sync > 1:
-                packed = plan.pack(ctx._local_replica_id, grads)
+        # From the second step on, this replica packs its gradients into its fusion buffer
+        # (in parallel with the other replicas): the all-reduce then moves one buffer per dtype.
+        # (Variables kept once, not aggregated: the first replica's gradients go to them, packed. Kept once,
+        # they take the replicas' sum into their accumulators too: packed also under gradient accumulation.)
+        plan = self._plans.get(tuple(map(id, variables)))
+        if plan is not None and plan.packs and not plan.sums_replicas and \
+                (plan.central or not self.gradient_accumulation_steps) and \
+                (aggregate or plan.central and ctx._local_replica_id == 0) and \
+                ctx.strategy.num_replicas_in_sync > 1:
+            packed = plan.pack(ctx._local_replica_id, grads)
         # options stay out of the merged arguments: each replica may pass its own (equal)
         # options object, which merge_call would turn into a PerReplica.
         plan, reduced, step, update = ctx.merge_call(
@@ -675,10 +676,11 @@ class Optimizer:
             grads = self._all_reduce(strategy, [PerReplica([h.grads[k] for h in holders], devices)
                                                 for k in range(len(variables))], variables, options)
         if self.gradient_accumulation_steps:
-            if not self._is_update_step(step):
-                plan.apply(0, grads, step, update=False)
+            if not self._is_update_step(step):  # (packed: one fused accumulate per dtype)
+                plan.apply(0, grads, step, packed=packed, update=False)
                 return
-            grads = plan.accumulated_and_clipped(0, grads)
+            grads = plan.accumulated_and_clipped(0, grads if packed is None else plan.unpacked(packed))
+            packed = None
         plan.apply(0, grads, step, packed=packed)
 
     def _is_update_step(self, step: int) -> bool:
@@ -875,6 +877,9 @@ class _Plan:
                                 for dtype, indices in self.groups.items()]
                                for device in self.pack_devices] if self.packable else None
         self.gpu_tables = [None] * self.num_devices  # per device: one FusedUpdateTable per dtype
+        # per device: the tables of its gradient accumulators (_accumulate_packed), and when they were made
+        self.accumulator_tables = [None] * self.num_devices
+        self.accumulator_tables_made_at = [None] * self.num_devices
         # per pack slot: (staged dtypes, the GradientPack of its eager steps)
         self.gpu_packs = [None] * len(self.pack_devices)
         self.staging = {}  # (pack slot, id(fusion buffer), dtype) -> a buffer the pack fills with gradients of dtype
@@ -883,6 +888,7 @@ class _Plan:
         self.sparse_clean = {}  # device -> whether its host sparse buffers are all zeros (sparse_targets)
         self.sparse_named = {}  # device -> the views and indices its last sparse_targets wrote (clear_sparse)
         weakref.finalize(self, _retire_tables, self.gpu_tables)
+        weakref.finalize(self, _retire_tables, self.accumulator_tables)
         weakref.finalize(self, _retire_tables, self.gpu_packs)
         self.tables_made_at = [None] * self.num_devices  # values.buffers_replaced when they were made
         self.rule = optimizer._rule
@@ -950,10 +956,23 @@ class _Plan:
             return [SquaredGradient(*(device_util.place(x, device) for x in a)) if type(a) is SquaredGradient
                     else device_util.place(a, device) for a in arrays]
 
-    def pack(self, slot: int, grads: list) -> list:
+    def given_dtypes(self, grads: list) -> tuple | None:
+        """Per dtype group, the one dtype of its gradients, for :meth:`pack`'s ``given``; None where a group's
+        gradients differ in dtype or one is not dense."""
+        if IndexedSlices in map(type, grads) or SquaredGradient in map(type, grads):
+            return None
+        given = tuple(_one_dtype(_dtype_of(grads[k]) for k in indices) for indices in self.groups.values())
+        return None if any(g is None for g in given) else given  # (not `None in`: a dtype == None is float64's)
+
+    def pack(self, slot: int, grads: list, given: tuple | None = None) -> list:
         """``grads`` copied into pack slot ``slot``'s fusion buffers (``pack_devices[slot]``), one per dtype
-        (converted to it)."""
+        (converted to it). ``given`` (:meth:`given_dtypes`): the gradients' dtypes kept, a group of another
+        dtype than its variables' packed into a staging buffer of its own dtype, returned in place of the
+        fusion buffer (a loss-scaled step reduces gradients in their dtype: float16 moves half the bytes)."""
         buffers = self.fusion_buffers[slot]
+        if given is not None:
+            buffers = [b if g == dtype else self._staging(slot, b, g)
+                       for b, g, dtype in zip(buffers, given, self.groups)]
         if type(buffers[0]) is np.ndarray:
             for buffer, indices in zip(buffers, self.groups.values()):
                 np.concatenate([grads[k] for k in indices], axis=None, out=buffer)
@@ -966,7 +985,7 @@ class _Plan:
         # A group whose gradients all have another dtype (mixed precision: float16 gradients of float32
         # variables) is copied as such into a staging buffer and converted by one kernel over the whole
         # buffer, not one per gradient.
-        staged = tuple(_one_dtype(_dtype_of(grads[k]) for k in indices) for indices in self.groups.values())
+        staged = given or tuple(_one_dtype(_dtype_of(grads[k]) for k in indices) for indices in self.groups.values())
         staged = tuple(None if s == dtype else s for s, dtype in zip(staged, self.groups))
         sources = [_packable(cupy, grads[k], staged_dtype or dtype, ordinal)
                    for (dtype, indices), staged_dtype in zip(self.groups.items(), staged) for k in indices]
@@ -982,18 +1001,33 @@ class _Plan:
             if self.gpu_packs[slot] is None or self.gpu_packs[slot][0] != staged:
                 self.gpu_packs[slot] = (staged, self._make_pack(slot, ordinal, staged))
             self.gpu_packs[slot][1].copy(src, stream)
-        for buffer, staged_dtype in zip(buffers, staged):
-            if staged_dtype is not None:
-                buffer[...] = self._staging(slot, buffer, staged_dtype)
+        if given is None:
+            for buffer, staged_dtype in zip(buffers, staged):
+                if staged_dtype is not None:
+                    buffer[...] = self._staging(slot, buffer, staged_dtype)
         return buffers
 
+    def in_variables_dtypes(self, device: int, packed: list) -> list:
+        """Packed buffers in their variables' dtypes: one of another dtype (:meth:`pack`'s ``given``, reduced as
+        such) converted into device ``device``'s fusion buffer of the group, one kernel each."""
+        slot = self.own_pack[device]
+        return [buffer if buffer.dtype == dtype else _converted(self.fusion_buffers[slot][j], buffer)
+                for j, (buffer, dtype) in enumerate(zip(packed, self.groups))]
+
     def _staging(self, slot: int, buffer, dtype):
-        """Pack slot ``slot``'s staging buffer of ``dtype`` for fusion buffer ``buffer`` (made once, by the eager
-        step that precedes a capture)."""
+        """Pack slot ``slot``'s staging buffer of ``dtype`` for fusion buffer ``buffer``. Made once, for every
+        slot at once (the group's buffer of each), by the eager step that precedes a capture: that step may pack
+        on one slot only (variables kept once: the variables' own, before the replicas pack from the next step
+        on, which may be the captured one), and a capture cannot make them (an upload)."""
         key = (slot, id(buffer), np.dtype(dtype))
         stage = self.staging.get(key)
         if stage is None:
-            stage = self.staging[key] = device_util.place(np.empty(buffer.size, dtype), self.pack_devices[slot])
+            group = next(j for j, b in enumerate(self.fusion_buffers[slot]) if b is buffer)
+            for other, (buffers, device) in enumerate(zip(self.fusion_buffers, self.pack_devices)):
+                other_key = (other, id(buffers[group]), np.dtype(dtype))
+                if other_key not in self.staging:
+                    self.staging[other_key] = device_util.place(np.empty(buffer.size, dtype), device)
+            stage = self.staging[key]
         return stage
 
     def _make_pack(self, slot: int, ordinal: int, staged: tuple):
@@ -1041,7 +1075,7 @@ class _Plan:
         """
         if self.host[device]:
             if not update:
-                self._accumulate(device, grads)
+                self._accumulate(device, grads, packed)
             else:
                 self._apply_host(device, grads, packed, summands)
                 self._reset_accumulators(device)
@@ -1067,7 +1101,7 @@ class _Plan:
                     self.iterations[device]._writable_buffer()[...] += 1
                 return
             if not update:
-                self._accumulate(device, grads)
+                self._accumulate(device, grads, packed)
             elif self.packable:
                 self._apply_gpu(device, grads, packed, gate)
             else:
@@ -1097,13 +1131,46 @@ class _Plan:
         with device_util.cross_replica_gpu_scope(self.copies[device][0].device):
             return self.optimizer._clip([self.accumulated(device, k, g) for k, g in enumerate(grads)])
 
-    def _accumulate(self, device: int, grads) -> None:
+    def _accumulate(self, device: int, grads, packed=None) -> None:
         """A step that only accumulates: ``accumulator += g``, each replica its own gradients (as Keras does
-        under a strategy: the accumulators are summed across replicas only when applied)."""
+        under a strategy: the accumulators are summed across replicas only when applied). ``packed`` (in place
+        of ``grads``: one reduced fusion buffer per dtype, variables kept once): one fused call per dtype."""
         self._writable(device)
+        if packed is not None:
+            self._accumulate_packed(device, packed)
+            return
         for acc, g in zip(self.accumulators[device], grads):
             buffer = acc._value
             buffer += g if g.dtype == buffer.dtype else g.astype(buffer.dtype)
+
+    def _accumulate_packed(self, device: int, packed) -> None:
+        """``accumulator += g`` for every variable from the packed gradients, one fused update per dtype over the
+        accumulators: the SGD rule at learning rate -1, whose ``w - g * -1`` is ``w + g`` exactly (the product
+        only flips the sign), so the same bits as the element-wise sum. On host the host kernel, on a GPU one
+        launch over a table of the accumulators (made once, again only after a copy-on-write)."""
+        accumulators = list(map(_VALUE, self.accumulators[device]))
+        if self.host[device]:
+            for buffer, indices in zip(packed, self.groups.values()):
+                _host_kernel(SGD, [accumulators[k] for k in indices], buffer, [[] for _ in indices],
+                             [False] * len(indices), [-1.0], 0.0, 0.0)
+            return
+        if self.accumulator_tables_made_at[device] != values.buffers_replaced:
+            self.accumulator_tables[device] = self._make_tables(device, accumulators)
+            self.accumulator_tables_made_at[device] = values.buffers_replaced
+        stream = array_module(packed[0]).cuda.get_current_stream().ptr
+        for table, buffer, dtype in zip(self.accumulator_tables[device], packed, self.groups):
+            table.apply(SGD, _gpu_grad(buffer, dtype, table.total_count).data.ptr, [-1.0], 0.0, 0.0, stream)
+
+    def unpacked(self, packed) -> list:
+        """Per variable, a view of its part of ``packed`` (one buffer per dtype, the fusion layout)."""
+        views = [None] * len(self.variables)
+        for buffer, indices in zip(packed, self.groups.values()):
+            at = 0
+            for k in indices:
+                value = self.copies[0][k]._value
+                views[k] = buffer[at:at + value.size].reshape(value.shape)
+                at += value.size
+        return views
 
     def _reset_accumulators(self, device: int) -> None:
         if self.accumulators is not None:
@@ -1238,6 +1305,8 @@ class _Plan:
         squares = self._pack_squares(device, grads)
         if packed is None:
             packed = self.pack(self.own_pack[device], list(map(_plain, grads)))
+        else:
+            packed = self.in_variables_dtypes(device, packed)
         cupy = array_module(packed[0])
         stream = cupy.cuda.get_current_stream().ptr
         grads = self._checked_grads(self.gpu_tables[device], packed, stream, gate)
@@ -1274,6 +1343,8 @@ class _Plan:
         squares = self._pack_squares(device, grads)
         if packed is None:
             packed = self.pack(self.own_pack[device], list(map(_plain, grads)))
+        else:
+            packed = self.in_variables_dtypes(device, packed)
         tables = self._make_tables(device)
         scope.captured.setdefault("fused update tables", []).append(tables)
         weakref.finalize(scope, _retire_tables, tables)
@@ -1397,17 +1468,22 @@ class _Plan:
         _gpu_kernel().loss_scale_step(ordinal, gate.nonfinite, gate.scale, gate.counter, iterations.data.ptr,
                                       gate.growth_steps, gate.dynamic, stream)
 
-    def _make_tables(self, device: int) -> list:
+    def _make_tables(self, device: int, accumulators=None) -> list:
+        """Device ``device``'s fused update tables, one per dtype: of its variables and their slots, or of
+        ``accumulators`` (their arrays, no slots, no weight decay: _accumulate_packed's)."""
         module = _gpu_kernel()
         ordinal = device_util.physical_ordinal(self.copies[device][0].device)
         tables = []
         for dtype, indices in self.groups.items():
-            weights = [self.copies[device][k]._value for k in indices]
-            slots = [[s._value for s in self.slots[device][k]] for k in indices]
+            if accumulators is None:
+                weights = [self.copies[device][k]._value for k in indices]
+                slots = [[s._value for s in self.slots[device][k]] for k in indices]
+                decay = [self.decay[k] for k in indices]
+            else:
+                weights, slots, decay = [accumulators[k] for k in indices], [[]] * len(indices), [False] * len(indices)
             tables.append(module.FusedUpdateTable(
                 ordinal, dtype_code(dtype), [w.data.ptr for w in weights],
-                [[s.data.ptr for s in var_slots] for var_slots in slots], [w.size for w in weights],
-                [self.decay[k] for k in indices]))
+                [[s.data.ptr for s in var_slots] for var_slots in slots], [w.size for w in weights], decay))
         return tables
 
     def _apply_each(self, device: int, grads, groups: dict) -> None:
@@ -1513,6 +1589,12 @@ def _packable(cupy, g, dtype, ordinal: int):
         return g
     with cupy.cuda.Device(ordinal):
         return cupy.ascontiguousarray(cupy.array(g, dtype=dtype, copy=False))
+
+
+def _converted(target, buffer):
+    """``buffer``'s values written into ``target`` (of another dtype) by one kernel; returns ``target``."""
+    target[...] = buffer
+    return target
 
 
 def _gpu_grad(buffer, dtype, count: int):
