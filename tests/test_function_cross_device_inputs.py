@@ -8,6 +8,7 @@ neighbouring cases are audited too: host inputs, a dtype or shape that changes, 
 between calls, a closure constant, an input that aliases a variable the step updates, CPU replicas.
 """
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -16,10 +17,31 @@ import pytest
 import mirrored as md
 import gpu_env
 from gpu_env import cupy
+from mirrored.device import config
 from mirrored.distribute.function import EagerFallbackWarning
 
 STEPS = 6
-LAYOUTS = ("logical-2", "physical-2")
+LAYOUTS = ("logical-2", "physical-2", "2x2")  # 2 logical GPUs of GPU 0, 2 GPUs, 2 GPUs of 2 logical GPUs each
+
+
+@contextlib.contextmanager
+def _layout_strategy(layout):
+    if layout != "2x2":
+        with gpu_env.layout_strategy(layout) as strategy:
+            yield strategy
+        return
+    if gpu_env.NGPU < 2:
+        pytest.skip("needs 2 GPUs")
+    try:
+        for gpu in (0, 1):
+            config.set_logical_device_configuration("GPU", gpu, count=2)
+        strategy = md.MirroredStrategy([f"/gpu:{i}" for i in range(4)])
+        if not isinstance(strategy.extended._cross_device_ops, md.NcclAllReduce):
+            pytest.skip("without NCCL, logical GPUs on several GPUs are not captured (docs/function.md)")
+        yield strategy
+    finally:
+        for gpu in (0, 1):
+            config.set_logical_device_configuration(f"GPU:{gpu}", None)
 
 
 def _on_gpu0(host):
@@ -69,7 +91,7 @@ def _check_every_call(strategy, call, want=_want, captured=True):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("form", ["plain", "nested", "keyword"])
 def test_an_array_of_gpu0_given_to_every_replica_reads_this_calls_values(layout, form):
-    with gpu_env.layout_strategy(layout) as strategy:
+    with _layout_strategy(layout) as strategy:
         @md.function
         def step(a, x):
             return strategy.run(_replica, args=(a, x))
@@ -88,12 +110,19 @@ def test_an_array_of_gpu0_given_to_every_replica_reads_this_calls_values(layout,
         _check_every_call(strategy, calls[form])
         run = {"plain": step, "nested": nested_step, "keyword": keyword_step}[form]
         assert run.experimental_get_tracing_count() == 1
+        if gpu_env.SIMULATED:  # a replay is still one graph launch per GPU and no kernel from Python
+            a, x = _on_gpu0(_a(0)), _x(strategy, 0)
+            counted = gpu_env.sim_counters(lambda: step(a, x))
+            gpus = {md.device_util.physical_ordinal(d) for d in strategy.extended.worker_devices}
+            assert counted["graph_launches"] == {g: 1 for g in gpus}
+            assert not any(counted["launches"].values()) if isinstance(counted["launches"], dict) else \
+                not counted["launches"]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_per_replica_whose_components_all_live_on_gpu0(layout):
-    with gpu_env.layout_strategy(layout) as strategy:
+    with _layout_strategy(layout) as strategy:
         devices = strategy.extended.worker_devices
 
         @md.function
@@ -108,7 +137,7 @@ def test_a_per_replica_whose_components_all_live_on_gpu0(layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_replica_step_itself_captured_with_an_array_of_gpu0(layout):
     """strategy.run(md.function(fn), args=(a_on_gpu0, per_replica)): the replica step is the captured step."""
-    with gpu_env.layout_strategy(layout) as strategy:
+    with _layout_strategy(layout) as strategy:
         run = md.function(_replica)
         _check_every_call(strategy, lambda s: strategy.run(run, args=(_on_gpu0(_a(s)), _x(strategy, s))))
 
@@ -116,7 +145,7 @@ def test_the_replica_step_itself_captured_with_an_array_of_gpu0(layout):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_distributed_iterator_and_an_array_of_gpu0(layout):
-    with gpu_env.layout_strategy(layout) as strategy:
+    with _layout_strategy(layout) as strategy:
         n = strategy.num_replicas_in_sync
         rows = np.arange(STEPS * n * 3, dtype=np.float32).reshape(STEPS * n, 3)
         iterator = iter(strategy.experimental_distribute_dataset(md.data.Dataset.from_tensor_slices(rows).batch(n)))
@@ -134,7 +163,7 @@ def test_a_distributed_iterator_and_an_array_of_gpu0(layout):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_an_input_written_in_place_between_calls_is_read_at_its_current_value(layout):
-    with gpu_env.layout_strategy(layout) as strategy:
+    with _layout_strategy(layout) as strategy:
         a = _on_gpu0(_a(0))
 
         @md.function
@@ -153,7 +182,7 @@ def test_an_input_written_in_place_between_calls_is_read_at_its_current_value(la
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_closure_constant_of_gpu0_written_in_place_between_calls(layout):
     """A captured array is not an input: the graph reads its memory, so a replay sees what was written there."""
-    with gpu_env.layout_strategy(layout) as strategy:
+    with _layout_strategy(layout) as strategy:
         a = _on_gpu0(_a(0))
 
         @md.function
@@ -171,7 +200,7 @@ def test_a_closure_constant_of_gpu0_written_in_place_between_calls(layout):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_host_array_given_to_gpu_replicas_runs_eagerly_and_gives_the_reference(layout):
-    with gpu_env.layout_strategy(layout) as strategy:
+    with _layout_strategy(layout) as strategy:
         @md.function
         def step(a, x):  # the replica step uploads the host array itself (NumPy and CuPy do not mix)
             return strategy.run(lambda a, x: _replica(cupy.asarray(a), x), args=(a, x))
@@ -183,7 +212,7 @@ def test_a_host_array_given_to_gpu_replicas_runs_eagerly_and_gives_the_reference
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_new_dtype_or_shape_of_an_input_captures_again(layout):
-    with gpu_env.layout_strategy(layout) as strategy:
+    with _layout_strategy(layout) as strategy:
         @md.function
         def step(a, x):
             return strategy.run(_replica, args=(a, x))
@@ -202,7 +231,7 @@ def test_a_new_dtype_or_shape_of_an_input_captures_again(layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_an_input_that_aliases_a_variable_the_step_updates_keeps_the_value_it_was_given(layout):
     """The input is the variable's value before the step (TF's: a read is a value), on every call."""
-    with gpu_env.layout_strategy(layout) as strategy:
+    with _layout_strategy(layout) as strategy:
         with strategy.scope():
             v = md.Variable(_a(0), aggregation=md.VariableAggregation.SUM)
 
