@@ -111,8 +111,7 @@ def test_an_array_of_gpu0_given_to_every_replica_reads_this_calls_values(layout,
         run = {"plain": step, "nested": nested_step, "keyword": keyword_step}[form]
         assert run.experimental_get_tracing_count() == 1
         if gpu_env.SIMULATED:  # a replay is still one graph launch per GPU and no kernel from Python
-            a, x = _on_gpu0(_a(0)), _x(strategy, 0)
-            counted = gpu_env.sim_counters(lambda: step(a, x))
+            counted = gpu_env.sim_counters(lambda: calls[form](0))
             gpus = {md.device_util.physical_ordinal(d) for d in strategy.extended.worker_devices}
             assert counted["graph_launches"] == {g: 1 for g in gpus}
             assert not any(counted["launches"].values()) if isinstance(counted["launches"], dict) else \
