@@ -407,6 +407,16 @@ class _Captured:
         self.updated = list(scope.captured.get("variable buffers", {}).values())
         # Graphs on several GPUs: a replay joins them as an eager strategy.run does (device/gpu.py)
         self.across = _gpu.CrossGpuOrder(graphs) if len(graphs) > 1 else None
+        # An input buffer lives on its source's GPU, but any GPU's graph may read it (a replica on GPU 1 given
+        # an array of GPU 0). Its copy is queued on its own GPU's step stream, which the other GPUs' graphs do
+        # not follow: each GPU holding input buffers records an event after its copies, and every other GPU's
+        # step stream waits for it before its graph (else a replay may read the last call's input).
+        self.copied = {}
+        if self.across is not None:
+            cupy = _gpu.cupy_module()
+            for ordinal in sorted({o for _, o in buffers}):
+                with cupy.cuda.Device(ordinal):
+                    self.copied[ordinal] = cupy.cuda.Event(disable_timing=True)
 
     def stale(self) -> bool:
         """Whether a variable the graph updates in place has another buffer now, or its buffer is held
@@ -430,6 +440,13 @@ class _Captured:
                 stream.wait_event(cupy.cuda.Stream.null.record())
         for (_, source, _), (buffer, ordinal) in zip(inputs.sources(), self.buffers):
             _copy_into(buffer, source, streams[ordinal])
+        for ordinal, event in self.copied.items():  # every GPU's graph after every input copy
+            with cupy.cuda.Device(ordinal):
+                event.record(streams[ordinal])
+            for other, stream in streams.items():
+                if other != ordinal:
+                    with cupy.cuda.Device(other):
+                        stream.wait_event(event)
         for hook in self.scope.replay_hooks:
             hook()
         for ordinal, graph in self.graphs.items():
