@@ -9,6 +9,7 @@ between calls, a closure constant, an input that aliases a variable the step upd
 """
 
 import contextlib
+import gc
 import warnings
 
 import numpy as np
@@ -194,6 +195,57 @@ def test_a_closure_constant_of_gpu0_written_in_place_between_calls(layout):
             return step(_x(strategy, s))
 
         _check_every_call(strategy, call)
+
+
+class _Model:
+    """A plain object holding an array, as a model holds its constants."""
+
+    def __init__(self, a):
+        self.table = {"a": a}
+
+    @md.function
+    def method_step(self, strategy, x):
+        return strategy.run(lambda x: _replica(self.table["a"], x), args=(x,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("reach", ["closure", "global", "method"])
+def test_a_closure_constant_rebound_between_calls_keeps_the_captured_array(layout, reach):
+    """Rebinding the name of an array the step reads without being given it (a dict in its closure or its globals,
+    a decorated method's instance): the capture holds the array it captured and keeps reading it (TF's
+    tf.function captures closure tensors by value), never the memory of a freed one (poisoned here)."""
+    with _layout_strategy(layout) as strategy:
+        holder = {"a": _on_gpu0(_a(0))}
+        _GLOBAL_HOLDER.clear()
+        _GLOBAL_HOLDER.update(holder)
+        model = _Model(holder["a"])
+
+        @md.function
+        def closure_step(x):
+            return strategy.run(lambda x: _replica(holder["a"], x), args=(x,))
+
+        @md.function
+        def global_step(x):
+            return strategy.run(lambda x: _replica(_GLOBAL_HOLDER["a"], x), args=(x,))
+
+        steps = {"closure": closure_step, "global": global_step,
+                 "method": lambda x: model.method_step(strategy, x)}
+
+        def call(s):
+            out = steps[reach](_x(strategy, s))
+            for table in (holder, _GLOBAL_HOLDER, model.table):  # the old array's last references go
+                table["a"] = _on_gpu0(_a(s + 1))
+            gc.collect()
+            return out
+
+        _check_every_call(strategy, call, want=lambda strategy, s: [
+            w - _a(s) * np.float32(2) + _a(0) * np.float32(2) for w in _want(strategy, s)] if s else
+            _want(strategy, s))
+        _GLOBAL_HOLDER.clear()
+
+
+_GLOBAL_HOLDER = {}
 
 
 @pytest.mark.gpu

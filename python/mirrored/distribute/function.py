@@ -27,6 +27,7 @@ import logging
 import sys
 import threading
 import traceback
+import types
 import warnings
 
 import numpy as np
@@ -412,6 +413,7 @@ class _Captured:
         # not follow: each GPU holding input buffers records an event after its copies, and every other GPU's
         # step stream waits for it before its graph (else a replay may read the last call's input).
         self.copied = {}
+        self.constants = []  # the arrays the step reads without being given them (_closure_arrays), held
         if self.across is not None:
             cupy = _gpu.cupy_module()
             for ordinal in sorted({o for _, o in buffers}):
@@ -528,7 +530,72 @@ def _capture(fn, strategy, inputs, ordinals):
             error = error or e
     if error is not None:
         return error
-    return _Captured(scope, (pool, host_written), graphs, buffers, outputs)
+    captured = _Captured(scope, (pool, host_written), graphs, buffers, outputs)
+    captured.constants = _closure_arrays(fn, [leaf for leaf in inputs.leaves if not _is_device_array(leaf)])
+    return captured
+
+
+# How far the walk for a step's closure constants goes: objects deep, and objects in all (a capture is made once).
+_CLOSURE_DEPTH, _CLOSURE_OBJECTS = 4, 20000
+
+
+def _closure_arrays(fn, arguments) -> list:
+    """The device arrays the step can reach without being given them: through its closure, the globals its code
+    names (nested functions' too), a bound method's instance or an object argument (a decorated method's
+    ``self``), and the containers and plain objects there. The
+    graph reads their memory, so the capture holds them: rebinding a name to another array then leaves the
+    graph reading the array it captured (TF's tf.function captures closure tensors by value too), never freed
+    memory. Variables and the package's own objects are not walked: their buffers are the capture's business."""
+    found, seen, budget = {}, set(), [_CLOSURE_OBJECTS]
+
+    def walk(x, depth):
+        if id(x) in seen or budget[0] <= 0:
+            return
+        seen.add(id(x))
+        budget[0] -= 1
+        if _is_device_array(x):
+            found[id(x)] = x
+            return
+        if depth == 0 or isinstance(x, (str, bytes, int, float, complex, type, types.ModuleType, np.ndarray)) \
+                or type(x).__module__.partition(".")[0] == "mirrored":
+            return
+        if isinstance(x, dict):
+            items = list(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            items = list(x)
+        elif isinstance(x, types.FunctionType):
+            items = _function_reaches(x)
+        elif isinstance(x, types.MethodType):
+            items = [x.__func__, x.__self__]
+        else:
+            items = list(getattr(x, "__dict__", {}).values())
+        for item in items:
+            walk(item, depth - 1)
+
+    walk(fn, _CLOSURE_DEPTH + 1)
+    for argument in arguments:
+        walk(argument, _CLOSURE_DEPTH)
+    return list(found.values())
+
+
+def _function_reaches(fn) -> list:
+    """A function's closure cells' contents and the globals its code (and its nested code) names."""
+    items = [cell.cell_contents for cell in fn.__closure__ or () if _cell_has_contents(cell)]
+    codes, names = [fn.__code__], set()
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    items += [fn.__globals__[name] for name in names if name in fn.__globals__]
+    return items
+
+
+def _cell_has_contents(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # (a cell not yet bound)
+        return False
+    return True
 
 
 @contextlib.contextmanager
