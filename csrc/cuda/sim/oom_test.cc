@@ -7,6 +7,7 @@
 // all is right.
 #include <cstdio>
 #include <cstring>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -120,7 +121,7 @@ void check_ring(bool peers, std::size_t extra, unsigned seed, int& failed_calls)
 // A fused batch through DeviceBatch and the ring, twice (the second call on a table and fusion buffer of the
 // first), its limit `extra` bytes above the buffers: each call OutOfMemory or right, a failed one right on retry
 // with room.
-void check_batch(bool peers, std::size_t extra, unsigned seed, int& failed_calls) {
+void check_batch(bool peers, std::size_t extra, unsigned seed, int& failed_calls, std::set<std::string>& uses) {
   sim::reset(2, peers ? std::set<std::pair<int, int>>{{0, 1}, {1, 0}} : std::set<std::pair<int, int>>{}, seed);
   sim::set_device_memory_limit(0);
   Ranks l({0, 1});
@@ -148,6 +149,7 @@ void check_batch(bool peers, std::size_t extra, unsigned seed, int& failed_calls
       } catch (const OutOfMemory& e) {
         failed = true;
         ++failed_calls;
+        uses.insert(e.purpose());
         expect_oom(e, "batch all_reduce");
       }
       sim::drain();
@@ -173,17 +175,21 @@ void check_batch(bool peers, std::size_t extra, unsigned seed, int& failed_calls
 
 int main() {
   int ring_oom = 0, batch_oom = 0;
+  std::set<std::string> uses;  // what the batches' failed allocations were for
   unsigned seed = 0;
   // Limits from no room at all to room for everything, in steps finer than the engine's allocations.
   for (bool peers : {false, true})
     for (std::size_t extra = 0; extra <= 40000; extra += 1000) {
       check_ring(peers, extra, ++seed, ring_oom);
-      check_batch(peers, extra, ++seed, batch_oom);
+      check_batch(peers, extra, ++seed, batch_oom, uses);
     }
-  // Each path did run out of memory (else the sweep proved nothing) and also had room at the top.
-  if (ring_oom == 0 || batch_oom == 0) {
+  // Each path did run out of memory (else the sweep proved nothing), a batch at each of its allocations: its
+  // fusion buffer, its pointer table, and the ring's scratch under it once the packing was queued.
+  if (ring_oom == 0 || uses != std::set<std::string>{"batch fusion buffer", "batch pointer table", "ring scratch chunk"}) {
     ++failures;
-    std::printf("FAIL: the sweep never ran out of memory (ring %d, batch %d)\n", ring_oom, batch_oom);
+    std::printf("FAIL: the sweep ran out of memory in %d ring calls, and in batches for:", ring_oom);
+    for (const std::string& use : uses) std::printf(" '%s'", use.c_str());
+    std::printf("\n");
   }
   std::printf("GPU out of memory on the simulated runtime: %d ring and %d batch calls ran out; %d failures\n",
               ring_oom, batch_oom, failures);
