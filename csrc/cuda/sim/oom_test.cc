@@ -185,7 +185,8 @@ int main() {
     }
   // Each path did run out of memory (else the sweep proved nothing), a batch at each of its allocations: its
   // fusion buffer, its pointer table, and the ring's scratch under it once the packing was queued.
-  if (ring_oom == 0 || uses != std::set<std::string>{"batch fusion buffer", "batch pointer table", "ring scratch chunk"}) {
+  const std::set<std::string> every_use = {"batch fusion buffer", "batch pointer table", "ring scratch chunk"};
+  if (ring_oom == 0 || uses != every_use) {
     ++failures;
     std::printf("FAIL: the sweep ran out of memory in %d ring calls, and in batches for:", ring_oom);
     for (const std::string& use : uses) std::printf(" '%s'", use.c_str());

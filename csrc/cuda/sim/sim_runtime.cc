@@ -377,7 +377,9 @@ cudaError_t cudaGetLastError() {
 const char* cudaGetErrorName(cudaError_t e) {
   return e == cudaErrorMemoryAllocation ? "cudaErrorMemoryAllocation" : "cudaErrorSimulated";
 }
-const char* cudaGetErrorString(cudaError_t e) { return e == cudaErrorMemoryAllocation ? "out of memory" : "simulated error"; }
+const char* cudaGetErrorString(cudaError_t e) {
+  return e == cudaErrorMemoryAllocation ? "out of memory" : "simulated error";
+}
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) {
   sim::Call call(__func__);
   std::memset(p, 0, sizeof *p);
