@@ -38,6 +38,7 @@ import collections
 import contextlib
 import ctypes
 import functools
+import gc
 import operator
 import threading
 import warnings
@@ -283,6 +284,30 @@ class Event:
 
 # --- memory ----------------------------------------------------------------------
 
+class OutOfMemoryError(MemoryError):
+    """``cupy.cuda.memory.OutOfMemoryError``: CuPy's words and arguments (cupy/cuda/memory.pyx)."""
+
+    def __init__(self, size, total, limit=0):
+        self._size, self._total, self._limit = size, total, limit
+        limit_words = f", limit set to: {limit:,} bytes" if limit else ""
+        super().__init__(f"Out of memory allocating {size:,} bytes (allocated so far: {total:,} bytes{limit_words}).")
+
+    def __reduce__(self):
+        return type(self), (self._size, self._total, self._limit)
+
+
+def _device_malloc(size: int, device: int) -> int:
+    """Device memory from the simulator; past its memory limit (``sim.set_device_memory_limit``), CuPy's pool
+    collects garbage and tries once more, then raises OutOfMemoryError."""
+    ptr = sim.malloc(size, device)
+    if not ptr:
+        gc.collect()  # (CuPy frees its cached blocks and collects garbage before giving up)
+        ptr = sim.malloc(size, device)
+    if not ptr:
+        raise OutOfMemoryError(size, sim.bytes_in_use(device), sim.device_memory_limit())
+    return ptr
+
+
 def _free(ptr, stream):
     try:
         sim.free(ptr, stream)
@@ -309,7 +334,7 @@ class Memory:
             raise RuntimeError("cudaErrorStreamCaptureUnsupported: cudaMalloc from CuPy's default pool inside the "
                                f"capture of a stream of device {self.device_id} (allocate from a graph-private "
                                "MemoryPool)")
-        self.ptr = sim.malloc(size, self.device_id)
+        self.ptr = _device_malloc(size, self.device_id)
         _pool.taken(self.device_id, size)
         weakref.finalize(self, _free_default, self.ptr, get_current_stream(self.device_id).ptr, self.device_id, size)
 
@@ -351,7 +376,7 @@ class MemoryPool:
             cached = self._free.get((device, stream, size))
             ptr = cached.pop() if cached else None
         if ptr is None:
-            ptr = sim.malloc(size, device)
+            ptr = _device_malloc(size, device)
             with self._lock:
                 self._blocks[ptr] = size
         return MemoryPointer(PooledMemory(self, ptr, size, device, stream), 0)
@@ -1158,6 +1183,7 @@ class _Cuda:
     alloc = staticmethod(alloc)
 
     class memory:
+        OutOfMemoryError = OutOfMemoryError
         MemoryPointer = MemoryPointer
         UnownedMemory = UnownedMemory
         MemoryPool = MemoryPool

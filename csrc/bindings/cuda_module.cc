@@ -702,7 +702,16 @@ void def_sim(py::module_& m) {
   s.def("malloc", [](std::size_t bytes, int device) {
     check_device(device);
     return reinterpret_cast<std::uintptr_t>(sim::allocate(bytes, device));
-  }, py::arg("bytes"), py::arg("device"), "Device memory (filled with 0xcd) on `device`.");
+  }, py::arg("bytes"), py::arg("device"),
+     "Device memory (filled with 0xcd) on `device`; 0 when the device's memory limit leaves no room.");
+  s.def("set_device_memory_limit", [](std::size_t bytes) { sim::set_device_memory_limit(bytes); }, py::arg("bytes"),
+        "Each GPU's memory in bytes (0: no limit; reset() sets MIRRORED_SIM_DEVICE_BYTES's): cudaMalloc and "
+        "malloc past it fail.");
+  s.def("device_memory_limit", [] { return sim::device_memory_limit(); });
+  s.def("bytes_in_use", [](int device) {
+    check_device(device);
+    return sim::device_bytes_in_use(device);
+  }, py::arg("device"), "The device's live memory (cudaMalloc's and malloc's), in bytes.");
   s.def("free", [](std::uintptr_t p, std::uintptr_t stream) {
     const int device = sim::device_of_pointer(reinterpret_cast<void*>(p));
     if (device < 0) throw py::value_error("free: not live simulated device memory");
@@ -824,6 +833,22 @@ void def_sim(py::module_& m) {
 
 PYBIND11_MODULE(MIRRORED_CUDA_MODULE, m) {
   m.doc() = "CUDA-buffer collectives of mirrored: the native ring over device memory, and NCCL loaded at run time.";
+
+  // A GPU out of memory is TF's ResourceExhaustedError (md.errors builds it, naming the device, the bytes and
+  // the fix); a plain MemoryError where md.errors cannot be imported.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const cuda::OutOfMemory& e) {
+      try {
+        py::object error = py::module_::import("mirrored.errors").attr("gpu_out_of_memory")(
+            e.bytes(), e.device(), py::arg("purpose") = "the engine's " + e.purpose());
+        PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+      } catch (py::error_already_set&) {
+        PyErr_SetString(PyExc_MemoryError, e.what());
+      }
+    }
+  });
 
   m.def("device_count", &cuda::device_count, "GPUs the CUDA runtime sees; 0 without a driver or a GPU (never raises).");
   m.def("device_properties", [](int ordinal) {

@@ -79,7 +79,7 @@ DeviceState& state_of(int device, const Api& api) {
 // capture, as md.function's, allows the allocation), kept as long as the process.
 void* workspace_of(DeviceState& s, cudaStream_t stream) {
   void*& w = s.workspaces[stream];
-  if (!w) MIRRORED_CUDA_CHECK(cudaMalloc(&w, kWorkspaceBytes));
+  if (!w) w = device_malloc(kWorkspaceBytes, "cuBLAS workspace");
   return w;
 }
 

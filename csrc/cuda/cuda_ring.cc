@@ -156,9 +156,18 @@ void CudaRing::join(int used, bool ring) {
   }
 }
 
+void CudaRing::stage(int used) {
+  for (int r = 0; r < size(); ++r) {
+    const Rank& k = ranks_[r];
+    if (std::all_of(k.direct.begin(), k.direct.end(), [](bool d) { return d; })) continue;
+    MIRRORED_CUDA_CHECK(set_device(k.device));
+    for (int c = 0; c < used; ++c) scratch(r, c);
+  }
+}
+
 void* CudaRing::scratch(int r, int c) {
   void*& p = ranks_[r].scratch[c];
-  if (!p) MIRRORED_CUDA_CHECK(cudaMalloc(&p, chunk_bytes_));
+  if (!p) p = device_malloc(chunk_bytes_, "ring scratch chunk");
   return p;
 }
 
@@ -393,6 +402,7 @@ void CudaRing::ring_all_reduce(const void* const* in, void* const* out, std::siz
   const ReduceOp combine = combining_op(op);
   const int mean_div = op == ReduceOp::kMean ? n : 1;
 
+  stage(used);
   fork(used, true);
   // Slice-major issue: every event a wait names has already been recorded,
   // and slice s runs on channel s % channels beside the other channels' slices.
@@ -430,6 +440,7 @@ void CudaRing::tree_all_reduce(const void* const* in, void* const* out, std::siz
   // step[0][0] of a rank: "my latest fold is done", recorded on channel 0.
   auto latest = [&](int r) { return ranks_[r].step[0][0]; };
 
+  stage(1);
   fork(1, false);
   for (int l = 0; l < tree.num_levels(); ++l) {
     for (int i = 0; i < tree.num_ops(l); ++i) {
@@ -494,6 +505,7 @@ void CudaRing::reduce(int n, const void* const* in, void* const* out, std::size_
       fused_reduce(a, count, dtype, combining_op(op), op == ReduceOp::kMean ? n : 1, groups_[g].sms, s);
     });
   }
+  stage(1);
   fork(1, false);
   // Fold every other rank into the root's output in turn; only the root's
   // output is written, as the contract asks.

@@ -72,6 +72,9 @@ class CudaRing : public Communicator {
   // all). Exit: each caller stream waits for the channels of the ranks that
   // read its memory (the ring: r and its successor; otherwise all).
   void fork(int used, bool ring);
+  // The scratch of channels [0, used) of every rank that folds a peer's data through it (no direct access to
+  // some rank), taken before a folding collective queues anything: an OutOfMemory leaves no half-issued work.
+  void stage(int used);
   void join(int used, bool ring);
 
   // out = a (op) b on rank r's channel c, where a is r's own memory and b is

@@ -93,7 +93,7 @@ void* DeviceBatch::fusion(int r, std::size_t bytes) {
     k.fusion = nullptr;
     k.fusion_bytes = 0;
   }
-  MIRRORED_CUDA_CHECK(cudaMalloc(&k.fusion, bytes));
+  k.fusion = device_malloc(bytes, "batch fusion buffer");
   k.fusion_bytes = bytes;
   return k.fusion;
 }
@@ -112,10 +112,10 @@ DeviceBatch::Table* DeviceBatch::table(int r, std::size_t bytes, bool captured, 
   if (captured) {
     // The graph replays this upload and these kernels long after the call: tables of its own, never
     // rewritten (they live as long as this object), and nothing waits on the host.
-    CapturedTable t;
-    MIRRORED_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&t.host), bytes));
-    MIRRORED_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&t.device), bytes));
-    captured_.push_back(t);
+    // Each kept as soon as it exists, so an allocation that fails leaks nothing (the destructor frees them).
+    CapturedTable& t = captured_.emplace_back();
+    t.host = static_cast<char*>(host_malloc(bytes, "captured batch pointer table"));
+    t.device = static_cast<char*>(device_malloc(bytes, "captured batch pointer table"));
     *host = t.host, *device = t.device;
     return nullptr;
   }
@@ -131,8 +131,9 @@ DeviceBatch::Table* DeviceBatch::table(int r, std::size_t bytes, bool captured, 
     t.device = t.host = nullptr, t.bytes = 0;
     // Room to grow: a model's batch sizes repeat, so this happens once or twice.
     const std::size_t want = std::max<std::size_t>(4096, bytes + bytes / 2);
-    MIRRORED_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&t.host), want));
-    MIRRORED_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&t.device), want));
+    // (t.bytes stays 0 until both exist: after an OutOfMemory the next call frees what there is and retries)
+    t.host = static_cast<char*>(host_malloc(want, "batch pointer table"));
+    t.device = static_cast<char*>(device_malloc(want, "batch pointer table"));
     t.bytes = want;
   }
   *host = t.host, *device = t.device;
@@ -264,9 +265,11 @@ void DeviceBatch::packed(Communicator& comm, const std::vector<std::vector<const
         if (lanes[l].stream == s && ranks_[lanes[l].leader].device == ranks_[r].device) lane_of[r] = int(l);
       if (lane_of[r] < 0) lane_of[r] = int(lanes.size()), lanes.push_back(Lane{r, s});
     }
+    // Every lane's table is taken (and filled) before anything is queued: a GPU out of memory here leaves
+    // no half-issued batch behind.
+    std::vector<CopyEntry*> hosts(lanes.size());
     for (std::size_t l = 0; l < lanes.size(); ++l) {
       Lane& lane = lanes[l];
-      Rank& k = ranks_[lane.leader];
       prepare(lane.leader);
       std::size_t members = 0;
       for (int r = 0; r < n; ++r) members += lane_of[r] == int(l);
@@ -296,29 +299,52 @@ void DeviceBatch::packed(Communicator& comm, const std::vector<std::vector<const
       };
       fill(true, 0, lane.pack_entries, lane.pack_slots);
       fill(false, lane.pack_entries, lane.unpack_entries, lane.unpack_slots);
-      MIRRORED_CUDA_CHECK(set_device(k.device));
-      // The fusion buffers: after the last batch's unpack (a wait on the GPU, not the host).
-      if (!captured && k.pending) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, k.used, 0));
-      MIRRORED_CUDA_CHECK(cudaMemcpyAsync(lane.table, host,
-                                          (lane.pack_entries + lane.unpack_entries) * sizeof(CopyEntry),
-                                          cudaMemcpyHostToDevice, lane.stream));
-      multi_copy(lane.table, static_cast<int>(lane.pack_entries), lane.pack_slots, k.sms, lane.stream);
+      hosts[l] = host;
     }
-    // Each pack is reduced in place, ordered after the packing on the same streams.
-    for (const Layout::Placed& p : layout.placed) {
-      for (int r = 0; r < n; ++r) pin[r] = f[r] + p.offset, pout[r] = f[reader[r]] + result_at + p.offset;
-      comm.all_reduce(n, pin.data(), pout.data(), p.count, layout.packs[p.pack].dtype, op, algorithm);
+    // What a lane queued is marked in flight: its table and fusion buffer are then waited for by the next
+    // batch even when this one stops half-way (the engine's reduce ran out of memory for its scratch).
+    auto queued = [&](Lane& lane) {
+      Rank& k = ranks_[lane.leader];
+      MIRRORED_CUDA_CHECK(set_device(k.device));
+      if (lane.ring) {
+        MIRRORED_CUDA_CHECK(cudaEventRecord(lane.ring->done, lane.stream));
+        lane.ring->pending = true;
+      }
+      MIRRORED_CUDA_CHECK(cudaEventRecord(k.used, lane.stream));
+      k.pending = true;
+    };
+    std::size_t issued = 0;  // lanes whose packing is queued
+    try {
+      for (std::size_t l = 0; l < lanes.size(); ++l) {
+        Lane& lane = lanes[l];
+        Rank& k = ranks_[lane.leader];
+        const bool captured = lane.ring == nullptr;
+        const CopyEntry* host = hosts[l];
+        MIRRORED_CUDA_CHECK(set_device(k.device));
+        // The fusion buffers: after the last batch's unpack (a wait on the GPU, not the host).
+        if (!captured && k.pending) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, k.used, 0));
+        MIRRORED_CUDA_CHECK(cudaMemcpyAsync(lane.table, host,
+                                            (lane.pack_entries + lane.unpack_entries) * sizeof(CopyEntry),
+                                            cudaMemcpyHostToDevice, lane.stream));
+        multi_copy(lane.table, static_cast<int>(lane.pack_entries), lane.pack_slots, k.sms, lane.stream);
+        issued = l + 1;
+      }
+      // Each pack is reduced in place, ordered after the packing on the same streams.
+      for (const Layout::Placed& p : layout.placed) {
+        for (int r = 0; r < n; ++r) pin[r] = f[r] + p.offset, pout[r] = f[reader[r]] + result_at + p.offset;
+        comm.all_reduce(n, pin.data(), pout.data(), p.count, layout.packs[p.pack].dtype, op, algorithm);
+      }
+    } catch (...) {
+      for (std::size_t l = 0; l < issued; ++l)
+        if (lanes[l].ring) queued(lanes[l]);  // (a captured call's work is the capture's, invalid now)
+      throw;
     }
     for (Lane& lane : lanes) {
       Rank& k = ranks_[lane.leader];
       MIRRORED_CUDA_CHECK(set_device(k.device));
       multi_copy(lane.table + lane.pack_entries, static_cast<int>(lane.unpack_entries), lane.unpack_slots, k.sms,
                  lane.stream);
-      if (!lane.ring) continue;  // (captured)
-      MIRRORED_CUDA_CHECK(cudaEventRecord(lane.ring->done, lane.stream));
-      lane.ring->pending = true;
-      MIRRORED_CUDA_CHECK(cudaEventRecord(k.used, lane.stream));
-      k.pending = true;
+      if (lane.ring) queued(lane);  // (else captured)
     }
   }
   // A tensor alone in its pack is reduced where it lies.

@@ -28,12 +28,14 @@ class UploadedTable {
   static constexpr int kHostCopies = 4;
 
   // `bytes` (> 0) on `device`, which must be current.
+  // The device memory first: when the GPU is out of memory the OutOfMemory leaves nothing behind (a throwing
+  // constructor runs no destructor).
   UploadedTable(int device, std::size_t bytes) : device_(device), bytes_(bytes) {
+    device_table_ = device_malloc(bytes, "uploaded table");
     for (Copy& c : host_) {
       MIRRORED_CUDA_CHECK(cudaMallocHost(&c.data, bytes));
       MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&c.uploaded, cudaEventDisableTiming));
     }
-    MIRRORED_CUDA_CHECK(cudaMalloc(&device_table_, bytes));
     MIRRORED_CUDA_CHECK(cudaEventCreateWithFlags(&used_, cudaEventDisableTiming));
   }
   ~UploadedTable() {

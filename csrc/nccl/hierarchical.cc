@@ -178,7 +178,7 @@ void* HierarchicalCommunicator::fold_buffer(std::size_t k, std::size_t bytes, bo
   Group& g = groups_[k];
   void* p = nullptr;
   if (captured) {
-    MIRRORED_CUDA_CHECK(cudaMalloc(&p, bytes));
+    p = cuda::device_malloc(bytes, "captured hierarchical fold buffer");
     captured_.emplace_back(g.device, p);
     return p;
   }
@@ -186,7 +186,7 @@ void* HierarchicalCommunicator::fold_buffer(std::size_t k, std::size_t bytes, bo
     if (g.pending) MIRRORED_CUDA_CHECK(cudaEventSynchronize(g.used));  // (once or twice: sizes repeat)
     if (g.fold) MIRRORED_CUDA_CHECK(cudaFree(g.fold));
     g.fold = nullptr, g.fold_bytes = 0, g.pending = false;
-    MIRRORED_CUDA_CHECK(cudaMalloc(&g.fold, bytes));
+    g.fold = cuda::device_malloc(bytes, "hierarchical fold buffer");
     g.fold_bytes = bytes;
   }
   if (g.pending && g.last != leads_[k]) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(leads_[k], g.used, 0));

@@ -16,6 +16,11 @@ rendezvous store refused this task).
 from __future__ import annotations
 
 import errno as _errno
+import re as _re
+import sys as _sys
+import threading as _threading
+
+import numpy as _np
 
 __all__ = ["OpError", "CancelledError", "UnknownError", "InvalidArgumentError", "DeadlineExceededError",
            "NotFoundError", "AlreadyExistsError", "PermissionDeniedError", "UnauthenticatedError",
@@ -54,6 +59,9 @@ class OpError(Exception):
 
     def __init__(self, node_def, op, message, error_code, *args):
         super().__init__(message)
+        self._keep(node_def, op, message, error_code, args)
+
+    def _keep(self, node_def, op, message, error_code, args):
         self._node_def, self._op, self._message, self._error_code = node_def, op, message, error_code
         self._experimental_payloads = args[0] if args else {}
 
@@ -108,7 +116,8 @@ PermissionDeniedError = _op_error("PermissionDeniedError", PERMISSION_DENIED, Pe
 UnauthenticatedError = _op_error("UnauthenticatedError", UNAUTHENTICATED, PermissionError, """The caller has no
     valid credentials (``tf.errors.UnauthenticatedError``), a ``PermissionError``.""")
 ResourceExhaustedError = _op_error("ResourceExhaustedError", RESOURCE_EXHAUSTED, MemoryError, """A resource ran
-    out (``tf.errors.ResourceExhaustedError``), a ``MemoryError``: e.g. a checkpoint larger than the memory left.""")
+    out (``tf.errors.ResourceExhaustedError``), a ``MemoryError``: a GPU out of memory ("OOM when allocating ...",
+    also CuPy's ``OutOfMemoryError`` where CuPy is imported), a checkpoint larger than the memory left.""")
 FailedPreconditionError = _op_error("FailedPreconditionError", FAILED_PRECONDITION, RuntimeError, """The system
     is not in the state the operation needs (``tf.errors.FailedPreconditionError``), a ``RuntimeError``.""")
 AbortedError = _op_error("AbortedError", ABORTED, RuntimeError, """The operation was aborted, typically by a
@@ -193,3 +202,81 @@ def from_os_error(error: OSError, message: str | None = None) -> OSError:
     converted = cls(None, None, message)
     converted.errno, converted.strerror, converted.filename = error.errno, error.strerror, error.filename
     return converted
+
+
+# --- a GPU out of memory ------------------------------------------------------------------------------------------
+
+_OOM_FIX = ("the GPU has no room for it: use a smaller batch, fewer replicas per GPU (fewer logical GPUs in "
+            "md.config.set_logical_device_configuration), or free CuPy's cached blocks "
+            "(cupy.get_default_memory_pool().free_all_blocks()); md.config.experimental.set_memory_growth does not "
+            "help here, as mirrored's GPU memory always grows on demand")
+_TF_DTYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half"}
+_gpu_error_classes: dict = {}
+_gpu_error_classes_lock = _threading.Lock()
+
+
+def _cupy_out_of_memory_class() -> type | None:
+    """``cupy.cuda.memory.OutOfMemoryError`` where CuPy is imported (it must be, to have allocated on a GPU)."""
+    cupy = _sys.modules.get("cupy")
+    cupy_class = getattr(getattr(getattr(cupy, "cuda", None), "memory", None), "OutOfMemoryError", None)
+    return cupy_class if isinstance(cupy_class, type) and issubclass(cupy_class, MemoryError) else None
+
+
+def _gpu_error_class() -> type:
+    """ResourceExhaustedError, or where CuPy is imported one class that is also its ``OutOfMemoryError`` (made
+    once per CuPy class), so code that caught CuPy's error still catches mirrored's."""
+    cupy_class = _cupy_out_of_memory_class()
+    if cupy_class is None:
+        return ResourceExhaustedError
+    with _gpu_error_classes_lock:
+        cls = _gpu_error_classes.get(cupy_class)
+        if cls is None:
+            cls = type("ResourceExhaustedError", (ResourceExhaustedError, cupy_class), {
+                "__init__": _init_gpu_error, "__module__": __name__,
+                "__reduce__": lambda self: (_rebuild_gpu_error, (self.message,)),
+                "__doc__": "ResourceExhaustedError of a GPU out of memory, also CuPy's OutOfMemoryError."})
+            _gpu_error_classes[cupy_class] = cls
+    return cls
+
+
+def _init_gpu_error(self, node_def, op, message, *args):
+    # (not through CuPy's __init__, which takes the bytes and builds its own words)
+    BaseException.__init__(self, message)
+    self._keep(node_def, op, message, RESOURCE_EXHAUSTED, args)
+
+
+def _rebuild_gpu_error(message: str):
+    return _gpu_error_class()(None, None, message)
+
+
+def gpu_out_of_memory(nbytes: int, device: int, *, shape=None, dtype=None, purpose: str | None = None,
+                      allocator: str = "cudaMalloc") -> ResourceExhaustedError:
+    """The error of a GPU (``device``; -1: pinned host memory) that could not allocate ``nbytes``, in TF's words:
+    "OOM when allocating tensor with shape[...] and type float on /job:localhost/replica:0/task:0/device:GPU:0 by
+    allocator ..." where the shape and dtype are known, else "OOM when allocating N bytes for <purpose> on ...",
+    then the fix. Raise the result."""
+    where = "CPU:0" if device < 0 else f"GPU:{device}"
+    if shape is not None and dtype is not None:
+        name = _np.dtype(dtype).name
+        what = f"tensor with shape[{','.join(str(int(d)) for d in shape)}] and type {_TF_DTYPE_NAMES.get(name, name)}"
+    else:
+        what = f"{int(nbytes)} bytes" + (f" for {purpose}" if purpose else "")
+    return _gpu_error_class()(None, None, f"OOM when allocating {what} on /job:localhost/replica:0/task:0/device:"
+                                          f"{where} by allocator {allocator}: {_OOM_FIX}")
+
+
+def is_gpu_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is CuPy's OutOfMemoryError not yet made a ResourceExhaustedError."""
+    cupy_class = _cupy_out_of_memory_class()
+    return cupy_class is not None and isinstance(error, cupy_class) and not isinstance(error, ResourceExhaustedError)
+
+
+def from_gpu_out_of_memory(error: MemoryError, device: int, *, shape=None, dtype=None) -> ResourceExhaustedError:
+    """CuPy's OutOfMemoryError ``error`` (on GPU ``device``, allocating a tensor of ``shape`` and ``dtype`` where
+    known) as ResourceExhaustedError; raise it ``from error``."""
+    nbytes = getattr(error, "_size", None)
+    if nbytes is None:
+        found = _re.search(r"allocating ([\d,]+) bytes", str(error))
+        nbytes = int(found.group(1).replace(",", "")) if found else 0
+    return gpu_out_of_memory(nbytes, device, shape=shape, dtype=dtype, purpose=f"an array ({error})",
+                             allocator="cupy")

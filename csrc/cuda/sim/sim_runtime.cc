@@ -120,6 +120,14 @@ std::map<std::uintptr_t, Allocation>& allocations = *new std::map<std::uintptr_t
 constexpr std::size_t quarantine_limit = std::size_t(256) << 20;
 std::deque<std::pair<void*, std::size_t>>& quarantine = *new std::deque<std::pair<void*, std::size_t>>;
 std::size_t quarantined = 0;
+// Each GPU's memory: 0 is no limit; else an allocation that would take a device past it fails (cudaMalloc
+// with cudaErrorMemoryAllocation, allocate() with nullptr), as a full GPU's does.
+std::size_t memory_limit = 0;
+std::map<int, std::size_t>& in_use = *new std::map<int, std::size_t>;
+bool fits(std::size_t bytes, int device) {
+  const std::size_t used = in_use[device];
+  return memory_limit == 0 || (used <= memory_limit && bytes <= memory_limit - used);
+}
 std::mt19937 rng;
 Counters counted;
 void (*block_hook)(std::recursive_mutex&) = nullptr;
@@ -211,7 +219,13 @@ void reset(int devices, std::set<std::pair<int, int>> peer_pairs, unsigned seed)
   num_devices = devices;
   peers = std::move(peer_pairs);
   rng.seed(seed);
+  const char* limit = std::getenv("MIRRORED_SIM_DEVICE_BYTES");
+  memory_limit = limit && *limit ? std::strtoull(limit, nullptr, 10) : 0;
 }
+
+void set_device_memory_limit(std::size_t bytes) { Lock lock; memory_limit = bytes; }
+std::size_t device_memory_limit() { Lock lock; return memory_limit; }
+std::size_t device_bytes_in_use(int device) { Lock lock; return in_use[device]; }
 
 void enqueue(cudaStream_t stream, std::function<void()> work) {
   Lock lock;
@@ -242,10 +256,12 @@ int device_of_stream(cudaStream_t stream) { Lock lock; return resolve(stream)->d
 
 void* allocate(std::size_t bytes, int device) {
   Lock lock;
+  if (!fits(bytes, device)) return nullptr;
   void* p = std::malloc(bytes + 1);  // + 1: a zero-byte allocation still has an address of its own
   if (!p) throw std::bad_alloc();
   std::memset(p, kFreshByte, bytes);
   allocations[reinterpret_cast<std::uintptr_t>(p)] = {bytes, device, p};
+  in_use[device] += bytes;
   return p;
 }
 
@@ -255,6 +271,7 @@ void release(void* p, cudaStream_t stream) {
   if (it == allocations.end()) throw std::logic_error("sim::release of memory that allocate() did not return");
   const std::size_t bytes = it->second.bytes;
   if (const auto c = resolve(stream)->capture) refuse(c, "freeing device memory on a capturing stream");
+  in_use[it->second.device] -= bytes;  // a pool may hand it out again at once (in the stream's order)
   enqueue(stream, [p, bytes] {
     std::memset(p, kPoisonByte, bytes);
     allocations.erase(reinterpret_cast<std::uintptr_t>(p));
@@ -357,8 +374,12 @@ cudaError_t cudaGetLastError() {
   sim::Call call(__func__);
   return cudaSuccess;
 }
-const char* cudaGetErrorName(cudaError_t) { return "cudaErrorSimulated"; }
-const char* cudaGetErrorString(cudaError_t) { return "simulated error"; }
+const char* cudaGetErrorName(cudaError_t e) {
+  return e == cudaErrorMemoryAllocation ? "cudaErrorMemoryAllocation" : "cudaErrorSimulated";
+}
+const char* cudaGetErrorString(cudaError_t e) {
+  return e == cudaErrorMemoryAllocation ? "out of memory" : "simulated error";
+}
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) {
   sim::Call call(__func__);
   std::memset(p, 0, sizeof *p);
@@ -459,9 +480,11 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
 cudaError_t cudaMalloc(void** p, size_t n) {
   sim::Call call(__func__);
   if (const auto c = sim::capture_on(sim::current); c && !c->relaxed) sim::refuse(c, "cudaMalloc");
+  if (!sim::fits(n, sim::current)) return cudaErrorMemoryAllocation;  // (*p untouched, as CUDA leaves it)
   *p = std::malloc(n + 1);
   std::memset(*p, 0xcd, n);
   sim::allocations[reinterpret_cast<std::uintptr_t>(*p)] = {n, sim::current, *p};
+  sim::in_use[sim::current] += n;
   return cudaSuccess;
 }
 cudaError_t cudaMallocHost(void** p, size_t n) {
@@ -492,7 +515,11 @@ cudaError_t cudaFree(void* p) {
   if (const auto c = sim::capture_on(-1)) sim::refuse(c, "cudaFree");
   ++sim::counted.host_waits;
   sim::drain();  // cudaFree waits for the device, so queued work never reads freed memory
-  sim::allocations.erase(reinterpret_cast<std::uintptr_t>(p));
+  const auto it = sim::allocations.find(reinterpret_cast<std::uintptr_t>(p));
+  if (it != sim::allocations.end()) {
+    sim::in_use[it->second.device] -= it->second.bytes;
+    sim::allocations.erase(it);
+  }
   std::free(p);
   return cudaSuccess;
 }

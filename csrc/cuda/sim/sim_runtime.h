@@ -19,7 +19,14 @@ namespace mirrored::cuda::sim {
 
 // `devices` GPUs; kernels on a may read b's memory iff (a, b) is in
 // peer_pairs; `seed` picks the interleaving drain() runs.
+// Each GPU's memory limit becomes MIRRORED_SIM_DEVICE_BYTES's (bytes; unset or 0: none).
 void reset(int devices, std::set<std::pair<int, int>> peer_pairs, unsigned seed);
+// Each GPU's memory, in bytes (0: no limit): an allocation that would take a device's live memory (cudaMalloc's
+// and allocate()'s, released or freed memory not counted) past it fails, cudaMalloc with
+// cudaErrorMemoryAllocation and allocate() with nullptr.
+void set_device_memory_limit(std::size_t bytes);
+std::size_t device_memory_limit();
+std::size_t device_bytes_in_use(int device);
 // Queues host work on a stream (the caller's own work: writing inputs, reading outputs).
 void enqueue(cudaStream_t stream, std::function<void()> work);
 // The same for a kernel of the embedder (the CuPy stand-in's), counted as one.
@@ -87,6 +94,7 @@ class Call {
 // it counting as device memory: a kernel ordered after that reads poison,
 // and a launch that names it fails. Its bytes stay mapped (quarantined)
 // until quarantine_limit bytes pile up, so a late reader never faults.
+// nullptr when the device's memory limit leaves no room.
 void* allocate(std::size_t bytes, int device);
 void release(void* p, cudaStream_t stream);
 constexpr unsigned char kFreshByte = 0xcd, kPoisonByte = 0xdb;

@@ -24,6 +24,7 @@ TensorFlow's MEAN of integer tensors is; NaN and Inf propagate as IEEE says
 
 from __future__ import annotations
 
+from ..device.gpu import raise_if_out_of_memory
 from ..timeline import enabled_native as tracing
 from .plan import (all_gather as plan_all_gather, all_reduce as plan_all_reduce,
                    batch_all_reduce as plan_batch_all_reduce, broadcast as plan_broadcast, lookup, lookup_batch,
@@ -39,12 +40,16 @@ def all_reduce(buffers, op="sum", *, out=None, algorithm="auto", chunk_bytes=0):
     ``chunk_bytes``: bytes each participant handles per ring step (0: the
     engine's default); only the ring uses it.
     """
-    plan = lookup("all_reduce", (op, algorithm, chunk_bytes), buffers)  # (all_reduce_plan(), inlined)
-    if plan is not None and not tracing():
-        done = plan.run(buffers, out)
-        if done is not None:
-            return done
-    return plan_all_reduce(buffers, op, out, algorithm, chunk_bytes)
+    try:
+        plan = lookup("all_reduce", (op, algorithm, chunk_bytes), buffers)  # (all_reduce_plan(), inlined)
+        if plan is not None and not tracing():
+            done = plan.run(buffers, out)
+            if done is not None:
+                return done
+        return plan_all_reduce(buffers, op, out, algorithm, chunk_bytes)
+    except MemoryError as error:  # CuPy's OutOfMemoryError: TF's ResourceExhaustedError
+        raise_if_out_of_memory(error)
+        raise
 
 
 def broadcast(buffers, root=0, *, out=None, algorithm="auto"):
@@ -84,9 +89,13 @@ def batch_all_reduce(per_replica_lists, op="sum", *, bytes_per_pack=0, num_packs
     ``num_packs`` splits each dtype's tensors into that many packs; neither:
     one pack per dtype.
     """
-    plan = lookup_batch((op, bytes_per_pack, num_packs, algorithm, chunk_bytes), per_replica_lists)
-    if plan is not None and not tracing():
-        done = plan.run(per_replica_lists)
-        if done is not None:
-            return done
-    return plan_batch_all_reduce(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, chunk_bytes)
+    try:
+        plan = lookup_batch((op, bytes_per_pack, num_packs, algorithm, chunk_bytes), per_replica_lists)
+        if plan is not None and not tracing():
+            done = plan.run(per_replica_lists)
+            if done is not None:
+                return done
+        return plan_batch_all_reduce(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, chunk_bytes)
+    except MemoryError as error:
+        raise_if_out_of_memory(error)
+        raise

@@ -20,6 +20,7 @@ import threading
 
 import numpy as np
 
+from ..errors import from_gpu_out_of_memory, is_gpu_out_of_memory
 from .._nest import flatten
 from .engine import extension, name as engine_name
 
@@ -57,6 +58,18 @@ def cupy_module():
     except ImportError:
         raise RuntimeError(f"GPU replicas hold CuPy arrays; install CuPy: {CUPY_FIX}") from None
     return cupy
+
+
+def raise_if_out_of_memory(error: BaseException, ordinal: int | None = None, *, shape=None, dtype=None) -> None:
+    """Raises CuPy's OutOfMemoryError ``error`` as ``md.errors.ResourceExhaustedError`` (still CuPy's class too)
+    naming GPU ``ordinal`` (None: the current one), the tensor's ``shape`` and ``dtype`` where known, the bytes and
+    the fix; returns for any other error. Called in an ``except MemoryError`` of mirrored's GPU paths, before
+    ``raise``."""
+    if not is_gpu_out_of_memory(error):
+        return
+    if ordinal is None:
+        ordinal = sys.modules["cupy"].cuda.runtime.getDevice()
+    raise from_gpu_out_of_memory(error, ordinal, shape=shape, dtype=dtype) from error
 
 
 # --- streams -----------------------------------------------------------------

@@ -785,8 +785,13 @@ class StrategyExtended:
             # Created inside run: one variable for all replicas, made once in cross-replica context.
             return ctx.merge_call(lambda strategy: strategy.extended._create_variable_named(
                 initial_value, trainable, name, dtype, constraint, synchronization, aggregation, shape))
-        return self._create_variable_named(initial_value, trainable, name, dtype, constraint, synchronization,
-                                           aggregation, shape)
+        try:
+            return self._create_variable_named(initial_value, trainable, name, dtype, constraint, synchronization,
+                                               aggregation, shape)
+        except MemoryError as error:  # its copies did not fit their GPUs: TF's ResourceExhaustedError
+            _gpu.raise_if_out_of_memory(error, shape=getattr(initial_value, "shape", None),
+                                        dtype=getattr(initial_value, "dtype", None))
+            raise
 
     def _create_variable_named(self, initial_value, trainable, name, dtype, constraint, synchronization,
                                aggregation, shape):

@@ -22,7 +22,7 @@ from ..data.dataset_ops import CountingIterator, Dataset, PrefetchIterator, _Ite
 from ..data.iterator_ops import IteratorProtocol, Optional
 from ..data.options import AutoShardPolicy, policy_of
 from ..data.structure import TensorSpec, decode_state, encode_state, leaf_spec
-from ..device import device_util
+from ..device import device_util, gpu
 from .options import InputOptions, InputReplicationMode
 from .values import DistributedValues, regroup
 
@@ -379,7 +379,11 @@ class DistributedIterator(IteratorProtocol):
         super().__init__(distributed, distributed._build(state))
 
     def __next__(self):
-        step = IteratorProtocol.__next__(self)
+        try:
+            step = IteratorProtocol.__next__(self)
+        except MemoryError as error:  # a step placed on GPUs without room: TF's ResourceExhaustedError
+            gpu.raise_if_out_of_memory(error)
+            raise
         if isinstance(step, _ShortStep):  # (see get_next_as_optional)
             self._end()
             raise StopIteration

@@ -600,6 +600,9 @@ class MirroredExtended(StrategyExtended):
                 _running.scope = scope
                 try:
                     return fn(*args_i, **kwargs_i) if kwargs_i else fn(*args_i)
+                except MemoryError as error:  # CuPy's OutOfMemoryError: TF's ResourceExhaustedError, on this GPU
+                    _gpu.raise_if_out_of_memory(error, ordinal)
+                    raise
                 finally:
                     scope._entry = None
                     if memory is not None:

@@ -438,7 +438,11 @@ class Optimizer:
             return on_parameter_servers(self, grads, variables)
         aggregate = bool(experimental_aggregate_gradients)
         if distribute_lib.in_cross_replica_context():
-            return self._cross_replica_step(distribute_lib.get_strategy(), grads, variables, options, aggregate)
+            try:
+                return self._cross_replica_step(distribute_lib.get_strategy(), grads, variables, options, aggregate)
+            except MemoryError as error:  # (in strategy.run, the replica's GPU names it)
+                _gpu.raise_if_out_of_memory(error)
+                raise
         if not distribute_lib.has_strategy():
             owner = next((v.distribute_strategy for v in variables
                           if getattr(v, "distribute_strategy", None) is not None
