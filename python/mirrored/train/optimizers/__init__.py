@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import rules
+from . import rules, schedules
 from .base import Optimizer
 from .keras import SGD, Adagrad, Adam, AdamW, Nadam, RMSprop
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "sgd_update", "adam_update"]
+__all__ = ["schedules", "Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "sgd_update", "adam_update"]
 
 
 def sgd_update(w, g, velocity, lr: float, momentum: float, nesterov: bool):
