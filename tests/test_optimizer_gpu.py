@@ -34,7 +34,10 @@ def _train(name, devices, xp):
                                   "SGD clipnorm", "Adam weight_decay global_clipnorm", "RMSprop clipvalue weight_decay",
                                   "Adam amsgrad", "AdamW amsgrad", "SGD momentum use_ema overwrite",
                                   "Adam loss_scale_factor clipnorm", "SGD momentum accumulation clipnorm weight_decay",
-                                  "AdamW amsgrad use_ema accumulation loss_scale"])
+                                  "AdamW amsgrad use_ema accumulation loss_scale", "Adamax weight_decay clipnorm",
+                                  "Adadelta clipvalue weight_decay", "Lion weight_decay global_clipnorm",
+                                  "Ftrl regularized", "Ftrl power", "Adam CosineDecay warmup",
+                                  "Lion use_ema overwrite loss_scale"])
 def test_gpu_replicas_match_keras_and_the_cpu_replicas(name):
     with gpu_pair():
         on_gpu = _train(name, ["/gpu:0", "/gpu:1"], cupy)
@@ -86,8 +89,8 @@ def test_gpu_kernel_refuses_bad_arguments_naming_them():
     w = cupy.zeros(4, np.float32)
     table = _table(0, [w], [[cupy.zeros(4, np.float32)]], [False])
     g = cupy.ones(4, np.float32)
-    with pytest.raises(ValueError, match="rule=9: no such rule"):
-        table.apply(9, g.data.ptr, [0.1, 0.9], 0.0, 0.0, 0)
+    with pytest.raises(ValueError, match="rule=13: no such rule"):
+        table.apply(13, g.data.ptr, [0.1, 0.9], 0.0, 0.0, 0)
     with pytest.raises(ValueError, match="coefficients: 1 given, the rule takes 2"):
         table.apply(1, g.data.ptr, [0.1], 0.0, 0.0, 0)
     with pytest.raises(ValueError, match="float16.*float32 and float64"):

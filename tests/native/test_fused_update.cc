@@ -41,6 +41,10 @@ const std::vector<Case>& cases() {
       {Rule::kNadam, {0.001, 1e-7, 0.1, 0.001, 0.45, 0.8, 0.55, 0.6, 0.002}, 2},
       {Rule::kAdamAmsgrad, {0.1, 0.001, 0.0031, 1e-7}, 3},
       {Rule::kEma, {0.99, 0.01}, 0},
+      {Rule::kAdamax, {0.1, 0.95, 0.01, 0.19, 1e-7}, 2},
+      {Rule::kAdadelta, {1.0, 0.95, 0.05, 1e-6}, 2},
+      {Rule::kLion, {0.01, 0.9, 0.1, 0.99, 0.01}, 1},
+      {Rule::kFtrl, {0.1, 0.5, 0.06, 0.5, 0.01}, 2},
   };
   return all;
 }
