@@ -127,16 +127,21 @@ def _count_launches(monkeypatch, step):
 
 
 @pytest.mark.skipif(not SIMULATED, reason="counts the simulated runtime's launches")
-@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("optimizer", ["Adam", "Adam amsgrad", "Adamax", "Adadelta", "Lion", "Ftrl",
+                                       "Ftrl learning_rate_power=-0.3"])
 @pytest.mark.parametrize("aggregate", [True, False])
 def test_apply_gradients_on_200_variables_costs_at_most_3_launches_per_gpu_plus_the_all_reduce(monkeypatch,
-                                                                                               aggregate, amsgrad):
+                                                                                               aggregate, optimizer):
+    make = {"Adam": lambda: md.optimizers.Adam(0.01), "Adam amsgrad": lambda: md.optimizers.Adam(0.01, amsgrad=True),
+            "Adamax": lambda: md.optimizers.Adamax(0.01), "Adadelta": lambda: md.optimizers.Adadelta(1.0),
+            "Lion": lambda: md.optimizers.Lion(0.01), "Ftrl": lambda: md.optimizers.Ftrl(0.1),
+            "Ftrl learning_rate_power=-0.3": lambda: md.optimizers.Ftrl(0.1, learning_rate_power=-0.3)}[optimizer]
     strategy = md.MirroredStrategy(["/gpu:0", "/gpu:1"])
     shapes = [(16, 8) if k % 2 else (8,) for k in range(200)]
     with strategy.scope():
         variables = [md.Variable(np.full(shape, 0.5, np.float32)) for shape in shapes]
-        opt = md.optimizers.Adam(0.01, amsgrad=amsgrad)
-    host_opt = md.optimizers.Adam(0.01, amsgrad=amsgrad)
+        opt = make()
+    host_opt = make()
     host_variables = [md.Variable(np.full(shape, 0.5, np.float32)) for shape in shapes]
 
     def step():
@@ -159,7 +164,7 @@ def test_apply_gradients_on_200_variables_costs_at_most_3_launches_per_gpu_plus_
         # The stand-in's kernels besides the step's own 200 gradients: nothing per variable.
         assert update + stand_in[gpu] - 200 <= 3, f"GPU {gpu}: {stand_in[gpu]} CuPy kernels"
 
-    # Three steps of Adam on the GPUs equal the host's bits: every copy with the summed gradients, or
+    # Three steps on the GPUs equal the host's bits: every copy with the summed gradients, or
     # (not aggregated) replica 0's copy with its own.
     for _ in range(3):
         host_opt.apply_gradients([(np.full(shape, 0.75 if aggregate else 0.25, np.float32), v)

@@ -308,12 +308,15 @@ MIRRORED_HD inline T power(T x, T p) {
   return static_cast<T>(pow(static_cast<double>(x), static_cast<double>(p)));
 }
 
-// c: lr, -learning_rate_power, 2*l2_shrinkage, 2*l2_reg (with beta / (2 lr)), l1 (slots: accumulator, linear)
-template <typename T>
+// c: lr, -learning_rate_power, 2*l2_shrinkage, 2*l2_reg (with beta / (2 lr)), l1 (slots: accumulator, linear).
+// Sqrt: the power is 0.5 (Keras' default learning_rate_power=-0.5), taken as sqrt, which is power()'s value
+// for an accumulator >= 0 and a vectorisable instruction rather than a call to pow.
+template <typename T, bool Sqrt>
 MIRRORED_HD inline T ftrl(T w, T g, T gg, T& accumulator, T& linear, const T* c) {
   const T new_accumulator = accumulator + gg;
-  const T new_power = power(new_accumulator, c[1]);
-  linear = linear + ((g + w * c[2]) - ((new_power - power(accumulator, c[1])) / c[0]) * w);
+  const T new_power = Sqrt ? sqrt(new_accumulator) : power(new_accumulator, c[1]);
+  const T old_power = Sqrt ? sqrt(accumulator) : power(accumulator, c[1]);
+  linear = linear + ((g + w * c[2]) - ((new_power - old_power) / c[0]) * w);
   const T quadratic = new_power / c[0] + c[3];
   accumulator = new_accumulator;
   return (maximum(minimum(linear, c[4]), -c[4]) - linear) / quadratic;
@@ -403,10 +406,12 @@ struct Lion {
   MIRRORED_HD T operator()(T w, T g, T, T* st, const T* c) const { return lion(w, g, st[0], c); }
 };
 
-template <typename T>
+template <typename T, bool Sqrt>
 struct Ftrl {
   static constexpr int kSlots = 2;
-  MIRRORED_HD T operator()(T w, T g, T gg, T* st, const T* c) const { return ftrl(w, g, gg, st[0], st[1], c); }
+  MIRRORED_HD T operator()(T w, T g, T gg, T* st, const T* c) const {
+    return ftrl<T, Sqrt>(w, g, gg, st[0], st[1], c);
+  }
 };
 
 // Calls visit(F{}) with the functor F of `rule` (RMSprop's variant read from its coefficients `c`).
@@ -429,7 +434,7 @@ MIRRORED_HD inline void visit_rule(Rule rule, const T* c, const Visitor& visit) 
     case Rule::kAdamax: return visit(Adamax<T>{});
     case Rule::kAdadelta: return visit(Adadelta<T>{});
     case Rule::kLion: return visit(Lion<T>{});
-    case Rule::kFtrl: return visit(Ftrl<T>{});
+    case Rule::kFtrl: return c[1] == T(0.5) ? visit(Ftrl<T, true>{}) : visit(Ftrl<T, false>{});
   }
 }
 

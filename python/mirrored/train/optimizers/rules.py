@@ -28,9 +28,10 @@ import numpy as np
  FTRL) = range(13)
 
 # The positions of the coefficients a rule branches on in Python (RMSprop's momentum and
-# centered): a captured step (md.function) keeps them as host values, fixed at capture,
-# and reads every other coefficient from device memory, refreshed before each replay.
-HOST_COEFFICIENTS = {RMSPROP: (4, 5)}
+# centered, Ftrl's power: 0.5 is a square root): a captured step (md.function) keeps them as
+# host values, fixed at capture, and reads every other coefficient from device memory,
+# refreshed before each replay.
+HOST_COEFFICIENTS = {RMSPROP: (4, 5), FTRL: (1,)}
 
 
 class SquaredGradient(NamedTuple):
@@ -284,6 +285,8 @@ def _power(x, p):
     float64 NumPy array takes libm's ``pow`` element by element (``math.pow``), the host kernel's, where
     NumPy's SIMD loop may differ by an ulp (the host kernel takes float64 arrays: this is the reference)."""
     xp = array_module(x)
+    if p == 0.5:  # (Keras' default; the same value, for x >= 0, and the kernels' instruction)
+        return _sqrt(x)
     if x.dtype == xp.float64:
         if xp is np:
             return np.asarray(_libm_pow(x, float(p)), dtype=np.float64)
