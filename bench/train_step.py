@@ -156,10 +156,32 @@ def loss_and_grads(xp, params, x, y, global_batch: int, matmul=operator_matmul):
     return loss, grads
 
 
+# --optimizer's Keras classes beside SGD (their default arguments, learning rate 1e-4).
+KERAS_OPTIMIZERS = {"adam": "Adam", "adamax": "Adamax", "adadelta": "Adadelta", "lion": "Lion", "ftrl": "Ftrl",
+                    "nadam": "Nadam", "rmsprop": "RMSprop", "adagrad": "Adagrad"}
+
+
 def make_optimizer(name: str):
-    if name == "adam":
-        return md.optimizers.Adam(1e-4)
+    if name in KERAS_OPTIMIZERS:
+        return getattr(md.optimizers, KERAS_OPTIMIZERS[name])(1e-4)
     return md.optimizers.SGD(0.01, momentum=0.0 if name == "sgd-plain" else 0.9)
+
+
+def numpy_rule_step(name: str, params: list, grads: list):
+    """The optimizer's own rule as a NumPy loop over the parameters (its Keras sequence, one parameter at a
+    time: md.optimizers.rules, the fused kernels' reference), slots in NumPy arrays; a call is one step."""
+    optimizer = make_optimizer(name)
+    slots = [[np.full(p.shape, value, p.dtype) for _, value in optimizer._slot_specs] for p in params]
+    t = params[0].dtype.type
+    step = [0]
+
+    def run():
+        coefficients = optimizer._coefficients(t, t(np.float32(optimizer.learning_rate_at(step[0]))), step[0])
+        for p, g, s in zip(params, grads, slots):
+            md.optimizers.rules.apply(optimizer._rule, p, g, s, coefficients)
+        step[0] += 1
+
+    return run
 
 
 def torch_ddp(args) -> float | None:
@@ -226,8 +248,10 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=None, help="default: 128 on CPU, 256 on GPU")
     p.add_argument("--batch-size", type=int, default=None, help="default: 512, 2048 for the MLP")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--optimizer", choices=("sgd", "sgd-plain", "adam"), default="sgd",
-                   help="sgd: momentum 0.9; sgd-plain: no momentum, the plain loop's own rule")
+    p.add_argument("--optimizer", choices=("sgd", "sgd-plain", *KERAS_OPTIMIZERS), default="sgd",
+                   help="sgd: momentum 0.9; sgd-plain: no momentum, the plain loop's own rule; the others: Keras' "
+                        "defaults at learning rate 1e-4 (with --update-only, also the same rule as a NumPy loop "
+                        "over the parameters)")
     p.add_argument("--update-only", action="store_true",
                    help="time the update alone: p -= lr*g per parameter against apply_gradients with fixed "
                         "gradients (the optimizer's own cost, without the forward/backward pass)")
@@ -280,6 +304,9 @@ def main(argv=None):
             a -= 0.01 * g
 
     columns = [("plain " + ("CuPy" if gpu else "NumPy") + " (p -= lr*g)", 1, plain_step)]
+    if args.update_only and not gpu and args.optimizer in KERAS_OPTIMIZERS:
+        columns.append((f"NumPy loop of {KERAS_OPTIMIZERS[args.optimizer]}'s rule per parameter", 1,
+                        numpy_rule_step(args.optimizer, [a.copy() for a in params], fixed_grads)))
     if gpu and not args.update_only:
         def plain_step_own_cublas():
             _, grads = loss_and_grads(xp, params, x, y, args.batch_size, md.linalg.matmul)
@@ -317,9 +344,13 @@ def main(argv=None):
           f"global batch {args.batch_size}, {args.device}, optimizer {args.optimizer}, "
           f"BLAS threads {args.blas_threads or 'default'}{', the update alone' if args.update_only else ''}"
           f"{', host time per call only (GPU work drained outside the clock)' if args.host_only else ''}\n")
-    print("| step | replicas | ms/step | vs plain |\n|---|---|---|---|")
+    # With the optimizer's rule as a NumPy loop (column 1), each column's ratio to it as well.
+    rule_loop = times[1] if columns[1][0].startswith("NumPy loop of") else None
+    print("| step | replicas | ms/step | vs plain |" + (" vs NumPy rule loop |" if rule_loop else "")
+          + "\n|---|---|---|---|" + ("---|" if rule_loop else ""))
     for (label, n, _), t in zip(columns, times):
-        print(f"| {label} | {n} | {t * 1e3:.2f} | {t / base:.2f}x |", flush=True)
+        print(f"| {label} | {n} | {t * 1e3:.2f} | {t / base:.2f}x |" + (f" {t / rule_loop:.2f}x |" if rule_loop else ""),
+              flush=True)
     if logical:
         md.config.set_logical_device_configuration("GPU:0", None)
     if not gpu and not args.update_only:

@@ -28,6 +28,11 @@ CASES = {
     # beta_2 far from 1: the velocity falls below velocity_hat on some elements and rises above on others
     "adam_amsgrad": (rules.ADAM_AMSGRAD, (0.1, 0.5, 0.0031, 1e-7), 3),
     "ema": (rules.EMA, (0.99, 1 - 0.99), 0),
+    "adamax": (rules.ADAMAX, (0.1, 0.95, 0.01, 0.19, 1e-7), 2),
+    "adadelta": (rules.ADADELTA, (1.0, 0.95, 0.05, 1e-6), 2),
+    "lion": (rules.LION, (0.01, 0.9, 0.1, 0.99, 0.01), 1),
+    "ftrl": (rules.FTRL, (0.1, 0.5, 0.06, 0.5, 0.01), 2),
+    "ftrl_power": (rules.FTRL, (0.05, 0.3, 0.0, 0.0, 0.5), 2),
 }
 SIZES = [0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 64, 1000, 4099]
 
@@ -92,8 +97,8 @@ def test_bad_tables_are_refused_with_the_argument_named():
         fused_update(rules.SGD_MOMENTUM, [w], [g], [[]], **args)
     with pytest.raises(ValueError, match="coefficients: 1 given, the rule takes 2"):
         fused_update(rules.SGD_MOMENTUM, [w], [g], [[m]], [False], [0.1], 0.0, 0.0)
-    with pytest.raises(ValueError, match="rule=9: no such rule"):
-        fused_update(9, [w], [g], [[m]], **args)
+    with pytest.raises(ValueError, match="rule=13: no such rule"):
+        fused_update(13, [w], [g], [[m]], **args)
     with pytest.raises(ValueError, match="rule=-1: no such rule"):
         fused_update(-1, [w], [g], [[m]], **args)
     with pytest.raises(ValueError, match="float32 and float64"):

@@ -34,7 +34,10 @@ def _train(name, devices, xp):
                                   "SGD clipnorm", "Adam weight_decay global_clipnorm", "RMSprop clipvalue weight_decay",
                                   "Adam amsgrad", "AdamW amsgrad", "SGD momentum use_ema overwrite",
                                   "Adam loss_scale_factor clipnorm", "SGD momentum accumulation clipnorm weight_decay",
-                                  "AdamW amsgrad use_ema accumulation loss_scale"])
+                                  "AdamW amsgrad use_ema accumulation loss_scale", "Adamax weight_decay clipnorm",
+                                  "Adadelta clipvalue weight_decay", "Lion weight_decay global_clipnorm",
+                                  "Ftrl regularized", "Ftrl power", "Adam CosineDecay warmup",
+                                  "Lion use_ema overwrite loss_scale"])
 def test_gpu_replicas_match_keras_and_the_cpu_replicas(name):
     with gpu_pair():
         on_gpu = _train(name, ["/gpu:0", "/gpu:1"], cupy)
@@ -86,8 +89,8 @@ def test_gpu_kernel_refuses_bad_arguments_naming_them():
     w = cupy.zeros(4, np.float32)
     table = _table(0, [w], [[cupy.zeros(4, np.float32)]], [False])
     g = cupy.ones(4, np.float32)
-    with pytest.raises(ValueError, match="rule=9: no such rule"):
-        table.apply(9, g.data.ptr, [0.1, 0.9], 0.0, 0.0, 0)
+    with pytest.raises(ValueError, match="rule=13: no such rule"):
+        table.apply(13, g.data.ptr, [0.1, 0.9], 0.0, 0.0, 0)
     with pytest.raises(ValueError, match="coefficients: 1 given, the rule takes 2"):
         table.apply(1, g.data.ptr, [0.1], 0.0, 0.0, 0)
     with pytest.raises(ValueError, match="float16.*float32 and float64"):
@@ -124,16 +127,21 @@ def _count_launches(monkeypatch, step):
 
 
 @pytest.mark.skipif(not SIMULATED, reason="counts the simulated runtime's launches")
-@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("optimizer", ["Adam", "Adam amsgrad", "Adamax", "Adadelta", "Lion", "Ftrl",
+                                       "Ftrl learning_rate_power=-0.3"])
 @pytest.mark.parametrize("aggregate", [True, False])
 def test_apply_gradients_on_200_variables_costs_at_most_3_launches_per_gpu_plus_the_all_reduce(monkeypatch,
-                                                                                               aggregate, amsgrad):
+                                                                                               aggregate, optimizer):
+    make = {"Adam": lambda: md.optimizers.Adam(0.01), "Adam amsgrad": lambda: md.optimizers.Adam(0.01, amsgrad=True),
+            "Adamax": lambda: md.optimizers.Adamax(0.01), "Adadelta": lambda: md.optimizers.Adadelta(1.0),
+            "Lion": lambda: md.optimizers.Lion(0.01), "Ftrl": lambda: md.optimizers.Ftrl(0.1),
+            "Ftrl learning_rate_power=-0.3": lambda: md.optimizers.Ftrl(0.1, learning_rate_power=-0.3)}[optimizer]
     strategy = md.MirroredStrategy(["/gpu:0", "/gpu:1"])
     shapes = [(16, 8) if k % 2 else (8,) for k in range(200)]
     with strategy.scope():
         variables = [md.Variable(np.full(shape, 0.5, np.float32)) for shape in shapes]
-        opt = md.optimizers.Adam(0.01, amsgrad=amsgrad)
-    host_opt = md.optimizers.Adam(0.01, amsgrad=amsgrad)
+        opt = make()
+    host_opt = make()
     host_variables = [md.Variable(np.full(shape, 0.5, np.float32)) for shape in shapes]
 
     def step():
@@ -156,7 +164,7 @@ def test_apply_gradients_on_200_variables_costs_at_most_3_launches_per_gpu_plus_
         # The stand-in's kernels besides the step's own 200 gradients: nothing per variable.
         assert update + stand_in[gpu] - 200 <= 3, f"GPU {gpu}: {stand_in[gpu]} CuPy kernels"
 
-    # Three steps of Adam on the GPUs equal the host's bits: every copy with the summed gradients, or
+    # Three steps on the GPUs equal the host's bits: every copy with the summed gradients, or
     # (not aggregated) replica 0's copy with its own.
     for _ in range(3):
         host_opt.apply_gradients([(np.full(shape, 0.75 if aggregate else 0.25, np.float32), v)

@@ -21,17 +21,33 @@
 
 namespace mirrored::rules {
 
+using std::fabs;
+using std::pow;
 using std::sqrt;
 
 // Codes shared with rules.py.
-enum class Rule : int { kSgd = 0, kSgdMomentum, kSgdNesterov, kAdam, kRmsprop, kAdagrad, kNadam, kAdamAmsgrad, kEma };
+enum class Rule : int {
+  kSgd = 0,
+  kSgdMomentum,
+  kSgdNesterov,
+  kAdam,
+  kRmsprop,
+  kAdagrad,
+  kNadam,
+  kAdamAmsgrad,
+  kEma,
+  kAdamax,
+  kAdadelta,
+  kLion,
+  kFtrl
+};
 
 constexpr int kMaxSlots = 3;
 constexpr int kMaxCoefficients = 9;
 
 // Number of scalars each rule reads (rules.py's coefficients); -1 for a code that is no rule.
 inline int rule_coefficients(int rule) {
-  constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9, 4, 2};
+  constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9, 4, 2, 5, 4, 5, 5};
   constexpr int rules = sizeof(counts) / sizeof(counts[0]);
   return rule >= 0 && rule < rules ? counts[rule] : -1;
 }
@@ -52,9 +68,13 @@ inline int rule_slots(int rule, const double* c) {
     case Rule::kEma: return 0;
     case Rule::kSgdMomentum:
     case Rule::kSgdNesterov:
-    case Rule::kAdagrad: return 1;
+    case Rule::kAdagrad:
+    case Rule::kLion: return 1;
     case Rule::kAdam:
-    case Rule::kNadam: return 2;
+    case Rule::kNadam:
+    case Rule::kAdamax:
+    case Rule::kAdadelta:
+    case Rule::kFtrl: return 2;
     case Rule::kAdamAmsgrad: return 3;
     case Rule::kRmsprop: return 1 + (c[5] != 0.0) + (c[4] != 0.0);
   }
@@ -239,6 +259,69 @@ MIRRORED_HD inline T ema(T average, T w, const T* c) {
   return average * c[0] + w * c[1];
 }
 
+// maximum and minimum as tf.maximum / tf.minimum: a NaN on either side propagates.
+template <typename T>
+MIRRORED_HD inline T maximum(T a, T b) {
+  return (a > b || a != a) ? a : b;
+}
+template <typename T>
+MIRRORED_HD inline T minimum(T a, T b) {
+  return (a < b || a != a) ? a : b;
+}
+
+// c: 1-beta_1, beta_2, lr, 1-beta_1^t, epsilon (slots: momentum, norm)
+template <typename T>
+MIRRORED_HD inline T adamax(T w, T g, T& m, T& u, const T* c) {
+  m = m + (g - m) * c[0];
+  u = maximum(u * c[1], T(fabs(g)));
+  return w - (m * c[2]) / ((u + c[4]) * c[3]);
+}
+
+// c: lr, rho, 1-rho, epsilon (slots: accumulated_grad, accumulated_delta_var)
+template <typename T>
+MIRRORED_HD inline T adadelta(T w, T g, T gg, T& accumulated_grad, T& accumulated_delta, const T* c) {
+  accumulated_grad = accumulated_grad * c[1] + gg * c[2];
+  const T delta = -((sqrt(accumulated_delta + c[3]) * g) / sqrt(accumulated_grad + c[3]));
+  accumulated_delta = accumulated_delta * c[1] + (delta * delta) * c[2];
+  return w + delta * c[0];
+}
+
+// sign(x) as tf.sign: -1, 0 (keeping the zero's sign) or 1; NaN stays NaN.
+template <typename T>
+MIRRORED_HD inline T sign(T x) {
+  return x > T(0) ? T(1) : (x < T(0) ? T(-1) : x);
+}
+
+// c: lr, beta_1, 1-beta_1, beta_2, 1-beta_2 (slot: momentum)
+template <typename T>
+MIRRORED_HD inline T lion(T w, T g, T& m, const T* c) {
+  const T result = w - sign(m * c[1] + g * c[2]) * c[0];
+  m = m * c[3] + g * c[4];
+  return result;
+}
+
+// x^p in T, computed in double and rounded once: float's pow differs by an ulp between libm, NumPy's SIMD
+// loops and CUDA, double's rounded to float does not (rules.py's _power). (A float64 variable's pow is the
+// platform's: on a real GPU CUDA's, within an ulp or two of the host's.)
+template <typename T>
+MIRRORED_HD inline T power(T x, T p) {
+  return static_cast<T>(pow(static_cast<double>(x), static_cast<double>(p)));
+}
+
+// c: lr, -learning_rate_power, 2*l2_shrinkage, 2*l2_reg (with beta / (2 lr)), l1 (slots: accumulator, linear).
+// Sqrt: the power is 0.5 (Keras' default learning_rate_power=-0.5), taken as sqrt, which is power()'s value
+// for an accumulator >= 0 and a vectorisable instruction rather than a call to pow.
+template <typename T, bool Sqrt>
+MIRRORED_HD inline T ftrl(T w, T g, T gg, T& accumulator, T& linear, const T* c) {
+  const T new_accumulator = accumulator + gg;
+  const T new_power = Sqrt ? sqrt(new_accumulator) : power(new_accumulator, c[1]);
+  const T old_power = Sqrt ? sqrt(accumulator) : power(accumulator, c[1]);
+  linear = linear + ((g + w * c[2]) - ((new_power - old_power) / c[0]) * w);
+  const T quadratic = new_power / c[0] + c[3];
+  accumulator = new_accumulator;
+  return (maximum(minimum(linear, c[4]), -c[4]) - linear) / quadratic;
+}
+
 // Each rule as a functor over one element: `kSlots` slot values in `st` (the
 // rule's order), read and written back by the caller; `gg` is the gradient's
 // square (g * g, or FusedEntry::squares'), read by the squaring rules only. The host loop
@@ -305,6 +388,32 @@ struct Ema {
   MIRRORED_HD T operator()(T average, T w, T, T*, const T* c) const { return ema(average, w, c); }
 };
 
+template <typename T>
+struct Adamax {
+  static constexpr int kSlots = 2;
+  MIRRORED_HD T operator()(T w, T g, T, T* st, const T* c) const { return adamax(w, g, st[0], st[1], c); }
+};
+
+template <typename T>
+struct Adadelta {
+  static constexpr int kSlots = 2;
+  MIRRORED_HD T operator()(T w, T g, T gg, T* st, const T* c) const { return adadelta(w, g, gg, st[0], st[1], c); }
+};
+
+template <typename T>
+struct Lion {
+  static constexpr int kSlots = 1;
+  MIRRORED_HD T operator()(T w, T g, T, T* st, const T* c) const { return lion(w, g, st[0], c); }
+};
+
+template <typename T, bool Sqrt>
+struct Ftrl {
+  static constexpr int kSlots = 2;
+  MIRRORED_HD T operator()(T w, T g, T gg, T* st, const T* c) const {
+    return ftrl<T, Sqrt>(w, g, gg, st[0], st[1], c);
+  }
+};
+
 // Calls visit(F{}) with the functor F of `rule` (RMSprop's variant read from its coefficients `c`).
 template <typename T, typename Visitor>
 MIRRORED_HD inline void visit_rule(Rule rule, const T* c, const Visitor& visit) {
@@ -322,6 +431,10 @@ MIRRORED_HD inline void visit_rule(Rule rule, const T* c, const Visitor& visit) 
     case Rule::kAdagrad: return visit(Adagrad<T>{});
     case Rule::kNadam: return visit(Nadam<T>{});
     case Rule::kEma: return visit(Ema<T>{});
+    case Rule::kAdamax: return visit(Adamax<T>{});
+    case Rule::kAdadelta: return visit(Adadelta<T>{});
+    case Rule::kLion: return visit(Lion<T>{});
+    case Rule::kFtrl: return c[1] == T(0.5) ? visit(Ftrl<T, true>{}) : visit(Ftrl<T, false>{});
   }
 }
 

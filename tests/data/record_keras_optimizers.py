@@ -78,7 +78,69 @@ CONFIGS = {
     "AdamW amsgrad use_ema accumulation loss_scale": ("AdamW", {
         "learning_rate": 0.01, "amsgrad": True, "use_ema": True, "ema_momentum": 0.7, "ema_overwrite_frequency": 2,
         "gradient_accumulation_steps": 2, "loss_scale_factor": 4.0}, "float32"),
+    # Adamax, Adadelta, Lion and Ftrl.
+    "Adamax default": ("Adamax", {}, "float32"),
+    "Adamax": ("Adamax", {"learning_rate": 0.02, "beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-5}, "float32"),
+    "Adamax weight_decay clipnorm": ("Adamax", {"learning_rate": 0.01, "weight_decay": 0.1, "clipnorm": 1.0},
+                                     "float32"),
+    "Adamax float64": ("Adamax", {"learning_rate": 0.01}, "float64"),
+    "Adadelta default": ("Adadelta", {}, "float32"),
+    "Adadelta": ("Adadelta", {"learning_rate": 1.0, "rho": 0.9, "epsilon": 1e-6}, "float32"),
+    "Adadelta clipvalue weight_decay": ("Adadelta", {"learning_rate": 0.5, "clipvalue": 0.5, "weight_decay": 0.05},
+                                        "float32"),
+    "Adadelta float64": ("Adadelta", {"learning_rate": 1.0}, "float64"),
+    "Lion default": ("Lion", {}, "float32"),
+    "Lion": ("Lion", {"learning_rate": 0.01, "beta_1": 0.5, "beta_2": 0.9}, "float32"),
+    "Lion weight_decay global_clipnorm": ("Lion", {"learning_rate": 0.01, "weight_decay": 0.1,
+                                                   "global_clipnorm": 1.5}, "float32"),
+    "Lion float64": ("Lion", {"learning_rate": 0.01, "beta_1": 1.0}, "float64"),
+    "Ftrl default": ("Ftrl", {}, "float32"),
+    "Ftrl regularized": ("Ftrl", {"learning_rate": 0.1, "l1_regularization_strength": 0.01,
+                                  "l2_regularization_strength": 0.02, "l2_shrinkage_regularization_strength": 0.03,
+                                  "beta": 0.5}, "float32"),
+    "Ftrl power": ("Ftrl", {"learning_rate": 0.05, "learning_rate_power": -0.3, "initial_accumulator_value": 0.5,
+                            "l1_regularization_strength": 0.5, "clipnorm": 1.0}, "float32"),
+    "Ftrl power zero": ("Ftrl", {"learning_rate": 0.05, "learning_rate_power": 0.0}, "float32"),
+    "Ftrl float64": ("Ftrl", {"learning_rate": 0.1, "l1_regularization_strength": 0.01, "beta": 0.1}, "float64"),
+    "Adamax use_ema accumulation": ("Adamax", {"learning_rate": 0.01, "use_ema": True, "ema_momentum": 0.8,
+                                               "gradient_accumulation_steps": 3}, "float32"),
+    "Lion use_ema overwrite loss_scale": ("Lion", {"learning_rate": 0.01, "use_ema": True,
+                                                   "ema_overwrite_frequency": 3, "loss_scale_factor": 2.0}, "float32"),
+    "Adadelta accumulation": ("Adadelta", {"learning_rate": 1.0, "gradient_accumulation_steps": 2}, "float32"),
+    "Ftrl use_ema accumulation": ("Ftrl", {"learning_rate": 0.1, "use_ema": True,
+                                           "gradient_accumulation_steps": 4}, "float32"),
+    "Adamax float16": ("Adamax", {"learning_rate": 0.01}, "float16"),
+    "Adadelta float16": ("Adadelta", {"learning_rate": 1.0}, "float16"),
+    "Lion float16": ("Lion", {"learning_rate": 0.01}, "float16"),
+    "Ftrl float16": ("Ftrl", {"learning_rate": 0.1, "l1_regularization_strength": 0.01}, "float16"),
+    # Learning-rate schedules (keras.optimizers.schedules, serialized) as `learning_rate`.
+    "SGD momentum ExponentialDecay": ("SGD", {"momentum": 0.9, "learning_rate": {
+        "class_name": "ExponentialDecay", "config": {"initial_learning_rate": 0.1, "decay_steps": 3,
+                                                     "decay_rate": 0.5, "staircase": True}}}, "float32"),
+    "Adam CosineDecay warmup": ("Adam", {"learning_rate": {
+        "class_name": "CosineDecay", "config": {"initial_learning_rate": 0.0, "decay_steps": 6,
+                                                "warmup_target": 0.05, "warmup_steps": 4}}}, "float32"),
+    "Adamax CosineDecayRestarts float64": ("Adamax", {"learning_rate": {
+        "class_name": "CosineDecayRestarts", "config": {"initial_learning_rate": 0.05, "first_decay_steps": 3,
+                                                        "t_mul": 1.5, "m_mul": 0.7, "alpha": 0.1}}}, "float64"),
+    "Lion PiecewiseConstantDecay accumulation": ("Lion", {"gradient_accumulation_steps": 2, "learning_rate": {
+        "class_name": "PiecewiseConstantDecay", "config": {"boundaries": [3, 7], "values": [0.03, 0.01, 0.003]}}},
+        "float32"),
+    "Ftrl PolynomialDecay cycle": ("Ftrl", {"learning_rate": {
+        "class_name": "PolynomialDecay", "config": {"initial_learning_rate": 0.2, "decay_steps": 5, "power": 2.0,
+                                                    "cycle": True}}}, "float32"),
+    "Adadelta InverseTimeDecay weight_decay": ("Adadelta", {"weight_decay": 0.1, "learning_rate": {
+        "class_name": "InverseTimeDecay", "config": {"initial_learning_rate": 1.0, "decay_steps": 2,
+                                                     "decay_rate": 0.5}}}, "float32"),
 }
+
+
+def build(optimizers, cls, kwargs):
+    """``optimizers.<cls>(**kwargs)``, a serialized schedule as learning_rate made by ``optimizers.schedules``."""
+    kwargs = dict(kwargs)
+    if isinstance(kwargs.get("learning_rate"), dict):
+        kwargs["learning_rate"] = optimizers.schedules.deserialize(kwargs["learning_rate"])
+    return getattr(optimizers, cls)(**kwargs)
 
 
 def extras(opt, w, b):
@@ -119,7 +181,7 @@ def record(n, dtype_wanted, path):
         with strategy.scope():
             w = tf.Variable(data["w0"].astype(dtype))
             b = tf.Variable(data["b0"].astype(dtype))
-            opt = getattr(keras.optimizers, cls)(**kwargs)
+            opt = build(keras.optimizers, cls, kwargs)
         for s in range(STEPS):
             def step(s=s):
                 r = tf.distribute.get_replica_context().replica_id_in_sync_group

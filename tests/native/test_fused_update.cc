@@ -41,6 +41,11 @@ const std::vector<Case>& cases() {
       {Rule::kNadam, {0.001, 1e-7, 0.1, 0.001, 0.45, 0.8, 0.55, 0.6, 0.002}, 2},
       {Rule::kAdamAmsgrad, {0.1, 0.001, 0.0031, 1e-7}, 3},
       {Rule::kEma, {0.99, 0.01}, 0},
+      {Rule::kAdamax, {0.1, 0.95, 0.01, 0.19, 1e-7}, 2},
+      {Rule::kAdadelta, {1.0, 0.95, 0.05, 1e-6}, 2},
+      {Rule::kLion, {0.01, 0.9, 0.1, 0.99, 0.01}, 1},
+      {Rule::kFtrl, {0.1, 0.5, 0.06, 0.5, 0.01}, 2},
+      {Rule::kFtrl, {0.05, 0.3, 0.0, 0.0, 0.5}, 2},
   };
   return all;
 }
@@ -376,7 +381,8 @@ bool squares_are_read_as_the_squared_gradient(const Case& k, std::size_t threads
   for (std::size_t tid : order)
     mirrored::rules::update_table(k.rule, walk_table.data(), static_cast<int>(walk_table.size()), s, tid, threads);
   const bool squaring = k.rule == Rule::kAdam || k.rule == Rule::kRmsprop || k.rule == Rule::kAdagrad ||
-                        k.rule == Rule::kNadam || k.rule == Rule::kAdamAmsgrad;
+                        k.rule == Rule::kNadam || k.rule == Rule::kAdamAmsgrad || k.rule == Rule::kAdadelta ||
+                        k.rule == Rule::kFtrl;
   bool ok = true, differs = false;
   for (std::size_t v = 0; v < sizes.size(); ++v) {
     ok = ok && dense[v] == same[v] && other[v] == walked[v];

@@ -43,16 +43,14 @@ takes unscaled gradients and does not divide them again. ``dynamic=False``
 (Keras 2) keeps ``initial_scale`` fixed and applies every step.
 """
 
-from __future__ import annotations
+import contextlib as _contextlib
+import math as _math
+import numbers as _numbers
 
-import contextlib
-import math
-import numbers
+import numpy as _np
 
-import numpy as np
-
-from ..device import device_util, gpu
-from ..device.indexed_slices import IndexedSlices, map_values
+from ..device import device_util as _device_util, gpu as _gpu
+from ..device.indexed_slices import IndexedSlices as _IndexedSlices, map_values as _map_values
 
 __all__ = ["LossScaleOptimizer", "Policy", "DTypePolicy", "global_policy", "set_global_policy"]
 
@@ -117,7 +115,7 @@ def set_global_policy(policy) -> None:
 # --- loss scaling --------------------------------------------------------------------------------
 
 def _check_scale(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, _numbers.Real) or not _math.isfinite(value) or value <= 0:
         raise ValueError(f"initial_scale={value!r}: expected a finite number > 0, e.g. 2**15 (a high scale is "
                          "lowered in a few steps, a low one raised only every dynamic_growth_steps)")
     return float(value)
@@ -129,25 +127,25 @@ _HALF_EXPONENTS = {}
 
 
 def _is_finite(x, device=None) -> bool:
-    if type(x) is IndexedSlices:  # its rows: the dense array's other values are zeros
+    if type(x) is _IndexedSlices:  # its rows: the dense array's other values are zeros
         x = x.values
-    if device_util.on_gpu(x):
+    if _device_util.on_gpu(x):
         import cupy
 
         # On the device's merge stream, ordered after the all-reduce that wrote x (the current stream may not be).
-        with device_util.cross_replica_gpu_scope(device) if device else contextlib.nullcontext():
+        with _device_util.cross_replica_gpu_scope(device) if device else _contextlib.nullcontext():
             return bool(cupy.isfinite(x).all())
-    x = np.asarray(x)
+    x = _np.asarray(x)
     if x.dtype.kind in "biu":
         return True  # integers are always finite
     exponent = _HALF_EXPONENTS.get(x.dtype, -1)
     if exponent == -1:
         exponent = _HALF_EXPONENTS[x.dtype] = {"float16": 0x7C00, "bfloat16": 0x7F80}.get(x.dtype.name)
     if exponent is None:
-        return bool(np.isfinite(x).all())
+        return bool(_np.isfinite(x).all())
     # NumPy's isfinite on float16 (and ml_dtypes' on bfloat16) runs element by element, ~30x slower
     # than this look at the bits: without the sign, a finite value is below the all-ones exponent.
-    return x.size == 0 or int((np.ascontiguousarray(x).view(np.uint16) & 0x7FFF).max()) < exponent
+    return x.size == 0 or int((_np.ascontiguousarray(x).view(_np.uint16) & 0x7FFF).max()) < exponent
 
 
 def _clips(optimizer) -> bool:
@@ -201,7 +199,7 @@ class LossScaleOptimizer:
                             "with apply_gradients")
         if not isinstance(dynamic, bool):
             raise ValueError(f"dynamic={dynamic!r}: expected True (adjust the scale) or False (keep initial_scale)")
-        if isinstance(dynamic_growth_steps, bool) or not isinstance(dynamic_growth_steps, numbers.Integral) \
+        if isinstance(dynamic_growth_steps, bool) or not isinstance(dynamic_growth_steps, _numbers.Integral) \
                 or dynamic_growth_steps < 1:
             raise ValueError(f"dynamic_growth_steps={dynamic_growth_steps!r}: expected an integer >= 1 (the number of "
                              "finite steps in a row after which the scale doubles)")
@@ -214,19 +212,19 @@ class LossScaleOptimizer:
         self.dynamic_growth_steps = int(dynamic_growth_steps)
         self.name = name or "loss_scale_optimizer"
         # Updated in cross-replica context only, so every copy holds the same value.
-        self.step_counter = values.Variable(np.int64(0), trainable=False, name=f"{self.name}/step_counter",
+        self.step_counter = values.Variable(_np.int64(0), trainable=False, name=f"{self.name}/step_counter",
                                             aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
         # (beside the counter: a ParameterServerStrategy's ps task updates both in one request)
         with distribute_lib.get_strategy().extended.colocate_vars_with(self.step_counter):
-            self.dynamic_scale = values.Variable(np.float32(self.initial_scale), trainable=False,
+            self.dynamic_scale = values.Variable(_np.float32(self.initial_scale), trainable=False,
                                                  name=f"{self.name}/dynamic_scale",
                                                  aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
         # Keras 3's LossScaleOptimizer is itself an optimizer built with learning_rate=0.0 whose own step count
         # never moves (the wrapped optimizer's counts): its checkpoints hold both, so these are saved beside
         # the scale's state and restore Keras' values.
-        self._own_iterations = values.Variable(np.int64(0), trainable=False, name=f"{self.name}/iteration",
+        self._own_iterations = values.Variable(_np.int64(0), trainable=False, name=f"{self.name}/iteration",
                                                aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
-        self._own_learning_rate = values.Variable(np.float32(0.0), trainable=False, name=f"{self.name}/learning_rate",
+        self._own_learning_rate = values.Variable(_np.float32(0.0), trainable=False, name=f"{self.name}/learning_rate",
                                                   aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
         self._caller_unscales = False
         self._var_list = None  # build(var_list)'s, for apply(grads)
@@ -275,9 +273,9 @@ class LossScaleOptimizer:
 
     # -- the scale --
     @property
-    def loss_scale(self) -> np.float32:
+    def loss_scale(self) -> _np.float32:
         """The current scale (Keras 2's name; Keras 3 reads ``dynamic_scale``)."""
-        return np.float32(self.dynamic_scale.numpy())
+        return _np.float32(self.dynamic_scale.numpy())
 
     @property
     def dynamic_counter(self) -> int:
@@ -293,19 +291,19 @@ class LossScaleOptimizer:
         scale = self._device_scale(loss)
         if scale is None:
             return loss * self.loss_scale
-        dtype = np.result_type(loss.dtype if device_util.on_gpu(loss) else loss, np.float32)
+        dtype = _np.result_type(loss.dtype if _device_util.on_gpu(loss) else loss, _np.float32)
         scale = scale.astype(dtype, copy=False)
-        return loss.astype(dtype, copy=False) * scale if device_util.on_gpu(loss) else scale * dtype.type(loss)
+        return loss.astype(dtype, copy=False) * scale if _device_util.on_gpu(loss) else scale * dtype.type(loss)
 
     def _device_scale(self, loss):
         """This replica's copy of the scale when ``loss`` (a GPU array or a number) is scaled on its GPU."""
         from ..distribute import distribute_lib
 
-        if not (device_util.on_gpu(loss) or isinstance(loss, numbers.Real)) \
+        if not (_device_util.on_gpu(loss) or isinstance(loss, _numbers.Real)) \
                 or distribute_lib.in_cross_replica_context():
             return None
         scale = self.dynamic_scale.read_value()
-        return scale if device_util.on_gpu(scale) else None
+        return scale if _device_util.on_gpu(scale) else None
 
     def get_scaled_loss(self, loss):
         """``loss * scale`` in ``loss``'s own dtype (Keras 2); a callable loss gives a callable."""
@@ -320,12 +318,12 @@ class LossScaleOptimizer:
         """
         self._caller_unscales = True
         reciprocal = 1.0 / float(self.loss_scale)
-        return [None if g is None else map_values(lambda a: a * self._scale_as(a, reciprocal), g) for g in grads]
+        return [None if g is None else _map_values(lambda a: a * self._scale_as(a, reciprocal), g) for g in grads]
 
     def _scale_as(self, x, factor=None):
         factor = float(self.loss_scale) if factor is None else factor
         dtype = getattr(x, "dtype", None)
-        return factor if dtype is None else np.asarray(factor, dtype=dtype)[()]
+        return factor if dtype is None else _np.asarray(factor, dtype=dtype)[()]
 
     # -- the step --
     def apply(self, grads, trainable_variables=None):
@@ -420,8 +418,8 @@ class LossScaleOptimizer:
     def _skipped(self) -> int:
         """A dynamic step whose gradients were not all finite, decided on the host: nothing applied, the scale
         halved and the count of good steps restarted (Keras); returns ``iterations``, unchanged."""
-        self.step_counter.assign(np.int64(0))
-        self.dynamic_scale.assign(self.dynamic_scale.numpy() * np.float32(0.5))
+        self.step_counter.assign(_np.int64(0))
+        self.dynamic_scale.assign(self.dynamic_scale.numpy() * _np.float32(0.5))
         return int(self.iterations.numpy())
 
     def _counted_finite(self) -> None:
@@ -429,10 +427,10 @@ class LossScaleOptimizer:
         ``dynamic_growth_steps`` steps in a row were (Keras)."""
         if self.dynamic:
             if int(self.step_counter.numpy()) == self.dynamic_growth_steps - 1:
-                self.step_counter.assign(np.int64(0))
-                self.dynamic_scale.assign(self.dynamic_scale.numpy() * np.float32(2.0))
+                self.step_counter.assign(_np.int64(0))
+                self.dynamic_scale.assign(self.dynamic_scale.numpy() * _np.float32(2.0))
             else:
-                self.step_counter.assign_add(np.int64(1))
+                self.step_counter.assign_add(_np.int64(1))
 
     def _central_plan(self, grads_and_vars: list, aggregate: bool):
         """For a replica's step under CentralStorageStrategy, packed (:meth:`_central_replica_step`): the
@@ -467,7 +465,7 @@ class LossScaleOptimizer:
 
         ctx = distribute_lib.get_replica_context()
         given = plan.given_dtypes(grads)
-        if given is not None and any(np.result_type(g, np.float32) != dtype for g, dtype in zip(given, plan.groups)):
+        if given is not None and any(_np.result_type(g, _np.float32) != dtype for g, dtype in zip(given, plan.groups)):
             given = None  # (the quotient by the float32 scale would not have the variables' dtype)
         packed = None if given is None else plan.pack(ctx._local_replica_id, grads, given)
         return ctx.merge_call(lambda strategy, merged: self._central_merged_step(strategy, plan, merged, variables,
@@ -494,7 +492,7 @@ class LossScaleOptimizer:
             return self._apply_on_device(plan, None, reduced)
         if self.dynamic and not self._agreed_finite(strategy, [(b, None) for b in reduced], devices):
             return self._skipped()
-        scale = np.float32(self.dynamic_scale.numpy())
+        scale = _np.float32(self.dynamic_scale.numpy())
         step = inner._advance(plan)
         plan.apply(0, None, step, packed=[b / scale for b in reduced])  # (float16 sums become float32, as Keras')
         self._counted_finite()
@@ -515,9 +513,9 @@ class LossScaleOptimizer:
         inner = self.inner_optimizer
         if (self._caller_unscales or len(reduced) != len(grads) or not isinstance(inner, base.Optimizer)
                 or inner.use_ema or inner.gradient_accumulation_steps or inner.loss_scale_factor is not None
-                or any(type(_components(g)[0]) is IndexedSlices for g in grads)):  # (densified on the host path)
+                or any(type(_components(g)[0]) is _IndexedSlices for g in grads)):  # (densified on the host path)
             return None
-        if any(np.result_type(_components(g)[0].dtype, np.float32) != np.dtype(v.dtype)
+        if any(_np.result_type(_components(g)[0].dtype, _np.float32) != _np.dtype(v.dtype)
                for g, v in zip(grads, variables)):
             return None
         kernel = base._gpu_kernel()
@@ -556,12 +554,12 @@ class LossScaleOptimizer:
 
     def _nonfinite_flag(self, device) -> int:
         """The device's check flag (made once, zero: each step's last kernel clears it again)."""
-        ordinal = device_util.physical_ordinal(device)
+        ordinal = _device_util.physical_ordinal(device)
         flag = self._nonfinite.get(ordinal)
         if flag is None:
-            cupy = gpu.cupy_module()
+            cupy = _gpu.cupy_module()
             with cupy.cuda.Device(ordinal):
-                flag = self._nonfinite[ordinal] = cupy.zeros((), np.int32)
+                flag = self._nonfinite[ordinal] = cupy.zeros((), _np.int32)
                 # Zeroed on this stream, read on the step's: once, the host waits for the zeros.
                 cupy.cuda.get_current_stream().synchronize()
         return flag.data.ptr
@@ -576,7 +574,7 @@ class LossScaleOptimizer:
         finite = all(_is_finite(a, device) for a, device in arrays)
         if strategy.extended._num_workers == 1:
             return finite
-        flags = PerReplica([np.full((), finite, np.float32) for _ in devices], devices)
+        flags = PerReplica([_np.full((), finite, _np.float32) for _ in devices], devices)
         return bool(strategy.reduce(ReduceOp.MIN, flags, axis=None))
 
     def _unscaled(self, grad, scale=None):
@@ -584,16 +582,16 @@ class LossScaleOptimizer:
         ``scale``: the scale already read (else ``dynamic_scale``'s value)."""
         from ..distribute.values import DistributedValues
 
-        scale = np.float32(self.dynamic_scale.numpy() if scale is None else scale)
+        scale = _np.float32(self.dynamic_scale.numpy() if scale is None else scale)
         if not isinstance(grad, DistributedValues):
-            return map_values(lambda a: a / scale, grad)
+            return _map_values(lambda a: a / scale, grad)
         devices = grad._devices_or((None,) * len(grad.values))
         parts = []
         for component, device in zip(grad.values, devices):
             # On the component's own device (CuPy), and on the stream the update then reads it on: the
             # device's merge stream (else the update can read the quotient's memory before it is written).
-            with device_util.cross_replica_gpu_scope(device) if device else contextlib.nullcontext():
-                parts.append(map_values(lambda a: a / scale, component))
+            with _device_util.cross_replica_gpu_scope(device) if device else _contextlib.nullcontext():
+                parts.append(_map_values(lambda a: a / scale, component))
         return type(grad)(parts, grad._devices)
 
     def __repr__(self) -> str:

@@ -1,45 +1,53 @@
 """Keras 3's optimizers for distributed NumPy/CuPy training: ``SGD``, ``Adam``, ``AdamW``, ``RMSprop``,
-``Adagrad`` and ``Nadam``, with Keras' arguments (``weight_decay``, ``clipnorm``, ``clipvalue``,
+``Adagrad``, ``Nadam``, ``Adamax``, ``Adadelta``, ``Lion`` and ``Ftrl``, with Keras' arguments (``weight_decay``, ``clipnorm``, ``clipvalue``,
 ``global_clipnorm``), ``build(var_list)`` and results.
 
 ``apply_gradients`` clips, sums the gradients across replicas in one fused all-reduce and
 updates every variable and slot of a device in one fused, in-place update (:mod:`.base`).
 The update rules are Keras' element-wise sequences (:mod:`.rules`); a learning rate is a
-number or a callable of the step (``iterations`` before the update, from 0), e.g.
-``lambda step: 0.1 * 0.5 ** (step // 100)``.
+number, a schedule of :mod:`.schedules` (Keras' ``keras.optimizers.schedules``) or a callable of the
+step (``iterations`` before the update, from 0), e.g. ``lambda step: 0.1 * 0.5 ** (step // 100)``.
+
+The namespace holds Keras' names and two documented extras: ``rules`` (the update rules, the fused kernels'
+reference) and ``sgd_update`` / ``adam_update`` (one step on copies of arrays).
 """
 
-from __future__ import annotations
+import numpy as _np
 
-import numpy as np
-
-from . import rules
+from . import rules, schedules
 from .base import Optimizer
-from .keras import SGD, Adagrad, Adam, AdamW, Nadam, RMSprop
+from .keras import SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, Ftrl, Lion, Nadam, RMSprop
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "sgd_update", "adam_update"]
+# The modules behind the names above are no part of the namespace (`from .base import ...` still works).
+del base, keras, step_window  # noqa: F821  (bound by the imports above)
+
+__all__ = [  # Keras' keras.optimizers names (LossScaleOptimizer: set by md.train), then ours
+    "schedules", "Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "Adamax", "Adadelta", "Lion",
+    "Ftrl", "LossScaleOptimizer",
+    "rules", "sgd_update", "adam_update",
+]
 
 
 def sgd_update(w, g, velocity, lr: float, momentum: float, nesterov: bool):
     """One Keras SGD step on copies of the arrays: ``(new w, new velocity)``; ``velocity`` is None without
     momentum. The arithmetic is in ``w``'s dtype, in Keras' order."""
-    t = np.asarray(w).dtype.type
-    w = np.array(w, copy=True)
+    t = _np.asarray(w).dtype.type
+    w = _np.array(w, copy=True)
     if velocity is None:
-        rules.sgd(w, np.asarray(g, w.dtype), (), (t(lr),))
+        rules.sgd(w, _np.asarray(g, w.dtype), (), (t(lr),))
         return w, None
-    velocity = np.array(velocity, dtype=w.dtype, copy=True)
+    velocity = _np.array(velocity, dtype=w.dtype, copy=True)
     rule = rules.sgd_nesterov if nesterov else rules.sgd_momentum
-    rule(w, np.asarray(g, w.dtype), (velocity,), (t(lr), t(momentum)))
+    rule(w, _np.asarray(g, w.dtype), (velocity,), (t(lr), t(momentum)))
     return w, velocity
 
 
 def adam_update(w, g, m, v, lr: float, beta_1: float, beta_2: float, epsilon: float, t: int):
     """One Keras Adam step at step ``t`` (from 1) on copies of the arrays: ``(new w, new m, new v)``."""
-    w = np.array(w, copy=True)
-    m, v = np.array(m, dtype=w.dtype, copy=True), np.array(v, dtype=w.dtype, copy=True)
+    w = _np.array(w, copy=True)
+    m, v = _np.array(m, dtype=w.dtype, copy=True), _np.array(v, dtype=w.dtype, copy=True)
     opt = Adam.__new__(Adam)
     opt.beta_1, opt.beta_2, opt.epsilon = beta_1, beta_2, epsilon
     scalar = w.dtype.type
-    rules.adam(w, np.asarray(g, w.dtype), (m, v), opt._coefficients(scalar, scalar(lr), t - 1))
+    rules.adam(w, _np.asarray(g, w.dtype), (m, v), opt._coefficients(scalar, scalar(lr), t - 1))
     return w, m, v

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .rules import ADAGRAD, ADAM, ADAM_AMSGRAD, NADAM, RMSPROP, SGD as PLAIN_SGD, SGD_MOMENTUM, SGD_NESTEROV
+from .rules import (ADADELTA, ADAGRAD, ADAM, ADAM_AMSGRAD, ADAMAX, FTRL, LION, NADAM, RMSPROP, SGD as PLAIN_SGD,
+                    SGD_MOMENTUM, SGD_NESTEROV)
 from .base import Optimizer, check_rate
 from .step_window import MAX_ROWS
 
-__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam"]
+__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "Adamax", "Adadelta", "Lion", "Ftrl"]
 
 
 def _pow(base, exponent):
@@ -216,3 +217,98 @@ class Nadam(Optimizer):
         beta_2_power = _pow(beta_2, t(step + 1))
         return (lr, t(self.epsilon), t(1) - beta_1, t(1) - beta_2, u_t_1, t(1) - u_product_t_1, t(1) - u_t,
                 t(1) - u_product_t, t(1) - beta_2_power)
+
+
+class Adamax(Optimizer):
+    """Adam with the infinity norm (Kingma & Ba, 2014, section 7), as ``keras.optimizers.Adamax``: slots
+    ``momentum`` and ``norm`` (the decayed largest |gradient|)."""
+
+    _coefficients_use_step = True  # the bias correction 1 - beta_1^t
+    _slot_specs = (("momentum", 0.0), ("norm", 0.0))
+    _rule = ADAMAX
+
+    def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
+                 weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
+                 gradient_aggregation="sum", **kwargs):
+        super().__init__(learning_rate, name or "adamax", gradient_aggregation, weight_decay=weight_decay,
+                         clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
+        self.beta_1 = check_rate(beta_1, "beta_1", low=0.0, high=1.0)
+        self.beta_2 = check_rate(beta_2, "beta_2", low=0.0, high=1.0, high_inclusive=True)
+        self.epsilon = check_rate(epsilon, "epsilon")
+
+    def _coefficients(self, t, lr, step):
+        beta_1_power = _pow(_cast(t, self.beta_1), t(step + 1))
+        return t(1 - self.beta_1), t(self.beta_2), lr, t(1) - beta_1_power, t(self.epsilon)
+
+
+class Adadelta(Optimizer):
+    """Adadelta (Zeiler, 2012), as ``keras.optimizers.Adadelta``: slots ``accumulated_grad`` and
+    ``accumulated_delta_var``; Keras' default ``learning_rate`` is 0.001 (the paper's 1.0 is ``learning_rate=1.0``)."""
+
+    _slot_specs = (("accumulated_grad", 0.0), ("accumulated_delta_var", 0.0))
+    _rule = ADADELTA
+
+    def __init__(self, learning_rate=0.001, rho: float = 0.95, epsilon: float = 1e-7, weight_decay=None,
+                 clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
+                 gradient_aggregation="sum", **kwargs):
+        super().__init__(learning_rate, name or "adadelta", gradient_aggregation, weight_decay=weight_decay,
+                         clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
+        self.rho = check_rate(rho, "rho", low=0.0, high=1.0, high_inclusive=True)
+        self.epsilon = check_rate(epsilon, "epsilon")
+
+    def _coefficients(self, t, lr, step):
+        return lr, t(self.rho), t(1 - self.rho), t(self.epsilon)
+
+
+class Lion(Optimizer):
+    """Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms"), as ``keras.optimizers.Lion``:
+    the sign of an interpolated momentum; slot ``momentum``."""
+
+    _slot_specs = (("momentum", 0.0),)
+    _rule = LION
+
+    def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.99, weight_decay=None,
+                 clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
+                 gradient_aggregation="sum", **kwargs):
+        super().__init__(learning_rate, name or "lion", gradient_aggregation, weight_decay=weight_decay,
+                         clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
+        if isinstance(beta_1, (int, float)) and not isinstance(beta_1, bool) and (beta_1 <= 0 or beta_1 > 1):
+            raise ValueError("Argument `beta_1` must be in the [0, 1] range. Otherwise, the optimizer degenerates "
+                             f"to SignSGD. Received: beta_1={beta_1}.")
+        self.beta_1 = check_rate(beta_1, "beta_1", low=0.0, high=1.0, high_inclusive=True)
+        self.beta_2 = check_rate(beta_2, "beta_2", low=0.0, high=1.0, high_inclusive=True)
+
+    def _coefficients(self, t, lr, step):
+        beta_1, beta_2 = _cast(t, self.beta_1), _cast(t, self.beta_2)
+        return lr, beta_1, t(1.0) - beta_1, beta_2, t(1.0) - beta_2
+
+
+class Ftrl(Optimizer):
+    """FTRL-Proximal (McMahan et al., 2013), as ``keras.optimizers.Ftrl``: slots ``accumulator`` (starting at
+    ``initial_accumulator_value``) and ``linear``; L1, L2 and L2-shrinkage regularization and ``beta``."""
+
+    _rule = FTRL
+
+    def __init__(self, learning_rate=0.001, learning_rate_power: float = -0.5,
+                 initial_accumulator_value: float = 0.1, l1_regularization_strength: float = 0.0,
+                 l2_regularization_strength: float = 0.0, l2_shrinkage_regularization_strength: float = 0.0,
+                 beta: float = 0.0, weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None,
+                 name: str | None = None, gradient_aggregation="sum", **kwargs):
+        super().__init__(learning_rate, name or "ftrl", gradient_aggregation, weight_decay=weight_decay,
+                         clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
+        self.learning_rate_power = check_rate(learning_rate_power, "learning_rate_power", low=-float("inf"),
+                                              high=0.0, high_inclusive=True)
+        self.initial_accumulator_value = check_rate(initial_accumulator_value, "initial_accumulator_value")
+        self.l1_regularization_strength = check_rate(l1_regularization_strength, "l1_regularization_strength")
+        self.l2_regularization_strength = check_rate(l2_regularization_strength, "l2_regularization_strength")
+        self.l2_shrinkage_regularization_strength = check_rate(l2_shrinkage_regularization_strength,
+                                                               "l2_shrinkage_regularization_strength")
+        self.beta = check_rate(beta, "beta")
+        self._slot_specs = (("accumulator", self.initial_accumulator_value), ("linear", 0.0))
+
+    def _coefficients(self, t, lr, step):
+        # Keras: l2_reg + beta / (2.0 * lr) with lr a tensor, in the variable's dtype; the other products are of
+        # Python floats, cast once.
+        l2_reg = t(self.l2_regularization_strength) + t(self.beta) / (t(2.0) * lr)
+        return (lr, t(-self.learning_rate_power), t(2 * self.l2_shrinkage_regularization_strength), t(2) * l2_reg,
+                t(self.l1_regularization_strength))

@@ -14,6 +14,7 @@ bfloat16, GPU arrays without the CUDA kernel).
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import NamedTuple
 
@@ -23,12 +24,14 @@ import numpy as np
 # (momentum, centered) are read from its coefficients, by the kernel as by rmsprop() below.
 # EMA is Keras' moving average of the variables (use_ema): its "weight" is the average and
 # its "gradient" the variable.
-SGD, SGD_MOMENTUM, SGD_NESTEROV, ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD, EMA = range(9)
+(SGD, SGD_MOMENTUM, SGD_NESTEROV, ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD, EMA, ADAMAX, ADADELTA, LION,
+ FTRL) = range(13)
 
 # The positions of the coefficients a rule branches on in Python (RMSprop's momentum and
-# centered): a captured step (md.function) keeps them as host values, fixed at capture,
-# and reads every other coefficient from device memory, refreshed before each replay.
-HOST_COEFFICIENTS = {RMSPROP: (4, 5)}
+# centered, Ftrl's power: 0.5 is a square root): a captured step (md.function) keeps them as
+# host values, fixed at capture, and reads every other coefficient from device memory,
+# refreshed before each replay.
+HOST_COEFFICIENTS = {RMSPROP: (4, 5), FTRL: (1,)}
 
 
 class SquaredGradient(NamedTuple):
@@ -41,7 +44,7 @@ class SquaredGradient(NamedTuple):
 
 
 # The rules that square the gradient (the others take a SquaredGradient's plain ``grad``).
-SQUARING = frozenset((ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD))
+SQUARING = frozenset((ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD, ADADELTA, FTRL))
 
 
 def _split(g) -> tuple:
@@ -182,7 +185,87 @@ def nadam(w, g, slots, c) -> None:
     w -= m_hat
 
 
-RULES = (sgd, sgd_momentum, sgd_nesterov, adam, rmsprop, adagrad, nadam, adam_amsgrad, ema)
+def adamax(w, g, slots, c) -> None:
+    """``m += (g - m) * (1 - beta_1)``, ``u = maximum(beta_2 * u, |g|)`` (a NaN propagates, as tf.maximum),
+    ``w -= (lr * m) / ((1 - beta_1^t) * (u + epsilon))``."""
+    one_minus_beta_1, beta_2, lr, one_minus_beta_1_power, epsilon = c
+    m, u = slots
+    t = g - m
+    t *= one_minus_beta_1
+    m += t
+    xp = array_module(u)
+    u *= beta_2
+    xp.maximum(u, xp.abs(g), out=u)
+    t = m * lr
+    d = u + epsilon
+    d *= one_minus_beta_1_power
+    t /= d
+    w -= t
+
+
+def adadelta(w, g, slots, c) -> None:
+    """``accumulated_grad = rho * accumulated_grad + (1 - rho) * g*g``, the step
+    ``delta = -(sqrt(accumulated_delta_var + epsilon) * g) / sqrt(accumulated_grad + epsilon)``,
+    ``accumulated_delta_var = rho * accumulated_delta_var + (1 - rho) * delta*delta``, ``w += lr * delta``."""
+    lr, rho, one_minus_rho, epsilon = c
+    accumulated_grad, accumulated_delta = slots
+    g, squares = _split(g)
+    accumulated_grad *= rho
+    squares *= one_minus_rho
+    accumulated_grad += squares
+    delta = _sqrt(accumulated_delta + epsilon)
+    delta *= g
+    delta /= _sqrt(accumulated_grad + epsilon)
+    delta = -delta
+    accumulated_delta *= rho
+    t = delta * delta
+    t *= one_minus_rho
+    accumulated_delta += t
+    delta *= lr
+    w += delta
+
+
+def lion(w, g, slots, c) -> None:
+    """``w -= lr * sign(m * beta_1 + g * (1 - beta_1))``, then ``m = m * beta_2 + g * (1 - beta_2)``."""
+    lr, beta_1, one_minus_beta_1, beta_2, one_minus_beta_2 = c
+    (m,) = slots
+    t = m * beta_1
+    t += g * one_minus_beta_1
+    t = array_module(t).sign(t)
+    t *= lr
+    w -= t
+    m *= beta_2
+    m += g * one_minus_beta_2
+
+
+def ftrl(w, g, slots, c) -> None:
+    """Keras' FTRL-Proximal: ``power = -learning_rate_power``, ``n' = n + g*g``,
+    ``linear += (g + 2*l2_shrinkage * w) - ((n'^power - n^power) / lr) * w``,
+    ``w = (clip(linear, -l1, l1) - linear) / (n'^power / lr + 2 * l2_reg)``, ``n = n'``."""
+    lr, power, two_l2_shrinkage, two_l2_reg, l1 = c
+    accumulator, linear = slots
+    g, squares = _split(g)
+    xp = array_module(w)
+    new_accumulator = accumulator + squares
+    new_power = _power(new_accumulator, power)
+    t = new_power - _power(accumulator, power)
+    t /= lr
+    t *= w
+    grad_to_use = w * two_l2_shrinkage
+    grad_to_use += g
+    grad_to_use -= t
+    linear += grad_to_use
+    quadratic = new_power / lr
+    quadratic += two_l2_reg
+    clipped = xp.maximum(xp.minimum(linear, l1), -l1)  # (tf.clip_by_value's order)
+    clipped = clipped - linear
+    clipped /= quadratic
+    w[...] = clipped
+    accumulator[...] = new_accumulator
+
+
+RULES = (sgd, sgd_momentum, sgd_nesterov, adam, rmsprop, adagrad, nadam, adam_amsgrad, ema, adamax, adadelta, lion,
+         ftrl)
 
 
 def apply(rule: int, w, g, slots, c) -> None:
@@ -194,6 +277,24 @@ def array_module(x):
     if isinstance(x, (np.ndarray, np.generic)):
         return np
     return sys.modules[type(x).__module__.partition(".")[0]]
+
+
+def _power(x, p):
+    """``x ** p`` in x's dtype, computed in float64 and rounded once (the kernels' ``power``): float32 ``pow``
+    differs by an ulp between libm, NumPy's SIMD loops and CUDA, float64's rounded to float32 does not. A
+    float64 NumPy array takes libm's ``pow`` element by element (``math.pow``), the host kernel's, where
+    NumPy's SIMD loop may differ by an ulp (the host kernel takes float64 arrays: this is the reference)."""
+    xp = array_module(x)
+    if p == 0.5:  # (Keras' default; the same value, for x >= 0, and the kernels' instruction)
+        return _sqrt(x)
+    if x.dtype == xp.float64:
+        if xp is np:
+            return np.asarray(_libm_pow(x, float(p)), dtype=np.float64)
+        return xp.power(x, p)
+    return xp.power(x.astype(xp.float64), xp.float64(p)).astype(x.dtype)
+
+
+_libm_pow = np.frompyfunc(math.pow, 2, 1)
 
 
 def _sqrt(x):
