@@ -41,7 +41,9 @@ new buffer first (copy-on-write, as TensorFlow's runtime does). docs/training.md
 
 from __future__ import annotations
 
+import collections
 import copy
+import itertools
 import math
 import numbers
 import operator
@@ -467,7 +469,7 @@ class Optimizer:
             packed = plan.pack(ctx._local_replica_id, grads)
         # options stay out of the merged arguments: each replica may pass its own (equal)
         # options object, which merge_call would turn into a PerReplica.
-        plan, reduced, step, update = ctx.merge_call(
+        plan, reduced, step, update, packed_reduced = ctx.merge_call(
             lambda strategy, merged: self._merged_replica_step(strategy, merged, variables, options, aggregate),
             args=(_ReplicaGrads(grads, packed),))
         if update is None:  # applied in the merge
@@ -481,7 +483,7 @@ class Optimizer:
             plan.apply(ctx._local_replica_id, None, step, summands=reduced.grads)
             # Every replica has read the others' gradients before any returns to code that may write them.
             ctx._group.exchange(ctx._local_replica_id, "apply_gradients", None, _release)
-        elif packed is not None:
+        elif packed is not None or packed_reduced:
             plan.apply(ctx._local_replica_id, None, step, packed=reduced)
         else:
             plan.apply(ctx._local_replica_id, reduced, step)
@@ -620,11 +622,14 @@ class Optimizer:
     def _merged_replica_step(self, strategy, merged, variables, options, aggregate):
         """Once per step in replica context (inside merge_call): the fused all-reduce and the bookkeeping.
 
-        Returns ``(plan, reduced, step, update)``: ``reduced`` (None without an all-reduce)
+        Returns ``(plan, reduced, step, update, packed_reduced)``: ``reduced`` (None without an all-reduce)
         holds one list of reduced gradients per local replica, and merge_call hands
-        each replica its own. With ``gradient_accumulation_steps``, ``update`` is False on
+        each replica its own; ``packed_reduced``: those lists are fusion buffers, one per dtype, that no
+        replica packed itself. With ``gradient_accumulation_steps``, ``update`` is False on
         the steps that only accumulate (nothing is reduced); on the others each replica's
-        gradients are its accumulated average, clipped, then reduced (Keras' order).
+        gradients are its accumulated average, clipped, then reduced (Keras' order). Without clipping,
+        a packable plan takes that average packed (:meth:`_Plan.accumulated_packed`): a constant number of
+        kernels per replica and one all-reduce per dtype, whatever the number of variables.
         """
         devices = strategy.extended.worker_devices
         holders = merged.values if isinstance(merged, DistributedValues) else (merged,) * len(devices)
@@ -632,17 +637,23 @@ class Optimizer:
         step = self._advance(plan)
         if plan.central:
             self._central_step(strategy, plan, holders, variables, step, options, aggregate)
-            return plan, None, step, None
-        reduced = None
+            return plan, None, step, None, False
+        reduced, packed_reduced = None, False
         if self.gradient_accumulation_steps:
             if not self._is_update_step(step):
-                return plan, None, step, False
-            holders = [_ReplicaGrads(plan.accumulated_and_clipped(d, h.grads), None) for d, h in enumerate(holders)]
-            reduced = PerReplica([h.grads for h in holders], devices)  # without an all-reduce: its own average
+                return plan, None, step, False, False
+            if plan.packable and not self._clips():
+                holders = [_ReplicaGrads(None, plan.accumulated_packed(d, plan.pack_on_device(d, h.grads)))
+                           for d, h in enumerate(holders)]
+                reduced, packed_reduced = PerReplica([h.packed for h in holders], devices), True
+            else:
+                holders = [_ReplicaGrads(plan.accumulated_and_clipped(d, h.grads), None)
+                           for d, h in enumerate(holders)]
+                reduced = PerReplica([h.grads for h in holders], devices)  # without an all-reduce: its own average
         if aggregate and strategy.num_replicas_in_sync > 1:
             if plan.sums_replicas and reduced is None:
                 # Every replica's gradients are final (all have arrived): each update sums them itself.
-                return plan, _Summands(tuple(plan.host_grads(h.grads) for h in holders)), step, True
+                return plan, _Summands(tuple(plan.host_grads(h.grads) for h in holders)), step, True, False
             if all(h.packed is not None for h in holders):
                 # One packed gradient per replica and dtype, reduced onto every replica's device.
                 columns = [PerReplica([h.packed[j] for h in holders], devices) for j in range(len(plan.groups))]
@@ -652,7 +663,8 @@ class Optimizer:
                 destinations = variables
             results = self._all_reduce(strategy, columns, destinations, options)
             reduced = PerReplica([[_component(g, r) for g in results] for r in range(len(holders))], devices)
-        return plan, reduced, step, True
+            packed_reduced = packed_reduced or destinations is not variables
+        return plan, reduced, step, True, packed_reduced
 
     def _central_step(self, strategy, plan, holders: list, variables, step: int, options, aggregate) -> None:
         """The step of variables kept once for all replicas (CentralStorageStrategy), in the merge: every replica's
@@ -679,9 +691,16 @@ class Optimizer:
             if not self._is_update_step(step):  # (packed: one fused accumulate per dtype)
                 plan.apply(0, grads, step, packed=packed, update=False)
                 return
-            grads = plan.accumulated_and_clipped(0, grads if packed is None else plan.unpacked(packed))
-            packed = None
+            if packed is not None and not self._clips():  # (the average packed: a few kernels per dtype)
+                packed = plan.accumulated_packed(0, packed)
+            else:
+                grads = plan.accumulated_and_clipped(0, grads if packed is None else plan.unpacked(packed))
+                packed = None
         plan.apply(0, grads, step, packed=packed)
+
+    def _clips(self) -> bool:
+        """Whether gradients are clipped (``clipnorm``, ``global_clipnorm`` or ``clipvalue``)."""
+        return self.clipnorm is not None or self.global_clipnorm is not None or self.clipvalue is not None
 
     def _is_update_step(self, step: int) -> bool:
         """With gradient accumulation, whether ``step`` applies the accumulated gradients (Keras:
@@ -880,6 +899,10 @@ class _Plan:
         # per device: the tables of its gradient accumulators (_accumulate_packed), and when they were made
         self.accumulator_tables = [None] * self.num_devices
         self.accumulator_tables_made_at = [None] * self.num_devices
+        # per device: the native copies of its accumulators into its fusion buffers and of zeros into them
+        # (accumulated_packed, _reset_accumulators), the sources they read, and when they were made
+        self.accumulator_packs = [None] * self.num_devices
+        self.accumulator_packs_made_at = [None] * self.num_devices
         # per pack slot: (staged dtypes, the GradientPack of its eager steps)
         self.gpu_packs = [None] * len(self.pack_devices)
         self.staging = {}  # (pack slot, id(fusion buffer), dtype) -> a buffer the pack fills with gradients of dtype
@@ -889,6 +912,7 @@ class _Plan:
         self.sparse_named = {}  # device -> the views and indices its last sparse_targets wrote (clear_sparse)
         weakref.finalize(self, _retire_tables, self.gpu_tables)
         weakref.finalize(self, _retire_tables, self.accumulator_tables)
+        weakref.finalize(self, _retire_tables, self.accumulator_packs)
         weakref.finalize(self, _retire_tables, self.gpu_packs)
         self.tables_made_at = [None] * self.num_devices  # values.buffers_replaced when they were made
         self.rule = optimizer._rule
@@ -1134,8 +1158,17 @@ class _Plan:
     def _accumulate(self, device: int, grads, packed=None) -> None:
         """A step that only accumulates: ``accumulator += g``, each replica its own gradients (as Keras does
         under a strategy: the accumulators are summed across replicas only when applied). ``packed`` (in place
-        of ``grads``: one reduced fusion buffer per dtype, variables kept once): one fused call per dtype."""
+        of ``grads``: one reduced fusion buffer per dtype, variables kept once): one fused call per dtype.
+        A packable plan's ``grads`` take the same fused call: on host the kernel reads them where they are, on a
+        GPU they are packed first (one launch)."""
         self._writable(device)
+        if packed is None and self.packable:
+            if self.host[device]:
+                grads = self.host_grads(grads)
+                packed = [grads] if len(self.groups) == 1 else [[grads[k] for k in indices]
+                                                                 for indices in self.groups.values()]
+            else:
+                packed = self.pack(self.own_pack[device], list(map(_plain, grads)))
         if packed is not None:
             self._accumulate_packed(device, packed)
             return
@@ -1161,6 +1194,53 @@ class _Plan:
         for table, buffer, dtype in zip(self.accumulator_tables[device], packed, self.groups):
             table.apply(SGD, _gpu_grad(buffer, dtype, table.total_count).data.ptr, [-1.0], 0.0, 0.0, stream)
 
+    def pack_on_device(self, device: int, grads: list) -> list:
+        """A replica's gradients packed into local device ``device``'s fusion buffers, on its merge stream."""
+        with device_util.cross_replica_gpu_scope(self.copies[device][0].device):
+            return self.pack(self.own_pack[device], list(map(_plain, grads)))
+
+    def accumulated_packed(self, device: int, packed: list) -> list:
+        """Keras' gradients of an update step under gradient accumulation, ``(g + accumulator) / steps``, for the
+        packed ``g`` (one buffer per dtype in the fusion layout, of the variables' dtypes): the fused accumulate
+        adds ``g`` to the accumulators (``accumulator + g``: the bits of ``g + accumulator``), their sums are
+        copied back into packed buffers and divided there, one operation per dtype (on a GPU: one launch of the
+        native multi-tensor copy into the device's fusion buffers, then the divisions). Returns those buffers
+        (on host ``packed`` itself, overwritten). The accumulators are zeroed after the update
+        (:meth:`_reset_accumulators`)."""
+        with device_util.cross_replica_gpu_scope(self.copies[device][0].device):
+            self._writable(device)
+            self._accumulate_packed(device, packed)
+            steps = self.optimizer.gradient_accumulation_steps
+            if self.host[device]:
+                accumulators = list(map(_VALUE, self.accumulators[device]))
+                for buffer, indices in zip(packed, self.groups.values()):
+                    np.concatenate([accumulators[k] for k in indices], axis=None, out=buffer)
+                out = packed
+            else:
+                copy_back, sources, _ = self._accumulator_packs(device)
+                copy_back.copy(sources, array_module(packed[0]).cuda.get_current_stream().ptr)
+                out = self.fusion_buffers[self.own_pack[device]]
+            for buffer in out:
+                buffer /= buffer.dtype.type(steps)
+        return out
+
+    def _accumulator_packs(self, device: int) -> tuple:
+        """Device ``device``'s native copies of its accumulators: ``(copy into its fusion buffers, the
+        accumulators' pointers, copy of zeros into them)``, made once (again only after a copy-on-write). The
+        zeros' copy reads one buffer of zeros as large as the largest accumulator, for every one of them."""
+        if self.accumulator_packs_made_at[device] != values.buffers_replaced:
+            accumulators = [self.accumulators[device][k]._value for indices in self.groups.values() for k in indices]
+            ordinal = device_util.physical_ordinal(self.copies[device][0].device)
+            copy_back = self._make_pack(self.own_pack[device], ordinal, (None,) * len(self.groups))
+            nbytes = [a.nbytes for a in accumulators]
+            zeros = device_util.place(np.zeros(max(nbytes, default=0), np.uint8), self.copies[device][0].device)
+            zeroing = _gpu_kernel().GradientPack(ordinal, [a.data.ptr for a in accumulators], nbytes)
+            # (the zeros stay referenced by the sources' tuple: the copy reads them on every step)
+            self.accumulator_packs[device] = (copy_back, [a.data.ptr for a in accumulators],
+                                              (zeroing, [zeros.data.ptr] * len(accumulators), zeros))
+            self.accumulator_packs_made_at[device] = values.buffers_replaced
+        return self.accumulator_packs[device]
+
     def unpacked(self, packed) -> list:
         """Per variable, a view of its part of ``packed`` (one buffer per dtype, the fusion layout)."""
         views = [None] * len(self.variables)
@@ -1173,9 +1253,20 @@ class _Plan:
         return views
 
     def _reset_accumulators(self, device: int) -> None:
-        if self.accumulators is not None:
+        """The accumulators zeroed after an update: a packable plan's with no Python per variable (on host
+        each filled from C, on a GPU one launch of the native copy of zeros into them)."""
+        if self.accumulators is None:
+            return
+        if not self.packable:
             for acc in self.accumulators[device]:
                 acc._writable_buffer().fill(0)
+            return
+        self._writable(device)
+        if self.host[device]:
+            collections.deque(map(np.ndarray.fill, map(_VALUE, self.accumulators[device]), itertools.repeat(0)), 0)
+            return
+        zeroing, zeros, _ = self._accumulator_packs(device)[2]
+        zeroing.copy(zeros, _gpu.cupy_module().cuda.get_current_stream().ptr)
 
     def _finish(self, device: int) -> None:
         """After the update (or the accumulation): the moving average, then the constraints (Keras' order)."""
