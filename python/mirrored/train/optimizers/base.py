@@ -526,10 +526,15 @@ class Optimizer:
             variables = [v for _, v in pairs]
         except (TypeError, ValueError):
             return self._check_pairs_one_by_one(pairs)
-        if any(g is None for g in grads):
+        # (C loops over the gradients, no Python per gradient: a None, or a shape not the variable's, takes the
+        # checks one by one, which skip the Nones and raise naming the pair)
+        if _NONE_TYPE in map(type, grads):
             return self._check_pairs_one_by_one(pairs)
         checked = self._checked.get(tuple(map(id, variables)))
-        if checked is None or [getattr(g, "shape", None) for g in grads] != checked[0]:
+        try:
+            if checked is None or list(map(_SHAPE, grads)) != checked[0]:
+                return self._check_pairs_one_by_one(pairs)
+        except AttributeError:  # (a gradient without a shape)
             return self._check_pairs_one_by_one(pairs)
         return grads, variables
 
@@ -906,6 +911,7 @@ class _Plan:
         # per pack slot: (staged dtypes, the GradientPack of its eager steps)
         self.gpu_packs = [None] * len(self.pack_devices)
         self.staging = {}  # (pack slot, id(fusion buffer), dtype) -> a buffer the pack fills with gradients of dtype
+        self.source_dtypes = {}  # staged dtypes (pack) -> per variable, the dtype its gradient is copied in
         # (device, dtype, "gradients" | "squares") -> a buffer of a sparse step (sparse_targets, _pack_squares)
         self.sparse_buffers = {}
         self.sparse_clean = {}  # device -> whether its host sparse buffers are all zeros (sparse_targets)
@@ -969,8 +975,21 @@ class _Plan:
         self.rows = (lower, rows)
 
     def host_grads(self, grads: list) -> list:
-        """``grads`` as the host kernel reads them: C-contiguous NumPy arrays of their variables' dtypes."""
+        """``grads`` as the host kernel reads them: C-contiguous NumPy arrays of their variables' dtypes (the
+        list itself where every one is already, checked by C loops: no Python per gradient)."""
+        if self.reads_as_they_are(grads, np.ndarray):
+            return grads
         return list(map(_host_grad, grads, self.dtypes))
+
+    def reads_as_they_are(self, grads: list, array_type) -> bool:
+        """Whether every gradient is what the kernels read: an ``array_type`` array (the exact type) of its
+        variable's dtype, C-contiguous. Checked by C loops over the list (map of C functions), so a step whose
+        gradients need nothing costs no Python per gradient; any other takes the per-gradient conversion."""
+        try:
+            return (all(map(operator.is_, map(type, grads), itertools.repeat(array_type)))
+                    and list(map(_DTYPE, grads)) == self.dtypes and all(map(_C_CONTIGUOUS, grads)))
+        except AttributeError:
+            return False
 
     def on_variables_device(self, arrays: list) -> list:
         """A replica's gradients, or its fusion buffers (one per dtype), on the variables' device for the update
@@ -985,7 +1004,8 @@ class _Plan:
         gradients differ in dtype or one is not dense."""
         if IndexedSlices in map(type, grads) or SquaredGradient in map(type, grads):
             return None
-        given = tuple(_one_dtype(_dtype_of(grads[k]) for k in indices) for indices in self.groups.values())
+        dtypes = _dtypes_of(grads)
+        given = tuple(_one_dtype([dtypes[k] for k in indices]) for indices in self.groups.values())
         return None if any(g is None for g in given) else given  # (not `None in`: a dtype == None is float64's)
 
     def pack(self, slot: int, grads: list, given: tuple | None = None) -> list:
@@ -1009,11 +1029,20 @@ class _Plan:
         # A group whose gradients all have another dtype (mixed precision: float16 gradients of float32
         # variables) is copied as such into a staging buffer and converted by one kernel over the whole
         # buffer, not one per gradient.
-        staged = given or tuple(_one_dtype(_dtype_of(grads[k]) for k in indices) for indices in self.groups.values())
+        dtypes = _dtypes_of(grads)
+        staged = given or tuple(_one_dtype([dtypes[k] for k in indices]) for indices in self.groups.values())
         staged = tuple(None if s == dtype else s for s, dtype in zip(staged, self.groups))
-        sources = [_packable(cupy, grads[k], staged_dtype or dtype, ordinal)
-                   for (dtype, indices), staged_dtype in zip(self.groups.items(), staged) for k in indices]
-        src = [g.data.ptr for g in sources]
+        if dtypes == self._source_dtypes(staged) and \
+                all(map(operator.is_, map(type, grads), itertools.repeat(cupy.ndarray))) and \
+                all(map(_C_CONTIGUOUS, grads)) and all(map(operator.eq, map(_DEVICE_ID, grads),
+                                                           itertools.repeat(ordinal))):
+            # (the common step: every gradient as the pack copies it, checked by C loops, no Python per gradient)
+            sources = grads if len(self.groups) == 1 else [grads[k] for indices in self.groups.values()
+                                                           for k in indices]
+        else:
+            sources = [_packable(cupy, grads[k], staged_dtype or dtype, ordinal)
+                       for (dtype, indices), staged_dtype in zip(self.groups.items(), staged) for k in indices]
+        src = list(map(_POINTER, sources))
         stream = cupy.cuda.get_current_stream().ptr
         scope = _gpu.step_scope()
         if scope is not None and scope.capturing:
@@ -1030,6 +1059,17 @@ class _Plan:
                 if staged_dtype is not None:
                     buffer[...] = self._staging(slot, buffer, staged_dtype)
         return buffers
+
+    def _source_dtypes(self, staged: tuple) -> list:
+        """Per variable, the dtype the pack copies its gradient in: its staged group's (``staged``), else its own."""
+        expected = self.source_dtypes.get(staged)
+        if expected is None:
+            expected = list(self.dtypes)
+            for indices, staged_dtype in zip(self.groups.values(), staged):
+                for k in indices:
+                    expected[k] = staged_dtype or expected[k]
+            self.source_dtypes[staged] = expected
+        return expected
 
     def in_variables_dtypes(self, device: int, packed: list) -> list:
         """Packed buffers in their variables' dtypes: one of another dtype (:meth:`pack`'s ``given``, reduced as
@@ -1168,7 +1208,7 @@ class _Plan:
                 packed = [grads] if len(self.groups) == 1 else [[grads[k] for k in indices]
                                                                  for indices in self.groups.values()]
             else:
-                packed = self.pack(self.own_pack[device], list(map(_plain, grads)))
+                packed = self.pack(self.own_pack[device], _plains(grads))
         if packed is not None:
             self._accumulate_packed(device, packed)
             return
@@ -1197,7 +1237,7 @@ class _Plan:
     def pack_on_device(self, device: int, grads: list) -> list:
         """A replica's gradients packed into local device ``device``'s fusion buffers, on its merge stream."""
         with device_util.cross_replica_gpu_scope(self.copies[device][0].device):
-            return self.pack(self.own_pack[device], list(map(_plain, grads)))
+            return self.pack(self.own_pack[device], _plains(grads))
 
     def accumulated_packed(self, device: int, packed: list) -> list:
         """Keras' gradients of an update step under gradient accumulation, ``(g + accumulator) / steps``, for the
@@ -1364,6 +1404,7 @@ class _Plan:
         weights = list(map(_VALUE, self.copies[device]))
         rest = {}
         whole = len(self.groups) == 1  # (one dtype: the lists as they are, no per-group copy)
+        ready = None if grads is None or not self.packable else self.host_grads(_plains(grads))
         for j, (dtype, indices) in enumerate(self.groups.items()):
             if dtype not in _KERNEL_DTYPES:
                 rest[dtype] = indices
@@ -1373,6 +1414,8 @@ class _Plan:
                 group_grads = packed[j]
             elif summands is not None:
                 group_grads = summands if whole else tuple([replica[k] for k in indices] for replica in summands)
+            elif ready is not None:
+                group_grads = ready if whole else [ready[k] for k in indices]
             else:
                 group_grads = [_host_grad(_plain(grads[k]), dtype) for k in indices]
             # (Squares only where IndexedSlices gave them: a dense step's call is as it always was.)
@@ -1395,7 +1438,7 @@ class _Plan:
             self.tables_made_at[device] = values.buffers_replaced
         squares = self._pack_squares(device, grads)
         if packed is None:
-            packed = self.pack(self.own_pack[device], list(map(_plain, grads)))
+            packed = self.pack(self.own_pack[device], _plains(grads))
         else:
             packed = self.in_variables_dtypes(device, packed)
         cupy = array_module(packed[0])
@@ -1433,7 +1476,7 @@ class _Plan:
             c._writable_buffer()  # the graph writes these buffers: md.function checks they stay
         squares = self._pack_squares(device, grads)
         if packed is None:
-            packed = self.pack(self.own_pack[device], list(map(_plain, grads)))
+            packed = self.pack(self.own_pack[device], _plains(grads))
         else:
             packed = self.in_variables_dtypes(device, packed)
         tables = self._make_tables(device)
@@ -1640,6 +1683,12 @@ def _gate_pointers(gate) -> tuple:
 
 
 _VALUE = operator.attrgetter("_value")
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
+_DEVICE_ID = operator.attrgetter("data.device_id")
+_POINTER = operator.attrgetter("data.ptr")
+_NONE_TYPE = type(None)
 _host_kernel = _fused_update
 
 
@@ -1753,6 +1802,11 @@ def _plain(g):
     return g.grad if type(g) is SquaredGradient else g
 
 
+def _plains(grads: list) -> list:
+    """:func:`_plain` of each gradient; the list itself when none is a SquaredGradient (a C loop finds out)."""
+    return list(map(_plain, grads)) if SquaredGradient in map(type, grads) else grads
+
+
 def _dense(g, var, squares: bool = False, target=None):
     """Gradient ``g`` as a dense array of its variable's shape and dtype: IndexedSlices scattered (repeated
     indices add up, in their order), on the device of their values; with ``squares``, a
@@ -1787,6 +1841,14 @@ def _densified(grads: list, variables: list, squares: bool = False) -> list:
 
 def _dtype_of(g):
     return g.dtype if hasattr(g, "dtype") else np.asarray(g).dtype
+
+
+def _dtypes_of(grads: list) -> list:
+    """Each gradient's dtype: a C loop where every one has a ``dtype``."""
+    try:
+        return list(map(_DTYPE, grads))
+    except AttributeError:
+        return list(map(_dtype_of, grads))
 
 
 def _clip_by_norm(g, clipnorm: float):
