@@ -251,3 +251,21 @@ def test_cpu_steps_python_events_do_not_grow_with_the_variables(replicas, accumu
     """The variables' and gradients' checks, the pack and the fused update of host replicas run C loops over the
     lists: the same Python call events for 200 variables as for 20."""
     assert _cpu_step_events(replicas, 20, accumulate) == _cpu_step_events(replicas, 200, accumulate)
+
+
+def test_steady_steps_still_check_each_gradient():
+    """After steps whose checks ran as C loops over the lists, a gradient of another shape, a None (skipped, as
+    TF skips it) or a list gradient of the right shape take the per-gradient checks: named, skipped, converted."""
+    strategy = md.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        a, b = md.Variable(np.zeros(3, np.float32), name="a"), md.Variable(np.zeros((2, 2), np.float32), name="b")
+        opt = md.optimizers.SGD(1.0)
+    for _ in range(3):
+        strategy.run(lambda: opt.apply_gradients([(np.ones(3, np.float32), a), (np.ones((2, 2), np.float32), b)]))
+    with pytest.raises(ValueError, match=r"grads_and_vars\[1\]: the gradient of variable 'b:0' has shape \(4,\)"):
+        strategy.run(lambda: opt.apply_gradients([(np.ones(3, np.float32), a), (np.ones(4, np.float32), b)]))
+    strategy.run(lambda: opt.apply_gradients([(None, a), (np.ones((2, 2), np.float32), b)]))
+    strategy.run(lambda: opt.apply_gradients([([1.0, 1.0, 1.0], a), (np.ones((2, 2), np.float64), b)]))
+    # (two replicas' ones summed, three steady steps, then a step for b alone, then one for both)
+    np.testing.assert_array_equal(a.numpy(), np.full(3, -8.0, np.float32))
+    np.testing.assert_array_equal(b.numpy(), np.full((2, 2), -10.0, np.float32))
