@@ -33,6 +33,10 @@ forward/backward pass plus the update, SGD with momentum 0.9 unless
   captured once and replayed as one CUDA graph per GPU (docs/function.md),
   and, when torch sees a GPU, PyTorch's eager step and its step captured
   in one CUDA graph (``torch.cuda.CUDAGraph``), SGD with momentum;
+* with ``--accumulate N``: the mirrored step again with
+  ``gradient_accumulation_steps=N`` (Keras' accumulation: N-1 steps in N only
+  add the gradients to the accumulators, the N-th applies their average), in
+  the same run;
 * with ``--numpy-allocator`` (CPU): the mirrored step again with NumPy's own
   allocator inside the replicas instead of the replica array pool
   (docs/replica_arrays.md), in the same run;
@@ -161,10 +165,11 @@ KERAS_OPTIMIZERS = {"adam": "Adam", "adamax": "Adamax", "adadelta": "Adadelta", 
                     "nadam": "Nadam", "rmsprop": "RMSprop", "adagrad": "Adagrad"}
 
 
-def make_optimizer(name: str):
+def make_optimizer(name: str, accumulate: int | None = None):
     if name in KERAS_OPTIMIZERS:
-        return getattr(md.optimizers, KERAS_OPTIMIZERS[name])(1e-4)
-    return md.optimizers.SGD(0.01, momentum=0.0 if name == "sgd-plain" else 0.9)
+        return getattr(md.optimizers, KERAS_OPTIMIZERS[name])(1e-4, gradient_accumulation_steps=accumulate)
+    return md.optimizers.SGD(0.01, momentum=0.0 if name == "sgd-plain" else 0.9,
+                             gradient_accumulation_steps=accumulate)
 
 
 def numpy_rule_step(name: str, params: list, grads: list):
@@ -267,6 +272,8 @@ def main(argv=None):
     p.add_argument("--numpy-allocator", action="store_true",
                    help="also the mirrored step with NumPy's own allocator in the replicas (CPU; the default is "
                         "the replica array pool, docs/replica_arrays.md)")
+    p.add_argument("--accumulate", type=int, default=None, metavar="N",
+                   help="also the mirrored step with gradient_accumulation_steps=N")
     p.add_argument("--central", action="store_true",
                    help="also md.distribute.experimental.CentralStorageStrategy over the same devices")
     p.add_argument("--torch-python", default=None, help="a Python with torch for the DDP column")
@@ -324,6 +331,9 @@ def main(argv=None):
         md.config.set_logical_device_configuration("GPU", 0, count=n)
     for n in args.replicas:
         columns.append(("mirrored MirroredStrategy", n, mirrored_step(args, xp, x, y, n, gpu, fixed_grads)))
+        if args.accumulate:
+            columns.append((f"mirrored MirroredStrategy, gradient_accumulation_steps={args.accumulate}", n,
+                            mirrored_step(args, xp, x, y, n, gpu, fixed_grads, accumulate=args.accumulate)))
         if args.central:
             for parameter_device in ("/gpu:0", "/cpu:0") if gpu else ("/cpu:0",):
                 columns.append((f"mirrored CentralStorageStrategy, variables on {parameter_device}", n,
@@ -403,17 +413,18 @@ def torch_gpu_columns(args) -> list:
 
 
 def mirrored_step(args, xp, x, y, n: int, gpu: bool, fixed_grads=None, captured=False, numpy_allocator=False,
-                  central=None):
+                  central=None, accumulate=None):
     """``strategy.run(step)`` on ``n`` replicas: forward/backward on each replica's share, apply_gradients
     (only apply_gradients of ``fixed_grads`` when given); ``captured``: the step wrapped in md.function;
     ``numpy_allocator``: each replica's arrays from NumPy's own allocator, not the replica array pool;
-    ``central``: CentralStorageStrategy with its variables on that device, not MirroredStrategy."""
+    ``central``: CentralStorageStrategy with its variables on that device, not MirroredStrategy;
+    ``accumulate``: the optimizer's ``gradient_accumulation_steps``."""
     devices = [f"/gpu:{i}" if gpu else f"/cpu:{i}" for i in range(n)]
     strategy = (md.distribute.experimental.CentralStorageStrategy(devices, central)
                 if central else md.MirroredStrategy(devices))
     with strategy.scope():
         variables = [md.Variable(a) for a in init_params(layer_sizes(vars(args)))]
-        optimizer = make_optimizer(args.optimizer)
+        optimizer = make_optimizer(args.optimizer, accumulate)
     batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
 
     def step_fn(xs, ys):

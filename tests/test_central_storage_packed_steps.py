@@ -312,15 +312,16 @@ def _counted_step(kind: str, parameter_device: str, n: int) -> dict:
 def test_loss_scaled_and_accumulate_only_steps_cost_the_same_for_20_and_200_variables(layout, parameter_device):
     """Launches per GPU, CuPy kernels, stream operations, copies and host waits of a loss-scaled step (dynamic or
     fixed) and of an accumulate-only step: the same for 20 as for 200 variables, with the variables in host
-    memory or on either GPU. The Python call events of their apply_gradients grow with the variables no more
-    than the plain step's do (whose per-variable part is the gradients' lists: their check and pack)."""
+    memory or on either GPU. The Python call events of their apply_gradients (and the plain step's) do not grow
+    with the variables: the gradients' checks, dtypes and pack sources are C loops over the lists (one event per
+    variable would add 180; the replica threads' waits vary the count by a few, the margin allowed)."""
     with gpu_pair(layout):
         counted = {kind: {n: _counted_step(kind, parameter_device, n) for n in (20, 200)}
                    for kind in ("plain", "dynamic", "fixed", "accumulate")}
-    plain_growth = counted["plain"][200][1] - counted["plain"][20][1]
-    for kind in ("dynamic", "fixed", "accumulate"):
-        assert counted[kind][20][0] == counted[kind][200][0], (kind, counted[kind])
-        assert counted[kind][200][1] - counted[kind][20][1] <= plain_growth, (kind, counted, plain_growth)
+    for kind in ("plain", "dynamic", "fixed", "accumulate"):
+        if kind != "plain":
+            assert counted[kind][20][0] == counted[kind][200][0], (kind, counted[kind])
+        assert counted[kind][200][1] <= 1.25 * counted[kind][20][1], (kind, counted)
     # One look at the sums on the host where the variables live there (the plain step's copy to the host), none
     # with them on a GPU, where the dynamic step is decided too.
     for kind in ("dynamic", "fixed", "accumulate"):

@@ -41,7 +41,9 @@ new buffer first (copy-on-write, as TensorFlow's runtime does). docs/training.md
 
 from __future__ import annotations
 
+import collections
 import copy
+import itertools
 import math
 import numbers
 import operator
@@ -471,7 +473,7 @@ class Optimizer:
             packed = plan.pack(ctx._local_replica_id, grads)
         # options stay out of the merged arguments: each replica may pass its own (equal)
         # options object, which merge_call would turn into a PerReplica.
-        plan, reduced, step, update = ctx.merge_call(
+        plan, reduced, step, update, packed_reduced = ctx.merge_call(
             lambda strategy, merged: self._merged_replica_step(strategy, merged, variables, options, aggregate),
             args=(_ReplicaGrads(grads, packed),))
         if update is None:  # applied in the merge
@@ -485,7 +487,7 @@ class Optimizer:
             plan.apply(ctx._local_replica_id, None, step, summands=reduced.grads)
             # Every replica has read the others' gradients before any returns to code that may write them.
             ctx._group.exchange(ctx._local_replica_id, "apply_gradients", None, _release)
-        elif packed is not None:
+        elif packed is not None or packed_reduced:
             plan.apply(ctx._local_replica_id, None, step, packed=reduced)
         else:
             plan.apply(ctx._local_replica_id, reduced, step)
@@ -528,10 +530,15 @@ class Optimizer:
             variables = [v for _, v in pairs]
         except (TypeError, ValueError):
             return self._check_pairs_one_by_one(pairs)
-        if any(g is None for g in grads):
+        # (C loops over the gradients, no Python per gradient: a None, or a shape not the variable's, takes the
+        # checks one by one, which skip the Nones and raise naming the pair)
+        if _NONE_TYPE in map(type, grads):
             return self._check_pairs_one_by_one(pairs)
         checked = self._checked.get(tuple(map(id, variables)))
-        if checked is None or [getattr(g, "shape", None) for g in grads] != checked[0]:
+        try:
+            if checked is None or list(map(_SHAPE, grads)) != checked[0]:
+                return self._check_pairs_one_by_one(pairs)
+        except AttributeError:  # (a gradient without a shape)
             return self._check_pairs_one_by_one(pairs)
         return grads, variables
 
@@ -624,11 +631,14 @@ class Optimizer:
     def _merged_replica_step(self, strategy, merged, variables, options, aggregate):
         """Once per step in replica context (inside merge_call): the fused all-reduce and the bookkeeping.
 
-        Returns ``(plan, reduced, step, update)``: ``reduced`` (None without an all-reduce)
+        Returns ``(plan, reduced, step, update, packed_reduced)``: ``reduced`` (None without an all-reduce)
         holds one list of reduced gradients per local replica, and merge_call hands
-        each replica its own. With ``gradient_accumulation_steps``, ``update`` is False on
+        each replica its own; ``packed_reduced``: those lists are fusion buffers, one per dtype, that no
+        replica packed itself. With ``gradient_accumulation_steps``, ``update`` is False on
         the steps that only accumulate (nothing is reduced); on the others each replica's
-        gradients are its accumulated average, clipped, then reduced (Keras' order).
+        gradients are its accumulated average, clipped, then reduced (Keras' order). Without clipping,
+        a packable plan takes that average packed (:meth:`_Plan.accumulated_packed`): a constant number of
+        kernels per replica and one all-reduce per dtype, whatever the number of variables.
         """
         devices = strategy.extended.worker_devices
         holders = merged.values if isinstance(merged, DistributedValues) else (merged,) * len(devices)
@@ -636,17 +646,23 @@ class Optimizer:
         step = self._advance(plan)
         if plan.central:
             self._central_step(strategy, plan, holders, variables, step, options, aggregate)
-            return plan, None, step, None
-        reduced = None
+            return plan, None, step, None, False
+        reduced, packed_reduced = None, False
         if self.gradient_accumulation_steps:
             if not self._is_update_step(step):
-                return plan, None, step, False
-            holders = [_ReplicaGrads(plan.accumulated_and_clipped(d, h.grads), None) for d, h in enumerate(holders)]
-            reduced = PerReplica([h.grads for h in holders], devices)  # without an all-reduce: its own average
+                return plan, None, step, False, False
+            if plan.packable and not self._clips():
+                holders = [_ReplicaGrads(None, plan.accumulated_packed(d, plan.pack_on_device(d, h.grads)))
+                           for d, h in enumerate(holders)]
+                reduced, packed_reduced = PerReplica([h.packed for h in holders], devices), True
+            else:
+                holders = [_ReplicaGrads(plan.accumulated_and_clipped(d, h.grads), None)
+                           for d, h in enumerate(holders)]
+                reduced = PerReplica([h.grads for h in holders], devices)  # without an all-reduce: its own average
         if aggregate and strategy.num_replicas_in_sync > 1:
             if plan.sums_replicas and reduced is None:
                 # Every replica's gradients are final (all have arrived): each update sums them itself.
-                return plan, _Summands(tuple(plan.host_grads(h.grads) for h in holders)), step, True
+                return plan, _Summands(tuple(plan.host_grads(h.grads) for h in holders)), step, True, False
             if all(h.packed is not None for h in holders):
                 # One packed gradient per replica and dtype, reduced onto every replica's device.
                 columns = [PerReplica([h.packed[j] for h in holders], devices) for j in range(len(plan.groups))]
@@ -656,7 +672,8 @@ class Optimizer:
                 destinations = variables
             results = self._all_reduce(strategy, columns, destinations, options)
             reduced = PerReplica([[_component(g, r) for g in results] for r in range(len(holders))], devices)
-        return plan, reduced, step, True
+            packed_reduced = packed_reduced or destinations is not variables
+        return plan, reduced, step, True, packed_reduced
 
     def _central_step(self, strategy, plan, holders: list, variables, step: int, options, aggregate) -> None:
         """The step of variables kept once for all replicas (CentralStorageStrategy), in the merge: every replica's
@@ -683,9 +700,16 @@ class Optimizer:
             if not self._is_update_step(step):  # (packed: one fused accumulate per dtype)
                 plan.apply(0, grads, step, packed=packed, update=False)
                 return
-            grads = plan.accumulated_and_clipped(0, grads if packed is None else plan.unpacked(packed))
-            packed = None
+            if packed is not None and not self._clips():  # (the average packed: a few kernels per dtype)
+                packed = plan.accumulated_packed(0, packed)
+            else:
+                grads = plan.accumulated_and_clipped(0, grads if packed is None else plan.unpacked(packed))
+                packed = None
         plan.apply(0, grads, step, packed=packed)
+
+    def _clips(self) -> bool:
+        """Whether gradients are clipped (``clipnorm``, ``global_clipnorm`` or ``clipvalue``)."""
+        return self.clipnorm is not None or self.global_clipnorm is not None or self.clipvalue is not None
 
     def _is_update_step(self, step: int) -> bool:
         """With gradient accumulation, whether ``step`` applies the accumulated gradients (Keras:
@@ -884,15 +908,21 @@ class _Plan:
         # per device: the tables of its gradient accumulators (_accumulate_packed), and when they were made
         self.accumulator_tables = [None] * self.num_devices
         self.accumulator_tables_made_at = [None] * self.num_devices
+        # per device: the native copies of its accumulators into its fusion buffers and of zeros into them
+        # (accumulated_packed, _reset_accumulators), the sources they read, and when they were made
+        self.accumulator_packs = [None] * self.num_devices
+        self.accumulator_packs_made_at = [None] * self.num_devices
         # per pack slot: (staged dtypes, the GradientPack of its eager steps)
         self.gpu_packs = [None] * len(self.pack_devices)
         self.staging = {}  # (pack slot, id(fusion buffer), dtype) -> a buffer the pack fills with gradients of dtype
+        self.source_dtypes = {}  # staged dtypes (pack) -> per variable, the dtype its gradient is copied in
         # (device, dtype, "gradients" | "squares") -> a buffer of a sparse step (sparse_targets, _pack_squares)
         self.sparse_buffers = {}
         self.sparse_clean = {}  # device -> whether its host sparse buffers are all zeros (sparse_targets)
         self.sparse_named = {}  # device -> the views and indices its last sparse_targets wrote (clear_sparse)
         weakref.finalize(self, _retire_tables, self.gpu_tables)
         weakref.finalize(self, _retire_tables, self.accumulator_tables)
+        weakref.finalize(self, _retire_tables, self.accumulator_packs)
         weakref.finalize(self, _retire_tables, self.gpu_packs)
         self.tables_made_at = [None] * self.num_devices  # values.buffers_replaced when they were made
         self.rule = optimizer._rule
@@ -949,8 +979,21 @@ class _Plan:
         self.rows = (lower, rows)
 
     def host_grads(self, grads: list) -> list:
-        """``grads`` as the host kernel reads them: C-contiguous NumPy arrays of their variables' dtypes."""
+        """``grads`` as the host kernel reads them: C-contiguous NumPy arrays of their variables' dtypes (the
+        list itself where every one is already, checked by C loops: no Python per gradient)."""
+        if self.reads_as_they_are(grads, np.ndarray):
+            return grads
         return list(map(_host_grad, grads, self.dtypes))
+
+    def reads_as_they_are(self, grads: list, array_type) -> bool:
+        """Whether every gradient is what the kernels read: an ``array_type`` array (the exact type) of its
+        variable's dtype, C-contiguous. Checked by C loops over the list (map of C functions), so a step whose
+        gradients need nothing costs no Python per gradient; any other takes the per-gradient conversion."""
+        try:
+            return (all(map(operator.is_, map(type, grads), itertools.repeat(array_type)))
+                    and list(map(_DTYPE, grads)) == self.dtypes and all(map(_C_CONTIGUOUS, grads)))
+        except AttributeError:
+            return False
 
     def on_variables_device(self, arrays: list) -> list:
         """A replica's gradients, or its fusion buffers (one per dtype), on the variables' device for the update
@@ -965,7 +1008,8 @@ class _Plan:
         gradients differ in dtype or one is not dense."""
         if IndexedSlices in map(type, grads) or SquaredGradient in map(type, grads):
             return None
-        given = tuple(_one_dtype(_dtype_of(grads[k]) for k in indices) for indices in self.groups.values())
+        dtypes = _dtypes_of(grads)
+        given = tuple(_one_dtype([dtypes[k] for k in indices]) for indices in self.groups.values())
         return None if any(g is None for g in given) else given  # (not `None in`: a dtype == None is float64's)
 
     def pack(self, slot: int, grads: list, given: tuple | None = None) -> list:
@@ -989,11 +1033,20 @@ class _Plan:
         # A group whose gradients all have another dtype (mixed precision: float16 gradients of float32
         # variables) is copied as such into a staging buffer and converted by one kernel over the whole
         # buffer, not one per gradient.
-        staged = given or tuple(_one_dtype(_dtype_of(grads[k]) for k in indices) for indices in self.groups.values())
+        dtypes = _dtypes_of(grads)
+        staged = given or tuple(_one_dtype([dtypes[k] for k in indices]) for indices in self.groups.values())
         staged = tuple(None if s == dtype else s for s, dtype in zip(staged, self.groups))
-        sources = [_packable(cupy, grads[k], staged_dtype or dtype, ordinal)
-                   for (dtype, indices), staged_dtype in zip(self.groups.items(), staged) for k in indices]
-        src = [g.data.ptr for g in sources]
+        if dtypes == self._source_dtypes(staged) and \
+                all(map(operator.is_, map(type, grads), itertools.repeat(cupy.ndarray))) and \
+                all(map(_C_CONTIGUOUS, grads)) and all(map(operator.eq, map(_DEVICE_ID, grads),
+                                                           itertools.repeat(ordinal))):
+            # (the common step: every gradient as the pack copies it, checked by C loops, no Python per gradient)
+            sources = grads if len(self.groups) == 1 else [grads[k] for indices in self.groups.values()
+                                                           for k in indices]
+        else:
+            sources = [_packable(cupy, grads[k], staged_dtype or dtype, ordinal)
+                       for (dtype, indices), staged_dtype in zip(self.groups.items(), staged) for k in indices]
+        src = list(map(_POINTER, sources))
         stream = cupy.cuda.get_current_stream().ptr
         scope = _gpu.step_scope()
         if scope is not None and scope.capturing:
@@ -1010,6 +1063,17 @@ class _Plan:
                 if staged_dtype is not None:
                     buffer[...] = self._staging(slot, buffer, staged_dtype)
         return buffers
+
+    def _source_dtypes(self, staged: tuple) -> list:
+        """Per variable, the dtype the pack copies its gradient in: its staged group's (``staged``), else its own."""
+        expected = self.source_dtypes.get(staged)
+        if expected is None:
+            expected = list(self.dtypes)
+            for indices, staged_dtype in zip(self.groups.values(), staged):
+                for k in indices:
+                    expected[k] = staged_dtype or expected[k]
+            self.source_dtypes[staged] = expected
+        return expected
 
     def in_variables_dtypes(self, device: int, packed: list) -> list:
         """Packed buffers in their variables' dtypes: one of another dtype (:meth:`pack`'s ``given``, reduced as
@@ -1138,8 +1202,17 @@ class _Plan:
     def _accumulate(self, device: int, grads, packed=None) -> None:
         """A step that only accumulates: ``accumulator += g``, each replica its own gradients (as Keras does
         under a strategy: the accumulators are summed across replicas only when applied). ``packed`` (in place
-        of ``grads``: one reduced fusion buffer per dtype, variables kept once): one fused call per dtype."""
+        of ``grads``: one reduced fusion buffer per dtype, variables kept once): one fused call per dtype.
+        A packable plan's ``grads`` take the same fused call: on host the kernel reads them where they are, on a
+        GPU they are packed first (one launch)."""
         self._writable(device)
+        if packed is None and self.packable:
+            if self.host[device]:
+                grads = self.host_grads(grads)
+                packed = [grads] if len(self.groups) == 1 else [[grads[k] for k in indices]
+                                                                 for indices in self.groups.values()]
+            else:
+                packed = self.pack(self.own_pack[device], _plains(grads))
         if packed is not None:
             self._accumulate_packed(device, packed)
             return
@@ -1165,6 +1238,53 @@ class _Plan:
         for table, buffer, dtype in zip(self.accumulator_tables[device], packed, self.groups):
             table.apply(SGD, _gpu_grad(buffer, dtype, table.total_count).data.ptr, [-1.0], 0.0, 0.0, stream)
 
+    def pack_on_device(self, device: int, grads: list) -> list:
+        """A replica's gradients packed into local device ``device``'s fusion buffers, on its merge stream."""
+        with device_util.cross_replica_gpu_scope(self.copies[device][0].device):
+            return self.pack(self.own_pack[device], _plains(grads))
+
+    def accumulated_packed(self, device: int, packed: list) -> list:
+        """Keras' gradients of an update step under gradient accumulation, ``(g + accumulator) / steps``, for the
+        packed ``g`` (one buffer per dtype in the fusion layout, of the variables' dtypes): the fused accumulate
+        adds ``g`` to the accumulators (``accumulator + g``: the bits of ``g + accumulator``), their sums are
+        copied back into packed buffers and divided there, one operation per dtype (on a GPU: one launch of the
+        native multi-tensor copy into the device's fusion buffers, then the divisions). Returns those buffers
+        (on host ``packed`` itself, overwritten). The accumulators are zeroed after the update
+        (:meth:`_reset_accumulators`)."""
+        with device_util.cross_replica_gpu_scope(self.copies[device][0].device):
+            self._writable(device)
+            self._accumulate_packed(device, packed)
+            steps = self.optimizer.gradient_accumulation_steps
+            if self.host[device]:
+                accumulators = list(map(_VALUE, self.accumulators[device]))
+                for buffer, indices in zip(packed, self.groups.values()):
+                    np.concatenate([accumulators[k] for k in indices], axis=None, out=buffer)
+                out = packed
+            else:
+                copy_back, sources, _ = self._accumulator_packs(device)
+                copy_back.copy(sources, array_module(packed[0]).cuda.get_current_stream().ptr)
+                out = self.fusion_buffers[self.own_pack[device]]
+            for buffer in out:
+                buffer /= buffer.dtype.type(steps)
+        return out
+
+    def _accumulator_packs(self, device: int) -> tuple:
+        """Device ``device``'s native copies of its accumulators: ``(copy into its fusion buffers, the
+        accumulators' pointers, copy of zeros into them)``, made once (again only after a copy-on-write). The
+        zeros' copy reads one buffer of zeros as large as the largest accumulator, for every one of them."""
+        if self.accumulator_packs_made_at[device] != values.buffers_replaced:
+            accumulators = [self.accumulators[device][k]._value for indices in self.groups.values() for k in indices]
+            ordinal = device_util.physical_ordinal(self.copies[device][0].device)
+            copy_back = self._make_pack(self.own_pack[device], ordinal, (None,) * len(self.groups))
+            nbytes = [a.nbytes for a in accumulators]
+            zeros = device_util.place(np.zeros(max(nbytes, default=0), np.uint8), self.copies[device][0].device)
+            zeroing = _gpu_kernel().GradientPack(ordinal, [a.data.ptr for a in accumulators], nbytes)
+            # (the zeros stay referenced by the sources' tuple: the copy reads them on every step)
+            self.accumulator_packs[device] = (copy_back, [a.data.ptr for a in accumulators],
+                                              (zeroing, [zeros.data.ptr] * len(accumulators), zeros))
+            self.accumulator_packs_made_at[device] = values.buffers_replaced
+        return self.accumulator_packs[device]
+
     def unpacked(self, packed) -> list:
         """Per variable, a view of its part of ``packed`` (one buffer per dtype, the fusion layout)."""
         views = [None] * len(self.variables)
@@ -1177,9 +1297,20 @@ class _Plan:
         return views
 
     def _reset_accumulators(self, device: int) -> None:
-        if self.accumulators is not None:
+        """The accumulators zeroed after an update: a packable plan's with no Python per variable (on host
+        each filled from C, on a GPU one launch of the native copy of zeros into them)."""
+        if self.accumulators is None:
+            return
+        if not self.packable:
             for acc in self.accumulators[device]:
                 acc._writable_buffer().fill(0)
+            return
+        self._writable(device)
+        if self.host[device]:
+            collections.deque(map(np.ndarray.fill, map(_VALUE, self.accumulators[device]), itertools.repeat(0)), 0)
+            return
+        zeroing, zeros, _ = self._accumulator_packs(device)[2]
+        zeroing.copy(zeros, _gpu.cupy_module().cuda.get_current_stream().ptr)
 
     def _finish(self, device: int) -> None:
         """After the update (or the accumulation): the moving average, then the constraints (Keras' order)."""
@@ -1277,6 +1408,7 @@ class _Plan:
         weights = list(map(_VALUE, self.copies[device]))
         rest = {}
         whole = len(self.groups) == 1  # (one dtype: the lists as they are, no per-group copy)
+        ready = None if grads is None or not self.packable else self.host_grads(_plains(grads))
         for j, (dtype, indices) in enumerate(self.groups.items()):
             if dtype not in _KERNEL_DTYPES:
                 rest[dtype] = indices
@@ -1286,6 +1418,8 @@ class _Plan:
                 group_grads = packed[j]
             elif summands is not None:
                 group_grads = summands if whole else tuple([replica[k] for k in indices] for replica in summands)
+            elif ready is not None:
+                group_grads = ready if whole else [ready[k] for k in indices]
             else:
                 group_grads = [_host_grad(_plain(grads[k]), dtype) for k in indices]
             # (Squares only where IndexedSlices gave them: a dense step's call is as it always was.)
@@ -1308,7 +1442,7 @@ class _Plan:
             self.tables_made_at[device] = values.buffers_replaced
         squares = self._pack_squares(device, grads)
         if packed is None:
-            packed = self.pack(self.own_pack[device], list(map(_plain, grads)))
+            packed = self.pack(self.own_pack[device], _plains(grads))
         else:
             packed = self.in_variables_dtypes(device, packed)
         cupy = array_module(packed[0])
@@ -1346,7 +1480,7 @@ class _Plan:
             c._writable_buffer()  # the graph writes these buffers: md.function checks they stay
         squares = self._pack_squares(device, grads)
         if packed is None:
-            packed = self.pack(self.own_pack[device], list(map(_plain, grads)))
+            packed = self.pack(self.own_pack[device], _plains(grads))
         else:
             packed = self.in_variables_dtypes(device, packed)
         tables = self._make_tables(device)
@@ -1553,6 +1687,12 @@ def _gate_pointers(gate) -> tuple:
 
 
 _VALUE = operator.attrgetter("_value")
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
+_DEVICE_ID = operator.attrgetter("data.device_id")
+_POINTER = operator.attrgetter("data.ptr")
+_NONE_TYPE = type(None)
 _host_kernel = _fused_update
 
 
@@ -1666,6 +1806,11 @@ def _plain(g):
     return g.grad if type(g) is SquaredGradient else g
 
 
+def _plains(grads: list) -> list:
+    """:func:`_plain` of each gradient; the list itself when none is a SquaredGradient (a C loop finds out)."""
+    return list(map(_plain, grads)) if SquaredGradient in map(type, grads) else grads
+
+
 def _dense(g, var, squares: bool = False, target=None):
     """Gradient ``g`` as a dense array of its variable's shape and dtype: IndexedSlices scattered (repeated
     indices add up, in their order), on the device of their values; with ``squares``, a
@@ -1700,6 +1845,14 @@ def _densified(grads: list, variables: list, squares: bool = False) -> list:
 
 def _dtype_of(g):
     return g.dtype if hasattr(g, "dtype") else np.asarray(g).dtype
+
+
+def _dtypes_of(grads: list) -> list:
+    """Each gradient's dtype: a C loop where every one has a ``dtype``."""
+    try:
+        return list(map(_DTYPE, grads))
+    except AttributeError:
+        return list(map(_dtype_of, grads))
 
 
 def _clip_by_norm(g, clipnorm: float):
