@@ -250,6 +250,8 @@ class ReplicaContext:
         native = self._strategy.extended._native_replica_all_reduce(op, options)
         combine = self._combiner("all_reduce", lambda per_leaf: self._strategy.extended._batch_reduce_to(
             op, [(v, v) for v in per_leaf], options), native)
+        if native is not None:
+            combine = native.combine_first(combine)
         if options is None:  # (an op's names are few: bounded)
             self._all_reduces[op._value_] = self._all_reduces[name] = combine
         return self._collective("all_reduce", value, combine)
