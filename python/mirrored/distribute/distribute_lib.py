@@ -347,13 +347,13 @@ class Strategy:
             stack = _stack()  # (the observer may have entered a scope)
             top = stack[-1] if stack else _DEFAULT
         if top.strategy is self and top.replica_context is None:  # in this strategy's scope already
-            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs) if kwargs else {})
         if stack is None:
             stack = _stack()
         # What scope() does, once the check above has passed (`+=` and `del`: no list method calls).
         stack += (_new_tuple(_Context, (self, None)),)
         try:
-            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs) if kwargs else {})
         finally:
             del stack[-1]
 
