@@ -408,7 +408,8 @@ class _ReplicaAllReduce:
     call of one array per replica: a repeated call runs that plan straight, whose native run checks what
     ``_placed`` and the plan's signature would (each array's type, shape, dtype and strides, and its
     replica's GPU), and goes the validating way only when an array does not fit (or while the timeline
-    records: its spans come from that way).
+    records: its spans come from that way). On GPU replicas that plan runs from ``combine_first``'s one frame,
+    with the merge streams' handles it was given when it was kept (``CallPlan.on_merge_streams``).
     """
 
     __slots__ = ("bound", "_ordinals", "_params", "_plan", "_merged", "_fallback")
