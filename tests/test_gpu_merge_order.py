@@ -116,3 +116,32 @@ def test_replicas_on_streams_of_their_own(strategy, op, non_blocking, seed):
     want = REDUCE[op](np.stack(scaled), axis=0) * 2 + max(float(s.max()) for s in scaled)
     for r, v in enumerate(strategy.experimental_local_results(out)):
         np.testing.assert_array_equal(cupy.asnumpy(v), want, err_msg=f"replica {r}")
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("stream", ["replica's", "non-blocking", "blocking"])
+def test_repeated_all_reduces_run_on_the_merge_streams(strategy, stream, seed):
+    """From the second step on, a replica context's all_reduce runs its kept plan straight, on the merge
+    streams (the legacy default stream outside md.function) without looking each GPU's stream up: it
+    still reads every replica's input written just before it on the replica's stream (its own, or one
+    the replica entered), and each replica's work after it sees the result, step after step."""
+    n = strategy.num_replicas_in_sync
+    streams = {}
+
+    def step(k):
+        ctx = md.get_replica_context()
+        r = ctx.replica_id_in_sync_group
+        if stream == "replica's":
+            x = cupy.full((7,), float(r + 1), np.float32) * (k + 1)
+            return ctx.all_reduce("sum", x) - k
+        with streams.setdefault(r, cupy.cuda.Stream(non_blocking=stream == "non-blocking")):
+            x = cupy.full((7,), float(r + 1), np.float32) * (k + 1)
+            return ctx.all_reduce("sum", x) - k
+
+    for k in range(4):  # (the seed: the simulator's order of queued work differs by the test's id)
+        out = strategy.run(step, args=(k,))
+        for s in streams.values():
+            s.synchronize()
+        want = np.full((7,), n * (n + 1) / 2 * (k + 1) - k, np.float32)
+        for r, v in enumerate(strategy.experimental_local_results(out)):
+            np.testing.assert_array_equal(cupy.asnumpy(v), want, err_msg=f"step {k}, replica {r}")

@@ -3,6 +3,9 @@ ops (one array, or a structure's leaves, each already on its replica's GPU), and
 batch_reduce_to otherwise (variables, host arrays, a user's ops): the same
 results either way, equal to NumPy's (marker ``gpu``: simulated GPUs without a GPU, see gpu_env.py)."""
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -155,3 +158,25 @@ def test_a_repeated_all_reduce_whose_arrays_stop_fitting_its_plan_takes_the_vali
     for _ in range(2):  # (that plan, run straight, would hand replica 0 a result on GPU 1)
         check((4,), gpu="GPU 1")
     check((4,))
+
+
+
+def test_a_dropped_gpu_strategy_goes_at_once_and_its_kept_plans_with_a_collection(replicas):
+    """A replica context keeps its all_reduce's combine, and that its kept plan (with the plan's result
+    memory). The strategy holds no cycle: dropped, it goes at once, without a garbage collection (its
+    replica contexts and their combines, a cycle of closures, with the next one)."""
+    def use_and_drop():
+        s = md.MirroredStrategy([f"/gpu:{i}" for i in range(replicas)])
+        for _ in range(3):  # planned, then the kept plan run straight
+            s.run(lambda: md.get_replica_context().all_reduce("sum", cupy.ones(3, np.float32)))
+        return weakref.ref(s), [weakref.ref(c) for c in s.extended._replica_contexts]
+
+    gc.collect()
+    gc.disable()
+    try:
+        strategy, contexts = use_and_drop()
+        assert strategy() is None, "a reference cycle keeps the dropped strategy alive"
+    finally:
+        gc.enable()
+    gc.collect()
+    assert [c() for c in contexts] == [None] * replicas

@@ -149,6 +149,15 @@ class CallPlan:
         done = self._plan.run(buffers, out, self._streams, self._new_outputs)
         return done if done is None or out is None else list(out)
 
+    def on_merge_streams(self) -> tuple:
+        """``(run, streams, new_outputs)``: ``run(buffers, None, streams, new_outputs)`` is ``self.run(buffers,
+        None)`` made where every GPU's current stream is the legacy default one (a combine of GPU replicas
+        outside md.function: gpu.MergeOrder), whose handle ``collective_stream`` would answer for each
+        replica. ``streams`` is a C callable (a list's ``copy``): the binding asks it without a Python frame,
+        where ``_streams`` looks each GPU's current stream up."""
+        legacy = _gpu.cupy_module().cuda.Stream.null.ptr
+        return self._plan.run, ([legacy] * self._replicas).copy, self._new_outputs
+
     def _new_outputs(self) -> list:
         """A new output per replica on its GPU (TF's all-reduce returns new tensors)."""
         cupy, shape, dtype = self._cupy, self._shape, self._dtype

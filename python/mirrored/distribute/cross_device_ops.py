@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from ..device import dtypes as _dtypes, device_util
+from ..device import dtypes as _dtypes, device_util, gpu as _gpu
 from ..device.indexed_slices import IndexedSlices, map_arrays
 from ..collective import api as collectives
 from ..collective.plan import all_reduce_plan
@@ -408,10 +408,11 @@ class _ReplicaAllReduce:
     call of one array per replica: a repeated call runs that plan straight, whose native run checks what
     ``_placed`` and the plan's signature would (each array's type, shape, dtype and strides, and its
     replica's GPU), and goes the validating way only when an array does not fit (or while the timeline
-    records: its spans come from that way).
+    records: its spans come from that way). On GPU replicas that plan runs from ``combine_first``'s one frame,
+    with the merge streams' handles it was given when it was kept (``CallPlan.on_merge_streams``).
     """
 
-    __slots__ = ("bound", "_ordinals", "_params", "_plan")
+    __slots__ = ("bound", "_ordinals", "_params", "_plan", "_merged", "_fallback")
 
     def __init__(self, ops: "_NativeAllReduce", reduce_op: ReduceOp, options, ordinals, array_type):
         self.bound = functools.partial(ops._replica_all_reduce, reduce_op, options, ordinals, array_type)
@@ -420,6 +421,8 @@ class _ReplicaAllReduce:
         self._params = (reduce_op._value_, ops._algorithm, ops._ring_kwargs.get("chunk_bytes", 0)) \
             if ops._collectives is collectives else None
         self._plan = None
+        self._merged = None  # GPU replicas: the kept plan's CallPlan.on_merge_streams()
+        self._fallback = None  # (see combine_first)
 
     def __call__(self, per_replica):
         plan = self._plan
@@ -433,7 +436,28 @@ class _ReplicaAllReduce:
             # (A plan of the same signature made for other GPUs would run these arrays there: not kept.)
             if plan is not None and (self._ordinals is None or plan.devices == self._ordinals):
                 self._plan = plan
+                self._merged = plan.on_merge_streams() if self._ordinals is not None else None
         return results
+
+    def combine_first(self, combine):
+        """The combine a replica context's all_reduce hands its GPU replicas' rendezvous: ``combine`` (the
+        collective's, which calls this object) with a repeated call's kept plan run first, in one frame.
+        GPU replicas combine in gpu.MergeOrder.combine, with each GPU's legacy default stream current
+        outside md.function: the plan's stream list is known there, not looked up. (CPU replicas: ``combine``
+        as it is, whose first call is this object's.)"""
+        if self._ordinals is None:
+            return combine
+        self._fallback = combine
+        return self._combine
+
+    def _combine(self, slots):
+        merged = self._merged
+        if merged is not None and type(slots[0]) is not list and _gpu._step is None and not tracing():
+            run, streams, new_outputs = merged
+            done = run(slots, None, streams, new_outputs)
+            if done is not None:
+                return done
+        return self._fallback(slots)
 
 
 def _placed(arrays, ordinals, array_type) -> bool:

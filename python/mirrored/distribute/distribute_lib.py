@@ -250,6 +250,8 @@ class ReplicaContext:
         native = self._strategy.extended._native_replica_all_reduce(op, options)
         combine = self._combiner("all_reduce", lambda per_leaf: self._strategy.extended._batch_reduce_to(
             op, [(v, v) for v in per_leaf], options), native)
+        if native is not None:
+            combine = native.combine_first(combine)
         if options is None:  # (an op's names are few: bounded)
             self._all_reduces[op._value_] = self._all_reduces[name] = combine
         return self._collective("all_reduce", value, combine)
@@ -345,13 +347,13 @@ class Strategy:
             stack = _stack()  # (the observer may have entered a scope)
             top = stack[-1] if stack else _DEFAULT
         if top.strategy is self and top.replica_context is None:  # in this strategy's scope already
-            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs) if kwargs else {})
         if stack is None:
             stack = _stack()
         # What scope() does, once the check above has passed (`+=` and `del`: no list method calls).
         stack += (_new_tuple(_Context, (self, None)),)
         try:
-            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs) if kwargs else {})
         finally:
             del stack[-1]
 
