@@ -52,10 +52,10 @@ def test_every_cpu_replica_allocates_from_the_pool_and_the_caller_gets_its_alloc
         threads.update(thread)
     assert "mirrored-replica-1" in threads
     # Short steps (the caller runs both replicas): the first still after a long one, the next not.
-    after_long, short = [s.experimental_local_results(s.run(lambda: get_handler_name(np.ones(100_000))))
-                         for _ in range(2)]
-    assert list(after_long) == [POOL, POOL]
-    assert list(short) == [callers, callers]
+    short_step = lambda: list(s.experimental_local_results(s.run(lambda: get_handler_name(np.ones(100_000)))))  # noqa: E731
+    assert short_step() == [POOL, POOL]
+    # (a short step that a loaded machine preempts past BLOCKED_SECONDS counts as long: the next one is tried)
+    assert any(short_step() == [callers, callers] for _ in range(50))
     assert get_handler_name() == callers
     assert get_handler_name(np.ones(100_000)) == callers
 
