@@ -145,14 +145,14 @@ def _numpy_fixed_scale_sgd(model) -> list:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SIMULATED, reason="replays drain orders of the simulated runtime")
-@pytest.mark.parametrize("seed", [23, 25, 1, 2])
+@pytest.mark.parametrize("seed", [23, 25, 39, 1])
 def test_loss_scaled_steps_on_logical_gpus_sum_what_each_replica_packed(seed):
     """Two replicas on one GPU pack their float16 gradients into staging buffers, which the first replica to
     pack made for both. Made by an upload of uninitialised host memory on that replica's stream, a buffer got
-    a write unordered with the other replica's pack on its own stream: the drain orders of seeds 23 and 25 ran
+    a write unordered with the other replica's pack on its own stream: the drain orders of seeds 23, 25 and 39 ran
     it after the pack, and the all-reduce summed garbage in place of one replica's gradients (weights 0.4
     off NumPy's). Made by an allocation alone, every order sums what the replicas packed."""
-    with machine(seed), gpu_pair("logical"):
+    with machine(seed), gpu_pair("logical"):  # (this seed's drain order, not the one of the test's id)
         central = _loss_scaled_steps(CentralStorageStrategy(GPUS, "/cpu:0"), False, MODEL, "sgd", cupy)
     for k, ((weights, *_), want) in enumerate(zip(central, _numpy_fixed_scale_sgd(MODEL))):
         for w, x in zip(weights, want):
