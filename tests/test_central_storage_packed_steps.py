@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mirrored as md
-from gpu_env import SIMULATED, SKIP_REASON, cupy, gpu_pair, sim_counters
+from gpu_env import SIMULATED, SKIP_REASON, cupy, gpu_pair, machine, sim_counters
 
 CentralStorageStrategy = md.distribute.experimental.CentralStorageStrategy
 GPUS = ["/gpu:0", "/gpu:1"]
@@ -122,6 +122,41 @@ def test_loss_scaled_steps_on_gpu_replicas_are_mirroreds_bit_for_bit(layout, par
         mirrored = _loss_scaled_steps(md.MirroredStrategy(GPUS), dynamic, model, optimizer, cupy)
     _assert_same_states(central, mirrored)
     _assert_keras_scale_rules(central, dynamic, grads == "float16")
+
+
+def _numpy_fixed_scale_sgd(model) -> list:
+    """Per step, the weights of ``_loss_scaled_steps`` with a fixed scale of 64 and SGD (momentum 0.9) in NumPy:
+    the two replicas' gradients summed in their dtype (float16 sums overflow to inf, as the all-reduce's do),
+    divided by the float32 scale, then Keras' ``m = 0.9 * m - lr * g; w += m`` in the variables' dtype."""
+    weights = [np.linspace(-1, 1, int(np.prod(s))).reshape(s).astype(v) for v, _, s in model]
+    moments = [np.zeros_like(w) for w in weights]
+    states = []
+    with np.errstate(over="ignore", invalid="ignore"):
+        for k in range(STEPS):
+            for w, m, a, b in zip(weights, moments, _grads(k, 0, model), _grads(k, 1, model)):
+                g = ((a + b) / np.float32(64)).astype(w.dtype)
+                t = w.dtype.type
+                m *= t(np.float32(0.9))
+                m -= t(np.float32(0.05)) * g
+                w += m
+            states.append([w.copy() for w in weights])
+    return states
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SIMULATED, reason="replays drain orders of the simulated runtime")
+@pytest.mark.parametrize("seed", [23, 25, 39, 1])
+def test_loss_scaled_steps_on_logical_gpus_sum_what_each_replica_packed(seed):
+    """Two replicas on one GPU pack their float16 gradients into staging buffers, which the first replica to
+    pack made for both. Made by an upload of uninitialised host memory on that replica's stream, a buffer got
+    a write unordered with the other replica's pack on its own stream: the drain orders of seeds 23, 25 and 39 ran
+    it after the pack, and the all-reduce summed garbage in place of one replica's gradients (weights 0.4
+    off NumPy's). Made by an allocation alone, every order sums what the replicas packed."""
+    with machine(seed), gpu_pair("logical"):  # (this seed's drain order, not the one of the test's id)
+        central = _loss_scaled_steps(CentralStorageStrategy(GPUS, "/cpu:0"), False, MODEL, "sgd", cupy)
+    for k, ((weights, *_), want) in enumerate(zip(central, _numpy_fixed_scale_sgd(MODEL))):
+        for w, x in zip(weights, want):
+            np.testing.assert_allclose(w, x, rtol=1e-6, atol=1e-6, err_msg=f"step {k}")
 
 
 def _accumulated_steps(strategy, xp=np, steps: int = 7, n: int = 3):

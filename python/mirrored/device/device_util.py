@@ -253,6 +253,20 @@ def _copy_from_other_gpu(cupy, x, ordinal: int):
     return y
 
 
+def empty(size: int, dtype, device):
+    """An uninitialised 1-D array of ``size`` elements of ``dtype`` on ``device`` (NumPy or CuPy): on a GPU an
+    allocation only, no copy. (``place(np.empty(...), gpu)`` would queue an upload of host garbage on the
+    current stream, a write that work on another stream, e.g. another replica filling the buffer, is not
+    ordered with: it could land over that work's result.)"""
+    spec = device if isinstance(device, DeviceSpec) else parse(device)
+    if spec.device_type != "GPU":
+        return np.empty(size, dtype)
+    import cupy
+
+    with cupy.cuda.Device(_gpu_ordinal(spec)):
+        return cupy.empty(size, dtype)
+
+
 def place(x, device, copy: bool = False):
     """``x`` as an array on ``device``: NumPy for CPU devices, CuPy for GPU devices.
 

@@ -304,8 +304,8 @@ class _ReplicaReads:
 
     def _allocate(self, i: int, plan) -> None:
         """New buffers for GPU ``i``, one per dtype in ``plan``'s fusion layout, and their views per variable."""
-        buffers = [device_util.place(np.empty(sum(self.variables[k]._value.size for k in indices),
-                                              self.variables[indices[0]]._value.dtype), self.devices[i])
+        buffers = [device_util.empty(sum(self.variables[k]._value.size for k in indices),
+                                     self.variables[indices[0]]._value.dtype, self.devices[i])
                    for indices in self.groups]
         self.buffers[i], self.views[i] = buffers, plan.unpacked(buffers)
 

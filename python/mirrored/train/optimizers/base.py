@@ -48,6 +48,7 @@ import math
 import numbers
 import operator
 import sys
+import threading
 import uuid
 import weakref
 from typing import NamedTuple
@@ -67,6 +68,9 @@ from .rules import (EMA, HOST_COEFFICIENTS, SGD, SQUARING, SquaredGradient, appl
 from .step_window import StepWindow
 
 __all__ = ["LossScaleGate", "Optimizer", "check_rate"]
+
+# Held while a plan makes its staging buffers (_Plan._staging), which replica threads ask for at once.
+_staging_lock = threading.Lock()
 
 
 class _FlooredIterations(int):
@@ -900,8 +904,8 @@ class _Plan:
             self.pack_devices, self.own_pack = list(replicas), [len(replicas)]
             if not self.host[0]:
                 self.pack_devices.append(self.copies[0][0].device)
-        self.fusion_buffers = [[device_util.place(np.empty(sum(self.copies[0][k]._value.size for k in indices),
-                                                           dtype), device)
+        self.fusion_buffers = [[device_util.empty(sum(self.copies[0][k]._value.size for k in indices), dtype,
+                                                  device)
                                 for dtype, indices in self.groups.items()]
                                for device in self.pack_devices] if self.packable else None
         self.gpu_tables = [None] * self.num_devices  # per device: one FusedUpdateTable per dtype
@@ -1090,12 +1094,17 @@ class _Plan:
         key = (slot, id(buffer), np.dtype(dtype))
         stage = self.staging.get(key)
         if stage is None:
-            group = next(j for j, b in enumerate(self.fusion_buffers[slot]) if b is buffer)
-            for other, (buffers, device) in enumerate(zip(self.fusion_buffers, self.pack_devices)):
-                other_key = (other, id(buffers[group]), np.dtype(dtype))
-                if other_key not in self.staging:
-                    self.staging[other_key] = device_util.place(np.empty(buffer.size, dtype), device)
-            stage = self.staging[key]
+            # Replica threads pack at once, and the first to get here makes every slot's buffer: allocated only
+            # (device_util.empty), as an upload queued on this replica's stream would be unordered with another
+            # replica's pack into its buffer on its own stream, and could land over the gradients; and under a
+            # lock, as a buffer made twice would leave the loser's pack table pointing at freed memory.
+            with _staging_lock:
+                group = next(j for j, b in enumerate(self.fusion_buffers[slot]) if b is buffer)
+                for other, (buffers, device) in enumerate(zip(self.fusion_buffers, self.pack_devices)):
+                    other_key = (other, id(buffers[group]), np.dtype(dtype))
+                    if other_key not in self.staging:
+                        self.staging[other_key] = device_util.empty(buffer.size, dtype, device)
+                stage = self.staging[key]
         return stage
 
     def _make_pack(self, slot: int, ordinal: int, staged: tuple):
@@ -1583,8 +1592,7 @@ class _Plan:
         buffer = self.sparse_buffers.get(key)
         if buffer is None:
             size = sum(self.copies[device][k]._value.size for k in self.groups[dtype])
-            buffer = self.sparse_buffers[key] = device_util.place(np.empty(size, dtype),
-                                                                  self.copies[device][0].device)
+            buffer = self.sparse_buffers[key] = device_util.empty(size, dtype, self.copies[device][0].device)
         return buffer
 
     def _checked_grads(self, tables, packed, stream, gate) -> list:
