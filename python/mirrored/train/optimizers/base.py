@@ -1287,6 +1287,8 @@ class _Plan:
             copy_back = self._make_pack(self.own_pack[device], ordinal, (None,) * len(self.groups))
             nbytes = [a.nbytes for a in accumulators]
             zeros = device_util.place(np.zeros(max(nbytes, default=0), np.uint8), self.copies[device][0].device)
+            # (uploaded on this thread's stream, read by later steps' copies on theirs: waited for once, here)
+            device_util.written_event(_gpu.cupy_module(), zeros).synchronize()
             zeroing = _gpu_kernel().GradientPack(ordinal, [a.data.ptr for a in accumulators], nbytes)
             # (the zeros stay referenced by the sources' tuple: the copy reads them on every step)
             self.accumulator_packs[device] = (copy_back, [a.data.ptr for a in accumulators],
