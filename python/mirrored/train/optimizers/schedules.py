@@ -63,27 +63,38 @@ class LearningRateSchedule:
         return f"{type(self).__name__}({arguments})"
 
 
-class ExponentialDecay(LearningRateSchedule):
-    """``initial_learning_rate * decay_rate ** (step / decay_steps)`` (the exponent floored with ``staircase``)."""
+class _DecayOverSteps(LearningRateSchedule):
+    """What ExponentialDecay and InverseTimeDecay share: Keras' five arguments, and the progress
+    ``step / decay_steps`` (floored with ``staircase``) in the learning rate's dtype."""
 
-    def __init__(self, initial_learning_rate, decay_steps, decay_rate, staircase=False, name="ExponentialDecay"):
+    def __init__(self, initial_learning_rate, decay_steps, decay_rate, staircase, name):
         self.initial_learning_rate = initial_learning_rate
         self.decay_steps = _check_steps(decay_steps, "decay_steps")
         self.decay_rate = decay_rate
         self.staircase = staircase
         self.name = name
 
-    def __call__(self, step):
+    def _progress(self, step):
+        """``(the initial rate, its scalar type, the progress)``."""
         lr = _float(self.initial_learning_rate)
         t = lr.dtype.type
         p = _step(step, t) / t(self.decay_steps)
-        if self.staircase:
-            p = _np.floor(p)
-        return lr * _np.power(t(self.decay_rate), p)
+        return lr, t, _np.floor(p) if self.staircase else p
 
     def get_config(self):
         return {"initial_learning_rate": self.initial_learning_rate, "decay_steps": self.decay_steps,
                 "decay_rate": self.decay_rate, "staircase": self.staircase, "name": self.name}
+
+
+class ExponentialDecay(_DecayOverSteps):
+    """``initial_learning_rate * decay_rate ** (step / decay_steps)`` (the exponent floored with ``staircase``)."""
+
+    def __init__(self, initial_learning_rate, decay_steps, decay_rate, staircase=False, name="ExponentialDecay"):
+        super().__init__(initial_learning_rate, decay_steps, decay_rate, staircase, name)
+
+    def __call__(self, step):
+        lr, t, p = self._progress(step)
+        return lr * _np.power(t(self.decay_rate), p)
 
 
 class PiecewiseConstantDecay(LearningRateSchedule):
@@ -151,27 +162,15 @@ class PolynomialDecay(LearningRateSchedule):
                 "name": self.name}
 
 
-class InverseTimeDecay(LearningRateSchedule):
+class InverseTimeDecay(_DecayOverSteps):
     """``initial_learning_rate / (1 + decay_rate * step / decay_steps)`` (the ratio floored with ``staircase``)."""
 
     def __init__(self, initial_learning_rate, decay_steps, decay_rate, staircase=False, name="InverseTimeDecay"):
-        self.initial_learning_rate = initial_learning_rate
-        self.decay_steps = _check_steps(decay_steps, "decay_steps")
-        self.decay_rate = decay_rate
-        self.staircase = staircase
-        self.name = name
+        super().__init__(initial_learning_rate, decay_steps, decay_rate, staircase, name)
 
     def __call__(self, step):
-        lr = _float(self.initial_learning_rate)
-        t = lr.dtype.type
-        p = _step(step, t) / t(self.decay_steps)
-        if self.staircase:
-            p = _np.floor(p)
+        lr, t, p = self._progress(step)
         return lr / (t(1) + t(self.decay_rate) * p)
-
-    def get_config(self):
-        return {"initial_learning_rate": self.initial_learning_rate, "decay_steps": self.decay_steps,
-                "decay_rate": self.decay_rate, "staircase": self.staircase, "name": self.name}
 
 
 def _cosine(fraction, t):
