@@ -129,6 +129,29 @@ def test_amsgrad_keeps_the_largest_velocity_and_propagates_nan_as_tf_maximum(dty
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_lion_sign_of_signed_zeros_and_nan_is_tf_signs_in_vector_loops(dtype):
+    """Lion steps by sign(m * beta_1 + g * (1 - beta_1)) as tf.sign: +0 for a zero of either sign (tf.sign(-0.0)
+    is 0.0; seen on a -0 weight, which -0 - (+0 * lr) leaves -0 where a -0 step would make it +0) and NaN for a
+    NaN. 41 elements mix the cases so the vector body and its tail both meet each; the bits (zero signs
+    included) equal the reference rule's."""
+    t = np.dtype(dtype).type
+    m0 = np.array([-0.0, 0.0, 1.0, -1.0, 0.0, 2.0, -0.0], dtype)
+    g0 = np.array([-0.0, 0.0, 3.0, -3.0, np.nan, -30.0, 0.5], dtype)
+    m, g = np.resize(m0, 41), np.resize(g0, 41)
+    w = np.full(41, -0.0, dtype)
+    c = tuple(t(x) for x in (0.25, 0.9, 0.1, 0.99, 0.01))
+    ref_w, ref_m = w.copy(), m.copy()
+    rules.apply(rules.LION, ref_w, g, [ref_m], c)
+    fused_update(rules.LION, [w], [g], [[m]], [False], [float(x) for x in c], 0.0, 0.0)
+    bits = np.uint32 if dtype == np.float32 else np.uint64
+    np.testing.assert_array_equal(w.view(bits), ref_w.view(bits))
+    np.testing.assert_array_equal(m.view(bits), ref_m.view(bits))
+    step = np.resize(np.array([-0.0, -0.0, -0.25, 0.25, np.nan, 0.25, -0.25], dtype), 41)
+    np.testing.assert_array_equal(w, step)
+    np.testing.assert_array_equal(np.signbit(w), np.signbit(step))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_arrays_with_an_equal_dtype_of_their_own_are_taken(dtype):
     """An unpickled array (a parameter server's, multiprocessing's) has a dtype object equal to, not the same
     as, NumPy's own; the kernel takes it. A non-native byte order is refused with the argument named."""

@@ -21,6 +21,7 @@
 
 namespace mirrored::rules {
 
+using std::copysign;
 using std::fabs;
 using std::pow;
 using std::sqrt;
@@ -286,10 +287,14 @@ MIRRORED_HD inline T adadelta(T w, T g, T gg, T& accumulated_grad, T& accumulate
   return w + delta * c[0];
 }
 
-// sign(x) as tf.sign: -1, 0 (keeping the zero's sign) or 1; NaN stays NaN.
+// sign(x) as tf.sign and np.sign: -1, 1, +0 for either zero (tf.sign(-0.0) is 0.0), and a NaN stays
+// NaN. The +-1 is copysign's, not a choice between the constants 1 and -1: with those, -O3 folds the
+// caller's `sign(x) * lr` into branches (1 * lr is lr), a multiply that may trap is not if-converted,
+// and the host loop branched per element (mispredicting on random signs) instead of vectorising.
 template <typename T>
 MIRRORED_HD inline T sign(T x) {
-  return x > T(0) ? T(1) : (x < T(0) ? T(-1) : x);
+  const T zero_or_nan = x == x ? T(0) : x;
+  return (x > T(0) || x < T(0)) ? copysign(T(1), x) : zero_or_nan;
 }
 
 // c: lr, beta_1, 1-beta_1, beta_2, 1-beta_2 (slot: momentum)
