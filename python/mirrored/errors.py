@@ -210,7 +210,15 @@ _OOM_FIX = ("the GPU has no room for it: use a smaller batch, fewer replicas per
             "md.config.set_logical_device_configuration), or free CuPy's cached blocks "
             "(cupy.get_default_memory_pool().free_all_blocks()); md.config.experimental.set_memory_growth does not "
             "help here, as mirrored's GPU memory always grows on demand")
+# TF's messages name three dtypes by their C names; the one copy, also used by device/python_values.py.
 _TF_DTYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half"}
+
+
+def _tf_dtype_name(name: str) -> str:
+    """A dtype's name as TF's error messages write it (``float32`` is ``float``)."""
+    return _TF_DTYPE_NAMES.get(name, name)
+
+
 _gpu_error_classes: dict = {}
 _gpu_error_classes_lock = _threading.Lock()
 
@@ -258,7 +266,7 @@ def gpu_out_of_memory(nbytes: int, device: int, *, shape=None, dtype=None, purpo
     where = "CPU:0" if device < 0 else f"GPU:{device}"
     if shape is not None and dtype is not None:
         name = _np.dtype(dtype).name
-        what = f"tensor with shape[{','.join(str(int(d)) for d in shape)}] and type {_TF_DTYPE_NAMES.get(name, name)}"
+        what = f"tensor with shape[{','.join(str(int(d)) for d in shape)}] and type {_tf_dtype_name(name)}"
     else:
         what = f"{int(nbytes)} bytes" + (f" for {purpose}" if purpose else "")
     return _gpu_error_class()(None, None, f"OOM when allocating {what} on /job:localhost/replica:0/task:0/device:"

@@ -9,6 +9,8 @@ import warnings
 
 import numpy as np
 
+from ..errors import _tf_dtype_name
+
 
 def dtype_name(dtype) -> str:
     """TF's name of a NumPy dtype (bytes are TF's string)."""
@@ -25,8 +27,6 @@ _PYTHON_TARGETS = {
     "b": {"bool", "float16", "float32", "float64", "int32", "int64", "uint64", "complex128"},
     "i": set(_NUMBERS), "f": {"float16", "float32", "float64", "complex64", "complex128"},
     "c": {"complex64", "complex128"}, "S": {"string"}}
-# TF's names of dtypes in its conversion errors.
-_TF_NAMES = {"float32": "float", "float64": "double", "float16": "half"}
 
 
 def from_python(value, dtype=None, hint=None):
@@ -62,7 +62,7 @@ def _convert_python(value, leaves, dtype):
     if dtype is None:
         return _default(array, kind)
     if _name(dtype) not in _PYTHON_TARGETS[kind]:
-        tf_name = _TF_NAMES.get(dtype.name, _name(dtype))
+        tf_name = _tf_dtype_name(_name(dtype))
         raise TypeError(f"Cannot convert {value!r:.80} to EagerTensor of dtype {tf_name} (dtype={_name(dtype)}: "
                         f"convert it to a NumPy array of its own dtype first, e.g. np.asarray(value), to cast it)")
     return _cast(array, dtype)

@@ -634,7 +634,7 @@ class StrategyExtended:
         """Reduce several ``(value, destinations)`` pairs in one fused call; one result per pair (``options``: as
         :meth:`reduce_to`'s)."""
         op = as_reduce_op(reduce_op)
-        if options is not None:
+        if options is not None:  # (the hot path: None, the common case, is checked without a call)
             check_options(options)
         strategy = self._container_strategy
         top = _top()  # (the common cases, outside any scope or in this strategy's, checked without a call)
