@@ -35,15 +35,18 @@ def use_and_drop_a_strategy():
         v = md.Variable(1.0)
     got = s.run(lambda: md.get_replica_context().all_reduce("sum", v.read_value()))
     assert [float(x) for x in s.experimental_local_results(got)] == [4.0] * 4
-    return weakref.ref(s)
+    return weakref.ref(s), [weakref.ref(c) for c in s.extended._replica_contexts]
 
 
 def test_dropped_strategies_end_their_threads_without_gc():
+    """Neither a dropped strategy nor its replica contexts (which keep their all_reduce combines, with
+    the cross-device ops) wait for the garbage collector."""
     before = replica_threads()
     gc.disable()
     try:
         refs = [use_and_drop_a_strategy() for _ in range(50)]
-        assert all(r() is None for r in refs), "a dropped strategy is kept alive by a reference cycle"
+        assert all(r() is None for r, _ in refs), "a dropped strategy is kept alive by a reference cycle"
+        assert all(c() is None for _, cs in refs for c in cs), "a cycle keeps the replica contexts alive"
         assert wait_until(lambda: replica_threads() <= before), f"{replica_threads() - before} replica threads left"
     finally:
         gc.enable()

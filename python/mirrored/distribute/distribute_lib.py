@@ -180,6 +180,9 @@ class ReplicaContext:
         ``reduce_leaves(list of PerReplica) -> list of per-device results``. ``native(slots)`` (one array
         per replica, or lists of leaves) -> the results, if given, is tried first; it returns None for
         values it does not take."""
+        # (Weak: a context keeps its all_reduce combines, so a strong reference would be a cycle that keeps a
+        # dropped strategy's contexts and cross-device ops until the garbage collector runs.)
+        context = weakref.ref(self)
 
         def combine(slots):
             # (A slot is one array, or the list of a structure's leaves: see _collective.)
@@ -197,7 +200,7 @@ class ReplicaContext:
                                      "every replica")
             results = native(per_replica) if native and not any(single) else None
             if results is None:
-                devices = self._strategy.extended.worker_devices
+                devices = context()._strategy.extended.worker_devices
                 per_leaf = [PerReplica([r[t] for r in per_replica], devices) for t in range(count)]
                 outs = reduce_leaves(per_leaf)
                 local = [out.values if isinstance(out, DistributedValues) else (out,) * len(per_replica)
@@ -247,8 +250,10 @@ class ReplicaContext:
         check_options(options)
         # Made once per op: the built-in native ops take the replicas' arrays straight, as batch_reduce_to
         # would hand them over (none: through batch_reduce_to).
-        native = self._strategy.extended._native_replica_all_reduce(op, options)
-        combine = self._combiner("all_reduce", lambda per_leaf: self._strategy.extended._batch_reduce_to(
+        extended = self._strategy.extended
+        native = extended._native_replica_all_reduce(op, options)
+        extended = weakref.ref(extended)  # (kept by this context: see _combiner)
+        combine = self._combiner("all_reduce", lambda per_leaf: extended()._batch_reduce_to(
             op, [(v, v) for v in per_leaf], options), native)
         if native is not None:
             combine = native.combine_first(combine)
