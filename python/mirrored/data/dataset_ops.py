@@ -31,7 +31,7 @@ from .saved_dataset import (SPEC_FILE, Writer, check_compression, check_path, de
                             fingerprint, fresh_directory, publish, read_chunk, read_description, shard_of)
 from .options import Options, merge_options
 from .structure import (DatasetSpec, TensorSpec, array_module, leaf_spec, map_container, normalize_input,
-                        normalize_output, spec_of, stack, to_leaf)
+                        normalize_output, row, spec_of, stack, string_array, to_leaf)
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset"]
 
@@ -665,7 +665,7 @@ class _SliceIterator(_Iterator):
         if self._i >= self._ds._rows:
             raise StopIteration
         i, self._i = self._i, self._i + 1
-        return pack_sequence_as(self._ds._structure, [leaf[i] for leaf in self._ds._leaves])
+        return pack_sequence_as(self._ds._structure, [row(leaf, i) for leaf in self._ds._leaves])
 
     def save(self):
         return {"i": self._i}
@@ -815,15 +815,17 @@ def _conform(value, signature):
         if device_util.on_gpu(value):
             leaf = value if value.dtype == signature.dtype else value.astype(signature.dtype)
         else:
-            if isinstance(value, str) or (isinstance(value, list) and signature.dtype.kind == "S"):
-                value = normalize_input(value, "generator")
+            if signature.dtype.kind == "S" and (isinstance(value, (str, bytes, list)) or
+                                                isinstance(value, np.ndarray) and value.dtype.kind in "SUO"):
+                value = normalize_input(value, "generator")  # (string_array's form, trailing NUL bytes kept)
+                if signature.is_compatible_with(value):
+                    return value
             try:
                 leaf = np.asarray(value, dtype=signature.dtype)
             except (TypeError, ValueError) as e:
                 raise TypeError(f"`generator` yielded {value!r:.100}, which is not a {signature.dtype} tensor "
                                 f"({e})") from None
-            if leaf.ndim == 0:
-                leaf = leaf[()]
+            leaf = leaf[()] if leaf.ndim == 0 else to_leaf(leaf, "generator") if leaf.dtype.kind == "S" else leaf
         if not signature.is_compatible_with(leaf):
             raise TypeError(f"`generator` yielded an element of shape {tuple(np.shape(leaf))} where an element of "
                              f"shape {signature.shape} was expected")
@@ -1074,7 +1076,7 @@ class _GatherBatchIterator(_TakingIterator):
 
     def next(self):
         index = np.asarray(self._take(), dtype=np.int64)
-        return pack_sequence_as(self._rows._structure, [leaf[index] for leaf in self._rows._leaves])
+        return pack_sequence_as(self._rows._structure, [row(leaf, index) for leaf in self._rows._leaves])
 
     def save(self):
         return {"indices": self._inputs[0].save(), "done": self._done}
@@ -1173,7 +1175,7 @@ class _UnbatchIterator(_Iterator):
                 leaves = flatten(self._current)
                 if self._row < leaves[0].shape[0]:
                     self._row += 1
-                    return pack_sequence_as(self._current, [leaf[self._row - 1] for leaf in leaves])
+                    return pack_sequence_as(self._current, [row(leaf, self._row - 1) for leaf in leaves])
             element = self._inputs[0].next()
             _check_batch_sizes(flatten(element))
             self._current, self._row = element, 0
@@ -1185,6 +1187,13 @@ class _UnbatchIterator(_Iterator):
 STAND_IN_SIZE = 7  # an unknown dimension's size in a stand-in element (a size few static dimensions have)
 
 
+def _filled(shape, dtype):
+    """A leaf of ``shape``: empty strings, or ones."""
+    if dtype.kind == "S":
+        return np.bytes_(b"") if shape == () else string_array([b""] * int(np.prod(shape)), shape)
+    return np.ones(shape, dtype)[()]
+
+
 def _stand_in(spec):
     """An element of ``spec`` for a function to run on when the input gives none (tf.data traces the function
     over the spec instead): ones (less likely than zeros to be what a function fails on) and empty strings, each
@@ -1193,7 +1202,7 @@ def _stand_in(spec):
         if isinstance(s, DatasetSpec):
             return _WindowComponent([], s.element_spec)
         shape = () if s.shape.rank is None else tuple(STAND_IN_SIZE if d is None else d for d in s.shape)
-        return (np.zeros if s.dtype.kind in "SU" else np.ones)(shape, s.dtype)[()]
+        return _filled(shape, s.dtype)
     return map_structure(leaf, spec)
 
 
@@ -1231,7 +1240,7 @@ def _resized(element, input_spec, size):
         if not isinstance(s, TensorSpec) or s.shape.rank is None or None not in tuple(s.shape):
             return x
         shape = tuple(size(n) if d is None else n for n, d in zip(np.shape(x), s.shape))
-        return (np.zeros if s.dtype.kind in "SU" else np.ones)(shape, s.dtype)[()]
+        return _filled(shape, s.dtype)
     try:
         return pack_sequence_as(element, [leaf(x, s) for x, s in zip(flatten(element), flatten(input_spec))])
     except TypeError:

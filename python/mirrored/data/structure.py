@@ -26,8 +26,8 @@ class TensorSpec:
     def __init__(self, shape, dtype=np.float32, name=None):
         self.shape = TensorShape(shape)
         self.dtype = np.dtype(dtype)
-        if self.dtype.kind in "SU":
-            self.dtype = np.dtype("S")  # a string tensor: bytes of any length (tf.string)
+        if self.dtype.kind in "SUO":
+            self.dtype = np.dtype("S")  # a string tensor: bytes of any length (tf.string; see string_array)
         self.name = name
 
     @classmethod
@@ -118,12 +118,41 @@ def array_module(x):
     return np
 
 
+def string_array(items, shape) -> np.ndarray:
+    """A string tensor of rank 1 or more: an object array of ``bytes``, as TF's ``.numpy()`` gives one. Not a
+    NumPy ``S`` array: that pads with NUL bytes and so drops a string's trailing ones (``b"a\\0"`` would come
+    back as ``b"a"``), which binary records (a TFRecord's serialized protos) do end with. A scalar string is a
+    ``np.bytes_``, which keeps them."""
+    out = np.empty(len(items), object)
+    out[:] = [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in items]
+    return out.reshape(shape)
+
+
+def is_string(x) -> bool:
+    """Whether a leaf (``np.bytes_`` scalar or object array, see string_array) is a string tensor."""
+    return x.dtype.kind in "SO"
+
+
+def row(leaf, index):
+    """``leaf[index]``, a string scalar kept a ``np.bytes_`` (an object array's item is a plain ``bytes``)."""
+    item = leaf[index]
+    return np.bytes_(item) if type(item) is bytes else item
+
+
 def to_leaf(value, argument: str):
     """One leaf as an array (NumPy, or a device array kept where it is), TF's conversion rules."""
     if isinstance(value, (np.str_, np.ndarray)) and np.asarray(value).dtype.kind == "U":
         return _unicode_to_bytes(value)  # tf.string holds bytes (UTF-8)
     if isinstance(value, np.ndarray) and value.ndim == 0:
-        return value[()]  # a rank-0 tensor is a NumPy scalar in as_numpy_iterator, as a Python number is
+        item = value[()]  # a rank-0 tensor is a NumPy scalar in as_numpy_iterator, as a Python number is
+        if value.dtype.kind == "O" and isinstance(item, (bytes, str)):
+            return np.bytes_(item.encode("utf-8") if isinstance(item, str) else item)
+        return item
+    if isinstance(value, np.ndarray) and value.dtype.kind in "SO":
+        items = value.reshape(-1).tolist()
+        if value.dtype.kind == "S" or (items and all(isinstance(v, (bytes, str)) for v in items)):
+            return string_array(items, value.shape)  # (an object array of anything else stays as it is)
+        return value
     if isinstance(value, (np.ndarray, np.generic)) or _is_gpu_array(value):
         return value
     if isinstance(value, str):
@@ -133,7 +162,7 @@ def to_leaf(value, argument: str):
     if isinstance(value, (list, bool, int, float, complex)) or hasattr(value, "__array_interface__") \
             or hasattr(value, "__array__") or hasattr(value, "__dlpack__"):
         if isinstance(value, list) and _all_strings(value):
-            return np.array([_as_bytes(v) for v in _flat_strings(value)]).reshape(np.shape(value))
+            return string_array(_flat_strings(value), np.shape(value))
         if isinstance(value, list) and any(isinstance(v, (np.ndarray, np.generic)) for v in _flat_strings(value)):
             return np.asarray(value)  # a list of arrays keeps their dtype (tf.stack), Python numbers convert as TF
         if isinstance(value, list) and _ragged(value):
@@ -157,9 +186,9 @@ def numpy_value(x):
 
 
 def _unicode_to_bytes(value):
-    arr = np.asarray(value)
-    out = np.array([s.encode("utf-8") for s in arr.reshape(-1).tolist()], dtype=np.bytes_).reshape(arr.shape)
-    return out[()] if isinstance(value, np.generic) else out
+    if isinstance(value, np.generic) or value.ndim == 0:
+        return np.bytes_(str(value[()] if isinstance(value, np.ndarray) else value).encode("utf-8"))
+    return string_array(value.reshape(-1).tolist(), value.shape)
 
 
 def _ragged(value) -> bool:
@@ -179,10 +208,6 @@ def _all_strings(value) -> bool:
 
 def _flat_strings(value) -> list:
     return [x for v in value for x in _flat_strings(v)] if isinstance(value, list) else [value]
-
-
-def _as_bytes(v) -> bytes:
-    return v.encode("utf-8") if isinstance(v, str) else v
 
 
 def map_container(fn, container):
@@ -232,6 +257,11 @@ def stack(leaves: list, component: int):
             raise ValueError(f"Cannot batch tensors with different shapes in component {component}. First element "
                              f"had shape {list(shape)} and element {i} had shape {list(leaf.shape)}; give every "
                              "element the same shape (e.g. pad or crop it in map) before batch")
+    if is_string(first):  # (string_array's form: object arrays of bytes)
+        out = np.empty((len(leaves),) + shape, object)
+        for i, leaf in enumerate(leaves):
+            out[i] = bytes(leaf) if isinstance(leaf, np.bytes_) else leaf
+        return out
     return array_module(first).stack(leaves)
 
 
@@ -246,6 +276,14 @@ def encode_state(state) -> dict:
     def enc(x):
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
+        if isinstance(x, np.bytes_):  # (as its bytes: NumPy's S arrays would drop trailing NUL bytes)
+            arrays.append(np.frombuffer(bytes(x), np.uint8).copy())
+            return {"b": len(arrays) - 1, "scalar": True}
+        if isinstance(x, np.ndarray) and x.dtype == object and all(type(v) is bytes for v in x.reshape(-1)):
+            items = x.reshape(-1).tolist()  # a string tensor (string_array): its bytes and their lengths
+            arrays.append(np.frombuffer(b"".join(items), np.uint8).copy())
+            arrays.append(np.array([len(v) for v in items], np.int64))
+            return {"strings": len(arrays) - 2, "shape": list(x.shape)}
         if isinstance(x, (np.ndarray, np.generic)) or _is_gpu_array(x):
             arr = np.asarray(device_util.to_host(x))
             if arr.dtype == object:
@@ -298,7 +336,12 @@ def decode_state(tensors: dict):
                     return cupy.asarray(arr)
             return arr[()] if x["scalar"] else arr
         if "b" in x:
-            return np.asarray(tensors[str(x["b"])], np.uint8).tobytes()
+            data = np.asarray(tensors[str(x["b"])], np.uint8).tobytes()
+            return np.bytes_(data) if x.get("scalar") else data
+        if "strings" in x:
+            data = np.asarray(tensors[str(x["strings"])], np.uint8).tobytes()
+            ends = np.cumsum(np.asarray(tensors[str(x["strings"] + 1)], np.int64)).tolist()
+            return string_array([data[a:b] for a, b in zip([0] + ends[:-1], ends)], x["shape"])
         if "d" in x:
             return {dec(k): dec(v) for k, v in x["d"]}
         if "t" in x:
