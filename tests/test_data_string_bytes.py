@@ -62,6 +62,18 @@ def test_slices_tensors_and_generators_of_bytes_keep_them():
     assert [bytes(x) for x in scalars] == RECORDS
 
 
+def test_unique_tells_strings_apart_by_every_byte():
+    assert [bytes(x) for x in D.from_tensor_slices(RECORDS + RECORDS[::-1]).unique()] == RECORDS
+
+
+def test_saved_and_cached_datasets_give_back_the_bytes(tmp_path):
+    ds = D.from_tensor_slices(RECORDS).batch(4)
+    ds.save(str(tmp_path / "saved"))
+    assert [as_bytes(b) for b in D.load(str(tmp_path / "saved"))] == [RECORDS[:4], RECORDS[4:]]
+    cached = D.from_tensor_slices(RECORDS).batch(4).cache(str(tmp_path / "cache"))
+    assert [as_bytes(b) for b in cached] == [as_bytes(b) for b in cached] == [RECORDS[:4], RECORDS[4:]]
+
+
 def test_written_records_read_back_byte_for_byte(records_file, tmp_path):
     out = str(tmp_path / "copy.tfrecord")
     md.data.experimental.TFRecordWriter(out).write(md.data.TFRecordDataset(records_file).batch(4).unbatch())

@@ -2262,6 +2262,10 @@ class _UniqueIterator(_Iterator):
 
     @staticmethod
     def _key(x):
+        if isinstance(x, np.bytes_):  # (its bytes: as an S array, b"" and b"\0" would be one key)
+            return bytes(x)
+        if isinstance(x, np.ndarray) and x.dtype == object:  # string_array's form
+            return x.shape, tuple(x.reshape(-1).tolist())
         x = np.asarray(device_util.to_host(x) if device_util.on_gpu(x) else x)
         return (x.shape, x.tobytes())
 
