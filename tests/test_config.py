@@ -104,10 +104,44 @@ def test_the_intra_op_count_is_the_host_pools_thread_count_in_a_new_process():
     env = {k: v for k, v in os.environ.items() if k != "MIRRORED_NUM_THREADS"}
     out = subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True, text=True).stdout
     assert out.split() == ["3", "3"]
-    md.config.threading.set_intra_op_parallelism_threads(2)
-    assert os.environ["MIRRORED_NUM_THREADS"] == "2"
-    md.config.threading.set_intra_op_parallelism_threads(0)
-    assert "MIRRORED_NUM_THREADS" not in os.environ
+
+
+def test_the_counts_reach_the_environment_and_are_fixed_once_the_pool_started():
+    """As TF: set first thing; after the first host collective a different count is a RuntimeError (not a
+    setting silently ignored), the same count a no-op."""
+    script = textwrap.dedent("""
+        import os
+        import numpy as np
+        import mirrored as md
+        from mirrored import _core
+        t = md.config.threading
+        t.set_intra_op_parallelism_threads(2)
+        assert os.environ["MIRRORED_NUM_THREADS"] == "2"
+        t.set_intra_op_parallelism_threads(0)
+        assert "MIRRORED_NUM_THREADS" not in os.environ
+        t.set_intra_op_parallelism_threads(2)
+        t.set_inter_op_parallelism_threads(4)
+        assert not _core.host_pool_started()
+        s = md.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        assert s.reduce("sum", s.run(lambda: np.ones(3)), axis=None).tolist() == [2.0] * 3
+        assert _core.host_pool_started() and _core.num_threads() == 2
+        t.set_intra_op_parallelism_threads(2)
+        t.set_inter_op_parallelism_threads(4)
+        for kind, count in (("intra", 1), ("intra", 0), ("inter", 1)):
+            try:
+                getattr(t, f"set_{kind}_op_parallelism_threads")(count)
+            except RuntimeError as e:
+                assert "parallelism cannot be modified after initialization" in str(e), e
+                assert "first thing" in str(e), e
+            else:
+                raise AssertionError(f"{kind} {count}: no RuntimeError")
+        assert (t.get_intra_op_parallelism_threads(), t.get_inter_op_parallelism_threads()) == (2, 4)
+        assert os.environ["MIRRORED_NUM_THREADS"] == "2" and _core.num_threads() == 2
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "MIRRORED_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["ok"], out.stderr
 
 
 # --- the namespace -----------------------------------------------------------------------------------------------

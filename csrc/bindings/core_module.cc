@@ -207,6 +207,8 @@ PYBIND11_MODULE(_core, m) {
         "The algorithm 'auto' picks for n replicas of `bytes` each.");
   m.def("isa", [] { return std::string(comm().isa()); }, "Instruction set of the reduction kernels in use.");
   m.def("num_threads", [] { return ThreadPool::global().size(); }, "Threads of the host collective pool.");
+  m.def("host_pool_started", &ThreadPool::global_started,
+        "Whether the host collective pool exists (from the first host collective on; its size is then fixed).");
   bindings::def_host_fused_update(m);
   bindings::def_array_pool(m);
   if (bindings::add_rendezvous(m.ptr()) < 0) throw py::error_already_set();

@@ -48,12 +48,22 @@ ThreadPool::~ThreadPool() {
   for (auto& t : workers_) t.join();
 }
 
+namespace {
+std::atomic<bool> global_made{false};
+}  // namespace
+
 ThreadPool& ThreadPool::global() {
   // Leaked on purpose: workers must outlive every static destructor that
   // might still run a collective at interpreter exit.
-  static ThreadPool* pool = new ThreadPool(default_threads());
+  static ThreadPool* pool = [] {
+    auto* made = new ThreadPool(default_threads());
+    global_made.store(true, std::memory_order_release);
+    return made;
+  }();
   return *pool;
 }
+
+bool ThreadPool::global_started() { return global_made.load(std::memory_order_acquire); }
 
 void ThreadPool::work_on(std::uint64_t generation) {
   std::uint64_t cur = cursor_.load(std::memory_order_acquire);

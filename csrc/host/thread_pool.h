@@ -46,6 +46,8 @@ class ThreadPool {
   // The process-wide pool: MIRRORED_NUM_THREADS threads, else one per CPU
   // this process may run on (capped at 16).
   static ThreadPool& global();
+  // Whether global() has made the pool (its thread count is fixed from then on).
+  static bool global_started();
 
  private:
   using Task = void (*)(void*, std::size_t);

@@ -2,12 +2,14 @@
 
 Intra-op parallelism is the host engine's worker pool (the threads that split one host collective or kernel;
 ``MIRRORED_NUM_THREADS``): the pool starts at the process's first host collective, with the count set here before
-then (0: the default, one per core up to 16). Set it first thing, as TF requires; a count set after the pool started
-takes effect in processes started afterwards (a launched worker inherits it through the environment). Inter-op
-parallelism has no pool here (each replica runs on a thread of its own): the count is kept and reported only.
+then (0: the default, one per core up to 16). Set it first thing, as TF requires: once the pool has started, a
+different count (of either kind) is TF's RuntimeError, not a setting silently ignored; the same count is a no-op.
+Inter-op parallelism has no pool here (each replica runs on a thread of its own): the count is kept and reported only.
 """
 
 import os as _os
+
+from ..._core import host_pool_started as _pool_started
 
 _ENV = "MIRRORED_NUM_THREADS"
 _threads = {"inter": 0, "intra": 0}
@@ -26,8 +28,18 @@ def get_inter_op_parallelism_threads() -> int:
     return _threads["inter"]
 
 
+def _check_not_started(kind: str, count: int) -> None:
+    if count != _threads[kind] and _pool_started():
+        raise RuntimeError(f"{kind.capitalize()} op parallelism cannot be modified after initialization: the host "
+                           "pool started at this process's first host collective. Set the thread counts first thing "
+                           "in the program, before any strategy runs (or set MIRRORED_NUM_THREADS in the "
+                           "environment)")
+
+
 def set_inter_op_parallelism_threads(num_threads) -> None:
-    _threads["inter"] = _count("inter op", num_threads)
+    count = _count("inter op", num_threads)
+    _check_not_started("inter", count)
+    _threads["inter"] = count
 
 
 def get_intra_op_parallelism_threads() -> int:
@@ -37,8 +49,10 @@ def get_intra_op_parallelism_threads() -> int:
 
 def set_intra_op_parallelism_threads(num_threads) -> None:
     """The host engine's worker threads (``MIRRORED_NUM_THREADS``), for the pool that starts at the process's first
-    host collective; 0 restores the default."""
-    _threads["intra"] = _count("intra op", num_threads)
+    host collective; 0 restores the default. A different count once the pool started is TF's RuntimeError."""
+    count = _count("intra op", num_threads)
+    _check_not_started("intra", count)
+    _threads["intra"] = count
     if num_threads:
         _os.environ[_ENV] = str(num_threads)
     elif _environment_default is None:
