@@ -83,3 +83,16 @@ def test_device_elements_in_a_saved_buffer_come_back_on_their_gpu(two_gpus, tmp_
     rest = list(restored)
     assert all(isinstance(b, cupy.ndarray) for b in rest)
     assert [cupy.asnumpy(b).tolist() for b in rest] == expected[1:]
+
+
+def test_string_components_stay_on_the_host_with_every_byte(two_gpus):
+    """TF keeps string tensors on the host; a batch of records ending in NUL bytes arrives whole."""
+    records = [b"a\x00", b"b", b"\x00", b"", b"c\x00\x00", b"d"]
+    ds = md.data.Dataset.from_tensor_slices({"r": records, "x": np.arange(6, dtype=np.float32)}).batch(4)
+    strings, numbers = [], []
+    for step in two_gpus.experimental_distribute_dataset(ds):
+        for r, x in zip(two_gpus.experimental_local_results(step["r"]), two_gpus.experimental_local_results(step["x"])):
+            assert isinstance(r, np.ndarray) and r.dtype == object and isinstance(x, cupy.ndarray)
+            strings += [bytes(s) for s in r]
+            numbers += cupy.asnumpy(x).tolist()
+    assert strings == records and numbers == list(range(6))

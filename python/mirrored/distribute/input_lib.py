@@ -335,6 +335,8 @@ class _DeviceFetcher:
             stream.wait_event(device_util.written_event(cupy, x))  # (x's producer may be on another stream)
             with stream:
                 return cupy.array(x, copy=True)
+        if isinstance(x, (np.ndarray, np.generic)) and x.dtype.kind in "SO":
+            return x  # strings stay on the host as they are, as TF keeps string tensors off GPUs
         host = device_util.to_host(x)
         memory = cupy.cuda.alloc_pinned_memory(host.nbytes)
         pinned = np.frombuffer(memory, host.dtype, host.size).reshape(host.shape)
