@@ -18,7 +18,7 @@ import numpy as np
 SEED = 32
 NS = (1, 2, 3)  # replica counts of the strategy cases (logical CPUs)
 DTYPES = ("float32", "float64", "int32", "int64")
-COUNTS = {"retrace": 100, "signature": 75, "concrete": 35, "method": 25, "side_effect": 20, "strategy": 30,
+COUNTS = {"retrace": 110, "signature": 75, "concrete": 35, "method": 25, "side_effect": 20, "strategy": 25,
           "decorator": 15}
 
 
@@ -118,8 +118,14 @@ def _keyword_only(x, *, k=2):
     return _leafwise((x, k))
 
 
-FUNCTIONS = {"one": _one, "default": _default, "two": _two, "star": _star, "keyword_only": _keyword_only}
-PARAMETERS = {"one": ("x",), "default": ("x", "y"), "two": ("x", "y"), "star": ("x",), "keyword_only": ("x",)}
+def _more(x, **more):
+    return _leafwise((x, more))
+
+
+FUNCTIONS = {"one": _one, "default": _default, "two": _two, "star": _star, "keyword_only": _keyword_only,
+             "more": _more}
+PARAMETERS = {"one": ("x",), "default": ("x", "y"), "two": ("x", "y"), "star": ("x",), "keyword_only": ("x",),
+              "more": ("x",)}
 
 
 # --- drawing -------------------------------------------------------------------------------------------------
@@ -213,7 +219,7 @@ def _signature_case(rng, case):
 def _draw(kind, rng):
     case = {"kind": kind}
     if kind == "retrace":
-        case["fn"] = rng.choice(("one", "one", "default", "two", "star", "keyword_only"))
+        case["fn"] = rng.choice(("one", "one", "default", "two", "star", "keyword_only", "more"))
         case["reduce_retracing"] = rng.random() < 0.3
         pool = []
         case["calls"] = [_call(rng, case["fn"], pool) for _ in range(rng.randint(3, 6))]
@@ -489,9 +495,16 @@ def _run_decorator(X, case):
            "module_is_cases": f.__module__ == __name__, "python_function": f.python_function is documented,
            "wrapped": getattr(f, "__wrapped__", None) is documented,
            "calls": _traced_calls(X, f, case["calls"])}
-    duplicate = copy.copy(f)
+    duplicate = copy.copy(f)  # (shares the traces)
     out["copy"] = {"count": duplicate.experimental_get_tracing_count(),
-                   "result": attempt(X, lambda: duplicate(value(case["calls"][0]["args"][0])))}
+                   "result": attempt(X, lambda: duplicate(value(case["calls"][0]["args"][0]) + 1)),
+                   "counts_after": [f.experimental_get_tracing_count(), duplicate.experimental_get_tracing_count()]}
+    duplicate(np.ones(4))
+    out["copy"]["counts_after_new_type"] = [f.experimental_get_tracing_count(),
+                                            duplicate.experimental_get_tracing_count()]
+    fresh = copy.deepcopy(X.function(documented, **options))
+    out["deepcopy"] = {"result": attempt(X, lambda: fresh(value(case["calls"][0]["args"][0]))),
+                       "count": fresh.experimental_get_tracing_count()}
     out["refusals"] = [attempt(X, lambda: X.function(3)),
                        attempt(X, lambda: X.function(documented, no_such_option=True))]
     return out

@@ -9,7 +9,9 @@ differences of docs/function.md ("Against tf.function"):
 * a Python scalar the function returns stays a Python scalar (TF converts it to an int32 / float32 tensor): the
   values must be TF's;
 * on CPU the function runs eagerly, so its Python side effects happen at every call that runs it (TF's at every
-  trace).
+  trace);
+* strategy.run(md.function(fn)) counts the traces on the function (TF's stays 0: it traces a clone);
+* an error raised while the step runs is the eager library's, of TF's class (TF's words are its graph's).
 
 The suite never imports TensorFlow."""
 
@@ -111,12 +113,22 @@ def _calls(got, want, name, keys=("count", "counts")):
                 assert g[key] == w[key], (f"{name} call {i}: {key}", got["calls"], want["calls"])
 
 
+def _tf_slip(result):
+    """TF's own failure, not a rule: its reduce_retracing over a ``**kwargs`` function given a new keyword raises
+    IndexError from inside its trace-type code. mirrored traces the call."""
+    return isinstance(result, dict) and result.get("raises") == "IndexError" and "list index out of range" in \
+        result["msg"]
+
+
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n]["kind"] in ("retrace", "signature")])
 def test_retracing_and_binding_as_tensorflow(name):
     got, want = _run(CASES[name]), REFERENCE[name]
     if "wrap" in want:
         assert_same_result(got.get("wrap"), want["wrap"], name)
         return
+    slips = [i for i, w in enumerate(want["calls"]) if _tf_slip(w["result"])]
+    if slips:  # (compared up to TF's failure; after it the counts part: mirrored counted the trace)
+        got["calls"], want["calls"] = got["calls"][:slips[0]], want["calls"][:slips[0]]
     _calls(got, want, name)
 
 
@@ -124,6 +136,11 @@ def test_retracing_and_binding_as_tensorflow(name):
 def test_concrete_functions_as_tensorflow(name):
     got, want = _run(CASES[name]), REFERENCE[name]
     if "concrete" in want:
+        if want["concrete"]["msg"].startswith("in user code:"):
+            # TF traces the Python function there and raises its error; md.function's get_concrete_function runs
+            # nothing (there is no graph to build): the error comes at the first call that runs it.
+            assert "inputs" in got, got
+            return
         assert_same_result(got.get("concrete"), want["concrete"], name)
         return
     assert got["inputs"] == want["inputs"] and got["count"] == want["count"], (got, want)
@@ -171,7 +188,10 @@ def test_decorator_forms_and_attributes_as_tensorflow(name):
     for key in ("name", "doc", "qualname_tail", "module_is_cases", "python_function", "wrapped"):
         assert got[key] == want[key], key
     _calls(got, want, name)
-    assert got["copy"]["count"] == want["copy"]["count"]
+    for key in ("count", "counts_after", "counts_after_new_type"):
+        assert got["copy"][key] == want["copy"][key], key
     assert_same_result(got["copy"]["result"], want["copy"]["result"], f"{name} copy")
+    assert got["deepcopy"]["count"] == want["deepcopy"]["count"]
+    assert_same_result(got["deepcopy"]["result"], want["deepcopy"]["result"], f"{name} deepcopy")
     for g, w in zip(got["refusals"], want["refusals"]):
         assert_same_result(g, w, f"{name} refusal")

@@ -98,3 +98,25 @@ def test_a_concrete_functions_structured_signature_nests_as_tensorflows():
 def test_a_non_callable_is_refused_in_tensorflows_words():
     with pytest.raises(TypeError, match="^3 is not a callable object"):
         md.function(3)
+
+
+def test_a_copy_shares_the_traces_and_a_deep_copy_starts_afresh():
+    import copy
+
+    f = md.function(lambda x: x * 2)
+    f(np.ones(2))
+    shallow = copy.copy(f)
+    shallow(np.ones(3))
+    assert f.experimental_get_tracing_count() == shallow.experimental_get_tracing_count() == 2
+    deep = copy.deepcopy(f)
+    assert deep.experimental_get_tracing_count() == 0
+    np.testing.assert_array_equal(deep(np.ones(2)), [2, 2])
+
+
+def test_parameters_a_signature_leaves_out_keep_their_defaults():
+    f = md.function(lambda x, y=3, *, k=2: x * y * k, input_signature=[md.TensorSpec([None], "float32")])
+    np.testing.assert_array_equal(f(np.ones(2), 3.0, k=2), [6, 6])  # (equal values pass)
+    with pytest.raises(TypeError, match=r"failed due to `Can not cast 1 to Literal\[3\]`"):
+        f(np.ones(2), 1)
+    with pytest.raises(TypeError, match=r"failed due to `Can not cast 5 to Literal\[2\]`"):
+        f(np.ones(2), k=5)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import functools
 import inspect
 import logging
@@ -88,13 +89,10 @@ class Function:
         # and one trace type for f(x), f(x=x) and f(x, <the default>)).
         self._canonical = function_signature.canonical_binder(python_function)
         self._reduce_retracing = reduce_retracing
-        # The trace types of the calls so far (TF's, for the count of traces); bounded, as the captures are: a
-        # step given a new Python value at every call would otherwise keep them all.
-        self._traced = collections.deque(maxlen=MAX_TRACE_TYPES)
+        self._traces = _Traces()
         self._steps: collections.OrderedDict = collections.OrderedDict()  # signature -> _Captured or reason
         self._lock = threading.RLock()
         self._recent = collections.deque(maxlen=RETRACING_CALLS)  # whether each recent call captured
-        self._tracing_count = 0
         self._captures = 0  # signatures captured (or tried): a shape, or a stale step, captures anew
         self._warned: set = set()
         self._bound = weakref.WeakKeyDictionary()  # instance -> its md.function (a decorated method)
@@ -115,7 +113,7 @@ class Function:
     def experimental_get_tracing_count(self) -> int:
         """How many times the function was traced, as TF counts: once with an input_signature, else once per
         call whose trace type no earlier trace covers (see function_signature.py)."""
-        return self._tracing_count
+        return self._traces.count
 
     def get_concrete_function(self, *args, **kwargs) -> "ConcreteFunction":
         """TF's ``get_concrete_function``: with an input_signature, of the signature (no arguments needed);
@@ -141,16 +139,21 @@ class Function:
             kind = ("input_signature", ())
         else:
             kind = function_signature.trace_type(args, kwargs)
-        if any(function_signature.covers(traced, kind) for traced in self._traced):
+        if any(function_signature.covers(traced, kind) for traced in self._traces.types):
             return None
         if self._reduce_retracing:
-            kind = function_signature.relaxed(kind, self._traced)
+            kind = function_signature.relaxed(kind, self._traces.types)
         return kind
 
     def _commit_trace(self, kind) -> None:
         if kind is not None:
-            self._traced.append(kind)
-            self._tracing_count += 1
+            self._traces.types.append(kind)
+            self._traces.count += 1
+
+    def __deepcopy__(self, memo):
+        """A function of a deep copy of the Python function, with the same options and no traces yet (a shallow
+        ``copy.copy`` shares the traces and captures, as tf.function's copies do)."""
+        return Function(copy.deepcopy(self._python_function, memo), self._input_signature, self._reduce_retracing)
 
     def __get__(self, instance, owner):
         """A decorated method: one md.function per instance (its own traces and captures), the same one at every
@@ -261,6 +264,15 @@ class Function:
 
     def __repr__(self):
         return f"<md.function {self._describe()}>"
+
+
+class _Traces:
+    """A function's trace types so far (TF's, for the count of traces) and their count. Bounded, as the captures
+    are: a step given a new Python value at every call would otherwise keep them all."""
+
+    def __init__(self):
+        self.types = collections.deque(maxlen=MAX_TRACE_TYPES)
+        self.count = 0
 
 
 class ConcreteFunction:

@@ -90,6 +90,9 @@ class Binder:
                 extra = bound.arguments.get(self._var_name, ())
                 bound.arguments[self._var_name] = tuple(
                     _fit(v, s) for v, s in zip(extra, self._var_specs)) + tuple(extra[len(self._var_specs):])
+            for p in self._unconstrained + self._keyword_only:  # (TF fixes them to their defaults)
+                if p.name in bound.arguments:
+                    _fit(bound.arguments[p.name], Literal(p.default))
         except (TypeError, ValueError) as e:
             raise TypeError(f"Binding inputs to tf.function failed due to `{e}`. Received args: {args!r} and "
                             f"kwargs: {kwargs!r} for signature: {self.description}. (md.function's "
