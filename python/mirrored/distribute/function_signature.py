@@ -201,8 +201,13 @@ def canonical_binder(python_function):
         signature = inspect.signature(python_function)
     except (TypeError, ValueError):
         return lambda args, kwargs: (args, kwargs)
+    kinds = [p.kind for p in signature.parameters.values()]
+    plain = len(kinds) if all(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                              for k in kinds) else -1
 
     def bind(args, kwargs):
+        if not kwargs and len(args) == plain:  # (already canonical: the step's usual call, bound for nothing)
+            return tuple(args), {}
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError as e:
