@@ -36,8 +36,6 @@ import numpy as np
 
 from .._nest import flatten, flatten_with_structure_key, map_structure, pack_sequence_as
 from ..device import config, device_util, gpu as _gpu
-from ..data.structure import TensorSpec
-from ..device.indexed_slices import convert_to_tensor
 from . import distribute_lib, function_signature
 from .input_lib import DistributedIterator
 from .values import DistributedValues, Variable
@@ -162,13 +160,14 @@ class Function:
             return self
         try:
             return self._bound[instance]
-        except KeyError:
+        except (KeyError, TypeError):
             pass
+        bound = Function(types.MethodType(self._python_function, instance), self._input_signature,
+                         self._reduce_retracing)
+        try:
+            self._bound[instance] = bound
         except TypeError:  # (an instance that cannot be a weak key: a fresh function at each access)
-            return Function(types.MethodType(self._python_function, instance), self._input_signature,
-                            self._reduce_retracing)
-        bound = self._bound[instance] = Function(types.MethodType(self._python_function, instance),
-                                                 self._input_signature, self._reduce_retracing)
+            pass
         return bound
 
     def __call__(self, *args, **kwargs):
