@@ -116,7 +116,7 @@ def test_get_concrete_function_of_a_signature_needs_no_arguments(case):
     concrete = fn.get_concrete_function()
     args, kwargs = concrete.structured_input_signature
     assert [repr(s).replace("dtype=", "dtype=tf.").replace("shape=TensorShape(None)", "shape=<unknown>")
-            for s in args] == case["inputs"] and kwargs == {}
+            for s in flatten(args)] == case["inputs"] and kwargs == {}
     assert fn.experimental_get_tracing_count() == 1
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import functools
 import inspect
 import logging
@@ -29,13 +30,12 @@ import threading
 import traceback
 import types
 import warnings
+import weakref
 
 import numpy as np
 
 from .._nest import flatten, flatten_with_structure_key, map_structure, pack_sequence_as
 from ..device import config, device_util, gpu as _gpu
-from ..data.structure import TensorSpec
-from ..device.indexed_slices import convert_to_tensor
 from . import distribute_lib, function_signature
 from .input_lib import DistributedIterator
 from .values import DistributedValues, Variable
@@ -69,7 +69,8 @@ def function(func=None, input_signature=None, autograph=True, jit_compile=None, 
                                  experimental_compile=experimental_compile,
                                  experimental_follow_type_hints=experimental_follow_type_hints)
     if not callable(func):
-        raise TypeError(f"func={func!r}: md.function wraps a callable (the step), e.g. md.function(train_step)")
+        raise TypeError(f"{func!r} is not a callable object (md.function wraps a callable, the step: "
+                        "md.function(train_step))")
     return Function(func, input_signature, bool(reduce_retracing or experimental_relax_shapes))
 
 
@@ -82,16 +83,17 @@ class Function:
         self._input_signature = function_signature.validate(python_function, input_signature)
         self._binder = None if self._input_signature is None else function_signature.Binder(
             python_function, self._input_signature)
+        # Without a signature, calls bind to the Python function's parameters as TF binds them (its refusals,
+        # and one trace type for f(x), f(x=x) and f(x, <the default>)).
+        self._canonical = function_signature.canonical_binder(python_function)
         self._reduce_retracing = reduce_retracing
-        # The trace types of the calls so far (TF's, for the count of traces); bounded, as the captures are: a
-        # step given a new Python value at every call would otherwise keep them all.
-        self._traced = collections.deque(maxlen=MAX_TRACE_TYPES)
+        self._traces = _Traces()
         self._steps: collections.OrderedDict = collections.OrderedDict()  # signature -> _Captured or reason
         self._lock = threading.RLock()
         self._recent = collections.deque(maxlen=RETRACING_CALLS)  # whether each recent call captured
-        self._tracing_count = 0
         self._captures = 0  # signatures captured (or tried): a shape, or a stale step, captures anew
         self._warned: set = set()
+        self._bound = weakref.WeakKeyDictionary()  # instance -> its md.function (a decorated method)
 
     @property
     def python_function(self):
@@ -109,7 +111,7 @@ class Function:
     def experimental_get_tracing_count(self) -> int:
         """How many times the function was traced, as TF counts: once with an input_signature, else once per
         call whose trace type no earlier trace covers (see function_signature.py)."""
-        return self._tracing_count
+        return self._traces.count
 
     def get_concrete_function(self, *args, **kwargs) -> "ConcreteFunction":
         """TF's ``get_concrete_function``: with an input_signature, of the signature (no arguments needed);
@@ -117,48 +119,76 @@ class Function:
         if self._binder is not None:
             if args or kwargs:
                 self._binder.bind(args, kwargs)
-            self._count_trace(args, kwargs)
-            return ConcreteFunction(self, self._binder)
+            self._commit_trace(self._new_trace(args, kwargs))
+            return ConcreteFunction(self, function_signature.ConcreteBinder(self._python_function,
+                                                                            *self._binder.example()))
         if not args and not kwargs and _takes_arguments(self._python_function):
             raise TypeError(f"md.function({self._describe()}).get_concrete_function(): pass example arguments "
                             "(arrays or md.TensorSpec), or give md.function an input_signature")
-        specs = [_spec_of(a) for a in args]
-        keyword = {k: _spec_of(v) for k, v in kwargs.items()}
-        self._count_trace(args, kwargs)
-        return ConcreteFunction(self, function_signature.Binder(
-            functools.partial(self._python_function, **keyword) if keyword else self._python_function, specs))
+        args, kwargs = self._canonical(args, kwargs)
+        binder = function_signature.ConcreteBinder(self._python_function, args, kwargs)
+        self._commit_trace(self._new_trace(args, kwargs))
+        return ConcreteFunction(self, binder)
 
-    def _count_trace(self, args, kwargs) -> None:
-        """TF's count of traces: one per signature, or per call of a trace type no earlier trace covers."""
+    def _new_trace(self, args, kwargs):
+        """The trace type a call of these arguments adds (TF's count of traces: one per signature, or one per
+        call of a type no earlier trace covers), or None: an earlier trace covers it."""
         if self._binder is not None:
             kind = ("input_signature", ())
         else:
             kind = function_signature.trace_type(args, kwargs)
-        if any(function_signature.covers(traced, kind) for traced in self._traced):
-            return
+        if any(function_signature.covers(traced, kind) for traced in self._traces.types):
+            return None
         if self._reduce_retracing:
-            kind = function_signature.relaxed(kind, self._traced)
-        self._traced.append(kind)
-        self._tracing_count += 1
+            kind = function_signature.relaxed(kind, self._traces.types)
+        return kind
 
-    def __get__(self, instance, owner):  # a decorated method: bound per instance, as tf.function's
-        return self if instance is None else functools.partial(self.__call__, instance)
+    def _commit_trace(self, kind) -> None:
+        if kind is not None:
+            self._traces.types.append(kind)
+            self._traces.count += 1
+
+    def __deepcopy__(self, memo):
+        """A function of a deep copy of the Python function, with the same options and no traces yet (a shallow
+        ``copy.copy`` shares the traces and captures, as tf.function's copies do)."""
+        return Function(copy.deepcopy(self._python_function, memo), self._input_signature, self._reduce_retracing)
+
+    def __get__(self, instance, owner):
+        """A decorated method: one md.function per instance (its own traces and captures), the same one at every
+        access, as tf.function's."""
+        if instance is None:
+            return self
+        try:
+            return self._bound[instance]
+        except (KeyError, TypeError):
+            pass
+        bound = Function(types.MethodType(self._python_function, instance), self._input_signature,
+                         self._reduce_retracing)
+        try:
+            self._bound[instance] = bound
+        except TypeError:  # (an instance that cannot be a weak key: a fresh function at each access)
+            pass
+        return bound
 
     def __call__(self, *args, **kwargs):
-        if self._binder is not None:
-            args, kwargs = self._binder.bind(args, kwargs)
+        args, kwargs = self._bind(args, kwargs)
         return self._call(None, args, kwargs)
+
+    def _bind(self, args, kwargs):
+        if self._binder is not None:
+            return self._binder.bind(args, kwargs)
+        return self._canonical(args, kwargs)
 
     def _run_in_strategy(self, strategy, args, kwargs):
         """``strategy.run(md.function(fn), args, kwargs)``: the whole replica step is the captured step (each
         replica's arguments bound to the input_signature, as TF's function called per replica binds them)."""
-        if self._binder is not None:
-            args, kwargs = self._binder.bind(tuple(args), kwargs or {})
+        args, kwargs = self._bind(tuple(args), kwargs or {})
         return self._call(strategy, tuple(args), kwargs)
 
     # --- calls -----------------------------------------------------------------------
 
-    def _call(self, strategy, args, kwargs):
+    def _call(self, strategy, args, kwargs, count=True):
+        """``count=False``: the call's trace is not counted (a concrete function's call: its trace was)."""
         if _gpu.step_scope() is not None or config.functions_run_eagerly():
             # inside another md.function's step: part of that step; or md.config.run_functions_eagerly(True): the
             # Python function at every call, neither traced nor captured (TF's debugging mode)
@@ -169,8 +199,11 @@ class Function:
             step = self._steps.get(key)
             if step is None:
                 # (A call of a kept signature was counted at its first call: its inputs' type was the same.)
-                self._count_trace(args, kwargs)
-                return self._first_call(key, strategy, inputs)
+                # A trace counts once the step ran: TF does not keep a trace that raised.
+                kind = self._new_trace(args, kwargs) if count else None
+                result = self._first_call(key, strategy, inputs)
+                self._commit_trace(kind)
+                return result
             self._steps.move_to_end(key)
             self._recent.append(False)
             if isinstance(step, str):
@@ -232,6 +265,15 @@ class Function:
         return f"<md.function {self._describe()}>"
 
 
+class _Traces:
+    """A function's trace types so far (TF's, for the count of traces) and their count. Bounded, as the captures
+    are: a step given a new Python value at every call would otherwise keep them all."""
+
+    def __init__(self):
+        self.types = collections.deque(maxlen=MAX_TRACE_TYPES)
+        self.count = 0
+
+
 class ConcreteFunction:
     """TF's ``ConcreteFunction`` of an ``md.function``: calls of its one trace type (arguments bound to its
     specs, as the function with that input_signature binds them)."""
@@ -241,8 +283,9 @@ class ConcreteFunction:
 
     @property
     def structured_input_signature(self):
-        """``(args, kwargs)`` of ``md.TensorSpec``, each named after its parameter (x, x_0, x_1_a), as TF's."""
-        return tuple(self._binder.concrete_inputs()), {}
+        """``(args, kwargs)`` as TF's: per parameter its ``md.TensorSpec`` structure, each spec named after its
+        parameter and place (x, x_0, y_a), and the Python values it was traced with as they are."""
+        return self._binder.structured()
 
     @property
     def inputs(self) -> list:
@@ -254,7 +297,7 @@ class ConcreteFunction:
 
     def __call__(self, *args, **kwargs):
         args, kwargs = self._binder.bind(args, kwargs)
-        return self._function._call(None, args, kwargs)
+        return self._function._call(None, args, kwargs, count=False)  # (its one trace is counted)
 
     def __repr__(self):
         return f"<md.ConcreteFunction {self._function._describe()}{self._binder.description}>"
@@ -263,17 +306,6 @@ class ConcreteFunction:
 def _takes_arguments(fn) -> bool:
     return any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
                for p in inspect.signature(fn).parameters.values())
-
-
-def _spec_of(value):
-    """An argument of get_concrete_function as a spec: a TensorSpec as it is, an array's shape and dtype,
-    a structure of them as a structure of specs."""
-    if isinstance(value, (tuple, list, dict)) and not hasattr(value, "_fields"):
-        return map_structure(_spec_of, value)
-    if isinstance(value, TensorSpec):
-        return value
-    array = value if hasattr(value, "dtype") and hasattr(value, "shape") else convert_to_tensor(value)
-    return TensorSpec(tuple(array.shape), array.dtype)
 
 
 # --- which GPUs a step uses ---------------------------------------------------------

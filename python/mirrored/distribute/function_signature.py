@@ -14,6 +14,7 @@ its arrays share with the earlier traces (dimensions that differ become ``None``
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import numpy as np
 
@@ -72,6 +73,8 @@ class Binder:
         for p, spec in zip(positional, input_signature):
             self._specs[p.name] = spec
         self._var_specs = input_signature[len(positional):]
+        self._unconstrained = positional[len(input_signature):]  # (each has a default: validate checked it)
+        self._keyword_only = [p for p in parameters if p.kind == p.KEYWORD_ONLY]
         self._var_name = next((p.name for p in parameters if p.kind == p.VAR_POSITIONAL), None)
         described = [f"{p.name}: {self._specs[p.name]!r}" if p.name in self._specs else str(p) for p in parameters]
         self.description = f"({', '.join(described)})"
@@ -87,6 +90,9 @@ class Binder:
                 extra = bound.arguments.get(self._var_name, ())
                 bound.arguments[self._var_name] = tuple(
                     _fit(v, s) for v, s in zip(extra, self._var_specs)) + tuple(extra[len(self._var_specs):])
+            for p in self._unconstrained + self._keyword_only:  # (TF fixes them to their defaults)
+                if p.name in bound.arguments:
+                    _fit(bound.arguments[p.name], Literal(p.default))
         except (TypeError, ValueError) as e:
             raise TypeError(f"Binding inputs to tf.function failed due to `{e}`. Received args: {args!r} and "
                             f"kwargs: {kwargs!r} for signature: {self.description}. (md.function's "
@@ -94,28 +100,134 @@ class Binder:
                             "and shapes that fit theirs)") from None
         return bound.args, bound.kwargs
 
+    def example(self):
+        """The arguments of the signature's concrete function: the specs, then the Python function's defaults of the
+        parameters they leave out (TF traces those as values the concrete function's calls must repeat)."""
+        positional = list(self._specs.values()) + list(self._var_specs)
+        positional += [p.default for p in self._unconstrained]
+        return positional, {p.name: p.default for p in self._keyword_only}
+
+
+class Literal:
+    """A Python value a concrete function was traced with: its calls must pass an equal one (TF's Literal)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self):
+        return f"Literal[{self.value!r}]"
+
+
+class ConcreteBinder:
+    """Binds the calls of a concrete function traced without an input_signature, as TF's: every parameter it
+    was traced with is required (defaults included), arrays fit the example's shape and dtype, Python values
+    must equal the example's."""
+
+    def __init__(self, python_function, args, kwargs):
+        parameters = list(inspect.signature(python_function).parameters.values())
+        named, keyword = [], {}
+        plain = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        var = next((p for p in parameters if p.kind == p.VAR_POSITIONAL), None)
+        for p, value in zip(plain, args):
+            named.append((p.replace(default=p.empty), _example_spec(value)))
+        kind = inspect.Parameter.POSITIONAL_ONLY if var is not None else None
+        if var is not None:  # (the extra positional arguments, each a positional parameter of the trace)
+            named = [(p.replace(kind=kind), spec) for p, spec in named]
+            for i, value in enumerate(args[len(plain):]):
+                name = f"{var.name}_{i}"
+                named.append((inspect.Parameter(name, kind), _example_spec(value)))
+        for name, value in kwargs.items():
+            keyword[name] = _example_spec(value)
+        keyword_parameters = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY) for name in keyword]
+        self._signature = inspect.Signature([p for p, _ in named] + keyword_parameters)
+        self._positional = [spec for _, spec in named]
+        self._keyword = keyword
+        described = [f"{p.name}: {spec!r}" for p, spec in named] + [f"{k}: {v!r}" for k, v in keyword.items()]
+        self.description = f"({', '.join(described)})"
+
+    def bind(self, args, kwargs):
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+            values = list(bound.arguments.values())
+            fitted = [_fit(v, s) for v, s in zip(values, self._positional)]
+            keyword = {k: _fit(bound.arguments[k], s) for k, s in self._keyword.items()}
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"Binding inputs to tf.function failed due to `{e}`. Received args: {args!r} and "
+                            f"kwargs: {kwargs!r} for signature: {self.description}. (a concrete function takes "
+                            "every argument it was traced with: arrays of its shapes and dtypes, equal Python "
+                            "values)") from None
+        return tuple(fitted), keyword
+
+    def structured(self):
+        names = list(self._signature.parameters)
+        return tuple(_named(s, n) for s, n in zip(self._positional, names)), {
+            k: _named(v, k) for k, v in self._keyword.items()}
+
     def concrete_inputs(self) -> list:
-        """The flat input specs of the traced function, named after their parameters (x, x_0, x_1_a), as TF's
-        ``structured_input_signature``."""
-        named = []
-        for name, spec in self._specs.items():
-            named.extend(_named_leaves(spec, name))
-        for i, spec in enumerate(self._var_specs):
-            named.extend(_named_leaves(spec, f"{self._var_name}_{i}"))
-        return named
+        return [s for s in flatten(self.structured()) if isinstance(s, TensorSpec)]
 
 
-def _named_leaves(spec, name):
+def _example_spec(value):
+    """An example argument of get_concrete_function as TF traces it: specs (named after their place) for arrays
+    and specs, the same containers around them, Python values as Literals."""
+    if isinstance(value, TensorSpec):
+        return TensorSpec(value.shape, value.dtype)
+    if isinstance(value, (np.ndarray, np.generic, Variable)) or device_util.on_gpu(value):
+        return TensorSpec(tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return {k: _example_spec(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(map(_example_spec, value))
+    return Literal(value)
+
+
+def _named(spec, name):
+    """``spec``'s structure, each TensorSpec named after its parameter and place (x, x_0, x_1_a), as TF names,
+    and each Literal the value it stands for."""
     if isinstance(spec, TensorSpec):
-        return [TensorSpec(spec.shape, spec.dtype, name)]
-    items = sorted(spec.items()) if isinstance(spec, dict) else enumerate(spec)
-    return [leaf for key, s in items for leaf in _named_leaves(s, f"{name}_{key}")]
+        return TensorSpec(spec.shape, spec.dtype, name)
+    if isinstance(spec, Literal):
+        return spec.value
+    if isinstance(spec, dict):
+        return {k: _named(s, f"{name}_{k}") for k, s in spec.items()}
+    return type(spec)(_named(s, f"{name}_{i}") for i, s in enumerate(spec))
+
+
+def canonical_binder(python_function):
+    """``bind(args, kwargs)``: a call's arguments bound to ``python_function``'s parameters, defaults filled in
+    (TF's canonical form: positional where a parameter takes them), or TF's TypeError; the identity for a callable
+    whose parameters Python cannot tell."""
+    try:
+        signature = inspect.signature(python_function)
+    except (TypeError, ValueError):
+        return lambda args, kwargs: (args, kwargs)
+    kinds = [p.kind for p in signature.parameters.values()]
+    plain = len(kinds) if all(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                              for k in kinds) else -1
+
+    def bind(args, kwargs):
+        if not kwargs and len(args) == plain:  # (already canonical: the step's usual call, bound for nothing)
+            return tuple(args), {}
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"Binding inputs to tf.function failed due to `{e}`. Received args: {args!r} and "
+                            f"kwargs: {kwargs!r} for signature: {signature}. (pass the arguments "
+                            f"{getattr(python_function, '__name__', 'the function')} takes)") from None
+        bound.apply_defaults()
+        return bound.args, bound.kwargs
+
+    return bind
 
 
 def _fit(value, spec):
     """``value`` fitted to ``spec``: structures matched, leaves converted and their shapes checked."""
     if isinstance(spec, TensorSpec):
         return _fit_leaf(value, spec)
+    if isinstance(spec, Literal):  # (an array compared to it raises numpy's "truth value ... ambiguous", as TF's)
+        if not bool(value == spec.value):
+            raise TypeError(f"Can not cast {value!r} to {spec!r}")
+        return value
     if isinstance(spec, dict):
         if not isinstance(value, dict) or set(value) != set(spec):
             raise TypeError(f"{value!r} has different keys with the TraceType {spec!r}.")
@@ -158,13 +270,20 @@ def _leaf_type(leaf):
         return ("variable", id(leaf))
     if isinstance(leaf, DistributedValues):
         return (type(leaf).__name__, tuple(_leaf_type(c) for c in leaf.values))
-    if isinstance(leaf, np.ndarray) or device_util.on_gpu(leaf):
+    if isinstance(leaf, (np.ndarray, np.generic)) or device_util.on_gpu(leaf):  # (TF converts NumPy scalars too)
         return ("tensor", tuple(leaf.shape), leaf.dtype)
+    if leaf is None or isinstance(leaf, (bool, int, float, complex, str, bytes)):
+        # By value and equality, as TF's literals: 1, 1.0 and True are one trace type.
+        return ("value", leaf)
     try:
-        hash(leaf)
-    except TypeError:
-        return ("object", id(leaf))
-    return ("value", type(leaf), leaf)
+        weakref.ref(leaf)
+    except TypeError:  # (what TF cannot reference weakly it keys by value, when hashable)
+        try:
+            hash(leaf)
+        except TypeError:
+            return ("object", id(leaf))
+        return ("value", leaf)
+    return ("object", id(leaf))  # any other object by identity, as TF's weak references
 
 
 def _is_tensor(t) -> bool:
