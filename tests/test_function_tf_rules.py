@@ -120,3 +120,34 @@ def test_parameters_a_signature_leaves_out_keep_their_defaults():
         f(np.ones(2), 1)
     with pytest.raises(TypeError, match=r"failed due to `Can not cast 5 to Literal\[2\]`"):
         f(np.ones(2), k=5)
+
+
+def test_an_object_with_a_decorated_method_is_freed_when_dropped():
+    """The md.function kept for each instance holds it weakly, as tf.function's: a model dropped after its
+    step ran goes at once, with its arrays (the step kept a bound method, which kept the model for good)."""
+    import gc
+    import weakref
+
+    class Model:
+        def __init__(self):
+            self.w = np.full(3, 2.0)
+
+        @md.function
+        def step(self, x):
+            return x * self.w
+
+    gc.collect()
+    gc.disable()
+    try:
+        model = Model()
+        step = model.step
+        assert step is model.step and step.__name__ == "step"
+        np.testing.assert_array_equal(step(np.ones(3)), [2, 2, 2])
+        assert step.python_function.__self__ is model
+        dropped = weakref.ref(model)
+        del model
+        assert dropped() is None, "the decorated method's function keeps its object alive"
+        with pytest.raises(ReferenceError, match="its object was deleted"):  # (tf.function's holds it weakly too)
+            step(np.ones(3))
+    finally:
+        gc.enable()

@@ -162,7 +162,7 @@ class Function:
             return self._bound[instance]
         except (KeyError, TypeError):
             pass
-        bound = Function(types.MethodType(self._python_function, instance), self._input_signature,
+        bound = Function(_WeakMethod(self._python_function, instance), self._input_signature,
                          self._reduce_retracing)
         try:
             self._bound[instance] = bound
@@ -567,6 +567,30 @@ def _capture(fn, strategy, inputs, ordinals):
     return captured
 
 
+class _WeakMethod:
+    """A decorated method bound to its instance without keeping it alive. The function kept for each instance
+    (``Function.__get__``, by weak key) holds this, not a bound method: a bound method's strong reference from the
+    value to its key would keep every object with a decorated method, and its arrays, alive for good."""
+
+    def __init__(self, func, instance):
+        self.__func__ = func
+        self._instance = weakref.ref(instance)
+        self.__signature__ = inspect.signature(types.MethodType(func, instance))  # (without ``self``)
+        self.__name__ = getattr(func, "__name__", type(func).__name__)
+        self.__qualname__ = getattr(func, "__qualname__", self.__name__)
+        self.__doc__ = getattr(func, "__doc__", None)
+
+    @property
+    def __self__(self):
+        return self._instance()
+
+    def __call__(self, *args, **kwargs):
+        instance = self._instance()
+        if instance is None:  # (only a function kept past its object can get here)
+            raise ReferenceError(f"md.function {self.__qualname__}: its object was deleted")
+        return self.__func__(instance, *args, **kwargs)
+
+
 # How far the walk for a step's closure constants goes: objects deep, and objects in all (a capture is made once).
 _CLOSURE_DEPTH, _CLOSURE_OBJECTS = 4, 20000
 
@@ -589,7 +613,7 @@ def _closure_arrays(fn, arguments) -> list:
             found[id(x)] = x
             return
         if depth == 0 or isinstance(x, (str, bytes, int, float, complex, type, types.ModuleType, np.ndarray)) \
-                or type(x).__module__.partition(".")[0] == "mirrored":
+                or (type(x).__module__.partition(".")[0] == "mirrored" and type(x) is not _WeakMethod):
             return
         if isinstance(x, dict):
             items = list(x.values())
@@ -597,7 +621,7 @@ def _closure_arrays(fn, arguments) -> list:
             items = list(x)
         elif isinstance(x, types.FunctionType):
             items = _function_reaches(x)
-        elif isinstance(x, types.MethodType):
+        elif isinstance(x, (types.MethodType, _WeakMethod)):
             items = [x.__func__, x.__self__]
         else:
             items = list(getattr(x, "__dict__", {}).values())
