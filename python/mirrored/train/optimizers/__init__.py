@@ -17,13 +17,14 @@ import numpy as _np
 from . import rules, schedules
 from .base import Optimizer
 from .keras import SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, Ftrl, Lion, Nadam, RMSprop
+from .serialization import deserialize, get, serialize
 
 # The modules behind the names above are no part of the namespace (`from .base import ...` still works).
-del base, keras, step_window  # noqa: F821  (bound by the imports above)
+del base, keras, serialization, step_window  # noqa: F821  (bound by the imports above)
 
 __all__ = [  # Keras' keras.optimizers names (LossScaleOptimizer: set by md.train), then ours
     "schedules", "Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "Adamax", "Adadelta", "Lion",
-    "Ftrl", "LossScaleOptimizer",
+    "Ftrl", "LossScaleOptimizer", "get", "serialize", "deserialize",
     "rules", "sgd_update", "adam_update",
 ]
 

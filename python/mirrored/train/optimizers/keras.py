@@ -32,10 +32,12 @@ def _cast(t, value: float):
 class SGD(Optimizer):
     """Gradient descent with optional (Nesterov) momentum, as ``keras.optimizers.SGD``."""
 
+    _config_keys = ("momentum", "nesterov")
+
     def __init__(self, learning_rate=0.01, momentum: float = 0.0, nesterov: bool = False, weight_decay=None,
                  clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
                  gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or "SGD", gradient_aggregation, weight_decay=weight_decay,
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
                          clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
         self.momentum = check_rate(momentum, "momentum", low=0.0, high=1.0, high_inclusive=True)
         if nesterov and self.momentum == 0.0:
@@ -52,6 +54,8 @@ class Adam(Optimizer):
     """Adam (Kingma & Ba, 2014), as ``keras.optimizers.Adam``; ``amsgrad=True`` adds the slot ``velocity_hat``
     (the largest velocity so far), by which the step divides."""
 
+    _config_keys = ("beta_1", "beta_2", "epsilon", "amsgrad")
+
     _coefficients_use_step = True  # bias corrections (Nadam: the momentum schedule) follow the step
 
     _slot_specs = (("momentum", 0.0), ("velocity", 0.0))
@@ -61,7 +65,7 @@ class Adam(Optimizer):
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
                  amsgrad: bool = False, weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None,
                  name: str | None = None, gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or type(self).__name__, gradient_aggregation,
+        super().__init__(learning_rate, name, gradient_aggregation,
                          weight_decay=weight_decay, clipnorm=clipnorm, clipvalue=clipvalue,
                          global_clipnorm=global_clipnorm, **kwargs)
         self.amsgrad = bool(amsgrad)
@@ -103,12 +107,14 @@ class AdamW(Adam):
 class RMSprop(Optimizer):
     """RMSprop (Hinton), as ``keras.optimizers.RMSprop``: ``rho``, ``momentum``, ``centered``."""
 
+    _config_keys = ("rho", "momentum", "epsilon", "centered")
+
     _rule = RMSPROP
 
     def __init__(self, learning_rate=0.001, rho: float = 0.9, momentum: float = 0.0, epsilon: float = 1e-7,
                  centered: bool = False, weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None,
                  name: str | None = None, gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or "RMSprop", gradient_aggregation, weight_decay=weight_decay,
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
                          clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
         self.rho = check_rate(rho, "rho", low=0.0, high=1.0, high_inclusive=True)
         self.momentum = check_rate(momentum, "momentum", low=0.0, high=1.0, high_inclusive=True)
@@ -130,12 +136,14 @@ class RMSprop(Optimizer):
 class Adagrad(Optimizer):
     """Adagrad (Duchi et al., 2011), as ``keras.optimizers.Adagrad``."""
 
+    _config_keys = ("initial_accumulator_value", "epsilon")
+
     _rule = ADAGRAD
 
     def __init__(self, learning_rate=0.001, initial_accumulator_value: float = 0.1, epsilon: float = 1e-7,
                  weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
                  gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or "Adagrad", gradient_aggregation, weight_decay=weight_decay,
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
                          clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
         self.initial_accumulator_value = check_rate(initial_accumulator_value, "initial_accumulator_value")
         self.epsilon = check_rate(epsilon, "epsilon")
@@ -153,6 +161,8 @@ class Nadam(Optimizer):
     so checkpoints hold nothing beyond the slots and ``iterations``.
     """
 
+    _config_keys = ("beta_1", "beta_2", "epsilon")
+
     _coefficients_use_step = True  # bias corrections (Nadam: the momentum schedule) follow the step
 
     _slot_specs = (("momentum", 0.0), ("velocity", 0.0))
@@ -161,7 +171,7 @@ class Nadam(Optimizer):
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
                  weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
                  gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or "Nadam", gradient_aggregation, weight_decay=weight_decay,
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
                          clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
         self.beta_1 = check_rate(beta_1, "beta_1", low=0.0, high=1.0)
         self.beta_2 = check_rate(beta_2, "beta_2", low=0.0, high=1.0)
@@ -223,6 +233,8 @@ class Adamax(Optimizer):
     """Adam with the infinity norm (Kingma & Ba, 2014, section 7), as ``keras.optimizers.Adamax``: slots
     ``momentum`` and ``norm`` (the decayed largest |gradient|)."""
 
+    _config_keys = ("beta_1", "beta_2", "epsilon")
+
     _coefficients_use_step = True  # the bias correction 1 - beta_1^t
     _slot_specs = (("momentum", 0.0), ("norm", 0.0))
     _rule = ADAMAX
@@ -230,7 +242,7 @@ class Adamax(Optimizer):
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
                  weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
                  gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or "adamax", gradient_aggregation, weight_decay=weight_decay,
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
                          clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
         self.beta_1 = check_rate(beta_1, "beta_1", low=0.0, high=1.0)
         self.beta_2 = check_rate(beta_2, "beta_2", low=0.0, high=1.0, high_inclusive=True)
@@ -245,13 +257,15 @@ class Adadelta(Optimizer):
     """Adadelta (Zeiler, 2012), as ``keras.optimizers.Adadelta``: slots ``accumulated_grad`` and
     ``accumulated_delta_var``; Keras' default ``learning_rate`` is 0.001 (the paper's 1.0 is ``learning_rate=1.0``)."""
 
+    _config_keys = ("rho", "epsilon")
+
     _slot_specs = (("accumulated_grad", 0.0), ("accumulated_delta_var", 0.0))
     _rule = ADADELTA
 
     def __init__(self, learning_rate=0.001, rho: float = 0.95, epsilon: float = 1e-7, weight_decay=None,
                  clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
                  gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or "adadelta", gradient_aggregation, weight_decay=weight_decay,
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
                          clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
         self.rho = check_rate(rho, "rho", low=0.0, high=1.0, high_inclusive=True)
         self.epsilon = check_rate(epsilon, "epsilon")
@@ -264,13 +278,15 @@ class Lion(Optimizer):
     """Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms"), as ``keras.optimizers.Lion``:
     the sign of an interpolated momentum; slot ``momentum``."""
 
+    _config_keys = ("beta_1", "beta_2")
+
     _slot_specs = (("momentum", 0.0),)
     _rule = LION
 
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.99, weight_decay=None,
                  clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
                  gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or "lion", gradient_aggregation, weight_decay=weight_decay,
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
                          clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
         if isinstance(beta_1, (int, float)) and not isinstance(beta_1, bool) and (beta_1 <= 0 or beta_1 > 1):
             raise ValueError("Argument `beta_1` must be in the [0, 1] range. Otherwise, the optimizer degenerates "
@@ -287,6 +303,9 @@ class Ftrl(Optimizer):
     """FTRL-Proximal (McMahan et al., 2013), as ``keras.optimizers.Ftrl``: slots ``accumulator`` (starting at
     ``initial_accumulator_value``) and ``linear``; L1, L2 and L2-shrinkage regularization and ``beta``."""
 
+    _config_keys = ("learning_rate_power", "initial_accumulator_value", "l1_regularization_strength",
+                    "l2_regularization_strength", "l2_shrinkage_regularization_strength", "beta")
+
     _rule = FTRL
 
     def __init__(self, learning_rate=0.001, learning_rate_power: float = -0.5,
@@ -294,7 +313,7 @@ class Ftrl(Optimizer):
                  l2_regularization_strength: float = 0.0, l2_shrinkage_regularization_strength: float = 0.0,
                  beta: float = 0.0, weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None,
                  name: str | None = None, gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or "ftrl", gradient_aggregation, weight_decay=weight_decay,
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
                          clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
         self.learning_rate_power = check_rate(learning_rate_power, "learning_rate_power", low=-float("inf"),
                                               high=0.0, high_inclusive=True)
