@@ -64,8 +64,8 @@ from ...distribute import distribute_lib, values
 from ...distribute.options import VariableAggregation
 from ...distribute.reduce_util import ReduceOp
 from ...distribute.values import DistributedValues, DistributedVariable, PerReplica
-from .rules import (EMA, HOST_COEFFICIENTS, SGD, SQUARING, SquaredGradient, apply as apply_rule, array_module,
-                    ema, weight_decay as apply_weight_decay)
+from .rules import (EMA, HOST_COEFFICIENTS, PER_VARIABLE, SGD, SQUARING, SquaredGradient, apply as apply_rule,
+                    array_module, ema, weight_decay as apply_weight_decay)
 from .schedules import LearningRateSchedule, deserialize as deserialize_schedule, serialize as serialize_schedule
 from .step_window import StepWindow
 
@@ -396,14 +396,18 @@ class Optimizer:
                 base = var.name.split(":")[0]  # "dense0/w:0" -> slots "dense0/w/momentum:0", ...
                 self._slots[id(var)] = (var, {
                     # Keras' Constant initializer casts through float32.
-                    slot: values.Variable(np.full(var.shape, np.float32(initial), dtype=var.dtype),
-                                          name=f"{base}/{slot}",
+                    slot: values.Variable(np.full(shape, np.float32(initial), dtype), name=f"{base}/{slot}",
                                           trainable=False)
-                    for slot, initial in self._state_specs})
+                    for slot, initial in self._state_specs
+                    for shape, dtype in [self._slot_shape(slot, var)]})
         self._strategy = strategy
         restore, self._restore_on_build = self._restore_on_build, None
         if restore is not None and missing:
             restore(self)
+
+    def _slot_shape(self, name: str, var) -> tuple:
+        """``(shape, dtype)`` of ``var``'s slot ``name``: the variable's (Adafactor's factored moments differ)."""
+        return var.shape, var.dtype
 
     def _refresh_state(self) -> None:
         """Bring into view state that lives on other tasks and that steps run elsewhere create or change
@@ -920,7 +924,10 @@ class _Plan:
         # packs its gradients into a fusion buffer per dtype (allocated once, on its device), and
         # the fused kernel reads the reduced buffer in place.
         kernel = _host_kernel if all(self.host) else _gpu_kernel() if not any(self.host) else None
-        self.packable = kernel is not None and all(dtype in _KERNEL_DTYPES for dtype in self.groups)
+        # (A rule that reduces over whole variables has no fused kernel: it runs variable by variable.)
+        self.fused = optimizer._rule not in PER_VARIABLE
+        self.packable = (kernel is not None and self.fused
+                         and all(dtype in _KERNEL_DTYPES for dtype in self.groups))
         # Host replicas of one process whose all-reduce sums in replica order: no pack and no all-reduce,
         # the update sums the replicas' gradients (see _Summands).
         extended = optimizer._strategy.extended if optimizer._strategy is not None else None
@@ -1461,7 +1468,7 @@ class _Plan:
         whole = len(self.groups) == 1  # (one dtype: the lists as they are, no per-group copy)
         ready = None if grads is None or not self.packable else self.host_grads(_plains(grads))
         for j, (dtype, indices) in enumerate(self.groups.items()):
-            if dtype not in _KERNEL_DTYPES:
+            if dtype not in _KERNEL_DTYPES or not self.fused:
                 rest[dtype] = indices
                 continue
             weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))

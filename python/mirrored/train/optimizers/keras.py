@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .rules import (ADADELTA, ADAGRAD, ADAM, ADAM_AMSGRAD, ADAMAX, FTRL, LION, NADAM, RMSPROP, SGD as PLAIN_SGD,
-                    SGD_MOMENTUM, SGD_NESTEROV)
+from .rules import (ADADELTA, ADAFACTOR, ADAGRAD, ADAM, ADAM_AMSGRAD, ADAMAX, FTRL, LAMB, LION, NADAM, RMSPROP,
+                    SGD as PLAIN_SGD, SGD_MOMENTUM, SGD_NESTEROV)
 from .base import Optimizer, check_rate
 from .step_window import MAX_ROWS
 
-__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "Adamax", "Adadelta", "Lion", "Ftrl"]
+__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "Adamax", "Adadelta", "Lion", "Ftrl", "Lamb",
+           "Adafactor"]
 
 
 def _pow(base, exponent):
@@ -331,3 +332,86 @@ class Ftrl(Optimizer):
         l2_reg = t(self.l2_regularization_strength) + t(self.beta) / (t(2.0) * lr)
         return (lr, t(-self.learning_rate_power), t(2 * self.l2_shrinkage_regularization_strength), t(2) * l2_reg,
                 t(self.l1_regularization_strength))
+
+
+class Lamb(Optimizer):
+    """LAMB (You et al., 2019), as ``keras.optimizers.Lamb``: Adam's moments (slots ``momentum`` and
+    ``velocity``), each variable's step scaled by the trust ratio ``|w| / |step|``. The ratio needs the norms of
+    whole variables, so the update runs variable by variable (array operations), not in the fused kernel."""
+
+    _config_keys = ("beta_1", "beta_2", "epsilon")
+    _coefficients_use_step = True  # the bias corrections 1 - beta^t
+    _slot_specs = (("momentum", 0.0), ("velocity", 0.0))
+    _rule = LAMB
+
+    def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
+                 weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
+                 gradient_aggregation="sum", **kwargs):
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
+                         clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
+        self.beta_1 = check_rate(beta_1, "beta_1", low=0.0, high=1.0)
+        self.beta_2 = check_rate(beta_2, "beta_2", low=0.0, high=1.0)
+        self.epsilon = check_rate(epsilon, "epsilon")
+
+    @property
+    def _keras_slot_groups(self) -> tuple:
+        return (("momentum", "velocity"),)
+
+    def _coefficients(self, t, lr, step):
+        local_step = t(step + 1)
+        beta_1_power = _pow(_cast(t, self.beta_1), local_step)
+        beta_2_power = _pow(_cast(t, self.beta_2), local_step)
+        return (t(1 - self.beta_1), t(1 - self.beta_2), lr, t(1.0) - beta_1_power, t(1.0) - beta_2_power,
+                t(self.epsilon))
+
+
+class Adafactor(Optimizer):
+    """Adafactor (Shazeer & Stern, 2018), as ``keras.optimizers.Adafactor``: for a variable of 2 or more
+    dimensions the second moments are factored over its last two axes, slots ``r`` (shape ``var.shape[:-1]``)
+    and ``c`` (``var.shape[:-2] + var.shape[-1:]``); every variable has ``velocity`` (its shape). Keras gives a
+    variable of fewer dimensions int32 scalars as ``r`` and ``c``, and so does this (checkpoints hold them).
+
+    The learning rate is capped at ``1 / sqrt(step)`` (``relative_step`` changes nothing in Keras 3.15: the
+    cap applies either way) and scaled by ``max(epsilon_2, rms(w))``. The row and column means make the update
+    run variable by variable (array operations), not in the fused kernel."""
+
+    _config_keys = ("beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold", "relative_step")
+    _coefficients_use_step = True  # rho_t and beta_2_t follow the step
+    _slot_specs = (("r", 0.0), ("c", 0.0), ("velocity", 0.0))
+    _rule = ADAFACTOR
+
+    def __init__(self, learning_rate=0.001, beta_2_decay: float = -0.8, epsilon_1: float = 1e-30,
+                 epsilon_2: float = 1e-3, clip_threshold: float = 1.0, relative_step: bool = True,
+                 weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
+                 gradient_aggregation="sum", **kwargs):
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
+                         clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
+        self.beta_2_decay = check_rate(beta_2_decay, "beta_2_decay", low=-float("inf"))
+        self.epsilon_1 = check_rate(epsilon_1, "epsilon_1")
+        self.epsilon_2 = check_rate(epsilon_2, "epsilon_2")
+        self.clip_threshold = _positive(clip_threshold, "clip_threshold")
+        self.relative_step = bool(relative_step)
+
+    @property
+    def _keras_slot_groups(self) -> tuple:
+        return (("r", "c", "velocity"),)
+
+    def _slot_shape(self, name: str, var) -> tuple:
+        shape = tuple(var.shape)
+        if name not in ("r", "c"):  # velocity, and Keras' average and gradient accumulator
+            return super()._slot_shape(name, var)
+        if len(shape) < 2:
+            return (), np.int32
+        return (shape[:-1] if name == "r" else shape[:-2] + shape[-1:]), var.dtype
+
+    def _coefficients(self, t, lr, step):
+        local_step = t(step + 1)
+        rho_t = np.minimum(lr, t(1) / np.sqrt(local_step))
+        beta_2_t = t(1) - _pow(local_step, t(self.beta_2_decay))
+        return rho_t, t(self.epsilon_2), t(self.epsilon_1), beta_2_t, t(1) - beta_2_t, t(self.clip_threshold)
+
+
+def _positive(value, argument: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) or not value > 0:
+        raise ValueError(f"{argument}={value!r}: expected a number > 0")
+    return float(value)
