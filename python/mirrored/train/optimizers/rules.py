@@ -307,11 +307,12 @@ def adafactor(w, g, slots, c) -> None:
     regulated = g * g
     regulated += epsilon_1
     if w.ndim >= 2:
-        r[...] = beta_2_t * r + one_minus_beta_2_t * xp.mean(regulated, axis=-1, dtype=w.dtype)
-        col[...] = beta_2_t * col + one_minus_beta_2_t * xp.mean(regulated, axis=-2, dtype=w.dtype)
+        # (The array first in each product: a NumPy scalar on the left would convert a CuPy array.)
+        r[...] = r * beta_2_t + xp.mean(regulated, axis=-1, dtype=w.dtype) * one_minus_beta_2_t
+        col[...] = col * beta_2_t + xp.mean(regulated, axis=-2, dtype=w.dtype) * one_minus_beta_2_t
         v[...] = (r / xp.mean(r, axis=-1, keepdims=True, dtype=w.dtype))[..., None] * col[..., None, :]
     else:
-        v[...] = beta_2_t * v + one_minus_beta_2_t * regulated
+        v[...] = v * beta_2_t + regulated * one_minus_beta_2_t
     u = g / _sqrt(v)
     u /= xp.maximum(w.dtype.type(1), _rms(u) / clip_threshold)
     u *= alpha_t
