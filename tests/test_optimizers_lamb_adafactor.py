@@ -179,3 +179,14 @@ def test_gpu_replicas_match_keras_and_the_cpu_replicas(name):
         np.testing.assert_allclose(got, cpu, rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(on_gpu[0], on_gpu[1])  # the copies stay bit-identical
     np.testing.assert_array_equal(on_gpu[2], on_gpu[3])
+
+
+@pytest.mark.parametrize("cls", ["Lamb", "Adafactor"])
+def test_indexed_slices_square_slice_by_slice_as_keras(cls):
+    """A row named twice adds the squares of its slices (Keras' TF backend squares IndexedSlices values)."""
+    w = md.Variable(np.arange(12, dtype=np.float32).reshape(4, 3) / 7 - 0.5)
+    opt = getattr(O, cls)(0.1)
+    values = np.array([[1., 2., 3.], [0.5, -1., 2.], [4., 0., -2.]], np.float32)
+    for _ in range(3):
+        opt.apply_gradients([(md.IndexedSlices(values, np.array([1, 1, 3]), (4, 3)), w)])
+    np.testing.assert_allclose(np.asarray(w.numpy()), DATA[f"sparse|{cls}"], rtol=2e-6, atol=1e-7)

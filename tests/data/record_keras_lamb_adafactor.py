@@ -58,6 +58,25 @@ def extras(opt, w, b):
     return out
 
 
+# An IndexedSlices gradient naming row 1 twice: Keras' TF backend squares the slices one by one.
+SPARSE_W0 = np.arange(12, dtype=np.float32).reshape(4, 3) / 7 - 0.5
+SPARSE_VALUES = np.array([[1., 2., 3.], [0.5, -1., 2.], [4., 0., -2.]], np.float32)
+SPARSE_INDICES = np.array([1, 1, 3])
+
+
+def record_sparse(data):
+    import keras
+    import tensorflow as tf
+
+    for cls in ("Lamb", "Adafactor"):
+        w = tf.Variable(SPARSE_W0)
+        opt = getattr(keras.optimizers, cls)(0.1)
+        g = tf.IndexedSlices(tf.constant(SPARSE_VALUES), tf.constant(SPARSE_INDICES), tf.constant([4, 3]))
+        for _ in range(3):
+            opt.apply_gradients([(g, w)])
+        data[f"sparse|{cls}"] = w.numpy()
+
+
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     data = {}
@@ -68,6 +87,7 @@ def main():
             with np.load(part) as recorded:
                 data.update(recorded)
             os.remove(part)
+    record_sparse(data)
     import keras
     import tensorflow as tf
 

@@ -48,7 +48,7 @@ class SquaredGradient(NamedTuple):
 
 
 # The rules that square the gradient (the others take a SquaredGradient's plain ``grad``).
-SQUARING = frozenset((ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD, ADADELTA, FTRL))
+SQUARING = frozenset((ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD, ADADELTA, FTRL, LAMB, ADAFACTOR))
 
 
 def _split(g) -> tuple:
@@ -301,10 +301,9 @@ def adafactor(w, g, slots, c) -> None:
     clipped to an RMS of ``clip_threshold`` and scaled by ``max(epsilon_2, rms(w)) * rho_t``."""
     rho_t, epsilon_2, epsilon_1, beta_2_t, one_minus_beta_2_t, clip_threshold = c
     r, col, v = slots
-    g = g.grad if type(g) is SquaredGradient else g
+    g, regulated = _split(g)
     xp = array_module(w)
     alpha_t = xp.maximum(epsilon_2, _rms(w)) * rho_t
-    regulated = g * g
     regulated += epsilon_1
     if w.ndim >= 2:
         # (The array first in each product: a NumPy scalar on the left would convert a CuPy array.)
