@@ -15,7 +15,8 @@ S = O.schedules
 with open(os.path.join(os.path.dirname(__file__), "data", "keras_optimizer_configs.json")) as _f:
     KERAS = json.load(_f)
 
-OURS = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "Adamax", "Adadelta", "Lion", "Ftrl"]
+OURS = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "Adamax", "Adadelta", "Lion", "Ftrl", "Lamb",
+        "Adafactor"]
 
 
 @pytest.mark.parametrize("cls", OURS)
@@ -53,14 +54,11 @@ def test_config_of_directly_built_optimizers_is_keras():
                                ema_overwrite_frequency=3, name="opt_adam_amsgrad"),
         "ftrl": O.Ftrl(learning_rate_power=-0.7, l1_regularization_strength=0.01, beta=0.1, name="opt_ftrl"),
         "sgd schedule": O.SGD(S.ExponentialDecay(0.1, 10, 0.5, staircase=True), name="opt_sgd_schedule"),
-        "rmsprop piecewise": O.RMSprop(S.PiecewiseConstantDecay([10, 20], [0.1, 0.01, 0.001]), rho=0.8,
+        "rmsprop piecewise": O.RMSprop(S.PiecewiseConstantDecay([10, 20], [0.1, 0.01, 0.001]),
                                        name="opt_rmsprop_piecewise"),
     }
     for label, opt in cases.items():
-        expected = dict(KERAS["configs"][label]["config"])
-        if label == "rmsprop piecewise":  # (the recorded one has other RMSprop arguments)
-            expected.update(rho=0.8, momentum=0.0, centered=False, global_clipnorm=None)
-        assert opt.get_config() == expected, label
+        assert opt.get_config() == KERAS["configs"][label]["config"], label
 
 
 @pytest.mark.parametrize("name", sorted(KERAS["get"]))
@@ -96,6 +94,8 @@ def test_get_passes_instances_and_none_through_and_reads_dicts():
     assert type(O.get({"class_name": "Nadam"})) is O.Nadam  # (the config is optional, as in Keras)
     lso = O.LossScaleOptimizer(O.SGD())
     assert O.get(lso) is lso
+    # Keras 3.15 leaves Lamb out of its lookup table (its get("lamb") raises); ours finds it.
+    assert type(O.get("Lamb")) is O.Lamb and O.deserialize(O.serialize(O.Lamb(0.5))).learning_rate == 0.5
 
 
 def test_deserialized_schedule_drives_the_steps():

@@ -27,13 +27,16 @@ CASES = [
     ("adadelta", "Adadelta", {"rho": 0.9}),
     ("lion", "Lion", {"beta_1": 0.95}),
     ("ftrl", "Ftrl", {"learning_rate_power": -0.7, "l1_regularization_strength": 0.01, "beta": 0.1}),
+    ("lamb", "Lamb", {"learning_rate": 0.02, "beta_1": 0.8, "epsilon": 1e-6, "weight_decay": 0.01}),
+    ("adafactor", "Adafactor", {"beta_2_decay": -0.5, "epsilon_1": 1e-20, "epsilon_2": 1e-2, "clip_threshold": 2.0,
+                                "relative_step": False}),
     ("sgd schedule", "SGD", {"learning_rate": S.ExponentialDecay(0.1, 10, 0.5, staircase=True)}),
     ("adam schedule", "Adam", {"learning_rate": S.CosineDecay(0.01, 100, alpha=0.1, warmup_target=0.02,
                                                               warmup_steps=10)}),
     ("rmsprop piecewise", "RMSprop", {"learning_rate": S.PiecewiseConstantDecay([10, 20], [0.1, 0.01, 0.001])}),
 ]
 NAMES = ["adam", "Adam", "ADAM", "sgd", "SGD", "adamw", "AdamW", "rmsprop", "RMSprop", "Adagrad", "nadam",
-         "adamax", "ADADELTA", "lion", "Ftrl"]
+         "adamax", "ADADELTA", "lion", "Ftrl", "adafactor", "Adafactor"]
 BAD = ["nope", "adam_w", "rms_prop", ""]
 
 
