@@ -7,23 +7,32 @@ optimizer's ``get_config()``; a built-in class is found by its name in any case 
 
 from __future__ import annotations
 
+from .base import Optimizer
+from .keras import SGD, Adadelta, Adafactor, Adagrad, Adam, Adamax, AdamW, Ftrl, Lamb, Lion, Nadam, RMSprop
+
+_OPTIMIZERS = (SGD, Adam, AdamW, RMSprop, Adagrad, Nadam, Adamax, Adadelta, Lion, Ftrl, Lamb, Adafactor)
+
 _MODULE = "keras.optimizers"
+
+# Classes besides the optimizers of .keras that get / deserialize know by name: md.train registers
+# LossScaleOptimizer (md.mixed_precision imports this package, so this module does not import it).
+_REGISTERED: list = []
+
+
+def register_builtin(cls) -> None:
+    """Make ``cls`` a built-in of ``get`` / ``serialize`` / ``deserialize`` (module ``keras.optimizers``)."""
+    if cls not in _REGISTERED:
+        _REGISTERED.append(cls)
 
 
 def _builtins() -> dict:
     """``lower-case class name -> class`` of the built-in optimizers (Keras' ``ALL_OBJECTS_DICT``)."""
-    from ..mixed_precision import LossScaleOptimizer
-    from . import keras
-
-    classes = [getattr(keras, name) for name in keras.__all__] + [LossScaleOptimizer]
+    classes = [*_OPTIMIZERS, *_REGISTERED]
     return {cls.__name__.lower(): cls for cls in classes}
 
 
 def _optimizer_types() -> tuple:
-    from ..mixed_precision import LossScaleOptimizer
-    from .base import Optimizer
-
-    return Optimizer, LossScaleOptimizer
+    return (Optimizer, *_REGISTERED)
 
 
 def _class_of(config: dict, custom_objects):
