@@ -179,7 +179,7 @@ def test_another_optimizer_kinds_file_is_refused_naming_the_slots():
     model, opt = setup("adam", 1, np.zeros((3, 2)), np.zeros(2))
     status = md.train.Checkpoint(model=model, optimizer=opt).read(tf_file("sgd_momentum", 1))
     with pytest.raises(md.train.CheckpointError,
-                       match=r"the file holds the slot variables optimizer/_variables/2\.\.3 \(2\), Adam 'Adam' has "
+                       match=r"the file holds the slot variables optimizer/_variables/2\.\.3 \(2\), Adam 'adam' has "
                              r"optimizer/_variables/2\.\.5 \(4\) \(momentum, velocity of 2 variables.*"
                              r"another optimizer kind"):
         train(1, model, opt, STEPS, 1)

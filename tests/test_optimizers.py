@@ -374,7 +374,7 @@ def test_build_creates_the_slots_in_scope_and_apply_uses_the_built_variables():
         opt = md.optimizers.Adagrad(0.1, initial_accumulator_value=0.25)
         opt.build([a, b])
     assert opt.built
-    assert [v.name for v in opt.variables] == ["Adagrad/iterations:0", "a/accumulator:0", "b/accumulator:0"]
+    assert [v.name for v in opt.variables] == ["adagrad/iterations:0", "a/accumulator:0", "b/accumulator:0"]
     assert isinstance(opt.get_slot(b, "accumulator"), md.MirroredVariable)
     np.testing.assert_array_equal(opt.get_slot(a, "accumulator").numpy(), [0.25, 0.25])
     opt.build([a, b])  # a second build changes nothing (Keras: a no-op once built)
@@ -612,7 +612,7 @@ def test_amsgrad_slot_and_get_slot_names():
         w = md.Variable(np.ones(2, np.float32), name="dense/w")
         opt = md.optimizers.AdamW(amsgrad=True)
         opt.build([w])
-    assert [v.name for v in opt.variables] == ["AdamW/iterations:0", "dense/w/momentum:0", "dense/w/velocity:0",
+    assert [v.name for v in opt.variables] == ["adam_w/iterations:0", "dense/w/momentum:0", "dense/w/velocity:0",
                                                "dense/w/velocity_hat:0"]
     assert opt.get_slot(w, "vhat") is opt.get_slot(w, "velocity_hat")
     with pytest.raises(KeyError, match="'average'.*'velocity_hat'"):

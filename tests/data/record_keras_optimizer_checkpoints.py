@@ -3,7 +3,7 @@ optimizer continues from it: tests/data/keras_optimizer_checkpoints.json and the
 (tests/data/keras_optimizer_checkpoints/<case>_<replicas>/ckpt.*), read by tests/test_checkpoint_keras_optimizer.py.
 
 Run with the TensorFlow side venv (never imported by the package or its tests):
-    /work/venvs/tf/bin/python tests/data/record_keras_optimizer_checkpoints.py
+    /work/venvs/tf/bin/python tests/data/record_keras_optimizer_checkpoints.py [case ...]
 
 Per case (an optimizer configuration) and replica count (1: no strategy, 2: MirroredStrategy over two logical
 CPUs): a model {w: (3, 2), b: (2,)} takes STEPS steps of the recorded gradients (every replica the same), the
@@ -16,6 +16,7 @@ those of tf.train.list_variables / load_checkpoint.
 import json
 import os
 import shutil
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -72,6 +73,9 @@ CASES = {
                                                         "initial_scale": 4.0})),
     "loss_scale_adam": (lambda: O.LossScaleOptimizer(O.Adam(0.1), initial_scale=4.0),
                         ("LossScaleOptimizer", {"inner": ["Adam", {"learning_rate": 0.1}], "initial_scale": 4.0})),
+    "lamb": (lambda: O.Lamb(0.1, weight_decay=0.01), ("Lamb", {"learning_rate": 0.1, "weight_decay": 0.01})),
+    # (Adafactor's r and c of the 1-D b are int32 scalars in Keras' checkpoints.)
+    "adafactor": (lambda: O.Adafactor(0.5), ("Adafactor", {"learning_rate": 0.5})),
 }
 
 W0 = np.arange(6, dtype=np.float32).reshape(3, 2) / 4 - 0.5
@@ -140,13 +144,19 @@ def record(case, make, n):
             "iterations": int(opt2.iterations.numpy())}
 
 
-def main():
+def main(only):
+    """Records every case, or (``only``: case names) those cases into the existing JSON."""
     tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
                                                [tf.config.LogicalDeviceConfiguration()] * 2)
     out = {"tensorflow": tf.__version__, "keras": keras.__version__, "steps": STEPS,
            "w0": W0.tolist(), "b0": B0.tolist(),
            "grads": [[g.tolist() for g in grads(k)] for k in range(2 * STEPS)], "cases": {}}
+    if only:
+        with open(os.path.join(HERE, "keras_optimizer_checkpoints.json")) as f:
+            out["cases"] = json.load(f)["cases"]
     for case, (make, mirrored) in CASES.items():
+        if only and case not in only:
+            continue
         out["cases"][case] = {"mirrored": mirrored, "runs": {str(n): record(case, make, n) for n in (1, 2)}}
         print(case, [name for name, _, _ in out["cases"][case]["runs"]["1"]["names"]])
     with open(os.path.join(HERE, "keras_optimizer_checkpoints.json"), "w") as f:
@@ -155,4 +165,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -237,6 +237,29 @@ class LossScaleOptimizer:
             raise AttributeError(name)
         return getattr(inner, name)
 
+    def get_config(self) -> dict:
+        """Keras 3's config: the wrapped optimizer serialized, the scale's arguments (``dynamic`` only when
+        False, Keras 3 has no such argument)."""
+        from .optimizers.serialization import serialize
+
+        config = {"name": self.name, "inner_optimizer": serialize(self.inner_optimizer),
+                  "initial_scale": self.initial_scale, "dynamic_growth_steps": self.dynamic_growth_steps}
+        if not self.dynamic:
+            config["dynamic"] = False
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects=None):
+        from .optimizers.serialization import deserialize
+
+        config = dict(config)
+        if "inner_optimizer" not in config:
+            raise ValueError("config: a LossScaleOptimizer's config needs 'inner_optimizer' (the wrapped optimizer, "
+                             f"serialized). Received: config={config!r}")
+        if isinstance(config["inner_optimizer"], dict):
+            config["inner_optimizer"] = deserialize(config["inner_optimizer"], custom_objects)
+        return cls(**config)
+
     def _trackable_children(self) -> dict:
         """What a checkpoint saves, under Keras 3's names: the public attributes (``inner_optimizer``,
         ``step_counter``, ``dynamic_scale``) and the wrapper's own ``_iterations`` and ``_learning_rate``."""

@@ -47,6 +47,7 @@ import itertools
 import math
 import numbers
 import operator
+import re
 import sys
 import threading
 import uuid
@@ -63,8 +64,9 @@ from ...distribute import distribute_lib, values
 from ...distribute.options import VariableAggregation
 from ...distribute.reduce_util import ReduceOp
 from ...distribute.values import DistributedValues, DistributedVariable, PerReplica
-from .rules import (EMA, HOST_COEFFICIENTS, SGD, SQUARING, SquaredGradient, apply as apply_rule, array_module,
-                    ema, weight_decay as apply_weight_decay)
+from .rules import (EMA, HOST_COEFFICIENTS, PER_VARIABLE, SGD, SQUARING, SquaredGradient, apply as apply_rule,
+                    array_module, ema, weight_decay as apply_weight_decay)
+from .schedules import LearningRateSchedule, deserialize as deserialize_schedule, serialize as serialize_schedule
 from .step_window import StepWindow
 
 __all__ = ["LossScaleGate", "Optimizer", "check_rate"]
@@ -93,6 +95,12 @@ def check_rate(value, argument: str, allow_callable: bool = False, low: float = 
         bound = f"in [{low}, {high}{']' if high_inclusive else ')'}" if high is not None else f">= {low}"
         raise ValueError(f"{argument}={value!r}: expected a value {bound}")
     return float(value)
+
+
+def _snake_case(name: str) -> str:
+    """Keras' default name of an optimizer class: ``AdamW`` -> ``adam_w``, ``RMSprop`` -> ``rm_sprop``."""
+    name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub(r"([a-z])([A-Z])", r"\1_\2", name).lower()
 
 
 def _check_positive(value, argument: str):
@@ -126,8 +134,9 @@ class Optimizer:
     _slot_aliases: dict = {}
     _rule: int = SGD
     _coefficients_use_step = False  # whether _coefficients reads `step` (Adam's bias corrections do)
+    _config_keys: tuple = ()  # the subclass's own arguments, in Keras' get_config order
 
-    def __init__(self, learning_rate, name: str, gradient_aggregation="sum", *, weight_decay=None, clipnorm=None,
+    def __init__(self, learning_rate, name: str | None, gradient_aggregation="sum", *, weight_decay=None, clipnorm=None,
                  clipvalue=None, global_clipnorm=None, use_ema=False, ema_momentum=0.99, ema_overwrite_frequency=None,
                  loss_scale_factor=None, gradient_accumulation_steps=None, **kwargs):
         kwargs.pop("decay", None)  # Keras: "no longer supported and will be ignored"
@@ -157,7 +166,9 @@ class Optimizer:
                              f"gradient_accumulation_steps={gradient_accumulation_steps!r}")
         self.gradient_accumulation_steps = int(gradient_accumulation_steps) if gradient_accumulation_steps else None
         self.learning_rate = learning_rate
-        self.name = name
+        # Keras' default: the class name in snake case (Adam -> "adam", RMSprop -> "rm_sprop"), which also
+        # names `iterations` ("adam/iterations").
+        self.name = name or _snake_case(type(self).__name__)
         self.gradient_aggregation = _check_aggregation(gradient_aggregation)
         if weight_decay is not None:
             weight_decay = check_rate(weight_decay, "weight_decay")
@@ -206,6 +217,35 @@ class Optimizer:
         return fresh
 
     # -- arguments --
+    def get_config(self) -> dict:
+        """The arguments ``from_config`` rebuilds this optimizer from (no state), with Keras 3's keys: a number
+        learning rate as Keras' float32 variable holds it, a schedule as ``schedules.serialize`` writes it.
+        ``gradient_aggregation`` (no Keras argument) is there only when it is not the default ``"sum"``."""
+        lr = self._learning_rate
+        if isinstance(lr, LearningRateSchedule):
+            lr = serialize_schedule(lr)
+        elif not callable(lr):
+            lr = float(np.float32(lr))
+        config = {"name": self.name, "learning_rate": lr, "weight_decay": self.weight_decay,
+                  "clipnorm": self.clipnorm, "global_clipnorm": self.global_clipnorm, "clipvalue": self.clipvalue,
+                  "use_ema": self.use_ema, "ema_momentum": self.ema_momentum,
+                  "ema_overwrite_frequency": self.ema_overwrite_frequency,
+                  "loss_scale_factor": self.loss_scale_factor,
+                  "gradient_accumulation_steps": self.gradient_accumulation_steps}
+        config.update((key, getattr(self, key)) for key in self._config_keys)
+        if self.gradient_aggregation != "sum":
+            config["gradient_aggregation"] = self.gradient_aggregation
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects=None):
+        """The optimizer of a ``get_config`` dict; a serialized schedule (a dict) becomes the schedule again
+        (``custom_objects``: the classes of schedules of your own, by name)."""
+        config = dict(config)
+        if isinstance(config.get("learning_rate"), dict):
+            config["learning_rate"] = deserialize_schedule(config["learning_rate"], custom_objects)
+        return cls(**config)
+
     @property
     def learning_rate(self):
         """A number, or a callable of the step (``iterations`` before the update, from 0)."""
@@ -356,14 +396,18 @@ class Optimizer:
                 base = var.name.split(":")[0]  # "dense0/w:0" -> slots "dense0/w/momentum:0", ...
                 self._slots[id(var)] = (var, {
                     # Keras' Constant initializer casts through float32.
-                    slot: values.Variable(np.full(var.shape, np.float32(initial), dtype=var.dtype),
-                                          name=f"{base}/{slot}",
+                    slot: values.Variable(np.full(shape, np.float32(initial), dtype), name=f"{base}/{slot}",
                                           trainable=False)
-                    for slot, initial in self._state_specs})
+                    for slot, initial in self._state_specs
+                    for shape, dtype in [self._slot_shape(slot, var)]})
         self._strategy = strategy
         restore, self._restore_on_build = self._restore_on_build, None
         if restore is not None and missing:
             restore(self)
+
+    def _slot_shape(self, name: str, var) -> tuple:
+        """``(shape, dtype)`` of ``var``'s slot ``name``: the variable's (Adafactor's factored moments differ)."""
+        return var.shape, var.dtype
 
     def _refresh_state(self) -> None:
         """Bring into view state that lives on other tasks and that steps run elsewhere create or change
@@ -880,7 +924,10 @@ class _Plan:
         # packs its gradients into a fusion buffer per dtype (allocated once, on its device), and
         # the fused kernel reads the reduced buffer in place.
         kernel = _host_kernel if all(self.host) else _gpu_kernel() if not any(self.host) else None
-        self.packable = kernel is not None and all(dtype in _KERNEL_DTYPES for dtype in self.groups)
+        # (A rule that reduces over whole variables has no fused kernel: it runs variable by variable.)
+        self.fused = optimizer._rule not in PER_VARIABLE
+        self.packable = (kernel is not None and self.fused
+                         and all(dtype in _KERNEL_DTYPES for dtype in self.groups))
         # Host replicas of one process whose all-reduce sums in replica order: no pack and no all-reduce,
         # the update sums the replicas' gradients (see _Summands).
         extended = optimizer._strategy.extended if optimizer._strategy is not None else None
@@ -1421,7 +1468,7 @@ class _Plan:
         whole = len(self.groups) == 1  # (one dtype: the lists as they are, no per-group copy)
         ready = None if grads is None or not self.packable else self.host_grads(_plains(grads))
         for j, (dtype, indices) in enumerate(self.groups.items()):
-            if dtype not in _KERNEL_DTYPES:
+            if dtype not in _KERNEL_DTYPES or not self.fused:
                 rest[dtype] = indices
                 continue
             weight_decay, lr = self.decay_factors.get(dtype, (0.0, 0.0))

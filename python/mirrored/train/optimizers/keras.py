@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .rules import (ADADELTA, ADAGRAD, ADAM, ADAM_AMSGRAD, ADAMAX, FTRL, LION, NADAM, RMSPROP, SGD as PLAIN_SGD,
-                    SGD_MOMENTUM, SGD_NESTEROV)
+from .rules import (ADADELTA, ADAFACTOR, ADAGRAD, ADAM, ADAM_AMSGRAD, ADAMAX, FTRL, LAMB, LION, NADAM, RMSPROP,
+                    SGD as PLAIN_SGD, SGD_MOMENTUM, SGD_NESTEROV)
 from .base import Optimizer, check_rate
 from .step_window import MAX_ROWS
 
-__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "Adamax", "Adadelta", "Lion", "Ftrl"]
+__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "Adamax", "Adadelta", "Lion", "Ftrl", "Lamb",
+           "Adafactor"]
 
 
 def _pow(base, exponent):
@@ -32,10 +33,12 @@ def _cast(t, value: float):
 class SGD(Optimizer):
     """Gradient descent with optional (Nesterov) momentum, as ``keras.optimizers.SGD``."""
 
+    _config_keys = ("momentum", "nesterov")
+
     def __init__(self, learning_rate=0.01, momentum: float = 0.0, nesterov: bool = False, weight_decay=None,
                  clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
                  gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or "SGD", gradient_aggregation, weight_decay=weight_decay,
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
                          clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
         self.momentum = check_rate(momentum, "momentum", low=0.0, high=1.0, high_inclusive=True)
         if nesterov and self.momentum == 0.0:
@@ -52,6 +55,8 @@ class Adam(Optimizer):
     """Adam (Kingma & Ba, 2014), as ``keras.optimizers.Adam``; ``amsgrad=True`` adds the slot ``velocity_hat``
     (the largest velocity so far), by which the step divides."""
 
+    _config_keys = ("beta_1", "beta_2", "epsilon", "amsgrad")
+
     _coefficients_use_step = True  # bias corrections (Nadam: the momentum schedule) follow the step
 
     _slot_specs = (("momentum", 0.0), ("velocity", 0.0))
@@ -61,7 +66,7 @@ class Adam(Optimizer):
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
                  amsgrad: bool = False, weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None,
                  name: str | None = None, gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or type(self).__name__, gradient_aggregation,
+        super().__init__(learning_rate, name, gradient_aggregation,
                          weight_decay=weight_decay, clipnorm=clipnorm, clipvalue=clipvalue,
                          global_clipnorm=global_clipnorm, **kwargs)
         self.amsgrad = bool(amsgrad)
@@ -103,12 +108,14 @@ class AdamW(Adam):
 class RMSprop(Optimizer):
     """RMSprop (Hinton), as ``keras.optimizers.RMSprop``: ``rho``, ``momentum``, ``centered``."""
 
+    _config_keys = ("rho", "momentum", "epsilon", "centered")
+
     _rule = RMSPROP
 
     def __init__(self, learning_rate=0.001, rho: float = 0.9, momentum: float = 0.0, epsilon: float = 1e-7,
                  centered: bool = False, weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None,
                  name: str | None = None, gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or "RMSprop", gradient_aggregation, weight_decay=weight_decay,
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
                          clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
         self.rho = check_rate(rho, "rho", low=0.0, high=1.0, high_inclusive=True)
         self.momentum = check_rate(momentum, "momentum", low=0.0, high=1.0, high_inclusive=True)
@@ -130,12 +137,14 @@ class RMSprop(Optimizer):
 class Adagrad(Optimizer):
     """Adagrad (Duchi et al., 2011), as ``keras.optimizers.Adagrad``."""
 
+    _config_keys = ("initial_accumulator_value", "epsilon")
+
     _rule = ADAGRAD
 
     def __init__(self, learning_rate=0.001, initial_accumulator_value: float = 0.1, epsilon: float = 1e-7,
                  weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
                  gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or "Adagrad", gradient_aggregation, weight_decay=weight_decay,
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
                          clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
         self.initial_accumulator_value = check_rate(initial_accumulator_value, "initial_accumulator_value")
         self.epsilon = check_rate(epsilon, "epsilon")
@@ -153,6 +162,8 @@ class Nadam(Optimizer):
     so checkpoints hold nothing beyond the slots and ``iterations``.
     """
 
+    _config_keys = ("beta_1", "beta_2", "epsilon")
+
     _coefficients_use_step = True  # bias corrections (Nadam: the momentum schedule) follow the step
 
     _slot_specs = (("momentum", 0.0), ("velocity", 0.0))
@@ -161,7 +172,7 @@ class Nadam(Optimizer):
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
                  weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
                  gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or "Nadam", gradient_aggregation, weight_decay=weight_decay,
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
                          clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
         self.beta_1 = check_rate(beta_1, "beta_1", low=0.0, high=1.0)
         self.beta_2 = check_rate(beta_2, "beta_2", low=0.0, high=1.0)
@@ -223,6 +234,8 @@ class Adamax(Optimizer):
     """Adam with the infinity norm (Kingma & Ba, 2014, section 7), as ``keras.optimizers.Adamax``: slots
     ``momentum`` and ``norm`` (the decayed largest |gradient|)."""
 
+    _config_keys = ("beta_1", "beta_2", "epsilon")
+
     _coefficients_use_step = True  # the bias correction 1 - beta_1^t
     _slot_specs = (("momentum", 0.0), ("norm", 0.0))
     _rule = ADAMAX
@@ -230,7 +243,7 @@ class Adamax(Optimizer):
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
                  weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
                  gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or "adamax", gradient_aggregation, weight_decay=weight_decay,
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
                          clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
         self.beta_1 = check_rate(beta_1, "beta_1", low=0.0, high=1.0)
         self.beta_2 = check_rate(beta_2, "beta_2", low=0.0, high=1.0, high_inclusive=True)
@@ -245,13 +258,15 @@ class Adadelta(Optimizer):
     """Adadelta (Zeiler, 2012), as ``keras.optimizers.Adadelta``: slots ``accumulated_grad`` and
     ``accumulated_delta_var``; Keras' default ``learning_rate`` is 0.001 (the paper's 1.0 is ``learning_rate=1.0``)."""
 
+    _config_keys = ("rho", "epsilon")
+
     _slot_specs = (("accumulated_grad", 0.0), ("accumulated_delta_var", 0.0))
     _rule = ADADELTA
 
     def __init__(self, learning_rate=0.001, rho: float = 0.95, epsilon: float = 1e-7, weight_decay=None,
                  clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
                  gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or "adadelta", gradient_aggregation, weight_decay=weight_decay,
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
                          clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
         self.rho = check_rate(rho, "rho", low=0.0, high=1.0, high_inclusive=True)
         self.epsilon = check_rate(epsilon, "epsilon")
@@ -264,13 +279,15 @@ class Lion(Optimizer):
     """Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms"), as ``keras.optimizers.Lion``:
     the sign of an interpolated momentum; slot ``momentum``."""
 
+    _config_keys = ("beta_1", "beta_2")
+
     _slot_specs = (("momentum", 0.0),)
     _rule = LION
 
     def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.99, weight_decay=None,
                  clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
                  gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or "lion", gradient_aggregation, weight_decay=weight_decay,
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
                          clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
         if isinstance(beta_1, (int, float)) and not isinstance(beta_1, bool) and (beta_1 <= 0 or beta_1 > 1):
             raise ValueError("Argument `beta_1` must be in the [0, 1] range. Otherwise, the optimizer degenerates "
@@ -287,6 +304,9 @@ class Ftrl(Optimizer):
     """FTRL-Proximal (McMahan et al., 2013), as ``keras.optimizers.Ftrl``: slots ``accumulator`` (starting at
     ``initial_accumulator_value``) and ``linear``; L1, L2 and L2-shrinkage regularization and ``beta``."""
 
+    _config_keys = ("learning_rate_power", "initial_accumulator_value", "l1_regularization_strength",
+                    "l2_regularization_strength", "l2_shrinkage_regularization_strength", "beta")
+
     _rule = FTRL
 
     def __init__(self, learning_rate=0.001, learning_rate_power: float = -0.5,
@@ -294,7 +314,7 @@ class Ftrl(Optimizer):
                  l2_regularization_strength: float = 0.0, l2_shrinkage_regularization_strength: float = 0.0,
                  beta: float = 0.0, weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None,
                  name: str | None = None, gradient_aggregation="sum", **kwargs):
-        super().__init__(learning_rate, name or "ftrl", gradient_aggregation, weight_decay=weight_decay,
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
                          clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
         self.learning_rate_power = check_rate(learning_rate_power, "learning_rate_power", low=-float("inf"),
                                               high=0.0, high_inclusive=True)
@@ -312,3 +332,86 @@ class Ftrl(Optimizer):
         l2_reg = t(self.l2_regularization_strength) + t(self.beta) / (t(2.0) * lr)
         return (lr, t(-self.learning_rate_power), t(2 * self.l2_shrinkage_regularization_strength), t(2) * l2_reg,
                 t(self.l1_regularization_strength))
+
+
+class Lamb(Optimizer):
+    """LAMB (You et al., 2019), as ``keras.optimizers.Lamb``: Adam's moments (slots ``momentum`` and
+    ``velocity``), each variable's step scaled by the trust ratio ``|w| / |step|``. The ratio needs the norms of
+    whole variables, so the update runs variable by variable (array operations), not in the fused kernel."""
+
+    _config_keys = ("beta_1", "beta_2", "epsilon")
+    _coefficients_use_step = True  # the bias corrections 1 - beta^t
+    _slot_specs = (("momentum", 0.0), ("velocity", 0.0))
+    _rule = LAMB
+
+    def __init__(self, learning_rate=0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
+                 weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
+                 gradient_aggregation="sum", **kwargs):
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
+                         clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
+        self.beta_1 = check_rate(beta_1, "beta_1", low=0.0, high=1.0)
+        self.beta_2 = check_rate(beta_2, "beta_2", low=0.0, high=1.0)
+        self.epsilon = check_rate(epsilon, "epsilon")
+
+    @property
+    def _keras_slot_groups(self) -> tuple:
+        return (("momentum", "velocity"),)
+
+    def _coefficients(self, t, lr, step):
+        local_step = t(step + 1)
+        beta_1_power = _pow(_cast(t, self.beta_1), local_step)
+        beta_2_power = _pow(_cast(t, self.beta_2), local_step)
+        return (t(1 - self.beta_1), t(1 - self.beta_2), lr, t(1.0) - beta_1_power, t(1.0) - beta_2_power,
+                t(self.epsilon))
+
+
+class Adafactor(Optimizer):
+    """Adafactor (Shazeer & Stern, 2018), as ``keras.optimizers.Adafactor``: for a variable of 2 or more
+    dimensions the second moments are factored over its last two axes, slots ``r`` (shape ``var.shape[:-1]``)
+    and ``c`` (``var.shape[:-2] + var.shape[-1:]``); every variable has ``velocity`` (its shape). Keras gives a
+    variable of fewer dimensions int32 scalars as ``r`` and ``c``, and so does this (checkpoints hold them).
+
+    The learning rate is capped at ``1 / sqrt(step)`` (``relative_step`` changes nothing in Keras 3.15: the
+    cap applies either way) and scaled by ``max(epsilon_2, rms(w))``. The row and column means make the update
+    run variable by variable (array operations), not in the fused kernel."""
+
+    _config_keys = ("beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold", "relative_step")
+    _coefficients_use_step = True  # rho_t and beta_2_t follow the step
+    _slot_specs = (("r", 0.0), ("c", 0.0), ("velocity", 0.0))
+    _rule = ADAFACTOR
+
+    def __init__(self, learning_rate=0.001, beta_2_decay: float = -0.8, epsilon_1: float = 1e-30,
+                 epsilon_2: float = 1e-3, clip_threshold: float = 1.0, relative_step: bool = True,
+                 weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, name: str | None = None,
+                 gradient_aggregation="sum", **kwargs):
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
+                         clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, **kwargs)
+        self.beta_2_decay = check_rate(beta_2_decay, "beta_2_decay", low=-float("inf"))
+        self.epsilon_1 = check_rate(epsilon_1, "epsilon_1")
+        self.epsilon_2 = check_rate(epsilon_2, "epsilon_2")
+        self.clip_threshold = _positive(clip_threshold, "clip_threshold")
+        self.relative_step = bool(relative_step)
+
+    @property
+    def _keras_slot_groups(self) -> tuple:
+        return (("r", "c", "velocity"),)
+
+    def _slot_shape(self, name: str, var) -> tuple:
+        shape = tuple(var.shape)
+        if name not in ("r", "c"):  # velocity, and Keras' average and gradient accumulator
+            return super()._slot_shape(name, var)
+        if len(shape) < 2:
+            return (), np.int32
+        return (shape[:-1] if name == "r" else shape[:-2] + shape[-1:]), var.dtype
+
+    def _coefficients(self, t, lr, step):
+        local_step = t(step + 1)
+        rho_t = np.minimum(lr, t(1) / np.sqrt(local_step))
+        beta_2_t = t(1) - _pow(local_step, t(self.beta_2_decay))
+        return rho_t, t(self.epsilon_2), t(self.epsilon_1), beta_2_t, t(1) - beta_2_t, t(self.clip_threshold)
+
+
+def _positive(value, argument: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) or not value > 0:
+        raise ValueError(f"{argument}={value!r}: expected a number > 0")
+    return float(value)

@@ -26,6 +26,10 @@ import numpy as np
 # its "gradient" the variable.
 (SGD, SGD_MOMENTUM, SGD_NESTEROV, ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD, EMA, ADAMAX, ADADELTA, LION,
  FTRL) = range(13)
+# Rules that reduce over a whole variable (Lamb's norms, Adafactor's row and column means): no element-wise
+# kernel takes them, they run variable by variable as array operations (NumPy on host, CuPy on a GPU).
+LAMB, ADAFACTOR = 13, 14
+PER_VARIABLE = frozenset((LAMB, ADAFACTOR))
 
 # The positions of the coefficients a rule branches on in Python (RMSprop's momentum and
 # centered, Ftrl's power: 0.5 is a square root): a captured step (md.function) keeps them as
@@ -44,7 +48,7 @@ class SquaredGradient(NamedTuple):
 
 
 # The rules that square the gradient (the others take a SquaredGradient's plain ``grad``).
-SQUARING = frozenset((ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD, ADADELTA, FTRL))
+SQUARING = frozenset((ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD, ADADELTA, FTRL, LAMB, ADAFACTOR))
 
 
 def _split(g) -> tuple:
@@ -264,8 +268,58 @@ def ftrl(w, g, slots, c) -> None:
     accumulator[...] = new_accumulator
 
 
+def lamb(w, g, slots, c) -> None:
+    """Keras' Lamb: Adam's moments, the step ``update = (m / (1 - beta_1^t)) / (sqrt(v / (1 - beta_2^t)) + epsilon)``
+    scaled by the trust ratio ``|w| / |update|`` (1 when either norm is 0): ``w -= (ratio * lr) * update``."""
+    one_minus_beta_1, one_minus_beta_2, lr, one_minus_beta_1_power, one_minus_beta_2_power, epsilon = c
+    m, v = slots
+    _moments(*_split(g), m, v, one_minus_beta_1, one_minus_beta_2)
+    xp = array_module(w)
+    d = _sqrt(v / one_minus_beta_2_power)
+    d += epsilon
+    update = m / one_minus_beta_1_power
+    update /= d
+    w_norm = xp.sqrt(xp.sum(w * w))
+    g_norm = xp.sqrt(xp.sum(update * update))
+    one = w.dtype.type(1)
+    # (Keras' where: both branches computed, 0 / 0 discarded; the norms' dtype is w's.)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = xp.where(w_norm > 0, xp.where(g_norm > 0, w_norm / g_norm, one), one).astype(w.dtype)
+    update *= ratio * lr
+    w -= update
+
+
+def _rms(x):
+    """``sqrt(mean(x * x))`` over every element, in x's dtype."""
+    return _sqrt(array_module(x).mean(x * x, dtype=x.dtype))
+
+
+def adafactor(w, g, slots, c) -> None:
+    """Keras' Adafactor: second moments factored over the last two axes of a variable of 2 or more dimensions
+    (``r``: the rows' means, ``c``: the columns', ``v = (r / mean(r)) outer c``), a plain moving average ``v``
+    for the others (whose ``r`` and ``c`` are Keras' placeholders, untouched); the step ``g / sqrt(v)`` is
+    clipped to an RMS of ``clip_threshold`` and scaled by ``max(epsilon_2, rms(w)) * rho_t``."""
+    rho_t, epsilon_2, epsilon_1, beta_2_t, one_minus_beta_2_t, clip_threshold = c
+    r, col, v = slots
+    g, regulated = _split(g)
+    xp = array_module(w)
+    alpha_t = xp.maximum(epsilon_2, _rms(w)) * rho_t
+    regulated += epsilon_1
+    if w.ndim >= 2:
+        # (The array first in each product: a NumPy scalar on the left would convert a CuPy array.)
+        r[...] = r * beta_2_t + xp.mean(regulated, axis=-1, dtype=w.dtype) * one_minus_beta_2_t
+        col[...] = col * beta_2_t + xp.mean(regulated, axis=-2, dtype=w.dtype) * one_minus_beta_2_t
+        v[...] = (r / xp.mean(r, axis=-1, keepdims=True, dtype=w.dtype))[..., None] * col[..., None, :]
+    else:
+        v[...] = v * beta_2_t + regulated * one_minus_beta_2_t
+    u = g / _sqrt(v)
+    u /= xp.maximum(w.dtype.type(1), _rms(u) / clip_threshold)
+    u *= alpha_t
+    w -= u
+
+
 RULES = (sgd, sgd_momentum, sgd_nesterov, adam, rmsprop, adagrad, nadam, adam_amsgrad, ema, adamax, adadelta, lion,
-         ftrl)
+         ftrl, lamb, adafactor)
 
 
 def apply(rule: int, w, g, slots, c) -> None:
