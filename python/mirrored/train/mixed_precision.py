@@ -207,6 +207,10 @@ class LossScaleOptimizer:
         from ..distribute.options import VariableAggregation
 
         self.inner_optimizer = inner_optimizer
+        # The scale is this optimizer's: the wrapped one's own loss_scale_factor would divide the gradients a
+        # second time (Keras 3 turns it off too).
+        if getattr(inner_optimizer, "loss_scale_factor", None) is not None:
+            inner_optimizer.loss_scale_factor = None
         self.dynamic = dynamic
         self.initial_scale = _check_scale(initial_scale)
         self.dynamic_growth_steps = int(dynamic_growth_steps)
