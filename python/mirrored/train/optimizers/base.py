@@ -607,8 +607,13 @@ class Optimizer:
             # (clipped below, each replica's part, as on every step)
         distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
         if distributed and (self.clipnorm or self.global_clipnorm or self.clipvalue):
-            replicas = len(grads[distributed[0]].values)
-            clipped = [self._clip([grads[k].values[r] for k in distributed]) for r in range(replicas)]
+            replicas, devices = len(grads[distributed[0]].values), grads[distributed[0]]._devices
+            clipped = []
+            for r in range(replicas):
+                # On the replica's GPU and its merge stream: ordered after the accumulated average computed
+                # there (plan.accumulated), which the clip on another stream would read unfinished.
+                with device_util.cross_replica_gpu_scope(devices[r]):
+                    clipped.append(self._clip([grads[k].values[r] for k in distributed]))
             for j, k in enumerate(distributed):
                 grads[k] = PerReplica([clipped[r][j] for r in range(replicas)], grads[k]._devices)
         plain = [k for k, g in enumerate(grads) if not isinstance(g, DistributedValues)]
