@@ -17,7 +17,8 @@ if cupy is None:
 
 import mirrored as md  # noqa: E402
 import optimizer_differential as cases  # noqa: E402
-from test_optimizer_differential import CASES, REFERENCE, Mirrored, _compare, _tf_limitation  # noqa: E402
+from test_optimizer_differential import (CASES, REFERENCE, Mirrored, _compare, _several_compute_devices_accumulate,  # noqa: E402
+                                         _tf_limitation)
 
 
 class OnGpus(Mirrored):
@@ -27,7 +28,14 @@ class OnGpus(Mirrored):
 
     @staticmethod
     def strategy(kind, n):
-        return md.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
+        devices = [f"/gpu:{i}" for i in range(n)]
+        if kind == "central":  # the variables on the host, as TF keeps them with several GPUs
+            return md.experimental.CentralStorageStrategy(devices, "/cpu:0")
+        if kind == "central_on_gpu":  # (one GPU: TF keeps the variables on it)
+            return md.experimental.CentralStorageStrategy(devices)
+        if kind == "one_device":
+            return md.OneDeviceStrategy("/gpu:0")
+        return md.MirroredStrategy(devices)
 
     @staticmethod
     def numpy(x):
@@ -40,9 +48,9 @@ class OnGpus(Mirrored):
 
 
 def _on_gpus(case):
-    return (case["strategy"] == "mirrored" and case["mode"] == "function" and "bad" not in case
+    return (case["mode"] == "function" and "bad" not in case
             and all(v["dtype"] in ("float32", "float64") for v in case["variables"])
-            and _tf_limitation(case, REFERENCE[str(case["id"])]) is None)
+            and _tf_limitation(case, REFERENCE[str(case["id"])]) is None and not _several_compute_devices_accumulate(case))
 
 
 GPU_CASES = [k for k in sorted(CASES, key=int) if _on_gpus(CASES[k])]
@@ -86,3 +94,20 @@ def test_cross_replica_accumulated_step_clips_each_gpus_average_after_it_is_comp
     on_cpus = train(["/cpu:0", "/cpu:1"], np)
     for got in on_gpus:
         np.testing.assert_allclose(got, on_cpus[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kwargs, expected", [({}, -0.2), ({"clipvalue": 0.2}, -0.04),
+                                              ({"momentum": 0.5, "gradient_accumulation_steps": 2}, -0.1)])
+def test_central_storage_one_gpu_replica_updates_host_parameters(kwargs, expected):
+    # CentralStorageStrategy(["/gpu:0"], "/cpu:0"): one compute GPU, the variables on the host. The step used
+    # to apply the GPU's gradients to the host copy as if they were on it (TypeError: implicit conversion of a
+    # GPU array); they are taken to the host, as with several compute devices (cases 45, 123, 351, ...).
+    strategy = md.experimental.CentralStorageStrategy(["/gpu:0"], "/cpu:0")
+    with strategy.scope():
+        w = md.Variable(np.zeros(4, np.float32))
+        opt = md.optimizers.SGD(0.1, **kwargs)
+    for _ in range(2):
+        grads = strategy.experimental_distribute_values_from_function(lambda ctx: cupy.ones(4, np.float32))
+        strategy.run(lambda g: opt.apply_gradients([(g, w)]), args=(grads,))
+    np.testing.assert_allclose(OnGpus.numpy(w), np.full(4, expected, np.float32), rtol=1e-6)
+    assert int(opt.iterations.numpy()) == (1 if "gradient_accumulation_steps" in kwargs else 2)
