@@ -15,8 +15,10 @@
 1. all-reduces them in their own dtype (float16 and bfloat16 travel as such,
    half the bytes of float32) with one fused collective, as the wrapped
    optimizer would; when the wrapped optimizer clips (``clipnorm``,
-   ``clipvalue``, ``global_clipnorm``), it reduces them itself after step 4,
-   since Keras clips each replica's unscaled gradient before the sum;
+   ``clipvalue``, ``global_clipnorm``) or accumulates
+   (``gradient_accumulation_steps``), it reduces them itself after step 4,
+   since Keras clips each replica's unscaled gradient before the sum and
+   accumulates it in that replica's accumulator;
 2. checks that every gradient is finite and agrees on the answer across all
    replicas of all workers (one all-reduce of a flag, MIN, across workers);
 3. if not, skips the step (the wrapped optimizer's ``iterations`` stays put),
@@ -41,6 +43,10 @@ Keras 2's ``get_scaled_loss(loss)`` / ``get_unscaled_gradients(grads)`` work
 as they did: once ``get_unscaled_gradients`` has been used, ``apply_gradients``
 takes unscaled gradients and does not divide them again. ``dynamic=False``
 (Keras 2) keeps ``initial_scale`` fixed and applies every step.
+
+As Keras 3's, the wrapper builds the wrapped optimizer's state before its first check (a skipped first step
+leaves the slots, zeros) and turns the wrapped optimizer's ``loss_scale_factor`` off (the gradients are
+divided by the scale only).
 """
 
 import contextlib as _contextlib
@@ -207,6 +213,10 @@ class LossScaleOptimizer:
         from ..distribute.options import VariableAggregation
 
         self.inner_optimizer = inner_optimizer
+        # The scale is this optimizer's: the wrapped one's own loss_scale_factor would divide the gradients a
+        # second time (Keras 3 turns it off too).
+        if getattr(inner_optimizer, "loss_scale_factor", None) is not None:
+            inner_optimizer.loss_scale_factor = None
         self.dynamic = dynamic
         self.initial_scale = _check_scale(initial_scale)
         self.dynamic_growth_steps = int(dynamic_growth_steps)
@@ -404,6 +414,11 @@ class LossScaleOptimizer:
         elsewhere = getattr(strategy.extended, "_loss_scale_step", None)
         if elsewhere is not None:  # the scale's state on another task (ParameterServerStrategy): one request
             return elsewhere(self, pairs)
+        # Keras builds the wrapped optimizer's state before it decides: a skipped first step leaves the slots
+        # (zeros), as TF's does.
+        slots = getattr(self.inner_optimizer, "_slots", None)
+        if slots is not None and any(id(v) not in slots for _, v in pairs):
+            self.inner_optimizer.build([v for _, v in pairs])
         devices = strategy.extended.worker_devices
         if from_replicas and not isinstance(strategy, distribute_lib._DefaultStrategy):
             # merge_call leaves a gradient unwrapped when every replica passed the same object
@@ -412,10 +427,12 @@ class LossScaleOptimizer:
                      for g, v in pairs]
         grads = [g for g, _ in pairs]
         distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
-        # Keras clips each replica's unscaled gradient before the sum: an optimizer that clips reduces them
-        # itself. Otherwise the sum is taken here, in the gradients' own dtype (float16 and bfloat16 move
-        # half the bytes), and the check below also catches a sum that overflows.
-        reduce_here = aggregate and not _clips(self.inner_optimizer)
+        # Keras clips each replica's unscaled gradient before the sum, and accumulates each replica's gradients
+        # in that replica's accumulators: an optimizer that clips or accumulates reduces them itself. Otherwise
+        # the sum is taken here, in the gradients' own dtype (float16 and bfloat16 move half the bytes), and
+        # the check below also catches a sum that overflows.
+        reduce_here = aggregate and not _clips(self.inner_optimizer) \
+            and not getattr(self.inner_optimizer, "gradient_accumulation_steps", None)
         reduced = set(distributed) if reduce_here else set()
         if reduced:
             mean = getattr(self.inner_optimizer, "gradient_aggregation", "sum") == "mean"

@@ -651,8 +651,13 @@ class Optimizer:
             # (clipped below, each replica's part, as on every step)
         distributed = [k for k, g in enumerate(grads) if isinstance(g, DistributedValues)]
         if distributed and (self.clipnorm or self.global_clipnorm or self.clipvalue):
-            replicas = len(grads[distributed[0]].values)
-            clipped = [self._clip([grads[k].values[r] for k in distributed]) for r in range(replicas)]
+            replicas, devices = len(grads[distributed[0]].values), grads[distributed[0]]._devices
+            clipped = []
+            for r in range(replicas):
+                # On the replica's GPU and its merge stream: ordered after the accumulated average computed
+                # there (plan.accumulated), which the clip on another stream would read unfinished.
+                with device_util.cross_replica_gpu_scope(devices[r]):
+                    clipped.append(self._clip([grads[k].values[r] for k in distributed]))
             for j, k in enumerate(distributed):
                 grads[k] = PerReplica([clipped[r][j] for r in range(replicas)], grads[k]._devices)
         plain = [k for k, g in enumerate(grads) if not isinstance(g, DistributedValues)]
@@ -732,9 +737,9 @@ class Optimizer:
         (``gradient_accumulation_steps``) and applied there once, by the fused update."""
         devices = strategy.extended.worker_devices
         packed = None
-        if len(holders) == 1:
-            grads = holders[0].grads
-        elif not aggregate:  # the first replica's gradients (aggregated by the caller), packed where it packs
+        if len(holders) == 1 or not aggregate:
+            # the one replica's gradients, or the first one's (aggregated by the caller), packed where it packs,
+            # taken to the variables' device (from a compute GPU to parameters on the host)
             packed = plan.on_variables_device(holders[0].packed) if holders[0].packed is not None else None
             grads = plan.on_variables_device(holders[0].grads) if packed is None else None
         elif all(h.packed is not None for h in holders):
@@ -933,7 +938,10 @@ class _Plan:
         extended = optimizer._strategy.extended if optimizer._strategy is not None else None
         # One copy of each variable for several local replicas (CentralStorageStrategy): the step is applied
         # once, in the merge (see Optimizer._merged_replica_step).
-        self.central = extended is not None and self.num_devices != len(extended.worker_devices)
+        # (also one compute device whose variables live elsewhere: a GPU's replica over parameters on the host)
+        self.central = extended is not None and (
+            self.num_devices != len(extended.worker_devices)
+            or getattr(extended, "_plain_variables", True) is False)
         self.sums_replicas = (self.packable and all(self.host) and self.num_devices > 1
                               and optimizer.gradient_aggregation == "sum" and extended is not None
                               and extended._sums_host_replicas_in_order())

@@ -329,7 +329,8 @@ class Ftrl(Optimizer):
     def _coefficients(self, t, lr, step):
         # Keras: l2_reg + beta / (2.0 * lr) with lr a tensor, in the variable's dtype; the other products are of
         # Python floats, cast once.
-        l2_reg = t(self.l2_regularization_strength) + t(self.beta) / (t(2.0) * lr)
+        with np.errstate(divide="ignore", invalid="ignore"):  # learning rate 0: inf or NaN, as in Keras
+            l2_reg = t(self.l2_regularization_strength) + t(self.beta) / (t(2.0) * lr)
         return (lr, t(-self.learning_rate_power), t(2 * self.l2_shrinkage_regularization_strength), t(2) * l2_reg,
                 t(self.l1_regularization_strength))
 

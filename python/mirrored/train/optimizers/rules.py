@@ -323,7 +323,10 @@ RULES = (sgd, sgd_momentum, sgd_nesterov, adam, rmsprop, adagrad, nadam, adam_am
 
 
 def apply(rule: int, w, g, slots, c) -> None:
-    RULES[rule](w, g, slots, c)
+    # An overflow or a division by zero (Ftrl at learning rate 0) gives inf or NaN, as TensorFlow's kernels and
+    # the fused kernel do, without NumPy's warning.
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        RULES[rule](w, g, slots, c)
 
 
 def array_module(x):
