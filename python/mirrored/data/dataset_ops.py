@@ -390,7 +390,7 @@ class Dataset:
     def shard(self, num_shards, index, name=None) -> "Dataset":
         """Every ``num_shards``-th element, starting at ``index``."""
         num_shards = _positive_int(num_shards, "num_shards")
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < num_shards:
+        if not 0 <= _int(index, "index", "an int") < num_shards:
             raise ValueError(f"index={index!r}: Index must be between 0 and {num_shards - 1} "
                              f"(num_shards={num_shards}); pick the shard's position, e.g. the worker's task index")
         return _Shard(self, num_shards, int(index))
