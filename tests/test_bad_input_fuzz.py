@@ -169,6 +169,8 @@ CASES = {
                               ("raises", "TypeError", "generator=")),
     "distribute exhausted generator again": ("d = s.experimental_distribute_dataset(np.ones((2, 2)) for _ in [0])\n"
                                              "list(d)\nresult = list(d)", ("raises", "ValueError", "one-shot")),
+    "dict keys that do not sort": ("result = list(s.experimental_distribute_dataset("
+                                   "[{1: np.ones(2), 'a': np.ones(2)}]))", ("raises", "TypeError", "sortable keys")),
     "per-replica batch size str": ("result = md.InputContext(1, 0, 2).get_per_replica_batch_size('4')",
                                    ("raises", "TypeError", "global_batch_size='4'")),
     # --- optimizers ---
