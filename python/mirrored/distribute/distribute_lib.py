@@ -841,8 +841,9 @@ def _check_call(api: str, fn, fn_arg: str, args=(), kwargs=None) -> None:
 
 
 def _check_axis(axis, components) -> None:
-    """A ValueError naming ``axis`` and the rank when some component has no such axis (as TF refuses it); first
-    bool, which TF's reduction kernels refuse before they look at the axis (the collectives' TypeError)."""
+    """A TypeError for an ``axis`` that is no int, then a ValueError naming ``axis`` and the rank when some
+    component has no such axis (as TF refuses it); before the range, bool values, which TF's reduction kernels
+    refuse before they look at the axis (the collectives' TypeError)."""
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
         # (TF: "Value passed to parameter 'reduction_indices' has DataType string not in list of allowed values")
         raise TypeError(f"axis={axis!r}: expected an int (a dimension of each replica's value) or None to "
