@@ -27,6 +27,16 @@ def _kind(x) -> int:
     return kind
 
 
+def _sorted_keys(mapping) -> list:
+    """A mapping's keys in tf.nest's order; keys that do not sort (1 beside 'a') are TF's TypeError, not
+    Python's "'<' not supported between instances"."""
+    try:
+        return sorted(mapping)
+    except TypeError:
+        raise TypeError(f"nest only supports dicts with sortable keys; got the keys {list(mapping)!r} (use keys of "
+                        "one type, e.g. all strings)") from None
+
+
 def is_nested(x) -> bool:
     return _kind(x) != _LEAF
 
@@ -37,7 +47,7 @@ def flatten(structure) -> list:
     if kind == _LEAF:
         return [structure]
     if kind == _MAPPING:
-        return [leaf for k in sorted(structure) for leaf in flatten(structure[k])]
+        return [leaf for k in _sorted_keys(structure) for leaf in flatten(structure[k])]
     return [leaf for item in structure for leaf in flatten(item)]
 
 
@@ -55,7 +65,7 @@ def _describe(structure, add):
         add(structure)
         return None
     if kind == _MAPPING:
-        return type(structure), tuple((k, _describe(structure[k], add)) for k in sorted(structure))
+        return type(structure), tuple((k, _describe(structure[k], add)) for k in _sorted_keys(structure))
     return type(structure), tuple(_describe(item, add) for item in structure)
 
 
@@ -71,7 +81,7 @@ def _pack(structure, it):
     if kind == _LEAF:
         return next(it)
     if kind == _MAPPING:
-        packed = {k: _pack(structure[k], it) for k in sorted(structure)}
+        packed = {k: _pack(structure[k], it) for k in _sorted_keys(structure)}
         return type(structure)((k, packed[k]) for k in structure)
     if kind == _NAMEDTUPLE:
         return type(structure)(*(_pack(s, it) for s in structure))

@@ -369,7 +369,7 @@ class _NcclJob:
         self._engine.batch_all_reduce([[c[0][r].data.ptr for c in columns] for r in range(len(devices))],
                                       [[o.data.ptr for o in outs] for outs in outputs],
                                       [c[0][0].size for c in columns], [c[1] for c in columns], op_code(op),
-                                      int(bytes_per_pack), int(num_packs or 0), 0, self._streams(devices))
+                                      *check_packing(bytes_per_pack, num_packs)[:2], 0, self._streams(devices))
         return outputs
 
     def reduce(self, buffers, op="sum", root=0, *, out=None, timeout=None):

@@ -194,7 +194,10 @@ def all_gather(buffers, axis):
 
 def batch_all_reduce(per_replica_lists, op, bytes_per_pack, num_packs, algorithm, chunk_bytes):
     n = check_batch(per_replica_lists)
-    if not per_replica_lists[0]:
+    if not per_replica_lists[0]:  # nothing to reduce; the arguments are still checked, as for any batch
+        check_packing(bytes_per_pack, num_packs, chunk_bytes)
+        op_code(op)
+        algorithm_code(algorithm)
         return [[] for _ in range(n)]
     if any_integer_mean(per_replica_lists[0], op):
         sums = batch_all_reduce(per_replica_lists, "sum", bytes_per_pack, num_packs, algorithm, chunk_bytes)

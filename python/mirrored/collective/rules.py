@@ -131,7 +131,14 @@ def check_packing(bytes_per_pack, num_packs, chunk_bytes=0) -> tuple:
     if num_packs is not None and (isinstance(num_packs, bool) or not isinstance(num_packs, (int, np.integer))
                                   or num_packs < 1):
         raise ValueError(f"num_packs={num_packs!r} must be a positive integer or None")
-    return int(bytes_per_pack), int(num_packs or 0), check_chunk_bytes(chunk_bytes)
+    # The engine holds these in size_t / int: a larger request means "no limit" / "one pack per tensor"
+    # anyway, so it is clamped rather than passed on to overflow the binding.
+    return (min(int(bytes_per_pack), _MAX_BYTES), min(int(num_packs or 0), _MAX_PACKS),
+            check_chunk_bytes(chunk_bytes))
+
+
+_MAX_BYTES = 2**63 - 1
+_MAX_PACKS = 2**31 - 1
 
 
 # DLPack device types of CUDA memory (kDLCUDA, kDLCUDAManaged).
@@ -343,7 +350,7 @@ def algorithm_code(algorithm) -> int:
 def check_chunk_bytes(value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ValueError(f"chunk_bytes={value!r} must be an integer >= 0 (0: the engine's default)")
-    return int(value)
+    return min(int(value), _MAX_BYTES)  # (a chunk larger than any buffer is the whole buffer)
 
 
 def root_index(root, n: int) -> int:

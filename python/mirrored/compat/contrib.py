@@ -126,6 +126,9 @@ class MirroredStrategy(_MirroredStrategyV1):
         if devices is not None and (num_gpus or num_gpus_per_worker):
             raise ValueError("devices and num_gpus were both given; pass one of them")
         gpus = num_gpus if num_gpus is not None else num_gpus_per_worker
+        if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0):
+            argument = "num_gpus" if num_gpus is not None else "num_gpus_per_worker"
+            raise ValueError(f"{argument}={gpus!r}: expected an int >= 0 (0: one CPU replica)")
         if devices is None and gpus is not None:
             devices = [f"/device:GPU:{i}" for i in range(gpus)] or ["/device:CPU:0"]
         if cross_tower_ops is not None and cross_device_ops is not None:

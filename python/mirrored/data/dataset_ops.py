@@ -25,7 +25,7 @@ import numpy as np
 
 from .._nest import flatten, map_structure, pack_sequence_as
 from ..device import device_util
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, from_os_error
 from .iterator_ops import NumpyIterator, OwnedIterator
 from .saved_dataset import (SPEC_FILE, Writer, check_compression, check_path, decode_spec, encode_spec,
                             fingerprint, fresh_directory, publish, read_chunk, read_description, shard_of)
@@ -53,6 +53,14 @@ def _int(value, argument: str, what: str) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{argument}={value!r}: must be {what}, not {type(value).__name__}")
     return int(value)
+
+
+def _seed_of(seed) -> int:
+    """The PCG64 seed of a ``seed`` argument: TF takes any int64, negative ones included (PCG64 takes none, so
+    they wrap to their two's-complement value); None draws one at random."""
+    if seed is None:
+        return int(np.random.SeedSequence().entropy % 2**63)
+    return _int(seed, "seed", "an int or None") % 2**64
 
 
 def _positive_int(value, argument: str, allow=()) -> int:
@@ -382,7 +390,7 @@ class Dataset:
     def shard(self, num_shards, index, name=None) -> "Dataset":
         """Every ``num_shards``-th element, starting at ``index``."""
         num_shards = _positive_int(num_shards, "num_shards")
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < num_shards:
+        if not 0 <= _int(index, "index", "an int") < num_shards:
             raise ValueError(f"index={index!r}: Index must be between 0 and {num_shards - 1} "
                              f"(num_shards={num_shards}); pick the shard's position, e.g. the worker's task index")
         return _Shard(self, num_shards, int(index))
@@ -393,7 +401,7 @@ class Dataset:
 
     def enumerate(self, start=0, name=None) -> "Dataset":
         """``(index, element)`` pairs, the index an int64 counting from ``start``."""
-        return _Enumerate(self, int(start))
+        return _Enumerate(self, _int(start, "start", "an int"))
 
     def with_options(self, options: Options, name=None) -> "Dataset":
         """This dataset carrying ``options`` (``md.data.Options``)."""
@@ -1603,7 +1611,7 @@ class _Shuffle(Dataset):
         self._buffer_size, self._reshuffle = buffer_size, reshuffle
         # seed=None: a random seed, drawn once per dataset (its iterations differ by their epoch number).
         self._seeded = seed is not None
-        self._seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        self._seed = _seed_of(seed)
         self._epochs = 0  # iterations started so far: each reshuffles with its own stream
 
     def _cardinality(self):
@@ -1809,6 +1817,16 @@ class _Cache(Dataset):
             cached = self._cached()
         if cached is not None:
             return _CacheReadIterator(cached, 0 if state is None else state["i"])
+        if self._filename:
+            # As TF, which takes its lock file first: a cache file that cannot be written fails before the
+            # first element, not after a whole pass.
+            tmp = f"{self._filename}.md-cache.tmp-{os.getpid()}.npz"
+            try:
+                open(tmp, "wb").close()
+                os.remove(tmp)
+            except OSError as e:
+                raise from_os_error(e, f"cache(filename={self._filename!r}): cannot write {tmp}; {e.strerror} "
+                                       "(pass a filename in an existing, writable directory)") from None
         return _CacheFillIterator(self, state)
 
 
@@ -1992,6 +2010,7 @@ class _Concatenate(Dataset):
         if not isinstance(second, Dataset):
             raise TypeError(f"dataset={second!r}: expected an md.data.Dataset")
         super().__init__(first, second)
+        self._spec = self._compute_spec()  # (refuses incompatible elements now, as TF does, not at a later pass)
 
     def _compute_spec(self):
         a, b = self._inputs[0].element_spec, self._inputs[1].element_spec
@@ -2502,7 +2521,7 @@ class _SampleFromDatasets(_Selecting):
         super().__init__(datasets, [], stop_on_empty)
         self._weights = np.full(self._count, 1.0) if weights is None else np.asarray(weights, np.float64)
         self._reshuffle = rerandomize or seed is None
-        self._seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        self._seed = _seed_of(seed)
         self._epochs = 0
 
     def _cardinality(self):
@@ -2716,8 +2735,7 @@ class _GroupByWindowIterator(_Iterator):
 class _Random(Dataset):
     def __init__(self, seed, rerandomize):
         super().__init__()
-        self._seed = _int(seed, "seed", "an int or None") if seed is not None else \
-            int(np.random.SeedSequence().entropy % 2**63)
+        self._seed = _seed_of(seed)
         self._reshuffle, self._epochs = rerandomize, 0
 
     def _compute_spec(self):
@@ -3020,7 +3038,7 @@ class _RejectionResample(Dataset):
             raise ValueError(f"initial_dist has {len(initial)} classes, target_dist {len(target)}; give both one "
                              "probability per class")
         self._class_func, self._target, self._initial = class_func, target, initial
-        self._seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        self._seed = _seed_of(seed)
         # As TF: with initial_dist known and equal to the target, the input as it is; none mixed in when m is 0.
         self._static = None if initial is None else float(np.min(target / initial))
 

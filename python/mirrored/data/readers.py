@@ -140,6 +140,10 @@ class _FileReader(Dataset):
         else:
             if isinstance(filenames, (str, bytes, os.PathLike)):
                 filenames = [filenames]
+            if not isinstance(filenames, (list, tuple, np.ndarray)) or not all(
+                    isinstance(f, (str, bytes, os.PathLike, np.str_, np.bytes_)) for f in filenames):
+                raise TypeError(f"filenames={filenames!r}: expected a file name, a list of them or a Dataset of "
+                                "them (the `filenames` argument must contain string elements)")
             if not len(filenames):
                 raise ValueError("filenames=[]: pass at least one file")
             names = Dataset.from_tensor_slices(np.array([os.fsencode(f) for f in filenames]))

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .config import physical_gpu_index as _physical_gpu_index
-from .gpu import merge_stream, step_memory
+from .gpu import CUPY_FIX, merge_stream, step_memory
 from .python_values import from_python
 
 
@@ -151,7 +151,7 @@ def cross_replica_gpu_scope(device):
     if spec.device_type != "GPU":
         yield
         return
-    import cupy
+    cupy = _cupy_for(spec)
 
     ordinal = _gpu_ordinal(spec)
     with cupy.cuda.Device(ordinal), merge_stream(ordinal), step_memory():
@@ -261,10 +261,21 @@ def empty(size: int, dtype, device):
     spec = device if isinstance(device, DeviceSpec) else parse(device)
     if spec.device_type != "GPU":
         return np.empty(size, dtype)
-    import cupy
+    cupy = _cupy_for(spec)
 
     with cupy.cuda.Device(_gpu_ordinal(spec)):
         return cupy.empty(size, dtype)
+
+
+def _cupy_for(spec: DeviceSpec):
+    """CuPy, which holds the arrays of GPU device ``spec``; without it a ValueError naming the device (not
+    Python's ModuleNotFoundError from deep inside a collective)."""
+    try:
+        import cupy
+    except ImportError:
+        raise ValueError(f"device {spec.to_string()!r} is a GPU, but GPU arrays need CuPy, which is not installed "
+                         f"({CUPY_FIX}); use a CPU device such as '/cpu:0'") from None
+    return cupy
 
 
 def place(x, device, copy: bool = False):
@@ -276,8 +287,7 @@ def place(x, device, copy: bool = False):
     """
     spec = device if isinstance(device, DeviceSpec) else parse(device)
     if spec.device_type == "GPU":
-        import cupy
-
+        cupy = _cupy_for(spec)
         ordinal = _gpu_ordinal(spec)
         if type(x) is cupy.ndarray:
             if x.data.device_id != ordinal:

@@ -264,6 +264,9 @@ class SimpleClusterResolver(ClusterResolver):
         super().__init__(task_type=task_type, task_id=task_id, rpc_layer=rpc_layer, environment=environment)
         self._spec = ClusterSpec(cluster_spec)
         self._master = master
+        if num_accelerators is not None and not isinstance(num_accelerators, dict):
+            raise TypeError(f"num_accelerators={num_accelerators!r}: expected a dict of accelerator type -> count "
+                            "per task, e.g. {'GPU': 2}, or None")
         self._num_accelerators = num_accelerators
         if task_type is not None and task_id is None:
             self._task_id = 0

@@ -149,6 +149,10 @@ class CrossDeviceOps:
         options = check_options(options)
         pairs = []
         local = self._sees_all_replicas  # stays True while every value is one replica's, already where it goes
+        if not isinstance(value_destination_pairs, (list, tuple)) or any(
+                not isinstance(pair, tuple) or len(pair) != 2 for pair in value_destination_pairs):
+            raise ValueError(f"value_destination_pairs={value_destination_pairs!r}: expected a list of "
+                             "(per_replica_value, destinations) tuples")
         for v, d in value_destination_pairs:
             if not isinstance(v, DistributedValues):
                 v = _as_per_replica(v, "value_destination_pairs")
@@ -272,6 +276,10 @@ def _fresh_to(reduced, destinations):
 
 
 def _check_gather(arrays, axis):
+    if axis is None:  # (TF: "None values not supported")
+        raise ValueError("axis=None: gather needs the axis to concatenate along, e.g. axis=0")
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"axis={axis!r}: expected an int, the axis to concatenate along (e.g. axis=0)")
     first = arrays[0]
     if first.ndim == 0:  # (TF's words: "Can't concatenate scalars")
         raise ValueError(f"axis={axis}: can't concatenate scalars; gather needs arrays of rank >= 1 (use x[None] "
@@ -565,6 +573,9 @@ class ReductionToOneDevice(CrossDeviceOps):
     def __init__(self, reduce_to_device=None, accumulation_fn=None):
         self.reduce_to_device = (device_util.canonicalize(reduce_to_device, argument="reduce_to_device")
                                  if reduce_to_device is not None else None)
+        if accumulation_fn is not None and not callable(accumulation_fn):
+            raise TypeError(f"accumulation_fn={accumulation_fn!r}: expected a function that adds a list of "
+                            "arrays element-wise (e.g. sum or np.add.reduce), or None for the default")
         self.accumulation_fn = accumulation_fn
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):

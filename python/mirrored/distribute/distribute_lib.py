@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import weakref
+from collections.abc import Mapping
 from types import FunctionType as _FunctionType
 
 import numpy as np
@@ -157,6 +158,7 @@ class ReplicaContext:
         its own part of the result.
         """
         self._require_current("merge_call")
+        _check_call("merge_call", merge_fn, "merge_fn", args, kwargs)
         kwargs = kwargs or {}
         strategy = self._strategy
         devices = strategy.extended.worker_devices
@@ -343,6 +345,8 @@ class Strategy:
             _require_cross_replica_or_default(self, "run")
         if type(args) is not tuple and not isinstance(args, (list, tuple)):
             raise ValueError(f"args={args!r}: pass the arguments of fn as a tuple, e.g. args=(x,)")
+        if not callable(fn) or kwargs and type(kwargs) is not dict:
+            _check_call("run", fn, "fn", (), kwargs)
         # strategy.run(md.function(step), ...): md.function's objects have it; a plain function has not.
         captured = None if type(fn) is _FunctionType else getattr(fn, "_run_in_strategy", None)
         if captured is not None:
@@ -444,6 +448,7 @@ class Strategy:
         """``PerReplica`` of ``value_fn(ValueContext)`` for each of this worker's replicas."""
         from .input_lib import ValueContext
 
+        _check_call("experimental_distribute_values_from_function", value_fn, "value_fn")
         ext = self._extended
         local = len(ext.worker_devices)
         results = []
@@ -668,6 +673,7 @@ class StrategyExtended:
         In replica context this is a ``merge_call``: the replicas' arguments
         are merged first.
         """
+        _check_call("update", fn, "fn", args, kwargs)
         kwargs = dict(kwargs or {})
         ctx = get_replica_context()
         if ctx is not None and ctx.strategy is self._container_strategy:
@@ -786,6 +792,8 @@ class StrategyExtended:
         shape), and so is ``variable_def`` (graph-mode protocol buffers).
         """
         _check_arguments(initial_value, trainable, variable_def, caching_device, constraint)
+        if name is not None and not isinstance(name, str):  # (TF's words: "name for name_scope must be a string")
+            raise ValueError(f"name={name!r}: the name of a variable must be a string, e.g. name='kernel'")
         name = scoped_name(name or "Variable")
         ctx = get_replica_context()
         if ctx is not None and ctx.strategy is self._container_strategy and ctx is not default_replica_context():
@@ -825,15 +833,32 @@ def _to_host(x):
     return map_arrays(device_util.to_host, x) if type(x) is IndexedSlices else device_util.to_host(x)
 
 
+def _check_call(api: str, fn, fn_arg: str, args=(), kwargs=None) -> None:
+    """A TypeError naming the argument when ``fn`` is not callable, ``args`` not a sequence of arguments or
+    ``kwargs`` not a mapping of keyword arguments (Python's own errors would name none of them)."""
+    if not callable(fn):
+        raise TypeError(f"{api}: {fn_arg}={fn!r} is not callable; pass a function (the function itself, not "
+                        "the result of calling it)")
+    if not isinstance(args, (list, tuple)):
+        raise TypeError(f"{api}: args={args!r}: pass the positional arguments as a tuple, e.g. args=(x,)")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"{api}: kwargs={kwargs!r}: pass the keyword arguments as a dict, e.g. kwargs={{'x': x}}")
+
+
 def _check_axis(axis, components) -> None:
-    """A ValueError naming ``axis`` and the rank when some component has no such axis (as TF refuses it); first
-    bool, which TF's reduction kernels refuse before they look at the axis (the collectives' TypeError)."""
+    """A TypeError for an ``axis`` that is no int, then a ValueError naming ``axis`` and the rank when some
+    component has no such axis (as TF refuses it); before the range, bool values, which TF's reduction kernels
+    refuse before they look at the axis (the collectives' TypeError)."""
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        # (TF: "Value passed to parameter 'reduction_indices' has DataType string not in list of allowed values")
+        raise TypeError(f"axis={axis!r}: expected an int (a dimension of each replica's value) or None to "
+                        "reduce across replicas only")
     for cs in components:
         for c in cs:
             if getattr(c, "dtype", None) == np.bool_:
                 dtype_code(c.dtype, "value")
             ndim = len(np.shape(c))
-            if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
+            if not -ndim <= axis < ndim:
                 valid = f"use {-ndim}..{ndim - 1}, or" if ndim else "a scalar has no axis: use"
                 # (TF's words first: "Invalid reduction dimension 0 for input with 0 dimensions")
                 raise ValueError(f"Invalid reduction dimension: axis={axis!r} is out of range for a value of rank "

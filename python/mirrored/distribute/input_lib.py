@@ -43,6 +43,9 @@ class InputContext:
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """``global_batch_size // num_replicas_in_sync``; raises when it does not divide evenly."""
+        if isinstance(global_batch_size, (bool, np.bool_)) or not isinstance(global_batch_size, (int, float,
+                                                                                                 np.number)):
+            raise TypeError(f"global_batch_size={global_batch_size!r}: expected a number of examples, e.g. 64")
         if global_batch_size % self._num_replicas_in_sync:
             raise ValueError(f"The `global_batch_size` {global_batch_size!r} is not divisible by "
                              f"`num_replicas_in_sync` {self._num_replicas_in_sync!r}; pick a multiple of it")

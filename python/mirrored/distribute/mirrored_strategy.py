@@ -350,7 +350,11 @@ def _resolve_devices(devices) -> tuple:
     if devices is None or isinstance(devices, (list, tuple)) and not devices:
         # TF's default for None or empty: every logical GPU, else every logical CPU (one unless split)
         devices = [d.name for d in config.list_logical_devices("GPU") or config.list_logical_devices("CPU")]
-    devices = list(devices)
+    try:
+        devices = list(devices)
+    except TypeError:
+        raise TypeError(f"devices={devices!r}: expected a list of device strings such as ['/cpu:0', '/cpu:1'], "
+                        "or None for every GPU (else one CPU)") from None
     if not devices:  # (an empty iterator)
         raise ValueError("devices: no device given; pass a list such as ['/cpu:0', '/cpu:1'], or None for TF's "
                          "default (every GPU, else every logical CPU)")

@@ -114,7 +114,10 @@ class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
     dictionaries by ``var.ref()``.
     """
 
-    __hash__ = None
+    def __hash__(self):
+        # (None would give Python's "unhashable type: 'DeviceVariable'", naming neither the cause nor the fix)
+        raise TypeError(f"Variable is unhashable. Instead, use variable.ref() as the key. (Variable: {self!r})")
+
     _constraint = None  # set by the strategy that creates the variable
 
     @property

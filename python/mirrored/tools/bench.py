@@ -625,6 +625,10 @@ def parse_args(argv=None):
             import matplotlib  # noqa: F401
         except ImportError:
             p.error("--plot needs matplotlib: pip install 'mirrored[plot]'")
+        # Checked now: a folder that is not there would otherwise fail only after the whole sweep has run.
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            p.error(f"--plot {args.plot}: cannot write into {folder}; create the folder or pick another path")
     job = _job_resolver(p)
     workers = job[1] if job else 1
     total = args.replicas * workers

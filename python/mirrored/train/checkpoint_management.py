@@ -73,9 +73,17 @@ class CheckpointState:
 _LINE = re.compile(r'^\s*(\w+)\s*:\s*(.*?)\s*$')
 
 
+def _fspath(path, argument: str):
+    """``os.fspath(path)``, whose TypeError would not say which argument was wrong."""
+    try:
+        return os.fspath(path)
+    except TypeError:
+        raise TypeError(f"{argument}={path!r}: expected a path (str or os.PathLike)") from None
+
+
 def get_checkpoint_state(checkpoint_dir, latest_filename=None):
     """The ``CheckpointState`` recorded in ``checkpoint_dir``, or None if there is none."""
-    directory = os.fspath(checkpoint_dir)
+    directory = _fspath(checkpoint_dir, "checkpoint_dir")
     state_path = os.path.join(directory, latest_filename or STATE_FILE)
     try:
         with open_regular_file(state_path, "the checkpoint state file") as f:  # never a FIFO or a device
@@ -171,7 +179,7 @@ def checkpoints_iterator(checkpoint_dir, min_interval_secs=0, timeout=None, time
 
 
 def _checkpoint_file(ckpt_dir_or_file) -> str:
-    path = os.fspath(ckpt_dir_or_file)
+    path = _fspath(ckpt_dir_or_file, "ckpt_dir_or_file")
     if os.path.isdir(path):
         latest = latest_checkpoint(path)
         if latest is None:
@@ -254,7 +262,7 @@ class CheckpointManager:
         self._checkpoint = checkpoint
         # As given (a relative directory gives relative paths, as TensorFlow's); the files themselves are
         # written, matched and deleted below the working directory of this call, wherever the process moves.
-        self._directory = os.fsdecode(os.fspath(directory))
+        self._directory = os.fsdecode(_fspath(directory, "directory"))
         self._origin = os.getcwd()
         self._absolute_directory = self._absolute(self._directory)
         self._max_to_keep = max_to_keep

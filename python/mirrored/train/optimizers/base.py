@@ -363,7 +363,10 @@ class Optimizer:
         ``apply_gradients`` builds what is missing by itself; call it inside the
         strategy's scope, as Keras ports do.
         """
-        var_list = list(var_list)
+        try:
+            var_list = list(var_list)
+        except TypeError:
+            raise TypeError(f"var_list={var_list!r}: expected a list of md.Variable") from None
         for i, var in enumerate(var_list):
             self._check_variable(f"var_list[{i}]", var)
         strategy = self._strategy or next(
@@ -572,7 +575,11 @@ class Optimizer:
 
     def _check_pairs(self, grads_and_vars) -> tuple:
         """``(grads, variables)`` without the None gradients; the variables' checks run once per list."""
-        pairs = grads_and_vars if isinstance(grads_and_vars, list) else list(grads_and_vars)
+        try:
+            pairs = grads_and_vars if isinstance(grads_and_vars, list) else list(grads_and_vars)
+        except TypeError:
+            raise TypeError(f"grads_and_vars={grads_and_vars!r}: expected a list of (gradient, variable) pairs, "
+                            "e.g. zip(grads, variables)") from None
         try:
             grads = [g for g, _ in pairs]
             variables = [v for _, v in pairs]
@@ -888,6 +895,17 @@ class Optimizer:
                 f"gradient_aggregation={self.gradient_aggregation!r}>")
 
 
+def _scope_error(var, copies: int, other, other_copies: int) -> ValueError:
+    """The error of a step over variables made in different strategies' scopes (Keras: "Trying to create
+    optimizer slot variable under the scope for tf.distribute.Strategy ..., which is different from the scope
+    used for the original variable")."""
+    against = (f"variable {other.name!r} has {other_copies}" if other is not None
+               else f"the optimizer's strategy has {other_copies} local replicas")
+    return ValueError(f"variable {var.name!r} has {copies} copies but {against}: the variables were created "
+                      "under the scope of a different strategy (or of none); create every variable, and the "
+                      "optimizer, inside the same strategy.scope()")
+
+
 class _Plan:
     """What a step needs per device for one list of variables, computed once and reused.
 
@@ -899,6 +917,9 @@ class _Plan:
         self.optimizer = optimizer
         self.variables = list(variables)  # keeps the ids of the plan's key alive
         per_var = [v.values if isinstance(v, DistributedVariable) else (v,) for v in variables]
+        for v, copies in zip(variables, per_var):
+            if len(copies) != len(per_var[0]):
+                raise _scope_error(v, len(copies), variables[0], len(per_var[0]))
         self.num_devices = len(per_var[0])
         state = [optimizer._slots[id(v)][1] for v in variables]
 
@@ -942,6 +963,8 @@ class _Plan:
         self.central = extended is not None and (
             self.num_devices != len(extended.worker_devices)
             or getattr(extended, "_plain_variables", True) is False)
+        if self.central and not hasattr(extended, "_variables_updated"):  # only central storage keeps one copy
+            raise _scope_error(variables[0], self.num_devices, None, len(extended.worker_devices))
         self.sums_replicas = (self.packable and all(self.host) and self.num_devices > 1
                               and optimizer.gradient_aggregation == "sum" and extended is not None
                               and extended._sums_host_replicas_in_order())
