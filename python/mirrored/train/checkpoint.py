@@ -39,6 +39,7 @@ the digest verified in chunks, then one variable read and assigned at a time.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -490,36 +491,37 @@ def _is_variable(obj) -> bool:
     return isinstance(obj, values.Variable)
 
 
-def _walk(obj, path: str, found: dict, optimizers: list, seen: set) -> None:
-    """Collect ``path -> variable`` for every variable under ``obj`` (first path wins)."""
+def _walk(roots, found: dict, optimizers: list, seen: set) -> None:
+    """Collect ``path -> variable`` for every variable under ``roots`` (``(path, object)`` pairs).
+
+    As TensorFlow names an object tracked under several paths: breadth first, children in the order they were
+    attached (a module's attributes, a dict's keys as inserted), so the shortest path wins, and among paths of
+    one length the first attached.
+    """
     from .optimizers.base import Optimizer
 
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if _is_variable(obj):
-        found[path] = obj
-    elif isinstance(obj, Optimizer):
-        optimizers.append((path, obj))
-    elif isinstance(obj, dict):
-        for key in sorted(obj, key=str):
-            _walk(obj[key], _join(path, key), found, optimizers, seen)
-    elif isinstance(obj, (list, tuple)):
-        for i, item in enumerate(obj):
-            _walk(item, _join(path, i), found, optimizers, seen)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType)):
-        # md.Module tracks its private attributes too, as tf.Module does: it names its children itself.
-        children = obj._trackable_children() if hasattr(obj, "_trackable_children") else {
-            key: value for key, value in vars(obj).items() if not key.startswith("_")}
-        for key in sorted(children):
-            _walk(children[key], _join(path, key), found, optimizers, seen)
+    queue = collections.deque(roots)
+    while queue:
+        path, obj = queue.popleft()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if _is_variable(obj):
+            found[path] = obj
+        elif isinstance(obj, Optimizer):
+            optimizers.append((path, obj))
+        else:
+            queue.extend((_join(path, key), child) for key, child in _children(obj).items())
 
 
 _ITERATIONS = "_iterations"  # an optimizer's step counter, under Keras 3's attribute name
 
 
 def _children(obj) -> dict:
-    """``name -> child`` of a tracked container or object, as ``_walk`` names them."""
+    """``name -> child`` of a tracked container or object, in the order they were attached.
+
+    md.Module tracks its private attributes too, as tf.Module does: it names its children itself.
+    """
     if isinstance(obj, dict):
         return {str(key): value for key, value in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -811,7 +813,7 @@ class Checkpoint:
         for name, obj in objects.items():
             _check_trackable(name, obj)
         self._root = root
-        self._objects = objects
+        self._objects = dict(sorted(objects.items()))  # as TensorFlow: keyword arguments by name, then attributes
         self._save_counter = None
 
     def __setattr__(self, name, value):
@@ -867,9 +869,10 @@ class Checkpoint:
     def _tracked(self):
         found, optimizers, seen = {}, [], set()
         if self._root is not None:
-            _walk(self._root, "", found, optimizers, seen)
-        for name, obj in self._objects.items():
-            _walk(obj, name, found, optimizers, seen)
+            seen.add(id(self._root))
+        children = {} if self._root is None else _children(self._root)
+        children.update(self._objects)
+        _walk(list(children.items()), found, optimizers, seen)
         for _, opt in optimizers:
             opt._refresh_state()  # (state kept on other tasks: ParameterServerStrategy's ps copies)
         return found, optimizers, seen
