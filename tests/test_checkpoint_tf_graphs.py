@@ -26,7 +26,6 @@ DATA = os.path.join(os.path.dirname(__file__), "data")
 with open(os.path.join(DATA, "tf_checkpoint_graphs.json")) as _f:
     REFERENCE = json.load(_f)
 CASES = graphs.cases()
-OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
 
 
 class Mirrored(ScenarioAdapter):
@@ -92,13 +91,19 @@ def test_tensorflow_file_reads_and_restores_as_in_tensorflow(case):
         if kwargs.get("deferred"):
             attach()
         var_list = [made[i] for i in case["optimizer"]["vars"] if i in made] if optimizer is not None else []
+        if var_list and len(var_list) < len(case["optimizer"]["vars"]) and any(o is optimizer for o in ckpt._objects.values()):
+            # Deliberate (docs/checkpoints.md): the file's slots are numbered for more variables than this build's,
+            # so they would land on the wrong variables; TF 2.21 assigns them by number, mirrored refuses.
+            with pytest.raises(md.train.CheckpointError, match="another optimizer kind or configuration"):
+                optimizer.build(var_list)
+            continue
         if var_list:
             optimizer.build(var_list)
         got["after"] = graphs.statuses(status)
         expected = want[how]
         for when in ("before", "after"):
             checks = dict(expected[when])
-            if strings and checks["assert_consumed"] == "ok" and how != "partial":
+            if strings and checks["assert_consumed"] == "ok":
                 checks["assert_consumed"] = "AssertionError"  # TF's string variables: nothing here claims them
             assert got[when] == checks, (how, when)
         wanted_vars = {k: v for k, v in expected["vars"].items() if k not in _string_ids(case)}
@@ -112,24 +117,24 @@ def test_tensorflow_file_reads_and_restores_as_in_tensorflow(case):
             _saves_tensorflow_file_again(ckpt, want, case)
 
 
-def _saves_tensorflow_file_again(ckpt, want, case, tmp=None):
+def _saves_tensorflow_file_again(ckpt, want, case):
+    """What mirrored saves from the restored objects is what TF saves from its own (an integer ON_READ SUM
+    variable, restored as its sum divided among the replicas, may lose the remainder in both)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         path = ckpt.write(os.path.join(tmp, "again"))
-        _assert_tensorflow_names_and_values(path, want, case, rtol=0.0)
+        _assert_tensorflow_names_and_values(path, want["full"]["resaved"], case, rtol=0.0)
 
 
-def _assert_tensorflow_names_and_values(path, want, case, rtol):
-    strings = {k for k, v in want["values"].items() if v["dtype"] == "string"}
-    want_names = [[k, s] for k, s in want["names"] if k != OBJECT_GRAPH and k not in strings]
+def _assert_tensorflow_names_and_values(path, values, case, rtol):
+    """mirrored's file at ``path`` holds TF's tensors (``values``: name -> array) but the string ones."""
+    want_names = sorted([k, v["shape"]] for k, v in values.items() if v["dtype"] != "string")
     got_names = [[k, s] for k, s in md.train.list_variables(path)]
-    if "save_counter/.ATTRIBUTES/VARIABLE_VALUE" not in dict((k, 0) for k, _ in got_names):
-        want_names = [[k, s] for k, s in want_names if k != "save_counter/.ATTRIBUTES/VARIABLE_VALUE"]
     assert got_names == want_names
     trained = case["optimizer"] is not None and case["optimizer"]["steps"] > 0
     for key, _ in got_names:
-        assert_arrays(graphs.arr(md.train.load_variable(path, key)), want["values"][key], key,
+        assert_arrays(graphs.arr(md.train.load_variable(path, key)), values[key], key,
                       rtol=rtol if trained else 0.0)
 
 
@@ -143,7 +148,7 @@ def test_mirrored_writes_tensorflows_names_and_values(case, tmp_path):
         if vid in _string_ids(case):
             continue
         for r, (g, w) in enumerate(zip(graphs.replicas(made[int(vid)]), copies)):
-            assert_arrays(g, w, f"variable {vid} replica {r}", rtol=1e-6)
+            assert_arrays(g, w, f"variable {vid} replica {r}", rtol=1e-5)
     path = ckpt.save(str(tmp_path / case["name"]))
     assert os.path.basename(path) == want["path"]
-    _assert_tensorflow_names_and_values(path, want, case, rtol=1e-6)
+    _assert_tensorflow_names_and_values(path, want["values"], case, rtol=1e-5)

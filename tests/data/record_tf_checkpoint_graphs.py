@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 
 from recording import HERE, logical_cpus, record_by_replicas, tf, write_reference  # (this folder)
 import keras
@@ -55,6 +56,11 @@ def restored(X, case, path, **how):
             optimizer.build(var_list)
     out["after"] = graphs.statuses(status)
     out["vars"] = {str(i): graphs.replicas(v) for i, v in made.items()}
+    if not how:  # what TF saves again from the restored objects
+        with tempfile.TemporaryDirectory() as tmp:
+            again = ckpt.write(os.path.join(tmp, "again"))
+            out["resaved"] = {k: graphs.arr(tf.train.load_variable(again, k)) for k, _ in tf.train.list_variables(again)
+                              if k != "_CHECKPOINTABLE_OBJECT_GRAPH"}
     return out
 
 
