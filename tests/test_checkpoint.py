@@ -170,11 +170,15 @@ def test_optimizer_saved_without_its_model(tmp_path):
         "optimizer/_iterations", "optimizer/_learning_rate", "optimizer/_trainable_variables/0",
         "optimizer/_trainable_variables/1", *(f"optimizer/_variables/{i}" for i in range(2, 6)), "save_counter"]
     _, model2, opt2 = _setup(2, seed=3)
+    before = {k: v.numpy() for k, v in model2.items()}
     status = md.Checkpoint(optimizer=opt2).restore(path)
     opt2.build([model2[k] for k in sorted(model2)])
-    status.assert_consumed()  # the build restored the model's variables too, as TF restores Keras' list
-    for k in model:
-        np.testing.assert_array_equal(model2[k].numpy(), model[k].numpy())
+    # As TF 2.21: the build does not restore the model's variables from that list; they keep their values and
+    # the file's entries stay unclaimed.
+    with pytest.raises(AssertionError, match="optimizer/_trainable_variables/0"):
+        status.assert_consumed()
+    for k in model2:
+        np.testing.assert_array_equal(model2[k].numpy(), before[k])
     for k in model:
         for s in ("m", "v"):
             np.testing.assert_array_equal(opt2.get_slot(model2[k], s).numpy(), opt.get_slot(model[k], s).numpy())

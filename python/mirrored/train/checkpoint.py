@@ -522,7 +522,7 @@ def _walk(roots, found: dict, optimizers: list, seen: dict, aliases: dict) -> No
             # Keras 3 tracks the variables it was built for: a model variable reached first there is named there.
             built = [var for var, _ in obj._slots.values()]
             if built:
-                queue.append((_join(path, _BUILT), built))
+                queue.append((_join(path, "_trainable_variables"), built))
         else:
             queue.extend((_join(path, key), child) for key, child in _children(obj).items())
 
@@ -652,7 +652,6 @@ def _optimizer_state(path: str, optimizer) -> dict:
     return state
 
 
-_BUILT = "_trainable_variables"  # Keras 3's list of the variables an optimizer was built for
 _SLOTS = "_variables"  # Keras 3's list of an optimizer's variables, which names its slots by position
 _LEGACY_SLOTS = "slots"  # files of mirrored before Keras' names: optimizer/slots/<variable path>/<slot name>
 
@@ -711,17 +710,14 @@ class _RestoreAtBuild:
         if problem:
             raise CheckpointError(f"path={self._save_path!r}: {problem}")
         state = _optimizer_state(path, optimizer)
-        # As TF restores Keras' _trainable_variables list when the build creates it: the model's variables too.
-        state.update({_join(path, f"{_BUILT}/{i}"): var for i, (var, _) in enumerate(optimizer._slots.values())})
         for key in [k for k in waiting if k in state]:
             _assign_pending(state[key], waiting.pop(key), _slot_of(path, optimizer, key))
 
 
 def _built_state(path: str, key: str) -> bool:
-    """Whether ``key`` names what the optimizer at ``path`` tracks from its build on: a slot, Nadam's u_product,
-    a variable it was built for (Keras' ``_trainable_variables``)."""
+    """Whether ``key`` names state the optimizer at ``path`` creates at its build: a slot, Nadam's u_product."""
     rest = key[len(path) + 1:] if path and key.startswith(path + "/") else key if not path else ""
-    return rest.startswith((f"{_SLOTS}/", f"{_BUILT}/")) or rest == "_u_product"
+    return rest.startswith(f"{_SLOTS}/") or rest == "_u_product"
 
 
 def _slot_of(path: str, optimizer, key: str) -> str:
