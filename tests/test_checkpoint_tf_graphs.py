@@ -7,6 +7,10 @@
   variable more, and with the variables created after the restore; and what mirrored then saves is TF's file again.
 * mirrored writes: the same graph built, trained and saved by mirrored holds TF's names, shapes, dtypes and values
   (mirrored writes its own format, not a TensorBundle, so TF's side is its file of the same graph).
+* 30 random CheckpointManager sequences (saves with and without numbers, reopening with another max_to_keep,
+  keep_checkpoint_every_n_hours, checkpoint_name, restore_or_initialize, a Checkpoint.save in the same
+  directory): after each step the manager's checkpoints and latest, latest_checkpoint, the files, the state
+  file, list_variables / load_variable of the latest and save_counter are TF's.
 
 String variables exist in TF only: mirrored reads them (``load_variable``) and its restore leaves them unclaimed.
 """
@@ -33,6 +37,8 @@ class Mirrored(ScenarioAdapter):
     Variable = md.Variable
     Module = md.Module
     Checkpoint = md.train.Checkpoint
+    CheckpointManager = md.train.CheckpointManager
+    train = md.train
     VariableSynchronization = md.VariableSynchronization
     VariableAggregation = md.VariableAggregation
     strings = False
@@ -152,6 +158,27 @@ def test_mirrored_writes_tensorflows_names_and_values(case, tmp_path):
     path = ckpt.save(str(tmp_path / case["name"]))
     assert os.path.basename(path) == want["path"]
     _assert_tensorflow_names_and_values(path, want["values"], case, rtol=1e-5)
+
+
+MANAGERS = graphs.manager_cases()
+
+
+def test_manager_cases_are_what_was_recorded():
+    assert sorted(REFERENCE["managers"]) == [c["name"] for c in MANAGERS]
+    ops = {op for c in MANAGERS for op, _ in c["ops"]}
+    assert ops == {"save", "reopen", "restore_or_initialize", "save_checkpoint"}
+    assert {c["hours"] for c in MANAGERS} == {None, 1e-9, 1000.0}
+
+
+@pytest.mark.parametrize("case", MANAGERS, ids=[c["name"] for c in MANAGERS])
+def test_checkpoint_manager_sequences_as_in_tensorflow(case, tmp_path):
+    import tf_checkpoint_scenarios as scenarios
+
+    got = graphs.run_manager_case(_X, case, str(tmp_path), scenarios.files, scenarios.state_lines, scenarios.rel)
+    want = REFERENCE["managers"][case["name"]]
+    assert len(got) == len(want)
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert g == w, (k, case["ops"][k])
 
 
 # --- the mismatches the graphs found, each alone (TF 2.21's results, recorded with its list_variables) ----------

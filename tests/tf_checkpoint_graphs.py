@@ -16,6 +16,7 @@ and ``strings`` (whether the library has string variables: TensorFlow has, mirro
 """
 
 import hashlib
+import os
 import random
 
 import numpy as np
@@ -300,3 +301,68 @@ def outcome(call):
 def statuses(status):
     return {name: outcome(getattr(status, name)) for name in
             ("assert_consumed", "assert_existing_objects_matched", "assert_nontrivial_match")}
+
+
+# --- CheckpointManager: random sequences of saves, reopenings and restores ----------------------------------------
+
+MANAGER_COUNT = 30
+
+
+def manager_cases() -> list:
+    rng = random.Random(SEED + 1)
+    out = []
+    for i in range(MANAGER_COUNT):
+        ops = []
+        for _ in range(rng.randint(2, 7)):
+            roll = rng.random()
+            if roll < 0.6:
+                ops.append(["save", rng.choice([None, None, None, rng.randint(0, 40)])])
+            elif roll < 0.75:
+                ops.append(["reopen", rng.choice([None, 1, 2, 3])])
+            elif roll < 0.9:
+                ops.append(["restore_or_initialize", None])
+            else:
+                ops.append(["save_checkpoint", None])  # Checkpoint.save beside the manager, same directory
+        out.append({"name": f"m{i:03d}", "max_to_keep": rng.choice([None, 1, 2, 3, 5]),
+                    "hours": rng.choice([None, None, 1e-9, 1000.0]),
+                    "checkpoint_name": rng.choice(["ckpt", "ckpt", "model", "a.b"]), "ops": ops})
+    return out
+
+
+def run_manager_case(X, case, tmp, files, state_lines, rel):
+    """The case's operations over a manager of ``tmp/run``; after each, what TF exposes. ``files``, ``state_lines``
+    and ``rel`` are tests/tf_checkpoint_scenarios.py's."""
+    directory = os.path.join(tmp, "run")
+    v = X.Variable(X.const(0.0, "float32"))
+    ckpt = X.Checkpoint(v=v)
+
+    def manager(max_to_keep):
+        return X.CheckpointManager(ckpt, directory, max_to_keep=max_to_keep,
+                                   keep_checkpoint_every_n_hours=case["hours"],
+                                   checkpoint_name=case["checkpoint_name"])
+
+    current, steps = manager(case["max_to_keep"]), []
+    for k, (op, arg) in enumerate(case["ops"]):
+        v.assign(X.const(float(k + 1), "float32"))
+        if op == "save":
+            result = rel(tmp, current.save(checkpoint_number=arg))
+        elif op == "reopen":
+            current = manager(arg)
+            result = None
+        elif op == "restore_or_initialize":
+            fresh = X.Variable(X.const(-1.0, "float32"))
+            other = X.CheckpointManager(X.Checkpoint(v=fresh), directory, max_to_keep=case["max_to_keep"],
+                                        checkpoint_name=case["checkpoint_name"])
+            result = [rel(tmp, other.restore_or_initialize()), float(np.asarray(fresh.numpy()))]
+        else:
+            result = rel(tmp, ckpt.save(os.path.join(directory, "other")))
+        latest = X.train.latest_checkpoint(directory)
+        steps.append({"op": op, "result": result, "checkpoints": [rel(tmp, p) for p in current.checkpoints],
+                      "latest": rel(tmp, current.latest_checkpoint), "tf_latest": rel(tmp, latest),
+                      "files": files(tmp), "state": state_lines(directory) if os.path.exists(directory) else None,
+                      "names": None if latest is None else sorted(k for k, _ in X.train.list_variables(latest)
+                                                                  if k != "_CHECKPOINTABLE_OBJECT_GRAPH"),
+                      "v": None if latest is None else
+                      float(np.asarray(X.train.load_variable(latest, "v/.ATTRIBUTES/VARIABLE_VALUE"))),
+                      "counter": int(np.asarray(ckpt.save_counter.numpy()))})
+    return steps

@@ -4,7 +4,8 @@ tests/test_checkpoint_tf_graphs.py (never imported by the tests): each case is b
 saved with tf.train.Checkpoint.save to tests/data/tf_checkpoint_graphs/gNNN-1 (TensorBundle). Recorded: what
 tf.train.list_variables / load_variable read from the file, and what TF's own restore of it gives in fresh
 objects: the statuses, every replica's values, with the graph whole, one top-level object left out, one variable
-more, and the variables created after the restore (deferred restoration).
+more, and the variables created after the restore (deferred restoration). Also the random CheckpointManager
+sequences (``manager_cases``): after each operation, what the manager and tf.train's functions show.
 
     /work/venvs/tf/bin/python tests/data/record_tf_checkpoint_graphs.py
         (writes tests/data/tf_checkpoint_graphs/ and tests/data/tf_checkpoint_graphs.json)
@@ -31,6 +32,8 @@ class TensorFlow(ScenarioAdapter):
     Variable = tf.Variable
     Module = tf.Module
     Checkpoint = tf.train.Checkpoint
+    CheckpointManager = tf.train.CheckpointManager
+    train = tf.train
     VariableSynchronization = tf.VariableSynchronization
     VariableAggregation = tf.VariableAggregation
     strings = True
@@ -94,6 +97,16 @@ def record(n):
             results[case["name"]] = record_case(X, case)
         except Exception as e:  # noqa: BLE001  (recorded: the test expects mirrored to raise likewise)
             results[case["name"]] = {"raises": type(e).__name__, "msg": str(e)}
+    if n == 1:
+        import tf_checkpoint_scenarios as scenarios
+
+        for case in graphs.manager_cases():
+            with tempfile.TemporaryDirectory() as tmp:
+                try:
+                    results[case["name"]] = graphs.run_manager_case(X, case, tmp, scenarios.files,
+                                                                    scenarios.state_lines, scenarios.rel)
+                except Exception as e:  # noqa: BLE001
+                    results[case["name"]] = {"raises": type(e).__name__, "msg": str(e)}
     return results
 
 
@@ -105,7 +118,9 @@ def main():
     os.makedirs(OUT)
     by_case = {name: result for name, by_n in record_by_replicas(__file__, (1, 2, 3)).items()
                for result in by_n.values()}
-    out = {"tensorflow": tf.__version__, "keras": keras.__version__, "seed": graphs.SEED, "cases": by_case}
+    managers = {name: by_case.pop(name) for name in [c["name"] for c in graphs.manager_cases()]}
+    out = {"tensorflow": tf.__version__, "keras": keras.__version__, "seed": graphs.SEED, "cases": by_case,
+           "managers": managers}
     os.remove(os.path.join(OUT, "checkpoint"))
     write_reference("tf_checkpoint_graphs.json", out, indent=None, sort_keys=True)
 
