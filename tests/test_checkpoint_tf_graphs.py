@@ -88,6 +88,10 @@ def test_tensorflow_file_reads_and_restores_as_in_tensorflow(case):
     assert [[k, s] for k, s in md.train.list_variables(path)] == want["names"]
     for key, value in want["values"].items():
         assert_arrays(graphs.arr(md.train.load_variable(path, key)), value, key)
+    reader = md.train.load_checkpoint(path)  # tf.train.load_checkpoint's reader methods, TF's tensor names
+    assert sorted([k, s] for k, s in reader.get_variable_to_shape_map().items()) == want["names"]
+    for key, value in want["values"].items():
+        assert_arrays(graphs.arr(reader.get_tensor(key)), value, key)
     strings = _has_strings(case)
     for how, kwargs in (("full", {}), ("partial", {"drop": case["drop"]}), ("extra", {"extra": True}),
                         ("deferred", {"deferred": True})):

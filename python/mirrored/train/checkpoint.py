@@ -58,8 +58,8 @@ import weakref
 import numpy as np
 
 from ..errors import ResourceExhaustedError, from_os_error
-from .checkpoint_io import (_MAGIC, _MAX_INDEX, CheckpointError, DamagedCheckpointError, NotFoundError, damaged,
-                            open_regular_file, read_into)
+from .checkpoint_io import (_MAGIC, _MAX_INDEX, CheckpointError, DamagedCheckpointError, KeyNotFoundError,
+                            NotFoundError, damaged, open_regular_file, read_into)
 
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "load_checkpoint", "CheckpointError", "NotFoundError"]
 
@@ -480,13 +480,45 @@ def _tensorflow_hint(path: str) -> str:
     return hint(path)
 
 
-def load_checkpoint(path) -> dict:
-    """Every array of the checkpoint at ``path``, as ``{object path: ndarray}`` (validated in full): ``model/w``
-    where ``list_variables`` says ``model/w/.ATTRIBUTES/VARIABLE_VALUE``."""
+class CheckpointValues(dict):
+    """What ``load_checkpoint`` returns: every saved array by its object path (``model/w``), and TensorFlow's
+    ``CheckpointReader`` methods by its tensor names (``model/w/.ATTRIBUTES/VARIABLE_VALUE``), as
+    ``list_variables`` shows them."""
+
+    def __init__(self, arrays: dict):
+        super().__init__({object_path(name): value for name, value in arrays.items()})
+        self._by_name = arrays
+
+    def get_variable_to_shape_map(self) -> dict:
+        return {name: list(np.shape(value)) for name, value in self._by_name.items()}
+
+    def get_variable_to_dtype_map(self) -> dict:
+        """``name -> NumPy dtype`` (a string tensor's is ``object``)."""
+        return {name: np.asarray(value).dtype for name, value in self._by_name.items()}
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._by_name
+
+    def get_tensor(self, name: str):
+        if name not in self._by_name:
+            raise KeyNotFoundError(None, None, f"Key {name} not found in checkpoint; it holds {sorted(self._by_name)}")
+        return self._by_name[name]
+
+
+def read_all(reader) -> CheckpointValues:
+    """Every array of an open checkpoint (mirrored's ``CheckpointReader`` or TF's ``BundleReader``), checked
+    first."""
+    _check_memory(reader.path, sum(reader.entry(key).nbytes for key in reader.keys))
+    reader.verify(list(reader.keys))
+    return CheckpointValues({key: reader.read(key) for key in sorted(reader.keys)})
+
+
+def load_checkpoint(path) -> CheckpointValues:
+    """Every array of mirrored's checkpoint file ``path`` (validated in full): ``model/w`` where
+    ``list_variables`` says ``model/w/.ATTRIBUTES/VARIABLE_VALUE`` (``md.train.load_checkpoint`` reads
+    directories and TensorFlow's files too)."""
     with CheckpointReader(path) as reader:
-        _check_memory(reader.path, reader.total_bytes())
-        reader.verify()
-        return {object_path(key): reader.read(key) for key in reader.keys}
+        return read_all(reader)
 
 
 # --- which objects hold which variables -----------------------------------------------------------
