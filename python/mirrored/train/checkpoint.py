@@ -26,7 +26,8 @@ File format (one file, little-endian)::
 
     8 bytes   magic  b"MDCKPT\\x00" + format version byte
     8 bytes   length of the JSON index
-    ...       JSON index: {"entries": [{"key", "dtype", "shape", "offset", "nbytes"}], "data_bytes"}
+    ...       JSON index: {"entries": [{"key", "dtype", "shape", "offset", "nbytes"}], "data_bytes",
+              "aliases" (optional: the other paths of shared objects -> their name)}
     ...       the arrays' bytes, C order, at their offsets
     32 bytes  SHA-256 of everything above
 
