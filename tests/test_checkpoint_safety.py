@@ -210,8 +210,10 @@ def test_a_link_to_dev_zero_is_refused_without_reading_it(tmp_path):
 def test_a_directory_is_refused(tmp_path):
     with pytest.raises(IsADirectoryError, match="is a directory"):
         md.train.Checkpoint(model=_model()).restore(tmp_path)
+    with pytest.raises(ValueError, match="no checkpoint recorded in this directory"):
+        md.train.load_checkpoint(tmp_path)  # as tf.train.load_checkpoint: a directory means its latest
     with pytest.raises(md.train.CheckpointError, match="a directory"):
-        md.train.load_checkpoint(tmp_path)
+        md.checkpoint.load_checkpoint(tmp_path)
 
 
 # --- item 9: crafted index entries with a valid digest name the file and the fault --------------------

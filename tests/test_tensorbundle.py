@@ -145,7 +145,20 @@ def test_a_variable_of_another_shape_is_named_and_nothing_is_restored():
 def test_a_tensorflow_file_given_as_a_mirrored_file_says_what_it_is():
     for path in (MANAGED / "ckpt-3.index", MANAGED / "ckpt-3", MANAGED / "ckpt-3.data-00000-of-00001"):
         with pytest.raises(md.train.CheckpointError, match="TensorFlow checkpoint .*ckpt-3.* pass that prefix"):
-            md.train.load_checkpoint(path)
+            md.checkpoint.load_checkpoint(path)  # mirrored's own files only
+
+
+def test_load_checkpoint_reads_tensorflow_files_as_tf_train_load_checkpoint():
+    reader = md.train.load_checkpoint(MANAGED)  # a directory: its latest, as TF's
+    assert reader.get_variable_to_shape_map() == dict(md.train.list_variables(MANAGED / "ckpt-3"))
+    for name in reader.get_variable_to_shape_map():
+        assert reader.has_tensor(name)
+        if name != "_CHECKPOINTABLE_OBJECT_GRAPH":
+            expected = md.train.load_variable(MANAGED / "ckpt-3", name)
+            assert reader.get_variable_to_dtype_map()[name] == expected.dtype
+            np.testing.assert_array_equal(reader.get_tensor(name), expected)
+    with pytest.raises(md.train.NotFoundError):
+        reader.get_tensor("nope")
 
 
 def _flip(path, at):

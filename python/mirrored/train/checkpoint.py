@@ -26,7 +26,8 @@ File format (one file, little-endian)::
 
     8 bytes   magic  b"MDCKPT\\x00" + format version byte
     8 bytes   length of the JSON index
-    ...       JSON index: {"entries": [{"key", "dtype", "shape", "offset", "nbytes"}], "data_bytes"}
+    ...       JSON index: {"entries": [{"key", "dtype", "shape", "offset", "nbytes"}], "data_bytes",
+              "aliases" (optional: the other paths of shared objects -> their name)}
     ...       the arrays' bytes, C order, at their offsets
     32 bytes  SHA-256 of everything above
 
@@ -39,6 +40,7 @@ the digest verified in chunks, then one variable read and assigned at a time.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -57,8 +59,8 @@ import weakref
 import numpy as np
 
 from ..errors import ResourceExhaustedError, from_os_error
-from .checkpoint_io import (_MAGIC, _MAX_INDEX, CheckpointError, DamagedCheckpointError, NotFoundError, damaged,
-                            open_regular_file, read_into)
+from .checkpoint_io import (_MAGIC, _MAX_INDEX, CheckpointError, DamagedCheckpointError, KeyNotFoundError,
+                            NotFoundError, damaged, open_regular_file, read_into)
 
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "load_checkpoint", "CheckpointError", "NotFoundError"]
 
@@ -228,14 +230,16 @@ def replacing(path: str):
         _IN_FLIGHT.discard(tmp)
 
 
-def _write_atomic(path: str, arrays: dict) -> None:
-    """Write ``arrays`` (key -> host ndarray) to ``path`` via a temporary file + rename."""
+def _write_atomic(path: str, arrays: dict, aliases=None) -> None:
+    """Write ``arrays`` (key -> host ndarray) to ``path`` via a temporary file + rename; ``aliases``: the other
+    paths of shared objects (``_walk``), so a restore finds them along either path, as in TF's object graph."""
     entries, offset = [], 0
     for key, arr in arrays.items():
         entries.append({"key": key, "dtype": arr.dtype.name, "shape": list(arr.shape),
                         "offset": offset, "nbytes": arr.nbytes})
         offset += arr.nbytes
-    index = json.dumps({"entries": entries, "data_bytes": offset}).encode("utf-8")
+    index = json.dumps({"entries": entries, "data_bytes": offset, **({"aliases": aliases} if aliases else {})}
+                       ).encode("utf-8")
     directory = os.path.dirname(os.path.abspath(path))
     _make_directory(directory, path)
     digest = hashlib.sha256()
@@ -411,6 +415,10 @@ class CheckpointReader:
             offset += entry.nbytes
         if offset != data_bytes:
             raise self._damaged(f"its entries hold {offset} bytes but data_bytes says {data_bytes}")
+        self.aliases = index.get("aliases", {})
+        if not isinstance(self.aliases, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                         for k, v in self.aliases.items()):
+            raise self._damaged("its 'aliases' is not a mapping of paths to paths")
 
     def _check_entry(self, e, offset: int) -> _Entry:
         if not isinstance(e, dict) or not isinstance(e.get("key"), str):
@@ -473,13 +481,45 @@ def _tensorflow_hint(path: str) -> str:
     return hint(path)
 
 
-def load_checkpoint(path) -> dict:
-    """Every array of the checkpoint at ``path``, as ``{object path: ndarray}`` (validated in full): ``model/w``
-    where ``list_variables`` says ``model/w/.ATTRIBUTES/VARIABLE_VALUE``."""
+class CheckpointValues(dict):
+    """What ``load_checkpoint`` returns: every saved array by its object path (``model/w``), and TensorFlow's
+    ``CheckpointReader`` methods by its tensor names (``model/w/.ATTRIBUTES/VARIABLE_VALUE``), as
+    ``list_variables`` shows them."""
+
+    def __init__(self, arrays: dict):
+        super().__init__({object_path(name): value for name, value in arrays.items()})
+        self._by_name = arrays
+
+    def get_variable_to_shape_map(self) -> dict:
+        return {name: list(np.shape(value)) for name, value in self._by_name.items()}
+
+    def get_variable_to_dtype_map(self) -> dict:
+        """``name -> NumPy dtype`` (a string tensor's is ``object``)."""
+        return {name: np.asarray(value).dtype for name, value in self._by_name.items()}
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._by_name
+
+    def get_tensor(self, name: str):
+        if name not in self._by_name:
+            raise KeyNotFoundError(None, None, f"Key {name} not found in checkpoint; it holds {sorted(self._by_name)}")
+        return self._by_name[name]
+
+
+def read_all(reader) -> CheckpointValues:
+    """Every array of an open checkpoint (mirrored's ``CheckpointReader`` or TF's ``BundleReader``), checked
+    first."""
+    _check_memory(reader.path, sum(reader.entry(key).nbytes for key in reader.keys))
+    reader.verify(list(reader.keys))
+    return CheckpointValues({key: reader.read(key) for key in sorted(reader.keys)})
+
+
+def load_checkpoint(path) -> CheckpointValues:
+    """Every array of mirrored's checkpoint file ``path`` (validated in full): ``model/w`` where
+    ``list_variables`` says ``model/w/.ATTRIBUTES/VARIABLE_VALUE`` (``md.train.load_checkpoint`` reads
+    directories and TensorFlow's files too)."""
     with CheckpointReader(path) as reader:
-        _check_memory(reader.path, reader.total_bytes())
-        reader.verify()
-        return {object_path(key): reader.read(key) for key in reader.keys}
+        return read_all(reader)
 
 
 # --- which objects hold which variables -----------------------------------------------------------
@@ -490,36 +530,72 @@ def _is_variable(obj) -> bool:
     return isinstance(obj, values.Variable)
 
 
-def _walk(obj, path: str, found: dict, optimizers: list, seen: set) -> None:
-    """Collect ``path -> variable`` for every variable under ``obj`` (first path wins)."""
+def _walk(roots, found: dict, optimizers: list, seen: dict, aliases: dict) -> None:
+    """Collect ``path -> variable`` for every variable under ``roots`` (``(path, object)`` pairs).
+
+    As TensorFlow names an object tracked under several paths: breadth first, children in the order they were
+    attached (a module's attributes, a dict's keys as inserted), so the shortest path wins, and among paths of
+    one length the first attached. ``seen``: ``id -> path`` of every object; ``aliases``: each other path to an
+    object (below its parent's path) -> the path it is named by, which TF's object graph holds as a second edge.
+    """
     from .optimizers.base import Optimizer
 
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if _is_variable(obj):
-        found[path] = obj
-    elif isinstance(obj, Optimizer):
-        optimizers.append((path, obj))
-    elif isinstance(obj, dict):
-        for key in sorted(obj, key=str):
-            _walk(obj[key], _join(path, key), found, optimizers, seen)
-    elif isinstance(obj, (list, tuple)):
-        for i, item in enumerate(obj):
-            _walk(item, _join(path, i), found, optimizers, seen)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType)):
-        # md.Module tracks its private attributes too, as tf.Module does: it names its children itself.
-        children = obj._trackable_children() if hasattr(obj, "_trackable_children") else {
-            key: value for key, value in vars(obj).items() if not key.startswith("_")}
-        for key in sorted(children):
-            _walk(children[key], _join(path, key), found, optimizers, seen)
+    queue = collections.deque(roots)
+    while queue:
+        path, obj = queue.popleft()
+        if id(obj) in seen:
+            if seen[id(obj)] != path:
+                aliases[path] = seen[id(obj)]
+            continue
+        seen[id(obj)] = path
+        if _is_variable(obj):
+            found[path] = obj
+        elif isinstance(obj, Optimizer):
+            optimizers.append((path, obj))
+            # Keras 3 tracks the variables it was built for: a model variable reached first there is named there.
+            built = [var for var, _ in obj._slots.values()]
+            if built:
+                queue.append((_join(path, "_trainable_variables"), built))
+        else:
+            queue.extend((_join(path, key), child) for key, child in _children(obj).items())
+
+
+def canonical(path: str, aliases: dict) -> str:
+    """The path a file names the object at ``path`` by, following its ``aliases`` (see ``_walk``) name by name."""
+    current = ""
+    for name in path.split("/") if path else ():
+        current = _join(current, name)
+        current = aliases.get(current, current)
+    return current
+
+
+def _resolve_aliases(keys: dict, file_aliases: dict, variables: dict, own_aliases: dict) -> dict:
+    """``keys`` (the file's ``path -> tensor name``) with the entry of each tracked variable the file names by
+    another path moved to the variable's path: as TensorFlow matches objects along any edge of the object graph,
+    a shared variable restores through whichever of its paths both sides have."""
+    keys = dict(keys)
+    other_paths = collections.defaultdict(list)
+    for alias, target in own_aliases.items():
+        other_paths[target].append(alias)
+    for path in variables:
+        if path in keys:
+            continue
+        for candidate in [path] + other_paths[path]:
+            named = canonical(candidate, file_aliases)
+            if named in keys and named not in variables:
+                keys[path] = keys.pop(named)
+                break
+    return keys
 
 
 _ITERATIONS = "_iterations"  # an optimizer's step counter, under Keras 3's attribute name
 
 
 def _children(obj) -> dict:
-    """``name -> child`` of a tracked container or object, as ``_walk`` names them."""
+    """``name -> child`` of a tracked container or object, in the order they were attached.
+
+    md.Module tracks its private attributes too, as tf.Module does: it names its children itself.
+    """
     if isinstance(obj, dict):
         return {str(key): value for key, value in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -727,9 +803,11 @@ class CheckpointLoadStatus:
         return self
 
     def _claim(self, key: str) -> None:
-        """``key`` was restored later, into a variable created after the restore (deferred restoration)."""
-        self._unused.remove(key)
-        self._restored.append(key)
+        """``key`` was restored later, into a variable created after the restore (deferred restoration); a value
+        waiting under several paths (a shared object) is claimed once."""
+        if key in self._unused:
+            self._unused.remove(key)
+            self._restored.append(key)
 
     def expect_partial(self) -> "CheckpointLoadStatus":
         """Mark entries of the file that no object claims as expected (e.g. a model-only restore)."""
@@ -811,8 +889,9 @@ class Checkpoint:
         for name, obj in objects.items():
             _check_trackable(name, obj)
         self._root = root
-        self._objects = objects
+        self._objects = dict(sorted(objects.items()))  # as TensorFlow: keyword arguments by name, then attributes
         self._save_counter = None
+        self._aliases = {}  # the other paths of shared objects, as the last walk found them (_walk)
 
     def __setattr__(self, name, value):
         # As tf.train.Checkpoint: ``ckpt.model = model`` after construction tracks it too.
@@ -865,11 +944,13 @@ class Checkpoint:
                 aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
 
     def _tracked(self):
-        found, optimizers, seen = {}, [], set()
+        found, optimizers, seen, aliases = {}, [], {}, {}
         if self._root is not None:
-            _walk(self._root, "", found, optimizers, seen)
-        for name, obj in self._objects.items():
-            _walk(obj, name, found, optimizers, seen)
+            seen[id(self._root)] = ""
+        children = {} if self._root is None else _children(self._root)
+        children.update(self._objects)
+        _walk(list(children.items()), found, optimizers, seen, aliases)
+        self._aliases = aliases
         for _, opt in optimizers:
             opt._refresh_state()  # (state kept on other tasks: ParameterServerStrategy's ps copies)
         return found, optimizers, seen
@@ -943,7 +1024,7 @@ class Checkpoint:
         arrays.update(_saveable_tensors(self._objects))
         strategy = _strategy_of(list(variables.values())) if variables else distribute_lib.get_strategy()
         if _writes_here(strategy, path):
-            _write_atomic(path, arrays)
+            _write_atomic(path, arrays, self._aliases)
             return True
         return False
 
@@ -965,11 +1046,11 @@ class Checkpoint:
             return InitializationOnlyStatus()
         _require_cross_replica(what)
         path = _check_path(save_path, "save_path")
-        from .tensorbundle import BundleReader, is_tensorflow_checkpoint, object_keys
+        from .tensorbundle import BundleReader, is_tensorflow_checkpoint, object_aliases, object_keys
 
         if is_tensorflow_checkpoint(path):
             with BundleReader(path) as bundle:
-                return self._restore_from(bundle, path, object_keys(bundle), counter)
+                return self._restore_from(bundle, path, object_keys(bundle), counter, object_aliases(bundle))
         if os.path.isdir(path):
             raise IsADirectoryError(
                 f"save_path={path!r} is a directory; pass a checkpoint file, e.g. "
@@ -979,7 +1060,7 @@ class Checkpoint:
                 None, None, f"Failed to find any matching files for save_path={path!r}; pass a path that "
                 "save() or write() returned, e.g. md.train.latest_checkpoint(directory)")
         with CheckpointReader(path) as reader:
-            return self._restore_from(reader, path, self._own_keys(reader.keys), counter)
+            return self._restore_from(reader, path, self._own_keys(reader.keys), counter, reader.aliases)
 
     def _own_keys(self, names) -> dict:
         """``object path -> tensor name`` of one of mirrored's files. Files of earlier versions named tensors by
@@ -1005,7 +1086,7 @@ class Checkpoint:
                     keys[current] = keys.pop(legacy)
         return keys
 
-    def _restore_from(self, reader, path: str, keys: dict, counter: bool) -> CheckpointLoadStatus:
+    def _restore_from(self, reader, path: str, keys: dict, counter: bool, aliases: dict) -> CheckpointLoadStatus:
         """Assign ``reader``'s arrays (``keys``: object path -> the file's tensor name) to the tracked variables.
 
         ``counter``: whether ``save_counter`` is created (``restore``) or left alone when not yet created
@@ -1019,7 +1100,7 @@ class Checkpoint:
         _check_memory(path, max((reader.entry(k).nbytes for k in keys.values()), default=0))
         reader.verify(list(keys.values()))  # before anything is created or assigned
         variables = self._variables(create_for=keys, create_counter=counter)
-        keys = self._legacy_slot_keys(dict(keys))
+        keys = _resolve_aliases(self._legacy_slot_keys(dict(keys)), aliases, variables, self._aliases)
         optimizers = self._tracked()[1]
         problems = [problem for p, opt in optimizers if opt._slots
                     for problem in [_layout_problem(p, opt, keys)] if problem]
@@ -1059,9 +1140,13 @@ class Checkpoint:
                 opt._defer_restore(_RestoreAtBuild(opt_path, path, waiting))
         # As TensorFlow: a value whose variable does not exist yet waits on the object that will hold it
         # (an md.Module, a Checkpoint) and is assigned when the variable is attached there.
+        # The file's graph may reach it by other paths too (a shared object): it waits on each.
         for key in status._unused:
             if key != "save_counter" and f"/{_ATTRIBUTES}/" not in f"/{key}":
-                _defer(self, key, _Pending(path, key, status, lambda name=keys[key]: reader.read(name)), assign=False)
+                pending = _Pending(path, key, status, lambda name=keys[key]: reader.read(name))
+                for other in [key] + [alias + key[len(target):] for alias, target in aliases.items()
+                                      if key == target or key.startswith(target + "/")]:
+                    _defer(self, other, pending, assign=False)
         return status
 
     def read(self, save_path, options=None) -> CheckpointLoadStatus:

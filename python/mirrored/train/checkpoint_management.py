@@ -42,7 +42,7 @@ import numpy as np
 
 from .tensorbundle import BundleReader, is_tensorflow_checkpoint
 from .checkpoint import (STATE_FILE, Checkpoint, CheckpointError, CheckpointLoadStatus, CheckpointReader,
-                         NotFoundError, _check_memory, _write_state, load_checkpoint, open_regular_file,
+                         CheckpointValues, NotFoundError, _check_memory, _write_state, open_regular_file, read_all,
                          sweep_stale_temporaries, tensor_name)
 from .checkpoint_io import KeyNotFoundError
 
@@ -202,6 +202,14 @@ def list_variables(ckpt_dir_or_file) -> list:
     """
     with _open(ckpt_dir_or_file) as reader:
         return [(key, list(reader.entry(key).shape)) for key in sorted(reader.keys)]
+
+
+def load_checkpoint(ckpt_dir_or_file) -> CheckpointValues:
+    """Every array of a checkpoint (or a directory's latest), validated in full, as ``tf.train.load_checkpoint``:
+    mirrored's own files and TensorFlow's alike (``CheckpointValues``: by object path, and TF's reader methods by
+    tensor name)."""
+    with _open(ckpt_dir_or_file) as reader:
+        return read_all(reader)
 
 
 def load_variable(ckpt_dir_or_file, name: str):

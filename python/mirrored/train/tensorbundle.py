@@ -32,7 +32,7 @@ import numpy as np
 from ..data.crc32c import crc32c, unmask
 from .checkpoint_io import _MAGIC, _MAX_INDEX, CheckpointError, damaged, open_regular_file, read_into
 
-__all__ = ["BundleReader", "is_tensorflow_checkpoint", "object_keys", "hint"]
+__all__ = ["BundleReader", "is_tensorflow_checkpoint", "object_keys", "object_aliases", "hint"]
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 _VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
@@ -360,20 +360,13 @@ class BundleReader:
         return array.reshape(e.shape), crc
 
 
-def object_keys(bundle: BundleReader) -> dict:
-    """``{mirrored key: tensor name}`` from the object graph: ``model/w`` -> ``model/w/.ATTRIBUTES/VARIABLE_VALUE``.
-
-    Every object reachable from the root by its children's names (the first
-    path found wins, as TensorFlow names a shared object) gives its variable
-    value the path of names, which is the key ``md.train.Checkpoint`` tracks
-    it under. A checkpoint without an object graph (TF1's name-based saver)
-    maps each tensor name to itself.
-    """
-    if OBJECT_GRAPH_KEY not in bundle:
-        return {key: key for key in bundle.keys}
+def _object_paths(bundle: BundleReader):
+    """``(nodes, paths, aliases)`` of the object graph: each node's fields, the path of names it is first reached
+    by from the root (breadth first, as TensorFlow names a shared object), and every other edge to a node
+    (``parent's path/name`` -> the node's path)."""
     try:
         nodes = [_fields(node) for number, node in _fields(bundle.read(OBJECT_GRAPH_KEY)) if number == 1]
-        paths, queue = {0: ()}, [0]
+        paths, queue, aliases = {0: ()}, [0], {}
         while queue:
             node = queue.pop(0)
             for number, child in nodes[node]:
@@ -385,8 +378,25 @@ def object_keys(bundle: BundleReader) -> dict:
                     if target not in paths:
                         paths[target] = paths[node] + (name,)
                         queue.append(target)
+                    elif paths[target] != paths[node] + (name,):
+                        aliases["/".join(paths[node] + (name,))] = "/".join(paths[target])
     except _Malformed as e:
         raise damaged(f"path={bundle.prefix!r}: its object graph is damaged: {e}") from None
+    return nodes, paths, aliases
+
+
+def object_keys(bundle: BundleReader) -> dict:
+    """``{mirrored key: tensor name}`` from the object graph: ``model/w`` -> ``model/w/.ATTRIBUTES/VARIABLE_VALUE``.
+
+    Every object reachable from the root by its children's names (the first
+    path found wins, as TensorFlow names a shared object) gives its variable
+    value the path of names, which is the key ``md.train.Checkpoint`` tracks
+    it under. A checkpoint without an object graph (TF1's name-based saver)
+    maps each tensor name to itself.
+    """
+    if OBJECT_GRAPH_KEY not in bundle:
+        return {key: key for key in bundle.keys}
+    nodes, paths, _ = _object_paths(bundle)
     keys = {}
     for node, path in paths.items():
         for number, attribute in nodes[node]:
@@ -397,3 +407,8 @@ def object_keys(bundle: BundleReader) -> dict:
                 if name == "VARIABLE_VALUE" and tensor in bundle and path:
                     keys["/".join(path)] = tensor
     return keys
+
+
+def object_aliases(bundle: BundleReader) -> dict:
+    """The object graph's other paths to shared objects: ``path -> the path object_keys names it by``."""
+    return _object_paths(bundle)[2] if OBJECT_GRAPH_KEY in bundle else {}
