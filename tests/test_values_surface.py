@@ -141,3 +141,107 @@ def test_surface_as_tensorflow(name):
         if not isinstance(got["result"], list):
             want["result"] = want["result"][0]
     assert_same(got, want, name, errors=_ERRORS)
+
+
+# --- what the cases found, each on its own ------------------------------------------------------------------
+
+def _two_replicas():
+    return md.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+def test_in_place_operator_refused_on_a_plain_variable_and_rebinds_a_distributed_one():
+    plain = md.Variable(np.array([1.0, 2.0], np.float32))
+    w = plain
+    with pytest.raises(RuntimeError, match="assign_add"):
+        w += 1.0
+    with _two_replicas().scope():
+        mirrored = md.Variable(np.array([1.0, 2.0], np.float32))
+    w = mirrored
+    w += 1.0  # TF: w is now the array w + 1, the variable unchanged
+    assert type(w) is np.ndarray and w.tolist() == [2.0, 3.0] and mirrored.numpy().tolist() == [1.0, 2.0]
+
+
+def test_variable_has_no_len_unary_plus_or_scalar_iteration():
+    v = md.Variable(np.zeros((2, 3), np.float32))
+    with pytest.raises(TypeError):
+        len(v)
+    with pytest.raises(TypeError, match="unary"):
+        +v
+    assert [row.shape for row in v] == [(3,), (3,)]
+    with pytest.raises(TypeError, match="scalar"):
+        list(md.Variable(np.float32(1)))  # NumPy's fallback iteration gave [] here
+
+
+def test_repr_breaks_before_an_array_of_several_lines():
+    assert repr(md.Variable(np.zeros((2, 2), np.int32), name="w")) == (
+        "<mirrored.Variable 'w:0' shape=(2, 2) dtype=int32, numpy=\narray([[0, 0],\n       [0, 0]], dtype=int32)>")
+
+
+def test_experimental_ref_set_shape_count_up_to_initial_value():
+    v = md.Variable(np.int64(3))
+    assert v.experimental_ref() == v.ref() and v.experimental_ref().deref() is v
+    v.set_shape([])
+    with pytest.raises(ValueError, match="not compatible"):
+        v.set_shape([2])
+    assert v.count_up_to(5) == 3 and v.numpy() == 4
+    v.count_up_to(5)
+    with pytest.raises(md.errors.OutOfRangeError):
+        v.count_up_to(5)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        md.Variable(np.float32(0)).count_up_to(5)
+    with pytest.raises(RuntimeError, match="initial_value"):
+        v.initial_value
+    with _two_replicas().scope():
+        mirrored = md.Variable(np.int64(0))
+    for call in (lambda: mirrored.count_up_to(5), lambda: mirrored.set_shape([])):
+        with pytest.raises(NotImplementedError):
+            call()
+
+
+def test_row_scatter_of_a_scalar_variable_is_a_clear_error():
+    v = md.Variable(np.float32(1))
+    with pytest.raises(ValueError, match="scalar"):  # was an IndexError from inside the shape check
+        v.scatter_add(md.IndexedSlices(np.ones(1, np.float32), np.array([0], np.int32)))
+
+
+def test_summed_mirrored_variable_refuses_scatter_max_before_checking_the_rows():
+    with _two_replicas().scope():
+        v = md.Variable(np.zeros(3, np.float32), aggregation=md.VariableAggregation.SUM)
+    with pytest.raises(NotImplementedError, match="NONE or `ONLY_FIRST_REPLICA`"):  # (TF's order of the checks)
+        v.scatter_max(md.IndexedSlices(np.ones((1, 2), np.float32), np.array([0], np.int32)))
+
+
+def test_sync_on_read_none_scatter_nd_in_cross_replica_context_raises_the_read_error():
+    with _two_replicas().scope():
+        v = md.Variable(np.zeros(3, np.float32), synchronization=md.VariableSynchronization.ON_READ)
+    with pytest.raises(ValueError, match="Could not convert"):
+        v.scatter_nd_max(np.array([[0]], np.int32), np.ones(1, np.float32))
+
+
+def test_mirrored_value_reads_as_its_component():
+    s = _two_replicas()
+    with s.scope():
+        v = md.Variable(np.zeros(2, np.float32))
+    m = s.extended.reduce_to("SUM", s.experimental_distribute_values_from_function(
+        lambda ctx: np.array([1.0, 2.0], np.float32) * (ctx.replica_id_in_sync_group + 1)), destinations=v)
+    assert type(m) is md.Mirrored
+    assert (m + 1).tolist() == [4.0, 7.0] and (2 * m).tolist() == [6.0, 12.0] and (-m).tolist() == [-3.0, -6.0]
+    assert (m == np.array([3.0, 0.0], np.float32)).tolist() == [True, False]
+    assert m[1] == 6.0 and m.numpy().tolist() == [3.0, 6.0] and np.asarray(m).tolist() == [3.0, 6.0]
+    assert m.shape == (2,) and m.dtype == np.float32 and m.device.endswith("CPU:0")
+    assert s.run(lambda: m.device).values[1].endswith("CPU:1")  # (inside run: the replica's own component)
+    assert s.run(lambda: m + 0).values[1] is not m.values[0]
+    assert {m.ref(): 1}[m.ref()] == 1
+    with pytest.raises(TypeError):
+        hash(m)
+
+
+def test_per_replica_refuses_operators_and_comparisons_with_arrays():
+    s = _two_replicas()
+    p = s.experimental_distribute_values_from_function(lambda ctx: np.array([1, 2], np.int32))
+    with pytest.raises(TypeError):
+        np.array([1, 2], np.int32) == p  # NumPy compared each element with the PerReplica: [False, False]
+    with pytest.raises(TypeError):
+        p + 1
+    assert p == p and p != s.experimental_distribute_values_from_function(lambda ctx: np.zeros(2))
+    assert {p: 1}[p] == 1
