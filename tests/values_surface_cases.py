@@ -76,6 +76,8 @@ def _draw(rng):
         case["context"] = "cross_replica"
     if case["op"] in BINARY:
         case["other"] = rng.choice(("python", "array", "reflected"))
+        if case["op"] == "matmul" and case["other"] == "python":
+            case["other"] = "array"  # (a number is no matrix: an error in both)
     if case["op"] in ("assign", "assign_add", "assign_sub"):
         case["read_value"] = rng.choice((True, False))
         case["use_locking"] = rng.choice((None, True))
