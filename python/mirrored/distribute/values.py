@@ -105,8 +105,20 @@ class Mirrored(np.lib.mixins.NDArrayOperatorsMixin, DistributedValues):
 
     As TF's, it stands for its current replica's component (inside ``run``; replica 0's in cross-replica
     context): operators, NumPy functions, indexing, ``numpy()``, ``shape``, ``dtype`` and ``device`` read that
-    component. ``==`` is element-wise, so it is not hashable: key dictionaries by ``m.ref()``.
+    component. As TF's too, it is hashable, and ``==`` is element-wise with an array, identity with anything else.
     """
+
+    def __eq__(self, other):
+        if hasattr(other, "__array__") and not isinstance(other, DistributedValues):
+            return np.equal(self, other)
+        return self is other
+
+    def __ne__(self, other):
+        if hasattr(other, "__array__") and not isinstance(other, DistributedValues):
+            return np.not_equal(self, other)
+        return self is not other
+
+    __hash__ = DistributedValues.__hash__
 
     def _local(self):
         stack = getattr(_local, "stack", None)
@@ -196,6 +208,9 @@ class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
     """
 
     __hash__ = None
+    # Named here so that a MirroredVariable, a Mirrored too, compares element-wise as every variable does.
+    __eq__ = np.lib.mixins.NDArrayOperatorsMixin.__eq__
+    __ne__ = np.lib.mixins.NDArrayOperatorsMixin.__ne__
     _constraint = None  # set by the strategy that creates the variable
 
     @property
