@@ -115,7 +115,7 @@ def test_variables_shapes_are_tensor_shapes_and_arrays_keep_theirs():
         assert v.shape.as_list() == list(np.shape(v.numpy()))
         assert type(v.numpy().shape) is tuple and type(v.read_value().shape) is tuple
     assert repr(mirrored.values[0]) == ("<mirrored.Variable 'Variable:0' shape=(2, 3) dtype=float32, "
-                              "numpy=array([[0., 0., 0.],\n       [0., 0., 0.]], dtype=float32)>")
+                              "numpy=\narray([[0., 0., 0.],\n       [0., 0., 0.]], dtype=float32)>")  # TF's line break
 
 
 # --- OneDeviceStrategy ----------------------------------------------------------------------------------------

@@ -207,9 +207,8 @@ def _assert_deliberate(name, n, got, want):
 # TF 1.x's extended.experimental_run_steps_on_iterator, and strategies other than the mirrored ones and
 # OneDeviceStrategy. The scatter/gather surface of plain and distributed variables is all there, doing what
 # TF's does (tests/test_variable_scatter_nd.py): on distributed variables most of it raises, as in TF.
-_GRAPH_VARIABLE = {"SaveSliceInfo", "count_up_to", "create", "eval", "experimental_ref", "from_proto", "graph",
-                   "handle", "initial_value", "initialized_value", "initializer", "load", "op", "set_shape",
-                   "to_proto"}
+_GRAPH_VARIABLE = {"SaveSliceInfo", "create", "eval", "from_proto", "graph", "handle", "initialized_value",
+                   "initializer", "load", "op", "to_proto"}
 NOT_PROVIDED = {
     "api_extended": {"experimental_run_steps_on_iterator"},
     "api_mirrored_variable": _GRAPH_VARIABLE - {"create"},

@@ -29,6 +29,7 @@ from ..device import device_util, gpu as _gpu
 from ..device import scatter_gather
 from ..device.indexed_slices import IndexedSlices
 from ..device.tensor_shape import TensorShape
+from ..errors import OutOfRangeError
 from .context import _local, get_replica_context, get_strategy
 from .options import VariableAggregation, VariableSynchronization
 from .reduce_util import ReduceOp
@@ -43,7 +44,10 @@ _buffers_replaced_lock = threading.Lock()
 def _numpy_text(value) -> str:
     """A value as TF's variable repr shows it: a scalar plainly (``numpy=1.0``), an array by its repr."""
     value = np.asarray(value)
-    return str(value[()]) if value.ndim == 0 else repr(value)
+    if value.ndim == 0:
+        return str(value[()])
+    text = repr(value)
+    return "\n" + text if "\n" in text else text  # (TF starts an array of several lines on a line of its own)
 
 class DistributedValues:
     """Base class of values with one component per replica (``.values``)."""
@@ -76,11 +80,100 @@ class DistributedValues:
 
 
 class PerReplica(DistributedValues):
-    """Values that may differ from replica to replica (results of ``run``, dataset elements)."""
+    """Values that may differ from replica to replica (results of ``run``, dataset elements).
+
+    No operators, as TF's: an array with a PerReplica refuses them too (NumPy would compare or combine the array's
+    elements with the PerReplica object); ``==`` with another value is identity.
+    """
+
+    __array_ufunc__ = None
+
+    def __eq__(self, other):
+        if isinstance(other, DistributedValues) or not hasattr(other, "__array__"):
+            return self is other
+        raise TypeError("a PerReplica holds one value per replica and cannot be compared with an array; compare "
+                        "its components: strategy.experimental_local_results(value)")
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    __hash__ = DistributedValues.__hash__
 
 
-class Mirrored(DistributedValues):
-    """Values known to be identical on every replica (results of all-reduce, broadcast)."""
+class Mirrored(np.lib.mixins.NDArrayOperatorsMixin, DistributedValues):
+    """Values known to be identical on every replica (results of all-reduce, broadcast).
+
+    As TF's, it stands for its current replica's component (inside ``run``; replica 0's in cross-replica
+    context): operators, NumPy functions, indexing, ``numpy()``, ``shape``, ``dtype`` and ``device`` read that
+    component. As TF's too, it is hashable, and ``==`` is element-wise with an array, identity with anything else.
+    """
+
+    def __eq__(self, other):
+        if hasattr(other, "__array__") and not isinstance(other, DistributedValues):
+            return np.equal(self, other)
+        return self is other
+
+    def __ne__(self, other):
+        if hasattr(other, "__array__") and not isinstance(other, DistributedValues):
+            return np.not_equal(self, other)
+        return self is not other
+
+    __hash__ = DistributedValues.__hash__
+
+    def _local(self):
+        stack = getattr(_local, "stack", None)
+        if stack and stack[-1].replica_context is not None and len(self._values) > 1:
+            return self._values[stack[-1].replica_context._local_replica_id]
+        return self._values[0]
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if any(isinstance(o, Mirrored) for o in kwargs.get("out", ())):
+            return NotImplemented  # its components are values, not buffers to write into
+        inputs = tuple(x._local() if isinstance(x, Mirrored) else x for x in inputs)
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+    def __array__(self, dtype=None, copy=None):
+        host = device_util.to_host(self._local())
+        return np.array(host, dtype=dtype, copy=True) if copy else np.asarray(host, dtype=dtype)
+
+    def __getitem__(self, index):
+        return self._local()[index]
+
+    def __iter__(self):
+        local = self._local()
+        if getattr(local, "ndim", None) == 0:
+            raise TypeError("Cannot iterate over a scalar Mirrored value; read it with m.numpy()")
+        return iter(local)
+
+    def __float__(self) -> float:
+        return float(self.numpy())
+
+    def __int__(self) -> int:
+        return int(self.numpy())
+
+    def __bool__(self) -> bool:
+        return bool(self.numpy())
+
+    def numpy(self):
+        """A host copy of the component (a NumPy scalar for a scalar, as TF's ``numpy()``)."""
+        return np.array(device_util.to_host(self._local()), copy=True)[()]
+
+    shape = property(lambda self: TensorShape(self._local().shape))
+    dtype = property(lambda self: self._local().dtype)
+
+    @property
+    def device(self) -> str:
+        """The component's device (replica 0's in cross-replica context)."""
+        local = self._local()
+        if self._devices is not None:
+            return device_util.canonicalize(self._devices[next(i for i, x in enumerate(self._values) if x is local)])
+        return device_util.canonicalize(f"/gpu:{local.device.id}" if device_util.on_gpu(local) else "/cpu:0")
+
+    def ref(self) -> "_Ref":
+        """A hashable reference to this value (``ref.deref()`` returns it)."""
+        return _Ref(self)
+
+    experimental_ref = ref
 
 
 class _VariableMeta(type):
@@ -118,6 +211,9 @@ class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
         # (None would give Python's "unhashable type: 'DeviceVariable'", naming neither the cause nor the fix)
         raise TypeError(f"Variable is unhashable. Instead, use variable.ref() as the key. (Variable: {self!r})")
 
+    # Named here so that a MirroredVariable, a Mirrored too, compares element-wise as every variable does.
+    __eq__ = np.lib.mixins.NDArrayOperatorsMixin.__eq__
+    __ne__ = np.lib.mixins.NDArrayOperatorsMixin.__ne__
     _constraint = None  # set by the strategy that creates the variable
 
     @property
@@ -160,8 +256,44 @@ class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
     def __getitem__(self, index):
         return self.read_value()[index]
 
-    def __len__(self) -> int:
-        return len(self.read_value())
+    # No __len__, as tf.Variable: len(v) is a TypeError; iterating goes over the rows of the value.
+    def __iter__(self):
+        value = self.read_value()
+        if value.ndim == 0:
+            raise TypeError(f"Cannot iterate over a scalar: variable '{self.name}' has shape (); read it with "
+                            "v.numpy() or float(v)")
+        return iter(value)
+
+    def __pos__(self):
+        raise TypeError(f"bad operand type for unary +: '{type(self).__name__}' (as for tf.Variable); use "
+                        "v.read_value()")
+
+    # ``v += x`` would rebind v to an array and leave the variable as it is: refused, as tf.Variable refuses it.
+    def _in_place(self, operator_text: str, update: str):
+        raise RuntimeError(f"`v {operator_text}= x` is not supported for variable '{self.name}' (as for "
+                           f"tf.Variable): update it with {update}, or write `out = v {operator_text} x` for a new "
+                           "array")
+
+    def __iadd__(self, other):
+        self._in_place("+", "v.assign_add(x)")
+
+    def __isub__(self, other):
+        self._in_place("-", "v.assign_sub(x)")
+
+    def __imul__(self, other):
+        self._in_place("*", "v.assign(v * x)")
+
+    def __itruediv__(self, other):
+        self._in_place("/", "v.assign(v / x)")
+
+    def __ipow__(self, other):
+        self._in_place("**", "v.assign(v ** x)")
+
+    @property
+    def initial_value(self):
+        raise RuntimeError(f"initial_value: variable '{self.name}' does not keep the value it was created with "
+                           "(TF's eager variables do not either: 'not supported when eager execution is enabled'); "
+                           "keep it yourself before creating the variable")
 
     def __float__(self) -> float:
         return float(self.numpy())
@@ -175,6 +307,8 @@ class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
     def ref(self) -> "_Ref":
         """A hashable reference to this variable (``ref.deref()`` returns it)."""
         return _Ref(self)
+
+    experimental_ref = ref  # (TF's deprecated name of ref)
 
     def __repr__(self) -> str:
         return (f"<mirrored.Variable '{self.name}' shape={self.shape} dtype={self.dtype.name}, "
@@ -237,6 +371,9 @@ def _check_sparse_delta(variable, sparse_delta, method: str) -> None:
     if type(sparse_delta) is not IndexedSlices:
         raise TypeError(f"sparse_delta: {method} takes an md.IndexedSlices (values, indices), not a "
                         f"{type(sparse_delta).__name__}; for a dense delta use assign_add/assign_sub")
+    if len(variable.shape) == 0:
+        raise ValueError(f"sparse_delta: {method} updates rows, and variable '{variable.name}' is a scalar; "
+                         "use assign / assign_add")
     rows = tuple(sparse_delta.values.shape)
     if rows[1:] != tuple(variable.shape)[1:]:
         raise ValueError(f"sparse_delta: rows of shape {rows[1:]} do not fit variable '{variable.name}' of shape "
@@ -271,6 +408,28 @@ class DeviceVariable(Variable):
 
     def read_value(self):
         return self._value
+
+    def set_shape(self, shape):
+        """``tf.Variable.set_shape``: ``shape`` must be compatible with the variable's (``None`` dimensions match
+        any); the shape stays the one it was created with, which is fully known."""
+        if not self._shape.is_compatible_with(shape):
+            raise ValueError(f"shape: {TensorShape(shape)} is not compatible with the shape {self._shape} of "
+                             f"variable '{self._name}'; a variable keeps the shape it was created with")
+
+    def count_up_to(self, limit):
+        """``tf.Variable.count_up_to`` (deprecated in TF): adds 1 to a scalar int32 / int64 variable and returns its
+        value before; ``OutOfRangeError`` once that value has reached ``limit``."""
+        if self.dtype not in (np.int32, np.int64):
+            raise TypeError(f"count_up_to: variable '{self._name}' is {self.dtype}; it counts in an int32 or int64 "
+                            "variable")
+        if self._shape.rank != 0:
+            raise ValueError(f"count_up_to: variable '{self._name}' has shape {self._shape}; it counts in a scalar "
+                             "variable")
+        before = self.numpy()
+        if before >= limit:
+            raise OutOfRangeError(None, None, f"Reached limit of {limit}: variable '{self._name}' is {before}")
+        self.assign_add(np.ones((), self.dtype))
+        return before
 
     # tf.Variable's older readers, which TF keeps on its plain variables (not on distributed ones)
 
@@ -472,7 +631,7 @@ class AssignsThroughUpdate:
         return _updated(self._update("assign_sub", delta), read_value)
 
 
-class DistributedVariable(DistributedValues, Variable):
+class DistributedVariable(Variable, DistributedValues):
     """A variable with one :class:`DeviceVariable` copy per replica device."""
 
     _synchronization_mode = None
@@ -512,6 +671,22 @@ class DistributedVariable(DistributedValues, Variable):
     __repr__ = DistributedValues.__repr__
 
     is_distributed_variable = True
+
+    # TF's distributed variables have no in-place operators (tf.Variable's RuntimeError is not theirs): Python
+    # falls back to the plain operator, so ``v += x`` rebinds the name v to the array v + x and leaves the
+    # variable as it is, as in TF.
+    def __iadd__(self, other):
+        return NotImplemented
+
+    __isub__ = __imul__ = __itruediv__ = __ipow__ = __iadd__
+
+    def set_shape(self, shape):
+        raise NotImplementedError(f"set_shape: TensorFlow's {type(self).__name__} does not implement it "
+                                  f"('{self.name}'); a variable's shape is fixed at creation")
+
+    def count_up_to(self, limit):
+        raise NotImplementedError(f"count_up_to: TensorFlow's {type(self).__name__} does not implement it "
+                                  f"('{self.name}'); count with v.assign_add(1) and compare the value yourself")
 
     # TF 2.21's distributed variables have these tf.Variable methods but not their implementations: tf.Variable's
     # base class raises NotImplementedError (the updates) or AttributeError (the readers), and so do we, naming
@@ -586,7 +761,6 @@ class MirroredVariable(AssignsThroughUpdate, DistributedVariable, Mirrored):
         return update_in_replica(self, value, lambda reduced: self._update_each_copy(method, reduced))
 
     def _scatter(self, method: str, sparse_delta):
-        _check_sparse_delta(self, sparse_delta, method)
         summed = self._aggregation in (VariableAggregation.SUM, VariableAggregation.MEAN)
         if summed and method in ("scatter_min", "scatter_max", "scatter_update"):
             raise NotImplementedError(  # (TF's words; its other row scatters take any aggregation)
@@ -595,6 +769,7 @@ class MirroredVariable(AssignsThroughUpdate, DistributedVariable, Mirrored):
                 f"{self._aggregation}; variable '{self.name}': update it with assign_add, or create it with "
                 "aggregation NONE")
         self._refuse_summed_in_replica(method)
+        _check_sparse_delta(self, sparse_delta, method)
         return self._update(method, sparse_delta)
 
     def _refuse_summed_in_replica(self, method: str) -> None:
@@ -673,6 +848,8 @@ class SyncOnReadVariable(DistributedVariable):
         """This replica's copy, for a method TF runs on it; in cross-replica context TF's read is an aggregate,
         a tensor without the method (AttributeError)."""
         if self._local_replica_id() is None:
+            if self._aggregation == VariableAggregation.NONE:
+                self.read_value()  # (raises TF's ValueError first: NONE copies have no aggregate to read)
             raise AttributeError(
                 f"{method}: SyncOnReadVariable '{self.name}' reads as the aggregate of its copies in cross-replica "
                 f"context, which has no {method} (as in TensorFlow); call it inside strategy.run, on the "
