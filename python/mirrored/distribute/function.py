@@ -36,7 +36,7 @@ from .._nest import flatten, flatten_with_structure_key, map_structure, pack_seq
 from ..device import config, device_util, gpu as _gpu
 from ..data.structure import TensorSpec
 from ..device.indexed_slices import convert_to_tensor
-from . import distribute_lib, function_signature
+from . import distribute_lib, function_signature, input_lib
 from .input_lib import DistributedIterator
 from .values import DistributedValues, Variable
 
@@ -181,9 +181,11 @@ class Function:
             return step.replay(inputs)
 
     def _eager(self, strategy, args, kwargs):
+        # (md.config.run_functions_eagerly(True) is TF's mode without autograph: loops run as plain Python)
+        fn = self._python_function if config.functions_run_eagerly() else _as_body(self._python_function)
         if strategy is not None:
-            return strategy.run(self._python_function, args=args, kwargs=kwargs)
-        return self._python_function(*args, **kwargs)
+            return strategy.run(fn, args=args, kwargs=kwargs)
+        return fn(*args, **kwargs)
 
     def _first_call(self, key, strategy, inputs):
         """Warm-up (the eager step) then capture; or, where capture is impossible, eager from now on."""
@@ -258,6 +260,16 @@ class ConcreteFunction:
 
     def __repr__(self):
         return f"<md.ConcreteFunction {self._function._describe()}{self._binder.description}>"
+
+
+def _as_body(fn):
+    """``fn`` run as an md.function's body: its ``for`` loops over distributed inputs as autograph's (see
+    input_lib.function_body)."""
+    @functools.wraps(fn)
+    def body(*args, **kwargs):
+        with input_lib.function_body():
+            return fn(*args, **kwargs)
+    return body
 
 
 def _takes_arguments(fn) -> bool:
@@ -519,7 +531,8 @@ def _capture(fn, strategy, inputs, ordinals):
             began.append(o)
         with _gpu.running_step(scope), _on_step_streams(cupy, streams, first), \
                 cupy.cuda.using_allocator(pool.malloc):
-            outputs = strategy.run(fn, args=args, kwargs=kwargs) if strategy is not None else fn(*args, **kwargs)
+            body = _as_body(fn)
+            outputs = strategy.run(body, args=args, kwargs=kwargs) if strategy is not None else body(*args, **kwargs)
     except Exception as e:
         error = e
     for o in began:
