@@ -7,7 +7,8 @@ OneDeviceStrategy, CentralStorageStrategy over 2-3 compute CPUs), how the input 
 ``distribute_datasets_from_function`` of a per-replica pipeline built from the ``InputContext``, or
 ``experimental_distribute_values_from_function``) and how it is consumed (a ``for`` loop, ``next`` until
 ``StopIteration``, ``get_next`` until ``OutOfRangeError``, ``get_next_as_optional`` until it is empty, a
-``function`` step per element, or a ``for`` loop inside a ``function``). A pipeline is one Python expression
+``function`` step per element, a ``function`` step that takes ``next`` of an iterator argument, or a ``for`` loop
+inside a ``function``). A pipeline is one Python expression
 over ``D`` (the Dataset class), ``np``, ``P`` (a namedtuple), ``F`` (the element functions of each side) and,
 for ``distribute_datasets_from_function``, ``ctx``, so TF and mirrored build the same pipeline from the same
 text.
@@ -110,7 +111,7 @@ VALUE_FNS = (
     "{'a': np.arange(2, dtype=np.float32) + ctx.replica_id_in_sync_group, 'b': np.array([ctx.num_replicas_in_sync])}",
     "P(x=np.arange(4, dtype=np.int32)[ctx.replica_id_in_sync_group:], y=np.float32(1.5))",
 )
-MODES = ("for", "next", "get_next", "optional", "function", "function_loop")
+MODES = ("for", "next", "get_next", "optional", "function", "function_loop", "function_next")
 
 
 def cases(seed=32, count=400) -> dict:
@@ -236,6 +237,17 @@ def _consume(lib, strategy, dist, mode, result):
             steps.append([_array(lib, v) for v in strategy.experimental_local_results(sizes)])
             if len(steps) == MAX_STEPS:
                 break
+        return
+    if mode == "function_next":  # TF's train_step(iterator): one next() per call, until the end raises
+        step = lib.function(lambda iterator: strategy.run(lib.F.size, args=(next(iterator),)))
+        it = iter(dist)
+        while len(steps) < MAX_STEPS:
+            try:
+                sizes = step(it)
+            except Exception as e:  # noqa: BLE001  (TF's OutOfRangeError at the end)
+                result["end"] = _raised(e)
+                break
+            steps.append([_array(lib, v) for v in strategy.experimental_local_results(sizes)])
         return
     if mode == "function_loop":
         def loop(d):

@@ -347,7 +347,8 @@ class _Inputs:
         leaves, nesting = flatten_with_structure_key(self.structure)
         self.iterators = [i for i, leaf in enumerate(leaves) if isinstance(leaf, DistributedIterator)]
         for i in self.iterators:
-            leaves[i] = next(leaves[i])  # (StopIteration ends the caller's loop, as in eager code)
+            # (at the end TF's function raises OutOfRangeError: ours is a StopIteration too)
+            leaves[i] = leaves[i].get_next()
         self.leaves = leaves
         self.uncapturable = None
         self.ordinals = set()

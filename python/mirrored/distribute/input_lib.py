@@ -377,12 +377,12 @@ def function_body():
     """While an md.function's Python body runs in this thread. TF's autograph turns a ``for`` loop over a
     distributed dataset or iterator inside a tf.function into a loop on ``get_next_as_optional``: such a loop
     then takes the short last step (the missing replicas padded) that ``next()`` ends the input on."""
-    depth = getattr(_function_body, "depth", 0)
-    _function_body.depth = depth + 1
+    # (A count, not a saved value: replica steps may enter and leave interleaved on one thread.)
+    _function_body.depth = getattr(_function_body, "depth", 0) + 1
     try:
         yield
     finally:
-        _function_body.depth = depth
+        _function_body.depth -= 1
 
 
 class _FunctionLoop:
