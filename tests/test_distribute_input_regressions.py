@@ -102,7 +102,7 @@ def test_central_storage_makes_one_pipeline_per_worker_in_every_mode(mode):
 
 def test_function_step_past_the_end_raises_out_of_range(strategy):
     # TF's train_step(iterator) pattern: the call after the last step raises OutOfRangeError (End of sequence).
-    step = md.function(lambda iterator: strategy.run(lambda x: np.size(x), args=(next(iterator),)))
+    step = md.function(lambda iterator: strategy.run(lambda x: np.int32(np.size(x)), args=(next(iterator),)))
     it = iter(strategy.experimental_distribute_dataset(D.range(3).batch(3)))
     assert _local(strategy, step(it)) == [1, 1, 1]
     with pytest.raises(md.errors.OutOfRangeError, match="End of sequence"):
