@@ -20,8 +20,8 @@ from data_parity import logical_cpus
 import distribute_input_differential as gen
 
 _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tf_distribute_input_differential.json")
-REFERENCE = json.load(open(_PATH)) if os.path.exists(_PATH) else {"_tf_version": "", "seed": 32, "count": 400,
-                                                                    "cases": {}}
+with open(_PATH) as _f:
+    REFERENCE = json.load(_f)
 CASES = gen.cases(REFERENCE["seed"], REFERENCE["count"])
 
 # TF's exception classes and the built-in ones mirrored raises in their place.
