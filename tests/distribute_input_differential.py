@@ -37,27 +37,25 @@ DTYPES = ("int32", "int64", "float32", "float64", "bool")
 def _leaf(rng, rows):
     dtype = rng.choice(DTYPES)
     if dtype == "bool":
-        return f"(np.arange({rows}) % 3 == 0)", 0
+        return f"(np.arange({rows}) % 3 == 0)"
     start = rng.randrange(-5, 20)
     if rng.random() < 0.35:
         width = rng.randrange(1, 4)
-        return f"np.arange({start}, {start + rows * width}).reshape({rows}, {width}).astype('{dtype}')", 1
-    return f"np.arange({start}, {start + rows}).astype('{dtype}')", 0
+        return f"np.arange({start}, {start + rows * width}).reshape({rows}, {width}).astype('{dtype}')"
+    return f"np.arange({start}, {start + rows}).astype('{dtype}')"
 
 
 def _source(rng):
-    """(expression, rank of the first leaf of an element)."""
     kind = rng.choice(("range", "range", "single", "tuple", "dict", "namedtuple", "nested"))
     if kind == "range":
         start, stop = rng.randrange(-3, 4), rng.choice((0, 1, 5, 9, 13, 17, 24))
         step = rng.choice((1, 1, 1, 2, 3))
-        return (f"D.range({start}, {start + stop}, {step})" if step > 1 else f"D.range({start}, {start + stop})"), 0
+        return f"D.range({start}, {start + stop}, {step})" if step > 1 else f"D.range({start}, {start + stop})"
     rows = rng.choice((0, 1, 3, 6, 7, 10, 13, 16))
-    leaves = [_leaf(rng, rows) for _ in range(2)]
-    (a, rank), (b, _) = leaves
+    a, b = (_leaf(rng, rows) for _ in range(2))
     structure = {"single": a, "tuple": f"({a}, {b})", "dict": f"{{'a': {a}, 'b': {b}}}",
                  "namedtuple": f"P(x={a}, y={b})", "nested": f"{{'p': ({a}, {b}), 'q': {b}}}"}[kind]
-    return f"D.from_tensor_slices({structure})", rank
+    return f"D.from_tensor_slices({structure})"
 
 
 def _element_ops(rng):
@@ -77,7 +75,7 @@ def _batched_ops(rng, batch):
     return "".join(ops)
 
 
-def _batch(rng, size, batched_source_rank):
+def _batch(rng, size):
     drop = rng.random() < 0.3
     if rng.random() < 0.2:
         return f".padded_batch({size}, drop_remainder={drop})"
@@ -85,11 +83,10 @@ def _batch(rng, size, batched_source_rank):
 
 
 def _pipeline(rng, batch_expr):
-    source, rank = _source(rng)
-    expr = source + _element_ops(rng)
+    expr = _source(rng) + _element_ops(rng)
     if rng.random() < 0.08:  # unbatched: rank-0 elements reach the strategy
         return expr
-    return expr + _batch(rng, batch_expr, rank) + _batched_ops(rng, batch_expr)
+    return expr + _batch(rng, batch_expr) + _batched_ops(rng, batch_expr)
 
 
 def _draw_input_options(rng):
