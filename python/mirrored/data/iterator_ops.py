@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._nest import map_structure
-from ..errors import OutOfRangeError
+from ..errors import InvalidArgumentError, OutOfRangeError
 from .structure import decode_state, encode_state, numpy_value, spec_of
 
 
@@ -37,7 +37,9 @@ class Optional:
 
     def get_value(self):
         if not self._has_value:
-            raise ValueError("this Optional has no value (the iterator is exhausted); check has_value() first")
+            # (TF's class and words; InvalidArgumentError is a ValueError)
+            raise InvalidArgumentError(None, None, "The given optional does not have a value (the iterator is "
+                                       "exhausted); check has_value() first")
         return self._value
 
 

@@ -144,6 +144,7 @@ class CentralStorageExtended(MirroredExtended):
 
     # TF's: a step of distribute_datasets_from_function that some replica has no batch for ends the input
     experimental_enable_get_next_as_optional = False
+    _per_replica_pipelines = False
 
     @property
     def parameter_devices(self) -> tuple:

@@ -587,6 +587,9 @@ class StrategyExtended:
 
     # (TF's flag for input pipelines that may end with a partial batch: the input here always handles them)
     experimental_enable_get_next_as_optional = True
+    # Whether distribute_datasets_from_function makes a pipeline per replica under InputReplicationMode.PER_REPLICA
+    # (TF's CentralStorageStrategy makes one per worker whatever the mode).
+    _per_replica_pipelines = True
 
     def update_non_slot(self, colocate_with, fn, args=(), kwargs=None, group=True):
         """``fn(*args, **kwargs)`` once per device of ``colocate_with`` (``non_slot_devices``' answer), each

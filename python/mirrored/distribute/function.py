@@ -36,7 +36,7 @@ import numpy as np
 
 from .._nest import flatten, flatten_with_structure_key, map_structure, pack_sequence_as
 from ..device import config, device_util, gpu as _gpu
-from . import distribute_lib, function_signature
+from . import distribute_lib, function_signature, input_lib
 from .input_lib import DistributedIterator
 from .values import DistributedValues, Variable
 
@@ -214,9 +214,11 @@ class Function:
             return step.replay(inputs)
 
     def _eager(self, strategy, args, kwargs):
+        # (md.config.run_functions_eagerly(True) is TF's mode without autograph: loops run as plain Python)
+        fn = self._python_function if config.functions_run_eagerly() else _as_body(self._python_function)
         if strategy is not None:
-            return strategy.run(self._python_function, args=args, kwargs=kwargs)
-        return self._python_function(*args, **kwargs)
+            return strategy.run(fn, args=args, kwargs=kwargs)
+        return fn(*args, **kwargs)
 
     def _first_call(self, key, strategy, inputs):
         """Warm-up (the eager step) then capture; or, where capture is impossible, eager from now on."""
@@ -303,6 +305,16 @@ class ConcreteFunction:
         return f"<md.ConcreteFunction {self._function._describe()}{self._binder.description}>"
 
 
+def _as_body(fn):
+    """``fn`` run as an md.function's body: its ``for`` loops over distributed inputs as autograph's (see
+    input_lib.function_body)."""
+    @functools.wraps(fn)
+    def body(*args, **kwargs):
+        with input_lib.function_body():
+            return fn(*args, **kwargs)
+    return body
+
+
 def _takes_arguments(fn) -> bool:
     return any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
                for p in inspect.signature(fn).parameters.values())
@@ -367,7 +379,8 @@ class _Inputs:
         leaves, nesting = flatten_with_structure_key(self.structure)
         self.iterators = [i for i, leaf in enumerate(leaves) if isinstance(leaf, DistributedIterator)]
         for i in self.iterators:
-            leaves[i] = next(leaves[i])  # (StopIteration ends the caller's loop, as in eager code)
+            # (at the end TF's function raises OutOfRangeError: ours is a StopIteration too)
+            leaves[i] = leaves[i].get_next()
         self.leaves = leaves
         self.uncapturable = None
         self.ordinals = set()
@@ -551,7 +564,8 @@ def _capture(fn, strategy, inputs, ordinals):
             began.append(o)
         with _gpu.running_step(scope), _on_step_streams(cupy, streams, first), \
                 cupy.cuda.using_allocator(pool.malloc):
-            outputs = strategy.run(fn, args=args, kwargs=kwargs) if strategy is not None else fn(*args, **kwargs)
+            body = _as_body(fn)
+            outputs = strategy.run(body, args=args, kwargs=kwargs) if strategy is not None else body(*args, **kwargs)
     except Exception as e:
         error = e
     for o in began:

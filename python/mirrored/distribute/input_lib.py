@@ -9,10 +9,12 @@ replica from the first on (``split_batch``). Replicas past the end get empty sli
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import logging
 import math
+import threading
 
 import numpy as np
 
@@ -372,6 +374,38 @@ class DatasetIterator:
         return self._distributed.element_spec
 
 
+_function_body = threading.local()
+
+
+@contextlib.contextmanager
+def function_body():
+    """While an md.function's Python body runs in this thread. TF's autograph turns a ``for`` loop over a
+    distributed dataset or iterator inside a tf.function into a loop on ``get_next_as_optional``: such a loop
+    then takes the short last step (the missing replicas padded) that ``next()`` ends the input on."""
+    # (A count, not a saved value: replica steps may enter and leave interleaved on one thread.)
+    _function_body.depth = getattr(_function_body, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _function_body.depth -= 1
+
+
+class _FunctionLoop:
+    """``for x in iterator`` inside an md.function: the steps of ``get_next_as_optional`` until it is empty."""
+
+    def __init__(self, iterator):
+        self._iterator = iterator
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        optional = self._iterator.get_next_as_optional()
+        if not optional.has_value():
+            raise StopIteration
+        return optional.get_value()
+
+
 class DistributedIterator(IteratorProtocol):
     """Iterator over a distributed dataset: each ``next`` is one step, ``PerReplica`` leaves.
 
@@ -395,6 +429,9 @@ class DistributedIterator(IteratorProtocol):
         return step
 
     next = __next__
+
+    def __iter__(self):
+        return _FunctionLoop(self) if getattr(_function_body, "depth", 0) else self
 
     def get_next_as_optional(self) -> Optional:
         """The next step wrapped in an :class:`Optional`, empty at the end. Where a short last step ends
@@ -425,6 +462,11 @@ class DistributedIterator(IteratorProtocol):
         state = decode_state(tensors)
         self._source.close()
         self._source, self._done = self._dataset._build(state), False
+
+
+def _dummy(x):
+    host = device_util.to_host(x)
+    return np.zeros((), host.dtype) if np.ndim(host) == 0 else host[:0]
 
 
 class _DistributedInput:
@@ -531,7 +573,7 @@ class _DistributedInput:
         return True
 
     def __iter__(self) -> DistributedIterator:
-        return DistributedIterator(self)
+        return iter(DistributedIterator(self))
 
     def reduce(self, initial_state, reduce_func):
         """``reduce_func(state, element)`` folded over every element, starting from ``initial_state``."""
@@ -894,8 +936,6 @@ class _Pipelines(_Iterator):
         if not step:
             raise StopIteration
         if len(step) < self._local and not self._partial:
-            if any(np.ndim(leaf) == 0 for leaf in flatten(step[-1])):
-                raise StopIteration  # (scalars have no empty batch to pad with)
             return _ShortRound(step)
         return step
 
@@ -931,7 +971,7 @@ class DistributedDatasetsFromFunction(_DistributedInput):
             raise ValueError("`experimental_place_dataset_on_device` can not be set to True when "
                              "experimental_fetch_to_device is True and replication mode is set to `PER_REPLICA`; "
                              "pass experimental_fetch_to_device=False")
-        if per_replica:
+        if per_replica and extended._per_replica_pipelines:
             first = extended._worker_index * local
             contexts = [InputContext(total, first + i, total) for i in range(local)]
         else:
@@ -969,8 +1009,10 @@ class DistributedDatasetsFromFunction(_DistributedInput):
 
     def _steps_of(self, step):
         local = len(self._devices)
-        if len(step) < local:  # the replicas without data get empty batches of the same trailing shape
-            empty = map_structure(lambda x: device_util.to_host(x)[:0], step[-1])
+        if len(step) < local:
+            # The replicas without data get TF's dummies: empty batches of the same trailing shape, and a zero
+            # of the dtype where an element is a scalar (it has no batch dimension to empty).
+            empty = map_structure(_dummy, step[-1])
             step = step + [empty] * (local - len(step))
         return [step]
 
