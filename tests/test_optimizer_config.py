@@ -100,7 +100,7 @@ def test_get_passes_instances_and_none_through_and_reads_dicts():
 
 def test_deserialized_schedule_drives_the_steps():
     opt = O.deserialize(O.serialize(O.SGD(S.ExponentialDecay(0.5, 1, 0.5))))
-    assert isinstance(opt.learning_rate, S.ExponentialDecay)
+    assert isinstance(opt._learning_rate, S.ExponentialDecay) and opt.learning_rate == np.float32(0.5)
     strategy = md.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
         w = md.Variable(np.zeros(3, np.float32), name="w")
@@ -183,3 +183,22 @@ def test_serialize_passes_none_and_names_and_rejects_the_rest():
     assert O.serialize(None) is None and O.serialize("adam") == "adam"
     with pytest.raises(TypeError, match="optimizer=3"):
         O.serialize(3)
+
+
+def test_the_learning_rate_property_is_keras_current_value():
+    """Keras 3.15: a schedule's value at the current step (not the schedule), a callable of no arguments' value,
+    and a schedule's learning rate is not settable (TypeError); recorded from Keras."""
+    w = md.Variable(np.ones(2, np.float32))  # (no strategy: Keras' own loop)
+    opt = O.SGD(S.ExponentialDecay(0.1, 1, 0.5))
+    assert opt.learning_rate == np.float32(0.1)
+    opt.apply_gradients([(np.ones(2, np.float32), w)])
+    assert opt.learning_rate == np.float32(0.05) and np.allclose(w.numpy(), [0.9, 0.9])
+    with pytest.raises(TypeError, match="learning rate is not settable"):
+        opt.learning_rate = 0.3
+    plain = O.SGD(learning_rate=lambda: 0.25)  # Keras' callable of no arguments
+    assert plain.learning_rate == 0.25
+    v = md.Variable(np.ones(2, np.float32))
+    plain.apply_gradients([(np.ones(2, np.float32), v)])
+    np.testing.assert_allclose(v.numpy(), [0.75, 0.75])
+    by_step = O.SGD(learning_rate=lambda step: 0.5)  # a function of the step is given as is
+    assert callable(by_step.learning_rate)

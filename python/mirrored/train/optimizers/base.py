@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import inspect
 import itertools
 import math
 import numbers
@@ -95,6 +96,15 @@ def check_rate(value, argument: str, allow_callable: bool = False, low: float = 
         bound = f"in [{low}, {high}{']' if high_inclusive else ')'}" if high is not None else f">= {low}"
         raise ValueError(f"{argument}={value!r}: expected a value {bound}")
     return float(value)
+
+
+def _takes_an_argument(fn) -> bool:
+    """Whether ``fn`` can be called with one positional argument (a schedule of the step), not only with none."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # (no signature to read: call it as a schedule)
+        return True
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in parameters)
 
 
 def _snake_case(name: str) -> str:
@@ -248,16 +258,32 @@ class Optimizer:
 
     @property
     def learning_rate(self):
-        """A number, or a callable of the step (``iterations`` before the update, from 0)."""
-        return self._learning_rate
+        """The learning rate as Keras' property gives it: a schedule's value at the current step (float32), a
+        callable of no arguments' value, else the number (or a callable of the step, which is given as is)."""
+        lr = self._learning_rate
+        if isinstance(lr, LearningRateSchedule):  # (at the count of apply_gradients calls, as Keras' _iterations)
+            self._refresh_state()
+            return np.float32(self.learning_rate_at(0 if self._iterations is None else int(self._iterations.numpy())))
+        if callable(lr) and not self._rate_takes_step:
+            return lr()
+        return lr
 
     @learning_rate.setter
     def learning_rate(self, value):
+        if isinstance(getattr(self, "_learning_rate", None), LearningRateSchedule):
+            raise TypeError("This optimizer was created with a `LearningRateSchedule` object as its `learning_rate` "
+                            "constructor argument, hence its learning rate is not settable. If you need the learning "
+                            "rate to be settable, you should instantiate the optimizer with a float `learning_rate` "
+                            "argument.")
         self._learning_rate = check_rate(value, "learning_rate", allow_callable=True)
+        # A callable is Keras' callable of no arguments, or a schedule (or any function) of the step.
+        self._rate_takes_step = callable(value) and _takes_an_argument(value)
 
     def learning_rate_at(self, step: int) -> float:
         """The learning rate used by the update at ``step`` (0-based)."""
-        lr = self._learning_rate(step) if callable(self._learning_rate) else self._learning_rate
+        lr = self._learning_rate
+        if callable(lr):
+            lr = lr(step) if self._rate_takes_step else lr()
         return check_rate(lr, f"learning_rate({step})")
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None) -> None:
