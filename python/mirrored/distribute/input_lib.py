@@ -787,6 +787,10 @@ class DistributedDataset(_DistributedInput):
                 return workers
             if not self._partial:  # a step short of a batch ends the input
                 return emitted_batches(rows, self._sizes) // local
+            if self._agrees_on_end():
+                # Each worker read its own rows (FILE): it takes the steps its own batches make, and its
+                # iterators give empty ones while another worker still has a step (DistributedIterator).
+                return math.ceil(emitted_batches(rows, self._sizes) / local)
             # Every worker takes a step while any of them has a batch for it.
             return max(math.ceil(emitted_batches(rows, batch_sizes_for_worker(self._global_batch, workers, local,
                                                                               w)) / local)
