@@ -127,7 +127,26 @@ def from_function_scenarios(lib, strategy) -> dict:
     # No shard: every worker reads the whole pipeline, so each worker's replica gets the same batches.
     dist = strategy.distribute_datasets_from_function(lambda ctx: lib.data.Dataset.range(6).batch(4))
     out["from_function/unsharded"] = [_local(strategy, x) for x in dist]
+    # Pipelines of different lengths: the workers agree on the end, one that ran out gets empty batches.
+    dist = strategy.distribute_datasets_from_function(
+        lambda ctx: lib.data.Dataset.range(2 + 3 * ctx.input_pipeline_id).batch(2))
+    out["from_function/uneven"] = [_local(strategy, x) for x in dist]
     return out
+
+
+def type_scenarios(lib, strategy) -> dict:
+    """The classes users meet: a distributed dataset's elements, run's results, distributed values."""
+    dist = strategy.experimental_distribute_dataset(lib.data.Dataset.range(8).batch(4))
+    element = next(iter(dist))
+    ran = strategy.run(lambda x: x * 2, args=(element,))
+    values = strategy.experimental_distribute_values_from_function(lambda ctx: lib.constant(np.float32(1.0)))
+    optional = iter(dist).get_next_as_optional().get_value()
+    from_function = next(iter(strategy.distribute_datasets_from_function(lambda ctx: lib.data.Dataset.range(4)
+                                                                         .batch(2))))
+    return {"types": {"element": type(element).__name__, "run": lib.kind(ran),
+                      "values_from_function": type(values).__name__, "optional_value": type(optional).__name__,
+                      "from_function_element": type(from_function).__name__,
+                      "local_results": len(strategy.experimental_local_results(element))}}
 
 
 def _per_replica(lib, strategy, make):
@@ -284,5 +303,6 @@ def run_task(lib, directory: str, task_rank: int) -> dict:
     out.update(collective_scenarios(lib, strategy))
     out.update(variable_scenarios(lib, strategy, task_rank))
     out.update(from_function_scenarios(lib, strategy))
+    out.update(type_scenarios(lib, strategy))
     out.update(distributed_dataset_scenarios(lib, strategy, directory))
     return out

@@ -40,6 +40,10 @@ class TFLib:
     def strategy(self):
         return self.tf.distribute.MultiWorkerMirroredStrategy()
 
+    def kind(self, x) -> str:
+        """"tensor" or the class of a distributed value (the name users meet)."""
+        return "tensor" if isinstance(x, self.tf.Tensor) else type(x).__name__
+
     @staticmethod
     def to_numpy(x):
         return x.numpy() if hasattr(x, "numpy") else np.asarray(x)

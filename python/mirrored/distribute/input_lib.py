@@ -505,8 +505,9 @@ class _DistributedInput:
             if self._fetcher is None:
                 self._fetcher = _DeviceFetcher(self._devices)
             per_replica = self._fetcher(per_replica)
-        if len(per_replica) == 1:
+        if len(per_replica) == 1 and self._extended._num_workers == 1:
             return per_replica[0]
+        # Across workers TF wraps even one local replica's batch: each is one replica's part of the step.
         return regroup(per_replica, always_wrap=True, devices=self._devices)
 
     def _build(self, state=None) -> PrefetchIterator:
