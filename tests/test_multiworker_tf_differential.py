@@ -142,6 +142,7 @@ def _regression_task(directory):
         "file_uneven": [[[b.decode() for b in c] for c in s] for s in steps(strategy.experimental_distribute_dataset(
             policy(md.data.TFRecordDataset(files).batch(4), "FILE")))],
         "from_function_uneven": steps(per_worker),
+        "element": type(next(iter(strategy.experimental_distribute_dataset(D.range(4).batch(2))))).__name__,
     }
 
 
@@ -170,6 +171,8 @@ def test_two_workers_hint_spec_and_end_of_uneven_inputs(tmp_path):
     # (was: it stopped two steps early, and any collective in those steps would wait forever).
     assert w0["file_uneven"] == [[["f0-r0", "f0-r1"]], [["f0-r2", "f2-r0"]], [["f2-r1", "f2-r2"]]]
     assert w1["file_uneven"] == [[["f1-r0", "f1-r1"]], [["f1-r2"]], [[]]]
+    # A step is a PerReplica across workers, of one local replica too (was: the bare array).
+    assert w0["element"] == w1["element"] == "PerReplica"
     # One pipeline per worker, of different lengths: the same agreement.
     assert w0["from_function_uneven"] == [[[0, 1]], [[]], [[]]]
     assert w1["from_function_uneven"] == [[[0, 1]], [[2, 3]], [[4]]]
