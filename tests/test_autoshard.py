@@ -54,7 +54,8 @@ def _worker(policy, items=4):
         options.experimental_distribute.auto_shard_policy = md.data.AutoShardPolicy[policy]
         dataset = md.data.Dataset(batches).with_options(options)
     try:
-        steps = [np.asarray(x).tolist() for x in strategy.experimental_distribute_dataset(dataset)]
+        steps = [np.asarray(strategy.experimental_local_results(x)[0]).tolist()
+                 for x in strategy.experimental_distribute_dataset(dataset)]
     except ValueError as e:
         return "error", str(e)
     return steps, records
@@ -109,7 +110,9 @@ def _pipeline_worker(directory, kinds):
             options.experimental_distribute.auto_shard_policy = md.data.AutoShardPolicy.FILE
             dataset = dataset.with_options(options)
         try:
-            steps = [[bytes(v) if isinstance(v, bytes) else int(v) for v in np.asarray(x).tolist()]
+            # (across workers each step is a PerReplica, of this worker's one replica here)
+            steps = [[bytes(v) if isinstance(v, bytes) else int(v)
+                      for v in np.asarray(strategy.experimental_local_results(x)[0]).tolist()]
                      for x in strategy.experimental_distribute_dataset(dataset)]
         except ValueError as e:
             out[kind] = ("error", str(e))

@@ -31,7 +31,8 @@ dataset of global batches, per policy:
 * ``AUTO`` (the default): FILE for a pipeline that reads at least W files
   (or an iterable with a ``files`` attribute), else DATA — with TensorFlow's
   warning that AUTO fell back to DATA.
-* ``HINT`` is accepted as TensorFlow spells it and shards as DATA.
+* ``HINT`` is accepted as TensorFlow spells it; md.data pipelines place no
+  shard hints, so, as tf.data's without any, it shards nothing (as OFF).
 
 With one worker every policy gives the same split.
 """

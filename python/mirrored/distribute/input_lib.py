@@ -26,7 +26,7 @@ from ..data.options import AutoShardPolicy, policy_of
 from ..data.structure import TensorSpec, decode_state, encode_state, leaf_spec
 from ..device import device_util, gpu
 from .options import InputOptions, InputReplicationMode
-from .values import DistributedValues, regroup
+from .values import DistributedValues, regroup, select_replica
 
 _log = logging.getLogger("mirrored")
 
@@ -414,12 +414,32 @@ class DistributedIterator(IteratorProtocol):
     steps prepared but not taken included, and a restore continues with the step that followed the save.
     """
 
+    _last = None  # the latest step taken (the template of an empty one)
+
     def __init__(self, distributed, state=None):
         super().__init__(distributed, distributed._build(state))
 
-    def __next__(self):
+    def _next_step(self):
+        """The next step. Where each worker reads its own input (FILE sharding, one pipeline per worker) the
+        workers agree on the end, as TF's get_next_as_optional does across workers: while any of them has a
+        step, one that has run out takes a step of empty batches, so every worker runs the same steps (and
+        the same collectives)."""
+        if not self._dataset._agrees_on_end():
+            return IteratorProtocol.__next__(self)
         try:
             step = IteratorProtocol.__next__(self)
+        except StopIteration:
+            step = None
+        if not self._dataset._any_worker_has(step is not None):
+            raise StopIteration
+        if step is None:
+            return self._dataset._empty_step(self._last)
+        self._last = step
+        return step
+
+    def __next__(self):
+        try:
+            step = self._next_step()
         except MemoryError as error:  # a step placed on GPUs without room: TF's ResourceExhaustedError
             gpu.raise_if_out_of_memory(error)
             raise
@@ -438,7 +458,7 @@ class DistributedIterator(IteratorProtocol):
         ``next()`` (TF turns its padding off for inputs of fixed shapes), this still gives that step, the
         missing replicas' batches empty, as TF's does."""
         try:
-            step = IteratorProtocol.__next__(self)
+            step = self._next_step()
         except StopIteration:
             return Optional(None, False, lambda: self.element_spec)
         if isinstance(step, _ShortStep):
@@ -532,8 +552,9 @@ class _DistributedInput:
             if self._fetcher is None:
                 self._fetcher = _DeviceFetcher(self._devices)
             per_replica = self._fetcher(per_replica)
-        if len(per_replica) == 1:
+        if len(per_replica) == 1 and self._extended._num_workers == 1:
             return per_replica[0]
+        # Across workers TF wraps even one local replica's batch: each is one replica's part of the step.
         return regroup(per_replica, always_wrap=True, devices=self._devices)
 
     def _build(self, state=None) -> PrefetchIterator:
@@ -572,6 +593,33 @@ class _DistributedInput:
     def _per_worker_input(self) -> bool:
         return True
 
+    def _agrees_on_end(self) -> bool:
+        """Whether this worker's iterators agree with the other workers' on the end of the input (see
+        DistributedIterator._next_step): where each reads its own input, and short steps are padded."""
+        ext = self._extended
+        return ext._num_workers > 1 and ext.experimental_enable_get_next_as_optional and \
+            getattr(ext, "_group", None) is not None and self._per_worker_input()
+
+    def _any_worker_has(self, have: bool) -> bool:
+        flags = [np.array([int(have)], np.int32) for _ in self._devices]
+        return bool(self._extended._group.all_reduce(flags, op="max")[0][0])
+
+    def _empty_step(self, last):
+        """A step of empty batches, each replica's of the trailing shape of ``last`` (a step taken before), or
+        of the input's element spec where this worker took none (its unknown trailing dimensions 0)."""
+        if last is not None:
+            per_replica = [map_structure(lambda x: np.asarray(device_util.to_host(x))[:0], select_replica(i, last))
+                           for i in range(len(self._devices))]
+        else:
+            specs = self._static_specs()
+            if specs is None:
+                raise ValueError("dataset: this worker's input ended before its first step while other workers "
+                                 "go on, and its element spec is unknown, so it cannot make their empty batches; "
+                                 "give every worker at least one batch (e.g. as many files as workers)")
+            per_replica = [map_structure(lambda spec: np.zeros((0,) + tuple(d or 0 for d in tuple(spec.shape)[1:]),
+                                                               spec.dtype), s) for s in specs]
+        return self._to_step(per_replica)
+
     def __iter__(self) -> DistributedIterator:
         return iter(DistributedIterator(self))
 
@@ -594,7 +642,11 @@ class _DistributedInput:
             batch = self._static_batch()
             specs = [map_structure(lambda x: TensorSpec((batch,) + tuple(_host_leaves(x)[0].shape[1:]), x.dtype), s)
                      for s in self._first]
-        if len(specs) == 1:
+        if self._extended._num_workers > 1 and self._extended.experimental_enable_get_next_as_optional:
+            # TF's multi-worker rule: the workers pad a short step with empty batches, so no batch size is
+            # fixed, and every leaf is a PerReplicaSpec, even of one local replica.
+            specs = [map_structure(_dynamic_batch, s) for s in specs]
+        elif len(specs) == 1:
             return specs[0]
         return pack_sequence_as(specs[0], [PerReplicaSpec(*leaves) for leaves in zip(*(flatten(s) for s in specs))])
 
@@ -630,6 +682,12 @@ class _DistributedInput:
             return None
         sizes = {spec.shape[0] if spec.shape.rank else None for spec in flatten(dataset.element_spec)}
         return sizes.pop() if len(sizes) == 1 else None
+
+
+def _dynamic_batch(spec):
+    if spec.shape.rank is None or spec.shape.rank == 0:
+        return spec
+    return TensorSpec((None,) + tuple(spec.shape)[1:], spec.dtype)
 
 
 class _Reiterable:
@@ -744,7 +802,7 @@ class DistributedDataset(_DistributedInput):
             if count is not None and count < workers:
                 raise ValueError(_too_few_files(count, workers))
         if policy == AutoShardPolicy.HINT:
-            return AutoShardPolicy.DATA
+            return AutoShardPolicy.OFF  # (see _pipeline_policy)
         return policy
 
     def _per_worker_input(self) -> bool:
@@ -777,6 +835,10 @@ class DistributedDataset(_DistributedInput):
                 return workers
             if not self._partial:  # a step short of a batch ends the input
                 return emitted_batches(rows, self._sizes) // local
+            if self._agrees_on_end():
+                # Each worker read its own rows (FILE): it takes the steps its own batches make, and its
+                # iterators give empty ones while another worker still has a step (DistributedIterator).
+                return math.ceil(emitted_batches(rows, self._sizes) / local)
             # Every worker takes a step while any of them has a batch for it.
             return max(math.ceil(emitted_batches(rows, batch_sizes_for_worker(self._global_batch, workers, local,
                                                                               w)) / local)
@@ -883,7 +945,9 @@ def _pipeline_policy(dataset, policy, workers: int) -> AutoShardPolicy:
                                 f"which is not enough for the required {workers} shards/workers.")
             return AutoShardPolicy.DATA
         return AutoShardPolicy.FILE
-    return AutoShardPolicy.DATA if policy == AutoShardPolicy.HINT else policy
+    # HINT shards only where the pipeline says so (tf.data's shard(SHARD_HINT, SHARD_HINT)); md.data pipelines
+    # carry no such hint, and tf.data without one reads everything on every worker, as OFF.
+    return AutoShardPolicy.OFF if policy == AutoShardPolicy.HINT else policy
 
 
 def _auto_shard_policy(dataset, num_shards: int) -> AutoShardPolicy:
