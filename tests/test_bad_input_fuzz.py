@@ -14,8 +14,13 @@ import textwrap
 
 import pytest
 
+import mirrored
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-PYTHONPATH = os.pathsep.join([os.path.join(HERE, "..", "python"), os.environ.get("PYTHONPATH", "")])
+# The children import the mirrored this process imports: the source tree in development, the installed
+# package in a clean clone (whose python/ holds no built extensions).
+PYTHONPATH = os.pathsep.join([os.path.dirname(os.path.dirname(mirrored.__file__)), HERE,
+                              os.environ.get("PYTHONPATH", "")])
 
 # (code, expected): the code leaves its answer in `result`. expected is ("raises", exception class name, words
 # the message must hold) or ("ok", an expression of `result` that must be true). Names in scope: np, md, s (a
