@@ -92,8 +92,9 @@ SCENARIOS = {
 }
 
 # Answers that differ from TF's on purpose (docs/config.md): TF fixes devices and threads at their first use
-# (RuntimeError: "... cannot be modified after being initialized") where md.config applies a change to the strategies
-# created afterwards; TF lets the CPU be hidden and then fails at its first op (NotFoundError: "No CPU devices are
+# (RuntimeError: "... cannot be modified after being initialized") where md.config applies a device change to the
+# strategies created afterwards and fixes the thread counts only once its host pool has started (at the first host
+# collective, not at a device listing); TF lets the CPU be hidden and then fails at its first op (NotFoundError: "No CPU devices are
 # available"), md.config refuses at once; TF takes any thread count (-1, 'a', 2.5), md.config a count >= 0.
 DIFFERS = {("after_initialization", 2), ("after_initialization", 3), ("hide_cpu", 0), ("hide_cpu", 1),
            ("hide_all", 0), ("hide_all", 1), ("threads_bad", 0), ("threads_bad", 1), ("threads_bad", 2),

@@ -33,6 +33,9 @@ def fresh_config(monkeypatch):
     _devices._tables.clear()
     monkeypatch.delenv(config_threading._ENV, raising=False)
     monkeypatch.setattr(config_threading, "_environment_default", None)
+    # (a fresh process's host pool has not started; this test process's may have: thread counts are then fixed,
+    # which test_the_counts_reach_the_environment_and_are_fixed_once_the_pool_started checks in a process of its own)
+    monkeypatch.setattr(config_threading, "_pool_started", lambda: False)
     yield
     for state, value in zip((_devices._hidden, _devices._logical, experimental._memory_growth, _execution._flags,
                              config_threading._threads), saved):
