@@ -421,7 +421,10 @@ def test_exit_42_restarts_the_job_after_the_others_saved(tmp_path):
         attempt = os.environ["MIRRORED_RESTART_COUNT"]
         if attempt == "0":
             if me == 1:
+                open({str(tmp_path / "preempted")!r}, "w").close()
                 sys.exit(42)
+            while not os.path.exists({str(tmp_path / "preempted")!r}):  # (worker:1 goes first, however slow to start)
+                time.sleep(0.05)
             time.sleep(2)  # a slower save: the launcher must not cut it short
             sys.stdout.write("saved\\n")
             sys.exit(42)
