@@ -54,7 +54,9 @@ for ids, xb, yb in iterator:
         open(marker, "w").close()
         print("crashing", flush=True)
         os._exit(3)
-    print("step", step, "ids", np.asarray(ids).tolist(), flush=True)
+    # (a step is a PerReplica across workers, as TF's, even with one local replica)
+    ids = np.concatenate([np.asarray(part) for part in strategy.experimental_local_results(ids)])
+    print("step", step, "ids", ids.tolist(), flush=True)
     strategy.run(train_step, args=(xb, yb))
     manager.save()
 
