@@ -1,6 +1,7 @@
 """Fixtures of the Strategy-layer tests: MirroredStrategy over 1, 2 and 4 logical CPU replicas;
 and the GPU machine every ``gpu``-marked test runs on (real, or simulated: see gpu_env.py)."""
 
+import os
 import signal
 import zlib
 
@@ -14,6 +15,12 @@ import mirrored as md
 # children, so they get Python's usual one.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# Tests start jobs whose tasks run in a temporary directory: a relative PYTHONPATH (the development habit,
+# PYTHONPATH=python) would not reach them, and they would silently import the mirrored installed in the venv.
+if os.environ.get("PYTHONPATH"):
+    os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p
+                                               for p in os.environ["PYTHONPATH"].split(os.pathsep))
 
 
 def cpus(n):
