@@ -100,7 +100,20 @@ class PerReplica(DistributedValues):
     __hash__ = DistributedValues.__hash__
 
 
-class Mirrored(np.lib.mixins.NDArrayOperatorsMixin, DistributedValues):
+class _PythonScalar:
+    """``float()``, ``int()`` and ``bool()`` of the value ``numpy()`` reads (Mirrored's and a variable's)."""
+
+    def __float__(self) -> float:
+        return float(self.numpy())
+
+    def __int__(self) -> int:
+        return int(self.numpy())
+
+    def __bool__(self) -> bool:
+        return bool(self.numpy())
+
+
+class Mirrored(np.lib.mixins.NDArrayOperatorsMixin, _PythonScalar, DistributedValues):
     """Values known to be identical on every replica (results of all-reduce, broadcast).
 
     As TF's, it stands for its current replica's component (inside ``run``; replica 0's in cross-replica
@@ -145,15 +158,6 @@ class Mirrored(np.lib.mixins.NDArrayOperatorsMixin, DistributedValues):
             raise TypeError("Cannot iterate over a scalar Mirrored value; read it with m.numpy()")
         return iter(local)
 
-    def __float__(self) -> float:
-        return float(self.numpy())
-
-    def __int__(self) -> int:
-        return int(self.numpy())
-
-    def __bool__(self) -> bool:
-        return bool(self.numpy())
-
     def numpy(self):
         """A host copy of the component (a NumPy scalar for a scalar, as TF's ``numpy()``)."""
         return np.array(device_util.to_host(self._local()), copy=True)[()]
@@ -197,7 +201,7 @@ class _VariableMeta(type):
         return signature.replace(parameters=list(signature.parameters.values())[1:])  # without self
 
 
-class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
+class Variable(np.lib.mixins.NDArrayOperatorsMixin, _PythonScalar, metaclass=_VariableMeta):
     """``md.Variable(initial_value=None, trainable=None, validate_shape=True, caching_device=None, name=None,
     variable_def=None, dtype=None, import_scope=None, constraint=None, synchronization=AUTO, aggregation=NONE,
     shape=None, experimental_enable_variable_lifting=True)``: ``tf.Variable``'s arguments in its order.
@@ -294,15 +298,6 @@ class Variable(np.lib.mixins.NDArrayOperatorsMixin, metaclass=_VariableMeta):
         raise RuntimeError(f"initial_value: variable '{self.name}' does not keep the value it was created with "
                            "(TF's eager variables do not either: 'not supported when eager execution is enabled'); "
                            "keep it yourself before creating the variable")
-
-    def __float__(self) -> float:
-        return float(self.numpy())
-
-    def __int__(self) -> int:
-        return int(self.numpy())
-
-    def __bool__(self) -> bool:
-        return bool(self.numpy())
 
     def ref(self) -> "_Ref":
         """A hashable reference to this variable (``ref.deref()`` returns it)."""
