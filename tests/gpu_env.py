@@ -51,6 +51,12 @@ NGPU = 0 if cupy is None else SIM_DEVICES if SIMULATED else engine.extension().d
 SKIP_REASON = "no GPU, and this build has no simulated CUDA engine (mirrored._cuda_sim needs the CUDA headers)"
 
 
+def needs_gpus(count: int):
+    """A mark for a test that needs ``count`` GPUs of its own: the simulated machine has SIM_DEVICES, a real
+    machine may have fewer (the test then skips; logical GPUs are gpu_pair's)."""
+    return pytest.mark.skipif(NGPU < count, reason=f"needs {count} GPUs, this machine has {NGPU}")
+
+
 @contextlib.contextmanager
 def machine(seed: int):
     """The GPU machine for one test: the simulated one (seeded) unless real GPUs are at hand."""

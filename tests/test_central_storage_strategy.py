@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 import mirrored as md
 import central_storage_scenarios as scenarios
 import test_one_device_strategy as one_device
-from gpu_env import SIMULATED, SKIP_REASON, cupy, gpu_pair, physical_gpus, sim_counters
+from gpu_env import SIMULATED, SKIP_REASON, cupy, gpu_pair, needs_gpus, physical_gpus, sim_counters
 from mirrored.distribute.function import EagerFallbackWarning
 
 with open(os.path.join(os.path.dirname(__file__), "data", "tf_central_storage_reference.json")) as _f:
@@ -230,7 +230,7 @@ def test_gradient_accumulation_with_clipping_clips_the_accumulated_average_as_th
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@needs_gpus(2)  # GPUS are two GPUs of their own
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("parameter_device", ["/cpu:0", "/gpu:0", "/gpu:1"])
 def test_gpu_apply_gradients_not_aggregated_applies_the_first_replicas_gradients(parameter_device, dtype):
@@ -311,7 +311,7 @@ GPUS = ["/gpu:0", "/gpu:1"]
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@needs_gpus(2)  # GPUS are two GPUs of their own
 @pytest.mark.parametrize("parameter_device", ["/cpu:0", "/gpu:1"])
 def test_gpu_replicas_read_copies_on_their_own_gpu(parameter_device):
     s = CentralStorageStrategy(GPUS, parameter_device)
@@ -337,7 +337,7 @@ def test_gpu_replicas_read_copies_on_their_own_gpu(parameter_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@needs_gpus(2)  # GPUS are two GPUs of their own
 @pytest.mark.parametrize("parameter_device", ["/cpu:0", "/gpu:0"])
 @pytest.mark.parametrize("loss_scale", [False, True], ids=["plain", "loss_scale"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -404,7 +404,7 @@ def test_gpu_apply_gradients_costs_the_same_launches_and_copies_for_10_and_200_v
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@needs_gpus(2)  # GPUS are two GPUs of their own
 @pytest.mark.parametrize("parameter_device", ["/cpu:0", "/gpu:0"])
 def test_gpu_dynamic_loss_scale_skips_a_step_whose_gradients_are_not_finite(parameter_device):
     _dynamic_loss_scale_steps(GPUS, parameter_device, cupy)
@@ -449,7 +449,7 @@ def test_gpu_replicas_read_the_current_value_and_arrays_read_earlier_keep_theirs
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@needs_gpus(2)  # GPUS are two GPUs of their own
 @pytest.mark.parametrize("parameter_device", ["/cpu:0", "/gpu:0"])
 def test_gpu_replicas_read_every_dtype_as_the_update_left_it(parameter_device):
     """Variables of several dtypes in one update (one buffer per dtype on each GPU; float16, which the fused kernel
@@ -483,7 +483,7 @@ def test_md_function_with_variables_on_the_cpu_runs_eagerly_and_says_why():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@needs_gpus(2)  # GPUS are two GPUs of their own
 def test_md_function_with_gpu_compute_devices_and_a_cpu_parameter_device_runs_eagerly():
     eager = one_device.function_steps(CentralStorageStrategy(GPUS, "/cpu:0"), False, np)
     with pytest.warns(EagerFallbackWarning, match="host memory .* a CUDA graph of GPU work cannot hold"):
@@ -556,7 +556,7 @@ def test_md_function_captures_the_step_and_replays_the_eager_bits(layout, parame
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@needs_gpus(2)  # GPUS are two GPUs of their own
 def test_md_function_step_on_other_gpus_matches_the_one_device_step():
     """The function_steps scenario of OneDeviceStrategy's tests, on two GPUs with the variables on GPU 0."""
     eager = one_device.function_steps(CentralStorageStrategy(GPUS, "/gpu:0"), False, np)
@@ -568,7 +568,7 @@ def test_md_function_step_on_other_gpus_matches_the_one_device_step():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(cupy is None, reason=SKIP_REASON)
+@needs_gpus(2)  # GPUS are two GPUs of their own
 def test_md_function_refuses_a_read_on_another_gpu_of_a_variable_assigned_in_the_step_and_runs_it_eagerly():
     """The copy of a value written in the step outside the optimizer's update is a transfer between GPUs that the
     capture cannot order: md.function says so and runs the step eagerly, with the eager results."""

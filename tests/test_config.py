@@ -229,6 +229,7 @@ def _ordinals(strategy):
 
 
 @pytest.mark.gpu
+@gpu_env.needs_gpus(2)
 def test_hidden_gpus_are_absent_from_every_strategy_and_refused_by_name():
     gpus = md.config.list_physical_devices("GPU")
     assert len(gpus) == gpu_env.NGPU >= 2
@@ -248,6 +249,7 @@ def test_hidden_gpus_are_absent_from_every_strategy_and_refused_by_name():
 
 
 @pytest.mark.gpu
+@gpu_env.needs_gpus(2)
 def test_the_visible_gpus_are_renumbered_from_zero():
     gpus = md.config.list_physical_devices("GPU")
     md.config.set_visible_devices(gpus[1:], "GPU")
@@ -274,6 +276,7 @@ def test_memory_growth_of_a_gpu_is_kept_as_set():
 
 
 @pytest.mark.gpu
+@gpu_env.needs_gpus(2)
 def test_device_details_of_a_gpu_are_the_runtimes():
     from mirrored.device import engine
 
@@ -284,6 +287,7 @@ def test_device_details_of_a_gpu_are_the_runtimes():
 
 
 @pytest.mark.gpu
+@gpu_env.needs_gpus(2)
 def test_memory_info_of_a_gpu_counts_its_arrays_and_the_peak_starts_again_at_reset():
     cupy = gpu_env.cupy
     with cupy.cuda.Device(1):

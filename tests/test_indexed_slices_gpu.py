@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gpu_env import SKIP_REASON, cupy, gpu_pair, mirrored_strategy
+from gpu_env import SKIP_REASON, cupy, gpu_pair, mirrored_strategy, needs_gpus
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
@@ -30,7 +30,7 @@ def _device_of(x) -> int:
     return x.data.device_id
 
 
-@pytest.mark.parametrize("ordinal", [0, 1])
+@pytest.mark.parametrize("ordinal", [0, pytest.param(1, marks=needs_gpus(2))])
 def test_densifying_stays_on_the_values_gpu(ordinal):
     host = md.IndexedSlices(np.arange(12, dtype=np.float32).reshape(4, 3), np.array([3, 0, 3, 5]), (7, 3))
     with gpu_pair():

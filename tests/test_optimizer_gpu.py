@@ -79,10 +79,16 @@ def test_gpu_kernel_equals_the_host_kernel_bit_for_bit(case, dtype):
             host_fused_update(rule, weights, grads, slots, decay, c, wd, lr)
             packed = cupy.asarray(np.concatenate(grads))
             table.apply(rule, packed.data.ptr, c, wd, lr, stream)
+        # A float64 pow is the platform's (core/optimizer_rules.h, power()): CUDA's and the host's libm may
+        # differ by an ulp, which three steps can carry a few ulps on. Everything else is bit for bit.
+        platform_pow = case == "ftrl_power" and dtype == np.float64 and not SIMULATED
         for k, n in enumerate(sizes):
-            np.testing.assert_array_equal(cupy.asnumpy(gpu_weights[k]), weights[k], err_msg=f"weight {k} (size {n})")
-            for j in range(n_slots):
-                np.testing.assert_array_equal(cupy.asnumpy(gpu_slots[k][j]), slots[k][j], err_msg=f"slot {j} of {k}")
+            for got, expected, what in [(gpu_weights[k], weights[k], f"weight {k} (size {n})")] + \
+                    [(gpu_slots[k][j], slots[k][j], f"slot {j} of {k}") for j in range(n_slots)]:
+                if platform_pow:
+                    np.testing.assert_array_max_ulp(cupy.asnumpy(got), expected, maxulp=8)
+                else:
+                    np.testing.assert_array_equal(cupy.asnumpy(got), expected, err_msg=what)
 
 
 def test_gpu_kernel_refuses_bad_arguments_naming_them():

@@ -527,8 +527,22 @@ cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cu
   sim::Call call(__func__);
   ++sim::counted.stream_ops;
   if (sim::resolve(st)->device != sim::current) return cudaErrorInvalidValue;
-  sim::enqueue(st, [=] { std::memmove(d, s, n); });
+  sim::enqueue(st, [=] {
+    if (n != 0) std::memmove(d, s, n);  // (CUDA takes an empty copy of a null pointer; memmove does not)
+  });
   return cudaSuccess;
+}
+// The synchronous forms, as CUDA orders them: on the legacy stream, the host waiting for it.
+cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind kind) {
+  sim::Call call(__func__);
+  if (const cudaError_t e = cudaMemcpyAsync(d, s, n, kind, nullptr); e != cudaSuccess) return e;
+  return cudaStreamSynchronize(nullptr);
+}
+cudaError_t cudaMemset(void* p, int value, size_t n) {
+  sim::Call call(__func__);
+  ++sim::counted.stream_ops;
+  sim::enqueue(nullptr, [=] { std::memset(p, value, n); });
+  return cudaStreamSynchronize(nullptr);
 }
 cudaError_t cudaMemcpyPeerAsync(void* d, int, const void* s, int, size_t n, cudaStream_t st) {
   sim::Call call(__func__);
