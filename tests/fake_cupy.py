@@ -41,6 +41,7 @@ import functools
 import gc
 import operator
 import threading
+import types
 import warnings
 import weakref
 
@@ -1140,8 +1141,22 @@ _AT_DTYPES = {
     "bitwise_or": ("int32", "int64", "uint32", "uint64"),
     "bitwise_xor": ("int32", "int64", "uint32", "uint64"),
 }
-# Its float atomicMax/atomicMin are CAS loops over fmax/fmin: a NaN, held or added, loses to a number.
-_AT_UFUNCS = {"maximum": np.fmax, "minimum": np.fmin}
+# Its float atomicMax/atomicMin are CAS loops over fmaxf/fminf: a NaN, held or added, loses to a number, and a
+# float64 entry it touches is rounded to float32 (as an H100 showed with CuPy 14.2: 1 + 2**-40 became 1.0).
+
+
+def _float_extremum(ufunc):
+    def at(out, indices, b):
+        if out.dtype != np.float64:
+            return ufunc.at(out, indices, b)
+        narrow, touched = out.astype(np.float32), np.zeros(out.shape, bool)
+        ufunc.at(narrow, indices, np.asarray(b).astype(np.float32))
+        touched[indices] = True
+        out[touched] = narrow[touched]
+    return types.SimpleNamespace(at=at)
+
+
+_AT_UFUNCS = {"maximum": _float_extremum(np.fmax), "minimum": _float_extremum(np.fmin)}
 
 
 def _ufunc_at(ufunc):
@@ -1149,7 +1164,7 @@ def _ufunc_at(ufunc):
     an order drawn anew for each run of the kernel where CuPy's atomics would pick one (``add.at``: a
     float sum of a repeated index differs in its last bits from order to order). Refused as CuPy refuses
     it: NotImplementedError for a ufunc without ``.at``, TypeError for an array dtype its atomics lack."""
-    name = ufunc.__name__
+    name = {"divide": "true_divide"}.get(ufunc.__name__, ufunc.__name__)  # (CuPy's name for it)
     supported = _AT_DTYPES.get(name)
     ufunc = _AT_UFUNCS.get(name, ufunc)
 
