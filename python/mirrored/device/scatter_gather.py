@@ -24,7 +24,7 @@ from . import device_util
 from .dtypes import CODES
 
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
-# An update's ufunc (applied with ``ufunc.at``, which takes repeated indices in turn); None: assignment.
+# An update's ufunc (on the host applied with ``ufunc.at``, which takes repeated indices in turn); None: assignment.
 _UFUNCS = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "true_divide", "max": "maximum",
            "min": "minimum", "update": None}
 _BOOL_UFUNCS = {"add": "bitwise_or", "sub": "bitwise_xor"}
