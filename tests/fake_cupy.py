@@ -41,6 +41,7 @@ import functools
 import gc
 import operator
 import threading
+import types
 import warnings
 import weakref
 
@@ -781,9 +782,9 @@ class ndarray:
             return
         key = _host_key(key)
         if isinstance(value, ndarray):
-            _launch(lambda dst, v: dst.__setitem__(key, v), self, value)
+            _launch(lambda dst, v: _scatter(dst, key, v), self, value)
         else:
-            _launch(lambda dst: dst.__setitem__(key, value), self)
+            _launch(lambda dst: _scatter(dst, key, value), self)
 
     def view(self, dtype=None):
         dt = _dtype(dtype)
@@ -917,6 +918,18 @@ ndarray.argmin = lambda self, axis=None: _apply(np.argmin, (self,), {"axis": axi
 ndarray.clip = lambda self, a_min=None, a_max=None: _apply(np.clip, (self, a_min, a_max), {})
 ndarray.dot = _cublas(_kernel(np.dot))
 ndarray.squeeze = lambda self, axis=None: self.reshape(np.empty(self.shape, np.bool_).squeeze(axis).shape)
+
+
+def _scatter(dst, key, value):
+    """``dst[key] = value`` as CuPy's scatter kernel writes it: one thread per element, so a row that an index
+    array names more than once keeps any one of its values (here: an order drawn anew for each kernel)."""
+    if isinstance(key, np.ndarray) and key.dtype.kind in "iu" and key.ndim >= 1 and key.size > 1:
+        selected = dst[key]
+        order = _atomic_order.permutation(key.size)
+        rows = key.reshape(-1)[order]
+        dst[rows] = np.broadcast_to(value, selected.shape).reshape((key.size,) + selected.shape[key.ndim:])[order]
+        return
+    dst[key] = value
 
 
 def _is_basic(key) -> bool:
@@ -1117,11 +1130,51 @@ def unique(ar, return_index=False, return_inverse=False, return_counts=False, ax
     return tuple(asarray(r) for r in result) if isinstance(result, tuple) else asarray(result)
 
 
+# CuPy 14's ufunc.at (cupy/_core/_routines_indexing.pyx, _scatter_op): one atomic per element, for the
+# ufuncs and array dtypes below only; any other ufunc's .at raises NotImplementedError.
+_AT_DTYPES = {
+    "add": ("int32", "int64", "float16", "float32", "float64", "uint32", "uint64"),
+    "subtract": ("int32", "uint32"),
+    "maximum": ("int32", "int64", "float32", "float64", "uint32", "uint64"),
+    "minimum": ("int32", "int64", "float32", "float64", "uint32", "uint64"),
+    "bitwise_and": ("int32", "int64", "uint32", "uint64"),
+    "bitwise_or": ("int32", "int64", "uint32", "uint64"),
+    "bitwise_xor": ("int32", "int64", "uint32", "uint64"),
+}
+# Its float atomicMax/atomicMin are CAS loops over fmaxf/fminf: a NaN, held or added, loses to a number, and a
+# float64 entry it touches is rounded to float32 (as an H100 showed with CuPy 14.2: 1 + 2**-40 became 1.0).
+
+
+def _float_extremum(ufunc):
+    def at(out, indices, b):
+        if out.dtype != np.float64:
+            return ufunc.at(out, indices, b)
+        narrow, touched = out.astype(np.float32), np.zeros(out.shape, bool)
+        ufunc.at(narrow, indices, np.asarray(b).astype(np.float32))
+        touched[indices] = True
+        out[touched] = narrow[touched]
+    return types.SimpleNamespace(at=at)
+
+
+_AT_UFUNCS = {"maximum": _float_extremum(np.fmax), "minimum": _float_extremum(np.fmin)}
+
+
 def _ufunc_at(ufunc):
-    """``cupy.<ufunc>.at(a, indices, b)`` (CuPy 13): in place, one kernel; repeated indices apply in turn, in
+    """``cupy.<ufunc>.at(a, indices, b)`` (CuPy 14): in place, one kernel; repeated indices apply in turn, in
     an order drawn anew for each run of the kernel where CuPy's atomics would pick one (``add.at``: a
-    float sum of a repeated index differs in its last bits from order to order)."""
+    float sum of a repeated index differs in its last bits from order to order). Refused as CuPy refuses
+    it: NotImplementedError for a ufunc without ``.at``, TypeError for an array dtype its atomics lack."""
+    name = {"divide": "true_divide"}.get(ufunc.__name__, ufunc.__name__)  # (CuPy's name for it)
+    supported = _AT_DTYPES.get(name)
+    ufunc = _AT_UFUNCS.get(name, ufunc)
+
     def at(a, indices, b=None):
+        if supported is None:
+            raise NotImplementedError(f"`cupy_{name}.at` is not supported yet")
+        if np.dtype(a.dtype).name not in supported:
+            raise TypeError(f"cupy.{name}.at only supports {', '.join(supported)}{',' if name == 'subtract' else ''} "
+                            "as data type")
+
         def combined(a, indices, b):
             out = np.array(a)
             if ufunc is np.add and isinstance(indices, np.ndarray) and indices.ndim == 1:

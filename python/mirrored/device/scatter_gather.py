@@ -21,9 +21,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import device_util
+from .dtypes import CODES
 
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
-# An update's ufunc (applied with ``ufunc.at``, which takes repeated indices in turn); None: assignment.
+# An update's ufunc (on the host applied with ``ufunc.at``, which takes repeated indices in turn); None: assignment.
 _UFUNCS = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "true_divide", "max": "maximum",
            "min": "minimum", "update": None}
 _BOOL_UFUNCS = {"add": "bitwise_or", "sub": "bitwise_xor"}
@@ -198,14 +199,159 @@ def row_plan(value, indices, slices, name: str):
 def apply(buffer, op: str, rows, slices) -> None:
     """``buffer`` (C-contiguous) seen as ``(-1,) + slices.shape[1:]`` updated in place: row ``rows[i]``
     combined with ``slices[i]`` by ``op`` (see ``_UFUNCS``), repeated rows in turn."""
-    xp = _module(buffer)
+    if device_util.on_gpu(buffer):
+        with device_util.array_device(buffer), np.errstate(all="ignore"):
+            _gpu_apply(buffer, op, rows, slices)
+        return
     flat = buffer.reshape((-1,) + tuple(slices.shape[1:]))
     ufunc = _BOOL_UFUNCS.get(op, _UFUNCS[op]) if buffer.dtype.kind == "b" else _UFUNCS[op]
     if op in ("max", "min") and buffer.dtype.kind == "f":
         slices = slices.copy()  # a NaN update changes nothing: the identity in its place
-        slices[xp.isnan(slices)] = -np.inf if op == "max" else np.inf
-    with device_util.array_device(buffer), np.errstate(all="ignore"):
+        slices[np.isnan(slices)] = -np.inf if op == "max" else np.inf
+    with np.errstate(all="ignore"):
         if ufunc is None:
             flat[rows] = slices
         else:
-            getattr(xp, ufunc).at(flat, rows, slices)
+            getattr(np, ufunc).at(flat, rows, slices)
+
+
+# --- on a GPU --------------------------------------------------------------------------------------------------
+# CuPy's ufunc.at is no base here: it refuses most dtypes (add.at: no int8/int16/uint8/uint16/bool/complex;
+# subtract.at: int32/uint32 only; maximum.at/minimum.at: no 8/16-bit types; multiply.at/true_divide.at: none),
+# its float max/min drop a NaN held (fmax), and a plain ``a[rows] = v`` keeps any one of a repeated row's values.
+# So every op is built from what CuPy does exactly for every dtype: rows grouped by a sort, ufunc.at only on
+# uint64 (order-free: modular sums, maxima of order-preserving keys, first/last positions), and every repeated
+# row written the same value by all its slices (so whichever write lands, the result is the same).
+
+_SIGN = np.uint64(1 << 63)
+_ALL_ONES = np.uint64((1 << 64) - 1)
+
+
+def _gpu_apply(buffer, op: str, rows, slices) -> None:
+    import cupy
+
+    n, width = len(rows), int(np.prod(slices.shape[1:], dtype=np.int64))
+    if n == 0 or width == 0:
+        return
+    flat = buffer.reshape(buffer.size // width, width)
+    slices = cupy.ascontiguousarray(slices.reshape(n, width))
+    rows = cupy.ascontiguousarray(rows, dtype=np.int64)
+    group = cupy.searchsorted(cupy.sort(rows), rows)  # per slice: an id in [0, n) its row's slices share
+    kind = flat.dtype.kind
+    if op == "update":  # the last slice naming a row
+        flat[rows] = slices[_position(cupy.maximum, group, cupy.arange(n, dtype=np.uint64), 0)]
+    elif op in ("max", "min"):
+        _gpu_extremum(flat, op, rows, slices, group)
+    elif op in ("add", "sub") and kind in "biu":
+        _gpu_integer_sum(flat, op, rows, slices, group)
+    elif op in ("add", "sub"):
+        _gpu_float_sum(flat, op, rows, slices)
+    else:  # mul, div
+        ufunc = getattr(cupy, _UFUNCS[op])
+        _gpu_in_turn(flat, rows, slices, group, lambda old, value: ufunc(old, value).astype(flat.dtype))
+
+
+def _position(at, group, positions, identity):
+    """Per slice: ``at`` (cupy.maximum or cupy.minimum) of ``positions`` (uint64, ``identity`` where a slice
+    takes no part) over its row's slices, as int64 (an ``n``-long workspace: no array of the variable's size)."""
+    import cupy
+
+    chosen = cupy.full(positions.shape, identity, np.uint64)
+    at.at(chosen, group, positions)
+    return chosen[group].astype(np.int64)
+
+
+def _order_key(values, op: str):
+    """uint64 keys ordered as ``values`` (exact for every real dtype); a float NaN gets the identity of ``op``
+    (TF's max and min ignore a NaN update) and -0.0 the key of 0.0 (equal values: the first one wins)."""
+    import cupy
+
+    kind = values.dtype.kind
+    if kind in "bu":
+        return values.astype(np.uint64)
+    if kind == "i":
+        return values.astype(np.int64).view(np.uint64) ^ _SIGN
+    x = values.astype(np.float64) + 0.0  # exact; -0.0 + 0.0 is 0.0
+    bits = x.view(np.uint64)
+    key = cupy.where(bits >= _SIGN, ~bits, bits | _SIGN)
+    return cupy.where(cupy.isnan(x), np.uint64(0) if op == "max" else _ALL_ONES, key)
+
+
+def _gpu_extremum(flat, op: str, rows, slices, group) -> None:
+    """TF's ``old < u ? u : old`` (max) applied in turn: the result is the first update holding the row's
+    maximum when that exceeds the value held, else the value held (a NaN held stays, a NaN update is ignored)."""
+    import cupy
+
+    if flat.dtype.kind == "c":
+        raise TypeError(f"scatter_{op}: a variable of dtype {flat.dtype} has no scatter_{op} (TensorFlow has no such "
+                        "kernel); compare real parts first")
+    n = len(rows)
+    at = cupy.maximum if op == "max" else cupy.minimum
+    key = _order_key(slices, op)
+    best = cupy.full(key.shape, 0 if op == "max" else _ALL_ONES, np.uint64)
+    at.at(best, group, key)
+    positions = cupy.broadcast_to(cupy.arange(n, dtype=np.uint64)[:, None], key.shape)
+    first = _position(cupy.minimum, group, cupy.where(key == best[group], positions, np.uint64(n)), n)
+    winner = cupy.take_along_axis(slices, first, axis=0)
+    old = flat[rows]
+    flat[rows] = cupy.where(old < winner if op == "max" else old > winner, winner, old)
+
+
+def _gpu_integer_sum(flat, op: str, rows, slices, group) -> None:
+    """Integer and bool add/sub: each row's updates summed modulo 2**64 (exact in any order), then added to the
+    value held and cast back (wrapping, as in turn); bool: OR (add) and XOR (sub), C++'s bool arithmetic."""
+    import cupy
+
+    wide = slices.astype(np.uint64)
+    if op == "sub" and flat.dtype.kind != "b":
+        wide = cupy.negative(wide)  # (modular: a - b == a + (2**64 - b))
+    total = cupy.zeros(wide.shape, np.uint64)
+    cupy.add.at(total, group, wide)
+    total, old = total[group], flat[rows]
+    if flat.dtype.kind != "b":
+        flat[rows] = (old.astype(np.uint64) + total).astype(flat.dtype)
+    elif op == "add":
+        flat[rows] = old | (total != 0)
+    else:
+        flat[rows] = old ^ ((total & np.uint64(1)) != 0)
+
+
+def _gpu_float_sum(flat, op: str, rows, slices) -> None:
+    """Float and complex add/sub (a complex value as its two float parts; ``a - b`` is exactly ``a + -b``):
+    mirrored's ordered scatter kernel adds each row's updates in turn, TF's CPU order (every replica the same
+    bits); without the CUDA extension (or for a dtype it lacks) CuPy's add.at, whose atomics add in any order."""
+    import cupy
+
+    from .gpu import cuda_module_having
+
+    if flat.dtype.kind == "c":
+        part = np.float32 if flat.dtype == np.complex64 else np.float64
+        flat, slices = flat.view(part), slices.view(part)
+    values = cupy.ascontiguousarray(-slices if op == "sub" else slices)
+    kernel, code = cuda_module_having("scatter_add_rows"), CODES.get(np.dtype(flat.dtype).name)
+    if kernel is None or code is None:
+        cupy.add.at(flat, rows, values)
+        return
+    n, (count, width) = len(rows), flat.shape
+    workspace = cupy.empty(kernel.scatter_rows_workspace_bytes(n, count), np.uint8)
+    kernel.scatter_add_rows(flat.data.device_id, code, values.data.ptr, rows.data.ptr, True, n, width, count,
+                            flat.data.ptr, 0, True, workspace.data.ptr, cupy.cuda.get_current_stream().ptr)
+
+
+def _gpu_in_turn(flat, rows, slices, group, combine) -> None:
+    """``flat[rows[i]] = combine(flat[rows[i]], slices[i])`` for every i in turn (mul and div, whose float
+    results depend on the order): one round per slice of the most repeated row, each round applying every
+    row's next slice at once (one wait, for the number of rounds)."""
+    import cupy
+
+    n = len(rows)
+    counts = cupy.zeros(n, np.uint64)
+    cupy.add.at(counts, group, cupy.ones(n, np.uint64))
+    positions = cupy.arange(n, dtype=np.uint64)
+    pending = cupy.ones(n, bool)
+    for _ in range(int(counts.max())):
+        turn = _position(cupy.minimum, group, cupy.where(pending, positions, np.uint64(n)), n)
+        now = (turn < n)[:, None]
+        old = flat[rows]
+        flat[rows] = cupy.where(now, combine(old, slices[cupy.minimum(turn, n - 1)]), old)
+        pending &= positions != turn.astype(np.uint64)
