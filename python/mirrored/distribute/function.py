@@ -459,11 +459,19 @@ class _Captured:
         # step stream waits for it before its graph (else a replay may read the last call's input).
         self.copied = {}
         self.constants = []  # the arrays the step reads without being given them (_closure_arrays), held
+        cupy = _gpu.cupy_module()
         if self.across is not None:
-            cupy = _gpu.cupy_module()
             for ordinal in sorted({o for _, o in buffers}):
                 with cupy.cuda.Device(ordinal):
                     self.copied[ordinal] = cupy.cuda.Event(disable_timing=True)
+        # Per GPU, the events a replay enters and leaves its step stream by, re-recorded at every replay (a
+        # wait takes an event's latest record): a replay makes no event, so its host work is the same
+        # whatever the GPU still has queued (tests/test_function_replay_cost.py).
+        self.entered, self.left = {}, {}
+        for ordinal in scope.streams:
+            with cupy.cuda.Device(ordinal):
+                self.entered[ordinal] = cupy.cuda.Event(disable_timing=True)
+                self.left[ordinal] = cupy.cuda.Event(disable_timing=True)
 
     def stale(self) -> bool:
         """Whether a variable the graph updates in place has another buffer now, or its buffer is held
@@ -484,7 +492,9 @@ class _Captured:
             self.across.join()
         for ordinal, stream in streams.items():  # after the eager work queued so far (inputs included)
             with cupy.cuda.Device(ordinal):
-                stream.wait_event(cupy.cuda.Stream.null.record())
+                entered = self.entered[ordinal]
+                entered.record(cupy.cuda.Stream.null)
+                stream.wait_event(entered)
         for (_, source, _), (buffer, ordinal) in zip(inputs.sources(), self.buffers):
             _copy_into(buffer, source, streams[ordinal])
         for ordinal, event in self.copied.items():  # every GPU's graph after every input copy
@@ -501,7 +511,9 @@ class _Captured:
                 graph.launch(streams[ordinal])
         for ordinal, stream in streams.items():  # eager work queued later runs after the replay
             with cupy.cuda.Device(ordinal):
-                cupy.cuda.Stream.null.wait_event(stream.record())
+                left = self.left[ordinal]
+                left.record(stream)
+                cupy.cuda.Stream.null.wait_event(left)
         if self.across is not None:  # and readers on any GPU after every GPU's graph
             self.across.join()
         return self.outputs

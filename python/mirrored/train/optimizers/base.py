@@ -1494,7 +1494,13 @@ class _Plan:
 
     def upload_scalars(self, scalars, scope) -> None:
         """This step's scalars (``prepare`` or ``prepare_rows`` done) copied into one apply's buffers
-        (``capture_scalars``'), from pinned staging on the step's streams."""
+        (``capture_scalars``'), on the step's streams.
+
+        Each is one asynchronous copy from pageable host memory: CUDA stages a copy this small (a few
+        hundred bytes at most) before the call returns, so the replay keeps nothing and waits for nothing.
+        A pinned staging buffer per copy cost every replay an allocation and an event, kept until the copy
+        had run; the first replay after the host waited for the GPU then released all those the host had
+        queued ahead, hundreds, while the GPU had nothing to run (tests/test_function_replay_cost.py)."""
         for buffers in scalars.values():
             for dtype, captured in buffers.items():
                 if captured.rows is not None:
@@ -1503,7 +1509,7 @@ class _Plan:
                     target = captured.rows
                 else:
                     host, target = np.array(self._scalars(dtype), dtype), captured.buffer
-                _gpu.upload_async(host, target, scope.streams[captured.ordinal])
+                target.data.copy_from_host_async(host.ctypes.data, host.nbytes, scope.streams[captured.ordinal])
 
     def _writable(self, device: int) -> None:
         """Copy-on-write (values.DeviceVariable._writable_buffer) for every copy of the device, at the cost
