@@ -4,10 +4,12 @@ and products rounded step by step), wrap-around, NaN in max/min (a NaN held stay
 bool arithmetic (add: OR, sub: XOR). Marker ``gpu``: on the simulated GPUs without a GPU, whose CuPy stand-in
 refuses ``ufunc.at`` where CuPy 14 does and keeps any one value of a repeated index in ``a[rows] = v``."""
 
+import zlib
+
 import numpy as np
 import pytest
 
-from gpu_env import SKIP_REASON, cupy, gpu_pair, mirrored_strategy
+from gpu_env import SIMULATED, SKIP_REASON, cupy, gpu_pair, mirrored_strategy
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
@@ -65,6 +67,11 @@ def _values(rng, dtype, shape, op):
     return x.astype(dt)
 
 
+def _seed(*names) -> int:
+    """A seed of the case's names, the same in every process (str's hash() is not)."""
+    return zlib.crc32(repr(names).encode())
+
+
 def _assert_same(got, want):
     got, want = np.asarray(got), np.asarray(want)
     assert got.dtype == want.dtype and got.shape == want.shape
@@ -87,7 +94,7 @@ def _gpu_variable(strategy, initial):
 def test_row_scatter_every_dtype_on_gpu_copies(dtype, op):
     if op in ("max", "min") and dtype.startswith("complex"):
         pytest.skip("TF has no complex max/min (test_complex_max_is_refused_on_gpu)")
-    rng = np.random.default_rng(abs(hash((dtype, op))) % 2 ** 32)
+    rng = np.random.default_rng(_seed(dtype, op))
     initial = _values(rng, dtype, (5, 3), "add")
     rows = np.array([3, 1, 3, 3, 0, 1, 3, 4, 3], np.int64)  # row 3 five times, row 1 twice, row 2 never
     values = _values(rng, dtype, (len(rows), 3), op)
@@ -96,8 +103,13 @@ def test_row_scatter_every_dtype_on_gpu_copies(dtype, op):
         v = _gpu_variable(strategy, initial)
         strategy.extended.update(v, lambda c: getattr(c, f"scatter_{op}")(
             md.IndexedSlices(cupy.asarray(values), cupy.asarray(rows))))
-        for copy in _copies(v):
-            _assert_same(copy, want)
+        copies = _copies(v)
+        _assert_same(copies[1], copies[0])  # the copies stay bit-identical
+        if op == "div" and dtype.startswith("complex") and not SIMULATED:
+            # A GPU's complex division rounds otherwise than NumPy's (another formula): within a few ulps.
+            np.testing.assert_allclose(copies[0], want, rtol=8 * np.finfo(want.dtype).eps, atol=0)
+        else:
+            _assert_same(copies[0], want)
 
 
 @pytest.mark.parametrize("op", ND_OPS)
@@ -105,7 +117,7 @@ def test_row_scatter_every_dtype_on_gpu_copies(dtype, op):
 def test_scatter_nd_every_dtype_on_gpu_copies(dtype, op):
     if op in ("max", "min") and dtype == "bool":
         pytest.skip("TF has no bool max/min (refused before any device work)")
-    rng = np.random.default_rng(abs(hash((dtype, op, "nd"))) % 2 ** 32)
+    rng = np.random.default_rng(_seed(dtype, op, "nd"))
     initial = _values(rng, dtype, (3, 4, 2), "add")
     indices = np.array([[[2, 1], [0, 3]], [[2, 1], [2, 1]], [[1, 0], [0, 3]]], np.int32)  # [2, 1] three times
     updates = _values(rng, dtype, (3, 2, 2), op)
