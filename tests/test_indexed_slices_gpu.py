@@ -92,6 +92,24 @@ def _heavy_batches(steps):
              np.full(3, 0.5 - s, np.float32)) for s in range(steps)]
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int16", "uint8", "uint16", "int64", "float16", "complex64",
+                                   "complex128"])
+def test_densifying_every_dtype_sums_repeated_rows_as_numpy(dtype):
+    """Dtypes CuPy's add.at refuses (8/16-bit integers, complex) too: repeated rows summed, integers wrapping."""
+    rng = np.random.default_rng(11)
+    values = rng.integers(0 if dtype.startswith("u") else -100, 100, (6, 3))
+    if dtype.startswith("complex"):
+        values = values + 1j * rng.standard_normal((6, 3))
+    values = values.astype(dtype)
+    indices = np.array([3, 0, 3, 5, 3, 0])  # row 3 three times: 8-bit sums wrap
+    want = np.zeros((7, 3), dtype)
+    np.add.at(want, indices, values)
+    with gpu_pair():
+        dense = md.convert_to_tensor(_on_gpu(md.IndexedSlices(values, indices, (7, 3))))
+        assert isinstance(dense, cupy.ndarray) and dense.dtype == values.dtype
+        np.testing.assert_array_equal(cupy.asnumpy(dense), want)
+
+
 def _sparse_train(xp, devices, wrap, name="Adam", steps=6, counted_step=None, batches=None):
     """A step of Keras optimizer ``name`` on a (7, 3) embedding and a dense (3,) bias whose IndexedSlices
     repeat a row (its squares are a*a + b*b, not (a + b)**2), ``steps`` times (the host ``batches`` of
@@ -304,6 +322,8 @@ def test_the_stand_in_catches_an_unordered_gpu_densify(monkeypatch):
     from mirrored.device import indexed_slices
 
     monkeypatch.setattr(indexed_slices, "_scatter_kernel", lambda: None)
+    monkeypatch.setattr(indexed_slices._scatter_gather, "gpu_apply",
+                        lambda buffer, op, rows, slices: cupy.add.at(buffer, rows, slices))
     first, second = _two_replicas_train(cupy, ["/gpu:0", "/gpu:1"])
     assert not np.array_equal(first, second)
 

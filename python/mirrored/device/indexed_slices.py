@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 
 from .._core import scatter_add_rows as _native_scatter_add_rows
-from . import device_util, gpu as _gpu
+from . import device_util, gpu as _gpu, scatter_gather as _scatter_gather
 from .dtypes import CODES
 from .python_values import dtype_name as _name, from_python
 from .tensor_shape import TensorShape
@@ -195,9 +195,8 @@ def scatter_add_rows(out, slices: IndexedSlices, shape=None, squares=None, overw
 
 def _gpu_scatter_add(out, squares, values, indices, shape, overwrite: bool):
     """scatter_add_rows on a GPU: our kernel (csrc/cuda/scatter_rows.h), each row's slices added in ascending
-    order (the host's bits), six launches, no wait, capturable. CuPy's ``add.at``, whose atomics add a
-    repeated row's slices in any order, serves only the dtypes the kernel lacks (and builds without the CUDA
-    extension)."""
+    order (the host's bits), six launches, no wait, capturable. The dtypes the kernel lacks (and builds
+    without the CUDA extension) take the variables' GPU scatter-add (scatter_gather.gpu_apply)."""
     import cupy
 
     overwrite = overwrite or (out is None and squares is None)  # (a new out alone: written whole, not zeroed)
@@ -211,9 +210,12 @@ def _gpu_scatter_add(out, squares, values, indices, shape, overwrite: bool):
         keep = (indices >= 0) & (indices < out.shape[0])  # (no host sync: out-of-range rows add zeros to row 0)
         rows = cupy.where(keep, indices, 0)
         kept = cupy.where(keep.reshape((-1,) + (1,) * (values.ndim - 1)), values, cupy.zeros((), values.dtype))
-        cupy.add.at(out, rows, kept)
+        kept = kept.astype(out.dtype, copy=False)
+        # The variables' GPU scatter-add: exact for every dtype, where CuPy's add.at refuses the 8/16-bit
+        # integers, bool and complex.
+        _scatter_gather.gpu_apply(out, "add", rows, kept)
         if squares is not None:
-            cupy.add.at(squares, rows, kept * kept)
+            _scatter_gather.gpu_apply(squares, "add", rows, kept * kept)
         return out
     for name, target in (("out", out), ("squares", squares)):
         if target is not None and not (target.flags.c_contiguous and target.dtype == out.dtype

@@ -201,7 +201,7 @@ def apply(buffer, op: str, rows, slices) -> None:
     combined with ``slices[i]`` by ``op`` (see ``_UFUNCS``), repeated rows in turn."""
     if device_util.on_gpu(buffer):
         with device_util.array_device(buffer), np.errstate(all="ignore"):
-            _gpu_apply(buffer, op, rows, slices)
+            gpu_apply(buffer, op, rows, slices)
         return
     flat = buffer.reshape((-1,) + tuple(slices.shape[1:]))
     ufunc = _BOOL_UFUNCS.get(op, _UFUNCS[op]) if buffer.dtype.kind == "b" else _UFUNCS[op]
@@ -227,7 +227,9 @@ _SIGN = np.uint64(1 << 63)
 _ALL_ONES = np.uint64((1 << 64) - 1)
 
 
-def _gpu_apply(buffer, op: str, rows, slices) -> None:
+def gpu_apply(buffer, op: str, rows, slices) -> None:
+    """``buffer[rows[i]] op= slices[i]`` on a GPU for every i in turn, TF's result for every dtype (rows in
+    range; ``buffer`` C-contiguous)."""
     import cupy
 
     n, width = len(rows), int(np.prod(slices.shape[1:], dtype=np.int64))
