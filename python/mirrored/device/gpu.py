@@ -18,8 +18,6 @@ import os
 import sys
 import threading
 
-import numpy as np
-
 from ..errors import from_gpu_out_of_memory, is_gpu_out_of_memory
 from .._nest import flatten
 from .engine import extension, name as engine_name
@@ -724,7 +722,7 @@ def default_gpu_algorithm(ordinals) -> str:
 # --- host -> device ----------------------------------------------------------
 
 class _Inflight:
-    """Pinned staging buffers kept alive until the copies reading them finish."""
+    """Memory kept alive until the stream work reading it finishes (an event per entry)."""
 
     def __init__(self):
         self._q = collections.deque()
@@ -738,36 +736,3 @@ class _Inflight:
 
 
 _inflight = _Inflight()
-
-
-def upload_async(host, out, stream) -> None:
-    """Copies host array ``host`` into device array ``out`` (as many bytes), queued on ``stream``, through a
-    pinned staging buffer: the call returns at once, and ``host`` may change right after."""
-    cupy = cupy_module()
-    host = np.ascontiguousarray(host)
-    pinned = cupy.cuda.alloc_pinned_memory(host.nbytes)
-    staging = np.frombuffer(pinned, host.dtype, host.size).reshape(host.shape)
-    staging[...] = host
-    with cupy.cuda.Device(out.data.device_id):
-        out.set(staging, stream=stream)
-        event = stream.record()
-    _inflight.add(event, pinned)
-
-
-def to_device_async(host, ordinal: int, stream=None):
-    """A CuPy copy of host array ``host`` on GPU ``ordinal``, queued on ``stream``.
-
-    The data goes through a pinned staging buffer, so the copy runs on the
-    copy engine while the host (and the GPU's compute) carry on; the call
-    returns at once. Work queued on ``stream`` afterwards sees the data; other
-    streams must wait for it (``stream`` defaults to the current one).
-    """
-    cupy = cupy_module()
-    host = np.ascontiguousarray(host)
-    with cupy.cuda.Device(ordinal):
-        stream = stream or cupy.cuda.get_current_stream()
-        with stream:
-            out = cupy.empty(host.shape, host.dtype)
-    if host.nbytes:
-        upload_async(host, out, stream)
-    return out
