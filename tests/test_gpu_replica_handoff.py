@@ -136,23 +136,34 @@ def test_host_waits_inside_replicas_neither_deadlock_nor_mix_replicas(logical, w
         assert _cuda_state() == (0, cupy.cuda.Stream.null.ptr)
 
 
-def test_state_of_a_replica_on_a_thread_of_its_own_is_put_back(logical):
+@pytest.mark.parametrize("native", [True, False], ids=["native body", "python replica function"])
+def test_state_of_a_replica_on_a_thread_of_its_own_is_put_back(logical, native):
     """The replica scope on a replica thread (long steps) takes its stream off when left, so the thread's
-    current stream is what it was (its device stays the replica's: only replicas run on that thread)."""
+    current stream is what it was (its device stays the replica's: only replicas run on that thread). Both
+    ways a GPU replica runs: natively (the rendezvous' body, outside md.function) and the pool's Python
+    replica function (inside md.function, where the body steps aside)."""
     s = logical
     n = s.num_replicas_in_sync
     pool = s.extended._pool
-    made = []  # the run's replica function (what the pool runs for replica i), taken instead of running it
-    pool.run = lambda replica: made.append(replica) or [None] * n
+    made = []  # the run's (replica function, native body), taken instead of running them
+    pool.run = lambda replica, body: made.append((replica, body)) or [None] * n
     try:
         s.run(_cuda_state)
     finally:
         del pool.run
-    results = {}
+    replica, body = made[0]
+    assert body is not None
+    results, outputs, errors = {}, [None] * n, []
+    if native:  # a run of the rendezvous whose replicas all run on threads of their own
+        pool.group.reset(None, replica, outputs, errors, None, None, None, True, body)
 
     def on_thread(i):
         before = _cuda_state()
-        results[i] = made[0](i)
+        if native:
+            pool.group.run_replica(i, False)
+            results[i] = outputs[i]
+        else:
+            results[i] = replica(i)
         results[(i, "after")] = _cuda_state() == before
 
     threads = [threading.Thread(target=on_thread, args=(i,)) for i in range(n)]
@@ -160,6 +171,7 @@ def test_state_of_a_replica_on_a_thread_of_its_own_is_put_back(logical):
         t.start()
     for t in threads:
         t.join()
+    assert errors == []
     for i in range(n):
         assert results[i] == (0, _gpu.replica_stream(i, 0).ptr)
         assert results[(i, "after")]
