@@ -86,6 +86,11 @@ struct State {
   std::vector<PyObject*> tls_locals;  // the locals (owned), plain threading.locals whose names are no type attribute
   std::vector<PyObject*> tls_dicts;   // each one's dict on thread `tls_thread` (owned), or null
   uint64_t tls_thread = 0;            // PyThreadState_GetID of that thread (0: none yet)
+  std::vector<int> state_tls;         // each state_locals triple's local's index in tls_locals (-1: untracked)
+  int running_tls = -1;               // running's
+  int body_tls[4] = {-1, -1, -1, -1};  // body_locals'
+  PyObject* stack_local[2] = {};       // (local, name) of the thread's context stack (exchange()'s check), or nulls
+  int stack_tls = -1;                  // its local's index in tls_locals
 
   // The GPU replicas' body (gpu_body()): what a GPU replica runs around the step's function, in C (as
   // MirroredExtended._call_for_each_replica's `replica` does in Python), when no md.function step is under
@@ -150,6 +155,7 @@ PyObject* str_pending;
 PyObject* str_finish;
 PyObject* str_stream;
 PyObject* str_device;
+PyObject* str_require_current;
 
 PyTypeObject* rendezvous_type;  // (set by add_rendezvous)
 
@@ -418,18 +424,15 @@ int serve(State* s, PyObject* self, long generation) {
   return 0;
 }
 
-// `local`'s dict on this thread when the cache holds this thread's (borrowed; see State::tls_locals), else
-// null: access it as an attribute.
-PyObject* thread_dict(const State* s, PyObject* local) {
-  if (!s->tls_thread || PyThreadState_GetID(PyThreadState_Get()) != s->tls_thread) return nullptr;
-  for (size_t k = 0; k < s->tls_locals.size(); ++k)
-    if (s->tls_locals[k] == local) return s->tls_dicts[k];
-  return nullptr;
+// The tracked locals' dicts on this thread (tls_dicts' data) when the cache holds this thread's, else null:
+// access them as attributes. A local's dict is then `dicts[k]` for its index k in tls_locals (-1: untracked).
+PyObject* const* thread_dicts(const State* s) {
+  return s->tls_thread && PyThreadState_GetID(PyThreadState_Get()) == s->tls_thread ? s->tls_dicts.data() : nullptr;
 }
 
-// local.name as a new reference (`missing` when unset), or null with an error.
-PyObject* get_local(const State* s, PyObject* local, PyObject* name, PyObject* missing) {
-  if (PyObject* dict = thread_dict(s, local)) {
+// local.name as a new reference (`missing` when unset), or null with an error; `k`: the local's index (above).
+PyObject* get_local(PyObject* const* dicts, int k, PyObject* local, PyObject* name, PyObject* missing) {
+  if (PyObject* dict = dicts && k >= 0 ? dicts[k] : nullptr) {
     PyObject* value = PyDict_GetItemWithError(dict, name);
     if (value) return Py_NewRef(value);
     return PyErr_Occurred() ? nullptr : Py_NewRef(missing);
@@ -442,8 +445,8 @@ PyObject* get_local(const State* s, PyObject* local, PyObject* name, PyObject* m
   return value;
 }
 
-int set_local(const State* s, PyObject* local, PyObject* name, PyObject* value) {
-  PyObject* dict = thread_dict(s, local);
+int set_local(PyObject* const* dicts, int k, PyObject* local, PyObject* name, PyObject* value) {
+  PyObject* dict = dicts && k >= 0 ? dicts[k] : nullptr;
   return dict ? PyDict_SetItem(dict, name, value) : PyObject_SetAttr(local, name, value);
 }
 
@@ -456,6 +459,7 @@ int track_locals(State* s) {
   if (s->running) pairs.emplace_back(s->running, str_scope);
   for (auto& local : s->body_locals)
     if (local[0]) pairs.emplace_back(local[0], local[1]);
+  if (s->stack_local[0]) pairs.emplace_back(s->stack_local[0], s->stack_local[1]);
   PyObject* module = PyImport_ImportModule("_thread");
   PyObject* plain = module ? PyObject_GetAttrString(module, "_local") : nullptr;
   Py_XDECREF(module);
@@ -484,6 +488,15 @@ int track_locals(State* s) {
   s->tls_dicts.assign(locals.size(), nullptr);
   for (PyObject* o : locals) s->tls_locals.push_back(Py_NewRef(o));
   s->tls_thread = 0;
+  auto index = [&](PyObject* local) {
+    auto it = std::find(locals.begin(), locals.end(), local);
+    return it == locals.end() ? -1 : static_cast<int>(it - locals.begin());
+  };
+  s->state_tls.clear();
+  for (size_t i = 0; i + 2 < s->state_locals.size(); i += 3) s->state_tls.push_back(index(s->state_locals[i]));
+  s->running_tls = s->running ? index(s->running) : -1;
+  for (int k = 0; k < 4; ++k) s->body_tls[k] = s->body_locals[k][0] ? index(s->body_locals[k][0]) : -1;
+  s->stack_tls = s->stack_local[0] ? index(s->stack_local[0]) : -1;
   return 0;
 }
 
@@ -516,7 +529,8 @@ int cache_thread_dicts(State* s) {
 //
 // Returns (device, streams, scope, whether the stream stayed on the stack).
 PyObject* save_gpu(State* s, PyObject* arrival) {
-  PyObject* scope = get_local(s, s->running, str_scope, Py_None);  // (None: no GPU replica has run on this thread yet)
+  // (None: no GPU replica has run on this thread yet)
+  PyObject* scope = get_local(thread_dicts(s), s->running_tls, s->running, str_scope, Py_None);
   if (!scope) return nullptr;
   PyObject* stream = nullptr;  // the scope's stream (a new reference), or null: no scope
   if (scope != Py_None) {
@@ -628,7 +642,7 @@ int restore_gpu(State* s, PyObject* saved) {
   }
   PyObject *device = PyTuple_GET_ITEM(saved, 0), *streams = PyTuple_GET_ITEM(saved, 1),
            *scope = PyTuple_GET_ITEM(saved, 2);
-  if (set_local(s, s->running, str_scope, scope) < 0) return -1;
+  if (set_local(thread_dicts(s), s->running_tls, s->running, str_scope, scope) < 0) return -1;
   if (PyTuple_GET_ITEM(saved, 3) == Py_True) return restore_kept(s, scope);  // (all it saved is that stream's)
   PyObject* entered = nullptr;  // (the stream just made current on GPU `on`: its current stream needs no lookup)
   long on;
@@ -692,8 +706,10 @@ int restore_gpu(State* s, PyObject* saved) {
 PyObject* save_state(State* s, PyObject* arrival = nullptr) {
   const Py_ssize_t count = static_cast<Py_ssize_t>(s->state_locals.size() / 3);
   PyObject* saved = PyTuple_New(count + (s->running ? 1 : 0));
+  PyObject* const* dicts = thread_dicts(s);
   for (Py_ssize_t i = 0; saved && i < count; ++i) {
-    PyObject* value = get_local(s, s->state_locals[3 * i], s->state_locals[3 * i + 1], s->state_locals[3 * i + 2]);
+    PyObject* value = get_local(dicts, s->state_tls[i], s->state_locals[3 * i], s->state_locals[3 * i + 1],
+                                s->state_locals[3 * i + 2]);
     if (!value) Py_CLEAR(saved);
     else PyTuple_SET_ITEM(saved, i, value);
   }
@@ -711,8 +727,9 @@ int restore_state(State* s, PyObject* saved) {
     PyErr_SetString(PyExc_TypeError, "restore_state(saved): expected what save_state() returned");
     return -1;
   }
+  PyObject* const* dicts = thread_dicts(s);
   for (Py_ssize_t i = 0; i < count; ++i)
-    if (set_local(s, s->state_locals[3 * i], s->state_locals[3 * i + 1], PyTuple_GET_ITEM(saved, i)) < 0)
+    if (set_local(dicts, s->state_tls[i], s->state_locals[3 * i], s->state_locals[3 * i + 1], PyTuple_GET_ITEM(saved, i)) < 0)
       return -1;
   return s->running ? restore_gpu(s, PyTuple_GET_ITEM(saved, count)) : 0;
 }
@@ -860,10 +877,29 @@ PyObject* note_arrival(State* s, long rid) {
 PyObject* exchange_arrived(Rendezvous* self, State* s, long rid, PyObject* kind, PyObject* payload,
                            PyObject* combine, PyObject* arrival);
 
+// Checks that the replica context `context` is the calling thread's (the top of its context stack, the
+// Rendezvous' `stack`), as ReplicaContext._require_current does: natively when it is (a collective's common
+// case), else by asking that method, which raises. 0, or -1 with its error.
+int check_current(State* s, PyObject* context, PyObject* kind) {
+  if (s->stack_local[0]) {
+    PyObject* stack = get_local(thread_dicts(s), s->stack_tls, s->stack_local[0], s->stack_local[1], Py_None);
+    if (!stack) return -1;
+    const Py_ssize_t depth = PyList_Check(stack) ? PyList_GET_SIZE(stack) : 0;
+    PyObject* top = depth ? PyList_GET_ITEM(stack, depth - 1) : nullptr;  // (a _Context: (strategy, replica context))
+    const bool current = top && PyTuple_Check(top) && PyTuple_GET_SIZE(top) == 2 && PyTuple_GET_ITEM(top, 1) == context;
+    Py_DECREF(stack);
+    if (current) return 0;
+  }
+  PyObject* r = PyObject_CallMethodOneArg(context, str_require_current, kind);
+  Py_XDECREF(r);
+  return r ? 0 : -1;
+}
+
 // Replica `rid` hands in `payload` for the collective `kind`; returns its part of combine's results.
 PyObject* exchange(Rendezvous* self, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4) {
-    PyErr_Format(PyExc_TypeError, "exchange(rid, kind, payload, combine) takes 4 arguments (%zd given)", nargs);
+  if (nargs != 4 && nargs != 5) {
+    PyErr_Format(PyExc_TypeError, "exchange(rid, kind, payload, combine, context=None) takes 4 or 5 arguments (%zd "
+                 "given)", nargs);
     return nullptr;
   }
   State* s = self->s;
@@ -874,6 +910,7 @@ PyObject* exchange(Rendezvous* self, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   PyObject *kind = args[1], *payload = args[2], *combine = args[3];
+  if (nargs == 5 && args[4] != Py_None && check_current(s, args[4], kind) < 0) return nullptr;
   PyObject* arrival = nullptr;  // what note_arrival() returned (see save_gpu)
   if (s->order) {
     arrival = note_arrival(s, rid);
@@ -965,9 +1002,9 @@ PyObject* rv_exchange(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   const int traced = PyObject_IsTrue(tracing);
   Py_DECREF(tracing);
   if (traced < 0) return nullptr;
-  if (traced && nargs == 4) {  // the timeline records each replica's wait
-    PyObject* call[5] = {self, args[0], args[1], args[2], args[3]};
-    return PyObject_Vectorcall(s->traced, call, 5, nullptr);
+  if (traced && (nargs == 4 || nargs == 5)) {  // the timeline records each replica's wait
+    PyObject* call[6] = {self, args[0], args[1], args[2], args[3], nargs == 5 ? args[4] : nullptr};
+    return PyObject_Vectorcall(s->traced, call, nargs + 1, nullptr);
   }
   return exchange(reinterpret_cast<Rendezvous*>(self), args, nargs);
 }
@@ -1337,9 +1374,11 @@ PyObject* run_gpu_body(State* s, PyObject* body, long i) {
     entry = nullptr;
   }
   Py_XDECREF(entry);
-  bool entered = stack && set_local(s, s->body_locals[0][0], s->body_locals[0][1], stack) == 0 &&
-                 set_local(s, s->body_locals[2][0], s->body_locals[2][1], name_scope) == 0 &&
-                 set_local(s, s->body_locals[1][0], s->body_locals[1][1], s->body_devices[i]) == 0;
+  PyObject* const* dicts = thread_dicts(s);
+  auto put = [&](int k, PyObject* value) {
+    return set_local(dicts, s->body_tls[k], s->body_locals[k][0], s->body_locals[k][1], value) == 0;
+  };
+  bool entered = stack && put(0, stack) && put(2, name_scope) && put(1, s->body_devices[i]);
   Py_XDECREF(stack);
   if (entered) {
     PyObject* r = PyObject_CallMethodNoArgs(stream, str_enter);
@@ -1352,7 +1391,7 @@ PyObject* run_gpu_body(State* s, PyObject* body, long i) {
   }
   if (entered) {
     if (PyObject_SetAttr(scope, str_entry, s->body_entries[i]) == 0 &&
-        set_local(s, s->body_locals[3][0], s->body_locals[3][1], scope) == 0) {
+        put(3, scope)) {
       result = call_step(fn, column, arguments, i);
       if (!result && PyErr_ExceptionMatches(PyExc_MemoryError)) {  // CuPy's OutOfMemoryError is one
         PyObject *type, *value, *traceback;
@@ -1369,7 +1408,8 @@ PyObject* run_gpu_body(State* s, PyObject* body, long i) {
       PyObject* r = PyObject_CallMethodObjArgs(stream, str_exit, Py_None, Py_None, Py_None, nullptr);
       Py_XDECREF(r);
       if (!r) rc = -1;
-      if (set_local(s, s->body_locals[3][0], s->body_locals[3][1], Py_None) < 0) rc = -1;
+      dicts = thread_dicts(s);  // (again: the step ran in between)
+      if (!put(3, Py_None)) rc = -1;
       return rc;
     });
   }
@@ -1538,14 +1578,19 @@ PyObject* rv_finish_aborted(PyObject* self, PyObject*) {
 }
 
 int rv_init(PyObject* self, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"n", "aborted", "tracing", "traced", nullptr};
+  static const char* names[] = {"n", "aborted", "tracing", "traced", "stack", nullptr};
   int n;
-  PyObject *aborted, *tracing, *traced;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOOO:Rendezvous", const_cast<char**>(names), &n, &aborted, &tracing,
-                                   &traced))
+  PyObject *aborted, *tracing, *traced, *stack = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOOO|O:Rendezvous", const_cast<char**>(names), &n, &aborted,
+                                   &tracing, &traced, &stack))
     return -1;
   if (n < 1) {
     PyErr_Format(PyExc_ValueError, "n=%d: a rendezvous needs at least one replica", n);
+    return -1;
+  }
+  if (stack != Py_None &&
+      (!PyTuple_Check(stack) || PyTuple_GET_SIZE(stack) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(stack, 1)))) {
+    PyErr_SetString(PyExc_TypeError, "stack: expected the (local, name) of the thread's context stack, or None");
     return -1;
   }
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
@@ -1557,7 +1602,9 @@ int rv_init(PyObject* self, PyObject* args, PyObject* kwargs) {
   Py_XSETREF(s->aborted_type, Py_NewRef(aborted));
   Py_XSETREF(s->tracing, Py_NewRef(tracing));
   Py_XSETREF(s->traced, Py_NewRef(traced));
-  return 0;
+  for (int k = 0; k < 2; ++k)
+    Py_XSETREF(s->stack_local[k], stack == Py_None ? nullptr : Py_NewRef(PyTuple_GET_ITEM(stack, k)));
+  return track_locals(s);
 }
 
 PyObject* rv_new(PyTypeObject* type, PyObject*, PyObject*) {
@@ -1583,7 +1630,8 @@ void each_reference(State* s, F&& visit) {
     visit(local[0]);
     visit(local[1]);
   }
-  for (PyObject* o : {s->entry_type, s->gpu_module, s->out_of_memory, s->run_body}) visit(o);
+  for (PyObject* o : {s->entry_type, s->gpu_module, s->out_of_memory, s->run_body, s->stack_local[0], s->stack_local[1]})
+    visit(o);
   for (PyObject* o : {s->results, s->broken, s->order, s->arrival_parts, s->aborted_type, s->tracing, s->traced,
                       s->fn, s->outputs, s->errors,
                       s->complete, s->wake, s->claims, s->mine, s->arrived_flags, s->running, s->get_device,
@@ -1618,7 +1666,9 @@ int rv_clear(PyObject* self) {
   for (auto* part : {&s->body_scopes, &s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_entries})
     part->clear();
   for (auto& local : s->body_locals) local[0] = local[1] = nullptr;
-  for (PyObject** o : {&s->entry_type, &s->gpu_module, &s->out_of_memory, &s->run_body}) *o = nullptr;
+  for (PyObject** o : {&s->entry_type, &s->gpu_module, &s->out_of_memory, &s->run_body, &s->stack_local[0],
+                       &s->stack_local[1]})
+    *o = nullptr;
   for (PyObject** o : {&s->results, &s->broken, &s->order, &s->arrival_parts, &s->aborted_type, &s->tracing, &s->traced,
                        &s->fn, &s->outputs, &s->errors, &s->complete, &s->wake, &s->claims, &s->mine, &s->arrived_flags, &s->running,
                        &s->get_device, &s->set_device, &s->current_stream, &s->ordinals, &s->body,
@@ -1680,8 +1730,9 @@ int rv_set_order(PyObject* self, PyObject* value, void*) {
 
 PyMethodDef rv_methods[] = {
     {"exchange", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_exchange)), METH_FASTCALL,
-     "exchange(rid, kind, payload, combine): replica rid's part of combine(every replica's payload), which the "
-     "last replica to arrive runs; raises what broke the group."},
+     "exchange(rid, kind, payload, combine, context=None): replica rid's part of combine(every replica's payload), "
+     "which the last replica to arrive runs; raises what broke the group. context: the replica's ReplicaContext, "
+     "checked to be the thread's current one first (its _require_current(kind) raises when it is not)."},
     {"_exchange", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_exchange_untraced)), METH_FASTCALL,
      "exchange() without the timeline's check (the traced exchange runs it inside its span)."},
     {"reset", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_reset)), METH_FASTCALL,
@@ -1757,7 +1808,8 @@ int add_rendezvous(PyObject* module) {
                               {&str_parent, "parent"}, {&str_scope, "scope"}, {&str_entry, "_entry"},
                               {&str_ordinal, "_ordinal"}, {&str_enter, "__enter__"}, {&str_exit, "__exit__"},
                               {&str_use, "use"}, {&str_dict, "__dict__"}, {&str_pending, "pending"},
-                              {&str_finish, "finish"}, {&str_stream, "_stream"}, {&str_device, "_device"}}) {
+                              {&str_finish, "finish"}, {&str_stream, "_stream"}, {&str_device, "_device"},
+                              {&str_require_current, "_require_current"}}) {
     *target = PyUnicode_InternFromString(text);
     if (!*target) return -1;
   }
