@@ -10,7 +10,9 @@
 // reason the replica pool's per-replica work is here too: running a replica
 // and keeping its result or error, claiming the next one, counting arrivals,
 // and saving and restoring the thread state (the CUDA part included) of a
-// replica that parks (docs/gpu_call_path.md, "The rendezvous runs the replicas").
+// replica that parks (docs/gpu_call_path.md, "The rendezvous runs the replicas"),
+// and, outside md.function, what a GPU replica's own Python frame did around
+// the step: its context, device and stream ("GPU replicas run natively").
 //
 // Every field is read and written with the GIL held and no Python code runs
 // between a check and the update it guards, so the GIL alone serialises the
@@ -1403,14 +1405,13 @@ PyObject* run_gpu_body(State* s, PyObject* body, long i) {
         else chain_error(type, value, traceback);
       }
     }
-    as_finally([&] {
-      int rc = PyObject_SetAttr(scope, str_entry, Py_None);
+    as_finally([&] {  // (a failing step ends it, as in a `finally` block)
+      if (PyObject_SetAttr(scope, str_entry, Py_None) < 0) return -1;
       PyObject* r = PyObject_CallMethodObjArgs(stream, str_exit, Py_None, Py_None, Py_None, nullptr);
-      Py_XDECREF(r);
-      if (!r) rc = -1;
+      if (!r) return -1;
+      Py_DECREF(r);
       dicts = thread_dicts(s);  // (again: the step ran in between)
-      if (!put(3, Py_None)) rc = -1;
-      return rc;
+      return put(3, Py_None) ? 0 : -1;
     });
   }
   as_finally([&] {  // (work handed to the replica to let go: rare)

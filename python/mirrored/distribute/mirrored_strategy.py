@@ -438,8 +438,9 @@ def _blas_controllers() -> list:
 
 class _GpuReplicaScope:
     """A GPU replica's device and CUDA device and stream, made once (entered by one replica at a time,
-    and only by the replica pool's runs: ``MirroredExtended._call_for_each_replica`` enters it, runs the
-    replica's function and leaves it, in the replica's one Python frame).
+    and only by the replica pool's runs: the rendezvous enters it, runs the replica's function and leaves
+    it, natively (``_Group.gpu_body``); inside md.function ``MirroredExtended._call_for_each_replica`` does,
+    in the replica's one Python frame).
 
     Its stream is entered as CuPy's ``with stream`` does (pushed on the
     thread's stack), so that ``with`` blocks inside the replica unwind to it.
@@ -587,8 +588,8 @@ class MirroredExtended(StrategyExtended):
                 finally:
                     if order is not None and order.pending:  # (beside GPU replicas: see below)
                         order.finish(i)
-            # A GPU replica: its _GpuReplicaScope entered, the function run and the scope left, in this one
-            # frame (a method of the scope's would be a second Python call every replica).
+            # A GPU replica inside md.function (outside, the rendezvous runs the same natively: gpu_body): its
+            # _GpuReplicaScope entered, the function run and the scope left, in this one frame.
             try:
                 step, ordinal, runtime = _gpu._step, scope._ordinal, scope._runtime  # (step_scope(), inlined)
                 origin = memory = None
