@@ -276,7 +276,7 @@ def python_calls(call, repeat: int = 100) -> dict:
 
     ``mirrored``: the events in mirrored's own files: their functions, and the builtins they call (CuPy's
     too on a GPU, whose functions are Cython's); ``cupy_by_mirrored``: the stand-in's functions mirrored's
-    code calls (Python here; CuPy charges each such call too); ``stand_in``: every event in the stand-in's
+    code calls, from Python or natively (Python here; CuPy charges each such call too); ``stand_in``: every event in the stand-in's
     files (its own calls, which CuPy makes in Cython); ``total``: every event. Each call's queued kernels
     are drained after it, outside the count. Only this thread's calls count (a step long enough to go to
     the replica threads is an outlier the median leaves out)."""
@@ -299,8 +299,10 @@ def python_calls(call, repeat: int = 100) -> dict:
             kind = where(frame.f_code)
             if kind is not None:
                 counts[kind] += 1
-            if event == "call" and kind == "stand_in" and frame.f_back is not None and \
-                    where(frame.f_back.f_code) == "mirrored":
+            # (A call with no Python caller comes from native code: mirrored's rendezvous, which runs GPU
+            # replicas as greenlets whose stack starts in C, enters and leaves their streams.)
+            if event == "call" and kind == "stand_in" and (frame.f_back is None or
+                                                           where(frame.f_back.f_code) == "mirrored"):
                 counts["cupy_by_mirrored"] += 1
 
     for _ in range(3):  # planned, and every cache filled

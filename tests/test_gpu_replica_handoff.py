@@ -136,23 +136,34 @@ def test_host_waits_inside_replicas_neither_deadlock_nor_mix_replicas(logical, w
         assert _cuda_state() == (0, cupy.cuda.Stream.null.ptr)
 
 
-def test_state_of_a_replica_on_a_thread_of_its_own_is_put_back(logical):
+@pytest.mark.parametrize("native", [True, False], ids=["native body", "python replica function"])
+def test_state_of_a_replica_on_a_thread_of_its_own_is_put_back(logical, native):
     """The replica scope on a replica thread (long steps) takes its stream off when left, so the thread's
-    current stream is what it was (its device stays the replica's: only replicas run on that thread)."""
+    current stream is what it was (its device stays the replica's: only replicas run on that thread). Both
+    ways a GPU replica runs: natively (the rendezvous' body, outside md.function) and the pool's Python
+    replica function (inside md.function, where the body steps aside)."""
     s = logical
     n = s.num_replicas_in_sync
     pool = s.extended._pool
-    made = []  # the run's replica function (what the pool runs for replica i), taken instead of running it
-    pool.run = lambda replica: made.append(replica) or [None] * n
+    made = []  # the run's (replica function, native body), taken instead of running them
+    pool.run = lambda replica, body: made.append((replica, body)) or [None] * n
     try:
         s.run(_cuda_state)
     finally:
         del pool.run
-    results = {}
+    replica, body = made[0]
+    assert body is not None
+    results, outputs, errors = {}, [None] * n, []
+    if native:  # a run of the rendezvous whose replicas all run on threads of their own
+        pool.group.reset(None, replica, outputs, errors, None, None, None, True, body)
 
     def on_thread(i):
         before = _cuda_state()
-        results[i] = made[0](i)
+        if native:
+            pool.group.run_replica(i, False)
+            results[i] = outputs[i]
+        else:
+            results[i] = replica(i)
         results[(i, "after")] = _cuda_state() == before
 
     threads = [threading.Thread(target=on_thread, args=(i,)) for i in range(n)]
@@ -160,6 +171,7 @@ def test_state_of_a_replica_on_a_thread_of_its_own_is_put_back(logical):
         t.start()
     for t in threads:
         t.join()
+    assert errors == []
     for i in range(n):
         assert results[i] == (0, _gpu.replica_stream(i, 0).ptr)
         assert results[(i, "after")]
@@ -407,3 +419,103 @@ def test_a_device_a_replica_makes_current_with_use_stays_across_hand_offs():
     assert seen == {0: 1, 1: 0}
     for v in s.experimental_local_results(out):
         np.testing.assert_array_equal(cupy.asnumpy(v), np.full(2, 6, np.float32))
+
+
+def _replica_view(tag):
+    """What a replica sees of its thread: its replica id, md device, name scope and CUDA state."""
+    from mirrored.device import device_util
+    from mirrored.distribute.name_scope import current_scope
+
+    ctx = md.get_replica_context()
+    return (tag, ctx.replica_id_in_sync_group, device_util.current(), current_scope(), _cuda_state())
+
+
+def test_gpu_replicas_get_their_arguments_context_device_name_scope_and_stream(logical):
+    """What the rendezvous sets up for each GPU replica it runs natively (outside md.function), for each way a
+    step takes its arguments: one distributed value, several arguments with keywords (distributed or not),
+    none: its context, md device, the caller's name scope and its own stream, before and after a collective;
+    and what a replica raises is the run's error, which leaves the caller's state and the next run as they were."""
+    s = logical
+    n = s.num_replicas_in_sync
+    per_replica = s.experimental_distribute_values_from_function(lambda ctx: ctx.replica_id_in_sync_group * 10)
+    devices = s.extended.worker_devices
+
+    def step(*args, **kwargs):
+        view = _replica_view((args, kwargs))
+        total = md.get_replica_context().all_reduce("sum", cupy.ones(1, cupy.float32))
+        assert float(cupy.asnumpy(total)[0]) == n
+        return view + (_replica_view(None)[1:],)
+
+    def expected(i, tag, scope):
+        seen = (i, devices[i], scope, (0, _gpu.replica_stream(i, 0).ptr))
+        return (tag,) + seen + (seen,)
+
+    with md.name_scope("outer"):
+        for args, kwargs, tag in (((per_replica,), None, lambda i: ((10 * i,), {})),
+                                  ((per_replica, "b"), {"k": per_replica}, lambda i: ((10 * i, "b"), {"k": 10 * i})),
+                                  ((), None, lambda i: ((), {}))):
+            got = s.experimental_local_results(s.run(step, args=args, kwargs=kwargs))
+            assert list(got) == [expected(i, tag(i), "outer/") for i in range(n)]
+
+    def fails(x):
+        if md.get_replica_context().replica_id_in_sync_group == n - 1:
+            raise KeyError(f"replica {n - 1} fails at {x}")
+        return x
+
+    with pytest.raises(KeyError, match=f"replica {n - 1} fails at {10 * (n - 1)}"):
+        s.run(fails, args=(per_replica,))
+    assert _cuda_state() == (0, cupy.cuda.Stream.null.ptr)
+    got = s.experimental_local_results(s.run(step, args=(per_replica,)))  # the next run: all well
+    assert list(got) == [expected(i, ((10 * i,), {}), "") for i in range(n)]
+
+
+def test_runs_from_several_threads_in_turn_each_keep_their_own_thread_state(logical):
+    """The rendezvous sets and reads the run's caller's thread-locals through that thread's own dicts of them,
+    looked up once per thread: runs from one thread, another, the first again, and a new thread once the
+    others have ended each see their caller's name scope, and leave each caller's state as it was."""
+    from mirrored.distribute import context
+    from mirrored.distribute.name_scope import current_scope
+
+    s = logical
+    n = s.num_replicas_in_sync
+    go = {name: threading.Event() for name in ("a", "b")}
+    done = {name: threading.Event() for name in ("a", "b")}
+    seen, errors = [], []
+
+    def caller(name, turns):
+        try:
+            for turn in range(turns):
+                if turns > 1:
+                    go[name].wait()
+                    go[name].clear()
+                with md.name_scope(f"{name}{turn}"):
+                    got = s.experimental_local_results(s.run(lambda: _replica_view(name)))
+                    seen.append((name, turn, [g[1:4] for g in got]))
+                    assert current_scope() == f"{name}{turn}/"
+                assert getattr(context._local, "stack", None) in (None, [])
+                assert _cuda_state() == (0, cupy.cuda.Stream.null.ptr)
+                if turns > 1:
+                    done[name].set()
+        except BaseException as e:  # (reported by the test's thread)
+            errors.append(e)
+            for event in done.values():
+                event.set()
+
+    a = threading.Thread(target=caller, args=("a", 2))
+    b = threading.Thread(target=caller, args=("b", 1))
+    a.start()
+    go["a"].set()
+    assert done["a"].wait(60)
+    done["a"].clear()
+    b.start()
+    b.join()
+    go["a"].set()
+    assert done["a"].wait(60)
+    a.join()
+    c = threading.Thread(target=caller, args=("c", 1))
+    c.start()
+    c.join()
+    assert errors == []
+    devices = s.extended.worker_devices
+    assert seen == [(name, turn, [(i, devices[i], f"{name}{turn}/") for i in range(n)])
+                    for name, turn in (("a", 0), ("b", 0), ("a", 1), ("c", 0))]

@@ -161,12 +161,42 @@ def test_the_group_checks_its_arguments():
     group = _Group(2)
     with pytest.raises(ValueError, match=r"rid=2: expected a replica index in \[0, 2\)"):
         group.exchange(2, "all_reduce", None, list)
-    with pytest.raises(TypeError, match="takes 4 arguments"):
+    with pytest.raises(TypeError, match="takes 4 or 5 arguments"):
         group.exchange(0, "all_reduce", None)
     with pytest.raises(TypeError, match="cooperate"):
         group.reset([])
     single = _Group(1)
     assert single.exchange(0, "all_reduce", 5, lambda slots: [slots[0] + 1]) == 6
+
+
+def test_an_exchange_checks_its_context_is_the_threads_current_one():
+    # exchange(..., context): natively when the context is the top of the thread's context stack (a replica's
+    # collective), else through context._require_current(kind), which raises before the replica arrives.
+    from mirrored.distribute.context import _Context, _local
+
+    class Context:
+        asked = []
+
+        def _require_current(self, kind):
+            self.asked.append(kind)
+            raise RuntimeError(f"{kind}: not this thread's replica context")
+
+    group, context, other = _Group(1), Context(), Context()
+    saved = getattr(_local, "stack", None)
+    try:
+        _local.stack = [_Context(None, context)]
+        assert group.exchange(0, "all_reduce", 5, lambda slots: [slots[0] + 1], context) == 6
+        assert Context.asked == []
+        for stack in ([_Context(None, other)], [], None):
+            _local.stack = stack
+            with pytest.raises(RuntimeError, match="all_gather: not this thread's"):
+                group.exchange(0, "all_gather", 5, lambda slots: [slots[0] + 1], context)
+        assert Context.asked == ["all_gather"] * 3
+        del _local.stack  # (a thread that never entered a strategy)
+        with pytest.raises(RuntimeError, match="not this thread's"):
+            group.exchange(0, "all_reduce", 5, lambda slots: [slots[0] + 1], context)
+    finally:
+        _local.stack = saved
 
 
 def test_a_greenlet_whose_wait_fails_leaves_no_stale_wake_up():

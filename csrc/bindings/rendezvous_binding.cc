@@ -10,7 +10,9 @@
 // reason the replica pool's per-replica work is here too: running a replica
 // and keeping its result or error, claiming the next one, counting arrivals,
 // and saving and restoring the thread state (the CUDA part included) of a
-// replica that parks (docs/gpu_call_path.md, "The rendezvous runs the replicas").
+// replica that parks (docs/gpu_call_path.md, "The rendezvous runs the replicas"),
+// and, outside md.function, what a GPU replica's own Python frame did around
+// the step: its context, device and stream ("GPU replicas run natively").
 //
 // Every field is read and written with the GIL held and no Python code runs
 // between a check and the update it guards, so the GIL alone serialises the
@@ -23,6 +25,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <mutex>
 #include <vector>
@@ -77,6 +80,35 @@ struct State {
   PyObject* ordinals = nullptr;        // a tuple of ints
   bool has_state = false;              // cooperate() was called
 
+  // The caller's thread's own dicts of the plain threading.locals above (and the replica body's): an attribute
+  // of a threading.local is found through the thread state's dict and a name check at every access (~550
+  // instructions a set, ~400 a get, CPython 3.11), the thread's dict of it directly in ~100. A thread's dict
+  // of a local lives as long as both, so it is looked up once per thread (reset(), by the run's caller) and
+  // used only on that thread (a thread state's id is never reused, unlike its address or the thread's ident).
+  std::vector<PyObject*> tls_locals;  // the locals (owned), plain threading.locals whose names are no type attribute
+  std::vector<PyObject*> tls_dicts;   // each one's dict on thread `tls_thread` (owned), or null
+  uint64_t tls_thread = 0;            // PyThreadState_GetID of that thread (0: none yet)
+  std::vector<int> state_tls;         // each state_locals triple's local's index in tls_locals (-1: untracked)
+  int running_tls = -1;               // running's
+  int body_tls[4] = {-1, -1, -1, -1};  // body_locals'
+  PyObject* stack_local[2] = {};       // (local, name) of the thread's context stack (exchange()'s check), or nulls
+  int stack_tls = -1;                  // its local's index in tls_locals
+
+  // The GPU replicas' body (gpu_body()): what a GPU replica runs around the step's function, in C (as
+  // MirroredExtended._call_for_each_replica's `replica` does in Python), when no md.function step is under
+  // way; and the run's part of it (reset()'s `body`), dropped with the run's function.
+  PyObject* entry_type = nullptr;          // the context stack's entry type (context._Context, a tuple)
+  PyObject* body_locals[4][2] = {};        // (local, name): the context stack, the md device, the name scope, the
+                                           // running scope
+  std::vector<PyObject*> body_scopes;      // each replica's _GpuReplicaScope
+  std::vector<PyObject*> body_streams;     // its stream, ordinal (an int), md device, and its `_entry` while it runs
+  std::vector<PyObject*> body_ordinals;
+  std::vector<PyObject*> body_devices;
+  std::vector<PyObject*> body_entries;
+  PyObject* gpu_module = nullptr;          // device/gpu.py (its `_step`: the md.function step under way)
+  PyObject* out_of_memory = nullptr;       // gpu.raise_if_out_of_memory
+  PyObject* run_body = nullptr;            // this run's (fn, column, arguments, strategy, contexts, name scope)
+
   // The cooperative scheduler (set once by cooperate(); hub set per run by reset()).
   PyObject* body = nullptr;           // the greenlets' run function (serve_replicas, bound to nothing)
   PyObject* greenlet_type = nullptr;
@@ -120,6 +152,12 @@ PyObject* str_ordinal;
 PyObject* str_enter;
 PyObject* str_exit;
 PyObject* str_use;
+PyObject* str_dict;
+PyObject* str_pending;
+PyObject* str_finish;
+PyObject* str_stream;
+PyObject* str_device;
+PyObject* str_require_current;
 
 PyTypeObject* rendezvous_type;  // (set by add_rendezvous)
 
@@ -388,6 +426,98 @@ int serve(State* s, PyObject* self, long generation) {
   return 0;
 }
 
+// The tracked locals' dicts on this thread (tls_dicts' data) when the cache holds this thread's, else null:
+// access them as attributes. A local's dict is then `dicts[k]` for its index k in tls_locals (-1: untracked).
+PyObject* const* thread_dicts(const State* s) {
+  return s->tls_thread && PyThreadState_GetID(PyThreadState_Get()) == s->tls_thread ? s->tls_dicts.data() : nullptr;
+}
+
+// local.name as a new reference (`missing` when unset), or null with an error; `k`: the local's index (above).
+PyObject* get_local(PyObject* const* dicts, int k, PyObject* local, PyObject* name, PyObject* missing) {
+  if (PyObject* dict = dicts && k >= 0 ? dicts[k] : nullptr) {
+    PyObject* value = PyDict_GetItemWithError(dict, name);
+    if (value) return Py_NewRef(value);
+    return PyErr_Occurred() ? nullptr : Py_NewRef(missing);
+  }
+  PyObject* value = PyObject_GetAttr(local, name);
+  if (!value && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+    PyErr_Clear();
+    value = Py_NewRef(missing);
+  }
+  return value;
+}
+
+int set_local(PyObject* const* dicts, int k, PyObject* local, PyObject* name, PyObject* value) {
+  PyObject* dict = dicts && k >= 0 ? dicts[k] : nullptr;
+  return dict ? PyDict_SetItem(dict, name, value) : PyObject_SetAttr(local, name, value);
+}
+
+// The locals whose dicts may be cached (after cooperate() or gpu_body() changed them): plain threading.locals
+// (not a subclass, nor another library's local: gevent's is per greenlet), none of whose names used here is an
+// attribute of its type (which `local.name` would find first). The cache is looked up again at the next reset().
+int track_locals(State* s) {
+  std::vector<std::pair<PyObject*, PyObject*>> pairs;  // (local, name), borrowed
+  for (size_t i = 0; i + 2 < s->state_locals.size(); i += 3) pairs.emplace_back(s->state_locals[i], s->state_locals[i + 1]);
+  if (s->running) pairs.emplace_back(s->running, str_scope);
+  for (auto& local : s->body_locals)
+    if (local[0]) pairs.emplace_back(local[0], local[1]);
+  if (s->stack_local[0]) pairs.emplace_back(s->stack_local[0], s->stack_local[1]);
+  PyObject* module = PyImport_ImportModule("_thread");
+  PyObject* plain = module ? PyObject_GetAttrString(module, "_local") : nullptr;
+  Py_XDECREF(module);
+  if (!plain) return -1;
+  std::vector<PyObject*> locals;
+  for (auto [local, name] : pairs) {
+    if (std::find(locals.begin(), locals.end(), local) != locals.end()) continue;
+    bool ok = Py_TYPE(local) == reinterpret_cast<PyTypeObject*>(plain);
+    for (auto [other, other_name] : pairs)
+      if (ok && other == local) {
+        PyObject* found = PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(local)), other_name);
+        Py_XDECREF(found);
+        if (!found && !PyErr_ExceptionMatches(PyExc_AttributeError)) {
+          Py_DECREF(plain);
+          return -1;
+        }
+        PyErr_Clear();
+        ok = !found;
+      }
+    if (ok) locals.push_back(local);
+  }
+  Py_DECREF(plain);
+  for (PyObject* o : s->tls_locals) Py_DECREF(o);
+  for (PyObject* o : s->tls_dicts) Py_XDECREF(o);
+  s->tls_locals.clear();
+  s->tls_dicts.assign(locals.size(), nullptr);
+  for (PyObject* o : locals) s->tls_locals.push_back(Py_NewRef(o));
+  s->tls_thread = 0;
+  auto index = [&](PyObject* local) {
+    auto it = std::find(locals.begin(), locals.end(), local);
+    return it == locals.end() ? -1 : static_cast<int>(it - locals.begin());
+  };
+  s->state_tls.clear();
+  for (size_t i = 0; i + 2 < s->state_locals.size(); i += 3) s->state_tls.push_back(index(s->state_locals[i]));
+  s->running_tls = s->running ? index(s->running) : -1;
+  for (int k = 0; k < 4; ++k) s->body_tls[k] = s->body_locals[k][0] ? index(s->body_locals[k][0]) : -1;
+  s->stack_tls = s->stack_local[0] ? index(s->stack_local[0]) : -1;
+  return 0;
+}
+
+// Looks the tracked locals' dicts up for this thread (the run's caller), unless they are this thread's already.
+int cache_thread_dicts(State* s) {
+  if (s->tls_locals.empty()) return 0;
+  const uint64_t thread = PyThreadState_GetID(PyThreadState_Get());
+  if (thread == s->tls_thread) return 0;
+  s->tls_thread = 0;
+  for (size_t k = 0; k < s->tls_locals.size(); ++k) {
+    PyObject* dict = PyObject_GetAttr(s->tls_locals[k], str_dict);
+    if (!dict) return -1;
+    if (!PyDict_CheckExact(dict)) Py_CLEAR(dict);
+    Py_XSETREF(s->tls_dicts[k], dict);
+  }
+  s->tls_thread = thread;
+  return 0;
+}
+
 // GPU replicas' CUDA state (_GpuThreadState): the current CUDA device, the current stream of each of the
 // strategy's GPUs and the running replica's _GpuReplicaScope, whose stream comes off the thread's `with`
 // stack (CuPy's, per thread) while another replica runs.
@@ -401,12 +531,9 @@ int serve(State* s, PyObject* self, long generation) {
 //
 // Returns (device, streams, scope, whether the stream stayed on the stack).
 PyObject* save_gpu(State* s, PyObject* arrival) {
-  PyObject* scope = PyObject_GetAttr(s->running, str_scope);
-  if (!scope) {  // (no GPU replica has run on this thread yet)
-    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return nullptr;
-    PyErr_Clear();
-    scope = Py_NewRef(Py_None);
-  }
+  // (None: no GPU replica has run on this thread yet)
+  PyObject* scope = get_local(thread_dicts(s), s->running_tls, s->running, str_scope, Py_None);
+  if (!scope) return nullptr;
   PyObject* stream = nullptr;  // the scope's stream (a new reference), or null: no scope
   if (scope != Py_None) {
     PyObject* entry = PyObject_GetAttr(scope, str_entry);
@@ -517,7 +644,7 @@ int restore_gpu(State* s, PyObject* saved) {
   }
   PyObject *device = PyTuple_GET_ITEM(saved, 0), *streams = PyTuple_GET_ITEM(saved, 1),
            *scope = PyTuple_GET_ITEM(saved, 2);
-  if (PyObject_SetAttr(s->running, str_scope, scope) < 0) return -1;
+  if (set_local(thread_dicts(s), s->running_tls, s->running, str_scope, scope) < 0) return -1;
   if (PyTuple_GET_ITEM(saved, 3) == Py_True) return restore_kept(s, scope);  // (all it saved is that stream's)
   PyObject* entered = nullptr;  // (the stream just made current on GPU `on`: its current stream needs no lookup)
   long on;
@@ -581,12 +708,10 @@ int restore_gpu(State* s, PyObject* saved) {
 PyObject* save_state(State* s, PyObject* arrival = nullptr) {
   const Py_ssize_t count = static_cast<Py_ssize_t>(s->state_locals.size() / 3);
   PyObject* saved = PyTuple_New(count + (s->running ? 1 : 0));
+  PyObject* const* dicts = thread_dicts(s);
   for (Py_ssize_t i = 0; saved && i < count; ++i) {
-    PyObject* value = PyObject_GetAttr(s->state_locals[3 * i], s->state_locals[3 * i + 1]);
-    if (!value && PyErr_ExceptionMatches(PyExc_AttributeError)) {
-      PyErr_Clear();
-      value = Py_NewRef(s->state_locals[3 * i + 2]);
-    }
+    PyObject* value = get_local(dicts, s->state_tls[i], s->state_locals[3 * i], s->state_locals[3 * i + 1],
+                                s->state_locals[3 * i + 2]);
     if (!value) Py_CLEAR(saved);
     else PyTuple_SET_ITEM(saved, i, value);
   }
@@ -604,8 +729,9 @@ int restore_state(State* s, PyObject* saved) {
     PyErr_SetString(PyExc_TypeError, "restore_state(saved): expected what save_state() returned");
     return -1;
   }
+  PyObject* const* dicts = thread_dicts(s);
   for (Py_ssize_t i = 0; i < count; ++i)
-    if (PyObject_SetAttr(s->state_locals[3 * i], s->state_locals[3 * i + 1], PyTuple_GET_ITEM(saved, i)) < 0)
+    if (set_local(dicts, s->state_tls[i], s->state_locals[3 * i], s->state_locals[3 * i + 1], PyTuple_GET_ITEM(saved, i)) < 0)
       return -1;
   return s->running ? restore_gpu(s, PyTuple_GET_ITEM(saved, count)) : 0;
 }
@@ -693,6 +819,15 @@ PyObject* raise_broken(State* s) {
   return nullptr;
 }
 
+// device/gpu.py's `_step` (`module`: that module), the md.function step under way or None, as a new reference;
+// read from the module's dict (no attribute lookup: every GPU replica asks).
+PyObject* md_function_step(PyObject* module) {
+  if (!PyModule_CheckExact(module)) return PyObject_GetAttr(module, str_step);
+  PyObject* step = PyDict_GetItemWithError(PyModule_GetDict(module), str_step);
+  if (step) return Py_NewRef(step);
+  return PyErr_Occurred() ? nullptr : PyObject_GetAttr(module, str_step);  // (raises the AttributeError)
+}
+
 // GPU replica `rid` arrives at a collective (MergeOrder's part, done here: no Python frame a replica): the
 // stream it queued its inputs on is noted (order._arrived[rid]; also order._foreign[rid] when that is not
 // a replica stream nor the legacy one, which the combine orders with events). Returns a new reference to
@@ -703,7 +838,7 @@ PyObject* note_arrival(State* s, long rid) {
            *ours = PyTuple_GET_ITEM(s->arrival_parts, 2), *module = PyTuple_GET_ITEM(s->arrival_parts, 3);
   PyObject* ordinal = rid < PyTuple_GET_SIZE(ordinals) ? PyTuple_GET_ITEM(ordinals, rid) : Py_None;
   if (ordinal == Py_None) Py_RETURN_NONE;
-  PyObject* step = PyObject_GetAttr(module, str_step);
+  PyObject* step = md_function_step(module);
   if (!step) return nullptr;
   Py_DECREF(step);  // (compared by identity only)
   if (step != Py_None) Py_RETURN_NONE;
@@ -744,10 +879,29 @@ PyObject* note_arrival(State* s, long rid) {
 PyObject* exchange_arrived(Rendezvous* self, State* s, long rid, PyObject* kind, PyObject* payload,
                            PyObject* combine, PyObject* arrival);
 
+// Checks that the replica context `context` is the calling thread's (the top of its context stack, the
+// Rendezvous' `stack`), as ReplicaContext._require_current does: natively when it is (a collective's common
+// case), else by asking that method, which raises. 0, or -1 with its error.
+int check_current(State* s, PyObject* context, PyObject* kind) {
+  if (s->stack_local[0]) {
+    PyObject* stack = get_local(thread_dicts(s), s->stack_tls, s->stack_local[0], s->stack_local[1], Py_None);
+    if (!stack) return -1;
+    const Py_ssize_t depth = PyList_Check(stack) ? PyList_GET_SIZE(stack) : 0;
+    PyObject* top = depth ? PyList_GET_ITEM(stack, depth - 1) : nullptr;  // (a _Context: (strategy, replica context))
+    const bool current = top && PyTuple_Check(top) && PyTuple_GET_SIZE(top) == 2 && PyTuple_GET_ITEM(top, 1) == context;
+    Py_DECREF(stack);
+    if (current) return 0;
+  }
+  PyObject* r = PyObject_CallMethodOneArg(context, str_require_current, kind);
+  Py_XDECREF(r);
+  return r ? 0 : -1;
+}
+
 // Replica `rid` hands in `payload` for the collective `kind`; returns its part of combine's results.
 PyObject* exchange(Rendezvous* self, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4) {
-    PyErr_Format(PyExc_TypeError, "exchange(rid, kind, payload, combine) takes 4 arguments (%zd given)", nargs);
+  if (nargs != 4 && nargs != 5) {
+    PyErr_Format(PyExc_TypeError, "exchange(rid, kind, payload, combine, context=None) takes 4 or 5 arguments (%zd "
+                 "given)", nargs);
     return nullptr;
   }
   State* s = self->s;
@@ -758,6 +912,7 @@ PyObject* exchange(Rendezvous* self, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   PyObject *kind = args[1], *payload = args[2], *combine = args[3];
+  if (nargs == 5 && args[4] != Py_None && check_current(s, args[4], kind) < 0) return nullptr;
   PyObject* arrival = nullptr;  // what note_arrival() returned (see save_gpu)
   if (s->order) {
     arrival = note_arrival(s, rid);
@@ -849,9 +1004,9 @@ PyObject* rv_exchange(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   const int traced = PyObject_IsTrue(tracing);
   Py_DECREF(tracing);
   if (traced < 0) return nullptr;
-  if (traced && nargs == 4) {  // the timeline records each replica's wait
-    PyObject* call[5] = {self, args[0], args[1], args[2], args[3]};
-    return PyObject_Vectorcall(s->traced, call, 5, nullptr);
+  if (traced && (nargs == 4 || nargs == 5)) {  // the timeline records each replica's wait
+    PyObject* call[6] = {self, args[0], args[1], args[2], args[3], nargs == 5 ? args[4] : nullptr};
+    return PyObject_Vectorcall(s->traced, call, nargs + 1, nullptr);
   }
   return exchange(reinterpret_cast<Rendezvous*>(self), args, nargs);
 }
@@ -883,6 +1038,7 @@ void clear_cooperative(State* s) {  // an interrupted run's greenlets, dropped
 
 void clear_pool_run(State* s) {
   Py_CLEAR(s->fn);
+  Py_CLEAR(s->run_body);
   Py_CLEAR(s->outputs);
   Py_CLEAR(s->errors);
   Py_CLEAR(s->claims);
@@ -894,13 +1050,31 @@ void clear_pool_run(State* s) {
   s->woken = true;
 }
 
-// reset(idle, fn=None, outputs=None, errors=None, claims=None, mine=None, arrived=None, woken=True): ready
-// for a run (see the method table).
+// Whether `body` is a run's part of the GPU replicas' body, as reset() takes it (see the method table).
+bool valid_body(const State* s, PyObject* body) {
+  auto per_replica = [&](PyObject* o) {
+    return (PyList_Check(o) || PyTuple_Check(o)) && PySequence_Fast_GET_SIZE(o) == s->n;
+  };
+  return PyTuple_Check(body) && PyTuple_GET_SIZE(body) == 6 && s->entry_type &&
+         (PyTuple_GET_ITEM(body, 1) == Py_None || per_replica(PyTuple_GET_ITEM(body, 1))) &&
+         (PyTuple_GET_ITEM(body, 2) == Py_None || per_replica(PyTuple_GET_ITEM(body, 2))) &&
+         per_replica(PyTuple_GET_ITEM(body, 4));
+}
+
+// reset(idle, fn=None, outputs=None, errors=None, claims=None, mine=None, arrived=None, woken=True, body=None):
+// ready for a run (see the method table).
 PyObject* rv_reset(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
-  if (nargs < 1 || nargs > 8) {
+  if (nargs < 1 || nargs > 9) {
     PyErr_Format(PyExc_TypeError, "reset(idle, fn=None, outputs=None, errors=None, claims=None, mine=None, "
-                                  "arrived=None, woken=True) takes 1 to 8 arguments (%zd given)", nargs);
+                                  "arrived=None, woken=True, body=None) takes 1 to 9 arguments (%zd given)", nargs);
+    return nullptr;
+  }
+  PyObject* body = nargs > 8 && args[8] != Py_None ? args[8] : nullptr;
+  if (body && (!valid_body(s, body) || nargs < 2 || args[1] == Py_None)) {
+    PyErr_Format(PyExc_TypeError, "reset(body=...): expected (fn, column, arguments, strategy, contexts, name_scope), "
+                 "column and arguments None or %d items each, contexts %d, after gpu_body(), with the run's fn "
+                 "(replicas inside md.function run it)", s->n, s->n);
     return nullptr;
   }
   auto arg = [&](Py_ssize_t k) -> PyObject* { return nargs > k && args[k] != Py_None ? args[k] : nullptr; };
@@ -938,9 +1112,11 @@ PyObject* rv_reset(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   s->claims = Py_XNewRef(claims);
   s->mine = Py_NewRef(mine);
   s->arrived_flags = Py_XNewRef(arrived);
+  s->run_body = Py_XNewRef(body);
   s->next = 1;  // (replica 0 is the caller's own)
   s->woken = woken;
   s->started = std::chrono::steady_clock::now();
+  if (cache_thread_dicts(s) < 0) return nullptr;
   if (idle == Py_None) Py_RETURN_NONE;
   s->hub = PyObject_CallNoArgs(s->getcurrent);
   if (!s->hub) return nullptr;
@@ -1012,6 +1188,63 @@ PyObject* rv_cooperate(PyObject* self, PyObject* args) {
   Py_XSETREF(s->replicas, replicas);
   Py_XSETREF(s->body, body);
   s->has_state = true;
+  if (track_locals(s) < 0) return nullptr;
+  Py_RETURN_NONE;
+}
+
+// gpu_body(entry_type, locals, scopes, gpu, out_of_memory): the GPU replicas' body (see run_gpu_body and the
+// method table), set once.
+PyObject* rv_gpu_body(PyObject* self, PyObject* args) {
+  State* s = reinterpret_cast<Rendezvous*>(self)->s;
+  PyObject *entry_type, *locals, *scopes, *gpu, *out_of_memory;
+  if (!PyArg_ParseTuple(args, "O!O!O!OO:gpu_body", &PyType_Type, &entry_type, &PyTuple_Type, &locals, &PyList_Type,
+                        &scopes, &gpu, &out_of_memory))
+    return nullptr;
+  bool valid = PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(entry_type), &PyTuple_Type) &&
+               PyTuple_GET_SIZE(locals) == 4 && PyList_GET_SIZE(scopes) == s->n && s->order && s->running;
+  for (Py_ssize_t k = 0; valid && k < 4; ++k) {
+    PyObject* pair = PyTuple_GET_ITEM(locals, k);
+    valid = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2 && PyUnicode_Check(PyTuple_GET_ITEM(pair, 1));
+  }
+  if (!valid) {
+    PyErr_Format(PyExc_TypeError, "gpu_body(entry_type, locals, scopes, gpu, out_of_memory): expected a tuple type, "
+                 "4 (local, name) pairs (the context stack, the device, the name scope, the running scope) and %d "
+                 "scopes, after cooperate() with a GPU state and the order set", s->n);
+    return nullptr;
+  }
+  std::vector<PyObject*> parts[4];  // each scope's stream, ordinal, device and `_entry` while it runs (new references)
+  auto drop = [&] {
+    for (auto& part : parts)
+      for (PyObject* o : part) Py_XDECREF(o);
+  };
+  for (Py_ssize_t i = 0; i < s->n; ++i) {
+    PyObject* scope = PyList_GET_ITEM(scopes, i);
+    PyObject* stream = PyObject_GetAttr(scope, str_stream);
+    PyObject* ordinal = stream ? PyObject_GetAttr(scope, str_ordinal) : nullptr;
+    PyObject* device = ordinal ? PyObject_GetAttr(scope, str_device) : nullptr;
+    PyObject* entry = device ? PyTuple_Pack(3, stream, Py_None, Py_None) : nullptr;
+    for (auto [part, o] : {std::pair{&parts[0], stream}, {&parts[1], ordinal}, {&parts[2], device}, {&parts[3], entry}})
+      part->push_back(o);
+    if (!entry) {
+      drop();
+      return nullptr;
+    }
+  }
+  for (int k = 0; k < 4; ++k)
+    for (int j = 0; j < 2; ++j)
+      Py_XSETREF(s->body_locals[k][j], Py_NewRef(PyTuple_GET_ITEM(PyTuple_GET_ITEM(locals, k), j)));
+  std::vector<PyObject*>* fields[4] = {&s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_entries};
+  for (int k = 0; k < 4; ++k) {
+    for (PyObject* o : *fields[k]) Py_DECREF(o);
+    fields[k]->swap(parts[k]);  // (the references move)
+  }
+  for (PyObject* o : s->body_scopes) Py_DECREF(o);
+  s->body_scopes.clear();
+  for (Py_ssize_t i = 0; i < s->n; ++i) s->body_scopes.push_back(Py_NewRef(PyList_GET_ITEM(scopes, i)));
+  Py_XSETREF(s->entry_type, Py_NewRef(entry_type));
+  Py_XSETREF(s->gpu_module, Py_NewRef(gpu));
+  Py_XSETREF(s->out_of_memory, Py_NewRef(out_of_memory));
+  if (track_locals(s) < 0) return nullptr;
   Py_RETURN_NONE;
 }
 
@@ -1063,6 +1296,148 @@ PyObject* rv_abort(PyObject* self, PyObject*) {
   Py_RETURN_NONE;
 }
 
+// Sets the exception being raised as the context of the one a `finally` step raised after it (as Python
+// chains them), or puts it back when the step raised none; (type, value, traceback): PyErr_Fetch's, stolen.
+void chain_error(PyObject* type, PyObject* value, PyObject* traceback) {
+  if (!type) return;
+  if (!PyErr_Occurred()) {
+    PyErr_Restore(type, value, traceback);
+    return;
+  }
+  PyErr_NormalizeException(&type, &value, &traceback);
+  if (traceback) PyException_SetTraceback(value, traceback);
+  PyObject *later_type, *later, *later_traceback;
+  PyErr_Fetch(&later_type, &later, &later_traceback);
+  PyErr_NormalizeException(&later_type, &later, &later_traceback);
+  if (later != value) PyException_SetContext(later, value);  // (steals value)
+  else Py_DECREF(value);
+  Py_DECREF(type);
+  Py_XDECREF(traceback);
+  PyErr_Restore(later_type, later, later_traceback);
+}
+
+// Runs `step` (-> 0, or -1 with an error) as a `finally` block does: what is being raised, if anything, is put
+// aside meanwhile and raised after it, unless the step raises, whose error then replaces it (chained).
+template <typename Step>
+void as_finally(Step&& step) {
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  step();
+  chain_error(type, value, traceback);
+}
+
+// Replica i's call of the run's function `fn` with its arguments (`column[i]` alone, else `arguments[i]`'s
+// (args, kwargs), else none): a new reference to its result, or null with its error.
+PyObject* call_step(PyObject* fn, PyObject* column, PyObject* arguments, long i) {
+  if (column != Py_None) {
+    PyObject* arg = PySequence_Fast_GET_ITEM(column, i);
+    return PyObject_Vectorcall(fn, &arg, 1, nullptr);
+  }
+  if (arguments == Py_None) return PyObject_CallNoArgs(fn);
+  PyObject* pair = PySequence_Fast(PySequence_Fast_GET_ITEM(arguments, i), "a replica's (args, kwargs)");
+  if (!pair) return nullptr;
+  PyObject* result = nullptr;
+  if (PySequence_Fast_GET_SIZE(pair) != 2) {
+    PyErr_SetString(PyExc_ValueError, "a replica's arguments: expected (args, kwargs)");
+  } else if (PyObject* args = PySequence_Tuple(PySequence_Fast_GET_ITEM(pair, 0))) {
+    PyObject* kwargs = PySequence_Fast_GET_ITEM(pair, 1);
+    const int named = PyObject_IsTrue(kwargs);
+    PyObject* dict = named == 1 && !PyDict_Check(kwargs) ? PyDict_New() : nullptr;
+    if (dict && PyDict_Merge(dict, kwargs, 1) < 0) Py_CLEAR(dict);
+    if (named == 0) result = PyObject_Call(fn, args, nullptr);
+    else if (named == 1 && (dict || PyDict_Check(kwargs))) result = PyObject_Call(fn, args, dict ? dict : kwargs);
+    Py_XDECREF(dict);
+    Py_DECREF(args);
+  }
+  Py_DECREF(pair);
+  return result;
+}
+
+// GPU replica i of the run (`body`: reset()'s) runs the step's function on its GPU and stream, as the pool's
+// Python `replica` does outside md.function: its context on the thread's context stack, the run's name scope,
+// its md device, its stream entered (with its GPU current: CuPy checks that first), and, once the function
+// returned or raised, its stream left and the merge order told (order.finish) when it holds work for it. A
+// CuPy out-of-memory error becomes md's ResourceExhaustedError (gpu.raise_if_out_of_memory). Returns a new
+// reference to the function's result, or null with what it raised.
+PyObject* run_gpu_body(State* s, PyObject* body, long i) {
+  PyObject *fn = PyTuple_GET_ITEM(body, 0), *column = PyTuple_GET_ITEM(body, 1),
+           *arguments = PyTuple_GET_ITEM(body, 2), *strategy = PyTuple_GET_ITEM(body, 3),
+           *contexts = PyTuple_GET_ITEM(body, 4), *name_scope = PyTuple_GET_ITEM(body, 5);
+  PyObject *scope = s->body_scopes[i], *stream = s->body_streams[i], *ordinal = s->body_ordinals[i];
+  auto* entry_type = reinterpret_cast<PyTypeObject*>(s->entry_type);
+  PyObject* result = nullptr;
+  // (A new list each run: the replica may push on its stack. The entry as tuple.__new__(_Context, ...) makes it.)
+  PyObject* entry = entry_type->tp_alloc(entry_type, 2);
+  PyObject* stack = entry ? PyList_New(1) : nullptr;
+  if (stack) {
+    PyTuple_SET_ITEM(entry, 0, Py_NewRef(strategy));
+    PyTuple_SET_ITEM(entry, 1, Py_NewRef(PySequence_Fast_GET_ITEM(contexts, i)));
+    PyList_SET_ITEM(stack, 0, entry);
+    entry = nullptr;
+  }
+  Py_XDECREF(entry);
+  PyObject* const* dicts = thread_dicts(s);
+  auto put = [&](int k, PyObject* value) {
+    return set_local(dicts, s->body_tls[k], s->body_locals[k][0], s->body_locals[k][1], value) == 0;
+  };
+  bool entered = stack && put(0, stack) && put(2, name_scope) && put(1, s->body_devices[i]);
+  Py_XDECREF(stack);
+  if (entered) {
+    PyObject* r = PyObject_CallMethodNoArgs(stream, str_enter);
+    if (!r && PyErr_ExceptionMatches(PyExc_RuntimeError)) {  // another device is current
+      PyErr_Clear();
+      r = set_device(s, ordinal) == 0 ? PyObject_CallMethodNoArgs(stream, str_enter) : nullptr;
+    }
+    Py_XDECREF(r);
+    entered = r != nullptr;
+  }
+  if (entered) {
+    if (PyObject_SetAttr(scope, str_entry, s->body_entries[i]) == 0 &&
+        put(3, scope)) {
+      result = call_step(fn, column, arguments, i);
+      if (!result && PyErr_ExceptionMatches(PyExc_MemoryError)) {  // CuPy's OutOfMemoryError is one
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyErr_NormalizeException(&type, &value, &traceback);
+        PyObject* r = value ? PyObject_CallFunctionObjArgs(s->out_of_memory, value, ordinal, nullptr) : nullptr;
+        Py_XDECREF(r);
+        if (r) PyErr_Restore(type, value, traceback);
+        else chain_error(type, value, traceback);
+      }
+    }
+    as_finally([&] {  // (a failing step ends it, as in a `finally` block)
+      if (PyObject_SetAttr(scope, str_entry, Py_None) < 0) return -1;
+      PyObject* r = PyObject_CallMethodObjArgs(stream, str_exit, Py_None, Py_None, Py_None, nullptr);
+      if (!r) return -1;
+      Py_DECREF(r);
+      dicts = thread_dicts(s);  // (again: the step ran in between)
+      return put(3, Py_None) ? 0 : -1;
+    });
+  }
+  as_finally([&] {  // (work handed to the replica to let go: rare)
+    PyObject* pending = PyObject_GetAttr(s->order, str_pending);
+    const int truth = pending ? PyObject_IsTrue(pending) : -1;
+    Py_XDECREF(pending);
+    if (truth <= 0) return truth;
+    PyObject* index = PyLong_FromLong(i);
+    PyObject* r = index ? PyObject_CallMethodOneArg(s->order, str_finish, index) : nullptr;
+    Py_XDECREF(index);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+  });
+  if (PyErr_Occurred()) Py_CLEAR(result);
+  return result;
+}
+
+// Whether replica i of this run runs natively (run_gpu_body): a run with a body, outside md.function.
+int runs_body(State* s) {
+  if (!s->run_body) return 0;
+  PyObject* step = md_function_step(s->gpu_module);
+  if (!step) return -1;
+  Py_DECREF(step);
+  return step == Py_None;
+}
+
 // Runs replica `i` on this thread (`caller`: the run's caller's, else a replica thread's) and keeps what it
 // returns or raises (the first error is the run's; the group breaks so no replica waits for this one);
 // replicas 1..n-1 then arrive. A failed run skips the replicas the caller has not started. -1 only if the
@@ -1076,10 +1451,14 @@ int execute(State* s, long i, bool caller) {
   if (!(i && caller && PyList_GET_SIZE(s->errors))) {
     // (Held: a replica interrupted by Ctrl-C may outlive its run, see _ReplicaPool.run.)
     PyObject* fn = Py_NewRef(s->fn);
+    PyObject* body = Py_XNewRef(s->run_body);
     PyObject* outputs = Py_NewRef(s->outputs);
     PyObject* errors = Py_NewRef(s->errors);
-    PyObject* index = PyLong_FromLong(i);
-    PyObject* result = index ? PyObject_CallOneArg(fn, index) : nullptr;
+    PyObject* index = nullptr;
+    PyObject* result = nullptr;
+    const int native = runs_body(s);
+    if (native == 1) result = run_gpu_body(s, body, i);
+    else if (native == 0 && (index = PyLong_FromLong(i))) result = PyObject_CallOneArg(fn, index);
     if (result) {
       rc = PyList_SetItem(outputs, i, result);  // (steals)
     } else if (!PyErr_ExceptionMatches(s->aborted_type)) {
@@ -1093,6 +1472,7 @@ int execute(State* s, long i, bool caller) {
     }
     Py_XDECREF(index);
     Py_DECREF(fn);
+    Py_XDECREF(body);
     Py_DECREF(outputs);
     Py_DECREF(errors);
   }
@@ -1100,6 +1480,7 @@ int execute(State* s, long i, bool caller) {
   PyErr_Fetch(&type, &value, &traceback);
   if (++s->finished == s->n) {  // every replica returned: the run's function goes (it may hold the strategy)
     Py_CLEAR(s->fn);
+    Py_CLEAR(s->run_body);
     Py_CLEAR(s->outputs);
     Py_CLEAR(s->errors);
   }
@@ -1198,14 +1579,19 @@ PyObject* rv_finish_aborted(PyObject* self, PyObject*) {
 }
 
 int rv_init(PyObject* self, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"n", "aborted", "tracing", "traced", nullptr};
+  static const char* names[] = {"n", "aborted", "tracing", "traced", "stack", nullptr};
   int n;
-  PyObject *aborted, *tracing, *traced;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOOO:Rendezvous", const_cast<char**>(names), &n, &aborted, &tracing,
-                                   &traced))
+  PyObject *aborted, *tracing, *traced, *stack = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOOO|O:Rendezvous", const_cast<char**>(names), &n, &aborted,
+                                   &tracing, &traced, &stack))
     return -1;
   if (n < 1) {
     PyErr_Format(PyExc_ValueError, "n=%d: a rendezvous needs at least one replica", n);
+    return -1;
+  }
+  if (stack != Py_None &&
+      (!PyTuple_Check(stack) || PyTuple_GET_SIZE(stack) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(stack, 1)))) {
+    PyErr_SetString(PyExc_TypeError, "stack: expected the (local, name) of the thread's context stack, or None");
     return -1;
   }
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
@@ -1217,7 +1603,9 @@ int rv_init(PyObject* self, PyObject* args, PyObject* kwargs) {
   Py_XSETREF(s->aborted_type, Py_NewRef(aborted));
   Py_XSETREF(s->tracing, Py_NewRef(tracing));
   Py_XSETREF(s->traced, Py_NewRef(traced));
-  return 0;
+  for (int k = 0; k < 2; ++k)
+    Py_XSETREF(s->stack_local[k], stack == Py_None ? nullptr : Py_NewRef(PyTuple_GET_ITEM(stack, k)));
+  return track_locals(s);
 }
 
 PyObject* rv_new(PyTypeObject* type, PyObject*, PyObject*) {
@@ -1235,6 +1623,16 @@ void each_reference(State* s, F&& visit) {
   for (PyObject* o : s->parked) visit(o);
   for (PyObject* o : s->ready) visit(o);
   for (PyObject* o : s->stacked) visit(o);
+  for (PyObject* o : s->tls_locals) visit(o);
+  for (PyObject* o : s->tls_dicts) visit(o);
+  for (auto* part : {&s->body_scopes, &s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_entries})
+    for (PyObject* o : *part) visit(o);
+  for (auto& local : s->body_locals) {
+    visit(local[0]);
+    visit(local[1]);
+  }
+  for (PyObject* o : {s->entry_type, s->gpu_module, s->out_of_memory, s->run_body, s->stack_local[0], s->stack_local[1]})
+    visit(o);
   for (PyObject* o : {s->results, s->broken, s->order, s->arrival_parts, s->aborted_type, s->tracing, s->traced,
                       s->fn, s->outputs, s->errors,
                       s->complete, s->wake, s->claims, s->mine, s->arrived_flags, s->running, s->get_device,
@@ -1263,6 +1661,15 @@ int rv_clear(PyObject* self) {
   s->parked.clear();
   s->ready.clear();
   s->stacked.clear();
+  s->tls_locals.clear();
+  s->tls_dicts.clear();
+  s->tls_thread = 0;
+  for (auto* part : {&s->body_scopes, &s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_entries})
+    part->clear();
+  for (auto& local : s->body_locals) local[0] = local[1] = nullptr;
+  for (PyObject** o : {&s->entry_type, &s->gpu_module, &s->out_of_memory, &s->run_body, &s->stack_local[0],
+                       &s->stack_local[1]})
+    *o = nullptr;
   for (PyObject** o : {&s->results, &s->broken, &s->order, &s->arrival_parts, &s->aborted_type, &s->tracing, &s->traced,
                        &s->fn, &s->outputs, &s->errors, &s->complete, &s->wake, &s->claims, &s->mine, &s->arrived_flags, &s->running,
                        &s->get_device, &s->set_device, &s->current_stream, &s->ordinals, &s->body,
@@ -1324,8 +1731,9 @@ int rv_set_order(PyObject* self, PyObject* value, void*) {
 
 PyMethodDef rv_methods[] = {
     {"exchange", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_exchange)), METH_FASTCALL,
-     "exchange(rid, kind, payload, combine): replica rid's part of combine(every replica's payload), which the "
-     "last replica to arrive runs; raises what broke the group."},
+     "exchange(rid, kind, payload, combine, context=None): replica rid's part of combine(every replica's payload), "
+     "which the last replica to arrive runs; raises what broke the group. context: the replica's ReplicaContext, "
+     "checked to be the thread's current one first (its _require_current(kind) raises when it is not)."},
     {"_exchange", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_exchange_untraced)), METH_FASTCALL,
      "exchange() without the timeline's check (the traced exchange runs it inside its span)."},
     {"reset", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_reset)), METH_FASTCALL,
@@ -1335,7 +1743,9 @@ PyMethodDef rv_methods[] = {
      "appends to errors what it raised); claims: the "
      "run's {index: token} that claim() and the replica threads fill (None: claim() claims every replica); "
      "mine: the caller's token; arrived: the run's list of n flags that arrive() sets; woken: the threads "
-     "already take replicas (claim() does not ask wake())."},
+     "already take replicas (claim() does not ask wake()); body: (fn, column, arguments, strategy, contexts, "
+     "name_scope) after gpu_body(): replica i runs fn(column[i]), fn(*args, **kwargs) of arguments[i], or fn() "
+     "natively, outside md.function (inside, the run's fn(i))."},
     {"pool", rv_pool, METH_VARARGS,
      "pool(complete, wake, handoff): complete() when the last of replicas 1..n-1 arrived on a thread of its own (on the caller's: "
      "`completed`); wake() -> whether the step is long, asked "
@@ -1344,6 +1754,13 @@ PyMethodDef rv_methods[] = {
      "cooperate(state, gpu, greenlet): the thread state that replicas sharing a thread take along ((object, "
      "name, default) triples, and gpu: (running, getDevice, setDevice, get_current_stream, ordinals) or None), "
      "and the greenlet module the caller runs replicas with (None: none)."},
+    {"gpu_body", rv_gpu_body, METH_VARARGS,
+     "gpu_body(entry_type, locals, scopes, gpu, out_of_memory): GPU replicas run natively outside md.function (a "
+     "run's reset() with a body): each sets its context stack to [entry_type((strategy, its context))], the md "
+     "device to its scope's `_device` and the name scope to the run's (locals: the (local, name) pairs of the "
+     "context stack, the device, the name scope and the running scope), enters its scope's `_stream` (scopes: "
+     "each replica's _GpuReplicaScope), runs the step and leaves; gpu: device/gpu.py (its `_step`); "
+     "out_of_memory(error, ordinal): raises CuPy's out-of-memory error as md's."},
     {"save_state", rv_save_state, METH_NOARGS, "The thread's state, as cooperate() says."},
     {"restore_state", rv_restore_state, METH_O, "restore_state(saved): puts back what save_state() returned."},
     {"claim", rv_claim, METH_NOARGS,
@@ -1391,7 +1808,9 @@ int add_rendezvous(PyObject* module) {
                               {&str_any_foreign, "_any_foreign"}, {&str_arrival_parts, "arrival_parts"},
                               {&str_parent, "parent"}, {&str_scope, "scope"}, {&str_entry, "_entry"},
                               {&str_ordinal, "_ordinal"}, {&str_enter, "__enter__"}, {&str_exit, "__exit__"},
-                              {&str_use, "use"}}) {
+                              {&str_use, "use"}, {&str_dict, "__dict__"}, {&str_pending, "pending"},
+                              {&str_finish, "finish"}, {&str_stream, "_stream"}, {&str_device, "_device"},
+                              {&str_require_current, "_require_current"}}) {
     *target = PyUnicode_InternFromString(text);
     if (!*target) return -1;
   }

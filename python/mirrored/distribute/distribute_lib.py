@@ -85,12 +85,13 @@ class _Group(_Rendezvous):
     """
 
     def __init__(self, n: int):
-        super().__init__(n, _Aborted, tracing, _traced_exchange)
+        # (`stack`: where exchange()'s `context` is checked to be the thread's current replica context.)
+        super().__init__(n, _Aborted, tracing, _traced_exchange, (_local, "stack"))
 
 
-def _traced_exchange(group, rid, kind, payload, combine):
+def _traced_exchange(group, rid, kind, payload, combine, context=None):
     with replica_wait(rid, kind):  # shows each replica's wait for the slowest one
-        return group._exchange(rid, kind, payload, combine)
+        return group._exchange(rid, kind, payload, combine, context)
 
 
 # --- replica context -----------------------------------------------------------------------
@@ -214,10 +215,11 @@ class ReplicaContext:
 
     def _collective(self, kind: str, value, combine):
         """Runs ``combine`` (see :meth:`_combiner`) on ``value``'s leaves, with every replica's."""
+        if type(value) is self._array_type or type(value) is np.ndarray:  # the common case: one array
+            # (The exchange checks that this context is the thread's current one, natively: _require_current.)
+            return self._group.exchange(self._local_replica_id, kind, value, combine, self)
         if _top().replica_context is not self:
             self._require_current(kind)
-        if type(value) is np.ndarray or type(value) is self._array_type:  # the common case: one array
-            return self._group.exchange(self._local_replica_id, kind, value, combine)
         # A variable is read here, in its replica (its own copy, as TF converts it to a tensor), not by the
         # replica that combines.
         leaves = [_read(leaf) for leaf in flatten(value)]
@@ -240,13 +242,8 @@ class ReplicaContext:
                 if combine is not None:
                     self._latest = name, combine
             if combine is not None:
-                try:  # (_collective's first case, its _top() inlined)
-                    stack = _local.stack
-                except AttributeError:  # (a thread outside any strategy: _collective reports it)
-                    stack = None
-                if (type(value) is np.ndarray or type(value) is self._array_type) and stack and \
-                        stack[-1].replica_context is self:
-                    return self._group.exchange(self._local_replica_id, "all_reduce", value, combine)
+                if type(value) is self._array_type or type(value) is np.ndarray:  # (_collective's first case)
+                    return self._group.exchange(self._local_replica_id, "all_reduce", value, combine, self)
                 return self._collective("all_reduce", value, combine)
         op = as_reduce_op(reduce_op)
         check_options(options)

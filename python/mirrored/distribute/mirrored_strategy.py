@@ -253,7 +253,9 @@ class _ReplicaPool:
             self._done.acquire()
         self._inflight = False
 
-    def run(self, replica_fn) -> list:
+    def run(self, replica_fn, body=None) -> list:
+        """``[replica_fn(i) for every i]``; ``body``: the rendezvous' native GPU replicas' part of this run
+        (_Group.reset's), which runs replica i instead of ``replica_fn(i)`` outside md.function."""
         me = threading.get_ident()
         if me == self._caller or me in self._worker_ids:
             # e.g. strategy.run inside a merge_fn: waiting for our own replicas would never end.
@@ -279,7 +281,7 @@ class _ReplicaPool:
             mine, claims, arrived = object(), {}, [False] * self.n
             # The rendezvous runs each replica (run_replica: the result, or the error, kept in these lists)
             # and claims replicas for the caller, woken threads claiming theirs in `claims`.
-            group.reset(idle, replica_fn, self._results, self._errors, claims, mine, arrived, woken)
+            group.reset(idle, replica_fn, self._results, self._errors, claims, mine, arrived, woken, body)
             self._mine, self._arrived = mine, arrived
             self._claims = claims  # last: a thread that sees it sees the rest of this run
             # From here on every path leaves the pool consistent, whatever a
@@ -436,8 +438,9 @@ def _blas_controllers() -> list:
 
 class _GpuReplicaScope:
     """A GPU replica's device and CUDA device and stream, made once (entered by one replica at a time,
-    and only by the replica pool's runs: ``MirroredExtended._call_for_each_replica`` enters it, runs the
-    replica's function and leaves it, in the replica's one Python frame).
+    and only by the replica pool's runs: the rendezvous enters it, runs the replica's function and leaves
+    it, natively (``_Group.gpu_body``); inside md.function ``MirroredExtended._call_for_each_replica`` does,
+    in the replica's one Python frame).
 
     Its stream is entered as CuPy's ``with stream`` does (pushed on the
     thread's stack), so that ``with`` blocks inside the replica unwind to it.
@@ -455,6 +458,10 @@ class _GpuReplicaScope:
     """
 
     __slots__ = ("_ordinal", "_device", "_runtime", "_stream", "_replica_id", "_shares_gpu", "_entry")
+
+    # What a GPU replica sets on its thread ((local, name) pairs, in the order the rendezvous' gpu_body takes
+    # them): its context stack, md device and name scope, and the running scope (_GpuThreadState).
+    LOCALS = ((_local, "stack"), (_device_local, "device"), (_scope_local, "scope"), (_running, "scope"))
 
     def __init__(self, device, replica_id: int, shares_gpu: bool):
         self._ordinal = device_util.physical_ordinal(device)
@@ -513,6 +520,7 @@ class MirroredExtended(StrategyExtended):
         weakref.finalize(container_strategy, self._pool.close)
         self._replica_contexts = None
         self._scopes = None
+        self._gpu_body = False  # the rendezvous runs the GPU replicas (see _replica_scopes)
         self._native_all_reduces = {}  # id(ReduceOp) -> _native_replica_all_reduce's answer (False: none)
 
     def _contexts(self) -> list:
@@ -531,8 +539,12 @@ class MirroredExtended(StrategyExtended):
         """Each replica's _GpuReplicaScope (None: a CPU replica, whose device is all it enters)."""
         if self._scopes is None:
             ordinals = self._ordinals
-            self._scopes = [_GpuReplicaScope(d, i, ordinals.count(o) > 1) if o is not None else None
-                            for i, (d, o) in enumerate(zip(self._local_devices, ordinals))]
+            scopes = [_GpuReplicaScope(d, i, ordinals.count(o) > 1) if o is not None else None
+                      for i, (d, o) in enumerate(zip(self._local_devices, ordinals))]
+            if None not in scopes:  # every replica on a GPU: the rendezvous runs what `replica` does, outside md.function
+                self._pool.group.gpu_body(_Context, _GpuReplicaScope.LOCALS, scopes, _gpu, _gpu.raise_if_out_of_memory)
+                self._gpu_body = True
+            self._scopes = scopes
         return self._scopes
 
     def _call_for_each_replica(self, fn, args, kwargs):
@@ -576,8 +588,8 @@ class MirroredExtended(StrategyExtended):
                 finally:
                     if order is not None and order.pending:  # (beside GPU replicas: see below)
                         order.finish(i)
-            # A GPU replica: its _GpuReplicaScope entered, the function run and the scope left, in this one
-            # frame (a method of the scope's would be a second Python call every replica).
+            # A GPU replica inside md.function (outside, the rendezvous runs the same natively: gpu_body): its
+            # _GpuReplicaScope entered, the function run and the scope left, in this one frame.
             try:
                 step, ordinal, runtime = _gpu._step, scope._ordinal, scope._runtime  # (step_scope(), inlined)
                 origin = memory = None
@@ -621,13 +633,15 @@ class MirroredExtended(StrategyExtended):
                 if order.pending:  # (work handed to it to let go: rare)
                     order.finish(i)
 
+        # The same, natively, for GPU replicas outside md.function (`replica` runs inside it).
+        body = (fn, column, arguments, strategy, contexts, name_scope) if self._gpu_body else None
         across = self._across_gpus
         if across is None:
-            results = self._pool.run(replica)
+            results = self._pool.run(replica, body)
         else:
             across.join()
             try:
-                results = self._pool.run(replica)
+                results = self._pool.run(replica, body)
             finally:  # (also when a replica raised: the caller may drop arrays replicas still read)
                 across.join()
         return regroup(results, devices=self._local_devices, array_type=contexts[0]._array_type)
