@@ -307,15 +307,6 @@ def test_ordered_on_replica_and_current_streams():
         assert float(y[0].sum()) == 2.0 * (1 << 20)
 
 
-def test_prefetch_copies_asynchronously():
-    host = np.arange(1 << 16, dtype=np.float32).reshape(256, 256)
-    s = _gpu.replica_stream(0, 0)
-    dev = _gpu.to_device_async(host, 0, s)
-    s.synchronize()
-    np.testing.assert_array_equal(cupy.asnumpy(dev), host)
-    assert _gpu.to_device_async(np.zeros((0, 3), np.int8), 0).shape == (0, 3)
-
-
 def test_logical_gpu_configuration_maps_to_physical():
     try:
         config.set_logical_device_configuration("GPU", 0, count=2)
