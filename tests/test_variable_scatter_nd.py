@@ -191,6 +191,17 @@ def test_bad_input_raises_naming_the_argument_and_writes_nothing(name):
     np.testing.assert_array_equal(v.numpy(), BASE)
 
 
+@pytest.mark.parametrize("method", ["scatter_max", "scatter_min"])
+@pytest.mark.parametrize("dtype", [np.bool_, np.complex64, np.complex128])
+def test_row_max_and_min_of_bool_or_complex_are_refused_as_tf_refuses_them(dtype, method):
+    """TF 2.21 has no ResourceScatterMax/Min kernel for bool or complex (InvalidArgumentError): a TypeError
+    naming the method and the fix, before anything is written, as scatter_nd_max/min give."""
+    v = md.Variable(np.zeros(2, dtype))
+    with pytest.raises(TypeError, match=f"dtype {np.dtype(dtype).name} has no {method}"):
+        getattr(v, method)(md.IndexedSlices(np.ones(1, dtype), np.array([1])))
+    np.testing.assert_array_equal(v.numpy(), np.zeros(2, dtype))
+
+
 @pytest.mark.parametrize("name", CONVERTED)
 def test_updates_convert_as_tf_converts_them(name):
     initial, updates = CONVERTED[name]()

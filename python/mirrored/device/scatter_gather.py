@@ -189,8 +189,9 @@ def batch_plan(value, indices, slices, name: str):
                            ("sparse_delta.indices", "sparse_delta.values"))
 
 
-def row_plan(value, indices, slices, name: str):
+def row_plan(value, method: str, op: str, indices, slices, name: str):
     """:func:`scatter_nd_plan` for the row scatters (``scatter_add(IndexedSlices)``): 1-D indices of rows."""
+    _check_kernel(method, op, value.dtype)
     indices = index_array(indices, value, "sparse_delta.indices")
     _check_rows(indices, value.shape[0], "sparse_delta", name)
     return indices, _operand(slices, value, "sparse_delta.values")

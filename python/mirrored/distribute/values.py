@@ -538,8 +538,9 @@ class DeviceVariable(Variable):
 
     def _scatter(self, method: str, sparse_delta):
         _check_sparse_delta(self, sparse_delta, method)
-        self._apply(_SCATTERS[method], scatter_gather.row_plan(self._value, sparse_delta.indices,
-                                                               sparse_delta.values, self._name))
+        op = _SCATTERS[method]
+        self._apply(op, scatter_gather.row_plan(self._value, method, op, sparse_delta.indices,
+                                                sparse_delta.values, self._name))
         return self
 
     def _scatter_nd(self, method: str, indices, updates):
