@@ -191,3 +191,22 @@ def test_cupy_stand_in_refuses_ufunc_at_as_cupy_does():
         cupy.maximum.at(held, cupy.asarray(np.array([0, 1, 2])), cupy.asarray(np.array([5.0, np.nan, 1 + 2.0 ** -40],
                                                                                     dtype)))
         np.testing.assert_array_equal(cupy.asnumpy(held), [5.0, 1.0, 1.0])  # fmaxf: a NaN loses, float64 rounds
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64", "uint64"])
+def test_integer_div_on_gpu_copies_rounds_toward_zero_exactly(dtype):
+    """Large integers divided in turn on the copies' GPUs: C's quotient exactly (a float64 one is not)."""
+    info = np.iinfo(dtype)
+    initial = np.array([info.max, info.min, info.max - 12345, 7], dtype)
+    divisors = np.array([3, 7, 5, 2, 3], dtype) if info.min == 0 else np.array([3, -7, 5, -2, 3], dtype)
+    rows = np.array([0, 1, 2, 0, 3])
+    want = [int(x) for x in initial]
+    for r, d in zip(rows, divisors):
+        q = abs(want[r]) // abs(int(d))
+        want[r] = q if (want[r] < 0) == (int(d) < 0) else -q
+    with gpu_pair(), mirrored_strategy(2) as strategy:
+        v = _gpu_variable(strategy, initial)
+        strategy.extended.update(v, lambda c: c.scatter_div(md.IndexedSlices(cupy.asarray(divisors),
+                                                                           cupy.asarray(rows))))
+        for copy in _copies(v):
+            assert copy.tolist() == want

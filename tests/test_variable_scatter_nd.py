@@ -202,6 +202,31 @@ def test_row_max_and_min_of_bool_or_complex_are_refused_as_tf_refuses_them(dtype
     np.testing.assert_array_equal(v.numpy(), np.zeros(2, dtype))
 
 
+def _c_divide(a: int, b: int) -> int:
+    """C's (and TF's) integer division: the quotient rounded toward zero."""
+    q = abs(a) // abs(b)
+    return q if (a < 0) == (b < 0) else -q
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.int64, np.uint8, np.uint64])
+def test_integer_scatter_div_rounds_toward_zero_exactly_at_every_magnitude(dtype):
+    """TF divides integer variables as C does, exactly: a float64 quotient is wrong above 2**53."""
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(3)
+    initial = rng.integers(info.min, info.max, 6, dtype=dtype, endpoint=True)
+    initial[0] = info.max  # (2**63 - 1 for int64: no float64 holds it)
+    divisors = rng.integers(1, 7, 9).astype(dtype)
+    if info.min < 0:
+        divisors[::2] = (-divisors[::2].astype(np.int64)).astype(dtype)
+    rows = np.array([0, 3, 0, 5, 1, 0, 2, 4, 3])  # row 0 three times: in turn
+    expected = [int(x) for x in initial]
+    for r, d in zip(rows, divisors):
+        expected[r] = _c_divide(expected[r], int(d))
+    v = md.Variable(initial)
+    v.scatter_div(md.IndexedSlices(divisors, rows))
+    assert v.numpy().tolist() == expected
+
+
 @pytest.mark.parametrize("name", CONVERTED)
 def test_updates_convert_as_tf_converts_them(name):
     initial, updates = CONVERTED[name]()

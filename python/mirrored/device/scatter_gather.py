@@ -212,8 +212,32 @@ def apply(buffer, op: str, rows, slices) -> None:
     with np.errstate(all="ignore"):
         if ufunc is None:
             flat[rows] = slices
+        elif op == "div" and buffer.dtype.kind in "iu":
+            _host_divide_in_turn(flat, np.asarray(rows, np.int64).reshape(-1), slices)
         else:
             getattr(np, ufunc).at(flat, rows, slices)
+
+
+def truncating_divide(xp, a, b):
+    """``a / b`` of integers as TF's integer division gives it (C's: rounded toward zero), exact at every
+    magnitude (a float64 quotient is not above 2**53); a zero divisor gives 0."""
+    q = xp.floor_divide(a, b)
+    if np.dtype(a.dtype).kind == "u":
+        return q
+    inexact = (a - q * b != 0) & ((a < 0) != (b < 0)) & (b != 0)
+    return q + inexact.astype(q.dtype)
+
+
+def _host_divide_in_turn(flat, rows, slices) -> None:
+    """Integer scatter_div: each row divided by its slices in turn (a repeated row once per round)."""
+    order = np.argsort(rows, kind="stable")
+    sorted_rows = rows[order]
+    starts = np.searchsorted(sorted_rows, sorted_rows)  # per sorted slice: where its row's run begins
+    occurrence = np.empty_like(order)
+    occurrence[order] = np.arange(len(rows)) - starts  # per slice: how many earlier slices name its row
+    for k in range(int(occurrence.max(initial=-1)) + 1):
+        now = occurrence == k
+        flat[rows[now]] = truncating_divide(np, flat[rows[now]], slices[now]).astype(flat.dtype)
 
 
 # --- on a GPU --------------------------------------------------------------------------------------------------
@@ -250,8 +274,12 @@ def gpu_apply(buffer, op: str, rows, slices) -> None:
     elif op in ("add", "sub"):
         _gpu_float_sum(flat, op, rows, slices)
     else:  # mul, div
-        ufunc = getattr(cupy, _UFUNCS[op])
-        _gpu_in_turn(flat, rows, slices, group, lambda old, value: ufunc(old, value).astype(flat.dtype))
+        if op == "div" and kind in "iu":
+            combine = lambda old, value: truncating_divide(cupy, old, value).astype(flat.dtype)  # noqa: E731
+        else:
+            ufunc = getattr(cupy, _UFUNCS[op])
+            combine = lambda old, value: ufunc(old, value).astype(flat.dtype)  # noqa: E731
+        _gpu_in_turn(flat, rows, slices, group, combine)
 
 
 def _position(at, group, positions, identity):
