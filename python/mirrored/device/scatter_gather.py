@@ -313,10 +313,7 @@ def _gpu_extremum(flat, op: str, rows, slices, group) -> None:
     maximum when that exceeds the value held, else the value held (a NaN held stays, a NaN update is ignored)."""
     import cupy
 
-    if flat.dtype.kind == "c":
-        raise TypeError(f"scatter_{op}: a variable of dtype {flat.dtype} has no scatter_{op} (TensorFlow has no such "
-                        "kernel); compare real parts first")
-    n = len(rows)
+    n = len(rows)  # (no complex values: the plans refused them, _check_kernel)
     at = cupy.maximum if op == "max" else cupy.minimum
     key = _order_key(slices, op)
     best = cupy.full(key.shape, 0 if op == "max" else _ALL_ONES, np.uint64)

@@ -1499,9 +1499,10 @@ class _Plan:
         Each is one asynchronous copy from pageable host memory: CUDA takes the bytes before the call returns
         (the array may go at once) and, for a copy this small (a few hundred bytes at most), without waiting
         for the stream (measured on an H100: the host still runs hundreds of replays ahead), so the replay
-        keeps nothing. A pinned staging buffer per copy cost every replay an allocation and an event, kept until the copy
-        had run; the first replay after the host waited for the GPU then released all those the host had
-        queued ahead, hundreds, while the GPU had nothing to run (tests/test_function_replay_cost.py)."""
+        keeps nothing. A pinned staging buffer per copy cost every replay an allocation and an event, kept
+        until the copy had run; the first replay after the host waited for the GPU then released all those
+        the host had queued ahead, hundreds, while the GPU had nothing to run
+        (tests/test_function_replay_cost.py)."""
         for buffers in scalars.values():
             for dtype, captured in buffers.items():
                 if captured.rows is not None:
