@@ -51,10 +51,20 @@ NGPU = 0 if cupy is None else SIM_DEVICES if SIMULATED else engine.extension().d
 SKIP_REASON = "no GPU, and this build has no simulated CUDA engine (mirrored._cuda_sim needs the CUDA headers)"
 
 
+def _too_few(count: int) -> str:
+    return f"needs {count} GPUs, this machine has {NGPU}"
+
+
 def needs_gpus(count: int):
     """A mark for a test that needs ``count`` GPUs of its own: the simulated machine has SIM_DEVICES, a real
     machine may have fewer (the test then skips; logical GPUs are gpu_pair's)."""
-    return pytest.mark.skipif(NGPU < count, reason=f"needs {count} GPUs, this machine has {NGPU}")
+    return pytest.mark.skipif(NGPU < count, reason=_too_few(count))
+
+
+def skip_unless_gpus(count: int) -> None:
+    """needs_gpus inside a test (or a fixture) that has just found out how many GPUs it needs."""
+    if NGPU < count:
+        pytest.skip(_too_few(count))
 
 
 @contextlib.contextmanager
@@ -88,8 +98,7 @@ def gpu_pair(kind: str = "logical"):
     """Two GPU devices, /gpu:0 and /gpu:1, for a block: two ``"logical"`` GPUs on GPU 0, or two ``"physical"``
     GPUs (the test skips with fewer). Yields each one's physical ordinal."""
     if kind == "physical":
-        if NGPU < 2:
-            pytest.skip("needs 2 GPUs")
+        skip_unless_gpus(2)
         yield [0, 1]
         return
     config.set_logical_device_configuration("GPU", 0, count=2)
@@ -104,8 +113,7 @@ def physical_gpus(count: int, seed: int = 0):
     """``count`` physical GPUs (peer access between all) for a block: the simulated machine remade with
     that many, and SIM_DEVICES again after; on real GPUs the machine's own (the test skips with fewer)."""
     if not SIMULATED:
-        if NGPU < count:
-            pytest.skip(f"needs {count} GPUs")
+        skip_unless_gpus(count)
         yield
         return
     cupy.configure(count, [(a, b) for a in range(count) for b in range(count) if a != b], seed)
@@ -139,8 +147,8 @@ def layout_strategy(layout: str):
     is skipped where the machine has too few GPUs."""
     kind, n = layout.split("-")
     n = int(n)
-    if kind == "physical" and NGPU < n:
-        pytest.skip(f"needs {n} GPUs")
+    if kind == "physical":
+        skip_unless_gpus(n)
     with mirrored_strategy(n, one_gpu=kind == "logical") as strategy:
         yield strategy
 
