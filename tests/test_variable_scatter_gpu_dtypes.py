@@ -16,6 +16,7 @@ if cupy is None:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 import mirrored as md  # noqa: E402
+from test_variable_scatter_nd import _c_divide  # noqa: E402
 
 DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32",
           "float64", "complex64", "complex128")
@@ -202,8 +203,7 @@ def test_integer_div_on_gpu_copies_rounds_toward_zero_exactly(dtype):
     rows = np.array([0, 1, 2, 0, 3])
     want = [int(x) for x in initial]
     for r, d in zip(rows, divisors):
-        q = abs(want[r]) // abs(int(d))
-        want[r] = q if (want[r] < 0) == (int(d) < 0) else -q
+        want[r] = _c_divide(want[r], int(d))
     with gpu_pair(), mirrored_strategy(2) as strategy:
         v = _gpu_variable(strategy, initial)
         strategy.extended.update(v, lambda c: c.scatter_div(md.IndexedSlices(cupy.asarray(divisors),
