@@ -249,8 +249,11 @@ def _cpu_step_events(replicas: int, n: int, accumulate: bool) -> int:
 @pytest.mark.parametrize("replicas", [1, 2, 4])
 def test_cpu_steps_python_events_do_not_grow_with_the_variables(replicas, accumulate):
     """The variables' and gradients' checks, the pack and the fused update of host replicas run C loops over the
-    lists: the same Python call events for 200 variables as for 20."""
-    assert _cpu_step_events(replicas, 20, accumulate) == _cpu_step_events(replicas, 200, accumulate)
+    lists: no Python call event per variable. One event per variable on one replica alone would add 360 over the
+    two steps; the replica threads' waits on a loaded machine vary the count by a few dozen (seen: 270 against
+    308 beside two busy processes), so the counts may differ by less than one event per added variable."""
+    few, many = _cpu_step_events(replicas, 20, accumulate), _cpu_step_events(replicas, 200, accumulate)
+    assert abs(many - few) < 180, (few, many)
 
 
 def test_steady_steps_still_check_each_gradient():
