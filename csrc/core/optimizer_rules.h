@@ -13,10 +13,12 @@
 #include <cstddef>
 #include <string>
 
+#ifndef MIRRORED_HD
 #if defined(__CUDACC__)
 #define MIRRORED_HD __host__ __device__
 #else
 #define MIRRORED_HD
+#endif
 #endif
 
 namespace mirrored::rules {

@@ -289,6 +289,41 @@ def lamb(w, g, slots, c) -> None:
     w -= update
 
 
+# The order of a sum over a whole variable (csrc/core/variable_sums.h, shared with the kernels).
+SUM_LANES, SUM_GROUP = 8192, 64
+
+
+def variable_sum(x):
+    """The sum of ``x``'s elements (squares: >= 0, inf or NaN) in the kernels' order, a 0-d array of x's dtype:
+    ``min(n, SUM_LANES)`` lanes, lane p adding elements p, p + lanes, ... in turn; the lanes added in groups of
+    ``SUM_GROUP`` in turn, then the groups in turn. Every addition rounds in x's dtype, so NumPy, CuPy and the
+    kernels give the same bits (NumPy's own ``sum`` adds pairwise, in another order)."""
+    xp = array_module(x)
+    flat = x.reshape(-1)
+    n = flat.size
+    if n == 0:
+        return xp.zeros((), x.dtype)
+    lanes = min(n, SUM_LANES)
+    rows = -(-n // lanes)
+    if rows * lanes != n:  # (the last block padded with zeros: s + 0 is s for the terms summed here)
+        flat = xp.concatenate([flat, xp.zeros(rows * lanes - n, x.dtype)])
+    block = flat.reshape(rows, lanes)
+    lane = block[0].copy()
+    for r in range(1, rows):
+        lane += block[r]
+    groups = -(-lanes // SUM_GROUP)
+    if groups * SUM_GROUP != lanes:
+        lane = xp.concatenate([lane, xp.zeros(groups * SUM_GROUP - lanes, x.dtype)])
+    by_group = lane.reshape(groups, SUM_GROUP)
+    group = by_group[:, 0].copy()
+    for j in range(1, SUM_GROUP):
+        group += by_group[:, j]
+    total = group[0].copy()
+    for g in range(1, groups):
+        total += group[g]
+    return total
+
+
 def _rms(x):
     """``sqrt(mean(x * x))`` over every element, in x's dtype."""
     return _sqrt(array_module(x).mean(x * x, dtype=x.dtype))
