@@ -12,10 +12,9 @@ next case in a fresh process.
 """
 
 import json
-import subprocess
 import sys
 
-from recording import logical_cpus, tf, write_reference  # (this folder)
+from recording import logical_cpus, record_in_children, tf, write_reference  # (this folder)
 from record_tf_semantics import TensorFlow
 import tf_differential_cases as cases
 
@@ -32,25 +31,7 @@ def record(n, names):
 
 def record_replicas(n, names):
     """{name: result} of the n-replica cases ``names``, restarting past a case that killed or hung TF."""
-    results = {}
-    while len(results) < len(names):
-        left = [name for name in names if name not in results]
-        proc = subprocess.Popen([sys.executable, __file__, str(n)] + left, stdout=subprocess.PIPE, text=True)
-        try:
-            out, _ = proc.communicate(timeout=TIMEOUT_S)
-            status = proc.returncode
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-            status = "timeout"
-        for line in out.splitlines():
-            name, result = json.loads(line)
-            results[name] = result
-        if status != 0 and len(results) < len(names):
-            culprit = left[len(out.splitlines())]
-            print(f"{culprit}: TF ended with {status}", file=sys.stderr)
-            results[culprit] = {"tf_crashed": status}
-    return results
+    return record_in_children([sys.executable, __file__, str(n)], names, TIMEOUT_S)
 
 
 def main():

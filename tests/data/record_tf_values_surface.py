@@ -11,10 +11,9 @@ and the recording goes on from the next case in a fresh process.
 """
 
 import json
-import subprocess
 import sys
 
-from recording import logical_cpus, tf, write_reference  # (this folder)
+from recording import logical_cpus, record_in_children, tf, write_reference  # (this folder)
 from record_tf_semantics import TensorFlow
 import values_surface_cases as cases
 
@@ -42,25 +41,7 @@ def record(names):
 
 
 def record_kind(names):
-    results = {}
-    while len(results) < len(names):
-        left = [name for name in names if name not in results]
-        proc = subprocess.Popen([sys.executable, __file__] + left, stdout=subprocess.PIPE, text=True)
-        try:
-            out, _ = proc.communicate(timeout=TIMEOUT_S)
-            status = proc.returncode
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-            status = "timeout"
-        for line in out.splitlines():
-            name, result = json.loads(line)
-            results[name] = result
-        if status != 0 and len(results) < len(names):
-            culprit = left[len(out.splitlines())]
-            print(f"{culprit}: TF ended with {status}", file=sys.stderr)
-            results[culprit] = {"tf_crashed": status}
-    return results
+    return record_in_children([sys.executable, __file__], names, TIMEOUT_S)
 
 
 def main():

@@ -56,6 +56,31 @@ def record_by_replicas(script: str, ns) -> dict:
     return out
 
 
+def record_in_children(command: list, names: list, timeout_s: float) -> dict:
+    """{name: result} of the cases ``names``: ``command + names left`` prints one JSON ``[name, result]`` line per
+    case; a child that TF killed or hung is restarted past the case it was on, which is recorded as
+    ``{"tf_crashed": status}``."""
+    results = {}
+    while len(results) < len(names):
+        left = [name for name in names if name not in results]
+        proc = subprocess.Popen(command + left, stdout=subprocess.PIPE, text=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+            status = proc.returncode
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            status = "timeout"
+        for line in out.splitlines():
+            name, result = json.loads(line)
+            results[name] = result
+        if status != 0 and len(results) < len(names):
+            culprit = left[len(out.splitlines())]
+            print(f"{culprit}: TF ended with {status}", file=sys.stderr)
+            results[culprit] = {"tf_crashed": status}
+    return results
+
+
 def write_reference(filename: str, out, **json_options) -> None:
     with open(os.path.join(HERE, filename), "w") as f:
         json.dump(out, f, **json_options)
