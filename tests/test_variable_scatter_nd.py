@@ -17,6 +17,8 @@ from hypothesis import given, settings, strategies as st
 
 import mirrored as md
 
+from variable_scatter_cases import distributed_calls, kinds
+
 with open(os.path.join(os.path.dirname(__file__), "data", "tf_variable_scatter_nd_reference.json")) as _f:
     REF = json.load(_f)
 
@@ -329,25 +331,8 @@ def _slices_of(values, indices):
     return md.IndexedSlices(np.asarray(values, np.float32), np.asarray(indices))
 
 
-CALLS = {
-    "scatter_nd_add": lambda v: v.scatter_nd_add([[1], [3]], np.full((2, 3), 10, np.float32)),
-    "scatter_nd_sub": lambda v: v.scatter_nd_sub([[1], [3]], np.full((2, 3), 10, np.float32)),
-    "scatter_nd_update": lambda v: v.scatter_nd_update([[1], [3]], np.full((2, 3), 10, np.float32)),
-    "scatter_nd_max": lambda v: v.scatter_nd_max([[1], [3]], np.full((2, 3), 10, np.float32)),
-    "scatter_nd_min": lambda v: v.scatter_nd_min([[1], [3]], np.full((2, 3), -10, np.float32)),
-    "batch_scatter_update": lambda v: v.batch_scatter_update(_slices_of(np.full((2, 3), 10), [2, 0])),
-    "scatter_add": lambda v: v.scatter_add(_slices_of(np.full((2, 3), 10), [1, 2])),
-    "scatter_update": lambda v: v.scatter_update(_slices_of(np.full((2, 3), 10), [1, 2])),
-    "scatter_max": lambda v: v.scatter_max(_slices_of(np.full((2, 3), 10), [1, 2])),
-    "sparse_read": lambda v: v.sparse_read([2, 0]),
-    "gather_nd": lambda v: v.gather_nd([[1, 1]]),
-    "is_initialized": lambda v: v.is_initialized(),
-    "read_value_no_copy": lambda v: v.read_value_no_copy(),
-    "is_distributed_variable": lambda v: v.is_distributed_variable,
-}
-KINDS = {"mirrored": (md.VariableSynchronization.ON_WRITE, md.VariableAggregation.NONE),
-         "mirrored_sum": (md.VariableSynchronization.ON_WRITE, md.VariableAggregation.SUM),
-         "on_read_sum": (md.VariableSynchronization.ON_READ, md.VariableAggregation.SUM)}
+CALLS = distributed_calls(_slices_of)
+KINDS = kinds(md)
 
 
 def _deliberate(kind, method, where, n, tf_copies):

@@ -25,6 +25,7 @@ import tempfile
 import numpy as np
 
 from recording import record_by_replicas, tf, write_reference  # (this folder)
+import variable_scatter_cases  # (tests/)
 
 REPLICAS = (1, 2, 4)
 METHODS = ("scatter_nd_add", "scatter_nd_sub", "scatter_nd_update", "scatter_nd_max", "scatter_nd_min")
@@ -222,25 +223,8 @@ def record_plain():
 
 # --- distributed variables ------------------------------------------------------------------------------
 
-DISTRIBUTED_CALLS = {
-    "scatter_nd_add": lambda v: v.scatter_nd_add([[1], [3]], np.full((2, 3), 10, np.float32)),
-    "scatter_nd_sub": lambda v: v.scatter_nd_sub([[1], [3]], np.full((2, 3), 10, np.float32)),
-    "scatter_nd_update": lambda v: v.scatter_nd_update([[1], [3]], np.full((2, 3), 10, np.float32)),
-    "scatter_nd_max": lambda v: v.scatter_nd_max([[1], [3]], np.full((2, 3), 10, np.float32)),
-    "scatter_nd_min": lambda v: v.scatter_nd_min([[1], [3]], np.full((2, 3), -10, np.float32)),
-    "batch_scatter_update": lambda v: v.batch_scatter_update(slices(np.full((2, 3), 10), [2, 0])),
-    "scatter_add": lambda v: v.scatter_add(slices(np.full((2, 3), 10), [1, 2])),
-    "scatter_update": lambda v: v.scatter_update(slices(np.full((2, 3), 10), [1, 2])),
-    "scatter_max": lambda v: v.scatter_max(slices(np.full((2, 3), 10), [1, 2])),
-    "sparse_read": lambda v: v.sparse_read([2, 0]),
-    "gather_nd": lambda v: v.gather_nd([[1, 1]]),
-    "is_initialized": lambda v: v.is_initialized(),
-    "read_value_no_copy": lambda v: v.read_value_no_copy(),
-    "is_distributed_variable": lambda v: v.is_distributed_variable,
-}
-KINDS = {"mirrored": (tf.VariableSynchronization.ON_WRITE, tf.VariableAggregation.NONE),
-         "mirrored_sum": (tf.VariableSynchronization.ON_WRITE, tf.VariableAggregation.SUM),
-         "on_read_sum": (tf.VariableSynchronization.ON_READ, tf.VariableAggregation.SUM)}
+DISTRIBUTED_CALLS = variable_scatter_cases.distributed_calls(slices)
+KINDS = variable_scatter_cases.kinds(tf)
 
 
 def encode_result(strategy, result):
