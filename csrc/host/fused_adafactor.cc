@@ -1,5 +1,5 @@
 // Adafactor on the host: core/adafactor_rule.h's phases with the same orders, each variable in turn and each
-// phase as a loop over contiguous memory (the row, column and RMS sums in the kernels' orders, the rest
+// phase as loops over contiguous memory (the row, column and RMS sums in the kernels' orders, the rest
 // element-wise), so the bits are the GPU's and rules.py's.
 #include "host/fused_adafactor.h"
 
@@ -17,45 +17,89 @@ namespace {
 
 using namespace rules;
 
+// Buffers of one call, grown to the largest variable and reused (the loops below run over them, contiguous and
+// free of branches, so they vectorise).
 template <typename T>
-void update_variable(const FusedEntry<T>& e, const FusedScalars<T>& s, std::vector<T>& scratch) {
+struct Scratch {
+  std::vector<T> lanes, grad, regulated, u, row_sums, col_sums;
+};
+
+template <typename T>
+T* sized(std::vector<T>& v, std::size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// The sums of `rows` rows of `cols` contiguous T's, each in index order (sequential_sum's), eight rows at a time:
+// eight independent chains of additions, whose latencies overlap.
+template <typename T>
+void row_sums(const T* x, std::size_t rows, std::size_t cols, T* out) {
+  constexpr std::size_t kChains = 8;
+  std::size_t i = 0;
+  for (; cols > 0 && i + kChains <= rows; i += kChains) {
+    T s[kChains];
+    for (std::size_t q = 0; q < kChains; ++q) s[q] = x[(i + q) * cols];
+    for (std::size_t j = 1; j < cols; ++j)
+      for (std::size_t q = 0; q < kChains; ++q) s[q] = s[q] + x[(i + q) * cols + j];
+    for (std::size_t q = 0; q < kChains; ++q) out[i + q] = s[q];
+  }
+  for (; i < rows; ++i) out[i] = sequential_sum<T>([&](std::size_t j) { return x[i * cols + j]; }, cols);
+}
+
+template <typename T>
+void update_variable(const FusedEntry<T>& e, const FusedScalars<T>& s, Scratch<T>& scratch) {
   const T* c = s.c;
   const std::size_t n = e.count;
   const FactoredShape& f = e.shape;
   T* const w = e.weight;
   T* const v = e.slots[2];
-  scratch.resize(std::max(sum_lanes(n), f.factored ? f.cols : 0));
+  T* const lanes = sized(scratch.lanes, sum_lanes(n));
+  const T* g = e.grad;
+  if (s.unscale) {  // (a loss-scaled step's gradients, divided first: the GPU's adafactor_grad)
+    T* unscaled = sized(scratch.grad, n);
+    for (std::size_t i = 0; i < n; ++i) unscaled[i] = g[i] / s.loss_scale;
+    g = unscaled;
+  }
   if (e.decay)
     for (std::size_t i = 0; i < n; ++i) w[i] = decayed(w[i], s.weight_decay, s.lr);
-  const T w_sum = variable_sum<T>([&](std::size_t i) { return w[i] * w[i]; }, n, scratch.data());
+  const T w_sum = variable_sum<T>([&](std::size_t i) { return w[i] * w[i]; }, n, lanes);
   const T alpha = maximum(c[kEpsilon2], T(std::sqrt(w_sum / static_cast<T>(n)))) * c[kRho];
-  const auto regulated = [&](std::size_t i) { return adafactor_regulated(e, s, i); };
+  T* const regulated = sized(scratch.regulated, n);
+  if (e.squares != nullptr) {
+    for (std::size_t i = 0; i < n; ++i) regulated[i] = e.squares[i] + c[kEpsilon1];
+  } else {
+    for (std::size_t i = 0; i < n; ++i) regulated[i] = g[i] * g[i] + c[kEpsilon1];
+  }
   if (f.factored) {
     T* const r = e.slots[0];
     T* const col = e.slots[1];
-    T* const sums = scratch.data();  // one batch's column sums, a row at a time (each column in row order)
+    T* const rows = sized(scratch.row_sums, f.batches * f.rows);
+    row_sums(regulated, f.batches * f.rows, f.cols, rows);
+    for (std::size_t q = 0; q < f.batches * f.rows; ++q) r[q] = adafactor_moment(r[q], rows[q], f.cols, c);
+    T* const sums = sized(scratch.col_sums, f.cols);  // one batch's column sums, a row at a time
     for (std::size_t b = 0; b < f.batches; ++b) {
-      const std::size_t first = b * f.rows * f.cols;
-      for (std::size_t i = 0; i < f.rows; ++i) {
-        const std::size_t at = first + i * f.cols;
-        const T row = sequential_sum<T>([&](std::size_t j) { return regulated(at + j); }, f.cols);
-        r[b * f.rows + i] = adafactor_moment(r[b * f.rows + i], row, f.cols, c);
-        for (std::size_t j = 0; j < f.cols; ++j) sums[j] = i == 0 ? regulated(at + j) : sums[j] + regulated(at + j);
-      }
-      for (std::size_t j = 0; j < f.cols; ++j)
-        col[b * f.cols + j] = adafactor_moment(col[b * f.cols + j], f.rows > 0 ? sums[j] : T(0), f.rows, c);
+      const T* x = regulated + b * f.rows * f.cols;
+      for (std::size_t j = 0; j < f.cols; ++j) sums[j] = f.rows > 0 ? x[j] : T(0);
+      for (std::size_t i = 1; i < f.rows; ++i)
+        for (std::size_t j = 0; j < f.cols; ++j) sums[j] = sums[j] + x[i * f.cols + j];
+      T* const cb = col + b * f.cols;
+      for (std::size_t j = 0; j < f.cols; ++j) cb[j] = adafactor_moment(cb[j], sums[j], f.rows, c);
       const T* rb = r + b * f.rows;
       const T mean = sequential_sum<T>([&](std::size_t i) { return rb[i]; }, f.rows) / static_cast<T>(f.rows);
-      for (std::size_t i = 0; i < f.rows; ++i)
-        for (std::size_t j = 0; j < f.cols; ++j) v[first + i * f.cols + j] = (rb[i] / mean) * col[b * f.cols + j];
+      for (std::size_t i = 0; i < f.rows; ++i) {
+        T* const vi = v + (b * f.rows + i) * f.cols;
+        const T ratio = rb[i] / mean;
+        for (std::size_t j = 0; j < f.cols; ++j) vi[j] = ratio * cb[j];
+      }
     }
   } else {
-    for (std::size_t i = 0; i < n; ++i) v[i] = v[i] * c[kBeta2] + regulated(i) * c[kOneMinusBeta2];
+    for (std::size_t i = 0; i < n; ++i) v[i] = v[i] * c[kBeta2] + regulated[i] * c[kOneMinusBeta2];
   }
-  const auto u = [&](std::size_t i) { return adafactor_grad(e, s, i) / std::sqrt(v[i]); };
-  const T u_sum = variable_sum<T>([&](std::size_t i) { return u(i) * u(i); }, n, scratch.data());
+  T* const u = sized(scratch.u, n);
+  for (std::size_t i = 0; i < n; ++i) u[i] = g[i] / std::sqrt(v[i]);
+  const T u_sum = variable_sum<T>([&](std::size_t i) { return u[i] * u[i]; }, n, lanes);
   const T denominator = maximum(T(1), T(std::sqrt(u_sum / static_cast<T>(n))) / c[kClipThreshold]);
-  for (std::size_t i = 0; i < n; ++i) w[i] = w[i] - (u(i) / denominator) * alpha;
+  for (std::size_t i = 0; i < n; ++i) w[i] = w[i] - (u[i] / denominator) * alpha;
 }
 
 }  // namespace
@@ -64,7 +108,8 @@ template <typename T>
 void fused_adafactor(const FusedEntry<T>* entries, std::size_t n, const T* const* others, int more,
                      const FusedScalars<T>& s) {
   constexpr DType dtype = std::is_same_v<T, float> ? DType::kFloat32 : DType::kFloat64;
-  std::vector<T> scratch, sum;
+  Scratch<T> scratch;
+  std::vector<T> sum;
   for (std::size_t k = 0; k < n; ++k) {
     if (others == nullptr) {
       update_variable(entries[k], s, scratch);
