@@ -185,3 +185,54 @@ def test_apply_gradients_runs_one_kernel_call_per_dtype_and_no_per_variable_rule
     assert none == []
     for got, expected in zip(fused, per_variable):
         assert got.tobytes() == expected.tobytes()
+
+
+def train(make_strategy, fused, monkeypatch, steps=4, **kwargs):
+    """``steps`` steps of Adafactor (options ``kwargs``) in ``make_strategy()``'s replicas, on the fused path or
+    variable by variable (``fused=False``: the reference, rules.adafactor, on each variable); every copy of the
+    variables and the optimizer's variables. One variable has a constraint (Keras applies it after the update).
+    Checks that the path taken is the one asked for."""
+    with monkeypatch.context() as m:
+        if not fused:
+            m.setattr(base, "PER_VARIABLE", frozenset((rules.LAMB, rules.ADAFACTOR)))
+        strategy = make_strategy()
+        shapes = [(6, 5), (7,), (2, 3, 4), ()]
+        with strategy.scope():
+            ws = [md.Variable(np.linspace(-1, 1, int(np.prod(s)), dtype=np.float32).reshape(s) + k / 10,
+                              constraint=(lambda x: x * 0.5) if k == 2 else None)
+                  for k, s in enumerate(shapes)]
+            opt = md.optimizers.Adafactor(0.05, weight_decay=0.01, **kwargs)
+        devices = strategy.extended.worker_devices
+        rng = np.random.default_rng(8)
+
+        def step(grads):
+            opt.apply_gradients(zip(grads, ws))
+
+        for _ in range(steps):
+            grads = [md.PerReplica([md.device_util.place(rng.standard_normal(s).astype(np.float32), d)
+                                    for d in devices], devices) for s in shapes]
+            strategy.run(step, args=(grads,))
+        assert [plan.packable for plan in opt._plans.values()] == [fused]
+        return [np.asarray(c.numpy()) for v in ws + list(opt.variables)
+                for c in (v.values if hasattr(v, "values") else (v,))]
+
+
+STRATEGIES = {
+    "mirrored": lambda: md.MirroredStrategy(["/cpu:0", "/cpu:1"]),
+    "central storage": lambda: md.distribute.experimental.CentralStorageStrategy(["/cpu:0", "/cpu:1"]),
+    "one device": lambda: md.distribute.OneDeviceStrategy("/cpu:0"),
+}
+OPTIONS = {"plain": {}, "accumulation": {"gradient_accumulation_steps": 2},
+           "ema": {"use_ema": True, "ema_overwrite_frequency": 3}, "clipnorm": {"clipnorm": 0.5}}
+
+
+@pytest.mark.parametrize("options", sorted(OPTIONS))
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_strategies_and_options_give_the_reference_bits(strategy, options, monkeypatch):
+    """Gradient accumulation, Keras' moving average, clipping, constraints and central storage keep working on the
+    fused path: the same bits as the reference variable by variable."""
+    fused = train(STRATEGIES[strategy], True, monkeypatch, **OPTIONS[options])
+    reference = train(STRATEGIES[strategy], False, monkeypatch, **OPTIONS[options])
+    assert len(fused) == len(reference)
+    for got, expected in zip(fused, reference):
+        assert got.tobytes() == expected.tobytes()

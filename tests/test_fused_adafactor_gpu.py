@@ -18,7 +18,7 @@ from mirrored._core import fused_update as host_fused_update  # noqa: E402
 from mirrored.device import gpu as _gpu  # noqa: E402
 from mirrored.device.dtypes import dtype_code  # noqa: E402
 from mirrored.train.optimizers import base, rules  # noqa: E402
-from test_fused_adafactor import COEFFICIENTS, SHAPES, _variables  # noqa: E402
+from test_fused_adafactor import COEFFICIENTS, OPTIONS, SHAPES, _variables, train  # noqa: E402
 from test_optimizer_gpu import _count_launches  # noqa: E402
 
 # (130, 70) and (9000,): more threads than the simulated grid's 8192, so every phase's grid-stride loop turns
@@ -192,3 +192,24 @@ def test_apply_gradients_on_200_variables_costs_the_same_launches_per_gpu_as_on_
         engine, stand_in = counted[200][0][gpu], counted[200][1][gpu]
         assert engine == 1 + PHASES, f"GPU {gpu}: {engine} engine launches"
         assert stand_in - 200 == counted[2][1][gpu] - 2, f"GPU {gpu}: {stand_in} CuPy kernels for 200 variables"
+
+
+GPU_STRATEGIES = {
+    "mirrored": lambda: md.MirroredStrategy(["/gpu:0", "/gpu:1"]),
+    "central storage": lambda: md.distribute.experimental.CentralStorageStrategy(["/gpu:0", "/gpu:1"]),
+    "central storage on the host": lambda: md.distribute.experimental.CentralStorageStrategy(["/gpu:0", "/gpu:1"],
+                                                                                             "/cpu:0"),
+}
+
+
+@pytest.mark.parametrize("options", sorted(OPTIONS))
+@pytest.mark.parametrize("strategy", sorted(GPU_STRATEGIES))
+def test_gpu_strategies_and_options_give_the_reference_bits(strategy, options, monkeypatch):
+    """Gradient accumulation, Keras' moving average, clipping, constraints and central storage on GPU replicas
+    (the parameters on a GPU or on the host): the fused path's bits are the reference's, variable by variable."""
+    with gpu_pair():
+        fused = train(GPU_STRATEGIES[strategy], True, monkeypatch, **OPTIONS[options])
+        reference = train(GPU_STRATEGIES[strategy], False, monkeypatch, **OPTIONS[options])
+    assert len(fused) == len(reference)
+    for got, expected in zip(fused, reference):
+        assert got.tobytes() == expected.tobytes()
