@@ -76,10 +76,11 @@ struct FusedVariable {
 class AdafactorScratch;
 
 // The device-side table of one device's variables of one dtype, built once
-// per variable set: every step is then a single launch. The gradients come
-// packed, the variables' back to back in table order; the table holds their
-// pointers, so it is uploaded again (on the launch's stream, ordered after
-// the last launch that read it) only when the packed buffer moves.
+// per variable set: every step is then a single launch (Adafactor: one per
+// phase). The gradients come packed, the variables' back to back in table
+// order; the table holds their pointers, so it is uploaded again (on the
+// launch's stream, ordered after the last launch that read it) only when the
+// packed buffer moves.
 class FusedUpdateTable {
  public:
   // `factored`: the variables carry their shapes and the table Adafactor's scratch (cuda/fused_adafactor.h,
@@ -137,8 +138,8 @@ class FusedUpdateTable {
   std::size_t max_count_ = 0;
   std::size_t total_count_ = 0;
   std::vector<std::size_t> offsets_;  // each variable's first element in the packed gradients
-  std::size_t adafactor_work_ = 0;                // rules::adafactor_work's largest over the variables
-  std::unique_ptr<AdafactorScratch> scratch_;      // a factored table's; freed after table_ waited for its user
+  std::size_t adafactor_work_ = 0;              // rules::adafactor_work's largest over the variables
+  std::unique_ptr<AdafactorScratch> scratch_;  // a factored table's; freed after table_ waited for its last user
   std::optional<UploadedTable> table_;  // entries_ FusedEntry<dtype_>; made once the device is current
   const void* grads_ = nullptr;         // the packed gradients the device table points at
   const void* squares_ = nullptr;       // and their squares (null: the kernel squares the gradients)
