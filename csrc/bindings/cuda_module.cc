@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -397,16 +398,35 @@ void def_step_window(py::module_& m) {
            "Waits for the n-th oldest copy in flight (clamped to those in flight), then returns arrived().");
 }
 
+// Variable k's shape as Adafactor factors it (rules::FactoredShape), checked against its count.
+rules::FactoredShape factored_shape(const std::vector<std::size_t>& shape, std::size_t count, std::size_t k) {
+  std::size_t elements = 1;
+  for (std::size_t d : shape) elements *= d;
+  if (elements != count)
+    throw py::value_error("shapes[" + std::to_string(k) + "]: " + std::to_string(elements) +
+                          " elements, counts[" + std::to_string(k) + "] is " + std::to_string(count));
+  rules::FactoredShape f;
+  f.factored = shape.size() >= 2;
+  if (f.factored) {
+    f.rows = shape[shape.size() - 2];
+    f.cols = shape.back();
+    f.batches = 1;
+    for (std::size_t d = 0; d + 2 < shape.size(); ++d) f.batches *= shape[d];
+  }
+  return f;
+}
+
 // The fused optimizer update (cuda/fused_update.h): one table per device and
 // dtype of a variable set, made once by mirrored.train.optimizers; each step
 // is one launch. Pointers arrive as integers, validated by the caller.
 void def_fused_update(py::module_& m) {
   py::class_<cuda::FusedUpdateTable>(m, "FusedUpdateTable", py::module_local())  // local: _cuda and _cuda_sim both bind it
       .def(py::init([](int device, int dtype, const Ptrs& weights, const std::vector<Ptrs>& slots,
-                       const std::vector<std::size_t>& counts, const std::vector<bool>& decay) {
+                       const std::vector<std::size_t>& counts, const std::vector<bool>& decay,
+                       const std::optional<std::vector<std::vector<std::size_t>>>& shapes) {
              const std::size_t n = weights.size();
-             if (slots.size() != n || counts.size() != n || decay.size() != n)
-               throw py::value_error("weights, slots, counts and decay must have one entry per variable");
+             if (slots.size() != n || counts.size() != n || decay.size() != n || (shapes && shapes->size() != n))
+               throw py::value_error("weights, slots, counts, decay (and shapes) must have one entry per variable");
              std::vector<cuda::FusedVariable> variables(n);
              for (std::size_t k = 0; k < n; ++k) {
                if (slots[k].size() > static_cast<std::size_t>(rules::kMaxSlots))
@@ -418,11 +438,15 @@ void def_fused_update(py::module_& m) {
                  v.slots[j] = j < static_cast<int>(slots[k].size()) ? reinterpret_cast<void*>(slots[k][j]) : nullptr;
                v.count = counts[k];
                v.decay = decay[k];
+               if (shapes) v.shape = factored_shape((*shapes)[k], counts[k], k);
              }
-             return std::make_unique<cuda::FusedUpdateTable>(device, dtype_from_code(dtype), variables);
+             return std::make_unique<cuda::FusedUpdateTable>(device, dtype_from_code(dtype), variables,
+                                                             shapes.has_value());
            }),
            py::arg("device"), py::arg("dtype"), py::arg("weights"), py::arg("slots"), py::arg("counts"),
-           py::arg("decay"))
+           py::arg("decay"), py::arg("shapes") = py::none(),
+           "`shapes` (Adafactor's tables): each variable's shape, whose last two axes its factored moments\n"
+           "reduce over (slots r, c and velocity; fewer than 2 dims: velocity only, r and c untouched).")
       .def_property_readonly("device", &cuda::FusedUpdateTable::device)
       .def_property_readonly("total_count", &cuda::FusedUpdateTable::total_count,
                              "Elements of the packed gradients apply() reads.")

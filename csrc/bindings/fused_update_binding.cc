@@ -39,6 +39,42 @@ T* buffer_of(py::handle h, std::size_t count, bool writable, const std::string& 
   return const_cast<T*>(static_cast<const T*>(a.data()));
 }
 
+// A NumPy shape as Python prints it.
+std::string shape_of(const py::array& a) {
+  std::string text = "(";
+  for (py::ssize_t d = 0; d < a.ndim(); ++d) text += (d > 0 ? ", " : "") + std::to_string(a.shape(d));
+  return text + (a.ndim() == 1 ? ",)" : ")");
+}
+
+// Adafactor's entry: the weight's shape (its last two axes factored, the leading ones folded into batches) and
+// its slots r (the shape without its last axis), c (without its second to last) and v (the variable's), checked
+// against it. A variable of fewer than 2 dims has only v: its r and c are Keras' placeholders, never touched.
+template <typename T>
+void factored_slots(FusedEntry<T>& e, const py::array& weight, const py::list& slots, const std::string& at) {
+  mirrored::rules::FactoredShape& f = e.shape;
+  const py::ssize_t nd = weight.ndim();
+  f.factored = nd >= 2;
+  if (f.factored) {
+    f.rows = static_cast<std::size_t>(weight.shape(nd - 2));
+    f.cols = static_cast<std::size_t>(weight.shape(nd - 1));
+    f.batches = 1;
+    for (py::ssize_t d = 0; d + 2 < nd; ++d) f.batches *= static_cast<std::size_t>(weight.shape(d));
+  }
+  const std::size_t counts[] = {f.batches * f.rows, f.batches * f.cols, e.count};
+  const char* what[] = {"r (the variable's shape without its last axis)",
+                        "c (the variable's shape without its second to last axis)", "velocity (the variable's shape)"};
+  for (int j = 0; j < 3; ++j) {
+    e.slots[j] = nullptr;
+    if (!f.factored && j < 2) continue;
+    const std::string where = "slots" + at + "[" + std::to_string(j) + "]";
+    e.slots[j] = buffer_of<T>(slots[j], 0, true, where);
+    const auto size = static_cast<std::size_t>(py::reinterpret_borrow<py::array>(slots[j]).size());
+    if (size != counts[j])
+      throw py::value_error(where + ": " + std::to_string(size) + " elements, Adafactor's " + what[j] + " of a " +
+                            shape_of(weight) + " variable has " + std::to_string(counts[j]));
+  }
+}
+
 // `grads` is a list with one array per variable, one packed array holding them back to back, or a
 // tuple of such lists, one per replica, whose sum (in their order) is each variable's gradient.
 // `squares`: None, or one entry per variable, None or its squared gradient (FusedEntry::squares).
@@ -75,10 +111,14 @@ void apply_typed(int rule, const py::list& weights, const py::object& grads, con
     if (static_cast<int>(var_slots.size()) != num_slots)
       throw py::value_error("slots" + at + ": " + std::to_string(var_slots.size()) + " slots, the rule has " +
                             std::to_string(num_slots));
-    for (int j = 0; j < kMaxSlots; ++j)
-      e.slots[j] = j < num_slots ? buffer_of<T>(var_slots[j], e.count, true, "slots" + at + "[" +
-                                                std::to_string(j) + "]")
-                                 : nullptr;
+    if (rule == static_cast<int>(Rule::kAdafactor)) {
+      factored_slots(e, py::reinterpret_borrow<py::array>(weights[k]), var_slots, at);
+    } else {
+      for (int j = 0; j < kMaxSlots; ++j)
+        e.slots[j] = j < num_slots ? buffer_of<T>(var_slots[j], e.count, true, "slots" + at + "[" +
+                                                  std::to_string(j) + "]")
+                                   : nullptr;
+    }
     e.decay = decay[k];
     if (!squares.is_none() && !py::reinterpret_borrow<py::list>(squares)[k].is_none())
       e.squares = buffer_of<T>(py::reinterpret_borrow<py::list>(squares)[k], e.count, false, "squares" + at);

@@ -42,15 +42,19 @@ enum class Rule : int {
   kAdamax,
   kAdadelta,
   kLion,
-  kFtrl
+  kFtrl,
+  // Rules that reduce over a whole variable: no element-wise functor, kernels of their own (Lamb has none yet).
+  kLamb,
+  kAdafactor  // core/adafactor_rule.h
 };
 
 constexpr int kMaxSlots = 3;
 constexpr int kMaxCoefficients = 9;
 
-// Number of scalars each rule reads (rules.py's coefficients); -1 for a code that is no rule.
+// Number of scalars each rule reads (rules.py's coefficients); -1 for a code that is no rule of a kernel
+// (Lamb: rules.PER_VARIABLE).
 inline int rule_coefficients(int rule) {
-  constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9, 4, 2, 5, 4, 5, 5};
+  constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9, 4, 2, 5, 4, 5, 5, -1, 6};
   constexpr int rules = sizeof(counts) / sizeof(counts[0]);
   return rule >= 0 && rule < rules ? counts[rule] : -1;
 }
@@ -77,12 +81,21 @@ inline int rule_slots(int rule, const double* c) {
     case Rule::kNadam:
     case Rule::kAdamax:
     case Rule::kAdadelta:
-    case Rule::kFtrl: return 2;
-    case Rule::kAdamAmsgrad: return 3;
+    case Rule::kFtrl:
+    case Rule::kLamb: return 2;
+    case Rule::kAdamAmsgrad:
+    case Rule::kAdafactor: return 3;
     case Rule::kRmsprop: return 1 + (c[5] != 0.0) + (c[4] != 0.0);
   }
   return -1;
 }
+
+// A variable's shape as a rule that reduces over its last two axes sees it (Adafactor's factored moments):
+// `batches` (the product of the leading dims) x `rows` x `cols`. Not `factored`: fewer than 2 dims.
+struct FactoredShape {
+  std::size_t batches = 0, rows = 0, cols = 0;
+  bool factored = false;
+};
 
 // One variable of a fused update (one entry of its table): `count` elements of
 // the variable, its gradient and each of its slots (in the rule's order), all
@@ -99,6 +112,7 @@ struct FusedEntry {
   std::size_t count;
   bool decay;  // Keras' decoupled weight decay, w -= w * weight_decay * lr, first
   const T* squares = nullptr;
+  FactoredShape shape{};  // Adafactor's (core/adafactor_rule.h); the element-wise rules ignore it
 };
 
 // The rule's scalars, already in T (rules.py's order for the rule), and the weight decay's.
@@ -442,6 +456,8 @@ MIRRORED_HD inline void visit_rule(Rule rule, const T* c, const Visitor& visit) 
     case Rule::kAdadelta: return visit(Adadelta<T>{});
     case Rule::kLion: return visit(Lion<T>{});
     case Rule::kFtrl: return c[1] == T(0.5) ? visit(Ftrl<T, true>{}) : visit(Ftrl<T, false>{});
+    case Rule::kLamb:
+    case Rule::kAdafactor: return;  // (no element-wise functor: the callers route these to their own kernels)
   }
 }
 

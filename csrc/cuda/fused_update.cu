@@ -7,22 +7,11 @@
 
 #include "cuda/check.h"
 #include "cuda/fused.h"
+#include "cuda/fused_gate.cuh"
 #include "cuda/fused_update.h"
 
 namespace mirrored::cuda {
 namespace {
-
-// The gate's part of the scalars; false when the step is skipped (every thread
-// returns before writing anything).
-template <typename T>
-__device__ bool open_gate(LossScaleGate gate, rules::FusedScalars<T>& scalars) {
-  if (gate.nonfinite != nullptr && *gate.nonfinite != 0) return false;
-  if (gate.scale != nullptr) {
-    scalars.unscale = true;
-    scalars.loss_scale = static_cast<T>(*gate.scale);
-  }
-  return true;
-}
 
 template <typename T>
 __global__ void __launch_bounds__(kFusedThreads)

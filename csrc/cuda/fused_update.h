@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -69,16 +70,23 @@ struct FusedVariable {
   void* slots[rules::kMaxSlots];
   std::size_t count;
   bool decay;
+  rules::FactoredShape shape{};  // a factored table's (Adafactor's)
 };
 
+class AdafactorScratch;
+
 // The device-side table of one device's variables of one dtype, built once
-// per variable set: every step is then a single launch. The gradients come
-// packed, the variables' back to back in table order; the table holds their
-// pointers, so it is uploaded again (on the launch's stream, ordered after
-// the last launch that read it) only when the packed buffer moves.
+// per variable set: every step is then a single launch (Adafactor: one per
+// phase). The gradients come packed, the variables' back to back in table
+// order; the table holds their pointers, so it is uploaded again (on the
+// launch's stream, ordered after the last launch that read it) only when the
+// packed buffer moves.
 class FusedUpdateTable {
  public:
-  FusedUpdateTable(int device, DType dtype, const std::vector<FusedVariable>& variables);
+  // `factored`: the variables carry their shapes and the table Adafactor's scratch (cuda/fused_adafactor.h,
+  // made here once), so that it takes Rule::kAdafactor, in rules::kAdafactorPhases launches a step.
+  FusedUpdateTable(int device, DType dtype, const std::vector<FusedVariable>& variables, bool factored = false);
+  ~FusedUpdateTable();
   FusedUpdateTable(const FusedUpdateTable&) = delete;
   FusedUpdateTable& operator=(const FusedUpdateTable&) = delete;
 
@@ -114,6 +122,10 @@ class FusedUpdateTable {
   template <typename T>
   void point_grads_at(const void* grads, const void* squares);
   void point_and_upload(const void* grads, const void* squares, cudaStream_t stream, LossScaleGate gate);
+  bool nothing_to_do(rules::Rule rule) const;
+  // The rule's launches with host `scalars` (a FusedScalars) or `device_scalars`, the other null.
+  void launch_rule(rules::Rule rule, const void* scalars, const void* device_scalars, int coefficients,
+                   cudaStream_t stream, LossScaleGate gate);
   template <typename T>
   void launch(rules::Rule rule, const std::vector<double>& coefficients, double weight_decay, double lr,
               cudaStream_t stream, LossScaleGate gate);
@@ -126,6 +138,8 @@ class FusedUpdateTable {
   std::size_t max_count_ = 0;
   std::size_t total_count_ = 0;
   std::vector<std::size_t> offsets_;  // each variable's first element in the packed gradients
+  std::size_t adafactor_work_ = 0;              // rules::adafactor_work's largest over the variables
+  std::unique_ptr<AdafactorScratch> scratch_;  // a factored table's; freed after table_ waited for its last user
   std::optional<UploadedTable> table_;  // entries_ FusedEntry<dtype_>; made once the device is current
   const void* grads_ = nullptr;         // the packed gradients the device table points at
   const void* squares_ = nullptr;       // and their squares (null: the kernel squares the gradients)

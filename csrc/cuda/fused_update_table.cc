@@ -8,6 +8,7 @@
 
 #include "cuda/check.h"
 #include "cuda/device.h"
+#include "cuda/fused_adafactor.h"
 #include "cuda/fused_update.h"
 
 namespace mirrored::cuda {
@@ -35,12 +36,14 @@ void fill(void* host_table, const std::vector<FusedVariable>& variables) {
     for (int j = 0; j < rules::kMaxSlots; ++j) e.slots[j] = static_cast<T*>(v.slots[j]);
     e.count = v.count;
     e.decay = v.decay;
+    e.shape = v.shape;
   }
 }
 
 }  // namespace
 
-FusedUpdateTable::FusedUpdateTable(int device, DType dtype, const std::vector<FusedVariable>& variables)
+FusedUpdateTable::FusedUpdateTable(int device, DType dtype, const std::vector<FusedVariable>& variables,
+                                   bool factored)
     : device_(device), dtype_(dtype), entries_(static_cast<int>(variables.size())),
       entry_bytes_(entry_bytes_of(dtype)) {
   check_ordinal(device, "device");
@@ -52,6 +55,14 @@ FusedUpdateTable::FusedUpdateTable(int device, DType dtype, const std::vector<Fu
   DeviceGuard guard;
   MIRRORED_CUDA_CHECK(set_device(device));
   MIRRORED_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device));
+  if (factored) {
+    std::size_t scratch = 0;
+    for (const FusedVariable& v : variables) {
+      scratch += rules::adafactor_scratch_count(v.count, v.shape);
+      adafactor_work_ = std::max(adafactor_work_, rules::adafactor_work(v.count, v.shape));
+    }
+    scratch_ = std::make_unique<AdafactorScratch>(device, scratch * dtype_size(dtype));
+  }
   table_.emplace(device, std::max<std::size_t>(1, variables.size()) * entry_bytes_);
   if (dtype == DType::kFloat32) {
     fill<float>(table_->host(), variables);
@@ -59,6 +70,8 @@ FusedUpdateTable::FusedUpdateTable(int device, DType dtype, const std::vector<Fu
     fill<double>(table_->host(), variables);
   }
 }
+
+FusedUpdateTable::~FusedUpdateTable() = default;
 
 template <typename T>
 void FusedUpdateTable::point_grads_at(const void* grads, const void* squares) {
@@ -88,7 +101,26 @@ void FusedUpdateTable::launch(rules::Rule rule, const std::vector<double>& coeff
   for (std::size_t j = 0; j < coefficients.size(); ++j) s.c[j] = static_cast<T>(coefficients[j]);
   s.weight_decay = static_cast<T>(weight_decay);
   s.lr = static_cast<T>(lr);
-  fused_update(rule, dtype_, table_->device(), entries_, max_count_, &s, sms_, stream, gate);
+  launch_rule(rule, &s, nullptr, 0, stream, gate);
+}
+
+bool FusedUpdateTable::nothing_to_do(rules::Rule rule) const {
+  if (rule != rules::Rule::kAdafactor) return entries_ == 0 || max_count_ == 0;
+  if (!scratch_) throw std::invalid_argument("fused_update: Adafactor on a table made without the variables' shapes");
+  return entries_ == 0 || adafactor_work_ == 0;
+}
+
+void FusedUpdateTable::launch_rule(rules::Rule rule, const void* scalars, const void* device_scalars,
+                                   int coefficients, cudaStream_t stream, LossScaleGate gate) {
+  if (rule == rules::Rule::kAdafactor) {
+    fused_adafactor(dtype_, table_->device(), entries_, adafactor_work_, scratch_->data(), scalars, device_scalars,
+                    coefficients, sms_, stream, gate);
+  } else if (scalars != nullptr) {
+    fused_update(rule, dtype_, table_->device(), entries_, max_count_, scalars, sms_, stream, gate);
+  } else {
+    fused_update_from_device(rule, dtype_, table_->device(), entries_, max_count_, device_scalars, coefficients, sms_,
+                             stream, gate);
+  }
 }
 
 void FusedUpdateTable::apply_captured(rules::Rule rule, const void* grads, const void* device_scalars,
@@ -98,7 +130,7 @@ void FusedUpdateTable::apply_captured(rules::Rule rule, const void* grads, const
   check_squares(squares, gate);
   if (table_->pending() || (captured_ && (grads != grads_ || squares != squares_)))
     throw std::logic_error("fused_update: a captured table serves one capture (make a new table for another)");
-  if (entries_ == 0 || max_count_ == 0) return;
+  if (nothing_to_do(rule)) return;
   if (dtype_ == DType::kFloat32) {
     point_grads_at<float>(grads, squares);
   } else {
@@ -108,8 +140,7 @@ void FusedUpdateTable::apply_captured(rules::Rule rule, const void* grads, const
   squares_ = squares;
   captured_ = true;
   table_->upload_captured(entries_ * entry_bytes_, stream);
-  fused_update_from_device(rule, dtype_, table_->device(), entries_, max_count_, device_scalars, coefficients, sms_,
-                           stream, gate);
+  launch_rule(rule, nullptr, device_scalars, coefficients, stream, gate);
 }
 
 void FusedUpdateTable::check_finite(const void* grads, int* nonfinite, cudaStream_t stream) const {
@@ -136,10 +167,9 @@ void FusedUpdateTable::apply_from_device(rules::Rule rule, const void* grads, co
                                          const void* squares) {
   if (captured_) throw std::logic_error("fused_update: this table belongs to a captured graph");
   if (coefficients > rules::kMaxCoefficients) throw std::invalid_argument("fused_update: too many coefficients");
-  if (entries_ == 0 || max_count_ == 0) return;
+  if (nothing_to_do(rule)) return;
   point_and_upload(grads, squares, stream, gate);
-  fused_update_from_device(rule, dtype_, table_->device(), entries_, max_count_, device_scalars, coefficients, sms_,
-                           stream, gate);
+  launch_rule(rule, nullptr, device_scalars, coefficients, stream, gate);
   table_->used_by(stream);
 }
 
@@ -149,7 +179,7 @@ void FusedUpdateTable::apply(rules::Rule rule, const void* grads, const std::vec
   if (captured_) throw std::logic_error("fused_update: this table belongs to a captured graph");
   if (coefficients.size() > static_cast<std::size_t>(rules::kMaxCoefficients))
     throw std::invalid_argument("fused_update: too many coefficients");
-  if (entries_ == 0 || max_count_ == 0) return;
+  if (nothing_to_do(rule)) return;
   point_and_upload(grads, squares, stream, gate);
   if (dtype_ == DType::kFloat32) {
     launch<float>(rule, coefficients, weight_decay, lr, stream, gate);

@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "core/optimizer_rules.h"
+#include "host/fused_adafactor.h"
 #include "host/reduce_kernels.h"
 
 namespace mirrored::host {
@@ -104,12 +105,14 @@ struct TableLoop {
 
 template <typename T>
 void fused_update(Rule rule, const FusedEntry<T>* entries, std::size_t n, const FusedScalars<T>& s) {
+  if (rule == Rule::kAdafactor) return fused_adafactor<T>(entries, n, nullptr, 0, s);
   rules::visit_rule(rule, s.c, TableLoop<T>{entries, n, s});
 }
 
 template <typename T>
 void fused_update_summed(Rule rule, const FusedEntry<T>* entries, std::size_t n, const T* const* others,
                          int replicas, const FusedScalars<T>& s) {
+  if (rule == Rule::kAdafactor) return fused_adafactor<T>(entries, n, others, replicas - 1, s);
   rules::visit_rule(rule, s.c, TableLoop<T>{entries, n, s, others, replicas - 1});
 }
 

@@ -26,6 +26,7 @@
 
 #include "cuda/fused.h"
 #include "cuda/fused_body.cuh"
+#include "cuda/fused_adafactor.h"
 #include "cuda/fused_update.h"
 #include "cuda/reduce_kernels.h"
 #include "cuda/reduce_ops.cuh"
@@ -1068,6 +1069,52 @@ void loss_scale_step(int* nonfinite, float* scale, long long* counter, long long
                         static_cast<const void*>(counter), static_cast<const void*>(iterations)})
     reachable(p);
   sim::enqueue(stream, [=] { rules::loss_scale_step(nonfinite, scale, counter, iterations, growth_steps, dynamic); });
+}
+
+// Adafactor (cuda/fused_adafactor.h): the .cu's launches, one per phase, each rules::adafactor_phase per
+// thread of the same grid, reading its gate and (from the device) its scalars when it runs.
+void fused_adafactor(DType dtype, const void* table, int entries, std::size_t work, void* scratch,
+                     const void* scalars, const void* device_scalars, int coefficients, int sms, cudaStream_t stream,
+                     LossScaleGate gate) {
+  sim::Lock lock;
+  if (entries == 0 || work == 0) return;
+  if (dtype != DType::kFloat32 && dtype != DType::kFloat64)
+    throw std::invalid_argument("fused_update: the GPU kernel takes float32 and float64");
+  reachable(table);
+  reachable(scratch);
+  if (device_scalars != nullptr) reachable(device_scalars);
+  const int device = sim::current;
+  const unsigned blocks = fused_blocks(work, sms);
+  const auto launch = [&](auto zero) {
+    using T = decltype(zero);
+    rules::FusedScalars<T> given{};  // (kernel arguments are captured at the launch, as CUDA does)
+    if (scalars != nullptr) given = *static_cast<const rules::FusedScalars<T>*>(scalars);
+    for (int phase = 0; phase < rules::kAdafactorPhases; ++phase) {
+      launched(stream);
+      sim::enqueue(stream, [=] {
+        const auto* t = static_cast<const rules::FusedEntry<T>*>(table);
+        const int saved = sim::current;
+        sim::current = device;
+        for (int e = 0; e < entries; ++e) {  // (the table and the pointers it holds, read when the kernel runs)
+          if (t[e].count == 0) continue;
+          reachable(t[e].weight), reachable(t[e].grad), reachable(t[e].slots[2]);
+          if (t[e].squares) reachable(t[e].squares);
+          if (t[e].shape.factored) reachable(t[e].slots[0]), reachable(t[e].slots[1]);
+        }
+        rules::FusedScalars<T> s = device_scalars != nullptr ? scalars_from<T>(device_scalars, coefficients) : given;
+        const bool open = open_gate(gate, s);
+        sim::current = saved;
+        if (!open) return;
+        run_grid(blocks, [&](std::size_t tid, std::size_t stride) {
+          rules::adafactor_phase(phase, t, entries, static_cast<T*>(scratch), s, tid, stride);
+        });
+      });
+    }
+  };
+  if (dtype == DType::kFloat32)
+    launch(float{});
+  else
+    launch(double{});
 }
 
 }  // namespace mirrored::cuda

@@ -65,8 +65,8 @@ from ...distribute import distribute_lib, values
 from ...distribute.options import VariableAggregation
 from ...distribute.reduce_util import ReduceOp
 from ...distribute.values import DistributedValues, DistributedVariable, PerReplica
-from .rules import (EMA, HOST_COEFFICIENTS, PER_VARIABLE, SGD, SQUARING, SquaredGradient, apply as apply_rule,
-                    array_module, ema, weight_decay as apply_weight_decay)
+from .rules import (ADAFACTOR, EMA, HOST_COEFFICIENTS, PER_VARIABLE, SGD, SQUARING, SquaredGradient,
+                    apply as apply_rule, array_module, ema, weight_decay as apply_weight_decay)
 from .schedules import LearningRateSchedule, deserialize as deserialize_schedule, serialize as serialize_schedule
 from .step_window import StepWindow
 
@@ -976,7 +976,7 @@ class _Plan:
         # packs its gradients into a fusion buffer per dtype (allocated once, on its device), and
         # the fused kernel reads the reduced buffer in place.
         kernel = _host_kernel if all(self.host) else _gpu_kernel() if not any(self.host) else None
-        # (A rule that reduces over whole variables has no fused kernel: it runs variable by variable.)
+        # (A rule of rules.PER_VARIABLE has no fused kernel: it runs variable by variable.)
         self.fused = optimizer._rule not in PER_VARIABLE
         self.packable = (kernel is not None and self.fused
                          and all(dtype in _KERNEL_DTYPES for dtype in self.groups))
@@ -1735,15 +1735,18 @@ class _Plan:
         ordinal = device_util.physical_ordinal(self.copies[device][0].device)
         tables = []
         for dtype, indices in self.groups.items():
+            shapes = None
             if accumulators is None:
                 weights = [self.copies[device][k]._value for k in indices]
                 slots = [[s._value for s in self.slots[device][k]] for k in indices]
                 decay = [self.decay[k] for k in indices]
+                if self.rule == ADAFACTOR:  # (its moments reduce over the last two axes: the table needs shapes)
+                    shapes = [w.shape for w in weights]
             else:
                 weights, slots, decay = [accumulators[k] for k in indices], [[]] * len(indices), [False] * len(indices)
             tables.append(module.FusedUpdateTable(
                 ordinal, dtype_code(dtype), [w.data.ptr for w in weights],
-                [[s.data.ptr for s in var_slots] for var_slots in slots], [w.size for w in weights], decay))
+                [[s.data.ptr for s in var_slots] for var_slots in slots], [w.size for w in weights], decay, shapes))
         return tables
 
     def _apply_each(self, device: int, grads, groups: dict) -> None:

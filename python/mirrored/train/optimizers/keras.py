@@ -373,8 +373,8 @@ class Adafactor(Optimizer):
     variable of fewer dimensions int32 scalars as ``r`` and ``c``, and so does this (checkpoints hold them).
 
     The learning rate is capped at ``1 / sqrt(step)`` (``relative_step`` changes nothing in Keras 3.15: the
-    cap applies either way) and scaled by ``max(epsilon_2, rms(w))``. The row and column means make the update
-    run variable by variable (array operations), not in the fused kernel."""
+    cap applies either way) and scaled by ``max(epsilon_2, rms(w))``. The fused update takes it: six phases over
+    every variable of a device and dtype (one launch each on a GPU), see docs/training.md."""
 
     _config_keys = ("beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold", "relative_step")
     _coefficients_use_step = True  # rho_t and beta_2_t follow the step

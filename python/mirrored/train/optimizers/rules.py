@@ -26,10 +26,11 @@ import numpy as np
 # its "gradient" the variable.
 (SGD, SGD_MOMENTUM, SGD_NESTEROV, ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD, EMA, ADAMAX, ADADELTA, LION,
  FTRL) = range(13)
-# Rules that reduce over a whole variable (Lamb's norms, Adafactor's row and column means): no element-wise
-# kernel takes them, they run variable by variable as array operations (NumPy on host, CuPy on a GPU).
+# Rules that reduce over a whole variable (Lamb's norms, Adafactor's row and column means). Adafactor's kernels
+# (csrc/host/fused_adafactor.cc, csrc/cuda/fused_adafactor.cu) walk whole tables in a few phases; a rule in
+# PER_VARIABLE has none and runs variable by variable as array operations (NumPy on host, CuPy on a GPU).
 LAMB, ADAFACTOR = 13, 14
-PER_VARIABLE = frozenset((LAMB, ADAFACTOR))
+PER_VARIABLE = frozenset((LAMB,))
 
 # The positions of the coefficients a rule branches on in Python (RMSprop's momentum and
 # centered, Ftrl's power: 0.5 is a square root): a captured step (md.function) keeps them as
@@ -325,15 +326,36 @@ def variable_sum(x):
 
 
 def _rms(x):
-    """``sqrt(mean(x * x))`` over every element, in x's dtype."""
-    return _sqrt(array_module(x).mean(x * x, dtype=x.dtype))
+    """``sqrt(mean(x * x))`` over every element, in x's dtype: the sum in variable_sum's order, divided by the
+    count."""
+    return _sqrt(variable_sum(x * x) / x.dtype.type(x.size))
+
+
+def _sequential_mean(x, axis: int):
+    """The mean of ``x`` over ``axis`` (-1 or -2): its elements added in index order (every addition rounded in
+    x's dtype, the kernels' order; NumPy's ``mean`` adds pairwise), then divided by their count (0 / 0: NaN, as
+    an empty mean)."""
+    xp = array_module(x)
+    n = x.shape[axis]
+    if n == 0:
+        total = xp.zeros(x.shape[:axis % x.ndim] + x.shape[axis % x.ndim + 1:], x.dtype)
+    elif xp is np:
+        total = np.add.accumulate(x, axis=axis).take(-1, axis=axis)  # (a running sum: one element after another)
+    else:
+        at = (Ellipsis,) + (slice(None),) * (-axis - 1)  # (axis is -1 or -2)
+        total = x[at[:1] + (0,) + at[1:]].copy()
+        for i in range(1, n):
+            total += x[at[:1] + (i,) + at[1:]]
+    total /= x.dtype.type(n)
+    return total
 
 
 def adafactor(w, g, slots, c) -> None:
     """Keras' Adafactor: second moments factored over the last two axes of a variable of 2 or more dimensions
     (``r``: the rows' means, ``c``: the columns', ``v = (r / mean(r)) outer c``), a plain moving average ``v``
     for the others (whose ``r`` and ``c`` are Keras' placeholders, untouched); the step ``g / sqrt(v)`` is
-    clipped to an RMS of ``clip_threshold`` and scaled by ``max(epsilon_2, rms(w)) * rho_t``."""
+    clipped to an RMS of ``clip_threshold`` and scaled by ``max(epsilon_2, rms(w)) * rho_t``. The RMS sums go
+    in variable_sum's order and the means add in index order (_sequential_mean): the kernels' orders."""
     rho_t, epsilon_2, epsilon_1, beta_2_t, one_minus_beta_2_t, clip_threshold = c
     r, col, v = slots
     g, regulated = _split(g)
@@ -342,9 +364,9 @@ def adafactor(w, g, slots, c) -> None:
     regulated += epsilon_1
     if w.ndim >= 2:
         # (The array first in each product: a NumPy scalar on the left would convert a CuPy array.)
-        r[...] = r * beta_2_t + xp.mean(regulated, axis=-1, dtype=w.dtype) * one_minus_beta_2_t
-        col[...] = col * beta_2_t + xp.mean(regulated, axis=-2, dtype=w.dtype) * one_minus_beta_2_t
-        v[...] = (r / xp.mean(r, axis=-1, keepdims=True, dtype=w.dtype))[..., None] * col[..., None, :]
+        r[...] = r * beta_2_t + _sequential_mean(regulated, -1) * one_minus_beta_2_t
+        col[...] = col * beta_2_t + _sequential_mean(regulated, -2) * one_minus_beta_2_t
+        v[...] = (r / _sequential_mean(r, -1)[..., None])[..., None] * col[..., None, :]
     else:
         v[...] = v * beta_2_t + regulated * one_minus_beta_2_t
     u = g / _sqrt(v)
