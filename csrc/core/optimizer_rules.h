@@ -42,7 +42,8 @@ enum class Rule : int {
   kAdamax,
   kAdadelta,
   kLion,
-  kFtrl
+  kFtrl,
+  kLamb  // not element-wise: core/lamb.h's phases, never update_table's walk
 };
 
 constexpr int kMaxSlots = 3;
@@ -50,7 +51,7 @@ constexpr int kMaxCoefficients = 9;
 
 // Number of scalars each rule reads (rules.py's coefficients); -1 for a code that is no rule.
 inline int rule_coefficients(int rule) {
-  constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9, 4, 2, 5, 4, 5, 5};
+  constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9, 4, 2, 5, 4, 5, 5, 6};
   constexpr int rules = sizeof(counts) / sizeof(counts[0]);
   return rule >= 0 && rule < rules ? counts[rule] : -1;
 }
@@ -77,7 +78,8 @@ inline int rule_slots(int rule, const double* c) {
     case Rule::kNadam:
     case Rule::kAdamax:
     case Rule::kAdadelta:
-    case Rule::kFtrl: return 2;
+    case Rule::kFtrl:
+    case Rule::kLamb: return 2;
     case Rule::kAdamAmsgrad: return 3;
     case Rule::kRmsprop: return 1 + (c[5] != 0.0) + (c[4] != 0.0);
   }
@@ -442,6 +444,7 @@ MIRRORED_HD inline void visit_rule(Rule rule, const T* c, const Visitor& visit) 
     case Rule::kAdadelta: return visit(Adadelta<T>{});
     case Rule::kLion: return visit(Lion<T>{});
     case Rule::kFtrl: return c[1] == T(0.5) ? visit(Ftrl<T, true>{}) : visit(Ftrl<T, false>{});
+    case Rule::kLamb: return;  // (its callers run core/lamb.h's phases instead)
   }
 }
 

@@ -6,6 +6,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/lamb.h"
+#include "core/variable_sums.h"
 #include "cuda/check.h"
 #include "cuda/device.h"
 #include "cuda/fused_update.h"
@@ -48,6 +50,8 @@ FusedUpdateTable::FusedUpdateTable(int device, DType dtype, const std::vector<Fu
     offsets_.push_back(total_count_);
     total_count_ += v.count;
     max_count_ = std::max(max_count_, v.count);
+    lanes_ += rules::sum_lanes(v.count);
+    groups_ += rules::sum_groups(rules::sum_lanes(v.count));
   }
   DeviceGuard guard;
   MIRRORED_CUDA_CHECK(set_device(device));
@@ -83,12 +87,31 @@ void check_squares(const void* squares, LossScaleGate gate) {
 
 template <typename T>
 void FusedUpdateTable::launch(rules::Rule rule, const std::vector<double>& coefficients, double weight_decay,
-                              double lr, cudaStream_t stream, LossScaleGate gate) {
+                              double lr, cudaStream_t stream, LossScaleGate gate, LambScratch lamb) {
   rules::FusedScalars<T> s{};
   for (std::size_t j = 0; j < coefficients.size(); ++j) s.c[j] = static_cast<T>(coefficients[j]);
   s.weight_decay = static_cast<T>(weight_decay);
   s.lr = static_cast<T>(lr);
-  fused_update(rule, dtype_, table_->device(), entries_, max_count_, &s, sms_, stream, gate);
+  fused_update(rule, dtype_, table_->device(), entries_, max_count_, &s, sms_, stream, gate, lamb);
+}
+
+FusedUpdateTable::DeviceMemory::~DeviceMemory() {
+  if (data == nullptr) return;
+  DeviceGuard guard;
+  if (set_device(device) == cudaSuccess) cudaFree(data);
+}
+
+LambScratch FusedUpdateTable::lamb_scratch(rules::Rule rule, cudaStream_t stream) {
+  if (rule != rules::Rule::kLamb) return {};
+  if (lamb_sums_.data == nullptr) {  // once per table, never per step
+    const std::size_t size = dtype_ == DType::kFloat32 ? sizeof(float) : sizeof(double);
+    lamb_sums_.data = device_malloc(rules::lamb_scratch_count(entries_, lanes_, groups_) * size, "Lamb's norm sums");
+    lamb_sums_.device = device_;
+  } else if (stream != lamb_stream_) {
+    table_->after_last_use(stream);  // the last update, on another stream, may still read the sums
+  }
+  lamb_stream_ = stream;
+  return {lamb_sums_.data, lanes_, groups_, total_count_};
 }
 
 void FusedUpdateTable::apply_captured(rules::Rule rule, const void* grads, const void* device_scalars,
@@ -109,7 +132,7 @@ void FusedUpdateTable::apply_captured(rules::Rule rule, const void* grads, const
   captured_ = true;
   table_->upload_captured(entries_ * entry_bytes_, stream);
   fused_update_from_device(rule, dtype_, table_->device(), entries_, max_count_, device_scalars, coefficients, sms_,
-                           stream, gate);
+                           stream, gate, lamb_scratch(rule, stream));
 }
 
 void FusedUpdateTable::check_finite(const void* grads, int* nonfinite, cudaStream_t stream) const {
@@ -139,7 +162,7 @@ void FusedUpdateTable::apply_from_device(rules::Rule rule, const void* grads, co
   if (entries_ == 0 || max_count_ == 0) return;
   point_and_upload(grads, squares, stream, gate);
   fused_update_from_device(rule, dtype_, table_->device(), entries_, max_count_, device_scalars, coefficients, sms_,
-                           stream, gate);
+                           stream, gate, lamb_scratch(rule, stream));
   table_->used_by(stream);
 }
 
@@ -151,10 +174,11 @@ void FusedUpdateTable::apply(rules::Rule rule, const void* grads, const std::vec
     throw std::invalid_argument("fused_update: too many coefficients");
   if (entries_ == 0 || max_count_ == 0) return;
   point_and_upload(grads, squares, stream, gate);
+  const LambScratch lamb = lamb_scratch(rule, stream);
   if (dtype_ == DType::kFloat32) {
-    launch<float>(rule, coefficients, weight_decay, lr, stream, gate);
+    launch<float>(rule, coefficients, weight_decay, lr, stream, gate, lamb);
   } else {
-    launch<double>(rule, coefficients, weight_decay, lr, stream, gate);
+    launch<double>(rule, coefficients, weight_decay, lr, stream, gate, lamb);
   }
   table_->used_by(stream);
 }

@@ -976,7 +976,7 @@ class _Plan:
         # packs its gradients into a fusion buffer per dtype (allocated once, on its device), and
         # the fused kernel reads the reduced buffer in place.
         kernel = _host_kernel if all(self.host) else _gpu_kernel() if not any(self.host) else None
-        # (A rule that reduces over whole variables has no fused kernel: it runs variable by variable.)
+        # (A rule that reduces over whole variables without a fused kernel runs variable by variable.)
         self.fused = optimizer._rule not in PER_VARIABLE
         self.packable = (kernel is not None and self.fused
                          and all(dtype in _KERNEL_DTYPES for dtype in self.groups))

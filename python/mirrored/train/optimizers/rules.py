@@ -26,10 +26,11 @@ import numpy as np
 # its "gradient" the variable.
 (SGD, SGD_MOMENTUM, SGD_NESTEROV, ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD, EMA, ADAMAX, ADADELTA, LION,
  FTRL) = range(13)
-# Rules that reduce over a whole variable (Lamb's norms, Adafactor's row and column means): no element-wise
-# kernel takes them, they run variable by variable as array operations (NumPy on host, CuPy on a GPU).
+# Rules that reduce over a whole variable (Lamb's norms, Adafactor's row and column means). Lamb's kernels
+# (csrc/core/lamb.h) add its norms up in variable_sum's order; Adafactor has none yet: it runs variable by
+# variable as array operations (NumPy on host, CuPy on a GPU).
 LAMB, ADAFACTOR = 13, 14
-PER_VARIABLE = frozenset((LAMB, ADAFACTOR))
+PER_VARIABLE = frozenset((ADAFACTOR,))
 
 # The positions of the coefficients a rule branches on in Python (RMSprop's momentum and
 # centered, Ftrl's power: 0.5 is a square root): a captured step (md.function) keeps them as
@@ -270,7 +271,9 @@ def ftrl(w, g, slots, c) -> None:
 
 def lamb(w, g, slots, c) -> None:
     """Keras' Lamb: Adam's moments, the step ``update = (m / (1 - beta_1^t)) / (sqrt(v / (1 - beta_2^t)) + epsilon)``
-    scaled by the trust ratio ``|w| / |update|`` (1 when either norm is 0): ``w -= (ratio * lr) * update``."""
+    scaled by the trust ratio ``|w| / |update|`` (1 when either norm is 0): ``w -= (ratio * lr) * update``. The
+    norms' sums of squares are added up in the kernels' order (:func:`variable_sum`), so the kernels give these
+    bits."""
     one_minus_beta_1, one_minus_beta_2, lr, one_minus_beta_1_power, one_minus_beta_2_power, epsilon = c
     m, v = slots
     _moments(*_split(g), m, v, one_minus_beta_1, one_minus_beta_2)
@@ -279,8 +282,8 @@ def lamb(w, g, slots, c) -> None:
     d += epsilon
     update = m / one_minus_beta_1_power
     update /= d
-    w_norm = xp.sqrt(xp.sum(w * w))
-    g_norm = xp.sqrt(xp.sum(update * update))
+    w_norm = xp.sqrt(variable_sum(w * w))
+    g_norm = xp.sqrt(variable_sum(update * update))
     one = w.dtype.type(1)
     # (Keras' where: both branches computed, 0 / 0 discarded; the norms' dtype is w's.)
     with np.errstate(divide="ignore", invalid="ignore"):
