@@ -86,7 +86,8 @@ struct FusedVariable {
 };
 
 // The device-side table of one device's variables of one dtype, built once
-// per variable set: every step is then a single launch. The gradients come
+// per variable set: every step is then a single launch (Lamb's: kLambLaunches,
+// over a scratch its first update allocates). The gradients come
 // packed, the variables' back to back in table order; the table holds their
 // pointers, so it is uploaded again (on the launch's stream, ordered after
 // the last launch that read it) only when the packed buffer moves.
