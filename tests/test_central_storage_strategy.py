@@ -136,7 +136,8 @@ def test_checkpoint_restores_into_mirrored_variables_and_back(tmp_path):
 
 # --- training -------------------------------------------------------------------------------------------------
 
-OPTIMIZERS = {"sgd": lambda: md.optimizers.SGD(0.1, momentum=0.9), "adam": lambda: md.optimizers.Adam(0.05)}
+OPTIMIZERS = {"sgd": lambda: md.optimizers.SGD(0.1, momentum=0.9), "adam": lambda: md.optimizers.Adam(0.05),
+              "lamb": lambda: md.optimizers.Lamb(0.05, weight_decay=0.1)}
 
 
 def _train(strategy, optimizer, xp=np, steps=4, loss_scale=False, cross_replica=False):

@@ -163,10 +163,10 @@ def test_checkpoint_round_trip(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["Lamb weight_decay clipnorm", "Adafactor weight_decay global_clipnorm",
-                                  "Adafactor use_ema accumulation"])
+@pytest.mark.parametrize("name", ["Lamb weight_decay clipnorm", "Lamb use_ema accumulation", "Lamb float64",
+                                  "Adafactor weight_decay global_clipnorm", "Adafactor use_ema accumulation"])
 def test_gpu_replicas_match_keras_and_the_cpu_replicas(name):
-    """On two (simulated) GPUs the update runs as CuPy array operations, variable by variable."""
+    """On two (simulated) GPUs: Lamb's fused kernels, Adafactor's CuPy array operations variable by variable."""
     from gpu_env import cupy, gpu_pair
 
     with gpu_pair():

@@ -464,7 +464,8 @@ void def_fused_update(py::module_& m) {
            },
            py::arg("rule"), py::arg("grads"), py::arg("coefficients"), py::arg("weight_decay"), py::arg("lr"),
            py::arg("stream"), py::arg("nonfinite") = 0, py::arg("scale") = 0, py::arg("squares") = 0,
-           "Weight decay (where decay[k]) and the rule on every variable, in place, in one launch on `stream`;\n"
+           "Weight decay (where decay[k]) and the rule on every variable, in place, in one launch on `stream`\n"
+           "(Lamb: four, over a scratch buffer its first update allocates);\n"
            "`grads`: the packed gradients (total_count elements, the variables' back to back). A loss-scaled\n"
            "step passes `nonfinite` (a device int32: nonzero skips every write) and `scale` (a device float32\n"
            "each gradient is divided by), both read when the kernel runs. `squares` (optional, packed like\n"

@@ -43,18 +43,17 @@ enum class Rule : int {
   kAdadelta,
   kLion,
   kFtrl,
-  // Rules that reduce over a whole variable: no element-wise functor, kernels of their own (Lamb has none yet).
-  kLamb,
-  kAdafactor  // core/adafactor_rule.h
+  // Rules that reduce over a whole variable: no element-wise functor, kernels of their own.
+  kLamb,      // core/lamb.h's phases
+  kAdafactor  // core/adafactor_rule.h's phases
 };
 
 constexpr int kMaxSlots = 3;
 constexpr int kMaxCoefficients = 9;
 
-// Number of scalars each rule reads (rules.py's coefficients); -1 for a code that is no rule of a kernel
-// (Lamb: rules.PER_VARIABLE).
+// Number of scalars each rule reads (rules.py's coefficients); -1 for a code that is no rule.
 inline int rule_coefficients(int rule) {
-  constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9, 4, 2, 5, 4, 5, 5, -1, 6};
+  constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9, 4, 2, 5, 4, 5, 5, 6, 6};
   constexpr int rules = sizeof(counts) / sizeof(counts[0]);
   return rule >= 0 && rule < rules ? counts[rule] : -1;
 }
@@ -457,7 +456,7 @@ MIRRORED_HD inline void visit_rule(Rule rule, const T* c, const Visitor& visit) 
     case Rule::kLion: return visit(Lion<T>{});
     case Rule::kFtrl: return c[1] == T(0.5) ? visit(Ftrl<T, true>{}) : visit(Ftrl<T, false>{});
     case Rule::kLamb:
-    case Rule::kAdafactor: return;  // (no element-wise functor: the callers route these to their own kernels)
+    case Rule::kAdafactor: return;  // (no element-wise functor: the callers run their own phases)
   }
 }
 

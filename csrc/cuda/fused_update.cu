@@ -1,10 +1,11 @@
 // The fused optimizer update's kernel: a thin __global__ wrapper over
 // rules::update_table (core/optimizer_rules.h), which the host tests run with
-// the same (tid, stride) walk. Compiled without FMA contraction (-fmad=false):
+// the same (tid, stride) walk; and Lamb's four, over core/lamb.h's phases. Compiled without FMA contraction (-fmad=false):
 // every operation rounds on its own, as on the host and in TensorFlow.
 #include <stdexcept>
 #include <string>
 
+#include "core/lamb.h"
 #include "cuda/check.h"
 #include "cuda/fused.h"
 #include "cuda/fused_gate.cuh"
@@ -35,6 +36,53 @@ __global__ void __launch_bounds__(kFusedThreads)
   scalars.lr = device_scalars[coefficients + 1];
   const std::size_t tid = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
   rules::update_table(rule, table, entries, scalars, tid, static_cast<std::size_t>(gridDim.x) * blockDim.x);
+}
+
+// Lamb's phases (core/lamb.h), one kernel each. Every thread reads the gate (a skipped step runs no
+// phase) and, where the phase needs them, the scalars: from `device_scalars` when not null (a captured
+// step's), else those passed.
+template <typename T>
+__device__ bool lamb_scalars(LossScaleGate gate, rules::FusedScalars<T>& scalars, const T* device_scalars,
+                             int coefficients) {
+  if (device_scalars != nullptr) {
+    for (int j = 0; j < coefficients; ++j) scalars.c[j] = device_scalars[j];
+    scalars.weight_decay = device_scalars[coefficients];
+    scalars.lr = device_scalars[coefficients + 1];
+  }
+  return open_gate(gate, scalars);
+}
+
+__device__ inline std::size_t thread_index() { return blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; }
+__device__ inline std::size_t grid_threads() { return static_cast<std::size_t>(gridDim.x) * blockDim.x; }
+
+template <typename T>
+__global__ void __launch_bounds__(kFusedThreads)
+    lamb_lanes_kernel(const rules::FusedEntry<T>* table, int entries, rules::FusedScalars<T> scalars,
+                      const T* device_scalars, int coefficients, LossScaleGate gate, rules::LambSums<T> sums) {
+  if (!lamb_scalars(gate, scalars, device_scalars, coefficients)) return;
+  rules::lamb_lanes(table, entries, scalars, sums, thread_index(), grid_threads());
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kFusedThreads)
+    lamb_groups_kernel(const rules::FusedEntry<T>* table, int entries, LossScaleGate gate, rules::LambSums<T> sums) {
+  if (gate.nonfinite != nullptr && *gate.nonfinite != 0) return;
+  rules::lamb_groups(table, entries, sums, thread_index(), grid_threads());
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kFusedThreads)
+    lamb_ratios_kernel(const rules::FusedEntry<T>* table, int entries, LossScaleGate gate, rules::LambSums<T> sums) {
+  if (gate.nonfinite != nullptr && *gate.nonfinite != 0) return;
+  rules::lamb_ratios(table, entries, sums, thread_index(), grid_threads());
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kFusedThreads)
+    lamb_apply_kernel(const rules::FusedEntry<T>* table, int entries, rules::FusedScalars<T> scalars,
+                      const T* device_scalars, int coefficients, LossScaleGate gate, rules::LambSums<T> sums) {
+  if (!lamb_scalars(gate, scalars, device_scalars, coefficients)) return;
+  rules::lamb_apply(table, entries, scalars, sums, thread_index(), grid_threads());
 }
 
 // Threads that see a non-finite element all store the same 1: no atomics needed.
@@ -86,6 +134,26 @@ void launch_from_device(rules::Rule rule, const void* table, int entries, std::s
   MIRRORED_CUDA_CHECK(cudaGetLastError());
 }
 
+// Lamb's four launches; `scalars` (host) or `device_scalars` (device memory, when not null).
+template <typename T>
+void launch_lamb(const void* table, int entries, const rules::FusedScalars<T>& scalars, const void* device_scalars,
+                 int coefficients, int sms, cudaStream_t stream, LossScaleGate gate, LambScratch lamb) {
+  if (lamb.data == nullptr) throw std::invalid_argument("fused_update: Lamb without its scratch");
+  const auto* t = static_cast<const rules::FusedEntry<T>*>(table);
+  const auto* d = static_cast<const T*>(device_scalars);
+  const rules::LambSums<T> sums{static_cast<T*>(lamb.data), lamb.lanes, lamb.groups};
+  lamb_lanes_kernel<T><<<fused_blocks(lamb.lanes, sms), kFusedThreads, 0, stream>>>(t, entries, scalars, d,
+                                                                                    coefficients, gate, sums);
+  MIRRORED_CUDA_CHECK(cudaGetLastError());
+  lamb_groups_kernel<T><<<fused_blocks(lamb.groups, sms), kFusedThreads, 0, stream>>>(t, entries, gate, sums);
+  MIRRORED_CUDA_CHECK(cudaGetLastError());
+  lamb_ratios_kernel<T><<<fused_blocks(entries, sms), kFusedThreads, 0, stream>>>(t, entries, gate, sums);
+  MIRRORED_CUDA_CHECK(cudaGetLastError());
+  lamb_apply_kernel<T><<<fused_blocks(lamb.count, sms), kFusedThreads, 0, stream>>>(t, entries, scalars, d,
+                                                                                    coefficients, gate, sums);
+  MIRRORED_CUDA_CHECK(cudaGetLastError());
+}
+
 [[noreturn]] void unsupported(DType dtype) {
   throw std::invalid_argument("fused_update: dtype " + std::string(dtype_name(dtype)) +
                               ", the GPU kernel takes float32 and float64");
@@ -95,8 +163,17 @@ void launch_from_device(rules::Rule rule, const void* table, int entries, std::s
 
 void fused_update_from_device(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
                               const void* device_scalars, int coefficients, int sms, cudaStream_t stream,
-                              LossScaleGate gate) {
+                              LossScaleGate gate, LambScratch lamb) {
   if (entries == 0 || max_count == 0) return;
+  if (rule == rules::Rule::kLamb) {
+    switch (dtype) {
+      case DType::kFloat32:
+        return launch_lamb<float>(table, entries, {}, device_scalars, coefficients, sms, stream, gate, lamb);
+      case DType::kFloat64:
+        return launch_lamb<double>(table, entries, {}, device_scalars, coefficients, sms, stream, gate, lamb);
+      default: unsupported(dtype);
+    }
+  }
   switch (dtype) {
     case DType::kFloat32:
       return launch_from_device<float>(rule, table, entries, max_count, device_scalars, coefficients, sms, stream,
@@ -109,8 +186,19 @@ void fused_update_from_device(rules::Rule rule, DType dtype, const void* table, 
 }
 
 void fused_update(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
-                  const void* scalars, int sms, cudaStream_t stream, LossScaleGate gate) {
+                  const void* scalars, int sms, cudaStream_t stream, LossScaleGate gate, LambScratch lamb) {
   if (entries == 0 || max_count == 0) return;
+  if (rule == rules::Rule::kLamb) {
+    switch (dtype) {
+      case DType::kFloat32:
+        return launch_lamb<float>(table, entries, *static_cast<const rules::FusedScalars<float>*>(scalars), nullptr,
+                                  0, sms, stream, gate, lamb);
+      case DType::kFloat64:
+        return launch_lamb<double>(table, entries, *static_cast<const rules::FusedScalars<double>*>(scalars),
+                                   nullptr, 0, sms, stream, gate, lamb);
+      default: unsupported(dtype);
+    }
+  }
   switch (dtype) {
     case DType::kFloat32: return launch<float>(rule, table, entries, max_count, scalars, sms, stream, gate);
     case DType::kFloat64: return launch<double>(rule, table, entries, max_count, scalars, sms, stream, gate);

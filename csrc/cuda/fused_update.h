@@ -1,7 +1,8 @@
 // The fused optimizer update on GPU memory: one launch per device and dtype
 // applies weight decay and an optimizer's rule to every variable and slot of a
 // table (core/optimizer_rules.h: FusedEntry, the multi-tensor-apply way), with
-// the host kernel's element math, so the bits are the host's.
+// the host kernel's element math, so the bits are the host's. Lamb, whose
+// trust ratio needs each variable's norms, takes kLambLaunches instead.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -27,19 +28,32 @@ struct LossScaleGate {
   const float* scale = nullptr;
 };
 
+// Lamb's scratch (core/lamb.h, rules::LambSums' layout): `data`, in memory of
+// the launch's device, holds rules::lamb_scratch_count(entries, lanes, groups)
+// T's, where `lanes` and `groups` are the table's in all (sum_lanes and
+// sum_groups of each entry's count, added up) and `count` its elements in all.
+struct LambScratch {
+  void* data = nullptr;
+  std::size_t lanes = 0, groups = 0, count = 0;
+};
+
+// Launches of one Lamb update (lanes, groups, ratios, apply: core/lamb.h says why four).
+constexpr int kLambLaunches = 4;
+
 // `table`: `entries` FusedEntry<T> in memory of `stream`'s device (uploaded on
 // `stream` before), T from `dtype` (float32 or float64); `max_count`: the
 // largest entry's count (it sizes the grid); `scalars`: a host FusedScalars<T>,
-// passed by value. `sms` bounds the grid.
+// passed by value. `sms` bounds the grid. One launch; Lamb's kLambLaunches
+// over `lamb` (which it needs).
 void fused_update(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
-                  const void* scalars, int sms, cudaStream_t stream, LossScaleGate gate = {});
+                  const void* scalars, int sms, cudaStream_t stream, LossScaleGate gate = {}, LambScratch lamb = {});
 
 // The same, with the scalars read by the kernel from device memory when it
 // runs (a captured step's, refreshed before each replay): `device_scalars`
 // holds `coefficients` T's, then weight decay's rate and lr (rules.py's order).
 void fused_update_from_device(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
                               const void* device_scalars, int coefficients, int sms, cudaStream_t stream,
-                              LossScaleGate gate = {});
+                              LossScaleGate gate = {}, LambScratch lamb = {});
 
 // Sets `*nonfinite` (an int32 in device memory) to 1 when one of the `count`
 // elements of `data` (float32 or float64, e.g. a packed, all-reduced gradient
@@ -76,11 +90,12 @@ struct FusedVariable {
 class AdafactorScratch;
 
 // The device-side table of one device's variables of one dtype, built once
-// per variable set: every step is then a single launch (Adafactor: one per
-// phase). The gradients come packed, the variables' back to back in table
-// order; the table holds their pointers, so it is uploaded again (on the
-// launch's stream, ordered after the last launch that read it) only when the
-// packed buffer moves.
+// per variable set: every step is then a single launch (Lamb: kLambLaunches,
+// over a scratch its first update allocates; Adafactor: one per phase). The
+// gradients come packed, the variables' back to back in table order; the
+// table holds their pointers, so it is uploaded again (on the launch's
+// stream, ordered after the last launch that read it) only when the packed
+// buffer moves.
 class FusedUpdateTable {
  public:
   // `factored`: the variables carry their shapes and the table Adafactor's scratch (cuda/fused_adafactor.h,
@@ -129,6 +144,7 @@ class FusedUpdateTable {
   template <typename T>
   void launch(rules::Rule rule, const std::vector<double>& coefficients, double weight_decay, double lr,
               cudaStream_t stream, LossScaleGate gate);
+  LambScratch lamb_scratch(rules::Rule rule, cudaStream_t stream);
 
   int device_;
   DType dtype_;
@@ -140,6 +156,15 @@ class FusedUpdateTable {
   std::vector<std::size_t> offsets_;  // each variable's first element in the packed gradients
   std::size_t adafactor_work_ = 0;              // rules::adafactor_work's largest over the variables
   std::unique_ptr<AdafactorScratch> scratch_;  // a factored table's; freed after table_ waited for its last user
+  std::size_t lanes_ = 0, groups_ = 0;  // of every variable's sum (core/variable_sums.h), in all: Lamb's scratch
+  // Lamb's scratch (LambScratch::data), made by its first update; freed after table_ (whose
+  // destructor waits for the last launch), so declared before it.
+  struct DeviceMemory {
+    int device = -1;
+    void* data = nullptr;
+    ~DeviceMemory();
+  } lamb_sums_;
+  cudaStream_t lamb_stream_ = nullptr;  // the stream of the last Lamb update
   std::optional<UploadedTable> table_;  // entries_ FusedEntry<dtype_>; made once the device is current
   const void* grads_ = nullptr;         // the packed gradients the device table points at
   const void* squares_ = nullptr;       // and their squares (null: the kernel squares the gradients)

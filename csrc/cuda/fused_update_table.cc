@@ -6,6 +6,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/lamb.h"
+#include "core/variable_sums.h"
 #include "cuda/check.h"
 #include "cuda/device.h"
 #include "cuda/fused_adafactor.h"
@@ -51,6 +53,8 @@ FusedUpdateTable::FusedUpdateTable(int device, DType dtype, const std::vector<Fu
     offsets_.push_back(total_count_);
     total_count_ += v.count;
     max_count_ = std::max(max_count_, v.count);
+    lanes_ += rules::sum_lanes(v.count);
+    groups_ += rules::sum_groups(rules::sum_lanes(v.count));
   }
   DeviceGuard guard;
   MIRRORED_CUDA_CHECK(set_device(device));
@@ -115,12 +119,34 @@ void FusedUpdateTable::launch_rule(rules::Rule rule, const void* scalars, const 
   if (rule == rules::Rule::kAdafactor) {
     fused_adafactor(dtype_, table_->device(), entries_, adafactor_work_, scratch_->data(), scalars, device_scalars,
                     coefficients, sms_, stream, gate);
-  } else if (scalars != nullptr) {
-    fused_update(rule, dtype_, table_->device(), entries_, max_count_, scalars, sms_, stream, gate);
+    return;
+  }
+  const LambScratch lamb = lamb_scratch(rule, stream);
+  if (scalars != nullptr) {
+    fused_update(rule, dtype_, table_->device(), entries_, max_count_, scalars, sms_, stream, gate, lamb);
   } else {
     fused_update_from_device(rule, dtype_, table_->device(), entries_, max_count_, device_scalars, coefficients, sms_,
-                             stream, gate);
+                             stream, gate, lamb);
   }
+}
+
+FusedUpdateTable::DeviceMemory::~DeviceMemory() {
+  if (data == nullptr) return;
+  DeviceGuard guard;
+  if (set_device(device) == cudaSuccess) cudaFree(data);
+}
+
+LambScratch FusedUpdateTable::lamb_scratch(rules::Rule rule, cudaStream_t stream) {
+  if (rule != rules::Rule::kLamb) return {};
+  if (lamb_sums_.data == nullptr) {  // once per table, never per step
+    const std::size_t size = dtype_ == DType::kFloat32 ? sizeof(float) : sizeof(double);
+    lamb_sums_.data = device_malloc(rules::lamb_scratch_count(entries_, lanes_, groups_) * size, "Lamb's norm sums");
+    lamb_sums_.device = device_;
+  } else if (stream != lamb_stream_) {
+    table_->after_last_use(stream);  // the last update, on another stream, may still read the sums
+  }
+  lamb_stream_ = stream;
+  return {lamb_sums_.data, lanes_, groups_, total_count_};
 }
 
 void FusedUpdateTable::apply_captured(rules::Rule rule, const void* grads, const void* device_scalars,

@@ -78,7 +78,7 @@ class UploadedTable {
   // Queues the upload of host()'s first `bytes` on `stream`, after the last
   // launch that used the device table.
   void upload(std::size_t bytes, cudaStream_t stream) {
-    if (pending_) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(stream, used_, 0));
+    after_last_use(stream);
     upload_captured(bytes, stream);
     MIRRORED_CUDA_CHECK(cudaEventRecord(host_[current_].uploaded, stream));
     host_[current_].queued = true;
@@ -87,6 +87,11 @@ class UploadedTable {
   // The same inside a stream capture: no event to wait on or record.
   void upload_captured(std::size_t bytes, cudaStream_t stream) {
     MIRRORED_CUDA_CHECK(cudaMemcpyAsync(device_table_, host(), bytes, cudaMemcpyHostToDevice, stream));
+  }
+
+  // Orders `stream`'s next work after the last launch that used the device table.
+  void after_last_use(cudaStream_t stream) {
+    if (pending_) MIRRORED_CUDA_CHECK(cudaStreamWaitEvent(stream, used_, 0));
   }
 
   // Marks the launch just queued on `stream` as the device table's last user.

@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
+#include "core/lamb.h"
 #include "core/optimizer_rules.h"
+#include "core/variable_sums.h"
 #include "host/fused_adafactor.h"
 #include "host/reduce_kernels.h"
 
@@ -101,10 +104,105 @@ struct TableLoop {
   }
 };
 
+// Lamb's first pass over `n` elements of one lane block (core/lamb.h): weight decay and the moments stored,
+// the squares of the decayed weight and of the update added to lanes 0..n of `lane_w` and `lane_u` (or
+// written there, `First`: the variable's first block). Contiguous elements and lanes: the loop vectorises.
+template <typename T, bool Decay, bool Squares, bool First>
+void lamb_block(std::size_t n, T* __restrict w, const T* __restrict g, T* __restrict m, T* __restrict v,
+                const T* __restrict sq, T* __restrict lane_w, T* __restrict lane_u, const FusedScalars<T> s) {
+  for (std::size_t p = 0; p < n; ++p) {
+    const T wi = Decay ? rules::decayed(w[p], s.weight_decay, s.lr) : w[p];
+    const T gi = g[p];
+    T mi = m[p], vi = v[p];
+    const T u = rules::lamb_moments(gi, Squares ? sq[p] : gi * gi, mi, vi, s.c);
+    w[p] = wi;
+    m[p] = mi;
+    v[p] = vi;
+    lane_w[p] = First ? wi * wi : lane_w[p] + wi * wi;
+    lane_u[p] = First ? u * u : lane_u[p] + u * u;
+  }
+}
+
+template <typename T, bool Decay, bool Squares>
+void lamb_block(bool first, std::size_t n, T* w, const T* g, T* m, T* v, const T* sq, T* lane_w, T* lane_u,
+                const FusedScalars<T>& s) {
+  first ? lamb_block<T, Decay, Squares, true>(n, w, g, m, v, sq, lane_w, lane_u, s)
+        : lamb_block<T, Decay, Squares, false>(n, w, g, m, v, sq, lane_w, lane_u, s);
+}
+
+// The second pass: w -= update * (ratio * lr), the update recomputed from the moments.
+template <typename T>
+void lamb_apply_entry(std::size_t n, T* __restrict w, const T* __restrict m, const T* __restrict v, T ratio_lr,
+                      const FusedScalars<T> s) {
+  for (std::size_t i = 0; i < n; ++i) w[i] = rules::lamb_applied(w[i], m[i], v[i], ratio_lr, s.c);
+}
+
+// The sum of `lanes` lane sums: groups of kSumGroup in lane order, then the groups in order (variable_sums.h).
+template <typename T>
+T lanes_total(const T* lane, std::size_t lanes) {
+  T total = T(0);
+  for (std::size_t g = 0; g < rules::sum_groups(lanes); ++g) {
+    const T s = rules::group_sum(lane, lanes, g);
+    total = g == 0 ? s : total + s;
+  }
+  return total;
+}
+
+// Lamb on one entry, its lanes' sums in `lane` (2 * kSumLanes T's). With `others` (`more` further replicas'
+// gradients), the gradient is summed a kSumBytes block at a time, as update_entry_summed sums it.
+template <typename T, bool Decay>
+void lamb_entry(const FusedEntry<T>& e, const T* const* others, int more, const FusedScalars<T>& s, T* lane) {
+  const std::size_t lanes = rules::sum_lanes(e.count);
+  T* lane_w = lane;
+  T* lane_u = lane + rules::kSumLanes;
+  T* m = e.slots[0];
+  T* v = e.slots[1];
+  for (std::size_t b = 0; b < e.count; b += lanes) {
+    const std::size_t n = std::min(lanes, e.count - b);
+    if (others == nullptr) {
+      if (e.squares != nullptr) {
+        lamb_block<T, Decay, true>(b == 0, n, e.weight + b, e.grad + b, m + b, v + b, e.squares + b, lane_w,
+                                   lane_u, s);
+      } else {
+        lamb_block<T, Decay, false>(b == 0, n, e.weight + b, e.grad + b, m + b, v + b, nullptr, lane_w, lane_u,
+                                    s);
+      }
+      continue;
+    }
+    constexpr std::size_t block = kSumBytes / sizeof(T);
+    constexpr DType dtype = std::is_same_v<T, float> ? DType::kFloat32 : DType::kFloat64;
+    const ReduceKernels& kernels = reduce_kernels();
+    alignas(64) T sum[block];
+    for (std::size_t p = 0; p < n; p += block) {
+      const std::size_t q = std::min(block, n - p), i = b + p;
+      combine(kernels, dtype, ReduceOp::kSum, sum, e.grad + i, others[0] + i, q);
+      for (int r = 1; r < more; ++r) combine(kernels, dtype, ReduceOp::kSum, sum, sum, others[r] + i, q);
+      lamb_block<T, Decay, false>(b == 0, q, e.weight + i, sum, m + i, v + i, nullptr, lane_w + p, lane_u + p, s);
+    }
+  }
+  const T ratio = rules::lamb_ratio(lanes_total(lane_w, lanes), lanes_total(lane_u, lanes));
+  lamb_apply_entry(e.count, e.weight, m, v, ratio * s.c[2], s);
+}
+
+// Lamb on a whole table, entry after entry (each entry's two passes back to back, while it is in cache).
+template <typename T>
+void lamb_table(const FusedEntry<T>* entries, std::size_t n, const T* const* others, int more,
+                const FusedScalars<T>& s) {
+  // The lane sums: one buffer per thread, kept (replica threads call at once; a fresh 128 KiB buffer per
+  // call would be mapped and faulted in at every step).
+  thread_local std::vector<T> lane(2 * rules::kSumLanes);
+  for (std::size_t k = 0; k < n; ++k) {
+    const T* const* mine = others != nullptr ? others + k * more : nullptr;
+    entries[k].decay ? lamb_entry<T, true>(entries[k], mine, more, s, lane.data())
+                     : lamb_entry<T, false>(entries[k], mine, more, s, lane.data());
+  }
+}
+
 }  // namespace
 
 template <typename T>
 void fused_update(Rule rule, const FusedEntry<T>* entries, std::size_t n, const FusedScalars<T>& s) {
+  if (rule == Rule::kLamb) return lamb_table<T>(entries, n, nullptr, 0, s);
   if (rule == Rule::kAdafactor) return fused_adafactor<T>(entries, n, nullptr, 0, s);
   rules::visit_rule(rule, s.c, TableLoop<T>{entries, n, s});
 }
@@ -112,6 +210,7 @@ void fused_update(Rule rule, const FusedEntry<T>* entries, std::size_t n, const 
 template <typename T>
 void fused_update_summed(Rule rule, const FusedEntry<T>* entries, std::size_t n, const T* const* others,
                          int replicas, const FusedScalars<T>& s) {
+  if (rule == Rule::kLamb) return lamb_table<T>(entries, n, others, replicas - 1, s);
   if (rule == Rule::kAdafactor) return fused_adafactor<T>(entries, n, others, replicas - 1, s);
   rules::visit_rule(rule, s.c, TableLoop<T>{entries, n, s, others, replicas - 1});
 }

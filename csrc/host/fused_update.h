@@ -1,7 +1,9 @@
 // The fused optimizer update on host memory: one call applies weight decay and
 // an optimizer's rule to every variable (and its slots) of one device, walking a
 // table of (pointer, count) entries — the multi-tensor-apply way. The table and
-// the element math are core/optimizer_rules.h's, shared with the CUDA kernel.
+// the element math are core/optimizer_rules.h's, shared with the CUDA kernel;
+// Lamb, whose trust ratio needs each variable's norms, takes two passes over
+// each variable (core/lamb.h).
 #pragma once
 
 #include <cstddef>

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "core/lamb.h"
 #include "cuda/fused.h"
 #include "cuda/fused_body.cuh"
 #include "cuda/fused_adafactor.h"
@@ -949,18 +950,64 @@ void gated_update(rules::Rule rule, const void* table, int entries, std::size_t 
   if (open) fused_update_grid<T>(rule, table, entries, max_count, s, blocks, device);
 }
 
+// Lamb's four launches (the .cu's launch_lamb): each phase's body (core/lamb.h) per thread of the same
+// grid, the gate and the scalars (`given`, or read from `device_scalars` when not null) read when it runs.
+template <typename T>
+void lamb_phases(const void* table, int entries, rules::FusedScalars<T> given, const void* device_scalars,
+                 int coefficients, LossScaleGate gate, LambScratch lamb, int sms, cudaStream_t stream) {
+  if (lamb.data == nullptr) throw std::invalid_argument("fused_update: Lamb without its scratch");
+  reachable(lamb.data);
+  const int device = sim::current;
+  const auto* t = static_cast<const rules::FusedEntry<T>*>(table);
+  const rules::LambSums<T> sums{static_cast<T*>(lamb.data), lamb.lanes, lamb.groups};
+  const auto phase = [&](std::size_t work, auto body) {
+    launched(stream);
+    const unsigned blocks = fused_blocks(work, sms);
+    sim::enqueue(stream, [=] {
+      const int saved = sim::current;
+      sim::current = device;
+      // The table is read when the kernel runs, and so are the pointers it holds; the scratch must fit it.
+      std::size_t lanes = 0, groups = 0, count = 0;
+      for (int e = 0; e < entries; ++e) {
+        lanes += rules::sum_lanes(t[e].count);
+        groups += rules::sum_groups(rules::sum_lanes(t[e].count));
+        count += t[e].count;
+        if (!t[e].count) continue;
+        reachable(t[e].weight), reachable(t[e].grad), reachable(t[e].slots[0]), reachable(t[e].slots[1]);
+        if (t[e].squares) reachable(t[e].squares);
+      }
+      if (lanes != lamb.lanes || groups != lamb.groups || count != lamb.count)
+        throw std::logic_error("fused_update: Lamb's scratch does not fit the table");
+      rules::FusedScalars<T> s = device_scalars != nullptr ? scalars_from<T>(device_scalars, coefficients) : given;
+      const bool open = open_gate(gate, s);
+      sim::current = saved;
+      if (open) run_grid(blocks, [&](std::size_t tid, std::size_t stride) { body(s, tid, stride); });
+    });
+  };
+  using S = const rules::FusedScalars<T>&;
+  phase(lamb.lanes, [=](S s, std::size_t tid, std::size_t stride) { rules::lamb_lanes(t, entries, s, sums, tid, stride); });
+  phase(lamb.groups, [=](S, std::size_t tid, std::size_t stride) { rules::lamb_groups(t, entries, sums, tid, stride); });
+  phase(entries, [=](S, std::size_t tid, std::size_t stride) { rules::lamb_ratios(t, entries, sums, tid, stride); });
+  phase(lamb.count, [=](S s, std::size_t tid, std::size_t stride) { rules::lamb_apply(t, entries, s, sums, tid, stride); });
+}
+
 }  // namespace
 
 void fused_update_from_device(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
                               const void* device_scalars, int coefficients, int sms, cudaStream_t stream,
-                              LossScaleGate gate) {
+                              LossScaleGate gate, LambScratch lamb) {
   sim::Lock lock;
   if (entries == 0 || max_count == 0) return;
   if (dtype != DType::kFloat32 && dtype != DType::kFloat64)
     throw std::invalid_argument("fused_update: the GPU kernel takes float32 and float64");
-  launched(stream);
   reachable(table);
   reachable(device_scalars);
+  if (rule == rules::Rule::kLamb) {
+    if (dtype == DType::kFloat32)
+      return lamb_phases<float>(table, entries, {}, device_scalars, coefficients, gate, lamb, sms, stream);
+    return lamb_phases<double>(table, entries, {}, device_scalars, coefficients, gate, lamb, sms, stream);
+  }
+  launched(stream);
   const int device = sim::current;
   const unsigned blocks = fused_blocks(max_count, sms);
   // The scalars (and the gate) are read from device memory when the kernel runs, not at the launch.
@@ -976,13 +1023,20 @@ void fused_update_from_device(rules::Rule rule, DType dtype, const void* table, 
 }
 
 void fused_update(rules::Rule rule, DType dtype, const void* table, int entries, std::size_t max_count,
-                  const void* scalars, int sms, cudaStream_t stream, LossScaleGate gate) {
+                  const void* scalars, int sms, cudaStream_t stream, LossScaleGate gate, LambScratch lamb) {
   sim::Lock lock;
   if (entries == 0 || max_count == 0) return;
   if (dtype != DType::kFloat32 && dtype != DType::kFloat64)
     throw std::invalid_argument("fused_update: the GPU kernel takes float32 and float64");
-  launched(stream);
   reachable(table);
+  if (rule == rules::Rule::kLamb) {
+    if (dtype == DType::kFloat32)
+      return lamb_phases<float>(table, entries, *static_cast<const rules::FusedScalars<float>*>(scalars), nullptr, 0,
+                                gate, lamb, sms, stream);
+    return lamb_phases<double>(table, entries, *static_cast<const rules::FusedScalars<double>*>(scalars), nullptr, 0,
+                               gate, lamb, sms, stream);
+  }
+  launched(stream);
   const int device = sim::current;
   const unsigned blocks = fused_blocks(max_count, sms);
   // Kernel arguments are captured at the launch, as CUDA does; the gate is read when it runs.

@@ -338,7 +338,8 @@ class Ftrl(Optimizer):
 class Lamb(Optimizer):
     """LAMB (You et al., 2019), as ``keras.optimizers.Lamb``: Adam's moments (slots ``momentum`` and
     ``velocity``), each variable's step scaled by the trust ratio ``|w| / |step|``. The ratio needs the norms of
-    whole variables, so the update runs variable by variable (array operations), not in the fused kernel."""
+    whole variables: the fused update takes them in two passes on host and four launches per GPU and dtype
+    (csrc/core/lamb.h), whatever the number of variables."""
 
     _config_keys = ("beta_1", "beta_2", "epsilon")
     _coefficients_use_step = True  # the bias corrections 1 - beta^t

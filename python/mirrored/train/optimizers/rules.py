@@ -26,11 +26,12 @@ import numpy as np
 # its "gradient" the variable.
 (SGD, SGD_MOMENTUM, SGD_NESTEROV, ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD, EMA, ADAMAX, ADADELTA, LION,
  FTRL) = range(13)
-# Rules that reduce over a whole variable (Lamb's norms, Adafactor's row and column means). Adafactor's kernels
-# (csrc/host/fused_adafactor.cc, csrc/cuda/fused_adafactor.cu) walk whole tables in a few phases; a rule in
-# PER_VARIABLE has none and runs variable by variable as array operations (NumPy on host, CuPy on a GPU).
+# Rules that reduce over a whole variable (Lamb's norms, Adafactor's row and column means): their kernels
+# (csrc/core/lamb.h, csrc/core/adafactor_rule.h) walk whole tables in a few phases, every sum in one order
+# (variable_sum's; a mean's in index order). A rule in PER_VARIABLE would run variable by variable as array
+# operations (NumPy on host, CuPy on a GPU), as every rule does for dtypes no kernel takes; none does now.
 LAMB, ADAFACTOR = 13, 14
-PER_VARIABLE = frozenset((LAMB,))
+PER_VARIABLE = frozenset()
 
 # The positions of the coefficients a rule branches on in Python (RMSprop's momentum and
 # centered, Ftrl's power: 0.5 is a square root): a captured step (md.function) keeps them as
@@ -271,7 +272,9 @@ def ftrl(w, g, slots, c) -> None:
 
 def lamb(w, g, slots, c) -> None:
     """Keras' Lamb: Adam's moments, the step ``update = (m / (1 - beta_1^t)) / (sqrt(v / (1 - beta_2^t)) + epsilon)``
-    scaled by the trust ratio ``|w| / |update|`` (1 when either norm is 0): ``w -= (ratio * lr) * update``."""
+    scaled by the trust ratio ``|w| / |update|`` (1 when either norm is 0): ``w -= (ratio * lr) * update``. The
+    norms' sums of squares are added up in the kernels' order (:func:`variable_sum`), so the kernels give these
+    bits."""
     one_minus_beta_1, one_minus_beta_2, lr, one_minus_beta_1_power, one_minus_beta_2_power, epsilon = c
     m, v = slots
     _moments(*_split(g), m, v, one_minus_beta_1, one_minus_beta_2)
@@ -280,8 +283,8 @@ def lamb(w, g, slots, c) -> None:
     d += epsilon
     update = m / one_minus_beta_1_power
     update /= d
-    w_norm = xp.sqrt(xp.sum(w * w))
-    g_norm = xp.sqrt(xp.sum(update * update))
+    w_norm = xp.sqrt(variable_sum(w * w))
+    g_norm = xp.sqrt(variable_sum(update * update))
     one = w.dtype.type(1)
     # (Keras' where: both branches computed, 0 / 0 discarded; the norms' dtype is w's.)
     with np.errstate(divide="ignore", invalid="ignore"):
