@@ -162,7 +162,8 @@ def loss_and_grads(xp, params, x, y, global_batch: int, matmul=operator_matmul):
 
 # --optimizer's Keras classes beside SGD (their default arguments, learning rate 1e-4).
 KERAS_OPTIMIZERS = {"adam": "Adam", "adamax": "Adamax", "adadelta": "Adadelta", "lion": "Lion", "ftrl": "Ftrl",
-                    "nadam": "Nadam", "rmsprop": "RMSprop", "adagrad": "Adagrad", "lamb": "Lamb"}
+                    "nadam": "Nadam", "rmsprop": "RMSprop", "adagrad": "Adagrad", "lamb": "Lamb",
+                    "adafactor": "Adafactor"}
 
 
 def make_optimizer(name: str, accumulate: int | None = None):
@@ -172,11 +173,17 @@ def make_optimizer(name: str, accumulate: int | None = None):
                              gradient_accumulation_steps=accumulate)
 
 
+def _slot(optimizer, slot: str, value: float, param):
+    """The slot ``slot`` of ``param``, a NumPy array of its shape and dtype (Adafactor's factored ones differ)."""
+    shape, dtype = optimizer._slot_shape(slot, param)
+    return np.full(shape, value, dtype)
+
+
 def numpy_rule_step(name: str, params: list, grads: list):
     """The optimizer's own rule as a NumPy loop over the parameters (its Keras sequence, one parameter at a
     time: md.optimizers.rules, the fused kernels' reference), slots in NumPy arrays; a call is one step."""
     optimizer = make_optimizer(name)
-    slots = [[np.full(p.shape, value, p.dtype) for _, value in optimizer._slot_specs] for p in params]
+    slots = [[_slot(optimizer, slot, value, p) for slot, value in optimizer._slot_specs] for p in params]
     t = params[0].dtype.type
     step = [0]
 
