@@ -1800,6 +1800,204 @@ PyType_Slot rv_slots[] = {
 PyType_Spec rv_spec = {"mirrored._core.Rendezvous", sizeof(Rendezvous), 0,
                        Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, rv_slots};
 
+
+// --- md.get_replica_context and a replica context's repeated all_reduce, with no Python frame --------------
+//
+// Every replica's collective starts with these two calls (`md.get_replica_context().all_reduce(op, x)`): two
+// Python frames a replica, about as much host work as the rest of its part in the exchange.
+
+// get_replica_context's state: the thread-local of the context stack. (Its thread's dict is not kept, as
+// the rendezvous keeps its caller's: this getter serves every thread, and a kept dict of a thread that ended
+// would hold that thread's context stack, and with it a strategy, until another thread asks.)
+struct StackTop {
+  PyObject_HEAD
+  PyObject* local;     // context._local
+  PyObject* name;      // "stack"
+  PyObject* fallback;  // () -> the replica context outside any strategy's replica (the default one, or None)
+};
+
+PyTypeObject* stack_top_type;
+
+// get_replica_context(): the top entry's replica context (a _Context is a (strategy, replica context) tuple);
+// the fallback's answer for an empty or unset stack, or an entry of another form.
+PyObject* stack_top_replica_context(PyObject* self, PyObject*) {
+  auto* top = reinterpret_cast<StackTop*>(self);
+  if (!top->local || !top->fallback) {
+    PyErr_SetString(PyExc_RuntimeError, "get_replica_context: its state was cleared (the module is shutting down)");
+    return nullptr;
+  }
+  PyObject* stack = PyObject_GetAttr(top->local, top->name);
+  if (!stack) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return nullptr;
+    PyErr_Clear();  // (a thread that never entered a strategy)
+  }
+  const Py_ssize_t depth = stack && PyList_Check(stack) ? PyList_GET_SIZE(stack) : 0;
+  PyObject* entry = depth ? PyList_GET_ITEM(stack, depth - 1) : nullptr;
+  PyObject* context = entry && PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 2
+                      ? Py_NewRef(PyTuple_GET_ITEM(entry, 1)) : nullptr;
+  Py_XDECREF(stack);
+  return context ? context : PyObject_CallNoArgs(top->fallback);
+}
+
+void stack_top_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  PyObject_GC_UnTrack(self);
+  auto* top = reinterpret_cast<StackTop*>(self);
+  Py_CLEAR(top->local);
+  Py_CLEAR(top->name);
+  Py_CLEAR(top->fallback);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+int stack_top_traverse(PyObject* self, visitproc visit, void* arg) {
+  auto* top = reinterpret_cast<StackTop*>(self);
+  Py_VISIT(Py_TYPE(self));
+  Py_VISIT(top->local);
+  Py_VISIT(top->fallback);
+  return 0;
+}
+
+int stack_top_clear(PyObject* self) {
+  auto* top = reinterpret_cast<StackTop*>(self);
+  Py_CLEAR(top->local);
+  Py_CLEAR(top->fallback);
+  return 0;
+}
+
+PyType_Slot stack_top_slots[] = {
+    {Py_tp_doc, const_cast<char*>("The state of a native md.get_replica_context (replica_context_getter).")},
+    {Py_tp_dealloc, reinterpret_cast<void*>(stack_top_dealloc)},
+    {Py_tp_traverse, reinterpret_cast<void*>(stack_top_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(stack_top_clear)},
+    {0, nullptr}};
+
+PyType_Spec stack_top_spec = {"mirrored._core._StackTop", sizeof(StackTop), 0,
+                              Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, stack_top_slots};
+
+PyMethodDef get_replica_context_def = {
+    "get_replica_context", stack_top_replica_context, METH_NOARGS,
+    "get_replica_context()\n--\n\nThe replica context of this thread; None in cross-replica context; a default one "
+    "outside any strategy."};
+
+// replica_context_getter(local, name, fallback): get_replica_context as a builtin (see the method table).
+PyObject* replica_context_getter(PyObject*, PyObject* args) {
+  PyObject *local, *name, *fallback;
+  if (!PyArg_ParseTuple(args, "OUO:replica_context_getter", &local, &name, &fallback)) return nullptr;
+  auto* top = PyObject_GC_New(StackTop, stack_top_type);
+  if (!top) return nullptr;
+  top->local = Py_NewRef(local);
+  top->name = Py_NewRef(name);
+  top->fallback = Py_NewRef(fallback);
+  PyObject_GC_Track(top);
+  PyObject* module = PyObject_GetAttrString(fallback, "__module__");  // (the getter's module: the fallback's)
+  PyObject* fn = module ? PyCFunction_NewEx(&get_replica_context_def, reinterpret_cast<PyObject*>(top), module) : nullptr;
+  Py_XDECREF(module);
+  Py_DECREF(top);
+  return fn;
+}
+
+// ReplicaContext.all_reduce: a repeated call (the op's name the latest call's, no options, one array of the
+// replicas' own type or NumPy's) goes straight to the exchange, as the Python method's first branch does;
+// every other call is that method's (`slow`, ReplicaContext._all_reduce), which keeps the latest call.
+struct {
+  PyObject* slow = nullptr;       // ReplicaContext._all_reduce
+  PyObject* op_type = nullptr;    // ReduceOp (its members name their op by `_value_`)
+  PyObject* ndarray = nullptr;    // numpy.ndarray
+  PyObject* latest = nullptr;     // interned attribute names
+  PyObject* array_type = nullptr;
+  PyObject* group = nullptr;
+  PyObject* replica = nullptr;
+  PyObject* value = nullptr;
+  PyObject* exchange = nullptr;
+  PyObject* kind = nullptr;       // "all_reduce"
+} all_reduce_parts;
+
+PyObject* replica_all_reduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  auto& p = all_reduce_parts;
+  if (!kwnames && (nargs == 2 || (nargs == 3 && args[2] == Py_None))) {
+    PyObject* name = args[0];
+    if (Py_TYPE(name) == reinterpret_cast<PyTypeObject*>(p.op_type)) name = PyObject_GetAttr(name, p.value);
+    else Py_INCREF(name);
+    if (!name) return nullptr;
+    PyObject* latest = PyObject_GetAttr(self, p.latest);  // (op name, combine) of the latest call
+    PyObject* combine = latest && PyTuple_CheckExact(latest) && PyTuple_GET_SIZE(latest) == 2 &&
+                        PyTuple_GET_ITEM(latest, 0) == name && PyUnicode_CheckExact(name)
+                        ? PyTuple_GET_ITEM(latest, 1) : nullptr;
+    Py_DECREF(name);
+    PyObject* result = nullptr;
+    bool done = !latest;
+    if (combine && combine != Py_None) {
+      PyObject* value = args[1];
+      PyObject* own = PyObject_GetAttr(self, p.array_type);
+      if (!own) {
+        done = true;
+      } else if (reinterpret_cast<PyObject*>(Py_TYPE(value)) == own ||
+                 reinterpret_cast<PyObject*>(Py_TYPE(value)) == p.ndarray) {
+        PyObject* group = PyObject_GetAttr(self, p.group);
+        PyObject* rid = group ? PyObject_GetAttr(self, p.replica) : nullptr;
+        if (rid) {
+          PyObject* call[6] = {group, rid, p.kind, value, combine, self};
+          result = PyObject_VectorcallMethod(p.exchange, call, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+        }
+        Py_XDECREF(rid);
+        Py_XDECREF(group);
+        done = true;
+      }
+      Py_XDECREF(own);
+    }
+    Py_XDECREF(latest);
+    if (done) return result;
+  }
+  // (Every other call: the Python method, with the same arguments.)
+  const Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+  PyObject* small[8];
+  std::vector<PyObject*> large;
+  PyObject** call = small;
+  if (total + 1 > 8) {
+    large.resize(total + 1);
+    call = large.data();
+  }
+  call[0] = self;
+  std::copy(args, args + total, call + 1);
+  return PyObject_Vectorcall(p.slow, call, nargs + 1, kwnames);
+}
+
+PyMethodDef all_reduce_def = {
+    "all_reduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(replica_all_reduce)),
+    METH_FASTCALL | METH_KEYWORDS,
+    "all_reduce($self, reduce_op, value, options=None)\n--\n\nReduce ``value`` (an array or a nested structure of "
+    "arrays) across replicas; all get the result.\n\nAll leaves go through one fused batch all-reduce of the "
+    "strategy's cross-device ops. ``options``: this call's ``CommunicationOptions``, merged over the strategy's "
+    "(docs/multi_worker.md)."};
+
+// replica_all_reduce_method(cls, slow, op_type, ndarray): ReplicaContext.all_reduce (see all_reduce_parts).
+PyObject* replica_all_reduce_method(PyObject*, PyObject* args) {
+  PyObject *cls, *slow, *op_type, *ndarray;
+  if (!PyArg_ParseTuple(args, "O!OO!O!:replica_all_reduce_method", &PyType_Type, &cls, &slow, &PyType_Type, &op_type,
+                        &PyType_Type, &ndarray))
+    return nullptr;
+  auto& p = all_reduce_parts;
+  for (auto [field, value] : {std::pair{&p.slow, slow}, {&p.op_type, op_type}, {&p.ndarray, ndarray}})
+    Py_XSETREF(*field, Py_NewRef(value));
+  for (auto [field, text] : {std::pair{&p.latest, "_latest"}, {&p.array_type, "_array_type"}, {&p.group, "_group"},
+                             {&p.replica, "_local_replica_id"}, {&p.value, "_value_"}, {&p.exchange, "exchange"},
+                             {&p.kind, "all_reduce"}})
+    if (!*field && !(*field = PyUnicode_InternFromString(text))) return nullptr;
+  return PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(cls), &all_reduce_def);
+}
+
+PyMethodDef module_functions[] = {
+    {"replica_context_getter", replica_context_getter, METH_VARARGS,
+     "replica_context_getter(local, name, fallback): md.get_replica_context as a builtin: the replica context of the "
+     "top entry of `local.<name>` (this thread's context stack of (strategy, replica context) tuples), else "
+     "fallback()."},
+    {"replica_all_reduce_method", replica_all_reduce_method, METH_VARARGS,
+     "replica_all_reduce_method(cls, slow, op_type, ndarray): cls.all_reduce as a method descriptor: a repeated call "
+     "(the latest call's op name, no options, one array of cls._array_type or ndarray) goes straight to "
+     "self._group.exchange; every other call is slow(self, ...)."},
+    {nullptr, nullptr, 0, nullptr}};
+
 }  // namespace
 
 int add_rendezvous(PyObject* module) {
@@ -1814,6 +2012,10 @@ int add_rendezvous(PyObject* module) {
     *target = PyUnicode_InternFromString(text);
     if (!*target) return -1;
   }
+  PyObject* top = PyType_FromSpec(&stack_top_spec);
+  if (!top) return -1;
+  stack_top_type = reinterpret_cast<PyTypeObject*>(top);  // (kept for the process: getters made by the module hold it)
+  if (PyModule_AddFunctions(module, module_functions) < 0) return -1;
   PyObject* type = PyType_FromSpec(&rv_spec);
   if (!type) return -1;
   rendezvous_type = reinterpret_cast<PyTypeObject*>(type);  // (the module keeps it)
