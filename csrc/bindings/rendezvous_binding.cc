@@ -105,6 +105,7 @@ struct State {
   std::vector<PyObject*> body_ordinals;
   std::vector<PyObject*> body_devices;
   std::vector<PyObject*> body_entries;
+  std::vector<PyObject*> body_kept;        // and what save_gpu() returns when it parks with its stream on the stack
   PyObject* gpu_module = nullptr;          // device/gpu.py (its `_step`: the md.function step under way)
   PyObject* out_of_memory = nullptr;       // gpu.raise_if_out_of_memory
   PyObject* run_body = nullptr;            // this run's (fn, column, arguments, strategy, contexts, name scope)
@@ -534,6 +535,15 @@ PyObject* save_gpu(State* s, PyObject* arrival) {
   // (None: no GPU replica has run on this thread yet)
   PyObject* scope = get_local(thread_dicts(s), s->running_tls, s->running, str_scope, Py_None);
   if (!scope) return nullptr;
+  if (arrival && arrival != Py_None && PyTuple_GET_SIZE(s->ordinals) == 1) {
+    // A replica the body runs (gpu_body), parked on its own stream: its saved state was made once. (A replica of
+    // the Python body runs inside md.function, whose arrivals note no stream.)
+    for (size_t i = 0; i < s->body_scopes.size(); ++i)
+      if (s->body_scopes[i] == scope && s->body_streams[i] == arrival) {
+        s->stacked.push_back(scope);  // (the reference moves)
+        return Py_NewRef(s->body_kept[i]);
+      }
+  }
   PyObject* stream = nullptr;  // the scope's stream (a new reference), or null: no scope
   if (scope != Py_None) {
     PyObject* entry = PyObject_GetAttr(scope, str_entry);
@@ -602,14 +612,10 @@ PyObject* scope_stream(PyObject* scope) {
 // whose entries then come off (they go back on when those resume); an entry taken off so earlier goes back
 // on. Popped with the GPU current: a pop makes the entry below current on its stream's device, or, for the
 // legacy stream below everything, on the current device (cupy/cuda/stream.pyx _ThreadLocal.pop_stream).
-int restore_kept(State* s, PyObject* scope) {
-  PyObject* ordinal = PyObject_GetAttr(scope, str_ordinal);
-  if (!ordinal) return -1;
+int restore_kept(State* s, PyObject* scope, PyObject* ordinal) {
   const long on = PyLong_AsLong(ordinal);
   const long now = on == -1 && PyErr_Occurred() ? -1 : current_device(s);
-  int rc = now == -1 && PyErr_Occurred() ? -1 : now != on ? set_device(s, ordinal) : 0;
-  Py_DECREF(ordinal);
-  if (rc < 0) return -1;
+  if ((now == -1 && PyErr_Occurred()) || (now != on && set_device(s, ordinal) < 0)) return -1;
   auto it = std::find(s->stacked.begin(), s->stacked.end(), scope);
   if (it == s->stacked.end()) {  // taken off by a resume out of order: back on top
     PyObject* stream = scope_stream(scope);
@@ -645,7 +651,7 @@ int restore_gpu(State* s, PyObject* saved) {
   PyObject *device = PyTuple_GET_ITEM(saved, 0), *streams = PyTuple_GET_ITEM(saved, 1),
            *scope = PyTuple_GET_ITEM(saved, 2);
   if (set_local(thread_dicts(s), s->running_tls, s->running, str_scope, scope) < 0) return -1;
-  if (PyTuple_GET_ITEM(saved, 3) == Py_True) return restore_kept(s, scope);  // (all it saved is that stream's)
+  if (PyTuple_GET_ITEM(saved, 3) == Py_True) return restore_kept(s, scope, device);  // (all it saved is that stream's)
   PyObject* entered = nullptr;  // (the stream just made current on GPU `on`: its current stream needs no lookup)
   long on;
   if (scope != Py_None) {
@@ -1212,7 +1218,8 @@ PyObject* rv_gpu_body(PyObject* self, PyObject* args) {
                  "scopes, after cooperate() with a GPU state and the order set", s->n);
     return nullptr;
   }
-  std::vector<PyObject*> parts[4];  // each scope's stream, ordinal, device and `_entry` while it runs (new references)
+  // Each scope's stream, ordinal, device, `_entry` while it runs and its kept park's saved state (new references).
+  std::vector<PyObject*> parts[5];
   auto drop = [&] {
     for (auto& part : parts)
       for (PyObject* o : part) Py_XDECREF(o);
@@ -1223,9 +1230,13 @@ PyObject* rv_gpu_body(PyObject* self, PyObject* args) {
     PyObject* ordinal = stream ? PyObject_GetAttr(scope, str_ordinal) : nullptr;
     PyObject* device = ordinal ? PyObject_GetAttr(scope, str_device) : nullptr;
     PyObject* entry = device ? PyTuple_Pack(3, stream, Py_None, Py_None) : nullptr;
-    for (auto [part, o] : {std::pair{&parts[0], stream}, {&parts[1], ordinal}, {&parts[2], device}, {&parts[3], entry}})
+    PyObject* streams = entry ? PyTuple_Pack(1, stream) : nullptr;
+    PyObject* kept = streams ? PyTuple_Pack(4, ordinal, streams, scope, Py_True) : nullptr;
+    Py_XDECREF(streams);
+    for (auto [part, o] : {std::pair{&parts[0], stream}, {&parts[1], ordinal}, {&parts[2], device}, {&parts[3], entry},
+                           {&parts[4], kept}})
       part->push_back(o);
-    if (!entry) {
+    if (!kept) {
       drop();
       return nullptr;
     }
@@ -1233,8 +1244,9 @@ PyObject* rv_gpu_body(PyObject* self, PyObject* args) {
   for (int k = 0; k < 4; ++k)
     for (int j = 0; j < 2; ++j)
       Py_XSETREF(s->body_locals[k][j], Py_NewRef(PyTuple_GET_ITEM(PyTuple_GET_ITEM(locals, k), j)));
-  std::vector<PyObject*>* fields[4] = {&s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_entries};
-  for (int k = 0; k < 4; ++k) {
+  std::vector<PyObject*>* fields[5] = {&s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_entries,
+                                       &s->body_kept};
+  for (int k = 0; k < 5; ++k) {
     for (PyObject* o : *fields[k]) Py_DECREF(o);
     fields[k]->swap(parts[k]);  // (the references move)
   }
@@ -1625,7 +1637,8 @@ void each_reference(State* s, F&& visit) {
   for (PyObject* o : s->stacked) visit(o);
   for (PyObject* o : s->tls_locals) visit(o);
   for (PyObject* o : s->tls_dicts) visit(o);
-  for (auto* part : {&s->body_scopes, &s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_entries})
+  for (auto* part : {&s->body_scopes, &s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_entries,
+                     &s->body_kept})
     for (PyObject* o : *part) visit(o);
   for (auto& local : s->body_locals) {
     visit(local[0]);
@@ -1664,7 +1677,8 @@ int rv_clear(PyObject* self) {
   s->tls_locals.clear();
   s->tls_dicts.clear();
   s->tls_thread = 0;
-  for (auto* part : {&s->body_scopes, &s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_entries})
+  for (auto* part : {&s->body_scopes, &s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_entries,
+                     &s->body_kept})
     part->clear();
   for (auto& local : s->body_locals) local[0] = local[1] = nullptr;
   for (PyObject** o : {&s->entry_type, &s->gpu_module, &s->out_of_memory, &s->run_body, &s->stack_local[0],
