@@ -49,7 +49,8 @@ struct State {
   // streams' handles, device/gpu.py), what note_arrival() reads; null without an order.
   PyObject* arrival_parts = nullptr;
   PyObject* aborted_type = nullptr;  // distribute_lib._Aborted
-  PyObject* tracing = nullptr;       // () -> whether the timeline records (mirrored.timeline.enabled)
+  PyObject* tracing = nullptr;       // () -> whether the timeline records (mirrored.timeline.enabled), or a
+                                     // (module, name) pair: module.name is true while it records
   PyObject* traced = nullptr;        // (group, rid, kind, payload, combine) -> exchange inside a timeline span
 
   // The replica pool (set once by pool()): how it hears of a run's end and is asked whether a step is
@@ -101,10 +102,9 @@ struct State {
   PyObject* body_locals[4][2] = {};        // (local, name): the context stack, the md device, the name scope, the
                                            // running scope
   std::vector<PyObject*> body_scopes;      // each replica's _GpuReplicaScope
-  std::vector<PyObject*> body_streams;     // its stream, ordinal (an int), md device, and its `_entry` while it runs
+  std::vector<PyObject*> body_streams;     // its stream, ordinal (an int) and md device
   std::vector<PyObject*> body_ordinals;
   std::vector<PyObject*> body_devices;
-  std::vector<PyObject*> body_entries;
   std::vector<PyObject*> body_kept;        // and what save_gpu() returns when it parks with its stream on the stack
   PyObject* gpu_module = nullptr;          // device/gpu.py (its `_step`: the md.function step under way)
   PyObject* out_of_memory = nullptr;       // gpu.raise_if_out_of_memory
@@ -519,6 +519,24 @@ int cache_thread_dicts(State* s) {
   return 0;
 }
 
+// The stream of a _GpuReplicaScope that is entered, a new reference (null with an error): the Python body's
+// `_entry[0]` (inside md.function: the step's stream, or a fork of it), else the scope's own stream, which the
+// native body enters without writing `_entry` (a slot write each way, per replica and step).
+PyObject* scope_stream(State* s, PyObject* scope) {
+  PyObject* entry = PyObject_GetAttr(scope, str_entry);
+  if (!entry) return nullptr;
+  if (entry != Py_None) {
+    PyObject* stream = PySequence_GetItem(entry, 0);
+    Py_DECREF(entry);
+    return stream;
+  }
+  Py_DECREF(entry);
+  for (size_t i = 0; i < s->body_scopes.size(); ++i)
+    if (s->body_scopes[i] == scope) return Py_NewRef(s->body_streams[i]);
+  PyErr_SetString(PyExc_RuntimeError, "a GPU replica's scope is running but was not entered (its _entry is None)");
+  return nullptr;
+}
+
 // GPU replicas' CUDA state (_GpuThreadState): the current CUDA device, the current stream of each of the
 // strategy's GPUs and the running replica's _GpuReplicaScope, whose stream comes off the thread's `with`
 // stack (CuPy's, per thread) while another replica runs.
@@ -546,9 +564,7 @@ PyObject* save_gpu(State* s, PyObject* arrival) {
   }
   PyObject* stream = nullptr;  // the scope's stream (a new reference), or null: no scope
   if (scope != Py_None) {
-    PyObject* entry = PyObject_GetAttr(scope, str_entry);
-    stream = entry ? PySequence_GetItem(entry, 0) : nullptr;
-    Py_XDECREF(entry);
+    stream = scope_stream(s, scope);
     if (!stream) {
       Py_DECREF(scope);
       return nullptr;
@@ -599,13 +615,6 @@ long current_device(State* s) {
   return on;
 }
 
-// The stream of a _GpuReplicaScope that is entered (its `_entry[0]`), a new reference; null with an error.
-PyObject* scope_stream(PyObject* scope) {
-  PyObject* entry = PyObject_GetAttr(scope, str_entry);
-  PyObject* stream = entry ? PySequence_GetItem(entry, 0) : nullptr;
-  Py_XDECREF(entry);
-  return stream;
-}
 
 // A replica whose stream save_gpu() left on the `with` stack resumes: its GPU current again, and its stream
 // on top: so it is unless replicas parked after it are still parked (it resumes out of the stack's order),
@@ -618,7 +627,7 @@ int restore_kept(State* s, PyObject* scope, PyObject* ordinal) {
   if ((now == -1 && PyErr_Occurred()) || (now != on && set_device(s, ordinal) < 0)) return -1;
   auto it = std::find(s->stacked.begin(), s->stacked.end(), scope);
   if (it == s->stacked.end()) {  // taken off by a resume out of order: back on top
-    PyObject* stream = scope_stream(scope);
+    PyObject* stream = scope_stream(s, scope);
     PyObject* r = stream ? PyObject_CallMethodNoArgs(stream, str_enter) : nullptr;
     Py_XDECREF(stream);
     Py_XDECREF(r);
@@ -627,7 +636,7 @@ int restore_kept(State* s, PyObject* scope, PyObject* ordinal) {
   while (s->stacked.back() != scope) {  // (moved out before the call: it may reach this state again)
     PyObject* above = s->stacked.back();
     s->stacked.pop_back();
-    PyObject* stream = scope_stream(above);
+    PyObject* stream = scope_stream(s, above);
     PyObject* r = stream ? PyObject_CallMethodObjArgs(stream, str_exit, Py_None, Py_None, Py_None, nullptr) : nullptr;
     Py_XDECREF(stream);
     Py_DECREF(above);
@@ -662,9 +671,7 @@ int restore_gpu(State* s, PyObject* saved) {
     int rc = now == -1 && PyErr_Occurred() ? -1 : now != on ? set_device(s, ordinal) : 0;
     Py_DECREF(ordinal);
     if (rc < 0) return -1;
-    PyObject* entry = PyObject_GetAttr(scope, str_entry);
-    entered = entry ? PySequence_GetItem(entry, 0) : nullptr;
-    Py_XDECREF(entry);
+    entered = scope_stream(s, scope);
     PyObject* r = entered ? PyObject_CallMethodNoArgs(entered, str_enter) : nullptr;
     if (!r) {
       Py_XDECREF(entered);
@@ -825,13 +832,13 @@ PyObject* raise_broken(State* s) {
   return nullptr;
 }
 
-// device/gpu.py's `_step` (`module`: that module), the md.function step under way or None, as a new reference;
-// read from the module's dict (no attribute lookup: every GPU replica asks).
-PyObject* md_function_step(PyObject* module) {
-  if (!PyModule_CheckExact(module)) return PyObject_GetAttr(module, str_step);
-  PyObject* step = PyDict_GetItemWithError(PyModule_GetDict(module), str_step);
+// A module's global `name` as a new reference, read from the module's dict (no attribute lookup: every replica
+// asks for device/gpu.py's `_step`, the md.function step under way or None, and the timeline's `_trace`).
+PyObject* module_global(PyObject* module, PyObject* name) {
+  if (!PyModule_CheckExact(module)) return PyObject_GetAttr(module, name);
+  PyObject* step = PyDict_GetItemWithError(PyModule_GetDict(module), name);
   if (step) return Py_NewRef(step);
-  return PyErr_Occurred() ? nullptr : PyObject_GetAttr(module, str_step);  // (raises the AttributeError)
+  return PyErr_Occurred() ? nullptr : PyObject_GetAttr(module, name);  // (raises the AttributeError)
 }
 
 // GPU replica `rid` arrives at a collective (MergeOrder's part, done here: no Python frame a replica): the
@@ -844,7 +851,7 @@ PyObject* note_arrival(State* s, long rid) {
            *ours = PyTuple_GET_ITEM(s->arrival_parts, 2), *module = PyTuple_GET_ITEM(s->arrival_parts, 3);
   PyObject* ordinal = rid < PyTuple_GET_SIZE(ordinals) ? PyTuple_GET_ITEM(ordinals, rid) : Py_None;
   if (ordinal == Py_None) Py_RETURN_NONE;
-  PyObject* step = md_function_step(module);
+  PyObject* step = module_global(module, str_step);
   if (!step) return nullptr;
   Py_DECREF(step);  // (compared by identity only)
   if (step != Py_None) Py_RETURN_NONE;
@@ -1005,7 +1012,9 @@ bool initialised(const State* s) {
 PyObject* rv_exchange(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
   if (!initialised(s)) return nullptr;
-  PyObject* tracing = PyObject_CallNoArgs(s->tracing);
+  // (A module's global read from its dict: every replica's every collective asks.)
+  PyObject* tracing = PyTuple_Check(s->tracing) ? module_global(PyTuple_GET_ITEM(s->tracing, 0), PyTuple_GET_ITEM(s->tracing, 1))
+                                                : PyObject_CallNoArgs(s->tracing);
   if (!tracing) return nullptr;
   const int traced = PyObject_IsTrue(tracing);
   Py_DECREF(tracing);
@@ -1218,8 +1227,8 @@ PyObject* rv_gpu_body(PyObject* self, PyObject* args) {
                  "scopes, after cooperate() with a GPU state and the order set", s->n);
     return nullptr;
   }
-  // Each scope's stream, ordinal, device, `_entry` while it runs and its kept park's saved state (new references).
-  std::vector<PyObject*> parts[5];
+  // Each scope's stream, ordinal, device and its kept park's saved state (new references).
+  std::vector<PyObject*> parts[4];
   auto drop = [&] {
     for (auto& part : parts)
       for (PyObject* o : part) Py_XDECREF(o);
@@ -1229,12 +1238,10 @@ PyObject* rv_gpu_body(PyObject* self, PyObject* args) {
     PyObject* stream = PyObject_GetAttr(scope, str_stream);
     PyObject* ordinal = stream ? PyObject_GetAttr(scope, str_ordinal) : nullptr;
     PyObject* device = ordinal ? PyObject_GetAttr(scope, str_device) : nullptr;
-    PyObject* entry = device ? PyTuple_Pack(3, stream, Py_None, Py_None) : nullptr;
-    PyObject* streams = entry ? PyTuple_Pack(1, stream) : nullptr;
+    PyObject* streams = device ? PyTuple_Pack(1, stream) : nullptr;
     PyObject* kept = streams ? PyTuple_Pack(4, ordinal, streams, scope, Py_True) : nullptr;
     Py_XDECREF(streams);
-    for (auto [part, o] : {std::pair{&parts[0], stream}, {&parts[1], ordinal}, {&parts[2], device}, {&parts[3], entry},
-                           {&parts[4], kept}})
+    for (auto [part, o] : {std::pair{&parts[0], stream}, {&parts[1], ordinal}, {&parts[2], device}, {&parts[3], kept}})
       part->push_back(o);
     if (!kept) {
       drop();
@@ -1244,9 +1251,8 @@ PyObject* rv_gpu_body(PyObject* self, PyObject* args) {
   for (int k = 0; k < 4; ++k)
     for (int j = 0; j < 2; ++j)
       Py_XSETREF(s->body_locals[k][j], Py_NewRef(PyTuple_GET_ITEM(PyTuple_GET_ITEM(locals, k), j)));
-  std::vector<PyObject*>* fields[5] = {&s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_entries,
-                                       &s->body_kept};
-  for (int k = 0; k < 5; ++k) {
+  std::vector<PyObject*>* fields[4] = {&s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_kept};
+  for (int k = 0; k < 4; ++k) {
     for (PyObject* o : *fields[k]) Py_DECREF(o);
     fields[k]->swap(parts[k]);  // (the references move)
   }
@@ -1404,8 +1410,7 @@ PyObject* run_gpu_body(State* s, PyObject* body, long i) {
     entered = r != nullptr;
   }
   if (entered) {
-    if (PyObject_SetAttr(scope, str_entry, s->body_entries[i]) == 0 &&
-        put(3, scope)) {
+    if (put(3, scope)) {
       result = call_step(fn, column, arguments, i);
       if (!result && PyErr_ExceptionMatches(PyExc_MemoryError)) {  // CuPy's OutOfMemoryError is one
         PyObject *type, *value, *traceback;
@@ -1418,7 +1423,6 @@ PyObject* run_gpu_body(State* s, PyObject* body, long i) {
       }
     }
     as_finally([&] {  // (a failing step ends it, as in a `finally` block)
-      if (PyObject_SetAttr(scope, str_entry, Py_None) < 0) return -1;
       PyObject* r = PyObject_CallMethodObjArgs(stream, str_exit, Py_None, Py_None, Py_None, nullptr);
       if (!r) return -1;
       Py_DECREF(r);
@@ -1444,7 +1448,7 @@ PyObject* run_gpu_body(State* s, PyObject* body, long i) {
 // Whether replica i of this run runs natively (run_gpu_body): a run with a body, outside md.function.
 int runs_body(State* s) {
   if (!s->run_body) return 0;
-  PyObject* step = md_function_step(s->gpu_module);
+  PyObject* step = module_global(s->gpu_module, str_step);
   if (!step) return -1;
   Py_DECREF(step);
   return step == Py_None;
@@ -1601,6 +1605,11 @@ int rv_init(PyObject* self, PyObject* args, PyObject* kwargs) {
     PyErr_Format(PyExc_ValueError, "n=%d: a rendezvous needs at least one replica", n);
     return -1;
   }
+  if (PyTuple_Check(tracing) && (PyTuple_GET_SIZE(tracing) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(tracing, 1)))) {
+    PyErr_SetString(PyExc_TypeError, "tracing: expected a callable, or the (module, name) of a global that is true "
+                                     "while the timeline records");
+    return -1;
+  }
   if (stack != Py_None &&
       (!PyTuple_Check(stack) || PyTuple_GET_SIZE(stack) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(stack, 1)))) {
     PyErr_SetString(PyExc_TypeError, "stack: expected the (local, name) of the thread's context stack, or None");
@@ -1637,8 +1646,7 @@ void each_reference(State* s, F&& visit) {
   for (PyObject* o : s->stacked) visit(o);
   for (PyObject* o : s->tls_locals) visit(o);
   for (PyObject* o : s->tls_dicts) visit(o);
-  for (auto* part : {&s->body_scopes, &s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_entries,
-                     &s->body_kept})
+  for (auto* part : {&s->body_scopes, &s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_kept})
     for (PyObject* o : *part) visit(o);
   for (auto& local : s->body_locals) {
     visit(local[0]);
@@ -1677,8 +1685,7 @@ int rv_clear(PyObject* self) {
   s->tls_locals.clear();
   s->tls_dicts.clear();
   s->tls_thread = 0;
-  for (auto* part : {&s->body_scopes, &s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_entries,
-                     &s->body_kept})
+  for (auto* part : {&s->body_scopes, &s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_kept})
     part->clear();
   for (auto& local : s->body_locals) local[0] = local[1] = nullptr;
   for (PyObject** o : {&s->entry_type, &s->gpu_module, &s->out_of_memory, &s->run_body, &s->stack_local[0],

@@ -469,8 +469,10 @@ class _GpuReplicaScope:
         self._runtime = _gpu.cupy_module().cuda.runtime
         self._stream = _gpu.replica_stream(replica_id, self._ordinal)
         self._replica_id, self._shares_gpu = replica_id, shares_gpu
-        # While entered: (stream entered, memory scope or None, the step stream it forked from or None).
-        # One slot: a run enters each replica's scope once, and runs do not overlap.
+        # While the Python body (inside md.function) has it entered: (stream entered, memory scope or None, the
+        # step stream it forked from or None); None otherwise, and while the native body (outside md.function)
+        # has it entered, with its own stream. One slot: a run enters each replica's scope once, and runs do not
+        # overlap.
         self._entry = None
 
 
