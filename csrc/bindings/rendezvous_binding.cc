@@ -859,8 +859,10 @@ PyObject* note_arrival(State* s, long rid) {
   // replica's GPU, the replica's GPU is current too; else (another device current, or the legacy stream,
   // whose device_id is -1) asked by ordinal.
   PyObject* stream = PyObject_CallNoArgs(current);
-  PyObject* device = stream ? PyObject_GetAttr(stream, str_device_id) : nullptr;
-  const int here = device ? PyObject_RichCompareBool(device, ordinal, Py_EQ) : -1;
+  // (The replica's own stream, which the body entered, is on its GPU and a replica stream: nothing to ask.)
+  const bool own = stream && static_cast<size_t>(rid) < s->body_streams.size() && stream == s->body_streams[rid];
+  PyObject* device = stream && !own ? PyObject_GetAttr(stream, str_device_id) : nullptr;
+  const int here = own ? 1 : device ? PyObject_RichCompareBool(device, ordinal, Py_EQ) : -1;
   Py_XDECREF(device);
   if (here == 0) Py_SETREF(stream, PyObject_CallOneArg(current, ordinal));
   if (here < 0 || !stream) {
@@ -870,8 +872,8 @@ PyObject* note_arrival(State* s, long rid) {
   PyObject* arrived = PyObject_GetAttr(s->order, str_arrived);
   int rc = arrived ? PySequence_SetItem(arrived, rid, stream) : -1;
   Py_XDECREF(arrived);
-  PyObject* ptr = rc == 0 ? PyObject_GetAttr(stream, str_ptr) : nullptr;
-  int foreign = ptr ? PyObject_IsTrue(ptr) : -1;
+  PyObject* ptr = rc == 0 && !own ? PyObject_GetAttr(stream, str_ptr) : nullptr;
+  int foreign = own ? (rc == 0 ? 0 : -1) : ptr ? PyObject_IsTrue(ptr) : -1;
   if (foreign == 1) foreign = PySet_Contains(ours, ptr) == 0 ? 1 : PyErr_Occurred() ? -1 : 0;
   Py_XDECREF(ptr);
   if (foreign == 1) {
