@@ -95,19 +95,20 @@ struct State {
   PyObject* stack_local[2] = {};       // (local, name) of the thread's context stack (exchange()'s check), or nulls
   int stack_tls = -1;                  // its local's index in tls_locals
 
-  // The GPU replicas' body (gpu_body()): what a GPU replica runs around the step's function, in C (as
-  // MirroredExtended._call_for_each_replica's `replica` does in Python), when no md.function step is under
-  // way; and the run's part of it (reset()'s `body`), dropped with the run's function.
+  // The replicas' body (replica_body()): what a replica runs around the step's function (its context, device
+  // and, on a GPU, stream: run_body), the one body of MirroredExtended's replicas; and the run's part of it
+  // (reset()'s `body`), dropped with the run's function.
   PyObject* entry_type = nullptr;          // the context stack's entry type (context._Context, a tuple)
   PyObject* body_locals[4][2] = {};        // (local, name): the context stack, the md device, the name scope, the
                                            // running scope
-  std::vector<PyObject*> body_scopes;      // each replica's _GpuReplicaScope
-  std::vector<PyObject*> body_streams;     // its stream, ordinal (an int) and md device
-  std::vector<PyObject*> body_ordinals;
-  std::vector<PyObject*> body_devices;
-  std::vector<PyObject*> body_kept;        // and what save_gpu() returns when it parks with its stream on the stack
-  PyObject* gpu_module = nullptr;          // device/gpu.py (its `_step`: the md.function step under way)
+  std::vector<PyObject*> body_scopes;      // each replica's _GpuReplicaScope (None: a CPU replica)
+  std::vector<PyObject*> body_devices;     // its md device
+  std::vector<PyObject*> body_streams;     // a GPU replica's own stream, ordinal (an int), and what save_gpu()
+  std::vector<PyObject*> body_ordinals;    // returns when it parks with that stream on the stack (None each for
+  std::vector<PyObject*> body_kept;        // a CPU replica)
+  PyObject* gpu_module = nullptr;          // device/gpu.py (its `_step`: the md.function step under way), or null
   PyObject* out_of_memory = nullptr;       // gpu.raise_if_out_of_memory
+  PyObject* step_streams = nullptr;        // (scope, step) -> (stream, memory, origin) inside md.function
   PyObject* run_body = nullptr;            // this run's (fn, column, arguments, strategy, contexts, name scope)
 
   // The cooperative scheduler (set once by cooperate(); hub set per run by reset()).
@@ -159,6 +160,8 @@ PyObject* str_finish;
 PyObject* str_stream;
 PyObject* str_device;
 PyObject* str_require_current;
+PyObject* str_record;
+PyObject* str_wait_event;
 
 PyTypeObject* rendezvous_type;  // (set by add_rendezvous)
 
@@ -453,7 +456,7 @@ int set_local(PyObject* const* dicts, int k, PyObject* local, PyObject* name, Py
   return dict ? PyDict_SetItem(dict, name, value) : PyObject_SetAttr(local, name, value);
 }
 
-// The locals whose dicts may be cached (after cooperate() or gpu_body() changed them): plain threading.locals
+// The locals whose dicts may be cached (after cooperate() or replica_body() changed them): plain threading.locals
 // (not a subclass, nor another library's local: gevent's is per greenlet), none of whose names used here is an
 // attribute of its type (which `local.name` would find first). The cache is looked up again at the next reset().
 int track_locals(State* s) {
@@ -519,9 +522,9 @@ int cache_thread_dicts(State* s) {
   return 0;
 }
 
-// The stream of a _GpuReplicaScope that is entered, a new reference (null with an error): the Python body's
-// `_entry[0]` (inside md.function: the step's stream, or a fork of it), else the scope's own stream, which the
-// native body enters without writing `_entry` (a slot write each way, per replica and step).
+// The stream of a _GpuReplicaScope that is entered, a new reference (null with an error): its `_entry[0]` inside
+// md.function (the step's stream, or a fork of it), else the scope's own stream, which the body enters without
+// writing `_entry` (a slot write each way, per replica and step).
 PyObject* scope_stream(State* s, PyObject* scope) {
   PyObject* entry = PyObject_GetAttr(scope, str_entry);
   if (!entry) return nullptr;
@@ -554,8 +557,8 @@ PyObject* save_gpu(State* s, PyObject* arrival) {
   PyObject* scope = get_local(thread_dicts(s), s->running_tls, s->running, str_scope, Py_None);
   if (!scope) return nullptr;
   if (arrival && arrival != Py_None && PyTuple_GET_SIZE(s->ordinals) == 1) {
-    // A replica the body runs (gpu_body), parked on its own stream: its saved state was made once. (A replica of
-    // the Python body runs inside md.function, whose arrivals note no stream.)
+    // A GPU replica parked on its own stream (outside md.function: inside, arrivals note no stream): its saved
+    // state was made once (replica_body).
     for (size_t i = 0; i < s->body_scopes.size(); ++i)
       if (s->body_scopes[i] == scope && s->body_streams[i] == arrival) {
         s->stacked.push_back(scope);  // (the reference moves)
@@ -1090,8 +1093,8 @@ PyObject* rv_reset(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* body = nargs > 8 && args[8] != Py_None ? args[8] : nullptr;
   if (body && (!valid_body(s, body) || nargs < 2 || args[1] == Py_None)) {
     PyErr_Format(PyExc_TypeError, "reset(body=...): expected (fn, column, arguments, strategy, contexts, name_scope), "
-                 "column and arguments None or %d items each, contexts %d, after gpu_body(), with the run's fn "
-                 "(replicas inside md.function run it)", s->n, s->n);
+                 "column and arguments None or %d items each, contexts %d, after replica_body(), with the run's fn",
+                 s->n, s->n);
     return nullptr;
   }
   auto arg = [&](Py_ssize_t k) -> PyObject* { return nargs > k && args[k] != Py_None ? args[k] : nullptr; };
@@ -1209,42 +1212,48 @@ PyObject* rv_cooperate(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// gpu_body(entry_type, locals, scopes, gpu, out_of_memory): the GPU replicas' body (see run_gpu_body and the
-// method table), set once.
-PyObject* rv_gpu_body(PyObject* self, PyObject* args) {
+// replica_body(entry_type, locals, scopes, gpu, out_of_memory, step_streams): the replicas' body (see run_body
+// and the method table), set once.
+PyObject* rv_replica_body(PyObject* self, PyObject* args) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
-  PyObject *entry_type, *locals, *scopes, *gpu, *out_of_memory;
-  if (!PyArg_ParseTuple(args, "O!O!O!OO:gpu_body", &PyType_Type, &entry_type, &PyTuple_Type, &locals, &PyList_Type,
-                        &scopes, &gpu, &out_of_memory))
+  PyObject *entry_type, *locals, *scopes, *devices, *gpu, *out_of_memory, *step_streams;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!OOO:replica_body", &PyType_Type, &entry_type, &PyTuple_Type, &locals,
+                        &PyList_Type, &scopes, &PyList_Type, &devices, &gpu, &out_of_memory, &step_streams))
     return nullptr;
+  bool any_gpu = false;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(scopes); ++i) any_gpu |= PyList_GET_ITEM(scopes, i) != Py_None;
   bool valid = PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(entry_type), &PyTuple_Type) &&
-               PyTuple_GET_SIZE(locals) == 4 && PyList_GET_SIZE(scopes) == s->n && s->order && s->running;
+               PyTuple_GET_SIZE(locals) == 4 && PyList_GET_SIZE(scopes) == s->n && PyList_GET_SIZE(devices) == s->n &&
+               (!any_gpu || (s->order && s->running && gpu != Py_None));
   for (Py_ssize_t k = 0; valid && k < 4; ++k) {
     PyObject* pair = PyTuple_GET_ITEM(locals, k);
     valid = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2 && PyUnicode_Check(PyTuple_GET_ITEM(pair, 1));
   }
   if (!valid) {
-    PyErr_Format(PyExc_TypeError, "gpu_body(entry_type, locals, scopes, gpu, out_of_memory): expected a tuple type, "
-                 "4 (local, name) pairs (the context stack, the device, the name scope, the running scope) and %d "
-                 "scopes, after cooperate() with a GPU state and the order set", s->n);
+    PyErr_Format(PyExc_TypeError, "replica_body(entry_type, locals, scopes, devices, gpu, out_of_memory, "
+                 "step_streams): expected a tuple type, 4 (local, name) pairs (the context stack, the device, the name "
+                 "scope, the running scope), %d scopes (None: a CPU replica) and %d devices, and for GPU replicas "
+                 "device/gpu.py, after cooperate() with a GPU state and the order set", s->n, s->n);
     return nullptr;
   }
-  // Each scope's stream, ordinal, device and its kept park's saved state (new references).
-  std::vector<PyObject*> parts[4];
+  // Each GPU scope's stream, ordinal and its kept park's saved state (new references; None for a CPU replica).
+  std::vector<PyObject*> parts[3];
   auto drop = [&] {
     for (auto& part : parts)
       for (PyObject* o : part) Py_XDECREF(o);
   };
   for (Py_ssize_t i = 0; i < s->n; ++i) {
     PyObject* scope = PyList_GET_ITEM(scopes, i);
+    if (scope == Py_None) {
+      for (auto& part : parts) part.push_back(Py_NewRef(Py_None));
+      continue;
+    }
     PyObject* stream = PyObject_GetAttr(scope, str_stream);
     PyObject* ordinal = stream ? PyObject_GetAttr(scope, str_ordinal) : nullptr;
-    PyObject* device = ordinal ? PyObject_GetAttr(scope, str_device) : nullptr;
-    PyObject* streams = device ? PyTuple_Pack(1, stream) : nullptr;
+    PyObject* streams = ordinal ? PyTuple_Pack(1, stream) : nullptr;
     PyObject* kept = streams ? PyTuple_Pack(4, ordinal, streams, scope, Py_True) : nullptr;
     Py_XDECREF(streams);
-    for (auto [part, o] : {std::pair{&parts[0], stream}, {&parts[1], ordinal}, {&parts[2], device}, {&parts[3], kept}})
-      part->push_back(o);
+    for (auto [part, o] : {std::pair{&parts[0], stream}, {&parts[1], ordinal}, {&parts[2], kept}}) part->push_back(o);
     if (!kept) {
       drop();
       return nullptr;
@@ -1253,17 +1262,20 @@ PyObject* rv_gpu_body(PyObject* self, PyObject* args) {
   for (int k = 0; k < 4; ++k)
     for (int j = 0; j < 2; ++j)
       Py_XSETREF(s->body_locals[k][j], Py_NewRef(PyTuple_GET_ITEM(PyTuple_GET_ITEM(locals, k), j)));
-  std::vector<PyObject*>* fields[4] = {&s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_kept};
-  for (int k = 0; k < 4; ++k) {
+  std::vector<PyObject*>* fields[3] = {&s->body_streams, &s->body_ordinals, &s->body_kept};
+  for (int k = 0; k < 3; ++k) {
     for (PyObject* o : *fields[k]) Py_DECREF(o);
     fields[k]->swap(parts[k]);  // (the references move)
   }
-  for (PyObject* o : s->body_scopes) Py_DECREF(o);
-  s->body_scopes.clear();
-  for (Py_ssize_t i = 0; i < s->n; ++i) s->body_scopes.push_back(Py_NewRef(PyList_GET_ITEM(scopes, i)));
+  for (auto [field, list] : {std::pair{&s->body_scopes, scopes}, {&s->body_devices, devices}}) {
+    for (PyObject* o : *field) Py_DECREF(o);
+    field->clear();
+    for (Py_ssize_t i = 0; i < s->n; ++i) field->push_back(Py_NewRef(PyList_GET_ITEM(list, i)));
+  }
   Py_XSETREF(s->entry_type, Py_NewRef(entry_type));
-  Py_XSETREF(s->gpu_module, Py_NewRef(gpu));
+  Py_XSETREF(s->gpu_module, gpu == Py_None ? nullptr : Py_NewRef(gpu));
   Py_XSETREF(s->out_of_memory, Py_NewRef(out_of_memory));
+  Py_XSETREF(s->step_streams, Py_NewRef(step_streams));
   if (track_locals(s) < 0) return nullptr;
   Py_RETURN_NONE;
 }
@@ -1373,48 +1385,113 @@ PyObject* call_step(PyObject* fn, PyObject* column, PyObject* arguments, long i)
   return result;
 }
 
-// GPU replica i of the run (`body`: reset()'s) runs the step's function on its GPU and stream, as the pool's
-// Python `replica` does outside md.function: its context on the thread's context stack, the run's name scope,
-// its md device, its stream entered (with its GPU current: CuPy checks that first), and, once the function
-// returned or raised, its stream left and the merge order told (order.finish) when it holds work for it. A
-// CuPy out-of-memory error becomes md's ResourceExhaustedError (gpu.raise_if_out_of_memory). Returns a new
-// reference to the function's result, or null with what it raised.
-PyObject* run_gpu_body(State* s, PyObject* body, long i) {
+// Makes GPU `ordinal` current unless it is (State's get_device/set_device: CuPy's). 0, or -1 with an error.
+int on_device(State* s, PyObject* ordinal) {
+  const long want = PyLong_AsLong(ordinal);
+  const long now = want == -1 && PyErr_Occurred() ? -1 : current_device(s);
+  if (now == -1 && PyErr_Occurred()) return -1;
+  return now != want ? set_device(s, ordinal) : 0;
+}
+
+// `waiter.wait_event(recorded.record())` with the GPU `ordinal` current: `waiter` queues after the work `recorded`
+// queued so far (the fork and the join of a replica's stream with its GPU's step stream, inside md.function).
+int wait_for(State* s, PyObject* ordinal, PyObject* waiter, PyObject* recorded) {
+  if (on_device(s, ordinal) < 0) return -1;
+  PyObject* event = PyObject_CallMethodNoArgs(recorded, str_record);
+  PyObject* r = event ? PyObject_CallMethodOneArg(waiter, str_wait_event, event) : nullptr;
+  Py_XDECREF(event);
+  Py_XDECREF(r);
+  return r ? 0 : -1;
+}
+
+// Replica i of the run (`body`: reset()'s) runs the step's function: its context on the thread's context stack,
+// the run's name scope, its md device; a GPU replica, on its GPU and stream, entered as `with stream` does (with
+// its GPU current: CuPy checks that first), and, once the function returned or raised, left; then the merge
+// order told (order.finish) when it holds work for the replica. Outside md.function a GPU replica's stream is
+// its scope's own; inside (device/gpu.py `_step`), step_streams(scope, step) says (stream, memory, origin): the
+// step's stream or a fork of it (`origin`: the step stream it forks from and joins again after the function),
+// and the step's memory, entered inside the stream, and `_entry` holds the three while the function runs (the
+// park and the resume read it; outside md.function the scope's stream is found by the scope). A CuPy
+// out-of-memory error becomes md's ResourceExhaustedError (gpu.raise_if_out_of_memory). Returns a new reference
+// to the function's result, or null with what it raised.
+PyObject* run_body(State* s, PyObject* body, long i) {
   PyObject *fn = PyTuple_GET_ITEM(body, 0), *column = PyTuple_GET_ITEM(body, 1),
            *arguments = PyTuple_GET_ITEM(body, 2), *strategy = PyTuple_GET_ITEM(body, 3),
            *contexts = PyTuple_GET_ITEM(body, 4), *name_scope = PyTuple_GET_ITEM(body, 5);
-  PyObject *scope = s->body_scopes[i], *stream = s->body_streams[i], *ordinal = s->body_ordinals[i];
+  PyObject *scope = s->body_scopes[i], *ordinal = s->body_ordinals[i];
+  const bool gpu = scope != Py_None;
   auto* entry_type = reinterpret_cast<PyTypeObject*>(s->entry_type);
   PyObject* result = nullptr;
-  // (A new list each run: the replica may push on its stack. The entry as tuple.__new__(_Context, ...) makes it.)
-  PyObject* entry = entry_type->tp_alloc(entry_type, 2);
-  PyObject* stack = entry ? PyList_New(1) : nullptr;
-  if (stack) {
-    PyTuple_SET_ITEM(entry, 0, Py_NewRef(strategy));
-    PyTuple_SET_ITEM(entry, 1, Py_NewRef(PySequence_Fast_GET_ITEM(contexts, i)));
-    PyList_SET_ITEM(stack, 0, entry);
-    entry = nullptr;
+  // A GPU replica's stream, step memory and fork origin (new references; memory and origin None outside
+  // md.function).
+  PyObject *stream = nullptr, *memory = Py_NewRef(Py_None), *origin = Py_NewRef(Py_None), *entry = nullptr;
+  bool ready = true;
+  if (gpu) {
+    PyObject* step = module_global(s->gpu_module, str_step);
+    if (!step) {
+      ready = false;
+    } else if (step == Py_None) {
+      stream = Py_NewRef(s->body_streams[i]);
+    } else {
+      PyObject* parts = PyObject_CallFunctionObjArgs(s->step_streams, scope, step, nullptr);
+      if (parts && PyTuple_Check(parts) && PyTuple_GET_SIZE(parts) == 3) {
+        stream = Py_NewRef(PyTuple_GET_ITEM(parts, 0));
+        Py_SETREF(memory, Py_NewRef(PyTuple_GET_ITEM(parts, 1)));
+        Py_SETREF(origin, Py_NewRef(PyTuple_GET_ITEM(parts, 2)));
+        entry = Py_NewRef(parts);
+      } else if (parts) {
+        PyErr_SetString(PyExc_TypeError, "step_streams(scope, step): expected (stream, memory, origin)");
+      }
+      Py_XDECREF(parts);
+      ready = stream != nullptr;
+    }
+    Py_XDECREF(step);
   }
-  Py_XDECREF(entry);
+  // (A new list each run: the replica may push on its stack. The entry as tuple.__new__(_Context, ...) makes it.)
+  PyObject* context = ready ? entry_type->tp_alloc(entry_type, 2) : nullptr;
+  PyObject* stack = context ? PyList_New(1) : nullptr;
+  if (stack) {
+    PyTuple_SET_ITEM(context, 0, Py_NewRef(strategy));
+    PyTuple_SET_ITEM(context, 1, Py_NewRef(PySequence_Fast_GET_ITEM(contexts, i)));
+    PyList_SET_ITEM(stack, 0, context);
+    context = nullptr;
+  }
+  Py_XDECREF(context);
   PyObject* const* dicts = thread_dicts(s);
   auto put = [&](int k, PyObject* value) {
     return set_local(dicts, s->body_tls[k], s->body_locals[k][0], s->body_locals[k][1], value) == 0;
   };
   bool entered = stack && put(0, stack) && put(2, name_scope) && put(1, s->body_devices[i]);
   Py_XDECREF(stack);
-  if (entered) {
-    PyObject* r = PyObject_CallMethodNoArgs(stream, str_enter);
-    if (!r && PyErr_ExceptionMatches(PyExc_RuntimeError)) {  // another device is current
-      PyErr_Clear();
-      r = set_device(s, ordinal) == 0 ? PyObject_CallMethodNoArgs(stream, str_enter) : nullptr;
+  if (entered && gpu) {
+    if (origin != Py_None && wait_for(s, ordinal, stream, origin) < 0) {  // the fork, with the stream's GPU current
+      entered = false;
+    } else {
+      PyObject* r = PyObject_CallMethodNoArgs(stream, str_enter);
+      if (!r && PyErr_ExceptionMatches(PyExc_RuntimeError)) {  // another device is current
+        PyErr_Clear();
+        r = set_device(s, ordinal) == 0 ? PyObject_CallMethodNoArgs(stream, str_enter) : nullptr;
+      }
+      Py_XDECREF(r);
+      entered = r != nullptr;
     }
-    Py_XDECREF(r);
-    entered = r != nullptr;
+    if (entered && memory != Py_None) {
+      PyObject* r = PyObject_CallMethodNoArgs(memory, str_enter);
+      Py_XDECREF(r);
+      if (!r) {  // (the stream back off, as a failing `with` inside another leaves the outer one)
+        as_finally([&] {
+          PyObject* e = PyObject_CallMethodObjArgs(stream, str_exit, Py_None, Py_None, Py_None, nullptr);
+          Py_XDECREF(e);
+          return e ? 0 : -1;
+        });
+        entered = false;
+      }
+    }
   }
   if (entered) {
-    if (put(3, scope)) {
+    if ((!entry || PyObject_SetAttr(scope, str_entry, entry) == 0) && (!gpu || put(3, scope))) {
       result = call_step(fn, column, arguments, i);
-      if (!result && PyErr_ExceptionMatches(PyExc_MemoryError)) {  // CuPy's OutOfMemoryError is one
+      if (!result && gpu && PyErr_ExceptionMatches(PyExc_MemoryError)) {  // CuPy's OutOfMemoryError is one
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback);
         PyErr_NormalizeException(&type, &value, &traceback);
@@ -1424,36 +1501,42 @@ PyObject* run_gpu_body(State* s, PyObject* body, long i) {
         else chain_error(type, value, traceback);
       }
     }
-    as_finally([&] {  // (a failing step ends it, as in a `finally` block)
-      PyObject* r = PyObject_CallMethodObjArgs(stream, str_exit, Py_None, Py_None, Py_None, nullptr);
-      if (!r) return -1;
-      Py_DECREF(r);
-      dicts = thread_dicts(s);  // (again: the step ran in between)
-      return put(3, Py_None) ? 0 : -1;
-    });
+    if (gpu)
+      as_finally([&] {  // (a failing step ends it, as in a `finally` block)
+        if (entry && PyObject_SetAttr(scope, str_entry, Py_None) < 0) return -1;
+        if (memory != Py_None) {
+          PyObject* r = PyObject_CallMethodObjArgs(memory, str_exit, Py_None, Py_None, Py_None, nullptr);
+          if (!r) return -1;
+          Py_DECREF(r);
+        }
+        // (On top of CuPy's stack: whatever the replica entered after it has been left.)
+        PyObject* r = PyObject_CallMethodObjArgs(stream, str_exit, Py_None, Py_None, Py_None, nullptr);
+        if (!r) return -1;
+        Py_DECREF(r);
+        dicts = thread_dicts(s);  // (again: the step ran in between)
+        if (!put(3, Py_None)) return -1;
+        // The join, with the stream's GPU current (the replica may have left it).
+        return origin != Py_None ? wait_for(s, ordinal, origin, stream) : 0;
+      });
   }
-  as_finally([&] {  // (work handed to the replica to let go: rare)
-    PyObject* pending = PyObject_GetAttr(s->order, str_pending);
-    const int truth = pending ? PyObject_IsTrue(pending) : -1;
-    Py_XDECREF(pending);
-    if (truth <= 0) return truth;
-    PyObject* index = PyLong_FromLong(i);
-    PyObject* r = index ? PyObject_CallMethodOneArg(s->order, str_finish, index) : nullptr;
-    Py_XDECREF(index);
-    Py_XDECREF(r);
-    return r ? 0 : -1;
-  });
+  Py_XDECREF(stream);
+  Py_DECREF(memory);
+  Py_DECREF(origin);
+  Py_XDECREF(entry);
+  if (s->order)
+    as_finally([&] {  // (work handed to the replica to let go: rare)
+      PyObject* pending = PyObject_GetAttr(s->order, str_pending);
+      const int truth = pending ? PyObject_IsTrue(pending) : -1;
+      Py_XDECREF(pending);
+      if (truth <= 0) return truth;
+      PyObject* index = PyLong_FromLong(i);
+      PyObject* r = index ? PyObject_CallMethodOneArg(s->order, str_finish, index) : nullptr;
+      Py_XDECREF(index);
+      Py_XDECREF(r);
+      return r ? 0 : -1;
+    });
   if (PyErr_Occurred()) Py_CLEAR(result);
   return result;
-}
-
-// Whether replica i of this run runs natively (run_gpu_body): a run with a body, outside md.function.
-int runs_body(State* s) {
-  if (!s->run_body) return 0;
-  PyObject* step = module_global(s->gpu_module, str_step);
-  if (!step) return -1;
-  Py_DECREF(step);
-  return step == Py_None;
 }
 
 // Runs replica `i` on this thread (`caller`: the run's caller's, else a replica thread's) and keeps what it
@@ -1474,9 +1557,8 @@ int execute(State* s, long i, bool caller) {
     PyObject* errors = Py_NewRef(s->errors);
     PyObject* index = nullptr;
     PyObject* result = nullptr;
-    const int native = runs_body(s);
-    if (native == 1) result = run_gpu_body(s, body, i);
-    else if (native == 0 && (index = PyLong_FromLong(i))) result = PyObject_CallOneArg(fn, index);
+    if (body) result = run_body(s, body, i);
+    else if ((index = PyLong_FromLong(i))) result = PyObject_CallOneArg(fn, index);
     if (result) {
       rc = PyList_SetItem(outputs, i, result);  // (steals)
     } else if (!PyErr_ExceptionMatches(s->aborted_type)) {
@@ -1654,7 +1736,8 @@ void each_reference(State* s, F&& visit) {
     visit(local[0]);
     visit(local[1]);
   }
-  for (PyObject* o : {s->entry_type, s->gpu_module, s->out_of_memory, s->run_body, s->stack_local[0], s->stack_local[1]})
+  for (PyObject* o : {s->entry_type, s->gpu_module, s->out_of_memory, s->step_streams, s->run_body, s->stack_local[0],
+                      s->stack_local[1]})
     visit(o);
   for (PyObject* o : {s->results, s->broken, s->order, s->arrival_parts, s->aborted_type, s->tracing, s->traced,
                       s->fn, s->outputs, s->errors,
@@ -1690,7 +1773,7 @@ int rv_clear(PyObject* self) {
   for (auto* part : {&s->body_scopes, &s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_kept})
     part->clear();
   for (auto& local : s->body_locals) local[0] = local[1] = nullptr;
-  for (PyObject** o : {&s->entry_type, &s->gpu_module, &s->out_of_memory, &s->run_body, &s->stack_local[0],
+  for (PyObject** o : {&s->entry_type, &s->gpu_module, &s->out_of_memory, &s->step_streams, &s->run_body, &s->stack_local[0],
                        &s->stack_local[1]})
     *o = nullptr;
   for (PyObject** o : {&s->results, &s->broken, &s->order, &s->arrival_parts, &s->aborted_type, &s->tracing, &s->traced,
@@ -1767,8 +1850,8 @@ PyMethodDef rv_methods[] = {
      "run's {index: token} that claim() and the replica threads fill (None: claim() claims every replica); "
      "mine: the caller's token; arrived: the run's list of n flags that arrive() sets; woken: the threads "
      "already take replicas (claim() does not ask wake()); body: (fn, column, arguments, strategy, contexts, "
-     "name_scope) after gpu_body(): replica i runs fn(column[i]), fn(*args, **kwargs) of arguments[i], or fn() "
-     "natively, outside md.function (inside, the run's fn(i))."},
+     "name_scope) after replica_body(): replica i runs fn(column[i]), fn(*args, **kwargs) of arguments[i], or fn() "
+     "in the replicas' body (instead of the run's fn(i))."},
     {"pool", rv_pool, METH_VARARGS,
      "pool(complete, wake, handoff): complete() when the last of replicas 1..n-1 arrived on a thread of its own (on the caller's: "
      "`completed`); wake() -> whether the step is long, asked "
@@ -1777,13 +1860,15 @@ PyMethodDef rv_methods[] = {
      "cooperate(state, gpu, greenlet): the thread state that replicas sharing a thread take along ((object, "
      "name, default) triples, and gpu: (running, getDevice, setDevice, get_current_stream, ordinals) or None), "
      "and the greenlet module the caller runs replicas with (None: none)."},
-    {"gpu_body", rv_gpu_body, METH_VARARGS,
-     "gpu_body(entry_type, locals, scopes, gpu, out_of_memory): GPU replicas run natively outside md.function (a "
+    {"replica_body", rv_replica_body, METH_VARARGS,
+     "replica_body(entry_type, locals, scopes, devices, gpu, out_of_memory, step_streams): the replicas' body (a "
      "run's reset() with a body): each sets its context stack to [entry_type((strategy, its context))], the md "
-     "device to its scope's `_device` and the name scope to the run's (locals: the (local, name) pairs of the "
-     "context stack, the device, the name scope and the running scope), enters its scope's `_stream` (scopes: "
-     "each replica's _GpuReplicaScope), runs the step and leaves; gpu: device/gpu.py (its `_step`); "
-     "out_of_memory(error, ordinal): raises CuPy's out-of-memory error as md's."},
+     "device to devices[i] and the name scope to the run's (locals: the (local, name) pairs of the context stack, "
+     "the device, the name scope and the running scope); a GPU replica (scopes[i], a _GpuReplicaScope; None: a "
+     "CPU replica) enters its stream (outside md.function its scope's `_stream`; inside, the (stream, memory, "
+     "origin) of step_streams(scope, device/gpu.py's `_step`): the step's memory entered too, and a fork of the "
+     "step stream `origin` joined at the end), runs the step and leaves; gpu: device/gpu.py, or None (no GPU "
+     "replica); out_of_memory(error, ordinal): raises CuPy's out-of-memory error as md's."},
     {"save_state", rv_save_state, METH_NOARGS, "The thread's state, as cooperate() says."},
     {"restore_state", rv_restore_state, METH_O, "restore_state(saved): puts back what save_state() returned."},
     {"claim", rv_claim, METH_NOARGS,
@@ -2031,7 +2116,8 @@ int add_rendezvous(PyObject* module) {
                               {&str_ordinal, "_ordinal"}, {&str_enter, "__enter__"}, {&str_exit, "__exit__"},
                               {&str_use, "use"}, {&str_dict, "__dict__"}, {&str_pending, "pending"},
                               {&str_finish, "finish"}, {&str_stream, "_stream"}, {&str_device, "_device"},
-                              {&str_require_current, "_require_current"}}) {
+                              {&str_require_current, "_require_current"}, {&str_record, "record"},
+                              {&str_wait_event, "wait_event"}}) {
     *target = PyUnicode_InternFromString(text);
     if (!*target) return -1;
   }
