@@ -11,8 +11,11 @@
 // and keeping its result or error, claiming the next one, counting arrivals,
 // and saving and restoring the thread state (the CUDA part included) of a
 // replica that parks (docs/gpu_call_path.md, "The rendezvous runs the replicas"),
-// and, outside md.function, what a GPU replica's own Python frame did around
-// the step: its context, device and stream ("GPU replicas run natively").
+// and the replicas' one body around the step: its context, device and, on a
+// GPU, stream, inside md.function or not ("GPU replicas run natively", "One
+// replica body"). md.get_replica_context and a repeated
+// ReplicaContext.all_reduce are builtins here too: every replica's collective
+// starts with them.
 //
 // Every field is read and written with the GIL held and no Python code runs
 // between a check and the update it guards, so the GIL alone serialises the
@@ -264,9 +267,30 @@ PyObject* take_error() {
   return value;
 }
 
-// combine(slots), through the GPU replicas' order when there is one (`arrival`: what the order's arrive()
-// returned to the combining replica, or null).
+PyObject* module_global(PyObject* module, PyObject* name);
+
+// combine(slots), through the GPU replicas' order when there is one (`arrival`: what note_arrival() returned
+// to the combining replica, or null). A (first, combine) pair: first(slots) before the order, when no replica
+// arrived on a stream of the user's (order._any_foreign) and no md.function step is under way; combine(slots)
+// in the order when first returned None (a replica context's repeated all_reduce: _ReplicaAllReduce._first).
 PyObject* run_combine(State* s, PyObject* combine, PyObject* slots, PyObject* arrival) {
+  if (PyTuple_CheckExact(combine) && PyTuple_GET_SIZE(combine) == 2) {
+    PyObject* first = PyTuple_GET_ITEM(combine, 0);
+    combine = PyTuple_GET_ITEM(combine, 1);
+    if (s->order) {
+      PyObject* foreign = PyObject_GetAttr(s->order, str_any_foreign);
+      const int any = foreign ? PyObject_IsTrue(foreign) : -1;
+      Py_XDECREF(foreign);
+      PyObject* step = any == 0 ? module_global(PyTuple_GET_ITEM(s->arrival_parts, 3), str_step) : nullptr;
+      if (any < 0 || (any == 0 && !step)) return nullptr;
+      Py_XDECREF(step);  // (compared by identity only)
+      if (step == Py_None) {
+        PyObject* results = PyObject_CallOneArg(first, slots);
+        if (results != Py_None) return results;  // (or null with its error)
+        Py_DECREF(results);
+      }
+    }
+  }
   if (s->order)
     return PyObject_CallMethodObjArgs(s->order, str_combine, combine, slots, arrival ? arrival : Py_None, nullptr);
   return PyObject_CallOneArg(combine, slots);
@@ -1838,8 +1862,11 @@ int rv_set_order(PyObject* self, PyObject* value, void*) {
 PyMethodDef rv_methods[] = {
     {"exchange", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_exchange)), METH_FASTCALL,
      "exchange(rid, kind, payload, combine, context=None): replica rid's part of combine(every replica's payload), "
-     "which the last replica to arrive runs; raises what broke the group. context: the replica's ReplicaContext, "
-     "checked to be the thread's current one first (its _require_current(kind) raises when it is not)."},
+     "which the last replica to arrive runs; raises what broke the group. combine: a callable, or (first, "
+     "combine): first(slots) is tried before the GPU replicas' merge order (no replica on a stream of the user's, "
+     "no md.function step), combine(slots) in the order when it returns None. context: the replica's "
+     "ReplicaContext, checked to be the thread's current one first (its _require_current(kind) raises when it "
+     "is not)."},
     {"_exchange", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_exchange_untraced)), METH_FASTCALL,
      "exchange() without the timeline's check (the traced exchange runs it inside its span)."},
     {"reset", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_reset)), METH_FASTCALL,

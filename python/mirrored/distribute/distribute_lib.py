@@ -17,8 +17,7 @@ import numpy as np
 
 from .._core import Rendezvous as _Rendezvous, replica_all_reduce_method as _replica_all_reduce_method  # (private)
 from .._nest import flatten, is_nested, map_structure, pack_sequence_as
-from .. import timeline as _timeline
-from ..timeline import HOST_ROW, replica_wait, set_row_source
+from ..timeline import HOST_ROW, enabled_flag as _tracing, replica_wait, set_row_source
 from ..device import device_util, gpu as _gpu
 from ..device.dtypes import dtype_code
 from ..device.indexed_slices import IndexedSlices, convert_to_tensor, map_arrays
@@ -88,7 +87,7 @@ class _Group(_Rendezvous):
     def __init__(self, n: int):
         # (`stack`: where exchange()'s `context` is checked to be the thread's current replica context; the
         # timeline's `_trace`, true while it records, is read from its module's dict at each exchange.)
-        super().__init__(n, _Aborted, (_timeline, "_trace"), _traced_exchange, (_local, "stack"))
+        super().__init__(n, _Aborted, _tracing, _traced_exchange, (_local, "stack"))
 
 
 def _traced_exchange(group, rid, kind, payload, combine, context=None):

@@ -682,7 +682,8 @@ class MirroredExtended(StrategyExtended):
         if device_util.all_cpu(devices):
             return _ReplicaAllReduce(cdo, op, options, None, np.ndarray)
         if device_util.all_gpu(devices):
-            return _ReplicaAllReduce(cdo, op, options, tuple(self._ordinals), _gpu.cupy_module().ndarray)
+            return _ReplicaAllReduce(cdo, op, options, tuple(self._ordinals), _gpu.cupy_module().ndarray,
+                                     self._pool.group.order)
         return None  # CPU and GPU replicas mixed
 
     def _sums_host_replicas_in_order(self) -> bool:
