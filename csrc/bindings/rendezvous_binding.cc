@@ -1042,8 +1042,9 @@ PyObject* rv_exchange(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
   if (!initialised(s)) return nullptr;
   // (A module's global read from its dict: every replica's every collective asks.)
-  PyObject* tracing = PyTuple_Check(s->tracing) ? module_global(PyTuple_GET_ITEM(s->tracing, 0), PyTuple_GET_ITEM(s->tracing, 1))
-                                                : PyObject_CallNoArgs(s->tracing);
+  PyObject* tracing = PyTuple_Check(s->tracing)
+                          ? module_global(PyTuple_GET_ITEM(s->tracing, 0), PyTuple_GET_ITEM(s->tracing, 1))
+                          : PyObject_CallNoArgs(s->tracing);
   if (!tracing) return nullptr;
   const int traced = PyObject_IsTrue(tracing);
   Py_DECREF(tracing);
@@ -1797,8 +1798,8 @@ int rv_clear(PyObject* self) {
   for (auto* part : {&s->body_scopes, &s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_kept})
     part->clear();
   for (auto& local : s->body_locals) local[0] = local[1] = nullptr;
-  for (PyObject** o : {&s->entry_type, &s->gpu_module, &s->out_of_memory, &s->step_streams, &s->run_body, &s->stack_local[0],
-                       &s->stack_local[1]})
+  for (PyObject** o : {&s->entry_type, &s->gpu_module, &s->out_of_memory, &s->step_streams, &s->run_body,
+                       &s->stack_local[0], &s->stack_local[1]})
     *o = nullptr;
   for (PyObject** o : {&s->results, &s->broken, &s->order, &s->arrival_parts, &s->aborted_type, &s->tracing, &s->traced,
                        &s->fn, &s->outputs, &s->errors, &s->complete, &s->wake, &s->claims, &s->mine, &s->arrived_flags, &s->running,
@@ -2026,7 +2027,8 @@ PyObject* replica_context_getter(PyObject*, PyObject* args) {
   top->fallback = Py_NewRef(fallback);
   PyObject_GC_Track(top);
   PyObject* module = PyObject_GetAttrString(fallback, "__module__");  // (the getter's module: the fallback's)
-  PyObject* fn = module ? PyCFunction_NewEx(&get_replica_context_def, reinterpret_cast<PyObject*>(top), module) : nullptr;
+  PyObject* fn =
+      module ? PyCFunction_NewEx(&get_replica_context_def, reinterpret_cast<PyObject*>(top), module) : nullptr;
   Py_XDECREF(module);
   Py_DECREF(top);
   return fn;
