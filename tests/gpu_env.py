@@ -283,8 +283,10 @@ def python_calls(call, repeat: int = 100) -> dict:
     costs ~0.2-0.3 us, so the count is the host cost, free of a loaded machine's noise.
 
     ``mirrored``: the events in mirrored's own files: their functions, and the builtins they call (CuPy's
-    too on a GPU, whose functions are Cython's); ``cupy_by_mirrored``: the stand-in's functions mirrored's
-    code calls, from Python or natively (Python here; CuPy charges each such call too); ``stand_in``: every event in the stand-in's
+    too on a GPU, whose functions are Cython's), and mirrored's builtins other code calls
+    (md.get_replica_context, ReplicaContext.all_reduce); ``cupy_by_mirrored``: the stand-in's functions mirrored's
+    code calls, from Python or natively (Python here; CuPy charges each such call too; under a builtin of
+    mirrored's, a stand-in call whose Python caller is other code counts: the builtin made it); ``stand_in``: every event in the stand-in's
     files (its own calls, which CuPy makes in Cython); ``total``: every event. Each call's queued kernels
     are drained after it, outside the count. Only this thread's calls count (a step long enough to go to
     the replica threads is an outlier the median leaves out)."""
@@ -301,17 +303,31 @@ def python_calls(call, repeat: int = 100) -> dict:
             kind = files[name] = "mirrored" if path.startswith(package) else "stand_in" if path == stand_in else None
         return kind
 
+    inside = [0]  # builtins of mirrored's under way that code outside mirrored called
+
+    def ours(builtin) -> bool:  # a builtin of mirrored's (md.get_replica_context, ReplicaContext.all_reduce, ...)
+        module = getattr(builtin, "__module__", None) or type(getattr(builtin, "__self__", None)).__module__
+        return (module or "").startswith("mirrored")
+
     def profile(frame, event, arg):
         if event == "call" or event == "c_call":
             counts["total"] += 1
             kind = where(frame.f_code)
+            if event == "c_call" and kind is None and ours(arg):
+                # (a builtin of mirrored's called from other code: mirrored's call, and so are the CuPy calls it
+                # makes, whose Python caller is that code's frame)
+                kind = "mirrored"
+                inside[0] += 1
             if kind is not None:
                 counts[kind] += 1
             # (A call with no Python caller comes from native code: mirrored's rendezvous, which runs GPU
             # replicas as greenlets whose stack starts in C, enters and leaves their streams.)
-            if event == "call" and kind == "stand_in" and (frame.f_back is None or
-                                                           where(frame.f_back.f_code) == "mirrored"):
+            caller = None if frame.f_back is None else where(frame.f_back.f_code)
+            if event == "call" and kind == "stand_in" and (frame.f_back is None or caller == "mirrored" or
+                                                           (inside[0] and caller is None)):
                 counts["cupy_by_mirrored"] += 1
+        elif event in ("c_return", "c_exception") and inside[0] and where(frame.f_code) is None and ours(arg):
+            inside[0] -= 1
 
     for _ in range(3):  # planned, and every cache filled
         call()

@@ -145,3 +145,30 @@ def test_repeated_all_reduces_run_on_the_merge_streams(strategy, stream, seed):
         want = np.full((7,), n * (n + 1) / 2 * (k + 1) - k, np.float32)
         for r, v in enumerate(strategy.experimental_local_results(out)):
             np.testing.assert_array_equal(cupy.asnumpy(v), want, err_msg=f"step {k}, replica {r}")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_repeated_all_reduces_whose_results_are_held_get_new_ones_from_the_merge_streams(strategy, seed):
+    """A repeated all_reduce whose latest results are still held runs before the merge order (the rendezvous
+    tries the kept plan first) and has new results allocated in the order: every step's results and the reads
+    each replica queued of them on its own stream, the results dropped a step later, hold the reduction (the
+    simulator poisons freed memory and runs queued work late)."""
+    n = strategy.num_replicas_in_sync
+    reads = []  # each step's reads of its results, checked at the end (nothing waits for the GPU before)
+
+    def step(k):
+        ctx = md.get_replica_context()
+        r = ctx.replica_id_in_sync_group
+        y = ctx.all_reduce("sum", cupy.full((256,), float(r + 1), np.float32) * (k + 1))
+        return y, y * 2 + 1  # (the read, queued on the replica's stream)
+
+    out = None
+    for k in range(6):
+        y, read = strategy.run(step, args=(k,))  # (the previous step's results still held: new ones)
+        reads.append(read)
+        out = y  # (the previous results dropped here, their reads maybe still queued)
+    del out
+    for k, read in enumerate(reads):
+        want = np.full((256,), n * (n + 1) / 2 * (k + 1) * 2 + 1, np.float32)
+        for r, v in enumerate(strategy.experimental_local_results(read)):
+            np.testing.assert_array_equal(cupy.asnumpy(v), want, err_msg=f"step {k}, replica {r}")

@@ -136,34 +136,29 @@ def test_host_waits_inside_replicas_neither_deadlock_nor_mix_replicas(logical, w
         assert _cuda_state() == (0, cupy.cuda.Stream.null.ptr)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native body", "python replica function"])
-def test_state_of_a_replica_on_a_thread_of_its_own_is_put_back(logical, native):
+def test_state_of_a_replica_on_a_thread_of_its_own_is_put_back(logical):
     """The replica scope on a replica thread (long steps) takes its stream off when left, so the thread's
-    current stream is what it was (its device stays the replica's: only replicas run on that thread). Both
-    ways a GPU replica runs: natively (the rendezvous' body, outside md.function) and the pool's Python
-    replica function (inside md.function, where the body steps aside)."""
+    current stream is what it was (its device stays the replica's: only replicas run on that thread). The
+    replicas' body runs there as on the caller's thread (the rendezvous' run_body, the one body every replica
+    takes, inside md.function or not)."""
     s = logical
     n = s.num_replicas_in_sync
     pool = s.extended._pool
-    made = []  # the run's (replica function, native body), taken instead of running them
-    pool.run = lambda replica, body: made.append((replica, body)) or [None] * n
+    made = []  # the run's (function, body), taken instead of running them
+    pool.run = lambda fn, body: made.append((fn, body)) or [None] * n
     try:
         s.run(_cuda_state)
     finally:
         del pool.run
-    replica, body = made[0]
-    assert body is not None
+    fn, body = made[0]
+    assert fn is _cuda_state and body is not None
     results, outputs, errors = {}, [None] * n, []
-    if native:  # a run of the rendezvous whose replicas all run on threads of their own
-        pool.group.reset(None, replica, outputs, errors, None, None, None, True, body)
+    pool.group.reset(None, fn, outputs, errors, None, None, None, True, body)  # every replica on a thread of its own
 
     def on_thread(i):
         before = _cuda_state()
-        if native:
-            pool.group.run_replica(i, False)
-            results[i] = outputs[i]
-        else:
-            results[i] = replica(i)
+        pool.group.run_replica(i, False)
+        results[i] = outputs[i]
         results[(i, "after")] = _cuda_state() == before
 
     threads = [threading.Thread(target=on_thread, args=(i,)) for i in range(n)]

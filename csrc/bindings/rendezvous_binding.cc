@@ -11,8 +11,11 @@
 // and keeping its result or error, claiming the next one, counting arrivals,
 // and saving and restoring the thread state (the CUDA part included) of a
 // replica that parks (docs/gpu_call_path.md, "The rendezvous runs the replicas"),
-// and, outside md.function, what a GPU replica's own Python frame did around
-// the step: its context, device and stream ("GPU replicas run natively").
+// and the replicas' one body around the step: its context, device and, on a
+// GPU, stream, inside md.function or not ("GPU replicas run natively", "One
+// replica body"). md.get_replica_context and a repeated
+// ReplicaContext.all_reduce are builtins here too: every replica's collective
+// starts with them.
 //
 // Every field is read and written with the GIL held and no Python code runs
 // between a check and the update it guards, so the GIL alone serialises the
@@ -49,7 +52,8 @@ struct State {
   // streams' handles, device/gpu.py), what note_arrival() reads; null without an order.
   PyObject* arrival_parts = nullptr;
   PyObject* aborted_type = nullptr;  // distribute_lib._Aborted
-  PyObject* tracing = nullptr;       // () -> whether the timeline records (mirrored.timeline.enabled)
+  PyObject* tracing = nullptr;       // () -> whether the timeline records (mirrored.timeline.enabled), or a
+                                     // (module, name) pair: module.name is true while it records
   PyObject* traced = nullptr;        // (group, rid, kind, payload, combine) -> exchange inside a timeline span
 
   // The replica pool (set once by pool()): how it hears of a run's end and is asked whether a step is
@@ -94,19 +98,20 @@ struct State {
   PyObject* stack_local[2] = {};       // (local, name) of the thread's context stack (exchange()'s check), or nulls
   int stack_tls = -1;                  // its local's index in tls_locals
 
-  // The GPU replicas' body (gpu_body()): what a GPU replica runs around the step's function, in C (as
-  // MirroredExtended._call_for_each_replica's `replica` does in Python), when no md.function step is under
-  // way; and the run's part of it (reset()'s `body`), dropped with the run's function.
+  // The replicas' body (replica_body()): what a replica runs around the step's function (its context, device
+  // and, on a GPU, stream: run_body), the one body of MirroredExtended's replicas; and the run's part of it
+  // (reset()'s `body`), dropped with the run's function.
   PyObject* entry_type = nullptr;          // the context stack's entry type (context._Context, a tuple)
   PyObject* body_locals[4][2] = {};        // (local, name): the context stack, the md device, the name scope, the
                                            // running scope
-  std::vector<PyObject*> body_scopes;      // each replica's _GpuReplicaScope
-  std::vector<PyObject*> body_streams;     // its stream, ordinal (an int), md device, and its `_entry` while it runs
-  std::vector<PyObject*> body_ordinals;
-  std::vector<PyObject*> body_devices;
-  std::vector<PyObject*> body_entries;
-  PyObject* gpu_module = nullptr;          // device/gpu.py (its `_step`: the md.function step under way)
+  std::vector<PyObject*> body_scopes;      // each replica's _GpuReplicaScope (None: a CPU replica)
+  std::vector<PyObject*> body_devices;     // its md device
+  std::vector<PyObject*> body_streams;     // a GPU replica's own stream, ordinal (an int), and what save_gpu()
+  std::vector<PyObject*> body_ordinals;    // returns when it parks with that stream on the stack (None each for
+  std::vector<PyObject*> body_kept;        // a CPU replica)
+  PyObject* gpu_module = nullptr;          // device/gpu.py (its `_step`: the md.function step under way), or null
   PyObject* out_of_memory = nullptr;       // gpu.raise_if_out_of_memory
+  PyObject* step_streams = nullptr;        // (scope, step) -> (stream, memory, origin) inside md.function
   PyObject* run_body = nullptr;            // this run's (fn, column, arguments, strategy, contexts, name scope)
 
   // The cooperative scheduler (set once by cooperate(); hub set per run by reset()).
@@ -158,6 +163,8 @@ PyObject* str_finish;
 PyObject* str_stream;
 PyObject* str_device;
 PyObject* str_require_current;
+PyObject* str_record;
+PyObject* str_wait_event;
 
 PyTypeObject* rendezvous_type;  // (set by add_rendezvous)
 
@@ -260,9 +267,30 @@ PyObject* take_error() {
   return value;
 }
 
-// combine(slots), through the GPU replicas' order when there is one (`arrival`: what the order's arrive()
-// returned to the combining replica, or null).
+PyObject* module_global(PyObject* module, PyObject* name);
+
+// combine(slots), through the GPU replicas' order when there is one (`arrival`: what note_arrival() returned
+// to the combining replica, or null). A (first, combine) pair: first(slots) before the order, when no replica
+// arrived on a stream of the user's (order._any_foreign) and no md.function step is under way; combine(slots)
+// in the order when first returned None (a replica context's repeated all_reduce: _ReplicaAllReduce._first).
 PyObject* run_combine(State* s, PyObject* combine, PyObject* slots, PyObject* arrival) {
+  if (PyTuple_CheckExact(combine) && PyTuple_GET_SIZE(combine) == 2) {
+    PyObject* first = PyTuple_GET_ITEM(combine, 0);
+    combine = PyTuple_GET_ITEM(combine, 1);
+    if (s->order) {
+      PyObject* foreign = PyObject_GetAttr(s->order, str_any_foreign);
+      const int any = foreign ? PyObject_IsTrue(foreign) : -1;
+      Py_XDECREF(foreign);
+      PyObject* step = any == 0 ? module_global(PyTuple_GET_ITEM(s->arrival_parts, 3), str_step) : nullptr;
+      if (any < 0 || (any == 0 && !step)) return nullptr;
+      Py_XDECREF(step);  // (compared by identity only)
+      if (step == Py_None) {
+        PyObject* results = PyObject_CallOneArg(first, slots);
+        if (results != Py_None) return results;  // (or null with its error)
+        Py_DECREF(results);
+      }
+    }
+  }
   if (s->order)
     return PyObject_CallMethodObjArgs(s->order, str_combine, combine, slots, arrival ? arrival : Py_None, nullptr);
   return PyObject_CallOneArg(combine, slots);
@@ -452,7 +480,7 @@ int set_local(PyObject* const* dicts, int k, PyObject* local, PyObject* name, Py
   return dict ? PyDict_SetItem(dict, name, value) : PyObject_SetAttr(local, name, value);
 }
 
-// The locals whose dicts may be cached (after cooperate() or gpu_body() changed them): plain threading.locals
+// The locals whose dicts may be cached (after cooperate() or replica_body() changed them): plain threading.locals
 // (not a subclass, nor another library's local: gevent's is per greenlet), none of whose names used here is an
 // attribute of its type (which `local.name` would find first). The cache is looked up again at the next reset().
 int track_locals(State* s) {
@@ -518,6 +546,24 @@ int cache_thread_dicts(State* s) {
   return 0;
 }
 
+// The stream of a _GpuReplicaScope that is entered, a new reference (null with an error): its `_entry[0]` inside
+// md.function (the step's stream, or a fork of it), else the scope's own stream, which the body enters without
+// writing `_entry` (a slot write each way, per replica and step).
+PyObject* scope_stream(State* s, PyObject* scope) {
+  PyObject* entry = PyObject_GetAttr(scope, str_entry);
+  if (!entry) return nullptr;
+  if (entry != Py_None) {
+    PyObject* stream = PySequence_GetItem(entry, 0);
+    Py_DECREF(entry);
+    return stream;
+  }
+  Py_DECREF(entry);
+  for (size_t i = 0; i < s->body_scopes.size(); ++i)
+    if (s->body_scopes[i] == scope) return Py_NewRef(s->body_streams[i]);
+  PyErr_SetString(PyExc_RuntimeError, "a GPU replica's scope is running but was not entered (its _entry is None)");
+  return nullptr;
+}
+
 // GPU replicas' CUDA state (_GpuThreadState): the current CUDA device, the current stream of each of the
 // strategy's GPUs and the running replica's _GpuReplicaScope, whose stream comes off the thread's `with`
 // stack (CuPy's, per thread) while another replica runs.
@@ -534,11 +580,18 @@ PyObject* save_gpu(State* s, PyObject* arrival) {
   // (None: no GPU replica has run on this thread yet)
   PyObject* scope = get_local(thread_dicts(s), s->running_tls, s->running, str_scope, Py_None);
   if (!scope) return nullptr;
+  if (arrival && arrival != Py_None && PyTuple_GET_SIZE(s->ordinals) == 1) {
+    // A GPU replica parked on its own stream (outside md.function: inside, arrivals note no stream): its saved
+    // state was made once (replica_body).
+    for (size_t i = 0; i < s->body_scopes.size(); ++i)
+      if (s->body_scopes[i] == scope && s->body_streams[i] == arrival) {
+        s->stacked.push_back(scope);  // (the reference moves)
+        return Py_NewRef(s->body_kept[i]);
+      }
+  }
   PyObject* stream = nullptr;  // the scope's stream (a new reference), or null: no scope
   if (scope != Py_None) {
-    PyObject* entry = PyObject_GetAttr(scope, str_entry);
-    stream = entry ? PySequence_GetItem(entry, 0) : nullptr;
-    Py_XDECREF(entry);
+    stream = scope_stream(s, scope);
     if (!stream) {
       Py_DECREF(scope);
       return nullptr;
@@ -589,30 +642,19 @@ long current_device(State* s) {
   return on;
 }
 
-// The stream of a _GpuReplicaScope that is entered (its `_entry[0]`), a new reference; null with an error.
-PyObject* scope_stream(PyObject* scope) {
-  PyObject* entry = PyObject_GetAttr(scope, str_entry);
-  PyObject* stream = entry ? PySequence_GetItem(entry, 0) : nullptr;
-  Py_XDECREF(entry);
-  return stream;
-}
 
 // A replica whose stream save_gpu() left on the `with` stack resumes: its GPU current again, and its stream
 // on top: so it is unless replicas parked after it are still parked (it resumes out of the stack's order),
 // whose entries then come off (they go back on when those resume); an entry taken off so earlier goes back
 // on. Popped with the GPU current: a pop makes the entry below current on its stream's device, or, for the
 // legacy stream below everything, on the current device (cupy/cuda/stream.pyx _ThreadLocal.pop_stream).
-int restore_kept(State* s, PyObject* scope) {
-  PyObject* ordinal = PyObject_GetAttr(scope, str_ordinal);
-  if (!ordinal) return -1;
+int restore_kept(State* s, PyObject* scope, PyObject* ordinal) {
   const long on = PyLong_AsLong(ordinal);
   const long now = on == -1 && PyErr_Occurred() ? -1 : current_device(s);
-  int rc = now == -1 && PyErr_Occurred() ? -1 : now != on ? set_device(s, ordinal) : 0;
-  Py_DECREF(ordinal);
-  if (rc < 0) return -1;
+  if ((now == -1 && PyErr_Occurred()) || (now != on && set_device(s, ordinal) < 0)) return -1;
   auto it = std::find(s->stacked.begin(), s->stacked.end(), scope);
   if (it == s->stacked.end()) {  // taken off by a resume out of order: back on top
-    PyObject* stream = scope_stream(scope);
+    PyObject* stream = scope_stream(s, scope);
     PyObject* r = stream ? PyObject_CallMethodNoArgs(stream, str_enter) : nullptr;
     Py_XDECREF(stream);
     Py_XDECREF(r);
@@ -621,7 +663,7 @@ int restore_kept(State* s, PyObject* scope) {
   while (s->stacked.back() != scope) {  // (moved out before the call: it may reach this state again)
     PyObject* above = s->stacked.back();
     s->stacked.pop_back();
-    PyObject* stream = scope_stream(above);
+    PyObject* stream = scope_stream(s, above);
     PyObject* r = stream ? PyObject_CallMethodObjArgs(stream, str_exit, Py_None, Py_None, Py_None, nullptr) : nullptr;
     Py_XDECREF(stream);
     Py_DECREF(above);
@@ -645,7 +687,7 @@ int restore_gpu(State* s, PyObject* saved) {
   PyObject *device = PyTuple_GET_ITEM(saved, 0), *streams = PyTuple_GET_ITEM(saved, 1),
            *scope = PyTuple_GET_ITEM(saved, 2);
   if (set_local(thread_dicts(s), s->running_tls, s->running, str_scope, scope) < 0) return -1;
-  if (PyTuple_GET_ITEM(saved, 3) == Py_True) return restore_kept(s, scope);  // (all it saved is that stream's)
+  if (PyTuple_GET_ITEM(saved, 3) == Py_True) return restore_kept(s, scope, device);  // (all it saved is that stream's)
   PyObject* entered = nullptr;  // (the stream just made current on GPU `on`: its current stream needs no lookup)
   long on;
   if (scope != Py_None) {
@@ -656,9 +698,7 @@ int restore_gpu(State* s, PyObject* saved) {
     int rc = now == -1 && PyErr_Occurred() ? -1 : now != on ? set_device(s, ordinal) : 0;
     Py_DECREF(ordinal);
     if (rc < 0) return -1;
-    PyObject* entry = PyObject_GetAttr(scope, str_entry);
-    entered = entry ? PySequence_GetItem(entry, 0) : nullptr;
-    Py_XDECREF(entry);
+    entered = scope_stream(s, scope);
     PyObject* r = entered ? PyObject_CallMethodNoArgs(entered, str_enter) : nullptr;
     if (!r) {
       Py_XDECREF(entered);
@@ -819,13 +859,13 @@ PyObject* raise_broken(State* s) {
   return nullptr;
 }
 
-// device/gpu.py's `_step` (`module`: that module), the md.function step under way or None, as a new reference;
-// read from the module's dict (no attribute lookup: every GPU replica asks).
-PyObject* md_function_step(PyObject* module) {
-  if (!PyModule_CheckExact(module)) return PyObject_GetAttr(module, str_step);
-  PyObject* step = PyDict_GetItemWithError(PyModule_GetDict(module), str_step);
+// A module's global `name` as a new reference, read from the module's dict (no attribute lookup: every replica
+// asks for device/gpu.py's `_step`, the md.function step under way or None, and the timeline's `_trace`).
+PyObject* module_global(PyObject* module, PyObject* name) {
+  if (!PyModule_CheckExact(module)) return PyObject_GetAttr(module, name);
+  PyObject* step = PyDict_GetItemWithError(PyModule_GetDict(module), name);
   if (step) return Py_NewRef(step);
-  return PyErr_Occurred() ? nullptr : PyObject_GetAttr(module, str_step);  // (raises the AttributeError)
+  return PyErr_Occurred() ? nullptr : PyObject_GetAttr(module, name);  // (raises the AttributeError)
 }
 
 // GPU replica `rid` arrives at a collective (MergeOrder's part, done here: no Python frame a replica): the
@@ -838,7 +878,7 @@ PyObject* note_arrival(State* s, long rid) {
            *ours = PyTuple_GET_ITEM(s->arrival_parts, 2), *module = PyTuple_GET_ITEM(s->arrival_parts, 3);
   PyObject* ordinal = rid < PyTuple_GET_SIZE(ordinals) ? PyTuple_GET_ITEM(ordinals, rid) : Py_None;
   if (ordinal == Py_None) Py_RETURN_NONE;
-  PyObject* step = md_function_step(module);
+  PyObject* step = module_global(module, str_step);
   if (!step) return nullptr;
   Py_DECREF(step);  // (compared by identity only)
   if (step != Py_None) Py_RETURN_NONE;
@@ -846,8 +886,10 @@ PyObject* note_arrival(State* s, long rid) {
   // replica's GPU, the replica's GPU is current too; else (another device current, or the legacy stream,
   // whose device_id is -1) asked by ordinal.
   PyObject* stream = PyObject_CallNoArgs(current);
-  PyObject* device = stream ? PyObject_GetAttr(stream, str_device_id) : nullptr;
-  const int here = device ? PyObject_RichCompareBool(device, ordinal, Py_EQ) : -1;
+  // (The replica's own stream, which the body entered, is on its GPU and a replica stream: nothing to ask.)
+  const bool own = stream && static_cast<size_t>(rid) < s->body_streams.size() && stream == s->body_streams[rid];
+  PyObject* device = stream && !own ? PyObject_GetAttr(stream, str_device_id) : nullptr;
+  const int here = own ? 1 : device ? PyObject_RichCompareBool(device, ordinal, Py_EQ) : -1;
   Py_XDECREF(device);
   if (here == 0) Py_SETREF(stream, PyObject_CallOneArg(current, ordinal));
   if (here < 0 || !stream) {
@@ -857,8 +899,8 @@ PyObject* note_arrival(State* s, long rid) {
   PyObject* arrived = PyObject_GetAttr(s->order, str_arrived);
   int rc = arrived ? PySequence_SetItem(arrived, rid, stream) : -1;
   Py_XDECREF(arrived);
-  PyObject* ptr = rc == 0 ? PyObject_GetAttr(stream, str_ptr) : nullptr;
-  int foreign = ptr ? PyObject_IsTrue(ptr) : -1;
+  PyObject* ptr = rc == 0 && !own ? PyObject_GetAttr(stream, str_ptr) : nullptr;
+  int foreign = own ? (rc == 0 ? 0 : -1) : ptr ? PyObject_IsTrue(ptr) : -1;
   if (foreign == 1) foreign = PySet_Contains(ours, ptr) == 0 ? 1 : PyErr_Occurred() ? -1 : 0;
   Py_XDECREF(ptr);
   if (foreign == 1) {
@@ -999,7 +1041,10 @@ bool initialised(const State* s) {
 PyObject* rv_exchange(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
   if (!initialised(s)) return nullptr;
-  PyObject* tracing = PyObject_CallNoArgs(s->tracing);
+  // (A module's global read from its dict: every replica's every collective asks.)
+  PyObject* tracing = PyTuple_Check(s->tracing)
+                          ? module_global(PyTuple_GET_ITEM(s->tracing, 0), PyTuple_GET_ITEM(s->tracing, 1))
+                          : PyObject_CallNoArgs(s->tracing);
   if (!tracing) return nullptr;
   const int traced = PyObject_IsTrue(tracing);
   Py_DECREF(tracing);
@@ -1073,8 +1118,8 @@ PyObject* rv_reset(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* body = nargs > 8 && args[8] != Py_None ? args[8] : nullptr;
   if (body && (!valid_body(s, body) || nargs < 2 || args[1] == Py_None)) {
     PyErr_Format(PyExc_TypeError, "reset(body=...): expected (fn, column, arguments, strategy, contexts, name_scope), "
-                 "column and arguments None or %d items each, contexts %d, after gpu_body(), with the run's fn "
-                 "(replicas inside md.function run it)", s->n, s->n);
+                 "column and arguments None or %d items each, contexts %d, after replica_body(), with the run's fn",
+                 s->n, s->n);
     return nullptr;
   }
   auto arg = [&](Py_ssize_t k) -> PyObject* { return nargs > k && args[k] != Py_None ? args[k] : nullptr; };
@@ -1192,40 +1237,49 @@ PyObject* rv_cooperate(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// gpu_body(entry_type, locals, scopes, gpu, out_of_memory): the GPU replicas' body (see run_gpu_body and the
-// method table), set once.
-PyObject* rv_gpu_body(PyObject* self, PyObject* args) {
+// replica_body(entry_type, locals, scopes, gpu, out_of_memory, step_streams): the replicas' body (see run_body
+// and the method table), set once.
+PyObject* rv_replica_body(PyObject* self, PyObject* args) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
-  PyObject *entry_type, *locals, *scopes, *gpu, *out_of_memory;
-  if (!PyArg_ParseTuple(args, "O!O!O!OO:gpu_body", &PyType_Type, &entry_type, &PyTuple_Type, &locals, &PyList_Type,
-                        &scopes, &gpu, &out_of_memory))
+  PyObject *entry_type, *locals, *scopes, *devices, *gpu, *out_of_memory, *step_streams;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!OOO:replica_body", &PyType_Type, &entry_type, &PyTuple_Type, &locals,
+                        &PyList_Type, &scopes, &PyList_Type, &devices, &gpu, &out_of_memory, &step_streams))
     return nullptr;
+  bool any_gpu = false;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(scopes); ++i) any_gpu |= PyList_GET_ITEM(scopes, i) != Py_None;
   bool valid = PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(entry_type), &PyTuple_Type) &&
-               PyTuple_GET_SIZE(locals) == 4 && PyList_GET_SIZE(scopes) == s->n && s->order && s->running;
+               PyTuple_GET_SIZE(locals) == 4 && PyList_GET_SIZE(scopes) == s->n && PyList_GET_SIZE(devices) == s->n &&
+               (!any_gpu || (s->order && s->running && gpu != Py_None));
   for (Py_ssize_t k = 0; valid && k < 4; ++k) {
     PyObject* pair = PyTuple_GET_ITEM(locals, k);
     valid = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2 && PyUnicode_Check(PyTuple_GET_ITEM(pair, 1));
   }
   if (!valid) {
-    PyErr_Format(PyExc_TypeError, "gpu_body(entry_type, locals, scopes, gpu, out_of_memory): expected a tuple type, "
-                 "4 (local, name) pairs (the context stack, the device, the name scope, the running scope) and %d "
-                 "scopes, after cooperate() with a GPU state and the order set", s->n);
+    PyErr_Format(PyExc_TypeError, "replica_body(entry_type, locals, scopes, devices, gpu, out_of_memory, "
+                 "step_streams): expected a tuple type, 4 (local, name) pairs (the context stack, the device, the name "
+                 "scope, the running scope), %d scopes (None: a CPU replica) and %d devices, and for GPU replicas "
+                 "device/gpu.py, after cooperate() with a GPU state and the order set", s->n, s->n);
     return nullptr;
   }
-  std::vector<PyObject*> parts[4];  // each scope's stream, ordinal, device and `_entry` while it runs (new references)
+  // Each GPU scope's stream, ordinal and its kept park's saved state (new references; None for a CPU replica).
+  std::vector<PyObject*> parts[3];
   auto drop = [&] {
     for (auto& part : parts)
       for (PyObject* o : part) Py_XDECREF(o);
   };
   for (Py_ssize_t i = 0; i < s->n; ++i) {
     PyObject* scope = PyList_GET_ITEM(scopes, i);
+    if (scope == Py_None) {
+      for (auto& part : parts) part.push_back(Py_NewRef(Py_None));
+      continue;
+    }
     PyObject* stream = PyObject_GetAttr(scope, str_stream);
     PyObject* ordinal = stream ? PyObject_GetAttr(scope, str_ordinal) : nullptr;
-    PyObject* device = ordinal ? PyObject_GetAttr(scope, str_device) : nullptr;
-    PyObject* entry = device ? PyTuple_Pack(3, stream, Py_None, Py_None) : nullptr;
-    for (auto [part, o] : {std::pair{&parts[0], stream}, {&parts[1], ordinal}, {&parts[2], device}, {&parts[3], entry}})
-      part->push_back(o);
-    if (!entry) {
+    PyObject* streams = ordinal ? PyTuple_Pack(1, stream) : nullptr;
+    PyObject* kept = streams ? PyTuple_Pack(4, ordinal, streams, scope, Py_True) : nullptr;
+    Py_XDECREF(streams);
+    for (auto [part, o] : {std::pair{&parts[0], stream}, {&parts[1], ordinal}, {&parts[2], kept}}) part->push_back(o);
+    if (!kept) {
       drop();
       return nullptr;
     }
@@ -1233,17 +1287,20 @@ PyObject* rv_gpu_body(PyObject* self, PyObject* args) {
   for (int k = 0; k < 4; ++k)
     for (int j = 0; j < 2; ++j)
       Py_XSETREF(s->body_locals[k][j], Py_NewRef(PyTuple_GET_ITEM(PyTuple_GET_ITEM(locals, k), j)));
-  std::vector<PyObject*>* fields[4] = {&s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_entries};
-  for (int k = 0; k < 4; ++k) {
+  std::vector<PyObject*>* fields[3] = {&s->body_streams, &s->body_ordinals, &s->body_kept};
+  for (int k = 0; k < 3; ++k) {
     for (PyObject* o : *fields[k]) Py_DECREF(o);
     fields[k]->swap(parts[k]);  // (the references move)
   }
-  for (PyObject* o : s->body_scopes) Py_DECREF(o);
-  s->body_scopes.clear();
-  for (Py_ssize_t i = 0; i < s->n; ++i) s->body_scopes.push_back(Py_NewRef(PyList_GET_ITEM(scopes, i)));
+  for (auto [field, list] : {std::pair{&s->body_scopes, scopes}, {&s->body_devices, devices}}) {
+    for (PyObject* o : *field) Py_DECREF(o);
+    field->clear();
+    for (Py_ssize_t i = 0; i < s->n; ++i) field->push_back(Py_NewRef(PyList_GET_ITEM(list, i)));
+  }
   Py_XSETREF(s->entry_type, Py_NewRef(entry_type));
-  Py_XSETREF(s->gpu_module, Py_NewRef(gpu));
+  Py_XSETREF(s->gpu_module, gpu == Py_None ? nullptr : Py_NewRef(gpu));
   Py_XSETREF(s->out_of_memory, Py_NewRef(out_of_memory));
+  Py_XSETREF(s->step_streams, Py_NewRef(step_streams));
   if (track_locals(s) < 0) return nullptr;
   Py_RETURN_NONE;
 }
@@ -1353,49 +1410,113 @@ PyObject* call_step(PyObject* fn, PyObject* column, PyObject* arguments, long i)
   return result;
 }
 
-// GPU replica i of the run (`body`: reset()'s) runs the step's function on its GPU and stream, as the pool's
-// Python `replica` does outside md.function: its context on the thread's context stack, the run's name scope,
-// its md device, its stream entered (with its GPU current: CuPy checks that first), and, once the function
-// returned or raised, its stream left and the merge order told (order.finish) when it holds work for it. A
-// CuPy out-of-memory error becomes md's ResourceExhaustedError (gpu.raise_if_out_of_memory). Returns a new
-// reference to the function's result, or null with what it raised.
-PyObject* run_gpu_body(State* s, PyObject* body, long i) {
+// Makes GPU `ordinal` current unless it is (State's get_device/set_device: CuPy's). 0, or -1 with an error.
+int on_device(State* s, PyObject* ordinal) {
+  const long want = PyLong_AsLong(ordinal);
+  const long now = want == -1 && PyErr_Occurred() ? -1 : current_device(s);
+  if (now == -1 && PyErr_Occurred()) return -1;
+  return now != want ? set_device(s, ordinal) : 0;
+}
+
+// `waiter.wait_event(recorded.record())` with the GPU `ordinal` current: `waiter` queues after the work `recorded`
+// queued so far (the fork and the join of a replica's stream with its GPU's step stream, inside md.function).
+int wait_for(State* s, PyObject* ordinal, PyObject* waiter, PyObject* recorded) {
+  if (on_device(s, ordinal) < 0) return -1;
+  PyObject* event = PyObject_CallMethodNoArgs(recorded, str_record);
+  PyObject* r = event ? PyObject_CallMethodOneArg(waiter, str_wait_event, event) : nullptr;
+  Py_XDECREF(event);
+  Py_XDECREF(r);
+  return r ? 0 : -1;
+}
+
+// Replica i of the run (`body`: reset()'s) runs the step's function: its context on the thread's context stack,
+// the run's name scope, its md device; a GPU replica, on its GPU and stream, entered as `with stream` does (with
+// its GPU current: CuPy checks that first), and, once the function returned or raised, left; then the merge
+// order told (order.finish) when it holds work for the replica. Outside md.function a GPU replica's stream is
+// its scope's own; inside (device/gpu.py `_step`), step_streams(scope, step) says (stream, memory, origin): the
+// step's stream or a fork of it (`origin`: the step stream it forks from and joins again after the function),
+// and the step's memory, entered inside the stream, and `_entry` holds the three while the function runs (the
+// park and the resume read it; outside md.function the scope's stream is found by the scope). A CuPy
+// out-of-memory error becomes md's ResourceExhaustedError (gpu.raise_if_out_of_memory). Returns a new reference
+// to the function's result, or null with what it raised.
+PyObject* run_body(State* s, PyObject* body, long i) {
   PyObject *fn = PyTuple_GET_ITEM(body, 0), *column = PyTuple_GET_ITEM(body, 1),
            *arguments = PyTuple_GET_ITEM(body, 2), *strategy = PyTuple_GET_ITEM(body, 3),
            *contexts = PyTuple_GET_ITEM(body, 4), *name_scope = PyTuple_GET_ITEM(body, 5);
-  PyObject *scope = s->body_scopes[i], *stream = s->body_streams[i], *ordinal = s->body_ordinals[i];
+  PyObject *scope = s->body_scopes[i], *ordinal = s->body_ordinals[i];
+  const bool gpu = scope != Py_None;
   auto* entry_type = reinterpret_cast<PyTypeObject*>(s->entry_type);
   PyObject* result = nullptr;
-  // (A new list each run: the replica may push on its stack. The entry as tuple.__new__(_Context, ...) makes it.)
-  PyObject* entry = entry_type->tp_alloc(entry_type, 2);
-  PyObject* stack = entry ? PyList_New(1) : nullptr;
-  if (stack) {
-    PyTuple_SET_ITEM(entry, 0, Py_NewRef(strategy));
-    PyTuple_SET_ITEM(entry, 1, Py_NewRef(PySequence_Fast_GET_ITEM(contexts, i)));
-    PyList_SET_ITEM(stack, 0, entry);
-    entry = nullptr;
+  // A GPU replica's stream, step memory and fork origin (new references; memory and origin None outside
+  // md.function).
+  PyObject *stream = nullptr, *memory = Py_NewRef(Py_None), *origin = Py_NewRef(Py_None), *entry = nullptr;
+  bool ready = true;
+  if (gpu) {
+    PyObject* step = module_global(s->gpu_module, str_step);
+    if (!step) {
+      ready = false;
+    } else if (step == Py_None) {
+      stream = Py_NewRef(s->body_streams[i]);
+    } else {
+      PyObject* parts = PyObject_CallFunctionObjArgs(s->step_streams, scope, step, nullptr);
+      if (parts && PyTuple_Check(parts) && PyTuple_GET_SIZE(parts) == 3) {
+        stream = Py_NewRef(PyTuple_GET_ITEM(parts, 0));
+        Py_SETREF(memory, Py_NewRef(PyTuple_GET_ITEM(parts, 1)));
+        Py_SETREF(origin, Py_NewRef(PyTuple_GET_ITEM(parts, 2)));
+        entry = Py_NewRef(parts);
+      } else if (parts) {
+        PyErr_SetString(PyExc_TypeError, "step_streams(scope, step): expected (stream, memory, origin)");
+      }
+      Py_XDECREF(parts);
+      ready = stream != nullptr;
+    }
+    Py_XDECREF(step);
   }
-  Py_XDECREF(entry);
+  // (A new list each run: the replica may push on its stack. The entry as tuple.__new__(_Context, ...) makes it.)
+  PyObject* context = ready ? entry_type->tp_alloc(entry_type, 2) : nullptr;
+  PyObject* stack = context ? PyList_New(1) : nullptr;
+  if (stack) {
+    PyTuple_SET_ITEM(context, 0, Py_NewRef(strategy));
+    PyTuple_SET_ITEM(context, 1, Py_NewRef(PySequence_Fast_GET_ITEM(contexts, i)));
+    PyList_SET_ITEM(stack, 0, context);
+    context = nullptr;
+  }
+  Py_XDECREF(context);
   PyObject* const* dicts = thread_dicts(s);
   auto put = [&](int k, PyObject* value) {
     return set_local(dicts, s->body_tls[k], s->body_locals[k][0], s->body_locals[k][1], value) == 0;
   };
   bool entered = stack && put(0, stack) && put(2, name_scope) && put(1, s->body_devices[i]);
   Py_XDECREF(stack);
-  if (entered) {
-    PyObject* r = PyObject_CallMethodNoArgs(stream, str_enter);
-    if (!r && PyErr_ExceptionMatches(PyExc_RuntimeError)) {  // another device is current
-      PyErr_Clear();
-      r = set_device(s, ordinal) == 0 ? PyObject_CallMethodNoArgs(stream, str_enter) : nullptr;
+  if (entered && gpu) {
+    if (origin != Py_None && wait_for(s, ordinal, stream, origin) < 0) {  // the fork, with the stream's GPU current
+      entered = false;
+    } else {
+      PyObject* r = PyObject_CallMethodNoArgs(stream, str_enter);
+      if (!r && PyErr_ExceptionMatches(PyExc_RuntimeError)) {  // another device is current
+        PyErr_Clear();
+        r = set_device(s, ordinal) == 0 ? PyObject_CallMethodNoArgs(stream, str_enter) : nullptr;
+      }
+      Py_XDECREF(r);
+      entered = r != nullptr;
     }
-    Py_XDECREF(r);
-    entered = r != nullptr;
+    if (entered && memory != Py_None) {
+      PyObject* r = PyObject_CallMethodNoArgs(memory, str_enter);
+      Py_XDECREF(r);
+      if (!r) {  // (the stream back off, as a failing `with` inside another leaves the outer one)
+        as_finally([&] {
+          PyObject* e = PyObject_CallMethodObjArgs(stream, str_exit, Py_None, Py_None, Py_None, nullptr);
+          Py_XDECREF(e);
+          return e ? 0 : -1;
+        });
+        entered = false;
+      }
+    }
   }
   if (entered) {
-    if (PyObject_SetAttr(scope, str_entry, s->body_entries[i]) == 0 &&
-        put(3, scope)) {
+    if ((!entry || PyObject_SetAttr(scope, str_entry, entry) == 0) && (!gpu || put(3, scope))) {
       result = call_step(fn, column, arguments, i);
-      if (!result && PyErr_ExceptionMatches(PyExc_MemoryError)) {  // CuPy's OutOfMemoryError is one
+      if (!result && gpu && PyErr_ExceptionMatches(PyExc_MemoryError)) {  // CuPy's OutOfMemoryError is one
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback);
         PyErr_NormalizeException(&type, &value, &traceback);
@@ -1405,37 +1526,42 @@ PyObject* run_gpu_body(State* s, PyObject* body, long i) {
         else chain_error(type, value, traceback);
       }
     }
-    as_finally([&] {  // (a failing step ends it, as in a `finally` block)
-      if (PyObject_SetAttr(scope, str_entry, Py_None) < 0) return -1;
-      PyObject* r = PyObject_CallMethodObjArgs(stream, str_exit, Py_None, Py_None, Py_None, nullptr);
-      if (!r) return -1;
-      Py_DECREF(r);
-      dicts = thread_dicts(s);  // (again: the step ran in between)
-      return put(3, Py_None) ? 0 : -1;
-    });
+    if (gpu)
+      as_finally([&] {  // (a failing step ends it, as in a `finally` block)
+        if (entry && PyObject_SetAttr(scope, str_entry, Py_None) < 0) return -1;
+        if (memory != Py_None) {
+          PyObject* r = PyObject_CallMethodObjArgs(memory, str_exit, Py_None, Py_None, Py_None, nullptr);
+          if (!r) return -1;
+          Py_DECREF(r);
+        }
+        // (On top of CuPy's stack: whatever the replica entered after it has been left.)
+        PyObject* r = PyObject_CallMethodObjArgs(stream, str_exit, Py_None, Py_None, Py_None, nullptr);
+        if (!r) return -1;
+        Py_DECREF(r);
+        dicts = thread_dicts(s);  // (again: the step ran in between)
+        if (!put(3, Py_None)) return -1;
+        // The join, with the stream's GPU current (the replica may have left it).
+        return origin != Py_None ? wait_for(s, ordinal, origin, stream) : 0;
+      });
   }
-  as_finally([&] {  // (work handed to the replica to let go: rare)
-    PyObject* pending = PyObject_GetAttr(s->order, str_pending);
-    const int truth = pending ? PyObject_IsTrue(pending) : -1;
-    Py_XDECREF(pending);
-    if (truth <= 0) return truth;
-    PyObject* index = PyLong_FromLong(i);
-    PyObject* r = index ? PyObject_CallMethodOneArg(s->order, str_finish, index) : nullptr;
-    Py_XDECREF(index);
-    Py_XDECREF(r);
-    return r ? 0 : -1;
-  });
+  Py_XDECREF(stream);
+  Py_DECREF(memory);
+  Py_DECREF(origin);
+  Py_XDECREF(entry);
+  if (s->order)
+    as_finally([&] {  // (work handed to the replica to let go: rare)
+      PyObject* pending = PyObject_GetAttr(s->order, str_pending);
+      const int truth = pending ? PyObject_IsTrue(pending) : -1;
+      Py_XDECREF(pending);
+      if (truth <= 0) return truth;
+      PyObject* index = PyLong_FromLong(i);
+      PyObject* r = index ? PyObject_CallMethodOneArg(s->order, str_finish, index) : nullptr;
+      Py_XDECREF(index);
+      Py_XDECREF(r);
+      return r ? 0 : -1;
+    });
   if (PyErr_Occurred()) Py_CLEAR(result);
   return result;
-}
-
-// Whether replica i of this run runs natively (run_gpu_body): a run with a body, outside md.function.
-int runs_body(State* s) {
-  if (!s->run_body) return 0;
-  PyObject* step = md_function_step(s->gpu_module);
-  if (!step) return -1;
-  Py_DECREF(step);
-  return step == Py_None;
 }
 
 // Runs replica `i` on this thread (`caller`: the run's caller's, else a replica thread's) and keeps what it
@@ -1456,9 +1582,8 @@ int execute(State* s, long i, bool caller) {
     PyObject* errors = Py_NewRef(s->errors);
     PyObject* index = nullptr;
     PyObject* result = nullptr;
-    const int native = runs_body(s);
-    if (native == 1) result = run_gpu_body(s, body, i);
-    else if (native == 0 && (index = PyLong_FromLong(i))) result = PyObject_CallOneArg(fn, index);
+    if (body) result = run_body(s, body, i);
+    else if ((index = PyLong_FromLong(i))) result = PyObject_CallOneArg(fn, index);
     if (result) {
       rc = PyList_SetItem(outputs, i, result);  // (steals)
     } else if (!PyErr_ExceptionMatches(s->aborted_type)) {
@@ -1589,6 +1714,11 @@ int rv_init(PyObject* self, PyObject* args, PyObject* kwargs) {
     PyErr_Format(PyExc_ValueError, "n=%d: a rendezvous needs at least one replica", n);
     return -1;
   }
+  if (PyTuple_Check(tracing) && (PyTuple_GET_SIZE(tracing) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(tracing, 1)))) {
+    PyErr_SetString(PyExc_TypeError, "tracing: expected a callable, or the (module, name) of a global that is true "
+                                     "while the timeline records");
+    return -1;
+  }
   if (stack != Py_None &&
       (!PyTuple_Check(stack) || PyTuple_GET_SIZE(stack) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(stack, 1)))) {
     PyErr_SetString(PyExc_TypeError, "stack: expected the (local, name) of the thread's context stack, or None");
@@ -1625,13 +1755,14 @@ void each_reference(State* s, F&& visit) {
   for (PyObject* o : s->stacked) visit(o);
   for (PyObject* o : s->tls_locals) visit(o);
   for (PyObject* o : s->tls_dicts) visit(o);
-  for (auto* part : {&s->body_scopes, &s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_entries})
+  for (auto* part : {&s->body_scopes, &s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_kept})
     for (PyObject* o : *part) visit(o);
   for (auto& local : s->body_locals) {
     visit(local[0]);
     visit(local[1]);
   }
-  for (PyObject* o : {s->entry_type, s->gpu_module, s->out_of_memory, s->run_body, s->stack_local[0], s->stack_local[1]})
+  for (PyObject* o : {s->entry_type, s->gpu_module, s->out_of_memory, s->step_streams, s->run_body, s->stack_local[0],
+                      s->stack_local[1]})
     visit(o);
   for (PyObject* o : {s->results, s->broken, s->order, s->arrival_parts, s->aborted_type, s->tracing, s->traced,
                       s->fn, s->outputs, s->errors,
@@ -1664,11 +1795,11 @@ int rv_clear(PyObject* self) {
   s->tls_locals.clear();
   s->tls_dicts.clear();
   s->tls_thread = 0;
-  for (auto* part : {&s->body_scopes, &s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_entries})
+  for (auto* part : {&s->body_scopes, &s->body_streams, &s->body_ordinals, &s->body_devices, &s->body_kept})
     part->clear();
   for (auto& local : s->body_locals) local[0] = local[1] = nullptr;
-  for (PyObject** o : {&s->entry_type, &s->gpu_module, &s->out_of_memory, &s->run_body, &s->stack_local[0],
-                       &s->stack_local[1]})
+  for (PyObject** o : {&s->entry_type, &s->gpu_module, &s->out_of_memory, &s->step_streams, &s->run_body,
+                       &s->stack_local[0], &s->stack_local[1]})
     *o = nullptr;
   for (PyObject** o : {&s->results, &s->broken, &s->order, &s->arrival_parts, &s->aborted_type, &s->tracing, &s->traced,
                        &s->fn, &s->outputs, &s->errors, &s->complete, &s->wake, &s->claims, &s->mine, &s->arrived_flags, &s->running,
@@ -1732,8 +1863,11 @@ int rv_set_order(PyObject* self, PyObject* value, void*) {
 PyMethodDef rv_methods[] = {
     {"exchange", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_exchange)), METH_FASTCALL,
      "exchange(rid, kind, payload, combine, context=None): replica rid's part of combine(every replica's payload), "
-     "which the last replica to arrive runs; raises what broke the group. context: the replica's ReplicaContext, "
-     "checked to be the thread's current one first (its _require_current(kind) raises when it is not)."},
+     "which the last replica to arrive runs; raises what broke the group. combine: a callable, or (first, "
+     "combine): first(slots) is tried before the GPU replicas' merge order (no replica on a stream of the user's, "
+     "no md.function step), combine(slots) in the order when it returns None. context: the replica's "
+     "ReplicaContext, checked to be the thread's current one first (its _require_current(kind) raises when it "
+     "is not)."},
     {"_exchange", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_exchange_untraced)), METH_FASTCALL,
      "exchange() without the timeline's check (the traced exchange runs it inside its span)."},
     {"reset", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_reset)), METH_FASTCALL,
@@ -1744,8 +1878,8 @@ PyMethodDef rv_methods[] = {
      "run's {index: token} that claim() and the replica threads fill (None: claim() claims every replica); "
      "mine: the caller's token; arrived: the run's list of n flags that arrive() sets; woken: the threads "
      "already take replicas (claim() does not ask wake()); body: (fn, column, arguments, strategy, contexts, "
-     "name_scope) after gpu_body(): replica i runs fn(column[i]), fn(*args, **kwargs) of arguments[i], or fn() "
-     "natively, outside md.function (inside, the run's fn(i))."},
+     "name_scope) after replica_body(): replica i runs fn(column[i]), fn(*args, **kwargs) of arguments[i], or fn() "
+     "in the replicas' body (instead of the run's fn(i))."},
     {"pool", rv_pool, METH_VARARGS,
      "pool(complete, wake, handoff): complete() when the last of replicas 1..n-1 arrived on a thread of its own (on the caller's: "
      "`completed`); wake() -> whether the step is long, asked "
@@ -1754,13 +1888,15 @@ PyMethodDef rv_methods[] = {
      "cooperate(state, gpu, greenlet): the thread state that replicas sharing a thread take along ((object, "
      "name, default) triples, and gpu: (running, getDevice, setDevice, get_current_stream, ordinals) or None), "
      "and the greenlet module the caller runs replicas with (None: none)."},
-    {"gpu_body", rv_gpu_body, METH_VARARGS,
-     "gpu_body(entry_type, locals, scopes, gpu, out_of_memory): GPU replicas run natively outside md.function (a "
+    {"replica_body", rv_replica_body, METH_VARARGS,
+     "replica_body(entry_type, locals, scopes, devices, gpu, out_of_memory, step_streams): the replicas' body (a "
      "run's reset() with a body): each sets its context stack to [entry_type((strategy, its context))], the md "
-     "device to its scope's `_device` and the name scope to the run's (locals: the (local, name) pairs of the "
-     "context stack, the device, the name scope and the running scope), enters its scope's `_stream` (scopes: "
-     "each replica's _GpuReplicaScope), runs the step and leaves; gpu: device/gpu.py (its `_step`); "
-     "out_of_memory(error, ordinal): raises CuPy's out-of-memory error as md's."},
+     "device to devices[i] and the name scope to the run's (locals: the (local, name) pairs of the context stack, "
+     "the device, the name scope and the running scope); a GPU replica (scopes[i], a _GpuReplicaScope; None: a "
+     "CPU replica) enters its stream (outside md.function its scope's `_stream`; inside, the (stream, memory, "
+     "origin) of step_streams(scope, device/gpu.py's `_step`): the step's memory entered too, and a fork of the "
+     "step stream `origin` joined at the end), runs the step and leaves; gpu: device/gpu.py, or None (no GPU "
+     "replica); out_of_memory(error, ordinal): raises CuPy's out-of-memory error as md's."},
     {"save_state", rv_save_state, METH_NOARGS, "The thread's state, as cooperate() says."},
     {"restore_state", rv_restore_state, METH_O, "restore_state(saved): puts back what save_state() returned."},
     {"claim", rv_claim, METH_NOARGS,
@@ -1800,6 +1936,205 @@ PyType_Slot rv_slots[] = {
 PyType_Spec rv_spec = {"mirrored._core.Rendezvous", sizeof(Rendezvous), 0,
                        Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, rv_slots};
 
+
+// --- md.get_replica_context and a replica context's repeated all_reduce, with no Python frame --------------
+//
+// Every replica's collective starts with these two calls (`md.get_replica_context().all_reduce(op, x)`): two
+// Python frames a replica, about as much host work as the rest of its part in the exchange.
+
+// get_replica_context's state: the thread-local of the context stack. (Its thread's dict is not kept, as
+// the rendezvous keeps its caller's: this getter serves every thread, and a kept dict of a thread that ended
+// would hold that thread's context stack, and with it a strategy, until another thread asks.)
+struct StackTop {
+  PyObject_HEAD
+  PyObject* local;     // context._local
+  PyObject* name;      // "stack"
+  PyObject* fallback;  // () -> the replica context outside any strategy's replica (the default one, or None)
+};
+
+PyTypeObject* stack_top_type;
+
+// get_replica_context(): the top entry's replica context (a _Context is a (strategy, replica context) tuple);
+// the fallback's answer for an empty or unset stack, or an entry of another form.
+PyObject* stack_top_replica_context(PyObject* self, PyObject*) {
+  auto* top = reinterpret_cast<StackTop*>(self);
+  if (!top->local || !top->fallback) {
+    PyErr_SetString(PyExc_RuntimeError, "get_replica_context: its state was cleared (the module is shutting down)");
+    return nullptr;
+  }
+  PyObject* stack = PyObject_GetAttr(top->local, top->name);
+  if (!stack) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return nullptr;
+    PyErr_Clear();  // (a thread that never entered a strategy)
+  }
+  const Py_ssize_t depth = stack && PyList_Check(stack) ? PyList_GET_SIZE(stack) : 0;
+  PyObject* entry = depth ? PyList_GET_ITEM(stack, depth - 1) : nullptr;
+  PyObject* context = entry && PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 2
+                      ? Py_NewRef(PyTuple_GET_ITEM(entry, 1)) : nullptr;
+  Py_XDECREF(stack);
+  return context ? context : PyObject_CallNoArgs(top->fallback);
+}
+
+void stack_top_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  PyObject_GC_UnTrack(self);
+  auto* top = reinterpret_cast<StackTop*>(self);
+  Py_CLEAR(top->local);
+  Py_CLEAR(top->name);
+  Py_CLEAR(top->fallback);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+int stack_top_traverse(PyObject* self, visitproc visit, void* arg) {
+  auto* top = reinterpret_cast<StackTop*>(self);
+  Py_VISIT(Py_TYPE(self));
+  Py_VISIT(top->local);
+  Py_VISIT(top->fallback);
+  return 0;
+}
+
+int stack_top_clear(PyObject* self) {
+  auto* top = reinterpret_cast<StackTop*>(self);
+  Py_CLEAR(top->local);
+  Py_CLEAR(top->fallback);
+  return 0;
+}
+
+PyType_Slot stack_top_slots[] = {
+    {Py_tp_doc, const_cast<char*>("The state of a native md.get_replica_context (replica_context_getter).")},
+    {Py_tp_dealloc, reinterpret_cast<void*>(stack_top_dealloc)},
+    {Py_tp_traverse, reinterpret_cast<void*>(stack_top_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(stack_top_clear)},
+    {0, nullptr}};
+
+PyType_Spec stack_top_spec = {"mirrored._core._StackTop", sizeof(StackTop), 0,
+                              Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, stack_top_slots};
+
+PyMethodDef get_replica_context_def = {
+    "get_replica_context", stack_top_replica_context, METH_NOARGS,
+    "get_replica_context()\n--\n\nThe replica context of this thread; None in cross-replica context; a default one "
+    "outside any strategy."};
+
+// replica_context_getter(local, name, fallback): get_replica_context as a builtin (see the method table).
+PyObject* replica_context_getter(PyObject*, PyObject* args) {
+  PyObject *local, *name, *fallback;
+  if (!PyArg_ParseTuple(args, "OUO:replica_context_getter", &local, &name, &fallback)) return nullptr;
+  auto* top = PyObject_GC_New(StackTop, stack_top_type);
+  if (!top) return nullptr;
+  top->local = Py_NewRef(local);
+  top->name = Py_NewRef(name);
+  top->fallback = Py_NewRef(fallback);
+  PyObject_GC_Track(top);
+  PyObject* module = PyObject_GetAttrString(fallback, "__module__");  // (the getter's module: the fallback's)
+  PyObject* fn =
+      module ? PyCFunction_NewEx(&get_replica_context_def, reinterpret_cast<PyObject*>(top), module) : nullptr;
+  Py_XDECREF(module);
+  Py_DECREF(top);
+  return fn;
+}
+
+// ReplicaContext.all_reduce: a repeated call (the op's name the latest call's, no options, one array of the
+// replicas' own type or NumPy's) goes straight to the exchange, as the Python method's first branch does;
+// every other call is that method's (`slow`, ReplicaContext._all_reduce), which keeps the latest call.
+struct {
+  PyObject* slow = nullptr;       // ReplicaContext._all_reduce
+  PyObject* op_type = nullptr;    // ReduceOp (its members name their op by `_value_`)
+  PyObject* ndarray = nullptr;    // numpy.ndarray
+  PyObject* latest = nullptr;     // interned attribute names
+  PyObject* array_type = nullptr;
+  PyObject* group = nullptr;
+  PyObject* replica = nullptr;
+  PyObject* value = nullptr;
+  PyObject* exchange = nullptr;
+  PyObject* kind = nullptr;       // "all_reduce"
+} all_reduce_parts;
+
+PyObject* replica_all_reduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  auto& p = all_reduce_parts;
+  if (!kwnames && (nargs == 2 || (nargs == 3 && args[2] == Py_None))) {
+    PyObject* name = args[0];
+    if (Py_TYPE(name) == reinterpret_cast<PyTypeObject*>(p.op_type)) name = PyObject_GetAttr(name, p.value);
+    else Py_INCREF(name);
+    if (!name) return nullptr;
+    PyObject* latest = PyObject_GetAttr(self, p.latest);  // (op name, combine) of the latest call
+    PyObject* combine = latest && PyTuple_CheckExact(latest) && PyTuple_GET_SIZE(latest) == 2 &&
+                        PyTuple_GET_ITEM(latest, 0) == name && PyUnicode_CheckExact(name)
+                        ? PyTuple_GET_ITEM(latest, 1) : nullptr;
+    Py_DECREF(name);
+    PyObject* result = nullptr;
+    bool done = !latest;
+    if (combine && combine != Py_None) {
+      PyObject* value = args[1];
+      PyObject* own = PyObject_GetAttr(self, p.array_type);
+      if (!own) {
+        done = true;
+      } else if (reinterpret_cast<PyObject*>(Py_TYPE(value)) == own ||
+                 reinterpret_cast<PyObject*>(Py_TYPE(value)) == p.ndarray) {
+        PyObject* group = PyObject_GetAttr(self, p.group);
+        PyObject* rid = group ? PyObject_GetAttr(self, p.replica) : nullptr;
+        if (rid) {
+          PyObject* call[6] = {group, rid, p.kind, value, combine, self};
+          result = PyObject_VectorcallMethod(p.exchange, call, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+        }
+        Py_XDECREF(rid);
+        Py_XDECREF(group);
+        done = true;
+      }
+      Py_XDECREF(own);
+    }
+    Py_XDECREF(latest);
+    if (done) return result;
+  }
+  // (Every other call: the Python method, with the same arguments.)
+  const Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+  PyObject* small[8];
+  std::vector<PyObject*> large;
+  PyObject** call = small;
+  if (total + 1 > 8) {
+    large.resize(total + 1);
+    call = large.data();
+  }
+  call[0] = self;
+  std::copy(args, args + total, call + 1);
+  return PyObject_Vectorcall(p.slow, call, nargs + 1, kwnames);
+}
+
+PyMethodDef all_reduce_def = {
+    "all_reduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(replica_all_reduce)),
+    METH_FASTCALL | METH_KEYWORDS,
+    "all_reduce($self, reduce_op, value, options=None)\n--\n\nReduce ``value`` (an array or a nested structure of "
+    "arrays) across replicas; all get the result.\n\nAll leaves go through one fused batch all-reduce of the "
+    "strategy's cross-device ops. ``options``: this call's ``CommunicationOptions``, merged over the strategy's "
+    "(docs/multi_worker.md)."};
+
+// replica_all_reduce_method(cls, slow, op_type, ndarray): ReplicaContext.all_reduce (see all_reduce_parts).
+PyObject* replica_all_reduce_method(PyObject*, PyObject* args) {
+  PyObject *cls, *slow, *op_type, *ndarray;
+  if (!PyArg_ParseTuple(args, "O!OO!O!:replica_all_reduce_method", &PyType_Type, &cls, &slow, &PyType_Type, &op_type,
+                        &PyType_Type, &ndarray))
+    return nullptr;
+  auto& p = all_reduce_parts;
+  for (auto [field, value] : {std::pair{&p.slow, slow}, {&p.op_type, op_type}, {&p.ndarray, ndarray}})
+    Py_XSETREF(*field, Py_NewRef(value));
+  for (auto [field, text] : {std::pair{&p.latest, "_latest"}, {&p.array_type, "_array_type"}, {&p.group, "_group"},
+                             {&p.replica, "_local_replica_id"}, {&p.value, "_value_"}, {&p.exchange, "exchange"},
+                             {&p.kind, "all_reduce"}})
+    if (!*field && !(*field = PyUnicode_InternFromString(text))) return nullptr;
+  return PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(cls), &all_reduce_def);
+}
+
+PyMethodDef module_functions[] = {
+    {"replica_context_getter", replica_context_getter, METH_VARARGS,
+     "replica_context_getter(local, name, fallback): md.get_replica_context as a builtin: the replica context of the "
+     "top entry of `local.<name>` (this thread's context stack of (strategy, replica context) tuples), else "
+     "fallback()."},
+    {"replica_all_reduce_method", replica_all_reduce_method, METH_VARARGS,
+     "replica_all_reduce_method(cls, slow, op_type, ndarray): cls.all_reduce as a method descriptor: a repeated call "
+     "(the latest call's op name, no options, one array of cls._array_type or ndarray) goes straight to "
+     "self._group.exchange; every other call is slow(self, ...)."},
+    {nullptr, nullptr, 0, nullptr}};
+
 }  // namespace
 
 int add_rendezvous(PyObject* module) {
@@ -1810,10 +2145,15 @@ int add_rendezvous(PyObject* module) {
                               {&str_ordinal, "_ordinal"}, {&str_enter, "__enter__"}, {&str_exit, "__exit__"},
                               {&str_use, "use"}, {&str_dict, "__dict__"}, {&str_pending, "pending"},
                               {&str_finish, "finish"}, {&str_stream, "_stream"}, {&str_device, "_device"},
-                              {&str_require_current, "_require_current"}}) {
+                              {&str_require_current, "_require_current"}, {&str_record, "record"},
+                              {&str_wait_event, "wait_event"}}) {
     *target = PyUnicode_InternFromString(text);
     if (!*target) return -1;
   }
+  PyObject* top = PyType_FromSpec(&stack_top_spec);
+  if (!top) return -1;
+  stack_top_type = reinterpret_cast<PyTypeObject*>(top);  // (kept for the process: getters made by the module hold it)
+  if (PyModule_AddFunctions(module, module_functions) < 0) return -1;
   PyObject* type = PyType_FromSpec(&rv_spec);
   if (!type) return -1;
   rendezvous_type = reinterpret_cast<PyTypeObject*>(type);  // (the module keeps it)

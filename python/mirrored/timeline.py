@@ -217,6 +217,9 @@ def enabled() -> bool:
 # enabled()'s answer for native callers, with no Python frame: the open trace (true) or None. The
 # replica rendezvous asks it at every replica's every collective.
 enabled_native = functools.partial(getattr, sys.modules[__name__], "_trace")
+# The same as (module, name), for a native caller that reads the global from the module's dict itself (the
+# replica rendezvous, at every replica's every collective: no call at all).
+enabled_flag = (sys.modules[__name__], "_trace")
 
 
 def path() -> str | None:

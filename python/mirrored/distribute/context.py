@@ -15,6 +15,8 @@ import contextlib
 import threading
 from typing import NamedTuple
 
+from .._core import replica_context_getter as _replica_context_getter
+
 
 class _Context(NamedTuple):
     strategy: object  # a distribute_lib.Strategy
@@ -67,13 +69,15 @@ def in_cross_replica_context() -> bool:
     return _top().replica_context is None
 
 
-def get_replica_context():
-    """The replica context of this thread; None in cross-replica context; a default one outside any strategy."""
-    try:  # (_top(), inlined: every replica's collective asks)
-        stack = _local.stack
-    except AttributeError:  # (a thread that never entered a strategy)
-        return _default.replica_context
-    return (stack[-1] if stack else _default).replica_context
+def _default_replica_context():
+    return _default.replica_context
+
+
+# get_replica_context(): the replica context of this thread; None in cross-replica context; a default one outside
+# any strategy. A builtin (csrc/bindings/rendezvous_binding.cc): every replica's collective asks it first, and its
+# Python frame cost about what the rest of the question did: the top entry of this thread's stack, else
+# _default_replica_context().
+get_replica_context = _replica_context_getter(_local, "stack", _default_replica_context)
 
 
 def get_cross_replica_context():

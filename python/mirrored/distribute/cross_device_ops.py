@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from ..device import dtypes as _dtypes, device_util, gpu as _gpu
+from ..device import dtypes as _dtypes, device_util
 from ..device.indexed_slices import IndexedSlices, map_arrays
 from ..collective import api as collectives
 from ..collective.plan import all_reduce_plan
@@ -416,21 +416,22 @@ class _ReplicaAllReduce:
     call of one array per replica: a repeated call runs that plan straight, whose native run checks what
     ``_placed`` and the plan's signature would (each array's type, shape, dtype and strides, and its
     replica's GPU), and goes the validating way only when an array does not fit (or while the timeline
-    records: its spans come from that way). On GPU replicas that plan runs from ``combine_first``'s one frame,
-    with the merge streams' handles it was given when it was kept (``CallPlan.on_merge_streams``).
+    records: its spans come from that way). On GPU replicas the rendezvous runs that plan before the merge
+    order (``combine_first``), on the legacy default streams' handles it was given when it was kept
+    (``CallPlan.on_merge_streams``). ``order``: GPU replicas' gpu.MergeOrder (None: CPU replicas).
     """
 
-    __slots__ = ("bound", "_ordinals", "_params", "_plan", "_merged", "_fallback")
+    __slots__ = ("bound", "_ordinals", "_params", "_plan", "_merged", "_order")
 
-    def __init__(self, ops: "_NativeAllReduce", reduce_op: ReduceOp, options, ordinals, array_type):
+    def __init__(self, ops: "_NativeAllReduce", reduce_op: ReduceOp, options, ordinals, array_type, order=None):
         self.bound = functools.partial(ops._replica_all_reduce, reduce_op, options, ordinals, array_type)
         self._ordinals = ordinals
         # (op, algorithm, chunk_bytes) of the collectives.all_reduce the ops make, or None: another engine's
         self._params = (reduce_op._value_, ops._algorithm, ops._ring_kwargs.get("chunk_bytes", 0)) \
             if ops._collectives is collectives else None
         self._plan = None
-        self._merged = None  # GPU replicas: the kept plan's CallPlan.on_merge_streams()
-        self._fallback = None  # (see combine_first)
+        self._merged = None  # GPU replicas: (run, streams, new outputs) of the kept plan (see _first)
+        self._order = order
 
     def __call__(self, per_replica):
         plan = self._plan
@@ -444,28 +445,45 @@ class _ReplicaAllReduce:
             # (A plan of the same signature made for other GPUs would run these arrays there: not kept.)
             if plan is not None and (self._ordinals is None or plan.devices == self._ordinals):
                 self._plan = plan
-                self._merged = plan.on_merge_streams() if self._ordinals is not None else None
+                if self._ordinals is not None:
+                    run, streams, new_outputs = plan.on_merge_streams()
+                    self._merged = run, streams, functools.partial(self._order.combine, _NewOutputs(new_outputs), None)
         return results
 
     def combine_first(self, combine):
-        """The combine a replica context's all_reduce hands its GPU replicas' rendezvous: ``combine`` (the
-        collective's, which calls this object) with a repeated call's kept plan run first, in one frame.
-        GPU replicas combine in gpu.MergeOrder.combine, with each GPU's legacy default stream current
-        outside md.function: the plan's stream list is known there, not looked up. (CPU replicas: ``combine``
-        as it is, whose first call is this object's.)"""
+        """The combine a replica context's all_reduce hands its replicas' rendezvous. CPU replicas: ``combine``
+        as it is (the collective's, whose first call is this object's). GPU replicas: ``(self._first, combine)``:
+        the rendezvous runs ``_first`` before the replicas' merge order when no replica arrived on a stream of
+        the user's and no md.function step is under way, and ``combine`` in the order (gpu.MergeOrder.combine)
+        when ``_first`` does not take the call."""
         if self._ordinals is None:
             return combine
-        self._fallback = combine
-        return self._combine
+        return self._first, combine
 
-    def _combine(self, slots):
+    def _first(self, slots):
+        """A repeated call's kept plan (one array per replica), run on every GPU's legacy default stream, whose
+        handles it was given when it was kept; None when there is none or an array does not fit it (or while
+        the timeline records). The merge order would add nothing here: CUDA orders legacy-stream work after
+        the work every blocking stream (each replica's) queued before, the inputs' writes, and before the work
+        they queue next, the results' reads; and new results (when the latest are still held) are allocated in
+        the order, with the legacy streams current (gpu.MergeOrder says why)."""
         merged = self._merged
-        if merged is not None and type(slots[0]) is not list and _gpu._step is None and not tracing():
-            run, streams, new_outputs = merged
-            done = run(slots, None, streams, new_outputs)
-            if done is not None:
-                return done
-        return self._fallback(slots)
+        if merged is None or type(slots[0]) is list or tracing():
+            return None
+        run, streams, new_outputs = merged
+        return run(slots, None, streams, new_outputs)
+
+
+class _NewOutputs:
+    """A kept plan's ``new_outputs`` as a merge order's combine takes it (``combine(slots)``; slots: None)."""
+
+    __slots__ = ("_new_outputs",)
+
+    def __init__(self, new_outputs):
+        self._new_outputs = new_outputs
+
+    def __call__(self, _slots):
+        return self._new_outputs()
 
 
 def _placed(arrays, ordinals, array_type) -> bool:

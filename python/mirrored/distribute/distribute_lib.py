@@ -15,9 +15,9 @@ from types import FunctionType as _FunctionType
 
 import numpy as np
 
-from .._core import Rendezvous as _Rendezvous  # (private: a native type, not API)
+from .._core import Rendezvous as _Rendezvous, replica_all_reduce_method as _replica_all_reduce_method  # (private)
 from .._nest import flatten, is_nested, map_structure, pack_sequence_as
-from ..timeline import HOST_ROW, enabled_native as tracing, replica_wait, set_row_source
+from ..timeline import HOST_ROW, enabled_flag as _tracing, replica_wait, set_row_source
 from ..device import device_util, gpu as _gpu
 from ..device.dtypes import dtype_code
 from ..device.indexed_slices import IndexedSlices, convert_to_tensor, map_arrays
@@ -85,8 +85,9 @@ class _Group(_Rendezvous):
     """
 
     def __init__(self, n: int):
-        # (`stack`: where exchange()'s `context` is checked to be the thread's current replica context.)
-        super().__init__(n, _Aborted, tracing, _traced_exchange, (_local, "stack"))
+        # (`stack`: where exchange()'s `context` is checked to be the thread's current replica context; the
+        # timeline's `_trace`, true while it records, is read from its module's dict at each exchange.)
+        super().__init__(n, _Aborted, _tracing, _traced_exchange, (_local, "stack"))
 
 
 def _traced_exchange(group, rid, kind, payload, combine, context=None):
@@ -225,11 +226,14 @@ class ReplicaContext:
         leaves = [_read(leaf) for leaf in flatten(value)]
         return pack_sequence_as(value, self._group.exchange(self._local_replica_id, kind, leaves, combine))
 
-    def all_reduce(self, reduce_op, value, options=None):
+    def _all_reduce(self, reduce_op, value, options=None):
         """Reduce ``value`` (an array or a nested structure of arrays) across replicas; all get the result.
 
         All leaves go through one fused batch all-reduce of the strategy's cross-device ops. ``options``: this
         call's ``CommunicationOptions``, merged over the strategy's (docs/multi_worker.md).
+
+        (``all_reduce``, the public name, is a builtin method, see below: it takes a call that repeats the latest
+        one straight to the exchange, and hands every other call here.)
         """
         # A repeated call first: its combine is kept by the op's name as given (a ReduceOp by its value; not
         # by the ReduceOp: its hash is Python code).
@@ -272,6 +276,13 @@ class ReplicaContext:
 
     def __repr__(self) -> str:
         return f"ReplicaContext(replica_id_in_sync_group={self._replica_id_in_sync_group})"
+
+
+# ReplicaContext.all_reduce as a builtin method (csrc/bindings/rendezvous_binding.cc): a call that repeats the
+# latest one (the same op name, no options, one array of the replicas' own type or NumPy's) goes straight to the
+# exchange, as _all_reduce's first branch does, with no Python frame (every replica of every step makes it);
+# every other call is _all_reduce's.
+ReplicaContext.all_reduce = _replica_all_reduce_method(ReplicaContext, ReplicaContext._all_reduce, ReduceOp, np.ndarray)
 
 
 # --- strategy ------------------------------------------------------------------------------

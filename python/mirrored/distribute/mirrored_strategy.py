@@ -27,7 +27,7 @@ from ..device import config, device_util, gpu as _gpu
 from ..device.device_util import _current as _device_local
 from ..device.indexed_slices import IndexedSlices
 from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, _ReplicaAllReduce, describe
-from .context import _Context, _local, _new_tuple
+from .context import _Context, _local
 from .distribute_lib import _Group, ReplicaContext, Strategy, StrategyExtended
 from .name_scope import _state as _scope_local
 from .options import VariableAggregation, VariableSynchronization
@@ -254,8 +254,9 @@ class _ReplicaPool:
         self._inflight = False
 
     def run(self, replica_fn, body=None) -> list:
-        """``[replica_fn(i) for every i]``; ``body``: the rendezvous' native GPU replicas' part of this run
-        (_Group.reset's), which runs replica i instead of ``replica_fn(i)`` outside md.function."""
+        """``[replica_fn(i) for every i]``; or, with ``body`` (_Group.reset's: the run's part of the replicas'
+        body, MirroredExtended._call_for_each_replica), replica i's result in that body (``replica_fn``: the
+        step's function, which the body calls)."""
         me = threading.get_ident()
         if me == self._caller or me in self._worker_ids:
             # e.g. strategy.run inside a merge_fn: waiting for our own replicas would never end.
@@ -438,9 +439,8 @@ def _blas_controllers() -> list:
 
 class _GpuReplicaScope:
     """A GPU replica's device and CUDA device and stream, made once (entered by one replica at a time,
-    and only by the replica pool's runs: the rendezvous enters it, runs the replica's function and leaves
-    it, natively (``_Group.gpu_body``); inside md.function ``MirroredExtended._call_for_each_replica`` does,
-    in the replica's one Python frame).
+    and only by the replica pool's runs: the replicas' body in the rendezvous enters it, runs the replica's
+    function and leaves it, natively: ``_Group.replica_body``, csrc/bindings/rendezvous_binding.cc ``run_body``).
 
     Its stream is entered as CuPy's ``with stream`` does (pushed on the
     thread's stack), so that ``with`` blocks inside the replica unwind to it.
@@ -452,26 +452,37 @@ class _GpuReplicaScope:
     the run ends, and the next replica on the thread sets its own), which saves a device read a replica.
 
     Inside md.function the replica runs on the step's memory, and on its GPU's step stream, or, when
-    replicas share the GPU, on a stream forked from it (device/gpu.py StepScope). The step's allocator
+    replicas share the GPU, on a stream forked from it (device/gpu.py StepScope; _step_streams). The step's allocator
     is the same for every replica and the md.function caller's own, so interleaved enters and exits of
     its (per-thread) scope leave it as it was.
     """
 
-    __slots__ = ("_ordinal", "_device", "_runtime", "_stream", "_replica_id", "_shares_gpu", "_entry")
+    __slots__ = ("_ordinal", "_device", "_stream", "_replica_id", "_shares_gpu", "_entry")
 
-    # What a GPU replica sets on its thread ((local, name) pairs, in the order the rendezvous' gpu_body takes
-    # them): its context stack, md device and name scope, and the running scope (_GpuThreadState).
+    # What a replica sets on its thread ((local, name) pairs, in the order the rendezvous' replica_body takes
+    # them): its context stack, md device and name scope, and (a GPU replica) the running scope (_GpuThreadState).
     LOCALS = ((_local, "stack"), (_device_local, "device"), (_scope_local, "scope"), (_running, "scope"))
 
     def __init__(self, device, replica_id: int, shares_gpu: bool):
         self._ordinal = device_util.physical_ordinal(device)
         self._device = device
-        self._runtime = _gpu.cupy_module().cuda.runtime
         self._stream = _gpu.replica_stream(replica_id, self._ordinal)
         self._replica_id, self._shares_gpu = replica_id, shares_gpu
-        # While entered: (stream entered, memory scope or None, the step stream it forked from or None).
-        # One slot: a run enters each replica's scope once, and runs do not overlap.
+        # While entered inside md.function: (stream entered, memory scope, the step stream it forked from or
+        # None); None otherwise, and while entered outside md.function, on its own stream (the park and the
+        # resume find that by the scope: a write each way saved). One slot: a run enters each replica's scope
+        # once, and runs do not overlap.
         self._entry = None
+
+
+def _step_streams(scope: _GpuReplicaScope, step) -> tuple:
+    """``(stream, memory, origin)`` a GPU replica runs on inside md.function (the replicas' body asks, see
+    _GpuReplicaScope): its GPU's step stream, or, when replicas share the GPU, a fork of it (``origin``: the step
+    stream, which the fork waits for first and which waits for the fork after the replica), and the step's memory."""
+    ordinal = scope._ordinal
+    if scope._shares_gpu:
+        return _gpu.fork_stream(scope._replica_id, ordinal), _gpu.step_memory(), step.streams[ordinal]
+    return step.streams[ordinal], _gpu.step_memory(), None
 
 
 class _MirroredReplicaContext(ReplicaContext):
@@ -520,7 +531,6 @@ class MirroredExtended(StrategyExtended):
         weakref.finalize(container_strategy, self._pool.close)
         self._replica_contexts = None
         self._scopes = None
-        self._gpu_body = False  # the rendezvous runs the GPU replicas (see _replica_scopes)
         self._native_all_reduces = {}  # id(ReduceOp) -> _native_replica_all_reduce's answer (False: none)
 
     def _contexts(self) -> list:
@@ -536,14 +546,15 @@ class MirroredExtended(StrategyExtended):
         return self._replica_contexts
 
     def _replica_scopes(self) -> list:
-        """Each replica's _GpuReplicaScope (None: a CPU replica, whose device is all it enters)."""
+        """Each replica's _GpuReplicaScope (None: a CPU replica, whose device is all it enters), made once, when
+        the rendezvous is told the replicas' body (csrc/bindings/rendezvous_binding.cc ``run_body``)."""
         if self._scopes is None:
             ordinals = self._ordinals
             scopes = [_GpuReplicaScope(d, i, ordinals.count(o) > 1) if o is not None else None
                       for i, (d, o) in enumerate(zip(self._local_devices, ordinals))]
-            if None not in scopes:  # every replica on a GPU: the rendezvous runs what `replica` does, outside md.function
-                self._pool.group.gpu_body(_Context, _GpuReplicaScope.LOCALS, scopes, _gpu, _gpu.raise_if_out_of_memory)
-                self._gpu_body = True
+            gpus = any(scope is not None for scope in scopes)
+            self._pool.group.replica_body(_Context, _GpuReplicaScope.LOCALS, scopes, list(self._local_devices),
+                                          _gpu if gpus else None, _gpu.raise_if_out_of_memory, _step_streams)
             self._scopes = scopes
         return self._scopes
 
@@ -556,92 +567,26 @@ class MirroredExtended(StrategyExtended):
             column = args[0]._values
         elif args or kwargs:
             arguments = self._replica_arguments(args, kwargs)
-        strategy = self._container_strategy_weakref()  # (the property, inlined: every step asks)
         contexts = self._replica_contexts or self._contexts()
-        scopes = self._scopes or self._replica_scopes()
-        order = self._pool.group.order
+        if self._scopes is None:
+            self._replica_scopes()
         # Every replica starts in the caller's md.name_scope, as TF's replica threads do, and keeps its
         # own: a thread that runs another replica while this one waits in a merge_call must not see it.
         try:  # (current_scope(), inlined)
             name_scope = _scope_local.scope
         except AttributeError:
             name_scope = ""
-        local_devices = self._local_devices
-
-        def replica(i):
-            # (The thread's context stack, name scope and CPU device are not put back here: the pool
-            # restores the caller's once the run ends, and a replica thread's are set afresh by its next
-            # replica.)
-            _local.stack = [_new_tuple(_Context, (strategy, contexts[i]))]
-            _scope_local.scope = name_scope
-            if column is not None:
-                args_i, kwargs_i = (column[i],), None
-            elif arguments is None:
-                args_i, kwargs_i = (), None
-            else:
-                args_i, kwargs_i = arguments[i]
-            scope = scopes[i]
-            if scope is None:  # a CPU replica: its device is all it enters
-                _device_local.device = local_devices[i]
-                try:
-                    return fn(*args_i, **kwargs_i) if kwargs_i else fn(*args_i)
-                finally:
-                    if order is not None and order.pending:  # (beside GPU replicas: see below)
-                        order.finish(i)
-            # A GPU replica inside md.function (outside, the rendezvous runs the same natively: gpu_body): its
-            # _GpuReplicaScope entered, the function run and the scope left, in this one frame.
-            try:
-                step, ordinal, runtime = _gpu._step, scope._ordinal, scope._runtime  # (step_scope(), inlined)
-                origin = memory = None
-                if step is None:
-                    stream = scope._stream
-                elif scope._shares_gpu:
-                    origin, memory = step.streams[ordinal], _gpu.step_memory()
-                    stream = _gpu.fork_stream(scope._replica_id, ordinal)
-                else:
-                    stream, memory = step.streams[ordinal], _gpu.step_memory()
-                _device_local.device = scope._device
-                if origin is not None:  # the fork, with the stream's device current
-                    if runtime.getDevice() != ordinal:
-                        runtime.setDevice(ordinal)
-                    stream.wait_event(origin.record())
-                try:
-                    stream.__enter__()
-                except RuntimeError:  # another device is current: CuPy checks that before it pushes anything
-                    runtime.setDevice(ordinal)
-                    stream.__enter__()
-                if memory is not None:
-                    memory.__enter__()
-                scope._entry = stream, memory, origin
-                _running.scope = scope
-                try:
-                    return fn(*args_i, **kwargs_i) if kwargs_i else fn(*args_i)
-                except MemoryError as error:  # CuPy's OutOfMemoryError: TF's ResourceExhaustedError, on this GPU
-                    _gpu.raise_if_out_of_memory(error, ordinal)
-                    raise
-                finally:
-                    scope._entry = None
-                    if memory is not None:
-                        memory.__exit__(None, None, None)
-                    stream.__exit__(None, None, None)  # (on top: what the replica entered after it has been left)
-                    _running.scope = None
-                    if origin is not None:  # the join, with the stream's device current (the replica may have left it)
-                        if runtime.getDevice() != ordinal:
-                            runtime.setDevice(ordinal)
-                        origin.wait_event(stream.record())
-            finally:
-                if order.pending:  # (work handed to it to let go: rare)
-                    order.finish(i)
-
-        # The same, natively, for GPU replicas outside md.function (`replica` runs inside it).
-        body = (fn, column, arguments, strategy, contexts, name_scope) if self._gpu_body else None
+        # The rendezvous runs each replica in the replicas' one body (run_body): its context, name scope and
+        # device set, a GPU replica's stream entered (inside md.function, the step's: _step_streams), fn called
+        # with its arguments, and the stream left.
+        body = (fn, column, arguments, self._container_strategy_weakref(), contexts, name_scope)
         across = self._across_gpus
         if across is None:
-            results = self._pool.run(replica, body)
+            results = self._pool.run(fn, body)
         else:
             across.join()
             try:
-                results = self._pool.run(replica, body)
+                results = self._pool.run(fn, body)
             finally:  # (also when a replica raised: the caller may drop arrays replicas still read)
                 across.join()
         return regroup(results, devices=self._local_devices, array_type=contexts[0]._array_type)
@@ -737,7 +682,8 @@ class MirroredExtended(StrategyExtended):
         if device_util.all_cpu(devices):
             return _ReplicaAllReduce(cdo, op, options, None, np.ndarray)
         if device_util.all_gpu(devices):
-            return _ReplicaAllReduce(cdo, op, options, tuple(self._ordinals), _gpu.cupy_module().ndarray)
+            return _ReplicaAllReduce(cdo, op, options, tuple(self._ordinals), _gpu.cupy_module().ndarray,
+                                     self._pool.group.order)
         return None  # CPU and GPU replicas mixed
 
     def _sums_host_replicas_in_order(self) -> bool:
