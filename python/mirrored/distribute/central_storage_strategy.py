@@ -15,6 +15,7 @@ bit for bit; after the update the replicas on other GPUs get the new values in o
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import numpy as np
@@ -61,6 +62,21 @@ def _parameter_device(parameter_device) -> str:
                          f"GPU(s) (md.config.list_logical_devices('GPU'){config.hidden_note('GPU')}); use '/cpu:0' "
                          "instead")
     return device
+
+
+@contextlib.contextmanager
+def _ordered_with_replicas(devices):
+    """The one context for writing what replicas read on GPUs ``devices`` (the last one current): each GPU's
+    merge stream (device_util.cross_replica_gpu_scope) current on it. Several replicas, each on its own
+    stream, read one copy per GPU; the merge stream's work follows every replica stream's queued work (their
+    reads of the old values) and precedes their later work (reads of the new ones), and a block allocated
+    there is handed out again only to later merge-stream work. On the stream of whichever replica happened to
+    read first, the others would read unordered with the copy (before it ran: garbage), and that replica's
+    next allocations would take the block back under their reads."""
+    with contextlib.ExitStack() as scopes:
+        for device in devices:
+            scopes.enter_context(device_util.cross_replica_gpu_scope(device))
+        yield
 
 
 def _same_memory(a: str, b: str) -> bool:
@@ -189,7 +205,8 @@ class CentralStorageExtended(MirroredExtended):
         copies = {}  # GPU ordinal -> the copy its replicas read
         for d in variable._copy_to:
             if d is not None and device_util.physical_ordinal(d) not in copies:
-                copies[device_util.physical_ordinal(d)] = device_util.place(variable._value, d, copy=True)
+                with _ordered_with_replicas([d]):  # (read by every replica of that GPU, not only this one)
+                    copies[device_util.physical_ordinal(d)] = device_util.place(variable._value, d, copy=True)
         reads = variable._reads = tuple(None if d is None else copies[device_util.physical_ordinal(d)]
                                         for d in variable._copy_to)
         self._read_copies[id(variable)] = variable
@@ -305,9 +322,10 @@ class _ReplicaReads:
 
     def _allocate(self, i: int, plan) -> None:
         """New buffers for GPU ``i``, one per dtype in ``plan``'s fusion layout, and their views per variable."""
-        buffers = [device_util.empty(sum(self.variables[k]._value.size for k in indices),
-                                     self.variables[indices[0]]._value.dtype, self.devices[i])
-                   for indices in self.groups]
+        with _ordered_with_replicas([self.devices[i]]):
+            buffers = [device_util.empty(sum(self.variables[k]._value.size for k in indices),
+                                         self.variables[indices[0]]._value.dtype, self.devices[i])
+                       for indices in self.groups]
         self.buffers[i], self.views[i] = buffers, plan.unpacked(buffers)
 
     def _link(self) -> None:
@@ -331,11 +349,11 @@ class _ReplicaReads:
             for staging, indices in zip(self.staging, self.groups):
                 np.concatenate([values[k] for k in indices], axis=None, out=staging)
             for device, buffers in zip(self.devices, self.buffers):
-                with device_util.cross_replica_gpu_scope(device):
+                with _ordered_with_replicas([device]):
                     for buffer, staging in zip(buffers, self.staging):
                         buffer.set(staging)
         else:  # on the update's stream: the variables packed, then broadcast to the other GPUs
-            with device_util.cross_replica_gpu_scope(self.source):
+            with _ordered_with_replicas(self.devices + [self.source]):
                 packed = plan.pack(plan.own_pack[0], values)
                 for j, source in enumerate(packed):
                     targets = [source] + [buffers[j] for buffers in self.buffers]
