@@ -75,3 +75,35 @@ def test_gradients_that_read_the_variables_train_as_mirrored_on_the_same_gpus(la
         np.testing.assert_array_equal(c, m)
         np.testing.assert_allclose(c, h, rtol=1e-6, atol=1e-6)
 
+
+@pytest.mark.skipif(cupy is None, reason="no GPU and no simulated GPUs")
+@pytest.mark.parametrize("layout, parameter_device", [
+    ("logical", "/cpu:0"), ("logical", "/gpu:0"), ("physical", "/cpu:0"), ("physical", "/gpu:0"),
+    ("physical", "/gpu:1")])
+def test_arrays_derived_from_a_read_keep_their_values_when_the_variables_update(layout, parameter_device):
+    """TF's promise: a value read is a value. A slice, a reshape, a transpose or a dtype view of a replica's read,
+    held over later updates, keeps the values of its step (they hold the copy's buffer, not the read itself)."""
+    with gpu_layout(layout) as devices:
+        strategy = CentralStorageStrategy(devices, parameter_device)
+        with strategy.scope():
+            w = md.Variable(np.arange(6, dtype=np.float32))
+            u = md.Variable(np.zeros(3, np.float32))
+            opt = md.optimizers.SGD(1.0)
+        held = {}
+
+        def step():
+            rid = md.get_replica_context().replica_id_in_sync_group
+            held.setdefault(rid, []).append((w.read_value()[1:4], w.read_value().reshape(2, 3).T,
+                                             w.read_value().view(np.int32)[::2], u.read_value()[1:]))
+            opt.apply_gradients([(w.read_value() * 0 + 1, w), (u.read_value() * 0 + 0.5, u)])
+
+        for _ in range(3):
+            strategy.run(step)
+        for rid in range(len(devices)):
+            for k, arrays in enumerate(held[rid]):  # (each step moves w by -2 and u by -1: the replicas' sums)
+                expected = np.arange(6, dtype=np.float32) - 2 * k
+                got = [np.asarray(md.device_util.to_host(a)) for a in arrays]
+                np.testing.assert_array_equal(got[0], expected[1:4])
+                np.testing.assert_array_equal(got[1], expected.reshape(2, 3).T)
+                np.testing.assert_array_equal(got[2], expected.view(np.int32)[::2])
+                np.testing.assert_array_equal(got[3], np.full(2, -k, np.float32))

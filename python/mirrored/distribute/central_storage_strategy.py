@@ -279,8 +279,9 @@ class _ReplicaReads:
     After each update :meth:`refresh` fills them with nothing per variable: from a GPU parameter device the
     variables packed into the optimizer's fusion buffers on it (one launch) and broadcast to the other GPUs
     (one collective per dtype, which md.function captures as the all-reduce); from the host, packed by one
-    copy per dtype and copied to each GPU (one copy per GPU and dtype). A view that a reader still holds keeps
-    its values: its GPU gets new buffers first (copy-on-write, as variables do).
+    copy per dtype and copied to each GPU (one copy per GPU and dtype). A view that a reader still holds, or an
+    array derived from one (a slice, a reshape), keeps its values: its GPU gets new buffers first (copy-on-write,
+    as variables do).
     """
 
     def __init__(self, plan):
@@ -294,6 +295,10 @@ class _ReplicaReads:
         self.slot = tuple(None if d is None else ordinals.index(device_util.physical_ordinal(d)) for d in copy_to)
         # A view's references when no reader holds it: the views list, each replica's reads tuple, the count's
         self.unheld = [2 + self.slot.count(i) for i in range(len(self.devices))]
+        # Per GPU, each buffer's references when no reader holds it (measured as allocated): an array a reader
+        # derived from its read (a slice, a reshape) holds the buffer (CuPy's base, the memory's owner), not the
+        # view it was derived from
+        self.unheld_buffers = [None] * len(self.devices)
         values = [v._value for v in self.variables]
         self.staging = ([np.empty(sum(values[k].size for k in indices), values[indices[0]].dtype)
                          for indices in self.groups] if device_util.parse(self.source).device_type == "CPU" else None)
@@ -327,6 +332,7 @@ class _ReplicaReads:
                                          self.variables[indices[0]]._value.dtype, self.devices[i])
                        for indices in self.groups]
         self.buffers[i], self.views[i] = buffers, plan.unpacked(buffers)
+        self.unheld_buffers[i] = list(map(sys.getrefcount, buffers))
 
     def _link(self) -> None:
         """Each variable's reads: per replica, the view on its GPU."""
@@ -335,7 +341,8 @@ class _ReplicaReads:
 
     def refresh(self, plan) -> None:
         for i, views in enumerate(self.views):
-            if max(map(sys.getrefcount, views)) > self.unheld[i]:
+            if max(map(sys.getrefcount, views)) > self.unheld[i] or any(
+                    n > unheld for n, unheld in zip(map(sys.getrefcount, self.buffers[i]), self.unheld_buffers[i])):
                 scope = _gpu.step_scope()
                 if scope is not None and scope.capturing:
                     raise RuntimeError(
