@@ -65,11 +65,12 @@ def train(strategy, optimizer, compiled: bool = False, steps: int = 4) -> list:
     ("physical", "/gpu:1"), ("2x2", "/cpu:0"), ("2x2", "/gpu:0")])
 def test_gradients_that_read_the_variables_train_as_mirrored_on_the_same_gpus(layout, parameter_device, name,
                                                                              compiled, seed):
-    """The weights equal MirroredStrategy's on the same GPUs bit for bit (the same all-reduce, the same update),
-    and the CPU replicas' to float32 rounding (another sum order on 4 replicas)."""
+    """The weights equal MirroredStrategy's on the same GPUs bit for bit (the same all-reduce, the same update;
+    its replicas read their own copies while the update writes them, on logical GPUs too), and the CPU replicas'
+    to float32 rounding (another sum order on 4 replicas)."""
     with gpu_layout(layout) as devices:
         central = train(CentralStorageStrategy(devices, parameter_device), OPTIMIZERS[name], compiled)
-        mirrored = train(md.MirroredStrategy(devices), OPTIMIZERS[name])
+        mirrored = train(md.MirroredStrategy(devices), OPTIMIZERS[name], compiled)
     cpu = train(CentralStorageStrategy([f"/cpu:{i}" for i in range(len(devices))]), OPTIMIZERS[name])
     for c, m, h in zip(central, mirrored, cpu):
         np.testing.assert_array_equal(c, m)
