@@ -734,7 +734,9 @@ class ndarray:
     nbytes = property(lambda self: self.size * self.dtype.itemsize)
     device = property(lambda self: Device(self.data.device_id))
     T = property(lambda self: self.transpose())
-    base = property(lambda self: None)
+    # CuPy's: a view holds the array that owns its memory (the root, whatever it was made from); None for an
+    # array made over a pointer. Copy-on-write checks (variables') count these references.
+    base = None
 
     @property
     def __cuda_array_interface__(self):
@@ -760,7 +762,9 @@ class ndarray:
 
     # views
     def _view(self, shape, strides, offset_bytes=0, dtype=None):
-        return ndarray(shape, dtype or self.dtype, memptr=self.data + offset_bytes, strides=strides)
+        view = ndarray(shape, dtype or self.dtype, memptr=self.data + offset_bytes, strides=strides)
+        view.base = self if self.base is None else self.base
+        return view
 
     def __getitem__(self, key):
         placeholder = np.lib.stride_tricks.as_strided(np.zeros(1, self.dtype), self.shape, self.strides)

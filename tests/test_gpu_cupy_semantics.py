@@ -1,7 +1,7 @@
 """CuPy's own rules that mirrored's GPU path relies on, pinned where the stand-in (fake_cupy.py) must keep
 them: the same assertions run against real CuPy on a GPU machine (gpu_env.py), so a run there checks the
 stand-in's fidelity too. Sources: cupy/cuda/device.pyx (``Device.__enter__/__exit__``: one stack per thread),
-stream.pyx (``get_current_stream``, ``Event.record``), _core/core.pyx (``ndarray.set``), memory.pyx
+stream.pyx (``get_current_stream``, ``Event.record``), _core/core.pyx (``ndarray.set``, a view's ``base``), memory.pyx
 (``copy_from_device_async``), cupy/cuda/__init__.py (``using_allocator``)."""
 
 import numpy as np
@@ -97,6 +97,16 @@ def test_copy_from_device_async_takes_a_memory_pointer():
         dst.data.copy_from_device_async(src.data.ptr, src.nbytes)
     dst.data.copy_from_device_async(src.data, src.nbytes)
     np.testing.assert_array_equal(dst.get(), [0, 1, 2, 3])
+
+
+def test_a_view_holds_the_array_that_owns_its_memory():
+    # _core/core.pyx ``_view``: ``v.base = self.base if self.base is not None else self``. Copy-on-write (a
+    # variable's buffer, CentralStorageStrategy's copies on the replicas' GPUs) counts these references: an
+    # array derived from a read holds the buffer itself, however many views it was made through.
+    a = cupy.arange(6, dtype=cupy.float32)
+    assert a.base is None and a.copy().base is None and a[1:4].copy().base is None
+    for view in (a[1:4], a[1:4][::2], a.reshape(2, 3).T, a.view(cupy.int32), a[1:4].reshape(3, 1)):
+        assert view.base is a
 
 
 def test_using_allocator_puts_back_the_allocator_of_its_enter_and_is_entered_once():

@@ -15,6 +15,7 @@ bit for bit; after the update the replicas on other GPUs get the new values in o
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import numpy as np
@@ -61,6 +62,21 @@ def _parameter_device(parameter_device) -> str:
                          f"GPU(s) (md.config.list_logical_devices('GPU'){config.hidden_note('GPU')}); use '/cpu:0' "
                          "instead")
     return device
+
+
+@contextlib.contextmanager
+def _ordered_with_replicas(devices):
+    """The one context for writing what replicas read on GPUs ``devices`` (the last one current): each GPU's
+    merge stream (device_util.cross_replica_gpu_scope) current on it. Several replicas, each on its own
+    stream, read one copy per GPU; the merge stream's work follows every replica stream's queued work (their
+    reads of the old values) and precedes their later work (reads of the new ones), and a block allocated
+    there is handed out again only to later merge-stream work. On the stream of whichever replica happened to
+    read first, the others would read unordered with the copy (before it ran: garbage), and that replica's
+    next allocations would take the block back under their reads."""
+    with contextlib.ExitStack() as scopes:
+        for device in devices:
+            scopes.enter_context(device_util.cross_replica_gpu_scope(device))
+        yield
 
 
 def _same_memory(a: str, b: str) -> bool:
@@ -189,7 +205,8 @@ class CentralStorageExtended(MirroredExtended):
         copies = {}  # GPU ordinal -> the copy its replicas read
         for d in variable._copy_to:
             if d is not None and device_util.physical_ordinal(d) not in copies:
-                copies[device_util.physical_ordinal(d)] = device_util.place(variable._value, d, copy=True)
+                with _ordered_with_replicas([d]):  # (read by every replica of that GPU, not only this one)
+                    copies[device_util.physical_ordinal(d)] = device_util.place(variable._value, d, copy=True)
         reads = variable._reads = tuple(None if d is None else copies[device_util.physical_ordinal(d)]
                                         for d in variable._copy_to)
         self._read_copies[id(variable)] = variable
@@ -262,8 +279,9 @@ class _ReplicaReads:
     After each update :meth:`refresh` fills them with nothing per variable: from a GPU parameter device the
     variables packed into the optimizer's fusion buffers on it (one launch) and broadcast to the other GPUs
     (one collective per dtype, which md.function captures as the all-reduce); from the host, packed by one
-    copy per dtype and copied to each GPU (one copy per GPU and dtype). A view that a reader still holds keeps
-    its values: its GPU gets new buffers first (copy-on-write, as variables do).
+    copy per dtype and copied to each GPU (one copy per GPU and dtype). A view that a reader still holds, or an
+    array derived from one (a slice, a reshape), keeps its values: its GPU gets new buffers first (copy-on-write,
+    as variables do).
     """
 
     def __init__(self, plan):
@@ -277,6 +295,10 @@ class _ReplicaReads:
         self.slot = tuple(None if d is None else ordinals.index(device_util.physical_ordinal(d)) for d in copy_to)
         # A view's references when no reader holds it: the views list, each replica's reads tuple, the count's
         self.unheld = [2 + self.slot.count(i) for i in range(len(self.devices))]
+        # Per GPU, each buffer's references when no reader holds it (measured as allocated): an array a reader
+        # derived from its read (a slice, a reshape) holds the buffer (CuPy's base, the memory's owner), not the
+        # view it was derived from
+        self.unheld_buffers = [None] * len(self.devices)
         values = [v._value for v in self.variables]
         self.staging = ([np.empty(sum(values[k].size for k in indices), values[indices[0]].dtype)
                          for indices in self.groups] if device_util.parse(self.source).device_type == "CPU" else None)
@@ -305,10 +327,12 @@ class _ReplicaReads:
 
     def _allocate(self, i: int, plan) -> None:
         """New buffers for GPU ``i``, one per dtype in ``plan``'s fusion layout, and their views per variable."""
-        buffers = [device_util.empty(sum(self.variables[k]._value.size for k in indices),
-                                     self.variables[indices[0]]._value.dtype, self.devices[i])
-                   for indices in self.groups]
+        with _ordered_with_replicas([self.devices[i]]):
+            buffers = [device_util.empty(sum(self.variables[k]._value.size for k in indices),
+                                         self.variables[indices[0]]._value.dtype, self.devices[i])
+                       for indices in self.groups]
         self.buffers[i], self.views[i] = buffers, plan.unpacked(buffers)
+        self.unheld_buffers[i] = list(map(sys.getrefcount, buffers))
 
     def _link(self) -> None:
         """Each variable's reads: per replica, the view on its GPU."""
@@ -317,7 +341,8 @@ class _ReplicaReads:
 
     def refresh(self, plan) -> None:
         for i, views in enumerate(self.views):
-            if max(map(sys.getrefcount, views)) > self.unheld[i]:
+            if max(map(sys.getrefcount, views)) > self.unheld[i] or any(
+                    n > unheld for n, unheld in zip(map(sys.getrefcount, self.buffers[i]), self.unheld_buffers[i])):
                 scope = _gpu.step_scope()
                 if scope is not None and scope.capturing:
                     raise RuntimeError(
@@ -331,11 +356,11 @@ class _ReplicaReads:
             for staging, indices in zip(self.staging, self.groups):
                 np.concatenate([values[k] for k in indices], axis=None, out=staging)
             for device, buffers in zip(self.devices, self.buffers):
-                with device_util.cross_replica_gpu_scope(device):
+                with _ordered_with_replicas([device]):
                     for buffer, staging in zip(buffers, self.staging):
                         buffer.set(staging)
         else:  # on the update's stream: the variables packed, then broadcast to the other GPUs
-            with device_util.cross_replica_gpu_scope(self.source):
+            with _ordered_with_replicas(self.devices + [self.source]):
                 packed = plan.pack(plan.own_pack[0], values)
                 for j, source in enumerate(packed):
                     targets = [source] + [buffers[j] for buffers in self.buffers]
