@@ -4,25 +4,22 @@ The CUDA kernels (csrc/cuda/fused_update.cu over csrc/core/lamb.h: lanes, groups
 host kernel bit for bit (which tests/test_fused_update_lamb.py holds to rules.lamb): every size around a lane
 block's edge, several variables per table, weight decay on some, IndexedSlices' squares, the scalars read
 from device memory; a loss-scaled step decided on the device (skipped, unscaled) and captured by md.function
-as the eager steps; and the cost: four launches per GPU and dtype whatever the number of variables.
+as the eager steps. (Its launches per step: tests/test_optimizer_gpu.py.)
 """
 
 import numpy as np
 import pytest
 
-from gpu_env import NGPU, SIMULATED, SKIP_REASON, cupy
+from gpu_env import NGPU, SKIP_REASON, cupy
 
 pytestmark = pytest.mark.gpu
 if cupy is None:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
-import mirrored as md  # noqa: E402
 from mirrored._core import fused_update as host_fused_update  # noqa: E402
 from mirrored.train.optimizers import rules  # noqa: E402
 from test_fused_update_lamb import LANES, SIZES, _state, coefficients  # noqa: E402
-from test_optimizer_gpu import _count_launches, _table  # noqa: E402
-
-LAMB_LAUNCHES = 4  # lanes, groups, ratios, apply (csrc/core/lamb.h)
+from test_optimizer_gpu import _table  # noqa: E402
 
 
 def _on_gpu(weights, slots, decay):
@@ -122,47 +119,3 @@ def test_a_loss_scaled_lamb_step_on_the_device_gives_the_host_decided_bits(repli
     host = _train(monkeypatch, replicas, "lamb", mode="host")
     _assert_same(_train(monkeypatch, replicas, "lamb", mode=mode), host)
     assert host[1][-1][2] == 8  # (two of ten steps skipped)
-
-
-@pytest.mark.skipif(not SIMULATED, reason="counts the simulated runtime's launches")
-@pytest.mark.parametrize("aggregate", [True, False])
-def test_apply_gradients_on_200_variables_costs_a_fixed_number_of_launches_per_gpu(monkeypatch, aggregate):
-    """The gradients' pack, then Lamb's four launches per GPU (plus the all-reduce), whatever the number of
-    variables; every copy equals the host's bits."""
-    strategy = md.MirroredStrategy(["/gpu:0", "/gpu:1"])
-    shapes = [(16, 8) if k % 2 else (8,) for k in range(200)]
-    with strategy.scope():
-        variables = [md.Variable(np.linspace(-1, 1, int(np.prod(s)), dtype=np.float32).reshape(s)) for s in shapes]
-        opt = md.optimizers.Lamb(0.01, weight_decay=0.1)
-    host_opt = md.optimizers.Lamb(0.01, weight_decay=0.1)
-    host_variables = [md.Variable(np.linspace(-1, 1, int(np.prod(s)), dtype=np.float32).reshape(s))
-                      for s in shapes]
-
-    def step():
-        r = md.get_replica_context().replica_id_in_sync_group
-        grads = [cupy.full(shape, 0.25 * (r + 1), np.float32) for shape in shapes]
-        opt.apply_gradients(zip(grads, variables), experimental_aggregate_gradients=aggregate)
-
-    for _ in range(2):  # the plan, the slots and the tables are made outside the count
-        strategy.run(step)
-    packed = [cupy.asarray(np.zeros(sum(int(np.prod(s)) for s in shapes), np.float32)) for _ in range(2)]
-    with cupy.cuda.Device(1):
-        packed[1] = cupy.asarray(np.zeros(packed[0].size, np.float32))
-    all_reduce, _ = _count_launches(monkeypatch, lambda: strategy.extended.batch_reduce_to(
-        md.ReduceOp.SUM, [(md.distribute.values.PerReplica(packed, strategy.extended.worker_devices), variables[0])]))
-    engine, stand_in = _count_launches(monkeypatch, lambda: strategy.run(step))
-    for gpu in (0, 1):
-        update = engine[gpu] - (all_reduce[gpu] if aggregate else 0)
-        assert update == 1 + LAMB_LAUNCHES, f"GPU {gpu}: {engine[gpu]} engine launches, the all-reduce's are " \
-                                            f"{all_reduce[gpu]}"
-        assert update + stand_in[gpu] - 200 <= LAMB_LAUNCHES + 2, f"GPU {gpu}: {stand_in[gpu]} CuPy kernels"
-
-    for _ in range(3):
-        host_opt.apply_gradients([(np.full(shape, 0.75 if aggregate else 0.25, np.float32), v)
-                                  for shape, v in zip(shapes, host_variables)])
-    for k in (0, 1, 198, 199):
-        copies = variables[k].values if aggregate else variables[k].values[:1]
-        for copy in copies:
-            np.testing.assert_array_equal(cupy.asnumpy(copy.read_value()), host_variables[k].numpy())
-        if aggregate:  # the replicas' copies bit-identical
-            np.testing.assert_array_equal(cupy.asnumpy(copies[0].read_value()), cupy.asnumpy(copies[1].read_value()))

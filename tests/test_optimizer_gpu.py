@@ -135,14 +135,17 @@ def _count_launches(monkeypatch, step):
 
 @pytest.mark.skipif(not SIMULATED, reason="counts the simulated runtime's launches")
 @pytest.mark.parametrize("optimizer", ["Adam", "Adam amsgrad", "Adamax", "Adadelta", "Lion", "Ftrl",
-                                       "Ftrl learning_rate_power=-0.3"])
+                                       "Ftrl learning_rate_power=-0.3", "Lamb"])
 @pytest.mark.parametrize("aggregate", [True, False])
-def test_apply_gradients_on_200_variables_costs_at_most_3_launches_per_gpu_plus_the_all_reduce(monkeypatch,
-                                                                                               aggregate, optimizer):
+def test_apply_gradients_on_200_variables_costs_a_fixed_number_of_launches_per_gpu_plus_the_all_reduce(
+        monkeypatch, aggregate, optimizer):
     make = {"Adam": lambda: md.optimizers.Adam(0.01), "Adam amsgrad": lambda: md.optimizers.Adam(0.01, amsgrad=True),
             "Adamax": lambda: md.optimizers.Adamax(0.01), "Adadelta": lambda: md.optimizers.Adadelta(1.0),
             "Lion": lambda: md.optimizers.Lion(0.01), "Ftrl": lambda: md.optimizers.Ftrl(0.1),
-            "Ftrl learning_rate_power=-0.3": lambda: md.optimizers.Ftrl(0.1, learning_rate_power=-0.3)}[optimizer]
+            "Ftrl learning_rate_power=-0.3": lambda: md.optimizers.Ftrl(0.1, learning_rate_power=-0.3),
+            "Lamb": lambda: md.optimizers.Lamb(0.01, weight_decay=0.1)}[optimizer]
+    # The rule's launches: one, or its phases (Lamb: lanes, groups, ratios, apply; csrc/core/lamb.h).
+    rule_launches = 4 if optimizer == "Lamb" else 1
     strategy = md.MirroredStrategy(["/gpu:0", "/gpu:1"])
     shapes = [(16, 8) if k % 2 else (8,) for k in range(200)]
     with strategy.scope():
@@ -167,9 +170,10 @@ def test_apply_gradients_on_200_variables_costs_at_most_3_launches_per_gpu_plus_
     for gpu in (0, 1):
         update = engine[gpu] - (all_reduce[gpu] if aggregate else 0)
         # The engine's: the gradients packed into the fusion buffer (one multi-tensor copy), the fused update.
-        assert update == 2, f"GPU {gpu}: {engine[gpu]} engine launches, the all-reduce's are {all_reduce[gpu]}"
-        # The stand-in's kernels besides the step's own 200 gradients: nothing per variable.
-        assert update + stand_in[gpu] - 200 <= 3, f"GPU {gpu}: {stand_in[gpu]} CuPy kernels"
+        assert update == 1 + rule_launches, f"GPU {gpu}: {engine[gpu]} engine launches, the all-reduce's are " \
+                                            f"{all_reduce[gpu]}"
+        # The stand-in's kernels besides the step's own 200 gradients: the step count, nothing per variable.
+        assert stand_in[gpu] - 200 <= 1, f"GPU {gpu}: {stand_in[gpu]} CuPy kernels"
 
     # Three steps on the GPUs equal the host's bits: every copy with the summed gradients, or
     # (not aggregated) replica 0's copy with its own.

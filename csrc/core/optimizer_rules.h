@@ -13,13 +13,7 @@
 #include <cstddef>
 #include <string>
 
-#ifndef MIRRORED_HD
-#if defined(__CUDACC__)
-#define MIRRORED_HD __host__ __device__
-#else
-#define MIRRORED_HD
-#endif
-#endif
+#include "core/host_device.h"
 
 namespace mirrored::rules {
 

@@ -17,13 +17,7 @@
 
 #include <cstddef>
 
-#ifndef MIRRORED_HD
-#if defined(__CUDACC__)
-#define MIRRORED_HD __host__ __device__
-#else
-#define MIRRORED_HD
-#endif
-#endif
+#include "core/host_device.h"
 
 namespace mirrored::rules {
 
