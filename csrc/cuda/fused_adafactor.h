@@ -10,8 +10,6 @@
 
 #include "core/adafactor_rule.h"
 #include "core/dtype.h"
-#include "cuda/check.h"
-#include "cuda/device.h"
 #include "cuda/fused_update.h"
 
 namespace mirrored::cuda {
@@ -24,24 +22,5 @@ namespace mirrored::cuda {
 void fused_adafactor(DType dtype, const void* table, int entries, std::size_t work, void* scratch,
                      const void* scalars, const void* device_scalars, int coefficients, int sms, cudaStream_t stream,
                      LossScaleGate gate);
-
-// A table's Adafactor scratch on one device: made with the table, never per step.
-class AdafactorScratch {
- public:
-  AdafactorScratch(int device, std::size_t bytes)
-      : device_(device), data_(device_malloc(bytes > 0 ? bytes : 1, "Adafactor's scratch")) {}
-  ~AdafactorScratch() {
-    DeviceGuard guard;
-    if (set_device(device_) == cudaSuccess) cudaFree(data_);
-  }
-  AdafactorScratch(const AdafactorScratch&) = delete;
-  AdafactorScratch& operator=(const AdafactorScratch&) = delete;
-
-  void* data() const { return data_; }
-
- private:
-  int device_;
-  void* data_;
-};
 
 }  // namespace mirrored::cuda

@@ -8,7 +8,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
-#include <memory>
 #include <optional>
 #include <vector>
 
@@ -87,8 +86,6 @@ struct FusedVariable {
   rules::FactoredShape shape{};  // a factored table's (Adafactor's)
 };
 
-class AdafactorScratch;
-
 // The device-side table of one device's variables of one dtype, built once
 // per variable set: every step is then a single launch (Lamb: kLambLaunches,
 // over a scratch its first update allocates; Adafactor: one per phase). The
@@ -144,7 +141,7 @@ class FusedUpdateTable {
   template <typename T>
   void launch(rules::Rule rule, const std::vector<double>& coefficients, double weight_decay, double lr,
               cudaStream_t stream, LossScaleGate gate);
-  LambScratch lamb_scratch(rules::Rule rule, cudaStream_t stream);
+  void* scratch(std::size_t bytes, cudaStream_t stream);
 
   int device_;
   DType dtype_;
@@ -154,17 +151,19 @@ class FusedUpdateTable {
   std::size_t max_count_ = 0;
   std::size_t total_count_ = 0;
   std::vector<std::size_t> offsets_;  // each variable's first element in the packed gradients
-  std::size_t adafactor_work_ = 0;              // rules::adafactor_work's largest over the variables
-  std::unique_ptr<AdafactorScratch> scratch_;  // a factored table's; freed after table_ waited for its last user
+  std::size_t adafactor_work_ = 0;  // rules::adafactor_work's largest over the variables
+  std::size_t adafactor_scratch_ = 0;  // T's of Adafactor's scratch (a factored table's; 0: not factored)
   std::size_t lanes_ = 0, groups_ = 0;  // of every variable's sum (core/variable_sums.h), in all: Lamb's scratch
-  // Lamb's scratch (LambScratch::data), made by its first update; freed after table_ (whose
-  // destructor waits for the last launch), so declared before it.
+  // The scratch of a rule that sums over whole variables (Lamb's LambScratch::data, Adafactor's), made by
+  // its first update (scratch()); freed after table_ (whose destructor waits for the last launch), so
+  // declared before it.
   struct DeviceMemory {
     int device = -1;
     void* data = nullptr;
+    std::size_t bytes = 0;
     ~DeviceMemory();
-  } lamb_sums_;
-  cudaStream_t lamb_stream_ = nullptr;  // the stream of the last Lamb update
+  } scratch_;
+  cudaStream_t scratch_stream_ = nullptr;  // the stream of the last update that used the scratch
   std::optional<UploadedTable> table_;  // entries_ FusedEntry<dtype_>; made once the device is current
   const void* grads_ = nullptr;         // the packed gradients the device table points at
   const void* squares_ = nullptr;       // and their squares (null: the kernel squares the gradients)

@@ -60,12 +60,11 @@ FusedUpdateTable::FusedUpdateTable(int device, DType dtype, const std::vector<Fu
   MIRRORED_CUDA_CHECK(set_device(device));
   MIRRORED_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device));
   if (factored) {
-    std::size_t scratch = 0;
     for (const FusedVariable& v : variables) {
-      scratch += rules::adafactor_scratch_count(v.count, v.shape);
+      adafactor_scratch_ += rules::adafactor_scratch_count(v.count, v.shape);
       adafactor_work_ = std::max(adafactor_work_, rules::adafactor_work(v.count, v.shape));
     }
-    scratch_ = std::make_unique<AdafactorScratch>(device, scratch * dtype_size(dtype));
+    adafactor_scratch_ = std::max<std::size_t>(adafactor_scratch_, 1);
   }
   table_.emplace(device, std::max<std::size_t>(1, variables.size()) * entry_bytes_);
   if (dtype == DType::kFloat32) {
@@ -110,18 +109,22 @@ void FusedUpdateTable::launch(rules::Rule rule, const std::vector<double>& coeff
 
 bool FusedUpdateTable::nothing_to_do(rules::Rule rule) const {
   if (rule != rules::Rule::kAdafactor) return entries_ == 0 || max_count_ == 0;
-  if (!scratch_) throw std::invalid_argument("fused_update: Adafactor on a table made without the variables' shapes");
+  if (adafactor_scratch_ == 0) throw std::invalid_argument("fused_update: Adafactor on a table made without the variables' shapes");
   return entries_ == 0 || adafactor_work_ == 0;
 }
 
 void FusedUpdateTable::launch_rule(rules::Rule rule, const void* scalars, const void* device_scalars,
                                    int coefficients, cudaStream_t stream, LossScaleGate gate) {
   if (rule == rules::Rule::kAdafactor) {
-    fused_adafactor(dtype_, table_->device(), entries_, adafactor_work_, scratch_->data(), scalars, device_scalars,
+    fused_adafactor(dtype_, table_->device(), entries_, adafactor_work_,
+                    scratch(adafactor_scratch_ * dtype_size(dtype_), stream), scalars, device_scalars,
                     coefficients, sms_, stream, gate);
     return;
   }
-  const LambScratch lamb = lamb_scratch(rule, stream);
+  LambScratch lamb{};
+  if (rule == rules::Rule::kLamb)
+    lamb = {scratch(rules::lamb_scratch_count(entries_, lanes_, groups_) * dtype_size(dtype_), stream), lanes_,
+            groups_, total_count_};
   if (scalars != nullptr) {
     fused_update(rule, dtype_, table_->device(), entries_, max_count_, scalars, sms_, stream, gate, lamb);
   } else {
@@ -136,17 +139,18 @@ FusedUpdateTable::DeviceMemory::~DeviceMemory() {
   if (set_device(device) == cudaSuccess) cudaFree(data);
 }
 
-LambScratch FusedUpdateTable::lamb_scratch(rules::Rule rule, cudaStream_t stream) {
-  if (rule != rules::Rule::kLamb) return {};
-  if (lamb_sums_.data == nullptr) {  // once per table, never per step
-    const std::size_t size = dtype_ == DType::kFloat32 ? sizeof(float) : sizeof(double);
-    lamb_sums_.data = device_malloc(rules::lamb_scratch_count(entries_, lanes_, groups_) * size, "Lamb's norm sums");
-    lamb_sums_.device = device_;
-  } else if (stream != lamb_stream_) {
-    table_->after_last_use(stream);  // the last update, on another stream, may still read the sums
+void* FusedUpdateTable::scratch(std::size_t bytes, cudaStream_t stream) {
+  if (scratch_.data == nullptr) {  // once per table, never per step
+    scratch_.data = device_malloc(bytes, "the fused update's sums");
+    scratch_.device = device_;
+    scratch_.bytes = bytes;
+  } else if (bytes > scratch_.bytes) {  // (a table serves one optimizer: its rule's scratch never grows)
+    throw std::logic_error("fused_update: a table's scratch is its first rule's");
+  } else if (stream != scratch_stream_) {
+    table_->after_last_use(stream);  // the last update, on another stream, may still read the scratch
   }
-  lamb_stream_ = stream;
-  return {lamb_sums_.data, lanes_, groups_, total_count_};
+  scratch_stream_ = stream;
+  return scratch_.data;
 }
 
 void FusedUpdateTable::apply_captured(rules::Rule rule, const void* grads, const void* device_scalars,
