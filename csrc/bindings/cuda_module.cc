@@ -405,15 +405,7 @@ rules::FactoredShape factored_shape(const std::vector<std::size_t>& shape, std::
   if (elements != count)
     throw py::value_error("shapes[" + std::to_string(k) + "]: " + std::to_string(elements) +
                           " elements, counts[" + std::to_string(k) + "] is " + std::to_string(count));
-  rules::FactoredShape f;
-  f.factored = shape.size() >= 2;
-  if (f.factored) {
-    f.rows = shape[shape.size() - 2];
-    f.cols = shape.back();
-    f.batches = 1;
-    for (std::size_t d = 0; d + 2 < shape.size(); ++d) f.batches *= shape[d];
-  }
-  return f;
+  return rules::factored_shape(shape.size(), [&](std::size_t d) { return shape[d]; });
 }
 
 // The fused optimizer update (cuda/fused_update.h): one table per device and

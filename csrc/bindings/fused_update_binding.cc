@@ -51,15 +51,9 @@ std::string shape_of(const py::array& a) {
 // against it. A variable of fewer than 2 dims has only v: its r and c are Keras' placeholders, never touched.
 template <typename T>
 void factored_slots(FusedEntry<T>& e, const py::array& weight, const py::list& slots, const std::string& at) {
-  mirrored::rules::FactoredShape& f = e.shape;
-  const py::ssize_t nd = weight.ndim();
-  f.factored = nd >= 2;
-  if (f.factored) {
-    f.rows = static_cast<std::size_t>(weight.shape(nd - 2));
-    f.cols = static_cast<std::size_t>(weight.shape(nd - 1));
-    f.batches = 1;
-    for (py::ssize_t d = 0; d + 2 < nd; ++d) f.batches *= static_cast<std::size_t>(weight.shape(d));
-  }
+  e.shape = mirrored::rules::factored_shape(static_cast<std::size_t>(weight.ndim()),
+                                            [&](std::size_t d) { return weight.shape(static_cast<py::ssize_t>(d)); });
+  const mirrored::rules::FactoredShape& f = e.shape;
   const std::size_t counts[] = {f.batches * f.rows, f.batches * f.cols, e.count};
   const char* what[] = {"r (the variable's shape without its last axis)",
                         "c (the variable's shape without its second to last axis)", "velocity (the variable's shape)"};

@@ -90,6 +90,20 @@ struct FactoredShape {
   bool factored = false;
 };
 
+// The FactoredShape of a variable of `nd` dims, dims(d) the size of dim d.
+template <typename Dims>
+FactoredShape factored_shape(std::size_t nd, const Dims& dims) {
+  FactoredShape f;
+  f.factored = nd >= 2;
+  if (f.factored) {
+    f.rows = static_cast<std::size_t>(dims(nd - 2));
+    f.cols = static_cast<std::size_t>(dims(nd - 1));
+    f.batches = 1;
+    for (std::size_t d = 0; d + 2 < nd; ++d) f.batches *= static_cast<std::size_t>(dims(d));
+  }
+  return f;
+}
+
 // One variable of a fused update (one entry of its table): `count` elements of
 // the variable, its gradient and each of its slots (in the rule's order), all
 // of one dtype, on one device. `squares`, when not null, holds what a squaring

@@ -18,6 +18,7 @@
 
 using namespace mirrored::host;
 using mirrored::rules::FactoredShape;
+using mirrored::rules::factored_shape;
 
 namespace {
 
@@ -28,15 +29,7 @@ const std::vector<std::vector<std::size_t>>& shapes() {
 }
 
 FactoredShape factored(const std::vector<std::size_t>& shape) {
-  FactoredShape f;
-  f.factored = shape.size() >= 2;
-  if (f.factored) {
-    f.rows = shape[shape.size() - 2];
-    f.cols = shape.back();
-    f.batches = 1;
-    for (std::size_t d = 0; d + 2 < shape.size(); ++d) f.batches *= shape[d];
-  }
-  return f;
+  return factored_shape(shape.size(), [&](std::size_t d) { return shape[d]; });
 }
 
 // One variable's buffers, each exactly its size; an unfactored variable has no r and c (null slots: Keras'
