@@ -178,12 +178,6 @@ bool run(int device) {
   return right && order_mattered;
 }
 
-void check(unsigned seed) {
-  bool ok[2];
-  EXPECT(sim_check::right_on_two_devices(seed, run, ok), "seed %u: device 0 %s, device 1 %s", seed,
-         ok[0] ? "right" : "wrong", ok[1] ? "right" : "wrong");
-}
-
 void check_launches_and_limits() {
   sim::reset(1, {}, 3);
   cudaSetDevice(0);
@@ -215,7 +209,7 @@ void check_launches_and_limits() {
 }  // namespace
 
 int main() {
-  for (unsigned seed = 0; seed < 6; ++seed) check(seed);
+  for (unsigned seed = 0; seed < 6; ++seed) sim_check::expect_right_on_two_devices(seed, run);
   check_launches_and_limits();
   std::printf("scatter_add_rows on the simulated runtime: %d failures\n", failures);
   return failures ? 1 : 0;

@@ -12,19 +12,21 @@
 #include <utility>
 #include <vector>
 
+#include "cuda/sim/expect.h"
 #include "cuda/sim/sim_runtime.h"
 
 namespace mirrored::cuda::sim_check {
 
 // run(0) on this thread and run(1) on another, at once, on a fresh simulated machine of two GPUs whose
-// kernels run in seed's order; whether both devices' runs were right.
-inline bool right_on_two_devices(unsigned seed, const std::function<bool(int)>& run, bool right[2]) {
+// kernels run in seed's order; a failure (EXPECT) names the seed and which device's run was wrong.
+inline void expect_right_on_two_devices(unsigned seed, const std::function<bool(int)>& run) {
   sim::reset(2, {}, seed);
-  right[0] = right[1] = false;
+  bool right[2] = {false, false};
   std::thread other([&] { right[1] = run(1); });
   right[0] = run(0);
   other.join();
-  return right[0] && right[1];
+  EXPECT(right[0] && right[1], "seed %u: device 0 %s, device 1 %s", seed, right[0] ? "right" : "wrong",
+         right[1] ? "right" : "wrong");
 }
 
 struct Replicas {
