@@ -90,7 +90,8 @@ def test_cross_replica_apply_is_the_same_step():
 def test_keras_defaults_config_and_variables():
     opt = O.ScheduleFreeAdamW()
     keras_config = dict(FACTS["config"])
-    assert opt.name == keras_config.pop("name") == "schedule_free_adam_w"
+    # (Keras numbers a default name taken before in the process: schedule_free_adam_w_1)
+    assert opt.name == "schedule_free_adam_w" and keras_config.pop("name").startswith(opt.name)
     config = opt.get_config()
     config.pop("name")
     assert config == keras_config

@@ -13,7 +13,6 @@ import numpy as np
 
 from .rules import (ADADELTA, ADAFACTOR, ADAGRAD, ADAM, ADAM_AMSGRAD, ADAMAX, FTRL, LAMB, LION, NADAM, RMSPROP,
                     SCHEDULE_FREE_ADAMW, SGD as PLAIN_SGD, SGD_MOMENTUM, SGD_NESTEROV)
-from ...distribute.values import DistributedVariable
 from .base import Optimizer, check_rate
 from .step_window import MAX_ROWS
 
@@ -457,20 +456,6 @@ class ScheduleFreeAdamW(Optimizer):
             return super()._slot_initial_value(name, initial, var, shape, dtype)
         return np.array(var.numpy(), dtype).reshape(shape)  # z starts at the variable (Keras' build)
 
-    def _create_state(self, strategy, var_list) -> None:
-        restoring = self._restore_on_build is not None
-        missing = [v for v in var_list if id(v) not in self._slots]
-        super()._create_state(strategy, var_list)
-        if not restoring:
-            return
-        # Keras 3.15's build restores a checkpoint read before it as it creates the slots, then assigns each
-        # momentum a copy of its variable: velocity and iterations come from the file, momentum does not.
-        for var in missing:
-            entry = self._slots.get(id(var))
-            if entry is not None:
-                for z, y in zip(_copies(entry[1]["momentum"]), _copies(var)):
-                    z._writable_buffer()[...] = y._value
-
     def _coefficients(self, t, lr, step):
         local_step = t(step + 1)
         beta_1, beta_2 = _cast(t, self.beta_1), _cast(t, self.beta_2)
@@ -481,11 +466,6 @@ class ScheduleFreeAdamW(Optimizer):
         weight = t(1.0) / local_step
         return (lr, t(1) - beta_2, t(1) - _pow(beta_2, local_step), _cast(t, self.epsilon), t(1) - beta_1, beta_1,
                 t(1) - weight, weight)
-
-
-def _copies(variable) -> tuple:
-    """A variable's copies (a mirrored one's on each device, else the variable itself)."""
-    return variable.values if isinstance(variable, DistributedVariable) else (variable,)
 
 
 def _positive(value, argument: str) -> float:
