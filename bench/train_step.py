@@ -163,7 +163,7 @@ def loss_and_grads(xp, params, x, y, global_batch: int, matmul=operator_matmul):
 # --optimizer's Keras classes beside SGD (their default arguments, learning rate 1e-4).
 KERAS_OPTIMIZERS = {"adam": "Adam", "adamax": "Adamax", "adadelta": "Adadelta", "lion": "Lion", "ftrl": "Ftrl",
                     "nadam": "Nadam", "rmsprop": "RMSprop", "adagrad": "Adagrad", "lamb": "Lamb",
-                    "adafactor": "Adafactor"}
+                    "adafactor": "Adafactor", "schedule-free-adamw": "ScheduleFreeAdamW"}
 
 
 def make_optimizer(name: str, accumulate: int | None = None):

@@ -137,7 +137,8 @@ def test_checkpoint_restores_into_mirrored_variables_and_back(tmp_path):
 # --- training -------------------------------------------------------------------------------------------------
 
 OPTIMIZERS = {"sgd": lambda: md.optimizers.SGD(0.1, momentum=0.9), "adam": lambda: md.optimizers.Adam(0.05),
-              "lamb": lambda: md.optimizers.Lamb(0.05, weight_decay=0.1)}
+              "lamb": lambda: md.optimizers.Lamb(0.05, weight_decay=0.1),
+              "schedule_free_adamw": lambda: md.optimizers.ScheduleFreeAdamW(0.05, warmup_steps=2, weight_decay=0.1)}
 
 
 def _train(strategy, optimizer, xp=np, steps=4, loss_scale=False, cross_replica=False):

@@ -33,6 +33,8 @@ CASES = {
     "lion": (rules.LION, (0.01, 0.9, 0.1, 0.99, 0.01), 1),
     "ftrl": (rules.FTRL, (0.1, 0.5, 0.06, 0.5, 0.01), 2),
     "ftrl_power": (rules.FTRL, (0.05, 0.3, 0.0, 0.0, 0.5), 2),
+    # lr, 1-beta_2, 1-beta_2^t, epsilon, 1-beta_1, beta_1, 1-1/t, 1/t (step 3); slots momentum (z), velocity
+    "schedule_free_adamw": (rules.SCHEDULE_FREE_ADAMW, (0.01, 0.001, 0.002997, 1e-8, 0.1, 0.9, 2 / 3, 1 / 3), 2),
 }
 SIZES = [0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 64, 1000, 4099]
 
@@ -68,7 +70,7 @@ def test_kernel_equals_the_reference_bit_for_bit(case, dtype):
             np.testing.assert_array_equal(slots[k][j], ref_s[k][j], err_msg=f"{case} slot {j} of {k}")
 
 
-@pytest.mark.parametrize("case", ["adam", "nadam", "rmsprop_centered_momentum", "adam_amsgrad"])
+@pytest.mark.parametrize("case", ["adam", "nadam", "rmsprop_centered_momentum", "adam_amsgrad", "schedule_free_adamw"])
 def test_several_steps_stay_bit_identical(case):
     rule, coefficients, n_slots = CASES[case]
     c = tuple(np.float32(x) for x in coefficients)
@@ -97,8 +99,8 @@ def test_bad_tables_are_refused_with_the_argument_named():
         fused_update(rules.SGD_MOMENTUM, [w], [g], [[]], **args)
     with pytest.raises(ValueError, match="coefficients: 1 given, the rule takes 2"):
         fused_update(rules.SGD_MOMENTUM, [w], [g], [[m]], [False], [0.1], 0.0, 0.0)
-    with pytest.raises(ValueError, match="rule=15: no such rule"):
-        fused_update(15, [w], [g], [[m]], **args)
+    with pytest.raises(ValueError, match="rule=99: no such rule"):
+        fused_update(99, [w], [g], [[m]], **args)
     with pytest.raises(ValueError, match="rule=-1: no such rule"):
         fused_update(-1, [w], [g], [[m]], **args)
     with pytest.raises(ValueError, match="float32 and float64"):

@@ -34,7 +34,9 @@ def _model(strategy, inner, dynamic, variable_dtype, initial_scale=2.0 ** 10):
         w, b = md.Variable(_W0.astype(variable_dtype)), md.Variable(_B0.astype(variable_dtype))
         opt = mixed_precision.LossScaleOptimizer(
             {"sgd": lambda: md.optimizers.SGD(0.1, momentum=0.9), "adam": lambda: md.optimizers.Adam(0.01),
-             "lamb": lambda: md.optimizers.Lamb(0.01, weight_decay=0.1)}[inner](),
+             "lamb": lambda: md.optimizers.Lamb(0.01, weight_decay=0.1),
+             "schedule_free_adamw": lambda: md.optimizers.ScheduleFreeAdamW(0.01, warmup_steps=3, weight_decay=0.1),
+             }[inner](),
             dynamic=dynamic, initial_scale=initial_scale, dynamic_growth_steps=2)
     return w, b, opt
 

@@ -96,8 +96,8 @@ def test_gpu_kernel_refuses_bad_arguments_naming_them():
     w = cupy.zeros(4, np.float32)
     table = _table(0, [w], [[cupy.zeros(4, np.float32)]], [False])
     g = cupy.ones(4, np.float32)
-    with pytest.raises(ValueError, match="rule=15: no such rule"):
-        table.apply(15, g.data.ptr, [0.1, 0.9], 0.0, 0.0, 0)
+    with pytest.raises(ValueError, match="rule=99: no such rule"):
+        table.apply(99, g.data.ptr, [0.1, 0.9], 0.0, 0.0, 0)
     with pytest.raises(ValueError, match="coefficients: 1 given, the rule takes 2"):
         table.apply(1, g.data.ptr, [0.1], 0.0, 0.0, 0)
     with pytest.raises(ValueError, match="float16.*float32 and float64"):
@@ -135,7 +135,7 @@ def _count_launches(monkeypatch, step):
 
 @pytest.mark.skipif(not SIMULATED, reason="counts the simulated runtime's launches")
 @pytest.mark.parametrize("optimizer", ["Adam", "Adam amsgrad", "Adamax", "Adadelta", "Lion", "Ftrl",
-                                       "Ftrl learning_rate_power=-0.3", "Lamb"])
+                                       "Ftrl learning_rate_power=-0.3", "Lamb", "ScheduleFreeAdamW"])
 @pytest.mark.parametrize("aggregate", [True, False])
 def test_apply_gradients_on_200_variables_costs_a_fixed_number_of_launches_per_gpu_plus_the_all_reduce(
         monkeypatch, aggregate, optimizer):
@@ -143,7 +143,9 @@ def test_apply_gradients_on_200_variables_costs_a_fixed_number_of_launches_per_g
             "Adamax": lambda: md.optimizers.Adamax(0.01), "Adadelta": lambda: md.optimizers.Adadelta(1.0),
             "Lion": lambda: md.optimizers.Lion(0.01), "Ftrl": lambda: md.optimizers.Ftrl(0.1),
             "Ftrl learning_rate_power=-0.3": lambda: md.optimizers.Ftrl(0.1, learning_rate_power=-0.3),
-            "Lamb": lambda: md.optimizers.Lamb(0.01, weight_decay=0.1)}[optimizer]
+            "Lamb": lambda: md.optimizers.Lamb(0.01, weight_decay=0.1),
+            "ScheduleFreeAdamW": lambda: md.optimizers.ScheduleFreeAdamW(0.01, warmup_steps=2, weight_decay=0.1),
+            }[optimizer]
     # The rule's launches: one, or its phases (Lamb: lanes, groups, ratios, apply; csrc/core/lamb.h).
     rule_launches = 4 if optimizer == "Lamb" else 1
     strategy = md.MirroredStrategy(["/gpu:0", "/gpu:1"])

@@ -32,6 +32,7 @@ OPTIMIZERS = {
     "rmsprop": lambda: md.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
     "adagrad": lambda: md.optimizers.Adagrad(0.05),
     "nadam": lambda: md.optimizers.Nadam(0.01),
+    "schedule_free_adamw": lambda: md.optimizers.ScheduleFreeAdamW(0.01, warmup_steps=2, weight_decay=0.05),
 }
 
 

@@ -38,8 +38,10 @@ enum class Rule : int {
   kLion,
   kFtrl,
   // Rules that reduce over a whole variable: no element-wise functor, kernels of their own.
-  kLamb,      // core/lamb.h's phases
-  kAdafactor  // core/adafactor_rule.h's phases
+  kLamb,       // core/lamb.h's phases
+  kAdafactor,  // core/adafactor_rule.h's phases
+  // Element-wise again.
+  kScheduleFreeAdamW
 };
 
 constexpr int kMaxSlots = 3;
@@ -47,7 +49,7 @@ constexpr int kMaxCoefficients = 9;
 
 // Number of scalars each rule reads (rules.py's coefficients); -1 for a code that is no rule.
 inline int rule_coefficients(int rule) {
-  constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9, 4, 2, 5, 4, 5, 5, 6, 6};
+  constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9, 4, 2, 5, 4, 5, 5, 6, 6, 8};
   constexpr int rules = sizeof(counts) / sizeof(counts[0]);
   return rule >= 0 && rule < rules ? counts[rule] : -1;
 }
@@ -75,6 +77,7 @@ inline int rule_slots(int rule, const double* c) {
     case Rule::kAdamax:
     case Rule::kAdadelta:
     case Rule::kFtrl:
+    case Rule::kScheduleFreeAdamW:
     case Rule::kLamb: return 2;
     case Rule::kAdamAmsgrad:
     case Rule::kAdafactor: return 3;
@@ -350,6 +353,20 @@ MIRRORED_HD inline T ftrl(T w, T g, T gg, T& accumulator, T& linear, const T* c)
   return (maximum(minimum(linear, c[4]), -c[4]) - linear) / quadratic;
 }
 
+// Keras 3.15's ScheduleFreeAdamW (Defazio et al., 2024). The variable holds y, the point the gradient is
+// taken at; the slot `momentum` holds z (the sequence the Adam-style steps move) and `velocity` Adam's second
+// moment. The averaged sequence x is not stored: it is recovered from y and z each step, as Keras does, with
+// z already updated (Keras reads its momentum variable after the update). c: lr (warmed up), 1-beta_2,
+// 1-beta_2^t, epsilon, 1-beta_1, beta_1, 1-1/t, 1/t.
+template <typename T>
+MIRRORED_HD inline T schedule_free_adamw(T y, T g, T gg, T& z, T& v, const T* c) {
+  v = v + (gg - v) * c[1];
+  z = z - (g * c[0]) / (sqrt(v / c[2]) + c[3]);
+  const T x_old = (y - z * c[4]) / c[5];
+  const T x = x_old * c[6] + z * c[7];
+  return z * c[4] + x * c[5];
+}
+
 // Each rule as a functor over one element: `kSlots` slot values in `st` (the
 // rule's order), read and written back by the caller; `gg` is the gradient's
 // square (g * g, or FusedEntry::squares'), read by the squaring rules only. The host loop
@@ -442,6 +459,14 @@ struct Ftrl {
   }
 };
 
+template <typename T>
+struct ScheduleFreeAdamW {
+  static constexpr int kSlots = 2;
+  MIRRORED_HD T operator()(T w, T g, T gg, T* st, const T* c) const {
+    return schedule_free_adamw(w, g, gg, st[0], st[1], c);
+  }
+};
+
 // Calls visit(F{}) with the functor F of `rule` (RMSprop's variant read from its coefficients `c`).
 template <typename T, typename Visitor>
 MIRRORED_HD inline void visit_rule(Rule rule, const T* c, const Visitor& visit) {
@@ -463,6 +488,7 @@ MIRRORED_HD inline void visit_rule(Rule rule, const T* c, const Visitor& visit) 
     case Rule::kAdadelta: return visit(Adadelta<T>{});
     case Rule::kLion: return visit(Lion<T>{});
     case Rule::kFtrl: return c[1] == T(0.5) ? visit(Ftrl<T, true>{}) : visit(Ftrl<T, false>{});
+    case Rule::kScheduleFreeAdamW: return visit(ScheduleFreeAdamW<T>{});
     case Rule::kLamb:
     case Rule::kAdafactor: return;  // (no element-wise functor: the callers run their own phases)
   }

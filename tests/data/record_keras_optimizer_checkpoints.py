@@ -76,6 +76,8 @@ CASES = {
     "lamb": (lambda: O.Lamb(0.1, weight_decay=0.01), ("Lamb", {"learning_rate": 0.1, "weight_decay": 0.01})),
     # (Adafactor's r and c of the 1-D b are int32 scalars in Keras' checkpoints.)
     "adafactor": (lambda: O.Adafactor(0.5), ("Adafactor", {"learning_rate": 0.5})),
+    "schedule_free_adamw": (lambda: O.ScheduleFreeAdamW(0.1, warmup_steps=2, weight_decay=0.01),
+                            ("ScheduleFreeAdamW", {"learning_rate": 0.1, "warmup_steps": 2, "weight_decay": 0.01})),
 }
 
 W0 = np.arange(6, dtype=np.float32).reshape(3, 2) / 4 - 0.5

@@ -30,13 +30,15 @@ CASES = [
     ("lamb", "Lamb", {"learning_rate": 0.02, "beta_1": 0.8, "epsilon": 1e-6, "weight_decay": 0.01}),
     ("adafactor", "Adafactor", {"beta_2_decay": -0.5, "epsilon_1": 1e-20, "epsilon_2": 1e-2, "clip_threshold": 2.0,
                                 "relative_step": False}),
+    ("schedule free adamw", "ScheduleFreeAdamW", {"learning_rate": 0.01, "beta_1": 0.8, "epsilon": 1e-6,
+                                                  "warmup_steps": 100, "weight_decay": 0.01, "clipnorm": 1.0}),
     ("sgd schedule", "SGD", {"learning_rate": S.ExponentialDecay(0.1, 10, 0.5, staircase=True)}),
     ("adam schedule", "Adam", {"learning_rate": S.CosineDecay(0.01, 100, alpha=0.1, warmup_target=0.02,
                                                               warmup_steps=10)}),
     ("rmsprop piecewise", "RMSprop", {"learning_rate": S.PiecewiseConstantDecay([10, 20], [0.1, 0.01, 0.001])}),
 ]
 NAMES = ["adam", "Adam", "ADAM", "sgd", "SGD", "adamw", "AdamW", "rmsprop", "RMSprop", "Adagrad", "nadam",
-         "adamax", "ADADELTA", "lion", "Ftrl", "adafactor", "Adafactor"]
+         "adamax", "ADADELTA", "lion", "Ftrl", "adafactor", "Adafactor", "schedulefreeadamw", "ScheduleFreeAdamW"]
 BAD = ["nope", "adam_w", "rms_prop", ""]
 
 
@@ -44,7 +46,7 @@ def main():
     out = {"configs": {}, "serialized": {}, "default_names": {}, "get": {}, "bad": {}}
     # First, before any other optimizer exists: Keras numbers a default name once it is taken (adam, adam_1).
     for cls in ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "Adamax", "Adadelta", "Lion", "Ftrl",
-                "Lamb", "Adafactor", "Muon"]:
+                "Lamb", "Adafactor", "Muon", "ScheduleFreeAdamW"]:
         out["default_names"][cls] = getattr(O, cls)().name
     for label, cls, kwargs in CASES:
         opt = getattr(O, cls)(name=f"opt_{label.replace(' ', '_')}", **kwargs)

@@ -46,6 +46,7 @@ const std::vector<Case>& cases() {
       {Rule::kLion, {0.01, 0.9, 0.1, 0.99, 0.01}, 1},
       {Rule::kFtrl, {0.1, 0.5, 0.06, 0.5, 0.01}, 2},
       {Rule::kFtrl, {0.05, 0.3, 0.0, 0.0, 0.5}, 2},
+      {Rule::kScheduleFreeAdamW, {0.01, 0.001, 0.002997, 1e-8, 0.1, 0.9, 2.0 / 3.0, 1.0 / 3.0}, 2},
   };
   return all;
 }
@@ -252,6 +253,19 @@ TEST(ema_is_momentum_times_average_plus_one_minus_momentum_times_the_variable) {
   CHECK(average[0] == 1.0f && average[1] == 3.5f && w[0] == 4.0f && w[1] == 8.0f);
 }
 
+TEST(schedule_free_adamw_exact_values_recover_x_from_the_updated_momentum) {
+  // Powers of two, every operation exact. v = 0 + (4 - 0) * 0.5 = 2; z = 1 - (2 * 0.5) / (sqrt(2 / 0.5) + 0) = 0.5;
+  // x = (y - z * 0.5) / 0.5 with the updated z (Keras reads its momentum after the update) = 1.5, averaged
+  // towards z: 1.5 * 0.5 + 0.5 * 0.5 = 1; y = 0.5 * 0.5 + 1 * 0.5 = 0.75 (0.625 from z before its update).
+  std::vector<float> y = {1.0f}, g = {2.0f}, z = {1.0f}, v = {0.0f};
+  FusedEntry<float> e{y.data(), g.data(), {z.data(), v.data(), nullptr}, 1, false};
+  FusedScalars<float> s{};
+  const float c[] = {0.5f, 0.5f, 0.5f, 0.0f, 0.5f, 0.5f, 0.5f, 0.5f};  // lr, 1-b2, 1-b2^t, eps, 1-b1, b1, 1-1/t, 1/t
+  std::copy(c, c + 8, s.c);
+  fused_update<float>(Rule::kScheduleFreeAdamW, &e, 1, s);
+  CHECK(v[0] == 2.0f && z[0] == 0.5f && y[0] == 0.75f);
+}
+
 TEST(concurrent_calls_on_disjoint_tables) {
   const Case& k = cases()[3];  // Adam
   std::vector<Buffers<float>> bufs;
@@ -382,7 +396,7 @@ bool squares_are_read_as_the_squared_gradient(const Case& k, std::size_t threads
     mirrored::rules::update_table(k.rule, walk_table.data(), static_cast<int>(walk_table.size()), s, tid, threads);
   const bool squaring = k.rule == Rule::kAdam || k.rule == Rule::kRmsprop || k.rule == Rule::kAdagrad ||
                         k.rule == Rule::kNadam || k.rule == Rule::kAdamAmsgrad || k.rule == Rule::kAdadelta ||
-                        k.rule == Rule::kFtrl;
+                        k.rule == Rule::kFtrl || k.rule == Rule::kScheduleFreeAdamW;
   bool ok = true, differs = false;
   for (std::size_t v = 0; v < sizes.size(); ++v) {
     ok = ok && dense[v] == same[v] && other[v] == walked[v];

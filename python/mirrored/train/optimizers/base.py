@@ -424,15 +424,19 @@ class Optimizer:
             for var in missing:
                 base = var.name.split(":")[0]  # "dense0/w:0" -> slots "dense0/w/momentum:0", ...
                 self._slots[id(var)] = (var, {
-                    # Keras' Constant initializer casts through float32.
-                    slot: values.Variable(np.full(shape, np.float32(initial), dtype), name=f"{base}/{slot}",
-                                          trainable=False)
+                    slot: values.Variable(self._slot_initial_value(slot, initial, var, shape, dtype),
+                                          name=f"{base}/{slot}", trainable=False)
                     for slot, initial in self._state_specs
                     for shape, dtype in [self._slot_shape(slot, var)]})
         self._strategy = strategy
         restore, self._restore_on_build = self._restore_on_build, None
         if restore is not None and missing:
             restore(self)
+
+    def _slot_initial_value(self, name: str, initial: float, var, shape, dtype):
+        """The value ``var``'s slot ``name`` starts from: ``initial`` (its ``_state_specs`` entry) everywhere,
+        through float32 as Keras' Constant initializer casts it."""
+        return np.full(shape, np.float32(initial), dtype)
 
     def _slot_shape(self, name: str, var) -> tuple:
         """``(shape, dtype)`` of ``var``'s slot ``name``: the variable's (Adafactor's factored moments differ)."""

@@ -12,12 +12,12 @@ from __future__ import annotations
 import numpy as np
 
 from .rules import (ADADELTA, ADAFACTOR, ADAGRAD, ADAM, ADAM_AMSGRAD, ADAMAX, FTRL, LAMB, LION, NADAM, RMSPROP,
-                    SGD as PLAIN_SGD, SGD_MOMENTUM, SGD_NESTEROV)
+                    SCHEDULE_FREE_ADAMW, SGD as PLAIN_SGD, SGD_MOMENTUM, SGD_NESTEROV)
 from .base import Optimizer, check_rate
 from .step_window import MAX_ROWS
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "Adamax", "Adadelta", "Lion", "Ftrl", "Lamb",
-           "Adafactor"]
+           "Adafactor", "ScheduleFreeAdamW"]
 
 
 def _pow(base, exponent):
@@ -411,6 +411,61 @@ class Adafactor(Optimizer):
         rho_t = np.minimum(lr, t(1) / np.sqrt(local_step))
         beta_2_t = t(1) - _pow(local_step, t(self.beta_2_decay))
         return rho_t, t(self.epsilon_2), t(self.epsilon_1), beta_2_t, t(1) - beta_2_t, t(self.clip_threshold)
+
+
+class ScheduleFreeAdamW(Optimizer):
+    """Schedule-Free AdamW (Defazio et al., 2024), as ``keras.optimizers.ScheduleFreeAdamW``: no learning-rate
+    schedule, an average of the iterates instead. The variable holds y, where the gradient is taken (between
+    the Adam-style sequence z and its running average x); slot ``momentum`` holds z (a copy of the variable
+    at build, as Keras' build assigns it) and ``velocity`` Adam's second moment. x is not kept: each step
+    recovers it from y and z, averages it towards z with weight ``1 / t`` and sets ``y = (1 - beta_1) * z +
+    beta_1 * x``. ``warmup_steps`` > 0 ramps the learning rate linearly over the first steps
+    (``lr * min(t / warmup_steps, 1)``, ``t`` the update's number from 1); weight decay is Keras' decoupled
+    one, at the learning rate without the ramp.
+
+    Keras 3.15 keeps nothing else (no running learning-rate maximum or weight sums: the average's weight is
+    ``1 / t``) and swaps nothing for evaluation: the variable holds y throughout, as in Keras. The update is
+    element-wise, so it is one fused update per device and dtype like Adam's."""
+
+    _config_keys = ("beta_1", "beta_2", "epsilon", "warmup_steps")
+    _coefficients_use_step = True  # the bias correction, the average's weight 1 / t and the warmup follow t
+    _slot_specs = (("momentum", 0.0), ("velocity", 0.0))
+    _rule = SCHEDULE_FREE_ADAMW
+
+    def __init__(self, learning_rate=0.0025, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-8,
+                 warmup_steps: int = 0, weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None,
+                 use_ema=False, ema_momentum=0.99, ema_overwrite_frequency=None, loss_scale_factor=None,
+                 gradient_accumulation_steps=None, name: str | None = None, gradient_aggregation="sum", **kwargs):
+        super().__init__(learning_rate, name, gradient_aggregation, weight_decay=weight_decay,
+                         clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, use_ema=use_ema,
+                         ema_momentum=ema_momentum, ema_overwrite_frequency=ema_overwrite_frequency,
+                         loss_scale_factor=loss_scale_factor,
+                         gradient_accumulation_steps=gradient_accumulation_steps, **kwargs)
+        # beta_1 divides (x is recovered as (y - (1 - beta_1) * z) / beta_1): 0 would make every weight NaN.
+        self.beta_1 = _positive(check_rate(beta_1, "beta_1", low=0.0, high=1.0, high_inclusive=True), "beta_1")
+        # beta_2 = 1 makes the bias correction 1 - beta_2^t zero, a division by it NaN.
+        self.beta_2 = check_rate(beta_2, "beta_2", low=0.0, high=1.0)
+        self.epsilon = check_rate(epsilon, "epsilon")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, float, np.integer, np.floating)) \
+                or not np.isfinite(warmup_steps) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps!r}: expected a number of steps >= 0 (0: no warmup)")
+        self.warmup_steps = int(warmup_steps) if isinstance(warmup_steps, np.integer) else warmup_steps
+
+    def _slot_initial_value(self, name, initial, var, shape, dtype):
+        if name != "momentum":
+            return super()._slot_initial_value(name, initial, var, shape, dtype)
+        return np.array(var.numpy(), dtype).reshape(shape)  # z starts at the variable (Keras' build)
+
+    def _coefficients(self, t, lr, step):
+        local_step = t(step + 1)
+        beta_1, beta_2 = _cast(t, self.beta_1), _cast(t, self.beta_2)
+        if self.warmup_steps > 0:
+            # Keras: ops.cast(warmup_steps, dtype), an int exactly, a float through float32
+            warmup = t(self.warmup_steps) if isinstance(self.warmup_steps, int) else _cast(t, self.warmup_steps)
+            lr = lr * np.minimum(local_step / warmup, t(1.0))
+        weight = t(1.0) / local_step
+        return (lr, t(1) - beta_2, t(1) - _pow(beta_2, local_step), _cast(t, self.epsilon), t(1) - beta_1, beta_1,
+                t(1) - weight, weight)
 
 
 def _positive(value, argument: str) -> float:

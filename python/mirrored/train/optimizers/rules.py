@@ -32,6 +32,8 @@ import numpy as np
 # operations (NumPy on host, CuPy on a GPU), as every rule does for dtypes no kernel takes; none does now.
 LAMB, ADAFACTOR = 13, 14
 PER_VARIABLE = frozenset()
+# Element-wise again (after the whole-variable rules, whose codes stay).
+SCHEDULE_FREE_ADAMW = 15
 
 # The positions of the coefficients a rule branches on in Python (RMSprop's momentum and
 # centered, Ftrl's power: 0.5 is a square root): a captured step (md.function) keeps them as
@@ -50,7 +52,8 @@ class SquaredGradient(NamedTuple):
 
 
 # The rules that square the gradient (the others take a SquaredGradient's plain ``grad``).
-SQUARING = frozenset((ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD, ADADELTA, FTRL, LAMB, ADAFACTOR))
+SQUARING = frozenset((ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD, ADADELTA, FTRL, LAMB, ADAFACTOR,
+                      SCHEDULE_FREE_ADAMW))
 
 
 def _split(g) -> tuple:
@@ -378,8 +381,34 @@ def adafactor(w, g, slots, c) -> None:
     w -= u
 
 
+def schedule_free_adamw(w, g, slots, c) -> None:
+    """Keras' ScheduleFreeAdamW: ``w`` holds y, slot ``momentum`` z and ``velocity`` v. ``v += (g*g - v) *
+    (1 - beta_2)``, ``z -= (g * lr) / (sqrt(v / (1 - beta_2^t)) + epsilon)``; then x is recovered from y and
+    the *updated* z (Keras reads its momentum variable after the update), ``x = (y - z * (1 - beta_1)) /
+    beta_1``, averaged towards z, ``x = x * (1 - 1/t) + z * (1/t)``, and ``y = z * (1 - beta_1) + x * beta_1``."""
+    lr, one_minus_beta_2, one_minus_beta_2_power, epsilon, one_minus_beta_1, beta_1, one_minus_weight, weight = c
+    z, v = slots
+    g, squares = _split(g)
+    squares -= v
+    squares *= one_minus_beta_2
+    v += squares
+    d = v / one_minus_beta_2_power
+    d = _sqrt(d)
+    d += epsilon
+    t = g * lr
+    t /= d
+    z -= t
+    x = w - z * one_minus_beta_1
+    x /= beta_1
+    x *= one_minus_weight
+    x += z * weight
+    x *= beta_1
+    x += z * one_minus_beta_1
+    w[...] = x
+
+
 RULES = (sgd, sgd_momentum, sgd_nesterov, adam, rmsprop, adagrad, nadam, adam_amsgrad, ema, adamax, adadelta, lion,
-         ftrl, lamb, adafactor)
+         ftrl, lamb, adafactor, schedule_free_adamw)
 
 
 def apply(rule: int, w, g, slots, c) -> None:

@@ -8,9 +8,11 @@ optimizer's ``get_config()``; a built-in class is found by its name in any case 
 from __future__ import annotations
 
 from .base import Optimizer
-from .keras import SGD, Adadelta, Adafactor, Adagrad, Adam, Adamax, AdamW, Ftrl, Lamb, Lion, Nadam, RMSprop
+from .keras import (SGD, Adadelta, Adafactor, Adagrad, Adam, Adamax, AdamW, Ftrl, Lamb, Lion, Nadam, RMSprop,
+                    ScheduleFreeAdamW)
 
-_OPTIMIZERS = (SGD, Adam, AdamW, RMSprop, Adagrad, Nadam, Adamax, Adadelta, Lion, Ftrl, Lamb, Adafactor)
+_OPTIMIZERS = (SGD, Adam, AdamW, RMSprop, Adagrad, Nadam, Adamax, Adadelta, Lion, Ftrl, Lamb, Adafactor,
+               ScheduleFreeAdamW)
 
 _MODULE = "keras.optimizers"
 
