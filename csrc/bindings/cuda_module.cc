@@ -592,12 +592,12 @@ namespace sim = cuda::sim;
 
 // A thread that must wait for the simulated machine lets go of the GIL
 // meanwhile: the holder may be draining work that needs it.
-void release_gil_while_blocked(std::recursive_mutex& machine) {
+void release_gil_while_blocked(void (*wait)()) {
   if (PyGILState_Check()) {
     py::gil_scoped_release nogil;
-    machine.lock();
+    wait();
   } else {
-    machine.lock();
+    wait();
   }
 }
 
@@ -690,6 +690,13 @@ void def_sim(py::module_& m) {
     sim::reset(devices, {peers.begin(), peers.end()}, seed);
   }, py::arg("devices"), py::arg("peers"), py::arg("seed"),
      "Configures `devices` GPUs; kernels of a may read b's memory iff (a, b) is in peers; seed picks drain orders.");
+  s.def("set_lock_seconds", [](double seconds) {
+    if (!(seconds > 0)) throw py::value_error("seconds must be positive (the longest a thread waits for the machine)");
+    sim::set_lock_seconds(seconds);
+  }, py::arg("seconds"),
+     "How long a thread waits for the machine's lock before the call fails naming the holder (a deadlock); "
+     "reset() sets MIRRORED_SIM_LOCK_SECONDS's, else 600.");
+  s.def("lock_seconds", [] { return sim::lock_seconds(); });
   s.def("drain", [] {
     py::gil_scoped_release nogil;
     sim::drain();
