@@ -222,6 +222,7 @@ std::recursive_timed_mutex& machine() {
 void set_block_hook(void (*hook)(void (*wait)())) { block_hook = hook; }
 void set_lock_seconds(double seconds) { lock_limit = seconds; }
 double lock_seconds() { return lock_limit; }
+long machine_holder() { return holder; }
 
 namespace {
 // Takes the machine, waiting at most lock_seconds(); past that its holder and this thread wait for each

@@ -79,6 +79,7 @@ std::recursive_timed_mutex& machine();
 void set_block_hook(void (*hook)(void (*wait)()));
 void set_lock_seconds(double seconds);
 double lock_seconds();
+long machine_holder();  // the native thread id of the machine's holder, 0 when none
 class Lock {
  public:
   Lock();
