@@ -238,8 +238,8 @@ void wait_for_machine() {
   std::snprintf(seconds, sizeof seconds, "%g", limit);
   throw std::logic_error(
       "simulated GPU machine: thread " + std::to_string(native_thread_id()) + " waited " + seconds +
-      " s for the machine's lock, held throughout by thread " + std::to_string(now) +
-      " (native ids: threading.get_native_id(), gdb's LWP)" + (known ? ", which outlasted an earlier wait" : "") +
+      " s for the machine's lock, held by thread " + std::to_string(now) + " when it gave up" +
+      " (native ids: threading.get_native_id(), gdb's LWP)" + (known ? ", which outlasted an earlier wait too" : "") +
       ": a deadlock (the holder waits for something the waiter holds, such as the GIL or a lock, or queued work "
       "never ends). MIRRORED_SIM_LOCK_SECONDS sets the limit");
 }
