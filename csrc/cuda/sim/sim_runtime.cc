@@ -24,6 +24,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <sys/syscall.h>
@@ -215,8 +216,8 @@ std::shared_ptr<Capture> capture_on(int device) {
 
 bool capturing(int device) { Lock lock; return capture_on(device) != nullptr; }
 
-std::recursive_timed_mutex& machine() {
-  static auto& m = *new std::recursive_timed_mutex;  // outlives every static destructor that may call the runtime
+std::recursive_mutex& machine() {
+  static auto& m = *new std::recursive_mutex;  // outlives every static destructor that may call the runtime
   return m;
 }
 void set_block_hook(void (*hook)(void (*wait)())) { block_hook = hook; }
@@ -226,12 +227,19 @@ long machine_holder() { return holder; }
 
 namespace {
 // Takes the machine, waiting at most lock_seconds(); past that its holder and this thread wait for each
-// other (nothing else holds the machine that long): std::logic_error, naming both.
+// other (nothing else holds the machine that long): std::logic_error, naming both. It polls, with pauses
+// growing to a millisecond, rather than use a timed mutex: ThreadSanitizer (GCC 12's) does not see
+// pthread_mutex_clocklock take a lock, and reports each unlock after it as an unlock of a free mutex.
 void wait_for_machine() {
   const long was = holder.load();
   const bool known = was != 0 && was == stuck.load();
   const double limit = known ? 1.0 : lock_limit.load();
-  if (machine().try_lock_for(std::chrono::duration<double>(limit))) return;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(limit);
+  for (auto pause = std::chrono::microseconds(20);; pause = std::min(pause * 2, std::chrono::microseconds(1000))) {
+    if (machine().try_lock()) return;
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(pause);
+  }
   const long now = holder.load();
   stuck = now;
   char seconds[32];

@@ -75,7 +75,7 @@ void reset_counters();
 // std::logic_error naming the holder's thread, so a deadlock fails the call
 // instead of hanging the program (a wait on a holder that already outlasted
 // a limit fails after a second).
-std::recursive_timed_mutex& machine();
+std::recursive_mutex& machine();
 void set_block_hook(void (*hook)(void (*wait)()));
 void set_lock_seconds(double seconds);
 double lock_seconds();
