@@ -441,6 +441,49 @@ def test_a_kernel_runs_in_a_context_of_its_own():
         var.reset(token)
 
 
+def test_a_thread_that_waits_too_long_for_the_machine_fails_naming_its_holder():
+    # A deadlock on the simulated machine's lock (its holder waits for something only the waiting thread
+    # would give: the GIL, a lock, here an event) fails the waiting call after sim.lock_seconds(), naming
+    # the holder's thread, instead of hanging the whole test run; a later wait on the same stuck holder
+    # fails after a second.
+    import threading
+    import time
+
+    from fake_cupy import _launch
+
+    sim = cupy.sim
+    assert sim.lock_seconds() == 600  # (the default: MIRRORED_SIM_LOCK_SECONDS is unset in the tests)
+    entered, release = threading.Event(), threading.Event()
+    holders = []
+
+    def held_forever(_):  # queued work that waits for the host: drain() holds the machine meanwhile
+        holders.append(threading.get_native_id())
+        entered.set()
+        release.wait(600)  # (bounded: a build without the limit waits here, and the test then fails)
+
+    _launch(held_forever, cupy.zeros(1, cupy.float32))
+    drainer = threading.Thread(target=sim.drain, name="drainer")
+    drainer.start()
+    try:
+        assert entered.wait(600)
+        sim.set_lock_seconds(2.0)
+        for limit in (2, 1):  # (the second wait is on a holder that already outlasted one)
+            started = time.monotonic()
+            with pytest.raises(RuntimeError, match=rf"waited {limit} s .* held by thread {holders[0]} when") as e:
+                sim.malloc(8, 0)
+            assert time.monotonic() - started < 60
+            # (with the holder's Python stack: the drainer thread, inside the queued work that waits)
+            assert "The holder's Python stack (<Thread(drainer" in str(e.value)
+            assert "in held_forever\n    release.wait(600)" in str(e.value)
+    finally:
+        release.set()
+        drainer.join()
+        sim.set_lock_seconds(600)
+    with pytest.raises(ValueError, match="seconds must be positive"):
+        sim.set_lock_seconds(0)
+    assert sim.malloc(8, 0)  # the machine is free again
+
+
 def test_inside_a_capture_only_the_capturing_thread_is_refused_the_default_pool():
     """The captured work's memory must come from a pool of the graph's own, so the capturing thread's
     default-pool allocation is refused; another thread (an input pipeline's) allocates as CUDA's relaxed

@@ -590,14 +590,35 @@ void def_scatter_rows(py::module_& m) {
 #ifdef MIRRORED_CUDA_SIM
 namespace sim = cuda::sim;
 
+// The Python stack of the thread whose native id is `native_id` (threading's native_id), as
+// traceback.format_stack writes it after a header line; empty when no Python thread has that id.
+std::string python_stack_of(long native_id) {
+  try {
+    py::object frames = py::module_::import("sys").attr("_current_frames")();
+    for (py::handle t : py::module_::import("threading").attr("enumerate")()) {
+      py::object id = t.attr("native_id");
+      if (id.is_none() || id.cast<long>() != native_id) continue;
+      py::object frame = frames.attr("get")(t.attr("ident"));
+      if (frame.is_none()) return "";
+      py::object lines = py::module_::import("traceback").attr("format_stack")(frame);
+      return "\nThe holder's Python stack (" + py::str(t).cast<std::string>() + ", most recent call last):\n" +
+             py::str("").attr("join")(lines).cast<std::string>();
+    }
+  } catch (const std::exception&) {  // (py::error_already_set clears Python's error as it is made)
+  }
+  return "";
+}
+
 // A thread that must wait for the simulated machine lets go of the GIL
-// meanwhile: the holder may be draining work that needs it.
-void release_gil_while_blocked(std::recursive_mutex& machine) {
-  if (PyGILState_Check()) {
+// meanwhile: the holder may be draining work that needs it. A wait that
+// times out (a deadlock, sim_runtime.h) adds the holder's Python stack.
+void release_gil_while_blocked(void (*wait)()) {
+  if (!PyGILState_Check()) return wait();
+  try {
     py::gil_scoped_release nogil;
-    machine.lock();
-  } else {
-    machine.lock();
+    wait();
+  } catch (const std::logic_error& e) {  // (the GIL is held again here)
+    throw std::logic_error(e.what() + python_stack_of(sim::machine_holder()));
   }
 }
 
@@ -690,6 +711,13 @@ void def_sim(py::module_& m) {
     sim::reset(devices, {peers.begin(), peers.end()}, seed);
   }, py::arg("devices"), py::arg("peers"), py::arg("seed"),
      "Configures `devices` GPUs; kernels of a may read b's memory iff (a, b) is in peers; seed picks drain orders.");
+  s.def("set_lock_seconds", [](double seconds) {
+    if (!(seconds > 0)) throw py::value_error("seconds must be positive (the longest a thread waits for the machine)");
+    sim::set_lock_seconds(seconds);
+  }, py::arg("seconds"),
+     "How long a thread waits for the machine's lock before the call fails naming the holder (a deadlock); "
+     "reset() sets MIRRORED_SIM_LOCK_SECONDS's, else 600.");
+  s.def("lock_seconds", [] { return sim::lock_seconds(); });
   s.def("drain", [] {
     py::gil_scoped_release nogil;
     sim::drain();

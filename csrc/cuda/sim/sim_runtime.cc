@@ -12,6 +12,8 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -22,7 +24,11 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "core/lamb.h"
 #include "cuda/fused.h"
@@ -132,7 +138,17 @@ bool fits(std::size_t bytes, int device) {
 }
 std::mt19937 rng;
 Counters counted;
-void (*block_hook)(std::recursive_mutex&) = nullptr;
+void (*block_hook)(void (*)()) = nullptr;
+constexpr double kLockSeconds = 600;  // far below pytest's timeout (1800 s): the failing test names the deadlock
+std::atomic<double> lock_limit{kLockSeconds};
+// The native id (gettid: threading.get_native_id(), gdb's LWP) of the thread that holds the machine, 0 when
+// none; `stuck`: a holder a wait already timed out on (a later wait on it gives up after a second).
+std::atomic<long> holder{0}, stuck{0};
+thread_local int held = 0;  // how deep this thread holds the machine (the lock is recursive)
+long native_thread_id() {
+  thread_local const long id = static_cast<long>(syscall(SYS_gettid));
+  return id;
+}
 
 CUstream_st* resolve(cudaStream_t s) {
   if (s) return s;
@@ -204,11 +220,49 @@ std::recursive_mutex& machine() {
   static auto& m = *new std::recursive_mutex;  // outlives every static destructor that may call the runtime
   return m;
 }
-void set_block_hook(void (*hook)(std::recursive_mutex&)) { block_hook = hook; }
+void set_block_hook(void (*hook)(void (*wait)())) { block_hook = hook; }
+void set_lock_seconds(double seconds) { lock_limit = seconds; }
+double lock_seconds() { return lock_limit; }
+long machine_holder() { return holder; }
+
+namespace {
+// Takes the machine, waiting at most lock_seconds(); past that its holder and this thread wait for each
+// other (nothing else holds the machine that long): std::logic_error, naming both. It polls, with pauses
+// growing to a millisecond, rather than use a timed mutex: ThreadSanitizer (GCC 12's) does not see
+// pthread_mutex_clocklock take a lock, and reports each unlock after it as an unlock of a free mutex.
+void wait_for_machine() {
+  const long was = holder.load();
+  const bool known = was != 0 && was == stuck.load();
+  const double limit = known ? 1.0 : lock_limit.load();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(limit);
+  for (auto pause = std::chrono::microseconds(20);; pause = std::min(pause * 2, std::chrono::microseconds(1000))) {
+    if (machine().try_lock()) return;
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(pause);
+  }
+  const long now = holder.load();
+  stuck = now;
+  char seconds[32];
+  std::snprintf(seconds, sizeof seconds, "%g", limit);
+  throw std::logic_error(
+      "simulated GPU machine: thread " + std::to_string(native_thread_id()) + " waited " + seconds +
+      " s for the machine's lock, held by thread " + std::to_string(now) + " when it gave up" +
+      " (native ids: threading.get_native_id(), gdb's LWP)" + (known ? ", which outlasted an earlier wait too" : "") +
+      ": a deadlock (the holder waits for something the waiter holds, such as the GIL or a lock, or queued work "
+      "never ends). MIRRORED_SIM_LOCK_SECONDS sets the limit");
+}
+}  // namespace
+
 Lock::Lock() {
-  if (machine().try_lock()) return;
-  if (block_hook) block_hook(machine());
-  else machine().lock();
+  if (!machine().try_lock()) {
+    if (block_hook) block_hook(&wait_for_machine);
+    else wait_for_machine();
+  }
+  if (held++ == 0) holder = native_thread_id();
+}
+Lock::~Lock() {
+  if (--held == 0) holder = 0;
+  machine().unlock();
 }
 
 Call::Call(const char* name) { ++counted.calls[name]; }
@@ -223,6 +277,8 @@ void reset(int devices, std::set<std::pair<int, int>> peer_pairs, unsigned seed)
   rng.seed(seed);
   const char* limit = std::getenv("MIRRORED_SIM_DEVICE_BYTES");
   memory_limit = limit && *limit ? std::strtoull(limit, nullptr, 10) : 0;
+  const char* seconds = std::getenv("MIRRORED_SIM_LOCK_SECONDS");
+  lock_limit = seconds && *seconds ? std::strtod(seconds, nullptr) : kLockSeconds;
 }
 
 void set_device_memory_limit(std::size_t bytes) { Lock lock; memory_limit = bytes; }

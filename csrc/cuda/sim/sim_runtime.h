@@ -67,15 +67,23 @@ Counters counters();
 void reset_counters();
 
 // The simulation is one machine shared by every thread: each runtime call
-// and each drain() holds this (recursive) lock. A thread about to block on
-// it calls the hook first, so that an embedder can let go of its own lock
-// (Python's GIL) while it waits: drain() may run work that takes that lock.
+// and each drain() holds this (recursive) lock. A thread that must wait for
+// it calls the hook with the wait, so that an embedder can let go of its own
+// lock (Python's GIL) meanwhile: drain() may run work that takes that lock.
+// The wait is bounded: a thread still waiting after lock_seconds() (600 by
+// default; MIRRORED_SIM_LOCK_SECONDS, read at each reset) throws
+// std::logic_error naming the holder's thread, so a deadlock fails the call
+// instead of hanging the program (a wait on a holder that already outlasted
+// a limit fails after a second).
 std::recursive_mutex& machine();
-void set_block_hook(void (*hook)(std::recursive_mutex&));
+void set_block_hook(void (*hook)(void (*wait)()));
+void set_lock_seconds(double seconds);
+double lock_seconds();
+long machine_holder();  // the native thread id of the machine's holder, 0 when none
 class Lock {
  public:
   Lock();
-  ~Lock() { machine().unlock(); }
+  ~Lock();
   Lock(const Lock&) = delete;
   Lock& operator=(const Lock&) = delete;
 };
