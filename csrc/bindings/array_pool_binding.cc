@@ -6,6 +6,8 @@
 // of the interpreter.
 #include "bindings/array_pool_binding.h"
 
+#include <pybind11/gil_safe_call_once.h>
+
 #include <cstdint>
 
 #include "host/array_pool.h"
@@ -61,24 +63,29 @@ DataMemHandler handler = {"mirrored_replica_arrays", 1, {nullptr, pool_malloc, p
 
 using SetHandler = PyObject* (*)(PyObject*);
 
+// Found once. The first call imports NumPy's module, which runs Python: a function-local static would let a
+// second thread, handed the GIL meanwhile, block on the static's guard while holding the GIL (a deadlock);
+// gil_safe_call_once_and_store waits for the first call with the GIL released.
 SetHandler numpy_set_handler() {
-  static SetHandler set = [] {
-    py::module_ multiarray;
-    try {
-      multiarray = py::module_::import("numpy._core._multiarray_umath");
-    } catch (py::error_already_set&) {  // NumPy 1.x
-      multiarray = py::module_::import("numpy.core._multiarray_umath");
-    }
-    py::object api = multiarray.attr("_ARRAY_API");
-    auto table = static_cast<void**>(PyCapsule_GetPointer(api.ptr(), nullptr));
-    if (table == nullptr) throw py::error_already_set();
-    auto feature_version = reinterpret_cast<unsigned (*)()>(table[kGetFeatureVersion])();
-    if (feature_version < kFeatureVersionWithHandlers) {
-      throw std::runtime_error("NumPy >= 1.22 is needed for replica array allocation (found an older C API)");
-    }
-    return reinterpret_cast<SetHandler>(table[kSetHandler]);
-  }();
-  return set;
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<SetHandler> storage;
+  return storage
+      .call_once_and_store_result([] {
+        py::module_ multiarray;
+        try {
+          multiarray = py::module_::import("numpy._core._multiarray_umath");
+        } catch (py::error_already_set&) {  // NumPy 1.x
+          multiarray = py::module_::import("numpy.core._multiarray_umath");
+        }
+        py::object api = multiarray.attr("_ARRAY_API");
+        auto table = static_cast<void**>(PyCapsule_GetPointer(api.ptr(), nullptr));
+        if (table == nullptr) throw py::error_already_set();
+        auto feature_version = reinterpret_cast<unsigned (*)()>(table[kGetFeatureVersion])();
+        if (feature_version < kFeatureVersionWithHandlers) {
+          throw std::runtime_error("NumPy >= 1.22 is needed for replica array allocation (found an older C API)");
+        }
+        return reinterpret_cast<SetHandler>(table[kSetHandler]);
+      })
+      .get_stored();
 }
 
 }  // namespace
