@@ -97,8 +97,9 @@ def test_bad_tables_are_refused_with_the_argument_named():
         fused_update(rules.SGD_MOMENTUM, [w], [g], [[]], **args)
     with pytest.raises(ValueError, match="coefficients: 1 given, the rule takes 2"):
         fused_update(rules.SGD_MOMENTUM, [w], [g], [[m]], [False], [0.1], 0.0, 0.0)
-    with pytest.raises(ValueError, match="rule=15: no such rule"):
-        fused_update(15, [w], [g], [[m]], **args)
+    unknown = len(rules.RULES)  # (the first code past the rules)
+    with pytest.raises(ValueError, match=f"rule={unknown}: no such rule"):
+        fused_update(unknown, [w], [g], [[m]], **args)
     with pytest.raises(ValueError, match="rule=-1: no such rule"):
         fused_update(-1, [w], [g], [[m]], **args)
     with pytest.raises(ValueError, match="float32 and float64"):

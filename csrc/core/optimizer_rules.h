@@ -38,8 +38,11 @@ enum class Rule : int {
   kLion,
   kFtrl,
   // Rules that reduce over a whole variable: no element-wise functor, kernels of their own.
-  kLamb,      // core/lamb.h's phases
-  kAdafactor  // core/adafactor_rule.h's phases
+  kLamb,       // core/lamb.h's phases
+  kAdafactor,  // core/adafactor_rule.h's phases
+  // Muon's element-wise part: its momentum and the matrix Newton-Schulz orthogonalises (the rest of the step
+  // is matrix products and other rules' kernels: python/mirrored/train/optimizers/muon.py).
+  kMuon
 };
 
 constexpr int kMaxSlots = 3;
@@ -47,7 +50,7 @@ constexpr int kMaxCoefficients = 9;
 
 // Number of scalars each rule reads (rules.py's coefficients); -1 for a code that is no rule.
 inline int rule_coefficients(int rule) {
-  constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9, 4, 2, 5, 4, 5, 5, 6, 6};
+  constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9, 4, 2, 5, 4, 5, 5, 6, 6, 3};
   constexpr int rules = sizeof(counts) / sizeof(counts[0]);
   return rule >= 0 && rule < rules ? counts[rule] : -1;
 }
@@ -69,7 +72,8 @@ inline int rule_slots(int rule, const double* c) {
     case Rule::kSgdMomentum:
     case Rule::kSgdNesterov:
     case Rule::kAdagrad:
-    case Rule::kLion: return 1;
+    case Rule::kLion:
+    case Rule::kMuon: return 1;
     case Rule::kAdam:
     case Rule::kNadam:
     case Rule::kAdamax:
@@ -350,6 +354,15 @@ MIRRORED_HD inline T ftrl(T w, T g, T gg, T& accumulator, T& linear, const T* c)
   return (maximum(minimum(linear, c[4]), -c[4]) - linear) / quadratic;
 }
 
+// Muon's momentum, Keras' m += g + m * (momentum - 1), and the matrix its Newton-Schulz iteration takes:
+// g + momentum * m with Nesterov, else m. The rule's "weight" is that matrix (a scratch buffer), written only.
+// c: momentum - 1, momentum, nesterov (1 or 0) (slot: momentum)
+template <typename T, bool Nesterov>
+MIRRORED_HD inline T muon_momentum(T g, T& m, const T* c) {
+  m = m + (g + m * c[0]);
+  return Nesterov ? g + c[1] * m : m;
+}
+
 // Each rule as a functor over one element: `kSlots` slot values in `st` (the
 // rule's order), read and written back by the caller; `gg` is the gradient's
 // square (g * g, or FusedEntry::squares'), read by the squaring rules only. The host loop
@@ -442,6 +455,12 @@ struct Ftrl {
   }
 };
 
+template <typename T, bool Nesterov>
+struct MuonMomentum {
+  static constexpr int kSlots = 1;
+  MIRRORED_HD T operator()(T, T g, T, T* st, const T* c) const { return muon_momentum<T, Nesterov>(g, st[0], c); }
+};
+
 // Calls visit(F{}) with the functor F of `rule` (RMSprop's variant read from its coefficients `c`).
 template <typename T, typename Visitor>
 MIRRORED_HD inline void visit_rule(Rule rule, const T* c, const Visitor& visit) {
@@ -463,6 +482,7 @@ MIRRORED_HD inline void visit_rule(Rule rule, const T* c, const Visitor& visit) 
     case Rule::kAdadelta: return visit(Adadelta<T>{});
     case Rule::kLion: return visit(Lion<T>{});
     case Rule::kFtrl: return c[1] == T(0.5) ? visit(Ftrl<T, true>{}) : visit(Ftrl<T, false>{});
+    case Rule::kMuon: return c[2] != T(0) ? visit(MuonMomentum<T, true>{}) : visit(MuonMomentum<T, false>{});
     case Rule::kLamb:
     case Rule::kAdafactor: return;  // (no element-wise functor: the callers run their own phases)
   }

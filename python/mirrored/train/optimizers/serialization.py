@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from .base import Optimizer
 from .keras import SGD, Adadelta, Adafactor, Adagrad, Adam, Adamax, AdamW, Ftrl, Lamb, Lion, Nadam, RMSprop
+from .muon import Muon
 
-_OPTIMIZERS = (SGD, Adam, AdamW, RMSprop, Adagrad, Nadam, Adamax, Adadelta, Lion, Ftrl, Lamb, Adafactor)
+_OPTIMIZERS = (SGD, Adam, AdamW, RMSprop, Adagrad, Nadam, Adamax, Adadelta, Lion, Ftrl, Lamb, Adafactor, Muon)
 
 _MODULE = "keras.optimizers"
 
