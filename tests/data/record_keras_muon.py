@@ -53,6 +53,10 @@ CONFIGS = {
     # Keras multiplies a float64 Muon step by a float32 sqrt (and fails) unless rms_rate is None.
     "Muon float64": ("Muon", {"learning_rate": 0.05, "rms_rate": None, **EXCLUDE}, "float64"),
 }
+# The configurations recorded at 2 and 4 replicas too (every one at 1): those where the replicas' gradients
+# meet something besides their sum (clipping per replica, accumulation per replica) and the main ones.
+SEVERAL_REPLICAS = ("Muon default", "Muon excluded", "Muon decay", "Muon clipnorm", "Muon global_clipnorm",
+                    "Muon use_ema accumulation")
 
 
 def inputs():
@@ -86,7 +90,7 @@ def record(n, dtype_wanted, out_path):
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
     data, out = inputs(), {}
     for name, (cls, kwargs, dtype) in CONFIGS.items():
-        if dtype != dtype_wanted:
+        if dtype != dtype_wanted or (n > 1 and name not in SEVERAL_REPLICAS):
             continue
         strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
         with strategy.scope():
@@ -136,13 +140,16 @@ def record_sparse(data):
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     data = inputs()
-    for n in REPLICAS:
-        for dtype in sorted({dtype for _, _, dtype in CONFIGS.values()}):
-            part = os.path.join(here, f".keras_muon_{n}_{dtype}.npz")
-            subprocess.run([sys.executable, __file__, str(n), dtype, part], check=True)
-            with np.load(part) as recorded:
-                data.update(recorded)
-            os.remove(part)
+    parts = {(n, dtype): os.path.join(here, f".keras_muon_{n}_{dtype}.npz") for n in REPLICAS
+             for dtype in sorted({dtype for name, (_, _, dtype) in CONFIGS.items()
+                                  if n == 1 or name in SEVERAL_REPLICAS})}
+    running = [subprocess.Popen([sys.executable, __file__, str(n), dtype, part]) for (n, dtype), part in parts.items()]
+    if any(p.wait() != 0 for p in running):
+        raise RuntimeError("a recording process failed")
+    for part in parts.values():
+        with np.load(part) as recorded:
+            data.update(recorded)
+        os.remove(part)
     record_sparse(data)
     import keras
     import tensorflow as tf

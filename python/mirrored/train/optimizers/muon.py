@@ -18,6 +18,8 @@ The fused step of one device and dtype (:class:`_MuonPlan`), whatever the number
    their gradients the stack, with weight decay: Keras' ``w -= w * weight_decay * lr`` first, then ``w -= u``.
 
 Every replica runs the same operations on the same inputs in the same order, so the copies stay bit-identical.
+md.function captures the step (the calls read their scalars from the capture's device buffer); a step whose
+scalars the device selects (a LossScaleOptimizer skipping steps on the GPU) is not supported.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import weakref
 
 import numpy as np
 
@@ -32,7 +35,7 @@ from ...device import device_util
 from ...device.dtypes import dtype_code
 from ...distribute import values
 from .base import (_KERNEL_DTYPES, _VALUE, Optimizer, _gate_pointers, _gpu_kernel, _host_grad, _host_kernel, _Plan,
-                   _plains, _retired_tables, check_rate)
+                   _plains, _retire_tables, _retired_tables, check_rate)
 from .rules import (ADAM, MUON, SGD, SquaredGradient, apply as apply_rule, array_module, newton_schulz,
                     weight_decay as apply_weight_decay)
 
@@ -342,9 +345,47 @@ class _MuonPlan(_Plan):
                 # (the stack is no gradient: not divided by the loss scale; a skipped step skips this too)
                 sgd_table.apply(SGD, stack.data.ptr, c[_APPLY], *c[_APPLY_DECAY], stream, nonfinite, 0)
 
+    def capture_scalars(self, scope, step: int, selected: bool = False) -> dict:
+        if selected:
+            self.prepare_rows(step, step)  # (raises: the device cannot pick Muon's scalars)
+        return super().capture_scalars(scope, step, selected)
+
     def _apply_gpu_captured(self, device: int, grads, packed, scope, gate=None) -> None:
-        raise NotImplementedError("Muon's step cannot be captured by md.function yet (its Newton-Schulz products "
-                                  "read the learning rate on the host); run the step without md.function")
+        """``_apply_gpu`` recorded into the step's graph: tables of the capture's own, each call reading its
+        scalars from the capture's buffer of its dtype at its rule's place (coefficients, then decay's rate and
+        lr: the layout of ``Muon._coefficients``), Newton-Schulz's scale from 0-d views of it."""
+        for c in self.written[device]:
+            c._writable_buffer()  # the graph writes these buffers: md.function checks they stay
+        squares = self._pack_squares(device, grads)
+        if packed is None:
+            packed = self.pack(self.own_pack[device], _plains(grads))
+        else:
+            packed = self.in_variables_dtypes(device, packed)
+        tables = self._muon_tables(device)
+        kept = [t for parts in tables.values() for t in parts if t is not None]
+        scope.captured.setdefault("fused update tables", []).append(kept)
+        weakref.finalize(scope, _retire_tables, kept)
+        stream = array_module(packed[0]).cuda.get_current_stream().ptr
+        nonfinite, scale = _gate_pointers(gate)
+        if gate is not None and gate.dynamic:
+            for buffer, (dtype, (_, _, split, _)) in zip(packed, self.layout.items()):
+                for table, at in zip(tables[dtype][:2], (0, split)):
+                    if table is not None:
+                        table.check_finite(buffer.data.ptr + at * buffer.itemsize, gate.nonfinite, stream)
+        for buffer, (dtype, (_, _, split, _)), square in zip(packed, self.layout.items(), squares):
+            adam_table, muon_table, sgd_table = tables[dtype]
+            captured = scope.captured[self][device][dtype]
+            scalars, size = captured.buffer.data.ptr, captured.buffer.itemsize
+            if adam_table is not None:
+                adam_table.apply_captured(ADAM, buffer.data.ptr, scalars + _ADAM.start * size, 4, stream, nonfinite,
+                                          scale, squares=square)
+            if muon_table is not None:
+                stack = self._stack(device, dtype)
+                muon_table.apply_captured(MUON, buffer.data.ptr + split * buffer.itemsize,
+                                          scalars + _MOMENTUM.start * size, 3, stream, nonfinite, scale)
+                self._orthogonalised(stack, dtype, captured.coefficients)
+                sgd_table.apply_captured(SGD, stack.data.ptr, scalars + _APPLY.start * size, 1, stream, nonfinite,
+                                         0)
 
     # -- array operations (float16, bfloat16; GPU arrays without the CUDA kernel) --
     def _apply_each(self, device: int, grads, groups: dict) -> None:
