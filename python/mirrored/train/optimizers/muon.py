@@ -183,6 +183,7 @@ class _MuonPlan(_Plan):
             self.layout[dtype] = (first, muon, sum(self.copies[0][k]._value.size for k in first), stacks)
         self.in_order = all(indices == sorted(indices) for indices in self.groups.values())
         self.stacks = [None] * self.num_devices  # per device: {dtype: stacking buffer}, made by its first step
+        self.stack_views = {}  # (device, dtype) -> each Muon-routed variable's view of the stacking buffer (host)
         self.muon_tables = [None] * self.num_devices  # per device: {dtype: (ADAM, MUON, SGD tables or None)}
 
     def prepare_rows(self, lower: int, upper: int) -> None:
@@ -258,17 +259,14 @@ class _MuonPlan(_Plan):
 
     def _stack_views(self, device: int, dtype, stack) -> list:
         """Per Muon-routed variable of ``dtype``, its place in the stacking buffer (the MUON rule's "weights")."""
-        cache = getattr(self, "_views", None)
-        if cache is None:
-            cache = self._views = {}
-        views = cache.get((device, dtype))
+        views = self.stack_views.get((device, dtype))
         if views is None:
             views, at = [], 0
             for k in self.layout[dtype][1]:
                 size = self.copies[device][k]._value.size
                 views.append(stack[at:at + size])
                 at += size
-            cache[(device, dtype)] = views
+            self.stack_views[(device, dtype)] = views
         return views
 
     # -- GPU --
