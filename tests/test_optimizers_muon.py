@@ -46,7 +46,7 @@ def _train(name, n, xp=np, devices=None):
 
 # float32: the element-wise parts are Keras' own operations; Newton-Schulz's matrix products and the norm add in
 # another order than TensorFlow's, and its 5 steps (a = 3.4 > 1) carry that ulp into every element.
-RTOL = {"float32": 2e-5, "float64": 1e-12}
+RTOL = {"float32": 1e-5, "float64": 1e-12}
 
 
 @pytest.mark.parametrize("name, n", [(name, n) for name in sorted(CONFIGS) for n in REPLICAS
@@ -77,9 +77,9 @@ def test_routing_and_slots_follow_keras():
     routed = {_path(v) for v in variables if not opt._should_use_adamw(v)}
     assert routed == MUON_ROUTED
     # Keras' _variables order: each variable's momentum, then its velocity when AdamW-routed; the recorded
-    # paths name them "<path with _>_<slot>".
-    recorded = json.loads(str(DATA["Muon excluded|1|slot_paths"]))[2:]
-    ours = [f"muon/{_path(var).replace('/', '_')}_{slot}" for var, slot, _ in opt._keras_variables().values()]
+    # paths name them "<optimizer>/<path with _>_<slot>" (the optimizer's name numbered per process: muon_1).
+    recorded = [p.split("/", 1)[1] for p in json.loads(str(DATA["Muon excluded|1|slot_paths"]))[2:]]
+    ours = [f"{_path(var).replace('/', '_')}_{slot}" for var, slot, _ in opt._keras_variables().values()]
     assert ours == recorded
     default = O.Muon()
     default.build(variables)
