@@ -33,6 +33,9 @@ CASES = {
     "lion": (rules.LION, (0.01, 0.9, 0.1, 0.99, 0.01), 1),
     "ftrl": (rules.FTRL, (0.1, 0.5, 0.06, 0.5, 0.01), 2),
     "ftrl_power": (rules.FTRL, (0.05, 0.3, 0.0, 0.0, 0.5), 2),
+    # Muon's momentum and its Newton-Schulz input (written over the "weight"), Nesterov or not
+    "muon_momentum": (rules.MUON, (0.95 - 1, 0.95, 1.0), 1),
+    "muon_momentum_plain": (rules.MUON, (0.9 - 1, 0.9, 0.0), 1),
 }
 SIZES = [0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 64, 1000, 4099]
 

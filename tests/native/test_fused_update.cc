@@ -46,6 +46,8 @@ const std::vector<Case>& cases() {
       {Rule::kLion, {0.01, 0.9, 0.1, 0.99, 0.01}, 1},
       {Rule::kFtrl, {0.1, 0.5, 0.06, 0.5, 0.01}, 2},
       {Rule::kFtrl, {0.05, 0.3, 0.0, 0.0, 0.5}, 2},
+      {Rule::kMuon, {-0.05, 0.95, 1.0}, 1},
+      {Rule::kMuon, {-0.1, 0.9, 0.0}, 1},
   };
   return all;
 }
