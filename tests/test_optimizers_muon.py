@@ -285,7 +285,8 @@ def _launches_per_gpu(monkeypatch, variables: int, shapes: list) -> tuple:
     for _ in range(2):  # the plan, the slots, the tables and the stacking buffer made outside the count
         strategy.run(step)
     engine, stand_in = _count_launches(monkeypatch, lambda: strategy.run(step))
-    per_gpu = [(engine[g], stand_in[g] - variables) for g in (0, 1)]
+    blas = cupy.sim.counters()["blas"]  # (md.linalg.matmul's products, counted apart)
+    per_gpu = [(engine[g], stand_in[g] - variables, blas.get(g, 0)) for g in (0, 1)]
     assert per_gpu[0] == per_gpu[1]
     return per_gpu[0]
 
@@ -294,24 +295,25 @@ def _launches_per_gpu(monkeypatch, variables: int, shapes: list) -> tuple:
 def test_gpu_launches_grow_with_the_shapes_not_the_variables(monkeypatch):
     """The engine's launches per GPU (the pack, ADAM, MUON, SGD) are 4 whatever the variables; the CuPy
     stand-in's are the step count's one plus a fixed number per distinct Muon shape (Newton-Schulz on its stack,
-    lr_adjust), for 20 or 200 variables alike."""
-    from gpu_env import SIMULATED, gpu_pair
+    lr_adjust), and so are its cuBLAS products (3 per Newton-Schulz step), for 20 or 200 variables alike."""
+    from gpu_env import SIMULATED
 
     if not SIMULATED:
         pytest.skip("counts the simulated runtime's launches")
-    with gpu_pair():
-        few = _launches_per_gpu(monkeypatch, 20, [(16, 8)])
-        many = _launches_per_gpu(monkeypatch, 200, [(16, 8)])
-        mixed = _launches_per_gpu(monkeypatch, 24, [(16, 8), (8, 16), (12, 12)])
+    few = _launches_per_gpu(monkeypatch, 20, [(16, 8)])
+    many = _launches_per_gpu(monkeypatch, 200, [(16, 8)])
+    mixed = _launches_per_gpu(monkeypatch, 24, [(16, 8), (8, 16), (12, 12)])
     assert few == many
-    engine, one_shape = few
+    engine, one_shape, products = few
     assert engine == 4 and mixed[0] == 4
-    per_shape = one_shape - 1
-    assert per_shape == NS_LAUNCHES and mixed[1] == 1 + 3 * per_shape
+    assert one_shape == 1 + NS_KERNELS and mixed[1] == 1 + 3 * NS_KERNELS
+    assert products == NS_PRODUCTS and mixed[2] == 3 * NS_PRODUCTS
 
 
-# Newton-Schulz's CuPy kernels on one stack at ns_steps=5: the norm (5), 8 per step, lr_adjust (3).
-NS_LAUNCHES = 5 + 8 * 5 + 3
+# Newton-Schulz on one stack at ns_steps=5: CuPy kernels for the norm (5), 5 per step, lr_adjust (3); batched
+# cuBLAS products, 3 per step.
+NS_KERNELS = 5 + 5 * 5 + 3
+NS_PRODUCTS = 3 * 5
 
 
 def _steps_on_two_gpus(steps: int, captured: bool, **kwargs):

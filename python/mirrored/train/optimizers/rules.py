@@ -408,6 +408,7 @@ def newton_schulz(x, steps: int, a, b, c):
     ``steps`` times ``A = X X^T``, ``X = a X + (b A + (c A) A) X`` (Keras' order of the products), in x's dtype.
     Returns a new array (a transposed view for tall matrices)."""
     xp = array_module(x)
+    matmul = _batched_matmul(xp)
     t = x.dtype.type
     tall = x.shape[-2] > x.shape[-1]
     if tall:
@@ -416,13 +417,23 @@ def newton_schulz(x, steps: int, a, b, c):
     norm += t(1e-7)
     x = x / norm
     for _ in range(steps):
-        gram = xp.matmul(x, x.transpose(0, 2, 1))
+        gram = matmul(x, x, transpose_b=True)
         mix = gram * t(b)
-        mix += xp.matmul(gram * t(c), gram)
-        product = xp.matmul(mix, x)
+        mix += matmul(gram * t(c), gram)
+        product = matmul(mix, x)
         x *= t(a)
         x += product
     return x.transpose(0, 2, 1) if tall else x
+
+
+def _batched_matmul(xp):
+    """Batched matrix products: NumPy's on host; on a GPU md.linalg.matmul's (one strided-batched cuBLAS call,
+    which md.function can capture: CuPy refuses cuBLAS while a stream captures)."""
+    if xp is np:
+        return lambda p, q, transpose_b=False: np.matmul(p, q.transpose(0, 2, 1) if transpose_b else q)
+    from ...device.linalg import matmul
+
+    return matmul
 
 
 RULES = (sgd, sgd_momentum, sgd_nesterov, adam, rmsprop, adagrad, nadam, adam_amsgrad, ema, adamax, adadelta, lion,
