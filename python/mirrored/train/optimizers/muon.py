@@ -270,11 +270,6 @@ class _MuonPlan(_Plan):
         return views
 
     # -- GPU --
-    def _make_tables(self, device: int, accumulators=None) -> list:
-        if accumulators is not None:
-            return super()._make_tables(device, accumulators)
-        raise AssertionError("Muon's tables are _muon_tables'")
-
     def _muon_tables(self, device: int) -> dict:
         """Device ``device``'s tables per dtype: (ADAM over the AdamW-routed variables, MUON over the stacking
         buffer with the Muon-routed variables' momentums, SGD over the Muon-routed variables), None where a
