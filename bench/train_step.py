@@ -163,7 +163,7 @@ def loss_and_grads(xp, params, x, y, global_batch: int, matmul=operator_matmul):
 # --optimizer's Keras classes beside SGD (their default arguments, learning rate 1e-4).
 KERAS_OPTIMIZERS = {"adam": "Adam", "adamax": "Adamax", "adadelta": "Adadelta", "lion": "Lion", "ftrl": "Ftrl",
                     "nadam": "Nadam", "rmsprop": "RMSprop", "adagrad": "Adagrad", "lamb": "Lamb",
-                    "adafactor": "Adafactor", "schedule-free-adamw": "ScheduleFreeAdamW"}
+                    "adafactor": "Adafactor", "schedule-free-adamw": "ScheduleFreeAdamW", "muon": "Muon"}
 
 
 def make_optimizer(name: str, accumulate: int | None = None):
@@ -182,15 +182,23 @@ def _slot(optimizer, slot: str, value: float, param):
 def numpy_rule_step(name: str, params: list, grads: list):
     """The optimizer's own rule as a NumPy loop over the parameters (its Keras sequence, one parameter at a
     time: md.optimizers.rules, the fused kernels' reference), slots in NumPy arrays; a call is one step."""
+    from mirrored.train.optimizers.muon import variable_step
+
     optimizer = make_optimizer(name)
-    slots = [[_slot(optimizer, slot, value, p) for slot, value in optimizer._slot_specs] for p in params]
+    muon = isinstance(optimizer, md.optimizers.Muon)
+    # (Muon: a 2-D parameter takes its own step, slot momentum; the others AdamW's, momentum and velocity)
+    slots = [[_slot(optimizer, slot, value, p) for slot, value in optimizer._slot_specs
+              if not muon or slot == "momentum" or p.ndim != 2] for p in params]
     t = params[0].dtype.type
     step = [0]
 
     def run():
         coefficients = optimizer._coefficients(t, t(np.float32(optimizer.learning_rate_at(step[0]))), step[0])
         for p, g, s in zip(params, grads, slots):
-            md.optimizers.rules.apply(optimizer._rule, p, g, s, coefficients)
+            if muon:
+                variable_step(optimizer, p, g, s, coefficients, p.ndim != 2, True)
+            else:
+                md.optimizers.rules.apply(optimizer._rule, p, g, s, coefficients)
         step[0] += 1
 
     return run

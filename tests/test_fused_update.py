@@ -35,6 +35,9 @@ CASES = {
     "ftrl_power": (rules.FTRL, (0.05, 0.3, 0.0, 0.0, 0.5), 2),
     # lr, 1-beta_2, 1-beta_2^t, epsilon, 1-beta_1, beta_1, 1-1/t, 1/t (step 3); slots momentum (z), velocity
     "schedule_free_adamw": (rules.SCHEDULE_FREE_ADAMW, (0.01, 0.001, 0.002997, 1e-8, 0.1, 0.9, 2 / 3, 1 / 3), 2),
+    # Muon's momentum and its Newton-Schulz input (written over the "weight"), Nesterov or not
+    "muon_momentum": (rules.MUON, (0.95 - 1, 0.95, 1.0), 1),
+    "muon_momentum_plain": (rules.MUON, (0.9 - 1, 0.9, 0.0), 1),
 }
 SIZES = [0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 64, 1000, 4099]
 
@@ -99,8 +102,9 @@ def test_bad_tables_are_refused_with_the_argument_named():
         fused_update(rules.SGD_MOMENTUM, [w], [g], [[]], **args)
     with pytest.raises(ValueError, match="coefficients: 1 given, the rule takes 2"):
         fused_update(rules.SGD_MOMENTUM, [w], [g], [[m]], [False], [0.1], 0.0, 0.0)
-    with pytest.raises(ValueError, match="rule=99: no such rule"):
-        fused_update(99, [w], [g], [[m]], **args)
+    unknown = len(rules.RULES)  # (the first code past the rules)
+    with pytest.raises(ValueError, match=f"rule={unknown}: no such rule"):
+        fused_update(unknown, [w], [g], [[m]], **args)
     with pytest.raises(ValueError, match="rule=-1: no such rule"):
         fused_update(-1, [w], [g], [[m]], **args)
     with pytest.raises(ValueError, match="float32 and float64"):

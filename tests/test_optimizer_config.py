@@ -16,7 +16,7 @@ with open(os.path.join(os.path.dirname(__file__), "data", "keras_optimizer_confi
     KERAS = json.load(_f)
 
 OURS = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "Adamax", "Adadelta", "Lion", "Ftrl", "Lamb",
-        "Adafactor", "ScheduleFreeAdamW"]
+        "Adafactor", "ScheduleFreeAdamW", "Muon"]
 
 
 @pytest.mark.parametrize("cls", OURS)

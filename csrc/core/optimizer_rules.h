@@ -41,7 +41,10 @@ enum class Rule : int {
   kLamb,       // core/lamb.h's phases
   kAdafactor,  // core/adafactor_rule.h's phases
   // Element-wise again.
-  kScheduleFreeAdamW
+  kScheduleFreeAdamW,
+  // Muon's element-wise part: its momentum and the matrix Newton-Schulz orthogonalises (the rest of the step
+  // is matrix products and other rules' kernels: python/mirrored/train/optimizers/muon.py).
+  kMuon
 };
 
 constexpr int kMaxSlots = 3;
@@ -49,7 +52,7 @@ constexpr int kMaxCoefficients = 9;
 
 // Number of scalars each rule reads (rules.py's coefficients); -1 for a code that is no rule.
 inline int rule_coefficients(int rule) {
-  constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9, 4, 2, 5, 4, 5, 5, 6, 6, 8};
+  constexpr int counts[] = {1, 2, 2, 4, 6, 2, 9, 4, 2, 5, 4, 5, 5, 6, 6, 8, 3};
   constexpr int rules = sizeof(counts) / sizeof(counts[0]);
   return rule >= 0 && rule < rules ? counts[rule] : -1;
 }
@@ -71,7 +74,8 @@ inline int rule_slots(int rule, const double* c) {
     case Rule::kSgdMomentum:
     case Rule::kSgdNesterov:
     case Rule::kAdagrad:
-    case Rule::kLion: return 1;
+    case Rule::kLion:
+    case Rule::kMuon: return 1;
     case Rule::kAdam:
     case Rule::kNadam:
     case Rule::kAdamax:
@@ -367,6 +371,15 @@ MIRRORED_HD inline T schedule_free_adamw(T y, T g, T gg, T& z, T& v, const T* c)
   return z * c[4] + x * c[5];
 }
 
+// Muon's momentum, Keras' m += g + m * (momentum - 1), and the matrix its Newton-Schulz iteration takes:
+// g + momentum * m with Nesterov, else m. The rule's "weight" is that matrix (a scratch buffer), written only.
+// c: momentum - 1, momentum, nesterov (1 or 0) (slot: momentum)
+template <typename T, bool Nesterov>
+MIRRORED_HD inline T muon_momentum(T g, T& m, const T* c) {
+  m = m + (g + m * c[0]);
+  return Nesterov ? g + c[1] * m : m;
+}
+
 // Each rule as a functor over one element: `kSlots` slot values in `st` (the
 // rule's order), read and written back by the caller; `gg` is the gradient's
 // square (g * g, or FusedEntry::squares'), read by the squaring rules only. The host loop
@@ -467,6 +480,12 @@ struct ScheduleFreeAdamW {
   }
 };
 
+template <typename T, bool Nesterov>
+struct MuonMomentum {
+  static constexpr int kSlots = 1;
+  MIRRORED_HD T operator()(T, T g, T, T* st, const T* c) const { return muon_momentum<T, Nesterov>(g, st[0], c); }
+};
+
 // Calls visit(F{}) with the functor F of `rule` (RMSprop's variant read from its coefficients `c`).
 template <typename T, typename Visitor>
 MIRRORED_HD inline void visit_rule(Rule rule, const T* c, const Visitor& visit) {
@@ -489,6 +508,7 @@ MIRRORED_HD inline void visit_rule(Rule rule, const T* c, const Visitor& visit) 
     case Rule::kLion: return visit(Lion<T>{});
     case Rule::kFtrl: return c[1] == T(0.5) ? visit(Ftrl<T, true>{}) : visit(Ftrl<T, false>{});
     case Rule::kScheduleFreeAdamW: return visit(ScheduleFreeAdamW<T>{});
+    case Rule::kMuon: return c[2] != T(0) ? visit(MuonMomentum<T, true>{}) : visit(MuonMomentum<T, false>{});
     case Rule::kLamb:
     case Rule::kAdafactor: return;  // (no element-wise functor: the callers run their own phases)
   }

@@ -32,13 +32,19 @@ CASES = [
                                 "relative_step": False}),
     ("schedule free adamw", "ScheduleFreeAdamW", {"learning_rate": 0.01, "beta_1": 0.8, "epsilon": 1e-6,
                                                   "warmup_steps": 100, "weight_decay": 0.01, "clipnorm": 1.0}),
+    ("muon default", "Muon", {}),
+    ("muon", "Muon", {"learning_rate": 0.02, "exclude_layers": ["output", "head.*"], "exclude_embeddings": False,
+                      "muon_a": 3.0, "adam_lr_ratio": 0.1, "momentum": 0.9, "ns_steps": 3, "nesterov": False,
+                      "adam_weight_decay": None, "weight_decay": 0.01, "rms_rate": None, "clipnorm": 1.0,
+                      "use_ema": True}),
     ("sgd schedule", "SGD", {"learning_rate": S.ExponentialDecay(0.1, 10, 0.5, staircase=True)}),
     ("adam schedule", "Adam", {"learning_rate": S.CosineDecay(0.01, 100, alpha=0.1, warmup_target=0.02,
                                                               warmup_steps=10)}),
     ("rmsprop piecewise", "RMSprop", {"learning_rate": S.PiecewiseConstantDecay([10, 20], [0.1, 0.01, 0.001])}),
 ]
 NAMES = ["adam", "Adam", "ADAM", "sgd", "SGD", "adamw", "AdamW", "rmsprop", "RMSprop", "Adagrad", "nadam",
-         "adamax", "ADADELTA", "lion", "Ftrl", "adafactor", "Adafactor", "schedulefreeadamw", "ScheduleFreeAdamW"]
+         "adamax", "ADADELTA", "lion", "Ftrl", "adafactor", "Adafactor", "schedulefreeadamw", "ScheduleFreeAdamW",
+         "muon", "Muon"]
 BAD = ["nope", "adam_w", "rms_prop", ""]
 
 

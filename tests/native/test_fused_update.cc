@@ -47,6 +47,8 @@ const std::vector<Case>& cases() {
       {Rule::kFtrl, {0.1, 0.5, 0.06, 0.5, 0.01}, 2},
       {Rule::kFtrl, {0.05, 0.3, 0.0, 0.0, 0.5}, 2},
       {Rule::kScheduleFreeAdamW, {0.01, 0.001, 0.002997, 1e-8, 0.1, 0.9, 2.0 / 3.0, 1.0 / 3.0}, 2},
+      {Rule::kMuon, {-0.05, 0.95, 1.0}, 1},
+      {Rule::kMuon, {-0.1, 0.9, 0.0}, 1},
   };
   return all;
 }

@@ -1,7 +1,7 @@
 """Keras 3's optimizers for distributed NumPy/CuPy training: ``SGD``, ``Adam``, ``AdamW``, ``RMSprop``,
-``Adagrad``, ``Nadam``, ``Adamax``, ``Adadelta``, ``Lion``, ``Ftrl``, ``Lamb``, ``Adafactor`` and
-``ScheduleFreeAdamW``, with Keras' arguments (``weight_decay``, ``clipnorm``, ``clipvalue``, ``global_clipnorm``),
-``build(var_list)`` and results; ``get``, ``serialize`` and ``deserialize`` as Keras'.
+``Adagrad``, ``Nadam``, ``Adamax``, ``Adadelta``, ``Lion``, ``Ftrl``, ``Lamb``, ``Adafactor``,
+``ScheduleFreeAdamW`` and ``Muon``, with Keras' arguments (``weight_decay``, ``clipnorm``, ``clipvalue``,
+``global_clipnorm``), ``build(var_list)`` and results; ``get``, ``serialize`` and ``deserialize`` as Keras'.
 
 ``apply_gradients`` clips, sums the gradients across replicas in one fused all-reduce and
 updates every variable and slot of a device in one fused, in-place update (:mod:`.base`).
@@ -19,14 +19,16 @@ from . import rules, schedules
 from .base import Optimizer
 from .keras import (SGD, Adadelta, Adafactor, Adagrad, Adam, Adamax, AdamW, Ftrl, Lamb, Lion, Nadam, RMSprop,
                     ScheduleFreeAdamW)
+from .muon import Muon
 from .serialization import deserialize, get, serialize
 
 # The modules behind the names above are no part of the namespace (`from .base import ...` still works).
-del base, keras, serialization, step_window  # noqa: F821  (bound by the imports above)
+del base, keras, muon, serialization, step_window  # noqa: F821  (bound by the imports above)
 
 __all__ = [  # Keras' keras.optimizers names (LossScaleOptimizer: set by md.train), then ours
     "schedules", "Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "Adamax", "Adadelta", "Lion",
-    "Ftrl", "Lamb", "Adafactor", "ScheduleFreeAdamW", "LossScaleOptimizer", "get", "serialize", "deserialize",
+    "Ftrl", "Lamb", "Adafactor", "ScheduleFreeAdamW", "Muon", "LossScaleOptimizer", "get", "serialize",
+    "deserialize",
     "rules", "sgd_update", "adam_update",
 ]
 

@@ -346,6 +346,8 @@ class Optimizer:
         for group in groups:
             for var, slots in self._slots.values():
                 for name in group:
+                    if name not in slots:  # (a slot only some variables have: Muon's velocity)
+                        continue
                     numbered[index] = (var, name, slots[name])
                     index += 1
         return numbered
@@ -381,6 +383,9 @@ class Optimizer:
         if entry is None:
             raise KeyError(f"var={getattr(var, 'name', var)!r} has no slots yet: call build([var]) or "
                            "apply_gradients to it first")
+        if name not in entry[1]:
+            raise KeyError(f"slot_name={slot_name!r}: variable {var.name!r} has slots {sorted(entry[1])} in "
+                           f"{type(self).__name__}")
         return entry[1][name]
 
     def build(self, var_list) -> None:
@@ -426,7 +431,7 @@ class Optimizer:
                 self._slots[id(var)] = (var, {
                     slot: values.Variable(self._slot_initial_value(slot, initial, var, shape, dtype),
                                           name=f"{base}/{slot}", trainable=False)
-                    for slot, initial in self._state_specs
+                    for slot, initial in self._var_state_specs(var)
                     for shape, dtype in [self._slot_shape(slot, var)]})
         self._strategy = strategy
         restore, self._restore_on_build = self._restore_on_build, None
@@ -437,6 +442,10 @@ class Optimizer:
         """The value ``var``'s slot ``name`` starts from: ``initial`` (its ``_state_specs`` entry) everywhere,
         through float32 as Keras' Constant initializer casts it."""
         return np.full(shape, np.float32(initial), dtype)
+
+    def _var_state_specs(self, var) -> tuple:
+        """``var``'s per-variable state (:attr:`_state_specs`; Muon gives only some variables a velocity)."""
+        return self._state_specs
 
     def _slot_shape(self, name: str, var) -> tuple:
         """``(shape, dtype)`` of ``var``'s slot ``name``: the variable's (Adafactor's factored moments differ)."""
@@ -817,8 +826,11 @@ class Optimizer:
         if plan is None:
             self._create_state(strategy, variables)
             self.built = True
-            plan = self._plans[key] = _Plan(self, variables)
+            plan = self._plans[key] = self._new_plan(variables)
         return plan
+
+    def _new_plan(self, variables) -> "_Plan":
+        return _Plan(self, variables)
 
     def _advance(self, plan, on_device: bool = False) -> int:
         """The step being taken (``iterations`` before it), its scalars prepared; each device's copy of
@@ -954,7 +966,8 @@ class _Plan:
         state = [optimizer._slots[id(v)][1] for v in variables]
 
         def per_device(names):  # [d][k]: variable k's state `names` (in that order) on device d
-            copies = [[s.values if isinstance(s, DistributedVariable) else (s,) for s in (st[n] for n in names)]
+            copies = [[s.values if isinstance(s, DistributedVariable) else (s,)
+                       for s in (st[n] for n in names if n in st)]  # (Muon: velocity for some variables only)
                       for st in state]
             return [[[c[d] for c in var_copies] for var_copies in copies] for d in range(self.num_devices)]
 
@@ -970,6 +983,9 @@ class _Plan:
         self.groups = {}  # dtype -> indices of its variables
         for k, dtype in enumerate(self.dtypes):
             self.groups.setdefault(dtype, []).append(k)
+        # Whether each group's indices ascend (a plan may order them otherwise: Muon's), so that one group's
+        # gradients are the caller's list as it is.
+        self.in_order = True
         self.host = [all(type(c._value) is np.ndarray for c in copies) for copies in self.copies]
         # Per device, every copy the update writes (variables, then slots), for the copy-on-write check.
         self.written = [copies + [s for slots in device_slots for s in slots]
@@ -1153,8 +1169,8 @@ class _Plan:
                 all(map(_C_CONTIGUOUS, grads)) and all(map(operator.eq, map(_DEVICE_ID, grads),
                                                            itertools.repeat(ordinal))):
             # (the common step: every gradient as the pack copies it, checked by C loops, no Python per gradient)
-            sources = grads if len(self.groups) == 1 else [grads[k] for indices in self.groups.values()
-                                                           for k in indices]
+            sources = grads if len(self.groups) == 1 and self.in_order else \
+                [grads[k] for indices in self.groups.values() for k in indices]
         else:
             sources = [_packable(cupy, grads[k], staged_dtype or dtype, ordinal)
                        for (dtype, indices), staged_dtype in zip(self.groups.items(), staged) for k in indices]
@@ -1326,7 +1342,7 @@ class _Plan:
         if packed is None and self.packable:
             if self.host[device]:
                 grads = self.host_grads(grads)
-                packed = [grads] if len(self.groups) == 1 else [[grads[k] for k in indices]
+                packed = [grads] if len(self.groups) == 1 and self.in_order else [[grads[k] for k in indices]
                                                                  for indices in self.groups.values()]
             else:
                 packed = self.pack(self.own_pack[device], _plains(grads))
@@ -1534,7 +1550,7 @@ class _Plan:
         self._writable(device)
         weights = list(map(_VALUE, self.copies[device]))
         rest = {}
-        whole = len(self.groups) == 1  # (one dtype: the lists as they are, no per-group copy)
+        whole = len(self.groups) == 1 and self.in_order  # (one dtype: the lists as they are, no per-group copy)
         ready = None if grads is None or not self.packable else self.host_grads(_plains(grads))
         for j, (dtype, indices) in enumerate(self.groups.items()):
             if dtype not in _KERNEL_DTYPES or not self.fused:

@@ -34,6 +34,10 @@ LAMB, ADAFACTOR = 13, 14
 PER_VARIABLE = frozenset()
 # Element-wise again (after the whole-variable rules, whose codes stay).
 SCHEDULE_FREE_ADAMW = 15
+# Muon's element-wise part (muon_momentum): its momentum and the matrix Newton-Schulz takes. The rest of Muon's
+# step is matrix products on stacks of same-shaped matrices (newton_schulz) and the ADAM and SGD rules
+# (python/mirrored/train/optimizers/muon.py).
+MUON = 16
 
 # The positions of the coefficients a rule branches on in Python (RMSprop's momentum and
 # centered, Ftrl's power: 0.5 is a square root): a captured step (md.function) keeps them as
@@ -52,8 +56,9 @@ class SquaredGradient(NamedTuple):
 
 
 # The rules that square the gradient (the others take a SquaredGradient's plain ``grad``).
+# (Muon: its AdamW-routed variables square their gradients; its own rule reads the plain gradient.)
 SQUARING = frozenset((ADAM, RMSPROP, ADAGRAD, NADAM, ADAM_AMSGRAD, ADADELTA, FTRL, LAMB, ADAFACTOR,
-                      SCHEDULE_FREE_ADAMW))
+                      SCHEDULE_FREE_ADAMW, MUON))
 
 
 def _split(g) -> tuple:
@@ -407,8 +412,61 @@ def schedule_free_adamw(w, g, slots, c) -> None:
     w[...] = x
 
 
+def muon_momentum(out, g, slots, c) -> None:
+    """Muon's momentum, Keras' ``m += g + m * (momentum - 1)``, and the matrix its Newton-Schulz iteration
+    orthogonalises, written into ``out`` (the rule's "weight"): ``g + momentum * m`` with Nesterov, else ``m``.
+    ``c``: momentum - 1, momentum, nesterov (1 or 0)."""
+    momentum_minus_one, momentum, nesterov = c
+    g = g.grad if type(g) is SquaredGradient else g
+    (m,) = slots
+    t = m * momentum_minus_one
+    t += g  # (g + t: the same sum)
+    m += t
+    if nesterov:
+        t = m * momentum
+        t += g
+        out[...] = t
+    else:
+        out[...] = m
+
+
+def newton_schulz(x, steps: int, a, b, c):
+    """Keras' Newton-Schulz iteration (``Muon.zeropower_via_newtonschulz5``) on a stack of matrices ``x``
+    (``(n, rows, cols)``, any array module), batched: one matrix product per step and term for the whole stack.
+    A tall matrix (rows > cols) is iterated transposed. Each matrix is divided by its Frobenius norm + 1e-7, then
+    ``steps`` times ``A = X X^T``, ``X = a X + (b A + (c A) A) X`` (Keras' order of the products), in x's dtype.
+    Returns a new array (a transposed view for tall matrices)."""
+    xp = array_module(x)
+    matmul = _batched_matmul(xp)
+    t = x.dtype.type
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = x.transpose(0, 2, 1)
+    norm = xp.sqrt((x * x).sum(axis=(-2, -1), keepdims=True))
+    norm += t(1e-7)
+    x = x / norm
+    for _ in range(steps):
+        gram = matmul(x, x, transpose_b=True)
+        mix = gram * t(b)
+        mix += matmul(gram * t(c), gram)
+        product = matmul(mix, x)
+        x *= t(a)
+        x += product
+    return x.transpose(0, 2, 1) if tall else x
+
+
+def _batched_matmul(xp):
+    """Batched matrix products: NumPy's on host; on a GPU md.linalg.matmul's (one strided-batched cuBLAS call,
+    which md.function can capture: CuPy refuses cuBLAS while a stream captures)."""
+    if xp is np:
+        return lambda p, q, transpose_b=False: np.matmul(p, q.transpose(0, 2, 1) if transpose_b else q)
+    from ...device.linalg import matmul
+
+    return matmul
+
+
 RULES = (sgd, sgd_momentum, sgd_nesterov, adam, rmsprop, adagrad, nadam, adam_amsgrad, ema, adamax, adadelta, lion,
-         ftrl, lamb, adafactor, schedule_free_adamw)
+         ftrl, lamb, adafactor, schedule_free_adamw, muon_momentum)
 
 
 def apply(rule: int, w, g, slots, c) -> None:

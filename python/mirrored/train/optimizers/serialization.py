@@ -10,9 +10,10 @@ from __future__ import annotations
 from .base import Optimizer
 from .keras import (SGD, Adadelta, Adafactor, Adagrad, Adam, Adamax, AdamW, Ftrl, Lamb, Lion, Nadam, RMSprop,
                     ScheduleFreeAdamW)
+from .muon import Muon
 
 _OPTIMIZERS = (SGD, Adam, AdamW, RMSprop, Adagrad, Nadam, Adamax, Adadelta, Lion, Ftrl, Lamb, Adafactor,
-               ScheduleFreeAdamW)
+               ScheduleFreeAdamW, Muon)
 
 _MODULE = "keras.optimizers"
 
