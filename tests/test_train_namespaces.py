@@ -6,7 +6,7 @@ import importlib
 import mirrored as md
 
 KERAS_OPTIMIZERS = {"schedules", "Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "Adamax",
-                    "Adadelta", "Lion", "Ftrl", "Lamb", "Adafactor", "ScheduleFreeAdamW", "LossScaleOptimizer", "get",
+                    "Adadelta", "Lion", "Ftrl", "Lamb", "Adafactor", "ScheduleFreeAdamW", "Muon", "LossScaleOptimizer", "get",
                     "serialize", "deserialize"}
 OUR_OPTIMIZERS = {"rules", "sgd_update", "adam_update"}  # docs/training.md
 KERAS_MIXED_PRECISION = {"LossScaleOptimizer", "Policy", "DTypePolicy", "global_policy", "set_global_policy"}
