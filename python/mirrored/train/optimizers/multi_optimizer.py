@@ -377,10 +377,12 @@ class MultiOptimizer:
 
         copy = copies[ctx._local_replica_id]
         if type(copy._value) is np.ndarray:
-            copy._writable_buffer()[...] += 1
+            buffer = copy._writable_buffer()
+            buffer += 1
             return
         with device_util.device_scope(copy.device), device_util.cross_replica_gpu_scope(copy.device):
-            copy._writable_buffer()[...] += 1
+            buffer = copy._writable_buffer()
+            buffer += 1  # (in place: one kernel)
 
     def finalize_variable_values(self, var_list) -> None:
         """Each sub-optimizer's ``finalize_variable_values`` on its share of ``var_list`` (moving averages)."""
