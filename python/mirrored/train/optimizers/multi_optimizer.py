@@ -27,6 +27,7 @@ from collections.abc import MutableMapping
 
 import numpy as np
 
+from ...device import device_util
 from ...distribute import distribute_lib, values
 from ...distribute.options import VariableAggregation
 from ...distribute.values import DistributedVariable
@@ -186,6 +187,7 @@ class MultiOptimizer:
         self._strategy = distribute_lib.get_strategy() if distribute_lib.has_strategy() else None
         self._iterations = None
         self._learning_rate_variable = None
+        self._iteration_copies = None
 
     # -- what Keras' MultiOptimizer exposes --
     @property
@@ -242,6 +244,10 @@ class MultiOptimizer:
                 self._learning_rate_variable = values.Variable(
                     np.float32(0.0), name=f"{self.name}/learning_rate", trainable=False,
                     aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
+            copies = self._iterations.values if isinstance(self._iterations, DistributedVariable) \
+                else (self._iterations,)
+            # One copy per local replica: each replica counts its own (else None: counted once, in a merge).
+            self._iteration_copies = copies if len(copies) == len(strategy.extended.worker_devices) else None
             self._strategy = strategy
         return self._iterations, self._learning_rate_variable
 
@@ -364,17 +370,15 @@ class MultiOptimizer:
         """``iterations`` + 1: in replica context each replica adds one to its own copy in place (one kernel on a
         GPU, which md.function captures); where the copies are not one per local replica (CentralStorageStrategy's
         variable kept once), once, in a merge."""
+        ctx = distribute_lib.get_replica_context()
         iterations = self._iterations
-        if distribute_lib.in_cross_replica_context():
+        if ctx is None:  # (cross-replica context)
             iterations.assign_add(np.int64(1))
             return
-        ctx = distribute_lib.get_replica_context()
-        copies = iterations.values if isinstance(iterations, DistributedVariable) else (iterations,)
-        if len(copies) != len(ctx.strategy.extended.worker_devices):
+        copies = self._iteration_copies
+        if copies is None:
             ctx.merge_call(lambda strategy: iterations.assign_add(np.int64(1)))
             return
-        from ...device import device_util
-
         copy = copies[ctx._local_replica_id]
         if type(copy._value) is np.ndarray:
             buffer = copy._writable_buffer()
