@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import operator
 import re
+import sys
 from collections.abc import MutableMapping
 
 import numpy as np
@@ -47,10 +48,9 @@ def variable_path(variable) -> str:
 
 
 def _loss_scale_optimizer():
-    """md.mixed_precision.LossScaleOptimizer (md.train imports this package, so it is looked up when needed)."""
-    from ..mixed_precision import LossScaleOptimizer
-
-    return LossScaleOptimizer
+    """md.mixed_precision.LossScaleOptimizer, which md.train sets as this package's ``LossScaleOptimizer``
+    (mixed_precision imports this package, so it is not imported here); a tuple of no types before that."""
+    return getattr(sys.modules[__package__], "LossScaleOptimizer", ())
 
 
 def _is_optimizer(value) -> bool:
