@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import mirrored as md
+from multiworker_marks import needs_gloo
 
 HERE = os.path.dirname(__file__)
 DATA = np.load(os.path.join(HERE, "data", "keras_multi_optimizer.npz"))
@@ -429,3 +430,30 @@ def test_a_step_of_200_variables_costs_the_parts_launches_per_gpu(monkeypatch):
         assert stand_in[0] - 200 * replicas == 3 * replicas, stand_in[0]
         assert int(multi.iterations.numpy()) == 3
         assert all(int(o.iterations.numpy()) == 3 for o in multi.optimizers)
+
+
+# -- across workers --
+def _two_workers_job():
+    strategy = md.MultiWorkerMirroredStrategy(communication_options=md.CommunicationOptions(timeout_seconds=60))
+    rank = strategy.cluster_resolver.task_id
+    name = "clipnorm weight_decay loss_scale_factor"
+    variables = model(strategy)
+    with strategy.scope():
+        multi, _ = make(name)
+    for s in range(STEPS):
+        strategy.run(lambda s=s: multi.apply_gradients([(DATA[f"grads|{p}"][s, rank], v)
+                                                        for p, v in zip(PATHS, variables)]))
+    check_against_keras(name, 2, multi, variables)
+    return [host(v.values[0]) for v in variables]
+
+
+@pytest.mark.multiworker
+@needs_gloo
+def test_two_workers_of_one_replica_match_keras_at_two_replicas():
+    from multiworker_launch import launch
+
+    results = launch(_two_workers_job, 2, timeout=300)
+    for r in results:
+        assert r.ok, (r.task, r.returncode, r.error, r.message, r.stderr[-3000:])
+    for a, b in zip(results[0].value, results[1].value):
+        np.testing.assert_array_equal(a, b)
