@@ -1,13 +1,16 @@
 """What routing variables to two optimizers costs per step: ``md.optimizers.MultiOptimizer`` on N CPU replicas.
 
     python bench/multi_optimizer.py --replicas 1 2 4 --variables 200 --side 64 --steps 140
+    python bench/multi_optimizer.py --gpu --replicas 1 2 --variables 200 --side 64 --steps 140
 
 For each replica count, times ``strategy.run(step)`` where a step only applies one gradient per variable (no
 forward/backward pass) of ``--variables`` variables (alternately side x side and side elements: a small side
 shows the per-step overhead, a large one the arithmetic): one Adam over all of
 them (the baseline of the same run), a MultiOptimizer whose OptimizerMap sends half of them to Adam by a pattern
 and the rest to SGD with momentum (its default), and a MultiOptimizer of one Adam (the routing alone). Median
-microseconds per step (the cases timed in interleaved rounds) and the ratio to the baseline.
+microseconds per step (the cases timed in interleaved rounds) and the ratio to the baseline. ``--gpu``: the
+replicas on GPUs (one per GPU while there are enough, else logical GPUs of GPU 0) with CuPy gradients, each step
+ended by a wait for every GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 import numpy as np
 
 import mirrored as md
+from mirrored.device import device_util
 
 
 def per_step(fns, steps: int, rounds: int = 7) -> list:
@@ -53,11 +57,20 @@ def step_function(strategy, count: int, side: int, make):
         variables = [md.Variable(rng.standard_normal(s).astype(np.float32),
                                  name=f"{'enc' if k < count // 2 else 'dec'}/v{k}") for k, s in enumerate(shapes)]
         optimizer = make()
-    grads = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    host = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    devices = strategy.extended.worker_devices
+    # Each replica's gradients on its own device (NumPy on CPUs, CuPy on GPUs), made once.
+    grads = [[device_util.place(g, device) for g in host] for device in devices]
 
     def step():
-        optimizer.apply_gradients(zip(grads, variables))
-    return lambda: strategy.run(step)
+        ctx = md.get_replica_context()
+        optimizer.apply_gradients(zip(grads[ctx.replica_id_in_sync_group], variables))
+
+    def run():
+        strategy.run(step)
+        if "GPU" in devices[0].upper():
+            variables[-1].values[-1].numpy()  # (a read waits for the step)
+    return run
 
 
 def main(argv=None):
@@ -66,14 +79,22 @@ def main(argv=None):
     parser.add_argument("--variables", type=int, default=200)
     parser.add_argument("--side", type=int, default=64)
     parser.add_argument("--steps", type=int, default=140)
+    parser.add_argument("--gpu", action="store_true", help="replicas on GPUs, CuPy gradients")
     args = parser.parse_args(argv)
     print(f"{'replicas':>8}  {'case':<28} {'us/step':>10} {'ratio':>7}")
     for n in args.replicas:
-        strategy = md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
+        if args.gpu:
+            if n > md.config.num_gpus():
+                md.config.set_logical_device_configuration("GPU", 0, count=n)
+            strategy = md.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
+        else:
+            strategy = md.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
         fns = [step_function(strategy, args.variables, args.side, make) for make in CASES.values()]
         times = per_step(fns, args.steps)
         for name, t in zip(CASES, times):
             print(f"{n:>8}  {name:<28} {t * 1e6:>10.1f} {t / times[0]:>7.2f}")
+        if args.gpu and n > md.config.num_gpus():
+            md.config.set_logical_device_configuration("GPU:0", None)
 
 
 if __name__ == "__main__":
