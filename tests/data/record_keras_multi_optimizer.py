@@ -11,13 +11,15 @@ imports TensorFlow):
   gradient grads[s, r]: the weights, every sub-optimizer's slots and every ``iterations`` after the last step;
 - ``rules``: what OptimizerMap returns for a set of paths, the errors (type and message) of its and
   MultiOptimizer's bad inputs, the sub-optimizers' order, loss_scale_factor's propagation, get_config, and the
-  names a tf.train.Checkpoint of a built MultiOptimizer holds.
+  names a tf.train.Checkpoint of a built MultiOptimizer holds (that file: keras_multi_optimizer_checkpoint/, a
+  model of ones after one step of gradients of ones).
 
 The LossScaleOptimizer configuration is recorded at one replica only (see ``record``).
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -201,7 +203,9 @@ def record_rules():
     variables = [keras_variable(keras, p, np.ones(shape, np.float32)) for p, shape in MODEL.items()]
     multi, _ = make(keras, "exact regex default")
     multi.apply([np.ones(shape, np.float32) for shape in MODEL.values()], variables)
-    path = tf.train.Checkpoint(optimizer=multi, model=variables).write("/tmp/keras_multi_optimizer_ckpt/ckpt")
+    directory = os.path.join(os.path.dirname(os.path.abspath(__file__)), "keras_multi_optimizer_checkpoint")
+    shutil.rmtree(directory, ignore_errors=True)
+    path = tf.train.Checkpoint(optimizer=multi, model=variables).write(os.path.join(directory, "ckpt"))
     rules["checkpoint"] = [[key, shape] for key, shape in tf.train.list_variables(path)]
     rules["checkpoint iterations"] = [int(multi.iterations.numpy())] + [int(o.iterations.numpy())
                                                                         for o in multi.optimizers]
