@@ -117,6 +117,26 @@ def test_inside_a_loss_scale_optimizer(n):
     assert int(multi.iterations.numpy()) == int(plain.iterations.numpy()) == STEPS
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_loss_scale_optimizer_leaves_the_clipping_sub_optimizers_their_own_reduction(n):
+    """Around sub-optimizers that clip, the LossScaleOptimizer does not sum the gradients first: each replica's
+    are unscaled, then clipped by their sub-optimizer, then summed (Keras' order). A scale of 4 unscales as the
+    recorded MultiOptimizer's loss_scale_factor of 4 does (which the LossScaleOptimizer turns off)."""
+    name = "clipnorm weight_decay loss_scale_factor"
+    strategy = cpus(n)
+    variables = model(strategy)
+    with strategy.scope():
+        multi, _ = make(name)
+        outer = md.mixed_precision.LossScaleOptimizer(multi, initial_scale=CONFIGS[name][2])
+    assert multi.loss_scale_factor is None and all(o.loss_scale_factor is None for o in multi.optimizers)
+    for s in range(STEPS):
+        def step(s=s):
+            r = md.get_replica_context().replica_id_in_sync_group
+            outer.apply_gradients([(DATA[f"grads|{p}"][s, r], v) for p, v in zip(PATHS, variables)])
+        strategy.run(step)
+    check_against_keras(name, n, multi, variables)
+
+
 def test_cross_replica_apply_with_per_replica_gradients_is_the_same_step():
     name, strategy = "clipnorm weight_decay loss_scale_factor", cpus(2)
     variables = model(strategy)
