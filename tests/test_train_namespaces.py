@@ -6,8 +6,8 @@ import importlib
 import mirrored as md
 
 KERAS_OPTIMIZERS = {"schedules", "Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "Adamax",
-                    "Adadelta", "Lion", "Ftrl", "Lamb", "Adafactor", "ScheduleFreeAdamW", "Muon", "LossScaleOptimizer", "get",
-                    "serialize", "deserialize"}
+                    "Adadelta", "Lion", "Ftrl", "Lamb", "Adafactor", "ScheduleFreeAdamW", "Muon", "LossScaleOptimizer",
+                    "get", "serialize", "deserialize", "MultiOptimizer", "OptimizerMap"}
 OUR_OPTIMIZERS = {"rules", "sgd_update", "adam_update"}  # docs/training.md
 KERAS_MIXED_PRECISION = {"LossScaleOptimizer", "Policy", "DTypePolicy", "global_policy", "set_global_policy"}
 TF_TRAIN = {"Checkpoint", "CheckpointManager", "CheckpointState", "CheckpointLoadStatus", "CheckpointError",

@@ -431,8 +431,10 @@ class LossScaleOptimizer:
         # in that replica's accumulators: an optimizer that clips or accumulates reduces them itself. Otherwise
         # the sum is taken here, in the gradients' own dtype (float16 and bfloat16 move half the bytes), and
         # the check below also catches a sum that overflows.
-        reduce_here = aggregate and not _clips(self.inner_optimizer) \
-            and not getattr(self.inner_optimizer, "gradient_accumulation_steps", None)
+        # (a MultiOptimizer's sub-optimizers each: any one that clips or accumulates reduces its own)
+        parts = getattr(self.inner_optimizer, "optimizers", None) or [self.inner_optimizer]
+        reduce_here = aggregate and not any(_clips(part) or getattr(part, "gradient_accumulation_steps", None)
+                                            for part in parts)
         reduced = set(distributed) if reduce_here else set()
         if reduced:
             mean = getattr(self.inner_optimizer, "gradient_aggregation", "sum") == "mean"

@@ -1,7 +1,8 @@
 """Keras 3's optimizers for distributed NumPy/CuPy training: ``SGD``, ``Adam``, ``AdamW``, ``RMSprop``,
 ``Adagrad``, ``Nadam``, ``Adamax``, ``Adadelta``, ``Lion``, ``Ftrl``, ``Lamb``, ``Adafactor``,
 ``ScheduleFreeAdamW`` and ``Muon``, with Keras' arguments (``weight_decay``, ``clipnorm``, ``clipvalue``,
-``global_clipnorm``), ``build(var_list)`` and results; ``get``, ``serialize`` and ``deserialize`` as Keras'.
+``global_clipnorm``), ``build(var_list)`` and results; ``MultiOptimizer`` and ``OptimizerMap`` (variables routed
+to optimizers by path, :mod:`.multi_optimizer`); ``get``, ``serialize`` and ``deserialize`` as Keras'.
 
 ``apply_gradients`` clips, sums the gradients across replicas in one fused all-reduce and
 updates every variable and slot of a device in one fused, in-place update (:mod:`.base`).
@@ -19,15 +20,20 @@ from . import rules, schedules
 from .base import Optimizer
 from .keras import (SGD, Adadelta, Adafactor, Adagrad, Adam, Adamax, AdamW, Ftrl, Lamb, Lion, Nadam, RMSprop,
                     ScheduleFreeAdamW)
+from .multi_optimizer import MultiOptimizer, OptimizerMap
 from .muon import Muon
-from .serialization import deserialize, get, serialize
+from .serialization import deserialize, get, register_builtin as _register_builtin, serialize
+
+_register_builtin(MultiOptimizer)  # get / serialize / deserialize know it by name, as Keras' do
+del _register_builtin
 
 # The modules behind the names above are no part of the namespace (`from .base import ...` still works).
-del base, keras, muon, serialization, step_window  # noqa: F821  (bound by the imports above)
+del base, keras, multi_optimizer, muon, serialization, step_window  # noqa: F821  (bound by the imports above)
 
 __all__ = [  # Keras' keras.optimizers names (LossScaleOptimizer: set by md.train), then ours
     "schedules", "Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Nadam", "Adamax", "Adadelta", "Lion",
-    "Ftrl", "Lamb", "Adafactor", "ScheduleFreeAdamW", "Muon", "LossScaleOptimizer", "get", "serialize",
+    "Ftrl", "Lamb", "Adafactor", "ScheduleFreeAdamW", "Muon", "LossScaleOptimizer", "MultiOptimizer",
+    "OptimizerMap", "get", "serialize",
     "deserialize",
     "rules", "sgd_update", "adam_update",
 ]

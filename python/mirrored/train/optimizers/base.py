@@ -70,7 +70,7 @@ from .rules import (ADAFACTOR, EMA, HOST_COEFFICIENTS, PER_VARIABLE, SGD, SQUARI
 from .schedules import LearningRateSchedule, deserialize as deserialize_schedule, serialize as serialize_schedule
 from .step_window import StepWindow
 
-__all__ = ["LossScaleGate", "Optimizer", "check_rate"]
+__all__ = ["LossScaleGate", "Optimizer", "check_loss_scale_factor", "check_rate"]
 
 # Held while a plan makes its staging buffers (_Plan._staging), which replica threads ask for at once.
 _staging_lock = threading.Lock()
@@ -96,6 +96,15 @@ def check_rate(value, argument: str, allow_callable: bool = False, low: float = 
         bound = f"in [{low}, {high}{']' if high_inclusive else ')'}" if high is not None else f">= {low}"
         raise ValueError(f"{argument}={value!r}: expected a value {bound}")
     return float(value)
+
+
+def check_loss_scale_factor(value):
+    """Keras 3's ``loss_scale_factor``: None, or a finite nonzero number."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                              or not math.isfinite(value) or value == 0):
+        raise ValueError(f"loss_scale_factor={value!r}: expected a finite nonzero number (the loss is multiplied by "
+                         "it, the gradients divided), or None")
+    return value
 
 
 def _takes_an_argument(fn) -> bool:
@@ -163,12 +172,7 @@ class Optimizer:
                     or ema_overwrite_frequency < 1):
                 raise ValueError("`ema_overwrite_frequency` must be an integer >= 1 or None. Received: "
                                  f"ema_overwrite_frequency={ema_overwrite_frequency!r}")
-        if loss_scale_factor is not None and (
-                isinstance(loss_scale_factor, bool) or not isinstance(loss_scale_factor, numbers.Real)
-                or not math.isfinite(loss_scale_factor) or loss_scale_factor == 0):
-            raise ValueError(f"loss_scale_factor={loss_scale_factor!r}: expected a finite nonzero number (the loss "
-                             "is multiplied by it, the gradients divided), or None")
-        self.loss_scale_factor = loss_scale_factor
+        self.loss_scale_factor = check_loss_scale_factor(loss_scale_factor)
         if gradient_accumulation_steps and (
                 isinstance(gradient_accumulation_steps, bool)
                 or not isinstance(gradient_accumulation_steps, numbers.Integral) or gradient_accumulation_steps < 2):
