@@ -26,6 +26,7 @@ from .._nest import flatten, is_nested, map_structure, pack_sequence_as
 from ..device import config, device_util, gpu as _gpu
 from ..device.device_util import _current as _device_local
 from ..device.indexed_slices import IndexedSlices
+from ..timeline import enabled_native as _tracing
 from .cross_device_ops import CrossDeviceOps, NcclAllReduce, RingAllReduce, _ReplicaAllReduce, describe
 from .context import _Context, _local
 from .distribute_lib import _Group, ReplicaContext, Strategy, StrategyExtended
@@ -35,6 +36,8 @@ from .reduce_util import ReduceOp
 from .values import (DeviceVariable, DistributedValues, DistributedVariable, Mirrored, MirroredVariable, PerReplica,
                      SyncOnReadVariable, regroup, select_replica)
 
+
+_NOT_FOUND = (None, None)
 
 # A step that computes longer than this on the caller's thread runs its replicas on their threads,
 # in parallel: longer than a thread hand-off costs even on a loaded machine, short enough that
@@ -531,7 +534,9 @@ class MirroredExtended(StrategyExtended):
         weakref.finalize(container_strategy, self._pool.close)
         self._replica_contexts = None
         self._scopes = None
-        self._native_all_reduces = {}  # id(ReduceOp) -> _native_replica_all_reduce's answer (False: none)
+        # id(ReduceOp) -> (the cross-device ops, their _native_replica_all_reduce answer): batch_reduce_to's
+        # route, asked again when the ops are others
+        self._native_all_reduces = {}
 
     def _contexts(self) -> list:
         if self._replica_contexts is None:
@@ -645,10 +650,23 @@ class MirroredExtended(StrategyExtended):
 
     def _batch_reduce_to(self, op, pairs, options):
         if options is None:
-            native = self._native_all_reduces.get(id(op))  # (by id: a ReduceOp's hash is Python code)
-            if native is None:
-                native = self._native_all_reduces[id(op)] = self._native_replica_all_reduce(op, None) or False
-            if native:
+            # (by id: a ReduceOp's hash is Python code; the ops kept beside the answer, which is theirs)
+            ops, native = self._native_all_reduces.get(id(op), _NOT_FOUND)
+            if ops is not self._cross_device_ops:
+                ops = self._cross_device_ops
+                native = self._native_replica_all_reduce(op, None)
+                self._native_all_reduces[id(op)] = ops, native
+            if native is not None:
+                if len(pairs) == 1:
+                    # One (v, v) pair of the replicas' arrays, repeated: the kept plan of its all-reduce runs
+                    # them (the native run checks each array's type, dtype and shape; None: not done).
+                    v, d = pairs[0]
+                    plan = native._plan
+                    if d is v and plan is not None and isinstance(v, DistributedValues) and \
+                            v._devices == self._local_devices and not _tracing():
+                        done = plan.run(v._values, None)
+                        if done is not None:
+                            return [Mirrored(done, v._devices)]
                 results = self._fused_all_reduce(native, pairs)
                 if results is not None:
                     return results
@@ -657,8 +675,16 @@ class MirroredExtended(StrategyExtended):
     def _fused_all_reduce(self, native, pairs):
         """``batch_reduce_to`` of ``(v, v)`` pairs of host arrays on this strategy's devices, straight to the
         native fused all-reduce the cross-device ops' batch_reduce ends in (the same call, the same
-        results, without its per-pair checks and wrapping); None for any other pairs."""
+        results, without its per-pair checks and wrapping); None for any other pairs. One pair is one
+        all-reduce of one array per replica, whose plan ``native`` keeps for the next call."""
         devices = self._local_devices
+        if len(pairs) == 1:
+            v, d = pairs[0]
+            if d is not v or not isinstance(v, DistributedValues) or v._devices != devices or \
+                    type(v._values[0]) is list:  # (a list is a replica's leaves to native: not one array)
+                return None
+            reduced = native(v._values)
+            return None if reduced is None else [Mirrored(reduced, devices)]
         columns = []
         for v, d in pairs:
             if d is not v or not isinstance(v, DistributedValues) or v._devices != devices:
