@@ -40,6 +40,7 @@ class TaskResult:
     error: str | None = None  # exception type name, when fn raised
     message: str = ""         # exception message
     raised_at: float | None = None  # time.time() when fn raised
+    called_at: float | None = None  # time.time() when fn was called (after the task's start-up and imports)
     stderr: str = field(default="", repr=False)
 
     @property
@@ -127,11 +128,12 @@ def _task_main(module_path: str, fn_name: str, out: str, kwargs: str) -> int:
     spec = importlib.util.spec_from_file_location("_multiworker_task", module_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    called_at = time.time()
     try:
-        report = {"value": getattr(module, fn_name)(**json.loads(kwargs))}
+        report = {"value": getattr(module, fn_name)(**json.loads(kwargs)), "called_at": called_at}
         code = 0
     except Exception as e:  # reported to the launcher, which asserts on it
-        report = {"error": type(e).__name__, "message": str(e), "raised_at": time.time()}
+        report = {"error": type(e).__name__, "message": str(e), "raised_at": time.time(), "called_at": called_at}
         code = 1
     with open(out + ".tmp", "wb") as f:
         pickle.dump(report, f)

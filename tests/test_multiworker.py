@@ -170,11 +170,12 @@ def test_a_killed_worker_is_named_by_every_survivor(timeout, victim, shm):
 
 
 def test_a_peer_that_never_joins_is_named_at_the_timeout():
-    started = time.time()
-    (chief,) = launch(join, 2, kwargs={"timeout": 2.0}, only=[0], timeout=30)
+    (chief,) = launch(join, 2, kwargs={"timeout": 2.0}, only=[0], timeout=60)
     assert chief.error == "PeerTimeoutError", chief.message
     assert "worker:1 did not join within 2.0 s" in chief.message
-    assert chief.raised_at - started < 2.0 + 5
+    # Raised at the timeout, not at launch()'s: timed from the call, not from the task's start-up (its
+    # imports alone can take seconds on a busy machine).
+    assert 2.0 <= chief.raised_at - chief.called_at < 2.0 + 8
 
 
 @pytest.mark.parametrize("where, timeout", [("call", 1.5), ("group", 10.0)])
