@@ -202,6 +202,30 @@ def test_newton_schulz_batches_each_matrix_as_alone():
     assert singular.min() > 0.5 and singular.max() < 1.3
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(1, 16, 16), (9, 16, 16), (7, 24, 10), (7, 10, 24), (1, 1, 7), (5, 7, 1),
+                                   (40, 12, 12)])
+def test_host_newton_schulz_in_chunks_is_the_batched_one_bit_for_bit(shape, dtype):
+    """The host step's Newton-Schulz, in place a chunk of matrices at a time (one matrix, chunks that do not
+    divide the stack, the whole stack) then scaled, equals the batched newton_schulz and the scaling after it."""
+    rng = np.random.RandomState(3)
+    stack = rng.randn(*shape).astype(dtype)
+    t = np.dtype(dtype).type
+    scales = (t(0.01), t(np.sqrt(np.float32(max(shape[1:])))), t(0.2))
+    want = rules.newton_schulz(stack, 5, 3.4445, -4.775, 2.0315)
+    for s in scales:
+        want = want * s
+    _, rows, cols = shape
+    per_matrix = (3 * min(rows, cols) ** 2 + 2 * rows * cols) * stack.itemsize
+    for chunk_bytes in (1, 2 * per_matrix, 3 * per_matrix, 1 << 40):
+        got = stack.copy()
+        rules.newton_schulz_host(got, 5, 3.4445, -4.775, 2.0315, scales, chunk_bytes=chunk_bytes)
+        np.testing.assert_array_equal(got, want)
+    got = stack.copy()  # (no scales, no steps: the normalised stack)
+    rules.newton_schulz_host(got, 0, 3.4445, -4.775, 2.0315)
+    np.testing.assert_array_equal(got, rules.newton_schulz(stack, 0, 3.4445, -4.775, 2.0315))
+
+
 def test_cross_replica_apply_is_the_same_step():
     name = "Muon decay"
     strategy = md.MirroredStrategy(devices=["/cpu:0", "/cpu:1"])

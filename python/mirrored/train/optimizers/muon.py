@@ -37,7 +37,7 @@ from ...distribute import values
 from .base import (_KERNEL_DTYPES, _VALUE, Optimizer, _gate_pointers, _gpu_kernel, _host_grad, _host_kernel, _Plan,
                    _plains, _retire_tables, _retired_tables, check_rate)
 from .rules import (ADAM, MUON, SGD, SquaredGradient, apply as apply_rule, array_module, newton_schulz,
-                    weight_decay as apply_weight_decay)
+                    newton_schulz_host, weight_decay as apply_weight_decay)
 
 __all__ = ["Muon", "variable_step"]
 
@@ -209,8 +209,14 @@ class _MuonPlan(_Plan):
         ``((lr * X) * sqrt(max(rows, cols))) * rms_rate`` (no factors without rms_rate)."""
         opt = self.optimizer
         t = np.dtype(dtype).type
+        host = isinstance(stack, np.ndarray)
         for start, n, (rows, cols) in self.layout[dtype][3]:
             view = stack[start:start + n * rows * cols].reshape(n, rows, cols)
+            if host:  # (in place, chunk by chunk, the scaling with each chunk: the same values, see rules)
+                scales = (c[_LR],) if opt.rms_rate is None else \
+                    (c[_LR], t(np.sqrt(np.float32(max(rows, cols)))), c[_RMS])
+                newton_schulz_host(view, opt.ns_steps, opt.muon_a, opt.muon_b, opt.muon_c, scales)
+                continue
             x = newton_schulz(view, opt.ns_steps, opt.muon_a, opt.muon_b, opt.muon_c)
             array_module(view).multiply(x, c[_LR], out=view)
             if opt.rms_rate is not None:

@@ -455,6 +455,55 @@ def newton_schulz(x, steps: int, a, b, c):
     return x.transpose(0, 2, 1) if tall else x
 
 
+# The bytes of one chunk's working set in newton_schulz_host (its matrices, their products and three Gram-sized
+# matrices): a chunk's whole iteration stays in a core's L2 cache, where the whole stack's would stream through
+# memory once per operation.
+NS_CHUNK_BYTES = 1 << 20
+
+
+def newton_schulz_host(x, steps: int, a, b, c, scales=(), chunk_bytes: int = NS_CHUNK_BYTES) -> None:
+    """newton_schulz on a C-contiguous NumPy stack ``x`` (``(n, rows, cols)``) in place, bit for bit the same
+    values, then ``x *= s`` for each of ``scales`` in turn. The stack is iterated a chunk of matrices at a time
+    (``chunk_bytes``: the chunk's whole iteration before the next chunk's), in workspaces allocated once per call:
+    every element sees the same operations in the same order, each product the same BLAS call (the same shapes,
+    strides and operands per matrix) and each norm the same reduction (the squares in x's layout)."""
+    n, rows, cols = x.shape
+    t = x.dtype.type
+    tall = rows > cols
+    m, k = (cols, rows) if tall else (rows, cols)  # the iterated matrices are m x k, m <= k
+    per_matrix = (3 * m * m + 2 * m * k) * x.itemsize
+    size = max(1, min(n, chunk_bytes // per_matrix))
+    # (the squares of the norm share the products' buffer: in x's layout, transposed as x is when tall)
+    square_buffer = np.empty((size, rows, cols), x.dtype)
+    gram_buffer = np.empty((3, size, m, m), x.dtype)
+    a, b, c, tiny = t(a), t(b), t(c), t(1e-7)
+    for start in range(0, n, size):
+        stop = min(n, start + size)
+        j = stop - start
+        xs = x[start:stop]
+        squares = square_buffer[:j]
+        product = squares.reshape(j, m, k)
+        gram, scaled, cubed = gram_buffer[0, :j], gram_buffer[1, :j], gram_buffer[2, :j]
+        if tall:
+            xs, squares = xs.transpose(0, 2, 1), squares.transpose(0, 2, 1)
+        np.multiply(xs, xs, out=squares)
+        norm = squares.sum(axis=(-2, -1), keepdims=True)
+        np.sqrt(norm, out=norm)
+        norm += tiny
+        np.divide(xs, norm, out=xs)
+        for _ in range(steps):
+            np.matmul(xs, xs.transpose(0, 2, 1), out=gram)
+            np.multiply(gram, c, out=scaled)
+            np.matmul(scaled, gram, out=cubed)
+            gram *= b  # (b A + (c A) A: gram now b A, the sum's first term, as newton_schulz's ``mix``)
+            gram += cubed
+            np.matmul(gram, xs, out=product)
+            xs *= a
+            xs += product
+        for s in scales:
+            xs *= s
+
+
 def _batched_matmul(xp):
     """Batched matrix products: NumPy's on host; on a GPU md.linalg.matmul's (one strided-batched cuBLAS call,
     which md.function can capture: CuPy refuses cuBLAS while a stream captures)."""
