@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -118,9 +117,11 @@ def test_temporaries_of_dead_writers_are_swept_by_the_next_save(tmp_path):
         reused = [f".ckpt-10.tmp-{host}-{live_writer.pid}-0123abcd", f".ckpt-11.tmp-{host}-{os.getpid()}-0123abcd"]
         for name in stale + kept + reused:
             (run / name).write_bytes(b"partial")
-        hour_ago = time.time() - 3600
+        # Last written a minute before either live process started (this test's own process may have run
+        # for hours under a long test session: "an hour ago" is not before it).
+        before_both = min(ckpt_mod._start_time(os.getpid()), ckpt_mod._start_time(live_writer.pid)) - 60
         for name in reused:
-            os.utime(run / name, (hour_ago, hour_ago))
+            os.utime(run / name, (before_both, before_both))
         manager.save()
         assert _temporaries(run) == sorted(kept)
     finally:
