@@ -1580,6 +1580,16 @@ class _Plan:
         if rest:
             self._apply_each(device, grads, rest)
 
+    def _step_inputs(self, device: int, grads, packed) -> tuple:
+        """A GPU step's gradients packed in the variables' dtypes (``packed`` when the all-reduce packed
+        them), IndexedSlices' squares, and the current stream the update launches on."""
+        squares = self._pack_squares(device, grads)
+        if packed is None:
+            packed = self.pack(self.own_pack[device], _plains(grads))
+        else:
+            packed = self.in_variables_dtypes(device, packed)
+        return packed, squares, array_module(packed[0]).cuda.get_current_stream().ptr
+
     def _apply_gpu(self, device: int, grads, packed, gate=None) -> None:
         """One launch per dtype: the device's table (made once, again only after a copy-on-write)."""
         self._writable(device)
@@ -1587,13 +1597,8 @@ class _Plan:
         if self.tables_made_at[device] != values.buffers_replaced:
             self.gpu_tables[device] = self._make_tables(device)
             self.tables_made_at[device] = values.buffers_replaced
-        squares = self._pack_squares(device, grads)
-        if packed is None:
-            packed = self.pack(self.own_pack[device], _plains(grads))
-        else:
-            packed = self.in_variables_dtypes(device, packed)
+        packed, squares, stream = self._step_inputs(device, grads, packed)
         cupy = array_module(packed[0])
-        stream = cupy.cuda.get_current_stream().ptr
         grads = self._checked_grads(self.gpu_tables[device], packed, stream, gate)
         for table, grad, dtype, square in zip(self.gpu_tables[device], grads, self.groups, squares):
             if self.rows is not None:
@@ -1625,15 +1630,10 @@ class _Plan:
         long as the graph), each launch reading its scalars from the capture's buffer of its dtype."""
         for c in self.written[device]:
             c._writable_buffer()  # the graph writes these buffers: md.function checks they stay
-        squares = self._pack_squares(device, grads)
-        if packed is None:
-            packed = self.pack(self.own_pack[device], _plains(grads))
-        else:
-            packed = self.in_variables_dtypes(device, packed)
+        packed, squares, stream = self._step_inputs(device, grads, packed)
         tables = self._make_tables(device)
         scope.captured.setdefault("fused update tables", []).append(tables)
         weakref.finalize(scope, _retire_tables, tables)
-        stream = array_module(packed[0]).cuda.get_current_stream().ptr
         grads = self._checked_grads(tables, packed, stream, gate)
         for table, grad, dtype, square in zip(tables, grads, self.groups, squares):
             captured = scope.captured[self][device][dtype]

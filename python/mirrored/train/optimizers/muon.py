@@ -316,13 +316,7 @@ class _MuonPlan(_Plan):
         if self.tables_made_at[device] != values.buffers_replaced:
             self.muon_tables[device] = self._muon_tables(device)
             self.tables_made_at[device] = values.buffers_replaced
-        squares = self._pack_squares(device, grads)
-        if packed is None:
-            packed = self.pack(self.own_pack[device], _plains(grads))
-        else:
-            packed = self.in_variables_dtypes(device, packed)
-        cupy = array_module(packed[0])
-        stream = cupy.cuda.get_current_stream().ptr
+        packed, squares, stream = self._step_inputs(device, grads, packed)
         nonfinite, scale = _gate_pointers(gate)
         if gate is not None and gate.dynamic:  # (every dtype's gradients checked before any update reads the flag)
             for buffer, (dtype, (_, _, split, _)) in zip(packed, self.layout.items()):
@@ -355,16 +349,11 @@ class _MuonPlan(_Plan):
         lr: the layout of ``Muon._coefficients``), Newton-Schulz's scale from 0-d views of it."""
         for c in self.written[device]:
             c._writable_buffer()  # the graph writes these buffers: md.function checks they stay
-        squares = self._pack_squares(device, grads)
-        if packed is None:
-            packed = self.pack(self.own_pack[device], _plains(grads))
-        else:
-            packed = self.in_variables_dtypes(device, packed)
+        packed, squares, stream = self._step_inputs(device, grads, packed)
         tables = self._muon_tables(device)
         kept = [t for parts in tables.values() for t in parts if t is not None]
         scope.captured.setdefault("fused update tables", []).append(kept)
         weakref.finalize(scope, _retire_tables, kept)
-        stream = array_module(packed[0]).cuda.get_current_stream().ptr
         nonfinite, scale = _gate_pointers(gate)
         if gate is not None and gate.dynamic:
             for buffer, (dtype, (_, _, split, _)) in zip(packed, self.layout.items()):
