@@ -74,6 +74,32 @@ def test_dropped_strategies_whose_steps_ran_on_the_replica_threads_end_them():
     assert wait_until(lambda: replica_threads() <= before), f"{replica_threads() - before} replica threads left"
 
 
+def test_a_strategy_dropped_after_steps_that_hold_it_ends_its_threads():
+    """What a run held (its function, which holds the optimizer, and a merge_call's results: here the strategy
+    itself) goes when the run ends, not at the next run: the replica threads sleeping in the pool's group must
+    not keep a strategy the program dropped (nor, through it, its optimizer and arrays)."""
+    def use_and_drop():
+        s = md.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        with s.scope():
+            w = md.Variable(np.ones(4, np.float32))
+            opt = md.optimizers.Adam(0.1)
+
+        def step():
+            opt.apply_gradients([(np.ones(4, np.float32), w)])
+            return md.get_replica_context().merge_call(lambda strategy: strategy) is s
+
+        for _ in range(2):
+            assert all(s.experimental_local_results(s.run(step)))
+        return weakref.ref(s), weakref.ref(opt)
+
+    before = replica_threads()
+    refs = [use_and_drop() for _ in range(3)]
+    gc.collect()
+    assert [r() for r, _ in refs] == [None] * 3, "the pool's sleeping threads keep their dropped strategy alive"
+    assert [o() for _, o in refs] == [None] * 3, "the dropped strategy's optimizer is kept alive"
+    assert wait_until(lambda: replica_threads() <= before), f"{replica_threads() - before} replica threads left"
+
+
 def test_concurrent_runs_from_two_threads_are_serialised():
     s = md.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
     errors, counts = [], [0, 0]

@@ -1347,6 +1347,20 @@ PyObject* rv_arrive(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 
 PyObject* rv_claim(PyObject* self, PyObject*) { return claim(reinterpret_cast<Rendezvous*>(self)->s); }
 
+// The run is over, every replica returned: what it held goes now, not at the next run's reset. The replicas'
+// function and body and the last collective's results hold the strategy (its optimizer's plans, the
+// arrays), and the pool's threads sleeping in this group would keep a strategy the program dropped alive,
+// and with it those threads and its device memory.
+PyObject* rv_end_run(PyObject* self, PyObject*) {
+  State* s = reinterpret_cast<Rendezvous*>(self)->s;
+  if (!initialised(s)) return nullptr;
+  // (Greenlet replicas not returned, after an interruption: the next run's reset drops them first.)
+  if (s->unfinished || !s->parked.empty() || !s->ready.empty()) Py_RETURN_NONE;
+  clear_run(s);
+  clear_pool_run(s);
+  Py_RETURN_NONE;
+}
+
 PyObject* rv_abort(PyObject* self, PyObject*) {
   State* s = reinterpret_cast<Rendezvous*>(self)->s;
   if (!initialised(s) || abort_group(s) < 0) return nullptr;
@@ -1903,6 +1917,9 @@ PyMethodDef rv_methods[] = {
      "The index of the next replica the caller runs itself, or None once every replica is claimed."},
     {"arrive", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_arrive)), METH_FASTCALL,
      "arrive(i, caller): replica i (1..n-1) is done with the run (caller: on the run's caller's thread)."},
+    {"end_run", rv_end_run, METH_NOARGS,
+     "The run is over (every replica returned): drops what it held (its function and body, the last "
+     "collective's results), so a dropped strategy is not kept alive by its pool's threads."},
     {"abort", rv_abort, METH_NOARGS, "Breaks the group (a replica failed): every waiting replica raises _Aborted."},
     {"run_replica", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rv_run_replica)), METH_FASTCALL,
      "run_replica(i, caller=True): runs replica i of the run on this thread (caller: the run's caller's) and "

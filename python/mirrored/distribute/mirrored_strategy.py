@@ -133,8 +133,9 @@ class _ReplicaPool:
     count of arrivals are the rendezvous', native); the last one to finish
     wakes the caller if it is not the caller.
 
-    The pool holds no reference to its strategy: ``close`` ends the threads
-    when the strategy goes. Runs are serialised (a second thread's ``run``
+    The pool holds no reference to its strategy, and its group lets go of
+    what a run held (the function, the collectives' results) when the run
+    ends: ``close`` ends the threads when the strategy goes. Runs are serialised (a second thread's ``run``
     waits for the first). A KeyboardInterrupt in the caller's thread may
     leave a run's replicas still running; the next ``run`` waits for them
     (and drops their results) before it starts, so the pool never mixes two
@@ -335,6 +336,8 @@ class _ReplicaPool:
                     self._blas.restore()
                 if callers_arrays is not None:
                     _set_array_handler(callers_arrays)
+                if not self._inflight:
+                    group.end_run()  # (what the run held goes: see _worker)
             # Then the next step starts on the threads (the wall time first: a clock read saved).
             self._read_cpu = time.perf_counter() - started > HANDOFF_SECONDS
             self._long_steps = self._read_cpu and _is_long(started, started_cpu, self._launch_only)
