@@ -6,9 +6,8 @@
 // of the interpreter.
 #include "bindings/array_pool_binding.h"
 
-#include <pybind11/gil_safe_call_once.h>
-
 #include <cstdint>
+#include <string>
 
 #include "host/array_pool.h"
 
@@ -63,29 +62,29 @@ DataMemHandler handler = {"mirrored_replica_arrays", 1, {nullptr, pool_malloc, p
 
 using SetHandler = PyObject* (*)(PyObject*);
 
-// Found once. The first call imports NumPy's module, which runs Python: a function-local static would let a
-// second thread, handed the GIL meanwhile, block on the static's guard while holding the GIL (a deadlock);
-// gil_safe_call_once_and_store waits for the first call with the GIL released.
-SetHandler numpy_set_handler() {
-  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<SetHandler> storage;
-  return storage
-      .call_once_and_store_result([] {
-        py::module_ multiarray;
-        try {
-          multiarray = py::module_::import("numpy._core._multiarray_umath");
-        } catch (py::error_already_set&) {  // NumPy 1.x
-          multiarray = py::module_::import("numpy.core._multiarray_umath");
-        }
-        py::object api = multiarray.attr("_ARRAY_API");
-        auto table = static_cast<void**>(PyCapsule_GetPointer(api.ptr(), nullptr));
-        if (table == nullptr) throw py::error_already_set();
-        auto feature_version = reinterpret_cast<unsigned (*)()>(table[kGetFeatureVersion])();
-        if (feature_version < kFeatureVersionWithHandlers) {
-          throw std::runtime_error("NumPy >= 1.22 is needed for replica array allocation (found an older C API)");
-        }
-        return reinterpret_cast<SetHandler>(table[kSetHandler]);
-      })
-      .get_stored();
+// NumPy's PyDataMem_SetHandler, from its C API table; null with a Python error set when NumPy is older than
+// 1.22. Looked up once, at the module's import (under the GIL, before any replica thread exists): a lazy lookup
+// in a function-local static would run Python inside the static's guard, where a second thread handed the GIL
+// could block holding it, and one that releases the GIL there can be ended by the interpreter's exit inside
+// std::call_once (std::terminate).
+SetHandler find_numpy_set_handler() {
+  PyObject* multiarray = PyImport_ImportModule("numpy._core._multiarray_umath");
+  if (multiarray == nullptr) {  // NumPy 1.x
+    PyErr_Clear();
+    multiarray = PyImport_ImportModule("numpy.core._multiarray_umath");
+    if (multiarray == nullptr) return nullptr;
+  }
+  PyObject* api = PyObject_GetAttrString(multiarray, "_ARRAY_API");
+  Py_DECREF(multiarray);
+  if (api == nullptr) return nullptr;
+  auto table = static_cast<void**>(PyCapsule_GetPointer(api, nullptr));
+  Py_DECREF(api);  // (the table lives as long as NumPy's module, which is never unloaded)
+  if (table == nullptr) return nullptr;
+  if (reinterpret_cast<unsigned (*)()>(table[kGetFeatureVersion])() < kFeatureVersionWithHandlers) {
+    PyErr_SetString(PyExc_RuntimeError, "NumPy >= 1.22 is needed for replica array allocation (found an older C API)");
+    return nullptr;
+  }
+  return reinterpret_cast<SetHandler>(table[kSetHandler]);
 }
 
 }  // namespace
@@ -95,12 +94,18 @@ void def_array_pool(py::module_& m) {
   static PyObject* capsule = PyCapsule_New(&handler, "mem_handler", nullptr);
   if (capsule == nullptr) throw py::error_already_set();
   m.attr("replica_array_handler") = py::reinterpret_borrow<py::object>(capsule);
+  static SetHandler numpy_set_handler = nullptr;
+  static std::string numpy_missing;  // why it was not found
+  if ((numpy_set_handler = find_numpy_set_handler()) == nullptr) {
+    numpy_missing = py::error_already_set().what();
+  }
   m.def("set_array_handler", [](py::object handler) {
+        if (numpy_set_handler == nullptr) throw std::runtime_error("set_array_handler: " + numpy_missing);
         if (!PyCapsule_IsValid(handler.ptr(), "mem_handler")) {
           throw py::type_error("set_array_handler: handler must be a NumPy mem_handler capsule "
                                "(mirrored._core.replica_array_handler, or what set_array_handler returned)");
         }
-        PyObject* previous = numpy_set_handler()(handler.ptr());
+        PyObject* previous = numpy_set_handler(handler.ptr());
         if (previous == nullptr) throw py::error_already_set();
         return py::reinterpret_steal<py::object>(previous);
       },
