@@ -660,16 +660,6 @@ class MirroredExtended(StrategyExtended):
                 native = self._native_replica_all_reduce(op, None)
                 self._native_all_reduces[id(op)] = ops, native
             if native is not None:
-                if len(pairs) == 1:
-                    # One (v, v) pair of the replicas' arrays, repeated: the kept plan of its all-reduce runs
-                    # them (the native run checks each array's type, dtype and shape; None: not done).
-                    v, d = pairs[0]
-                    plan = native._plan
-                    if d is v and plan is not None and isinstance(v, DistributedValues) and \
-                            v._devices == self._local_devices and not _tracing():
-                        done = plan.run(v._values, None)
-                        if done is not None:
-                            return [Mirrored(done, v._devices)]
                 results = self._fused_all_reduce(native, pairs)
                 if results is not None:
                     return results
@@ -686,7 +676,12 @@ class MirroredExtended(StrategyExtended):
             if d is not v or not isinstance(v, DistributedValues) or v._devices != devices or \
                     type(v._values[0]) is list:  # (a list is a replica's leaves to native: not one array)
                 return None
-            reduced = native(v._values)
+            # Repeated: the kept plan of its all-reduce runs the arrays (the native run checks each one's type,
+            # dtype and shape; None: they do not fit it, and the all-reduce plans them afresh).
+            plan = native._plan
+            reduced = plan.run(v._values, None) if plan is not None and not _tracing() else None
+            if reduced is None:
+                reduced = native(v._values)
             return None if reduced is None else [Mirrored(reduced, devices)]
         columns = []
         for v, d in pairs:
